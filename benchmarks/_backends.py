@@ -1,0 +1,45 @@
+"""Load the GPT-2 tokenizers from local files, and read a JSONL corpus, for the benchmark workers.
+
+Imported by worker scripts running in either venv (the project's, or the peers' bench venv), so it
+depends only on what both have: ``orjson``, ``tokenizers``, ``tiktoken``. No hub download anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import orjson
+
+if TYPE_CHECKING:
+    import tiktoken
+
+TOKENIZERS_GPT2 = "/work/shared/data/tokenizers/gpt2/tokenizer.json"
+TIKTOKEN_GPT2 = "/work/shared/data/tokenizers/tiktoken/gpt2.tiktoken"
+
+
+def load_tiktoken(ranks_path: str) -> tiktoken.Encoding:
+    """Build a tiktoken encoding from a ``.tiktoken`` ranks file and the ``.json`` beside it.
+
+    The JSON holds ``pat_str`` and ``special_tokens``; the encoding is named after the file stem.
+    """
+    import tiktoken
+    import tiktoken.load
+
+    meta = json.loads(Path(ranks_path).with_suffix(".json").read_text())
+    return tiktoken.Encoding(
+        Path(ranks_path).stem,
+        pat_str=meta["pat_str"],
+        mergeable_ranks=tiktoken.load.load_tiktoken_bpe(ranks_path),
+        special_tokens=meta["special_tokens"],
+    )
+
+
+def iter_texts(corpus: str) -> Iterator[str]:
+    """Yield the ``text`` field of every line of a JSONL corpus."""
+    with open(corpus, "rb") as f:
+        for line in f:
+            if line.strip():
+                yield orjson.loads(line)["text"]

@@ -1,0 +1,31 @@
+"""streampack: tokenize a corpus once into an on-disk token cache; train from it with flat memory.
+
+Build side: :func:`build` streams documents through a tokenizer into cache shards, resumably.
+Load side: :func:`open` memory-maps a cache.
+"""
+
+from __future__ import annotations
+
+from streampack.build import BuildOptions, BuildSummary, build
+from streampack.errors import BadRecordError, CacheError, ConfigMismatchError, InputError, StreampackError
+from streampack.reader import Cache, open
+from streampack.sources import Documents
+from streampack.tokenize import load_tokenizer
+from streampack.verify import VerifyReport, verify
+
+__all__ = [
+    "BadRecordError",
+    "BuildOptions",
+    "BuildSummary",
+    "Cache",
+    "CacheError",
+    "ConfigMismatchError",
+    "Documents",
+    "InputError",
+    "StreampackError",
+    "VerifyReport",
+    "build",
+    "load_tokenizer",
+    "open",
+    "verify",
+]

@@ -1,0 +1,499 @@
+"""Building a token cache: plan the work units, run them on an engine, and finalize the manifest.
+
+The coordinator (:func:`build`) checks the output directory (lock, settings of an existing cache, inputs
+unchanged), writes an incomplete manifest, runs every unfinished unit, and writes the complete manifest
+last. A unit (:func:`run_unit`) streams its records through the tokenizer in batches and appends them to
+its shard, committing every few megabytes or seconds. See docs/FORMAT.md for the commit protocol.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from streampack import ledger
+from streampack.engines import run_local
+from streampack.errors import BadRecordError, ConfigMismatchError, StreampackError
+from streampack.format import (
+    LEDGER_DIR,
+    LOCK,
+    MANIFEST,
+    SHARD_DIR,
+    Manifest,
+    ShardInfo,
+    dtype_name,
+    load_manifest,
+    shard_name,
+    token_dtype,
+)
+from streampack.ledger import UnitProgress
+from streampack.lock import BuildLock
+from streampack.sources import (
+    Documents,
+    Position,
+    ReadOptions,
+    TextStream,
+    WorkUnit,
+    expand_inputs,
+    plan_python_units,
+    plan_units,
+    read_unit,
+)
+from streampack.tokenize import (
+    DEFAULT_MAX_PIECE_CHARS,
+    EosPolicy,
+    Tokenizer,
+    load_tokenizer,
+    resolve_eos,
+    split_text,
+    stream_pieces,
+)
+from streampack.writer import ShardWriter
+
+OnBadRecord = Literal["error", "skip"]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Settings of a build. Those in :meth:`cache_settings` are fixed for the life of a cache.
+
+    Attributes:
+        tokenizer: tokenizer SPEC: ``bytes``, a ``tokenizer.json`` path or folder, or ``tiktoken:PATH``.
+        text_field: JSON key or Parquet column holding the text.
+        split_lines: one document per line of ``.txt`` inputs (default: one per file).
+        eos: append an EOS id after every document.
+        eos_id: the EOS id to append (default: the tokenizer's own EOS token).
+        on_bad_record: ``error`` stops at the first bad record; ``skip`` skips and counts them.
+        workers: worker processes (default: the number of cores).
+        overwrite: delete an existing cache in the output directory and start over.
+        unit_bytes: size of the work units large uncompressed JSONL and Parquet files are split into.
+        batch_chars: characters of text tokenized per batch call.
+        max_piece_chars: longer documents are tokenized in pieces of at most this many characters.
+        commit_bytes: commit after this many bytes of tokens...
+        commit_seconds: ...or after this many seconds, whichever comes first.
+        progress: show a progress bar on stderr.
+    """
+
+    tokenizer: str = "bytes"
+    text_field: str = "text"
+    split_lines: bool = False
+    eos: bool = True
+    eos_id: int | None = None
+    on_bad_record: OnBadRecord = "error"
+    workers: int | None = None
+    overwrite: bool = False
+    unit_bytes: int = ReadOptions.unit_bytes
+    batch_chars: int = 4 << 20
+    max_piece_chars: int = DEFAULT_MAX_PIECE_CHARS
+    commit_bytes: int = 64 << 20
+    commit_seconds: float = 10.0
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.on_bad_record not in ("error", "skip"):
+            raise ValueError(f"on_bad_record must be 'error' or 'skip' (got {self.on_bad_record!r})")
+        if self.workers is not None and self.workers < 1:
+            raise ValueError(f"workers must be at least 1 (got {self.workers})")
+        for name in ("batch_chars", "max_piece_chars", "commit_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive (got {getattr(self, name)})")
+
+    @property
+    def read_options(self) -> ReadOptions:
+        """The options of the sources."""
+        return ReadOptions(self.text_field, self.split_lines, self.unit_bytes)
+
+    def cache_settings(self) -> dict[str, Any]:
+        """Settings that change the cache's bytes, recorded in the manifest and checked on resume."""
+        return {
+            "text_field": self.text_field,
+            "split_lines": self.split_lines,
+            "unit_bytes": self.unit_bytes,
+            "max_piece_chars": self.max_piece_chars,
+        }
+
+
+@dataclass(frozen=True)
+class UnitTask:
+    """Everything a worker needs to build one unit (picklable)."""
+
+    root: str
+    unit: WorkUnit
+    options: BuildOptions
+    eos: EosPolicy
+    dtype: str
+
+
+@dataclass
+class BuildSummary:
+    """What a build did, for the CLI's last lines and for callers."""
+
+    out: Path
+    num_docs: int = 0
+    num_tokens: int = 0
+    num_shards: int = 0
+    skipped_records: int = 0
+    units_resumed: int = 0
+    units_already_done: int = 0
+    seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Tokens of the cache divided by the wall time of this run."""
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSummary:
+    """Build (or resume building) a token cache from ``inputs`` into the directory ``out``.
+
+    Args:
+        inputs: a path, directory, glob or URL, or a list of them; or documents: a Hugging Face
+            ``Dataset``/``IterableDataset``, a generator, or :class:`~streampack.Documents` wrapping any
+            iterable of ``str`` or dicts.
+        out: the cache directory (created if needed).
+        **options: fields of :class:`BuildOptions`.
+
+    Returns:
+        A :class:`BuildSummary`.
+
+    Raises:
+        StreampackError: bad inputs or records, a tokenizer that cannot load, a cache built with other
+            settings, another build running in ``out``, or a full disk.
+    """
+    opts = BuildOptions(**options)
+    root = Path(out)
+    started = time.perf_counter()
+    units, input_stats = _plan(inputs, opts.read_options)
+    tokenizer = load_tokenizer(opts.tokenizer)
+    eos = resolve_eos(tokenizer, eos=opts.eos, eos_id=opts.eos_id)
+    vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1)
+    manifest = Manifest(
+        tokenizer={**tokenizer.fingerprint(), "vocab_size": vocab_size, "spec": opts.tokenizer},
+        dtype=dtype_name(token_dtype(vocab_size)),
+        eos=eos.to_json(),
+        settings=opts.cache_settings(),
+        inputs=input_stats,
+        units=[u.describe() for u in units],
+    )
+    _prepare_directory(root, opts.overwrite)
+    with BuildLock(root):
+        summary = _build_locked(root, manifest, units, opts, eos)
+    summary.seconds = time.perf_counter() - started
+    return summary
+
+
+def _plan(inputs: Any, read: ReadOptions) -> tuple[list[WorkUnit], list[dict[str, Any]]]:
+    documents = _as_documents(inputs)
+    if documents is not None:
+        stat = {"path": f"python:{type(documents).__name__}", "size": _len_or_none(documents), "mtime_ns": None}
+        fingerprint = getattr(documents, "_fingerprint", None)
+        if isinstance(fingerprint, str):
+            stat["fingerprint"] = fingerprint
+        return plan_python_units(documents), [stat]
+    paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    files = expand_inputs(paths)
+    return plan_units(files, read), [f.stat_json() for f in files]
+
+
+def _as_documents(inputs: Any) -> Any:
+    if isinstance(inputs, Documents):
+        return inputs.items
+    if isinstance(inputs, (str, os.PathLike)):
+        return None
+    if isinstance(inputs, (list, tuple)) and all(isinstance(i, (str, os.PathLike)) for i in inputs):
+        return None
+    return inputs
+
+
+def _len_or_none(items: Any) -> int | None:
+    try:
+        return len(items)
+    except TypeError:
+        return None
+
+
+def _prepare_directory(root: Path, overwrite: bool) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if overwrite:
+            with BuildLock(root):
+                (root / MANIFEST).unlink(missing_ok=True)
+                for sub in (LEDGER_DIR, SHARD_DIR):
+                    shutil.rmtree(root / sub, ignore_errors=True)
+        (root / LEDGER_DIR).mkdir(exist_ok=True)
+        (root / SHARD_DIR).mkdir(exist_ok=True)
+    except PermissionError as e:
+        raise StreampackError(f"cannot write to {root}: {e.strerror}; choose a writable --out") from None
+
+
+def _build_locked(
+    root: Path, manifest: Manifest, units: list[WorkUnit], opts: BuildOptions, eos: EosPolicy
+) -> BuildSummary:
+    summary = BuildSummary(out=root)
+    if (root / MANIFEST).exists():
+        existing = load_manifest(root)
+        _check_same_build(root, existing, manifest)
+        if existing.complete:
+            return _summarize(summary, existing)
+    manifest.write(root)
+    tasks = [UnitTask(str(root), u, opts, eos, manifest.dtype) for u in units]
+    progress = [ledger.read_progress(root, shard_name(u.index), u.describe()) for u in units]
+    summary.units_already_done = sum(p.done for p in progress)
+    summary.units_resumed = sum(not p.done and p.records > 0 for p in progress)
+    todo = [t for t, p in zip(tasks, progress) if not p.done]
+    with _ProgressBar(opts.progress, units, progress) as bar:
+        for result in _run(todo, opts, bar.update):
+            progress[result.unit_index] = result.progress
+            bar.unit_done(result)
+    final = Manifest(
+        **{**manifest.__dict__, "complete": True, "shards": _shard_table(units, progress)},
+    )
+    final = Manifest(**{**final.__dict__, "skipped_records": sum(p.skipped for p in progress)})
+    final.write(root)
+    return _summarize(summary, final)
+
+
+def _summarize(summary: BuildSummary, manifest: Manifest) -> BuildSummary:
+    summary.num_docs, summary.num_tokens = manifest.num_docs, manifest.num_tokens
+    summary.num_shards, summary.skipped_records = len(manifest.shards), manifest.skipped_records
+    return summary
+
+
+def _shard_table(units: list[WorkUnit], progress: list[UnitProgress]) -> list[ShardInfo]:
+    return [
+        ShardInfo(shard_name(u.index), u.describe(), p.docs, p.tokens, p.tokens_checksum, p.offsets_checksum)
+        for u, p in zip(units, progress)
+    ]
+
+
+def _check_same_build(root: Path, existing: Manifest, new: Manifest) -> None:
+    old_config, new_config = existing.build_config(), new.build_config()
+    for config in (old_config, new_config):  # the same tokenizer may be named by another path
+        config["tokenizer"] = {k: v for k, v in config["tokenizer"].items() if k != "spec"}
+    differences = [
+        f"{key}: the cache has {old_config[key]}, this build has {new_config[key]}"
+        for key in old_config
+        if old_config[key] != new_config[key]
+    ]
+    if differences:
+        raise ConfigMismatchError(
+            f"{root} holds a cache built with other settings ({'; '.join(differences)}); use another --out, "
+            "or --overwrite to start over"
+        )
+    changed = _changed_inputs(existing.inputs, new.inputs)
+    if changed:
+        raise ConfigMismatchError(
+            f"{root}: the inputs changed since the ledger was written ({changed}); rerun with --overwrite "
+            "to rebuild from the current inputs"
+        )
+
+
+def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
+    old_paths, new_paths = [i["path"] for i in old], [i["path"] for i in new]
+    if old_paths != new_paths:
+        return f"the cache was built from {len(old_paths)} inputs starting {old_paths[:2]}, not {new_paths[:2]}"
+    for before, now in zip(old, new):
+        if before != now:
+            return f"{now['path']}: size {before['size']} -> {now['size']}, mtime_ns {before['mtime_ns']} -> " \
+                f"{now['mtime_ns']}"
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------- running
+
+
+@dataclass(frozen=True)
+class UnitResult:
+    """A finished unit's final progress."""
+
+    unit_index: int
+    progress: UnitProgress
+
+
+def _run(todo: list[UnitTask], opts: BuildOptions, report: Callable[[dict[str, int]], None]) -> Iterable[UnitResult]:
+    cores = os.cpu_count() or 1
+    in_process = [t for t in todo if t.unit.in_process]
+    pooled = [t for t in todo if not t.unit.in_process]
+    workers = min(opts.workers or cores, max(len(pooled), 1))
+    threads = max(1, cores // workers)
+    yield from run_local(run_unit, in_process, workers=1, on_progress=report, initializer=_set_threads, initargs=(cores,))
+    yield from run_local(
+        run_unit, pooled, workers=workers, on_progress=report, initializer=_set_threads, initargs=(threads,)
+    )
+
+
+_threads = 1
+_tokenizers: dict[str, Tokenizer] = {}
+
+
+def _set_threads(threads: int) -> None:
+    global _threads
+    _threads = threads
+    os.environ["RAYON_NUM_THREADS"] = str(threads)  # read by tokenizers when its pool first starts
+
+
+def _tokenizer(spec: str) -> Tokenizer:
+    if spec not in _tokenizers:
+        _tokenizers[spec] = load_tokenizer(spec, threads=_threads)
+    return _tokenizers[spec]
+
+
+def run_unit(task: UnitTask, report: Callable[[dict[str, int]], None]) -> UnitResult:
+    """Build (or finish building) the shard of one work unit; the function every engine runs."""
+    root, unit, opts = Path(task.root), task.unit, task.options
+    name = shard_name(unit.index)
+    progress = ledger.read_progress(root, name, unit.describe())
+    if progress.done:
+        return UnitResult(unit.index, progress)
+    tokenizer = _tokenizer(opts.tokenizer)
+    with ShardWriter(root, name, np.dtype(task.dtype), progress) as writer:
+        pipeline = _UnitPipeline(task, tokenizer, writer, report)
+        final = pipeline.run()
+    return UnitResult(unit.index, final)
+
+
+class _UnitPipeline:
+    """Records -> pieces -> batches -> tokens -> shard, committing at document boundaries."""
+
+    def __init__(
+        self, task: UnitTask, tokenizer: Tokenizer, writer: ShardWriter, report: Callable[[dict[str, int]], None]
+    ) -> None:
+        self.task, self.opts, self.tokenizer, self.writer, self.report = task, task.options, tokenizer, writer, report
+        self.records = writer.progress.records
+        self.skipped = writer.progress.skipped
+        self.texts: list[str] = []
+        self.ends_doc: list[bool] = []
+        self.batch_chars = 0
+        self.eos = None if not task.eos.append else np.array([task.eos.id], dtype=np.uint32)
+        self.position = Position()
+        self.reported_bytes = 0
+        self.last_commit = (time.monotonic(), writer.num_tokens)
+
+    def run(self) -> UnitProgress:
+        items = read_unit(self.task.unit, self.opts.read_options, skip=self.records, position=self.position)
+        try:
+            for item in items:
+                if isinstance(item, BadRecordError):
+                    self._bad_record(item)
+                elif item is not None:
+                    self._add_document(item)
+                self.records += 1
+                self._maybe_commit()
+        except StreampackError:
+            self._flush()
+            self.writer.commit(records=self.records, skipped=self.skipped)
+            raise
+        self._flush()
+        return self.writer.commit(records=self.records, skipped=self.skipped, done=True)
+
+    def _bad_record(self, error: BadRecordError) -> None:
+        if self.opts.on_bad_record == "error":
+            raise error
+        self.skipped += 1
+
+    def _add_document(self, text: str | TextStream) -> None:
+        pieces = stream_pieces(text, self.opts.max_piece_chars) if isinstance(text, TextStream) else split_text(
+            text, self.opts.max_piece_chars
+        )
+        for piece in pieces:
+            if self.ends_doc and self.batch_chars >= self.opts.batch_chars:
+                self._flush()
+            self.texts.append(piece)
+            self.ends_doc.append(False)
+            self.batch_chars += len(piece)
+        self.ends_doc[-1] = True
+
+    def _flush(self) -> None:
+        if not self.texts:
+            return
+        encoded = self.tokenizer.encode_batch(self.texts)
+        parts: list[np.ndarray] = []
+        lengths = np.empty(len(encoded), dtype=np.int64)
+        for i, (ids, ends) in enumerate(zip(encoded, self.ends_doc)):
+            parts.append(ids)
+            lengths[i] = len(ids)
+            if ends and self.eos is not None:
+                parts.append(self.eos)
+                lengths[i] += 1
+        tokens = np.concatenate(parts, dtype=self.writer.dtype, casting="unsafe")
+        doc_ends = np.cumsum(lengths)[np.asarray(self.ends_doc)]
+        self.writer.append(tokens, doc_ends)
+        event = {"unit": self.task.unit.index, "docs": len(doc_ends), "tokens": len(tokens)}
+        self.report({**event, "bytes": self._bytes_read_delta()})
+        self.texts, self.ends_doc, self.batch_chars = [], [], 0
+
+    def _bytes_read_delta(self) -> int:
+        now = max(self.position.bytes_read() - self.task.unit.start, 0)
+        delta, self.reported_bytes = now - self.reported_bytes, now
+        return max(delta, 0)
+
+    def _maybe_commit(self) -> None:
+        if self.batch_chars < self.opts.batch_chars:
+            return
+        self._flush()
+        started, tokens = self.last_commit
+        written = (self.writer.num_tokens - tokens) * self.writer.dtype.itemsize
+        if written >= self.opts.commit_bytes or time.monotonic() - started >= self.opts.commit_seconds:
+            self.writer.commit(records=self.records, skipped=self.skipped)
+            self.last_commit = (time.monotonic(), self.writer.num_tokens)
+
+
+class _ProgressBar:
+    """A tqdm bar over input bytes, with documents and tokens/s; silent when disabled."""
+
+    def __init__(self, enabled: bool, units: Sequence[WorkUnit], progress: Sequence[UnitProgress]) -> None:
+        self.enabled = enabled
+        self.sizes = {u.index: _unit_size(u) for u in units}
+        self.read: dict[int, int] = {}
+        self.docs = sum(p.docs for p in progress)
+        self.tokens = 0
+        self.started = time.perf_counter()
+        self.bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            done = sum(self.sizes[u.index] for u, p in zip(units, progress) if p.done)
+            total = sum(self.sizes.values())
+            self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="build", dynamic_ncols=True)
+
+    def update(self, event: dict[str, int]) -> None:
+        """Count one batch's documents, tokens and input bytes."""
+        self.docs += event["docs"]
+        self.tokens += event["tokens"]
+        unit = event["unit"]
+        step = min(event["bytes"], self.sizes[unit] - self.read.get(unit, 0))
+        self.read[unit] = self.read.get(unit, 0) + step
+        if self.bar is not None:
+            self.bar.update(step)
+            rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+            self.bar.set_postfix_str(f"{self.docs:,} docs, {rate / 1e6:.2f}M tok/s", refresh=False)
+
+    def unit_done(self, result: UnitResult) -> None:
+        """Complete the bar's share of a finished unit (Parquet and Python inputs report only at the end)."""
+        unit = result.unit_index
+        if self.bar is not None:
+            self.bar.update(self.sizes[unit] - self.read.get(unit, 0))
+        self.read[unit] = self.sizes[unit]
+
+    def __enter__(self) -> _ProgressBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _unit_size(unit: WorkUnit) -> int:
+    if unit.file is None:
+        return 0
+    if unit.stop is not None and unit.file.format == "jsonl":
+        return unit.stop - unit.start
+    return unit.file.size

@@ -1,0 +1,168 @@
+"""The ``streampack`` command line: build, info, verify, decode, demo.
+
+User errors print one line on stderr (no traceback) and exit 1; an interrupted build exits 130 and says
+how to resume.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from streampack.build import build as build_cache
+from streampack.errors import StreampackError
+from streampack.reader import Cache
+from streampack.reader import open as open_cache
+from streampack.tokenize import load_tokenizer
+from streampack.verify import verify as verify_cache
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="streampack")
+def cli() -> None:
+    """Tokenize a corpus into an on-disk token cache, and inspect it."""
+
+
+@cli.command()
+@click.argument("inputs", nargs=-1, required=True)
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Cache directory.")
+@click.option("--tokenizer", "-t", default="bytes", show_default=True,
+              help="'bytes', a tokenizer.json path or folder, or tiktoken:PATH.")
+@click.option("--workers", "-j", type=click.IntRange(min=1), help="Worker processes [default: cores].")
+@click.option("--text-field", default="text", show_default=True, help="JSON key / Parquet column of the text.")
+@click.option("--split-lines", is_flag=True, help="One document per line of .txt inputs (default: per file).")
+@click.option("--eos-id", type=click.IntRange(min=0), help="EOS id to append [default: the tokenizer's].")
+@click.option("--no-eos", is_flag=True, help="Append no EOS after documents.")
+@click.option("--on-bad-record", type=click.Choice(["error", "skip"]), default="error", show_default=True)
+@click.option("--overwrite", is_flag=True, help="Delete the existing cache in --out and start over.")
+@click.option("--progress/--no-progress", default=None, help="Progress bar [default: when stderr is a tty].")
+@click.option("--unit-mb", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Split large uncompressed JSONL and Parquet inputs into work units of this size.")
+@click.option("--batch-chars", type=click.IntRange(min=1), default=4 << 20, hidden=True)
+@click.option("--commit-seconds", type=click.FloatRange(min=0), default=10.0, hidden=True)
+@click.option("--commit-mb", type=click.FloatRange(min=0), default=64, hidden=True)
+def build(inputs: tuple[str, ...], out: str, tokenizer: str, workers: int | None, text_field: str,
+          split_lines: bool, eos_id: int | None, no_eos: bool, on_bad_record: str, overwrite: bool,
+          progress: bool | None, unit_mb: int, batch_chars: int, commit_seconds: float, commit_mb: float) -> None:
+    """Tokenize INPUTS (files, directories, globs, URLs) into a token cache in --out.
+
+    Rerunning the same command after an interruption resumes where it stopped.
+    """
+    summary = build_cache(
+        list(inputs), out, tokenizer=tokenizer, workers=workers, text_field=text_field, split_lines=split_lines,
+        eos=not no_eos, eos_id=eos_id, on_bad_record=on_bad_record, overwrite=overwrite,
+        progress=sys.stderr.isatty() if progress is None else progress, unit_bytes=unit_mb << 20,
+        batch_chars=batch_chars, commit_seconds=commit_seconds, commit_bytes=max(int(commit_mb * (1 << 20)), 1),
+    )
+    resumed = ""
+    if summary.units_already_done or summary.units_resumed:
+        resumed = f" (resumed: {summary.units_already_done} units already done, {summary.units_resumed} partial)"
+    click.echo(
+        f"built {summary.out}: {summary.num_docs:,} documents, {summary.num_tokens:,} tokens in "
+        f"{summary.num_shards} shards, {summary.seconds:.1f} s{resumed}"
+    )
+    if summary.skipped_records:
+        click.echo(f"skipped {summary.skipped_records:,} bad records (--on-bad-record skip)")
+
+
+@cli.command()
+@click.argument("cache_dir", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def info(cache_dir: str, as_json: bool) -> None:
+    """Describe the cache in CACHE_DIR: documents, tokens, shards, tokenizer, document lengths."""
+    stats = cache_stats(open_cache(cache_dir))
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+        return
+    width = max(map(len, stats))
+    for key, value in stats.items():
+        shown = f"{value:,}" if isinstance(value, int) else value
+        click.echo(f"{key:<{width}}  {shown}")
+
+
+def cache_stats(cache: Cache) -> dict[str, Any]:
+    """The figures ``streampack info`` prints."""
+    lengths = cache.doc_lengths()
+    quantiles = np.percentile(lengths, [50, 99]) if len(lengths) else [0, 0]
+    size = sum(cache.shard_tokens(i).nbytes + cache.shard_offsets(i).nbytes for i in range(cache.num_shards))
+    tokenizer = cache.manifest.tokenizer
+    return {
+        "path": str(cache.root),
+        "num_docs": cache.num_docs,
+        "num_tokens": cache.num_tokens,
+        "num_shards": cache.num_shards,
+        "bytes": int(size),
+        "tokenizer": f"{tokenizer['kind']}:{tokenizer['name']} ({tokenizer.get('spec', '?')})",
+        "vocab_size": cache.vocab_size,
+        "dtype": cache.dtype.name,
+        "eos_id": cache.eos_id,
+        "skipped_records": cache.manifest.skipped_records,
+        "doc_tokens_mean": round(float(lengths.mean()), 1) if len(lengths) else 0.0,
+        "doc_tokens_p50": int(quantiles[0]),
+        "doc_tokens_p99": int(quantiles[1]),
+    }
+
+
+@cli.command()
+@click.argument("cache_dir", type=click.Path())
+def verify(cache_dir: str) -> None:
+    """Check every checksum, offset, token id and EOS of the cache; exit 1 on the first kind of damage."""
+    report = verify_cache(cache_dir)
+    if not report.ok:
+        for problem in report.problems:
+            click.echo(f"error: {problem}", err=True)
+        sys.exit(1)
+    click.echo(f"ok: {cache_dir} ({report.bytes_checked / 1e6:.1f} MB checked at {report.gb_per_second:.2f} GB/s)")
+
+
+@cli.command()
+@click.argument("cache_dir", type=click.Path())
+@click.option("--doc", "doc_index", type=int, required=True, help="Document index.")
+@click.option("--tokenizer", "-t", help="Tokenizer SPEC to decode with [default: the one that built the cache].")
+@click.option("--ids", is_flag=True, help="Print token ids instead of text.")
+def decode(cache_dir: str, doc_index: int, tokenizer: str | None, ids: bool) -> None:
+    """Print document --doc of the cache as text."""
+    cache = open_cache(cache_dir)
+    tokens = cache.doc(doc_index)
+    if ids:
+        click.echo(" ".join(map(str, tokens.tolist())))
+        return
+    spec = tokenizer or cache.manifest.tokenizer.get("spec", "bytes")
+    click.echo(load_tokenizer(spec).decode(tokens.tolist()))
+
+
+@cli.command()
+@click.option("--out", "-o", default="demo-cache", show_default=True, type=click.Path(file_okay=False))
+@click.option("--workers", "-j", type=click.IntRange(min=1), help="Worker processes [default: cores].")
+def demo(out: str, workers: int | None) -> None:
+    """Build a cache from this Python's own standard library sources with the bytes tokenizer, show it."""
+    from streampack.demo import run_demo
+
+    run_demo(Path(out), workers=workers)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("interrupted; rerun the same command to resume", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted; rerun the same command to resume", err=True)
+        sys.exit(130)
+    except StreampackError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Engines schedule work units; every engine runs the same unit function.
+
+- ``local``: the coordinating process itself (one worker), or a pool of spawned worker processes.
+
+Units are independent and each commits its own ledger entry, so an engine needs no coordination beyond
+handing out units, collecting results and forwarding progress. Killing workers is always safe.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from streampack.errors import StreampackError
+
+ProgressFn = Callable[[dict[str, int]], None]
+UnitFn = Callable[[Any, ProgressFn], Any]
+
+_worker_fn: UnitFn | None = None
+_worker_queue: Any = None
+
+
+def run_local(
+    unit_fn: UnitFn,
+    tasks: Sequence[Any],
+    *,
+    workers: int,
+    on_progress: ProgressFn,
+    initializer: Callable[..., None] | None = None,
+    initargs: tuple[Any, ...] = (),
+) -> Iterator[Any]:
+    """Run ``unit_fn(task, report)`` for every task and yield the results as units finish.
+
+    With ``workers == 1`` the units run in this process, in order; otherwise in ``workers`` spawned
+    processes (spawn, not fork: tokenizer thread pools and fork do not mix). The first error stops all
+    workers and is raised here; whatever the workers committed before stays committed.
+    """
+    if workers <= 1:
+        if initializer is not None:
+            initializer(*initargs)
+        for task in tasks:
+            yield unit_fn(task, on_progress)
+        return
+    yield from _run_pool(unit_fn, tasks, workers, on_progress, initializer, initargs)
+
+
+def _run_pool(
+    unit_fn: UnitFn,
+    tasks: Sequence[Any],
+    workers: int,
+    on_progress: ProgressFn,
+    initializer: Callable[..., None] | None,
+    initargs: tuple[Any, ...],
+) -> Iterator[Any]:
+    context = multiprocessing.get_context("spawn")
+    events = context.Queue()
+    stop = threading.Event()
+    forwarder = threading.Thread(target=_forward, args=(events, on_progress, stop), daemon=True)
+    forwarder.start()
+    executor = ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_init_worker, initargs=(unit_fn, events, initializer, initargs)
+    )
+    try:
+        pending: set[Future[Any]] = {executor.submit(_run_in_worker, task) for task in tasks}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in done:
+                yield future.result()
+    except BrokenProcessPool:
+        raise StreampackError(
+            "a build worker process died (killed, or out of memory); rerun the same command to resume"
+        ) from None
+    finally:
+        _terminate(executor)
+        stop.set()
+        forwarder.join()
+        events.close()
+
+
+def _terminate(executor: ProcessPoolExecutor) -> None:
+    # ProcessPoolExecutor has no public way to stop running tasks before Python 3.14; units are
+    # crash-safe by design, so terminating their processes loses nothing committed.
+    processes = list(getattr(executor, "_processes", {}).values())
+    executor.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join()
+
+
+def _forward(events: Any, on_progress: ProgressFn, stop: threading.Event) -> None:
+    while not stop.is_set() or not events.empty():
+        try:
+            on_progress(events.get(timeout=0.1))
+        except queue.Empty:
+            continue
+        except (EOFError, OSError):
+            return
+
+
+def _init_worker(
+    unit_fn: UnitFn, events: Any, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]
+) -> None:
+    global _worker_fn, _worker_queue
+    _worker_fn, _worker_queue = unit_fn, events
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def _run_in_worker(task: Any) -> Any:
+    assert _worker_fn is not None
+    return _worker_fn(task, _worker_queue.put)

@@ -1,0 +1,44 @@
+"""Exceptions raised by streampack.
+
+Every error a user can cause is a :class:`StreampackError`; the CLI prints its message (no traceback) and
+exits with status 1. Messages say what was received, where (file and line or row), and what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BadRecordError", "CacheError", "ConfigMismatchError", "InputError", "StreampackError"]
+
+
+class StreampackError(Exception):
+    """Base class of the errors a user can cause and fix."""
+
+
+class InputError(StreampackError):
+    """An input cannot be found, opened or read as a whole (missing file, unknown extension, bad stream)."""
+
+
+class BadRecordError(InputError):
+    """One record of an input is unusable: malformed JSON, missing text field, invalid UTF-8.
+
+    Attributes:
+        location: ``path:line`` (or ``path:row N``) of the record.
+    """
+
+    def __init__(self, location: str, problem: str) -> None:
+        super().__init__(
+            f"{location}: {problem}. Fix the record, or rerun with --on-bad-record skip to skip and count "
+            "such records (the committed part of the cache is kept)."
+        )
+        self.location = location
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type[BadRecordError], tuple[str, str]]:
+        return (type(self), (self.location, self.problem))  # survive pickling from worker processes
+
+
+class CacheError(StreampackError):
+    """A cache directory is missing, incomplete, damaged, or from an unsupported format version."""
+
+
+class ConfigMismatchError(StreampackError):
+    """A build was asked to continue a cache made with different settings."""

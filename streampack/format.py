@@ -1,0 +1,272 @@
+"""The on-disk token cache: file layout, manifest schema, and the small I/O primitives both halves share.
+
+A cache is a directory::
+
+    manifest.json          format version, tokenizer fingerprint, dtype, EOS policy, inputs, shard table
+    ledger/NNNNNN.json     build progress of work unit NNNNNN (committed records, docs, tokens)
+    shards/NNNNNN.tokens   flat little-endian token ids (dtype from the manifest)
+    shards/NNNNNN.offsets  little-endian uint64 cumulative document end offsets, one per document
+    build.lock             present while a build runs (holds its pid)
+
+docs/FORMAT.md documents every field; everything can be read with numpy and json alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from streampack.errors import CacheError
+
+FORMAT_NAME = "streampack-cache"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LEDGER_DIR = "ledger"
+SHARD_DIR = "shards"
+LOCK = "build.lock"
+OFFSET_DTYPE = np.dtype("<u8")
+MAX_JSON_BYTES = 64 << 20  # a manifest of 100k shards is ~20 MB; refuse anything absurd before parsing
+_SHARD_NAME = re.compile(r"^[0-9]{6}$")
+_CHECKSUM_CHUNK = 16 << 20
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Return the smallest little-endian unsigned dtype that holds ids ``0 .. vocab_size - 1``."""
+    if vocab_size <= 1 << 16:
+        return np.dtype("<u2")
+    if vocab_size <= 1 << 32:
+        return np.dtype("<u4")
+    raise CacheError(f"vocab size {vocab_size} does not fit in uint32")
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """Return the manifest name of a token dtype (``uint16`` or ``uint32``)."""
+    return np.dtype(dtype).name
+
+
+def shard_name(unit_index: int) -> str:
+    """Return the file stem of the shard written by work unit ``unit_index``."""
+    return f"{unit_index:06d}"
+
+
+def tokens_path(root: Path, name: str) -> Path:
+    """Path of a shard's token file."""
+    return root / SHARD_DIR / f"{name}.tokens"
+
+
+def offsets_path(root: Path, name: str) -> Path:
+    """Path of a shard's offsets file."""
+    return root / SHARD_DIR / f"{name}.offsets"
+
+
+def checked_shard_name(name: object) -> str:
+    """Validate a shard name read from a manifest or ledger; a name is six digits, never a path."""
+    if not isinstance(name, str) or not _SHARD_NAME.match(name):
+        raise CacheError(f"invalid shard name {name!r} in the manifest: expected six digits like '000042'")
+    return name
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically and durably: temp file, fsync, rename, fsync dir."""
+    data = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or file creation in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path, *, what: str) -> Any:
+    """Read a small JSON file, refusing oversized or malformed ones with a :class:`CacheError`."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_JSON_BYTES:
+            raise CacheError(f"{path}: {what} is {size} bytes, over the {MAX_JSON_BYTES} byte limit")
+        return orjson.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CacheError(f"{path}: {what} not found") from None
+    except orjson.JSONDecodeError as e:
+        raise CacheError(f"{path}: {what} is not valid JSON ({e})") from None
+
+
+def file_checksum(path: Path, length: int | None = None) -> str:
+    """CRC-32 of the first ``length`` bytes of a file (all of it by default), as ``crc32:xxxxxxxx``.
+
+    CRC-32 detects damage (truncation, flipped bytes) at memory speed; it is not a defence against
+    tampering, which the reader handles by never trusting paths or sizes from the manifest.
+    """
+    crc = 0
+    remaining = path.stat().st_size if length is None else length
+    with open(path, "rb") as f:
+        while remaining > 0:
+            chunk = f.read(min(_CHECKSUM_CHUNK, remaining))
+            if not chunk:
+                break
+            crc = zlib.crc32(chunk, crc)
+            remaining -= len(chunk)
+    return f"crc32:{crc:08x}"
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One row of the manifest's shard table."""
+
+    name: str
+    unit: str
+    num_docs: int
+    num_tokens: int
+    tokens_checksum: str
+    offsets_checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest representation of this shard."""
+        return {
+            "name": self.name,
+            "unit": self.unit,
+            "num_docs": self.num_docs,
+            "num_tokens": self.num_tokens,
+            "tokens_checksum": self.tokens_checksum,
+            "offsets_checksum": self.offsets_checksum,
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The parsed ``manifest.json`` of a cache.
+
+    ``complete`` is false while a build runs (or after it was interrupted): the shard table is then empty
+    and the committed prefix is described by the ledger.
+    """
+
+    tokenizer: dict[str, Any]
+    dtype: str
+    eos: dict[str, Any]
+    settings: dict[str, Any]
+    inputs: list[dict[str, Any]]
+    units: list[str]
+    complete: bool = False
+    shards: list[ShardInfo] = field(default_factory=list)
+    skipped_records: int = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids of the tokenizer (every id in the cache is below it)."""
+        return int(self.tokenizer["vocab_size"])
+
+    @property
+    def num_docs(self) -> int:
+        """Documents in the complete cache."""
+        return sum(s.num_docs for s in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the complete cache."""
+        return sum(s.num_tokens for s in self.shards)
+
+    def build_config(self) -> dict[str, Any]:
+        """The settings a resumed build must share with this cache."""
+        return {"tokenizer": self.tokenizer, "dtype": self.dtype, "eos": self.eos, "settings": self.settings}
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document written to ``manifest.json``."""
+        return {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "complete": self.complete,
+            "tokenizer": self.tokenizer,
+            "dtype": self.dtype,
+            "eos": self.eos,
+            "settings": self.settings,
+            "inputs": self.inputs,
+            "units": self.units,
+            "num_docs": self.num_docs,
+            "num_tokens": self.num_tokens,
+            "skipped_records": self.skipped_records,
+            "shards": [s.to_json() for s in self.shards],
+        }
+
+    def write(self, root: Path) -> None:
+        """Atomically replace ``root/manifest.json``."""
+        atomic_write_json(root / MANIFEST, self.to_json())
+
+
+def load_manifest(root: Path) -> Manifest:
+    """Read and validate ``root/manifest.json``.
+
+    Raises:
+        CacheError: the manifest is missing, malformed, from another format version, or inconsistent.
+    """
+    path = root / MANIFEST
+    if not root.is_dir():
+        raise CacheError(f"{root}: no such cache directory")
+    raw = read_json(path, what="manifest")
+    try:
+        return _parse_manifest(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise CacheError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
+
+
+def _parse_manifest(raw: Any) -> Manifest:
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise ValueError(f"not a {FORMAT_NAME} manifest")
+    version = raw["format_version"]
+    if not isinstance(version, int) or version != FORMAT_VERSION:
+        raise CacheError(
+            f"cache format version {version!r} is not supported by this streampack (it reads version "
+            f"{FORMAT_VERSION}); upgrade streampack or rebuild the cache"
+        )
+    dtype = raw["dtype"]
+    if dtype not in ("uint16", "uint32"):
+        raise ValueError(f"dtype {dtype!r} is not uint16 or uint32")
+    shards = [_parse_shard(s) for s in raw["shards"]]
+    vocab = raw["tokenizer"]["vocab_size"]
+    if not isinstance(vocab, int) or not 0 < vocab <= np.iinfo(np.dtype(dtype)).max + 1:
+        raise ValueError(f"vocab_size {vocab!r} does not fit dtype {dtype}")
+    manifest = Manifest(
+        tokenizer=dict(raw["tokenizer"]),
+        dtype=dtype,
+        eos=dict(raw["eos"]),
+        settings=dict(raw["settings"]),
+        inputs=list(raw["inputs"]),
+        units=[str(u) for u in raw["units"]],
+        complete=bool(raw["complete"]),
+        shards=shards,
+        skipped_records=int(raw.get("skipped_records", 0)),
+    )
+    if manifest.complete and (raw["num_docs"], raw["num_tokens"]) != (manifest.num_docs, manifest.num_tokens):
+        raise ValueError("num_docs/num_tokens disagree with the shard table")
+    return manifest
+
+
+def _parse_shard(raw: Any) -> ShardInfo:
+    shard = ShardInfo(
+        name=checked_shard_name(raw["name"]),
+        unit=str(raw["unit"]),
+        num_docs=raw["num_docs"],
+        num_tokens=raw["num_tokens"],
+        tokens_checksum=str(raw["tokens_checksum"]),
+        offsets_checksum=str(raw["offsets_checksum"]),
+    )
+    for key in ("num_docs", "num_tokens"):
+        value = getattr(shard, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"shard {shard.name}: {key} must be a non-negative integer (got {value!r})")
+    return shard

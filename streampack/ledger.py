@@ -1,0 +1,85 @@
+"""Build progress, one small JSON file per work unit.
+
+The ledger is the commit record of a build: a unit's entry says how many input records it has consumed
+and how many documents and tokens of its shard are durable. The writer fsyncs shard data *before* the
+entry that covers it is atomically replaced, so after a crash the entry never claims more than the disk
+holds; the resumed unit truncates its shard to the entry's lengths and skips the records it names.
+
+One file per unit (rather than one shared file) lets worker processes commit without talking to each
+other or to the coordinator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from streampack.errors import CacheError
+from streampack.format import LEDGER_DIR, atomic_write_json, read_json
+
+
+@dataclass(frozen=True)
+class UnitProgress:
+    """What one work unit has durably committed.
+
+    Attributes:
+        unit: the unit's description (input and range), to detect a ledger from a different plan.
+        records: input records consumed (documents written plus records skipped or blank).
+        docs: documents in the shard.
+        tokens: tokens in the shard.
+        skipped: bad records skipped (with ``--on-bad-record skip``).
+        done: the unit reached the end of its input and its shard is final.
+        tokens_checksum: checksum of the final token file (set when done).
+        offsets_checksum: checksum of the final offsets file (set when done).
+    """
+
+    unit: str
+    records: int = 0
+    docs: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    done: bool = False
+    tokens_checksum: str = ""
+    offsets_checksum: str = ""
+
+
+def ledger_path(root: Path, name: str) -> Path:
+    """Path of the ledger entry of shard ``name``."""
+    return root / LEDGER_DIR / f"{name}.json"
+
+
+def read_progress(root: Path, name: str, unit: str) -> UnitProgress:
+    """Return the committed progress of a unit, or a fresh one if it has not committed yet.
+
+    Raises:
+        CacheError: the entry is malformed or belongs to a different work unit.
+    """
+    path = ledger_path(root, name)
+    if not path.exists():
+        return UnitProgress(unit=unit)
+    raw = read_json(path, what="ledger entry")
+    progress = _parse(raw, path)
+    if progress.unit != unit:
+        raise CacheError(
+            f"{path}: ledger entry is for work unit {progress.unit!r}, but this build's unit {name} is "
+            f"{unit!r}; the inputs changed since the ledger was written: rerun with --overwrite"
+        )
+    return progress
+
+
+def commit(root: Path, name: str, progress: UnitProgress) -> None:
+    """Atomically and durably replace the ledger entry of shard ``name``."""
+    atomic_write_json(ledger_path(root, name), asdict(progress))
+
+
+def _parse(raw: Any, path: Path) -> UnitProgress:
+    try:
+        progress = UnitProgress(**raw)
+    except TypeError as e:
+        raise CacheError(f"{path}: malformed ledger entry ({e})") from None
+    for key in ("records", "docs", "tokens", "skipped"):
+        value = getattr(progress, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CacheError(f"{path}: malformed ledger entry ({key}={value!r})")
+    return progress

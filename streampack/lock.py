@@ -1,0 +1,56 @@
+"""The build lock: one build per cache directory.
+
+``build.lock`` is held with ``flock`` for the life of a build and holds the builder's pid and host. The
+kernel releases an ``flock`` when its process dies, so a lock left by a killed build is recognised as
+stale and taken over safely, while a live one is refused with its pid.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+from types import TracebackType
+
+from streampack.errors import StreampackError
+from streampack.format import LOCK
+
+
+class BuildLock:
+    """Context manager holding the exclusive build lock of ``root``.
+
+    Raises:
+        StreampackError: another live process holds the lock.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.path = root / LOCK
+        self._fd: int | None = None
+
+    def __enter__(self) -> BuildLock:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError as e:
+            raise StreampackError(f"cannot write to {self.path.parent}: {e.strerror}; choose a writable --out") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StreampackError(
+                f"{self.path.parent} is locked by another build ({holder}); wait for it to finish or stop it, "
+                "then rerun (a killed build's lock is released automatically)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._fd is not None:
+            self.path.unlink(missing_ok=True)
+            os.close(self._fd)
+            self._fd = None

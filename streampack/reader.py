@@ -1,0 +1,199 @@
+"""Reading a token cache: memory-mapped shards, documents, and the global token stream.
+
+:func:`open` reads the manifest, checks every shard's file sizes against it (one ``stat`` per file, no
+data read), and maps each shard only when it is first touched. Nothing is read into RAM beyond the
+manifest and the offset tables of the shards in use; memory-mapped pages belong to the page cache.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+from streampack import ledger
+from streampack.errors import CacheError
+from streampack.format import OFFSET_DTYPE, Manifest, ShardInfo, load_manifest, offsets_path, tokens_path
+
+
+@dataclass(frozen=True)
+class _ShardFiles:
+    info: ShardInfo
+    tokens: Path
+    offsets: Path
+
+
+class Cache:
+    """A token cache opened for reading. Create with :func:`streampack.open`.
+
+    Attributes:
+        root: the cache directory.
+        manifest: its parsed manifest.
+        dtype: the token dtype (uint16 or uint32).
+    """
+
+    def __init__(self, root: Path, manifest: Manifest, shards: list[ShardInfo]) -> None:
+        self.root = root
+        self.manifest = manifest
+        self.dtype = np.dtype(manifest.dtype).newbyteorder("<")
+        real_root = os.path.realpath(root)
+        self._shards = [_ShardFiles(s, *_inside(real_root, root, s.name)) for s in shards]
+        self._doc_starts = np.concatenate([[0], np.cumsum([s.num_docs for s in shards], dtype=np.int64)])
+        self._token_starts = np.concatenate([[0], np.cumsum([s.num_tokens for s in shards], dtype=np.int64)])
+        self._tokens: dict[int, np.ndarray] = {}
+        self._offsets: dict[int, np.ndarray] = {}
+        self._check_sizes()
+
+    def __repr__(self) -> str:
+        return f"Cache({str(self.root)!r}, docs={self.num_docs}, tokens={self.num_tokens}, dtype={self.dtype.name})"
+
+    @property
+    def num_docs(self) -> int:
+        """Number of documents."""
+        return int(self._doc_starts[-1])
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens (documents' tokens and their EOS ids)."""
+        return int(self._token_starts[-1])
+
+    @property
+    def num_shards(self) -> int:
+        """Number of shards."""
+        return len(self._shards)
+
+    @property
+    def vocab_size(self) -> int:
+        """Every token id is below this."""
+        return self.manifest.vocab_size
+
+    @property
+    def eos_id(self) -> int | None:
+        """The EOS id appended after every document, or None."""
+        return self.manifest.eos["id"] if self.manifest.eos["append"] else None
+
+    @property
+    def shards(self) -> list[ShardInfo]:
+        """The shard table, in stream order."""
+        return [s.info for s in self._shards]
+
+    def doc(self, index: int) -> np.ndarray:
+        """Tokens of document ``index`` (including its EOS), a read-only view of the memory map."""
+        if not -self.num_docs <= index < self.num_docs:
+            raise IndexError(f"document {index} out of range for a cache of {self.num_docs} documents")
+        index %= self.num_docs
+        shard = int(np.searchsorted(self._doc_starts, index, side="right") - 1)
+        local = index - int(self._doc_starts[shard])
+        offsets = self.shard_offsets(shard)
+        start = int(offsets[local - 1]) if local else 0
+        return self.shard_tokens(shard)[start : int(offsets[local])]
+
+    def doc_lengths(self) -> np.ndarray:
+        """Length in tokens of every document (reads every offset table)."""
+        if not self._shards:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([np.diff(self.shard_offsets(i), prepend=0) for i in range(self.num_shards)])
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the global stream (all documents, in order), as a new array."""
+        if not 0 <= start <= stop <= self.num_tokens:
+            raise IndexError(f"token range [{start}, {stop}) out of range [0, {self.num_tokens}]")
+        out = np.empty(stop - start, dtype=self.dtype)
+        first = int(np.searchsorted(self._token_starts, start, side="right") - 1)
+        pos = start
+        shard = first
+        while pos < stop:
+            base = int(self._token_starts[shard])
+            end = min(stop, int(self._token_starts[shard + 1]))
+            out[pos - start : end - start] = self.shard_tokens(shard)[pos - base : end - base]
+            pos = end
+            shard += 1
+        return out
+
+    def shard_tokens(self, shard: int) -> np.ndarray:
+        """The token array of shard ``shard`` (memory-mapped on first use)."""
+        if shard not in self._tokens:
+            files = self._shards[shard]
+            self._tokens[shard] = _map(files.tokens, self.dtype, files.info.num_tokens)
+        return self._tokens[shard]
+
+    def shard_offsets(self, shard: int) -> np.ndarray:
+        """The cumulative document end offsets of shard ``shard`` (memory-mapped on first use)."""
+        if shard not in self._offsets:
+            files = self._shards[shard]
+            self._offsets[shard] = _map(files.offsets, OFFSET_DTYPE, files.info.num_docs)
+        return self._offsets[shard]
+
+    @cached_property
+    def token_starts(self) -> np.ndarray:
+        """Global index of the first token of each shard, plus the total at the end."""
+        return self._token_starts
+
+    def _check_sizes(self) -> None:
+        for files in self._shards:
+            for path, count, itemsize in (
+                (files.tokens, files.info.num_tokens, self.dtype.itemsize),
+                (files.offsets, files.info.num_docs, OFFSET_DTYPE.itemsize),
+            ):
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    raise CacheError(f"{path}: shard file missing; the cache is damaged, rebuild it") from None
+                expected = count * itemsize
+                if size < expected or (self.manifest.complete and size != expected):
+                    raise CacheError(
+                        f"{path}: {size} bytes, but the manifest says {count} items ({expected} bytes); the "
+                        "cache is damaged or truncated: run `streampack verify` and rebuild it"
+                    )
+
+
+def open(path: str | os.PathLike[str], *, allow_incomplete: bool = False) -> Cache:
+    """Open a token cache for reading.
+
+    Args:
+        path: the cache directory.
+        allow_incomplete: read the committed prefix of each unit of a build that has not finished (or is
+            still running) instead of refusing it.
+
+    Raises:
+        CacheError: the directory is not a cache, its build is incomplete (unless allowed), or its
+            manifest and files disagree.
+    """
+    root = Path(path)
+    manifest = load_manifest(root)
+    if manifest.complete:
+        return Cache(root, manifest, manifest.shards)
+    if not allow_incomplete:
+        raise CacheError(
+            f"{root}: the build of this cache has not finished; rerun the same build command to complete it, "
+            "or open it with allow_incomplete=True to read the committed part"
+        )
+    return Cache(root, manifest, _committed_shards(root, manifest))
+
+
+def _committed_shards(root: Path, manifest: Manifest) -> list[ShardInfo]:
+    shards = []
+    for index, unit in enumerate(manifest.units):
+        name = f"{index:06d}"
+        progress = ledger.read_progress(root, name, unit)
+        shards.append(ShardInfo(name, unit, progress.docs, progress.tokens, "", ""))
+    return shards
+
+
+def _inside(real_root: str, root: Path, name: str) -> tuple[Path, Path]:
+    """The shard's files, refusing any that resolve outside the cache (e.g. a symlink pointing out)."""
+    paths = (tokens_path(root, name), offsets_path(root, name))
+    for path in paths:
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, real_root]) != real_root:
+            raise CacheError(f"{path} resolves to {real}, outside the cache directory: refusing to read it")
+    return paths
+
+
+def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))

@@ -1,0 +1,628 @@
+"""Documents, in input order, from files, URLs and Python objects; and the plan of work units.
+
+A *work unit* is a piece of input decided by the inputs alone (a whole file; a line-aligned byte range of a
+large uncompressed JSONL file; a range of Parquet row groups; an index range of a Python sequence),
+never by the number of workers. Each unit becomes one shard, so the cache is the same whatever runs it.
+
+Reading a unit yields one item per input record consumed, in order:
+
+- ``str``: a document's text;
+- :class:`TextStream`: a document too large to hold as one string (a big ``.txt`` file), read in chunks;
+- ``None``: a record that holds no document (a blank line);
+- :class:`~streampack.errors.BadRecordError`: an unusable record, which the builder raises or skips.
+
+Counting records this way is what lets a resumed unit skip exactly what it committed.
+"""
+
+from __future__ import annotations
+
+import bz2
+import codecs
+import glob
+import gzip
+import io
+import lzma
+import os
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Literal, TypeAlias
+
+import orjson
+
+from streampack.errors import BadRecordError, InputError
+
+Format = Literal["jsonl", "parquet", "text"]
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+TEXT_SUFFIXES = (".txt",)
+PARQUET_SUFFIXES = (".parquet",)
+COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2", ".xz": "xz"}
+DEFAULT_UNIT_BYTES = 64 << 20
+SEQUENCE_UNIT_ROWS = 100_000
+_READ_CHUNK = 1 << 20
+_STREAM_TEXT_BYTES = 8 << 20  # larger .txt documents are streamed in chunks rather than read whole
+_BOM = b"\xef\xbb\xbf"
+_STREAM_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One input file (local path or fsspec URL) with the stats that identify its content."""
+
+    path: str
+    format: Format
+    compression: str | None
+    size: int
+    mtime_ns: int | None
+
+    @property
+    def is_local(self) -> bool:
+        """True for a local path, false for a URL read through fsspec."""
+        return "://" not in self.path
+
+    def stat_json(self) -> dict[str, Any]:
+        """The manifest record used to detect inputs that changed between a build and its resume."""
+        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """A piece of input that becomes one shard.
+
+    ``start``/``stop`` are byte offsets for a split JSONL file, row-group indices for Parquet, row indices
+    for a Python sequence; ``stop=None`` means to the end.
+    """
+
+    index: int
+    file: InputFile | None = None
+    start: int = 0
+    stop: int | None = None
+    items: Any = None
+
+    def describe(self) -> str:
+        """A stable, human-readable identity of the unit (stored in the ledger and manifest)."""
+        where = self.file.path if self.file else f"python:{type(self.items).__name__}"
+        if self.stop is None and self.start == 0:
+            return where
+        kind = "bytes" if self.file and self.file.format == "jsonl" else "rows"
+        if self.file and self.file.format == "parquet":
+            kind = "row groups"
+        return f"{where} [{kind} {self.start}:{'' if self.stop is None else self.stop}]"
+
+    @property
+    def in_process(self) -> bool:
+        """Python objects are read in the coordinating process: they may not pickle, or be costly to."""
+        return self.file is None
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How records become documents.
+
+    Attributes:
+        text_field: the JSON key or Parquet column holding the text.
+        split_lines: one document per line of a ``.txt`` file instead of one per file.
+        unit_bytes: uncompressed JSONL files and Parquet files are split into units of about this size.
+    """
+
+    text_field: str = "text"
+    split_lines: bool = False
+    unit_bytes: int = DEFAULT_UNIT_BYTES
+
+    def __post_init__(self) -> None:
+        if not self.text_field:
+            raise ValueError("text_field must be a non-empty string")
+        if self.unit_bytes < 1 << 16:
+            raise ValueError(f"unit_bytes must be at least 65536 (got {self.unit_bytes})")
+
+
+class TextStream:
+    """A document read in decoded chunks, for texts too large to hold as one string."""
+
+    def __init__(self, chunks: Iterator[str]) -> None:
+        self._chunks = chunks
+
+    def __iter__(self) -> Iterator[str]:
+        return self._chunks
+
+
+Item: TypeAlias = "str | TextStream | BadRecordError | None"
+
+
+class Documents:
+    """Marks a Python object as the documents themselves (not paths): a sequence or iterable of ``str``
+    or of dicts holding the text field. Hugging Face datasets and generators are recognised without it;
+    a plain list of strings needs it, since it would otherwise be read as a list of paths.
+    """
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        self.items = items
+
+    def __repr__(self) -> str:
+        return f"Documents({type(self.items).__name__})"
+
+
+class Position:
+    """How far a unit has read into its input file, in on-disk (compressed) bytes; for progress bars."""
+
+    def __init__(self) -> None:
+        self._raw: BinaryIO | None = None
+        self._base = 0
+
+    def attach(self, raw: BinaryIO, base: int) -> None:
+        """Follow ``raw``, which was positioned at byte ``base``."""
+        self._raw, self._base = raw, base
+
+    def bytes_read(self) -> int:
+        """Bytes of the input consumed so far (0 when not known)."""
+        try:
+            return self._raw.tell() - self._base if self._raw is not None else 0
+        except (OSError, ValueError):
+            return 0
+
+
+# ---------------------------------------------------------------------------------------------- discovery
+
+
+def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
+    """Resolve paths, directories, globs and URLs to the ordered list of input files.
+
+    Files are taken in the order given; a directory or glob contributes its matching files sorted by
+    path, so the order (and so the cache) is stable.
+
+    Raises:
+        InputError: an input does not exist, matches nothing, or has an unsupported extension.
+    """
+    if not inputs:
+        raise InputError("no inputs given: pass one or more files, directories, globs or URLs")
+    files: list[InputFile] = []
+    for raw in inputs:
+        files.extend(_expand_one(str(raw)))
+    return files
+
+
+def _expand_one(spec: str) -> list[InputFile]:
+    if "://" in spec:
+        return _expand_url(spec)
+    if any(c in spec for c in "*?["):
+        matches = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
+        found = [p for p in matches if _detect(p, strict=False)]
+        if not found:
+            raise InputError(f"{spec}: the glob matches no input files ({_supported()})")
+        return [_local_file(p) for p in found]
+    path = Path(spec)
+    if path.is_dir():
+        found = sorted(str(p) for p in path.rglob("*") if p.is_file() and _detect(str(p), strict=False))
+        if not found:
+            raise InputError(f"{spec}: the directory holds no input files ({_supported()})")
+        return [_local_file(p) for p in found]
+    if not path.exists():
+        raise InputError(f"{spec}: no such file or directory")
+    return [_local_file(spec)]
+
+
+def _expand_url(spec: str) -> list[InputFile]:
+    import fsspec
+
+    fs, _, paths = fsspec.get_fs_token_paths(spec)
+    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+    files = []
+    for p in sorted(paths):
+        url = p if "://" in p else f"{protocol}://{p}"
+        if "://" in spec and protocol in ("http", "https"):
+            url = spec if len(paths) == 1 else url
+        try:
+            info = fs.info(p)
+        except (FileNotFoundError, OSError) as e:
+            raise InputError(f"{spec}: cannot read ({e})") from None
+        fmt, compression = _detect(url, strict=True) or ("jsonl", None)
+        files.append(InputFile(url, fmt, compression, int(info.get("size") or 0), None))
+    if not files:
+        raise InputError(f"{spec}: the URL matches no input files")
+    return files
+
+
+def _local_file(path: str) -> InputFile:
+    abspath = os.path.abspath(path)
+    fmt, compression = _detect(abspath, strict=True) or ("jsonl", None)
+    st = os.stat(abspath)
+    return InputFile(abspath, fmt, compression, st.st_size, st.st_mtime_ns)
+
+
+def _detect(path: str, *, strict: bool) -> tuple[Format, str | None] | None:
+    name = path.lower()
+    compression = None
+    for suffix, kind in COMPRESSION_SUFFIXES.items():
+        if name.endswith(suffix):
+            compression, name = kind, name[: -len(suffix)]
+            break
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl", compression
+    if name.endswith(TEXT_SUFFIXES):
+        return "text", compression
+    if name.endswith(PARQUET_SUFFIXES) and compression is None:
+        return "parquet", None
+    if strict:
+        raise InputError(f"{path}: unknown file type ({_supported()}); rename the file or convert it")
+    return None
+
+
+def _supported() -> str:
+    compressed = "/".join(COMPRESSION_SUFFIXES)
+    return (
+        f"supported: {', '.join(JSONL_SUFFIXES + TEXT_SUFFIXES)} optionally compressed ({compressed}), "
+        f"and {PARQUET_SUFFIXES[0]}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- planning
+
+
+def plan_units(files: Sequence[InputFile], options: ReadOptions) -> list[WorkUnit]:
+    """Split input files into work units, in input order. Depends on the inputs and options only."""
+    units: list[WorkUnit] = []
+    for file in files:
+        for start, stop in _ranges(file, options):
+            units.append(WorkUnit(len(units), file, start, stop))
+    return units
+
+
+def plan_python_units(items: Any) -> list[WorkUnit]:
+    """Work units for a Python object: index ranges of a sequence, or one unit for any other iterable."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise InputError(f"cannot read documents from a {type(items).__name__}: pass an iterable of str or dict")
+    if hasattr(items, "__len__") and hasattr(items, "__getitem__") and not isinstance(items, dict):
+        n = len(items)
+        bounds = range(0, max(n, 1), SEQUENCE_UNIT_ROWS)
+        return [WorkUnit(i, None, a, min(a + SEQUENCE_UNIT_ROWS, n), items) for i, a in enumerate(bounds)]
+    return [WorkUnit(0, None, 0, None, items)]
+
+
+def _ranges(file: InputFile, options: ReadOptions) -> list[tuple[int, int | None]]:
+    if file.format == "jsonl" and file.compression is None and file.size > options.unit_bytes:
+        starts = range(0, file.size, options.unit_bytes)
+        return [(a, min(a + options.unit_bytes, file.size)) for a in starts]
+    if file.format == "parquet":
+        return _row_group_ranges(file, options.unit_bytes)
+    return [(0, None)]
+
+
+def _row_group_ranges(file: InputFile, unit_bytes: int) -> list[tuple[int, int | None]]:
+    metadata = _parquet_file(file).metadata
+    ranges: list[tuple[int, int | None]] = []
+    start, size = 0, 0
+    for i in range(metadata.num_row_groups):
+        size += metadata.row_group(i).total_byte_size
+        if size >= unit_bytes:
+            ranges.append((start, i + 1))
+            start, size = i + 1, 0
+    if start < metadata.num_row_groups or not ranges:
+        ranges.append((start, metadata.num_row_groups))
+    return ranges
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def read_unit(
+    unit: WorkUnit, options: ReadOptions, *, skip: int = 0, position: Position | None = None
+) -> Iterator[Item]:
+    """Yield one item per record of ``unit`` after the first ``skip`` records (see the module docstring).
+
+    Raises:
+        InputError: the input cannot be opened or its stream is truncated or corrupt.
+    """
+    if unit.file is None:
+        return _read_python(unit, options, skip)
+    if unit.file.format == "parquet":
+        return _read_parquet(unit, options, skip)
+    if unit.file.format == "text" and not options.split_lines:
+        return _read_text_document(unit.file, skip, position)
+    return _read_lines(unit, options, skip, position)
+
+
+def _read_lines(unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None) -> Iterator[Item]:
+    file = unit.file
+    assert file is not None
+    is_json = file.format == "jsonl"
+    field = options.text_field
+    line_no = 0
+    with _open_input(file, position) as f:
+        pos = _seek_line_start(f, unit.start)
+        try:
+            for line in f:
+                if unit.stop is not None and pos >= unit.stop:
+                    break
+                if line_no == 0 and pos == 0 and line.startswith(_BOM):
+                    line = line[len(_BOM) :]
+                pos += len(line)
+                line_no += 1
+                if line_no <= skip:
+                    continue
+                if is_json:
+                    yield _parse_json_line(line, field, file, unit.start, line_no)
+                else:
+                    yield _decode_text_line(line, file, unit.start, line_no)
+        except _STREAM_ERRORS as e:
+            where = _location(file, unit.start, line_no)
+            raise InputError(
+                f"{where}: the {file.compression or 'file'} stream is truncated or corrupt after this line "
+                f"({e}); replace the file, then rerun the same command to resume"
+            ) from None
+
+
+def _seek_line_start(f: BinaryIO, start: int) -> int:
+    """Position ``f`` at the first line that begins at or after byte ``start``; return that position."""
+    if start == 0:
+        return 0
+    f.seek(start - 1)
+    return start - 1 + len(f.readline())
+
+
+def _parse_json_line(line: bytes, field: str, file: InputFile, start: int, line_no: int) -> Item:
+    if not line.strip():
+        return None
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        return BadRecordError(_location(file, start, line_no), _json_problem(line, e))
+    if not isinstance(record, dict):
+        problem = f"the line is a JSON {type(record).__name__}, expected an object with a {field!r} field"
+        return BadRecordError(_location(file, start, line_no), problem)
+    return _text_of(record, field, lambda: _location(file, start, line_no))
+
+
+def _json_problem(line: bytes, error: orjson.JSONDecodeError) -> str:
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"invalid UTF-8 at byte {e.start} of the line"
+    return f"malformed JSON ({error})"
+
+
+def _text_of(record: dict[str, Any], field: str, location: Any) -> Item:
+    if field not in record:
+        fields = ", ".join(map(repr, list(record)[:10])) or "none"
+        problem = f"no {field!r} field (fields: {fields}); pass --text-field to choose another"
+        return BadRecordError(location(), problem)
+    text = record[field]
+    if isinstance(text, str):
+        return text
+    kind = "null" if text is None else type(text).__name__
+    return BadRecordError(location(), f"the {field!r} field is {kind}, expected a string")
+
+
+def _decode_text_line(line: bytes, file: InputFile, start: int, line_no: int) -> Item:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return BadRecordError(_location(file, start, line_no), f"invalid UTF-8 at byte {e.start} of the line")
+    text = text.rstrip("\r\n")
+    return text if text.strip() else None
+
+
+def _read_text_document(file: InputFile, skip: int, position: Position | None) -> Iterator[Item]:
+    if skip:
+        return
+    if file.size <= _STREAM_TEXT_BYTES and file.compression is None:
+        with _open_input(file) as f:
+            data = f.read()
+        if data.startswith(_BOM):
+            data = data[len(_BOM) :]
+        try:
+            yield data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield BadRecordError(f"{file.path}: byte {e.start}", "invalid UTF-8")
+        return
+    yield TextStream(_decoded_chunks(file, position))
+
+
+def _decoded_chunks(file: InputFile, position: Position | None) -> Iterator[str]:
+    decoder = codecs.getincrementaldecoder("utf-8-sig")()
+    offset = 0
+    with _open_input(file, position) as f:
+        while True:
+            try:
+                chunk = f.read(_READ_CHUNK)
+                text = decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                raise InputError(
+                    f"{file.path}: byte {offset + e.start}: invalid UTF-8; fix or re-encode the file"
+                ) from None
+            except _STREAM_ERRORS as e:
+                raise InputError(f"{file.path}: the stream is truncated or corrupt at byte {offset} ({e})") from None
+            offset += len(chunk)
+            if text:
+                yield text
+            if not chunk:
+                return
+
+
+def _read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[Item]:
+    file = unit.file
+    assert file is not None
+    import pyarrow as pa
+
+    parquet = _parquet_file(file)
+    field = options.text_field
+    schema = parquet.schema_arrow
+    if field not in schema.names:
+        raise InputError(
+            f"{file.path}: no column {field!r} (columns: {', '.join(schema.names)}); pass --text-field"
+        )
+    column_type = schema.field(field).type
+    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+        raise InputError(f"{file.path}: column {field!r} has type {column_type}, expected string")
+    stop = parquet.metadata.num_row_groups if unit.stop is None else unit.stop
+    groups = list(range(unit.start, stop))
+    row = sum(parquet.metadata.row_group(g).num_rows for g in range(unit.start))
+    while groups and skip >= parquet.metadata.row_group(groups[0]).num_rows:
+        rows = parquet.metadata.row_group(groups.pop(0)).num_rows
+        skip, row = skip - rows, row + rows
+    if not groups:
+        return
+    try:
+        for batch in parquet.iter_batches(batch_size=1024, row_groups=groups, columns=[field]):
+            for text in batch.column(0).to_pylist():
+                row += 1
+                if skip:
+                    skip -= 1
+                    continue
+                if isinstance(text, str):
+                    yield text
+                else:
+                    yield BadRecordError(f"{file.path}: row {row}", f"the {field!r} value is null")
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"{file.path}: row {row}: cannot read the Parquet data ({e})") from None
+
+
+def _parquet_file(file: InputFile) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        source = file.path if file.is_local else _open_remote(file.path)
+        return pq.ParquetFile(source)
+    except (OSError, pa.ArrowException) as e:
+        raise InputError(f"{file.path}: not a readable Parquet file ({e})") from None
+
+
+def _read_python(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[Item]:
+    items = unit.items
+    if unit.stop is None:
+        records: Iterable[Any] = items
+        base = 0
+    else:
+        records = _slices(items, unit.start + skip, unit.stop)
+        base, skip = unit.start + skip, 0
+    for i, record in enumerate(records):
+        if i < skip:
+            continue
+        if isinstance(record, str):
+            yield record
+        elif isinstance(record, dict):
+            yield _text_of(record, options.text_field, lambda i=i: f"python record {base + i}")
+        else:
+            problem = f"the record is a {type(record).__name__}, expected str or dict"
+            yield BadRecordError(f"python record {base + i}", problem)
+
+
+def _slices(items: Any, start: int, stop: int, step: int = 1000) -> Iterator[Any]:
+    for a in range(start, stop, step):
+        chunk = items[a : min(a + step, stop)]
+        if isinstance(chunk, dict):  # a Hugging Face Dataset slice is a dict of columns
+            keys = list(chunk)
+            yield from (dict(zip(keys, row)) for row in zip(*chunk.values()))
+        else:
+            yield from chunk
+
+
+# ---------------------------------------------------------------------------------------------- opening
+
+
+@contextmanager
+def _open_input(file: InputFile, position: Position | None = None) -> Iterator[BinaryIO]:
+    """Open an input for binary reading, decompressing by extension."""
+    try:
+        raw: BinaryIO = open(file.path, "rb") if file.is_local else _open_remote(file.path)
+    except OSError as e:
+        raise InputError(f"{file.path}: cannot open ({e.strerror or e})") from None
+    if position is not None:
+        position.attach(raw, 0)
+    try:
+        if file.compression is None:
+            yield raw
+        else:
+            with _decompressor(file.compression, raw) as f:
+                yield f
+    finally:
+        raw.close()
+
+
+def _decompressor(compression: str, raw: BinaryIO) -> BinaryIO:
+    if compression == "gzip":
+        return gzip.GzipFile(fileobj=raw)
+    if compression == "bz2":
+        return bz2.BZ2File(raw)
+    if compression == "xz":
+        return lzma.LZMAFile(raw)
+    return io.BufferedReader(_ZstdReader(raw), buffer_size=_READ_CHUNK)
+
+
+def _open_remote(url: str) -> BinaryIO:
+    import fsspec
+
+    return fsspec.open(url, "rb").open()
+
+
+class _ZstdReader(io.RawIOBase):
+    """Zstandard decompression that raises on a truncated stream.
+
+    ``zstandard``'s own ``stream_reader`` returns a silently short stream when the last frame is cut off;
+    a truncated input must be an error, never a quietly smaller cache.
+    """
+
+    def __init__(self, raw: BinaryIO) -> None:
+        import zstandard
+
+        self._raw = raw
+        self._new = zstandard.ZstdDecompressor().decompressobj
+        self._obj = self._new()
+        self._pending = b""
+        self._started = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._pending:
+            compressed = self._raw.read(_READ_CHUNK)
+            if not compressed:
+                if self._started and not self._obj.eof:
+                    raise EOFError("zstd stream ended before the end of its last frame")
+                return 0
+            self._pending = self._decompress(compressed)
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def _decompress(self, data: bytes) -> bytes:
+        import zstandard
+
+        out = []
+        while data:
+            if self._obj.eof:
+                self._obj = self._new()
+            self._started = True
+            try:
+                out.append(self._obj.decompress(data))
+            except zstandard.ZstdError as e:
+                raise OSError(f"corrupt zstd data: {e}") from None
+            data = self._obj.unused_data
+        return b"".join(out)
+
+
+def _location(file: InputFile, start: int, line_no: int) -> str:
+    """``path:line`` with the absolute line number (counted from the file start only when needed)."""
+    if start:
+        line_no += _count_lines_before(file, start)
+    return f"{file.path}:{line_no}"
+
+
+def _count_lines_before(file: InputFile, start: int) -> int:
+    """Number of lines before the first line that begins at or after byte ``start``."""
+    with _open_input(file) as f:
+        remaining = _seek_line_start(f, start)
+        f.seek(0)
+        count = 0
+        while remaining > 0:
+            chunk = f.read(min(_READ_CHUNK, remaining))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            remaining -= len(chunk)
+    return count

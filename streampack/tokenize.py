@@ -1,0 +1,290 @@
+"""Tokenizers behind one small interface, batch encoding, and the splitting of very long documents.
+
+Three kinds, chosen by a SPEC string:
+
+- ``bytes``: built in, needs no files. Token ids are the UTF-8 bytes (0-255); EOS is 256.
+- a Hugging Face ``tokenizer.json`` path, or a folder holding one (``tokenizers.Tokenizer``).
+- ``tiktoken:PATH``: a local tiktoken ranks file ``PATH`` (``NAME.tiktoken``) with its split pattern and
+  special tokens in ``NAME.json`` beside it. Nothing is ever downloaded.
+
+A document's tokens are ``encode(text)`` without the post-processor's special tokens (no BOS/CLS
+template); the builder appends the EOS id itself. Documents longer than ``max_piece_chars`` are split into
+pieces before encoding, to bound the tokenizer's memory; see :func:`split_text` for what that changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from streampack.errors import StreampackError
+
+EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
+DEFAULT_MAX_PIECE_CHARS = 1_000_000
+
+
+class Tokenizer(Protocol):
+    """What the builder needs of a tokenizer."""
+
+    spec: str
+    vocab_size: int
+    eos_id: int | None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Kind, name, vocab size and a hash of the definition: identifies the tokenizer in a manifest."""
+        ...
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each text (no special tokens added), as integer arrays."""
+        ...
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of a sequence of ids."""
+        ...
+
+
+def load_tokenizer(spec: str, *, threads: int | None = None) -> Tokenizer:
+    """Load a tokenizer from its SPEC (see the module docstring).
+
+    Args:
+        spec: ``bytes``, a ``tokenizer.json`` path or folder, or ``tiktoken:PATH``.
+        threads: threads used to encode a batch (tiktoken; Hugging Face uses its own pool).
+
+    Raises:
+        StreampackError: the spec names no usable tokenizer.
+    """
+    if spec == "bytes":
+        return BytesTokenizer()
+    if spec.startswith("tiktoken:"):
+        return TiktokenTokenizer(spec, threads=threads)
+    return HFTokenizer(spec)
+
+
+@dataclass(frozen=True)
+class EosPolicy:
+    """Whether an EOS id is appended after every document, and which."""
+
+    append: bool
+    id: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        """Manifest representation."""
+        return {"append": self.append, "id": self.id}
+
+
+def resolve_eos(tokenizer: Tokenizer, *, eos: bool, eos_id: int | None) -> EosPolicy:
+    """Decide the EOS policy from the options and the tokenizer's own EOS token.
+
+    Raises:
+        StreampackError: EOS is wanted but neither given nor known to the tokenizer.
+    """
+    if not eos:
+        return EosPolicy(False, None)
+    if eos_id is not None:
+        if eos_id < 0 or eos_id >= 1 << 32:
+            raise StreampackError(f"--eos-id must be in [0, 2**32) (got {eos_id})")
+        return EosPolicy(True, eos_id)
+    if tokenizer.eos_id is None:
+        raise StreampackError(
+            f"tokenizer {tokenizer.spec!r} has no EOS token that streampack recognises "
+            f"(looked for {', '.join(EOS_NAMES)}); pass --eos-id N, or --no-eos to append none"
+        )
+    return EosPolicy(True, tokenizer.eos_id)
+
+
+class BytesTokenizer:
+    """UTF-8 bytes as token ids 0-255, with EOS = 256. Needs no files; the built-in default."""
+
+    spec = "bytes"
+    vocab_size = 257
+    eos_id = 256
+
+    def fingerprint(self) -> dict[str, Any]:
+        """See :class:`Tokenizer`."""
+        return {"kind": "bytes", "name": "bytes", "vocab_size": self.vocab_size, "sha256": "bytes-v1"}
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`."""
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """See :class:`Tokenizer`; ids above 255 (EOS) are left out."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``."""
+
+    def __init__(self, spec: str) -> None:
+        from tokenizers import Tokenizer as _Tokenizer
+
+        path = Path(spec)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise StreampackError(
+                f"tokenizer {spec!r}: no such file; pass a tokenizer.json path or a folder holding one, "
+                "'bytes', or 'tiktoken:PATH'"
+            )
+        self.spec = spec
+        self._path = path
+        self._definition = path.read_bytes()
+        try:
+            self._tok = _Tokenizer.from_str(self._definition.decode("utf-8"))
+        except Exception as e:  # tokenizers raises a bare Exception for unparsable files
+            raise StreampackError(f"{path}: not a valid Hugging Face tokenizer.json ({e})") from None
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        self.eos_id = self._find_eos()
+        self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+
+    def _find_eos(self) -> int | None:
+        config = self._path.parent / "tokenizer_config.json"
+        if config.is_file():
+            eos = json.loads(config.read_text()).get("eos_token")
+            eos = eos.get("content") if isinstance(eos, dict) else eos
+            if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
+                return self._tok.token_to_id(eos)
+        for name in EOS_NAMES:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return None
+
+    def fingerprint(self) -> dict[str, Any]:
+        """See :class:`Tokenizer`."""
+        digest = hashlib.sha256(self._definition).hexdigest()
+        return {"kind": "hf", "name": self._path.name, "vocab_size": self.vocab_size, "sha256": digest}
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`."""
+        encodings = self._encode(texts, add_special_tokens=False)
+        return [np.array(e.ids, dtype=np.uint32) for e in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """See :class:`Tokenizer`."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+class TiktokenTokenizer:
+    """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens)."""
+
+    def __init__(self, spec: str, *, threads: int | None = None) -> None:
+        try:
+            import tiktoken
+            import tiktoken.load
+        except ImportError:
+            raise StreampackError(
+                "the tiktoken backend needs the tiktoken package: pip install 'streampack[tiktoken]'"
+            ) from None
+        ranks = Path(spec.removeprefix("tiktoken:"))
+        sidecar = ranks.with_suffix(".json")
+        if not ranks.is_file():
+            raise StreampackError(
+                f"tokenizer {spec!r}: no ranks file at {ranks}; pass tiktoken:/path/to/NAME.tiktoken "
+                "(streampack never downloads one)"
+            )
+        if not sidecar.is_file():
+            raise StreampackError(
+                f"tokenizer {spec!r}: {sidecar} is missing; it holds the encoding's 'pat_str' and "
+                "'special_tokens' (JSON)"
+            )
+        self.spec = spec
+        self._definition = ranks.read_bytes() + sidecar.read_bytes()
+        try:
+            meta = json.loads(sidecar.read_text())
+            self._enc = tiktoken.Encoding(
+                ranks.stem,
+                pat_str=meta["pat_str"],
+                mergeable_ranks=tiktoken.load.load_tiktoken_bpe(str(ranks)),
+                special_tokens=meta.get("special_tokens", {}),
+                explicit_n_vocab=meta.get("explicit_n_vocab"),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise StreampackError(f"tokenizer {spec!r}: cannot load ({type(e).__name__}: {e})") from None
+        self._name = ranks.stem
+        self.vocab_size = self._enc.n_vocab
+        self.eos_id = next((self._enc._special_tokens[n] for n in EOS_NAMES if n in self._enc._special_tokens), None)
+        self._threads = threads or 1
+        self._pool = ThreadPoolExecutor(self._threads) if self._threads > 1 else None
+        core = getattr(self._enc, "_core_bpe", None)
+        self._to_buffer = getattr(core, "encode_to_tiktoken_buffer", None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("TiktokenTokenizer is not picklable: load it in each process from its spec")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """See :class:`Tokenizer`."""
+        digest = hashlib.sha256(self._definition).hexdigest()
+        return {"kind": "tiktoken", "name": self._name, "vocab_size": self.vocab_size, "sha256": digest}
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`. Encodes as ``encode_ordinary``: special-token text is plain text."""
+        if self._to_buffer is None:  # older tiktoken: the public batch call, then a list-to-array copy
+            return [np.array(ids, dtype=np.uint32) for ids in self._enc.encode_ordinary_batch(texts)]
+        if self._pool is None:
+            return [self._encode_one(t) for t in texts]
+        return list(self._pool.map(self._encode_one, texts))
+
+    def _encode_one(self, text: str) -> np.ndarray:
+        # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.
+        return np.frombuffer(self._to_buffer(text, set()), dtype=np.uint32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """See :class:`Tokenizer`."""
+        return self._enc.decode(list(ids))
+
+
+# ---------------------------------------------------------------------------------------------- long texts
+
+
+def split_text(text: str, max_chars: int = DEFAULT_MAX_PIECE_CHARS) -> list[str]:
+    """Split ``text`` into pieces of at most ``max_chars`` characters at boundaries that keep the tokens.
+
+    A piece ends just before a single space that has a non-space on both sides (``"... word| next"``).
+    Byte-level BPE tokenizers with a regex pre-tokenizer (GPT-2, tiktoken's encodings, most
+    ``tokenizer.json`` files of that family) split there anyway, so the pieces encode to exactly the tokens
+    of the whole text. Where a window holds no such space, the cut falls after a newline, and failing
+    that at ``max_chars`` exactly; only those rare cuts (and tokenizers without such a pre-tokenizer, e.g.
+    SentencePiece's prefix space) can change the tokens next to the cut.
+    """
+    if len(text) <= max_chars:
+        return [text]
+    pieces = []
+    start = 0
+    while len(text) - start > max_chars:
+        cut = _safe_cut(text, start, start + max_chars)
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def stream_pieces(chunks: Iterable[str], max_chars: int = DEFAULT_MAX_PIECE_CHARS) -> Iterator[str]:
+    """Like :func:`split_text` over text that arrives in chunks; holds at most ~2 pieces in memory."""
+    buffer = ""
+    for chunk in chunks:
+        buffer += chunk
+        while len(buffer) > max_chars:
+            cut = _safe_cut(buffer, 0, max_chars)
+            yield buffer[:cut]
+            buffer = buffer[cut:]
+    yield buffer
+
+
+def _safe_cut(text: str, lo: int, hi: int) -> int:
+    """Index in ``(lo, hi]`` to cut ``text`` at; see :func:`split_text`. Requires ``hi < len(text)``."""
+    floor = lo + (hi - lo) // 2
+    i = text.rfind(" ", floor, hi)
+    while i > floor:
+        if not text[i - 1].isspace() and not text[i + 1].isspace():
+            return i
+        i = text.rfind(" ", floor, i)
+    i = text.rfind("\n", floor, hi)
+    return i + 1 if i > floor else hi

@@ -1,0 +1,107 @@
+"""Full verification of a cache: checksums, offsets, token range, EOS placement.
+
+:func:`streampack.open` checks file sizes on every open; :func:`verify` reads every byte, in chunks, so it
+runs in bounded memory at disk or checksum speed, whichever is slower.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from streampack.errors import CacheError, StreampackError
+from streampack.format import file_checksum
+from streampack.reader import Cache
+from streampack.reader import open as open_cache
+
+_CHUNK_TOKENS = 8 << 20
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify`: ``problems`` is empty for a sound cache."""
+
+    path: Path
+    problems: list[str] = field(default_factory=list)
+    bytes_checked: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found."""
+        return not self.problems
+
+    @property
+    def gb_per_second(self) -> float:
+        """Verification speed."""
+        return self.bytes_checked / 1e9 / self.seconds if self.seconds else 0.0
+
+
+def verify(path: str | os.PathLike[str]) -> VerifyReport:
+    """Check everything about a cache; return a report listing each problem precisely."""
+    report = VerifyReport(Path(path))
+    started = time.perf_counter()
+    try:
+        cache = open_cache(path)
+    except StreampackError as e:
+        report.problems.append(str(e))
+        return report
+    for shard in range(cache.num_shards):
+        report.problems.extend(_check_shard(cache, shard, report))
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
+    info = cache.shards[shard]
+    files = cache._shards[shard]
+    problems = []
+    for path, expected in ((files.tokens, info.tokens_checksum), (files.offsets, info.offsets_checksum)):
+        actual = file_checksum(path)
+        report.bytes_checked += path.stat().st_size
+        if actual != expected:
+            problems.append(f"{path}: checksum {actual} does not match the manifest's {expected}")
+    try:
+        offsets = cache.shard_offsets(shard)
+        tokens = cache.shard_tokens(shard)
+    except (CacheError, ValueError, OSError) as e:
+        return [*problems, f"{files.tokens}: cannot map ({e})"]
+    problems.extend(_check_offsets(files.offsets, offsets, info.num_tokens))
+    problems.extend(_check_tokens(files.tokens, tokens, cache.vocab_size))
+    if cache.eos_id is not None and not problems and len(offsets):
+        ends = np.asarray(offsets, dtype=np.int64)
+        starts = np.concatenate([[0], ends[:-1]])
+        missing = np.flatnonzero((ends <= starts) | (tokens[np.maximum(ends - 1, 0)] != cache.eos_id))
+        if len(missing):
+            doc = int(cache._doc_starts[shard] + missing[0])
+            problems.append(
+                f"{files.tokens}: document {doc} (and {len(missing) - 1} more) does not end with EOS {cache.eos_id}"
+            )
+    return problems
+
+
+def _check_offsets(path: Path, offsets: np.ndarray, num_tokens: int) -> list[str]:
+    if not len(offsets):
+        return [] if num_tokens == 0 else [f"{path}: no documents, but {num_tokens} tokens"]
+    steps = np.diff(offsets.astype(np.int64), prepend=0)
+    bad = np.flatnonzero(steps < 0)
+    if len(bad):
+        i = int(bad[0])
+        return [f"{path}: offsets not monotone at document {i} ({int(offsets[i - 1])} then {int(offsets[i])})"]
+    if int(offsets[-1]) != num_tokens:
+        return [f"{path}: the last document ends at {int(offsets[-1])}, but the shard has {num_tokens} tokens"]
+    return []
+
+
+def _check_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> list[str]:
+    for start in range(0, len(tokens), _CHUNK_TOKENS):
+        chunk = tokens[start : start + _CHUNK_TOKENS]
+        top = int(chunk.max()) if len(chunk) else 0
+        if top >= vocab_size:
+            where = start + int(np.argmax(chunk >= vocab_size))
+            return [f"{path}: token {where} is {int(tokens[where])}, not below the vocab size {vocab_size}"]
+    return []

@@ -1,0 +1,127 @@
+"""Appending documents to a shard, and committing them durably.
+
+A shard is two files: the token ids, flat, and the uint64 cumulative end offset of every document.
+:class:`ShardWriter` opens them at the committed lengths of the ledger (truncating any uncommitted tail a
+crash left behind), appends documents, and on :meth:`ShardWriter.commit` fsyncs both files *before* the
+ledger entry that covers them is replaced.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+
+from streampack import ledger
+from streampack.errors import StreampackError
+from streampack.format import OFFSET_DTYPE, file_checksum, offsets_path, tokens_path
+from streampack.ledger import UnitProgress
+
+
+class ShardWriter:
+    """Append-only writer of one shard, resuming from a unit's committed progress.
+
+    Use as a context manager; nothing is committed implicitly on exit.
+    """
+
+    def __init__(self, root: Path, name: str, dtype: np.dtype, progress: UnitProgress) -> None:
+        self.root = root
+        self.name = name
+        self.dtype = np.dtype(dtype)
+        self.progress = progress
+        self._tokens_path = tokens_path(root, name)
+        self._offsets_path = offsets_path(root, name)
+        self._tokens = _open_at(self._tokens_path, progress.tokens * self.dtype.itemsize)
+        self._offsets = _open_at(self._offsets_path, progress.docs * OFFSET_DTYPE.itemsize)
+        self.num_tokens = progress.tokens
+        self.num_docs = progress.docs
+
+    def append(self, tokens: np.ndarray, ends: np.ndarray) -> None:
+        """Append tokens, and document ends given relative to the start of ``tokens``.
+
+        Args:
+            tokens: token ids, already of the shard's dtype.
+            ends: cumulative end offsets of the documents completed within ``tokens`` (may be empty when a
+                long document continues past this call).
+        """
+        self._write(self._tokens, tokens.astype(self.dtype, copy=False), self._tokens_path)
+        if len(ends):
+            self._write(self._offsets, (ends + self.num_tokens).astype(OFFSET_DTYPE), self._offsets_path)
+        self.num_tokens += len(tokens)
+        self.num_docs += len(ends)
+
+    def commit(self, *, records: int, skipped: int, done: bool = False) -> UnitProgress:
+        """Make everything appended durable, then record it in the ledger.
+
+        Call only at a document boundary. With ``done``, also record the final checksums.
+        """
+        for f in (self._tokens, self._offsets):
+            f.flush()
+            os.fsync(f.fileno())
+        checksums = ("", "")
+        if done:
+            checksums = (file_checksum(self._tokens_path), file_checksum(self._offsets_path))
+        self.progress = UnitProgress(
+            unit=self.progress.unit,
+            records=records,
+            docs=self.num_docs,
+            tokens=self.num_tokens,
+            skipped=skipped,
+            done=done,
+            tokens_checksum=checksums[0],
+            offsets_checksum=checksums[1],
+        )
+        ledger.commit(self.root, self.name, self.progress)
+        return self.progress
+
+    def close(self) -> None:
+        """Close the files (without committing)."""
+        self._tokens.close()
+        self._offsets.close()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @staticmethod
+    def _write(f: object, array: np.ndarray, path: Path) -> None:
+        try:
+            f.write(array.tobytes())  # type: ignore[attr-defined]
+        except OSError as e:
+            raise _disk_error(e, path) from None
+
+
+def _open_at(path: Path, length: int):  # noqa: ANN202 - a binary file object
+    """Open ``path`` for appending after truncating it to its committed ``length``."""
+    try:
+        f = open(path, "r+b") if path.exists() else open(path, "w+b")
+        size = f.seek(0, os.SEEK_END)
+        if size < length:
+            f.close()
+            raise StreampackError(
+                f"{path} holds {size} bytes but the ledger committed {length}: the shard was damaged after "
+                "it was written; rebuild with --overwrite"
+            )
+        f.truncate(length)
+        f.seek(length)
+        return f
+    except OSError as e:
+        raise _disk_error(e, path) from None
+
+
+def _disk_error(error: OSError, path: Path) -> StreampackError:
+    import errno
+
+    if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        reason = "disk full" if error.errno != errno.EFBIG else "file size limit reached"
+        return StreampackError(
+            f"{reason} while writing {path}: free space (or raise the limit) and rerun the same command to "
+            "resume; everything committed so far is kept"
+        )
+    return StreampackError(f"cannot write {path}: {error.strerror or error}")
