@@ -23,7 +23,6 @@ from streampack.engines import run_local
 from streampack.errors import BadRecordError, ConfigMismatchError, StreampackError
 from streampack.format import (
     LEDGER_DIR,
-    LOCK,
     MANIFEST,
     SHARD_DIR,
     Manifest,
@@ -193,7 +192,11 @@ def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSumm
 def _plan(inputs: Any, read: ReadOptions) -> tuple[list[WorkUnit], list[dict[str, Any]]]:
     documents = _as_documents(inputs)
     if documents is not None:
-        stat = {"path": f"python:{type(documents).__name__}", "size": _len_or_none(documents), "mtime_ns": None}
+        stat = {
+            "path": f"python:{type(documents).__name__}",
+            "size": _len_or_none(documents),
+            "mtime_ns": None,
+        }
         fingerprint = getattr(documents, "_fingerprint", None)
         if isinstance(fingerprint, str):
             stat["fingerprint"] = fingerprint
@@ -299,11 +302,15 @@ def _check_same_build(root: Path, existing: Manifest, new: Manifest) -> None:
 def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
     old_paths, new_paths = [i["path"] for i in old], [i["path"] for i in new]
     if old_paths != new_paths:
-        return f"the cache was built from {len(old_paths)} inputs starting {old_paths[:2]}, not {new_paths[:2]}"
+        return (
+            f"the cache was built from {len(old_paths)} inputs starting {old_paths[:2]}, not {new_paths[:2]}"
+        )
     for before, now in zip(old, new):
         if before != now:
-            return f"{now['path']}: size {before['size']} -> {now['size']}, mtime_ns {before['mtime_ns']} -> " \
+            return (
+                f"{now['path']}: size {before['size']} -> {now['size']}, mtime_ns {before['mtime_ns']} -> "
                 f"{now['mtime_ns']}"
+            )
     return ""
 
 
@@ -318,13 +325,17 @@ class UnitResult:
     progress: UnitProgress
 
 
-def _run(todo: list[UnitTask], opts: BuildOptions, report: Callable[[dict[str, int]], None]) -> Iterable[UnitResult]:
+def _run(
+    todo: list[UnitTask], opts: BuildOptions, report: Callable[[dict[str, int]], None]
+) -> Iterable[UnitResult]:
     cores = os.cpu_count() or 1
     in_process = [t for t in todo if t.unit.in_process]
     pooled = [t for t in todo if not t.unit.in_process]
     workers = min(opts.workers or cores, max(len(pooled), 1))
     threads = max(1, cores // workers)
-    yield from run_local(run_unit, in_process, workers=1, on_progress=report, initializer=_set_threads, initargs=(cores,))
+    yield from run_local(
+        run_unit, in_process, workers=1, on_progress=report, initializer=_set_threads, initargs=(cores,)
+    )
     yield from run_local(
         run_unit, pooled, workers=workers, on_progress=report, initializer=_set_threads, initargs=(threads,)
     )
@@ -364,9 +375,19 @@ class _UnitPipeline:
     """Records -> pieces -> batches -> tokens -> shard, committing at document boundaries."""
 
     def __init__(
-        self, task: UnitTask, tokenizer: Tokenizer, writer: ShardWriter, report: Callable[[dict[str, int]], None]
+        self,
+        task: UnitTask,
+        tokenizer: Tokenizer,
+        writer: ShardWriter,
+        report: Callable[[dict[str, int]], None],
     ) -> None:
-        self.task, self.opts, self.tokenizer, self.writer, self.report = task, task.options, tokenizer, writer, report
+        self.task, self.opts, self.tokenizer, self.writer, self.report = (
+            task,
+            task.options,
+            tokenizer,
+            writer,
+            report,
+        )
         self.records = writer.progress.records
         self.skipped = writer.progress.skipped
         self.texts: list[str] = []
@@ -400,8 +421,10 @@ class _UnitPipeline:
         self.skipped += 1
 
     def _add_document(self, text: str | TextStream) -> None:
-        pieces = stream_pieces(text, self.opts.max_piece_chars) if isinstance(text, TextStream) else split_text(
-            text, self.opts.max_piece_chars
+        pieces = (
+            stream_pieces(text, self.opts.max_piece_chars)
+            if isinstance(text, TextStream)
+            else split_text(text, self.opts.max_piece_chars)
         )
         for piece in pieces:
             if self.ends_doc and self.batch_chars >= self.opts.batch_chars:
@@ -462,7 +485,9 @@ class _ProgressBar:
 
             done = sum(self.sizes[u.index] for u, p in zip(units, progress) if p.done)
             total = sum(self.sizes.values())
-            self.bar = tqdm(total=total, initial=done, unit="B", unit_scale=True, desc="build", dynamic_ncols=True)
+            self.bar = tqdm(
+                total=total, initial=done, unit="B", unit_scale=True, desc="build", dynamic_ncols=True
+            )
 
     def update(self, event: dict[str, int]) -> None:
         """Count one batch's documents, tokens and input bytes."""

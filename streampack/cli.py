@@ -31,37 +31,76 @@ def cli() -> None:
 @cli.command()
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Cache directory.")
-@click.option("--tokenizer", "-t", default="bytes", show_default=True,
-              help="'bytes', a tokenizer.json path or folder, or tiktoken:PATH.")
+@click.option(
+    "--tokenizer",
+    "-t",
+    default="bytes",
+    show_default=True,
+    help="'bytes', a tokenizer.json path or folder, or tiktoken:PATH.",
+)
 @click.option("--workers", "-j", type=click.IntRange(min=1), help="Worker processes [default: cores].")
-@click.option("--text-field", default="text", show_default=True, help="JSON key / Parquet column of the text.")
+@click.option(
+    "--text-field", default="text", show_default=True, help="JSON key / Parquet column of the text."
+)
 @click.option("--split-lines", is_flag=True, help="One document per line of .txt inputs (default: per file).")
 @click.option("--eos-id", type=click.IntRange(min=0), help="EOS id to append [default: the tokenizer's].")
 @click.option("--no-eos", is_flag=True, help="Append no EOS after documents.")
 @click.option("--on-bad-record", type=click.Choice(["error", "skip"]), default="error", show_default=True)
 @click.option("--overwrite", is_flag=True, help="Delete the existing cache in --out and start over.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar [default: when stderr is a tty].")
-@click.option("--unit-mb", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Split large uncompressed JSONL and Parquet inputs into work units of this size.")
+@click.option(
+    "--unit-mb",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Split large uncompressed JSONL and Parquet inputs into work units of this size.",
+)
 @click.option("--batch-chars", type=click.IntRange(min=1), default=4 << 20, hidden=True)
 @click.option("--commit-seconds", type=click.FloatRange(min=0), default=10.0, hidden=True)
 @click.option("--commit-mb", type=click.FloatRange(min=0), default=64, hidden=True)
-def build(inputs: tuple[str, ...], out: str, tokenizer: str, workers: int | None, text_field: str,
-          split_lines: bool, eos_id: int | None, no_eos: bool, on_bad_record: str, overwrite: bool,
-          progress: bool | None, unit_mb: int, batch_chars: int, commit_seconds: float, commit_mb: float) -> None:
+def build(
+    inputs: tuple[str, ...],
+    out: str,
+    tokenizer: str,
+    workers: int | None,
+    text_field: str,
+    split_lines: bool,
+    eos_id: int | None,
+    no_eos: bool,
+    on_bad_record: str,
+    overwrite: bool,
+    progress: bool | None,
+    unit_mb: int,
+    batch_chars: int,
+    commit_seconds: float,
+    commit_mb: float,
+) -> None:
     """Tokenize INPUTS (files, directories, globs, URLs) into a token cache in --out.
 
     Rerunning the same command after an interruption resumes where it stopped.
     """
     summary = build_cache(
-        list(inputs), out, tokenizer=tokenizer, workers=workers, text_field=text_field, split_lines=split_lines,
-        eos=not no_eos, eos_id=eos_id, on_bad_record=on_bad_record, overwrite=overwrite,
-        progress=sys.stderr.isatty() if progress is None else progress, unit_bytes=unit_mb << 20,
-        batch_chars=batch_chars, commit_seconds=commit_seconds, commit_bytes=max(int(commit_mb * (1 << 20)), 1),
+        list(inputs),
+        out,
+        tokenizer=tokenizer,
+        workers=workers,
+        text_field=text_field,
+        split_lines=split_lines,
+        eos=not no_eos,
+        eos_id=eos_id,
+        on_bad_record=on_bad_record,
+        overwrite=overwrite,
+        progress=sys.stderr.isatty() if progress is None else progress,
+        unit_bytes=unit_mb << 20,
+        batch_chars=batch_chars,
+        commit_seconds=commit_seconds,
+        commit_bytes=max(int(commit_mb * (1 << 20)), 1),
     )
     resumed = ""
     if summary.units_already_done or summary.units_resumed:
-        resumed = f" (resumed: {summary.units_already_done} units already done, {summary.units_resumed} partial)"
+        resumed = (
+            f" (resumed: {summary.units_already_done} units already done, {summary.units_resumed} partial)"
+        )
     click.echo(
         f"built {summary.out}: {summary.num_docs:,} documents, {summary.num_tokens:,} tokens in "
         f"{summary.num_shards} shards, {summary.seconds:.1f} s{resumed}"
@@ -117,13 +156,17 @@ def verify(cache_dir: str) -> None:
         for problem in report.problems:
             click.echo(f"error: {problem}", err=True)
         sys.exit(1)
-    click.echo(f"ok: {cache_dir} ({report.bytes_checked / 1e6:.1f} MB checked at {report.gb_per_second:.2f} GB/s)")
+    click.echo(
+        f"ok: {cache_dir} ({report.bytes_checked / 1e6:.1f} MB checked at {report.gb_per_second:.2f} GB/s)"
+    )
 
 
 @cli.command()
 @click.argument("cache_dir", type=click.Path())
 @click.option("--doc", "doc_index", type=int, required=True, help="Document index.")
-@click.option("--tokenizer", "-t", help="Tokenizer SPEC to decode with [default: the one that built the cache].")
+@click.option(
+    "--tokenizer", "-t", help="Tokenizer SPEC to decode with [default: the one that built the cache]."
+)
 @click.option("--ids", is_flag=True, help="Print token ids instead of text.")
 def decode(cache_dir: str, doc_index: int, tokenizer: str | None, ids: bool) -> None:
     """Print document --doc of the cache as text."""

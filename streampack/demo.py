@@ -34,7 +34,9 @@ def run_demo(out: Path, *, workers: int | None = None) -> None:
     paths = stdlib_sources()
     click.echo(f"building {out} from {len(paths)} standard-library files with the 'bytes' tokenizer")
     summary = build(Documents(_texts(paths)), out, tokenizer="bytes", workers=workers, overwrite=True)
-    click.echo(f"built {summary.num_docs:,} documents, {summary.num_tokens:,} tokens in {summary.seconds:.1f} s\n")
+    click.echo(
+        f"built {summary.num_docs:,} documents, {summary.num_tokens:,} tokens in {summary.seconds:.1f} s\n"
+    )
     cache = open_cache(out)
     for key, value in cache_stats(cache).items():
         click.echo(f"  {key:<16} {value}")

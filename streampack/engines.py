@@ -64,7 +64,10 @@ def _run_pool(
     forwarder = threading.Thread(target=_forward, args=(events, on_progress, stop), daemon=True)
     forwarder.start()
     executor = ProcessPoolExecutor(
-        workers, mp_context=context, initializer=_init_worker, initargs=(unit_fn, events, initializer, initargs)
+        workers,
+        mp_context=context,
+        initializer=_init_worker,
+        initargs=(unit_fn, events, initializer, initargs),
     )
     try:
         pending: set[Future[Any]] = {executor.submit(_run_in_worker, task) for task in tasks}

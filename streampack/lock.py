@@ -32,14 +32,17 @@ class BuildLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except PermissionError as e:
-            raise StreampackError(f"cannot write to {self.path.parent}: {e.strerror}; choose a writable --out") from None
+            raise StreampackError(
+                f"cannot write to {self.path.parent}: {e.strerror}; choose a writable --out"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise StreampackError(
-                f"{self.path.parent} is locked by another build ({holder}); wait for it to finish or stop it, "
+                f"{self.path.parent} is locked by another build ({holder}); wait for it to finish or stop "
+                "it, "
                 "then rerun (a killed build's lock is released automatically)"
             ) from None
         os.ftruncate(fd, 0)

@@ -11,12 +11,16 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from streampack import ledger
 from streampack.errors import CacheError
 from streampack.format import OFFSET_DTYPE, Manifest, ShardInfo, load_manifest, offsets_path, tokens_path
+
+if TYPE_CHECKING:
+    from streampack.sequences import PackedSequences
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,8 @@ class Cache:
         self._check_sizes()
 
     def __repr__(self) -> str:
-        return f"Cache({str(self.root)!r}, docs={self.num_docs}, tokens={self.num_tokens}, dtype={self.dtype.name})"
+        name = str(self.root)
+        return f"Cache({name!r}, docs={self.num_docs}, tokens={self.num_tokens}, dtype={self.dtype.name})"
 
     @property
     def num_docs(self) -> int:
@@ -79,6 +84,15 @@ class Cache:
     def shards(self) -> list[ShardInfo]:
         """The shard table, in stream order."""
         return [s.info for s in self._shards]
+
+    def sequences(self, seq_len: int, *, overlap: int = 0) -> PackedSequences:
+        """Packed windows of the token stream: sample i is tokens ``[i*seq_len, i*seq_len + seq_len + overlap)``.
+
+        See :class:`streampack.sequences.PackedSequences`.
+        """
+        from streampack.sequences import PackedSequences
+
+        return PackedSequences(self, seq_len, overlap=overlap)
 
     def doc(self, index: int) -> np.ndarray:
         """Tokens of document ``index`` (including its EOS), a read-only view of the memory map."""
@@ -141,7 +155,9 @@ class Cache:
                 try:
                     size = path.stat().st_size
                 except FileNotFoundError:
-                    raise CacheError(f"{path}: shard file missing; the cache is damaged, rebuild it") from None
+                    raise CacheError(
+                        f"{path}: shard file missing; the cache is damaged, rebuild it"
+                    ) from None
                 expected = count * itemsize
                 if size < expected or (self.manifest.complete and size != expected):
                     raise CacheError(

@@ -273,7 +273,9 @@ def plan_units(files: Sequence[InputFile], options: ReadOptions) -> list[WorkUni
 def plan_python_units(items: Any) -> list[WorkUnit]:
     """Work units for a Python object: index ranges of a sequence, or one unit for any other iterable."""
     if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
-        raise InputError(f"cannot read documents from a {type(items).__name__}: pass an iterable of str or dict")
+        raise InputError(
+            f"cannot read documents from a {type(items).__name__}: pass an iterable of str or dict"
+        )
     if hasattr(items, "__len__") and hasattr(items, "__getitem__") and not isinstance(items, dict):
         n = len(items)
         bounds = range(0, max(n, 1), SEQUENCE_UNIT_ROWS)
@@ -433,7 +435,9 @@ def _decoded_chunks(file: InputFile, position: Position | None) -> Iterator[str]
                     f"{file.path}: byte {offset + e.start}: invalid UTF-8; fix or re-encode the file"
                 ) from None
             except _STREAM_ERRORS as e:
-                raise InputError(f"{file.path}: the stream is truncated or corrupt at byte {offset} ({e})") from None
+                raise InputError(
+                    f"{file.path}: the stream is truncated or corrupt at byte {offset} ({e})"
+                ) from None
             offset += len(chunk)
             if text:
                 yield text
@@ -527,7 +531,7 @@ def _slices(items: Any, start: int, stop: int, step: int = 1000) -> Iterator[Any
 def _open_input(file: InputFile, position: Position | None = None) -> Iterator[BinaryIO]:
     """Open an input for binary reading, decompressing by extension."""
     try:
-        raw: BinaryIO = open(file.path, "rb") if file.is_local else _open_remote(file.path)
+        raw: BinaryIO = open(file.path, "rb") if file.is_local else _open_remote(file.path)  # noqa: SIM115
     except OSError as e:
         raise InputError(f"{file.path}: cannot open ({e.strerror or e})") from None
     if position is not None:

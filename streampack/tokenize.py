@@ -210,7 +210,9 @@ class TiktokenTokenizer:
             raise StreampackError(f"tokenizer {spec!r}: cannot load ({type(e).__name__}: {e})") from None
         self._name = ranks.stem
         self.vocab_size = self._enc.n_vocab
-        self.eos_id = next((self._enc._special_tokens[n] for n in EOS_NAMES if n in self._enc._special_tokens), None)
+        self.eos_id = next(
+            (self._enc._special_tokens[n] for n in EOS_NAMES if n in self._enc._special_tokens), None
+        )
         self._threads = threads or 1
         self._pool = ThreadPoolExecutor(self._threads) if self._threads > 1 else None
         core = getattr(self._enc, "_core_bpe", None)

@@ -79,7 +79,8 @@ def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
         if len(missing):
             doc = int(cache._doc_starts[shard] + missing[0])
             problems.append(
-                f"{files.tokens}: document {doc} (and {len(missing) - 1} more) does not end with EOS {cache.eos_id}"
+                f"{files.tokens}: document {doc} (and {len(missing) - 1} more) does not end with EOS "
+                f"{cache.eos_id}"
             )
     return problems
 
@@ -91,9 +92,13 @@ def _check_offsets(path: Path, offsets: np.ndarray, num_tokens: int) -> list[str
     bad = np.flatnonzero(steps < 0)
     if len(bad):
         i = int(bad[0])
-        return [f"{path}: offsets not monotone at document {i} ({int(offsets[i - 1])} then {int(offsets[i])})"]
+        return [
+            f"{path}: offsets not monotone at document {i} ({int(offsets[i - 1])} then {int(offsets[i])})"
+        ]
     if int(offsets[-1]) != num_tokens:
-        return [f"{path}: the last document ends at {int(offsets[-1])}, but the shard has {num_tokens} tokens"]
+        return [
+            f"{path}: the last document ends at {int(offsets[-1])}, but the shard has {num_tokens} tokens"
+        ]
     return []
 
 

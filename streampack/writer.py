@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import TracebackType
+from typing import BinaryIO
 
 import numpy as np
 
@@ -97,10 +98,10 @@ class ShardWriter:
             raise _disk_error(e, path) from None
 
 
-def _open_at(path: Path, length: int):  # noqa: ANN202 - a binary file object
+def _open_at(path: Path, length: int) -> BinaryIO:
     """Open ``path`` for appending after truncating it to its committed ``length``."""
     try:
-        f = open(path, "r+b") if path.exists() else open(path, "w+b")
+        f = open(path, "r+b" if path.exists() else "w+b")  # noqa: SIM115 - kept open by the writer
         size = f.seek(0, os.SEEK_END)
         if size < length:
             f.close()
