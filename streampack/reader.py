@@ -86,7 +86,7 @@ class Cache:
         return [s.info for s in self._shards]
 
     def sequences(self, seq_len: int, *, overlap: int = 0) -> PackedSequences:
-        """Packed windows of the token stream: sample i is tokens ``[i*seq_len, i*seq_len + seq_len + overlap)``.
+        """Packed windows of the stream: sample i is tokens ``[i*seq_len, i*seq_len + seq_len + overlap)``.
 
         See :class:`streampack.sequences.PackedSequences`.
         """
