@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from streampack.build import BuildOptions, BuildSummary, build
 from streampack.errors import BadRecordError, CacheError, ConfigMismatchError, InputError, StreampackError
+from streampack.permutation import Permutation
 from streampack.reader import Cache, open
 from streampack.sources import Documents
 from streampack.tokenize import load_tokenizer
@@ -22,6 +23,7 @@ __all__ = [
     "ConfigMismatchError",
     "Documents",
     "InputError",
+    "Permutation",
     "StreampackError",
     "VerifyReport",
     "build",

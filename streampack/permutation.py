@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Callable
 from typing import overload
 
 import numpy as np
@@ -129,6 +130,14 @@ class Permutation:
         object.__setattr__(self, "_half_bits", max(1, ((n - 1).bit_length() + 1) // 2))
         object.__setattr__(self, "_keys", keys)
         object.__setattr__(self, "_array_keys", tuple(np.uint64(key) for key in keys))
+
+    def __reduce__(self) -> tuple[Callable[[int, int, int], Permutation], tuple[int, int, int]]:
+        """Pickle as ``(n, seed, epoch)`` only; the round keys are rederived on load.
+
+        This keeps the pickle small, revalidated when loaded, and free of numpy objects, whose pickles do
+        not load across numpy major versions.
+        """
+        return (_restore, (self.n, self.seed, self.epoch))
 
     def __len__(self) -> int:
         """Return ``n``, the size of the permuted domain."""
@@ -230,3 +239,8 @@ class Permutation:
         for i in walking.tolist():
             out[i] = self._walk_int(int(out[i]))
         return out
+
+
+def _restore(n: int, seed: int, epoch: int) -> Permutation:
+    """Rebuild a pickled `Permutation` (its seed and epoch are keyword-only)."""
+    return Permutation(n, seed=seed, epoch=epoch)

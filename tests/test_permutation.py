@@ -136,7 +136,9 @@ def test_same_order_in_a_fresh_process() -> None:
 
 def test_pickle_round_trip_keeps_the_order() -> None:
     perm = Permutation(12345, seed=77, epoch=3)
-    restored = pickle.loads(pickle.dumps(perm))
+    data = pickle.dumps(perm)
+    assert b"numpy" not in data  # numpy pickles do not load across numpy major versions
+    restored = pickle.loads(data)
     assert restored == perm
     assert hash(restored) == hash(perm)
     assert np.array_equal(restored(np.arange(perm.n)), perm(np.arange(perm.n)))

@@ -1,0 +1,107 @@
+"""Shared fixtures: real tokenizers, corpora written as real files, and the CLI run as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+GPT2_JSON = SHARED_DATA / "tokenizers" / "gpt2" / "tokenizer.json"
+TIKTOKEN_GPT2 = SHARED_DATA / "tokenizers" / "tiktoken" / "gpt2.tiktoken"
+SAMPLE_CORPUS = SHARED_DATA / "corpus" / "natural-sample.jsonl.zst"
+
+TRAINING_TEXT = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Tokenizers split text into pieces; caches keep the pieces on disk.",
+    "Ünïcödé text, emoji 🙂 and CJK 漢字 must survive the round trip.",
+    "def main():\n    return 42\n",
+] * 50
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real byte-level BPE tokenizer.json trained on the fly, with <|endoftext|> as EOS."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(TRAINING_TEXT, trainer)
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer() -> Path:
+    """The real GPT-2 tokenizer.json from ../shared/data (skips where absent)."""
+    if not GPT2_JSON.exists():
+        pytest.skip(f"GPT-2 tokenizer not found at {GPT2_JSON} (../shared/data is absent)")
+    return GPT2_JSON
+
+
+@pytest.fixture(scope="session")
+def tiktoken_gpt2() -> Path:
+    """The real tiktoken GPT-2 ranks file from ../shared/data (skips where absent or without tiktoken)."""
+    pytest.importorskip("tiktoken")
+    if not TIKTOKEN_GPT2.exists():
+        pytest.skip(f"tiktoken ranks not found at {TIKTOKEN_GPT2} (../shared/data is absent)")
+    return TIKTOKEN_GPT2
+
+
+def write_jsonl(path: Path, records: Sequence[object]) -> Path:
+    """Write one JSON value per line (compressed by the path's extension)."""
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    return write_bytes(path, data)
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    """Write bytes, compressing by extension (.gz, .zst, .bz2, .xz)."""
+    import bz2
+    import gzip
+    import lzma
+
+    import zstandard
+
+    compress = {
+        ".gz": lambda d: gzip.compress(d, mtime=0),
+        ".zst": lambda d: zstandard.ZstdCompressor().compress(d),
+        ".bz2": bz2.compress,
+        ".xz": lzma.compress,
+    }.get(path.suffix, lambda d: d)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(compress(data))
+    return path
+
+
+def run_cli(
+    *args: str | os.PathLike[str], check: bool = True, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run ``streampack ARGS`` in a subprocess, as a user would."""
+    cmd = [sys.executable, "-m", "streampack.cli", *map(str, args)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"{cmd} exited {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+        )
+    return result
+
+
+def shard_bytes(root: Path) -> dict[str, bytes]:
+    """Every file of a cache except the lock, by relative path: for byte-for-byte comparisons."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != "build.lock"
+    }

@@ -1,0 +1,193 @@
+"""Round trips through build and open, for every input format, compression and tokenizer kind."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+import streampack
+from streampack.errors import ConfigMismatchError, StreampackError
+from tests.conftest import shard_bytes, write_bytes, write_jsonl
+
+texts = st.text(st.characters(exclude_categories=["Cs"]), max_size=300)
+long_texts = st.builds(lambda t, n: t * n, st.text(min_size=1, max_size=20), st.integers(50, 400))
+corpora = st.lists(st.one_of(texts, texts, long_texts, st.just("")), min_size=1, max_size=25)
+
+
+def expected_docs(tokenizer_json: Path | None, docs: list[str]) -> list[list[int]]:
+    """What the cache must hold: the tokenizer called directly on each text, then EOS."""
+    if tokenizer_json is None:
+        return [[*d.encode("utf-8"), 256] for d in docs]
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    eos = tok.token_to_id("<|endoftext|>")
+    return [[*tok.encode(d, add_special_tokens=False).ids, eos] for d in docs]
+
+
+def read_docs(out: Path) -> list[list[int]]:
+    cache = streampack.open(out)
+    return [cache.doc(i).tolist() for i in range(cache.num_docs)]
+
+
+def write_corpus(directory: Path, docs: list[str], fmt: str) -> list[Path]:
+    """Write ``docs`` in format ``fmt``, split over up to three files; return the files in order."""
+    parts = [docs] if len(docs) < 3 else [docs[:1], docs[1:2], docs[2:]]
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, part in enumerate(parts):
+        if fmt == "parquet":
+            path = directory / f"part{i}.parquet"
+            pq.write_table(pa.table({"text": part, "n": list(range(len(part)))}), path, row_group_size=4)
+        else:
+            path = write_jsonl(
+                directory / f"part{i}.{fmt}", [{"text": d, "id": j} for j, d in enumerate(part)]
+            )
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.gz", "jsonl.zst", "jsonl.bz2", "jsonl.xz", "parquet"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(docs=corpora)
+def test_round_trip_every_format(fmt: str, docs: list[str], bpe_tokenizer: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_corpus(Path(tmp) / "in", docs, fmt)
+        for tokenizer in (None, bpe_tokenizer):
+            out = Path(tmp) / f"cache-{tokenizer is None}"
+            spec = "bytes" if tokenizer is None else str(tokenizer)
+            streampack.build(paths, out, tokenizer=spec, workers=1)
+            assert read_docs(out) == expected_docs(tokenizer, docs)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(docs=st.lists(texts.filter(lambda t: "\n" not in t and "\r" not in t and t.strip()), min_size=1))
+def test_round_trip_text_lines_and_files(docs: list[str], bpe_tokenizer: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        lines = write_bytes(Path(tmp) / "in" / "lines.txt.gz", "".join(d + "\n" for d in docs).encode())
+        streampack.build(lines, Path(tmp) / "lines", split_lines=True, workers=1)
+        assert read_docs(Path(tmp) / "lines") == expected_docs(None, [d.rstrip("\r\n") for d in docs])
+        files = [write_bytes(Path(tmp) / "docs" / f"{i:03d}.txt", d.encode()) for i, d in enumerate(docs)]
+        streampack.build(Path(tmp) / "docs", Path(tmp) / "files", tokenizer=str(bpe_tokenizer), workers=1)
+        assert read_docs(Path(tmp) / "files") == expected_docs(bpe_tokenizer, docs)
+        assert len(files) == streampack.open(Path(tmp) / "files").num_docs
+
+
+def test_python_documents_and_generators(tmp_path: Path) -> None:
+    docs = ["alpha", "", "gamma δ"]
+    streampack.build(streampack.Documents(docs), tmp_path / "a")
+    streampack.build(({"text": d} for d in docs), tmp_path / "b")
+    assert read_docs(tmp_path / "a") == read_docs(tmp_path / "b") == expected_docs(None, docs)
+
+
+def test_hugging_face_dataset(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    docs = [f"document {i} " * (i % 7) for i in range(250)]
+    ds = datasets.Dataset.from_dict({"text": docs})
+    streampack.build(ds, tmp_path / "ds")
+    assert read_docs(tmp_path / "ds") == expected_docs(None, docs)
+
+
+def test_split_jsonl_units_match_whole_file(tmp_path: Path) -> None:
+    docs = [f"line {i} " + "x" * (i % 300) for i in range(3000)]
+    path = write_jsonl(tmp_path / "big.jsonl", [{"text": d} for d in docs])
+    assert path.stat().st_size > 3 * (1 << 16)
+    streampack.build(path, tmp_path / "split", unit_bytes=1 << 16, workers=1)
+    cache = streampack.open(tmp_path / "split")
+    assert cache.num_shards > 3
+    assert read_docs(tmp_path / "split") == expected_docs(None, docs)
+
+
+def test_workers_do_not_change_the_bytes(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    inputs = [
+        write_jsonl(tmp_path / "in" / f"{i}.jsonl", [{"text": f"doc {i}.{j} " * j} for j in range(400)])
+        for i in range(3)
+    ]
+    for workers in (1, 2):
+        streampack.build(
+            inputs,
+            tmp_path / f"w{workers}",
+            tokenizer=str(bpe_tokenizer),
+            workers=workers,
+            unit_bytes=1 << 16,
+        )
+    assert shard_bytes(tmp_path / "w1") == shard_bytes(tmp_path / "w2")
+    assert streampack.open(tmp_path / "w1").num_shards >= 4
+
+
+def test_gpt2_sample_matches_tokenizer(tmp_path: Path, gpt2_tokenizer: Path) -> None:
+    from tests.conftest import SAMPLE_CORPUS
+
+    if not SAMPLE_CORPUS.exists():
+        pytest.skip(f"{SAMPLE_CORPUS} is absent")
+    streampack.build(SAMPLE_CORPUS, tmp_path / "c", tokenizer=str(gpt2_tokenizer), max_piece_chars=20_000)
+    cache = streampack.open(tmp_path / "c")
+    import zstandard
+
+    lines = zstandard.ZstdDecompressor().stream_reader(SAMPLE_CORPUS.open("rb")).read().splitlines()
+    texts_ = [json.loads(line)["text"] for line in lines]
+    assert cache.num_docs == len(texts_)
+    tok = Tokenizer.from_file(str(gpt2_tokenizer))
+    for i in (0, 1, len(texts_) // 2, len(texts_) - 1, *np.argsort([-len(t) for t in texts_])[:3].tolist()):
+        assert cache.doc(i).tolist() == [*tok.encode(texts_[i]).ids, 50256], i
+
+
+def test_tiktoken_backend(tmp_path: Path, tiktoken_gpt2: Path, gpt2_tokenizer: Path) -> None:
+    docs = ["Hello world", "<|endoftext|> is plain text here", "  spaces\n\nand lines  ", ""]
+    streampack.build(streampack.Documents(docs), tmp_path / "tt", tokenizer=f"tiktoken:{tiktoken_gpt2}")
+    cache = streampack.open(tmp_path / "tt")
+    assert cache.manifest.dtype == "uint16" and cache.eos_id == 50256
+    import tiktoken
+    import tiktoken.load
+
+    meta = json.loads(tiktoken_gpt2.with_suffix(".json").read_text())
+    enc = tiktoken.Encoding(
+        "gpt2",
+        pat_str=meta["pat_str"],
+        mergeable_ranks=tiktoken.load.load_tiktoken_bpe(str(tiktoken_gpt2)),
+        special_tokens=meta["special_tokens"],
+    )
+    assert read_docs(tmp_path / "tt") == [[*enc.encode_ordinary(d), 50256] for d in docs]
+    assert cache.doc(0).tolist()[:2] == [15496, 995]
+
+
+def test_eos_options(tmp_path: Path) -> None:
+    streampack.build(streampack.Documents(["ab"]), tmp_path / "none", eos=False)
+    streampack.build(streampack.Documents(["ab"]), tmp_path / "big", eos_id=70000)
+    assert streampack.open(tmp_path / "none").doc(0).tolist() == [97, 98]
+    big = streampack.open(tmp_path / "big")
+    assert big.doc(0).tolist() == [97, 98, 70000] and big.dtype == np.dtype("uint32")
+
+
+def test_rerun_is_a_no_op_and_settings_are_checked(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}, {"body": "y", "text": "z"}])
+    out = tmp_path / "c"
+    streampack.build(path, out)
+    before = shard_bytes(out)
+    summary = streampack.build(path, out)
+    assert summary.num_docs == 2 and shard_bytes(out) == before
+    with pytest.raises(ConfigMismatchError, match="tokenizer"):
+        streampack.build(path, out, tokenizer=str(bpe_tokenizer))
+    with pytest.raises(ConfigMismatchError, match="text_field"):
+        streampack.build(path, out, text_field="body")
+    with pytest.raises(ConfigMismatchError, match="eos"):
+        streampack.build(path, out, eos=False)
+    streampack.build(path, out, text_field="body", overwrite=True, on_bad_record="skip")
+    assert streampack.open(out).manifest.skipped_records == 1
+
+
+def test_incomplete_cache_is_refused_unless_asked(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", [{"text": "good"}, "not an object", {"text": "never"}])
+    with pytest.raises(StreampackError, match=r"a\.jsonl:2"):
+        streampack.build(path, tmp_path / "c")
+    with pytest.raises(StreampackError, match="has not finished"):
+        streampack.open(tmp_path / "c")
+    partial = streampack.open(tmp_path / "c", allow_incomplete=True)
+    assert partial.num_docs == 1 and partial.doc(0).tolist() == [*b"good", 256]
