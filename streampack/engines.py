@@ -11,6 +11,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
@@ -112,10 +114,28 @@ def _init_worker(
     unit_fn: UnitFn, events: Any, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]
 ) -> None:
     global _worker_fn, _worker_queue
+    _die_with_parent()
     _worker_fn, _worker_queue = unit_fn, events
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     if initializer is not None:
         initializer(*initargs)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this worker when the coordinator dies, even by SIGKILL.
+
+    Otherwise a worker orphaned by a killed build could go on appending to its shard while the rerun
+    that resumes the build truncates that same shard.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _run_in_worker(task: Any) -> Any:

@@ -1,0 +1,168 @@
+"""The command line, run as a user runs it: real subprocesses, real files, exit codes and messages."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from tests.conftest import run_cli, write_bytes, write_jsonl
+
+
+def test_build_info_verify_decode(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    docs = [{"text": "Hello there, general reader."}, {"text": "Ünïcödé 🙂"}, {"text": ""}]
+    src = write_jsonl(tmp_path / "in.jsonl.gz", docs)
+    out = tmp_path / "cache"
+    result = run_cli("build", src, "--tokenizer", bpe_tokenizer, "--out", out, "--workers", "2")
+    assert "3 documents" in result.stdout
+    info = json.loads(run_cli("info", out, "--json").stdout)
+    assert info["num_docs"] == 3 and info["dtype"] == "uint16" and info["vocab_size"] > 256
+    assert {"doc_tokens_mean", "doc_tokens_p50", "doc_tokens_p99", "bytes", "num_shards"} <= set(info)
+    assert "num_tokens" in run_cli("info", out).stdout
+    assert run_cli("verify", out).stdout.startswith("ok:")
+    assert run_cli("decode", out, "--doc", "1").stdout.startswith("Ünïcödé 🙂")
+
+
+def test_skip_bad_records_reports_a_count(tmp_path: Path) -> None:
+    src = write_bytes(tmp_path / "in.jsonl", b'{"text": "a"}\n{"text": 3}\nnot json\n{"text": "b"}\n')
+    result = run_cli("build", src, "--out", tmp_path / "c", "--on-bad-record", "skip")
+    assert "2 documents" in result.stdout and "skipped 2 bad records" in result.stdout
+    assert json.loads(run_cli("info", tmp_path / "c", "--json").stdout)["skipped_records"] == 2
+
+
+BAD_INPUTS = {
+    "malformed JSON": (
+        "bad.jsonl",
+        b'{"text": "ok"}\n{"text": "unterminated\n',
+        r"bad\.jsonl:2: malformed JSON",
+    ),
+    "missing field": (
+        "bad.jsonl",
+        b'{"text": "ok"}\n{"body": "x"}\n',
+        r"bad\.jsonl:2: no 'text' field \(fields: 'body'\)",
+    ),
+    "not an object": ("bad.jsonl", b'["text"]\n', r"bad\.jsonl:1: the line is a JSON list"),
+    "null text": ("bad.jsonl", b'{"text": null}\n', r"bad\.jsonl:1: the 'text' field is null"),
+    "non-string text": ("bad.jsonl", b'{"text": 1}\n', r"bad\.jsonl:1: the 'text' field is int"),
+    "invalid UTF-8": ("bad.jsonl", b'{"text": "ok"}\n{"text": "\xff\xfe"}\n', r"bad\.jsonl:2: invalid UTF-8"),
+    "invalid UTF-8 text": ("bad.txt", b"fine\n\xc3\x28\n", r"bad\.txt:2: invalid UTF-8"),
+    "unknown extension": ("data.csv", b"a,b\n", r"data\.csv: unknown file type"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_INPUTS)
+def test_bad_input_names_file_and_line(tmp_path: Path, kind: str) -> None:
+    name, data, message = BAD_INPUTS[kind]
+    src = write_bytes(tmp_path / name, data)
+    args = ["--split-lines"] if name.endswith(".txt") else []
+    result = run_cli("build", src, "--out", tmp_path / "c", *args, check=False)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: ")
+    import re
+
+    assert re.search(message, result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_truncated_stream_is_an_error_and_committed_part_stays(tmp_path: Path, suffix: str) -> None:
+    lines = b"".join(json.dumps({"text": f"record {i} " * 20}).encode() + b"\n" for i in range(20000))
+    full = gzip.compress(lines) if suffix == ".gz" else zstandard.ZstdCompressor().compress(lines)
+    src = tmp_path / f"cut.jsonl{suffix}"
+    src.write_bytes(full[: len(full) * 2 // 3])
+    out = tmp_path / "c"
+    result = run_cli(
+        "build", src, "--out", out, "--batch-chars", "100000", "--commit-seconds", "0", check=False
+    )
+    assert result.returncode == 1
+    assert "truncated or corrupt" in result.stderr and "cut.jsonl" in result.stderr
+    import streampack
+
+    partial = streampack.open(out, allow_incomplete=True)
+    assert 0 < partial.num_docs < 20000
+    assert partial.doc(partial.num_docs - 1).tolist()[-1] == 256
+
+
+def test_input_and_tokenizer_errors(tmp_path: Path) -> None:
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    (empty_dir / "notes.md").write_text("x")
+    cases = [
+        (["build", tmp_path / "missing.jsonl"], "missing.jsonl: no such file or directory"),
+        (["build", empty_dir], "the directory holds no input files"),
+        (["build", str(tmp_path / "*.ndjson")], "the glob matches no input files"),
+        (
+            [
+                "build",
+                write_bytes(tmp_path / "a.jsonl", b'{"text":"x"}\n'),
+                "--tokenizer",
+                tmp_path / "nope.json",
+            ],
+            "nope.json': no such file",
+        ),
+        (
+            ["build", tmp_path / "a.jsonl", "--tokenizer", write_bytes(tmp_path / "t.json", b"{not json")],
+            "not a valid Hugging Face tokenizer.json",
+        ),
+        (["info", tmp_path / "nowhere"], "no such cache directory"),
+    ]
+    for args, message in cases:
+        result = (
+            run_cli(*args, "--out", tmp_path / "out", check=False)
+            if args[0] == "build"
+            else run_cli(*args, check=False)
+        )
+        assert result.returncode == 1, (args, result.stderr)
+        assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_empty_file_gives_an_empty_cache(tmp_path: Path) -> None:
+    src = write_bytes(tmp_path / "empty.jsonl", b"")
+    result = run_cli("build", src, "--out", tmp_path / "c")
+    assert "0 documents" in result.stdout
+
+
+def test_parquet_wrong_schema_and_corrupt_footer(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "a.parquet")
+    result = run_cli("build", tmp_path / "a.parquet", "--out", tmp_path / "c", check=False)
+    assert result.returncode == 1 and "no column 'text' (columns: body)" in result.stderr
+    good = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "b.parquet").write_bytes(good[:-10])
+    result = run_cli("build", tmp_path / "b.parquet", "--out", tmp_path / "d", check=False)
+    assert result.returncode == 1 and "b.parquet: not a readable Parquet file" in result.stderr
+
+
+def test_second_build_in_same_directory_is_refused(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": "word " * 200}] * 20000)
+    out = tmp_path / "c"
+    cmd = [
+        sys.executable,
+        "-m",
+        "streampack.cli",
+        "build",
+        str(src),
+        "--out",
+        str(out),
+        "-t",
+        str(bpe_tokenizer),
+    ]
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not (out / "build.lock").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        second = run_cli("build", src, "--out", out, "-t", bpe_tokenizer, check=False)
+        assert first.poll() is None, "the first build finished too soon for this test"
+        assert second.returncode == 1 and "locked by another build (pid" in second.stderr
+    finally:
+        first.wait(timeout=120)
+    assert first.returncode == 0

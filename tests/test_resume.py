@@ -1,0 +1,103 @@
+"""Crash safety: SIGKILL a real build at random instants, rerun it, and get the same bytes."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import streampack
+from tests.conftest import run_cli, shard_bytes, write_bytes, write_jsonl
+
+
+def make_corpus(root: Path) -> list[Path]:
+    """Several files in several formats: a JSONL big enough to split, gzip, zstd, Parquet, text."""
+    rng = random.Random(7)
+    words = ["alpha", "beta", "gamma", "delta", "Ünïcödé", "🙂", "tokens", "cache", "\n"]
+
+    def doc(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    root.mkdir()
+    paths = [
+        write_jsonl(root / "a.jsonl", [{"text": doc(rng.randint(0, 400))} for _ in range(3000)]),
+        write_jsonl(root / "b.jsonl.gz", [{"text": doc(rng.randint(0, 400))} for _ in range(1500)]),
+        write_jsonl(root / "c.jsonl.zst", [{"text": doc(rng.randint(0, 400))} for _ in range(1500)]),
+    ]
+    pq.write_table(
+        pa.table({"text": [doc(rng.randint(0, 400)) for _ in range(1500)]}),
+        root / "d.parquet",
+        row_group_size=100,
+    )
+    paths.append(root / "d.parquet")
+    paths.append(write_bytes(root / "e.txt", doc(20000).encode()))
+    return paths
+
+
+def build_args(inputs: list[Path], out: Path, tokenizer: Path) -> list[str]:
+    return [
+        *map(str, inputs),
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(tokenizer),
+        "--workers",
+        "2",
+        "--unit-mb",
+        "1",
+        "--batch-chars",
+        "20000",
+        "--commit-seconds",
+        "0",
+        "--commit-mb",
+        "0",
+    ]
+
+
+def kill_at(args: list[str], delay: float) -> bool:
+    """Start a build, SIGKILL its whole process group after ``delay`` s; True if it was still running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streampack.cli", "build", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    time.sleep(delay)
+    running = proc.poll() is None
+    if running:
+        os.killpg(proc.pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=120)
+    assert running or proc.returncode == 0, stderr.decode()
+    return running
+
+
+@pytest.mark.slow
+def test_killed_builds_resume_to_identical_bytes(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    inputs = make_corpus(tmp_path / "in")
+    reference = tmp_path / "reference"
+    started = time.monotonic()
+    run_cli("build", *build_args(inputs, reference, bpe_tokenizer))
+    duration = time.monotonic() - started
+
+    seed = int(os.environ.get("STREAMPACK_KILL_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    kills = 0
+    for round_ in range(3):
+        out = tmp_path / f"killed{round_}"
+        for _ in range(4):  # kill, resume and kill again until a run gets to finish
+            landed = kill_at(build_args(inputs, out, bpe_tokenizer), rng.uniform(0.2, duration * 0.7))
+            kills += landed
+            if not landed:
+                break
+        run_cli("build", *build_args(inputs, out, bpe_tokenizer))
+        assert shard_bytes(out) == shard_bytes(reference), f"seed {seed}, round {round_}"
+        assert streampack.verify(out).ok
+    assert kills >= 4, f"only {kills} kills landed mid-build (seed {seed})"
