@@ -1,0 +1,58 @@
+"""Remote inputs through fsspec, served by a real HTTP server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import streampack
+from tests.conftest import shard_bytes, write_jsonl
+
+pytest.importorskip("aiohttp", reason="fsspec's HTTP filesystem needs aiohttp (the dev extra has it)")
+
+
+@pytest.fixture
+def http_root(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    root = tmp_path / "www"
+    root.mkdir()
+    handler = functools.partial(_QuietHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def test_http_inputs_build_the_same_cache_as_local_files(tmp_path: Path, http_root: tuple[Path, str]) -> None:
+    root, url = http_root
+    records = [{"text": f"remote document {i} " * (i % 13)} for i in range(2000)]
+    write_jsonl(root / "a.jsonl.gz", records)
+    write_jsonl(root / "b.jsonl", records[:500])
+    streampack.build([f"{url}/a.jsonl.gz", f"{url}/b.jsonl"], tmp_path / "remote", workers=2)
+    streampack.build([root / "a.jsonl.gz", root / "b.jsonl"], tmp_path / "local", workers=2)
+    remote, local = streampack.open(tmp_path / "remote"), streampack.open(tmp_path / "local")
+    assert remote.num_docs == 2500
+    assert [remote.doc(i).tolist() for i in (0, 1999, 2499)] == [
+        local.doc(i).tolist() for i in (0, 1999, 2499)
+    ]
+    shards = {k: v for k, v in shard_bytes(tmp_path / "remote").items() if k.startswith("shards/")}
+    assert shards == {k: v for k, v in shard_bytes(tmp_path / "local").items() if k.startswith("shards/")}
+
+
+def test_missing_url_is_a_clear_error(tmp_path: Path, http_root: tuple[Path, str]) -> None:
+    _, url = http_root
+    with pytest.raises(streampack.InputError, match="missing.jsonl"):
+        streampack.build(f"{url}/missing.jsonl", tmp_path / "c")
