@@ -263,12 +263,15 @@ class Loader:
             self._epoch, self._step = self._following(epoch, step)
             yield batch
 
-    def schedule(self) -> Iterator[tuple[int, int]]:
+    def schedule(self, start: tuple[int, int] | None = None) -> Iterator[tuple[int, int]]:
         """The ``(epoch, step)`` of every batch still to come, without changing the state.
 
         DataLoader workers use it to take every n-th batch (:mod:`streampack.torch`).
+
+        Args:
+            start: the ``(epoch, step)`` to start from instead of the current state.
         """
-        epoch, step = self._epoch, self._step
+        epoch, step = (self._epoch, self._step) if start is None else start
         while self.options.epochs is None or epoch < self.options.epochs:
             yield epoch, step
             epoch, step = self._following(epoch, step)

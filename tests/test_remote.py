@@ -54,5 +54,5 @@ def test_http_inputs_build_the_same_cache_as_local_files(tmp_path: Path, http_ro
 
 def test_missing_url_is_a_clear_error(tmp_path: Path, http_root: tuple[Path, str]) -> None:
     _, url = http_root
-    with pytest.raises(streampack.InputError, match="missing.jsonl"):
+    with pytest.raises(streampack.InputError, match=r"missing\.jsonl"):
         streampack.build(f"{url}/missing.jsonl", tmp_path / "c")
