@@ -1,0 +1,111 @@
+"""Tokenizer specs, EOS resolution, and the long-document splitting that must not change tokens."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+
+from streampack.errors import StreampackError
+from streampack.tokenize import load_tokenizer, resolve_eos, split_text, stream_pieces
+
+words = st.text(st.characters(exclude_categories=["Cs", "Zs", "Cc"]), min_size=1, max_size=12)
+separators = st.sampled_from([" ", "  ", "\n", " \n ", "\t", ". ", "\n\n"])
+prose = st.lists(st.tuples(words, separators), min_size=1, max_size=120).map(
+    lambda pairs: "".join(w + s for w, s in pairs)
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=prose, max_chars=st.integers(8, 200))
+def test_pieces_keep_byte_level_bpe_tokens(text: str, max_chars: int, bpe_tokenizer: Path) -> None:
+    pieces = split_text(text, max_chars)
+    assert "".join(pieces) == text
+    assert all(len(p) <= max_chars for p in pieces)
+    cuts = np.cumsum([len(p) for p in pieces[:-1]]).tolist()
+    at_word_space = [text[c] == " " and not text[c - 1].isspace() and not text[c + 1].isspace() for c in cuts]
+    if all(at_word_space):  # the documented guarantee: such cuts leave byte-level BPE tokens unchanged
+        tok = load_tokenizer(str(bpe_tokenizer))
+        assert np.concatenate(tok.encode_batch(pieces)).tolist() == tok.encode_batch([text])[0].tolist()
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=prose, max_chars=st.integers(8, 200), chunk=st.integers(1, 50))
+def test_streamed_pieces_cover_the_text(text: str, max_chars: int, chunk: int) -> None:
+    chunks = [text[i : i + chunk] for i in range(0, len(text), chunk)]
+    pieces = list(stream_pieces(chunks, max_chars))
+    assert "".join(pieces) == text
+    assert all(len(p) <= max_chars for p in pieces)
+
+
+def test_gpt2_long_document_in_pieces_equals_whole(gpt2_tokenizer: Path) -> None:
+    from tests.conftest import SAMPLE_CORPUS
+
+    if not SAMPLE_CORPUS.exists():
+        pytest.skip(f"{SAMPLE_CORPUS} is absent")
+    import zstandard
+
+    raw = zstandard.ZstdDecompressor().stream_reader(SAMPLE_CORPUS.open("rb")).read()
+    text = max((json.loads(line)["text"] for line in raw.splitlines()), key=len)
+    tok = load_tokenizer(str(gpt2_tokenizer))
+    pieces = split_text(text, 5_000)
+    assert len(pieces) > 20
+    whole = Tokenizer.from_file(str(gpt2_tokenizer)).encode(text).ids
+    assert np.concatenate(tok.encode_batch(pieces)).tolist() == whole
+
+
+def test_bytes_tokenizer_round_trip() -> None:
+    tok = load_tokenizer("bytes")
+    ids = tok.encode_batch(["héllo 🙂"])[0]
+    assert ids.tolist() == list("héllo 🙂".encode()) and tok.decode([*ids.tolist(), 256]) == "héllo 🙂"
+    assert resolve_eos(tok, eos=True, eos_id=None).id == 256
+
+
+def test_hf_tokenizer_folder_and_eos_from_config(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(bpe_tokenizer.read_bytes())
+    tok = load_tokenizer(str(folder))
+    assert tok.eos_id == Tokenizer.from_file(str(bpe_tokenizer)).token_to_id("<|endoftext|>")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|endoftext|>"}}))
+    assert load_tokenizer(str(folder)).eos_id == tok.eos_id
+
+
+def test_tokenizer_without_eos_needs_an_explicit_choice(tmp_path: Path) -> None:
+    from tokenizers import models
+
+    bare = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    bare.save(str(tmp_path / "tokenizer.json"))
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(StreampackError, match="--eos-id N, or --no-eos"):
+        resolve_eos(tok, eos=True, eos_id=None)
+    assert resolve_eos(tok, eos=True, eos_id=1).id == 1
+    assert not resolve_eos(tok, eos=False, eos_id=None).append
+
+
+def test_tiktoken_spec_errors(tmp_path: Path) -> None:
+    pytest.importorskip("tiktoken")
+    with pytest.raises(StreampackError, match="no ranks file"):
+        load_tokenizer(f"tiktoken:{tmp_path / 'gpt2.tiktoken'}")
+    (tmp_path / "x.tiktoken").write_text("")
+    with pytest.raises(StreampackError, match=r"x\.json is missing"):
+        load_tokenizer(f"tiktoken:{tmp_path / 'x.tiktoken'}")
+
+
+def test_large_vocab_uses_uint32(tmp_path: Path, tiktoken_gpt2: Path) -> None:
+    o200k = tiktoken_gpt2.with_name("o200k_base.tiktoken")
+    if not o200k.exists():
+        pytest.skip(f"{o200k} is absent")
+    import streampack
+
+    streampack.build(
+        streampack.Documents(["Hello world, 漢字"]), tmp_path / "c", tokenizer=f"tiktoken:{o200k}"
+    )
+    cache = streampack.open(tmp_path / "c")
+    assert cache.dtype == np.dtype("<u4") and cache.vocab_size > 65536
+    assert cache.doc(0).max() < cache.vocab_size
