@@ -246,7 +246,7 @@ class TiktokenTokenizer:
 # ---------------------------------------------------------------------------------------------- long texts
 
 
-def split_text(text: str, max_chars: int = DEFAULT_MAX_PIECE_CHARS) -> list[str]:
+def split_text(text: str, max_chars: int = DEFAULT_MAX_PIECE_CHARS) -> Iterator[str]:
     """Split ``text`` into pieces of at most ``max_chars`` characters at boundaries that keep the tokens.
 
     A piece ends just before a single space that has a non-space on both sides (``"... word| next"``).
@@ -256,16 +256,12 @@ def split_text(text: str, max_chars: int = DEFAULT_MAX_PIECE_CHARS) -> list[str]
     that at ``max_chars`` exactly; only those rare cuts (and tokenizers without such a pre-tokenizer, e.g.
     SentencePiece's prefix space) can change the tokens next to the cut.
     """
-    if len(text) <= max_chars:
-        return [text]
-    pieces = []
     start = 0
     while len(text) - start > max_chars:
         cut = _safe_cut(text, start, start + max_chars)
-        pieces.append(text[start:cut])
+        yield text[start:cut]
         start = cut
-    pieces.append(text[start:])
-    return pieces
+    yield text[start:] if start else text
 
 
 def stream_pieces(chunks: Iterable[str], max_chars: int = DEFAULT_MAX_PIECE_CHARS) -> Iterator[str]:
