@@ -6,6 +6,7 @@ how to resume.
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from streampack.reader import Cache
 from streampack.reader import open as open_cache
 from streampack.tokenize import load_tokenizer
 from streampack.verify import verify as verify_cache
+from streampack.writer import disk_error
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -204,6 +206,11 @@ def main() -> None:
         sys.exit(130)
     except StreampackError as e:
         click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise
+        click.echo(f"error: {disk_error(e, Path(e.filename or '?'))}", err=True)
         sys.exit(1)
 
 

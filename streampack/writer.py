@@ -58,9 +58,12 @@ class ShardWriter:
 
         Call only at a document boundary. With ``done``, also record the final checksums.
         """
-        for f in (self._tokens, self._offsets):
-            f.flush()
-            os.fsync(f.fileno())
+        for f, path in ((self._tokens, self._tokens_path), (self._offsets, self._offsets_path)):
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as e:
+                raise disk_error(e, path) from None
         checksums = ("", "")
         if done:
             checksums = (file_checksum(self._tokens_path), file_checksum(self._offsets_path))
@@ -95,7 +98,7 @@ class ShardWriter:
         try:
             f.write(array.tobytes())  # type: ignore[attr-defined]
         except OSError as e:
-            raise _disk_error(e, path) from None
+            raise disk_error(e, path) from None
 
 
 def _open_at(path: Path, length: int) -> BinaryIO:
@@ -113,10 +116,11 @@ def _open_at(path: Path, length: int) -> BinaryIO:
         f.seek(length)
         return f
     except OSError as e:
-        raise _disk_error(e, path) from None
+        raise disk_error(e, path) from None
 
 
-def _disk_error(error: OSError, path: Path) -> StreampackError:
+def disk_error(error: OSError, path: Path) -> StreampackError:
+    """A :class:`StreampackError` that says what to do about a failed write to ``path``."""
     import errno
 
     if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
