@@ -1,0 +1,166 @@
+"""Damaged and hostile caches are refused (by open, cheaply) or reported (by verify, fully)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import streampack
+from streampack.errors import CacheError
+from tests.conftest import run_cli, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("pristine")
+    src = write_jsonl(root / "in.jsonl", [{"text": f"doc {i} " * (i % 50)} for i in range(4000)])
+    streampack.build(src, root / "cache", unit_bytes=1 << 16, workers=1)
+    assert streampack.open(root / "cache").num_shards >= 3
+    return root / "cache"
+
+
+@pytest.fixture
+def cache(pristine: Path, tmp_path: Path) -> Path:
+    shutil.copytree(pristine, tmp_path / "cache")
+    return tmp_path / "cache"
+
+
+def edit_manifest(cache: Path, change) -> None:  # noqa: ANN001 - a function editing the JSON dict
+    manifest = json.loads((cache / "manifest.json").read_text())
+    change(manifest)
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+
+
+def assert_refused(cache: Path, message: str) -> None:
+    with pytest.raises(CacheError, match=message):
+        streampack.open(cache)
+    result = run_cli("verify", cache, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def assert_verify_finds(cache: Path, message: str) -> None:
+    report = streampack.verify(cache)
+    assert not report.ok and any(message in p for p in report.problems), report.problems
+    result = run_cli("verify", cache, check=False)
+    assert result.returncode == 1 and message in result.stderr
+
+
+def test_truncated_shard(cache: Path) -> None:
+    path = cache / "shards" / "000001.tokens"
+    path.write_bytes(path.read_bytes()[:-2])
+    assert_refused(cache, "000001.tokens: .* the cache is damaged or truncated")
+
+
+def test_missing_shard(cache: Path) -> None:
+    (cache / "shards" / "000002.offsets").unlink()
+    assert_refused(cache, "000002.offsets: shard file missing")
+
+
+def test_flipped_byte(cache: Path) -> None:
+    path = cache / "shards" / "000000.tokens"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    streampack.open(cache)  # sizes are right: open's cheap check passes, verify's checksum does not
+    assert_verify_finds(cache, "000000.tokens: checksum")
+
+
+def test_offsets_not_monotone(cache: Path) -> None:
+    path = cache / "shards" / "000001.offsets"
+    offsets = np.fromfile(path, dtype="<u8")
+    offsets[[3, 4]] = offsets[[4, 3]]
+    offsets.tofile(path)
+    assert_verify_finds(cache, "offsets not monotone at document 4")
+
+
+def test_token_out_of_range(cache: Path) -> None:
+    path = cache / "shards" / "000000.tokens"
+    tokens = np.fromfile(path, dtype="<u2")
+    tokens[10] = 300  # the bytes tokenizer's vocab is 257
+    tokens.tofile(path)
+    assert_verify_finds(cache, "token 10 is 300, not below the vocab size 257")
+
+
+def test_manifest_disagrees_with_files(cache: Path) -> None:
+    def grow(m: dict) -> None:
+        m["shards"][0]["num_tokens"] += 1
+        m["num_tokens"] += 1
+
+    edit_manifest(cache, grow)
+    assert_refused(cache, "000000.tokens: .* bytes, but the manifest says")
+
+
+def test_format_version_from_the_future(cache: Path) -> None:
+    edit_manifest(cache, lambda m: m.update(format_version=99))
+    assert_refused(cache, "format version 99 is not supported")
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "000001/../../x", "", 7])
+def test_shard_paths_outside_the_cache_are_refused(cache: Path, name: object) -> None:
+    edit_manifest(cache, lambda m: m["shards"][0].update(name=name))
+    assert_refused(cache, "invalid shard name")
+
+
+def test_symlink_out_of_the_cache_is_refused(cache: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside.tokens"
+    shutil.copy(cache / "shards" / "000000.tokens", outside)
+    (cache / "shards" / "000000.tokens").unlink()
+    os.symlink(outside, cache / "shards" / "000000.tokens")
+    assert_refused(cache, "outside the cache directory")
+
+
+def test_oversized_manifest_is_refused_before_parsing(cache: Path) -> None:
+    with open(cache / "manifest.json", "ab") as f:
+        f.truncate(65 << 20)
+    assert_refused(cache, "over the .* byte limit")
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_fuzzed_manifests_and_ledgers_raise_only_cache_errors(
+    pristine: Path, tmp_path: Path, data: st.DataObject
+) -> None:
+    target = data.draw(st.sampled_from(["manifest.json", "ledger/000001.json"]))
+    original = (pristine / target).read_bytes()
+    mutation = data.draw(st.sampled_from(["flip", "truncate", "splice", "json"]))
+    if mutation == "flip":
+        raw = bytearray(original)
+        for position in data.draw(st.lists(st.integers(0, len(raw) - 1), min_size=1, max_size=8)):
+            raw[position] = data.draw(st.integers(0, 255))
+        mutated = bytes(raw)
+    elif mutation == "truncate":
+        mutated = original[: data.draw(st.integers(0, len(original) - 1))]
+    elif mutation == "splice":
+        at = data.draw(st.integers(0, len(original)))
+        mutated = original[:at] + data.draw(st.binary(max_size=40)) + original[at:]
+    else:
+        doc = json.loads(original)
+        key = data.draw(st.sampled_from(sorted(doc)))
+        doc[key] = data.draw(
+            st.one_of(
+                st.none(),
+                st.integers(),
+                st.text(max_size=5),
+                st.lists(st.integers(), max_size=3),
+                st.booleans(),
+            )
+        )
+        mutated = json.dumps(doc).encode()
+    case = tmp_path / f"case{abs(hash(mutated))}"
+    shutil.copytree(pristine, case)
+    (case / target).write_bytes(mutated)
+    try:
+        cache = streampack.open(case, allow_incomplete=True)
+        cache.doc(cache.num_docs - 1) if cache.num_docs else None
+    except CacheError:
+        pass
+    report = streampack.verify(case)
+    assert isinstance(report.ok, bool)
+    shutil.rmtree(case)
