@@ -336,7 +336,7 @@ class Loader:
         lo, hi = self._span(step)
         if not self.options.shuffle:
             return np.arange(lo, hi, dtype=np.int64)
-        if hi - lo != self.options.rows:  # the last partial batch: permute it on its own
+        if step >= self.num_samples // self.options.batch_size:  # the last partial batch, on its own
             return self._permute(epoch, np.arange(lo, hi, dtype=np.int64))
         return self._permuted_block(epoch, step)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ def cache(pristine: Path, tmp_path: Path) -> Path:
     return tmp_path / "cache"
 
 
-def edit_manifest(cache: Path, change) -> None:  # noqa: ANN001 - a function editing the JSON dict
+def edit_manifest(cache: Path, change: Callable[[dict], object]) -> None:
     manifest = json.loads((cache / "manifest.json").read_text())
     change(manifest)
     (cache / "manifest.json").write_text(json.dumps(manifest))
