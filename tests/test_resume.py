@@ -101,3 +101,32 @@ def test_killed_builds_resume_to_identical_bytes(tmp_path: Path, bpe_tokenizer: 
         assert shard_bytes(out) == shard_bytes(reference), f"seed {seed}, round {round_}"
         assert streampack.verify(out).ok
     assert kills >= 4, f"only {kills} kills landed mid-build (seed {seed})"
+
+
+def test_readers_during_a_build_see_only_committed_documents(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    inputs = make_corpus(tmp_path / "in")
+    out = tmp_path / "c"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streampack.cli", "build", *build_args(inputs, out, bpe_tokenizer)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    seen = 0
+    while proc.poll() is None:
+        try:
+            cache = streampack.open(out, allow_incomplete=True)
+        except streampack.CacheError:  # the manifest is not written yet
+            time.sleep(0.01)
+            continue
+        for shard in range(cache.num_shards):
+            if cache.shards[shard].num_docs:
+                offsets = cache.shard_offsets(shard)
+                last = cache.shard_tokens(shard)[
+                    int(offsets[-2]) if len(offsets) > 1 else 0 : int(offsets[-1])
+                ]
+                assert last[-1] == cache.eos_id  # a whole document, ending in EOS
+                seen += 1
+    assert proc.wait() == 0, proc.stderr.read().decode()
+    assert seen > 0
+    final = streampack.open(out)
+    assert final.num_docs == sum(s.num_docs for s in final.shards)
