@@ -12,7 +12,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -256,10 +256,12 @@ def _build_locked(
         for result in _run(todo, opts, bar.update):
             progress[result.unit_index] = result.progress
             bar.unit_done(result)
-    final = Manifest(
-        **{**manifest.__dict__, "complete": True, "shards": _shard_table(units, progress)},
+    final = replace(
+        manifest,
+        complete=True,
+        shards=_shard_table(units, progress),
+        skipped_records=sum(p.skipped for p in progress),
     )
-    final = Manifest(**{**final.__dict__, "skipped_records": sum(p.skipped for p in progress)})
     final.write(root)
     return _summarize(summary, final)
 
@@ -332,13 +334,12 @@ def _run(
     in_process = [t for t in todo if t.unit.in_process]
     pooled = [t for t in todo if not t.unit.in_process]
     workers = min(opts.workers or cores, max(len(pooled), 1))
-    threads = max(1, cores // workers)
-    yield from run_local(
-        run_unit, in_process, workers=1, on_progress=report, initializer=_set_threads, initargs=(cores,)
-    )
-    yield from run_local(
-        run_unit, pooled, workers=workers, on_progress=report, initializer=_set_threads, initargs=(threads,)
-    )
+    # Every worker's batch calls may use every core: while all workers are busy they share the cores, and
+    # when the last units run alone (the tail of a build) they still use the whole machine.
+    for tasks, n in ((in_process, 1), (pooled, workers)):
+        yield from run_local(
+            run_unit, tasks, workers=n, on_progress=report, initializer=_set_threads, initargs=(cores,)
+        )
 
 
 _threads = 1
