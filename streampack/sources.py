@@ -189,13 +189,13 @@ def _expand_one(spec: str) -> list[InputFile]:
         return _expand_url(spec)
     if any(c in spec for c in "*?["):
         matches = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
-        found = [p for p in matches if _detect(p, strict=False)]
+        found = [p for p in matches if _detect(p)]
         if not found:
             raise InputError(f"{spec}: the glob matches no input files ({_supported()})")
         return [_local_file(p) for p in found]
     path = Path(spec)
     if path.is_dir():
-        found = sorted(str(p) for p in path.rglob("*") if p.is_file() and _detect(str(p), strict=False))
+        found = sorted(str(p) for p in path.rglob("*") if p.is_file() and _detect(str(p)))
         if not found:
             raise InputError(f"{spec}: the directory holds no input files ({_supported()})")
         return [_local_file(p) for p in found]
@@ -207,32 +207,25 @@ def _expand_one(spec: str) -> list[InputFile]:
 def _expand_url(spec: str) -> list[InputFile]:
     import fsspec
 
-    fs, _, paths = fsspec.get_fs_token_paths(spec)
-    protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
-    files = []
-    for p in sorted(paths):
-        url = p if "://" in p else f"{protocol}://{p}"
-        if "://" in spec and protocol in ("http", "https"):
-            url = spec if len(paths) == 1 else url
-        try:
-            info = fs.info(p)
-        except (FileNotFoundError, OSError) as e:
-            raise InputError(f"{spec}: cannot read ({e})") from None
-        fmt, compression = _detect(url, strict=True) or ("jsonl", None)
-        files.append(InputFile(url, fmt, compression, int(info.get("size") or 0), None))
-    if not files:
+    try:
+        fs, _, paths = fsspec.get_fs_token_paths(spec)
+        infos = [(fs.unstrip_protocol(p), fs.info(p)) for p in sorted(paths)]
+    except (OSError, ValueError) as e:
+        raise InputError(f"{spec}: cannot read ({e})") from None
+    if not infos:
         raise InputError(f"{spec}: the URL matches no input files")
-    return files
+    # Remote stores have no portable mtime: a resumed build checks the size of remote inputs only.
+    return [InputFile(url, *_detect_strict(url), int(info.get("size") or 0), None) for url, info in infos]
 
 
 def _local_file(path: str) -> InputFile:
     abspath = os.path.abspath(path)
-    fmt, compression = _detect(abspath, strict=True) or ("jsonl", None)
     st = os.stat(abspath)
-    return InputFile(abspath, fmt, compression, st.st_size, st.st_mtime_ns)
+    return InputFile(abspath, *_detect_strict(abspath), st.st_size, st.st_mtime_ns)
 
 
-def _detect(path: str, *, strict: bool) -> tuple[Format, str | None] | None:
+def _detect(path: str) -> tuple[Format, str | None] | None:
+    """Format and compression of a path from its extension, or None when it is not an input file."""
     name = path.lower()
     compression = None
     for suffix, kind in COMPRESSION_SUFFIXES.items():
@@ -245,9 +238,14 @@ def _detect(path: str, *, strict: bool) -> tuple[Format, str | None] | None:
         return "text", compression
     if name.endswith(PARQUET_SUFFIXES) and compression is None:
         return "parquet", None
-    if strict:
-        raise InputError(f"{path}: unknown file type ({_supported()}); rename the file or convert it")
     return None
+
+
+def _detect_strict(path: str) -> tuple[Format, str | None]:
+    detected = _detect(path)
+    if detected is None:
+        raise InputError(f"{path}: unknown file type ({_supported()}); rename the file or convert it")
+    return detected
 
 
 def _supported() -> str:
