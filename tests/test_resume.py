@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import streampack
-from tests.conftest import run_cli, shard_bytes, write_bytes, write_jsonl
+from tests.conftest import write_bytes, write_jsonl
 
 
 def make_corpus(root: Path) -> list[Path]:
@@ -80,27 +81,14 @@ def kill_at(args: list[str], delay: float) -> bool:
 
 
 @pytest.mark.slow
-def test_killed_builds_resume_to_identical_bytes(tmp_path: Path, bpe_tokenizer: Path) -> None:
-    inputs = make_corpus(tmp_path / "in")
-    reference = tmp_path / "reference"
-    started = time.monotonic()
-    run_cli("build", *build_args(inputs, reference, bpe_tokenizer))
-    duration = time.monotonic() - started
-
-    seed = int(os.environ.get("STREAMPACK_KILL_SEED", random.randrange(1 << 30)))
-    rng = random.Random(seed)
-    kills = 0
-    for round_ in range(3):
-        out = tmp_path / f"killed{round_}"
-        for _ in range(4):  # kill, resume and kill again until a run gets to finish
-            landed = kill_at(build_args(inputs, out, bpe_tokenizer), rng.uniform(0.2, duration * 0.7))
-            kills += landed
-            if not landed:
-                break
-        run_cli("build", *build_args(inputs, out, bpe_tokenizer))
-        assert shard_bytes(out) == shard_bytes(reference), f"seed {seed}, round {round_}"
-        assert streampack.verify(out).ok
-    assert kills >= 4, f"only {kills} kills landed mid-build (seed {seed})"
+def test_killed_builds_resume_to_identical_bytes() -> None:
+    """The short form of benchmarks/torture.py: at least 10 SIGKILLs, each resumed to identical bytes."""
+    torture = Path(__file__).resolve().parents[1] / "benchmarks" / "torture.py"
+    result = subprocess.run([sys.executable, str(torture), "--kills", "10"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    kills, identical = (int(n) for n in re.findall(r"\d+", last))
+    assert kills >= 10 and identical == kills, result.stdout
 
 
 def test_readers_during_a_build_see_only_committed_documents(tmp_path: Path, bpe_tokenizer: Path) -> None:
