@@ -93,6 +93,8 @@ def test_hugging_face_dataset(tmp_path: Path) -> None:
     ds = datasets.Dataset.from_dict({"text": docs})
     streampack.build(ds, tmp_path / "ds")
     assert read_docs(tmp_path / "ds") == expected_docs(None, docs)
+    streampack.build(ds.to_iterable_dataset(num_shards=3), tmp_path / "iterable")
+    assert read_docs(tmp_path / "iterable") == expected_docs(None, docs)
 
 
 def test_split_jsonl_units_match_whole_file(tmp_path: Path) -> None:
