@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 
 from streampack import ledger
-from streampack.engines import run_local
+from streampack.engines import run_local, run_ray
 from streampack.errors import BadRecordError, ConfigMismatchError, StreampackError
 from streampack.format import (
     LEDGER_DIR,
@@ -57,6 +57,7 @@ from streampack.tokenize import (
 from streampack.writer import ShardWriter
 
 OnBadRecord = Literal["error", "skip"]
+Engine = Literal["local", "ray"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ class BuildOptions:
         commit_bytes: commit after this many bytes of tokens...
         commit_seconds: ...or after this many seconds, whichever comes first.
         progress: show a progress bar on stderr.
+        engine: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
+        ray_address: the Ray cluster to connect to (default: a running one, else a new local instance).
     """
 
     tokenizer: str = "bytes"
@@ -94,8 +97,12 @@ class BuildOptions:
     commit_bytes: int = 64 << 20
     commit_seconds: float = 10.0
     progress: bool = False
+    engine: Engine = "local"
+    ray_address: str | None = None
 
     def __post_init__(self) -> None:
+        if self.engine not in ("local", "ray"):
+            raise ValueError(f"engine must be 'local' or 'ray' (got {self.engine!r})")
         if self.on_bad_record not in ("error", "skip"):
             raise ValueError(f"on_bad_record must be 'error' or 'skip' (got {self.on_bad_record!r})")
         if self.workers is not None and self.workers < 1:
@@ -336,10 +343,22 @@ def _run(
     workers = min(opts.workers or cores, max(len(pooled), 1))
     # Every worker's batch calls may use every core: while all workers are busy they share the cores, and
     # when the last units run alone (the tail of a build) they still use the whole machine.
-    for tasks, n in ((in_process, 1), (pooled, workers)):
-        yield from run_local(
-            run_unit, tasks, workers=n, on_progress=report, initializer=_set_threads, initargs=(cores,)
+    yield from run_local(
+        run_unit, in_process, workers=1, on_progress=report, initializer=_set_threads, initargs=(cores,)
+    )
+    if opts.engine == "ray":
+        yield from run_ray(
+            run_unit,
+            pooled,
+            address=opts.ray_address,
+            on_progress=report,
+            initializer=_set_threads,
+            initargs=(0,),
         )
+        return
+    yield from run_local(
+        run_unit, pooled, workers=workers, on_progress=report, initializer=_set_threads, initargs=(cores,)
+    )
 
 
 _threads = 1
@@ -347,9 +366,10 @@ _tokenizers: dict[str, Tokenizer] = {}
 
 
 def _set_threads(threads: int) -> None:
+    """Per-process tokenizer threads; 0 means every core of the machine the unit runs on."""
     global _threads
-    _threads = threads
-    os.environ["RAYON_NUM_THREADS"] = str(threads)  # read by tokenizers when its pool first starts
+    _threads = threads or os.cpu_count() or 1
+    os.environ["RAYON_NUM_THREADS"] = str(_threads)  # read by tokenizers when its pool first starts
 
 
 def _tokenizer(spec: str) -> Tokenizer:

@@ -1,4 +1,4 @@
-"""The ``streampack`` command line: build, info, verify, decode, demo.
+"""The ``streampack`` command line: build, info, verify, decode, bench, demo.
 
 User errors print one line on stderr (no traceback) and exit 1; an interrupted build exits 130 and says
 how to resume.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,9 @@ def cli() -> None:
     show_default=True,
     help="Split large uncompressed JSONL and Parquet inputs into work units of this size.",
 )
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="local: a process pool here; ray: Ray tasks on a cluster (--out on shared storage).")
+@click.option("--ray-address", help="Ray cluster address [default: a running one, else a new local one].")
 @click.option("--batch-chars", type=click.IntRange(min=1), default=4 << 20, hidden=True)
 @click.option("--commit-seconds", type=click.FloatRange(min=0), default=10.0, hidden=True)
 @click.option("--commit-mb", type=click.FloatRange(min=0), default=64, hidden=True)
@@ -73,6 +77,8 @@ def build(
     overwrite: bool,
     progress: bool | None,
     unit_mb: int,
+    engine: str,
+    ray_address: str | None,
     batch_chars: int,
     commit_seconds: float,
     commit_mb: float,
@@ -91,6 +97,8 @@ def build(
         eos=not no_eos,
         eos_id=eos_id,
         on_bad_record=on_bad_record,
+        engine=engine,
+        ray_address=ray_address,
         overwrite=overwrite,
         progress=sys.stderr.isatty() if progress is None else progress,
         unit_bytes=unit_mb << 20,
@@ -165,20 +173,118 @@ def verify(cache_dir: str) -> None:
 
 @cli.command()
 @click.argument("cache_dir", type=click.Path())
-@click.option("--doc", "doc_index", type=int, required=True, help="Document index.")
+@click.option("--doc", "doc_index", type=int, help="Document index.")
+@click.option("--sample", "sample_index", type=int, help="Packed sample index (with --seq-len).")
+@click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per packed sample.")
 @click.option(
     "--tokenizer", "-t", help="Tokenizer SPEC to decode with [default: the one that built the cache]."
 )
 @click.option("--ids", is_flag=True, help="Print token ids instead of text.")
-def decode(cache_dir: str, doc_index: int, tokenizer: str | None, ids: bool) -> None:
-    """Print document --doc of the cache as text."""
+def decode(
+    cache_dir: str,
+    doc_index: int | None,
+    sample_index: int | None,
+    seq_len: int | None,
+    tokenizer: str | None,
+    ids: bool,
+) -> None:
+    """Print document --doc, or packed sample --sample of --seq-len tokens, of the cache as text."""
+    if (doc_index is None) == (sample_index is None):
+        raise click.UsageError("give exactly one of --doc I or --sample I (with --seq-len L)")
+    if sample_index is not None and seq_len is None:
+        raise click.UsageError("--sample needs --seq-len: the sample is tokens [I*L, (I+1)*L) of the stream")
     cache = open_cache(cache_dir)
-    tokens = cache.doc(doc_index)
+    try:
+        tokens = cache.doc(doc_index) if doc_index is not None else cache.sequences(seq_len)[sample_index]
+    except IndexError as e:
+        raise StreampackError(str(e)) from None
     if ids:
         click.echo(" ".join(map(str, tokens.tolist())))
         return
     spec = tokenizer or cache.manifest.tokenizer.get("spec", "bytes")
     click.echo(load_tokenizer(spec).decode(tokens.tolist()))
+
+
+@cli.command()
+@click.argument("cache_dir", type=click.Path())
+@click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sample.")
+@click.option("--batch-size", type=click.IntRange(min=1), required=True, help="Global batch size.")
+@click.option(
+    "--workers", type=click.IntRange(min=0), default=0, show_default=True, help="DataLoader workers (torch)."
+)
+@click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Batches to time.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed.")
+def bench(cache_dir: str, seq_len: int, batch_size: int, workers: int, steps: int, seed: int) -> None:
+    """Time the shuffled loader on CACHE_DIR: samples/s, tokens/s and memory per process.
+
+    With --workers N the batches go through streampack.torch.DataLoader (needs the torch extra).
+    """
+    from streampack.loader import Loader
+
+    cache = open_cache(cache_dir)
+    try:
+        loader = Loader(cache.sequences(seq_len, overlap=1), batch_size=batch_size, seed=seed)
+    except ValueError as e:
+        raise StreampackError(str(e)) from None
+    batches: Any = loader
+    if workers:
+        try:
+            from streampack.torch import DataLoader
+        except ImportError as e:
+            raise StreampackError(str(e)) from None
+        batches = DataLoader(loader, num_workers=workers, persistent_workers=True)
+    result = _time_batches(iter(batches), steps)
+    rate = result["rows"] / result["seconds"]
+    click.echo(f"cache       {cache.root} ({cache.num_tokens:,} tokens, {cache.dtype.name})")
+    click.echo(f"loader      seq_len {seq_len}+1, global batch {batch_size}, shuffled, {workers} workers")
+    click.echo(f"first batch {result['first']:.3f} s")
+    click.echo(f"throughput  {rate:,.0f} samples/s, {rate * seq_len / 1e6:,.2f} M tokens/s ({steps} batches)")
+    click.echo(f"memory      RssAnon main {result['main_mb']}; workers {result['workers_mb'] or 'none'}")
+
+
+def _time_batches(batches: Any, steps: int) -> dict[str, Any]:
+    """Draw one batch (timed apart: startup), then ``steps`` more; read the memory of every process."""
+    import time
+
+    start = time.perf_counter()
+    next(batches)
+    first = time.perf_counter() - start
+    rows, start = 0, time.perf_counter()
+    for _ in range(steps):
+        rows += len(next(batches))
+    seconds = time.perf_counter() - start
+    workers = [_rss_anon(pid) for pid in _children()]
+    return {
+        "first": first,
+        "seconds": seconds,
+        "rows": rows,
+        "main_mb": _rss_anon("self"),
+        "workers_mb": " / ".join(workers),
+    }
+
+
+def _rss_anon(pid: int | str) -> str:
+    """Anonymous resident memory of a process (``RssAnon``: not the page cache of mapped files)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return f"{int(line.split()[1]) / 1024:.1f} MB"
+    except OSError:
+        pass
+    return "n/a"
+
+
+def _children() -> list[int]:
+    """Process ids of this process's children (Linux /proc), e.g. DataLoader workers."""
+    me, found = str(os.getpid()), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[1] == me:
+            found.append(int(stat.parent.name))
+    return sorted(found)
 
 
 @cli.command()

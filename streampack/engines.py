@@ -1,6 +1,8 @@
 """Engines schedule work units; every engine runs the same unit function.
 
 - ``local``: the coordinating process itself (one worker), or a pool of spawned worker processes.
+- ``ray``: one Ray task per unit, on the cluster ``ray.init`` connects to (a local one if none is running).
+  The output directory must be on storage that every node sees.
 
 Units are independent and each commits its own ledger entry, so an engine needs no coordination beyond
 handing out units, collecting results and forwarding progress. Killing workers is always safe.
@@ -141,3 +143,60 @@ def _die_with_parent() -> None:
 def _run_in_worker(task: Any) -> Any:
     assert _worker_fn is not None
     return _worker_fn(task, _worker_queue.put)
+
+
+def run_ray(
+    unit_fn: UnitFn,
+    tasks: Sequence[Any],
+    *,
+    address: str | None,
+    on_progress: ProgressFn,
+    initializer: Callable[..., None] | None = None,
+    initargs: tuple[Any, ...] = (),
+) -> Iterator[Any]:
+    """Run ``unit_fn`` for every task as Ray tasks and yield the results as units finish.
+
+    Connects to the Ray cluster at ``address`` (``auto`` for a running one; a new local instance when None
+    and none is running). Progress is reported per finished unit. The first error cancels the other tasks
+    and is raised here as the original exception.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise StreampackError("the ray engine needs Ray: pip install 'streampack[ray]'") from None
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    remote = ray.remote(num_cpus=1, max_retries=0)(_run_ray_task)
+    pending = [remote.remote(unit_fn, task, initializer, initargs) for task in tasks]
+    try:
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            yield _ray_result(ray, done[0])
+    finally:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        if started_here:
+            ray.shutdown()
+
+
+def _ray_result(ray: Any, ref: Any) -> Any:
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        if isinstance(cause, StreampackError):
+            raise cause from None
+        raise
+
+
+def _run_ray_task(
+    unit_fn: UnitFn, task: Any, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]
+) -> Any:
+    if initializer is not None:
+        initializer(*initargs)
+    return unit_fn(task, _ignore_progress)
+
+
+def _ignore_progress(event: dict[str, int]) -> None:
+    pass
