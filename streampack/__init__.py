@@ -1,15 +1,18 @@
 """streampack: tokenize a corpus once into an on-disk token cache; train from it with flat memory.
 
 Build side: :func:`build` streams documents through a tokenizer into cache shards, resumably.
-Load side: :func:`open` memory-maps a cache.
+Load side: :func:`open` memory-maps a cache; :class:`Loader` serves shuffled, resumable batches of its
+packed sequences (PyTorch adapters in :mod:`streampack.torch`).
 """
 
 from __future__ import annotations
 
 from streampack.build import BuildOptions, BuildSummary, build
 from streampack.errors import BadRecordError, CacheError, ConfigMismatchError, InputError, StreampackError
+from streampack.loader import Loader, LoaderOptions
 from streampack.permutation import Permutation
 from streampack.reader import Cache, open
+from streampack.sequences import PackedSequences
 from streampack.sources import Documents
 from streampack.tokenize import load_tokenizer
 from streampack.verify import VerifyReport, verify
@@ -23,6 +26,9 @@ __all__ = [
     "ConfigMismatchError",
     "Documents",
     "InputError",
+    "Loader",
+    "LoaderOptions",
+    "PackedSequences",
     "Permutation",
     "StreampackError",
     "VerifyReport",

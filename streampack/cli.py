@@ -58,8 +58,13 @@ def cli() -> None:
     show_default=True,
     help="Split large uncompressed JSONL and Parquet inputs into work units of this size.",
 )
-@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
-              help="local: a process pool here; ray: Ray tasks on a cluster (--out on shared storage).")
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="local: a process pool here; ray: Ray tasks on a cluster (--out on shared storage).",
+)
 @click.option("--ray-address", help="Ray cluster address [default: a running one, else a new local one].")
 @click.option("--batch-chars", type=click.IntRange(min=1), default=4 << 20, hidden=True)
 @click.option("--commit-seconds", type=click.FloatRange(min=0), default=10.0, hidden=True)

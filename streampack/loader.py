@@ -123,10 +123,11 @@ class Loader:
     (forever when ``epochs=None``). Each yielded batch advances the state, so :meth:`state_dict` taken
     after a batch resumes at the next one.
 
-    Example:
-        >>> loader = Loader(cache.sequences(2048, overlap=1), batch_size=32, seed=1)  # doctest: +SKIP
-        >>> for batch in loader:  # (32, 2049) int64 arrays  # doctest: +SKIP
-        ...     x, y = batch[:, :-1], batch[:, 1:]
+    Example::
+
+        loader = Loader(cache.sequences(2048, overlap=1), batch_size=32, seed=1)
+        for batch in loader:  # (32, 2049) int64 arrays
+            x, y = batch[:, :-1], batch[:, 1:]
 
     Args:
         dataset: the samples, usually ``cache.sequences(seq_len)``; see :class:`DataSource`.

@@ -14,6 +14,8 @@ the size of the cache.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import numbers
 import os
 from dataclasses import dataclass
@@ -75,10 +77,11 @@ class PackedSequences:
     slice or an array of indices, deterministic, picklable. Pickling keeps only the cache path and the
     settings, never the memory maps: a copy sent to a DataLoader worker reopens the cache on first use.
 
-    Example:
-        >>> seqs = cache.sequences(2048, overlap=1)  # doctest: +SKIP
-        >>> batch = seqs[np.array([7, 3, 42])]  # (3, 2049) array of the cache dtype  # doctest: +SKIP
-        >>> x, y = batch[:, :-1], batch[:, 1:]  # doctest: +SKIP
+    Example::
+
+        seqs = cache.sequences(2048, overlap=1)
+        batch = seqs[np.array([7, 3, 42])]  # (3, 2049) array of the cache dtype
+        x, y = batch[:, :-1], batch[:, 1:]
 
     Args:
         cache: an open cache.
@@ -96,6 +99,7 @@ class PackedSequences:
         self._path = os.path.abspath(cache.root)
         self._allow_incomplete = not cache.manifest.complete
         self._num_tokens = cache.num_tokens
+        self._content = _content_digest(cache)
         self._attach(cache)
 
     def _attach(self, cache: Cache) -> None:
@@ -112,6 +116,7 @@ class PackedSequences:
             "path": self._path,
             "allow_incomplete": self._allow_incomplete,
             "num_tokens": self._num_tokens,
+            "content": self._content,
             "seq_len": self.seq_len,
             "overlap": self.overlap,
         }
@@ -121,6 +126,7 @@ class PackedSequences:
         self._path = state["path"]
         self._allow_incomplete = state["allow_incomplete"]
         self._num_tokens = state["num_tokens"]
+        self._content = state["content"]
         self.seq_len = state["seq_len"]
         self.overlap = state["overlap"]
         self._cache = None
@@ -134,11 +140,13 @@ class PackedSequences:
         from streampack.reader import open as open_cache
 
         cache = open_cache(self._path, allow_incomplete=self._allow_incomplete)
-        if cache.num_tokens != self._num_tokens:
+        now = (cache.num_tokens, _content_digest(cache))
+        if now != (self._num_tokens, self._content):
             raise CacheError(
-                f"{self._path}: the cache now holds {cache.num_tokens} tokens, but these sequences were "
-                f"made from {self._num_tokens}; it changed on disk since, so sample indices no longer "
-                "mean the same windows. Recreate the sequences (and restart the loader) from the cache."
+                f"{self._path}: the cache now holds {now[0]} tokens (shards {now[1]}), but these sequences "
+                f"were made from {self._num_tokens} (shards {self._content}); it changed on disk since, so "
+                "sample indices no longer mean the same windows. Recreate the sequences (and restart the "
+                "loader) from the cache."
             )
         self._attach(cache)
         return cache
@@ -168,11 +176,16 @@ class PackedSequences:
             f"samples={len(self)}, tokens={self._num_tokens})"
         )
 
-    def fingerprint(self) -> dict[str, int]:
-        """What identifies these samples, for checking a loader checkpoint against them (JSON-able)."""
+    def fingerprint(self) -> dict[str, int | str]:
+        """What identifies these samples, for checking a loader checkpoint against them (JSON-able).
+
+        ``shards`` digests the manifest's shard table (names, sizes, checksums): a cache rebuilt from
+        other data is told apart even at the same size, while a copy of the cache elsewhere is not.
+        """
         return {
             "num_samples": len(self),
             "num_tokens": self._num_tokens,
+            "shards": self._content,
             "seq_len": self.seq_len,
             "overlap": self.overlap,
         }
@@ -364,6 +377,12 @@ class PackedSequences:
         if view is None:
             view = self._offset_views[shard] = self.cache.shard_offsets(shard).view(np.ndarray)
         return view
+
+
+def _content_digest(cache: Cache) -> str:
+    """A short digest of the shard table: what the samples are made of, wherever the cache lives."""
+    table = [[s.name, s.num_docs, s.num_tokens, s.tokens_checksum, s.offsets_checksum] for s in cache.shards]
+    return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
 
 
 def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -1,0 +1,302 @@
+"""Benchmark the training-time loader against the numpy-memmap limit and nanoGPT's ``get_batch``.
+
+One command, one run, every row in its own process (``_loader_rows.py``), on synthetic caches written
+with numpy (random GPT-2-sized ids in documents of ~600 tokens; throughput does not depend on the text):
+
+1. Throughput, seq_len 2048 (+1 overlap), global batch 32, shuffled, ``num_workers`` 0 and 2: samples/s
+   of the ``Loader`` divided by the *limit* (a vectorised numpy gather of 32 random windows from one flat
+   ``np.memmap``) and by nanoGPT's ``get_batch``, all reading the same file, measured in the same run.
+2. Peak anonymous RSS (``RssAnon``) per process over a full shuffled epoch of a 1 GB and an 8 GB cache.
+3. Time to the first batch after ``load_state_dict`` at step 10^6 versus step 0 (fresh processes).
+
+Usage::
+
+    /work/venv/bin/python benchmarks/bench_loader.py [--quick] [--repeats 3] [--tmp DIR] [--out FILE]
+
+Prints a markdown table and writes it to ``benchmarks/results/loader.md`` (``loader-quick.md`` with
+``--quick``). Caches are written under ``--tmp`` and deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from streampack._synthetic import write_random_cache
+
+HERE = Path(__file__).resolve().parent
+ROWS = HERE / "_loader_rows.py"
+SEQ_LEN = 2048
+KINDS = {
+    "gather": "numpy memmap gather (the limit)",
+    "nanogpt": "nanoGPT get_batch",
+    "loader": "**streampack Loader** (int64 out)",
+    "loader-uint16": "streampack Loader, cache dtype out (uint16)",
+    "loader-tensors": "streampack Loader, one shm tensor per batch (no slots)",
+}
+PEERS = {
+    "hf": "HF datasets load_from_disk, shuffled DataLoader",
+    "mosaic": "MosaicML streaming StreamingDataset",
+    "litdata": "litdata StreamingDataset + TokensLoader",
+}
+PEER_ROWS = HERE / "_loader_peers.py"
+
+
+def log(message: str) -> None:
+    print(f"[bench_loader] {message}", file=sys.stderr, flush=True)
+
+
+def run_json(cmd: list[str]) -> dict[str, Any]:
+    """Run one measurement in a fresh process; return the JSON of its last output line."""
+    # One torch intra-op thread everywhere: on a small shared machine torch's default threads spin
+    # against the other processes and slow per-batch torch ops (HF's formatting, nanoGPT's stack) 10x.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def row(mode: str, cache: Path, **options: Any) -> dict[str, Any]:
+    """Run one ``_loader_rows.py`` measurement in this venv."""
+    cmd = [sys.executable, str(ROWS), mode, "--cache", str(cache), "--seq-len", str(SEQ_LEN)]
+    for key, value in options.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return run_json(cmd)
+
+
+def prepare_peers(python: str, cache: Path, tmp: Path) -> dict[str, Path | str]:
+    """Write the samples in each peer's format; a peer that fails keeps its error instead of a path."""
+    prepared: dict[str, Path | str] = {}
+    for kind in PEERS:
+        out = tmp / f"peer-{kind}"
+        log(f"preparing the samples for {PEERS[kind]}")
+        try:
+            run_json(
+                [python, str(PEER_ROWS), "prepare", "--kind", kind, "--cache", str(cache), "--out", str(out)]
+            )
+            prepared[kind] = out
+        except RuntimeError as e:
+            prepared[kind] = str(e).strip().splitlines()[-1][:120]
+    return prepared
+
+
+def warm(cache: Path) -> None:
+    """Read every shard once, so no row pays for the first read from disk."""
+    for path in sorted((cache / "shards").glob("*.tokens")):
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def make_cache(root: Path, gigabytes: float, shard_gb: float = 1.0) -> Path:
+    tokens = int(gigabytes * 1e9) // 2
+    log(f"writing a {gigabytes:g} GB synthetic cache in {root}")
+    return write_random_cache(root, tokens, num_shards=max(1, round(gigabytes / shard_gb)))
+
+
+Results = dict[tuple[str, int], dict[str, float]]
+
+
+def measure_throughput(
+    cache: Path, batches: int, repeats: int, peers: dict[str, Path | str], peers_python: str
+) -> Results:
+    """Best samples/s and peak RssAnon of every row, for 0 and 2 workers."""
+    kinds = [*KINDS, *(kind for kind, data in peers.items() if isinstance(data, Path))]
+    results: Results = {}
+    # Rounds over all rows rather than repeats of one row: a burst of load from other processes then
+    # hurts one run of each row, and best-of-rounds discards it.
+    for round_ in range(repeats):
+        for workers in (0, 2):
+            for kind in kinds:
+                log(f"throughput round {round_ + 1}/{repeats}: {kind}, {workers} workers")
+                if kind in KINDS:
+                    result = row("throughput", cache, kind=kind, workers=workers, batches=batches, repeats=1)
+                else:
+                    options = ["--kind", kind, "--data", str(peers[kind]), "--workers", str(workers)]
+                    cmd = [peers_python, str(PEER_ROWS), "throughput", *options, "--batches", str(batches)]
+                    result = run_json(cmd)
+                best = results.setdefault((kind, workers), dict.fromkeys(result, 0.0))
+                for key, value in result.items():
+                    best[key] = max(best[key], value)
+    return results
+
+
+def throughput_table(results: Results, peers: dict[str, Path | str]) -> tuple[str, list[str]]:
+    """The throughput table, each row divided by the limit and by nanoGPT, and the goal lines."""
+    header = ["source", "samples/s, nw=0", "samples/s, nw=2", "÷ limit, nw=0", "÷ limit, nw=2"]
+    header += ["÷ nanoGPT, nw=0", "÷ nanoGPT, nw=2", "RssAnon, nw=0", "RssAnon, nw=2: main / worker"]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+
+    def rate(kind: str, workers: int) -> float:
+        return results[kind, workers]["samples_per_s"]
+
+    for kind, label in {**KINDS, **PEERS}.items():
+        if (kind, 0) not in results:
+            lines.append(f"| {label} | not run: {peers[kind]} |" + " |" * (len(header) - 2))
+            continue
+        cells = [f"{rate(kind, w):,.0f}" for w in (0, 2)]
+        cells += [f"{rate(kind, w) / rate('gather', w):.2f}" for w in (0, 2)]
+        cells += [f"{rate(kind, w) / rate('nanogpt', w):.2f}" for w in (0, 2)]
+        cells += [f"{results[kind, 0]['main_mb']:.0f} MB"]
+        cells += [f"{results[kind, 2]['main_mb']:.0f} / {results[kind, 2]['worker_mb']:.0f} MB"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    goals = [
+        _goal(f"Loader ÷ limit, nw={w}", rate("loader", w) / rate("gather", w), ">=", 0.8) for w in (0, 2)
+    ]
+    return "\n".join(lines), goals
+
+
+def memory_table(caches: dict[float, Path], batches: int) -> tuple[str, list[str]]:
+    peaks: dict[tuple[float, int], dict[str, Any]] = {}
+    for gigabytes, cache in caches.items():
+        for workers in (0, 2):
+            log(f"RssAnon over {batches or 'a full epoch of'} batches, {gigabytes:g} GB, {workers} workers")
+            epoch = (int(gigabytes * 1e9) // 2 - 1) // SEQ_LEN // 32
+            peaks[gigabytes, workers] = row("rss", cache, workers=workers, batches=batches or epoch)
+    lines = [
+        "| cache | workers | batches read | main RssAnon peak | worker RssAnon peak (max) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for (gigabytes, workers), peak in peaks.items():
+        worker = f"{peak['worker_mb']:.1f} MB" if workers else "-"
+        lines.append(
+            f"| {gigabytes:g} GB | {workers} | {peak['batches']:,} | {peak['main_mb']:.1f} MB | {worker} |"
+        )
+    small, big = min(caches), max(caches)
+    goals = []
+    for workers in (0, 2):
+        for key in ("main_mb", "worker_mb") if workers else ("main_mb",):
+            growth = peaks[big, workers][key] - peaks[small, workers][key]
+            who = "main" if key == "main_mb" else "worker"
+            goals.append(
+                _goal(f"{who} RssAnon {big:g} GB − {small:g} GB, nw={workers} (MB)", growth, "<=", 50)
+            )
+    return "\n".join(lines), goals
+
+
+def first_batch_table(cache: Path, repeats: int) -> tuple[str, list[str]]:
+    seconds: dict[tuple[int, int], float] = {}
+    for workers in (0, 2):
+        for step in (0, 10**6):
+            log(f"first batch after load_state_dict at step {step:,}, {workers} workers")
+            runs = [row("first-batch", cache, workers=workers, step=step)["seconds"] for _ in range(repeats)]
+            seconds[step, workers] = statistics.median(runs)
+    lines = [
+        "| workers | step 0 | step 10^6 | ratio |",
+        "|---:|---:|---:|---:|",
+    ]
+    goals = []
+    for workers in (0, 2):
+        zero, far = seconds[0, workers], seconds[10**6, workers]
+        lines.append(f"| {workers} | {zero * 1e3:.1f} ms | {far * 1e3:.1f} ms | {far / zero:.2f} |")
+        goals.append(_goal(f"first batch at step 10^6 ÷ step 0, nw={workers}", far / zero, "<=", 2))
+    return "\n".join(lines), goals
+
+
+def _goal(what: str, value: float, op: str, target: float) -> str:
+    met = value >= target if op == ">=" else value <= target
+    return f"- {'met' if met else '**not met**'}: {what} = {value:.2f} (goal {op} {target:g})"
+
+
+def environment() -> str:
+    import torch
+
+    return (
+        f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small caches and few batches (a smoke test)")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="best of N throughput runs, median of N starts"
+    )
+    parser.add_argument("--batches", type=int, default=400, help="batches per throughput run")
+    parser.add_argument("--tmp", default="/work/bench-tmp-loader", help="scratch space, removed afterwards")
+    parser.add_argument("--out", help="report file (default benchmarks/results/loader[-quick].md)")
+    parser.add_argument(
+        "--peers-python", default="/work/bench-venv-loader/bin/python", help="python of the peers' venv"
+    )
+    parser.add_argument("--skip-peers", action="store_true", help="skip HF datasets, mosaic and litdata")
+    args = parser.parse_args()
+
+    tmp = Path(args.tmp)
+    sizes = (0.1, 0.4) if args.quick else (1.0, 8.0)
+    need = sum(sizes) + 0.2
+    free = shutil.disk_usage(tmp.parent if not tmp.exists() else tmp).free / 1e9
+    if free < need * 1.5:
+        sys.exit(f"bench_loader: needs ~{need:.1f} GB free under {tmp.parent}, has {free:.1f} GB; use --tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        throughput_cache = make_cache(tmp / "throughput", 0.2)
+        warm(throughput_cache)
+        batches = 50 if args.quick else args.batches
+        peers: dict[str, Path | str] = {kind: "--skip-peers" for kind in PEERS}
+        if not args.skip_peers and Path(args.peers_python).exists():
+            peers = prepare_peers(args.peers_python, throughput_cache, tmp)
+        elif not args.skip_peers:
+            peers = {kind: f"no {args.peers_python}" for kind in PEERS}
+        results = measure_throughput(throughput_cache, batches, args.repeats, peers, args.peers_python)
+        speed, speed_goals = throughput_table(results, peers)
+        starts, start_goals = first_batch_table(throughput_cache, args.repeats)
+        caches = {size: make_cache(tmp / f"rss-{size:g}gb", size) for size in sizes}
+        for cache in caches.values():
+            warm(cache)
+        memory, memory_goals = memory_table(caches, 2000 if args.quick else 0)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    report = "\n".join(
+        [
+            "# Loader benchmark",
+            "",
+            f"Measured {environment()}; the machine is shared, so expect ±20 % between runs. Every row runs"
+            " in its own process with OMP_NUM_THREADS=1 (torch's default threads slow the torch-based rows"
+            " up to 10x on this loaded 2-core machine).",
+            "",
+            f"## Throughput: seq_len {SEQ_LEN} (+1), global batch 32, shuffled, 0.2 GB cache in page cache",
+            "",
+            speed,
+            "",
+            "## First batch after load_state_dict (fresh process, median)",
+            "",
+            starts,
+            "",
+            "## Anonymous memory per process over a full shuffled epoch"
+            + (" (quick: 2,000 batches)" if args.quick else ""),
+            "",
+            memory,
+            "",
+            "## Goals",
+            "",
+            *speed_goals,
+            *memory_goals,
+            *start_goals,
+            "",
+        ]
+    )
+    print(report)
+    out = (
+        Path(args.out) if args.out else HERE / "results" / ("loader-quick.md" if args.quick else "loader.md")
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
+    log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

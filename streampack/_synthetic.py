@@ -1,0 +1,124 @@
+"""Write token caches straight from numpy arrays, for tests and benchmarks (private; not a build path).
+
+The files follow docs/FORMAT.md exactly, but checksums are left empty: the reader does not check them
+(``streampack verify`` would refuse such a cache). That keeps writing a multi-gigabyte synthetic cache at
+disk speed and in flat memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from streampack.format import SHARD_DIR, Manifest, ShardInfo, offsets_path, shard_name, tokens_path
+
+_CHUNK_TOKENS = 1 << 25
+
+
+def write_cache(
+    root: str | Path, shards: Iterable[tuple[np.ndarray, np.ndarray]], *, vocab_size: int, eos_id: int
+) -> Path:
+    """Write a complete cache whose shard ``k`` holds the given tokens and document end offsets.
+
+    Args:
+        root: the cache directory to create.
+        shards: ``(tokens, doc_ends)`` per shard: token ids, and the cumulative end offset of each
+            document (the last equal to ``len(tokens)``).
+        vocab_size: every id is below it; it decides the token dtype.
+        eos_id: the EOS id recorded in the manifest.
+
+    Returns:
+        The cache directory.
+    """
+    root = Path(root)
+    (root / SHARD_DIR).mkdir(parents=True)
+    dtype = _dtype(vocab_size)
+    infos = []
+    for index, (tokens, ends) in enumerate(shards):
+        name = shard_name(index)
+        np.asarray(tokens).astype(dtype).tofile(tokens_path(root, name))
+        np.asarray(ends).astype("<u8").tofile(offsets_path(root, name))
+        infos.append(ShardInfo(name, f"synthetic:{index}", len(ends), len(tokens), "", ""))
+    _write_manifest(root, infos, vocab_size, eos_id)
+    return root
+
+
+def write_random_cache(
+    root: str | Path,
+    num_tokens: int,
+    *,
+    num_shards: int = 1,
+    mean_doc_tokens: int = 600,
+    vocab_size: int = 50257,
+    seed: int = 0,
+) -> Path:
+    """Write a cache of ``num_tokens`` random tokens in ``num_shards`` shards, in flat memory.
+
+    Documents have geometric lengths (at least 1 token) and end with the EOS id ``vocab_size - 1``; other
+    ids are uniform in ``[0, vocab_size - 1)``.
+
+    Args:
+        root: the cache directory to create.
+        num_tokens: total tokens.
+        num_shards: shards of (nearly) equal size.
+        mean_doc_tokens: mean document length, EOS included.
+        vocab_size: size of the vocabulary.
+        seed: seed of the random generator.
+
+    Returns:
+        The cache directory.
+    """
+    root = Path(root)
+    (root / SHARD_DIR).mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    dtype = _dtype(vocab_size)
+    bounds = np.linspace(0, num_tokens, num_shards + 1).astype(np.int64)
+    infos = []
+    for index in range(num_shards):
+        name = shard_name(index)
+        size = int(bounds[index + 1] - bounds[index])
+        num_docs = _write_random_shard(root, name, size, rng, dtype, vocab_size - 1, mean_doc_tokens)
+        infos.append(ShardInfo(name, f"synthetic:{index}", num_docs, size, "", ""))
+    _write_manifest(root, infos, vocab_size, vocab_size - 1)
+    return root
+
+
+def _dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _write_manifest(root: Path, shards: list[ShardInfo], vocab_size: int, eos_id: int) -> None:
+    Manifest(
+        tokenizer={"kind": "synthetic", "name": "synthetic", "sha256": "", "vocab_size": vocab_size},
+        dtype=_dtype(vocab_size).name,
+        eos={"append": True, "id": eos_id},
+        settings={"synthetic": True},
+        inputs=[],
+        units=[s.unit for s in shards],
+        complete=True,
+        shards=shards,
+    ).write(root)
+
+
+def _write_random_shard(
+    root: Path, name: str, size: int, rng: np.random.Generator, dtype: np.dtype, eos: int, mean: int
+) -> int:
+    """Write one shard of ``size`` random tokens, a chunk at a time; return its number of documents."""
+    ends = []
+    with open(tokens_path(root, name), "wb") as tokens:
+        position = 0
+        while position < size:
+            chunk = min(_CHUNK_TOKENS, size - position)
+            lengths = rng.geometric(1 / mean, size=chunk // mean * 2 + 16)
+            chunk_ends = np.cumsum(lengths)
+            chunk_ends = np.append(chunk_ends[chunk_ends < chunk], chunk)  # documents end with their chunk
+            ids = rng.integers(0, eos, size=chunk, dtype=dtype)
+            ids[chunk_ends - 1] = eos
+            tokens.write(ids.tobytes())
+            ends.append((chunk_ends + position).astype("<u8"))
+            position += chunk
+    offsets = np.concatenate(ends) if ends else np.zeros(0, dtype="<u8")
+    offsets.tofile(offsets_path(root, name))
+    return len(offsets)

@@ -1,0 +1,320 @@
+"""PyTorch adapters: feed a :class:`~streampack.loader.Loader` through ``torch.utils.data.DataLoader``.
+
+Install with ``pip install 'streampack[torch]'``. Three pieces:
+
+* :class:`IterableDataset` yields a rank's batches, whole, as tensors. With DataLoader workers, worker
+  ``k`` of ``n`` makes batches ``k, k + n, k + 2n, ...`` of the schedule, and the DataLoader, which asks
+  its workers in turn, hands them out in order. Workers build each batch in shared memory, so sending it
+  to the training process moves a file descriptor, not the tokens.
+* :class:`DataLoader` is ``torch.utils.data.DataLoader`` over such a dataset that counts the batches it
+  hands out, so its ``state_dict()`` resumes exactly at the next one, with any ``num_workers``,
+  ``persistent_workers``, ``pin_memory`` or ``prefetch_factor``.
+* :class:`Dataset` is a plain map-style dataset of samples, for samplers of your own.
+
+Moving batches between processes: passing each batch as its own shared-memory tensor costs a new
+shared-memory file and a file-descriptor handshake per batch, which caps a DataLoader at about a
+thousand batches per second whatever their size. So :class:`DataLoader` (numpy output, no custom
+collate) gives its workers a ring of batch slots in shared memory, allocated once: a worker writes a batch
+into its next slot in the cache dtype (the smallest on the wire) and sends only the slot number; the
+training process copies the slot out, casting to the loader's dtype in the same pass, into a tensor of its
+own. A stamp per slot detects any slot overwritten before it was copied, which the DataLoader's bounded
+prefetch (``prefetch_factor`` batches per worker, handed out in order) rules out; ``shared_slots=False``
+falls back to one tensor per batch.
+
+Example (one process of ``torchrun``)::
+
+    rank, world = rank_and_world_size()
+    loader = Loader(cache.sequences(2048, overlap=1), batch_size=32, seed=0, rank=rank, world_size=world)
+    data = DataLoader(loader, num_workers=4, pin_memory=True, persistent_workers=True)
+    for batch in data:  # (32 // world, 2049) int64 tensors
+        ...
+    torch.save({"data": data.state_dict(), ...}, path)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from itertools import islice
+from typing import Any
+
+import numpy as np
+
+try:
+    import torch
+    import torch.utils.data as torch_data
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "streampack.torch needs PyTorch, an optional extra: pip install 'streampack[torch]'"
+    ) from error
+
+from streampack.loader import Loader
+from streampack.sequences import PackedSequences
+
+__all__ = ["DataLoader", "Dataset", "IterableDataset", "rank_and_world_size"]
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """This process's ``(rank, world_size)`` in the default ``torch.distributed`` group, else ``(0, 1)``."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class Dataset(torch_data.Dataset):
+    """Map-style dataset of packed samples: ``dataset[i]`` is sample ``i`` as a 1-D tensor.
+
+    Fetching a batch of indices is one vectorised read (``__getitems__``, which the DataLoader uses when
+    present). Order, ranks and resuming are then up to your sampler; :class:`DataLoader` over a
+    :class:`~streampack.loader.Loader` does all three.
+
+    Args:
+        sequences: the samples, e.g. ``cache.sequences(2048)``.
+        dtype: tensor dtype of the tokens.
+    """
+
+    def __init__(self, sequences: PackedSequences, *, dtype: torch.dtype = torch.int64) -> None:
+        self.sequences = sequences
+        self.dtype = dtype
+        self._numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+
+    def __len__(self) -> int:
+        """Number of samples."""
+        return len(self.sequences)
+
+    def __repr__(self) -> str:
+        return f"streampack.torch.Dataset({self.sequences!r}, dtype={self.dtype})"
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        """Sample ``index`` as a 1-D tensor of ``seq_len + overlap`` tokens."""
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: list[int]) -> list[torch.Tensor]:
+        """Samples at ``indices``, read in one call; rows of one tensor, which the default collate stacks."""
+        out = np.empty((len(indices), self.sequences.width), dtype=self._numpy_dtype)
+        self.sequences.read(np.asarray(indices, dtype=np.int64), out=out)
+        return list(torch.from_numpy(out))
+
+
+class IterableDataset(torch_data.IterableDataset):
+    """A rank's batches as tensors, split over DataLoader workers in order. Use with ``batch_size=None``.
+
+    Iteration starts at the loader's position when the DataLoader iterator is created (also with
+    persistent workers, which read it from a small shared-memory tensor); the dataset itself never moves
+    the loader. :class:`DataLoader` wraps this and advances the loader as batches are handed out.
+
+    Args:
+        loader: the loader to serve; its ``collate``, if any, runs in the workers before conversion.
+    """
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+        # [epoch, step] the next iteration starts at; shared memory survives both fork and spawn.
+        self._start = torch.zeros(2, dtype=torch.int64).share_memory_()
+        self._ring: _SlotRing | None = None  # set by DataLoader, which alone knows how to read slots
+        self.publish()
+
+    def __repr__(self) -> str:
+        return f"streampack.torch.IterableDataset({self.loader!r})"
+
+    def publish(self) -> None:
+        """Make the loader's current position the start of the next iteration, in every worker."""
+        self._start.copy_(torch.tensor([self.loader.epoch, self.loader.step], dtype=torch.int64))
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield this worker's share of the batches from the published start, in schedule order."""
+        info = torch_data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, step = (int(x) for x in self._start.tolist())
+        ring = self._ring if info is not None else None
+        for position in islice(self.loader.schedule(start=(epoch, step)), worker, None, workers):
+            if ring is not None:
+                yield ring.put(self.loader, worker, *position)
+            else:
+                yield self._make(*position, in_worker=info is not None)
+
+    def _make(self, epoch: int, step: int, *, in_worker: bool) -> Any:
+        loader = self.loader
+        out = None
+        dtype = loader.options.dtype or getattr(loader.dataset, "dtype", None)
+        if in_worker and dtype is not None:
+            out = _shared_array(loader.batch_shape(step), dtype)
+        return _to_torch(loader.batch(epoch, step, out=None if out is None else out[1]), out)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state (see :meth:`Loader.state_dict`)."""
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume the loader from ``state``; the next iteration starts at the batch after the saved one."""
+        self.loader.load_state_dict(state)
+        self.publish()
+
+
+class DataLoader(torch_data.DataLoader):
+    """``torch.utils.data.DataLoader`` over a :class:`~streampack.loader.Loader`, with exact resume.
+
+    Batches are made whole by the loader (global batch semantics, this rank's rows), so there is no
+    ``batch_size``, ``sampler`` or ``collate_fn`` here; every other DataLoader argument is passed through.
+    Each batch handed out advances the loader, so :meth:`state_dict` after ``k`` batches resumes at batch
+    ``k + 1``, whatever the workers had prefetched.
+
+    Args:
+        loader: the loader to serve.
+        shared_slots: with workers, send batches through a ring of shared-memory slots (see the module
+            docs); ``False`` sends each batch as a shared-memory tensor of its own.
+        **kwargs: ``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor``,
+            ``multiprocessing_context``, ``timeout``, ... as for ``torch.utils.data.DataLoader``.
+
+    Raises:
+        ValueError: a batching argument, or ``in_order=False``, was given.
+    """
+
+    def __init__(self, loader: Loader, *, shared_slots: bool = True, **kwargs: Any) -> None:
+        for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "collate_fn", "drop_last"):
+            if name in kwargs:
+                raise ValueError(
+                    f"streampack.torch.DataLoader makes batches with the Loader, so it takes no {name}= "
+                    f"(got {name}={kwargs[name]!r}); set batch_size, shuffle, drop_last and collate on the "
+                    "Loader instead"
+                )
+        if kwargs.get("in_order") is False:
+            raise ValueError(
+                "streampack.torch.DataLoader hands batches out in schedule order, which resuming relies on; "
+                "in_order=False is not supported"
+            )
+        dataset = IterableDataset(loader)
+        super().__init__(dataset, batch_size=None, **kwargs)
+        self._pin = False
+        if shared_slots and self.num_workers > 0 and _SlotRing.fits(loader):
+            # The ring goes to the workers inside the dataset; pinning happens on copy-out instead, and
+            # like the DataLoader's own, only where there is an accelerator to pin for.
+            dataset._ring = _SlotRing(loader, self.num_workers, (self.prefetch_factor or 2) + 2)
+            self._pin, self.pin_memory = bool(self.pin_memory) and _have_accelerator(), False
+
+    @property
+    def loader(self) -> Loader:
+        """The loader whose batches are served."""
+        return self.dataset.loader  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        """Yield batches from the loader's position, advancing it by one per batch handed out."""
+        dataset: IterableDataset = self.dataset  # type: ignore[assignment]
+        dataset.publish()
+        ring, dtype = dataset._ring, self.loader.options.dtype
+        for batch in super().__iter__():
+            if isinstance(batch, _Slot):
+                batch = ring.take(batch, dtype, pin=self._pin)  # type: ignore[union-attr]
+            dataset.loader.advance(1)
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's state after the batches handed out so far (small, JSON-serializable)."""
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`; takes effect at the next ``iter()``."""
+        self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """What a worker sends for a batch it wrote into the ring: where it is, and the stamp it left there."""
+
+    index: int
+    rows: int
+    stamp: tuple[int, int]
+
+
+class _SlotRing:
+    """Batch slots in shared memory: each worker cycles through its own, the training process copies out.
+
+    Args:
+        loader: the loader whose batches the slots hold (in the cache dtype).
+        workers: DataLoader workers.
+        per_worker: slots per worker; more than the batches a worker can have in flight.
+    """
+
+    def __init__(self, loader: Loader, workers: int, per_worker: int) -> None:
+        rows, width = loader.batch_shape(0)
+        dtype = torch.from_numpy(np.empty(0, dtype=loader.dataset.dtype)).dtype  # type: ignore[attr-defined]
+        self.per_worker = per_worker
+        self.tokens = torch.zeros((workers * per_worker, rows, width), dtype=dtype).share_memory_()
+        self.stamps = torch.zeros((workers * per_worker, 2), dtype=torch.int64).share_memory_()
+        self._counter = 0
+
+    @staticmethod
+    def fits(loader: Loader) -> bool:
+        """Whether batches are plain token arrays the ring can carry (numpy output, no custom collate)."""
+        return (
+            loader.options.output == "numpy"
+            and loader.collate is None
+            and getattr(loader.dataset, "dtype", None) is not None
+        )
+
+    def put(self, loader: Loader, worker: int, epoch: int, step: int) -> _Slot:
+        """Write the batch ``(epoch, step)`` into this worker's next slot (called in the worker)."""
+        index = worker * self.per_worker + self._counter % self.per_worker
+        self._counter += 1
+        stamps = self.stamps.numpy()
+        stamps[index] = -1  # mark the slot as being written before touching its tokens
+        rows = loader.batch_shape(step)[0]
+        loader.batch(epoch, step, out=self.tokens.numpy()[index, :rows])
+        stamp = (os.getpid(), self._counter)
+        stamps[index] = stamp
+        return _Slot(index, rows, stamp)
+
+    def take(self, slot: _Slot, dtype: np.dtype | None, *, pin: bool) -> torch.Tensor:
+        """Copy a slot out into a new tensor of ``dtype`` (the cache dtype when None)."""
+        source = self.tokens.numpy()[slot.index, : slot.rows]
+        torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype or source.dtype)).dtype
+        out = torch.empty(source.shape, dtype=torch_dtype, pin_memory=pin)
+        self._check(slot)
+        np.copyto(out.numpy(), source)
+        self._check(slot)
+        return out
+
+    def _check(self, slot: _Slot) -> None:
+        if tuple(self.stamps[slot.index].tolist()) != slot.stamp:
+            raise RuntimeError(
+                f"a batch slot in shared memory was overwritten before it was read (slot {slot.index}, "
+                f"stamp {slot.stamp}, found {tuple(self.stamps[slot.index].tolist())}). This is a bug: "
+                "please report it with your DataLoader settings, and use DataLoader(..., "
+                "shared_slots=False) meanwhile."
+            )
+
+
+def _have_accelerator() -> bool:
+    accelerator = getattr(torch, "accelerator", None)
+    return bool(accelerator.is_available()) if accelerator is not None else torch.cuda.is_available()
+
+
+def _shared_array(shape: tuple[int, int], dtype: np.dtype) -> tuple[torch.Tensor, np.ndarray]:
+    """A tensor allocated directly in shared memory, and a numpy view of it to fill.
+
+    A worker's batch is sent to the training process by passing its storage's file descriptor; a tensor
+    in ordinary memory would first be copied into shared memory. ``default_collate`` allocates the same
+    way (``_new_shared``); fall back to a copy should that private call disappear.
+    """
+    torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    try:
+        storage = torch.UntypedStorage._new_shared(nbytes)
+        tensor = torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)
+    except (AttributeError, RuntimeError):  # pragma: no cover - other torch versions
+        tensor = torch.empty(shape, dtype=torch_dtype).share_memory_()
+    return tensor, tensor.numpy()
+
+
+def _to_torch(batch: Any, shared: tuple[torch.Tensor, np.ndarray] | None) -> Any:
+    """Turn numpy arrays into tensors sharing their memory (a filled shared array becomes its tensor)."""
+    if shared is not None and batch is shared[1]:
+        return shared[0]
+    if isinstance(batch, np.ndarray):
+        return torch.from_numpy(batch)
+    if isinstance(batch, dict):
+        return {key: _to_torch(value, shared) for key, value in batch.items()}
+    return batch

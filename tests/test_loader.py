@@ -1,0 +1,448 @@
+"""Tests for `streampack.loader`: global batches over ranks, exact O(1) resume, validation, memory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from itertools import chain, islice
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import streampack
+from streampack._synthetic import write_random_cache
+from streampack.loader import STATE_VERSION, Loader, LoaderOptions
+from tests.conftest import run_cli
+
+
+class IndexSource:
+    """A data source whose sample ``i`` is the row ``[i]``, so every batch names the samples it holds."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.reads = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, indices: np.ndarray) -> np.ndarray:
+        self.reads += 1
+        return np.asarray(indices)[:, None]
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return list(chain.from_iterable(batches))
+
+
+def served(loader: Loader, batches: int | None = None) -> list[list[int]]:
+    """The sample indices of the next ``batches`` batches (all remaining ones by default)."""
+    return [batch[:, 0].tolist() for batch in islice(loader, batches)]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> streampack.Cache:
+    root = tmp_path_factory.mktemp("loader")
+    texts = [f"document {i} " + "xyz" * (i % 17) for i in range(400)]
+    half = len(texts) // 2
+    for name, part in (("a", texts[:half]), ("b", texts[half:])):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    streampack.build([root / "a.jsonl", root / "b.jsonl"], root / "cache", tokenizer="bytes", workers=1)
+    return streampack.open(root / "cache")
+
+
+# --- order: global batches, ranks, epochs ---------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    world=st.integers(1, 4),
+    rows=st.integers(1, 6),
+    seed=st.integers(0, 2**64 - 1),
+    shuffle=st.booleans(),
+)
+def test_ranks_see_every_sample_once_with_equal_batch_counts(
+    n: int, world: int, rows: int, seed: int, shuffle: bool
+) -> None:
+    batch_size = world * rows
+    per_rank = []
+    for rank in range(world):
+        loader = Loader(
+            IndexSource(n), batch_size=batch_size, seed=seed, shuffle=shuffle, rank=rank, world_size=world,
+            drop_last=False, epochs=1,
+        )  # fmt: skip
+        per_rank.append(served(loader))
+    assert len({len(batches) for batches in per_rank}) == 1  # no rank waits for a batch that never comes
+    everything = [i for batches in per_rank for batch in batches for i in batch]
+    assert sorted(everything) == list(range(n))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 300), world=st.integers(1, 4), rows=st.integers(1, 6), seed=st.integers(0, 2**32))
+def test_drop_last_serves_whole_global_batches_of_distinct_samples(
+    n: int, world: int, rows: int, seed: int
+) -> None:
+    batch_size = world * rows
+    if n < batch_size:
+        with pytest.raises(ValueError, match="fewer than one global batch"):
+            Loader(IndexSource(n), batch_size=batch_size)
+        return
+    per_rank = [
+        served(Loader(IndexSource(n), batch_size=batch_size, seed=seed, rank=r, world_size=world, epochs=1))
+        for r in range(world)
+    ]
+    assert all(len(batches) == n // batch_size for batches in per_rank)
+    assert all(len(batch) == rows for batches in per_rank for batch in batches)
+    everything = [i for batches in per_rank for batch in batches for i in batch]
+    assert len(set(everything)) == len(everything) == n // batch_size * batch_size
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(8, 200), seed=st.integers(0, 2**64 - 1), world=st.sampled_from([1, 2, 4]))
+def test_global_order_does_not_depend_on_world_size(n: int, seed: int, world: int) -> None:
+    single = served(Loader(IndexSource(n), batch_size=4, seed=seed, epochs=2, drop_last=False))
+    ranks = [
+        served(
+            Loader(
+                IndexSource(n), batch_size=4, seed=seed, epochs=2, drop_last=False, rank=r, world_size=world
+            )
+        )
+        for r in range(world)
+    ]
+    joined = [flat([ranks[r][step] for r in range(world)]) for step in range(len(single))]
+    assert joined == single
+
+
+def test_epochs_are_shuffled_differently_and_unshuffled_is_stream_order() -> None:
+    loader = Loader(IndexSource(100), batch_size=10, seed=3, epochs=2)
+    batches = served(loader)
+    first, second = flat(batches[:10]), flat(batches[10:])
+    assert sorted(first) == sorted(second) == list(range(100)) and first != second
+    assert flat(served(Loader(IndexSource(100), batch_size=10, shuffle=False, epochs=1))) == list(range(100))
+    other_seed = flat(served(Loader(IndexSource(100), batch_size=10, seed=4, epochs=1)))
+    assert other_seed != first
+
+
+def test_epochs_none_runs_forever_and_epochs_stop() -> None:
+    assert len(served(Loader(IndexSource(10), batch_size=5), 1000)) == 1000
+    loader = Loader(IndexSource(10), batch_size=5, epochs=3)
+    assert len(served(loader)) == 6 and loader.finished and loader.epoch == 3
+    assert served(loader) == []
+
+
+def test_steps_per_epoch_and_the_last_partial_batch() -> None:
+    loader = Loader(
+        IndexSource(10), batch_size=4, world_size=2, rank=1, drop_last=False, shuffle=False, epochs=1
+    )
+    assert loader.steps_per_epoch == 3
+    assert served(loader) == [[2, 3], [6, 7], [9]]  # the partial batch [8, 9] splits 1 + 1
+    assert Loader(IndexSource(10), batch_size=4).steps_per_epoch == 2
+
+
+# --- resume -----------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 120),
+    world=st.integers(1, 4),
+    rows=st.integers(1, 5),
+    seed=st.integers(0, 2**64 - 1),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    data=st.data(),
+)
+def test_resume_continues_the_uninterrupted_stream(
+    n: int, world: int, rows: int, seed: int, shuffle: bool, drop_last: bool, data: st.DataObject
+) -> None:
+    batch_size = world * rows
+    if drop_last and n < batch_size:
+        return
+    rank = data.draw(st.integers(0, world - 1), label="rank")
+    options = {
+        "batch_size": batch_size, "seed": seed, "shuffle": shuffle, "rank": rank, "world_size": world,
+        "drop_last": drop_last, "epochs": 3,
+    }  # fmt: skip
+    uninterrupted = served(Loader(IndexSource(n), **options))
+    stop = data.draw(st.integers(0, len(uninterrupted)), label="stop")
+    first = Loader(IndexSource(n), **options)
+    head = served(first, stop)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = Loader(IndexSource(n), **options)
+    resumed.load_state_dict(state)
+    assert head + served(resumed) == uninterrupted
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(16, 150), seed=st.integers(0, 2**64 - 1), stop=st.integers(0, 40), drop_last=st.booleans()
+)
+def test_resume_with_fewer_ranks_keeps_the_global_order(
+    n: int, seed: int, stop: int, drop_last: bool
+) -> None:
+    def loaders(world: int) -> list[Loader]:
+        return [
+            Loader(
+                IndexSource(n),
+                batch_size=8,
+                seed=seed,
+                rank=r,
+                world_size=world,
+                epochs=2,
+                drop_last=drop_last,
+            )
+            for r in range(world)
+        ]
+
+    reference = served(Loader(IndexSource(n), batch_size=8, seed=seed, epochs=2, drop_last=drop_last))
+    stop = min(stop, len(reference))
+    four = loaders(4)
+    for loader in four:
+        served(loader, stop)
+    states = [json.loads(json.dumps(loader.state_dict())) for loader in four]
+    assert all(state["world_size"] == 4 for state in states)
+    two = loaders(2)
+    for loader in two:
+        loader.load_state_dict(states[0])
+    rest = [served(loader) for loader in two]
+    assert [a + b for a, b in zip(*rest)] == reference[stop:]
+
+
+def test_resume_in_a_new_process(cache: streampack.Cache, tmp_path: Path) -> None:
+    options = {"batch_size": 6, "seed": 12345, "world_size": 3, "rank": 2, "epochs": 2}
+    seqs = cache.sequences(24, overlap=1)
+    uninterrupted = list(Loader(seqs, **options))
+    first = Loader(seqs, **options)
+    head = list(islice(first, 7))
+    (tmp_path / "state.json").write_text(json.dumps(first.state_dict()))
+    script = textwrap.dedent(
+        f"""
+        import json, sys
+        import numpy as np
+        import streampack
+        from streampack.loader import Loader
+        loader = Loader(streampack.open({str(cache.root)!r}).sequences(24, overlap=1), **{options!r})
+        loader.load_state_dict(json.loads(open(sys.argv[1]).read()))
+        np.save(sys.argv[2], np.stack(list(loader)))
+        """
+    )
+    subprocess.run([sys.executable, "-c", script, tmp_path / "state.json", tmp_path / "rest.npy"], check=True)
+    rest = np.load(tmp_path / "rest.npy")
+    assert len(head) + len(rest) == len(uninterrupted)
+    assert np.array_equal(np.stack(head + list(rest)), np.stack(uninterrupted))
+
+
+def test_resume_is_o1_far_into_a_huge_epoch() -> None:
+    source = IndexSource(10**12)
+    loader = Loader(source, batch_size=32, seed=9)
+    state = loader.state_dict() | {"epoch": 5, "samples_in_epoch": 32 * 10**6}
+    loader.load_state_dict(state)
+    batch = next(iter(loader))
+    assert source.reads == 1  # nothing replayed
+    assert batch[:, 0].tolist() == loader.indices(5, 10**6).tolist()
+    assert loader.state_dict()["samples_in_epoch"] == 32 * (10**6 + 1)
+
+
+def test_load_state_dict_takes_effect_at_the_next_batch() -> None:
+    loader = Loader(IndexSource(50), batch_size=5, seed=1)
+    saved = loader.state_dict()
+    iterator = iter(loader)
+    first = next(iterator)[:, 0].tolist()
+    next(iterator)
+    loader.load_state_dict(saved)
+    assert next(iterator)[:, 0].tolist() == first
+
+
+def test_advance_matches_consuming() -> None:
+    consumed = Loader(IndexSource(50), batch_size=5, seed=1)
+    served(consumed, 23)
+    jumped = Loader(IndexSource(50), batch_size=5, seed=1)
+    jumped.advance(23)
+    assert jumped.state_dict() == consumed.state_dict() and (jumped.epoch, jumped.step) == (2, 3)
+
+
+def test_state_is_small_versioned_json(cache: streampack.Cache) -> None:
+    loader = Loader(cache.sequences(16), batch_size=4, seed=7, world_size=2, rank=1)
+    served(loader, 3)
+    state = loader.state_dict()
+    assert state == {
+        "format": "streampack.Loader",
+        "version": STATE_VERSION,
+        "seed": 7,
+        "shuffle": True,
+        "batch_size": 4,
+        "drop_last": True,
+        "dataset": cache.sequences(16).fingerprint(),
+        "epoch": 0,
+        "samples_in_epoch": 12,
+        "world_size": 2,
+    }
+    assert len(json.dumps(state)) < 400
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"seed": 8}, "seed in checkpoint: 8 / seed in this loader: 7"),
+        ({"batch_size": 6}, "batch_size in checkpoint: 6 / batch_size in this loader: 4"),
+        ({"shuffle": False}, "shuffle in checkpoint: False / shuffle in this loader: True"),
+        ({"drop_last": False}, "drop_last in checkpoint: False / drop_last in this loader: True"),
+        ({"version": 99}, "version 99 is not supported"),
+        ({"format": "other"}, "not a streampack loader state"),
+        ({"samples_in_epoch": 5}, "must be a multiple of batch_size=4"),
+        ({"samples_in_epoch": 10**9}, "must be a multiple of batch_size=4 in"),
+        ({"epoch": -1}, "epoch must be a non-negative integer"),
+        ({"epoch": "3"}, "epoch must be a non-negative integer"),
+    ],
+)
+def test_mismatched_or_damaged_state_is_refused_naming_both_sides(change: dict, message: str) -> None:
+    loader = Loader(IndexSource(100), batch_size=4, seed=7)
+    with pytest.raises(ValueError, match=message):
+        loader.load_state_dict(loader.state_dict() | change)
+
+
+def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
+    state = Loader(cache.sequences(16), batch_size=4).state_dict()
+    with pytest.raises(
+        ValueError, match=r"dataset in checkpoint: \{.*'seq_len': 16.*\} / dataset in this loader"
+    ):
+        Loader(cache.sequences(32), batch_size=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="not a streampack loader state"):
+        Loader(cache.sequences(16), batch_size=4).load_state_dict([1, 2])  # type: ignore[arg-type]
+
+
+# --- options and outputs -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"batch_size": 10, "world_size": 4},
+            r"batch_size=10 does not divide by world_size=4.*e\.g\. 8 or 12",
+        ),
+        ({"batch_size": 2, "world_size": 4}, r"does not divide by world_size=4.*e\.g\. 4"),
+        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        (
+            {"batch_size": 4, "rank": 2, "world_size": 2},
+            r"rank must be an integer in \[0, 2\) \(got rank=2\)",
+        ),
+        ({"batch_size": 4, "seed": -1}, r"seed must be an integer in \[0, 2\*\*64\)"),
+        ({"batch_size": 4, "epochs": 0}, "epochs must be a positive integer, or None"),
+        ({"batch_size": 4, "shuffle": 1}, "shuffle must be True or False"),
+        ({"batch_size": 4, "output": "torch"}, "output must be 'numpy' or 'dict'"),
+        ({"batch_size": 4, "dtype": np.float32}, "dtype must be an integer dtype"),
+    ],
+)
+def test_bad_options_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Loader(IndexSource(100), **kwargs)
+
+
+def test_options_are_a_frozen_dataclass() -> None:
+    options = LoaderOptions(batch_size=8, world_size=2)
+    assert options.rows == 4 and options.dtype == np.dtype(np.int64)
+    with pytest.raises(AttributeError):
+        options.seed = 3  # type: ignore[misc]
+
+
+def test_numpy_output_dtypes(cache: streampack.Cache) -> None:
+    seqs = cache.sequences(16, overlap=1)
+    default = next(iter(Loader(seqs, batch_size=4, seed=1)))
+    assert default.dtype == np.int64 and default.shape == (4, 17)
+    raw = next(iter(Loader(seqs, batch_size=4, seed=1, dtype=None)))
+    assert raw.dtype == cache.dtype and np.array_equal(raw, default)
+    assert next(iter(Loader(seqs, batch_size=4, seed=1, dtype="int32"))).dtype == np.int32
+    with pytest.raises(ValueError, match="cannot hold every id of the cache's uint16 tokens"):
+        Loader(seqs, batch_size=4, dtype=np.int16)
+
+
+def test_dict_output_for_hugging_face_models(cache: streampack.Cache) -> None:
+    seqs = cache.sequences(32)
+    loader = Loader(seqs, batch_size=4, seed=2, output="dict")
+    batch = next(iter(loader))
+    indices = loader.indices(0, 0)
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert np.array_equal(batch["input_ids"], seqs[indices]) and batch["input_ids"].dtype == np.int64
+    assert np.array_equal(batch["labels"], batch["input_ids"]) and batch["labels"] is not batch["input_ids"]
+    assert np.array_equal(batch["position_ids"], seqs.boundaries(indices).position_ids)
+    with pytest.raises(ValueError, match="samples need no overlap"):
+        Loader(cache.sequences(32, overlap=1), batch_size=4, output="dict")
+    with pytest.raises(ValueError, match="IndexSource does not provide"):
+        Loader(IndexSource(100), batch_size=4, output="dict")
+
+
+def test_collate_is_applied_to_every_batch() -> None:
+    loader = Loader(IndexSource(20), batch_size=5, seed=0, collate=lambda b: b[:, 0].tolist(), epochs=1)
+    assert sorted(flat(list(loader))) == list(range(20))
+
+
+def test_batch_is_a_pure_function_of_epoch_and_step(cache: streampack.Cache) -> None:
+    loader = Loader(cache.sequences(16), batch_size=4, seed=5)
+    out = np.zeros((4, 16), dtype=np.int64)
+    assert loader.batch(1, 2, out=out) is out
+    assert np.array_equal(out, Loader(cache.sequences(16), batch_size=4, seed=5).batch(1, 2))
+    assert loader.epoch == loader.step == 0
+    with pytest.raises(IndexError, match=rf"steps are in \[0, {loader.steps_per_epoch}\)"):
+        loader.indices(0, loader.steps_per_epoch)
+    assert "batch_size=4, seed=5" in repr(loader) and "PackedSequences(" in repr(loader)
+
+
+def test_loader_pickles_without_its_caches(cache: streampack.Cache) -> None:
+    import pickle
+
+    loader = Loader(cache.sequences(16), batch_size=4, seed=5)
+    served(loader, 3)
+    copy = pickle.loads(pickle.dumps(loader))
+    assert np.array_equal(next(iter(copy)), next(iter(loader)))
+
+
+# --- memory ------------------------------------------------------------------------------------------------
+
+_READ_EPOCH = """
+import json, sys
+import streampack
+from streampack.loader import Loader
+
+def rss_anon_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+
+loader = Loader(streampack.open(sys.argv[1]).sequences(2048, overlap=1), batch_size=32, seed=0, epochs=1)
+peak, batches = 0.0, 0
+for batches, batch in enumerate(loader, 1):
+    if batches % 50 == 0:
+        peak = max(peak, rss_anon_mb())
+print(json.dumps({"batches": batches, "peak": max(peak, rss_anon_mb())}))
+"""
+
+
+def test_anonymous_memory_does_not_grow_with_the_cache(tmp_path: Path) -> None:
+    if "RssAnon" not in Path("/proc/self/status").read_text():
+        pytest.skip("needs /proc/self/status with RssAnon (Linux)")
+    results = {}
+    for megabytes in (20, 200):
+        root = write_random_cache(tmp_path / f"c{megabytes}", megabytes * 10**6 // 2, num_shards=3)
+        run = subprocess.run(
+            [sys.executable, "-c", _READ_EPOCH, root], check=True, capture_output=True, text=True
+        )
+        results[megabytes] = json.loads(run.stdout)
+    assert results[200]["batches"] > 9 * results[20]["batches"]  # a full epoch of each was read
+    assert results[200]["peak"] - results[20]["peak"] < 16, results
+
+
+def test_cli_bench_prints_rates_and_memory(cache: streampack.Cache) -> None:
+    out = run_cli("bench", cache.root, "--seq-len", "16", "--batch-size", "4", "--steps", "20").stdout
+    assert "samples/s" in out and "M tokens/s" in out and "RssAnon main" in out
+    result = run_cli(
+        "bench", cache.root, "--seq-len", "16", "--batch-size", "4", "--seq-len", "10**9", check=False
+    )
+    assert result.returncode == 2
+    result = run_cli("bench", cache.root, "--seq-len", "100000", "--batch-size", "4", check=False)
+    assert result.returncode == 1 and "fewer than one global batch" in result.stderr

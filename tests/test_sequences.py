@@ -1,0 +1,262 @@
+"""Tests for `streampack.sequences`: packed windows of the token stream and their document boundaries."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import streampack
+from streampack._synthetic import write_cache
+from streampack.errors import CacheError
+from streampack.sequences import PackedSequences
+from tests.conftest import run_cli
+
+
+def _texts(rng: random.Random, count: int) -> list[str]:
+    # Lengths from 0 (a document that is only its EOS) to well past the window sizes tested.
+    return [
+        "".join(rng.choice("abcdef") for _ in range(rng.choice([0, 1, 3, 9, 30, 80]))) for _ in range(count)
+    ]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> streampack.Cache:
+    """A cache of four shards, one of them empty, built with the bytes tokenizer."""
+    root = tmp_path_factory.mktemp("seq")
+    rng = random.Random(0)
+    files = []
+    for name, count in (("a", 60), ("b", 0), ("c", 3), ("d", 90)):
+        path = root / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(rng, count)))
+        files.append(path)
+    streampack.build(files, root / "cache", tokenizer="bytes", workers=1)
+    opened = streampack.open(root / "cache")
+    assert opened.num_shards == 4 and 0 in {s.num_tokens for s in opened.shards}
+    return opened
+
+
+@pytest.fixture(scope="module")
+def stream(cache: streampack.Cache) -> np.ndarray:
+    return cache.tokens(0, cache.num_tokens)
+
+
+def reference_boundaries(cache: streampack.Cache, index: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Position ids and document ids of one sample, token by token."""
+    ends = np.cumsum(cache.doc_lengths())
+    docs = [
+        int(np.searchsorted(ends, t, side="right")) for t in range(index * seq_len, (index + 1) * seq_len)
+    ]
+    positions = [0]
+    for previous, current in pairwise(docs):
+        positions.append(positions[-1] + 1 if current == previous else 0)
+    return np.array(positions), np.array(docs)
+
+
+@pytest.mark.parametrize(("seq_len", "overlap"), [(1, 0), (5, 0), (7, 1), (64, 0), (64, 3)])
+def test_every_sample_is_its_window_of_the_stream(
+    cache: streampack.Cache, stream: np.ndarray, seq_len: int, overlap: int
+) -> None:
+    seqs = cache.sequences(seq_len, overlap=overlap)
+    assert len(seqs) == (cache.num_tokens - overlap) // seq_len
+    batch = seqs[np.arange(len(seqs))[::-1]]
+    assert batch.dtype == cache.dtype and batch.shape == (len(seqs), seq_len + overlap)
+    for row, i in zip(batch, range(len(seqs) - 1, -1, -1)):
+        assert np.array_equal(row, stream[i * seq_len : i * seq_len + seq_len + overlap])
+    assert np.array_equal(seqs[len(seqs) - 1], batch[0])
+
+
+def test_windows_cross_shard_boundaries(cache: streampack.Cache, stream: np.ndarray) -> None:
+    seqs = cache.sequences(16, overlap=1)
+    crossing = [
+        i
+        for i in range(len(seqs))
+        if np.searchsorted(cache.token_starts, i * 16, "right")
+        != np.searchsorted(cache.token_starts, i * 16 + 16, "right")
+    ]
+    assert crossing, "the fixture should have windows spanning shards"
+    for i in crossing:
+        assert np.array_equal(seqs[i], stream[i * 16 : i * 16 + 17])
+
+
+def test_only_the_final_partial_window_is_dropped(tmp_path: Path) -> None:
+    tokens = np.arange(10, dtype=np.int64)
+    cache = streampack.open(write_cache(tmp_path / "c", [(tokens, [4, 10])], vocab_size=50, eos_id=49))
+    assert len(cache.sequences(3)) == 3  # [0,3) [3,6) [6,9); token 9 is left over
+    assert len(cache.sequences(3, overlap=1)) == 3  # the last window [6, 10) just fits
+    assert len(cache.sequences(5, overlap=1)) == 1
+    assert len(cache.sequences(11)) == 0
+    assert cache.sequences(3, overlap=1)[2].tolist() == [6, 7, 8, 9]
+
+
+def test_index_forms(cache: streampack.Cache) -> None:
+    seqs = cache.sequences(8)
+    n = len(seqs)
+    assert np.array_equal(seqs[-1], seqs[n - 1])
+    assert np.array_equal(seqs[2:9:3], seqs[np.array([2, 5, 8])])
+    grid = seqs[np.array([[0, 1], [-1, 3]])]
+    assert grid.shape == (2, 2, 8) and np.array_equal(grid[1, 0], seqs[n - 1])
+    assert seqs[np.zeros(0, dtype=np.int64)].shape == (0, 8)
+    assert seqs[[np.int32(4)]].shape == (1, 8)
+
+
+@pytest.mark.parametrize("bad", [10**9, -(10**9), np.array([0, 10**9])])
+def test_out_of_range_index_names_the_range(cache: streampack.Cache, bad: object) -> None:
+    seqs = cache.sequences(8)
+    with pytest.raises(IndexError, match=rf"out of range for {len(seqs)} samples"):
+        seqs[bad]
+
+
+@pytest.mark.parametrize("bad", [1.5, np.array([0.0, 1.0]), np.array([True, False]), "3"])
+def test_non_integer_index_is_refused(cache: streampack.Cache, bad: object) -> None:
+    with pytest.raises(TypeError, match="must be an int, a slice or an integer array"):
+        cache.sequences(8)[bad]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"seq_len": 0}, "seq_len must be a positive integer"),
+        ({"seq_len": 2.0}, "seq_len must be a positive integer"),
+        ({"seq_len": True}, "seq_len must be a positive integer"),
+        ({"seq_len": 8, "overlap": -1}, "overlap must be a non-negative integer"),
+    ],
+)
+def test_bad_settings_are_refused(cache: streampack.Cache, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PackedSequences(cache, **kwargs)
+
+
+def test_read_casts_into_the_given_array(cache: streampack.Cache) -> None:
+    seqs = cache.sequences(16, overlap=1)
+    indices = np.array([3, 0, len(seqs) - 1, 3])
+    out = np.full((4, 17), -1, dtype=np.int64)
+    assert seqs.read(indices, out=out) is out
+    assert np.array_equal(out, seqs[indices].astype(np.int64))
+    with pytest.raises(ValueError, match=r"out has shape \(4, 16\)"):
+        seqs.read(indices, out=np.empty((4, 16), dtype=np.int64))
+    with pytest.raises(ValueError, match="1-D array"):
+        seqs.read(indices.reshape(2, 2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seq_len=st.integers(1, 70), data=st.data())
+def test_boundaries_match_the_documents_token_by_token(
+    cache: streampack.Cache, seq_len: int, data: st.DataObject
+) -> None:
+    seqs = cache.sequences(seq_len)
+    indices = np.array(data.draw(st.lists(st.integers(0, len(seqs) - 1), min_size=1, max_size=6)))
+    got = seqs.boundaries(indices)
+    assert got.position_ids.shape == got.doc_ids.shape == (len(indices), seq_len)
+    for row, i in enumerate(indices):
+        positions, docs = reference_boundaries(cache, int(i), seq_len)
+        assert np.array_equal(got.position_ids[row], positions)
+        assert np.array_equal(got.doc_ids[row], docs)
+        for t in (0, seq_len - 1):  # doc ids name the document that really holds the token
+            token = cache.tokens(i * seq_len + t, i * seq_len + t + 1)[0]
+            doc = got.doc_ids[row, t]
+            assert token in cache.doc(int(doc))
+    # cu_seqlens: segments tile the flattened batch, each a run of positions 0, 1, 2, ...
+    cu = got.cu_seqlens
+    assert cu.dtype == np.int32 and cu[0] == 0 and cu[-1] == len(indices) * seq_len
+    assert np.all(np.diff(cu) > 0) and got.max_seqlen == int(np.diff(cu).max())
+    flat = got.position_ids.reshape(-1)
+    assert np.array_equal(np.flatnonzero(flat == 0), cu[:-1])
+    assert set(range(0, len(indices) * seq_len, seq_len)) <= set(cu.tolist())  # rows never share a segment
+
+
+def test_boundaries_of_one_sample_and_of_none(cache: streampack.Cache) -> None:
+    seqs = cache.sequences(32)
+    one = seqs.boundaries(5)
+    assert one.position_ids.shape == (32,)
+    assert np.array_equal(one.position_ids, seqs.boundaries(np.array([5])).position_ids[0])
+    none = seqs.boundaries(np.zeros(0, dtype=np.int64))
+    assert none.position_ids.shape == (0, 32) and none.cu_seqlens.tolist() == [0] and none.max_seqlen == 0
+
+
+def test_boundaries_skip_empty_documents(tmp_path: Path) -> None:
+    # Documents of 0 tokens (a build without EOS can make them) hold no token and start no segment.
+    tokens = np.arange(12)
+    ends = np.array([3, 3, 3, 7, 12, 12])
+    seqs = streampack.open(write_cache(tmp_path / "c", [(tokens, ends)], vocab_size=50, eos_id=49)).sequences(
+        6
+    )
+    got = seqs.boundaries(np.array([0, 1]))
+    assert got.doc_ids.tolist() == [[0, 0, 0, 3, 3, 3], [3, 4, 4, 4, 4, 4]]
+    assert got.position_ids.tolist() == [[0, 1, 2, 0, 1, 2], [0, 0, 1, 2, 3, 4]]
+    assert got.cu_seqlens.tolist() == [0, 3, 6, 7, 12]
+
+
+def test_pickles_the_path_not_the_maps(cache: streampack.Cache) -> None:
+    seqs = cache.sequences(16, overlap=1)
+    indices = np.arange(0, len(seqs), 7)
+    expected = seqs[indices]
+    blob = pickle.dumps(seqs)
+    assert len(blob) < 1000  # settings and a path, whatever the cache size
+    copy = pickle.loads(blob)
+    assert copy._cache is None  # reopened on first use
+    assert np.array_equal(copy[indices], expected)
+    assert np.array_equal(copy.boundaries(indices).doc_ids, seqs.boundaries(indices).doc_ids)
+    assert repr(copy) == repr(seqs)
+    assert str(cache.root.resolve()) in repr(seqs) and "seq_len=16, overlap=1" in repr(seqs)
+
+
+def test_a_copy_refuses_a_cache_that_changed_on_disk(tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    streampack.build(streampack.Documents(["abc" * 20]), root, tokenizer="bytes", workers=1)
+    blob = pickle.dumps(streampack.open(root).sequences(4))
+    streampack.build(streampack.Documents(["xyz" * 20]), root, tokenizer="bytes", workers=1, overwrite=True)
+    with pytest.raises(CacheError, match="changed on disk"):
+        pickle.loads(blob)[0]
+
+
+def test_fingerprint_identifies_the_samples(cache: streampack.Cache) -> None:
+    fingerprint = cache.sequences(16, overlap=1).fingerprint()
+    assert fingerprint == {
+        "num_samples": (cache.num_tokens - 1) // 16,
+        "num_tokens": cache.num_tokens,
+        "shards": fingerprint["shards"],
+        "seq_len": 16,
+        "overlap": 1,
+    }
+    assert json.loads(json.dumps(fingerprint)) == fingerprint
+    assert fingerprint == streampack.open(cache.root).sequences(16, overlap=1).fingerprint()
+
+
+def test_fingerprint_tells_other_data_of_the_same_size_apart(tmp_path: Path) -> None:
+    a = streampack.build(streampack.Documents(["abcd"] * 10), tmp_path / "a", tokenizer="bytes", workers=1)
+    b = streampack.build(streampack.Documents(["wxyz"] * 10), tmp_path / "b", tokenizer="bytes", workers=1)
+    first, second = (streampack.open(x.out).sequences(4).fingerprint() for x in (a, b))
+    assert first["num_tokens"] == second["num_tokens"] and first["shards"] != second["shards"]
+
+
+def test_uint32_caches_read_as_uint32(tmp_path: Path) -> None:
+    tokens = np.array([70_000, 1, 2, 99_999, 5, 6], dtype=np.int64)
+    cache = streampack.open(
+        write_cache(tmp_path / "c", [(tokens, [3, 6])], vocab_size=100_000, eos_id=99_999)
+    )
+    batch = cache.sequences(2)[np.array([0, 1, 2])]
+    assert batch.dtype == np.dtype("<u4") and batch.tolist() == [[70_000, 1], [2, 99_999], [5, 6]]
+
+
+def test_cli_decodes_a_packed_sample(cache: streampack.Cache, stream: np.ndarray) -> None:
+    ids = run_cli("decode", cache.root, "--sample", "3", "--seq-len", "10", "--ids").stdout.split()
+    assert [int(i) for i in ids] == stream[30:40].tolist()
+    text = run_cli("decode", cache.root, "--sample", "3", "--seq-len", "10").stdout
+    assert text.rstrip("\n") == bytes(t for t in stream[30:40] if t < 256).decode().rstrip("\n")
+    for args, message in [
+        (["--sample", "3"], "--sample needs --seq-len"),
+        (["--sample", "3", "--seq-len", "10", "--doc", "1"], "exactly one of --doc I or --sample I"),
+        ([], "exactly one of --doc I or --sample I"),
+    ]:
+        result = run_cli("decode", cache.root, *args, check=False)
+        assert result.returncode == 2 and message in result.stderr
+    result = run_cli("decode", cache.root, "--sample", "999999", "--seq-len", "10", check=False)
+    assert result.returncode == 1 and result.stderr.startswith("error: sample 999999 out of range")

@@ -1,0 +1,213 @@
+"""Tests for `streampack.torch`: DataLoader workers, ranks, resume, and real `torchrun` processes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import streampack  # noqa: E402
+from streampack._synthetic import write_cache  # noqa: E402
+from streampack.loader import Loader  # noqa: E402
+from streampack.torch import DataLoader, Dataset, IterableDataset, _SlotRing  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
+
+# Workers beyond this machine's core count, and pin_memory without an accelerator, only warn.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:torch.utils.data.dataloader")
+
+SEQ_LEN = 8
+NUM_SAMPLES = 150
+
+
+@pytest.fixture(scope="module")
+def numbered(tmp_path_factory: pytest.TempPathFactory) -> streampack.Cache:
+    """A cache whose sample i is SEQ_LEN copies of the token i, in two shards: batches name their samples."""
+    tokens = np.repeat(np.arange(NUM_SAMPLES), SEQ_LEN)
+    cut = 61 * SEQ_LEN
+    shards = [(tokens[:cut], np.arange(1, cut + 1)), (tokens[cut:], np.arange(1, len(tokens) - cut + 1))]
+    return streampack.open(
+        write_cache(tmp_path_factory.mktemp("t") / "c", shards, vocab_size=1000, eos_id=999)
+    )
+
+
+def sample_ids(batches: list) -> list[list[int]]:
+    """The sample numbers of each batch of a numbered cache."""
+    ids = []
+    for batch in batches:
+        assert bool((batch == batch[:, :1]).all()), "a row mixes samples"
+        ids.append(batch[:, 0].tolist())
+    return ids
+
+
+@pytest.mark.parametrize(("world", "workers"), [(2, 3), (3, 2)])
+def test_ranks_times_workers_see_every_sample_once(
+    numbered: streampack.Cache, world: int, workers: int
+) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    per_rank = []
+    for rank in range(world):
+        loader = Loader(
+            seqs, batch_size=2 * world, seed=11, rank=rank, world_size=world, drop_last=False, epochs=1
+        )
+        per_rank.append(sample_ids(list(DataLoader(loader, num_workers=workers))))
+    assert len({len(batches) for batches in per_rank}) == 1
+    everything = sorted(i for batches in per_rank for batch in batches for i in batch)
+    assert everything == list(range(NUM_SAMPLES))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_workers_hand_out_the_loaders_batches_in_order(numbered: streampack.Cache, workers: int) -> None:
+    seqs = numbered.sequences(SEQ_LEN, overlap=1)
+    expected = list(Loader(seqs, batch_size=6, seed=3, epochs=2))
+    got = list(DataLoader(Loader(seqs, batch_size=6, seed=3, epochs=2), num_workers=workers))
+    assert len(got) == len(expected)
+    for tensor, array in zip(got, expected):
+        assert tensor.dtype == torch.int64 and np.array_equal(tensor.numpy(), array)
+    if workers:  # copied out of a shared slot into a tensor of the training process's own
+        assert not got[0].is_shared()
+
+
+def test_one_shared_tensor_per_batch_without_slots(numbered: streampack.Cache) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    expected = list(Loader(seqs, batch_size=6, seed=3, epochs=1))
+    got = list(DataLoader(Loader(seqs, batch_size=6, seed=3, epochs=1), num_workers=2, shared_slots=False))
+    assert all(np.array_equal(tensor.numpy(), array) for tensor, array in zip(got, expected))
+    assert got[0].is_shared()  # built in shared memory by the worker: sending it moves no tokens
+
+
+def test_an_overwritten_slot_is_detected(numbered: streampack.Cache) -> None:
+    loader = Loader(numbered.sequences(SEQ_LEN), batch_size=4, seed=3)
+    ring = _SlotRing(loader, workers=1, per_worker=1)
+    first = ring.put(loader, 0, 0, 0)
+    assert np.array_equal(ring.take(first, np.dtype(np.int64), pin=False).numpy(), loader.batch(0, 0))
+    ring.put(loader, 0, 0, 1)  # reuses the only slot
+    with pytest.raises(RuntimeError, match="overwritten before it was read"):
+        ring.take(first, None, pin=False)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_break_and_resume_continue_exactly(numbered: streampack.Cache, persistent: bool) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    expected = sample_ids(list(Loader(seqs, batch_size=4, seed=5, epochs=2)))
+    data = DataLoader(
+        Loader(seqs, batch_size=4, seed=5, epochs=2), num_workers=2, persistent_workers=persistent
+    )
+    head = sample_ids(list(islice(data, 9)))  # the workers have prefetched more than this
+    state = json.loads(json.dumps(data.state_dict()))
+    assert state["samples_in_epoch"] == 9 * 4
+    middle = sample_ids(list(islice(data, 5)))  # the same DataLoader continues where it stopped
+    assert head + middle == expected[:14]
+
+    resumed = DataLoader(
+        Loader(seqs, batch_size=4, seed=5, epochs=2), num_workers=2, persistent_workers=persistent
+    )
+    resumed.load_state_dict(state)
+    assert sample_ids(list(resumed)) == expected[9:]
+    data.load_state_dict(state)  # also on a DataLoader that already has (persistent) workers
+    assert sample_ids(list(data)) == expected[9:]
+
+
+def test_spawned_workers_reopen_the_cache(numbered: streampack.Cache) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    expected = sample_ids(list(Loader(seqs, batch_size=5, seed=1, epochs=1)))
+    loader = Loader(seqs, batch_size=5, seed=1, epochs=1)
+    loader.advance(3)
+    data = DataLoader(loader, num_workers=2, multiprocessing_context="spawn")
+    assert sample_ids(list(data)) == expected[3:]
+
+
+def test_dict_and_cache_dtype_outputs_through_workers(numbered: streampack.Cache) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    batch = next(iter(DataLoader(Loader(seqs, batch_size=4, output="dict", epochs=1), num_workers=2)))
+    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert all(value.dtype == torch.int64 and value.shape == (4, SEQ_LEN) for value in batch.values())
+    assert torch.equal(batch["input_ids"], batch["labels"])
+    raw_loader = Loader(seqs, batch_size=4, dtype=None, epochs=1)
+    raw = next(iter(DataLoader(raw_loader, num_workers=2, pin_memory=True)))
+    assert raw.dtype == torch.uint16 and raw.shape == (4, SEQ_LEN)
+
+
+def test_plain_torch_dataloader_over_the_iterable_dataset(numbered: streampack.Cache) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    dataset = IterableDataset(Loader(seqs, batch_size=10, seed=2, epochs=1))
+    got = list(torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2))
+    assert sample_ids(got) == sample_ids(list(Loader(seqs, batch_size=10, seed=2, epochs=1)))
+    assert "IterableDataset(Loader(" in repr(dataset)
+
+
+def test_batching_arguments_are_refused(numbered: streampack.Cache) -> None:
+    loader = Loader(numbered.sequences(SEQ_LEN), batch_size=4)
+    with pytest.raises(ValueError, match=r"takes no batch_size= \(got batch_size=8\); set batch_size"):
+        DataLoader(loader, batch_size=8)
+    with pytest.raises(ValueError, match="takes no shuffle="):
+        DataLoader(loader, shuffle=True)
+
+
+def test_map_style_dataset_with_workers(numbered: streampack.Cache) -> None:
+    seqs = numbered.sequences(SEQ_LEN, overlap=1)
+    dataset = Dataset(seqs)
+    assert len(dataset) == len(seqs) and dataset[7].dtype == torch.int64
+    assert torch.equal(dataset[7], torch.from_numpy(seqs[7].astype(np.int64)))
+    data = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=False, num_workers=2)
+    rows = torch.cat(list(data))
+    assert torch.equal(rows, torch.from_numpy(seqs[: len(seqs)].astype(np.int64)))
+
+
+_TORCHRUN_SCRIPT = """
+import json, sys
+import torch.distributed as dist
+import streampack
+from streampack.loader import Loader
+from streampack.torch import DataLoader, rank_and_world_size
+
+dist.init_process_group("gloo")
+rank, world = rank_and_world_size()
+loader = Loader(
+    streampack.open(sys.argv[1]).sequences(8), batch_size=6, seed=4, rank=rank, world_size=world,
+    drop_last=False, epochs=1,
+)
+mine = [batch[:, 0].tolist() for batch in DataLoader(loader, num_workers=2, persistent_workers=True)]
+everyone = [None] * world
+dist.all_gather_object(everyone, mine)
+if rank == 0:
+    with open(sys.argv[2], "w") as f:
+        json.dump(everyone, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_with_workers_consume_an_epoch_once(
+    numbered: streampack.Cache, tmp_path: Path
+) -> None:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(_TORCHRUN_SCRIPT))
+    out = tmp_path / "seen.json"
+    subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", str(script), str(numbered.root), str(out)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    per_rank = json.loads(out.read_text())
+    assert len(per_rank) == 2 and len(per_rank[0]) == len(per_rank[1]) == -(-NUM_SAMPLES // 6)
+    everything = sorted(i for batches in per_rank for batch in batches for i in batch)
+    assert everything == list(range(NUM_SAMPLES))
+
+
+def test_cli_bench_with_workers_reports_each_worker(numbered: streampack.Cache) -> None:
+    out = run_cli("bench", numbered.root, "--seq-len", "8", "--batch-size", "4", "--workers", "2").stdout
+    memory = next(line for line in out.splitlines() if line.startswith("memory"))
+    assert memory.count(" MB") == 3, out  # the main process and two workers
