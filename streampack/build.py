@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +21,7 @@ import numpy as np
 
 from streampack import ledger
 from streampack.engines import run_local, run_ray
-from streampack.errors import BadRecordError, ConfigMismatchError, StreampackError
+from streampack.errors import BadRecordError, ConfigMismatchError, StreampackError, WriteError
 from streampack.format import (
     LEDGER_DIR,
     MANIFEST,
@@ -72,6 +73,7 @@ class BuildOptions:
         eos_id: the EOS id to append (default: the tokenizer's own EOS token).
         on_bad_record: ``error`` stops at the first bad record; ``skip`` skips and counts them.
         workers: worker processes (default: the number of cores).
+        threads: tokenizer threads per worker (default: the number of cores).
         overwrite: delete an existing cache in the output directory and start over.
         unit_bytes: size of the work units large uncompressed JSONL and Parquet files are split into.
         batch_chars: characters of text tokenized per batch call.
@@ -90,6 +92,7 @@ class BuildOptions:
     eos_id: int | None = None
     on_bad_record: OnBadRecord = "error"
     workers: int | None = None
+    threads: int | None = None
     overwrite: bool = False
     unit_bytes: int = ReadOptions.unit_bytes
     batch_chars: int = 4 << 20
@@ -341,24 +344,15 @@ def _run(
     in_process = [t for t in todo if t.unit.in_process]
     pooled = [t for t in todo if not t.unit.in_process]
     workers = min(opts.workers or cores, max(len(pooled), 1))
-    # Every worker's batch calls may use every core: while all workers are busy they share the cores, and
-    # when the last units run alone (the tail of a build) they still use the whole machine.
-    yield from run_local(
-        run_unit, in_process, workers=1, on_progress=report, initializer=_set_threads, initargs=(cores,)
-    )
+    # By default every worker's batch calls may use every core: while all workers are busy they share the
+    # cores, and when the last units run alone (the tail of a build) they still use the whole machine.
+    threads = opts.threads or 0
+    setup = {"on_progress": report, "initializer": _set_threads, "initargs": (threads,)}
+    yield from run_local(run_unit, in_process, workers=1, **setup)
     if opts.engine == "ray":
-        yield from run_ray(
-            run_unit,
-            pooled,
-            address=opts.ray_address,
-            on_progress=report,
-            initializer=_set_threads,
-            initargs=(0,),
-        )
-        return
-    yield from run_local(
-        run_unit, pooled, workers=workers, on_progress=report, initializer=_set_threads, initargs=(cores,)
-    )
+        yield from run_ray(run_unit, pooled, address=opts.ray_address, **setup)
+    else:
+        yield from run_local(run_unit, pooled, workers=workers, **setup)
 
 
 _threads = 1
@@ -393,7 +387,12 @@ def run_unit(task: UnitTask, report: Callable[[dict[str, int]], None]) -> UnitRe
 
 
 class _UnitPipeline:
-    """Records -> pieces -> batches -> tokens -> shard, committing at document boundaries."""
+    """Records -> pieces -> batches -> tokens -> shard, committing at document boundaries.
+
+    Batch ``k`` is encoded on a helper thread while this thread writes batch ``k - 1`` and reads and parses
+    the records of batch ``k + 1``: tokenizers release the GIL while they encode, so reading, parsing and
+    writing cost almost no wall time next to the encoding itself.
+    """
 
     def __init__(
         self,
@@ -402,13 +401,8 @@ class _UnitPipeline:
         writer: ShardWriter,
         report: Callable[[dict[str, int]], None],
     ) -> None:
-        self.task, self.opts, self.tokenizer, self.writer, self.report = (
-            task,
-            task.options,
-            tokenizer,
-            writer,
-            report,
-        )
+        self.task, self.opts, self.tokenizer, self.writer = task, task.options, tokenizer, writer
+        self.report = report
         self.records = writer.progress.records
         self.skipped = writer.progress.skipped
         self.texts: list[str] = []
@@ -418,22 +412,26 @@ class _UnitPipeline:
         self.position = Position()
         self.reported_bytes = 0
         self.last_commit = (time.monotonic(), writer.num_tokens)
+        self.encoding: tuple[Future[list[np.ndarray]], list[bool]] | None = None
 
     def run(self) -> UnitProgress:
         items = read_unit(self.task.unit, self.opts.read_options, skip=self.records, position=self.position)
-        try:
-            for item in items:
-                if isinstance(item, BadRecordError):
-                    self._bad_record(item)
-                elif item is not None:
-                    self._add_document(item)
-                self.records += 1
-                self._maybe_commit()
-        except StreampackError:
-            self._flush()
-            self.writer.commit(records=self.records, skipped=self.skipped)
-            raise
-        self._flush()
+        with ThreadPoolExecutor(1, thread_name_prefix="streampack-encode") as self.encoder:
+            try:
+                for item in items:
+                    if isinstance(item, BadRecordError):
+                        self._bad_record(item)
+                    elif item is not None:
+                        self._add_document(item)
+                    self.records += 1
+                    self._maybe_commit()
+            except WriteError:
+                raise  # the disk state past the last commit is unknown: write nothing more
+            except StreampackError:  # a bad record or input: keep everything read before it
+                self._drain()
+                self.writer.commit(records=self.records, skipped=self.skipped)
+                raise
+            self._drain()
         return self.writer.commit(records=self.records, skipped=self.skipped, done=True)
 
     def _bad_record(self, error: BadRecordError) -> None:
@@ -456,23 +454,38 @@ class _UnitPipeline:
         self.ends_doc[-1] = True
 
     def _flush(self) -> None:
+        """Start encoding the current batch, then write the one encoded before it."""
         if not self.texts:
             return
-        encoded = self.tokenizer.encode_batch(self.texts)
+        started = self.encoder.submit(self.tokenizer.encode_batch, self.texts)
+        self._write_encoded()
+        self.encoding = (started, self.ends_doc)
+        self.texts, self.ends_doc, self.batch_chars = [], [], 0
+
+    def _drain(self) -> None:
+        """Encode and write everything read so far."""
+        self._flush()
+        self._write_encoded()
+
+    def _write_encoded(self) -> None:
+        if self.encoding is None:
+            return
+        future, ends_doc = self.encoding
+        self.encoding = None
+        encoded = future.result()
         parts: list[np.ndarray] = []
         lengths = np.empty(len(encoded), dtype=np.int64)
-        for i, (ids, ends) in enumerate(zip(encoded, self.ends_doc)):
+        for i, (ids, ends) in enumerate(zip(encoded, ends_doc)):
             parts.append(ids)
             lengths[i] = len(ids)
             if ends and self.eos is not None:
                 parts.append(self.eos)
                 lengths[i] += 1
         tokens = np.concatenate(parts, dtype=self.writer.dtype, casting="unsafe")
-        doc_ends = np.cumsum(lengths)[np.asarray(self.ends_doc)]
+        doc_ends = np.cumsum(lengths)[np.asarray(ends_doc)]
         self.writer.append(tokens, doc_ends)
         event = {"unit": self.task.unit.index, "docs": len(doc_ends), "tokens": len(tokens)}
         self.report({**event, "bytes": self._bytes_read_delta()})
-        self.texts, self.ends_doc, self.batch_chars = [], [], 0
 
     def _bytes_read_delta(self) -> int:
         now = max(self.position.bytes_read() - self.task.unit.start, 0)
@@ -486,6 +499,7 @@ class _UnitPipeline:
         started, tokens = self.last_commit
         written = (self.writer.num_tokens - tokens) * self.writer.dtype.itemsize
         if written >= self.opts.commit_bytes or time.monotonic() - started >= self.opts.commit_seconds:
+            self._write_encoded()
             self.writer.commit(records=self.records, skipped=self.skipped)
             self.last_commit = (time.monotonic(), self.writer.num_tokens)
 

@@ -42,6 +42,7 @@ def cli() -> None:
     help="'bytes', a tokenizer.json path or folder, or tiktoken:PATH.",
 )
 @click.option("--workers", "-j", type=click.IntRange(min=1), help="Worker processes [default: cores].")
+@click.option("--threads", type=click.IntRange(min=1), help="Tokenizer threads per worker [default: cores].")
 @click.option(
     "--text-field", default="text", show_default=True, help="JSON key / Parquet column of the text."
 )
@@ -74,6 +75,7 @@ def build(
     out: str,
     tokenizer: str,
     workers: int | None,
+    threads: int | None,
     text_field: str,
     split_lines: bool,
     eos_id: int | None,
@@ -97,6 +99,7 @@ def build(
         out,
         tokenizer=tokenizer,
         workers=workers,
+        threads=threads,
         text_field=text_field,
         split_lines=split_lines,
         eos=not no_eos,

@@ -6,7 +6,14 @@ exits with status 1. Messages say what was received, where (file and line or row
 
 from __future__ import annotations
 
-__all__ = ["BadRecordError", "CacheError", "ConfigMismatchError", "InputError", "StreampackError"]
+__all__ = [
+    "BadRecordError",
+    "CacheError",
+    "ConfigMismatchError",
+    "InputError",
+    "StreampackError",
+    "WriteError",
+]
 
 
 class StreampackError(Exception):
@@ -34,6 +41,14 @@ class BadRecordError(InputError):
 
     def __reduce__(self) -> tuple[type[BadRecordError], tuple[str, str]]:
         return (type(self), (self.location, self.problem))  # survive pickling from worker processes
+
+
+class WriteError(StreampackError):
+    """Writing the cache failed (disk full, file size limit, read-only or vanished directory).
+
+    Nothing more is written after it: what the disk holds past the last commit is unknown, and the
+    resumed build truncates it away.
+    """
 
 
 class CacheError(StreampackError):

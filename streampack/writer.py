@@ -16,7 +16,7 @@ from typing import BinaryIO
 import numpy as np
 
 from streampack import ledger
-from streampack.errors import StreampackError
+from streampack.errors import StreampackError, WriteError
 from streampack.format import OFFSET_DTYPE, file_checksum, offsets_path, tokens_path
 from streampack.ledger import UnitProgress
 
@@ -38,6 +38,7 @@ class ShardWriter:
         self._offsets = _open_at(self._offsets_path, progress.docs * OFFSET_DTYPE.itemsize)
         self.num_tokens = progress.tokens
         self.num_docs = progress.docs
+        self._doc_aligned_tokens = progress.tokens
 
     def append(self, tokens: np.ndarray, ends: np.ndarray) -> None:
         """Append tokens, and document ends given relative to the start of ``tokens``.
@@ -50,13 +51,17 @@ class ShardWriter:
         self._write(self._tokens, tokens.astype(self.dtype, copy=False), self._tokens_path)
         if len(ends):
             self._write(self._offsets, (ends + self.num_tokens).astype(OFFSET_DTYPE), self._offsets_path)
+        if len(ends):
+            self._doc_aligned_tokens = self.num_tokens + int(ends[-1])
         self.num_tokens += len(tokens)
         self.num_docs += len(ends)
 
     def commit(self, *, records: int, skipped: int, done: bool = False) -> UnitProgress:
         """Make everything appended durable, then record it in the ledger.
 
-        Call only at a document boundary. With ``done``, also record the final checksums.
+        The ledger records the tokens up to the end of the last complete document: the tokens of a document
+        still being appended (a long one, split into pieces) are cut off on resume and written again, with
+        the ``records`` they belong to. With ``done``, also record the final checksums.
         """
         for f, path in ((self._tokens, self._tokens_path), (self._offsets, self._offsets_path)):
             try:
@@ -71,7 +76,7 @@ class ShardWriter:
             unit=self.progress.unit,
             records=records,
             docs=self.num_docs,
-            tokens=self.num_tokens,
+            tokens=self._doc_aligned_tokens,
             skipped=skipped,
             done=done,
             tokens_checksum=checksums[0],
@@ -119,14 +124,14 @@ def _open_at(path: Path, length: int) -> BinaryIO:
         raise disk_error(e, path) from None
 
 
-def disk_error(error: OSError, path: Path) -> StreampackError:
-    """A :class:`StreampackError` that says what to do about a failed write to ``path``."""
+def disk_error(error: OSError, path: Path) -> WriteError:
+    """A :class:`WriteError` that says what to do about a failed write to ``path``."""
     import errno
 
     if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         reason = "disk full" if error.errno != errno.EFBIG else "file size limit reached"
-        return StreampackError(
+        return WriteError(
             f"{reason} while writing {path}: free space (or raise the limit) and rerun the same command to "
             "resume; everything committed so far is kept"
         )
-    return StreampackError(f"cannot write {path}: {error.strerror or error}")
+    return WriteError(f"cannot write {path}: {error.strerror or error}")

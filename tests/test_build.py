@@ -193,3 +193,13 @@ def test_incomplete_cache_is_refused_unless_asked(tmp_path: Path) -> None:
         streampack.open(tmp_path / "c")
     partial = streampack.open(tmp_path / "c", allow_incomplete=True)
     assert partial.num_docs == 1 and partial.doc(0).tolist() == [*b"good", 256]
+
+
+def test_error_inside_a_streamed_document_commits_only_whole_documents(tmp_path: Path) -> None:
+    good = write_bytes(tmp_path / "in" / "a.txt", b"a small document")
+    big = write_bytes(tmp_path / "in" / "b.txt", b"word " * (3 << 20) + b"\xff")  # 15 MB: streamed in chunks
+    with pytest.raises(StreampackError, match=r"b\.txt: byte 15728640: invalid UTF-8"):
+        streampack.build([good, big], tmp_path / "c", workers=1, max_piece_chars=100_000, batch_chars=200_000)
+    partial = streampack.open(tmp_path / "c", allow_incomplete=True)
+    assert [s.num_docs for s in partial.shards] == [1, 0] and partial.shards[1].num_tokens == 0
+    assert partial.doc(0).tolist() == [*b"a small document", 256]
