@@ -41,7 +41,12 @@ def cli() -> None:
     show_default=True,
     help="'bytes', a tokenizer.json path or folder, or tiktoken:PATH.",
 )
-@click.option("--workers", "-j", type=click.IntRange(min=1), help="Worker processes [default: cores].")
+@click.option(
+    "--workers",
+    "-j",
+    type=click.IntRange(min=1),
+    help="Worker processes [default: one per 8 cores for tokenizer.json/tiktoken, one per core for bytes].",
+)
 @click.option("--threads", type=click.IntRange(min=1), help="Tokenizer threads per worker [default: cores].")
 @click.option(
     "--text-field", default="text", show_default=True, help="JSON key / Parquet column of the text."

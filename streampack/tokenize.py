@@ -36,6 +36,7 @@ class Tokenizer(Protocol):
     spec: str
     vocab_size: int
     eos_id: int | None
+    threaded: bool  # encodes a batch on threads of its own, releasing the GIL
 
     def fingerprint(self) -> dict[str, Any]:
         """Kind, name, vocab size and a hash of the definition: identifies the tokenizer in a manifest."""
@@ -105,6 +106,7 @@ class BytesTokenizer:
     spec = "bytes"
     vocab_size = 257
     eos_id = 256
+    threaded = False
 
     def fingerprint(self) -> dict[str, Any]:
         """See :class:`Tokenizer`."""
@@ -121,6 +123,8 @@ class BytesTokenizer:
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``."""
+
+    threaded = True
 
     def __init__(self, spec: str) -> None:
         from tokenizers import Tokenizer as _Tokenizer
@@ -174,6 +178,8 @@ class HFTokenizer:
 
 class TiktokenTokenizer:
     """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens)."""
+
+    threaded = True
 
     def __init__(self, spec: str, *, threads: int | None = None) -> None:
         try:
