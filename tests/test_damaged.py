@@ -123,7 +123,12 @@ def test_oversized_manifest_is_refused_before_parsing(cache: Path) -> None:
     assert_refused(cache, "over the .* byte limit")
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ_EXAMPLES = int(os.environ.get("STREAMPACK_FUZZ_EXAMPLES", "150"))  # the README's figure uses 5000
+
+
+@settings(
+    max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_fuzzed_manifests_and_ledgers_raise_only_cache_errors(
     pristine: Path, tmp_path: Path, data: st.DataObject
