@@ -22,9 +22,10 @@ import numpy as np
 
 from streampack import ledger
 from streampack.engines import run_local, run_ray
-from streampack.errors import BadRecordError, ConfigMismatchError, StreampackError, WriteError
+from streampack.errors import BadRecordError, CacheError, ConfigMismatchError, StreampackError, WriteError
 from streampack.format import (
     LEDGER_DIR,
+    LOCK,
     MANIFEST,
     SHARD_DIR,
     Manifest,
@@ -197,8 +198,12 @@ def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSumm
         inputs=input_stats,
         units=[u.describe() for u in units],
     )
-    _prepare_directory(root, opts.overwrite)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StreampackError(f"cannot create {root}: {e.strerror}; choose a writable --out") from None
     with BuildLock(root):
+        _prepare_directory(root, opts.overwrite)
         summary = _build_locked(root, manifest, units, opts, eos)
     summary.seconds = time.perf_counter() - started
     return summary
@@ -239,17 +244,38 @@ def _len_or_none(items: Any) -> int | None:
 
 
 def _prepare_directory(root: Path, overwrite: bool) -> None:
+    """Create the cache's folders; with ``overwrite``, first delete the cache that is there."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
         if overwrite:
-            with BuildLock(root):
-                (root / MANIFEST).unlink(missing_ok=True)
-                for sub in (LEDGER_DIR, SHARD_DIR):
-                    shutil.rmtree(root / sub, ignore_errors=True)
+            _delete_cache(root)
+        elif not (root / MANIFEST).exists() and any((root / LEDGER_DIR).glob("*.json")):
+            raise CacheError(
+                f"{root}/{LEDGER_DIR} holds build progress but there is no manifest (an --overwrite was "
+                "interrupted?); rerun with --overwrite"
+            )
         (root / LEDGER_DIR).mkdir(exist_ok=True)
         (root / SHARD_DIR).mkdir(exist_ok=True)
     except PermissionError as e:
         raise StreampackError(f"cannot write to {root}: {e.strerror}; choose a writable --out") from None
+
+
+_CACHE_ENTRIES = {MANIFEST, f"{MANIFEST}.tmp", LEDGER_DIR, SHARD_DIR, LOCK}
+
+
+def _delete_cache(root: Path) -> None:
+    """Delete a cache, refusing a directory that holds anything else; the manifest goes last."""
+    strangers = sorted(p.name for p in root.iterdir() if p.name not in _CACHE_ENTRIES)
+    if strangers:
+        raise StreampackError(
+            f"refusing to --overwrite {root}: it holds files that are not part of a streampack cache "
+            f"({', '.join(strangers[:3])}); choose an empty or new --out"
+        )
+    if (root / MANIFEST).exists():
+        load_manifest(root)  # raises unless it is a streampack manifest
+    for sub in (LEDGER_DIR, SHARD_DIR):
+        if (root / sub).exists():
+            shutil.rmtree(root / sub)
+    (root / MANIFEST).unlink(missing_ok=True)
 
 
 def _build_locked(
@@ -323,11 +349,13 @@ def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str
             f"the cache was built from {len(old_paths)} inputs starting {old_paths[:2]}, not {new_paths[:2]}"
         )
     for before, now in zip(old, new):
-        if before != now:
-            return (
-                f"{now['path']}: size {before['size']} -> {now['size']}, mtime_ns {before['mtime_ns']} -> "
-                f"{now['mtime_ns']}"
-            )
+        changed = [
+            f"{key} {before.get(key)} -> {now.get(key)}"
+            for key in sorted(before | now)
+            if before.get(key) != now.get(key)
+        ]
+        if changed:
+            return f"{now['path']}: {', '.join(changed)}"
     return ""
 
 

@@ -326,10 +326,12 @@ def main() -> None:
     except StreampackError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(1)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES):
-            raise
-        click.echo(f"error: {disk_error(e, Path(e.filename or '?'))}", err=True)
+    except OSError as e:  # one the library did not turn into a StreampackError: still one line, with the file
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            message = str(disk_error(e, Path(e.filename or "?")))
+        else:
+            message = f"{e.filename or 'I/O'}: {e.strerror or e}"
+        click.echo(f"error: {message}", err=True)
         sys.exit(1)
 
 

@@ -71,7 +71,7 @@ def _run_pool(
         workers,
         mp_context=context,
         initializer=_init_worker,
-        initargs=(unit_fn, events, initializer, initargs),
+        initargs=(unit_fn, events, os.getpid(), initializer, initargs),
     )
     try:
         pending: set[Future[Any]] = {executor.submit(_run_in_worker, task) for task in tasks}
@@ -113,17 +113,21 @@ def _forward(events: Any, on_progress: ProgressFn, stop: threading.Event) -> Non
 
 
 def _init_worker(
-    unit_fn: UnitFn, events: Any, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]
+    unit_fn: UnitFn,
+    events: Any,
+    coordinator: int,
+    initializer: Callable[..., None] | None,
+    initargs: tuple[Any, ...],
 ) -> None:
     global _worker_fn, _worker_queue
-    _die_with_parent()
+    _die_with_parent(coordinator)
     _worker_fn, _worker_queue = unit_fn, events
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     if initializer is not None:
         initializer(*initargs)
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(coordinator: int) -> None:
     """Ask Linux to SIGKILL this worker when the coordinator dies, even by SIGKILL.
 
     Otherwise a worker orphaned by a killed build could go on appending to its shard while the rerun
@@ -133,10 +137,9 @@ def _die_with_parent() -> None:
         return
     import ctypes
 
-    parent = os.getppid()
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before prctl took effect
+    if os.getppid() != coordinator:  # the coordinator died before prctl took effect
         os._exit(1)
 
 

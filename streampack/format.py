@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,16 +96,22 @@ def fsync_dir(path: Path) -> None:
 
 
 def read_json(path: Path, *, what: str) -> Any:
-    """Read a small JSON file, refusing oversized or malformed ones with a :class:`CacheError`."""
+    """Read a small JSON file; refuse oversized, non-regular or malformed ones with a :class:`CacheError`."""
     try:
-        size = path.stat().st_size
-        if size > MAX_JSON_BYTES:
-            raise CacheError(f"{path}: {what} is {size} bytes, over the {MAX_JSON_BYTES} byte limit")
-        return orjson.loads(path.read_bytes())
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CacheError(f"{path}: {what} is not a regular file")
+            data = f.read(MAX_JSON_BYTES + 1)  # never trust st_size alone (/proc files say 0)
+        if len(data) > MAX_JSON_BYTES:
+            raise CacheError(f"{path}: {what} is over the {MAX_JSON_BYTES} byte limit")
+        return orjson.loads(data)
     except FileNotFoundError:
         raise CacheError(f"{path}: {what} not found") from None
     except orjson.JSONDecodeError as e:
         raise CacheError(f"{path}: {what} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise CacheError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
 
 
 def file_checksum(path: Path, length: int | None = None) -> str:
@@ -233,6 +240,10 @@ def _parse_manifest(raw: Any) -> Manifest:
             f"cache format version {version!r} is not supported by this streampack (it reads version "
             f"{FORMAT_VERSION}); upgrade streampack or rebuild the cache"
         )
+    _require(raw["tokenizer"], {"kind": str, "name": str, "vocab_size": int}, "tokenizer")
+    _require(raw["eos"], {"append": bool}, "eos")
+    if raw["eos"]["append"] and not isinstance(raw["eos"].get("id"), int):
+        raise ValueError("eos.id must be an integer when eos.append is true")
     dtype = raw["dtype"]
     if dtype not in ("uint16", "uint32"):
         raise ValueError(f"dtype {dtype!r} is not uint16 or uint32")
@@ -253,7 +264,17 @@ def _parse_manifest(raw: Any) -> Manifest:
     )
     if manifest.complete and (raw["num_docs"], raw["num_tokens"]) != (manifest.num_docs, manifest.num_tokens):
         raise ValueError("num_docs/num_tokens disagree with the shard table")
+    if manifest.complete and [s.name for s in shards] != [shard_name(i) for i in range(len(manifest.units))]:
+        raise ValueError("the shard table does not list one shard per work unit, in order")
     return manifest
+
+
+def _require(section: Any, fields: dict[str, type], name: str) -> None:
+    if not isinstance(section, dict):
+        raise ValueError(f"{name} must be an object")
+    for key, kind in fields.items():
+        if not isinstance(section.get(key), kind) or (kind is int and isinstance(section.get(key), bool)):
+            raise ValueError(f"{name}.{key} must be a {kind.__name__} (got {section.get(key)!r})")
 
 
 def _parse_shard(raw: Any) -> ShardInfo:

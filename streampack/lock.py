@@ -1,8 +1,9 @@
 """The build lock: one build per cache directory.
 
-``build.lock`` is held with ``flock`` for the life of a build and holds the builder's pid and host. The
-kernel releases an ``flock`` when its process dies, so a lock left by a killed build is recognised as
-stale and taken over safely, while a live one is refused with its pid.
+``build.lock`` is held with ``flock`` for the life of a build and holds the builder's pid and host (it is
+emptied, never deleted, when the build ends). The kernel releases an ``flock`` when its process dies, so
+a lock left by a killed build is recognised as stale and taken over safely, while a live one is refused
+with its pid.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class BuildLock:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._fd is not None:
-            self.path.unlink(missing_ok=True)
+            # The file stays: deleting it while locked would let a build that opened it just before lock
+            # the deleted file while a third locks a new one. Emptying it says nobody holds it.
+            os.ftruncate(self._fd, 0)
             os.close(self._fd)
             self._fd = None

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import bz2
 import codecs
+import functools
 import glob
 import gzip
 import io
 import lzma
 import os
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,7 +196,11 @@ def _expand_one(spec: str) -> list[InputFile]:
         return [_local_file(p) for p in found]
     path = Path(spec)
     if path.is_dir():
-        found = sorted(str(p) for p in path.rglob("*") if p.is_file() and _detect(str(p)))
+        found = sorted(
+            str(p)
+            for p in path.rglob("*")
+            if p.is_file() and _detect(str(p)) and not _inside_a_cache(p, path)
+        )
         if not found:
             raise InputError(f"{spec}: the directory holds no input files ({_supported()})")
         return [_local_file(p) for p in found]
@@ -204,13 +209,20 @@ def _expand_one(spec: str) -> list[InputFile]:
     return [_local_file(spec)]
 
 
+def _inside_a_cache(path: Path, top: Path) -> bool:
+    """True for the files of a streampack cache (e.g. a build's own --out inside its input directory)."""
+    return any(
+        (d / "manifest.json").is_file() and (d / "ledger").is_dir() for d in path.parents if d != top.parent
+    )
+
+
 def _expand_url(spec: str) -> list[InputFile]:
     import fsspec
 
     try:
         fs, _, paths = fsspec.get_fs_token_paths(spec)
         infos = [(fs.unstrip_protocol(p), fs.info(p)) for p in sorted(paths)]
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, ImportError) as e:
         raise InputError(f"{spec}: cannot read ({e})") from None
     if not infos:
         raise InputError(f"{spec}: the URL matches no input files")
@@ -270,15 +282,24 @@ def plan_units(files: Sequence[InputFile], options: ReadOptions) -> list[WorkUni
 
 def plan_python_units(items: Any) -> list[WorkUnit]:
     """Work units for a Python object: index ranges of a sequence, or one unit for any other iterable."""
-    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+    if (
+        isinstance(items, (str, bytes, Mapping, Set))
+        or not isinstance(items, Iterable)
+        or _is_dataframe(items)
+    ):
         raise InputError(
-            f"cannot read documents from a {type(items).__name__}: pass an iterable of str or dict"
+            f"cannot read documents from a {type(items).__name__}: pass a list or iterable of str or of "
+            "dicts (for a DataFrame: df['text'].tolist() or its records), or a Hugging Face Dataset"
         )
-    if hasattr(items, "__len__") and hasattr(items, "__getitem__") and not isinstance(items, dict):
+    if hasattr(items, "__len__") and hasattr(items, "__getitem__"):
         n = len(items)
         bounds = range(0, max(n, 1), SEQUENCE_UNIT_ROWS)
         return [WorkUnit(i, None, a, min(a + SEQUENCE_UNIT_ROWS, n), items) for i, a in enumerate(bounds)]
     return [WorkUnit(0, None, 0, None, items)]
+
+
+def _is_dataframe(items: Any) -> bool:
+    return type(items).__name__ == "DataFrame"  # pandas or polars: iterating one yields column names
 
 
 def _ranges(file: InputFile, options: ReadOptions) -> list[tuple[int, int | None]]:
@@ -336,10 +357,11 @@ def _read_lines(unit: WorkUnit, options: ReadOptions, skip: int, position: Posit
             for line in f:
                 if unit.stop is not None and pos >= unit.stop:
                     break
-                if line_no == 0 and pos == 0 and line.startswith(_BOM):
-                    line = line[len(_BOM) :]
+                at_file_start = pos == 0
                 pos += len(line)
                 line_no += 1
+                if at_file_start and line.startswith(_BOM):
+                    line = line[len(_BOM) :]
                 if line_no <= skip:
                     continue
                 if is_json:
@@ -347,9 +369,9 @@ def _read_lines(unit: WorkUnit, options: ReadOptions, skip: int, position: Posit
                 else:
                     yield _decode_text_line(line, file, unit.start, line_no)
         except _STREAM_ERRORS as e:
-            where = _location(file, unit.start, line_no)
+            where = _location(file, unit.start, line_no) if line_no else f"{file.path}: before the first line"
             raise InputError(
-                f"{where}: the {file.compression or 'file'} stream is truncated or corrupt after this line "
+                f"{where}: the {file.compression or 'file'} stream is truncated or corrupt after this point "
                 f"({e}); replace the file, then rerun the same command to resume"
             ) from None
 
@@ -615,6 +637,7 @@ def _location(file: InputFile, start: int, line_no: int) -> str:
     return f"{file.path}:{line_no}"
 
 
+@functools.lru_cache(maxsize=64)
 def _count_lines_before(file: InputFile, start: int) -> int:
     """Number of lines before the first line that begins at or after byte ``start``."""
     with _open_input(file) as f:

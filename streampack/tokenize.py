@@ -14,6 +14,8 @@ pieces before encoding, to bound the tokenizer's memory; see :func:`split_text` 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
@@ -151,7 +153,10 @@ class HFTokenizer:
     def _find_eos(self) -> int | None:
         config = self._path.parent / "tokenizer_config.json"
         if config.is_file():
-            eos = json.loads(config.read_text()).get("eos_token")
+            try:
+                eos = json.loads(config.read_text()).get("eos_token")
+            except (ValueError, AttributeError) as e:
+                raise StreampackError(f"{config}: not a valid tokenizer_config.json ({e})") from None
             eos = eos.get("content") if isinstance(eos, dict) else eos
             if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
                 return self._tok.token_to_id(eos)
@@ -184,7 +189,6 @@ class TiktokenTokenizer:
     def __init__(self, spec: str, *, threads: int | None = None) -> None:
         try:
             import tiktoken
-            import tiktoken.load
         except ImportError:
             raise StreampackError(
                 "the tiktoken backend needs the tiktoken package: pip install 'streampack[tiktoken]'"
@@ -208,7 +212,7 @@ class TiktokenTokenizer:
             self._enc = tiktoken.Encoding(
                 ranks.stem,
                 pat_str=meta["pat_str"],
-                mergeable_ranks=tiktoken.load.load_tiktoken_bpe(str(ranks)),
+                mergeable_ranks=_read_ranks(ranks),
                 special_tokens=meta.get("special_tokens", {}),
                 explicit_n_vocab=meta.get("explicit_n_vocab"),
             )
@@ -247,6 +251,23 @@ class TiktokenTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`."""
         return self._enc.decode(list(ids))
+
+
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a ``.tiktoken`` ranks file (``base64-token rank`` per line).
+
+    Read here rather than with ``tiktoken.load.load_tiktoken_bpe``, which serves a copy cached under the
+    temp directory by path: an edited ranks file would then not be the one the manifest fingerprints.
+    """
+    ranks = {}
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if line.strip():
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except (ValueError, binascii.Error):
+                raise ValueError(f"{path}:{number}: expected 'base64-token rank'") from None
+    return ranks
 
 
 # ---------------------------------------------------------------------------------------------- long texts

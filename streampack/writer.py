@@ -8,6 +8,8 @@ ledger entry that covers them is replaced.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 from pathlib import Path
 from types import TracebackType
@@ -17,7 +19,7 @@ import numpy as np
 
 from streampack import ledger
 from streampack.errors import StreampackError, WriteError
-from streampack.format import OFFSET_DTYPE, file_checksum, offsets_path, tokens_path
+from streampack.format import OFFSET_DTYPE, file_checksum, fsync_dir, offsets_path, tokens_path
 from streampack.ledger import UnitProgress
 
 
@@ -34,7 +36,9 @@ class ShardWriter:
         self.progress = progress
         self._tokens_path = tokens_path(root, name)
         self._offsets_path = offsets_path(root, name)
+        self._created = not self._tokens_path.exists()
         self._tokens = _open_at(self._tokens_path, progress.tokens * self.dtype.itemsize)
+        _lock_shard(self._tokens, self._tokens_path)
         self._offsets = _open_at(self._offsets_path, progress.docs * OFFSET_DTYPE.itemsize)
         self.num_tokens = progress.tokens
         self.num_docs = progress.docs
@@ -51,7 +55,6 @@ class ShardWriter:
         self._write(self._tokens, tokens.astype(self.dtype, copy=False), self._tokens_path)
         if len(ends):
             self._write(self._offsets, (ends + self.num_tokens).astype(OFFSET_DTYPE), self._offsets_path)
-        if len(ends):
             self._doc_aligned_tokens = self.num_tokens + int(ends[-1])
         self.num_tokens += len(tokens)
         self.num_docs += len(ends)
@@ -69,6 +72,9 @@ class ShardWriter:
                 os.fsync(f.fileno())
             except OSError as e:
                 raise disk_error(e, path) from None
+        if self._created:  # the new files' directory entries must be durable before a ledger names them
+            fsync_dir(self._tokens_path.parent)
+            self._created = False
         checksums = ("", "")
         if done:
             checksums = (file_checksum(self._tokens_path), file_checksum(self._offsets_path))
@@ -99,9 +105,9 @@ class ShardWriter:
         self.close()
 
     @staticmethod
-    def _write(f: object, array: np.ndarray, path: Path) -> None:
+    def _write(f: BinaryIO, array: np.ndarray, path: Path) -> None:
         try:
-            f.write(array.tobytes())  # type: ignore[attr-defined]
+            f.write(array.tobytes())
         except OSError as e:
             raise disk_error(e, path) from None
 
@@ -124,10 +130,24 @@ def _open_at(path: Path, length: int) -> BinaryIO:
         raise disk_error(e, path) from None
 
 
+def _lock_shard(f: BinaryIO, path: Path) -> None:
+    """Hold an exclusive ``flock`` on a shard while writing it, so that no two processes ever do.
+
+    The build lock keeps builds apart; this also covers a worker that outlived a killed build (a Ray
+    task, or a pool worker still starting when its coordinator died) while the rerun resumes its unit.
+    """
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise WriteError(
+            f"{path} is being written by another process (a worker of a killed build?); wait for it to "
+            "exit, then rerun the same command"
+        ) from None
+
+
 def disk_error(error: OSError, path: Path) -> WriteError:
     """A :class:`WriteError` that says what to do about a failed write to ``path``."""
-    import errno
-
     if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
         reason = "disk full" if error.errno != errno.EFBIG else "file size limit reached"
         return WriteError(

@@ -203,3 +203,33 @@ def test_error_inside_a_streamed_document_commits_only_whole_documents(tmp_path:
     partial = streampack.open(tmp_path / "c", allow_incomplete=True)
     assert [s.num_docs for s in partial.shards] == [1, 0] and partial.shards[1].num_tokens == 0
     assert partial.doc(0).tolist() == [*b"a small document", 256]
+
+
+def test_bom_file_split_into_units_reads_every_line_once(tmp_path: Path) -> None:
+    docs = [f"z{i} " + "y" * (i % 50) for i in range(3000)]
+    path = write_jsonl(tmp_path / "bom.jsonl", [{"text": d} for d in docs])
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    streampack.build(path, tmp_path / "c", unit_bytes=1 << 16, workers=1)
+    assert streampack.open(tmp_path / "c").num_shards > 1
+    assert read_docs(tmp_path / "c") == expected_docs(None, docs)
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_cache(tmp_path: Path) -> None:
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "train.py").write_text("print('precious')")
+    with pytest.raises(StreampackError, match=r"refusing to --overwrite .*train\.py"):
+        streampack.build(streampack.Documents(["x"]), tmp_path / "project", overwrite=True)
+    assert (tmp_path / "project" / "train.py").exists()
+
+
+def test_a_cache_inside_its_input_directory_is_not_read_as_input(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "data" / "a.jsonl", [{"text": "one"}, {"text": "two"}])
+    for _ in range(2):  # the second run must see the same inputs, not the cache's own .json files
+        summary = streampack.build(tmp_path / "data", tmp_path / "data" / "cache")
+    assert summary.num_docs == 2 and summary.units_already_done == 0
+
+
+@pytest.mark.parametrize("items", [{"text": "a"}, {"a.jsonl", "b.jsonl"}])
+def test_mappings_and_sets_are_not_documents(tmp_path: Path, items: object) -> None:
+    with pytest.raises(streampack.InputError, match="cannot read documents from a"):
+        streampack.build(items, tmp_path / "c")
