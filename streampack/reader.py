@@ -8,6 +8,7 @@ manifest and the offset tables of the shards in use; memory-mapped pages belong 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -21,6 +22,11 @@ from streampack.format import OFFSET_DTYPE, Manifest, ShardInfo, load_manifest, 
 
 if TYPE_CHECKING:
     from streampack.sequences import PackedSequences
+
+
+# Shard files kept mapped per kind (tokens, offsets): every map holds a file descriptor, and the common
+# limit is 1024 per process (two kinds x 128 = 256 of them); remapping a shard that fell out costs ~20 us.
+MAX_OPEN_MAPS = 128
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,8 @@ class Cache:
         self._shards = [_ShardFiles(s, *_inside(real_root, root, s.name)) for s in shards]
         self._doc_starts = np.concatenate([[0], np.cumsum([s.num_docs for s in shards], dtype=np.int64)])
         self._token_starts = np.concatenate([[0], np.cumsum([s.num_tokens for s in shards], dtype=np.int64)])
-        self._tokens: dict[int, np.ndarray] = {}
-        self._offsets: dict[int, np.ndarray] = {}
+        self._tokens: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._offsets: OrderedDict[int, np.ndarray] = OrderedDict()
         self._check_sizes()
 
     def __repr__(self) -> str:
@@ -129,17 +135,13 @@ class Cache:
 
     def shard_tokens(self, shard: int) -> np.ndarray:
         """The token array of shard ``shard`` (memory-mapped on first use)."""
-        if shard not in self._tokens:
-            files = self._shards[shard]
-            self._tokens[shard] = _map(files.tokens, self.dtype, files.info.num_tokens)
-        return self._tokens[shard]
+        files = self._shards[shard]
+        return _cached_map(self._tokens, shard, files.tokens, self.dtype, files.info.num_tokens)
 
     def shard_offsets(self, shard: int) -> np.ndarray:
         """The cumulative document end offsets of shard ``shard`` (memory-mapped on first use)."""
-        if shard not in self._offsets:
-            files = self._shards[shard]
-            self._offsets[shard] = _map(files.offsets, OFFSET_DTYPE, files.info.num_docs)
-        return self._offsets[shard]
+        files = self._shards[shard]
+        return _cached_map(self._offsets, shard, files.offsets, OFFSET_DTYPE, files.info.num_docs)
 
     @cached_property
     def token_starts(self) -> np.ndarray:
@@ -209,7 +211,22 @@ def _inside(real_root: str, root: Path, name: str) -> tuple[Path, Path]:
     return paths
 
 
+def _cached_map(
+    maps: OrderedDict[int, np.ndarray], shard: int, path: Path, dtype: np.dtype, count: int
+) -> np.ndarray:
+    """The memory map of a shard file, from a small LRU: each open map holds a file descriptor."""
+    if shard in maps:
+        maps.move_to_end(shard)
+        return maps[shard]
+    maps[shard] = _map(path, dtype, count)
+    if len(maps) > MAX_OPEN_MAPS:
+        maps.popitem(last=False)  # closed once no caller holds a view of it
+    return maps[shard]
+
+
 def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     if count == 0:
         return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+    # A plain ndarray view of the map (which it keeps alive): slicing an np.memmap costs a subclass round
+    # trip per slice, which shows in a batch of many small windows.
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)

@@ -107,8 +107,6 @@ class PackedSequences:
         self._token_starts = np.asarray(cache.token_starts, dtype=np.int64)
         docs = [shard.num_docs for shard in cache.shards]
         self._doc_starts = np.concatenate([[0], np.cumsum(docs, dtype=np.int64)]).astype(np.int64)
-        self._token_views: dict[int, np.ndarray] = {}
-        self._offset_views: dict[int, np.ndarray] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the cache path and settings only; the memory maps are reopened where unpickled."""
@@ -366,17 +364,10 @@ class PackedSequences:
             out[row, col : col + hi - lo] = self._tokens(shard)[lo:hi]
 
     def _tokens(self, shard: int) -> np.ndarray:
-        view = self._token_views.get(shard)
-        if view is None:
-            # A plain ndarray view of the map: slicing an np.memmap costs a subclass round trip per slice.
-            view = self._token_views[shard] = self.cache.shard_tokens(shard).view(np.ndarray)
-        return view
+        return self.cache.shard_tokens(shard)
 
     def _offsets(self, shard: int) -> np.ndarray:
-        view = self._offset_views.get(shard)
-        if view is None:
-            view = self._offset_views[shard] = self.cache.shard_offsets(shard).view(np.ndarray)
-        return view
+        return self.cache.shard_offsets(shard)
 
 
 def _content_digest(cache: Cache) -> str:

@@ -260,3 +260,24 @@ def test_cli_decodes_a_packed_sample(cache: streampack.Cache, stream: np.ndarray
         assert result.returncode == 2 and message in result.stderr
     result = run_cli("decode", cache.root, "--sample", "999999", "--seq-len", "10", check=False)
     assert result.returncode == 1 and result.stderr.startswith("error: sample 999999 out of range")
+
+
+def test_many_shards_stay_within_a_low_file_descriptor_limit(tmp_path: Path) -> None:
+    """Each mapped shard holds a descriptor; the reader keeps only a bounded number of maps open."""
+    import subprocess
+    import sys
+
+    from streampack._synthetic import write_cache
+
+    shards = [(np.full(10, i % 250, dtype=np.uint16), np.array([5, 10])) for i in range(600)]
+    root = write_cache(tmp_path / "c", shards, vocab_size=257, eos_id=256)
+    code = (
+        "import resource, sys, streampack\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))\n"
+        "cache = streampack.open(sys.argv[1])\n"
+        "total = sum(int(cache.doc(i)[0]) for i in range(cache.num_docs))\n"
+        "assert total == sum(2 * (i % 250) for i in range(600))\n"
+        "print(len(cache.sequences(7)[list(range(0, 857, 3))]))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
