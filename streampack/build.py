@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -113,8 +113,13 @@ class BuildOptions:
             raise ValueError(f"engine must be 'local' or 'ray' (got {self.engine!r})")
         if self.on_bad_record not in ("error", "skip"):
             raise ValueError(f"on_bad_record must be 'error' or 'skip' (got {self.on_bad_record!r})")
-        if self.workers is not None and self.workers < 1:
-            raise ValueError(f"workers must be at least 1 (got {self.workers})")
+        for name in ("workers", "threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")
+        if self.commit_seconds < 0:
+            raise ValueError(f"commit_seconds must be >= 0 (got {self.commit_seconds})")
+        if not self.eos and self.eos_id is not None:
+            raise ValueError(f"eos_id={self.eos_id} contradicts eos=False (--no-eos): give one or the other")
         for name in ("batch_chars", "max_piece_chars", "commit_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive (got {getattr(self, name)})")
@@ -157,7 +162,6 @@ class BuildSummary:
     units_resumed: int = 0
     units_already_done: int = 0
     seconds: float = 0.0
-    warnings: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:

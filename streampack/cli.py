@@ -16,6 +16,7 @@ from typing import Any
 import click
 import numpy as np
 
+from streampack.build import BuildOptions
 from streampack.build import build as build_cache
 from streampack.errors import StreampackError
 from streampack.reader import Cache
@@ -99,9 +100,7 @@ def build(
 
     Rerunning the same command after an interruption resumes where it stopped.
     """
-    summary = build_cache(
-        list(inputs),
-        out,
+    options = dict(
         tokenizer=tokenizer,
         workers=workers,
         threads=threads,
@@ -119,6 +118,11 @@ def build(
         commit_seconds=commit_seconds,
         commit_bytes=max(int(commit_mb * (1 << 20)), 1),
     )
+    try:
+        BuildOptions(**options)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    summary = build_cache(list(inputs), out, **options)
     resumed = ""
     if summary.units_already_done or summary.units_resumed:
         resumed = (

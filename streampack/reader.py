@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -133,6 +132,16 @@ class Cache:
             shard += 1
         return out
 
+    @property
+    def doc_starts(self) -> np.ndarray:
+        """Global index of the first document of each shard, plus the total at the end."""
+        return self._doc_starts
+
+    def shard_paths(self, shard: int) -> tuple[Path, Path]:
+        """The token and offsets files of shard ``shard``."""
+        files = self._shards[shard]
+        return files.tokens, files.offsets
+
     def shard_tokens(self, shard: int) -> np.ndarray:
         """The token array of shard ``shard`` (memory-mapped on first use)."""
         files = self._shards[shard]
@@ -143,7 +152,7 @@ class Cache:
         files = self._shards[shard]
         return _cached_map(self._offsets, shard, files.offsets, OFFSET_DTYPE, files.info.num_docs)
 
-    @cached_property
+    @property
     def token_starts(self) -> np.ndarray:
         """Global index of the first token of each shard, plus the total at the end."""
         return self._token_starts

@@ -525,13 +525,24 @@ def _read_python(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[It
     for i, record in enumerate(records):
         if i < skip:
             continue
+        where = f"python record {base + i}"
+        if isinstance(record, dict):
+            record = _text_of(record, options.text_field, lambda where=where: where)
         if isinstance(record, str):
+            yield _encodable(record, where)
+        elif isinstance(record, BadRecordError):
             yield record
-        elif isinstance(record, dict):
-            yield _text_of(record, options.text_field, lambda i=i: f"python record {base + i}")
         else:
-            problem = f"the record is a {type(record).__name__}, expected str or dict"
-            yield BadRecordError(f"python record {base + i}", problem)
+            yield BadRecordError(where, f"the record is a {type(record).__name__}, expected str or dict")
+
+
+def _encodable(text: str, where: str) -> str | BadRecordError:
+    """Python strings, unlike decoded files, may hold lone surrogates, which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return BadRecordError(where, f"the text holds a lone surrogate at character {e.start}")
+    return text
 
 
 def _slices(items: Any, start: int, stop: int, step: int = 1000) -> Iterator[Any]:

@@ -58,9 +58,9 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
 
 def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
     info = cache.shards[shard]
-    files = cache._shards[shard]
+    tokens_file, offsets_file = cache.shard_paths(shard)
     problems = []
-    for path, expected in ((files.tokens, info.tokens_checksum), (files.offsets, info.offsets_checksum)):
+    for path, expected in ((tokens_file, info.tokens_checksum), (offsets_file, info.offsets_checksum)):
         actual = file_checksum(path)
         report.bytes_checked += path.stat().st_size
         if actual != expected:
@@ -69,17 +69,17 @@ def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
         offsets = cache.shard_offsets(shard)
         tokens = cache.shard_tokens(shard)
     except (CacheError, ValueError, OSError) as e:
-        return [*problems, f"{files.tokens}: cannot map ({e})"]
-    problems.extend(_check_offsets(files.offsets, offsets, info.num_tokens))
-    problems.extend(_check_tokens(files.tokens, tokens, cache.vocab_size))
+        return [*problems, f"{tokens_file}: cannot map ({e})"]
+    problems.extend(_check_offsets(offsets_file, offsets, info.num_tokens))
+    problems.extend(_check_tokens(tokens_file, tokens, cache.vocab_size))
     if cache.eos_id is not None and not problems and len(offsets):
         ends = np.asarray(offsets, dtype=np.int64)
         starts = np.concatenate([[0], ends[:-1]])
         missing = np.flatnonzero((ends <= starts) | (tokens[np.maximum(ends - 1, 0)] != cache.eos_id))
         if len(missing):
-            doc = int(cache._doc_starts[shard] + missing[0])
+            doc = int(cache.doc_starts[shard] + missing[0])
             problems.append(
-                f"{files.tokens}: document {doc} (and {len(missing) - 1} more) does not end with EOS "
+                f"{tokens_file}: document {doc} (and {len(missing) - 1} more) does not end with EOS "
                 f"{cache.eos_id}"
             )
     return problems

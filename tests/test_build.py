@@ -233,3 +233,11 @@ def test_a_cache_inside_its_input_directory_is_not_read_as_input(tmp_path: Path)
 def test_mappings_and_sets_are_not_documents(tmp_path: Path, items: object) -> None:
     with pytest.raises(streampack.InputError, match="cannot read documents from a"):
         streampack.build(items, tmp_path / "c")
+
+
+def test_python_strings_with_lone_surrogates_are_bad_records(tmp_path: Path) -> None:
+    docs = streampack.Documents(["fine", "bad \ud800 text", {"text": "also fine"}])
+    with pytest.raises(streampack.BadRecordError, match="python record 1: the text holds a lone surrogate"):
+        streampack.build(docs, tmp_path / "a")
+    summary = streampack.build(docs, tmp_path / "b", on_bad_record="skip")
+    assert summary.num_docs == 2 and summary.skipped_records == 1
