@@ -170,3 +170,16 @@ def test_fuzzed_manifests_and_ledgers_raise_only_cache_errors(
     report = streampack.verify(case)
     assert isinstance(report.ok, bool)
     shutil.rmtree(case)
+
+
+def test_missing_eos_is_found_even_with_matching_checksums(cache: Path) -> None:
+    from streampack.format import file_checksum
+
+    path = cache / "shards" / "000001.tokens"
+    tokens = np.fromfile(path, dtype="<u2")
+    ends = np.fromfile(cache / "shards" / "000001.offsets", dtype="<u8")
+    tokens[int(ends[2]) - 1] = ord("x")  # document 2 of the shard loses its EOS
+    tokens.tofile(path)
+    edit_manifest(cache, lambda m: m["shards"][1].update(tokens_checksum=file_checksum(path)))
+    first_doc = streampack.open(cache).doc_starts[1]
+    assert_verify_finds(cache, f"document {first_doc + 2} (and 0 more) does not end with EOS 256")
