@@ -32,7 +32,7 @@ class BuildLock:
     def __enter__(self) -> BuildLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except PermissionError as e:
+        except OSError as e:
             raise StreampackError(
                 f"cannot write to {self.path.parent}: {e.strerror}; choose a writable --out"
             ) from None

@@ -5,7 +5,10 @@ from __future__ import annotations
 import resource
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 import streampack
 from tests.conftest import run_cli, shard_bytes, write_jsonl
@@ -46,3 +49,41 @@ def test_file_size_limit_then_resume(tmp_path: Path) -> None:
     run_cli("build", *args)
     run_cli("build", args[0], "--out", tmp_path / "reference", *args[3:])
     assert shard_bytes(tmp_path / "c") == shard_bytes(tmp_path / "reference")
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MB tmpfs, mounted for the test (needs root; skipped elsewhere)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_on_a_small_filesystem_then_resume_with_room(
+    tmp_path: Path, small_filesystem: Path
+) -> None:
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": f"document {i} " * 40} for i in range(6000)])
+    args = ["--workers", "1", "--batch-chars", "50000", "--commit-seconds", "0", "--commit-mb", "0"]
+    out = small_filesystem / "c"
+    full = run_cli("build", src, "--out", out, *args, check=False)
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr
+    assert "disk full while writing" in full.stderr and "rerun the same command to resume" in full.stderr
+    assert 0 < streampack.open(out, allow_incomplete=True).num_docs < 6000
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_filesystem)], check=True)
+    run_cli("build", src, "--out", out, *args)
+    run_cli("build", src, "--out", tmp_path / "reference", *args)
+    assert shard_bytes(out) == shard_bytes(tmp_path / "reference")
+
+
+def test_read_only_output_is_a_clear_error(tmp_path: Path, small_filesystem: Path) -> None:
+    subprocess.run(["mount", "-o", "remount,ro", str(small_filesystem)], check=True)
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": "x"}])
+    for out in (small_filesystem, small_filesystem / "sub"):
+        result = run_cli("build", src, "--out", out, check=False)
+        assert result.returncode == 1 and "Read-only file system; choose a writable --out" in result.stderr
