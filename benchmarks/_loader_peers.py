@@ -32,31 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _procfs import children, rss_anon_mb
 
 SEQ_LEN = 2048
 WIDTH = SEQ_LEN + 1
 BATCH = 32
-
-
-def rss_anon_mb(pid: int | str = "self") -> float:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
-
-
-def children() -> list[int]:
-    me, found = str(os.getpid()), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if stat.read_text().rsplit(")", 1)[1].split()[1] == me:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError):
-            continue
-    return found
 
 
 def tokens(cache: str) -> np.ndarray:
