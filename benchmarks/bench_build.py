@@ -292,6 +292,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="use only the first --quick-mb of the corpus")
     parser.add_argument("--quick-mb", type=float, default=30.0)
     parser.add_argument("--skip-peers", action="store_true", help="skip the slow datasets-based peers")
+    parser.add_argument(
+        "--backends", default=",".join(BACKENDS), help="comma-separated subset of " + ",".join(BACKENDS)
+    )
     parser.add_argument("--repeats", type=int, default=1, help="best of N for raw-limit and streampack rows")
     parser.add_argument("--tmp", default="/work/bench-tmp", help="scratch space, cleaned up afterwards")
     parser.add_argument("--bench-python", default="/work/bench-venv/bin/python", help="python of the peers")
@@ -321,7 +324,7 @@ def main() -> None:
         cli, why_not = streampack_cli()
         scaled: dict[int, Corpus] = {1: corpus}
         rows: list[Row] = []
-        for backend in BACKENDS:
+        for backend in args.backends.split(","):
             log(f"raw limit, {backend}")
             rows.append(best_of(args.repeats, lambda b=backend: raw_limit(b, corpus, sources[b])))
             for scale in scales:

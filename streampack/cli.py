@@ -46,7 +46,7 @@ def cli() -> None:
     "--workers",
     "-j",
     type=click.IntRange(min=1),
-    help="Worker processes [default: one per 8 cores for tokenizer.json/tiktoken, one per core for bytes].",
+    help="Worker processes [default: one per 8 cores for tokenizer.json, one per core otherwise].",
 )
 @click.option("--threads", type=click.IntRange(min=1), help="Tokenizer threads per worker [default: cores].")
 @click.option(

@@ -38,7 +38,9 @@ class Tokenizer(Protocol):
     spec: str
     vocab_size: int
     eos_id: int | None
-    threaded: bool  # encodes a batch on threads of its own, releasing the GIL
+    # One process of it keeps every core busy (its batch call runs on threads of its own and the Python
+    # work around it is small next to the encoding); see streampack.build.default_workers.
+    saturates_cores: bool
 
     def fingerprint(self) -> dict[str, Any]:
         """Kind, name, vocab size and a hash of the definition: identifies the tokenizer in a manifest."""
@@ -108,7 +110,7 @@ class BytesTokenizer:
     spec = "bytes"
     vocab_size = 257
     eos_id = 256
-    threaded = False
+    saturates_cores = False
 
     def fingerprint(self) -> dict[str, Any]:
         """See :class:`Tokenizer`."""
@@ -126,7 +128,7 @@ class BytesTokenizer:
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``."""
 
-    threaded = True
+    saturates_cores = True
 
     def __init__(self, spec: str) -> None:
         from tokenizers import Tokenizer as _Tokenizer
@@ -184,7 +186,7 @@ class HFTokenizer:
 class TiktokenTokenizer:
     """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens)."""
 
-    threaded = True
+    saturates_cores = False  # 3-4 M tokens/s: reading and framing in one process would hold it back
 
     def __init__(self, spec: str, *, threads: int | None = None) -> None:
         try:
