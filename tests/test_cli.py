@@ -166,3 +166,10 @@ def test_second_build_in_same_directory_is_refused(tmp_path: Path, bpe_tokenizer
     finally:
         first.wait(timeout=120)
     assert first.returncode == 0
+
+
+def test_demo_builds_and_reads_batches(tmp_path: Path) -> None:
+    result = run_cli("demo", "--out", tmp_path / "demo")
+    assert "standard-library files with the 'bytes' tokenizer" in result.stdout
+    assert "batch 2: shape (8, 256)" in result.stdout
+    assert run_cli("verify", tmp_path / "demo").stdout.startswith("ok:")
