@@ -25,14 +25,13 @@ import importlib.machinery
 import json
 import os
 import sys
-import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _procfs import children, rss_anon_mb
+from _procfs import time_batches
 
 SEQ_LEN = 2048
 WIDTH = SEQ_LEN + 1
@@ -128,19 +127,7 @@ def endless(batches: Any) -> Iterator[Any]:
 
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
     it = endless(loader(args.kind, args.data, args.workers))
-    for _ in range(args.warmup):
-        next(it)
-    best, main_peak, worker_peak = 0.0, 0.0, 0.0
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        for count in range(1, args.batches + 1):
-            next(it)
-            if count % 100 == 0 or count == args.batches:
-                main_peak = max(main_peak, rss_anon_mb())
-                worker_peak = max([worker_peak, *(rss_anon_mb(pid) for pid in children())])
-        best = max(best, args.batches * BATCH / (time.perf_counter() - start))
-    main_peak = max(main_peak, rss_anon_mb())
-    return {"samples_per_s": best, "main_mb": main_peak, "worker_mb": worker_peak}
+    return time_batches(it, batch=BATCH, warmup=args.warmup, repeats=args.repeats, batches=args.batches)
 
 
 def main() -> None:

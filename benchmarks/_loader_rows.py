@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-from _procfs import children, rss_anon_mb
+from _procfs import children, rss_anon_mb, time_batches
 
 import streampack
 from streampack.loader import Loader
@@ -97,19 +97,7 @@ def batches(kind: str, path: str, seq_len: int, workers: int, seed: int = 0) -> 
 
 def throughput(args: argparse.Namespace) -> dict[str, Any]:
     it = batches(args.kind, args.cache, args.seq_len, args.workers)
-    for _ in range(args.warmup):
-        next(it)
-    best, main_peak, worker_peak = 0.0, 0.0, 0.0
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        for count in range(1, args.batches + 1):
-            next(it)
-            if count % 100 == 0 or count == args.batches:  # a few /proc reads: noise, not a cost
-                main_peak = max(main_peak, rss_anon_mb())
-                worker_peak = max([worker_peak, *(rss_anon_mb(pid) for pid in children())])
-        best = max(best, args.batches * BATCH / (time.perf_counter() - start))
-    main_peak = max(main_peak, rss_anon_mb())
-    return {"samples_per_s": best, "main_mb": main_peak, "worker_mb": worker_peak}
+    return time_batches(it, batch=BATCH, warmup=args.warmup, repeats=args.repeats, batches=args.batches)
 
 
 def rss(args: argparse.Namespace) -> dict[str, Any]:

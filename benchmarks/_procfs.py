@@ -1,9 +1,12 @@
-"""Per-process memory from /proc, shared by the loader benchmark's workers (no dependencies)."""
+"""Per-process memory from /proc and the timing loop, shared by the loader benchmark's workers (no deps)."""
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def rss_anon_mb(pid: int | str = "self") -> float:
@@ -27,3 +30,22 @@ def children() -> list[int]:
         except (OSError, IndexError):
             continue
     return found
+
+
+def time_batches(
+    it: Iterator[Any], *, batch: int, warmup: int, repeats: int, batches: int
+) -> dict[str, float]:
+    """Best samples/s over ``repeats`` rounds of ``batches`` batches, and peak RssAnon of main and workers."""
+    for _ in range(warmup):
+        next(it)
+    best, main_peak, worker_peak = 0.0, 0.0, 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for count in range(1, batches + 1):
+            next(it)
+            if count % 100 == 0 or count == batches:  # a few /proc reads: noise, not a cost
+                main_peak = max(main_peak, rss_anon_mb())
+                worker_peak = max([worker_peak, *(rss_anon_mb(pid) for pid in children())])
+        best = max(best, batches * batch / (time.perf_counter() - start))
+    main_peak = max(main_peak, rss_anon_mb())
+    return {"samples_per_s": best, "main_mb": main_peak, "worker_mb": worker_peak}
