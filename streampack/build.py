@@ -2,8 +2,8 @@
 
 The coordinator (:func:`build`) checks the output directory (lock, settings of an existing cache, inputs
 unchanged), writes an incomplete manifest, runs every unfinished unit, and writes the complete manifest
-last. A unit (:func:`run_unit`) streams its records through the tokenizer in batches and appends them to
-its shard, committing every few megabytes or seconds. See docs/FORMAT.md for the commit protocol.
+last. Each unit runs :func:`streampack.pipeline.run_unit`, which streams its records through the tokenizer
+and appends them to its shard. See docs/FORMAT.md for the commit protocol.
 """
 
 from __future__ import annotations
@@ -11,18 +11,14 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
 from streampack import ledger
 from streampack.engines import run_local, run_ray
-from streampack.errors import BadRecordError, CacheError, ConfigMismatchError, StreampackError, WriteError
+from streampack.errors import CacheError, ConfigMismatchError, StreampackError
 from streampack.format import (
     LEDGER_DIR,
     LOCK,
@@ -37,32 +33,12 @@ from streampack.format import (
 )
 from streampack.ledger import UnitProgress
 from streampack.lock import BuildLock
-from streampack.sources import (
-    Documents,
-    Position,
-    ReadOptions,
-    TextStream,
-    WorkUnit,
-    expand_inputs,
-    plan_python_units,
-    plan_units,
-    read_unit,
-)
-from streampack.tokenize import (
-    DEFAULT_MAX_PIECE_CHARS,
-    EosPolicy,
-    Tokenizer,
-    load_tokenizer,
-    resolve_eos,
-    split_text,
-    stream_pieces,
-)
-from streampack.writer import ShardWriter
+from streampack.pipeline import UnitResult, UnitTask, process_tokenizer, run_unit, set_process_threads
+from streampack.progress import BuildProgress
+from streampack.sources import Documents, ReadOptions, WorkUnit, expand_inputs, plan_python_units, plan_units
+from streampack.tokenize import EosPolicy, Tokenizer, default_max_piece_chars, resolve_eos
 
 OnBadRecord = Literal["error", "skip"]
-# Batches encoded at once: two keep the tokenizer's threads busy across the end of a batch, where the
-# last long documents would otherwise leave all but one thread idle.
-_ENCODING_BATCHES = 2
 Engine = Literal["local", "ray"]
 
 
@@ -82,7 +58,8 @@ class BuildOptions:
         overwrite: delete an existing cache in the output directory and start over.
         unit_bytes: size of the work units large uncompressed JSONL and Parquet files are split into.
         batch_chars: characters of text tokenized per batch call.
-        max_piece_chars: longer documents are tokenized in pieces of at most this many characters.
+        max_piece_chars: longer documents are tokenized in pieces of at most this many characters
+            (default: :func:`~streampack.tokenize.default_max_piece_chars` of the tokenizer).
         commit_bytes: commit after this many bytes of tokens...
         commit_seconds: ...or after this many seconds, whichever comes first.
         progress: show a progress bar on stderr.
@@ -100,8 +77,8 @@ class BuildOptions:
     threads: int | None = None
     overwrite: bool = False
     unit_bytes: int = ReadOptions.unit_bytes
-    batch_chars: int = 4 << 20
-    max_piece_chars: int = DEFAULT_MAX_PIECE_CHARS
+    batch_chars: int = 1 << 20
+    max_piece_chars: int | None = None
     commit_bytes: int = 64 << 20
     commit_seconds: float = 10.0
     progress: bool = False
@@ -121,7 +98,7 @@ class BuildOptions:
         if not self.eos and self.eos_id is not None:
             raise ValueError(f"eos_id={self.eos_id} contradicts eos=False (--no-eos): give one or the other")
         for name in ("batch_chars", "max_piece_chars", "commit_bytes"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive (got {getattr(self, name)})")
 
     @property
@@ -137,17 +114,6 @@ class BuildOptions:
             "unit_bytes": self.unit_bytes,
             "max_piece_chars": self.max_piece_chars,
         }
-
-
-@dataclass(frozen=True)
-class UnitTask:
-    """Everything a worker needs to build one unit (picklable)."""
-
-    root: str
-    unit: WorkUnit
-    options: BuildOptions
-    eos: EosPolicy
-    dtype: str
 
 
 @dataclass
@@ -190,8 +156,9 @@ def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSumm
     root = Path(out)
     started = time.perf_counter()
     units, input_stats = _plan(inputs, opts.read_options)
-    _set_threads(opts.threads or 0)
-    tokenizer = _tokenizer(opts.tokenizer)  # kept for the units that run in this process
+    set_process_threads(opts.threads or 0)
+    tokenizer = process_tokenizer(opts.tokenizer)  # kept for the units that run in this process
+    opts = replace(opts, max_piece_chars=opts.max_piece_chars or default_max_piece_chars(tokenizer))
     eos = resolve_eos(tokenizer, eos=opts.eos, eos_id=opts.eos_id)
     vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1)
     manifest = Manifest(
@@ -297,7 +264,7 @@ def _build_locked(
     summary.units_already_done = sum(p.done for p in progress)
     summary.units_resumed = sum(not p.done and p.records > 0 for p in progress)
     todo = [t for t, p in zip(tasks, progress) if not p.done]
-    with _ProgressBar(opts.progress, units, progress) as bar:
+    with BuildProgress(opts.progress, units, progress) as bar:
         for result in _run(todo, opts, bar.update):
             progress[result.unit_index] = result.progress
             bar.unit_done(result)
@@ -366,25 +333,18 @@ def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str
 # ---------------------------------------------------------------------------------------------- running
 
 
-@dataclass(frozen=True)
-class UnitResult:
-    """A finished unit's final progress."""
-
-    unit_index: int
-    progress: UnitProgress
-
-
 def _run(
     todo: list[UnitTask], opts: BuildOptions, report: Callable[[dict[str, int]], None]
 ) -> Iterable[UnitResult]:
     cores = os.cpu_count() or 1
     in_process = [t for t in todo if t.unit.in_process]
     pooled = [t for t in todo if not t.unit.in_process]
-    workers = min(opts.workers or default_workers(_tokenizer(opts.tokenizer), cores), max(len(pooled), 1))
+    wanted = opts.workers or default_workers(process_tokenizer(opts.tokenizer), cores)
+    workers = min(wanted, max(len(pooled), 1))
     # By default every worker's batch calls may use every core: while all workers are busy they share the
     # cores, and when the last units run alone (the tail of a build) they still use the whole machine.
     threads = opts.threads or 0
-    setup = {"on_progress": report, "initializer": _set_threads, "initargs": (threads,)}
+    setup = {"on_progress": report, "initializer": set_process_threads, "initargs": (threads,)}
     yield from run_local(run_unit, in_process, workers=1, **setup)
     if opts.engine == "ray":
         yield from run_ray(run_unit, pooled, address=opts.ray_address, **setup)
@@ -402,208 +362,3 @@ def default_workers(tokenizer: Tokenizer, cores: int) -> int:
     process per core (345 MB: 25-27 s against 36 s for one process). ``bytes`` holds the GIL: one per core.
     """
     return max(1, cores // 8) if tokenizer.saturates_cores else cores
-
-
-_threads = 1
-_tokenizers: dict[tuple[str, int], Tokenizer] = {}
-
-
-def _set_threads(threads: int) -> None:
-    """Per-process tokenizer threads; 0 means every core of the machine the unit runs on."""
-    global _threads
-    _threads = threads or os.cpu_count() or 1
-    os.environ["RAYON_NUM_THREADS"] = str(_threads)  # read by tokenizers when its pool first starts
-
-
-def _tokenizer(spec: str) -> Tokenizer:
-    """This process's tokenizer for ``spec``, loaded once (a tokenizer.json takes ~0.5 s to load)."""
-    key = (spec, _threads)
-    if key not in _tokenizers:
-        _tokenizers[key] = load_tokenizer(spec, threads=_threads)
-    return _tokenizers[key]
-
-
-def run_unit(task: UnitTask, report: Callable[[dict[str, int]], None]) -> UnitResult:
-    """Build (or finish building) the shard of one work unit; the function every engine runs."""
-    root, unit, opts = Path(task.root), task.unit, task.options
-    name = shard_name(unit.index)
-    progress = ledger.read_progress(root, name, unit.describe())
-    if progress.done:
-        return UnitResult(unit.index, progress)
-    tokenizer = _tokenizer(opts.tokenizer)
-    with ShardWriter(root, name, np.dtype(task.dtype), progress) as writer:
-        pipeline = _UnitPipeline(task, tokenizer, writer, report)
-        final = pipeline.run()
-    return UnitResult(unit.index, final)
-
-
-class _UnitPipeline:
-    """Records -> pieces -> batches -> tokens -> shard, committing at document boundaries.
-
-    Batch ``k`` is encoded on a helper thread while this thread writes batch ``k - 1`` and reads and parses
-    the records of batch ``k + 1``: tokenizers release the GIL while they encode, so reading, parsing and
-    writing cost almost no wall time next to the encoding itself.
-    """
-
-    def __init__(
-        self,
-        task: UnitTask,
-        tokenizer: Tokenizer,
-        writer: ShardWriter,
-        report: Callable[[dict[str, int]], None],
-    ) -> None:
-        self.task, self.opts, self.tokenizer, self.writer = task, task.options, tokenizer, writer
-        self.report = report
-        self.records = writer.progress.records
-        self.skipped = writer.progress.skipped
-        self.texts: list[str] = []
-        self.ends_doc: list[bool] = []
-        self.batch_chars = 0
-        self.eos = None if not task.eos.append else np.array([task.eos.id], dtype=np.uint32)
-        self.position = Position()
-        self.reported_bytes = 0
-        self.last_commit = (time.monotonic(), writer.num_tokens)
-        self.encoding: deque[tuple[Future[list[np.ndarray]], list[bool]]] = deque()
-
-    def run(self) -> UnitProgress:
-        items = read_unit(self.task.unit, self.opts.read_options, skip=self.records, position=self.position)
-        with ThreadPoolExecutor(_ENCODING_BATCHES, thread_name_prefix="streampack-encode") as self.encoder:
-            try:
-                for item in items:
-                    if isinstance(item, BadRecordError):
-                        self._bad_record(item)
-                    elif item is not None:
-                        self._add_document(item)
-                    self.records += 1
-                    self._maybe_commit()
-            except WriteError:
-                raise  # the disk state past the last commit is unknown: write nothing more
-            except StreampackError:  # a bad record or input: keep everything read before it
-                self._drain()
-                self.writer.commit(records=self.records, skipped=self.skipped)
-                raise
-            self._drain()
-        return self.writer.commit(records=self.records, skipped=self.skipped, done=True)
-
-    def _bad_record(self, error: BadRecordError) -> None:
-        if self.opts.on_bad_record == "error":
-            raise error
-        self.skipped += 1
-
-    def _add_document(self, text: str | TextStream) -> None:
-        pieces = (
-            stream_pieces(text, self.opts.max_piece_chars)
-            if isinstance(text, TextStream)
-            else split_text(text, self.opts.max_piece_chars)
-        )
-        for piece in pieces:
-            if self.ends_doc and self.batch_chars >= self.opts.batch_chars:
-                self._flush()
-            self.texts.append(piece)
-            self.ends_doc.append(False)
-            self.batch_chars += len(piece)
-        self.ends_doc[-1] = True
-
-    def _flush(self) -> None:
-        """Start encoding the current batch, then write the one encoded before it."""
-        if not self.texts:
-            return
-        self.encoding.append((self.encoder.submit(self.tokenizer.encode_batch, self.texts), self.ends_doc))
-        self.texts, self.ends_doc, self.batch_chars = [], [], 0
-        while len(self.encoding) > _ENCODING_BATCHES:
-            self._write_encoded()
-
-    def _drain(self) -> None:
-        """Encode and write everything read so far."""
-        self._flush()
-        while self.encoding:
-            self._write_encoded()
-
-    def _write_encoded(self) -> None:
-        """Write the oldest batch being encoded, once it is."""
-        future, ends_doc = self.encoding.popleft()
-        encoded = future.result()
-        parts: list[np.ndarray] = []
-        lengths = np.empty(len(encoded), dtype=np.int64)
-        for i, (ids, ends) in enumerate(zip(encoded, ends_doc)):
-            parts.append(ids)
-            lengths[i] = len(ids)
-            if ends and self.eos is not None:
-                parts.append(self.eos)
-                lengths[i] += 1
-        tokens = np.concatenate(parts, dtype=self.writer.dtype, casting="unsafe")
-        doc_ends = np.cumsum(lengths)[np.asarray(ends_doc)]
-        self.writer.append(tokens, doc_ends)
-        event = {"unit": self.task.unit.index, "docs": len(doc_ends), "tokens": len(tokens)}
-        self.report({**event, "bytes": self._bytes_read_delta()})
-
-    def _bytes_read_delta(self) -> int:
-        now = max(self.position.bytes_read() - self.task.unit.start, 0)
-        delta, self.reported_bytes = now - self.reported_bytes, now
-        return max(delta, 0)
-
-    def _maybe_commit(self) -> None:
-        if self.batch_chars < self.opts.batch_chars:
-            return
-        self._flush()
-        started, tokens = self.last_commit
-        written = (self.writer.num_tokens - tokens) * self.writer.dtype.itemsize
-        if written >= self.opts.commit_bytes or time.monotonic() - started >= self.opts.commit_seconds:
-            self._drain()
-            self.writer.commit(records=self.records, skipped=self.skipped)
-            self.last_commit = (time.monotonic(), self.writer.num_tokens)
-
-
-class _ProgressBar:
-    """A tqdm bar over input bytes, with documents and tokens/s; silent when disabled."""
-
-    def __init__(self, enabled: bool, units: Sequence[WorkUnit], progress: Sequence[UnitProgress]) -> None:
-        self.enabled = enabled
-        self.sizes = {u.index: _unit_size(u) for u in units}
-        self.read: dict[int, int] = {}
-        self.docs = sum(p.docs for p in progress)
-        self.tokens = 0
-        self.started = time.perf_counter()
-        self.bar: Any = None
-        if enabled:
-            from tqdm import tqdm
-
-            done = sum(self.sizes[u.index] for u, p in zip(units, progress) if p.done)
-            total = sum(self.sizes.values())
-            self.bar = tqdm(
-                total=total, initial=done, unit="B", unit_scale=True, desc="build", dynamic_ncols=True
-            )
-
-    def update(self, event: dict[str, int]) -> None:
-        """Count one batch's documents, tokens and input bytes."""
-        self.docs += event["docs"]
-        self.tokens += event["tokens"]
-        unit = event["unit"]
-        step = min(event["bytes"], self.sizes[unit] - self.read.get(unit, 0))
-        self.read[unit] = self.read.get(unit, 0) + step
-        if self.bar is not None:
-            self.bar.update(step)
-            rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
-            self.bar.set_postfix_str(f"{self.docs:,} docs, {rate / 1e6:.2f}M tok/s", refresh=False)
-
-    def unit_done(self, result: UnitResult) -> None:
-        """Complete the bar's share of a finished unit (Parquet and Python inputs report only at the end)."""
-        unit = result.unit_index
-        if self.bar is not None:
-            self.bar.update(self.sizes[unit] - self.read.get(unit, 0))
-        self.read[unit] = self.sizes[unit]
-
-    def __enter__(self) -> _ProgressBar:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _unit_size(unit: WorkUnit) -> int:
-    if unit.file is None:
-        return 0
-    if unit.stop is not None and unit.file.format == "jsonl":
-        return unit.stop - unit.start
-    return unit.file.size
