@@ -73,7 +73,13 @@ def cli() -> None:
     help="local: a process pool here; ray: Ray tasks on a cluster (--out on shared storage).",
 )
 @click.option("--ray-address", help="Ray cluster address [default: a running one, else a new local one].")
-@click.option("--batch-chars", type=click.IntRange(min=1), default=4 << 20, hidden=True)
+@click.option(
+    "--max-piece-chars",
+    type=click.IntRange(min=1),
+    help="Tokenize longer documents in pieces of at most N characters, cut before a space "
+    "[default: 100000 where such cuts keep the tokenizer's tokens, else 1000000].",
+)
+@click.option("--batch-chars", type=click.IntRange(min=1), default=1 << 20, hidden=True)
 @click.option("--commit-seconds", type=click.FloatRange(min=0), default=10.0, hidden=True)
 @click.option("--commit-mb", type=click.FloatRange(min=0), default=64, hidden=True)
 def build(
@@ -92,6 +98,7 @@ def build(
     unit_mb: int,
     engine: str,
     ray_address: str | None,
+    max_piece_chars: int | None,
     batch_chars: int,
     commit_seconds: float,
     commit_mb: float,
@@ -114,6 +121,7 @@ def build(
         overwrite=overwrite,
         progress=sys.stderr.isatty() if progress is None else progress,
         unit_bytes=unit_mb << 20,
+        max_piece_chars=max_piece_chars,
         batch_chars=batch_chars,
         commit_seconds=commit_seconds,
         commit_bytes=max(int(commit_mb * (1 << 20)), 1),

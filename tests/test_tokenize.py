@@ -12,7 +12,16 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from streampack.errors import StreampackError
-from streampack.tokenize import load_tokenizer, resolve_eos, split_text, stream_pieces
+from streampack.tokenize import (
+    DEFAULT_MAX_PIECE_CHARS,
+    EXACT_CUT_PIECE_CHARS,
+    cuts_keep_tokens,
+    default_max_piece_chars,
+    load_tokenizer,
+    resolve_eos,
+    split_text,
+    stream_pieces,
+)
 
 words = st.text(st.characters(exclude_categories=["Cs", "Zs", "Cc"]), min_size=1, max_size=12)
 separators = st.sampled_from([" ", "  ", "\n", " \n ", "\t", ". ", "\n\n"])
@@ -116,3 +125,35 @@ def test_large_vocab_uses_uint32(tmp_path: Path, tiktoken_gpt2: Path) -> None:
     cache = streampack.open(tmp_path / "c")
     assert cache.dtype == np.dtype("<u4") and cache.vocab_size > 65536
     assert cache.doc(0).max() < cache.vocab_size
+
+
+def _prefix_space_tokenizer(path: Path) -> Path:
+    """A SentencePiece-style tokenizer.json (Llama 2's normalizer: prepend '▁', spaces to '▁')."""
+    from tokenizers import models, normalizers, trainers
+
+    from tests.conftest import TRAINING_TEXT
+
+    tok = Tokenizer(models.BPE(byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.train_from_iterator(TRAINING_TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"]))
+    tok.save(str(path))
+    return path
+
+
+def test_cut_probe_accepts_byte_level_tokenizers(bpe_tokenizer: Path) -> None:
+    assert cuts_keep_tokens(load_tokenizer("bytes"))
+    assert cuts_keep_tokens(load_tokenizer(str(bpe_tokenizer)))
+    assert default_max_piece_chars(load_tokenizer(str(bpe_tokenizer))) == EXACT_CUT_PIECE_CHARS
+
+
+def test_cut_probe_accepts_gpt2_and_tiktoken(gpt2_tokenizer: Path, tiktoken_gpt2: Path) -> None:
+    assert cuts_keep_tokens(load_tokenizer(str(gpt2_tokenizer)))
+    assert cuts_keep_tokens(load_tokenizer(f"tiktoken:{tiktoken_gpt2}"))
+
+
+def test_cut_probe_rejects_a_prefix_space_tokenizer(tmp_path: Path) -> None:
+    tok = load_tokenizer(str(_prefix_space_tokenizer(tmp_path / "tokenizer.json")))
+    # Why the probe matters: a piece that starts with a space gets a second '▁' prepended.
+    assert tok.encode_batch(["a b"])[0].tolist() != np.concatenate(tok.encode_batch(["a", " b"])).tolist()
+    assert not cuts_keep_tokens(tok)
+    assert default_max_piece_chars(tok) == DEFAULT_MAX_PIECE_CHARS
