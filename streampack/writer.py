@@ -18,7 +18,7 @@ from typing import BinaryIO
 import numpy as np
 
 from streampack import ledger
-from streampack.errors import StreampackError, WriteError
+from streampack.errors import CacheError, WriteError
 from streampack.format import OFFSET_DTYPE, file_checksum, fsync_dir, offsets_path, tokens_path
 from streampack.ledger import UnitProgress
 
@@ -119,7 +119,7 @@ def _open_at(path: Path, length: int) -> BinaryIO:
         size = f.seek(0, os.SEEK_END)
         if size < length:
             f.close()
-            raise StreampackError(
+            raise CacheError(
                 f"{path} holds {size} bytes but the ledger committed {length}: the shard was damaged after "
                 "it was written; rebuild with --overwrite"
             )

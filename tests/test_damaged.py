@@ -183,3 +183,16 @@ def test_missing_eos_is_found_even_with_matching_checksums(cache: Path) -> None:
     edit_manifest(cache, lambda m: m["shards"][1].update(tokens_checksum=file_checksum(path)))
     first_doc = streampack.open(cache).doc_starts[1]
     assert_verify_finds(cache, f"document {first_doc + 2} (and 0 more) does not end with EOS 256")
+
+
+def test_resuming_onto_a_shard_shorter_than_its_ledger_is_refused(pristine: Path, tmp_path: Path) -> None:
+    """A partial shard cut below what the ledger committed (damaged after the crash) is not built on."""
+    cache = tmp_path / "cache"
+    shutil.copytree(pristine, cache)
+    edit_manifest(cache, lambda m: m.update(complete=False))
+    entry = cache / "ledger" / "000001.json"
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "done": False}))
+    tokens = cache / "shards" / "000001.tokens"
+    os.truncate(tokens, tokens.stat().st_size // 2)
+    with pytest.raises(CacheError, match="000001.tokens holds .* bytes but the ledger committed"):
+        streampack.build(pristine.parent / "in.jsonl", cache, unit_bytes=1 << 16, workers=1)
