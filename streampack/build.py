@@ -344,7 +344,11 @@ def _run(
     # By default every worker's batch calls may use every core: while all workers are busy they share the
     # cores, and when the last units run alone (the tail of a build) they still use the whole machine.
     threads = opts.threads or 0
-    setup = {"on_progress": report, "initializer": set_process_threads, "initargs": (threads,)}
+    setup: dict[str, Any] = {
+        "on_progress": report,
+        "initializer": set_process_threads,
+        "initargs": (threads,),
+    }
     yield from run_local(run_unit, in_process, workers=1, **setup)
     if opts.engine == "ray":
         yield from run_ray(run_unit, pooled, address=opts.ray_address, **setup)

@@ -107,7 +107,7 @@ def build(
 
     Rerunning the same command after an interruption resumes where it stopped.
     """
-    options = dict(
+    options: dict[str, Any] = dict(
         tokenizer=tokenizer,
         workers=workers,
         threads=threads,
@@ -220,7 +220,11 @@ def decode(
         raise click.UsageError("--sample needs --seq-len: the sample is tokens [I*L, (I+1)*L) of the stream")
     cache = open_cache(cache_dir)
     try:
-        tokens = cache.doc(doc_index) if doc_index is not None else cache.sequences(seq_len)[sample_index]
+        if doc_index is not None:
+            tokens = cache.doc(doc_index)
+        else:
+            assert seq_len is not None and sample_index is not None  # checked above
+            tokens = cache.sequences(seq_len)[sample_index]
     except IndexError as e:
         raise StreampackError(str(e)) from None
     if ids:

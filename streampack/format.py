@@ -249,7 +249,10 @@ def _parse_manifest(raw: Any) -> Manifest:
         raise ValueError(f"dtype {dtype!r} is not uint16 or uint32")
     shards = [_parse_shard(s) for s in raw["shards"]]
     vocab = raw["tokenizer"]["vocab_size"]
-    if not isinstance(vocab, int) or not 0 < vocab <= np.iinfo(np.dtype(dtype)).max + 1:
+    if (
+        not isinstance(vocab, int)
+        or not 0 < vocab <= np.iinfo(np.uint16 if dtype == "uint16" else np.uint32).max + 1
+    ):
         raise ValueError(f"vocab_size {vocab!r} does not fit dtype {dtype}")
     manifest = Manifest(
         tokenizer=dict(raw["tokenizer"]),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
@@ -445,12 +445,12 @@ class Loader:
         self._epoch, self._step = int(epoch), int(samples) // batch
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int, allowed: str) -> None:
-    if not _is_int(value) or not lo <= int(value) <= hi:  # type: ignore[call-overload]
+    if not _is_int(value) or not lo <= int(value) <= hi:
         raise ValueError(f"{name} must be {allowed} (got {name}={value!r})")
 
 

@@ -25,11 +25,11 @@ import io
 import lzma
 import os
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Set
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, TypeAlias
+from typing import Any, BinaryIO, Literal, TypeAlias, cast
 
 import orjson
 
@@ -291,7 +291,7 @@ def plan_python_units(items: Any) -> list[WorkUnit]:
             f"cannot read documents from a {type(items).__name__}: pass a list or iterable of str or of "
             "dicts (for a DataFrame: df['text'].tolist() or its records), or a Hugging Face Dataset"
         )
-    if hasattr(items, "__len__") and hasattr(items, "__getitem__"):
+    if isinstance(items, Sized) and hasattr(items, "__getitem__"):
         n = len(items)
         bounds = range(0, max(n, 1), SEQUENCE_UNIT_ROWS)
         return [WorkUnit(i, None, a, min(a + SEQUENCE_UNIT_ROWS, n), items) for i, a in enumerate(bounds)]
@@ -578,12 +578,13 @@ def _open_input(file: InputFile, position: Position | None = None) -> Iterator[B
 
 
 def _decompressor(compression: str, raw: BinaryIO) -> BinaryIO:
+    # cast: these are binary files, which typeshed types as BufferedIOBase rather than BinaryIO
     if compression == "gzip":
-        return gzip.GzipFile(fileobj=raw)
+        return cast(BinaryIO, gzip.GzipFile(fileobj=raw))
     if compression == "bz2":
-        return bz2.BZ2File(raw)
+        return cast(BinaryIO, bz2.BZ2File(raw))
     if compression == "xz":
-        return lzma.LZMAFile(raw)
+        return cast(BinaryIO, lzma.LZMAFile(raw))
     return io.BufferedReader(_ZstdReader(raw), buffer_size=_READ_CHUNK)
 
 

@@ -113,7 +113,7 @@ class BytesTokenizer:
 
     spec = "bytes"
     vocab_size = 257
-    eos_id = 256
+    eos_id: int | None = 256
     saturates_cores = False
 
     def fingerprint(self) -> dict[str, Any]:
@@ -253,6 +253,7 @@ class TiktokenTokenizer:
 
     def _encode_one(self, text: str) -> np.ndarray:
         # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.
+        assert self._to_buffer is not None, "encode_batch checks for it"
         return np.frombuffer(self._to_buffer(text, set()), dtype=np.uint32)
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -141,7 +141,7 @@ class IterableDataset(torch_data.IterableDataset):
         out = None
         dtype = loader.options.dtype or getattr(loader.dataset, "dtype", None)
         if in_worker and dtype is not None:
-            out = _shared_array(loader.batch_shape(step), dtype)
+            out = _shared_array(loader.batch_shape(step), np.dtype(dtype))
         return _to_torch(loader.batch(epoch, step, out=None if out is None else out[1]), out)
 
     def state_dict(self) -> dict[str, Any]:
@@ -204,7 +204,8 @@ class DataLoader(torch_data.DataLoader):
         """Yield batches from the loader's position, advancing it by one per batch handed out."""
         dataset: IterableDataset = self.dataset  # type: ignore[assignment]
         dataset.publish()
-        ring, dtype = dataset._ring, self.loader.options.dtype
+        ring, wanted = dataset._ring, self.loader.options.dtype
+        dtype = None if wanted is None else np.dtype(wanted)
         for batch in super().__iter__():
             if isinstance(batch, _Slot):
                 batch = ring.take(batch, dtype, pin=self._pin)  # type: ignore[union-attr]
@@ -303,7 +304,8 @@ def _shared_array(shape: tuple[int, int], dtype: np.dtype) -> tuple[torch.Tensor
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     try:
         storage = torch.UntypedStorage._new_shared(nbytes)
-        tensor = torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)
+        # torch's stubs lack the (source, offset, size) form that torch accepts
+        tensor = torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
     except (AttributeError, RuntimeError):  # pragma: no cover - other torch versions
         tensor = torch.empty(shape, dtype=torch_dtype).share_memory_()
     return tensor, tensor.numpy()

@@ -194,5 +194,5 @@ def test_resuming_onto_a_shard_shorter_than_its_ledger_is_refused(pristine: Path
     entry.write_text(json.dumps({**json.loads(entry.read_text()), "done": False}))
     tokens = cache / "shards" / "000001.tokens"
     os.truncate(tokens, tokens.stat().st_size // 2)
-    with pytest.raises(CacheError, match="000001.tokens holds .* bytes but the ledger committed"):
+    with pytest.raises(CacheError, match=r"000001\.tokens holds .* bytes but the ledger committed"):
         streampack.build(pristine.parent / "in.jsonl", cache, unit_bytes=1 << 16, workers=1)

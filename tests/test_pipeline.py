@@ -77,7 +77,7 @@ def test_out_of_order_batches_are_written_in_order_and_commits_are_exact(
         final = _UnitPipeline(task, tokenizer, w, lambda event: None).run()
 
     assert tokenizer.finished[:slow_batches] != list(range(slow_batches)), "no batch finished out of order"
-    expected = [np.frombuffer(t.encode(), np.uint8).tolist() + [256] for t in texts if t is not None]
+    expected = [[*t.encode(), 256] for t in texts if t is not None]
     tokens = np.fromfile(tmp_path / "out" / "shards" / "000000.tokens", np.uint16).tolist()
     assert tokens == [t for doc in expected for t in doc]
     assert (final.records, final.docs, final.skipped, final.done) == (len(texts), len(expected), 6, True)
