@@ -8,7 +8,14 @@ packed sequences (PyTorch adapters in :mod:`streampack.torch`).
 from __future__ import annotations
 
 from streampack.build import BuildOptions, BuildSummary, build
-from streampack.errors import BadRecordError, CacheError, ConfigMismatchError, InputError, StreampackError
+from streampack.errors import (
+    BadRecordError,
+    CacheError,
+    ConfigMismatchError,
+    InputError,
+    LoaderStateError,
+    StreampackError,
+)
 from streampack.loader import Loader, LoaderOptions
 from streampack.permutation import Permutation
 from streampack.reader import Cache, open
@@ -28,6 +35,7 @@ __all__ = [
     "InputError",
     "Loader",
     "LoaderOptions",
+    "LoaderStateError",
     "PackedSequences",
     "Permutation",
     "StreampackError",

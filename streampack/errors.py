@@ -11,6 +11,7 @@ __all__ = [
     "CacheError",
     "ConfigMismatchError",
     "InputError",
+    "LoaderStateError",
     "StreampackError",
     "WriteError",
 ]
@@ -57,3 +58,10 @@ class CacheError(StreampackError):
 
 class ConfigMismatchError(StreampackError):
     """A build was asked to continue a cache made with different settings."""
+
+
+class LoaderStateError(StreampackError, ValueError):
+    """A loader state (``load_state_dict``) is damaged, from a newer streampack, or from another run.
+
+    Also a ``ValueError``, as a wrong argument value is; the message names both sides of a mismatch.
+    """

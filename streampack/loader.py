@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol, TypeGuard
 import numpy as np
 import numpy.typing as npt
 
+from streampack.errors import LoaderStateError
 from streampack.permutation import Permutation
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions"]
@@ -409,25 +410,26 @@ class Loader:
         batch size is the same; every rank then continues the same global order.
 
         Raises:
-            ValueError: the state is not a loader state of a supported version, or it was saved with a
-                different seed, shuffle, batch size, drop_last or dataset (both values are named).
+            LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version, or
+                it was saved with a different seed, shuffle, batch size, drop_last or dataset (both values
+                are named).
         """
         if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
-            raise ValueError(
+            raise LoaderStateError(
                 f"not a streampack loader state (expected a dict with format={_STATE_FORMAT!r}, got "
                 f"{_summary(state)}); pass what Loader.state_dict() returned"
             )
         if state.get("version") != STATE_VERSION:
-            raise ValueError(
+            raise LoaderStateError(
                 f"loader state version {state.get('version')!r} is not supported by this streampack (it "
                 f"reads version {STATE_VERSION}); resume with the streampack version that saved it"
             )
         mine = self.state_dict()
         for key in ("seed", "shuffle", "batch_size", "drop_last", "dataset"):
             if key not in state:
-                raise ValueError(f"loader state has no {key!r}; it is damaged: {_summary(state)}")
+                raise LoaderStateError(f"loader state has no {key!r}; it is damaged: {_summary(state)}")
             if state[key] != mine[key]:
-                raise ValueError(
+                raise LoaderStateError(
                     f"the loader state does not match this loader: {key} in checkpoint: {state[key]!r} / "
                     f"{key} in this loader: {mine[key]!r}. Create the Loader with the settings and data "
                     "of the run that saved the state."
@@ -435,10 +437,10 @@ class Loader:
         epoch, samples = state.get("epoch"), state.get("samples_in_epoch")
         batch = self.options.batch_size
         if not _is_int(epoch) or epoch < 0:
-            raise ValueError(f"loader state epoch must be a non-negative integer (got epoch={epoch!r})")
+            raise LoaderStateError(f"loader state epoch must be a non-negative integer (got epoch={epoch!r})")
         end = self.steps_per_epoch * batch
         if not _is_int(samples) or not 0 <= samples < end or samples % batch:
-            raise ValueError(
+            raise LoaderStateError(
                 f"loader state samples_in_epoch must be a multiple of batch_size={batch} in [0, {end}) "
                 f"(got samples_in_epoch={samples!r}); the state is damaged"
             )

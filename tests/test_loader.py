@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack._synthetic import write_random_cache
+from streampack.errors import LoaderStateError
 from streampack.loader import STATE_VERSION, Loader, LoaderOptions
 from tests.conftest import run_cli
 
@@ -302,17 +303,17 @@ def test_state_is_small_versioned_json(cache: streampack.Cache) -> None:
 )
 def test_mismatched_or_damaged_state_is_refused_naming_both_sides(change: dict, message: str) -> None:
     loader = Loader(IndexSource(100), batch_size=4, seed=7)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(LoaderStateError, match=message):
         loader.load_state_dict(loader.state_dict() | change)
 
 
 def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
     state = Loader(cache.sequences(16), batch_size=4).state_dict()
     with pytest.raises(
-        ValueError, match=r"dataset in checkpoint: \{.*'seq_len': 16.*\} / dataset in this loader"
+        LoaderStateError, match=r"dataset in checkpoint: \{.*'seq_len': 16.*\} / dataset in this loader"
     ):
         Loader(cache.sequences(32), batch_size=4).load_state_dict(state)
-    with pytest.raises(ValueError, match="not a streampack loader state"):
+    with pytest.raises(LoaderStateError, match="not a streampack loader state"):
         Loader(cache.sequences(16), batch_size=4).load_state_dict([1, 2])  # type: ignore[arg-type]
 
 
