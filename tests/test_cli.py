@@ -173,3 +173,14 @@ def test_demo_builds_and_reads_batches(tmp_path: Path) -> None:
     assert "standard-library files with the 'bytes' tokenizer" in result.stdout
     assert "batch 2: shape (8, 256)" in result.stdout
     assert run_cli("verify", tmp_path / "demo").stdout.startswith("ok:")
+
+
+def test_max_piece_chars_is_recorded_and_kept_on_resume(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "word " * 3000}])
+    out = tmp_path / "cache"
+    run_cli("build", src, "--out", out, "--max-piece-chars", "1000")
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["settings"]["max_piece_chars"] == 1000
+    assert run_cli("decode", out, "--doc", "0").stdout.rstrip("\n") == "word " * 3000
+    result = run_cli("build", src, "--out", out, check=False)  # the default (100000) differs: refused
+    assert result.returncode == 1 and "max_piece_chars" in result.stderr and "Traceback" not in result.stderr
