@@ -202,8 +202,7 @@ class _UnitPipeline:
         """Encode and write everything read so far."""
         self._flush()
         while self.queue:
-            self.queue[0].encoded.result()
-            self._write_encoded()
+            self._write(self.queue.popleft())  # waits for the batch to be encoded
 
     def _write(self, batch: _Batch) -> None:
         encoded = batch.encoded.result()

@@ -33,7 +33,7 @@ from streampack.errors import StreampackError
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 # Piece sizes: small where a cut keeps the tokens (see default_max_piece_chars), else large, so cuts are rare.
 EXACT_CUT_PIECE_CHARS = 100_000
-DEFAULT_MAX_PIECE_CHARS = 1_000_000
+INEXACT_CUT_PIECE_CHARS = 1_000_000
 
 
 class Tokenizer(Protocol):
@@ -281,7 +281,7 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
 # ---------------------------------------------------------------------------------------------- long texts
 
 
-def split_text(text: str, max_chars: int = DEFAULT_MAX_PIECE_CHARS) -> Iterator[str]:
+def split_text(text: str, max_chars: int) -> Iterator[str]:
     """Split ``text`` into pieces of at most ``max_chars`` characters at boundaries that keep the tokens.
 
     A piece ends just before a single space that has a non-space on both sides (``"... word| next"``).
@@ -299,7 +299,7 @@ def split_text(text: str, max_chars: int = DEFAULT_MAX_PIECE_CHARS) -> Iterator[
     yield text[start:] if start else text
 
 
-def stream_pieces(chunks: Iterable[str], max_chars: int = DEFAULT_MAX_PIECE_CHARS) -> Iterator[str]:
+def stream_pieces(chunks: Iterable[str], max_chars: int) -> Iterator[str]:
     """Like :func:`split_text` over text that arrives in chunks; holds at most ~2 pieces in memory."""
     buffer = ""
     for chunk in chunks:
@@ -320,7 +320,7 @@ def default_max_piece_chars(tokenizer: Tokenizer) -> int:
     tokens (see :func:`cuts_keep_tokens`), pieces stay large, so that cuts happen only in documents of
     over a million characters.
     """
-    return EXACT_CUT_PIECE_CHARS if cuts_keep_tokens(tokenizer) else DEFAULT_MAX_PIECE_CHARS
+    return EXACT_CUT_PIECE_CHARS if cuts_keep_tokens(tokenizer) else INEXACT_CUT_PIECE_CHARS
 
 
 _CUT_PROBES = (

@@ -13,8 +13,8 @@ from tokenizers import Tokenizer
 
 from streampack.errors import StreampackError
 from streampack.tokenize import (
-    DEFAULT_MAX_PIECE_CHARS,
     EXACT_CUT_PIECE_CHARS,
+    INEXACT_CUT_PIECE_CHARS,
     cuts_keep_tokens,
     default_max_piece_chars,
     load_tokenizer,
@@ -156,4 +156,4 @@ def test_cut_probe_rejects_a_prefix_space_tokenizer(tmp_path: Path) -> None:
     # Why the probe matters: a piece that starts with a space gets a second '▁' prepended.
     assert tok.encode_batch(["a b"])[0].tolist() != np.concatenate(tok.encode_batch(["a", " b"])).tolist()
     assert not cuts_keep_tokens(tok)
-    assert default_max_piece_chars(tok) == DEFAULT_MAX_PIECE_CHARS
+    assert default_max_piece_chars(tok) == INEXACT_CUT_PIECE_CHARS
