@@ -3,8 +3,9 @@
 Every row runs in its own subprocess, measured by :mod:`_measure` (wall time, peak RSS summed over the
 process tree). The baseline of the ratio column is the *raw limit* of the same backend, measured in
 this run: its fastest batch-encode call over the same texts already in memory (see ``_raw_limit.py``).
-With ``--repeats N``, raw-limit and 1x build runs alternate N times; the table shows the median run of
-each and the build's ratio is the median of the N per-pair ratios.
+With ``--repeats N``, N pairs of raw-limit and 1x build runs alternate (the build first in every other
+pair); the table shows the median run of each and the build's ratio is the median of the N per-pair
+ratios.
 
 Usage::
 
@@ -103,11 +104,15 @@ def paired(repeats: int, raw_once: Callable[[], Row], build_once: Callable[[], R
     """Alternate raw-limit and build runs; the build's ratio is the median of the per-pair ratios.
 
     Each pair runs back to back, so a burst of load from other jobs on the shared machine slows both
-    sides of one ratio rather than one side of every ratio.
+    sides of one ratio rather than one side of every ratio. Every other pair runs the build first, so a
+    machine that speeds up or slows down over the run favours neither side.
     """
     raws, builds, ratios = [], [], []
-    for _ in range(repeats):
-        raw, built = raw_once(), build_once()
+    for i in range(repeats):
+        if i % 2 == 0:
+            raw, built = raw_once(), build_once()
+        else:
+            built, raw = build_once(), raw_once()
         raws.append(raw)
         builds.append(built)
         if raw.tokens_per_s and built.tokens_per_s:

@@ -2,8 +2,8 @@
 
 The coordinator (:func:`build`) checks the output directory (lock, settings of an existing cache, inputs
 unchanged), writes an incomplete manifest, runs every unfinished unit, and writes the complete manifest
-last. Each unit runs :func:`streampack.pipeline.run_unit`, which streams its records through the tokenizer
-and appends them to its shard. See docs/FORMAT.md for the commit protocol.
+last. The units run through :func:`streampack.pipeline.run_units`, which streams their records through the
+tokenizer and appends them to their shards. See docs/FORMAT.md for the commit protocol.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from streampack.format import (
 )
 from streampack.ledger import UnitProgress
 from streampack.lock import BuildLock
-from streampack.pipeline import UnitResult, UnitTask, process_tokenizer, run_unit, set_process_threads
+from streampack.pipeline import UnitResult, UnitTask, process_tokenizer, run_units, set_process_threads
 from streampack.progress import BuildProgress
 from streampack.sources import Documents, ReadOptions, WorkUnit, expand_inputs, plan_python_units, plan_units
-from streampack.tokenize import EosPolicy, Tokenizer, default_max_piece_chars, resolve_eos
+from streampack.tokenize import Tokenizer, default_max_piece_chars, resolve_eos
 
 OnBadRecord = Literal["error", "skip"]
 Engine = Literal["local", "ray"]
@@ -158,7 +158,8 @@ def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSumm
     units, input_stats = _plan(inputs, opts.read_options)
     set_process_threads(opts.threads or 0)
     tokenizer = process_tokenizer(opts.tokenizer)  # kept for the units that run in this process
-    opts = replace(opts, max_piece_chars=opts.max_piece_chars or default_max_piece_chars(tokenizer))
+    piece_chars = opts.max_piece_chars or default_max_piece_chars(tokenizer)
+    opts = replace(opts, max_piece_chars=piece_chars)
     eos = resolve_eos(tokenizer, eos=opts.eos, eos_id=opts.eos_id)
     vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1)
     manifest = Manifest(
@@ -175,7 +176,8 @@ def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSumm
         raise StreampackError(f"cannot create {root}: {e.strerror}; choose a writable --out") from None
     with BuildLock(root):
         _prepare_directory(root, opts.overwrite)
-        summary = _build_locked(root, manifest, units, opts, eos)
+        tasks = [UnitTask(str(root), u, opts, eos, manifest.dtype, piece_chars) for u in units]
+        summary = _build_locked(root, manifest, tasks, opts)
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -249,9 +251,7 @@ def _delete_cache(root: Path) -> None:
     (root / MANIFEST).unlink(missing_ok=True)
 
 
-def _build_locked(
-    root: Path, manifest: Manifest, units: list[WorkUnit], opts: BuildOptions, eos: EosPolicy
-) -> BuildSummary:
+def _build_locked(root: Path, manifest: Manifest, tasks: list[UnitTask], opts: BuildOptions) -> BuildSummary:
     summary = BuildSummary(out=root)
     if (root / MANIFEST).exists():
         existing = load_manifest(root)
@@ -259,7 +259,7 @@ def _build_locked(
         if existing.complete:
             return _summarize(summary, existing)
     manifest.write(root)
-    tasks = [UnitTask(str(root), u, opts, eos, manifest.dtype) for u in units]
+    units = [t.unit for t in tasks]
     progress = [ledger.read_progress(root, shard_name(u.index), u.describe()) for u in units]
     summary.units_already_done = sum(p.done for p in progress)
     summary.units_resumed = sum(not p.done and p.records > 0 for p in progress)
@@ -349,11 +349,11 @@ def _run(
         "initializer": set_process_threads,
         "initargs": (threads,),
     }
-    yield from run_local(run_unit, in_process, workers=1, **setup)
+    yield from run_local(run_units, in_process, workers=1, **setup)
     if opts.engine == "ray":
-        yield from run_ray(run_unit, pooled, address=opts.ray_address, **setup)
+        yield from run_ray(run_units, pooled, address=opts.ray_address, **setup)
     else:
-        yield from run_local(run_unit, pooled, workers=workers, **setup)
+        yield from run_local(run_units, pooled, workers=workers, **setup)
 
 
 def default_workers(tokenizer: Tokenizer, cores: int) -> int:

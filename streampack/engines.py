@@ -1,11 +1,13 @@
-"""Engines schedule work units; every engine runs the same unit function.
+"""Engines schedule work units; every engine runs the same units function.
 
 - ``local``: the coordinating process itself (one worker), or a pool of spawned worker processes.
 - ``ray``: one Ray task per unit, on the cluster ``ray.init`` connects to (a local one if none is running).
   The output directory must be on storage that every node sees.
 
-Units are independent and each commits its own ledger entry, so an engine needs no coordination beyond
-handing out units, collecting results and forwarding progress. Killing workers is always safe.
+The units function takes a sequence of tasks and yields one result per task, so that a process given
+several units can run them back to back. Units are independent and each commits its own ledger entry, so
+an engine needs no coordination beyond handing out units, collecting results and forwarding progress.
+Killing workers is always safe.
 """
 
 from __future__ import annotations
@@ -24,14 +26,14 @@ from typing import Any
 from streampack.errors import StreampackError
 
 ProgressFn = Callable[[dict[str, int]], None]
-UnitFn = Callable[[Any, ProgressFn], Any]
+UnitsFn = Callable[[Sequence[Any], ProgressFn], Iterator[Any]]
 
-_worker_fn: UnitFn | None = None
+_worker_fn: UnitsFn | None = None
 _worker_queue: Any = None
 
 
 def run_local(
-    unit_fn: UnitFn,
+    units_fn: UnitsFn,
     tasks: Sequence[Any],
     *,
     workers: int,
@@ -39,23 +41,23 @@ def run_local(
     initializer: Callable[..., None] | None = None,
     initargs: tuple[Any, ...] = (),
 ) -> Iterator[Any]:
-    """Run ``unit_fn(task, report)`` for every task and yield the results as units finish.
+    """Run every task through ``units_fn(tasks, report)`` and yield the results as units finish.
 
-    With ``workers == 1`` the units run in this process, in order; otherwise in ``workers`` spawned
-    processes (spawn, not fork: tokenizer thread pools and fork do not mix). The first error stops all
-    workers and is raised here; whatever the workers committed before stays committed.
+    With ``workers == 1`` all the units run in this process, in order, in one call; otherwise one unit per
+    call in ``workers`` spawned processes (spawn, not fork: tokenizer thread pools and fork do not mix).
+    The first error stops all workers and is raised here; whatever the workers committed before stays
+    committed.
     """
     if workers <= 1:
         if initializer is not None:
             initializer(*initargs)
-        for task in tasks:
-            yield unit_fn(task, on_progress)
+        yield from units_fn(tasks, on_progress)
         return
-    yield from _run_pool(unit_fn, tasks, workers, on_progress, initializer, initargs)
+    yield from _run_pool(units_fn, tasks, workers, on_progress, initializer, initargs)
 
 
 def _run_pool(
-    unit_fn: UnitFn,
+    units_fn: UnitsFn,
     tasks: Sequence[Any],
     workers: int,
     on_progress: ProgressFn,
@@ -71,7 +73,7 @@ def _run_pool(
         workers,
         mp_context=context,
         initializer=_init_worker,
-        initargs=(unit_fn, events, os.getpid(), initializer, initargs),
+        initargs=(units_fn, events, os.getpid(), initializer, initargs),
     )
     try:
         pending: set[Future[Any]] = {executor.submit(_run_in_worker, task) for task in tasks}
@@ -113,7 +115,7 @@ def _forward(events: Any, on_progress: ProgressFn, stop: threading.Event) -> Non
 
 
 def _init_worker(
-    unit_fn: UnitFn,
+    units_fn: UnitsFn,
     events: Any,
     coordinator: int,
     initializer: Callable[..., None] | None,
@@ -121,7 +123,7 @@ def _init_worker(
 ) -> None:
     global _worker_fn, _worker_queue
     _die_with_parent(coordinator)
-    _worker_fn, _worker_queue = unit_fn, events
+    _worker_fn, _worker_queue = units_fn, events
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     if initializer is not None:
         initializer(*initargs)
@@ -145,11 +147,12 @@ def _die_with_parent(coordinator: int) -> None:
 
 def _run_in_worker(task: Any) -> Any:
     assert _worker_fn is not None
-    return _worker_fn(task, _worker_queue.put)
+    (result,) = _worker_fn([task], _worker_queue.put)
+    return result
 
 
 def run_ray(
-    unit_fn: UnitFn,
+    units_fn: UnitsFn,
     tasks: Sequence[Any],
     *,
     address: str | None,
@@ -157,7 +160,7 @@ def run_ray(
     initializer: Callable[..., None] | None = None,
     initargs: tuple[Any, ...] = (),
 ) -> Iterator[Any]:
-    """Run ``unit_fn`` for every task as Ray tasks and yield the results as units finish.
+    """Run ``units_fn`` on every task, one Ray task per unit, and yield the results as units finish.
 
     Connects to the Ray cluster at ``address`` (``auto`` for a running one; a new local instance when None
     and none is running). Progress is reported per finished unit. The first error cancels the other tasks
@@ -171,7 +174,7 @@ def run_ray(
     if started_here:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     remote = ray.remote(num_cpus=1, max_retries=0)(_run_ray_task)
-    pending = [remote.remote(unit_fn, task, initializer, initargs) for task in tasks]
+    pending = [remote.remote(units_fn, task, initializer, initargs) for task in tasks]
     try:
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
@@ -194,11 +197,12 @@ def _ray_result(ray: Any, ref: Any) -> Any:
 
 
 def _run_ray_task(
-    unit_fn: UnitFn, task: Any, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]
+    units_fn: UnitsFn, task: Any, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]
 ) -> Any:
     if initializer is not None:
         initializer(*initargs)
-    return unit_fn(task, _ignore_progress)
+    (result,) = units_fn([task], _ignore_progress)
+    return result
 
 
 def _ignore_progress(event: dict[str, int]) -> None:

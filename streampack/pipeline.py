@@ -1,9 +1,10 @@
-"""One work unit's pipeline: records -> pieces -> batches -> tokens -> shard, with commits.
+"""Work units' pipeline: records -> pieces -> batches -> tokens -> shards, with commits.
 
-Every engine runs :func:`run_unit` on a :class:`UnitTask`. The unit streams its records, cuts long
-documents into pieces, groups the pieces into batches of about ``batch_chars`` characters, encodes the
-batches on helper threads and appends their tokens to the unit's shard in input order, committing every
-``commit_bytes`` or ``commit_seconds``.
+Every engine runs :func:`run_units` on a sequence of :class:`UnitTask`. The units stream their records in
+order through one pipeline: long documents are cut into pieces, the pieces grouped into batches of about
+``batch_chars`` characters, the batches encoded on helper threads and their tokens appended to their
+unit's shard in input order, committing every ``commit_bytes`` or ``commit_seconds``. The next unit starts
+reading while the last batches of the one before it still encode, so the cores never wait at a unit's end.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,12 +25,13 @@ from streampack import ledger
 from streampack.errors import BadRecordError, StreampackError, WriteError
 from streampack.format import shard_name
 from streampack.ledger import UnitProgress
-from streampack.sources import Position, TextStream, WorkUnit, read_unit
+from streampack.sources import Position, TextStream, read_unit
 from streampack.tokenize import EosPolicy, Tokenizer, load_tokenizer, split_text, stream_pieces
 from streampack.writer import ShardWriter
 
 if TYPE_CHECKING:
     from streampack.build import BuildOptions
+    from streampack.sources import WorkUnit
 
 ProgressFn = Callable[[dict[str, int]], None]
 
@@ -49,6 +52,7 @@ class UnitTask:
     options: BuildOptions
     eos: EosPolicy
     dtype: str
+    max_piece_chars: int  # the resolved piece size (see :func:`streampack.tokenize.default_max_piece_chars`)
 
 
 @dataclass(frozen=True)
@@ -59,17 +63,23 @@ class UnitResult:
     progress: UnitProgress
 
 
-def run_unit(task: UnitTask, report: ProgressFn) -> UnitResult:
-    """Build (or finish building) the shard of one work unit; the function every engine runs."""
-    root, unit, opts = Path(task.root), task.unit, task.options
-    name = shard_name(unit.index)
-    progress = ledger.read_progress(root, name, unit.describe())
-    if progress.done:
-        return UnitResult(unit.index, progress)
-    tokenizer = process_tokenizer(opts.tokenizer)
-    with ShardWriter(root, name, np.dtype(task.dtype), progress) as writer:
-        final = _UnitPipeline(task, tokenizer, writer, report).run()
-    return UnitResult(unit.index, final)
+def run_units(tasks: Iterable[UnitTask], report: ProgressFn) -> Iterator[UnitResult]:
+    """Build (or finish building) the shards of ``tasks``, in order; the function every engine runs.
+
+    Yields each unit's result once its shard is complete. Units finished by an earlier run are yielded
+    as they are, without reading their input again.
+    """
+    with _Pipeline(report) as pipeline:
+        for task in tasks:
+            name = shard_name(task.unit.index)
+            progress = ledger.read_progress(Path(task.root), name, task.unit.describe())
+            if progress.done:
+                yield UnitResult(task.unit.index, progress)
+                continue
+            pipeline.read(task, progress)
+            yield from pipeline.take_finished()
+        pipeline.drain()
+        yield from pipeline.take_finished()
 
 
 # ------------------------------------------------------------------------------------- per-process setup
@@ -101,90 +111,136 @@ def process_tokenizer(spec: str) -> Tokenizer:
 # ---------------------------------------------------------------------------------------------- pipeline
 
 
+class _OpenUnit:
+    """A unit whose shard is open: its writer, and what the next commit and progress event need."""
+
+    def __init__(self, task: UnitTask, progress: UnitProgress, tokenizer: Tokenizer) -> None:
+        self.task, self.opts, self.tokenizer = task, task.options, tokenizer
+        name = shard_name(task.unit.index)
+        self.writer = ShardWriter(Path(task.root), name, np.dtype(task.dtype), progress)
+        self.eos = np.array([task.eos.id], dtype=np.uint32) if task.eos.append else None
+        self.position = Position()
+        self.reported_bytes = 0
+        self.last_commit = (time.monotonic(), self.writer.num_tokens)
+
+    def bytes_read_delta(self) -> int:
+        now = max(self.position.bytes_read() - self.task.unit.start, 0)
+        delta, self.reported_bytes = now - self.reported_bytes, now
+        return max(delta, 0)
+
+
 @dataclass
 class _Batch:
     """A batch being encoded, with what a commit after it may record."""
 
+    unit: _OpenUnit
     encoded: Future[list[np.ndarray]]
     ends_doc: list[bool]  # per piece: the piece is the last of its document
-    records: int  # input records consumed by this batch and the ones before it
+    records: int  # the unit's input records consumed by this batch and the ones before it
     skipped: int
+    last: bool = False  # the unit's last batch (possibly empty): writing it completes the unit
 
 
-class _UnitPipeline:
-    """Records -> pieces -> batches -> tokens -> shard, committing at document boundaries.
+class _Pipeline:
+    """Records -> pieces -> batches -> tokens -> shards, committing at document boundaries.
 
     This thread reads and parses records and writes encoded batches in input order; the batches encode on
     ``ENCODING_THREADS`` helper threads (tokenizers release the GIL while they encode), with one more
     waiting, so that a helper never idles while the reader catches up. Batches that finish while an earlier
     one still encodes wait in the queue; the reader blocks only when ``MAX_QUEUED_BATCHES`` are queued.
     A commit records the records and tokens of the batches written so far: the pipeline never drains to
-    commit.
+    commit, nor to start the next unit.
     """
 
-    def __init__(self, task: UnitTask, tokenizer: Tokenizer, writer: ShardWriter, report: ProgressFn) -> None:
-        self.task, self.opts, self.tokenizer, self.writer = task, task.options, tokenizer, writer
+    unit: _OpenUnit  # the unit being read
+    records: int  # its records read so far
+    skipped: int
+
+    def __init__(self, report: ProgressFn) -> None:
         self.report = report
-        self.records = writer.progress.records
-        self.skipped = writer.progress.skipped
+        self.queue: deque[_Batch] = deque()
+        self.open_units: list[_OpenUnit] = []
+        self.finished: list[UnitResult] = []
+        self.encoder = ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="streampack-encode")
+        self._start_batch()
+
+    def __enter__(self) -> _Pipeline:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.encoder.shutdown(wait=True, cancel_futures=True)
+        for unit in self.open_units:  # units cut short by an error keep only what they committed
+            unit.writer.close()
+
+    def read(self, task: UnitTask, progress: UnitProgress) -> None:
+        """Read all of a unit's records into batches; its last batches may still encode on return."""
+        unit = _OpenUnit(task, progress, process_tokenizer(task.options.tokenizer))
+        self.open_units.append(unit)
+        self.unit, self.records, self.skipped = unit, progress.records, progress.skipped
+        items = read_unit(task.unit, task.options.read_options, skip=self.records, position=unit.position)
+        try:
+            for item in items:
+                if isinstance(item, BadRecordError):
+                    self._bad_record(item)
+                elif item is not None:
+                    self._add_document(item)
+                self.records += 1
+                if self.batch_chars >= unit.opts.batch_chars:
+                    self._flush()
+        except WriteError:
+            raise  # the disk state past the last commit is unknown: write nothing more
+        except StreampackError:  # a bad record or input: keep everything read before it
+            self.drain()
+            unit.writer.commit(records=self.records, skipped=self.skipped)
+            raise
+        self._flush(last=True)
+
+    def drain(self) -> None:
+        """Encode and write everything read so far."""
+        self._flush()
+        while self.queue:
+            self._write(self.queue.popleft())  # waits for the batch to be encoded
+
+    def take_finished(self) -> list[UnitResult]:
+        """The results of the units completed since the last call."""
+        finished, self.finished = self.finished, []
+        return finished
+
+    def _start_batch(self) -> None:
         self.texts: list[str] = []
         self.ends_doc: list[bool] = []
         self.batch_chars = 0
-        self.eos = None if not task.eos.append else np.array([task.eos.id], dtype=np.uint32)
-        self.position = Position()
-        self.reported_bytes = 0
-        self.last_commit = (time.monotonic(), writer.num_tokens)
-        self.queue: deque[_Batch] = deque()
-        assert self.opts.max_piece_chars is not None, "build() resolves the piece size"
-        self.max_piece_chars = self.opts.max_piece_chars
-
-    def run(self) -> UnitProgress:
-        items = read_unit(self.task.unit, self.opts.read_options, skip=self.records, position=self.position)
-        with ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="streampack-encode") as self.encoder:
-            try:
-                for item in items:
-                    if isinstance(item, BadRecordError):
-                        self._bad_record(item)
-                    elif item is not None:
-                        self._add_document(item)
-                    self.records += 1
-                    if self.batch_chars >= self.opts.batch_chars:
-                        self._flush()
-            except WriteError:
-                raise  # the disk state past the last commit is unknown: write nothing more
-            except StreampackError:  # a bad record or input: keep everything read before it
-                self._drain()
-                self.writer.commit(records=self.records, skipped=self.skipped)
-                raise
-            self._drain()
-        return self.writer.commit(records=self.records, skipped=self.skipped, done=True)
 
     def _bad_record(self, error: BadRecordError) -> None:
-        if self.opts.on_bad_record == "error":
+        if self.unit.opts.on_bad_record == "error":
             raise error
         self.skipped += 1
 
     def _add_document(self, text: str | TextStream) -> None:
-        pieces = (
-            stream_pieces(text, self.max_piece_chars)
-            if isinstance(text, TextStream)
-            else split_text(text, self.max_piece_chars)
-        )
+        size, batch_chars = self.unit.task.max_piece_chars, self.unit.opts.batch_chars
+        pieces = stream_pieces(text, size) if isinstance(text, TextStream) else split_text(text, size)
         for piece in pieces:
-            if self.batch_chars >= self.opts.batch_chars:
+            if self.batch_chars >= batch_chars:
                 self._flush()  # mid-document: its records count starts with the next batch
             self.texts.append(piece)
             self.ends_doc.append(False)
             self.batch_chars += len(piece)
         self.ends_doc[-1] = True
 
-    def _flush(self) -> None:
+    def _flush(self, last: bool = False) -> None:
         """Submit the current batch for encoding; write the batches that are encoded."""
-        if not self.texts:
+        if not self.texts and not last:
             return
-        encoded = self.encoder.submit(self.tokenizer.encode_batch, self.texts)
-        self.queue.append(_Batch(encoded, self.ends_doc, self.records, self.skipped))
-        self.texts, self.ends_doc, self.batch_chars = [], [], 0
+        encoded: Future[list[np.ndarray]]
+        if self.texts:
+            encoded = self.encoder.submit(self.unit.tokenizer.encode_batch, self.texts)
+        else:
+            encoded = Future()
+            encoded.set_result([])
+        self.queue.append(_Batch(self.unit, encoded, self.ends_doc, self.records, self.skipped, last))
+        self._start_batch()
         self._write_encoded()
         while len(self.queue) >= MAX_QUEUED_BATCHES or self._encoding() > ENCODING_THREADS:
             wait([b.encoded for b in self.queue if not b.encoded.done()], return_when=FIRST_COMPLETED)
@@ -198,37 +254,44 @@ class _UnitPipeline:
         while self.queue and self.queue[0].encoded.done():
             self._write(self.queue.popleft())
 
-    def _drain(self) -> None:
-        """Encode and write everything read so far."""
-        self._flush()
-        while self.queue:
-            self._write(self.queue.popleft())  # waits for the batch to be encoded
-
     def _write(self, batch: _Batch) -> None:
+        unit = batch.unit
         encoded = batch.encoded.result()
-        parts: list[np.ndarray] = []
-        lengths = np.empty(len(encoded), dtype=np.int64)
-        for i, (ids, ends) in enumerate(zip(encoded, batch.ends_doc)):
-            parts.append(ids)
-            lengths[i] = len(ids)
-            if ends and self.eos is not None:
-                parts.append(self.eos)
-                lengths[i] += 1
-        tokens = np.concatenate(parts, dtype=self.writer.dtype, casting="unsafe")
-        doc_ends = np.cumsum(lengths)[np.asarray(batch.ends_doc)]
-        self.writer.append(tokens, doc_ends)
-        event = {"unit": self.task.unit.index, "docs": len(doc_ends), "tokens": len(tokens)}
-        self.report({**event, "bytes": self._bytes_read_delta()})
-        self._maybe_commit(batch)
+        if encoded:
+            tokens, doc_ends = _frame(encoded, batch.ends_doc, unit.eos, unit.writer.dtype)
+            unit.writer.append(tokens, doc_ends)
+            event = {"unit": unit.task.unit.index, "docs": len(doc_ends), "tokens": len(tokens)}
+            self.report({**event, "bytes": unit.bytes_read_delta()})
+        if batch.last:
+            self._finish(unit, batch)
+        else:
+            self._maybe_commit(unit, batch)
 
-    def _bytes_read_delta(self) -> int:
-        now = max(self.position.bytes_read() - self.task.unit.start, 0)
-        delta, self.reported_bytes = now - self.reported_bytes, now
-        return max(delta, 0)
+    def _maybe_commit(self, unit: _OpenUnit, written: _Batch) -> None:
+        started, tokens = unit.last_commit
+        new_bytes = (unit.writer.num_tokens - tokens) * unit.writer.dtype.itemsize
+        if new_bytes >= unit.opts.commit_bytes or time.monotonic() - started >= unit.opts.commit_seconds:
+            unit.writer.commit(records=written.records, skipped=written.skipped)
+            unit.last_commit = (time.monotonic(), unit.writer.num_tokens)
 
-    def _maybe_commit(self, written: _Batch) -> None:
-        started, tokens = self.last_commit
-        new_bytes = (self.writer.num_tokens - tokens) * self.writer.dtype.itemsize
-        if new_bytes >= self.opts.commit_bytes or time.monotonic() - started >= self.opts.commit_seconds:
-            self.writer.commit(records=written.records, skipped=written.skipped)
-            self.last_commit = (time.monotonic(), self.writer.num_tokens)
+    def _finish(self, unit: _OpenUnit, last: _Batch) -> None:
+        final = unit.writer.commit(records=last.records, skipped=last.skipped, done=True)
+        unit.writer.close()
+        self.open_units.remove(unit)
+        self.finished.append(UnitResult(unit.task.unit.index, final))
+
+
+def _frame(
+    encoded: list[np.ndarray], ends_doc: list[bool], eos: np.ndarray | None, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's tokens with EOS after each completed document, and those documents' end offsets."""
+    parts: list[np.ndarray] = []
+    lengths = np.empty(len(encoded), dtype=np.int64)
+    for i, (ids, ends) in enumerate(zip(encoded, ends_doc)):
+        parts.append(ids)
+        lengths[i] = len(ids)
+        if ends and eos is not None:
+            parts.append(eos)
+            lengths[i] += 1
+    tokens = np.concatenate(parts, dtype=dtype, casting="unsafe")
+    return tokens, np.cumsum(lengths)[np.asarray(ends_doc)]

@@ -1,92 +1,193 @@
-"""A unit's pipeline: batches that finish out of order are written in order, and every commit is exact."""
+"""The units' pipeline: batches that finish out of order are written in order, every commit is exact, and
+the next unit starts encoding while the last batches of the one before it still encode."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
 
 import streampack
+from streampack import ledger, pipeline
 from streampack.build import BuildOptions
+from streampack.errors import BadRecordError
 from streampack.ledger import UnitProgress
-from streampack.pipeline import UnitTask, _UnitPipeline
+from streampack.pipeline import UnitResult, UnitTask, run_units
 from streampack.sources import ReadOptions, expand_inputs, plan_units
 from streampack.tokenize import BytesTokenizer, EosPolicy, default_max_piece_chars
 from streampack.writer import ShardWriter
 from tests.conftest import write_jsonl
 
+SPEC = "slow-test-tokenizer"
 
-class SlowFirstBatches(BytesTokenizer):
-    """The bytes tokenizer, except that its first batches take longer than the ones after them."""
 
-    def __init__(self, slow_batches: int) -> None:
+class SlowBatches(BytesTokenizer):
+    """The bytes tokenizer, except that chosen batches take 0.3 s; it logs when each call starts and ends."""
+
+    def __init__(self, is_slow: Callable[[int, list[str]], bool]) -> None:
+        self.is_slow = is_slow
         self.calls = 0
-        self.slow_batches = slow_batches
-        self.finished: list[int] = []
+        self.log: list[tuple[str, int]] = []  # ("start" | "end", call)
+        self.first_text: dict[int, str] = {}
+        self.slow_calls: list[int] = []
         self.lock = threading.Lock()
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         with self.lock:
             call, self.calls = self.calls, self.calls + 1
-        if call < self.slow_batches:
+            self.log.append(("start", call))
+            self.first_text[call] = texts[0]
+        if self.is_slow(call, texts):
+            self.slow_calls.append(call)
             time.sleep(0.3)
         with self.lock:
-            self.finished.append(call)
+            self.log.append(("end", call))
         return super().encode_batch(texts)
+
+    def finished(self) -> list[int]:
+        return [call for event, call in self.log if event == "end"]
+
+    def started_while(self, call: int) -> list[str]:
+        """The first texts of the calls that started while ``call`` ran."""
+        during = self.log[self.log.index(("start", call)) + 1 : self.log.index(("end", call))]
+        return [self.first_text[c] for event, c in during if event == "start"]
 
 
 class RecordingWriter(ShardWriter):
-    """A shard writer that remembers what every commit recorded."""
+    """A shard writer that remembers what every commit of every shard recorded."""
 
-    commits: list[UnitProgress]
+    commits: ClassVar[dict[str, list[UnitProgress]]] = {}
 
     def commit(self, *, records: int, skipped: int, done: bool = False) -> UnitProgress:
         progress = super().commit(records=records, skipped=skipped, done=done)
-        self.commits.append(progress)
+        self.commits.setdefault(self.name, []).append(progress)
         return progress
 
 
-def _texts() -> list[str | None]:
-    rng = np.random.default_rng(0)
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[UnitProgress]]:
+    commits: ClassVar[dict[str, list[UnitProgress]]] = {}
+    monkeypatch.setattr(RecordingWriter, "commits", commits)
+    monkeypatch.setattr(pipeline, "ShardWriter", RecordingWriter)
+    return commits
+
+
+def _texts(seed: int, prefix: str) -> list[str | None]:
+    rng = np.random.default_rng(seed)
     texts: list[str | None] = []
     for i in range(300):
-        words = " ".join(f"w{i}x{j}" for j in range(int(rng.integers(1, 400))))
+        words = " ".join(f"{prefix}{i}x{j}" for j in range(int(rng.integers(1, 400))))
         texts.append(None if i % 50 == 7 else words)  # some records without text: skipped
     return texts
 
 
-@pytest.mark.parametrize("slow_batches", [1, 3])
-def test_out_of_order_batches_are_written_in_order_and_commits_are_exact(
-    tmp_path: Path, slow_batches: int
-) -> None:
-    texts = _texts()
-    path = write_jsonl(tmp_path / "in.jsonl", [{"text": t} if t is not None else {"x": 1} for t in texts])
-    tokenizer = SlowFirstBatches(slow_batches)
+def _tasks(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tokenizer: SlowBatches,
+    files: Sequence[Sequence[str | None]],
+) -> list[UnitTask]:
+    """One unit per file of ``files`` (None: a record without text), built with ``tokenizer``."""
+    monkeypatch.setitem(pipeline._tokenizers, (SPEC, pipeline._threads), tokenizer)
+    paths = [
+        str(
+            write_jsonl(
+                tmp_path / f"in{i}.jsonl", [{"text": t} if t is not None else {"x": 1} for t in texts]
+            )
+        )
+        for i, texts in enumerate(files)
+    ]
     opts = BuildOptions(
-        on_bad_record="skip", batch_chars=2_000, max_piece_chars=700, commit_bytes=1, commit_seconds=0
+        tokenizer=SPEC, on_bad_record="skip", batch_chars=2_000, commit_bytes=1, commit_seconds=0
     )
-    (unit,) = plan_units(expand_inputs([str(path)]), ReadOptions())
-    task = UnitTask(str(tmp_path / "out"), unit, opts, EosPolicy(True, 256), "uint16")
+    units = plan_units(expand_inputs(paths), ReadOptions())
     (tmp_path / "out" / "ledger").mkdir(parents=True)
     (tmp_path / "out" / "shards").mkdir()
-    with RecordingWriter(Path(task.root), "000000", np.dtype("uint16"), UnitProgress(unit.describe())) as w:
-        w.commits = []
-        final = _UnitPipeline(task, tokenizer, w, lambda event: None).run()
+    return [UnitTask(str(tmp_path / "out"), u, opts, EosPolicy(True, 256), "uint16", 700) for u in units]
 
-    assert tokenizer.finished[:slow_batches] != list(range(slow_batches)), "no batch finished out of order"
+
+def _check_unit(
+    root: Path, name: str, texts: Sequence[str | None], final: UnitProgress, commits: list[UnitProgress]
+) -> None:
+    """The shard holds every text's bytes + EOS in order, and each commit describes exactly its records."""
     expected = [[*t.encode(), 256] for t in texts if t is not None]
-    tokens = np.fromfile(tmp_path / "out" / "shards" / "000000.tokens", np.uint16).tolist()
+    tokens = np.fromfile(root / "shards" / f"{name}.tokens", np.uint16).tolist()
     assert tokens == [t for doc in expected for t in doc]
     assert (final.records, final.docs, final.skipped, final.done) == (len(texts), len(expected), 6, True)
-    assert len(w.commits) > 10
-    for commit in w.commits:  # each commit's counts describe exactly its first `records` records
+    assert len(commits) > 10
+    for commit in commits:
         done = [t for t in texts[: commit.records] if t is not None]
         assert commit.docs == len(done)
         assert commit.tokens == sum(len(t.encode()) + 1 for t in done)
         assert commit.skipped == texts[: commit.records].count(None)
+
+
+@pytest.mark.parametrize("slow_batches", [1, 3])
+def test_out_of_order_batches_are_written_in_order_and_commits_are_exact(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    recording: dict[str, list[UnitProgress]],
+    slow_batches: int,
+) -> None:
+    texts = _texts(0, "w")
+    tokenizer = SlowBatches(lambda call, _: call < slow_batches)
+    (result,) = run_units(_tasks(tmp_path, monkeypatch, tokenizer, [texts]), lambda event: None)
+
+    assert tokenizer.finished()[:slow_batches] != list(range(slow_batches)), "no batch finished out of order"
+    _check_unit(tmp_path / "out", "000000", texts, result.progress, recording["000000"])
+
+
+def test_next_unit_encodes_while_the_last_batch_of_the_one_before_still_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recording: dict[str, list[UnitProgress]]
+) -> None:
+    files = [_texts(seed, prefix) for seed, prefix in enumerate("abc")]
+    last_of_a = next(t for t in reversed(files[0]) if t is not None)
+    tokenizer = SlowBatches(lambda _, texts: last_of_a.endswith(texts[-1]))
+    results = list(run_units(_tasks(tmp_path, monkeypatch, tokenizer, files), lambda event: None))
+
+    assert [r.unit_index for r in results] == [0, 1, 2]
+    (slow_call,) = tokenizer.slow_calls
+    assert any(text.startswith("b") for text in tokenizer.started_while(slow_call)), "unit 1 waited"
+    for result, texts in zip(results, files):
+        name = f"{result.unit_index:06d}"
+        _check_unit(tmp_path / "out", name, texts, result.progress, recording[name])
+
+
+def test_a_bad_record_finishes_the_unit_before_and_commits_its_own_unit_up_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recording: dict[str, list[UnitProgress]]
+) -> None:
+    first, second = ([t for t in _texts(seed, prefix) if t is not None] for seed, prefix in enumerate("ab"))
+    last_of_first = next(t for t in reversed(first) if t is not None)
+    tokenizer = SlowBatches(lambda _, texts: last_of_first.endswith(texts[-1]))
+    tasks = _tasks(tmp_path, monkeypatch, tokenizer, [first, second])
+    path = Path(tasks[1].unit.file.path)  # type: ignore[union-attr]
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join([*lines[:5], b"{not json\n", *lines[5:]]))
+    strict = [
+        UnitTask(t.root, t.unit, BuildOptions(tokenizer=SPEC, batch_chars=2_000), t.eos, t.dtype, 700)
+        for t in tasks
+    ]
+
+    results: list[UnitResult] = []
+    with pytest.raises(BadRecordError, match=r"in1\.jsonl:6"):
+        for result in run_units(strict, lambda event: None):
+            results.append(result)
+
+    (slow_call,) = tokenizer.slow_calls
+    assert any(text.startswith("b") for text in tokenizer.started_while(slow_call)), "unit 1 waited"
+    root = tmp_path / "out"
+    done = ledger.read_progress(root, "000000", tasks[0].unit.describe())
+    partial = ledger.read_progress(root, "000001", tasks[1].unit.describe())
+    assert done.done and done.records == len(first)
+    assert not partial.done and partial.records == 5
+    assert partial.docs == 5
+    size = np.fromfile(root / "shards" / "000001.tokens", np.uint16).size
+    assert size == partial.tokens == sum(len(t.encode()) + 1 for t in second[:5])
 
 
 def test_default_piece_size_is_recorded(tmp_path: Path) -> None:
