@@ -129,6 +129,11 @@ def file_checksum(path: Path, length: int | None = None) -> str:
                 break
             crc = zlib.crc32(chunk, crc)
             remaining -= len(chunk)
+    return checksum_text(crc)
+
+
+def checksum_text(crc: int) -> str:
+    """A CRC-32 as the manifest writes it: ``crc32:xxxxxxxx``."""
     return f"crc32:{crc:08x}"
 
 

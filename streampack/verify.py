@@ -1,24 +1,26 @@
 """Full verification of a cache: checksums, offsets, token range, EOS placement.
 
-:func:`streampack.open` checks file sizes on every open; :func:`verify` reads every byte, in chunks, so it
-runs in bounded memory at disk or checksum speed, whichever is slower.
+:func:`streampack.open` checks file sizes on every open; :func:`verify` reads every byte once, in chunks,
+checksumming and range-checking each chunk, so it runs in bounded memory at disk or checksum speed,
+whichever is slower.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from streampack.errors import CacheError, StreampackError
-from streampack.format import file_checksum
+from streampack.format import checksum_text
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
 
-_CHUNK_TOKENS = 8 << 20
+_CHUNK_ITEMS = 8 << 20
 
 
 @dataclass
@@ -59,19 +61,28 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
 def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
     info = cache.shards[shard]
     tokens_file, offsets_file = cache.shard_paths(shard)
-    problems = []
-    for path, expected in ((tokens_file, info.tokens_checksum), (offsets_file, info.offsets_checksum)):
-        actual = file_checksum(path)
-        report.bytes_checked += path.stat().st_size
-        if actual != expected:
-            problems.append(f"{path}: checksum {actual} does not match the manifest's {expected}")
     try:
         offsets = cache.shard_offsets(shard)
         tokens = cache.shard_tokens(shard)
     except (CacheError, ValueError, OSError) as e:
-        return [*problems, f"{tokens_file}: cannot map ({e})"]
+        return [f"{tokens_file}: cannot map ({e})"]
+    tokens_crc, first_too_large = _scan(tokens, cache.vocab_size)  # one pass over the shard
+    offsets_crc, _ = _scan(offsets, None)
+    report.bytes_checked += tokens.nbytes + offsets.nbytes
+    problems = [
+        f"{path}: checksum {actual} does not match the manifest's {expected}"
+        for path, actual, expected in (
+            (tokens_file, tokens_crc, info.tokens_checksum),
+            (offsets_file, offsets_crc, info.offsets_checksum),
+        )
+        if actual != expected
+    ]
     problems.extend(_check_offsets(offsets_file, offsets, info.num_tokens))
-    problems.extend(_check_tokens(tokens_file, tokens, cache.vocab_size))
+    if first_too_large is not None:
+        problems.append(
+            f"{tokens_file}: token {first_too_large} is {int(tokens[first_too_large])}, not below the vocab "
+            f"size {cache.vocab_size}"
+        )
     if cache.eos_id is not None and not problems and len(offsets):
         ends = np.asarray(offsets, dtype=np.int64)
         starts = np.concatenate([[0], ends[:-1]])
@@ -83,6 +94,17 @@ def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
                 f"{cache.eos_id}"
             )
     return problems
+
+
+def _scan(array: np.ndarray, limit: int | None) -> tuple[str, int | None]:
+    """Checksum ``array``'s bytes; with ``limit``, also find its first value not below ``limit``."""
+    crc, first_over = 0, None
+    for start in range(0, len(array), _CHUNK_ITEMS):
+        chunk = array[start : start + _CHUNK_ITEMS]
+        crc = zlib.crc32(chunk.data, crc)
+        if limit is not None and first_over is None and int(chunk.max()) >= limit:
+            first_over = start + int(np.argmax(chunk >= limit))
+    return checksum_text(crc), first_over
 
 
 def _check_offsets(path: Path, offsets: np.ndarray, num_tokens: int) -> list[str]:
@@ -99,14 +121,4 @@ def _check_offsets(path: Path, offsets: np.ndarray, num_tokens: int) -> list[str
         return [
             f"{path}: the last document ends at {int(offsets[-1])}, but the shard has {num_tokens} tokens"
         ]
-    return []
-
-
-def _check_tokens(path: Path, tokens: np.ndarray, vocab_size: int) -> list[str]:
-    for start in range(0, len(tokens), _CHUNK_TOKENS):
-        chunk = tokens[start : start + _CHUNK_TOKENS]
-        top = int(chunk.max()) if len(chunk) else 0
-        if top >= vocab_size:
-            where = start + int(np.argmax(chunk >= vocab_size))
-            return [f"{path}: token {where} is {int(tokens[where])}, not below the vocab size {vocab_size}"]
     return []

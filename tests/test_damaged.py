@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -16,6 +17,8 @@ from hypothesis import strategies as st
 import streampack
 from streampack.errors import CacheError
 from tests.conftest import run_cli, write_jsonl
+
+verify_module = importlib.import_module("streampack.verify")  # streampack.verify is the function
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +90,20 @@ def test_token_out_of_range(cache: Path) -> None:
     tokens[10] = 300  # the bytes tokenizer's vocab is 257
     tokens.tofile(path)
     assert_verify_finds(cache, "token 10 is 300, not below the vocab size 257")
+
+
+def test_verify_checks_in_chunks_what_the_whole_file_holds(
+    cache: Path, pristine: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(verify_module, "_CHUNK_ITEMS", 7)  # many chunks, none aligned with anything
+    assert streampack.verify(pristine).ok  # chunked checksums equal the manifest's whole-file ones
+    path = cache / "shards" / "000001.tokens"
+    tokens = np.fromfile(path, dtype="<u2")
+    tokens[[30, 40]] = 300  # the first bad token lies in the fifth chunk
+    tokens.tofile(path)
+    report = streampack.verify(cache)
+    assert any("token 30 is 300, not below the vocab size 257" in p for p in report.problems), report.problems
+    assert any("000001.tokens: checksum" in p for p in report.problems)
 
 
 def test_manifest_disagrees_with_files(cache: Path) -> None:
