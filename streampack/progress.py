@@ -63,4 +63,4 @@ def _unit_size(unit: WorkUnit) -> int:
         return 0
     if unit.stop is not None and unit.file.format == "jsonl":
         return unit.stop - unit.start
-    return unit.file.size
+    return sum(f.size for f in unit.files)

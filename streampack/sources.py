@@ -1,8 +1,9 @@
 """Documents, in input order, from files, URLs and Python objects; and the plan of work units.
 
-A *work unit* is a piece of input decided by the inputs alone (a whole file; a line-aligned byte range of a
-large uncompressed JSONL file; a range of Parquet row groups; an index range of a Python sequence),
-never by the number of workers. Each unit becomes one shard, so the cache is the same whatever runs it.
+A *work unit* is a piece of input decided by the inputs alone (a whole file; a run of consecutive small
+files; a line-aligned byte range of a large uncompressed JSONL file; a range of Parquet row groups; an
+index range of a Python sequence), never by the number of workers. Each unit becomes one shard, so the
+cache is the same whatever runs it.
 
 Reading a unit yields one item per input record consumed, in order:
 
@@ -74,7 +75,8 @@ class WorkUnit:
     """A piece of input that becomes one shard.
 
     ``start``/``stop`` are byte offsets for a split JSONL file, row-group indices for Parquet, row indices
-    for a Python sequence; ``stop=None`` means to the end.
+    for a Python sequence; ``stop=None`` means to the end. ``rest`` holds the whole files read after
+    ``file`` when the unit is a run of small files.
     """
 
     index: int
@@ -82,10 +84,18 @@ class WorkUnit:
     start: int = 0
     stop: int | None = None
     items: Any = None
+    rest: tuple[InputFile, ...] = ()
+
+    @property
+    def files(self) -> tuple[InputFile, ...]:
+        """The input files of the unit, in reading order (none for Python objects)."""
+        return () if self.file is None else (self.file, *self.rest)
 
     def describe(self) -> str:
         """A stable, human-readable identity of the unit (stored in the ledger and manifest)."""
         where = self.file.path if self.file else f"python:{type(self.items).__name__}"
+        if self.rest:
+            return f"{where} .. {self.rest[-1].path} ({len(self.rest) + 1} files)"
         if self.stop is None and self.start == 0:
             return where
         kind = "bytes" if self.file and self.file.format == "jsonl" else "rows"
@@ -147,22 +157,28 @@ class Documents:
 
 
 class Position:
-    """How far a unit has read into its input file, in on-disk (compressed) bytes; for progress bars."""
+    """How far a unit has read into its input files, in on-disk (compressed) bytes; for progress bars."""
 
     def __init__(self) -> None:
         self._raw: BinaryIO | None = None
         self._base = 0
+        self._files_done = 0  # bytes of the files of a run already read to the end
 
     def attach(self, raw: BinaryIO, base: int) -> None:
         """Follow ``raw``, which was positioned at byte ``base``."""
         self._raw, self._base = raw, base
 
+    def file_done(self, size: int) -> None:
+        """The file being read (of ``size`` bytes) was read to its end; a run's next file follows."""
+        self._raw, self._files_done = None, self._files_done + size
+
     def bytes_read(self) -> int:
-        """Bytes of the input consumed so far (0 when not known)."""
+        """Bytes of the input consumed so far (as far as known)."""
         try:
-            return self._raw.tell() - self._base if self._raw is not None else 0
+            current = self._raw.tell() - self._base if self._raw is not None else 0
         except (OSError, ValueError):
-            return 0
+            current = 0
+        return self._files_done + current
 
 
 # ---------------------------------------------------------------------------------------------- discovery
@@ -272,11 +288,34 @@ def _supported() -> str:
 
 
 def plan_units(files: Sequence[InputFile], options: ReadOptions) -> list[WorkUnit]:
-    """Split input files into work units, in input order. Depends on the inputs and options only."""
+    """Split input files into work units, in input order. Depends on the inputs and options only.
+
+    A large file is split into ranges (see :func:`_ranges`); consecutive small JSONL and text files are
+    grouped into runs of at most ``unit_bytes``, so that a directory of a million small files makes a few
+    shards, not a million.
+    """
     units: list[WorkUnit] = []
+    run: list[InputFile] = []
+    run_bytes = 0
+
+    def end_run() -> None:
+        nonlocal run_bytes
+        if run:
+            units.append(WorkUnit(len(units), run[0], rest=tuple(run[1:])))
+            run.clear()
+            run_bytes = 0
+
     for file in files:
-        for start, stop in _ranges(file, options):
-            units.append(WorkUnit(len(units), file, start, stop))
+        ranges = _ranges(file, options)
+        if ranges != [(0, None)] or file.format == "parquet":
+            end_run()
+            units.extend(WorkUnit(len(units), file, start, stop) for start, stop in ranges)
+            continue
+        if run and run_bytes + file.size > options.unit_bytes:
+            end_run()
+        run.append(file)
+        run_bytes += file.size
+    end_run()
     return units
 
 
@@ -338,11 +377,28 @@ def read_unit(
     """
     if unit.file is None:
         return _read_python(unit, options, skip)
+    if unit.rest:
+        return _read_run(unit, options, skip, position)
     if unit.file.format == "parquet":
         return _read_parquet(unit, options, skip)
     if unit.file.format == "text" and not options.split_lines:
         return _read_text_document(unit.file, skip, position)
     return _read_lines(unit, options, skip, position)
+
+
+def _read_run(unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None) -> Iterator[Item]:
+    """The records of a run of whole files, one file after the other."""
+    for file in unit.files:
+        if skip and file.format == "text" and not options.split_lines:
+            skip -= 1  # a whole-file document: one record, skipped without reading it
+        else:
+            for item in read_unit(WorkUnit(unit.index, file), options, position=position):
+                if skip:  # a resumed run reads its committed records again to count them
+                    skip -= 1
+                else:
+                    yield item
+        if position is not None:
+            position.file_done(file.size)
 
 
 def _read_lines(unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None) -> Iterator[Item]:

@@ -107,6 +107,56 @@ def test_split_jsonl_units_match_whole_file(tmp_path: Path) -> None:
     assert read_docs(tmp_path / "split") == expected_docs(None, docs)
 
 
+def test_small_files_are_read_in_runs_of_at_most_a_unit(tmp_path: Path) -> None:
+    sizes = [30_000, 30_000, 30_000, 0, 200_000, 10_000, 10_000]  # bytes of text per file
+    paths = []
+    for i, size in enumerate(sizes):
+        suffix = ".txt" if i % 2 else ".jsonl"
+        text = f"file {i} " + "w" * size
+        data = text if suffix == ".txt" else json.dumps({"text": text}) + "\n"
+        paths.append(write_bytes(tmp_path / "in" / f"{i}{suffix}", data.encode() if size else b""))
+    pq.write_table(pa.table({"text": ["a parquet document"]}), tmp_path / "in" / "7.parquet")
+
+    streampack.build(tmp_path / "in", tmp_path / "c", unit_bytes=1 << 16, workers=1)
+    cache = streampack.open(tmp_path / "c")
+    units = [s.unit for s in cache.shards]
+    first, fifth = str(paths[0]), str(paths[4])
+    assert units == [
+        f"{first} .. {paths[1]} (2 files)",  # a third 30 kB file would pass 64 kB
+        f"{paths[2]} .. {paths[3]} (2 files)",  # an empty file joins the run before it
+        f"{fifth} [bytes 0:65536]",  # a large JSONL file is split into its own units
+        f"{fifth} [bytes 65536:131072]",
+        f"{fifth} [bytes 131072:196608]",
+        f"{fifth} [bytes 196608:{paths[4].stat().st_size}]",
+        f"{paths[5]} .. {paths[6]} (2 files)",
+        f"{tmp_path / 'in' / '7.parquet'} [row groups 0:1]",  # Parquet: always by row groups
+    ]
+    texts = [f"file {i} " + "w" * size if size else "" for i, size in enumerate(sizes)]  # empty .txt: ""
+    assert read_docs(tmp_path / "c") == expected_docs(None, [*texts, "a parquet document"])
+    assert streampack.verify(tmp_path / "c").ok
+
+
+def test_a_run_resumes_after_its_committed_records_across_files(tmp_path: Path) -> None:
+    texts = [f"doc {i} " * (i + 1) for i in range(12)]
+    inputs = tmp_path / "in"
+    for i in range(4):  # a .txt document, then a JSONL file whose second line is bad
+        write_bytes(inputs / f"{i}a.txt", texts[3 * i].encode())
+        lines = [json.dumps({"text": texts[3 * i + 1]}), json.dumps({"text": texts[3 * i + 2]})]
+        if i == 2:
+            lines.insert(1, "{not json")
+        write_bytes(inputs / f"{i}b.jsonl", "\n".join(lines).encode() + b"\n")
+
+    with pytest.raises(StreampackError, match=r"2b\.jsonl:2: malformed JSON"):
+        streampack.build(inputs, tmp_path / "c", workers=1, commit_bytes=1)
+    partial = streampack.open(tmp_path / "c", allow_incomplete=True)
+    assert partial.num_shards == 1 and partial.num_docs == 8  # committed up to the bad record
+    summary = streampack.build(inputs, tmp_path / "c", workers=1, on_bad_record="skip")
+    assert (summary.units_resumed, summary.skipped_records) == (1, 1)
+    streampack.build(inputs, tmp_path / "fresh", workers=1, on_bad_record="skip")
+    assert shard_bytes(tmp_path / "c") == shard_bytes(tmp_path / "fresh")
+    assert read_docs(tmp_path / "c") == expected_docs(None, texts)
+
+
 def test_workers_do_not_change_the_bytes(tmp_path: Path, bpe_tokenizer: Path) -> None:
     inputs = [
         write_jsonl(tmp_path / "in" / f"{i}.jsonl", [{"text": f"doc {i}.{j} " * j} for j in range(400)])
@@ -200,8 +250,8 @@ def test_error_inside_a_streamed_document_commits_only_whole_documents(tmp_path:
     big = write_bytes(tmp_path / "in" / "b.txt", b"word " * (3 << 20) + b"\xff")  # 15 MB: streamed in chunks
     with pytest.raises(StreampackError, match=r"b\.txt: byte 15728640: invalid UTF-8"):
         streampack.build([good, big], tmp_path / "c", workers=1, max_piece_chars=100_000, batch_chars=200_000)
-    partial = streampack.open(tmp_path / "c", allow_incomplete=True)
-    assert [s.num_docs for s in partial.shards] == [1, 0] and partial.shards[1].num_tokens == 0
+    partial = streampack.open(tmp_path / "c", allow_incomplete=True)  # both files form one unit
+    assert [(s.num_docs, s.num_tokens) for s in partial.shards] == [(1, len(b"a small document") + 1)]
     assert partial.doc(0).tolist() == [*b"a small document", 256]
 
 

@@ -18,7 +18,7 @@ from streampack.build import BuildOptions
 from streampack.errors import BadRecordError
 from streampack.ledger import UnitProgress
 from streampack.pipeline import UnitResult, UnitTask, run_units
-from streampack.sources import ReadOptions, expand_inputs, plan_units
+from streampack.sources import ReadOptions, WorkUnit, expand_inputs, plan_units
 from streampack.tokenize import BytesTokenizer, EosPolicy, default_max_piece_chars
 from streampack.writer import ShardWriter
 from tests.conftest import write_jsonl
@@ -105,7 +105,7 @@ def _tasks(
     opts = BuildOptions(
         tokenizer=SPEC, on_bad_record="skip", batch_chars=2_000, commit_bytes=1, commit_seconds=0
     )
-    units = plan_units(expand_inputs(paths), ReadOptions())
+    units = [WorkUnit(i, file) for i, file in enumerate(expand_inputs(paths))]  # one unit per file
     (tmp_path / "out" / "ledger").mkdir(parents=True)
     (tmp_path / "out" / "shards").mkdir()
     return [UnitTask(str(tmp_path / "out"), u, opts, EosPolicy(True, 256), "uint16", 700) for u in units]
@@ -188,6 +188,28 @@ def test_a_bad_record_finishes_the_unit_before_and_commits_its_own_unit_up_to_it
     assert partial.docs == 5
     size = np.fromfile(root / "shards" / "000001.tokens", np.uint16).size
     assert size == partial.tokens == sum(len(t.encode()) + 1 for t in second[:5])
+
+
+def test_a_run_of_files_reports_every_byte_it_reads(tmp_path: Path) -> None:
+    paths = [
+        write_jsonl(tmp_path / "in" / f"{i}.jsonl", [{"text": f"doc {i}.{j} " * j} for j in range(300)])
+        for i in range(3)
+    ]
+    paths.insert(1, tmp_path / "in" / "small.txt")
+    paths[1].write_text("a whole-file document")
+    (unit,) = plan_units(expand_inputs([str(tmp_path / "in")]), ReadOptions())
+    assert len(unit.files) == 4
+    (tmp_path / "out" / "ledger").mkdir(parents=True)
+    (tmp_path / "out" / "shards").mkdir()
+    opts = BuildOptions(batch_chars=5_000)
+    events: list[dict[str, int]] = []
+    list(
+        run_units(
+            [UnitTask(str(tmp_path / "out"), unit, opts, EosPolicy(True, 256), "uint16", 700)], events.append
+        )
+    )
+    assert len(events) > 10
+    assert sum(e["bytes"] for e in events) == sum(p.stat().st_size for p in paths)
 
 
 def test_default_piece_size_is_recorded(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 import pickle
 import random
@@ -34,10 +36,13 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> streampack.Cache:
     rng = random.Random(0)
     files = []
     for name, count in (("a", 60), ("b", 0), ("c", 3), ("d", 90)):
-        path = root / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts(rng, count)))
+        records = [{"text": t} for t in _texts(rng, count)]
+        if records:  # incompressible padding: a file larger than a unit is a unit of its own
+            records[0]["pad"] = base64.b64encode(rng.randbytes(96 << 10)).decode()
+        path = root / f"{name}.jsonl.gz"
+        path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
         files.append(path)
-    streampack.build(files, root / "cache", tokenizer="bytes", workers=1)
+    streampack.build(files, root / "cache", tokenizer="bytes", workers=1, unit_bytes=1 << 16)
     opened = streampack.open(root / "cache")
     assert opened.num_shards == 4 and 0 in {s.num_tokens for s in opened.shards}
     return opened
