@@ -163,27 +163,43 @@ def run_ray(
     """Run ``units_fn`` on every task, one Ray task per unit, and yield the results as units finish.
 
     Connects to the Ray cluster at ``address`` (``auto`` for a running one; a new local instance when None
-    and none is running). Progress is reported per finished unit. The first error cancels the other tasks
-    and is raised here as the original exception.
+    and none is running). The tasks send their progress events through a Ray queue, which this process
+    forwards to ``on_progress``. The first error cancels the other tasks and is raised here as the
+    original exception.
     """
     try:
         import ray
+        from ray.util.queue import Queue
     except ImportError:
         raise StreampackError("the ray engine needs Ray: pip install 'streampack[ray]'") from None
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    events = Queue(actor_options={"num_cpus": 0})  # holds no core the units could use
     remote = ray.remote(num_cpus=1, max_retries=0)(_run_ray_task)
-    pending = [remote.remote(units_fn, task, initializer, initargs) for task in tasks]
+    pending = [remote.remote(units_fn, task, initializer, initargs, events) for task in tasks]
     try:
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            yield _ray_result(ray, done[0])
+            done, pending = ray.wait(pending, num_returns=1, timeout=_RAY_POLL_SECONDS)
+            _forward_queued(events, on_progress)  # a task's events are all queued before it returns
+            for ref in done:
+                yield _ray_result(ray, ref)
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
+        events.shutdown()
         if started_here:
             ray.shutdown()
+
+
+_RAY_POLL_SECONDS = 0.25
+
+
+def _forward_queued(events: Any, on_progress: ProgressFn) -> None:
+    waiting = events.qsize()
+    if waiting:
+        for event in events.get_nowait_batch(waiting):
+            on_progress(event)
 
 
 def _ray_result(ray: Any, ref: Any) -> Any:
@@ -197,13 +213,13 @@ def _ray_result(ray: Any, ref: Any) -> Any:
 
 
 def _run_ray_task(
-    units_fn: UnitsFn, task: Any, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]
+    units_fn: UnitsFn,
+    task: Any,
+    initializer: Callable[..., None] | None,
+    initargs: tuple[Any, ...],
+    events: Any,
 ) -> Any:
     if initializer is not None:
         initializer(*initargs)
-    (result,) = units_fn([task], _ignore_progress)
+    (result,) = units_fn([task], events.put)
     return result
-
-
-def _ignore_progress(event: dict[str, int]) -> None:
-    pass

@@ -23,7 +23,9 @@ def local_cluster() -> Iterator[None]:
 
 
 @pytest.mark.slow
-def test_ray_engine_matches_local(tmp_path: Path, bpe_tokenizer: Path, local_cluster: None) -> None:
+def test_ray_engine_matches_local(
+    tmp_path: Path, bpe_tokenizer: Path, local_cluster: None, capsys: pytest.CaptureFixture[str]
+) -> None:
     inputs = [
         write_jsonl(
             tmp_path / "in" / f"{i}.jsonl.gz", [{"text": f"doc {i}.{j} " * (j % 40)} for j in range(2000)]
@@ -34,7 +36,8 @@ def test_ray_engine_matches_local(tmp_path: Path, bpe_tokenizer: Path, local_clu
         write_jsonl(tmp_path / "in" / "big.jsonl", [{"text": "word " * (j % 90)} for j in range(3000)])
     )
     options = {"tokenizer": str(bpe_tokenizer), "unit_bytes": 1 << 16}
-    streampack.build(inputs, tmp_path / "ray", engine="ray", **options)
+    streampack.build(inputs, tmp_path / "ray", engine="ray", progress=True, **options)
+    assert "9,000 docs" in capsys.readouterr().err.splitlines()[-1]  # the tasks' progress reached the bar
     streampack.build(inputs, tmp_path / "local", workers=2, **options)
     assert streampack.open(tmp_path / "ray").num_shards > 4
     assert shard_bytes(tmp_path / "ray") == shard_bytes(tmp_path / "local")
