@@ -495,7 +495,19 @@ def _read_text_document(file: InputFile, skip: int, position: Position | None) -
         except UnicodeDecodeError as e:
             yield BadRecordError(f"{file.path}: byte {e.start}", "invalid UTF-8")
         return
+    try:  # a first pass, so that invalid UTF-8 is a bad record found before any of the document is kept
+        for _ in _decoded_chunks(file, None):
+            pass
+    except _InvalidUtf8 as e:
+        yield BadRecordError(f"{file.path}: byte {e.offset}", "invalid UTF-8")
+        return
     yield TextStream(_decoded_chunks(file, position))
+
+
+class _InvalidUtf8(InputError):
+    def __init__(self, file: InputFile, offset: int) -> None:
+        super().__init__(f"{file.path}: byte {offset}: invalid UTF-8; fix or re-encode the file")
+        self.offset = offset
 
 
 def _decoded_chunks(file: InputFile, position: Position | None) -> Iterator[str]:
@@ -507,9 +519,7 @@ def _decoded_chunks(file: InputFile, position: Position | None) -> Iterator[str]
                 chunk = f.read(_READ_CHUNK)
                 text = decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as e:
-                raise InputError(
-                    f"{file.path}: byte {offset + e.start}: invalid UTF-8; fix or re-encode the file"
-                ) from None
+                raise _InvalidUtf8(file, offset + e.start) from None
             except _STREAM_ERRORS as e:
                 raise InputError(
                     f"{file.path}: the stream is truncated or corrupt at byte {offset} ({e})"

@@ -109,6 +109,13 @@ CASES = [
     ),
     Case("invalid UTF-8 in a text file", "a.txt", b"ok \xff", r"a\.txt: byte 3: invalid UTF-8", skip_docs=0),
     Case(
+        "invalid UTF-8 in a large (streamed) text file",
+        "a.txt",
+        b"word " * (2 << 20) + b"\xff",
+        r"a\.txt: byte 10485760: invalid UTF-8",
+        skip_docs=0,
+    ),
+    Case(
         "embedded NUL byte in JSON",
         "a.jsonl",
         b'{"text": "a\x00b"}\n',

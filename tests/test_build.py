@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 import streampack
-from streampack.errors import ConfigMismatchError, StreampackError
+from streampack.errors import BadRecordError, ConfigMismatchError, StreampackError
 from tests.conftest import shard_bytes, write_bytes, write_jsonl
 
 texts = st.text(st.characters(exclude_categories=["Cs"]), max_size=300)
@@ -245,14 +245,20 @@ def test_incomplete_cache_is_refused_unless_asked(tmp_path: Path) -> None:
     assert partial.num_docs == 1 and partial.doc(0).tolist() == [*b"good", 256]
 
 
-def test_error_inside_a_streamed_document_commits_only_whole_documents(tmp_path: Path) -> None:
+def test_invalid_utf8_in_a_streamed_document_is_a_bad_record(tmp_path: Path) -> None:
     good = write_bytes(tmp_path / "in" / "a.txt", b"a small document")
     big = write_bytes(tmp_path / "in" / "b.txt", b"word " * (3 << 20) + b"\xff")  # 15 MB: streamed in chunks
-    with pytest.raises(StreampackError, match=r"b\.txt: byte 15728640: invalid UTF-8"):
-        streampack.build([good, big], tmp_path / "c", workers=1, max_piece_chars=100_000, batch_chars=200_000)
-    partial = streampack.open(tmp_path / "c", allow_incomplete=True)  # both files form one unit
+    last = write_bytes(tmp_path / "in" / "c.txt", b"after it")
+    options = {"workers": 1, "max_piece_chars": 100_000, "batch_chars": 200_000}
+    with pytest.raises(BadRecordError, match=r"b\.txt: byte 15728640: invalid UTF-8"):
+        streampack.build([good, big, last], tmp_path / "c", **options)
+    partial = streampack.open(tmp_path / "c", allow_incomplete=True)  # the files form one unit
     assert [(s.num_docs, s.num_tokens) for s in partial.shards] == [(1, len(b"a small document") + 1)]
     assert partial.doc(0).tolist() == [*b"a small document", 256]
+
+    summary = streampack.build([good, big, last], tmp_path / "c", on_bad_record="skip", **options)
+    assert summary.skipped_records == 1
+    assert read_docs(tmp_path / "c") == [[*b"a small document", 256], [*b"after it", 256]]
 
 
 def test_bom_file_split_into_units_reads_every_line_once(tmp_path: Path) -> None:
