@@ -28,6 +28,8 @@ from streampack.errors import StreampackError
 ProgressFn = Callable[[dict[str, int]], None]
 UnitsFn = Callable[[Sequence[Any], ProgressFn], Iterator[Any]]
 
+_RAY_POLL_SECONDS = 0.25  # how often the coordinator forwards the Ray tasks' progress events
+
 _worker_fn: UnitsFn | None = None
 _worker_queue: Any = None
 
@@ -177,8 +179,9 @@ def run_ray(
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     events = Queue(actor_options={"num_cpus": 0})  # holds no core the units could use
     remote = ray.remote(num_cpus=1, max_retries=0)(_run_ray_task)
-    pending = [remote.remote(units_fn, task, initializer, initargs, events) for task in tasks]
+    pending: list[Any] = []
     try:
+        pending = [remote.remote(units_fn, task, initializer, initargs, events) for task in tasks]
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=_RAY_POLL_SECONDS)
             _forward_queued(events, on_progress)  # a task's events are all queued before it returns
@@ -190,9 +193,6 @@ def run_ray(
         events.shutdown()
         if started_here:
             ray.shutdown()
-
-
-_RAY_POLL_SECONDS = 0.25
 
 
 def _forward_queued(events: Any, on_progress: ProgressFn) -> None:

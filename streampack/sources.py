@@ -505,6 +505,8 @@ def _read_text_document(file: InputFile, skip: int, position: Position | None) -
 
 
 class _InvalidUtf8(InputError):
+    """A streamed text file is not UTF-8 at byte ``offset``."""
+
     def __init__(self, file: InputFile, offset: int) -> None:
         super().__init__(f"{file.path}: byte {offset}: invalid UTF-8; fix or re-encode the file")
         self.offset = offset
