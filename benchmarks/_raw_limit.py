@@ -8,7 +8,9 @@ Why not tiktoken's default ``num_threads=8``: its batch call holds the GIL while
 a Python list, so on 2 cores 8 threads measured no faster than a serial loop (3.46 vs 3.46 M tokens/s on
 the natural corpus) while one thread per core reached 4.6. The limit should be the fastest call.
 
-Counting tokens and freeing the results happen outside the timed region.
+Counting tokens and freeing the results happen outside the timed region. With ``--build-pieces``, the
+texts are first cut as ``streampack build`` cuts them (:func:`streampack.tokenize.piece_rule`), for a
+reference row: the raw call over the same pieces as the build.
 Prints one JSON line: ``{"num_tokens", "encode_s", "docs"}``.
 
 Usage: ``python benchmarks/_raw_limit.py --backend tokenizers|tiktoken --corpus FILE``
@@ -59,9 +61,16 @@ def main() -> None:
     parser.add_argument("--tokenizer", help="tokenizer.json or .tiktoken file (default: GPT-2)")
     parser.add_argument("--batch", type=int, default=1000, help="documents per encode call")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="tiktoken num_threads")
+    parser.add_argument("--build-pieces", action="store_true", help="cut the texts as the build does")
     args = parser.parse_args()
 
     texts = list(iter_texts(args.corpus))
+    if args.build_pieces:
+        from streampack.tokenize import load_tokenizer, piece_rule
+
+        path = args.tokenizer or (TOKENIZERS_GPT2 if args.backend == "tokenizers" else TIKTOKEN_GPT2)
+        rule = piece_rule(load_tokenizer(path if args.backend == "tokenizers" else f"tiktoken:{path}"))
+        texts = [piece for text in texts for piece in rule.split(text)]
     if args.backend == "tokenizers":
         seconds, tokens = time_tokenizers(texts, args.tokenizer or TOKENIZERS_GPT2, args.batch)
     else:

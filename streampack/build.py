@@ -36,7 +36,7 @@ from streampack.lock import BuildLock
 from streampack.pipeline import UnitResult, UnitTask, process_tokenizer, run_units, set_process_threads
 from streampack.progress import BuildProgress
 from streampack.sources import Documents, ReadOptions, WorkUnit, expand_inputs, plan_python_units, plan_units
-from streampack.tokenize import Tokenizer, default_max_piece_chars, resolve_eos
+from streampack.tokenize import Tokenizer, piece_rule, resolve_eos
 
 OnBadRecord = Literal["error", "skip"]
 Engine = Literal["local", "ray"]
@@ -158,8 +158,8 @@ def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSumm
     units, input_stats = _plan(inputs, opts.read_options)
     set_process_threads(opts.threads or 0)
     tokenizer = process_tokenizer(opts.tokenizer)  # kept for the units that run in this process
-    piece_chars = opts.max_piece_chars or default_max_piece_chars(tokenizer)
-    opts = replace(opts, max_piece_chars=piece_chars)
+    pieces = piece_rule(tokenizer, opts.max_piece_chars)
+    opts = replace(opts, max_piece_chars=pieces.max_chars)
     eos = resolve_eos(tokenizer, eos=opts.eos, eos_id=opts.eos_id)
     vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1)
     manifest = Manifest(
@@ -176,7 +176,7 @@ def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSumm
         raise StreampackError(f"cannot create {root}: {e.strerror}; choose a writable --out") from None
     with BuildLock(root):
         _prepare_directory(root, opts.overwrite)
-        tasks = [UnitTask(str(root), u, opts, eos, manifest.dtype, piece_chars) for u in units]
+        tasks = [UnitTask(str(root), u, opts, eos, manifest.dtype, pieces) for u in units]
         summary = _build_locked(root, manifest, tasks, opts)
     summary.seconds = time.perf_counter() - started
     return summary

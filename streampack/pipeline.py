@@ -26,7 +26,7 @@ from streampack.errors import BadRecordError, StreampackError, WriteError
 from streampack.format import shard_name
 from streampack.ledger import UnitProgress
 from streampack.sources import Position, TextStream, read_unit
-from streampack.tokenize import EosPolicy, Tokenizer, load_tokenizer, split_text, stream_pieces
+from streampack.tokenize import EosPolicy, PieceRule, Tokenizer, load_tokenizer
 from streampack.writer import ShardWriter
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class UnitTask:
     options: BuildOptions
     eos: EosPolicy
     dtype: str
-    max_piece_chars: int  # the resolved piece size (see :func:`streampack.tokenize.default_max_piece_chars`)
+    pieces: PieceRule  # resolved for the tokenizer (see :func:`streampack.tokenize.piece_rule`)
 
 
 @dataclass(frozen=True)
@@ -219,8 +219,8 @@ class _Pipeline:
         self.skipped += 1
 
     def _add_document(self, text: str | TextStream) -> None:
-        size, batch_chars = self.unit.task.max_piece_chars, self.unit.opts.batch_chars
-        pieces = stream_pieces(text, size) if isinstance(text, TextStream) else split_text(text, size)
+        rule, batch_chars = self.unit.task.pieces, self.unit.opts.batch_chars
+        pieces = rule.stream(text) if isinstance(text, TextStream) else rule.split(text)
         for piece in pieces:
             if self.batch_chars >= batch_chars:
                 self._flush()  # mid-document: its records count starts with the next batch

@@ -45,6 +45,9 @@ class Tokenizer(Protocol):
     # One process of it keeps every core busy (its batch call runs on threads of its own and the Python
     # work around it is small next to the encoding); see streampack.build.default_workers.
     saturates_cores: bool
+    # Where cuts keep its tokens, documents are cut into pieces of about this many characters because it
+    # encodes them faster than whole documents (None: no such cuts); see piece_rule.
+    fast_piece_chars: int | None
 
     def fingerprint(self) -> dict[str, Any]:
         """Kind, name, vocab size and a hash of the definition: identifies the tokenizer in a manifest."""
@@ -115,6 +118,7 @@ class BytesTokenizer:
     vocab_size = 257
     eos_id: int | None = 256
     saturates_cores = False
+    fast_piece_chars: int | None = None  # encoding bytes costs the same per character at any length
 
     def fingerprint(self) -> dict[str, Any]:
         """See :class:`Tokenizer`."""
@@ -133,6 +137,9 @@ class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``."""
 
     saturates_cores = True
+    # Its batch call encodes 100 MB of the real corpus 1.17x as fast in 10,000-character pieces as in whole
+    # documents (5,000: 1.16x; 20,000: 1.14x; GPT-2, 2 cores; benchmarks/bench_pieces.py).
+    fast_piece_chars: int | None = 10_000
 
     def __init__(self, spec: str) -> None:
         from tokenizers import Tokenizer as _Tokenizer
@@ -192,6 +199,7 @@ class TiktokenTokenizer:
     """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens)."""
 
     saturates_cores = False  # 3-4 M tokens/s: reading and framing in one process would hold it back
+    fast_piece_chars: int | None = None  # measured: pieces encode no faster (benchmarks/bench_pieces.py)
 
     def __init__(self, spec: str, *, threads: int | None = None) -> None:
         try:
@@ -281,34 +289,66 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
 # ---------------------------------------------------------------------------------------------- long texts
 
 
-def split_text(text: str, max_chars: int) -> Iterator[str]:
+def split_text(text: str, max_chars: int, target_chars: int | None = None) -> Iterator[str]:
     """Split ``text`` into pieces of at most ``max_chars`` characters at boundaries that keep the tokens.
 
     A piece ends just before a single space that has a non-space on both sides (``"... word| next"``).
     Byte-level BPE tokenizers with a regex pre-tokenizer (GPT-2, tiktoken's encodings, most
     ``tokenizer.json`` files of that family) split there anyway, so the pieces encode to exactly the tokens
-    of the whole text. Where a window holds no such space, the cut falls after a newline, and failing
-    that at ``max_chars`` exactly; only those rare cuts (and tokenizers without such a pre-tokenizer, e.g.
-    SentencePiece's prefix space) can change the tokens next to the cut.
+    of the whole text. With ``target_chars``, texts are also cut at such a space near every
+    ``target_chars`` characters (the last one before, else the first one after, within ``max_chars``),
+    because small pieces encode faster; where there is none, the text stays whole up to ``max_chars``.
+    Only a text with no such space in a window of ``max_chars // 2`` characters is cut otherwise: after a
+    newline, and failing that at ``max_chars`` exactly. Those rare cuts (and any cut of a tokenizer without
+    such a pre-tokenizer, e.g. SentencePiece's prefix space) can change the tokens next to the cut.
     """
     start = 0
-    while len(text) - start > max_chars:
-        cut = _safe_cut(text, start, start + max_chars)
+    while (cut := _next_cut(text, start, max_chars, target_chars)) is not None:
         yield text[start:cut]
         start = cut
     yield text[start:] if start else text
 
 
-def stream_pieces(chunks: Iterable[str], max_chars: int) -> Iterator[str]:
-    """Like :func:`split_text` over text that arrives in chunks; holds at most ~2 pieces in memory."""
+def stream_pieces(chunks: Iterable[str], max_chars: int, target_chars: int | None = None) -> Iterator[str]:
+    """:func:`split_text` over text that arrives in chunks: the same pieces, ~``max_chars`` held at once."""
     buffer = ""
     for chunk in chunks:
         buffer += chunk
-        while len(buffer) > max_chars:
-            cut = _safe_cut(buffer, 0, max_chars)
-            yield buffer[:cut]
-            buffer = buffer[cut:]
-    yield buffer
+        start = 0
+        while len(buffer) - start > max_chars:  # the whole window of the next cut is here
+            cut = _next_cut(buffer, start, max_chars, target_chars)
+            assert cut is not None, "a text longer than max_chars is always cut"
+            yield buffer[start:cut]
+            start = cut
+        buffer = buffer[start:]
+    yield from split_text(buffer, max_chars, target_chars)
+
+
+@dataclass(frozen=True)
+class PieceRule:
+    """How documents are cut into pieces before encoding: see :func:`split_text`."""
+
+    max_chars: int
+    target_chars: int | None = None
+
+    def split(self, text: str) -> Iterator[str]:
+        """The pieces of ``text``."""
+        return split_text(text, self.max_chars, self.target_chars)
+
+    def stream(self, chunks: Iterable[str]) -> Iterator[str]:
+        """The pieces of the text made of ``chunks``."""
+        return stream_pieces(chunks, self.max_chars, self.target_chars)
+
+
+def piece_rule(tokenizer: Tokenizer, max_chars: int | None = None) -> PieceRule:
+    """The piece rule for ``tokenizer``: its fast piece size where cuts keep its tokens, within ``max_chars``.
+
+    ``max_chars`` defaults to :func:`default_max_piece_chars`.
+    """
+    exact = cuts_keep_tokens(tokenizer)
+    limit = max_chars or (EXACT_CUT_PIECE_CHARS if exact else INEXACT_CUT_PIECE_CHARS)
+    target = tokenizer.fast_piece_chars if exact else None
+    return PieceRule(limit, target if target is not None and target < limit else None)
 
 
 def default_max_piece_chars(tokenizer: Tokenizer) -> int:
@@ -320,7 +360,7 @@ def default_max_piece_chars(tokenizer: Tokenizer) -> int:
     tokens (see :func:`cuts_keep_tokens`), pieces stay large, so that cuts happen only in documents of
     over a million characters.
     """
-    return EXACT_CUT_PIECE_CHARS if cuts_keep_tokens(tokenizer) else INEXACT_CUT_PIECE_CHARS
+    return piece_rule(tokenizer).max_chars
 
 
 _CUT_PROBES = (
@@ -349,6 +389,32 @@ def cuts_keep_tokens(tokenizer: Tokenizer) -> bool:
 
 def _is_safe_space(text: str, i: int) -> bool:
     return text[i] == " " and not text[i - 1].isspace() and not text[i + 1].isspace()
+
+
+def _next_cut(text: str, start: int, max_chars: int, target_chars: int | None) -> int | None:
+    """Where the piece that begins at ``start`` ends; ``None`` if it is the last one."""
+    rest = len(text) - start
+    if target_chars is not None and rest > target_chars:
+        hi = min(start + max_chars, len(text) - 1)
+        cut = _safe_space_near(text, start + target_chars // 2, start + target_chars, hi)
+        if cut is not None:
+            return cut
+    return _safe_cut(text, start, start + max_chars) if rest > max_chars else None
+
+
+def _safe_space_near(text: str, lo: int, target: int, hi: int) -> int | None:
+    """A safe space in ``(lo, hi)``: the last one up to ``target``, else the first one after it."""
+    i = text.rfind(" ", lo + 1, min(target + 1, hi))
+    while i > lo:
+        if _is_safe_space(text, i):
+            return i
+        i = text.rfind(" ", lo + 1, i)
+    i = text.find(" ", target + 1, hi)
+    while i != -1:
+        if _is_safe_space(text, i):
+            return i
+        i = text.find(" ", i + 1, hi)
+    return None
 
 
 def _safe_cut(text: str, lo: int, hi: int) -> int:

@@ -19,7 +19,7 @@ from streampack.errors import BadRecordError
 from streampack.ledger import UnitProgress
 from streampack.pipeline import UnitResult, UnitTask, run_units
 from streampack.sources import ReadOptions, WorkUnit, expand_inputs, plan_units
-from streampack.tokenize import BytesTokenizer, EosPolicy, default_max_piece_chars
+from streampack.tokenize import BytesTokenizer, EosPolicy, PieceRule, default_max_piece_chars
 from streampack.writer import ShardWriter
 from tests.conftest import write_jsonl
 
@@ -108,7 +108,10 @@ def _tasks(
     units = [WorkUnit(i, file) for i, file in enumerate(expand_inputs(paths))]  # one unit per file
     (tmp_path / "out" / "ledger").mkdir(parents=True)
     (tmp_path / "out" / "shards").mkdir()
-    return [UnitTask(str(tmp_path / "out"), u, opts, EosPolicy(True, 256), "uint16", 700) for u in units]
+    return [
+        UnitTask(str(tmp_path / "out"), u, opts, EosPolicy(True, 256), "uint16", PieceRule(700))
+        for u in units
+    ]
 
 
 def _check_unit(
@@ -169,7 +172,9 @@ def test_a_bad_record_finishes_the_unit_before_and_commits_its_own_unit_up_to_it
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join([*lines[:5], b"{not json\n", *lines[5:]]))
     strict = [
-        UnitTask(t.root, t.unit, BuildOptions(tokenizer=SPEC, batch_chars=2_000), t.eos, t.dtype, 700)
+        UnitTask(
+            t.root, t.unit, BuildOptions(tokenizer=SPEC, batch_chars=2_000), t.eos, t.dtype, PieceRule(700)
+        )
         for t in tasks
     ]
 
@@ -205,7 +210,8 @@ def test_a_run_of_files_reports_every_byte_it_reads(tmp_path: Path) -> None:
     events: list[dict[str, int]] = []
     list(
         run_units(
-            [UnitTask(str(tmp_path / "out"), unit, opts, EosPolicy(True, 256), "uint16", 700)], events.append
+            [UnitTask(str(tmp_path / "out"), unit, opts, EosPolicy(True, 256), "uint16", PieceRule(700))],
+            events.append,
         )
     )
     assert len(events) > 10

@@ -15,9 +15,11 @@ from streampack.errors import StreampackError
 from streampack.tokenize import (
     EXACT_CUT_PIECE_CHARS,
     INEXACT_CUT_PIECE_CHARS,
+    PieceRule,
     cuts_keep_tokens,
     default_max_piece_chars,
     load_tokenizer,
+    piece_rule,
     resolve_eos,
     split_text,
     stream_pieces,
@@ -50,13 +52,66 @@ def _between_words(text: str, cut: int) -> bool:
     return len(window) == 3 and window[1] == " " and not window[0].isspace() and not window[2].isspace()
 
 
-@settings(max_examples=100, deadline=None)
-@given(text=prose, max_chars=st.integers(8, 200), chunk=st.integers(1, 50))
-def test_streamed_pieces_cover_the_text(text: str, max_chars: int, chunk: int) -> None:
-    chunks = [text[i : i + chunk] for i in range(0, len(text), chunk)]
-    pieces = list(stream_pieces(chunks, max_chars))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=prose, target_chars=st.integers(2, 60), max_chars=st.integers(8, 200))
+def test_pieces_near_the_target_keep_byte_level_bpe_tokens(
+    text: str, target_chars: int, max_chars: int, bpe_tokenizer: Path
+) -> None:
+    pieces = list(split_text(text, max_chars, target_chars))
     assert "".join(pieces) == text
     assert all(len(p) <= max_chars for p in pieces)
+    cuts = np.cumsum([len(p) for p in pieces[:-1]]).tolist()
+    if all(_between_words(text, c) for c in cuts):
+        tok = load_tokenizer(str(bpe_tokenizer))
+        assert np.concatenate(tok.encode_batch(pieces)).tolist() == tok.encode_batch([text])[0].tolist()
+
+
+def test_pieces_end_at_the_last_word_boundary_before_the_target() -> None:
+    text = " ".join(["word"] * 1_000)  # spaces at 4, 9, 14, ...: the last before 100 is at 99
+    pieces = list(split_text(text, 1_000, 100))
+    assert [len(p) for p in pieces[:-1]] == [99] + [100] * (len(pieces) - 2)
+    assert all(p.startswith(" ") for p in pieces[1:])
+
+
+def test_without_a_word_boundary_near_the_target_the_next_one_is_taken() -> None:
+    text = "x" * 150 + " y" + " z" * 200  # no boundary in (50, 100]; the first after it is at 150
+    pieces = list(split_text(text, 1_000, 100))
+    assert len(pieces[0]) == 150 and all(
+        _between_words(text, c) for c in np.cumsum([len(p) for p in pieces[:-1]])
+    )
+
+
+def test_text_without_word_boundaries_stays_whole_up_to_max_chars() -> None:
+    blob = "漢字かな交じり文" * 100  # 800 characters, no spaces: a cut here could change the tokens
+    assert list(split_text(blob, 1_000, 100)) == [blob]
+    assert [len(p) for p in split_text(blob * 2, 1_000, 100)] == [1_000, 600]  # only the memory bound cuts
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=prose,
+    max_chars=st.integers(8, 200),
+    target_chars=st.none() | st.integers(2, 100),
+    chunk=st.integers(1, 50),
+)
+def test_streamed_pieces_equal_the_pieces_of_the_whole_text(
+    text: str, max_chars: int, target_chars: int | None, chunk: int
+) -> None:
+    chunks = [text[i : i + chunk] for i in range(0, len(text), chunk)]
+    assert list(stream_pieces(chunks, max_chars, target_chars)) == list(
+        split_text(text, max_chars, target_chars)
+    )
+
+
+def test_piece_rule_per_tokenizer(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    hf = load_tokenizer(str(bpe_tokenizer))
+    assert piece_rule(hf) == PieceRule(EXACT_CUT_PIECE_CHARS, hf.fast_piece_chars) and hf.fast_piece_chars
+    assert piece_rule(hf, 5_000) == PieceRule(5_000)  # a target at or above the limit is no target
+    assert piece_rule(load_tokenizer("bytes")) == PieceRule(EXACT_CUT_PIECE_CHARS)
+    prefix_space = load_tokenizer(str(_prefix_space_tokenizer(tmp_path / "tokenizer.json")))
+    assert piece_rule(prefix_space) == PieceRule(
+        INEXACT_CUT_PIECE_CHARS
+    )  # no cuts for speed where they change tokens
 
 
 def test_gpt2_long_document_in_pieces_equals_whole(gpt2_tokenizer: Path) -> None:
@@ -69,10 +124,10 @@ def test_gpt2_long_document_in_pieces_equals_whole(gpt2_tokenizer: Path) -> None
     raw = zstandard.ZstdDecompressor().stream_reader(SAMPLE_CORPUS.open("rb")).read()
     text = max((json.loads(line)["text"] for line in raw.splitlines()), key=len)
     tok = load_tokenizer(str(gpt2_tokenizer))
-    pieces = list(split_text(text, 5_000))
-    assert len(pieces) > 20
     whole = Tokenizer.from_file(str(gpt2_tokenizer)).encode(text).ids
-    assert np.concatenate(tok.encode_batch(pieces)).tolist() == whole
+    for pieces in (list(split_text(text, 5_000)), list(PieceRule(100_000, 1_000).split(text))):
+        assert len(pieces) > 20
+        assert np.concatenate(tok.encode_batch(pieces)).tolist() == whole
 
 
 def test_bytes_tokenizer_round_trip() -> None:
