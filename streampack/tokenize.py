@@ -9,8 +9,10 @@ Three kinds, chosen by a SPEC string:
 
 A document's tokens are ``encode(text)`` without the post-processor's special tokens (no BOS/CLS
 template); the builder appends the EOS id itself. Documents longer than ``max_piece_chars`` are split into
-pieces before encoding, to bound the tokenizer's memory and let its threads share a long document; see
-:func:`split_text` for what that changes and :func:`default_max_piece_chars` for the default.
+pieces before encoding, to bound the tokenizer's memory and let its threads share a long document, and
+where the cuts keep the tokens, also into pieces of about ``fast_piece_chars`` for a tokenizer that
+encodes short texts faster; see :func:`split_text` for what that changes and :func:`piece_rule` for the
+defaults.
 """
 
 from __future__ import annotations
