@@ -141,7 +141,8 @@ def build(
         f"{summary.num_shards} shards, {summary.seconds:.1f} s{resumed}"
     )
     if summary.skipped_records:
-        click.echo(f"skipped {summary.skipped_records:,} bad records (--on-bad-record skip)")
+        noun = "record" if summary.skipped_records == 1 else "records"
+        click.echo(f"skipped {summary.skipped_records:,} bad {noun} (--on-bad-record skip)")
 
 
 @cli.command()

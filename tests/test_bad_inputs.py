@@ -208,7 +208,7 @@ def test_bad_input(case: Case, tmp_path: Path) -> None:
         skipped = run_case(case, tmp_path, "skip")
         assert skipped.returncode == 0, skipped.stderr
         assert (
-            f" {case.skip_docs:,} documents" in skipped.stdout and "skipped 1 bad records" in skipped.stdout
+            f" {case.skip_docs:,} documents" in skipped.stdout and "skipped 1 bad record " in skipped.stdout
         )
 
 
