@@ -76,9 +76,8 @@ def test_pieces_end_at_the_last_word_boundary_before_the_target() -> None:
 def test_without_a_word_boundary_near_the_target_the_next_one_is_taken() -> None:
     text = "x" * 150 + " y" + " z" * 200  # no boundary in (50, 100]; the first after it is at 150
     pieces = list(split_text(text, 1_000, 100))
-    assert len(pieces[0]) == 150 and all(
-        _between_words(text, c) for c in np.cumsum([len(p) for p in pieces[:-1]])
-    )
+    assert len(pieces[0]) == 150
+    assert all(_between_words(text, c) for c in np.cumsum([len(p) for p in pieces[:-1]]))
 
 
 def test_text_without_word_boundaries_stays_whole_up_to_max_chars() -> None:
@@ -108,10 +107,9 @@ def test_piece_rule_per_tokenizer(tmp_path: Path, bpe_tokenizer: Path) -> None:
     assert piece_rule(hf) == PieceRule(EXACT_CUT_PIECE_CHARS, hf.fast_piece_chars) and hf.fast_piece_chars
     assert piece_rule(hf, 5_000) == PieceRule(5_000)  # a target at or above the limit is no target
     assert piece_rule(load_tokenizer("bytes")) == PieceRule(EXACT_CUT_PIECE_CHARS)
+    # No cuts for speed where cuts change the tokens:
     prefix_space = load_tokenizer(str(_prefix_space_tokenizer(tmp_path / "tokenizer.json")))
-    assert piece_rule(prefix_space) == PieceRule(
-        INEXACT_CUT_PIECE_CHARS
-    )  # no cuts for speed where they change tokens
+    assert piece_rule(prefix_space) == PieceRule(INEXACT_CUT_PIECE_CHARS)
 
 
 def test_gpt2_long_document_in_pieces_equals_whole(gpt2_tokenizer: Path) -> None:
