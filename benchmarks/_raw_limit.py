@@ -64,17 +64,18 @@ def main() -> None:
     parser.add_argument("--build-pieces", action="store_true", help="cut the texts as the build does")
     args = parser.parse_args()
 
+    tokenizers = args.backend == "tokenizers"
+    path = args.tokenizer or (TOKENIZERS_GPT2 if tokenizers else TIKTOKEN_GPT2)
     texts = list(iter_texts(args.corpus))
     if args.build_pieces:
         from streampack.tokenize import load_tokenizer, piece_rule
 
-        path = args.tokenizer or (TOKENIZERS_GPT2 if args.backend == "tokenizers" else TIKTOKEN_GPT2)
-        rule = piece_rule(load_tokenizer(path if args.backend == "tokenizers" else f"tiktoken:{path}"))
+        rule = piece_rule(load_tokenizer(path if tokenizers else f"tiktoken:{path}"))
         texts = [piece for text in texts for piece in rule.split(text)]
-    if args.backend == "tokenizers":
-        seconds, tokens = time_tokenizers(texts, args.tokenizer or TOKENIZERS_GPT2, args.batch)
+    if tokenizers:
+        seconds, tokens = time_tokenizers(texts, path, args.batch)
     else:
-        seconds, tokens = time_tiktoken(texts, args.tokenizer or TIKTOKEN_GPT2, args.batch, args.threads)
+        seconds, tokens = time_tiktoken(texts, path, args.batch, args.threads)
     print(json.dumps({"num_tokens": tokens, "encode_s": seconds, "docs": len(texts)}))
 
 
