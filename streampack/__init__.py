@@ -10,22 +10,30 @@ from __future__ import annotations
 from streampack.build import BuildOptions, BuildSummary, build
 from streampack.errors import (
     BadRecordError,
+    BuildLockedError,
     CacheError,
     ConfigMismatchError,
     InputError,
     LoaderStateError,
+    MissingDependencyError,
+    OptionsError,
     StreampackError,
+    TokenizerError,
+    WorkerDiedError,
+    WriteError,
 )
 from streampack.loader import Loader, LoaderOptions
 from streampack.permutation import Permutation
 from streampack.reader import Cache, open
-from streampack.sequences import PackedSequences
+from streampack.sequences import Boundaries, PackedSequences
 from streampack.sources import Documents
 from streampack.tokenize import load_tokenizer
 from streampack.verify import VerifyReport, verify
 
 __all__ = [
     "BadRecordError",
+    "Boundaries",
+    "BuildLockedError",
     "BuildOptions",
     "BuildSummary",
     "Cache",
@@ -36,10 +44,15 @@ __all__ = [
     "Loader",
     "LoaderOptions",
     "LoaderStateError",
+    "MissingDependencyError",
+    "OptionsError",
     "PackedSequences",
     "Permutation",
     "StreampackError",
+    "TokenizerError",
     "VerifyReport",
+    "WorkerDiedError",
+    "WriteError",
     "build",
     "load_tokenizer",
     "open",

@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from streampack.errors import StreampackError
+from streampack.errors import MissingDependencyError, StreampackError, WorkerDiedError
 
 ProgressFn = Callable[[dict[str, int]], None]
 UnitsFn = Callable[[Sequence[Any], ProgressFn], Iterator[Any]]
@@ -84,7 +84,7 @@ def _run_pool(
             for future in done:
                 yield future.result()
     except BrokenProcessPool:
-        raise StreampackError(
+        raise WorkerDiedError(
             "a build worker process died (killed, or out of memory); rerun the same command to resume"
         ) from None
     finally:
@@ -173,7 +173,7 @@ def run_ray(
         import ray
         from ray.util.queue import Queue
     except ImportError:
-        raise StreampackError("the ray engine needs Ray: pip install 'streampack[ray]'") from None
+        raise MissingDependencyError("the ray engine needs Ray: pip install 'streampack[ray]'") from None
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)

@@ -8,11 +8,16 @@ from __future__ import annotations
 
 __all__ = [
     "BadRecordError",
+    "BuildLockedError",
     "CacheError",
     "ConfigMismatchError",
     "InputError",
     "LoaderStateError",
+    "MissingDependencyError",
+    "OptionsError",
     "StreampackError",
+    "TokenizerError",
+    "WorkerDiedError",
     "WriteError",
 ]
 
@@ -65,3 +70,26 @@ class LoaderStateError(StreampackError, ValueError):
 
     Also a ``ValueError``, as a wrong argument value is; the message names both sides of a mismatch.
     """
+
+
+class OptionsError(StreampackError, ValueError):
+    """An option has a value that is not allowed (a negative size, contradicting flags, a bad choice).
+
+    Also a ``ValueError``, as a wrong argument value is.
+    """
+
+
+class TokenizerError(StreampackError):
+    """A tokenizer spec names no usable tokenizer: a missing or malformed file, or a bad sidecar."""
+
+
+class BuildLockedError(StreampackError):
+    """Another build holds the output directory's lock."""
+
+
+class WorkerDiedError(StreampackError):
+    """A build worker died (killed, out of memory, a lost Ray node); rerunning the build resumes it."""
+
+
+class MissingDependencyError(StreampackError, ImportError):
+    """An optional dependency (an extra such as ``ray``, ``torch`` or ``tiktoken``) is not installed."""

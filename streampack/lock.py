@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from types import TracebackType
 
-from streampack.errors import StreampackError
+from streampack.errors import BuildLockedError
 from streampack.format import LOCK
 
 
@@ -22,7 +22,7 @@ class BuildLock:
     """Context manager holding the exclusive build lock of ``root``.
 
     Raises:
-        StreampackError: another live process holds the lock.
+        BuildLockedError: another live process holds the lock.
     """
 
     def __init__(self, root: Path) -> None:
@@ -33,7 +33,7 @@ class BuildLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise StreampackError(
+            raise BuildLockedError(
                 f"cannot write to {self.path.parent}: {e.strerror}; choose a writable --out"
             ) from None
         try:
@@ -41,7 +41,7 @@ class BuildLock:
         except BlockingIOError:
             holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise StreampackError(
+            raise BuildLockedError(
                 f"{self.path.parent} is locked by another build ({holder}); wait for it to finish or stop "
                 "it, "
                 "then rerun (a killed build's lock is released automatically)"

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from streampack.errors import StreampackError
+from streampack.errors import MissingDependencyError, OptionsError, TokenizerError
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 # Piece sizes: small where a cut keeps the tokens (see default_max_piece_chars), else large, so cuts are rare.
@@ -103,10 +103,10 @@ def resolve_eos(tokenizer: Tokenizer, *, eos: bool, eos_id: int | None) -> EosPo
         return EosPolicy(False, None)
     if eos_id is not None:
         if eos_id < 0 or eos_id >= 1 << 32:
-            raise StreampackError(f"--eos-id must be in [0, 2**32) (got {eos_id})")
+            raise OptionsError(f"--eos-id must be in [0, 2**32) (got {eos_id})")
         return EosPolicy(True, eos_id)
     if tokenizer.eos_id is None:
-        raise StreampackError(
+        raise TokenizerError(
             f"tokenizer {tokenizer.spec!r} has no EOS token that streampack recognises "
             f"(looked for {', '.join(EOS_NAMES)}); pass --eos-id N, or --no-eos to append none"
         )
@@ -150,7 +150,7 @@ class HFTokenizer:
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
-            raise StreampackError(
+            raise TokenizerError(
                 f"tokenizer {spec!r}: no such file; pass a tokenizer.json path or a folder holding one, "
                 "'bytes', or 'tiktoken:PATH'"
             )
@@ -160,7 +160,7 @@ class HFTokenizer:
         try:
             self._tok = _Tokenizer.from_str(self._definition.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception for unparsable files
-            raise StreampackError(f"{path}: not a valid Hugging Face tokenizer.json ({e})") from None
+            raise TokenizerError(f"{path}: not a valid Hugging Face tokenizer.json ({e})") from None
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self.eos_id = self._find_eos()
         self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
@@ -171,7 +171,7 @@ class HFTokenizer:
             try:
                 eos = json.loads(config.read_text()).get("eos_token")
             except (ValueError, AttributeError) as e:
-                raise StreampackError(f"{config}: not a valid tokenizer_config.json ({e})") from None
+                raise TokenizerError(f"{config}: not a valid tokenizer_config.json ({e})") from None
             eos = eos.get("content") if isinstance(eos, dict) else eos
             if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
                 return self._tok.token_to_id(eos)
@@ -207,18 +207,18 @@ class TiktokenTokenizer:
         try:
             import tiktoken
         except ImportError:
-            raise StreampackError(
+            raise MissingDependencyError(
                 "the tiktoken backend needs the tiktoken package: pip install 'streampack[tiktoken]'"
             ) from None
         ranks = Path(spec.removeprefix("tiktoken:"))
         sidecar = ranks.with_suffix(".json")
         if not ranks.is_file():
-            raise StreampackError(
+            raise TokenizerError(
                 f"tokenizer {spec!r}: no ranks file at {ranks}; pass tiktoken:/path/to/NAME.tiktoken "
                 "(streampack never downloads one)"
             )
         if not sidecar.is_file():
-            raise StreampackError(
+            raise TokenizerError(
                 f"tokenizer {spec!r}: {sidecar} is missing; it holds the encoding's 'pat_str' and "
                 "'special_tokens' (JSON)"
             )
@@ -234,7 +234,7 @@ class TiktokenTokenizer:
                 explicit_n_vocab=meta.get("explicit_n_vocab"),
             )
         except (ValueError, KeyError, TypeError) as e:
-            raise StreampackError(f"tokenizer {spec!r}: cannot load ({type(e).__name__}: {e})") from None
+            raise TokenizerError(f"tokenizer {spec!r}: cannot load ({type(e).__name__}: {e})") from None
         self._name = ranks.stem
         self.vocab_size = self._enc.n_vocab
         self.eos_id = next(
