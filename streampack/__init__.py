@@ -7,7 +7,7 @@ packed sequences (PyTorch adapters in :mod:`streampack.torch`).
 
 from __future__ import annotations
 
-from streampack.build import BuildOptions, BuildSummary, build
+from streampack.build import BuildSummary, build
 from streampack.errors import (
     BadRecordError,
     BuildLockedError,
@@ -23,6 +23,7 @@ from streampack.errors import (
     WriteError,
 )
 from streampack.loader import Loader, LoaderOptions
+from streampack.options import CacheSpec, RunOptions
 from streampack.permutation import Permutation
 from streampack.reader import Cache, open
 from streampack.sequences import Boundaries, PackedSequences
@@ -34,10 +35,10 @@ __all__ = [
     "BadRecordError",
     "Boundaries",
     "BuildLockedError",
-    "BuildOptions",
     "BuildSummary",
     "Cache",
     "CacheError",
+    "CacheSpec",
     "ConfigMismatchError",
     "Documents",
     "InputError",
@@ -48,6 +49,7 @@ __all__ = [
     "OptionsError",
     "PackedSequences",
     "Permutation",
+    "RunOptions",
     "StreampackError",
     "TokenizerError",
     "VerifyReport",

@@ -13,8 +13,9 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from streampack import ledger
 from streampack.engines import run_local, run_ray
@@ -33,87 +34,12 @@ from streampack.format import (
 )
 from streampack.ledger import UnitProgress
 from streampack.lock import BuildLock
-from streampack.pipeline import UnitResult, UnitTask, process_tokenizer, run_units, set_process_threads
+from streampack.options import CacheSpec, RunOptions, split_options
+from streampack.pieces import piece_rule
+from streampack.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, init_worker, run_units
 from streampack.progress import BuildProgress
 from streampack.sources import Documents, ReadOptions, WorkUnit, expand_inputs, plan_python_units, plan_units
-from streampack.tokenize import Tokenizer, piece_rule, resolve_eos
-
-OnBadRecord = Literal["error", "skip"]
-Engine = Literal["local", "ray"]
-
-
-@dataclass(frozen=True)
-class BuildOptions:
-    """Settings of a build. Those in :meth:`cache_settings` are fixed for the life of a cache.
-
-    Attributes:
-        tokenizer: tokenizer SPEC: ``bytes``, a ``tokenizer.json`` path or folder, or ``tiktoken:PATH``.
-        text_field: JSON key or Parquet column holding the text.
-        split_lines: one document per line of ``.txt`` inputs (default: one per file).
-        eos: append an EOS id after every document.
-        eos_id: the EOS id to append (default: the tokenizer's own EOS token).
-        on_bad_record: ``error`` stops at the first bad record; ``skip`` skips and counts them.
-        workers: worker processes (default: see :func:`default_workers`).
-        threads: tokenizer threads per worker (default: the number of cores).
-        overwrite: delete an existing cache in the output directory and start over.
-        unit_bytes: size of the work units large uncompressed JSONL and Parquet files are split into.
-        batch_chars: characters of text tokenized per batch call.
-        max_piece_chars: longer documents are tokenized in pieces of at most this many characters
-            (default: :func:`~streampack.tokenize.default_max_piece_chars` of the tokenizer).
-        commit_bytes: commit after this many bytes of tokens...
-        commit_seconds: ...or after this many seconds, whichever comes first.
-        progress: show a progress bar on stderr.
-        engine: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
-        ray_address: the Ray cluster to connect to (default: a running one, else a new local instance).
-    """
-
-    tokenizer: str = "bytes"
-    text_field: str = "text"
-    split_lines: bool = False
-    eos: bool = True
-    eos_id: int | None = None
-    on_bad_record: OnBadRecord = "error"
-    workers: int | None = None
-    threads: int | None = None
-    overwrite: bool = False
-    unit_bytes: int = ReadOptions.unit_bytes
-    batch_chars: int = 1 << 20
-    max_piece_chars: int | None = None
-    commit_bytes: int = 64 << 20
-    commit_seconds: float = 10.0
-    progress: bool = False
-    engine: Engine = "local"
-    ray_address: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.engine not in ("local", "ray"):
-            raise ValueError(f"engine must be 'local' or 'ray' (got {self.engine!r})")
-        if self.on_bad_record not in ("error", "skip"):
-            raise ValueError(f"on_bad_record must be 'error' or 'skip' (got {self.on_bad_record!r})")
-        for name in ("workers", "threads"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1 (got {getattr(self, name)})")
-        if self.commit_seconds < 0:
-            raise ValueError(f"commit_seconds must be >= 0 (got {self.commit_seconds})")
-        if not self.eos and self.eos_id is not None:
-            raise ValueError(f"eos_id={self.eos_id} contradicts eos=False (--no-eos): give one or the other")
-        for name in ("batch_chars", "max_piece_chars", "commit_bytes"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive (got {getattr(self, name)})")
-
-    @property
-    def read_options(self) -> ReadOptions:
-        """The options of the sources."""
-        return ReadOptions(self.text_field, self.split_lines, self.unit_bytes)
-
-    def cache_settings(self) -> dict[str, Any]:
-        """Settings that change the cache's bytes, recorded in the manifest and checked on resume."""
-        return {
-            "text_field": self.text_field,
-            "split_lines": self.split_lines,
-            "unit_bytes": self.unit_bytes,
-            "max_piece_chars": self.max_piece_chars,
-        }
+from streampack.tokenize import Tokenizer, load_tokenizer, resolve_eos
 
 
 @dataclass
@@ -125,6 +51,8 @@ class BuildSummary:
     num_tokens: int = 0
     num_shards: int = 0
     skipped_records: int = 0
+    empty_docs: int = 0
+    inexact_cuts: int = 0
     units_resumed: int = 0
     units_already_done: int = 0
     seconds: float = 0.0
@@ -135,7 +63,14 @@ class BuildSummary:
         return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSummary:
+def build(
+    inputs: Any,
+    out: str | os.PathLike[str],
+    *,
+    spec: CacheSpec | None = None,
+    run: RunOptions | None = None,
+    **options: Any,
+) -> BuildSummary:
     """Build (or resume building) a token cache from ``inputs`` into the directory ``out``.
 
     Args:
@@ -143,41 +78,55 @@ def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSumm
             ``Dataset``/``IterableDataset``, a generator, or :class:`~streampack.Documents` wrapping any
             iterable of ``str`` or dicts.
         out: the cache directory (created if needed).
-        **options: fields of :class:`BuildOptions`.
+        spec: the settings that identify the cache (:class:`~streampack.CacheSpec`).
+        run: how the build runs (:class:`~streampack.RunOptions`).
+        **options: fields of either, by name (``tokenizer="gpt2/tokenizer.json", workers=4``), replacing
+            those of ``spec`` and ``run``.
 
     Returns:
         A :class:`BuildSummary`.
 
     Raises:
         StreampackError: bad inputs or records, a tokenizer that cannot load, a cache built with other
-            settings, another build running in ``out``, or a full disk.
+            settings or from other inputs, another build running in ``out``, or a full disk.
     """
-    opts = BuildOptions(**options)
+    spec, run = split_options(spec, run, options)
     root = Path(out)
     started = time.perf_counter()
-    units, input_stats = _plan(inputs, opts.read_options)
-    set_process_threads(opts.threads or 0)
-    tokenizer = process_tokenizer(opts.tokenizer)  # kept for the units that run in this process
-    pieces = piece_rule(tokenizer, opts.max_piece_chars)
-    opts = replace(opts, max_piece_chars=pieces.max_chars)
-    eos = resolve_eos(tokenizer, eos=opts.eos, eos_id=opts.eos_id)
+    read = ReadOptions(spec.text_field, spec.split_lines, spec.unit_bytes)
+    units, input_stats = _plan(inputs, read)
+    cores = os.cpu_count() or 1
+    threads = run.threads or cores
+    tokenizer = load_tokenizer(spec.tokenizer, threads=threads, special_tokens=spec.special_tokens)
+    pieces = piece_rule(tokenizer.cut_safety, tokenizer.fast_piece_chars, spec.max_piece_chars)
+    spec = replace(spec, max_piece_chars=pieces.max_chars)
+    eos = resolve_eos(tokenizer, eos=spec.eos, eos_id=spec.eos_id)
     vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1)
+    fingerprint = tokenizer.fingerprint()
+    cuts = {"exact": tokenizer.cut_safety.exact, "reason": tokenizer.cut_safety.reason}
     manifest = Manifest(
-        tokenizer={**tokenizer.fingerprint(), "vocab_size": vocab_size, "spec": opts.tokenizer},
+        tokenizer={**fingerprint, "vocab_size": vocab_size, "spec": spec.tokenizer, "cuts": cuts},
         dtype=dtype_name(token_dtype(vocab_size)),
         eos=eos.to_json(),
-        settings=opts.cache_settings(),
+        settings=spec.to_json(),
         inputs=input_stats,
         units=[u.describe() for u in units],
     )
+    ref = TokenizerRef(spec.tokenizer, spec.special_tokens, fingerprint["sha256"])
+    shared = UnitSpec(
+        str(root), ref, read, eos, manifest.dtype, pieces,
+        run.on_bad_record, run.batch_chars, run.commit_bytes, run.commit_seconds,
+    )  # fmt: skip
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise StreampackError(f"cannot create {root}: {e.strerror}; choose a writable --out") from None
+        raise StreampackError(
+            f"cannot create {root}: {e.strerror}; choose a writable output directory"
+        ) from None
     with BuildLock(root):
-        _prepare_directory(root, opts.overwrite)
-        tasks = [UnitTask(str(root), u, opts, eos, manifest.dtype, pieces) for u in units]
-        summary = _build_locked(root, manifest, tasks, opts)
+        _prepare_directory(root, run.overwrite)
+        tasks = [UnitTask(shared, u) for u in units]
+        summary = _build_locked(root, manifest, tasks, run, tokenizer)
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -185,23 +134,33 @@ def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSumm
 def _plan(inputs: Any, read: ReadOptions) -> tuple[list[WorkUnit], list[dict[str, Any]]]:
     documents = _as_documents(inputs)
     if documents is not None:
-        stat = {
-            "path": f"python:{type(documents).__name__}",
-            "size": _len_or_none(documents),
-            "mtime_ns": None,
-        }
-        fingerprint = getattr(documents, "_fingerprint", None)
-        if isinstance(fingerprint, str):
-            stat["fingerprint"] = fingerprint
-        return plan_python_units(documents), [stat]
+        items = documents.items if isinstance(documents, Documents) else documents
+        stat = {"path": f"python:{type(items).__name__}", "size": _len_or_none(items), "mtime_ns": None}
+        identity = _python_fingerprint(documents)
+        stat["fingerprint"] = identity
+        return plan_python_units(items), [stat]
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     files = expand_inputs(paths)
     return plan_units(files, read), [f.stat_json() for f in files]
 
 
+def _python_fingerprint(documents: Any) -> str | None:
+    """What identifies Python documents across runs: the user's fingerprint, or a Hugging Face dataset's.
+
+    ``datasets`` keeps a dataset's content hash in the private ``_fingerprint`` attribute; it changes
+    whenever the dataset's data or transforms do. Other Python objects cannot be identified.
+    """
+    if isinstance(documents, Documents):
+        if documents.fingerprint is not None:
+            return documents.fingerprint
+        documents = documents.items
+    fingerprint = getattr(documents, "_fingerprint", None)
+    return fingerprint if isinstance(fingerprint, str) else None
+
+
 def _as_documents(inputs: Any) -> Any:
     if isinstance(inputs, Documents):
-        return inputs.items
+        return inputs
     if isinstance(inputs, (str, os.PathLike)):
         return None
     if isinstance(inputs, (list, tuple)) and all(isinstance(i, (str, os.PathLike)) for i in inputs):
@@ -223,13 +182,15 @@ def _prepare_directory(root: Path, overwrite: bool) -> None:
             _delete_cache(root)
         elif not (root / MANIFEST).exists() and any((root / LEDGER_DIR).glob("*.json")):
             raise CacheError(
-                f"{root}/{LEDGER_DIR} holds build progress but there is no manifest (an --overwrite was "
-                "interrupted?); rerun with --overwrite"
+                f"{root}/{LEDGER_DIR} holds build progress but there is no manifest (an overwrite was "
+                "interrupted?); rerun with overwrite=True"
             )
         (root / LEDGER_DIR).mkdir(exist_ok=True)
         (root / SHARD_DIR).mkdir(exist_ok=True)
     except PermissionError as e:
-        raise StreampackError(f"cannot write to {root}: {e.strerror}; choose a writable --out") from None
+        raise StreampackError(
+            f"cannot write to {root}: {e.strerror}; choose a writable output directory"
+        ) from None
 
 
 _CACHE_ENTRIES = {MANIFEST, f"{MANIFEST}.tmp", LEDGER_DIR, SHARD_DIR, LOCK}
@@ -240,8 +201,8 @@ def _delete_cache(root: Path) -> None:
     strangers = sorted(p.name for p in root.iterdir() if p.name not in _CACHE_ENTRIES)
     if strangers:
         raise StreampackError(
-            f"refusing to --overwrite {root}: it holds files that are not part of a streampack cache "
-            f"({', '.join(strangers[:3])}); choose an empty or new --out"
+            f"refusing to overwrite {root}: it holds files that are not part of a streampack cache "
+            f"({', '.join(strangers[:3])}); choose an empty or new output directory"
         )
     if (root / MANIFEST).exists():
         load_manifest(root)  # raises unless it is a streampack manifest
@@ -251,7 +212,9 @@ def _delete_cache(root: Path) -> None:
     (root / MANIFEST).unlink(missing_ok=True)
 
 
-def _build_locked(root: Path, manifest: Manifest, tasks: list[UnitTask], opts: BuildOptions) -> BuildSummary:
+def _build_locked(
+    root: Path, manifest: Manifest, tasks: list[UnitTask], run: RunOptions, tokenizer: Tokenizer
+) -> BuildSummary:
     summary = BuildSummary(out=root)
     if (root / MANIFEST).exists():
         existing = load_manifest(root)
@@ -264,8 +227,8 @@ def _build_locked(root: Path, manifest: Manifest, tasks: list[UnitTask], opts: B
     summary.units_already_done = sum(p.done for p in progress)
     summary.units_resumed = sum(not p.done and p.records > 0 for p in progress)
     todo = [t for t, p in zip(tasks, progress) if not p.done]
-    with BuildProgress(opts.progress, units, progress) as bar:
-        for result in _run(todo, opts, bar.update):
+    with BuildProgress(run.progress, units, progress) as bar:
+        for result in _run(todo, run, tokenizer, bar.update):
             progress[result.unit_index] = result.progress
             bar.unit_done(result)
     final = replace(
@@ -273,6 +236,8 @@ def _build_locked(root: Path, manifest: Manifest, tasks: list[UnitTask], opts: B
         complete=True,
         shards=_shard_table(units, progress),
         skipped_records=sum(p.skipped for p in progress),
+        empty_docs=sum(p.empty_docs for p in progress),
+        inexact_cuts=sum(p.inexact_cuts for p in progress),
     )
     final.write(root)
     return _summarize(summary, final)
@@ -281,6 +246,7 @@ def _build_locked(root: Path, manifest: Manifest, tasks: list[UnitTask], opts: B
 def _summarize(summary: BuildSummary, manifest: Manifest) -> BuildSummary:
     summary.num_docs, summary.num_tokens = manifest.num_docs, manifest.num_tokens
     summary.num_shards, summary.skipped_records = len(manifest.shards), manifest.skipped_records
+    summary.empty_docs, summary.inexact_cuts = manifest.empty_docs, manifest.inexact_cuts
     return summary
 
 
@@ -292,25 +258,41 @@ def _shard_table(units: list[WorkUnit], progress: list[UnitProgress]) -> list[Sh
 
 
 def _check_same_build(root: Path, existing: Manifest, new: Manifest) -> None:
-    old_config, new_config = existing.build_config(), new.build_config()
-    for config in (old_config, new_config):  # the same tokenizer may be named by another path
-        config["tokenizer"] = {k: v for k, v in config["tokenizer"].items() if k != "spec"}
+    old_config, new_config = _identity(existing), _identity(new)
     differences = [
-        f"{key}: the cache has {old_config[key]}, this build has {new_config[key]}"
-        for key in old_config
-        if old_config[key] != new_config[key]
+        f"{key}: the cache has {old_config.get(key)}, this build has {new_config.get(key)}"
+        for key in sorted(old_config.keys() | new_config.keys())
+        if old_config.get(key) != new_config.get(key)
     ]
     if differences:
         raise ConfigMismatchError(
-            f"{root} holds a cache built with other settings ({'; '.join(differences)}); use another --out, "
-            "or --overwrite to start over"
+            f"{root} holds a cache built with other settings ({'; '.join(differences)}); use another output "
+            "directory, or overwrite=True to start over"
+        )
+    python = [i for i in new.inputs if i["path"].startswith("python:")]
+    unidentified = [i["path"] for i in python if not i.get("fingerprint")]
+    if unidentified:
+        raise ConfigMismatchError(
+            f"{root} holds a cache built from Python objects ({unidentified[0]}), and streampack cannot tell "
+            "whether they still hold the same documents: pass overwrite=True to rebuild it from the current "
+            "ones, or give the documents an identity that changes with them, "
+            "Documents(items, fingerprint='...'), to resume or reuse the cache"
         )
     changed = _changed_inputs(existing.inputs, new.inputs)
     if changed:
         raise ConfigMismatchError(
-            f"{root}: the inputs changed since the ledger was written ({changed}); rerun with --overwrite "
+            f"{root}: the inputs changed since the ledger was written ({changed}); rerun with overwrite=True "
             "to rebuild from the current inputs"
         )
+
+
+def _identity(manifest: Manifest) -> dict[str, Any]:
+    """What a resumed build must share with the cache, one setting per key (the tokenizer by its hash:
+    the same tokenizer may be named by another path)."""
+    config = manifest.build_config()
+    tokenizer = {k: v for k, v in config["tokenizer"].items() if k != "spec"}
+    settings = {k: v for k, v in config["settings"].items() if k != "tokenizer"}
+    return {"tokenizer": tokenizer, "dtype": config["dtype"], "eos": config["eos"], **settings}
 
 
 def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
@@ -334,30 +316,30 @@ def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str
 
 
 def _run(
-    todo: list[UnitTask], opts: BuildOptions, report: Callable[[dict[str, int]], None]
+    todo: list[UnitTask], run: RunOptions, tokenizer: Tokenizer, report: Callable[[dict[str, int]], None]
 ) -> Iterable[UnitResult]:
     cores = os.cpu_count() or 1
     in_process = [t for t in todo if t.unit.in_process]
     pooled = [t for t in todo if not t.unit.in_process]
-    wanted = opts.workers or default_workers(process_tokenizer(opts.tokenizer), cores)
+    wanted = run.workers or default_workers(tokenizer, cores)
     workers = min(wanted, max(len(pooled), 1))
-    # By default every worker's batch calls may use every core: while all workers are busy they share the
-    # cores, and when the last units run alone (the tail of a build) they still use the whole machine.
-    threads = opts.threads or 0
-    setup: dict[str, Any] = {
-        "on_progress": report,
-        "initializer": set_process_threads,
-        "initargs": (threads,),
-    }
-    yield from run_local(run_units, in_process, workers=1, **setup)
-    if opts.engine == "ray":
-        yield from run_ray(run_units, pooled, address=opts.ray_address, **setup)
+    here = partial(run_units, tokenizer=tokenizer)  # this process: the tokenizer build() loaded
+    yield from run_local(here, in_process, workers=1, on_progress=report)
+    if run.engine == "ray":
+        threads = run.threads or cores  # a Ray task holds one CPU, but its node's cores are its to use
+        setup: dict[str, Any] = {"on_progress": report, "initializer": init_worker, "initargs": (threads,)}
+        yield from run_ray(run_units, pooled, address=run.ray_address, **setup)
+    elif workers == 1:
+        yield from run_local(here, pooled, workers=1, on_progress=report)
     else:
+        # The workers share the cores: a worker whose threads outnumber its share fights the others.
+        threads = run.threads or max(1, cores // workers)
+        setup = {"on_progress": report, "initializer": init_worker, "initargs": (threads,)}
         yield from run_local(run_units, pooled, workers=workers, **setup)
 
 
 def default_workers(tokenizer: Tokenizer, cores: int) -> int:
-    """Worker processes when ``--workers`` is not given: chosen by measurement, per backend.
+    """Worker processes when ``workers`` is not given: chosen by measurement, per backend.
 
     Measured on 2 cores with the GPT-2 vocabulary on real English text. Hugging Face ``tokenizers`` runs
     best as one process using every core (100 MB: 0.94x its raw ``encode_batch_fast`` speed, against

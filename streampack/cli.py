@@ -16,9 +16,9 @@ from typing import Any
 import click
 import numpy as np
 
-from streampack.build import BuildOptions
 from streampack.build import build as build_cache
-from streampack.errors import StreampackError
+from streampack.errors import OptionsError, StreampackError
+from streampack.options import CacheSpec, RunOptions, default
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
 from streampack.tokenize import load_tokenizer
@@ -32,15 +32,26 @@ def cli() -> None:
     """Tokenize a corpus into an on-disk token cache, and inspect it."""
 
 
+_SPEC, _RUN = CacheSpec, RunOptions
+
+
 @cli.command()
 @click.argument("inputs", nargs=-1, required=True)
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Cache directory.")
 @click.option(
     "--tokenizer",
     "-t",
-    default="bytes",
+    default=default(_SPEC, "tokenizer"),
     show_default=True,
-    help="'bytes', a tokenizer.json path or folder, or tiktoken:PATH.",
+    help="'bytes'; a tokenizer.json path or folder; or tiktoken:DIR/NAME.tiktoken, with NAME.json beside "
+    "it holding 'pat_str' and 'special_tokens'.",
+)
+@click.option(
+    "--special-tokens",
+    type=click.Choice(["text", "parse"]),
+    default=default(_SPEC, "special_tokens"),
+    show_default=True,
+    help="text: special-token strings in documents (e.g. <|endoftext|>) are plain text; parse: their ids.",
 )
 @click.option(
     "--workers",
@@ -48,27 +59,40 @@ def cli() -> None:
     type=click.IntRange(min=1),
     help="Worker processes [default: one per 8 cores for tokenizer.json, one per core otherwise].",
 )
-@click.option("--threads", type=click.IntRange(min=1), help="Tokenizer threads per worker [default: cores].")
 @click.option(
-    "--text-field", default="text", show_default=True, help="JSON key / Parquet column of the text."
+    "--threads",
+    type=click.IntRange(min=1),
+    help="Tokenizer threads per worker [default: the cores divided among the workers].",
+)
+@click.option(
+    "--text-field",
+    default=default(_SPEC, "text_field"),
+    show_default=True,
+    help="JSON key / Parquet column of the text.",
 )
 @click.option("--split-lines", is_flag=True, help="One document per line of .txt inputs (default: per file).")
 @click.option("--eos-id", type=click.IntRange(min=0), help="EOS id to append [default: the tokenizer's].")
 @click.option("--no-eos", is_flag=True, help="Append no EOS after documents.")
-@click.option("--on-bad-record", type=click.Choice(["error", "skip"]), default="error", show_default=True)
+@click.option(
+    "--on-bad-record",
+    type=click.Choice(["error", "skip"]),
+    default=default(_RUN, "on_bad_record"),
+    show_default=True,
+    help="error: stop at the first bad record (what was committed stays); skip: skip and count them.",
+)
 @click.option("--overwrite", is_flag=True, help="Delete the existing cache in --out and start over.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar [default: when stderr is a tty].")
 @click.option(
     "--unit-mb",
     type=click.IntRange(min=1),
-    default=64,
+    default=default(_SPEC, "unit_bytes") >> 20,
     show_default=True,
     help="Split large uncompressed JSONL and Parquet inputs into work units of this size.",
 )
 @click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),
-    default="local",
+    default=default(_RUN, "engine"),
     show_default=True,
     help="local: a process pool here; ray: Ray tasks on a cluster (--out on shared storage).",
 )
@@ -76,16 +100,24 @@ def cli() -> None:
 @click.option(
     "--max-piece-chars",
     type=click.IntRange(min=1),
-    help="Tokenize longer documents in pieces of at most N characters, cut before a space "
-    "[default: 100000 where such cuts keep the tokenizer's tokens, else 1000000].",
+    help="Tokenize longer documents in pieces of at most N characters "
+    "[default: 100000 where cuts at spaces provably keep the tokenizer's tokens, else 1000000].",
 )
-@click.option("--batch-chars", type=click.IntRange(min=1), default=1 << 20, hidden=True)
-@click.option("--commit-seconds", type=click.FloatRange(min=0), default=10.0, hidden=True)
-@click.option("--commit-mb", type=click.FloatRange(min=0), default=64, hidden=True)
+@click.option("--batch-chars", type=click.IntRange(min=1), default=default(_RUN, "batch_chars"), hidden=True)
+@click.option(
+    "--commit-seconds", type=click.FloatRange(min=0), default=default(_RUN, "commit_seconds"), hidden=True
+)
+@click.option(
+    "--commit-mb",
+    type=click.FloatRange(min=0),
+    default=default(_RUN, "commit_bytes") / (1 << 20),
+    hidden=True,
+)
 def build(
     inputs: tuple[str, ...],
     out: str,
     tokenizer: str,
+    special_tokens: str,
     workers: int | None,
     threads: int | None,
     text_field: str,
@@ -107,30 +139,32 @@ def build(
 
     Rerunning the same command after an interruption resumes where it stopped.
     """
-    options: dict[str, Any] = dict(
-        tokenizer=tokenizer,
-        workers=workers,
-        threads=threads,
-        text_field=text_field,
-        split_lines=split_lines,
-        eos=not no_eos,
-        eos_id=eos_id,
-        on_bad_record=on_bad_record,
-        engine=engine,
-        ray_address=ray_address,
-        overwrite=overwrite,
-        progress=sys.stderr.isatty() if progress is None else progress,
-        unit_bytes=unit_mb << 20,
-        max_piece_chars=max_piece_chars,
-        batch_chars=batch_chars,
-        commit_seconds=commit_seconds,
-        commit_bytes=max(int(commit_mb * (1 << 20)), 1),
-    )
     try:
-        BuildOptions(**options)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    summary = build_cache(list(inputs), out, **options)
+        spec = CacheSpec(
+            tokenizer=tokenizer,
+            special_tokens=special_tokens,  # type: ignore[arg-type]  # click checked the choice
+            eos=not no_eos,
+            eos_id=eos_id,
+            text_field=text_field,
+            split_lines=split_lines,
+            unit_bytes=unit_mb << 20,
+            max_piece_chars=max_piece_chars,
+        )
+        run = RunOptions(
+            workers=workers,
+            threads=threads,
+            engine=engine,  # type: ignore[arg-type]
+            ray_address=ray_address,
+            on_bad_record=on_bad_record,  # type: ignore[arg-type]
+            overwrite=overwrite,
+            progress=sys.stderr.isatty() if progress is None else progress,
+            batch_chars=batch_chars,
+            commit_bytes=max(int(commit_mb * (1 << 20)), 1),
+            commit_seconds=commit_seconds,
+        )
+    except OptionsError as e:
+        raise click.UsageError(_in_cli_terms(str(e))) from None
+    summary = build_cache(list(inputs), out, spec=spec, run=run)
     resumed = ""
     if summary.units_already_done or summary.units_resumed:
         resumed = (
@@ -143,6 +177,32 @@ def build(
     if summary.skipped_records:
         noun = "record" if summary.skipped_records == 1 else "records"
         click.echo(f"skipped {summary.skipped_records:,} bad {noun} (--on-bad-record skip)")
+    if summary.empty_docs:
+        noun = "document" if summary.empty_docs == 1 else "documents"
+        click.echo(f"left out {summary.empty_docs:,} empty or whitespace-only {noun}")
+    if summary.inexact_cuts:
+        click.echo(
+            f"note: {summary.inexact_cuts:,} cuts of very long documents may have changed the tokens next to "
+            "them (see `streampack info`)"
+        )
+
+
+# Library messages name Python parameters; the CLI shows them as its flags.
+_CLI_TERMS = {
+    'on_bad_record="skip"': "--on-bad-record skip",
+    "overwrite=True": "--overwrite",
+    "eos_id=N": "--eos-id N",
+    "eos_id=": "--eos-id ",
+    "eos=False": "--no-eos",
+    "text_field=": "--text-field ",
+    "output directory": "--out",
+}
+
+
+def _in_cli_terms(message: str) -> str:
+    for python, flag in _CLI_TERMS.items():
+        message = message.replace(python, flag)
+    return message
 
 
 @cli.command()
@@ -176,11 +236,31 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "vocab_size": cache.vocab_size,
         "dtype": cache.dtype.name,
         "eos_id": cache.eos_id,
+        "special_tokens": cache.manifest.settings.get("special_tokens", "not recorded"),
+        "inputs": _inputs_read(cache.manifest.inputs),
         "skipped_records": cache.manifest.skipped_records,
+        "empty_docs": cache.manifest.empty_docs,
+        "inexact_cuts": _cuts_summary(cache.manifest),
         "doc_tokens_mean": round(float(lengths.mean()), 1) if len(lengths) else 0.0,
         "doc_tokens_p50": int(quantiles[0]),
         "doc_tokens_p99": int(quantiles[1]),
     }
+
+
+def _inputs_read(inputs: list[dict[str, Any]]) -> str:
+    paths = [i["path"] for i in inputs]
+    if len(paths) <= 2:
+        return ", ".join(paths) or "none"
+    return f"{len(paths):,} files: {paths[0]} .. {paths[-1]}"
+
+
+def _cuts_summary(manifest: Any) -> str:
+    """How many cuts of long documents may have changed tokens, and why cuts at spaces are exact or not."""
+    cuts = manifest.tokenizer.get("cuts")
+    if not cuts:
+        return f"{manifest.inexact_cuts:,}"
+    exact = "exact" if cuts["exact"] else "not proven exact"
+    return f"{manifest.inexact_cuts:,}; cuts at spaces: {exact} ({cuts['reason']})"
 
 
 @cli.command()
@@ -341,7 +421,7 @@ def main() -> None:
         click.echo("interrupted; rerun the same command to resume", err=True)
         sys.exit(130)
     except StreampackError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {_in_cli_terms(str(e))}", err=True)
         sys.exit(1)
     except OSError as e:  # one the library did not turn into a StreampackError: still one line, with the file
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):

@@ -39,7 +39,7 @@ class BadRecordError(InputError):
 
     def __init__(self, location: str, problem: str) -> None:
         super().__init__(
-            f"{location}: {problem}. Fix the record, or rerun with --on-bad-record skip to skip and count "
+            f'{location}: {problem}. Fix the record, or rerun with on_bad_record="skip" to skip and count '
             "such records (the committed part of the cache is kept)."
         )
         self.location = location

@@ -177,6 +177,8 @@ class Manifest:
     complete: bool = False
     shards: list[ShardInfo] = field(default_factory=list)
     skipped_records: int = 0
+    empty_docs: int = 0
+    inexact_cuts: int = 0
 
     @property
     def vocab_size(self) -> int:
@@ -212,6 +214,8 @@ class Manifest:
             "num_docs": self.num_docs,
             "num_tokens": self.num_tokens,
             "skipped_records": self.skipped_records,
+            "empty_docs": self.empty_docs,
+            "inexact_cuts": self.inexact_cuts,
             "shards": [s.to_json() for s in self.shards],
         }
 
@@ -269,6 +273,8 @@ def _parse_manifest(raw: Any) -> Manifest:
         complete=bool(raw["complete"]),
         shards=shards,
         skipped_records=int(raw.get("skipped_records", 0)),
+        empty_docs=int(raw.get("empty_docs", 0)),
+        inexact_cuts=int(raw.get("inexact_cuts", 0)),
     )
     if manifest.complete and (raw["num_docs"], raw["num_tokens"]) != (manifest.num_docs, manifest.num_tokens):
         raise ValueError("num_docs/num_tokens disagree with the shard table")

@@ -20,6 +20,34 @@ from streampack.format import LEDGER_DIR, atomic_write_json, read_json
 
 
 @dataclass(frozen=True)
+class Counts:
+    """What a unit's input records held, counted up to a commit.
+
+    Attributes:
+        records: input records consumed (documents written plus records skipped, empty or blank).
+        skipped: bad records skipped (with ``on_bad_record="skip"``).
+        empty_docs: documents left out because their text is empty or only whitespace.
+        inexact_cuts: memory cuts in long documents, which may change the tokens next to them.
+    """
+
+    records: int = 0
+    skipped: int = 0
+    empty_docs: int = 0
+    inexact_cuts: int = 0
+
+    def add(
+        self, *, records: int = 0, skipped: int = 0, empty_docs: int = 0, inexact_cuts: int = 0
+    ) -> Counts:
+        """These counts plus the given ones."""
+        return Counts(
+            self.records + records,
+            self.skipped + skipped,
+            self.empty_docs + empty_docs,
+            self.inexact_cuts + inexact_cuts,
+        )
+
+
+@dataclass(frozen=True)
 class UnitProgress:
     """What one work unit has durably committed.
 
@@ -28,7 +56,9 @@ class UnitProgress:
         records: input records consumed (documents written plus records skipped or blank).
         docs: documents in the shard.
         tokens: tokens in the shard.
-        skipped: bad records skipped (with ``--on-bad-record skip``).
+        skipped: bad records skipped (with ``on_bad_record="skip"``).
+        empty_docs: documents left out as empty or whitespace only.
+        inexact_cuts: memory cuts in long documents (see :mod:`streampack.pieces`).
         done: the unit reached the end of its input and its shard is final.
         tokens_checksum: checksum of the final token file (set when done).
         offsets_checksum: checksum of the final offsets file (set when done).
@@ -42,6 +72,13 @@ class UnitProgress:
     done: bool = False
     tokens_checksum: str = ""
     offsets_checksum: str = ""
+    empty_docs: int = 0
+    inexact_cuts: int = 0
+
+    @property
+    def counts(self) -> Counts:
+        """The record counts this progress holds."""
+        return Counts(self.records, self.skipped, self.empty_docs, self.inexact_cuts)
 
 
 def ledger_path(root: Path, name: str) -> Path:
@@ -63,7 +100,7 @@ def read_progress(root: Path, name: str, unit: str) -> UnitProgress:
     if progress.unit != unit:
         raise CacheError(
             f"{path}: ledger entry is for work unit {progress.unit!r}, but this build's unit {name} is "
-            f"{unit!r}; the inputs changed since the ledger was written: rerun with --overwrite"
+            f"{unit!r}; the inputs changed since the ledger was written: rerun with overwrite=True"
         )
     return progress
 
@@ -78,7 +115,7 @@ def _parse(raw: Any, path: Path) -> UnitProgress:
         progress = UnitProgress(**raw)
     except TypeError as e:
         raise CacheError(f"{path}: malformed ledger entry ({e})") from None
-    for key in ("records", "docs", "tokens", "skipped"):
+    for key in ("records", "docs", "tokens", "skipped", "empty_docs", "inexact_cuts"):
         value = getattr(progress, key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise CacheError(f"{path}: malformed ledger entry ({key}={value!r})")

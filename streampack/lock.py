@@ -34,7 +34,7 @@ class BuildLock:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise BuildLockedError(
-                f"cannot write to {self.path.parent}: {e.strerror}; choose a writable --out"
+                f"cannot write to {self.path.parent}: {e.strerror}; choose a writable output directory"
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

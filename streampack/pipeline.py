@@ -22,15 +22,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from streampack import ledger
-from streampack.errors import BadRecordError, StreampackError, WriteError
+from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
 from streampack.format import shard_name
-from streampack.ledger import UnitProgress
-from streampack.sources import Position, TextStream, read_unit
-from streampack.tokenize import EosPolicy, PieceRule, Tokenizer, load_tokenizer
+from streampack.ledger import Counts, UnitProgress
+from streampack.options import OnBadRecord, SpecialTokens
+from streampack.pieces import CutCount, PieceRule
+from streampack.sources import Position, ReadOptions, TextStream, read_unit
+from streampack.tokenize import EosPolicy, Tokenizer, load_tokenizer
 from streampack.writer import ShardWriter
 
 if TYPE_CHECKING:
-    from streampack.build import BuildOptions
     from streampack.sources import WorkUnit
 
 ProgressFn = Callable[[dict[str, int]], None]
@@ -44,15 +45,40 @@ MAX_QUEUED_BATCHES = 8
 
 
 @dataclass(frozen=True)
+class TokenizerRef:
+    """The tokenizer of a build as a worker loads it: its SPEC, special-token mode and definition hash.
+
+    The hash lets a worker refuse a tokenizer file that changed after the build started, and keys the
+    worker's tokenizer cache, so an edited file is never served from an old load.
+    """
+
+    spec: str
+    special_tokens: SpecialTokens
+    sha256: str
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """What every unit of one build shares (picklable): the resolved cache spec and the run's policies."""
+
+    root: str
+    tokenizer: TokenizerRef
+    read: ReadOptions
+    eos: EosPolicy
+    dtype: str
+    pieces: PieceRule  # resolved for the tokenizer (see :func:`streampack.pieces.piece_rule`)
+    on_bad_record: OnBadRecord = "error"
+    batch_chars: int = 1 << 20
+    commit_bytes: int = 64 << 20
+    commit_seconds: float = 10.0
+
+
+@dataclass(frozen=True)
 class UnitTask:
     """Everything a worker needs to build one unit (picklable)."""
 
-    root: str
+    spec: UnitSpec
     unit: WorkUnit
-    options: BuildOptions
-    eos: EosPolicy
-    dtype: str
-    pieces: PieceRule  # resolved for the tokenizer (see :func:`streampack.tokenize.piece_rule`)
 
 
 @dataclass(frozen=True)
@@ -63,49 +89,66 @@ class UnitResult:
     progress: UnitProgress
 
 
-def run_units(tasks: Iterable[UnitTask], report: ProgressFn) -> Iterator[UnitResult]:
+def run_units(
+    tasks: Iterable[UnitTask], report: ProgressFn, tokenizer: Tokenizer | None = None
+) -> Iterator[UnitResult]:
     """Build (or finish building) the shards of ``tasks``, in order; the function every engine runs.
 
     Yields each unit's result once its shard is complete. Units finished by an earlier run are yielded
-    as they are, without reading their input again.
+    as they are, without reading their input again. ``tokenizer`` is the build's own (units run in the
+    coordinating process); worker processes load theirs with :func:`worker_tokenizer`.
     """
     with _Pipeline(report) as pipeline:
         for task in tasks:
             name = shard_name(task.unit.index)
-            progress = ledger.read_progress(Path(task.root), name, task.unit.describe())
+            progress = ledger.read_progress(Path(task.spec.root), name, task.unit.describe())
             if progress.done:
                 yield UnitResult(task.unit.index, progress)
                 continue
-            pipeline.read(task, progress)
+            pipeline.read(task, progress, tokenizer or worker_tokenizer(task.spec.tokenizer))
             yield from pipeline.take_finished()
         pipeline.drain()
         yield from pipeline.take_finished()
 
 
-# ------------------------------------------------------------------------------------- per-process setup
+# ----------------------------------------------------------------------------- worker processes only
 
-_threads = 1
-_tokenizers: dict[tuple[str, int], Tokenizer] = {}
+# Set and read only in spawned worker processes and Ray tasks, never in the process that calls build():
+# a worker serves the units of builds whose tokenizer it loads once (a tokenizer.json takes ~0.5 s).
+_worker_threads = 0
+_worker_tokenizers: dict[tuple[TokenizerRef, int], Tokenizer] = {}
 
 
-def set_process_threads(threads: int) -> None:
-    """Set the tokenizer threads of this process; 0 means every core of the machine it runs on.
+def init_worker(threads: int) -> None:
+    """Worker-process initializer: encode with ``threads`` threads.
 
-    Called once per process before its first unit (the engines' worker initializer). Hugging Face
-    ``tokenizers`` sizes its thread pool from ``RAYON_NUM_THREADS`` when the pool first starts, so the
-    variable is the only way to set it.
+    Hugging Face ``tokenizers`` sizes its thread pool from ``RAYON_NUM_THREADS`` when the pool first
+    starts, so in a worker of its own the variable is the way to set it.
     """
-    global _threads
-    _threads = threads or os.cpu_count() or 1
-    os.environ["RAYON_NUM_THREADS"] = str(_threads)
+    global _worker_threads
+    _worker_threads = threads
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
 
 
-def process_tokenizer(spec: str) -> Tokenizer:
-    """This process's tokenizer for ``spec``, loaded once (a tokenizer.json takes ~0.5 s to load)."""
-    key = (spec, _threads)
-    if key not in _tokenizers:
-        _tokenizers[key] = load_tokenizer(spec, threads=_threads)
-    return _tokenizers[key]
+def worker_tokenizer(ref: TokenizerRef) -> Tokenizer:
+    """This worker's tokenizer for ``ref``, loaded once, and checked to be the one the build started with.
+
+    Raises:
+        TokenizerError: the tokenizer's files changed since the build started.
+    """
+    key = (ref, _worker_threads)
+    if key not in _worker_tokenizers:
+        tokenizer = load_tokenizer(
+            ref.spec, threads=_worker_threads or None, special_tokens=ref.special_tokens
+        )
+        found = tokenizer.fingerprint()["sha256"]
+        if found != ref.sha256:
+            raise TokenizerError(
+                f"tokenizer {ref.spec!r} changed since the build started (sha256 {ref.sha256[:12]}... "
+                f"then, {found[:12]}... now); rerun the build to use one tokenizer throughout"
+            )
+        _worker_tokenizers[key] = tokenizer
+    return _worker_tokenizers[key]
 
 
 # ---------------------------------------------------------------------------------------------- pipeline
@@ -115,10 +158,10 @@ class _OpenUnit:
     """A unit whose shard is open: its writer, and what the next commit and progress event need."""
 
     def __init__(self, task: UnitTask, progress: UnitProgress, tokenizer: Tokenizer) -> None:
-        self.task, self.opts, self.tokenizer = task, task.options, tokenizer
+        self.task, self.spec, self.tokenizer = task, task.spec, tokenizer
         name = shard_name(task.unit.index)
-        self.writer = ShardWriter(Path(task.root), name, np.dtype(task.dtype), progress)
-        self.eos = np.array([task.eos.id], dtype=np.uint32) if task.eos.append else None
+        self.writer = ShardWriter(Path(task.spec.root), name, np.dtype(task.spec.dtype), progress)
+        self.eos = np.array([task.spec.eos.id], dtype=np.uint32) if task.spec.eos.append else None
         self.position = Position()
         self.reported_bytes = 0
         self.last_commit = (time.monotonic(), self.writer.num_tokens)
@@ -136,8 +179,7 @@ class _Batch:
     unit: _OpenUnit
     encoded: Future[list[np.ndarray]]
     ends_doc: list[bool]  # per piece: the piece is the last of its document
-    records: int  # the unit's input records consumed by this batch and the ones before it
-    skipped: int
+    counts: Counts  # the unit's records consumed by this batch and the ones before it, and what they held
     last: bool = False  # the unit's last batch (possibly empty): writing it completes the unit
 
 
@@ -153,8 +195,7 @@ class _Pipeline:
     """
 
     unit: _OpenUnit  # the unit being read
-    records: int  # its records read so far
-    skipped: int
+    counts: Counts  # its records read so far (of documents complete), and what they held
 
     def __init__(self, report: ProgressFn) -> None:
         self.report = report
@@ -174,26 +215,26 @@ class _Pipeline:
         for unit in self.open_units:  # units cut short by an error keep only what they committed
             unit.writer.close()
 
-    def read(self, task: UnitTask, progress: UnitProgress) -> None:
+    def read(self, task: UnitTask, progress: UnitProgress, tokenizer: Tokenizer) -> None:
         """Read all of a unit's records into batches; its last batches may still encode on return."""
-        unit = _OpenUnit(task, progress, process_tokenizer(task.options.tokenizer))
+        unit = _OpenUnit(task, progress, tokenizer)
         self.open_units.append(unit)
-        self.unit, self.records, self.skipped = unit, progress.records, progress.skipped
-        items = read_unit(task.unit, task.options.read_options, skip=self.records, position=unit.position)
+        self.unit, self.counts = unit, progress.counts
+        items = read_unit(task.unit, task.spec.read, skip=self.counts.records, position=unit.position)
         try:
             for item in items:
                 if isinstance(item, BadRecordError):
                     self._bad_record(item)
                 elif item is not None:
                     self._add_document(item)
-                self.records += 1
-                if self.batch_chars >= unit.opts.batch_chars:
+                self.counts = self.counts.add(records=1)
+                if self.batch_chars >= unit.spec.batch_chars:
                     self._flush()
         except WriteError:
             raise  # the disk state past the last commit is unknown: write nothing more
         except StreampackError:  # a bad record or input: keep everything read before it
             self.drain()
-            unit.writer.commit(records=self.records, skipped=self.skipped)
+            unit.writer.commit(self.counts)
             raise
         self._flush(last=True)
 
@@ -214,20 +255,25 @@ class _Pipeline:
         self.batch_chars = 0
 
     def _bad_record(self, error: BadRecordError) -> None:
-        if self.unit.opts.on_bad_record == "error":
+        if self.unit.spec.on_bad_record == "error":
             raise error
-        self.skipped += 1
+        self.counts = self.counts.add(skipped=1)
 
     def _add_document(self, text: str | TextStream) -> None:
-        rule, batch_chars = self.unit.task.pieces, self.unit.opts.batch_chars
-        pieces = rule.stream(text) if isinstance(text, TextStream) else rule.split(text)
+        if isinstance(text, str) and (not text or text.isspace()):
+            self.counts = self.counts.add(empty_docs=1)  # no document is empty or only whitespace
+            return
+        rule, batch_chars = self.unit.spec.pieces, self.unit.spec.batch_chars
+        cuts = CutCount()
+        pieces = rule.stream(text, cuts) if isinstance(text, TextStream) else rule.split(text, cuts)
         for piece in pieces:
             if self.batch_chars >= batch_chars:
-                self._flush()  # mid-document: its records count starts with the next batch
+                self._flush()  # mid-document: its counts start with the next batch
             self.texts.append(piece)
             self.ends_doc.append(False)
             self.batch_chars += len(piece)
         self.ends_doc[-1] = True
+        self.counts = self.counts.add(inexact_cuts=cuts.inexact)
 
     def _flush(self, last: bool = False) -> None:
         """Submit the current batch for encoding; write the batches that are encoded."""
@@ -239,7 +285,7 @@ class _Pipeline:
         else:
             encoded = Future()
             encoded.set_result([])
-        self.queue.append(_Batch(self.unit, encoded, self.ends_doc, self.records, self.skipped, last))
+        self.queue.append(_Batch(self.unit, encoded, self.ends_doc, self.counts, last))
         self._start_batch()
         self._write_encoded()
         while len(self.queue) >= MAX_QUEUED_BATCHES or self._encoding() > ENCODING_THREADS:
@@ -270,12 +316,13 @@ class _Pipeline:
     def _maybe_commit(self, unit: _OpenUnit, written: _Batch) -> None:
         started, tokens = unit.last_commit
         new_bytes = (unit.writer.num_tokens - tokens) * unit.writer.dtype.itemsize
-        if new_bytes >= unit.opts.commit_bytes or time.monotonic() - started >= unit.opts.commit_seconds:
-            unit.writer.commit(records=written.records, skipped=written.skipped)
+        spec = unit.spec
+        if new_bytes >= spec.commit_bytes or time.monotonic() - started >= spec.commit_seconds:
+            unit.writer.commit(written.counts)
             unit.last_commit = (time.monotonic(), unit.writer.num_tokens)
 
     def _finish(self, unit: _OpenUnit, last: _Batch) -> None:
-        final = unit.writer.commit(records=last.records, skipped=last.skipped, done=True)
+        final = unit.writer.commit(last.counts, done=True)
         unit.writer.close()
         self.open_units.remove(unit)
         self.finished.append(UnitResult(unit.task.unit.index, final))

@@ -147,10 +147,18 @@ class Documents:
     """Marks a Python object as the documents themselves (not paths): a sequence or iterable of ``str``
     or of dicts holding the text field. Hugging Face datasets and generators are recognised without it;
     a plain list of strings needs it, since it would otherwise be read as a list of paths.
+
+    Args:
+        items: the documents.
+        fingerprint: a string that identifies these documents and changes whenever they do (a dataset
+            version, a content hash). With it, an interrupted build resumes and a finished cache is reused;
+            without it, a build into a directory that holds a cache is refused (streampack cannot tell
+            whether a list or generator still holds the same documents), unless it overwrites.
     """
 
-    def __init__(self, items: Iterable[Any]) -> None:
+    def __init__(self, items: Iterable[Any], *, fingerprint: str | None = None) -> None:
         self.items = items
+        self.fingerprint = fingerprint
 
     def __repr__(self) -> str:
         return f"Documents({type(self.items).__name__})"

@@ -1,4 +1,4 @@
-"""Tokenizers behind one small interface, batch encoding, and the splitting of very long documents.
+"""Tokenizers behind one small interface, and batch encoding.
 
 Three kinds, chosen by a SPEC string:
 
@@ -7,12 +7,15 @@ Three kinds, chosen by a SPEC string:
 - ``tiktoken:PATH``: a local tiktoken ranks file ``PATH`` (``NAME.tiktoken``) with its split pattern and
   special tokens in ``NAME.json`` beside it. Nothing is ever downloaded.
 
-A document's tokens are ``encode(text)`` without the post-processor's special tokens (no BOS/CLS
-template); the builder appends the EOS id itself. Documents longer than ``max_piece_chars`` are split into
-pieces before encoding, to bound the tokenizer's memory and let its threads share a long document, and
-where the cuts keep the tokens, also into pieces of about ``fast_piece_chars`` for a tokenizer that
-encodes short texts faster; see :func:`split_text` for what that changes and :func:`piece_rule` for the
-defaults.
+**Text is text.** A document's tokens are the tokenizer's encoding of its text with special-token strings
+(``<|endoftext|>``, ``</s>``, ...) encoded as the plain text they are, and no post-processor template
+(no BOS/CLS): tiktoken's ``encode_ordinary``, and for Hugging Face ``encode(text,
+add_special_tokens=False)`` with ``encode_special_tokens = True``; for one vocabulary both give the same
+ids. Control ids come only from streampack (the EOS it appends). ``special_tokens="parse"`` opts into
+matching special-token strings as their ids instead (recorded in the manifest).
+
+Each tokenizer also says which cuts of a long text keep its tokens (``cut_safety``, proven from its
+structure by :mod:`streampack.pieces`).
 """
 
 from __future__ import annotations
@@ -22,20 +25,20 @@ import base64
 import binascii
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from streampack.errors import MissingDependencyError, OptionsError, TokenizerError
+from streampack.pieces import CutSafety, hf_cut_safety, tiktoken_cut_safety
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
-# Piece sizes: small where a cut keeps the tokens (see default_max_piece_chars), else large, so cuts are rare.
-EXACT_CUT_PIECE_CHARS = 100_000
-INEXACT_CUT_PIECE_CHARS = 1_000_000
+SpecialTokens = Literal["text", "parse"]
 
 
 class Tokenizer(Protocol):
@@ -43,20 +46,26 @@ class Tokenizer(Protocol):
 
     spec: str
     vocab_size: int
-    eos_id: int | None
     # One process of it keeps every core busy (its batch call runs on threads of its own and the Python
     # work around it is small next to the encoding); see streampack.build.default_workers.
     saturates_cores: bool
     # Where cuts keep its tokens, documents are cut into pieces of about this many characters because it
-    # encodes them faster than whole documents (None: no such cuts); see piece_rule.
+    # encodes them faster than whole documents (None: no such cuts); see streampack.pieces.piece_rule.
     fast_piece_chars: int | None
+    # Which cuts keep its tokens, proven from its structure.
+    cut_safety: CutSafety
+
+    @property
+    def eos_id(self) -> int | None:
+        """The tokenizer's own EOS id, or None."""
+        ...
 
     def fingerprint(self) -> dict[str, Any]:
         """Kind, name, vocab size and a hash of the definition: identifies the tokenizer in a manifest."""
         ...
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """Token ids of each text (no special tokens added), as integer arrays."""
+        """Token ids of each text (special-token text as text, unless parsed; none added), as arrays."""
         ...
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -64,21 +73,27 @@ class Tokenizer(Protocol):
         ...
 
 
-def load_tokenizer(spec: str, *, threads: int | None = None) -> Tokenizer:
+def load_tokenizer(
+    spec: str, *, threads: int | None = None, special_tokens: SpecialTokens = "text"
+) -> Tokenizer:
     """Load a tokenizer from its SPEC (see the module docstring).
 
     Args:
         spec: ``bytes``, a ``tokenizer.json`` path or folder, or ``tiktoken:PATH``.
         threads: threads used to encode a batch (tiktoken; Hugging Face uses its own pool).
+        special_tokens: ``text`` encodes special-token strings as plain text; ``parse`` as their ids.
 
     Raises:
-        StreampackError: the spec names no usable tokenizer.
+        TokenizerError: the spec names no usable tokenizer.
+        MissingDependencyError: the backend's package is not installed.
     """
+    if special_tokens not in ("text", "parse"):
+        raise OptionsError(f"special_tokens must be 'text' or 'parse' (got {special_tokens!r})")
     if spec == "bytes":
         return BytesTokenizer()
     if spec.startswith("tiktoken:"):
-        return TiktokenTokenizer(spec, threads=threads)
-    return HFTokenizer(spec)
+        return TiktokenTokenizer(spec, threads=threads, special_tokens=special_tokens)
+    return HFTokenizer(spec, threads=threads, special_tokens=special_tokens)
 
 
 @dataclass(frozen=True)
@@ -103,12 +118,12 @@ def resolve_eos(tokenizer: Tokenizer, *, eos: bool, eos_id: int | None) -> EosPo
         return EosPolicy(False, None)
     if eos_id is not None:
         if eos_id < 0 or eos_id >= 1 << 32:
-            raise OptionsError(f"--eos-id must be in [0, 2**32) (got {eos_id})")
+            raise OptionsError(f"eos_id must be in [0, 2**32) (got {eos_id})")
         return EosPolicy(True, eos_id)
     if tokenizer.eos_id is None:
         raise TokenizerError(
             f"tokenizer {tokenizer.spec!r} has no EOS token that streampack recognises "
-            f"(looked for {', '.join(EOS_NAMES)}); pass --eos-id N, or --no-eos to append none"
+            f"(looked for {', '.join(EOS_NAMES)}); pass eos_id=N, or eos=False to append none"
         )
     return EosPolicy(True, tokenizer.eos_id)
 
@@ -121,6 +136,7 @@ class BytesTokenizer:
     eos_id: int | None = 256
     saturates_cores = False
     fast_piece_chars: int | None = None  # encoding bytes costs the same per character at any length
+    cut_safety = CutSafety(True, "every cut keeps UTF-8 bytes")
 
     def fingerprint(self) -> dict[str, Any]:
         """See :class:`Tokenizer`."""
@@ -143,7 +159,9 @@ class HFTokenizer:
     # documents (5,000: 1.16x; 20,000: 1.14x; GPT-2, 2 cores; benchmarks/bench_pieces.py).
     fast_piece_chars: int | None = 10_000
 
-    def __init__(self, spec: str) -> None:
+    def __init__(
+        self, spec: str, *, threads: int | None = None, special_tokens: SpecialTokens = "text"
+    ) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
         path = Path(spec)
@@ -159,13 +177,50 @@ class HFTokenizer:
         self._definition = path.read_bytes()
         try:
             self._tok = _Tokenizer.from_str(self._definition.decode("utf-8"))
+            structure = json.loads(self._definition)
         except Exception as e:  # tokenizers raises a bare Exception for unparsable files
             raise TokenizerError(f"{path}: not a valid Hugging Face tokenizer.json ({e})") from None
+        if not hasattr(self._tok, "encode_special_tokens"):
+            raise MissingDependencyError(
+                "streampack needs tokenizers >= 0.15 (encode_special_tokens): pip install -U tokenizers"
+            )
+        self._tok.encode_special_tokens = special_tokens == "text"
+        self.cut_safety = hf_cut_safety(structure, parse_special=special_tokens == "parse")
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        self.eos_id = self._find_eos()
+        self._eos_id, self._eos_problem = self._find_eos()
         self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        if threads is not None and threads != os.cpu_count():
+            self._start_thread_pool(threads)
 
-    def _find_eos(self) -> int | None:
+    def _start_thread_pool(self, threads: int) -> None:
+        """Start ``tokenizers``' thread pool with ``threads`` threads, if this process has none yet.
+
+        The pool reads ``RAYON_NUM_THREADS`` once, when the first batch call starts it; the variable is set
+        only for that call, so nothing is left in the caller's environment. A pool already running in this
+        process keeps its size.
+        """
+        before = os.environ.get("RAYON_NUM_THREADS")
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
+        try:
+            self._encode(["a b", "c d"], add_special_tokens=False)
+        finally:
+            if before is None:
+                del os.environ["RAYON_NUM_THREADS"]
+            else:
+                os.environ["RAYON_NUM_THREADS"] = before
+
+    @property
+    def eos_id(self) -> int | None:
+        """The tokenizer's EOS id (its config's ``eos_token``, else a usual EOS name), or None.
+
+        Raises:
+            TokenizerError: ``tokenizer_config.json`` names an EOS token the vocabulary lacks.
+        """
+        if self._eos_problem:
+            raise TokenizerError(self._eos_problem)
+        return self._eos_id
+
+    def _find_eos(self) -> tuple[int | None, str]:
         config = self._path.parent / "tokenizer_config.json"
         if config.is_file():
             try:
@@ -173,13 +228,19 @@ class HFTokenizer:
             except (ValueError, AttributeError) as e:
                 raise TokenizerError(f"{config}: not a valid tokenizer_config.json ({e})") from None
             eos = eos.get("content") if isinstance(eos, dict) else eos
-            if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
-                return self._tok.token_to_id(eos)
+            if isinstance(eos, str):
+                token_id = self._tok.token_to_id(eos)
+                if token_id is None:
+                    return None, (
+                        f"{config}: eos_token {eos!r} is not in the vocabulary of {self._path}; fix the "
+                        "config, or give the EOS id explicitly (eos_id=N)"
+                    )
+                return token_id, ""
         for name in EOS_NAMES:
             token_id = self._tok.token_to_id(name)
             if token_id is not None:
-                return token_id
-        return None
+                return token_id, ""
+        return None, ""
 
     def fingerprint(self) -> dict[str, Any]:
         """See :class:`Tokenizer`."""
@@ -203,7 +264,9 @@ class TiktokenTokenizer:
     saturates_cores = False  # 3-4 M tokens/s: reading and framing in one process would hold it back
     fast_piece_chars: int | None = None  # measured: pieces encode no faster (benchmarks/bench_pieces.py)
 
-    def __init__(self, spec: str, *, threads: int | None = None) -> None:
+    def __init__(
+        self, spec: str, *, threads: int | None = None, special_tokens: SpecialTokens = "text"
+    ) -> None:
         try:
             import tiktoken
         except ImportError:
@@ -211,6 +274,10 @@ class TiktokenTokenizer:
                 "the tiktoken backend needs the tiktoken package: pip install 'streampack[tiktoken]'"
             ) from None
         ranks = Path(spec.removeprefix("tiktoken:"))
+        if not ranks.name:
+            raise TokenizerError(
+                f"tokenizer {spec!r}: no ranks file named; pass tiktoken:/path/to/NAME.tiktoken"
+            )
         sidecar = ranks.with_suffix(".json")
         if not ranks.is_file():
             raise TokenizerError(
@@ -225,21 +292,25 @@ class TiktokenTokenizer:
         self.spec = spec
         self._definition = ranks.read_bytes() + sidecar.read_bytes()
         try:
-            meta = json.loads(sidecar.read_text())
+            mergeable_ranks = _read_ranks(ranks)
+        except ValueError as e:
+            raise TokenizerError(str(e)) from None
+        pattern, specials, n_vocab = _read_sidecar(sidecar, mergeable_ranks)
+        try:
             self._enc = tiktoken.Encoding(
                 ranks.stem,
-                pat_str=meta["pat_str"],
-                mergeable_ranks=_read_ranks(ranks),
-                special_tokens=meta.get("special_tokens", {}),
-                explicit_n_vocab=meta.get("explicit_n_vocab"),
+                pat_str=pattern,
+                mergeable_ranks=mergeable_ranks,
+                special_tokens=specials,
+                explicit_n_vocab=n_vocab,
             )
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, OverflowError) as e:
             raise TokenizerError(f"tokenizer {spec!r}: cannot load ({type(e).__name__}: {e})") from None
         self._name = ranks.stem
         self.vocab_size = self._enc.n_vocab
-        self.eos_id = next(
-            (self._enc._special_tokens[n] for n in EOS_NAMES if n in self._enc._special_tokens), None
-        )
+        self.eos_id = next((specials[n] for n in EOS_NAMES if n in specials), None)
+        self._allowed = set(specials) if special_tokens == "parse" else set()
+        self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._threads = threads or 1
         self._pool = ThreadPoolExecutor(self._threads) if self._threads > 1 else None
         core = getattr(self._enc, "_core_bpe", None)
@@ -254,9 +325,10 @@ class TiktokenTokenizer:
         return {"kind": "tiktoken", "name": self._name, "vocab_size": self.vocab_size, "sha256": digest}
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """See :class:`Tokenizer`. Encodes as ``encode_ordinary``: special-token text is plain text."""
+        """See :class:`Tokenizer`. Encodes as ``encode_ordinary`` unless special tokens are parsed."""
         if self._to_buffer is None:  # older tiktoken: the public batch call, then a list-to-array copy
-            return [np.array(ids, dtype=np.uint32) for ids in self._enc.encode_ordinary_batch(texts)]
+            batch = self._enc.encode_batch(texts, allowed_special=self._allowed, disallowed_special=())
+            return [np.array(ids, dtype=np.uint32) for ids in batch]
         if self._pool is None:
             return [self._encode_one(t) for t in texts]
         return list(self._pool.map(self._encode_one, texts))
@@ -264,11 +336,46 @@ class TiktokenTokenizer:
     def _encode_one(self, text: str) -> np.ndarray:
         # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.
         assert self._to_buffer is not None, "encode_batch checks for it"
-        return np.frombuffer(self._to_buffer(text, set()), dtype=np.uint32)
+        return np.frombuffer(self._to_buffer(text, self._allowed), dtype=np.uint32)
 
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`."""
         return self._enc.decode(list(ids))
+
+
+def _read_sidecar(path: Path, ranks: dict[bytes, int]) -> tuple[str, dict[str, int], int | None]:
+    """The split pattern, special tokens and explicit vocabulary size of a tiktoken sidecar, validated."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except ValueError as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("pat_str"), str):
+        raise TokenizerError(f"{path}: needs a 'pat_str' string (the encoding's split pattern)")
+    specials = meta.get("special_tokens", {})
+    if not isinstance(specials, dict):
+        raise TokenizerError(
+            f"{path}: 'special_tokens' must be an object of token string -> id (got a "
+            f"{type(specials).__name__})"
+        )
+    taken = set(ranks.values())
+    for token, token_id in specials.items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 1 << 32:
+            raise TokenizerError(
+                f"{path}: special_tokens[{token!r}] = {token_id!r} is not an id in [0, 2**32)"
+            )
+        if token_id in taken:
+            raise TokenizerError(
+                f"{path}: special_tokens[{token!r}] = {token_id} is also the rank of a regular token; "
+                "give the special token an id of its own"
+            )
+    n_vocab = meta.get("explicit_n_vocab")
+    real = max([*taken, *specials.values()], default=-1) + 1
+    if n_vocab is not None and n_vocab != real:
+        raise TokenizerError(
+            f"{path}: explicit_n_vocab is {n_vocab!r}, but the ranks and special tokens make {real} ids; "
+            "fix it or leave it out"
+        )
+    return meta["pat_str"], specials, n_vocab
 
 
 def _read_ranks(path: Path) -> dict[bytes, int]:
@@ -286,146 +393,3 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
             except (ValueError, binascii.Error):
                 raise ValueError(f"{path}:{number}: expected 'base64-token rank'") from None
     return ranks
-
-
-# ---------------------------------------------------------------------------------------------- long texts
-
-
-def split_text(text: str, max_chars: int, target_chars: int | None = None) -> Iterator[str]:
-    """Split ``text`` into pieces of at most ``max_chars`` characters at boundaries that keep the tokens.
-
-    A piece ends just before a single space that has a non-space on both sides (``"... word| next"``).
-    Byte-level BPE tokenizers with a regex pre-tokenizer (GPT-2, tiktoken's encodings, most
-    ``tokenizer.json`` files of that family) split there anyway, so the pieces encode to exactly the tokens
-    of the whole text. With ``target_chars``, texts are also cut at such a space near every
-    ``target_chars`` characters (the last one before, else the first one after, within ``max_chars``),
-    because small pieces encode faster; where there is none, the text stays whole up to ``max_chars``.
-    Only a text with no such space in a window of ``max_chars // 2`` characters is cut otherwise: after a
-    newline, and failing that at ``max_chars`` exactly. Those rare cuts (and any cut of a tokenizer without
-    such a pre-tokenizer, e.g. SentencePiece's prefix space) can change the tokens next to the cut.
-    """
-    start = 0
-    while (cut := _next_cut(text, start, max_chars, target_chars)) is not None:
-        yield text[start:cut]
-        start = cut
-    yield text[start:] if start else text
-
-
-def stream_pieces(chunks: Iterable[str], max_chars: int, target_chars: int | None = None) -> Iterator[str]:
-    """:func:`split_text` over text that arrives in chunks: the same pieces, ~``max_chars`` held at once."""
-    buffer = ""
-    for chunk in chunks:
-        buffer += chunk
-        start = 0
-        while len(buffer) - start > max_chars:  # the whole window of the next cut is here
-            cut = _next_cut(buffer, start, max_chars, target_chars)
-            assert cut is not None, "a text longer than max_chars is always cut"
-            yield buffer[start:cut]
-            start = cut
-        buffer = buffer[start:]
-    yield from split_text(buffer, max_chars, target_chars)
-
-
-@dataclass(frozen=True)
-class PieceRule:
-    """How documents are cut into pieces before encoding: see :func:`split_text`."""
-
-    max_chars: int
-    target_chars: int | None = None
-
-    def split(self, text: str) -> Iterator[str]:
-        """The pieces of ``text``."""
-        return split_text(text, self.max_chars, self.target_chars)
-
-    def stream(self, chunks: Iterable[str]) -> Iterator[str]:
-        """The pieces of the text made of ``chunks``."""
-        return stream_pieces(chunks, self.max_chars, self.target_chars)
-
-
-def piece_rule(tokenizer: Tokenizer, max_chars: int | None = None) -> PieceRule:
-    """The piece rule for ``tokenizer``: its fast piece size where cuts keep its tokens, within ``max_chars``.
-
-    ``max_chars`` defaults to :func:`default_max_piece_chars`.
-    """
-    exact = cuts_keep_tokens(tokenizer)
-    limit = max_chars or (EXACT_CUT_PIECE_CHARS if exact else INEXACT_CUT_PIECE_CHARS)
-    target = tokenizer.fast_piece_chars if exact else None
-    return PieceRule(limit, target if target is not None and target < limit else None)
-
-
-def default_max_piece_chars(tokenizer: Tokenizer) -> int:
-    """The piece size for ``tokenizer``: 100,000 characters if cuts keep its tokens, else 1,000,000.
-
-    Small pieces bound the tokenizer's memory (its per-character bookkeeping is ~20x the text) and let
-    its threads share a long document: on the real benchmark corpus (GPT-2, 2 cores) a build holds 0.23
-    GB of RSS with 100,000-character pieces against 0.5 GB with 1,000,000. Where a cut could change the
-    tokens (see :func:`cuts_keep_tokens`), pieces stay large, so that cuts happen only in documents of
-    over a million characters.
-    """
-    return piece_rule(tokenizer).max_chars
-
-
-_CUT_PROBES = (
-    "Hello world, it's 2024: 12345 apples cost $3.50 (not 4). Don't stop!\nA new line\tand a tab.",
-    "naïve café déjà-vu Ünïcödé 漢字かな交じり文 テスト 한국어 😀 emoji 👍🏽 end",
-    "def f(x):\n    return x ** 2  # two  spaces\n\nclass A: pass ;;; ... --- === +++",
-    "'s 're 've 'm 'll 'd 'S THE END. a b c d e 1 2 3 <|endoftext|> [CLS] </s> x",
-)
-
-
-def cuts_keep_tokens(tokenizer: Tokenizer) -> bool:
-    """Whether cutting before a single space between non-spaces keeps ``tokenizer``'s tokens.
-
-    Checked on probe texts cut at every such space at once: true for byte-level BPE with a regex
-    pre-tokenizer (GPT-2, Llama 3, tiktoken's encodings) and for ``bytes``; false for tokenizers that add
-    a prefix space to every input (SentencePiece-style, e.g. Llama 2).
-    """
-    for text in _CUT_PROBES:
-        cuts = [i for i in range(1, len(text) - 1) if _is_safe_space(text, i)]
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        whole, *parts = tokenizer.encode_batch([text, *pieces])
-        if not np.array_equal(whole, np.concatenate(parts)):
-            return False
-    return True
-
-
-def _is_safe_space(text: str, i: int) -> bool:
-    return text[i] == " " and not text[i - 1].isspace() and not text[i + 1].isspace()
-
-
-def _next_cut(text: str, start: int, max_chars: int, target_chars: int | None) -> int | None:
-    """Where the piece that begins at ``start`` ends; ``None`` if it is the last one."""
-    rest = len(text) - start
-    if target_chars is not None and rest > target_chars:
-        hi = min(start + max_chars, len(text) - 1)
-        cut = _safe_space_near(text, start + target_chars // 2, start + target_chars, hi)
-        if cut is not None:
-            return cut
-    return _safe_cut(text, start, start + max_chars) if rest > max_chars else None
-
-
-def _safe_space_near(text: str, lo: int, target: int, hi: int) -> int | None:
-    """A safe space in ``(lo, hi)``: the last one up to ``target``, else the first one after it."""
-    i = text.rfind(" ", lo + 1, min(target + 1, hi))
-    while i > lo:
-        if _is_safe_space(text, i):
-            return i
-        i = text.rfind(" ", lo + 1, i)
-    i = text.find(" ", target + 1, hi)
-    while i != -1:
-        if _is_safe_space(text, i):
-            return i
-        i = text.find(" ", i + 1, hi)
-    return None
-
-
-def _safe_cut(text: str, lo: int, hi: int) -> int:
-    """Index in ``(lo, hi]`` to cut ``text`` at; see :func:`split_text`. Requires ``hi < len(text)``."""
-    floor = lo + (hi - lo) // 2
-    i = text.rfind(" ", floor, hi)
-    while i > floor:
-        if _is_safe_space(text, i):
-            return i
-        i = text.rfind(" ", floor, i)
-    i = text.rfind("\n", floor, hi)
-    return i + 1 if i > floor else hi

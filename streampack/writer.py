@@ -20,7 +20,7 @@ import numpy as np
 from streampack import ledger
 from streampack.errors import CacheError, WriteError
 from streampack.format import OFFSET_DTYPE, file_checksum, fsync_dir, offsets_path, tokens_path
-from streampack.ledger import UnitProgress
+from streampack.ledger import Counts, UnitProgress
 
 
 class ShardWriter:
@@ -59,12 +59,13 @@ class ShardWriter:
         self.num_tokens += len(tokens)
         self.num_docs += len(ends)
 
-    def commit(self, *, records: int, skipped: int, done: bool = False) -> UnitProgress:
+    def commit(self, counts: Counts, *, done: bool = False) -> UnitProgress:
         """Make everything appended durable, then record it in the ledger.
 
         The ledger records the tokens up to the end of the last complete document: the tokens of a document
         still being appended (a long one, split into pieces) are cut off on resume and written again, with
-        the ``records`` they belong to. With ``done``, also record the final checksums.
+        the records they belong to (``counts`` covers complete documents only). With ``done``, also record
+        the final checksums.
         """
         for f, path in ((self._tokens, self._tokens_path), (self._offsets, self._offsets_path)):
             try:
@@ -80,13 +81,15 @@ class ShardWriter:
             checksums = (file_checksum(self._tokens_path), file_checksum(self._offsets_path))
         self.progress = UnitProgress(
             unit=self.progress.unit,
-            records=records,
+            records=counts.records,
             docs=self.num_docs,
             tokens=self._doc_aligned_tokens,
-            skipped=skipped,
+            skipped=counts.skipped,
             done=done,
             tokens_checksum=checksums[0],
             offsets_checksum=checksums[1],
+            empty_docs=counts.empty_docs,
+            inexact_cuts=counts.inexact_cuts,
         )
         ledger.commit(self.root, self.name, self.progress)
         return self.progress
@@ -121,7 +124,7 @@ def _open_at(path: Path, length: int) -> BinaryIO:
             f.close()
             raise CacheError(
                 f"{path} holds {size} bytes but the ledger committed {length}: the shard was damaged after "
-                "it was written; rebuild with --overwrite"
+                "it was written; rebuild with overwrite=True"
             )
         f.truncate(length)
         f.seek(length)

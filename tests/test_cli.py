@@ -19,9 +19,10 @@ def test_build_info_verify_decode(tmp_path: Path, bpe_tokenizer: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl.gz", docs)
     out = tmp_path / "cache"
     result = run_cli("build", src, "--tokenizer", bpe_tokenizer, "--out", out, "--workers", "2")
-    assert "3 documents" in result.stdout
+    assert "2 documents" in result.stdout and "left out 1 empty or whitespace-only document" in result.stdout
     info = json.loads(run_cli("info", out, "--json").stdout)
-    assert info["num_docs"] == 3 and info["dtype"] == "uint16" and info["vocab_size"] > 256
+    assert info["empty_docs"] == 1 and info["inputs"] == str(src)
+    assert info["num_docs"] == 2 and info["dtype"] == "uint16" and info["vocab_size"] > 256
     assert {"doc_tokens_mean", "doc_tokens_p50", "doc_tokens_p99", "bytes", "num_shards"} <= set(info)
     assert "num_tokens" in run_cli("info", out).stdout
     assert run_cli("verify", out).stdout.startswith("ok:")

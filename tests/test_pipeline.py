@@ -14,12 +14,12 @@ import pytest
 
 import streampack
 from streampack import ledger, pipeline
-from streampack.build import BuildOptions
 from streampack.errors import BadRecordError
-from streampack.ledger import UnitProgress
-from streampack.pipeline import UnitResult, UnitTask, run_units
+from streampack.ledger import Counts, UnitProgress
+from streampack.pieces import EXACT_CUT_PIECE_CHARS, PieceRule
+from streampack.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, run_units
 from streampack.sources import ReadOptions, WorkUnit, expand_inputs, plan_units
-from streampack.tokenize import BytesTokenizer, EosPolicy, PieceRule, default_max_piece_chars
+from streampack.tokenize import BytesTokenizer, EosPolicy
 from streampack.writer import ShardWriter
 from tests.conftest import write_jsonl
 
@@ -63,8 +63,8 @@ class RecordingWriter(ShardWriter):
 
     commits: ClassVar[dict[str, list[UnitProgress]]] = {}
 
-    def commit(self, *, records: int, skipped: int, done: bool = False) -> UnitProgress:
-        progress = super().commit(records=records, skipped=skipped, done=done)
+    def commit(self, counts: Counts, *, done: bool = False) -> UnitProgress:
+        progress = super().commit(counts, done=done)
         self.commits.setdefault(self.name, []).append(progress)
         return progress
 
@@ -86,14 +86,13 @@ def _texts(seed: int, prefix: str) -> list[str | None]:
     return texts
 
 
-def _tasks(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    tokenizer: SlowBatches,
-    files: Sequence[Sequence[str | None]],
-) -> list[UnitTask]:
-    """One unit per file of ``files`` (None: a record without text), built with ``tokenizer``."""
-    monkeypatch.setitem(pipeline._tokenizers, (SPEC, pipeline._threads), tokenizer)
+def _spec(root: Path, **options: object) -> UnitSpec:
+    ref = TokenizerRef(SPEC, "text", "no-file")
+    return UnitSpec(str(root), ref, ReadOptions(), EosPolicy(True, 256), "uint16", PieceRule(700), **options)  # type: ignore[arg-type]
+
+
+def _tasks(tmp_path: Path, files: Sequence[Sequence[str | None]]) -> list[UnitTask]:
+    """One unit per file of ``files`` (None: a record without text)."""
     paths = [
         str(
             write_jsonl(
@@ -102,16 +101,11 @@ def _tasks(
         )
         for i, texts in enumerate(files)
     ]
-    opts = BuildOptions(
-        tokenizer=SPEC, on_bad_record="skip", batch_chars=2_000, commit_bytes=1, commit_seconds=0
-    )
+    spec = _spec(tmp_path / "out", on_bad_record="skip", batch_chars=2_000, commit_bytes=1, commit_seconds=0)
     units = [WorkUnit(i, file) for i, file in enumerate(expand_inputs(paths))]  # one unit per file
     (tmp_path / "out" / "ledger").mkdir(parents=True)
     (tmp_path / "out" / "shards").mkdir()
-    return [
-        UnitTask(str(tmp_path / "out"), u, opts, EosPolicy(True, 256), "uint16", PieceRule(700))
-        for u in units
-    ]
+    return [UnitTask(spec, u) for u in units]
 
 
 def _check_unit(
@@ -139,19 +133,19 @@ def test_out_of_order_batches_are_written_in_order_and_commits_are_exact(
 ) -> None:
     texts = _texts(0, "w")
     tokenizer = SlowBatches(lambda call, _: call < slow_batches)
-    (result,) = run_units(_tasks(tmp_path, monkeypatch, tokenizer, [texts]), lambda event: None)
+    (result,) = run_units(_tasks(tmp_path, [texts]), lambda event: None, tokenizer)
 
     assert tokenizer.finished()[:slow_batches] != list(range(slow_batches)), "no batch finished out of order"
     _check_unit(tmp_path / "out", "000000", texts, result.progress, recording["000000"])
 
 
 def test_next_unit_encodes_while_the_last_batch_of_the_one_before_still_does(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recording: dict[str, list[UnitProgress]]
+    tmp_path: Path, recording: dict[str, list[UnitProgress]]
 ) -> None:
     files = [_texts(seed, prefix) for seed, prefix in enumerate("abc")]
     last_of_a = next(t for t in reversed(files[0]) if t is not None)
     tokenizer = SlowBatches(lambda _, texts: last_of_a.endswith(texts[-1]))
-    results = list(run_units(_tasks(tmp_path, monkeypatch, tokenizer, files), lambda event: None))
+    results = list(run_units(_tasks(tmp_path, files), lambda event: None, tokenizer))
 
     assert [r.unit_index for r in results] == [0, 1, 2]
     (slow_call,) = tokenizer.slow_calls
@@ -162,25 +156,20 @@ def test_next_unit_encodes_while_the_last_batch_of_the_one_before_still_does(
 
 
 def test_a_bad_record_finishes_the_unit_before_and_commits_its_own_unit_up_to_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recording: dict[str, list[UnitProgress]]
+    tmp_path: Path, recording: dict[str, list[UnitProgress]]
 ) -> None:
     first, second = ([t for t in _texts(seed, prefix) if t is not None] for seed, prefix in enumerate("ab"))
     last_of_first = next(t for t in reversed(first) if t is not None)
     tokenizer = SlowBatches(lambda _, texts: last_of_first.endswith(texts[-1]))
-    tasks = _tasks(tmp_path, monkeypatch, tokenizer, [first, second])
+    tasks = _tasks(tmp_path, [first, second])
     path = Path(tasks[1].unit.file.path)  # type: ignore[union-attr]
     lines = path.read_bytes().splitlines(keepends=True)
     path.write_bytes(b"".join([*lines[:5], b"{not json\n", *lines[5:]]))
-    strict = [
-        UnitTask(
-            t.root, t.unit, BuildOptions(tokenizer=SPEC, batch_chars=2_000), t.eos, t.dtype, PieceRule(700)
-        )
-        for t in tasks
-    ]
+    strict = [UnitTask(_spec(tmp_path / "out", batch_chars=2_000), t.unit) for t in tasks]
 
     results: list[UnitResult] = []
     with pytest.raises(BadRecordError, match=r"in1\.jsonl:6"):
-        for result in run_units(strict, lambda event: None):
+        for result in run_units(strict, lambda event: None, tokenizer):
             results.append(result)
 
     (slow_call,) = tokenizer.slow_calls
@@ -206,14 +195,9 @@ def test_a_run_of_files_reports_every_byte_it_reads(tmp_path: Path) -> None:
     assert len(unit.files) == 4
     (tmp_path / "out" / "ledger").mkdir(parents=True)
     (tmp_path / "out" / "shards").mkdir()
-    opts = BuildOptions(batch_chars=5_000)
     events: list[dict[str, int]] = []
-    list(
-        run_units(
-            [UnitTask(str(tmp_path / "out"), unit, opts, EosPolicy(True, 256), "uint16", PieceRule(700))],
-            events.append,
-        )
-    )
+    spec = _spec(tmp_path / "out", batch_chars=5_000)
+    list(run_units([UnitTask(spec, unit)], events.append, BytesTokenizer()))
     assert len(events) > 10
     assert sum(e["bytes"] for e in events) == sum(p.stat().st_size for p in paths)
 
@@ -222,4 +206,4 @@ def test_default_piece_size_is_recorded(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b c"}])
     streampack.build(path, tmp_path / "c")
     settings = streampack.open(tmp_path / "c").manifest.settings
-    assert settings["max_piece_chars"] == default_max_piece_chars(BytesTokenizer()) == 100_000
+    assert settings["max_piece_chars"] == EXACT_CUT_PIECE_CHARS == 100_000

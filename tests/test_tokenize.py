@@ -1,4 +1,4 @@
-"""Tokenizer specs, EOS resolution, and the long-document splitting that must not change tokens."""
+"""Tokenizer specs, EOS resolution, special-token text, and bad tokenizer files."""
 
 from __future__ import annotations
 
@@ -7,125 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from streampack.errors import StreampackError
-from streampack.tokenize import (
-    EXACT_CUT_PIECE_CHARS,
-    INEXACT_CUT_PIECE_CHARS,
-    PieceRule,
-    cuts_keep_tokens,
-    default_max_piece_chars,
-    load_tokenizer,
-    piece_rule,
-    resolve_eos,
-    split_text,
-    stream_pieces,
-)
-
-words = st.text(st.characters(exclude_categories=["Cs", "Zs", "Cc"]), min_size=1, max_size=12)
-separators = st.sampled_from([" ", "  ", "\n", " \n ", "\t", ". ", "\n\n"])
-prose = st.lists(st.tuples(words, separators), min_size=1, max_size=120).map(
-    lambda pairs: "".join(w + s for w, s in pairs)
-)
-
-
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=prose, max_chars=st.integers(8, 200))
-def test_pieces_keep_byte_level_bpe_tokens(text: str, max_chars: int, bpe_tokenizer: Path) -> None:
-    pieces = list(split_text(text, max_chars))
-    assert "".join(pieces) == text
-    assert all(len(p) <= max_chars for p in pieces)
-    cuts = np.cumsum([len(p) for p in pieces[:-1]]).tolist()
-    if all(
-        _between_words(text, c) for c in cuts
-    ):  # the documented guarantee: such cuts leave byte-level BPE tokens unchanged
-        tok = load_tokenizer(str(bpe_tokenizer))
-        assert np.concatenate(tok.encode_batch(pieces)).tolist() == tok.encode_batch([text])[0].tolist()
-
-
-def _between_words(text: str, cut: int) -> bool:
-    """True where ``text[cut]`` is a single space with a non-space on both sides."""
-    window = text[cut - 1 : cut + 2]
-    return len(window) == 3 and window[1] == " " and not window[0].isspace() and not window[2].isspace()
-
-
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=prose, target_chars=st.integers(2, 60), max_chars=st.integers(8, 200))
-def test_pieces_near_the_target_keep_byte_level_bpe_tokens(
-    text: str, target_chars: int, max_chars: int, bpe_tokenizer: Path
-) -> None:
-    pieces = list(split_text(text, max_chars, target_chars))
-    assert "".join(pieces) == text
-    assert all(len(p) <= max_chars for p in pieces)
-    cuts = np.cumsum([len(p) for p in pieces[:-1]]).tolist()
-    if all(_between_words(text, c) for c in cuts):
-        tok = load_tokenizer(str(bpe_tokenizer))
-        assert np.concatenate(tok.encode_batch(pieces)).tolist() == tok.encode_batch([text])[0].tolist()
-
-
-def test_pieces_end_at_the_last_word_boundary_before_the_target() -> None:
-    text = " ".join(["word"] * 1_000)  # spaces at 4, 9, 14, ...: the last before 100 is at 99
-    pieces = list(split_text(text, 1_000, 100))
-    assert [len(p) for p in pieces[:-1]] == [99] + [100] * (len(pieces) - 2)
-    assert all(p.startswith(" ") for p in pieces[1:])
-
-
-def test_without_a_word_boundary_near_the_target_the_next_one_is_taken() -> None:
-    text = "x" * 150 + " y" + " z" * 200  # no boundary in (50, 100]; the first after it is at 150
-    pieces = list(split_text(text, 1_000, 100))
-    assert len(pieces[0]) == 150
-    assert all(_between_words(text, c) for c in np.cumsum([len(p) for p in pieces[:-1]]))
-
-
-def test_text_without_word_boundaries_stays_whole_up_to_max_chars() -> None:
-    blob = "漢字かな交じり文" * 100  # 800 characters, no spaces: a cut here could change the tokens
-    assert list(split_text(blob, 1_000, 100)) == [blob]
-    assert [len(p) for p in split_text(blob * 2, 1_000, 100)] == [1_000, 600]  # only the memory bound cuts
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    text=prose,
-    max_chars=st.integers(8, 200),
-    target_chars=st.none() | st.integers(2, 100),
-    chunk=st.integers(1, 50),
-)
-def test_streamed_pieces_equal_the_pieces_of_the_whole_text(
-    text: str, max_chars: int, target_chars: int | None, chunk: int
-) -> None:
-    chunks = [text[i : i + chunk] for i in range(0, len(text), chunk)]
-    assert list(stream_pieces(chunks, max_chars, target_chars)) == list(
-        split_text(text, max_chars, target_chars)
-    )
-
-
-def test_piece_rule_per_tokenizer(tmp_path: Path, bpe_tokenizer: Path) -> None:
-    hf = load_tokenizer(str(bpe_tokenizer))
-    assert piece_rule(hf) == PieceRule(EXACT_CUT_PIECE_CHARS, hf.fast_piece_chars) and hf.fast_piece_chars
-    assert piece_rule(hf, 5_000) == PieceRule(5_000)  # a target at or above the limit is no target
-    assert piece_rule(load_tokenizer("bytes")) == PieceRule(EXACT_CUT_PIECE_CHARS)
-    # No cuts for speed where cuts change the tokens:
-    prefix_space = load_tokenizer(str(_prefix_space_tokenizer(tmp_path / "tokenizer.json")))
-    assert piece_rule(prefix_space) == PieceRule(INEXACT_CUT_PIECE_CHARS)
-
-
-def test_gpt2_long_document_in_pieces_equals_whole(gpt2_tokenizer: Path) -> None:
-    from tests.conftest import SAMPLE_CORPUS
-
-    if not SAMPLE_CORPUS.exists():
-        pytest.skip(f"{SAMPLE_CORPUS} is absent")
-    import zstandard
-
-    raw = zstandard.ZstdDecompressor().stream_reader(SAMPLE_CORPUS.open("rb")).read()
-    text = max((json.loads(line)["text"] for line in raw.splitlines()), key=len)
-    tok = load_tokenizer(str(gpt2_tokenizer))
-    whole = Tokenizer.from_file(str(gpt2_tokenizer)).encode(text).ids
-    for pieces in (list(split_text(text, 5_000)), list(PieceRule(100_000, 1_000).split(text))):
-        assert len(pieces) > 20
-        assert np.concatenate(tok.encode_batch(pieces)).tolist() == whole
+from streampack.errors import StreampackError, TokenizerError
+from streampack.tokenize import load_tokenizer, resolve_eos
 
 
 def test_bytes_tokenizer_round_trip() -> None:
@@ -151,7 +36,7 @@ def test_tokenizer_without_eos_needs_an_explicit_choice(tmp_path: Path) -> None:
     bare = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
     bare.save(str(tmp_path / "tokenizer.json"))
     tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
-    with pytest.raises(StreampackError, match="--eos-id N, or --no-eos"):
+    with pytest.raises(StreampackError, match="eos_id=N, or eos=False"):
         resolve_eos(tok, eos=True, eos_id=None)
     assert resolve_eos(tok, eos=True, eos_id=1).id == 1
     assert not resolve_eos(tok, eos=False, eos_id=None).append
@@ -180,33 +65,160 @@ def test_large_vocab_uses_uint32(tmp_path: Path, tiktoken_gpt2: Path) -> None:
     assert cache.doc(0).max() < cache.vocab_size
 
 
-def _prefix_space_tokenizer(path: Path) -> Path:
-    """A SentencePiece-style tokenizer.json (Llama 2's normalizer: prepend '▁', spaces to '▁')."""
-    from tokenizers import models, normalizers, trainers
+# ------------------------------------------------------------------------------------ special-token text
 
+SPECIAL_TEXTS = ["Hello<|endoftext|>World", "<|endoftext|>", "x <|endoftext|> y", "a</s>b <|fim_prefix|>"]
+
+
+def test_special_token_text_is_text_and_both_backends_agree(
+    gpt2_tokenizer: Path, tiktoken_gpt2: Path
+) -> None:
+    import tiktoken
+
+    hf = load_tokenizer(str(gpt2_tokenizer))
+    tt = load_tokenizer(f"tiktoken:{tiktoken_gpt2}")
+    meta = json.loads(tiktoken_gpt2.with_suffix(".json").read_text())
+    from streampack.tokenize import _read_ranks
+
+    reference = tiktoken.Encoding(
+        "gpt2", pat_str=meta["pat_str"], mergeable_ranks=_read_ranks(tiktoken_gpt2), special_tokens={}
+    )
+    for text in SPECIAL_TEXTS:
+        expected = reference.encode_ordinary(text)
+        assert 50256 not in expected
+        assert hf.encode_batch([text])[0].tolist() == expected
+        assert tt.encode_batch([text])[0].tolist() == expected
+
+
+def test_a_cache_holds_no_control_id_inside_a_document(
+    tmp_path: Path, gpt2_tokenizer: Path, tiktoken_gpt2: Path
+) -> None:
+    import streampack
+
+    docs = streampack.Documents(SPECIAL_TEXTS)
+    streampack.build(docs, tmp_path / "hf", tokenizer=str(gpt2_tokenizer))
+    streampack.build(docs, tmp_path / "tt", tokenizer=f"tiktoken:{tiktoken_gpt2}")
+    hf, tt = streampack.open(tmp_path / "hf"), streampack.open(tmp_path / "tt")
+    for i in range(len(SPECIAL_TEXTS)):
+        assert hf.doc(i).tolist() == tt.doc(i).tolist()
+        assert 50256 not in hf.doc(i)[:-1].tolist() and hf.doc(i)[-1] == 50256
+    assert hf.manifest.settings["special_tokens"] == "text"
+
+
+def test_parsing_special_tokens_is_an_explicit_recorded_choice(
+    tmp_path: Path, gpt2_tokenizer: Path, tiktoken_gpt2: Path
+) -> None:
+    import streampack
+
+    for name, spec in (("hf", str(gpt2_tokenizer)), ("tt", f"tiktoken:{tiktoken_gpt2}")):
+        streampack.build(
+            streampack.Documents(["Hello<|endoftext|>World"]),
+            tmp_path / name,
+            tokenizer=spec,
+            special_tokens="parse",
+        )
+        cache = streampack.open(tmp_path / name)
+        assert cache.doc(0).tolist() == [15496, 50256, 10603, 50256]
+        assert cache.manifest.settings["special_tokens"] == "parse"
+
+
+# ------------------------------------------------------------------------------------ bad tokenizer files
+
+
+def test_an_eos_token_missing_from_the_vocabulary_is_an_error_when_it_is_needed(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    (tmp_path / "tokenizer.json").write_bytes(bpe_tokenizer.read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|not-there|>"}))
+    tok = load_tokenizer(str(tmp_path))
+    with pytest.raises(
+        TokenizerError, match=r"tokenizer_config\.json: eos_token '<\|not-there\|>' is not in"
+    ):
+        resolve_eos(tok, eos=True, eos_id=None)
+    assert resolve_eos(tok, eos=True, eos_id=5).id == 5
+
+
+def _sidecar(tmp_path: Path, tiktoken_gpt2: Path, **changes: object) -> str:
+    ranks = tmp_path / "enc.tiktoken"
+    ranks.write_bytes(tiktoken_gpt2.read_bytes())
+    meta = {**json.loads(tiktoken_gpt2.with_suffix(".json").read_text()), **changes}
+    (tmp_path / "enc.json").write_text(json.dumps(meta))
+    return f"tiktoken:{ranks}"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"explicit_n_vocab": 50000},
+            r"enc\.json: explicit_n_vocab is 50000, but the ranks and special tokens make 50257",
+        ),
+        (
+            {"special_tokens": ["<|endoftext|>"]},
+            r"enc\.json: 'special_tokens' must be an object .* \(got a list\)",
+        ),
+        (
+            {"special_tokens": {"<|endoftext|>": 5000000000}},
+            r"enc\.json: special_tokens\['<\|endoftext\|>'\] = 5000000000 is not an id",
+        ),
+        (
+            {"special_tokens": {"<|endoftext|>": 5}},
+            r"enc\.json: special_tokens\['<\|endoftext\|>'\] = 5 is also the rank",
+        ),
+        ({"pat_str": None}, r"enc\.json: needs a 'pat_str' string"),
+    ],
+)
+def test_bad_tiktoken_sidecars_name_the_file_and_field(
+    tmp_path: Path, tiktoken_gpt2: Path, changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(TokenizerError, match=message):
+        load_tokenizer(_sidecar(tmp_path, tiktoken_gpt2, **changes))
+
+
+def test_an_empty_tiktoken_spec_says_what_to_pass() -> None:
+    pytest.importorskip("tiktoken")
+    with pytest.raises(TokenizerError, match=r"no ranks file named; pass tiktoken:/path/to/NAME\.tiktoken"):
+        load_tokenizer("tiktoken:")
+
+
+# ------------------------------------------------------------------------------------ no process-wide state
+
+
+def test_a_build_leaves_the_callers_environment_alone(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    import os
+
+    import streampack
+
+    before = dict(os.environ)
+    streampack.build(
+        streampack.Documents(["a b c"] * 3), tmp_path / "c", tokenizer=str(bpe_tokenizer), threads=1
+    )
+    assert dict(os.environ) == before
+
+
+def test_a_rebuild_after_the_tokenizer_file_changed_uses_the_new_one(tmp_path: Path) -> None:
+    import hashlib
+
+    from tokenizers import models, pre_tokenizers, trainers
+
+    import streampack
     from tests.conftest import TRAINING_TEXT
 
-    tok = Tokenizer(models.BPE(byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.train_from_iterator(TRAINING_TEXT, trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"]))
-    tok.save(str(path))
-    return path
-
-
-def test_cut_probe_accepts_byte_level_tokenizers(bpe_tokenizer: Path) -> None:
-    assert cuts_keep_tokens(load_tokenizer("bytes"))
-    assert cuts_keep_tokens(load_tokenizer(str(bpe_tokenizer)))
-    assert default_max_piece_chars(load_tokenizer(str(bpe_tokenizer))) == EXACT_CUT_PIECE_CHARS
-
-
-def test_cut_probe_accepts_gpt2_and_tiktoken(gpt2_tokenizer: Path, tiktoken_gpt2: Path) -> None:
-    assert cuts_keep_tokens(load_tokenizer(str(gpt2_tokenizer)))
-    assert cuts_keep_tokens(load_tokenizer(f"tiktoken:{tiktoken_gpt2}"))
-
-
-def test_cut_probe_rejects_a_prefix_space_tokenizer(tmp_path: Path) -> None:
-    tok = load_tokenizer(str(_prefix_space_tokenizer(tmp_path / "tokenizer.json")))
-    # Why the probe matters: a piece that starts with a space gets a second '▁' prepended.
-    assert tok.encode_batch(["a b"])[0].tolist() != np.concatenate(tok.encode_batch(["a", " b"])).tolist()
-    assert not cuts_keep_tokens(tok)
-    assert default_max_piece_chars(tok) == INEXACT_CUT_PIECE_CHARS
+    path = tmp_path / "tokenizer.json"
+    docs = streampack.Documents(TRAINING_TEXT[:8])
+    caches = []
+    for i, vocab_size in enumerate((270, 290)):
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=["</s>"], initial_alphabet=alphabet
+        )
+        tok.train_from_iterator(TRAINING_TEXT, trainer)
+        tok.save(str(path))
+        streampack.build(docs, tmp_path / f"c{i}", tokenizer=str(path))
+        cache = streampack.open(tmp_path / f"c{i}")
+        assert cache.manifest.tokenizer["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert cache.doc(0)[:-1].tolist() == tok.encode(TRAINING_TEXT[0], add_special_tokens=False).ids
+        caches.append(cache)
+    assert caches[0].num_tokens != caches[1].num_tokens
