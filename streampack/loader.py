@@ -86,12 +86,14 @@ class LoaderOptions:
     dtype: npt.DTypeLike = np.int64
 
     def __post_init__(self) -> None:
-        _check_int("batch_size", self.batch_size, 1, 2**62, "a positive integer (the global batch size)")
-        _check_int("world_size", self.world_size, 1, 2**31, "a positive integer (the number of ranks)")
-        _check_int("rank", self.rank, 0, self.world_size - 1, f"an integer in [0, {self.world_size})")
-        _check_int("seed", self.seed, 0, 2**64 - 1, "an integer in [0, 2**64)")
+        # Stored as Python ints: numpy integers (seeds from np.random, sizes from arrays) would make
+        # state_dict() fail to serialize as JSON.
+        self._set_int("batch_size", 1, 2**62, "a positive integer (the global batch size)")
+        self._set_int("world_size", 1, 2**31, "a positive integer (the number of ranks)")
+        self._set_int("rank", 0, self.world_size - 1, f"an integer in [0, {self.world_size})")
+        self._set_int("seed", 0, 2**64 - 1, "an integer in [0, 2**64)")
         if self.epochs is not None:
-            _check_int("epochs", self.epochs, 1, 2**63, "a positive integer, or None to loop forever")
+            self._set_int("epochs", 1, 2**63, "a positive integer, or None to loop forever")
         for name in ("shuffle", "drop_last"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False (got {name}={getattr(self, name)!r})")
@@ -110,6 +112,11 @@ class LoaderOptions:
             if dtype.kind not in "iu":
                 raise ValueError(f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})")
             object.__setattr__(self, "dtype", dtype)
+
+    def _set_int(self, name: str, lo: int, hi: int, allowed: str) -> None:
+        value = getattr(self, name)
+        _check_int(name, value, lo, hi, allowed)
+        object.__setattr__(self, name, int(value))
 
     @property
     def rows(self) -> int:

@@ -286,6 +286,21 @@ def test_state_is_small_versioned_json(cache: streampack.Cache) -> None:
     assert len(json.dumps(state)) < 400
 
 
+def test_state_is_json_when_options_are_numpy_integers() -> None:
+    options = {
+        "batch_size": np.int64(8), "seed": np.uint64(2**64 - 1), "world_size": np.int32(2),
+        "rank": np.uint8(1), "epochs": np.int16(3),
+    }  # fmt: skip
+    loader = Loader(IndexSource(100), **options)  # type: ignore[arg-type]
+    served(loader, 2)
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["seed"] == 2**64 - 1 and state["batch_size"] == 8 and state["world_size"] == 2
+    assert all(type(getattr(loader.options, name)) is int for name in options)
+    resumed = Loader(IndexSource(100), batch_size=8, seed=2**64 - 1, world_size=2, rank=1, epochs=3)
+    resumed.load_state_dict(state)
+    assert served(resumed) == served(loader)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
