@@ -7,7 +7,9 @@ the others, and a checkpoint is a small JSON dict:
   when ``shuffle=False``).
 * Global batch ``b`` of an epoch is positions ``[b*B, (b+1)*B)`` of that order, ``B`` the *global*
   batch size; rank ``r`` of ``W`` takes the contiguous ``r``-th slice of ``B / W`` rows. Every rank gets
-  the same number of batches, so no rank waits for a batch that never comes.
+  the same number of batches, so no rank waits for a batch that never comes. A last partial global
+  batch (``drop_last=False``) is split as evenly as possible; one with fewer rows than ranks, which would
+  leave some rank an empty batch, is refused when the loader is created.
 * The state is ``(seed, epoch, samples consumed in the epoch)``. Resuming recomputes the next batch from
   it directly; nothing is replayed. Since ranks only slice a global batch, the global order is the same
   for any world size, and a run may resume with another number of ranks if ``B`` stays the same.
@@ -26,7 +28,7 @@ from typing import Any, Literal, Protocol, TypeGuard
 import numpy as np
 import numpy.typing as npt
 
-from streampack.errors import LoaderStateError
+from streampack.errors import LoaderStateError, OptionsError
 from streampack.permutation import Permutation
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions"]
@@ -66,7 +68,10 @@ class LoaderOptions:
         rank: this process's rank, in ``[0, world_size)``.
         world_size: number of ranks; it must divide ``batch_size``.
         drop_last: drop the last global batch of an epoch when it is partial (its samples are different
-            ones every shuffled epoch); else serve it, split as evenly as possible over the ranks.
+            ones every shuffled epoch); else serve it, split as evenly as possible over the ranks: with
+            ``N`` samples it has ``N mod B`` rows, and each rank gets ``(N mod B) // W`` of them or one
+            more. The :class:`Loader` refuses ``drop_last=False`` when ``0 < N mod B < W``: some rank
+            would get a 0-row batch, whose mean loss is NaN.
         epochs: stop after this many epochs; ``None`` iterates forever.
         output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; or ``"dict"``, the
             ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take (they
@@ -144,13 +149,17 @@ class Loader:
         shuffle: seeded random order, a different one every epoch; else stream order.
         rank: this process's rank.
         world_size: the number of ranks.
-        drop_last: drop each epoch's last partial global batch.
+        drop_last: drop each epoch's last partial global batch; else split it over the ranks (refused
+            when it has fewer rows than ranks, see :class:`LoaderOptions`).
         epochs: epochs to run; ``None`` runs forever.
         output: ``"numpy"`` or ``"dict"``; see :class:`LoaderOptions`.
         dtype: integer dtype of the token arrays; ``None`` keeps the cache's.
         collate: applied to every batch before it is yielded (e.g. ``torch.from_numpy``).
 
     Raises:
+        OptionsError: (a ``ValueError``) ``drop_last=False`` and the last partial global batch has fewer
+            rows than ``world_size``, so some rank would get an empty batch; the message names the
+            numbers and the fixes.
         ValueError: an option is out of range, ``batch_size`` does not divide by ``world_size``, the
             dataset holds less than one global batch (with ``drop_last``), ``dtype`` cannot hold the
             cache's ids, or ``output="dict"`` is asked of samples it does not fit.
@@ -202,6 +211,7 @@ class Loader:
                 "iterate. Use a smaller batch_size or seq_len, a larger cache"
                 + (", or drop_last=False." if n else ".")
             )
+        self._check_last_batch()
         source_dtype = getattr(self.dataset, "dtype", None)
         if opts.dtype is not None and source_dtype is not None and not np.can_cast(source_dtype, opts.dtype):
             raise ValueError(
@@ -221,6 +231,36 @@ class Loader:
                     f"samples need no overlap (got overlap={overlap}); use cache.sequences(seq_len) with "
                     "overlap=0, or output='numpy' for x/y windows"
                 )
+
+    def _check_last_batch(self) -> None:
+        """Refuse ``drop_last=False`` when the last partial global batch cannot give every rank a row.
+
+        A rank with a 0-row batch computes a NaN mean loss, and DDP's all-reduce spreads the NaN
+        gradients to every rank. The remainder is known up front, so this is refused here rather than
+        padded with repeated samples: every served row stays a distinct sample, in the same order.
+        """
+        opts, n = self.options, self.num_samples
+        remainder = n % opts.batch_size
+        if opts.drop_last or not 0 < remainder < opts.world_size:
+            return
+        plural = "s" if remainder > 1 else ""
+        fixes = []
+        if n >= opts.batch_size:
+            fixes.append(
+                f"drop_last=True (each epoch then skips its last {remainder} sample{plural}, other ones "
+                "every shuffled epoch)"
+            )
+        other = _batch_size_for_ranks(n, opts.batch_size, opts.world_size)
+        if other is not None:
+            fixes.append(f"batch_size={other} (it leaves 0 or at least {opts.world_size} samples over)")
+        fixes.append("fewer ranks, or more samples (a larger cache or a smaller seq_len)")
+        raise OptionsError(
+            f"drop_last=False would give {opts.world_size - remainder} of the {opts.world_size} ranks an "
+            f"empty batch at the end of every epoch: {n} samples in global batches of batch_size="
+            f"{opts.batch_size} leave {n} mod {opts.batch_size} = {remainder} sample{plural} for the last "
+            f"one, fewer than world_size={opts.world_size}. A mean loss over 0 rows is NaN, and DDP spreads "
+            f"it to every rank. Use {', or '.join(fixes)}."
+        )
 
     def _clear_caches(self) -> None:
         self._permutation: Permutation | None = None
@@ -461,6 +501,15 @@ def _is_int(value: object) -> TypeGuard[int]:
 def _check_int(name: str, value: object, lo: int, hi: int, allowed: str) -> None:
     if not _is_int(value) or not lo <= int(value) <= hi:
         raise ValueError(f"{name} must be {allowed} (got {name}={value!r})")
+
+
+def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | None:
+    """The multiple of ``world_size`` nearest ``batch_size`` whose last global batch has a row per rank."""
+    for k in range(1, 1000):
+        for candidate in (batch_size - k * world_size, batch_size + k * world_size):
+            if 0 < candidate <= n and (n % candidate == 0 or n % candidate >= world_size):
+                return candidate
+    return None
 
 
 def _summary(value: object, limit: int = 200) -> str:

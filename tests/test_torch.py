@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 import streampack  # noqa: E402
 from streampack._synthetic import write_cache  # noqa: E402
+from streampack.errors import OptionsError  # noqa: E402
 from streampack.loader import Loader  # noqa: E402
 from streampack.torch import DataLoader, Dataset, IterableDataset, _SlotRing  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
@@ -62,6 +63,26 @@ def test_ranks_times_workers_see_every_sample_once(
     assert len({len(batches) for batches in per_rank}) == 1
     everything = sorted(i for batches in per_rank for batch in batches for i in batch)
     assert everything == list(range(NUM_SAMPLES))
+
+
+def test_drop_last_false_never_hands_a_rank_an_empty_batch(tmp_path: Path) -> None:
+    # The reported numbers: 1,257 samples, global batch 8 over 8 ranks leaves 1 row for 8 ranks.
+    n = 1257
+    tokens = np.repeat(np.arange(n), SEQ_LEN)
+    seqs = streampack.open(
+        write_cache(tmp_path / "c", [(tokens, np.arange(1, len(tokens) + 1))], vocab_size=2000, eos_id=1999)
+    ).sequences(SEQ_LEN)
+    with pytest.raises(OptionsError, match=r"7 of the 8 ranks an empty batch.*1257 mod 8 = 1 sample"):
+        Loader(seqs, batch_size=8, world_size=8, drop_last=False)
+    # batch_size=16 leaves 9 rows: every rank gets 1 or 2, through DataLoader workers too.
+    per_rank = []
+    for rank in range(8):
+        loader = Loader(seqs, batch_size=16, seed=2, rank=rank, world_size=8, drop_last=False, epochs=1)
+        per_rank.append(sample_ids(list(DataLoader(loader, num_workers=2))))
+    assert {len(batches) for batches in per_rank} == {-(-n // 16)}
+    assert [len(batches[-1]) for batches in per_rank] == [1] * 7 + [2]
+    assert all(len(batch) == 2 for batches in per_rank for batch in batches[:-1])
+    assert sorted(i for batches in per_rank for batch in batches for i in batch) == list(range(n))
 
 
 @pytest.mark.parametrize("workers", [0, 2])
