@@ -317,14 +317,17 @@ class PackedSequences:
                 f"sample index must be an int, a slice or an integer array (got {type(index).__name__} "
                 f"of dtype {array.dtype})"
             )
-        flat = array.astype(np.int64).reshape(-1)
-        if flat.size:
-            low, high = int(flat.min()), int(flat.max())
+        low = high = 0
+        if array.size:
+            # Checked in the array's own dtype, before the cast: uint64 values >= 2**63 would wrap to
+            # negative int64s, which count from the end.
+            low, high = int(array.min()), int(array.max())
             if low < -n or high >= n:
                 bad = low if low < -n else high
                 raise IndexError(f"sample {bad} out of range for {n} samples (allowed: -{n} <= i < {n})")
-            if low < 0:
-                flat = np.where(flat < 0, flat + n, flat)
+        flat = array.astype(np.int64).reshape(-1)
+        if low < 0:
+            flat = np.where(flat < 0, flat + n, flat)
         return flat, array.shape
 
     def _pieces(self, starts: np.ndarray, width: int) -> _Pieces:

@@ -119,6 +119,30 @@ def test_out_of_range_index_names_the_range(cache: streampack.Cache, bad: object
         seqs[bad]
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.array([2**64 - 1], dtype=np.uint64),  # wrapped to -1 (the last sample) when cast first
+        np.array([0, 2**63], dtype=np.uint64),  # wrapped to -2**63
+        [2**63 + 5],
+        np.uint64(2**64 - 1),
+    ],
+)
+def test_huge_unsigned_indices_are_refused_naming_their_value(cache: streampack.Cache, bad: object) -> None:
+    seqs = cache.sequences(8)
+    value = int(np.max(bad))
+    message = rf"sample {value} out of range for {len(seqs)} samples"
+    with pytest.raises(IndexError, match=message):
+        seqs[bad]
+    with pytest.raises(IndexError, match=message):
+        seqs.boundaries(bad)
+    if np.ndim(bad) == 1:
+        with pytest.raises(IndexError, match=message):
+            seqs.read(bad)  # type: ignore[arg-type]
+    assert np.array_equal(seqs[np.array([len(seqs) - 1], dtype=np.uint64)], seqs[[-1]])
+    assert np.array_equal(seqs[np.array([-1], dtype=np.int8)], seqs[[len(seqs) - 1]])
+
+
 @pytest.mark.parametrize("bad", [1.5, np.array([0.0, 1.0]), np.array([True, False]), "3"])
 def test_non_integer_index_is_refused(cache: streampack.Cache, bad: object) -> None:
     with pytest.raises(TypeError, match="must be an int, a slice or an integer array"):
