@@ -212,28 +212,42 @@ class PackedSequences:
 
         Args:
             indices: 1-D integer array of sample numbers.
-            out: destination of shape ``(len(indices), seq_len + overlap)`` and any integer dtype wide
-                enough for the token ids; a new array of the cache dtype when omitted.
+            out: destination of shape ``(len(indices), seq_len + overlap)`` and an integer dtype that
+                holds every id of the cache dtype (``np.can_cast(seqs.dtype, out.dtype, "safe")``: int32
+                or int64 for a uint16 cache, not int16); a new array of the cache dtype when omitted.
 
         Returns:
             ``out``.
 
         Raises:
             IndexError: an index is out of range.
-            ValueError: ``indices`` is not 1-D, or ``out`` has the wrong shape.
+            TypeError: ``out`` is not a numpy array.
+            ValueError: ``indices`` is not 1-D, or ``out`` has the wrong shape or a dtype that cannot hold
+                every token id (a narrower or non-integer one, which would wrap or round ids silently).
         """
         flat, shape = self._indices(indices)
         if len(shape) != 1:
             raise ValueError(f"read() takes a 1-D array of indices (got shape {shape})")
         if out is None:
             out = np.empty((flat.size, self.width), dtype=self.dtype)
-        elif out.shape != (flat.size, self.width):
-            raise ValueError(
-                f"out has shape {out.shape}, but {flat.size} windows of {self.width} tokens need "
-                f"{(flat.size, self.width)}"
-            )
+        else:
+            self._check_out(out, flat.size)
         self._read(flat, out)
         return out
+
+    def _check_out(self, out: object, rows: int) -> None:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy array (got {type(out).__name__})")
+        if out.dtype.kind not in "iu" or not np.can_cast(self.dtype, out.dtype, "safe"):
+            raise ValueError(
+                f"out has dtype {out.dtype}, which cannot hold every id of the cache's {self.dtype} tokens "
+                f"(they would be silently changed); use {self.dtype} or a wider integer type such as int64"
+            )
+        if out.shape != (rows, self.width):
+            raise ValueError(
+                f"out has shape {out.shape}, but {rows} windows of {self.width} tokens need "
+                f"{(rows, self.width)}"
+            )
 
     def boundaries(self, index: Index) -> Boundaries:
         """Document boundaries of the samples at ``index``: position ids, document ids, ``cu_seqlens``.

@@ -73,13 +73,21 @@ class Dataset(torch_data.Dataset):
 
     Args:
         sequences: the samples, e.g. ``cache.sequences(2048)``.
-        dtype: tensor dtype of the tokens.
+        dtype: tensor dtype of the tokens, an integer type that holds every id of the cache dtype.
+
+    Raises:
+        ValueError: ``dtype`` cannot hold every id of the cache dtype (e.g. ``torch.int16`` for uint16).
     """
 
     def __init__(self, sequences: PackedSequences, *, dtype: torch.dtype = torch.int64) -> None:
         self.sequences = sequences
         self.dtype = dtype
         self._numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        if self._numpy_dtype.kind not in "iu" or not np.can_cast(sequences.dtype, self._numpy_dtype, "safe"):
+            raise ValueError(
+                f"dtype={dtype} cannot hold every id of the cache's {sequences.dtype} tokens; use "
+                "torch.int64 (the default)"
+            )
 
     def __len__(self) -> int:
         """Number of samples."""

@@ -175,6 +175,19 @@ def test_read_casts_into_the_given_array(cache: streampack.Cache) -> None:
         seqs.read(indices.reshape(2, 2))
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.float32, np.float64, np.bool_])
+def test_read_refuses_an_out_dtype_that_cannot_hold_every_id(cache: streampack.Cache, dtype: type) -> None:
+    assert cache.dtype == np.uint16  # ids up to 65535: int16 would wrap the upper half
+    seqs = cache.sequences(16)
+    with pytest.raises(ValueError, match=rf"out has dtype {np.dtype(dtype)}, which cannot hold every id of "):
+        seqs.read(np.array([0, 1]), out=np.zeros((2, 16), dtype=dtype))
+    for fine in (np.uint16, np.int32, np.uint32, np.int64):
+        out = seqs.read(np.array([0, 1]), out=np.zeros((2, 16), dtype=fine))
+        assert np.array_equal(out, seqs[:2])
+    with pytest.raises(TypeError, match="out must be a numpy array"):
+        seqs.read(np.array([0]), out=[[0] * 16])  # type: ignore[arg-type]
+
+
 @settings(max_examples=40, deadline=None)
 @given(seq_len=st.integers(1, 70), data=st.data())
 def test_boundaries_match_the_documents_token_by_token(

@@ -181,6 +181,10 @@ def test_map_style_dataset_with_workers(numbered: streampack.Cache) -> None:
     data = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=False, num_workers=2)
     rows = torch.cat(list(data))
     assert torch.equal(rows, torch.from_numpy(seqs[: len(seqs)].astype(np.int64)))
+    assert Dataset(seqs, dtype=torch.int32)[7].dtype == torch.int32
+    for narrow in (torch.int16, torch.uint8, torch.float32):
+        with pytest.raises(ValueError, match=rf"dtype={narrow} cannot hold every id of the cache's uint16"):
+            Dataset(seqs, dtype=narrow)
 
 
 _TORCHRUN_SCRIPT = """
