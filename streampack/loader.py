@@ -40,6 +40,7 @@ _STATE_FORMAT = "streampack.Loader"
 # Indices are permuted for this many upcoming rows at once: one Permutation call costs ~100 numpy
 # dispatches whatever its size, which would otherwise dominate a small batch.
 _PERMUTE_BLOCK_ROWS = 4096
+_MAX_EPOCH = 2**64 - 1  # the largest epoch Permutation accepts
 
 Output = Literal["numpy", "dict"]
 
@@ -457,9 +458,10 @@ class Loader:
         batch size is the same; every rank then continues the same global order.
 
         Raises:
-            LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version, or
+            LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version,
                 it was saved with a different seed, shuffle, batch size, drop_last or dataset (both values
-                are named).
+                are named), or its position is out of range (epoch outside ``[0, 2**64)``, or
+                samples_in_epoch not a step of this epoch).
         """
         if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
             raise LoaderStateError(
@@ -483,8 +485,11 @@ class Loader:
                 )
         epoch, samples = state.get("epoch"), state.get("samples_in_epoch")
         batch = self.options.batch_size
-        if not _is_int(epoch) or epoch < 0:
-            raise LoaderStateError(f"loader state epoch must be a non-negative integer (got epoch={epoch!r})")
+        if not _is_int(epoch) or not 0 <= epoch <= _MAX_EPOCH:
+            raise LoaderStateError(
+                f"loader state epoch must be a non-negative integer below 2**64, the epochs a shuffle order "
+                f"exists for (got epoch={epoch!r}); the state is damaged"
+            )
         end = self.steps_per_epoch * batch
         if not _is_int(samples) or not 0 <= samples < end or samples % batch:
             raise LoaderStateError(

@@ -350,12 +350,22 @@ def test_state_is_json_when_options_are_numpy_integers() -> None:
         ({"samples_in_epoch": 10**9}, "must be a multiple of batch_size=4 in"),
         ({"epoch": -1}, "epoch must be a non-negative integer"),
         ({"epoch": "3"}, "epoch must be a non-negative integer"),
+        ({"epoch": 2**64}, r"non-negative integer below 2\*\*64.*\(got epoch=18446744073709551616\)"),
+        ({"epoch": 10**30}, r"below 2\*\*64, the epochs a shuffle order exists for \(got epoch=10{30}\)"),
     ],
 )
 def test_mismatched_or_damaged_state_is_refused_naming_both_sides(change: dict, message: str) -> None:
     loader = Loader(IndexSource(100), batch_size=4, seed=7)
     with pytest.raises(LoaderStateError, match=message):
         loader.load_state_dict(loader.state_dict() | change)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_largest_epoch_a_state_may_hold_serves_batches(shuffle: bool) -> None:
+    loader = Loader(IndexSource(100), batch_size=4, seed=7, shuffle=shuffle)
+    loader.load_state_dict(loader.state_dict() | {"epoch": 2**64 - 1})
+    batch = next(iter(loader))[:, 0].tolist()
+    assert batch == loader.indices(2**64 - 1, 0).tolist() and len(set(batch)) == 4
 
 
 def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
