@@ -49,6 +49,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "streampack.torch needs PyTorch, an optional extra: pip install 'streampack[torch]'"
     ) from error
 
+from streampack.errors import LoaderStateError
 from streampack.loader import Loader
 from streampack.sequences import PackedSequences
 
@@ -197,6 +198,7 @@ class DataLoader(torch_data.DataLoader):
         dataset = IterableDataset(loader)
         super().__init__(dataset, batch_size=None, **kwargs)
         self._pin = False
+        self._running = 0  # iterators started and not yet exhausted or closed
         if shared_slots and self.num_workers > 0 and _SlotRing.fits(loader):
             # The ring goes to the workers inside the dataset; pinning happens on copy-out instead, and
             # like the DataLoader's own, only where there is an accelerator to pin for.
@@ -214,18 +216,37 @@ class DataLoader(torch_data.DataLoader):
         dataset.publish()
         ring, wanted = dataset._ring, self.loader.options.dtype
         dtype = None if wanted is None else np.dtype(wanted)
-        for batch in super().__iter__():
-            if isinstance(batch, _Slot):
-                batch = ring.take(batch, dtype, pin=self._pin)  # type: ignore[union-attr]
-            dataset.loader.advance(1)
-            yield batch
+        self._running += 1
+        try:
+            for batch in super().__iter__():
+                if isinstance(batch, _Slot):
+                    batch = ring.take(batch, dtype, pin=self._pin)  # type: ignore[union-attr]
+                dataset.loader.advance(1)
+                yield batch
+        finally:
+            self._running -= 1
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's state after the batches handed out so far (small, JSON-serializable)."""
         return self.loader.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict`; takes effect at the next ``iter()``."""
+        """Resume from :meth:`state_dict`; the next ``iter()`` (or ``for`` loop) starts there.
+
+        Refused while an iterator over this DataLoader is running (a batch was asked of it, and it is
+        neither exhausted nor closed): its workers are already making the batches of the old position, so
+        the batches it would go on to hand out and the state would disagree, and a checkpoint taken then
+        would resume at the wrong batch. Leaving a ``for`` loop with ``break`` ends its iterator.
+
+        Raises:
+            LoaderStateError: an iterator is running, or the state does not fit the loader (see
+                :meth:`Loader.load_state_dict`).
+        """
+        if self._running:
+            raise LoaderStateError(
+                "load_state_dict was called while an iterator over this DataLoader is running; call it "
+                "before iter(), or break out of the loop first (or close() the iterator)"
+            )
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
 
 

@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 
 import streampack  # noqa: E402
 from streampack._synthetic import write_cache  # noqa: E402
-from streampack.errors import OptionsError  # noqa: E402
+from streampack.errors import LoaderStateError, OptionsError  # noqa: E402
 from streampack.loader import Loader  # noqa: E402
 from streampack.torch import DataLoader, Dataset, IterableDataset, _SlotRing  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
@@ -135,6 +135,33 @@ def test_break_and_resume_continue_exactly(numbered: streampack.Cache, persisten
     assert sample_ids(list(resumed)) == expected[9:]
     data.load_state_dict(state)  # also on a DataLoader that already has (persistent) workers
     assert sample_ids(list(data)) == expected[9:]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_load_state_dict_is_refused_while_an_iterator_runs(
+    numbered: streampack.Cache, persistent: bool
+) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    expected = sample_ids(list(Loader(seqs, batch_size=4, seed=5, epochs=1)))
+    data = DataLoader(
+        Loader(seqs, batch_size=4, seed=5, epochs=1), num_workers=2, persistent_workers=persistent
+    )
+    start = data.state_dict()
+    iterator = iter(data)
+    head = sample_ids([next(iterator) for _ in range(3)])
+    with pytest.raises(LoaderStateError, match="while an iterator over this DataLoader is running; call it "):
+        data.load_state_dict(start)
+    head += sample_ids([next(iterator)])  # the refused call changed nothing: state and batches agree
+    checkpoint = data.state_dict()
+    assert head == expected[:4] and checkpoint["samples_in_epoch"] == 4 * 4
+    iterator.close()
+    data.load_state_dict(start)
+    assert sample_ids(list(data)) == expected
+    for step, _ in enumerate(data):  # leaving a loop with break ends its iterator
+        if step == 6:
+            break
+    data.load_state_dict(checkpoint)
+    assert sample_ids(list(data)) == expected[4:]
 
 
 def test_spawned_workers_reopen_the_cache(numbered: streampack.Cache) -> None:
