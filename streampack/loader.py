@@ -48,7 +48,8 @@ Output = Literal["numpy", "dict"]
 class DataSource(Protocol):
     """What a :class:`Loader` reads: ``len()`` samples, fetched a batch of indices at a time.
 
-    :class:`streampack.sequences.PackedSequences` is the usual one. A source may also offer
+    :class:`streampack.sequences.PackedSequences` is the usual one; a 2-D numpy array is one too (sample
+    ``i`` is row ``i``), a list of arrays is not (it cannot be indexed by an array). A source may also offer
     ``read(indices, out=...)`` (fill a given array), ``boundaries(indices)`` (needed for
     ``output="dict"``), ``fingerprint()`` (checked against checkpoints) and ``dtype``.
     """
@@ -143,8 +144,11 @@ class Loader:
         for batch in loader:  # (32, 2049) int64 arrays
             x, y = batch[:, :-1], batch[:, 1:]
 
+    ``len(loader)`` is the number of batches per epoch (:attr:`steps_per_epoch`).
+
     Args:
-        dataset: the samples, usually ``cache.sequences(seq_len)``; see :class:`DataSource`.
+        dataset: the samples, usually ``cache.sequences(seq_len)``; see :class:`DataSource`. A 2-D numpy
+            array also is one; a list of arrays is not (``np.stack`` it).
         batch_size: the GLOBAL batch size; each rank yields ``batch_size // world_size`` rows per step.
         seed: shuffle seed.
         shuffle: seeded random order, a different one every epoch; else stream order.
@@ -158,6 +162,7 @@ class Loader:
         collate: applied to every batch before it is yielded (e.g. ``torch.from_numpy``).
 
     Raises:
+        TypeError: ``dataset`` is a list or tuple, or has no ``__len__`` or ``__getitem__``.
         OptionsError: (a ``ValueError``) ``drop_last=False`` and the last partial global batch has fewer
             rows than ``world_size``, so some rank would get an empty batch; the message names the
             numbers and the fixes.
@@ -192,6 +197,7 @@ class Loader:
             output=output,
             dtype=dtype,
         )
+        _check_source(dataset)
         self.dataset = dataset
         self.collate = collate
         self.num_samples = len(dataset)
@@ -295,6 +301,16 @@ class Loader:
         """Batches per epoch, the same on every rank."""
         full, partial = divmod(self.num_samples, self.options.batch_size)
         return full + (1 if partial and not self.options.drop_last else 0)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank, :attr:`steps_per_epoch` (for LR schedules and progress bars).
+
+        Every rank gets a share of every global batch, so this is also the number of optimizer steps
+        per epoch, the same on every rank. It is not the number of batches still to come: iteration starts
+        at the current state and runs until ``epochs`` epochs are done (``epochs * len(loader)`` batches
+        from a fresh loader), or forever when ``epochs=None``.
+        """
+        return self.steps_per_epoch
 
     @property
     def finished(self) -> bool:
@@ -497,6 +513,24 @@ class Loader:
                 f"(got samples_in_epoch={samples!r}); the state is damaged"
             )
         self._epoch, self._step = int(epoch), int(samples) // batch
+
+
+def _check_source(dataset: object) -> None:
+    """Refuse at creation what cannot serve ``dataset[index_array]``, rather than at the first batch."""
+    missing = [name for name in ("__len__", "__getitem__") if not hasattr(dataset, name)]
+    if isinstance(dataset, (list, tuple)):
+        got = f"a {type(dataset).__name__} of {len(dataset)} items, which cannot be indexed by an array"
+        hint = " (np.stack(samples) makes one of equal-length samples)"
+    elif missing:
+        got = f"{type(dataset).__name__}, which has no {' or '.join(missing)}"
+        hint = ""
+    else:
+        return
+    raise TypeError(
+        f"the Loader reads each batch as dataset[index_array], a (rows, width) array (got {got}). Pass "
+        f"cache.sequences(seq_len), a 2-D numpy array{hint}, or an object with __len__() and "
+        "__getitem__(index array) returning a 2-D array."
+    )
 
 
 def _is_int(value: object) -> TypeGuard[int]:

@@ -226,6 +226,14 @@ class DataLoader(torch_data.DataLoader):
         finally:
             self._running -= 1
 
+    def __len__(self) -> int:
+        """Batches per epoch on this rank: the loader's ``steps_per_epoch`` (see :meth:`Loader.__len__`).
+
+        Every rank gets a share of every global batch, so this is also the optimizer steps per epoch; it
+        is not the number of batches still to come, which depends on the loader's position and epochs.
+        """
+        return self.loader.steps_per_epoch
+
     def state_dict(self) -> dict[str, Any]:
         """The loader's state after the batches handed out so far (small, JSON-serializable)."""
         return self.loader.state_dict()

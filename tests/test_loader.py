@@ -179,6 +179,30 @@ def test_drop_last_false_refuses_a_last_batch_with_fewer_rows_than_ranks() -> No
     assert np.array_equal(np.concatenate(last), whole)
 
 
+def test_len_is_the_batches_per_epoch_of_every_rank() -> None:
+    for drop_last, steps in ((True, 78), (False, 79)):
+        loaders = [
+            Loader(IndexSource(1257), batch_size=16, world_size=8, rank=r, drop_last=drop_last, epochs=2)
+            for r in range(8)
+        ]
+        assert {len(loader) for loader in loaders} == {steps}
+        assert all(len(loader) == loader.steps_per_epoch for loader in loaders)
+        assert len(served(loaders[3])) == 2 * steps  # epochs * len() batches from a fresh loader
+        assert len(loaders[3]) == steps  # the position does not change it
+
+
+def test_a_list_of_arrays_is_refused_at_creation_and_a_stacked_array_works() -> None:
+    samples = [np.arange(4) + 10 * i for i in range(10)]
+    with pytest.raises(TypeError, match=r"got a list of 10 items.*np\.stack\(samples\)"):
+        Loader(samples, batch_size=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got int, which has no __len__ or __getitem__"):
+        Loader(7, batch_size=2)  # type: ignore[arg-type]
+    loader = Loader(np.stack(samples), batch_size=2, seed=1, epochs=1)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 5 and all(batch.shape == (2, 4) for batch in batches)
+    assert sorted(row[0] for batch in batches for row in batch.tolist()) == list(range(0, 100, 10))
+
+
 # --- resume -----------------------------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from itertools import islice
 from pathlib import Path
 
@@ -95,6 +96,17 @@ def test_workers_hand_out_the_loaders_batches_in_order(numbered: streampack.Cach
         assert tensor.dtype == torch.int64 and np.array_equal(tensor.numpy(), array)
     if workers:  # copied out of a shared slot into a tensor of the training process's own
         assert not got[0].is_shared()
+
+
+def test_len_is_the_batches_per_epoch(numbered: streampack.Cache) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    loader = Loader(seqs, batch_size=4, world_size=2, seed=3, drop_last=False, epochs=2)
+    data = DataLoader(loader, num_workers=2)
+    assert len(data) == len(loader) == loader.steps_per_epoch == -(-NUM_SAMPLES // 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(list(data)) == 2 * len(data)  # two epochs, and torch does not warn of a wrong length
+    assert not [w for w in caught if "Length of IterableDataset" in str(w.message)]
 
 
 def test_one_shared_tensor_per_batch_without_slots(numbered: streampack.Cache) -> None:
