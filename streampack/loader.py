@@ -80,6 +80,10 @@ class LoaderOptions:
             shift ``labels`` themselves, so the samples must have no overlap).
         dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype (the smallest to move
             between processes; cast on arrival).
+
+    Raises:
+        OptionsError: (a ``ValueError``) an option is out of range or of the wrong type, or
+            ``batch_size`` does not divide by ``world_size``. Integer options are stored as Python ints.
     """
 
     batch_size: int
@@ -103,21 +107,23 @@ class LoaderOptions:
             self._set_int("epochs", 1, 2**63, "a positive integer, or None to loop forever")
         for name in ("shuffle", "drop_last"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False (got {name}={getattr(self, name)!r})")
+                raise OptionsError(f"{name} must be True or False (got {name}={getattr(self, name)!r})")
         if self.batch_size % self.world_size:
             smaller = self.batch_size // self.world_size * self.world_size
             suggestion = f"{smaller} or {smaller + self.world_size}" if smaller else str(self.world_size)
-            raise ValueError(
+            raise OptionsError(
                 f"batch_size is the global batch size, split evenly over the ranks: batch_size="
                 f"{self.batch_size} does not divide by world_size={self.world_size}. Use a multiple of "
                 f"{self.world_size}, e.g. {suggestion}."
             )
         if self.output not in ("numpy", "dict"):
-            raise ValueError(f"output must be 'numpy' or 'dict' (got output={self.output!r})")
+            raise OptionsError(f"output must be 'numpy' or 'dict' (got output={self.output!r})")
         if self.dtype is not None:
             dtype = np.dtype(self.dtype)
             if dtype.kind not in "iu":
-                raise ValueError(f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})")
+                raise OptionsError(
+                    f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})"
+                )
             object.__setattr__(self, "dtype", dtype)
 
     def _set_int(self, name: str, lo: int, hi: int, allowed: str) -> None:
@@ -163,12 +169,11 @@ class Loader:
 
     Raises:
         TypeError: ``dataset`` is a list or tuple, or has no ``__len__`` or ``__getitem__``.
-        OptionsError: (a ``ValueError``) ``drop_last=False`` and the last partial global batch has fewer
-            rows than ``world_size``, so some rank would get an empty batch; the message names the
-            numbers and the fixes.
-        ValueError: an option is out of range, ``batch_size`` does not divide by ``world_size``, the
-            dataset holds less than one global batch (with ``drop_last``), ``dtype`` cannot hold the
-            cache's ids, or ``output="dict"`` is asked of samples it does not fit.
+        OptionsError: (a ``ValueError``) an option is out of range, ``batch_size`` does not divide by
+            ``world_size``, the dataset holds less than one global batch (with ``drop_last``),
+            ``drop_last=False`` would give some rank an empty last batch (fewer rows than ranks; the
+            message names the numbers and the fixes), ``dtype`` cannot hold the cache's ids, or
+            ``output="dict"`` is asked of samples it does not fit.
     """
 
     def __init__(
@@ -213,7 +218,7 @@ class Loader:
     def _check_dataset(self) -> None:
         opts, n = self.options, self.num_samples
         if n == 0 or (opts.drop_last and n < opts.batch_size):
-            raise ValueError(
+            raise OptionsError(
                 f"the dataset has {n} samples, fewer than one global batch of {opts.batch_size}: nothing to "
                 "iterate. Use a smaller batch_size or seq_len, a larger cache"
                 + (", or drop_last=False." if n else ".")
@@ -221,19 +226,19 @@ class Loader:
         self._check_last_batch()
         source_dtype = getattr(self.dataset, "dtype", None)
         if opts.dtype is not None and source_dtype is not None and not np.can_cast(source_dtype, opts.dtype):
-            raise ValueError(
+            raise OptionsError(
                 f"dtype={opts.dtype} cannot hold every id of the cache's {np.dtype(source_dtype)} tokens; "
                 "use int64 (the default), a wider integer type, or None to keep the cache dtype"
             )
         if opts.output == "dict":
             if not hasattr(self.dataset, "boundaries"):
-                raise ValueError(
+                raise OptionsError(
                     f"output='dict' needs position ids, which {type(self.dataset).__name__} does not provide "
                     "(no boundaries() method); use output='numpy' or cache.sequences(...)"
                 )
             overlap = getattr(self.dataset, "overlap", 0)
             if overlap:
-                raise ValueError(
+                raise OptionsError(
                     "output='dict' gives labels = input_ids (Hugging Face models shift them inside), so the "
                     f"samples need no overlap (got overlap={overlap}); use cache.sequences(seq_len) with "
                     "overlap=0, or output='numpy' for x/y windows"
@@ -539,7 +544,7 @@ def _is_int(value: object) -> TypeGuard[int]:
 
 def _check_int(name: str, value: object, lo: int, hi: int, allowed: str) -> None:
     if not _is_int(value) or not lo <= int(value) <= hi:
-        raise ValueError(f"{name} must be {allowed} (got {name}={value!r})")
+        raise OptionsError(f"{name} must be {allowed} (got {name}={value!r})")
 
 
 def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | None:

@@ -426,7 +426,7 @@ def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
     ],
 )
 def test_bad_options_are_refused(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(OptionsError, match=message):
         Loader(IndexSource(100), **kwargs)
 
 
