@@ -14,6 +14,7 @@ the size of the cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import numbers
@@ -238,7 +239,7 @@ class PackedSequences:
     def _check_out(self, out: object, rows: int) -> None:
         if not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a numpy array (got {type(out).__name__})")
-        if out.dtype.kind not in "iu" or not np.can_cast(self.dtype, out.dtype, "safe"):
+        if not _holds_every_id(self.dtype, out.dtype):
             raise ValueError(
                 f"out has dtype {out.dtype}, which cannot hold every id of the cache's {self.dtype} tokens "
                 f"(they would be silently changed); use {self.dtype} or a wider integer type such as int64"
@@ -385,6 +386,12 @@ class PackedSequences:
 
     def _offsets(self, shard: int) -> np.ndarray:
         return self.cache.shard_offsets(shard)
+
+
+@functools.lru_cache(maxsize=64)
+def _holds_every_id(tokens: np.dtype, out: np.dtype) -> bool:
+    """Whether ``out`` is an integer dtype that holds every value of ``tokens`` (memoised: once per read)."""
+    return out.kind in "iu" and bool(np.can_cast(tokens, out, "safe"))
 
 
 def _content_digest(cache: Cache) -> str:
