@@ -7,7 +7,9 @@ the others, and a checkpoint is a small JSON dict:
   when ``shuffle=False``).
 * Global batch ``b`` of an epoch is positions ``[b*B, (b+1)*B)`` of that order, ``B`` the *global*
   batch size; rank ``r`` of ``W`` takes the contiguous ``r``-th slice of ``B / W`` rows. Every rank gets
-  the same number of batches, so no rank waits for a batch that never comes.
+  the same number of batches, so no rank waits for a batch that never comes. A last partial global
+  batch (``drop_last=False``) is split as evenly as possible; one with fewer rows than ranks, which would
+  leave some rank an empty batch, is refused when the loader is created.
 * The state is ``(seed, epoch, samples consumed in the epoch)``. Resuming recomputes the next batch from
   it directly; nothing is replayed. Since ranks only slice a global batch, the global order is the same
   for any world size, and a run may resume with another number of ranks if ``B`` stays the same.
@@ -26,7 +28,7 @@ from typing import Any, Literal, Protocol, TypeGuard
 import numpy as np
 import numpy.typing as npt
 
-from streampack.errors import LoaderStateError
+from streampack.errors import LoaderStateError, OptionsError
 from streampack.permutation import Permutation
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions"]
@@ -38,6 +40,7 @@ _STATE_FORMAT = "streampack.Loader"
 # Indices are permuted for this many upcoming rows at once: one Permutation call costs ~100 numpy
 # dispatches whatever its size, which would otherwise dominate a small batch.
 _PERMUTE_BLOCK_ROWS = 4096
+_MAX_EPOCH = 2**64 - 1  # the largest epoch Permutation accepts
 
 Output = Literal["numpy", "dict"]
 
@@ -45,7 +48,8 @@ Output = Literal["numpy", "dict"]
 class DataSource(Protocol):
     """What a :class:`Loader` reads: ``len()`` samples, fetched a batch of indices at a time.
 
-    :class:`streampack.sequences.PackedSequences` is the usual one. A source may also offer
+    :class:`streampack.sequences.PackedSequences` is the usual one; a 2-D numpy array is one too (sample
+    ``i`` is row ``i``), a list of arrays is not (it cannot be indexed by an array). A source may also offer
     ``read(indices, out=...)`` (fill a given array), ``boundaries(indices)`` (needed for
     ``output="dict"``), ``fingerprint()`` (checked against checkpoints) and ``dtype``.
     """
@@ -66,13 +70,20 @@ class LoaderOptions:
         rank: this process's rank, in ``[0, world_size)``.
         world_size: number of ranks; it must divide ``batch_size``.
         drop_last: drop the last global batch of an epoch when it is partial (its samples are different
-            ones every shuffled epoch); else serve it, split as evenly as possible over the ranks.
+            ones every shuffled epoch); else serve it, split as evenly as possible over the ranks: with
+            ``N`` samples it has ``N mod B`` rows, and each rank gets ``(N mod B) // W`` of them or one
+            more. The :class:`Loader` refuses ``drop_last=False`` when ``0 < N mod B < W``: some rank
+            would get a 0-row batch, whose mean loss is NaN.
         epochs: stop after this many epochs; ``None`` iterates forever.
         output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; or ``"dict"``, the
             ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take (they
             shift ``labels`` themselves, so the samples must have no overlap).
         dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype (the smallest to move
             between processes; cast on arrival).
+
+    Raises:
+        OptionsError: (a ``ValueError``) an option is out of range or of the wrong type, or
+            ``batch_size`` does not divide by ``world_size``. Integer options are stored as Python ints.
     """
 
     batch_size: int
@@ -86,30 +97,39 @@ class LoaderOptions:
     dtype: npt.DTypeLike = np.int64
 
     def __post_init__(self) -> None:
-        _check_int("batch_size", self.batch_size, 1, 2**62, "a positive integer (the global batch size)")
-        _check_int("world_size", self.world_size, 1, 2**31, "a positive integer (the number of ranks)")
-        _check_int("rank", self.rank, 0, self.world_size - 1, f"an integer in [0, {self.world_size})")
-        _check_int("seed", self.seed, 0, 2**64 - 1, "an integer in [0, 2**64)")
+        # Stored as Python ints: numpy integers (seeds from np.random, sizes from arrays) would make
+        # state_dict() fail to serialize as JSON.
+        self._set_int("batch_size", 1, 2**62, "a positive integer (the global batch size)")
+        self._set_int("world_size", 1, 2**31, "a positive integer (the number of ranks)")
+        self._set_int("rank", 0, self.world_size - 1, f"an integer in [0, {self.world_size})")
+        self._set_int("seed", 0, 2**64 - 1, "an integer in [0, 2**64)")
         if self.epochs is not None:
-            _check_int("epochs", self.epochs, 1, 2**63, "a positive integer, or None to loop forever")
+            self._set_int("epochs", 1, 2**63, "a positive integer, or None to loop forever")
         for name in ("shuffle", "drop_last"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False (got {name}={getattr(self, name)!r})")
+                raise OptionsError(f"{name} must be True or False (got {name}={getattr(self, name)!r})")
         if self.batch_size % self.world_size:
             smaller = self.batch_size // self.world_size * self.world_size
             suggestion = f"{smaller} or {smaller + self.world_size}" if smaller else str(self.world_size)
-            raise ValueError(
+            raise OptionsError(
                 f"batch_size is the global batch size, split evenly over the ranks: batch_size="
                 f"{self.batch_size} does not divide by world_size={self.world_size}. Use a multiple of "
                 f"{self.world_size}, e.g. {suggestion}."
             )
         if self.output not in ("numpy", "dict"):
-            raise ValueError(f"output must be 'numpy' or 'dict' (got output={self.output!r})")
+            raise OptionsError(f"output must be 'numpy' or 'dict' (got output={self.output!r})")
         if self.dtype is not None:
             dtype = np.dtype(self.dtype)
             if dtype.kind not in "iu":
-                raise ValueError(f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})")
+                raise OptionsError(
+                    f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})"
+                )
             object.__setattr__(self, "dtype", dtype)
+
+    def _set_int(self, name: str, lo: int, hi: int, allowed: str) -> None:
+        value = getattr(self, name)
+        _check_int(name, value, lo, hi, allowed)
+        object.__setattr__(self, name, int(value))
 
     @property
     def rows(self) -> int:
@@ -130,23 +150,30 @@ class Loader:
         for batch in loader:  # (32, 2049) int64 arrays
             x, y = batch[:, :-1], batch[:, 1:]
 
+    ``len(loader)`` is the number of batches per epoch (:attr:`steps_per_epoch`).
+
     Args:
-        dataset: the samples, usually ``cache.sequences(seq_len)``; see :class:`DataSource`.
+        dataset: the samples, usually ``cache.sequences(seq_len)``; see :class:`DataSource`. A 2-D numpy
+            array also is one; a list of arrays is not (``np.stack`` it).
         batch_size: the GLOBAL batch size; each rank yields ``batch_size // world_size`` rows per step.
         seed: shuffle seed.
         shuffle: seeded random order, a different one every epoch; else stream order.
         rank: this process's rank.
         world_size: the number of ranks.
-        drop_last: drop each epoch's last partial global batch.
+        drop_last: drop each epoch's last partial global batch; else split it over the ranks (refused
+            when it has fewer rows than ranks, see :class:`LoaderOptions`).
         epochs: epochs to run; ``None`` runs forever.
         output: ``"numpy"`` or ``"dict"``; see :class:`LoaderOptions`.
         dtype: integer dtype of the token arrays; ``None`` keeps the cache's.
         collate: applied to every batch before it is yielded (e.g. ``torch.from_numpy``).
 
     Raises:
-        ValueError: an option is out of range, ``batch_size`` does not divide by ``world_size``, the
-            dataset holds less than one global batch (with ``drop_last``), ``dtype`` cannot hold the
-            cache's ids, or ``output="dict"`` is asked of samples it does not fit.
+        TypeError: ``dataset`` is a list or tuple, or has no ``__len__`` or ``__getitem__``.
+        OptionsError: (a ``ValueError``) an option is out of range, ``batch_size`` does not divide by
+            ``world_size``, the dataset holds less than one global batch (with ``drop_last``),
+            ``drop_last=False`` would give some rank an empty last batch (fewer rows than ranks; the
+            message names the numbers and the fixes), ``dtype`` cannot hold the cache's ids, or
+            ``output="dict"`` is asked of samples it does not fit.
     """
 
     def __init__(
@@ -175,6 +202,7 @@ class Loader:
             output=output,
             dtype=dtype,
         )
+        _check_source(dataset)
         self.dataset = dataset
         self.collate = collate
         self.num_samples = len(dataset)
@@ -190,30 +218,61 @@ class Loader:
     def _check_dataset(self) -> None:
         opts, n = self.options, self.num_samples
         if n == 0 or (opts.drop_last and n < opts.batch_size):
-            raise ValueError(
+            raise OptionsError(
                 f"the dataset has {n} samples, fewer than one global batch of {opts.batch_size}: nothing to "
                 "iterate. Use a smaller batch_size or seq_len, a larger cache"
                 + (", or drop_last=False." if n else ".")
             )
+        self._check_last_batch()
         source_dtype = getattr(self.dataset, "dtype", None)
         if opts.dtype is not None and source_dtype is not None and not np.can_cast(source_dtype, opts.dtype):
-            raise ValueError(
+            raise OptionsError(
                 f"dtype={opts.dtype} cannot hold every id of the cache's {np.dtype(source_dtype)} tokens; "
                 "use int64 (the default), a wider integer type, or None to keep the cache dtype"
             )
         if opts.output == "dict":
             if not hasattr(self.dataset, "boundaries"):
-                raise ValueError(
+                raise OptionsError(
                     f"output='dict' needs position ids, which {type(self.dataset).__name__} does not provide "
                     "(no boundaries() method); use output='numpy' or cache.sequences(...)"
                 )
             overlap = getattr(self.dataset, "overlap", 0)
             if overlap:
-                raise ValueError(
+                raise OptionsError(
                     "output='dict' gives labels = input_ids (Hugging Face models shift them inside), so the "
                     f"samples need no overlap (got overlap={overlap}); use cache.sequences(seq_len) with "
                     "overlap=0, or output='numpy' for x/y windows"
                 )
+
+    def _check_last_batch(self) -> None:
+        """Refuse ``drop_last=False`` when the last partial global batch cannot give every rank a row.
+
+        A rank with a 0-row batch computes a NaN mean loss, and DDP's all-reduce spreads the NaN
+        gradients to every rank. The remainder is known up front, so this is refused here rather than
+        padded with repeated samples: every served row stays a distinct sample, in the same order.
+        """
+        opts, n = self.options, self.num_samples
+        remainder = n % opts.batch_size
+        if opts.drop_last or not 0 < remainder < opts.world_size:
+            return
+        plural = "s" if remainder > 1 else ""
+        fixes = []
+        if n >= opts.batch_size:
+            fixes.append(
+                f"drop_last=True (each epoch then skips its last {remainder} sample{plural}, other ones "
+                "every shuffled epoch)"
+            )
+        other = _batch_size_for_ranks(n, opts.batch_size, opts.world_size)
+        if other is not None:
+            fixes.append(f"batch_size={other} (it leaves 0 or at least {opts.world_size} samples over)")
+        fixes.append("fewer ranks, or more samples (a larger cache or a smaller seq_len)")
+        raise OptionsError(
+            f"drop_last=False would give {opts.world_size - remainder} of the {opts.world_size} ranks an "
+            f"empty batch at the end of every epoch: {n} samples in global batches of batch_size="
+            f"{opts.batch_size} leave {n} mod {opts.batch_size} = {remainder} sample{plural} for the last "
+            f"one, fewer than world_size={opts.world_size}. A mean loss over 0 rows is NaN, and DDP spreads "
+            f"it to every rank. Use {', or '.join(fixes)}."
+        )
 
     def _clear_caches(self) -> None:
         self._permutation: Permutation | None = None
@@ -247,6 +306,16 @@ class Loader:
         """Batches per epoch, the same on every rank."""
         full, partial = divmod(self.num_samples, self.options.batch_size)
         return full + (1 if partial and not self.options.drop_last else 0)
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank, :attr:`steps_per_epoch` (for LR schedules and progress bars).
+
+        Every rank gets a share of every global batch, so this is also the number of optimizer steps
+        per epoch, the same on every rank. It is not the number of batches still to come: iteration starts
+        at the current state and runs until ``epochs`` epochs are done (``epochs * len(loader)`` batches
+        from a fresh loader), or forever when ``epochs=None``.
+        """
+        return self.steps_per_epoch
 
     @property
     def finished(self) -> bool:
@@ -410,9 +479,10 @@ class Loader:
         batch size is the same; every rank then continues the same global order.
 
         Raises:
-            LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version, or
+            LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version,
                 it was saved with a different seed, shuffle, batch size, drop_last or dataset (both values
-                are named).
+                are named), or its position is out of range (epoch outside ``[0, 2**64)``, or
+                samples_in_epoch not a step of this epoch).
         """
         if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
             raise LoaderStateError(
@@ -436,8 +506,11 @@ class Loader:
                 )
         epoch, samples = state.get("epoch"), state.get("samples_in_epoch")
         batch = self.options.batch_size
-        if not _is_int(epoch) or epoch < 0:
-            raise LoaderStateError(f"loader state epoch must be a non-negative integer (got epoch={epoch!r})")
+        if not _is_int(epoch) or not 0 <= epoch <= _MAX_EPOCH:
+            raise LoaderStateError(
+                f"loader state epoch must be a non-negative integer below 2**64, the epochs a shuffle order "
+                f"exists for (got epoch={epoch!r}); the state is damaged"
+            )
         end = self.steps_per_epoch * batch
         if not _is_int(samples) or not 0 <= samples < end or samples % batch:
             raise LoaderStateError(
@@ -447,13 +520,40 @@ class Loader:
         self._epoch, self._step = int(epoch), int(samples) // batch
 
 
+def _check_source(dataset: object) -> None:
+    """Refuse at creation what cannot serve ``dataset[index_array]``, rather than at the first batch."""
+    missing = [name for name in ("__len__", "__getitem__") if not hasattr(dataset, name)]
+    if isinstance(dataset, (list, tuple)):
+        got = f"a {type(dataset).__name__} of {len(dataset)} items, which cannot be indexed by an array"
+        hint = " (np.stack(samples) makes one of equal-length samples)"
+    elif missing:
+        got = f"{type(dataset).__name__}, which has no {' or '.join(missing)}"
+        hint = ""
+    else:
+        return
+    raise TypeError(
+        f"the Loader reads each batch as dataset[index_array], a (rows, width) array (got {got}). Pass "
+        f"cache.sequences(seq_len), a 2-D numpy array{hint}, or an object with __len__() and "
+        "__getitem__(index array) returning a 2-D array."
+    )
+
+
 def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int, allowed: str) -> None:
     if not _is_int(value) or not lo <= int(value) <= hi:
-        raise ValueError(f"{name} must be {allowed} (got {name}={value!r})")
+        raise OptionsError(f"{name} must be {allowed} (got {name}={value!r})")
+
+
+def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | None:
+    """The multiple of ``world_size`` nearest ``batch_size`` whose last global batch has a row per rank."""
+    for k in range(1, 1000):
+        for candidate in (batch_size - k * world_size, batch_size + k * world_size):
+            if 0 < candidate <= n and (n % candidate == 0 or n % candidate >= world_size):
+                return candidate
+    return None
 
 
 def _summary(value: object, limit: int = 200) -> str:

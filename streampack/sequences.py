@@ -14,6 +14,7 @@ the size of the cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import numbers
@@ -212,28 +213,42 @@ class PackedSequences:
 
         Args:
             indices: 1-D integer array of sample numbers.
-            out: destination of shape ``(len(indices), seq_len + overlap)`` and any integer dtype wide
-                enough for the token ids; a new array of the cache dtype when omitted.
+            out: destination of shape ``(len(indices), seq_len + overlap)`` and an integer dtype that
+                holds every id of the cache dtype (``np.can_cast(seqs.dtype, out.dtype, "safe")``: int32
+                or int64 for a uint16 cache, not int16); a new array of the cache dtype when omitted.
 
         Returns:
             ``out``.
 
         Raises:
             IndexError: an index is out of range.
-            ValueError: ``indices`` is not 1-D, or ``out`` has the wrong shape.
+            TypeError: ``out`` is not a numpy array.
+            ValueError: ``indices`` is not 1-D, or ``out`` has the wrong shape or a dtype that cannot hold
+                every token id (a narrower or non-integer one, which would wrap or round ids silently).
         """
         flat, shape = self._indices(indices)
         if len(shape) != 1:
             raise ValueError(f"read() takes a 1-D array of indices (got shape {shape})")
         if out is None:
             out = np.empty((flat.size, self.width), dtype=self.dtype)
-        elif out.shape != (flat.size, self.width):
-            raise ValueError(
-                f"out has shape {out.shape}, but {flat.size} windows of {self.width} tokens need "
-                f"{(flat.size, self.width)}"
-            )
+        else:
+            self._check_out(out, flat.size)
         self._read(flat, out)
         return out
+
+    def _check_out(self, out: object, rows: int) -> None:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy array (got {type(out).__name__})")
+        if not _holds_every_id(self.dtype, out.dtype):
+            raise ValueError(
+                f"out has dtype {out.dtype}, which cannot hold every id of the cache's {self.dtype} tokens "
+                f"(they would be silently changed); use {self.dtype} or a wider integer type such as int64"
+            )
+        if out.shape != (rows, self.width):
+            raise ValueError(
+                f"out has shape {out.shape}, but {rows} windows of {self.width} tokens need "
+                f"{(rows, self.width)}"
+            )
 
     def boundaries(self, index: Index) -> Boundaries:
         """Document boundaries of the samples at ``index``: position ids, document ids, ``cu_seqlens``.
@@ -317,14 +332,17 @@ class PackedSequences:
                 f"sample index must be an int, a slice or an integer array (got {type(index).__name__} "
                 f"of dtype {array.dtype})"
             )
-        flat = array.astype(np.int64).reshape(-1)
-        if flat.size:
-            low, high = int(flat.min()), int(flat.max())
+        low = high = 0
+        if array.size:
+            # Checked in the array's own dtype, before the cast: uint64 values >= 2**63 would wrap to
+            # negative int64s, which count from the end.
+            low, high = int(array.min()), int(array.max())
             if low < -n or high >= n:
                 bad = low if low < -n else high
                 raise IndexError(f"sample {bad} out of range for {n} samples (allowed: -{n} <= i < {n})")
-            if low < 0:
-                flat = np.where(flat < 0, flat + n, flat)
+        flat = array.astype(np.int64).reshape(-1)
+        if low < 0:
+            flat = np.where(flat < 0, flat + n, flat)
         return flat, array.shape
 
     def _pieces(self, starts: np.ndarray, width: int) -> _Pieces:
@@ -368,6 +386,12 @@ class PackedSequences:
 
     def _offsets(self, shard: int) -> np.ndarray:
         return self.cache.shard_offsets(shard)
+
+
+@functools.lru_cache(maxsize=64)
+def _holds_every_id(tokens: np.dtype, out: np.dtype) -> bool:
+    """Whether ``out`` is an integer dtype that holds every value of ``tokens`` (memoised: once per read)."""
+    return out.kind in "iu" and bool(np.can_cast(tokens, out, "safe"))
 
 
 def _content_digest(cache: Cache) -> str:

@@ -49,6 +49,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "streampack.torch needs PyTorch, an optional extra: pip install 'streampack[torch]'"
     ) from error
 
+from streampack.errors import LoaderStateError
 from streampack.loader import Loader
 from streampack.sequences import PackedSequences
 
@@ -73,13 +74,21 @@ class Dataset(torch_data.Dataset):
 
     Args:
         sequences: the samples, e.g. ``cache.sequences(2048)``.
-        dtype: tensor dtype of the tokens.
+        dtype: tensor dtype of the tokens, an integer type that holds every id of the cache dtype.
+
+    Raises:
+        ValueError: ``dtype`` cannot hold every id of the cache dtype (e.g. ``torch.int16`` for uint16).
     """
 
     def __init__(self, sequences: PackedSequences, *, dtype: torch.dtype = torch.int64) -> None:
         self.sequences = sequences
         self.dtype = dtype
         self._numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        if self._numpy_dtype.kind not in "iu" or not np.can_cast(sequences.dtype, self._numpy_dtype, "safe"):
+            raise ValueError(
+                f"dtype={dtype} cannot hold every id of the cache's {sequences.dtype} tokens; use "
+                "torch.int64 (the default)"
+            )
 
     def __len__(self) -> int:
         """Number of samples."""
@@ -189,6 +198,7 @@ class DataLoader(torch_data.DataLoader):
         dataset = IterableDataset(loader)
         super().__init__(dataset, batch_size=None, **kwargs)
         self._pin = False
+        self._running = 0  # iterators started and not yet exhausted or closed
         if shared_slots and self.num_workers > 0 and _SlotRing.fits(loader):
             # The ring goes to the workers inside the dataset; pinning happens on copy-out instead, and
             # like the DataLoader's own, only where there is an accelerator to pin for.
@@ -206,18 +216,45 @@ class DataLoader(torch_data.DataLoader):
         dataset.publish()
         ring, wanted = dataset._ring, self.loader.options.dtype
         dtype = None if wanted is None else np.dtype(wanted)
-        for batch in super().__iter__():
-            if isinstance(batch, _Slot):
-                batch = ring.take(batch, dtype, pin=self._pin)  # type: ignore[union-attr]
-            dataset.loader.advance(1)
-            yield batch
+        self._running += 1
+        try:
+            for batch in super().__iter__():
+                if isinstance(batch, _Slot):
+                    batch = ring.take(batch, dtype, pin=self._pin)  # type: ignore[union-attr]
+                dataset.loader.advance(1)
+                yield batch
+        finally:
+            self._running -= 1
+
+    def __len__(self) -> int:
+        """Batches per epoch on this rank: the loader's ``steps_per_epoch`` (see :meth:`Loader.__len__`).
+
+        Every rank gets a share of every global batch, so this is also the optimizer steps per epoch; it
+        is not the number of batches still to come, which depends on the loader's position and epochs.
+        """
+        return self.loader.steps_per_epoch
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's state after the batches handed out so far (small, JSON-serializable)."""
         return self.loader.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict`; takes effect at the next ``iter()``."""
+        """Resume from :meth:`state_dict`; the next ``iter()`` (or ``for`` loop) starts there.
+
+        Refused while an iterator over this DataLoader is running (a batch was asked of it, and it is
+        neither exhausted nor closed): its workers are already making the batches of the old position, so
+        the batches it would go on to hand out and the state would disagree, and a checkpoint taken then
+        would resume at the wrong batch. Leaving a ``for`` loop with ``break`` ends its iterator.
+
+        Raises:
+            LoaderStateError: an iterator is running, or the state does not fit the loader (see
+                :meth:`Loader.load_state_dict`).
+        """
+        if self._running:
+            raise LoaderStateError(
+                "load_state_dict was called while an iterator over this DataLoader is running; call it "
+                "before iter(), or break out of the loop first (or close() the iterator)"
+            )
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
 
 

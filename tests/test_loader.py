@@ -11,12 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
 from streampack._synthetic import write_random_cache
-from streampack.errors import LoaderStateError
+from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import STATE_VERSION, Loader, LoaderOptions
 from tests.conftest import run_cli
 
@@ -34,6 +34,11 @@ class IndexSource:
     def __getitem__(self, indices: np.ndarray) -> np.ndarray:
         self.reads += 1
         return np.asarray(indices)[:, None]
+
+
+def leaves_a_rank_empty(n: int, batch_size: int, world: int) -> bool:
+    """Whether the last partial global batch has fewer rows than ranks (refused with drop_last=False)."""
+    return 0 < n % batch_size < world
 
 
 def flat(batches: list[list[int]]) -> list[int]:
@@ -71,6 +76,10 @@ def test_ranks_see_every_sample_once_with_equal_batch_counts(
     n: int, world: int, rows: int, seed: int, shuffle: bool
 ) -> None:
     batch_size = world * rows
+    if leaves_a_rank_empty(n, batch_size, world):
+        with pytest.raises(OptionsError, match="ranks an empty batch"):
+            Loader(IndexSource(n), batch_size=batch_size, world_size=world, drop_last=False)
+        return
     per_rank = []
     for rank in range(world):
         loader = Loader(
@@ -79,6 +88,7 @@ def test_ranks_see_every_sample_once_with_equal_batch_counts(
         )  # fmt: skip
         per_rank.append(served(loader))
     assert len({len(batches) for batches in per_rank}) == 1  # no rank waits for a batch that never comes
+    assert all(batch for batches in per_rank for batch in batches)  # and none gets an empty one
     everything = [i for batches in per_rank for batch in batches for i in batch]
     assert sorted(everything) == list(range(n))
 
@@ -106,6 +116,7 @@ def test_drop_last_serves_whole_global_batches_of_distinct_samples(
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(8, 200), seed=st.integers(0, 2**64 - 1), world=st.sampled_from([1, 2, 4]))
 def test_global_order_does_not_depend_on_world_size(n: int, seed: int, world: int) -> None:
+    assume(not leaves_a_rank_empty(n, 4, world))
     single = served(Loader(IndexSource(n), batch_size=4, seed=seed, epochs=2, drop_last=False))
     ranks = [
         served(
@@ -145,6 +156,53 @@ def test_steps_per_epoch_and_the_last_partial_batch() -> None:
     assert Loader(IndexSource(10), batch_size=4).steps_per_epoch == 2
 
 
+def test_drop_last_false_refuses_a_last_batch_with_fewer_rows_than_ranks() -> None:
+    # 1,257 samples in global batches of 8 leave 1 for the last batch: 7 of 8 ranks would get 0 rows.
+    for rank in (0, 7):
+        with pytest.raises(OptionsError) as refused:
+            Loader(IndexSource(1257), batch_size=8, world_size=8, rank=rank, drop_last=False)
+        message = str(refused.value)
+        assert "7 of the 8 ranks an empty batch" in message and "1257 mod 8 = 1 sample" in message
+        assert "world_size=8" in message and "drop_last=True" in message and "batch_size=16" in message
+    assert isinstance(refused.value, ValueError)
+    with pytest.raises(OptionsError, match=r"5 mod 8 = 5 samples.*Use fewer ranks, or more samples"):
+        Loader(IndexSource(5), batch_size=8, world_size=8, drop_last=False)
+    # Allowed: one rank, drop_last=True, or a batch size whose remainder (1257 mod 16 = 9) covers the ranks.
+    assert Loader(IndexSource(1257), batch_size=8, drop_last=False).steps_per_epoch == 158
+    assert Loader(IndexSource(1257), batch_size=8, world_size=8).steps_per_epoch == 157
+    last = [
+        Loader(IndexSource(1257), batch_size=16, world_size=8, rank=r, drop_last=False).indices(0, 78)
+        for r in range(8)
+    ]
+    assert [len(rows) for rows in last] == [1, 1, 1, 1, 1, 1, 1, 2]
+    whole = Loader(IndexSource(1257), batch_size=16, drop_last=False).indices(0, 78)
+    assert np.array_equal(np.concatenate(last), whole)
+
+
+def test_len_is_the_batches_per_epoch_of_every_rank() -> None:
+    for drop_last, steps in ((True, 78), (False, 79)):
+        loaders = [
+            Loader(IndexSource(1257), batch_size=16, world_size=8, rank=r, drop_last=drop_last, epochs=2)
+            for r in range(8)
+        ]
+        assert {len(loader) for loader in loaders} == {steps}
+        assert all(len(loader) == loader.steps_per_epoch for loader in loaders)
+        assert len(served(loaders[3])) == 2 * steps  # epochs * len() batches from a fresh loader
+        assert len(loaders[3]) == steps  # the position does not change it
+
+
+def test_a_list_of_arrays_is_refused_at_creation_and_a_stacked_array_works() -> None:
+    samples = [np.arange(4) + 10 * i for i in range(10)]
+    with pytest.raises(TypeError, match=r"got a list of 10 items.*np\.stack\(samples\)"):
+        Loader(samples, batch_size=2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got int, which has no __len__ or __getitem__"):
+        Loader(7, batch_size=2)  # type: ignore[arg-type]
+    loader = Loader(np.stack(samples), batch_size=2, seed=1, epochs=1)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 5 and all(batch.shape == (2, 4) for batch in batches)
+    assert sorted(row[0] for batch in batches for row in batch.tolist()) == list(range(0, 100, 10))
+
+
 # --- resume -----------------------------------------------------------------------------------------------
 
 
@@ -162,7 +220,7 @@ def test_resume_continues_the_uninterrupted_stream(
     n: int, world: int, rows: int, seed: int, shuffle: bool, drop_last: bool, data: st.DataObject
 ) -> None:
     batch_size = world * rows
-    if drop_last and n < batch_size:
+    if (drop_last and n < batch_size) or (not drop_last and leaves_a_rank_empty(n, batch_size, world)):
         return
     rank = data.draw(st.integers(0, world - 1), label="rank")
     options = {
@@ -186,6 +244,8 @@ def test_resume_continues_the_uninterrupted_stream(
 def test_resume_with_fewer_ranks_keeps_the_global_order(
     n: int, seed: int, stop: int, drop_last: bool
 ) -> None:
+    assume(drop_last or not leaves_a_rank_empty(n, 8, 4))
+
     def loaders(world: int) -> list[Loader]:
         return [
             Loader(
@@ -286,6 +346,21 @@ def test_state_is_small_versioned_json(cache: streampack.Cache) -> None:
     assert len(json.dumps(state)) < 400
 
 
+def test_state_is_json_when_options_are_numpy_integers() -> None:
+    options = {
+        "batch_size": np.int64(8), "seed": np.uint64(2**64 - 1), "world_size": np.int32(2),
+        "rank": np.uint8(1), "epochs": np.int16(3),
+    }  # fmt: skip
+    loader = Loader(IndexSource(100), **options)  # type: ignore[arg-type]
+    served(loader, 2)
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["seed"] == 2**64 - 1 and state["batch_size"] == 8 and state["world_size"] == 2
+    assert all(type(getattr(loader.options, name)) is int for name in options)
+    resumed = Loader(IndexSource(100), batch_size=8, seed=2**64 - 1, world_size=2, rank=1, epochs=3)
+    resumed.load_state_dict(state)
+    assert served(resumed) == served(loader)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -299,12 +374,22 @@ def test_state_is_small_versioned_json(cache: streampack.Cache) -> None:
         ({"samples_in_epoch": 10**9}, "must be a multiple of batch_size=4 in"),
         ({"epoch": -1}, "epoch must be a non-negative integer"),
         ({"epoch": "3"}, "epoch must be a non-negative integer"),
+        ({"epoch": 2**64}, r"non-negative integer below 2\*\*64.*\(got epoch=18446744073709551616\)"),
+        ({"epoch": 10**30}, r"below 2\*\*64, the epochs a shuffle order exists for \(got epoch=10{30}\)"),
     ],
 )
 def test_mismatched_or_damaged_state_is_refused_naming_both_sides(change: dict, message: str) -> None:
     loader = Loader(IndexSource(100), batch_size=4, seed=7)
     with pytest.raises(LoaderStateError, match=message):
         loader.load_state_dict(loader.state_dict() | change)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_the_largest_epoch_a_state_may_hold_serves_batches(shuffle: bool) -> None:
+    loader = Loader(IndexSource(100), batch_size=4, seed=7, shuffle=shuffle)
+    loader.load_state_dict(loader.state_dict() | {"epoch": 2**64 - 1})
+    batch = next(iter(loader))[:, 0].tolist()
+    assert batch == loader.indices(2**64 - 1, 0).tolist() and len(set(batch)) == 4
 
 
 def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
@@ -341,7 +426,7 @@ def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
     ],
 )
 def test_bad_options_are_refused(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(OptionsError, match=message):
         Loader(IndexSource(100), **kwargs)
 
 

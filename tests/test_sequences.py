@@ -119,6 +119,30 @@ def test_out_of_range_index_names_the_range(cache: streampack.Cache, bad: object
         seqs[bad]
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.array([2**64 - 1], dtype=np.uint64),  # wrapped to -1 (the last sample) when cast first
+        np.array([0, 2**63], dtype=np.uint64),  # wrapped to -2**63
+        [2**63 + 5],
+        np.uint64(2**64 - 1),
+    ],
+)
+def test_huge_unsigned_indices_are_refused_naming_their_value(cache: streampack.Cache, bad: object) -> None:
+    seqs = cache.sequences(8)
+    value = int(np.max(bad))
+    message = rf"sample {value} out of range for {len(seqs)} samples"
+    with pytest.raises(IndexError, match=message):
+        seqs[bad]
+    with pytest.raises(IndexError, match=message):
+        seqs.boundaries(bad)
+    if np.ndim(bad) == 1:
+        with pytest.raises(IndexError, match=message):
+            seqs.read(bad)  # type: ignore[arg-type]
+    assert np.array_equal(seqs[np.array([len(seqs) - 1], dtype=np.uint64)], seqs[[-1]])
+    assert np.array_equal(seqs[np.array([-1], dtype=np.int8)], seqs[[len(seqs) - 1]])
+
+
 @pytest.mark.parametrize("bad", [1.5, np.array([0.0, 1.0]), np.array([True, False]), "3"])
 def test_non_integer_index_is_refused(cache: streampack.Cache, bad: object) -> None:
     with pytest.raises(TypeError, match="must be an int, a slice or an integer array"):
@@ -149,6 +173,19 @@ def test_read_casts_into_the_given_array(cache: streampack.Cache) -> None:
         seqs.read(indices, out=np.empty((4, 16), dtype=np.int64))
     with pytest.raises(ValueError, match="1-D array"):
         seqs.read(indices.reshape(2, 2))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.float32, np.float64, np.bool_])
+def test_read_refuses_an_out_dtype_that_cannot_hold_every_id(cache: streampack.Cache, dtype: type) -> None:
+    assert cache.dtype == np.uint16  # ids up to 65535: int16 would wrap the upper half
+    seqs = cache.sequences(16)
+    with pytest.raises(ValueError, match=rf"out has dtype {np.dtype(dtype)}, which cannot hold every id of "):
+        seqs.read(np.array([0, 1]), out=np.zeros((2, 16), dtype=dtype))
+    for fine in (np.uint16, np.int32, np.uint32, np.int64):
+        out = seqs.read(np.array([0, 1]), out=np.zeros((2, 16), dtype=fine))
+        assert np.array_equal(out, seqs[:2])
+    with pytest.raises(TypeError, match="out must be a numpy array"):
+        seqs.read(np.array([0]), out=[[0] * 16])  # type: ignore[arg-type]
 
 
 @settings(max_examples=40, deadline=None)

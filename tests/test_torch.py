@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from itertools import islice
 from pathlib import Path
 
@@ -17,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 import streampack  # noqa: E402
 from streampack._synthetic import write_cache  # noqa: E402
+from streampack.errors import LoaderStateError, OptionsError  # noqa: E402
 from streampack.loader import Loader  # noqa: E402
 from streampack.torch import DataLoader, Dataset, IterableDataset, _SlotRing  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
@@ -64,6 +66,26 @@ def test_ranks_times_workers_see_every_sample_once(
     assert everything == list(range(NUM_SAMPLES))
 
 
+def test_drop_last_false_never_hands_a_rank_an_empty_batch(tmp_path: Path) -> None:
+    # The reported numbers: 1,257 samples, global batch 8 over 8 ranks leaves 1 row for 8 ranks.
+    n = 1257
+    tokens = np.repeat(np.arange(n), SEQ_LEN)
+    seqs = streampack.open(
+        write_cache(tmp_path / "c", [(tokens, np.arange(1, len(tokens) + 1))], vocab_size=2000, eos_id=1999)
+    ).sequences(SEQ_LEN)
+    with pytest.raises(OptionsError, match=r"7 of the 8 ranks an empty batch.*1257 mod 8 = 1 sample"):
+        Loader(seqs, batch_size=8, world_size=8, drop_last=False)
+    # batch_size=16 leaves 9 rows: every rank gets 1 or 2, through DataLoader workers too.
+    per_rank = []
+    for rank in range(8):
+        loader = Loader(seqs, batch_size=16, seed=2, rank=rank, world_size=8, drop_last=False, epochs=1)
+        per_rank.append(sample_ids(list(DataLoader(loader, num_workers=2))))
+    assert {len(batches) for batches in per_rank} == {-(-n // 16)}
+    assert [len(batches[-1]) for batches in per_rank] == [1] * 7 + [2]
+    assert all(len(batch) == 2 for batches in per_rank for batch in batches[:-1])
+    assert sorted(i for batches in per_rank for batch in batches for i in batch) == list(range(n))
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_workers_hand_out_the_loaders_batches_in_order(numbered: streampack.Cache, workers: int) -> None:
     seqs = numbered.sequences(SEQ_LEN, overlap=1)
@@ -74,6 +96,17 @@ def test_workers_hand_out_the_loaders_batches_in_order(numbered: streampack.Cach
         assert tensor.dtype == torch.int64 and np.array_equal(tensor.numpy(), array)
     if workers:  # copied out of a shared slot into a tensor of the training process's own
         assert not got[0].is_shared()
+
+
+def test_len_is_the_batches_per_epoch(numbered: streampack.Cache) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    loader = Loader(seqs, batch_size=4, world_size=2, seed=3, drop_last=False, epochs=2)
+    data = DataLoader(loader, num_workers=2)
+    assert len(data) == len(loader) == loader.steps_per_epoch == -(-NUM_SAMPLES // 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert len(list(data)) == 2 * len(data)  # two epochs, and torch does not warn of a wrong length
+    assert not [w for w in caught if "Length of IterableDataset" in str(w.message)]
 
 
 def test_one_shared_tensor_per_batch_without_slots(numbered: streampack.Cache) -> None:
@@ -114,6 +147,33 @@ def test_break_and_resume_continue_exactly(numbered: streampack.Cache, persisten
     assert sample_ids(list(resumed)) == expected[9:]
     data.load_state_dict(state)  # also on a DataLoader that already has (persistent) workers
     assert sample_ids(list(data)) == expected[9:]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_load_state_dict_is_refused_while_an_iterator_runs(
+    numbered: streampack.Cache, persistent: bool
+) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    expected = sample_ids(list(Loader(seqs, batch_size=4, seed=5, epochs=1)))
+    data = DataLoader(
+        Loader(seqs, batch_size=4, seed=5, epochs=1), num_workers=2, persistent_workers=persistent
+    )
+    start = data.state_dict()
+    iterator = iter(data)
+    head = sample_ids([next(iterator) for _ in range(3)])
+    with pytest.raises(LoaderStateError, match="while an iterator over this DataLoader is running; call it "):
+        data.load_state_dict(start)
+    head += sample_ids([next(iterator)])  # the refused call changed nothing: state and batches agree
+    checkpoint = data.state_dict()
+    assert head == expected[:4] and checkpoint["samples_in_epoch"] == 4 * 4
+    iterator.close()
+    data.load_state_dict(start)
+    assert sample_ids(list(data)) == expected
+    for step, _ in enumerate(data):  # leaving a loop with break ends its iterator
+        if step == 6:
+            break
+    data.load_state_dict(checkpoint)
+    assert sample_ids(list(data)) == expected[4:]
 
 
 def test_spawned_workers_reopen_the_cache(numbered: streampack.Cache) -> None:
@@ -160,6 +220,10 @@ def test_map_style_dataset_with_workers(numbered: streampack.Cache) -> None:
     data = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=False, num_workers=2)
     rows = torch.cat(list(data))
     assert torch.equal(rows, torch.from_numpy(seqs[: len(seqs)].astype(np.int64)))
+    assert Dataset(seqs, dtype=torch.int32)[7].dtype == torch.int32
+    for narrow in (torch.int16, torch.uint8, torch.float32):
+        with pytest.raises(ValueError, match=rf"dtype={narrow} cannot hold every id of the cache's uint16"):
+            Dataset(seqs, dtype=narrow)
 
 
 _TORCHRUN_SCRIPT = """
