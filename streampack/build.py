@@ -332,10 +332,20 @@ def _run(
     elif workers == 1:
         yield from run_local(here, pooled, workers=1, on_progress=report)
     else:
-        # The workers share the cores: a worker whose threads outnumber its share fights the others.
-        threads = run.threads or max(1, cores // workers)
-        setup = {"on_progress": report, "initializer": init_worker, "initargs": (threads,)}
+        setup = {
+            "on_progress": report,
+            "initializer": init_worker,
+            "initargs": (worker_threads(run, workers),),
+        }
         yield from run_local(run_units, pooled, workers=workers, **setup)
+
+
+def worker_threads(run: RunOptions, workers: int, cores: int | None = None) -> int:
+    """Tokenizer threads of each of ``workers`` worker processes: ``run.threads``, else a share of the cores.
+
+    A worker whose threads outnumber its share of the cores fights the other workers' threads for them.
+    """
+    return run.threads or max(1, (cores or os.cpu_count() or 1) // workers)
 
 
 def default_workers(tokenizer: Tokenizer, cores: int) -> int:

@@ -299,3 +299,43 @@ def test_python_strings_with_lone_surrogates_are_bad_records(tmp_path: Path) -> 
         streampack.build(docs, tmp_path / "a")
     summary = streampack.build(docs, tmp_path / "b", on_bad_record="skip")
     assert summary.num_docs == 2 and summary.skipped_records == 1
+
+
+def test_new_python_data_never_returns_the_old_cache(tmp_path: Path) -> None:
+    out = tmp_path / "g"
+    streampack.build((t for t in ["old one", "old two"]), out)
+    with pytest.raises(ConfigMismatchError, match="cannot tell whether they still hold the same documents"):
+        streampack.build((t for t in ["NEW", "x", "y", "z"]), out)
+    with pytest.raises(ConfigMismatchError, match=r"overwrite=True .* Documents\(items, fingerprint="):
+        streampack.build(streampack.Documents(["NEW", "x"]), out)
+    summary = streampack.build((t for t in ["NEW", "x", "y", "z"]), out, overwrite=True)
+    assert summary.num_docs == 4 and read_docs(out)[0] == [*b"NEW", 256]
+
+
+def test_an_interrupted_python_build_resumes_only_under_the_same_fingerprint(tmp_path: Path) -> None:
+    out = tmp_path / "g"
+    docs = ["first", "second", "bad \ud800", "fourth"]
+    with pytest.raises(BadRecordError, match="python record 2"):
+        streampack.build(streampack.Documents(docs, fingerprint="v1"), out)
+    with pytest.raises(ConfigMismatchError, match="cannot tell"):  # no identity: never resumed
+        streampack.build(streampack.Documents(docs), out, on_bad_record="skip")
+    with pytest.raises(ConfigMismatchError, match="fingerprint v1 -> v2"):
+        streampack.build(streampack.Documents(docs, fingerprint="v2"), out, on_bad_record="skip")
+    summary = streampack.build(streampack.Documents(docs, fingerprint="v1"), out, on_bad_record="skip")
+    assert summary.units_resumed == 1 and summary.skipped_records == 1
+    assert read_docs(out) == [[*d.encode(), 256] for d in ("first", "second", "fourth")]
+    again = streampack.build(streampack.Documents(docs, fingerprint="v1"), out, on_bad_record="skip")
+    assert again.num_docs == 3  # the finished cache is reused
+
+
+def test_empty_and_whitespace_documents_are_left_out_and_counted_in_every_format(tmp_path: Path) -> None:
+    texts = ["kept", "", "   ", "\n\t", "also kept"]
+    write_jsonl(tmp_path / "in" / "a.jsonl", [{"text": t} for t in texts])
+    pq.write_table(pa.table({"text": texts}), tmp_path / "in" / "b.parquet")
+    for i, text in enumerate(texts):
+        (tmp_path / "in" / f"c{i}.txt").write_text(text)
+    summary = streampack.build(tmp_path / "in", tmp_path / "files")
+    assert summary.num_docs == 6 and summary.empty_docs == 9
+    python = streampack.build(streampack.Documents(texts), tmp_path / "python")
+    assert python.num_docs == 2 and python.empty_docs == 3
+    assert streampack.open(tmp_path / "python").manifest.empty_docs == 3

@@ -1,0 +1,77 @@
+"""Build settings: what identifies a cache is recorded whole and checked on resume; run options never are."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import streampack
+from streampack.build import worker_threads
+from streampack.errors import ConfigMismatchError, OptionsError
+from streampack.options import CacheSpec, RunOptions, split_options
+from tests.conftest import write_jsonl
+
+
+def test_a_misspelt_option_is_refused_with_the_nearest_name(tmp_path: Path) -> None:
+    with pytest.raises(OptionsError, match="unknown build option 'worker'; did you mean 'workers'"):
+        streampack.build(streampack.Documents(["x"]), tmp_path / "c", worker=2)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"text_field": ""}, "text_field must be a non-empty string"),
+        ({"eos": False, "eos_id": 3}, "eos_id=3 contradicts eos=False"),
+        ({"special_tokens": "maybe"}, "special_tokens must be one of 'text', 'parse'"),
+        ({"workers": 0}, "workers must be a positive integer"),
+        ({"engine": "spark"}, "engine must be one of 'local', 'ray'"),
+    ],
+)
+def test_bad_values_are_option_errors(options: dict[str, object], message: str) -> None:
+    with pytest.raises(OptionsError, match=message):
+        split_options(None, None, options)
+
+
+def test_the_spec_is_recorded_whole_and_run_options_never(tmp_path: Path) -> None:
+    streampack.build(
+        streampack.Documents(["a b"]), tmp_path / "c", workers=1, text_field="body", progress=False
+    )
+    settings = streampack.open(tmp_path / "c").manifest.settings
+    assert set(settings) == {f.name for f in dataclasses.fields(CacheSpec)}
+    assert settings["text_field"] == "body" and settings["max_piece_chars"] == 100_000
+    assert not set(settings) & {f.name for f in dataclasses.fields(RunOptions)}
+
+
+CHANGES = {
+    "special_tokens": "parse",
+    "eos": False,
+    "eos_id": 7,
+    "text_field": "body",
+    "split_lines": True,
+    "unit_bytes": 1 << 17,
+    "max_piece_chars": 5_000,
+}
+
+
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(CacheSpec) if f.name != "tokenizer"])
+def test_resuming_with_any_other_spec_field_is_refused_by_name(tmp_path: Path, field: str) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", [{"text": "one", "body": "uno"}])
+    streampack.build(path, tmp_path / "c")
+    with pytest.raises(ConfigMismatchError, match=rf"{field}: the cache has .*, this build has"):
+        streampack.build(path, tmp_path / "c", **{field: CHANGES[field]})
+
+
+def test_run_options_do_not_stop_a_resume(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", [{"text": "one"}])
+    streampack.build(path, tmp_path / "c", workers=1)
+    summary = streampack.build(path, tmp_path / "c", workers=2, threads=1, commit_seconds=1.0, batch_chars=10)
+    assert summary.num_docs == 1
+
+
+def test_workers_share_the_cores_unless_threads_are_given() -> None:
+    assert worker_threads(RunOptions(), workers=2, cores=2) == 1
+    assert worker_threads(RunOptions(), workers=2, cores=16) == 8
+    assert worker_threads(RunOptions(), workers=3, cores=2) == 1
+    assert worker_threads(RunOptions(threads=4), workers=2, cores=2) == 4
