@@ -68,9 +68,11 @@ def main() -> None:
     path = args.tokenizer or (TOKENIZERS_GPT2 if tokenizers else TIKTOKEN_GPT2)
     texts = list(iter_texts(args.corpus))
     if args.build_pieces:
-        from streampack.tokenize import load_tokenizer, piece_rule
+        from streampack.pieces import piece_rule
+        from streampack.tokenize import load_tokenizer
 
-        rule = piece_rule(load_tokenizer(path if tokenizers else f"tiktoken:{path}"))
+        tokenizer = load_tokenizer(path if tokenizers else f"tiktoken:{path}")
+        rule = piece_rule(tokenizer.cut_safety, tokenizer.fast_piece_chars)
         texts = [piece for text in texts for piece in rule.split(text)]
     if tokenizers:
         seconds, tokens = time_tokenizers(texts, path, args.batch)

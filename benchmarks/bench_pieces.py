@@ -35,7 +35,7 @@ WORKER = r"""
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 from _backends import TIKTOKEN_GPT2, TOKENIZERS_GPT2, iter_texts, load_tiktoken
-from streampack.tokenize import PieceRule
+from streampack.pieces import PieceRule
 
 backend, corpus = sys.argv[2], sys.argv[3]
 limit_chars, target, batch_chars, max_chars = map(int, sys.argv[4:8])
