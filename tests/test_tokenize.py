@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -184,16 +186,23 @@ def test_an_empty_tiktoken_spec_says_what_to_pass() -> None:
 # ------------------------------------------------------------------------------------ no process-wide state
 
 
-def test_a_build_leaves_the_callers_environment_alone(tmp_path: Path, bpe_tokenizer: Path) -> None:
-    import os
-
-    import streampack
-
-    before = dict(os.environ)
-    streampack.build(
-        streampack.Documents(["a b c"] * 3), tmp_path / "c", tokenizer=str(bpe_tokenizer), threads=1
-    )
-    assert dict(os.environ) == before
+def test_a_build_leaves_the_callers_environment_alone_and_sizes_its_thread_pool(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    # In processes of their own: `threads` sizes a process's tokenizers thread pool for good.
+    counts = []
+    for threads in (1, 3):
+        script = f"""
+import os, streampack
+before = dict(os.environ)
+docs = streampack.Documents(["a b c"] * 3)
+streampack.build(docs, {str(tmp_path / f"c{threads}")!r}, tokenizer={str(bpe_tokenizer)!r}, threads={threads})
+assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
+print(len(os.listdir("/proc/self/task")))
+"""
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+        counts.append(int(result.stdout))
+    assert counts[1] - counts[0] == 2
 
 
 def test_a_rebuild_after_the_tokenizer_file_changed_uses_the_new_one(tmp_path: Path) -> None:
