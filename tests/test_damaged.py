@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import CacheError
+from streampack.format import with_checksum
 from tests.conftest import run_cli, write_jsonl
 
 verify_module = importlib.import_module("streampack.verify")  # streampack.verify is the function
@@ -37,9 +38,10 @@ def cache(pristine: Path, tmp_path: Path) -> Path:
 
 
 def edit_manifest(cache: Path, change: Callable[[dict], object]) -> None:
+    """Change the manifest and give it a matching checksum: a manifest that is sound but lies."""
     manifest = json.loads((cache / "manifest.json").read_text())
     change(manifest)
-    (cache / "manifest.json").write_text(json.dumps(manifest))
+    (cache / "manifest.json").write_text(json.dumps(with_checksum(manifest)))
 
 
 def assert_refused(cache: Path, message: str) -> None:
@@ -138,6 +140,43 @@ def test_oversized_manifest_is_refused_before_parsing(cache: Path) -> None:
     with open(cache / "manifest.json", "ab") as f:
         f.truncate(65 << 20)
     assert_refused(cache, "over the .* byte limit")
+
+
+def test_every_bit_flip_of_a_manifest_is_found(tmp_path: Path) -> None:
+    """C19: no field of the manifest is outside a checksum, so no single flipped bit reads as sound."""
+    cache = tmp_path / "cache"
+    streampack.build(streampack.Documents(["a", "bc"]), cache)
+    manifest = cache / "manifest.json"
+    original = manifest.read_bytes()
+    assert streampack.verify(cache).ok
+    missed = []
+    for bit in range(len(original) * 8):
+        flipped = bytearray(original)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        manifest.write_bytes(bytes(flipped))
+        report = streampack.verify(cache)
+        if report.ok:
+            missed.append((bit // 8, original[bit // 8 - 10 : bit // 8 + 10]))
+        elif not any("manifest" in p for p in report.problems):
+            missed.append((bit // 8, report.problems))
+    assert not missed, f"{len(missed)} of {len(original) * 8} flips not reported as the manifest: {missed[:5]}"
+
+
+def test_manifest_checksum_names_both_values(cache: Path) -> None:
+    text = (cache / "manifest.json").read_text()
+    (cache / "manifest.json").write_text(text.replace('"text_field": "text"', '"text_field": "body"'))
+    checksums = r"\(recorded 'crc32:[0-9a-f]{8}', content crc32:[0-9a-f]{8}\)"
+    assert_refused(cache, r"manifest\.json: the manifest's content does not match its checksum " + checksums)
+
+
+def test_a_manifest_written_before_checksums_is_accepted(cache: Path) -> None:
+    manifest = json.loads((cache / "manifest.json").read_text())
+    del manifest["checksum"]
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert streampack.verify(cache).ok
+    manifest["checksun"] = "crc32:00000000"  # the field's name damaged
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert_refused(cache, "no checksum and an unknown field 'checksun'")
 
 
 FUZZ_EXAMPLES = int(os.environ.get("STREAMPACK_FUZZ_EXAMPLES", "150"))  # the README's figure uses 5000
