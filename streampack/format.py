@@ -242,8 +242,10 @@ def load_manifest(root: Path) -> Manifest:
 # The top-level fields of the manifests written before the checksum: such a manifest is accepted without
 # one, but any other field there (e.g. "checksum" with a flipped bit) means damage.
 _FIELDS_BEFORE_CHECKSUM = frozenset(
-    "format format_version complete tokenizer dtype eos settings inputs units num_docs num_tokens "
-    "skipped_records shards".split()
+    {
+        *("format", "format_version", "complete", "tokenizer", "dtype", "eos", "settings", "inputs"),
+        *("units", "num_docs", "num_tokens", "skipped_records", "shards"),
+    }
 )
 
 

@@ -159,7 +159,7 @@ def test_every_bit_flip_of_a_manifest_is_found(tmp_path: Path) -> None:
             missed.append((bit // 8, original[bit // 8 - 10 : bit // 8 + 10]))
         elif not any("manifest" in p for p in report.problems):
             missed.append((bit // 8, report.problems))
-    assert not missed, f"{len(missed)} of {len(original) * 8} flips not reported as the manifest: {missed[:5]}"
+    assert not missed, f"{len(missed)} of {len(original) * 8} flips not found in the manifest: {missed[:3]}"
 
 
 def test_manifest_checksum_names_both_values(cache: Path) -> None:
