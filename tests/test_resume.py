@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -101,11 +102,10 @@ def test_readers_during_a_build_see_only_committed_documents(tmp_path: Path, bpe
     )
     seen = 0
     while proc.poll() is None:
-        try:
-            cache = streampack.open(out, allow_incomplete=True)
-        except streampack.CacheError:  # the manifest is not written yet
+        if not (out / "manifest.json").exists():  # written once the build has planned its units
             time.sleep(0.01)
             continue
+        cache = streampack.open(out, allow_incomplete=True)  # B2: units not started have no files yet
         for shard in range(cache.num_shards):
             if cache.shards[shard].num_docs:
                 offsets = cache.shard_offsets(shard)
@@ -118,3 +118,39 @@ def test_readers_during_a_build_see_only_committed_documents(tmp_path: Path, bpe
     assert seen > 0
     final = streampack.open(out)
     assert final.num_docs == sum(s.num_docs for s in final.shards)
+
+
+def test_an_interrupted_build_serves_its_committed_prefix(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    """B2: after a kill, open(allow_incomplete=True) reads what was committed, though later units never
+    started (and have no shard files)."""
+    rng = random.Random(3)
+    words = ["alpha", "beta", "gamma", "delta", "tokens"]
+    docs = [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 300)))} for _ in range(9000)]
+    src = write_jsonl(tmp_path / "in.jsonl", docs)  # ~8 MB: 8 units of 1 MB
+    out = tmp_path / "c"
+    args = [*build_args([src], out, bpe_tokenizer)]
+    args[args.index("--workers") + 1] = "1"  # the units run in order, so the last ones have not started
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streampack.cli", "build", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (out / "ledger" / "000000.json").exists() and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+    partial = streampack.open(out, allow_incomplete=True)
+    assert not (out / "shards" / f"{partial.num_shards - 1:06d}.tokens").exists()
+    assert 0 < partial.num_docs < len(docs)
+    full = streampack.build(src, tmp_path / "full", tokenizer=str(bpe_tokenizer), unit_bytes=1 << 20)
+    complete = streampack.open(full.out)
+    assert partial.num_shards == complete.num_shards
+    for shard in range(partial.num_shards):  # each unit's committed documents are its first ones
+        first = int(complete.doc_starts[shard])
+        for i in range(partial.shards[shard].num_docs):
+            got = partial.doc(int(partial.doc_starts[shard]) + i)
+            assert np.array_equal(got, complete.doc(first + i))
