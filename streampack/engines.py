@@ -13,11 +13,13 @@ Killing workers is always safe.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.context
 import os
 import queue
 import signal
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -66,7 +68,7 @@ def _run_pool(
     initializer: Callable[..., None] | None,
     initargs: tuple[Any, ...],
 ) -> Iterator[Any]:
-    context = multiprocessing.get_context("spawn")
+    context = _SpawnContext()
     events = context.Queue()
     stop = threading.Event()
     forwarder = threading.Thread(target=_forward, args=(events, on_progress, stop), daemon=True)
@@ -92,6 +94,34 @@ def _run_pool(
         stop.set()
         forwarder.join()
         events.close()
+
+
+class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A spawned pool worker that does not run the user's main module.
+
+    A spawned child is a fresh interpreter that first re-runs the parent's main script (or imports its
+    main module) as ``__mp_main__``, so that objects pickled by reference to ``__main__`` resolve there.
+    The pool's workers receive only streampack's own functions and data and never need it; and a script
+    whose build is not under ``if __name__ == "__main__":`` would run again in every worker: its side
+    effects, then the build itself, which dies on the build lock. multiprocessing decides what a child
+    re-runs from ``sys.modules["__main__"]`` while the process starts
+    (``multiprocessing.spawn.get_preparation_data``), so the start is shown a bare module instead.
+    """
+
+    def start(self) -> None:
+        """Start the process without ``init_main_from_path``/``init_main_from_name`` in its preparation."""
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            super().start()
+        finally:
+            sys.modules["__main__"] = main
+
+
+class _SpawnContext(multiprocessing.context.SpawnContext):
+    """The spawn start method (not fork: tokenizer thread pools and fork do not mix), with our workers."""
+
+    Process = _WorkerProcess
 
 
 def _terminate(executor: ProcessPoolExecutor) -> None:

@@ -1,7 +1,11 @@
-"""Engines only schedule: a build on a real local Ray cluster gives the same bytes as the process pool."""
+"""Engines only schedule: the process pool and a real local Ray cluster give the same bytes, and a dying
+worker is one resumable error."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,11 +14,42 @@ import pytest
 import streampack
 from tests.conftest import shard_bytes, write_bytes, write_jsonl
 
-ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+
+def test_a_build_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
+    """B3: the pool's workers never re-run the user's script (here it would delete its own cache)."""
+    inputs = [
+        write_jsonl(tmp_path / f"{name}.jsonl", [{"text": f"{name} {i} " * 17} for i in range(1000)])
+        for name in ("a", "b")
+    ]
+    assert all(110_000 < p.stat().st_size < 120_000 for p in inputs)  # two units each
+    script = tmp_path / "build_cache.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import shutil
+            import streampack
+
+            shutil.rmtree("cache", ignore_errors=True)
+            with open("runs.txt", "a") as f:
+                f.write("ran\\n")
+            streampack.build(["a.jsonl", "b.jsonl"], "cache/", unit_bytes=65536, workers=2)
+            print(streampack.open("cache/").num_shards)
+            """
+        )
+    )
+    run = subprocess.run(
+        [sys.executable, script.name], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "runs.txt").read_text() == "ran\n"  # the script's side effects ran once
+    assert run.stdout.split() == ["4"]
+    streampack.build(inputs, tmp_path / "straight", unit_bytes=65536, workers=1)
+    assert shard_bytes(tmp_path / "cache") == shard_bytes(tmp_path / "straight")
 
 
 @pytest.fixture(scope="module")
 def local_cluster() -> Iterator[None]:
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
