@@ -3,15 +3,20 @@ worker is one resumable error."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import streampack
+from streampack.engines import run_ray
+from streampack.errors import WorkerDiedError
 from tests.conftest import shard_bytes, write_bytes, write_jsonl
 
 
@@ -83,3 +88,34 @@ def test_ray_engine_reports_bad_records_like_local(tmp_path: Path, local_cluster
     src = write_bytes(tmp_path / "bad.jsonl", b'{"text": "ok"}\n{"oops": 1}\n')
     with pytest.raises(streampack.BadRecordError, match=r"bad\.jsonl:2: no 'text' field"):
         streampack.build(src, tmp_path / "c", engine="ray")
+
+
+def _killed_units(tasks: Sequence[Any], report: Callable[[dict[str, int]], None]) -> Iterator[Any]:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer, or a lost node, would
+    yield from tasks
+
+
+def _queue_killing_units(tasks: Sequence[Any], report: Callable[[dict[str, int]], None]) -> Iterator[Any]:
+    import ray
+
+    ray.kill(report.__self__.actor)  # type: ignore[attr-defined]  # the progress queue's actor dies
+    yield from tasks
+
+
+def _buggy_units(tasks: Sequence[Any], report: Callable[[dict[str, int]], None]) -> Iterator[Any]:
+    raise ZeroDivisionError("a bug")
+    yield
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("units", [_killed_units, _queue_killing_units], ids=["task killed", "queue died"])
+def test_ray_failures_are_one_resumable_error(local_cluster: None, units: Any) -> None:
+    """B7: a dead Ray worker or actor is the same one-line error as a dead pool worker."""
+    with pytest.raises(WorkerDiedError, match=r"^a Ray worker of the build failed \(\w+Error: .*\); rerun "):
+        list(run_ray(units, [1, 2], address=None, on_progress=lambda event: None))
+
+
+@pytest.mark.slow
+def test_a_bug_in_a_ray_task_keeps_its_own_exception(local_cluster: None) -> None:
+    with pytest.raises(ZeroDivisionError, match="a bug"):
+        list(run_ray(_buggy_units, [1], address=None, on_progress=lambda event: None))
