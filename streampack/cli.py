@@ -1,16 +1,19 @@
 """The ``streampack`` command line: build, info, verify, decode, bench, demo.
 
-User errors print one line on stderr (no traceback) and exit 1; an interrupted build exits 130 and says
-how to resume.
+User errors print one line on stderr (no traceback) and exit 1; an interrupted build (Ctrl-C, or SIGTERM)
+says how to resume and exits 130 (143 for SIGTERM).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import click
@@ -327,29 +330,55 @@ def demo(out: str, workers: int | None) -> None:
     run_demo(Path(out), workers=workers)
 
 
+INTERRUPTED = "interrupted; rerun the same command to resume"
+SIGTERM_STATUS = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended: 143
+
+
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point.
+
+    SIGTERM (how Slurm, Kubernetes and ``kill`` stop a job) stops a command as Ctrl-C does: the command
+    unwinds, so a build stops its workers, releases its lock and leaves no shared-memory objects behind;
+    the exit status is 143 (128 + 15) for SIGTERM, 130 for Ctrl-C.
+    """
+    terminated: list[bool] = []
+    signal.signal(signal.SIGTERM, functools.partial(_interrupt_on_sigterm, terminated))
+    try:
+        status, message = _run_cli()
+    except KeyboardInterrupt:  # a signal while an error was being handled
+        status, message = 130, INTERRUPTED
+    if terminated:  # whatever the unwinding raised (e.g. a worker that the same SIGTERM ended)
+        status, message = SIGTERM_STATUS, INTERRUPTED
+    if message:
+        click.echo(message, err=True)
+    sys.exit(status)
+
+
+def _interrupt_on_sigterm(terminated: list[bool], signum: int, frame: FrameType | None) -> None:
+    if terminated:
+        return  # already unwinding: let the cleanup finish
+    terminated.append(True)
+    raise KeyboardInterrupt
+
+
+def _run_cli() -> tuple[int, str]:
+    """Run the command; return the exit status and the line to print on stderr (if any)."""
     try:
         cli.main(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("interrupted; rerun the same command to resume", err=True)
-        sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        return 130, INTERRUPTED
     except click.ClickException as e:
         e.show()
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        click.echo("interrupted; rerun the same command to resume", err=True)
-        sys.exit(130)
+        return e.exit_code, ""
     except StreampackError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+        return 1, f"error: {e}"
     except OSError as e:  # one the library did not turn into a StreampackError: still one line, with the file
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             message = str(disk_error(e, Path(e.filename or "?")))
         else:
             message = f"{e.filename or 'I/O'}: {e.strerror or e}"
-        click.echo(f"error: {message}", err=True)
-        sys.exit(1)
+        return 1, f"error: {message}"
+    return 0, ""
 
 
 if __name__ == "__main__":
