@@ -21,10 +21,10 @@ import numpy as np
 
 from streampack.build import BuildOptions
 from streampack.build import build as build_cache
-from streampack.errors import StreampackError
+from streampack.errors import StreampackError, TokenizerError
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
-from streampack.tokenize import load_tokenizer
+from streampack.tokenize import Tokenizer, load_tokenizer
 from streampack.verify import verify as verify_cache
 from streampack.writer import disk_error
 
@@ -130,7 +130,7 @@ def build(
         commit_bytes=max(int(commit_mb * (1 << 20)), 1),
     )
     try:
-        BuildOptions(**options)
+        _ = BuildOptions(**options).read_options  # the sources' options (--text-field) are checked there
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     summary = build_cache(list(inputs), out, **options)
@@ -195,9 +195,21 @@ def verify(cache_dir: str) -> None:
         for problem in report.problems:
             click.echo(f"error: {problem}", err=True)
         sys.exit(1)
-    click.echo(
-        f"ok: {cache_dir} ({report.bytes_checked / 1e6:.1f} MB checked at {report.gb_per_second:.2f} GB/s)"
-    )
+    checked = f"{_size(report.bytes_checked)} checked"
+    if report.bytes_checked and report.seconds:
+        checked += f" at {_size(report.bytes_checked / report.seconds)}/s"
+    click.echo(f"ok: {cache_dir} ({checked})")
+
+
+def _size(count: float) -> str:
+    """A byte count as people read it: ``812 bytes``, ``12.3 kB``, ``4.5 MB``, ``1.2 GB`` (SI units)."""
+    if count < 1000:
+        return f"{count:.0f} bytes"
+    for unit in ("kB", "MB", "GB"):
+        count /= 1000
+        if count < 1000:
+            return f"{count:.1f} {unit}"
+    return f"{count / 1000:,.1f} TB"
 
 
 @cli.command()
@@ -206,7 +218,10 @@ def verify(cache_dir: str) -> None:
 @click.option("--sample", "sample_index", type=int, help="Packed sample index (with --seq-len).")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per packed sample.")
 @click.option(
-    "--tokenizer", "-t", help="Tokenizer SPEC to decode with [default: the one that built the cache]."
+    "--tokenizer",
+    "-t",
+    help="Tokenizer SPEC to decode with, even if it differs from the cache's [default: the one that built "
+    "the cache, if unchanged].",
 )
 @click.option("--ids", is_flag=True, help="Print token ids instead of text.")
 def decode(
@@ -217,7 +232,11 @@ def decode(
     tokenizer: str | None,
     ids: bool,
 ) -> None:
-    """Print document --doc, or packed sample --sample of --seq-len tokens, of the cache as text."""
+    """Print document --doc, or packed sample --sample of --seq-len tokens, of the cache as text.
+
+    Decodes with the tokenizer that built the cache, refusing it if its file changed since (the manifest
+    holds its sha256); --tokenizer decodes with another one.
+    """
     if (doc_index is None) == (sample_index is None):
         raise click.UsageError("give exactly one of --doc I or --sample I (with --seq-len L)")
     if sample_index is not None and seq_len is None:
@@ -234,8 +253,39 @@ def decode(
     if ids:
         click.echo(" ".join(map(str, tokens.tolist())))
         return
-    spec = tokenizer or cache.manifest.tokenizer.get("spec", "bytes")
-    click.echo(load_tokenizer(spec).decode(tokens.tolist()))
+    click.echo(_decoder(cache, tokenizer).decode(tokens.tolist()))
+
+
+def _decoder(cache: Cache, given: str | None) -> Tokenizer:
+    """The tokenizer ``given``, else the one that built ``cache`` if its file is still the same.
+
+    The manifest records the tokenizer's spec as the build was given it (a relative path is taken from the
+    directory the build ran in) and the sha256 of its definition: a file edited since would decode the
+    ids into other text, silently. A tokenizer given explicitly is used whatever its hash, with a warning.
+    """
+    built_with = cache.manifest.tokenizer
+    spec = given or str(built_with.get("spec", "bytes"))
+    path = spec.removeprefix("tiktoken:")
+    if given is None and spec != "bytes" and not Path(path).exists():
+        where = (
+            "which no longer exists"
+            if os.path.isabs(path)
+            else f"a path relative to where the build ran, which does not exist from {os.getcwd()}"
+        )
+        raise TokenizerError(
+            f"the cache was built with tokenizer {spec!r}, {where}: pass --tokenizer PATH to decode with it"
+        )
+    decoder = load_tokenizer(spec)
+    expected, actual = built_with.get("sha256"), decoder.fingerprint()["sha256"]
+    if expected and actual != expected:
+        mismatch = f"tokenizer {spec!r} has sha256 {actual}, but the cache was built with sha256 {expected}"
+        if given is None:
+            raise TokenizerError(
+                f"{mismatch}: the file changed since the build, and would decode the ids into other text; "
+                "pass --tokenizer PATH to decode with it (or another) anyway"
+            )
+        click.echo(f"warning: {mismatch}; decoding with it as asked", err=True)
+    return decoder
 
 
 @cli.command()
@@ -321,7 +371,14 @@ def _children() -> list[int]:
 
 
 @cli.command()
-@click.option("--out", "-o", default="demo-cache", show_default=True, type=click.Path(file_okay=False))
+@click.option(
+    "--out",
+    "-o",
+    default="demo-cache",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Cache directory to build (a demo cache already there is replaced).",
+)
 @click.option("--workers", "-j", type=click.IntRange(min=1), help="Worker processes [default: cores].")
 def demo(out: str, workers: int | None) -> None:
     """Build a cache from this Python's own standard library sources with the bytes tokenizer, show it."""
