@@ -241,6 +241,54 @@ def test_missing_eos_is_found_even_with_matching_checksums(cache: Path) -> None:
     assert_verify_finds(cache, f"document {first_doc + 2} (and 0 more) does not end with EOS 256")
 
 
+def poke_tokens(cache: Path, shard: int, values: dict[int, int]) -> np.ndarray:
+    """Set tokens of a shard (by position) and give the manifest its new checksum; return its offsets."""
+    from streampack.format import file_checksum
+
+    path = cache / "shards" / f"{shard:06d}.tokens"
+    tokens = np.fromfile(path, dtype="<u2")
+    tokens[list(values)] = list(values.values())
+    tokens.tofile(path)
+    edit_manifest(cache, lambda m: m["shards"][shard].update(tokens_checksum=file_checksum(path)))
+    return np.fromfile(cache / "shards" / f"{shard:06d}.offsets", dtype="<u8")
+
+
+@pytest.mark.parametrize("chunk_items", [8 << 20, 7])
+def test_eos_ids_inside_documents_are_found(
+    cache: Path, chunk_items: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A1: an EOS id anywhere but at its document's end splits the document for EOS-based readers."""
+    monkeypatch.setattr(verify_module, "_CHUNK_ITEMS", chunk_items)  # 7: the ids fall in other chunks
+    ends = np.fromfile(cache / "shards" / "000001.offsets", dtype="<u8").astype(int)
+    long_docs = [i for i in range(1, len(ends)) if ends[i] - ends[i - 1] > 20]
+    a, b = long_docs[0], long_docs[1]
+    poke_tokens(cache, 1, {ends[a - 1] + 1: 256, ends[b - 1]: 256, ends[b] - 2: 256})
+    first = streampack.open(cache).doc_starts[1]
+    length_a, length_b = ends[a] - ends[a - 1], ends[b] - ends[b - 1]
+    assert_verify_finds(
+        cache,
+        f"000001.tokens: 3 EOS ids 256 inside documents, not at their end: document {first + a} at token 1 "
+        f"of {length_a}; document {first + b} at token 0 of {length_b}; document {first + b} at token "
+        f"{length_b - 2} of {length_b}. The text held the EOS token's string",
+    )
+
+
+def test_eos_ids_inside_documents_are_counted_and_the_first_shown(cache: Path) -> None:
+    ends = poke_tokens(cache, 0, {})
+    start = int(ends[9])  # document 10
+    poke_tokens(cache, 0, {start + i: 256 for i in range(5)})
+    assert_verify_finds(cache, "5 EOS ids 256 inside documents, not at their end: document 10 at token 0 of")
+    assert_verify_finds(cache, f"document 10 at token 2 of {int(ends[10] - ends[9])} (the first 3). The text")
+
+
+def test_eos_ids_inside_documents_are_allowed_when_special_tokens_are_parsed(cache: Path) -> None:
+    ends = poke_tokens(cache, 0, {})
+    poke_tokens(cache, 0, {int(ends[9]) + 1: 256})
+    assert not streampack.verify(cache).ok
+    edit_manifest(cache, lambda m: m["settings"].update(special_tokens="parse"))
+    assert streampack.verify(cache).ok
+
+
 def test_resuming_onto_a_shard_shorter_than_its_ledger_is_refused(pristine: Path, tmp_path: Path) -> None:
     """A partial shard cut below what the ledger committed (damaged after the crash) is not built on."""
     cache = tmp_path / "cache"
