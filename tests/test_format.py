@@ -31,5 +31,5 @@ def test_manifest_checksum_follows_the_documented_recipe(tmp_path: Path) -> None
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     recorded = manifest.pop("checksum")
     canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    assert "sort_keys=True, separators=(\",\", \":\"), ensure_ascii=False" in FORMAT_DOC.read_text()
+    assert 'sort_keys=True, separators=(",", ":"), ensure_ascii=False' in FORMAT_DOC.read_text()
     assert recorded == f"crc32:{zlib.crc32(canonical.encode()):08x}"
