@@ -281,7 +281,7 @@ def _decoder(cache: Cache, given: str | None) -> Tokenizer:
         mismatch = f"tokenizer {spec!r} has sha256 {actual}, but the cache was built with sha256 {expected}"
         if given is None:
             raise TokenizerError(
-                f"{mismatch}: the file changed since the build, and would decode the ids into other text; "
+                f"{mismatch}: the file changed since the build, and may decode the ids into other text; "
                 "pass --tokenizer PATH to decode with it (or another) anyway"
             )
         click.echo(f"warning: {mismatch}; decoding with it as asked", err=True)
