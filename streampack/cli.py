@@ -1,27 +1,30 @@
 """The ``streampack`` command line: build, info, verify, decode, bench, demo.
 
-User errors print one line on stderr (no traceback) and exit 1; an interrupted build exits 130 and says
-how to resume.
+User errors print one line on stderr (no traceback) and exit 1; an interrupted build (Ctrl-C, or SIGTERM)
+says how to resume and exits 130 (143 for SIGTERM).
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import os
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import click
 import numpy as np
 
 from streampack.build import build as build_cache
-from streampack.errors import OptionsError, StreampackError
+from streampack.errors import OptionsError, StreampackError, TokenizerError
 from streampack.options import CacheSpec, RunOptions, default
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
-from streampack.tokenize import load_tokenizer
+from streampack.tokenize import Tokenizer, load_tokenizer
 from streampack.verify import verify as verify_cache
 from streampack.writer import disk_error
 
@@ -272,9 +275,21 @@ def verify(cache_dir: str) -> None:
         for problem in report.problems:
             click.echo(f"error: {problem}", err=True)
         sys.exit(1)
-    click.echo(
-        f"ok: {cache_dir} ({report.bytes_checked / 1e6:.1f} MB checked at {report.gb_per_second:.2f} GB/s)"
-    )
+    checked = f"{_size(report.bytes_checked)} checked"
+    if report.bytes_checked and report.seconds:
+        checked += f" at {_size(report.bytes_checked / report.seconds)}/s"
+    click.echo(f"ok: {cache_dir} ({checked})")
+
+
+def _size(count: float) -> str:
+    """A byte count as people read it: ``812 bytes``, ``12.3 kB``, ``4.5 MB``, ``1.2 GB`` (SI units)."""
+    if count < 1000:
+        return f"{count:.0f} bytes"
+    for unit in ("kB", "MB", "GB"):
+        count /= 1000
+        if count < 1000:
+            return f"{count:.1f} {unit}"
+    return f"{count / 1000:,.1f} TB"
 
 
 @cli.command()
@@ -283,7 +298,10 @@ def verify(cache_dir: str) -> None:
 @click.option("--sample", "sample_index", type=int, help="Packed sample index (with --seq-len).")
 @click.option("--seq-len", type=click.IntRange(min=1), help="Tokens per packed sample.")
 @click.option(
-    "--tokenizer", "-t", help="Tokenizer SPEC to decode with [default: the one that built the cache]."
+    "--tokenizer",
+    "-t",
+    help="Tokenizer SPEC to decode with, even if it differs from the cache's [default: the one that built "
+    "the cache, if unchanged].",
 )
 @click.option("--ids", is_flag=True, help="Print token ids instead of text.")
 def decode(
@@ -294,7 +312,11 @@ def decode(
     tokenizer: str | None,
     ids: bool,
 ) -> None:
-    """Print document --doc, or packed sample --sample of --seq-len tokens, of the cache as text."""
+    """Print document --doc, or packed sample --sample of --seq-len tokens, of the cache as text.
+
+    Decodes with the tokenizer that built the cache, refusing it if its file changed since (the manifest
+    holds its sha256); --tokenizer decodes with another one.
+    """
     if (doc_index is None) == (sample_index is None):
         raise click.UsageError("give exactly one of --doc I or --sample I (with --seq-len L)")
     if sample_index is not None and seq_len is None:
@@ -311,8 +333,39 @@ def decode(
     if ids:
         click.echo(" ".join(map(str, tokens.tolist())))
         return
-    spec = tokenizer or cache.manifest.tokenizer.get("spec", "bytes")
-    click.echo(load_tokenizer(spec).decode(tokens.tolist()))
+    click.echo(_decoder(cache, tokenizer).decode(tokens.tolist()))
+
+
+def _decoder(cache: Cache, given: str | None) -> Tokenizer:
+    """The tokenizer ``given``, else the one that built ``cache`` if its file is still the same.
+
+    The manifest records the tokenizer's spec as the build was given it (a relative path is taken from the
+    directory the build ran in) and the sha256 of its definition: a file edited since would decode the
+    ids into other text, silently. A tokenizer given explicitly is used whatever its hash, with a warning.
+    """
+    built_with = cache.manifest.tokenizer
+    spec = given or str(built_with.get("spec", "bytes"))
+    path = spec.removeprefix("tiktoken:")
+    if given is None and spec != "bytes" and not Path(path).exists():
+        where = (
+            "which no longer exists"
+            if os.path.isabs(path)
+            else f"a path relative to where the build ran, which does not exist from {os.getcwd()}"
+        )
+        raise TokenizerError(
+            f"the cache was built with tokenizer {spec!r}, {where}: pass --tokenizer PATH to decode with it"
+        )
+    decoder = load_tokenizer(spec)
+    expected, actual = built_with.get("sha256"), decoder.fingerprint()["sha256"]
+    if expected and actual != expected:
+        mismatch = f"tokenizer {spec!r} has sha256 {actual}, but the cache was built with sha256 {expected}"
+        if given is None:
+            raise TokenizerError(
+                f"{mismatch}: the file changed since the build, and may decode the ids into other text; "
+                "pass --tokenizer PATH to decode with it (or another) anyway"
+            )
+        click.echo(f"warning: {mismatch}; decoding with it as asked", err=True)
+    return decoder
 
 
 @cli.command()
@@ -398,7 +451,14 @@ def _children() -> list[int]:
 
 
 @cli.command()
-@click.option("--out", "-o", default="demo-cache", show_default=True, type=click.Path(file_okay=False))
+@click.option(
+    "--out",
+    "-o",
+    default="demo-cache",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Cache directory to build (a demo cache already there is replaced).",
+)
 @click.option("--workers", "-j", type=click.IntRange(min=1), help="Worker processes [default: cores].")
 def demo(out: str, workers: int | None) -> None:
     """Build a cache from this Python's own standard library sources with the bytes tokenizer, show it."""
@@ -407,29 +467,55 @@ def demo(out: str, workers: int | None) -> None:
     run_demo(Path(out), workers=workers)
 
 
+INTERRUPTED = "interrupted; rerun the same command to resume"
+SIGTERM_STATUS = 128 + signal.SIGTERM  # what a shell reports for a process that SIGTERM ended: 143
+
+
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point.
+
+    SIGTERM (how Slurm, Kubernetes and ``kill`` stop a job) stops a command as Ctrl-C does: the command
+    unwinds, so a build stops its workers, releases its lock and leaves no shared-memory objects behind;
+    the exit status is 143 (128 + 15) for SIGTERM, 130 for Ctrl-C.
+    """
+    terminated: list[bool] = []
+    signal.signal(signal.SIGTERM, functools.partial(_interrupt_on_sigterm, terminated))
+    try:
+        status, message = _run_cli()
+    except KeyboardInterrupt:  # a signal while an error was being handled
+        status, message = 130, INTERRUPTED
+    if terminated:  # whatever the unwinding raised (e.g. a worker that the same SIGTERM ended)
+        status, message = SIGTERM_STATUS, INTERRUPTED
+    if message:
+        click.echo(message, err=True)
+    sys.exit(status)
+
+
+def _interrupt_on_sigterm(terminated: list[bool], signum: int, frame: FrameType | None) -> None:
+    if terminated:
+        return  # already unwinding: let the cleanup finish
+    terminated.append(True)
+    raise KeyboardInterrupt
+
+
+def _run_cli() -> tuple[int, str]:
+    """Run the command; return the exit status and the line to print on stderr (if any)."""
     try:
         cli.main(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("interrupted; rerun the same command to resume", err=True)
-        sys.exit(130)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        return 130, INTERRUPTED
     except click.ClickException as e:
         e.show()
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        click.echo("interrupted; rerun the same command to resume", err=True)
-        sys.exit(130)
+        return e.exit_code, ""
     except StreampackError as e:
-        click.echo(f"error: {_in_cli_terms(str(e))}", err=True)
-        sys.exit(1)
+        return 1, f"error: {_in_cli_terms(str(e))}"
     except OSError as e:  # one the library did not turn into a StreampackError: still one line, with the file
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             message = str(disk_error(e, Path(e.filename or "?")))
         else:
             message = f"{e.filename or 'I/O'}: {e.strerror or e}"
-        click.echo(f"error: {message}", err=True)
-        sys.exit(1)
+        return 1, f"error: {message}"
+    return 0, ""
 
 
 if __name__ == "__main__":

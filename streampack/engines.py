@@ -12,12 +12,15 @@ Killing workers is always safe.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import multiprocessing.context
 import os
 import queue
 import signal
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -66,7 +69,7 @@ def _run_pool(
     initializer: Callable[..., None] | None,
     initargs: tuple[Any, ...],
 ) -> Iterator[Any]:
-    context = multiprocessing.get_context("spawn")
+    context = _SpawnContext()
     events = context.Queue()
     stop = threading.Event()
     forwarder = threading.Thread(target=_forward, args=(events, on_progress, stop), daemon=True)
@@ -92,6 +95,34 @@ def _run_pool(
         stop.set()
         forwarder.join()
         events.close()
+
+
+class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A spawned pool worker that does not run the user's main module.
+
+    A spawned child is a fresh interpreter that first re-runs the parent's main script (or imports its
+    main module) as ``__mp_main__``, so that objects pickled by reference to ``__main__`` resolve there.
+    The pool's workers receive only streampack's own functions and data and never need it; and a script
+    whose build is not under ``if __name__ == "__main__":`` would run again in every worker: its side
+    effects, then the build itself, which dies on the build lock. multiprocessing decides what a child
+    re-runs from ``sys.modules["__main__"]`` while the process starts
+    (``multiprocessing.spawn.get_preparation_data``), so the start is shown a bare module instead.
+    """
+
+    def start(self) -> None:
+        """Start the process without ``init_main_from_path``/``init_main_from_name`` in its preparation."""
+        main = sys.modules["__main__"]
+        sys.modules["__main__"] = types.ModuleType("__main__")
+        try:
+            super().start()
+        finally:
+            sys.modules["__main__"] = main
+
+
+class _SpawnContext(multiprocessing.context.SpawnContext):
+    """The spawn start method (not fork: tokenizer thread pools and fork do not mix), with our workers."""
+
+    Process = _WorkerProcess
 
 
 def _terminate(executor: ProcessPoolExecutor) -> None:
@@ -166,8 +197,9 @@ def run_ray(
 
     Connects to the Ray cluster at ``address`` (``auto`` for a running one; a new local instance when None
     and none is running). The tasks send their progress events through a Ray queue, which this process
-    forwards to ``on_progress``. The first error cancels the other tasks and is raised here as the
-    original exception.
+    forwards to ``on_progress``. The first error cancels the other tasks and is raised here: a
+    :class:`StreampackError` raised by a task as itself, any failure of Ray (a worker or the queue's actor
+    died, ran out of memory, or lost its node) as :class:`WorkerDiedError`.
     """
     try:
         import ray
@@ -177,22 +209,39 @@ def run_ray(
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
-    events = Queue(actor_options={"num_cpus": 0})  # holds no core the units could use
-    remote = ray.remote(num_cpus=1, max_retries=0)(_run_ray_task)
+    events = None
     pending: list[Any] = []
     try:
+        events = Queue(actor_options={"num_cpus": 0})  # holds no core the units could use
+        remote = ray.remote(num_cpus=1, max_retries=0)(_run_ray_task)
         pending = [remote.remote(units_fn, task, initializer, initargs, events) for task in tasks]
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=_RAY_POLL_SECONDS)
             _forward_queued(events, on_progress)  # a task's events are all queued before it returns
             for ref in done:
                 yield _ray_result(ray, ref)
+    except ray.exceptions.RayError as e:
+        cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+        if not isinstance(cause, ray.exceptions.RayError):
+            raise  # a bug in the units' code, not a failure of Ray: keep its traceback
+        raise WorkerDiedError(
+            f"a Ray worker of the build failed ({type(cause).__name__}: killed, out of memory, or its node "
+            "was lost); rerun the same command to resume"
+        ) from None
     finally:
-        for ref in pending:
+        _stop_ray(ray, pending, events, started_here)
+
+
+def _stop_ray(ray: Any, pending: list[Any], events: Any, started_here: bool) -> None:
+    """Cancel the tasks still running and stop the queue; those that already died need no stopping."""
+    for ref in pending:
+        with contextlib.suppress(ray.exceptions.RayError):
             ray.cancel(ref, force=True)
-        events.shutdown()
-        if started_here:
-            ray.shutdown()
+    if events is not None:
+        with contextlib.suppress(ray.exceptions.RayError):
+            events.shutdown()
+    if started_here:
+        ray.shutdown()
 
 
 def _forward_queued(events: Any, on_progress: ProgressFn) -> None:

@@ -200,7 +200,7 @@ class Manifest:
         return {"tokenizer": self.tokenizer, "dtype": self.dtype, "eos": self.eos, "settings": self.settings}
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON document written to ``manifest.json``."""
+        """The JSON document written to ``manifest.json`` (which :meth:`write` adds a checksum to)."""
         return {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -221,7 +221,7 @@ class Manifest:
 
     def write(self, root: Path) -> None:
         """Atomically replace ``root/manifest.json``."""
-        atomic_write_json(root / MANIFEST, self.to_json())
+        atomic_write_json(root / MANIFEST, with_checksum(self.to_json()))
 
 
 def load_manifest(root: Path) -> Manifest:
@@ -234,10 +234,61 @@ def load_manifest(root: Path) -> Manifest:
     if not root.is_dir():
         raise CacheError(f"{root}: no such cache directory")
     raw = read_json(path, what="manifest")
+    _check_manifest_checksum(path, raw)
     try:
         return _parse_manifest(raw)
     except (KeyError, TypeError, ValueError) as e:
         raise CacheError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
+
+
+# ------------------------------------------------------------------------------------ manifest checksum
+
+# The top-level fields of the manifests written before the checksum: such a manifest is accepted without
+# one, but any other field there (e.g. "checksum" with a flipped bit) means damage.
+_FIELDS_BEFORE_CHECKSUM = frozenset(
+    {
+        *("format", "format_version", "complete", "tokenizer", "dtype", "eos", "settings", "inputs"),
+        *("units", "num_docs", "num_tokens", "skipped_records", "shards"),
+    }
+)
+
+
+def manifest_checksum(doc: dict[str, Any]) -> str:
+    """CRC-32 of a manifest's canonical JSON (sorted keys, no whitespace), its ``checksum`` field left out.
+
+    Computed over the parsed values, not the file's bytes, so that it does not depend on the layout.
+    """
+    content = {key: value for key, value in doc.items() if key != "checksum"}
+    return checksum_text(zlib.crc32(orjson.dumps(content, option=orjson.OPT_SORT_KEYS)))
+
+
+def with_checksum(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with its ``checksum`` field set (see :func:`manifest_checksum`)."""
+    return {**doc, "checksum": manifest_checksum(doc)}
+
+
+def _check_manifest_checksum(path: Path, raw: Any) -> None:
+    """Refuse a manifest whose content differs from what its checksum covers.
+
+    The shard files' checksums cover the data, and this one everything else (inputs, settings, the
+    tokenizer's hash, the shard table), so that no damage to the manifest goes unnoticed.
+    """
+    if not isinstance(raw, dict):
+        return  # _parse_manifest refuses it
+    if "checksum" not in raw:
+        unknown = sorted(set(raw) - _FIELDS_BEFORE_CHECKSUM)
+        if unknown:
+            raise CacheError(
+                f"{path}: the manifest has no checksum and an unknown field {unknown[0]!r}; it is damaged: "
+                "rebuild the cache (--overwrite)"
+            )
+        return
+    expected, actual = raw["checksum"], manifest_checksum(raw)
+    if expected != actual:
+        raise CacheError(
+            f"{path}: the manifest's content does not match its checksum (recorded {expected!r:.40}, content "
+            f"{actual}); it was damaged or edited: rebuild the cache (--overwrite)"
+        )
 
 
 def _parse_manifest(raw: Any) -> Manifest:

@@ -175,6 +175,8 @@ class Cache:
                 try:
                     size = path.stat().st_size
                 except FileNotFoundError:
+                    if count == 0 and not self.manifest.complete:
+                        continue  # a unit of an unfinished build that has not started (or committed) yet
                     raise CacheError(
                         f"{path}: shard file missing; the cache is damaged, rebuild it"
                     ) from None
@@ -192,7 +194,8 @@ def open(path: str | os.PathLike[str], *, allow_incomplete: bool = False) -> Cac
     Args:
         path: the cache directory.
         allow_incomplete: read the committed prefix of each unit of a build that has not finished (or is
-            still running) instead of refusing it.
+            still running) instead of refusing it: every document that its unit's ledger entry had
+            committed when this was called, in stream order (units not started yet hold none).
 
     Raises:
         CacheError: the directory is not a cache, its build is incomplete (unless allowed), or its
@@ -211,6 +214,11 @@ def open(path: str | os.PathLike[str], *, allow_incomplete: bool = False) -> Cac
 
 
 def _committed_shards(root: Path, manifest: Manifest) -> list[ShardInfo]:
+    """Each unit's committed prefix from its ledger entry (none: the unit has not committed yet).
+
+    A unit's writer makes its shard files durable before the ledger entry that covers them, so every
+    committed byte is on disk; a unit with nothing committed may have no files at all.
+    """
     shards = []
     for index, unit in enumerate(manifest.units):
         name = f"{index:06d}"

@@ -1,4 +1,5 @@
-"""Full verification of a cache: checksums, offsets, token range, EOS placement.
+"""Full verification of a cache: checksums, offsets, token range, EOS placement (at every document's end,
+and nowhere else).
 
 :func:`streampack.open` checks file sizes on every open; :func:`verify` reads every byte once, in chunks,
 checksumming and range-checking each chunk, so it runs in bounded memory at disk or checksum speed,
@@ -21,6 +22,7 @@ from streampack.reader import Cache
 from streampack.reader import open as open_cache
 
 _CHUNK_ITEMS = 8 << 20
+_SHOWN = 3  # EOS ids inside documents listed in the report, of a shard
 
 
 @dataclass
@@ -66,10 +68,12 @@ def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
         tokens = cache.shard_tokens(shard)
     except (CacheError, ValueError, OSError) as e:
         return [f"{tokens_file}: cannot map ({e})"]
-    tokens_crc, first_too_large = _scan(tokens, cache.vocab_size)  # one pass over the shard
-    offsets_crc, _ = _scan(offsets, None)
+    offsets_crc, _, _ = _scan(offsets, None)
+    problems = _check_offsets(offsets_file, offsets, info.num_tokens)
+    inner_eos = None if problems else _inner_eos_id(cache)
+    tokens_crc, first_too_large, inside = _scan(tokens, cache.vocab_size, inner_eos, offsets)  # one pass
     report.bytes_checked += tokens.nbytes + offsets.nbytes
-    problems = [
+    problems[:0] = [
         f"{path}: checksum {actual} does not match the manifest's {expected}"
         for path, actual, expected in (
             (tokens_file, tokens_crc, info.tokens_checksum),
@@ -77,7 +81,6 @@ def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
         )
         if actual != expected
     ]
-    problems.extend(_check_offsets(offsets_file, offsets, info.num_tokens))
     if first_too_large is not None:
         problems.append(
             f"{tokens_file}: token {first_too_large} is {int(tokens[first_too_large])}, not below the vocab "
@@ -93,18 +96,80 @@ def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
                 f"{tokens_file}: document {doc} (and {len(missing) - 1} more) does not end with EOS "
                 f"{cache.eos_id}"
             )
+    if inside.count:
+        problems.append(_inner_eos_problem(cache, shard, inside))
     return problems
 
 
-def _scan(array: np.ndarray, limit: int | None) -> tuple[str, int | None]:
-    """Checksum ``array``'s bytes; with ``limit``, also find its first value not below ``limit``."""
-    crc, first_over = 0, None
+@dataclass
+class _InnerEos:
+    """EOS ids found inside documents (not as their last token): how many, and where the first are."""
+
+    count: int = 0
+    first: list[int] = field(default_factory=list)  # positions in the shard
+
+
+def _inner_eos_id(cache: Cache) -> int | None:
+    """The id that may only end documents, or None when documents may hold it.
+
+    With ``special_tokens: parse`` a document's text may hold the EOS token's string, encoded as the id.
+    """
+    if cache.manifest.settings.get("special_tokens") == "parse":
+        return None
+    return cache.eos_id
+
+
+def _scan(
+    array: np.ndarray, limit: int | None, eos: int | None = None, ends: np.ndarray | None = None
+) -> tuple[str, int | None, _InnerEos]:
+    """Checksum ``array``'s bytes, a chunk at a time.
+
+    With ``limit``, also find its first value not below ``limit``; with ``eos`` and the document ``ends``
+    of a token array, also find the ``eos`` ids that are not the last token of their document.
+    """
+    crc, first_over, inside = 0, None, _InnerEos()
     for start in range(0, len(array), _CHUNK_ITEMS):
         chunk = array[start : start + _CHUNK_ITEMS]
         crc = zlib.crc32(chunk.data, crc)
         if limit is not None and first_over is None and int(chunk.max()) >= limit:
             first_over = start + int(np.argmax(chunk >= limit))
-    return checksum_text(crc), first_over
+        if eos is not None and ends is not None:
+            found = _eos_inside(chunk, start, eos, ends)
+            inside.count += len(found)
+            inside.first.extend(found[: _SHOWN - len(inside.first)].tolist())
+    return checksum_text(crc), first_over, inside
+
+
+def _eos_inside(chunk: np.ndarray, start: int, eos: int, ends: np.ndarray) -> np.ndarray:
+    """Positions of the ``eos`` ids of ``chunk`` (at ``start`` in its shard) that end no document."""
+    found = np.flatnonzero(chunk == eos).astype(np.int64) + start
+    if not len(found):
+        return found
+    # The id at position p ends a document when p + 1 is a document end: one of the ends in
+    # (start, start + len(chunk)]; a sentinel after them matches no position.
+    first = np.searchsorted(ends, np.uint64(start + 1), side="left")
+    last = np.searchsorted(ends, np.uint64(start + len(chunk)), side="right")
+    chunk_ends = np.append(np.asarray(ends[first:last], dtype=np.int64), -1)
+    ending = chunk_ends[np.searchsorted(chunk_ends[:-1], found + 1)] == found + 1
+    return found[~ending]
+
+
+def _inner_eos_problem(cache: Cache, shard: int, inside: _InnerEos) -> str:
+    offsets = cache.shard_offsets(shard)
+    where = []
+    for position in inside.first:
+        local = int(np.searchsorted(offsets, np.uint64(position), side="right"))
+        begin = int(offsets[local - 1]) if local else 0
+        doc = int(cache.doc_starts[shard]) + local
+        where.append(f"document {doc} at token {position - begin} of {int(offsets[local]) - begin}")
+    tokens_file, _ = cache.shard_paths(shard)
+    shown = f" (the first {len(where)})" if inside.count > len(where) else ""
+    return (
+        f"{tokens_file}: {inside.count} EOS {'id' if inside.count == 1 else 'ids'} {cache.eos_id} inside "
+        "documents, not at their end: "
+        f"{'; '.join(where)}{shown}. The text held the EOS token's string, which the tokenizer turned into "
+        "the control id; rebuild the cache with --overwrite (special-token strings are now encoded as text)"
+    )
 
 
 def _check_offsets(path: Path, offsets: np.ndarray, num_tokens: int) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -65,8 +67,6 @@ def test_bad_input_names_file_and_line(tmp_path: Path, kind: str) -> None:
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("error: ")
-    import re
-
     assert re.search(message, result.stderr), result.stderr
 
 
@@ -185,3 +185,79 @@ def test_max_piece_chars_is_recorded_and_kept_on_resume(tmp_path: Path) -> None:
     assert run_cli("decode", out, "--doc", "0").stdout.rstrip("\n") == "word " * 3000
     result = run_cli("build", src, "--out", out, check=False)  # the default (100000) differs: refused
     assert result.returncode == 1 and "max_piece_chars" in result.stderr and "Traceback" not in result.stderr
+
+
+COMMANDS = ["build", "info", "verify", "decode", "bench", "demo"]
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_every_option_has_help(name: str) -> None:
+    """C18: every option of every command says what it does in --help (hidden ones excepted)."""
+    import click
+
+    from streampack.cli import cli
+
+    command = cli.commands[name]
+    assert command.help
+    for group in (cli, command):
+        for param in group.get_params(click.Context(group)):
+            if isinstance(param, click.Option) and not param.hidden:
+                assert param.help, f"{name} {param.opts[0]} has no help"
+
+
+def test_every_command_is_checked_for_help() -> None:
+    from streampack.cli import cli
+
+    assert set(cli.commands) == {c if isinstance(c, str) else c.values[0] for c in COMMANDS}
+
+
+def test_verify_prints_sizes_people_read(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "tiny"}])
+    run_cli("build", src, "--out", tmp_path / "c")
+    shown = run_cli("verify", tmp_path / "c").stdout
+    assert re.fullmatch(r"ok: \S+/c \(18 bytes checked at [0-9.]+ (bytes|kB|MB|GB)/s\)\n", shown), shown
+
+
+def test_text_field_must_not_be_empty(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a"}])
+    result = run_cli("build", src, "--out", tmp_path / "c", "--text-field", "", check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "text_field must be a non-empty string" in result.stderr
+
+
+def test_decode_asks_for_a_tokenizer_that_is_not_found(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    """C6: the manifest's relative tokenizer path does not exist from another directory."""
+    project = tmp_path / "project"
+    project.mkdir()
+    shutil.copy(bpe_tokenizer, project / "tok.json")
+    write_jsonl(project / "in.jsonl", [{"text": "Hello world"}])
+    run_cli("build", "in.jsonl", "--out", "cache", "--tokenizer", "tok.json", cwd=project)
+    assert run_cli("decode", "cache", "--doc", "0", cwd=project).stdout.startswith("Hello world")
+    result = run_cli("decode", project / "cache", "--doc", "0", check=False, cwd=tmp_path)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert (
+        "the cache was built with tokenizer 'tok.json', a path relative to where the build ran, which does "
+        f"not exist from {tmp_path}: pass --tokenizer PATH" in result.stderr
+    )
+    result = run_cli("decode", project / "cache", "--doc", "0", "-t", project / "tok.json", cwd=tmp_path)
+    assert result.stdout.startswith("Hello world") and not result.stderr
+
+
+def test_decode_refuses_a_tokenizer_changed_since_the_build(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    """C6: the manifest's sha256 of the tokenizer is checked; --tokenizer overrides it with a warning."""
+    import hashlib
+
+    tok = tmp_path / "tok.json"
+    shutil.copy(bpe_tokenizer, tok)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "Hello world"}])
+    run_cli("build", src, "--out", tmp_path / "cache", "--tokenizer", tok)
+    built_with = hashlib.sha256(tok.read_bytes()).hexdigest()
+    edited = json.loads(tok.read_text())
+    tok.write_text(json.dumps(edited, indent=1))  # the same tokenizer, another file: another sha256
+    now = hashlib.sha256(tok.read_bytes()).hexdigest()
+    result = run_cli("decode", tmp_path / "cache", "--doc", "0", check=False)
+    assert result.returncode == 1 and not result.stdout, result.stderr
+    assert f"has sha256 {now}, but the cache was built with sha256 {built_with}" in result.stderr
+    result = run_cli("decode", tmp_path / "cache", "--doc", "0", "--tokenizer", tok)
+    assert result.stdout.startswith("Hello world")
+    assert result.stderr.startswith(f"warning: tokenizer '{tok}' has sha256 {now}, but the cache was built")

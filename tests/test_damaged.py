@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import CacheError
+from streampack.format import with_checksum
 from tests.conftest import run_cli, write_jsonl
 
 verify_module = importlib.import_module("streampack.verify")  # streampack.verify is the function
@@ -37,9 +38,10 @@ def cache(pristine: Path, tmp_path: Path) -> Path:
 
 
 def edit_manifest(cache: Path, change: Callable[[dict], object]) -> None:
+    """Change the manifest and give it a matching checksum: a manifest that is sound but lies."""
     manifest = json.loads((cache / "manifest.json").read_text())
     change(manifest)
-    (cache / "manifest.json").write_text(json.dumps(manifest))
+    (cache / "manifest.json").write_text(json.dumps(with_checksum(manifest)))
 
 
 def assert_refused(cache: Path, message: str) -> None:
@@ -140,6 +142,44 @@ def test_oversized_manifest_is_refused_before_parsing(cache: Path) -> None:
     assert_refused(cache, "over the .* byte limit")
 
 
+def test_every_bit_flip_of_a_manifest_is_found(tmp_path: Path) -> None:
+    """C19: no field of the manifest is outside a checksum, so no single flipped bit reads as sound."""
+    cache = tmp_path / "cache"
+    streampack.build(streampack.Documents(["a", "bc"]), cache)
+    manifest = cache / "manifest.json"
+    original = manifest.read_bytes()
+    assert streampack.verify(cache).ok
+    missed = []
+    for bit in range(len(original) * 8):
+        flipped = bytearray(original)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        manifest.write_bytes(bytes(flipped))
+        report = streampack.verify(cache)
+        if report.ok:
+            missed.append((bit // 8, original[bit // 8 - 10 : bit // 8 + 10]))
+        elif not any("manifest" in p for p in report.problems):
+            missed.append((bit // 8, report.problems))
+    assert not missed, f"{len(missed)} of {len(original) * 8} flips not found in the manifest: {missed[:3]}"
+
+
+def test_manifest_checksum_names_both_values(cache: Path) -> None:
+    text = (cache / "manifest.json").read_text()
+    (cache / "manifest.json").write_text(text.replace('"text_field": "text"', '"text_field": "body"'))
+    checksums = r"\(recorded 'crc32:[0-9a-f]{8}', content crc32:[0-9a-f]{8}\)"
+    assert_refused(cache, r"manifest\.json: the manifest's content does not match its checksum " + checksums)
+
+
+def test_a_manifest_written_before_checksums_is_accepted(cache: Path) -> None:
+    manifest = json.loads((cache / "manifest.json").read_text())
+    for newer in ("checksum", "empty_docs", "inexact_cuts"):  # fields that came with or after the checksum
+        del manifest[newer]
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert streampack.verify(cache).ok
+    manifest["checksun"] = "crc32:00000000"  # the field's name damaged
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert_refused(cache, "no checksum and an unknown field 'checksun'")
+
+
 FUZZ_EXAMPLES = int(os.environ.get("STREAMPACK_FUZZ_EXAMPLES", "150"))  # the README's figure uses 5000
 
 
@@ -200,6 +240,54 @@ def test_missing_eos_is_found_even_with_matching_checksums(cache: Path) -> None:
     edit_manifest(cache, lambda m: m["shards"][1].update(tokens_checksum=file_checksum(path)))
     first_doc = streampack.open(cache).doc_starts[1]
     assert_verify_finds(cache, f"document {first_doc + 2} (and 0 more) does not end with EOS 256")
+
+
+def poke_tokens(cache: Path, shard: int, values: dict[int, int]) -> np.ndarray:
+    """Set tokens of a shard (by position) and give the manifest its new checksum; return its offsets."""
+    from streampack.format import file_checksum
+
+    path = cache / "shards" / f"{shard:06d}.tokens"
+    tokens = np.fromfile(path, dtype="<u2")
+    tokens[list(values)] = list(values.values())
+    tokens.tofile(path)
+    edit_manifest(cache, lambda m: m["shards"][shard].update(tokens_checksum=file_checksum(path)))
+    return np.fromfile(cache / "shards" / f"{shard:06d}.offsets", dtype="<u8")
+
+
+@pytest.mark.parametrize("chunk_items", [8 << 20, 7])
+def test_eos_ids_inside_documents_are_found(
+    cache: Path, chunk_items: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A1: an EOS id anywhere but at its document's end splits the document for EOS-based readers."""
+    monkeypatch.setattr(verify_module, "_CHUNK_ITEMS", chunk_items)  # 7: the ids fall in other chunks
+    ends = np.fromfile(cache / "shards" / "000001.offsets", dtype="<u8").astype(int)
+    long_docs = [i for i in range(1, len(ends)) if ends[i] - ends[i - 1] > 20]
+    a, b = long_docs[0], long_docs[1]
+    poke_tokens(cache, 1, {ends[a - 1] + 1: 256, ends[b - 1]: 256, ends[b] - 2: 256})
+    first = streampack.open(cache).doc_starts[1]
+    length_a, length_b = ends[a] - ends[a - 1], ends[b] - ends[b - 1]
+    assert_verify_finds(
+        cache,
+        f"000001.tokens: 3 EOS ids 256 inside documents, not at their end: document {first + a} at token 1 "
+        f"of {length_a}; document {first + b} at token 0 of {length_b}; document {first + b} at token "
+        f"{length_b - 2} of {length_b}. The text held the EOS token's string",
+    )
+
+
+def test_eos_ids_inside_documents_are_counted_and_the_first_shown(cache: Path) -> None:
+    ends = poke_tokens(cache, 0, {})
+    start = int(ends[9])  # document 10
+    poke_tokens(cache, 0, {start + i: 256 for i in range(5)})
+    assert_verify_finds(cache, "5 EOS ids 256 inside documents, not at their end: document 10 at token 0 of")
+    assert_verify_finds(cache, f"document 10 at token 2 of {int(ends[10] - ends[9])} (the first 3). The text")
+
+
+def test_eos_ids_inside_documents_are_allowed_when_special_tokens_are_parsed(cache: Path) -> None:
+    ends = poke_tokens(cache, 0, {})
+    poke_tokens(cache, 0, {int(ends[9]) + 1: 256})
+    assert not streampack.verify(cache).ok
+    edit_manifest(cache, lambda m: m["settings"].update(special_tokens="parse"))
+    assert streampack.verify(cache).ok
 
 
 def test_resuming_onto_a_shard_shorter_than_its_ledger_is_refused(pristine: Path, tmp_path: Path) -> None:

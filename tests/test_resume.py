@@ -11,12 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 import streampack
-from tests.conftest import write_bytes, write_jsonl
+from tests.conftest import shard_bytes, write_bytes, write_jsonl
 
 
 def make_corpus(root: Path) -> list[Path]:
@@ -101,11 +102,10 @@ def test_readers_during_a_build_see_only_committed_documents(tmp_path: Path, bpe
     )
     seen = 0
     while proc.poll() is None:
-        try:
-            cache = streampack.open(out, allow_incomplete=True)
-        except streampack.CacheError:  # the manifest is not written yet
+        if not (out / "manifest.json").exists():  # written once the build has planned its units
             time.sleep(0.01)
             continue
+        cache = streampack.open(out, allow_incomplete=True)  # B2: units not started have no files yet
         for shard in range(cache.num_shards):
             if cache.shards[shard].num_docs:
                 offsets = cache.shard_offsets(shard)
@@ -118,3 +118,93 @@ def test_readers_during_a_build_see_only_committed_documents(tmp_path: Path, bpe
     assert seen > 0
     final = streampack.open(out)
     assert final.num_docs == sum(s.num_docs for s in final.shards)
+
+
+def test_an_interrupted_build_serves_its_committed_prefix(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    """B2: after a kill, open(allow_incomplete=True) reads what was committed, though later units never
+    started (and have no shard files)."""
+    rng = random.Random(3)
+    words = ["alpha", "beta", "gamma", "delta", "tokens"]
+    docs = [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 300)))} for _ in range(9000)]
+    src = write_jsonl(tmp_path / "in.jsonl", docs)  # ~8 MB: 8 units of 1 MB
+    out = tmp_path / "c"
+    args = [*build_args([src], out, bpe_tokenizer)]
+    args[args.index("--workers") + 1] = "1"  # the units run in order, so the last ones have not started
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streampack.cli", "build", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not (out / "ledger" / "000000.json").exists() and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+    partial = streampack.open(out, allow_incomplete=True)
+    assert not (out / "shards" / f"{partial.num_shards - 1:06d}.tokens").exists()
+    assert 0 < partial.num_docs < len(docs)
+    full = streampack.build(src, tmp_path / "full", tokenizer=str(bpe_tokenizer), unit_bytes=1 << 20)
+    complete = streampack.open(full.out)
+    assert partial.num_shards == complete.num_shards
+    for shard in range(partial.num_shards):  # each unit's committed documents are its first ones
+        first = int(complete.doc_starts[shard])
+        for i in range(partial.shards[shard].num_docs):
+            got = partial.doc(int(partial.doc_starts[shard]) + i)
+            assert np.array_equal(got, complete.doc(first + i))
+
+
+def live_processes(group: int) -> list[str]:
+    """The processes of a process group that are still running (zombies left to reap are not)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == group and fields[0] != "Z":
+            found.append(f"{stat.parent.name} {fields[0]} {(stat.parent / 'cmdline').read_bytes()!r}")
+    return found
+
+
+@pytest.mark.parametrize("target", ["coordinator", "process group"])
+def test_sigterm_stops_a_build_like_ctrl_c(tmp_path: Path, target: str) -> None:
+    """C5: SIGTERM (Slurm, Kubernetes) says how to resume, exits 143, leaks nothing; the resume is exact."""
+    inputs = make_corpus(tmp_path / "in")
+    out = tmp_path / "c"
+    args = build_args(inputs, out, Path("bytes"))  # a pool of 2 workers
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streampack.cli", "build", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list((out / "ledger").glob("*.json")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert proc.poll() is None, "the build finished before it could be stopped"
+    (os.kill if target == "coordinator" else os.killpg)(proc.pid, signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr.decode()
+    assert stderr.decode().strip() == "interrupted; rerun the same command to resume"  # no leak warning
+    deadline = time.monotonic() + 10  # a process may still be exiting after it closed its stderr
+    while live_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not live_processes(proc.pid)
+    assert not streampack.open(out, allow_incomplete=True).manifest.complete
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "streampack.cli", "build", *args], capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stderr
+    straight = tmp_path / "straight"
+    subprocess.run(
+        [sys.executable, "-m", "streampack.cli", "build", *build_args(inputs, straight, Path("bytes"))],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    assert shard_bytes(out) == shard_bytes(straight)
