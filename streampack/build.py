@@ -35,7 +35,15 @@ from streampack.ledger import UnitProgress
 from streampack.lock import BuildLock
 from streampack.pipeline import UnitResult, UnitTask, process_tokenizer, run_units, set_process_threads
 from streampack.progress import BuildProgress
-from streampack.sources import Documents, ReadOptions, WorkUnit, expand_inputs, plan_python_units, plan_units
+from streampack.sources import (
+    Documents,
+    ReadOptions,
+    WorkUnit,
+    check_output_outside_inputs,
+    expand_inputs,
+    plan_python_units,
+    plan_units,
+)
 from streampack.tokenize import Tokenizer, piece_rule, resolve_eos
 
 OnBadRecord = Literal["error", "skip"]
@@ -155,6 +163,8 @@ def build(inputs: Any, out: str | os.PathLike[str], **options: Any) -> BuildSumm
     opts = BuildOptions(**options)
     root = Path(out)
     started = time.perf_counter()
+    if _as_documents(inputs) is None:  # paths: refuse an --out that would mix with them before listing them
+        check_output_outside_inputs(root, [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)
     units, input_stats = _plan(inputs, opts.read_options)
     set_process_threads(opts.threads or 0)
     tokenizer = process_tokenizer(opts.tokenizer)  # kept for the units that run in this process

@@ -1,5 +1,7 @@
 """Documents, in input order, from files, URLs and Python objects; and the plan of work units.
 
+The input files come from :mod:`streampack.discovery` (re-exported here).
+
 A *work unit* is a piece of input decided by the inputs alone (a whole file; a run of consecutive small
 files; a line-aligned byte range of a large uncompressed JSONL file; a range of Parquet row groups; an
 index range of a Python sequence), never by the number of workers. Each unit becomes one shard, so the
@@ -20,54 +22,51 @@ from __future__ import annotations
 import bz2
 import codecs
 import functools
-import glob
 import gzip
 import io
 import lzma
-import os
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Set, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, BinaryIO, Literal, TypeAlias, cast
+from typing import Any, BinaryIO, TypeAlias, cast
 
 import orjson
 
+from streampack.discovery import (
+    Discovery,
+    Ignored,
+    InputFile,
+    check_output_outside_inputs,
+    discover_inputs,
+    expand_inputs,
+)
 from streampack.errors import BadRecordError, InputError
 
-Format = Literal["jsonl", "parquet", "text"]
+__all__ = [  # discovery is re-exported: callers import it from here
+    "Discovery",
+    "Documents",
+    "Ignored",
+    "InputFile",
+    "Item",
+    "Position",
+    "ReadOptions",
+    "TextStream",
+    "WorkUnit",
+    "check_output_outside_inputs",
+    "discover_inputs",
+    "expand_inputs",
+    "plan_python_units",
+    "plan_units",
+    "read_unit",
+]
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-TEXT_SUFFIXES = (".txt",)
-PARQUET_SUFFIXES = (".parquet",)
-COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2", ".xz": "xz"}
 DEFAULT_UNIT_BYTES = 64 << 20
 SEQUENCE_UNIT_ROWS = 100_000
 _READ_CHUNK = 1 << 20
 _STREAM_TEXT_BYTES = 8 << 20  # larger .txt documents are streamed in chunks rather than read whole
 _BOM = b"\xef\xbb\xbf"
 _STREAM_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
-
-
-@dataclass(frozen=True)
-class InputFile:
-    """One input file (local path or fsspec URL) with the stats that identify its content."""
-
-    path: str
-    format: Format
-    compression: str | None
-    size: int
-    mtime_ns: int | None
-
-    @property
-    def is_local(self) -> bool:
-        """True for a local path, false for a URL read through fsspec."""
-        return "://" not in self.path
-
-    def stat_json(self) -> dict[str, Any]:
-        """The manifest record used to detect inputs that changed between a build and its resume."""
-        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
 
 
 @dataclass(frozen=True)
@@ -179,109 +178,6 @@ class Position:
         except (OSError, ValueError):
             current = 0
         return self._files_done + current
-
-
-# ---------------------------------------------------------------------------------------------- discovery
-
-
-def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
-    """Resolve paths, directories, globs and URLs to the ordered list of input files.
-
-    Files are taken in the order given; a directory or glob contributes its matching files sorted by
-    path, so the order (and so the cache) is stable.
-
-    Raises:
-        InputError: an input does not exist, matches nothing, or has an unsupported extension.
-    """
-    if not inputs:
-        raise InputError("no inputs given: pass one or more files, directories, globs or URLs")
-    files: list[InputFile] = []
-    for raw in inputs:
-        files.extend(_expand_one(str(raw)))
-    return files
-
-
-def _expand_one(spec: str) -> list[InputFile]:
-    if "://" in spec:
-        return _expand_url(spec)
-    if any(c in spec for c in "*?["):
-        matches = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
-        found = [p for p in matches if _detect(p)]
-        if not found:
-            raise InputError(f"{spec}: the glob matches no input files ({_supported()})")
-        return [_local_file(p) for p in found]
-    path = Path(spec)
-    if path.is_dir():
-        found = sorted(
-            str(p)
-            for p in path.rglob("*")
-            if p.is_file() and _detect(str(p)) and not _inside_a_cache(p, path)
-        )
-        if not found:
-            raise InputError(f"{spec}: the directory holds no input files ({_supported()})")
-        return [_local_file(p) for p in found]
-    if not path.exists():
-        raise InputError(f"{spec}: no such file or directory")
-    return [_local_file(spec)]
-
-
-def _inside_a_cache(path: Path, top: Path) -> bool:
-    """True for the files of a streampack cache (e.g. a build's own --out inside its input directory)."""
-    return any(
-        (d / "manifest.json").is_file() and (d / "ledger").is_dir() for d in path.parents if d != top.parent
-    )
-
-
-def _expand_url(spec: str) -> list[InputFile]:
-    import fsspec
-
-    try:
-        fs, _, paths = fsspec.get_fs_token_paths(spec)
-        infos = [(fs.unstrip_protocol(p), fs.info(p)) for p in sorted(paths)]
-    except (OSError, ValueError, ImportError) as e:
-        raise InputError(f"{spec}: cannot read ({e})") from None
-    if not infos:
-        raise InputError(f"{spec}: the URL matches no input files")
-    # Remote stores have no portable mtime: a resumed build checks the size of remote inputs only.
-    return [InputFile(url, *_detect_strict(url), int(info.get("size") or 0), None) for url, info in infos]
-
-
-def _local_file(path: str) -> InputFile:
-    abspath = os.path.abspath(path)
-    st = os.stat(abspath)
-    return InputFile(abspath, *_detect_strict(abspath), st.st_size, st.st_mtime_ns)
-
-
-def _detect(path: str) -> tuple[Format, str | None] | None:
-    """Format and compression of a path from its extension, or None when it is not an input file."""
-    name = path.lower()
-    compression = None
-    for suffix, kind in COMPRESSION_SUFFIXES.items():
-        if name.endswith(suffix):
-            compression, name = kind, name[: -len(suffix)]
-            break
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl", compression
-    if name.endswith(TEXT_SUFFIXES):
-        return "text", compression
-    if name.endswith(PARQUET_SUFFIXES) and compression is None:
-        return "parquet", None
-    return None
-
-
-def _detect_strict(path: str) -> tuple[Format, str | None]:
-    detected = _detect(path)
-    if detected is None:
-        raise InputError(f"{path}: unknown file type ({_supported()}); rename the file or convert it")
-    return detected
-
-
-def _supported() -> str:
-    compressed = "/".join(COMPRESSION_SUFFIXES)
-    return (
-        f"supported: {', '.join(JSONL_SUFFIXES + TEXT_SUFFIXES)} optionally compressed ({compressed}), "
-        f"and {PARQUET_SUFFIXES[0]}"
-    )
 
 
 # ---------------------------------------------------------------------------------------------- planning
