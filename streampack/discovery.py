@@ -330,6 +330,8 @@ def _is_cache(directory: str) -> bool:
 
 def _local_file(path: str) -> InputFile:
     abspath = os.path.abspath(path)
+    if ".." in Path(path).parts and os.path.realpath(abspath) != os.path.realpath(path):
+        abspath = os.path.join(os.getcwd(), path)  # "link/.." is not where abspath's folding says
     try:
         st = os.stat(abspath)
     except OSError as e:

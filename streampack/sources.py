@@ -548,7 +548,7 @@ def _read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[I
 
     parquet = _parquet_file(file)
     field = options.text_field
-    column, path, cast_to = _text_column(file, parquet.schema_arrow, field)
+    column, path = _text_column(file, parquet.schema_arrow, field)
     stop = parquet.metadata.num_row_groups if unit.stop is None else unit.stop
     groups = list(range(unit.start, stop))
     row = sum(parquet.metadata.row_group(g).num_rows for g in range(unit.start))
@@ -559,7 +559,7 @@ def _read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[I
         return
     try:
         for batch in parquet.iter_batches(batch_size=1024, row_groups=groups, columns=[field]):
-            values = _column_values(batch.column(column), path, cast_to)
+            values = _string_values(batch.column(column), path)
             try:
                 texts: list[Any] = values.to_pylist()
             except UnicodeDecodeError:
@@ -576,14 +576,14 @@ def _read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[I
                 else:
                     yield text
     except (OSError, ValueError, TypeError, KeyError, IndexError, pa.ArrowException) as e:
-        raise InputError(
-            f"{file.path}: row {row + 1}: cannot read the Parquet data ({type(e).__name__}: {e})"
+        raise InputError(  # pyarrow fails a whole batch: the row is the first one not read
+            f"{file.path}: row {row + 1} or after: cannot read the Parquet data ({type(e).__name__}: {e})"
         ) from None
 
 
-def _text_column(file: InputFile, schema: Any, field: str) -> tuple[str, list[str], Any]:
-    """Where the text is: the top-level column, the path of struct fields inside it (for a dotted field
-    with no column of that name), and the type to cast it to (None for a plain string column).
+def _text_column(file: InputFile, schema: Any, field: str) -> tuple[str, list[str]]:
+    """Where the text is: the top-level column, and the path of struct fields inside it (for a dotted
+    field with no column of that name).
 
     Raises:
         InputError: no such column, a part of the path is missing or not a struct, or no string type.
@@ -609,11 +609,9 @@ def _text_column(file: InputFile, schema: Any, field: str) -> tuple[str, list[st
                     f"{file.path}: no column {field!r}: {outer!r} has no field {part!r} (fields: {names})"
                 )
             kind = kind.field(part).type
-    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
-        return column, path, None
     value_kind = kind.value_type if pa.types.is_dictionary(kind) else kind
     if pa.types.is_string(value_kind) or pa.types.is_large_string(value_kind) or _is_string_view(value_kind):
-        return column, path, pa.large_string()
+        return column, path
     raise InputError(f"{file.path}: column {field!r} has type {kind}, expected string")
 
 
@@ -623,13 +621,19 @@ def _is_string_view(kind: Any) -> bool:
     return bool(getattr(pa.types, "is_string_view", lambda _: False)(kind))
 
 
-def _column_values(values: Any, path: list[str], cast_to: Any) -> Any:
-    """The text values of a batch's column: the struct field at ``path``, cast to a plain string type."""
+def _string_values(values: Any, path: list[str]) -> Any:
+    """The text values of a batch's column as a string or large_string array: the struct field at
+    ``path``, dictionary-decoded, a string_view cast (none of which checks UTF-8: to_pylist() does)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     if path:
         values = pc.struct_field(values, path)  # null where a parent struct is null
-    return values if cast_to is None else pc.cast(values, cast_to)
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        return values
+    return pc.cast(values, pa.large_string())
 
 
 def _decoded_rows(values: Any, file: InputFile, row: int) -> list[str | BadRecordError | None]:
