@@ -278,20 +278,21 @@ def _found_files(root: str, parts: list[str], ignored: list[Ignored]) -> list[tu
     real = os.path.realpath(root or os.curdir)
     found = []
     for path, file_real in sorted(set(_match(root, real, parts, frozenset([real]), ignored))):
-        reason = _not_an_input(path, file_real)
+        try:
+            st = os.stat(file_real)
+        except OSError:  # a broken symlink
+            ignored.append(Ignored(path, NOT_A_REGULAR_FILE))
+            continue
+        reason = _not_an_input(path, st.st_mode)
         if reason is None:
-            found.append((_local_file(path), file_real))
+            found.append((_local_file(path, st), file_real))
         else:
             ignored.append(Ignored(path, reason))
     return found
 
 
-def _not_an_input(path: str, real: str) -> str | None:
+def _not_an_input(path: str, mode: int) -> str | None:
     """Why a file found under a directory or glob is not read, or None when it is an input file."""
-    try:
-        mode = os.stat(real).st_mode
-    except OSError:
-        return NOT_A_REGULAR_FILE  # a broken symlink
     if not stat.S_ISREG(mode):
         return NOT_A_REGULAR_FILE
     if _detect(path) is None:
@@ -328,14 +329,15 @@ def _is_cache(directory: str) -> bool:
     )
 
 
-def _local_file(path: str) -> InputFile:
+def _local_file(path: str, st: os.stat_result | None = None) -> InputFile:
     abspath = os.path.abspath(path)
     if ".." in Path(path).parts and os.path.realpath(abspath) != os.path.realpath(path):
         abspath = os.path.join(os.getcwd(), path)  # "link/.." is not where abspath's folding says
-    try:
-        st = os.stat(abspath)
-    except OSError as e:
-        raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
+    if st is None:
+        try:
+            st = os.stat(abspath)
+        except OSError as e:
+            raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
     return InputFile(abspath, *_detect_strict(abspath), st.st_size, st.st_mtime_ns)
 
 
