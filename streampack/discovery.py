@@ -176,10 +176,12 @@ def check_output_outside_inputs(
 
 
 def looks_like_json_lines(f: BinaryIO) -> bool:
-    """True unless the first non-blank line of ``f`` is not a complete JSON object.
+    """False when the first non-blank line of ``f`` shows a single JSON document rather than JSON Lines.
 
-    A pretty-printed or single JSON document (``{`` alone, a ``[...]`` array) is not JSON Lines; an empty
-    file is (with no records), and so is a first line too long to tell (over 1 MiB).
+    A document shows as ``{`` or ``[`` alone (pretty-printed), an array, or a JSON value that is not an
+    object. Anything else counts as JSON Lines: an object, an empty file, a first line too long to tell
+    (over 1 MiB), and a broken first record too, whose error is then reported when it is read rather
+    than the whole file skipped.
     """
     budget = _SNIFF_BYTES
     while budget > 0:
@@ -187,23 +189,27 @@ def looks_like_json_lines(f: BinaryIO) -> bool:
         if not line:
             return True
         budget -= len(line)
-        if not line.strip():
+        line = line.removeprefix(_BOM).strip()
+        if not line:
             continue
-        if budget <= 0 and not line.endswith(b"\n"):
-            return True
-        return _is_json_object(line.removeprefix(_BOM))
+        if line.startswith(b"{"):
+            return line != b"{"
+        return not (line.startswith(b"[") or _is_json(line))
     return True
 
 
-def _is_json_object(line: bytes) -> bool:
+def _is_json(line: bytes) -> bool:
     try:
-        return isinstance(orjson.loads(line), dict)
+        orjson.loads(line)
     except orjson.JSONDecodeError:
         pass
-    try:  # what only Python's parser accepts (NaN, lone surrogates) still makes a JSON Lines record
-        return isinstance(json.loads(line.decode("utf-8")), dict)
+    else:
+        return True
+    try:  # what only Python's parser accepts (NaN, lone surrogates)
+        json.loads(line.decode("utf-8"))
     except ValueError:
         return False
+    return True
 
 
 def describe_error(error: BaseException) -> str:

@@ -37,6 +37,7 @@ from typing import Any, BinaryIO, TypeAlias, cast
 import orjson
 
 from streampack.discovery import (
+    COMPRESSION_SUFFIXES,
     Discovery,
     Ignored,
     InputFile,
@@ -388,7 +389,10 @@ def _json_problem(line: bytes, error: orjson.JSONDecodeError) -> str:
 
 @functools.lru_cache(maxsize=64)
 def _json_document_hint(file: InputFile) -> str:
-    """A hint for a file whose first record is not a JSON object: it may be one JSON document."""
+    """A hint for a ``.json`` file with a bad record: the file may be one JSON document."""
+    name = file.path.lower()
+    if not name.endswith(".json") and not any(name.endswith(f".json{s}") for s in COMPRESSION_SUFFIXES):
+        return ""
     try:
         with _open_input(file) as f:
             if looks_like_json_lines(f):

@@ -102,6 +102,8 @@ def test_json_documents_and_cache_files_are_not_inputs_in_directories_and_globs(
     (d / "tokenizer.json").write_text('{\n  "model": {}\n}\n')
     (d / "list.json").write_text('[{"text": "a"}]\n')
     (d / "empty.json").write_text("")
+    (d / "scalar.json").write_text('"one JSON string"\n')
+    (d / "broken.json").write_text('{"text": "a broken first record\n')  # read, so that its error shows
     (d / "README.md").write_text("# data\n")
     streampack.build(d / "data.json", d / "cache")
     for spec in (d, f"{d}/**/*.json*", f"{d}/cache/ledger/*.json"):
@@ -110,9 +112,9 @@ def test_json_documents_and_cache_files_are_not_inputs_in_directories_and_globs(
         except streampack.InputError as e:  # the ledger glob: nothing but cache files
             assert "the glob matches no input files" in str(e) and "a streampack cache" in str(e)
             continue
-        assert _names([f.path for f in found.files], d) == ["data.json", "empty.json"]
+        assert _names([f.path for f in found.files], d) == ["broken.json", "data.json", "empty.json"]
         reasons = {os.path.relpath(i.path, d): i.reason for i in found.ignored}
-        assert reasons["tokenizer.json"] == reasons["list.json"] == "not JSON Lines"
+        assert reasons["tokenizer.json"] == reasons["list.json"] == reasons["scalar.json"] == "not JSON Lines"
         assert reasons["cache"] == "a streampack cache"
     assert {"README.md": "not an input file type"}.items() <= {
         os.path.relpath(i.path, d): i.reason for i in discover_inputs([d]).ignored
