@@ -533,7 +533,6 @@ def _detect(path: str) -> tuple[Format, str | None] | None:
     return None
 
 
-
 def _detect_strict(path: str) -> tuple[Format, str | None]:
     detected = _detect(path)
     if detected is None:
