@@ -232,7 +232,10 @@ def _expand_one(spec: str, ignored: list[Ignored]) -> list[tuple[InputFile, str]
     if "://" in spec:
         return _expand_url(spec, ignored)
     if spec in STDIN_PATHS or os.path.abspath(spec) in STDIN_PATHS:
-        raise InputError(f"{spec}: reading from standard input is not supported; save it to a file first")
+        raise InputError(
+            f"{spec}: reading from standard input is not supported; save it to a file first (a file named "
+            "'-': pass ./-)"
+        )
     if _MAGIC.search(spec):
         root = _glob_root(spec)
         pattern = spec[len(root) :].lstrip(os.sep) if root else spec
