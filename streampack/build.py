@@ -38,7 +38,15 @@ from streampack.options import CacheSpec, RunOptions, split_options
 from streampack.pieces import piece_rule
 from streampack.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, init_worker, run_units
 from streampack.progress import BuildProgress
-from streampack.sources import Documents, ReadOptions, WorkUnit, expand_inputs, plan_python_units, plan_units
+from streampack.sources import (
+    Documents,
+    ReadOptions,
+    WorkUnit,
+    check_output_outside_inputs,
+    expand_inputs,
+    plan_python_units,
+    plan_units,
+)
 from streampack.tokenize import Tokenizer, load_tokenizer, resolve_eos
 
 
@@ -93,6 +101,8 @@ def build(
     spec, run = split_options(spec, run, options)
     root = Path(out)
     started = time.perf_counter()
+    if _as_documents(inputs) is None:  # paths: refuse an output that would mix with them before listing them
+        check_output_outside_inputs(root, [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)
     read = ReadOptions(spec.text_field, spec.split_lines, spec.unit_bytes)
     units, input_stats = _plan(inputs, read)
     cores = os.cpu_count() or 1

@@ -1,5 +1,7 @@
 """Documents, in input order, from files, URLs and Python objects; and the plan of work units.
 
+The input files come from :mod:`streampack.discovery` (re-exported here).
+
 A *work unit* is a piece of input decided by the inputs alone (a whole file; a run of consecutive small
 files; a line-aligned byte range of a large uncompressed JSONL file; a range of Parquet row groups; an
 index range of a Python sequence), never by the number of workers. Each unit becomes one shard, so the
@@ -20,54 +22,57 @@ from __future__ import annotations
 import bz2
 import codecs
 import functools
-import glob
 import gzip
 import io
+import json
 import lzma
 import os
+import re
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Set, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Set, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, BinaryIO, Literal, TypeAlias, cast
+from typing import Any, BinaryIO, TypeAlias, cast
 
 import orjson
 
+from streampack.discovery import (
+    COMPRESSION_SUFFIXES,
+    Discovery,
+    Ignored,
+    InputFile,
+    check_output_outside_inputs,
+    describe_error,
+    discover_inputs,
+    expand_inputs,
+    looks_like_json_lines,
+)
 from streampack.errors import BadRecordError, InputError
 
-Format = Literal["jsonl", "parquet", "text"]
+__all__ = [  # discovery is re-exported: callers import it from here
+    "Discovery",
+    "Documents",
+    "Ignored",
+    "InputFile",
+    "Item",
+    "Position",
+    "ReadOptions",
+    "TextStream",
+    "WorkUnit",
+    "check_output_outside_inputs",
+    "discover_inputs",
+    "expand_inputs",
+    "plan_python_units",
+    "plan_units",
+    "read_unit",
+]
 
-JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-TEXT_SUFFIXES = (".txt",)
-PARQUET_SUFFIXES = (".parquet",)
-COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd", ".bz2": "bz2", ".xz": "xz"}
 DEFAULT_UNIT_BYTES = 64 << 20
 SEQUENCE_UNIT_ROWS = 100_000
 _READ_CHUNK = 1 << 20
 _STREAM_TEXT_BYTES = 8 << 20  # larger .txt documents are streamed in chunks rather than read whole
 _BOM = b"\xef\xbb\xbf"
 _STREAM_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
-
-
-@dataclass(frozen=True)
-class InputFile:
-    """One input file (local path or fsspec URL) with the stats that identify its content."""
-
-    path: str
-    format: Format
-    compression: str | None
-    size: int
-    mtime_ns: int | None
-
-    @property
-    def is_local(self) -> bool:
-        """True for a local path, false for a URL read through fsspec."""
-        return "://" not in self.path
-
-    def stat_json(self) -> dict[str, Any]:
-        """The manifest record used to detect inputs that changed between a build and its resume."""
-        return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
 
 
 @dataclass(frozen=True)
@@ -187,109 +192,6 @@ class Position:
         except (OSError, ValueError):
             current = 0
         return self._files_done + current
-
-
-# ---------------------------------------------------------------------------------------------- discovery
-
-
-def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
-    """Resolve paths, directories, globs and URLs to the ordered list of input files.
-
-    Files are taken in the order given; a directory or glob contributes its matching files sorted by
-    path, so the order (and so the cache) is stable.
-
-    Raises:
-        InputError: an input does not exist, matches nothing, or has an unsupported extension.
-    """
-    if not inputs:
-        raise InputError("no inputs given: pass one or more files, directories, globs or URLs")
-    files: list[InputFile] = []
-    for raw in inputs:
-        files.extend(_expand_one(str(raw)))
-    return files
-
-
-def _expand_one(spec: str) -> list[InputFile]:
-    if "://" in spec:
-        return _expand_url(spec)
-    if any(c in spec for c in "*?["):
-        matches = sorted(p for p in glob.glob(spec, recursive=True) if os.path.isfile(p))
-        found = [p for p in matches if _detect(p)]
-        if not found:
-            raise InputError(f"{spec}: the glob matches no input files ({_supported()})")
-        return [_local_file(p) for p in found]
-    path = Path(spec)
-    if path.is_dir():
-        found = sorted(
-            str(p)
-            for p in path.rglob("*")
-            if p.is_file() and _detect(str(p)) and not _inside_a_cache(p, path)
-        )
-        if not found:
-            raise InputError(f"{spec}: the directory holds no input files ({_supported()})")
-        return [_local_file(p) for p in found]
-    if not path.exists():
-        raise InputError(f"{spec}: no such file or directory")
-    return [_local_file(spec)]
-
-
-def _inside_a_cache(path: Path, top: Path) -> bool:
-    """True for the files of a streampack cache (e.g. a build's own --out inside its input directory)."""
-    return any(
-        (d / "manifest.json").is_file() and (d / "ledger").is_dir() for d in path.parents if d != top.parent
-    )
-
-
-def _expand_url(spec: str) -> list[InputFile]:
-    import fsspec
-
-    try:
-        fs, _, paths = fsspec.get_fs_token_paths(spec)
-        infos = [(fs.unstrip_protocol(p), fs.info(p)) for p in sorted(paths)]
-    except (OSError, ValueError, ImportError) as e:
-        raise InputError(f"{spec}: cannot read ({e})") from None
-    if not infos:
-        raise InputError(f"{spec}: the URL matches no input files")
-    # Remote stores have no portable mtime: a resumed build checks the size of remote inputs only.
-    return [InputFile(url, *_detect_strict(url), int(info.get("size") or 0), None) for url, info in infos]
-
-
-def _local_file(path: str) -> InputFile:
-    abspath = os.path.abspath(path)
-    st = os.stat(abspath)
-    return InputFile(abspath, *_detect_strict(abspath), st.st_size, st.st_mtime_ns)
-
-
-def _detect(path: str) -> tuple[Format, str | None] | None:
-    """Format and compression of a path from its extension, or None when it is not an input file."""
-    name = path.lower()
-    compression = None
-    for suffix, kind in COMPRESSION_SUFFIXES.items():
-        if name.endswith(suffix):
-            compression, name = kind, name[: -len(suffix)]
-            break
-    if name.endswith(JSONL_SUFFIXES):
-        return "jsonl", compression
-    if name.endswith(TEXT_SUFFIXES):
-        return "text", compression
-    if name.endswith(PARQUET_SUFFIXES) and compression is None:
-        return "parquet", None
-    return None
-
-
-def _detect_strict(path: str) -> tuple[Format, str | None]:
-    detected = _detect(path)
-    if detected is None:
-        raise InputError(f"{path}: unknown file type ({_supported()}); rename the file or convert it")
-    return detected
-
-
-def _supported() -> str:
-    compressed = "/".join(COMPRESSION_SUFFIXES)
-    return (
-        f"supported: {', '.join(JSONL_SUFFIXES + TEXT_SUFFIXES)} optionally compressed ({compressed}), "
-        f"and {PARQUET_SUFFIXES[0]}"
-    )
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -416,8 +318,8 @@ def _read_lines(unit: WorkUnit, options: ReadOptions, skip: int, position: Posit
     field = options.text_field
     line_no = 0
     with _open_input(file, position) as f:
-        pos = _seek_line_start(f, unit.start)
         try:
+            pos = _seek_line_start(f, unit.start)
             for line in f:
                 if unit.stop is not None and pos >= unit.stop:
                     break
@@ -454,11 +356,35 @@ def _parse_json_line(line: bytes, field: str, file: InputFile, start: int, line_
     try:
         record = orjson.loads(line)
     except orjson.JSONDecodeError as e:
-        return BadRecordError(_location(file, start, line_no), _json_problem(line, e))
+        return _parse_json_line_slowly(line, field, file, start, line_no, e)
     if not isinstance(record, dict):
-        problem = f"the line is a JSON {type(record).__name__}, expected an object with a {field!r} field"
-        return BadRecordError(_location(file, start, line_no), problem)
+        return _not_an_object(record, field, file, start, line_no)
     return _text_of(record, field, lambda: _location(file, start, line_no))
+
+
+def _parse_json_line_slowly(
+    line: bytes, field: str, file: InputFile, start: int, line_no: int, error: orjson.JSONDecodeError
+) -> Item:
+    """A line orjson refused: Python's parser also accepts ``NaN``, ``Infinity`` and lone surrogates.
+
+    Asked only after orjson failed, so the common path pays nothing. A lone surrogate is still refused
+    in the text (no tokenizer can encode it), as for Python inputs; in other fields it does no harm.
+    """
+    try:
+        record = json.loads(line.decode("utf-8"))
+    except ValueError:  # invalid UTF-8 or malformed JSON
+        _refuse_compressed(file)
+        problem = _json_problem(line, error) + _json_document_hint(file)
+        return BadRecordError(_location(file, start, line_no), problem)
+    if not isinstance(record, dict):
+        return _not_an_object(record, field, file, start, line_no)
+    item = _text_of(record, field, lambda: _location(file, start, line_no))
+    return _encodable(item, _location(file, start, line_no)) if isinstance(item, str) else item
+
+
+def _not_an_object(record: Any, field: str, file: InputFile, start: int, line_no: int) -> BadRecordError:
+    problem = f"the line is a JSON {type(record).__name__}, expected an object with a {field!r} field"
+    return BadRecordError(_location(file, start, line_no), problem + _json_document_hint(file))
 
 
 def _json_problem(line: bytes, error: orjson.JSONDecodeError) -> str:
@@ -469,22 +395,66 @@ def _json_problem(line: bytes, error: orjson.JSONDecodeError) -> str:
     return f"malformed JSON ({error})"
 
 
-def _text_of(record: dict[str, Any], field: str, location: Any) -> Item:
-    if field not in record:
-        fields = ", ".join(map(repr, list(record)[:10])) or "none"
-        problem = f"no {field!r} field (fields: {fields}); pass --text-field to choose another"
-        return BadRecordError(location(), problem)
-    text = record[field]
+@functools.lru_cache(maxsize=64)
+def _json_document_hint(file: InputFile) -> str:
+    """A hint for a ``.json`` file with a bad record: the file may be one JSON document."""
+    name = file.path.lower()
+    if not name.endswith(".json") and not any(name.endswith(f".json{s}") for s in COMPRESSION_SUFFIXES):
+        return ""
+    try:
+        with _open_input(file) as f:
+            if looks_like_json_lines(f):
+                return ""
+    except (InputError, *_STREAM_ERRORS):
+        return ""
+    return "; this looks like a single JSON document, not JSON Lines (one object per line)"
+
+
+class _Missing:
+    """The text field is absent from a record; ``problem`` says which part of its path is missing."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _text_of(record: dict[str, Any], field: str, location: Callable[[], str]) -> Item:
+    """The text of a record: ``record[field]``, or for a dotted field absent as such, the nested value."""
+    text = record[field] if field in record else _nested_value(record, field)
     if isinstance(text, str):
         return text
-    kind = "null" if text is None else type(text).__name__
-    return BadRecordError(location(), f"the {field!r} field is {kind}, expected a string")
+    if isinstance(text, _Missing):
+        return BadRecordError(location(), text.problem)
+    return BadRecordError(location(), f"the {field!r} field is {_kind(text)}, expected a string")
+
+
+def _nested_value(record: dict[str, Any], field: str) -> Any:
+    """``record["a"]["b"]`` for the field ``a.b``, or a :class:`_Missing` saying which part is absent."""
+    parts = field.split(".")
+    advice = "; pass --text-field to choose another"
+    if len(parts) == 1 or parts[0] not in record:
+        fields = ", ".join(map(repr, list(record)[:10])) or "none"
+        return _Missing(f"no {field!r} field (fields: {fields}){advice}")
+    value: Any = record
+    for i, part in enumerate(parts):
+        outer = ".".join(parts[:i])
+        if not isinstance(value, dict):
+            return _Missing(f"no {field!r} field: {outer!r} is {_kind(value)}, not an object{advice}")
+        if part not in value:
+            fields = ", ".join(map(repr, list(value)[:10])) or "none"
+            return _Missing(f"no {field!r} field: {outer!r} has no {part!r} (its fields: {fields}){advice}")
+        value = value[part]
+    return value
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 def _decode_text_line(line: bytes, file: InputFile, start: int, line_no: int) -> Item:
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as e:
+        _refuse_compressed(file)
         return BadRecordError(_location(file, start, line_no), f"invalid UTF-8 at byte {e.start} of the line")
     text = text.rstrip("\r\n")
     return text if text.strip() else None
@@ -495,18 +465,23 @@ def _read_text_document(file: InputFile, skip: int, position: Position | None) -
         return
     if file.size <= _STREAM_TEXT_BYTES and file.compression is None:
         with _open_input(file) as f:
-            data = f.read()
+            try:
+                data = f.read()
+            except _STREAM_ERRORS as e:
+                raise InputError(f"{file.path}: cannot read ({e})") from None
         if data.startswith(_BOM):
             data = data[len(_BOM) :]
         try:
             yield data.decode("utf-8")
         except UnicodeDecodeError as e:
+            _refuse_compressed(file)
             yield BadRecordError(f"{file.path}: byte {e.start}", "invalid UTF-8")
         return
     try:  # a first pass, so that invalid UTF-8 is a bad record found before any of the document is kept
         for _ in _decoded_chunks(file, None):
             pass
     except _InvalidUtf8 as e:
+        _refuse_compressed(file)
         yield BadRecordError(f"{file.path}: byte {e.offset}", "invalid UTF-8")
         return
     yield TextStream(_decoded_chunks(file, position))
@@ -541,6 +516,43 @@ def _decoded_chunks(file: InputFile, position: Position | None) -> Iterator[str]
                 return
 
 
+_MAGIC = [  # the first bytes of the compressed formats, and the extension each wants
+    (re.compile(rb"\x1f\x8b"), "gzip", ".gz"),
+    (re.compile(rb"\x28\xb5\x2f\xfd"), "zstd", ".zst"),
+    (re.compile(rb"BZh[1-9](1AY&SY|\x17rE8P\x90)"), "bz2", ".bz2"),
+    (re.compile(rb"\xfd7zXZ\x00"), "xz", ".xz"),
+]
+
+
+def _refuse_compressed(file: InputFile) -> None:
+    """Raise when a file read as uncompressed starts like a compressed one (asked only on a failure).
+
+    Raises:
+        InputError: naming the compression and the name to rename the file to; not a bad record, as
+            none of the file's records can be read.
+    """
+    kind = _compressed_as(file)
+    if kind is not None:
+        name = file.path.rstrip("/").rsplit("/", 1)[-1]
+        suffix = os.path.splitext(name)[1]
+        raise InputError(
+            f"{file.path}: the file looks {kind[0]}-compressed but is named {suffix}; rename it to "
+            f"{name}{kind[1]}"
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def _compressed_as(file: InputFile) -> tuple[str, str] | None:
+    if file.compression is not None:
+        return None
+    try:
+        with _open_input(file) as f:
+            head = f.read(10)
+    except (InputError, *_STREAM_ERRORS):
+        return None
+    return next(((kind, ext) for magic, kind, ext in _MAGIC if magic.match(head)), None)
+
+
 def _read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[Item]:
     file = unit.file
     assert file is not None
@@ -548,14 +560,7 @@ def _read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[I
 
     parquet = _parquet_file(file)
     field = options.text_field
-    schema = parquet.schema_arrow
-    if field not in schema.names:
-        raise InputError(
-            f"{file.path}: no column {field!r} (columns: {', '.join(schema.names)}); pass --text-field"
-        )
-    column_type = schema.field(field).type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
-        raise InputError(f"{file.path}: column {field!r} has type {column_type}, expected string")
+    column, path = _text_column(file, parquet.schema_arrow, field)
     stop = parquet.metadata.num_row_groups if unit.stop is None else unit.stop
     groups = list(range(unit.start, stop))
     row = sum(parquet.metadata.row_group(g).num_rows for g in range(unit.start))
@@ -566,17 +571,96 @@ def _read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[I
         return
     try:
         for batch in parquet.iter_batches(batch_size=1024, row_groups=groups, columns=[field]):
-            for text in batch.column(0).to_pylist():
+            values = _string_values(batch.column(column), path)
+            try:
+                texts: list[Any] = values.to_pylist()
+            except UnicodeDecodeError:
+                texts = _decoded_rows(values, file, row)
+            for text in texts:
                 row += 1
                 if skip:
                     skip -= 1
                     continue
                 if isinstance(text, str):
                     yield text
-                else:
+                elif text is None:
                     yield BadRecordError(f"{file.path}: row {row}", f"the {field!r} value is null")
-    except (OSError, pa.ArrowException) as e:
-        raise InputError(f"{file.path}: row {row}: cannot read the Parquet data ({e})") from None
+                else:
+                    yield text
+    except (OSError, ValueError, TypeError, KeyError, IndexError, pa.ArrowException) as e:
+        raise InputError(  # pyarrow fails a whole batch: the row is the first one not read
+            f"{file.path}: row {row + 1} or after: cannot read the Parquet data ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _text_column(file: InputFile, schema: Any, field: str) -> tuple[str, list[str]]:
+    """Where the text is: the top-level column, and the path of struct fields inside it (for a dotted
+    field with no column of that name).
+
+    Raises:
+        InputError: no such column, a part of the path is missing or not a struct, or no string type.
+    """
+    import pyarrow as pa
+
+    if field in schema.names:
+        column, path, kind = field, [], schema.field(field).type
+    else:
+        column, *path = field.split(".")
+        if not path or column not in schema.names:
+            raise InputError(
+                f"{file.path}: no column {field!r} (columns: {', '.join(schema.names)}); pass --text-field"
+            )
+        kind = schema.field(column).type
+        for i, part in enumerate(path):
+            outer = ".".join([column, *path[:i]])
+            if not pa.types.is_struct(kind):
+                raise InputError(f"{file.path}: no column {field!r}: {outer!r} has type {kind}, not a struct")
+            if kind.get_field_index(part) < 0:
+                names = ", ".join(kind.field(j).name for j in range(kind.num_fields))
+                raise InputError(
+                    f"{file.path}: no column {field!r}: {outer!r} has no field {part!r} (fields: {names})"
+                )
+            kind = kind.field(part).type
+    value_kind = kind.value_type if pa.types.is_dictionary(kind) else kind
+    if pa.types.is_string(value_kind) or pa.types.is_large_string(value_kind) or _is_string_view(value_kind):
+        return column, path
+    raise InputError(f"{file.path}: column {field!r} has type {kind}, expected string")
+
+
+def _is_string_view(kind: Any) -> bool:
+    import pyarrow as pa
+
+    return bool(getattr(pa.types, "is_string_view", lambda _: False)(kind))
+
+
+def _string_values(values: Any, path: list[str]) -> Any:
+    """The text values of a batch's column as a string or large_string array: the struct field at
+    ``path``, dictionary-decoded, a string_view cast (none of which checks UTF-8: to_pylist() does)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if path:
+        values = pc.struct_field(values, path)  # null where a parent struct is null
+    if pa.types.is_dictionary(values.type):
+        values = values.dictionary_decode()
+    if pa.types.is_string(values.type) or pa.types.is_large_string(values.type):
+        return values
+    return pc.cast(values, pa.large_string())
+
+
+def _decoded_rows(values: Any, file: InputFile, row: int) -> list[str | BadRecordError | None]:
+    """The values of a batch holding invalid UTF-8, decoded one by one (only for such batches)."""
+    import pyarrow as pa
+
+    binary = values.view(pa.large_binary() if pa.types.is_large_string(values.type) else pa.binary())
+    texts: list[str | BadRecordError | None] = []
+    for i, value in enumerate(binary.to_pylist(), start=row + 1):
+        try:
+            texts.append(None if value is None else value.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            problem = f"invalid UTF-8 at byte {e.start} of the value"
+            texts.append(BadRecordError(f"{file.path}: row {i}", problem))
+    return texts
 
 
 def _parquet_file(file: InputFile) -> Any:
@@ -603,7 +687,7 @@ def _read_python(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[It
             continue
         where = f"python record {base + i}"
         if isinstance(record, dict):
-            record = _text_of(record, options.text_field, lambda where=where: where)
+            record = _text_of(record, options.text_field, functools.partial(str, where))
         if isinstance(record, str):
             yield _encodable(record, where)
         elif isinstance(record, BadRecordError):
@@ -667,7 +751,10 @@ def _decompressor(compression: str, raw: BinaryIO) -> BinaryIO:
 def _open_remote(url: str) -> BinaryIO:
     import fsspec
 
-    return fsspec.open(url, "rb").open()
+    try:
+        return fsspec.open(url, "rb").open()
+    except Exception as e:  # fsspec backends raise their own classes (aiohttp, botocore, ...)
+        raise InputError(f"{url}: cannot open ({describe_error(e)})") from None
 
 
 class _ZstdReader(io.RawIOBase):
@@ -729,13 +816,16 @@ def _location(file: InputFile, start: int, line_no: int) -> str:
 def _count_lines_before(file: InputFile, start: int) -> int:
     """Number of lines before the first line that begins at or after byte ``start``."""
     with _open_input(file) as f:
-        remaining = _seek_line_start(f, start)
-        f.seek(0)
-        count = 0
-        while remaining > 0:
-            chunk = f.read(min(_READ_CHUNK, remaining))
-            if not chunk:
-                break
-            count += chunk.count(b"\n")
-            remaining -= len(chunk)
+        try:
+            remaining = _seek_line_start(f, start)
+            f.seek(0)
+            count = 0
+            while remaining > 0:
+                chunk = f.read(min(_READ_CHUNK, remaining))
+                if not chunk:
+                    break
+                count += chunk.count(b"\n")
+                remaining -= len(chunk)
+        except _STREAM_ERRORS as e:
+            raise InputError(f"{file.path}: cannot read ({e})") from None
     return count

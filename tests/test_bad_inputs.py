@@ -38,6 +38,8 @@ class Case:
     docs: int | None = None  # documents in the cache when the input is accepted
     skip_docs: int | None = None  # documents with --on-bad-record skip (record-level problems only)
     args: tuple[str, ...] = field(default=())
+    symlink: str | None = None  # make the input a symlink to this path instead of writing data
+    as_given: bool = False  # pass the name itself (e.g. "-"), not a file in a temporary directory
 
 
 def _cut(data: bytes) -> bytes:
@@ -53,6 +55,12 @@ def _parquet(table: pa.Table) -> bytes:
     sink = io.BytesIO()
     pq.write_table(table, sink)
     return sink.getvalue()
+
+
+def _invalid_utf8_strings(values: list[bytes]) -> pa.Array:
+    """A string array holding the bytes as they are (pyarrow validates nothing when built from buffers)."""
+    binary = pa.array(values, pa.binary())
+    return pa.Array.from_buffers(pa.string(), len(values), binary.buffers())
 
 
 ZSTD = zstandard.ZstdCompressor().compress
@@ -189,8 +197,114 @@ CASES = [
         _parquet(pa.table({"text": ["a"]}))[:-12],
         r"a\.parquet: not a readable Parquet file",
     ),
+    Case(
+        "Parquet invalid UTF-8 in the text column",
+        "a.parquet",
+        _parquet(pa.table({"text": _invalid_utf8_strings([b"ok", b"bad \xff\xfe", b"fine"])})),
+        r"a\.parquet: row 2: invalid UTF-8 at byte 4 of the value",
+        skip_docs=2,
+    ),
+    Case(
+        "Parquet dictionary-encoded text (accepted)",
+        "a.parquet",
+        _parquet(pa.table({"text": pa.array(["a", "b", "a"]).dictionary_encode()})),
+        docs=3,
+    ),
+    Case(
+        "Parquet string_view text (accepted)",
+        "a.parquet",
+        _parquet(pa.table({"text": pa.array(["a", "b"], pa.string_view())})),
+        docs=2,
+    ),
+    Case(
+        "Parquet nested text field (accepted)",
+        "a.parquet",
+        _parquet(pa.table({"meta": pa.array([{"text": "a", "n": 1}, {"text": "b", "n": 2}])})),
+        docs=2,
+        args=("--text-field", "meta.text"),
+    ),
+    Case(
+        "Parquet nested text field missing",
+        "a.parquet",
+        _parquet(pa.table({"meta": pa.array([{"body": "a"}])})),
+        r"a\.parquet: no column 'meta\.text': 'meta' has no field 'text' \(fields: body\)",
+        args=("--text-field", "meta.text"),
+    ),
+    Case(
+        "nested JSON text field (accepted)",
+        "a.jsonl",
+        b'{"meta": {"text": "a"}}\n{"meta.text": "a literal key is preferred", "meta": {}}\n',
+        docs=2,
+        args=("--text-field", "meta.text"),
+    ),
+    Case(
+        "nested JSON text field missing",
+        "a.jsonl",
+        GOOD.replace(b'"text"', b'"meta": {"text"').replace(b"}\n", b"}}\n") + b'{"meta": {"body": "x"}}\n',
+        r"a\.jsonl:2001: no 'meta\.text' field: 'meta' has no 'text' \(its fields: 'body'\)",
+        skip_docs=2000,
+        args=("--text-field", "meta.text"),
+    ),
+    Case(
+        "NaN and Infinity in other fields (accepted)",
+        "a.jsonl",
+        b'{"text": "a", "score": NaN}\n{"text": "b", "score": -Infinity}\n',
+        docs=2,
+    ),
+    Case(
+        "lone surrogate escape in the text",
+        "a.jsonl",
+        GOOD + b'{"text": "bad \\ud800 text"}\n',
+        r"a\.jsonl:2001: the text holds a lone surrogate at character 4",
+        skip_docs=2000,
+    ),
+    Case(
+        "lone surrogate escape in another field (accepted)",
+        "a.jsonl",
+        b'{"text": "a", "note": "\\udc00"}\n',
+        docs=1,
+    ),
+    Case(
+        "a JSON document, not JSON Lines",
+        "config.json",
+        b'{\n  "text": "a pretty-printed document"\n}\n',
+        r"config\.json:1: malformed JSON .*this looks like a single JSON document, not JSON Lines",
+    ),
+    Case(
+        "gzip data named .jsonl",
+        "a.jsonl",
+        gzip.compress(GOOD),
+        r"a\.jsonl: the file looks gzip-compressed but is named \.jsonl; rename it to a\.jsonl\.gz",
+    ),
+    Case(
+        "zstd data named .txt",
+        "a.txt",
+        ZSTD(b"some text"),
+        r"a\.txt: the file looks zstd-compressed but is named \.txt; rename it to a\.txt\.zst",
+    ),
+    Case(
+        "I/O error reading a text file",
+        "a.txt",
+        None,
+        r"a\.txt: cannot read \(\[Errno 5\] Input/output error\)",
+        symlink="/proc/self/mem",
+    ),
     Case("unknown extension", "a.csv", b"text\nx\n", r"a\.csv: unknown file type \(supported: "),
     Case("missing input file", "missing.jsonl", None, r"missing\.jsonl: no such file or directory"),
+    Case(
+        "standard input",
+        "-",
+        None,
+        r"-: reading from standard input is not supported; save it to a file first",
+        as_given=True,
+    ),
+    Case(
+        "a device, not a file",
+        "/dev/null",
+        None,
+        r"/dev/null: a character device, not a regular file or directory",
+        as_given=True,
+    ),
 ]
 
 
@@ -213,9 +327,11 @@ def test_bad_input(case: Case, tmp_path: Path) -> None:
 
 
 def run_case(case: Case, tmp_path: Path, policy: str) -> subprocess.CompletedProcess:
-    path = tmp_path / case.name
+    path = Path(case.name) if case.as_given else tmp_path / case.name
     if case.data is not None:
         path.write_bytes(case.data)
+    elif case.symlink is not None and not path.is_symlink():
+        path.symlink_to(case.symlink)
     out = tmp_path / ("cache" if policy == "error" else "cache-skip")
     return run_cli("build", path, "--out", out, "--on-bad-record", policy, *case.args, check=False)
 

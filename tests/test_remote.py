@@ -58,3 +58,12 @@ def test_missing_url_is_a_clear_error(tmp_path: Path, http_root: tuple[Path, str
     _, url = http_root
     with pytest.raises(streampack.InputError, match=r"missing\.jsonl"):
         streampack.build(f"{url}/missing.jsonl", tmp_path / "c")
+
+
+def test_url_errors_say_why(tmp_path: Path, http_root: tuple[Path, str]) -> None:
+    _, url = http_root
+    with pytest.raises(streampack.InputError, match=r"missing\.jsonl: cannot read \(.*404"):
+        streampack.build(f"{url}/missing.jsonl", tmp_path / "c")
+    closed = url.rsplit(":", 1)[0] + ":1"  # nothing listens on port 1
+    with pytest.raises(streampack.InputError, match=r"x\.jsonl: cannot read \(.*Cannot connect to host"):
+        streampack.build(f"{closed}/x.jsonl", tmp_path / "c")
