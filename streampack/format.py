@@ -280,14 +280,14 @@ def _check_manifest_checksum(path: Path, raw: Any) -> None:
         if unknown:
             raise CacheError(
                 f"{path}: the manifest has no checksum and an unknown field {unknown[0]!r}; it is damaged: "
-                "rebuild the cache (--overwrite)"
+                "rebuild the cache (overwrite=True)"
             )
         return
     expected, actual = raw["checksum"], manifest_checksum(raw)
     if expected != actual:
         raise CacheError(
             f"{path}: the manifest's content does not match its checksum (recorded {expected!r:.40}, content "
-            f"{actual}); it was damaged or edited: rebuild the cache (--overwrite)"
+            f"{actual}); it was damaged or edited: rebuild the cache (overwrite=True)"
         )
 
 

@@ -430,7 +430,7 @@ def _text_of(record: dict[str, Any], field: str, location: Callable[[], str]) ->
 def _nested_value(record: dict[str, Any], field: str) -> Any:
     """``record["a"]["b"]`` for the field ``a.b``, or a :class:`_Missing` saying which part is absent."""
     parts = field.split(".")
-    advice = "; pass --text-field to choose another"
+    advice = "; pass text_field=... to choose another"
     if len(parts) == 1 or parts[0] not in record:
         fields = ", ".join(map(repr, list(record)[:10])) or "none"
         return _Missing(f"no {field!r} field (fields: {fields}){advice}")
@@ -608,7 +608,7 @@ def _text_column(file: InputFile, schema: Any, field: str) -> tuple[str, list[st
         column, *path = field.split(".")
         if not path or column not in schema.names:
             raise InputError(
-                f"{file.path}: no column {field!r} (columns: {', '.join(schema.names)}); pass --text-field"
+                f"{file.path}: no column {field!r} (columns: {', '.join(schema.names)}); pass text_field=..."
             )
         kind = schema.field(column).type
         for i, part in enumerate(path):

@@ -168,7 +168,8 @@ def _inner_eos_problem(cache: Cache, shard: int, inside: _InnerEos) -> str:
         f"{tokens_file}: {inside.count} EOS {'id' if inside.count == 1 else 'ids'} {cache.eos_id} inside "
         "documents, not at their end: "
         f"{'; '.join(where)}{shown}. The text held the EOS token's string, which the tokenizer turned into "
-        "the control id; rebuild the cache with --overwrite (special-token strings are now encoded as text)"
+        "the control id; rebuild the cache with overwrite=True (special-token strings are now encoded as "
+        "text)"
     )
 
 

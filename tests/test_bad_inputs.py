@@ -173,6 +173,12 @@ CASES = [
     ),
     Case("zero-byte file (accepted, no documents)", "a.jsonl", b"", docs=0),
     Case(
+        "empty and whitespace-only texts (left out and counted)",
+        "a.jsonl",
+        b'{"text": ""}\n{"text": " \\n\\t "}\n{"text": "kept"}\n',
+        docs=1,
+    ),
+    Case(
         "Parquet without the text column",
         "a.parquet",
         _parquet(pa.table({"body": ["x"]})),

@@ -14,7 +14,7 @@ import streampack
 from streampack.errors import BadRecordError
 from streampack.sources import ReadOptions, expand_inputs, plan_units, read_unit
 
-ADVICE = "; pass --text-field to choose another"
+ADVICE = "; pass text_field=... to choose another"
 
 
 def _invalid_strings(values: list[bytes | None]) -> pa.Array:
