@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -40,10 +41,11 @@ from streampack.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, in
 from streampack.progress import BuildProgress
 from streampack.sources import (
     Documents,
+    Ignored,
     ReadOptions,
     WorkUnit,
     check_output_outside_inputs,
-    expand_inputs,
+    discover_inputs,
     plan_python_units,
     plan_units,
 )
@@ -104,7 +106,7 @@ def build(
     if _as_documents(inputs) is None:  # paths: refuse an output that would mix with them before listing them
         check_output_outside_inputs(root, [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)
     read = ReadOptions(spec.text_field, spec.split_lines, spec.unit_bytes)
-    units, input_stats = _plan(inputs, read)
+    plan = _plan(inputs, read)
     cores = os.cpu_count() or 1
     threads = run.threads or cores
     tokenizer = load_tokenizer(spec.tokenizer, threads=threads, special_tokens=spec.special_tokens)
@@ -119,8 +121,9 @@ def build(
         dtype=dtype_name(token_dtype(vocab_size)),
         eos=eos.to_json(),
         settings=spec.to_json(),
-        inputs=input_stats,
-        units=[u.describe() for u in units],
+        inputs=plan.inputs,
+        units=[u.describe() for u in plan.units],
+        ignored_inputs=plan.ignored,
     )
     ref = TokenizerRef(spec.tokenizer, spec.special_tokens, fingerprint["sha256"])
     shared = UnitSpec(
@@ -135,23 +138,40 @@ def build(
         ) from None
     with BuildLock(root):
         _prepare_directory(root, run.overwrite)
-        tasks = [UnitTask(shared, u) for u in units]
+        tasks = [UnitTask(shared, u) for u in plan.units]
         summary = _build_locked(root, manifest, tasks, run, tokenizer)
     summary.seconds = time.perf_counter() - started
     return summary
 
 
-def _plan(inputs: Any, read: ReadOptions) -> tuple[list[WorkUnit], list[dict[str, Any]]]:
+@dataclass(frozen=True)
+class _Plan:
+    units: list[WorkUnit]
+    inputs: list[dict[str, Any]]  # the manifest's record of each input read
+    ignored: dict[str, Any]  # what discovery skipped: counts by reason, and the first few entries
+
+
+def _plan(inputs: Any, read: ReadOptions) -> _Plan:
     documents = _as_documents(inputs)
     if documents is not None:
         items = documents.items if isinstance(documents, Documents) else documents
         stat = {"path": f"python:{type(items).__name__}", "size": _len_or_none(items), "mtime_ns": None}
-        identity = _python_fingerprint(documents)
-        stat["fingerprint"] = identity
-        return plan_python_units(items), [stat]
+        stat["fingerprint"] = _python_fingerprint(documents)
+        return _Plan(plan_python_units(items), [stat], {})
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
-    files = expand_inputs(paths)
-    return plan_units(files, read), [f.stat_json() for f in files]
+    found = discover_inputs(paths)
+    return _Plan(plan_units(found.files, read), [f.stat_json() for f in found.files], _ignored(found.ignored))
+
+
+def _ignored(entries: list[Ignored]) -> dict[str, Any]:
+    if not entries:
+        return {}
+    reasons = Counter(e.reason.split(" of ")[0] for e in entries)  # "duplicate of X" counts as "duplicate"
+    first = [{"path": e.path, "reason": e.reason} for e in entries[:_IGNORED_LISTED]]
+    return {"count": len(entries), "by_reason": dict(sorted(reasons.items())), "first": first}
+
+
+_IGNORED_LISTED = 20
 
 
 def _python_fingerprint(documents: Any) -> str | None:

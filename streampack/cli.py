@@ -241,6 +241,7 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "eos_id": cache.eos_id,
         "special_tokens": cache.manifest.settings.get("special_tokens", "not recorded"),
         "inputs": _inputs_read(cache.manifest.inputs),
+        "ignored_inputs": _ignored_summary(cache.manifest.ignored_inputs),
         "skipped_records": cache.manifest.skipped_records,
         "empty_docs": cache.manifest.empty_docs,
         "inexact_cuts": _cuts_summary(cache.manifest),
@@ -255,6 +256,15 @@ def _inputs_read(inputs: list[dict[str, Any]]) -> str:
     if len(paths) <= 2:
         return ", ".join(paths) or "none"
     return f"{len(paths):,} files: {paths[0]} .. {paths[-1]}"
+
+
+def _ignored_summary(ignored: dict[str, Any]) -> str:
+    """Entries under the input directories and globs that were not read, by reason."""
+    if not ignored:
+        return "none"
+    reasons = ", ".join(f"{n:,} {reason}" for reason, n in ignored["by_reason"].items())
+    first = ignored["first"][0]
+    return f"{ignored['count']:,} ({reasons}), e.g. {first['path']} ({first['reason']})"
 
 
 def _cuts_summary(manifest: Any) -> str:

@@ -179,6 +179,7 @@ class Manifest:
     skipped_records: int = 0
     empty_docs: int = 0
     inexact_cuts: int = 0
+    ignored_inputs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def vocab_size(self) -> int:
@@ -216,6 +217,7 @@ class Manifest:
             "skipped_records": self.skipped_records,
             "empty_docs": self.empty_docs,
             "inexact_cuts": self.inexact_cuts,
+            "ignored_inputs": self.ignored_inputs,
             "shards": [s.to_json() for s in self.shards],
         }
 
@@ -326,6 +328,7 @@ def _parse_manifest(raw: Any) -> Manifest:
         skipped_records=int(raw.get("skipped_records", 0)),
         empty_docs=int(raw.get("empty_docs", 0)),
         inexact_cuts=int(raw.get("inexact_cuts", 0)),
+        ignored_inputs=dict(raw.get("ignored_inputs", {})),
     )
     if manifest.complete and (raw["num_docs"], raw["num_tokens"]) != (manifest.num_docs, manifest.num_tokens):
         raise ValueError("num_docs/num_tokens disagree with the shard table")

@@ -261,3 +261,14 @@ def test_decode_refuses_a_tokenizer_changed_since_the_build(tmp_path: Path, bpe_
     result = run_cli("decode", tmp_path / "cache", "--doc", "0", "--tokenizer", tok)
     assert result.stdout.startswith("Hello world")
     assert result.stderr.startswith(f"warning: tokenizer '{tok}' has sha256 {now}, but the cache was built")
+
+
+def test_info_lists_what_was_read_and_what_was_skipped(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    write_jsonl(data / "a.jsonl", [{"text": "one"}])
+    write_jsonl(data / ".ipynb_checkpoints" / "a-checkpoint.jsonl", [{"text": "one"}])
+    (data / "config.json").write_text('{\n  "vocab": 3\n}\n')
+    run_cli("build", data, data / "a.jsonl", "--out", tmp_path / "c")
+    info = json.loads(run_cli("info", tmp_path / "c", "--json").stdout)
+    assert info["inputs"] == str(data / "a.jsonl") and info["num_docs"] == 1
+    assert info["ignored_inputs"].startswith("3 (1 duplicate, 1 hidden, 1 not JSON Lines), e.g. ")

@@ -130,16 +130,7 @@ def test_an_interrupted_build_serves_its_committed_prefix(tmp_path: Path, bpe_to
     out = tmp_path / "c"
     args = [*build_args([src], out, bpe_tokenizer)]
     args[args.index("--workers") + 1] = "1"  # the units run in order, so the last ones have not started
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streampack.cli", "build", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 120
-    while not (out / "ledger" / "000000.json").exists() and proc.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.002)
+    proc = start_build(args, out)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
 
@@ -154,6 +145,21 @@ def test_an_interrupted_build_serves_its_committed_prefix(tmp_path: Path, bpe_to
         for i in range(partial.shards[shard].num_docs):
             got = partial.doc(int(partial.doc_starts[shard]) + i)
             assert np.array_equal(got, complete.doc(first + i))
+
+
+def start_build(args: list[str], out: Path) -> subprocess.Popen:
+    """``streampack build ARGS`` in a session of its own, returned once its first unit has committed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streampack.cli", "build", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list((out / "ledger").glob("*.json")) and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    return proc
 
 
 def live_processes(group: int) -> list[str]:
@@ -175,16 +181,7 @@ def test_sigterm_stops_a_build_like_ctrl_c(tmp_path: Path, target: str) -> None:
     inputs = make_corpus(tmp_path / "in")
     out = tmp_path / "c"
     args = build_args(inputs, out, Path("bytes"))  # a pool of 2 workers
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "streampack.cli", "build", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 120
-    while not list((out / "ledger").glob("*.json")) and proc.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    proc = start_build(args, out)
     assert proc.poll() is None, "the build finished before it could be stopped"
     (os.kill if target == "coordinator" else os.killpg)(proc.pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
