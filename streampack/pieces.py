@@ -122,12 +122,17 @@ class PieceRule:
     def stream(self, chunks: Iterable[str], count: CutCount | None = None) -> Iterator[str]:
         """:meth:`split` over text that arrives in chunks: the same pieces, ~``max_chars`` held at once."""
         buffer = ""
-        # A cut looks this far past its window (the character after a space, an atom's end).
-        lookahead = max((len(a.text) for a in self.atoms), default=0) + 1
+        # A cut looks this far past the start of its piece: its window, then the character after a space
+        # and the end of an atom; and whether the rest is longer than the target.
+        horizon = (
+            max(self.max_chars, self.target_chars or 0)
+            + max((len(a.text) for a in self.atoms), default=0)
+            + 1
+        )
         for chunk in chunks:
             buffer += chunk
             start = 0
-            while len(buffer) - start > self.max_chars + lookahead:  # all the next cut looks at is here
+            while len(buffer) - start > horizon:  # all that the next cut looks at is here
                 cut = self._next_cut(buffer, start, count)
                 assert cut is not None, "a text longer than max_chars is always cut"
                 yield buffer[start:cut]
