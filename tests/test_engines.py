@@ -76,8 +76,10 @@ def test_ray_engine_matches_local(
         write_jsonl(tmp_path / "in" / "big.jsonl", [{"text": "word " * (j % 90)} for j in range(3000)])
     )
     options = {"tokenizer": str(bpe_tokenizer), "unit_bytes": 1 << 16}
-    streampack.build(inputs, tmp_path / "ray", engine="ray", progress=True, **options)
-    assert "9,000 docs" in capsys.readouterr().err.splitlines()[-1]  # the tasks' progress reached the bar
+    summary = streampack.build(inputs, tmp_path / "ray", engine="ray", progress=True, **options)
+    assert summary.empty_docs == 3 * 50 + 34  # the texts repeated 0 times
+    docs = f"{9000 - summary.empty_docs:,} docs"
+    assert docs in capsys.readouterr().err.splitlines()[-1]  # the tasks' progress reached the bar
     streampack.build(inputs, tmp_path / "local", workers=2, **options)
     assert streampack.open(tmp_path / "ray").num_shards > 4
     assert shard_bytes(tmp_path / "ray") == shard_bytes(tmp_path / "local")
