@@ -7,6 +7,7 @@ depends only on what both have: ``orjson``, ``tokenizers``, ``tiktoken``. No hub
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,8 +17,12 @@ import orjson
 if TYPE_CHECKING:
     import tiktoken
 
-TOKENIZERS_GPT2 = "/work/shared/data/tokenizers/gpt2/tokenizer.json"
-TIKTOKEN_GPT2 = "/work/shared/data/tokenizers/tiktoken/gpt2.tiktoken"
+# ../shared/data beside the project (or $STREAMPACK_SHARED_DATA): real tokenizers, never downloaded.
+SHARED_DATA = Path(
+    os.environ.get("STREAMPACK_SHARED_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data"
+)
+TOKENIZERS_GPT2 = str(SHARED_DATA / "tokenizers" / "gpt2" / "tokenizer.json")
+TIKTOKEN_GPT2 = str(SHARED_DATA / "tokenizers" / "tiktoken" / "gpt2.tiktoken")
 
 
 def load_tiktoken(ranks_path: str) -> tiktoken.Encoding:

@@ -9,7 +9,7 @@ ratios.
 
 Usage::
 
-    /work/venv/bin/python benchmarks/bench_build.py --corpus /work/corpus/natural.jsonl [--scale 1,4]
+    python benchmarks/bench_build.py --corpus natural.jsonl [--scale 1,4]
         [--quick] [--skip-peers] [--repeats N]
 
 Prints a markdown table and writes it to ``benchmarks/results/build.md`` (``build-quick.md`` with
@@ -337,8 +337,16 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=1, help="pairs of raw-limit and 1x build runs (medians reported)"
     )
-    parser.add_argument("--tmp", default="/work/bench-tmp", help="scratch space, cleaned up afterwards")
-    parser.add_argument("--bench-python", default="/work/bench-venv/bin/python", help="python of the peers")
+    parser.add_argument(
+        "--tmp",
+        default=os.path.join(tempfile.gettempdir(), "streampack-bench"),
+        help="scratch space, cleaned up afterwards",
+    )
+    parser.add_argument(
+        "--bench-python",
+        default=os.environ.get("STREAMPACK_PEERS_PYTHON") or str(REPO / ".bench-venv" / "bin" / "python"),
+        help="python of the peers' venv (default: $STREAMPACK_PEERS_PYTHON, else .bench-venv in the project)",
+    )
     parser.add_argument("--tokenizer-json", default=TOKENIZERS_GPT2)
     parser.add_argument("--tiktoken-ranks", default=TIKTOKEN_GPT2)
     parser.add_argument("--out", help="report file (default benchmarks/results/build[-quick].md)")

@@ -11,7 +11,7 @@ with numpy (random GPT-2-sized ids in documents of ~600 tokens; throughput does 
 
 Usage::
 
-    /work/venv/bin/python benchmarks/bench_loader.py [--quick] [--repeats 3] [--tmp DIR] [--out FILE]
+    python benchmarks/bench_loader.py [--quick] [--repeats 3] [--tmp DIR] [--out FILE]
 
 Prints a markdown table and writes it to ``benchmarks/results/loader.md`` (``loader-quick.md`` with
 ``--quick``). Caches are written under ``--tmp`` and deleted afterwards.
@@ -28,6 +28,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import numpy as np
 from streampack._synthetic import write_random_cache
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 ROWS = HERE / "_loader_rows.py"
 SEQ_LEN = 2048
 KINDS = {
@@ -226,10 +228,17 @@ def main() -> None:
         "--repeats", type=int, default=3, help="best of N throughput runs, median of N starts"
     )
     parser.add_argument("--batches", type=int, default=400, help="batches per throughput run")
-    parser.add_argument("--tmp", default="/work/bench-tmp-loader", help="scratch space, removed afterwards")
+    parser.add_argument(
+        "--tmp",
+        default=os.path.join(tempfile.gettempdir(), "streampack-bench-loader"),
+        help="scratch space, removed afterwards",
+    )
     parser.add_argument("--out", help="report file (default benchmarks/results/loader[-quick].md)")
     parser.add_argument(
-        "--peers-python", default="/work/bench-venv-loader/bin/python", help="python of the peers' venv"
+        "--peers-python",
+        default=os.environ.get("STREAMPACK_PEERS_PYTHON")
+        or str(REPO / ".bench-venv-loader" / "bin" / "python"),
+        help="python of the peers' venv (default: $STREAMPACK_PEERS_PYTHON, else .bench-venv-loader)",
     )
     parser.add_argument("--skip-peers", action="store_true", help="skip HF datasets, mosaic and litdata")
     args = parser.parse_args()

@@ -10,7 +10,7 @@ the median of its per-round ratios to the baseline.
 
 Usage::
 
-    /work/venv/bin/python benchmarks/bench_pieces.py --corpus /work/corpus/natural.jsonl [--mb 100]
+    python benchmarks/bench_pieces.py --corpus natural.jsonl [--mb 100]
         [--rounds 3] [--targets 100000,20000,10000,5000] [--backends tokenizers,tiktoken]
 
 Prints a markdown table and writes it to ``benchmarks/results/pieces.md``.

@@ -18,7 +18,7 @@ A final row gives the values expected from a uniformly random permutation, for s
 
 Usage::
 
-    /work/venv/bin/python benchmarks/bench_shuffle_quality.py [--repeats 5]
+    python benchmarks/bench_shuffle_quality.py [--repeats 5]
 """
 
 from __future__ import annotations
