@@ -35,17 +35,6 @@ class Counts:
     empty_docs: int = 0
     inexact_cuts: int = 0
 
-    def add(
-        self, *, records: int = 0, skipped: int = 0, empty_docs: int = 0, inexact_cuts: int = 0
-    ) -> Counts:
-        """These counts plus the given ones."""
-        return Counts(
-            self.records + records,
-            self.skipped + skipped,
-            self.empty_docs + empty_docs,
-            self.inexact_cuts + inexact_cuts,
-        )
-
 
 @dataclass(frozen=True)
 class UnitProgress:

@@ -9,6 +9,7 @@ reading while the last batches of the one before it still encode, so the cores n
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import deque
@@ -173,6 +174,19 @@ class _OpenUnit:
 
 
 @dataclass
+class _Tally:
+    """The counts of the unit being read, updated per record (a :class:`Counts` is made per batch)."""
+
+    records: int
+    skipped: int
+    empty_docs: int
+    inexact_cuts: int
+
+    def counts(self) -> Counts:
+        return Counts(self.records, self.skipped, self.empty_docs, self.inexact_cuts)
+
+
+@dataclass
 class _Batch:
     """A batch being encoded, with what a commit after it may record."""
 
@@ -195,7 +209,7 @@ class _Pipeline:
     """
 
     unit: _OpenUnit  # the unit being read
-    counts: Counts  # its records read so far (of documents complete), and what they held
+    tally: _Tally  # its records read so far (of documents complete), and what they held
 
     def __init__(self, report: ProgressFn) -> None:
         self.report = report
@@ -219,22 +233,22 @@ class _Pipeline:
         """Read all of a unit's records into batches; its last batches may still encode on return."""
         unit = _OpenUnit(task, progress, tokenizer)
         self.open_units.append(unit)
-        self.unit, self.counts = unit, progress.counts
-        items = read_unit(task.unit, task.spec.read, skip=self.counts.records, position=unit.position)
+        self.unit, self.tally = unit, _Tally(*dataclasses.astuple(progress.counts))
+        items = read_unit(task.unit, task.spec.read, skip=self.tally.records, position=unit.position)
         try:
             for item in items:
                 if isinstance(item, BadRecordError):
                     self._bad_record(item)
                 elif item is not None:
                     self._add_document(item)
-                self.counts = self.counts.add(records=1)
+                self.tally.records += 1
                 if self.batch_chars >= unit.spec.batch_chars:
                     self._flush()
         except WriteError:
             raise  # the disk state past the last commit is unknown: write nothing more
         except StreampackError:  # a bad record or input: keep everything read before it
             self.drain()
-            unit.writer.commit(self.counts)
+            unit.writer.commit(self.tally.counts())
             raise
         self._flush(last=True)
 
@@ -257,11 +271,11 @@ class _Pipeline:
     def _bad_record(self, error: BadRecordError) -> None:
         if self.unit.spec.on_bad_record == "error":
             raise error
-        self.counts = self.counts.add(skipped=1)
+        self.tally.skipped += 1
 
     def _add_document(self, text: str | TextStream) -> None:
         if isinstance(text, str) and (not text or text.isspace()):
-            self.counts = self.counts.add(empty_docs=1)  # no document is empty or only whitespace
+            self.tally.empty_docs += 1  # no document is empty or only whitespace
             return
         rule, batch_chars = self.unit.spec.pieces, self.unit.spec.batch_chars
         cuts = CutCount()
@@ -273,7 +287,7 @@ class _Pipeline:
             self.ends_doc.append(False)
             self.batch_chars += len(piece)
         self.ends_doc[-1] = True
-        self.counts = self.counts.add(inexact_cuts=cuts.inexact)
+        self.tally.inexact_cuts += cuts.inexact
 
     def _flush(self, last: bool = False) -> None:
         """Submit the current batch for encoding; write the batches that are encoded."""
@@ -285,7 +299,7 @@ class _Pipeline:
         else:
             encoded = Future()
             encoded.set_result([])
-        self.queue.append(_Batch(self.unit, encoded, self.ends_doc, self.counts, last))
+        self.queue.append(_Batch(self.unit, encoded, self.ends_doc, self.tally.counts(), last))
         self._start_batch()
         self._write_encoded()
         while len(self.queue) >= MAX_QUEUED_BATCHES or self._encoding() > ENCODING_THREADS:
