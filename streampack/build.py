@@ -127,9 +127,17 @@ def build(
     )
     ref = TokenizerRef(spec.tokenizer, spec.special_tokens, fingerprint["sha256"])
     shared = UnitSpec(
-        str(root), ref, read, eos, manifest.dtype, pieces,
-        run.on_bad_record, run.batch_chars, run.commit_bytes, run.commit_seconds,
-    )  # fmt: skip
+        root=str(root),
+        tokenizer=ref,
+        read=read,
+        eos=eos,
+        dtype=manifest.dtype,
+        pieces=pieces,
+        on_bad_record=run.on_bad_record,
+        batch_chars=run.batch_chars,
+        commit_bytes=run.commit_bytes,
+        commit_seconds=run.commit_seconds,
+    )
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
