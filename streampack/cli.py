@@ -21,6 +21,7 @@ import numpy as np
 
 from streampack.build import build as build_cache
 from streampack.errors import OptionsError, StreampackError, TokenizerError
+from streampack.format import Manifest
 from streampack.options import CacheSpec, RunOptions, default
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
@@ -267,7 +268,7 @@ def _ignored_summary(ignored: dict[str, Any]) -> str:
     return f"{ignored['count']:,} ({reasons}), e.g. {first['path']} ({first['reason']})"
 
 
-def _cuts_summary(manifest: Any) -> str:
+def _cuts_summary(manifest: Manifest) -> str:
     """How many cuts of long documents may have changed tokens, and why cuts at spaces are exact or not."""
     cuts = manifest.tokenizer.get("cuts")
     if not cuts:

@@ -48,6 +48,7 @@ from streampack.discovery import (
     looks_like_json_lines,
 )
 from streampack.errors import BadRecordError, InputError
+from streampack.options import DEFAULT_UNIT_BYTES
 
 __all__ = [  # discovery is re-exported: callers import it from here
     "Discovery",
@@ -67,7 +68,6 @@ __all__ = [  # discovery is re-exported: callers import it from here
     "read_unit",
 ]
 
-DEFAULT_UNIT_BYTES = 64 << 20
 SEQUENCE_UNIT_ROWS = 100_000
 _READ_CHUNK = 1 << 20
 _STREAM_TEXT_BYTES = 8 << 20  # larger .txt documents are streamed in chunks rather than read whole

@@ -30,15 +30,15 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
 from streampack.errors import MissingDependencyError, OptionsError, TokenizerError
+from streampack.options import SpecialTokens
 from streampack.pieces import CutSafety, hf_cut_safety, tiktoken_cut_safety
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
-SpecialTokens = Literal["text", "parse"]
 
 
 class Tokenizer(Protocol):
