@@ -147,7 +147,7 @@ def train(args: argparse.Namespace) -> None:
         data.load_state_dict(checkpoint["data"])
         torch.set_rng_state(checkpoint["rng"])
         step = checkpoint["step"]
-        print(f"resumed at step {step} (data: epoch {loader.epoch}, batch {loader.step})")
+        print(f"resumed at step {step} (data: position {loader.position}, epoch {loader.epoch})")
     last = min(args.steps, args.stop_after or args.steps)
     first, started = step, time.perf_counter()
 

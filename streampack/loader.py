@@ -1,18 +1,20 @@
-"""The training loader: global batches of shuffled samples, split over ranks, resumable in O(1).
+"""The training loader: global batches of a run's samples, split over ranks, resumable in O(1).
 
-Order is a pure function of a few integers, so every process computes its own share without talking to
-the others, and a checkpoint is a small JSON dict:
+The loader keeps four small jobs and leaves the order to an :class:`~streampack.order.Order`:
 
-* Epoch ``e`` visits the samples in the order of ``Permutation(N, seed=seed, epoch=e)`` (the identity
-  when ``shuffle=False``).
-* Global batch ``b`` of an epoch is positions ``[b*B, (b+1)*B)`` of that order, ``B`` the *global*
-  batch size; rank ``r`` of ``W`` takes the contiguous ``r``-th slice of ``B / W`` rows. Every rank gets
-  the same number of batches, so no rank waits for a batch that never comes. A last partial global
-  batch (``drop_last=False``) is split as evenly as possible; one with fewer rows than ranks, which would
-  leave some rank an empty batch, is refused when the loader is created.
-* The state is ``(seed, epoch, samples consumed in the epoch)``. Resuming recomputes the next batch from
-  it directly; nothing is replayed. Since ranks only slice a global batch, the global order is the same
-  for any world size, and a run may resume with another number of ranks if ``B`` stays the same.
+* **Order**: a pure map from *global positions* (samples consumed since the run started, over all ranks)
+  to samples. One dataset is read by :class:`~streampack.order.Shuffled` (epoch ``e`` is
+  ``Permutation(N, seed=seed, epoch=e)``); several by a :class:`~streampack.mixture.Mixture`.
+* **Batching and ranks**: the global batch at position ``p`` is positions ``[p, p + B)``, ``B`` the
+  *global* batch size; rank ``r`` of ``W`` takes the contiguous ``r``-th slice of ``B / W`` of them. A
+  run that ends (``epochs``, or a mixture that stops) ends with one partial global batch, dropped
+  (``drop_last``) or split as evenly as possible over the ranks; one with fewer rows than ranks, which
+  would leave some rank an empty batch, is refused up front.
+* **State**: the position and the order's fingerprint, a small JSON dict. Resuming computes the next
+  batch from it directly; nothing is replayed. Ranks only slice global batches and workers only take
+  every n-th of them, so a run may resume with another world size, other DataLoader workers, and
+  another global batch size (the next batch starts at the saved position).
+* **Reading and output**: each source's rows are read straight into the batch array.
 
 Trade-off: the shuffle is global (any sample can follow any other), so reads are random; a memory-mapped
 cache on a local disk or in the page cache serves them at memory speed, a network filesystem does not.
@@ -29,18 +31,18 @@ import numpy as np
 import numpy.typing as npt
 
 from streampack.errors import LoaderStateError, OptionsError
-from streampack.permutation import Permutation
+from streampack.mixture import Mixture
+from streampack.order import MAX_POSITION, Order, Shuffled, data_fingerprint
 
-__all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions"]
+__all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
 
-STATE_VERSION = 1
-"""Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` checks it."""
+STATE_VERSION = 2
+"""Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` also reads 1."""
 
 _STATE_FORMAT = "streampack.Loader"
-# Indices are permuted for this many upcoming rows at once: one Permutation call costs ~100 numpy
-# dispatches whatever its size, which would otherwise dominate a small batch.
-_PERMUTE_BLOCK_ROWS = 4096
-_MAX_EPOCH = 2**64 - 1  # the largest epoch Permutation accepts
+# The order is computed for this many upcoming rows at once: one call costs ~100 numpy dispatches
+# whatever its size, which would otherwise dominate a small batch.
+_PLAN_ROWS = 4096
 
 Output = Literal["numpy", "dict"]
 
@@ -50,8 +52,9 @@ class DataSource(Protocol):
 
     :class:`streampack.sequences.PackedSequences` is the usual one; a 2-D numpy array is one too (sample
     ``i`` is row ``i``), a list of arrays is not (it cannot be indexed by an array). A source may also offer
-    ``read(indices, out=...)`` (fill a given array), ``boundaries(indices)`` (needed for
-    ``output="dict"``), ``fingerprint()`` (checked against checkpoints) and ``dtype``.
+    ``read(indices, out=..., rows=...)`` (fill the given rows of an array), ``boundaries(indices)``
+    (needed for ``output="dict"``), ``fingerprint()`` (checked against checkpoints), ``dtype`` and
+    ``width`` (tokens per sample).
     """
 
     def __len__(self) -> int: ...
@@ -65,16 +68,16 @@ class LoaderOptions:
 
     Attributes:
         batch_size: the GLOBAL batch size ``B``: rows of one step summed over all ranks.
-        seed: shuffle seed, an integer in ``[0, 2**64)``.
+        seed: shuffle seed, an integer in ``[0, 2**64)`` (a :class:`~streampack.mixture.Mixture` has its own).
         shuffle: visit samples in a seeded random order that changes every epoch; else in stream order.
         rank: this process's rank, in ``[0, world_size)``.
         world_size: number of ranks; it must divide ``batch_size``.
-        drop_last: drop the last global batch of an epoch when it is partial (its samples are different
-            ones every shuffled epoch); else serve it, split as evenly as possible over the ranks: with
-            ``N`` samples it has ``N mod B`` rows, and each rank gets ``(N mod B) // W`` of them or one
-            more. The :class:`Loader` refuses ``drop_last=False`` when ``0 < N mod B < W``: some rank
-            would get a 0-row batch, whose mean loss is NaN.
-        epochs: stop after this many epochs; ``None`` iterates forever.
+        drop_last: drop the last global batch of a run that ends (``epochs``, or a mixture that stops)
+            when it is partial; else serve it, split as evenly as possible over the ranks: each rank gets
+            ``rows // W`` of its rows or one more. The :class:`Loader` refuses ``drop_last=False`` when
+            that batch has fewer rows than ranks: some rank would get a 0-row batch, whose mean loss is
+            NaN. Endless runs have no last batch.
+        epochs: end the run after this many epochs of the dataset; ``None`` runs forever.
         output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; or ``"dict"``, the
             ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take (they
             shift ``labels`` themselves, so the samples must have no overlap).
@@ -128,7 +131,7 @@ class LoaderOptions:
 
     def _set_int(self, name: str, lo: int, hi: int, allowed: str) -> None:
         value = getattr(self, name)
-        _check_int(name, value, lo, hi, allowed)
+        check_int(name, value, lo, hi, allowed)
         object.__setattr__(self, name, int(value))
 
     @property
@@ -137,12 +140,33 @@ class LoaderOptions:
         return self.batch_size // self.world_size
 
 
+@dataclass(frozen=True)
+class SourceProgress:
+    """Where one source of a run stands at a position: what :meth:`Loader.realised` reports.
+
+    Attributes:
+        name: the source's name.
+        weight: its share of the blocks in force at the position (1.0 for a single dataset).
+        served: samples of it served since the run started.
+        share: ``served`` divided by the position: the realised proportion.
+        size: its samples per epoch.
+        epoch: ``served / size``: the epoch it is in, with the fraction of it done.
+    """
+
+    name: str
+    weight: float
+    served: int
+    share: float
+    size: int
+    epoch: float
+
+
 class Loader:
     """Iterate over global batches of samples, this rank's share of each, resumable exactly in O(1).
 
-    Iterating yields one batch per step, starting at the current state, until ``epochs`` epochs are done
-    (forever when ``epochs=None``). Each yielded batch advances the state, so :meth:`state_dict` taken
-    after a batch resumes at the next one.
+    Iterating yields one batch per step, starting at the current position, until the run ends (forever
+    when it is endless). Each yielded batch advances the position, so :meth:`state_dict` taken after a
+    batch resumes at the next one.
 
     Example::
 
@@ -150,19 +174,22 @@ class Loader:
         for batch in loader:  # (32, 2049) int64 arrays
             x, y = batch[:, :-1], batch[:, 1:]
 
-    ``len(loader)`` is the number of batches per epoch (:attr:`steps_per_epoch`).
+    ``len(loader)`` is the number of batches of a run that ends (see :meth:`__len__`).
 
     Args:
         dataset: the samples, usually ``cache.sequences(seq_len)``; see :class:`DataSource`. A 2-D numpy
-            array also is one; a list of arrays is not (``np.stack`` it).
+            array also is one; a list of arrays is not (``np.stack`` it). Or a
+            :class:`~streampack.mixture.Mixture` of several, which then sets the order (seed, shuffle,
+            when to stop).
         batch_size: the GLOBAL batch size; each rank yields ``batch_size // world_size`` rows per step.
-        seed: shuffle seed.
-        shuffle: seeded random order, a different one every epoch; else stream order.
+        seed: shuffle seed (default 0; not with a mixture, which has its own).
+        shuffle: seeded random order, a different one every epoch; else stream order (default True; not
+            with a mixture).
         rank: this process's rank.
         world_size: the number of ranks.
-        drop_last: drop each epoch's last partial global batch; else split it over the ranks (refused
+        drop_last: drop the partial last batch of a run that ends; else split it over the ranks (refused
             when it has fewer rows than ranks, see :class:`LoaderOptions`).
-        epochs: epochs to run; ``None`` runs forever.
+        epochs: epochs to run; ``None`` runs forever (not with a mixture: ``Mixture(stop=...)``).
         output: ``"numpy"`` or ``"dict"``; see :class:`LoaderOptions`.
         dtype: integer dtype of the token arrays; ``None`` keeps the cache's.
         collate: applied to every batch before it is yielded (e.g. ``torch.from_numpy``).
@@ -172,17 +199,18 @@ class Loader:
         OptionsError: (a ``ValueError``) an option is out of range, ``batch_size`` does not divide by
             ``world_size``, the dataset holds less than one global batch (with ``drop_last``),
             ``drop_last=False`` would give some rank an empty last batch (fewer rows than ranks; the
-            message names the numbers and the fixes), ``dtype`` cannot hold the cache's ids, or
-            ``output="dict"`` is asked of samples it does not fit.
+            message names the numbers and the fixes), ``dtype`` cannot hold the cache's ids,
+            ``output="dict"`` is asked of samples it does not fit, or a mixture is given ``seed``,
+            ``shuffle`` or ``epochs``.
     """
 
     def __init__(
         self,
-        dataset: DataSource,
+        dataset: DataSource | Mixture,
         *,
         batch_size: int,
-        seed: int = 0,
-        shuffle: bool = True,
+        seed: int | None = None,
+        shuffle: bool | None = None,
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = True,
@@ -191,10 +219,12 @@ class Loader:
         dtype: npt.DTypeLike = np.int64,
         collate: Callable[[Any], Any] | None = None,
     ) -> None:
+        if isinstance(dataset, Mixture):
+            _refuse_order_options(seed=seed, shuffle=shuffle, epochs=epochs)
         self.options = LoaderOptions(
             batch_size=batch_size,
-            seed=seed,
-            shuffle=shuffle,
+            seed=0 if seed is None else seed,
+            shuffle=True if shuffle is None else shuffle,
             rank=rank,
             world_size=world_size,
             drop_last=drop_last,
@@ -202,322 +232,495 @@ class Loader:
             output=output,
             dtype=dtype,
         )
-        _check_source(dataset)
         self.dataset = dataset
         self.collate = collate
-        self.num_samples = len(dataset)
-        self._check_dataset()
-        fingerprint = getattr(dataset, "fingerprint", None)
-        self._fingerprint: dict[str, Any] = (
-            dict(fingerprint()) if fingerprint else {"num_samples": self.num_samples}
-        )
-        self._epoch = 0
-        self._step = 0
+        if isinstance(dataset, Mixture):
+            self.sources = [_Source(source) for source in dataset.sources.values()]
+            self.order: Order = dataset
+        else:
+            self.sources = [_Source(dataset)]
+            opts = self.options
+            self.order = Shuffled(
+                len(self.sources[0]),
+                seed=opts.seed,
+                shuffle=opts.shuffle,
+                epochs=opts.epochs,
+                data=self.sources[0].fingerprint,
+            )
+        self._position = 0
+        self._check_sources()
+        self._check_last_batch()
         self._clear_caches()
 
-    def _check_dataset(self) -> None:
-        opts, n = self.options, self.num_samples
-        if n == 0 or (opts.drop_last and n < opts.batch_size):
-            raise OptionsError(
-                f"the dataset has {n} samples, fewer than one global batch of {opts.batch_size}: nothing to "
-                "iterate. Use a smaller batch_size or seq_len, a larger cache"
-                + (", or drop_last=False." if n else ".")
-            )
-        self._check_last_batch()
-        source_dtype = getattr(self.dataset, "dtype", None)
-        if opts.dtype is not None and source_dtype is not None and not np.can_cast(source_dtype, opts.dtype):
-            raise OptionsError(
-                f"dtype={opts.dtype} cannot hold every id of the cache's {np.dtype(source_dtype)} tokens; "
-                "use int64 (the default), a wider integer type, or None to keep the cache dtype"
-            )
-        if opts.output == "dict":
-            if not hasattr(self.dataset, "boundaries"):
+    @property
+    def source_dtype(self) -> np.dtype:
+        """The dtype that holds the tokens of every source: the cache dtype, for one cache."""
+        return np.result_type(*(source.dtype for source in self.sources))
+
+    @property
+    def width(self) -> int:
+        """Tokens per sample: ``seq_len + overlap``."""
+        return self.sources[0].width
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per epoch of the dataset (of all sources together, for a mixture)."""
+        return sum(len(source) for source in self.sources)
+
+    def _check_sources(self) -> None:
+        opts, first = self.options, self.sources[0]
+        if not isinstance(self.dataset, Mixture):
+            n = len(first)
+            if n == 0 or (opts.drop_last and n < opts.batch_size):
                 raise OptionsError(
-                    f"output='dict' needs position ids, which {type(self.dataset).__name__} does not provide "
-                    "(no boundaries() method); use output='numpy' or cache.sequences(...)"
+                    f"the dataset has {n} samples, fewer than one global batch of {opts.batch_size}: nothing "
+                    "to iterate. Use a smaller batch_size or seq_len, a larger cache"
+                    + (", or drop_last=False." if n else ".")
                 )
-            overlap = getattr(self.dataset, "overlap", 0)
-            if overlap:
+        for source in self.sources:
+            if opts.dtype is not None and not np.can_cast(source.dtype, opts.dtype):
                 raise OptionsError(
-                    "output='dict' gives labels = input_ids (Hugging Face models shift them inside), so the "
-                    f"samples need no overlap (got overlap={overlap}); use cache.sequences(seq_len) with "
-                    "overlap=0, or output='numpy' for x/y windows"
+                    f"dtype={opts.dtype} cannot hold every id of the cache's {source.dtype} tokens; use "
+                    "int64 (the default), a wider integer type, or None to keep the cache dtype"
                 )
+            if opts.output == "dict":
+                source.check_dict_output()
 
     def _check_last_batch(self) -> None:
-        """Refuse ``drop_last=False`` when the last partial global batch cannot give every rank a row.
+        """Refuse ``drop_last=False`` when the run's last partial global batch cannot give every rank a row.
 
         A rank with a 0-row batch computes a NaN mean loss, and DDP's all-reduce spreads the NaN
         gradients to every rank. The remainder is known up front, so this is refused here rather than
         padded with repeated samples: every served row stays a distinct sample, in the same order.
         """
-        opts, n = self.options, self.num_samples
-        remainder = n % opts.batch_size
-        if opts.drop_last or not 0 < remainder < opts.world_size:
+        opts, end = self.options, self.order.end
+        if opts.drop_last or end is None or end <= self._position:
+            return
+        left = end - self._position
+        remainder = left % opts.batch_size
+        if not 0 < remainder < opts.world_size:
             return
         plural = "s" if remainder > 1 else ""
         fixes = []
-        if n >= opts.batch_size:
-            fixes.append(
-                f"drop_last=True (each epoch then skips its last {remainder} sample{plural}, other ones "
-                "every shuffled epoch)"
-            )
-        other = _batch_size_for_ranks(n, opts.batch_size, opts.world_size)
+        if left >= opts.batch_size:
+            fixes.append(f"drop_last=True (the run then skips its last {remainder} sample{plural})")
+        other = _batch_size_for_ranks(left, opts.batch_size, opts.world_size)
         if other is not None:
             fixes.append(f"batch_size={other} (it leaves 0 or at least {opts.world_size} samples over)")
         fixes.append("fewer ranks, or more samples (a larger cache or a smaller seq_len)")
         raise OptionsError(
             f"drop_last=False would give {opts.world_size - remainder} of the {opts.world_size} ranks an "
-            f"empty batch at the end of every epoch: {n} samples in global batches of batch_size="
-            f"{opts.batch_size} leave {n} mod {opts.batch_size} = {remainder} sample{plural} for the last "
-            f"one, fewer than world_size={opts.world_size}. A mean loss over 0 rows is NaN, and DDP spreads "
-            f"it to every rank. Use {', or '.join(fixes)}."
+            f"empty last batch: the {left} samples left in global batches of batch_size={opts.batch_size} "
+            f"leave {left} mod {opts.batch_size} = {remainder} sample{plural} for the last one, fewer than "
+            f"world_size={opts.world_size}. A mean loss over 0 rows is NaN, and DDP spreads it to every "
+            f"rank. Use {', or '.join(fixes)}."
         )
 
     def _clear_caches(self) -> None:
-        self._permutation: Permutation | None = None
-        self._block: tuple[int, int, np.ndarray] | None = None  # (epoch, first step, rows of indices)
+        # The order of a few thousand upcoming rows: (first position, stride, count, sources, samples).
+        self._plan: tuple[int, int, int, np.ndarray, np.ndarray] | None = None
+        self._last_request: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle options, dataset and position; derived caches are rebuilt where unpickled."""
-        state = self.__dict__.copy()
-        state["_permutation"] = state["_block"] = None
-        return state
+        """Pickle options, sources, order and position; the planned rows are recomputed where unpickled."""
+        return self.__dict__ | {"_plan": None, "_last_request": None}
 
     def __repr__(self) -> str:
         o = self.options
         return (
-            f"Loader({self.dataset!r}, batch_size={o.batch_size}, seed={o.seed}, shuffle={o.shuffle}, "
-            f"rank={o.rank}, world_size={o.world_size}, epoch={self._epoch}, step={self._step})"
+            f"Loader({self.dataset!r}, batch_size={o.batch_size}, rank={o.rank}, world_size={o.world_size}, "
+            f"order={self.order!r}, position={self._position})"
         )
+
+    # --- position ---------------------------------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """Global position of the next batch: samples consumed since the run started, over all ranks."""
+        return self._position
 
     @property
     def epoch(self) -> int:
-        """Epoch of the next batch."""
-        return self._epoch
+        """Epoch of the dataset that the next batch starts in (one dataset only).
 
-    @property
-    def step(self) -> int:
-        """Index within its epoch of the next global batch."""
-        return self._step
+        Raises:
+            TypeError: the loader reads a mixture, whose sources each run through their own epochs
+                (see :meth:`realised`).
+        """
+        return self._position // self._single_size("epoch")
 
     @property
     def steps_per_epoch(self) -> int:
-        """Batches per epoch, the same on every rank."""
-        full, partial = divmod(self.num_samples, self.options.batch_size)
-        return full + (1 if partial and not self.options.drop_last else 0)
+        """Global batches in one epoch: ``N // B``, or ``ceil(N / B)`` with ``drop_last=False``.
+
+        Batches run on across epochs, so ``E`` epochs give ``len(loader)`` batches, up to ``E - 1`` more
+        than ``E * steps_per_epoch``.
+
+        Raises:
+            TypeError: the loader reads a mixture, which has no single epoch.
+        """
+        n, batch = self._single_size("steps_per_epoch"), self.options.batch_size
+        return n // batch if self.options.drop_last else -(-n // batch)
+
+    def _single_size(self, what: str) -> int:
+        if isinstance(self.dataset, Mixture):
+            raise TypeError(
+                f"{what} is not defined for a mixture: each source runs through its own epochs; "
+                "loader.realised() shows where each one stands"
+            )
+        return len(self.sources[0])
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank, :attr:`steps_per_epoch` (for LR schedules and progress bars).
+        """Global batches of the whole run, the same on every rank (for LR schedules and progress bars).
 
-        Every rank gets a share of every global batch, so this is also the number of optimizer steps
-        per epoch, the same on every rank. It is not the number of batches still to come: iteration starts
-        at the current state and runs until ``epochs`` epochs are done (``epochs * len(loader)`` batches
-        from a fresh loader), or forever when ``epochs=None``.
+        Counted from position 0 at this batch size: ``end // B``, or ``ceil(end / B)`` with
+        ``drop_last=False``, where ``end`` is ``epochs * N`` (or where a stopping mixture ends). It is not
+        the number of batches still to come.
+
+        Raises:
+            TypeError: the run is endless (``epochs=None``, or a mixture that never stops).
         """
-        return self.steps_per_epoch
+        end = self.order.end
+        if end is None:
+            raise TypeError(
+                "an endless Loader has no len(): pass epochs=... (or Mixture(stop='first_exhausted')), "
+                "or count steps yourself"
+            )
+        batch = self.options.batch_size
+        return end // batch if self.options.drop_last else -(-end // batch)
 
     @property
     def finished(self) -> bool:
-        """True once ``epochs`` epochs have been served."""
-        return self.options.epochs is not None and self._epoch >= self.options.epochs
+        """True once the run has ended: no batch is left at the current position."""
+        return self._global_rows(self._position) == 0
+
+    def _global_rows(self, position: int) -> int:
+        """Rows of the global batch at ``position``: ``B``, fewer for the last of a run, 0 past it."""
+        batch, end = self.options.batch_size, self.order.end
+        end = MAX_POSITION if end is None else end
+        if end - position >= batch:
+            return batch
+        if self.options.drop_last or position >= end:
+            return 0
+        return end - position
 
     def __iter__(self) -> Iterator[Any]:
-        """Yield batches from the current state on, advancing it as each batch is handed out.
+        """Yield batches from the current position on, advancing it as each batch is handed out.
 
-        The state is read afresh before every batch, so :meth:`load_state_dict` takes effect at the next
-        batch even in the middle of a loop.
+        The position is read afresh before every batch, so :meth:`load_state_dict` takes effect at the
+        next batch even in the middle of a loop.
         """
         while not self.finished:
-            epoch, step = self._epoch, self._step
-            batch = self.batch(epoch, step)
-            self._epoch, self._step = self._following(epoch, step)
+            position = self._position
+            batch = self.batch(position)
+            self._position = position + self._global_rows(position)
             yield batch
 
-    def schedule(self, start: tuple[int, int] | None = None) -> Iterator[tuple[int, int]]:
-        """The ``(epoch, step)`` of every batch still to come, without changing the state.
+    def schedule(self, start: int | None = None) -> Iterator[int]:
+        """The position of every batch still to come, without changing the state.
 
         DataLoader workers use it to take every n-th batch (:mod:`streampack.torch`).
 
         Args:
-            start: the ``(epoch, step)`` to start from instead of the current state.
+            start: the position to start from instead of the current one.
         """
-        epoch, step = (self._epoch, self._step) if start is None else start
-        while self.options.epochs is None or epoch < self.options.epochs:
-            yield epoch, step
-            epoch, step = self._following(epoch, step)
+        position = self._position if start is None else start
+        while rows := self._global_rows(position):
+            yield position
+            position += rows
 
     def advance(self, batches: int = 1) -> None:
-        """Move the state forward by ``batches`` steps, as if that many batches had been consumed."""
-        _check_int("batches", batches, 0, 2**62, "a non-negative integer")
-        epochs, step = divmod(self._step + batches, self.steps_per_epoch)
-        self._epoch += epochs
-        self._step = step
+        """Move the position forward by ``batches`` steps, as if that many batches had been consumed."""
+        check_int("batches", batches, 0, 2**62, "a non-negative integer")
+        batch, end = self.options.batch_size, self.order.end
+        full = batches if end is None else min(batches, max(0, end - self._position) // batch)
+        self._position = min(self._position + full * batch, MAX_POSITION)
+        if batches > full:  # past the last full batch: the partial one, when it is served
+            self._position += self._global_rows(self._position)
 
-    def _following(self, epoch: int, step: int) -> tuple[int, int]:
-        return (epoch, step + 1) if step + 1 < self.steps_per_epoch else (epoch + 1, 0)
+    # --- one batch --------------------------------------------------------------------------------------
 
-    def batch(self, epoch: int, step: int, *, out: np.ndarray | None = None) -> Any:
-        """This rank's batch at ``step`` of ``epoch``, formatted; a pure function of the arguments.
+    def batch(self, position: int, *, out: np.ndarray | None = None) -> Any:
+        """This rank's batch at ``position``, formatted; a pure function of the position.
 
         Args:
-            epoch: the epoch.
-            step: the global batch within the epoch, in ``[0, steps_per_epoch)``.
+            position: the global position of the batch's first sample (see :meth:`schedule`).
             out: an array of shape ``(rows, width)`` and the output dtype to read the tokens into
                 (e.g. a view of shared memory); a new one when omitted.
 
         Returns:
             An array, or a dict of arrays, passed through ``collate`` when one was given.
         """
-        indices = self.indices(epoch, step)
-        tokens = self._read(indices, out)
+        sources, samples = self.picks(position)
+        tokens = self._read(sources, samples, out)
         if self.options.output == "dict":
-            boundaries = self.dataset.boundaries(indices)  # type: ignore[attr-defined]
             result: Any = {
                 "input_ids": tokens,
                 "labels": tokens.copy(),
-                "position_ids": boundaries.position_ids,
+                "position_ids": self._position_ids(sources, samples),
             }
         else:
             result = tokens
         return self.collate(result) if self.collate is not None else result
 
-    def batch_shape(self, step: int) -> tuple[int, int]:
-        """Shape ``(rows, width)`` of this rank's token array at ``step``.
+    def batch_shape(self, position: int) -> tuple[int, int]:
+        """Shape ``(rows, width)`` of this rank's token array at ``position``.
 
-        Rows are ``batch_size // world_size`` except in a last partial batch (``drop_last=False``).
+        Rows are ``batch_size // world_size`` except in the last, partial batch (``drop_last=False``).
         """
-        lo, hi = self._span(step)
-        width = getattr(self.dataset, "width", None)
-        if width is None:
-            width = int(np.asarray(self.dataset[np.zeros(1, dtype=np.int64)]).shape[-1])
-        return hi - lo, width
+        lo, hi = self._span(position)
+        return hi - lo, self.width
 
-    def indices(self, epoch: int, step: int) -> np.ndarray:
-        """Sample indices of this rank's rows at ``step`` of ``epoch`` (``int64``).
+    def picks(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source ids and sample ids of this rank's rows of the batch at ``position`` (``int64``).
 
         Raises:
-            IndexError: ``step`` is outside ``[0, steps_per_epoch)`` or ``epoch`` is negative.
+            IndexError: no batch starts at ``position`` (negative, or past the run's end).
         """
-        if not 0 <= step < self.steps_per_epoch or epoch < 0:
+        if position < 0 or self._global_rows(position) == 0:
             raise IndexError(
-                f"no batch at epoch={epoch}, step={step}: epochs start at 0 and steps are in "
-                f"[0, {self.steps_per_epoch})"
+                f"no batch at position {position}: positions start at 0 and the run ends at "
+                f"{self.order.end}"
+                + (" (drop_last drops a partial last batch)" if self.options.drop_last else "")
             )
-        lo, hi = self._span(step)
-        if not self.options.shuffle:
-            return np.arange(lo, hi, dtype=np.int64)
-        if step >= self.num_samples // self.options.batch_size:  # the last partial batch, on its own
-            return self._permute(epoch, np.arange(lo, hi, dtype=np.int64))
-        return self._permuted_block(epoch, step)
+        if self._global_rows(position) < self.options.batch_size:  # the last partial batch, on its own
+            return self.order(np.arange(*self._span(position), dtype=np.int64))
+        return self._planned(position)
 
-    def _span(self, step: int) -> tuple[int, int]:
-        """This rank's slice ``[lo, hi)`` of the positions of global batch ``step``."""
+    def indices(self, position: int) -> np.ndarray:
+        """Sample indices of this rank's rows of the batch at ``position`` (one dataset; ``int64``)."""
+        self._single_size("indices()")
+        return self.picks(position)[1]
+
+    def _span(self, position: int) -> tuple[int, int]:
+        """This rank's slice ``[lo, hi)`` of the positions of the global batch at ``position``."""
         opts = self.options
-        first = step * opts.batch_size
-        size = min(opts.batch_size, self.num_samples - first)
-        return first + opts.rank * size // opts.world_size, first + (opts.rank + 1) * size // opts.world_size
+        size = self._global_rows(position)
+        return position + opts.rank * size // opts.world_size, position + (
+            opts.rank + 1
+        ) * size // opts.world_size
 
-    def _permute(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        perm = self._permutation
-        if perm is None or perm.epoch != epoch:
-            perm = self._permutation = Permutation(self.num_samples, seed=self.options.seed, epoch=epoch)
-        return perm(positions)
+    def _planned(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """Picks of a full batch, computed together with those of the next few this process will read.
 
-    def _permuted_block(self, epoch: int, step: int) -> np.ndarray:
-        """Indices of a full step, permuted together with those of the next few full steps."""
-        block = self._block
-        if block is None or block[0] != epoch or not 0 <= step - block[1] < len(block[2]):
-            opts = self.options
-            full_steps = self.num_samples // opts.batch_size
-            steps = np.arange(step, min(full_steps, step + max(1, _PERMUTE_BLOCK_ROWS // opts.rows)))
-            firsts = steps * opts.batch_size + opts.rank * opts.rows
-            positions = firsts[:, None] + np.arange(opts.rows, dtype=np.int64)
-            block = self._block = (epoch, step, self._permute(epoch, positions))
-        return block[2][step - block[1]]
+        The next few are at the stride seen between requests: every batch in a plain loop, every n-th in
+        a DataLoader worker. Results never depend on it; only how much planned work is used does.
+        """
+        plan, last = self._plan, self._last_request
+        self._last_request = position
+        if plan is not None:
+            first, stride, count, sources, samples = plan
+            step, offset = divmod(position - first, stride)
+            if offset == 0 and 0 <= step < count:
+                return sources[step], samples[step]
+        opts = self.options
+        stride = position - last if last is not None and position > last else opts.batch_size
+        end = self.order.end
+        count = max(1, _PLAN_ROWS // opts.rows)
+        if end is not None:
+            count = max(1, min(count, (end - position - opts.batch_size) // stride + 1))
+        count = min(count, (MAX_POSITION - position - opts.batch_size) // stride + 1)
+        firsts = position + stride * np.arange(count, dtype=np.int64) + opts.rank * opts.rows
+        sources, samples = self.order((firsts[:, None] + np.arange(opts.rows, dtype=np.int64)).reshape(-1))
+        self._plan = (position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1))
+        return self._plan[3][0], self._plan[4][0]
 
-    def _read(self, indices: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-        dtype = self.options.dtype
-        read = getattr(self.dataset, "read", None)
-        if read is not None:
-            if out is None and dtype is not None:
-                out = np.empty((len(indices), self.dataset.width), dtype=dtype)  # type: ignore[attr-defined]
-            return read(indices, out=out)
-        tokens = np.asarray(self.dataset[indices])
-        if dtype is not None:
-            tokens = tokens.astype(dtype, copy=False)
-        if out is not None:
-            out[...] = tokens
+    def _read(self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        if out is None:
+            out = np.empty((len(samples), self.width), dtype=self.options.dtype or self.source_dtype)
+        if len(self.sources) == 1:
+            self.sources[0].read(samples, out)
             return out
-        return tokens
+        for source in np.unique(sources).tolist():
+            rows = np.flatnonzero(sources == source)
+            self.sources[source].read(samples[rows], out, rows)
+        return out
+
+    def _position_ids(self, sources: np.ndarray, samples: np.ndarray) -> np.ndarray:
+        if len(self.sources) == 1:
+            return self.sources[0].position_ids(samples)
+        out = np.empty((len(samples), self.width), dtype=np.int64)
+        for source in np.unique(sources).tolist():
+            rows = np.flatnonzero(sources == source)
+            out[rows] = self.sources[source].position_ids(samples[rows])
+        return out
+
+    # --- where the run stands ---------------------------------------------------------------------------
+
+    def realised(self, steps: int = 0) -> list[SourceProgress]:
+        """Per source: samples served, realised share and epoch, ``steps`` batches after the position.
+
+        Computed from the order alone (nothing is read), so a plan far ahead is as cheap as now.
+
+        Args:
+            steps: batches to look ahead at this batch size; 0 reports the current position.
+        """
+        check_int("steps", steps, 0, 2**62, "a non-negative integer")
+        position = min(self._position + steps * self.options.batch_size, MAX_POSITION)
+        if self.order.end is not None:
+            position = min(position, self.order.end)
+        served, sizes = self.order.consumed(position), self.order.sizes()
+        weights = self.order.weights(position) if isinstance(self.order, Mixture) else [1.0]
+        return [
+            SourceProgress(name, weight, count, count / position if position else 0.0, size, count / size)
+            for name, weight, count, size in zip(self.order.names, weights, served, sizes, strict=True)
+        ]
+
+    # --- state ------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The position of this loader as a small JSON-serializable dict.
 
-        Holds the format version, what the order depends on (seed, shuffle, global batch size,
-        drop_last, the dataset's fingerprint), and the position: epoch and samples consumed in it.
-        World size and rank are recorded for information only: a state may be loaded with others.
+        Holds the format version, the position (samples consumed since the run started) and the order's
+        fingerprint: what the positions mean (seed, data, and for a mixture its sources, weights and the
+        schedule so far). Batch size and world size are recorded for information only: a state may be
+        loaded with others.
         """
-        opts = self.options
         return {
             "format": _STATE_FORMAT,
             "version": STATE_VERSION,
-            "seed": opts.seed,
-            "shuffle": opts.shuffle,
-            "batch_size": opts.batch_size,
-            "drop_last": opts.drop_last,
-            "dataset": dict(self._fingerprint),
-            "epoch": self._epoch,
-            "samples_in_epoch": self._step * opts.batch_size,
-            "world_size": opts.world_size,
+            "position": self._position,
+            "order": self.order.fingerprint(),
+            "batch_size": self.options.batch_size,
+            "world_size": self.options.world_size,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from a :meth:`state_dict`: the next batch is the one the saved run would have produced.
+        """Resume from a :meth:`state_dict`: the next batch starts where the saved run stopped.
 
-        O(1): nothing is replayed. The world size may differ from the saved run's as long as the global
-        batch size is the same; every rank then continues the same global order.
+        O(1): nothing is replayed. The world size, the DataLoader workers and the global batch size may
+        differ from the saved run's: the next global batch starts at the saved position. A mixture may
+        also come with new stages or sources (see :class:`~streampack.mixture.Mixture`). Version 1
+        states (from streampack before mixtures) resume at the same place of the same epoch.
 
         Raises:
             LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version,
-                it was saved with a different seed, shuffle, batch size, drop_last or dataset (both values
-                are named), or its position is out of range (epoch outside ``[0, 2**64)``, or
-                samples_in_epoch not a step of this epoch).
+                it was saved with another seed, shuffle or data (both values are named), or its position
+                is not an integer in ``[0, 2**62]``.
         """
         if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
             raise LoaderStateError(
                 f"not a streampack loader state (expected a dict with format={_STATE_FORMAT!r}, got "
                 f"{_summary(state)}); pass what Loader.state_dict() returned"
             )
-        if state.get("version") != STATE_VERSION:
+        if state.get("version") == 1:
+            state = self._upgrade(state)
+        elif state.get("version") != STATE_VERSION:
             raise LoaderStateError(
                 f"loader state version {state.get('version')!r} is not supported by this streampack (it "
-                f"reads version {STATE_VERSION}); resume with the streampack version that saved it"
+                f"reads versions 1 and {STATE_VERSION}); resume with the streampack version that saved it"
             )
-        mine = self.state_dict()
-        for key in ("seed", "shuffle", "batch_size", "drop_last", "dataset"):
+        position, saved = state.get("position"), state.get("order")
+        if not _is_int(position) or not 0 <= position <= MAX_POSITION:
+            raise LoaderStateError(
+                f"loader state position must be an integer in [0, 2**62], the samples consumed since the run "
+                f"started (got position={position!r}); the state is damaged"
+            )
+        if not isinstance(saved, Mapping):
+            raise LoaderStateError(f"loader state has no 'order'; it is damaged: {_summary(state)}")
+        order = self.order.resumed(saved, int(position))
+        previous = self.order, self._position
+        self.order, self._position = order, int(position)
+        try:
+            self._check_last_batch()
+        except OptionsError:
+            self.order, self._position = previous
+            raise
+        if isinstance(self.dataset, Mixture) and isinstance(order, Mixture):
+            self.dataset = order
+        self._clear_caches()
+
+    def _upgrade(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """A version 1 state (epoch and samples into it) as version 2: the same place of the same epoch."""
+        for key in ("seed", "shuffle", "dataset", "epoch", "samples_in_epoch"):
             if key not in state:
                 raise LoaderStateError(f"loader state has no {key!r}; it is damaged: {_summary(state)}")
-            if state[key] != mine[key]:
-                raise LoaderStateError(
-                    f"the loader state does not match this loader: {key} in checkpoint: {state[key]!r} / "
-                    f"{key} in this loader: {mine[key]!r}. Create the Loader with the settings and data "
-                    "of the run that saved the state."
-                )
-        epoch, samples = state.get("epoch"), state.get("samples_in_epoch")
-        batch = self.options.batch_size
-        if not _is_int(epoch) or not 0 <= epoch <= _MAX_EPOCH:
+        epoch, samples = state["epoch"], state["samples_in_epoch"]
+        n = self._single_size("resuming a version 1 state")
+        if not (_is_int(epoch) and _is_int(samples) and epoch >= 0 and 0 <= samples < n):
             raise LoaderStateError(
-                f"loader state epoch must be a non-negative integer below 2**64, the epochs a shuffle order "
-                f"exists for (got epoch={epoch!r}); the state is damaged"
+                f"version 1 loader state has epoch={epoch!r}, samples_in_epoch={samples!r}: not a place in "
+                f"an epoch of {n} samples; the state is damaged"
             )
-        end = self.steps_per_epoch * batch
-        if not _is_int(samples) or not 0 <= samples < end or samples % batch:
-            raise LoaderStateError(
-                f"loader state samples_in_epoch must be a multiple of batch_size={batch} in [0, {end}) "
-                f"(got samples_in_epoch={samples!r}); the state is damaged"
+        order = {
+            "kind": "shuffled",
+            "seed": state["seed"],
+            "shuffle": state["shuffle"],
+            "data": state["dataset"],
+        }
+        return {"position": min(epoch * n + samples, MAX_POSITION + 1), "order": order}
+
+
+class _Source:
+    """A :class:`DataSource` seen through the one contract the loader needs, probed once at creation."""
+
+    def __init__(self, data: DataSource) -> None:
+        _check_source(data)
+        self.data = data
+        self.size = len(data)
+        self.overlap = int(getattr(data, "overlap", 0))
+        self.fingerprint = data_fingerprint(data)
+        width, dtype = getattr(data, "width", None), getattr(data, "dtype", None)
+        if isinstance(data, np.ndarray) and data.ndim == 2:
+            width = data.shape[1]
+        if (width is None or dtype is None) and self.size:
+            probe = np.asarray(data[np.zeros(1, dtype=np.int64)])
+            width, dtype = (
+                probe.shape[-1] if width is None else width,
+                probe.dtype if dtype is None else dtype,
             )
-        self._epoch, self._step = int(epoch), int(samples) // batch
+        self.width: int = int(width or 0)
+        self.dtype = np.dtype(dtype if dtype is not None else np.int64)
+        self._read_rows = getattr(data, "read", None) if _takes_rows(data) else None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Write sample ``indices[k]`` into ``out[rows[k]]`` (into ``out[k]`` when ``rows`` is None)."""
+        if self._read_rows is not None:
+            self._read_rows(indices, out=out, rows=rows)
+            return
+        tokens = np.asarray(self.data[indices])
+        if rows is None:
+            out[...] = tokens
+        else:
+            out[rows] = tokens
+
+    def check_dict_output(self) -> None:
+        """Refuse ``output="dict"`` for samples it does not fit."""
+        if not hasattr(self.data, "boundaries"):
+            raise OptionsError(
+                f"output='dict' needs position ids, which {type(self.data).__name__} does not provide "
+                "(no boundaries() method); use output='numpy' or cache.sequences(...)"
+            )
+        if self.overlap:
+            raise OptionsError(
+                "output='dict' gives labels = input_ids (Hugging Face models shift them inside), so the "
+                f"samples need no overlap (got overlap={self.overlap}); use cache.sequences(seq_len) with "
+                "overlap=0, or output='numpy' for x/y windows"
+            )
+
+    def position_ids(self, indices: np.ndarray) -> np.ndarray:
+        """Position ids within documents of the samples at ``indices``."""
+        return np.asarray(self.data.boundaries(indices).position_ids)  # type: ignore[attr-defined]
+
+
+def _takes_rows(data: object) -> bool:
+    from streampack.sequences import PackedSequences
+
+    return isinstance(data, PackedSequences)
+
+
+def _refuse_order_options(**given: object) -> None:
+    """A mixture sets the order itself: refuse the single-dataset order options rather than ignore them."""
+    for name, value in given.items():
+        if value is not None:
+            where = "Mixture(stop='first_exhausted')" if name == "epochs" else f"Mixture(..., {name}=...)"
+            raise OptionsError(
+                f"{name}= sets the order of a single dataset; a mixture has its own: use {where} "
+                f"(got {name}={value!r})"
+            )
 
 
 def _check_source(dataset: object) -> None:
@@ -542,7 +745,8 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_int(name: str, value: object, lo: int, hi: int, allowed: str) -> None:
+def check_int(name: str, value: object, lo: int, hi: int, allowed: str) -> None:
+    """Raise :class:`OptionsError` unless ``value`` is an integer (not a bool) in ``[lo, hi]``."""
     if not _is_int(value) or not lo <= int(value) <= hi:
         raise OptionsError(f"{name} must be {allowed} (got {name}={value!r})")
 

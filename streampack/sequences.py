@@ -208,7 +208,9 @@ class PackedSequences:
         self._read(indices, out)
         return out.reshape(*shape, self.width)
 
-    def read(self, indices: npt.ArrayLike, *, out: np.ndarray | None = None) -> np.ndarray:
+    def read(
+        self, indices: npt.ArrayLike, *, out: np.ndarray | None = None, rows: npt.ArrayLike | None = None
+    ) -> np.ndarray:
         """Read a batch of windows into ``out``, casting while copying (one pass, no temporary).
 
         Args:
@@ -216,6 +218,8 @@ class PackedSequences:
             out: destination of shape ``(len(indices), seq_len + overlap)`` and an integer dtype that
                 holds every id of the cache dtype (``np.can_cast(seqs.dtype, out.dtype, "safe")``: int32
                 or int64 for a uint16 cache, not int16); a new array of the cache dtype when omitted.
+            rows: write window ``k`` into row ``rows[k]`` of ``out`` (which may then have more rows),
+                e.g. this source's rows of a batch mixed from several; rows ``0, 1, ...`` when omitted.
 
         Returns:
             ``out``.
@@ -229,14 +233,27 @@ class PackedSequences:
         flat, shape = self._indices(indices)
         if len(shape) != 1:
             raise ValueError(f"read() takes a 1-D array of indices (got shape {shape})")
+        targets = None if rows is None else self._rows(rows, flat.size, out)
         if out is None:
             out = np.empty((flat.size, self.width), dtype=self.dtype)
         else:
-            self._check_out(out, flat.size)
-        self._read(flat, out)
+            self._check_out(out, flat.size if targets is None else None)
+        self._read(flat, out, targets)
         return out
 
-    def _check_out(self, out: object, rows: int) -> None:
+    @staticmethod
+    def _rows(rows: npt.ArrayLike, count: int, out: np.ndarray | None) -> np.ndarray:
+        targets = np.asarray(rows)
+        if out is None or targets.shape != (count,) or not np.issubdtype(targets.dtype, np.integer):
+            raise ValueError(
+                f"rows= needs an out= array and one integer row per index (got {count} indices and rows of "
+                f"shape {targets.shape}, dtype {targets.dtype})"
+            )
+        if count and not 0 <= int(targets.min()) <= int(targets.max()) < len(out):
+            raise IndexError(f"rows must be in [0, {len(out)}), the rows of out")
+        return targets.astype(np.int64, copy=False)
+
+    def _check_out(self, out: object, rows: int | None) -> None:
         if not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a numpy array (got {type(out).__name__})")
         if not _holds_every_id(self.dtype, out.dtype):
@@ -244,11 +261,9 @@ class PackedSequences:
                 f"out has dtype {out.dtype}, which cannot hold every id of the cache's {self.dtype} tokens "
                 f"(they would be silently changed); use {self.dtype} or a wider integer type such as int64"
             )
-        if out.shape != (rows, self.width):
-            raise ValueError(
-                f"out has shape {out.shape}, but {rows} windows of {self.width} tokens need "
-                f"{(rows, self.width)}"
-            )
+        if out.ndim != 2 or out.shape[1] != self.width or (rows is not None and out.shape[0] != rows):
+            need = f"{(rows, self.width)}" if rows is not None else f"(rows, {self.width})"
+            raise ValueError(f"out has shape {out.shape}, but windows of {self.width} tokens need {need}")
 
     def boundaries(self, index: Index) -> Boundaries:
         """Document boundaries of the samples at ``index``: position ids, document ids, ``cu_seqlens``.
@@ -370,10 +385,10 @@ class PackedSequences:
         base = token_starts[shards]
         return _Pieces(rows, shards, glo - base, ghi - base, glo - starts[rows])
 
-    def _read(self, indices: np.ndarray, out: np.ndarray) -> None:
+    def _read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
         pieces = self._pieces(indices * self.seq_len, self.width)
         for row, shard, lo, hi, col in zip(
-            pieces.rows.tolist(),
+            (pieces.rows if rows is None else rows[pieces.rows]).tolist(),
             pieces.shards.tolist(),
             pieces.lo.tolist(),
             pieces.hi.tolist(),

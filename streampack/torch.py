@@ -121,8 +121,8 @@ class IterableDataset(torch_data.IterableDataset):
 
     def __init__(self, loader: Loader) -> None:
         self.loader = loader
-        # [epoch, step] the next iteration starts at; shared memory survives both fork and spawn.
-        self._start = torch.zeros(2, dtype=torch.int64).share_memory_()
+        # The position the next iteration starts at; shared memory survives both fork and spawn.
+        self._start = torch.zeros(1, dtype=torch.int64).share_memory_()
         self._ring: _SlotRing | None = None  # set by DataLoader, which alone knows how to read slots
         self.publish()
 
@@ -131,27 +131,27 @@ class IterableDataset(torch_data.IterableDataset):
 
     def publish(self) -> None:
         """Make the loader's current position the start of the next iteration, in every worker."""
-        self._start.copy_(torch.tensor([self.loader.epoch, self.loader.step], dtype=torch.int64))
+        self._start[0] = self.loader.position
 
     def __iter__(self) -> Iterator[Any]:
         """Yield this worker's share of the batches from the published start, in schedule order."""
         info = torch_data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        epoch, step = (int(x) for x in self._start.tolist())
+        start = int(self._start[0])
         ring = self._ring if info is not None else None
-        for position in islice(self.loader.schedule(start=(epoch, step)), worker, None, workers):
+        for position in islice(self.loader.schedule(start=start), worker, None, workers):
             if ring is not None:
-                yield ring.put(self.loader, worker, *position)
+                yield ring.put(self.loader, worker, position)
             else:
-                yield self._make(*position, in_worker=info is not None)
+                yield self._make(position, in_worker=info is not None)
 
-    def _make(self, epoch: int, step: int, *, in_worker: bool) -> Any:
+    def _make(self, position: int, *, in_worker: bool) -> Any:
         loader = self.loader
         out = None
-        dtype = loader.options.dtype or getattr(loader.dataset, "dtype", None)
-        if in_worker and dtype is not None:
-            out = _shared_array(loader.batch_shape(step), np.dtype(dtype))
-        return _to_torch(loader.batch(epoch, step, out=None if out is None else out[1]), out)
+        if in_worker:
+            dtype = np.dtype(loader.options.dtype or loader.source_dtype)
+            out = _shared_array(loader.batch_shape(position), dtype)
+        return _to_torch(loader.batch(position, out=None if out is None else out[1]), out)
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's state (see :meth:`Loader.state_dict`)."""
@@ -227,12 +227,13 @@ class DataLoader(torch_data.DataLoader):
             self._running -= 1
 
     def __len__(self) -> int:
-        """Batches per epoch on this rank: the loader's ``steps_per_epoch`` (see :meth:`Loader.__len__`).
+        """Batches of the whole run on every rank: ``len(loader)`` (see :meth:`Loader.__len__`).
 
-        Every rank gets a share of every global batch, so this is also the optimizer steps per epoch; it
-        is not the number of batches still to come, which depends on the loader's position and epochs.
+        Raises:
+            TypeError: the run is endless, so there is no length (torch and trainers then rely on
+                ``max_steps``).
         """
-        return self.loader.steps_per_epoch
+        return len(self.loader)
 
     def state_dict(self) -> dict[str, Any]:
         """The loader's state after the batches handed out so far (small, JSON-serializable)."""
@@ -255,7 +256,20 @@ class DataLoader(torch_data.DataLoader):
                 "load_state_dict was called while an iterator over this DataLoader is running; call it "
                 "before iter(), or break out of the loop first (or close() the iterator)"
             )
+        before = self.loader.order.fingerprint()
         self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+        if self.loader.order.fingerprint() != before:
+            self._restart_workers()
+
+    def _restart_workers(self) -> None:
+        """Let persistent workers go: they hold the order from before a resume changed it (a mixture's
+        new weights or sources), and only the position reaches them through shared memory."""
+        iterator = getattr(self, "_iterator", None)
+        if iterator is not None:
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self._iterator = None
 
 
 @dataclass(frozen=True)
@@ -277,8 +291,8 @@ class _SlotRing:
     """
 
     def __init__(self, loader: Loader, workers: int, per_worker: int) -> None:
-        rows, width = loader.batch_shape(0)
-        dtype = torch.from_numpy(np.empty(0, dtype=loader.dataset.dtype)).dtype  # type: ignore[attr-defined]
+        rows, width = loader.options.rows, loader.width
+        dtype = torch.from_numpy(np.empty(0, dtype=loader.source_dtype)).dtype
         self.per_worker = per_worker
         self.tokens = torch.zeros((workers * per_worker, rows, width), dtype=dtype).share_memory_()
         self.stamps = torch.zeros((workers * per_worker, 2), dtype=torch.int64).share_memory_()
@@ -287,20 +301,16 @@ class _SlotRing:
     @staticmethod
     def fits(loader: Loader) -> bool:
         """Whether batches are plain token arrays the ring can carry (numpy output, no custom collate)."""
-        return (
-            loader.options.output == "numpy"
-            and loader.collate is None
-            and getattr(loader.dataset, "dtype", None) is not None
-        )
+        return loader.options.output == "numpy" and loader.collate is None
 
-    def put(self, loader: Loader, worker: int, epoch: int, step: int) -> _Slot:
-        """Write the batch ``(epoch, step)`` into this worker's next slot (called in the worker)."""
+    def put(self, loader: Loader, worker: int, position: int) -> _Slot:
+        """Write the batch at ``position`` into this worker's next slot (called in the worker)."""
         index = worker * self.per_worker + self._counter % self.per_worker
         self._counter += 1
         stamps = self.stamps.numpy()
         stamps[index] = -1  # mark the slot as being written before touching its tokens
-        rows = loader.batch_shape(step)[0]
-        loader.batch(epoch, step, out=self.tokens.numpy()[index, :rows])
+        rows = loader.batch_shape(position)[0]
+        loader.batch(position, out=self.tokens.numpy()[index, :rows])
         stamp = (os.getpid(), self._counter)
         stamps[index] = stamp
         return _Slot(index, rows, stamp)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from itertools import chain, islice
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import streampack
 from streampack._synthetic import write_random_cache
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import STATE_VERSION, Loader, LoaderOptions
+from streampack.permutation import Permutation
 from tests.conftest import run_cli
 
 
@@ -36,9 +38,9 @@ class IndexSource:
         return np.asarray(indices)[:, None]
 
 
-def leaves_a_rank_empty(n: int, batch_size: int, world: int) -> bool:
-    """Whether the last partial global batch has fewer rows than ranks (refused with drop_last=False)."""
-    return 0 < n % batch_size < world
+def leaves_a_rank_empty(n: int, batch_size: int, world: int, epochs: int = 1) -> bool:
+    """Whether the run's last partial global batch has fewer rows than ranks (refused, drop_last=False)."""
+    return 0 < epochs * n % batch_size < world
 
 
 def flat(batches: list[list[int]]) -> list[int]:
@@ -77,8 +79,8 @@ def test_ranks_see_every_sample_once_with_equal_batch_counts(
 ) -> None:
     batch_size = world * rows
     if leaves_a_rank_empty(n, batch_size, world):
-        with pytest.raises(OptionsError, match="ranks an empty batch"):
-            Loader(IndexSource(n), batch_size=batch_size, world_size=world, drop_last=False)
+        with pytest.raises(OptionsError, match="ranks an empty last batch"):
+            Loader(IndexSource(n), batch_size=batch_size, world_size=world, drop_last=False, epochs=1)
         return
     per_rank = []
     for rank in range(world):
@@ -116,7 +118,7 @@ def test_drop_last_serves_whole_global_batches_of_distinct_samples(
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(8, 200), seed=st.integers(0, 2**64 - 1), world=st.sampled_from([1, 2, 4]))
 def test_global_order_does_not_depend_on_world_size(n: int, seed: int, world: int) -> None:
-    assume(not leaves_a_rank_empty(n, 4, world))
+    assume(not leaves_a_rank_empty(n, 4, world, epochs=2))
     single = served(Loader(IndexSource(n), batch_size=4, seed=seed, epochs=2, drop_last=False))
     ranks = [
         served(
@@ -160,35 +162,45 @@ def test_drop_last_false_refuses_a_last_batch_with_fewer_rows_than_ranks() -> No
     # 1,257 samples in global batches of 8 leave 1 for the last batch: 7 of 8 ranks would get 0 rows.
     for rank in (0, 7):
         with pytest.raises(OptionsError) as refused:
-            Loader(IndexSource(1257), batch_size=8, world_size=8, rank=rank, drop_last=False)
+            Loader(IndexSource(1257), batch_size=8, world_size=8, rank=rank, drop_last=False, epochs=1)
         message = str(refused.value)
-        assert "7 of the 8 ranks an empty batch" in message and "1257 mod 8 = 1 sample" in message
+        assert "7 of the 8 ranks an empty last batch" in message and "1257 mod 8 = 1 sample" in message
         assert "world_size=8" in message and "drop_last=True" in message and "batch_size=16" in message
     assert isinstance(refused.value, ValueError)
     with pytest.raises(OptionsError, match=r"5 mod 8 = 5 samples.*Use fewer ranks, or more samples"):
-        Loader(IndexSource(5), batch_size=8, world_size=8, drop_last=False)
-    # Allowed: one rank, drop_last=True, or a batch size whose remainder (1257 mod 16 = 9) covers the ranks.
+        Loader(IndexSource(5), batch_size=8, world_size=8, drop_last=False, epochs=1)
+    # Allowed: an endless run (no last batch), one rank, drop_last=True, or a batch size whose remainder
+    # (1257 mod 16 = 9) covers the ranks.
+    assert Loader(IndexSource(1257), batch_size=8, world_size=8, drop_last=False).position == 0
     assert Loader(IndexSource(1257), batch_size=8, drop_last=False).steps_per_epoch == 158
     assert Loader(IndexSource(1257), batch_size=8, world_size=8).steps_per_epoch == 157
-    last = [
-        Loader(IndexSource(1257), batch_size=16, world_size=8, rank=r, drop_last=False).indices(0, 78)
-        for r in range(8)
-    ]
+    options = {"batch_size": 16, "drop_last": False, "epochs": 1}
+    last = [Loader(IndexSource(1257), world_size=8, rank=r, **options).indices(78 * 16) for r in range(8)]
     assert [len(rows) for rows in last] == [1, 1, 1, 1, 1, 1, 1, 2]
-    whole = Loader(IndexSource(1257), batch_size=16, drop_last=False).indices(0, 78)
+    whole = Loader(IndexSource(1257), **options).indices(78 * 16)
     assert np.array_equal(np.concatenate(last), whole)
+    # Resuming with another batch size re-checks from the saved position: 1249 samples are left.
+    small = Loader(IndexSource(1257), batch_size=8, drop_last=False, epochs=1)
+    small.advance(1)
+    resumed = Loader(IndexSource(1257), batch_size=16, world_size=8, drop_last=False, epochs=1)
+    with pytest.raises(OptionsError, match="1249 mod 16 = 1 sample"):
+        resumed.load_state_dict(small.state_dict())
+    assert resumed.position == 0  # a refused state changes nothing
 
 
-def test_len_is_the_batches_per_epoch_of_every_rank() -> None:
-    for drop_last, steps in ((True, 78), (False, 79)):
+def test_len_is_the_batches_of_the_run_on_every_rank() -> None:
+    # 2 epochs of 1257 samples in global batches of 16: 2514 // 16 = 157 full batches and 2 samples over.
+    for drop_last, steps, per_epoch in ((True, 157, 78), (False, 158, 79)):
         loaders = [
-            Loader(IndexSource(1257), batch_size=16, world_size=8, rank=r, drop_last=drop_last, epochs=2)
-            for r in range(8)
+            Loader(IndexSource(1257), batch_size=16, world_size=2, rank=r, drop_last=drop_last, epochs=2)
+            for r in range(2)
         ]
         assert {len(loader) for loader in loaders} == {steps}
-        assert all(len(loader) == loader.steps_per_epoch for loader in loaders)
-        assert len(served(loaders[3])) == 2 * steps  # epochs * len() batches from a fresh loader
-        assert len(loaders[3]) == steps  # the position does not change it
+        assert {loader.steps_per_epoch for loader in loaders} == {per_epoch}
+        assert len(served(loaders[1])) == steps  # len() batches from a fresh loader
+        assert len(loaders[1]) == steps  # the position does not change it
+    with pytest.raises(TypeError, match="an endless Loader has no len"):
+        len(Loader(IndexSource(1257), batch_size=16))
 
 
 def test_a_list_of_arrays_is_refused_at_creation_and_a_stacked_array_works() -> None:
@@ -220,7 +232,7 @@ def test_resume_continues_the_uninterrupted_stream(
     n: int, world: int, rows: int, seed: int, shuffle: bool, drop_last: bool, data: st.DataObject
 ) -> None:
     batch_size = world * rows
-    if (drop_last and n < batch_size) or (not drop_last and leaves_a_rank_empty(n, batch_size, world)):
+    if (drop_last and n < batch_size) or (not drop_last and leaves_a_rank_empty(n, batch_size, world, 3)):
         return
     rank = data.draw(st.integers(0, world - 1), label="rank")
     options = {
@@ -244,7 +256,7 @@ def test_resume_continues_the_uninterrupted_stream(
 def test_resume_with_fewer_ranks_keeps_the_global_order(
     n: int, seed: int, stop: int, drop_last: bool
 ) -> None:
-    assume(drop_last or not leaves_a_rank_empty(n, 8, 4))
+    assume(drop_last or not leaves_a_rank_empty(n, 8, 4, epochs=2))
 
     def loaders(world: int) -> list[Loader]:
         return [
@@ -266,7 +278,7 @@ def test_resume_with_fewer_ranks_keeps_the_global_order(
     for loader in four:
         served(loader, stop)
     states = [json.loads(json.dumps(loader.state_dict())) for loader in four]
-    assert all(state["world_size"] == 4 for state in states)
+    assert all(state["world_size"] == 4 and state["position"] == min(8 * stop, 2 * n) for state in states)
     two = loaders(2)
     for loader in two:
         loader.load_state_dict(states[0])
@@ -301,12 +313,13 @@ def test_resume_in_a_new_process(cache: streampack.Cache, tmp_path: Path) -> Non
 def test_resume_is_o1_far_into_a_huge_epoch() -> None:
     source = IndexSource(10**12)
     loader = Loader(source, batch_size=32, seed=9)
-    state = loader.state_dict() | {"epoch": 5, "samples_in_epoch": 32 * 10**6}
-    loader.load_state_dict(state)
+    position = 5 * 10**12 + 32 * 10**6
+    loader.load_state_dict(loader.state_dict() | {"position": position})
+    probed = source.reads  # a source without width and dtype is read once at creation to learn them
     batch = next(iter(loader))
-    assert source.reads == 1  # nothing replayed
-    assert batch[:, 0].tolist() == loader.indices(5, 10**6).tolist()
-    assert loader.state_dict()["samples_in_epoch"] == 32 * (10**6 + 1)
+    assert source.reads == probed + 1  # nothing replayed
+    assert batch[:, 0].tolist() == loader.indices(position).tolist()
+    assert loader.state_dict()["position"] == position + 32 and loader.epoch == 5
 
 
 def test_load_state_dict_takes_effect_at_the_next_batch() -> None:
@@ -324,7 +337,10 @@ def test_advance_matches_consuming() -> None:
     served(consumed, 23)
     jumped = Loader(IndexSource(50), batch_size=5, seed=1)
     jumped.advance(23)
-    assert jumped.state_dict() == consumed.state_dict() and (jumped.epoch, jumped.step) == (2, 3)
+    assert jumped.state_dict() == consumed.state_dict() and (jumped.epoch, jumped.position) == (2, 115)
+    ending = Loader(IndexSource(50), batch_size=20, drop_last=False, epochs=1)
+    ending.advance(10**9)  # stops at the end: two full batches and the partial one
+    assert ending.position == 50 and ending.finished
 
 
 def test_state_is_small_versioned_json(cache: streampack.Cache) -> None:
@@ -334,13 +350,9 @@ def test_state_is_small_versioned_json(cache: streampack.Cache) -> None:
     assert state == {
         "format": "streampack.Loader",
         "version": STATE_VERSION,
-        "seed": 7,
-        "shuffle": True,
+        "position": 12,
+        "order": {"kind": "shuffled", "seed": 7, "shuffle": True, "data": cache.sequences(16).fingerprint()},
         "batch_size": 4,
-        "drop_last": True,
-        "dataset": cache.sequences(16).fingerprint(),
-        "epoch": 0,
-        "samples_in_epoch": 12,
         "world_size": 2,
     }
     assert len(json.dumps(state)) < 400
@@ -354,48 +366,84 @@ def test_state_is_json_when_options_are_numpy_integers() -> None:
     loader = Loader(IndexSource(100), **options)  # type: ignore[arg-type]
     served(loader, 2)
     state = json.loads(json.dumps(loader.state_dict()))
-    assert state["seed"] == 2**64 - 1 and state["batch_size"] == 8 and state["world_size"] == 2
+    assert state["order"]["seed"] == 2**64 - 1 and state["batch_size"] == 8 and state["world_size"] == 2
     assert all(type(getattr(loader.options, name)) is int for name in options)
     resumed = Loader(IndexSource(100), batch_size=8, seed=2**64 - 1, world_size=2, rank=1, epochs=3)
     resumed.load_state_dict(state)
     assert served(resumed) == served(loader)
 
 
+def order_change(**change: object) -> Callable[[dict], dict]:
+    return lambda state: state | {"order": state["order"] | change}
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"seed": 8}, "seed in checkpoint: 8 / seed in this loader: 7"),
-        ({"batch_size": 6}, "batch_size in checkpoint: 6 / batch_size in this loader: 4"),
-        ({"shuffle": False}, "shuffle in checkpoint: False / shuffle in this loader: True"),
-        ({"drop_last": False}, "drop_last in checkpoint: False / drop_last in this loader: True"),
-        ({"version": 99}, "version 99 is not supported"),
-        ({"format": "other"}, "not a streampack loader state"),
-        ({"samples_in_epoch": 5}, "must be a multiple of batch_size=4"),
-        ({"samples_in_epoch": 10**9}, "must be a multiple of batch_size=4 in"),
-        ({"epoch": -1}, "epoch must be a non-negative integer"),
-        ({"epoch": "3"}, "epoch must be a non-negative integer"),
-        ({"epoch": 2**64}, r"non-negative integer below 2\*\*64.*\(got epoch=18446744073709551616\)"),
-        ({"epoch": 10**30}, r"below 2\*\*64, the epochs a shuffle order exists for \(got epoch=10{30}\)"),
+        (order_change(seed=8), "seed in checkpoint: 8 / seed in this loader: 7"),
+        (order_change(shuffle=False), "shuffle in checkpoint: False / shuffle in this loader: True"),
+        (order_change(data={"num_samples": 99}), "data in checkpoint: {'num_samples': 99} / data in this"),
+        (order_change(kind="mixture"), "over a 'mixture' order, this loader reads one dataset"),
+        (lambda s: s | {"version": 99}, "version 99 is not supported"),
+        (lambda s: s | {"format": "other"}, "not a streampack loader state"),
+        (lambda s: s | {"position": -1}, r"position must be an integer in \[0, 2\*\*62\]"),
+        (lambda s: s | {"position": "3"}, "position must be an integer"),
+        (lambda s: s | {"position": 2**62 + 1}, r"\(got position=4611686018427387905\)"),
+        (lambda s: {k: v for k, v in s.items() if k != "order"}, "loader state has no 'order'"),
     ],
 )
-def test_mismatched_or_damaged_state_is_refused_naming_both_sides(change: dict, message: str) -> None:
+def test_mismatched_or_damaged_state_is_refused_naming_both_sides(
+    change: Callable[[dict], dict], message: str
+) -> None:
     loader = Loader(IndexSource(100), batch_size=4, seed=7)
     with pytest.raises(LoaderStateError, match=message):
-        loader.load_state_dict(loader.state_dict() | change)
+        loader.load_state_dict(change(loader.state_dict()))
+
+
+def test_batch_size_world_size_and_drop_last_may_change_on_resume() -> None:
+    first = Loader(IndexSource(100), batch_size=4, seed=7, world_size=2, drop_last=False, epochs=2)
+    served(first, 5)
+    single = Loader(IndexSource(100), batch_size=1, seed=7, epochs=2)
+    reference = flat(served(single))
+    resumed = Loader(IndexSource(100), batch_size=7, seed=7, drop_last=False, epochs=2)
+    resumed.load_state_dict(first.state_dict())
+    rest = served(resumed)
+    assert [len(batch) for batch in rest] == [7] * 25 + [5]  # 180 samples left: 25 batches of 7, and 5
+    assert flat(rest) == reference[20:]  # the next global batch starts at the saved position
+
+
+def test_a_version_1_state_resumes_at_the_same_place_of_the_same_epoch() -> None:
+    loader = Loader(IndexSource(100), batch_size=4, seed=7, epochs=3)
+    version_1 = {
+        "format": "streampack.Loader", "version": 1, "seed": 7, "shuffle": True, "batch_size": 4,
+        "drop_last": True, "dataset": {"num_samples": 100}, "epoch": 1, "samples_in_epoch": 36,
+        "world_size": 1,
+    }  # fmt: skip
+    loader.load_state_dict(version_1)
+    assert loader.position == 136 and loader.epoch == 1
+    expected = Permutation(100, seed=7, epoch=1)(np.arange(36, 40)).tolist()
+    assert served(loader, 1) == [expected]
+    with pytest.raises(LoaderStateError, match="seed in checkpoint: 8"):
+        loader.load_state_dict(version_1 | {"seed": 8})
+    with pytest.raises(LoaderStateError, match="not a place in an epoch of 100 samples"):
+        loader.load_state_dict(version_1 | {"samples_in_epoch": 100})
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_the_largest_epoch_a_state_may_hold_serves_batches(shuffle: bool) -> None:
+def test_the_largest_position_a_state_may_hold_serves_batches(shuffle: bool) -> None:
     loader = Loader(IndexSource(100), batch_size=4, seed=7, shuffle=shuffle)
-    loader.load_state_dict(loader.state_dict() | {"epoch": 2**64 - 1})
+    last = 2**62 - 4
+    loader.load_state_dict(loader.state_dict() | {"position": last})
     batch = next(iter(loader))[:, 0].tolist()
-    assert batch == loader.indices(2**64 - 1, 0).tolist() and len(set(batch)) == 4
+    assert batch == loader.indices(last).tolist() and len(set(batch)) == 4
+    assert loader.finished  # an endless run ends there
 
 
 def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
     state = Loader(cache.sequences(16), batch_size=4).state_dict()
     with pytest.raises(
-        LoaderStateError, match=r"dataset in checkpoint: \{.*'seq_len': 16.*\} / dataset in this loader"
+        LoaderStateError,
+        match=r"data in checkpoint: \{.*'seq_len': 16.*\} / data in this loader.*sequence length changed",
     ):
         Loader(cache.sequences(32), batch_size=4).load_state_dict(state)
     with pytest.raises(LoaderStateError, match="not a streampack loader state"):
@@ -452,7 +500,7 @@ def test_dict_output_for_hugging_face_models(cache: streampack.Cache) -> None:
     seqs = cache.sequences(32)
     loader = Loader(seqs, batch_size=4, seed=2, output="dict")
     batch = next(iter(loader))
-    indices = loader.indices(0, 0)
+    indices = loader.indices(0)
     assert set(batch) == {"input_ids", "labels", "position_ids"}
     assert np.array_equal(batch["input_ids"], seqs[indices]) and batch["input_ids"].dtype == np.int64
     assert np.array_equal(batch["labels"], batch["input_ids"]) and batch["labels"] is not batch["input_ids"]
@@ -468,15 +516,16 @@ def test_collate_is_applied_to_every_batch() -> None:
     assert sorted(flat(list(loader))) == list(range(20))
 
 
-def test_batch_is_a_pure_function_of_epoch_and_step(cache: streampack.Cache) -> None:
-    loader = Loader(cache.sequences(16), batch_size=4, seed=5)
+def test_batch_is_a_pure_function_of_the_position(cache: streampack.Cache) -> None:
+    loader = Loader(cache.sequences(16), batch_size=4, seed=5, epochs=1)
     out = np.zeros((4, 16), dtype=np.int64)
-    assert loader.batch(1, 2, out=out) is out
-    assert np.array_equal(out, Loader(cache.sequences(16), batch_size=4, seed=5).batch(1, 2))
-    assert loader.epoch == loader.step == 0
-    with pytest.raises(IndexError, match=rf"steps are in \[0, {loader.steps_per_epoch}\)"):
-        loader.indices(0, loader.steps_per_epoch)
-    assert "batch_size=4, seed=5" in repr(loader) and "PackedSequences(" in repr(loader)
+    assert loader.batch(40, out=out) is out
+    assert np.array_equal(out, Loader(cache.sequences(16), batch_size=4, seed=5).batch(40))
+    assert loader.epoch == loader.position == 0
+    end = len(cache.sequences(16))
+    with pytest.raises(IndexError, match=rf"no batch at position {end}: .* the run ends at {end}"):
+        loader.indices(end)
+    assert "batch_size=4" in repr(loader) and "seed=5" in repr(loader) and "PackedSequences(" in repr(loader)
 
 
 def test_loader_pickles_without_its_caches(cache: streampack.Cache) -> None:

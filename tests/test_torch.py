@@ -73,8 +73,8 @@ def test_drop_last_false_never_hands_a_rank_an_empty_batch(tmp_path: Path) -> No
     seqs = streampack.open(
         write_cache(tmp_path / "c", [(tokens, np.arange(1, len(tokens) + 1))], vocab_size=2000, eos_id=1999)
     ).sequences(SEQ_LEN)
-    with pytest.raises(OptionsError, match=r"7 of the 8 ranks an empty batch.*1257 mod 8 = 1 sample"):
-        Loader(seqs, batch_size=8, world_size=8, drop_last=False)
+    with pytest.raises(OptionsError, match=r"7 of the 8 ranks an empty last batch.*1257 mod 8 = 1 sample"):
+        Loader(seqs, batch_size=8, world_size=8, drop_last=False, epochs=1)
     # batch_size=16 leaves 9 rows: every rank gets 1 or 2, through DataLoader workers too.
     per_rank = []
     for rank in range(8):
@@ -98,14 +98,14 @@ def test_workers_hand_out_the_loaders_batches_in_order(numbered: streampack.Cach
         assert not got[0].is_shared()
 
 
-def test_len_is_the_batches_per_epoch(numbered: streampack.Cache) -> None:
+def test_len_is_the_batches_of_the_run(numbered: streampack.Cache) -> None:
     seqs = numbered.sequences(SEQ_LEN)
     loader = Loader(seqs, batch_size=4, world_size=2, seed=3, drop_last=False, epochs=2)
     data = DataLoader(loader, num_workers=2)
-    assert len(data) == len(loader) == loader.steps_per_epoch == -(-NUM_SAMPLES // 4)
+    assert len(data) == len(loader) == -(-2 * NUM_SAMPLES // 4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert len(list(data)) == 2 * len(data)  # two epochs, and torch does not warn of a wrong length
+        assert len(list(data)) == len(data)  # two epochs, and torch does not warn of a wrong length
     assert not [w for w in caught if "Length of IterableDataset" in str(w.message)]
 
 
@@ -120,9 +120,9 @@ def test_one_shared_tensor_per_batch_without_slots(numbered: streampack.Cache) -
 def test_an_overwritten_slot_is_detected(numbered: streampack.Cache) -> None:
     loader = Loader(numbered.sequences(SEQ_LEN), batch_size=4, seed=3)
     ring = _SlotRing(loader, workers=1, per_worker=1)
-    first = ring.put(loader, 0, 0, 0)
-    assert np.array_equal(ring.take(first, np.dtype(np.int64), pin=False).numpy(), loader.batch(0, 0))
-    ring.put(loader, 0, 0, 1)  # reuses the only slot
+    first = ring.put(loader, 0, 0)
+    assert np.array_equal(ring.take(first, np.dtype(np.int64), pin=False).numpy(), loader.batch(0))
+    ring.put(loader, 0, 4)  # reuses the only slot
     with pytest.raises(RuntimeError, match="overwritten before it was read"):
         ring.take(first, None, pin=False)
 
@@ -136,7 +136,7 @@ def test_break_and_resume_continue_exactly(numbered: streampack.Cache, persisten
     )
     head = sample_ids(list(islice(data, 9)))  # the workers have prefetched more than this
     state = json.loads(json.dumps(data.state_dict()))
-    assert state["samples_in_epoch"] == 9 * 4
+    assert state["position"] == 9 * 4
     middle = sample_ids(list(islice(data, 5)))  # the same DataLoader continues where it stopped
     assert head + middle == expected[:14]
 
@@ -165,7 +165,7 @@ def test_load_state_dict_is_refused_while_an_iterator_runs(
         data.load_state_dict(start)
     head += sample_ids([next(iterator)])  # the refused call changed nothing: state and batches agree
     checkpoint = data.state_dict()
-    assert head == expected[:4] and checkpoint["samples_in_epoch"] == 4 * 4
+    assert head == expected[:4] and checkpoint["position"] == 4 * 4
     iterator.close()
     data.load_state_dict(start)
     assert sample_ids(list(data)) == expected

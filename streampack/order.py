@@ -1,0 +1,187 @@
+"""Which sample comes at each global position of a run: a pure function, the same in every process.
+
+A run reads one stream of samples. Its *global position* is the number of samples consumed since the
+run started, summed over all ranks. An :class:`Order` maps positions to ``(source, sample)`` pairs and
+holds no state, so a loader's checkpoint is one integer plus the order's fingerprint, and ranks, workers
+and batch sizes only decide which positions a process reads, never which sample a position holds.
+
+Two orders implement the protocol: :class:`Shuffled`, one source read epoch after epoch (here), and
+:class:`streampack.mixture.Mixture`, several sources mixed by weight, each running through its own
+epochs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from streampack.errors import LoaderStateError
+from streampack.permutation import Permutation
+
+__all__ = ["MAX_POSITION", "Order", "Shuffled", "data_fingerprint"]
+
+MAX_POSITION = 2**62
+"""A run may read up to this many samples: a position plus a batch always fits in ``int64``."""
+
+
+class Order(Protocol):
+    """A pure map from global positions to samples, shared by every rank and worker of a run.
+
+    Implementations are deterministic (the same positions give the same samples in any process, on any
+    machine), picklable, and cheap to call on a few thousand positions at once.
+    """
+
+    names: tuple[str, ...]
+    """One name per source; ``source ids`` index this tuple."""
+
+    @property
+    def end(self) -> int | None:
+        """The first position past the stream, or ``None`` for an endless one."""
+        ...
+
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ``(source ids, sample ids)`` at ``positions`` (a 1-D ``int64`` array below :attr:`end`)."""
+        ...
+
+    def consumed(self, position: int) -> list[int]:
+        """Samples each source has served once the stream reaches ``position``: its cursor."""
+        ...
+
+    def sizes(self) -> list[int]:
+        """Samples in one epoch of each source."""
+        ...
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the positions mean (JSON-able): a checkpoint stores it next to its position."""
+        ...
+
+    def resumed(self, saved: Mapping[str, Any], position: int) -> Order:
+        """This order, continued from a checkpoint's ``saved`` fingerprint at ``position``.
+
+        Raises:
+            LoaderStateError: the checkpoint's positions mean other samples here (other data or seed).
+        """
+        ...
+
+
+class Shuffled:
+    """One source read epoch after epoch: position ``p`` is sample ``Permutation(n, seed, epoch)(i)``.
+
+    ``epoch, i = divmod(p, n)``, so every epoch visits each of the ``n`` samples once, in a new order
+    (stream order with ``shuffle=False``). Batches may straddle two epochs.
+
+    Args:
+        size: samples per epoch, ``n``.
+        seed: shuffle seed.
+        shuffle: a seeded random order per epoch; else stream order.
+        epochs: end the stream after this many epochs; ``None`` for an endless one.
+        data: the data's fingerprint (what a checkpoint is checked against).
+        name: the source's name in reports.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        epochs: int | None = None,
+        data: Mapping[str, Any] | None = None,
+        name: str = "data",
+    ) -> None:
+        self.size, self.seed, self.shuffle, self.epochs = size, seed, shuffle, epochs
+        self.data = dict(data) if data is not None else {"num_samples": size}
+        self.names: tuple[str, ...] = (name,)
+        self._permutations: dict[int, Permutation] = {}
+
+    def __repr__(self) -> str:
+        return f"Shuffled({self.size}, seed={self.seed}, shuffle={self.shuffle}, epochs={self.epochs})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"_permutations": {}}
+
+    @property
+    def end(self) -> int | None:
+        """``epochs * n``, or ``None`` when endless."""
+        return None if self.epochs is None else min(self.epochs * self.size, MAX_POSITION)
+
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Source ids (all 0) and sample ids at ``positions``."""
+        sources = np.zeros(len(positions), dtype=np.int64)
+        return sources, self.samples(positions)
+
+    def samples(self, positions: np.ndarray) -> np.ndarray:
+        """Sample ids at ``positions``."""
+        epochs, offsets = np.divmod(positions, self.size)
+        if not self.shuffle:
+            return offsets
+        first = int(epochs[0]) if len(epochs) else 0
+        if len(epochs) == 0 or (epochs == first).all():
+            return self.permutation(first)(offsets)
+        out = np.empty_like(offsets)
+        for epoch in np.unique(epochs).tolist():
+            mine = epochs == epoch
+            out[mine] = self.permutation(epoch)(offsets[mine])
+        return out
+
+    def permutation(self, epoch: int) -> Permutation:
+        """The order of ``epoch`` (the last two are kept: batches straddle at most one boundary)."""
+        permutation = self._permutations.get(epoch)
+        if permutation is None:
+            if len(self._permutations) >= 2:
+                self._permutations.pop(next(iter(self._permutations)))
+            permutation = self._permutations[epoch] = Permutation(self.size, seed=self.seed, epoch=epoch)
+        return permutation
+
+    def consumed(self, position: int) -> list[int]:
+        """``[position]``: one source, every position is its own."""
+        return [position]
+
+    def sizes(self) -> list[int]:
+        """``[n]``."""
+        return [self.size]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Kind, seed, shuffle and the data's fingerprint; the number of epochs only ends the stream."""
+        return {"kind": "shuffled", "seed": self.seed, "shuffle": self.shuffle, "data": dict(self.data)}
+
+    def resumed(self, saved: Mapping[str, Any], position: int) -> Shuffled:
+        """This order, after checking the checkpoint was made with the same seed, shuffle and data."""
+        mine = self.fingerprint()
+        if saved.get("kind") != "shuffled":
+            raise LoaderStateError(
+                f"the checkpoint was saved by a loader over a {saved.get('kind')!r} order, this loader reads "
+                "one dataset; resume it with the same kind of loader (a Mixture can take over a "
+                "single-dataset checkpoint, not the reverse)"
+            )
+        for key in ("seed", "shuffle", "data"):
+            if saved.get(key) != mine[key]:
+                raise LoaderStateError(mismatch(key, saved.get(key), mine[key]))
+        return self
+
+
+def data_fingerprint(data: object) -> dict[str, Any]:
+    """What identifies a dataset's samples: its ``fingerprint()``, else its number of samples."""
+    fingerprint = getattr(data, "fingerprint", None)
+    return dict(fingerprint()) if fingerprint is not None else {"num_samples": len(data)}  # type: ignore[arg-type]
+
+
+def mismatch(key: str, saved: object, mine: object) -> str:
+    """The message for a checkpoint whose ``key`` differs from this loader's, naming both values."""
+    hint = ""
+    if (
+        isinstance(saved, Mapping)
+        and isinstance(mine, Mapping)
+        and saved.get("seq_len") != mine.get("seq_len")
+    ):
+        hint = (
+            f" The sequence length changed ({saved.get('seq_len')} -> {mine.get('seq_len')}): positions "
+            "count samples of one length, so a checkpoint resumes only with the seq_len it was saved with."
+        )
+    return (
+        f"the loader state does not match this loader: {key} in checkpoint: {saved!r} / {key} in this "
+        f"loader: {mine!r}.{hint} Create the Loader with the settings and data of the run that saved the "
+        "state."
+    )
