@@ -2,7 +2,8 @@
 
 Build side: :func:`build` streams documents through a tokenizer into cache shards, resumably.
 Load side: :func:`open` memory-maps a cache; :class:`Loader` serves shuffled, resumable batches of its
-packed sequences (PyTorch adapters in :mod:`streampack.torch`).
+packed sequences, or of a :class:`Mixture` of several caches by weight (PyTorch adapters in
+:mod:`streampack.torch`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from streampack.errors import (
     WorkerDiedError,
     WriteError,
 )
-from streampack.loader import Loader, LoaderOptions
+from streampack.loader import Loader, LoaderOptions, SourceProgress
+from streampack.mixconfig import load_mixture
+from streampack.mixture import Mixture
 from streampack.options import CacheSpec, RunOptions
 from streampack.permutation import Permutation
 from streampack.reader import Cache, open
@@ -46,16 +49,19 @@ __all__ = [
     "LoaderOptions",
     "LoaderStateError",
     "MissingDependencyError",
+    "Mixture",
     "OptionsError",
     "PackedSequences",
     "Permutation",
     "RunOptions",
+    "SourceProgress",
     "StreampackError",
     "TokenizerError",
     "VerifyReport",
     "WorkerDiedError",
     "WriteError",
     "build",
+    "load_mixture",
     "load_tokenizer",
     "open",
     "verify",

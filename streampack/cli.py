@@ -463,6 +463,63 @@ def _children() -> list[int]:
 
 @cli.command()
 @click.option(
+    "--config", "config_path", required=True, type=click.Path(dir_okay=False), help="Mixture YAML or JSON."
+)
+@click.option(
+    "--steps", type=click.IntRange(min=0), default=0, show_default=True, help="Batches to look ahead."
+)
+@click.option("--batch-size", type=click.IntRange(min=1), help="Global batch size (needed with --steps).")
+@click.option(
+    "--state", "state_path", type=click.Path(dir_okay=False), help="Start from a loader state (JSON)."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | None, as_json: bool) -> None:
+    """Show a mixture's plan: per source, its weight, realised share and epoch after --steps batches.
+
+    Nothing is read but the caches' manifests: the proportions come from the order alone, exactly, also
+    far ahead. With --state, from where a saved loader state (Loader.state_dict() as JSON) stands, with the
+    config's weights after it: the plan of a run resumed with this config.
+    """
+    from streampack.loader import Loader
+    from streampack.mixconfig import load_mixture
+
+    if steps and batch_size is None:
+        raise click.UsageError("--steps needs --batch-size: the batches' size decides how far they reach")
+    mixture = load_mixture(config_path)
+    loader = Loader(mixture, batch_size=batch_size or 1)
+    if state_path is not None:
+        try:
+            state = json.loads(Path(state_path).read_text())
+        except (OSError, ValueError) as e:
+            raise StreampackError(f"cannot read the loader state {state_path}: {e}") from None
+        loader.load_state_dict(state)
+    position = loader.position + steps * (batch_size or 1)
+    if loader.order.end is not None:
+        position = min(position, loader.order.end)
+    report = loader.realised(steps)
+    if as_json:
+        rows = [vars(progress) for progress in report]
+        click.echo(json.dumps({"position": position, "end": loader.order.end, "sources": rows}, indent=2))
+        return
+    seq_len = getattr(next(iter(mixture.sources.values())), "seq_len", None)
+    tokens = f" ({position * seq_len:,} tokens)" if seq_len else ""
+    ends = "never (each source wraps)" if loader.order.end is None else f"at position {loader.order.end:,}"
+    click.echo(
+        f"mixture     {config_path}: {len(report)} sources, blocks of {mixture.block_size:,}, ends {ends}"
+    )
+    click.echo(f"position    {position:,} samples{tokens}")
+    for first, counts in loader.order.fingerprint()["schedule"]:
+        shares = ", ".join(f"{name} {count / mixture.block_size:.4g}" for name, count in counts.items())
+        click.echo(f"from        position {first * mixture.block_size:,}: {shares}")
+    click.echo(f"{'source':<16} {'weight':>8} {'served':>14} {'share':>8} {'samples':>14} {'epoch':>9}")
+    for p in report:
+        click.echo(
+            f"{p.name:<16} {p.weight:>8.4f} {p.served:>14,} {p.share:>8.4f} {p.size:>14,} {p.epoch:>9.3f}"
+        )
+
+
+@cli.command()
+@click.option(
     "--out",
     "-o",
     default="demo-cache",

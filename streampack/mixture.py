@@ -21,6 +21,7 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
@@ -109,6 +110,13 @@ class Mixture:
                 "the mixture would stop before its first block: some source has fewer samples than its share "
                 f"of a block of {self.block_size}; use a smaller block_size, or stop='never'"
             )
+
+    @classmethod
+    def from_config(cls, config: str | Path | Mapping[str, Any]) -> Mixture:
+        """The mixture a YAML or JSON config file (or dict) describes; see :mod:`streampack.mixconfig`."""
+        from streampack.mixconfig import load_mixture
+
+        return load_mixture(config)
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{name}: {len(data)}" for name, data in self.sources.items())

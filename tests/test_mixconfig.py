@@ -1,0 +1,126 @@
+"""Tests for mixture configs (`streampack.mixconfig`) and the `streampack mix` command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import streampack
+from streampack._synthetic import write_random_cache
+from streampack.errors import OptionsError
+from streampack.loader import Loader
+from streampack.mixture import Mixture
+from tests.conftest import run_cli
+
+YAML = """\
+seq_len: 64
+overlap: 1
+seed: 3
+block_size: 10
+sources:
+  web: caches/web
+  code: caches/code
+stages:
+  - at: 0
+    weights: {web: 0.8, code: 0.2}
+  - at: {tokens: 6400}   # 100 samples of 64 tokens: from block 10
+    weights: {web: 0.5, code: 0.5}
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("mix")
+    write_random_cache(root / "caches" / "web", 40_000, seed=1)
+    write_random_cache(root / "caches" / "code", 9_000, seed=2)
+    (root / "mix.yaml").write_text(YAML)
+    return root
+
+
+def python_mixture(root: Path) -> Mixture:
+    seqs = {
+        name: streampack.open(root / "caches" / name).sequences(64, overlap=1) for name in ("web", "code")
+    }
+    stages = [(0, {"web": 0.8, "code": 0.2}), (100, {"web": 0.5, "code": 0.5})]
+    return Mixture(seqs, stages=stages, seed=3, block_size=10)
+
+
+def test_yaml_and_json_configs_give_the_mixture_python_gives(project: Path) -> None:
+    expected = python_mixture(project)
+    positions = np.arange(400, dtype=np.int64)
+    from_yaml = streampack.load_mixture(project / "mix.yaml")
+    json_config = {
+        "seq_len": 64, "overlap": 1, "seed": 3, "block_size": 10,
+        "sources": {"web": "caches/web", "code": "caches/code"},
+        "stages": [
+            {"at": 0, "weights": {"web": 0.8, "code": 0.2}}, {"at": "100", "weights": {"web": 1, "code": 1}},
+        ],
+    }  # fmt: skip
+    (project / "mix.json").write_text(json.dumps(json_config))
+    from_json = Mixture.from_config(project / "mix.json")
+    for mixture in (from_yaml, from_json):
+        assert mixture.fingerprint() == expected.fingerprint()
+        assert all(np.array_equal(a, b) for a, b in zip(mixture(positions), expected(positions), strict=True))
+    one_stage = streampack.load_mixture(
+        {"seq_len": 64, "sources": {"web": str(project / "caches/web")}, "weights": {"web": 1}}
+    )
+    assert one_stage.names == ("web",) and one_stage.weights(0) == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.replace("stages:", "stagess:"), r"mix.yaml: unknown keys \['stagess'\]"),
+        (lambda t: t.replace("seq_len: 64\n", ""), "mix.yaml: 'seq_len' is missing"),
+        (lambda t: t.replace("seq_len: 64", "seq_len: 6.5"), "mix.yaml: seq_len must be a whole number >= 1"),
+        (
+            lambda t: t.replace("{tokens: 6400}", "{steps: 3}"),
+            r"mix.yaml: stages\[1\].at is a position in samples",
+        ),
+        (lambda t: t.replace("web: 0.5,", "wbe: 0.5,"), r"mix.yaml: weights name sources .* \['wbe'\]"),
+        (lambda t: t.replace("  - at: 0\n", "  - at: 0\n   bad: [\n"), "mix.yaml: not valid YAML"),
+        (lambda t: t.replace("caches/code", "caches/nothing"), "caches/nothing"),
+    ],
+)
+def test_config_errors_name_the_file_and_the_key(project: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
+    bad = project / "bad" / "mix.yaml"
+    bad.parent.mkdir(exist_ok=True)
+    (project / "bad" / "caches").mkdir(exist_ok=True)
+    for name in ("web", "code"):
+        link = project / "bad" / "caches" / name
+        if not link.exists():
+            link.symlink_to(project / "caches" / name)
+    bad.write_text(edit(YAML))
+    with pytest.raises(streampack.StreampackError, match=message):
+        streampack.load_mixture(bad)
+    with pytest.raises(OptionsError, match=r"a \.yaml, \.yml or \.json file"):
+        streampack.load_mixture(project / "mix.toml")
+
+
+def test_cli_mix_prints_the_plan_and_where_a_checkpoint_stands(project: Path) -> None:
+    out = run_cli("mix", "--config", project / "mix.yaml", "--steps", "25", "--batch-size", "8").stdout
+    assert "position    200 samples (12,800 tokens)" in out
+    assert (
+        "from        position 0: web 0.8, code 0.2" in out
+        and "from        position 100: web 0.5, code 0.5" in out
+    )
+    expected = Loader(python_mixture(project), batch_size=8).realised(25)
+    for progress in expected:
+        assert f"{progress.name:<16} {progress.weight:>8.4f} {progress.served:>14,}" in out
+    assert expected[0].served == 80 + 50 and expected[1].served == 20 + 50  # 10 blocks of 8/2, 10 of 5/5
+
+    loader = Loader(python_mixture(project), batch_size=8)
+    loader.advance(30)
+    (project / "state.json").write_text(json.dumps(loader.state_dict()))
+    got = json.loads(
+        run_cli("mix", "--config", project / "mix.yaml", "--state", project / "state.json", "--json").stdout
+    )
+    assert got["position"] == 240 and [s["served"] for s in got["sources"]] == loader.order.consumed(240)
+
+    usage = run_cli("mix", "--config", project / "mix.yaml", "--steps", "3", check=False)
+    assert usage.returncode == 2 and "--steps needs --batch-size" in usage.stderr
+    broken = run_cli("mix", "--config", project / "nope.yaml", check=False)
+    assert broken.returncode == 1 and "cannot read the mixture config" in broken.stderr
