@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.mixture import Mixture
-from streampack.order import MAX_POSITION, Order, Shuffled, data_fingerprint
+from streampack.order import MAX_POSITION, Order, Shuffled, data_fingerprint, groups
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
 
@@ -531,8 +531,7 @@ class Loader:
         if len(self.sources) == 1:
             self.sources[0].read(samples, out)
             return out
-        for source in np.unique(sources).tolist():
-            rows = np.flatnonzero(sources == source)
+        for source, rows in groups(sources):
             self.sources[source].read(samples[rows], out, rows)
         return out
 
@@ -540,8 +539,7 @@ class Loader:
         if len(self.sources) == 1:
             return self.sources[0].position_ids(samples)
         out = np.empty((len(samples), self.width), dtype=np.int64)
-        for source in np.unique(sources).tolist():
-            rows = np.flatnonzero(sources == source)
+        for source, rows in groups(sources):
             out[rows] = self.sources[source].position_ids(samples[rows])
         return out
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from streampack.errors import LoaderStateError, OptionsError
-from streampack.order import MAX_POSITION, Shuffled, data_fingerprint, mismatch
+from streampack.order import MAX_POSITION, Shuffled, data_fingerprint, groups, mismatch
 from streampack.permutation import Permutation
 
 __all__ = ["Mixture"]
@@ -229,8 +229,7 @@ class Mixture:
         blocks, offsets = np.divmod(positions, self.block_size)
         sources = np.empty(len(positions), dtype=np.int64)
         ranks = np.empty(len(positions), dtype=np.int64)
-        for block in np.unique(blocks).tolist():
-            mine = blocks == block
+        for block, mine in groups(blocks):
             labels, block_ranks = self._block(block)
             sources[mine] = labels[offsets[mine]]
             ranks[mine] = block_ranks[offsets[mine]]
@@ -241,8 +240,7 @@ class Mixture:
             + ranks
         )
         samples = np.empty(len(positions), dtype=np.int64)
-        for source in np.unique(sources).tolist():
-            mine = sources == source
+        for source, mine in groups(sources):
             samples[mine] = self._orders[source].samples(cursors[mine])
         return sources, samples
 

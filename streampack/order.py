@@ -12,7 +12,7 @@ epochs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -20,7 +20,7 @@ import numpy as np
 from streampack.errors import LoaderStateError
 from streampack.permutation import Permutation
 
-__all__ = ["MAX_POSITION", "Order", "Shuffled", "data_fingerprint"]
+__all__ = ["MAX_POSITION", "Order", "Shuffled", "data_fingerprint", "groups"]
 
 MAX_POSITION = 2**62
 """A run may read up to this many samples: a position plus a batch always fits in ``int64``."""
@@ -121,8 +121,7 @@ class Shuffled:
         if len(epochs) == 0 or (epochs == first).all():
             return self.permutation(first)(offsets)
         out = np.empty_like(offsets)
-        for epoch in np.unique(epochs).tolist():
-            mine = epochs == epoch
+        for epoch, mine in groups(epochs):
             out[mine] = self.permutation(epoch)(offsets[mine])
         return out
 
@@ -160,6 +159,20 @@ class Shuffled:
             if saved.get(key) != mine[key]:
                 raise LoaderStateError(mismatch(key, saved.get(key), mine[key]))
         return self
+
+
+def groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """Each distinct key with the indices holding it, in O(n log n) whatever the number of keys."""
+    if len(keys) == 0:
+        return
+    if (keys == keys[0]).all():
+        yield int(keys[0]), np.arange(len(keys))
+        return
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    starts = np.flatnonzero(np.diff(sorted_keys, prepend=sorted_keys[:1] - 1))
+    for start, stop in zip(starts.tolist(), [*starts[1:].tolist(), len(keys)], strict=True):
+        yield int(sorted_keys[start]), order[start:stop]
 
 
 def data_fingerprint(data: object) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from itertools import islice
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
@@ -312,3 +312,46 @@ def test_mixture_over_real_caches(tmp_path) -> None:  # type: ignore[no-untyped-
 def test_bad_mixtures_are_refused_with_the_fix(make, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(OptionsError, match=message):
         make()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    mix=mixtures(),
+    stop=st.integers(0, 300),
+    new_weights=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+    added=st.integers(0, 1),
+    batch=st.integers(1, 9),
+    workers=st.integers(1, 3),
+)
+def test_any_change_of_weights_or_sources_on_resume_repeats_and_skips_nothing(
+    mix: Mixture, stop: int, new_weights: list[int], added: int, batch: int, workers: int
+) -> None:
+    before = stream(mix, 0, stop)
+    saved = Loader(mix, batch_size=1)
+    saved.advance(stop)
+    names = [*mix.names, *(["new"] if added else [])][: len(new_weights)]
+    weights = dict(zip(names, new_weights, strict=False))
+    if not any(weights.values()):
+        weights[names[0]] = 1
+    sources = dict(mix.sources) | ({"new": source(len(mix.names), 57)} if added else {})
+    block = mix.block_size  # another block size would be another order: refused, tested elsewhere
+    assume(all(not w or w * block >= sum(weights.values()) for w in weights.values()))
+    # Only the weights after the checkpoint matter: the checkpoint's schedule decides the blocks before.
+    changed = Mixture(sources, weights, seed=mix.seed, shuffle=mix.shuffle, block_size=block)
+    # The DataLoader's way: worker k of n makes batches k, k + n, ... of the schedule, in order.
+    resumed = Loader(changed, batch_size=batch)
+    resumed.load_state_dict(json.loads(json.dumps(saved.state_dict())))
+    positions = list(islice(resumed.schedule(), 20))
+    per_worker = [[resumed.batch(p) for p in positions[k::workers]] for k in range(workers)]
+    after = [pair for i in range(len(positions)) for pair in decode(per_worker[i % workers][i // workers])]
+    served = before + [(j, i) for j, i in after]
+    started = -(-stop // mix.block_size) * mix.block_size
+    assert served[:stop] == before and len(after) == 20 * batch
+    assert served[: min(started, len(served))] == stream(mix, 0, min(started, len(served)))
+    for j, n in enumerate(changed.sizes()):
+        times = Counter(i for k, i in served if k == j)
+        assert not times or max(times.values()) - min(times.get(i, 0) for i in range(n)) <= 1
+    new_counts = changed._counts(weights)
+    for first in range(started, len(served) - block + 1, block):
+        counts = Counter(k for k, _ in served[first : first + block])
+        assert [counts.get(j, 0) for j in range(len(new_counts))] == list(new_counts)
