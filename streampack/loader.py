@@ -22,6 +22,7 @@ cache on a local disk or in the page cache serves them at memory speed, a networ
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ import numpy.typing as npt
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.mixture import Mixture
 from streampack.order import MAX_POSITION, Order, Shuffled, data_fingerprint, groups
+from streampack.sequences import JoinedSequences, PackedSequences
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
 
@@ -247,6 +249,9 @@ class Loader:
                 epochs=opts.epochs,
                 data=self.sources[0].fingerprint,
             )
+        parts = [source.data for source in self.sources]
+        joinable = len(parts) > 1 and all(isinstance(part, PackedSequences) for part in parts)
+        self._joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
         self._position = 0
         self._check_sources()
         self._check_last_batch()
@@ -528,10 +533,23 @@ class Loader:
     def _read(self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         if out is None:
             out = np.empty((len(samples), self.width), dtype=self.options.dtype or self.source_dtype)
+        elif (
+            not isinstance(out, np.ndarray)
+            or out.shape != (len(samples), self.width)
+            or not _holds(self.source_dtype, out.dtype)
+        ):
+            raise ValueError(
+                f"out must be a numpy array of shape {(len(samples), self.width)} and an integer dtype that "
+                f"holds every {self.source_dtype} id (got {type(out).__name__} "
+                f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
+            )
         if len(self.sources) == 1:
             self.sources[0].read(samples, out)
             return out
-        for source, rows in groups(sources):
+        if self._joined is not None:
+            self._joined.read(sources, samples, out)
+            return out
+        for source, rows in _by_source(sources, len(self.sources)):
             self.sources[source].read(samples[rows], out, rows)
         return out
 
@@ -539,7 +557,7 @@ class Loader:
         if len(self.sources) == 1:
             return self.sources[0].position_ids(samples)
         out = np.empty((len(samples), self.width), dtype=np.int64)
-        for source, rows in groups(sources):
+        for source, rows in _by_source(sources, len(self.sources)):
             out[rows] = self.sources[source].position_ids(samples[rows])
         return out
 
@@ -669,7 +687,9 @@ class _Source:
             )
         self.width: int = int(width or 0)
         self.dtype = np.dtype(dtype if dtype is not None else np.int64)
-        self._read_rows = getattr(data, "read", None) if _takes_rows(data) else None
+        # PackedSequences: read straight into the rows, skipping read()'s checks of the indices and of
+        # out, which the loader made itself (in range, int64) and checked once here.
+        self._read_rows = data._read if isinstance(data, PackedSequences) else None
 
     def __len__(self) -> int:
         return self.size
@@ -677,7 +697,7 @@ class _Source:
     def read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
         """Write sample ``indices[k]`` into ``out[rows[k]]`` (into ``out[k]`` when ``rows`` is None)."""
         if self._read_rows is not None:
-            self._read_rows(indices, out=out, rows=rows)
+            self._read_rows(indices, out, rows)
             return
         tokens = np.asarray(self.data[indices])
         if rows is None:
@@ -704,10 +724,21 @@ class _Source:
         return np.asarray(self.data.boundaries(indices).position_ids)  # type: ignore[attr-defined]
 
 
-def _takes_rows(data: object) -> bool:
-    from streampack.sequences import PackedSequences
+def _by_source(sources: np.ndarray, count: int) -> Iterator[tuple[int, np.ndarray]]:
+    """The rows of each source present in a batch: a scan per source when there are few, else a sort."""
+    if count > 8:
+        yield from groups(sources)
+        return
+    for source in range(count):
+        rows = np.flatnonzero(sources == source)
+        if len(rows):
+            yield source, rows
 
-    return isinstance(data, PackedSequences)
+
+@functools.lru_cache(maxsize=64)
+def _holds(tokens: np.dtype, out: np.dtype) -> bool:
+    """Whether ``out`` is an integer dtype that holds every value of ``tokens`` (memoised: once per batch)."""
+    return out.kind in "iu" and bool(np.can_cast(tokens, out, "safe"))
 
 
 def _refuse_order_options(**given: object) -> None:

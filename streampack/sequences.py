@@ -19,6 +19,7 @@ import hashlib
 import json
 import numbers
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -364,43 +365,107 @@ class PackedSequences:
         """Split the windows ``[start, start + width)`` of the global stream at shard boundaries."""
         if self._cache is None:
             self._reopen()  # first use after unpickling
-        token_starts = self._token_starts
-        if len(token_starts) == 2:  # one shard: nothing to split
-            zeros = np.zeros(len(starts), dtype=np.int64)
-            return _Pieces(np.arange(len(starts)), zeros, starts, starts + width, zeros)
-        # side="right" skips empty shards: it picks the last shard starting at or before the token.
-        first = np.searchsorted(token_starts, starts, side="right") - 1
-        last = np.searchsorted(token_starts, starts + (width - 1), side="right") - 1
-        if np.array_equal(first, last):
-            lo = starts - token_starts[first]
-            zeros = np.zeros(len(starts), dtype=np.int64)
-            return _Pieces(np.arange(len(starts)), first, lo, lo + width, zeros)
-        counts = last - first + 1
-        rows = np.repeat(np.arange(len(starts)), counts)
-        shards = _ragged_arange(first, counts)
-        glo = np.maximum(starts[rows], token_starts[shards])
-        ghi = np.minimum(starts[rows] + width, token_starts[shards + 1])
-        keep = ghi > glo  # drop the empty shards a window steps over
-        rows, shards, glo, ghi = rows[keep], shards[keep], glo[keep], ghi[keep]
-        base = token_starts[shards]
-        return _Pieces(rows, shards, glo - base, ghi - base, glo - starts[rows])
+        return _split(self._token_starts, starts, width)
 
     def _read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
-        pieces = self._pieces(indices * self.seq_len, self.width)
-        for row, shard, lo, hi, col in zip(
-            (pieces.rows if rows is None else rows[pieces.rows]).tolist(),
-            pieces.shards.tolist(),
-            pieces.lo.tolist(),
-            pieces.hi.tolist(),
-            pieces.col.tolist(),
-        ):
-            out[row, col : col + hi - lo] = self._tokens(shard)[lo:hi]
+        _copy(self._pieces(indices * self.seq_len, self.width), out, rows, self._tokens)
 
     def _tokens(self, shard: int) -> np.ndarray:
         return self.cache.shard_tokens(shard)
 
     def _offsets(self, shard: int) -> np.ndarray:
         return self.cache.shard_offsets(shard)
+
+
+class JoinedSequences:
+    """Several :class:`PackedSequences` of one width read as one token space: one split, one copy loop.
+
+    A mixture's batch holds rows of several caches; reading each cache's rows with its own call would pay
+    every call's fixed cost once per source. Here the shard tables are laid end to end, so a batch is split
+    into pieces and copied in one pass whatever the number of sources. Windows never cross from one cache
+    into the next: a cache's last window ends inside its own tokens.
+
+    Args:
+        parts: the sources, in source-id order; all of one ``width``.
+    """
+
+    def __init__(self, parts: Sequence[PackedSequences]) -> None:
+        self.parts = list(parts)
+        self.seq_len, self.width = parts[0].seq_len, parts[0].width
+        self._token_starts: np.ndarray | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"parts": self.parts, "seq_len": self.seq_len, "width": self.width, "_token_starts": None}
+
+    def _join(self) -> np.ndarray:
+        starts, owners, base = [np.zeros(1, dtype=np.int64)], [], 0
+        for j, part in enumerate(self.parts):
+            if part._cache is None:
+                part._reopen()
+            table = part._token_starts
+            starts.append(base + table[1:])
+            owners += [(j, shard) for shard in range(len(table) - 1)]
+            base += int(table[-1])
+        self._bases = np.cumsum([0] + [int(part._token_starts[-1]) for part in self.parts[:-1]])
+        self._owners = owners
+        self._token_starts = np.concatenate(starts)
+        return self._token_starts
+
+    def read(self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray) -> None:
+        """Write sample ``samples[k]`` of source ``sources[k]`` into ``out[k]`` (indices already checked)."""
+        table = self._token_starts if self._token_starts is not None else self._join()
+        starts = self._bases[sources] + samples * self.seq_len
+        _copy(_split(table, starts, self.width), out, None, self._tokens)
+
+    def _tokens(self, shard: int) -> np.ndarray:
+        part, local = self._owners[shard]
+        return self.parts[part]._tokens(local)
+
+
+def _split(token_starts: np.ndarray, starts: np.ndarray, width: int) -> _Pieces:
+    """Split the windows ``[start, start + width)`` of a token space at its shard boundaries."""
+    if len(token_starts) == 2:  # one shard: nothing to split
+        zeros = np.zeros(len(starts), dtype=np.int64)
+        return _Pieces(np.arange(len(starts)), zeros, starts, starts + width, zeros)
+    # side="right" skips empty shards: it picks the last shard starting at or before the token.
+    first = np.searchsorted(token_starts, starts, side="right") - 1
+    last = np.searchsorted(token_starts, starts + (width - 1), side="right") - 1
+    if np.array_equal(first, last):
+        lo = starts - token_starts[first]
+        zeros = np.zeros(len(starts), dtype=np.int64)
+        return _Pieces(np.arange(len(starts)), first, lo, lo + width, zeros)
+    counts = last - first + 1
+    rows = np.repeat(np.arange(len(starts)), counts)
+    shards = _ragged_arange(first, counts)
+    glo = np.maximum(starts[rows], token_starts[shards])
+    ghi = np.minimum(starts[rows] + width, token_starts[shards + 1])
+    keep = ghi > glo  # drop the empty shards a window steps over
+    rows, shards, glo, ghi = rows[keep], shards[keep], glo[keep], ghi[keep]
+    base = token_starts[shards]
+    return _Pieces(rows, shards, glo - base, ghi - base, glo - starts[rows])
+
+
+def _copy(
+    pieces: _Pieces, out: np.ndarray, rows: np.ndarray | None, tokens_of: Callable[[int], np.ndarray]
+) -> None:
+    """Copy each piece into its row of ``out`` (``rows[row]`` when given), shard by shard.
+
+    Shard by shard: one lookup of each shard's map per call rather than one per piece (the cache's LRU
+    bookkeeping), and one map held at a time, so open descriptors stay bounded.
+    """
+    order = np.argsort(pieces.shards, kind="stable")
+    targets = pieces.rows if rows is None else rows[pieces.rows]
+    current, tokens = -1, None
+    for row, shard, lo, hi, col in zip(
+        targets[order].tolist(),
+        pieces.shards[order].tolist(),
+        pieces.lo[order].tolist(),
+        pieces.hi[order].tolist(),
+        pieces.col[order].tolist(),
+    ):
+        if shard != current:
+            current, tokens = shard, tokens_of(shard)
+        out[row, col : col + hi - lo] = tokens[lo:hi]  # type: ignore[index]
 
 
 @functools.lru_cache(maxsize=64)

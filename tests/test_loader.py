@@ -617,3 +617,10 @@ def test_resume_with_any_ranks_workers_and_batch_size_continues_the_stream(
         after.append([made[i % workers][i // workers] for i in range(len(positions))])
     tail = flat([flat(step) for step in zip(*after, strict=True)])
     assert head + tail == stream
+
+
+def test_an_out_array_that_cannot_hold_the_batch_is_refused(cache: streampack.Cache) -> None:
+    loader = Loader(cache.sequences(16), batch_size=4, seed=5)
+    for bad in (np.zeros((4, 16), dtype=np.int8), np.zeros((3, 16), dtype=np.int64), [[0] * 16] * 4):
+        with pytest.raises(ValueError, match=r"out must be a numpy array of shape \(4, 16\)"):
+            loader.batch(0, out=bad)  # type: ignore[arg-type]

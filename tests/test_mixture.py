@@ -355,3 +355,22 @@ def test_any_change_of_weights_or_sources_on_resume_repeats_and_skips_nothing(
     for first in range(started, len(served) - block + 1, block):
         counts = Counter(k for k, _ in served[first : first + block])
         assert [counts.get(j, 0) for j in range(len(new_counts))] == list(new_counts)
+
+
+def test_caches_of_several_shards_read_as_one_token_space(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from streampack._synthetic import write_random_cache
+
+    seqs = {
+        name: streampack.open(
+            write_random_cache(tmp_path / name, tokens, num_shards=shards, seed=seed)
+        ).sequences(100, overlap=1)
+        for name, tokens, shards, seed in (("a", 20_011, 3, 1), ("b", 5_003, 4, 2), ("c", 999, 1, 3))
+    }
+    mix = Mixture(seqs, weights={"a": 4, "b": 2, "c": 1}, block_size=7, seed=5)
+    loader = Loader(mix, batch_size=14, dtype=None)
+    assert loader._joined is not None  # the one-pass read is the one under test
+    for position in range(0, 14 * 30, 14):
+        batch = loader.batch(position)
+        sources, samples = loader.picks(position)
+        expected = [seqs[mix.names[j]][i] for j, i in zip(sources.tolist(), samples.tolist(), strict=True)]
+        assert np.array_equal(batch, np.stack(expected))
