@@ -26,7 +26,7 @@ from streampack._synthetic import write_cache  # noqa: E402
 from streampack.errors import LoaderStateError  # noqa: E402
 from streampack.loader import Loader  # noqa: E402
 from streampack.mixture import Mixture  # noqa: E402
-from streampack.torch import DataLoader  # noqa: E402
+from streampack.torch import DataLoader, IterableDataset  # noqa: E402
 
 # Workers beyond this machine's core count only warn.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:torch.utils.data.dataloader")
@@ -254,6 +254,27 @@ def test_a_dataloader_over_the_old_mixture_reused_after_the_mixture_changed(root
     assert stream(old, run.position, run.position + 10 * 8) != resumed(old, checkpoint_of_run, 10)
     data.load_state_dict(checkpoint_of_run)
     assert served(islice(data, 10)) == resumed(old, checkpoint_of_run, 10)
+
+
+def test_persistent_workers_of_a_plain_torch_dataloader_refuse_an_order_they_do_not_hold(
+    roots: dict[str, str],
+) -> None:
+    # torch's own DataLoader cannot restart its persistent workers when a resume changes the order, and
+    # they only see the position: they refuse to go on rather than serve the stale order's samples.
+    new = new_mixture(roots)
+    state = checkpoint(old_mixture(roots), 7)
+    dataset = IterableDataset(Loader(new, batch_size=8))
+    plain = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2, persistent_workers=True)
+    assert served(islice(plain, 2)) == stream(new, 0, 16)
+    dataset.load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="persistent workers keep the order they were started with"):
+        next(iter(plain))
+    # Workers started afresh for each iteration read the loader as it now is.
+    dataset = IterableDataset(Loader(new, batch_size=8))
+    plain = torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=2)
+    assert served(islice(plain, 2)) == stream(new, 0, 16)
+    dataset.load_state_dict(state)
+    assert served(islice(plain, 5)) == resumed(new, state, 5)
 
 
 # --- 3. a mixture through DataLoader workers serves exactly the Loader's batches -------------------------
