@@ -252,6 +252,8 @@ class Loader:
         parts = [source.data for source in self.sources]
         joinable = len(parts) > 1 and all(isinstance(part, PackedSequences) for part in parts)
         self._joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
+        # Every checkpoint resumes against the order given here, never one an earlier load produced.
+        self._configured = self.order
         self._position = 0
         self._check_sources()
         self._check_last_batch()
@@ -607,7 +609,8 @@ class Loader:
         O(1): nothing is replayed. The world size, the DataLoader workers and the global batch size may
         differ from the saved run's: the next global batch starts at the saved position. A mixture may
         also come with new stages or sources (see :class:`~streampack.mixture.Mixture`). Version 1
-        states (from streampack before mixtures) resume at the same place of the same epoch.
+        states (from streampack before mixtures) resume at the same place of the same epoch. What follows
+        depends on the state and this loader's dataset or mixture only, not on states loaded before.
 
         Raises:
             LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version,
@@ -634,7 +637,7 @@ class Loader:
             )
         if not isinstance(saved, Mapping):
             raise LoaderStateError(f"loader state has no 'order'; it is damaged: {_summary(state)}")
-        order = self.order.resumed(saved, int(position))
+        order = self._configured.resumed(saved, int(position))
         previous = self.order, self._position
         self.order, self._position = order, int(position)
         try:

@@ -33,6 +33,8 @@ Example (one process of ``torchrun``)::
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -115,14 +117,20 @@ class IterableDataset(torch_data.IterableDataset):
     persistent workers, which read it from a small shared-memory tensor); the dataset itself never moves
     the loader. :class:`DataLoader` wraps this and advances the loader as batches are handed out.
 
+    Persistent workers keep the loader's order as it was when they started. A :meth:`load_state_dict`
+    that changes the order (a mixture resumed with new weights or sources, or from another checkpoint's
+    history) does not reach them, so they then refuse to iterate (:class:`LoaderStateError`) rather than
+    serve other samples than the state's; :class:`DataLoader` restarts them instead.
+
     Args:
         loader: the loader to serve; its ``collate``, if any, runs in the workers before conversion.
     """
 
     def __init__(self, loader: Loader) -> None:
         self.loader = loader
-        # The position the next iteration starts at; shared memory survives both fork and spawn.
-        self._start = torch.zeros(1, dtype=torch.int64).share_memory_()
+        # The position the next iteration starts at and the digest of the order it reads; shared memory
+        # survives both fork and spawn.
+        self._start = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._ring: _SlotRing | None = None  # set by DataLoader, which alone knows how to read slots
         self.publish()
 
@@ -132,12 +140,21 @@ class IterableDataset(torch_data.IterableDataset):
     def publish(self) -> None:
         """Make the loader's current position the start of the next iteration, in every worker."""
         self._start[0] = self.loader.position
+        self._start[1] = _order_digest(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
         """Yield this worker's share of the batches from the published start, in schedule order."""
         info = torch_data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         start = int(self._start[0])
+        if info is not None and int(self._start[1]) != _order_digest(self.loader):
+            raise LoaderStateError(
+                f"DataLoader worker {worker} reads the loader's order from when it started, but "
+                "load_state_dict has since changed it (a mixture resumed with new weights or sources, or "
+                "from another checkpoint's history), and persistent workers keep the order they were "
+                "started with. Resume through streampack.torch.DataLoader, which restarts them, or use "
+                "persistent_workers=False"
+            )
         ring = self._ring if info is not None else None
         for position in islice(self.loader.schedule(start=start), worker, None, workers):
             if ring is not None:
@@ -333,6 +350,12 @@ class _SlotRing:
                 "please report it with your DataLoader settings, and use DataLoader(..., "
                 "shared_slots=False) meanwhile."
             )
+
+
+def _order_digest(loader: Loader) -> int:
+    """A signed 64-bit digest of what the loader's positions mean: its order's fingerprint."""
+    text = json.dumps(loader.order.fingerprint(), sort_keys=True, default=repr)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _have_accelerator() -> bool:

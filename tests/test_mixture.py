@@ -202,6 +202,28 @@ def test_new_weights_and_a_new_source_after_a_checkpoint() -> None:
     assert report["c"].weight == 0.5 and report["c"].served == sum(1 for j, _ in served if j == 2)
 
 
+def test_a_loader_that_resumed_once_resumes_the_next_state_like_a_fresh_one() -> None:
+    a, b, c = source(0, 400), source(1, 90), source(2, 1000)
+    old = Mixture({"a": a, "b": b}, weights={"a": 1, "b": 1}, block_size=8, seed=2)
+    new = Mixture({"a": a, "b": b, "c": c}, weights={"a": 1, "b": 2, "c": 3}, block_size=8, seed=2)
+    states = []
+    for steps in (10, 3):  # old-run checkpoints at positions 60 and 18
+        loader = Loader(old, batch_size=6)
+        loader.advance(steps)
+        states.append(loader.state_dict())
+    fresh_new = Loader(new, batch_size=6)
+    fresh_new.advance(4)
+    states.append(fresh_new.state_dict())  # a checkpoint of the new mixture alone, at position 24
+    reused = Loader(new, batch_size=6)
+    for state in states:
+        reused.load_state_dict(state)
+        fresh = Loader(new, batch_size=6)
+        fresh.load_state_dict(state)
+        # Resumed from the mixture given, not from the order the previous state made of it.
+        assert reused.state_dict() == fresh.state_dict()
+        assert global_batches([reused], 20) == global_batches([fresh], 20)
+
+
 def test_a_single_dataset_checkpoint_continues_as_a_mixture_source() -> None:
     a, b = source(0, 100), source(1, 100)
     single = Loader(a, batch_size=10, seed=9)
