@@ -19,6 +19,7 @@ import streampack
 from streampack._synthetic import write_random_cache
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import STATE_VERSION, Loader, LoaderOptions
+from streampack.mixture import Mixture
 from streampack.permutation import Permutation
 from tests.conftest import run_cli
 
@@ -526,6 +527,24 @@ def test_batch_is_a_pure_function_of_the_position(cache: streampack.Cache) -> No
     with pytest.raises(IndexError, match=rf"no batch at position {end}: .* the run ends at {end}"):
         loader.indices(end)
     assert "batch_size=4" in repr(loader) and "seed=5" in repr(loader) and "PackedSequences(" in repr(loader)
+
+
+def test_batch_refuses_an_out_it_does_not_fit(cache: streampack.Cache) -> None:
+    # Checked once per batch by the loader, for every kind of source: an array source used to be copied
+    # into any out (int8 wrapped its ids), and a mixture took an out with extra rows.
+    array = np.arange(40 * 16, dtype=np.int64).reshape(40, 16) + 1000
+    mixture = Mixture({"cache": cache.sequences(16), "array": array}, {"cache": 1, "array": 1})
+    datasets = [cache.sequences(16), array, mixture]
+    for dataset in datasets:
+        loader = Loader(dataset, batch_size=4)
+        with pytest.raises(ValueError, match=r"cannot hold every id of the (int64|uint16) tokens"):
+            loader.batch(0, out=np.zeros((4, 16), dtype=np.int8))
+        with pytest.raises(ValueError, match=r"shape \(5, 16\); this batch needs \(4, 16\)"):
+            loader.batch(0, out=np.zeros((5, 16), dtype=np.int64))
+        with pytest.raises(TypeError, match="out must be a numpy array"):
+            loader.batch(0, out=[[0] * 16] * 4)  # type: ignore[arg-type]
+        out = np.zeros((4, 16), dtype=np.int64)
+        assert loader.batch(0, out=out) is out and np.array_equal(out, loader.batch(0))
 
 
 def test_loader_pickles_without_its_caches(cache: streampack.Cache) -> None:
