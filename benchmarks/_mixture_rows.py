@@ -15,7 +15,8 @@ Modes:
 * ``first-batch --position P``: seconds from building the loader (the mixture too; the caches are
   opened before the clock starts) and ``load_state_dict`` of a real state
   whose ``position`` is set to ``P`` (its order, the schedule included, kept as saved) to the first batch
-  in hand; a fresh process, so it includes worker start-up.
+  in hand; a fresh process, so it includes worker start-up. Also whether that imported ``numpy.ma``.
+* ``numpy-ma``: seconds to ``import numpy.ma`` in a fresh process that has imported numpy and streampack.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +87,7 @@ def first_batch(args: argparse.Namespace) -> dict[str, Any]:
     state["position"] = args.position
     if args.workers:
         from streampack.torch import DataLoader  # imported before the clock starts, like torch itself
+    had_ma = "numpy.ma" in sys.modules
     start = time.perf_counter()
     loader = make_loader(args, seqs)
     loader.load_state_dict(state)
@@ -92,12 +95,22 @@ def first_batch(args: argparse.Namespace) -> dict[str, Any]:
         next(iter(DataLoader(loader, num_workers=args.workers)))
     else:
         next(iter(loader))
-    return {"seconds": time.perf_counter() - start, "position": args.position}
+    seconds = time.perf_counter() - start
+    # numpy imports numpy.ma lazily, on the first np.unique call: a one-off cost, worth naming apart.
+    imported_ma = "numpy.ma" in sys.modules and not had_ma
+    return {"seconds": seconds, "position": args.position, "imported_numpy_ma": imported_ma}
+
+
+def numpy_ma(args: argparse.Namespace) -> dict[str, Any]:
+    start = time.perf_counter()
+    import numpy.ma  # noqa: F401
+
+    return {"seconds": time.perf_counter() - start}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["throughput", "rss", "first-batch"])
+    parser.add_argument("mode", choices=["throughput", "rss", "first-batch", "numpy-ma"])
     parser.add_argument("--caches", nargs="+", required=True)
     parser.add_argument("--kind", choices=["single", "mixture"], default="mixture")
     parser.add_argument("--weights", help="comma-separated, one per cache (default: equal)")
@@ -108,7 +121,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--position", type=int, default=0)
     args = parser.parse_args()
-    run = {"throughput": throughput, "rss": rss, "first-batch": first_batch}[args.mode]
+    run = {"throughput": throughput, "rss": rss, "first-batch": first_batch, "numpy-ma": numpy_ma}[args.mode]
     print(json.dumps(run(args)))
     os._exit(0)  # skip tearing down persistent DataLoader workers: the measurement is done
 

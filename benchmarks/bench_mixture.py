@@ -7,7 +7,7 @@ ids in documents of ~600 tokens; the loader's speed does not depend on the text)
 1. Throughput, seq_len 2048 (+1 overlap), global batch 32, shuffled, ``num_workers`` 0 and 2: samples/s
    of a mixture of three caches of very different sizes (60 % / 30 % / 10 % of the tokens, weights
    5 / 3 / 2) divided by that of ``Loader(cache.sequences(2048, overlap=1), batch_size=32)`` over one cache
-   holding the same total tokens. Goal >= 0.9.
+   holding the same total tokens, the median of the rounds' paired ratios. Goal >= 0.9.
 2. Peak anonymous RSS (``RssAnon``) over ``N`` batches of a mixture of 100 sources (100 distinct caches
    of 20k tokens, seq_len 64) minus that of a mixture of 1 source (one cache of the same 2M tokens).
    Goal <= 50 MB.
@@ -16,7 +16,7 @@ ids in documents of ~600 tokens; the loader's speed does not depend on the text)
 
 Usage::
 
-    python benchmarks/bench_mixture.py [--quick] [--repeats 5] [--tmp DIR] [--out FILE]
+    python benchmarks/bench_mixture.py [--quick] [--repeats 7] [--tmp DIR] [--out FILE]
 
 Prints a markdown table and writes it to ``benchmarks/results/mixture.md`` (``mixture-quick.md`` with
 ``--quick``). Caches are written under ``--tmp`` and deleted afterwards.
@@ -121,7 +121,12 @@ def measure_throughput(single: Path, mixed: list[Path], batches: int, repeats: i
 
 
 def throughput_table(runs: Runs) -> tuple[str, list[str]]:
-    """Best samples/s of each row, the mixture's ratio to the single cache, and the goal lines."""
+    """Best samples/s of each row, the mixture's ratio to the single cache, and the goal lines.
+
+    The goal is checked on the median of the per-round ratios: the two runs of a round are back to back,
+    so each ratio sees about the same load, where a ratio of two bests can pair a lucky run with an
+    unlucky one (on this shared machine the two differ by up to 0.3 at nw=2).
+    """
     header = ["source", "samples/s, nw=0", "samples/s, nw=2", "÷ single, nw=0", "÷ single, nw=2"]
     header += ["RssAnon, nw=0", "RssAnon, nw=2: main / worker"]
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
@@ -129,27 +134,30 @@ def throughput_table(runs: Runs) -> tuple[str, list[str]]:
     def best(kind: str, workers: int, key: str = "samples_per_s") -> float:
         return max(run[key] for run in runs[kind, workers])
 
-    def ratio(workers: int) -> float:
-        return best("mixture", workers) / best("single", workers)
+    def pairs(workers: int) -> list[float]:
+        mixed, single = runs["mixture", workers], runs["single", workers]
+        return [m["samples_per_s"] / s["samples_per_s"] for m, s in zip(mixed, single, strict=True)]
 
     for kind, label in KINDS.items():
         cells = [f"{best(kind, w):,.0f}" for w in (0, 2)]
-        cells += [f"{best(kind, w) / best('single', w):.2f}" for w in (0, 2)]
+        cells += [f"{statistics.median(pairs(w)) if kind == 'mixture' else 1.0:.2f}" for w in (0, 2)]
         cells += [f"{best(kind, 0, 'main_mb'):.0f} MB"]
         cells += [f"{best(kind, 2, 'main_mb'):.0f} / {best(kind, 2, 'worker_mb'):.0f} MB"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    notes = []
+    notes = ["samples/s: the best run of each row; ÷ single: the median of the rounds' paired ratios."]
     for workers in (0, 2):
-        pairs = [
-            m["samples_per_s"] / s["samples_per_s"]
-            for m, s in zip(runs["mixture", workers], runs["single", workers], strict=True)
-        ]
-        listed = ", ".join(f"{p:.2f}" for p in pairs)
-        notes.append(
-            f"- nw={workers}: mixture ÷ single per round (paired runs): {listed}; median "
-            f"{statistics.median(pairs):.2f}"
+        listed = ", ".join(f"{p:.2f}" for p in pairs(workers))
+        ratio_of_bests = best("mixture", workers) / best("single", workers)
+        notes.append(f"- nw={workers}: per round {listed}; ratio of the bests {ratio_of_bests:.2f}")
+    goals = [
+        _goal(
+            f"Mixture ÷ single cache, samples/s, nw={w} (median of paired rounds)",
+            statistics.median(pairs(w)),
+            ">=",
+            0.9,
         )
-    goals = [_goal(f"Mixture ÷ single cache, samples/s, nw={w}", ratio(w), ">=", 0.9) for w in (0, 2)]
+        for w in (0, 2)
+    ]
     return "\n".join([*lines, "", *notes]), goals
 
 
@@ -195,6 +203,8 @@ def first_batch_table(mixed: list[Path], repeats: int) -> tuple[str, list[str]]:
     """Median seconds to the first batch after ``load_state_dict`` at position 0 and at 10^9."""
     weights = ",".join(str(WEIGHTS[path.name]) for path in mixed)
     seconds: dict[tuple[int, int], list[float]] = {}
+    imported_ma: set[bool] = set()
+    import_ma: list[float] = []
     for round_ in range(repeats):
         for workers in (0, 2):
             positions = (0, FAR) if round_ % 2 == 0 else (FAR, 0)
@@ -202,12 +212,21 @@ def first_batch_table(mixed: list[Path], repeats: int) -> tuple[str, list[str]]:
                 log(f"first batch round {round_ + 1}/{repeats}: position {position:,}, {workers} workers")
                 result = row("first-batch", mixed, weights=weights, workers=workers, position=position)
                 seconds.setdefault((position, workers), []).append(result["seconds"])
+                if not workers:
+                    imported_ma.add(result["imported_numpy_ma"])
+        import_ma.append(row("numpy-ma", mixed)["seconds"])
     lines = ["| workers | position 0 | position 10^9 | ratio |", "|---:|---:|---:|---:|"]
     goals = []
     for workers in (0, 2):
         zero, far = (statistics.median(seconds[p, workers]) for p in (0, FAR))
         lines.append(f"| {workers} | {zero * 1e3:.1f} ms | {far * 1e3:.1f} ms | {far / zero:.2f} |")
         goals.append(_goal(f"first batch at position 10^9 ÷ position 0, nw={workers}", far / zero, "<=", 2))
+    if imported_ma == {True}:
+        lines += [
+            "",
+            "At nw=0 both include numpy's lazy `import numpy.ma` on the first `np.unique` call, "
+            f"{statistics.median(import_ma) * 1e3:.1f} ms on its own in a fresh process (median).",
+        ]
     return "\n".join(lines), goals
 
 
@@ -233,7 +252,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small caches and few batches (a smoke test)")
     parser.add_argument(
-        "--repeats", type=int, default=5, help="rounds: best of N throughput runs, median of N starts"
+        "--repeats", type=int, default=7, help="rounds: best of N throughput runs, median of N starts"
     )
     parser.add_argument("--batches", type=int, default=1000, help="batches per timed throughput run")
     parser.add_argument(
