@@ -19,6 +19,7 @@ import streampack
 from streampack._synthetic import write_random_cache
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import STATE_VERSION, Loader, LoaderOptions
+from streampack.mixture import Mixture
 from streampack.permutation import Permutation
 from tests.conftest import run_cli
 
@@ -528,6 +529,23 @@ def test_batch_is_a_pure_function_of_the_position(cache: streampack.Cache) -> No
     assert "batch_size=4" in repr(loader) and "seed=5" in repr(loader) and "PackedSequences(" in repr(loader)
 
 
+def test_batch_refuses_an_out_it_does_not_fit(cache: streampack.Cache) -> None:
+    # Checked once per batch by the loader, for every kind of source: an array source used to be copied
+    # into any out (int8 wrapped its ids), and a mixture took an out with extra rows.
+    array = np.arange(40 * 16, dtype=np.int64).reshape(40, 16) + 1000
+    mixture = Mixture({"cache": cache.sequences(16), "array": array}, {"cache": 1, "array": 1})
+    datasets = [cache.sequences(16), array, mixture]
+    for dataset in datasets:
+        loader = Loader(dataset, batch_size=4)
+        for bad in (np.zeros((4, 16), dtype=np.int8), np.zeros((5, 16), dtype=np.int64), [[0] * 16] * 4):
+            with pytest.raises(
+                ValueError, match=r"out must be a numpy array of shape \(4, 16\) and an integer"
+            ):
+                loader.batch(0, out=bad)  # type: ignore[arg-type]
+        out = np.zeros((4, 16), dtype=np.int64)
+        assert loader.batch(0, out=out) is out and np.array_equal(out, loader.batch(0))
+
+
 def test_loader_pickles_without_its_caches(cache: streampack.Cache) -> None:
     import pickle
 
@@ -617,10 +635,3 @@ def test_resume_with_any_ranks_workers_and_batch_size_continues_the_stream(
         after.append([made[i % workers][i // workers] for i in range(len(positions))])
     tail = flat([flat(step) for step in zip(*after, strict=True)])
     assert head + tail == stream
-
-
-def test_an_out_array_that_cannot_hold_the_batch_is_refused(cache: streampack.Cache) -> None:
-    loader = Loader(cache.sequences(16), batch_size=4, seed=5)
-    for bad in (np.zeros((4, 16), dtype=np.int8), np.zeros((3, 16), dtype=np.int64), [[0] * 16] * 4):
-        with pytest.raises(ValueError, match=r"out must be a numpy array of shape \(4, 16\)"):
-            loader.batch(0, out=bad)  # type: ignore[arg-type]
