@@ -551,7 +551,7 @@ class Loader:
         if self._joined is not None:
             self._joined.read(sources, samples, out)
             return out
-        for source, rows in _by_source(sources, len(self.sources)):
+        for source, rows in groups(sources):
             self.sources[source].read(samples[rows], out, rows)
         return out
 
@@ -559,7 +559,7 @@ class Loader:
         if len(self.sources) == 1:
             return self.sources[0].position_ids(samples)
         out = np.empty((len(samples), self.width), dtype=np.int64)
-        for source, rows in _by_source(sources, len(self.sources)):
+        for source, rows in groups(sources):
             out[rows] = self.sources[source].position_ids(samples[rows])
         return out
 
@@ -725,17 +725,6 @@ class _Source:
     def position_ids(self, indices: np.ndarray) -> np.ndarray:
         """Position ids within documents of the samples at ``indices``."""
         return np.asarray(self.data.boundaries(indices).position_ids)  # type: ignore[attr-defined]
-
-
-def _by_source(sources: np.ndarray, count: int) -> Iterator[tuple[int, np.ndarray]]:
-    """The rows of each source present in a batch: a scan per source when there are few, else a sort."""
-    if count > 8:
-        yield from groups(sources)
-        return
-    for source in range(count):
-        rows = np.flatnonzero(sources == source)
-        if len(rows):
-            yield source, rows
 
 
 @functools.lru_cache(maxsize=64)

@@ -12,7 +12,9 @@ epochs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,6 +23,11 @@ from streampack.errors import LoaderStateError
 from streampack.permutation import Permutation
 
 __all__ = ["MAX_POSITION", "Order", "Shuffled", "data_fingerprint", "groups"]
+
+# Below this many distinct small keys, grouping scans once per key rather than sorting.
+_SCANNED_KEYS = 9
+# Datasets up to this many samples keep each epoch's order as an int32 table.
+_TABLE_MAX = 1 << 14
 
 MAX_POSITION = 2**62
 """A run may read up to this many samples: a position plus a batch always fits in ``int64``."""
@@ -94,7 +101,7 @@ class Shuffled:
         self.size, self.seed, self.shuffle, self.epochs = size, seed, shuffle, epochs
         self.data = dict(data) if data is not None else {"num_samples": size}
         self.names: tuple[str, ...] = (name,)
-        self._permutations: dict[int, Permutation] = {}
+        self._permutations: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
 
     def __repr__(self) -> str:
         return f"Shuffled({self.size}, seed={self.seed}, shuffle={self.shuffle}, epochs={self.epochs})"
@@ -125,13 +132,23 @@ class Shuffled:
             out[mine] = self.permutation(epoch)(offsets[mine])
         return out
 
-    def permutation(self, epoch: int) -> Permutation:
-        """The order of ``epoch`` (the last two are kept: batches straddle at most one boundary)."""
+    def permutation(self, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
+        """The order of ``epoch`` (the last two are kept: batches straddle at most one boundary).
+
+        A small dataset's order is kept as a table (at most 64 kB an epoch): a mixture's small sources
+        are asked for a few rows at a time, and a lookup costs less than the Feistel passes.
+        """
         permutation = self._permutations.get(epoch)
         if permutation is None:
             if len(self._permutations) >= 2:
                 self._permutations.pop(next(iter(self._permutations)))
-            permutation = self._permutations[epoch] = Permutation(self.size, seed=self.seed, epoch=epoch)
+            feistel = Permutation(self.size, seed=self.seed, epoch=epoch)
+            if self.size <= _TABLE_MAX:
+                table = feistel(np.arange(self.size, dtype=np.int64)).astype(np.int32)
+                permutation = functools.partial(_look_up, table)
+            else:
+                permutation = feistel
+            self._permutations[epoch] = permutation
         return permutation
 
     def consumed(self, position: int) -> list[int]:
@@ -161,12 +178,29 @@ class Shuffled:
         return self
 
 
+def _look_up(table: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    return table[offsets].astype(np.int64)
+
+
 def groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """Each distinct key with the indices holding it, in O(n log n) whatever the number of keys."""
+    """Each distinct key with the indices holding it, in O(n log n) whatever the number of keys.
+
+    Cheaper paths for what the loader asks most: keys already in order (the blocks of consecutive
+    positions: no sort) and few small keys (a mixture's sources: one scan each).
+    """
     if len(keys) == 0:
         return
-    if (keys == keys[0]).all():
-        yield int(keys[0]), np.arange(len(keys))
+    steps = np.diff(keys)
+    if (steps >= 0).all():
+        bounds = [0, *(np.flatnonzero(steps) + 1).tolist(), len(keys)]
+        for start, stop in itertools.pairwise(bounds):
+            yield int(keys[start]), np.arange(start, stop)
+        return
+    if keys.min() >= 0 and keys.max() < _SCANNED_KEYS:
+        for key in range(int(keys.max()) + 1):
+            mine = np.flatnonzero(keys == key)
+            if len(mine):
+                yield key, mine
         return
     order = np.argsort(keys, kind="stable")
     sorted_keys = keys[order]
