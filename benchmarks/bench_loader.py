@@ -20,19 +20,15 @@ Prints a markdown table and writes it to ``benchmarks/results/loader.md`` (``loa
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from _report import environment, goal, run_json, warm
 
 from streampack._synthetic import write_random_cache
 
@@ -59,17 +55,6 @@ def log(message: str) -> None:
     print(f"[bench_loader] {message}", file=sys.stderr, flush=True)
 
 
-def run_json(cmd: list[str]) -> dict[str, Any]:
-    """Run one measurement in a fresh process; return the JSON of its last output line."""
-    # One torch intra-op thread everywhere: on a small shared machine torch's default threads spin
-    # against the other processes and slow per-batch torch ops (HF's formatting, nanoGPT's stack) 10x.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def row(mode: str, cache: Path, **options: Any) -> dict[str, Any]:
     """Run one ``_loader_rows.py`` measurement in this venv."""
     cmd = [sys.executable, str(ROWS), mode, "--cache", str(cache), "--seq-len", str(SEQ_LEN)]
@@ -92,14 +77,6 @@ def prepare_peers(python: str, cache: Path, tmp: Path) -> dict[str, Path | str]:
         except RuntimeError as e:
             prepared[kind] = str(e).strip().splitlines()[-1][:120]
     return prepared
-
-
-def warm(cache: Path) -> None:
-    """Read every shard once, so no row pays for the first read from disk."""
-    for path in sorted((cache / "shards").glob("*.tokens")):
-        with open(path, "rb") as f:
-            while f.read(64 << 20):
-                pass
 
 
 def make_cache(root: Path, gigabytes: float, shard_gb: float = 1.0) -> Path:
@@ -155,7 +132,7 @@ def throughput_table(results: Results, peers: dict[str, Path | str]) -> tuple[st
         cells += [f"{results[kind, 2]['main_mb']:.0f} / {results[kind, 2]['worker_mb']:.0f} MB"]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     goals = [
-        _goal(f"Loader ÷ limit, nw={w}", rate("loader", w) / rate("gather", w), ">=", 0.8) for w in (0, 2)
+        goal(f"Loader ÷ limit, nw={w}", rate("loader", w) / rate("gather", w), ">=", 0.8) for w in (0, 2)
     ]
     return "\n".join(lines), goals
 
@@ -183,7 +160,7 @@ def memory_table(caches: dict[float, Path], batches: int) -> tuple[str, list[str
             growth = peaks[big, workers][key] - peaks[small, workers][key]
             who = "main" if key == "main_mb" else "worker"
             goals.append(
-                _goal(f"{who} RssAnon {big:g} GB − {small:g} GB, nw={workers} (MB)", growth, "<=", 50)
+                goal(f"{who} RssAnon {big:g} GB − {small:g} GB, nw={workers} (MB)", growth, "<=", 50)
             )
     return "\n".join(lines), goals
 
@@ -203,22 +180,8 @@ def first_batch_table(cache: Path, repeats: int) -> tuple[str, list[str]]:
     for workers in (0, 2):
         zero, far = seconds[0, workers], seconds[10**6, workers]
         lines.append(f"| {workers} | {zero * 1e3:.1f} ms | {far * 1e3:.1f} ms | {far / zero:.2f} |")
-        goals.append(_goal(f"first batch at step 10^6 ÷ step 0, nw={workers}", far / zero, "<=", 2))
+        goals.append(goal(f"first batch at step 10^6 ÷ step 0, nw={workers}", far / zero, "<=", 2))
     return "\n".join(lines), goals
-
-
-def _goal(what: str, value: float, op: str, target: float) -> str:
-    met = value >= target if op == ">=" else value <= target
-    return f"- {'met' if met else '**not met**'}: {what} = {value:.2f} (goal {op} {target:g})"
-
-
-def environment() -> str:
-    import torch
-
-    return (
-        f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}"
-    )
 
 
 def main() -> None:

@@ -25,19 +25,15 @@ Prints a markdown table and writes it to ``benchmarks/results/mixture.md`` (``mi
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from _report import environment, goal, run_json, warm
 
 from streampack._synthetic import write_random_cache
 
@@ -63,31 +59,12 @@ def log(message: str) -> None:
     print(f"[bench_mixture] {message}", file=sys.stderr, flush=True)
 
 
-def run_json(cmd: list[str]) -> dict[str, Any]:
-    """Run one measurement in a fresh process; return the JSON of its last output line."""
-    # One torch intra-op thread, as in bench_loader: torch's default threads spin against the other
-    # processes of a small shared machine.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def row(mode: str, caches: list[Path], **options: Any) -> dict[str, Any]:
     """Run one ``_mixture_rows.py`` measurement in this venv."""
     cmd = [sys.executable, str(ROWS), mode, "--caches", *map(str, caches)]
     for key, value in options.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     return run_json(cmd)
-
-
-def warm(cache: Path) -> None:
-    """Read every file of the cache once, so no row pays for the first read from disk."""
-    for path in sorted((cache / "shards").iterdir()):
-        with open(path, "rb") as f:
-            while f.read(64 << 20):
-                pass
 
 
 def make_cache(root: Path, tokens: int, seed: int) -> Path:
@@ -150,7 +127,7 @@ def throughput_table(runs: Runs) -> tuple[str, list[str]]:
         ratio_of_bests = best("mixture", workers) / best("single", workers)
         notes.append(f"- nw={workers}: per round {listed}; ratio of the bests {ratio_of_bests:.2f}")
     goals = [
-        _goal(
+        goal(
             f"Mixture ÷ single cache, samples/s, nw={w} (median of paired rounds)",
             statistics.median(pairs(w)),
             ">=",
@@ -189,7 +166,7 @@ def memory_table(one: Path, many: list[Path], batches: int) -> tuple[str, list[s
             growth = peaks[len(many), workers][key] - peaks[1, workers][key]
             who = "main" if key == "main_mb" else "worker"
             goals.append(
-                _goal(
+                goal(
                     f"{who} RssAnon peak, {len(many)} sources − 1 source, nw={workers} (MB)", growth, "<=", 50
                 )
             )
@@ -220,7 +197,7 @@ def first_batch_table(mixed: list[Path], repeats: int) -> tuple[str, list[str]]:
     for workers in (0, 2):
         zero, far = (statistics.median(seconds[p, workers]) for p in (0, FAR))
         lines.append(f"| {workers} | {zero * 1e3:.1f} ms | {far * 1e3:.1f} ms | {far / zero:.2f} |")
-        goals.append(_goal(f"first batch at position 10^9 ÷ position 0, nw={workers}", far / zero, "<=", 2))
+        goals.append(goal(f"first batch at position 10^9 ÷ position 0, nw={workers}", far / zero, "<=", 2))
     if imported_ma == {True}:
         lines += [
             "",
@@ -228,20 +205,6 @@ def first_batch_table(mixed: list[Path], repeats: int) -> tuple[str, list[str]]:
             f"{statistics.median(import_ma) * 1e3:.1f} ms on its own in a fresh process (median).",
         ]
     return "\n".join(lines), goals
-
-
-def _goal(what: str, value: float, op: str, target: float) -> str:
-    met = value >= target if op == ">=" else value <= target
-    return f"- {'met' if met else '**not met**'}: {what} = {value:.2f} (goal {op} {target:g})"
-
-
-def environment() -> str:
-    import torch
-
-    return (
-        f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, Python "
-        f"{platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}"
-    )
 
 
 def load() -> str:

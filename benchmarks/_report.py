@@ -1,0 +1,48 @@
+"""What the loader benchmarks share: running a row in a fresh process, warming a cache, goal lines."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def run_json(cmd: list[str]) -> dict[str, Any]:
+    """Run one measurement in a fresh process; return the JSON of its last output line."""
+    # One torch intra-op thread everywhere: on a small shared machine torch's default threads spin
+    # against the other processes and slow per-batch torch ops (HF's formatting, nanoGPT's stack) 10x.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=env)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def warm(cache: Path) -> None:
+    """Read every shard file of a cache once, so no row pays for the first read from disk."""
+    for path in sorted((cache / "shards").iterdir()):
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+def goal(what: str, value: float, op: str, target: float) -> str:
+    """A line of a report's "Goals" list: met or not, with the figure."""
+    met = value >= target if op == ">=" else value <= target
+    return f"- {'met' if met else '**not met**'}: {what} = {value:.2f} (goal {op} {target:g})"
+
+
+def environment() -> str:
+    """Date, machine and versions, for the report's first line."""
+    import torch
+
+    return (
+        f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, Python "
+        f"{platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}"
+    )
