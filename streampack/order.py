@@ -20,7 +20,7 @@ import numpy as np
 from streampack.errors import LoaderStateError
 from streampack.permutation import Permutation
 
-__all__ = ["MAX_POSITION", "Order", "Shuffled", "data_fingerprint", "groups"]
+__all__ = ["MAX_POSITION", "Order", "Shuffled", "by_source", "data_fingerprint", "groups"]
 
 MAX_POSITION = 2**62
 """A run may read up to this many samples: a position plus a batch always fits in ``int64``."""
@@ -173,6 +173,17 @@ def groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     starts = np.flatnonzero(np.diff(sorted_keys, prepend=sorted_keys[:1] - 1))
     for start, stop in zip(starts.tolist(), [*starts[1:].tolist(), len(keys)], strict=True):
         yield int(sorted_keys[start]), order[start:stop]
+
+
+def by_source(sources: np.ndarray, count: int) -> Iterator[tuple[int, np.ndarray]]:
+    """The rows of each of ``count`` sources present in a batch: a scan per source when few, else a sort."""
+    if count > 8:
+        yield from groups(sources)
+        return
+    for source in range(count):
+        rows = np.flatnonzero(sources == source)
+        if len(rows):
+            yield source, rows
 
 
 def data_fingerprint(data: object) -> dict[str, Any]:
