@@ -14,7 +14,8 @@ The loader keeps four small jobs and leaves the order to an :class:`~streampack.
   batch from it directly; nothing is replayed. Ranks only slice global batches and workers only take
   every n-th of them, so a run may resume with another world size, other DataLoader workers, and
   another global batch size (the next batch starts at the saved position).
-* **Reading and output**: each source's rows are read straight into the batch array.
+* **Reading and output**: each source's rows are read straight into the batch array, which the format
+  chosen by ``output=`` (:mod:`streampack.collate`) turns into what a step yields.
 
 Trade-off: the shuffle is global (any sample can follow any other), so reads are random; a memory-mapped
 cache on a local disk or in the page cache serves them at memory speed, a network filesystem does not.
@@ -31,6 +32,7 @@ from typing import Any, Literal, Protocol, TypeGuard
 import numpy as np
 import numpy.typing as npt
 
+from streampack.collate import Format, format_for
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.mixture import Mixture
 from streampack.order import MAX_POSITION, Order, Shuffled, data_fingerprint, groups
@@ -256,6 +258,7 @@ class Loader:
         self._configured = self.order
         self._position = 0
         self._check_sources()
+        self.formatter: Format = format_for(self.options.output, [source.data for source in self.sources])
         self._check_last_batch()
         self._clear_caches()
 
@@ -290,8 +293,6 @@ class Loader:
                     f"dtype={opts.dtype} cannot hold every id of the cache's {source.dtype} tokens; use "
                     "int64 (the default), a wider integer type, or None to keep the cache dtype"
                 )
-            if opts.output == "dict":
-                source.check_dict_output()
 
     def _check_last_batch(self) -> None:
         """Refuse ``drop_last=False`` when the run's last partial global batch cannot give every rank a row.
@@ -459,15 +460,7 @@ class Loader:
             An array, or a dict of arrays, passed through ``collate`` when one was given.
         """
         sources, samples = self.picks(position)
-        tokens = self._read(sources, samples, out)
-        if self.options.output == "dict":
-            result: Any = {
-                "input_ids": tokens,
-                "labels": tokens.copy(),
-                "position_ids": self._position_ids(sources, samples),
-            }
-        else:
-            result = tokens
+        result = self.formatter(self._read(sources, samples, out), sources, samples)
         return self.collate(result) if self.collate is not None else result
 
     def batch_shape(self, position: int) -> tuple[int, int]:
@@ -553,14 +546,6 @@ class Loader:
             return out
         for source, rows in groups(sources):
             self.sources[source].read(samples[rows], out, rows)
-        return out
-
-    def _position_ids(self, sources: np.ndarray, samples: np.ndarray) -> np.ndarray:
-        if len(self.sources) == 1:
-            return self.sources[0].position_ids(samples)
-        out = np.empty((len(samples), self.width), dtype=np.int64)
-        for source, rows in groups(sources):
-            out[rows] = self.sources[source].position_ids(samples[rows])
         return out
 
     # --- where the run stands ---------------------------------------------------------------------------
@@ -677,7 +662,6 @@ class _Source:
         _check_source(data)
         self.data = data
         self.size = len(data)
-        self.overlap = int(getattr(data, "overlap", 0))
         self.fingerprint = data_fingerprint(data)
         width, dtype = getattr(data, "width", None), getattr(data, "dtype", None)
         if isinstance(data, np.ndarray) and data.ndim == 2:
@@ -707,24 +691,6 @@ class _Source:
             out[...] = tokens
         else:
             out[rows] = tokens
-
-    def check_dict_output(self) -> None:
-        """Refuse ``output="dict"`` for samples it does not fit."""
-        if not hasattr(self.data, "boundaries"):
-            raise OptionsError(
-                f"output='dict' needs position ids, which {type(self.data).__name__} does not provide "
-                "(no boundaries() method); use output='numpy' or cache.sequences(...)"
-            )
-        if self.overlap:
-            raise OptionsError(
-                "output='dict' gives labels = input_ids (Hugging Face models shift them inside), so the "
-                f"samples need no overlap (got overlap={self.overlap}); use cache.sequences(seq_len) with "
-                "overlap=0, or output='numpy' for x/y windows"
-            )
-
-    def position_ids(self, indices: np.ndarray) -> np.ndarray:
-        """Position ids within documents of the samples at ``indices``."""
-        return np.asarray(self.data.boundaries(indices).position_ids)  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=64)

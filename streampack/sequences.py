@@ -6,10 +6,11 @@ end to end. :class:`PackedSequences` cuts that stream into windows of ``seq_len`
 Windows cross document and shard boundaries; only the final partial window is dropped, so at most
 ``seq_len + overlap - 1`` tokens of a cache are never served.
 
-Reading a batch is one call: each window is a slice of a memory-mapped shard (two slices where it crosses
-a shard boundary) copied straight into the output array, with no per-token Python work. Document
-boundaries come from the shards' offset tables with ``searchsorted``, so a batch costs the same whatever
-the size of the cache.
+The windows are a :class:`~streampack.layout.FixedWindows` layout; reading and document boundaries are
+written once over its spans, in :mod:`streampack.layout`. Reading a batch is one call: each window is a
+slice of a memory-mapped shard (two slices where it crosses a shard boundary) copied straight into the
+output array, with no per-token Python work. Document boundaries come from the shards' offset tables with
+``searchsorted``, so a batch costs the same whatever the size of the cache.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import hashlib
 import json
 import numbers
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from streampack.errors import CacheError
+from streampack.layout import Boundaries, FixedWindows, boundaries, read_spans, split_windows
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -34,42 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["Boundaries", "PackedSequences"]
 
 Index = int | np.integer | slice | npt.ArrayLike
-
-
-@dataclass(frozen=True)
-class Boundaries:
-    """Where documents start inside a batch of samples, in the forms attention kernels take.
-
-    Every row starts a new segment (a model sees nothing before its window), and so does every document
-    start inside a row. All arrays cover the ``seq_len`` input positions of each sample, not its
-    ``overlap`` tail.
-
-    Attributes:
-        position_ids: ``int64`` array of shape ``index_shape + (seq_len,)``: the position of each token in
-            its segment, restarting at 0 at every document start and at every row start.
-        doc_ids: ``int64`` array of the same shape: the global index of each token's document in the cache
-            (``cache.doc(doc_ids[r, t])`` holds the token).
-        cu_seqlens: ``int32`` array of shape ``(segments + 1,)``: cumulative segment lengths over the
-            flattened batch, starting at 0 and ending at ``rows * seq_len`` (the ``cu_seqlens`` argument of
-            varlen attention such as ``flash_attn_varlen_func``).
-        max_seqlen: length of the longest segment.
-    """
-
-    position_ids: np.ndarray
-    doc_ids: np.ndarray
-    cu_seqlens: np.ndarray
-    max_seqlen: int
-
-
-@dataclass(frozen=True)
-class _Pieces:
-    """Where each window lies: one row per (window, shard) overlap, all arrays of equal length."""
-
-    rows: np.ndarray  # window number in the batch
-    shards: np.ndarray  # shard holding the piece
-    lo: np.ndarray  # first token of the piece, local to the shard
-    hi: np.ndarray  # one past its last token, local to the shard
-    col: np.ndarray  # column of the output row where the piece starts
 
 
 class PackedSequences:
@@ -96,29 +62,27 @@ class PackedSequences:
     """
 
     def __init__(self, cache: Cache, seq_len: int, *, overlap: int = 0) -> None:
-        self.seq_len = _check_int("seq_len", seq_len, 1, "a positive integer, e.g. 2048")
-        self.overlap = _check_int("overlap", overlap, 0, "a non-negative integer, usually 0 or 1")
+        seq_len = _check_int("seq_len", seq_len, 1, "a positive integer, e.g. 2048")
+        overlap = _check_int("overlap", overlap, 0, "a non-negative integer, usually 0 or 1")
         self._path = os.path.abspath(cache.root)
         self._allow_incomplete = not cache.manifest.complete
         self._num_tokens = cache.num_tokens
         self._content = _content_digest(cache)
-        self._attach(cache)
-
-    def _attach(self, cache: Cache) -> None:
         self._cache: Cache | None = cache
-        self._token_starts = np.asarray(cache.token_starts, dtype=np.int64)
+        token_starts = np.asarray(cache.token_starts, dtype=np.int64)
+        self._layout = FixedWindows(token_starts, seq_len, overlap)
         docs = [shard.num_docs for shard in cache.shards]
         self._doc_starts = np.concatenate([[0], np.cumsum(docs, dtype=np.int64)]).astype(np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle the cache path and settings only; the memory maps are reopened where unpickled."""
+        """Pickle the path, settings and shard tables only; the memory maps are reopened where unpickled."""
         return {
             "path": self._path,
             "allow_incomplete": self._allow_incomplete,
             "num_tokens": self._num_tokens,
             "content": self._content,
-            "seq_len": self.seq_len,
-            "overlap": self.overlap,
+            "layout": self._layout,
+            "doc_starts": self._doc_starts,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -127,8 +91,8 @@ class PackedSequences:
         self._allow_incomplete = state["allow_incomplete"]
         self._num_tokens = state["num_tokens"]
         self._content = state["content"]
-        self.seq_len = state["seq_len"]
-        self.overlap = state["overlap"]
+        self._layout = state["layout"]
+        self._doc_starts = state["doc_starts"]
         self._cache = None
 
     @property
@@ -148,8 +112,24 @@ class PackedSequences:
                 "sample indices no longer mean the same windows. Recreate the sequences (and restart the "
                 "loader) from the cache."
             )
-        self._attach(cache)
+        # The shard tables kept from before describe this cache: the digest above covers them.
+        self._cache = cache
         return cache
+
+    @property
+    def layout(self) -> FixedWindows:
+        """Which spans of the cache's token stream make each sample."""
+        return self._layout
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per sample, without the overlap."""
+        return self._layout.seq_len
+
+    @property
+    def overlap(self) -> int:
+        """Extra tokens at the end of each window, shared with the start of the next one."""
+        return self._layout.overlap
 
     @property
     def path(self) -> str:
@@ -164,11 +144,11 @@ class PackedSequences:
     @property
     def width(self) -> int:
         """Tokens per returned window: ``seq_len + overlap``."""
-        return self.seq_len + self.overlap
+        return self._layout.width
 
     def __len__(self) -> int:
         """Number of complete windows in the stream."""
-        return max(0, (self._num_tokens - self.overlap) // self.seq_len)
+        return len(self._layout)
 
     def __repr__(self) -> str:
         return (
@@ -186,8 +166,7 @@ class PackedSequences:
             "num_samples": len(self),
             "num_tokens": self._num_tokens,
             "shards": self._content,
-            "seq_len": self.seq_len,
-            "overlap": self.overlap,
+            **self._layout.fingerprint(),
         }
 
     def __getitem__(self, index: Index) -> np.ndarray:
@@ -279,58 +258,14 @@ class PackedSequences:
             A :class:`Boundaries` whose arrays have shape ``index_shape + (seq_len,)``.
         """
         indices, shape = self._indices(index)
-        rows, length = indices.size, self.seq_len
-        if rows == 0:
-            empty = np.zeros((*shape, length), dtype=np.int64)
-            return Boundaries(empty, empty.copy(), np.zeros(1, dtype=np.int32), 0)
-        pieces = self._pieces(indices * length, length)
-        positions, docs = [], []
-        for shard in np.unique(pieces.shards).tolist():
-            mine = pieces.shards == shard
-            piece_pos, piece_docs, cut_pos, cut_docs = self._segments_in_shard(
-                shard,
-                pieces.lo[mine],
-                pieces.hi[mine],
-                pieces.rows[mine] * length + pieces.col[mine],
-            )
-            positions += [piece_pos, cut_pos]
-            docs += [piece_docs, cut_docs]
-        starts, start_docs = np.concatenate(positions), np.concatenate(docs)
-        order = np.argsort(starts, kind="stable")
-        starts, start_docs = starts[order], start_docs[order]
-        # Empty documents (no EOS appended) end where the next starts: keep the last, which holds tokens.
-        last = np.append(starts[1:] != starts[:-1], True)
-        starts, start_docs = starts[last], start_docs[last]
-        total = rows * length
-        lengths = np.diff(starts, append=total)
-        position_ids = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-        doc_ids = np.repeat(start_docs, lengths)
-        return Boundaries(
-            position_ids=position_ids.reshape(*shape, length),
-            doc_ids=doc_ids.reshape(*shape, length),
-            cu_seqlens=np.append(starts, total).astype(np.int32),
-            max_seqlen=int(lengths.max()) if lengths.size else 0,
+        found = boundaries(
+            self._layout.spans(indices), indices.size, self.seq_len, self._offsets, self._doc_starts
         )
-
-    def _segments_in_shard(
-        self, shard: int, lo: np.ndarray, hi: np.ndarray, flat: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Segment starts of the pieces ``[lo, hi)`` of one shard that begin at ``flat`` in the batch.
-
-        Returns the flat position and global document id of each piece start, then of each document start
-        strictly inside a piece.
-        """
-        offsets = self._offsets(shard)
-        # offsets hold each document's END: document j spans [offsets[j-1], offsets[j]). uint64 queries
-        # keep searchsorted from promoting the whole table to float64.
-        first = np.searchsorted(offsets, lo.astype(np.uint64), side="right").astype(np.int64)
-        stop = np.searchsorted(offsets, hi.astype(np.uint64), side="left").astype(np.int64)
-        counts = stop - first
-        ends = _ragged_arange(first, counts)
-        cut_local = offsets[ends].astype(np.int64)
-        cut_pos = np.repeat(flat - lo, counts) + cut_local
-        base = int(self._doc_starts[shard])
-        return flat, base + first, cut_pos, base + ends + 1
+        return replace(
+            found,
+            position_ids=found.position_ids.reshape(*shape, self.seq_len),
+            doc_ids=found.doc_ids.reshape(*shape, self.seq_len),
+        )
 
     def _indices(self, index: Index) -> tuple[np.ndarray, tuple[int, ...]]:
         """Normalize ``index`` to a flat int64 array of in-range sample numbers, and its shape."""
@@ -361,14 +296,8 @@ class PackedSequences:
             flat = np.where(flat < 0, flat + n, flat)
         return flat, array.shape
 
-    def _pieces(self, starts: np.ndarray, width: int) -> _Pieces:
-        """Split the windows ``[start, start + width)`` of the global stream at shard boundaries."""
-        if self._cache is None:
-            self._reopen()  # first use after unpickling
-        return _split(self._token_starts, starts, width)
-
     def _read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
-        _copy(self._pieces(indices * self.seq_len, self.width), out, rows, self._tokens)
+        read_spans(self._layout.spans(indices), out, self._tokens, rows)
 
     def _tokens(self, shard: int) -> np.ndarray:
         return self.cache.shard_tokens(shard)
@@ -400,13 +329,11 @@ class JoinedSequences:
     def _join(self) -> np.ndarray:
         starts, owners, base = [np.zeros(1, dtype=np.int64)], [], 0
         for j, part in enumerate(self.parts):
-            if part._cache is None:
-                part._reopen()
-            table = part._token_starts
+            table = part.layout.token_starts
             starts.append(base + table[1:])
             owners += [(j, shard) for shard in range(len(table) - 1)]
             base += int(table[-1])
-        self._bases = np.cumsum([0] + [int(part._token_starts[-1]) for part in self.parts[:-1]])
+        self._bases = np.cumsum([0] + [int(part.layout.token_starts[-1]) for part in self.parts[:-1]])
         self._owners = owners
         self._token_starts = np.concatenate(starts)
         return self._token_starts
@@ -415,57 +342,11 @@ class JoinedSequences:
         """Write sample ``samples[k]`` of source ``sources[k]`` into ``out[k]`` (indices already checked)."""
         table = self._token_starts if self._token_starts is not None else self._join()
         starts = self._bases[sources] + samples * self.seq_len
-        _copy(_split(table, starts, self.width), out, None, self._tokens)
+        read_spans(split_windows(table, starts, self.width), out, self._tokens)
 
     def _tokens(self, shard: int) -> np.ndarray:
         part, local = self._owners[shard]
         return self.parts[part]._tokens(local)
-
-
-def _split(token_starts: np.ndarray, starts: np.ndarray, width: int) -> _Pieces:
-    """Split the windows ``[start, start + width)`` of a token space at its shard boundaries."""
-    if len(token_starts) == 2:  # one shard: nothing to split
-        zeros = np.zeros(len(starts), dtype=np.int64)
-        return _Pieces(np.arange(len(starts)), zeros, starts, starts + width, zeros)
-    # side="right" skips empty shards: it picks the last shard starting at or before the token.
-    first = np.searchsorted(token_starts, starts, side="right") - 1
-    last = np.searchsorted(token_starts, starts + (width - 1), side="right") - 1
-    if np.array_equal(first, last):
-        lo = starts - token_starts[first]
-        zeros = np.zeros(len(starts), dtype=np.int64)
-        return _Pieces(np.arange(len(starts)), first, lo, lo + width, zeros)
-    counts = last - first + 1
-    rows = np.repeat(np.arange(len(starts)), counts)
-    shards = _ragged_arange(first, counts)
-    glo = np.maximum(starts[rows], token_starts[shards])
-    ghi = np.minimum(starts[rows] + width, token_starts[shards + 1])
-    keep = ghi > glo  # drop the empty shards a window steps over
-    rows, shards, glo, ghi = rows[keep], shards[keep], glo[keep], ghi[keep]
-    base = token_starts[shards]
-    return _Pieces(rows, shards, glo - base, ghi - base, glo - starts[rows])
-
-
-def _copy(
-    pieces: _Pieces, out: np.ndarray, rows: np.ndarray | None, tokens_of: Callable[[int], np.ndarray]
-) -> None:
-    """Copy each piece into its row of ``out`` (``rows[row]`` when given), shard by shard.
-
-    Shard by shard: one lookup of each shard's map per call rather than one per piece (the cache's LRU
-    bookkeeping), and one map held at a time, so open descriptors stay bounded.
-    """
-    order = np.argsort(pieces.shards, kind="stable")
-    targets = pieces.rows if rows is None else rows[pieces.rows]
-    current, tokens = -1, None
-    for row, shard, lo, hi, col in zip(
-        targets[order].tolist(),
-        pieces.shards[order].tolist(),
-        pieces.lo[order].tolist(),
-        pieces.hi[order].tolist(),
-        pieces.col[order].tolist(),
-    ):
-        if shard != current:
-            current, tokens = shard, tokens_of(shard)
-        out[row, col : col + hi - lo] = tokens[lo:hi]  # type: ignore[index]
 
 
 @functools.lru_cache(maxsize=64)
@@ -478,12 +359,6 @@ def _content_digest(cache: Cache) -> str:
     """A short digest of the shard table: what the samples are made of, wherever the cache lives."""
     table = [[s.name, s.num_docs, s.num_tokens, s.tokens_checksum, s.offsets_checksum] for s in cache.shards]
     return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
-
-
-def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenate ``arange(s, s + c)`` per pair, vectorised: ``[5, 6, 7, 2]`` from ``[5, 2], [3, 1]``."""
-    offsets = np.cumsum(counts) - counts
-    return np.repeat(starts - offsets, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
 def _check_int(name: str, value: object, minimum: int, allowed: str) -> int:

@@ -51,6 +51,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "streampack.torch needs PyTorch, an optional extra: pip install 'streampack[torch]'"
     ) from error
 
+from streampack.collate import Tokens
 from streampack.errors import LoaderStateError
 from streampack.loader import Loader
 from streampack.sequences import PackedSequences
@@ -318,7 +319,7 @@ class _SlotRing:
     @staticmethod
     def fits(loader: Loader) -> bool:
         """Whether batches are plain token arrays the ring can carry (numpy output, no custom collate)."""
-        return loader.options.output == "numpy" and loader.collate is None
+        return isinstance(loader.formatter, Tokens) and loader.collate is None
 
     def put(self, loader: Loader, worker: int, position: int) -> _Slot:
         """Write the batch at ``position`` into this worker's next slot (called in the worker)."""

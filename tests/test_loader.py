@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -506,6 +507,8 @@ def test_dict_output_for_hugging_face_models(cache: streampack.Cache) -> None:
     assert np.array_equal(batch["input_ids"], seqs[indices]) and batch["input_ids"].dtype == np.int64
     assert np.array_equal(batch["labels"], batch["input_ids"]) and batch["labels"] is not batch["input_ids"]
     assert np.array_equal(batch["position_ids"], seqs.boundaries(indices).position_ids)
+    copy = pickle.loads(pickle.dumps(loader))  # the format goes with the loader, e.g. to spawned workers
+    assert all(np.array_equal(value, copy.batch(0)[key]) for key, value in batch.items())
     with pytest.raises(ValueError, match="samples need no overlap"):
         Loader(cache.sequences(32, overlap=1), batch_size=4, output="dict")
     with pytest.raises(ValueError, match="IndexSource does not provide"):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import streampack
 from streampack._synthetic import write_cache
 from streampack.errors import CacheError
+from streampack.layout import Spans, boundaries, read_spans
 from streampack.sequences import PackedSequences
 from tests.conftest import run_cli
 
@@ -212,6 +213,47 @@ def test_boundaries_match_the_documents_token_by_token(
     flat = got.position_ids.reshape(-1)
     assert np.array_equal(np.flatnonzero(flat == 0), cu[:-1])
     assert set(range(0, len(indices) * seq_len, seq_len)) <= set(cu.tolist())  # rows never share a segment
+
+
+@pytest.mark.parametrize("overlap", [1, 3])
+def test_boundaries_ignore_the_overlap_tail(cache: streampack.Cache, overlap: int) -> None:
+    # The windows are split at shard boundaries with their tail; the boundaries cut it off again.
+    for seq_len in (1, 7, 40):
+        plain, tailed = cache.sequences(seq_len), cache.sequences(seq_len, overlap=overlap)
+        indices = np.arange(len(tailed))
+        want, got = plain.boundaries(indices), tailed.boundaries(indices)
+        assert np.array_equal(got.position_ids, want.position_ids)
+        assert np.array_equal(got.doc_ids, want.doc_ids)
+        assert np.array_equal(got.cu_seqlens, want.cu_seqlens) and got.max_seqlen == want.max_seqlen
+
+
+def test_reading_and_boundaries_take_any_spans(cache: streampack.Cache) -> None:
+    # The seam a packing layout uses: spans of several documents, padding left where no span writes.
+    lengths_of = cache.doc_lengths().astype(np.int64)
+    ends = np.cumsum(lengths_of)
+    shard_of_doc = np.repeat(np.arange(cache.num_shards), [s.num_docs for s in cache.shards])
+    token_starts = np.asarray(cache.token_starts, dtype=np.int64)
+    docs = [d for d in range(len(ends)) if 3 <= lengths_of[d] <= 6][:3]
+    lo = np.array([ends[d - 1] if d else 0 for d in docs]) - token_starts[shard_of_doc[docs]]
+    lengths = lengths_of[docs]
+    spans = Spans(
+        rows=np.array([0, 0, 1]),
+        shards=shard_of_doc[docs],
+        lo=lo,
+        hi=lo + lengths,
+        col=np.array([0, lengths[0], 0]),
+    )
+    out = np.full((2, 16), -1, dtype=np.int64)
+    read_spans(spans, out, cache.shard_tokens)
+    first = np.concatenate([cache.doc(docs[0]), cache.doc(docs[1])])
+    assert out[0, : len(first)].tolist() == first.tolist() and (out[0, len(first) :] == -1).all()
+    assert out[1, : lengths[2]].tolist() == cache.doc(docs[2]).tolist()
+    doc_starts = np.concatenate([[0], np.cumsum([s.num_docs for s in cache.shards])])
+    found = boundaries(
+        spans.head(lengths[0] + lengths[1]), 1, lengths[0] + lengths[1], cache.shard_offsets, doc_starts
+    )
+    assert found.doc_ids[0].tolist() == [docs[0]] * lengths[0] + [docs[1]] * lengths[1]
+    assert found.position_ids[0].tolist() == [*range(lengths[0]), *range(lengths[1])]
 
 
 def test_boundaries_of_one_sample_and_of_none(cache: streampack.Cache) -> None:

@@ -1,0 +1,273 @@
+"""Which tokens make each sample: a :class:`Layout` maps sample numbers to :class:`Spans` of a token stream.
+
+A cache is one token stream: shards laid end to end, each with its table of document ends. A layout says
+which spans of that stream form sample ``i`` and where in the sample's row each one lands; everything
+else is written once over :class:`Spans` and shared by every layout:
+
+* :func:`read_spans` copies the spans of a batch into the rows of an array;
+* :func:`boundaries` finds the document starts inside them (position ids, document ids, ``cu_seqlens``).
+
+:class:`FixedWindows` is today's layout, the ``group_texts`` convention: sample ``i`` is tokens
+``[i*seq_len, i*seq_len + seq_len + overlap)`` of the stream, cut where it crosses a shard boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["Boundaries", "FixedWindows", "Layout", "Spans", "boundaries", "read_spans", "split_windows"]
+
+
+@dataclass(frozen=True)
+class Boundaries:
+    """Where documents start inside a batch of samples, in the forms attention kernels take.
+
+    Every row starts a new segment (a model sees nothing before its window), and so does every document
+    start inside a row. All arrays cover the ``seq_len`` input positions of each sample, not its
+    ``overlap`` tail.
+
+    Attributes:
+        position_ids: ``int64`` array of shape ``index_shape + (seq_len,)``: the position of each token in
+            its segment, restarting at 0 at every document start and at every row start.
+        doc_ids: ``int64`` array of the same shape: the global index of each token's document in the cache
+            (``cache.doc(doc_ids[r, t])`` holds the token).
+        cu_seqlens: ``int32`` array of shape ``(segments + 1,)``: cumulative segment lengths over the
+            flattened batch, starting at 0 and ending at ``rows * seq_len`` (the ``cu_seqlens`` argument of
+            varlen attention such as ``flash_attn_varlen_func``).
+        max_seqlen: length of the longest segment.
+    """
+
+    position_ids: np.ndarray
+    doc_ids: np.ndarray
+    cu_seqlens: np.ndarray
+    max_seqlen: int
+
+
+@dataclass(frozen=True)
+class Spans:
+    """The spans of a token stream that make a batch of samples: one entry per span.
+
+    All arrays are integer arrays of equal length. Span ``k`` is tokens ``[lo[k], hi[k])`` of shard
+    ``shards[k]``, written to row ``rows[k]`` of the batch from column ``col[k]`` on. A sample may have
+    several spans (a window crossing a shard boundary); a column of a row that no span covers is left as
+    it is (a layout with padding would fill it).
+
+    Attributes:
+        rows: row of the batch (the sample's place among the requested indices).
+        shards: shard holding the span.
+        lo: first token of the span, local to its shard.
+        hi: one past its last token, local to its shard.
+        col: column of the row where the span starts.
+    """
+
+    rows: np.ndarray
+    shards: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    col: np.ndarray
+
+    def head(self, columns: int) -> Spans:
+        """The spans cut to the first ``columns`` columns of each row (spans past them dropped)."""
+        keep = self.col < columns
+        col, lo = self.col[keep], self.lo[keep]
+        hi = np.minimum(self.hi[keep], lo + (columns - col))
+        return Spans(self.rows[keep], self.shards[keep], lo, hi, col)
+
+
+class Layout(Protocol):
+    """Which spans of a token stream form each sample: a pure function of the sample number.
+
+    A layout holds only small tables (no memory maps), so it pickles with the samples that use it.
+    """
+
+    def __len__(self) -> int:
+        """Number of samples."""
+        ...
+
+    @property
+    def width(self) -> int:
+        """Tokens per sample row."""
+        ...
+
+    def spans(self, indices: np.ndarray) -> Spans:
+        """The spans of the samples ``indices`` (1-D ``int64``, in range): row ``k`` is ``indices[k]``."""
+        ...
+
+    def fingerprint(self) -> dict[str, int | str]:
+        """The layout's settings, for checking a loader checkpoint against them (JSON-able)."""
+        ...
+
+
+class FixedWindows:
+    """Fixed-length windows of the stream: sample ``i`` is tokens ``[i*seq_len, i*seq_len + width)``.
+
+    Windows cross document and shard boundaries; only the final partial window is dropped.
+
+    Args:
+        token_starts: global index of each shard's first token, then the total (``int64``, length
+            ``shards + 1``).
+        seq_len: tokens per sample, at least 1.
+        overlap: extra tokens at the end of each window, shared with the start of the next one.
+    """
+
+    def __init__(self, token_starts: np.ndarray, seq_len: int, overlap: int) -> None:
+        self.token_starts = token_starts
+        self.seq_len = seq_len
+        self.overlap = overlap
+        self.width = seq_len + overlap
+
+    def __len__(self) -> int:
+        """Number of complete windows in the stream."""
+        return max(0, (int(self.token_starts[-1]) - self.overlap) // self.seq_len)
+
+    def spans(self, indices: np.ndarray) -> Spans:
+        """The spans of the windows ``indices``: one per (window, shard) overlap."""
+        return split_windows(self.token_starts, indices * self.seq_len, self.width)
+
+    def fingerprint(self) -> dict[str, int | str]:
+        """``seq_len`` and ``overlap``."""
+        return {"seq_len": self.seq_len, "overlap": self.overlap}
+
+
+def split_windows(token_starts: np.ndarray, starts: np.ndarray, width: int) -> Spans:
+    """Split the windows ``[start, start + width)`` of a token stream at its shard boundaries.
+
+    Args:
+        token_starts: global index of each shard's first token, then the total.
+        starts: global index of each window's first token.
+        width: tokens per window.
+    """
+    if len(token_starts) == 2:  # one shard: nothing to split
+        zeros = np.zeros(len(starts), dtype=np.int64)
+        return Spans(np.arange(len(starts)), zeros, starts, starts + width, zeros)
+    # side="right" skips empty shards: it picks the last shard starting at or before the token.
+    first = np.searchsorted(token_starts, starts, side="right") - 1
+    last = np.searchsorted(token_starts, starts + (width - 1), side="right") - 1
+    if np.array_equal(first, last):
+        lo = starts - token_starts[first]
+        zeros = np.zeros(len(starts), dtype=np.int64)
+        return Spans(np.arange(len(starts)), first, lo, lo + width, zeros)
+    counts = last - first + 1
+    rows = np.repeat(np.arange(len(starts)), counts)
+    shards = _ragged_arange(first, counts)
+    glo = np.maximum(starts[rows], token_starts[shards])
+    ghi = np.minimum(starts[rows] + width, token_starts[shards + 1])
+    keep = ghi > glo  # drop the empty shards a window steps over
+    rows, shards, glo, ghi = rows[keep], shards[keep], glo[keep], ghi[keep]
+    base = token_starts[shards]
+    return Spans(rows, shards, glo - base, ghi - base, glo - starts[rows])
+
+
+def read_spans(
+    spans: Spans, out: np.ndarray, tokens_of: Callable[[int], np.ndarray], rows: np.ndarray | None = None
+) -> None:
+    """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard.
+
+    Shard by shard: one lookup of each shard's map per call rather than one per span (the cache's LRU
+    bookkeeping), and one map held at a time, so open descriptors stay bounded.
+
+    Args:
+        spans: what to copy.
+        out: destination, wide enough for every span.
+        tokens_of: the tokens of a shard.
+        rows: the row of ``out`` for each row of the spans; the same row when omitted.
+    """
+    order = np.argsort(spans.shards, kind="stable")
+    targets = spans.rows if rows is None else rows[spans.rows]
+    current, tokens = -1, None
+    for row, shard, lo, hi, col in zip(
+        targets[order].tolist(),
+        spans.shards[order].tolist(),
+        spans.lo[order].tolist(),
+        spans.hi[order].tolist(),
+        spans.col[order].tolist(),
+    ):
+        if shard != current:
+            current, tokens = shard, tokens_of(shard)
+        out[row, col : col + hi - lo] = tokens[lo:hi]  # type: ignore[index]
+
+
+def boundaries(
+    spans: Spans,
+    rows: int,
+    columns: int,
+    offsets_of: Callable[[int], np.ndarray],
+    doc_starts: np.ndarray,
+) -> Boundaries:
+    """Document boundaries in the first ``columns`` columns of a batch of ``rows`` rows.
+
+    Computed from the offset tables of the shards the spans touch (two ``searchsorted`` calls per shard);
+    no token is read.
+
+    Args:
+        spans: the batch's spans, covering every one of the first ``columns`` columns.
+        rows: rows of the batch.
+        columns: columns to cover, e.g. ``seq_len`` (a window's ``overlap`` tail excluded).
+        offsets_of: the offset table of a shard: each document's end, local to the shard.
+        doc_starts: global index of each shard's first document.
+
+    Returns:
+        A :class:`Boundaries` whose arrays have shape ``(rows, columns)``.
+    """
+    if rows == 0:
+        empty = np.zeros((0, columns), dtype=np.int64)
+        return Boundaries(empty, empty.copy(), np.zeros(1, dtype=np.int32), 0)
+    spans = spans.head(columns)
+    positions, docs = [], []
+    for shard in np.unique(spans.shards).tolist():
+        mine = spans.shards == shard
+        found = _segments_in_shard(
+            offsets_of(shard),
+            int(doc_starts[shard]),
+            spans.lo[mine],
+            spans.hi[mine],
+            spans.rows[mine] * columns + spans.col[mine],
+        )
+        positions += [found[0], found[2]]
+        docs += [found[1], found[3]]
+    starts, start_docs = np.concatenate(positions), np.concatenate(docs)
+    order = np.argsort(starts, kind="stable")
+    starts, start_docs = starts[order], start_docs[order]
+    # Empty documents (no EOS appended) end where the next starts: keep the last, which holds tokens.
+    last = np.append(starts[1:] != starts[:-1], True)
+    starts, start_docs = starts[last], start_docs[last]
+    total = rows * columns
+    lengths = np.diff(starts, append=total)
+    position_ids = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
+    doc_ids = np.repeat(start_docs, lengths)
+    return Boundaries(
+        position_ids=position_ids.reshape(rows, columns),
+        doc_ids=doc_ids.reshape(rows, columns),
+        cu_seqlens=np.append(starts, total).astype(np.int32),
+        max_seqlen=int(lengths.max()) if lengths.size else 0,
+    )
+
+
+def _segments_in_shard(
+    offsets: np.ndarray, base: int, lo: np.ndarray, hi: np.ndarray, flat: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Segment starts of the spans ``[lo, hi)`` of one shard that begin at ``flat`` in the batch.
+
+    ``offsets`` is the shard's offset table and ``base`` the global index of its first document. Returns
+    the flat position and global document id of each span start, then of each document start strictly
+    inside a span.
+    """
+    # offsets hold each document's END: document j spans [offsets[j-1], offsets[j]). uint64 queries
+    # keep searchsorted from promoting the whole table to float64.
+    first = np.searchsorted(offsets, lo.astype(np.uint64), side="right").astype(np.int64)
+    stop = np.searchsorted(offsets, hi.astype(np.uint64), side="left").astype(np.int64)
+    counts = stop - first
+    ends = _ragged_arange(first, counts)
+    cut_local = offsets[ends].astype(np.int64)
+    cut_pos = np.repeat(flat - lo, counts) + cut_local
+    return flat, base + first, cut_pos, base + ends + 1
+
+
+def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenate ``arange(s, s + c)`` per pair, vectorised: ``[5, 6, 7, 2]`` from ``[5, 2], [3, 1]``."""
+    offsets = np.cumsum(counts) - counts
+    return np.repeat(starts - offsets, counts) + np.arange(int(counts.sum()), dtype=np.int64)
