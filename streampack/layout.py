@@ -19,7 +19,16 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["Boundaries", "FixedWindows", "Layout", "Spans", "boundaries", "read_spans", "split_windows"]
+__all__ = [
+    "BatchedSpans",
+    "Boundaries",
+    "FixedWindows",
+    "Layout",
+    "Spans",
+    "boundaries",
+    "read_spans",
+    "split_windows",
+]
 
 
 @dataclass(frozen=True)
@@ -178,17 +187,67 @@ def read_spans(
     """
     order = np.argsort(spans.shards, kind="stable")
     targets = spans.rows if rows is None else rows[spans.rows]
+    _copy(
+        targets[order],
+        spans.shards[order],
+        spans.lo[order],
+        spans.hi[order],
+        spans.col[order],
+        out,
+        tokens_of,
+    )
+
+
+class BatchedSpans:
+    """The spans of several batches of ``rows`` rows each, sorted once so that each batch copies in one loop.
+
+    A loader plans a few thousand rows at a time; splitting their windows and sorting their spans by shard
+    once per plan, rather than once per batch, leaves only the copy to each batch.
+
+    Args:
+        spans: the spans of ``batches * rows`` consecutive rows.
+        rows: rows per batch.
+        batches: the number of batches.
+    """
+
+    def __init__(self, spans: Spans, rows: int, batches: int) -> None:
+        batch = spans.rows // rows
+        order = np.lexsort((spans.shards, batch))
+        self._rows, self._shards = (spans.rows % rows)[order], spans.shards[order]
+        self._lo, self._hi, self._col = spans.lo[order], spans.hi[order], spans.col[order]
+        self._bounds = np.searchsorted(batch[order], np.arange(batches + 1)).tolist()
+
+    def read(self, batch: int, out: np.ndarray, tokens_of: Callable[[int], np.ndarray]) -> None:
+        """Copy the spans of batch ``batch`` into ``out`` (its ``rows`` rows)."""
+        part = slice(self._bounds[batch], self._bounds[batch + 1])
+        _copy(
+            self._rows[part],
+            self._shards[part],
+            self._lo[part],
+            self._hi[part],
+            self._col[part],
+            out,
+            tokens_of,
+        )
+
+
+def _copy(
+    rows: np.ndarray,
+    shards: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    col: np.ndarray,
+    out: np.ndarray,
+    tokens_of: Callable[[int], np.ndarray],
+) -> None:
+    """Copy spans already in shard order, looking each shard's tokens up once."""
     current, tokens = -1, None
-    for row, shard, lo, hi, col in zip(
-        targets[order].tolist(),
-        spans.shards[order].tolist(),
-        spans.lo[order].tolist(),
-        spans.hi[order].tolist(),
-        spans.col[order].tolist(),
+    for row, shard, start, stop, column in zip(
+        rows.tolist(), shards.tolist(), lo.tolist(), hi.tolist(), col.tolist()
     ):
         if shard != current:
             current, tokens = shard, tokens_of(shard)
-        out[row, col : col + hi - lo] = tokens[lo:hi]  # type: ignore[index]
+        out[row, column : column + stop - start] = tokens[start:stop]  # type: ignore[index]
 
 
 def boundaries(

@@ -34,6 +34,7 @@ import numpy.typing as npt
 
 from streampack.collate import Format, format_for
 from streampack.errors import LoaderStateError, OptionsError
+from streampack.layout import BatchedSpans
 from streampack.mixture import Mixture
 from streampack.order import MAX_POSITION, Order, Shuffled, data_fingerprint, groups
 from streampack.sequences import JoinedSequences, PackedSequences
@@ -252,7 +253,7 @@ class Loader:
                 data=self.sources[0].fingerprint,
             )
         parts = [source.data for source in self.sources]
-        joinable = len(parts) > 1 and all(isinstance(part, PackedSequences) for part in parts)
+        joinable = all(isinstance(part, PackedSequences) for part in parts)
         self._joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
         # Every checkpoint resumes against the order given here, never one an earlier load produced.
         self._configured = self.order
@@ -326,7 +327,7 @@ class Loader:
 
     def _clear_caches(self) -> None:
         # The order of a few thousand upcoming rows: (first position, stride, count, sources, samples).
-        self._plan: tuple[int, int, int, np.ndarray, np.ndarray] | None = None
+        self._plan: _Plan | None = None
         self._last_request: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -460,7 +461,7 @@ class Loader:
             An array, or a dict of arrays, passed through ``collate`` when one was given.
         """
         sources, samples = self.picks(position)
-        result = self.formatter(self._read(sources, samples, out), sources, samples)
+        result = self.formatter(self._read(sources, samples, out, position), sources, samples)
         return self.collate(result) if self.collate is not None else result
 
     def batch_shape(self, position: int) -> tuple[int, int]:
@@ -508,11 +509,12 @@ class Loader:
         """
         plan, last = self._plan, self._last_request
         self._last_request = position
-        if plan is not None:
-            first, stride, count, sources, samples = plan
-            step, offset = divmod(position - first, stride)
-            if offset == 0 and 0 <= step < count:
-                return sources[step], samples[step]
+        step = plan.step(position) if plan is not None else None
+        if plan is None or step is None:
+            plan, step = self._make_plan(position, last), 0
+        return plan.sources[step], plan.samples[step]
+
+    def _make_plan(self, position: int, last: int | None) -> _Plan:
         opts = self.options
         stride = position - last if last is not None and position > last else opts.batch_size
         end = self.order.end
@@ -522,10 +524,17 @@ class Loader:
         count = min(count, (MAX_POSITION - position - opts.batch_size) // stride + 1)
         firsts = position + stride * np.arange(count, dtype=np.int64) + opts.rank * opts.rows
         sources, samples = self.order((firsts[:, None] + np.arange(opts.rows, dtype=np.int64)).reshape(-1))
-        self._plan = (position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1))
-        return self._plan[3][0], self._plan[4][0]
+        # The windows of the whole plan are split at shard boundaries and sorted by shard once, here.
+        joined = self._joined
+        spans = None if joined is None else BatchedSpans(joined.spans(sources, samples), opts.rows, count)
+        self._plan = _Plan(
+            position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1), spans
+        )
+        return self._plan
 
-    def _read(self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    def _read(
+        self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None, position: int | None = None
+    ) -> np.ndarray:
         if out is None:
             out = np.empty((len(samples), self.width), dtype=self.options.dtype or self.source_dtype)
         elif (
@@ -538,6 +547,11 @@ class Loader:
                 f"holds every {self.source_dtype} id (got {type(out).__name__} "
                 f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
             )
+        plan = self._plan
+        step = None if plan is None or plan.spans is None or position is None else plan.step(position)
+        if step is not None and self._joined is not None:
+            plan.spans.read(step, out, self._joined.tokens)  # type: ignore[union-attr]
+            return out
         if len(self.sources) == 1:
             self.sources[0].read(samples, out)
             return out
@@ -653,6 +667,23 @@ class Loader:
             "data": state["dataset"],
         }
         return {"position": min(epoch * n + samples, MAX_POSITION + 1), "order": order}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The picks of ``count`` full batches at ``first``, ``first + stride``, ...: this rank's rows of each."""
+
+    first: int
+    stride: int
+    count: int
+    sources: np.ndarray  # (count, rows)
+    samples: np.ndarray  # (count, rows)
+    spans: BatchedSpans | None  # where their tokens are, when every source is a cache
+
+    def step(self, position: int) -> int | None:
+        """Which planned batch starts at ``position``, if any."""
+        step, offset = divmod(position - self.first, self.stride)
+        return step if offset == 0 and 0 <= step < self.count else None
 
 
 class _Source:

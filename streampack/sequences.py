@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from streampack.errors import CacheError
-from streampack.layout import Boundaries, FixedWindows, boundaries, read_spans, split_windows
+from streampack.layout import Boundaries, FixedWindows, Spans, boundaries, read_spans, split_windows
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -306,6 +306,10 @@ class PackedSequences:
         return self.cache.shard_offsets(shard)
 
 
+# Shard maps a JoinedSequences keeps at hand (each holds a file descriptor while kept).
+_RECENT_MAPS = 16
+
+
 class JoinedSequences:
     """Several :class:`PackedSequences` of one width read as one token space: one split, one copy loop.
 
@@ -322,9 +326,16 @@ class JoinedSequences:
         self.parts = list(parts)
         self.seq_len, self.width = parts[0].seq_len, parts[0].width
         self._token_starts: np.ndarray | None = None
+        self._recent: dict[int, np.ndarray] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"parts": self.parts, "seq_len": self.seq_len, "width": self.width, "_token_starts": None}
+        return {
+            "parts": self.parts,
+            "seq_len": self.seq_len,
+            "width": self.width,
+            "_token_starts": None,
+            "_recent": {},
+        }
 
     def _join(self) -> np.ndarray:
         starts, owners, base = [np.zeros(1, dtype=np.int64)], [], 0
@@ -338,15 +349,30 @@ class JoinedSequences:
         self._token_starts = np.concatenate(starts)
         return self._token_starts
 
-    def read(self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray) -> None:
-        """Write sample ``samples[k]`` of source ``sources[k]`` into ``out[k]`` (indices already checked)."""
+    def spans(self, sources: np.ndarray, samples: np.ndarray) -> Spans:
+        """The spans of sample ``samples[k]`` of source ``sources[k]`` in row ``k`` (indices checked)."""
         table = self._token_starts if self._token_starts is not None else self._join()
         starts = self._bases[sources] + samples * self.seq_len
-        read_spans(split_windows(table, starts, self.width), out, self._tokens)
+        return split_windows(table, starts, self.width)
 
-    def _tokens(self, shard: int) -> np.ndarray:
-        part, local = self._owners[shard]
-        return self.parts[part]._tokens(local)
+    def read(self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray) -> None:
+        """Write sample ``samples[k]`` of source ``sources[k]`` into ``out[k]`` (indices already checked)."""
+        read_spans(self.spans(sources, samples), out, self.tokens)
+
+    def tokens(self, shard: int) -> np.ndarray:
+        """The tokens of shard ``shard`` of the joined stream.
+
+        The last few maps are kept here: a mixed batch touches a shard of every source, and each cache's
+        own lookup has LRU bookkeeping to pay. A few more open maps keep descriptors bounded.
+        """
+        tokens = self._recent.get(shard)
+        if tokens is None:
+            part, local = self._owners[shard]
+            tokens = self.parts[part]._tokens(local)
+            if len(self._recent) >= _RECENT_MAPS:
+                self._recent.pop(next(iter(self._recent)))
+            self._recent[shard] = tokens
+        return tokens
 
 
 @functools.lru_cache(maxsize=64)
