@@ -125,7 +125,7 @@ def first_batch(args: argparse.Namespace) -> dict[str, Any]:
         next(iter(DataLoader(loader, num_workers=args.workers)))
     else:
         next(iter(loader))
-    return {"seconds": time.perf_counter() - start, "epoch": state["epoch"]}
+    return {"seconds": time.perf_counter() - start, "position": state["position"]}
 
 
 def main() -> None:
