@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -46,3 +48,20 @@ def environment() -> str:
         f"{datetime.date.today()}, {platform.machine()}, {os.cpu_count()} cores, Python "
         f"{platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}"
     )
+
+
+def parser(doc: str, name: str, *, repeats: int, batches: int) -> argparse.ArgumentParser:
+    """The options every loader benchmark takes: --quick, --repeats, --batches, --tmp and --out."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small caches and few batches (a smoke test)")
+    parser.add_argument(
+        "--repeats", type=int, default=repeats, help="best of N throughput runs, median of N starts"
+    )
+    parser.add_argument("--batches", type=int, default=batches, help="batches per timed throughput run")
+    parser.add_argument(
+        "--tmp",
+        default=os.path.join(tempfile.gettempdir(), f"streampack-bench-{name}"),
+        help="scratch space, removed afterwards",
+    )
+    parser.add_argument("--out", help=f"report file (default benchmarks/results/{name}[-quick].md)")
+    return parser

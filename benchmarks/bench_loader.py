@@ -19,16 +19,15 @@ Prints a markdown table and writes it to ``benchmarks/results/loader.md`` (``loa
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from _report import environment, goal, run_json, warm
+from _report import parser as report_parser
 
 from streampack._synthetic import write_random_cache
 
@@ -185,18 +184,7 @@ def first_batch_table(cache: Path, repeats: int) -> tuple[str, list[str]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small caches and few batches (a smoke test)")
-    parser.add_argument(
-        "--repeats", type=int, default=3, help="best of N throughput runs, median of N starts"
-    )
-    parser.add_argument("--batches", type=int, default=400, help="batches per throughput run")
-    parser.add_argument(
-        "--tmp",
-        default=os.path.join(tempfile.gettempdir(), "streampack-bench-loader"),
-        help="scratch space, removed afterwards",
-    )
-    parser.add_argument("--out", help="report file (default benchmarks/results/loader[-quick].md)")
+    parser = report_parser(__doc__, "loader", repeats=3, batches=400)
     parser.add_argument(
         "--peers-python",
         default=os.environ.get("STREAMPACK_PEERS_PYTHON")

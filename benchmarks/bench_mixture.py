@@ -24,16 +24,15 @@ Prints a markdown table and writes it to ``benchmarks/results/mixture.md`` (``mi
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from _report import environment, goal, run_json, warm
+from _report import parser as report_parser
 
 from streampack._synthetic import write_random_cache
 
@@ -212,18 +211,7 @@ def load() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small caches and few batches (a smoke test)")
-    parser.add_argument(
-        "--repeats", type=int, default=7, help="rounds: best of N throughput runs, median of N starts"
-    )
-    parser.add_argument("--batches", type=int, default=1000, help="batches per timed throughput run")
-    parser.add_argument(
-        "--tmp",
-        default=os.path.join(tempfile.gettempdir(), "streampack-bench-mixture"),
-        help="scratch space, removed afterwards",
-    )
-    parser.add_argument("--out", help="report file (default benchmarks/results/mixture[-quick].md)")
+    parser = report_parser(__doc__, "mixture", repeats=7, batches=1000)
     args = parser.parse_args()
 
     tmp = Path(args.tmp)
