@@ -57,9 +57,9 @@ class DataSource(Protocol):
 
     :class:`streampack.sequences.PackedSequences` is the usual one; a 2-D numpy array is one too (sample
     ``i`` is row ``i``), a list of arrays is not (it cannot be indexed by an array). A source may also offer
-    ``read(indices, out=..., rows=...)`` (fill the given rows of an array), ``boundaries(indices)``
-    (needed for ``output="dict"``), ``fingerprint()`` (checked against checkpoints), ``dtype`` and
-    ``width`` (tokens per sample).
+    ``read(indices, out=...)`` (fill the given array: used instead of ``[indices]`` when a batch is read
+    from this source alone), ``boundaries(indices)`` (needed for ``output="dict"``), ``fingerprint()``
+    (checked against checkpoints), ``dtype`` and ``width`` (tokens per sample).
     """
 
     def __len__(self) -> int: ...
@@ -708,6 +708,7 @@ class _Source:
         # PackedSequences: read straight into the rows, skipping read()'s checks of the indices and of
         # out, which the loader made itself (in range, int64) and checked once here.
         self._read_rows = data._read if isinstance(data, PackedSequences) else None
+        self._read_into = None if self._read_rows is not None else getattr(data, "read", None)
 
     def __len__(self) -> int:
         return self.size
@@ -716,6 +717,9 @@ class _Source:
         """Write sample ``indices[k]`` into ``out[rows[k]]`` (into ``out[k]`` when ``rows`` is None)."""
         if self._read_rows is not None:
             self._read_rows(indices, out, rows)
+            return
+        if self._read_into is not None and rows is None:
+            self._read_into(indices, out=out)
             return
         tokens = np.asarray(self.data[indices])
         if rows is None:

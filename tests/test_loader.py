@@ -638,3 +638,15 @@ def test_resume_with_any_ranks_workers_and_batch_size_continues_the_stream(
         after.append([made[i % workers][i // workers] for i in range(len(positions))])
     tail = flat([flat(step) for step in zip(*after, strict=True)])
     assert head + tail == stream
+
+
+def test_a_source_with_its_own_read_fills_the_batch_itself() -> None:
+    class Reading(IndexSource):
+        def read(self, indices: np.ndarray, *, out: np.ndarray) -> np.ndarray:
+            self.filled = getattr(self, "filled", 0) + 1
+            out[:, 0] = indices
+            return out
+
+    source = Reading(40)
+    batches = served(Loader(source, batch_size=4, seed=1, epochs=1))
+    assert sorted(flat(batches)) == list(range(40)) and source.filled == 10
