@@ -396,3 +396,22 @@ def test_caches_of_several_shards_read_as_one_token_space(tmp_path) -> None:  # 
         sources, samples = loader.picks(position)
         expected = [seqs[mix.names[j]][i] for j, i in zip(sources.tolist(), samples.tolist(), strict=True)]
         assert np.array_equal(batch, np.stack(expected))
+
+
+def test_caches_cut_at_other_seq_lens_of_one_width_read_their_own_windows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """seq_len 8 + overlap 1 and seq_len 9 + overlap 0 are both 9 wide: each cache keeps its own stride."""
+    from streampack._synthetic import write_random_cache
+
+    seqs = {
+        "a": streampack.open(write_random_cache(tmp_path / "a", 5_000, num_shards=3, seed=1)).sequences(
+            8, overlap=1
+        ),
+        "b": streampack.open(write_random_cache(tmp_path / "b", 7_000, num_shards=2, seed=2)).sequences(9),
+    }
+    mix = Mixture(seqs, weights={"a": 1, "b": 1}, block_size=16)
+    loader = Loader(mix, batch_size=8)
+    assert loader._joined is not None
+    for position in (0, 8, 800, 16, 4000):
+        sources, samples = loader.picks(position)
+        expected = [seqs[mix.names[j]][i] for j, i in zip(sources.tolist(), samples.tolist(), strict=True)]
+        assert np.array_equal(loader.batch(position), np.stack(expected))
