@@ -493,7 +493,9 @@ def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | 
         except (OSError, ValueError) as e:
             raise StreampackError(f"cannot read the loader state {state_path}: {e}") from None
         loader.load_state_dict(state)
-    position = loader.position + steps * (batch_size or 1)
+    from streampack.order import MAX_POSITION
+
+    position = min(loader.position + steps * (batch_size or 1), MAX_POSITION)  # as realised() counts
     if loader.order.end is not None:
         position = min(position, loader.order.end)
     report = loader.realised(steps)

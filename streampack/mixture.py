@@ -361,7 +361,11 @@ class Mixture:
             if saved.get("shuffle") != self.shuffle:
                 raise LoaderStateError(mismatch("shuffle", saved.get("shuffle"), self.shuffle))
             counts = tuple(self.block_size if name == names[0] else 0 for name in self.names)
-            return [(0, counts)], {names[0]: (int(saved["seed"]), data)}
+            try:
+                seed = _saved_seed(saved.get("seed"))
+            except ValueError as error:
+                raise LoaderStateError(f"the checkpoint's order is damaged ({error})") from error
+            return [(0, counts)], {names[0]: (seed, data)}
         if kind != "mixture":
             raise LoaderStateError(
                 f"the checkpoint's order is not a loader order (kind={kind!r}); it is damaged"
@@ -370,14 +374,40 @@ class Mixture:
             if saved.get(key) != mine:
                 raise LoaderStateError(mismatch(key, saved.get(key), mine))
         try:
-            seeds = {name: (int(info["seed"]), info["data"]) for name, info in saved["sources"].items()}
-            history = [
-                (int(first), tuple(int(counts.get(name, 0)) for name in self.names))
-                for first, counts in saved["schedule"]
-            ]
+            seeds = {
+                name: (_saved_seed(info["seed"]), info["data"]) for name, info in saved["sources"].items()
+            }
+            history = self._saved_schedule(saved["schedule"], set(seeds))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise LoaderStateError(f"the checkpoint's mixture schedule is damaged ({error!r})") from error
+            raise LoaderStateError(f"the checkpoint's mixture schedule is damaged ({error})") from error
         return history, seeds
+
+    def _saved_schedule(self, schedule: object, known: set[str]) -> list[tuple[int, Counts]]:
+        """A checkpoint's schedule as counts over this mixture's names, refused unless a mixture saved it.
+
+        Raises:
+            ValueError: not a list of ``[first block, {source: count}]`` from block 0 in increasing order,
+                counts of sources the checkpoint does not read, or counts that are not non-negative
+                integers filling a block.
+        """
+        if not isinstance(schedule, list) or not schedule:
+            raise ValueError(
+                f"the schedule is a non-empty list of [first block, counts] (got {_summary(schedule)})"
+            )
+        history: list[tuple[int, Counts]] = []
+        for first, counts in schedule:
+            previous = history[-1][0] if history else -1
+            if not _is_whole(first) or first <= previous:
+                raise ValueError(f"a segment at block {first!r} follows one at block {previous}")
+            if not isinstance(counts, Mapping) or not set(counts) <= known:
+                raise ValueError(f"counts {_summary(counts)} name sources other than {sorted(known)}")
+            whole = all(_is_whole(c) and c >= 0 for c in counts.values())
+            if not whole or sum(counts.values()) != self.block_size:
+                raise ValueError(f"counts {_summary(counts)} do not fill a block of {self.block_size}")
+            history.append((int(first), tuple(int(counts.get(name, 0)) for name in self.names)))
+        if history[0][0] != 0:
+            raise ValueError(f"the schedule starts at block {history[0][0]}, not 0")
+        return history
 
 
 def _checked_sources(sources: Mapping[str, Any]) -> dict[str, Any]:
@@ -458,6 +488,17 @@ def _derive(seed: int, tag: str) -> int:
 def _check_int(name: str, value: object, lo: int, hi: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= hi:
         raise OptionsError(f"{name} must be an integer in [{lo}, {hi}] (got {value!r})")
+
+
+def _is_whole(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _saved_seed(value: object) -> int:
+    """A checkpoint's source seed, which must be one a Mixture derives: an integer in ``[0, 2**64)``."""
+    if not _is_whole(value) or not 0 <= int(value) < 2**64:  # type: ignore[call-overload]
+        raise ValueError(f"a source's seed must be an integer in [0, 2**64) (got {_summary(value)})")
+    return int(value)  # type: ignore[call-overload]
 
 
 def _summary(value: object, limit: int = 120) -> str:

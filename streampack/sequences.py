@@ -319,20 +319,22 @@ class JoinedSequences:
     into the next: a cache's last window ends inside its own tokens.
 
     Args:
-        parts: the sources, in source-id order; all of one ``width``.
+        parts: the sources, in source-id order; all of one ``width`` (each with its own ``seq_len``:
+            ``seq_len + overlap`` may be the same width cut at another stride).
     """
 
     def __init__(self, parts: Sequence[PackedSequences]) -> None:
         self.parts = list(parts)
-        self.seq_len, self.width = parts[0].seq_len, parts[0].width
+        self.width = parts[0].width
+        self._seq_lens = np.array([part.seq_len for part in self.parts], dtype=np.int64)
         self._token_starts: np.ndarray | None = None
         self._recent: dict[int, np.ndarray] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         return {
             "parts": self.parts,
-            "seq_len": self.seq_len,
             "width": self.width,
+            "_seq_lens": self._seq_lens,
             "_token_starts": None,
             "_recent": {},
         }
@@ -352,7 +354,7 @@ class JoinedSequences:
     def spans(self, sources: np.ndarray, samples: np.ndarray) -> Spans:
         """The spans of sample ``samples[k]`` of source ``sources[k]`` in row ``k`` (indices checked)."""
         table = self._token_starts if self._token_starts is not None else self._join()
-        starts = self._bases[sources] + samples * self.seq_len
+        starts = self._bases[sources] + samples * self._seq_lens[sources]
         return split_windows(table, starts, self.width)
 
     def read(self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray) -> None:

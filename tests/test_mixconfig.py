@@ -124,3 +124,12 @@ def test_cli_mix_prints_the_plan_and_where_a_checkpoint_stands(project: Path) ->
     assert usage.returncode == 2 and "--steps needs --batch-size" in usage.stderr
     broken = run_cli("mix", "--config", project / "nope.yaml", check=False)
     assert broken.returncode == 1 and "cannot read the mixture config" in broken.stderr
+
+
+def test_cli_mix_far_ahead_reports_the_position_its_shares_are_of(project: Path) -> None:
+    """Steps past the last position a run can reach: the position shown is the one served is counted at."""
+    out = run_cli(
+        "mix", "--config", project / "mix.yaml", "--steps", str(2**61), "--batch-size", "8", "--json"
+    ).stdout
+    report = json.loads(out)
+    assert report["position"] == sum(row["served"] for row in report["sources"])

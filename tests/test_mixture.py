@@ -396,3 +396,63 @@ def test_caches_of_several_shards_read_as_one_token_space(tmp_path) -> None:  # 
         sources, samples = loader.picks(position)
         expected = [seqs[mix.names[j]][i] for j, i in zip(sources.tolist(), samples.tolist(), strict=True)]
         assert np.array_equal(batch, np.stack(expected))
+
+
+def test_caches_cut_at_other_seq_lens_of_one_width_read_their_own_windows(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """seq_len 8 + overlap 1 and seq_len 9 + overlap 0 are both 9 wide: each cache keeps its own stride."""
+    from streampack._synthetic import write_random_cache
+
+    seqs = {
+        "a": streampack.open(write_random_cache(tmp_path / "a", 5_000, num_shards=3, seed=1)).sequences(
+            8, overlap=1
+        ),
+        "b": streampack.open(write_random_cache(tmp_path / "b", 7_000, num_shards=2, seed=2)).sequences(9),
+    }
+    mix = Mixture(seqs, weights={"a": 1, "b": 1}, block_size=16)
+    loader = Loader(mix, batch_size=8)
+    assert loader._joined is not None
+    for position in (0, 8, 800, 16, 4000):
+        sources, samples = loader.picks(position)
+        expected = [seqs[mix.names[j]][i] for j, i in zip(sources.tolist(), samples.tolist(), strict=True)]
+        assert np.array_equal(loader.batch(position), np.stack(expected))
+
+
+def _damaged(order: dict, key: str, value: object) -> None:  # type: ignore[type-arg]
+    if key == "seed of a":
+        order["sources"]["a"]["seed"] = value
+    else:
+        order[key] = value
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("schedule", []),
+        ("schedule", [[0, {"a": 4, "b": 4}], [0, {"a": 2, "b": 6}]]),
+        ("schedule", [[-3, {"a": 4, "b": 4}], [5, {"a": 2, "b": 6}]]),
+        ("schedule", [[5, {"a": 2, "b": 6}], [0, {"a": 4, "b": 4}]]),
+        ("schedule", [[2, {"a": 4, "b": 4}]]),
+        ("schedule", [[True, {"a": 4, "b": 4}]]),
+        ("schedule", [[0, {"a": 5, "b": 4}]]),
+        ("schedule", [[0, {"a": -4, "b": 12}]]),
+        ("schedule", [[0, {"a": 4, "zz": 4}]]),
+        ("schedule", [[0, {"a": 4.5, "b": 3.5}]]),
+        ("seed of a", -1),
+        ("seed of a", 2**70),
+    ],
+)
+def test_a_damaged_mixture_schedule_is_refused_and_changes_nothing(key: str, value: object) -> None:
+    mix = Mixture(
+        {"a": source(0, 100), "b": source(1, 200)},
+        stages=[(0, {"a": 1, "b": 1}), (40, {"a": 1, "b": 3})],
+        block_size=8,
+    )
+    state = Loader(mix, batch_size=4).state_dict() | {"position": 20}
+    _damaged(state["order"], key, value)
+    loader = Loader(mix, batch_size=4)
+    loader.advance(3)
+    before = loader.position, loader.order.fingerprint(), loader.batch(loader.position)
+    with pytest.raises(LoaderStateError, match="damaged"):
+        loader.load_state_dict(json.loads(json.dumps(state)))
+    assert loader.position == before[0] and loader.order.fingerprint() == before[1]
+    assert np.array_equal(loader.batch(loader.position), before[2])
