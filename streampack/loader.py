@@ -266,7 +266,9 @@ class Loader:
     @property
     def source_dtype(self) -> np.dtype:
         """The dtype that holds the tokens of every source: the cache dtype, for one cache."""
-        return np.result_type(*(source.dtype for source in self.sources))
+        dtype = np.result_type(*(source.dtype for source in self.sources))
+        # int64 with uint64 promotes to float64, which would round ids: token ids fit int64.
+        return dtype if dtype.kind in "iu" else np.dtype(np.int64)
 
     @property
     def width(self) -> int:

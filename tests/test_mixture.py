@@ -456,3 +456,11 @@ def test_a_damaged_mixture_schedule_is_refused_and_changes_nothing(key: str, val
         loader.load_state_dict(json.loads(json.dumps(state)))
     assert loader.position == before[0] and loader.order.fingerprint() == before[1]
     assert np.array_equal(loader.batch(loader.position), before[2])
+
+
+def test_sources_of_mixed_signedness_give_integer_batches() -> None:
+    mix = Mixture(
+        {"a": source(0, 50), "b": source(1, 50).astype(np.uint64)}, weights={"a": 1, "b": 1}, block_size=2
+    )
+    batch = Loader(mix, batch_size=4, dtype=None).batch(0)
+    assert batch.dtype == np.int64 and sorted(j for j, _ in decode(batch)) == [0, 0, 1, 1]
