@@ -5,7 +5,9 @@ hands it to the format chosen once from its ``output=`` option:
 
 * ``"numpy"``: :class:`Tokens`, the array itself;
 * ``"dict"``: :class:`CausalLMDict`, the ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face
-  causal language models take.
+  causal language models take, with no loss across documents;
+* ``"varlen"``: the same plus ``cu_seqlens`` and ``max_seqlen``, for variable-length attention kernels
+  (``flash_attn_varlen_func``) in a model of one's own.
 
 A user's ``collate=`` function, when given, is applied after the format.
 """
@@ -41,19 +43,34 @@ class Tokens:
 
 
 class CausalLMDict:
-    """``input_ids``, ``labels`` and ``position_ids``, as Hugging Face causal LMs take: ``output="dict"``.
+    """Batches as Hugging Face causal LMs take them, with no loss across documents: ``output="dict"``.
 
-    ``labels`` is a copy of ``input_ids`` (the models shift it themselves); ``position_ids`` restart at 0
-    at every document start and every row start, from each source's ``boundaries()``.
+    Fields, each ``(rows, seq_len)``:
+
+    * ``input_ids``: the tokens, in the loader's dtype.
+    * ``labels``: ``int64``; the tokens, except ``-100`` (ignored by the loss) at every document start
+      and every row start. The models shift labels themselves: the label at a document's first token
+      would be predicted from the end of the previous document, which is not its context.
+    * ``position_ids``: ``int64``; 0 at every document start and every row start, counting up inside a
+      document. Hugging Face models with flash attention read packed documents from them (the same
+      three fields as its ``DataCollatorWithFlattening``).
+
+    With ``varlen=True`` (``output="varlen"``), also:
+
+    * ``cu_seqlens``: ``int32``, ``(segments + 1,)``: where each segment (a document, or its part in a
+      row) starts in the flattened batch, then ``rows * seq_len``. Its length varies from batch to batch.
+    * ``max_seqlen``: ``int``, the longest segment.
 
     Args:
         sources: the loader's data sources, in source-id order.
+        varlen: add ``cu_seqlens`` and ``max_seqlen``.
 
     Raises:
         OptionsError: a source has no ``boundaries()`` method, or its samples overlap.
     """
 
-    def __init__(self, sources: Sequence[object]) -> None:
+    def __init__(self, sources: Sequence[object], *, varlen: bool = False) -> None:
+        self.varlen = varlen
         self._boundaries: list[Callable[[np.ndarray], Boundaries]] = []
         for data in sources:
             if not hasattr(data, "boundaries"):
@@ -64,16 +81,25 @@ class CausalLMDict:
             overlap = int(getattr(data, "overlap", 0))
             if overlap:
                 raise OptionsError(
-                    "output='dict' gives labels = input_ids (Hugging Face models shift them inside), so the "
-                    f"samples need no overlap (got overlap={overlap}); use cache.sequences(seq_len) with "
+                    "output='dict' labels the input tokens themselves (Hugging Face models shift them), so "
+                    f"the samples need no overlap (got overlap={overlap}); use cache.sequences(seq_len) with "
                     "overlap=0, or output='numpy' for x/y windows"
                 )
             self._boundaries.append(data.boundaries)
 
-    def __call__(self, tokens: np.ndarray, sources: np.ndarray, samples: np.ndarray) -> dict[str, np.ndarray]:
-        """The dict of ``tokens``: ``input_ids`` (the array itself), ``labels`` and ``position_ids``."""
+    def __call__(self, tokens: np.ndarray, sources: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
+        """The dict of ``tokens``: ``input_ids`` (the array itself), ``labels``, ``position_ids``, ..."""
         position_ids = self._position_ids(sources, samples, tokens.shape)
-        return {"input_ids": tokens, "labels": tokens.copy(), "position_ids": position_ids}
+        starts = position_ids == 0
+        labels = tokens.astype(np.int64)
+        labels[starts] = -100
+        batch: dict[str, Any] = {"input_ids": tokens, "labels": labels, "position_ids": position_ids}
+        if self.varlen:
+            first = np.flatnonzero(starts.reshape(-1))
+            cu_seqlens = np.append(first, starts.size).astype(np.int32)
+            batch["cu_seqlens"] = cu_seqlens
+            batch["max_seqlen"] = int(np.diff(cu_seqlens).max()) if len(first) else 0
+        return batch
 
     def _position_ids(self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         if len(self._boundaries) == 1:
@@ -85,9 +111,11 @@ class CausalLMDict:
 
 
 def format_for(output: str, sources: Sequence[object]) -> Format:
-    """The format of ``output`` (``"numpy"`` or ``"dict"``, already validated) for these sources.
+    """The format of ``output`` (``"numpy"``, ``"dict"`` or ``"varlen"``, already validated).
 
     Raises:
-        OptionsError: ``output="dict"`` is asked of sources it does not fit (see :class:`CausalLMDict`).
+        OptionsError: a dict is asked of sources it does not fit (see :class:`CausalLMDict`).
     """
-    return CausalLMDict(sources) if output == "dict" else Tokens()
+    if output == "numpy":
+        return Tokens()
+    return CausalLMDict(sources, varlen=output == "varlen")

@@ -49,7 +49,7 @@ _STATE_FORMAT = "streampack.Loader"
 # whatever its size, which would otherwise dominate a small batch.
 _PLAN_ROWS = 4096
 
-Output = Literal["numpy", "dict"]
+Output = Literal["numpy", "dict", "varlen"]
 
 
 class DataSource(Protocol):
@@ -83,9 +83,11 @@ class LoaderOptions:
             that batch has fewer rows than ranks: some rank would get a 0-row batch, whose mean loss is
             NaN. Endless runs have no last batch.
         epochs: end the run after this many epochs of the dataset; ``None`` runs forever.
-        output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; or ``"dict"``, the
-            ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take (they
-            shift ``labels`` themselves, so the samples must have no overlap).
+        output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; ``"dict"``, the
+            ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take, with
+            ``-100`` labels at document starts (they shift ``labels`` themselves, so the samples must have
+            no overlap); or ``"varlen"``, the same plus ``cu_seqlens`` and ``max_seqlen``. Field by field:
+            :class:`streampack.collate.CausalLMDict`.
         dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype (the smallest to move
             between processes; cast on arrival).
 
@@ -124,8 +126,8 @@ class LoaderOptions:
                 f"{self.batch_size} does not divide by world_size={self.world_size}. Use a multiple of "
                 f"{self.world_size}, e.g. {suggestion}."
             )
-        if self.output not in ("numpy", "dict"):
-            raise OptionsError(f"output must be 'numpy' or 'dict' (got output={self.output!r})")
+        if self.output not in ("numpy", "dict", "varlen"):
+            raise OptionsError(f"output must be 'numpy', 'dict' or 'varlen' (got output={self.output!r})")
         if self.dtype is not None:
             dtype = np.dtype(self.dtype)
             if dtype.kind not in "iu":
@@ -195,7 +197,7 @@ class Loader:
         drop_last: drop the partial last batch of a run that ends; else split it over the ranks (refused
             when it has fewer rows than ranks, see :class:`LoaderOptions`).
         epochs: epochs to run; ``None`` runs forever (not with a mixture: ``Mixture(stop=...)``).
-        output: ``"numpy"`` or ``"dict"``; see :class:`LoaderOptions`.
+        output: ``"numpy"``, ``"dict"`` or ``"varlen"``; see :class:`LoaderOptions`.
         dtype: integer dtype of the token arrays; ``None`` keeps the cache's.
         collate: applied to every batch before it is yielded (e.g. ``torch.from_numpy``).
 

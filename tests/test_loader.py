@@ -471,7 +471,7 @@ def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
         ({"batch_size": 4, "seed": -1}, r"seed must be an integer in \[0, 2\*\*64\)"),
         ({"batch_size": 4, "epochs": 0}, "epochs must be a positive integer, or None"),
         ({"batch_size": 4, "shuffle": 1}, "shuffle must be True or False"),
-        ({"batch_size": 4, "output": "torch"}, "output must be 'numpy' or 'dict'"),
+        ({"batch_size": 4, "output": "torch"}, "output must be 'numpy', 'dict' or 'varlen'"),
         ({"batch_size": 4, "dtype": np.float32}, "dtype must be an integer dtype"),
     ],
 )
@@ -505,14 +505,33 @@ def test_dict_output_for_hugging_face_models(cache: streampack.Cache) -> None:
     indices = loader.indices(0)
     assert set(batch) == {"input_ids", "labels", "position_ids"}
     assert np.array_equal(batch["input_ids"], seqs[indices]) and batch["input_ids"].dtype == np.int64
-    assert np.array_equal(batch["labels"], batch["input_ids"]) and batch["labels"] is not batch["input_ids"]
-    assert np.array_equal(batch["position_ids"], seqs.boundaries(indices).position_ids)
+    bounds = seqs.boundaries(indices)
+    assert np.array_equal(batch["position_ids"], bounds.position_ids)
+    # No loss across documents: -100 exactly where a document (or a row) starts, the tokens elsewhere.
+    starts = bounds.position_ids == 0
+    assert batch["labels"].dtype == np.int64 and (batch["labels"][starts] == -100).all()
+    assert np.array_equal(batch["labels"][~starts], batch["input_ids"][~starts])
+    assert starts[:, 1:].any()  # documents do start inside these rows
     copy = pickle.loads(pickle.dumps(loader))  # the format goes with the loader, e.g. to spawned workers
     assert all(np.array_equal(value, copy.batch(0)[key]) for key, value in batch.items())
     with pytest.raises(ValueError, match="samples need no overlap"):
         Loader(cache.sequences(32, overlap=1), batch_size=4, output="dict")
     with pytest.raises(ValueError, match="IndexSource does not provide"):
         Loader(IndexSource(100), batch_size=4, output="dict")
+
+
+def test_varlen_output_gives_the_segments_of_the_flattened_batch(cache: streampack.Cache) -> None:
+    seqs = cache.sequences(32)
+    loader = Loader(seqs, batch_size=4, seed=2, output="varlen", dtype=None)
+    batch = loader.batch(8)
+    bounds = seqs.boundaries(loader.indices(8))
+    assert set(batch) == {"input_ids", "labels", "position_ids", "cu_seqlens", "max_seqlen"}
+    assert batch["cu_seqlens"].dtype == np.int32 and np.array_equal(batch["cu_seqlens"], bounds.cu_seqlens)
+    assert batch["max_seqlen"] == bounds.max_seqlen and isinstance(batch["max_seqlen"], int)
+    assert batch["input_ids"].dtype == cache.dtype and batch["labels"].dtype == np.int64  # -100 fits
+    assert np.array_equal(
+        batch["labels"], Loader(seqs, batch_size=4, seed=2, output="dict").batch(8)["labels"]
+    )
 
 
 def test_collate_is_applied_to_every_batch() -> None:

@@ -190,7 +190,13 @@ def test_dict_and_cache_dtype_outputs_through_workers(numbered: streampack.Cache
     batch = next(iter(DataLoader(Loader(seqs, batch_size=4, output="dict", epochs=1), num_workers=2)))
     assert set(batch) == {"input_ids", "labels", "position_ids"}
     assert all(value.dtype == torch.int64 and value.shape == (4, SEQ_LEN) for value in batch.values())
-    assert torch.equal(batch["input_ids"], batch["labels"])
+    starts = batch["position_ids"] == 0
+    assert (batch["labels"][starts] == -100).all() and torch.equal(
+        batch["labels"][~starts], batch["input_ids"][~starts]
+    )
+    varlen = next(iter(DataLoader(Loader(seqs, batch_size=4, output="varlen", epochs=1), num_workers=2)))
+    assert varlen["cu_seqlens"].dtype == torch.int32 and int(varlen["cu_seqlens"][-1]) == 4 * SEQ_LEN
+    assert isinstance(varlen["max_seqlen"], int) and torch.equal(varlen["labels"], batch["labels"])
     raw_loader = Loader(seqs, batch_size=4, dtype=None, epochs=1)
     raw = next(iter(DataLoader(raw_loader, num_workers=2, pin_memory=True)))
     assert raw.dtype == torch.uint16 and raw.shape == (4, SEQ_LEN)
