@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -65,3 +66,13 @@ def parser(doc: str, name: str, *, repeats: int, batches: int) -> argparse.Argum
     )
     parser.add_argument("--out", help=f"report file (default benchmarks/results/{name}[-quick].md)")
     return parser
+
+
+def publish(report: str, name: str, args: argparse.Namespace) -> None:
+    """Print the report and write it to ``--out`` (default ``benchmarks/results/NAME[-quick].md``)."""
+    print(report)
+    results = Path(__file__).resolve().parent / "results"
+    out = Path(args.out) if args.out else results / (f"{name}-quick.md" if args.quick else f"{name}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
+    print(f"[bench_{name}] wrote {out}", file=sys.stderr, flush=True)

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _report import environment, goal, run_json, warm
+from _report import environment, goal, publish, run_json, warm
 from _report import parser as report_parser
 
 from streampack._synthetic import write_random_cache
@@ -249,13 +249,7 @@ def main() -> None:
             "",
         ]
     )
-    print(report)
-    out = (
-        Path(args.out) if args.out else HERE / "results" / ("loader-quick.md" if args.quick else "loader.md")
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report)
-    log(f"wrote {out}")
+    publish(report, "loader", args)
 
 
 if __name__ == "__main__":

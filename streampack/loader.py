@@ -23,7 +23,6 @@ cache on a local disk or in the page cache serves them at memory speed, a networ
 
 from __future__ import annotations
 
-import functools
 import numbers
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from streampack.errors import LoaderStateError, OptionsError
 from streampack.layout import BatchedSpans
 from streampack.mixture import Mixture
 from streampack.order import MAX_POSITION, Order, Shuffled, data_fingerprint, groups
-from streampack.sequences import JoinedSequences, PackedSequences
+from streampack.sequences import JoinedSequences, PackedSequences, holds_every_id
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
 
@@ -465,7 +464,7 @@ class Loader:
             An array, or a dict of arrays, passed through ``collate`` when one was given.
         """
         sources, samples = self.picks(position)
-        result = self.formatter(self._read(sources, samples, out, position), sources, samples)
+        result = self.formatter(self._read(position, sources, samples, out), sources, samples)
         return self.collate(result) if self.collate is not None else result
 
     def batch_shape(self, position: int) -> tuple[int, int]:
@@ -537,30 +536,31 @@ class Loader:
         return self._plan
 
     def _read(
-        self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None, position: int | None = None
+        self, position: int, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None
     ) -> np.ndarray:
+        """The tokens of the batch at ``position``: copied from its planned spans, else split now."""
         if out is None:
             out = np.empty((len(samples), self.width), dtype=self.options.dtype or self.source_dtype)
         elif (
             not isinstance(out, np.ndarray)
             or out.shape != (len(samples), self.width)
-            or not _holds(self.source_dtype, out.dtype)
+            or not holds_every_id(self.source_dtype, out.dtype)
         ):
             raise ValueError(
                 f"out must be a numpy array of shape {(len(samples), self.width)} and an integer dtype that "
                 f"holds every {self.source_dtype} id (got {type(out).__name__} "
                 f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
             )
-        plan = self._plan
-        step = None if plan is None or plan.spans is None or position is None else plan.step(position)
-        if step is not None and self._joined is not None:
-            plan.spans.read(step, out, self._joined.tokens)  # type: ignore[union-attr]
+        plan, joined = self._plan, self._joined
+        step = None if plan is None or plan.spans is None else plan.step(position)
+        if joined is not None:  # every source is a cache
+            if step is not None:
+                plan.spans.read(step, out, joined.tokens)  # type: ignore[union-attr]
+            else:
+                joined.read(sources, samples, out)
             return out
         if len(self.sources) == 1:
             self.sources[0].read(samples, out)
-            return out
-        if self._joined is not None:
-            self._joined.read(sources, samples, out)
             return out
         for source, rows in groups(sources):
             self.sources[source].read(samples[rows], out, rows)
@@ -730,12 +730,6 @@ class _Source:
             out[...] = tokens
         else:
             out[rows] = tokens
-
-
-@functools.lru_cache(maxsize=64)
-def _holds(tokens: np.dtype, out: np.dtype) -> bool:
-    """Whether ``out`` is an integer dtype that holds every value of ``tokens`` (memoised: once per batch)."""
-    return out.kind in "iu" and bool(np.can_cast(tokens, out, "safe"))
 
 
 def _refuse_order_options(**given: object) -> None:

@@ -185,7 +185,8 @@ class Mixture:
         self._matrix = np.array([counts for _, counts in merged], dtype=np.int64)
         self._cumulative = np.concatenate([np.zeros((len(merged), 1), np.int64), self._matrix.cumsum(1)], 1)
         lengths = np.diff(self._firsts)
-        # Cursor of each source at the first block of each segment (Python ints: no int64 overflow).
+        # Cursor of each source at the first block of each segment, summed in Python ints: a damaged
+        # schedule fails to fit int64 here, loudly, rather than wrapping.
         bases = [[0] * len(self.names)]
         for length, counts in zip(lengths.tolist(), self._matrix[:-1].tolist(), strict=True):
             bases.append([b + length * c for b, c in zip(bases[-1], counts, strict=True)])

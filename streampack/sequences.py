@@ -236,7 +236,7 @@ class PackedSequences:
     def _check_out(self, out: object, rows: int | None) -> None:
         if not isinstance(out, np.ndarray):
             raise TypeError(f"out must be a numpy array (got {type(out).__name__})")
-        if not _holds_every_id(self.dtype, out.dtype):
+        if not holds_every_id(self.dtype, out.dtype):
             raise ValueError(
                 f"out has dtype {out.dtype}, which cannot hold every id of the cache's {self.dtype} tokens "
                 f"(they would be silently changed); use {self.dtype} or a wider integer type such as int64"
@@ -378,7 +378,7 @@ class JoinedSequences:
 
 
 @functools.lru_cache(maxsize=64)
-def _holds_every_id(tokens: np.dtype, out: np.dtype) -> bool:
+def holds_every_id(tokens: np.dtype, out: np.dtype) -> bool:
     """Whether ``out`` is an integer dtype that holds every value of ``tokens`` (memoised: once per read)."""
     return out.kind in "iu" and bool(np.can_cast(tokens, out, "safe"))
 
