@@ -49,11 +49,13 @@ class CausalLMDict:
 
     * ``input_ids``: the tokens, in the loader's dtype.
     * ``labels``: ``int64``; the tokens, except ``-100`` (ignored by the loss) at every document start
-      and every row start. The models shift labels themselves: the label at a document's first token
-      would be predicted from the end of the previous document, which is not its context.
+      and every row start, at padding, and on the tokens an SFT cache marks as no target (prompts). The
+      models shift labels themselves: the label at a document's first token would be predicted from the
+      end of the previous document, which is not its context.
     * ``position_ids``: ``int64``; 0 at every document start and every row start, counting up inside a
-      document. Hugging Face models with flash attention read packed documents from them (the same
-      three fields as its ``DataCollatorWithFlattening``).
+      document (the padding at a row's end counts as one more segment). Hugging Face models with flash
+      attention read packed documents from them (the same three fields as its
+      ``DataCollatorWithFlattening``).
 
     With ``varlen=True`` (``output="varlen"``), also:
 
@@ -71,7 +73,7 @@ class CausalLMDict:
 
     def __init__(self, sources: Sequence[object], *, varlen: bool = False) -> None:
         self.varlen = varlen
-        self._boundaries: list[Callable[[np.ndarray], Boundaries]] = []
+        self._boundaries_of: list[Callable[[np.ndarray], Boundaries]] = []
         for data in sources:
             if not hasattr(data, "boundaries"):
                 raise OptionsError(
@@ -85,14 +87,14 @@ class CausalLMDict:
                     f"the samples need no overlap (got overlap={overlap}); use cache.sequences(seq_len) with "
                     "overlap=0, or output='numpy' for x/y windows"
                 )
-            self._boundaries.append(data.boundaries)
+            self._boundaries_of.append(data.boundaries)
 
     def __call__(self, tokens: np.ndarray, sources: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
         """The dict of ``tokens``: ``input_ids`` (the array itself), ``labels``, ``position_ids``, ..."""
-        position_ids = self._position_ids(sources, samples, tokens.shape)
+        position_ids, loss_mask = self._boundaries(sources, samples, tokens.shape)
         starts = position_ids == 0
         labels = tokens.astype(np.int64)
-        labels[starts] = -100
+        labels[starts | ~loss_mask] = -100
         batch: dict[str, Any] = {"input_ids": tokens, "labels": labels, "position_ids": position_ids}
         if self.varlen:
             first = np.flatnonzero(starts.reshape(-1))
@@ -101,13 +103,18 @@ class CausalLMDict:
             batch["max_seqlen"] = int(np.diff(cu_seqlens).max()) if len(first) else 0
         return batch
 
-    def _position_ids(self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-        if len(self._boundaries) == 1:
-            return np.asarray(self._boundaries[0](samples).position_ids)
-        out = np.empty(shape, dtype=np.int64)
+    def _boundaries(
+        self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The position ids and loss mask of the batch's rows."""
+        if len(self._boundaries_of) == 1:
+            found = self._boundaries_of[0](samples)
+            return np.asarray(found.position_ids), np.asarray(found.loss_mask)
+        position_ids, loss_mask = np.empty(shape, dtype=np.int64), np.empty(shape, dtype=bool)
         for source, rows in groups(sources):
-            out[rows] = self._boundaries[source](samples[rows]).position_ids
-        return out
+            found = self._boundaries_of[source](samples[rows])
+            position_ids[rows], loss_mask[rows] = found.position_ids, found.loss_mask
+        return position_ids, loss_mask
 
 
 def format_for(output: str, sources: Sequence[object]) -> Format:

@@ -7,23 +7,31 @@ else is written once over :class:`Spans` and shared by every layout:
 * :func:`read_spans` copies the spans of a batch into the rows of an array;
 * :func:`boundaries` finds the document starts inside them (position ids, document ids, ``cu_seqlens``).
 
-:class:`FixedWindows` is today's layout, the ``group_texts`` convention: sample ``i`` is tokens
-``[i*seq_len, i*seq_len + seq_len + overlap)`` of the stream, cut where it crosses a shard boundary.
+Two layouts:
+
+* :class:`FixedWindows`, the ``group_texts`` convention: sample ``i`` is tokens
+  ``[i*seq_len, i*seq_len + seq_len + overlap)`` of a stream (:class:`Runs`: a whole cache, or the
+  documents of a split), cut where it crosses a run boundary;
+* :class:`Bins`: whole documents laid left to right in each sample, then padding; the plans of
+  :mod:`streampack.packing` (best-fit packing, one document per sample) are tables of these.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 __all__ = [
     "BatchedSpans",
+    "Bins",
     "Boundaries",
     "FixedWindows",
     "Layout",
+    "Runs",
     "Spans",
     "boundaries",
     "read_spans",
@@ -36,24 +44,29 @@ class Boundaries:
     """Where documents start inside a batch of samples, in the forms attention kernels take.
 
     Every row starts a new segment (a model sees nothing before its window), and so does every document
-    start inside a row. All arrays cover the ``seq_len`` input positions of each sample, not its
+    start inside a row, every piece of a document that a layout placed apart from the rest, and the
+    padding at the end of a row. All arrays cover the ``seq_len`` input positions of each sample, not its
     ``overlap`` tail.
 
     Attributes:
         position_ids: ``int64`` array of shape ``index_shape + (seq_len,)``: the position of each token in
             its segment, restarting at 0 at every document start and at every row start.
         doc_ids: ``int64`` array of the same shape: the global index of each token's document in the cache
-            (``cache.doc(doc_ids[r, t])`` holds the token).
+            (``cache.doc(doc_ids[r, t])`` holds the token), ``-1`` at padding.
         cu_seqlens: ``int32`` array of shape ``(segments + 1,)``: cumulative segment lengths over the
             flattened batch, starting at 0 and ending at ``rows * seq_len`` (the ``cu_seqlens`` argument of
             varlen attention such as ``flash_attn_varlen_func``).
         max_seqlen: length of the longest segment.
+        loss_mask: ``bool`` array of the shape of ``position_ids``: True where the token is a training
+            target: inside a document (not padding) and, in a cache built with a loss mask (SFT), marked as
+            one (a response, not its prompt).
     """
 
     position_ids: np.ndarray
     doc_ids: np.ndarray
     cu_seqlens: np.ndarray
     max_seqlen: int
+    loss_mask: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,21 @@ class Layout(Protocol):
         """Tokens per sample row."""
         ...
 
+    @property
+    def seq_len(self) -> int:
+        """Input tokens per sample: ``width`` without the ``overlap`` tail."""
+        ...
+
+    @property
+    def overlap(self) -> int:
+        """Tokens at the end of each row that are also the start of the next sample (0 for most layouts)."""
+        ...
+
+    @property
+    def pad_id(self) -> int | None:
+        """The id that fills the columns no span covers; ``None`` when every column is covered."""
+        ...
+
     def spans(self, indices: np.ndarray) -> Spans:
         """The spans of the samples ``indices`` (1-D ``int64``, in range): row ``k`` is ``indices[k]``."""
         ...
@@ -111,64 +139,196 @@ class Layout(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Runs:
+    """A token stream made of runs of shards' tokens laid end to end: all of a cache, or chosen documents.
+
+    Run ``k`` is tokens ``[offsets[k], offsets[k] + starts[k+1] - starts[k])`` of shard ``shards[k]``, and
+    it starts at token ``starts[k]`` of the stream. A whole cache is one run per shard; a subset of its
+    documents (a validation split) is one run per stretch of consecutive chosen documents.
+
+    Attributes:
+        starts: ``int64``, ``runs + 1``: where each run starts in the stream, then the stream's length.
+        shards: ``int64``, ``runs``: the shard each run lies in.
+        offsets: ``int64``, ``runs``: the run's first token, local to its shard.
+    """
+
+    starts: np.ndarray
+    shards: np.ndarray
+    offsets: np.ndarray
+
+    @classmethod
+    def whole(cls, token_starts: np.ndarray) -> Runs:
+        """Every shard in full, in order: ``token_starts`` holds each shard's first token, then the total."""
+        count = len(token_starts) - 1
+        return cls(token_starts, np.arange(count, dtype=np.int64), np.zeros(count, dtype=np.int64))
+
+    @property
+    def total(self) -> int:
+        """Tokens in the stream."""
+        return int(self.starts[-1])
+
+    def shifted(self, tokens: int, shards: int) -> Runs:
+        """These runs placed ``tokens`` further along a longer stream whose shard ids start at ``shards``."""
+        return Runs(self.starts + tokens, self.shards + shards, self.offsets)
+
+
 class FixedWindows:
-    """Fixed-length windows of the stream: sample ``i`` is tokens ``[i*seq_len, i*seq_len + width)``.
+    """Fixed-length windows of a stream: sample ``i`` is tokens ``[i*seq_len, i*seq_len + width)``.
 
     Windows cross document and shard boundaries; only the final partial window is dropped.
 
     Args:
-        token_starts: global index of each shard's first token, then the total (``int64``, length
-            ``shards + 1``).
+        runs: the stream (a whole cache, or chosen documents of it).
         seq_len: tokens per sample, at least 1.
         overlap: extra tokens at the end of each window, shared with the start of the next one.
+        selection: what chose the documents, for the fingerprint (``{}``: every document).
     """
 
-    def __init__(self, token_starts: np.ndarray, seq_len: int, overlap: int) -> None:
-        self.token_starts = token_starts
+    pad_id: int | None = None
+
+    def __init__(
+        self, runs: Runs, seq_len: int, overlap: int, selection: dict[str, int | str] | None = None
+    ) -> None:
+        self.runs = runs
         self.seq_len = seq_len
         self.overlap = overlap
         self.width = seq_len + overlap
+        self.selection = selection or {}
 
     def __len__(self) -> int:
         """Number of complete windows in the stream."""
-        return max(0, (int(self.token_starts[-1]) - self.overlap) // self.seq_len)
+        return max(0, (self.runs.total - self.overlap) // self.seq_len)
 
     def spans(self, indices: np.ndarray) -> Spans:
-        """The spans of the windows ``indices``: one per (window, shard) overlap."""
-        return split_windows(self.token_starts, indices * self.seq_len, self.width)
+        """The spans of the windows ``indices``: one per (window, run) overlap."""
+        return split_windows(self.runs, indices * self.seq_len, self.width)
 
     def fingerprint(self) -> dict[str, int | str]:
-        """``seq_len`` and ``overlap``."""
-        return {"seq_len": self.seq_len, "overlap": self.overlap}
+        """``seq_len`` and ``overlap``, and the document selection when there is one."""
+        return {"seq_len": self.seq_len, "overlap": self.overlap, **self.selection}
 
 
-def split_windows(token_starts: np.ndarray, starts: np.ndarray, width: int) -> Spans:
-    """Split the windows ``[start, start + width)`` of a token stream at its shard boundaries.
+class Bins:
+    """Whole documents (or pieces of long ones) laid left to right in each sample, then padding.
+
+    Sample ``i`` holds pieces ``starts[i]`` to ``starts[i+1]`` of the piece table, in order from column 0;
+    the columns after them are padding (``pad_id`` when read). Made by the planners of
+    :mod:`streampack.packing`: best-fit packing, or one document per sample.
 
     Args:
-        token_starts: global index of each shard's first token, then the total.
-        starts: global index of each window's first token.
+        starts: ``int64``, ``samples + 1``: each sample's first piece, then the number of pieces.
+        shards: the shard of each piece.
+        lo: each piece's first token, local to its shard.
+        lengths: each piece's length in tokens (at most ``seq_len``, together at most ``seq_len`` per sample).
+        seq_len: tokens per sample.
+        pad_id: the id that fills the padding.
+        settings: what made the plan, for the fingerprint.
+        directory: where the plan's arrays are mapped from (a copy in another process maps them again
+            rather than pickling them); None when they are held in memory.
+        dropped: documents the plan left out (``too_long="drop"``).
+    """
+
+    overlap = 0
+
+    def __init__(
+        self,
+        starts: np.ndarray,
+        shards: np.ndarray,
+        lo: np.ndarray,
+        lengths: np.ndarray,
+        *,
+        seq_len: int,
+        pad_id: int,
+        settings: dict[str, int | str],
+        directory: Path | None = None,
+        dropped: int = 0,
+    ) -> None:
+        self.starts, self.shards, self.lo, self.lengths = starts, shards, lo, lengths
+        self.seq_len = self.width = seq_len
+        self.pad_id = pad_id
+        self.settings = settings
+        self.directory = directory
+        self.dropped = dropped
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the plan's directory rather than its mapped arrays, when it has one."""
+        if self.directory is None:
+            return self.__dict__
+        return {**self.__dict__, "starts": None, "shards": None, "lo": None, "lengths": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Restore the settings; map the arrays again from the plan's directory."""
+        self.__dict__.update(state)
+        if self.directory is not None:
+            from streampack.packing import load_plan
+
+            arrays = load_plan(self.directory)
+            self.starts, self.shards = arrays["starts"], arrays["shards"]
+            self.lo, self.lengths = arrays["lo"], arrays["lengths"]
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the samples hold, padding excluded."""
+        return int(np.sum(self.lengths, dtype=np.int64))
+
+    @property
+    def padding(self) -> float:
+        """The fraction of the samples' columns that are padding."""
+        columns = len(self) * self.seq_len
+        return 1 - self.tokens / columns if columns else 0.0
+
+    def __len__(self) -> int:
+        """Number of samples."""
+        return len(self.starts) - 1
+
+    def spans(self, indices: np.ndarray) -> Spans:
+        """The pieces of the samples ``indices``, each at its column."""
+        first = np.asarray(self.starts[indices], dtype=np.int64)
+        counts = np.asarray(self.starts[indices + 1], dtype=np.int64) - first
+        pieces = _ragged_arange(first, counts)
+        rows = np.repeat(np.arange(len(indices), dtype=np.int64), counts)
+        lengths = np.asarray(self.lengths[pieces], dtype=np.int64)
+        before = np.cumsum(lengths) - lengths  # tokens of the batch before each piece
+        heads = np.cumsum(counts) - counts  # each row's first piece (every sample has one)
+        lo = np.asarray(self.lo[pieces], dtype=np.int64)
+        shards = np.asarray(self.shards[pieces], dtype=np.int64)
+        return Spans(rows, shards, lo, lo + lengths, before - np.repeat(before[heads], counts))
+
+    def fingerprint(self) -> dict[str, int | str]:
+        """The planner's settings (strategy, ``seq_len``, policies, selection) and the padding id."""
+        return {**self.settings, "seq_len": self.seq_len, "pad_id": self.pad_id}
+
+
+def split_windows(runs: Runs, starts: np.ndarray, width: int) -> Spans:
+    """Split the windows ``[start, start + width)`` of a stream at its run boundaries (shards, gaps).
+
+    Args:
+        runs: the stream.
+        starts: index in the stream of each window's first token.
         width: tokens per window.
     """
-    if len(token_starts) == 2:  # one shard: nothing to split
+    table = runs.starts
+    if len(table) == 2:  # one run: nothing to split
         zeros = np.zeros(len(starts), dtype=np.int64)
-        return Spans(np.arange(len(starts)), zeros, starts, starts + width, zeros)
-    # side="right" skips empty shards: it picks the last shard starting at or before the token.
-    first = np.searchsorted(token_starts, starts, side="right") - 1
-    last = np.searchsorted(token_starts, starts + (width - 1), side="right") - 1
+        lo = starts + int(runs.offsets[0])
+        return Spans(np.arange(len(starts)), zeros + int(runs.shards[0]), lo, lo + width, zeros)
+    # side="right" skips empty runs: it picks the last run starting at or before the token.
+    first = np.searchsorted(table, starts, side="right") - 1
+    last = np.searchsorted(table, starts + (width - 1), side="right") - 1
     if np.array_equal(first, last):
-        lo = starts - token_starts[first]
+        lo = starts - table[first] + runs.offsets[first]
         zeros = np.zeros(len(starts), dtype=np.int64)
-        return Spans(np.arange(len(starts)), first, lo, lo + width, zeros)
+        return Spans(np.arange(len(starts)), runs.shards[first], lo, lo + width, zeros)
     counts = last - first + 1
     rows = np.repeat(np.arange(len(starts)), counts)
-    shards = _ragged_arange(first, counts)
-    glo = np.maximum(starts[rows], token_starts[shards])
-    ghi = np.minimum(starts[rows] + width, token_starts[shards + 1])
-    keep = ghi > glo  # drop the empty shards a window steps over
-    rows, shards, glo, ghi = rows[keep], shards[keep], glo[keep], ghi[keep]
-    base = token_starts[shards]
-    return Spans(rows, shards, glo - base, ghi - base, glo - starts[rows])
+    run = _ragged_arange(first, counts)
+    glo = np.maximum(starts[rows], table[run])
+    ghi = np.minimum(starts[rows] + width, table[run + 1])
+    keep = ghi > glo  # drop the empty runs a window steps over
+    rows, run, glo, ghi = rows[keep], run[keep], glo[keep], ghi[keep]
+    base = table[run] - runs.offsets[run]
+    return Spans(rows, runs.shards[run], glo - base, ghi - base, glo - starts[rows])
 
 
 def read_spans(
@@ -256,27 +416,30 @@ def boundaries(
     columns: int,
     offsets_of: Callable[[int], np.ndarray],
     doc_starts: np.ndarray,
+    mask_of: Callable[[int], np.ndarray] | None = None,
 ) -> Boundaries:
     """Document boundaries in the first ``columns`` columns of a batch of ``rows`` rows.
 
     Computed from the offset tables of the shards the spans touch (two ``searchsorted`` calls per shard);
-    no token is read.
+    no token is read. Columns no span covers are padding: one segment per row, of document ``-1``.
 
     Args:
-        spans: the batch's spans, covering every one of the first ``columns`` columns.
+        spans: the batch's spans.
         rows: rows of the batch.
         columns: columns to cover, e.g. ``seq_len`` (a window's ``overlap`` tail excluded).
         offsets_of: the offset table of a shard: each document's end, local to the shard.
         doc_starts: global index of each shard's first document.
+        mask_of: the loss mask of a shard (1 where a token is a training target), for caches that have one.
 
     Returns:
         A :class:`Boundaries` whose arrays have shape ``(rows, columns)``.
     """
     if rows == 0:
         empty = np.zeros((0, columns), dtype=np.int64)
-        return Boundaries(empty, empty.copy(), np.zeros(1, dtype=np.int32), 0)
+        return Boundaries(empty, empty.copy(), np.zeros(1, dtype=np.int32), 0, empty.astype(bool))
     spans = spans.head(columns)
-    positions, docs = [], []
+    padding = _padding_starts(spans, rows, columns)
+    positions, docs = [padding], [np.full(len(padding), -1, dtype=np.int64)]
     for shard in np.unique(spans.shards).tolist():
         mine = spans.shards == shard
         found = _segments_in_shard(
@@ -297,13 +460,28 @@ def boundaries(
     total = rows * columns
     lengths = np.diff(starts, append=total)
     position_ids = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-    doc_ids = np.repeat(start_docs, lengths)
+    doc_ids = np.repeat(start_docs, lengths).reshape(rows, columns)
+    if mask_of is None:
+        loss_mask = doc_ids >= 0
+    else:
+        marks = np.zeros((rows, columns), dtype=np.uint8)  # padding stays 0
+        read_spans(spans, marks, mask_of)
+        loss_mask = marks.astype(bool)
     return Boundaries(
         position_ids=position_ids.reshape(rows, columns),
-        doc_ids=doc_ids.reshape(rows, columns),
+        doc_ids=doc_ids,
         cu_seqlens=np.append(starts, total).astype(np.int32),
         max_seqlen=int(lengths.max()) if lengths.size else 0,
+        loss_mask=loss_mask,
     )
+
+
+def _padding_starts(spans: Spans, rows: int, columns: int) -> np.ndarray:
+    """Flat position of each row's padding, for the rows whose spans end before ``columns``."""
+    used = np.zeros(rows, dtype=np.int64)
+    np.maximum.at(used, spans.rows, spans.col + (spans.hi - spans.lo))
+    short = np.flatnonzero(used < columns)
+    return short * columns + used[short]
 
 
 def _segments_in_shard(

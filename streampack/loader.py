@@ -555,6 +555,7 @@ class Loader:
         step = None if plan is None or plan.spans is None else plan.step(position)
         if joined is not None:  # every source is a cache
             if step is not None:
+                joined.pad(sources, out)
                 plan.spans.read(step, out, joined.tokens)  # type: ignore[union-attr]
             else:
                 joined.read(sources, samples, out)

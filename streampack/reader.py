@@ -28,6 +28,8 @@ from streampack.format import (
 )
 
 if TYPE_CHECKING:
+    from streampack.holdout import DocumentSet
+    from streampack.packing import TooLong
     from streampack.sequences import PackedSequences
 
 
@@ -107,6 +109,57 @@ class Cache:
         from streampack.sequences import PackedSequences
 
         return PackedSequences(self, seq_len, overlap=overlap)
+
+    def packed(
+        self, seq_len: int, *, too_long: TooLong = "split", pad_id: int | None = None
+    ) -> PackedSequences:
+        """Whole documents packed into samples of ``seq_len`` tokens by best-fit decreasing, then padding.
+
+        Every document is in exactly one sample, unless it is longer than ``seq_len``: ``too_long="split"``
+        cuts it into pieces of ``seq_len`` tokens and a remainder, each packed on its own; ``"truncate"``
+        keeps its first ``seq_len`` tokens; ``"drop"`` leaves it out (``samples.layout.dropped`` counts
+        them). The plan is computed from the offset tables in chunks of
+        :data:`~streampack.packing.CHUNK_DOCS` documents and stored in ``CACHE/layouts/`` (see
+        :mod:`streampack.packing`). ``samples.layout.padding`` is the fraction of padding.
+
+        Args:
+            seq_len: tokens per sample.
+            too_long: what to do with a document longer than ``seq_len``.
+            pad_id: the id that fills padding (masked out of the loss in ``output="dict"``); the cache's
+                EOS id by default, else 0.
+        """
+        return self.all_documents().packed(seq_len, too_long=too_long, pad_id=pad_id)
+
+    def documents(
+        self, seq_len: int, *, too_long: TooLong = "truncate", pad_id: int | None = None
+    ) -> PackedSequences:
+        """One document per sample, padded to ``seq_len`` tokens: for fine-tuning (SFT) on a masked cache.
+
+        Args:
+            seq_len: tokens per sample.
+            too_long: a document longer than ``seq_len`` is cut to its first ``seq_len`` tokens
+                (``"truncate"``, the default), left out (``"drop"``), or served as several samples of
+                consecutive pieces (``"split"``).
+            pad_id: as for :meth:`packed`.
+        """
+        return self.all_documents().documents(seq_len, too_long=too_long, pad_id=pad_id)
+
+    def split(self, holdout: float, *, seed: int = 0) -> tuple[DocumentSet, DocumentSet]:
+        """The training and validation documents, holding out ``holdout`` of them by a hash of their index.
+
+        ``train, validation = cache.split(0.01)``; then ``train.sequences(2048)`` and
+        ``validation.sequences(2048)`` (or ``.packed``, ``.documents``) never share a document. See
+        :func:`streampack.holdout.split`.
+        """
+        from streampack.holdout import split
+
+        return split(self, holdout, seed=seed)
+
+    def all_documents(self) -> DocumentSet:
+        """Every document of the cache, as a :class:`~streampack.holdout.DocumentSet`."""
+        from streampack.holdout import Chosen, DocumentSet
+
+        return DocumentSet(self, Chosen(self))
 
     def doc(self, index: int) -> np.ndarray:
         """Tokens of document ``index`` (including its EOS), a read-only view of the memory map."""

@@ -27,8 +27,20 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from streampack.errors import CacheError
-from streampack.layout import Boundaries, FixedWindows, Spans, boundaries, read_spans, split_windows
+from streampack.errors import CacheError, OptionsError
+from streampack.holdout import Chosen
+from streampack.layout import (
+    Boundaries,
+    FixedWindows,
+    Layout,
+    Runs,
+    Spans,
+    boundaries,
+    read_spans,
+    split_windows,
+)
+from streampack.order import groups
+from streampack.packing import TooLong, plan_documents, plan_packed, too_long_policy
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -61,18 +73,28 @@ class PackedSequences:
         ValueError: ``seq_len`` or ``overlap`` is not an integer in its allowed range.
     """
 
-    def __init__(self, cache: Cache, seq_len: int, *, overlap: int = 0) -> None:
+    def __init__(self, cache: Cache, seq_len: int, *, overlap: int = 0, chosen: Chosen | None = None) -> None:
         seq_len = _check_int("seq_len", seq_len, 1, "a positive integer, e.g. 2048")
         overlap = _check_int("overlap", overlap, 0, "a non-negative integer, usually 0 or 1")
+        chosen = chosen if chosen is not None else Chosen(cache)
+        self._setup(cache, FixedWindows(chosen.runs(cache), seq_len, overlap, chosen.fingerprint()))
+
+    @classmethod
+    def of(cls, cache: Cache, layout: Layout) -> PackedSequences:
+        """The samples of ``cache`` that ``layout`` makes (see :mod:`streampack.layout`)."""
+        samples = cls.__new__(cls)
+        samples._setup(cache, layout)
+        return samples
+
+    def _setup(self, cache: Cache, layout: Layout) -> None:
         self._path = os.path.abspath(cache.root)
         self._allow_incomplete = not cache.manifest.complete
         self._num_tokens = cache.num_tokens
-        self._content = _content_digest(cache)
+        self._content = content_digest(cache)
         self._cache: Cache | None = cache
-        token_starts = np.asarray(cache.token_starts, dtype=np.int64)
-        self._layout = FixedWindows(token_starts, seq_len, overlap)
-        docs = [shard.num_docs for shard in cache.shards]
-        self._doc_starts = np.concatenate([[0], np.cumsum(docs, dtype=np.int64)]).astype(np.int64)
+        self._layout = layout
+        self._doc_starts = np.asarray(cache.doc_starts, dtype=np.int64)
+        self._masked = bool(getattr(cache, "has_loss_mask", False))
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the path, settings and shard tables only; the memory maps are reopened where unpickled."""
@@ -83,6 +105,7 @@ class PackedSequences:
             "content": self._content,
             "layout": self._layout,
             "doc_starts": self._doc_starts,
+            "masked": self._masked,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -93,6 +116,7 @@ class PackedSequences:
         self._content = state["content"]
         self._layout = state["layout"]
         self._doc_starts = state["doc_starts"]
+        self._masked = state.get("masked", False)
         self._cache = None
 
     @property
@@ -104,7 +128,7 @@ class PackedSequences:
         from streampack.reader import open as open_cache
 
         cache = open_cache(self._path, allow_incomplete=self._allow_incomplete)
-        now = (cache.num_tokens, _content_digest(cache))
+        now = (cache.num_tokens, content_digest(cache))
         if now != (self._num_tokens, self._content):
             raise CacheError(
                 f"{self._path}: the cache now holds {now[0]} tokens (shards {now[1]}), but these sequences "
@@ -117,7 +141,7 @@ class PackedSequences:
         return cache
 
     @property
-    def layout(self) -> FixedWindows:
+    def layout(self) -> Layout:
         """Which spans of the cache's token stream make each sample."""
         return self._layout
 
@@ -130,6 +154,11 @@ class PackedSequences:
     def overlap(self) -> int:
         """Extra tokens at the end of each window, shared with the start of the next one."""
         return self._layout.overlap
+
+    @property
+    def pad_id(self) -> int | None:
+        """The id that fills padding (samples of whole documents), or None (windows have none)."""
+        return self._layout.pad_id
 
     @property
     def path(self) -> str:
@@ -259,12 +288,18 @@ class PackedSequences:
         """
         indices, shape = self._indices(index)
         found = boundaries(
-            self._layout.spans(indices), indices.size, self.seq_len, self._offsets, self._doc_starts
+            self._layout.spans(indices),
+            indices.size,
+            self.seq_len,
+            self._offsets,
+            self._doc_starts,
+            self._loss_mask if self._masked else None,
         )
         return replace(
             found,
             position_ids=found.position_ids.reshape(*shape, self.seq_len),
             doc_ids=found.doc_ids.reshape(*shape, self.seq_len),
+            loss_mask=found.loss_mask.reshape(*shape, self.seq_len),
         )
 
     def _indices(self, index: Index) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -297,6 +332,12 @@ class PackedSequences:
         return flat, array.shape
 
     def _read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
+        pad = self._layout.pad_id
+        if pad is not None:
+            if rows is None:
+                out[...] = pad
+            else:
+                out[rows] = pad
         read_spans(self._layout.spans(indices), out, self._tokens, rows)
 
     def _tokens(self, shard: int) -> np.ndarray:
@@ -304,6 +345,9 @@ class PackedSequences:
 
     def _offsets(self, shard: int) -> np.ndarray:
         return self.cache.shard_offsets(shard)
+
+    def _loss_mask(self, shard: int) -> np.ndarray:
+        return self.cache.shard_loss_mask(shard)  # type: ignore[attr-defined]
 
 
 # Shard maps a JoinedSequences keeps at hand (each holds a file descriptor while kept).
@@ -319,46 +363,68 @@ class JoinedSequences:
     into the next: a cache's last window ends inside its own tokens.
 
     Args:
-        parts: the sources, in source-id order; all of one ``width`` (each with its own ``seq_len``:
-            ``seq_len + overlap`` may be the same width cut at another stride).
+        parts: the sources, in source-id order; all of one ``width`` (each with its own layout and
+            ``seq_len``: ``seq_len + overlap`` may be the same width cut at another stride).
     """
 
     def __init__(self, parts: Sequence[PackedSequences]) -> None:
         self.parts = list(parts)
         self.width = parts[0].width
         self._seq_lens = np.array([part.seq_len for part in self.parts], dtype=np.int64)
-        self._token_starts: np.ndarray | None = None
+        self._windows = all(isinstance(part.layout, FixedWindows) for part in self.parts)
+        pads = [part.pad_id for part in self.parts]
+        self._pads = None if all(pad is None for pad in pads) else np.array([pad or 0 for pad in pads])
+        self._runs: Runs | None = None
         self._recent: dict[int, np.ndarray] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "parts": self.parts,
-            "width": self.width,
-            "_seq_lens": self._seq_lens,
-            "_token_starts": None,
-            "_recent": {},
-        }
+        return self.__dict__ | {"_runs": None, "_recent": {}}
 
-    def _join(self) -> np.ndarray:
-        starts, owners, base = [np.zeros(1, dtype=np.int64)], [], 0
+    def _join(self) -> Runs:
+        runs: list[Runs] = []
+        owners: list[tuple[int, int]] = []
+        tokens = 0
+        self._shard_bases = np.zeros(len(self.parts), dtype=np.int64)
+        self._token_bases = np.zeros(len(self.parts), dtype=np.int64)
         for j, part in enumerate(self.parts):
-            table = part.layout.token_starts
-            starts.append(base + table[1:])
-            owners += [(j, shard) for shard in range(len(table) - 1)]
-            base += int(table[-1])
-        self._bases = np.cumsum([0] + [int(part.layout.token_starts[-1]) for part in self.parts[:-1]])
+            shards = part.cache.num_shards
+            self._shard_bases[j], self._token_bases[j] = len(owners), tokens
+            if isinstance(part.layout, FixedWindows):
+                runs.append(part.layout.runs.shifted(tokens, len(owners)))
+                tokens += part.layout.runs.total
+            owners += [(j, shard) for shard in range(shards)]
         self._owners = owners
-        self._token_starts = np.concatenate(starts)
-        return self._token_starts
+        self._runs = Runs(
+            np.concatenate([np.zeros(1, dtype=np.int64)] + [r.starts[1:] for r in runs]),
+            np.concatenate([r.shards for r in runs]) if runs else np.zeros(0, dtype=np.int64),
+            np.concatenate([r.offsets for r in runs]) if runs else np.zeros(0, dtype=np.int64),
+        )
+        return self._runs
 
     def spans(self, sources: np.ndarray, samples: np.ndarray) -> Spans:
         """The spans of sample ``samples[k]`` of source ``sources[k]`` in row ``k`` (indices checked)."""
-        table = self._token_starts if self._token_starts is not None else self._join()
-        starts = self._bases[sources] + samples * self._seq_lens[sources]
-        return split_windows(table, starts, self.width)
+        runs = self._runs if self._runs is not None else self._join()
+        if self._windows:
+            starts = self._token_bases[sources] + samples * self._seq_lens[sources]
+            return split_windows(runs, starts, self.width)
+        found = []
+        for source, rows in groups(sources):
+            spans = self.parts[source].layout.spans(samples[rows])
+            found.append(
+                replace(spans, rows=rows[spans.rows], shards=spans.shards + self._shard_bases[source])
+            )
+        return Spans(
+            *(np.concatenate([getattr(s, name) for s in found]) for name in Spans.__dataclass_fields__)
+        )
+
+    def pad(self, sources: np.ndarray, out: np.ndarray) -> None:
+        """Fill the rows of sources whose samples have padding with their padding id (before reading)."""
+        if self._pads is not None:
+            out[...] = self._pads[sources][:, None]
 
     def read(self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray) -> None:
         """Write sample ``samples[k]`` of source ``sources[k]`` into ``out[k]`` (indices already checked)."""
+        self.pad(sources, out)
         read_spans(self.spans(sources, samples), out, self.tokens)
 
     def tokens(self, shard: int) -> np.ndarray:
@@ -367,6 +433,8 @@ class JoinedSequences:
         The last few maps are kept here: a mixed batch touches a shard of every source, and each cache's
         own lookup has LRU bookkeeping to pay. A few more open maps keep descriptors bounded.
         """
+        if self._runs is None:
+            self._join()
         tokens = self._recent.get(shard)
         if tokens is None:
             part, local = self._owners[shard]
@@ -377,13 +445,39 @@ class JoinedSequences:
         return tokens
 
 
+def whole_documents(
+    cache: Cache, chosen: Chosen, kind: str, seq_len: int, too_long: TooLong, pad_id: int | None
+) -> PackedSequences:
+    """Samples of whole documents: ``kind`` ``"packed"`` (best-fit) or ``"documents"`` (one per sample).
+
+    Raises:
+        ValueError: ``seq_len`` is not a positive integer.
+        OptionsError: ``too_long`` is not a policy, or ``pad_id`` does not fit the cache's token dtype.
+    """
+    seq_len = _check_int("seq_len", seq_len, 1, "a positive integer, e.g. 2048")
+    if too_long_policy(too_long) is None:
+        raise OptionsError(f"too_long must be 'split', 'truncate' or 'drop' (got {too_long!r})")
+    if pad_id is None:
+        pad_id = cache.eos_id if cache.eos_id is not None else 0
+    top = int(np.iinfo(cache.dtype).max)
+    if isinstance(pad_id, bool) or not isinstance(pad_id, numbers.Integral) or not 0 <= int(pad_id) <= top:
+        raise OptionsError(
+            f"pad_id must be an integer in [0, {top}], the cache's {cache.dtype} ids (got {pad_id!r})"
+        )
+    plan = plan_packed if kind == "packed" else plan_documents
+    layout = plan(
+        cache, chosen, seq_len, too_long=too_long, pad_id=int(pad_id), content=content_digest(cache)
+    )
+    return PackedSequences.of(cache, layout)
+
+
 @functools.lru_cache(maxsize=64)
 def holds_every_id(tokens: np.dtype, out: np.dtype) -> bool:
     """Whether ``out`` is an integer dtype that holds every value of ``tokens`` (memoised: once per read)."""
     return out.kind in "iu" and bool(np.can_cast(tokens, out, "safe"))
 
 
-def _content_digest(cache: Cache) -> str:
+def content_digest(cache: Cache) -> str:
     """A short digest of the shard table: what the samples are made of, wherever the cache lives."""
     table = [[s.name, s.num_docs, s.num_tokens, s.tokens_checksum, s.offsets_checksum] for s in cache.shards]
     return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]

@@ -249,11 +249,14 @@ def test_reading_and_boundaries_take_any_spans(cache: streampack.Cache) -> None:
     assert out[0, : len(first)].tolist() == first.tolist() and (out[0, len(first) :] == -1).all()
     assert out[1, : lengths[2]].tolist() == cache.doc(docs[2]).tolist()
     doc_starts = np.concatenate([[0], np.cumsum([s.num_docs for s in cache.shards])])
-    found = boundaries(
-        spans.head(lengths[0] + lengths[1]), 1, lengths[0] + lengths[1], cache.shard_offsets, doc_starts
-    )
-    assert found.doc_ids[0].tolist() == [docs[0]] * lengths[0] + [docs[1]] * lengths[1]
-    assert found.position_ids[0].tolist() == [*range(lengths[0]), *range(lengths[1])]
+    found = boundaries(spans, 2, 16, cache.shard_offsets, doc_starts)
+    used = lengths[0] + lengths[1]
+    assert found.doc_ids[0].tolist() == [docs[0]] * lengths[0] + [docs[1]] * lengths[1] + [-1] * (16 - used)
+    assert found.position_ids[0].tolist() == [*range(lengths[0]), *range(lengths[1]), *range(16 - used)]
+    assert found.doc_ids[1].tolist() == [docs[2]] * lengths[2] + [-1] * (16 - lengths[2])
+    # Padding is a segment of its own, and no training target.
+    assert found.loss_mask.tolist() == (found.doc_ids >= 0).tolist()
+    assert found.cu_seqlens.tolist() == [0, lengths[0], used, 16, 16 + lengths[2], 32]
 
 
 def test_boundaries_of_one_sample_and_of_none(cache: streampack.Cache) -> None:
