@@ -22,6 +22,7 @@ from streampack import ledger
 from streampack.engines import run_local, run_ray
 from streampack.errors import CacheError, ConfigMismatchError, StreampackError
 from streampack.format import (
+    LAYOUT_DIR,
     LEDGER_DIR,
     LOCK,
     MANIFEST,
@@ -231,7 +232,7 @@ def _prepare_directory(root: Path, overwrite: bool) -> None:
         ) from None
 
 
-_CACHE_ENTRIES = {MANIFEST, f"{MANIFEST}.tmp", LEDGER_DIR, SHARD_DIR, LOCK}
+_CACHE_ENTRIES = {MANIFEST, f"{MANIFEST}.tmp", LEDGER_DIR, SHARD_DIR, LAYOUT_DIR, LOCK}
 
 
 def _delete_cache(root: Path) -> None:
@@ -244,7 +245,7 @@ def _delete_cache(root: Path) -> None:
         )
     if (root / MANIFEST).exists():
         load_manifest(root)  # raises unless it is a streampack manifest
-    for sub in (LEDGER_DIR, SHARD_DIR):
+    for sub in (LEDGER_DIR, SHARD_DIR, LAYOUT_DIR):
         if (root / sub).exists():
             shutil.rmtree(root / sub)
     (root / MANIFEST).unlink(missing_ok=True)

@@ -31,6 +31,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 LEDGER_DIR = "ledger"
 SHARD_DIR = "shards"
+LAYOUT_DIR = "layouts"  # sample plans derived from the shards (streampack.packing); safe to delete
 LOCK = "build.lock"
 OFFSET_DTYPE = np.dtype("<u8")
 MAX_JSON_BYTES = 64 << 20  # a manifest of 100k shards is ~20 MB; refuse anything absurd before parsing

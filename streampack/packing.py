@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from streampack.errors import OptionsError
+from streampack.format import LAYOUT_DIR
 from streampack.layout import Bins
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ def _plan(
             before += len(lengths)
         yield {"starts": np.array([before], dtype=np.int64)}
 
-    arrays, directory, dropped = _stored(Path(cache.root) / "layouts" / key, tables, pieces)
+    arrays, directory, dropped = _stored(Path(cache.root) / LAYOUT_DIR / key, tables, pieces)
     return Bins(
         arrays["starts"],
         arrays["shards"],

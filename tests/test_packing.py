@@ -280,3 +280,13 @@ def _docs_served(cache: streampack.Cache, samples: streampack.PackedSequences) -
     docs = set(found.doc_ids.reshape(-1).tolist())
     docs.discard(-1)
     return docs
+
+
+def test_overwriting_a_cache_removes_its_plans(tmp_path: Path) -> None:
+    out = tmp_path / "c"
+    streampack.build(streampack.Documents(["one two", "three"]), out, tokenizer="bytes")
+    streampack.open(out).packed(16)
+    assert (out / "layouts").is_dir()
+    streampack.build(streampack.Documents(["four"]), out, tokenizer="bytes", overwrite=True)
+    assert not (out / "layouts").exists()
+    assert streampack.open(out).packed(16)[0][:4].tolist() == list(b"four")
