@@ -388,7 +388,16 @@ def _decoder(cache: Cache, given: str | None) -> Tokenizer:
 )
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Batches to time.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed.")
-def bench(cache_dir: str, seq_len: int, batch_size: int, workers: int, steps: int, seed: int) -> None:
+@click.option(
+    "--layout",
+    type=click.Choice(["windows", "packed", "documents"]),
+    default="windows",
+    show_default=True,
+    help="Samples: fixed windows (+1 token of overlap), whole documents packed best-fit, or one per sample.",
+)
+def bench(
+    cache_dir: str, seq_len: int, batch_size: int, workers: int, steps: int, seed: int, layout: str
+) -> None:
     """Time the shuffled loader on CACHE_DIR: samples/s, tokens/s and memory per process.
 
     With --workers N the batches go through streampack.torch.DataLoader (needs the torch extra).
@@ -397,7 +406,10 @@ def bench(cache_dir: str, seq_len: int, batch_size: int, workers: int, steps: in
 
     cache = open_cache(cache_dir)
     try:
-        loader = Loader(cache.sequences(seq_len, overlap=1), batch_size=batch_size, seed=seed)
+        samples = (
+            cache.sequences(seq_len, overlap=1) if layout == "windows" else getattr(cache, layout)(seq_len)
+        )
+        loader = Loader(samples, batch_size=batch_size, seed=seed)
     except ValueError as e:
         raise StreampackError(str(e)) from None
     batches: Any = loader
@@ -410,7 +422,10 @@ def bench(cache_dir: str, seq_len: int, batch_size: int, workers: int, steps: in
     result = _time_batches(iter(batches), steps)
     rate = result["rows"] / result["seconds"]
     click.echo(f"cache       {cache.root} ({cache.num_tokens:,} tokens, {cache.dtype.name})")
-    click.echo(f"loader      seq_len {seq_len}+1, global batch {batch_size}, shuffled, {workers} workers")
+    shape = f"seq_len {seq_len}+1" if layout == "windows" else f"{layout}, seq_len {seq_len}"
+    if samples.pad_id is not None:
+        shape += f", {samples.layout.padding:.1%} padding"  # type: ignore[attr-defined]
+    click.echo(f"loader      {shape}, global batch {batch_size}, shuffled, {workers} workers")
     click.echo(f"first batch {result['first']:.3f} s")
     click.echo(f"throughput  {rate:,.0f} samples/s, {rate * seq_len / 1e6:,.2f} M tokens/s ({steps} batches)")
     click.echo(f"memory      RssAnon main {result['main_mb']}; workers {result['workers_mb'] or 'none'}")

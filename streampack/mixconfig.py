@@ -3,7 +3,8 @@
 Example ``mix.yaml``::
 
     seq_len: 2048
-    overlap: 1            # optional, default 0
+    layout: windows       # optional: windows (default) | packed | documents (whole documents, padded)
+    overlap: 1            # optional, default 0 (windows only)
     seed: 0               # optional
     block_size: 4096      # optional
     stop: never           # optional: never | first_exhausted
@@ -35,7 +36,18 @@ from streampack.reader import open as open_cache
 
 __all__ = ["load_mixture"]
 
-_KEYS = {"seq_len", "overlap", "seed", "shuffle", "block_size", "stop", "sources", "weights", "stages"}
+_KEYS = {
+    "seq_len",
+    "layout",
+    "overlap",
+    "seed",
+    "shuffle",
+    "block_size",
+    "stop",
+    "sources",
+    "weights",
+    "stages",
+}
 
 
 def load_mixture(config: str | Path | Mapping[str, Any]) -> Mixture:
@@ -103,11 +115,21 @@ def _mixture(config: Mapping[str, Any], base: Path, where: str) -> Mixture:
     sources = config["sources"]
     if not isinstance(sources, Mapping) or not sources:
         raise OptionsError(f"{where}: sources is a mapping of name: cache directory (got {sources!r})")
+    layout = config.get("layout", "windows")
+    if layout not in ("windows", "packed", "documents"):
+        raise OptionsError(f"{where}: layout is windows, packed or documents (got {layout!r})")
+    if overlap and layout != "windows":
+        raise OptionsError(f"{where}: overlap applies to layout: windows only (got layout: {layout})")
     datasets = {}
     for name, location in sources.items():
         if not isinstance(location, str):
             raise OptionsError(f"{where}: sources.{name} is a cache directory (got {location!r})")
-        datasets[str(name)] = open_cache(base / location).sequences(seq_len, overlap=overlap)
+        cache = open_cache(base / location)
+        datasets[str(name)] = (
+            cache.sequences(seq_len, overlap=overlap)
+            if layout == "windows"
+            else getattr(cache, layout)(seq_len)
+        )
     stages = config.get("stages")
     if stages is not None:
         if not isinstance(stages, list):

@@ -1,15 +1,18 @@
-"""Packed fixed-length samples of a cache's token stream, with their document boundaries.
+"""The samples of a cache, in any layout, with their document boundaries.
 
 A cache is one long stream of tokens: every document followed by its EOS, documents in input order, shards
-end to end. :class:`PackedSequences` cuts that stream into windows of ``seq_len`` tokens (the
-``group_texts`` convention): sample ``i`` is tokens ``[i*seq_len, i*seq_len + seq_len + overlap)``.
-Windows cross document and shard boundaries; only the final partial window is dropped, so at most
-``seq_len + overlap - 1`` tokens of a cache are never served.
+end to end. :class:`PackedSequences` serves the samples a :mod:`~streampack.layout` makes of it:
 
-The windows are a :class:`~streampack.layout.FixedWindows` layout; reading and document boundaries are
-written once over its spans, in :mod:`streampack.layout`. Reading a batch is one call: each window is a
-slice of a memory-mapped shard (two slices where it crosses a shard boundary) copied straight into the
-output array, with no per-token Python work. Document boundaries come from the shards' offset tables with
+* ``cache.sequences(seq_len)``: windows of ``seq_len`` tokens (the ``group_texts`` convention): sample
+  ``i`` is tokens ``[i*seq_len, i*seq_len + seq_len + overlap)``. Windows cross document and shard
+  boundaries; only the final partial window is dropped, so at most ``seq_len + overlap - 1`` tokens of a
+  cache are never served.
+* ``cache.packed(seq_len)`` and ``cache.documents(seq_len)``: whole documents, best-fit packed or one per
+  sample, then padding (planned by :mod:`streampack.packing`).
+
+Reading and document boundaries are written once over a layout's spans, in :mod:`streampack.layout`.
+Reading a batch is one call: each span is a slice of a memory-mapped shard copied straight into the output
+array, with no per-token Python work. Document boundaries come from the shards' offset tables with
 ``searchsorted``, so a batch costs the same whatever the size of the cache.
 """
 
@@ -51,7 +54,9 @@ Index = int | np.integer | slice | npt.ArrayLike
 
 
 class PackedSequences:
-    """The samples of a cache: fixed-length windows of its token stream. Create with ``cache.sequences``.
+    """The samples of a cache in one layout. Create with ``cache.sequences``, ``.packed`` or ``.documents``.
+
+    Constructed directly, it is the windows of ``cache.sequences``; :meth:`of` takes any layout.
 
     A data source in the small protocol loaders compose over: ``len()``, ``__getitem__`` with an int, a
     slice or an array of indices, deterministic, picklable. Pickling keeps only the cache path and the
@@ -68,6 +73,7 @@ class PackedSequences:
         seq_len: tokens per sample, at least 1.
         overlap: extra tokens at the end of each window, shared with the start of the next one; ``1`` gives
             nanoGPT-style inputs ``window[:-1]`` and next-token targets ``window[1:]``.
+        chosen: the documents to lay end to end (one side of ``cache.split``); every document by default.
 
     Raises:
         ValueError: ``seq_len`` or ``overlap`` is not an integer in its allowed range.

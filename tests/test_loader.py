@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -614,6 +615,8 @@ def test_anonymous_memory_does_not_grow_with_the_cache(tmp_path: Path) -> None:
 
 def test_cli_bench_prints_rates_and_memory(cache: streampack.Cache) -> None:
     out = run_cli("bench", cache.root, "--seq-len", "16", "--batch-size", "4", "--steps", "20").stdout
+    packed = run_cli("bench", cache.root, "--seq-len", "64", "--batch-size", "4", "--layout", "packed").stdout
+    assert re.search(r"packed, seq_len 64, \d+\.\d% padding", packed), packed
     assert "samples/s" in out and "M tokens/s" in out and "RssAnon main" in out
     result = run_cli(
         "bench", cache.root, "--seq-len", "16", "--batch-size", "4", "--seq-len", "10**9", check=False

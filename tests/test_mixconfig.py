@@ -70,6 +70,19 @@ def test_yaml_and_json_configs_give_the_mixture_python_gives(project: Path) -> N
     assert one_stage.names == ("web",) and one_stage.weights(0) == [1.0]
 
 
+@pytest.mark.parametrize("layout", ["packed", "documents"])
+def test_a_config_may_ask_for_whole_documents(project: Path, layout: str) -> None:
+    config = {"seq_len": 64, "layout": layout, "seed": 3, "weights": {"web": 1, "code": 1}}
+    config["sources"] = {"web": str(project / "caches/web"), "code": str(project / "caches/code")}
+    mixture = streampack.load_mixture(config)
+    expected = {
+        name: getattr(streampack.open(project / "caches" / name), layout)(64) for name in ("web", "code")
+    }
+    assert [source.fingerprint() for source in mixture.sources.values()] == [
+        expected[name].fingerprint() for name in ("web", "code")
+    ]
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -83,6 +96,11 @@ def test_yaml_and_json_configs_give_the_mixture_python_gives(project: Path) -> N
         (lambda t: t.replace("web: 0.5,", "wbe: 0.5,"), r"mix.yaml: weights name sources .* \['wbe'\]"),
         (lambda t: t.replace("  - at: 0\n", "  - at: 0\n   bad: [\n"), "mix.yaml: not valid YAML"),
         (lambda t: t.replace("caches/code", "caches/nothing"), "caches/nothing"),
+        (lambda t: t.replace("seed: 3", "layout: bins"), "mix.yaml: layout is windows, packed or documents"),
+        (
+            lambda t: t.replace("seed: 3", "layout: packed"),
+            "mix.yaml: overlap applies to layout: windows only",
+        ),
     ],
 )
 def test_config_errors_name_the_file_and_the_key(project: Path, edit, message: str) -> None:  # type: ignore[no-untyped-def]
