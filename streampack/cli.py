@@ -424,7 +424,7 @@ def bench(
     click.echo(f"cache       {cache.root} ({cache.num_tokens:,} tokens, {cache.dtype.name})")
     shape = f"seq_len {seq_len}+1" if layout == "windows" else f"{layout}, seq_len {seq_len}"
     if samples.pad_id is not None:
-        shape += f", {samples.layout.padding:.1%} padding"  # type: ignore[attr-defined]
+        shape += f", {samples.layout.padding:.1%} padding"  # type: ignore[union-attr]
     click.echo(f"loader      {shape}, global batch {batch_size}, shuffled, {workers} workers")
     click.echo(f"first batch {result['first']:.3f} s")
     click.echo(f"throughput  {rate:,.0f} samples/s, {rate * seq_len / 1e6:,.2f} M tokens/s ({steps} batches)")
