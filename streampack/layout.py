@@ -337,7 +337,8 @@ def read_spans(
     """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard.
 
     Shard by shard: one lookup of each shard's map per call rather than one per span (the cache's LRU
-    bookkeeping), and one map held at a time, so open descriptors stay bounded.
+    bookkeeping), and one map held at a time, so open descriptors stay bounded. The spans that fill a whole
+    row are copied with one row take per shard (see :class:`_Copies`).
 
     Args:
         spans: what to copy.
@@ -347,67 +348,119 @@ def read_spans(
     """
     order = np.argsort(spans.shards, kind="stable")
     targets = spans.rows if rows is None else rows[spans.rows]
-    _copy(
-        targets[order],
-        spans.shards[order],
-        spans.lo[order],
-        spans.hi[order],
-        spans.col[order],
-        out,
-        tokens_of,
+    sorted_spans = Spans(
+        targets[order], spans.shards[order], spans.lo[order], spans.hi[order], spans.col[order]
     )
+    copies = _Copies(sorted_spans, np.zeros(len(order), dtype=np.int64), 1, out.shape[1])
+    copies.apply(0, out, tokens_of, lambda shard: row_view(tokens_of(shard), out.shape[1]))
+
+
+def row_view(tokens: np.ndarray, width: int) -> np.ndarray:
+    """The windows of ``width`` tokens of a shard as rows of a 2-D view (no copy): row ``i`` starts at ``i``.
+
+    A batch of windows is then one fancy-index take of rows, a single C loop of contiguous copies.
+    """
+    count = max(0, len(tokens) - width + 1)
+    step = tokens.strides[0]
+    return np.ndarray((count, width), tokens.dtype, buffer=tokens, strides=(step, step))
+
+
+# Rows of one shard in one batch from which a row take beats slice copies (measured: ~8, for 2 KB rows).
+_TAKE_ROWS = 8
+
+
+class _Copies:
+    """How to copy the spans of some batches: per batch, row takes per shard, then the other spans.
+
+    A span that fills a whole row (column 0, ``width`` tokens) is one row of its shard's
+    :func:`row_view`: where one batch holds at least :data:`_TAKE_ROWS` of them in one shard, they are copied
+    by one fancy-index take, written into their rows of the output with the cast on the way. The rest (a few
+    rows of a shard, a window cut by a shard boundary, a document laid beside others) are copied slice by
+    slice, which costs less for a few rows.
+
+    Args:
+        spans: the spans, sorted by batch then shard.
+        batch: the batch of each span.
+        batches: the number of batches.
+        width: columns of a row.
+    """
+
+    def __init__(self, spans: Spans, batch: np.ndarray, batches: int, width: int) -> None:
+        full = (spans.col == 0) & (spans.hi - spans.lo == width)
+        key = batch * (int(spans.shards.max(initial=0)) + 1) + spans.shards
+        _, group_of, group_rows = np.unique(key[full], return_inverse=True, return_counts=True)
+        full[np.flatnonzero(full)[group_rows[group_of] < _TAKE_ROWS]] = False
+        # The takes: spans in (batch, shard) groups; per group its shard and slice of the take arrays.
+        taken = np.flatnonzero(full)
+        self._take_rows, self._take_lo = spans.rows[taken], spans.lo[taken]
+        b, shard = batch[taken], spans.shards[taken]
+        firsts = np.flatnonzero(np.diff(b, prepend=-1) | np.diff(shard, prepend=-1))
+        self._groups = list(zip(shard[firsts].tolist(), firsts.tolist(), [*firsts[1:].tolist(), len(taken)]))
+        self._group_bounds = np.searchsorted(b[firsts], np.arange(batches + 1)).tolist()
+        # The rest, copied slice by slice: in batch then shard order, with each batch's bounds.
+        rest = np.flatnonzero(~full)
+        self._rows, self._shards = spans.rows[rest], spans.shards[rest]
+        self._lo, self._hi, self._col = spans.lo[rest], spans.hi[rest], spans.col[rest]
+        self._bounds = np.searchsorted(batch[rest], np.arange(batches + 1)).tolist()
+
+    def apply(
+        self,
+        batch: int,
+        out: np.ndarray,
+        tokens_of: Callable[[int], np.ndarray],
+        rows_of: Callable[[int], np.ndarray],
+    ) -> None:
+        """Copy the spans of batch ``batch`` into ``out``; ``rows_of(shard)``: its :func:`row_view`."""
+        for shard, first, stop in self._groups[self._group_bounds[batch] : self._group_bounds[batch + 1]]:
+            out[self._take_rows[first:stop]] = rows_of(shard)[self._take_lo[first:stop]]
+        part = slice(self._bounds[batch], self._bounds[batch + 1])
+        current, tokens = -1, None
+        for row, shard, start, stop, column in zip(
+            self._rows[part].tolist(),
+            self._shards[part].tolist(),
+            self._lo[part].tolist(),
+            self._hi[part].tolist(),
+            self._col[part].tolist(),
+        ):
+            if shard != current:
+                current, tokens = shard, tokens_of(shard)
+            out[row, column : column + stop - start] = tokens[start:stop]  # type: ignore[index]
 
 
 class BatchedSpans:
-    """The spans of several batches of ``rows`` rows each, sorted once so that each batch copies in one loop.
+    """The spans of several batches of ``rows`` rows each, planned once so that each batch only copies.
 
-    A loader plans a few thousand rows at a time; splitting their windows and sorting their spans by shard
-    once per plan, rather than once per batch, leaves only the copy to each batch.
+    A loader plans a few thousand rows at a time; splitting their windows, sorting their spans by shard and
+    grouping the row takes once per plan, rather than once per batch, leaves only the copy to each batch.
 
     Args:
         spans: the spans of ``batches * rows`` consecutive rows.
         rows: rows per batch.
         batches: the number of batches.
+        width: columns of a row.
     """
 
-    def __init__(self, spans: Spans, rows: int, batches: int) -> None:
+    def __init__(self, spans: Spans, rows: int, batches: int, width: int) -> None:
         batch = spans.rows // rows
         order = np.lexsort((spans.shards, batch))
-        self._rows, self._shards = (spans.rows % rows)[order], spans.shards[order]
-        self._lo, self._hi, self._col = spans.lo[order], spans.hi[order], spans.col[order]
-        self._bounds = np.searchsorted(batch[order], np.arange(batches + 1)).tolist()
-
-    def read(self, batch: int, out: np.ndarray, tokens_of: Callable[[int], np.ndarray]) -> None:
-        """Copy the spans of batch ``batch`` into ``out`` (its ``rows`` rows)."""
-        part = slice(self._bounds[batch], self._bounds[batch + 1])
-        _copy(
-            self._rows[part],
-            self._shards[part],
-            self._lo[part],
-            self._hi[part],
-            self._col[part],
-            out,
-            tokens_of,
+        ordered = Spans(
+            (spans.rows % rows)[order],
+            spans.shards[order],
+            spans.lo[order],
+            spans.hi[order],
+            spans.col[order],
         )
+        self._copies = _Copies(ordered, batch[order], batches, width)
 
-
-def _copy(
-    rows: np.ndarray,
-    shards: np.ndarray,
-    lo: np.ndarray,
-    hi: np.ndarray,
-    col: np.ndarray,
-    out: np.ndarray,
-    tokens_of: Callable[[int], np.ndarray],
-) -> None:
-    """Copy spans already in shard order, looking each shard's tokens up once."""
-    current, tokens = -1, None
-    for row, shard, start, stop, column in zip(
-        rows.tolist(), shards.tolist(), lo.tolist(), hi.tolist(), col.tolist()
-    ):
-        if shard != current:
-            current, tokens = shard, tokens_of(shard)
-        out[row, column : column + stop - start] = tokens[start:stop]  # type: ignore[index]
+    def read(
+        self,
+        batch: int,
+        out: np.ndarray,
+        tokens_of: Callable[[int], np.ndarray],
+        rows_of: Callable[[int], np.ndarray],
+    ) -> None:
+        """Copy the spans of batch ``batch`` into ``out`` (its ``rows`` rows)."""
+        self._copies.apply(batch, out, tokens_of, rows_of)
 
 
 def boundaries(

@@ -40,6 +40,7 @@ from streampack.layout import (
     Spans,
     boundaries,
     read_spans,
+    row_view,
     split_windows,
 )
 from streampack.order import groups
@@ -382,9 +383,10 @@ class JoinedSequences:
         self._pads = None if all(pad is None for pad in pads) else np.array([pad or 0 for pad in pads])
         self._runs: Runs | None = None
         self._recent: dict[int, np.ndarray] = {}
+        self._views: dict[int, np.ndarray] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__ | {"_runs": None, "_recent": {}}
+        return self.__dict__ | {"_runs": None, "_recent": {}, "_views": {}}
 
     def _join(self) -> Runs:
         runs: list[Runs] = []
@@ -432,6 +434,16 @@ class JoinedSequences:
         """Write sample ``samples[k]`` of source ``sources[k]`` into ``out[k]`` (indices already checked)."""
         self.pad(sources, out)
         read_spans(self.spans(sources, samples), out, self.tokens)
+
+    def rows(self, shard: int) -> np.ndarray:
+        """The :func:`~streampack.layout.row_view` of shard ``shard``, for windows of ``width`` tokens."""
+        view = self._views.get(shard)
+        if view is None:
+            view = row_view(self.tokens(shard), self.width)
+            if len(self._views) >= _RECENT_MAPS:
+                self._views.pop(next(iter(self._views)))
+            self._views[shard] = view
+        return view
 
     def tokens(self, shard: int) -> np.ndarray:
         """The tokens of shard ``shard`` of the joined stream.

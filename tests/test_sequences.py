@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
@@ -368,3 +368,39 @@ def test_many_shards_stay_within_a_low_file_descriptor_limit(tmp_path: Path) -> 
     )
     result = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shard_tokens=st.lists(st.integers(0, 3000), min_size=1, max_size=4),
+    seq_len=st.integers(1, 64),
+    overlap=st.integers(0, 1),
+    batch_size=st.sampled_from([1, 8, 32, 64]),
+    dtype=st.sampled_from([np.int64, np.uint16, np.int32]),
+)
+def test_loader_batches_are_the_windows_of_the_stream(
+    tmp_path_factory: pytest.TempPathFactory,
+    shard_tokens: list[int],
+    seq_len: int,
+    overlap: int,
+    batch_size: int,
+    dtype: type,
+) -> None:
+    # Row takes (many rows of one shard in a batch) and slice copies (the rest) against plain slicing.
+    assume(sum(shard_tokens) - overlap >= seq_len * batch_size)
+    rng = np.random.default_rng(len(shard_tokens) * 7 + seq_len)
+    shards = []
+    for size in shard_tokens:
+        tokens = rng.integers(0, 50_000, size=size)
+        shards.append((tokens, np.array([size], dtype=np.int64) if size else np.zeros(0, dtype=np.int64)))
+    root = write_cache(tmp_path_factory.mktemp("w") / "c", shards, vocab_size=50_257, eos_id=50_256)
+    cache = streampack.open(root)
+    seqs = cache.sequences(seq_len, overlap=overlap)
+    loader = streampack.Loader(seqs, batch_size=batch_size, seed=1, dtype=dtype)
+    stream = cache.tokens(0, cache.num_tokens).astype(np.int64)
+    for _, position in zip(range(6), loader.schedule()):
+        batch = loader.batch(position)
+        assert batch.dtype == dtype
+        for row, index in zip(batch, loader.indices(position).tolist()):
+            start = index * seq_len
+            assert row.tolist() == stream[start : start + seq_len + overlap].tolist()
