@@ -403,6 +403,18 @@ class _Copies:
         self._lo, self._hi, self._col = spans.lo[rest], spans.hi[rest], spans.col[rest]
         self._bounds = np.searchsorted(batch[rest], np.arange(batches + 1)).tolist()
 
+    def whole(self, batch: int, rows_of: Callable[[int], np.ndarray], dtype: np.dtype) -> np.ndarray | None:
+        """Batch ``batch`` as a new array of ``dtype``, when it is one row take (all its rows in one shard).
+
+        The take alone, with no copy into an output array: the plain numpy read itself.
+        """
+        first, stop = self._group_bounds[batch], self._group_bounds[batch + 1]
+        if stop - first != 1 or self._bounds[batch] != self._bounds[batch + 1]:
+            return None
+        shard, lo, hi = self._groups[first]
+        taken = rows_of(shard)[self._take_lo[lo:hi]]
+        return taken if taken.dtype == dtype else taken.astype(dtype)
+
     def apply(
         self,
         batch: int,
@@ -461,6 +473,10 @@ class BatchedSpans:
     ) -> None:
         """Copy the spans of batch ``batch`` into ``out`` (its ``rows`` rows)."""
         self._copies.apply(batch, out, tokens_of, rows_of)
+
+    def whole(self, batch: int, rows_of: Callable[[int], np.ndarray], dtype: np.dtype) -> np.ndarray | None:
+        """Batch ``batch`` as a new array, when all its rows are one row take of one shard; else None."""
+        return self._copies.whole(batch, rows_of, dtype)
 
 
 def boundaries(

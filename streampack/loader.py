@@ -23,6 +23,7 @@ cache on a local disk or in the page cache serves them at memory speed, a networ
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -270,6 +271,10 @@ class Loader:
         dtype = np.result_type(*(source.dtype for source in self.sources))
         # int64 with uint64 promotes to float64, which would round ids: token ids fit int64.
         return dtype if dtype.kind in "iu" else np.dtype(np.int64)
+
+    @functools.cached_property
+    def _out_dtype(self) -> np.dtype:
+        return np.dtype(self.options.dtype or self.source_dtype)
 
     @property
     def width(self) -> int:
@@ -543,8 +548,14 @@ class Loader:
         self, position: int, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None
     ) -> np.ndarray:
         """The tokens of the batch at ``position``: copied from its planned spans, else split now."""
+        plan, joined = self._plan, self._joined
+        step = None if plan is None or plan.spans is None else plan.step(position)
+        if out is None and step is not None and joined is not None:
+            whole = plan.spans.whole(step, joined.rows, self._out_dtype)  # type: ignore[union-attr]
+            if whole is not None:
+                return whole
         if out is None:
-            out = np.empty((len(samples), self.width), dtype=self.options.dtype or self.source_dtype)
+            out = np.empty((len(samples), self.width), dtype=self._out_dtype)
         elif (
             not isinstance(out, np.ndarray)
             or out.shape != (len(samples), self.width)
@@ -555,8 +566,6 @@ class Loader:
                 f"holds every {self.source_dtype} id (got {type(out).__name__} "
                 f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
             )
-        plan, joined = self._plan, self._joined
-        step = None if plan is None or plan.spans is None else plan.step(position)
         if joined is not None:  # every source is a cache
             if step is not None:
                 joined.pad(sources, out)
