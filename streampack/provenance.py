@@ -120,7 +120,7 @@ def position_of(loader: Loader, step: int | None = None, *, state: Mapping[str, 
         OptionsError: ``step`` is not a non-negative integer.
         LoaderStateError: ``state`` does not resume over this loader's data and order.
     """
-    return _position(_global_view(loader, state), loader, step, state)
+    return _position(_global_view(loader, state), step, state)
 
 
 def which(
@@ -164,7 +164,7 @@ def which(
         LoaderStateError: ``state`` does not resume over this loader's data and order.
     """
     view = _global_view(loader, state)
-    position = _position(view, loader, step, state)
+    position = _position(view, step, state)
     try:
         sources, samples = view.picks(position)
     except IndexError:
@@ -203,13 +203,12 @@ def _global_view(loader: Loader, state: Mapping[str, Any] | None) -> Loader:
     return view
 
 
-def _position(view: Loader, loader: Loader, step: int | None, state: Mapping[str, Any] | None) -> int:
-    if step is not None:
-        check_int("step", step, 0, 2**62, "a non-negative integer")
+def _position(view: Loader, step: int | None, state: Mapping[str, Any] | None) -> int:
+    """The position of ``step``: from the state's position (``view`` resumed from it), else from 0."""
     if step is None:
-        return view.position if state is not None else loader.position
-    base = view.position if state is not None else 0
-    return base + int(step) * loader.options.batch_size
+        return view.position  # the state's, else the loader's own: the view is a copy of it
+    check_int("step", step, 0, 2**62, "a non-negative integer")
+    return (view.position if state is not None else 0) + int(step) * view.options.batch_size
 
 
 def _datasets(view: Loader) -> list[PackedSequences]:
