@@ -393,12 +393,20 @@ class _Inputs:
     def _files(self) -> list[InputFile]:
         """The input files as the build saw them (its sizes plan the units), found where they were."""
         recorded = self.cache.manifest.inputs
+        paths = [str(i["path"]) for i in recorded]
         try:
-            now = discover_inputs([str(i["path"]) for i in recorded]).files
+            now = discover_inputs(paths).files
         except InputError as e:
             raise InputError(
                 f"{self.cache.root}: its input files are needed to find the documents' lines: {e}"
             ) from None
+        found = [file.path for file in now]
+        if found != paths:  # two of them are one file now, say
+            first = next(i for i, (a, b) in enumerate(zip([*found, None], paths)) if a != b)
+            raise InputError(
+                f"{self.cache.root}: its input {first} is {paths[first]}, but that path now reads as "
+                f"{_at(found, first)}; put the inputs back as they were at build time"
+            )
         self._now = {file.path: file for file in now}
         return [
             dataclasses.replace(file, size=i["size"], mtime_ns=i["mtime_ns"])

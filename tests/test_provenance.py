@@ -234,6 +234,12 @@ def test_inputs_moved_or_changed_are_refused(tmp_path: Path, bpe_tokenizer: Path
     src.unlink()
     with pytest.raises(InputError, match=r"its input files are needed .*in\.jsonl"):
         streampack.which(loader, 0)
+    a, b = (write_bytes(tmp_path / "two" / f"{x}.jsonl", jsonl_with_gaps(20)) for x in "ab")
+    loader = loader_of(build([a, b], tmp_path / "c2", bpe_tokenizer), 16, 4)()
+    b.unlink()
+    b.symlink_to(a)  # read once only now
+    with pytest.raises(InputError, match=r"its input 1 is \S+b\.jsonl, but that path now reads as none"):
+        streampack.which(loader, 0)
 
 
 def test_what_has_no_documents_or_no_batch_is_refused(tmp_path: Path, bpe_tokenizer: Path) -> None:
