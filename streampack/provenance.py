@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import re
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass
@@ -402,9 +403,9 @@ class _Inputs:
             ) from None
         found = [file.path for file in now]
         if found != paths:  # two of them are one file now, say
-            first = next(i for i, (a, b) in enumerate(zip([*found, None], paths)) if a != b)
+            first = next(i for i, (a, b) in enumerate(itertools.zip_longest(found, paths)) if a != b)
             raise InputError(
-                f"{self.cache.root}: its input {first} is {paths[first]}, but that path now reads as "
+                f"{self.cache.root}: its input {first} is {_at(paths, first)}, but that path now reads as "
                 f"{_at(found, first)}; put the inputs back as they were at build time"
             )
         self._now = {file.path: file for file in now}

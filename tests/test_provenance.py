@@ -202,6 +202,12 @@ def test_mixture_rows_name_their_source(tmp_path: Path, bpe_tokenizer: Path) -> 
     make: MakeLoader = lambda **more: Loader(mix, batch_size=8, **more)  # noqa: E731
     found = [doc for step in range(6) for doc in check_step(make, step)]
     assert {(doc.source, Path(doc.cache).name) for doc in found} == {("web", "web"), ("code", "code")}
+    run = make()
+    for _ in zip(range(3), run):
+        pass
+    reweighted = Mixture(sources, {"web": 0.25, "code": 0.75}, seed=2, block_size=8)
+    make = lambda **more: Loader(reweighted, batch_size=8, **more)  # noqa: E731
+    check_step(make, 2, state=run.state_dict())  # resumed with new weights: the state's schedule counts
 
 
 def test_a_step_of_a_resumed_state(tmp_path: Path, bpe_tokenizer: Path) -> None:
@@ -238,7 +244,7 @@ def test_inputs_moved_or_changed_are_refused(tmp_path: Path, bpe_tokenizer: Path
     loader = loader_of(build([a, b], tmp_path / "c2", bpe_tokenizer), 16, 4)()
     b.unlink()
     b.symlink_to(a)  # read once only now
-    with pytest.raises(InputError, match=r"its input 1 is \S+b\.jsonl, but that path now reads as none"):
+    with pytest.raises(InputError, match=r"its input 1 is '\S+b\.jsonl', but that path now reads as none"):
         streampack.which(loader, 0)
 
 
