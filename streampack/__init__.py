@@ -3,7 +3,7 @@
 Build side: :func:`build` streams documents through a tokenizer into cache shards, resumably.
 Load side: :func:`open` memory-maps a cache; :class:`Loader` serves shuffled, resumable batches of its
 packed sequences, or of a :class:`Mixture` of several caches by weight (PyTorch adapters in
-:mod:`streampack.torch`).
+:mod:`streampack.torch`); :func:`which` says which documents (and input lines) a step's batch held.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from streampack.mixconfig import load_mixture
 from streampack.mixture import Mixture
 from streampack.options import CacheSpec, RunOptions
 from streampack.permutation import Permutation
+from streampack.provenance import Placement, Provenance, which
 from streampack.reader import Cache, open
 from streampack.sequences import Boundaries, PackedSequences
 from streampack.sources import Documents
@@ -53,6 +54,8 @@ __all__ = [
     "OptionsError",
     "PackedSequences",
     "Permutation",
+    "Placement",
+    "Provenance",
     "RunOptions",
     "SourceProgress",
     "StreampackError",
@@ -65,4 +68,5 @@ __all__ = [
     "load_tokenizer",
     "open",
     "verify",
+    "which",
 ]

@@ -1,4 +1,4 @@
-"""The ``streampack`` command line: build, info, verify, decode, bench, demo.
+"""The ``streampack`` command line: build, info, verify, decode, bench, mix, which, demo.
 
 User errors print one line on stderr (no traceback) and exit 1; an interrupted build (Ctrl-C, or SIGTERM)
 says how to resume and exits 130 (143 for SIGTERM).
@@ -6,6 +6,7 @@ says how to resume and exits 130 (143 for SIGTERM).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import json
@@ -533,6 +534,126 @@ def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | 
         click.echo(
             f"{p.name:<16} {p.weight:>8.4f} {p.served:>14,} {p.share:>8.4f} {p.size:>14,} {p.epoch:>9.3f}"
         )
+
+
+@cli.command()
+@click.argument("data", type=click.Path(exists=True))
+@click.option(
+    "--seq-len", type=click.IntRange(min=1), help="Tokens per sample (a mixture config sets its own)."
+)
+@click.option(
+    "--overlap", type=click.IntRange(min=0), help="Extra tokens per sample, as trained with [default: 0]."
+)
+@click.option("--batch-size", type=click.IntRange(min=1), help="Global batch size [default: the state's].")
+@click.option("--seed", type=int, help="Shuffle seed of the run [default: 0; a mixture config sets its own].")
+@click.option("--no-shuffle", is_flag=True, help="The run read samples in stream order (not with a mixture).")
+@click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    help="Ranks of the run, to say which rank read each row [default: the state's, else 1].",
+)
+@click.option(
+    "--step", type=click.IntRange(min=0), help="The step, from the start of the run (or of --state)."
+)
+@click.option(
+    "--state",
+    "state_path",
+    type=click.Path(dir_okay=False),
+    help="A saved loader state (JSON): the batch a run resumed from it serves first (--step N: N later).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+def which(
+    data: str,
+    seq_len: int | None,
+    overlap: int | None,
+    batch_size: int | None,
+    seed: int | None,
+    no_shuffle: bool,
+    world_size: int | None,
+    step: int | None,
+    state_path: str | None,
+    as_json: bool,
+) -> None:
+    """Print the documents of one step's batch with their input file and line.
+
+    DATA is a cache directory, or a mixture config (YAML or JSON). Nothing needs to have been logged:
+    the batch is recomputed from the run's settings (those of its Loader), and each document's line is
+    found by reading its part of the inputs again, which must be where and as they were at build time.
+    """
+    from streampack.provenance import position_of
+    from streampack.provenance import which as find
+
+    if step is None and state_path is None:
+        raise click.UsageError("give --step N (from the start of the run), --state FILE, or both")
+    state = _read_state(state_path) if state_path is not None else None
+    batch_size = batch_size or (state or {}).get("batch_size")
+    if not isinstance(batch_size, int):
+        raise click.UsageError("give --batch-size B: the global batch size of the run")
+    world_size = world_size or (state or {}).get("world_size") or 1
+    loader = _run_loader(data, seq_len, overlap, batch_size, seed, no_shuffle, world_size)
+    position = position_of(loader, step, state=state)
+    docs = find(loader, step, state=state)
+    if as_json:
+        rows = [{**dataclasses.asdict(doc), "location": doc.location, "tokens": doc.tokens} for doc in docs]
+        click.echo(json.dumps({"position": position, "documents": rows}, indent=2))
+        return
+    rows_count = sum(len(doc.placements) for doc in docs)
+    click.echo(
+        f"position {position:,}: {len(docs)} documents in {rows_count} runs of tokens, batch of "
+        f"{batch_size} over {world_size} rank{'s' if world_size > 1 else ''}"
+    )
+    mixed = Path(data).is_file()
+    source = f"{'source':<12} " if mixed else ""
+    click.echo(f"{source}{'doc':>10} {'tokens':>7}  {'rank:row[columns]':<24} location")
+    for doc in docs:
+        placed = " ".join(f"{p.rank}:{p.row}[{p.columns[0]}:{p.columns[1]}]" for p in doc.placements)
+        name = f"{doc.source:<12} " if mixed else ""
+        click.echo(f"{name}{doc.doc:>10} {doc.tokens:>7}  {placed:<24} {doc.location}")
+
+
+def _read_state(path: str) -> dict[str, Any]:
+    try:
+        state = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise StreampackError(f"cannot read the loader state {path}: {e}") from None
+    if not isinstance(state, dict):
+        raise StreampackError(f"{path}: a loader state is a JSON object (Loader.state_dict()), got {state!r}")
+    return state
+
+
+def _run_loader(
+    data: str,
+    seq_len: int | None,
+    overlap: int | None,
+    batch_size: int,
+    seed: int | None,
+    no_shuffle: bool,
+    world_size: int,
+) -> Any:
+    """The Loader of a run over a cache directory or a mixture config, as ``which`` was told it."""
+    from streampack.loader import Loader
+    from streampack.mixconfig import load_mixture
+
+    if Path(data).is_file():
+        given = [
+            flag
+            for flag, value in (("--seq-len", seq_len), ("--overlap", overlap), ("--seed", seed))
+            if value is not None
+        ]
+        if given or no_shuffle:
+            flags = ", ".join(given + (["--no-shuffle"] if no_shuffle else []))
+            raise click.UsageError(f"{flags}: a mixture config sets these itself ({data})")
+        dataset: Any = load_mixture(data)
+        options: dict[str, Any] = {}
+    else:
+        if seq_len is None:
+            raise click.UsageError("give --seq-len L: the tokens per sample of the run")
+        dataset = open_cache(data).sequences(seq_len, overlap=overlap or 0)
+        options = {"seed": seed or 0, "shuffle": not no_shuffle}
+    try:
+        return Loader(dataset, batch_size=batch_size, world_size=world_size, **options)
+    except ValueError as e:
+        raise StreampackError(str(e)) from None
 
 
 @cli.command()

@@ -66,6 +66,7 @@ __all__ = [  # discovery is re-exported: callers import it from here
     "plan_python_units",
     "plan_units",
     "read_unit",
+    "records_before",
 ]
 
 SEQUENCE_UNIT_ROWS = 100_000
@@ -294,6 +295,25 @@ def read_unit(
     if unit.file.format == "text" and not options.split_lines:
         return _read_text_document(unit.file, skip, position)
     return _read_lines(unit, options, skip, position)
+
+
+def records_before(unit: WorkUnit) -> int:
+    """Records of the unit's input before its first one: where :func:`read_unit`'s records start.
+
+    The lines of its file before a byte range of a JSONL file (counted: it reads the file up to the
+    range), the rows before a range of Parquet row groups (from the file's metadata), the index of a
+    range of a Python sequence; 0 for a whole file or a run of files.
+
+    Raises:
+        InputError: the input cannot be opened or read up to the unit.
+    """
+    file = unit.file
+    if file is None or unit.rest or not unit.start:
+        return unit.start if file is None else 0
+    if file.format == "parquet":
+        metadata = _parquet_file(file).metadata
+        return sum(metadata.row_group(g).num_rows for g in range(unit.start))
+    return _count_lines_before(file, unit.start)
 
 
 def _read_run(unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None) -> Iterator[Item]:

@@ -1,0 +1,311 @@
+"""streampack.which: every document of a step's batch traced to the input record that holds its text.
+
+Each test builds a real cache from real files with a real tokenizer, asks which documents a step read,
+then reads the record at each reported location *without streampack* (json, gzip, pyarrow), tokenizes
+its text again and compares it with the document in the cache; and checks that each reported run of
+tokens is what the rank's loader really served there.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import streampack
+from streampack import InputError, Loader, Mixture, Provenance
+from streampack.provenance import position_of
+from tests.conftest import run_cli, write_bytes, write_jsonl
+
+MakeLoader = Callable[..., Loader]
+
+
+def record_text(doc: Provenance, documents: Sequence[Any] | None = None) -> str:
+    """The text of the record at ``doc``'s location, read with the standard library and pyarrow only."""
+    if doc.path.startswith("python:"):
+        assert documents is not None and doc.row is not None
+        item = documents[doc.row]
+        return item if isinstance(item, str) else item["text"]
+    path = Path(doc.path)
+    if path.suffix == ".parquet":
+        assert doc.row is not None
+        return pq.read_table(path, columns=["text"]).column("text")[doc.row].as_py()
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    if doc.line is None:  # a whole text file
+        return data.removeprefix(b"\xef\xbb\xbf").decode()
+    line = data.split(b"\n")[doc.line - 1]
+    if ".jsonl" in path.name:
+        return json.loads(line)["text"]
+    return line.decode().rstrip("\r")
+
+
+def check_step(
+    make: MakeLoader,
+    step: int | None,
+    *,
+    world_size: int = 2,
+    state: dict[str, Any] | None = None,
+    documents: Any = None,
+    texts: Sequence[Any] | None = None,
+) -> list[Provenance]:
+    """Run ``which`` on a step and check every answer against the files and the ranks' real batches."""
+    loader = make(rank=0, world_size=world_size)
+    found = streampack.which(loader, step, state=state, documents=documents)
+    position = position_of(loader, step, state=state)
+    batches = []
+    for rank in range(world_size):
+        ranked = make(rank=rank, world_size=world_size)
+        if state is not None:
+            ranked.load_state_dict(state)
+        batches.append(ranked.batch(position))
+    seq_len = loader.width - getattr(loader.sources[0].data, "overlap", 0)
+    assert sum(doc.tokens for doc in found) == sum(len(b) for b in batches) * seq_len  # every column once
+    tokenizers: dict[str, Any] = {}
+    for doc in found:
+        cache = streampack.open(doc.cache)
+        spec = cache.manifest.tokenizer["spec"]
+        tokenizer = tokenizers.setdefault(spec, streampack.load_tokenizer(spec))
+        tokens = cache.doc(doc.doc)
+        assert doc.length == len(tokens)
+        text = record_text(doc, texts)
+        assert tokenizer.encode_batch([text])[0].tolist() == tokens[:-1].tolist(), doc.location
+        for placed in doc.placements:
+            served = batches[placed.rank][placed.row, placed.columns[0] : placed.columns[1]]
+            assert served.tolist() == tokens[placed.tokens[0] : placed.tokens[1]].tolist(), doc
+    return found
+
+
+def every_step(make: MakeLoader, **kwargs: Any) -> list[Provenance]:
+    """Check every step of the first epoch; return all the documents found."""
+    found = []
+    for step in range(make().steps_per_epoch):
+        found += check_step(make, step, **kwargs)
+    return found
+
+
+def loader_of(cache: Path, seq_len: int, batch_size: int, **options: Any) -> MakeLoader:
+    seqs = streampack.open(cache).sequences(seq_len)
+    return lambda **more: Loader(seqs, batch_size=batch_size, **options, **more)
+
+
+def build(inputs: Any, out: Path, tokenizer: Path, **options: Any) -> Path:
+    options.setdefault("on_bad_record", "skip")
+    streampack.build(inputs, out, tokenizer=str(tokenizer), progress=False, **options)
+    return out
+
+
+def doc_text(i: int) -> str:
+    return f"Document {i}: the quick brown fox jumps over {i % 7} lazy dogs. " * (1 + i % 4)
+
+
+# A JSONL file with every kind of record that makes no document, between real ones.
+NOT_DOCUMENTS = [b"", b'{"text": ""}', b'{"text": "  \\n\\t "}', b"not json at all", b'{"text": 3}', b"[1]"]
+
+
+def jsonl_with_gaps(count: int) -> bytes:
+    lines = []
+    for i in range(count):
+        lines.append(json.dumps({"text": doc_text(i), "id": i}).encode())
+        if i % 3 == 1:
+            lines.append(NOT_DOCUMENTS[i // 3 % len(NOT_DOCUMENTS)])
+    return b"\n".join(lines) + b"\n"
+
+
+@pytest.mark.parametrize("name", ["in.jsonl", "in.jsonl.gz"])
+def test_jsonl_lines_past_blank_lines_empty_documents_and_skipped_records(
+    tmp_path: Path, bpe_tokenizer: Path, name: str
+) -> None:
+    src = write_bytes(tmp_path / name, jsonl_with_gaps(60))
+    cache = build(src, tmp_path / "c", bpe_tokenizer)
+    manifest = streampack.open(cache).manifest
+    assert (manifest.skipped_records, manifest.empty_docs) == (9, 7)  # and 4 blank lines
+    found = every_step(loader_of(cache, 16, 8, seed=3))
+    assert {doc.path for doc in found} == {str(src)}
+    assert max(doc.line or 0 for doc in found) > 60  # past many gaps: lines are not document numbers
+
+
+def test_a_big_jsonl_file_split_into_byte_ranges(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    src = write_bytes(tmp_path / "big.jsonl", jsonl_with_gaps(2400))
+    assert src.stat().st_size > 4 * 65536
+    cache = build(src, tmp_path / "c", bpe_tokenizer, unit_bytes=65536)
+    units = streampack.open(cache).manifest.units
+    assert len(units) >= 4 and units[1].endswith(f"[bytes 65536:{2 * 65536}]")
+    make = loader_of(cache, 64, 16, seed=1)
+    found = [doc for step in range(4) for doc in check_step(make, step)]
+    assert len({doc.unit for doc in found}) >= 3 and max(doc.unit for doc in found) > 0
+
+
+def test_a_run_of_small_files_jsonl_gz_and_whole_text_files(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    data = tmp_path / "data"
+    write_bytes(data / "01.jsonl", jsonl_with_gaps(12))
+    write_bytes(data / "02.txt", "\ufeffA whole file is one document.\nIts second line.\n".encode())
+    write_bytes(data / "03.txt", b"")  # empty: no document
+    write_bytes(data / "04.txt", b"invalid \xc3\x28 UTF-8")  # a bad record, skipped
+    write_bytes(data / "05.txt", doc_text(5).encode())
+    write_bytes(data / "06.jsonl.gz", jsonl_with_gaps(9))
+    cache = build(data, tmp_path / "c", bpe_tokenizer)
+    assert len(streampack.open(cache).manifest.units) == 1  # one run of six files
+    found = every_step(loader_of(cache, 8, 4, seed=0))
+    assert {Path(doc.path).name for doc in found} == {"01.jsonl", "02.txt", "05.txt", "06.jsonl.gz"}
+    assert {doc.line for doc in found if doc.path.endswith(".txt")} == {None}
+
+
+def test_text_files_one_document_per_line(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    lines = [doc_text(i) if i % 4 else "   " for i in range(40)]
+    src = write_bytes(tmp_path / "lines.txt", ("\n\n".join(lines) + "\r\n").encode())
+    cache = build(src, tmp_path / "c", bpe_tokenizer, split_lines=True)
+    found = every_step(loader_of(cache, 16, 4, shuffle=False), world_size=1)
+    assert {doc.line for doc in found} >= {3, 79}  # blank lines between the documents count
+
+
+def test_parquet_rows_across_row_group_units(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    texts = [None if i % 17 == 3 else "" if i % 13 == 5 else doc_text(i) for i in range(2000)]
+    src = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"id": list(range(2000)), "text": texts}), src, row_group_size=200)
+    cache = build(src, tmp_path / "c", bpe_tokenizer, unit_bytes=65536)
+    assert len(streampack.open(cache).manifest.units) > 2
+    make = loader_of(cache, 128, 8, seed=5)
+    found = [doc for step in range(0, 40, 9) for doc in check_step(make, step)]
+    assert max(doc.unit for doc in found) > 0 and max(doc.row or 0 for doc in found) > 400
+
+
+def test_python_documents(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    clean = [doc_text(i) for i in range(50)]
+    cache = build(streampack.Documents(clean), tmp_path / "clean", bpe_tokenizer)
+    found = every_step(loader_of(cache, 16, 4), texts=clean)  # every record is a document: rows known
+    assert found[0].path == "python:list" and found[0].location == f"python:list[{found[0].row}]"
+
+    gappy = [{"text": doc_text(i)} if i % 5 else {"text": ""} for i in range(50)]
+    cache = build(streampack.Documents(gappy), tmp_path / "gappy", bpe_tokenizer)
+    make = loader_of(cache, 16, 4)
+    assert {doc.row for doc in streampack.which(make(), 0)} == {None}  # unknown without the documents
+    every_step(make, documents=streampack.Documents(gappy), texts=gappy)
+    with pytest.raises(InputError, match=r"the documents given make other work units.*python:list"):
+        streampack.which(make(), 0, documents=gappy * 2)
+
+
+def test_mixture_rows_name_their_source(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    web = build(write_bytes(tmp_path / "web.jsonl.gz", jsonl_with_gaps(40)), tmp_path / "web", bpe_tokenizer)
+    src = tmp_path / "code.parquet"
+    pq.write_table(pa.table({"text": [f"def f{i}(): return {i}\n" * 3 for i in range(80)]}), src)
+    code = build(src, tmp_path / "code", bpe_tokenizer)
+    sources = {"web": streampack.open(web).sequences(16), "code": streampack.open(code).sequences(16)}
+    mix = Mixture(sources, {"web": 0.5, "code": 0.5}, seed=2, block_size=8)
+    make: MakeLoader = lambda **more: Loader(mix, batch_size=8, **more)  # noqa: E731
+    found = [doc for step in range(6) for doc in check_step(make, step)]
+    assert {(doc.source, Path(doc.cache).name) for doc in found} == {("web", "web"), ("code", "code")}
+    run = make()
+    for _ in zip(range(3), run):
+        pass
+    reweighted = Mixture(sources, {"web": 0.25, "code": 0.75}, seed=2, block_size=8)
+    make = lambda **more: Loader(reweighted, batch_size=8, **more)  # noqa: E731
+    check_step(make, 2, state=run.state_dict())  # resumed with new weights: the state's schedule counts
+
+
+def test_a_step_of_a_resumed_state(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    cache = build(write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(80)), tmp_path / "c", bpe_tokenizer)
+    make = loader_of(cache, 16, 4, seed=7)
+    run = make()
+    for _ in zip(range(5), run):
+        pass
+    state = json.loads(json.dumps(run.state_dict()))
+    assert check_step(make, None, state=state) == check_step(make, 5)
+    assert check_step(make, 3, state=state) == check_step(make, 8)
+    # The run resumed at batch size 8: its second step after the state is at position 5 * 4 + 8.
+    bigger = loader_of(cache, 16, 8, seed=7)
+    assert position_of(bigger(), 1, state=state) == 28
+    check_step(bigger, 1, state=state)
+    # A loader that resumed from the state counts steps from the start of the run.
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert streampack.which(resumed) == streampack.which(resumed, 5) == check_step(make, 5, world_size=1)
+    assert resumed.position == 20  # which() left it as it was
+
+
+def test_inputs_moved_or_changed_are_refused(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    src = write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(30))
+    cache = build(src, tmp_path / "c", bpe_tokenizer)
+    loader = loader_of(cache, 16, 4)()
+    src.write_bytes(src.read_bytes().replace(b"Document 0:", b"Document 0 "))  # same size, new mtime
+    with pytest.raises(InputError, match=r"in\.jsonl: changed since the cache was built"):
+        streampack.which(loader, 0)
+    src.unlink()
+    with pytest.raises(InputError, match=r"its input files are needed .*in\.jsonl"):
+        streampack.which(loader, 0)
+    a, b = (write_bytes(tmp_path / "two" / f"{x}.jsonl", jsonl_with_gaps(20)) for x in "ab")
+    loader = loader_of(build([a, b], tmp_path / "c2", bpe_tokenizer), 16, 4)()
+    b.unlink()
+    b.symlink_to(a)  # read once only now
+    with pytest.raises(InputError, match=r"its input 1 is '\S+b\.jsonl', but that path now reads as none"):
+        streampack.which(loader, 0)
+
+
+def test_what_has_no_documents_or_no_batch_is_refused(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    with pytest.raises(TypeError, match="source 'data' is a ndarray"):
+        streampack.which(Loader(np.zeros((8, 4), dtype=np.int64), batch_size=4), 0)
+    cache = build(
+        write_jsonl(tmp_path / "in.jsonl", [{"text": doc_text(i)} for i in range(9)]),
+        tmp_path / "c",
+        bpe_tokenizer,
+    )
+    loader = loader_of(cache, 16, 4, epochs=1)()
+    with pytest.raises(IndexError, match="no batch at position"):
+        streampack.which(loader, loader.steps_per_epoch)
+    with pytest.raises(ValueError, match="step must be a non-negative integer"):
+        streampack.which(loader, -1)
+
+
+def test_cli_which_prints_the_table_and_json(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    src = write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(60))
+    cache = build(src, tmp_path / "c", bpe_tokenizer)
+    make = loader_of(cache, 16, 8, seed=4)
+    settings = ["--seq-len", "16", "--batch-size", "8", "--seed", "4", "--world-size", "2"]
+    shown = json.loads(run_cli("which", cache, *settings, "--step", "3", "--json").stdout)
+    expected = check_step(make, 3)
+    assert shown["position"] == 24
+    assert [(d["doc"], d["location"], d["tokens"]) for d in shown["documents"]] == [
+        (d.doc, d.location, d.tokens) for d in expected
+    ]
+    table = run_cli("which", cache, *settings, "--step", "3").stdout
+    assert f"{expected[0].location}\n" in table and "rank:row[columns]" in table
+    run = make(world_size=2)
+    for _ in zip(range(2), run):
+        pass
+    state = tmp_path / "state.json"
+    state.write_text(json.dumps(run.state_dict()))  # batch size 8 and world size 2 come from it
+    by_state = run_cli("which", cache, "--seq-len", "16", "--seed", "4", "--state", state, "--step", "1")
+    assert by_state.stdout == table
+    missing = run_cli("which", cache, "--seq-len", "16", "--batch-size", "8", check=False)
+    assert missing.returncode == 2 and "give --step N" in missing.stderr
+
+
+def test_cli_which_reads_a_mixture_config(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    for name in ("web", "books"):
+        build(write_bytes(tmp_path / f"{name}.jsonl", jsonl_with_gaps(30)), tmp_path / name, bpe_tokenizer)
+    config = tmp_path / "mix.json"
+    config.write_text(
+        json.dumps(
+            {
+                "seq_len": 16,
+                "sources": {"web": "web", "books": "books"},
+                "weights": {"web": 1, "books": 1},
+                "block_size": 4,
+            }
+        )
+    )
+    shown = run_cli("which", config, "--batch-size", "4", "--step", "2")
+    assert "source" in shown.stdout and "books" in shown.stdout and "web.jsonl:" in shown.stdout
+    refused = run_cli("which", config, "--batch-size", "4", "--step", "2", "--seed", "1", check=False)
+    assert refused.returncode == 2 and "--seed: a mixture config sets these itself" in refused.stderr
+    mix = streampack.load_mixture(config)
+    expected = streampack.which(Loader(mix, batch_size=4), 2)
+    assert [line.split()[-1] for line in shown.stdout.splitlines()[2:]] == [d.location for d in expected]
+    assert os.path.isdir(expected[0].cache)
