@@ -6,6 +6,7 @@ says exactly where it came from.
 
 from __future__ import annotations
 
+import json
 import pickle
 from pathlib import Path
 
@@ -290,3 +291,19 @@ def test_overwriting_a_cache_removes_its_plans(tmp_path: Path) -> None:
     streampack.build(streampack.Documents(["four"]), out, tokenizer="bytes", overwrite=True)
     assert not (out / "layouts").exists()
     assert streampack.open(out).packed(16)[0][:4].tolist() == list(b"four")
+
+
+def test_which_finds_the_lines_of_whole_document_samples(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    texts = ["w" * int(n) for n in rng.integers(1, 300, size=1500)]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    streampack.build(source, tmp_path / "c", tokenizer="bytes", unit_bytes=65536)
+    cache = streampack.open(tmp_path / "c")
+    for samples in (cache.packed(128), cache.documents(128), cache.split(0.2)[1].sequences(64)):
+        found = streampack.which(streampack.Loader(samples, batch_size=4, seed=1), step=3)
+        assert found
+        for doc in found:
+            line = int(doc.location.rsplit(":", 1)[1])
+            assert doc.length == len(texts[line - 1]) + 1  # its text, then the EOS
+            assert cache.doc(doc.doc)[:-1].tolist() == list(texts[line - 1].encode())
