@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = ["DataModule", "ModelPacedDataLoader"]
 
+
 class ModelPacedDataLoader(DataLoader):
     """A :class:`streampack.torch.DataLoader` whose state counts only the batches a consumer confirmed.
 

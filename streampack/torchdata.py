@@ -152,6 +152,4 @@ def stateful_dataloader(loader: Loader, **kwargs: Any) -> Any:
                 f"the Loader makes the batches, so stateful_dataloader takes no {name}= (got "
                 f"{name}={kwargs[name]!r}); set batch_size, shuffle, drop_last and collate on the Loader"
             )
-    return StatefulDataLoader(
-        LoaderBatches(loader), sampler=LoaderSampler(loader), batch_size=None, **kwargs
-    )
+    return StatefulDataLoader(LoaderBatches(loader), sampler=LoaderSampler(loader), batch_size=None, **kwargs)

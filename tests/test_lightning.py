@@ -91,8 +91,14 @@ def test_datamodule_state_after_fit_excludes_the_batch_fetched_ahead(
 ) -> None:
     loader = streampack.Loader(seqs, batch_size=4, seed=5)
     data = streampack.lightning.DataModule(loader)
-    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(TinyLM(), datamodule=data)
     assert loader.position == 3 * 4  # Lightning fetched a third batch
     assert data.state_dict()["position"] == 2 * 4
