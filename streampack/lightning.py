@@ -18,7 +18,8 @@ DataModule's class name, and under the fit loop's ``combined_loader``) and resto
 batch is fetched, so a resumed run continues with exactly the batch an uninterrupted one would have had.
 
 The run's length is the Trainer's ``max_steps`` with an endless loader (Lightning then sees no epochs),
-or the loader's ``epochs`` in one Lightning epoch (``max_epochs=1``).
+or the loader's ``epochs`` in one Lightning epoch (``max_epochs=1``). A ``training_step`` that takes
+``dataloader_iter`` and pulls batches itself is not supported: the callback sees one batch per step.
 """
 
 from __future__ import annotations
