@@ -3,7 +3,9 @@
 Build side: :func:`build` streams documents through a tokenizer into cache shards, resumably.
 Load side: :func:`open` memory-maps a cache; :class:`Loader` serves shuffled, resumable batches of its
 packed sequences, or of a :class:`Mixture` of several caches by weight (PyTorch adapters in
-:mod:`streampack.torch`); :func:`which` says which documents (and input lines) a step's batch held.
+:mod:`streampack.torch`; training frameworks in :mod:`streampack.hf`, :mod:`streampack.lightning`,
+:mod:`streampack.torchdata`, :mod:`streampack.grain` and :mod:`streampack.jax`, none imported here);
+:func:`which` says which documents (and input lines) a step's batch held.
 """
 
 from __future__ import annotations

@@ -1,0 +1,174 @@
+"""Hugging Face ``transformers.Trainer`` fed by a :class:`~streampack.loader.Loader`, resuming exactly.
+
+Install with ``pip install 'streampack[hf]'``. Pass the loader as ``train_dataset`` to
+:class:`Trainer` (or to a Trainer class of your own with :class:`LoaderTrainerMixin` in front)::
+
+    args = TrainingArguments("out", per_device_train_batch_size=8, max_steps=10_000, save_steps=500)
+    loader = streampack.Loader(cache.sequences(1024), batch_size=8 * args.world_size, seed=0,
+                               rank=args.process_index, world_size=args.world_size, output="dict")
+    trainer = streampack.hf.Trainer(model=model, args=args, train_dataset=loader)
+    trainer.train()  # after a crash: trainer.train(resume_from_checkpoint=True)
+
+What it changes, and why:
+
+* **Batches**: ``get_train_dataloader`` (the Trainer's documented override point) returns a
+  :class:`streampack.torch.DataLoader` over the loader, with the ``dataloader_*`` arguments; it is not
+  passed through accelerate, which would re-batch the loader's batches, or under DDP read them on rank 0
+  only and scatter them. Every rank reads its own rows of each global batch (build each rank's loader
+  with ``rank=args.process_index, world_size=args.world_size``; DDP syncs the gradients as usual).
+* **Checkpoints**: every checkpoint folder gets ``streampack_loader.json``, the loader state after the
+  batches of its steps (the Trainer draws exactly ``gradient_accumulation_steps`` batches per step).
+* **Resume**: ``train(resume_from_checkpoint=...)`` loads that state before training, and the Trainer is
+  told not to skip batches (``ignore_data_skip=True``), so nothing is replayed: the first batch after the
+  resume is the one an uninterrupted run would have had.
+
+Use ``output="dict"`` (``input_ids``, ``labels`` with ``-100`` at document starts, ``position_ids``) for a
+causal LM. The run's length is the Trainer's ``max_steps`` (an endless loader has no length), or the
+loader's ``epochs`` with ``num_train_epochs=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from streampack.errors import LoaderStateError, MissingDependencyError, OptionsError
+from streampack.loader import Loader
+
+try:
+    import transformers
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise MissingDependencyError(
+        "streampack.hf needs transformers and accelerate: pip install 'streampack[hf,torch]'"
+    ) from error
+
+from streampack.torch import DataLoader
+
+__all__ = ["LOADER_STATE_NAME", "LoaderTrainerMixin", "Trainer"]
+
+LOADER_STATE_NAME = "streampack_loader.json"
+"""The file in each checkpoint folder that holds the loader state."""
+
+if TYPE_CHECKING:
+    from transformers import Trainer as _TrainerBase
+else:
+    _TrainerBase = object
+
+
+class LoaderTrainerMixin(_TrainerBase):
+    """Lets a ``transformers.Trainer`` class train on a :class:`~streampack.loader.Loader` and resume it.
+
+    Put it first among the bases: ``class MyTrainer(LoaderTrainerMixin, SFTTrainer): ...``. A
+    ``train_dataset`` that is not a ``Loader`` is left to the Trainer as usual.
+
+    Raises:
+        OptionsError: (at ``train()``) the loader's rank, world size or rows per rank do not match the
+            Trainer's ``process_index``, ``world_size`` or per-device batch size.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_callback(_SaveLoaderState(self))
+        if isinstance(self.train_dataset, Loader):
+            # The loader resumes itself; a Trainer skipping batches would replay them and drop as many.
+            self.args.ignore_data_skip = True
+
+    def get_train_dataloader(self) -> Any:
+        """A :class:`streampack.torch.DataLoader` over a ``Loader`` train dataset; else the Trainer's."""
+        loader = self.train_dataset
+        if not isinstance(loader, Loader):
+            return super().get_train_dataloader()
+        self.args.ignore_data_skip = True
+        _check_ranks(loader, self.args, self._train_batch_size)
+        args = self.args
+        options: dict[str, Any] = {
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+        }
+        if args.dataloader_num_workers > 0:
+            options["persistent_workers"] = args.dataloader_persistent_workers
+            options["prefetch_factor"] = args.dataloader_prefetch_factor
+            options["multiprocessing_context"] = args.dataloader_multiprocessing_context
+        return DataLoader(loader, **options)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """Train; when resuming, the loader first continues from the checkpoint's loader state.
+
+        Args:
+            resume_from_checkpoint: a checkpoint folder, or ``True`` for the last one in ``output_dir``
+                (as for ``transformers.Trainer.train``).
+            *args: passed on to ``Trainer.train``.
+            **kwargs: passed on to ``Trainer.train``.
+
+        Raises:
+            LoaderStateError: the checkpoint has no loader state, or it does not fit the loader.
+        """
+        if resume_from_checkpoint and isinstance(self.train_dataset, Loader):
+            folder = resume_from_checkpoint
+            if folder is True:
+                folder = get_last_checkpoint(self.args.output_dir)
+                if folder is None:
+                    raise ValueError(f"no checkpoint found in output_dir {self.args.output_dir}")
+            self.train_dataset.load_state_dict(_read_state(str(folder)))
+            resume_from_checkpoint = folder
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+
+class Trainer(LoaderTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` that takes a :class:`~streampack.loader.Loader` as ``train_dataset``.
+
+    See :class:`LoaderTrainerMixin` and the module docs.
+    """
+
+
+class _SaveLoaderState(transformers.TrainerCallback):
+    """Writes the loader state into each checkpoint folder, from the process that saves checkpoints."""
+
+    def __init__(self, trainer: LoaderTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        loader = self.trainer.train_dataset
+        if not isinstance(loader, Loader) or not args.should_save:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if os.path.isdir(folder):  # absent under hyperparameter search, which saves per trial
+            path = os.path.join(folder, LOADER_STATE_NAME)
+            with open(path + ".tmp", "w") as file:
+                json.dump(loader.state_dict(), file)
+            os.replace(path + ".tmp", path)
+
+
+def _read_state(folder: str) -> Any:
+    path = os.path.join(folder, LOADER_STATE_NAME)
+    try:
+        with open(path) as file:
+            return json.load(file)
+    except FileNotFoundError:
+        raise LoaderStateError(
+            f"{path} does not exist: the checkpoint {folder} was not saved by streampack.hf (or its "
+            f"{LOADER_STATE_NAME} was removed), so where the data stopped is unknown. Resume from a "
+            "checkpoint saved by streampack.hf.Trainer, or load a Loader state yourself and train without "
+            "resume_from_checkpoint"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise LoaderStateError(f"{path}: cannot read the loader state ({error}); it is damaged") from error
+
+
+def _check_ranks(loader: Loader, args: Any, rows: int) -> None:
+    """Refuse a loader built for another rank, world size or per-device batch size than the Trainer's."""
+    opts = loader.options
+    if (opts.rank, opts.world_size) != (args.process_index, args.world_size):
+        raise OptionsError(
+            f"the Loader was built for rank {opts.rank} of {opts.world_size}, but this Trainer process is "
+            f"rank {args.process_index} of {args.world_size}: ranks would read the same rows. Build it with "
+            "Loader(..., rank=args.process_index, world_size=args.world_size)"
+        )
+    if opts.rows != rows:
+        raise OptionsError(
+            f"the Loader gives each rank {opts.rows} rows per batch (batch_size={opts.batch_size} over "
+            f"{opts.world_size} ranks), but the Trainer's per-device batch size is {rows}; set "
+            f"per_device_train_batch_size={opts.rows}, or Loader(batch_size={rows * opts.world_size})"
+        )

@@ -1,0 +1,155 @@
+"""torchdata's ``StatefulDataLoader`` over a :class:`~streampack.loader.Loader`, resuming from ITS state.
+
+Install with ``pip install 'streampack[torchdata]'``. ``StatefulDataLoader`` checkpoints a sampler that
+has ``state_dict()`` / ``load_state_dict()`` in the main process, at the very index each batch was made
+from, whatever its workers had prefetched. So the loader's order enters it as a sampler:
+
+* :class:`LoaderSampler` yields, for every batch still to come, the loader's state at that batch (a
+  small dict: the position and what it means), and its own state is the state after the last one it
+  yielded;
+* :class:`LoaderBatches` is a map-style dataset whose item at such a state is the loader's batch there
+  (this rank's rows, in the loader's output format, as tensors). A worker that receives a state of
+  another order (a mixture resumed with new weights) resumes its copy of the loader from it first.
+
+With ``batch_size=None`` the DataLoader hands each item out as one batch. :func:`stateful_dataloader`
+puts the two together::
+
+    loader = streampack.Loader(seqs, batch_size=32, seed=0, rank=rank, world_size=world)
+    data = streampack.torchdata.stateful_dataloader(loader, num_workers=2)
+    for step, batch in enumerate(data):
+        ...
+        torch.save({"data": data.state_dict(), ...}, path)  # StatefulDataLoader's own state
+    # later, in a new process: the same construction, then
+    data.load_state_dict(torch.load(path)["data"])  # continues at the batch after the saved one
+
+Resuming needs the same ``num_workers`` (StatefulDataLoader's rule; the sampler state inside, under
+``_index_sampler_state``, is a plain loader state and resumes with any). The sampler works the same with
+a plain ``torch.utils.data.DataLoader`` and accelerate's ``use_stateful_dataloader=True``. Checkpoint the
+DataLoader's state, not the ``Loader``'s: the sampler advances a copy of the loader, so the ``Loader``
+you passed in stays where it was.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from streampack.errors import LoaderStateError, MissingDependencyError
+from streampack.loader import Loader
+
+try:
+    import torch.utils.data as torch_data
+    from torch.utils.data._utils.collate import default_convert
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise MissingDependencyError(
+        "streampack.torchdata needs PyTorch and torchdata: pip install 'streampack[torchdata]'"
+    ) from error
+
+__all__ = ["LoaderBatches", "LoaderSampler", "stateful_dataloader"]
+
+
+class LoaderSampler(torch_data.Sampler):
+    """Stateful sampler: the loader's state at each batch still to come, in schedule order.
+
+    Its :meth:`state_dict` is the loader state after the last state it yielded, so a ``StatefulDataLoader``
+    (which snapshots its sampler when it hands out each batch's index) resumes at the next batch.
+
+    Args:
+        loader: the loader whose batches to schedule; it is copied, and the copy advances.
+    """
+
+    def __init__(self, loader: Loader) -> None:
+        self._loader = copy.copy(loader)
+
+    def __repr__(self) -> str:
+        return f"streampack.torchdata.LoaderSampler({self._loader!r})"
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Yield the loader state at each batch from the current position on, advancing past each one."""
+        loader = self._loader
+        while not loader.finished:
+            state = loader.state_dict()
+            loader.advance(1)
+            yield state
+
+    def __len__(self) -> int:
+        """Batches of the whole run (see :meth:`Loader.__len__`); ``TypeError`` for an endless run."""
+        return len(self._loader)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader state at the batch after the last one yielded (small, JSON-serializable)."""
+        return self._loader.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (or a :meth:`Loader.state_dict`).
+
+        Raises:
+            LoaderStateError: the state does not fit the loader (see :meth:`Loader.load_state_dict`).
+        """
+        self._loader.load_state_dict(state)
+
+
+class LoaderBatches(torch_data.Dataset):
+    """Map-style dataset of a loader's batches: the item at a loader state is the batch it starts with.
+
+    Items are this rank's rows in the loader's output format (an array, or a dict of arrays), converted
+    to tensors; pass ``batch_size=None`` to the DataLoader so that each item is one batch.
+
+    Args:
+        loader: the loader to read; each DataLoader worker gets a copy.
+    """
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+        self._order = loader.order.fingerprint()
+
+    def __repr__(self) -> str:
+        return f"streampack.torchdata.LoaderBatches({self.loader!r})"
+
+    def __getitem__(self, state: Mapping[str, Any]) -> Any:
+        """The batch at ``state`` (what :class:`LoaderSampler` yields), as tensors.
+
+        Raises:
+            LoaderStateError: ``state`` is not a loader state that fits the loader.
+        """
+        if not isinstance(state, Mapping) or "position" not in state:
+            raise LoaderStateError(
+                f"LoaderBatches is indexed by loader states, as LoaderSampler yields them (got {state!r}); "
+                "pass sampler=LoaderSampler(loader) and batch_size=None to the DataLoader"
+            )
+        if state.get("order") != self._order:
+            self.loader.load_state_dict(state)  # a resumed mixture whose order changed
+            self._order = self.loader.order.fingerprint()
+        return default_convert(self.loader.batch(int(state["position"])))
+
+
+def stateful_dataloader(loader: Loader, **kwargs: Any) -> Any:
+    """A torchdata ``StatefulDataLoader`` of the loader's batches whose own state resumes exactly.
+
+    Args:
+        loader: the loader to serve (not advanced: checkpoint the returned DataLoader's state).
+        **kwargs: ``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor``,
+            ``snapshot_every_n_steps``, ... as for ``StatefulDataLoader``.
+
+    Returns:
+        ``StatefulDataLoader(LoaderBatches(loader), sampler=LoaderSampler(loader), batch_size=None,
+        **kwargs)``.
+
+    Raises:
+        MissingDependencyError: torchdata is not installed.
+        ValueError: a batching argument was given (the loader makes the batches).
+    """
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError as error:
+        raise MissingDependencyError(
+            "stateful_dataloader needs torchdata: pip install 'streampack[torchdata]'"
+        ) from error
+    for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "collate_fn", "drop_last"):
+        if name in kwargs:
+            raise ValueError(
+                f"the Loader makes the batches, so stateful_dataloader takes no {name}= (got "
+                f"{name}={kwargs[name]!r}); set batch_size, shuffle, drop_last and collate on the Loader"
+            )
+    return StatefulDataLoader(LoaderBatches(loader), sampler=LoaderSampler(loader), batch_size=None, **kwargs)

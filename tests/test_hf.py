@@ -1,0 +1,166 @@
+"""Tests for `streampack.hf`: a real `transformers.Trainer` trains, checkpoints and resumes exactly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("accelerate", reason="Trainer needs accelerate: pip install 'streampack[hf]'")
+pytest.importorskip("transformers", reason="streampack.hf needs pip install 'streampack[hf]'")
+
+import streampack
+import streampack.hf
+from streampack.errors import LoaderStateError, OptionsError
+from tests.frameworks import numbered_cache, sample_ids, tiny_gpt2
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def seqs(tmp_path_factory: pytest.TempPathFactory) -> streampack.PackedSequences:
+    return numbered_cache(tmp_path_factory.mktemp("hf") / "c").sequences(8)
+
+
+class Recording(streampack.hf.Trainer):
+    """Records the sample ids of every batch the model trains on."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[list[int]] = []
+
+    def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        self.seen.append(sample_ids(inputs))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+def train(
+    seqs: streampack.PackedSequences, out: Path, max_steps: int, resume: bool = False, workers: int = 0
+) -> list[list[int]]:
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(
+        str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=max_steps,
+        save_steps=3,
+        dataloader_num_workers=workers,
+        use_cpu=True,
+        report_to=[],
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    loader = streampack.Loader(seqs, batch_size=4, seed=1, output="dict")
+    trainer = Recording(model=tiny_gpt2(), args=args, train_dataset=loader)
+    trainer.train(resume_from_checkpoint=resume or None)
+    return trainer.seen
+
+
+def test_trainer_resumes_at_the_next_batch_with_nothing_replayed(
+    seqs: streampack.PackedSequences, tmp_path: Path
+) -> None:
+    uninterrupted = train(seqs, tmp_path / "a", max_steps=6)
+    assert len(uninterrupted) == 12  # 6 steps of 2 accumulated batches
+    first = train(seqs, tmp_path / "b", max_steps=3)
+    state = json.loads((tmp_path / "b" / "checkpoint-3" / streampack.hf.LOADER_STATE_NAME).read_text())
+    assert state["position"] == 3 * 2 * 4
+    # A new process would build all of this anew: a new model, Trainer and Loader at position 0.
+    rest = train(seqs, tmp_path / "b", max_steps=6, resume=True, workers=1)
+    assert first + rest == uninterrupted
+
+
+def test_trainer_refuses_a_loader_of_another_shape_and_a_checkpoint_without_a_state(
+    seqs: streampack.PackedSequences, tmp_path: Path
+) -> None:
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=2, max_steps=1, use_cpu=True, report_to=[]
+    )
+    wrong_rows = streampack.Loader(seqs, batch_size=4, output="dict")
+    with pytest.raises(OptionsError, match=r"4 rows per batch .* per-device batch size is 2; set"):
+        streampack.hf.Trainer(model=tiny_gpt2(), args=args, train_dataset=wrong_rows).train()
+    wrong_rank = streampack.Loader(seqs, batch_size=4, rank=1, world_size=2, output="dict")
+    with pytest.raises(OptionsError, match=r"built for rank 1 of 2, but this Trainer process is rank 0 of 1"):
+        streampack.hf.Trainer(model=tiny_gpt2(), args=args, train_dataset=wrong_rank).train()
+    (tmp_path / "checkpoint-5").mkdir()
+    loader = streampack.Loader(seqs, batch_size=2, output="dict")
+    trainer = streampack.hf.Trainer(model=tiny_gpt2(), args=args, train_dataset=loader)
+    with pytest.raises(LoaderStateError, match=r"checkpoint-5/streampack_loader.json does not exist"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-5"))
+
+
+def with_project_on_path() -> dict[str, str]:
+    """The environment, with the project root first on PYTHONPATH (scripts import tests.frameworks)."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+
+
+_DDP_SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch.distributed as dist
+from transformers import TrainingArguments
+import streampack, streampack.hf
+from tests.frameworks import sample_ids, tiny_gpt2
+
+class Recording(streampack.hf.Trainer):
+    seen = None
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.seen.append(sample_ids(inputs))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+def train(out, max_steps, resume=False):
+    args = TrainingArguments(out, per_device_train_batch_size=2, max_steps=max_steps, save_steps=2,
+                             use_cpu=True, ddp_backend="gloo", report_to=[], logging_strategy="no",
+                             disable_tqdm=True)
+    loader = streampack.Loader(streampack.open(sys.argv[1]).sequences(8), batch_size=2 * args.world_size,
+                               seed=2, rank=args.process_index, world_size=args.world_size, output="dict")
+    trainer = Recording(model=tiny_gpt2(), args=args, train_dataset=loader)
+    trainer.seen = []
+    trainer.train(resume_from_checkpoint=resume or None)
+    return trainer.seen
+
+out = Path(sys.argv[2])
+mine = {"full": train(str(out / "a"), 4), "first": train(str(out / "b"), 2)}
+mine["rest"] = train(str(out / "b"), 4, resume=True)
+everyone = [None] * dist.get_world_size()
+dist.all_gather_object(everyone, mine)
+if dist.get_rank() == 0:
+    (out / "seen.json").write_text(json.dumps(everyone))
+"""
+
+
+@pytest.mark.slow
+def test_trainer_under_torchrun_gives_each_rank_its_rows_and_resumes_exactly(
+    seqs: streampack.PackedSequences, tmp_path: Path
+) -> None:
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    script = tmp_path / "ddp.py"
+    script.write_text(textwrap.dedent(_DDP_SCRIPT))
+    run = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", str(script), seqs.path, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=with_project_on_path(),
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = json.loads((tmp_path / "seen.json").read_text())
+    reference = streampack.Loader(seqs, batch_size=4, seed=2)
+    for rank, seen in enumerate(ranks):
+        assert seen["first"] + seen["rest"] == seen["full"]
+        # Rank r trains on its half of each global batch, as the loader defines it.
+        expected = [sample_ids(reference.batch(4 * step))[2 * rank : 2 * rank + 2] for step in range(4)]
+        assert seen["full"] == expected
