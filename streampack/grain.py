@@ -89,12 +89,12 @@ class DocumentSource:
     """
 
     def __init__(self, cache: Cache, *, dtype: npt.DTypeLike | None = None) -> None:
-        from streampack.sequences import _content_digest
+        from streampack.sequences import content_digest
 
         self._path = str(cache.root)
         self._allow_incomplete = not cache.manifest.complete
         self._num_docs = cache.num_docs
-        self._content = _content_digest(cache)
+        self._content = content_digest(cache)
         self.dtype = None if dtype is None else np.dtype(dtype)
         self._cache: Cache | None = cache
         self._lock = threading.Lock()
@@ -135,10 +135,10 @@ class DocumentSource:
         if self._cache is not None:
             return self._cache
         from streampack.reader import open as open_cache
-        from streampack.sequences import _content_digest
+        from streampack.sequences import content_digest
 
         cache = open_cache(self._path, allow_incomplete=self._allow_incomplete)
-        now = (cache.num_docs, _content_digest(cache))
+        now = (cache.num_docs, content_digest(cache))
         if now != (self._num_docs, self._content):
             raise CacheError(
                 f"{self._path}: the cache now holds {now[0]} documents (shards {now[1]}), but this source "
