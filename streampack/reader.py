@@ -7,6 +7,7 @@ manifest and the offset tables of the shards in use; memory-mapped pages belong 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -302,14 +303,23 @@ def _check_inside(real_root: str, path: Path) -> None:
 def _cached_map(
     maps: OrderedDict[int, np.ndarray], shard: int, path: Path, dtype: np.dtype, count: int
 ) -> np.ndarray:
-    """The memory map of a shard file, from a small LRU: each open map holds a file descriptor."""
-    if shard in maps:
-        maps.move_to_end(shard)
-        return maps[shard]
-    maps[shard] = _map(path, dtype, count)
-    if len(maps) > MAX_OPEN_MAPS:
-        maps.popitem(last=False)  # closed once no caller holds a view of it
-    return maps[shard]
+    """The memory map of a shard file, from a small LRU: each open map holds a file descriptor.
+
+    Safe from several threads (grain reads from a thread pool): each OrderedDict call is atomic, a map
+    another thread evicts meanwhile stays valid for whoever holds it, and nothing is looked up twice.
+    """
+    mapped = maps.get(shard)
+    if mapped is not None:
+        with contextlib.suppress(KeyError):  # evicted by another thread since the get
+            maps.move_to_end(shard)
+        return mapped
+    mapped = maps[shard] = _map(path, dtype, count)
+    while len(maps) > MAX_OPEN_MAPS:
+        try:
+            maps.popitem(last=False)  # closed once no caller holds a view of it
+        except KeyError:  # emptied by another thread
+            break
+    return mapped
 
 
 def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:

@@ -404,3 +404,29 @@ def test_loader_batches_are_the_windows_of_the_stream(
         for row, index in zip(batch, loader.indices(position).tolist()):
             start = index * seq_len
             assert row.tolist() == stream[start : start + seq_len + overlap].tolist()
+
+
+def test_threads_share_a_cache_beyond_its_open_maps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # grain reads from a thread pool: shard maps evicted by one thread while another looks them up.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from streampack import reader
+
+    monkeypatch.setattr(reader, "MAX_OPEN_MAPS", 3)
+    shards = [(np.arange(k * 40, k * 40 + 40), np.array([10, 25, 40])) for k in range(24)]
+    cache = streampack.open(write_cache(tmp_path / "c", shards, vocab_size=2000, eos_id=1999))
+    seqs = cache.sequences(7)
+
+    def read(seed: int) -> bool:
+        rng = np.random.default_rng(seed)
+        for _ in range(400):
+            doc = int(rng.integers(cache.num_docs))
+            ok = cache.doc(doc)[0] == (doc // 3) * 40 + (0, 10, 25)[doc % 3]
+            index = rng.integers(len(seqs), size=5)
+            ok &= bool((seqs[index][:, 0] == index * 7).all())
+            if not ok:
+                return False
+        return True
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(read, range(16)))
