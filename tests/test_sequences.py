@@ -419,7 +419,7 @@ def test_threads_share_a_cache_beyond_its_open_maps(tmp_path: Path, monkeypatch:
 
     def read(seed: int) -> bool:
         rng = np.random.default_rng(seed)
-        for _ in range(400):
+        for _ in range(150):
             doc = int(rng.integers(cache.num_docs))
             ok = cache.doc(doc)[0] == (doc // 3) * 40 + (0, 10, 25)[doc % 3]
             index = rng.integers(len(seqs), size=5)
