@@ -91,30 +91,41 @@ class CausalLMDict:
 
     def __call__(self, tokens: np.ndarray, sources: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
         """The dict of ``tokens``: ``input_ids`` (the array itself), ``labels``, ``position_ids``, ..."""
-        position_ids, loss_mask = self._boundaries(sources, samples, tokens.shape)
-        starts = position_ids == 0
+        found = self._boundaries(sources, samples, tokens.shape)
         labels = tokens.astype(np.int64)
-        labels[starts | ~loss_mask] = -100
-        batch: dict[str, Any] = {"input_ids": tokens, "labels": labels, "position_ids": position_ids}
+        flat = labels.reshape(-1)
+        flat[found.starts] = -100
+        if found.marks is not None:
+            labels[~found.marks] = -100
+        for start, stop in found.padding():
+            flat[start:stop] = -100
+        batch: dict[str, Any] = {"input_ids": tokens, "labels": labels, "position_ids": found.position_ids}
         if self.varlen:
-            first = np.flatnonzero(starts.reshape(-1))
-            cu_seqlens = np.append(first, starts.size).astype(np.int32)
-            batch["cu_seqlens"] = cu_seqlens
-            batch["max_seqlen"] = int(np.diff(cu_seqlens).max()) if len(first) else 0
+            batch["cu_seqlens"] = found.cu_seqlens
+            batch["max_seqlen"] = found.max_seqlen
         return batch
 
-    def _boundaries(
-        self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """The position ids and loss mask of the batch's rows."""
+    def _boundaries(self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]) -> Boundaries:
+        """The boundaries of the batch's rows (of each source's rows, put together for a mixture)."""
         if len(self._boundaries_of) == 1:
-            found = self._boundaries_of[0](samples)
-            return np.asarray(found.position_ids), np.asarray(found.loss_mask)
-        position_ids, loss_mask = np.empty(shape, dtype=np.int64), np.empty(shape, dtype=bool)
+            return self._boundaries_of[0](samples)
+        starts, docs, marks = [], [], []
         for source, rows in groups(sources):
             found = self._boundaries_of[source](samples[rows])
-            position_ids[rows], loss_mask[rows] = found.position_ids, found.loss_mask
-        return position_ids, loss_mask
+            columns = shape[1]
+            # Row k of this source's batch is row rows[k] of the whole one: move each segment there.
+            row_of, column = np.divmod(found.starts, columns)
+            starts.append(rows[row_of] * columns + column)
+            docs.append(found.docs)
+            marks.append((rows, found.marks))
+        order = np.argsort(np.concatenate(starts), kind="stable")
+        mask = None
+        if any(m is not None for _, m in marks):
+            mask = np.ones(shape, dtype=bool)
+            for rows, m in marks:
+                if m is not None:
+                    mask[rows] = m
+        return Boundaries(shape, np.concatenate(starts)[order], np.concatenate(docs)[order], mask)
 
 
 def format_for(output: str, sources: Sequence[object]) -> Format:

@@ -18,6 +18,7 @@ Two layouts:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,6 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
 class Boundaries:
     """Where documents start inside a batch of samples, in the forms attention kernels take.
 
@@ -47,6 +47,9 @@ class Boundaries:
     start inside a row, every piece of a document that a layout placed apart from the rest, and the
     padding at the end of a row. All arrays cover the ``seq_len`` input positions of each sample, not its
     ``overlap`` tail.
+
+    Held as its segments (a few per row); each array below is computed on first use, so a batch pays only
+    for the ones it uses.
 
     Attributes:
         position_ids: ``int64`` array of shape ``index_shape + (seq_len,)``: the position of each token in
@@ -60,13 +63,66 @@ class Boundaries:
         loss_mask: ``bool`` array of the shape of ``position_ids``: True where the token is a training
             target: inside a document (not padding) and, in a cache built with a loss mask (SFT), marked as
             one (a response, not its prompt).
+
+    Args:
+        shape: ``index_shape + (seq_len,)``.
+        starts: ``int64``, where each segment starts in the flattened batch, ascending, from 0.
+        docs: ``int64``, each segment's document (``-1``: padding).
+        marks: the build's loss mask of every token (``bool``, of ``shape``), for caches that have one.
     """
 
-    position_ids: np.ndarray
-    doc_ids: np.ndarray
-    cu_seqlens: np.ndarray
-    max_seqlen: int
-    loss_mask: np.ndarray
+    def __init__(
+        self, shape: tuple[int, ...], starts: np.ndarray, docs: np.ndarray, marks: np.ndarray | None = None
+    ) -> None:
+        self.shape, self.starts, self.docs, self.marks = shape, starts, docs, marks
+        self.size = int(np.prod(shape))
+        self.lengths = np.diff(starts, append=self.size)
+
+    def reshaped(self, shape: tuple[int, ...]) -> Boundaries:
+        """The same boundaries, whose arrays have ``shape`` (as many elements)."""
+        marks = None if self.marks is None else self.marks.reshape(shape)
+        return Boundaries(shape, self.starts, self.docs, marks)
+
+    @functools.cached_property
+    def position_ids(self) -> np.ndarray:
+        """See the class docstring."""
+        columns = self.shape[-1] if self.shape else 1
+        count = np.arange(columns, dtype=np.int64)
+        positions = np.empty(self.size, dtype=np.int64)
+        if self.size:
+            positions.reshape(-1, columns)[...] = count  # segments that start a row: most of them
+        inside = np.flatnonzero(self.starts % columns)
+        for start, length in zip(self.starts[inside].tolist(), self.lengths[inside].tolist()):
+            positions[start : start + length] = count[:length]
+        return positions.reshape(self.shape)
+
+    @functools.cached_property
+    def doc_ids(self) -> np.ndarray:
+        """See the class docstring."""
+        return np.repeat(self.docs, self.lengths).reshape(self.shape)
+
+    @functools.cached_property
+    def cu_seqlens(self) -> np.ndarray:
+        """See the class docstring."""
+        return np.append(self.starts, self.size).astype(np.int32)
+
+    @property
+    def max_seqlen(self) -> int:
+        """See the class docstring."""
+        return int(self.lengths.max()) if self.lengths.size else 0
+
+    @functools.cached_property
+    def loss_mask(self) -> np.ndarray:
+        """See the class docstring."""
+        mask = np.ones(self.size, dtype=bool) if self.marks is None else self.marks.reshape(-1).copy()
+        for start, stop in self.padding():
+            mask[start:stop] = False
+        return mask.reshape(self.shape)
+
+    def padding(self) -> list[tuple[int, int]]:
+        """The padding of the batch: ``[start, stop)`` ranges of the flattened batch."""
+        pads = np.flatnonzero(self.docs < 0)
+        return list(zip(self.starts[pads].tolist(), (self.starts[pads] + self.lengths[pads]).tolist()))
 
 
 @dataclass(frozen=True)
@@ -504,8 +560,8 @@ def boundaries(
         A :class:`Boundaries` whose arrays have shape ``(rows, columns)``.
     """
     if rows == 0:
-        empty = np.zeros((0, columns), dtype=np.int64)
-        return Boundaries(empty, empty.copy(), np.zeros(1, dtype=np.int32), 0, empty.astype(bool))
+        empty = np.zeros(0, dtype=np.int64)
+        return Boundaries((0, columns), empty, empty)
     spans = spans.head(columns)
     padding = _padding_starts(spans, rows, columns)
     positions, docs = [padding], [np.full(len(padding), -1, dtype=np.int64)]
@@ -525,24 +581,12 @@ def boundaries(
     starts, start_docs = starts[order], start_docs[order]
     # Empty documents (no EOS appended) end where the next starts: keep the last, which holds tokens.
     last = np.append(starts[1:] != starts[:-1], True)
-    starts, start_docs = starts[last], start_docs[last]
-    total = rows * columns
-    lengths = np.diff(starts, append=total)
-    position_ids = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-    doc_ids = np.repeat(start_docs, lengths).reshape(rows, columns)
-    if mask_of is None:
-        loss_mask = doc_ids >= 0
-    else:
+    marks = None
+    if mask_of is not None:
         marks = np.zeros((rows, columns), dtype=np.uint8)  # padding stays 0
         read_spans(spans, marks, mask_of)
-        loss_mask = marks.astype(bool)
-    return Boundaries(
-        position_ids=position_ids.reshape(rows, columns),
-        doc_ids=doc_ids,
-        cu_seqlens=np.append(starts, total).astype(np.int32),
-        max_seqlen=int(lengths.max()) if lengths.size else 0,
-        loss_mask=loss_mask,
-    )
+        marks = marks.view(bool)
+    return Boundaries((rows, columns), starts[last], start_docs[last], marks)
 
 
 def _padding_starts(spans: Spans, rows: int, columns: int) -> np.ndarray:

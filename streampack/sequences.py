@@ -302,12 +302,7 @@ class PackedSequences:
             self._doc_starts,
             self._loss_mask if self._masked else None,
         )
-        return replace(
-            found,
-            position_ids=found.position_ids.reshape(*shape, self.seq_len),
-            doc_ids=found.doc_ids.reshape(*shape, self.seq_len),
-            loss_mask=found.loss_mask.reshape(*shape, self.seq_len),
-        )
+        return found.reshaped((*shape, self.seq_len))
 
     def _indices(self, index: Index) -> tuple[np.ndarray, tuple[int, ...]]:
         """Normalize ``index`` to a flat int64 array of in-range sample numbers, and its shape."""
