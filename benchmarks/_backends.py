@@ -1,4 +1,4 @@
-"""Load the GPT-2 tokenizers from local files, and read a JSONL corpus, for the benchmark workers.
+"""Load the GPT-2 tokenizers from local files, read a JSONL corpus or cut its head, for the benchmarks.
 
 Imported by worker scripts running in either venv (the project's, or the peers' bench venv), so it
 depends only on what both have: ``orjson``, ``tokenizers``, ``tiktoken``. No hub download anywhere.
@@ -48,3 +48,15 @@ def iter_texts(corpus: str) -> Iterator[str]:
         for line in f:
             if line.strip():
                 yield orjson.loads(line)["text"]
+
+
+def head_lines(src: str, dst: Path, max_bytes: int) -> str:
+    """Copy whole lines of ``src`` to ``dst`` until ``max_bytes`` would be exceeded."""
+    written = 0
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        for line in fin:
+            if written + len(line) > max_bytes and written:
+                break
+            fout.write(line)
+            written += len(line)
+    return str(dst)

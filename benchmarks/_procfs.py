@@ -20,6 +20,15 @@ def rss_anon_mb(pid: int | str = "self") -> float:
     return 0.0
 
 
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User plus system CPU seconds a process has used so far (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def children() -> list[int]:
     """Process ids of this process's children (the DataLoader workers)."""
     me, found = str(os.getpid()), []

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import orjson
 import psutil
-from _backends import TIKTOKEN_GPT2, TOKENIZERS_GPT2
+from _backends import TIKTOKEN_GPT2, TOKENIZERS_GPT2, head_lines
 from _measure import Measurement, run
 
 HERE = Path(__file__).resolve().parent
@@ -142,18 +142,6 @@ def describe(path: str) -> Corpus:
                 docs += 1
                 text_bytes += len(orjson.loads(line)["text"].encode())
     return Corpus(path, docs, text_bytes / 1e6, os.path.getsize(path) / 1e6)
-
-
-def head_lines(src: str, dst: Path, max_bytes: int) -> str:
-    """Copy whole lines of ``src`` to ``dst`` until ``max_bytes`` would be exceeded."""
-    written = 0
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        for line in fin:
-            if written + len(line) > max_bytes and written:
-                break
-            fout.write(line)
-            written += len(line)
-    return str(dst)
 
 
 def scale_corpus(corpus: Corpus, times: int, tmp: Path) -> Corpus:
