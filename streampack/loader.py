@@ -534,11 +534,10 @@ class Loader:
         sources, samples = self.order((firsts[:, None] + np.arange(opts.rows, dtype=np.int64)).reshape(-1))
         # The windows of the whole plan are split at shard boundaries and sorted by shard once, here.
         joined = self._joined
-        spans = (
-            None
-            if joined is None
-            else BatchedSpans(joined.spans(sources, samples), opts.rows, count, self.width)
-        )
+        spans = None
+        if joined is not None:
+            pads = joined.pads_of(sources)
+            spans = BatchedSpans(joined.spans(sources, samples), opts.rows, count, self.width, pads)
         self._plan = _Plan(
             position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1), spans
         )
@@ -568,7 +567,6 @@ class Loader:
             )
         if joined is not None:  # every source is a cache
             if step is not None:
-                joined.pad(sources, out)
                 plan.spans.read(step, out, joined.tokens, joined.rows)  # type: ignore[union-attr]
             else:
                 joined.read(sources, samples, out)

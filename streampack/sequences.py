@@ -420,6 +420,10 @@ class JoinedSequences:
             *(np.concatenate([getattr(s, name) for s in found]) for name in Spans.__dataclass_fields__)
         )
 
+    def pads_of(self, sources: np.ndarray) -> np.ndarray | None:
+        """The padding id of each row's source, when some source pads; else None."""
+        return None if self._pads is None else self._pads[sources]
+
     def pad(self, sources: np.ndarray, out: np.ndarray) -> None:
         """Fill the rows of sources whose samples have padding with their padding id (before reading)."""
         if self._pads is not None:

@@ -307,3 +307,22 @@ def test_which_finds_the_lines_of_whole_document_samples(tmp_path: Path) -> None
             line = int(doc.location.rsplit(":", 1)[1])
             assert doc.length == len(texts[line - 1]) + 1  # its text, then the EOS
             assert cache.doc(doc.doc)[:-1].tolist() == list(texts[line - 1].encode())
+
+
+@pytest.mark.parametrize("pads", [(PAD, PAD), (PAD, 7)])
+def test_loader_batches_of_whole_documents_are_the_samples(tmp_path: Path, pads: tuple[int, int]) -> None:
+    # One concatenation per batch (one padding id) or slice copies (two): the same rows either way.
+    rng = np.random.default_rng(4)
+    a = indexed_cache(
+        tmp_path / "a", [rng.integers(1, 90, size=300).tolist(), rng.integers(1, 9, size=40).tolist()]
+    )
+    b = indexed_cache(tmp_path / "b", [rng.integers(1, 200, size=200).tolist()])
+    sources = {"a": a.packed(64, pad_id=pads[0]), "b": b.documents(64, pad_id=pads[1], too_long="split")}
+    mix = streampack.Mixture(sources, weights={"a": 0.5, "b": 0.5}, seed=1)
+    for dtype in (np.int64, np.uint32):
+        loader = streampack.Loader(mix, batch_size=32, dtype=dtype)
+        for _, position in zip(range(5), loader.schedule()):
+            batch = loader.batch(position)
+            names, samples = loader.picks(position)
+            for row, name, sample in zip(batch, names.tolist(), samples.tolist()):
+                assert row.tolist() == sources["ab"[name]][sample].tolist()
