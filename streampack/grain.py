@@ -33,8 +33,6 @@ from typing import TYPE_CHECKING, Any, SupportsIndex
 import numpy as np
 import numpy.typing as npt
 
-from streampack.errors import CacheError
-
 if TYPE_CHECKING:
     from streampack.reader import Cache
     from streampack.sequences import PackedSequences
@@ -134,17 +132,8 @@ class DocumentSource:
     def _opened(self) -> Cache:
         if self._cache is not None:
             return self._cache
-        from streampack.reader import open as open_cache
-        from streampack.sequences import content_digest
+        from streampack.sequences import reopen_unchanged
 
-        cache = open_cache(self._path, allow_incomplete=self._allow_incomplete)
-        now = (cache.num_docs, content_digest(cache))
-        if now != (self._num_docs, self._content):
-            raise CacheError(
-                f"{self._path}: the cache now holds {now[0]} documents (shards {now[1]}), but this source "
-                f"was made from {self._num_docs} (shards {self._content}); it changed on disk since, so "
-                "document numbers no longer mean the same documents. Make the source again from the reopened "
-                "cache"
-            )
+        cache = reopen_unchanged(self._path, self._allow_incomplete, self._content, "this document source")
         self._cache = cache
         return cache

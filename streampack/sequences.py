@@ -132,18 +132,8 @@ class PackedSequences:
         return self._cache if self._cache is not None else self._reopen()
 
     def _reopen(self) -> Cache:
-        from streampack.reader import open as open_cache
-
-        cache = open_cache(self._path, allow_incomplete=self._allow_incomplete)
-        now = (cache.num_tokens, content_digest(cache))
-        if now != (self._num_tokens, self._content):
-            raise CacheError(
-                f"{self._path}: the cache now holds {now[0]} tokens (shards {now[1]}), but these sequences "
-                f"were made from {self._num_tokens} (shards {self._content}); it changed on disk since, so "
-                "sample indices no longer mean the same windows. Recreate the sequences (and restart the "
-                "loader) from the cache."
-            )
-        # The shard tables kept from before describe this cache: the digest above covers them.
+        cache = reopen_unchanged(self._path, self._allow_incomplete, self._content, "these samples")
+        # The shard tables kept from before describe this cache: the digest covers them.
         self._cache = cache
         return cache
 
@@ -492,6 +482,32 @@ def whole_documents(
 def holds_every_id(tokens: np.dtype, out: np.dtype) -> bool:
     """Whether ``out`` is an integer dtype that holds every value of ``tokens`` (memoised: once per read)."""
     return out.kind in "iu" and bool(np.can_cast(tokens, out, "safe"))
+
+
+def reopen_unchanged(path: str, allow_incomplete: bool, content: str, what: str) -> Cache:
+    """Reopen the cache at ``path`` (in another process), refusing it if its shards changed since.
+
+    Args:
+        path: the cache directory.
+        allow_incomplete: open the committed part of a build that has not finished.
+        content: the :func:`content_digest` taken when ``what`` were made.
+        what: what was made from the cache, for the message (``"these samples"``).
+
+    Raises:
+        CacheError: the shard table is not the one ``content`` digests.
+    """
+    from streampack.reader import open as open_cache
+
+    cache = open_cache(path, allow_incomplete=allow_incomplete)
+    now = content_digest(cache)
+    if now != content:
+        raise CacheError(
+            f"{path}: the cache changed on disk since {what} were made from it (it now holds "
+            f"{cache.num_docs} documents, {cache.num_tokens} tokens; shard table {now}, was {content}), so "
+            f"their indices no longer mean the same tokens. Make {what} again from the reopened cache (and "
+            "restart the loader)."
+        )
+    return cache
 
 
 def content_digest(cache: Cache) -> str:
