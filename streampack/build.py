@@ -49,7 +49,7 @@ from streampack.sources import (
     plan_python_units,
     plan_units,
 )
-from streampack.tokenize import Tokenizer, load_tokenizer, resolve_eos
+from streampack.tokenize import Tokenizer, load_tokenizer, resolve_bos, resolve_eos
 
 
 @dataclass
@@ -113,13 +113,15 @@ def build(
     pieces = piece_rule(tokenizer.cut_safety, tokenizer.fast_piece_chars, spec.max_piece_chars)
     spec = replace(spec, max_piece_chars=pieces.max_chars)
     eos = resolve_eos(tokenizer, eos=spec.eos, eos_id=spec.eos_id)
-    vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1)
+    bos = resolve_bos(tokenizer, bos=spec.bos, bos_id=spec.bos_id)
+    vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1, (bos.id or 0) + 1)
     fingerprint = tokenizer.fingerprint()
     cuts = {"exact": tokenizer.cut_safety.exact, "reason": tokenizer.cut_safety.reason}
     manifest = Manifest(
         tokenizer={**fingerprint, "vocab_size": vocab_size, "spec": spec.tokenizer, "cuts": cuts},
         dtype=dtype_name(token_dtype(vocab_size)),
         eos=eos.to_json(),
+        bos=bos.to_json(),
         settings=spec.to_json(),
         inputs=plan.inputs,
         units=[u.describe() for u in plan.units],
@@ -131,6 +133,7 @@ def build(
         tokenizer=ref,
         read=read,
         eos=eos,
+        bos=bos,
         dtype=manifest.dtype,
         pieces=pieces,
         on_bad_record=run.on_bad_record,
@@ -326,11 +329,21 @@ def _check_same_build(root: Path, existing: Manifest, new: Manifest) -> None:
 
 def _identity(manifest: Manifest) -> dict[str, Any]:
     """What a resumed build must share with the cache, one setting per key (the tokenizer by its hash:
-    the same tokenizer may be named by another path)."""
+    the same tokenizer may be named by another path). Settings that a cache written before they existed
+    lacks read as their defaults, which is what such a build did."""
     config = manifest.build_config()
     tokenizer = {k: v for k, v in config["tokenizer"].items() if k != "spec"}
     settings = {k: v for k, v in config["settings"].items() if k != "tokenizer"}
-    return {"tokenizer": tokenizer, "dtype": config["dtype"], "eos": config["eos"], **settings}
+    for key, value in _LATER_SETTINGS.items():
+        settings.setdefault(key, value)
+    # The policies as resolved (the tokenizer's own EOS or BOS may come from a tokenizer_config.json, which
+    # the tokenizer's hash does not cover), keyed apart from the settings of the same name.
+    policies = {"eos_policy": config["eos"], "bos_policy": config["bos"]}
+    return {"tokenizer": tokenizer, "dtype": config["dtype"], **policies, **settings}
+
+
+# Settings added after caches were first written, with the value that those caches were built with.
+_LATER_SETTINGS: dict[str, Any] = {"bos": False, "bos_id": None}
 
 
 def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:

@@ -78,6 +78,13 @@ _SPEC, _RUN = CacheSpec, RunOptions
 @click.option("--eos-id", type=click.IntRange(min=0), help="EOS id to append [default: the tokenizer's].")
 @click.option("--no-eos", is_flag=True, help="Append no EOS after documents.")
 @click.option(
+    "--bos",
+    is_flag=True,
+    help="Put the tokenizer's BOS id before every document (the bos_token of a tokenizer_config.json beside "
+    "the tokenizer.json, else an added token like <s> or <|begin_of_text|>).",
+)
+@click.option("--bos-id", type=click.IntRange(min=0), help="Put this BOS id before every document.")
+@click.option(
     "--on-bad-record",
     type=click.Choice(["error", "skip"]),
     default=default(_RUN, "on_bad_record"),
@@ -128,6 +135,8 @@ def build(
     split_lines: bool,
     eos_id: int | None,
     no_eos: bool,
+    bos: bool,
+    bos_id: int | None,
     on_bad_record: str,
     overwrite: bool,
     progress: bool | None,
@@ -149,6 +158,8 @@ def build(
             special_tokens=special_tokens,  # type: ignore[arg-type]  # click checked the choice
             eos=not no_eos,
             eos_id=eos_id,
+            bos=bos,
+            bos_id=bos_id,
             text_field=text_field,
             split_lines=split_lines,
             unit_bytes=unit_mb << 20,
@@ -196,6 +207,7 @@ _CLI_TERMS = {
     'on_bad_record="skip"': "--on-bad-record skip",
     "overwrite=True": "--overwrite",
     "eos_id=N": "--eos-id N",
+    "bos_id=N": "--bos-id N",
     "eos_id=": "--eos-id ",
     "eos=False": "--no-eos",
     "text_field=": "--text-field ",
@@ -240,6 +252,7 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "vocab_size": cache.vocab_size,
         "dtype": cache.dtype.name,
         "eos_id": cache.eos_id,
+        "bos_id": cache.bos_id,
         "special_tokens": cache.manifest.settings.get("special_tokens", "not recorded"),
         "inputs": _inputs_read(cache.manifest.inputs),
         "ignored_inputs": _ignored_summary(cache.manifest.ignored_inputs),
@@ -280,7 +293,7 @@ def _cuts_summary(manifest: Manifest) -> str:
 @cli.command()
 @click.argument("cache_dir", type=click.Path())
 def verify(cache_dir: str) -> None:
-    """Check every checksum, offset, token id and EOS of the cache; exit 1 on the first kind of damage."""
+    """Check every checksum, offset, token id, EOS and BOS of the cache; exit 1 on the first damage found."""
     report = verify_cache(cache_dir)
     if not report.ok:
         for problem in report.problems:

@@ -2,7 +2,7 @@
 
 A cache is a directory::
 
-    manifest.json          format version, tokenizer fingerprint, dtype, EOS policy, inputs, shard table
+    manifest.json          format version, tokenizer fingerprint, dtype, EOS and BOS policies, inputs, shards
     ledger/NNNNNN.json     build progress of work unit NNNNNN (committed records, docs, tokens)
     shards/NNNNNN.tokens   flat little-endian token ids (dtype from the manifest)
     shards/NNNNNN.offsets  little-endian uint64 cumulative document end offsets, one per document
@@ -36,6 +36,7 @@ OFFSET_DTYPE = np.dtype("<u8")
 MAX_JSON_BYTES = 64 << 20  # a manifest of 100k shards is ~20 MB; refuse anything absurd before parsing
 _SHARD_NAME = re.compile(r"^[0-9]{6}$")
 _CHECKSUM_CHUNK = 16 << 20
+NO_BOS: dict[str, Any] = {"prepend": False, "id": None}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -180,6 +181,7 @@ class Manifest:
     empty_docs: int = 0
     inexact_cuts: int = 0
     ignored_inputs: dict[str, Any] = field(default_factory=dict)
+    bos: dict[str, Any] = field(default_factory=lambda: dict(NO_BOS))
 
     @property
     def vocab_size(self) -> int:
@@ -198,7 +200,13 @@ class Manifest:
 
     def build_config(self) -> dict[str, Any]:
         """The settings a resumed build must share with this cache."""
-        return {"tokenizer": self.tokenizer, "dtype": self.dtype, "eos": self.eos, "settings": self.settings}
+        return {
+            "tokenizer": self.tokenizer,
+            "dtype": self.dtype,
+            "eos": self.eos,
+            "bos": self.bos,
+            "settings": self.settings,
+        }
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document written to ``manifest.json`` (which :meth:`write` adds a checksum to)."""
@@ -209,6 +217,7 @@ class Manifest:
             "tokenizer": self.tokenizer,
             "dtype": self.dtype,
             "eos": self.eos,
+            "bos": self.bos,
             "settings": self.settings,
             "inputs": self.inputs,
             "units": self.units,
@@ -306,6 +315,10 @@ def _parse_manifest(raw: Any) -> Manifest:
     _require(raw["eos"], {"append": bool}, "eos")
     if raw["eos"]["append"] and not isinstance(raw["eos"].get("id"), int):
         raise ValueError("eos.id must be an integer when eos.append is true")
+    bos = raw.get("bos", NO_BOS)  # written before BOS existed: none
+    _require(bos, {"prepend": bool}, "bos")
+    if bos["prepend"] and not _is_count(bos.get("id")):
+        raise ValueError("bos.id must be a non-negative integer when bos.prepend is true")
     dtype = raw["dtype"]
     if dtype not in ("uint16", "uint32"):
         raise ValueError(f"dtype {dtype!r} is not uint16 or uint32")
@@ -329,12 +342,17 @@ def _parse_manifest(raw: Any) -> Manifest:
         empty_docs=int(raw.get("empty_docs", 0)),
         inexact_cuts=int(raw.get("inexact_cuts", 0)),
         ignored_inputs=dict(raw.get("ignored_inputs", {})),
+        bos=dict(bos),
     )
     if manifest.complete and (raw["num_docs"], raw["num_tokens"]) != (manifest.num_docs, manifest.num_tokens):
         raise ValueError("num_docs/num_tokens disagree with the shard table")
     if manifest.complete and [s.name for s in shards] != [shard_name(i) for i in range(len(manifest.units))]:
         raise ValueError("the shard table does not list one shard per work unit, in order")
     return manifest
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _require(section: Any, fields: dict[str, type], name: str) -> None:

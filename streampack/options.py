@@ -32,6 +32,8 @@ class CacheSpec:
             are; ``parse``: as the special tokens' ids.
         eos: append an EOS id after every document.
         eos_id: the EOS id to append (default: the tokenizer's own EOS token).
+        bos: put the tokenizer's BOS id before every document (see :func:`streampack.tokenize.resolve_bos`).
+        bos_id: put this BOS id before every document (sets ``bos``).
         text_field: JSON key or Parquet column holding the text.
         split_lines: one document per line of ``.txt`` inputs (default: one per file).
         unit_bytes: size of the work units large uncompressed JSONL and Parquet files are split into.
@@ -43,6 +45,8 @@ class CacheSpec:
     special_tokens: SpecialTokens = "text"
     eos: bool = True
     eos_id: int | None = None
+    bos: bool = False
+    bos_id: int | None = None
     text_field: str = "text"
     split_lines: bool = False
     unit_bytes: int = DEFAULT_UNIT_BYTES
@@ -58,6 +62,14 @@ class CacheSpec:
             raise OptionsError(f"eos_id={self.eos_id} contradicts eos=False: give one or the other")
         if self.eos_id is not None and not 0 <= self.eos_id < 1 << 32:
             raise OptionsError(f"eos_id must be in [0, 2**32) (got {self.eos_id})")
+        if self.bos_id is not None and (
+            not isinstance(self.bos_id, int)
+            or isinstance(self.bos_id, bool)
+            or not 0 <= self.bos_id < 1 << 32
+        ):
+            raise OptionsError(f"bos_id must be an integer in [0, 2**32) (got {self.bos_id!r})")
+        if self.bos_id is not None:
+            object.__setattr__(self, "bos", True)  # one way to record a BOS id, whichever way it was given
         if self.unit_bytes < 1 << 16:
             raise OptionsError(f"unit_bytes must be at least 65536 (got {self.unit_bytes})")
         _check_positive(self, "max_piece_chars")

@@ -29,13 +29,14 @@ from streampack.ledger import Counts, UnitProgress
 from streampack.options import OnBadRecord, SpecialTokens
 from streampack.pieces import CutCount, PieceRule
 from streampack.sources import Position, ReadOptions, TextStream, read_unit
-from streampack.tokenize import EosPolicy, Tokenizer, load_tokenizer
+from streampack.tokenize import BosPolicy, EosPolicy, Tokenizer, load_tokenizer
 from streampack.writer import ShardWriter
 
 if TYPE_CHECKING:
     from streampack.sources import WorkUnit
 
 ProgressFn = Callable[[dict[str, int]], None]
+NO_BOS = BosPolicy(False, None)
 
 # Batches encoded at once, each on a helper thread of its own: while one batch ends on a long document that
 # holds a single tokenizer thread, the other keeps the remaining cores busy.
@@ -68,6 +69,7 @@ class UnitSpec:
     eos: EosPolicy
     dtype: str
     pieces: PieceRule  # resolved for the tokenizer (see :func:`streampack.pieces.piece_rule`)
+    bos: BosPolicy = NO_BOS
     on_bad_record: OnBadRecord = "error"
     batch_chars: int = 1 << 20
     commit_bytes: int = 64 << 20
@@ -163,6 +165,7 @@ class _OpenUnit:
         name = shard_name(task.unit.index)
         self.writer = ShardWriter(Path(task.spec.root), name, np.dtype(task.spec.dtype), progress)
         self.eos = np.array([task.spec.eos.id], dtype=np.uint32) if task.spec.eos.append else None
+        self.bos = np.array([task.spec.bos.id], dtype=np.uint32) if task.spec.bos.prepend else None
         self.position = Position()
         self.reported_bytes = 0
         self.last_commit = (time.monotonic(), self.writer.num_tokens)
@@ -193,6 +196,7 @@ class _Batch:
     unit: _OpenUnit
     encoded: Future[list[np.ndarray]]
     ends_doc: list[bool]  # per piece: the piece is the last of its document
+    opens_doc: bool  # the first piece is the first of its document (a later one is when the one before ends)
     counts: Counts  # the unit's records consumed by this batch and the ones before it, and what they held
     last: bool = False  # the unit's last batch (possibly empty): writing it completes the unit
 
@@ -266,6 +270,7 @@ class _Pipeline:
     def _start_batch(self) -> None:
         self.texts: list[str] = []
         self.ends_doc: list[bool] = []
+        self.opens_doc = True  # until a document's pieces are flushed partway
         self.batch_chars = 0
 
     def _bad_record(self, error: BadRecordError) -> None:
@@ -280,9 +285,10 @@ class _Pipeline:
         rule, batch_chars = self.unit.spec.pieces, self.unit.spec.batch_chars
         cuts = CutCount()
         pieces = rule.stream(text, cuts) if isinstance(text, TextStream) else rule.split(text, cuts)
-        for piece in pieces:
+        for i, piece in enumerate(pieces):
             if self.batch_chars >= batch_chars:
                 self._flush()  # mid-document: its counts start with the next batch
+                self.opens_doc = i == 0
             self.texts.append(piece)
             self.ends_doc.append(False)
             self.batch_chars += len(piece)
@@ -299,7 +305,9 @@ class _Pipeline:
         else:
             encoded = Future()
             encoded.set_result([])
-        self.queue.append(_Batch(self.unit, encoded, self.ends_doc, self.tally.counts(), last))
+        self.queue.append(
+            _Batch(self.unit, encoded, self.ends_doc, self.opens_doc, self.tally.counts(), last)
+        )
         self._start_batch()
         self._write_encoded()
         while len(self.queue) >= MAX_QUEUED_BATCHES or self._encoding() > ENCODING_THREADS:
@@ -318,7 +326,9 @@ class _Pipeline:
         unit = batch.unit
         encoded = batch.encoded.result()
         if encoded:
-            tokens, doc_ends = _frame(encoded, batch.ends_doc, unit.eos, unit.writer.dtype)
+            tokens, doc_ends = _frame(
+                encoded, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos, unit.writer.dtype
+            )
             unit.writer.append(tokens, doc_ends)
             event = {"unit": unit.task.unit.index, "docs": len(doc_ends), "tokens": len(tokens)}
             self.report({**event, "bytes": unit.bytes_read_delta()})
@@ -343,16 +353,32 @@ class _Pipeline:
 
 
 def _frame(
-    encoded: list[np.ndarray], ends_doc: list[bool], eos: np.ndarray | None, dtype: np.dtype
+    encoded: list[np.ndarray],
+    ends_doc: list[bool],
+    opens_doc: bool,
+    bos: np.ndarray | None,
+    eos: np.ndarray | None,
+    dtype: np.dtype,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A batch's tokens with EOS after each completed document, and those documents' end offsets."""
+    """A batch's tokens with BOS before each document begun and EOS after each document completed, and
+    the completed documents' end offsets.
+
+    A document cut into pieces gets one BOS, before its first piece: a piece begins a document when it is
+    the batch's first and ``opens_doc``, or when the piece before it ends one.
+    """
     parts: list[np.ndarray] = []
     lengths = np.empty(len(encoded), dtype=np.int64)
+    opens = opens_doc
     for i, (ids, ends) in enumerate(zip(encoded, ends_doc)):
+        n = len(ids)
+        if opens and bos is not None:
+            parts.append(bos)
+            n += 1
         parts.append(ids)
-        lengths[i] = len(ids)
         if ends and eos is not None:
             parts.append(eos)
-            lengths[i] += 1
+            n += 1
+        lengths[i] = n
+        opens = ends
     tokens = np.concatenate(parts, dtype=dtype, casting="unsafe")
     return tokens, np.cumsum(lengths)[np.asarray(ends_doc)]

@@ -95,6 +95,11 @@ class Cache:
         return self.manifest.eos["id"] if self.manifest.eos["append"] else None
 
     @property
+    def bos_id(self) -> int | None:
+        """The BOS id put before every document, or None (also for caches written before BOS existed)."""
+        return self.manifest.bos["id"] if self.manifest.bos["prepend"] else None
+
+    @property
     def shards(self) -> list[ShardInfo]:
         """The shard table, in stream order."""
         return [s.info for s in self._shards]
