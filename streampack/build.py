@@ -39,6 +39,7 @@ from streampack.options import CacheSpec, RunOptions, split_options
 from streampack.pieces import piece_rule
 from streampack.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, init_worker, run_units
 from streampack.progress import BuildProgress
+from streampack.sft import load_chat_template
 from streampack.sources import (
     Documents,
     Ignored,
@@ -48,6 +49,7 @@ from streampack.sources import (
     discover_inputs,
     plan_python_units,
     plan_units,
+    refuse_text_for_sft,
 )
 from streampack.tokenize import Tokenizer, load_tokenizer, resolve_bos, resolve_eos
 
@@ -105,8 +107,8 @@ def build(
     started = time.perf_counter()
     if _as_documents(inputs) is None:  # paths: refuse an output that would mix with them before listing them
         check_output_outside_inputs(root, [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)
-    read = ReadOptions(spec.text_field, spec.split_lines, spec.unit_bytes)
-    plan = _plan(inputs, read)
+    read = ReadOptions(spec.text_field, spec.split_lines, spec.unit_bytes, fields=spec.fields)
+    plan = _plan(inputs, read, spec)
     cores = os.cpu_count() or 1
     threads = run.threads or cores
     tokenizer = load_tokenizer(spec.tokenizer, threads=threads, special_tokens=spec.special_tokens)
@@ -117,11 +119,17 @@ def build(
     vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1, (bos.id or 0) + 1)
     fingerprint = tokenizer.fingerprint()
     cuts = {"exact": tokenizer.cut_safety.exact, "reason": tokenizer.cut_safety.reason}
+    described = {**fingerprint, "vocab_size": vocab_size, "spec": spec.tokenizer, "cuts": cuts}
+    if spec.chat is not None:
+        chat = load_chat_template(tokenizer, spec.chat)
+        read = replace(read, chat=chat)
+        described["chat_template_sha256"] = chat.sha256  # compared on resume, as the tokenizer's own hash
     manifest = Manifest(
-        tokenizer={**fingerprint, "vocab_size": vocab_size, "spec": spec.tokenizer, "cuts": cuts},
+        tokenizer=described,
         dtype=dtype_name(token_dtype(vocab_size)),
         eos=eos.to_json(),
         bos=bos.to_json(),
+        loss_mask=spec.sft,
         settings=spec.to_json(),
         inputs=plan.inputs,
         units=[u.describe() for u in plan.units],
@@ -162,7 +170,7 @@ class _Plan:
     ignored: dict[str, Any]  # what discovery skipped: counts by reason, and the first few entries
 
 
-def _plan(inputs: Any, read: ReadOptions) -> _Plan:
+def _plan(inputs: Any, read: ReadOptions, spec: CacheSpec) -> _Plan:
     documents = _as_documents(inputs)
     if documents is not None:
         items = documents.items if isinstance(documents, Documents) else documents
@@ -171,6 +179,8 @@ def _plan(inputs: Any, read: ReadOptions) -> _Plan:
         return _Plan(plan_python_units(items), [stat], {})
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     found = discover_inputs(paths)
+    if spec.sft:
+        refuse_text_for_sft(found.files, "fields=[...]" if spec.fields is not None else "chat=...")
     return _Plan(plan_units(found.files, read), [f.stat_json() for f in found.files], _ignored(found.ignored))
 
 
@@ -275,7 +285,7 @@ def _build_locked(
     final = replace(
         manifest,
         complete=True,
-        shards=_shard_table(units, progress),
+        shards=_shard_table(units, progress, manifest.loss_mask),
         skipped_records=sum(p.skipped for p in progress),
         empty_docs=sum(p.empty_docs for p in progress),
         inexact_cuts=sum(p.inexact_cuts for p in progress),
@@ -291,9 +301,17 @@ def _summarize(summary: BuildSummary, manifest: Manifest) -> BuildSummary:
     return summary
 
 
-def _shard_table(units: list[WorkUnit], progress: list[UnitProgress]) -> list[ShardInfo]:
+def _shard_table(units: list[WorkUnit], progress: list[UnitProgress], masked: bool) -> list[ShardInfo]:
     return [
-        ShardInfo(shard_name(u.index), u.describe(), p.docs, p.tokens, p.tokens_checksum, p.offsets_checksum)
+        ShardInfo(
+            shard_name(u.index),
+            u.describe(),
+            p.docs,
+            p.tokens,
+            p.tokens_checksum,
+            p.offsets_checksum,
+            p.mask_checksum if masked else None,
+        )
         for u, p in zip(units, progress)
     ]
 
@@ -343,7 +361,7 @@ def _identity(manifest: Manifest) -> dict[str, Any]:
 
 
 # Settings added after caches were first written, with the value that those caches were built with.
-_LATER_SETTINGS: dict[str, Any] = {"bos": False, "bos_id": None}
+_LATER_SETTINGS: dict[str, Any] = {"bos": False, "bos_id": None, "fields": None, "chat": None}
 
 
 def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:

@@ -6,6 +6,7 @@ A cache is a directory::
     ledger/NNNNNN.json     build progress of work unit NNNNNN (committed records, docs, tokens)
     shards/NNNNNN.tokens   flat little-endian token ids (dtype from the manifest)
     shards/NNNNNN.offsets  little-endian uint64 cumulative document end offsets, one per document
+    shards/NNNNNN.mask     SFT builds only: uint8 loss mask, one byte per token (1: a training target)
     build.lock             present while a build runs (holds its pid)
 
 docs/FORMAT.md documents every field; everything can be read with numpy and json alone.
@@ -66,6 +67,11 @@ def tokens_path(root: Path, name: str) -> Path:
 def offsets_path(root: Path, name: str) -> Path:
     """Path of a shard's offsets file."""
     return root / SHARD_DIR / f"{name}.offsets"
+
+
+def mask_path(root: Path, name: str) -> Path:
+    """Path of a shard's loss mask file (SFT builds only)."""
+    return root / SHARD_DIR / f"{name}.mask"
 
 
 def checked_shard_name(name: object) -> str:
@@ -148,10 +154,11 @@ class ShardInfo:
     num_tokens: int
     tokens_checksum: str
     offsets_checksum: str
+    mask_checksum: str | None = None  # None: the cache has no loss mask
 
     def to_json(self) -> dict[str, Any]:
         """The manifest representation of this shard."""
-        return {
+        shard = {
             "name": self.name,
             "unit": self.unit,
             "num_docs": self.num_docs,
@@ -159,6 +166,9 @@ class ShardInfo:
             "tokens_checksum": self.tokens_checksum,
             "offsets_checksum": self.offsets_checksum,
         }
+        if self.mask_checksum is not None:
+            shard["mask_checksum"] = self.mask_checksum
+        return shard
 
 
 @dataclass(frozen=True)
@@ -182,6 +192,7 @@ class Manifest:
     inexact_cuts: int = 0
     ignored_inputs: dict[str, Any] = field(default_factory=dict)
     bos: dict[str, Any] = field(default_factory=lambda: dict(NO_BOS))
+    loss_mask: bool = False  # an SFT build: every shard has a .mask file
 
     @property
     def vocab_size(self) -> int:
@@ -218,6 +229,7 @@ class Manifest:
             "dtype": self.dtype,
             "eos": self.eos,
             "bos": self.bos,
+            "loss_mask": self.loss_mask,
             "settings": self.settings,
             "inputs": self.inputs,
             "units": self.units,
@@ -343,7 +355,12 @@ def _parse_manifest(raw: Any) -> Manifest:
         inexact_cuts=int(raw.get("inexact_cuts", 0)),
         ignored_inputs=dict(raw.get("ignored_inputs", {})),
         bos=dict(bos),
+        loss_mask=raw.get("loss_mask", False),
     )
+    if not isinstance(manifest.loss_mask, bool):
+        raise ValueError(f"loss_mask must be true or false (got {manifest.loss_mask!r})")
+    if manifest.loss_mask and any(s.mask_checksum is None for s in shards):
+        raise ValueError("loss_mask is true but a shard has no mask_checksum")
     if manifest.complete and (raw["num_docs"], raw["num_tokens"]) != (manifest.num_docs, manifest.num_tokens):
         raise ValueError("num_docs/num_tokens disagree with the shard table")
     if manifest.complete and [s.name for s in shards] != [shard_name(i) for i in range(len(manifest.units))]:
@@ -371,6 +388,7 @@ def _parse_shard(raw: Any) -> ShardInfo:
         num_tokens=raw["num_tokens"],
         tokens_checksum=str(raw["tokens_checksum"]),
         offsets_checksum=str(raw["offsets_checksum"]),
+        mask_checksum=None if raw.get("mask_checksum") is None else str(raw["mask_checksum"]),
     )
     for key in ("num_docs", "num_tokens"):
         value = getattr(shard, key)

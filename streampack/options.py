@@ -39,6 +39,10 @@ class CacheSpec:
         unit_bytes: size of the work units large uncompressed JSONL and Parquet files are split into.
         max_piece_chars: longer documents are tokenized in pieces of at most this many characters
             (default: see :func:`streampack.pieces.piece_rule`).
+        fields: an SFT build: each record's fields, in this order, tokenized each on its own; all but the
+            last are the prompt, the last (and the EOS) the target (see :mod:`streampack.sft`).
+        chat: an SFT build: the record field holding a list of ``{role, content}`` messages, rendered with
+            the chat template beside the tokenizer; the assistant turns (and the EOS) are the target.
     """
 
     tokenizer: str = "bytes"
@@ -51,6 +55,8 @@ class CacheSpec:
     split_lines: bool = False
     unit_bytes: int = DEFAULT_UNIT_BYTES
     max_piece_chars: int | None = None
+    fields: tuple[str, ...] | None = None
+    chat: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("special_tokens", self.special_tokens, ("text", "parse"))
@@ -73,10 +79,32 @@ class CacheSpec:
         if self.unit_bytes < 1 << 16:
             raise OptionsError(f"unit_bytes must be at least 65536 (got {self.unit_bytes})")
         _check_positive(self, "max_piece_chars")
+        self._check_sft()
+
+    def _check_sft(self) -> None:
+        if self.fields is not None:
+            names = list(self.fields) if isinstance(self.fields, (list, tuple)) else []
+            if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) < len(names):
+                raise OptionsError(
+                    "fields must be a list of distinct, non-empty field names such as ['prompt', "
+                    f"'response'] (got {self.fields!r})"
+                )
+            object.__setattr__(self, "fields", tuple(names))  # a list given, a tuple kept (hashable)
+        if self.chat is not None and (not isinstance(self.chat, str) or not self.chat):
+            raise OptionsError(f"chat must be the name of the field holding the messages (got {self.chat!r})")
+        if self.fields is not None and self.chat is not None:
+            raise OptionsError(f"fields={list(self.fields)} and chat={self.chat!r}: give one or the other")
+
+    @property
+    def sft(self) -> bool:
+        """An SFT build (fields or chat): its shards carry a loss mask."""
+        return self.fields is not None or self.chat is not None
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``settings``."""
-        return dataclasses.asdict(self)
+        settings = dataclasses.asdict(self)
+        settings["fields"] = None if self.fields is None else list(self.fields)
+        return settings
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import binascii
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -72,6 +73,10 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text (special-token text as text, unless parsed; none added), as arrays."""
+        ...
+
+    def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each text with special-token strings as their ids (a chat template's own text)."""
         ...
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -188,6 +193,10 @@ class BytesTokenizer:
         """See :class:`Tokenizer`."""
         return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
 
+    def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`; bytes have no special tokens."""
+        return self.encode_batch(texts)
+
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`; ids above 255 (EOS) are left out."""
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -226,6 +235,8 @@ class HFTokenizer:
                 "streampack needs tokenizers >= 0.15 (encode_special_tokens): pip install -U tokenizers"
             )
         self._tok.encode_special_tokens = special_tokens == "text"
+        self._parsing: Any = None if special_tokens == "text" else self._tok  # see encode_specials
+        self._parsing_lock = threading.Lock()
         self.cut_safety = hf_cut_safety(self._structure(), parse_special=special_tokens == "parse")
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self._config = self._read_config()
@@ -353,6 +364,25 @@ class HFTokenizer:
         # array('I') copies the Python int list in C at ~60% of np.array's cost; this runs under the GIL.
         return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
 
+    def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`.
+
+        ``encode_special_tokens`` is a setting of the tokenizer object, shared by the threads encoding with
+        it, so special tokens are parsed by a second instance, loaded on first use (chat builds only).
+        """
+        with self._parsing_lock:
+            if self._parsing is None:
+                from tokenizers import Tokenizer as _Tokenizer
+
+                self._parsing = _Tokenizer.from_str(self._definition.decode("utf-8"))
+        encodings = self._parsing.encode_batch(texts, add_special_tokens=False)
+        return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The ``tokenizer_config.json`` beside the ``tokenizer.json`` (``{}`` when there is none)."""
+        return dict(self._config)
+
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`."""
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -433,6 +463,11 @@ class TiktokenTokenizer:
         if self._pool is None:
             return [self._encode_one(t) for t in texts]
         return list(self._pool.map(self._encode_one, texts))
+
+    def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`."""
+        batch = self._enc.encode_batch(texts, allowed_special="all", disallowed_special=())
+        return [np.array(ids, dtype=np.uint32) for ids in batch]
 
     def _encode_one(self, text: str) -> np.ndarray:
         # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.

@@ -1,5 +1,6 @@
 """Full verification of a cache: checksums, offsets, token range, EOS and BOS placement (at every
-document's end and start, and nowhere else).
+document's end and start, and nowhere else), and an SFT build's loss mask (0 or 1, 1 at every EOS, 0 at
+every BOS).
 
 :func:`streampack.open` checks file sizes on every open; :func:`verify` reads every byte once, in chunks,
 checksumming and range-checking each chunk, so it runs in bounded memory at disk or checksum speed,
@@ -89,6 +90,42 @@ def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
     if not problems and len(offsets):
         problems.extend(_check_ends_and_starts(cache, shard, tokens, offsets))
     problems.extend(_stray_problem(cache, shard, found) for found in strays if found.count)
+    if cache.has_loss_mask:
+        problems.extend(_check_mask(cache, shard, offsets, report, check_places=not problems))
+    return problems
+
+
+def _check_mask(
+    cache: Cache, shard: int, offsets: np.ndarray, report: VerifyReport, *, check_places: bool
+) -> list[str]:
+    """The loss mask's checksum and values; with ``check_places``, that each EOS is a target and each BOS
+    is not."""
+    path = cache.shard_mask_path(shard)
+    try:
+        mask = cache.shard_loss_mask(shard)
+    except (CacheError, ValueError, OSError) as e:
+        return [f"{path}: cannot map ({e})"]
+    crc, first_over, _ = _scan(mask, 2)
+    report.bytes_checked += mask.nbytes
+    expected = cache.shards[shard].mask_checksum
+    problems = [] if crc == expected else [f"{path}: checksum {crc} does not match the manifest's {expected}"]
+    if first_over is not None:
+        problems.append(f"{path}: byte {first_over} is {int(mask[first_over])}, not 0 or 1")
+    if problems or not check_places or not len(offsets):
+        return problems
+    ends = np.asarray(offsets, dtype=np.int64)
+    starts = np.concatenate([[0], ends[:-1]])
+    for control, at, wanted in (("EOS", cache.eos_id, ends - 1), ("BOS", cache.bos_id, starts)):
+        if at is None:
+            continue
+        value = 1 if control == "EOS" else 0
+        wrong = np.flatnonzero(mask[wanted] != value)
+        if len(wrong):
+            doc = int(cache.doc_starts[shard] + wrong[0])
+            problems.append(
+                f"{path}: the {control} of document {doc} (and {len(wrong) - 1} more) has mask "
+                f"{1 - value}, not {value}"
+            )
     return problems
 
 
@@ -135,9 +172,11 @@ class _Strays:
 def _stray_controls(cache: Cache) -> list[_Control]:
     """The control ids that may stand only where streampack puts them (an empty list: anywhere).
 
-    With ``special_tokens: parse`` a document's text may hold a control token's string, encoded as its id.
+    With ``special_tokens: parse`` a document's text may hold a control token's string, encoded as its id;
+    a chat template writes special tokens (``<|im_end|>`` may be the EOS token) as their ids.
     """
-    if cache.manifest.settings.get("special_tokens") == "parse":
+    settings = cache.manifest.settings
+    if settings.get("special_tokens") == "parse" or settings.get("chat"):
         return []
     eos, bos = cache.eos_id, cache.bos_id
     controls = []

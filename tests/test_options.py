@@ -56,6 +56,8 @@ CHANGES = {
     "max_piece_chars": 5_000,
     "bos": True,
     "bos_id": 7,
+    "fields": ["text", "body"],
+    "chat": "messages",
 }
 
 
@@ -63,10 +65,16 @@ CHANGES = {
 def test_resuming_with_any_other_spec_field_is_refused_by_name(
     tmp_path: Path, bpe_tokenizer: Path, field: str
 ) -> None:
-    tokenizer = tmp_path / "tok"  # a tokenizer with a BOS token, so that bos=True can be asked for
+    tokenizer = (
+        tmp_path / "tok"
+    )  # a tokenizer with a BOS token and a chat template, so that both can be asked
     tokenizer.mkdir()
     shutil.copy(bpe_tokenizer, tokenizer / "tokenizer.json")
-    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>"}))
+    config = {
+        "bos_token": "<|endoftext|>",
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+    }
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
     path = write_jsonl(tmp_path / "a.jsonl", [{"text": "one", "body": "uno"}])
     streampack.build(path, tmp_path / "c", tokenizer=str(tokenizer))
     with pytest.raises(ConfigMismatchError, match=rf"{field}: the cache has .*, this build has"):
