@@ -202,8 +202,8 @@ class ChatTemplate:
         at = 0
         for k in range(0, len(parts) - 1, 2):
             text, index, after = parts[k], int(parts[k + 1]), parts[k + 2]
-            if not full.startswith(text, at):
-                break
+            if not full.startswith(text, at) or index >= len(messages):
+                break  # (an index past the messages: a marker in another field of a message)
             at += len(text)
             content = messages[index]["content"]
             found = next(

@@ -283,8 +283,17 @@ def test_the_render_is_what_transformers_renders(tmp_path: Path, gpt2_tokenizer:
             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
             "changes the content of message 0",
         ),
+        (CHATML, [{"role": "user\ue0009\ue001", "content": "a"}], "renders the conversation differently"),
     ],
-    ids=["not a list", "no content", "content not a string", "raise_exception", "not incremental", "upper"],
+    ids=[
+        "not a list",
+        "no content",
+        "content not a string",
+        "raise_exception",
+        "not incremental",
+        "upper",
+        "a marker in a role",
+    ],
 )
 def test_bad_conversations_are_bad_records(
     tmp_path: Path, gpt2_tokenizer: Path, template: str, messages: object, problem: str
