@@ -190,11 +190,18 @@ def streampack_cli() -> tuple[list[str], str]:
 
 
 def streampack_build(
-    cli: Sequence[str], backend: str, spec: str, corpus: Corpus, scale: int, out_dir: Path
+    cli: Sequence[str],
+    backend: str,
+    spec: str,
+    corpus: Corpus,
+    scale: int,
+    out_dir: Path,
+    extra: Sequence[str] = (),
 ) -> Row:
     """One ``streampack build`` of ``corpus``; tokens are read back with ``streampack info --json``."""
     row = Row("streampack build", backend, corpus.text_mb, scale=scale)
-    m = run([*cli, "build", corpus.path, "--tokenizer", spec, "--out", str(out_dir), "--overwrite"], cwd=REPO)
+    build = [*cli, "build", corpus.path, "--tokenizer", spec, "--out", str(out_dir), "--overwrite", *extra]
+    m = run(build, cwd=REPO)
     try:
         if m.returncode != 0:
             return failed(row, m)
@@ -205,7 +212,7 @@ def streampack_build(
             return row
         row.tokens = int(json.loads(info.stdout)["num_tokens"])
         row.wall_s, row.peak_rss_mb = m.wall_s, m.peak_rss_mb
-        row.note = f"{row.tokens / 1e6:.1f} M tokens; {scale}x corpus"
+        row.note = f"{row.tokens / 1e6:.1f} M tokens; {scale}x corpus" + "".join(f" {a}" for a in extra)
         return row
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -338,6 +345,11 @@ def main() -> None:
     parser.add_argument("--tokenizer-json", default=TOKENIZERS_GPT2)
     parser.add_argument("--tiktoken-ranks", default=TIKTOKEN_GPT2)
     parser.add_argument("--out", help="report file (default benchmarks/results/build[-quick].md)")
+    parser.add_argument(
+        "--build-args",
+        default="",
+        help="more arguments for every `streampack build`, e.g. '--bos-id 50256' (split at spaces)",
+    )
     args = parser.parse_args()
     scales = sorted({int(s) for s in args.scale.split(",")})
     if not scales or min(scales) < 1:
@@ -369,7 +381,8 @@ def main() -> None:
             def build_once(b: str = backend, s: int = scales[0]) -> Row:
                 if why_not:
                     return Row("streampack build", b, corpus.text_mb * s, note=why_not, scale=s)
-                return streampack_build(cli, b, specs[b], scaled[s], s, tmp / "streampack-out")
+                out = tmp / "streampack-out"
+                return streampack_build(cli, b, specs[b], scaled[s], s, out, args.build_args.split())
 
             rows.extend(paired(args.repeats, lambda b=backend: raw_limit(b, corpus, sources[b]), build_once))
             if backend == "tokenizers":  # the build cuts documents into pieces, which encode faster

@@ -1,6 +1,6 @@
 """Crash torture: SIGKILL real builds at random instants, resume them, compare with an uninterrupted build.
 
-    python benchmarks/torture.py --kills 50 [--seed S] [--workers 2]
+    python benchmarks/torture.py --kills 50 [--seed S] [--workers 2] [--sft]
 
 Builds a corpus of several files in several formats (split JSONL, gzip, zstd, bz2, Parquet, text) with a
 byte-level BPE tokenizer trained on the fly, builds it once uninterrupted (the baseline), then runs trials:
@@ -8,6 +8,8 @@ each trial kills a fresh build 1-3 times in a row (the later kills land in the r
 run finish, and compares every file of the cache byte for byte with the baseline. Each kill is classified
 by the phase the directory shows right after it: ``planning`` (no manifest yet), ``running`` (units in
 progress), ``finalizing`` (every unit done, manifest not yet complete) or ``finished``.
+With ``--sft`` the records hold a prompt and a response, built with ``--fields prompt,response``, so that
+the shards' loss masks are compared too (and there is no text file, which holds no fields).
 Prints a table and ``kills: N, resumed identical: N``; exits 1 on any difference.
 """
 
@@ -37,14 +39,17 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--scale", type=int, default=1, help="corpus size multiplier")
+    parser.add_argument("--sft", action="store_true", help="an SFT build (--fields prompt,response)")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="streampack-torture-") as tmp:
         root = Path(tmp)
-        inputs = make_corpus(root / "in", args.scale)
+        inputs = make_corpus(root / "in", args.scale, sft=args.sft)
         tokenizer = train_tokenizer(root / "tokenizer.json")
         command = build_command(inputs, tokenizer, args.workers)
+        if args.sft:
+            command += ["--fields", "prompt,response"]
         started = time.monotonic()
         run(command, root / "reference")
         duration = time.monotonic() - started
@@ -74,8 +79,9 @@ def main() -> int:
     return 0 if identical == kills else 1
 
 
-def make_corpus(root: Path, scale: int) -> list[Path]:
-    """Several files in several formats; the JSONL is large enough to be split into units."""
+def make_corpus(root: Path, scale: int, sft: bool = False) -> list[Path]:
+    """Several files in several formats; the JSONL is large enough to be split into units. With ``sft``,
+    records of a prompt and a response, and no text file."""
     import bz2
     import gzip
 
@@ -87,8 +93,11 @@ def make_corpus(root: Path, scale: int) -> list[Path]:
     def doc() -> str:
         return " ".join(rng.choice(words) for _ in range(rng.randint(0, 300)))
 
+    def record() -> dict[str, str]:
+        return {"prompt": doc(), "response": doc()} if sft else {"text": doc()}
+
     def jsonl(n: int) -> bytes:
-        return "".join(json.dumps({"text": doc()}) + "\n" for _ in range(n)).encode()
+        return "".join(json.dumps(record()) + "\n" for _ in range(n)).encode()
 
     root.mkdir(parents=True)
     files = {
@@ -101,9 +110,10 @@ def make_corpus(root: Path, scale: int) -> list[Path]:
     for name, data in files.items():
         (root / name).write_bytes(data)
     pq.write_table(
-        pa.table({"text": [doc() for _ in range(1500 * scale)]}), root / "e.parquet", row_group_size=100
+        pa.Table.from_pylist([record() for _ in range(1500 * scale)]), root / "e.parquet", row_group_size=100
     )
-    return [root / n for n in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.jsonl.bz2", "e.parquet", "f.txt")]
+    names = ["a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.jsonl.bz2", "e.parquet", "f.txt"]
+    return [root / n for n in names if not (sft and n.endswith(".txt"))]
 
 
 def train_tokenizer(path: Path) -> Path:

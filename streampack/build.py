@@ -40,6 +40,7 @@ from streampack.options import CacheSpec, RunOptions, split_options
 from streampack.pieces import piece_rule
 from streampack.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, init_worker, run_units
 from streampack.progress import BuildProgress
+from streampack.sft import load_chat_template
 from streampack.sources import (
     Documents,
     Ignored,
@@ -49,8 +50,9 @@ from streampack.sources import (
     discover_inputs,
     plan_python_units,
     plan_units,
+    refuse_text_for_sft,
 )
-from streampack.tokenize import Tokenizer, load_tokenizer, resolve_eos
+from streampack.tokenize import Tokenizer, load_tokenizer, resolve_bos, resolve_eos
 
 
 @dataclass
@@ -106,21 +108,29 @@ def build(
     started = time.perf_counter()
     if _as_documents(inputs) is None:  # paths: refuse an output that would mix with them before listing them
         check_output_outside_inputs(root, [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)
-    read = ReadOptions(spec.text_field, spec.split_lines, spec.unit_bytes)
-    plan = _plan(inputs, read)
+    read = ReadOptions(spec.text_field, spec.split_lines, spec.unit_bytes, fields=spec.fields)
+    plan = _plan(inputs, read, spec)
     cores = os.cpu_count() or 1
     threads = run.threads or cores
     tokenizer = load_tokenizer(spec.tokenizer, threads=threads, special_tokens=spec.special_tokens)
     pieces = piece_rule(tokenizer.cut_safety, tokenizer.fast_piece_chars, spec.max_piece_chars)
     spec = replace(spec, max_piece_chars=pieces.max_chars)
     eos = resolve_eos(tokenizer, eos=spec.eos, eos_id=spec.eos_id)
-    vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1)
+    bos = resolve_bos(tokenizer, bos=spec.bos, bos_id=spec.bos_id)
+    vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1, (bos.id or 0) + 1)
     fingerprint = tokenizer.fingerprint()
     cuts = {"exact": tokenizer.cut_safety.exact, "reason": tokenizer.cut_safety.reason}
+    described = {**fingerprint, "vocab_size": vocab_size, "spec": spec.tokenizer, "cuts": cuts}
+    if spec.chat is not None:
+        chat = load_chat_template(tokenizer, spec.chat)
+        read = replace(read, chat=chat)
+        described["chat_template_sha256"] = chat.sha256  # compared on resume, as the tokenizer's own hash
     manifest = Manifest(
-        tokenizer={**fingerprint, "vocab_size": vocab_size, "spec": spec.tokenizer, "cuts": cuts},
+        tokenizer=described,
         dtype=dtype_name(token_dtype(vocab_size)),
         eos=eos.to_json(),
+        bos=bos.to_json(),
+        loss_mask=spec.sft,
         settings=spec.to_json(),
         inputs=plan.inputs,
         units=[u.describe() for u in plan.units],
@@ -132,6 +142,7 @@ def build(
         tokenizer=ref,
         read=read,
         eos=eos,
+        bos=bos,
         dtype=manifest.dtype,
         pieces=pieces,
         on_bad_record=run.on_bad_record,
@@ -160,7 +171,7 @@ class _Plan:
     ignored: dict[str, Any]  # what discovery skipped: counts by reason, and the first few entries
 
 
-def _plan(inputs: Any, read: ReadOptions) -> _Plan:
+def _plan(inputs: Any, read: ReadOptions, spec: CacheSpec) -> _Plan:
     documents = _as_documents(inputs)
     if documents is not None:
         items = documents.items if isinstance(documents, Documents) else documents
@@ -169,6 +180,8 @@ def _plan(inputs: Any, read: ReadOptions) -> _Plan:
         return _Plan(plan_python_units(items), [stat], {})
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     found = discover_inputs(paths)
+    if spec.sft:
+        refuse_text_for_sft(found.files, "fields=[...]" if spec.fields is not None else "chat=...")
     return _Plan(plan_units(found.files, read), [f.stat_json() for f in found.files], _ignored(found.ignored))
 
 
@@ -273,7 +286,7 @@ def _build_locked(
     final = replace(
         manifest,
         complete=True,
-        shards=_shard_table(units, progress),
+        shards=_shard_table(units, progress, manifest.loss_mask),
         skipped_records=sum(p.skipped for p in progress),
         empty_docs=sum(p.empty_docs for p in progress),
         inexact_cuts=sum(p.inexact_cuts for p in progress),
@@ -289,9 +302,17 @@ def _summarize(summary: BuildSummary, manifest: Manifest) -> BuildSummary:
     return summary
 
 
-def _shard_table(units: list[WorkUnit], progress: list[UnitProgress]) -> list[ShardInfo]:
+def _shard_table(units: list[WorkUnit], progress: list[UnitProgress], masked: bool) -> list[ShardInfo]:
     return [
-        ShardInfo(shard_name(u.index), u.describe(), p.docs, p.tokens, p.tokens_checksum, p.offsets_checksum)
+        ShardInfo(
+            shard_name(u.index),
+            u.describe(),
+            p.docs,
+            p.tokens,
+            p.tokens_checksum,
+            p.offsets_checksum,
+            p.mask_checksum if masked else None,
+        )
         for u, p in zip(units, progress)
     ]
 
@@ -327,11 +348,21 @@ def _check_same_build(root: Path, existing: Manifest, new: Manifest) -> None:
 
 def _identity(manifest: Manifest) -> dict[str, Any]:
     """What a resumed build must share with the cache, one setting per key (the tokenizer by its hash:
-    the same tokenizer may be named by another path)."""
+    the same tokenizer may be named by another path). Settings that a cache written before they existed
+    lacks read as their defaults, which is what such a build did."""
     config = manifest.build_config()
     tokenizer = {k: v for k, v in config["tokenizer"].items() if k != "spec"}
     settings = {k: v for k, v in config["settings"].items() if k != "tokenizer"}
-    return {"tokenizer": tokenizer, "dtype": config["dtype"], "eos": config["eos"], **settings}
+    for key, value in _LATER_SETTINGS.items():
+        settings.setdefault(key, value)
+    # The policies as resolved (the tokenizer's own EOS or BOS may come from a tokenizer_config.json, which
+    # the tokenizer's hash does not cover), keyed apart from the settings of the same name.
+    policies = {"eos_policy": config["eos"], "bos_policy": config["bos"]}
+    return {"tokenizer": tokenizer, "dtype": config["dtype"], **policies, **settings}
+
+
+# Settings added after caches were first written, with the value that those caches were built with.
+_LATER_SETTINGS: dict[str, Any] = {"bos": False, "bos_id": None, "fields": None, "chat": None}
 
 
 def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:

@@ -76,8 +76,28 @@ _SPEC, _RUN = CacheSpec, RunOptions
     help="JSON key / Parquet column of the text.",
 )
 @click.option("--split-lines", is_flag=True, help="One document per line of .txt inputs (default: per file).")
+@click.option(
+    "--fields",
+    metavar="A,B,...",
+    help="SFT: build each document from these fields, each tokenized on its own; all but the last are the "
+    "prompt (no loss), the last and the EOS are the target. Writes a loss mask beside each shard.",
+)
+@click.option(
+    "--chat",
+    metavar="FIELD",
+    help="SFT: build each document from the list of {role, content} messages in FIELD, rendered with the "
+    "chat template of the tokenizer_config.json beside the tokenizer.json; the assistant turns and the EOS "
+    "are the target. Writes a loss mask beside each shard (needs jinja2: pip install 'streampack[chat]').",
+)
 @click.option("--eos-id", type=click.IntRange(min=0), help="EOS id to append [default: the tokenizer's].")
 @click.option("--no-eos", is_flag=True, help="Append no EOS after documents.")
+@click.option(
+    "--bos",
+    is_flag=True,
+    help="Put the tokenizer's BOS id before every document (the bos_token of a tokenizer_config.json beside "
+    "the tokenizer.json, else an added token like <s> or <|begin_of_text|>).",
+)
+@click.option("--bos-id", type=click.IntRange(min=0), help="Put this BOS id before every document.")
 @click.option(
     "--on-bad-record",
     type=click.Choice(["error", "skip"]),
@@ -127,8 +147,12 @@ def build(
     threads: int | None,
     text_field: str,
     split_lines: bool,
+    fields: str | None,
+    chat: str | None,
     eos_id: int | None,
     no_eos: bool,
+    bos: bool,
+    bos_id: int | None,
     on_bad_record: str,
     overwrite: bool,
     progress: bool | None,
@@ -150,8 +174,12 @@ def build(
             special_tokens=special_tokens,  # type: ignore[arg-type]  # click checked the choice
             eos=not no_eos,
             eos_id=eos_id,
+            bos=bos,
+            bos_id=bos_id,
             text_field=text_field,
             split_lines=split_lines,
+            fields=None if fields is None else tuple(f.strip() for f in fields.split(",")),
+            chat=chat,
             unit_bytes=unit_mb << 20,
             max_piece_chars=max_piece_chars,
         )
@@ -197,9 +225,12 @@ _CLI_TERMS = {
     'on_bad_record="skip"': "--on-bad-record skip",
     "overwrite=True": "--overwrite",
     "eos_id=N": "--eos-id N",
+    "bos_id=N": "--bos-id N",
     "eos_id=": "--eos-id ",
     "eos=False": "--no-eos",
     "text_field=": "--text-field ",
+    "fields=[...]": "--fields A,B",
+    "chat=...": "--chat FIELD",
     "output directory": "--out",
 }
 
@@ -221,7 +252,7 @@ def info(cache_dir: str, as_json: bool) -> None:
         return
     width = max(map(len, stats))
     for key, value in stats.items():
-        shown = f"{value:,}" if isinstance(value, int) else value
+        shown = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else value
         click.echo(f"{key:<{width}}  {shown}")
 
 
@@ -230,6 +261,8 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
     lengths = cache.doc_lengths()
     quantiles = np.percentile(lengths, [50, 99]) if len(lengths) else [0, 0]
     size = sum(cache.shard_tokens(i).nbytes + cache.shard_offsets(i).nbytes for i in range(cache.num_shards))
+    if cache.has_loss_mask:
+        size += cache.num_tokens  # one byte per token
     tokenizer = cache.manifest.tokenizer
     return {
         "path": str(cache.root),
@@ -241,7 +274,10 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "vocab_size": cache.vocab_size,
         "dtype": cache.dtype.name,
         "eos_id": cache.eos_id,
+        "bos_id": cache.bos_id,
         "special_tokens": cache.manifest.settings.get("special_tokens", "not recorded"),
+        "sft": _sft_summary(cache.manifest),
+        "loss_mask": cache.has_loss_mask,
         "inputs": _inputs_read(cache.manifest.inputs),
         "ignored_inputs": _ignored_summary(cache.manifest.ignored_inputs),
         "skipped_records": cache.manifest.skipped_records,
@@ -251,6 +287,16 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "doc_tokens_p50": int(quantiles[0]),
         "doc_tokens_p99": int(quantiles[1]),
     }
+
+
+def _sft_summary(manifest: Manifest) -> str:
+    """What an SFT build made its documents of, and that its shards carry a loss mask."""
+    fields, chat = manifest.settings.get("fields"), manifest.settings.get("chat")
+    if fields:
+        return f"fields {', '.join(fields)} (loss on {fields[-1]} and EOS; loss mask: yes)"
+    if chat:
+        return f"chat messages in {chat!r} (loss on assistant turns and EOS; loss mask: yes)"
+    return "no (plain text; no loss mask)"
 
 
 def _inputs_read(inputs: list[dict[str, Any]]) -> str:
@@ -281,7 +327,7 @@ def _cuts_summary(manifest: Manifest) -> str:
 @cli.command()
 @click.argument("cache_dir", type=click.Path())
 def verify(cache_dir: str) -> None:
-    """Check every checksum, offset, token id and EOS of the cache; exit 1 on the first kind of damage."""
+    """Check every checksum, offset, token id, EOS and BOS of the cache; exit 1 on the first damage found."""
     report = verify_cache(cache_dir)
     if not report.ok:
         for problem in report.problems:

@@ -2,10 +2,11 @@
 
 A cache is a directory::
 
-    manifest.json          format version, tokenizer fingerprint, dtype, EOS policy, inputs, shard table
+    manifest.json          format version, tokenizer fingerprint, dtype, EOS and BOS policies, inputs, shards
     ledger/NNNNNN.json     build progress of work unit NNNNNN (committed records, docs, tokens)
     shards/NNNNNN.tokens   flat little-endian token ids (dtype from the manifest)
     shards/NNNNNN.offsets  little-endian uint64 cumulative document end offsets, one per document
+    shards/NNNNNN.mask     SFT builds only: uint8 loss mask, one byte per token (1: a training target)
     build.lock             present while a build runs (holds its pid)
 
 docs/FORMAT.md documents every field; everything can be read with numpy and json alone.
@@ -37,6 +38,7 @@ OFFSET_DTYPE = np.dtype("<u8")
 MAX_JSON_BYTES = 64 << 20  # a manifest of 100k shards is ~20 MB; refuse anything absurd before parsing
 _SHARD_NAME = re.compile(r"^[0-9]{6}$")
 _CHECKSUM_CHUNK = 16 << 20
+NO_BOS: dict[str, Any] = {"prepend": False, "id": None}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -66,6 +68,11 @@ def tokens_path(root: Path, name: str) -> Path:
 def offsets_path(root: Path, name: str) -> Path:
     """Path of a shard's offsets file."""
     return root / SHARD_DIR / f"{name}.offsets"
+
+
+def mask_path(root: Path, name: str) -> Path:
+    """Path of a shard's loss mask file (SFT builds only)."""
+    return root / SHARD_DIR / f"{name}.mask"
 
 
 def checked_shard_name(name: object) -> str:
@@ -148,10 +155,11 @@ class ShardInfo:
     num_tokens: int
     tokens_checksum: str
     offsets_checksum: str
+    mask_checksum: str | None = None  # None: the cache has no loss mask
 
     def to_json(self) -> dict[str, Any]:
         """The manifest representation of this shard."""
-        return {
+        shard = {
             "name": self.name,
             "unit": self.unit,
             "num_docs": self.num_docs,
@@ -159,6 +167,9 @@ class ShardInfo:
             "tokens_checksum": self.tokens_checksum,
             "offsets_checksum": self.offsets_checksum,
         }
+        if self.mask_checksum is not None:
+            shard["mask_checksum"] = self.mask_checksum
+        return shard
 
 
 @dataclass(frozen=True)
@@ -181,6 +192,8 @@ class Manifest:
     empty_docs: int = 0
     inexact_cuts: int = 0
     ignored_inputs: dict[str, Any] = field(default_factory=dict)
+    bos: dict[str, Any] = field(default_factory=lambda: dict(NO_BOS))
+    loss_mask: bool = False  # an SFT build: every shard has a .mask file
 
     @property
     def vocab_size(self) -> int:
@@ -199,7 +212,13 @@ class Manifest:
 
     def build_config(self) -> dict[str, Any]:
         """The settings a resumed build must share with this cache."""
-        return {"tokenizer": self.tokenizer, "dtype": self.dtype, "eos": self.eos, "settings": self.settings}
+        return {
+            "tokenizer": self.tokenizer,
+            "dtype": self.dtype,
+            "eos": self.eos,
+            "bos": self.bos,
+            "settings": self.settings,
+        }
 
     def to_json(self) -> dict[str, Any]:
         """The JSON document written to ``manifest.json`` (which :meth:`write` adds a checksum to)."""
@@ -210,6 +229,8 @@ class Manifest:
             "tokenizer": self.tokenizer,
             "dtype": self.dtype,
             "eos": self.eos,
+            "bos": self.bos,
+            "loss_mask": self.loss_mask,
             "settings": self.settings,
             "inputs": self.inputs,
             "units": self.units,
@@ -307,6 +328,10 @@ def _parse_manifest(raw: Any) -> Manifest:
     _require(raw["eos"], {"append": bool}, "eos")
     if raw["eos"]["append"] and not isinstance(raw["eos"].get("id"), int):
         raise ValueError("eos.id must be an integer when eos.append is true")
+    bos = raw.get("bos", NO_BOS)  # written before BOS existed: none
+    _require(bos, {"prepend": bool}, "bos")
+    if bos["prepend"] and not _is_count(bos.get("id")):
+        raise ValueError("bos.id must be a non-negative integer when bos.prepend is true")
     dtype = raw["dtype"]
     if dtype not in ("uint16", "uint32"):
         raise ValueError(f"dtype {dtype!r} is not uint16 or uint32")
@@ -330,12 +355,22 @@ def _parse_manifest(raw: Any) -> Manifest:
         empty_docs=int(raw.get("empty_docs", 0)),
         inexact_cuts=int(raw.get("inexact_cuts", 0)),
         ignored_inputs=dict(raw.get("ignored_inputs", {})),
+        bos=dict(bos),
+        loss_mask=raw.get("loss_mask", False),
     )
+    if not isinstance(manifest.loss_mask, bool):
+        raise ValueError(f"loss_mask must be true or false (got {manifest.loss_mask!r})")
+    if manifest.loss_mask and any(s.mask_checksum is None for s in shards):
+        raise ValueError("loss_mask is true but a shard has no mask_checksum")
     if manifest.complete and (raw["num_docs"], raw["num_tokens"]) != (manifest.num_docs, manifest.num_tokens):
         raise ValueError("num_docs/num_tokens disagree with the shard table")
     if manifest.complete and [s.name for s in shards] != [shard_name(i) for i in range(len(manifest.units))]:
         raise ValueError("the shard table does not list one shard per work unit, in order")
     return manifest
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _require(section: Any, fields: dict[str, type], name: str) -> None:
@@ -354,6 +389,7 @@ def _parse_shard(raw: Any) -> ShardInfo:
         num_tokens=raw["num_tokens"],
         tokens_checksum=str(raw["tokens_checksum"]),
         offsets_checksum=str(raw["offsets_checksum"]),
+        mask_checksum=None if raw.get("mask_checksum") is None else str(raw["mask_checksum"]),
     )
     for key in ("num_docs", "num_tokens"):
         value = getattr(shard, key)

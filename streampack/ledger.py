@@ -51,6 +51,7 @@ class UnitProgress:
         done: the unit reached the end of its input and its shard is final.
         tokens_checksum: checksum of the final token file (set when done).
         offsets_checksum: checksum of the final offsets file (set when done).
+        mask_checksum: checksum of the final loss mask file (set when done; SFT builds only).
     """
 
     unit: str
@@ -63,6 +64,7 @@ class UnitProgress:
     offsets_checksum: str = ""
     empty_docs: int = 0
     inexact_cuts: int = 0
+    mask_checksum: str = ""
 
     @property
     def counts(self) -> Counts:

@@ -32,21 +32,31 @@ class CacheSpec:
             are; ``parse``: as the special tokens' ids.
         eos: append an EOS id after every document.
         eos_id: the EOS id to append (default: the tokenizer's own EOS token).
+        bos: put the tokenizer's BOS id before every document (see :func:`streampack.tokenize.resolve_bos`).
+        bos_id: put this BOS id before every document (sets ``bos``).
         text_field: JSON key or Parquet column holding the text.
         split_lines: one document per line of ``.txt`` inputs (default: one per file).
         unit_bytes: size of the work units large uncompressed JSONL and Parquet files are split into.
         max_piece_chars: longer documents are tokenized in pieces of at most this many characters
             (default: see :func:`streampack.pieces.piece_rule`).
+        fields: an SFT build: each record's fields, in this order, tokenized each on its own; all but the
+            last are the prompt, the last (and the EOS) the target (see :mod:`streampack.sft`).
+        chat: an SFT build: the record field holding a list of ``{role, content}`` messages, rendered with
+            the chat template beside the tokenizer; the assistant turns (and the EOS) are the target.
     """
 
     tokenizer: str = "bytes"
     special_tokens: SpecialTokens = "text"
     eos: bool = True
     eos_id: int | None = None
+    bos: bool = False
+    bos_id: int | None = None
     text_field: str = "text"
     split_lines: bool = False
     unit_bytes: int = DEFAULT_UNIT_BYTES
     max_piece_chars: int | None = None
+    fields: tuple[str, ...] | None = None
+    chat: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("special_tokens", self.special_tokens, ("text", "parse"))
@@ -58,13 +68,43 @@ class CacheSpec:
             raise OptionsError(f"eos_id={self.eos_id} contradicts eos=False: give one or the other")
         if self.eos_id is not None and not 0 <= self.eos_id < 1 << 32:
             raise OptionsError(f"eos_id must be in [0, 2**32) (got {self.eos_id})")
+        if self.bos_id is not None and (
+            not isinstance(self.bos_id, int)
+            or isinstance(self.bos_id, bool)
+            or not 0 <= self.bos_id < 1 << 32
+        ):
+            raise OptionsError(f"bos_id must be an integer in [0, 2**32) (got {self.bos_id!r})")
+        if self.bos_id is not None:
+            object.__setattr__(self, "bos", True)  # one way to record a BOS id, whichever way it was given
         if self.unit_bytes < 1 << 16:
             raise OptionsError(f"unit_bytes must be at least 65536 (got {self.unit_bytes})")
         _check_positive(self, "max_piece_chars")
+        self._check_sft()
+
+    def _check_sft(self) -> None:
+        if self.fields is not None:
+            names = list(self.fields) if isinstance(self.fields, (list, tuple)) else []
+            if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) < len(names):
+                raise OptionsError(
+                    "fields must be a list of distinct, non-empty field names such as ['prompt', "
+                    f"'response'] (got {self.fields!r})"
+                )
+            object.__setattr__(self, "fields", tuple(names))  # a list given, a tuple kept (hashable)
+        if self.chat is not None and (not isinstance(self.chat, str) or not self.chat):
+            raise OptionsError(f"chat must be the name of the field holding the messages (got {self.chat!r})")
+        if self.fields is not None and self.chat is not None:
+            raise OptionsError(f"fields={list(self.fields)} and chat={self.chat!r}: give one or the other")
+
+    @property
+    def sft(self) -> bool:
+        """An SFT build (fields or chat): its shards carry a loss mask."""
+        return self.fields is not None or self.chat is not None
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's ``settings``."""
-        return dataclasses.asdict(self)
+        settings = dataclasses.asdict(self)
+        settings["fields"] = None if self.fields is None else list(self.fields)
+        return settings
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Work units' pipeline: records -> pieces -> batches -> tokens -> shards, with commits.
 
 Every engine runs :func:`run_units` on a sequence of :class:`UnitTask`. The units stream their records in
-order through one pipeline: long documents are cut into pieces, the pieces grouped into batches of about
-``batch_chars`` characters, the batches encoded on helper threads and their tokens appended to their
-unit's shard in input order, committing every ``commit_bytes`` or ``commit_seconds``. The next unit starts
-reading while the last batches of the one before it still encode, so the cores never wait at a unit's end.
+order through one pipeline: long documents (and each segment of an SFT document) are cut into pieces, the
+pieces grouped into batches of about ``batch_chars`` characters, the batches encoded on helper threads and
+their tokens (and an SFT build's loss mask) appended to their unit's shard in input order, committing every
+``commit_bytes`` or ``commit_seconds``. The next unit starts reading while the last batches of the one
+before it still encode, so the cores never wait at a unit's end.
 """
 
 from __future__ import annotations
@@ -28,14 +29,16 @@ from streampack.format import shard_name
 from streampack.ledger import Counts, UnitProgress
 from streampack.options import OnBadRecord, SpecialTokens
 from streampack.pieces import CutCount, PieceRule
+from streampack.sft import Sft
 from streampack.sources import Position, ReadOptions, TextStream, read_unit
-from streampack.tokenize import EosPolicy, Tokenizer, load_tokenizer
+from streampack.tokenize import BosPolicy, EosPolicy, Tokenizer, load_tokenizer
 from streampack.writer import ShardWriter
 
 if TYPE_CHECKING:
     from streampack.sources import WorkUnit
 
 ProgressFn = Callable[[dict[str, int]], None]
+NO_BOS = BosPolicy(False, None)
 
 # Batches encoded at once, each on a helper thread of its own: while one batch ends on a long document that
 # holds a single tokenizer thread, the other keeps the remaining cores busy.
@@ -68,6 +71,7 @@ class UnitSpec:
     eos: EosPolicy
     dtype: str
     pieces: PieceRule  # resolved for the tokenizer (see :func:`streampack.pieces.piece_rule`)
+    bos: BosPolicy = NO_BOS
     on_bad_record: OnBadRecord = "error"
     batch_chars: int = 1 << 20
     commit_bytes: int = 64 << 20
@@ -161,8 +165,10 @@ class _OpenUnit:
     def __init__(self, task: UnitTask, progress: UnitProgress, tokenizer: Tokenizer) -> None:
         self.task, self.spec, self.tokenizer = task, task.spec, tokenizer
         name = shard_name(task.unit.index)
-        self.writer = ShardWriter(Path(task.spec.root), name, np.dtype(task.spec.dtype), progress)
+        dtype = np.dtype(task.spec.dtype)
+        self.writer = ShardWriter(Path(task.spec.root), name, dtype, progress, masked=task.spec.read.sft)
         self.eos = np.array([task.spec.eos.id], dtype=np.uint32) if task.spec.eos.append else None
+        self.bos = np.array([task.spec.bos.id], dtype=np.uint32) if task.spec.bos.prepend else None
         self.position = Position()
         self.reported_bytes = 0
         self.last_commit = (time.monotonic(), self.writer.num_tokens)
@@ -193,6 +199,8 @@ class _Batch:
     unit: _OpenUnit
     encoded: Future[list[np.ndarray]]
     ends_doc: list[bool]  # per piece: the piece is the last of its document
+    opens_doc: bool  # the first piece is the first of its document (a later one is when the one before ends)
+    targets: list[bool] | None  # SFT builds: per piece, its tokens carry the loss
     counts: Counts  # the unit's records consumed by this batch and the ones before it, and what they held
     last: bool = False  # the unit's last batch (possibly empty): writing it completes the unit
 
@@ -266,26 +274,55 @@ class _Pipeline:
     def _start_batch(self) -> None:
         self.texts: list[str] = []
         self.ends_doc: list[bool] = []
+        self.opens_doc = True  # until a document's pieces are flushed partway
         self.batch_chars = 0
+        self.targets: list[bool] = []  # SFT builds only: per piece, as in _Batch
+        self.templated: list[bool] = []  # SFT builds only: per piece, written by a chat template
 
     def _bad_record(self, error: BadRecordError) -> None:
         if self.unit.spec.on_bad_record == "error":
             raise error
         self.tally.skipped += 1
 
-    def _add_document(self, text: str | TextStream) -> None:
+    def _add_document(self, text: str | TextStream | Sft) -> None:
+        if isinstance(text, tuple):
+            self._add_segments(text)
+            return
         if isinstance(text, str) and (not text or text.isspace()):
             self.tally.empty_docs += 1  # no document is empty or only whitespace
             return
         rule, batch_chars = self.unit.spec.pieces, self.unit.spec.batch_chars
         cuts = CutCount()
         pieces = rule.stream(text, cuts) if isinstance(text, TextStream) else rule.split(text, cuts)
-        for piece in pieces:
+        for i, piece in enumerate(pieces):
             if self.batch_chars >= batch_chars:
                 self._flush()  # mid-document: its counts start with the next batch
+                self.opens_doc = i == 0
             self.texts.append(piece)
             self.ends_doc.append(False)
             self.batch_chars += len(piece)
+        self.ends_doc[-1] = True
+        self.tally.inexact_cuts += cuts.inexact
+
+    def _add_segments(self, segments: Sft) -> None:
+        """An SFT document: each segment cut into pieces of its own, each piece a target or not."""
+        if all(not s.text or s.text.isspace() for s in segments):
+            self.tally.empty_docs += 1
+            return
+        rule, batch_chars = self.unit.spec.pieces, self.unit.spec.batch_chars
+        cuts = CutCount()
+        first = True
+        for segment in segments:
+            for piece in rule.split(segment.text, cuts) if segment.text else ():
+                if self.batch_chars >= batch_chars:
+                    self._flush()  # mid-document: its counts start with the next batch
+                    self.opens_doc = first
+                self.texts.append(piece)
+                self.ends_doc.append(False)
+                self.targets.append(segment.target)
+                self.templated.append(segment.template)
+                self.batch_chars += len(piece)
+                first = False
         self.ends_doc[-1] = True
         self.tally.inexact_cuts += cuts.inexact
 
@@ -294,12 +331,18 @@ class _Pipeline:
         if not self.texts and not last:
             return
         encoded: Future[list[np.ndarray]]
-        if self.texts:
-            encoded = self.encoder.submit(self.unit.tokenizer.encode_batch, self.texts)
+        tokenizer = self.unit.tokenizer
+        if any(self.templated):
+            encoded = self.encoder.submit(_encode_with_templates, tokenizer, self.texts, self.templated)
+        elif self.texts:
+            encoded = self.encoder.submit(tokenizer.encode_batch, self.texts)
         else:
             encoded = Future()
             encoded.set_result([])
-        self.queue.append(_Batch(self.unit, encoded, self.ends_doc, self.tally.counts(), last))
+        targets = self.targets if self.unit.spec.read.sft else None
+        self.queue.append(
+            _Batch(self.unit, encoded, self.ends_doc, self.opens_doc, targets, self.tally.counts(), last)
+        )
         self._start_batch()
         self._write_encoded()
         while len(self.queue) >= MAX_QUEUED_BATCHES or self._encoding() > ENCODING_THREADS:
@@ -318,8 +361,13 @@ class _Pipeline:
         unit = batch.unit
         encoded = batch.encoded.result()
         if encoded:
-            tokens, doc_ends = _frame(encoded, batch.ends_doc, unit.eos, unit.writer.dtype)
-            unit.writer.append(tokens, doc_ends)
+            tokens, doc_ends, piece_ends = _frame(
+                encoded, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos, unit.writer.dtype
+            )
+            mask = None
+            if batch.targets is not None:
+                mask = _loss_mask(batch, piece_ends, unit.bos is not None, unit.eos is not None)
+            unit.writer.append(tokens, doc_ends, mask)
             event = {"unit": unit.task.unit.index, "docs": len(doc_ends), "tokens": len(tokens)}
             self.report({**event, "bytes": unit.bytes_read_delta()})
         if batch.last:
@@ -343,16 +391,54 @@ class _Pipeline:
 
 
 def _frame(
-    encoded: list[np.ndarray], ends_doc: list[bool], eos: np.ndarray | None, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """A batch's tokens with EOS after each completed document, and those documents' end offsets."""
+    encoded: list[np.ndarray],
+    ends_doc: list[bool],
+    opens_doc: bool,
+    bos: np.ndarray | None,
+    eos: np.ndarray | None,
+    dtype: np.dtype,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch's tokens with BOS before each document begun and EOS after each document completed; the
+    completed documents' end offsets; and every piece's end offset (BOS and EOS included).
+
+    A document cut into pieces gets one BOS, before its first piece: a piece begins a document when it is
+    the batch's first and ``opens_doc``, or when the piece before it ends one.
+    """
     parts: list[np.ndarray] = []
     lengths = np.empty(len(encoded), dtype=np.int64)
+    opens = opens_doc
     for i, (ids, ends) in enumerate(zip(encoded, ends_doc)):
+        n = len(ids)
+        if opens and bos is not None:
+            parts.append(bos)
+            n += 1
         parts.append(ids)
-        lengths[i] = len(ids)
         if ends and eos is not None:
             parts.append(eos)
-            lengths[i] += 1
+            n += 1
+        lengths[i] = n
+        opens = ends
     tokens = np.concatenate(parts, dtype=dtype, casting="unsafe")
-    return tokens, np.cumsum(lengths)[np.asarray(ends_doc)]
+    piece_ends = np.cumsum(lengths)
+    return tokens, piece_ends[np.asarray(ends_doc)], piece_ends
+
+
+def _loss_mask(batch: _Batch, piece_ends: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
+    """The loss mask of a framed SFT batch: each piece's tokens as its segment says, a BOS 0, an EOS 1."""
+    assert batch.targets is not None, "SFT batches only"
+    lengths = np.diff(piece_ends, prepend=0)
+    mask = np.repeat(np.asarray(batch.targets, dtype=np.uint8), lengths)
+    ends = np.asarray(batch.ends_doc, dtype=bool)
+    if bos:
+        opens = np.concatenate([[batch.opens_doc], ends[:-1]])
+        mask[(piece_ends - lengths)[opens]] = 0
+    if eos:
+        mask[piece_ends[ends] - 1] = 1
+    return mask
+
+
+def _encode_with_templates(tokenizer: Tokenizer, texts: list[str], templated: list[bool]) -> list[np.ndarray]:
+    """Encode a batch whose chat-template pieces parse special-token strings and whose others do not."""
+    plain = iter(tokenizer.encode_batch([t for t, special in zip(texts, templated) if not special]))
+    special = iter(tokenizer.encode_specials([t for t, special in zip(texts, templated) if special]))
+    return [next(special) if is_template else next(plain) for is_template in templated]

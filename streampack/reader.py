@@ -1,4 +1,5 @@
-"""Reading a token cache: memory-mapped shards, documents, and the global token stream.
+"""Reading a token cache: memory-mapped shards, documents, the global token stream, and an SFT build's
+loss mask.
 
 :func:`open` reads the manifest, checks every shard's file sizes against it (one ``stat`` per file, no
 data read), and maps each shard only when it is first touched. Nothing is read into RAM beyond the
@@ -24,6 +25,7 @@ from streampack.format import (
     Manifest,
     ShardInfo,
     load_manifest,
+    mask_path,
     offsets_path,
     tokens_path,
 )
@@ -34,8 +36,8 @@ if TYPE_CHECKING:
     from streampack.sequences import PackedSequences
 
 
-# Shard files kept mapped per kind (tokens, offsets): every map holds a file descriptor, and the common
-# limit is 1024 per process (two kinds x 128 = 256 of them); remapping a shard that fell out costs ~20 us.
+# Shard files kept mapped per kind (tokens, offsets, masks): every map holds a file descriptor, and the
+# common limit is 1024 per process (three kinds x 128 = 384 of them); remapping a shard costs ~20 us.
 MAX_OPEN_MAPS = 128
 
 
@@ -44,6 +46,7 @@ class _ShardFiles:
     info: ShardInfo
     tokens: Path
     offsets: Path
+    mask: Path | None  # an SFT build's loss mask
 
 
 class Cache:
@@ -61,11 +64,13 @@ class Cache:
         self.dtype = np.dtype(manifest.dtype).newbyteorder("<")
         real_root = os.path.realpath(root)
         _check_inside(real_root, root / SHARD_DIR)
-        self._shards = [_ShardFiles(s, *_inside(real_root, root, s.name)) for s in shards]
+        masked = manifest.loss_mask
+        self._shards = [_ShardFiles(s, *_inside(real_root, root, s.name, masked)) for s in shards]
         self._doc_starts = np.concatenate([[0], np.cumsum([s.num_docs for s in shards], dtype=np.int64)])
         self._token_starts = np.concatenate([[0], np.cumsum([s.num_tokens for s in shards], dtype=np.int64)])
         self._tokens: OrderedDict[int, np.ndarray] = OrderedDict()
         self._offsets: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._check_sizes()
 
     def __repr__(self) -> str:
@@ -96,6 +101,11 @@ class Cache:
     def eos_id(self) -> int | None:
         """The EOS id appended after every document, or None."""
         return self.manifest.eos["id"] if self.manifest.eos["append"] else None
+
+    @property
+    def bos_id(self) -> int | None:
+        """The BOS id put before every document, or None (also for caches written before BOS existed)."""
+        return self.manifest.bos["id"] if self.manifest.bos["prepend"] else None
 
     @property
     def shards(self) -> list[ShardInfo]:
@@ -163,7 +173,26 @@ class Cache:
         return DocumentSet(self, Chosen(self))
 
     def doc(self, index: int) -> np.ndarray:
-        """Tokens of document ``index`` (including its EOS), a read-only view of the memory map."""
+        """Tokens of document ``index`` (including its BOS and EOS), a read-only view of the memory map."""
+        shard, start, end = self._doc_span(index)
+        return self.shard_tokens(shard)[start:end]
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether the cache has a loss mask (an SFT build: ``fields`` or ``chat``)."""
+        return self.manifest.loss_mask
+
+    def doc_loss_mask(self, index: int) -> np.ndarray:
+        """The loss mask of document ``index``, aligned with :meth:`doc` (1: a training target).
+
+        Raises:
+            CacheError: the cache has no loss mask.
+        """
+        shard, start, end = self._doc_span(index)
+        return self.shard_loss_mask(shard)[start:end]
+
+    def _doc_span(self, index: int) -> tuple[int, int, int]:
+        """The shard of document ``index`` and where the document lies in it."""
         if not -self.num_docs <= index < self.num_docs:
             raise IndexError(f"document {index} out of range for a cache of {self.num_docs} documents")
         index %= self.num_docs
@@ -171,7 +200,7 @@ class Cache:
         local = index - int(self._doc_starts[shard])
         offsets = self.shard_offsets(shard)
         start = int(offsets[local - 1]) if local else 0
-        return self.shard_tokens(shard)[start : int(offsets[local])]
+        return shard, start, int(offsets[local])
 
     def doc_lengths(self) -> np.ndarray:
         """Length in tokens of every document (reads every offset table)."""
@@ -215,6 +244,25 @@ class Cache:
         files = self._shards[shard]
         return _cached_map(self._offsets, shard, files.offsets, OFFSET_DTYPE, files.info.num_docs)
 
+    def shard_loss_mask(self, shard: int) -> np.ndarray:
+        """The loss mask of shard ``shard``: uint8, one per token of :meth:`shard_tokens`, 1 where the token
+        is a training target (memory-mapped on first use).
+
+        Raises:
+            CacheError: the cache has no loss mask (it was not built with ``fields`` or ``chat``).
+        """
+        files = self._shards[shard]
+        if files.mask is None:
+            raise CacheError(
+                f"{self.root}: the cache has no loss mask (it was built from texts, not with fields=[...] or "
+                "chat=...); every token is a training target"
+            )
+        return _cached_map(self._masks, shard, files.mask, np.dtype(np.uint8), files.info.num_tokens)
+
+    def shard_mask_path(self, shard: int) -> Path | None:
+        """The loss mask file of shard ``shard``, or None when the cache has no loss mask."""
+        return self._shards[shard].mask
+
     @property
     def token_starts(self) -> np.ndarray:
         """Global index of the first token of each shard, plus the total at the end."""
@@ -222,10 +270,13 @@ class Cache:
 
     def _check_sizes(self) -> None:
         for files in self._shards:
-            for path, count, itemsize in (
+            checked = [
                 (files.tokens, files.info.num_tokens, self.dtype.itemsize),
                 (files.offsets, files.info.num_docs, OFFSET_DTYPE.itemsize),
-            ):
+            ]
+            if files.mask is not None:
+                checked.append((files.mask, files.info.num_tokens, 1))
+            for path, count, itemsize in checked:
                 try:
                     size = path.stat().st_size
                 except FileNotFoundError:
@@ -277,21 +328,23 @@ def _committed_shards(root: Path, manifest: Manifest) -> list[ShardInfo]:
     for index, unit in enumerate(manifest.units):
         name = f"{index:06d}"
         progress = ledger.read_progress(root, name, unit)
-        shards.append(ShardInfo(name, unit, progress.docs, progress.tokens, "", ""))
+        mask = "" if manifest.loss_mask else None
+        shards.append(ShardInfo(name, unit, progress.docs, progress.tokens, "", "", mask))
     return shards
 
 
-def _inside(real_root: str, root: Path, name: str) -> tuple[Path, Path]:
-    """The shard's files, refusing any that resolve outside the cache (e.g. a symlink pointing out).
+def _inside(real_root: str, root: Path, name: str, masked: bool) -> tuple[Path, Path, Path | None]:
+    """The shard's files (tokens, offsets, the loss mask if ``masked``), refusing any that resolve outside
+    the cache (e.g. a symlink pointing out).
 
     The shards folder itself is checked once; a file in it can only lead out as a symlink, so only
     symlinks are resolved (one ``lstat`` per file rather than a ``realpath`` walk: 10,000 shards open fast).
     """
-    paths = (tokens_path(root, name), offsets_path(root, name))
-    for path in paths:
-        if os.path.islink(path):
+    mask = mask_path(root, name) if masked else None
+    for path in (tokens_path(root, name), offsets_path(root, name), mask):
+        if path is not None and os.path.islink(path):
             _check_inside(real_root, path)
-    return paths
+    return tokens_path(root, name), offsets_path(root, name), mask
 
 
 def _check_inside(real_root: str, path: Path) -> None:

@@ -11,6 +11,7 @@ Reading a unit yields one item per input record consumed, in order:
 
 - ``str``: a document's text;
 - :class:`TextStream`: a document too large to hold as one string (a big ``.txt`` file), read in chunks;
+- a tuple of :class:`~streampack.sft.Segment`: an SFT document (fields or a chat), in an SFT build;
 - ``None``: a record that holds no document (a blank line);
 - :class:`~streampack.errors.BadRecordError`: an unusable record, which the builder raises or skips.
 
@@ -49,6 +50,7 @@ from streampack.discovery import (
 )
 from streampack.errors import BadRecordError, InputError
 from streampack.options import DEFAULT_UNIT_BYTES
+from streampack.sft import ChatError, ChatTemplate, Sft, check_messages, field_segments
 
 __all__ = [  # discovery is re-exported: callers import it from here
     "Discovery",
@@ -123,11 +125,20 @@ class ReadOptions:
         text_field: the JSON key or Parquet column holding the text.
         split_lines: one document per line of a ``.txt`` file instead of one per file.
         unit_bytes: uncompressed JSONL files and Parquet files are split into units of about this size.
+        fields: an SFT build from these fields of each record (see :mod:`streampack.sft`), not text_field.
+        chat: an SFT build from the conversation of each record, rendered with this template.
     """
 
     text_field: str = "text"
     split_lines: bool = False
     unit_bytes: int = DEFAULT_UNIT_BYTES
+    fields: tuple[str, ...] | None = None
+    chat: ChatTemplate | None = None
+
+    @property
+    def sft(self) -> bool:
+        """Records are SFT documents (fields or a chat), not texts."""
+        return self.fields is not None or self.chat is not None
 
     def __post_init__(self) -> None:
         if not self.text_field:
@@ -146,7 +157,10 @@ class TextStream:
         return self._chunks
 
 
-Item: TypeAlias = "str | TextStream | BadRecordError | None"
+Item: TypeAlias = "str | TextStream | Sft | BadRecordError | None"
+# What a record must hold: the text field, the SFT fields, or the chat template (with its messages' field).
+Wanted: TypeAlias = "str | tuple[str, ...] | ChatTemplate"
+RecordReader: TypeAlias = Callable[[dict[str, Any], Any, Callable[[], str]], Item]  # (record, wanted, where)
 
 
 class Documents:
@@ -288,6 +302,8 @@ def read_unit(
     """
     if unit.file is None:
         return _read_python(unit, options, skip)
+    if options.sft:
+        refuse_text_for_sft(unit.files, "fields=[...]" if options.fields is not None else "chat=...")
     if unit.rest:
         return _read_run(unit, options, skip, position)
     if unit.file.format == "parquet":
@@ -335,7 +351,7 @@ def _read_lines(unit: WorkUnit, options: ReadOptions, skip: int, position: Posit
     file = unit.file
     assert file is not None
     is_json = file.format == "jsonl"
-    field = options.text_field
+    extract, field = record_reader(options)
     line_no = 0
     with _open_input(file, position) as f:
         try:
@@ -351,7 +367,7 @@ def _read_lines(unit: WorkUnit, options: ReadOptions, skip: int, position: Posit
                 if line_no <= skip:
                     continue
                 if is_json:
-                    yield _parse_json_line(line, field, file, unit.start, line_no)
+                    yield _parse_json_line(line, field, extract, file, unit.start, line_no)
                 else:
                     yield _decode_text_line(line, file, unit.start, line_no)
         except _STREAM_ERRORS as e:
@@ -370,20 +386,59 @@ def _seek_line_start(f: BinaryIO, start: int) -> int:
     return start - 1 + len(f.readline())
 
 
-def _parse_json_line(line: bytes, field: str, file: InputFile, start: int, line_no: int) -> Item:
+def record_reader(options: ReadOptions) -> tuple[RecordReader, Wanted]:
+    """How a record (a JSON object, a Parquet row, a dict) becomes an item, and what it must hold: chosen
+    once per unit, so that reading a record costs one call, as it did before SFT builds existed."""
+    if options.fields is not None:
+        return _fields_of, options.fields
+    if options.chat is not None:
+        return _chat_of, options.chat
+    return _text_of, options.text_field
+
+
+def _describe(wanted: Wanted) -> str:
+    """What a record must hold, for messages."""
+    if isinstance(wanted, tuple):
+        return f"the fields {', '.join(map(repr, wanted))}"
+    return f"a {wanted if isinstance(wanted, str) else wanted.field!r} field"
+
+
+def refuse_text_for_sft(files: Iterable[InputFile], option: str) -> None:
+    """Raise when an SFT build (made with ``option``) is given text files, which hold no fields.
+
+    Raises:
+        InputError: naming the first text file.
+    """
+    text = next((f for f in files if f.format == "text"), None)
+    if text is not None:
+        raise InputError(
+            f"{text.path}: a text file holds no fields to build with {option}; give JSONL, Parquet or "
+            "Python dicts"
+        )
+
+
+def _parse_json_line(
+    line: bytes, field: Wanted, extract: RecordReader, file: InputFile, start: int, line_no: int
+) -> Item:
     if not line.strip():
         return None
     try:
         record = orjson.loads(line)
     except orjson.JSONDecodeError as e:
-        return _parse_json_line_slowly(line, field, file, start, line_no, e)
+        return _parse_json_line_slowly(line, field, extract, file, start, line_no, e)
     if not isinstance(record, dict):
         return _not_an_object(record, field, file, start, line_no)
-    return _text_of(record, field, lambda: _location(file, start, line_no))
+    return extract(record, field, lambda: _location(file, start, line_no))
 
 
 def _parse_json_line_slowly(
-    line: bytes, field: str, file: InputFile, start: int, line_no: int, error: orjson.JSONDecodeError
+    line: bytes,
+    field: Wanted,
+    extract: RecordReader,
+    file: InputFile,
+    start: int,
+    line_no: int,
+    error: orjson.JSONDecodeError,
 ) -> Item:
     """A line orjson refused: Python's parser also accepts ``NaN``, ``Infinity`` and lone surrogates.
 
@@ -398,12 +453,12 @@ def _parse_json_line_slowly(
         return BadRecordError(_location(file, start, line_no), problem)
     if not isinstance(record, dict):
         return _not_an_object(record, field, file, start, line_no)
-    item = _text_of(record, field, lambda: _location(file, start, line_no))
-    return _encodable(item, _location(file, start, line_no)) if isinstance(item, str) else item
+    item = extract(record, field, lambda: _location(file, start, line_no))
+    return _encodable(item, _location(file, start, line_no))
 
 
-def _not_an_object(record: Any, field: str, file: InputFile, start: int, line_no: int) -> BadRecordError:
-    problem = f"the line is a JSON {type(record).__name__}, expected an object with a {field!r} field"
+def _not_an_object(record: Any, wanted: Wanted, file: InputFile, start: int, line_no: int) -> BadRecordError:
+    problem = f"the line is a JSON {type(record).__name__}, expected an object with {_describe(wanted)}"
     return BadRecordError(_location(file, start, line_no), problem + _json_document_hint(file))
 
 
@@ -447,10 +502,35 @@ def _text_of(record: dict[str, Any], field: str, location: Callable[[], str]) ->
     return BadRecordError(location(), f"the {field!r} field is {_kind(text)}, expected a string")
 
 
-def _nested_value(record: dict[str, Any], field: str) -> Any:
+def _fields_of(record: dict[str, Any], fields: tuple[str, ...], location: Callable[[], str]) -> Item:
+    """An SFT document of a record's ``fields``: each a string (the last one the target)."""
+    values = []
+    for field in fields:
+        value = record[field] if field in record else _nested_value(record, field, "fields=[...]")
+        if isinstance(value, _Missing):
+            return BadRecordError(location(), value.problem)
+        if not isinstance(value, str):
+            return BadRecordError(location(), f"the {field!r} field is {_kind(value)}, expected a string")
+        values.append(value)
+    return field_segments(values)
+
+
+def _chat_of(record: dict[str, Any], chat: ChatTemplate, location: Callable[[], str]) -> Item:
+    """An SFT document of a record's conversation, rendered with ``chat``'s template."""
+    field = chat.field
+    messages = record[field] if field in record else _nested_value(record, field, "chat=...")
+    if isinstance(messages, _Missing):
+        return BadRecordError(location(), messages.problem)
+    try:
+        return chat.segments(check_messages(messages, field))
+    except ChatError as e:
+        return BadRecordError(location(), str(e))
+
+
+def _nested_value(record: dict[str, Any], field: str, option: str = "text_field=...") -> Any:
     """``record["a"]["b"]`` for the field ``a.b``, or a :class:`_Missing` saying which part is absent."""
     parts = field.split(".")
-    advice = "; pass text_field=... to choose another"
+    advice = f"; pass {option} to choose another"
     if len(parts) == 1 or parts[0] not in record:
         fields = ", ".join(map(repr, list(record)[:10])) or "none"
         return _Missing(f"no {field!r} field (fields: {fields}){advice}")
@@ -579,14 +659,12 @@ def _read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[I
     import pyarrow as pa
 
     parquet = _parquet_file(file)
+    if options.sft:
+        yield from _read_parquet_records(unit, parquet, options, skip)
+        return
     field = options.text_field
     column, path = _text_column(file, parquet.schema_arrow, field)
-    stop = parquet.metadata.num_row_groups if unit.stop is None else unit.stop
-    groups = list(range(unit.start, stop))
-    row = sum(parquet.metadata.row_group(g).num_rows for g in range(unit.start))
-    while groups and skip >= parquet.metadata.row_group(groups[0]).num_rows:
-        rows = parquet.metadata.row_group(groups.pop(0)).num_rows
-        skip, row = skip - rows, row + rows
+    groups, row, skip = _row_groups_after(unit, parquet, skip)
     if not groups:
         return
     try:
@@ -611,6 +689,66 @@ def _read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[I
         raise InputError(  # pyarrow fails a whole batch: the row is the first one not read
             f"{file.path}: row {row + 1} or after: cannot read the Parquet data ({type(e).__name__}: {e})"
         ) from None
+
+
+def _row_groups_after(unit: WorkUnit, parquet: Any, skip: int) -> tuple[list[int], int, int]:
+    """The unit's row groups left after skipping ``skip`` rows by whole groups; the rows before the first
+    of them (in the file); and the rows still to skip inside it."""
+    stop = parquet.metadata.num_row_groups if unit.stop is None else unit.stop
+    groups = list(range(unit.start, stop))
+    row = sum(parquet.metadata.row_group(g).num_rows for g in range(unit.start))
+    while groups and skip >= parquet.metadata.row_group(groups[0]).num_rows:
+        rows = parquet.metadata.row_group(groups.pop(0)).num_rows
+        skip, row = skip - rows, row + rows
+    return groups, row, skip
+
+
+def _read_parquet_records(unit: WorkUnit, parquet: Any, options: ReadOptions, skip: int) -> Iterator[Item]:
+    """An SFT build's Parquet rows, each as a dict of the columns it needs."""
+    import pyarrow as pa
+
+    file = unit.file
+    assert file is not None
+    extract, wanted = record_reader(options)
+    fields = wanted if isinstance(wanted, tuple) else (wanted if isinstance(wanted, str) else wanted.field,)
+    columns = list(dict.fromkeys(f if f in parquet.schema_arrow.names else f.split(".")[0] for f in fields))
+    missing = [c for c in columns if c not in parquet.schema_arrow.names]
+    if missing:
+        raise InputError(
+            f"{file.path}: no column {missing[0]!r} (columns: {', '.join(parquet.schema_arrow.names)})"
+        )
+    groups, row, skip = _row_groups_after(unit, parquet, skip)
+    if not groups:
+        return
+    try:
+        for batch in parquet.iter_batches(batch_size=1024, row_groups=groups, columns=columns):
+            for record in _batch_rows(batch, file, row):
+                row += 1
+                if skip:
+                    skip -= 1
+                elif isinstance(record, BadRecordError):
+                    yield record
+                else:
+                    yield extract(record, wanted, functools.partial(str, f"{file.path}: row {row}"))
+    except (OSError, ValueError, TypeError, KeyError, IndexError, pa.ArrowException) as e:
+        raise InputError(
+            f"{file.path}: row {row + 1} or after: cannot read the Parquet data ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _batch_rows(batch: Any, file: InputFile, row: int) -> list[dict[str, Any] | BadRecordError]:
+    """The rows of a record batch as dicts; a row holding invalid UTF-8 as a bad record."""
+    try:
+        return list(batch.to_pylist())
+    except UnicodeDecodeError:
+        pass
+    rows: list[dict[str, Any] | BadRecordError] = []
+    for i in range(batch.num_rows):  # only for a batch holding invalid UTF-8
+        try:
+            rows.append(batch.slice(i, 1).to_pylist()[0])
+        except UnicodeDecodeError as e:
+            rows.append(BadRecordError(f"{file.path}: row {row + i + 1}", f"invalid UTF-8 at byte {e.start}"))
+    return rows
 
 
 def _text_column(file: InputFile, schema: Any, field: str) -> tuple[str, list[str]]:
@@ -695,6 +833,7 @@ def _parquet_file(file: InputFile) -> Any:
 
 
 def _read_python(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[Item]:
+    extract, wanted = record_reader(options)
     items = unit.items
     if unit.stop is None:
         records: Iterable[Any] = items
@@ -707,8 +846,13 @@ def _read_python(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[It
             continue
         where = f"python record {base + i}"
         if isinstance(record, dict):
-            record = _text_of(record, options.text_field, functools.partial(str, where))
-        if isinstance(record, str):
+            record = extract(record, wanted, functools.partial(str, where))
+        elif options.sft:
+            kind = type(record).__name__
+            record = BadRecordError(
+                where, f"the record is a {kind}, expected a dict with {_describe(wanted)}"
+            )
+        if isinstance(record, (str, tuple)):
             yield _encodable(record, where)
         elif isinstance(record, BadRecordError):
             yield record
@@ -716,13 +860,15 @@ def _read_python(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[It
             yield BadRecordError(where, f"the record is a {type(record).__name__}, expected str or dict")
 
 
-def _encodable(text: str, where: str) -> str | BadRecordError:
+def _encodable(item: Item, where: str) -> Item:
     """Python strings, unlike decoded files, may hold lone surrogates, which no tokenizer can encode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        return BadRecordError(where, f"the text holds a lone surrogate at character {e.start}")
-    return text
+    texts = [item] if isinstance(item, str) else [s.text for s in item] if isinstance(item, tuple) else []
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return BadRecordError(where, f"the text holds a lone surrogate at character {e.start}")
+    return item
 
 
 def _slices(items: Any, start: int, stop: int, step: int = 1000) -> Iterator[Any]:

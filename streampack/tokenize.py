@@ -26,6 +26,7 @@ import binascii
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from streampack.options import SpecialTokens
 from streampack.pieces import CutSafety, hf_cut_safety, tiktoken_cut_safety
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 
 
 class Tokenizer(Protocol):
@@ -60,12 +62,21 @@ class Tokenizer(Protocol):
         """The tokenizer's own EOS id, or None."""
         ...
 
+    @property
+    def bos_id(self) -> int | None:
+        """The tokenizer's own BOS id, or None."""
+        ...
+
     def fingerprint(self) -> dict[str, Any]:
         """Kind, name, vocab size and a hash of the definition: identifies the tokenizer in a manifest."""
         ...
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text (special-token text as text, unless parsed; none added), as arrays."""
+        ...
+
+    def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each text with special-token strings as their ids (a chat template's own text)."""
         ...
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -108,6 +119,41 @@ class EosPolicy:
         return {"append": self.append, "id": self.id}
 
 
+@dataclass(frozen=True)
+class BosPolicy:
+    """Whether a BOS id is put before every document, and which."""
+
+    prepend: bool
+    id: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        """Manifest representation."""
+        return {"prepend": self.prepend, "id": self.id}
+
+
+def resolve_bos(tokenizer: Tokenizer, *, bos: bool, bos_id: int | None) -> BosPolicy:
+    """Decide the BOS policy: ``bos_id`` when given, else with ``bos`` the tokenizer's own BOS token.
+
+    A Hugging Face tokenizer's BOS is the ``bos_token`` of a ``tokenizer_config.json`` beside its
+    ``tokenizer.json``, else an added token named like one of ``BOS_NAMES``; tiktoken and ``bytes``
+    tokenizers have none (give ``bos_id``).
+
+    Raises:
+        TokenizerError: BOS is wanted but neither given nor known to the tokenizer.
+    """
+    if not bos and bos_id is None:
+        return BosPolicy(False, None)
+    if bos_id is not None:
+        return BosPolicy(True, bos_id)
+    if tokenizer.bos_id is None:
+        raise TokenizerError(
+            f"tokenizer {tokenizer.spec!r} has no BOS token that streampack recognises (looked for the "
+            f"bos_token of a tokenizer_config.json beside a tokenizer.json, and {', '.join(BOS_NAMES)}); "
+            "pass bos_id=N"
+        )
+    return BosPolicy(True, tokenizer.bos_id)
+
+
 def resolve_eos(tokenizer: Tokenizer, *, eos: bool, eos_id: int | None) -> EosPolicy:
     """Decide the EOS policy from the options and the tokenizer's own EOS token.
 
@@ -134,6 +180,7 @@ class BytesTokenizer:
     spec = "bytes"
     vocab_size = 257
     eos_id: int | None = 256
+    bos_id: int | None = None
     saturates_cores = False
     fast_piece_chars: int | None = None  # encoding bytes costs the same per character at any length
     cut_safety = CutSafety(True, "every cut keeps UTF-8 bytes")
@@ -145,6 +192,10 @@ class BytesTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`."""
         return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+
+    def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`; bytes have no special tokens."""
+        return self.encode_batch(texts)
 
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`; ids above 255 (EOS) are left out."""
@@ -184,9 +235,13 @@ class HFTokenizer:
                 "streampack needs tokenizers >= 0.15 (encode_special_tokens): pip install -U tokenizers"
             )
         self._tok.encode_special_tokens = special_tokens == "text"
+        self._parsing: Any = None if special_tokens == "text" else self._tok  # see encode_specials
+        self._parsing_lock = threading.Lock()
         self.cut_safety = hf_cut_safety(self._structure(), parse_special=special_tokens == "parse")
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-        self._eos_id, self._eos_problem = self._find_eos()
+        self._config = self._read_config()
+        self._eos_id, self._eos_problem = self._find_special("eos_token", EOS_NAMES, added_only=False)
+        self._bos_id, self._bos_problem = self._find_special("bos_token", BOS_NAMES, added_only=True)
         self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         if threads is not None and threads != os.cpu_count():
             self._start_thread_pool(threads)
@@ -243,24 +298,57 @@ class HFTokenizer:
             raise TokenizerError(self._eos_problem)
         return self._eos_id
 
-    def _find_eos(self) -> tuple[int | None, str]:
-        config = self._path.parent / "tokenizer_config.json"
-        if config.is_file():
-            try:
-                eos = json.loads(config.read_text()).get("eos_token")
-            except (ValueError, AttributeError) as e:
-                raise TokenizerError(f"{config}: not a valid tokenizer_config.json ({e})") from None
-            eos = eos.get("content") if isinstance(eos, dict) else eos
-            if isinstance(eos, str):
-                token_id = self._tok.token_to_id(eos)
-                if token_id is None:
-                    return None, (
-                        f"{config}: eos_token {eos!r} is not in the vocabulary of {self._path}; fix the "
-                        "config, or give the EOS id explicitly (eos_id=N)"
-                    )
-                return token_id, ""
-        for name in EOS_NAMES:
-            token_id = self._tok.token_to_id(name)
+    @property
+    def bos_id(self) -> int | None:
+        """The tokenizer's BOS id (its config's ``bos_token``, else an added token named like a BOS), or None.
+
+        Raises:
+            TokenizerError: ``tokenizer_config.json`` names a BOS token the vocabulary lacks.
+        """
+        if self._bos_problem:
+            raise TokenizerError(self._bos_problem)
+        return self._bos_id
+
+    @property
+    def config_path(self) -> Path:
+        """Where the ``tokenizer_config.json`` beside the ``tokenizer.json`` is (it may not exist)."""
+        return self._path.parent / "tokenizer_config.json"
+
+    def _read_config(self) -> dict[str, Any]:
+        """The ``tokenizer_config.json`` beside the ``tokenizer.json``, or ``{}`` when there is none."""
+        path = self.config_path
+        if not path.is_file():
+            return {}
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, OSError) as e:
+            raise TokenizerError(f"{path}: not a valid tokenizer_config.json ({e})") from None
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{path}: not a valid tokenizer_config.json (a {type(config).__name__})")
+        return config
+
+    def config_token(self, key: str) -> str | None:
+        """The string of the config's special token ``key`` (``bos_token``, ``eos_token``), or None."""
+        token = self._config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        return token if isinstance(token, str) else None
+
+    def _find_special(self, key: str, names: tuple[str, ...], *, added_only: bool) -> tuple[int | None, str]:
+        """The id of the config's ``key`` token, else of the first of ``names`` in the vocabulary (among the
+        added tokens only with ``added_only``); and a problem to raise when the config's token is unknown."""
+        token = self.config_token(key)
+        if token is not None:
+            token_id = self._tok.token_to_id(token)
+            if token_id is None:
+                kind = key.split("_")[0]
+                return None, (
+                    f"{self.config_path}: {key} {token!r} is not in the vocabulary of {self._path}; fix the "
+                    f"config, or give the {kind.upper()} id explicitly ({kind}_id=N)"
+                )
+            return token_id, ""
+        added = {t.content: i for i, t in self._tok.get_added_tokens_decoder().items()}
+        for name in names:
+            token_id = added.get(name) if added_only else self._tok.token_to_id(name)
             if token_id is not None:
                 return token_id, ""
         return None, ""
@@ -275,6 +363,25 @@ class HFTokenizer:
         encodings = self._encode(texts, add_special_tokens=False)
         # array('I') copies the Python int list in C at ~60% of np.array's cost; this runs under the GIL.
         return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
+
+    def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`.
+
+        ``encode_special_tokens`` is a setting of the tokenizer object, shared by the threads encoding with
+        it, so special tokens are parsed by a second instance, loaded on first use (chat builds only).
+        """
+        with self._parsing_lock:
+            if self._parsing is None:
+                from tokenizers import Tokenizer as _Tokenizer
+
+                self._parsing = _Tokenizer.from_str(self._definition.decode("utf-8"))
+        encodings = self._parsing.encode_batch(texts, add_special_tokens=False)
+        return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The ``tokenizer_config.json`` beside the ``tokenizer.json`` (``{}`` when there is none)."""
+        return dict(self._config)
 
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`."""
@@ -332,6 +439,7 @@ class TiktokenTokenizer:
         self._name = ranks.stem
         self.vocab_size = self._enc.n_vocab
         self.eos_id = next((specials[n] for n in EOS_NAMES if n in specials), None)
+        self.bos_id: int | None = None  # a ranks file says nothing of a BOS: give bos_id
         self._allowed = set(specials) if special_tokens == "parse" else set()
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._threads = threads or 1
@@ -355,6 +463,11 @@ class TiktokenTokenizer:
         if self._pool is None:
             return [self._encode_one(t) for t in texts]
         return list(self._pool.map(self._encode_one, texts))
+
+    def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`."""
+        batch = self._enc.encode_batch(texts, allowed_special="all", disallowed_special=())
+        return [np.array(ids, dtype=np.uint32) for ids in batch]
 
     def _encode_one(self, text: str) -> np.ndarray:
         # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.

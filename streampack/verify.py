@@ -1,5 +1,6 @@
-"""Full verification of a cache: checksums, offsets, token range, EOS placement (at every document's end,
-and nowhere else).
+"""Full verification of a cache: checksums, offsets, token range, EOS and BOS placement (at every
+document's end and start, and nowhere else), and an SFT build's loss mask (0 or 1, 1 at every EOS, 0 at
+every BOS).
 
 :func:`streampack.open` checks file sizes on every open; :func:`verify` reads every byte once, in chunks,
 checksumming and range-checking each chunk, so it runs in bounded memory at disk or checksum speed,
@@ -22,7 +23,7 @@ from streampack.reader import Cache
 from streampack.reader import open as open_cache
 
 _CHUNK_ITEMS = 8 << 20
-_SHOWN = 3  # EOS ids inside documents listed in the report, of a shard
+_SHOWN = 3  # control ids inside documents listed in the report, of a shard
 
 
 @dataclass
@@ -70,8 +71,8 @@ def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
         return [f"{tokens_file}: cannot map ({e})"]
     offsets_crc, _, _ = _scan(offsets, None)
     problems = _check_offsets(offsets_file, offsets, info.num_tokens)
-    inner_eos = None if problems else _inner_eos_id(cache)
-    tokens_crc, first_too_large, inside = _scan(tokens, cache.vocab_size, inner_eos, offsets)  # one pass
+    controls = [] if problems else _stray_controls(cache)
+    tokens_crc, first_too_large, strays = _scan(tokens, cache.vocab_size, controls, offsets)  # one pass
     report.bytes_checked += tokens.nbytes + offsets.nbytes
     problems[:0] = [
         f"{path}: checksum {actual} does not match the manifest's {expected}"
@@ -86,90 +87,170 @@ def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
             f"{tokens_file}: token {first_too_large} is {int(tokens[first_too_large])}, not below the vocab "
             f"size {cache.vocab_size}"
         )
-    if cache.eos_id is not None and not problems and len(offsets):
-        ends = np.asarray(offsets, dtype=np.int64)
-        starts = np.concatenate([[0], ends[:-1]])
-        missing = np.flatnonzero((ends <= starts) | (tokens[np.maximum(ends - 1, 0)] != cache.eos_id))
-        if len(missing):
-            doc = int(cache.doc_starts[shard] + missing[0])
-            problems.append(
-                f"{tokens_file}: document {doc} (and {len(missing) - 1} more) does not end with EOS "
-                f"{cache.eos_id}"
-            )
-    if inside.count:
-        problems.append(_inner_eos_problem(cache, shard, inside))
+    if not problems and len(offsets):
+        problems.extend(_check_ends_and_starts(cache, shard, tokens, offsets))
+    problems.extend(_stray_problem(cache, shard, found) for found in strays if found.count)
+    if cache.has_loss_mask:
+        problems.extend(_check_mask(cache, shard, offsets, report, check_places=not problems))
     return problems
 
 
-@dataclass
-class _InnerEos:
-    """EOS ids found inside documents (not as their last token): how many, and where the first are."""
+def _check_mask(
+    cache: Cache, shard: int, offsets: np.ndarray, report: VerifyReport, *, check_places: bool
+) -> list[str]:
+    """The loss mask's checksum and values; with ``check_places``, that each EOS is a target and each BOS
+    is not."""
+    path = cache.shard_mask_path(shard)
+    try:
+        mask = cache.shard_loss_mask(shard)
+    except (CacheError, ValueError, OSError) as e:
+        return [f"{path}: cannot map ({e})"]
+    crc, first_over, _ = _scan(mask, 2)
+    report.bytes_checked += mask.nbytes
+    expected = cache.shards[shard].mask_checksum
+    problems = [] if crc == expected else [f"{path}: checksum {crc} does not match the manifest's {expected}"]
+    if first_over is not None:
+        problems.append(f"{path}: byte {first_over} is {int(mask[first_over])}, not 0 or 1")
+    if problems or not check_places or not len(offsets):
+        return problems
+    ends = np.asarray(offsets, dtype=np.int64)
+    starts = np.concatenate([[0], ends[:-1]])
+    for control, at, wanted in (("EOS", cache.eos_id, ends - 1), ("BOS", cache.bos_id, starts)):
+        if at is None:
+            continue
+        value = 1 if control == "EOS" else 0
+        wrong = np.flatnonzero(mask[wanted] != value)
+        if len(wrong):
+            doc = int(cache.doc_starts[shard] + wrong[0])
+            problems.append(
+                f"{path}: the {control} of document {doc} (and {len(wrong) - 1} more) has mask "
+                f"{1 - value}, not {value}"
+            )
+    return problems
 
+
+def _check_ends_and_starts(cache: Cache, shard: int, tokens: np.ndarray, offsets: np.ndarray) -> list[str]:
+    """Every document ends with the EOS id (when appended) and begins with the BOS id (when prepended)."""
+    tokens_file, _ = cache.shard_paths(shard)
+    ends = np.asarray(offsets, dtype=np.int64)
+    starts = np.concatenate([[0], ends[:-1]])
+    problems = []
+    for name, control, at in (
+        ("end with EOS", cache.eos_id, ends - 1),
+        ("begin with BOS", cache.bos_id, starts),
+    ):
+        if control is None:
+            continue
+        missing = np.flatnonzero((ends <= starts) | (tokens[np.clip(at, 0, len(tokens) - 1)] != control))
+        if len(missing):
+            doc = int(cache.doc_starts[shard] + missing[0])
+            problems.append(
+                f"{tokens_file}: document {doc} (and {len(missing) - 1} more) does not {name} {control}"
+            )
+    return problems
+
+
+@dataclass(frozen=True)
+class _Control:
+    """A control id streampack writes, and where in a document it may stand."""
+
+    name: str  # EOS or BOS
+    id: int
+    at_start: bool  # it may be a document's first token
+    at_end: bool  # it may be a document's last token
+
+
+@dataclass
+class _Strays:
+    """A control id found where streampack never writes it: how many, and where the first are."""
+
+    control: _Control
     count: int = 0
     first: list[int] = field(default_factory=list)  # positions in the shard
 
 
-def _inner_eos_id(cache: Cache) -> int | None:
-    """The id that may only end documents, or None when documents may hold it.
+def _stray_controls(cache: Cache) -> list[_Control]:
+    """The control ids that may stand only where streampack puts them (an empty list: anywhere).
 
-    With ``special_tokens: parse`` a document's text may hold the EOS token's string, encoded as the id.
+    With ``special_tokens: parse`` a document's text may hold a control token's string, encoded as its id;
+    a chat template writes special tokens (``<|im_end|>`` may be the EOS token) as their ids.
     """
-    if cache.manifest.settings.get("special_tokens") == "parse":
-        return None
-    return cache.eos_id
+    settings = cache.manifest.settings
+    if settings.get("special_tokens") == "parse" or settings.get("chat"):
+        return []
+    eos, bos = cache.eos_id, cache.bos_id
+    controls = []
+    if eos is not None:
+        controls.append(_Control("EOS", eos, at_start=eos == bos, at_end=True))
+    if bos is not None and bos != eos:
+        controls.append(_Control("BOS", bos, at_start=True, at_end=False))
+    return controls
 
 
 def _scan(
-    array: np.ndarray, limit: int | None, eos: int | None = None, ends: np.ndarray | None = None
-) -> tuple[str, int | None, _InnerEos]:
+    array: np.ndarray,
+    limit: int | None,
+    controls: list[_Control] | None = None,
+    ends: np.ndarray | None = None,
+) -> tuple[str, int | None, list[_Strays]]:
     """Checksum ``array``'s bytes, a chunk at a time.
 
-    With ``limit``, also find its first value not below ``limit``; with ``eos`` and the document ``ends``
-    of a token array, also find the ``eos`` ids that are not the last token of their document.
+    With ``limit``, also find its first value not below ``limit``; with ``controls`` and the document
+    ``ends`` of a token array, also find the control ids that stand where streampack never puts them.
     """
-    crc, first_over, inside = 0, None, _InnerEos()
+    crc, first_over = 0, None
+    strays = [_Strays(c) for c in controls or []]
     for start in range(0, len(array), _CHUNK_ITEMS):
         chunk = array[start : start + _CHUNK_ITEMS]
         crc = zlib.crc32(chunk.data, crc)
         if limit is not None and first_over is None and int(chunk.max()) >= limit:
             first_over = start + int(np.argmax(chunk >= limit))
-        if eos is not None and ends is not None:
-            found = _eos_inside(chunk, start, eos, ends)
-            inside.count += len(found)
-            inside.first.extend(found[: _SHOWN - len(inside.first)].tolist())
-    return checksum_text(crc), first_over, inside
+        for found in strays:
+            assert ends is not None, "controls come with the document ends"
+            positions = _misplaced(chunk, start, found.control, ends)
+            found.count += len(positions)
+            found.first.extend(positions[: _SHOWN - len(found.first)].tolist())
+    return checksum_text(crc), first_over, strays
 
 
-def _eos_inside(chunk: np.ndarray, start: int, eos: int, ends: np.ndarray) -> np.ndarray:
-    """Positions of the ``eos`` ids of ``chunk`` (at ``start`` in its shard) that end no document."""
-    found = np.flatnonzero(chunk == eos).astype(np.int64) + start
+def _misplaced(chunk: np.ndarray, start: int, control: _Control, ends: np.ndarray) -> np.ndarray:
+    """Positions of the ``control`` ids of ``chunk`` (at ``start`` in its shard) where it may not stand."""
+    found = np.flatnonzero(chunk == control.id).astype(np.int64) + start
     if not len(found):
         return found
-    # The id at position p ends a document when p + 1 is a document end: one of the ends in
-    # (start, start + len(chunk)]; a sentinel after them matches no position.
-    first = np.searchsorted(ends, np.uint64(start + 1), side="left")
-    last = np.searchsorted(ends, np.uint64(start + len(chunk)), side="right")
-    chunk_ends = np.append(np.asarray(ends[first:last], dtype=np.int64), -1)
-    ending = chunk_ends[np.searchsorted(chunk_ends[:-1], found + 1)] == found + 1
-    return found[~ending]
+    allowed = np.zeros(len(found), dtype=bool)
+    if control.at_end:  # position p ends a document when p + 1 is a document end
+        allowed |= _is_end(ends, found + 1)
+    if control.at_start:  # and begins one when it is 0 or a document end
+        allowed |= (found == 0) | _is_end(ends, found)
+    return found[~allowed]
 
 
-def _inner_eos_problem(cache: Cache, shard: int, inside: _InnerEos) -> str:
+def _is_end(ends: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Whether each of ``positions`` is one of the (sorted) document ``ends``."""
+    if not len(ends):
+        return np.zeros(len(positions), dtype=bool)
+    index = np.minimum(np.searchsorted(ends, positions.astype(np.uint64)), len(ends) - 1)
+    return np.asarray(ends[index], dtype=np.int64) == positions
+
+
+def _stray_problem(cache: Cache, shard: int, strays: _Strays) -> str:
     offsets = cache.shard_offsets(shard)
     where = []
-    for position in inside.first:
+    for position in strays.first:
         local = int(np.searchsorted(offsets, np.uint64(position), side="right"))
         begin = int(offsets[local - 1]) if local else 0
         doc = int(cache.doc_starts[shard]) + local
         where.append(f"document {doc} at token {position - begin} of {int(offsets[local]) - begin}")
     tokens_file, _ = cache.shard_paths(shard)
-    shown = f" (the first {len(where)})" if inside.count > len(where) else ""
+    control = strays.control
+    shown = f" (the first {len(where)})" if strays.count > len(where) else ""
+    place = "not at their end" if control.at_end else "not at their start"
     return (
-        f"{tokens_file}: {inside.count} EOS {'id' if inside.count == 1 else 'ids'} {cache.eos_id} inside "
-        "documents, not at their end: "
-        f"{'; '.join(where)}{shown}. The text held the EOS token's string, which the tokenizer turned into "
-        "the control id; rebuild the cache with overwrite=True (special-token strings are now encoded as "
-        "text)"
+        f"{tokens_file}: {strays.count} {control.name} {'id' if strays.count == 1 else 'ids'} {control.id} "
+        f"inside documents, {place}: {'; '.join(where)}{shown}. The text held the {control.name} token's "
+        "string, which the tokenizer turned into the control id; rebuild the cache with overwrite=True "
+        "(special-token strings are now encoded as text)"
     )
 
 

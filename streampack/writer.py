@@ -1,9 +1,9 @@
 """Appending documents to a shard, and committing them durably.
 
-A shard is two files: the token ids, flat, and the uint64 cumulative end offset of every document.
-:class:`ShardWriter` opens them at the committed lengths of the ledger (truncating any uncommitted tail a
-crash left behind), appends documents, and on :meth:`ShardWriter.commit` fsyncs both files *before* the
-ledger entry that covers them is replaced.
+A shard is two files: the token ids, flat, and the uint64 cumulative end offset of every document; an SFT
+build's shards have a third, the loss mask, one byte per token. :class:`ShardWriter` opens them at the
+committed lengths of the ledger (truncating any uncommitted tail a crash left behind), appends documents,
+and on :meth:`ShardWriter.commit` fsyncs every file *before* the ledger entry that covers them is replaced.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from streampack import ledger
 from streampack.errors import CacheError, WriteError
-from streampack.format import OFFSET_DTYPE, file_checksum, fsync_dir, offsets_path, tokens_path
+from streampack.format import OFFSET_DTYPE, file_checksum, fsync_dir, mask_path, offsets_path, tokens_path
 from streampack.ledger import Counts, UnitProgress
 
 
@@ -27,9 +27,18 @@ class ShardWriter:
     """Append-only writer of one shard, resuming from a unit's committed progress.
 
     Use as a context manager; nothing is committed implicitly on exit.
+
+    Args:
+        root: the cache directory.
+        name: the shard's name.
+        dtype: the token dtype.
+        progress: what the unit has committed so far.
+        masked: also write the loss mask (one byte per token), for SFT builds.
     """
 
-    def __init__(self, root: Path, name: str, dtype: np.dtype, progress: UnitProgress) -> None:
+    def __init__(
+        self, root: Path, name: str, dtype: np.dtype, progress: UnitProgress, *, masked: bool = False
+    ) -> None:
         self.root = root
         self.name = name
         self.dtype = np.dtype(dtype)
@@ -40,18 +49,24 @@ class ShardWriter:
         self._tokens = _open_at(self._tokens_path, progress.tokens * self.dtype.itemsize)
         _lock_shard(self._tokens, self._tokens_path)
         self._offsets = _open_at(self._offsets_path, progress.docs * OFFSET_DTYPE.itemsize)
+        self._mask_path = mask_path(root, name)
+        self._mask = _open_at(self._mask_path, progress.tokens) if masked else None
         self.num_tokens = progress.tokens
         self.num_docs = progress.docs
         self._doc_aligned_tokens = progress.tokens
 
-    def append(self, tokens: np.ndarray, ends: np.ndarray) -> None:
+    def append(self, tokens: np.ndarray, ends: np.ndarray, mask: np.ndarray | None = None) -> None:
         """Append tokens, and document ends given relative to the start of ``tokens``.
 
         Args:
             tokens: token ids, already of the shard's dtype.
             ends: cumulative end offsets of the documents completed within ``tokens`` (may be empty when a
                 long document continues past this call).
+            mask: the tokens' loss mask (uint8, one per token): required when the writer is masked.
         """
+        if self._mask is not None:
+            assert mask is not None and len(mask) == len(tokens), "a masked shard takes a byte per token"
+            self._write(self._mask, mask.astype(np.uint8, copy=False), self._mask_path)
         self._write(self._tokens, tokens.astype(self.dtype, copy=False), self._tokens_path)
         if len(ends):
             self._write(self._offsets, (ends + self.num_tokens).astype(OFFSET_DTYPE), self._offsets_path)
@@ -67,7 +82,7 @@ class ShardWriter:
         the records they belong to (``counts`` covers complete documents only). With ``done``, also record
         the final checksums.
         """
-        for f, path in ((self._tokens, self._tokens_path), (self._offsets, self._offsets_path)):
+        for f, path in self._files():
             try:
                 f.flush()
                 os.fsync(f.fileno())
@@ -76,9 +91,10 @@ class ShardWriter:
         if self._created:  # the new files' directory entries must be durable before a ledger names them
             fsync_dir(self._tokens_path.parent)
             self._created = False
-        checksums = ("", "")
+        checksums = ("", "", "")
         if done:
-            checksums = (file_checksum(self._tokens_path), file_checksum(self._offsets_path))
+            mask = "" if self._mask is None else file_checksum(self._mask_path)
+            checksums = (file_checksum(self._tokens_path), file_checksum(self._offsets_path), mask)
         self.progress = UnitProgress(
             unit=self.progress.unit,
             records=counts.records,
@@ -90,14 +106,21 @@ class ShardWriter:
             offsets_checksum=checksums[1],
             empty_docs=counts.empty_docs,
             inexact_cuts=counts.inexact_cuts,
+            mask_checksum=checksums[2],
         )
         ledger.commit(self.root, self.name, self.progress)
         return self.progress
 
     def close(self) -> None:
         """Close the files (without committing)."""
-        self._tokens.close()
-        self._offsets.close()
+        for f, _ in self._files():
+            f.close()
+
+    def _files(self) -> list[tuple[BinaryIO, Path]]:
+        files = [(self._tokens, self._tokens_path), (self._offsets, self._offsets_path)]
+        if self._mask is not None:
+            files.append((self._mask, self._mask_path))
+        return files
 
     def __enter__(self) -> ShardWriter:
         return self

@@ -25,6 +25,8 @@ from tests.conftest import run_cli
 
 ERRORS_DOC = Path(__file__).resolve().parents[1] / "docs" / "ERRORS.md"
 GOOD = b"".join(b'{"text": "good record %d"}\n' % i for i in range(2000))
+GOOD_SFT = b"".join(b'{"prompt": "question %d", "response": "answer"}\n' % i for i in range(2000))
+SFT = ("--fields", "prompt,response")
 
 
 @dataclass(frozen=True)
@@ -294,6 +296,29 @@ CASES = [
         None,
         r"a\.txt: cannot read \(\[Errno 5\] Input/output error\)",
         symlink="/proc/self/mem",
+    ),
+    Case(
+        "missing field of an SFT record (--fields)",
+        "a.jsonl",
+        GOOD_SFT + b'{"prompt": "x"}\n',
+        r"a\.jsonl:2001: no 'response' field \(fields: 'prompt'\); pass --fields A,B to choose another",
+        skip_docs=2000,
+        args=SFT,
+    ),
+    Case(
+        "non-string field of an SFT record (--fields)",
+        "a.jsonl",
+        b'{"prompt": "x", "response": {"text": "y"}}\n' + GOOD_SFT,
+        r"a\.jsonl:1: the 'response' field is dict, expected a string",
+        skip_docs=2000,
+        args=SFT,
+    ),
+    Case(
+        "text file in an SFT build (--fields, --chat)",
+        "a.txt",
+        b"just text\n",
+        r"a\.txt: a text file holds no fields to build with --fields A,B; give JSONL, Parquet or Python",
+        args=SFT,
     ),
     Case("unknown extension", "a.csv", b"text\nx\n", r"a\.csv: unknown file type \(supported: "),
     Case("missing input file", "missing.jsonl", None, r"missing\.jsonl: no such file or directory"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -52,15 +54,31 @@ CHANGES = {
     "split_lines": True,
     "unit_bytes": 1 << 17,
     "max_piece_chars": 5_000,
+    "bos": True,
+    "bos_id": 7,
+    "fields": ["text", "body"],
+    "chat": "messages",
 }
 
 
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(CacheSpec) if f.name != "tokenizer"])
-def test_resuming_with_any_other_spec_field_is_refused_by_name(tmp_path: Path, field: str) -> None:
+def test_resuming_with_any_other_spec_field_is_refused_by_name(
+    tmp_path: Path, bpe_tokenizer: Path, field: str
+) -> None:
+    tokenizer = (
+        tmp_path / "tok"
+    )  # a tokenizer with a BOS token and a chat template, so that both can be asked
+    tokenizer.mkdir()
+    shutil.copy(bpe_tokenizer, tokenizer / "tokenizer.json")
+    config = {
+        "bos_token": "<|endoftext|>",
+        "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
+    }
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
     path = write_jsonl(tmp_path / "a.jsonl", [{"text": "one", "body": "uno"}])
-    streampack.build(path, tmp_path / "c")
+    streampack.build(path, tmp_path / "c", tokenizer=str(tokenizer))
     with pytest.raises(ConfigMismatchError, match=rf"{field}: the cache has .*, this build has"):
-        streampack.build(path, tmp_path / "c", **{field: CHANGES[field]})
+        streampack.build(path, tmp_path / "c", tokenizer=str(tokenizer), **{field: CHANGES[field]})
 
 
 def test_run_options_do_not_stop_a_resume(tmp_path: Path) -> None:

@@ -82,14 +82,50 @@ def kill_at(args: list[str], delay: float) -> bool:
 
 
 @pytest.mark.slow
-def test_killed_builds_resume_to_identical_bytes() -> None:
-    """The short form of benchmarks/torture.py: at least 10 SIGKILLs, each resumed to identical bytes."""
+@pytest.mark.parametrize(("kills", "extra"), [(10, []), (6, ["--sft"])], ids=["text", "sft"])
+def test_killed_builds_resume_to_identical_bytes(kills: int, extra: list[str]) -> None:
+    """The short form of benchmarks/torture.py: SIGKILLs, each resumed to identical bytes (with --sft,
+    the loss masks too)."""
     torture = Path(__file__).resolve().parents[1] / "benchmarks" / "torture.py"
-    result = subprocess.run([sys.executable, str(torture), "--kills", "10"], capture_output=True, text=True)
+    command = [sys.executable, str(torture), "--kills", str(kills), *extra]
+    result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     last = result.stdout.strip().splitlines()[-1]
-    kills, identical = (int(n) for n in re.findall(r"\d+", last))
-    assert kills >= 10 and identical == kills, result.stdout
+    landed, identical = (int(n) for n in re.findall(r"\d+", last))
+    assert landed >= kills and identical == landed, result.stdout
+
+
+def test_a_killed_sft_build_resumes_to_identical_tokens_and_masks(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    """Kills after the first commit, twice, each resumed: every file, the .mask files included, is the
+    same as an uninterrupted build's."""
+    rng = random.Random(5)
+    words = ["alpha", "beta", "gamma", "delta", "Ünïcödé", "🙂", "tokens", "\n"]
+
+    def text(n: int) -> str:
+        return " ".join(rng.choice(words) for _ in range(n))
+
+    rows = [{"prompt": text(rng.randint(0, 200)), "response": text(rng.randint(0, 300))} for _ in range(6000)]
+    src = write_jsonl(tmp_path / "in.jsonl", rows)  # ~9 MB: 9 units of 1 MB
+    args = [*build_args([src], tmp_path / "c", bpe_tokenizer), "--fields", "prompt,response"]
+    for _ in range(2):
+        proc = start_build(args, tmp_path / "c")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert not streampack.open(tmp_path / "c", allow_incomplete=True).manifest.complete
+    resumed = subprocess.run(
+        [sys.executable, "-m", "streampack.cli", "build", *args], capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stderr
+    straight = [*build_args([src], tmp_path / "straight", bpe_tokenizer), "--fields", "prompt,response"]
+    subprocess.run([sys.executable, "-m", "streampack.cli", "build", *straight], check=True, timeout=300)
+    files = shard_bytes(tmp_path / "c")
+    assert (
+        len([name for name in files if name.endswith(".mask")]) == streampack.open(tmp_path / "c").num_shards
+    )
+    assert files == shard_bytes(tmp_path / "straight")
+    assert streampack.verify(tmp_path / "c").ok
 
 
 def test_readers_during_a_build_see_only_committed_documents(tmp_path: Path, bpe_tokenizer: Path) -> None:
