@@ -101,7 +101,7 @@ class PackedSequences:
         self._cache: Cache | None = cache
         self._layout = layout
         self._doc_starts = np.asarray(cache.doc_starts, dtype=np.int64)
-        self._masked = bool(getattr(cache, "has_loss_mask", False))
+        self._masked = cache.has_loss_mask
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the path, settings and shard tables only; the memory maps are reopened where unpickled."""
@@ -339,7 +339,7 @@ class PackedSequences:
         return self.cache.shard_offsets(shard)
 
     def _loss_mask(self, shard: int) -> np.ndarray:
-        return self.cache.shard_loss_mask(shard)  # type: ignore[attr-defined]
+        return self.cache.shard_loss_mask(shard)
 
 
 # Shard maps a JoinedSequences keeps at hand (each holds a file descriptor while kept).
