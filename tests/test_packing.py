@@ -326,3 +326,60 @@ def test_loader_batches_of_whole_documents_are_the_samples(tmp_path: Path, pads:
             names, samples = loader.picks(position)
             for row, name, sample in zip(batch, names.tolist(), samples.tolist()):
                 assert row.tolist() == sources["ab"[name]][sample].tolist()
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    records=st.lists(
+        st.tuples(st.text("abc \n", min_size=1, max_size=40), st.text("xyz ", min_size=1, max_size=40)),
+        min_size=1,
+        max_size=30,
+    ),
+    seq_len=st.integers(8, 64),
+    layout=st.sampled_from(["documents", "packed"]),
+    too_long=st.sampled_from(["truncate", "split"]),
+)
+def test_sft_labels_are_ignored_exactly_on_prompts_padding_and_starts(
+    tmp_path_factory: pytest.TempPathFactory,
+    records: list[tuple[str, str]],
+    seq_len: int,
+    layout: str,
+    too_long: str,
+) -> None:
+    records = [(p, r) for p, r in records if p.strip() or r.strip()]
+    if not records:
+        return
+    root = tmp_path_factory.mktemp("sft")
+    source = root / "sft.jsonl"
+    source.write_text("".join(json.dumps({"prompt": p, "response": r}) + "\n" for p, r in records))
+    streampack.build(source, root / "c", tokenizer="bytes", fields=["prompt", "response"])
+    cache = streampack.open(root / "c")
+    # What each token is, from the records themselves: a prompt byte, a response byte, or the EOS.
+    targets = [[False] * len(p.encode()) + [True] * (len(r.encode()) + 1) for p, r in records]
+    assert [cache.doc_loss_mask(d).astype(bool).tolist() for d in range(cache.num_docs)] == targets
+    samples = getattr(cache, layout)(seq_len, too_long=too_long)
+    loader = streampack.Loader(samples, batch_size=1, shuffle=False, epochs=1, output="dict")
+    for index, batch in enumerate(loader):
+        found = samples.boundaries(np.array([index]))
+        mask = np.zeros(seq_len, dtype=bool)
+        for doc, start, stop, column in _pieces_of(samples, index):
+            mask[column : column + stop - start] = targets[doc][start:stop]
+        ignored = ~mask | (found.position_ids[0] == 0)
+        labels = batch["labels"][0]
+        assert (labels[ignored] == -100).all()
+        assert labels[~ignored].tolist() == batch["input_ids"][0][~ignored].tolist()
+
+
+def _pieces_of(samples: streampack.PackedSequences, index: int) -> list[tuple[int, int, int, int]]:
+    """(document, first token in it, one past its last, column) of each piece of sample ``index``."""
+    cache = samples.cache
+    spans = samples.layout.spans(np.array([index]))
+    pieces = []
+    for shard, lo, hi, col in zip(
+        spans.shards.tolist(), spans.lo.tolist(), spans.hi.tolist(), spans.col.tolist()
+    ):
+        ends = np.asarray(cache.shard_offsets(shard), dtype=np.int64)
+        local = int(np.searchsorted(ends, lo, side="right"))
+        start = int(ends[local - 1]) if local else 0
+        pieces.append((int(cache.doc_starts[shard]) + local, lo - start, hi - start, col))
+    return pieces
