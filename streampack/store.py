@@ -23,6 +23,7 @@ so that a copy unpickled elsewhere reopens the same cache and can tell whether i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -92,6 +93,11 @@ class Store(Protocol):
 
     def list(self, prefix: str) -> list[str]:
         """The names of the objects directly under ``prefix`` (a folder key), sorted."""
+        ...
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """The size of every object directly under ``prefix``, by name (one listing, not one call per
+        object: an object store's LIST returns sizes too)."""
         ...
 
     def lock(self, key: str) -> AbstractContextManager[object]:
@@ -200,6 +206,30 @@ class LocalStore:
         """Names in the folder ``prefix`` (none when it does not exist), sorted."""
         folder = self.path(prefix)
         return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """The size of every file in the folder ``prefix``, by name (none when it does not exist).
+
+        One ``scandir`` and one ``lstat`` per file, with no ``Path`` objects: 100,000 shards are listed in
+        a fraction of a second. A symlink is followed only once it is known to stay inside the cache.
+
+        Raises:
+            CacheError: a symlink in the folder resolves outside the cache.
+        """
+        sizes = {}
+        try:
+            entries = os.scandir(self.path(prefix))
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        with entries:
+            for entry in entries:
+                if entry.is_symlink():
+                    self.refuse_outside(f"{prefix}/{entry.name}")
+                    with contextlib.suppress(FileNotFoundError):  # a dangling link: the file is missing
+                        sizes[entry.name] = os.stat(entry.path).st_size
+                else:
+                    sizes[entry.name] = os.lstat(entry.path).st_size
+        return sizes
 
     def lock(self, key: str) -> FileLock:
         """The ``flock`` of the file ``key`` (see :class:`FileLock`)."""
