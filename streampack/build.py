@@ -9,7 +9,6 @@ tokenizer and appends them to their shards. See docs/FORMAT.md for the commit pr
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -35,7 +34,6 @@ from streampack.format import (
     token_dtype,
 )
 from streampack.ledger import UnitProgress
-from streampack.lock import BuildLock
 from streampack.options import CacheSpec, RunOptions, split_options
 from streampack.pieces import piece_rule
 from streampack.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, init_worker, run_units
@@ -52,6 +50,7 @@ from streampack.sources import (
     plan_units,
     refuse_text_for_sft,
 )
+from streampack.store import LocalStore
 from streampack.tokenize import Tokenizer, load_tokenizer, resolve_bos, resolve_eos
 
 
@@ -150,16 +149,17 @@ def build(
         commit_bytes=run.commit_bytes,
         commit_seconds=run.commit_seconds,
     )
+    store = LocalStore(root)
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        store.makedirs()
     except OSError as e:
         raise StreampackError(
             f"cannot create {root}: {e.strerror}; choose a writable output directory"
         ) from None
-    with BuildLock(root):
-        _prepare_directory(root, run.overwrite)
+    with store.lock(LOCK):
+        _prepare_directory(store, run.overwrite)
         tasks = [UnitTask(shared, u) for u in plan.units]
-        summary = _build_locked(root, manifest, tasks, run, tokenizer)
+        summary = _build_locked(store, manifest, tasks, run, tokenizer)
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -227,18 +227,19 @@ def _len_or_none(items: Any) -> int | None:
         return None
 
 
-def _prepare_directory(root: Path, overwrite: bool) -> None:
+def _prepare_directory(store: LocalStore, overwrite: bool) -> None:
     """Create the cache's folders; with ``overwrite``, first delete the cache that is there."""
+    root = store.root
     try:
         if overwrite:
-            _delete_cache(root)
-        elif not (root / MANIFEST).exists() and any((root / LEDGER_DIR).glob("*.json")):
+            _delete_cache(store)
+        elif not store.exists(MANIFEST) and any(n.endswith(".json") for n in store.list(LEDGER_DIR)):
             raise CacheError(
                 f"{root}/{LEDGER_DIR} holds build progress but there is no manifest (an overwrite was "
                 "interrupted?); rerun with overwrite=True"
             )
-        (root / LEDGER_DIR).mkdir(exist_ok=True)
-        (root / SHARD_DIR).mkdir(exist_ok=True)
+        store.makedirs(LEDGER_DIR)
+        store.makedirs(SHARD_DIR)
     except PermissionError as e:
         raise StreampackError(
             f"cannot write to {root}: {e.strerror}; choose a writable output directory"
@@ -248,34 +249,33 @@ def _prepare_directory(root: Path, overwrite: bool) -> None:
 _CACHE_ENTRIES = {MANIFEST, f"{MANIFEST}.tmp", LEDGER_DIR, SHARD_DIR, LAYOUT_DIR, LOCK}
 
 
-def _delete_cache(root: Path) -> None:
+def _delete_cache(store: LocalStore) -> None:
     """Delete a cache, refusing a directory that holds anything else; the manifest goes last."""
-    strangers = sorted(p.name for p in root.iterdir() if p.name not in _CACHE_ENTRIES)
+    strangers = [name for name in store.list("") if name not in _CACHE_ENTRIES]
     if strangers:
         raise StreampackError(
-            f"refusing to overwrite {root}: it holds files that are not part of a streampack cache "
+            f"refusing to overwrite {store.root}: it holds files that are not part of a streampack cache "
             f"({', '.join(strangers[:3])}); choose an empty or new output directory"
         )
-    if (root / MANIFEST).exists():
-        load_manifest(root)  # raises unless it is a streampack manifest
+    if store.exists(MANIFEST):
+        load_manifest(store)  # raises unless it is a streampack manifest
     for sub in (LEDGER_DIR, SHARD_DIR, LAYOUT_DIR):
-        if (root / sub).exists():
-            shutil.rmtree(root / sub)
-    (root / MANIFEST).unlink(missing_ok=True)
+        store.delete(sub)
+    store.delete(MANIFEST)
 
 
 def _build_locked(
-    root: Path, manifest: Manifest, tasks: list[UnitTask], run: RunOptions, tokenizer: Tokenizer
+    store: LocalStore, manifest: Manifest, tasks: list[UnitTask], run: RunOptions, tokenizer: Tokenizer
 ) -> BuildSummary:
-    summary = BuildSummary(out=root)
-    if (root / MANIFEST).exists():
-        existing = load_manifest(root)
-        _check_same_build(root, existing, manifest)
+    summary = BuildSummary(out=store.root)
+    if store.exists(MANIFEST):
+        existing = load_manifest(store)
+        _check_same_build(store.root, existing, manifest)
         if existing.complete:
             return _summarize(summary, existing)
-    manifest.write(root)
+    manifest.write(store)
     units = [t.unit for t in tasks]
-    progress = [ledger.read_progress(root, shard_name(u.index), u.describe()) for u in units]
+    progress = [ledger.read_progress(store, shard_name(u.index), u.describe()) for u in units]
     summary.units_already_done = sum(p.done for p in progress)
     summary.units_resumed = sum(not p.done and p.records > 0 for p in progress)
     todo = [t for t, p in zip(tasks, progress) if not p.done]
@@ -291,7 +291,7 @@ def _build_locked(
         empty_docs=sum(p.empty_docs for p in progress),
         inexact_cuts=sum(p.inexact_cuts for p in progress),
     )
-    final.write(root)
+    final.write(store)
     return _summarize(summary, final)
 
 

@@ -26,9 +26,9 @@ from streampack.format import Manifest
 from streampack.options import CacheSpec, RunOptions, default
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
+from streampack.store import disk_error
 from streampack.tokenize import Tokenizer, load_tokenizer
 from streampack.verify import verify as verify_cache
-from streampack.writer import disk_error
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -1,4 +1,4 @@
-"""The on-disk token cache: file layout, manifest schema, and the small I/O primitives both halves share.
+"""The on-disk token cache: file layout and manifest schema (the I/O is :mod:`streampack.store`'s).
 
 A cache is a directory::
 
@@ -14,9 +14,7 @@ docs/FORMAT.md documents every field; everything can be read with numpy and json
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ import numpy as np
 import orjson
 
 from streampack.errors import CacheError
+from streampack.store import LocalStore, crc32_file, encode_json
 
 FORMAT_NAME = "streampack-cache"
 FORMAT_VERSION = 1
@@ -35,9 +34,7 @@ SHARD_DIR = "shards"
 LAYOUT_DIR = "layouts"  # sample plans derived from the shards (streampack.packing); safe to delete
 LOCK = "build.lock"
 OFFSET_DTYPE = np.dtype("<u8")
-MAX_JSON_BYTES = 64 << 20  # a manifest of 100k shards is ~20 MB; refuse anything absurd before parsing
 _SHARD_NAME = re.compile(r"^[0-9]{6}$")
-_CHECKSUM_CHUNK = 16 << 20
 NO_BOS: dict[str, Any] = {"prepend": False, "id": None}
 
 
@@ -60,19 +57,39 @@ def shard_name(unit_index: int) -> str:
     return f"{unit_index:06d}"
 
 
+def tokens_key(name: str) -> str:
+    """Store key of a shard's token file."""
+    return f"{SHARD_DIR}/{name}.tokens"
+
+
+def offsets_key(name: str) -> str:
+    """Store key of a shard's offsets file."""
+    return f"{SHARD_DIR}/{name}.offsets"
+
+
+def mask_key(name: str) -> str:
+    """Store key of a shard's loss mask file (SFT builds only)."""
+    return f"{SHARD_DIR}/{name}.mask"
+
+
+def ledger_key(name: str) -> str:
+    """Store key of the ledger entry of shard ``name``."""
+    return f"{LEDGER_DIR}/{name}.json"
+
+
 def tokens_path(root: Path, name: str) -> Path:
     """Path of a shard's token file."""
-    return root / SHARD_DIR / f"{name}.tokens"
+    return root / tokens_key(name)
 
 
 def offsets_path(root: Path, name: str) -> Path:
     """Path of a shard's offsets file."""
-    return root / SHARD_DIR / f"{name}.offsets"
+    return root / offsets_key(name)
 
 
 def mask_path(root: Path, name: str) -> Path:
     """Path of a shard's loss mask file (SFT builds only)."""
-    return root / SHARD_DIR / f"{name}.mask"
+    return root / mask_key(name)
 
 
 def checked_shard_name(name: object) -> str:
@@ -82,62 +99,13 @@ def checked_shard_name(name: object) -> str:
     return name
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically and durably: temp file, fsync, rename, fsync dir."""
-    data = orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or file creation in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def read_json(path: Path, *, what: str) -> Any:
-    """Read a small JSON file; refuse oversized, non-regular or malformed ones with a :class:`CacheError`."""
-    try:
-        with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode):
-                raise CacheError(f"{path}: {what} is not a regular file")
-            data = f.read(MAX_JSON_BYTES + 1)  # never trust st_size alone (/proc files say 0)
-        if len(data) > MAX_JSON_BYTES:
-            raise CacheError(f"{path}: {what} is over the {MAX_JSON_BYTES} byte limit")
-        return orjson.loads(data)
-    except FileNotFoundError:
-        raise CacheError(f"{path}: {what} not found") from None
-    except orjson.JSONDecodeError as e:
-        raise CacheError(f"{path}: {what} is not valid JSON ({e})") from None
-    except OSError as e:
-        raise CacheError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
-
-
 def file_checksum(path: Path, length: int | None = None) -> str:
     """CRC-32 of the first ``length`` bytes of a file (all of it by default), as ``crc32:xxxxxxxx``.
 
     CRC-32 detects damage (truncation, flipped bytes) at memory speed; it is not a defence against
     tampering, which the reader handles by never trusting paths or sizes from the manifest.
     """
-    crc = 0
-    remaining = path.stat().st_size if length is None else length
-    with open(path, "rb") as f:
-        while remaining > 0:
-            chunk = f.read(min(_CHECKSUM_CHUNK, remaining))
-            if not chunk:
-                break
-            crc = zlib.crc32(chunk, crc)
-            remaining -= len(chunk)
-    return checksum_text(crc)
+    return checksum_text(crc32_file(path, length))
 
 
 def checksum_text(crc: int) -> str:
@@ -243,21 +211,23 @@ class Manifest:
             "shards": [s.to_json() for s in self.shards],
         }
 
-    def write(self, root: Path) -> None:
-        """Atomically replace ``root/manifest.json``."""
-        atomic_write_json(root / MANIFEST, with_checksum(self.to_json()))
+    def write(self, root: Path | LocalStore) -> None:
+        """Atomically replace the cache's ``manifest.json`` (``root`` is its directory or its store)."""
+        store = root if isinstance(root, LocalStore) else LocalStore(root)
+        store.put_atomic(MANIFEST, encode_json(with_checksum(self.to_json())))
 
 
-def load_manifest(root: Path) -> Manifest:
-    """Read and validate ``root/manifest.json``.
+def load_manifest(root: Path | LocalStore) -> Manifest:
+    """Read and validate the cache's ``manifest.json`` (``root`` is its directory or its store).
 
     Raises:
         CacheError: the manifest is missing, malformed, from another format version, or inconsistent.
     """
-    path = root / MANIFEST
-    if not root.is_dir():
-        raise CacheError(f"{root}: no such cache directory")
-    raw = read_json(path, what="manifest")
+    store = root if isinstance(root, LocalStore) else LocalStore(root)
+    path = store.path(MANIFEST)
+    if not store.is_dir():
+        raise CacheError(f"{store.root}: no such cache directory")
+    raw = store.read_json(MANIFEST, what="manifest")
     _check_manifest_checksum(path, raw)
     try:
         return _parse_manifest(raw)

@@ -87,23 +87,26 @@ class DocumentSource:
     """
 
     def __init__(self, cache: Cache, *, dtype: npt.DTypeLike | None = None) -> None:
-        from streampack.sequences import content_digest
+        from streampack.sequences import cache_ref
 
-        self._path = str(cache.root)
-        self._allow_incomplete = not cache.manifest.complete
+        self._ref = cache_ref(cache)
         self._num_docs = cache.num_docs
-        self._content = content_digest(cache)
         self.dtype = None if dtype is None else np.dtype(dtype)
         self._cache: Cache | None = cache
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        """The path and what identifies the cache; it is reopened, and checked, where unpickled."""
+        """The cache's reference (URI and content digest); it is reopened, and checked, where unpickled."""
         state = dict(self.__dict__)
         del state["_cache"], state["_lock"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        if "_ref" not in state:  # pickled before CacheRef: the cache's path as given, and its digest
+            from streampack.store import CacheRef, LocalStore
+
+            uri = LocalStore(state.pop("_path")).uri
+            state["_ref"] = CacheRef(uri, state.pop("_content"), state.pop("_allow_incomplete"))
         self.__dict__.update(state)
         self._cache = None
         self._lock = threading.Lock()
@@ -114,8 +117,8 @@ class DocumentSource:
 
     def __repr__(self) -> str:
         return (
-            f"streampack.grain.DocumentSource({self._path!r}, documents={self._num_docs}, "
-            f"shards={self._content}, dtype={self.dtype})"
+            f"streampack.grain.DocumentSource({self._ref.local_path!r}, documents={self._num_docs}, "
+            f"shards={self._ref.content}, dtype={self.dtype})"
         )
 
     def __getitem__(self, index: SupportsIndex) -> np.ndarray:
@@ -134,6 +137,6 @@ class DocumentSource:
             return self._cache
         from streampack.sequences import reopen_unchanged
 
-        cache = reopen_unchanged(self._path, self._allow_incomplete, self._content, "this document source")
+        cache = reopen_unchanged(self._ref, "this document source")
         self._cache = cache
         return cache

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from streampack.errors import CacheError
-from streampack.format import LEDGER_DIR, atomic_write_json, read_json
+from streampack.format import ledger_key
+from streampack.store import LocalStore, Store, put_json
 
 
 @dataclass(frozen=True)
@@ -72,21 +73,23 @@ class UnitProgress:
         return Counts(self.records, self.skipped, self.empty_docs, self.inexact_cuts)
 
 
-def ledger_path(root: Path, name: str) -> Path:
-    """Path of the ledger entry of shard ``name``."""
-    return root / LEDGER_DIR / f"{name}.json"
-
-
-def read_progress(root: Path, name: str, unit: str) -> UnitProgress:
+def read_progress(root: Path | Store, name: str, unit: str) -> UnitProgress:
     """Return the committed progress of a unit, or a fresh one if it has not committed yet.
+
+    Args:
+        root: the cache directory, or its store.
+        name: the unit's shard name.
+        unit: the unit's description, which the entry must hold.
 
     Raises:
         CacheError: the entry is malformed or belongs to a different work unit.
     """
-    path = ledger_path(root, name)
-    if not path.exists():
+    store = _store(root)
+    key = ledger_key(name)
+    if not store.exists(key):
         return UnitProgress(unit=unit)
-    raw = read_json(path, what="ledger entry")
+    raw = store.read_json(key, what="ledger entry")
+    path = store.describe(key)
     progress = _parse(raw, path)
     if progress.unit != unit:
         raise CacheError(
@@ -96,12 +99,16 @@ def read_progress(root: Path, name: str, unit: str) -> UnitProgress:
     return progress
 
 
-def commit(root: Path, name: str, progress: UnitProgress) -> None:
+def commit(root: Path | Store, name: str, progress: UnitProgress) -> None:
     """Atomically and durably replace the ledger entry of shard ``name``."""
-    atomic_write_json(ledger_path(root, name), asdict(progress))
+    put_json(_store(root), ledger_key(name), asdict(progress))
 
 
-def _parse(raw: Any, path: Path) -> UnitProgress:
+def _store(root: Path | Store) -> Store:
+    return LocalStore(root) if isinstance(root, Path) else root
+
+
+def _parse(raw: Any, path: str) -> UnitProgress:
     try:
         progress = UnitProgress(**raw)
     except TypeError as e:

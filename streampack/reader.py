@@ -25,10 +25,11 @@ from streampack.format import (
     Manifest,
     ShardInfo,
     load_manifest,
-    mask_path,
-    offsets_path,
-    tokens_path,
+    mask_key,
+    offsets_key,
+    tokens_key,
 )
+from streampack.store import LocalStore, open_store
 
 if TYPE_CHECKING:
     from streampack.holdout import DocumentSet
@@ -44,9 +45,9 @@ MAX_OPEN_MAPS = 128
 @dataclass(frozen=True)
 class _ShardFiles:
     info: ShardInfo
-    tokens: Path
-    offsets: Path
-    mask: Path | None  # an SFT build's loss mask
+    tokens: str  # store keys
+    offsets: str
+    mask: str | None  # an SFT build's loss mask
 
 
 class Cache:
@@ -54,18 +55,21 @@ class Cache:
 
     Attributes:
         root: the cache directory.
+        store: where its files are (see :mod:`streampack.store`).
         manifest: its parsed manifest.
         dtype: the token dtype (uint16 or uint32).
     """
 
-    def __init__(self, root: Path, manifest: Manifest, shards: list[ShardInfo]) -> None:
-        self.root = root
+    def __init__(self, store: LocalStore, manifest: Manifest, shards: list[ShardInfo]) -> None:
+        self.store = store
+        self.root = store.root
         self.manifest = manifest
         self.dtype = np.dtype(manifest.dtype).newbyteorder("<")
-        real_root = os.path.realpath(root)
-        _check_inside(real_root, root / SHARD_DIR)
+        # The shards folder is checked here; a file in it can only lead out as a symlink, which the listing
+        # of sizes (_check_sizes) refuses.
+        store.refuse_outside(SHARD_DIR)
         masked = manifest.loss_mask
-        self._shards = [_ShardFiles(s, *_inside(real_root, root, s.name, masked)) for s in shards]
+        self._shards = [_ShardFiles(s, *_keys(s.name, masked)) for s in shards]
         self._doc_starts = np.concatenate([[0], np.cumsum([s.num_docs for s in shards], dtype=np.int64)])
         self._token_starts = np.concatenate([[0], np.cumsum([s.num_tokens for s in shards], dtype=np.int64)])
         self._tokens: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -232,17 +236,17 @@ class Cache:
     def shard_paths(self, shard: int) -> tuple[Path, Path]:
         """The token and offsets files of shard ``shard``."""
         files = self._shards[shard]
-        return files.tokens, files.offsets
+        return self.store.path(files.tokens), self.store.path(files.offsets)
 
     def shard_tokens(self, shard: int) -> np.ndarray:
         """The token array of shard ``shard`` (memory-mapped on first use)."""
         files = self._shards[shard]
-        return _cached_map(self._tokens, shard, files.tokens, self.dtype, files.info.num_tokens)
+        return _cached_map(self._tokens, shard, self.store, files.tokens, self.dtype, files.info.num_tokens)
 
     def shard_offsets(self, shard: int) -> np.ndarray:
         """The cumulative document end offsets of shard ``shard`` (memory-mapped on first use)."""
         files = self._shards[shard]
-        return _cached_map(self._offsets, shard, files.offsets, OFFSET_DTYPE, files.info.num_docs)
+        return _cached_map(self._offsets, shard, self.store, files.offsets, OFFSET_DTYPE, files.info.num_docs)
 
     def shard_loss_mask(self, shard: int) -> np.ndarray:
         """The loss mask of shard ``shard``: uint8, one per token of :meth:`shard_tokens`, 1 where the token
@@ -257,11 +261,13 @@ class Cache:
                 f"{self.root}: the cache has no loss mask (it was built from texts, not with fields=[...] or "
                 "chat=...); every token is a training target"
             )
-        return _cached_map(self._masks, shard, files.mask, np.dtype(np.uint8), files.info.num_tokens)
+        count = files.info.num_tokens
+        return _cached_map(self._masks, shard, self.store, files.mask, np.dtype(np.uint8), count)
 
     def shard_mask_path(self, shard: int) -> Path | None:
         """The loss mask file of shard ``shard``, or None when the cache has no loss mask."""
-        return self._shards[shard].mask
+        mask = self._shards[shard].mask
+        return None if mask is None else self.store.path(mask)
 
     @property
     def token_starts(self) -> np.ndarray:
@@ -269,6 +275,7 @@ class Cache:
         return self._token_starts
 
     def _check_sizes(self) -> None:
+        sizes = self.store.list_sizes(SHARD_DIR)  # one listing, rather than a stat per file
         for files in self._shards:
             checked = [
                 (files.tokens, files.info.num_tokens, self.dtype.itemsize),
@@ -276,20 +283,19 @@ class Cache:
             ]
             if files.mask is not None:
                 checked.append((files.mask, files.info.num_tokens, 1))
-            for path, count, itemsize in checked:
-                try:
-                    size = path.stat().st_size
-                except FileNotFoundError:
+            for key, count, itemsize in checked:
+                size = sizes.get(key[len(SHARD_DIR) + 1 :])
+                if size is None:
                     if count == 0 and not self.manifest.complete:
                         continue  # a unit of an unfinished build that has not started (or committed) yet
-                    raise CacheError(
-                        f"{path}: shard file missing; the cache is damaged, rebuild it"
-                    ) from None
+                    path = self.store.path(key)
+                    raise CacheError(f"{path}: shard file missing; the cache is damaged, rebuild it")
                 expected = count * itemsize
                 if size < expected or (self.manifest.complete and size != expected):
                     raise CacheError(
-                        f"{path}: {size} bytes, but the manifest says {count} items ({expected} bytes); the "
-                        "cache is damaged or truncated: run `streampack verify` and rebuild it"
+                        f"{self.store.path(key)}: {size} bytes, but the manifest says {count} items "
+                        f"({expected} bytes); the cache is damaged or truncated: run `streampack verify` and "
+                        "rebuild it"
                     )
 
 
@@ -297,7 +303,7 @@ def open(path: str | os.PathLike[str], *, allow_incomplete: bool = False) -> Cac
     """Open a token cache for reading.
 
     Args:
-        path: the cache directory.
+        path: the cache directory (a path, or a ``file://`` URI).
         allow_incomplete: read the committed prefix of each unit of a build that has not finished (or is
             still running) instead of refusing it: every document that its unit's ledger entry had
             committed when this was called, in stream order (units not started yet hold none).
@@ -306,19 +312,20 @@ def open(path: str | os.PathLike[str], *, allow_incomplete: bool = False) -> Cac
         CacheError: the directory is not a cache, its build is incomplete (unless allowed), or its
             manifest and files disagree.
     """
-    root = Path(path)
-    manifest = load_manifest(root)
+    store = open_store(path)
+    root = store.root
+    manifest = load_manifest(store)
     if manifest.complete:
-        return Cache(root, manifest, manifest.shards)
+        return Cache(store, manifest, manifest.shards)
     if not allow_incomplete:
         raise CacheError(
             f"{root}: the build of this cache has not finished; rerun the same build command to complete it, "
             "or open it with allow_incomplete=True to read the committed part"
         )
-    return Cache(root, manifest, _committed_shards(root, manifest))
+    return Cache(store, manifest, _committed_shards(store, manifest))
 
 
-def _committed_shards(root: Path, manifest: Manifest) -> list[ShardInfo]:
+def _committed_shards(store: LocalStore, manifest: Manifest) -> list[ShardInfo]:
     """Each unit's committed prefix from its ledger entry (none: the unit has not committed yet).
 
     A unit's writer makes its shard files durable before the ledger entry that covers them, so every
@@ -327,34 +334,19 @@ def _committed_shards(root: Path, manifest: Manifest) -> list[ShardInfo]:
     shards = []
     for index, unit in enumerate(manifest.units):
         name = f"{index:06d}"
-        progress = ledger.read_progress(root, name, unit)
+        progress = ledger.read_progress(store, name, unit)
         mask = "" if manifest.loss_mask else None
         shards.append(ShardInfo(name, unit, progress.docs, progress.tokens, "", "", mask))
     return shards
 
 
-def _inside(real_root: str, root: Path, name: str, masked: bool) -> tuple[Path, Path, Path | None]:
-    """The shard's files (tokens, offsets, the loss mask if ``masked``), refusing any that resolve outside
-    the cache (e.g. a symlink pointing out).
-
-    The shards folder itself is checked once; a file in it can only lead out as a symlink, so only
-    symlinks are resolved (one ``lstat`` per file rather than a ``realpath`` walk: 10,000 shards open fast).
-    """
-    mask = mask_path(root, name) if masked else None
-    for path in (tokens_path(root, name), offsets_path(root, name), mask):
-        if path is not None and os.path.islink(path):
-            _check_inside(real_root, path)
-    return tokens_path(root, name), offsets_path(root, name), mask
-
-
-def _check_inside(real_root: str, path: Path) -> None:
-    real = os.path.realpath(path)
-    if os.path.commonpath([real, real_root]) != real_root:
-        raise CacheError(f"{path} resolves to {real}, outside the cache directory: refusing to read it")
+def _keys(name: str, masked: bool) -> tuple[str, str, str | None]:
+    """The keys of the shard's files: tokens, offsets, and the loss mask if ``masked``."""
+    return tokens_key(name), offsets_key(name), mask_key(name) if masked else None
 
 
 def _cached_map(
-    maps: OrderedDict[int, np.ndarray], shard: int, path: Path, dtype: np.dtype, count: int
+    maps: OrderedDict[int, np.ndarray], shard: int, store: LocalStore, key: str, dtype: np.dtype, count: int
 ) -> np.ndarray:
     """The memory map of a shard file, from a small LRU: each open map holds a file descriptor.
 
@@ -366,18 +358,10 @@ def _cached_map(
         with contextlib.suppress(KeyError):  # evicted by another thread since the get
             maps.move_to_end(shard)
         return mapped
-    mapped = maps[shard] = _map(path, dtype, count)
+    mapped = maps[shard] = store.map_array(key, dtype, count)
     while len(maps) > MAX_OPEN_MAPS:
         try:
             maps.popitem(last=False)  # closed once no caller holds a view of it
         except KeyError:  # emptied by another thread
             break
     return mapped
-
-
-def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
-    if count == 0:
-        return np.zeros(0, dtype=dtype)
-    # A plain ndarray view of the map (which it keeps alive): slicing an np.memmap costs a subclass round
-    # trip per slice, which shows in a batch of many small windows.
-    return np.memmap(path, dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)

@@ -22,9 +22,9 @@ import functools
 import hashlib
 import json
 import numbers
-import os
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from streampack.layout import (
 )
 from streampack.order import groups
 from streampack.packing import TooLong, plan_documents, plan_packed, too_long_policy
+from streampack.store import CacheRef
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -94,22 +95,19 @@ class PackedSequences:
         return samples
 
     def _setup(self, cache: Cache, layout: Layout) -> None:
-        self._path = os.path.abspath(cache.root)
-        self._allow_incomplete = not cache.manifest.complete
+        self._ref = cache_ref(cache)
         self._num_tokens = cache.num_tokens
-        self._content = content_digest(cache)
         self._cache: Cache | None = cache
         self._layout = layout
         self._doc_starts = np.asarray(cache.doc_starts, dtype=np.int64)
         self._masked = cache.has_loss_mask
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle the path, settings and shard tables only; the memory maps are reopened where unpickled."""
+        """Pickle the cache's reference (URI and content digest), the settings and shard tables only; the
+        memory maps are reopened where unpickled."""
         return {
-            "path": self._path,
-            "allow_incomplete": self._allow_incomplete,
+            "cache": self._ref,
             "num_tokens": self._num_tokens,
-            "content": self._content,
             "layout": self._layout,
             "doc_starts": self._doc_starts,
             "masked": self._masked,
@@ -117,10 +115,8 @@ class PackedSequences:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore the settings; the cache is reopened lazily, on first use."""
-        self._path = state["path"]
-        self._allow_incomplete = state["allow_incomplete"]
+        self._ref = state["cache"] if "cache" in state else _ref_of_old_pickle(state)
         self._num_tokens = state["num_tokens"]
-        self._content = state["content"]
         self._layout = state["layout"]
         self._doc_starts = state["doc_starts"]
         self._masked = state.get("masked", False)
@@ -128,11 +124,11 @@ class PackedSequences:
 
     @property
     def cache(self) -> Cache:
-        """The cache the samples are read from (reopened from its path after unpickling)."""
+        """The cache the samples are read from (reopened from its URI after unpickling)."""
         return self._cache if self._cache is not None else self._reopen()
 
     def _reopen(self) -> Cache:
-        cache = reopen_unchanged(self._path, self._allow_incomplete, self._content, "these samples")
+        cache = reopen_unchanged(self._ref, "these samples")
         # The shard tables kept from before describe this cache: the digest covers them.
         self._cache = cache
         return cache
@@ -160,7 +156,12 @@ class PackedSequences:
     @property
     def path(self) -> str:
         """Absolute path of the cache directory."""
-        return self._path
+        return self._ref.local_path
+
+    @property
+    def cache_ref(self) -> CacheRef:
+        """What names the cache wherever these samples are unpickled: its URI and content digest."""
+        return self._ref
 
     @property
     def dtype(self) -> np.dtype:
@@ -178,7 +179,7 @@ class PackedSequences:
 
     def __repr__(self) -> str:
         return (
-            f"PackedSequences({self._path!r}, seq_len={self.seq_len}, overlap={self.overlap}, "
+            f"PackedSequences({self.path!r}, seq_len={self.seq_len}, overlap={self.overlap}, "
             f"samples={len(self)}, tokens={self._num_tokens})"
         )
 
@@ -191,7 +192,7 @@ class PackedSequences:
         return {
             "num_samples": len(self),
             "num_tokens": self._num_tokens,
-            "shards": self._content,
+            "shards": self._ref.content,
             **self._layout.fingerprint(),
         }
 
@@ -484,36 +485,45 @@ def holds_every_id(tokens: np.dtype, out: np.dtype) -> bool:
     return out.kind in "iu" and bool(np.can_cast(tokens, out, "safe"))
 
 
-def reopen_unchanged(path: str, allow_incomplete: bool, content: str, what: str) -> Cache:
-    """Reopen the cache at ``path`` (in another process), refusing it if its shards changed since.
+def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
+    """Reopen the cache ``ref`` names (in another process), refusing it if its shards changed since.
 
     Args:
-        path: the cache directory.
-        allow_incomplete: open the committed part of a build that has not finished.
-        content: the :func:`content_digest` taken when ``what`` were made.
+        ref: the cache's URI, whether its build had finished, and the :func:`content_digest` taken when
+            ``what`` were made.
         what: what was made from the cache, for the message (``"these samples"``).
 
     Raises:
-        CacheError: the shard table is not the one ``content`` digests.
+        CacheError: the cache cannot be opened, or its shard table is not the one ``ref`` digests.
     """
     from streampack.reader import open as open_cache
 
-    cache = open_cache(path, allow_incomplete=allow_incomplete)
+    cache = open_cache(ref.uri, allow_incomplete=ref.allow_incomplete)
     now = content_digest(cache)
-    if now != content:
+    if now != ref.content:
         raise CacheError(
-            f"{path}: the cache changed on disk since {what} were made from it (it now holds "
-            f"{cache.num_docs} documents, {cache.num_tokens} tokens; shard table {now}, was {content}), so "
-            f"their indices no longer mean the same tokens. Make {what} again from the reopened cache (and "
-            "restart the loader)."
+            f"{cache.root}: the cache changed on disk since {what} were made from it (it now holds "
+            f"{cache.num_docs} documents, {cache.num_tokens} tokens; shard table {now}, was {ref.content}), "
+            f"so their indices no longer mean the same tokens. Make {what} again from the reopened cache "
+            "(and restart the loader)."
         )
     return cache
+
+
+def cache_ref(cache: Cache) -> CacheRef:
+    """The reference that picklable views of ``cache`` carry (see :class:`~streampack.store.CacheRef`)."""
+    return CacheRef(cache.store.uri, content_digest(cache), allow_incomplete=not cache.manifest.complete)
 
 
 def content_digest(cache: Cache) -> str:
     """A short digest of the shard table: what the samples are made of, wherever the cache lives."""
     table = [[s.name, s.num_docs, s.num_tokens, s.tokens_checksum, s.offsets_checksum] for s in cache.shards]
     return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
+
+
+def _ref_of_old_pickle(state: dict[str, Any]) -> CacheRef:
+    """The reference of samples pickled before :class:`CacheRef` (an absolute path, the digest)."""
+    return CacheRef(Path(state["path"]).as_uri(), state["content"], state["allow_incomplete"])
 
 
 def _check_int(name: str, value: object, minimum: int, allowed: str) -> int:

@@ -8,25 +8,24 @@ and on :meth:`ShardWriter.commit` fsyncs every file *before* the ledger entry th
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import os
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO
 
 import numpy as np
 
 from streampack import ledger
-from streampack.errors import CacheError, WriteError
-from streampack.format import OFFSET_DTYPE, file_checksum, fsync_dir, mask_path, offsets_path, tokens_path
+from streampack.format import OFFSET_DTYPE, SHARD_DIR, checksum_text, mask_key, offsets_key, tokens_key
 from streampack.ledger import Counts, UnitProgress
+from streampack.store import LocalStore, StagedFile, disk_error
+
+__all__ = ["ShardWriter", "disk_error"]
 
 
 class ShardWriter:
     """Append-only writer of one shard, resuming from a unit's committed progress.
 
-    Use as a context manager; nothing is committed implicitly on exit.
+    Use as a context manager; nothing is committed implicitly on exit. The shard's files are staged in
+    place in the local store (:class:`~streampack.store.StagedFile`).
 
     Args:
         root: the cache directory.
@@ -43,14 +42,12 @@ class ShardWriter:
         self.name = name
         self.dtype = np.dtype(dtype)
         self.progress = progress
-        self._tokens_path = tokens_path(root, name)
-        self._offsets_path = offsets_path(root, name)
-        self._created = not self._tokens_path.exists()
-        self._tokens = _open_at(self._tokens_path, progress.tokens * self.dtype.itemsize)
-        _lock_shard(self._tokens, self._tokens_path)
-        self._offsets = _open_at(self._offsets_path, progress.docs * OFFSET_DTYPE.itemsize)
-        self._mask_path = mask_path(root, name)
-        self._mask = _open_at(self._mask_path, progress.tokens) if masked else None
+        self._store = LocalStore(root)
+        self._tokens = self._store.stage(tokens_key(name), progress.tokens * self.dtype.itemsize)
+        self._tokens.lock()
+        self._created = self._tokens.created
+        self._offsets = self._store.stage(offsets_key(name), progress.docs * OFFSET_DTYPE.itemsize)
+        self._mask = self._store.stage(mask_key(name), progress.tokens) if masked else None
         self.num_tokens = progress.tokens
         self.num_docs = progress.docs
         self._doc_aligned_tokens = progress.tokens
@@ -66,10 +63,10 @@ class ShardWriter:
         """
         if self._mask is not None:
             assert mask is not None and len(mask) == len(tokens), "a masked shard takes a byte per token"
-            self._write(self._mask, mask.astype(np.uint8, copy=False), self._mask_path)
-        self._write(self._tokens, tokens.astype(self.dtype, copy=False), self._tokens_path)
+            self._mask.write(mask.astype(np.uint8, copy=False).tobytes())
+        self._tokens.write(tokens.astype(self.dtype, copy=False).tobytes())
         if len(ends):
-            self._write(self._offsets, (ends + self.num_tokens).astype(OFFSET_DTYPE), self._offsets_path)
+            self._offsets.write((ends + self.num_tokens).astype(OFFSET_DTYPE).tobytes())
             self._doc_aligned_tokens = self.num_tokens + int(ends[-1])
         self.num_tokens += len(tokens)
         self.num_docs += len(ends)
@@ -82,19 +79,15 @@ class ShardWriter:
         the records they belong to (``counts`` covers complete documents only). With ``done``, also record
         the final checksums.
         """
-        for f, path in self._files():
-            try:
-                f.flush()
-                os.fsync(f.fileno())
-            except OSError as e:
-                raise disk_error(e, path) from None
+        for staged in self._files():
+            staged.sync()
         if self._created:  # the new files' directory entries must be durable before a ledger names them
-            fsync_dir(self._tokens_path.parent)
+            self._store.sync_dir(SHARD_DIR)
             self._created = False
         checksums = ("", "", "")
         if done:
-            mask = "" if self._mask is None else file_checksum(self._mask_path)
-            checksums = (file_checksum(self._tokens_path), file_checksum(self._offsets_path), mask)
+            mask = "" if self._mask is None else self._checksum(mask_key(self.name))
+            checksums = (self._checksum(tokens_key(self.name)), self._checksum(offsets_key(self.name)), mask)
         self.progress = UnitProgress(
             unit=self.progress.unit,
             records=counts.records,
@@ -108,19 +101,19 @@ class ShardWriter:
             inexact_cuts=counts.inexact_cuts,
             mask_checksum=checksums[2],
         )
-        ledger.commit(self.root, self.name, self.progress)
+        ledger.commit(self._store, self.name, self.progress)
         return self.progress
 
     def close(self) -> None:
         """Close the files (without committing)."""
-        for f, _ in self._files():
-            f.close()
+        for staged in self._files():
+            staged.close()
 
-    def _files(self) -> list[tuple[BinaryIO, Path]]:
-        files = [(self._tokens, self._tokens_path), (self._offsets, self._offsets_path)]
-        if self._mask is not None:
-            files.append((self._mask, self._mask_path))
-        return files
+    def _files(self) -> list[StagedFile]:
+        return [self._tokens, self._offsets] + ([] if self._mask is None else [self._mask])
+
+    def _checksum(self, key: str) -> str:
+        return checksum_text(self._store.crc32(key))
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -129,55 +122,3 @@ class ShardWriter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-    @staticmethod
-    def _write(f: BinaryIO, array: np.ndarray, path: Path) -> None:
-        try:
-            f.write(array.tobytes())
-        except OSError as e:
-            raise disk_error(e, path) from None
-
-
-def _open_at(path: Path, length: int) -> BinaryIO:
-    """Open ``path`` for appending after truncating it to its committed ``length``."""
-    try:
-        f = open(path, "r+b" if path.exists() else "w+b")  # noqa: SIM115 - kept open by the writer
-        size = f.seek(0, os.SEEK_END)
-        if size < length:
-            f.close()
-            raise CacheError(
-                f"{path} holds {size} bytes but the ledger committed {length}: the shard was damaged after "
-                "it was written; rebuild with overwrite=True"
-            )
-        f.truncate(length)
-        f.seek(length)
-        return f
-    except OSError as e:
-        raise disk_error(e, path) from None
-
-
-def _lock_shard(f: BinaryIO, path: Path) -> None:
-    """Hold an exclusive ``flock`` on a shard while writing it, so that no two processes ever do.
-
-    The build lock keeps builds apart; this also covers a worker that outlived a killed build (a Ray
-    task, or a pool worker still starting when its coordinator died) while the rerun resumes its unit.
-    """
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise WriteError(
-            f"{path} is being written by another process (a worker of a killed build?); wait for it to "
-            "exit, then rerun the same command"
-        ) from None
-
-
-def disk_error(error: OSError, path: Path) -> WriteError:
-    """A :class:`WriteError` that says what to do about a failed write to ``path``."""
-    if error.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-        reason = "disk full" if error.errno != errno.EFBIG else "file size limit reached"
-        return WriteError(
-            f"{reason} while writing {path}: free space (or raise the limit) and rerun the same command to "
-            "resume; everything committed so far is kept"
-        )
-    return WriteError(f"cannot write {path}: {error.strerror or error}")
