@@ -16,6 +16,11 @@ matching special-token strings as their ids instead (recorded in the manifest).
 
 Each tokenizer also says which cuts of a long text keep its tokens (``cut_safety``, proven from its
 structure by :mod:`streampack.pieces`).
+
+**Tokenizer and engine.** A tokenizer decides which ids a text gets: its definition, fingerprint, EOS and
+BOS, and the special-token rule above. An :class:`Engine` computes them: ``tokenizers``
+(``encode_batch_fast``), ``tiktoken``, or ``bytes``. Each tokenizer has a reference engine, the library it
+is defined by, whose ids are the ids of the cache whatever engine computes them.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from __future__ import annotations
 import array
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,14 +54,20 @@ class Tokenizer(Protocol):
 
     spec: str
     vocab_size: int
-    # One process of it keeps every core busy (its batch call runs on threads of its own and the Python
-    # work around it is small next to the encoding); see streampack.build.default_workers.
-    saturates_cores: bool
+    # What computes its ids (see the module docstring).
+    engine: Engine
     # Where cuts keep its tokens, documents are cut into pieces of about this many characters because it
     # encodes them faster than whole documents (None: no such cuts); see streampack.pieces.piece_rule.
     fast_piece_chars: int | None
     # Which cuts keep its tokens, proven from its structure.
     cut_safety: CutSafety
+
+    @property
+    def saturates_cores(self) -> bool:
+        """Whether one process of it keeps every core busy (its engine's batch call runs on threads of its
+        own and the Python work around it is small next to the encoding); see
+        :func:`streampack.build.default_workers`."""
+        ...
 
     @property
     def eos_id(self) -> int | None:
@@ -69,6 +81,10 @@ class Tokenizer(Protocol):
 
     def fingerprint(self) -> dict[str, Any]:
         """Kind, name, vocab size and a hash of the definition: identifies the tokenizer in a manifest."""
+        ...
+
+    def reference_engine(self) -> Engine:
+        """The engine whose ids define the tokenizer's (``engine`` itself when it is the reference)."""
         ...
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
@@ -174,6 +190,130 @@ def resolve_eos(tokenizer: Tokenizer, *, eos: bool, eos_id: int | None) -> EosPo
     return EosPolicy(True, tokenizer.eos_id)
 
 
+class Engine(Protocol):
+    """What computes a tokenizer's ids; the tokenizer decides which ids they are (its special-token rule
+    is set up in the engine when the tokenizer makes it)."""
+
+    name: str  # the --tokenizer-engine choice: tokenizers, tiktoken, fastokens (bytes: built in)
+    # One process of it keeps every core busy (see Tokenizer.saturates_cores).
+    saturates_cores: bool
+
+    @property
+    def version(self) -> str:
+        """The version of the library that computes the ids."""
+        ...
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each text as uint32 (or uint8) arrays."""
+        ...
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class BytesEngine:
+    """UTF-8 bytes as ids: the ``bytes`` tokenizer's only engine."""
+
+    name = "bytes"
+    version = "1"
+    saturates_cores = False  # holds the GIL
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`."""
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+
+
+class TokenizersEngine:
+    """Hugging Face ``tokenizers``' ``encode_batch_fast``: the reference engine of a ``tokenizer.json``."""
+
+    name = "tokenizers"
+    saturates_cores = True
+
+    def __init__(self, tok: Any, *, threads: int | None) -> None:
+        """Encode with ``tok``, a ``tokenizers.Tokenizer`` already set to the special-token rule."""
+        self._tok = tok
+        self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        if threads is not None and threads != os.cpu_count():
+            self._start_thread_pool(threads)
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        return _package_version("tokenizers")
+
+    def _start_thread_pool(self, threads: int) -> None:
+        """Start ``tokenizers``' thread pool with ``threads`` threads, if this process has none yet.
+
+        The pool reads ``RAYON_NUM_THREADS`` once, when the first batch call starts it; the variable is set
+        only for that call, so nothing is left in the caller's environment. A pool already running in this
+        process keeps its size.
+        """
+        with _environment("RAYON_NUM_THREADS", str(threads)):
+            self._encode(["a b", "c d"], add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`."""
+        encodings = self._encode(texts, add_special_tokens=False)
+        # array('I') copies the Python int list in C at ~60% of np.array's cost; this runs under the GIL.
+        return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
+
+
+class TiktokenEngine:
+    """tiktoken, one text per call on a thread pool, ids returned in a buffer: the reference engine of a
+    ``tiktoken:`` encoding."""
+
+    name = "tiktoken"
+    saturates_cores = False  # 3-4 M tokens/s: reading and framing in one process would hold it back
+
+    def __init__(self, enc: Any, *, allowed: set[str], threads: int | None) -> None:
+        """Encode with ``enc``, a ``tiktoken.Encoding``, matching only the special tokens ``allowed``."""
+        self._enc = enc
+        self._allowed = allowed
+        self._threads = threads or 1
+        self._pool = ThreadPoolExecutor(self._threads) if self._threads > 1 else None
+        core = getattr(enc, "_core_bpe", None)
+        self._to_buffer = getattr(core, "encode_to_tiktoken_buffer", None)
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        return _package_version("tiktoken")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`. Encodes as ``encode_ordinary`` unless special tokens are allowed."""
+        if self._to_buffer is None:  # older tiktoken: the public batch call, then a list-to-array copy
+            batch = self._enc.encode_batch(texts, allowed_special=self._allowed, disallowed_special=())
+            return [np.array(ids, dtype=np.uint32) for ids in batch]
+        if self._pool is None:
+            return [self._encode_one(t) for t in texts]
+        return list(self._pool.map(self._encode_one, texts))
+
+    def _encode_one(self, text: str) -> np.ndarray:
+        # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.
+        assert self._to_buffer is not None, "encode_batch checks for it"
+        return np.frombuffer(self._to_buffer(text, self._allowed), dtype=np.uint32)
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """Set the environment variable ``name`` for the duration of the block only."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 class BytesTokenizer:
     """UTF-8 bytes as token ids 0-255, with EOS = 256. Needs no files; the built-in default."""
 
@@ -181,9 +321,20 @@ class BytesTokenizer:
     vocab_size = 257
     eos_id: int | None = 256
     bos_id: int | None = None
-    saturates_cores = False
     fast_piece_chars: int | None = None  # encoding bytes costs the same per character at any length
     cut_safety = CutSafety(True, "every cut keeps UTF-8 bytes")
+
+    def __init__(self) -> None:
+        self.engine: Engine = BytesEngine()
+
+    @property
+    def saturates_cores(self) -> bool:
+        """See :class:`Tokenizer`."""
+        return self.engine.saturates_cores
+
+    def reference_engine(self) -> Engine:
+        """The engine that defines this tokenizer's ids: its only one."""
+        return self.engine
 
     def fingerprint(self) -> dict[str, Any]:
         """See :class:`Tokenizer`."""
@@ -191,7 +342,7 @@ class BytesTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`."""
-        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+        return self.engine.encode_batch(texts)
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`; bytes have no special tokens."""
@@ -203,9 +354,12 @@ class BytesTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``."""
+    """A Hugging Face ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``.
 
-    saturates_cores = True
+    Its reference engine is ``tokenizers`` itself, with ``add_special_tokens=False`` and
+    ``encode_special_tokens`` set by the special-token rule.
+    """
+
     # Its batch call encodes 100 MB of the real corpus 1.17x as fast in 10,000-character pieces as in whole
     # documents (5,000: 1.16x; 20,000: 1.14x; GPT-2, 2 cores; benchmarks/bench_pieces.py).
     fast_piece_chars: int | None = 10_000
@@ -242,26 +396,17 @@ class HFTokenizer:
         self._config = self._read_config()
         self._eos_id, self._eos_problem = self._find_special("eos_token", EOS_NAMES, added_only=False)
         self._bos_id, self._bos_problem = self._find_special("bos_token", BOS_NAMES, added_only=True)
-        self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        if threads is not None and threads != os.cpu_count():
-            self._start_thread_pool(threads)
+        self._reference = TokenizersEngine(self._tok, threads=threads)
+        self.engine: Engine = self._reference
 
-    def _start_thread_pool(self, threads: int) -> None:
-        """Start ``tokenizers``' thread pool with ``threads`` threads, if this process has none yet.
+    @property
+    def saturates_cores(self) -> bool:
+        """See :class:`Tokenizer`."""
+        return self.engine.saturates_cores
 
-        The pool reads ``RAYON_NUM_THREADS`` once, when the first batch call starts it; the variable is set
-        only for that call, so nothing is left in the caller's environment. A pool already running in this
-        process keeps its size.
-        """
-        before = os.environ.get("RAYON_NUM_THREADS")
-        os.environ["RAYON_NUM_THREADS"] = str(threads)
-        try:
-            self._encode(["a b", "c d"], add_special_tokens=False)
-        finally:
-            if before is None:
-                del os.environ["RAYON_NUM_THREADS"]
-            else:
-                os.environ["RAYON_NUM_THREADS"] = before
+    def reference_engine(self) -> Engine:
+        """The engine that defines this tokenizer's ids: ``tokenizers``."""
+        return self._reference
 
     def _structure(self) -> dict[str, Any]:
         """The parts of the definition that decide which cuts keep the tokens (see streampack.pieces).
@@ -360,9 +505,7 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`."""
-        encodings = self._encode(texts, add_special_tokens=False)
-        # array('I') copies the Python int list in C at ~60% of np.array's cost; this runs under the GIL.
-        return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
+        return self.engine.encode_batch(texts)
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`.
@@ -389,9 +532,12 @@ class HFTokenizer:
 
 
 class TiktokenTokenizer:
-    """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens)."""
+    """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens).
 
-    saturates_cores = False  # 3-4 M tokens/s: reading and framing in one process would hold it back
+    Its reference engine is tiktoken itself: ``encode_ordinary``, or with every special token allowed when
+    they are parsed.
+    """
+
     fast_piece_chars: int | None = None  # measured: pieces encode no faster (benchmarks/bench_pieces.py)
 
     def __init__(
@@ -442,10 +588,17 @@ class TiktokenTokenizer:
         self.bos_id: int | None = None  # a ranks file says nothing of a BOS: give bos_id
         self._allowed = set(specials) if special_tokens == "parse" else set()
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
-        self._threads = threads or 1
-        self._pool = ThreadPoolExecutor(self._threads) if self._threads > 1 else None
-        core = getattr(self._enc, "_core_bpe", None)
-        self._to_buffer = getattr(core, "encode_to_tiktoken_buffer", None)
+        self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
+        self.engine: Engine = self._reference
+
+    @property
+    def saturates_cores(self) -> bool:
+        """See :class:`Tokenizer`."""
+        return self.engine.saturates_cores
+
+    def reference_engine(self) -> Engine:
+        """The engine that defines this tokenizer's ids: tiktoken."""
+        return self._reference
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("TiktokenTokenizer is not picklable: load it in each process from its spec")
@@ -457,22 +610,12 @@ class TiktokenTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`. Encodes as ``encode_ordinary`` unless special tokens are parsed."""
-        if self._to_buffer is None:  # older tiktoken: the public batch call, then a list-to-array copy
-            batch = self._enc.encode_batch(texts, allowed_special=self._allowed, disallowed_special=())
-            return [np.array(ids, dtype=np.uint32) for ids in batch]
-        if self._pool is None:
-            return [self._encode_one(t) for t in texts]
-        return list(self._pool.map(self._encode_one, texts))
+        return self.engine.encode_batch(texts)
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`."""
         batch = self._enc.encode_batch(texts, allowed_special="all", disallowed_special=())
         return [np.array(ids, dtype=np.uint32) for ids in batch]
-
-    def _encode_one(self, text: str) -> np.ndarray:
-        # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.
-        assert self._to_buffer is not None, "encode_batch checks for it"
-        return np.frombuffer(self._to_buffer(text, self._allowed), dtype=np.uint32)
 
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`."""
