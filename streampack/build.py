@@ -52,7 +52,14 @@ from streampack.sources import (
     plan_units,
     refuse_text_for_sft,
 )
-from streampack.tokenize import Tokenizer, load_tokenizer, resolve_bos, resolve_eos
+from streampack.tokenize import (
+    ENGINE_CHOICES,
+    Tokenizer,
+    describe_engine,
+    load_tokenizer,
+    resolve_bos,
+    resolve_eos,
+)
 
 
 @dataclass
@@ -112,7 +119,9 @@ def build(
     plan = _plan(inputs, read, spec)
     cores = os.cpu_count() or 1
     threads = run.threads or cores
-    tokenizer = load_tokenizer(spec.tokenizer, threads=threads, special_tokens=spec.special_tokens)
+    tokenizer = load_tokenizer(
+        spec.tokenizer, threads=threads, special_tokens=spec.special_tokens, engine=run.tokenizer_engine
+    )
     pieces = piece_rule(tokenizer.cut_safety, tokenizer.fast_piece_chars, spec.max_piece_chars)
     spec = replace(spec, max_piece_chars=pieces.max_chars)
     eos = resolve_eos(tokenizer, eos=spec.eos, eos_id=spec.eos_id)
@@ -135,8 +144,15 @@ def build(
         inputs=plan.inputs,
         units=[u.describe() for u in plan.units],
         ignored_inputs=plan.ignored,
+        engines=[describe_engine(tokenizer)],
     )
-    ref = TokenizerRef(spec.tokenizer, spec.special_tokens, fingerprint["sha256"])
+    engine = tokenizer.engine.name
+    ref = TokenizerRef(
+        spec.tokenizer,
+        spec.special_tokens,
+        fingerprint["sha256"],
+        engine=engine if engine in ENGINE_CHOICES else "auto",
+    )
     shared = UnitSpec(
         root=str(root),
         tokenizer=ref,
@@ -273,6 +289,7 @@ def _build_locked(
         _check_same_build(root, existing, manifest)
         if existing.complete:
             return _summarize(summary, existing)
+        manifest = replace(manifest, engines=_engines(existing.engines, manifest.engines))
     manifest.write(root)
     units = [t.unit for t in tasks]
     progress = [ledger.read_progress(root, shard_name(u.index), u.describe()) for u in units]
@@ -293,6 +310,11 @@ def _build_locked(
     )
     final.write(root)
     return _summarize(summary, final)
+
+
+def _engines(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The engines of the earlier runs of a resumed build, then this run's unless it is one of them."""
+    return before + [e for e in now if e not in before]
 
 
 def _summarize(summary: BuildSummary, manifest: Manifest) -> BuildSummary:

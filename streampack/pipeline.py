@@ -27,7 +27,7 @@ from streampack import ledger
 from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
 from streampack.format import shard_name
 from streampack.ledger import Counts, UnitProgress
-from streampack.options import OnBadRecord, SpecialTokens
+from streampack.options import OnBadRecord, SpecialTokens, TokenizerEngine
 from streampack.pieces import CutCount, PieceRule
 from streampack.sft import Sft
 from streampack.sources import Position, ReadOptions, TextStream, read_unit
@@ -59,6 +59,7 @@ class TokenizerRef:
     spec: str
     special_tokens: SpecialTokens
     sha256: str
+    engine: TokenizerEngine = "auto"  # the engine the build's own tokenizer runs, so that workers run it too
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def worker_tokenizer(ref: TokenizerRef) -> Tokenizer:
     key = (ref, _worker_threads)
     if key not in _worker_tokenizers:
         tokenizer = load_tokenizer(
-            ref.spec, threads=_worker_threads or None, special_tokens=ref.special_tokens
+            ref.spec, threads=_worker_threads or None, special_tokens=ref.special_tokens, engine=ref.engine
         )
         found = tokenizer.fingerprint()["sha256"]
         if found != ref.sha256:
