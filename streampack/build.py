@@ -36,9 +36,18 @@ from streampack.format import (
 )
 from streampack.ledger import UnitProgress
 from streampack.lock import BuildLock
-from streampack.options import CacheSpec, RunOptions, split_options
+from streampack.options import CacheSpec, RunOptions, VerifyTokens, split_options
 from streampack.pieces import piece_rule
-from streampack.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, init_worker, run_units
+from streampack.pipeline import (
+    VERIFY_FIRST,
+    VERIFY_RATE,
+    TokenizerRef,
+    UnitResult,
+    UnitSpec,
+    UnitTask,
+    init_worker,
+    run_units,
+)
 from streampack.progress import BuildProgress
 from streampack.sft import load_chat_template
 from streampack.sources import (
@@ -144,7 +153,7 @@ def build(
         inputs=plan.inputs,
         units=[u.describe() for u in plan.units],
         ignored_inputs=plan.ignored,
-        engines=[describe_engine(tokenizer)],
+        engines=[_engine_entry(tokenizer, run)],
     )
     engine = tokenizer.engine.name
     ref = TokenizerRef(
@@ -159,6 +168,7 @@ def build(
         read=read,
         eos=eos,
         bos=bos,
+        verify=_verify_mode(tokenizer, run),
         dtype=manifest.dtype,
         pieces=pieces,
         on_bad_record=run.on_bad_record,
@@ -178,6 +188,22 @@ def build(
         summary = _build_locked(root, manifest, tasks, run, tokenizer)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _verify_mode(tokenizer: Tokenizer, run: RunOptions) -> VerifyTokens:
+    """What the units re-encode with the reference engine: nothing when the engine is the reference."""
+    return "none" if tokenizer.engine is tokenizer.reference_engine() else run.verify_tokens
+
+
+def _engine_entry(tokenizer: Tokenizer, run: RunOptions) -> dict[str, Any]:
+    """The manifest's record of the engine of this run, and how its ids were checked against the reference."""
+    entry: dict[str, Any] = describe_engine(tokenizer)
+    mode = _verify_mode(tokenizer, run)
+    if tokenizer.engine is not tokenizer.reference_engine():
+        entry["verify"] = {"mode": mode}
+        if mode == "sample":
+            entry["verify"].update(first=VERIFY_FIRST, rate=VERIFY_RATE)
+    return entry
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,14 @@ _SPEC, _RUN = CacheSpec, RunOptions
     "own library (tokenizers for a tokenizer.json, tiktoken for tiktoken:).",
 )
 @click.option(
+    "--verify-tokens",
+    type=click.Choice(["sample", "all", "none"]),
+    default=default(_RUN, "verify_tokens"),
+    show_default=True,
+    help="When another engine than the tokenizer's own library computes the ids, re-encode with the latter "
+    "and stop at the first difference: sample (the first 1,000 records and 0.5% of the rest), all, none.",
+)
+@click.option(
     "--max-piece-chars",
     type=click.IntRange(min=1),
     help="Tokenize longer documents in pieces of at most N characters "
@@ -169,6 +177,7 @@ def build(
     engine: str,
     ray_address: str | None,
     tokenizer_engine: str,
+    verify_tokens: str,
     max_piece_chars: int | None,
     batch_chars: int,
     commit_seconds: float,
@@ -198,6 +207,7 @@ def build(
             threads=threads,
             engine=engine,  # type: ignore[arg-type]
             tokenizer_engine=tokenizer_engine,  # type: ignore[arg-type]
+            verify_tokens=verify_tokens,  # type: ignore[arg-type]
             ray_address=ray_address,
             on_bad_record=on_bad_record,  # type: ignore[arg-type]
             overwrite=overwrite,

@@ -450,9 +450,7 @@ class BytesTokenizer:
     bos_id: int | None = None
     fast_piece_chars: int | None = None  # encoding bytes costs the same per character at any length
     cut_safety = CutSafety(True, "every cut keeps UTF-8 bytes")
-
-    def __init__(self) -> None:
-        self.engine: Engine = BytesEngine()
+    engine: Engine = BytesEngine()  # stateless: one for all
 
     @property
     def saturates_cores(self) -> bool:
