@@ -517,10 +517,11 @@ def _mismatch_error(unit: _OpenUnit, mismatch: _Mismatch) -> TokenizerError:
     shorter = min(len(engine), len(reference))
     at = next((i for i, (a, b) in enumerate(zip(engine, reference)) if a != b), shorter)
     tokenizer = unit.tokenizer
+    got, expected = engine[at : at + 5], reference[at : at + 5]
     return TokenizerError(
         f"{record_location(unit.task.unit, unit.spec.read, mismatch.record)}: the {tokenizer.engine.name} "
         f"engine's token ids differ from the reference engine's ({tokenizer.reference_engine().name}) for "
-        f"tokenizer {tokenizer.spec!r}, from token {at} on ({engine[at:at + 5]} vs {reference[at:at + 5]}, "
+        f"tokenizer {tokenizer.spec!r}, from token {at} on ({got} vs {expected}, "
         f"text {mismatch.piece[:60]!r}...). The build stopped; its committed part may hold such ids: rebuild "
         f"with overwrite=True and tokenizer_engine='{tokenizer.reference_engine().name}', and report the text"
     )
