@@ -34,9 +34,18 @@ from streampack.format import (
     token_dtype,
 )
 from streampack.ledger import UnitProgress
-from streampack.options import CacheSpec, RunOptions, split_options
+from streampack.options import CacheSpec, RunOptions, VerifyTokens, split_options
 from streampack.pieces import piece_rule
-from streampack.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, init_worker, run_units
+from streampack.pipeline import (
+    VERIFY_FIRST,
+    VERIFY_RATE,
+    TokenizerRef,
+    UnitResult,
+    UnitSpec,
+    UnitTask,
+    init_worker,
+    run_units,
+)
 from streampack.progress import BuildProgress
 from streampack.sft import load_chat_template
 from streampack.sources import (
@@ -51,7 +60,14 @@ from streampack.sources import (
     refuse_text_for_sft,
 )
 from streampack.store import LocalStore
-from streampack.tokenize import Tokenizer, load_tokenizer, resolve_bos, resolve_eos
+from streampack.tokenize import (
+    ENGINE_CHOICES,
+    Tokenizer,
+    describe_engine,
+    load_tokenizer,
+    resolve_bos,
+    resolve_eos,
+)
 
 
 @dataclass
@@ -111,7 +127,9 @@ def build(
     plan = _plan(inputs, read, spec)
     cores = os.cpu_count() or 1
     threads = run.threads or cores
-    tokenizer = load_tokenizer(spec.tokenizer, threads=threads, special_tokens=spec.special_tokens)
+    tokenizer = load_tokenizer(
+        spec.tokenizer, threads=threads, special_tokens=spec.special_tokens, engine=run.tokenizer_engine
+    )
     pieces = piece_rule(tokenizer.cut_safety, tokenizer.fast_piece_chars, spec.max_piece_chars)
     spec = replace(spec, max_piece_chars=pieces.max_chars)
     eos = resolve_eos(tokenizer, eos=spec.eos, eos_id=spec.eos_id)
@@ -134,14 +152,22 @@ def build(
         inputs=plan.inputs,
         units=[u.describe() for u in plan.units],
         ignored_inputs=plan.ignored,
+        engines=[_engine_entry(tokenizer, run)],
     )
-    ref = TokenizerRef(spec.tokenizer, spec.special_tokens, fingerprint["sha256"])
+    engine = tokenizer.engine.name
+    ref = TokenizerRef(
+        spec.tokenizer,
+        spec.special_tokens,
+        fingerprint["sha256"],
+        engine=engine if engine in ENGINE_CHOICES else "auto",
+    )
     shared = UnitSpec(
         root=str(root),
         tokenizer=ref,
         read=read,
         eos=eos,
         bos=bos,
+        verify=_verify_mode(tokenizer, run),
         dtype=manifest.dtype,
         pieces=pieces,
         on_bad_record=run.on_bad_record,
@@ -162,6 +188,22 @@ def build(
         summary = _build_locked(store, manifest, tasks, run, tokenizer)
     summary.seconds = time.perf_counter() - started
     return summary
+
+
+def _verify_mode(tokenizer: Tokenizer, run: RunOptions) -> VerifyTokens:
+    """What the units re-encode with the reference engine: nothing when the engine is the reference."""
+    return "none" if tokenizer.engine is tokenizer.reference_engine() else run.verify_tokens
+
+
+def _engine_entry(tokenizer: Tokenizer, run: RunOptions) -> dict[str, Any]:
+    """The manifest's record of the engine of this run, and how its ids were checked against the reference."""
+    entry: dict[str, Any] = describe_engine(tokenizer)
+    mode = _verify_mode(tokenizer, run)
+    if tokenizer.engine is not tokenizer.reference_engine():
+        entry["verify"] = {"mode": mode}
+        if mode == "sample":
+            entry["verify"].update(first=VERIFY_FIRST, rate=VERIFY_RATE)
+    return entry
 
 
 @dataclass(frozen=True)
@@ -273,6 +315,7 @@ def _build_locked(
         _check_same_build(store.root, existing, manifest)
         if existing.complete:
             return _summarize(summary, existing)
+        manifest = replace(manifest, engines=_engines(existing.engines, manifest.engines))
     manifest.write(store)
     units = [t.unit for t in tasks]
     progress = [ledger.read_progress(store, shard_name(u.index), u.describe()) for u in units]
@@ -293,6 +336,11 @@ def _build_locked(
     )
     final.write(store)
     return _summarize(summary, final)
+
+
+def _engines(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The engines of the earlier runs of a resumed build, then this run's unless it is one of them."""
+    return before + [e for e in now if e not in before]
 
 
 def _summarize(summary: BuildSummary, manifest: Manifest) -> BuildSummary:

@@ -123,6 +123,23 @@ _SPEC, _RUN = CacheSpec, RunOptions
 )
 @click.option("--ray-address", help="Ray cluster address [default: a running one, else a new local one].")
 @click.option(
+    "--tokenizer-engine",
+    type=click.Choice(["auto", "tokenizers", "tiktoken", "fastokens"]),
+    default=default(_RUN, "tokenizer_engine"),
+    show_default=True,
+    help="What computes the token ids (the same ids whichever): auto picks fastokens where it is installed "
+    "(pip install 'streampack[fast]') and known to reproduce the tokenizer exactly, else the tokenizer's "
+    "own library (tokenizers for a tokenizer.json, tiktoken for tiktoken:).",
+)
+@click.option(
+    "--verify-tokens",
+    type=click.Choice(["sample", "all", "none"]),
+    default=default(_RUN, "verify_tokens"),
+    show_default=True,
+    help="When another engine than the tokenizer's own library computes the ids, re-encode with the latter "
+    "and stop at the first difference: sample (the first 1,000 records and 0.5% of the rest), all, none.",
+)
+@click.option(
     "--max-piece-chars",
     type=click.IntRange(min=1),
     help="Tokenize longer documents in pieces of at most N characters "
@@ -159,6 +176,8 @@ def build(
     unit_mb: int,
     engine: str,
     ray_address: str | None,
+    tokenizer_engine: str,
+    verify_tokens: str,
     max_piece_chars: int | None,
     batch_chars: int,
     commit_seconds: float,
@@ -187,6 +206,8 @@ def build(
             workers=workers,
             threads=threads,
             engine=engine,  # type: ignore[arg-type]
+            tokenizer_engine=tokenizer_engine,  # type: ignore[arg-type]
+            verify_tokens=verify_tokens,  # type: ignore[arg-type]
             ray_address=ray_address,
             on_bad_record=on_bad_record,  # type: ignore[arg-type]
             overwrite=overwrite,
@@ -276,6 +297,7 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "eos_id": cache.eos_id,
         "bos_id": cache.bos_id,
         "special_tokens": cache.manifest.settings.get("special_tokens", "not recorded"),
+        "tokenizer_engine": _engines_summary(cache.manifest.engines),
         "sft": _sft_summary(cache.manifest),
         "loss_mask": cache.has_loss_mask,
         "inputs": _inputs_read(cache.manifest.inputs),
@@ -287,6 +309,26 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "doc_tokens_p50": int(quantiles[0]),
         "doc_tokens_p99": int(quantiles[1]),
     }
+
+
+def _engines_summary(engines: list[dict[str, Any]]) -> str:
+    """Which engines computed the ids (over the runs of a resumed build), and how they were verified."""
+    if not engines:
+        return "not recorded"
+    return "; then ".join(_engine_summary(e) for e in engines)
+
+
+def _engine_summary(engine: dict[str, Any]) -> str:
+    reference = f"{engine['name']} {engine['version']}"
+    if reference == engine.get("reference"):
+        return f"{reference} (the tokenizer's reference engine)"
+    verify = engine.get("verify") or {}
+    checked = {
+        "sample": f"first {verify.get('first', 0):,} records + {verify.get('rate', 0):.1%} re-encoded",
+        "all": "every record re-encoded",
+        "none": "not verified",
+    }.get(verify.get("mode", ""), "verification not recorded")
+    return f"{reference} (reference {engine.get('reference')}; {checked})"
 
 
 def _sft_summary(manifest: Manifest) -> str:

@@ -162,6 +162,9 @@ class Manifest:
     ignored_inputs: dict[str, Any] = field(default_factory=dict)
     bos: dict[str, Any] = field(default_factory=lambda: dict(NO_BOS))
     loss_mask: bool = False  # an SFT build: every shard has a .mask file
+    # Informational, not compared on resume (every engine gives the same ids): the engines that computed
+    # the ids, one entry per distinct engine and verification over the runs that built the cache.
+    engines: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def vocab_size(self) -> int:
@@ -208,6 +211,7 @@ class Manifest:
             "empty_docs": self.empty_docs,
             "inexact_cuts": self.inexact_cuts,
             "ignored_inputs": self.ignored_inputs,
+            "engines": self.engines,
             "shards": [s.to_json() for s in self.shards],
         }
 
@@ -327,6 +331,7 @@ def _parse_manifest(raw: Any) -> Manifest:
         ignored_inputs=dict(raw.get("ignored_inputs", {})),
         bos=dict(bos),
         loss_mask=raw.get("loss_mask", False),
+        engines=list(raw.get("engines", [])),
     )
     if not isinstance(manifest.loss_mask, bool):
         raise ValueError(f"loss_mask must be true or false (got {manifest.loss_mask!r})")

@@ -19,6 +19,8 @@ from streampack.errors import OptionsError
 OnBadRecord = Literal["error", "skip"]
 Engine = Literal["local", "ray"]
 SpecialTokens = Literal["text", "parse"]
+TokenizerEngine = Literal["auto", "tokenizers", "tiktoken", "fastokens"]
+VerifyTokens = Literal["sample", "all", "none"]
 DEFAULT_UNIT_BYTES = 64 << 20
 
 
@@ -115,6 +117,12 @@ class RunOptions:
         workers: worker processes (default: see :func:`streampack.build.default_workers`).
         threads: tokenizer threads per worker (default: the cores divided among the workers).
         engine: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
+        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine known to give exactly
+            the tokenizer's own ids: ``fastokens`` where installed, for the byte-level BPE tokenizers it
+            reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``. Every engine gives the same bytes.
+        verify_tokens: with an engine other than the tokenizer's reference engine, re-encode with the
+            reference and stop at the first difference: ``sample`` (the build's first 1,000 records and a
+            hash-chosen 0.5 % of the rest), ``all``, or ``none``.
         ray_address: the Ray cluster to connect to (default: a running one, else a new local instance).
         on_bad_record: ``error`` stops at the first bad record; ``skip`` skips and counts them.
         overwrite: delete an existing cache in the output directory and start over.
@@ -127,6 +135,8 @@ class RunOptions:
     workers: int | None = None
     threads: int | None = None
     engine: Engine = "local"
+    tokenizer_engine: TokenizerEngine = "auto"
+    verify_tokens: VerifyTokens = "sample"
     ray_address: str | None = None
     on_bad_record: OnBadRecord = "error"
     overwrite: bool = False
@@ -137,6 +147,9 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         _check_choice("engine", self.engine, ("local", "ray"))
+        engines = ("auto", "tokenizers", "tiktoken", "fastokens")
+        _check_choice("tokenizer_engine", self.tokenizer_engine, engines)
+        _check_choice("verify_tokens", self.verify_tokens, ("sample", "all", "none"))
         _check_choice("on_bad_record", self.on_bad_record, ("error", "skip"))
         for name in ("workers", "threads", "batch_chars", "commit_bytes"):
             _check_positive(self, name)

@@ -17,9 +17,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,15 +27,12 @@ from streampack import ledger
 from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
 from streampack.format import shard_name
 from streampack.ledger import Counts, UnitProgress
-from streampack.options import OnBadRecord, SpecialTokens
+from streampack.options import OnBadRecord, SpecialTokens, TokenizerEngine, VerifyTokens
 from streampack.pieces import CutCount, PieceRule
 from streampack.sft import Sft
-from streampack.sources import Position, ReadOptions, TextStream, read_unit
+from streampack.sources import Position, ReadOptions, TextStream, WorkUnit, read_unit, records_before
 from streampack.tokenize import BosPolicy, EosPolicy, Tokenizer, load_tokenizer
 from streampack.writer import ShardWriter
-
-if TYPE_CHECKING:
-    from streampack.sources import WorkUnit
 
 ProgressFn = Callable[[dict[str, int]], None]
 NO_BOS = BosPolicy(False, None)
@@ -46,6 +43,13 @@ ENCODING_THREADS = 2
 # Batches submitted and not yet written. A batch waits here when one before it is still encoding (a long
 # document); encoded batches hold only their token arrays, a few bytes per token.
 MAX_QUEUED_BATCHES = 8
+
+# verify_tokens="sample": the records re-encoded with the reference engine are the build's first
+# VERIFY_FIRST (those of unit 0) and a VERIFY_RATE share of every unit's, chosen by a hash of the record's
+# place (unit index, record index): the same records on every run and with any number of workers.
+VERIFY_FIRST = 1000
+VERIFY_RATE = 0.005
+_VERIFY_BELOW = round(VERIFY_RATE * (1 << 32))
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class TokenizerRef:
     spec: str
     special_tokens: SpecialTokens
     sha256: str
+    engine: TokenizerEngine = "auto"  # the engine the build's own tokenizer runs, so that workers run it too
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class UnitSpec:
     dtype: str
     pieces: PieceRule  # resolved for the tokenizer (see :func:`streampack.pieces.piece_rule`)
     bos: BosPolicy = NO_BOS
+    verify: VerifyTokens = "none"  # re-encode records with the reference engine (see VERIFY_FIRST)
     on_bad_record: OnBadRecord = "error"
     batch_chars: int = 1 << 20
     commit_bytes: int = 64 << 20
@@ -144,7 +150,7 @@ def worker_tokenizer(ref: TokenizerRef) -> Tokenizer:
     key = (ref, _worker_threads)
     if key not in _worker_tokenizers:
         tokenizer = load_tokenizer(
-            ref.spec, threads=_worker_threads or None, special_tokens=ref.special_tokens
+            ref.spec, threads=_worker_threads or None, special_tokens=ref.special_tokens, engine=ref.engine
         )
         found = tokenizer.fingerprint()["sha256"]
         if found != ref.sha256:
@@ -157,6 +163,16 @@ def worker_tokenizer(ref: TokenizerRef) -> Tokenizer:
 
 
 # ---------------------------------------------------------------------------------------------- pipeline
+
+
+def verified(unit_index: int, record: int, mode: VerifyTokens) -> bool:
+    """Whether record ``record`` of unit ``unit_index`` is re-encoded with the reference engine."""
+    if mode != "sample":
+        return mode == "all"
+    if unit_index == 0 and record < VERIFY_FIRST:
+        return True
+    mixed = ((unit_index << 40) ^ record) * 0x9E3779B97F4A7C15  # Fibonacci hashing of the record's place
+    return (mixed >> 32) & 0xFFFFFFFF < _VERIFY_BELOW
 
 
 class _OpenUnit:
@@ -201,6 +217,7 @@ class _Batch:
     ends_doc: list[bool]  # per piece: the piece is the last of its document
     opens_doc: bool  # the first piece is the first of its document (a later one is when the one before ends)
     targets: list[bool] | None  # SFT builds: per piece, its tokens carry the loss
+    checks: list[tuple[int, int]]  # (piece, record) of the pieces re-encoded with the reference engine
     counts: Counts  # the unit's records consumed by this batch and the ones before it, and what they held
     last: bool = False  # the unit's last batch (possibly empty): writing it completes the unit
 
@@ -252,8 +269,8 @@ class _Pipeline:
                 self.tally.records += 1
                 if self.batch_chars >= unit.spec.batch_chars:
                     self._flush()
-        except WriteError:
-            raise  # the disk state past the last commit is unknown: write nothing more
+        except (WriteError, TokenizerError):
+            raise  # the disk state past the last commit is unknown, or its ids are wrong: write nothing more
         except StreampackError:  # a bad record or input: keep everything read before it
             self.drain()
             unit.writer.commit(self.tally.counts())
@@ -278,6 +295,7 @@ class _Pipeline:
         self.batch_chars = 0
         self.targets: list[bool] = []  # SFT builds only: per piece, as in _Batch
         self.templated: list[bool] = []  # SFT builds only: per piece, written by a chat template
+        self.checks: list[tuple[int, int]] = []  # as in _Batch
 
     def _bad_record(self, error: BadRecordError) -> None:
         if self.unit.spec.on_bad_record == "error":
@@ -294,10 +312,15 @@ class _Pipeline:
         rule, batch_chars = self.unit.spec.pieces, self.unit.spec.batch_chars
         cuts = CutCount()
         pieces = rule.stream(text, cuts) if isinstance(text, TextStream) else rule.split(text, cuts)
+        record = self.tally.records
+        verify = self.unit.spec.verify
+        checked = verify != "none" and verified(self.unit.task.unit.index, record, verify)
         for i, piece in enumerate(pieces):
             if self.batch_chars >= batch_chars:
                 self._flush()  # mid-document: its counts start with the next batch
                 self.opens_doc = i == 0
+            if checked:
+                self.checks.append((len(self.texts), record))
             self.texts.append(piece)
             self.ends_doc.append(False)
             self.batch_chars += len(piece)
@@ -312,11 +335,16 @@ class _Pipeline:
         rule, batch_chars = self.unit.spec.pieces, self.unit.spec.batch_chars
         cuts = CutCount()
         first = True
+        record = self.tally.records
+        verify = self.unit.spec.verify
+        checked = verify != "none" and verified(self.unit.task.unit.index, record, verify)
         for segment in segments:
             for piece in rule.split(segment.text, cuts) if segment.text else ():
                 if self.batch_chars >= batch_chars:
                     self._flush()  # mid-document: its counts start with the next batch
                     self.opens_doc = first
+                if checked and not segment.template:  # a template's pieces are the reference's own
+                    self.checks.append((len(self.texts), record))
                 self.texts.append(piece)
                 self.ends_doc.append(False)
                 self.targets.append(segment.target)
@@ -332,16 +360,28 @@ class _Pipeline:
             return
         encoded: Future[list[np.ndarray]]
         tokenizer = self.unit.tokenizer
+        encode: Callable[[], list[np.ndarray]] = partial(tokenizer.encode_batch, self.texts)
         if any(self.templated):
-            encoded = self.encoder.submit(_encode_with_templates, tokenizer, self.texts, self.templated)
-        elif self.texts:
-            encoded = self.encoder.submit(tokenizer.encode_batch, self.texts)
+            encode = partial(_encode_with_templates, tokenizer, self.texts, self.templated)
+        if self.checks:
+            encode = partial(_checked, encode, tokenizer, self.texts, self.checks)
+        if self.texts:
+            encoded = self.encoder.submit(encode)
         else:
             encoded = Future()
             encoded.set_result([])
         targets = self.targets if self.unit.spec.read.sft else None
         self.queue.append(
-            _Batch(self.unit, encoded, self.ends_doc, self.opens_doc, targets, self.tally.counts(), last)
+            _Batch(
+                self.unit,
+                encoded,
+                self.ends_doc,
+                self.opens_doc,
+                targets,
+                self.checks,
+                self.tally.counts(),
+                last,
+            )
         )
         self._start_batch()
         self._write_encoded()
@@ -359,7 +399,10 @@ class _Pipeline:
 
     def _write(self, batch: _Batch) -> None:
         unit = batch.unit
-        encoded = batch.encoded.result()
+        try:
+            encoded = batch.encoded.result()
+        except _Mismatch as e:
+            raise _mismatch_error(unit, e) from None
         if encoded:
             tokens, doc_ends, piece_ends = _frame(
                 encoded, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos, unit.writer.dtype
@@ -442,3 +485,65 @@ def _encode_with_templates(tokenizer: Tokenizer, texts: list[str], templated: li
     plain = iter(tokenizer.encode_batch([t for t, special in zip(texts, templated) if not special]))
     special = iter(tokenizer.encode_specials([t for t, special in zip(texts, templated) if special]))
     return [next(special) if is_template else next(plain) for is_template in templated]
+
+
+class _Mismatch(Exception):
+    """An engine's ids differ from the reference engine's for a piece (raised on an encoding thread)."""
+
+    def __init__(self, record: int, engine: list[int], reference: list[int], piece: str) -> None:
+        super().__init__(record)
+        self.record, self.engine, self.reference, self.piece = record, engine, reference, piece
+
+
+def _checked(
+    encode: Callable[[], list[np.ndarray]],
+    tokenizer: Tokenizer,
+    texts: list[str],
+    checks: list[tuple[int, int]],
+) -> list[np.ndarray]:
+    """A batch's ids, ``encode()``, once its sampled pieces have the reference engine's ids; else raises
+    :class:`_Mismatch`."""
+    ids = encode()
+    reference = tokenizer.reference_engine().encode_batch([texts[i] for i, _ in checks])
+    for (piece, record), expected in zip(checks, reference):
+        if not np.array_equal(ids[piece], expected):
+            raise _Mismatch(record, ids[piece].tolist(), expected.tolist(), texts[piece])
+    return ids
+
+
+def _mismatch_error(unit: _OpenUnit, mismatch: _Mismatch) -> TokenizerError:
+    """The error naming the record whose ids the engine got wrong, and where they first differ."""
+    engine, reference = mismatch.engine, mismatch.reference
+    shorter = min(len(engine), len(reference))
+    at = next((i for i, (a, b) in enumerate(zip(engine, reference)) if a != b), shorter)
+    tokenizer = unit.tokenizer
+    got, expected = engine[at : at + 5], reference[at : at + 5]
+    return TokenizerError(
+        f"{record_location(unit.task.unit, unit.spec.read, mismatch.record)}: the {tokenizer.engine.name} "
+        f"engine's token ids differ from the reference engine's ({tokenizer.reference_engine().name}) for "
+        f"tokenizer {tokenizer.spec!r}, from token {at} on ({got} vs {expected}, "
+        f"text {mismatch.piece[:60]!r}...). The build stopped; its committed part may hold such ids: rebuild "
+        f"with overwrite=True and tokenizer_engine='{tokenizer.reference_engine().name}', and report the text"
+    )
+
+
+def record_location(unit: WorkUnit, read: ReadOptions, record: int) -> str:
+    """Where record ``record`` of ``unit`` is: ``path:line``, ``path row N``, or a whole file's path.
+
+    Reads the unit's inputs up to the record for a run of small files; meant for error messages.
+    """
+    file = unit.file
+    if file is None:
+        return f"python:{type(unit.items).__name__} row {records_before(unit) + record}"
+    if unit.rest:  # a run of whole files: find the file holding the record
+        for one in unit.files:
+            count = sum(1 for _ in read_unit(WorkUnit(unit.index, one), read))
+            if record < count:
+                return record_location(WorkUnit(unit.index, one), read, record)
+            record -= count
+        return unit.describe()
+    if file.format == "parquet":
+        return f"{file.path} row {records_before(unit) + record}"
+    if file.format == "text" and not read.split_lines:
+        return file.path
+    return f"{file.path}:{records_before(unit) + record + 1}"

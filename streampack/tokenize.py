@@ -16,6 +16,11 @@ matching special-token strings as their ids instead (recorded in the manifest).
 
 Each tokenizer also says which cuts of a long text keep its tokens (``cut_safety``, proven from its
 structure by :mod:`streampack.pieces`).
+
+**Tokenizer and engine.** A tokenizer decides which ids a text gets: its definition, fingerprint, EOS and
+BOS, and the special-token rule above. An :class:`Engine` computes them: ``tokenizers``
+(``encode_batch_fast``), ``tiktoken``, or ``bytes``. Each tokenizer has a reference engine, the library it
+is defined by, whose ids are the ids of the cache whatever engine computes them.
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from __future__ import annotations
 import array
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +42,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from streampack.errors import MissingDependencyError, OptionsError, TokenizerError
-from streampack.options import SpecialTokens
-from streampack.pieces import CutSafety, hf_cut_safety, tiktoken_cut_safety
+from streampack.options import SpecialTokens, TokenizerEngine
+from streampack.pieces import PROVEN_SPLIT_PATTERNS, CutSafety, hf_cut_safety, tiktoken_cut_safety
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
@@ -48,14 +54,20 @@ class Tokenizer(Protocol):
 
     spec: str
     vocab_size: int
-    # One process of it keeps every core busy (its batch call runs on threads of its own and the Python
-    # work around it is small next to the encoding); see streampack.build.default_workers.
-    saturates_cores: bool
+    # What computes its ids (see the module docstring).
+    engine: Engine
     # Where cuts keep its tokens, documents are cut into pieces of about this many characters because it
     # encodes them faster than whole documents (None: no such cuts); see streampack.pieces.piece_rule.
     fast_piece_chars: int | None
     # Which cuts keep its tokens, proven from its structure.
     cut_safety: CutSafety
+
+    @property
+    def saturates_cores(self) -> bool:
+        """Whether one process of it keeps every core busy (its engine's batch call runs on threads of its
+        own and the Python work around it is small next to the encoding); see
+        :func:`streampack.build.default_workers`."""
+        ...
 
     @property
     def eos_id(self) -> int | None:
@@ -69,6 +81,10 @@ class Tokenizer(Protocol):
 
     def fingerprint(self) -> dict[str, Any]:
         """Kind, name, vocab size and a hash of the definition: identifies the tokenizer in a manifest."""
+        ...
+
+    def reference_engine(self) -> Engine:
+        """The engine whose ids define the tokenizer's (``engine`` itself when it is the reference)."""
         ...
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
@@ -85,7 +101,11 @@ class Tokenizer(Protocol):
 
 
 def load_tokenizer(
-    spec: str, *, threads: int | None = None, special_tokens: SpecialTokens = "text"
+    spec: str,
+    *,
+    threads: int | None = None,
+    special_tokens: SpecialTokens = "text",
+    engine: TokenizerEngine = "auto",
 ) -> Tokenizer:
     """Load a tokenizer from its SPEC (see the module docstring).
 
@@ -93,18 +113,45 @@ def load_tokenizer(
         spec: ``bytes``, a ``tokenizer.json`` path or folder, or ``tiktoken:PATH``.
         threads: threads used to encode a batch (tiktoken; Hugging Face uses its own pool).
         special_tokens: ``text`` encodes special-token strings as plain text; ``parse`` as their ids.
+        engine: what computes the ids: ``auto`` (the fastest engine known to give exactly the reference
+            engine's ids for this tokenizer), ``tokenizers``, ``tiktoken`` or ``fastokens``.
 
     Raises:
         TokenizerError: the spec names no usable tokenizer.
-        MissingDependencyError: the backend's package is not installed.
+        MissingDependencyError: the backend's package (or the engine asked for) is not installed.
     """
     if special_tokens not in ("text", "parse"):
         raise OptionsError(f"special_tokens must be 'text' or 'parse' (got {special_tokens!r})")
+    if engine not in ENGINE_CHOICES:
+        raise OptionsError(f"tokenizer_engine must be one of {', '.join(ENGINE_CHOICES)} (got {engine!r})")
     if spec == "bytes":
+        if engine != "auto":
+            raise TokenizerError(
+                f"the bytes tokenizer has an engine of its own (got tokenizer_engine={engine!r}); use 'auto'"
+            )
         return BytesTokenizer()
     if spec.startswith("tiktoken:"):
-        return TiktokenTokenizer(spec, threads=threads, special_tokens=special_tokens)
-    return HFTokenizer(spec, threads=threads, special_tokens=special_tokens)
+        return TiktokenTokenizer(spec, threads=threads, special_tokens=special_tokens, engine=engine)
+    return HFTokenizer(spec, threads=threads, special_tokens=special_tokens, engine=engine)
+
+
+ENGINE_CHOICES: tuple[TokenizerEngine, ...] = ("auto", "tokenizers", "tiktoken", "fastokens")
+
+
+def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
+    """The engine that computes a tokenizer's ids and its reference, with versions (for the manifest)."""
+    engine, reference = tokenizer.engine, tokenizer.reference_engine()
+    return {
+        "name": engine.name,
+        "version": engine.version,
+        "reference": f"{reference.name} {reference.version}",
+    }
+
+
+def _wrong_engine(spec: str, choice: str, kind: str, allowed: str) -> TokenizerError:
+    return TokenizerError(
+        f"tokenizer {spec!r} is {kind}: its engines are {allowed} (got tokenizer_engine={choice!r})"
+    )
 
 
 @dataclass(frozen=True)
@@ -174,6 +221,226 @@ def resolve_eos(tokenizer: Tokenizer, *, eos: bool, eos_id: int | None) -> EosPo
     return EosPolicy(True, tokenizer.eos_id)
 
 
+class Engine(Protocol):
+    """What computes a tokenizer's ids; the tokenizer decides which ids they are (its special-token rule
+    is set up in the engine when the tokenizer makes it)."""
+
+    name: str  # the --tokenizer-engine choice: tokenizers, tiktoken, fastokens (bytes: built in)
+    # One process of it keeps every core busy (see Tokenizer.saturates_cores).
+    saturates_cores: bool
+
+    @property
+    def version(self) -> str:
+        """The version of the library that computes the ids."""
+        ...
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each text as uint32 (or uint8) arrays."""
+        ...
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class BytesEngine:
+    """UTF-8 bytes as ids: the ``bytes`` tokenizer's only engine."""
+
+    name = "bytes"
+    version = "1"
+    saturates_cores = False  # holds the GIL
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`."""
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+
+
+class TokenizersEngine:
+    """Hugging Face ``tokenizers``' ``encode_batch_fast``: the reference engine of a ``tokenizer.json``."""
+
+    name = "tokenizers"
+    saturates_cores = True
+
+    def __init__(self, tok: Any, *, threads: int | None) -> None:
+        """Encode with ``tok``, a ``tokenizers.Tokenizer`` already set to the special-token rule."""
+        self._tok = tok
+        self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        if threads is not None and threads != os.cpu_count():
+            self._start_thread_pool(threads)
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        return _package_version("tokenizers")
+
+    def _start_thread_pool(self, threads: int) -> None:
+        """Start ``tokenizers``' thread pool with ``threads`` threads, if this process has none yet.
+
+        The pool reads ``RAYON_NUM_THREADS`` once, when the first batch call starts it; the variable is set
+        only for that call, so nothing is left in the caller's environment. A pool already running in this
+        process keeps its size.
+        """
+        with _environment("RAYON_NUM_THREADS", str(threads)):
+            self._encode(["a b", "c d"], add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`."""
+        encodings = self._encode(texts, add_special_tokens=False)
+        # array('I') copies the Python int list in C at ~60% of np.array's cost; this runs under the GIL.
+        return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
+
+
+class TiktokenEngine:
+    """tiktoken, one text per call on a thread pool, ids returned in a buffer: the reference engine of a
+    ``tiktoken:`` encoding."""
+
+    name = "tiktoken"
+    saturates_cores = False  # 3-4 M tokens/s: reading and framing in one process would hold it back
+
+    def __init__(self, enc: Any, *, allowed: set[str], threads: int | None) -> None:
+        """Encode with ``enc``, a ``tiktoken.Encoding``, matching only the special tokens ``allowed``."""
+        self._enc = enc
+        self._allowed = allowed
+        self._threads = threads or 1
+        self._pool = ThreadPoolExecutor(self._threads) if self._threads > 1 else None
+        core = getattr(enc, "_core_bpe", None)
+        self._to_buffer = getattr(core, "encode_to_tiktoken_buffer", None)
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        return _package_version("tiktoken")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`. Encodes as ``encode_ordinary`` unless special tokens are allowed."""
+        if self._to_buffer is None:  # older tiktoken: the public batch call, then a list-to-array copy
+            batch = self._enc.encode_batch(texts, allowed_special=self._allowed, disallowed_special=())
+            return [np.array(ids, dtype=np.uint32) for ids in batch]
+        if self._pool is None:
+            return [self._encode_one(t) for t in texts]
+        return list(self._pool.map(self._encode_one, texts))
+
+    def _encode_one(self, text: str) -> np.ndarray:
+        # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.
+        assert self._to_buffer is not None, "encode_batch checks for it"
+        return np.frombuffer(self._to_buffer(text, self._allowed), dtype=np.uint32)
+
+
+class FastokensEngine:
+    """``fastokens`` (Rust, PCRE2 JIT): encodes a byte-level BPE ``tokenizer.json`` or tiktoken ranks ~10-40x
+    faster than their reference engines, into a flat buffer of ids with no per-token Python objects.
+
+    Used only for tokenizers whose structure it is known to reproduce (:func:`fastokens_mismatch`), and
+    checked against the reference engine while a build runs (:mod:`streampack.pipeline`).
+    """
+
+    name = "fastokens"
+    # At ~30 M tokens/s, reading and framing the documents cost more than encoding them: one process per core.
+    saturates_cores = False
+
+    def __init__(self, tok: Any, *, split_special: bool, threads: int | None) -> None:
+        """Encode with ``tok``, a ``fastokens.Tokenizer``; ``split_special``: special tokens are text."""
+        self._tok = tok
+        self._split_special = split_special
+        # Its pool reads FASTOKENS_BPE_THREADS when the first batch call starts it.
+        with _environment("FASTOKENS_BPE_THREADS", str(threads or os.cpu_count() or 1)):
+            self.encode_batch(["a b", "c d"])
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        return _package_version("fastokens")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`."""
+        ids, offsets = self._tok.encode_batch_flat(
+            texts, add_special_tokens=False, split_special_tokens=self._split_special
+        )
+        flat = np.frombuffer(ids, dtype=np.uint32)
+        bounds = np.frombuffer(offsets, dtype=np.uint64).astype(np.intp)
+        return np.split(flat, bounds[1:-1]) if len(texts) else []
+
+
+def _import_fastokens(needed: bool) -> Any:
+    """The ``fastokens`` module; None when it is missing and not ``needed``.
+
+    Raises:
+        MissingDependencyError: it is ``needed`` and not installed.
+    """
+    try:
+        import fastokens
+    except ImportError:
+        if needed:
+            raise MissingDependencyError(
+                "tokenizer_engine='fastokens' needs the fastokens package: pip install 'streampack[fast]'"
+            ) from None
+        return None
+    return fastokens
+
+
+def fastokens_mismatch_hf(structure: dict[str, Any]) -> str:
+    """Why ``fastokens`` may not give a ``tokenizer.json``'s ids; ``""`` when its structure is one it is known
+    to reproduce exactly (docs/ENGINES: byte-level BPE, no normalizer, a proven split pattern).
+
+    Args:
+        structure: the tokenizer's parts, as :meth:`HFTokenizer._structure` gives them.
+    """
+    model = structure["model"]
+    if model["type"] != "BPE":
+        return f"the model is {model['type']}, not BPE"
+    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback"):
+        if model.get(key):
+            return f"the BPE model has {key}={model[key]!r}"
+    if structure["normalizer"] is not None:
+        return f"it has a {structure['normalizer'].get('type')} normalizer"
+    problem = _byte_level_problem(structure["pre_tokenizer"] or {})
+    if problem:
+        return problem
+    plain = [t["content"] for t in structure["added_tokens"] if not t["special"]]
+    if plain:
+        return f"the added token {plain[0]!r} is not special (it would be matched inside the text)"
+    return ""
+
+
+def _byte_level_problem(pre: dict[str, Any]) -> str:
+    if pre.get("type") == "ByteLevel":
+        if pre.get("add_prefix_space") or not pre.get("use_regex", True):
+            return "its ByteLevel pre-tokenizer adds a prefix space or has no regex"
+        return ""
+    steps = pre.get("pretokenizers") or []
+    if pre.get("type") != "Sequence" or len(steps) != 2:
+        return f"its pre-tokenizer is {pre.get('type')}, not ByteLevel or Split+ByteLevel"
+    split, byte_level = steps
+    pattern = (split.get("pattern") or {}).get("Regex")
+    if split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert"):
+        return "its pre-tokenizer is not Split(Regex, Isolated) + ByteLevel"
+    plain = not byte_level.get("add_prefix_space") and not byte_level.get("use_regex")
+    if byte_level.get("type") != "ByteLevel" or not plain:
+        return "its pre-tokenizer is not Split(Regex, Isolated) + ByteLevel(use_regex=false, no prefix space)"
+    if pattern not in PROVEN_SPLIT_PATTERNS:
+        return "its split pattern is not one of GPT-2's, cl100k's or o200k's"
+    return ""
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """Set the environment variable ``name`` for the duration of the block only."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 class BytesTokenizer:
     """UTF-8 bytes as token ids 0-255, with EOS = 256. Needs no files; the built-in default."""
 
@@ -181,9 +448,18 @@ class BytesTokenizer:
     vocab_size = 257
     eos_id: int | None = 256
     bos_id: int | None = None
-    saturates_cores = False
     fast_piece_chars: int | None = None  # encoding bytes costs the same per character at any length
     cut_safety = CutSafety(True, "every cut keeps UTF-8 bytes")
+    engine: Engine = BytesEngine()  # stateless: one for all
+
+    @property
+    def saturates_cores(self) -> bool:
+        """See :class:`Tokenizer`."""
+        return self.engine.saturates_cores
+
+    def reference_engine(self) -> Engine:
+        """The engine that defines this tokenizer's ids: its only one."""
+        return self.engine
 
     def fingerprint(self) -> dict[str, Any]:
         """See :class:`Tokenizer`."""
@@ -191,7 +467,7 @@ class BytesTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`."""
-        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+        return self.engine.encode_batch(texts)
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`; bytes have no special tokens."""
@@ -203,15 +479,23 @@ class BytesTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``."""
+    """A Hugging Face ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``.
 
-    saturates_cores = True
+    Its reference engine is ``tokenizers`` itself, with ``add_special_tokens=False`` and
+    ``encode_special_tokens`` set by the special-token rule.
+    """
+
     # Its batch call encodes 100 MB of the real corpus 1.17x as fast in 10,000-character pieces as in whole
     # documents (5,000: 1.16x; 20,000: 1.14x; GPT-2, 2 cores; benchmarks/bench_pieces.py).
     fast_piece_chars: int | None = 10_000
 
     def __init__(
-        self, spec: str, *, threads: int | None = None, special_tokens: SpecialTokens = "text"
+        self,
+        spec: str,
+        *,
+        threads: int | None = None,
+        special_tokens: SpecialTokens = "text",
+        engine: TokenizerEngine = "auto",
     ) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
@@ -242,26 +526,41 @@ class HFTokenizer:
         self._config = self._read_config()
         self._eos_id, self._eos_problem = self._find_special("eos_token", EOS_NAMES, added_only=False)
         self._bos_id, self._bos_problem = self._find_special("bos_token", BOS_NAMES, added_only=True)
-        self._encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
-        if threads is not None and threads != os.cpu_count():
-            self._start_thread_pool(threads)
+        self._reference = TokenizersEngine(self._tok, threads=threads)
+        self.engine: Engine = self._choose_engine(engine, threads, special_tokens)
 
-    def _start_thread_pool(self, threads: int) -> None:
-        """Start ``tokenizers``' thread pool with ``threads`` threads, if this process has none yet.
+    def _choose_engine(self, choice: TokenizerEngine, threads: int | None, special: SpecialTokens) -> Engine:
+        """``tokenizers``, or ``fastokens`` where it is installed and known to give the same ids."""
+        if choice == "tiktoken":
+            raise _wrong_engine(self.spec, choice, "a tokenizer.json", "tokenizers and fastokens")
+        fastokens = _import_fastokens(needed=choice == "fastokens") if choice != "tokenizers" else None
+        if fastokens is None:
+            return self._reference
+        problem = fastokens_mismatch_hf(self._structure())
+        if not problem:
+            try:
+                return FastokensEngine(
+                    fastokens.Tokenizer.from_json_str(self._definition.decode("utf-8")),
+                    split_special=special == "text",
+                    threads=threads,
+                )
+            except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
+                problem = f"fastokens cannot load it ({e})"
+        if choice == "fastokens":
+            raise TokenizerError(
+                f"{self._path}: fastokens is not known to give this tokenizer's ids ({problem}); use "
+                "tokenizer_engine='auto' or 'tokenizers'"
+            )
+        return self._reference
 
-        The pool reads ``RAYON_NUM_THREADS`` once, when the first batch call starts it; the variable is set
-        only for that call, so nothing is left in the caller's environment. A pool already running in this
-        process keeps its size.
-        """
-        before = os.environ.get("RAYON_NUM_THREADS")
-        os.environ["RAYON_NUM_THREADS"] = str(threads)
-        try:
-            self._encode(["a b", "c d"], add_special_tokens=False)
-        finally:
-            if before is None:
-                del os.environ["RAYON_NUM_THREADS"]
-            else:
-                os.environ["RAYON_NUM_THREADS"] = before
+    @property
+    def saturates_cores(self) -> bool:
+        """See :class:`Tokenizer`."""
+        return self.engine.saturates_cores
+
+    def reference_engine(self) -> Engine:
+        """The engine that defines this tokenizer's ids: ``tokenizers``."""
+        return self._reference
 
     def _structure(self) -> dict[str, Any]:
         """The parts of the definition that decide which cuts keep the tokens (see streampack.pieces).
@@ -279,7 +578,10 @@ class HFTokenizer:
             "pre_tokenizer": state(self._tok.pre_tokenizer),
             "model": {
                 "type": type(self._tok.model).__name__,
-                "dropout": getattr(self._tok.model, "dropout", None),
+                **{
+                    key: getattr(self._tok.model, key, None)
+                    for key in ("dropout", "continuing_subword_prefix", "end_of_word_suffix", "byte_fallback")
+                },
             },
             "added_tokens": [
                 {"content": t.content, "special": t.special, "rstrip": t.rstrip, "normalized": t.normalized}
@@ -360,9 +662,7 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`."""
-        encodings = self._encode(texts, add_special_tokens=False)
-        # array('I') copies the Python int list in C at ~60% of np.array's cost; this runs under the GIL.
-        return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
+        return self.engine.encode_batch(texts)
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`.
@@ -389,13 +689,21 @@ class HFTokenizer:
 
 
 class TiktokenTokenizer:
-    """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens)."""
+    """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens).
 
-    saturates_cores = False  # 3-4 M tokens/s: reading and framing in one process would hold it back
+    Its reference engine is tiktoken itself: ``encode_ordinary``, or with every special token allowed when
+    they are parsed.
+    """
+
     fast_piece_chars: int | None = None  # measured: pieces encode no faster (benchmarks/bench_pieces.py)
 
     def __init__(
-        self, spec: str, *, threads: int | None = None, special_tokens: SpecialTokens = "text"
+        self,
+        spec: str,
+        *,
+        threads: int | None = None,
+        special_tokens: SpecialTokens = "text",
+        engine: TokenizerEngine = "auto",
     ) -> None:
         try:
             import tiktoken
@@ -442,10 +750,43 @@ class TiktokenTokenizer:
         self.bos_id: int | None = None  # a ranks file says nothing of a BOS: give bos_id
         self._allowed = set(specials) if special_tokens == "parse" else set()
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
-        self._threads = threads or 1
-        self._pool = ThreadPoolExecutor(self._threads) if self._threads > 1 else None
-        core = getattr(self._enc, "_core_bpe", None)
-        self._to_buffer = getattr(core, "encode_to_tiktoken_buffer", None)
+        self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
+        self.engine: Engine = self._choose_engine(engine, threads, (ranks, pattern, specials))
+
+    def _choose_engine(
+        self, choice: TokenizerEngine, threads: int | None, definition: tuple[Path, str, dict[str, int]]
+    ) -> Engine:
+        """tiktoken, or ``fastokens`` where it is installed and known to give the same ids."""
+        if choice == "tokenizers":
+            raise _wrong_engine(self.spec, choice, "a tiktoken encoding", "tiktoken and fastokens")
+        fastokens = _import_fastokens(needed=choice == "fastokens") if choice != "tiktoken" else None
+        if fastokens is None:
+            return self._reference
+        ranks, pattern, specials = definition
+        problem = ""
+        if pattern not in PROVEN_SPLIT_PATTERNS:
+            problem = "its pat_str is not GPT-2's, cl100k's or o200k's"
+        if not problem:
+            try:
+                tok = fastokens.Tokenizer.from_tiktoken(str(ranks), pattern=pattern, special_tokens=specials)
+                return FastokensEngine(tok, split_special=not self._allowed, threads=threads)
+            except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
+                problem = f"fastokens cannot load it ({e})"
+        if choice == "fastokens":
+            raise TokenizerError(
+                f"{ranks}: fastokens is not known to give this encoding's ids ({problem}); use "
+                "tokenizer_engine='auto' or 'tiktoken'"
+            )
+        return self._reference
+
+    @property
+    def saturates_cores(self) -> bool:
+        """See :class:`Tokenizer`."""
+        return self.engine.saturates_cores
+
+    def reference_engine(self) -> Engine:
+        """The engine that defines this tokenizer's ids: tiktoken."""
+        return self._reference
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("TiktokenTokenizer is not picklable: load it in each process from its spec")
@@ -457,22 +798,12 @@ class TiktokenTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`. Encodes as ``encode_ordinary`` unless special tokens are parsed."""
-        if self._to_buffer is None:  # older tiktoken: the public batch call, then a list-to-array copy
-            batch = self._enc.encode_batch(texts, allowed_special=self._allowed, disallowed_special=())
-            return [np.array(ids, dtype=np.uint32) for ids in batch]
-        if self._pool is None:
-            return [self._encode_one(t) for t in texts]
-        return list(self._pool.map(self._encode_one, texts))
+        return self.engine.encode_batch(texts)
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`."""
         batch = self._enc.encode_batch(texts, allowed_special="all", disallowed_special=())
         return [np.array(ids, dtype=np.uint32) for ids in batch]
-
-    def _encode_one(self, text: str) -> np.ndarray:
-        # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.
-        assert self._to_buffer is not None, "encode_batch checks for it"
-        return np.frombuffer(self._to_buffer(text, self._allowed), dtype=np.uint32)
 
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`."""

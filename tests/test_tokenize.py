@@ -189,14 +189,16 @@ def test_an_empty_tiktoken_spec_says_what_to_pass() -> None:
 def test_a_build_leaves_the_callers_environment_alone_and_sizes_its_thread_pool(
     tmp_path: Path, bpe_tokenizer: Path
 ) -> None:
-    # In processes of their own: `threads` sizes a process's tokenizers thread pool for good.
+    # In processes of their own: `threads` sizes a process's tokenizers thread pool for good (the tokenizers
+    # engine alone: fastokens, which auto would pick for this tokenizer, has a pool of its own).
     counts = []
     for threads in (1, 3):
         script = f"""
 import os, streampack
 before = dict(os.environ)
 docs = streampack.Documents(["a b c"] * 3)
-streampack.build(docs, {str(tmp_path / f"c{threads}")!r}, tokenizer={str(bpe_tokenizer)!r}, threads={threads})
+streampack.build(docs, {str(tmp_path / f"c{threads}")!r}, tokenizer={str(bpe_tokenizer)!r}, threads={threads},
+                 tokenizer_engine="tokenizers")
 assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())
 print(len(os.listdir("/proc/self/task")))
 """
