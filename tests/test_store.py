@@ -70,9 +70,10 @@ def test_samples_pickle_a_cache_reference_not_a_path(root: Path) -> None:
     assert "path" not in state
     assert state["cache"] == CacheRef(root.resolve().as_uri(), seqs.fingerprint()["shards"], False)
     copy = pickle.loads(pickle.dumps(seqs))
-    assert copy.path == seqs.path == str(root.resolve()) and copy[np.arange(5)].tolist() == seqs[
-        np.arange(5)
-    ].tolist()
+    assert (
+        copy.path == seqs.path == str(root.resolve())
+        and copy[np.arange(5)].tolist() == seqs[np.arange(5)].tolist()
+    )
 
 
 def test_samples_pickled_before_the_reference_still_reopen(root: Path) -> None:
