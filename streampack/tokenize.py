@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +146,29 @@ def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
         "version": engine.version,
         "reference": f"{reference.name} {reference.version}",
     }
+
+
+def _fastokens_or_reference(
+    reference: Engine,
+    choice: TokenizerEngine,
+    problem: str,
+    load: Callable[[], Any],
+    *,
+    split_special: bool,
+    threads: int | None,
+    refusal: str,
+    reference_name: str,
+) -> Engine:
+    """The fastokens engine where the tokenizer's structure is proven (``problem`` empty) and it loads;
+    else the reference engine, or a :class:`TokenizerError` when fastokens was asked for by name."""
+    if not problem:
+        try:
+            return FastokensEngine(load(), split_special=split_special, threads=threads)
+        except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
+            problem = f"fastokens cannot load it ({e})"
+    if choice == "fastokens":
+        raise TokenizerError(f"{refusal} ({problem}); use tokenizer_engine='auto' or '{reference_name}'")
+    return reference
 
 
 def _wrong_engine(spec: str, choice: str, kind: str, allowed: str) -> TokenizerError:
@@ -536,22 +559,16 @@ class HFTokenizer:
         fastokens = _import_fastokens(needed=choice == "fastokens") if choice != "tokenizers" else None
         if fastokens is None:
             return self._reference
-        problem = fastokens_mismatch_hf(self._structure())
-        if not problem:
-            try:
-                return FastokensEngine(
-                    fastokens.Tokenizer.from_json_str(self._definition.decode("utf-8")),
-                    split_special=special == "text",
-                    threads=threads,
-                )
-            except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
-                problem = f"fastokens cannot load it ({e})"
-        if choice == "fastokens":
-            raise TokenizerError(
-                f"{self._path}: fastokens is not known to give this tokenizer's ids ({problem}); use "
-                "tokenizer_engine='auto' or 'tokenizers'"
-            )
-        return self._reference
+        return _fastokens_or_reference(
+            self._reference,
+            choice,
+            fastokens_mismatch_hf(self._structure()),
+            lambda: fastokens.Tokenizer.from_json_str(self._definition.decode("utf-8")),
+            split_special=special == "text",
+            threads=threads,
+            refusal=f"{self._path}: fastokens is not known to give this tokenizer's ids",
+            reference_name="tokenizers",
+        )
 
     @property
     def saturates_cores(self) -> bool:
@@ -763,21 +780,17 @@ class TiktokenTokenizer:
         if fastokens is None:
             return self._reference
         ranks, pattern, specials = definition
-        problem = ""
-        if pattern not in PROVEN_SPLIT_PATTERNS:
-            problem = "its pat_str is not GPT-2's, cl100k's or o200k's"
-        if not problem:
-            try:
-                tok = fastokens.Tokenizer.from_tiktoken(str(ranks), pattern=pattern, special_tokens=specials)
-                return FastokensEngine(tok, split_special=not self._allowed, threads=threads)
-            except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
-                problem = f"fastokens cannot load it ({e})"
-        if choice == "fastokens":
-            raise TokenizerError(
-                f"{ranks}: fastokens is not known to give this encoding's ids ({problem}); use "
-                "tokenizer_engine='auto' or 'tiktoken'"
-            )
-        return self._reference
+        proven = pattern in PROVEN_SPLIT_PATTERNS
+        return _fastokens_or_reference(
+            self._reference,
+            choice,
+            "" if proven else "its pat_str is not GPT-2's, cl100k's or o200k's",
+            lambda: fastokens.Tokenizer.from_tiktoken(str(ranks), pattern=pattern, special_tokens=specials),
+            split_special=not self._allowed,
+            threads=threads,
+            refusal=f"{ranks}: fastokens is not known to give this encoding's ids",
+            reference_name="tiktoken",
+        )
 
     @property
     def saturates_cores(self) -> bool:
