@@ -9,6 +9,9 @@ manifest and the offset tables of the shards in use; memory-mapped pages belong 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -110,6 +113,18 @@ class Cache:
     def bos_id(self) -> int | None:
         """The BOS id put before every document, or None (also for caches written before BOS existed)."""
         return self.manifest.bos["id"] if self.manifest.bos["prepend"] else None
+
+    @functools.cached_property
+    def content_digest(self) -> str:
+        """A short digest of the shard table: what samples are made of, wherever the cache lives.
+
+        Computed once per open cache (its shard table never changes): every view of the cache and every
+        plan key asks for it, and 10^5 shards take a noticeable time to digest.
+        """
+        table = [
+            [s.name, s.num_docs, s.num_tokens, s.tokens_checksum, s.offsets_checksum] for s in self.shards
+        ]
+        return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
 
     @property
     def shards(self) -> list[ShardInfo]:

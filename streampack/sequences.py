@@ -19,8 +19,6 @@ array, with no per-token Python work. Document boundaries come from the shards' 
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import numbers
 from collections.abc import Sequence
 from dataclasses import replace
@@ -516,9 +514,8 @@ def cache_ref(cache: Cache) -> CacheRef:
 
 
 def content_digest(cache: Cache) -> str:
-    """A short digest of the shard table: what the samples are made of, wherever the cache lives."""
-    table = [[s.name, s.num_docs, s.num_tokens, s.tokens_checksum, s.offsets_checksum] for s in cache.shards]
-    return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
+    """A short digest of the shard table: :attr:`streampack.reader.Cache.content_digest`."""
+    return cache.content_digest
 
 
 def _ref_of_old_pickle(state: dict[str, Any]) -> CacheRef:
