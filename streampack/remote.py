@@ -196,25 +196,27 @@ class RemoteStore:
         Raises:
             WriteError: the call kept failing (an upload, publish or delete).
             CacheError: a read, listing or check kept failing.
-            FileNotFoundError, PermissionError...: the permanent errors, as fsspec raised them.
+            FileNotFoundError: the object does not exist (never retried, nor are refusals and bad
+                arguments).
         """
         delay = self.backoff
         for attempt in range(1, self.attempts + 1):
             try:
                 return fn(*args, **kwargs)
-            except _PERMANENT:
+            except FileNotFoundError:
                 raise
             except Exception as e:
-                if not _transient(e) or attempt == self.attempts:
-                    kind = WriteError if what in ("upload", "publish", "delete") else CacheError
-                    tries = f" after {attempt} attempts" if attempt > 1 else ""
-                    raise kind(
-                        f"{self.describe(key)}: cannot {what}{tries} ({type(e).__name__}: {e}); check the "
-                        "URL, the credentials and the network, then rerun the same command (a build resumes "
-                        "from what is already up)"
-                    ) from None
-                time.sleep(delay)
-                delay *= 2
+                if _transient(e) and attempt < self.attempts:
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                kind = WriteError if what in ("upload", "publish", "delete") else CacheError
+                tries = f" after {attempt} attempts" if attempt > 1 else ""
+                raise kind(
+                    f"{self.describe(key)}: cannot {what}{tries} ({type(e).__name__}: {e}); check the URL, "
+                    "the storage options and credentials and the network, then rerun the same command (a "
+                    "build resumes from what is already up)"
+                ) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
 
@@ -225,6 +227,8 @@ def _name(entry: dict[str, Any]) -> str:
 def _transient(error: Exception) -> bool:
     """Whether ``error`` may pass on retry: an OSError that is not a refusal, a timeout or connection
     error, or any error of the storage clients' network stacks."""
+    if isinstance(error, _PERMANENT):
+        return False
     if isinstance(error, (OSError, TimeoutError, ConnectionError)):
         return True
     return type(error).__module__.split(".")[0] in _TRANSIENT_MODULES

@@ -168,3 +168,31 @@ def test_a_build_killed_mid_upload_resumes_against_the_remote_ledger(
     assert done and int(done[1]) >= sum(k.startswith("ledger/") for k in objects) >= 2, stdout.decode()
     streampack.build(inputs, tmp_path / "local", tokenizer=str(bpe_tokenizer), unit_bytes=1 << 20)
     assert remote_bytes(fs, f"{name}/c") == shard_bytes(tmp_path / "local")
+
+
+def test_a_resumed_build_with_other_settings_is_refused_naming_the_url(
+    tmp_path: Path, bpe_tokenizer: Path, bucket: tuple[Any, str], s3_endpoint: str
+) -> None:
+    _, name = bucket
+    inputs = make_inputs(tmp_path / "in", docs=100)
+    url = f"s3://{name}/c"
+    streampack.build(inputs, url, tokenizer=str(bpe_tokenizer), storage_options=options(s3_endpoint))
+    mismatch = rf"{url} holds a cache built with other settings"
+    with pytest.raises(streampack.ConfigMismatchError, match=mismatch):
+        streampack.build(inputs, url, tokenizer="bytes", storage_options=options(s3_endpoint))
+
+
+def test_an_unreachable_store_is_a_clear_error_after_retries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in CREDENTIALS.items():
+        monkeypatch.setenv(key, value)
+    unreachable = {
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:1"},  # nothing listens on port 1
+        "config_kwargs": {"retries": {"max_attempts": 1}},
+    }
+    inputs = make_inputs(tmp_path / "in", docs=10)
+    with pytest.raises(streampack.CacheError, match=r"s3://nowhere/c/manifest\.json: cannot check after 4 "):
+        streampack.build(inputs, "s3://nowhere/c", storage_options=unreachable, stage=str(tmp_path / "s"))
+    with pytest.raises(streampack.CacheError, match=r"nowhere/c/manifest\.json: cannot check \(TypeError"):
+        streampack.build(inputs, "s3://nowhere/c", storage_options={"bogus": 1}, stage=str(tmp_path / "s"))
