@@ -47,6 +47,8 @@ from streampack.pipeline import (
     run_units,
 )
 from streampack.progress import BuildProgress
+from streampack.publish import Publisher, default_stage
+from streampack.remote import RemoteStore, is_remote
 from streampack.sft import load_chat_template
 from streampack.sources import (
     Documents,
@@ -74,7 +76,7 @@ from streampack.tokenize import (
 class BuildSummary:
     """What a build did, for the CLI's last lines and for callers."""
 
-    out: Path
+    out: Path | str  # a URL for a build to object storage
     num_docs: int = 0
     num_tokens: int = 0
     num_shards: int = 0
@@ -105,7 +107,8 @@ def build(
         inputs: a path, directory, glob or URL, or a list of them; or documents: a Hugging Face
             ``Dataset``/``IterableDataset``, a generator, or :class:`~streampack.Documents` wrapping any
             iterable of ``str`` or dicts.
-        out: the cache directory (created if needed).
+        out: the cache directory (created if needed), or an fsspec URL (``s3://bucket/prefix``): the
+            build is then staged in ``run.stage`` and published there (see :mod:`streampack.publish`).
         spec: the settings that identify the cache (:class:`~streampack.CacheSpec`).
         run: how the build runs (:class:`~streampack.RunOptions`).
         **options: fields of either, by name (``tokenizer="gpt2/tokenizer.json", workers=4``), replacing
@@ -119,7 +122,8 @@ def build(
             settings or from other inputs, another build running in ``out``, or a full disk.
     """
     spec, run = split_options(spec, run, options)
-    root = Path(out)
+    remote = RemoteStore(out, run.storage_options) if isinstance(out, str) and is_remote(out) else None
+    root = Path(out) if remote is None else Path(run.stage or default_stage(remote.url))
     started = time.perf_counter()
     if _as_documents(inputs) is None:  # paths: refuse an output that would mix with them before listing them
         check_output_outside_inputs(root, [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)
@@ -183,9 +187,12 @@ def build(
             f"cannot create {root}: {e.strerror}; choose a writable output directory"
         ) from None
     with store.lock(LOCK):
-        _prepare_directory(store, run.overwrite)
         tasks = [UnitTask(shared, u) for u in plan.units]
-        summary = _build_locked(store, manifest, tasks, run, tokenizer)
+        if remote is None:
+            _prepare_directory(store, run.overwrite)
+            summary = _build_locked(store, manifest, tasks, run, tokenizer)
+        else:
+            summary = _build_remote(remote, store, manifest, tasks, run, tokenizer)
     summary.seconds = time.perf_counter() - started
     return summary
 
@@ -306,14 +313,39 @@ def _delete_cache(store: LocalStore) -> None:
     store.delete(MANIFEST)
 
 
+def _build_remote(
+    remote: RemoteStore,
+    stage: LocalStore,
+    manifest: Manifest,
+    tasks: list[UnitTask],
+    run: RunOptions,
+    tokenizer: Tokenizer,
+) -> BuildSummary:
+    """Build in the staging directory ``stage`` and publish to ``remote`` (see :mod:`streampack.publish`)."""
+    publisher = Publisher(remote, stage, {shard_name(t.unit.index): t.unit.describe() for t in tasks})
+    complete = publisher.begin(manifest, overwrite=run.overwrite, same_build=_check_same_build)
+    if complete is not None:
+        return _summarize(BuildSummary(out=remote.url), complete)
+    summary = _build_locked(stage, manifest, tasks, run, tokenizer, publisher)
+    summary.out = remote.url
+    return summary
+
+
 def _build_locked(
-    store: LocalStore, manifest: Manifest, tasks: list[UnitTask], run: RunOptions, tokenizer: Tokenizer
+    store: LocalStore,
+    manifest: Manifest,
+    tasks: list[UnitTask],
+    run: RunOptions,
+    tokenizer: Tokenizer,
+    publisher: Publisher | None = None,
 ) -> BuildSummary:
     summary = BuildSummary(out=store.root)
     if store.exists(MANIFEST):
         existing = load_manifest(store)
         _check_same_build(store.root, existing, manifest)
         if existing.complete:
+            if publisher is not None:
+                publisher.finish()
             return _summarize(summary, existing)
         manifest = replace(manifest, engines=_engines(existing.engines, manifest.engines))
     manifest.write(store)
@@ -325,6 +357,8 @@ def _build_locked(
     with BuildProgress(run.progress, units, progress) as bar:
         for result in _run(todo, run, tokenizer, bar.update):
             progress[result.unit_index] = result.progress
+            if publisher is not None and result.progress.done:
+                publisher.unit_done(shard_name(result.unit_index))
             bar.unit_done(result)
     final = replace(
         manifest,
@@ -335,6 +369,8 @@ def _build_locked(
         inexact_cuts=sum(p.inexact_cuts for p in progress),
     )
     final.write(store)
+    if publisher is not None:
+        publisher.finish()
     return _summarize(summary, final)
 
 
@@ -365,7 +401,7 @@ def _shard_table(units: list[WorkUnit], progress: list[UnitProgress], masked: bo
     ]
 
 
-def _check_same_build(root: Path, existing: Manifest, new: Manifest) -> None:
+def _check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> None:
     old_config, new_config = _identity(existing), _identity(new)
     differences = [
         f"{key}: the cache has {old_config.get(key)}, this build has {new_config.get(key)}"

@@ -42,7 +42,13 @@ _SPEC, _RUN = CacheSpec, RunOptions
 
 @cli.command()
 @click.argument("inputs", nargs=-1, required=True)
-@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Cache directory.")
+@click.option(
+    "--out",
+    "-o",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Cache directory, or an fsspec URL (s3://bucket/prefix) to build in --stage and upload there.",
+)
 @click.option(
     "--tokenizer",
     "-t",
@@ -140,6 +146,12 @@ _SPEC, _RUN = CacheSpec, RunOptions
     "and stop at the first difference: sample (the first 1,000 records and 0.5% of the rest), all, none.",
 )
 @click.option(
+    "--stage",
+    type=click.Path(file_okay=False),
+    help="With --out URL: local directory the shards are built in before upload [default: one per URL "
+    "under the temp directory].",
+)
+@click.option(
     "--max-piece-chars",
     type=click.IntRange(min=1),
     help="Tokenize longer documents in pieces of at most N characters "
@@ -178,6 +190,7 @@ def build(
     ray_address: str | None,
     tokenizer_engine: str,
     verify_tokens: str,
+    stage: str | None,
     max_piece_chars: int | None,
     batch_chars: int,
     commit_seconds: float,
@@ -215,6 +228,7 @@ def build(
             batch_chars=batch_chars,
             commit_bytes=max(int(commit_mb * (1 << 20)), 1),
             commit_seconds=commit_seconds,
+            stage=stage,
         )
     except OptionsError as e:
         raise click.UsageError(_in_cli_terms(str(e))) from None

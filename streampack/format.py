@@ -24,7 +24,7 @@ import numpy as np
 import orjson
 
 from streampack.errors import CacheError
-from streampack.store import LocalStore, crc32_file, encode_json
+from streampack.store import LocalStore, Store, crc32_file, encode_json
 
 FORMAT_NAME = "streampack-cache"
 FORMAT_VERSION = 1
@@ -215,21 +215,21 @@ class Manifest:
             "shards": [s.to_json() for s in self.shards],
         }
 
-    def write(self, root: Path | LocalStore) -> None:
+    def write(self, root: Path | Store) -> None:
         """Atomically replace the cache's ``manifest.json`` (``root`` is its directory or its store)."""
-        store = root if isinstance(root, LocalStore) else LocalStore(root)
+        store = LocalStore(root) if isinstance(root, Path) else root
         store.put_atomic(MANIFEST, encode_json(with_checksum(self.to_json())))
 
 
-def load_manifest(root: Path | LocalStore) -> Manifest:
+def load_manifest(root: Path | Store) -> Manifest:
     """Read and validate the cache's ``manifest.json`` (``root`` is its directory or its store).
 
     Raises:
         CacheError: the manifest is missing, malformed, from another format version, or inconsistent.
     """
-    store = root if isinstance(root, LocalStore) else LocalStore(root)
-    path = store.path(MANIFEST)
-    if not store.is_dir():
+    store = LocalStore(root) if isinstance(root, Path) else root
+    path = store.describe(MANIFEST)
+    if isinstance(store, LocalStore) and not store.is_dir():
         raise CacheError(f"{store.root}: no such cache directory")
     raw = store.read_json(MANIFEST, what="manifest")
     _check_manifest_checksum(path, raw)
@@ -265,7 +265,7 @@ def with_checksum(doc: dict[str, Any]) -> dict[str, Any]:
     return {**doc, "checksum": manifest_checksum(doc)}
 
 
-def _check_manifest_checksum(path: Path, raw: Any) -> None:
+def _check_manifest_checksum(path: str, raw: Any) -> None:
     """Refuse a manifest whose content differs from what its checksum covers.
 
     The shard files' checksums cover the data, and this one everything else (inputs, settings, the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -130,6 +131,10 @@ class RunOptions:
         batch_chars: characters of text tokenized per batch call.
         commit_bytes: commit after this many bytes of tokens...
         commit_seconds: ...or after this many seconds, whichever comes first.
+        stage: a build to object storage: the local directory where shards are built before they are
+            uploaded (default: one per URL under the system temp directory).
+        storage_options: a build to object storage: options of its fsspec filesystem (credentials
+            and endpoints otherwise come from the environment, as for any client of the store).
     """
 
     workers: int | None = None
@@ -144,6 +149,8 @@ class RunOptions:
     batch_chars: int = 1 << 20
     commit_bytes: int = 64 << 20
     commit_seconds: float = 10.0
+    stage: str | None = None
+    storage_options: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check_choice("engine", self.engine, ("local", "ray"))
