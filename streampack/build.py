@@ -12,7 +12,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ from streampack.sources import (
     plan_units,
     refuse_text_for_sft,
 )
+from streampack.stagetimes import add_up, mark_process_start
 from streampack.store import LocalStore
 from streampack.tokenize import (
     ENGINE_CHOICES,
@@ -86,6 +87,10 @@ class BuildSummary:
     units_resumed: int = 0
     units_already_done: int = 0
     seconds: float = 0.0
+    workers: int = 1  # processes that ran units (Ray: tasks at once is the cluster's business; 1 shown)
+    stages: dict[str, list[float]] = field(
+        default_factory=dict
+    )  # [wall, CPU] s per stage: streampack.stagetimes
 
     @property
     def tokens_per_second(self) -> float:
@@ -124,7 +129,8 @@ def build(
     spec, run = split_options(spec, run, options)
     remote = RemoteStore(out, run.storage_options) if isinstance(out, str) and is_remote(out) else None
     root = Path(out) if remote is None else Path(run.stage or default_stage(remote.url))
-    started = time.perf_counter()
+    mark_process_start()
+    started = time.perf_counter(), time.process_time()
     if _as_documents(inputs) is None:  # paths: refuse an output that would mix with them before listing them
         check_output_outside_inputs(root, [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)
     read = ReadOptions(spec.text_field, spec.split_lines, spec.unit_bytes, fields=spec.fields)
@@ -178,6 +184,7 @@ def build(
         batch_chars=run.batch_chars,
         commit_bytes=run.commit_bytes,
         commit_seconds=run.commit_seconds,
+        profile=run.profile,
     )
     store = LocalStore(root)
     try:
@@ -190,10 +197,10 @@ def build(
         tasks = [UnitTask(shared, u) for u in plan.units]
         if remote is None:
             _prepare_directory(store, run.overwrite)
-            summary = _build_locked(store, manifest, tasks, run, tokenizer)
+            summary = _build_locked(store, manifest, tasks, run, tokenizer, started)
         else:
-            summary = _build_remote(remote, store, manifest, tasks, run, tokenizer)
-    summary.seconds = time.perf_counter() - started
+            summary = _build_remote(remote, store, manifest, tasks, run, tokenizer, started)
+    summary.seconds = time.perf_counter() - started[0]
     return summary
 
 
@@ -320,13 +327,14 @@ def _build_remote(
     tasks: list[UnitTask],
     run: RunOptions,
     tokenizer: Tokenizer,
+    started: tuple[float, float],
 ) -> BuildSummary:
     """Build in the staging directory ``stage`` and publish to ``remote`` (see :mod:`streampack.publish`)."""
     publisher = Publisher(remote, stage, {shard_name(t.unit.index): t.unit.describe() for t in tasks})
     complete = publisher.begin(manifest, overwrite=run.overwrite, same_build=_check_same_build)
     if complete is not None:
         return _summarize(BuildSummary(out=remote.url), complete)
-    summary = _build_locked(stage, manifest, tasks, run, tokenizer, publisher)
+    summary = _build_locked(stage, manifest, tasks, run, tokenizer, started, publisher)
     summary.out = remote.url
     return summary
 
@@ -337,8 +345,10 @@ def _build_locked(
     tasks: list[UnitTask],
     run: RunOptions,
     tokenizer: Tokenizer,
+    started: tuple[float, float],
     publisher: Publisher | None = None,
 ) -> BuildSummary:
+    """Build the units not done yet, then write the final manifest (``started``: build()'s clocks)."""
     summary = BuildSummary(out=store.root)
     if store.exists(MANIFEST):
         existing = load_manifest(store)
@@ -354,8 +364,11 @@ def _build_locked(
     summary.units_already_done = sum(p.done for p in progress)
     summary.units_resumed = sum(not p.done and p.records > 0 for p in progress)
     todo = [t for t, p in zip(tasks, progress) if not p.done]
+    summary.workers = _worker_count(todo, run, tokenizer)
+    summary.stages = {"prepare": [time.perf_counter() - started[0], time.process_time() - started[1]]}
     with BuildProgress(run.progress, units, progress) as bar:
-        for result in _run(todo, run, tokenizer, bar.update):
+        for result in _run(todo, run, tokenizer, summary.workers, bar.update):
+            summary.stages = add_up([summary.stages, result.stages])
             progress[result.unit_index] = result.progress
             if publisher is not None and result.progress.done:
                 publisher.unit_done(shard_name(result.unit_index))
@@ -469,14 +482,22 @@ def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str
 # ---------------------------------------------------------------------------------------------- running
 
 
+def _worker_count(todo: list[UnitTask], run: RunOptions, tokenizer: Tokenizer) -> int:
+    """Worker processes of the local engine: as asked or chosen, at most one per unit to build."""
+    wanted = run.workers or default_workers(tokenizer, os.cpu_count() or 1)
+    return min(wanted, max(sum(not t.unit.in_process for t in todo), 1))
+
+
 def _run(
-    todo: list[UnitTask], run: RunOptions, tokenizer: Tokenizer, report: Callable[[dict[str, int]], None]
+    todo: list[UnitTask],
+    run: RunOptions,
+    tokenizer: Tokenizer,
+    workers: int,
+    report: Callable[[dict[str, int]], None],
 ) -> Iterable[UnitResult]:
     cores = os.cpu_count() or 1
     in_process = [t for t in todo if t.unit.in_process]
     pooled = [t for t in todo if not t.unit.in_process]
-    wanted = run.workers or default_workers(tokenizer, cores)
-    workers = min(wanted, max(len(pooled), 1))
     here = partial(run_units, tokenizer=tokenizer)  # this process: the tokenizer build() loaded
     yield from run_local(here, in_process, workers=1, on_progress=report)
     if run.engine == "ray":
@@ -503,12 +524,13 @@ def worker_threads(run: RunOptions, workers: int, cores: int | None = None) -> i
 
 
 def default_workers(tokenizer: Tokenizer, cores: int) -> int:
-    """Worker processes when ``workers`` is not given: chosen by measurement, per backend.
+    """Worker processes when ``workers`` is not given: one per :attr:`Tokenizer.cores_per_worker` cores,
+    chosen by measurement per engine (GPT-2 vocabulary, real English text, 2 cores).
 
-    Measured on 2 cores with the GPT-2 vocabulary on real English text. Hugging Face ``tokenizers`` runs
-    best as one process using every core (100 MB: 0.94x its raw ``encode_batch_fast`` speed, against
-    0.78x for two processes whose thread pools fight over the cores), so it gets one process per 8
-    cores. tiktoken is fast enough that reading and framing the documents matter, and runs best as one
-    process per core (345 MB: 25-27 s against 36 s for one process). ``bytes`` holds the GIL: one per core.
+    Hugging Face ``tokenizers`` runs best as one process using every core (100 MB: 0.94x its raw
+    ``encode_batch_fast`` speed, against 0.78x for two processes whose thread pools fight over the cores):
+    8 cores each. tiktoken is fast enough that reading and framing the documents matter: one process per
+    core (345 MB: 25-27 s against 36 s for one process). fastokens encodes so fast that one reader feeds
+    ~3 cores of it. ``bytes`` holds the GIL: one per core.
     """
-    return max(1, cores // 8) if tokenizer.saturates_cores else cores
+    return max(1, cores // tokenizer.cores_per_worker)

@@ -26,6 +26,7 @@ from streampack.format import Manifest
 from streampack.options import CacheSpec, RunOptions, default
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
+from streampack.stagetimes import render as render_stages
 from streampack.store import disk_error
 from streampack.tokenize import Tokenizer, load_tokenizer
 from streampack.verify import verify as verify_cache
@@ -143,7 +144,7 @@ _SPEC, _RUN = CacheSpec, RunOptions
     default=default(_RUN, "verify_tokens"),
     show_default=True,
     help="When another engine than the tokenizer's own library computes the ids, re-encode with the latter "
-    "and stop at the first difference: sample (the first 1,000 records and 0.5% of the rest), all, none.",
+    "and stop at the first difference: sample (the first 20 records and 0.1% of the rest), all, none.",
 )
 @click.option(
     "--stage",
@@ -156,6 +157,12 @@ _SPEC, _RUN = CacheSpec, RunOptions
     type=click.IntRange(min=1),
     help="Tokenize longer documents in pieces of at most N characters "
     "[default: 100000 where cuts at spaces provably keep the tokenizer's tokens, else 1000000].",
+)
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="After the summary, print where the time went: seconds per stage (read, pieces, encode, write, "
+    "...) summed over the worker processes.",
 )
 @click.option("--batch-chars", type=click.IntRange(min=1), default=default(_RUN, "batch_chars"), hidden=True)
 @click.option(
@@ -191,6 +198,7 @@ def build(
     tokenizer_engine: str,
     verify_tokens: str,
     stage: str | None,
+    profile: bool,
     max_piece_chars: int | None,
     batch_chars: int,
     commit_seconds: float,
@@ -229,6 +237,7 @@ def build(
             commit_bytes=max(int(commit_mb * (1 << 20)), 1),
             commit_seconds=commit_seconds,
             stage=stage,
+            profile=profile,
         )
     except OptionsError as e:
         raise click.UsageError(_in_cli_terms(str(e))) from None
@@ -253,6 +262,8 @@ def build(
             f"note: {summary.inexact_cuts:,} cuts of very long documents may have changed the tokens next to "
             "them (see `streampack info`)"
         )
+    if profile:
+        click.echo(render_stages(summary.stages, summary.seconds, summary.workers))
 
 
 # Library messages name Python parameters; the CLI shows them as its flags.

@@ -122,8 +122,8 @@ class RunOptions:
             the tokenizer's own ids: ``fastokens`` where installed, for the byte-level BPE tokenizers it
             reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``. Every engine gives the same bytes.
         verify_tokens: with an engine other than the tokenizer's reference engine, re-encode with the
-            reference and stop at the first difference: ``sample`` (the build's first 1,000 records and a
-            hash-chosen 0.5 % of the rest), ``all``, or ``none``.
+            reference and stop at the first difference: ``sample`` (the build's first 20 records and a
+            hash-chosen 0.1 % of the rest), ``all``, or ``none``.
         ray_address: the Ray cluster to connect to (default: a running one, else a new local instance).
         on_bad_record: ``error`` stops at the first bad record; ``skip`` skips and counts them.
         overwrite: delete an existing cache in the output directory and start over.
@@ -135,6 +135,8 @@ class RunOptions:
             uploaded (default: one per URL under the system temp directory).
         storage_options: a build to object storage: options of its fsspec filesystem (credentials
             and endpoints otherwise come from the environment, as for any client of the store).
+        profile: measure the CPU time of each stage of the pipeline too (``BuildSummary.stages``), at a
+            small cost per record.
     """
 
     workers: int | None = None
@@ -151,6 +153,7 @@ class RunOptions:
     commit_seconds: float = 10.0
     stage: str | None = None
     storage_options: Mapping[str, Any] | None = None
+    profile: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("engine", self.engine, ("local", "ray"))

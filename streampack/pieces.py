@@ -47,11 +47,15 @@ _O200K_LETTERS = (
 )
 _O200K_REST = r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _CL100K_REST = r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-PROVEN_SPLIT_PATTERNS = frozenset(
+# GPT-2 (r50k, p50k): the ByteLevel pre-tokenizer's own regex, both spellings.
+GPT2_SPLIT_PATTERNS = frozenset(
     {
-        # GPT-2 (r50k, p50k); the ByteLevel pre-tokenizer's own regex
         r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
         r"'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    }
+)
+PROVEN_SPLIT_PATTERNS = GPT2_SPLIT_PATTERNS | frozenset(
+    {
         # cl100k_base, as tiktoken spells it and as Llama 3's tokenizer.json does
         f"({_CONTRACTIONS}){_CL100K_REST}",
         f"(?i:'s|'t|'re|'ve|'m|'ll|'d){_CL100K_REST}",

@@ -31,6 +31,7 @@ from streampack.options import OnBadRecord, SpecialTokens, TokenizerEngine, Veri
 from streampack.pieces import CutCount, PieceRule
 from streampack.sft import Sft
 from streampack.sources import Position, ReadOptions, TextStream, WorkUnit, read_unit, records_before
+from streampack.stagetimes import Stopwatch
 from streampack.tokenize import BosPolicy, EosPolicy, Tokenizer, load_tokenizer
 from streampack.writer import ShardWriter
 
@@ -47,8 +48,12 @@ MAX_QUEUED_BATCHES = 8
 # verify_tokens="sample": the records re-encoded with the reference engine are the build's first
 # VERIFY_FIRST (those of unit 0) and a VERIFY_RATE share of every unit's, chosen by a hash of the record's
 # place (unit index, record index): the same records on every run and with any number of workers.
-VERIFY_FIRST = 1000
-VERIFY_RATE = 0.005
+# The reference engine is 20-40x slower than fastokens: re-encoding the first 1,000 records and 0.5 % of the
+# rest (the first rule) took longer than the whole build with fastokens (345 MB: 11.9 s against 4.2 s); the
+# first 100 records alone were 1.6 MB there. The first 20 and 0.1 % (~1 record in 1,000 at any scale) are
+# ~0.7 MB of the 345 MB.
+VERIFY_FIRST = 20
+VERIFY_RATE = 0.001
 _VERIFY_BELOW = round(VERIFY_RATE * (1 << 32))
 
 
@@ -82,6 +87,7 @@ class UnitSpec:
     batch_chars: int = 1 << 20
     commit_bytes: int = 64 << 20
     commit_seconds: float = 10.0
+    profile: bool = False  # measure each stage's CPU time too (see streampack.stagetimes)
 
 
 @dataclass(frozen=True)
@@ -94,10 +100,12 @@ class UnitTask:
 
 @dataclass(frozen=True)
 class UnitResult:
-    """A finished unit's final progress."""
+    """A finished unit's final progress, and the seconds per stage its process spent since its last result
+    (summed over results, a process's whole time: see :mod:`streampack.stagetimes`)."""
 
     unit_index: int
     progress: UnitProgress
+    stages: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
 def run_units(
@@ -116,7 +124,11 @@ def run_units(
             if progress.done:
                 yield UnitResult(task.unit.index, progress)
                 continue
-            pipeline.read(task, progress, tokenizer or worker_tokenizer(task.spec.tokenizer))
+            pipeline.watch.measure_cpu(task.spec.profile)
+            if tokenizer is None:
+                with pipeline.watch.stage("load tokenizer"):
+                    tokenizer = worker_tokenizer(task.spec.tokenizer)
+            pipeline.read(task, progress, tokenizer)
             yield from pipeline.take_finished()
         pipeline.drain()
         yield from pipeline.take_finished()
@@ -213,7 +225,7 @@ class _Batch:
     """A batch being encoded, with what a commit after it may record."""
 
     unit: _OpenUnit
-    encoded: Future[list[np.ndarray]]
+    encoded: Future[_Encoded]
     ends_doc: list[bool]  # per piece: the piece is the last of its document
     opens_doc: bool  # the first piece is the first of its document (a later one is when the one before ends)
     targets: list[bool] | None  # SFT builds: per piece, its tokens carry the loss
@@ -242,6 +254,7 @@ class _Pipeline:
         self.open_units: list[_OpenUnit] = []
         self.finished: list[UnitResult] = []
         self.encoder = ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="streampack-encode")
+        self.watch = Stopwatch()
         self._start_batch()
 
     def __enter__(self) -> _Pipeline:
@@ -260,8 +273,9 @@ class _Pipeline:
         self.open_units.append(unit)
         self.unit, self.tally = unit, _Tally(*dataclasses.astuple(progress.counts))
         items = read_unit(task.unit, task.spec.read, skip=self.tally.records, position=unit.position)
+        outside = self.watch.switch("pieces")  # the loop's own work; reading and flushing switch away
         try:
-            for item in items:
+            for item in self.watch.timed(items, "read"):
                 if isinstance(item, BadRecordError):
                     self._bad_record(item)
                 elif item is not None:
@@ -276,6 +290,7 @@ class _Pipeline:
             unit.writer.commit(self.tally.counts())
             raise
         self._flush(last=True)
+        self.watch.switch(outside)
 
     def drain(self) -> None:
         """Encode and write everything read so far."""
@@ -358,18 +373,16 @@ class _Pipeline:
         """Submit the current batch for encoding; write the batches that are encoded."""
         if not self.texts and not last:
             return
-        encoded: Future[list[np.ndarray]]
+        encoded: Future[_Encoded]
         tokenizer = self.unit.tokenizer
         encode: Callable[[], list[np.ndarray]] = partial(tokenizer.encode_batch, self.texts)
         if any(self.templated):
             encode = partial(_encode_with_templates, tokenizer, self.texts, self.templated)
-        if self.checks:
-            encode = partial(_checked, encode, tokenizer, self.texts, self.checks)
         if self.texts:
-            encoded = self.encoder.submit(encode)
+            encoded = self.encoder.submit(_encode_and_check, encode, tokenizer, self.texts, self.checks)
         else:
             encoded = Future()
-            encoded.set_result([])
+            encoded.set_result(([], 0.0, 0.0))
         targets = self.targets if self.unit.spec.read.sft else None
         self.queue.append(
             _Batch(
@@ -386,7 +399,8 @@ class _Pipeline:
         self._start_batch()
         self._write_encoded()
         while len(self.queue) >= MAX_QUEUED_BATCHES or self._encoding() > ENCODING_THREADS:
-            wait([b.encoded for b in self.queue if not b.encoded.done()], return_when=FIRST_COMPLETED)
+            with self.watch.stage("wait"):
+                wait([b.encoded for b in self.queue if not b.encoded.done()], return_when=FIRST_COMPLETED)
             self._write_encoded()
 
     def _encoding(self) -> int:
@@ -398,25 +412,32 @@ class _Pipeline:
             self._write(self.queue.popleft())
 
     def _write(self, batch: _Batch) -> None:
-        unit = batch.unit
+        unit, watch = batch.unit, self.watch
         try:
-            encoded = batch.encoded.result()
+            with watch.stage("wait"):
+                encoded, encode_seconds, verify_seconds = batch.encoded.result()
         except _Mismatch as e:
             raise _mismatch_error(unit, e) from None
+        watch.add("encode", encode_seconds)
+        if verify_seconds:
+            watch.add("verify", verify_seconds)
         if encoded:
-            tokens, doc_ends, piece_ends = _frame(
-                encoded, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos, unit.writer.dtype
-            )
-            mask = None
-            if batch.targets is not None:
-                mask = _loss_mask(batch, piece_ends, unit.bos is not None, unit.eos is not None)
-            unit.writer.append(tokens, doc_ends, mask)
+            with watch.stage("frame"):
+                tokens, doc_ends, piece_ends = _frame(
+                    encoded, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos, unit.writer.dtype
+                )
+                mask = None
+                if batch.targets is not None:
+                    mask = _loss_mask(batch, piece_ends, unit.bos is not None, unit.eos is not None)
+            with watch.stage("write"):
+                unit.writer.append(tokens, doc_ends, mask)
             event = {"unit": unit.task.unit.index, "docs": len(doc_ends), "tokens": len(tokens)}
             self.report({**event, "bytes": unit.bytes_read_delta()})
-        if batch.last:
-            self._finish(unit, batch)
-        else:
-            self._maybe_commit(unit, batch)
+        with watch.stage("write"):
+            if batch.last:
+                self._finish(unit, batch)
+            else:
+                self._maybe_commit(unit, batch)
 
     def _maybe_commit(self, unit: _OpenUnit, written: _Batch) -> None:
         started, tokens = unit.last_commit
@@ -430,7 +451,7 @@ class _Pipeline:
         final = unit.writer.commit(last.counts, done=True)
         unit.writer.close()
         self.open_units.remove(unit)
-        self.finished.append(UnitResult(unit.task.unit.index, final))
+        self.finished.append(UnitResult(unit.task.unit.index, final, self.watch.take()))
 
 
 def _frame(
@@ -495,20 +516,27 @@ class _Mismatch(Exception):
         self.record, self.engine, self.reference, self.piece = record, engine, reference, piece
 
 
-def _checked(
+# A batch's ids per piece, and the seconds its encoder thread spent encoding and verifying them.
+_Encoded = tuple[list[np.ndarray], float, float]
+
+
+def _encode_and_check(
     encode: Callable[[], list[np.ndarray]],
     tokenizer: Tokenizer,
     texts: list[str],
     checks: list[tuple[int, int]],
-) -> list[np.ndarray]:
-    """A batch's ids, ``encode()``, once its sampled pieces have the reference engine's ids; else raises
-    :class:`_Mismatch`."""
+) -> _Encoded:
+    """A batch's ids, ``encode()``, once its sampled pieces (``checks``) have the reference engine's ids;
+    else raises :class:`_Mismatch`."""
+    started = time.perf_counter()
     ids = encode()
-    reference = tokenizer.reference_engine().encode_batch([texts[i] for i, _ in checks])
-    for (piece, record), expected in zip(checks, reference):
-        if not np.array_equal(ids[piece], expected):
-            raise _Mismatch(record, ids[piece].tolist(), expected.tolist(), texts[piece])
-    return ids
+    encoded = time.perf_counter()
+    if checks:
+        reference = tokenizer.reference_engine().encode_batch([texts[i] for i, _ in checks])
+        for (piece, record), expected in zip(checks, reference):
+            if not np.array_equal(ids[piece], expected):
+                raise _Mismatch(record, ids[piece].tolist(), expected.tolist(), texts[piece])
+    return ids, encoded - started, time.perf_counter() - encoded if checks else 0.0
 
 
 def _mismatch_error(unit: _OpenUnit, mismatch: _Mismatch) -> TokenizerError:

@@ -888,7 +888,13 @@ def _slices(items: Any, start: int, stop: int, step: int = 1000) -> Iterator[Any
 def _open_input(file: InputFile, position: Position | None = None) -> Iterator[BinaryIO]:
     """Open an input for binary reading, decompressing by extension."""
     try:
-        raw: BinaryIO = open(file.path, "rb") if file.is_local else _open_remote(file.path)  # noqa: SIM115
+        # A 1 MiB buffer: with the default 8 KiB, iterating over 10 KB JSONL lines cost 5x more (0.43 s
+        # against 0.09 s for 366 MB), a fifth of a build with a fast engine.
+        raw: BinaryIO = (
+            open(file.path, "rb", buffering=_READ_CHUNK)  # noqa: SIM115
+            if file.is_local
+            else _open_remote(file.path)
+        )
     except OSError as e:
         raise InputError(f"{file.path}: cannot open ({e.strerror or e})") from None
     if position is not None:

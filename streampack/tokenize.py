@@ -34,7 +34,7 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,7 +43,14 @@ import numpy as np
 
 from streampack.errors import MissingDependencyError, OptionsError, TokenizerError
 from streampack.options import SpecialTokens, TokenizerEngine
-from streampack.pieces import PROVEN_SPLIT_PATTERNS, CutSafety, hf_cut_safety, tiktoken_cut_safety
+from streampack.pieces import (
+    GPT2_SPLIT_PATTERNS,
+    PROVEN_SPLIT_PATTERNS,
+    CutSafety,
+    hf_cut_safety,
+    tiktoken_cut_safety,
+)
+from streampack.tiktoken_json import byte_level_json
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
@@ -63,10 +70,9 @@ class Tokenizer(Protocol):
     cut_safety: CutSafety
 
     @property
-    def saturates_cores(self) -> bool:
-        """Whether one process of it keeps every core busy (its engine's batch call runs on threads of its
-        own and the Python work around it is small next to the encoding); see
-        :func:`streampack.build.default_workers`."""
+    def cores_per_worker(self) -> int:
+        """How many cores one build process of it keeps busy: its engine's threads plus the Python thread
+        that reads and frames the documents; see :func:`streampack.build.default_workers`."""
         ...
 
     @property
@@ -159,13 +165,10 @@ def _fastokens_or_reference(
     refusal: str,
     reference_name: str,
 ) -> Engine:
-    """The fastokens engine where the tokenizer's structure is proven (``problem`` empty) and it loads;
-    else the reference engine, or a :class:`TokenizerError` when fastokens was asked for by name."""
+    """The fastokens engine where the tokenizer's structure is proven (``problem`` empty), loading in the
+    background; else the reference engine, or a :class:`TokenizerError` when fastokens was asked for."""
     if not problem:
-        try:
-            return FastokensEngine(load(), split_special=split_special, threads=threads)
-        except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
-            problem = f"fastokens cannot load it ({e})"
+        return FastokensEngine(load, split_special=split_special, threads=threads, fallback=reference_name)
     if choice == "fastokens":
         raise TokenizerError(f"{refusal} ({problem}); use tokenizer_engine='auto' or '{reference_name}'")
     return reference
@@ -249,8 +252,8 @@ class Engine(Protocol):
     is set up in the engine when the tokenizer makes it)."""
 
     name: str  # the --tokenizer-engine choice: tokenizers, tiktoken, fastokens (bytes: built in)
-    # One process of it keeps every core busy (see Tokenizer.saturates_cores).
-    saturates_cores: bool
+    # The cores one build process of it keeps busy (see Tokenizer.cores_per_worker).
+    cores_per_worker: int
 
     @property
     def version(self) -> str:
@@ -276,7 +279,7 @@ class BytesEngine:
 
     name = "bytes"
     version = "1"
-    saturates_cores = False  # holds the GIL
+    cores_per_worker = 1  # holds the GIL
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Engine`."""
@@ -287,7 +290,7 @@ class TokenizersEngine:
     """Hugging Face ``tokenizers``' ``encode_batch_fast``: the reference engine of a ``tokenizer.json``."""
 
     name = "tokenizers"
-    saturates_cores = True
+    cores_per_worker = 8  # its batch call is slow enough that one reader keeps 8 cores of it busy
 
     def __init__(self, tok: Any, *, threads: int | None) -> None:
         """Encode with ``tok``, a ``tokenizers.Tokenizer`` already set to the special-token rule."""
@@ -323,7 +326,7 @@ class TiktokenEngine:
     ``tiktoken:`` encoding."""
 
     name = "tiktoken"
-    saturates_cores = False  # 3-4 M tokens/s: reading and framing in one process would hold it back
+    cores_per_worker = 1  # 3-4 M tokens/s: reading and framing in one process would hold it back
 
     def __init__(self, enc: Any, *, allowed: set[str], threads: int | None) -> None:
         """Encode with ``enc``, a ``tiktoken.Encoding``, matching only the special tokens ``allowed``."""
@@ -363,16 +366,38 @@ class FastokensEngine:
     """
 
     name = "fastokens"
-    # At ~30 M tokens/s, reading and framing the documents cost more than encoding them: one process per core.
-    saturates_cores = False
+    # Its threads encode a GPT-2 batch at ~1.1 CPU-s per 100 MB (58 M tokens/s on 2 cores); the reader spends
+    # ~0.55 CPU-s per 100 MB reading, parsing, cutting and writing: one reader keeps ~3 cores busy. On 2
+    # cores one process of 2 threads built 345 MB in 4.2 s against 4.7 s for two processes of one thread
+    # (each loads the tokenizer, ~0.8 CPU-s).
+    cores_per_worker = 3
 
-    def __init__(self, tok: Any, *, split_special: bool, threads: int | None) -> None:
-        """Encode with ``tok``, a ``fastokens.Tokenizer``; ``split_special``: special tokens are text."""
-        self._tok = tok
+    def __init__(
+        self, load: Callable[[], Any], *, split_special: bool, threads: int | None, fallback: str
+    ) -> None:
+        """Encode with the ``fastokens.Tokenizer`` that ``load()`` makes; ``split_special``: special tokens
+        are text; ``fallback``: the engine a load failure's message suggests.
+
+        It loads on a thread of its own (0.3-1 s), while the build lists and reads its first records.
+        """
         self._split_special = split_special
-        # Its pool reads FASTOKENS_BPE_THREADS when the first batch call starts it.
-        with _environment("FASTOKENS_BPE_THREADS", str(threads or os.cpu_count() or 1)):
-            self.encode_batch(["a b", "c d"])
+        self._fallback = fallback
+        self._tok: Future[Any] = Future()
+        # Not a daemon: a process that exits (a finished build resumed) waits for the load to end rather than
+        # killing the thread inside fastokens' native code, which aborts ("exception not rethrown").
+        loading = threading.Thread(target=self._load, args=(load, threads), name="streampack-fastokens-load")
+        loading.start()
+
+    def _load(self, load: Callable[[], Any], threads: int | None) -> None:
+        try:
+            tok = load()
+            # Its pool reads FASTOKENS_BPE_THREADS when the first batch call starts it.
+            with _environment("FASTOKENS_BPE_THREADS", str(threads or os.cpu_count() or 1)):
+                tok.encode_batch_flat(["a b", "c d"], add_special_tokens=False)
+        except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
+            self._tok.set_exception(e)
+        else:
+            self._tok.set_result(tok)
 
     @property
     def version(self) -> str:
@@ -380,8 +405,18 @@ class FastokensEngine:
         return _package_version("fastokens")
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """See :class:`Engine`."""
-        ids, offsets = self._tok.encode_batch_flat(
+        """See :class:`Engine`.
+
+        Raises:
+            TokenizerError: fastokens could not load the tokenizer.
+        """
+        try:
+            tok = self._tok.result()
+        except Exception as e:
+            raise TokenizerError(
+                f"fastokens cannot load the tokenizer ({e}); use tokenizer_engine='{self._fallback}'"
+            ) from None
+        ids, offsets = tok.encode_batch_flat(
             texts, add_special_tokens=False, split_special_tokens=self._split_special
         )
         flat = np.frombuffer(ids, dtype=np.uint32)
@@ -476,9 +511,9 @@ class BytesTokenizer:
     engine: Engine = BytesEngine()  # stateless: one for all
 
     @property
-    def saturates_cores(self) -> bool:
+    def cores_per_worker(self) -> int:
         """See :class:`Tokenizer`."""
-        return self.engine.saturates_cores
+        return self.engine.cores_per_worker
 
     def reference_engine(self) -> Engine:
         """The engine that defines this tokenizer's ids: its only one."""
@@ -571,9 +606,9 @@ class HFTokenizer:
         )
 
     @property
-    def saturates_cores(self) -> bool:
+    def cores_per_worker(self) -> int:
         """See :class:`Tokenizer`."""
-        return self.engine.saturates_cores
+        return self.engine.cores_per_worker
 
     def reference_engine(self) -> Engine:
         """The engine that defines this tokenizer's ids: ``tokenizers``."""
@@ -768,10 +803,14 @@ class TiktokenTokenizer:
         self._allowed = set(specials) if special_tokens == "parse" else set()
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
-        self.engine: Engine = self._choose_engine(engine, threads, (ranks, pattern, specials))
+        definition = (ranks, mergeable_ranks, pattern, specials)
+        self.engine: Engine = self._choose_engine(engine, threads, definition)
 
     def _choose_engine(
-        self, choice: TokenizerEngine, threads: int | None, definition: tuple[Path, str, dict[str, int]]
+        self,
+        choice: TokenizerEngine,
+        threads: int | None,
+        definition: tuple[Path, dict[bytes, int], str, dict[str, int]],
     ) -> Engine:
         """tiktoken, or ``fastokens`` where it is installed and known to give the same ids."""
         if choice == "tokenizers":
@@ -779,13 +818,19 @@ class TiktokenTokenizer:
         fastokens = _import_fastokens(needed=choice == "fastokens") if choice != "tiktoken" else None
         if fastokens is None:
             return self._reference
-        ranks, pattern, specials = definition
+        ranks, mergeable_ranks, pattern, specials = definition
         proven = pattern in PROVEN_SPLIT_PATTERNS
+
+        def load() -> Any:
+            if pattern in GPT2_SPLIT_PATTERNS:  # its fastest form: see streampack.tiktoken_json
+                return fastokens.Tokenizer.from_json_str(byte_level_json(mergeable_ranks, specials))
+            return fastokens.Tokenizer.from_tiktoken(str(ranks), pattern=pattern, special_tokens=specials)
+
         return _fastokens_or_reference(
             self._reference,
             choice,
             "" if proven else "its pat_str is not GPT-2's, cl100k's or o200k's",
-            lambda: fastokens.Tokenizer.from_tiktoken(str(ranks), pattern=pattern, special_tokens=specials),
+            load,
             split_special=not self._allowed,
             threads=threads,
             refusal=f"{ranks}: fastokens is not known to give this encoding's ids",
@@ -793,9 +838,9 @@ class TiktokenTokenizer:
         )
 
     @property
-    def saturates_cores(self) -> bool:
+    def cores_per_worker(self) -> int:
         """See :class:`Tokenizer`."""
-        return self.engine.saturates_cores
+        return self.engine.cores_per_worker
 
     def reference_engine(self) -> Engine:
         """The engine that defines this tokenizer's ids: tiktoken."""

@@ -155,6 +155,8 @@ def test_second_build_in_same_directory_is_refused(tmp_path: Path, bpe_tokenizer
         str(out),
         "-t",
         str(bpe_tokenizer),
+        "--tokenizer-engine",
+        "tokenizers",  # the slow engine: fastokens builds this before the second command starts
     ]
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

@@ -93,12 +93,12 @@ def test_the_verification_sample_stops_an_engine_that_gets_one_id_wrong(
     tmp_path: Path, gpt2_tokenizer: Path, wrong_engine: None
 ) -> None:
     texts = [f"document {i} about nothing much" for i in range(1500)]
-    texts[4] = "a zebra in the first thousand"
+    texts[4] = "a zebra in the first twenty"
     data = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
     assert isinstance(load_tokenizer(str(gpt2_tokenizer), engine="fastokens").engine, _OneWrongId)
     with pytest.raises(TokenizerError, match=r"in\.jsonl:5: the fastokens engine's token ids differ .*zebra"):
         streampack.build(data, tmp_path / "sampled", tokenizer=str(gpt2_tokenizer), workers=1)
-    texts[4], texts[1200] = texts[0], "a zebra past the first thousand, not in the 0.5 % sample"
+    texts[4], texts[1200] = texts[0], "a zebra past the first twenty, not in the 0.1 % sample"
     write_jsonl(data, [{"text": t} for t in texts])
     from streampack.pipeline import verified
 
@@ -108,3 +108,50 @@ def test_the_verification_sample_stops_an_engine_that_gets_one_id_wrong(
         streampack.build(
             data, tmp_path / "all", tokenizer=str(gpt2_tokenizer), workers=1, verify_tokens="all"
         )
+
+
+def test_gpt2_ranks_become_the_tokenizer_json_that_gives_tiktokens_ids(tiktoken_gpt2: Path) -> None:
+    """The GPT-2-pattern ranks fastokens loads as a tokenizer.json (its fast path) give tiktoken's ids."""
+    import fastokens
+    import tiktoken
+    import tiktoken.load
+
+    from streampack.tiktoken_json import byte_level_json, merges_of
+
+    # Every split into two tokens is a merge, ranked by the join's rank, then by the halves' ranks.
+    toy = {b"a": 0, b"b": 1, b"c": 2, b"ab": 3, b"bc": 4, b"abc": 5}
+    assert merges_of(toy) == [(b"a", b"b"), (b"b", b"c"), (b"a", b"bc"), (b"ab", b"c")]
+    tok = load_tokenizer(f"tiktoken:{tiktoken_gpt2}")
+    assert isinstance(tok.engine, FastokensEngine)
+    meta = json.loads(tiktoken_gpt2.with_suffix(".json").read_text())
+    ranks = tiktoken.load.load_tiktoken_bpe(str(tiktoken_gpt2))
+    fast = fastokens.Tokenizer.from_json_str(byte_level_json(ranks, meta["special_tokens"]))
+    enc = tiktoken.Encoding("gpt2", pat_str=meta["pat_str"], mergeable_ranks=ranks, special_tokens={})
+    texts = [*EDGE, "naïve café — “quotes” ’s 's", "\u00a0\u2003 spaces\r\n\r\n", "123456789 1.5e10"]
+    for text in texts:
+        got = fast.encode(text, add_special_tokens=False, split_special_tokens=True).ids
+        assert got == enc.encode_ordinary(text), text
+
+
+def test_build_profile_reports_every_stage(tmp_path: Path, sample: Path, gpt2_tokenizer: Path) -> None:
+    """`--profile` prints where the time went; the summary holds the same [wall, CPU] seconds per stage."""
+    from tests.conftest import run_cli
+
+    summary = streampack.build(sample, tmp_path / "api", tokenizer=str(gpt2_tokenizer), profile=True)
+    for stage in ("prepare", "read", "pieces", "frame", "write", "encode", "verify", "process"):
+        assert stage in summary.stages, stage
+    wall, cpu = summary.stages["read"]
+    assert wall > 0 and cpu > 0
+    assert summary.stages["encode"][1] == 0  # encoder threads report wall time; their CPU is the process's
+    out = run_cli("build", sample, "--out", tmp_path / "cli", "-t", gpt2_tokenizer, "--profile").stdout
+    table = out[out.index("| stage |") :]
+    for row in (
+        "| read | main |",
+        "| encode calls | encoder threads |",
+        "| engine threads |",
+        "| all processes |",
+    ):
+        assert row in table, table
+    # A finished build run again exits at once, whatever fastokens' loading thread is doing.
+    again = run_cli("build", sample, "--out", tmp_path / "cli", "-t", gpt2_tokenizer)
+    assert "FATAL" not in again.stderr and again.returncode == 0

@@ -1,0 +1,160 @@
+"""Where a build's time goes: seconds per pipeline stage, for ``streampack build --profile``.
+
+A :class:`Stopwatch` charges the time of one thread to the stage it is in: switching stage reads the wall
+clock (and, when profiling, the thread's CPU clock), so the reader thread can switch per record. Calls on
+other threads (encoding) are timed there and added with :meth:`Stopwatch.add`. The table sums the times
+of every worker process; the main thread's stages add up to its wall time, while the engine encodes
+beside it on its own threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+# The order of the table's rows; stages not listed follow in the order met.
+STAGES = (
+    "start",  # a worker process's start: the interpreter and imports (CPU only)
+    "prepare",  # the coordinating process: list inputs, load the tokenizer, plan units, check the output
+    "load tokenizer",  # a worker process's own load
+    "read",  # read and parse records (I/O, decompression, JSON)
+    "pieces",  # cut documents into pieces and group them into batches
+    "wait",  # the reader waits for encoder threads (the engine is the bottleneck)
+    "frame",  # add BOS/EOS, join the pieces' ids
+    "write",  # append to the shard, commit (fsync, ledger)
+    "encode",  # on encoder threads: the engine's batch calls
+    "verify",  # on encoder threads: the reference engine's re-encoding of the sampled records
+)
+_THREADED = ("encode", "verify")
+
+# The process's CPU seconds already reported (a worker runs a pipeline, hence a stopwatch, per unit): 0 until
+# the first unit of a worker process, whose start-up is then reported as the stage "start".
+_process_cpu_taken = 0.0
+
+
+def mark_process_start() -> None:
+    """Count this process's CPU from now: the build's coordinator, whose earlier CPU is not the build's."""
+    global _process_cpu_taken
+    _process_cpu_taken = time.process_time()
+
+
+class Stopwatch:
+    """Wall seconds per stage of one thread, and with ``cpu`` its CPU seconds too; plus stages other threads
+    report (:meth:`add`).
+
+    A thread's CPU clock costs a system call (~0.8 us, 10x the wall clock's), so it is read only when
+    profiling. Wall time alone overstates a stage whose thread waits for a core.
+    """
+
+    def __init__(self, stage: str = "other", *, cpu: bool = False) -> None:
+        self.seconds: dict[str, list[float]] = {}  # stage -> [wall, cpu]
+        self.cpu = cpu
+        self._stage = stage
+        self._since = self._now()
+
+    def measure_cpu(self, on: bool) -> None:
+        """Start (or stop) reading the thread's CPU clock at the next switch."""
+        global _process_cpu_taken
+        if on != self.cpu:
+            self.switch(self._stage)
+            self.cpu = on
+            self._since = self._now()
+        if on and _process_cpu_taken == 0.0:  # a worker process's first unit: what starting it cost
+            _process_cpu_taken = time.process_time()
+            self._charge("start", 0.0, _process_cpu_taken)
+
+    def _now(self) -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time() if self.cpu else 0.0
+
+    def switch(self, stage: str) -> str:
+        """Charge the time since the last switch to the current stage, enter ``stage``; return the old one."""
+        now = self._now()
+        self._charge(self._stage, now[0] - self._since[0], now[1] - self._since[1])
+        previous, self._stage, self._since = self._stage, stage, now
+        return previous
+
+    def _charge(self, stage: str, wall: float, cpu: float) -> None:
+        times = self.seconds.setdefault(stage, [0.0, 0.0])
+        times[0] += wall
+        times[1] += cpu
+
+    @contextlib.contextmanager
+    def stage(self, stage: str) -> Iterator[None]:
+        """Charge a ``with`` block to ``stage``, then go back to the stage before it."""
+        previous = self.switch(stage)
+        try:
+            yield
+        finally:
+            self.switch(previous)
+
+    def timed(self, items: Iterable[T], stage: str) -> Iterator[T]:
+        """``items``, the time spent producing each charged to ``stage``."""
+        iterator = iter(items)
+        while True:
+            previous = self.switch(stage)
+            try:
+                item = next(iterator)
+            except StopIteration:
+                self.switch(previous)
+                return
+            self.switch(previous)
+            yield item
+
+    def add(self, stage: str, wall: float) -> None:
+        """Add wall seconds measured on another thread to ``stage`` (its CPU is in the process's)."""
+        self._charge(stage, wall, 0.0)
+
+    def take(self) -> dict[str, list[float]]:
+        """The times charged since the last take (the current stage's running time included), and with
+        ``cpu`` the process's CPU seconds since then as the stage ``"process"``."""
+        self.switch(self._stage)
+        taken, self.seconds = self.seconds, {}
+        if self.cpu:
+            global _process_cpu_taken
+            now = time.process_time()
+            taken["process"] = [0.0, now - _process_cpu_taken]
+            _process_cpu_taken = now
+        return taken
+
+
+def add_up(parts: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, list[float]]:
+    """The sum of several stage tables (``stage -> [wall, cpu]``)."""
+    total: dict[str, list[float]] = {}
+    for part in parts:
+        for stage, (wall, cpu) in part.items():
+            times = total.setdefault(stage, [0.0, 0.0])
+            times[0] += wall
+            times[1] += cpu
+    return total
+
+
+def render(times: Mapping[str, Sequence[float]], wall: float, workers: int) -> str:
+    """A markdown table of ``times`` (``stage -> [wall, cpu]``) summed over ``workers`` processes.
+
+    The main thread's stages have wall and CPU seconds; encode and verify have the wall seconds of the
+    engines' calls on the encoder threads, which overlap the main thread's; "engine threads" is the CPU
+    the worker processes spent outside their main threads (the engines' own threads, mostly).
+    """
+    main = [s for s in STAGES if s in times and s not in _THREADED]
+    main += [s for s in times if s not in STAGES and s != "process"]
+    lines = ["| stage | thread | wall s | CPU s |", "|---|---|---:|---:|"]
+    for stage in main:
+        if stage == "other" and times[stage][0] < 0.0005:
+            continue
+        wall_s = "" if stage == "start" else f"{times[stage][0]:.3f}"
+        lines.append(f"| {stage} | main | {wall_s} | {times[stage][1]:.3f} |")
+    for stage in _THREADED:
+        if stage in times:
+            lines.append(f"| {stage} calls | encoder threads | {times[stage][0]:.3f} | |")
+    if "process" in times:
+        units_main = sum(times[s][1] for s in main if s not in ("prepare", "start"))
+        start = times.get("start", [0.0, 0.0])[1]
+        lines.append(f"| engine threads | others | | {times['process'][1] - units_main:.3f} |")
+        lines.append(f"| all processes | | | {times['process'][1] + start + times['prepare'][1]:.3f} |")
+    plural = "es" if workers != 1 else ""
+    lines.append(f"| build, wall ({workers} worker process{plural}) | | {wall:.3f} | |")
+    return "\n".join(lines)
