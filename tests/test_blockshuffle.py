@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,9 +13,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
+from streampack._synthetic import write_random_cache
 from streampack.blockshuffle import BlockShuffle, BlockShuffled
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
+from streampack.mixture import Mixture
+from tests.conftest import run_cli
 from tests.test_loader import IndexSource, flat, leaves_a_rank_empty, served
 
 
@@ -265,3 +269,92 @@ def test_block_shuffled_batches_of_a_real_cache(tmp_path) -> None:  # type: igno
         assert np.array_equal(loader.batch(position), seqs[indices])
         seen += indices.tolist()
     assert len(seen) == len(set(seen)) == len(seqs) // 8 * 8
+
+
+# --- in a mixture, a config and the CLI -------------------------------------------------------------------
+
+
+def test_a_mixture_reads_each_source_in_block_shuffled_order() -> None:
+    a, b = (np.arange(n, dtype=np.int64)[:, None] + offset for n, offset in ((1000, 0), (600, 10**6)))
+    shuffle = BlockShuffle(block=20, window=3)
+    mix = Mixture({"a": a, "b": b}, weights={"a": 1, "b": 1}, block_size=10, seed=4, shuffle=shuffle)
+    sources, samples = mix(np.arange(1200, dtype=np.int64))
+    for j in (0, 1):
+        mine = samples[sources == j]
+        assert len(mine) == 600 and len(set(mine.tolist())) == 600  # b: its whole epoch, a: 600 of 1000
+        # Each source's cursor runs through its own BlockShuffled order: 10 windows of 3 blocks of 20.
+        assert runs_of_at_most(mine // 20, 3) <= 10
+    state = Loader(mix, batch_size=10).state_dict()
+    assert state["order"]["shuffle"] == {"block": 20, "window": 3}
+    with pytest.raises(LoaderStateError, match=r"shuffle in checkpoint: \{'block': 20, 'window': 3\}"):
+        Loader(
+            Mixture({"a": a, "b": b}, weights={"a": 1, "b": 1}, block_size=10, seed=4), batch_size=10
+        ).load_state_dict(state)
+
+
+def test_a_block_shuffled_checkpoint_continues_as_a_mixture_source() -> None:
+    a, b = np.arange(100, dtype=np.int64)[:, None], np.arange(10**6, 10**6 + 100, dtype=np.int64)[:, None]
+    shuffle = BlockShuffle(block=8, window=2)
+    single = Loader(a, batch_size=10, seed=9, shuffle=shuffle)
+    head = flat(served(single, 3))
+    mix = Mixture({"a": a, "b": b}, weights={"a": 1, "b": 1}, block_size=10, seed=1, shuffle=shuffle)
+    mixed = Loader(mix, batch_size=10)
+    mixed.load_state_dict(single.state_dict())
+    firsts = head + [i for i in flat(served(mixed, 14)) if i < 10**6]
+    assert sorted(firsts) == list(range(100))  # a's epoch completes in its block-shuffled order
+    with pytest.raises(
+        LoaderStateError, match=r"shuffle in checkpoint: \{'block': 8, 'window': 2\} / shuffle"
+    ):
+        Loader(
+            Mixture({"a": a, "b": b}, weights={"a": 1, "b": 1}, block_size=10), batch_size=10
+        ).load_state_dict(single.state_dict())
+
+
+def test_a_mixture_config_takes_a_block_shuffle(tmp_path: Path) -> None:
+    write_random_cache(tmp_path / "web", 5_000, seed=1)
+    config = {
+        "seq_len": 16,
+        "sources": {"web": "web"},
+        "weights": {"web": 1},
+        "shuffle": {"block": 8, "window": 2},
+    }
+    (tmp_path / "mix.json").write_text(json.dumps(config))
+    mix = streampack.load_mixture(tmp_path / "mix.json")
+    assert mix.shuffle == BlockShuffle(block=8, window=2)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(config | {"shuffle": {"block": 8, "windows": 2}}))
+    with pytest.raises(OptionsError, match=r"bad.json: shuffle: unknown keys \['windows'\]"):
+        streampack.load_mixture(bad)
+    bad.write_text(json.dumps(config | {"shuffle": {"block": 0}}))
+    with pytest.raises(OptionsError, match=r"bad.json: shuffle.block must be a whole number >= 1 \(got 0\)"):
+        streampack.load_mixture(bad)
+
+
+def test_the_cli_takes_a_block_shuffle(tmp_path: Path) -> None:
+    texts = [f"document {i} " + "abc" * (i % 13) for i in range(200)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    streampack.build([tmp_path / "a.jsonl"], tmp_path / "cache", tokenizer="bytes", workers=1)
+    cache = tmp_path / "cache"
+    out = run_cli(
+        "bench", cache, "--seq-len", "16", "--batch-size", "4", "--steps", "5", "--shuffle-block", "8"
+    )
+    assert "block-shuffled (8 x 32)" in out.stdout
+    flags = [
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "4",
+        "--seed",
+        "3",
+        "--shuffle-block",
+        "8",
+        "--shuffle-window",
+        "2",
+    ]
+    shown = json.loads(run_cli("which", cache, *flags, "--step", "5", "--json").stdout)
+    seqs = streampack.open(cache).sequences(16)
+    loader = Loader(seqs, batch_size=4, seed=3, shuffle=BlockShuffle(block=8, window=2))
+    expected = streampack.which(loader, 5)
+    assert [(d["doc"], d["location"]) for d in shown["documents"]] == [(d.doc, d.location) for d in expected]
+    refused = run_cli("which", cache, *flags, "--no-shuffle", "--step", "5", check=False)
+    assert refused.returncode == 2 and "--no-shuffle reads in stream order" in refused.stderr
