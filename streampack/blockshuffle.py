@@ -12,9 +12,11 @@ the whole cache local (or one request per sample). :class:`BlockShuffled` bounds
   samples of each window are served in the order of a full permutation of the window's samples.
 
 So the positions of one window hold the samples of at most ``window`` blocks, and any run of
-``window * block`` consecutive positions those of at most ``2 * window`` blocks: a reader that keeps the
-current and the next window local never misses. The map from position to sample stays pure and O(1)
-in memory (a few integers per epoch), like :class:`~streampack.order.Shuffled`'s.
+``window * block`` consecutive positions of an epoch those of at most ``2 * window`` blocks when
+``block`` divides ``n`` (``3 * window`` otherwise: the window holding the short block is shorter, so a
+run may cross it whole): a reader that keeps the current and the next window local rarely misses.
+The map from position to sample stays pure and O(1) in memory (a few integers per epoch), like
+:class:`~streampack.order.Shuffled`'s.
 
 Why blocks of a fixed number of samples rather than one shard each: the arithmetic that finds a
 position's window needs equal blocks, and shards hold different numbers of samples (and a sample may

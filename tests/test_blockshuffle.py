@@ -76,10 +76,12 @@ def test_a_reader_needs_only_a_window_of_blocks_at_a_time(
     blocks = epoch_of(order, data.draw(st.integers(0, 100), label="epoch")) // block
     # The epoch is cut into its windows: runs of positions, each from at most `window` blocks.
     assert runs_of_at_most(blocks, window) <= order.num_windows
-    # So any window * block consecutive positions straddle at most two windows.
+    # So any window * block consecutive positions straddle at most two windows, or three when the
+    # shorter window holding the short block lies between them (n=233, block=29, window=1 did).
     span = window * block
     start = data.draw(st.integers(0, max(0, n - 1)), label="start")
-    assert len(set(blocks[start : start + span].tolist())) <= 2 * window
+    bound = 2 * window if n % block == 0 else 3 * window
+    assert len(set(blocks[start : start + span].tolist())) <= bound
     if n % block == 0:  # no short block: the windows start at multiples of window * block
         for first in range(0, n, span):
             assert len(set(blocks[first : first + span].tolist())) <= window
