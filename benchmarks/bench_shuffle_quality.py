@@ -16,9 +16,23 @@ loader would otherwise build, hold and checkpoint. For each ``n`` the table repo
 
 A final row gives the values expected from a uniformly random permutation, for scale.
 
+A second table puts the locality-aware :class:`~streampack.blockshuffle.BlockShuffled` order next to the
+global shuffle and to no shuffle at all, over one epoch of ``n = 10**6`` samples cut into blocks of 1,000
+(1,000 blocks), with the same quality columns plus:
+
+* **TV b=32 / b=512**: a corpus stored sorted by domain (16 domains in contiguous runs of 62,500
+  samples): the mean total-variation distance between a batch's domain mix and the corpus' mix, over the
+  epoch's consecutive batches of 32 and of 512. This is what a training step sees.
+* **blocks per 1k**: distinct blocks of 1,000 consecutive samples among each 1,000 consecutive positions,
+  on average: the ranges a remote reader fetches per 1,000 samples served.
+* **local blocks**: the most distinct blocks among any 2 * window * block consecutive positions
+  (aligned to that length): what a reader must hold to never miss.
+
+The table is printed and saved to ``benchmarks/results/shuffle-quality.md``.
+
 Usage::
 
-    python benchmarks/bench_shuffle_quality.py [--repeats 5]
+    python benchmarks/bench_shuffle_quality.py [--repeats 5] [--locality-only]
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmark the working tree, whether or not the package is installed
 
+from streampack.blockshuffle import BlockShuffled  # noqa: E402
 from streampack.permutation import Permutation  # noqa: E402
 
 SIZES = (10**4, 10**6, 10**7)
@@ -145,18 +160,92 @@ def measure(n: int, repeats: int) -> list[str]:
     return rows
 
 
+LOCALITY_N = 10**6
+BLOCK = 1000
+DOMAINS = 16
+WINDOWS = (1, 4, 16, 64, LOCALITY_N // BLOCK)
+LOCALITY_HEADER = (
+    "order", "state B", "ms per 1M idx", "abs corr", "adj <= 1", "adj <= n/1k", "TV b=32", "TV b=512",
+    "blocks per 1k", "local blocks",
+)  # fmt: skip
+
+
+def domain_tv(order: np.ndarray, batch: int) -> float:
+    """Mean total-variation distance between each batch's domain mix and the corpus' (domains sorted)."""
+    domains = order[: order.size // batch * batch] // (order.size // DOMAINS)
+    rows = domains.reshape(-1, batch)
+    counts = np.stack([(rows == d).sum(axis=1) for d in range(DOMAINS)], axis=1)
+    return float(np.mean(0.5 * np.abs(counts / batch - 1 / DOMAINS).sum(axis=1)))
+
+
+def distinct_per_row(blocks: np.ndarray, width: int) -> np.ndarray:
+    """Distinct values in each run of ``width`` consecutive entries (a shorter tail is dropped)."""
+    rows = np.sort(blocks[: blocks.size // width * width].reshape(-1, width), axis=1)
+    return 1 + (np.diff(rows, axis=1) != 0).sum(axis=1)
+
+
+def locality_row(name: str, order: np.ndarray, state: int | str, ms: float | None, window: int) -> str:
+    """One row of the locality table for one epoch's ``order``."""
+    blocks = order // BLOCK
+    per_1k = float(distinct_per_row(blocks, 1000).mean())
+    local = int(distinct_per_row(blocks, min(order.size, 2 * window * BLOCK)).max())
+    cells = [name, f"{state:,}" if isinstance(state, int) else state, "" if ms is None else f"{ms:.0f}"]
+    cells += quality_cells(*quality(order))
+    cells += [f"{domain_tv(order, 32):.3f}", f"{domain_tv(order, 512):.3f}", f"{per_1k:.0f}", f"{local:,}"]
+    return table_row(cells)
+
+
+def locality_table(repeats: int) -> list[str]:
+    """No shuffle, the global shuffle and the block shuffle at several windows, over one epoch."""
+    n, positions = LOCALITY_N, np.arange(LOCALITY_N, dtype=np.int64)
+    rows = [table_row(list(LOCALITY_HEADER)), table_row(["---"] + ["---:"] * (len(LOCALITY_HEADER) - 1))]
+    rows.append(locality_row("no shuffle (stream order)", positions, 0, None, 1))
+    feistel = Permutation(n, seed=SEED)
+    ms = median_seconds(partial(feistel, positions), repeats) * 1e3
+    state = len(pickle.dumps(feistel))
+    rows.append(locality_row("global shuffle (Feistel)", feistel(positions), state, ms, n // BLOCK))
+    for window in WINDOWS:
+        order = BlockShuffled(n, seed=SEED, block=BLOCK, window=window)
+        ms = median_seconds(partial(order.samples, positions), repeats) * 1e3
+        label = "all" if window * BLOCK >= n else str(window)
+        name = f"block shuffle, block {BLOCK:,}, window {label}"
+        rows.append(locality_row(name, order.samples(positions), len(pickle.dumps(order)), ms, window))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Run the benchmark and print the markdown table."""
+    """Run the benchmark, print the markdown tables and save them to ``benchmarks/results``."""
     parser = argparse.ArgumentParser(description="Feistel Permutation vs a numpy permutation array.")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per cell (the median is shown)")
+    parser.add_argument(
+        "--locality-only", action="store_true", help="only the block-shuffle table (a few seconds)"
+    )
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "shuffle-quality.md")
     args = parser.parse_args(argv)
 
-    print(f"python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}, seed {SEED}")
-    print(f"timings: median of {args.repeats} runs; quality over one full epoch\n")
-    print(table_row(list(HEADER)))
-    print(table_row(list(ALIGN)))
-    for n in SIZES:
-        print("\n".join(measure(n, args.repeats)), flush=True)
+    lines = [
+        f"python {platform.python_version()}, numpy {np.__version__}, {platform.machine()}, seed {SEED}",
+        f"timings: median of {args.repeats} runs; quality over one full epoch",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
+    if not args.locality_only:
+        table = [table_row(list(HEADER)), table_row(list(ALIGN))]
+        print("\n".join(table), flush=True)
+        for n in SIZES:
+            rows = measure(n, args.repeats)
+            print("\n".join(rows), flush=True)
+            table += rows
+        lines += [*table, ""]
+    described = (
+        f"Locality: n = {LOCALITY_N:,} samples, blocks of {BLOCK:,} consecutive samples, {DOMAINS} domains "
+        "in contiguous runs (TV: batch domain mix vs the corpus'); 'local blocks': most distinct blocks in "
+        "2 x window x block consecutive positions."
+    )
+    table = locality_table(args.repeats)
+    print(described + "\n\n" + "\n".join(table), flush=True)
+    lines += [described, "", *table]
+    args.out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ packed sequences, or of a :class:`Mixture` of several caches by weight (PyTorch 
 
 from __future__ import annotations
 
+from streampack.blockshuffle import BlockShuffle
 from streampack.build import BuildSummary, build
 from streampack.errors import (
     BadRecordError,
@@ -39,6 +40,7 @@ from streampack.verify import VerifyReport, verify
 
 __all__ = [
     "BadRecordError",
+    "BlockShuffle",
     "Boundaries",
     "BuildLockedError",
     "BuildSummary",

@@ -493,6 +493,30 @@ def _decoder(cache: Cache, given: str | None) -> Tokenizer:
     return decoder
 
 
+_SHUFFLE_BLOCK = click.option(
+    "--shuffle-block",
+    type=click.IntRange(min=1),
+    help="Block-shuffle: samples per block of consecutive samples [default: 4096 with --shuffle-window].",
+)
+_SHUFFLE_WINDOW = click.option(
+    "--shuffle-window",
+    type=click.IntRange(min=1),
+    help="Block-shuffle: blocks shuffled together [default: 32 with --shuffle-block].",
+)
+
+
+def _shuffle(no_shuffle: bool, block: int | None, window: int | None) -> Any:
+    """What ``shuffle=`` the loader options given on the command line mean."""
+    from streampack.blockshuffle import BlockShuffle
+
+    if block is None and window is None:
+        return not no_shuffle
+    if no_shuffle:
+        raise click.UsageError("--no-shuffle reads in stream order: give it without --shuffle-block/-window")
+    given = {"block": block, "window": window}
+    return BlockShuffle(**{key: value for key, value in given.items() if value is not None})
+
+
 @cli.command()
 @click.argument("cache_dir", type=click.Path())
 @click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sample.")
@@ -502,6 +526,8 @@ def _decoder(cache: Cache, given: str | None) -> Tokenizer:
 )
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Batches to time.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed.")
+@_SHUFFLE_BLOCK
+@_SHUFFLE_WINDOW
 @click.option(
     "--layout",
     type=click.Choice(["windows", "packed", "documents"]),
@@ -510,7 +536,15 @@ def _decoder(cache: Cache, given: str | None) -> Tokenizer:
     help="Samples: fixed windows (+1 token of overlap), whole documents packed best-fit, or one per sample.",
 )
 def bench(
-    cache_dir: str, seq_len: int, batch_size: int, workers: int, steps: int, seed: int, layout: str
+    cache_dir: str,
+    seq_len: int,
+    batch_size: int,
+    workers: int,
+    steps: int,
+    seed: int,
+    shuffle_block: int | None,
+    shuffle_window: int | None,
+    layout: str,
 ) -> None:
     """Time the shuffled loader on CACHE_DIR: samples/s, tokens/s and memory per process.
 
@@ -523,7 +557,8 @@ def bench(
         samples = (
             cache.sequences(seq_len, overlap=1) if layout == "windows" else getattr(cache, layout)(seq_len)
         )
-        loader = Loader(samples, batch_size=batch_size, seed=seed)
+        shuffle = _shuffle(False, shuffle_block, shuffle_window)
+        loader = Loader(samples, batch_size=batch_size, seed=seed, shuffle=shuffle)
     except ValueError as e:
         raise StreampackError(str(e)) from None
     batches: Any = loader
@@ -539,7 +574,8 @@ def bench(
     shape = f"seq_len {seq_len}+1" if layout == "windows" else f"{layout}, seq_len {seq_len}"
     if samples.pad_id is not None:
         shape += f", {samples.layout.padding:.1%} padding"  # type: ignore[union-attr]
-    click.echo(f"loader      {shape}, global batch {batch_size}, shuffled, {workers} workers")
+    how = "shuffled" if shuffle is True else f"block-shuffled ({shuffle.block} x {shuffle.window})"
+    click.echo(f"loader      {shape}, global batch {batch_size}, {how}, {workers} workers")
     click.echo(f"first batch {result['first']:.3f} s")
     click.echo(f"throughput  {rate:,.0f} samples/s, {rate * seq_len / 1e6:,.2f} M tokens/s ({steps} batches)")
     click.echo(f"memory      RssAnon main {result['main_mb']}; workers {result['workers_mb'] or 'none'}")
@@ -660,6 +696,8 @@ def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | 
 @click.option("--batch-size", type=click.IntRange(min=1), help="Global batch size [default: the state's].")
 @click.option("--seed", type=int, help="Shuffle seed of the run [default: 0; a mixture config sets its own].")
 @click.option("--no-shuffle", is_flag=True, help="The run read samples in stream order (not with a mixture).")
+@_SHUFFLE_BLOCK
+@_SHUFFLE_WINDOW
 @click.option(
     "--world-size",
     type=click.IntRange(min=1),
@@ -682,6 +720,8 @@ def which(
     batch_size: int | None,
     seed: int | None,
     no_shuffle: bool,
+    shuffle_block: int | None,
+    shuffle_window: int | None,
     world_size: int | None,
     step: int | None,
     state_path: str | None,
@@ -703,7 +743,8 @@ def which(
     if not isinstance(batch_size, int):
         raise click.UsageError("give --batch-size B: the global batch size of the run")
     world_size = world_size or (state or {}).get("world_size") or 1
-    loader = _run_loader(data, seq_len, overlap, batch_size, seed, no_shuffle, world_size)
+    shuffle = (no_shuffle, shuffle_block, shuffle_window)
+    loader = _run_loader(data, seq_len, overlap, batch_size, seed, shuffle, world_size)
     position = position_of(loader, step, state=state)
     docs = find(loader, step, state=state)
     if as_json:
@@ -740,7 +781,7 @@ def _run_loader(
     overlap: int | None,
     batch_size: int,
     seed: int | None,
-    no_shuffle: bool,
+    shuffle: tuple[bool, int | None, int | None],
     world_size: int,
 ) -> Any:
     """The Loader of a run over a cache directory or a mixture config, as ``which`` was told it."""
@@ -748,11 +789,15 @@ def _run_loader(
     from streampack.mixconfig import load_mixture
 
     if Path(data).is_file():
-        given = [
-            flag
-            for flag, value in (("--seq-len", seq_len), ("--overlap", overlap), ("--seed", seed))
-            if value is not None
-        ]
+        no_shuffle, block, window = shuffle
+        flags_given = (
+            ("--seq-len", seq_len),
+            ("--overlap", overlap),
+            ("--seed", seed),
+            ("--shuffle-block", block),
+            ("--shuffle-window", window),
+        )
+        given = [flag for flag, value in flags_given if value is not None]
         if given or no_shuffle:
             flags = ", ".join(given + (["--no-shuffle"] if no_shuffle else []))
             raise click.UsageError(f"{flags}: a mixture config sets these itself ({data})")
@@ -762,7 +807,7 @@ def _run_loader(
         if seq_len is None:
             raise click.UsageError("give --seq-len L: the tokens per sample of the run")
         dataset = open_cache(data).sequences(seq_len, overlap=overlap or 0)
-        options = {"seed": seed or 0, "shuffle": not no_shuffle}
+        options = {"seed": seed or 0, "shuffle": _shuffle(*shuffle)}
     try:
         return Loader(dataset, batch_size=batch_size, world_size=world_size, **options)
     except ValueError as e:

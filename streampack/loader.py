@@ -4,7 +4,8 @@ The loader keeps four small jobs and leaves the order to an :class:`~streampack.
 
 * **Order**: a pure map from *global positions* (samples consumed since the run started, over all ranks)
   to samples. One dataset is read by :class:`~streampack.order.Shuffled` (epoch ``e`` is
-  ``Permutation(N, seed=seed, epoch=e)``); several by a :class:`~streampack.mixture.Mixture`.
+  ``Permutation(N, seed=seed, epoch=e)``), or by a :class:`~streampack.blockshuffle.BlockShuffled`;
+  several by a :class:`~streampack.mixture.Mixture`.
 * **Batching and ranks**: the global batch at position ``p`` is positions ``[p, p + B)``, ``B`` the
   *global* batch size; rank ``r`` of ``W`` takes the contiguous ``r``-th slice of ``B / W`` of them. A
   run that ends (``epochs``, or a mixture that stops) ends with one partial global batch, dropped
@@ -19,6 +20,8 @@ The loader keeps four small jobs and leaves the order to an :class:`~streampack.
 
 Trade-off: the shuffle is global (any sample can follow any other), so reads are random; a memory-mapped
 cache on a local disk or in the page cache serves them at memory speed, a network filesystem does not.
+``shuffle=BlockShuffle(block=..., window=...)`` bounds them to a window of blocks of consecutive samples
+(:mod:`streampack.blockshuffle`), for caches read from object storage.
 """
 
 from __future__ import annotations
@@ -32,11 +35,12 @@ from typing import Any, Literal, Protocol, TypeGuard
 import numpy as np
 import numpy.typing as npt
 
+from streampack.blockshuffle import BlockShuffle, single_order
 from streampack.collate import Format, format_for
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.layout import BatchedSpans
 from streampack.mixture import Mixture
-from streampack.order import MAX_POSITION, Order, Shuffled, data_fingerprint, groups
+from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
 from streampack.sequences import JoinedSequences, PackedSequences, holds_every_id
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
@@ -74,7 +78,9 @@ class LoaderOptions:
     Attributes:
         batch_size: the GLOBAL batch size ``B``: rows of one step summed over all ranks.
         seed: shuffle seed, an integer in ``[0, 2**64)`` (a :class:`~streampack.mixture.Mixture` has its own).
-        shuffle: visit samples in a seeded random order that changes every epoch; else in stream order.
+        shuffle: ``True``: visit samples in a seeded random order that changes every epoch; ``False``: in
+            stream order; a :class:`~streampack.blockshuffle.BlockShuffle`: shuffled blocks of
+            consecutive samples, mixed within windows of blocks (for caches read from object storage).
         rank: this process's rank, in ``[0, world_size)``.
         world_size: number of ranks; it must divide ``batch_size``.
         drop_last: drop the last global batch of a run that ends (``epochs``, or a mixture that stops)
@@ -98,7 +104,7 @@ class LoaderOptions:
 
     batch_size: int
     seed: int = 0
-    shuffle: bool = True
+    shuffle: bool | BlockShuffle = True
     rank: int = 0
     world_size: int = 1
     drop_last: bool = True
@@ -115,9 +121,13 @@ class LoaderOptions:
         self._set_int("seed", 0, 2**64 - 1, "an integer in [0, 2**64)")
         if self.epochs is not None:
             self._set_int("epochs", 1, 2**63, "a positive integer, or None to loop forever")
-        for name in ("shuffle", "drop_last"):
-            if not isinstance(getattr(self, name), bool):
-                raise OptionsError(f"{name} must be True or False (got {name}={getattr(self, name)!r})")
+        if not isinstance(self.shuffle, (bool, BlockShuffle)):
+            raise OptionsError(
+                f"shuffle must be True, False or a BlockShuffle(block=..., window=...) (got "
+                f"shuffle={self.shuffle!r})"
+            )
+        if not isinstance(self.drop_last, bool):
+            raise OptionsError(f"drop_last must be True or False (got drop_last={self.drop_last!r})")
         if self.batch_size % self.world_size:
             smaller = self.batch_size // self.world_size * self.world_size
             suggestion = f"{smaller} or {smaller + self.world_size}" if smaller else str(self.world_size)
@@ -190,8 +200,9 @@ class Loader:
             when to stop).
         batch_size: the GLOBAL batch size; each rank yields ``batch_size // world_size`` rows per step.
         seed: shuffle seed (default 0; not with a mixture, which has its own).
-        shuffle: seeded random order, a different one every epoch; else stream order (default True; not
-            with a mixture).
+        shuffle: seeded random order, a different one every epoch; ``False``, stream order; or a
+            :class:`~streampack.blockshuffle.BlockShuffle`, a locality-aware order for remote caches
+            (default True; not with a mixture, which takes its own ``shuffle=``).
         rank: this process's rank.
         world_size: the number of ranks.
         drop_last: drop the partial last batch of a run that ends; else split it over the ranks (refused
@@ -217,7 +228,7 @@ class Loader:
         *,
         batch_size: int,
         seed: int | None = None,
-        shuffle: bool | None = None,
+        shuffle: bool | BlockShuffle | None = None,
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = True,
@@ -247,7 +258,7 @@ class Loader:
         else:
             self.sources = [_Source(dataset)]
             opts = self.options
-            self.order = Shuffled(
+            self.order = single_order(
                 len(self.sources[0]),
                 seed=opts.seed,
                 shuffle=opts.shuffle,

@@ -6,6 +6,7 @@ Example ``mix.yaml``::
     layout: windows       # optional: windows (default) | packed | documents (whole documents, padded)
     overlap: 1            # optional, default 0 (windows only)
     seed: 0               # optional
+    shuffle: true         # optional: true | false | {block: 4096, window: 32} (a block shuffle)
     block_size: 4096      # optional
     stop: never           # optional: never | first_exhausted
     sources:              # name: cache directory (relative to this file)
@@ -30,6 +31,7 @@ from typing import Any
 
 import orjson
 
+from streampack.blockshuffle import BlockShuffle
 from streampack.errors import MissingDependencyError, OptionsError
 from streampack.mixture import Mixture
 from streampack.reader import open as open_cache
@@ -136,8 +138,20 @@ def _mixture(config: Mapping[str, Any], base: Path, where: str) -> Mixture:
             raise OptionsError(f"{where}: stages is a list of {{at: ..., weights: {{...}}}} (got {stages!r})")
         stages = [_stage(stage, seq_len, f"{where}: stages[{i}]") for i, stage in enumerate(stages)]
     options = {key: config[key] for key in ("seed", "shuffle", "block_size", "stop") if key in config}
+    if isinstance(options.get("shuffle"), Mapping):
+        options["shuffle"] = _block_shuffle(options["shuffle"], f"{where}: shuffle")
     try:
         return Mixture(datasets, config.get("weights"), stages=stages, **options)
+    except OptionsError as error:
+        raise OptionsError(f"{where}: {error}") from None
+
+
+def _block_shuffle(value: Mapping[str, Any], where: str) -> BlockShuffle:
+    unknown = sorted(set(map(str, value)) - {"block", "window"})
+    if unknown:
+        raise OptionsError(f"{where}: unknown keys {unknown}; a block shuffle has 'block' and 'window'")
+    try:
+        return BlockShuffle(**{key: _integer(v, f"{where}.{key}", minimum=1) for key, v in value.items()})
     except OptionsError as error:
         raise OptionsError(f"{where}: {error}") from None
 

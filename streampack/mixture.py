@@ -4,7 +4,8 @@ Global positions are cut into blocks of ``block_size`` consecutive positions. A 
 positions of source ``j``: the weights in force, times the block size, rounded by largest remainder, so
 every block (and so every prefix, to within one block) follows the weights. Inside a block the
 positions are permuted with a seeded :class:`~streampack.permutation.Permutation` of the block. Source
-``j`` serves its samples in the order of its own :class:`~streampack.order.Shuffled`, through its own
+``j`` serves its samples in the order of its own :class:`~streampack.order.Shuffled` (a
+:class:`~streampack.blockshuffle.BlockShuffled` with ``shuffle=BlockShuffle(...)``), through its own
 epochs, at a *cursor*: the samples it served in earlier blocks plus its rank in this one.
 
 The cursors before block ``k`` are a sum over the schedule's segments (runs of blocks with the same
@@ -26,6 +27,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from streampack.blockshuffle import BlockShuffle, BlockShuffled, shuffle_fingerprint, single_order
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.order import MAX_POSITION, Shuffled, data_fingerprint, groups, mismatch
 from streampack.permutation import Permutation
@@ -63,7 +65,8 @@ class Mixture:
             or after ``position`` (a global position: samples since the run started), the weights change.
         seed: seed of the block order and of each source's order.
         shuffle: permute positions inside a block and samples inside each source's epochs; else both in
-            order.
+            order. A :class:`~streampack.blockshuffle.BlockShuffle` permutes positions inside a block and
+            reads each source in block-shuffled order (for sources read from object storage).
         block_size: positions per block. Weights are rounded to multiples of ``1 / block_size``; each
             source with a positive weight needs at least one position per block.
         stop: ``"never"`` (each source wraps into its next epoch when exhausted) or
@@ -85,14 +88,17 @@ class Mixture:
         *,
         stages: Sequence[tuple[int, Mapping[str, float]]] | None = None,
         seed: int = 0,
-        shuffle: bool = True,
+        shuffle: bool | BlockShuffle = True,
         block_size: int = 4096,
         stop: Stop = "never",
     ) -> None:
         _check_int("seed", seed, 0, 2**64 - 1)
         _check_int("block_size", block_size, 1, 2**40)
-        if not isinstance(shuffle, bool):
-            raise OptionsError(f"shuffle must be True or False (got shuffle={shuffle!r})")
+        if not isinstance(shuffle, (bool, BlockShuffle)):
+            raise OptionsError(
+                "shuffle must be True, False or a BlockShuffle(block=..., window=...) "
+                f"(got shuffle={shuffle!r})"
+            )
         if stop not in ("never", "first_exhausted"):
             raise OptionsError(f"stop must be 'never' or 'first_exhausted' (got stop={stop!r})")
         self.sources = _checked_sources(sources)
@@ -195,9 +201,9 @@ class Mixture:
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._end = self._find_end()
 
-    def _make_orders(self) -> list[Shuffled]:
+    def _make_orders(self) -> list[Shuffled | BlockShuffled]:
         return [
-            Shuffled(len(data), seed=seed, shuffle=self.shuffle, name=name)
+            single_order(len(data), seed=seed, shuffle=self.shuffle, name=name)
             for name, data, seed in zip(self.names, self.sources.values(), self._seeds, strict=True)
         ]
 
@@ -259,7 +265,7 @@ class Mixture:
         labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
         firsts = np.repeat(self._cumulative[segment, :-1], counts)
         ranks = np.arange(self.block_size, dtype=np.int64) - firsts
-        if self.shuffle and np.count_nonzero(counts) > 1:
+        if self.shuffle is not False and np.count_nonzero(counts) > 1:
             slots = Permutation(self.block_size, seed=self._blocks_seed, epoch=block)(ranks + firsts)
             labels = labels[slots]
             by_source = np.argsort(labels, kind="stable")
@@ -299,7 +305,7 @@ class Mixture:
         return {
             "kind": "mixture",
             "seed": self.seed,
-            "shuffle": self.shuffle,
+            "shuffle": shuffle_fingerprint(self.shuffle),
             "block_size": self.block_size,
             "sources": {
                 name: {"seed": seed, "data": data}
@@ -350,8 +356,8 @@ class Mixture:
         self, saved: Mapping[str, Any]
     ) -> tuple[list[tuple[int, Counts]], dict[str, tuple[int, Any]]]:
         """The checkpoint's schedule (as counts over this mixture's names) and each source's seed and data."""
-        kind = saved.get("kind")
-        if kind == "shuffled":
+        kind, shuffle = saved.get("kind"), shuffle_fingerprint(self.shuffle)
+        if kind in ("shuffled", "blocks"):
             data = saved.get("data")
             names = [name for name, mine in zip(self.names, self._data, strict=True) if mine == data]
             if not names:
@@ -359,8 +365,13 @@ class Mixture:
                     f"the checkpoint read one dataset ({_summary(data)}), which is none of this mixture's "
                     f"sources {list(self.names)}; add it to the mixture to continue its epoch"
                 )
-            if saved.get("shuffle") != self.shuffle:
-                raise LoaderStateError(mismatch("shuffle", saved.get("shuffle"), self.shuffle))
+            saved_shuffle = (
+                saved.get("shuffle")
+                if kind == "shuffled"
+                else {"block": saved.get("block"), "window": saved.get("window")}
+            )
+            if saved_shuffle != shuffle:
+                raise LoaderStateError(mismatch("shuffle", saved_shuffle, shuffle))
             counts = tuple(self.block_size if name == names[0] else 0 for name in self.names)
             try:
                 seed = _saved_seed(saved.get("seed"))
@@ -371,7 +382,7 @@ class Mixture:
             raise LoaderStateError(
                 f"the checkpoint's order is not a loader order (kind={kind!r}); it is damaged"
             )
-        for key, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("block_size", self.block_size)):
+        for key, mine in (("seed", self.seed), ("shuffle", shuffle), ("block_size", self.block_size)):
             if saved.get(key) != mine:
                 raise LoaderStateError(mismatch(key, saved.get(key), mine))
         try:

@@ -5,8 +5,9 @@ run started, summed over all ranks. An :class:`Order` maps positions to ``(sourc
 holds no state, so a loader's checkpoint is one integer plus the order's fingerprint, and ranks, workers
 and batch sizes only decide which positions a process reads, never which sample a position holds.
 
-Two orders implement the protocol: :class:`Shuffled`, one source read epoch after epoch (here), and
-:class:`streampack.mixture.Mixture`, several sources mixed by weight, each running through its own
+Three orders implement the protocol: :class:`Shuffled`, one source read epoch after epoch (here);
+:class:`streampack.blockshuffle.BlockShuffled`, the same with a locality-aware order for remote caches;
+and :class:`streampack.mixture.Mixture`, several sources mixed by weight, each running through its own
 epochs.
 """
 
@@ -166,6 +167,12 @@ class Shuffled:
     def resumed(self, saved: Mapping[str, Any], position: int) -> Shuffled:
         """This order, after checking the checkpoint was made with the same seed, shuffle and data."""
         mine = self.fingerprint()
+        if saved.get("kind") == "blocks":
+            block = f"BlockShuffle(block={saved.get('block')!r}, window={saved.get('window')!r})"
+            raise LoaderStateError(
+                f"the checkpoint was saved by a loader that block-shuffles ({block}), this loader reads in "
+                f"{'a global shuffle' if self.shuffle else 'stream order'}; resume it with shuffle={block}"
+            )
         if saved.get("kind") != "shuffled":
             raise LoaderStateError(
                 f"the checkpoint was saved by a loader over a {saved.get('kind')!r} order, this loader reads "

@@ -471,7 +471,7 @@ def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
         ),
         ({"batch_size": 4, "seed": -1}, r"seed must be an integer in \[0, 2\*\*64\)"),
         ({"batch_size": 4, "epochs": 0}, "epochs must be a positive integer, or None"),
-        ({"batch_size": 4, "shuffle": 1}, "shuffle must be True or False"),
+        ({"batch_size": 4, "shuffle": 1}, "shuffle must be True, False or a BlockShuffle"),
         ({"batch_size": 4, "output": "torch"}, "output must be 'numpy', 'dict' or 'varlen'"),
         ({"batch_size": 4, "dtype": np.float32}, "dtype must be an integer dtype"),
     ],

@@ -12,6 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
+from streampack.blockshuffle import BlockShuffle
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
 from streampack.mixture import Mixture
@@ -44,6 +45,7 @@ def global_batches(loaders: list[Loader], steps: int | None = None) -> list[tupl
     return out
 
 
+block_shuffles = st.builds(BlockShuffle, block=st.integers(1, 16), window=st.integers(1, 4))
 weights_strategy = st.lists(st.integers(0, 20), min_size=1, max_size=4).filter(lambda w: sum(w) > 0)
 
 
@@ -60,7 +62,7 @@ def mixtures(draw: st.DrawFn, stop: str = "never") -> Mixture:
         {f"s{j}": source(j, n) for j, n in enumerate(sizes)},
         weights={f"s{j}": w for j, w in enumerate(weights)},
         seed=draw(st.integers(0, 2**64 - 1), label="seed"),
-        shuffle=draw(st.booleans(), label="shuffle"),
+        shuffle=draw(st.one_of(st.booleans(), block_shuffles), label="shuffle"),
         block_size=block,
         stop=stop,
     )

@@ -66,6 +66,18 @@ def test_ranks_times_workers_see_every_sample_once(
     assert everything == list(range(NUM_SAMPLES))
 
 
+def test_real_workers_split_a_block_shuffled_epoch(numbered: streampack.Cache) -> None:
+    seqs, shuffle = numbered.sequences(SEQ_LEN), streampack.BlockShuffle(block=16, window=2)
+    per_rank = []
+    for rank in range(2):
+        options = {"seed": 11, "shuffle": shuffle, "rank": rank, "world_size": 2, "epochs": 1}
+        per_rank.append(sample_ids(list(DataLoader(Loader(seqs, batch_size=6, **options), num_workers=2))))
+        alone = [batch[:, 0].tolist() for batch in Loader(seqs, batch_size=6, **options)]
+        assert per_rank[-1] == alone  # the workers hand out the loader's own stream, in order
+    everything = [i for batches in per_rank for batch in batches for i in batch]
+    assert sorted(everything) == list(range(NUM_SAMPLES))
+
+
 def test_drop_last_false_never_hands_a_rank_an_empty_batch(tmp_path: Path) -> None:
     # The reported numbers: 1,257 samples, global batch 8 over 8 ranks leaves 1 row for 8 ranks.
     n = 1257
