@@ -2,7 +2,9 @@
 
 Loads every text of the corpus first, then times only the fastest batch-encode call of the backend
 (``tokenizers``: ``encode_batch_fast``, default rayon threads, one per core; ``tiktoken``:
-``encode_ordinary_batch`` with ``num_threads`` = cores), in batches of ``--batch`` documents.
+``encode_ordinary_batch`` with ``num_threads`` = cores; ``fastokens-json`` / ``fastokens-tiktoken``: the fast
+engine on the same ``tokenizer.json`` / ranks, ``encode_batch_flat`` with special tokens as text, threads
+from ``FASTOKENS_BPE_THREADS``, set to ``--threads`` unless already set), in batches of ``--batch`` documents.
 
 Why not tiktoken's default ``num_threads=8``: its batch call holds the GIL while it turns each result into
 a Python list, so on 2 cores 8 threads measured no faster than a serial loop (3.46 vs 3.46 M tokens/s on
@@ -13,7 +15,8 @@ texts are first cut as ``streampack build`` cuts them (:func:`streampack.tokeniz
 reference row: the raw call over the same pieces as the build.
 Prints one JSON line: ``{"num_tokens", "encode_s", "docs"}``.
 
-Usage: ``python benchmarks/_raw_limit.py --backend tokenizers|tiktoken --corpus FILE``
+Usage: ``python benchmarks/_raw_limit.py --backend tokenizers|tiktoken|fastokens-json|fastokens-tiktoken
+--corpus FILE``
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 
 from _backends import TIKTOKEN_GPT2, TOKENIZERS_GPT2, iter_texts, load_tiktoken
+
+BACKENDS = ("tokenizers", "tiktoken", "fastokens-json", "fastokens-tiktoken")
 
 
 def time_tokenizers(texts: list[str], path: str, batch: int) -> tuple[float, int]:
@@ -54,17 +60,48 @@ def time_tiktoken(texts: list[str], path: str, batch: int, threads: int) -> tupl
     return seconds, tokens
 
 
+def time_fastokens(texts: list[str], path: str, batch: int, ranks: bool) -> tuple[float, int]:
+    """Return (seconds spent in fastokens' ``encode_batch_flat``, tokens produced).
+
+    ``ranks``: ``path`` is a ``.tiktoken`` file, with its ``pat_str`` and ``special_tokens`` in the ``.json``
+    beside it (as streampack loads it); else a ``tokenizer.json``.
+    """
+    import fastokens
+
+    if ranks:
+        meta = json.loads(Path(path).with_suffix(".json").read_text())
+        tok = fastokens.Tokenizer.from_tiktoken(
+            path, pattern=meta["pat_str"], special_tokens=meta["special_tokens"]
+        )
+    else:
+        tok = fastokens.Tokenizer.from_file(path)
+    seconds, tokens = 0.0, 0
+    for i in range(0, len(texts), batch):
+        start = time.perf_counter()
+        ids, _offsets = tok.encode_batch_flat(
+            texts[i : i + batch], add_special_tokens=False, split_special_tokens=True
+        )
+        seconds += time.perf_counter() - start
+        tokens += len(ids) // 4  # uint32 ids
+        del ids, _offsets
+    return seconds, tokens
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=["tokenizers", "tiktoken"], required=True)
+    parser.add_argument("--backend", choices=BACKENDS, required=True)
     parser.add_argument("--corpus", required=True)
     parser.add_argument("--tokenizer", help="tokenizer.json or .tiktoken file (default: GPT-2)")
     parser.add_argument("--batch", type=int, default=1000, help="documents per encode call")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="tiktoken num_threads")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="tiktoken num_threads, fastokens threads"
+    )
     parser.add_argument("--build-pieces", action="store_true", help="cut the texts as the build does")
     args = parser.parse_args()
+    if args.build_pieces and args.backend.startswith("fastokens"):
+        parser.error("--build-pieces takes --backend tokenizers or tiktoken")
 
-    tokenizers = args.backend == "tokenizers"
+    tokenizers = args.backend in ("tokenizers", "fastokens-json")
     path = args.tokenizer or (TOKENIZERS_GPT2 if tokenizers else TIKTOKEN_GPT2)
     texts = list(iter_texts(args.corpus))
     if args.build_pieces:
@@ -74,7 +111,10 @@ def main() -> None:
         tokenizer = load_tokenizer(path if tokenizers else f"tiktoken:{path}")
         rule = piece_rule(tokenizer.cut_safety, tokenizer.fast_piece_chars)
         texts = [piece for text in texts for piece in rule.split(text)]
-    if tokenizers:
+    if args.backend.startswith("fastokens"):
+        os.environ.setdefault("FASTOKENS_BPE_THREADS", str(args.threads))  # read when its pool starts
+        seconds, tokens = time_fastokens(texts, path, args.batch, ranks=not tokenizers)
+    elif tokenizers:
         seconds, tokens = time_tokenizers(texts, path, args.batch)
     else:
         seconds, tokens = time_tiktoken(texts, path, args.batch, args.threads)
