@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from streampack.errors import LoaderStateError, OptionsError
-from streampack.order import MAX_POSITION, Shuffled, groups, mismatch
+from streampack.order import OneSource, Shuffled, groups, mismatch
 from streampack.permutation import Permutation
 
 __all__ = ["BlockShuffle", "BlockShuffled", "shuffle_fingerprint", "single_order"]
@@ -108,7 +108,7 @@ class _Epoch:
     short: int  # the short block's slot; the number of blocks when there is none
 
 
-class BlockShuffled:
+class BlockShuffled(OneSource):
     """One source read epoch after epoch in block-shuffled order (see the module docstring).
 
     Args:
@@ -135,9 +135,8 @@ class BlockShuffled:
         BlockShuffle(block, window)  # validates
         if size < 1:
             raise OptionsError(f"a block-shuffled source needs at least one sample (got size={size})")
-        self.size, self.seed, self.block, self.window, self.epochs = size, seed, block, window, epochs
-        self.data = dict(data) if data is not None else {"num_samples": size}
-        self.names: tuple[str, ...] = (name,)
+        super().__init__(size, seed=seed, epochs=epochs, data=data, name=name)
+        self.block, self.window = block, window
         self.num_blocks = -(-size // block)
         self.num_windows = -(-self.num_blocks // window)
         self._full = size // block  # blocks of ``block`` samples; one more, shorter, when ragged
@@ -153,15 +152,6 @@ class BlockShuffled:
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"_epochs": {}}
-
-    @property
-    def end(self) -> int | None:
-        """``epochs * n``, or ``None`` when endless."""
-        return None if self.epochs is None else min(self.epochs * self.size, MAX_POSITION)
-
-    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Source ids (all 0) and sample ids at ``positions``."""
-        return np.zeros(len(positions), dtype=np.int64), self.samples(positions)
 
     def samples(self, positions: np.ndarray) -> np.ndarray:
         """Sample ids at ``positions``."""
@@ -219,14 +209,6 @@ class BlockShuffled:
         if order.blocks is not None and full.any():
             blocks[full] = order.blocks(slots[full] - (slots[full] > order.short))
         return blocks * b + within
-
-    def consumed(self, position: int) -> list[int]:
-        """``[position]``: one source, every position is its own."""
-        return [position]
-
-    def sizes(self) -> list[int]:
-        """``[n]``."""
-        return [self.size]
 
     def fingerprint(self) -> dict[str, Any]:
         """Kind, seed, block, window and the data's fingerprint; the number of epochs only ends the stream."""

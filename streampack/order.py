@@ -23,7 +23,7 @@ import numpy as np
 from streampack.errors import LoaderStateError
 from streampack.permutation import Permutation
 
-__all__ = ["MAX_POSITION", "Order", "Shuffled", "data_fingerprint", "groups"]
+__all__ = ["MAX_POSITION", "OneSource", "Order", "Shuffled", "data_fingerprint", "groups"]
 
 # Below this many distinct small keys, grouping scans once per key rather than sorting.
 _SCANNED_KEYS = 9
@@ -74,7 +74,41 @@ class Order(Protocol):
         ...
 
 
-class Shuffled:
+class OneSource:
+    """What the orders of one source share: ``size`` samples an epoch, read epoch after epoch (``epochs``
+    of them, or endlessly), the data's fingerprint and the source's name. Subclasses map positions to
+    samples (:meth:`samples`) and give their fingerprint."""
+
+    def __init__(
+        self, size: int, *, seed: int, epochs: int | None, data: Mapping[str, Any] | None, name: str
+    ) -> None:
+        self.size, self.seed, self.epochs = size, seed, epochs
+        self.data = dict(data) if data is not None else {"num_samples": size}
+        self.names: tuple[str, ...] = (name,)
+
+    @property
+    def end(self) -> int | None:
+        """``epochs * n``, or ``None`` when endless."""
+        return None if self.epochs is None else min(self.epochs * self.size, MAX_POSITION)
+
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Source ids (all 0) and sample ids at ``positions``."""
+        return np.zeros(len(positions), dtype=np.int64), self.samples(positions)
+
+    def samples(self, positions: np.ndarray) -> np.ndarray:
+        """Sample ids at ``positions``."""
+        raise NotImplementedError
+
+    def consumed(self, position: int) -> list[int]:
+        """``[position]``: one source, every position is its own."""
+        return [position]
+
+    def sizes(self) -> list[int]:
+        """``[n]``."""
+        return [self.size]
+
+
+class Shuffled(OneSource):
     """One source read epoch after epoch: position ``p`` is sample ``Permutation(n, seed, epoch)(i)``.
 
     ``epoch, i = divmod(p, n)``, so every epoch visits each of the ``n`` samples once, in a new order
@@ -99,9 +133,8 @@ class Shuffled:
         data: Mapping[str, Any] | None = None,
         name: str = "data",
     ) -> None:
-        self.size, self.seed, self.shuffle, self.epochs = size, seed, shuffle, epochs
-        self.data = dict(data) if data is not None else {"num_samples": size}
-        self.names: tuple[str, ...] = (name,)
+        super().__init__(size, seed=seed, epochs=epochs, data=data, name=name)
+        self.shuffle = shuffle
         self._permutations: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
 
     def __repr__(self) -> str:
@@ -109,16 +142,6 @@ class Shuffled:
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"_permutations": {}}
-
-    @property
-    def end(self) -> int | None:
-        """``epochs * n``, or ``None`` when endless."""
-        return None if self.epochs is None else min(self.epochs * self.size, MAX_POSITION)
-
-    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Source ids (all 0) and sample ids at ``positions``."""
-        sources = np.zeros(len(positions), dtype=np.int64)
-        return sources, self.samples(positions)
 
     def samples(self, positions: np.ndarray) -> np.ndarray:
         """Sample ids at ``positions``."""
@@ -151,14 +174,6 @@ class Shuffled:
                 permutation = feistel
             self._permutations[epoch] = permutation
         return permutation
-
-    def consumed(self, position: int) -> list[int]:
-        """``[position]``: one source, every position is its own."""
-        return [position]
-
-    def sizes(self) -> list[int]:
-        """``[n]``."""
-        return [self.size]
 
     def fingerprint(self) -> dict[str, Any]:
         """Kind, seed, shuffle and the data's fingerprint; the number of epochs only ends the stream."""
