@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol, TypeGuard
 import numpy as np
 import numpy.typing as npt
 
+from streampack import prefetch
 from streampack.blockshuffle import BlockShuffle, single_order
 from streampack.collate import Format, format_for
 from streampack.errors import LoaderStateError, OptionsError
@@ -481,6 +482,7 @@ class Loader:
         """
         sources, samples = self.picks(position)
         result = self.formatter(self._read(position, sources, samples, out), sources, samples)
+        prefetch.after_batch(self, position)  # a cache in object storage: fetch the next steps' shards
         return self.collate(result) if self.collate is not None else result
 
     def batch_shape(self, position: int) -> tuple[int, int]:

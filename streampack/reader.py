@@ -14,14 +14,15 @@ import hashlib
 import json
 import os
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streampack import ledger
-from streampack.errors import CacheError
+from streampack.errors import CacheError, OptionsError
 from streampack.format import (
     OFFSET_DTYPE,
     SHARD_DIR,
@@ -32,6 +33,8 @@ from streampack.format import (
     offsets_key,
     tokens_key,
 )
+from streampack.localcopy import CachedStore, Expected, cached_store, on_release
+from streampack.remote import is_remote
 from streampack.store import LocalStore, open_store
 
 if TYPE_CHECKING:
@@ -79,10 +82,20 @@ class Cache:
         self._offsets: OrderedDict[int, np.ndarray] = OrderedDict()
         self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
         self._check_sizes()
+        if isinstance(store, CachedStore):
+            on_release(self.drop_maps)
 
     def __repr__(self) -> str:
-        name = str(self.root)
+        name = self.store.describe("")
         return f"Cache({name!r}, docs={self.num_docs}, tokens={self.num_tokens}, dtype={self.dtype.name})"
+
+    def drop_maps(self) -> None:
+        """Forget the shard maps kept for reuse (they close once no caller holds a view of them): a cache
+        read through a bounded local copy cannot evict a mapped file."""
+        # Cleared in place: a lookup under way holds the dict itself (and _cached_map is safe against a
+        # concurrent clear).
+        for maps in (self._tokens, self._offsets, self._masks):
+            maps.clear()
 
     @property
     def num_docs(self) -> int:
@@ -253,6 +266,14 @@ class Cache:
         files = self._shards[shard]
         return self.store.path(files.tokens), self.store.path(files.offsets)
 
+    def shard_keys(self, shard: int, *, boundaries: bool = True) -> list[str]:
+        """The store keys of shard ``shard``'s files: tokens, then (with ``boundaries``) offsets and the
+        loss mask if any."""
+        files = self._shards[shard]
+        if not boundaries:
+            return [files.tokens]
+        return [files.tokens, files.offsets] + ([files.mask] if files.mask is not None else [])
+
     def shard_tokens(self, shard: int) -> np.ndarray:
         """The token array of shard ``shard`` (memory-mapped on first use)."""
         files = self._shards[shard]
@@ -303,56 +324,116 @@ class Cache:
                 if size is None:
                     if count == 0 and not self.manifest.complete:
                         continue  # a unit of an unfinished build that has not started (or committed) yet
-                    path = self.store.path(key)
-                    raise CacheError(f"{path}: shard file missing; the cache is damaged, rebuild it")
+                    where = self.store.describe(key)
+                    raise CacheError(f"{where}: shard file missing; the cache is damaged, rebuild it")
                 expected = count * itemsize
                 if size < expected or (self.manifest.complete and size != expected):
                     raise CacheError(
-                        f"{self.store.path(key)}: {size} bytes, but the manifest says {count} items "
+                        f"{self.store.describe(key)}: {size} bytes, but the manifest says {count} items "
                         f"({expected} bytes); the cache is damaged or truncated: run `streampack verify` and "
                         "rebuild it"
                     )
 
 
-def open(path: str | os.PathLike[str], *, allow_incomplete: bool = False) -> Cache:
+def open(
+    path: str | os.PathLike[str],
+    *,
+    allow_incomplete: bool = False,
+    local_dir: str | os.PathLike[str] | None = None,
+    max_local_bytes: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    prefetch_steps: int | None = None,
+) -> Cache:
     """Open a token cache for reading.
 
+    A cache in object storage (``s3://bucket/prefix``, any fsspec URL) is read through a local copy:
+    its manifest (and ledger) are read remotely, each shard file is fetched whole on first use, verified
+    against its checksum, and memory-mapped from ``local_dir``, which the processes of a node share (one
+    download per file) and which never holds more than ``max_local_bytes`` of shard files (least
+    recently used ones are evicted; see :mod:`streampack.localcopy`).
+
     Args:
-        path: the cache directory (a path, or a ``file://`` URI).
+        path: the cache directory (a path, or a ``file://`` URI), or the URL of a cache in object storage.
         allow_incomplete: read the committed prefix of each unit of a build that has not finished (or is
             still running) instead of refusing it: every document that its unit's ledger entry had
             committed when this was called, in stream order (units not started yet hold none).
+        local_dir: (object storage) the local copy's directory; one per URL under the temp dir by default.
+        max_local_bytes: (object storage) the bound on the local copy's shard files; unbounded by default.
+            It must hold the shards one batch of every process of the node reads at once.
+        storage_options: (object storage) passed to the fsspec filesystem (endpoint, credentials...).
+        prefetch_steps: (object storage) steps ahead whose shards a :class:`~streampack.Loader` fetches
+            in the background (0: none); 8 by default.
 
     Raises:
         CacheError: the directory is not a cache, its build is incomplete (unless allowed), or its
             manifest and files disagree.
+        OptionsError: an object-storage option for a local cache, or a bound smaller than a shard.
     """
-    store = open_store(path)
-    root = store.root
+    if is_remote(path):
+        store: LocalStore = cached_store(
+            str(path),
+            local_dir=local_dir,
+            max_local_bytes=max_local_bytes,
+            prefetch_steps=prefetch_steps,
+            storage_options=storage_options,
+        )
+    else:
+        reading = {"local_dir": local_dir, "max_local_bytes": max_local_bytes}
+        reading["prefetch_steps"] = prefetch_steps
+        given = [name for name, value in reading.items() if value is not None]
+        if given or storage_options:
+            raise OptionsError(
+                f"{path}: {', '.join(given or ['storage_options'])} apply to caches in object storage "
+                "(s3://...), not to a local cache"
+            )
+        store = open_store(path)
     manifest = load_manifest(store)
     if manifest.complete:
-        return Cache(store, manifest, manifest.shards)
-    if not allow_incomplete:
+        shards = manifest.shards
+    elif not allow_incomplete:
         raise CacheError(
-            f"{root}: the build of this cache has not finished; rerun the same build command to complete it, "
-            "or open it with allow_incomplete=True to read the committed part"
+            f"{store.describe('')}: the build of this cache has not finished; rerun the same build command "
+            "to complete it, or open it with allow_incomplete=True to read the committed part"
         )
-    return Cache(store, manifest, _committed_shards(store, manifest))
+    else:
+        shards = _committed_shards(store, manifest)
+    if isinstance(store, CachedStore):
+        store.expect(_expected_files(shards, manifest))
+    return Cache(store, manifest, shards)
 
 
 def _committed_shards(store: LocalStore, manifest: Manifest) -> list[ShardInfo]:
     """Each unit's committed prefix from its ledger entry (none: the unit has not committed yet).
 
     A unit's writer makes its shard files durable before the ledger entry that covers them, so every
-    committed byte is on disk; a unit with nothing committed may have no files at all.
+    committed byte is on disk; a unit with nothing committed may have no files at all. In object storage
+    an entry is published once its unit is done, with the checksums of its files, which a read through a
+    local copy verifies.
     """
     shards = []
+    remote = isinstance(store, CachedStore)
     for index, unit in enumerate(manifest.units):
         name = f"{index:06d}"
         progress = ledger.read_progress(store, name, unit)
         mask = "" if manifest.loss_mask else None
-        shards.append(ShardInfo(name, unit, progress.docs, progress.tokens, "", "", mask))
+        if remote and progress.done:
+            sums = (progress.tokens_checksum, progress.offsets_checksum, progress.mask_checksum or mask)
+            shards.append(ShardInfo(name, unit, progress.docs, progress.tokens, *sums))
+        else:
+            shards.append(ShardInfo(name, unit, progress.docs, progress.tokens, "", "", mask))
     return shards
+
+
+def _expected_files(shards: list[ShardInfo], manifest: Manifest) -> dict[str, Expected]:
+    """The size and checksum of every shard file, by key (for verifying the local copies)."""
+    itemsize = np.dtype(manifest.dtype).itemsize
+    files = {}
+    for s in shards:
+        files[tokens_key(s.name)] = Expected(s.num_tokens * itemsize, s.tokens_checksum)
+        files[offsets_key(s.name)] = Expected(s.num_docs * OFFSET_DTYPE.itemsize, s.offsets_checksum)
+        if manifest.loss_mask:
+            files[mask_key(s.name)] = Expected(s.num_tokens, s.mask_checksum or "")
+    return files
 
 
 def _keys(name: str, masked: bool) -> tuple[str, str, str | None]:

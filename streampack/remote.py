@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -74,22 +75,34 @@ class RemoteStore:
         attempts: int = 4,
         backoff: float = 0.5,
     ) -> None:
-        import fsspec
-
         self.url = url.rstrip("/")
         self.scheme = urlparse(self.url).scheme
         self.attempts = attempts
         self.backoff = backoff
+        self._options = dict(storage_options or {})
+        self._fs, self.root = self._connect()
+
+    def _connect(self) -> tuple[Any, str]:
+        import fsspec
+
+        self._pid = os.getpid()
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url, **dict(storage_options or {}))
+            fs, root = fsspec.core.url_to_fs(self.url, **self._options)
         except ImportError as e:
             raise MissingDependencyError(
-                f"{self.url}: writing to {self.scheme}:// needs its fsspec filesystem ({e}); for S3: "
-                "pip install s3fs"
+                f"{self.url}: {self.scheme}:// needs its fsspec filesystem ({e}); for S3: pip install s3fs"
             ) from None
         except ValueError as e:
             raise CacheError(f"{self.url}: not a storage URL fsspec can open ({e})") from None
-        self.root = self.root.rstrip("/")
+        return fs, root.rstrip("/")
+
+    @property
+    def fs(self) -> Any:
+        """The fsspec filesystem; a new one in a forked child (DataLoader workers): clients such as s3fs's
+        cannot be used across a fork."""
+        if self._pid != os.getpid():
+            self._fs, _ = self._connect()
+        return self._fs
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.url!r})"

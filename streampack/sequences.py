@@ -41,6 +41,7 @@ from streampack.layout import (
     row_view,
     split_windows,
 )
+from streampack.localcopy import CachedStore, on_release
 from streampack.order import groups
 from streampack.packing import TooLong, plan_documents, plan_packed, too_long_policy
 from streampack.store import CacheRef
@@ -386,12 +387,18 @@ class JoinedSequences:
                 tokens += part.layout.runs.total
             owners += [(j, shard) for shard in range(shards)]
         self._owners = owners
+        if any(isinstance(part.cache.store, CachedStore) for part in self.parts):
+            on_release(self.forget_maps)  # a bounded local copy cannot evict the maps kept here
         self._runs = Runs(
             np.concatenate([np.zeros(1, dtype=np.int64)] + [r.starts[1:] for r in runs]),
             np.concatenate([r.shards for r in runs]) if runs else np.zeros(0, dtype=np.int64),
             np.concatenate([r.offsets for r in runs]) if runs else np.zeros(0, dtype=np.int64),
         )
         return self._runs
+
+    def forget_maps(self) -> None:
+        """Forget the shard maps kept at hand (they close once no caller holds them)."""
+        self._recent, self._views = {}, {}  # new dicts: another thread may be in the middle of a lookup
 
     def spans(self, sources: np.ndarray, samples: np.ndarray) -> Spans:
         """The spans of sample ``samples[k]`` of source ``sources[k]`` in row ``k`` (indices checked)."""
@@ -496,21 +503,23 @@ def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
     """
     from streampack.reader import open as open_cache
 
-    cache = open_cache(ref.uri, allow_incomplete=ref.allow_incomplete)
+    cache = open_cache(ref.uri, allow_incomplete=ref.allow_incomplete, **(ref.reading or {}))
     now = content_digest(cache)
     if now != ref.content:
         raise CacheError(
-            f"{cache.root}: the cache changed on disk since {what} were made from it (it now holds "
-            f"{cache.num_docs} documents, {cache.num_tokens} tokens; shard table {now}, was {ref.content}), "
-            f"so their indices no longer mean the same tokens. Make {what} again from the reopened cache "
-            "(and restart the loader)."
+            f"{cache.store.describe('')}: the cache changed on disk since {what} were made from it (it now "
+            f"holds {cache.num_docs} documents, {cache.num_tokens} tokens; shard table {now}, was "
+            f"{ref.content}), so their indices no longer mean the same tokens. Make {what} again from the "
+            "reopened cache (and restart the loader)."
         )
     return cache
 
 
 def cache_ref(cache: Cache) -> CacheRef:
     """The reference that picklable views of ``cache`` carry (see :class:`~streampack.store.CacheRef`)."""
-    return CacheRef(cache.store.uri, content_digest(cache), allow_incomplete=not cache.manifest.complete)
+    store = cache.store
+    reading = store.reopen_options() if isinstance(store, CachedStore) else None
+    return CacheRef(store.uri, content_digest(cache), not cache.manifest.complete, reading)
 
 
 def content_digest(cache: Cache) -> str:

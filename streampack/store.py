@@ -16,7 +16,8 @@ object storage would differ underneath the same keys: it has no append, rename, 
 it publishes a shard once finished (staged locally, then uploaded), publishes ledger entries then the
 manifest with conditional puts, and serves :meth:`Store.map_array` from a bounded local copy.
 
-A cache is named by a URI (:func:`open_store`): a plain path or a ``file://`` URI is a local store.
+A cache is named by a URI (:func:`open_store`): a plain path or a ``file://`` URI is a local store; a
+cache in object storage is read through a bounded local copy (:mod:`streampack.localcopy`).
 :class:`CacheRef` (the URI plus the digest of the shard table) is what picklable views of a cache carry,
 so that a copy unpickled elsewhere reopens the same cache and can tell whether it changed.
 """
@@ -32,7 +33,7 @@ import socket
 import stat
 import zlib
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO, Protocol
@@ -299,8 +300,8 @@ def open_store(where: str | os.PathLike[str] | LocalStore) -> LocalStore:
         return LocalStore(unquote(parsed.path))
     if len(parsed.scheme) > 1 and "://" in where:  # a single letter is a Windows drive, not a scheme
         raise CacheError(
-            f"{where}: caches in {parsed.scheme}:// storage are not supported yet; copy the cache to a local "
-            "or shared filesystem and open that path"
+            f"{where}: a cache in {parsed.scheme}:// storage is read through a local copy: open it with "
+            "streampack.open(url, local_dir=..., max_local_bytes=...)"
         )
     return LocalStore(where)
 
@@ -313,18 +314,24 @@ class CacheRef:
     open cache; reopening checks that the digest still matches (``streampack.sequences.reopen_unchanged``).
 
     Attributes:
-        uri: the store's URI (``file:///abs/path`` for a local cache).
+        uri: the store's URI (``file:///abs/path`` for a local cache, the URL of one in object storage).
         content: the digest of the shard table when the view was made.
         allow_incomplete: reopen the committed part of a build that had not finished.
+        reading: for a cache in object storage, the options of :func:`streampack.open` that reopen it
+            through the same local copy (storage options included: never shown in its repr).
     """
 
     uri: str
     content: str
     allow_incomplete: bool = False
+    reading: dict[str, Any] | None = field(default=None, repr=False, compare=False, hash=False)
 
     @property
     def local_path(self) -> str:
-        """The absolute local path of the cache (for messages and ``PackedSequences.path``)."""
+        """The absolute local path of the cache (for messages and ``PackedSequences.path``); the URL of a
+        cache in object storage."""
+        if self.reading is not None:
+            return self.uri
         return str(open_store(self.uri).root)
 
 

@@ -6,8 +6,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,3 +106,49 @@ def shard_bytes(root: Path) -> dict[str, bytes]:
         for p in sorted(root.rglob("*"))
         if p.is_file() and p.name != "build.lock"
     }
+
+
+# ----------------------------------------------------------------------------- object storage (S3)
+
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-compatible server on 127.0.0.1 (dummy credentials in the environment meanwhile)."""
+    moto_server = pytest.importorskip(
+        "moto.server", reason="the S3 tests need moto[server] (the dev extra has it)"
+    )
+    saved = {key: os.environ.get(key) for key in CREDENTIALS}
+    os.environ.update(CREDENTIALS)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> tuple[Any, str]:
+    """A new, empty bucket: its s3fs filesystem and its name."""
+    s3fs = pytest.importorskip("s3fs", reason="the S3 tests need s3fs (the dev extra has it)")
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    name = "b" + format(abs(hash(request.node.nodeid)), "x")[:20]
+    fs.mkdir(name)
+    return fs, name
+
+
+def s3_options(endpoint: str) -> dict[str, Any]:
+    """The storage options of the test server."""
+    return {"client_kwargs": {"endpoint_url": endpoint}}

@@ -14,59 +14,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import streampack
-from tests.conftest import shard_bytes, write_jsonl
+from tests.conftest import CREDENTIALS, s3_options, shard_bytes, write_jsonl
 
 pytest.importorskip("s3fs", reason="builds to S3 need s3fs (the dev extra has it)")
-moto_server = pytest.importorskip(
+pytest.importorskip(
     "moto.server", reason="the S3 tests need moto[server] (the dev extra has it): pip install 'moto[server]'"
 )
-
-CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """A real S3-compatible server on 127.0.0.1 (dummy credentials in the environment meanwhile)."""
-    saved = {key: os.environ.get(key) for key in CREDENTIALS}
-    os.environ.update(CREDENTIALS)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-@pytest.fixture
-def bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> tuple[Any, str]:
-    """A new, empty bucket: its s3fs filesystem and its name."""
-    import s3fs
-
-    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
-    name = "b" + format(abs(hash(request.node.nodeid)), "x")[:20]
-    fs.mkdir(name)
-    return fs, name
-
-
-def options(endpoint: str) -> dict[str, Any]:
-    return {"client_kwargs": {"endpoint_url": endpoint}}
+options = s3_options
 
 
 def make_inputs(root: Path, docs: int = 3000) -> list[Path]:

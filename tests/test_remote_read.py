@@ -1,0 +1,265 @@
+"""Reading a cache in object storage through a bounded local copy: a real S3 server (moto's, on
+127.0.0.1) driven through s3fs, real subprocesses and DataLoader workers, no mocks."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import streampack
+from streampack import prefetch
+from streampack.localcopy import BLOCK, CachedStore
+from tests.conftest import CREDENTIALS, s3_options, write_jsonl
+
+pytest.importorskip("s3fs", reason="reading from S3 needs s3fs (the dev extra has it)")
+
+BUILD = {"unit_bytes": 1 << 16, "workers": 2, "commit_seconds": 0}
+SEQ_LEN = 64
+LONG = 2048  # an epoch of a few hundred steps
+
+
+@pytest.fixture(scope="module")
+def built(
+    tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer: Path, s3_endpoint: str
+) -> tuple[str, Path, int, int]:
+    """One cache of many small shards, built to S3 and locally: its URL, the local build, the total
+    and the largest size of its shard files (in blocks, as the bound counts them)."""
+    import s3fs
+
+    root = tmp_path_factory.mktemp("remote-read")
+    rng = random.Random(5)
+    words = ["alpha", "beta", "gamma", "delta", "Ünïcödé", "🙂", "tokens", "cache", "\n"]
+    inputs = [
+        write_jsonl(
+            root / f"{i:02d}.jsonl",
+            [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(5, 150)))} for _ in range(60)],
+        )
+        for i in range(96)
+    ]  # small files, grouped into small units (hence shards)
+    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}, skip_instance_cache=True)
+    fs.mkdir("reads")
+    url = "s3://reads/c"
+    streampack.build(
+        inputs,
+        url,
+        tokenizer=str(bpe_tokenizer),
+        stage=str(root / "stage"),
+        storage_options=s3_options(s3_endpoint),
+        **BUILD,
+    )
+    local = root / "local"
+    streampack.build(inputs, local, tokenizer=str(bpe_tokenizer), **BUILD)
+    sizes: dict[str, int] = {}
+    for path in (local / "shards").iterdir():
+        blocks = -(-path.stat().st_size // BLOCK) * BLOCK
+        sizes[path.stem] = sizes.get(path.stem, 0) + blocks
+    assert len(sizes) >= 40, "the test needs many small shards"
+    return url, local, sum(sizes.values()), max(sizes.values())
+
+
+def shard_disk_use(local_dir: Path) -> int:
+    """What the shard files of a local copy take: their lengths and their allocated blocks, the larger.
+
+    Files are told apart by inode: a scan that runs while a download is renamed into place may list it
+    under both names."""
+    found = {}
+    with os.scandir(local_dir / "shards") as entries:
+        for entry in entries:
+            try:
+                st = entry.stat()
+            except FileNotFoundError:
+                continue
+            found[st.st_ino] = max(-(-st.st_size // BLOCK) * BLOCK, st.st_blocks * 512)
+    return sum(found.values())
+
+
+class DiskSampler:
+    """Samples the disk use of a local copy every few milliseconds, in a thread, while running."""
+
+    def __init__(self, local_dir: Path) -> None:
+        self.local_dir, self.peak, self.samples = local_dir, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> DiskSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, shard_disk_use(self.local_dir))
+            self.samples += 1
+
+
+def epoch(seqs: Any, workers: int | None = None) -> list[np.ndarray]:
+    # Two windows a step: a step reads at most four shards, in each process.
+    loader = streampack.Loader(seqs, batch_size=2, seed=3, epochs=1)
+    if workers is None:
+        return [np.asarray(batch) for batch in loader]
+    from streampack.torch import DataLoader
+
+    return [batch.numpy() for batch in DataLoader(loader, num_workers=workers)]
+
+
+@pytest.mark.parametrize("workers", [None, 2], ids=["in-process", "2-dataloader-workers"])
+def test_an_epoch_through_a_local_copy_at_a_quarter_of_the_cache_stays_in_the_bound_and_equals_local(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str, workers: int | None
+) -> None:
+    url, local, total, largest = built
+    if workers:
+        pytest.importorskip("torch")
+    bound = total // 4
+    assert bound >= 3 * largest
+    remote = streampack.open(
+        url, local_dir=tmp_path / "copy", max_local_bytes=bound, storage_options=s3_options(s3_endpoint)
+    )
+    with DiskSampler(tmp_path / "copy") as disk:
+        got = epoch(remote.sequences(LONG, overlap=1), workers)
+    expected = epoch(streampack.open(local).sequences(LONG, overlap=1))
+    assert len(got) == len(expected) > 20
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert disk.samples > 10
+    assert 0 < disk.peak <= bound
+    assert shard_disk_use(tmp_path / "copy") <= bound
+
+
+def test_packed_samples_through_a_small_local_copy_equal_the_local_caches(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
+) -> None:
+    url, local, total, _ = built
+    remote = streampack.open(
+        url, local_dir=tmp_path / "copy", max_local_bytes=total // 4, storage_options=s3_options(s3_endpoint)
+    )
+    got = remote.packed(SEQ_LEN)
+    expected = streampack.open(local).packed(SEQ_LEN)
+    picks = np.random.default_rng(0).permutation(len(expected))[:200]
+    assert np.array_equal(got[picks], expected[picks])
+    assert shard_disk_use(tmp_path / "copy") <= total // 4
+
+
+READ_ALL = """
+import json, sys
+import streampack
+cache = streampack.open(sys.argv[1], local_dir=sys.argv[2], storage_options=json.loads(sys.argv[3]))
+total = sum(int(cache.doc(i).sum()) for i in range(cache.num_docs))
+print(json.dumps({"downloads": cache.store.downloads, "total": total}))
+"""
+
+
+def read_all_in_processes(count: int, url: str, local_dir: Path, endpoint: str) -> list[dict[str, int]]:
+    env = {**os.environ, **CREDENTIALS, "PYTHONPATH": os.getcwd()}
+    args = [sys.executable, "-c", READ_ALL, url, str(local_dir), json.dumps(s3_options(endpoint))]
+    procs = [
+        subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) for _ in range(count)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err.decode()
+        results.append(json.loads(out))
+    return results
+
+
+def test_processes_sharing_a_local_copy_download_each_file_once(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
+) -> None:
+    url, local, _, _ = built
+    files = len(list((local / "shards").iterdir()))
+    together = read_all_in_processes(2, url, tmp_path / "copy", s3_endpoint)
+    assert together[0]["total"] == together[1]["total"]
+    assert sum(r["downloads"] for r in together) == files  # concurrent readers: never the same file twice
+    (later,) = read_all_in_processes(1, url, tmp_path / "copy", s3_endpoint)
+    assert later == {"downloads": 0, "total": together[0]["total"]}  # a later process downloads nothing
+
+
+def test_a_damaged_object_is_refused_naming_its_key_and_nothing_is_kept(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str, bucket: tuple[Any, str]
+) -> None:
+    fs, name = bucket
+    fs.cp("reads/c", f"{name}/c", recursive=True)
+    key = f"{name}/c/shards/000002.tokens"
+    data = bytearray(fs.cat_file(key))
+    data[len(data) // 2] ^= 0x01  # one flipped bit, same size
+    fs.pipe_file(key, bytes(data))
+    cache = streampack.open(
+        f"s3://{name}/c", local_dir=tmp_path / "copy", storage_options=s3_options(s3_endpoint)
+    )
+    first = int(cache.doc_starts[2])
+    cache.doc(0)  # another shard reads fine
+    with pytest.raises(
+        streampack.CacheError, match=rf"s3://{name}/c/shards/000002\.tokens: the object's checksum is crc32:"
+    ):
+        cache.doc(first)
+    assert not [p for p in (tmp_path / "copy" / "shards").iterdir() if p.name.startswith("000002.tokens")]
+
+
+def test_a_bound_smaller_than_the_largest_shard_is_refused(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
+) -> None:
+    url, _, _, largest = built
+    refused = rf"max_local_bytes=4096 is smaller than the largest shard of {url} \({largest} bytes"
+    with pytest.raises(streampack.OptionsError, match=refused):
+        streampack.open(
+            url, local_dir=tmp_path / "c", max_local_bytes=4096, storage_options=s3_options(s3_endpoint)
+        )
+    with pytest.raises(streampack.OptionsError, match="apply to caches in object storage"):
+        streampack.open(tmp_path, max_local_bytes=1 << 20)
+
+
+def test_samples_of_a_remote_cache_pickle_its_url_and_reopen_through_the_same_local_copy(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
+) -> None:
+    url, local, _, _ = built
+    secret = {**s3_options(s3_endpoint), "secret": "hunter2"}
+    remote = streampack.open(url, local_dir=tmp_path / "copy", storage_options=s3_options(s3_endpoint))
+    seqs = remote.sequences(SEQ_LEN)
+    ref = seqs.cache_ref
+    assert ref.uri == url and seqs.path == url
+    shown = repr(streampack.store.CacheRef(url, ref.content, reading={"storage_options": secret}))
+    assert "hunter2" not in shown
+    copy = pickle.loads(pickle.dumps(seqs))
+    assert np.array_equal(copy[:5], streampack.open(local).sequences(SEQ_LEN)[:5])
+    assert (
+        isinstance(copy.cache.store, CachedStore) and copy.cache.store.root == (tmp_path / "copy").absolute()
+    )
+
+
+def test_prefetch_fetches_the_next_steps_shards_in_the_background(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
+) -> None:
+    url, local, total, _ = built
+    remote = streampack.open(
+        url,
+        local_dir=tmp_path / "copy",
+        max_local_bytes=total // 2,
+        storage_options=s3_options(s3_endpoint),
+        prefetch_steps=4,
+    )
+    loader = streampack.Loader(remote.sequences(LONG), batch_size=2, seed=3, epochs=1)
+    batches = iter(loader)
+    first = next(batches)
+    prefetcher = prefetch._prefetchers[loader]
+    assert prefetcher is not None
+    deadline = time.monotonic() + 30
+    while prefetcher.fetched == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prefetcher.fetched > 0  # fetched while the loop was idle
+    rest = list(batches)
+    expected = list(streampack.Loader(streampack.open(local).sequences(LONG), batch_size=2, seed=3, epochs=1))
+    assert all(np.array_equal(a, b) for a, b in zip([first, *rest], expected, strict=True))
+    assert shard_disk_use(tmp_path / "copy") <= total // 2
