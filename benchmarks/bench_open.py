@@ -5,7 +5,8 @@ CRC-32s and a unit description as long as a real one), then runs, each 5 times i
 `json.load` of its manifest alone (the baseline), `streampack.open` and one `doc()` read, and the same
 once its manifest is rewritten as format version 1 wrote it (the shard table as rows). It prints
 the median seconds of each (imports not included) and the largest peak RSS of the process (`VmHWM`,
-imports included; not `ru_maxrss`, which keeps the parent's peak across `fork` and `exec`). Issue 13 asks for under 1 s and 100 MB at 100,000 shards.
+imports included; not `ru_maxrss`, which keeps the parent's peak across `fork` and `exec`). Issue 13
+asks for under 1 s and 100 MB at 100,000 shards.
 """
 
 from __future__ import annotations

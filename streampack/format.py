@@ -487,7 +487,7 @@ def _parse_manifest(raw: Any) -> Manifest:
     if not isinstance(units, list) or not all(isinstance(u, str) for u in units):
         raise ValueError("units must be a list of strings")
     if version == 1:
-        table = _table_of_rows(raw["shards"], units, loss_mask)
+        table = _table_of_rows(raw["shards"], loss_mask)
     else:
         table = ShardTable.from_json(raw["shards"], loss_mask)
     vocab = raw["tokenizer"]["vocab_size"]
@@ -520,7 +520,7 @@ def _parse_manifest(raw: Any) -> Manifest:
     return manifest
 
 
-def _table_of_rows(raw: Any, units: list[str], masked: bool) -> ShardTable:
+def _table_of_rows(raw: Any, masked: bool) -> ShardTable:
     """A version 1 shard table (a list of rows) as columns, after checking each row as version 1 did."""
     if not isinstance(raw, list):
         raise ValueError("shards must be a list of rows in a version 1 manifest")
@@ -529,9 +529,7 @@ def _table_of_rows(raw: Any, units: list[str], masked: bool) -> ShardTable:
         raise ValueError("loss_mask is true but a shard has no mask_checksum")
     if rows and [s.name for s in rows] != [shard_name(i) for i in range(len(rows))]:
         raise ValueError("the shard table does not list one shard per work unit, in order")
-    if any(s.unit != unit for s, unit in zip(rows, units)):
-        raise ValueError("a shard's unit differs from the manifest's units")
-    return ShardTable.from_rows(rows)
+    return ShardTable.from_rows(rows)  # each row's unit is the manifest's units[i], which is kept
 
 
 def _is_count(value: Any) -> bool:
