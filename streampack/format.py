@@ -40,6 +40,7 @@ LOCK = "build.lock"
 OFFSET_DTYPE = np.dtype("<u8")
 _SHARD_NAME = re.compile(r"^[0-9]{6}$")
 _CHECKSUM = re.compile(r"^crc32:[0-9a-f]{8}$")
+_CHECKSUMS = re.compile(r"(?:crc32:[0-9a-f]{8})*")
 NO_BOS: dict[str, Any] = {"prepend": False, "id": None}
 
 
@@ -270,14 +271,16 @@ def _crc_text(column: np.ndarray | None, index: int) -> str:
     return "" if column is None else checksum_text(int(column[index]))
 
 
-def _crc_column(texts: list[str], name: str) -> np.ndarray | None:
+def _crc_column(texts: list[Any], name: str) -> np.ndarray | None:
     """Checksums ``crc32:xxxxxxxx`` as uint32, or None when none was recorded (all empty)."""
     if all(text == "" for text in texts):
         return None
-    for index, text in enumerate(texts):
-        if not isinstance(text, str) or not _CHECKSUM.match(text):
-            raise ValueError(f"shard {index}: {name} {text!r} is not crc32:xxxxxxxx")
-    return np.array([int(text[6:], 16) for text in texts], dtype=np.uint32)
+    joined = "".join(text if isinstance(text, str) else "?" for text in texts)
+    if len(joined) != 14 * len(texts) or not _CHECKSUMS.fullmatch(joined):  # one regex pass, not one a row
+        bad = next(i for i, text in enumerate(texts) if not (isinstance(text, str) and _CHECKSUM.match(text)))
+        raise ValueError(f"shard {bad}: {name} {texts[bad]!r} is not crc32:xxxxxxxx")
+    digits = np.frombuffer(joined.encode(), dtype="S14").view("S1").reshape(-1, 14)[:, 6:]
+    return np.frombuffer(bytes.fromhex(digits.tobytes().decode()), dtype=">u4").astype(np.uint32)
 
 
 def _count_column(raw: dict[str, Any], name: str) -> np.ndarray:
@@ -521,15 +524,25 @@ def _parse_manifest(raw: Any) -> Manifest:
 
 
 def _table_of_rows(raw: Any, masked: bool) -> ShardTable:
-    """A version 1 shard table (a list of rows) as columns, after checking each row as version 1 did."""
-    if not isinstance(raw, list):
+    """A version 1 shard table (a list of rows) as columns, checked as version 1 was, a column at a time."""
+    if not isinstance(raw, list) or not all(isinstance(row, dict) for row in raw):
         raise ValueError("shards must be a list of rows in a version 1 manifest")
-    rows = [_parse_shard(s) for s in raw]
-    if masked and any(s.mask_checksum is None for s in rows):
-        raise ValueError("loss_mask is true but a shard has no mask_checksum")
-    if rows and [s.name for s in rows] != [shard_name(i) for i in range(len(rows))]:
+    names = [row["name"] for row in raw]
+    if names != [shard_name(i) for i in range(len(names))]:
+        for name in names:
+            checked_shard_name(name)  # a name that is no shard name at all is refused as such
         raise ValueError("the shard table does not list one shard per work unit, in order")
-    return ShardTable.from_rows(rows)  # each row's unit is the manifest's units[i], which is kept
+    counts = {key: [row[key] for row in raw] for key in ("num_docs", "num_tokens")}
+    masks = [row.get("mask_checksum") for row in raw]
+    if masked and None in masks:
+        raise ValueError("loss_mask is true but a shard has no mask_checksum")
+    return ShardTable(
+        _count_column(counts, "num_docs"),
+        _count_column(counts, "num_tokens"),
+        _crc_column([row["tokens_checksum"] for row in raw], "tokens_checksum"),
+        _crc_column([row["offsets_checksum"] for row in raw], "offsets_checksum"),
+        _crc_column([mask or "" for mask in masks], "mask_checksum"),
+    )
 
 
 def _is_count(value: Any) -> bool:
@@ -542,20 +555,3 @@ def _require(section: Any, fields: dict[str, type], name: str) -> None:
     for key, kind in fields.items():
         if not isinstance(section.get(key), kind) or (kind is int and isinstance(section.get(key), bool)):
             raise ValueError(f"{name}.{key} must be a {kind.__name__} (got {section.get(key)!r})")
-
-
-def _parse_shard(raw: Any) -> ShardInfo:
-    shard = ShardInfo(
-        name=checked_shard_name(raw["name"]),
-        unit=str(raw["unit"]),
-        num_docs=raw["num_docs"],
-        num_tokens=raw["num_tokens"],
-        tokens_checksum=str(raw["tokens_checksum"]),
-        offsets_checksum=str(raw["offsets_checksum"]),
-        mask_checksum=None if raw.get("mask_checksum") is None else str(raw["mask_checksum"]),
-    )
-    for key in ("num_docs", "num_tokens"):
-        value = getattr(shard, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"shard {shard.name}: {key} must be a non-negative integer (got {value!r})")
-    return shard
