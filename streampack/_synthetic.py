@@ -1,24 +1,44 @@
 """Write token caches straight from numpy arrays, for tests and benchmarks (private; not a build path).
 
-The files follow docs/FORMAT.md exactly, but checksums are left empty: the reader does not check them
-(``streampack verify`` would refuse such a cache). That keeps writing a multi-gigabyte synthetic cache at
+The files follow docs/FORMAT.md exactly. :func:`write_cache` records every shard's checksums (its shards
+are in memory anyway); :func:`write_random_cache` records none (the reader does not check them, and
+``streampack verify`` would refuse such a cache), which keeps writing a multi-gigabyte synthetic cache at
 disk speed and in flat memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import zlib
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from streampack.format import SHARD_DIR, Manifest, ShardInfo, offsets_path, shard_name, tokens_path
+from streampack.format import (
+    MANIFEST,
+    SHARD_DIR,
+    Manifest,
+    ShardInfo,
+    ShardTable,
+    checksum_text,
+    load_manifest,
+    offsets_path,
+    shard_name,
+    tokens_path,
+    with_checksum,
+)
+from streampack.store import encode_json
 
 _CHUNK_TOKENS = 1 << 25
 
 
 def write_cache(
-    root: str | Path, shards: Iterable[tuple[np.ndarray, np.ndarray]], *, vocab_size: int, eos_id: int
+    root: str | Path,
+    shards: Iterable[tuple[np.ndarray, np.ndarray]],
+    *,
+    vocab_size: int,
+    eos_id: int,
+    units: Sequence[str] | None = None,
 ) -> Path:
     """Write a complete cache whose shard ``k`` holds the given tokens and document end offsets.
 
@@ -28,6 +48,7 @@ def write_cache(
             document (the last equal to ``len(tokens)``).
         vocab_size: every id is below it; it decides the token dtype.
         eos_id: the EOS id recorded in the manifest.
+        units: the description of each shard's work unit (``synthetic:K`` by default).
 
     Returns:
         The cache directory.
@@ -38,9 +59,13 @@ def write_cache(
     infos = []
     for index, (tokens, ends) in enumerate(shards):
         name = shard_name(index)
-        np.asarray(tokens).astype(dtype).tofile(tokens_path(root, name))
-        np.asarray(ends).astype("<u8").tofile(offsets_path(root, name))
-        infos.append(ShardInfo(name, f"synthetic:{index}", len(ends), len(tokens), "", ""))
+        token_bytes = np.asarray(tokens).astype(dtype).tobytes()
+        offset_bytes = np.asarray(ends).astype("<u8").tobytes()
+        tokens_path(root, name).write_bytes(token_bytes)
+        offsets_path(root, name).write_bytes(offset_bytes)
+        unit = f"synthetic:{index}" if units is None else units[index]
+        checksums = checksum_text(zlib.crc32(token_bytes)), checksum_text(zlib.crc32(offset_bytes))
+        infos.append(ShardInfo(name, unit, len(ends), len(tokens), *checksums))
     _write_manifest(root, infos, vocab_size, eos_id)
     return root
 
@@ -98,7 +123,7 @@ def _write_manifest(root: Path, shards: list[ShardInfo], vocab_size: int, eos_id
         inputs=[],
         units=[s.unit for s in shards],
         complete=True,
-        shards=shards,
+        table=ShardTable.from_rows(shards),
     ).write(root)
 
 
@@ -122,3 +147,11 @@ def _write_random_shard(
     offsets = np.concatenate(ends) if ends else np.zeros(0, dtype="<u8")
     offsets.tofile(offsets_path(root, name))
     return len(offsets)
+
+
+def rewrite_as_version_1(root: str | Path) -> None:
+    """Rewrite a cache's manifest as format version 1 wrote it (the shard table as rows), to measure and
+    test how caches built before version 2 read."""
+    manifest = load_manifest(Path(root))
+    doc = {**manifest.to_json(), "format_version": 1, "shards": [s.to_json() for s in manifest.shards]}
+    (Path(root) / MANIFEST).write_bytes(encode_json(with_checksum(doc)))

@@ -28,6 +28,7 @@ from streampack.format import (
     SHARD_DIR,
     Manifest,
     ShardInfo,
+    ShardTable,
     dtype_name,
     load_manifest,
     shard_name,
@@ -376,7 +377,7 @@ def _build_locked(
     final = replace(
         manifest,
         complete=True,
-        shards=_shard_table(units, progress, manifest.loss_mask),
+        table=_shard_table(units, progress, manifest.loss_mask),
         skipped_records=sum(p.skipped for p in progress),
         empty_docs=sum(p.empty_docs for p in progress),
         inexact_cuts=sum(p.inexact_cuts for p in progress),
@@ -394,13 +395,13 @@ def _engines(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[di
 
 def _summarize(summary: BuildSummary, manifest: Manifest) -> BuildSummary:
     summary.num_docs, summary.num_tokens = manifest.num_docs, manifest.num_tokens
-    summary.num_shards, summary.skipped_records = len(manifest.shards), manifest.skipped_records
+    summary.num_shards, summary.skipped_records = len(manifest.table), manifest.skipped_records
     summary.empty_docs, summary.inexact_cuts = manifest.empty_docs, manifest.inexact_cuts
     return summary
 
 
-def _shard_table(units: list[WorkUnit], progress: list[UnitProgress], masked: bool) -> list[ShardInfo]:
-    return [
+def _shard_table(units: list[WorkUnit], progress: list[UnitProgress], masked: bool) -> ShardTable:
+    rows = [
         ShardInfo(
             shard_name(u.index),
             u.describe(),
@@ -412,6 +413,7 @@ def _shard_table(units: list[WorkUnit], progress: list[UnitProgress], masked: bo
         )
         for u, p in zip(units, progress)
     ]
+    return ShardTable.from_rows(rows)
 
 
 def _check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> None:

@@ -42,7 +42,7 @@ from streampack.errors import LoaderStateError, OptionsError
 from streampack.layout import BatchedSpans
 from streampack.mixture import Mixture
 from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
-from streampack.sequences import JoinedSequences, PackedSequences, holds_every_id
+from streampack.sequences import JoinedSequences, PackedSequences, holds_every_id, with_current_digests
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
 
@@ -665,6 +665,7 @@ class Loader:
             )
         if not isinstance(saved, Mapping):
             raise LoaderStateError(f"loader state has no 'order'; it is damaged: {_summary(state)}")
+        saved = with_current_digests(saved, [source.data for source in self.sources])
         order = self._configured.resumed(saved, int(position))
         previous = self.order, self._position
         self.order, self._position = order, int(position)

@@ -317,7 +317,7 @@ def _locate(cache: Cache, docs: list[int], documents: Any) -> dict[int, _Found]:
     shards = np.searchsorted(doc_starts, docs, side="right") - 1
     found: dict[int, _Found] = {}
     for shard, picked in groups(shards):
-        info = cache.shards[shard]
+        info = cache.shard_info(shard)
         locals_ = [docs[i] - int(doc_starts[shard]) for i in picked.tolist()]
         offsets = cache.shard_offsets(shard)
         unit = int(info.name)

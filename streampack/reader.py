@@ -1,21 +1,20 @@
 """Reading a token cache: memory-mapped shards, documents, the global token stream, and an SFT build's
 loss mask.
 
-:func:`open` reads the manifest, checks every shard's file sizes against it (one ``stat`` per file, no
-data read), and maps each shard only when it is first touched. Nothing is read into RAM beyond the
-manifest and the offset tables of the shards in use; memory-mapped pages belong to the page cache.
+:func:`open` reads the manifest, whose shard table becomes a few numpy arrays (not one object per shard),
+and touches no shard file: each is checked against the manifest (its size, one ``stat``, and that it does
+not lead out of the cache) when it is first mapped, before anything is read from it. Nothing is read into
+RAM beyond the manifest and the offset tables of the shards in use; memory-mapped pages belong to the page
+cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import json
 import os
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,11 +27,14 @@ from streampack.format import (
     SHARD_DIR,
     Manifest,
     ShardInfo,
+    ShardTable,
     load_manifest,
     mask_key,
     offsets_key,
+    shard_name,
     tokens_key,
 )
+from streampack.ledger import UnitProgress
 from streampack.localcopy import CachedStore, Expected, cached_store, on_release
 from streampack.remote import is_remote
 from streampack.store import LocalStore, open_store
@@ -48,14 +50,6 @@ if TYPE_CHECKING:
 MAX_OPEN_MAPS = 128
 
 
-@dataclass(frozen=True)
-class _ShardFiles:
-    info: ShardInfo
-    tokens: str  # store keys
-    offsets: str
-    mask: str | None  # an SFT build's loss mask
-
-
 class Cache:
     """A token cache opened for reading. Create with :func:`streampack.open`.
 
@@ -63,25 +57,24 @@ class Cache:
         root: the cache directory.
         store: where its files are (see :mod:`streampack.store`).
         manifest: its parsed manifest.
+        table: its shard table (the manifest's, or the committed prefix of an unfinished build's).
         dtype: the token dtype (uint16 or uint32).
     """
 
-    def __init__(self, store: LocalStore, manifest: Manifest, shards: list[ShardInfo]) -> None:
+    def __init__(self, store: LocalStore, manifest: Manifest, table: ShardTable) -> None:
         self.store = store
         self.root = store.root
         self.manifest = manifest
+        self.table = table
         self.dtype = np.dtype(manifest.dtype).newbyteorder("<")
-        # The shards folder is checked here; a file in it can only lead out as a symlink, which the listing
-        # of sizes (_check_sizes) refuses.
+        # The shards folder is checked here; a file in it can only lead out as a symlink, which the check at
+        # its first map (_check_size) refuses.
         store.refuse_outside(SHARD_DIR)
-        masked = manifest.loss_mask
-        self._shards = [_ShardFiles(s, *_keys(s.name, masked)) for s in shards]
-        self._doc_starts = np.concatenate([[0], np.cumsum([s.num_docs for s in shards], dtype=np.int64)])
-        self._token_starts = np.concatenate([[0], np.cumsum([s.num_tokens for s in shards], dtype=np.int64)])
+        self._doc_starts = np.concatenate([[0], np.cumsum(table.num_docs, dtype=np.int64)])
+        self._token_starts = np.concatenate([[0], np.cumsum(table.num_tokens, dtype=np.int64)])
         self._tokens: OrderedDict[int, np.ndarray] = OrderedDict()
         self._offsets: OrderedDict[int, np.ndarray] = OrderedDict()
         self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._check_sizes()
         if isinstance(store, CachedStore):
             on_release(self.drop_maps)
 
@@ -110,7 +103,7 @@ class Cache:
     @property
     def num_shards(self) -> int:
         """Number of shards."""
-        return len(self._shards)
+        return len(self.table)
 
     @property
     def vocab_size(self) -> int:
@@ -131,18 +124,25 @@ class Cache:
     def content_digest(self) -> str:
         """A short digest of the shard table: what samples are made of, wherever the cache lives.
 
-        Computed once per open cache (its shard table never changes): every view of the cache and every
-        plan key asks for it, and 10^5 shards take a noticeable time to digest.
+        A hash of the table's columns (:meth:`~streampack.format.ShardTable.digest`), computed once per open
+        cache: every view of the cache and every plan key asks for it.
         """
-        table = [
-            [s.name, s.num_docs, s.num_tokens, s.tokens_checksum, s.offsets_checksum] for s in self.shards
-        ]
-        return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
+        return self.table.digest()
 
-    @property
+    @functools.cached_property
+    def version_1_digest(self) -> str:
+        """:attr:`content_digest` as streampack computed it before format version 2 (slow at 10^5 shards:
+        only asked for to accept a checkpoint or pickle that holds it)."""
+        return self.table.version_1_digest()
+
+    @functools.cached_property
     def shards(self) -> list[ShardInfo]:
-        """The shard table, in stream order."""
-        return [s.info for s in self._shards]
+        """The shard table as rows, in stream order (built on first use; :meth:`shard_info` makes one)."""
+        return [self.shard_info(i) for i in range(self.num_shards)]
+
+    def shard_info(self, shard: int) -> ShardInfo:
+        """Row ``shard`` of the shard table, with its work unit's description."""
+        return self.table.row(shard, self.manifest.units[shard], self.manifest.loss_mask)
 
     def sequences(self, seq_len: int, *, overlap: int = 0) -> PackedSequences:
         """Packed windows of the stream: sample i is tokens ``[i*seq_len, i*seq_len + seq_len + overlap)``.
@@ -236,7 +236,7 @@ class Cache:
 
     def doc_lengths(self) -> np.ndarray:
         """Length in tokens of every document (reads every offset table)."""
-        if not self._shards:
+        if not self.num_shards:
             return np.zeros(0, dtype=np.int64)
         return np.concatenate([np.diff(self.shard_offsets(i), prepend=0) for i in range(self.num_shards)])
 
@@ -263,26 +263,33 @@ class Cache:
 
     def shard_paths(self, shard: int) -> tuple[Path, Path]:
         """The token and offsets files of shard ``shard``."""
-        files = self._shards[shard]
-        return self.store.path(files.tokens), self.store.path(files.offsets)
+        name = shard_name(self._index(shard))
+        return self.store.path(tokens_key(name)), self.store.path(offsets_key(name))
 
     def shard_keys(self, shard: int, *, boundaries: bool = True) -> list[str]:
         """The store keys of shard ``shard``'s files: tokens, then (with ``boundaries``) offsets and the
         loss mask if any."""
-        files = self._shards[shard]
+        name = shard_name(self._index(shard))
         if not boundaries:
-            return [files.tokens]
-        return [files.tokens, files.offsets] + ([files.mask] if files.mask is not None else [])
+            return [tokens_key(name)]
+        return [tokens_key(name), offsets_key(name)] + ([mask_key(name)] if self.manifest.loss_mask else [])
 
     def shard_tokens(self, shard: int) -> np.ndarray:
-        """The token array of shard ``shard`` (memory-mapped on first use)."""
-        files = self._shards[shard]
-        return _cached_map(self._tokens, shard, self.store, files.tokens, self.dtype, files.info.num_tokens)
+        """The token array of shard ``shard`` (memory-mapped on first use).
+
+        Raises:
+            CacheError: the file is missing, of another size than the manifest says, or leads out of the
+                cache (checked when it is mapped, before anything is read from it).
+        """
+        return self._map(self._tokens, shard, tokens_key, self.dtype, self.table.num_tokens)
 
     def shard_offsets(self, shard: int) -> np.ndarray:
-        """The cumulative document end offsets of shard ``shard`` (memory-mapped on first use)."""
-        files = self._shards[shard]
-        return _cached_map(self._offsets, shard, self.store, files.offsets, OFFSET_DTYPE, files.info.num_docs)
+        """The cumulative document end offsets of shard ``shard`` (memory-mapped on first use).
+
+        Raises:
+            CacheError: as for :meth:`shard_tokens`.
+        """
+        return self._map(self._offsets, shard, offsets_key, OFFSET_DTYPE, self.table.num_docs)
 
     def shard_loss_mask(self, shard: int) -> np.ndarray:
         """The loss mask of shard ``shard``: uint8, one per token of :meth:`shard_tokens`, 1 where the token
@@ -291,48 +298,76 @@ class Cache:
         Raises:
             CacheError: the cache has no loss mask (it was not built with ``fields`` or ``chat``).
         """
-        files = self._shards[shard]
-        if files.mask is None:
+        if not self.manifest.loss_mask:
             raise CacheError(
                 f"{self.root}: the cache has no loss mask (it was built from texts, not with fields=[...] or "
                 "chat=...); every token is a training target"
             )
-        count = files.info.num_tokens
-        return _cached_map(self._masks, shard, self.store, files.mask, np.dtype(np.uint8), count)
+        return self._map(self._masks, shard, mask_key, np.dtype(np.uint8), self.table.num_tokens)
 
     def shard_mask_path(self, shard: int) -> Path | None:
         """The loss mask file of shard ``shard``, or None when the cache has no loss mask."""
-        mask = self._shards[shard].mask
-        return None if mask is None else self.store.path(mask)
+        masked = self.manifest.loss_mask
+        return self.store.path(mask_key(shard_name(self._index(shard)))) if masked else None
 
     @property
     def token_starts(self) -> np.ndarray:
         """Global index of the first token of each shard, plus the total at the end."""
         return self._token_starts
 
-    def _check_sizes(self) -> None:
-        sizes = self.store.list_sizes(SHARD_DIR)  # one listing, rather than a stat per file
-        for files in self._shards:
-            checked = [
-                (files.tokens, files.info.num_tokens, self.dtype.itemsize),
-                (files.offsets, files.info.num_docs, OFFSET_DTYPE.itemsize),
-            ]
-            if files.mask is not None:
-                checked.append((files.mask, files.info.num_tokens, 1))
-            for key, count, itemsize in checked:
-                size = sizes.get(key[len(SHARD_DIR) + 1 :])
-                if size is None:
-                    if count == 0 and not self.manifest.complete:
-                        continue  # a unit of an unfinished build that has not started (or committed) yet
-                    where = self.store.describe(key)
-                    raise CacheError(f"{where}: shard file missing; the cache is damaged, rebuild it")
-                expected = count * itemsize
-                if size < expected or (self.manifest.complete and size != expected):
-                    raise CacheError(
-                        f"{self.store.describe(key)}: {size} bytes, but the manifest says {count} items "
-                        f"({expected} bytes); the cache is damaged or truncated: run `streampack verify` and "
-                        "rebuild it"
-                    )
+    def _index(self, shard: int) -> int:
+        """``shard`` as a non-negative index (IndexError when out of range, as a list would raise)."""
+        return range(self.num_shards)[shard]
+
+    def _map(
+        self,
+        maps: OrderedDict[int, np.ndarray],
+        shard: int,
+        key_of: Callable[[str], str],
+        dtype: np.dtype,
+        counts: np.ndarray,
+    ) -> np.ndarray:
+        """The memory map of one of shard ``shard``'s files (``counts``: items per shard), from a small LRU
+        (each open map holds a file descriptor); the file is checked whenever it is (re)mapped.
+
+        Safe from several threads (grain reads from a thread pool): each OrderedDict call is atomic, a map
+        another thread evicts meanwhile stays valid for whoever holds it, and nothing is looked up twice.
+        """
+        mapped = maps.get(shard)
+        if mapped is not None:
+            with contextlib.suppress(KeyError):  # evicted by another thread since the get
+                maps.move_to_end(shard)
+            return mapped
+        index = self._index(shard)
+        key, count = key_of(shard_name(index)), int(counts[index])
+        self._check_size(key, count, dtype.itemsize)
+        mapped = maps[index] = self.store.map_array(key, dtype, count)
+        while len(maps) > MAX_OPEN_MAPS:
+            try:
+                maps.popitem(last=False)  # closed once no caller holds a view of it
+            except KeyError:  # emptied by another thread
+                break
+        return mapped
+
+    def _check_size(self, key: str, count: int, itemsize: int) -> None:
+        """Refuse a shard file that is missing, shorter than the manifest says (longer, once complete), or
+        a symlink leading out of the cache: one ``lstat`` (and one ``stat``)."""
+        if count == 0 and not self.manifest.complete:
+            return  # a unit of an unfinished build that has not committed yet may have no files at all
+        if isinstance(self.store, CachedStore):
+            return  # its local copies are checked against the size and checksum when they are fetched
+        self.store.refuse_outside(key, links_only=True)
+        try:
+            size = self.store.size(key)
+        except FileNotFoundError:
+            path = self.store.path(key)
+            raise CacheError(f"{path}: shard file missing; the cache is damaged, rebuild it") from None
+        expected = count * itemsize
+        if size < expected or (self.manifest.complete and size != expected):
+            raise CacheError(
+                f"{self.store.path(key)}: {size} bytes, but the manifest says {count} items ({expected} "
+                "bytes); the cache is damaged or truncated: run `streampack verify` and rebuild it"
+            )
 
 
 def open(
@@ -388,76 +423,52 @@ def open(
             )
         store = open_store(path)
     manifest = load_manifest(store)
+    progress: list[UnitProgress] | None = None
     if manifest.complete:
-        shards = manifest.shards
+        table = manifest.table
     elif not allow_incomplete:
         raise CacheError(
             f"{store.describe('')}: the build of this cache has not finished; rerun the same build command "
             "to complete it, or open it with allow_incomplete=True to read the committed part"
         )
     else:
-        shards = _committed_shards(store, manifest)
+        progress = [ledger.read_progress(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
+        table = _committed_table(progress)
     if isinstance(store, CachedStore):
-        store.expect(_expected_files(shards, manifest))
-    return Cache(store, manifest, shards)
+        store.expect(_expected_files(manifest, table, progress))
+    return Cache(store, manifest, table)
 
 
-def _committed_shards(store: LocalStore, manifest: Manifest) -> list[ShardInfo]:
+def _committed_table(progress: list[UnitProgress]) -> ShardTable:
     """Each unit's committed prefix from its ledger entry (none: the unit has not committed yet).
 
     A unit's writer makes its shard files durable before the ledger entry that covers them, so every
-    committed byte is on disk; a unit with nothing committed may have no files at all. In object storage
-    an entry is published once its unit is done, with the checksums of its files, which a read through a
-    local copy verifies.
+    committed byte is on disk; a unit with nothing committed may have no files at all.
     """
-    shards = []
-    remote = isinstance(store, CachedStore)
-    for index, unit in enumerate(manifest.units):
-        name = f"{index:06d}"
-        progress = ledger.read_progress(store, name, unit)
-        mask = "" if manifest.loss_mask else None
-        if remote and progress.done:
-            sums = (progress.tokens_checksum, progress.offsets_checksum, progress.mask_checksum or mask)
-            shards.append(ShardInfo(name, unit, progress.docs, progress.tokens, *sums))
-        else:
-            shards.append(ShardInfo(name, unit, progress.docs, progress.tokens, "", "", mask))
-    return shards
+    docs = np.array([p.docs for p in progress], dtype=np.int64)
+    return ShardTable(docs, np.array([p.tokens for p in progress], dtype=np.int64))
 
 
-def _expected_files(shards: list[ShardInfo], manifest: Manifest) -> dict[str, Expected]:
-    """The size and checksum of every shard file, by key (for verifying the local copies)."""
+def _expected_files(
+    manifest: Manifest, table: ShardTable, progress: list[UnitProgress] | None
+) -> dict[str, Expected]:
+    """The size and checksum of every shard file, by key, for verifying local copies: from the manifest of
+    a complete build; for an unfinished one, from the ledger entries of its finished units (in object
+    storage an entry is published once its unit is done, with its files' checksums); "" where none."""
     itemsize = np.dtype(manifest.dtype).itemsize
     files = {}
-    for s in shards:
-        files[tokens_key(s.name)] = Expected(s.num_tokens * itemsize, s.tokens_checksum)
-        files[offsets_key(s.name)] = Expected(s.num_docs * OFFSET_DTYPE.itemsize, s.offsets_checksum)
+    for i in range(len(table)):
+        info = table.row(i, "", manifest.loss_mask)
+        sums = (info.tokens_checksum, info.offsets_checksum, info.mask_checksum or "")
+        if progress is not None:
+            done = progress[i]
+            sums = (
+                (done.tokens_checksum, done.offsets_checksum, done.mask_checksum or "")
+                if done.done
+                else ("",) * 3
+            )
+        files[tokens_key(info.name)] = Expected(info.num_tokens * itemsize, sums[0])
+        files[offsets_key(info.name)] = Expected(info.num_docs * OFFSET_DTYPE.itemsize, sums[1])
         if manifest.loss_mask:
-            files[mask_key(s.name)] = Expected(s.num_tokens, s.mask_checksum or "")
+            files[mask_key(info.name)] = Expected(info.num_tokens, sums[2])
     return files
-
-
-def _keys(name: str, masked: bool) -> tuple[str, str, str | None]:
-    """The keys of the shard's files: tokens, offsets, and the loss mask if ``masked``."""
-    return tokens_key(name), offsets_key(name), mask_key(name) if masked else None
-
-
-def _cached_map(
-    maps: OrderedDict[int, np.ndarray], shard: int, store: LocalStore, key: str, dtype: np.dtype, count: int
-) -> np.ndarray:
-    """The memory map of a shard file, from a small LRU: each open map holds a file descriptor.
-
-    Safe from several threads (grain reads from a thread pool): each OrderedDict call is atomic, a map
-    another thread evicts meanwhile stays valid for whoever holds it, and nothing is looked up twice.
-    """
-    mapped = maps.get(shard)
-    if mapped is not None:
-        with contextlib.suppress(KeyError):  # evicted by another thread since the get
-            maps.move_to_end(shard)
-        return mapped
-    mapped = maps[shard] = store.map_array(key, dtype, count)
-    while len(maps) > MAX_OPEN_MAPS:
-        try:
-            maps.popitem(last=False)  # closed once no caller holds a view of it
-        except KeyError:  # emptied by another thread
-            break
-    return mapped

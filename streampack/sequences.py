@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -505,7 +505,7 @@ def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
 
     cache = open_cache(ref.uri, allow_incomplete=ref.allow_incomplete, **(ref.reading or {}))
     now = content_digest(cache)
-    if now != ref.content:
+    if now != ref.content and ref.content != cache.version_1_digest:  # pickled before format version 2
         raise CacheError(
             f"{cache.store.describe('')}: the cache changed on disk since {what} were made from it (it now "
             f"holds {cache.num_docs} documents, {cache.num_tokens} tokens; shard table {now}, was "
@@ -520,6 +520,40 @@ def cache_ref(cache: Cache) -> CacheRef:
     store = cache.store
     reading = store.reopen_options() if isinstance(store, CachedStore) else None
     return CacheRef(store.uri, content_digest(cache), not cache.manifest.complete, reading)
+
+
+def with_current_digests(order: Mapping[str, Any], datasets: Sequence[object]) -> Mapping[str, Any]:
+    """A checkpoint's order with each data fingerprint saved by streampack before format version 2 (whose
+    ``shards`` digest was :attr:`~streampack.reader.Cache.version_1_digest`) given the current digest.
+
+    Only a fingerprint equal to one of ``datasets``' in everything but ``shards`` is looked at, so the old
+    digest is computed only when such a checkpoint is loaded.
+    """
+    samples = [data for data in datasets if isinstance(data, PackedSequences)]
+
+    def current(saved: Any) -> Any:
+        if not isinstance(saved, Mapping):
+            return saved
+        for data in samples:
+            mine = data.fingerprint()
+            digest = mine["shards"]
+            same_but_digest = saved.get("shards") != digest and {**saved, "shards": digest} == mine
+            if same_but_digest and saved["shards"] == data.cache.version_1_digest:
+                return mine
+        return saved
+
+    upgraded = dict(order)
+    if "data" in upgraded:
+        upgraded["data"] = current(upgraded["data"])
+    sources = upgraded.get("sources")
+    if isinstance(sources, Mapping):
+        upgraded["sources"] = {
+            name: {**source, "data": current(source["data"])}
+            if isinstance(source, Mapping) and "data" in source
+            else source
+            for name, source in sources.items()
+        }
+    return upgraded
 
 
 def content_digest(cache: Cache) -> str:

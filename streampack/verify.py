@@ -62,7 +62,7 @@ def verify(path: str | os.PathLike[str]) -> VerifyReport:
 
 
 def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
-    info = cache.shards[shard]
+    info = cache.shard_info(shard)
     tokens_file, offsets_file = cache.shard_paths(shard)
     try:
         offsets = cache.shard_offsets(shard)
@@ -107,7 +107,7 @@ def _check_mask(
         return [f"{path}: cannot map ({e})"]
     crc, first_over, _ = _scan(mask, 2)
     report.bytes_checked += mask.nbytes
-    expected = cache.shards[shard].mask_checksum
+    expected = cache.shard_info(shard).mask_checksum
     problems = [] if crc == expected else [f"{path}: checksum {crc} does not match the manifest's {expected}"]
     if first_over is not None:
         problems.append(f"{path}: byte {first_over} is {int(mask[first_over])}, not 0 or 1")

@@ -152,3 +152,29 @@ def bucket(s3_endpoint: str, request: pytest.FixtureRequest) -> tuple[Any, str]:
 def s3_options(endpoint: str) -> dict[str, Any]:
     """The storage options of the test server."""
     return {"client_kwargs": {"endpoint_url": endpoint}}
+
+
+# ----------------------------------------------------------------------------- manifests
+
+
+def set_shard_checksum(manifest: dict, shard: int, column: str, checksum: str) -> None:
+    """Record ``checksum`` (``crc32:xxxxxxxx``) as shard ``shard``'s in the checksum ``column``
+    (``tokens_crc32``, ``offsets_crc32``, ``mask_crc32``) of a parsed version 2 manifest."""
+    digits = manifest["shards"][column]
+    at = 8 * shard
+    manifest["shards"][column] = digits[:at] + checksum.removeprefix("crc32:") + digits[at + 8 :]
+
+
+def as_version_1(manifest: dict) -> dict:
+    """A parsed version 2 manifest as streampack wrote it in version 1: its shard table as rows."""
+    table, rows = manifest["shards"], []
+    for index, (docs, tokens) in enumerate(zip(table["num_docs"], table["num_tokens"])):
+        row = {"name": f"{index:06d}", "unit": manifest["units"][index], "num_docs": docs}
+        row["num_tokens"] = tokens
+        for field in ("tokens", "offsets", "mask"):
+            digits = table.get(f"{field}_crc32", "absent")
+            if digits != "absent":
+                at = 8 * index
+                row[f"{field}_checksum"] = "" if digits is None else f"crc32:{digits[at : at + 8]}"
+        rows.append(row)
+    return {**manifest, "format_version": 1, "shards": rows}

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 import streampack
 from streampack.errors import ConfigMismatchError, TokenizerError
 from streampack.format import file_checksum, with_checksum
-from tests.conftest import run_cli, write_jsonl
+from tests.conftest import run_cli, set_shard_checksum, write_jsonl
 
 GPT2_EOS = 50256
 
@@ -159,7 +159,7 @@ def poke(cache: Path, position: int, value: int) -> None:
     tokens[position] = value
     tokens.tofile(path)
     manifest = json.loads((cache / "manifest.json").read_text())
-    manifest["shards"][0]["tokens_checksum"] = file_checksum(path)
+    set_shard_checksum(manifest, 0, "tokens_crc32", file_checksum(path))
     (cache / "manifest.json").write_text(json.dumps(with_checksum(manifest)))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 import streampack
 from streampack.errors import CacheError
 from streampack.format import with_checksum
-from tests.conftest import run_cli, write_jsonl
+from tests.conftest import as_version_1, run_cli, set_shard_checksum, write_jsonl
 
 verify_module = importlib.import_module("streampack.verify")  # streampack.verify is the function
 
@@ -51,6 +52,23 @@ def assert_refused(cache: Path, message: str) -> None:
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
 
 
+def assert_refused_at_first_read(cache: Path, shard: int, message: str) -> None:
+    """Open does not look at shard files (10^5 of them open in milliseconds): the first read of the shard
+    refuses it, before anything is served from it, and so does verify."""
+    opened = streampack.open(cache)
+    opened.doc(0 if shard else opened.num_docs - 1)  # the other shards read fine
+    first = int(opened.doc_starts[shard])
+    with pytest.raises(CacheError, match=message):
+        opened.doc(first)
+    if ".tokens" in message:  # and no sample is made from its tokens (samples read no offsets)
+        samples = opened.sequences(16)
+        with pytest.raises(CacheError, match=message):
+            samples[int(opened.token_starts[shard]) // 16 + 1]
+    result = run_cli("verify", cache, check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert re.search(message, result.stderr), result.stderr
+
+
 def assert_verify_finds(cache: Path, message: str) -> None:
     report = streampack.verify(cache)
     assert not report.ok and any(message in p for p in report.problems), report.problems
@@ -61,12 +79,12 @@ def assert_verify_finds(cache: Path, message: str) -> None:
 def test_truncated_shard(cache: Path) -> None:
     path = cache / "shards" / "000001.tokens"
     path.write_bytes(path.read_bytes()[:-2])
-    assert_refused(cache, "000001.tokens: .* the cache is damaged or truncated")
+    assert_refused_at_first_read(cache, 1, "000001.tokens: .* the cache is damaged or truncated")
 
 
 def test_missing_shard(cache: Path) -> None:
     (cache / "shards" / "000002.offsets").unlink()
-    assert_refused(cache, "000002.offsets: shard file missing")
+    assert_refused_at_first_read(cache, 2, "000002.offsets: shard file missing")
 
 
 def test_flipped_byte(cache: Path) -> None:
@@ -110,11 +128,11 @@ def test_verify_checks_in_chunks_what_the_whole_file_holds(
 
 def test_manifest_disagrees_with_files(cache: Path) -> None:
     def grow(m: dict) -> None:
-        m["shards"][0]["num_tokens"] += 1
+        m["shards"]["num_tokens"][0] += 1
         m["num_tokens"] += 1
 
     edit_manifest(cache, grow)
-    assert_refused(cache, "000000.tokens: .* bytes, but the manifest says")
+    assert_refused_at_first_read(cache, 0, "000000.tokens: .* bytes, but the manifest says")
 
 
 def test_format_version_from_the_future(cache: Path) -> None:
@@ -124,7 +142,10 @@ def test_format_version_from_the_future(cache: Path) -> None:
 
 @pytest.mark.parametrize("name", ["../../etc/passwd", "/etc/passwd", "000001/../../x", "", 7])
 def test_shard_paths_outside_the_cache_are_refused(cache: Path, name: object) -> None:
-    edit_manifest(cache, lambda m: m["shards"][0].update(name=name))
+    """Version 2 names shards by their index; version 1 wrote names, which are checked."""
+    version_1 = as_version_1(json.loads((cache / "manifest.json").read_text()))
+    version_1["shards"][0]["name"] = name
+    (cache / "manifest.json").write_text(json.dumps(with_checksum(version_1)))
     assert_refused(cache, "invalid shard name")
 
 
@@ -133,7 +154,7 @@ def test_symlink_out_of_the_cache_is_refused(cache: Path, tmp_path: Path) -> Non
     shutil.copy(cache / "shards" / "000000.tokens", outside)
     (cache / "shards" / "000000.tokens").unlink()
     os.symlink(outside, cache / "shards" / "000000.tokens")
-    assert_refused(cache, "outside the cache directory")
+    assert_refused_at_first_read(cache, 0, "outside the cache directory")
 
 
 def test_oversized_manifest_is_refused_before_parsing(cache: Path) -> None:
@@ -238,7 +259,7 @@ def test_missing_eos_is_found_even_with_matching_checksums(cache: Path) -> None:
     ends = np.fromfile(cache / "shards" / "000001.offsets", dtype="<u8")
     tokens[int(ends[2]) - 1] = ord("x")  # document 2 of the shard loses its EOS
     tokens.tofile(path)
-    edit_manifest(cache, lambda m: m["shards"][1].update(tokens_checksum=file_checksum(path)))
+    edit_manifest(cache, lambda m: set_shard_checksum(m, 1, "tokens_crc32", file_checksum(path)))
     first_doc = streampack.open(cache).doc_starts[1]
     assert_verify_finds(cache, f"document {first_doc + 2} (and 0 more) does not end with EOS 256")
 
@@ -251,7 +272,7 @@ def poke_tokens(cache: Path, shard: int, values: dict[int, int]) -> np.ndarray:
     tokens = np.fromfile(path, dtype="<u2")
     tokens[list(values)] = list(values.values())
     tokens.tofile(path)
-    edit_manifest(cache, lambda m: m["shards"][shard].update(tokens_checksum=file_checksum(path)))
+    edit_manifest(cache, lambda m: set_shard_checksum(m, shard, "tokens_crc32", file_checksum(path)))
     return np.fromfile(cache / "shards" / f"{shard:06d}.offsets", dtype="<u8")
 
 

@@ -33,3 +33,40 @@ def test_manifest_checksum_follows_the_documented_recipe(tmp_path: Path) -> None
     canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert 'sort_keys=True, separators=(",", ":"), ensure_ascii=False' in FORMAT_DOC.read_text()
     assert recorded == f"crc32:{zlib.crc32(canonical.encode()):08x}"
+
+
+def test_a_version_1_manifest_with_its_row_table_reads_the_same_samples(tmp_path: Path) -> None:
+    """Caches built before the column table (format version 1) open, read and verify as before."""
+    import json
+    import shutil
+
+    from streampack.format import with_checksum
+    from tests.conftest import as_version_1, write_jsonl
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i} " * (i % 50)} for i in range(4000)])
+    streampack.build(src, tmp_path / "new", unit_bytes=1 << 16, workers=1)
+    shutil.copytree(tmp_path / "new", tmp_path / "old")
+    manifest = json.loads((tmp_path / "new" / "manifest.json").read_text())
+    assert manifest["format_version"] == 2 and isinstance(manifest["shards"]["tokens_crc32"], str)
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps(with_checksum(as_version_1(manifest))))
+    new, old = streampack.open(tmp_path / "new"), streampack.open(tmp_path / "old")
+    assert old.num_shards == new.num_shards > 3 and old.shards == new.shards
+    assert old.shards[1].name == "000001" and old.shards[1].tokens_checksum.startswith("crc32:")
+    assert old.num_docs == new.num_docs
+    assert all(np.array_equal(old.doc(i), new.doc(i)) for i in range(new.num_docs))
+    assert old.content_digest == new.content_digest  # checkpoints and plans do not tell them apart
+    old_samples, new_samples = old.sequences(16), new.sequences(16)
+    assert np.array_equal(old_samples[range(len(old_samples))], new_samples[range(len(new_samples))])
+    assert streampack.verify(tmp_path / "old").ok
+
+
+def test_the_shard_table_is_columns(tmp_path: Path) -> None:
+    """Version 2: counts as lists, each checksum column one hex string, names and units from the index."""
+    import json
+    import zlib
+
+    streampack.build(streampack.Documents(["one", "two"]), tmp_path / "c")
+    table = json.loads((tmp_path / "c" / "manifest.json").read_text())["shards"]
+    tokens = (tmp_path / "c" / "shards" / "000000.tokens").read_bytes()
+    assert table["num_docs"] == [2] and table["num_tokens"] == [len(tokens) // 2]
+    assert table["tokens_crc32"] == f"{zlib.crc32(tokens):08x}" and "mask_crc32" not in table

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import re
@@ -672,3 +673,43 @@ def test_a_source_with_its_own_read_fills_the_batch_itself() -> None:
     source = Reading(40)
     batches = served(Loader(source, batch_size=4, seed=1, epochs=1))
     assert sorted(flat(batches)) == list(range(40)) and source.filled == 10
+
+
+def _digest_before_format_2(cache: streampack.Cache) -> str:
+    """The shard table's digest as streampack computed it before format version 2 (its code verbatim)."""
+    import hashlib
+
+    table = [[s.name, s.num_docs, s.num_tokens, s.tokens_checksum, s.offsets_checksum] for s in cache.shards]
+    return hashlib.sha256(json.dumps(table).encode()).hexdigest()[:16]
+
+
+def test_a_checkpoint_saved_before_format_2_resumes(cache: streampack.Cache) -> None:
+    """Checkpoints hold the shard table's digest, which format version 2 computes from its columns: one
+    saved with the old digest of the same cache resumes exactly; another cache's digest is still refused."""
+    samples = cache.sequences(16)
+    old_digest = _digest_before_format_2(cache)
+    assert old_digest != samples.fingerprint()["shards"]
+    uninterrupted = [b.tolist() for b in islice(Loader(samples, batch_size=4, seed=3), 12)]
+    first = Loader(samples, batch_size=4, seed=3)
+    head = [b.tolist() for b in islice(first, 5)]
+    state = json.loads(json.dumps(first.state_dict()))
+    state["order"]["data"]["shards"] = old_digest
+    resumed = Loader(samples, batch_size=4, seed=3)
+    resumed.load_state_dict(state)
+    assert head + [b.tolist() for b in islice(resumed, 7)] == uninterrupted
+    mixture = Mixture({"web": samples, "code": cache.packed(16)}, weights={"web": 1, "code": 1}, seed=1)
+    mixed = json.loads(json.dumps(Loader(mixture, batch_size=4).state_dict()))
+    mixed["order"]["sources"]["web"]["data"]["shards"] = old_digest
+    Loader(mixture, batch_size=4).load_state_dict(mixed)
+    state["order"]["data"]["shards"] = "0123456789abcdef"
+    with pytest.raises(LoaderStateError, match="0123456789abcdef"):
+        Loader(samples, batch_size=4, seed=3).load_state_dict(state)
+
+
+def test_samples_pickled_before_format_2_reopen(cache: streampack.Cache) -> None:
+    samples = cache.sequences(16)
+    state = samples.__getstate__()
+    state["cache"] = dataclasses.replace(state["cache"], content=_digest_before_format_2(cache))
+    copy = type(samples).__new__(type(samples))
+    copy.__setstate__(state)
+    assert np.array_equal(copy[[0, 5]], samples[[0, 5]])

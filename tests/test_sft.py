@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 import streampack
 from streampack.errors import BadRecordError, CacheError, ConfigMismatchError, InputError, TokenizerError
 from streampack.format import file_checksum, with_checksum
-from tests.conftest import run_cli, write_jsonl
+from tests.conftest import run_cli, set_shard_checksum, write_jsonl
 
 GPT2_EOS = 50256
 
@@ -384,7 +384,7 @@ def damaged(cache: Path, tmp_path: Path, position: int, value: int, *, fix_check
     path.write_bytes(bytes(data))
     if fix_checksum:
         manifest = json.loads((copy / "manifest.json").read_text())
-        manifest["shards"][0]["mask_checksum"] = file_checksum(path)
+        set_shard_checksum(manifest, 0, "mask_crc32", file_checksum(path))
         (copy / "manifest.json").write_text(json.dumps(with_checksum(manifest)))
     return copy
 
@@ -404,8 +404,11 @@ def test_verify_checks_the_mask(tmp_path: Path) -> None:
     short = damaged(tmp_path / "c", tmp_path, 0, 0)
     path = short / "shards" / "000000.mask"
     path.write_bytes(path.read_bytes()[:-1])
+    opened = streampack.open(short)  # shard files are checked when first read
     with pytest.raises(CacheError, match=r"000000\.mask: 9 bytes, but the manifest says 10 items"):
-        streampack.open(short)
+        opened.doc_loss_mask(0)
+    problems = streampack.verify(short).problems
+    assert any("000000.mask: 9 bytes, but the manifest says 10 items" in p for p in problems), problems
 
 
 def test_resuming_with_other_fields_is_refused(tmp_path: Path) -> None:
