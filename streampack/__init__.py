@@ -15,6 +15,7 @@ from streampack.build import BuildSummary, build
 from streampack.errors import (
     BadRecordError,
     BuildLockedError,
+    BuildStalledError,
     CacheError,
     ConfigMismatchError,
     InputError,
@@ -26,6 +27,7 @@ from streampack.errors import (
     WorkerDiedError,
     WriteError,
 )
+from streampack.follow import Follow
 from streampack.loader import Loader, LoaderOptions, SourceProgress
 from streampack.mixconfig import load_mixture
 from streampack.mixture import Mixture
@@ -43,12 +45,14 @@ __all__ = [
     "BlockShuffle",
     "Boundaries",
     "BuildLockedError",
+    "BuildStalledError",
     "BuildSummary",
     "Cache",
     "CacheError",
     "CacheSpec",
     "ConfigMismatchError",
     "Documents",
+    "Follow",
     "InputError",
     "Loader",
     "LoaderOptions",

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "BadRecordError",
     "BuildLockedError",
+    "BuildStalledError",
     "CacheError",
     "ConfigMismatchError",
     "InputError",
@@ -59,6 +60,10 @@ class WriteError(StreampackError):
 
 class CacheError(StreampackError):
     """A cache directory is missing, incomplete, damaged, or from an unsupported format version."""
+
+
+class BuildStalledError(CacheError):
+    """A cache followed while its build runs (:class:`streampack.follow.Follow`) got no new data in time."""
 
 
 class ConfigMismatchError(StreampackError):
