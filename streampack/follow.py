@@ -11,9 +11,10 @@ is served twice while following, and none the build has not committed.
 
 When nothing new is committed, :class:`Follow` polls the ledger every ``poll`` seconds, and raises
 :class:`~streampack.errors.BuildStalledError` after ``timeout`` seconds without progress. Once the manifest
-says the build is complete and the last era has been served, iteration **ends** (at most ``seq_len +
-overlap - 1`` tokens of the tail are never served): a run goes on with a :class:`~streampack.Loader` over
-``streampack.open(path).sequences(seq_len)``, whose epochs are full permutations of the complete cache.
+says the build is complete and the last era has been served, iteration **ends** (``then="end"``, the
+default; at most ``seq_len + overlap - 1`` tokens of the tail and a partial last batch are never served),
+or goes on with full permutations of the complete cache (``then="epochs"``): position ``F + p``, ``F``
+where the eras end, is position ``p`` of ``Loader(streampack.open(path).sequences(seq_len), seed=seed)``.
 
 Positions are global, as in the :class:`~streampack.Loader`: the global batch at position ``p`` is
 positions ``[p, p + B)`` and rank ``r`` of ``W`` takes the ``r``-th contiguous slice of it. The eras
@@ -30,7 +31,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from streampack.errors import BuildStalledError, CacheError, LoaderStateError, O
 from streampack.format import MANIFEST
 from streampack.layout import FixedWindows, Runs, Spans, read_spans
 from streampack.loader import check_int
+from streampack.order import Shuffled
 from streampack.permutation import Permutation
 
 __all__ = ["Era", "Follow", "Snapshot"]
@@ -108,6 +110,8 @@ class Follow:
         timeout: seconds without new committed data after which :class:`BuildStalledError` is raised.
         poll: seconds between two reads of the ledger while waiting.
         dtype: integer dtype of the batches.
+        then: once the build is complete and its eras served: ``"end"`` the iteration, or go on with
+            ``"epochs"`` of the complete cache, endlessly (the :class:`~streampack.Loader`'s order).
 
     Raises:
         OptionsError: an option is out of range, or ``world_size > 1`` without ``share``.
@@ -127,6 +131,7 @@ class Follow:
         timeout: float = 600.0,
         poll: float = 0.2,
         dtype: np.dtype | type = np.int64,
+        then: Literal["end", "epochs"] = "end",
     ) -> None:
         check_int("seq_len", seq_len, 1, 2**40, "a positive integer")
         check_int("overlap", overlap, 0, 2**40, "a non-negative integer")
@@ -141,6 +146,8 @@ class Follow:
                 f"world_size={world_size}: every rank must follow the same eras; pass share=..., a function "
                 "that returns rank 0's snapshot on every rank (e.g. torch.distributed.broadcast_object_list)"
             )
+        if then not in ("end", "epochs"):
+            raise OptionsError(f"then must be 'end' or 'epochs' (got then={then!r})")
         if not timeout > 0 or not poll > 0:
             raise OptionsError(
                 f"timeout and poll must be positive seconds (got timeout={timeout}, poll={poll})"
@@ -151,12 +158,14 @@ class Follow:
         self.share = share
         self.timeout, self.poll = timeout, poll
         self.dtype = np.dtype(dtype)
+        self.then = then
         self._position = 0
         self._snapshots: list[list[int]] = []  # committed tokens per unit, one list per era
         self._eras: list[Era] = []
         self._bounds = [0]  # first position of each era, then the end of the last one
         self._complete = False  # the last era holds the end of the complete build
         self._cache: reader.Cache | None = None
+        self._full: tuple[Shuffled, FixedWindows] | None = None  # the epochs after the eras (then="epochs")
 
     # --- eras -------------------------------------------------------------------------------------------
 
@@ -178,7 +187,8 @@ class Follow:
     @property
     def finished(self) -> bool:
         """True once the build is complete and every full global batch of its eras has been served."""
-        return self._complete and self._position + self.batch_size > self._bounds[-1]
+        ended = self._complete and self.then == "end"
+        return ended and self._position + self.batch_size > self._bounds[-1]
 
     def _add_era(self, tokens: list[int]) -> Era:
         previous = self._eras[-1] if self._eras else None
@@ -254,12 +264,16 @@ class Follow:
             yield batch
 
     def spans(self, positions: np.ndarray) -> Spans:
-        """Where the samples at global ``positions`` (covered by the eras seen) lie: ``rows`` index them."""
+        """Where the samples at global ``positions`` (covered by the eras seen, or past them once the build
+        is complete with ``then="epochs"``) lie: ``rows`` index ``positions``."""
         eras = np.searchsorted(self._bounds, positions, side="right") - 1
         parts = []
         for era in np.unique(eras).tolist():
             rows = np.flatnonzero(eras == era)
-            spans = self._eras[era].spans(positions[rows] - self._bounds[era], self.seed)
+            if era < len(self._eras):
+                spans = self._eras[era].spans(positions[rows] - self._bounds[era], self.seed)
+            else:
+                spans = self._epochs_spans(positions[rows] - self._bounds[-1])
             parts.append(Spans(rows[spans.rows], spans.shards, spans.lo, spans.hi, spans.col))
         fields = ("rows", "shards", "lo", "hi", "col")
         return Spans(*(np.concatenate([getattr(part, f) for part in parts]) for f in fields))
@@ -269,7 +283,7 @@ class Follow:
         rows = self.batch_size // self.world_size
         first = position + self.rank * rows
         positions = np.arange(first, first + rows, dtype=np.int64)
-        if positions[-1] >= self._bounds[-1]:
+        if positions[-1] >= self._bounds[-1] and not (self._complete and self.then == "epochs"):
             raise IndexError(
                 f"position {int(positions[-1])} is past the eras seen ({self._bounds[-1]} samples)"
             )
@@ -277,6 +291,17 @@ class Follow:
         cache = self._cache if self._cache is not None else self._reopen()
         read_spans(self.spans(positions), out, cache.shard_tokens)
         return out
+
+    def _epochs_spans(self, positions: np.ndarray) -> Spans:
+        """Spans of positions of the full permutations that follow the eras of a complete build."""
+        cache = self._cache if self._cache is not None else self._reopen()
+        if self._full is None:
+            if not cache.manifest.complete:
+                cache = self._reopen()
+            windows = FixedWindows(Runs.whole(cache.token_starts), self.seq_len, self.overlap)
+            self._full = Shuffled(len(windows), seed=self.seed), windows
+        order, windows = self._full
+        return windows.spans(order.samples(positions))
 
     def _reopen(self) -> reader.Cache:
         self._cache = reader.open(self.path, allow_incomplete=True)
@@ -320,7 +345,7 @@ class Follow:
         cache = self._reopen()
         committed = cache.table.num_tokens
         self._position, self._snapshots, self._eras, self._bounds = 0, [], [], [0]
-        self._complete = False
+        self._complete, self._full = False, None
         for tokens in state["eras"]:
             if len(tokens) != len(committed) or (np.asarray(tokens) > committed).any():
                 raise LoaderStateError(

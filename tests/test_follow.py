@@ -120,3 +120,28 @@ def test_a_stalled_build_raises_after_the_timeout(tmp_path: Path, bpe_tokenizer:
     other = make_follow(out, seed=6)
     with pytest.raises(LoaderStateError, match="seed in state: 5 / seed here: 6"):
         other.load_state_dict(follow.state_dict())
+
+
+def test_then_epochs_goes_on_with_the_loaders_full_permutations(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    """Once the build is complete and its eras served, then="epochs" continues with exactly the samples of
+    a Loader over the complete cache, from its position 0."""
+    rng = random.Random(4)
+    docs = [{"text": " ".join(rng.choice(["a", "bb", "ccc"]) for _ in range(rng.randint(1, 80)))}
+            for _ in range(3000)]
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    built = streampack.build(src, tmp_path / "c", tokenizer=str(bpe_tokenizer), unit_bytes=1 << 16)
+    follow = make_follow(built.out, then="epochs")
+    steps = iter(follow)
+    first = next(steps)
+    end = follow.covered  # one era: the whole complete cache
+    samples = streampack.open(built.out).sequences(SEQ_LEN, overlap=OVERLAP)
+    assert end == len(samples) and not follow.finished
+    rows = np.concatenate([first] + [next(steps) for _ in range(2 * end // BATCH + 1)])
+    loader = streampack.Loader(samples, batch_size=1, seed=5)
+    for position in (end, end + 1, 2 * end - 1, 2 * end, 2 * end + 3):  # epochs 0 and 1 of the loader
+        assert np.array_equal(rows[position], loader.batch(position - end)[0])
+    seen = {row.tobytes() for row in rows[:end]}
+    assert len(seen) == end  # the era serves every window once
+
+    ended = make_follow(built.out)
+    assert sum(len(batch) for batch in ended) == end // BATCH * BATCH
