@@ -8,13 +8,14 @@ import os
 import random
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import streampack
-from streampack.errors import BuildStalledError, LoaderStateError
+from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
 from streampack.follow import Follow
 from streampack.layout import Spans
 from streampack.reader import Cache
@@ -145,3 +146,37 @@ def test_then_epochs_goes_on_with_the_loaders_full_permutations(tmp_path: Path, 
 
     ended = make_follow(built.out)
     assert sum(len(batch) for batch in ended) == end // BATCH * BATCH
+
+
+def test_ranks_sharing_rank_0s_snapshots_split_each_global_batch(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    """Two ranks following a running build with share= (rank 0's snapshot for both, as a broadcast
+    would give): their rows side by side are the global batch of one rank reading the same eras."""
+    out = tmp_path / "c"
+    proc = start_build(follow_args(corpus(tmp_path), out, bpe_tokenizer), out)
+    snapshots: list[dict] = []
+    calls = [0, 0]
+
+    def share(rank: int) -> Callable[[dict], dict]:
+        def broadcast(mine: dict) -> dict:
+            calls[rank] += 1
+            if rank == 0:
+                snapshots.append(mine)
+            return snapshots[calls[rank] - 1]
+
+        return broadcast
+
+    try:
+        ranks = [make_follow(out, rank=r, world_size=2, share=share(r)) for r in (0, 1)]
+        pairs = list(zip(*ranks, strict=True))  # rank 0 reads the ledger first at every step
+    finally:
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr.decode()
+    assert ranks[0].state_dict() == ranks[1].state_dict() and len(ranks[0].eras) >= 2
+    whole = make_follow(out)
+    whole.load_state_dict({**ranks[0].state_dict(), "position": 0})
+    for (left, right), batch in zip(pairs, whole, strict=True):
+        assert left.shape == right.shape == (BATCH // 2, SEQ_LEN + OVERLAP)
+        assert np.array_equal(np.concatenate([left, right]), batch)
+
+    with pytest.raises(OptionsError, match="pass share="):
+        make_follow(out, rank=1, world_size=2)
