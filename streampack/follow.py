@@ -42,6 +42,7 @@ from streampack.layout import FixedWindows, Runs, Spans, read_spans
 from streampack.loader import check_int
 from streampack.order import Shuffled
 from streampack.permutation import Permutation
+from streampack.remote import is_remote
 
 __all__ = ["Era", "Follow", "Snapshot"]
 
@@ -114,7 +115,8 @@ class Follow:
             ``"epochs"`` of the complete cache, endlessly (the :class:`~streampack.Loader`'s order).
 
     Raises:
-        OptionsError: an option is out of range, or ``world_size > 1`` without ``share``.
+        OptionsError: an option is out of range, ``world_size > 1`` without ``share``, or ``path`` is in
+            object storage (not supported yet).
     """
 
     def __init__(
@@ -145,6 +147,11 @@ class Follow:
             raise OptionsError(
                 f"world_size={world_size}: every rank must follow the same eras; pass share=..., a function "
                 "that returns rank 0's snapshot on every rank (e.g. torch.distributed.broadcast_object_list)"
+            )
+        if is_remote(path):
+            raise OptionsError(
+                f"{path}: Follow reads local caches only for now (a build in object storage publishes a unit "
+                "when it is done); follow a local build, or open the remote cache once it is complete"
             )
         if then not in ("end", "epochs"):
             raise OptionsError(f"then must be 'end' or 'epochs' (got then={then!r})")

@@ -39,7 +39,7 @@ def follow_args(src: Path, out: Path, tokenizer: Path) -> list[str]:
     return args
 
 
-def make_follow(out: Path, **kwargs: object) -> Follow:
+def make_follow(out: Path | str, **kwargs: object) -> Follow:
     settings: dict = {"seq_len": SEQ_LEN, "overlap": OVERLAP, "batch_size": BATCH, "seed": 5}
     settings.update(timeout=60.0, poll=0.02)
     settings.update(kwargs)
@@ -180,3 +180,5 @@ def test_ranks_sharing_rank_0s_snapshots_split_each_global_batch(tmp_path: Path,
 
     with pytest.raises(OptionsError, match="pass share="):
         make_follow(out, rank=1, world_size=2)
+    with pytest.raises(OptionsError, match="local caches only"):
+        make_follow("s3://bucket/cache")
