@@ -10,11 +10,12 @@ window never straddles two eras, so the last partial window of an era is carried
 is served twice while following, and none the build has not committed.
 
 When nothing new is committed, :class:`Follow` polls the ledger every ``poll`` seconds, and raises
-:class:`~streampack.errors.BuildStalledError` after ``timeout`` seconds without progress. Once the manifest
-says the build is complete and the last era has been served, iteration **ends** (``then="end"``, the
-default; at most ``seq_len + overlap - 1`` tokens of the tail and a partial last batch are never served),
-or goes on with full permutations of the complete cache (``then="epochs"``): position ``F + p``, ``F``
-where the eras end, is position ``p`` of ``Loader(streampack.open(path).sequences(seq_len), seed=seed)``.
+:class:`~streampack.errors.BuildStalledError` after ``timeout`` seconds without progress. Once every unit's
+ledger entry says it is done (the build's data is final) and the last era has been served, iteration
+**ends** (``then="end"``, the default; at most ``seq_len + overlap - 1`` tokens of the tail and a partial
+last batch are never served), or goes on with full permutations of the complete cache
+(``then="epochs"``): position ``F + p``, ``F`` where the eras end, is position ``p`` of
+``Loader(streampack.open(path).sequences(seq_len), seed=seed)``.
 
 Positions are global, as in the :class:`~streampack.Loader`: the global batch at position ``p`` is
 positions ``[p, p + B)`` and rank ``r`` of ``W`` takes the ``r``-th contiguous slice of it. The eras
@@ -35,14 +36,15 @@ from typing import Any, Literal
 
 import numpy as np
 
-from streampack import reader
-from streampack.errors import BuildStalledError, CacheError, LoaderStateError, OptionsError
-from streampack.format import MANIFEST
+from streampack import ledger, reader
+from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
+from streampack.format import MANIFEST, load_manifest, shard_name
 from streampack.layout import FixedWindows, Runs, Spans, read_spans
 from streampack.loader import check_int
 from streampack.order import Shuffled
 from streampack.permutation import Permutation
 from streampack.remote import is_remote
+from streampack.store import open_store
 
 __all__ = ["Era", "Follow", "Snapshot"]
 
@@ -172,6 +174,8 @@ class Follow:
         self._bounds = [0]  # first position of each era, then the end of the last one
         self._complete = False  # the last era holds the end of the complete build
         self._cache: reader.Cache | None = None
+        self._units: list[str] | None = None  # the manifest's work units, once it is written
+        self._done: dict[int, ledger.UnitProgress] = {}  # the final entries of the units done
         self._full: tuple[Shuffled, FixedWindows] | None = None  # the epochs after the eras (then="epochs")
 
     # --- eras -------------------------------------------------------------------------------------------
@@ -216,19 +220,31 @@ class Follow:
 
     def _snapshot(self) -> Snapshot | None:
         """The ledger's committed counts now (None before the build wrote its manifest), shared by ranks."""
-        mine: Snapshot | None = None
-        try:
-            cache = reader.open(self.path, allow_incomplete=True)
-        except CacheError:
-            if os.path.exists(os.path.join(self.path, MANIFEST)):
-                raise
-        else:
-            self._cache = cache
-            mine = {"tokens": cache.table.num_tokens.tolist(), "complete": cache.manifest.complete}
+        mine = self._committed()
         if self.share is None:
             return mine
         shared = self.share(mine or {"tokens": None, "complete": False})
         return shared if shared.get("tokens") is not None else None
+
+    def _committed(self) -> Snapshot | None:
+        """Each unit's committed tokens from its ledger entry; the build is complete once every unit is done.
+
+        The manifest is read once; a finished unit's entry is final, so each poll reads only the entries of
+        the units still running (and looks for those not started).
+        """
+        store = open_store(self.path)
+        if self._units is None:
+            if not store.exists(MANIFEST):
+                return None
+            self._units = load_manifest(store).units
+        tokens = []
+        for i, unit in enumerate(self._units):
+            done = self._done.get(i)
+            progress = done if done is not None else ledger.read_progress(store, shard_name(i), unit)
+            if progress.done:
+                self._done[i] = progress
+            tokens.append(progress.tokens)
+        return {"tokens": tokens, "complete": len(self._done) == len(self._units)}
 
     def _cover(self, stop: int) -> None:
         """Take eras until they cover positions ``[0, stop)`` or the build is complete; waits meanwhile."""

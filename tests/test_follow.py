@@ -121,6 +121,10 @@ def test_a_stalled_build_raises_after_the_timeout(tmp_path: Path, bpe_tokenizer:
     other = make_follow(out, seed=6)
     with pytest.raises(LoaderStateError, match="seed in state: 5 / seed here: 6"):
         other.load_state_dict(follow.state_dict())
+    state = follow.state_dict()
+    state["eras"][-1] = [tokens + 1 for tokens in state["eras"][-1]]  # more than was ever committed
+    with pytest.raises(LoaderStateError, match="hold data this cache has not committed"):
+        make_follow(out).load_state_dict(state)
 
 
 def test_then_epochs_goes_on_with_the_loaders_full_permutations(tmp_path: Path, bpe_tokenizer: Path) -> None:
