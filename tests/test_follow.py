@@ -131,8 +131,10 @@ def test_then_epochs_goes_on_with_the_loaders_full_permutations(tmp_path: Path, 
     """Once the build is complete and its eras served, then="epochs" continues with exactly the samples of
     a Loader over the complete cache, from its position 0."""
     rng = random.Random(4)
-    docs = [{"text": " ".join(rng.choice(["a", "bb", "ccc"]) for _ in range(rng.randint(1, 80)))}
-            for _ in range(3000)]
+    docs = [
+        {"text": " ".join(rng.choice(["a", "bb", "ccc"]) for _ in range(rng.randint(1, 80)))}
+        for _ in range(3000)
+    ]
     src = write_jsonl(tmp_path / "in.jsonl", docs)
     built = streampack.build(src, tmp_path / "c", tokenizer=str(bpe_tokenizer), unit_bytes=1 << 16)
     follow = make_follow(built.out, then="epochs")
