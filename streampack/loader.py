@@ -269,6 +269,7 @@ class Loader:
         parts = [source.data for source in self.sources]
         joinable = all(isinstance(part, PackedSequences) for part in parts)
         self._joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
+        self._prefetches = prefetch.steps_for(self._joined) > 0  # decided once: not a check per batch
         # Every checkpoint resumes against the order given here, never one an earlier load produced.
         self._configured = self.order
         self._position = 0
@@ -482,7 +483,8 @@ class Loader:
         """
         sources, samples = self.picks(position)
         result = self.formatter(self._read(position, sources, samples, out), sources, samples)
-        prefetch.after_batch(self, position)  # a cache in object storage: fetch the next steps' shards
+        if self._prefetches:  # a cache in object storage: fetch the next steps' shards
+            prefetch.after_batch(self, position)
         return self.collate(result) if self.collate is not None else result
 
     def batch_shape(self, position: int) -> tuple[int, int]:

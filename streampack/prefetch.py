@@ -43,6 +43,14 @@ def after_batch(loader: Loader, position: int) -> None:
         prefetcher.announce(position)
 
 
+def steps_for(joined: JoinedSequences | None) -> int:
+    """Steps ahead to prefetch for a loader over ``joined``: 0 unless it reads a cache in object storage."""
+    if not isinstance(joined, JoinedSequences):
+        return 0
+    stores = [part.cache.store for part in joined.parts]
+    return max((s.prefetch_steps for s in stores if isinstance(s, CachedStore)), default=0)
+
+
 class Prefetcher:
     """The background thread that fetches the shards of a loader's next steps (see the module docstring).
 
@@ -67,11 +75,8 @@ class Prefetcher:
     def of(cls, loader: Loader) -> Prefetcher | None:
         """A prefetcher for ``loader`` when it reads a cache in object storage that prefetches; else None."""
         joined = getattr(loader, "_joined", None)
-        if not isinstance(joined, JoinedSequences):
-            return None
-        stores = [part.cache.store for part in joined.parts]
-        steps = max((s.prefetch_steps for s in stores if isinstance(s, CachedStore)), default=0)
-        return cls(loader, joined, steps) if steps else None
+        steps = steps_for(joined)
+        return cls(loader, joined, steps) if steps and isinstance(joined, JoinedSequences) else None
 
     def announce(self, position: int) -> None:
         """The batch at ``position`` was read: fetch for the ones after it."""
