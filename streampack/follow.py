@@ -1,124 +1,289 @@
-"""Training while the build runs: batches of the committed part of a cache whose build is still going.
+"""Training while the build runs: a :class:`~streampack.Loader` over a cache whose build is still going.
 
-:class:`Follow` serves windows of ``seq_len`` tokens of what the build has committed, in *eras*. An era is
-a snapshot of the ledger's committed token counts, one per work unit. Era 0 is what is committed when the
-first batch is asked for; its samples are the fixed windows over each unit's committed range (the ranges
-laid end to end, a :class:`~streampack.layout.Runs` stream, as a split of a cache is), in a seeded shuffled
-order (``Permutation(n, seed, epoch=era)``). Once they are used up the ledger is read again, and the next
-era serves only the tokens committed since: each unit from where the previous era stopped reading it (a
-window never straddles two eras, so the last partial window of an era is carried into the next). No token
-is served twice while following, and none the build has not committed.
+A :class:`Follow` serves the samples of the *finished* cache, ``open(path).sequences(seq_len,
+overlap=overlap)``, numbered in stream order (units in order, each unit's tokens in order), as soon as the
+build has committed them. It serves them in **eras** of consecutive windows: era ``e`` is windows ``[W_e,
+W_{e+1})``, whose sizes double from ``first_era`` up to ``largest_era`` and then stay there, and position
+``p`` of era ``e`` is window ``W_e + Permutation(size_e, seed, epoch=e)(p - W_e)``. An era is served once
+the ledger shows its windows committed: every unit before the one it ends in done, and that one far enough
+along. The last era ends where the finished cache's windows end, known once every unit is done.
 
-When nothing new is committed, :class:`Follow` polls the ledger every ``poll`` seconds, and raises
-:class:`~streampack.errors.BuildStalledError` after ``timeout`` seconds without progress. Once every unit's
-ledger entry says it is done (the build's data is final) and the last era has been served, iteration
-**ends** (``then="end"``, the default; at most ``seq_len + overlap - 1`` tokens of the tail and a partial
-last batch are never served), or goes on with full permutations of the complete cache
-(``then="epochs"``): position ``F + p``, ``F`` where the eras end, is position ``p`` of
-``Loader(streampack.open(path).sequences(seq_len), seed=seed)``.
+So the order is a function of the build and the settings alone, never of when the ledger was read:
 
-Positions are global, as in the :class:`~streampack.Loader`: the global batch at position ``p`` is
-positions ``[p, p + B)`` and rank ``r`` of ``W`` takes the ``r``-th contiguous slice of it. The eras
-themselves come from the ledger *when a rank reads it*, so ranks must agree on them: with ``world_size >
-1``, pass ``share``, which hands every rank rank 0's snapshot (e.g. over ``torch.distributed``).
+* every process computes the same eras on its own, so ranks need no broadcast and DataLoader workers
+  (:mod:`streampack.torch`) no coordination;
+* a resumed run serves exactly the batches of the saved one, whenever it resumes: the state is the
+  position and the order's fingerprint, as for any :class:`~streampack.Loader`;
+* no window is served twice, and none before it is committed.
 
-:meth:`Follow.state_dict` holds the position and every era seen so far (its per-unit committed counts), so
-:meth:`Follow.load_state_dict` rebuilds the same eras from the state, not from the ledger of now: the same
-samples follow, given the same build.
+The cost is latency: an era waits for the units before it, in order, and a larger era for more of them
+(the doubling keeps the wait proportional to what was served). When the ledger shows no new committed
+tokens for ``timeout`` seconds while a batch waits, :class:`~streampack.errors.BuildStalledError` is raised.
+
+After the last era, iteration **ends** (``then="end"``: every window of the finished cache was served once,
+like one epoch), or goes on with full permutations of the finished cache (``then="epochs"``): position
+``N + q``, ``N`` its number of windows, is position ``q`` of ``Loader(open(path).sequences(seq_len,
+overlap=overlap), seed=seed)``.
+
+Scope: the windows layout only (not ``packed`` or ``documents``, whose samples depend on later documents),
+one cache (not a mixture), no prefetching of a cache in object storage (a shard is fetched when read).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from streampack import ledger, reader
+from streampack.collate import format_for
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
-from streampack.format import MANIFEST, load_manifest, shard_name
-from streampack.layout import FixedWindows, Runs, Spans, read_spans
-from streampack.loader import check_int
-from streampack.order import Shuffled
+from streampack.format import MANIFEST, Manifest, shard_name
+from streampack.loader import Loader, Output, _Source, check_int
+from streampack.localcopy import cached_store
+from streampack.order import MAX_POSITION, Shuffled, groups, mismatch
 from streampack.permutation import Permutation
 from streampack.remote import is_remote
-from streampack.store import open_store
+from streampack.sequences import JoinedSequences
+from streampack.store import LocalStore, open_store
 
-__all__ = ["Era", "Follow", "Snapshot"]
+__all__ = ["Eras", "Follow", "FollowOrder"]
 
-_STATE_FORMAT = "streampack.Follow"
-_STATE_VERSION = 1
-
-Snapshot = dict[str, Any]
-"""What ranks share about the ledger: ``{"tokens": [committed tokens per unit], "complete": bool}``."""
+# Units past the first unfinished one whose ledger entries are read while waiting, to tell a build that
+# works on later units from a stalled one (a build runs its units roughly in order).
+_WATCHED_UNITS = 32
 
 
-class Era:
-    """The samples of one era: windows over each unit's tokens ``[starts[u], stops[u])``.
+@dataclass(frozen=True)
+class Eras:
+    """Era boundaries, in windows: sizes ``first, 2 * first, 4 * first, ...`` up to ``largest``, then
+    ``largest`` each.
 
     Args:
-        index: the era's number (the shuffle's epoch).
-        starts: per unit, the first token not served by an earlier era.
-        stops: per unit, the tokens committed at the era's snapshot.
-        seq_len: tokens per sample.
-        overlap: extra tokens at the end of each window.
+        first: windows of era 0.
+        largest: the size eras grow to.
     """
 
-    def __init__(self, index: int, starts: np.ndarray, stops: np.ndarray, seq_len: int, overlap: int) -> None:
-        self.index, self.starts, self.stops = index, starts, stops
-        units = np.flatnonzero(stops > starts)
-        lengths = stops[units] - starts[units]
-        run_starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        self.runs = Runs(run_starts, units.astype(np.int64), starts[units].astype(np.int64))
-        self.windows = FixedWindows(self.runs, seq_len, overlap)
-        self.size = len(self.windows)
+    first: int = 1024
+    largest: int = 65536
 
-    def next_starts(self) -> np.ndarray:
-        """Per unit, the first token the next era serves: what the windows of this one did not start on."""
-        served = self.size * self.windows.seq_len  # tokens of this era's stream its windows advanced over
-        runs = self.runs
-        taken = np.clip(served - runs.starts[:-1], 0, np.diff(runs.starts))
-        starts = self.starts.copy()
-        starts[runs.shards] += taken
-        return starts
+    def __post_init__(self) -> None:
+        check_int("first_era", self.first, 1, 2**40, "a positive number of samples")
+        check_int(
+            "largest_era", self.largest, self.first, 2**40, f"a number of samples >= first_era={self.first}"
+        )
 
-    def spans(self, positions: np.ndarray, seed: int) -> Spans:
-        """The spans of the samples at ``positions`` of this era (``0 <= positions < size``)."""
-        order = Permutation(self.size, seed=seed, epoch=self.index)
-        return self.windows.spans(order(positions))
+    @functools.cached_property
+    def _doubling(self) -> np.ndarray:
+        """``W_0 .. W_k``: where each era starts, up to the first one of size ``largest``."""
+        k = max(0, (-(-self.largest // self.first) - 1).bit_length())
+        return self.first * (np.int64(1) << np.arange(k + 1, dtype=np.int64)) - self.first
+
+    def start(self, era: int) -> int:
+        """``W_era``: the first window of ``era``."""
+        table = self._doubling
+        if era < len(table):
+            return int(table[era])
+        return int(table[-1]) + (era - len(table) + 1) * self.largest
+
+    def of(self, windows: np.ndarray) -> np.ndarray:
+        """The era of each window (``int64``)."""
+        table = self._doubling
+        last = int(table[-1])
+        return np.where(
+            windows < last,
+            np.searchsorted(table, windows, side="right") - 1,
+            len(table) - 1 + (windows - last) // self.largest,
+        )
+
+    def covered(self, windows: int) -> int:
+        """Windows of the eras that lie wholly within the first ``windows``: where the era holding window
+        ``windows`` starts."""
+        return self.start(int(self.of(np.array([windows], dtype=np.int64))[0]))
 
 
-class Follow:
-    """Iterate over global batches of the committed part of a cache whose build is running.
+class FollowOrder:
+    """The order of a :class:`Follow`: eras of the finished cache's windows, then (``then="epochs"``) the
+    :class:`~streampack.Loader`'s epochs of it. See the module docstring.
+
+    Pure given the build: positions of an era whose windows are all committed map to the same windows
+    before the build finishes as after. The last era's size, and the end, are known once the build is
+    complete (:meth:`finish`); the :class:`Follow` asks for no position before it knows its era.
+
+    Args:
+        seed: shuffle seed.
+        eras: the era sizes.
+        then: ``"end"`` after the last era, or ``"epochs"`` of the finished cache.
+        data: what identifies the samples (the build and the window settings), for checkpoints.
+    """
+
+    names: tuple[str, ...] = ("data",)
+
+    def __init__(
+        self, *, seed: int, eras: Eras, then: Literal["end", "epochs"], data: Mapping[str, Any]
+    ) -> None:
+        self.seed, self.eras, self.then, self.data = seed, eras, then, dict(data)
+        self.total: int | None = None  # windows of the finished cache, once the build is complete
+        self.known = 0  # windows of the eras known to be committed
+        self._permutations: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
+        self._epochs = Shuffled(1)  # then="epochs": the Loader's order of the finished cache
+
+    def __repr__(self) -> str:
+        return f"FollowOrder(seed={self.seed}, {self.eras}, then={self.then!r}, total={self.total})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"_permutations": {}}
+
+    def finish(self, total: int) -> None:
+        """The build is complete and its cache holds ``total`` windows."""
+        self.total = self.known = total
+        self._permutations = {}  # the last era's may have been made at its full size
+        self._epochs = Shuffled(max(total, 1), seed=self.seed)
+
+    @property
+    def end(self) -> int | None:
+        """The last window's position with ``then="end"`` once the build is complete; else ``None``."""
+        return self.total if self.then == "end" else None
+
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Source ids (all 0) and windows at ``positions``."""
+        return np.zeros(len(positions), dtype=np.int64), self.samples(positions)
+
+    def samples(self, positions: np.ndarray) -> np.ndarray:
+        """The windows at ``positions`` (in eras known to be committed, or anywhere once complete)."""
+        total = self.total
+        if total is not None and len(positions) and positions.max() >= total:
+            out = np.empty_like(positions)
+            late = positions >= total
+            out[late] = self._epochs.samples(positions[late] - total)
+            out[~late] = self.samples(positions[~late])
+            return out
+        out = np.empty_like(positions)
+        for era, rows in groups(self.eras.of(positions)):
+            first = self.eras.start(era)
+            out[rows] = first + self._permutation(era)(positions[rows] - first)
+        return out
+
+    def _permutation(self, era: int) -> Callable[[np.ndarray], np.ndarray]:
+        permutation = self._permutations.get(era)
+        if permutation is None:
+            first, stop = self.eras.start(era), self.eras.start(era + 1)
+            size = stop - first if self.total is None else min(stop, self.total) - first
+            if len(self._permutations) >= 2:
+                self._permutations.pop(next(iter(self._permutations)))
+            permutation = self._permutations[era] = Permutation(size, seed=self.seed, epoch=era)
+        return permutation
+
+    def consumed(self, position: int) -> list[int]:
+        """``[position]``: one source."""
+        return [position]
+
+    def sizes(self) -> list[int]:
+        """Windows of the finished cache; while it builds, those of the eras known to be committed."""
+        return [max(1, self.known)]
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Kind, seed, era sizes and the data's identity; ``then`` only decides what follows the eras."""
+        return {
+            "kind": "follow",
+            "seed": self.seed,
+            "eras": [self.eras.first, self.eras.largest],
+            "data": self.data,
+        }
+
+    def resumed(self, saved: Mapping[str, Any], position: int) -> FollowOrder:
+        """This order, after checking the checkpoint was saved by a :class:`Follow` of the same build with
+        the same settings."""
+        if saved.get("kind") != "follow":
+            raise LoaderStateError(
+                f"the checkpoint was saved by a loader over a {saved.get('kind')!r} order, not by a Follow; "
+                "a Follow resumes its own states (with then='epochs' it goes on past the build by itself)"
+            )
+        mine = self.fingerprint()
+        for key in ("seed", "eras", "data"):
+            if saved.get(key) != mine[key]:
+                raise LoaderStateError(mismatch(key, saved.get(key), mine[key]))
+        return self
+
+
+class _Ledger:
+    """What a build has committed, read from its ledger: the contiguous prefix of the stream, and whether
+    the build is complete. Finished units' entries are final, so each read starts at the first unfinished
+    unit and looks a few units further (to see that the build is working)."""
+
+    def __init__(self, store: LocalStore, units: list[str]) -> None:
+        self.store, self.units = store, units
+        self._first_open = 0  # units before it are done
+        self._done_tokens = 0  # their tokens
+
+    def read(self) -> tuple[int, bool, tuple[int, ...]]:
+        """``(tokens of the committed prefix, complete, activity)``: activity changes as the build commits."""
+        progress = self._progress(self._first_open)
+        while progress is not None and progress.done:
+            self._done_tokens += progress.tokens
+            self._first_open += 1
+            progress = self._progress(self._first_open)
+        if progress is None:
+            return self._done_tokens, True, (self._first_open,)
+        watched = range(self._first_open + 1, min(self._first_open + 1 + _WATCHED_UNITS, len(self.units)))
+        later = [self._progress(i) for i in watched]
+        activity = (self._first_open, progress.tokens, *(p.tokens for p in later if p is not None))
+        return self._done_tokens + progress.tokens, False, activity
+
+    def _progress(self, unit: int) -> ledger.UnitProgress | None:
+        if unit >= len(self.units):
+            return None
+        return ledger.read_progress(self.store, shard_name(unit), self.units[unit])
+
+
+class Follow(Loader):
+    """A :class:`~streampack.Loader` of a cache whose build is running: its windows, served once committed.
 
     Example::
 
         follow = Follow("cache/", seq_len=2048, overlap=1, batch_size=32, seed=1)
-        for batch in follow:  # (32, 2049) arrays, while the build runs; ends once it is complete
+        for batch in follow:  # (32, 2049) arrays, while the build runs; ends once every window was served
             ...
-        loader = Loader(streampack.open("cache/").sequences(2048, overlap=1), batch_size=32)
+        data = streampack.torch.DataLoader(follow, num_workers=4)  # workers, ranks, resume: as a Loader
+
+    It is a Loader in every other way (ranks, ``output=``, ``collate``, ``state_dict``, the adapters of
+    :mod:`streampack.torch`, Lightning and Hugging Face), with one dataset and its own order: see the
+    module docstring. ``len()`` is known once the build is complete (with ``then="end"``).
 
     Args:
-        path: the cache directory (its build may not have written its manifest yet).
+        path: the cache directory or URL (its build may not have written its manifest yet).
         seq_len: tokens per sample.
         batch_size: the GLOBAL batch size; each rank yields ``batch_size // world_size`` rows.
         overlap: extra tokens at the end of each sample (1 for next-token targets).
         seed: shuffle seed.
         rank: this process's rank.
         world_size: number of ranks; it must divide ``batch_size``.
-        share: with ``world_size > 1``: called on every rank with its :data:`Snapshot` of the ledger,
-            returns rank 0's (a broadcast), so all ranks build the same eras.
-        timeout: seconds without new committed data after which :class:`BuildStalledError` is raised.
+        drop_last: with ``then="end"``, drop the last partial global batch (see :class:`LoaderOptions`).
+        then: after the last era: ``"end"``, or ``"epochs"`` of the finished cache, endlessly.
+        first_era: windows in era 0 (the first batch waits for them).
+        largest_era: the size eras grow to by doubling: the shuffle's reach once they are that large.
+        timeout: seconds a batch waits without the build committing anything before
+            :class:`~streampack.errors.BuildStalledError`.
         poll: seconds between two reads of the ledger while waiting.
-        dtype: integer dtype of the batches.
-        then: once the build is complete and its eras served: ``"end"`` the iteration, or go on with
-            ``"epochs"`` of the complete cache, endlessly (the :class:`~streampack.Loader`'s order).
+        output: ``"numpy"``, ``"dict"`` or ``"varlen"``, as for the Loader.
+        dtype: integer dtype of the token arrays; ``None`` keeps the cache's.
+        collate: applied to every batch before it is yielded.
+        local_dir: (object storage) the local copy's directory.
+        max_local_bytes: (object storage) the bound on the local copy.
+        storage_options: (object storage) passed to the fsspec filesystem.
 
     Raises:
-        OptionsError: an option is out of range, ``world_size > 1`` without ``share``, or ``path`` is in
-            object storage (not supported yet).
+        OptionsError: an option is out of range.
+        BuildStalledError: the build wrote no manifest within ``timeout`` (and later: committed nothing
+            new while a batch waited ``timeout`` seconds).
     """
 
     def __init__(
@@ -131,250 +296,186 @@ class Follow:
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
-        share: Callable[[Snapshot], Snapshot] | None = None,
+        drop_last: bool = True,
+        then: Literal["end", "epochs"] = "end",
+        first_era: int = 1024,
+        largest_era: int = 65536,
         timeout: float = 600.0,
         poll: float = 0.2,
-        dtype: np.dtype | type = np.int64,
-        then: Literal["end", "epochs"] = "end",
+        output: Output = "numpy",
+        dtype: npt.DTypeLike = np.int64,
+        collate: Callable[[Any], Any] | None = None,
+        local_dir: str | os.PathLike[str] | None = None,
+        max_local_bytes: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         check_int("seq_len", seq_len, 1, 2**40, "a positive integer")
         check_int("overlap", overlap, 0, 2**40, "a non-negative integer")
-        check_int("world_size", world_size, 1, 2**31, "a positive integer (the number of ranks)")
-        check_int("batch_size", batch_size, 1, 2**62, "a positive integer (the global batch size)")
-        check_int("rank", rank, 0, world_size - 1, f"an integer in [0, {world_size})")
-        check_int("seed", seed, 0, 2**64 - 1, "an integer in [0, 2**64)")
-        if batch_size % world_size:
-            raise OptionsError(f"batch_size={batch_size} does not divide by world_size={world_size}")
-        if world_size > 1 and share is None:
-            raise OptionsError(
-                f"world_size={world_size}: every rank must follow the same eras; pass share=..., a function "
-                "that returns rank 0's snapshot on every rank (e.g. torch.distributed.broadcast_object_list)"
-            )
-        if is_remote(path):
-            raise OptionsError(
-                f"{path}: Follow reads local caches only for now (a build in object storage publishes a unit "
-                "when it is done); follow a local build, or open the remote cache once it is complete"
-            )
         if then not in ("end", "epochs"):
             raise OptionsError(f"then must be 'end' or 'epochs' (got then={then!r})")
         if not timeout > 0 or not poll > 0:
             raise OptionsError(
                 f"timeout and poll must be positive seconds (got timeout={timeout}, poll={poll})"
             )
-        self.path = path
-        self.seq_len, self.overlap, self.seed = seq_len, overlap, seed
-        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
-        self.share = share
-        self.timeout, self.poll = timeout, poll
-        self.dtype = np.dtype(dtype)
-        self.then = then
-        self._position = 0
-        self._snapshots: list[list[int]] = []  # committed tokens per unit, one list per era
-        self._eras: list[Era] = []
-        self._bounds = [0]  # first position of each era, then the end of the last one
-        self._complete = False  # the last era holds the end of the complete build
-        self._cache: reader.Cache | None = None
-        self._units: list[str] | None = None  # the manifest's work units, once it is written
-        self._done: dict[int, ledger.UnitProgress] = {}  # the final entries of the units done
-        self._full: tuple[Shuffled, FixedWindows] | None = None  # the epochs after the eras (then="epochs")
+        eras = Eras(first_era, largest_era)
+        self.path, self.then, self.timeout, self.poll = path, then, timeout, poll
+        self.seq_len, self.overlap = seq_len, overlap
+        self._reading: dict[str, Any] = {}
+        if is_remote(path):
+            self._reading = {"local_dir": local_dir, "max_local_bytes": max_local_bytes, "prefetch_steps": 0}
+            self._reading["storage_options"] = storage_options
+        cache = self._open_when_written()
+        sequences = cache.sequences(seq_len, overlap=overlap)
+        self._ledger = _Ledger(cache.store, cache.manifest.units)
+        self._known = 0  # positions whose samples are known and committed
+        self._data_known = 0  # positions the sources opened last can read
+        super().__init__(
+            sequences,
+            batch_size=batch_size,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            drop_last=drop_last,
+            output=output,
+            dtype=dtype,
+            collate=collate,
+        )
+        data = {"build": build_digest(cache.manifest), "seq_len": seq_len, "overlap": overlap}
+        self.follow_order = FollowOrder(seed=seed, eras=eras, then=then, data=data)
+        self.order = self._configured = self.follow_order
+        self._prefetches = False
 
-    # --- eras -------------------------------------------------------------------------------------------
-
-    @property
-    def position(self) -> int:
-        """Global position of the next batch: samples served since following began, over all ranks."""
-        return self._position
-
-    @property
-    def eras(self) -> list[Era]:
-        """The eras seen so far."""
-        return list(self._eras)
-
-    @property
-    def covered(self) -> int:
-        """Positions the eras seen so far cover: the batches before it are fixed by the state alone."""
-        return self._bounds[-1]
-
-    @property
-    def finished(self) -> bool:
-        """True once the build is complete and every full global batch of its eras has been served."""
-        ended = self._complete and self.then == "end"
-        return ended and self._position + self.batch_size > self._bounds[-1]
-
-    def _add_era(self, tokens: list[int]) -> Era:
-        previous = self._eras[-1] if self._eras else None
-        stops = np.asarray(tokens, dtype=np.int64)
-        starts = previous.next_starts() if previous is not None else np.zeros(len(stops), dtype=np.int64)
-        if len(stops) != len(starts) or (stops < starts).any():
-            raise LoaderStateError(
-                f"{self.path}: the ledger's committed counts went back or changed shape since the previous "
-                "era; this is not the build the eras were taken from: start following afresh"
-            )
-        era = Era(len(self._eras), starts, stops, self.seq_len, self.overlap)
-        if self._cache is not None and (stops > self._cache.table.num_tokens).any():
-            self._cache = None  # opened before this era's snapshot (another rank's): reopened to read it
-        self._snapshots.append([int(t) for t in tokens])
-        self._eras.append(era)
-        self._bounds.append(self._bounds[-1] + era.size)
-        return era
-
-    def _snapshot(self) -> Snapshot | None:
-        """The ledger's committed counts now (None before the build wrote its manifest), shared by ranks."""
-        mine = self._committed()
-        if self.share is None:
-            return mine
-        shared = self.share(mine or {"tokens": None, "complete": False})
-        return shared if shared.get("tokens") is not None else None
-
-    def _committed(self) -> Snapshot | None:
-        """Each unit's committed tokens from its ledger entry; the build is complete once every unit is done.
-
-        The manifest is read once; a finished unit's entry is final, so each poll reads only the entries of
-        the units still running (and looks for those not started).
-        """
-        store = open_store(self.path)
-        if self._units is None:
-            if not store.exists(MANIFEST):
-                return None
-            self._units = load_manifest(store).units
-        tokens = []
-        for i, unit in enumerate(self._units):
-            done = self._done.get(i)
-            progress = done if done is not None else ledger.read_progress(store, shard_name(i), unit)
-            if progress.done:
-                self._done[i] = progress
-            tokens.append(progress.tokens)
-        return {"tokens": tokens, "complete": len(self._done) == len(self._units)}
-
-    def _cover(self, stop: int) -> None:
-        """Take eras until they cover positions ``[0, stop)`` or the build is complete; waits meanwhile."""
-        waited_since = time.monotonic()
-        while self._bounds[-1] < stop and not self._complete:
-            snapshot = self._snapshot()
-            if snapshot is not None:
-                complete = bool(snapshot["complete"])
-                grown = self._grows(snapshot["tokens"])
-                if grown or complete:
-                    era = self._add_era(snapshot["tokens"])
-                    self._complete = complete
-                    if era.size:
-                        waited_since = time.monotonic()
-                    continue
-            if time.monotonic() - waited_since > self.timeout:
+    def _open_when_written(self) -> reader.Cache:
+        """The cache as committed now, once its build has written the manifest."""
+        store = cached_store(str(self.path), **self._reading) if self._reading else open_store(self.path)
+        started = time.monotonic()
+        while not store.exists(MANIFEST):
+            if time.monotonic() - started > self.timeout:
                 raise BuildStalledError(
-                    f"{self.path}: the build committed no new samples for {self.timeout:g} s (position "
-                    f"{self._bounds[-1]}, {len(self._eras)} eras); is it still running? Rerun the build "
-                    "command to resume it, or raise timeout="
+                    f"{store.describe('')}: no build has written a manifest here in {self.timeout:g} s; "
+                    "start the build (or check the path), or raise timeout="
+                )
+            time.sleep(self.poll)
+        return reader.open(self.path, allow_incomplete=True, **self._reading)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle as a Loader; the copy reopens the cache (it has grown since) before its first read."""
+        return super().__getstate__() | {"_data_known": -1}
+
+    # --- what the build has committed ------------------------------------------------------------------
+
+    def _check_size(self) -> None:
+        """Nothing to check up front: the cache grows while it is followed."""
+
+    def _single_size(self, what: str) -> int:
+        if self.follow_order.total is None:
+            raise TypeError(
+                f"{what} is not known while the build runs: the number of samples is known once it is "
+                "complete"
+            )
+        return self.follow_order.total
+
+    def __len__(self) -> int:
+        """Global batches of the whole run, once the build is complete (see :meth:`Loader.__len__`).
+
+        Raises:
+            TypeError: the build is still running, or ``then="epochs"`` (endless).
+        """
+        if self.then == "end" and self.order.end is None:
+            raise TypeError(
+                "a Follow has no len() while the build runs: the number of samples is known once it is "
+                "complete; count steps yourself (max_steps)"
+            )
+        return super().__len__()
+
+    def _global_rows(self, position: int) -> int:
+        self._await(min(position + self.options.batch_size, MAX_POSITION))
+        return super()._global_rows(position)
+
+    def _check_finished(self, windows: int) -> None:
+        """Refuse to go on with epochs of a finished cache that holds no global batch."""
+        opts = self.options
+        if self.then == "epochs" and (windows == 0 or (opts.drop_last and windows < opts.batch_size)):
+            raise OptionsError(
+                f"{self.path}: the finished cache holds {windows} samples of seq_len={self.seq_len}, fewer "
+                f"than one global batch of {opts.batch_size}: then='epochs' has nothing to repeat. Use a "
+                "smaller batch_size or seq_len, or then='end'"
+            )
+
+    def advance(self, batches: int = 1) -> None:
+        """Move the position forward by ``batches`` steps (see :meth:`Loader.advance`), once known."""
+        self._global_rows(self._position)
+        super().advance(batches)
+
+    def _planned_end(self) -> int | None:
+        end = self.order.end
+        return self._known if end is None else min(end, self._known)
+
+    def _await(self, stop: int) -> None:
+        """Wait until the samples of positions ``[0, stop)`` are known and committed, or the build is done.
+
+        Raises:
+            BuildStalledError: the ledger showed nothing new for ``timeout`` seconds.
+        """
+        if stop <= self._known:
+            return
+        order = self.follow_order
+        waited_since, seen = time.monotonic(), None
+        while True:
+            tokens, complete, activity = self._ledger.read()
+            windows = max(0, (tokens - self.overlap) // self.seq_len)
+            if complete:
+                self._check_finished(windows)
+                order.finish(windows)
+                self._known = MAX_POSITION
+                self._check_last_batch()
+                return
+            order.known = self._known = max(self._known, order.eras.covered(windows))
+            if stop <= self._known:
+                return
+            if activity != seen:
+                waited_since, seen = time.monotonic(), activity
+            elif time.monotonic() - waited_since > self.timeout:
+                raise BuildStalledError(
+                    f"{self.path}: the build committed nothing for {self.timeout:g} s while position "
+                    f"{stop - 1} waited for its era ({windows} samples are committed in stream order); is "
+                    "the build still running? Rerun the build command to resume it, or raise timeout="
                 )
             time.sleep(self.poll)
 
-    def _grows(self, tokens: list[int]) -> bool:
-        """Whether ``tokens`` hold at least one new window past the last era."""
-        starts = self._eras[-1].next_starts() if self._eras else np.zeros(len(tokens), dtype=np.int64)
-        new = np.asarray(tokens, dtype=np.int64) - starts
-        return int(new[new > 0].sum()) >= self.seq_len + self.overlap
+    # --- reading ----------------------------------------------------------------------------------------
 
-    # --- batches ----------------------------------------------------------------------------------------
+    def batch(self, position: int, *, out: np.ndarray | None = None) -> Any:
+        """This rank's batch at ``position``, once its samples are committed (see :meth:`Loader.batch`)."""
+        self._global_rows(position)  # waits for the build
+        if self._data_known < self._known:
+            self._reopen()
+        return super().batch(position, out=out)
 
-    def __iter__(self) -> Iterator[np.ndarray]:
-        """Yield this rank's rows of each global batch, waiting for the build as needed."""
-        while True:
-            self._cover(self._position + self.batch_size)
-            if self.finished:
-                return
-            batch = self.batch(self._position)
-            self._position += self.batch_size
-            yield batch
+    def _reopen(self) -> None:
+        """Read from the cache as committed now: it holds every sample of the positions known."""
+        known = self._known
+        cache = reader.open(self.path, allow_incomplete=True, **self._reading)
+        sequences = cache.sequences(self.seq_len, overlap=self.overlap)
+        self.dataset, self.sources = sequences, [_Source(sequences)]
+        self._joined = JoinedSequences([sequences])
+        self.formatter = format_for(self.options.output, [sequences])
+        self._clear_caches()
+        self._data_known = known
 
-    def spans(self, positions: np.ndarray) -> Spans:
-        """Where the samples at global ``positions`` (covered by the eras seen, or past them once the build
-        is complete with ``then="epochs"``) lie: ``rows`` index ``positions``."""
-        eras = np.searchsorted(self._bounds, positions, side="right") - 1
-        parts = []
-        for era in np.unique(eras).tolist():
-            rows = np.flatnonzero(eras == era)
-            if era < len(self._eras):
-                spans = self._eras[era].spans(positions[rows] - self._bounds[era], self.seed)
-            else:
-                spans = self._epochs_spans(positions[rows] - self._bounds[-1])
-            parts.append(Spans(rows[spans.rows], spans.shards, spans.lo, spans.hi, spans.col))
-        fields = ("rows", "shards", "lo", "hi", "col")
-        return Spans(*(np.concatenate([getattr(part, f) for part in parts]) for f in fields))
 
-    def batch(self, position: int) -> np.ndarray:
-        """This rank's rows of the global batch at ``position`` (covered by the eras seen)."""
-        rows = self.batch_size // self.world_size
-        first = position + self.rank * rows
-        positions = np.arange(first, first + rows, dtype=np.int64)
-        if positions[-1] >= self._bounds[-1] and not (self._complete and self.then == "epochs"):
-            raise IndexError(
-                f"position {int(positions[-1])} is past the eras seen ({self._bounds[-1]} samples)"
-            )
-        out = np.empty((rows, self.seq_len + self.overlap), dtype=self.dtype)
-        cache = self._cache if self._cache is not None else self._reopen()
-        read_spans(self.spans(positions), out, cache.shard_tokens)
-        return out
-
-    def _epochs_spans(self, positions: np.ndarray) -> Spans:
-        """Spans of positions of the full permutations that follow the eras of a complete build."""
-        cache = self._cache if self._cache is not None else self._reopen()
-        if self._full is None:
-            if not cache.manifest.complete:
-                cache = self._reopen()
-            windows = FixedWindows(Runs.whole(cache.token_starts), self.seq_len, self.overlap)
-            self._full = Shuffled(len(windows), seed=self.seed), windows
-        order, windows = self._full
-        return windows.spans(order.samples(positions))
-
-    def _reopen(self) -> reader.Cache:
-        self._cache = reader.open(self.path, allow_incomplete=True)
-        return self._cache
-
-    # --- state ------------------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position, the settings that give positions their meaning, and every era seen (JSON-able)."""
-        return {
-            "format": _STATE_FORMAT,
-            "version": _STATE_VERSION,
-            "position": self._position,
-            "seq_len": self.seq_len,
-            "overlap": self.overlap,
-            "seed": self.seed,
-            "eras": [list(tokens) for tokens in self._snapshots],
-            "complete": self._complete,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from a :meth:`state_dict`: the eras are rebuilt from it, the next batch is the saved run's.
-
-        Raises:
-            LoaderStateError: not a follow state, saved with other settings, or of another build (its eras
-                hold counts the ledger has not committed).
-        """
-        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
-            raise LoaderStateError(
-                f"not a streampack follow state (expected format={_STATE_FORMAT!r}); pass what "
-                "Follow.state_dict() returned"
-            )
-        if state.get("version") != _STATE_VERSION:
-            raise LoaderStateError(f"follow state version {state.get('version')!r} is not supported")
-        for key in ("seq_len", "overlap", "seed"):
-            if state.get(key) != getattr(self, key):
-                raise LoaderStateError(
-                    f"the follow state does not match this Follow: {key} in state: {state.get(key)!r} / "
-                    f"{key} here: {getattr(self, key)!r}; create it with the settings of the saved run"
-                )
-        cache = self._reopen()
-        committed = cache.table.num_tokens
-        self._position, self._snapshots, self._eras, self._bounds = 0, [], [], [0]
-        self._complete, self._full = False, None
-        for tokens in state["eras"]:
-            if len(tokens) != len(committed) or (np.asarray(tokens) > committed).any():
-                raise LoaderStateError(
-                    f"{self.path}: the follow state's eras hold data this cache has not committed; it was "
-                    "saved while following another build"
-                )
-            self._add_era(tokens)
-        self._complete = bool(state["complete"])
-        self._position = int(state["position"])
+def build_digest(manifest: Manifest) -> str:
+    """What identifies a build's output, the same while it runs and once complete: its tokenizer, settings,
+    inputs and work units."""
+    fields = {
+        "tokenizer": manifest.tokenizer,
+        "dtype": manifest.dtype,
+        "eos": manifest.eos,
+        "bos": manifest.bos,
+        "settings": manifest.settings,
+        "inputs": manifest.inputs,
+        "units": manifest.units,
+        "loss_mask": manifest.loss_mask,
+    }
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

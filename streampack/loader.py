@@ -271,7 +271,7 @@ class Loader:
         self._joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
         self._prefetches = prefetch.steps_for(self._joined) > 0  # decided once: not a check per batch
         # Every checkpoint resumes against the order given here, never one an earlier load produced.
-        self._configured = self.order
+        self._configured: Order = self.order
         self._position = 0
         self._check_sources()
         self.formatter: Format = format_for(self.options.output, [source.data for source in self.sources])
@@ -300,21 +300,25 @@ class Loader:
         return sum(len(source) for source in self.sources)
 
     def _check_sources(self) -> None:
-        opts, first = self.options, self.sources[0]
+        opts = self.options
         if not isinstance(self.dataset, Mixture):
-            n = len(first)
-            if n == 0 or (opts.drop_last and n < opts.batch_size):
-                raise OptionsError(
-                    f"the dataset has {n} samples, fewer than one global batch of {opts.batch_size}: nothing "
-                    "to iterate. Use a smaller batch_size or seq_len, a larger cache"
-                    + (", or drop_last=False." if n else ".")
-                )
+            self._check_size()
         for source in self.sources:
             if opts.dtype is not None and not np.can_cast(source.dtype, opts.dtype):
                 raise OptionsError(
                     f"dtype={opts.dtype} cannot hold every id of the cache's {source.dtype} tokens; use "
                     "int64 (the default), a wider integer type, or None to keep the cache dtype"
                 )
+
+    def _check_size(self) -> None:
+        """Refuse a dataset that holds no batch to iterate."""
+        opts, n = self.options, len(self.sources[0])
+        if n == 0 or (opts.drop_last and n < opts.batch_size):
+            raise OptionsError(
+                f"the dataset has {n} samples, fewer than one global batch of {opts.batch_size}: nothing "
+                "to iterate. Use a smaller batch_size or seq_len, a larger cache"
+                + (", or drop_last=False." if n else ".")
+            )
 
     def _check_last_batch(self) -> None:
         """Refuse ``drop_last=False`` when the run's last partial global batch cannot give every rank a row.
@@ -540,7 +544,7 @@ class Loader:
     def _make_plan(self, position: int, last: int | None) -> _Plan:
         opts = self.options
         stride = position - last if last is not None and position > last else opts.batch_size
-        end = self.order.end
+        end = self._planned_end()
         count = max(1, _PLAN_ROWS // opts.rows)
         if end is not None:
             count = max(1, min(count, (end - position - opts.batch_size) // stride + 1))
@@ -557,6 +561,11 @@ class Loader:
             position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1), spans
         )
         return self._plan
+
+    def _planned_end(self) -> int | None:
+        """Where planning ahead stops: the run's end (a loader that learns its order as it goes stops at
+        what it knows)."""
+        return self.order.end
 
     def _read(
         self, position: int, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None

@@ -1,190 +1,231 @@
-"""Follow mode: a loader trains on the committed part of a cache while a real build writes it."""
+"""Follow mode: loaders train on the committed part of a cache while a real build writes it."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
-from streampack.follow import Follow
-from streampack.layout import Spans
-from streampack.reader import Cache
-from tests.conftest import write_jsonl
+from streampack.follow import Eras, Follow, FollowOrder
+from tests.conftest import s3_options, write_jsonl
 from tests.test_resume import build_args, start_build
 
 SEQ_LEN, OVERLAP, BATCH = 48, 1, 8
+ERAS = {"first_era": 64, "largest_era": 2048}
 
 
-def corpus(tmp_path: Path) -> Path:
-    """~8 MB of JSONL: 8 units of 1 MB, built one after the other by one worker over a few seconds."""
+def corpus(tmp_path: Path, docs: int = 9000) -> Path:
+    """~8 MB of JSONL: units of 1 MB, built one after the other by one worker over a few seconds."""
     rng = random.Random(3)
     words = ["alpha", "beta", "gamma", "delta", "tokens", "cache", "Ünïcödé"]
-    docs = [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 300)))} for _ in range(9000)]
-    return write_jsonl(tmp_path / "in.jsonl", docs)
+    records = [{"text": " ".join(rng.choice(words) for _ in range(rng.randint(1, 300)))} for _ in range(docs)]
+    return write_jsonl(tmp_path / "in.jsonl", records)
 
 
-def follow_args(src: Path, out: Path, tokenizer: Path) -> list[str]:
-    args = build_args([src], out, tokenizer)
+def follow_args(src: Path, out: Path | str, tokenizer: Path) -> list[str]:
+    args = build_args([src], out, tokenizer)  # type: ignore[arg-type]
     args[args.index("--workers") + 1] = "1"
     return args
 
 
-def make_follow(out: Path | str, **kwargs: object) -> Follow:
-    settings: dict = {"seq_len": SEQ_LEN, "overlap": OVERLAP, "batch_size": BATCH, "seed": 5}
+def make_follow(out: Path | str, **kwargs: Any) -> Follow:
+    settings: dict = {"seq_len": SEQ_LEN, "overlap": OVERLAP, "batch_size": BATCH, "seed": 5, **ERAS}
     settings.update(timeout=60.0, poll=0.02)
     settings.update(kwargs)
     return Follow(out, **settings)
 
 
-def test_a_loader_follows_a_running_build(tmp_path: Path, bpe_tokenizer: Path) -> None:
-    """Every sample is committed data, at its place in the finished cache; none repeats; a state saved
-    mid-way resumes to the same batches; the eras grow while the build runs."""
+def expected_rows(follow: Follow, samples: Any, steps: int) -> np.ndarray:
+    """The rows of the first ``steps`` global batches: the finished cache's windows, in the follow order."""
+    windows = follow.order.samples(np.arange(steps * BATCH, dtype=np.int64))  # type: ignore[attr-defined]
+    return samples[windows]
+
+
+def test_loaders_follow_a_running_build_in_an_order_fixed_by_the_build(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    """One Follow, two ranks and a DataLoader with two workers read a running build in lockstep. Each
+    serves the finished cache's windows in the follow order (each window once, all of them), the ranks'
+    rows side by side are the global batch, and a state saved mid-build resumes, after the build, to the
+    same batches: nothing depends on when the ledger was read."""
+    torch_data = pytest.importorskip("streampack.torch", reason="the DataLoader part needs torch")
     out = tmp_path / "c"
     proc = start_build(follow_args(corpus(tmp_path), out, bpe_tokenizer), out)
     try:
         follow = make_follow(out)
-        batches, spans, running = [], [], []
-        saved: dict | None = None
-        for step, batch in enumerate(follow):
-            positions = np.arange(step * BATCH, (step + 1) * BATCH, dtype=np.int64)
+        ranks = [make_follow(out, rank=r, world_size=2) for r in (0, 1)]
+        workers = torch_data.DataLoader(make_follow(out), num_workers=2)
+        batches, running, saved = [], [], None
+        for step, (batch, left, right, tensor) in enumerate(zip(follow, *ranks, workers, strict=True)):
             batches.append(batch)
-            spans.append(follow.spans(positions))
             running.append(proc.poll() is None)
+            assert np.array_equal(np.concatenate([left, right]), batch)
+            assert np.array_equal(tensor.numpy(), batch)
             if step == 20:
                 saved = json.loads(json.dumps(follow.state_dict()))
     finally:
         _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr.decode()
-    assert saved is not None and running[0], "the build ended before the loader started following"
-    assert len(follow.eras) >= 3 and sum(running) >= 2
+    assert saved is not None and running[0] and sum(running) >= 2, "no batch was served while building"
 
-    final = streampack.open(out)
-    assert final.num_shards == len(follow.eras[-1].stops)
-    check_served(batches, spans, final)
+    samples = streampack.open(out).sequences(SEQ_LEN, overlap=OVERLAP)
+    windows = follow.order.samples(np.arange(len(batches) * BATCH, dtype=np.int64))  # type: ignore[attr-defined]
+    assert np.array_equal(np.concatenate(batches), samples[windows])
+    assert len(np.unique(windows)) == len(windows) == len(samples) // BATCH * BATCH  # each window once
+    assert len(follow) == len(batches)  # known once the build is complete
 
-    resumed = make_follow(out)
-    resumed.load_state_dict(saved)
-    fixed = (resumed.covered - resumed.position) // BATCH  # batches inside the saved eras
-    assert fixed >= 1
-    again, again_spans = [], []
-    for step, batch in enumerate(resumed, start=21):
-        again.append(batch)
-        again_spans.append(resumed.spans(np.arange(step * BATCH, (step + 1) * BATCH, dtype=np.int64)))
-    assert all(np.array_equal(a, b) for a, b in zip(again[:fixed], batches[21:], strict=False))
-    # Later eras are read from the ledger of now: other samples, still committed and never repeated.
-    check_served(batches[:21] + again, spans[:21] + again_spans, final)
+    again = make_follow(out)
+    again.load_state_dict(saved)
+    rest = list(again)
+    assert len(rest) == len(batches) - 21
+    assert all(np.array_equal(a, b) for a, b in zip(rest, batches[21:], strict=True))
 
 
-def check_served(batches: list[np.ndarray], spans: list[Spans], final: Cache) -> None:
-    """Each row holds the tokens its spans name in the finished cache, and no token is served twice."""
-    served = []
-    for batch, batch_spans in zip(batches, spans, strict=True):
-        expected = np.full_like(batch, -1)
-        where = (batch_spans.rows, batch_spans.shards, batch_spans.lo, batch_spans.hi, batch_spans.col)
-        for row, shard, lo, hi, col in zip(*where, strict=True):
-            expected[row, col : col + hi - lo] = final.shard_tokens(int(shard))[lo:hi]
-        assert np.array_equal(batch, expected)  # also: every column of every row is covered
-        head = batch_spans.head(SEQ_LEN)  # the overlap token is the next window's first: not a repeat
-        served += list(zip(head.shards.tolist(), head.lo.tolist(), head.hi.tolist(), strict=True))
-    served.sort()
-    for (shard, _, hi), (next_shard, next_lo, _) in itertools.pairwise(served):
-        assert shard != next_shard or hi <= next_lo, "a token was served twice"
-    tokens = sum(hi - lo for _, lo, hi in served)
-    assert tokens > final.num_tokens - BATCH * SEQ_LEN - OVERLAP  # all but the dropped tail
-
-
-def test_a_stalled_build_raises_after_the_timeout(tmp_path: Path, bpe_tokenizer: Path) -> None:
-    """A killed build: the committed part is served, then the wait ends in a clear error."""
+def test_a_stalled_build_serves_only_committed_eras_then_raises(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    """A killed build: every era whose windows its ledger committed (in stream order) is served, nothing
+    past the committed prefix, and the next batch ends in a clear error once ``timeout`` passes."""
     out = tmp_path / "c"
     proc = start_build(follow_args(corpus(tmp_path), out, bpe_tokenizer), out)
+    time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
-    committed = streampack.open(out, allow_incomplete=True).num_tokens
-    follow = make_follow(out, timeout=0.5)
+    partial = streampack.open(out, allow_incomplete=True)
+    done = [streampack.ledger.read_progress(out, f"{i:06d}", u) for i, u in enumerate(partial.manifest.units)]
+    assert not all(p.done for p in done), "the build finished before it was killed"
+    prefix, unit = 0, 0
+    while done[unit].done:
+        prefix, unit = prefix + done[unit].tokens, unit + 1
+    prefix += done[unit].tokens  # the committed prefix of the stream: done units, then the next one's part
+
+    follow = make_follow(out, timeout=0.5, first_era=16, largest_era=256)
+    served = []
     started = time.monotonic()
-    with pytest.raises(BuildStalledError, match=r"committed no new samples for 0.5 s"):
-        for _ in follow:
-            pass
+    with pytest.raises(BuildStalledError, match=r"committed nothing for 0.5 s .* Rerun the build command"):
+        for batch in follow:
+            served.append(batch)
     assert time.monotonic() - started < 30
-    assert follow.position * SEQ_LEN <= committed
+    covered = Eras(16, 256).covered((prefix - OVERLAP) // SEQ_LEN)
+    assert len(served) == covered // BATCH > 0
+    windows = follow.order.samples(np.arange(len(served) * BATCH, dtype=np.int64))  # type: ignore[attr-defined]
+    assert (windows * SEQ_LEN + SEQ_LEN + OVERLAP).max() <= prefix  # nothing past the committed prefix
+    tokens = partial.sequences(SEQ_LEN, overlap=OVERLAP)[windows]
+    assert np.array_equal(np.concatenate(served), tokens)
 
-    other = make_follow(out, seed=6)
-    with pytest.raises(LoaderStateError, match="seed in state: 5 / seed here: 6"):
-        other.load_state_dict(follow.state_dict())
-    state = follow.state_dict()
-    state["eras"][-1] = [tokens + 1 for tokens in state["eras"][-1]]  # more than was ever committed
-    with pytest.raises(LoaderStateError, match="hold data this cache has not committed"):
-        make_follow(out).load_state_dict(state)
-
-
-def test_then_epochs_goes_on_with_the_loaders_full_permutations(tmp_path: Path, bpe_tokenizer: Path) -> None:
-    """Once the build is complete and its eras served, then="epochs" continues with exactly the samples of
-    a Loader over the complete cache, from its position 0."""
-    rng = random.Random(4)
-    docs = [
-        {"text": " ".join(rng.choice(["a", "bb", "ccc"]) for _ in range(rng.randint(1, 80)))}
-        for _ in range(3000)
-    ]
-    src = write_jsonl(tmp_path / "in.jsonl", docs)
-    built = streampack.build(src, tmp_path / "c", tokenizer=str(bpe_tokenizer), unit_bytes=1 << 16)
-    follow = make_follow(built.out, then="epochs")
-    steps = iter(follow)
-    first = next(steps)
-    end = follow.covered  # one era: the whole complete cache
-    samples = streampack.open(built.out).sequences(SEQ_LEN, overlap=OVERLAP)
-    assert end == len(samples) and not follow.finished
-    rows = np.concatenate([first] + [next(steps) for _ in range(2 * end // BATCH + 1)])
-    loader = streampack.Loader(samples, batch_size=1, seed=5)
-    for position in (end, end + 1, 2 * end - 1, 2 * end, 2 * end + 3):  # epochs 0 and 1 of the loader
-        assert np.array_equal(rows[position], loader.batch(position - end)[0])
-    seen = {row.tobytes() for row in rows[:end]}
-    assert len(seen) == end  # the era serves every window once
-
-    ended = make_follow(built.out)
-    assert sum(len(batch) for batch in ended) == end // BATCH * BATCH
+    with pytest.raises(BuildStalledError, match="no build has written a manifest"):
+        make_follow(tmp_path / "nothing-yet", timeout=0.2)
 
 
-def test_ranks_sharing_rank_0s_snapshots_split_each_global_batch(tmp_path: Path, bpe_tokenizer: Path) -> None:
-    """Two ranks following a running build with share= (rank 0's snapshot for both, as a broadcast
-    would give): their rows side by side are the global batch of one rank reading the same eras."""
-    out = tmp_path / "c"
-    proc = start_build(follow_args(corpus(tmp_path), out, bpe_tokenizer), out)
-    snapshots: list[dict] = []
-    calls = [0, 0]
+def test_a_loader_follows_a_build_into_object_storage(
+    tmp_path: Path, bpe_tokenizer: Path, bucket: tuple[Any, str], s3_endpoint: str
+) -> None:
+    """A CLI build publishes to a real S3 server (moto's) unit by unit; a Follow of the URL reads each era
+    through a local copy as soon as its units are up, and serves the finished cache's windows in order."""
+    from tests.test_publish import start_cli_build
 
-    def share(rank: int) -> Callable[[dict], dict]:
-        def broadcast(mine: dict) -> dict:
-            calls[rank] += 1
-            if rank == 0:
-                snapshots.append(mine)
-            return snapshots[calls[rank] - 1]
-
-        return broadcast
-
+    _, name = bucket
+    url, options = f"s3://{name}/c", s3_options(s3_endpoint)
+    args = [*follow_args(corpus(tmp_path, 6000), url, bpe_tokenizer), "--stage", str(tmp_path / "stage")]
+    proc = start_cli_build(args, s3_endpoint)
     try:
-        ranks = [make_follow(out, rank=r, world_size=2, share=share(r)) for r in (0, 1)]
-        pairs = list(zip(*ranks, strict=True))  # rank 0 reads the ledger first at every step
+        follow = make_follow(url, storage_options=options, local_dir=tmp_path / "copy", poll=0.05)
+        batches, running = [], []
+        for batch in follow:
+            batches.append(batch)
+            running.append(proc.poll() is None)
     finally:
         _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr.decode()
-    assert ranks[0].state_dict() == ranks[1].state_dict() and len(ranks[0].eras) >= 2
-    whole = make_follow(out)
-    whole.load_state_dict({**ranks[0].state_dict(), "position": 0})
-    for (left, right), batch in zip(pairs, whole, strict=True):
-        assert left.shape == right.shape == (BATCH // 2, SEQ_LEN + OVERLAP)
-        assert np.array_equal(np.concatenate([left, right]), batch)
+    assert running[0] and sum(running) >= 2, "no batch was served while the build ran"
+    samples = streampack.open(url, storage_options=options, local_dir=tmp_path / "copy").sequences(
+        SEQ_LEN, overlap=OVERLAP
+    )
+    assert np.array_equal(np.concatenate(batches), expected_rows(follow, samples, len(batches)))
+    assert len(batches) == len(samples) // BATCH
 
-    with pytest.raises(OptionsError, match="pass share="):
-        make_follow(out, rank=1, world_size=2)
-    with pytest.raises(OptionsError, match="local caches only"):
-        make_follow("s3://bucket/cache")
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer: Path) -> Path:
+    root = tmp_path_factory.mktemp("finished")
+    built = streampack.build(corpus(root, 1500), root / "c", tokenizer=str(bpe_tokenizer), unit_bytes=1 << 16)
+    return built.out
+
+
+def test_then_epochs_goes_on_with_the_loaders_epochs_and_the_end_is_one_epoch(finished: Path) -> None:
+    """Over a finished cache: then="end" serves every window once (len() is known), then="epochs" goes on
+    at position N with the Loader's epochs of the cache, and output="dict" formats the same rows."""
+    samples = streampack.open(finished).sequences(SEQ_LEN, overlap=OVERLAP)
+    n = len(samples)
+    ended = make_follow(finished)
+    rows = np.concatenate(list(ended))
+    assert len(ended) == n // BATCH and len(rows) == n // BATCH * BATCH
+    assert np.array_equal(rows, expected_rows(ended, samples, n // BATCH))
+    assert len({row.tobytes() for row in rows}) == len(rows)
+
+    endless = make_follow(finished, then="epochs")
+    loader = streampack.Loader(samples, batch_size=1, seed=5)
+    for position in (n, n + 1, 2 * n - 1, 2 * n, 2 * n + 3):  # epochs 0 and 1 of the loader
+        first = position // BATCH * BATCH
+        endless.load_state_dict({**endless.state_dict(), "position": first})
+        assert np.array_equal(next(iter(endless))[position - first], loader.batch(position - n)[0])
+    with pytest.raises(TypeError, match="endless"):
+        len(endless)
+    assert list(make_follow(finished, seq_len=10**7)) == []  # not one window: the run ends at once
+    with pytest.raises(OptionsError, match="then='epochs' has nothing to repeat"):
+        next(iter(make_follow(finished, seq_len=10**7, then="epochs")))
+
+    plain = make_follow(finished, overlap=0)
+    as_dict = make_follow(finished, overlap=0, output="dict")
+    assert np.array_equal(next(iter(as_dict))["input_ids"], next(iter(plain)))
+
+
+def test_states_resume_only_the_same_follow(finished: Path) -> None:
+    follow = make_follow(finished)
+    next(iter(follow))
+    state = follow.state_dict()
+    assert state["order"]["kind"] == "follow" and state["position"] == BATCH
+    with pytest.raises(LoaderStateError, match="seed in checkpoint: 5 / seed in this loader: 6"):
+        make_follow(finished, seed=6).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="eras in checkpoint"):
+        make_follow(finished, first_era=32).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="The sequence length changed"):
+        make_follow(finished, seq_len=SEQ_LEN + 1).load_state_dict(state)
+    samples = streampack.open(finished).sequences(SEQ_LEN, overlap=OVERLAP)
+    with pytest.raises(LoaderStateError, match="over a 'follow' order"):
+        streampack.Loader(samples, batch_size=BATCH).load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="not by a Follow"):
+        follow.load_state_dict(streampack.Loader(samples, batch_size=BATCH).state_dict())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    first=st.integers(1, 40),
+    growth=st.integers(0, 5),
+    total=st.integers(1, 3000),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_the_follow_order_is_an_exact_epoch_and_eras_do_not_change_once_complete(
+    first: int, growth: int, total: int, seed: int
+) -> None:
+    """Positions ``[0, N)`` visit each of the N windows once, each era within its own windows, and a full
+    era maps the same before the build is complete as after."""
+    eras = Eras(first, first * 2**growth + growth)
+    running = FollowOrder(seed=seed, eras=eras, then="end", data={})
+    done = FollowOrder(seed=seed, eras=eras, then="end", data={})
+    done.finish(total)
+    positions = np.arange(total, dtype=np.int64)
+    windows = done.samples(positions)
+    assert np.array_equal(np.sort(windows), positions)
+    assert np.array_equal(eras.of(windows), eras.of(positions))
+    full = eras.covered(total)
+    assert np.array_equal(running.samples(positions[:full]), windows[:full])
