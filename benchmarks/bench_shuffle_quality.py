@@ -28,6 +28,10 @@ global shuffle and to no shuffle at all, over one epoch of ``n = 10**6`` samples
 * **local blocks**: the most distinct blocks among any 2 * window * block consecutive positions
   (aligned to that length): what a reader must hold to never miss.
 
+Its last rows are the order of :class:`~streampack.follow.Follow` (training while the build runs): eras
+of consecutive samples whose sizes double from 1,024 to the largest, each shuffled within itself (for
+them, window x block is the largest era).
+
 The table is printed and saved to ``benchmarks/results/shuffle-quality.md``.
 
 Usage::
@@ -53,11 +57,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmark the working tree, whether or not the package is installed
 
 from streampack.blockshuffle import BlockShuffled  # noqa: E402
+from streampack.follow import Eras, FollowOrder  # noqa: E402
 from streampack.permutation import Permutation  # noqa: E402
 
 SIZES = (10**4, 10**6, 10**7)
 STREAM = 10**6
 SEED = 20240601
+# The order of streampack.Follow over a finished cache: eras from 1,024 samples, doubling up to these.
+FOLLOW_FIRST, FOLLOW_LARGEST = 1024, (8192, 65536)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -210,6 +217,14 @@ def locality_table(repeats: int) -> list[str]:
         label = "all" if window * BLOCK >= n else str(window)
         name = f"block shuffle, block {BLOCK:,}, window {label}"
         rows.append(locality_row(name, order.samples(positions), len(pickle.dumps(order)), ms, window))
+    for largest in FOLLOW_LARGEST:
+        follow = FollowOrder(seed=SEED, eras=Eras(FOLLOW_FIRST, largest), then="end", data={})
+        follow.finish(n)
+        ms = median_seconds(partial(follow.samples, positions), repeats) * 1e3
+        name = f"follow eras, {FOLLOW_FIRST:,} doubling to {largest:,}"
+        rows.append(
+            locality_row(name, follow.samples(positions), len(pickle.dumps(follow)), ms, largest // BLOCK)
+        )
     return rows
 
 
