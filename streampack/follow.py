@@ -20,10 +20,10 @@ The cost is latency: an era waits for the units before it, in order, and a large
 (the doubling keeps the wait proportional to what was served). When the ledger shows no new committed
 tokens for ``timeout`` seconds while a batch waits, :class:`~streampack.errors.BuildStalledError` is raised.
 
-After the last era, iteration **ends** (``then="end"``: every window of the finished cache was served once,
-like one epoch), or goes on with full permutations of the finished cache (``then="epochs"``): position
-``N + q``, ``N`` its number of windows, is position ``q`` of ``Loader(open(path).sequences(seq_len,
-overlap=overlap), seed=seed)``.
+After the last era, it goes on with full permutations of the finished cache (``then="epochs"``, the
+default): position ``N + q``, ``N`` its number of windows, is position ``q`` of
+``Loader(open(path).sequences(seq_len, overlap=overlap), seed=seed)``; or iteration **ends**
+(``then="end"``: every window of the finished cache was served once, like one epoch).
 
 Scope: the windows layout only (not ``packed`` or ``documents``, whose samples depend on later documents),
 one cache (not a mixture), no prefetching of a cache in object storage (a shard is fetched when read).
@@ -267,7 +267,8 @@ class Follow(Loader):
         rank: this process's rank.
         world_size: number of ranks; it must divide ``batch_size``.
         drop_last: with ``then="end"``, drop the last partial global batch (see :class:`LoaderOptions`).
-        then: after the last era: ``"end"``, or ``"epochs"`` of the finished cache, endlessly.
+        then: after the last era: ``"epochs"`` of the finished cache, endlessly (as a Loader runs), or
+            ``"end"`` (one pass over every window).
         first_era: windows in era 0 (the first batch waits for them).
         largest_era: the size eras grow to by doubling: the shuffle's reach once they are that large.
         timeout: seconds a batch waits without the build committing anything before
@@ -297,7 +298,7 @@ class Follow(Loader):
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = True,
-        then: Literal["end", "epochs"] = "end",
+        then: Literal["end", "epochs"] = "epochs",
         first_era: int = 1024,
         largest_era: int = 65536,
         timeout: float = 600.0,
@@ -341,6 +342,7 @@ class Follow(Loader):
             collate=collate,
         )
         data = {"build": build_digest(cache.manifest), "seq_len": seq_len, "overlap": overlap}
+        self._batch_size = self.options.batch_size
         self.follow_order = FollowOrder(seed=seed, eras=eras, then=then, data=data)
         self.order = self._configured = self.follow_order
         self._prefetches = False
@@ -389,8 +391,9 @@ class Follow(Loader):
         return super().__len__()
 
     def _global_rows(self, position: int) -> int:
-        self._await(min(position + self.options.batch_size, MAX_POSITION))
-        return super()._global_rows(position)
+        if position + self._batch_size > self._known:  # the one check per call once the eras are known
+            self._await(min(position + self._batch_size, MAX_POSITION))
+        return Loader._global_rows(self, position)
 
     def _check_finished(self, windows: int) -> None:
         """Refuse to go on with epochs of a finished cache that holds no global batch."""
@@ -447,9 +450,10 @@ class Follow(Loader):
 
     def batch(self, position: int, *, out: np.ndarray | None = None) -> Any:
         """This rank's batch at ``position``, once its samples are committed (see :meth:`Loader.batch`)."""
-        self._global_rows(position)  # waits for the build
-        if self._data_known < self._known:
-            self._reopen()
+        if position + self._batch_size > self._data_known:
+            self._global_rows(position)  # waits for the build
+            if self._data_known < self._known:
+                self._reopen()
         return super().batch(position, out=out)
 
     def _reopen(self) -> None:

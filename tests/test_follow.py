@@ -41,6 +41,7 @@ def follow_args(src: Path, out: Path | str, tokenizer: Path) -> list[str]:
 
 def make_follow(out: Path | str, **kwargs: Any) -> Follow:
     settings: dict = {"seq_len": SEQ_LEN, "overlap": OVERLAP, "batch_size": BATCH, "seed": 5, **ERAS}
+    settings["then"] = "end"  # one pass, so that a test's loop ends
     settings.update(timeout=60.0, poll=0.02)
     settings.update(kwargs)
     return Follow(out, **settings)
