@@ -25,8 +25,11 @@ default): position ``N + q``, ``N`` its number of windows, is position ``q`` of
 ``Loader(open(path).sequences(seq_len, overlap=overlap), seed=seed)``; or iteration **ends**
 (``then="end"``: every window of the finished cache was served once, like one epoch).
 
+A cache in object storage is read through a local copy (see :func:`streampack.open`), and the shards of
+the next steps whose eras are known are prefetched, as for a Loader.
+
 Scope: the windows layout only (not ``packed`` or ``documents``, whose samples depend on later documents),
-one cache (not a mixture), no prefetching of a cache in object storage (a shard is fetched when read).
+and one cache (not a mixture).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from typing import Any, Literal
 import numpy as np
 import numpy.typing as npt
 
-from streampack import ledger, reader
+from streampack import ledger, prefetch, reader
 from streampack.collate import format_for
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
 from streampack.format import MANIFEST, Manifest, shard_name
@@ -280,6 +283,8 @@ class Follow(Loader):
         local_dir: (object storage) the local copy's directory.
         max_local_bytes: (object storage) the bound on the local copy.
         storage_options: (object storage) passed to the fsspec filesystem.
+        prefetch_steps: (object storage) steps ahead whose shards are fetched in the background, within the
+            eras known (8 by default; 0: none).
 
     Raises:
         OptionsError: an option is out of range.
@@ -309,6 +314,7 @@ class Follow(Loader):
         local_dir: str | os.PathLike[str] | None = None,
         max_local_bytes: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        prefetch_steps: int | None = None,
     ) -> None:
         check_int("seq_len", seq_len, 1, 2**40, "a positive integer")
         check_int("overlap", overlap, 0, 2**40, "a non-negative integer")
@@ -323,8 +329,8 @@ class Follow(Loader):
         self.seq_len, self.overlap = seq_len, overlap
         self._reading: dict[str, Any] = {}
         if is_remote(path):
-            self._reading = {"local_dir": local_dir, "max_local_bytes": max_local_bytes, "prefetch_steps": 0}
-            self._reading["storage_options"] = storage_options
+            self._reading = {"local_dir": local_dir, "max_local_bytes": max_local_bytes}
+            self._reading |= {"storage_options": storage_options, "prefetch_steps": prefetch_steps}
         cache = self._open_when_written()
         sequences = cache.sequences(seq_len, overlap=overlap)
         self._ledger = _Ledger(cache.store, cache.manifest.units)
@@ -345,7 +351,6 @@ class Follow(Loader):
         self._batch_size = self.options.batch_size
         self.follow_order = FollowOrder(seed=seed, eras=eras, then=then, data=data)
         self.order = self._configured = self.follow_order
-        self._prefetches = False
 
     def _open_when_written(self) -> reader.Cache:
         """The cache as committed now, once its build has written the manifest."""
@@ -410,6 +415,10 @@ class Follow(Loader):
         self._global_rows(self._position)
         super().advance(batches)
 
+    def _ready(self, position: int) -> bool:
+        """Whether the samples of the batch at ``position`` are known to be committed (no wait)."""
+        return position + self._batch_size <= min(self._known, self._data_known)
+
     def _planned_end(self) -> int | None:
         end = self.order.end
         return self._known if end is None else min(end, self._known)
@@ -463,6 +472,7 @@ class Follow(Loader):
         sequences = cache.sequences(self.seq_len, overlap=self.overlap)
         self.dataset, self.sources = sequences, [_Source(sequences)]
         self._joined = JoinedSequences([sequences])
+        self._prefetches = prefetch.steps_for(self._joined) > 0
         self.formatter = format_for(self.options.output, [sequences])
         self._clear_caches()
         self._data_known = known

@@ -562,6 +562,10 @@ class Loader:
         )
         return self._plan
 
+    def _ready(self, position: int) -> bool:
+        """Whether the batch at ``position`` can be made now, without waiting (always, for a Loader)."""
+        return True
+
     def _planned_end(self) -> int | None:
         """Where planning ahead stops: the run's end (a loader that learns its order as it goes stops at
         what it knows)."""

@@ -56,13 +56,11 @@ class Prefetcher:
 
     Args:
         loader: the loader (held weakly: the thread ends once it is gone).
-        joined: its sources as one token space.
         steps: batches ahead to fetch for.
     """
 
-    def __init__(self, loader: Loader, joined: JoinedSequences, steps: int) -> None:
+    def __init__(self, loader: Loader, steps: int) -> None:
         self._loader = weakref.ref(loader)
-        self._joined = joined
         self._steps = steps
         self._boundaries = loader.options.output != "numpy"
         self._wanted: tuple[int, int] | None = None
@@ -76,7 +74,7 @@ class Prefetcher:
         """A prefetcher for ``loader`` when it reads a cache in object storage that prefetches; else None."""
         joined = getattr(loader, "_joined", None)
         steps = steps_for(joined)
-        return cls(loader, joined, steps) if steps and isinstance(joined, JoinedSequences) else None
+        return cls(loader, steps) if steps and isinstance(joined, JoinedSequences) else None
 
     def announce(self, position: int) -> None:
         """The batch at ``position`` was read: fetch for the ones after it."""
@@ -98,7 +96,9 @@ class Prefetcher:
             loader = self._loader()
             if loader is None:
                 return
-            with contextlib.suppress(StreampackError):  # the read that needs the file reports it
+            # A read that needs a file reports its errors; an IndexError is a Follow's view of a growing
+            # cache replaced while this thread used it (the next announcement starts over).
+            with contextlib.suppress(StreampackError, IndexError):
                 self._fetch(self._files(loader, position, stride or loader.options.batch_size))
             del loader
 
@@ -106,19 +106,22 @@ class Prefetcher:
         """The shard files the next steps of this process read, nearest step first, each once."""
         files: list[tuple[CachedStore, str]] = []
         seen: set[tuple[int, int]] = set()
+        joined = loader._joined  # read each time: a Follow replaces it as the cache grows
+        if joined is None:
+            return files
         for step in range(1, self._steps + 1):
             at = position + step * stride
-            if loader._global_rows(at) == 0:  # the run ends
+            if not loader._ready(at) or loader._global_rows(at) == 0:  # not known yet, or the run ends
                 break
             lo, hi = loader._span(at)
             sources, samples = loader.order(np.arange(lo, hi, dtype=np.int64))
-            shards = self._joined.spans(sources, samples).shards
+            shards = joined.spans(sources, samples).shards
             for shard in dict.fromkeys(shards.tolist()):
-                part, local = self._joined._owners[shard]
+                part, local = joined._owners[shard]
                 if (part, local) in seen:
                     continue
                 seen.add((part, local))
-                cache = self._joined.parts[part].cache
+                cache = joined.parts[part].cache
                 store = cache.store
                 if isinstance(store, CachedStore):
                     files += [(store, key) for key in cache.shard_keys(local, boundaries=self._boundaries)]

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streampack
+from streampack import prefetch
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
 from streampack.follow import Eras, Follow, FollowOrder
 from tests.conftest import s3_options, write_jsonl
@@ -144,6 +145,7 @@ def test_a_loader_follows_a_build_into_object_storage(
         for batch in follow:
             batches.append(batch)
             running.append(proc.poll() is None)
+            time.sleep(0.002)  # a training step, which the prefetcher overlaps
     finally:
         _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr.decode()
@@ -153,6 +155,7 @@ def test_a_loader_follows_a_build_into_object_storage(
     )
     assert np.array_equal(np.concatenate(batches), expected_rows(follow, samples, len(batches)))
     assert len(batches) == len(samples) // BATCH
+    assert prefetch._prefetchers[follow].fetched > 0  # shards of the known eras fetched ahead
 
 
 @pytest.fixture(scope="module")
