@@ -7,20 +7,17 @@ an S3-compatible server on 127.0.0.1 (moto's, through s3fs), then the same shuff
 * the local cache (page cache warm): the reference;
 * the remote cache through a warm local copy (every shard already fetched): the goal is >= 0.9 of local;
 * the remote cache through a cold local copy over a link throttled to 100 MB/s (a TCP proxy in front of
-  the server, in this script), without prefetching and with it (``prefetch_steps=8``).
+  the server, `streampack._linkproxy`), without prefetching and with it (``prefetch_steps=8``).
 
 Rows alternate between kinds (the machine is shared); each figure is the median of ``--repeats`` runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,51 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import streampack
 from benchmarks._report import environment, goal, parser, publish
+from streampack._linkproxy import LinkProxy
 from streampack._synthetic import write_random_cache
 
 SEQ_LEN = 2048
 BATCH = 16
 LINK = 100e6  # bytes per second
 STEP = 0.05  # seconds of "training" per batch in the cold rows: what prefetching overlaps downloads with
-
-
-class ThrottledProxy:
-    """A TCP proxy on 127.0.0.1 to ``target`` whose server-to-client bytes share ``rate`` bytes/s."""
-
-    def __init__(self, target: tuple[str, int], rate: float) -> None:
-        self.target, self.rate = target, rate
-        self._lock = threading.Lock()
-        self._next = time.monotonic()
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
-
-    def _pipe(self, source: socket.socket, sink: socket.socket, throttled: bool) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(1 << 16):
-                if throttled:
-                    with self._lock:  # one link: every connection's bytes share the rate
-                        now = time.monotonic()
-                        self._next = max(self._next, now) + len(data) / self.rate
-                        wait = self._next - now
-                    time.sleep(max(0.0, wait))
-                sink.sendall(data)
-        for s in (source, sink):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.server.close()
 
 
 def samples_per_second(cache: streampack.Cache, batches: int, step: float = 0.0) -> float:
@@ -104,7 +63,7 @@ def main() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    proxy = ThrottledProxy((host, port), LINK)
+    proxy = LinkProxy((host, port), rate=LINK)
     try:
         local = write_random_cache(tmp / "local", tokens, num_shards=shards, seed=1)
         direct = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
@@ -113,7 +72,7 @@ def main() -> None:
         fs.put(str(local) + "/", "bench/c", recursive=True)
         url = "s3://bench/c"
         slow = {
-            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"},
+            "client_kwargs": {"endpoint_url": proxy.url},
             "skip_instance_cache": True,
         }
         warm_dir = tmp / "warm"

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import re
 import shutil
 import signal
-import socket
-import struct
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +16,7 @@ from typing import Any
 import pytest
 
 import streampack
+from streampack._linkproxy import LinkProxy
 from tests.conftest import CREDENTIALS, s3_options, shard_bytes, write_jsonl
 
 pytest.importorskip("s3fs", reason="builds to S3 need s3fs (the dev extra has it)")
@@ -162,52 +159,15 @@ def test_an_unreachable_store_is_a_clear_error_after_retries(
         streampack.build(inputs, "s3://nowhere/c", storage_options={"bogus": 1}, stage=str(tmp_path / "s"))
 
 
-class ResettingProxy:
-    """A TCP proxy to ``target`` on 127.0.0.1 that resets every ``every``-th connection as it arrives."""
-
-    def __init__(self, target: tuple[str, int], every: int) -> None:
-        self.target, self.every, self.connections = target, every, 0
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            self.connections += 1
-            if self.connections % self.every == 1:
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                client.close()  # an RST: "connection reset by peer"
-                continue
-            upstream = socket.create_connection(self.target)
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := source.recv(1 << 16):
-                sink.sendall(data)
-        for s in (source, sink):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self.server.close()
-
-
 def test_a_build_through_a_link_that_resets_connections_completes_byte_identical(
     tmp_path: Path, bpe_tokenizer: Path, bucket: tuple[Any, str], s3_endpoint: str
 ) -> None:
     fs, name = bucket
     host, port = s3_endpoint.removeprefix("http://").split(":")
-    proxy = ResettingProxy((host, int(port)), every=3)
+    proxy = LinkProxy((host, int(port)), reset_every=3)
     try:
         flaky = {
-            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{proxy.port}"},
+            "client_kwargs": {"endpoint_url": proxy.url},
             "config_kwargs": {"retries": {"max_attempts": 1}},  # botocore gives up: s3fs or we retry
             "skip_instance_cache": True,
         }
