@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import zlib
 from collections.abc import Sequence
@@ -411,6 +412,30 @@ def load_manifest(root: Path | Store) -> Manifest:
         return _parse_manifest(raw)
     except (KeyError, TypeError, ValueError) as e:
         raise CacheError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
+
+
+def upgrade_manifest(root: str | os.PathLike[str]) -> int:
+    """Rewrite a cache's manifest in the current format version, its content unchanged; return the version
+    it had. Shard files, ledger and layouts are not touched, and checkpoints and plans of the cache keep
+    working (they identify it by content, the same in every version).
+
+    A version 1 manifest holds its shard table as rows: one JSON object per shard, which costs ~20x more
+    to open at 10^5 shards than version 2's columns (``benchmarks/bench_open.py``).
+
+    Raises:
+        CacheError: not a cache, or its manifest is damaged.
+        BuildLockedError: a build holds the cache's lock.
+    """
+    store = LocalStore(root)
+    if not store.is_dir() or not store.exists(MANIFEST):
+        raise CacheError(f"{store.root}: not a streampack cache (no {MANIFEST})")
+    with store.lock(LOCK):
+        raw = store.read_json(MANIFEST, what="manifest")
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        manifest = load_manifest(store)  # validates it, whatever its version
+        if version != FORMAT_VERSION:
+            manifest.write(store)
+    return int(version)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------------ manifest checksum

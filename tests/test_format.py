@@ -60,6 +60,38 @@ def test_a_version_1_manifest_with_its_row_table_reads_the_same_samples(tmp_path
     assert streampack.verify(tmp_path / "old").ok
 
 
+def test_upgrade_rewrites_a_version_1_manifest_and_checkpoints_still_resume(tmp_path: Path) -> None:
+    """`streampack upgrade` (a real subprocess) rewrites a version 1 manifest as version 2: the same cache,
+    content digest and checkpoints; a second run has nothing to do; a non-cache is refused."""
+    import json
+
+    from streampack.format import with_checksum
+    from tests.conftest import as_version_1, run_cli, write_jsonl
+
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"doc {i} " * (i % 50)} for i in range(3000)])
+    streampack.build(src, tmp_path / "c", unit_bytes=1 << 16, workers=1)
+    new = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    shards_before = {p.name: p.read_bytes() for p in (tmp_path / "c" / "shards").iterdir()}
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(with_checksum(as_version_1(new))))
+    old = streampack.open(tmp_path / "c")
+    loader = streampack.Loader(old.sequences(16), batch_size=4, seed=2)
+    next(iter(loader))
+    state = loader.state_dict()
+
+    result = run_cli("upgrade", tmp_path / "c")
+    assert "upgraded from format version 1 to 2" in result.stdout
+    assert json.loads((tmp_path / "c" / "manifest.json").read_text()) == new  # as the build wrote it
+    assert {p.name: p.read_bytes() for p in (tmp_path / "c" / "shards").iterdir()} == shards_before
+    upgraded = streampack.open(tmp_path / "c")
+    assert upgraded.content_digest == old.content_digest and streampack.verify(tmp_path / "c").ok
+    resumed = streampack.Loader(upgraded.sequences(16), batch_size=4, seed=2)
+    resumed.load_state_dict(state)
+    assert np.array_equal(next(iter(resumed)), loader.batch(4))
+    assert "already format version 2" in run_cli("upgrade", tmp_path / "c").stdout
+    refused = run_cli("upgrade", tmp_path, check=False)
+    assert refused.returncode == 1 and "not a streampack cache (no manifest.json)" in refused.stderr
+
+
 def test_the_shard_table_is_columns(tmp_path: Path) -> None:
     """Version 2: counts as lists, each checksum column one hex string, names and units from the index."""
     import json
