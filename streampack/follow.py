@@ -49,7 +49,7 @@ import numpy.typing as npt
 from streampack import ledger, prefetch, reader
 from streampack.collate import format_for
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
-from streampack.format import MANIFEST, Manifest, shard_name
+from streampack.format import MANIFEST, Manifest, load_manifest, shard_name
 from streampack.loader import Loader, Output, _Source, check_int
 from streampack.localcopy import cached_store
 from streampack.order import MAX_POSITION, Shuffled, groups, mismatch
@@ -219,27 +219,35 @@ class FollowOrder:
 
 class _Ledger:
     """What a build has committed, read from its ledger: the contiguous prefix of the stream, and whether
-    the build is complete. Finished units' entries are final, so each read starts at the first unfinished
-    unit and looks a few units further (to see that the build is working)."""
+    the build is complete. Finished units' entries are final and kept, so each read starts at the first
+    unfinished unit and looks a few units further (to see that the build is working)."""
 
     def __init__(self, store: LocalStore, units: list[str]) -> None:
         self.store, self.units = store, units
-        self._first_open = 0  # units before it are done
-        self._done_tokens = 0  # their tokens
+        self.done: list[ledger.UnitProgress] = []  # the entries of the first units, all finished
+        self.running: ledger.UnitProgress | None = None  # the first unfinished unit's, as last read
+        self._done_tokens = 0
 
     def read(self) -> tuple[int, bool, tuple[int, ...]]:
         """``(tokens of the committed prefix, complete, activity)``: activity changes as the build commits."""
-        progress = self._progress(self._first_open)
+        progress = self._progress(len(self.done))
         while progress is not None and progress.done:
+            self.done.append(progress)
             self._done_tokens += progress.tokens
-            self._first_open += 1
-            progress = self._progress(self._first_open)
+            progress = self._progress(len(self.done))
+        self.running = progress
         if progress is None:
-            return self._done_tokens, True, (self._first_open,)
-        watched = range(self._first_open + 1, min(self._first_open + 1 + _WATCHED_UNITS, len(self.units)))
+            return self._done_tokens, True, (len(self.done),)
+        watched = range(len(self.done) + 1, min(len(self.done) + 1 + _WATCHED_UNITS, len(self.units)))
         later = [self._progress(i) for i in watched]
-        activity = (self._first_open, progress.tokens, *(p.tokens for p in later if p is not None))
+        activity = (len(self.done), progress.tokens, *(p.tokens for p in later if p is not None))
         return self._done_tokens + progress.tokens, False, activity
+
+    def progress(self) -> list[ledger.UnitProgress]:
+        """Every unit's entry as last read: the finished ones, the first unfinished one, none after it (the
+        follower reads nothing past the prefix)."""
+        first = [*self.done, *([self.running] if self.running is not None else [])]
+        return first + [ledger.UnitProgress(unit=unit) for unit in self.units[len(first) :]]
 
     def _progress(self, unit: int) -> ledger.UnitProgress | None:
         if unit >= len(self.units):
@@ -331,9 +339,11 @@ class Follow(Loader):
         if is_remote(path):
             self._reading = {"local_dir": local_dir, "max_local_bytes": max_local_bytes}
             self._reading |= {"storage_options": storage_options, "prefetch_steps": prefetch_steps}
-        cache = self._open_when_written()
-        sequences = cache.sequences(seq_len, overlap=overlap)
-        self._ledger = _Ledger(cache.store, cache.manifest.units)
+        self._store = cached_store(str(path), **self._reading) if self._reading else open_store(path)
+        self._manifest = self._manifest_when_written()
+        self._ledger = _Ledger(self._store, self._manifest.units)
+        self._ledger.read()
+        sequences = self._committed().sequences(seq_len, overlap=overlap)
         self._known = 0  # positions whose samples are known and committed
         self._data_known = 0  # positions the sources opened last can read
         super().__init__(
@@ -347,14 +357,14 @@ class Follow(Loader):
             dtype=dtype,
             collate=collate,
         )
-        data = {"build": build_digest(cache.manifest), "seq_len": seq_len, "overlap": overlap}
+        data = {"build": build_digest(self._manifest), "seq_len": seq_len, "overlap": overlap}
         self._batch_size = self.options.batch_size
         self.follow_order = FollowOrder(seed=seed, eras=eras, then=then, data=data)
         self.order = self._configured = self.follow_order
 
-    def _open_when_written(self) -> reader.Cache:
-        """The cache as committed now, once its build has written the manifest."""
-        store = cached_store(str(self.path), **self._reading) if self._reading else open_store(self.path)
+    def _manifest_when_written(self) -> Manifest:
+        """The build's manifest, once it has written it."""
+        store = self._store
         started = time.monotonic()
         while not store.exists(MANIFEST):
             if time.monotonic() - started > self.timeout:
@@ -363,7 +373,11 @@ class Follow(Loader):
                     "start the build (or check the path), or raise timeout="
                 )
             time.sleep(self.poll)
-        return reader.open(self.path, allow_incomplete=True, **self._reading)
+        return load_manifest(store)
+
+    def _committed(self) -> reader.Cache:
+        """The cache as the ledger was last read: it holds every sample of the positions known."""
+        return reader.open_committed(self._store, self._manifest, self._ledger.progress())
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle as a Loader; the copy reopens the cache (it has grown since) before its first read."""
@@ -468,8 +482,7 @@ class Follow(Loader):
     def _reopen(self) -> None:
         """Read from the cache as committed now: it holds every sample of the positions known."""
         known = self._known
-        cache = reader.open(self.path, allow_incomplete=True, **self._reading)
-        sequences = cache.sequences(self.seq_len, overlap=self.overlap)
+        sequences = self._committed().sequences(self.seq_len, overlap=self.overlap)
         self.dataset, self.sources = sequences, [_Source(sequences)]
         self._joined = JoinedSequences([sequences])
         self._prefetches = prefetch.steps_for(self._joined) > 0

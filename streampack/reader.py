@@ -423,17 +423,24 @@ def open(
             )
         store = open_store(path)
     manifest = load_manifest(store)
-    progress: list[UnitProgress] | None = None
-    if manifest.complete:
-        table = manifest.table
-    elif not allow_incomplete:
-        raise CacheError(
-            f"{store.describe('')}: the build of this cache has not finished; rerun the same build command "
-            "to complete it, or open it with allow_incomplete=True to read the committed part"
-        )
-    else:
+    if not manifest.complete:
+        if not allow_incomplete:
+            raise CacheError(
+                f"{store.describe('')}: the build of this cache has not finished; rerun the same build "
+                "command to complete it, or open it with allow_incomplete=True to read the committed part"
+            )
         progress = [ledger.read_progress(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
-        table = _committed_table(progress)
+        return open_committed(store, manifest, progress)
+    if isinstance(store, CachedStore):
+        store.expect(_expected_files(manifest, manifest.table, None))
+    return Cache(store, manifest, manifest.table)
+
+
+def open_committed(store: LocalStore, manifest: Manifest, progress: list[UnitProgress]) -> Cache:
+    """The cache of an unfinished build as ``progress`` (each unit's ledger entry, read by the caller)
+    says it is committed: what :func:`open` gives with ``allow_incomplete=True``, without reading the
+    ledger again (a follower keeps the entries of finished units, which are final)."""
+    table = _committed_table(progress)
     if isinstance(store, CachedStore):
         store.expect(_expected_files(manifest, table, progress))
     return Cache(store, manifest, table)

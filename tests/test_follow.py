@@ -131,18 +131,23 @@ def test_a_stalled_build_serves_only_committed_eras_then_raises(tmp_path: Path, 
 def test_a_loader_follows_a_build_into_object_storage(
     tmp_path: Path, bpe_tokenizer: Path, bucket: tuple[Any, str], s3_endpoint: str
 ) -> None:
-    """A CLI build publishes to a real S3 server (moto's) unit by unit; a Follow of the URL reads each era
-    through a local copy as soon as its units are up, and serves the finished cache's windows in order."""
+    """A CLI build publishes to a real S3 server (moto's) unit by unit; a Follow of the URL, in process and
+    in two DataLoader workers, reads each era through a local copy as soon as its units are up (prefetching
+    the next steps' shards), and serves the finished cache's windows in order."""
     from tests.test_publish import start_cli_build
 
+    torch_data = pytest.importorskip("streampack.torch", reason="the DataLoader part needs torch")
     _, name = bucket
     url, options = f"s3://{name}/c", s3_options(s3_endpoint)
     args = [*follow_args(corpus(tmp_path, 6000), url, bpe_tokenizer), "--stage", str(tmp_path / "stage")]
     proc = start_cli_build(args, s3_endpoint)
+    reading = {"storage_options": options, "local_dir": tmp_path / "copy", "poll": 0.05}
     try:
-        follow = make_follow(url, storage_options=options, local_dir=tmp_path / "copy", poll=0.05)
+        follow = make_follow(url, **reading)
+        workers = torch_data.DataLoader(make_follow(url, **reading), num_workers=2)
         batches, running = [], []
-        for batch in follow:
+        for batch, tensor in zip(follow, workers, strict=True):
+            assert np.array_equal(tensor.numpy(), batch)
             batches.append(batch)
             running.append(proc.poll() is None)
             time.sleep(0.002)  # a training step, which the prefetcher overlaps
