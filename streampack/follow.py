@@ -61,8 +61,10 @@ from streampack.store import LocalStore, open_store
 __all__ = ["Eras", "Follow", "FollowOrder"]
 
 # Units past the first unfinished one whose ledger entries are read while waiting, to tell a build that
-# works on later units from a stalled one (a build runs its units roughly in order).
+# works on later units from a stalled one (a build runs its units roughly in order); read at most every
+# _WATCH_SECONDS (and at least 8 times per timeout), the first unfinished unit's at every poll.
 _WATCHED_UNITS = 32
+_WATCH_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -228,8 +230,8 @@ class _Ledger:
         self.running: ledger.UnitProgress | None = None  # the first unfinished unit's, as last read
         self._done_tokens = 0
 
-    def read(self) -> tuple[int, bool, tuple[int, ...]]:
-        """``(tokens of the committed prefix, complete, activity)``: activity changes as the build commits."""
+    def read(self) -> tuple[int, bool]:
+        """``(tokens of the committed prefix, complete)``."""
         progress = self._progress(len(self.done))
         while progress is not None and progress.done:
             self.done.append(progress)
@@ -237,11 +239,14 @@ class _Ledger:
             progress = self._progress(len(self.done))
         self.running = progress
         if progress is None:
-            return self._done_tokens, True, (len(self.done),)
-        watched = range(len(self.done) + 1, min(len(self.done) + 1 + _WATCHED_UNITS, len(self.units)))
-        later = [self._progress(i) for i in watched]
-        activity = (len(self.done), progress.tokens, *(p.tokens for p in later if p is not None))
-        return self._done_tokens + progress.tokens, False, activity
+            return self._done_tokens, True
+        return self._done_tokens + progress.tokens, False
+
+    def later(self) -> tuple[int, ...]:
+        """Tokens committed by the units after the first unfinished one (up to ``_WATCHED_UNITS``)."""
+        first = len(self.done) + 1
+        later = [self._progress(i) for i in range(first, min(first + _WATCHED_UNITS, len(self.units)))]
+        return tuple(p.tokens for p in later if p is not None)
 
     def progress(self) -> list[ledger.UnitProgress]:
         """Every unit's entry as last read: the finished ones, the first unfinished one, none after it (the
@@ -446,9 +451,11 @@ class Follow(Loader):
         if stop <= self._known:
             return
         order = self.follow_order
-        waited_since, seen = time.monotonic(), None
+        waited_since = watched_at = time.monotonic()
+        seen: tuple[int, ...] | None = None
+        later: tuple[int, ...] | None = None
         while True:
-            tokens, complete, activity = self._ledger.read()
+            tokens, complete = self._ledger.read()
             windows = max(0, (tokens - self.overlap) // self.seq_len)
             if complete:
                 self._check_finished(windows)
@@ -459,9 +466,14 @@ class Follow(Loader):
             order.known = self._known = max(self._known, order.eras.covered(windows))
             if stop <= self._known:
                 return
-            if activity != seen:
-                waited_since, seen = time.monotonic(), activity
-            elif time.monotonic() - waited_since > self.timeout:
+            now = time.monotonic()
+            if now - watched_at >= min(_WATCH_SECONDS, self.timeout / 8):  # later units: less often
+                watched_at, before, later = now, later, self._ledger.later()
+                if before is not None and later != before:
+                    waited_since = now
+            if (tokens, len(self._ledger.done)) != seen:
+                waited_since, seen = now, (tokens, len(self._ledger.done))
+            elif now - waited_since > self.timeout:
                 raise BuildStalledError(
                     f"{self.path}: the build committed nothing for {self.timeout:g} s while position "
                     f"{stop - 1} waited for its era ({windows} samples are committed in stream order); is "

@@ -50,8 +50,8 @@ def make_follow(out: Path | str, **kwargs: Any) -> Follow:
 
 def expected_rows(follow: Follow, samples: Any, steps: int) -> np.ndarray:
     """The rows of the first ``steps`` global batches: the finished cache's windows, in the follow order."""
-    windows = follow.order.samples(np.arange(steps * BATCH, dtype=np.int64))  # type: ignore[attr-defined]
-    return samples[windows]
+    rows = steps * follow.options.batch_size
+    return samples[follow.follow_order.samples(np.arange(rows, dtype=np.int64))]
 
 
 def test_loaders_follow_a_running_build_in_an_order_fixed_by_the_build(
@@ -139,12 +139,14 @@ def test_a_loader_follows_a_build_into_object_storage(
     torch_data = pytest.importorskip("streampack.torch", reason="the DataLoader part needs torch")
     _, name = bucket
     url, options = f"s3://{name}/c", s3_options(s3_endpoint)
-    args = [*follow_args(corpus(tmp_path, 6000), url, bpe_tokenizer), "--stage", str(tmp_path / "stage")]
+    args = [*follow_args(corpus(tmp_path, 4500), url, bpe_tokenizer), "--stage", str(tmp_path / "stage")]
     proc = start_cli_build(args, s3_endpoint)
-    reading = {"storage_options": options, "local_dir": tmp_path / "copy", "poll": 0.05}
+    # Batches of 32: a DataLoader costs ~1 ms a batch here whatever its size.
+    reading = {"storage_options": options, "local_dir": tmp_path / "copy", "poll": 0.05, "batch_size": 32}
     try:
         follow = make_follow(url, **reading)
-        workers = torch_data.DataLoader(make_follow(url, **reading), num_workers=2)
+        copy = tmp_path / "workers-copy"  # its own: downloads here do not take the in-process prefetch's
+        workers = torch_data.DataLoader(make_follow(url, **{**reading, "local_dir": copy}), num_workers=2)
         batches, running = [], []
         for batch, tensor in zip(follow, workers, strict=True):
             assert np.array_equal(tensor.numpy(), batch)
@@ -159,7 +161,7 @@ def test_a_loader_follows_a_build_into_object_storage(
         SEQ_LEN, overlap=OVERLAP
     )
     assert np.array_equal(np.concatenate(batches), expected_rows(follow, samples, len(batches)))
-    assert len(batches) == len(samples) // BATCH
+    assert len(batches) == len(samples) // 32
     assert prefetch._prefetchers[follow].fetched > 0  # shards of the known eras fetched ahead
 
 
