@@ -240,3 +240,43 @@ def test_the_follow_order_is_an_exact_epoch_and_eras_do_not_change_once_complete
     assert np.array_equal(eras.of(windows), eras.of(positions))
     full = eras.covered(total)
     assert np.array_equal(running.samples(positions[:full]), windows[:full])
+
+
+def test_a_trainer_trains_while_the_build_runs_and_resumes_to_the_same_batches(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    """A real transformers Trainer (tiny random GPT-2) fed by a Follow trains while a build runs; after
+    the build, a run of 3 steps resumed to 6 trains on exactly the batches of the run made while building."""
+    pytest.importorskip("accelerate", reason="Trainer needs accelerate: pip install 'streampack[hf]'")
+    hf = pytest.importorskip("streampack.hf", reason="needs pip install 'streampack[hf]'")
+    from transformers import TrainingArguments
+
+    from tests.frameworks import tiny_gpt2
+
+    out = tmp_path / "c"
+    seen: list[tuple[list[list[int]], bool]] = []
+    proc = start_build(follow_args(corpus(tmp_path), out, bpe_tokenizer), out)
+
+    class Recording(hf.Trainer):  # type: ignore[misc, name-defined]
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            seen.append((inputs["input_ids"].tolist(), proc.poll() is None))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def train(run: str, max_steps: int, resume: bool = False) -> list[list[list[int]]]:
+        args = TrainingArguments(str(tmp_path / run), per_device_train_batch_size=4, max_steps=max_steps,
+                                 save_steps=3, use_cpu=True, report_to=[], logging_strategy="no",
+                                 disable_tqdm=True)  # fmt: skip
+        follow = make_follow(out, seq_len=8, overlap=0, batch_size=4, output="dict", then="epochs")
+        seen.clear()
+        Recording(model=tiny_gpt2(), args=args, train_dataset=follow).train(
+            resume_from_checkpoint=resume or None
+        )
+        return [batch for batch, _ in seen]
+
+    try:
+        during = train("a", 6)
+        assert seen[0][1], "the first step came after the build ended"
+    finally:
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr.decode()
+    assert train("b", 3) + train("b", 6, resume=True) == during
