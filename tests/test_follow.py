@@ -257,7 +257,7 @@ def test_a_trainer_trains_while_the_build_runs_and_resumes_to_the_same_batches(
     seen: list[tuple[list[list[int]], bool]] = []
     proc = start_build(follow_args(corpus(tmp_path), out, bpe_tokenizer), out)
 
-    class Recording(hf.Trainer):  # type: ignore[misc, name-defined]
+    class Recording(hf.Trainer):
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
             seen.append((inputs["input_ids"].tolist(), proc.poll() is None))
             return super().training_step(model, inputs, num_items_in_batch)
@@ -268,9 +268,8 @@ def test_a_trainer_trains_while_the_build_runs_and_resumes_to_the_same_batches(
                                  disable_tqdm=True)  # fmt: skip
         follow = make_follow(out, seq_len=8, overlap=0, batch_size=4, output="dict", then="epochs")
         seen.clear()
-        Recording(model=tiny_gpt2(), args=args, train_dataset=follow).train(
-            resume_from_checkpoint=resume or None
-        )
+        trainer = Recording(model=tiny_gpt2(), args=args, train_dataset=follow)
+        trainer.train(resume_from_checkpoint=resume or None)
         return [batch for batch, _ in seen]
 
     try:
