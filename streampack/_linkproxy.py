@@ -19,7 +19,8 @@ class LinkProxy:
     Args:
         target: ``(host, port)`` to forward to.
         rate: bytes per second shared by every connection's server-to-client bytes (one link); None: no limit.
-        reset_every: reset every n-th connection as it arrives (an RST: "connection reset by peer").
+        reset_every: reset the 1st, (n+1)-th, (2n+1)-th... connection as it arrives (an RST: "connection
+            reset by peer").
     """
 
     def __init__(
@@ -49,11 +50,15 @@ class LinkProxy:
             except OSError:
                 return
             self.connections += 1
-            if self.reset_every and self.connections % self.reset_every == 1:
+            if self.reset_every and (self.connections - 1) % self.reset_every == 0:
                 client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 client.close()
                 continue
-            upstream = socket.create_connection(self.target)
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()  # the target is down: so is the link
+                continue
             threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
             threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
 
@@ -66,6 +71,7 @@ class LinkProxy:
         for s in (source, sink):
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
+        source.close()  # each socket is the source of one pipe: closed once, by it
 
     def _delay(self, size: int) -> float:
         """Seconds to hold ``size`` bytes so that every connection together keeps to ``rate``."""

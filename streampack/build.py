@@ -417,7 +417,7 @@ def _shard_table(units: list[WorkUnit], progress: list[UnitProgress], masked: bo
 
 
 def _check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> None:
-    old_config, new_config = _identity(existing), _identity(new)
+    old_config, new_config = build_identity(existing), build_identity(new)
     differences = [
         f"{key}: the cache has {old_config.get(key)}, this build has {new_config.get(key)}"
         for key in sorted(old_config.keys() | new_config.keys())
@@ -445,7 +445,7 @@ def _check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> No
         )
 
 
-def _identity(manifest: Manifest) -> dict[str, Any]:
+def build_identity(manifest: Manifest) -> dict[str, Any]:
     """What a resumed build must share with the cache, one setting per key (the tokenizer by its hash:
     the same tokenizer may be named by another path). Settings that a cache written before they existed
     lacks read as their defaults, which is what such a build did."""

@@ -34,6 +34,7 @@ and one cache (not a mixture).
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
@@ -47,10 +48,11 @@ import numpy as np
 import numpy.typing as npt
 
 from streampack import ledger, prefetch, reader
+from streampack.build import build_identity
 from streampack.collate import format_for
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
 from streampack.format import MANIFEST, Manifest, load_manifest, shard_name
-from streampack.loader import Loader, Output, _Source, check_int
+from streampack.loader import Loader, LoaderOptions, Output, _Source, check_int
 from streampack.localcopy import cached_store
 from streampack.order import MAX_POSITION, Shuffled, groups, mismatch
 from streampack.permutation import Permutation
@@ -82,6 +84,8 @@ class Eras:
 
     def __post_init__(self) -> None:
         check_int("first_era", self.first, 1, 2**40, "a positive number of samples")
+        object.__setattr__(self, "first", int(self.first))  # numpy integers would not serialize as JSON
+        object.__setattr__(self, "largest", int(self.largest))
         check_int(
             "largest_era", self.largest, self.first, 2**40, f"a number of samples >= first_era={self.first}"
         )
@@ -147,11 +151,12 @@ class FollowOrder:
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"_permutations": {}}
 
-    def finish(self, total: int) -> None:
-        """The build is complete and its cache holds ``total`` windows."""
-        self.total = self.known = total
+    def finish(self, total: int | None) -> None:
+        """The build is complete and its cache holds ``total`` windows (``None``: take that back)."""
+        self.total = total
+        self.known = total if total is not None else self.known
         self._permutations = {}  # the last era's may have been made at its full size
-        self._epochs = Shuffled(max(total, 1), seed=self.seed)
+        self._epochs = Shuffled(max(total or 0, 1), seed=self.seed)
 
     @property
     def end(self) -> int | None:
@@ -182,9 +187,11 @@ class FollowOrder:
         if permutation is None:
             first, stop = self.eras.start(era), self.eras.start(era + 1)
             size = stop - first if self.total is None else min(stop, self.total) - first
-            if len(self._permutations) >= 2:
-                self._permutations.pop(next(iter(self._permutations)))
-            permutation = self._permutations[era] = Permutation(size, seed=self.seed, epoch=era)
+            permutation = Permutation(size, seed=self.seed, epoch=era)
+            # A new dict, not an update: a loader's prefetch thread may be looking up this one.
+            kept = dict(list(self._permutations.items())[-1:])
+            kept[era] = permutation
+            self._permutations = kept
         return permutation
 
     def consumed(self, position: int) -> list[int]:
@@ -232,6 +239,7 @@ class _Ledger:
 
     def read(self) -> tuple[int, bool]:
         """``(tokens of the committed prefix, complete)``."""
+        self.running = None  # until read again: a failed read leaves no entry in another unit's place
         progress = self._progress(len(self.done))
         while progress is not None and progress.done:
             self.done.append(progress)
@@ -247,6 +255,9 @@ class _Ledger:
         first = len(self.done) + 1
         later = [self._progress(i) for i in range(first, min(first + _WATCHED_UNITS, len(self.units)))]
         return tuple(p.tokens for p in later if p is not None)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"done": list(self.done)}  # a copy's reads must not grow this one's list
 
     def progress(self) -> list[ledger.UnitProgress]:
         """Every unit's entry as last read: the finished ones, the first unfinished one, none after it (the
@@ -266,7 +277,7 @@ class Follow(Loader):
     Example::
 
         follow = Follow("cache/", seq_len=2048, overlap=1, batch_size=32, seed=1)
-        for batch in follow:  # (32, 2049) arrays, while the build runs; ends once every window was served
+        for batch in follow:  # (32, 2049) arrays while the build runs, then epochs of the finished cache
             ...
         data = streampack.torch.DataLoader(follow, num_workers=4)  # workers, ranks, resume: as a Loader
 
@@ -288,7 +299,8 @@ class Follow(Loader):
         first_era: windows in era 0 (the first batch waits for them).
         largest_era: the size eras grow to by doubling: the shuffle's reach once they are that large.
         timeout: seconds a batch waits without the build committing anything before
-            :class:`~streampack.errors.BuildStalledError`.
+            :class:`~streampack.errors.BuildStalledError`. A build in object storage shows a unit only
+            once it is done: give more than one unit's build time.
         poll: seconds between two reads of the ledger while waiting.
         output: ``"numpy"``, ``"dict"`` or ``"varlen"``, as for the Loader.
         dtype: integer dtype of the token arrays; ``None`` keeps the cache's.
@@ -329,6 +341,9 @@ class Follow(Loader):
         storage_options: Mapping[str, Any] | None = None,
         prefetch_steps: int | None = None,
     ) -> None:
+        # Options are checked before waiting for the build, not after.
+        LoaderOptions(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last,
+                      output=output, dtype=dtype)  # fmt: skip
         check_int("seq_len", seq_len, 1, 2**40, "a positive integer")
         check_int("overlap", overlap, 0, 2**40, "a non-negative integer")
         if then not in ("end", "epochs"):
@@ -339,15 +354,20 @@ class Follow(Loader):
             )
         eras = Eras(first_era, largest_era)
         self.path, self.then, self.timeout, self.poll = path, then, timeout, poll
-        self.seq_len, self.overlap = seq_len, overlap
-        self._reading: dict[str, Any] = {}
-        if is_remote(path):
-            self._reading = {"local_dir": local_dir, "max_local_bytes": max_local_bytes}
-            self._reading |= {"storage_options": storage_options, "prefetch_steps": prefetch_steps}
+        self.seq_len, self.overlap = int(seq_len), int(overlap)
+        reading: dict[str, Any] = {"local_dir": local_dir, "max_local_bytes": max_local_bytes}
+        reading |= {"storage_options": storage_options, "prefetch_steps": prefetch_steps}
+        self._reading: dict[str, Any] = reading if is_remote(path) else {}
+        given = [name for name, value in reading.items() if value is not None]
+        if given and not self._reading:
+            raise OptionsError(
+                f"{path}: {', '.join(given)} apply to caches in object storage (s3://...), not to a "
+                "local cache"
+            )
         self._store = cached_store(str(path), **self._reading) if self._reading else open_store(path)
         self._manifest = self._manifest_when_written()
         self._ledger = _Ledger(self._store, self._manifest.units)
-        self._ledger.read()
+        tokens, complete = self._ledger.read()
         sequences = self._committed().sequences(seq_len, overlap=overlap)
         self._known = 0  # positions whose samples are known and committed
         self._data_known = 0  # positions the sources opened last can read
@@ -362,10 +382,16 @@ class Follow(Loader):
             dtype=dtype,
             collate=collate,
         )
-        data = {"build": build_digest(self._manifest), "seq_len": seq_len, "overlap": overlap}
+        data = {"build": build_digest(self._manifest), "seq_len": self.seq_len, "overlap": self.overlap}
         self._batch_size = self.options.batch_size
-        self.follow_order = FollowOrder(seed=seed, eras=eras, then=then, data=data)
+        self.follow_order = FollowOrder(seed=self.options.seed, eras=eras, then=then, data=data)
         self.order = self._configured = self.follow_order
+        if complete:  # len() and the end are known at once
+            self._finish(self._windows(tokens))
+
+    def _windows(self, tokens: int) -> int:
+        """Windows that lie within the first ``tokens`` tokens of the stream."""
+        return max(0, (tokens - self.overlap) // self.seq_len)
 
     def _manifest_when_written(self) -> Manifest:
         """The build's manifest, once it has written it."""
@@ -385,8 +411,22 @@ class Follow(Loader):
         return reader.open_committed(self._store, self._manifest, self._ledger.progress())
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle as a Loader; the copy reopens the cache (it has grown since) before its first read."""
-        return super().__getstate__() | {"_data_known": -1}
+        """Pickle (and copy) as a Loader, with an order and ledger of its own; the copy reopens the cache
+        (it has grown since) before its first read."""
+        order = copy.copy(self.follow_order)
+        mine = {
+            "follow_order": order,
+            "order": order,
+            "_configured": order,
+            "_ledger": copy.copy(self._ledger),
+        }
+        return super().__getstate__() | mine | {"_data_known": -1}
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of the finished cache once the build is complete; before, of the eras known committed."""
+        order = self.follow_order
+        return order.total if order.total is not None else order.known
 
     # --- what the build has committed ------------------------------------------------------------------
 
@@ -407,7 +447,12 @@ class Follow(Loader):
         Raises:
             TypeError: the build is still running, or ``then="epochs"`` (endless).
         """
-        if self.then == "end" and self.order.end is None:
+        if self.then == "epochs":
+            raise TypeError(
+                "a Follow with then='epochs' goes on with epochs of the finished cache endlessly: it has no "
+                "len(); use then='end' for one pass over every sample, or count steps yourself (max_steps)"
+            )
+        if self.order.end is None:
             raise TypeError(
                 "a Follow has no len() while the build runs: the number of samples is known once it is "
                 "complete; count steps yourself (max_steps)"
@@ -418,6 +463,23 @@ class Follow(Loader):
         if position + self._batch_size > self._known:  # the one check per call once the eras are known
             self._await(min(position + self._batch_size, MAX_POSITION))
         return Loader._global_rows(self, position)
+
+    def _finish(self, windows: int) -> None:
+        """The build is complete and holds ``windows`` samples: every position is known from now on.
+
+        Raises:
+            OptionsError: the finished cache cannot serve these options (see :meth:`_check_finished` and
+                :meth:`Loader._check_last_batch`); asked again at every batch.
+        """
+        self._check_finished(windows)
+        order = self.follow_order
+        order.finish(windows)
+        try:
+            self._check_last_batch()
+        except OptionsError:
+            order.finish(None)
+            raise
+        self._known = MAX_POSITION
 
     def _check_finished(self, windows: int) -> None:
         """Refuse to go on with epochs of a finished cache that holds no global batch."""
@@ -430,8 +492,10 @@ class Follow(Loader):
             )
 
     def advance(self, batches: int = 1) -> None:
-        """Move the position forward by ``batches`` steps (see :meth:`Loader.advance`), once known."""
-        self._global_rows(self._position)
+        """Move the position forward by ``batches`` steps (see :meth:`Loader.advance`), once known (a run
+        that ends must know where, to stop there)."""
+        check_int("batches", batches, 0, 2**62, "a non-negative integer")
+        self._await(min(self._position + batches * self._batch_size, MAX_POSITION))
         super().advance(batches)
 
     def _ready(self, position: int) -> bool:
@@ -456,12 +520,9 @@ class Follow(Loader):
         later: tuple[int, ...] | None = None
         while True:
             tokens, complete = self._ledger.read()
-            windows = max(0, (tokens - self.overlap) // self.seq_len)
+            windows = self._windows(tokens)
             if complete:
-                self._check_finished(windows)
-                order.finish(windows)
-                self._known = MAX_POSITION
-                self._check_last_batch()
+                self._finish(windows)
                 return
             order.known = self._known = max(self._known, order.eras.covered(windows))
             if stop <= self._known:
@@ -483,13 +544,18 @@ class Follow(Loader):
 
     # --- reading ----------------------------------------------------------------------------------------
 
-    def batch(self, position: int, *, out: np.ndarray | None = None) -> Any:
-        """This rank's batch at ``position``, once its samples are committed (see :meth:`Loader.batch`)."""
+    def picks(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source and sample ids of this rank's rows at ``position``, once committed (see
+        :meth:`Loader.picks`); the view of the cache is reopened first when it does not hold them."""
         if position + self._batch_size > self._data_known:
             self._global_rows(position)  # waits for the build
             if self._data_known < self._known:
                 self._reopen()
-        return super().batch(position, out=out)
+        return super().picks(position)
+
+    def indices(self, position: int) -> np.ndarray:
+        """Sample indices of this rank's rows of the batch at ``position`` (``int64``)."""
+        return self.picks(position)[1]
 
     def _reopen(self) -> None:
         """Read from the cache as committed now: it holds every sample of the positions known."""
@@ -504,14 +570,10 @@ class Follow(Loader):
 
 
 def build_digest(manifest: Manifest) -> str:
-    """What identifies a build's output, the same while it runs and once complete: its tokenizer, settings,
-    inputs and work units."""
+    """What identifies a build's output, the same while it runs, once complete and after a resume: what a
+    resumed build must share with it (:func:`~streampack.build.build_identity`), its inputs and work units."""
     fields = {
-        "tokenizer": manifest.tokenizer,
-        "dtype": manifest.dtype,
-        "eos": manifest.eos,
-        "bos": manifest.bos,
-        "settings": manifest.settings,
+        "identity": build_identity(manifest),
         "inputs": manifest.inputs,
         "units": manifest.units,
         "loss_mask": manifest.loss_mask,

@@ -164,15 +164,16 @@ class Shuffled(OneSource):
         """
         permutation = self._permutations.get(epoch)
         if permutation is None:
-            if len(self._permutations) >= 2:
-                self._permutations.pop(next(iter(self._permutations)))
             feistel = Permutation(self.size, seed=self.seed, epoch=epoch)
             if self.size <= _TABLE_MAX:
                 table = feistel(np.arange(self.size, dtype=np.int64)).astype(np.int32)
                 permutation = functools.partial(_look_up, table)
             else:
                 permutation = feistel
-            self._permutations[epoch] = permutation
+            # A new dict, not an update: a loader's prefetch thread may be looking up this one.
+            kept = dict(list(self._permutations.items())[-1:])
+            kept[epoch] = permutation
+            self._permutations = kept
         return permutation
 
     def fingerprint(self) -> dict[str, Any]:

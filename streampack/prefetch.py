@@ -96,9 +96,7 @@ class Prefetcher:
             loader = self._loader()
             if loader is None:
                 return
-            # A read that needs a file reports its errors; an IndexError is a Follow's view of a growing
-            # cache replaced while this thread used it (the next announcement starts over).
-            with contextlib.suppress(StreampackError, IndexError):
+            with contextlib.suppress(StreampackError):  # the read that needs the file reports it
                 self._fetch(self._files(loader, position, stride or loader.options.batch_size))
             del loader
 
@@ -115,7 +113,12 @@ class Prefetcher:
                 break
             lo, hi = loader._span(at)
             sources, samples = loader.order(np.arange(lo, hi, dtype=np.int64))
-            shards = joined.spans(sources, samples).shards
+            try:
+                shards = joined.spans(sources, samples).shards
+            except IndexError:
+                if loader._joined is joined:
+                    raise
+                return files  # a Follow replaced its view of the growing cache meanwhile: start over
             for shard in dict.fromkeys(shards.tolist()):
                 part, local = joined._owners[shard]
                 if (part, local) in seen:

@@ -178,8 +178,10 @@ def test_then_epochs_goes_on_with_the_loaders_epochs_and_the_end_is_one_epoch(fi
     samples = streampack.open(finished).sequences(SEQ_LEN, overlap=OVERLAP)
     n = len(samples)
     ended = make_follow(finished)
+    assert len(ended) == n // BATCH  # known at once: the build is complete
+    assert np.array_equal(ended.indices(BATCH), ended.follow_order.samples(np.arange(BATCH, 2 * BATCH)))
     rows = np.concatenate(list(ended))
-    assert len(ended) == n // BATCH and len(rows) == n // BATCH * BATCH
+    assert len(rows) == n // BATCH * BATCH
     assert np.array_equal(rows, expected_rows(ended, samples, n // BATCH))
     assert len({row.tobytes() for row in rows}) == len(rows)
 
@@ -198,6 +200,40 @@ def test_then_epochs_goes_on_with_the_loaders_epochs_and_the_end_is_one_epoch(fi
     plain = make_follow(finished, overlap=0)
     as_dict = make_follow(finished, overlap=0, output="dict")
     assert np.array_equal(next(iter(as_dict))["input_ids"], next(iter(plain)))
+
+
+def test_options_are_refused_before_waiting_and_states_serialize(finished: Path, tmp_path: Path) -> None:
+    """Bad options fail at once, not after waiting for a build; numpy integers make a JSON state; a
+    finished cache whose last batch would leave a rank empty is refused at every try, not once."""
+    with pytest.raises(OptionsError, match="does not divide by world_size=3"):
+        make_follow(tmp_path / "no-build-yet", batch_size=10, world_size=3, timeout=600)
+    with pytest.raises(OptionsError, match="storage_options apply to caches in object storage"):
+        make_follow(finished, storage_options={"anon": True})
+    follow = make_follow(finished, seed=np.uint64(5), first_era=np.int64(64), seq_len=np.int32(SEQ_LEN))
+    next(iter(follow))
+    assert json.loads(json.dumps(follow.state_dict()))["order"]["eras"] == [64, 2048]
+    n = len(streampack.open(finished).sequences(SEQ_LEN, overlap=OVERLAP))
+    world = next(w for w in range(2, 64) if n % w)  # batches of one row per rank: a partial last one
+    for _ in range(2):
+        with pytest.raises(OptionsError, match="empty last batch"):
+            make_follow(finished, batch_size=world, world_size=world, drop_last=False)
+
+
+def test_the_build_digest_ignores_what_a_resumed_build_may_change(finished: Path) -> None:
+    """A build resumed with its tokenizer at another path rewrites the manifest's tokenizer spec; states
+    saved while following it must still resume."""
+    import dataclasses
+
+    from streampack.follow import build_digest
+
+    manifest = streampack.open(finished).manifest
+    moved = dataclasses.replace(
+        manifest,
+        tokenizer={**manifest.tokenizer, "spec": "/elsewhere/tokenizer.json"},
+        settings={**manifest.settings, "tokenizer": "/elsewhere/tokenizer.json"},
+    )
+    assert build_digest(moved) == build_digest(manifest)
+    assert build_digest(dataclasses.replace(manifest, units=manifest.units[:-1])) != build_digest(manifest)
 
 
 def test_states_resume_only_the_same_follow(finished: Path) -> None:
