@@ -201,7 +201,12 @@ def _kind(
     if name not in kinds:
         pytest.skip(f"{name}: needs ../shared/data (absent)")
     spec, reference = kinds[name]
-    return load_tokenizer(spec), reference
+    if spec not in _LOADED:  # loaded once per session: a GPT-2 load takes ~1 s, the examples number 120
+        _LOADED[spec] = load_tokenizer(spec)
+    return _LOADED[spec], reference
+
+
+_LOADED: dict[str, StreampackTokenizer] = {}
 
 
 def test_structure_decides_which_kinds_are_exact(
