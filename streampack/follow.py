@@ -386,8 +386,12 @@ class Follow(Loader):
         self._batch_size = self.options.batch_size
         self.follow_order = FollowOrder(seed=self.options.seed, eras=eras, then=then, data=data)
         self.order = self._configured = self.follow_order
+        # What the first read showed is known, and the view opened above holds it: no second open.
         if complete:  # len() and the end are known at once
             self._finish(self._windows(tokens))
+        else:
+            self._known = self.follow_order.known = eras.covered(self._windows(tokens))
+        self._data_known = self._known
 
     def _windows(self, tokens: int) -> int:
         """Windows that lie within the first ``tokens`` tokens of the stream."""
