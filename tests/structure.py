@@ -1,0 +1,200 @@
+"""The package's structure, measured from its source: import graph, cycles, sizes, public names.
+
+Run ``python -m tests.structure`` from the project root for the table; ``tests/test_architecture.py``
+holds the rules it measures. Only ``ast`` is used: nothing of streampack is imported except, for the
+count of top-level names, ``streampack.__all__`` in a fresh process.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "streampack"
+
+#: How an import statement runs: at import time, inside a function, or only for the type checker.
+TOP, LAZY, TYPING = "top", "lazy", "typing"
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``source`` imports ``target`` (dotted module names), ``kind`` one of TOP, LAZY, TYPING."""
+
+    source: str
+    target: str
+    kind: str
+    line: int
+
+
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by the name of its ``__init__``)."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _is_package(name: str, known: dict[str, Path]) -> bool:
+    return known[name].name == "__init__.py"
+
+
+def _resolve(module: str | None, level: int, here: str, known: dict[str, Path]) -> str | None:
+    """The dotted name an ``import``/``from`` names, relative imports resolved against ``here``."""
+    if level == 0:
+        return module
+    base = here.split(".")
+    if not _is_package(here, known):
+        base = base[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, module] if module else base)
+
+
+def _targets(node: ast.Import | ast.ImportFrom, here: str, known: dict[str, Path]) -> Iterator[str]:
+    """The modules of ours one import statement loads (the deepest known module of each name)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = _resolve(node.module, node.level, here, known)
+        if base is None:
+            return
+        # `from pkg import sub` loads pkg.sub when it is a module; `from pkg import name` loads pkg.
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    for name in names:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name and name != here:
+            yield name
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return "TYPE_CHECKING" in ast.unparse(test)
+
+
+def _walk(node: ast.AST, kind: str) -> Iterator[tuple[ast.Import | ast.ImportFrom, str]]:
+    for child in ast.iter_child_nodes(node):
+        child_kind = kind
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            child_kind = TYPING
+        elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and kind == TOP:
+            child_kind = LAZY
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, child_kind
+        yield from _walk(child, child_kind)
+
+
+def edges(known: dict[str, Path] | None = None) -> list[Edge]:
+    """Every import of one of our modules by another, with its kind and line."""
+    known = known or modules()
+    found = []
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        for node, kind in _walk(tree, TOP):
+            found.extend(Edge(name, target, kind, node.lineno) for target in _targets(node, name, known))
+    return found
+
+
+def cycles(all_edges: Iterable[Edge], kinds: set[str]) -> list[list[str]]:
+    """The strongly connected components (more than one module) of the graph of the given kinds."""
+    graph: dict[str, set[str]] = {}
+    for e in all_edges:
+        graph.setdefault(e.source, set())
+        graph.setdefault(e.target, set())
+        if e.kind in kinds:
+            graph[e.source].add(e.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def class_sizes(known: dict[str, Path] | None = None) -> list[tuple[int, str]]:
+    """(lines, module.Class) for every class, largest first."""
+    known = known or modules()
+    sizes = []
+    for name, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                sizes.append((node.end_lineno - node.lineno + 1, f"{name}.{node.name}"))  # type: ignore[operator]
+    return sorted(sizes, reverse=True)
+
+
+def module_sizes(known: dict[str, Path] | None = None) -> list[tuple[int, str]]:
+    """(lines, module) for every module, largest first."""
+    known = known or modules()
+    return sorted(((len(p.read_text().splitlines()), n) for n, p in known.items()), reverse=True)
+
+
+def top_level_names() -> list[str]:
+    """``streampack.__all__``, read in a fresh process (so nothing here is imported)."""
+    code = "import streampack, json; print(json.dumps(sorted(streampack.__all__)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    import json
+
+    return list(json.loads(out.stdout))
+
+
+def main() -> None:
+    """Print the structure table."""
+    known = modules()
+    all_edges = edges(known)
+    top_cycles = cycles(all_edges, {TOP})
+    any_cycles = cycles(all_edges, {TOP, LAZY, TYPING})
+    classes = class_sizes(known)
+    long = [(n, m) for n, m in module_sizes(known) if n > 500]
+    rows = [
+        ("modules", len(known), ""),
+        ("module-level import cycles", len(top_cycles), "goal 0"),
+        ("cycles counting lazy and TYPE_CHECKING imports", len(any_cycles), ""),
+        ("largest class (lines)", classes[0][0], f"{classes[0][1]}; goal <= 250"),
+        ("modules over 500 lines", len(long), "goal <= 3"),
+        ("top-level names", len(top_level_names()), "goal <= 15"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for label, value, note in rows:
+        print(f"{label:<{width}}  {value:>5}  {note}")
+    for title, group in (("module-level cycles", top_cycles), ("all cycles", any_cycles)):
+        for component in group:
+            print(f"{title}: {' <-> '.join(component)}")
+    for n, m in long:
+        print(f"over 500 lines: {m} ({n})")
+    for n, c in classes[:6]:
+        print(f"class: {c} ({n})")
+
+
+if __name__ == "__main__":
+    main()
