@@ -34,7 +34,7 @@ from _procfs import children, rss_anon_mb, time_batches
 
 import streampack
 from streampack.loader import Loader
-from streampack.mixture import Mixture
+from streampack.order.mixture import Mixture
 
 BATCH = 32
 

@@ -11,7 +11,8 @@ a Python list, so on 2 cores 8 threads measured no faster than a serial loop (3.
 the natural corpus) while one thread per core reached 4.6. The limit should be the fastest call.
 
 Counting tokens and freeing the results happen outside the timed region. With ``--build-pieces``, the
-texts are first cut as ``streampack build`` cuts them (:func:`streampack.tokenize.piece_rule`), for a
+texts are first cut as ``streampack build`` cuts them (:func:`streampack.tokenizer.backends.piece_rule`),
+for a
 reference row: the raw call over the same pieces as the build.
 Prints one JSON line: ``{"num_tokens", "encode_s", "docs"}``.
 
@@ -65,15 +66,15 @@ def time_fastokens(texts: list[str], path: str, batch: int, ranks: bool) -> tupl
 
     ``ranks``: ``path`` is a ``.tiktoken`` file, with its ``pat_str`` and ``special_tokens`` in the ``.json``
     beside it, loaded as streampack loads it (GPT-2's pattern as the equivalent ``tokenizer.json``, see
-    :mod:`streampack.tiktoken_json`); else a ``tokenizer.json``.
+    :mod:`streampack.tokenizer.tiktoken_json`); else a ``tokenizer.json``.
     """
     import fastokens
 
     if ranks:
         from tiktoken.load import load_tiktoken_bpe
 
-        from streampack.pieces import GPT2_SPLIT_PATTERNS
-        from streampack.tiktoken_json import byte_level_json
+        from streampack.tokenizer.pieces import GPT2_SPLIT_PATTERNS
+        from streampack.tokenizer.tiktoken_json import byte_level_json
 
         meta = json.loads(Path(path).with_suffix(".json").read_text())
         if meta["pat_str"] in GPT2_SPLIT_PATTERNS:  # its fastest form, ~10x from_tiktoken's: what builds use
@@ -115,8 +116,8 @@ def main() -> None:
     path = args.tokenizer or (TOKENIZERS_GPT2 if tokenizers else TIKTOKEN_GPT2)
     texts = list(iter_texts(args.corpus))
     if args.build_pieces:
-        from streampack.pieces import piece_rule
-        from streampack.tokenize import load_tokenizer
+        from streampack.tokenizer.backends import load_tokenizer
+        from streampack.tokenizer.pieces import piece_rule
 
         tokenizer = load_tokenizer(path if tokenizers else f"tiktoken:{path}")
         rule = piece_rule(tokenizer.cut_safety, tokenizer.fast_piece_chars)

@@ -32,7 +32,7 @@ from typing import Any
 from _report import environment, goal, publish, run_json, warm
 from _report import parser as report_parser
 
-from streampack._synthetic import write_random_cache
+from streampack.testing.caches import write_random_cache
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streampack._synthetic import rewrite_as_version_1, write_cache
+from streampack.testing.caches import rewrite_as_version_1, write_cache
 
 PROBE = """
 import json, re, sys, time

@@ -2,7 +2,8 @@
 
 Each backend's fastest batch call (as in ``_raw_limit.py``: ``tokenizers`` ``encode_batch_fast``,
 tiktoken ``encode_ordinary_batch`` with one thread per core) encodes the corpus's texts, already in
-memory, either as whole documents (the baseline, ratio 1.00) or cut by :class:`streampack.tokenize.PieceRule`
+memory, either as whole documents (the baseline, ratio 1.00) or cut by
+:class:`streampack.tokenizer.backends.PieceRule`
 into pieces of about N characters at word boundaries, which keep the tokens (the run checks that the
 token count is the same). Batches hold 8 M characters whatever the piece size. Every run is its own
 subprocess; the rounds alternate the order of the rows, and the table shows the median of each row and
@@ -35,7 +36,7 @@ WORKER = r"""
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 from _backends import TIKTOKEN_GPT2, TOKENIZERS_GPT2, iter_texts, load_tiktoken
-from streampack.pieces import PieceRule
+from streampack.tokenizer.pieces import PieceRule
 
 backend, corpus = sys.argv[2], sys.argv[3]
 limit_chars, target, batch_chars, max_chars = map(int, sys.argv[4:8])

@@ -7,7 +7,7 @@ an S3-compatible server on 127.0.0.1 (moto's, through s3fs), then the same shuff
 * the local cache (page cache warm): the reference;
 * the remote cache through a warm local copy (every shard already fetched): the goal is >= 0.9 of local;
 * the remote cache through a cold local copy over a link throttled to 100 MB/s (a TCP proxy in front of
-  the server, `streampack._linkproxy`), without prefetching and with it (``prefetch_steps=8``).
+  the server, `streampack.testing.linkproxy`), without prefetching and with it (``prefetch_steps=8``).
 
 Rows alternate between kinds (the machine is shared); each figure is the median of ``--repeats`` runs.
 """
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import streampack
 from benchmarks._report import environment, goal, parser, publish
-from streampack._linkproxy import LinkProxy
-from streampack._synthetic import write_random_cache
+from streampack.testing.caches import write_random_cache
+from streampack.testing.linkproxy import LinkProxy
 
 SEQ_LEN = 2048
 BATCH = 16

@@ -1,4 +1,4 @@
-"""Benchmark the Feistel :class:`~streampack.permutation.Permutation` against a materialised shuffle.
+"""Benchmark the Feistel :class:`~streampack.order.permutation.Permutation` against a materialised shuffle.
 
 Baseline, measured in the same run: ``numpy.random.default_rng(seed).permutation(n)``, the array a
 loader would otherwise build, hold and checkpoint. For each ``n`` the table reports:
@@ -16,7 +16,7 @@ loader would otherwise build, hold and checkpoint. For each ``n`` the table repo
 
 A final row gives the values expected from a uniformly random permutation, for scale.
 
-A second table puts the locality-aware :class:`~streampack.blockshuffle.BlockShuffled` order next to the
+A second table puts the locality-aware :class:`~streampack.order.blockshuffle.BlockShuffled` order next to the
 global shuffle and to no shuffle at all, over one epoch of ``n = 10**6`` samples cut into blocks of 1,000
 (1,000 blocks), with the same quality columns plus:
 
@@ -28,7 +28,7 @@ global shuffle and to no shuffle at all, over one epoch of ``n = 10**6`` samples
 * **local blocks**: the most distinct blocks among any 2 * window * block consecutive positions
   (aligned to that length): what a reader must hold to never miss.
 
-Its last rows are the order of :class:`~streampack.follow.Follow` (training while the build runs): eras
+Its last rows are the order of :class:`~streampack.loader.follow.Follow` (training while the build runs): eras
 of consecutive samples whose sizes double from 1,024 to the largest, each shuffled within itself (for
 them, window x block is the largest era).
 
@@ -56,9 +56,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmark the working tree, whether or not the package is installed
 
-from streampack.blockshuffle import BlockShuffled  # noqa: E402
-from streampack.follow import Eras, FollowOrder  # noqa: E402
-from streampack.permutation import Permutation  # noqa: E402
+from streampack.loader.follow import Eras, FollowOrder  # noqa: E402
+from streampack.order.blockshuffle import BlockShuffled  # noqa: E402
+from streampack.order.permutation import Permutation  # noqa: E402
 
 SIZES = (10**4, 10**6, 10**7)
 STREAM = 10**6

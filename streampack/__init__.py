@@ -10,8 +10,9 @@ packed sequences, or of a :class:`Mixture` of several caches by weight (PyTorch 
 
 from __future__ import annotations
 
-from streampack.blockshuffle import BlockShuffle
-from streampack.build import BuildSummary, build
+from streampack import _aliases
+from streampack.builder.coordinator import BuildSummary, build
+from streampack.builder.options import CacheSpec, RunOptions
 from streampack.errors import (
     BadRecordError,
     BuildLockedError,
@@ -27,18 +28,18 @@ from streampack.errors import (
     WorkerDiedError,
     WriteError,
 )
-from streampack.follow import Follow
+from streampack.inputs.sources import Documents
 from streampack.loader import Loader, LoaderOptions, SourceProgress
-from streampack.mixconfig import load_mixture
-from streampack.mixture import Mixture
-from streampack.options import CacheSpec, RunOptions
-from streampack.permutation import Permutation
-from streampack.provenance import Placement, Provenance, which
+from streampack.loader.follow import Follow
+from streampack.loader.mixconfig import load_mixture
+from streampack.loader.provenance import Placement, Provenance, which
+from streampack.order.blockshuffle import BlockShuffle
+from streampack.order.mixture import Mixture
+from streampack.order.permutation import Permutation
 from streampack.reader import Cache, open
-from streampack.sequences import Boundaries, PackedSequences
-from streampack.sources import Documents
-from streampack.tokenize import load_tokenizer
-from streampack.verify import VerifyReport, verify
+from streampack.reader.verify import VerifyReport, verify
+from streampack.samples.sequences import Boundaries, PackedSequences
+from streampack.tokenizer.backends import load_tokenizer
 
 __all__ = [
     "BadRecordError",
@@ -78,3 +79,5 @@ __all__ = [
     "verify",
     "which",
 ]
+
+_aliases.install()

@@ -63,7 +63,8 @@ class CacheError(StreampackError):
 
 
 class BuildStalledError(CacheError):
-    """A cache followed while its build runs (:class:`streampack.follow.Follow`) got no new data in time."""
+    """A cache followed while its build runs (:class:`streampack.loader.follow.Follow`) got no new data in
+    time."""
 
 
 class ConfigMismatchError(StreampackError):

@@ -51,10 +51,10 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "streampack.torch needs PyTorch, an optional extra: pip install 'streampack[torch]'"
     ) from error
 
-from streampack.collate import Tokens
 from streampack.errors import LoaderStateError
 from streampack.loader import Loader
-from streampack.sequences import PackedSequences
+from streampack.loader.collate import Tokens
+from streampack.samples.sequences import PackedSequences
 
 __all__ = ["DataLoader", "Dataset", "IterableDataset", "rank_and_world_size"]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 import streampack
-from streampack._synthetic import write_cache
+from streampack.testing.caches import write_cache
 
 SEQ_LEN = 8
 NUM_SAMPLES = 150

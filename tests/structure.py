@@ -96,7 +96,7 @@ def edges(known: dict[str, Path] | None = None) -> list[Edge]:
     for name, path in known.items():
         tree = ast.parse(path.read_text(), str(path))
         for node, kind in _walk(tree, TOP):
-            found.extend(Edge(name, target, kind, node.lineno) for target in _targets(node, name, known))
+            found.extend(Edge(name, target, kind, node.lineno) for target in set(_targets(node, name, known)))
     return found
 
 

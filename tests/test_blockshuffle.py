@@ -13,11 +13,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack._synthetic import write_random_cache
-from streampack.blockshuffle import BlockShuffle, BlockShuffled
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
-from streampack.mixture import Mixture
+from streampack.order.blockshuffle import BlockShuffle, BlockShuffled
+from streampack.order.mixture import Mixture
+from streampack.testing.caches import write_random_cache
 from tests.conftest import run_cli
 from tests.test_loader import IndexSource, flat, leaves_a_rank_empty, served
 

@@ -1,4 +1,4 @@
-"""Tests for `streampack.discovery`: each real file once, symlinks and loops, hidden entries, caches,
+"""Tests for `streampack.inputs.discovery`: each real file once, symlinks and loops, hidden entries, caches,
 documents that are not JSON Lines, URL folders, and an output directory mixed with its inputs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import streampack
-from streampack.discovery import Ignored, check_output_outside_inputs, discover_inputs, expand_inputs
+from streampack.inputs.discovery import Ignored, check_output_outside_inputs, discover_inputs, expand_inputs
 from tests.conftest import run_cli, write_jsonl
 
 

@@ -22,10 +22,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import streampack  # noqa: E402
-from streampack._synthetic import write_cache  # noqa: E402
 from streampack.errors import LoaderStateError  # noqa: E402
 from streampack.loader import Loader  # noqa: E402
-from streampack.mixture import Mixture  # noqa: E402
+from streampack.order.mixture import Mixture  # noqa: E402
+from streampack.testing.caches import write_cache  # noqa: E402
 from streampack.torch import DataLoader, IterableDataset  # noqa: E402
 
 # Workers beyond this machine's core count only warn.
@@ -83,7 +83,7 @@ import json, sys
 import torch.distributed as dist
 import streampack
 from streampack.loader import Loader
-from streampack.mixture import Mixture
+from streampack.order.mixture import Mixture
 from streampack.torch import DataLoader, rank_and_world_size
 
 config = json.loads(sys.argv[1])

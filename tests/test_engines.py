@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import streampack
-from streampack.engines import run_ray
+from streampack.builder.executors import run_ray
 from streampack.errors import WorkerDiedError
 from tests.conftest import shard_bytes, write_bytes, write_jsonl
 

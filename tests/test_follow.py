@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack import prefetch
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
-from streampack.follow import Eras, Follow, FollowOrder
+from streampack.loader import prefetch
+from streampack.loader.follow import Eras, Follow, FollowOrder
 from tests.conftest import s3_options, write_jsonl
 from tests.test_resume import build_args, start_build
 
@@ -103,7 +103,10 @@ def test_a_stalled_build_serves_only_committed_eras_then_raises(tmp_path: Path, 
     os.killpg(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=60)
     partial = streampack.open(out, allow_incomplete=True)
-    done = [streampack.ledger.read_progress(out, f"{i:06d}", u) for i, u in enumerate(partial.manifest.units)]
+    done = [
+        streampack.format.ledger.read_progress(out, f"{i:06d}", u)
+        for i, u in enumerate(partial.manifest.units)
+    ]
     assert not all(p.done for p in done), "the build finished before it was killed"
     prefix, unit = 0, 0
     while done[unit].done:
@@ -224,7 +227,7 @@ def test_the_build_digest_ignores_what_a_resumed_build_may_change(finished: Path
     saved while following it must still resume."""
     import dataclasses
 
-    from streampack.follow import build_digest
+    from streampack.loader.follow import build_digest
 
     manifest = streampack.open(finished).manifest
     moved = dataclasses.replace(

@@ -52,7 +52,7 @@ def test_a_document_source_refuses_a_cache_that_changed_since(
 ) -> None:
     import shutil
 
-    from streampack._synthetic import write_cache
+    from streampack.testing.caches import write_cache
 
     root = tmp_path / "c"
     shutil.copytree(cache.root, root)

@@ -19,11 +19,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack._synthetic import write_random_cache
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import STATE_VERSION, Loader, LoaderOptions
-from streampack.mixture import Mixture
-from streampack.permutation import Permutation
+from streampack.order.mixture import Mixture
+from streampack.order.permutation import Permutation
+from streampack.testing.caches import write_random_cache
 from tests.conftest import run_cli
 
 

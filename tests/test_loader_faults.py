@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from streampack._synthetic import write_cache
+from streampack.testing.caches import write_cache
 
 SCRIPT = textwrap.dedent(
     """

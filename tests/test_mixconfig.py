@@ -1,4 +1,4 @@
-"""Tests for mixture configs (`streampack.mixconfig`) and the `streampack mix` command."""
+"""Tests for mixture configs (`streampack.loader.mixconfig`) and the `streampack mix` command."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack._synthetic import write_random_cache
 from streampack.errors import OptionsError
 from streampack.loader import Loader
-from streampack.mixture import Mixture
+from streampack.order.mixture import Mixture
+from streampack.testing.caches import write_random_cache
 from tests.conftest import run_cli
 
 YAML = """\

@@ -1,4 +1,5 @@
-"""Tests for `streampack.mixture`: exact blocks, own epochs per source, staged weights, elastic resume."""
+"""Tests for `streampack.order.mixture`: exact blocks, own epochs per source, staged weights, elastic
+resume."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack.blockshuffle import BlockShuffle
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
-from streampack.mixture import Mixture
+from streampack.order.blockshuffle import BlockShuffle
+from streampack.order.mixture import Mixture
 
 OFFSETS = (0, 10**6, 2 * 10**6, 3 * 10**6, 4 * 10**6)  # sample i of source j is the row [OFFSETS[j] + i]
 
@@ -382,7 +383,7 @@ def test_any_change_of_weights_or_sources_on_resume_repeats_and_skips_nothing(
 
 
 def test_caches_of_several_shards_read_as_one_token_space(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from streampack._synthetic import write_random_cache
+    from streampack.testing.caches import write_random_cache
 
     seqs = {
         name: streampack.open(
@@ -402,7 +403,7 @@ def test_caches_of_several_shards_read_as_one_token_space(tmp_path) -> None:  # 
 
 def test_caches_cut_at_other_seq_lens_of_one_width_read_their_own_windows(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """seq_len 8 + overlap 1 and seq_len 9 + overlap 0 are both 9 wide: each cache keeps its own stride."""
-    from streampack._synthetic import write_random_cache
+    from streampack.testing.caches import write_random_cache
 
     seqs = {
         "a": streampack.open(write_random_cache(tmp_path / "a", 5_000, num_shards=3, seed=1)).sequences(

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import streampack
-from streampack.build import worker_threads
+from streampack.builder.coordinator import worker_threads
+from streampack.builder.options import CacheSpec, RunOptions, split_options
 from streampack.errors import ConfigMismatchError, OptionsError
-from streampack.options import CacheSpec, RunOptions, split_options
 from tests.conftest import write_jsonl
 
 

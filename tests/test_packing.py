@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack import packing
-from streampack._synthetic import write_cache
 from streampack.errors import LoaderStateError, OptionsError
+from streampack.samples import packing
+from streampack.testing.caches import write_cache
 
 PAD = 2**32 - 1  # no token of these caches: their ids are their indices
 

@@ -1,4 +1,4 @@
-"""Tests for `streampack.permutation`: the laws of a seeded, stateless shuffle."""
+"""Tests for `streampack.order.permutation`: the laws of a seeded, stateless shuffle."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import streampack.permutation
-from streampack.permutation import MAX_N, Permutation
+import streampack.order.permutation
+from streampack.order.permutation import MAX_N, Permutation
 
 seeds = st.integers(min_value=0, max_value=2**64 - 1)
 epochs = st.integers(min_value=0, max_value=2**20)
@@ -114,12 +114,12 @@ def test_same_order_in_a_fresh_process() -> None:
     code = (
         "import json, sys\n"
         "import numpy as np\n"
-        "from streampack.permutation import Permutation\n"
+        "from streampack.order.permutation import Permutation\n"
         "cases = json.loads(sys.argv[1])\n"
         "print(json.dumps([Permutation(n, seed=s, epoch=e)(np.arange(min(n, 64))).tolist()"
         " for n, s, e in cases]))\n"
     )
-    repo_root = str(Path(streampack.permutation.__file__).resolve().parents[1])
+    repo_root = str(Path(streampack.order.permutation.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo_root, os.environ.get("PYTHONPATH", "")])}
     env["PYTHONHASHSEED"] = "12345"  # a different hash seed must not matter
     result = subprocess.run(
@@ -232,7 +232,7 @@ def test_is_frozen_and_seed_is_keyword_only() -> None:
 
 
 def test_docstring_examples_run() -> None:
-    failures, _ = doctest.testmod(streampack.permutation, raise_on_error=False)
+    failures, _ = doctest.testmod(streampack.order.permutation, raise_on_error=False)
     assert failures == 0
 
 

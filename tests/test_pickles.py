@@ -80,6 +80,7 @@ def test_there_are_fixtures_of_every_kind() -> None:
     assert set(NAMES) >= {"windows", "packed", "documents", "loader", "mixture", "follow", "grain_documents"}
 
 
+@pytest.mark.filterwarnings("ignore:streampack.*moved to:DeprecationWarning")
 @pytest.mark.parametrize("name", NAMES)
 def test_a_pickle_of_version_0_1_loads_and_serves_the_same_data(
     name: str, relocated: tuple[dict[str, bytes], dict[str, object]]

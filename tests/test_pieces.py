@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 import streampack
-from streampack.pieces import (
+from streampack.tokenizer.backends import Tokenizer as StreampackTokenizer
+from streampack.tokenizer.backends import load_tokenizer
+from streampack.tokenizer.pieces import (
     EXACT_CUT_PIECE_CHARS,
     INEXACT_CUT_PIECE_CHARS,
     PROVEN_SPLIT_PATTERNS,
@@ -24,8 +26,6 @@ from streampack.pieces import (
     hf_cut_safety,
     piece_rule,
 )
-from streampack.tokenize import Tokenizer as StreampackTokenizer
-from streampack.tokenize import load_tokenizer
 from tests.conftest import TIKTOKEN_GPT2, TRAINING_TEXT
 
 words = st.text(st.characters(exclude_categories=["Cs", "Zs", "Cc"]), min_size=1, max_size=12)
@@ -185,7 +185,7 @@ def kinds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Call
         found[kind] = (str(path), lambda t, r=reference: r.encode(t, add_special_tokens=False).ids)
     if TIKTOKEN_GPT2.exists():
         tiktoken = pytest.importorskip("tiktoken")
-        from streampack.tokenize import _read_ranks
+        from streampack.tokenizer.backends import _read_ranks
 
         meta = json.loads(TIKTOKEN_GPT2.with_suffix(".json").read_text())
         encoding = tiktoken.Encoding(

@@ -13,14 +13,15 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack import ledger, pipeline
+from streampack.builder import pipeline
+from streampack.builder.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, run_units
+from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError
-from streampack.ledger import Counts, UnitProgress
-from streampack.pieces import EXACT_CUT_PIECE_CHARS, PieceRule
-from streampack.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, run_units
-from streampack.sources import ReadOptions, WorkUnit, expand_inputs, plan_units
-from streampack.tokenize import BytesTokenizer, EosPolicy
-from streampack.writer import ShardWriter
+from streampack.format import ledger
+from streampack.format.ledger import Counts, UnitProgress
+from streampack.inputs.sources import ReadOptions, WorkUnit, expand_inputs, plan_units
+from streampack.tokenizer.backends import BytesTokenizer, EosPolicy
+from streampack.tokenizer.pieces import EXACT_CUT_PIECE_CHARS, PieceRule
 from tests.conftest import write_jsonl
 
 SPEC = "slow-test-tokenizer"

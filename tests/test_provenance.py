@@ -22,7 +22,7 @@ import pytest
 
 import streampack
 from streampack import InputError, Loader, Mixture, Provenance
-from streampack.provenance import position_of
+from streampack.loader.provenance import position_of
 from tests.conftest import run_cli, write_bytes, write_jsonl
 
 MakeLoader = Callable[..., Loader]

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import streampack
-from streampack._linkproxy import LinkProxy
+from streampack.testing.linkproxy import LinkProxy
 from tests.conftest import CREDENTIALS, s3_options, shard_bytes, write_jsonl
 
 pytest.importorskip("s3fs", reason="builds to S3 need s3fs (the dev extra has it)")
@@ -115,7 +115,7 @@ def test_a_build_killed_mid_upload_resumes_against_the_remote_ledger(
     proc.communicate(timeout=60)
 
     objects = remote_bytes(fs, f"{name}/c")
-    manifest = streampack.format.load_manifest(streampack.remote.RemoteStore(url, options(s3_endpoint)))
+    manifest = streampack.format.load_manifest(streampack.store.remote.RemoteStore(url, options(s3_endpoint)))
     assert not manifest.complete and manifest.shards == []
     for key in (k for k in objects if k.startswith("ledger/")):
         stem = key.split("/")[1].removesuffix(".json")

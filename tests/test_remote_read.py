@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack import prefetch
-from streampack.localcopy import BLOCK, CachedStore
+from streampack.loader import prefetch
+from streampack.store.localcopy import BLOCK, CachedStore
 from tests.conftest import CREDENTIALS, s3_options, write_jsonl
 
 pytest.importorskip("s3fs", reason="reading from S3 needs s3fs (the dev extra has it)")

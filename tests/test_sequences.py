@@ -1,4 +1,5 @@
-"""Tests for `streampack.sequences`: packed windows of the token stream and their document boundaries."""
+"""Tests for `streampack.samples.sequences`: packed windows of the token stream and their document
+boundaries."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack._synthetic import write_cache
 from streampack.errors import CacheError
-from streampack.layout import Spans, boundaries, read_spans
-from streampack.sequences import PackedSequences
+from streampack.samples.layout import Spans, boundaries, read_spans
+from streampack.samples.sequences import PackedSequences
+from streampack.testing.caches import write_cache
 from tests.conftest import run_cli
 
 
@@ -354,7 +355,7 @@ def test_many_shards_stay_within_a_low_file_descriptor_limit(tmp_path: Path) -> 
     import subprocess
     import sys
 
-    from streampack._synthetic import write_cache
+    from streampack.testing.caches import write_cache
 
     shards = [(np.full(10, i % 250, dtype=np.uint16), np.array([5, 10])) for i in range(600)]
     root = write_cache(tmp_path / "c", shards, vocab_size=257, eos_id=256)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack._synthetic import write_cache
 from streampack.errors import CacheError
 from streampack.grain import DocumentSource
 from streampack.store import CacheRef, LocalStore, encode_json, open_store
+from streampack.testing.caches import write_cache
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import streampack
 from streampack.errors import TokenizerError
 from streampack.format import load_manifest
-from streampack.tokenize import FastokensEngine, load_tokenizer
+from streampack.tokenizer.backends import FastokensEngine, load_tokenizer
 from tests.conftest import SAMPLE_CORPUS, shard_bytes, write_jsonl
 
 pytest.importorskip("fastokens", reason="the fast extra is not installed")
@@ -86,7 +86,7 @@ class _OneWrongId(FastokensEngine):
 
 @pytest.fixture
 def wrong_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("streampack.tokenize.FastokensEngine", _OneWrongId)
+    monkeypatch.setattr("streampack.tokenizer.backends.FastokensEngine", _OneWrongId)
 
 
 def test_the_verification_sample_stops_an_engine_that_gets_one_id_wrong(
@@ -100,7 +100,7 @@ def test_the_verification_sample_stops_an_engine_that_gets_one_id_wrong(
         streampack.build(data, tmp_path / "sampled", tokenizer=str(gpt2_tokenizer), workers=1)
     texts[4], texts[1200] = texts[0], "a zebra past the first twenty, not in the 0.1 % sample"
     write_jsonl(data, [{"text": t} for t in texts])
-    from streampack.pipeline import verified
+    from streampack.builder.pipeline import verified
 
     assert not verified(0, 1200, "sample")
     streampack.build(data, tmp_path / "unchecked", tokenizer=str(gpt2_tokenizer), workers=1)  # not seen
@@ -116,7 +116,7 @@ def test_gpt2_ranks_become_the_tokenizer_json_that_gives_tiktokens_ids(tiktoken_
     import tiktoken
     import tiktoken.load
 
-    from streampack.tiktoken_json import byte_level_json, merges_of
+    from streampack.tokenizer.tiktoken_json import byte_level_json, merges_of
 
     # Every split into two tokens is a merge, ranked by the join's rank, then by the halves' ranks.
     toy = {b"a": 0, b"b": 1, b"c": 2, b"ab": 3, b"bc": 4, b"abc": 5}

@@ -17,9 +17,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import streampack  # noqa: E402
-from streampack._synthetic import write_cache  # noqa: E402
 from streampack.errors import LoaderStateError, OptionsError  # noqa: E402
 from streampack.loader import Loader  # noqa: E402
+from streampack.testing.caches import write_cache  # noqa: E402
 from streampack.torch import DataLoader, Dataset, IterableDataset, _SlotRing  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 

@@ -1,0 +1,204 @@
+"""The settings of a build: what identifies a cache (:class:`CacheSpec`) apart from how a run goes
+(:class:`RunOptions`).
+
+Every field of :class:`CacheSpec` can change the cache's bytes: the whole spec is recorded in the manifest
+and a resumed build must match it. :class:`RunOptions` never change the bytes (a cache is byte-identical
+for any number of workers, threads or engine) and are never recorded. The CLI takes its defaults from
+these classes, so each default is written once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from streampack.errors import OptionsError
+
+OnBadRecord = Literal["error", "skip"]
+Engine = Literal["local", "ray"]
+SpecialTokens = Literal["text", "parse"]
+TokenizerEngine = Literal["auto", "tokenizers", "tiktoken", "fastokens"]
+VerifyTokens = Literal["sample", "all", "none"]
+DEFAULT_UNIT_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The settings that identify a cache: all recorded in the manifest and compared on resume.
+
+    Attributes:
+        tokenizer: tokenizer SPEC: ``bytes``, a ``tokenizer.json`` path or folder, or ``tiktoken:PATH``.
+        special_tokens: ``text`` (default): special-token strings in documents are encoded as the text they
+            are; ``parse``: as the special tokens' ids.
+        eos: append an EOS id after every document.
+        eos_id: the EOS id to append (default: the tokenizer's own EOS token).
+        bos: put the tokenizer's BOS id before every document (see
+            :func:`streampack.tokenizer.backends.resolve_bos`).
+        bos_id: put this BOS id before every document (sets ``bos``).
+        text_field: JSON key or Parquet column holding the text.
+        split_lines: one document per line of ``.txt`` inputs (default: one per file).
+        unit_bytes: size of the work units large uncompressed JSONL and Parquet files are split into.
+        max_piece_chars: longer documents are tokenized in pieces of at most this many characters
+            (default: see :func:`streampack.tokenizer.pieces.piece_rule`).
+        fields: an SFT build: each record's fields, in this order, tokenized each on its own; all but the
+            last are the prompt, the last (and the EOS) the target (see :mod:`streampack.inputs.sft`).
+        chat: an SFT build: the record field holding a list of ``{role, content}`` messages, rendered with
+            the chat template beside the tokenizer; the assistant turns (and the EOS) are the target.
+    """
+
+    tokenizer: str = "bytes"
+    special_tokens: SpecialTokens = "text"
+    eos: bool = True
+    eos_id: int | None = None
+    bos: bool = False
+    bos_id: int | None = None
+    text_field: str = "text"
+    split_lines: bool = False
+    unit_bytes: int = DEFAULT_UNIT_BYTES
+    max_piece_chars: int | None = None
+    fields: tuple[str, ...] | None = None
+    chat: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("special_tokens", self.special_tokens, ("text", "parse"))
+        if not isinstance(self.tokenizer, str) or not self.tokenizer:
+            raise OptionsError(f"tokenizer must be a non-empty SPEC string (got {self.tokenizer!r})")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise OptionsError(f"text_field must be a non-empty string (got {self.text_field!r})")
+        if not self.eos and self.eos_id is not None:
+            raise OptionsError(f"eos_id={self.eos_id} contradicts eos=False: give one or the other")
+        if self.eos_id is not None and not 0 <= self.eos_id < 1 << 32:
+            raise OptionsError(f"eos_id must be in [0, 2**32) (got {self.eos_id})")
+        if self.bos_id is not None and (
+            not isinstance(self.bos_id, int)
+            or isinstance(self.bos_id, bool)
+            or not 0 <= self.bos_id < 1 << 32
+        ):
+            raise OptionsError(f"bos_id must be an integer in [0, 2**32) (got {self.bos_id!r})")
+        if self.bos_id is not None:
+            object.__setattr__(self, "bos", True)  # one way to record a BOS id, whichever way it was given
+        if self.unit_bytes < 1 << 16:
+            raise OptionsError(f"unit_bytes must be at least 65536 (got {self.unit_bytes})")
+        _check_positive(self, "max_piece_chars")
+        self._check_sft()
+
+    def _check_sft(self) -> None:
+        if self.fields is not None:
+            names = list(self.fields) if isinstance(self.fields, (list, tuple)) else []
+            if not names or not all(isinstance(n, str) and n for n in names) or len(set(names)) < len(names):
+                raise OptionsError(
+                    "fields must be a list of distinct, non-empty field names such as ['prompt', "
+                    f"'response'] (got {self.fields!r})"
+                )
+            object.__setattr__(self, "fields", tuple(names))  # a list given, a tuple kept (hashable)
+        if self.chat is not None and (not isinstance(self.chat, str) or not self.chat):
+            raise OptionsError(f"chat must be the name of the field holding the messages (got {self.chat!r})")
+        if self.fields is not None and self.chat is not None:
+            raise OptionsError(f"fields={list(self.fields)} and chat={self.chat!r}: give one or the other")
+
+    @property
+    def sft(self) -> bool:
+        """An SFT build (fields or chat): its shards carry a loss mask."""
+        return self.fields is not None or self.chat is not None
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's ``settings``."""
+        settings = dataclasses.asdict(self)
+        settings["fields"] = None if self.fields is None else list(self.fields)
+        return settings
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How a build runs; never changes the cache's bytes, never recorded.
+
+    Attributes:
+        workers: worker processes (default: see :func:`streampack.builder.coordinator.default_workers`).
+        threads: tokenizer threads per worker (default: the cores divided among the workers).
+        engine: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
+        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine known to give exactly
+            the tokenizer's own ids: ``fastokens`` where installed, for the byte-level BPE tokenizers it
+            reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``. Every engine gives the same bytes.
+        verify_tokens: with an engine other than the tokenizer's reference engine, re-encode with the
+            reference and stop at the first difference: ``sample`` (the build's first 20 records and a
+            hash-chosen 0.1 % of the rest), ``all``, or ``none``.
+        ray_address: the Ray cluster to connect to (default: a running one, else a new local instance).
+        on_bad_record: ``error`` stops at the first bad record; ``skip`` skips and counts them.
+        overwrite: delete an existing cache in the output directory and start over.
+        progress: show a progress bar on stderr.
+        batch_chars: characters of text tokenized per batch call.
+        commit_bytes: commit after this many bytes of tokens...
+        commit_seconds: ...or after this many seconds, whichever comes first.
+        stage: a build to object storage: the local directory where shards are built before they are
+            uploaded (default: one per URL under the system temp directory).
+        storage_options: a build to object storage: options of its fsspec filesystem (credentials
+            and endpoints otherwise come from the environment, as for any client of the store).
+        profile: measure the CPU time of each stage of the pipeline too (``BuildSummary.stages``), at a
+            small cost per record.
+    """
+
+    workers: int | None = None
+    threads: int | None = None
+    engine: Engine = "local"
+    tokenizer_engine: TokenizerEngine = "auto"
+    verify_tokens: VerifyTokens = "sample"
+    ray_address: str | None = None
+    on_bad_record: OnBadRecord = "error"
+    overwrite: bool = False
+    progress: bool = False
+    batch_chars: int = 1 << 20
+    commit_bytes: int = 64 << 20
+    commit_seconds: float = 10.0
+    stage: str | None = None
+    storage_options: Mapping[str, Any] | None = None
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("engine", self.engine, ("local", "ray"))
+        engines = ("auto", "tokenizers", "tiktoken", "fastokens")
+        _check_choice("tokenizer_engine", self.tokenizer_engine, engines)
+        _check_choice("verify_tokens", self.verify_tokens, ("sample", "all", "none"))
+        _check_choice("on_bad_record", self.on_bad_record, ("error", "skip"))
+        for name in ("workers", "threads", "batch_chars", "commit_bytes"):
+            _check_positive(self, name)
+        if self.commit_seconds < 0:
+            raise OptionsError(f"commit_seconds must be >= 0 (got {self.commit_seconds})")
+
+
+def split_options(
+    spec: CacheSpec | None, run: RunOptions | None, options: dict[str, Any]
+) -> tuple[CacheSpec, RunOptions]:
+    """``spec`` and ``run`` (defaults when None) with the named fields of either replaced by ``options``.
+
+    Raises:
+        OptionsError: a name is a field of neither, or a value is not allowed.
+    """
+    spec_names = {f.name for f in fields(CacheSpec)}
+    run_names = {f.name for f in fields(RunOptions)}
+    unknown = sorted(set(options) - spec_names - run_names)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], sorted(spec_names | run_names), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise OptionsError(f"unknown build option {unknown[0]!r}{hint} (see CacheSpec and RunOptions)")
+    spec = dataclasses.replace(spec or CacheSpec(), **{k: v for k, v in options.items() if k in spec_names})
+    run = dataclasses.replace(run or RunOptions(), **{k: v for k, v in options.items() if k in run_names})
+    return spec, run
+
+
+def default(cls: type[CacheSpec] | type[RunOptions], name: str) -> Any:
+    """The default of field ``name`` of ``cls`` (for the CLI, so that each default is written once)."""
+    return next(f.default for f in fields(cls) if f.name == name)
+
+
+def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise OptionsError(f"{name} must be one of {', '.join(map(repr, allowed))} (got {value!r})")
+
+
+def _check_positive(options: object, name: str) -> None:
+    value = getattr(options, name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise OptionsError(f"{name} must be a positive integer (got {value!r})")

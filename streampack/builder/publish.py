@@ -1,0 +1,206 @@
+"""Publishing a build to object storage: shards staged locally, then uploaded unit by unit, manifest last.
+
+A build to ``s3://bucket/prefix`` runs exactly as a local one, in a local *staging* directory (the local
+commit protocol: shards appended in place, fsynced, ledger entries published after them). Object storage
+then receives, in this order:
+
+1. the incomplete manifest (no shard table: it names no shard), so that a resumed build can check that it
+   builds the same cache;
+2. for each unit, once its shard is finished and its files' checksums match its ledger entry, the shard's
+   files, then its ledger entry (so an entry that is up always names shard files that are up and final);
+3. the complete manifest, once every unit is up.
+
+A reader of the remote cache therefore never sees a manifest naming a shard that is not entirely there.
+A killed build resumes against the *remote* ledger: every unit whose entry is up is adopted as done (its
+entry copied into the stage, its shard not rebuilt), so the staging directory may be gone; units that the
+stage holds finished but that are not up yet are uploaded first; the rest are built (resumed from the
+stage's own ledger where it has one). Units are deterministic, so the result is byte-identical to a local
+build. The remote store is the authority: a stage that belongs to another build, or whose remote cache is
+gone, is emptied.
+
+Object stores cannot lock: the build holds the lock of its staging directory, which keeps apart the
+builds of one machine, not those of several machines writing to the same URL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from streampack.errors import CacheError, StreampackError
+from streampack.format import (
+    LAYOUT_DIR,
+    LEDGER_DIR,
+    MANIFEST,
+    SHARD_DIR,
+    Manifest,
+    checksum_text,
+    ledger,
+    ledger_key,
+    load_manifest,
+    mask_key,
+    offsets_key,
+    tokens_key,
+)
+from streampack.format.ledger import UnitProgress
+from streampack.store import LocalStore
+from streampack.store.remote import RemoteStore
+
+SameBuild = Callable[[str, Manifest, Manifest], None]  # raises ConfigMismatchError when they differ
+
+_CACHE_ENTRIES = {MANIFEST, LEDGER_DIR, SHARD_DIR, LAYOUT_DIR}
+
+
+def default_stage(url: str) -> Path:
+    """The staging directory of a build to ``url`` when none is given: one per URL, in the temp dir."""
+    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "streampack-stage" / digest
+
+
+class Publisher:
+    """Publishes a build staged in ``stage`` to ``remote`` (see the module docstring for the order).
+
+    Args:
+        remote: the cache's store in object storage.
+        stage: the local staging directory's store (the build holds its lock).
+        units: the description of every work unit, by shard name, in order.
+    """
+
+    def __init__(self, remote: RemoteStore, stage: LocalStore, units: dict[str, str]) -> None:
+        self.remote = remote
+        self.stage = stage
+        self.units = units
+        self.up: set[str] = set()  # the units whose shard and ledger entry are up
+
+    def begin(self, manifest: Manifest, *, overwrite: bool, same_build: SameBuild) -> Manifest | None:
+        """Reconcile the stage with the remote cache before the build runs.
+
+        Returns:
+            The remote cache's manifest when it is already complete (nothing to do), else None.
+
+        Raises:
+            ConfigMismatchError: the remote cache was built with other settings or inputs.
+            CacheError: the remote prefix holds build progress but no manifest, or non-cache objects
+                that ``overwrite`` would delete.
+        """
+        if overwrite:
+            self._delete_remote()
+        existing = load_manifest(self.remote) if self.remote.exists(MANIFEST) else None
+        if existing is None:
+            if any(name.endswith(".json") for name in self.remote.list(LEDGER_DIR)):
+                raise CacheError(
+                    f"{self.remote.describe(LEDGER_DIR)} holds build progress but there is no manifest (an "
+                    "overwrite was interrupted?); rerun with overwrite=True"
+                )
+        else:
+            same_build(self.remote.url, existing, manifest)
+            if existing.complete:
+                return existing
+        if overwrite or existing is None or not self._stage_matches(manifest, same_build):
+            _empty(self.stage)
+        self.stage.makedirs(LEDGER_DIR)
+        self.stage.makedirs(SHARD_DIR)
+        manifest.write(self.remote)
+        self._adopt_remote_ledger()
+        for name in sorted(set(self.units) - self.up):
+            self._upload_staged(name)
+        return None
+
+    def unit_done(self, name: str) -> None:
+        """Upload a unit that just finished: its shard's files, checked against its ledger entry, then
+        the entry."""
+        self._upload(name, self._staged_progress(name))
+
+    def finish(self) -> None:
+        """Publish the stage's complete manifest, once every unit is up.
+
+        Raises:
+            CacheError: a unit is not up (a bug: every finished unit is uploaded as it finishes).
+        """
+        missing = sorted(set(self.units) - self.up)
+        if missing:
+            raise CacheError(
+                f"{self.remote.url}: units {missing[:3]} are not uploaded; rerun the same command to resume"
+            )
+        self.remote.put_atomic(MANIFEST, self.stage.read(MANIFEST))
+
+    # ---------------------------------------------------------------------------------------- internals
+
+    def _stage_matches(self, manifest: Manifest, same_build: SameBuild) -> bool:
+        if not self.stage.exists(MANIFEST):
+            return False
+        try:
+            same_build(str(self.stage.root), load_manifest(self.stage), manifest)
+        except StreampackError:
+            return False
+        return True
+
+    def _adopt_remote_ledger(self) -> None:
+        """Mark up every unit whose ledger entry is up (it is published only once the unit is done), and
+        copy the entry into the stage so that the build does not run the unit again."""
+        entries = set(self.remote.list(LEDGER_DIR))
+        for name, unit in self.units.items():
+            if f"{name}.json" not in entries:
+                continue
+            progress = ledger.read_progress(self.remote, name, unit)
+            if progress.done:
+                ledger.commit(self.stage, name, progress)
+                self.up.add(name)
+
+    def _upload_staged(self, name: str) -> None:
+        """Upload a unit the stage holds finished (a killed build's); a damaged or half-deleted stage's
+        unit is forgotten instead, to be built again."""
+        progress = self._staged_progress(name)
+        if not progress.done:
+            return
+        try:
+            self._upload(name, progress)
+        except (FileNotFoundError, _StagedDamage):
+            for key in (ledger_key(name), tokens_key(name), offsets_key(name), mask_key(name)):
+                self.stage.delete(key)
+
+    def _staged_progress(self, name: str) -> UnitProgress:
+        return ledger.read_progress(self.stage, name, self.units[name])
+
+    def _upload(self, name: str, progress: UnitProgress) -> None:
+        files = [(tokens_key(name), progress.tokens_checksum), (offsets_key(name), progress.offsets_checksum)]
+        if progress.mask_checksum:
+            files.append((mask_key(name), progress.mask_checksum))
+        for key, expected in files:
+            actual = checksum_text(self.stage.crc32(key))
+            if actual != expected:
+                raise _StagedDamage(
+                    f"{self.stage.describe(key)}: the staged file's checksum is {actual}, its ledger entry "
+                    f"says {expected}: it was damaged after it was written; delete the staging directory "
+                    f"{self.stage.root} and rerun the same command"
+                )
+        for key, _ in files:
+            self.remote.put_file(key, str(self.stage.path(key)))
+        self.remote.put_atomic(ledger_key(name), self.stage.read(ledger_key(name)))
+        self.up.add(name)
+
+    def _delete_remote(self) -> None:
+        """Delete the remote cache, refusing a prefix that holds anything else; the manifest goes first,
+        so that no reader sees a manifest naming deleted shards."""
+        strangers = [name for name in self.remote.list("") if name not in _CACHE_ENTRIES]
+        if strangers:
+            raise CacheError(
+                f"refusing to overwrite {self.remote.url}: it holds objects that are not part of a "
+                f"streampack cache ({', '.join(strangers[:3])}); choose an empty or new prefix"
+            )
+        if self.remote.exists(MANIFEST):
+            load_manifest(self.remote)  # raises unless it is a streampack manifest
+        for key in (MANIFEST, LEDGER_DIR, SHARD_DIR, LAYOUT_DIR):
+            self.remote.delete(key)
+
+
+class _StagedDamage(CacheError):
+    """A staged shard file differs from its ledger entry's checksum."""
+
+
+def _empty(stage: LocalStore) -> None:
+    """Delete what a staging directory holds of a cache (its lock stays: the build holds it)."""
+    for key in (MANIFEST, LEDGER_DIR, SHARD_DIR, LAYOUT_DIR):
+        stage.delete(key)

@@ -1,0 +1,131 @@
+"""Appending documents to a shard, and committing them durably.
+
+A shard is two files: the token ids, flat, and the uint64 cumulative end offset of every document; an SFT
+build's shards have a third, the loss mask, one byte per token. :class:`ShardWriter` opens them at the
+committed lengths of the ledger (truncating any uncommitted tail a crash left behind), appends documents,
+and on :meth:`ShardWriter.commit` fsyncs every file *before* the ledger entry that covers them is replaced.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import TracebackType
+
+import numpy as np
+
+from streampack.format import (
+    OFFSET_DTYPE,
+    SHARD_DIR,
+    checksum_text,
+    ledger,
+    mask_key,
+    offsets_key,
+    tokens_key,
+)
+from streampack.format.ledger import Counts, UnitProgress
+from streampack.store import LocalStore, StagedFile, disk_error
+
+__all__ = ["ShardWriter", "disk_error"]
+
+
+class ShardWriter:
+    """Append-only writer of one shard, resuming from a unit's committed progress.
+
+    Use as a context manager; nothing is committed implicitly on exit. The shard's files are staged in
+    place in the local store (:class:`~streampack.store.StagedFile`).
+
+    Args:
+        root: the cache directory.
+        name: the shard's name.
+        dtype: the token dtype.
+        progress: what the unit has committed so far.
+        masked: also write the loss mask (one byte per token), for SFT builds.
+    """
+
+    def __init__(
+        self, root: Path, name: str, dtype: np.dtype, progress: UnitProgress, *, masked: bool = False
+    ) -> None:
+        self.root = root
+        self.name = name
+        self.dtype = np.dtype(dtype)
+        self.progress = progress
+        self._store = LocalStore(root)
+        self._tokens = self._store.stage(tokens_key(name), progress.tokens * self.dtype.itemsize)
+        self._tokens.lock()
+        self._created = self._tokens.created
+        self._offsets = self._store.stage(offsets_key(name), progress.docs * OFFSET_DTYPE.itemsize)
+        self._mask = self._store.stage(mask_key(name), progress.tokens) if masked else None
+        self.num_tokens = progress.tokens
+        self.num_docs = progress.docs
+        self._doc_aligned_tokens = progress.tokens
+
+    def append(self, tokens: np.ndarray, ends: np.ndarray, mask: np.ndarray | None = None) -> None:
+        """Append tokens, and document ends given relative to the start of ``tokens``.
+
+        Args:
+            tokens: token ids, already of the shard's dtype.
+            ends: cumulative end offsets of the documents completed within ``tokens`` (may be empty when a
+                long document continues past this call).
+            mask: the tokens' loss mask (uint8, one per token): required when the writer is masked.
+        """
+        if self._mask is not None:
+            assert mask is not None and len(mask) == len(tokens), "a masked shard takes a byte per token"
+            self._mask.write(mask.astype(np.uint8, copy=False).tobytes())
+        self._tokens.write(tokens.astype(self.dtype, copy=False).tobytes())
+        if len(ends):
+            self._offsets.write((ends + self.num_tokens).astype(OFFSET_DTYPE).tobytes())
+            self._doc_aligned_tokens = self.num_tokens + int(ends[-1])
+        self.num_tokens += len(tokens)
+        self.num_docs += len(ends)
+
+    def commit(self, counts: Counts, *, done: bool = False) -> UnitProgress:
+        """Make everything appended durable, then record it in the ledger.
+
+        The ledger records the tokens up to the end of the last complete document: the tokens of a document
+        still being appended (a long one, split into pieces) are cut off on resume and written again, with
+        the records they belong to (``counts`` covers complete documents only). With ``done``, also record
+        the final checksums.
+        """
+        for staged in self._files():
+            staged.sync()
+        if self._created:  # the new files' directory entries must be durable before a ledger names them
+            self._store.sync_dir(SHARD_DIR)
+            self._created = False
+        checksums = ("", "", "")
+        if done:
+            mask = "" if self._mask is None else self._checksum(mask_key(self.name))
+            checksums = (self._checksum(tokens_key(self.name)), self._checksum(offsets_key(self.name)), mask)
+        self.progress = UnitProgress(
+            unit=self.progress.unit,
+            records=counts.records,
+            docs=self.num_docs,
+            tokens=self._doc_aligned_tokens,
+            skipped=counts.skipped,
+            done=done,
+            tokens_checksum=checksums[0],
+            offsets_checksum=checksums[1],
+            empty_docs=counts.empty_docs,
+            inexact_cuts=counts.inexact_cuts,
+            mask_checksum=checksums[2],
+        )
+        ledger.commit(self._store, self.name, self.progress)
+        return self.progress
+
+    def close(self) -> None:
+        """Close the files (without committing)."""
+        for staged in self._files():
+            staged.close()
+
+    def _files(self) -> list[StagedFile]:
+        return [self._tokens, self._offsets] + ([] if self._mask is None else [self._mask])
+
+    def _checksum(self, key: str) -> str:
+        return checksum_text(self._store.crc32(key))
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

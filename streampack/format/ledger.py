@@ -1,0 +1,120 @@
+"""Build progress, one small JSON file per work unit.
+
+The ledger is the commit record of a build: a unit's entry says how many input records it has consumed
+and how many documents and tokens of its shard are durable. The writer fsyncs shard data *before* the
+entry that covers it is atomically replaced, so after a crash the entry never claims more than the disk
+holds; the resumed unit truncates its shard to the entry's lengths and skips the records it names.
+
+One file per unit (rather than one shared file) lets worker processes commit without talking to each
+other or to the coordinator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from streampack.errors import CacheError
+from streampack.format import ledger_key
+from streampack.store import LocalStore, Store, put_json
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What a unit's input records held, counted up to a commit.
+
+    Attributes:
+        records: input records consumed (documents written plus records skipped, empty or blank).
+        skipped: bad records skipped (with ``on_bad_record="skip"``).
+        empty_docs: documents left out because their text is empty or only whitespace.
+        inexact_cuts: memory cuts in long documents, which may change the tokens next to them.
+    """
+
+    records: int = 0
+    skipped: int = 0
+    empty_docs: int = 0
+    inexact_cuts: int = 0
+
+
+@dataclass(frozen=True)
+class UnitProgress:
+    """What one work unit has durably committed.
+
+    Attributes:
+        unit: the unit's description (input and range), to detect a ledger from a different plan.
+        records: input records consumed (documents written plus records skipped or blank).
+        docs: documents in the shard.
+        tokens: tokens in the shard.
+        skipped: bad records skipped (with ``on_bad_record="skip"``).
+        empty_docs: documents left out as empty or whitespace only.
+        inexact_cuts: memory cuts in long documents (see :mod:`streampack.tokenizer.pieces`).
+        done: the unit reached the end of its input and its shard is final.
+        tokens_checksum: checksum of the final token file (set when done).
+        offsets_checksum: checksum of the final offsets file (set when done).
+        mask_checksum: checksum of the final loss mask file (set when done; SFT builds only).
+    """
+
+    unit: str
+    records: int = 0
+    docs: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    done: bool = False
+    tokens_checksum: str = ""
+    offsets_checksum: str = ""
+    empty_docs: int = 0
+    inexact_cuts: int = 0
+    mask_checksum: str = ""
+
+    @property
+    def counts(self) -> Counts:
+        """The record counts this progress holds."""
+        return Counts(self.records, self.skipped, self.empty_docs, self.inexact_cuts)
+
+
+def read_progress(root: Path | Store, name: str, unit: str) -> UnitProgress:
+    """Return the committed progress of a unit, or a fresh one if it has not committed yet.
+
+    Args:
+        root: the cache directory, or its store.
+        name: the unit's shard name.
+        unit: the unit's description, which the entry must hold.
+
+    Raises:
+        CacheError: the entry is malformed or belongs to a different work unit.
+    """
+    store = _store(root)
+    key = ledger_key(name)
+    if not store.exists(key):
+        return UnitProgress(unit=unit)
+    raw = store.read_json(key, what="ledger entry")
+    path = store.describe(key)
+    progress = _parse(raw, path)
+    if progress.unit != unit:
+        raise CacheError(
+            f"{path}: ledger entry is for work unit {progress.unit!r}, but this build's unit {name} is "
+            f"{unit!r}; the inputs changed since the ledger was written: rerun with overwrite=True"
+        )
+    return progress
+
+
+def commit(root: Path | Store, name: str, progress: UnitProgress) -> None:
+    """Atomically and durably replace the ledger entry of shard ``name``."""
+    put_json(_store(root), ledger_key(name), asdict(progress))
+
+
+def _store(root: Path | Store) -> Store:
+    return LocalStore(root) if isinstance(root, Path) else root
+
+
+def _parse(raw: Any, path: str) -> UnitProgress:
+    try:
+        progress = UnitProgress(**raw)
+    except TypeError as e:
+        raise CacheError(f"{path}: malformed ledger entry ({e})") from None
+    for key in ("records", "docs", "tokens", "skipped", "empty_docs", "inexact_cuts"):
+        value = getattr(progress, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CacheError(f"{path}: malformed ledger entry ({key}={value!r})")
+    return progress

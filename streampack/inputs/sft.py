@@ -1,0 +1,337 @@
+"""Supervised fine-tuning documents: segments of text, each a training target or not.
+
+An SFT build reads records with several fields (``fields=["prompt", "response"]``) or a chat (``chat=
+"messages"``: a list of ``{role, content}`` rendered with the tokenizer's chat template) instead of one text
+field. Each record becomes a tuple of :class:`Segment`: the segments are tokenized on their own and their
+ids concatenated in order, and the tokens of the *target* segments carry the loss (the cache's loss mask is
+1 there, 0 elsewhere).
+
+Fields: every field but the last is the prompt, the last is the target.
+
+Chat: the conversation is rendered as ``transformers`` renders it (a sandboxed Jinja environment with
+``raise_exception``, ``tojson``, the ``{% generation %}`` tag, and the config's special-token strings such
+as ``bos_token``; no ``strftime_now``, so that a render never depends on the day, and a cache never on when
+it was built). The target segments are the assistant turns, found by rendering prefixes: the render of
+``messages[:i]`` with ``add_generation_prompt=True`` must be a prefix of the whole render, and the render of
+``messages[:i + 1]`` ends after turn ``i``; what lies between (the turn's content and what the template
+writes after it, e.g. ``<|im_end|>``) is the target. Special-token strings the *template* writes become
+their ids; the messages' *content* stays text (text is text), unless the build parses special tokens. To
+tell the two apart, the conversation is rendered once more with each content replaced by a marker, and the
+real render is traced through it (as given, or stripped where the template trims it); a template that
+changes content otherwise is refused for that record.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from streampack.errors import MissingDependencyError, TokenizerError
+
+if TYPE_CHECKING:
+    from jinja2 import Template
+
+    from streampack.tokenizer.backends import Tokenizer
+
+# The special-token strings of a tokenizer_config.json that a template sees as variables, as transformers
+# passes them.
+TEMPLATE_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+_MARKER = re.compile("\ue000([0-9]+)\ue001")  # private-use characters: no template writes them
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A span of a document's text, tokenized on its own.
+
+    Attributes:
+        text: the text.
+        target: its tokens are training targets (they carry the loss).
+        template: written by a chat template, so its special-token strings become their ids.
+    """
+
+    text: str
+    target: bool
+    template: bool = False
+
+
+Sft = tuple[Segment, ...]  # an SFT document: its segments in order
+
+
+class ChatError(ValueError):
+    """A conversation that the chat template cannot render, or whose turns cannot be traced."""
+
+
+def field_segments(values: list[str]) -> Sft:
+    """The segments of a record's field values: all prompt, but the last, which is the target."""
+    last = len(values) - 1
+    return tuple(Segment(value, i == last) for i, value in enumerate(values))
+
+
+def check_messages(messages: Any, field: str) -> list[dict[str, Any]]:
+    """``messages`` if it is a list of ``{role, content}`` objects with string values.
+
+    Raises:
+        ChatError: saying what is wrong with it.
+    """
+    if not isinstance(messages, list) or not messages:
+        what = "an empty list" if messages == [] else _kind(messages)
+        raise ChatError(f"the {field!r} field is {what}, expected a list of {{role, content}} messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatError(f"{field}[{i}] is {_kind(message)}, expected an object with role and content")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                found = "missing" if key not in message else _kind(message[key])
+                raise ChatError(f"{field}[{i}].{key} is {found}, expected a string")
+    return messages
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A chat template and the variables it is rendered with (picklable: workers compile it themselves).
+
+    Attributes:
+        field: the record field that holds the messages.
+        source: the Jinja source of the template.
+        origin: the file it was read from.
+        variables: the config's special-token strings (``bos_token``, ...), as (name, value) pairs.
+    """
+
+    field: str
+    source: str
+    origin: str
+    variables: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def sha256(self) -> str:
+        """Hash of the template and its variables: what the manifest records of it."""
+        text = json.dumps([self.source, list(self.variables)], ensure_ascii=False)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """The template's text for ``messages``.
+
+        Raises:
+            ChatError: the template refused them (``raise_exception``) or failed on them.
+        """
+        import jinja2
+
+        try:
+            return _compiled(self.source).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **dict(self.variables)
+            )
+        except jinja2.TemplateError as e:
+            raise ChatError(f"the chat template of {self.origin} refused the conversation: {e}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise ChatError(
+                f"the chat template of {self.origin} failed on the conversation ({type(e).__name__}: {e})"
+            ) from None
+
+    def segments(self, messages: list[dict[str, Any]]) -> Sft:
+        """The conversation as segments: template text and contents, the assistant turns as targets.
+
+        Raises:
+            ChatError: the template cannot render the conversation, does not render it incrementally, or
+                changes the messages' content in a way that cannot be traced.
+        """
+        full = self.render(messages)
+        targets = self._assistant_spans(messages, full)
+        contents = self._content_spans(messages, full)
+        cuts = sorted(
+            {0, len(full), *(p for span in targets for p in span), *(p for s in contents for p in s)}
+        )
+        segments: list[Segment] = []
+        for start, end in itertools.pairwise(cuts):
+            target = any(a <= start < b for a, b in targets)
+            template = not any(a <= start < b for a, b in contents)
+            if segments and (segments[-1].target, segments[-1].template) == (target, template):
+                segments[-1] = Segment(segments[-1].text + full[start:end], target, template)
+            else:
+                segments.append(Segment(full[start:end], target, template))
+        return tuple(segments)
+
+    def _assistant_spans(self, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int]]:
+        """Where each assistant turn lies in ``full``: from the end of the generation prompt before it to
+        the end of the render that stops after it."""
+        spans: list[tuple[int, int]] = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[: i + 1])
+            start = spans[-1][1] if spans else 0
+            if not (
+                full.startswith(before) and full.startswith(through) and start <= len(before) <= len(through)
+            ):
+                raise ChatError(
+                    f"the chat template of {self.origin} does not render the conversation incrementally: the "
+                    f"render of its first {i} messages (with the generation prompt) or first {i + 1} is not "
+                    f"a prefix of the whole, so assistant turn {i} cannot be found; such templates (e.g. "
+                    "ones that drop earlier turns' reasoning) are not supported"
+                )
+            spans.append((len(before), len(through)))
+        return spans
+
+    def _content_spans(self, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int]]:
+        """Where the messages' contents lie in ``full`` (the rest is the template's own text).
+
+        The skeleton is the render with each content replaced by a marker; ``full`` must be the skeleton
+        with each marker replaced by its content, as given or stripped (``| trim``).
+        """
+        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        parts = _MARKER.split(self.render(marked))
+        spans: list[tuple[int, int]] = []
+        at = 0
+        for k in range(0, len(parts) - 1, 2):
+            text, index, after = parts[k], int(parts[k + 1]), parts[k + 2]
+            if not full.startswith(text, at) or index >= len(messages):
+                break  # (an index past the messages: a marker in another field of a message)
+            at += len(text)
+            content = messages[index]["content"]
+            found = next(
+                (
+                    v
+                    for v in (content, content.strip())
+                    if full.startswith(v, at) and full.startswith(after, at + len(v))
+                ),
+                None,
+            )
+            if found is None:
+                raise ChatError(
+                    f"the chat template of {self.origin} changes the content of message {index} (other than "
+                    "by stripping it), so its special-token strings cannot be kept as text"
+                )
+            spans.append((at, at + len(found)))
+            at += len(found)
+        if at + len(parts[-1]) != len(full) or not full.endswith(parts[-1]):
+            raise ChatError(
+                f"the chat template of {self.origin} renders the conversation differently when the contents "
+                "change, so its own text cannot be told from the contents"
+            )
+        return spans
+
+
+def load_chat_template(tokenizer: Tokenizer, field: str) -> ChatTemplate:
+    """The chat template of a Hugging Face tokenizer: ``chat_template.jinja`` beside its ``tokenizer.json``
+    (as transformers saves it), else the ``chat_template`` of its ``tokenizer_config.json`` (a string, or a
+    list of ``{name, template}`` of which the one named ``default``).
+
+    Raises:
+        TokenizerError: there is no such template, or it does not parse.
+        MissingDependencyError: jinja2 is not installed.
+    """
+    config_path: Path | None = getattr(tokenizer, "config_path", None)
+    if config_path is None:
+        raise TokenizerError(
+            f"chat={field!r} needs a chat template, which only a Hugging Face tokenizer.json has, with a "
+            "tokenizer_config.json (or chat_template.jinja) beside it; tokenizer "
+            f"{tokenizer.spec!r} has none. Render the conversations yourself and build with fields=[...]"
+        )
+    config: dict[str, Any] = getattr(tokenizer, "config", {})
+    jinja_file = config_path.with_name("chat_template.jinja")
+    source: str | None = None
+    if jinja_file.is_file():
+        source, origin = jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+    else:
+        source, origin = _config_template(config.get("chat_template")), str(config_path)
+    if source is None:
+        raise TokenizerError(
+            f"chat={field!r} needs a chat template: {config_path} holds no chat_template (and there is no "
+            f"{jinja_file.name} beside it); add one, or render the conversations yourself and build with "
+            "fields=[...]"
+        )
+    variables = tuple(
+        (name, token) for name in TEMPLATE_TOKENS if (token := _token(config, name)) is not None
+    )
+    template = ChatTemplate(field, source, origin, variables)
+    _compile_checked(template)
+    return template
+
+
+def _config_template(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        default = named.get("default")
+        return default if isinstance(default, str) else None
+    return None
+
+
+def _token(config: dict[str, Any], name: str) -> str | None:
+    token = config.get(name)
+    token = token.get("content") if isinstance(token, dict) else token
+    return token if isinstance(token, str) else None
+
+
+def _compile_checked(template: ChatTemplate) -> None:
+    import jinja2
+
+    try:
+        _compiled(template.source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(
+            f"{template.origin}: the chat template does not parse (line {e.lineno}: {e.message})"
+        ) from None
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(source: str) -> Template:
+    """The template compiled in a sandbox as transformers compiles it (once per process and template)."""
+    try:
+        import jinja2
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise MissingDependencyError(
+            "chat builds render chat templates with jinja2: pip install 'streampack[chat]'"
+        ) from None
+
+    class Generation(jinja2.ext.Extension):
+        """``{% generation %}...{% endgeneration %}``, which marks assistant text for transformers' own
+        mask: here a plain block (the turns are found by rendering prefixes)."""
+
+        tags = {"generation"}  # noqa: RUF012 - jinja2 declares it so
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(source)

@@ -1,0 +1,833 @@
+"""The training loader: global batches of a run's samples, split over ranks, resumable in O(1).
+
+The loader keeps four small jobs and leaves the order to an :class:`~streampack.order.Order`:
+
+* **Order**: a pure map from *global positions* (samples consumed since the run started, over all ranks)
+  to samples. One dataset is read by :class:`~streampack.order.Shuffled` (epoch ``e`` is
+  ``Permutation(N, seed=seed, epoch=e)``), or by a :class:`~streampack.order.blockshuffle.BlockShuffled`;
+  several by a :class:`~streampack.order.mixture.Mixture`.
+* **Batching and ranks**: the global batch at position ``p`` is positions ``[p, p + B)``, ``B`` the
+  *global* batch size; rank ``r`` of ``W`` takes the contiguous ``r``-th slice of ``B / W`` of them. A
+  run that ends (``epochs``, or a mixture that stops) ends with one partial global batch, dropped
+  (``drop_last``) or split as evenly as possible over the ranks; one with fewer rows than ranks, which
+  would leave some rank an empty batch, is refused up front.
+* **State**: the position and the order's fingerprint, a small JSON dict. Resuming computes the next
+  batch from it directly; nothing is replayed. Ranks only slice global batches and workers only take
+  every n-th of them, so a run may resume with another world size, other DataLoader workers, and
+  another global batch size (the next batch starts at the saved position).
+* **Reading and output**: each source's rows are read straight into the batch array, which the format
+  chosen by ``output=`` (:mod:`streampack.loader.collate`) turns into what a step yields.
+
+Trade-off: the shuffle is global (any sample can follow any other), so reads are random; a memory-mapped
+cache on a local disk or in the page cache serves them at memory speed, a network filesystem does not.
+``shuffle=BlockShuffle(block=..., window=...)`` bounds them to a window of blocks of consecutive samples
+(:mod:`streampack.order.blockshuffle`), for caches read from object storage.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeGuard
+
+import numpy as np
+import numpy.typing as npt
+
+from streampack.errors import LoaderStateError, OptionsError
+from streampack.loader import prefetch
+from streampack.loader.collate import Format, format_for
+from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
+from streampack.order.blockshuffle import BlockShuffle, single_order
+from streampack.order.mixture import Mixture
+from streampack.samples.layout import BatchedSpans
+from streampack.samples.sequences import (
+    JoinedSequences,
+    PackedSequences,
+    holds_every_id,
+    with_current_digests,
+)
+
+__all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
+
+STATE_VERSION = 2
+"""Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` also reads 1."""
+
+_STATE_FORMAT = "streampack.Loader"
+# The order is computed for this many upcoming rows at once: one call costs ~100 numpy dispatches
+# whatever its size, which would otherwise dominate a small batch.
+_PLAN_ROWS = 4096
+
+Output = Literal["numpy", "dict", "varlen"]
+
+
+class DataSource(Protocol):
+    """What a :class:`Loader` reads: ``len()`` samples, fetched a batch of indices at a time.
+
+    :class:`streampack.samples.sequences.PackedSequences` is the usual one; a 2-D numpy array is one too
+    (sample
+    ``i`` is row ``i``), a list of arrays is not (it cannot be indexed by an array). A source may also offer
+    ``read(indices, out=...)`` (fill the given array: used instead of ``[indices]`` when a batch is read
+    from this source alone), ``boundaries(indices)`` (needed for ``output="dict"``), ``fingerprint()``
+    (checked against checkpoints), ``dtype`` and ``width`` (tokens per sample).
+    """
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, indices: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """Settings of a :class:`Loader`, validated on creation.
+
+    Attributes:
+        batch_size: the GLOBAL batch size ``B``: rows of one step summed over all ranks.
+        seed: shuffle seed, an integer in ``[0, 2**64)`` (a :class:`~streampack.order.mixture.Mixture` has
+            its own).
+        shuffle: ``True``: visit samples in a seeded random order that changes every epoch; ``False``: in
+            stream order; a :class:`~streampack.order.blockshuffle.BlockShuffle`: shuffled blocks of
+            consecutive samples, mixed within windows of blocks (for caches read from object storage).
+        rank: this process's rank, in ``[0, world_size)``.
+        world_size: number of ranks; it must divide ``batch_size``.
+        drop_last: drop the last global batch of a run that ends (``epochs``, or a mixture that stops)
+            when it is partial; else serve it, split as evenly as possible over the ranks: each rank gets
+            ``rows // W`` of its rows or one more. The :class:`Loader` refuses ``drop_last=False`` when
+            that batch has fewer rows than ranks: some rank would get a 0-row batch, whose mean loss is
+            NaN. Endless runs have no last batch.
+        epochs: end the run after this many epochs of the dataset; ``None`` runs forever.
+        output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; ``"dict"``, the
+            ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take, with
+            ``-100`` labels at document starts (they shift ``labels`` themselves, so the samples must have
+            no overlap); or ``"varlen"``, the same plus ``cu_seqlens`` and ``max_seqlen``. Field by field:
+            :class:`streampack.loader.collate.CausalLMDict`.
+        dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype (the smallest to move
+            between processes; cast on arrival).
+
+    Raises:
+        OptionsError: (a ``ValueError``) an option is out of range or of the wrong type, or
+            ``batch_size`` does not divide by ``world_size``. Integer options are stored as Python ints.
+    """
+
+    batch_size: int
+    seed: int = 0
+    shuffle: bool | BlockShuffle = True
+    rank: int = 0
+    world_size: int = 1
+    drop_last: bool = True
+    epochs: int | None = None
+    output: Output = "numpy"
+    dtype: npt.DTypeLike = np.int64
+
+    def __post_init__(self) -> None:
+        # Stored as Python ints: numpy integers (seeds from np.random, sizes from arrays) would make
+        # state_dict() fail to serialize as JSON.
+        self._set_int("batch_size", 1, 2**62, "a positive integer (the global batch size)")
+        self._set_int("world_size", 1, 2**31, "a positive integer (the number of ranks)")
+        self._set_int("rank", 0, self.world_size - 1, f"an integer in [0, {self.world_size})")
+        self._set_int("seed", 0, 2**64 - 1, "an integer in [0, 2**64)")
+        if self.epochs is not None:
+            self._set_int("epochs", 1, 2**63, "a positive integer, or None to loop forever")
+        if not isinstance(self.shuffle, (bool, BlockShuffle)):
+            raise OptionsError(
+                f"shuffle must be True, False or a BlockShuffle(block=..., window=...) (got "
+                f"shuffle={self.shuffle!r})"
+            )
+        if not isinstance(self.drop_last, bool):
+            raise OptionsError(f"drop_last must be True or False (got drop_last={self.drop_last!r})")
+        if self.batch_size % self.world_size:
+            smaller = self.batch_size // self.world_size * self.world_size
+            suggestion = f"{smaller} or {smaller + self.world_size}" if smaller else str(self.world_size)
+            raise OptionsError(
+                f"batch_size is the global batch size, split evenly over the ranks: batch_size="
+                f"{self.batch_size} does not divide by world_size={self.world_size}. Use a multiple of "
+                f"{self.world_size}, e.g. {suggestion}."
+            )
+        if self.output not in ("numpy", "dict", "varlen"):
+            raise OptionsError(f"output must be 'numpy', 'dict' or 'varlen' (got output={self.output!r})")
+        if self.dtype is not None:
+            dtype = np.dtype(self.dtype)
+            if dtype.kind not in "iu":
+                raise OptionsError(
+                    f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})"
+                )
+            object.__setattr__(self, "dtype", dtype)
+
+    def _set_int(self, name: str, lo: int, hi: int, allowed: str) -> None:
+        value = getattr(self, name)
+        check_int(name, value, lo, hi, allowed)
+        object.__setattr__(self, name, int(value))
+
+    @property
+    def rows(self) -> int:
+        """Rows of a full batch on one rank: ``batch_size // world_size``."""
+        return self.batch_size // self.world_size
+
+
+@dataclass(frozen=True)
+class SourceProgress:
+    """Where one source of a run stands at a position: what :meth:`Loader.realised` reports.
+
+    Attributes:
+        name: the source's name.
+        weight: its share of the blocks in force at the position (1.0 for a single dataset).
+        served: samples of it served since the run started.
+        share: ``served`` divided by the position: the realised proportion.
+        size: its samples per epoch.
+        epoch: ``served / size``: the epoch it is in, with the fraction of it done.
+    """
+
+    name: str
+    weight: float
+    served: int
+    share: float
+    size: int
+    epoch: float
+
+
+class Loader:
+    """Iterate over global batches of samples, this rank's share of each, resumable exactly in O(1).
+
+    Iterating yields one batch per step, starting at the current position, until the run ends (forever
+    when it is endless). Each yielded batch advances the position, so :meth:`state_dict` taken after a
+    batch resumes at the next one.
+
+    Example::
+
+        loader = Loader(cache.sequences(2048, overlap=1), batch_size=32, seed=1)
+        for batch in loader:  # (32, 2049) int64 arrays
+            x, y = batch[:, :-1], batch[:, 1:]
+
+    ``len(loader)`` is the number of batches of a run that ends (see :meth:`__len__`).
+
+    Args:
+        dataset: the samples, usually ``cache.sequences(seq_len)``; see :class:`DataSource`. A 2-D numpy
+            array also is one; a list of arrays is not (``np.stack`` it). Or a
+            :class:`~streampack.order.mixture.Mixture` of several, which then sets the order (seed, shuffle,
+            when to stop).
+        batch_size: the GLOBAL batch size; each rank yields ``batch_size // world_size`` rows per step.
+        seed: shuffle seed (default 0; not with a mixture, which has its own).
+        shuffle: seeded random order, a different one every epoch; ``False``, stream order; or a
+            :class:`~streampack.order.blockshuffle.BlockShuffle`, a locality-aware order for remote caches
+            (default True; not with a mixture, which takes its own ``shuffle=``).
+        rank: this process's rank.
+        world_size: the number of ranks.
+        drop_last: drop the partial last batch of a run that ends; else split it over the ranks (refused
+            when it has fewer rows than ranks, see :class:`LoaderOptions`).
+        epochs: epochs to run; ``None`` runs forever (not with a mixture: ``Mixture(stop=...)``).
+        output: ``"numpy"``, ``"dict"`` or ``"varlen"``; see :class:`LoaderOptions`.
+        dtype: integer dtype of the token arrays; ``None`` keeps the cache's.
+        collate: applied to every batch before it is yielded (e.g. ``torch.from_numpy``).
+
+    Raises:
+        TypeError: ``dataset`` is a list or tuple, or has no ``__len__`` or ``__getitem__``.
+        OptionsError: (a ``ValueError``) an option is out of range, ``batch_size`` does not divide by
+            ``world_size``, the dataset holds less than one global batch (with ``drop_last``),
+            ``drop_last=False`` would give some rank an empty last batch (fewer rows than ranks; the
+            message names the numbers and the fixes), ``dtype`` cannot hold the cache's ids,
+            ``output="dict"`` is asked of samples it does not fit, or a mixture is given ``seed``,
+            ``shuffle`` or ``epochs``.
+    """
+
+    def __init__(
+        self,
+        dataset: DataSource | Mixture,
+        *,
+        batch_size: int,
+        seed: int | None = None,
+        shuffle: bool | BlockShuffle | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = True,
+        epochs: int | None = None,
+        output: Output = "numpy",
+        dtype: npt.DTypeLike = np.int64,
+        collate: Callable[[Any], Any] | None = None,
+    ) -> None:
+        if isinstance(dataset, Mixture):
+            _refuse_order_options(seed=seed, shuffle=shuffle, epochs=epochs)
+        self.options = LoaderOptions(
+            batch_size=batch_size,
+            seed=0 if seed is None else seed,
+            shuffle=True if shuffle is None else shuffle,
+            rank=rank,
+            world_size=world_size,
+            drop_last=drop_last,
+            epochs=epochs,
+            output=output,
+            dtype=dtype,
+        )
+        self.dataset = dataset
+        self.collate = collate
+        if isinstance(dataset, Mixture):
+            self.sources = [_Source(source) for source in dataset.sources.values()]
+            self.order: Order = dataset
+        else:
+            self.sources = [_Source(dataset)]
+            opts = self.options
+            self.order = single_order(
+                len(self.sources[0]),
+                seed=opts.seed,
+                shuffle=opts.shuffle,
+                epochs=opts.epochs,
+                data=self.sources[0].fingerprint,
+            )
+        parts = [source.data for source in self.sources]
+        joinable = all(isinstance(part, PackedSequences) for part in parts)
+        self._joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
+        self._prefetches = prefetch.steps_for(self._joined) > 0  # decided once: not a check per batch
+        # Every checkpoint resumes against the order given here, never one an earlier load produced.
+        self._configured: Order = self.order
+        self._position = 0
+        self._check_sources()
+        self.formatter: Format = format_for(self.options.output, [source.data for source in self.sources])
+        self._check_last_batch()
+        self._clear_caches()
+
+    @property
+    def source_dtype(self) -> np.dtype:
+        """The dtype that holds the tokens of every source: the cache dtype, for one cache."""
+        dtype = np.result_type(*(source.dtype for source in self.sources))
+        # int64 with uint64 promotes to float64, which would round ids: token ids fit int64.
+        return dtype if dtype.kind in "iu" else np.dtype(np.int64)
+
+    @functools.cached_property
+    def _out_dtype(self) -> np.dtype:
+        return np.dtype(self.options.dtype or self.source_dtype)
+
+    @property
+    def width(self) -> int:
+        """Tokens per sample: ``seq_len + overlap``."""
+        return self.sources[0].width
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per epoch of the dataset (of all sources together, for a mixture)."""
+        return sum(len(source) for source in self.sources)
+
+    def _check_sources(self) -> None:
+        opts = self.options
+        if not isinstance(self.dataset, Mixture):
+            self._check_size()
+        for source in self.sources:
+            if opts.dtype is not None and not np.can_cast(source.dtype, opts.dtype):
+                raise OptionsError(
+                    f"dtype={opts.dtype} cannot hold every id of the cache's {source.dtype} tokens; use "
+                    "int64 (the default), a wider integer type, or None to keep the cache dtype"
+                )
+
+    def _check_size(self) -> None:
+        """Refuse a dataset that holds no batch to iterate."""
+        opts, n = self.options, len(self.sources[0])
+        if n == 0 or (opts.drop_last and n < opts.batch_size):
+            raise OptionsError(
+                f"the dataset has {n} samples, fewer than one global batch of {opts.batch_size}: nothing "
+                "to iterate. Use a smaller batch_size or seq_len, a larger cache"
+                + (", or drop_last=False." if n else ".")
+            )
+
+    def _check_last_batch(self) -> None:
+        """Refuse ``drop_last=False`` when the run's last partial global batch cannot give every rank a row.
+
+        A rank with a 0-row batch computes a NaN mean loss, and DDP's all-reduce spreads the NaN
+        gradients to every rank. The remainder is known up front, so this is refused here rather than
+        padded with repeated samples: every served row stays a distinct sample, in the same order.
+        """
+        opts, end = self.options, self.order.end
+        if opts.drop_last or end is None or end <= self._position:
+            return
+        left = end - self._position
+        remainder = left % opts.batch_size
+        if not 0 < remainder < opts.world_size:
+            return
+        plural = "s" if remainder > 1 else ""
+        fixes = []
+        if left >= opts.batch_size:
+            fixes.append(f"drop_last=True (the run then skips its last {remainder} sample{plural})")
+        other = _batch_size_for_ranks(left, opts.batch_size, opts.world_size)
+        if other is not None:
+            fixes.append(f"batch_size={other} (it leaves 0 or at least {opts.world_size} samples over)")
+        fixes.append("fewer ranks, or more samples (a larger cache or a smaller seq_len)")
+        raise OptionsError(
+            f"drop_last=False would give {opts.world_size - remainder} of the {opts.world_size} ranks an "
+            f"empty last batch: the {left} samples left in global batches of batch_size={opts.batch_size} "
+            f"leave {left} mod {opts.batch_size} = {remainder} sample{plural} for the last one, fewer than "
+            f"world_size={opts.world_size}. A mean loss over 0 rows is NaN, and DDP spreads it to every "
+            f"rank. Use {', or '.join(fixes)}."
+        )
+
+    def _clear_caches(self) -> None:
+        # The order of a few thousand upcoming rows: (first position, stride, count, sources, samples).
+        self._plan: _Plan | None = None
+        self._last_request: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle options, sources, order and position; the planned rows are recomputed where unpickled."""
+        return self.__dict__ | {"_plan": None, "_last_request": None}
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (
+            f"Loader({self.dataset!r}, batch_size={o.batch_size}, rank={o.rank}, world_size={o.world_size}, "
+            f"order={self.order!r}, position={self._position})"
+        )
+
+    # --- position ---------------------------------------------------------------------------------------
+
+    @property
+    def position(self) -> int:
+        """Global position of the next batch: samples consumed since the run started, over all ranks."""
+        return self._position
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the dataset that the next batch starts in (one dataset only).
+
+        Raises:
+            TypeError: the loader reads a mixture, whose sources each run through their own epochs
+                (see :meth:`realised`).
+        """
+        return self._position // self._single_size("epoch")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in one epoch: ``N // B``, or ``ceil(N / B)`` with ``drop_last=False``.
+
+        Batches run on across epochs, so ``E`` epochs give ``len(loader)`` batches, up to ``E - 1`` more
+        than ``E * steps_per_epoch``.
+
+        Raises:
+            TypeError: the loader reads a mixture, which has no single epoch.
+        """
+        n, batch = self._single_size("steps_per_epoch"), self.options.batch_size
+        return n // batch if self.options.drop_last else -(-n // batch)
+
+    def _single_size(self, what: str) -> int:
+        if isinstance(self.dataset, Mixture):
+            raise TypeError(
+                f"{what} is not defined for a mixture: each source runs through its own epochs; "
+                "loader.realised() shows where each one stands"
+            )
+        return len(self.sources[0])
+
+    def __len__(self) -> int:
+        """Global batches of the whole run, the same on every rank (for LR schedules and progress bars).
+
+        Counted from position 0 at this batch size: ``end // B``, or ``ceil(end / B)`` with
+        ``drop_last=False``, where ``end`` is ``epochs * N`` (or where a stopping mixture ends). It is not
+        the number of batches still to come.
+
+        Raises:
+            TypeError: the run is endless (``epochs=None``, or a mixture that never stops).
+        """
+        end = self.order.end
+        if end is None:
+            raise TypeError(
+                "an endless Loader has no len(): pass epochs=... (or Mixture(stop='first_exhausted')), "
+                "or count steps yourself"
+            )
+        batch = self.options.batch_size
+        return end // batch if self.options.drop_last else -(-end // batch)
+
+    @property
+    def finished(self) -> bool:
+        """True once the run has ended: no batch is left at the current position."""
+        return self._global_rows(self._position) == 0
+
+    def _global_rows(self, position: int) -> int:
+        """Rows of the global batch at ``position``: ``B``, fewer for the last of a run, 0 past it."""
+        batch, end = self.options.batch_size, self.order.end
+        end = MAX_POSITION if end is None else end
+        if end - position >= batch:
+            return batch
+        if self.options.drop_last or position >= end:
+            return 0
+        return end - position
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield batches from the current position on, advancing it as each batch is handed out.
+
+        The position is read afresh before every batch, so :meth:`load_state_dict` takes effect at the
+        next batch even in the middle of a loop.
+        """
+        while not self.finished:
+            position = self._position
+            batch = self.batch(position)
+            self._position = position + self._global_rows(position)
+            yield batch
+
+    def schedule(self, start: int | None = None) -> Iterator[int]:
+        """The position of every batch still to come, without changing the state.
+
+        DataLoader workers use it to take every n-th batch (:mod:`streampack.torch`).
+
+        Args:
+            start: the position to start from instead of the current one.
+        """
+        position = self._position if start is None else start
+        while rows := self._global_rows(position):
+            yield position
+            position += rows
+
+    def advance(self, batches: int = 1) -> None:
+        """Move the position forward by ``batches`` steps, as if that many batches had been consumed."""
+        check_int("batches", batches, 0, 2**62, "a non-negative integer")
+        batch, end = self.options.batch_size, self.order.end
+        full = batches if end is None else min(batches, max(0, end - self._position) // batch)
+        self._position = min(self._position + full * batch, MAX_POSITION)
+        if batches > full:  # past the last full batch: the partial one, when it is served
+            self._position += self._global_rows(self._position)
+
+    # --- one batch --------------------------------------------------------------------------------------
+
+    def batch(self, position: int, *, out: np.ndarray | None = None) -> Any:
+        """This rank's batch at ``position``, formatted; a pure function of the position.
+
+        Args:
+            position: the global position of the batch's first sample (see :meth:`schedule`).
+            out: an array of shape ``(rows, width)`` and the output dtype to read the tokens into
+                (e.g. a view of shared memory); a new one when omitted.
+
+        Returns:
+            An array, or a dict of arrays, passed through ``collate`` when one was given.
+        """
+        sources, samples = self.picks(position)
+        result = self.formatter(self._read(position, sources, samples, out), sources, samples)
+        if self._prefetches:  # a cache in object storage: fetch the next steps' shards
+            prefetch.after_batch(self, position)
+        return self.collate(result) if self.collate is not None else result
+
+    def batch_shape(self, position: int) -> tuple[int, int]:
+        """Shape ``(rows, width)`` of this rank's token array at ``position``.
+
+        Rows are ``batch_size // world_size`` except in the last, partial batch (``drop_last=False``).
+        """
+        lo, hi = self._span(position)
+        return hi - lo, self.width
+
+    def picks(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source ids and sample ids of this rank's rows of the batch at ``position`` (``int64``).
+
+        Raises:
+            IndexError: no batch starts at ``position`` (negative, or past the run's end).
+        """
+        if position < 0 or self._global_rows(position) == 0:
+            raise IndexError(
+                f"no batch at position {position}: positions start at 0 and the run ends at "
+                f"{self.order.end}"
+                + (" (drop_last drops a partial last batch)" if self.options.drop_last else "")
+            )
+        if self._global_rows(position) < self.options.batch_size:  # the last partial batch, on its own
+            return self.order(np.arange(*self._span(position), dtype=np.int64))
+        return self._planned(position)
+
+    def indices(self, position: int) -> np.ndarray:
+        """Sample indices of this rank's rows of the batch at ``position`` (one dataset; ``int64``)."""
+        self._single_size("indices()")
+        return self.picks(position)[1]
+
+    def _span(self, position: int) -> tuple[int, int]:
+        """This rank's slice ``[lo, hi)`` of the positions of the global batch at ``position``."""
+        opts = self.options
+        size = self._global_rows(position)
+        return position + opts.rank * size // opts.world_size, position + (
+            opts.rank + 1
+        ) * size // opts.world_size
+
+    def _planned(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """Picks of a full batch, computed together with those of the next few this process will read.
+
+        The next few are at the stride seen between requests: every batch in a plain loop, every n-th in
+        a DataLoader worker. Results never depend on it; only how much planned work is used does.
+        """
+        plan, last = self._plan, self._last_request
+        self._last_request = position
+        step = plan.step(position) if plan is not None else None
+        if plan is None or step is None:
+            plan, step = self._make_plan(position, last), 0
+        return plan.sources[step], plan.samples[step]
+
+    def _make_plan(self, position: int, last: int | None) -> _Plan:
+        opts = self.options
+        stride = position - last if last is not None and position > last else opts.batch_size
+        end = self._planned_end()
+        count = max(1, _PLAN_ROWS // opts.rows)
+        if end is not None:
+            count = max(1, min(count, (end - position - opts.batch_size) // stride + 1))
+        count = min(count, (MAX_POSITION - position - opts.batch_size) // stride + 1)
+        firsts = position + stride * np.arange(count, dtype=np.int64) + opts.rank * opts.rows
+        sources, samples = self.order((firsts[:, None] + np.arange(opts.rows, dtype=np.int64)).reshape(-1))
+        # The windows of the whole plan are split at shard boundaries and sorted by shard once, here.
+        joined = self._joined
+        spans = None
+        if joined is not None:
+            pads = joined.pads_of(sources)
+            spans = BatchedSpans(joined.spans(sources, samples), opts.rows, count, self.width, pads)
+        self._plan = _Plan(
+            position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1), spans
+        )
+        return self._plan
+
+    def _ready(self, position: int) -> bool:
+        """Whether the batch at ``position`` can be made now, without waiting (always, for a Loader)."""
+        return True
+
+    def _planned_end(self) -> int | None:
+        """Where planning ahead stops: the run's end (a loader that learns its order as it goes stops at
+        what it knows)."""
+        return self.order.end
+
+    def _read(
+        self, position: int, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None
+    ) -> np.ndarray:
+        """The tokens of the batch at ``position``: copied from its planned spans, else split now."""
+        plan, joined = self._plan, self._joined
+        step = None if plan is None or plan.spans is None else plan.step(position)
+        if out is None and step is not None and joined is not None:
+            whole = plan.spans.whole(step, joined.rows, self._out_dtype)  # type: ignore[union-attr]
+            if whole is not None:
+                return whole
+        if out is None:
+            out = np.empty((len(samples), self.width), dtype=self._out_dtype)
+        elif (
+            not isinstance(out, np.ndarray)
+            or out.shape != (len(samples), self.width)
+            or not holds_every_id(self.source_dtype, out.dtype)
+        ):
+            raise ValueError(
+                f"out must be a numpy array of shape {(len(samples), self.width)} and an integer dtype that "
+                f"holds every {self.source_dtype} id (got {type(out).__name__} "
+                f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
+            )
+        if joined is not None:  # every source is a cache
+            if step is not None:
+                plan.spans.read(step, out, joined.tokens, joined.rows)  # type: ignore[union-attr]
+            else:
+                joined.read(sources, samples, out)
+            return out
+        if len(self.sources) == 1:
+            self.sources[0].read(samples, out)
+            return out
+        for source, rows in groups(sources):
+            self.sources[source].read(samples[rows], out, rows)
+        return out
+
+    # --- where the run stands ---------------------------------------------------------------------------
+
+    def realised(self, steps: int = 0) -> list[SourceProgress]:
+        """Per source: samples served, realised share and epoch, ``steps`` batches after the position.
+
+        Computed from the order alone (nothing is read), so a plan far ahead is as cheap as now.
+
+        Args:
+            steps: batches to look ahead at this batch size; 0 reports the current position.
+        """
+        check_int("steps", steps, 0, 2**62, "a non-negative integer")
+        position = min(self._position + steps * self.options.batch_size, MAX_POSITION)
+        if self.order.end is not None:
+            position = min(position, self.order.end)
+        served, sizes = self.order.consumed(position), self.order.sizes()
+        weights = self.order.weights(position) if isinstance(self.order, Mixture) else [1.0]
+        return [
+            SourceProgress(name, weight, count, count / position if position else 0.0, size, count / size)
+            for name, weight, count, size in zip(self.order.names, weights, served, sizes, strict=True)
+        ]
+
+    # --- state ------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of this loader as a small JSON-serializable dict.
+
+        Holds the format version, the position (samples consumed since the run started) and the order's
+        fingerprint: what the positions mean (seed, data, and for a mixture its sources, weights and the
+        schedule so far). Batch size and world size are recorded for information only: a state may be
+        loaded with others.
+        """
+        return {
+            "format": _STATE_FORMAT,
+            "version": STATE_VERSION,
+            "position": self._position,
+            "order": self.order.fingerprint(),
+            "batch_size": self.options.batch_size,
+            "world_size": self.options.world_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from a :meth:`state_dict`: the next batch starts where the saved run stopped.
+
+        O(1): nothing is replayed. The world size, the DataLoader workers and the global batch size may
+        differ from the saved run's: the next global batch starts at the saved position. A mixture may
+        also come with new stages or sources (see :class:`~streampack.order.mixture.Mixture`). Version 1
+        states (from streampack before mixtures) resume at the same place of the same epoch. What follows
+        depends on the state and this loader's dataset or mixture only, not on states loaded before.
+
+        Raises:
+            LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version,
+                it was saved with another seed, shuffle or data (both values are named), or its position
+                is not an integer in ``[0, 2**62]``.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
+            raise LoaderStateError(
+                f"not a streampack loader state (expected a dict with format={_STATE_FORMAT!r}, got "
+                f"{_summary(state)}); pass what Loader.state_dict() returned"
+            )
+        if state.get("version") == 1:
+            state = self._upgrade(state)
+        elif state.get("version") != STATE_VERSION:
+            raise LoaderStateError(
+                f"loader state version {state.get('version')!r} is not supported by this streampack (it "
+                f"reads versions 1 and {STATE_VERSION}); resume with the streampack version that saved it"
+            )
+        position, saved = state.get("position"), state.get("order")
+        if not _is_int(position) or not 0 <= position <= MAX_POSITION:
+            raise LoaderStateError(
+                f"loader state position must be an integer in [0, 2**62], the samples consumed since the run "
+                f"started (got position={position!r}); the state is damaged"
+            )
+        if not isinstance(saved, Mapping):
+            raise LoaderStateError(f"loader state has no 'order'; it is damaged: {_summary(state)}")
+        saved = with_current_digests(saved, [source.data for source in self.sources])
+        order = self._configured.resumed(saved, int(position))
+        previous = self.order, self._position
+        self.order, self._position = order, int(position)
+        try:
+            self._check_last_batch()
+        except OptionsError:
+            self.order, self._position = previous
+            raise
+        if isinstance(self.dataset, Mixture) and isinstance(order, Mixture):
+            self.dataset = order
+        self._clear_caches()
+
+    def _upgrade(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """A version 1 state (epoch and samples into it) as version 2: the same place of the same epoch."""
+        for key in ("seed", "shuffle", "dataset", "epoch", "samples_in_epoch"):
+            if key not in state:
+                raise LoaderStateError(f"loader state has no {key!r}; it is damaged: {_summary(state)}")
+        epoch, samples = state["epoch"], state["samples_in_epoch"]
+        n = self._single_size("resuming a version 1 state")
+        if not (_is_int(epoch) and _is_int(samples) and epoch >= 0 and 0 <= samples < n):
+            raise LoaderStateError(
+                f"version 1 loader state has epoch={epoch!r}, samples_in_epoch={samples!r}: not a place in "
+                f"an epoch of {n} samples; the state is damaged"
+            )
+        order = {
+            "kind": "shuffled",
+            "seed": state["seed"],
+            "shuffle": state["shuffle"],
+            "data": state["dataset"],
+        }
+        return {"position": min(epoch * n + samples, MAX_POSITION + 1), "order": order}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The picks of ``count`` full batches at ``first``, ``first + stride``, ...: this rank's rows of each."""
+
+    first: int
+    stride: int
+    count: int
+    sources: np.ndarray  # (count, rows)
+    samples: np.ndarray  # (count, rows)
+    spans: BatchedSpans | None  # where their tokens are, when every source is a cache
+
+    def step(self, position: int) -> int | None:
+        """Which planned batch starts at ``position``, if any."""
+        step, offset = divmod(position - self.first, self.stride)
+        return step if offset == 0 and 0 <= step < self.count else None
+
+
+class _Source:
+    """A :class:`DataSource` seen through the one contract the loader needs, probed once at creation."""
+
+    def __init__(self, data: DataSource) -> None:
+        _check_source(data)
+        self.data = data
+        self.size = len(data)
+        self.fingerprint = data_fingerprint(data)
+        width, dtype = getattr(data, "width", None), getattr(data, "dtype", None)
+        if isinstance(data, np.ndarray) and data.ndim == 2:
+            width = data.shape[1]
+        if (width is None or dtype is None) and self.size:
+            probe = np.asarray(data[np.zeros(1, dtype=np.int64)])
+            width, dtype = (
+                probe.shape[-1] if width is None else width,
+                probe.dtype if dtype is None else dtype,
+            )
+        self.width: int = int(width or 0)
+        self.dtype = np.dtype(dtype if dtype is not None else np.int64)
+        # PackedSequences: read straight into the rows, skipping read()'s checks of the indices and of
+        # out, which the loader made itself (in range, int64) and checked once here.
+        self._read_rows = data._read if isinstance(data, PackedSequences) else None
+        self._read_into = None if self._read_rows is not None else getattr(data, "read", None)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Write sample ``indices[k]`` into ``out[rows[k]]`` (into ``out[k]`` when ``rows`` is None)."""
+        if self._read_rows is not None:
+            self._read_rows(indices, out, rows)
+            return
+        if self._read_into is not None and rows is None:
+            self._read_into(indices, out=out)
+            return
+        tokens = np.asarray(self.data[indices])
+        if rows is None:
+            out[...] = tokens
+        else:
+            out[rows] = tokens
+
+
+def _refuse_order_options(**given: object) -> None:
+    """A mixture sets the order itself: refuse the single-dataset order options rather than ignore them."""
+    for name, value in given.items():
+        if value is not None:
+            where = "Mixture(stop='first_exhausted')" if name == "epochs" else f"Mixture(..., {name}=...)"
+            raise OptionsError(
+                f"{name}= sets the order of a single dataset; a mixture has its own: use {where} "
+                f"(got {name}={value!r})"
+            )
+
+
+def _check_source(dataset: object) -> None:
+    """Refuse at creation what cannot serve ``dataset[index_array]``, rather than at the first batch."""
+    missing = [name for name in ("__len__", "__getitem__") if not hasattr(dataset, name)]
+    if isinstance(dataset, (list, tuple)):
+        got = f"a {type(dataset).__name__} of {len(dataset)} items, which cannot be indexed by an array"
+        hint = " (np.stack(samples) makes one of equal-length samples)"
+    elif missing:
+        got = f"{type(dataset).__name__}, which has no {' or '.join(missing)}"
+        hint = ""
+    else:
+        return
+    raise TypeError(
+        f"the Loader reads each batch as dataset[index_array], a (rows, width) array (got {got}). Pass "
+        f"cache.sequences(seq_len), a 2-D numpy array{hint}, or an object with __len__() and "
+        "__getitem__(index array) returning a 2-D array."
+    )
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, lo: int, hi: int, allowed: str) -> None:
+    """Raise :class:`OptionsError` unless ``value`` is an integer (not a bool) in ``[lo, hi]``."""
+    if not _is_int(value) or not lo <= int(value) <= hi:
+        raise OptionsError(f"{name} must be {allowed} (got {name}={value!r})")
+
+
+def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | None:
+    """The multiple of ``world_size`` nearest ``batch_size`` whose last global batch has a row per rank."""
+    for k in range(1, 1000):
+        for candidate in (batch_size - k * world_size, batch_size + k * world_size):
+            if 0 < candidate <= n and (n % candidate == 0 or n % candidate >= world_size):
+                return candidate
+    return None
+
+
+def _summary(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

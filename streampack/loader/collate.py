@@ -1,0 +1,139 @@
+"""How the loader formats a batch: from the rows of tokens it read to what a training step takes.
+
+A :class:`~streampack.loader.Loader` reads the tokens of a batch into one ``(rows, width)`` array, then
+hands it to the format chosen once from its ``output=`` option:
+
+* ``"numpy"``: :class:`Tokens`, the array itself;
+* ``"dict"``: :class:`CausalLMDict`, the ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face
+  causal language models take, with no loss across documents;
+* ``"varlen"``: the same plus ``cu_seqlens`` and ``max_seqlen``, for variable-length attention kernels
+  (``flash_attn_varlen_func``) in a model of one's own.
+
+A user's ``collate=`` function, when given, is applied after the format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from streampack.errors import OptionsError
+from streampack.order import groups
+from streampack.samples.layout import Boundaries
+
+__all__ = ["CausalLMDict", "Format", "Tokens", "format_for"]
+
+
+class Format(Protocol):
+    """Turns a batch's token rows into what the loader yields."""
+
+    def __call__(self, tokens: np.ndarray, sources: np.ndarray, samples: np.ndarray) -> Any:
+        """Format ``tokens``, whose row ``k`` is sample ``samples[k]`` of source ``sources[k]``."""
+        ...
+
+
+class Tokens:
+    """The token array itself: ``output="numpy"``."""
+
+    def __call__(self, tokens: np.ndarray, sources: np.ndarray, samples: np.ndarray) -> np.ndarray:
+        """Return ``tokens`` unchanged."""
+        return tokens
+
+
+class CausalLMDict:
+    """Batches as Hugging Face causal LMs take them, with no loss across documents: ``output="dict"``.
+
+    Fields, each ``(rows, seq_len)``:
+
+    * ``input_ids``: the tokens, in the loader's dtype.
+    * ``labels``: ``int64``; the tokens, except ``-100`` (ignored by the loss) at every document start
+      and every row start, at padding, and on the tokens an SFT cache marks as no target (prompts). The
+      models shift labels themselves: the label at a document's first token would be predicted from the
+      end of the previous document, which is not its context.
+    * ``position_ids``: ``int64``; 0 at every document start and every row start, counting up inside a
+      document (the padding at a row's end counts as one more segment). Hugging Face models with flash
+      attention read packed documents from them (the same three fields as its
+      ``DataCollatorWithFlattening``).
+
+    With ``varlen=True`` (``output="varlen"``), also:
+
+    * ``cu_seqlens``: ``int32``, ``(segments + 1,)``: where each segment (a document, or its part in a
+      row) starts in the flattened batch, then ``rows * seq_len``. Its length varies from batch to batch.
+    * ``max_seqlen``: ``int``, the longest segment.
+
+    Args:
+        sources: the loader's data sources, in source-id order.
+        varlen: add ``cu_seqlens`` and ``max_seqlen``.
+
+    Raises:
+        OptionsError: a source has no ``boundaries()`` method, or its samples overlap.
+    """
+
+    def __init__(self, sources: Sequence[object], *, varlen: bool = False) -> None:
+        self.varlen = varlen
+        self._boundaries_of: list[Callable[[np.ndarray], Boundaries]] = []
+        for data in sources:
+            if not hasattr(data, "boundaries"):
+                raise OptionsError(
+                    f"output='dict' needs position ids, which {type(data).__name__} does not provide "
+                    "(no boundaries() method); use output='numpy' or cache.sequences(...)"
+                )
+            overlap = int(getattr(data, "overlap", 0))
+            if overlap:
+                raise OptionsError(
+                    "output='dict' labels the input tokens themselves (Hugging Face models shift them), so "
+                    f"the samples need no overlap (got overlap={overlap}); use cache.sequences(seq_len) with "
+                    "overlap=0, or output='numpy' for x/y windows"
+                )
+            self._boundaries_of.append(data.boundaries)
+
+    def __call__(self, tokens: np.ndarray, sources: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
+        """The dict of ``tokens``: ``input_ids`` (the array itself), ``labels``, ``position_ids``, ..."""
+        found = self._boundaries(sources, samples, tokens.shape)
+        labels = tokens.astype(np.int64)
+        flat = labels.reshape(-1)
+        flat[found.starts] = -100
+        if found.marks is not None:
+            labels[~found.marks] = -100
+        for start, stop in found.padding():
+            flat[start:stop] = -100
+        batch: dict[str, Any] = {"input_ids": tokens, "labels": labels, "position_ids": found.position_ids}
+        if self.varlen:
+            batch["cu_seqlens"] = found.cu_seqlens
+            batch["max_seqlen"] = found.max_seqlen
+        return batch
+
+    def _boundaries(self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]) -> Boundaries:
+        """The boundaries of the batch's rows (of each source's rows, put together for a mixture)."""
+        if len(self._boundaries_of) == 1:
+            return self._boundaries_of[0](samples)
+        starts, docs, marks = [], [], []
+        for source, rows in groups(sources):
+            found = self._boundaries_of[source](samples[rows])
+            columns = shape[1]
+            # Row k of this source's batch is row rows[k] of the whole one: move each segment there.
+            row_of, column = np.divmod(found.starts, columns)
+            starts.append(rows[row_of] * columns + column)
+            docs.append(found.docs)
+            marks.append((rows, found.marks))
+        order = np.argsort(np.concatenate(starts), kind="stable")
+        mask = None
+        if any(m is not None for _, m in marks):
+            mask = np.ones(shape, dtype=bool)
+            for rows, m in marks:
+                if m is not None:
+                    mask[rows] = m
+        return Boundaries(shape, np.concatenate(starts)[order], np.concatenate(docs)[order], mask)
+
+
+def format_for(output: str, sources: Sequence[object]) -> Format:
+    """The format of ``output`` (``"numpy"``, ``"dict"`` or ``"varlen"``, already validated).
+
+    Raises:
+        OptionsError: a dict is asked of sources it does not fit (see :class:`CausalLMDict`).
+    """
+    if output == "numpy":
+        return Tokens()
+    return CausalLMDict(sources, varlen=output == "varlen")

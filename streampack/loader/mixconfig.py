@@ -1,0 +1,195 @@
+"""Mixture configs: a YAML or JSON file (or a dict) that names caches, weights and stages.
+
+Example ``mix.yaml``::
+
+    seq_len: 2048
+    layout: windows       # optional: windows (default) | packed | documents (whole documents, padded)
+    overlap: 1            # optional, default 0 (windows only)
+    seed: 0               # optional
+    shuffle: true         # optional: true | false | {block: 4096, window: 32} (a block shuffle)
+    block_size: 4096      # optional
+    stop: never           # optional: never | first_exhausted
+    sources:              # name: cache directory (relative to this file)
+      web: caches/web
+      code: caches/code
+    stages:               # or, for one stage, weights: {web: 0.7, code: 0.3}
+      - at: 0
+        weights: {web: 0.9, code: 0.1}
+      - at: {tokens: 2.0e+10}   # or a position in samples: at: 10000000
+        weights: {web: 0.7, code: 0.3}
+
+Unknown keys are refused, so a misspelt ``weigths`` never passes silently as "no weights".
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from streampack.errors import MissingDependencyError, OptionsError
+from streampack.order.blockshuffle import BlockShuffle
+from streampack.order.mixture import Mixture
+from streampack.reader import open as open_cache
+
+__all__ = ["load_mixture"]
+
+_KEYS = {
+    "seq_len",
+    "layout",
+    "overlap",
+    "seed",
+    "shuffle",
+    "block_size",
+    "stop",
+    "sources",
+    "weights",
+    "stages",
+}
+
+
+def load_mixture(config: str | Path | Mapping[str, Any]) -> Mixture:
+    """The :class:`~streampack.order.mixture.Mixture` a config file (``.yaml``, ``.yml``, ``.json``) or
+    dict gives.
+
+    Cache paths are taken relative to the file's directory (to the working directory for a dict).
+
+    Raises:
+        OptionsError: (a ``ValueError``) the file cannot be parsed, a key is unknown or missing, a value
+            has the wrong type, or the mixture itself is refused; the message names the file and the key.
+        CacheError: a source's cache cannot be opened.
+    """
+    if isinstance(config, Mapping):
+        return _mixture(config, Path.cwd(), "the mixture config")
+    path = Path(config)
+    return _mixture(_read(path), path.parent, str(path))
+
+
+def _read(path: Path) -> Mapping[str, Any]:
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml"):
+        raise OptionsError(
+            f"{path}: a mixture config is a .yaml, .yml or .json file (got {suffix or 'no suffix'!r})"
+        )
+    try:
+        text = path.read_bytes()
+    except OSError as error:
+        raise OptionsError(f"cannot read the mixture config {path}: {error.strerror}") from None
+    if suffix == ".json":
+        try:
+            data = orjson.loads(text)
+        except orjson.JSONDecodeError as error:
+            raise OptionsError(f"{path}: not valid JSON ({error})") from None
+    else:
+        data = _yaml(text, path)
+    if not isinstance(data, Mapping):
+        raise OptionsError(
+            f"{path}: a mixture config is a mapping with sources and weights (got {type(data).__name__})"
+        )
+    return data
+
+
+def _yaml(text: bytes, path: Path) -> Any:
+    try:
+        import yaml
+    except ImportError:  # pragma: no cover - pyyaml is a dependency
+        raise MissingDependencyError(
+            f"reading {path} needs PyYAML: pip install pyyaml, or write the config as JSON"
+        ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise OptionsError(f"{path}: not valid YAML ({error})") from None
+
+
+def _mixture(config: Mapping[str, Any], base: Path, where: str) -> Mixture:
+    unknown = sorted(set(map(str, config)) - _KEYS)
+    if unknown:
+        raise OptionsError(f"{where}: unknown keys {unknown}; a mixture config has {sorted(_KEYS)}")
+    for key in ("seq_len", "sources"):
+        if key not in config:
+            raise OptionsError(f"{where}: {key!r} is missing")
+    seq_len = _integer(config["seq_len"], f"{where}: seq_len", minimum=1)
+    overlap = _integer(config.get("overlap", 0), f"{where}: overlap", minimum=0)
+    sources = config["sources"]
+    if not isinstance(sources, Mapping) or not sources:
+        raise OptionsError(f"{where}: sources is a mapping of name: cache directory (got {sources!r})")
+    layout = config.get("layout", "windows")
+    if layout not in ("windows", "packed", "documents"):
+        raise OptionsError(f"{where}: layout is windows, packed or documents (got {layout!r})")
+    if overlap and layout != "windows":
+        raise OptionsError(f"{where}: overlap applies to layout: windows only (got layout: {layout})")
+    datasets = {}
+    for name, location in sources.items():
+        if not isinstance(location, str):
+            raise OptionsError(f"{where}: sources.{name} is a cache directory (got {location!r})")
+        cache = open_cache(base / location)
+        datasets[str(name)] = (
+            cache.sequences(seq_len, overlap=overlap)
+            if layout == "windows"
+            else getattr(cache, layout)(seq_len)
+        )
+    stages = config.get("stages")
+    if stages is not None:
+        if not isinstance(stages, list):
+            raise OptionsError(f"{where}: stages is a list of {{at: ..., weights: {{...}}}} (got {stages!r})")
+        stages = [_stage(stage, seq_len, f"{where}: stages[{i}]") for i, stage in enumerate(stages)]
+    options = {key: config[key] for key in ("seed", "shuffle", "block_size", "stop") if key in config}
+    if isinstance(options.get("shuffle"), Mapping):
+        options["shuffle"] = _block_shuffle(options["shuffle"], f"{where}: shuffle")
+    try:
+        return Mixture(datasets, config.get("weights"), stages=stages, **options)
+    except OptionsError as error:
+        raise OptionsError(f"{where}: {error}") from None
+
+
+def _block_shuffle(value: Mapping[str, Any], where: str) -> BlockShuffle:
+    unknown = sorted(set(map(str, value)) - {"block", "window"})
+    if unknown:
+        raise OptionsError(f"{where}: unknown keys {unknown}; a block shuffle has 'block' and 'window'")
+    try:
+        return BlockShuffle(**{key: _integer(v, f"{where}.{key}", minimum=1) for key, v in value.items()})
+    except OptionsError as error:
+        raise OptionsError(f"{where}: {error}") from None
+
+
+def _stage(stage: object, seq_len: int, where: str) -> tuple[int, Mapping[str, float]]:
+    if not isinstance(stage, Mapping) or set(stage) != {"at", "weights"}:
+        raise OptionsError(f"{where} is a mapping with 'at' and 'weights' (got {stage!r})")
+    at, weights = stage["at"], stage["weights"]
+    if not isinstance(weights, Mapping):
+        raise OptionsError(f"{where}.weights is a mapping of source: weight (got {weights!r})")
+    if isinstance(at, Mapping):
+        if len(at) != 1 or next(iter(at)) not in ("samples", "tokens"):
+            raise OptionsError(
+                f"{where}.at is a position in samples, or {{samples: N}} or {{tokens: N}} (got {at!r})"
+            )
+        unit, count = next(iter(at.items()))
+        value = _integer(count, f"{where}.at.{unit}", minimum=0)
+        return (-(-value // seq_len) if unit == "tokens" else value), weights
+    return _integer(at, f"{where}.at", minimum=0), weights
+
+
+def _integer(value: object, where: str, *, minimum: int) -> int:
+    """A whole number, also given as a float (``2.0e+10``) or a string (``"1e9"``, ``"10_000"``)."""
+    number: Any = value
+    if isinstance(value, str):
+        try:
+            number = (
+                float(value.replace("_", ""))
+                if any(c in value for c in ".eE")
+                else int(value.replace("_", ""))
+            )
+        except ValueError:
+            number = None
+    if isinstance(number, numbers.Integral) and not isinstance(number, bool):
+        number = int(number)
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
+        raise OptionsError(f"{where} must be a whole number (got {value!r})")
+    if number != int(number) or int(number) < minimum:
+        raise OptionsError(f"{where} must be a whole number >= {minimum} (got {value!r})")
+    return int(number)

@@ -1,0 +1,257 @@
+"""Which sample comes at each global position of a run: a pure function, the same in every process.
+
+A run reads one stream of samples. Its *global position* is the number of samples consumed since the
+run started, summed over all ranks. An :class:`Order` maps positions to ``(source, sample)`` pairs and
+holds no state, so a loader's checkpoint is one integer plus the order's fingerprint, and ranks, workers
+and batch sizes only decide which positions a process reads, never which sample a position holds.
+
+Three orders implement the protocol: :class:`Shuffled`, one source read epoch after epoch (here);
+:class:`streampack.order.blockshuffle.BlockShuffled`, the same with a locality-aware order for remote caches;
+and :class:`streampack.order.mixture.Mixture`, several sources mixed by weight, each running through its own
+epochs.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from streampack.errors import LoaderStateError
+from streampack.order.permutation import Permutation
+
+__all__ = ["MAX_POSITION", "OneSource", "Order", "Shuffled", "data_fingerprint", "groups"]
+
+# Below this many distinct small keys, grouping scans once per key rather than sorting.
+_SCANNED_KEYS = 9
+# Datasets up to this many samples keep each epoch's order as an int32 table.
+_TABLE_MAX = 1 << 14
+
+MAX_POSITION = 2**62
+"""A run may read up to this many samples: a position plus a batch always fits in ``int64``."""
+
+
+class Order(Protocol):
+    """A pure map from global positions to samples, shared by every rank and worker of a run.
+
+    Implementations are deterministic (the same positions give the same samples in any process, on any
+    machine), picklable, and cheap to call on a few thousand positions at once.
+    """
+
+    names: tuple[str, ...]
+    """One name per source; ``source ids`` index this tuple."""
+
+    @property
+    def end(self) -> int | None:
+        """The first position past the stream, or ``None`` for an endless one."""
+        ...
+
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ``(source ids, sample ids)`` at ``positions`` (a 1-D ``int64`` array below :attr:`end`)."""
+        ...
+
+    def consumed(self, position: int) -> list[int]:
+        """Samples each source has served once the stream reaches ``position``: its cursor."""
+        ...
+
+    def sizes(self) -> list[int]:
+        """Samples in one epoch of each source."""
+        ...
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the positions mean (JSON-able): a checkpoint stores it next to its position."""
+        ...
+
+    def resumed(self, saved: Mapping[str, Any], position: int) -> Order:
+        """This order, continued from a checkpoint's ``saved`` fingerprint at ``position``.
+
+        Raises:
+            LoaderStateError: the checkpoint's positions mean other samples here (other data or seed).
+        """
+        ...
+
+
+class OneSource:
+    """What the orders of one source share: ``size`` samples an epoch, read epoch after epoch (``epochs``
+    of them, or endlessly), the data's fingerprint and the source's name. Subclasses map positions to
+    samples (:meth:`samples`) and give their fingerprint."""
+
+    def __init__(
+        self, size: int, *, seed: int, epochs: int | None, data: Mapping[str, Any] | None, name: str
+    ) -> None:
+        self.size, self.seed, self.epochs = size, seed, epochs
+        self.data = dict(data) if data is not None else {"num_samples": size}
+        self.names: tuple[str, ...] = (name,)
+
+    @property
+    def end(self) -> int | None:
+        """``epochs * n``, or ``None`` when endless."""
+        return None if self.epochs is None else min(self.epochs * self.size, MAX_POSITION)
+
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Source ids (all 0) and sample ids at ``positions``."""
+        return np.zeros(len(positions), dtype=np.int64), self.samples(positions)
+
+    def samples(self, positions: np.ndarray) -> np.ndarray:
+        """Sample ids at ``positions``."""
+        raise NotImplementedError
+
+    def consumed(self, position: int) -> list[int]:
+        """``[position]``: one source, every position is its own."""
+        return [position]
+
+    def sizes(self) -> list[int]:
+        """``[n]``."""
+        return [self.size]
+
+
+class Shuffled(OneSource):
+    """One source read epoch after epoch: position ``p`` is sample ``Permutation(n, seed, epoch)(i)``.
+
+    ``epoch, i = divmod(p, n)``, so every epoch visits each of the ``n`` samples once, in a new order
+    (stream order with ``shuffle=False``). Batches may straddle two epochs.
+
+    Args:
+        size: samples per epoch, ``n``.
+        seed: shuffle seed.
+        shuffle: a seeded random order per epoch; else stream order.
+        epochs: end the stream after this many epochs; ``None`` for an endless one.
+        data: the data's fingerprint (what a checkpoint is checked against).
+        name: the source's name in reports.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        epochs: int | None = None,
+        data: Mapping[str, Any] | None = None,
+        name: str = "data",
+    ) -> None:
+        super().__init__(size, seed=seed, epochs=epochs, data=data, name=name)
+        self.shuffle = shuffle
+        self._permutations: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
+
+    def __repr__(self) -> str:
+        return f"Shuffled({self.size}, seed={self.seed}, shuffle={self.shuffle}, epochs={self.epochs})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"_permutations": {}}
+
+    def samples(self, positions: np.ndarray) -> np.ndarray:
+        """Sample ids at ``positions``."""
+        epochs, offsets = np.divmod(positions, self.size)
+        if not self.shuffle:
+            return offsets
+        first = int(epochs[0]) if len(epochs) else 0
+        if len(epochs) == 0 or (epochs == first).all():
+            return self.permutation(first)(offsets)
+        out = np.empty_like(offsets)
+        for epoch, mine in groups(epochs):
+            out[mine] = self.permutation(epoch)(offsets[mine])
+        return out
+
+    def permutation(self, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
+        """The order of ``epoch`` (the last two are kept: batches straddle at most one boundary).
+
+        A small dataset's order is kept as a table (at most 64 kB an epoch): a mixture's small sources
+        are asked for a few rows at a time, and a lookup costs less than the Feistel passes.
+        """
+        permutation = self._permutations.get(epoch)
+        if permutation is None:
+            feistel = Permutation(self.size, seed=self.seed, epoch=epoch)
+            if self.size <= _TABLE_MAX:
+                table = feistel(np.arange(self.size, dtype=np.int64)).astype(np.int32)
+                permutation = functools.partial(_look_up, table)
+            else:
+                permutation = feistel
+            # A new dict, not an update: a loader's prefetch thread may be looking up this one.
+            kept = dict(list(self._permutations.items())[-1:])
+            kept[epoch] = permutation
+            self._permutations = kept
+        return permutation
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Kind, seed, shuffle and the data's fingerprint; the number of epochs only ends the stream."""
+        return {"kind": "shuffled", "seed": self.seed, "shuffle": self.shuffle, "data": dict(self.data)}
+
+    def resumed(self, saved: Mapping[str, Any], position: int) -> Shuffled:
+        """This order, after checking the checkpoint was made with the same seed, shuffle and data."""
+        mine = self.fingerprint()
+        if saved.get("kind") == "blocks":
+            block = f"BlockShuffle(block={saved.get('block')!r}, window={saved.get('window')!r})"
+            raise LoaderStateError(
+                f"the checkpoint was saved by a loader that block-shuffles ({block}), this loader reads in "
+                f"{'a global shuffle' if self.shuffle else 'stream order'}; resume it with shuffle={block}"
+            )
+        if saved.get("kind") != "shuffled":
+            raise LoaderStateError(
+                f"the checkpoint was saved by a loader over a {saved.get('kind')!r} order, this loader reads "
+                "one dataset; resume it with the same kind of loader (a Mixture can take over a "
+                "single-dataset checkpoint, not the reverse)"
+            )
+        for key in ("seed", "shuffle", "data"):
+            if saved.get(key) != mine[key]:
+                raise LoaderStateError(mismatch(key, saved.get(key), mine[key]))
+        return self
+
+
+def _look_up(table: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    return table[offsets].astype(np.int64)
+
+
+def groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """Each distinct key with the indices holding it, in O(n log n) whatever the number of keys.
+
+    Cheaper paths for what the loader asks most: keys already in order (the blocks of consecutive
+    positions: no sort) and few small keys (a mixture's sources: one scan each).
+    """
+    if len(keys) == 0:
+        return
+    steps = np.diff(keys)
+    if (steps >= 0).all():
+        bounds = [0, *(np.flatnonzero(steps) + 1).tolist(), len(keys)]
+        for start, stop in itertools.pairwise(bounds):
+            yield int(keys[start]), np.arange(start, stop)
+        return
+    if keys.min() >= 0 and keys.max() < _SCANNED_KEYS:
+        for key in range(int(keys.max()) + 1):
+            mine = np.flatnonzero(keys == key)
+            if len(mine):
+                yield key, mine
+        return
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    starts = np.flatnonzero(np.diff(sorted_keys, prepend=sorted_keys[:1] - 1))
+    for start, stop in zip(starts.tolist(), [*starts[1:].tolist(), len(keys)], strict=True):
+        yield int(sorted_keys[start]), order[start:stop]
+
+
+def data_fingerprint(data: object) -> dict[str, Any]:
+    """What identifies a dataset's samples: its ``fingerprint()``, else its number of samples."""
+    fingerprint = getattr(data, "fingerprint", None)
+    return dict(fingerprint()) if fingerprint is not None else {"num_samples": len(data)}  # type: ignore[arg-type]
+
+
+def mismatch(key: str, saved: object, mine: object) -> str:
+    """The message for a checkpoint whose ``key`` differs from this loader's, naming both values."""
+    hint = ""
+    if (
+        isinstance(saved, Mapping)
+        and isinstance(mine, Mapping)
+        and saved.get("seq_len") != mine.get("seq_len")
+    ):
+        hint = (
+            f" The sequence length changed ({saved.get('seq_len')} -> {mine.get('seq_len')}): positions "
+            "count samples of one length, so a checkpoint resumes only with the seq_len it was saved with."
+        )
+    return (
+        f"the loader state does not match this loader: {key} in checkpoint: {saved!r} / {key} in this "
+        f"loader: {mine!r}.{hint} Create the Loader with the settings and data of the run that saved the "
+        "state."
+    )

@@ -1,0 +1,253 @@
+"""A locality-aware shuffle: shuffled blocks of consecutive samples, mixed within windows of blocks.
+
+A global shuffle lets any sample follow any other, so a reader of a cache in object storage would need
+the whole cache local (or one request per sample). :class:`BlockShuffled` bounds what a reader needs:
+
+* **Blocks**: the samples are cut into blocks of ``block`` consecutive sample ids (the last one shorter
+  when ``block`` does not divide ``n``). Consecutive samples are contiguous bytes of the cache, so a
+  block is one byte range to fetch (two where it crosses a shard boundary).
+* **Block order**: each epoch visits the blocks in the order of a seeded
+  :class:`~streampack.order.permutation.Permutation`; the short block, if any, is put at a seeded slot of
+  its own.
+* **Windows**: the shuffled block order is cut into windows of ``window`` consecutive blocks, and the
+  samples of each window are served in the order of a full permutation of the window's samples.
+
+So the positions of one window hold the samples of at most ``window`` blocks, and any run of
+``window * block`` consecutive positions of an epoch those of at most ``2 * window`` blocks when
+``block`` divides ``n`` (``3 * window`` otherwise: the window holding the short block is shorter, so a
+run may cross it whole): a reader that keeps the current and the next window local rarely misses.
+The map from position to sample stays pure and O(1) in memory (a few integers per epoch), like
+:class:`~streampack.order.Shuffled`'s.
+
+Why blocks of a fixed number of samples rather than one shard each: the arithmetic that finds a
+position's window needs equal blocks, and shards hold different numbers of samples (and a sample may
+straddle two shards). ``block`` is a number of samples; at seq_len 2048 with uint16 tokens the default
+4096 is 16 MB, a good size for one object-storage range request.
+
+Trade-off: a sample can only follow samples of its own window, so a batch mixes ``window`` stretches
+of the corpus rather than the whole corpus. A corpus stored in order of domain (or source, or date)
+shows it: a batch's mix of domains drifts from the corpus' mix when the window is small against the
+number of blocks of each domain (``benchmarks/bench_shuffle_quality.py`` measures it; README
+"Shuffling"). Shuffle the inputs before building when that matters, or widen the window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from streampack.errors import LoaderStateError, OptionsError
+from streampack.order import OneSource, Shuffled, groups, mismatch
+from streampack.order.permutation import Permutation
+
+__all__ = ["BlockShuffle", "BlockShuffled", "shuffle_fingerprint", "single_order"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockShuffle:
+    """How to block-shuffle: pass it as ``shuffle=`` to a :class:`~streampack.loader.Loader` or Mixture.
+
+    Example::
+
+        loader = Loader(cache.sequences(2048), batch_size=32, shuffle=BlockShuffle(block=4096, window=32))
+
+    Attributes:
+        block: samples per block (consecutive sample ids: one contiguous byte range of the cache).
+        window: blocks whose samples are shuffled together; a reader needs about ``2 * window * block``
+            samples local. ``window`` at least the number of blocks shuffles each epoch as a whole.
+
+    Raises:
+        OptionsError: (a ``ValueError``) ``block`` or ``window`` is not a positive integer.
+    """
+
+    block: int = 4096
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("block", "window"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= 2**40:
+                raise OptionsError(
+                    f"BlockShuffle {name} must be an integer in [1, 2**40] (got {name}={value!r})"
+                )
+            object.__setattr__(self, name, int(value))
+
+
+def shuffle_fingerprint(shuffle: bool | BlockShuffle) -> bool | dict[str, int]:
+    """``shuffle`` as a checkpoint records it: ``True``, ``False`` or ``{"block": b, "window": w}``."""
+    if isinstance(shuffle, BlockShuffle):
+        return {"block": shuffle.block, "window": shuffle.window}
+    return shuffle
+
+
+def single_order(
+    size: int,
+    *,
+    seed: int,
+    shuffle: bool | BlockShuffle,
+    epochs: int | None = None,
+    data: Mapping[str, Any] | None = None,
+    name: str = "data",
+) -> Shuffled | BlockShuffled:
+    """The order of one source: :class:`BlockShuffled` for a :class:`BlockShuffle`, else :class:`Shuffled`."""
+    if isinstance(shuffle, BlockShuffle):
+        return BlockShuffled(
+            size, seed=seed, block=shuffle.block, window=shuffle.window, epochs=epochs, data=data, name=name
+        )
+    return Shuffled(size, seed=seed, shuffle=shuffle, epochs=epochs, data=data, name=name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Epoch:
+    """What one epoch's order needs beyond the options: its block order and where its short block is."""
+
+    blocks: Permutation | None  # slot (among the full blocks' slots) -> full block
+    short: int  # the short block's slot; the number of blocks when there is none
+
+
+class BlockShuffled(OneSource):
+    """One source read epoch after epoch in block-shuffled order (see the module docstring).
+
+    Args:
+        size: samples per epoch, ``n``.
+        seed: shuffle seed, an integer in ``[0, 2**64)``.
+        block: samples per block.
+        window: blocks per window.
+        epochs: end the stream after this many epochs; ``None`` for an endless one.
+        data: the data's fingerprint (what a checkpoint is checked against).
+        name: the source's name in reports.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        seed: int = 0,
+        block: int = 4096,
+        window: int = 32,
+        epochs: int | None = None,
+        data: Mapping[str, Any] | None = None,
+        name: str = "data",
+    ) -> None:
+        BlockShuffle(block, window)  # validates
+        if size < 1:
+            raise OptionsError(f"a block-shuffled source needs at least one sample (got size={size})")
+        super().__init__(size, seed=seed, epochs=epochs, data=data, name=name)
+        self.block, self.window = block, window
+        self.num_blocks = -(-size // block)
+        self.num_windows = -(-self.num_blocks // window)
+        self._full = size // block  # blocks of ``block`` samples; one more, shorter, when ragged
+        self._missing = self.num_blocks * block - size  # samples the short block lacks (0: none)
+        self._seeds = {tag: _derive(seed, tag) for tag in ("blocks", "short", "windows")}
+        self._epochs: dict[int, _Epoch] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockShuffled({self.size}, seed={self.seed}, block={self.block}, window={self.window}, "
+            f"epochs={self.epochs})"
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"_epochs": {}}
+
+    def samples(self, positions: np.ndarray) -> np.ndarray:
+        """Sample ids at ``positions``."""
+        epochs, offsets = np.divmod(np.asarray(positions, dtype=np.int64), self.size)
+        out = np.empty_like(offsets)
+        for epoch, mine in groups(epochs):
+            out[mine] = self._epoch_samples(epoch, offsets[mine])
+        return out
+
+    def _epoch(self, epoch: int) -> _Epoch:
+        """The block order of ``epoch`` (the last two are kept: batches straddle at most one boundary)."""
+        cached = self._epochs.get(epoch)
+        if cached is not None:
+            return cached
+        blocks = Permutation(self._full, seed=self._seeds["blocks"], epoch=epoch) if self._full else None
+        short = self.num_blocks
+        if self._missing:
+            short = Permutation(self.num_blocks, seed=self._seeds["short"], epoch=epoch)(0)
+        if len(self._epochs) >= 2:
+            self._epochs.pop(next(iter(self._epochs)))
+        self._epochs[epoch] = _Epoch(blocks, short)
+        return self._epochs[epoch]
+
+    def _epoch_samples(self, epoch: int, offsets: np.ndarray) -> np.ndarray:
+        """Sample ids at ``offsets`` (positions within ``epoch``)."""
+        order, b, w = self._epoch(epoch), self.block, self.window
+        span = w * b
+        # The window holding the short block is ``missing`` samples shorter, so the later ones start
+        # that much earlier.
+        missing = self._missing
+        short_window = order.short // w if missing else -1
+        windows = offsets // span
+        later = offsets >= (short_window + 1) * span - missing
+        windows[later] = (offsets[later] + missing) // span
+        starts = windows * span - np.where(windows > short_window, missing, 0)
+        local = offsets - starts
+        # Within a window, index u < (its full blocks) * b is sample u % b of its (u // b)-th full block
+        # in slot order; the short block's samples come after them.
+        units = np.empty_like(local)
+        for window, mine in groups(windows):
+            blocks_in = min(w, self.num_blocks - window * w)
+            size = blocks_in * b - (missing if window == short_window else 0)
+            key = epoch * self.num_windows + window
+            units[mine] = Permutation(size, seed=self._seeds["windows"], epoch=key)(local[mine])
+        has_short = windows == short_window
+        full_in = np.minimum(w, self.num_blocks - windows * w) - has_short
+        in_short = units >= full_in * b
+        slots = windows * w + units // b
+        slots += has_short & (slots >= order.short)  # skip over the short block's slot
+        within = units % b
+        slots[in_short] = order.short
+        within[in_short] = units[in_short] - full_in[in_short] * b
+        blocks = np.full_like(slots, self._full)  # the short block is the last one
+        full = ~in_short
+        if order.blocks is not None and full.any():
+            blocks[full] = order.blocks(slots[full] - (slots[full] > order.short))
+        return blocks * b + within
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Kind, seed, block, window and the data's fingerprint; the number of epochs only ends the stream."""
+        return {
+            "kind": "blocks",
+            "seed": self.seed,
+            "block": self.block,
+            "window": self.window,
+            "data": dict(self.data),
+        }
+
+    def resumed(self, saved: Mapping[str, Any], position: int) -> BlockShuffled:
+        """This order, after checking the checkpoint was made with the same seed, blocks, window and data.
+
+        Raises:
+            LoaderStateError: the checkpoint was saved over another order, or with other settings or data.
+        """
+        kind = saved.get("kind")
+        if kind == "shuffled":
+            how = "a global shuffle" if saved.get("shuffle") is True else "stream order (shuffle=False)"
+            raise LoaderStateError(
+                f"the checkpoint was saved by a loader reading in {how}, this loader block-shuffles "
+                f"(block={self.block}, window={self.window}); resume it with "
+                f"shuffle={saved.get('shuffle')!r}"
+            )
+        if kind != "blocks":
+            raise LoaderStateError(
+                f"the checkpoint was saved by a loader over a {kind!r} order, this loader reads one dataset "
+                "in block-shuffled order; resume it with the same kind of loader"
+            )
+        mine = self.fingerprint()
+        for key in ("seed", "block", "window", "data"):
+            if saved.get(key) != mine[key]:
+                raise LoaderStateError(mismatch(key, saved.get(key), mine[key]))
+        return self
+
+
+def _derive(seed: int, tag: str) -> int:
+    """A 64-bit seed for one use of a block shuffle's seed."""
+    digest = hashlib.blake2b(f"{seed}:block-shuffle:{tag}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
