@@ -2,82 +2,125 @@
 
 Build side: :func:`build` streams documents through a tokenizer into cache shards, resumably.
 Load side: :func:`open` memory-maps a cache; :class:`Loader` serves shuffled, resumable batches of its
-packed sequences, or of a :class:`Mixture` of several caches by weight (PyTorch adapters in
-:mod:`streampack.torch`; training frameworks in :mod:`streampack.hf`, :mod:`streampack.lightning`,
-:mod:`streampack.torchdata`, :mod:`streampack.grain` and :mod:`streampack.jax`, none imported here);
-:func:`which` says which documents (and input lines) a step's batch held.
+samples, or of a :class:`Mixture` of several caches by weight; :class:`Follow` serves a cache while its
+build runs; :func:`which` says which documents (and input lines) a step's batch held.
+
+Every name here is loaded on first use, so a trainer that only reads a cache never imports the build
+side. The protocols users implement and the types they receive live in their namespaces:
+:mod:`streampack.samples`, :mod:`streampack.order`, :mod:`streampack.loader`, :mod:`streampack.errors`,
+:mod:`streampack.tokenizer`; framework adapters in :mod:`streampack.torch`, :mod:`streampack.hf`,
+:mod:`streampack.lightning`, :mod:`streampack.torchdata`, :mod:`streampack.grain` and
+:mod:`streampack.jax`, none imported here.
 """
 
 from __future__ import annotations
 
+import importlib
+import warnings
+from typing import TYPE_CHECKING, Any
+
 from streampack import _aliases
-from streampack.builder.coordinator import BuildSummary, build
-from streampack.builder.options import CacheSpec, RunOptions
-from streampack.errors import (
-    BadRecordError,
-    BuildLockedError,
-    BuildStalledError,
-    CacheError,
-    ConfigMismatchError,
-    InputError,
-    LoaderStateError,
-    MissingDependencyError,
-    OptionsError,
-    StreampackError,
-    TokenizerError,
-    WorkerDiedError,
-    WriteError,
-)
-from streampack.inputs.sources import Documents
-from streampack.loader import Loader, LoaderOptions, SourceProgress
-from streampack.loader.follow import Follow
-from streampack.loader.mixconfig import load_mixture
-from streampack.loader.provenance import Placement, Provenance, which
-from streampack.order.blockshuffle import BlockShuffle
-from streampack.order.mixture import Mixture
-from streampack.order.permutation import Permutation
-from streampack.reader import Cache, open
-from streampack.reader.verify import VerifyReport, verify
-from streampack.samples.sequences import Boundaries, PackedSequences
-from streampack.tokenizer.backends import load_tokenizer
+
+if TYPE_CHECKING:
+    from streampack.builder.coordinator import build
+    from streampack.builder.options import CacheSpec, RunOptions
+    from streampack.errors import StreampackError
+    from streampack.inputs.sources import Documents
+    from streampack.loader import Loader
+    from streampack.loader.follow import Follow
+    from streampack.loader.mixconfig import load_mixture
+    from streampack.loader.provenance import which
+    from streampack.order.blockshuffle import BlockShuffle
+    from streampack.order.mixture import Mixture
+    from streampack.reader import Cache, open
+    from streampack.reader.verify import verify
+
+#: The public names, and the module each is loaded from.
+_PUBLIC = {
+    "build": "streampack.builder.coordinator",
+    "open": "streampack.reader",
+    "verify": "streampack.reader.verify",
+    "which": "streampack.loader.provenance",
+    "Cache": "streampack.reader",
+    "CacheSpec": "streampack.builder.options",
+    "RunOptions": "streampack.builder.options",
+    "Documents": "streampack.inputs.sources",
+    "Loader": "streampack.loader",
+    "Follow": "streampack.loader.follow",
+    "Mixture": "streampack.order.mixture",
+    "BlockShuffle": "streampack.order.blockshuffle",
+    "load_mixture": "streampack.loader.mixconfig",
+    "StreampackError": "streampack.errors",
+}
+
+#: Names of version 0.1's top level that moved to a namespace: they still work, with a warning.
+_MOVED = {
+    **dict.fromkeys(
+        [
+            "BadRecordError",
+            "BuildLockedError",
+            "BuildStalledError",
+            "CacheError",
+            "ConfigMismatchError",
+            "InputError",
+            "LoaderStateError",
+            "MissingDependencyError",
+            "OptionsError",
+            "TokenizerError",
+            "WorkerDiedError",
+            "WriteError",
+        ],
+        "streampack.errors",
+    ),
+    "BuildSummary": "streampack.builder.coordinator",
+    "Boundaries": "streampack.samples",
+    "PackedSequences": "streampack.samples",
+    "Permutation": "streampack.order",
+    "LoaderOptions": "streampack.loader",
+    "SourceProgress": "streampack.loader",
+    "Placement": "streampack.loader.provenance",
+    "Provenance": "streampack.loader.provenance",
+    "VerifyReport": "streampack.reader.verify",
+    "load_tokenizer": "streampack.tokenizer",
+}
 
 __all__ = [
-    "BadRecordError",
     "BlockShuffle",
-    "Boundaries",
-    "BuildLockedError",
-    "BuildStalledError",
-    "BuildSummary",
     "Cache",
-    "CacheError",
     "CacheSpec",
-    "ConfigMismatchError",
     "Documents",
     "Follow",
-    "InputError",
     "Loader",
-    "LoaderOptions",
-    "LoaderStateError",
-    "MissingDependencyError",
     "Mixture",
-    "OptionsError",
-    "PackedSequences",
-    "Permutation",
-    "Placement",
-    "Provenance",
     "RunOptions",
-    "SourceProgress",
     "StreampackError",
-    "TokenizerError",
-    "VerifyReport",
-    "WorkerDiedError",
-    "WriteError",
     "build",
     "load_mixture",
-    "load_tokenizer",
     "open",
     "verify",
     "which",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name on first use (and a moved one, with a ``DeprecationWarning``)."""
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    elif name in _MOVED:
+        warnings.warn(
+            f"streampack.{name} moved to {_MOVED[name]}.{name} in streampack 0.2; the old name goes in 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    else:
+        raise AttributeError(f"module 'streampack' has no attribute {name!r}")
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])
+
 
 _aliases.install()

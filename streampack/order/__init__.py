@@ -23,7 +23,7 @@ import numpy as np
 from streampack.errors import LoaderStateError
 from streampack.order.permutation import Permutation
 
-__all__ = ["MAX_POSITION", "OneSource", "Order", "Shuffled", "data_fingerprint", "groups"]
+__all__ = ["MAX_POSITION", "OneSource", "Order", "Permutation", "Shuffled", "data_fingerprint", "groups"]
 
 # Below this many distinct small keys, grouping scans once per key rather than sorting.
 _SCANNED_KEYS = 9

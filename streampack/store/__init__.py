@@ -29,7 +29,6 @@ import errno
 import fcntl
 import os
 import shutil
-import socket
 import stat
 import zlib
 from contextlib import AbstractContextManager
@@ -445,7 +444,7 @@ class FileLock:
                 "then rerun (a killed build's lock is released automatically)"
             ) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
         self._fd = fd
         return self
 

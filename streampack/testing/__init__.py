@@ -2,3 +2,7 @@
 (``caches``) and a TCP proxy that throttles or resets a connection (``linkproxy``), for object-storage
 tests. Nothing here is a build path.
 """
+
+from streampack.testing.caches import rewrite_as_version_1, write_cache, write_random_cache
+
+__all__ = ["rewrite_as_version_1", "write_cache", "write_random_cache"]

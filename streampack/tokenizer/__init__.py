@@ -5,3 +5,7 @@
 the fast engine, used only where it is proven exact); ``pieces`` cuts long texts where the cut cannot
 change the ids; ``tiktoken_json`` describes tiktoken ranks as a ``tokenizer.json``.
 """
+
+from streampack.tokenizer.backends import Tokenizer, load_tokenizer
+
+__all__ = ["Tokenizer", "load_tokenizer"]
