@@ -234,3 +234,10 @@ def test_reading_options_are_checked_naming_the_key(tmp_path: Path, sources: str
     (tmp_path / "mix.yaml").write_text(f"seq_len: 8\nweights: {{a: 1}}\nsources: {sources}\n")
     with pytest.raises(OptionsError, match=message):
         streampack.load_mixture(tmp_path / "mix.yaml")
+
+
+def test_cli_mix_help_names_every_key_of_a_config() -> None:
+    from streampack.mixconfig import _KEYS
+
+    shown = run_cli("mix", "--help").stdout
+    assert all(key in shown for key in _KEYS) and "path" in shown and "s3://" in shown
