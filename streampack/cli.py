@@ -326,6 +326,7 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "tokenizer_engine": _engines_summary(cache.manifest.engines),
         "sft": _sft_summary(cache.manifest),
         "loss_mask": cache.has_loss_mask,
+        "no_target_docs": _no_target_docs(cache),
         "inputs": _inputs_read(cache.manifest.inputs),
         "ignored_inputs": _ignored_summary(cache.manifest.ignored_inputs),
         "skipped_records": cache.manifest.skipped_records,
@@ -335,6 +336,21 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "doc_tokens_p50": int(quantiles[0]),
         "doc_tokens_p99": int(quantiles[1]),
     }
+
+
+def _no_target_docs(cache: Cache) -> int:
+    """Documents with no target token (every ``output="dict"`` label ``-100``, whatever the ``seq_len``):
+    in an SFT cache, e.g. a conversation without an assistant turn built without EOS. Reads the masks."""
+    from streampack.packing import has_target
+
+    count = 0
+    for shard in range(cache.num_shards):
+        ends = np.asarray(cache.shard_offsets(shard), dtype=np.int64)
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        keep = ends > starts
+        mask = cache.shard_loss_mask(shard) if cache.has_loss_mask else None
+        count += int(np.count_nonzero(~has_target(mask, starts[keep], (ends - starts)[keep])))
+    return count
 
 
 def _engines_summary(engines: list[dict[str, Any]]) -> str:

@@ -31,6 +31,7 @@ import numpy.typing as npt
 from streampack.errors import CacheError, OptionsError
 from streampack.holdout import Chosen
 from streampack.layout import (
+    Bins,
     Boundaries,
     FixedWindows,
     Layout,
@@ -43,7 +44,7 @@ from streampack.layout import (
 )
 from streampack.localcopy import CachedStore, on_release
 from streampack.order import groups
-from streampack.packing import TooLong, plan_documents, plan_packed, too_long_policy
+from streampack.packing import NoTarget, TooLong, plan_documents, plan_packed, too_long_policy
 from streampack.store import CacheRef
 
 if TYPE_CHECKING:
@@ -177,9 +178,12 @@ class PackedSequences:
         return len(self._layout)
 
     def __repr__(self) -> str:
+        counts = ""
+        if isinstance(self._layout, Bins):  # whole documents: what the plan left out or serves untrained
+            counts = f", dropped={self._layout.dropped}, no_target={self._layout.no_target}"
         return (
             f"PackedSequences({self.path!r}, seq_len={self.seq_len}, overlap={self.overlap}, "
-            f"samples={len(self)}, tokens={self._num_tokens})"
+            f"samples={len(self)}, tokens={self._num_tokens}{counts})"
         )
 
     def fingerprint(self) -> dict[str, int | str]:
@@ -459,13 +463,20 @@ class JoinedSequences:
 
 
 def whole_documents(
-    cache: Cache, chosen: Chosen, kind: str, seq_len: int, too_long: TooLong, pad_id: int | None
+    cache: Cache,
+    chosen: Chosen,
+    kind: str,
+    seq_len: int,
+    too_long: TooLong,
+    pad_id: int | None,
+    no_target: NoTarget = "keep",
 ) -> PackedSequences:
     """Samples of whole documents: ``kind`` ``"packed"`` (best-fit) or ``"documents"`` (one per sample).
 
     Raises:
         ValueError: ``seq_len`` is not a positive integer.
-        OptionsError: ``too_long`` is not a policy, or ``pad_id`` does not fit the cache's token dtype.
+        OptionsError: ``too_long`` or ``no_target`` is not a policy, or ``pad_id`` does not fit the cache's
+            token dtype.
     """
     seq_len = _check_int("seq_len", seq_len, 1, "a positive integer, e.g. 2048")
     if too_long_policy(too_long) is None:
@@ -479,7 +490,13 @@ def whole_documents(
         )
     plan = plan_packed if kind == "packed" else plan_documents
     layout = plan(
-        cache, chosen, seq_len, too_long=too_long, pad_id=int(pad_id), content=content_digest(cache)
+        cache,
+        chosen,
+        seq_len,
+        too_long=too_long,
+        pad_id=int(pad_id),
+        content=content_digest(cache),
+        no_target=no_target,
     )
     return PackedSequences.of(cache, layout)
 
