@@ -222,7 +222,10 @@ def test_a_config_reads_caches_in_object_storage_with_their_reading_options(
 @pytest.mark.parametrize(
     ("sources", "message"),
     [
-        ("{a: {path: caches/local, local_dir: x}}", r"sources.a: local_dir apply to caches in object storage"),
+        (
+            "{a: {path: caches/local, local_dir: x}}",
+            r"sources.a: local_dir apply to caches in object storage",
+        ),
         ("{a: {paht: s3://b/c}}", r"sources.a: unknown keys \['paht'\]"),
         ("{a: {local_dir: x}}", r"sources.a: 'path' is missing"),
         ("{a: s3://b/c}\nmax_local_bytes: lots", "max_local_bytes must be a whole number"),
