@@ -151,7 +151,7 @@ def _with_rows_view(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The Trainer's arguments with a ``datasets.IterableDataset`` view of ``loader`` as its train dataset,
     and (for an ``SFTConfig``) dataset preparation skipped: the rows are already training rows."""
-    view = rows_view(loader)
+    view = _rows_view(loader)
     if "train_dataset" in kwargs:
         kwargs = {**kwargs, "train_dataset": view}
     else:
@@ -168,7 +168,7 @@ def _with_rows_view(
     return args, kwargs
 
 
-def rows_view(loader: Loader) -> Any:
+def _rows_view(loader: Loader) -> Any:
     """A ``datasets.IterableDataset`` of the rows of ``loader``'s batches, from its position on, each a
     dict of lists (``input_ids``, and ``labels``, ``position_ids`` for ``output="dict"``); iterating it
     never moves the loader. Its ``len()`` is the loader's (its batches) where the loader has one, so
