@@ -25,10 +25,20 @@ What it changes, and why:
 Use ``output="dict"`` (``input_ids``, ``labels`` with ``-100`` at document starts, ``position_ids``) for a
 causal LM. The run's length is the Trainer's ``max_steps`` (an endless loader has no length), or the
 loader's ``epochs`` with ``num_train_epochs=1``.
+
+**TRL** (tested with TRL 1.16 and transformers 5.24): ``class MyTrainer(LoaderTrainerMixin, trl.SFTTrainer)``.
+TRL's trainers take only a ``datasets.Dataset`` or ``IterableDataset`` (and read its first example at
+construction), so the mixin hands such a Trainer a ``datasets.IterableDataset`` view of the loader's rows
+while it is constructed (reading one batch, without moving the loader), sets
+``dataset_kwargs={"skip_prepare_dataset": True}`` on an ``SFTConfig`` (the loader's samples are already
+tokenized, packed and labelled), then trains on the loader itself as above. ``SFTConfig(packing=True)`` is
+refused: pack with ``cache.packed(seq_len)``. Pass ``processing_class`` (the tokenizer), as TRL otherwise
+loads the model's own from the Hub.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -69,7 +79,12 @@ class LoaderTrainerMixin(_TrainerBase):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        loader = kwargs.get("train_dataset", args[3] if len(args) > 3 else None)
+        if isinstance(loader, Loader) and _checks_its_dataset(type(self)):
+            args, kwargs = _with_rows_view(loader, args, kwargs)
         super().__init__(*args, **kwargs)
+        if isinstance(loader, Loader):
+            self.train_dataset = loader  # what the Trainer trains on, whatever its __init__ was handed
         self.add_callback(_SaveLoaderState(self))
         if isinstance(self.train_dataset, Loader):
             # The loader resumes itself; a Trainer skipping batches would replay them and drop as many.
@@ -121,6 +136,81 @@ class Trainer(LoaderTrainerMixin, transformers.Trainer):
 
     See :class:`LoaderTrainerMixin` and the module docs.
     """
+
+
+def _checks_its_dataset(cls: type) -> bool:
+    """Whether a class between the mixin and ``transformers.Trainer`` has an ``__init__`` of its own, which
+    may refuse a train dataset that is not a ``datasets`` one (TRL's trainers do)."""
+    mro = cls.__mro__
+    after = mro[mro.index(LoaderTrainerMixin) + 1 :]
+    return any("__init__" in vars(base) for base in after[: after.index(transformers.Trainer)])
+
+
+def _with_rows_view(
+    loader: Loader, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The Trainer's arguments with a ``datasets.IterableDataset`` view of ``loader`` as its train dataset,
+    and (for an ``SFTConfig``) dataset preparation skipped: the rows are already training rows."""
+    view = _rows_view(loader)
+    if "train_dataset" in kwargs:
+        kwargs = {**kwargs, "train_dataset": view}
+    else:
+        args = (*args[:3], view, *args[4:])
+    config = kwargs.get("args", args[1] if len(args) > 1 else None)
+    if getattr(config, "packing", False):
+        raise OptionsError(
+            "packing=True packs the Trainer's own dataset, but the Loader's samples are trained as they "
+            "come; set packing=False and pack with cache.packed(seq_len) (best-fit packing of documents)"
+        )
+    if config is not None and hasattr(config, "dataset_kwargs"):
+        given = config.dataset_kwargs if isinstance(config.dataset_kwargs, dict) else {}
+        config.dataset_kwargs = {**given, "skip_prepare_dataset": True}
+    return args, kwargs
+
+
+def _rows_view(loader: Loader) -> Any:
+    """A ``datasets.IterableDataset`` of the rows of ``loader``'s batches, from its position on, each a
+    dict of lists (``input_ids``, and ``labels``, ``position_ids`` for ``output="dict"``); iterating it
+    never moves the loader. Its ``len()`` is the loader's (its batches) where the loader has one, so
+    that a Trainer checking for a length (to count epochs) finds one.
+
+    For Trainers that refuse other datasets: what they train on is the loader itself (see
+    :class:`LoaderTrainerMixin`).
+    """
+    try:
+        import datasets
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise MissingDependencyError(
+            "this Trainer takes only a datasets.Dataset: pip install 'streampack[hf]' (it has datasets)"
+        ) from error
+    view = datasets.IterableDataset.from_generator(_rows, gen_kwargs={"loader": loader})
+    view.__class__ = _sized_rows_class()  # the same object, with a length: Trainer checks one for epochs
+    view._streampack_loader = loader
+    return view
+
+
+def _rows(loader: Loader) -> Any:
+    for position in loader.schedule():
+        batch = loader.batch(position)
+        columns = batch if isinstance(batch, dict) else {"input_ids": batch}
+        rows = {key: value for key, value in columns.items() if getattr(value, "ndim", 0) == 2}
+        for row in range(len(rows["input_ids"])):
+            yield {key: value[row].tolist() for key, value in rows.items()}
+
+
+@functools.lru_cache(maxsize=1)
+def _sized_rows_class() -> type:
+    import datasets
+
+    class LoaderRows(datasets.IterableDataset):
+        """A ``datasets.IterableDataset`` of a Loader's rows, with the loader's ``len()``."""
+
+        _streampack_loader: Loader
+
+        def __len__(self) -> int:
+            return len(self._streampack_loader)
+
+    return LoaderRows
 
 
 class _SaveLoaderState(transformers.TrainerCallback):

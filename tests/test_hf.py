@@ -164,3 +164,62 @@ def test_trainer_under_torchrun_gives_each_rank_its_rows_and_resumes_exactly(
         # Rank r trains on its half of each global batch, as the loader defines it.
         expected = [sample_ids(reference.batch(4 * step))[2 * rank : 2 * rank + 2] for step in range(4)]
         assert seen["full"] == expected
+
+
+def trl_train(
+    seqs: streampack.PackedSequences, out: Path, tokenizer: Any, max_steps: int, resume: bool = False
+) -> tuple[list[list[int]], Any]:
+    """Train with the README's own-Trainer path over TRL's SFTTrainer; the batches it trained on."""
+    import trl
+
+    class SFT(streampack.hf.LoaderTrainerMixin, trl.SFTTrainer):
+        def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
+            self.seen.append(sample_ids(inputs))
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    args = trl.SFTConfig(
+        str(out),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_steps=max_steps,
+        save_steps=3,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    loader = streampack.Loader(seqs, batch_size=4, seed=1, output="dict")
+    trainer = SFT(model=tiny_gpt2(), args=args, train_dataset=loader, processing_class=tokenizer)
+    trainer.seen = []
+    assert trainer.train_dataset is loader and loader.position == 0  # the view TRL saw moved nothing
+    trainer.train(resume_from_checkpoint=resume or None)
+    return trainer.seen, trainer
+
+
+def test_trl_sft_trainer_with_the_mixin_trains_checkpoints_and_resumes_exactly(
+    seqs: streampack.PackedSequences, tmp_path: Path, bpe_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("trl", reason="the TRL path needs trl (the dev extra has it)")
+    from transformers import PreTrainedTokenizerFast
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # TRL pings the Hub at construction otherwise
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(bpe_tokenizer), pad_token="<|endoftext|>")
+    uninterrupted, trainer = trl_train(seqs, tmp_path / "a", tokenizer, max_steps=6)
+    assert uninterrupted == [sample_ids(trainer.train_dataset.batch(4 * i)) for i in range(12)]
+    first, _ = trl_train(seqs, tmp_path / "b", tokenizer, max_steps=3)
+    state = json.loads((tmp_path / "b" / "checkpoint-3" / streampack.hf.LOADER_STATE_NAME).read_text())
+    assert state["position"] == 3 * 2 * 4
+    rest, _ = trl_train(seqs, tmp_path / "b", tokenizer, max_steps=6, resume=True)
+    assert first + rest == uninterrupted
+
+    import trl
+
+    class SFT(streampack.hf.LoaderTrainerMixin, trl.SFTTrainer):
+        pass
+
+    packing = trl.SFTConfig(str(tmp_path / "c"), packing=True, use_cpu=True, bf16=False, report_to=[])
+    loader = streampack.Loader(seqs, batch_size=8, output="dict")
+    with pytest.raises(OptionsError, match=r"packing=True packs the Trainer's own dataset.*cache\.packed"):
+        SFT(model=tiny_gpt2(), args=packing, train_dataset=loader, processing_class=tokenizer)

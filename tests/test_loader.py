@@ -534,6 +534,11 @@ def test_varlen_output_gives_the_segments_of_the_flattened_batch(cache: streampa
     assert np.array_equal(
         batch["labels"], Loader(seqs, batch_size=4, seed=2, output="dict").batch(8)["labels"]
     )
+    # Refusals name the output asked for, not another one.
+    with pytest.raises(ValueError, match=r"^output='varlen' labels the input tokens themselves"):
+        Loader(cache.sequences(32, overlap=1), batch_size=4, output="varlen")
+    with pytest.raises(ValueError, match=r"^output='varlen' needs position ids, which IndexSource"):
+        Loader(IndexSource(100), batch_size=4, output="varlen")
 
 
 def test_collate_is_applied_to_every_batch() -> None:

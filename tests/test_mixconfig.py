@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from streampack.errors import OptionsError
 from streampack.loader import Loader
 from streampack.order.mixture import Mixture
 from streampack.testing.caches import write_random_cache
-from tests.conftest import run_cli
+from tests.conftest import run_cli, s3_options, write_jsonl
 
 YAML = """\
 seq_len: 64
@@ -151,3 +152,95 @@ def test_cli_mix_far_ahead_reports_the_position_its_shares_are_of(project: Path)
     ).stdout
     report = json.loads(out)
     assert report["position"] == sum(row["served"] for row in report["sources"])
+
+
+REMOTE_YAML = """\
+seq_len: 16
+seed: 4
+block_size: 10
+local_dir: copies          # relative to this file: one folder per source below it
+storage_options: {{client_kwargs: {{endpoint_url: "{endpoint}"}}}}
+sources:
+  web: s3://{bucket}/web   # joined to nothing: read through a local copy
+  code:
+    path: s3://{bucket}/code
+    local_dir: code-copy
+    max_local_bytes: 1.0e+7
+  local: caches/local      # a relative path is still relative to this file
+weights: {{web: 5, code: 3, local: 2}}
+"""
+
+
+@pytest.fixture
+def remote_project(tmp_path: Path, bucket: tuple[Any, str], s3_endpoint: str) -> tuple[Path, Path]:
+    """A mixture config naming two caches in a real S3 bucket (moto on 127.0.0.1) and a local one, and
+    the same config over local builds of all three."""
+    _, name = bucket
+    texts = {
+        "web": [f"web page {i}: " + "lorem ipsum " * (i % 7 + 1) for i in range(300)],
+        "code": [f"def f{i}():\n    return {i}\n" for i in range(200)],
+        "local": [f"note {i} " * 5 for i in range(100)],
+    }
+    for source, docs in texts.items():
+        write_jsonl(tmp_path / "in" / f"{source}.jsonl", [{"text": t} for t in docs])
+        streampack.build([tmp_path / "in" / f"{source}.jsonl"], tmp_path / "caches" / source)
+        if source != "local":
+            streampack.build(
+                [tmp_path / "in" / f"{source}.jsonl"],
+                f"s3://{name}/{source}",
+                stage=str(tmp_path / "stage" / source),
+                storage_options=s3_options(s3_endpoint),
+            )
+    (tmp_path / "mix.yaml").write_text(REMOTE_YAML.format(endpoint=s3_endpoint, bucket=name))
+    local = {"web": "caches/web", "code": "caches/code", "local": "caches/local"}
+    config = {"seq_len": 16, "seed": 4, "block_size": 10, "sources": local}
+    (tmp_path / "local.json").write_text(json.dumps({**config, "weights": {"web": 5, "code": 3, "local": 2}}))
+    return tmp_path / "mix.yaml", tmp_path / "local.json"
+
+
+def test_a_config_reads_caches_in_object_storage_with_their_reading_options(
+    remote_project: tuple[Path, Path],
+) -> None:
+    remote_path, local_path = remote_project
+    root = remote_path.parent
+    remote, local = streampack.load_mixture(remote_path), streampack.load_mixture(local_path)
+    assert remote.fingerprint() == local.fingerprint()
+    positions = np.arange(300, dtype=np.int64)
+    assert all(np.array_equal(a, b) for a, b in zip(remote(positions), local(positions), strict=True))
+    loader, expected = Loader(remote, batch_size=10), Loader(local, batch_size=10)
+    assert all(np.array_equal(loader.batch(p), expected.batch(p)) for p in range(0, 100, 10))
+    stores = {name: seqs.cache.store for name, seqs in remote.sources.items()}
+    assert stores["web"].root == (root / "copies" / "web").absolute()  # the config's folder, per source
+    assert stores["code"].root == (root / "code-copy").absolute()  # its own
+    assert any((root / "copies" / "web" / "shards").iterdir())
+
+    out = run_cli("mix", "--config", remote_path, "--steps", "7", "--batch-size", "10", "--json").stdout
+    cli_report = json.loads(out)["sources"]
+    assert [row["served"] for row in cli_report] == [p.served for p in expected.realised(7)]
+
+
+@pytest.mark.parametrize(
+    ("sources", "message"),
+    [
+        (
+            "{a: {path: caches/local, local_dir: x}}",
+            r"sources.a: local_dir apply to caches in object storage",
+        ),
+        ("{a: {paht: s3://b/c}}", r"sources.a: unknown keys \['paht'\]"),
+        ("{a: {local_dir: x}}", r"sources.a: 'path' is missing"),
+        ("{a: s3://b/c}\nmax_local_bytes: lots", "max_local_bytes must be a whole number"),
+        ("{a: s3://b/c}\nstorage_options: [1]", "storage_options is a mapping"),
+    ],
+)
+def test_reading_options_are_checked_naming_the_key(tmp_path: Path, sources: str, message: str) -> None:
+    write_random_cache(tmp_path / "caches" / "local", 1000, seed=1)
+    (tmp_path / "mix.yaml").write_text(f"seq_len: 8\nweights: {{a: 1}}\nsources: {sources}\n")
+    with pytest.raises(OptionsError, match=message):
+        streampack.load_mixture(tmp_path / "mix.yaml")
+
+
+def test_cli_mix_help_names_every_key_of_a_config() -> None:
+    from streampack.loader.mixconfig import _KEYS
+
+    shown = run_cli("mix", "--help").stdout
+    assert all(key in shown for key in _KEYS) and "path" in shown and "s3://" in shown

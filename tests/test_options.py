@@ -19,6 +19,12 @@ from tests.conftest import write_jsonl
 def test_a_misspelt_option_is_refused_with_the_nearest_name(tmp_path: Path) -> None:
     with pytest.raises(OptionsError, match="unknown build option 'worker'; did you mean 'workers'"):
         streampack.build(streampack.Documents(["x"]), tmp_path / "c", worker=2)
+    # The same for the settings given whole, as the README shows: build(..., spec=CacheSpec(...)).
+    with pytest.raises(OptionsError, match="CacheSpec has no field 'tokeniser'; did you mean 'tokenizer'"):
+        CacheSpec(tokeniser="bytes")  # type: ignore[call-arg]
+    with pytest.raises(OptionsError, match="RunOptions has no field 'worker'; did you mean 'workers'"):
+        RunOptions(worker=2)  # type: ignore[call-arg]
+    assert CacheSpec("bytes", eos=False) == dataclasses.replace(CacheSpec(), eos=False)
 
 
 @pytest.mark.parametrize(

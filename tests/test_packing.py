@@ -137,6 +137,30 @@ def test_too_long_documents_follow_the_policy(tmp_path: Path) -> None:
         cache.documents(10, too_long="wrap")  # type: ignore[arg-type]
 
 
+def test_pieces_without_a_target_are_counted_and_can_be_dropped(tmp_path: Path) -> None:
+    """Without a loss mask every token is a target but a piece's first (a segment start, label -100): a
+    one-token document or remainder has none."""
+    cache = indexed_cache(tmp_path / "c", [[5, 21, 1], [8]])
+    docs = documents_of(cache)
+    split = cache.documents(10, too_long="split", pad_id=PAD)
+    assert split.layout.no_target == 2 and len(split) == 6  # the remainder docs[1][20:] and docs[2]
+    kept = cache.documents(10, too_long="split", no_target="drop", pad_id=PAD)
+    assert kept.layout.no_target == 2 and len(kept) == 4
+    assert [row.tolist() for row in served(kept)] == [
+        docs[0].tolist(), docs[1][:10].tolist(), docs[1][10:20].tolist(), docs[3].tolist()
+    ]  # fmt: skip
+    labels = next(iter(streampack.Loader(kept, batch_size=4, shuffle=False, output="dict")))["labels"]
+    assert ((labels != -100).sum(axis=1) > 0).all()
+    assert "dropped=0, no_target=2" in repr(streampack.Loader(kept, batch_size=4))
+    # Dropping changes the plan, so it is part of its key and fingerprint; keeping is the plan as before.
+    assert kept.layout.directory != split.layout.directory
+    assert kept.fingerprint()["no_target"] == "drop" and "no_target" not in split.fingerprint()
+    packed = cache.packed(10, too_long="split", no_target="drop", pad_id=PAD)
+    assert packed.layout.no_target == 2 and packed.layout.tokens == kept.layout.tokens
+    with pytest.raises(OptionsError, match=r"no_target must be 'keep' or 'drop' \(got 'skip'\)"):
+        cache.documents(10, no_target="skip")  # type: ignore[arg-type]
+
+
 def test_padding_is_the_pad_id_and_no_target(tmp_path: Path) -> None:
     cache = indexed_cache(tmp_path / "c", [[3, 4]])
     samples = cache.documents(6, pad_id=7)

@@ -303,8 +303,20 @@ def test_cli_which_reads_a_mixture_config(tmp_path: Path, bpe_tokenizer: Path) -
     )
     shown = run_cli("which", config, "--batch-size", "4", "--step", "2")
     assert "source" in shown.stdout and "books" in shown.stdout and "web.jsonl:" in shown.stdout
-    refused = run_cli("which", config, "--batch-size", "4", "--step", "2", "--seed", "1", check=False)
-    assert refused.returncode == 2 and "--seed: a mixture config sets these itself" in refused.stderr
+    # The settings a script passes for a cache are accepted where they agree with the config's own.
+    agreeing = ("--seq-len", "16", "--seed", "0", "--overlap", "0")
+    assert run_cli("which", config, "--batch-size", "4", "--step", "2", *agreeing).stdout == shown.stdout
+    refused = run_cli(
+        "which", config, "--batch-size", "4", "--step", "2", "--seed", "1", "--seq-len", "8", check=False
+    )
+    assert refused.returncode == 2
+    said = " ".join(refused.stderr.split())
+    assert "--seq-len 8 (the config has seq_len: 16); --seed 1 (the config has seed: 0)" in said
+    assert "mix.json sets these itself" in said
+    no_shuffle = run_cli("which", config, "--batch-size", "4", "--step", "2", "--no-shuffle", check=False)
+    assert no_shuffle.returncode == 2 and "--no-shuffle (the config has shuffle: true)" in " ".join(
+        no_shuffle.stderr.split()
+    )
     mix = streampack.load_mixture(config)
     expected = streampack.which(Loader(mix, batch_size=4), 2)
     assert [line.split()[-1] for line in shown.stdout.splitlines()[2:]] == [d.location for d in expected]

@@ -451,3 +451,82 @@ def test_cli_sft_build_info_verify(tmp_path: Path, gpt2_tokenizer: Path) -> None
     )
     failed = run_cli("build", chat, "--out", tmp_path / "f", "--chat", "conv", check=False)
     assert failed.returncode == 1 and "chat='conv' needs a chat template" in failed.stderr
+
+
+# ------------------------------------------------------------------------------ samples with no target
+
+
+def all_labels(samples: streampack.PackedSequences) -> np.ndarray:
+    """The ``output="dict"`` labels of every sample, in order."""
+    loader = streampack.Loader(samples, batch_size=1, shuffle=False, epochs=1, output="dict")
+    return np.concatenate([batch["labels"] for batch in loader])
+
+
+def test_samples_without_a_target_are_counted_and_can_be_dropped(
+    tmp_path: Path, gpt2_tokenizer: Path
+) -> None:
+    tokenizer = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", CHATML, CHATML_TOKENS)
+    long_prompt = [
+        {"role": "user", "content": "Please summarise the following. " + "The cache keeps tokens. " * 30},
+        {"role": "assistant", "content": "Tokens are kept."},
+    ]
+    short = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]
+    unanswered = [{"role": "user", "content": "Anyone there?"}]
+    conversations = [short, long_prompt, short, long_prompt, unanswered, long_prompt, short]
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in conversations])
+    # Without EOS (the EOS is a target), a conversation without an assistant turn has no target at all.
+    run_cli(
+        "build",
+        src,
+        "--tokenizer",
+        tokenizer.parent,
+        "--out",
+        tmp_path / "c",
+        "--chat",
+        "messages",
+        "--no-eos",
+    )
+    cache = streampack.open(tmp_path / "c")
+    seq_len = 48
+    assert all(len(cache.doc(i)) > seq_len for i in (1, 3, 5)) and len(cache.doc(0)) < seq_len
+
+    truncated = cache.documents(seq_len)  # the default: too_long="truncate", no_target="keep"
+    untrained = [i for i, row in enumerate(all_labels(truncated)) if (row == -100).all()]
+    assert untrained == [1, 3, 4, 5]  # the three truncated before their answer, and the unanswered one
+    assert truncated.layout.no_target == 4 and truncated.layout.dropped == 0
+    assert "dropped=0, no_target=4" in repr(streampack.Loader(truncated, batch_size=2))
+
+    kept = cache.documents(seq_len, no_target="drop")
+    assert len(kept) == 3 and kept.layout.no_target == 4
+    assert ((all_labels(kept) != -100).any(axis=1)).all()
+    assert np.array_equal(kept[np.arange(3)], truncated[np.array([0, 2, 6])])
+
+    too_long_dropped = cache.documents(seq_len, too_long="drop")
+    assert (too_long_dropped.layout.dropped, too_long_dropped.layout.no_target) == (3, 1)
+
+    # Split: the pieces of a long conversation that hold only prompt are counted (and dropped) alone.
+    split = cache.documents(seq_len, too_long="split")
+    split_untrained = int(((all_labels(split) == -100).all(axis=1)).sum())
+    assert split.layout.no_target == split_untrained > 1
+    answered = cache.documents(seq_len, too_long="split", no_target="drop")
+    assert (
+        len(answered) == len(split) - split_untrained and ((all_labels(answered) != -100).any(axis=1)).all()
+    )
+    packed = cache.packed(seq_len, too_long="split", no_target="drop")
+    assert packed.layout.no_target == split_untrained and packed.layout.tokens == answered.layout.tokens
+
+    info = json.loads(run_cli("info", tmp_path / "c", "--json").stdout)
+    assert info["no_target_docs"] == 1  # whatever the seq_len: the unanswered conversation
+
+
+def test_prompts_longer_than_seq_len_in_a_fields_cache_are_counted(
+    tmp_path: Path, gpt2_tokenizer: Path
+) -> None:
+    records = [{"prompt": "Question " * n, "response": " answer."} for n in (3, 40, 5, 60)]
+    src = write_jsonl(tmp_path / "in.jsonl", records)
+    streampack.build(src, tmp_path / "c", tokenizer=str(gpt2_tokenizer), fields=["prompt", "response"])
+    cache = streampack.open(tmp_path / "c")
+    samples = cache.documents(16)
+    assert samples.layout.no_target == 2 == int(((all_labels(samples) == -100).all(axis=1)).sum())
+    assert len(cache.documents(16, no_target="drop")) == 2
+    assert json.loads(run_cli("info", tmp_path / "c", "--json").stdout)["no_target_docs"] == 0  # EOS trains

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from streampack.errors import OptionsError
 
@@ -23,8 +24,34 @@ SpecialTokens = Literal["text", "parse"]
 TokenizerEngine = Literal["auto", "tokenizers", "tiktoken", "fastokens"]
 VerifyTokens = Literal["sample", "all", "none"]
 DEFAULT_UNIT_BYTES = 64 << 20
+_Options = TypeVar("_Options", bound=type)
 
 
+def _named_fields(cls: _Options) -> _Options:
+    """Make ``cls(**kwargs)`` refuse a misspelt field name with the nearest one (an :class:`OptionsError`),
+    as :func:`split_options` does, rather than the dataclass's bare ``TypeError``."""
+    init: Callable[..., None] = cls.__init__  # type: ignore[misc]
+    names = {f.name for f in fields(cls)}
+
+    @functools.wraps(init)
+    def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise OptionsError(unknown_option(unknown[0], names, f"{cls.__name__} has no field"))
+        init(self, *args, **kwargs)
+
+    setattr(cls, "__init__", checked_init)  # noqa: B010 - mypy refuses assigning a method directly
+    return cls
+
+
+def unknown_option(name: str, names: Collection[str], what: str) -> str:
+    """The message for an unknown option ``name``: ``what``, the name, and the nearest of ``names``."""
+    close = difflib.get_close_matches(name, sorted(names), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{what} {name!r}{hint} (see CacheSpec and RunOptions)"
+
+
+@_named_fields
 @dataclass(frozen=True)
 class CacheSpec:
     """The settings that identify a cache: all recorded in the manifest and compared on resume.
@@ -111,6 +138,7 @@ class CacheSpec:
         return settings
 
 
+@_named_fields
 @dataclass(frozen=True)
 class RunOptions:
     """How a build runs; never changes the cache's bytes, never recorded.
@@ -180,9 +208,7 @@ def split_options(
     run_names = {f.name for f in fields(RunOptions)}
     unknown = sorted(set(options) - spec_names - run_names)
     if unknown:
-        close = difflib.get_close_matches(unknown[0], sorted(spec_names | run_names), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise OptionsError(f"unknown build option {unknown[0]!r}{hint} (see CacheSpec and RunOptions)")
+        raise OptionsError(unknown_option(unknown[0], spec_names | run_names, "unknown build option"))
     spec = dataclasses.replace(spec or CacheSpec(), **{k: v for k, v in options.items() if k in spec_names})
     run = dataclasses.replace(run or RunOptions(), **{k: v for k, v in options.items() if k in run_names})
     return spec, run

@@ -326,6 +326,7 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "tokenizer_engine": _engines_summary(cache.manifest.engines),
         "sft": _sft_summary(cache.manifest),
         "loss_mask": cache.has_loss_mask,
+        "no_target_docs": _no_target_docs(cache),
         "inputs": _inputs_read(cache.manifest.inputs),
         "ignored_inputs": _ignored_summary(cache.manifest.ignored_inputs),
         "skipped_records": cache.manifest.skipped_records,
@@ -335,6 +336,21 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "doc_tokens_p50": int(quantiles[0]),
         "doc_tokens_p99": int(quantiles[1]),
     }
+
+
+def _no_target_docs(cache: Cache) -> int:
+    """Documents with no target token (every ``output="dict"`` label ``-100``, whatever the ``seq_len``):
+    in an SFT cache, e.g. a conversation without an assistant turn built without EOS. Reads the masks."""
+    from streampack.samples.packing import has_target
+
+    count = 0
+    for shard in range(cache.num_shards):
+        ends = np.asarray(cache.shard_offsets(shard), dtype=np.int64)
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        keep = ends > starts
+        mask = cache.shard_loss_mask(shard) if cache.has_loss_mask else None
+        count += int(np.count_nonzero(~has_target(mask, starts[keep], (ends - starts)[keep])))
+    return count
 
 
 def _engines_summary(engines: list[dict[str, Any]]) -> str:
@@ -662,6 +678,23 @@ def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | 
     Nothing is read but the caches' manifests: the proportions come from the order alone, exactly, also
     far ahead. With --state, from where a saved loader state (Loader.state_dict() as JSON) stands, with the
     config's weights after it: the plan of a run resumed with this config.
+
+    The config's keys (unknown ones are refused): seq_len and sources (required); weights, or stages
+    (a list of {at: SAMPLES or {tokens: N}, weights: {...}}); layout (windows, packed, documents),
+    overlap, seed, shuffle (true, false or {block: B, window: W}), block_size, stop (never,
+    first_exhausted); for sources in object storage, local_dir, max_local_bytes and storage_options.
+    A source is a cache directory (relative to the config file), a URL (s3://bucket/prefix), or
+    {path: ..., local_dir: ..., max_local_bytes: ..., storage_options: ...}. For example:
+
+    \b
+        seq_len: 2048
+        seed: 0
+        sources:
+          web: caches/web
+          code: s3://bucket/code
+        stages:
+          - {at: 0, weights: {web: 0.9, code: 0.1}}
+          - {at: {tokens: 2.0e+10}, weights: {web: 0.7, code: 0.3}}
     """
     from streampack.loader import Loader
     from streampack.loader.mixconfig import load_mixture
@@ -706,14 +739,22 @@ def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | 
 @cli.command()
 @click.argument("data", type=click.Path(exists=True))
 @click.option(
-    "--seq-len", type=click.IntRange(min=1), help="Tokens per sample (a mixture config sets its own)."
+    "--seq-len",
+    type=click.IntRange(min=1),
+    help="Tokens per sample (a mixture config sets its own: give none, or the same).",
 )
 @click.option(
     "--overlap", type=click.IntRange(min=0), help="Extra tokens per sample, as trained with [default: 0]."
 )
 @click.option("--batch-size", type=click.IntRange(min=1), help="Global batch size [default: the state's].")
-@click.option("--seed", type=int, help="Shuffle seed of the run [default: 0; a mixture config sets its own].")
-@click.option("--no-shuffle", is_flag=True, help="The run read samples in stream order (not with a mixture).")
+@click.option(
+    "--seed", type=int, help="Shuffle seed of the run [default: 0; a mixture config sets its own, as above]."
+)
+@click.option(
+    "--no-shuffle",
+    is_flag=True,
+    help="The run read samples in stream order (a mixture config sets its own shuffle, as above).",
+)
 @_SHUFFLE_BLOCK
 @_SHUFFLE_WINDOW
 @click.option(
@@ -807,19 +848,8 @@ def _run_loader(
     from streampack.loader.mixconfig import load_mixture
 
     if Path(data).is_file():
-        no_shuffle, block, window = shuffle
-        flags_given = (
-            ("--seq-len", seq_len),
-            ("--overlap", overlap),
-            ("--seed", seed),
-            ("--shuffle-block", block),
-            ("--shuffle-window", window),
-        )
-        given = [flag for flag, value in flags_given if value is not None]
-        if given or no_shuffle:
-            flags = ", ".join(given + (["--no-shuffle"] if no_shuffle else []))
-            raise click.UsageError(f"{flags}: a mixture config sets these itself ({data})")
         dataset: Any = load_mixture(data)
+        _check_agrees_with_config(data, dataset, seq_len, overlap, seed, shuffle)
         options: dict[str, Any] = {}
     else:
         if seq_len is None:
@@ -830,6 +860,53 @@ def _run_loader(
         return Loader(dataset, batch_size=batch_size, world_size=world_size, **options)
     except ValueError as e:
         raise StreampackError(str(e)) from None
+
+
+def _check_agrees_with_config(
+    path: str,
+    mixture: Any,
+    seq_len: int | None,
+    overlap: int | None,
+    seed: int | None,
+    shuffle: tuple[bool, int | None, int | None],
+) -> None:
+    """Refuse run settings given on the command line that contradict the mixture config's own.
+
+    A config sets its samples' length, overlap, seed and shuffle itself; the same values given again (as
+    a script that passes them for a cache does) are accepted.
+    """
+    from streampack.order.blockshuffle import shuffle_fingerprint
+
+    first = next(iter(mixture.sources.values()))
+    checks: list[tuple[str, object, object, str]] = [
+        (f"--seq-len {seq_len}", seq_len, getattr(first, "seq_len", None), "seq_len"),
+        (f"--overlap {overlap}", overlap, getattr(first, "overlap", 0), "overlap"),
+        (f"--seed {seed}", seed, mixture.seed, "seed"),
+    ]
+    no_shuffle, block, window = shuffle
+    if no_shuffle or block is not None or window is not None:
+        flags = [f"--shuffle-{key} {value}" for key, value in (("block", block), ("window", window)) if value]
+        given = shuffle_fingerprint(_shuffle(no_shuffle, block, window))
+        own = shuffle_fingerprint(mixture.shuffle)
+        checks.append((" ".join(flags) if flags else "--no-shuffle", given, own, "shuffle"))
+    contradictions = [
+        f"{flags} (the config has {key}: {_shown(own)})"
+        for flags, given, own, key in checks
+        if given is not None and given != own
+    ]
+    if contradictions:
+        raise click.UsageError(
+            f"{'; '.join(contradictions)}: the mixture config {path} sets these itself; leave the flags out "
+            "(or give the config's values), or edit the config"
+        )
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 @cli.command()

@@ -74,16 +74,17 @@ class CausalLMDict:
     def __init__(self, sources: Sequence[object], *, varlen: bool = False) -> None:
         self.varlen = varlen
         self._boundaries_of: list[Callable[[np.ndarray], Boundaries]] = []
+        output = f"output={'varlen' if varlen else 'dict'!r}"  # the option the user gave, in messages
         for data in sources:
             if not hasattr(data, "boundaries"):
                 raise OptionsError(
-                    f"output='dict' needs position ids, which {type(data).__name__} does not provide "
+                    f"{output} needs position ids, which {type(data).__name__} does not provide "
                     "(no boundaries() method); use output='numpy' or cache.sequences(...)"
                 )
             overlap = int(getattr(data, "overlap", 0))
             if overlap:
                 raise OptionsError(
-                    "output='dict' labels the input tokens themselves (Hugging Face models shift them), so "
+                    f"{output} labels the input tokens themselves (Hugging Face models shift them), so "
                     f"the samples need no overlap (got overlap={overlap}); use cache.sequences(seq_len) with "
                     "overlap=0, or output='numpy' for x/y windows"
                 )

@@ -9,16 +9,27 @@ Example ``mix.yaml``::
     shuffle: true         # optional: true | false | {block: 4096, window: 32} (a block shuffle)
     block_size: 4096      # optional
     stop: never           # optional: never | first_exhausted
-    sources:              # name: cache directory (relative to this file)
+    sources:              # name: cache directory (relative to this file) or URL (s3://bucket/prefix)
       web: caches/web
-      code: caches/code
+      code: s3://bucket/code
+      math:                 # or a mapping: the cache, and how to read it if it is in object storage
+        path: s3://other-bucket/math
+        local_dir: /nvme/math-copy   # optional (relative to this file); the local copy of its shards
+        max_local_bytes: 2.0e+10     # optional: the bound on that copy
+        storage_options: {client_kwargs: {endpoint_url: "http://127.0.0.1:9000"}}  # optional (fsspec)
+    # For every source in object storage that does not set its own (all optional):
+    local_dir: /scratch/mix  # one subdirectory per source: /scratch/mix/code, ...
+    max_local_bytes: 1.0e+11 # the bound of each source's local copy
+    storage_options: {anon: false}
     stages:               # or, for one stage, weights: {web: 0.7, code: 0.3}
       - at: 0
         weights: {web: 0.9, code: 0.1}
       - at: {tokens: 2.0e+10}   # or a position in samples: at: 10000000
         weights: {web: 0.7, code: 0.3}
 
-Unknown keys are refused, so a misspelt ``weigths`` never passes silently as "no weights".
+Unknown keys are refused, so a misspelt ``weigths`` never passes silently as "no weights". A source in
+object storage is read as :func:`streampack.open` reads one (``local_dir``, ``max_local_bytes``,
+``storage_options``); those keys are refused for a local cache.
 """
 
 from __future__ import annotations
@@ -34,10 +45,14 @@ import orjson
 from streampack.errors import MissingDependencyError, OptionsError
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
+from streampack.reader import Cache
 from streampack.reader import open as open_cache
+from streampack.store.remote import is_remote
 
 __all__ = ["load_mixture"]
 
+# How a cache in object storage is read (streampack.open's options), per source or for every source.
+_READING = ("local_dir", "max_local_bytes", "storage_options")
 _KEYS = {
     "seq_len",
     "layout",
@@ -49,6 +64,7 @@ _KEYS = {
     "sources",
     "weights",
     "stages",
+    *_READING,
 }
 
 
@@ -56,7 +72,8 @@ def load_mixture(config: str | Path | Mapping[str, Any]) -> Mixture:
     """The :class:`~streampack.order.mixture.Mixture` a config file (``.yaml``, ``.yml``, ``.json``) or
     dict gives.
 
-    Cache paths are taken relative to the file's directory (to the working directory for a dict).
+    Cache paths, and ``local_dir``, are taken relative to the file's directory (to the working directory
+    for a dict); a URL (``s3://bucket/prefix``, ``file:///abs/path``) is taken as it is.
 
     Raises:
         OptionsError: (a ``ValueError``) the file cannot be parsed, a key is unknown or missing, a value
@@ -117,17 +134,16 @@ def _mixture(config: Mapping[str, Any], base: Path, where: str) -> Mixture:
     overlap = _integer(config.get("overlap", 0), f"{where}: overlap", minimum=0)
     sources = config["sources"]
     if not isinstance(sources, Mapping) or not sources:
-        raise OptionsError(f"{where}: sources is a mapping of name: cache directory (got {sources!r})")
+        raise OptionsError(f"{where}: sources is a mapping of name: cache directory or URL (got {sources!r})")
     layout = config.get("layout", "windows")
     if layout not in ("windows", "packed", "documents"):
         raise OptionsError(f"{where}: layout is windows, packed or documents (got {layout!r})")
     if overlap and layout != "windows":
         raise OptionsError(f"{where}: overlap applies to layout: windows only (got layout: {layout})")
+    shared = _reading(config, base, where)
     datasets = {}
     for name, location in sources.items():
-        if not isinstance(location, str):
-            raise OptionsError(f"{where}: sources.{name} is a cache directory (got {location!r})")
-        cache = open_cache(base / location)
+        cache = _open_source(str(name), location, shared, base, f"{where}: sources.{name}")
         datasets[str(name)] = (
             cache.sequences(seq_len, overlap=overlap)
             if layout == "windows"
@@ -145,6 +161,58 @@ def _mixture(config: Mapping[str, Any], base: Path, where: str) -> Mixture:
         return Mixture(datasets, config.get("weights"), stages=stages, **options)
     except OptionsError as error:
         raise OptionsError(f"{where}: {error}") from None
+
+
+def _reading(config: Mapping[str, Any], base: Path, where: str) -> dict[str, Any]:
+    """The reading options of ``config`` (a whole config's, or one source's), checked; relative
+    ``local_dir`` taken from ``base``."""
+    options: dict[str, Any] = {}
+    if config.get("local_dir") is not None:
+        local_dir = config["local_dir"]
+        if not isinstance(local_dir, str):
+            raise OptionsError(f"{where}: local_dir is a directory (got {local_dir!r})")
+        options["local_dir"] = base / local_dir
+    if config.get("max_local_bytes") is not None:
+        options["max_local_bytes"] = _integer(
+            config["max_local_bytes"], f"{where}: max_local_bytes", minimum=1
+        )
+    if config.get("storage_options") is not None:
+        storage = config["storage_options"]
+        if not isinstance(storage, Mapping):
+            raise OptionsError(
+                f"{where}: storage_options is a mapping passed to the fsspec filesystem (got {storage!r})"
+            )
+        options["storage_options"] = dict(storage)
+    return options
+
+
+def _open_source(name: str, location: object, shared: dict[str, Any], base: Path, where: str) -> Cache:
+    """Open the cache of source ``name``: a path or URL, or a mapping with ``path`` and reading options.
+
+    A source in object storage takes the config's reading options where it sets none of its own (the
+    config's ``local_dir`` holding one subdirectory per source); a local one takes none.
+    """
+    own: dict[str, Any] = {}
+    if isinstance(location, Mapping):
+        unknown = sorted(set(map(str, location)) - {"path", *_READING})
+        if unknown or "path" not in location:
+            problem = f"unknown keys {unknown}" if unknown else "'path' is missing"
+            raise OptionsError(f"{where}: {problem}; a source is a path or URL, or has {['path', *_READING]}")
+        own = _reading(location, base, where)
+        location = location["path"]
+    if not isinstance(location, str) or not location:
+        raise OptionsError(f"{where} is a cache directory or URL (got {location!r})")
+    if not is_remote(location):
+        if own:
+            raise OptionsError(
+                f"{where}: {', '.join(own)} apply to caches in object storage (s3://...), not to the local "
+                f"cache {location}"
+            )
+        return open_cache(location if "://" in location else base / location)
+    reading = {**shared, **own}
+    if "local_dir" in shared and "local_dir" not in own:
+        reading["local_dir"] = shared["local_dir"] / name
+    return open_cache(location, **reading)
 
 
 def _block_shuffle(value: Mapping[str, Any], where: str) -> BlockShuffle:

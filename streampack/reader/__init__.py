@@ -40,7 +40,7 @@ from streampack.store.localcopy import CachedStore, Expected, cached_store, on_r
 from streampack.store.remote import is_remote
 
 if TYPE_CHECKING:
-    from streampack.samples.packing import TooLong
+    from streampack.samples.packing import NoTarget, TooLong
     from streampack.samples.sequences import PackedSequences
     from streampack.samples.split import DocumentSet
 
@@ -154,7 +154,12 @@ class Cache:
         return PackedSequences(self, seq_len, overlap=overlap)
 
     def packed(
-        self, seq_len: int, *, too_long: TooLong = "split", pad_id: int | None = None
+        self,
+        seq_len: int,
+        *,
+        too_long: TooLong = "split",
+        no_target: NoTarget = "keep",
+        pad_id: int | None = None,
     ) -> PackedSequences:
         """Whole documents packed into samples of ``seq_len`` tokens by best-fit decreasing, then padding.
 
@@ -163,29 +168,43 @@ class Cache:
         keeps its first ``seq_len`` tokens; ``"drop"`` leaves it out (``samples.layout.dropped`` counts
         them). The plan is computed from the offset tables in chunks of
         :data:`~streampack.samples.packing.CHUNK_DOCS` documents and stored in ``CACHE/layouts/`` (see
-        :mod:`streampack.samples.packing`). ``samples.layout.padding`` is the fraction of padding.
+        :mod:`streampack.samples.packing`). ``samples.layout.padding`` is the fraction of padding, and
+        ``samples.layout.no_target`` counts the pieces with no target token.
 
         Args:
             seq_len: tokens per sample.
             too_long: what to do with a document longer than ``seq_len``.
+            no_target: what to do with a piece (a document, or a piece of a split one) with no target
+                token, whose every ``output="dict"`` label would be ``-100`` (in an SFT cache, a prompt
+                truncated before its response): ``"keep"`` it (the default) or ``"drop"`` it.
             pad_id: the id that fills padding (masked out of the loss in ``output="dict"``); the cache's
                 EOS id by default, else 0.
         """
-        return self.all_documents().packed(seq_len, too_long=too_long, pad_id=pad_id)
+        return self.all_documents().packed(seq_len, too_long=too_long, no_target=no_target, pad_id=pad_id)
 
     def documents(
-        self, seq_len: int, *, too_long: TooLong = "truncate", pad_id: int | None = None
+        self,
+        seq_len: int,
+        *,
+        too_long: TooLong = "truncate",
+        no_target: NoTarget = "keep",
+        pad_id: int | None = None,
     ) -> PackedSequences:
         """One document per sample, padded to ``seq_len`` tokens: for fine-tuning (SFT) on a masked cache.
+
+        ``no_target="drop"`` leaves out the samples with no target token (a prompt truncated before its
+        response would make a sample whose every label is ``-100``, and a batch of such samples a NaN mean
+        loss); ``samples.layout.no_target`` counts them either way.
 
         Args:
             seq_len: tokens per sample.
             too_long: a document longer than ``seq_len`` is cut to its first ``seq_len`` tokens
                 (``"truncate"``, the default), left out (``"drop"``), or served as several samples of
                 consecutive pieces (``"split"``).
+            no_target: ``"keep"`` (the default) or ``"drop"`` the samples with no target token.
             pad_id: as for :meth:`packed`.
         """
-        return self.all_documents().documents(seq_len, too_long=too_long, pad_id=pad_id)
+        return self.all_documents().documents(seq_len, too_long=too_long, no_target=no_target, pad_id=pad_id)
 
     def split(self, holdout: float, *, seed: int = 0) -> tuple[DocumentSet, DocumentSet]:
         """The training and validation documents, holding out ``holdout`` of them by a hash of their index.

@@ -283,6 +283,9 @@ class Bins:
         directory: where the plan's arrays are mapped from (a copy in another process maps them again
             rather than pickling them); None when they are held in memory.
         dropped: documents the plan left out (``too_long="drop"``).
+        no_target: pieces (documents, or pieces of split ones) with no target token, whose every label
+            would be ``-100`` (a prompt truncated before its response): left out with
+            ``no_target="drop"``, else served.
     """
 
     overlap = 0
@@ -299,6 +302,7 @@ class Bins:
         settings: dict[str, int | str],
         directory: Path | None = None,
         dropped: int = 0,
+        no_target: int = 0,
     ) -> None:
         self.starts, self.shards, self.lo, self.lengths = starts, shards, lo, lengths
         self.seq_len = self.width = seq_len
@@ -306,6 +310,7 @@ class Bins:
         self.settings = settings
         self.directory = directory
         self.dropped = dropped
+        self.no_target = no_target
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the plan's directory rather than its mapped arrays, when it has one."""
@@ -315,6 +320,7 @@ class Bins:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore the settings; map the arrays again from the plan's directory."""
+        self.no_target = 0  # pickled before the count existed
         self.__dict__.update(state)
         if self.directory is not None:
             from streampack.samples.packing import load_plan

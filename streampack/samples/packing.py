@@ -14,6 +14,10 @@ in memory instead.
 
 A document longer than ``seq_len`` follows the ``too_long`` policy: ``"split"`` into pieces of ``seq_len``
 tokens and a remainder (each its own piece), ``"truncate"`` to its first ``seq_len`` tokens, or ``"drop"``.
+A piece with **no target token** (every label ``-100`` in ``output="dict"``: a prompt truncated before
+its response, a conversation without an assistant turn and without an EOS, a one-token remainder) follows
+the ``no_target`` policy: ``"keep"`` it (and count it) or ``"drop"`` it (and count it). Telling them needs
+the loss mask of an SFT cache, which planning then reads once (one byte per token).
 Planning is deterministic: the same cache, documents and settings always give the same table.
 """
 
@@ -38,32 +42,57 @@ if TYPE_CHECKING:
     from streampack.reader import Cache
     from streampack.samples.split import Chosen
 
-__all__ = ["CHUNK_DOCS", "TooLong", "plan_documents", "plan_packed"]
+__all__ = ["CHUNK_DOCS", "NoTarget", "TooLong", "plan_documents", "plan_packed"]
 
 TooLong = Literal["split", "truncate", "drop"]
+NoTarget = Literal["keep", "drop"]
 
 # Documents packed together: larger chunks pack a little tighter, and take more memory to plan.
 CHUNK_DOCS = 1 << 16
 
 _ARRAYS = {"starts": np.int64, "shards": np.int64, "lo": np.int64, "lengths": np.int32}
+# Part of every plan's key: plans stored before pieces without a target were counted are planned again.
+_PLAN_FORMAT = 2
 
 
 def plan_packed(
-    cache: Cache, chosen: Chosen, seq_len: int, *, too_long: TooLong, pad_id: int, content: str
+    cache: Cache,
+    chosen: Chosen,
+    seq_len: int,
+    *,
+    too_long: TooLong,
+    pad_id: int,
+    content: str,
+    no_target: NoTarget = "keep",
 ) -> Bins:
     """Best-fit decreasing packing of the chosen documents into samples of ``seq_len`` tokens."""
-    settings: dict[str, int | str] = {"layout": "packed", "strategy": "bfd", "too_long": too_long}
+    settings = _settings({"layout": "packed", "strategy": "bfd", "too_long": too_long}, no_target)
     return _plan(cache, chosen, seq_len, settings, pad_id, content, _best_fit_decreasing)
 
 
 def plan_documents(
-    cache: Cache, chosen: Chosen, seq_len: int, *, too_long: TooLong, pad_id: int, content: str
+    cache: Cache,
+    chosen: Chosen,
+    seq_len: int,
+    *,
+    too_long: TooLong,
+    pad_id: int,
+    content: str,
+    no_target: NoTarget = "keep",
 ) -> Bins:
     """One document per sample (each piece of a split one), padded to ``seq_len`` tokens."""
-    settings: dict[str, int | str] = {"layout": "documents", "too_long": too_long}
+    settings = _settings({"layout": "documents", "too_long": too_long}, no_target)
     return _plan(
         cache, chosen, seq_len, settings, pad_id, content, lambda lengths, _: np.arange(len(lengths))
     )
+
+
+def _settings(settings: dict[str, int | str], no_target: NoTarget) -> dict[str, int | str]:
+    """The planner's settings; ``no_target`` only when it drops, so that the plans (and the checkpoints)
+    that keep every piece are those of streampack before the option existed."""
+    if no_target_policy(no_target) is None:
+        raise OptionsError(f"no_target must be 'keep' or 'drop' (got {no_target!r})")
+    return {**settings, "no_target": "drop"} if no_target == "drop" else settings
 
 
 def _plan(
@@ -79,9 +108,9 @@ def _plan(
     if too_long is None:
         raise OptionsError(f"too_long must be 'split', 'truncate' or 'drop' (got {settings['too_long']!r})")
     settings = {**settings, **chosen.fingerprint()}
-    key_text = json.dumps([content, seq_len, settings], sort_keys=True)
+    key_text = json.dumps([content, seq_len, settings, _PLAN_FORMAT], sort_keys=True)
     key = f"{settings['layout']}-{seq_len}-{hashlib.sha256(key_text.encode()).hexdigest()[:16]}"
-    pieces = _Pieces(cache, chosen, seq_len, too_long)
+    pieces = _Pieces(cache, chosen, seq_len, too_long, settings.get("no_target") == "drop")
 
     def tables() -> Iterator[dict[str, np.ndarray]]:
         before = 0  # pieces in the chunks before this one
@@ -100,7 +129,7 @@ def _plan(
             before += len(lengths)
         yield {"starts": np.array([before], dtype=np.int64)}
 
-    arrays, directory, dropped = _stored(Path(cache.root) / LAYOUT_DIR / key, tables, pieces)
+    arrays, directory, (dropped, no_target) = _stored(Path(cache.root) / LAYOUT_DIR / key, tables, pieces)
     return Bins(
         arrays["starts"],
         arrays["shards"],
@@ -111,7 +140,13 @@ def _plan(
         settings=settings,
         directory=directory,
         dropped=dropped,
+        no_target=no_target,
     )
+
+
+def no_target_policy(value: object) -> NoTarget | None:
+    """``value`` as a ``no_target`` policy, or None when it is not one."""
+    return value if value in ("keep", "drop") else None
 
 
 def too_long_policy(value: object) -> TooLong | None:
@@ -123,12 +158,17 @@ class _Pieces:
     """The pieces of the chosen documents, about :data:`CHUNK_DOCS` documents at a time, in stream order.
 
     Iterating yields ``(shards, lo, lengths)`` per chunk; documents longer than ``seq_len`` are cut,
-    truncated or left out by ``too_long``, and ``dropped`` counts those left out.
+    truncated or left out by ``too_long``, and ``dropped`` counts those left out. ``no_target`` counts
+    the pieces without a target token (left out when ``drop_no_target``).
     """
 
-    def __init__(self, cache: Cache, chosen: Chosen, seq_len: int, too_long: TooLong) -> None:
+    def __init__(
+        self, cache: Cache, chosen: Chosen, seq_len: int, too_long: TooLong, drop_no_target: bool = False
+    ) -> None:
         self.cache, self.chosen, self.seq_len, self.too_long = cache, chosen, seq_len, too_long
+        self.drop_no_target = drop_no_target
         self.dropped = 0
+        self.no_target = 0
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -142,6 +182,7 @@ class _Pieces:
                 lo, length = self._cut(
                     starts[begin : begin + CHUNK_DOCS], lengths[begin : begin + CHUNK_DOCS]
                 )
+                lo, length = self._targeted(shard, lo, length)
                 parts.append((np.full(len(lo), shard, dtype=np.int64), lo, length))
                 held += len(lo)
                 if held >= CHUNK_DOCS:
@@ -149,6 +190,17 @@ class _Pieces:
                     parts, held = [], 0
         if parts:
             yield _joined(parts)
+
+    def _targeted(self, shard: int, lo: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The pieces ``[lo, lo + lengths)`` of shard ``shard``, counting (and with ``drop_no_target``
+        leaving out) those without a target token."""
+        mask = self.cache.shard_loss_mask(shard) if self.cache.has_loss_mask else None
+        targeted = has_target(mask, lo, lengths)
+        missing = int(len(lo) - np.count_nonzero(targeted))
+        self.no_target += missing
+        if missing and self.drop_no_target:
+            return lo[targeted], lengths[targeted]
+        return lo, lengths
 
     def _cut(self, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Documents ``[starts, starts + lengths)`` as pieces of at most ``seq_len`` tokens."""
@@ -165,6 +217,28 @@ class _Pieces:
         return lo, np.minimum(np.repeat(starts + lengths, counts) - lo, seq_len)
 
 
+def has_target(mask: np.ndarray | None, lo: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Whether each piece ``[lo, lo + lengths)`` holds a target token: one that ``output="dict"`` labels
+    (not ``-100``), i.e. after the piece's first token (where its segment starts) and marked by ``mask``
+    (the shard's loss mask; every token is a target without one).
+
+    The pieces are in increasing order of ``lo`` and do not overlap, so the ranges after their first
+    tokens are one increasing list of boundaries: one ``np.maximum.reduceat`` over the mask.
+    """
+    long_enough = lengths >= 2
+    if mask is None or not long_enough.any():
+        return long_enough
+    first = lo[long_enough] + 1
+    end = lo[long_enough] + lengths[long_enough]
+    bounds = np.stack([first, end], axis=1).reshape(-1)
+    if bounds[-1] >= len(mask):  # the last range runs to the end of the shard: reduceat's last segment does
+        bounds = bounds[:-1]
+    found = np.maximum.reduceat(mask, bounds)[::2] > 0
+    targeted = np.zeros(len(lo), dtype=bool)
+    targeted[long_enough] = found
+    return targeted
+
+
 def _joined(
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -177,14 +251,15 @@ def _joined(
 
 def _stored(
     directory: Path, tables: Callable[[], Iterator[dict[str, np.ndarray]]], pieces: _Pieces
-) -> tuple[dict[str, np.ndarray], Path | None, int]:
+) -> tuple[dict[str, np.ndarray], Path | None, tuple[int, int]]:
     """The plan's arrays, mapped from ``directory``; planned and written there first when absent.
 
     Written into a temporary directory renamed into place, so a reader never sees half a plan and two
     processes planning at once both end up reading one. Kept in memory where the cache is read-only.
 
     Returns:
-        The arrays, the directory they are mapped from (None: in memory), and the documents dropped.
+        The arrays, the directory they are mapped from (None: in memory), and the counts of documents
+        dropped (``too_long``) and of pieces without a target token.
     """
     if (directory / "plan.json").is_file():
         return _mapped(directory)
@@ -197,7 +272,7 @@ def _stored(
             for name, values in table.items():
                 arrays[name].append(values)
         joined = {name: np.concatenate(parts).astype(_ARRAYS[name]) for name, parts in arrays.items()}
-        return joined, None, pieces.dropped
+        return joined, None, (pieces.dropped, pieces.no_target)
     try:
         counts = dict.fromkeys(_ARRAYS, 0)
         files = {name: open(scratch / f"{name}.bin", "wb") for name in _ARRAYS}  # noqa: SIM115
@@ -209,7 +284,7 @@ def _stored(
         finally:
             for file in files.values():
                 file.close()
-        facts = {"counts": counts, "dropped": pieces.dropped}
+        facts = {"counts": counts, "dropped": pieces.dropped, "no_target": pieces.no_target}
         (scratch / "plan.json").write_text(json.dumps(facts))
         try:
             os.rename(scratch, directory)
@@ -221,13 +296,14 @@ def _stored(
     return _mapped(directory)
 
 
-def _mapped(directory: Path) -> tuple[dict[str, np.ndarray], Path, int]:
-    arrays, dropped = _load(directory)
-    return arrays, directory, dropped
+def _mapped(directory: Path) -> tuple[dict[str, np.ndarray], Path, tuple[int, int]]:
+    arrays, counts = _load(directory)
+    return arrays, directory, counts
 
 
-def _load(directory: Path) -> tuple[dict[str, np.ndarray], int]:
-    """Map the arrays of the plan in ``directory``; return them and its count of dropped documents."""
+def _load(directory: Path) -> tuple[dict[str, np.ndarray], tuple[int, int]]:
+    """Map the arrays of the plan in ``directory``; return them and its counts of dropped documents and
+    of pieces without a target."""
     facts = json.loads((directory / "plan.json").read_text())
     arrays = {}
     for name, dtype in _ARRAYS.items():
@@ -237,7 +313,8 @@ def _load(directory: Path) -> tuple[dict[str, np.ndarray], int]:
         # A plain ndarray view of the map (which it keeps alive): slicing an np.memmap costs more.
         mapped = np.memmap(path, dtype=little, mode="r", shape=(count,)) if count else np.zeros(0, little)
         arrays[name] = mapped.view(np.ndarray)
-    return arrays, int(facts["dropped"])
+    # Plans stored by 0.1 did not count the pieces without a target (their pickles still name them).
+    return arrays, (int(facts["dropped"]), int(facts.get("no_target", 0)))
 
 
 def load_plan(directory: Path) -> dict[str, np.ndarray]:

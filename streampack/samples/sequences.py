@@ -31,6 +31,7 @@ import numpy.typing as npt
 from streampack.errors import CacheError, OptionsError
 from streampack.order import groups
 from streampack.samples.layout import (
+    Bins,
     Boundaries,
     FixedWindows,
     Layout,
@@ -41,7 +42,7 @@ from streampack.samples.layout import (
     row_view,
     split_windows,
 )
-from streampack.samples.packing import TooLong, plan_documents, plan_packed, too_long_policy
+from streampack.samples.packing import NoTarget, TooLong, plan_documents, plan_packed, too_long_policy
 from streampack.samples.split import Chosen
 from streampack.store import CacheRef
 from streampack.store.localcopy import CachedStore, on_release
@@ -177,9 +178,12 @@ class PackedSequences:
         return len(self._layout)
 
     def __repr__(self) -> str:
+        counts = ""
+        if isinstance(self._layout, Bins):  # whole documents: what the plan left out or serves untrained
+            counts = f", dropped={self._layout.dropped}, no_target={self._layout.no_target}"
         return (
             f"PackedSequences({self.path!r}, seq_len={self.seq_len}, overlap={self.overlap}, "
-            f"samples={len(self)}, tokens={self._num_tokens})"
+            f"samples={len(self)}, tokens={self._num_tokens}{counts})"
         )
 
     def fingerprint(self) -> dict[str, int | str]:
@@ -460,13 +464,20 @@ class JoinedSequences:
 
 
 def whole_documents(
-    cache: Cache, chosen: Chosen, kind: str, seq_len: int, too_long: TooLong, pad_id: int | None
+    cache: Cache,
+    chosen: Chosen,
+    kind: str,
+    seq_len: int,
+    too_long: TooLong,
+    pad_id: int | None,
+    no_target: NoTarget = "keep",
 ) -> PackedSequences:
     """Samples of whole documents: ``kind`` ``"packed"`` (best-fit) or ``"documents"`` (one per sample).
 
     Raises:
         ValueError: ``seq_len`` is not a positive integer.
-        OptionsError: ``too_long`` is not a policy, or ``pad_id`` does not fit the cache's token dtype.
+        OptionsError: ``too_long`` or ``no_target`` is not a policy, or ``pad_id`` does not fit the cache's
+            token dtype.
     """
     seq_len = _check_int("seq_len", seq_len, 1, "a positive integer, e.g. 2048")
     if too_long_policy(too_long) is None:
@@ -480,7 +491,13 @@ def whole_documents(
         )
     plan = plan_packed if kind == "packed" else plan_documents
     layout = plan(
-        cache, chosen, seq_len, too_long=too_long, pad_id=int(pad_id), content=content_digest(cache)
+        cache,
+        chosen,
+        seq_len,
+        too_long=too_long,
+        pad_id=int(pad_id),
+        content=content_digest(cache),
+        no_target=no_target,
     )
     return PackedSequences.of(cache, layout)
 

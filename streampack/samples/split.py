@@ -20,7 +20,7 @@ from streampack.samples.layout import Runs
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
-    from streampack.samples.packing import TooLong
+    from streampack.samples.packing import NoTarget, TooLong
     from streampack.samples.sequences import PackedSequences
 
 __all__ = ["Chosen", "DocumentSet", "split"]
@@ -121,20 +121,30 @@ class DocumentSet:
         return PackedSequences(self.cache, seq_len, overlap=overlap, chosen=self.chosen)
 
     def packed(
-        self, seq_len: int, *, too_long: TooLong = "split", pad_id: int | None = None
+        self,
+        seq_len: int,
+        *,
+        too_long: TooLong = "split",
+        no_target: NoTarget = "keep",
+        pad_id: int | None = None,
     ) -> PackedSequences:
         """Whole documents best-fit packed into samples; see :meth:`streampack.reader.Cache.packed`."""
         from streampack.samples.sequences import whole_documents
 
-        return whole_documents(self.cache, self.chosen, "packed", seq_len, too_long, pad_id)
+        return whole_documents(self.cache, self.chosen, "packed", seq_len, too_long, pad_id, no_target)
 
     def documents(
-        self, seq_len: int, *, too_long: TooLong = "truncate", pad_id: int | None = None
+        self,
+        seq_len: int,
+        *,
+        too_long: TooLong = "truncate",
+        no_target: NoTarget = "keep",
+        pad_id: int | None = None,
     ) -> PackedSequences:
         """One document per sample, padded; see :meth:`streampack.reader.Cache.documents`."""
         from streampack.samples.sequences import whole_documents
 
-        return whole_documents(self.cache, self.chosen, "documents", seq_len, too_long, pad_id)
+        return whole_documents(self.cache, self.chosen, "documents", seq_len, too_long, pad_id, no_target)
 
 
 def split(cache: Cache, holdout: float, *, seed: int = 0) -> tuple[DocumentSet, DocumentSet]:
