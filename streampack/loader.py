@@ -27,16 +27,16 @@ cache on a local disk or in the page cache serves them at memory speed, a networ
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeGuard
+from typing import Any, Literal, Protocol, get_args
 
 import numpy as np
 import numpy.typing as npt
 
 from streampack import prefetch
-from streampack.blockshuffle import BlockShuffle, single_order
+from streampack._checks import check_bool, check_choice, check_int, check_int_or_none, is_int
+from streampack.blockshuffle import BlockShuffle, check_shuffle, single_order
 from streampack.collate import Format, format_for
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.layout import BatchedSpans
@@ -116,19 +116,18 @@ class LoaderOptions:
     def __post_init__(self) -> None:
         # Stored as Python ints: numpy integers (seeds from np.random, sizes from arrays) would make
         # state_dict() fail to serialize as JSON.
-        self._set_int("batch_size", 1, 2**62, "a positive integer (the global batch size)")
-        self._set_int("world_size", 1, 2**31, "a positive integer (the number of ranks)")
-        self._set_int("rank", 0, self.world_size - 1, f"an integer in [0, {self.world_size})")
-        self._set_int("seed", 0, 2**64 - 1, "an integer in [0, 2**64)")
-        if self.epochs is not None:
-            self._set_int("epochs", 1, 2**63, "a positive integer, or None to loop forever")
-        if not isinstance(self.shuffle, (bool, BlockShuffle)):
-            raise OptionsError(
-                f"shuffle must be True, False or a BlockShuffle(block=..., window=...) (got "
-                f"shuffle={self.shuffle!r})"
-            )
-        if not isinstance(self.drop_last, bool):
-            raise OptionsError(f"drop_last must be True or False (got drop_last={self.drop_last!r})")
+        batch_hint = "the global batch size, over all ranks"
+        checked = {
+            "batch_size": check_int("batch_size", self.batch_size, min=1, max=2**62, hint=batch_hint),
+            "world_size": check_int("world_size", self.world_size, min=1, max=2**31),
+            "rank": check_int("rank", self.rank, min=0, below=int(self.world_size)),
+            "seed": check_int("seed", self.seed, min=0, below=2**64),
+            "epochs": check_int_or_none("epochs", self.epochs, min=1, max=2**63, hint="None loops forever"),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        check_shuffle(self.shuffle)
+        check_bool("drop_last", self.drop_last)
         if self.batch_size % self.world_size:
             smaller = self.batch_size // self.world_size * self.world_size
             suggestion = f"{smaller} or {smaller + self.world_size}" if smaller else str(self.world_size)
@@ -137,8 +136,7 @@ class LoaderOptions:
                 f"{self.batch_size} does not divide by world_size={self.world_size}. Use a multiple of "
                 f"{self.world_size}, e.g. {suggestion}."
             )
-        if self.output not in ("numpy", "dict", "varlen"):
-            raise OptionsError(f"output must be 'numpy', 'dict' or 'varlen' (got output={self.output!r})")
+        check_choice("output", self.output, get_args(Output))
         if self.dtype is not None:
             dtype = np.dtype(self.dtype)
             if dtype.kind not in "iu":
@@ -146,11 +144,6 @@ class LoaderOptions:
                     f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})"
                 )
             object.__setattr__(self, "dtype", dtype)
-
-    def _set_int(self, name: str, lo: int, hi: int, allowed: str) -> None:
-        value = getattr(self, name)
-        check_int(name, value, lo, hi, allowed)
-        object.__setattr__(self, name, int(value))
 
     @property
     def rows(self) -> int:
@@ -465,7 +458,7 @@ class Loader:
 
     def advance(self, batches: int = 1) -> None:
         """Move the position forward by ``batches`` steps, as if that many batches had been consumed."""
-        check_int("batches", batches, 0, 2**62, "a non-negative integer")
+        check_int("batches", batches, min=0, max=2**62)
         batch, end = self.options.batch_size, self.order.end
         full = batches if end is None else min(batches, max(0, end - self._position) // batch)
         self._position = min(self._position + full * batch, MAX_POSITION)
@@ -616,7 +609,7 @@ class Loader:
         Args:
             steps: batches to look ahead at this batch size; 0 reports the current position.
         """
-        check_int("steps", steps, 0, 2**62, "a non-negative integer")
+        check_int("steps", steps, min=0, max=2**62)
         position = min(self._position + steps * self.options.batch_size, MAX_POSITION)
         if self.order.end is not None:
             position = min(position, self.order.end)
@@ -673,7 +666,7 @@ class Loader:
                 f"reads versions 1 and {STATE_VERSION}); resume with the streampack version that saved it"
             )
         position, saved = state.get("position"), state.get("order")
-        if not _is_int(position) or not 0 <= position <= MAX_POSITION:
+        if not is_int(position) or not 0 <= position <= MAX_POSITION:
             raise LoaderStateError(
                 f"loader state position must be an integer in [0, 2**62], the samples consumed since the run "
                 f"started (got position={position!r}); the state is damaged"
@@ -700,7 +693,7 @@ class Loader:
                 raise LoaderStateError(f"loader state has no {key!r}; it is damaged: {_summary(state)}")
         epoch, samples = state["epoch"], state["samples_in_epoch"]
         n = self._single_size("resuming a version 1 state")
-        if not (_is_int(epoch) and _is_int(samples) and epoch >= 0 and 0 <= samples < n):
+        if not (is_int(epoch) and is_int(samples) and epoch >= 0 and 0 <= samples < n):
             raise LoaderStateError(
                 f"version 1 loader state has epoch={epoch!r}, samples_in_epoch={samples!r}: not a place in "
                 f"an epoch of {n} samples; the state is damaged"
@@ -800,16 +793,6 @@ def _check_source(dataset: object) -> None:
         f"cache.sequences(seq_len), a 2-D numpy array{hint}, or an object with __len__() and "
         "__getitem__(index array) returning a 2-D array."
     )
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: object, lo: int, hi: int, allowed: str) -> None:
-    """Raise :class:`OptionsError` unless ``value`` is an integer (not a bool) in ``[lo, hi]``."""
-    if not _is_int(value) or not lo <= int(value) <= hi:
-        raise OptionsError(f"{name} must be {allowed} (got {name}={value!r})")
 
 
 def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | None:

@@ -25,11 +25,11 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast, get_args
 
 import numpy as np
 
-from streampack.errors import OptionsError
+from streampack._checks import check_choice
 from streampack.format import LAYOUT_DIR
 from streampack.layout import Bins
 
@@ -37,9 +37,11 @@ if TYPE_CHECKING:
     from streampack.holdout import Chosen
     from streampack.reader import Cache
 
-__all__ = ["CHUNK_DOCS", "TooLong", "plan_documents", "plan_packed"]
+__all__ = ["CHUNK_DOCS", "TOO_LONG", "TooLong", "plan_documents", "plan_packed"]
 
 TooLong = Literal["split", "truncate", "drop"]
+TOO_LONG: tuple[TooLong, ...] = get_args(TooLong)
+"""The ``too_long`` policies, in the order messages list them."""
 
 # Documents packed together: larger chunks pack a little tighter, and take more memory to plan.
 CHUNK_DOCS = 1 << 16
@@ -74,9 +76,8 @@ def _plan(
     content: str,
     assign: Callable[[np.ndarray, int], np.ndarray],
 ) -> Bins:
-    too_long = too_long_policy(settings["too_long"])
-    if too_long is None:
-        raise OptionsError(f"too_long must be 'split', 'truncate' or 'drop' (got {settings['too_long']!r})")
+    check_choice("too_long", settings["too_long"], TOO_LONG)
+    too_long = cast(TooLong, settings["too_long"])
     settings = {**settings, **chosen.fingerprint()}
     key_text = json.dumps([content, seq_len, settings], sort_keys=True)
     key = f"{settings['layout']}-{seq_len}-{hashlib.sha256(key_text.encode()).hexdigest()[:16]}"
@@ -111,11 +112,6 @@ def _plan(
         directory=directory,
         dropped=dropped,
     )
-
-
-def too_long_policy(value: object) -> TooLong | None:
-    """``value`` as a ``too_long`` policy, or None when it is not one."""
-    return value if value in ("split", "truncate", "drop") else None
 
 
 class _Pieces:
