@@ -129,6 +129,8 @@ class BlockShuffled(OneSource):
         name: the source's name in reports.
     """
 
+    resumes: tuple[str, ...] = ("blocks",)
+
     def __init__(
         self,
         size: int,

@@ -134,6 +134,7 @@ class FollowOrder:
     """
 
     names: tuple[str, ...] = ("data",)
+    resumes: tuple[str, ...] = ("follow",)
 
     def __init__(
         self, *, seed: int, eras: Eras, then: Literal["end", "epochs"], data: Mapping[str, Any]

@@ -35,7 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from streampack import prefetch
-from streampack._checks import check_bool, check_choice, check_int, check_int_or_none, is_int
+from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
+from streampack._state import LOADER_FORMAT, LOADER_VERSION, read_loader_state, read_order
 from streampack.blockshuffle import BlockShuffle, check_shuffle, single_order
 from streampack.collate import Format, format_for
 from streampack.errors import LoaderStateError, OptionsError
@@ -46,10 +47,9 @@ from streampack.sequences import JoinedSequences, PackedSequences, holds_every_i
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
 
-STATE_VERSION = 2
+STATE_VERSION = LOADER_VERSION
 """Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` also reads 1."""
 
-_STATE_FORMAT = "streampack.Loader"
 # The order is computed for this many upcoming rows at once: one call costs ~100 numpy dispatches
 # whatever its size, which would otherwise dominate a small batch.
 _PLAN_ROWS = 4096
@@ -631,7 +631,7 @@ class Loader:
         loaded with others.
         """
         return {
-            "format": _STATE_FORMAT,
+            "format": LOADER_FORMAT,
             "version": STATE_VERSION,
             "position": self._position,
             "order": self.order.fingerprint(),
@@ -649,34 +649,23 @@ class Loader:
         depends on the state and this loader's dataset or mixture only, not on states loaded before.
 
         Raises:
-            LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version,
-                it was saved with another seed, shuffle or data (both values are named), or its position
-                is not an integer in ``[0, 2**62]``.
+            LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version;
+                it holds a key its version (or its order's kind) does not have, such as version 1's
+                ``epoch`` in a version 2 state, lacks one, or holds a value of the wrong type (the key,
+                the version and what it allows are named; see :mod:`streampack._state`); it was saved
+                with another seed, shuffle or data (both values are named); or its position is not an
+                integer in ``[0, 2**62]``.
         """
-        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
-            raise LoaderStateError(
-                f"not a streampack loader state (expected a dict with format={_STATE_FORMAT!r}, got "
-                f"{_summary(state)}); pass what Loader.state_dict() returned"
-            )
-        if state.get("version") == 1:
-            state = self._upgrade(state)
-        elif state.get("version") != STATE_VERSION:
-            raise LoaderStateError(
-                f"loader state version {state.get('version')!r} is not supported by this streampack (it "
-                f"reads versions 1 and {STATE_VERSION}); resume with the streampack version that saved it"
-            )
-        position, saved = state.get("position"), state.get("order")
-        if not is_int(position) or not 0 <= position <= MAX_POSITION:
-            raise LoaderStateError(
-                f"loader state position must be an integer in [0, 2**62], the samples consumed since the run "
-                f"started (got position={position!r}); the state is damaged"
-            )
-        if not isinstance(saved, Mapping):
-            raise LoaderStateError(f"loader state has no 'order'; it is damaged: {_summary(state)}")
+        state = read_loader_state(state)
+        version = state["version"]
+        position, saved = self._upgrade(state) if version == 1 else (int(state["position"]), state["order"])
+        # The orders that can continue the saved one read it strictly; the others refuse its kind.
+        if saved.get("kind") in self._configured.resumes:
+            saved = read_order(saved, version)
         saved = with_current_digests(saved, [source.data for source in self.sources])
-        order = self._configured.resumed(saved, int(position))
+        order = self._configured.resumed(saved, position)
         previous = self.order, self._position
-        self.order, self._position = order, int(position)
+        self.order, self._position = order, position
         try:
             self._check_last_batch()
         except OptionsError:
@@ -686,17 +675,15 @@ class Loader:
             self.dataset = order
         self._clear_caches()
 
-    def _upgrade(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """A version 1 state (epoch and samples into it) as version 2: the same place of the same epoch."""
-        for key in ("seed", "shuffle", "dataset", "epoch", "samples_in_epoch"):
-            if key not in state:
-                raise LoaderStateError(f"loader state has no {key!r}; it is damaged: {_summary(state)}")
+    def _upgrade(self, state: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A version 1 state (epoch and samples into it, read strictly) as a version 2 position and order:
+        the same place of the same epoch."""
         epoch, samples = state["epoch"], state["samples_in_epoch"]
         n = self._single_size("resuming a version 1 state")
-        if not (is_int(epoch) and is_int(samples) and epoch >= 0 and 0 <= samples < n):
+        if samples >= n or epoch * n + samples > MAX_POSITION:
             raise LoaderStateError(
                 f"version 1 loader state has epoch={epoch!r}, samples_in_epoch={samples!r}: not a place in "
-                f"an epoch of {n} samples; the state is damaged"
+                f"an epoch of {n} samples within 2**62 samples; the state is damaged"
             )
         order = {
             "kind": "shuffled",
@@ -704,7 +691,7 @@ class Loader:
             "shuffle": state["shuffle"],
             "data": state["dataset"],
         }
-        return {"position": min(epoch * n + samples, MAX_POSITION + 1), "order": order}
+        return epoch * n + samples, order
 
 
 @dataclass(frozen=True)
@@ -802,8 +789,3 @@ def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | Non
             if 0 < candidate <= n and (n % candidate == 0 or n % candidate >= world_size):
                 return candidate
     return None
-
-
-def _summary(value: object, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -88,6 +88,9 @@ class Mixture:
             would stop before its first block.
     """
 
+    # A single dataset's checkpoint continues as the source with its data.
+    resumes: tuple[str, ...] = ("shuffled", "blocks", "mixture")
+
     def __init__(
         self,
         sources: Mapping[str, Any],

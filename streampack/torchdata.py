@@ -35,6 +35,7 @@ import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from streampack._state import read_loader_state
 from streampack.errors import LoaderStateError, MissingDependencyError
 from streampack.loader import Loader
 
@@ -118,10 +119,11 @@ class LoaderBatches(torch_data.Dataset):
                 f"LoaderBatches is indexed by loader states, as LoaderSampler yields them (got {state!r}); "
                 "pass sampler=LoaderSampler(loader) and batch_size=None to the DataLoader"
             )
+        position = read_loader_state(state)["position"]
         if state.get("order") != self._order:
             self.loader.load_state_dict(state)  # a resumed mixture whose order changed
             self._order = self.loader.order.fingerprint()
-        return default_convert(self.loader.batch(int(state["position"])))
+        return default_convert(self.loader.batch(int(position)))
 
 
 def stateful_dataloader(loader: Loader, **kwargs: Any) -> Any:
