@@ -22,8 +22,11 @@ puts the two together::
     # later, in a new process: the same construction, then
     data.load_state_dict(torch.load(path)["data"])  # continues at the batch after the saved one
 
-Resuming needs the same ``num_workers`` (StatefulDataLoader's rule; the sampler state inside, under
-``_index_sampler_state``, is a plain loader state and resumes with any). The sampler works the same with
+Resuming needs the same ``num_workers`` (StatefulDataLoader's rule: its state holds one part per
+worker), and the DataLoader :func:`stateful_dataloader` returns refuses a state saved with another
+number, naming both (:class:`~streampack.errors.LoaderStateError`). The sampler state inside, under
+``_index_sampler_state``, is a plain loader state and resumes with any: load it into the ``Loader``, and
+make a new DataLoader of it with the new ``num_workers``. The sampler works the same with
 a plain ``torch.utils.data.DataLoader`` and accelerate's ``use_stateful_dataloader=True``. Checkpoint the
 DataLoader's state, not the ``Loader``'s: the sampler advances a copy of the loader, so the ``Loader``
 you passed in stays where it was.
@@ -32,11 +35,14 @@ you passed in stays where it was.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from streampack._checks import is_int
 from streampack.errors import LoaderStateError, MissingDependencyError
 from streampack.loader import Loader
+from streampack.loader.state import LOADER_FORMAT, read_loader_state
 
 try:
     import torch.utils.data as torch_data
@@ -118,10 +124,11 @@ class LoaderBatches(torch_data.Dataset):
                 f"LoaderBatches is indexed by loader states, as LoaderSampler yields them (got {state!r}); "
                 "pass sampler=LoaderSampler(loader) and batch_size=None to the DataLoader"
             )
+        position = read_loader_state(state)["position"]
         if state.get("order") != self._order:
             self.loader.load_state_dict(state)  # a resumed mixture whose order changed
             self._order = self.loader.order.fingerprint()
-        return default_convert(self.loader.batch(int(state["position"])))
+        return default_convert(self.loader.batch(int(position)))
 
 
 def stateful_dataloader(loader: Loader, **kwargs: Any) -> Any:
@@ -134,22 +141,78 @@ def stateful_dataloader(loader: Loader, **kwargs: Any) -> Any:
 
     Returns:
         ``StatefulDataLoader(LoaderBatches(loader), sampler=LoaderSampler(loader), batch_size=None,
-        **kwargs)``.
+        **kwargs)``, whose ``load_state_dict`` refuses a state saved with another ``num_workers``
+        (:class:`~streampack.errors.LoaderStateError`, naming both numbers) rather than fail at the next
+        ``iter()`` with torchdata's bare ``AssertionError``.
 
     Raises:
         MissingDependencyError: torchdata is not installed.
         ValueError: a batching argument was given (the loader makes the batches).
     """
-    try:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-    except ImportError as error:
-        raise MissingDependencyError(
-            "stateful_dataloader needs torchdata: pip install 'streampack[torchdata]'"
-        ) from error
     for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "collate_fn", "drop_last"):
         if name in kwargs:
             raise ValueError(
                 f"the Loader makes the batches, so stateful_dataloader takes no {name}= (got "
                 f"{name}={kwargs[name]!r}); set batch_size, shuffle, drop_last and collate on the Loader"
             )
-    return StatefulDataLoader(LoaderBatches(loader), sampler=LoaderSampler(loader), batch_size=None, **kwargs)
+    cls = _stateful_dataloader_class()
+    return cls(LoaderBatches(loader), sampler=LoaderSampler(loader), batch_size=None, **kwargs)
+
+
+@functools.cache
+def _stateful_dataloader_class() -> type:
+    """torchdata's ``StatefulDataLoader`` with its state's worker count checked on load (made once)."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError as error:
+        raise MissingDependencyError(
+            "stateful_dataloader needs torchdata: pip install 'streampack[torchdata]'"
+        ) from error
+
+    class LoaderStatefulDataLoader(StatefulDataLoader):
+        """A ``StatefulDataLoader`` that refuses a state saved with another ``num_workers``."""
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            _check_workers(state_dict, self.num_workers)
+            super().load_state_dict(state_dict)
+
+    return LoaderStatefulDataLoader
+
+
+def _check_workers(state: object, num_workers: int) -> None:
+    """Refuse a ``StatefulDataLoader`` state that a DataLoader with ``num_workers`` cannot resume.
+
+    torchdata resumes a state only with the number of workers that saved it: with workers, the state is
+    ``{"_snapshot": {"_main_snapshot": {"_num_workers": n, ...}, "_worker_snapshots": {one per worker},
+    ...}, ...}``; without, a flat dict with ``"_num_yielded"``. Another number fails inside torchdata
+    at the next ``iter()``, with a bare ``AssertionError``. An empty dict (no state) is let through.
+
+    Raises:
+        LoaderStateError: the state was saved with another ``num_workers`` (both are named, and what to do),
+            or it is a streampack loader state rather than the DataLoader's.
+    """
+    if not isinstance(state, Mapping) or not state:
+        return
+    if state.get("format") == LOADER_FORMAT:
+        raise LoaderStateError(
+            "this is a streampack loader state (Loader.state_dict()), not a StatefulDataLoader state: load "
+            "it into the Loader (loader.load_state_dict(state)) and make the DataLoader of it, or pass what "
+            "the DataLoader's own state_dict() returned"
+        )
+    snapshot = state.get("_snapshot")
+    if isinstance(snapshot, Mapping) and isinstance(snapshot.get("_main_snapshot"), Mapping):
+        saved, inner = snapshot["_main_snapshot"].get("_num_workers"), "['_snapshot']['_main_snapshot']"
+    elif "_num_yielded" in state:
+        saved, inner = 0, ""
+    else:
+        return
+    if not is_int(saved) or saved == num_workers:
+        return  # the same number, or not a state of this torchdata's layout: torchdata judges it
+    raise LoaderStateError(
+        f"the DataLoader state was saved with num_workers={saved}, this DataLoader has "
+        f"num_workers={num_workers}: torchdata's StatefulDataLoader resumes a state only with the "
+        "num_workers that saved it (its state holds one part per worker). Create the DataLoader with "
+        f"num_workers={saved}; or, to change the number, load the loader state inside it, "
+        f"state{inner}['_index_sampler_state'], into the Loader (loader.load_state_dict(...)) and make a "
+        f"new stateful_dataloader(loader, num_workers={num_workers}) of it"
+    )

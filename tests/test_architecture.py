@@ -15,7 +15,7 @@ from tests.structure import LAZY, TOP, TYPING, Edge, cycles, edges, modules
 
 #: The packages, lowest first. A module may import its own package and anything on a lower layer.
 LAYERS = [
-    {"errors", "_aliases"},
+    {"errors", "_aliases", "_checks"},
     {"format"},
     {"store"},
     {"inputs", "tokenizer"},

@@ -465,15 +465,15 @@ def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
             r"batch_size=10 does not divide by world_size=4.*e\.g\. 8 or 12",
         ),
         ({"batch_size": 2, "world_size": 4}, r"does not divide by world_size=4.*e\.g\. 4"),
-        ({"batch_size": 0}, "batch_size must be a positive integer"),
+        ({"batch_size": 0}, r"batch_size must be an integer in \[1, 2\*\*62\] \(got batch_size=0\)"),
         (
             {"batch_size": 4, "rank": 2, "world_size": 2},
             r"rank must be an integer in \[0, 2\) \(got rank=2\)",
         ),
         ({"batch_size": 4, "seed": -1}, r"seed must be an integer in \[0, 2\*\*64\)"),
-        ({"batch_size": 4, "epochs": 0}, "epochs must be a positive integer, or None"),
+        ({"batch_size": 4, "epochs": 0}, r"epochs must be an integer in \[1, 2\*\*63\], or None"),
         ({"batch_size": 4, "shuffle": 1}, "shuffle must be True, False or a BlockShuffle"),
-        ({"batch_size": 4, "output": "torch"}, "output must be 'numpy', 'dict' or 'varlen'"),
+        ({"batch_size": 4, "output": "torch"}, "output must be one of 'numpy', 'dict', 'varlen'"),
         ({"batch_size": 4, "dtype": np.float32}, "dtype must be an integer dtype"),
     ],
 )

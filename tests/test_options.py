@@ -33,7 +33,7 @@ def test_a_misspelt_option_is_refused_with_the_nearest_name(tmp_path: Path) -> N
         ({"text_field": ""}, "text_field must be a non-empty string"),
         ({"eos": False, "eos_id": 3}, "eos_id=3 contradicts eos=False"),
         ({"special_tokens": "maybe"}, "special_tokens must be one of 'text', 'parse'"),
-        ({"workers": 0}, "workers must be a positive integer"),
+        ({"workers": 0}, r"workers must be an integer >= 1, or None \(got workers=0\)"),
         ({"engine": "spark"}, "engine must be one of 'local', 'ray'"),
     ],
 )

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import streampack
-from streampack import InputError, Loader, Mixture, Provenance
+from streampack import InputError, Loader, Mixture, OptionsError, Provenance
 from streampack.loader.provenance import position_of
 from tests.conftest import run_cli, write_bytes, write_jsonl
 
@@ -259,7 +259,7 @@ def test_what_has_no_documents_or_no_batch_is_refused(tmp_path: Path, bpe_tokeni
     loader = loader_of(cache, 16, 4, epochs=1)()
     with pytest.raises(IndexError, match="no batch at position"):
         streampack.which(loader, loader.steps_per_epoch)
-    with pytest.raises(ValueError, match="step must be a non-negative integer"):
+    with pytest.raises(OptionsError, match=r"step must be an integer in \[0, 2\*\*62\] \(got step=-1\)"):
         streampack.which(loader, -1)
 
 

@@ -17,7 +17,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack.errors import CacheError
+from streampack.errors import CacheError, OptionsError
 from streampack.samples.layout import Spans, boundaries, read_spans
 from streampack.samples.sequences import PackedSequences
 from streampack.testing.caches import write_cache
@@ -154,14 +154,14 @@ def test_non_integer_index_is_refused(cache: streampack.Cache, bad: object) -> N
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"seq_len": 0}, "seq_len must be a positive integer"),
-        ({"seq_len": 2.0}, "seq_len must be a positive integer"),
-        ({"seq_len": True}, "seq_len must be a positive integer"),
-        ({"seq_len": 8, "overlap": -1}, "overlap must be a non-negative integer"),
+        ({"seq_len": 0}, r"seq_len must be an integer >= 1 \(got seq_len=0\)"),
+        ({"seq_len": 2.0}, r"seq_len must be an integer >= 1 \(got seq_len=2.0\)"),
+        ({"seq_len": True}, r"seq_len must be an integer >= 1 \(got seq_len=True\)"),
+        ({"seq_len": 8, "overlap": -1}, r"overlap must be an integer >= 0 \(got overlap=-1\)"),
     ],
 )
 def test_bad_settings_are_refused(cache: streampack.Cache, kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(OptionsError, match=message):
         PackedSequences(cache, **kwargs)
 
 

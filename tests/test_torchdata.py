@@ -99,3 +99,33 @@ def test_the_pieces_refuse_what_they_cannot_serve(cache: streampack.Cache) -> No
         len(sampler)
     with pytest.raises(LoaderStateError):
         sampler.load_state_dict({"format": "streampack.Loader", "version": 2, "position": 0, "order": {}})
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 0), (2, 3), (0, 2)])
+def test_a_state_resumed_with_another_num_workers_is_refused_naming_both(
+    cache: streampack.Cache, saved: int, resumed: int
+) -> None:
+    def loader() -> streampack.Loader:
+        return streampack.Loader(cache.sequences(8), batch_size=6, seed=3)
+
+    reference = [sample_ids(loader().batch(6 * step)) for step in range(8)]
+    data = stateful_dataloader(loader(), num_workers=saved)
+    batches = iter(data)
+    first = [sample_ids(next(batches)) for _ in range(4)]
+    state = through_disk(data.state_dict())
+    del batches
+    other = stateful_dataloader(loader(), num_workers=resumed)
+    rule = (
+        rf"saved with num_workers={saved}, this DataLoader has num_workers={resumed}: torchdata's "
+        "StatefulDataLoader resumes a state only with the num_workers that saved it"
+    )
+    with pytest.raises(LoaderStateError, match=rule):
+        other.load_state_dict(state)
+    # What the message says to do: the loader state inside resumes with any number of workers.
+    inner = state["_snapshot"]["_main_snapshot"] if saved else state
+    moved = loader()
+    moved.load_state_dict(inner["_index_sampler_state"])
+    rest = [sample_ids(batch) for _, batch in zip(range(4), stateful_dataloader(moved, num_workers=resumed))]
+    assert first + rest == reference
+    with pytest.raises(LoaderStateError, match=r"a streampack loader state.*not a StatefulDataLoader state"):
+        other.load_state_dict(inner["_index_sampler_state"])

@@ -14,8 +14,9 @@ import difflib
 import functools
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
+from streampack._checks import check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
 
 OnBadRecord = Literal["error", "skip"]
@@ -23,6 +24,8 @@ Engine = Literal["local", "ray"]
 SpecialTokens = Literal["text", "parse"]
 TokenizerEngine = Literal["auto", "tokenizers", "tiktoken", "fastokens"]
 VerifyTokens = Literal["sample", "all", "none"]
+SPECIAL_TOKENS: tuple[SpecialTokens, ...] = get_args(SpecialTokens)
+TOKENIZER_ENGINES: tuple[TokenizerEngine, ...] = get_args(TokenizerEngine)
 DEFAULT_UNIT_BYTES = 64 << 20
 _Options = TypeVar("_Options", bound=type)
 
@@ -90,26 +93,21 @@ class CacheSpec:
     chat: str | None = None
 
     def __post_init__(self) -> None:
-        _check_choice("special_tokens", self.special_tokens, ("text", "parse"))
+        check_choice("special_tokens", self.special_tokens, SPECIAL_TOKENS)
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise OptionsError(f"tokenizer must be a non-empty SPEC string (got {self.tokenizer!r})")
         if not isinstance(self.text_field, str) or not self.text_field:
             raise OptionsError(f"text_field must be a non-empty string (got {self.text_field!r})")
         if not self.eos and self.eos_id is not None:
             raise OptionsError(f"eos_id={self.eos_id} contradicts eos=False: give one or the other")
-        if self.eos_id is not None and not 0 <= self.eos_id < 1 << 32:
-            raise OptionsError(f"eos_id must be in [0, 2**32) (got {self.eos_id})")
-        if self.bos_id is not None and (
-            not isinstance(self.bos_id, int)
-            or isinstance(self.bos_id, bool)
-            or not 0 <= self.bos_id < 1 << 32
-        ):
-            raise OptionsError(f"bos_id must be an integer in [0, 2**32) (got {self.bos_id!r})")
+        for name in ("eos_id", "bos_id"):
+            object.__setattr__(self, name, check_int_or_none(name, getattr(self, name), min=0, below=2**32))
         if self.bos_id is not None:
             object.__setattr__(self, "bos", True)  # one way to record a BOS id, whichever way it was given
-        if self.unit_bytes < 1 << 16:
-            raise OptionsError(f"unit_bytes must be at least 65536 (got {self.unit_bytes})")
-        _check_positive(self, "max_piece_chars")
+        object.__setattr__(self, "unit_bytes", check_int("unit_bytes", self.unit_bytes, min=1 << 16))
+        object.__setattr__(
+            self, "max_piece_chars", check_int_or_none("max_piece_chars", self.max_piece_chars, min=1)
+        )
         self._check_sft()
 
     def _check_sft(self) -> None:
@@ -185,13 +183,14 @@ class RunOptions:
     profile: bool = False
 
     def __post_init__(self) -> None:
-        _check_choice("engine", self.engine, ("local", "ray"))
-        engines = ("auto", "tokenizers", "tiktoken", "fastokens")
-        _check_choice("tokenizer_engine", self.tokenizer_engine, engines)
-        _check_choice("verify_tokens", self.verify_tokens, ("sample", "all", "none"))
-        _check_choice("on_bad_record", self.on_bad_record, ("error", "skip"))
-        for name in ("workers", "threads", "batch_chars", "commit_bytes"):
-            _check_positive(self, name)
+        check_choice("engine", self.engine, get_args(Engine))
+        check_choice("tokenizer_engine", self.tokenizer_engine, TOKENIZER_ENGINES)
+        check_choice("verify_tokens", self.verify_tokens, get_args(VerifyTokens))
+        check_choice("on_bad_record", self.on_bad_record, get_args(OnBadRecord))
+        for name in ("workers", "threads"):
+            object.__setattr__(self, name, check_int_or_none(name, getattr(self, name), min=1))
+        for name in ("batch_chars", "commit_bytes"):
+            object.__setattr__(self, name, check_int(name, getattr(self, name), min=1))
         if self.commit_seconds < 0:
             raise OptionsError(f"commit_seconds must be >= 0 (got {self.commit_seconds})")
 
@@ -217,14 +216,3 @@ def split_options(
 def default(cls: type[CacheSpec] | type[RunOptions], name: str) -> Any:
     """The default of field ``name`` of ``cls`` (for the CLI, so that each default is written once)."""
     return next(f.default for f in fields(cls) if f.name == name)
-
-
-def _check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise OptionsError(f"{name} must be one of {', '.join(map(repr, allowed))} (got {value!r})")
-
-
-def _check_positive(options: object, name: str) -> None:
-    value = getattr(options, name)
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise OptionsError(f"{name} must be a positive integer (got {value!r})")

@@ -37,8 +37,9 @@ from typing import Any, BinaryIO, TypeAlias, cast
 
 import orjson
 
+from streampack._checks import check_int
 from streampack.builder.options import DEFAULT_UNIT_BYTES
-from streampack.errors import BadRecordError, InputError
+from streampack.errors import BadRecordError, InputError, OptionsError
 from streampack.inputs.discovery import (
     COMPRESSION_SUFFIXES,
     Discovery,
@@ -143,9 +144,8 @@ class ReadOptions:
 
     def __post_init__(self) -> None:
         if not self.text_field:
-            raise ValueError("text_field must be a non-empty string")
-        if self.unit_bytes < 1 << 16:
-            raise ValueError(f"unit_bytes must be at least 65536 (got {self.unit_bytes})")
+            raise OptionsError("text_field must be a non-empty string")
+        check_int("unit_bytes", self.unit_bytes, min=1 << 16)
 
 
 class TextStream:

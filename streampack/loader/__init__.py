@@ -27,19 +27,20 @@ cache on a local disk or in the page cache serves them at memory speed, a networ
 from __future__ import annotations
 
 import functools
-import numbers
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeGuard
+from typing import Any, Literal, Protocol, get_args
 
 import numpy as np
 import numpy.typing as npt
 
+from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import prefetch
 from streampack.loader.collate import Format, format_for
+from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state, read_order
 from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
-from streampack.order.blockshuffle import BlockShuffle, single_order
+from streampack.order.blockshuffle import BlockShuffle, check_shuffle, single_order
 from streampack.order.mixture import Mixture
 from streampack.samples.layout import BatchedSpans
 from streampack.samples.sequences import (
@@ -51,10 +52,9 @@ from streampack.samples.sequences import (
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
 
-STATE_VERSION = 2
+STATE_VERSION = LOADER_VERSION
 """Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` also reads 1."""
 
-_STATE_FORMAT = "streampack.Loader"
 # The order is computed for this many upcoming rows at once: one call costs ~100 numpy dispatches
 # whatever its size, which would otherwise dominate a small batch.
 _PLAN_ROWS = 4096
@@ -123,19 +123,18 @@ class LoaderOptions:
     def __post_init__(self) -> None:
         # Stored as Python ints: numpy integers (seeds from np.random, sizes from arrays) would make
         # state_dict() fail to serialize as JSON.
-        self._set_int("batch_size", 1, 2**62, "a positive integer (the global batch size)")
-        self._set_int("world_size", 1, 2**31, "a positive integer (the number of ranks)")
-        self._set_int("rank", 0, self.world_size - 1, f"an integer in [0, {self.world_size})")
-        self._set_int("seed", 0, 2**64 - 1, "an integer in [0, 2**64)")
-        if self.epochs is not None:
-            self._set_int("epochs", 1, 2**63, "a positive integer, or None to loop forever")
-        if not isinstance(self.shuffle, (bool, BlockShuffle)):
-            raise OptionsError(
-                f"shuffle must be True, False or a BlockShuffle(block=..., window=...) (got "
-                f"shuffle={self.shuffle!r})"
-            )
-        if not isinstance(self.drop_last, bool):
-            raise OptionsError(f"drop_last must be True or False (got drop_last={self.drop_last!r})")
+        batch_hint = "the global batch size, over all ranks"
+        checked = {
+            "batch_size": check_int("batch_size", self.batch_size, min=1, max=2**62, hint=batch_hint),
+            "world_size": check_int("world_size", self.world_size, min=1, max=2**31),
+            "rank": check_int("rank", self.rank, min=0, below=int(self.world_size)),
+            "seed": check_int("seed", self.seed, min=0, below=2**64),
+            "epochs": check_int_or_none("epochs", self.epochs, min=1, max=2**63, hint="None loops forever"),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        check_shuffle(self.shuffle)
+        check_bool("drop_last", self.drop_last)
         if self.batch_size % self.world_size:
             smaller = self.batch_size // self.world_size * self.world_size
             suggestion = f"{smaller} or {smaller + self.world_size}" if smaller else str(self.world_size)
@@ -144,8 +143,7 @@ class LoaderOptions:
                 f"{self.batch_size} does not divide by world_size={self.world_size}. Use a multiple of "
                 f"{self.world_size}, e.g. {suggestion}."
             )
-        if self.output not in ("numpy", "dict", "varlen"):
-            raise OptionsError(f"output must be 'numpy', 'dict' or 'varlen' (got output={self.output!r})")
+        check_choice("output", self.output, get_args(Output))
         if self.dtype is not None:
             dtype = np.dtype(self.dtype)
             if dtype.kind not in "iu":
@@ -153,11 +151,6 @@ class LoaderOptions:
                     f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})"
                 )
             object.__setattr__(self, "dtype", dtype)
-
-    def _set_int(self, name: str, lo: int, hi: int, allowed: str) -> None:
-        value = getattr(self, name)
-        check_int(name, value, lo, hi, allowed)
-        object.__setattr__(self, name, int(value))
 
     @property
     def rows(self) -> int:
@@ -472,7 +465,7 @@ class Loader:
 
     def advance(self, batches: int = 1) -> None:
         """Move the position forward by ``batches`` steps, as if that many batches had been consumed."""
-        check_int("batches", batches, 0, 2**62, "a non-negative integer")
+        check_int("batches", batches, min=0, max=2**62)
         batch, end = self.options.batch_size, self.order.end
         full = batches if end is None else min(batches, max(0, end - self._position) // batch)
         self._position = min(self._position + full * batch, MAX_POSITION)
@@ -623,7 +616,7 @@ class Loader:
         Args:
             steps: batches to look ahead at this batch size; 0 reports the current position.
         """
-        check_int("steps", steps, 0, 2**62, "a non-negative integer")
+        check_int("steps", steps, min=0, max=2**62)
         position = min(self._position + steps * self.options.batch_size, MAX_POSITION)
         if self.order.end is not None:
             position = min(position, self.order.end)
@@ -645,7 +638,7 @@ class Loader:
         loaded with others.
         """
         return {
-            "format": _STATE_FORMAT,
+            "format": LOADER_FORMAT,
             "version": STATE_VERSION,
             "position": self._position,
             "order": self.order.fingerprint(),
@@ -663,34 +656,23 @@ class Loader:
         depends on the state and this loader's dataset or mixture only, not on states loaded before.
 
         Raises:
-            LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version,
-                it was saved with another seed, shuffle or data (both values are named), or its position
-                is not an integer in ``[0, 2**62]``.
+            LoaderStateError: (a ``ValueError``) the state is not a loader state of a supported version;
+                it holds a key its version (or its order's kind) does not have, such as version 1's
+                ``epoch`` in a version 2 state, lacks one, or holds a value of the wrong type (the key,
+                the version and what it allows are named; see :mod:`streampack.loader.state`); it was saved
+                with another seed, shuffle or data (both values are named); or its position is not an
+                integer in ``[0, 2**62]``.
         """
-        if not isinstance(state, Mapping) or state.get("format") != _STATE_FORMAT:
-            raise LoaderStateError(
-                f"not a streampack loader state (expected a dict with format={_STATE_FORMAT!r}, got "
-                f"{_summary(state)}); pass what Loader.state_dict() returned"
-            )
-        if state.get("version") == 1:
-            state = self._upgrade(state)
-        elif state.get("version") != STATE_VERSION:
-            raise LoaderStateError(
-                f"loader state version {state.get('version')!r} is not supported by this streampack (it "
-                f"reads versions 1 and {STATE_VERSION}); resume with the streampack version that saved it"
-            )
-        position, saved = state.get("position"), state.get("order")
-        if not _is_int(position) or not 0 <= position <= MAX_POSITION:
-            raise LoaderStateError(
-                f"loader state position must be an integer in [0, 2**62], the samples consumed since the run "
-                f"started (got position={position!r}); the state is damaged"
-            )
-        if not isinstance(saved, Mapping):
-            raise LoaderStateError(f"loader state has no 'order'; it is damaged: {_summary(state)}")
+        state = read_loader_state(state)
+        version = state["version"]
+        position, saved = self._upgrade(state) if version == 1 else (int(state["position"]), state["order"])
+        # The orders that can continue the saved one read it strictly; the others refuse its kind.
+        if saved.get("kind") in self._configured.resumes:
+            saved = read_order(saved, version)
         saved = with_current_digests(saved, [source.data for source in self.sources])
-        order = self._configured.resumed(saved, int(position))
+        order = self._configured.resumed(saved, position)
         previous = self.order, self._position
-        self.order, self._position = order, int(position)
+        self.order, self._position = order, position
         try:
             self._check_last_batch()
         except OptionsError:
@@ -700,17 +682,15 @@ class Loader:
             self.dataset = order
         self._clear_caches()
 
-    def _upgrade(self, state: Mapping[str, Any]) -> dict[str, Any]:
-        """A version 1 state (epoch and samples into it) as version 2: the same place of the same epoch."""
-        for key in ("seed", "shuffle", "dataset", "epoch", "samples_in_epoch"):
-            if key not in state:
-                raise LoaderStateError(f"loader state has no {key!r}; it is damaged: {_summary(state)}")
+    def _upgrade(self, state: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
+        """A version 1 state (epoch and samples into it, read strictly) as a version 2 position and order:
+        the same place of the same epoch."""
         epoch, samples = state["epoch"], state["samples_in_epoch"]
         n = self._single_size("resuming a version 1 state")
-        if not (_is_int(epoch) and _is_int(samples) and epoch >= 0 and 0 <= samples < n):
+        if samples >= n or epoch * n + samples > MAX_POSITION:
             raise LoaderStateError(
                 f"version 1 loader state has epoch={epoch!r}, samples_in_epoch={samples!r}: not a place in "
-                f"an epoch of {n} samples; the state is damaged"
+                f"an epoch of {n} samples within 2**62 samples; the state is damaged"
             )
         order = {
             "kind": "shuffled",
@@ -718,7 +698,7 @@ class Loader:
             "shuffle": state["shuffle"],
             "data": state["dataset"],
         }
-        return {"position": min(epoch * n + samples, MAX_POSITION + 1), "order": order}
+        return epoch * n + samples, order
 
 
 @dataclass(frozen=True)
@@ -809,16 +789,6 @@ def _check_source(dataset: object) -> None:
     )
 
 
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_int(name: str, value: object, lo: int, hi: int, allowed: str) -> None:
-    """Raise :class:`OptionsError` unless ``value`` is an integer (not a bool) in ``[lo, hi]``."""
-    if not _is_int(value) or not lo <= int(value) <= hi:
-        raise OptionsError(f"{name} must be {allowed} (got {name}={value!r})")
-
-
 def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | None:
     """The multiple of ``world_size`` nearest ``batch_size`` whose last global batch has a row per rank."""
     for k in range(1, 1000):
@@ -826,8 +796,3 @@ def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | Non
             if 0 < candidate <= n and (n % candidate == 0 or n % candidate >= world_size):
                 return candidate
     return None
-
-
-def _summary(value: object, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

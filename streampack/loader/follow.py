@@ -48,10 +48,11 @@ import numpy as np
 import numpy.typing as npt
 
 from streampack import reader
+from streampack._checks import check_choice, check_int
 from streampack.builder.coordinator import build_identity
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
 from streampack.format import MANIFEST, Manifest, ledger, load_manifest, shard_name
-from streampack.loader import Loader, LoaderOptions, Output, _Source, check_int, prefetch
+from streampack.loader import Loader, LoaderOptions, Output, _Source, prefetch
 from streampack.loader.collate import format_for
 from streampack.order import MAX_POSITION, Shuffled, groups, mismatch
 from streampack.order.permutation import Permutation
@@ -83,12 +84,10 @@ class Eras:
     largest: int = 65536
 
     def __post_init__(self) -> None:
-        check_int("first_era", self.first, 1, 2**40, "a positive number of samples")
-        object.__setattr__(self, "first", int(self.first))  # numpy integers would not serialize as JSON
-        object.__setattr__(self, "largest", int(self.largest))
-        check_int(
-            "largest_era", self.largest, self.first, 2**40, f"a number of samples >= first_era={self.first}"
-        )
+        # Python ints: numpy integers would not serialize as JSON.
+        object.__setattr__(self, "first", check_int("first_era", self.first, min=1, max=2**40))
+        largest = check_int("largest_era", self.largest, min=self.first, max=2**40, hint="at least first_era")
+        object.__setattr__(self, "largest", largest)
 
     @functools.cached_property
     def _doubling(self) -> np.ndarray:
@@ -135,6 +134,7 @@ class FollowOrder:
     """
 
     names: tuple[str, ...] = ("data",)
+    resumes: tuple[str, ...] = ("follow",)
 
     def __init__(
         self, *, seed: int, eras: Eras, then: Literal["end", "epochs"], data: Mapping[str, Any]
@@ -344,10 +344,9 @@ class Follow(Loader):
         # Options are checked before waiting for the build, not after.
         LoaderOptions(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last,
                       output=output, dtype=dtype)  # fmt: skip
-        check_int("seq_len", seq_len, 1, 2**40, "a positive integer")
-        check_int("overlap", overlap, 0, 2**40, "a non-negative integer")
-        if then not in ("end", "epochs"):
-            raise OptionsError(f"then must be 'end' or 'epochs' (got then={then!r})")
+        check_int("seq_len", seq_len, min=1, max=2**40)
+        check_int("overlap", overlap, min=0, max=2**40)
+        check_choice("then", then, ("end", "epochs"))
         if not timeout > 0 or not poll > 0:
             raise OptionsError(
                 f"timeout and poll must be positive seconds (got timeout={timeout}, poll={poll})"
@@ -498,7 +497,7 @@ class Follow(Loader):
     def advance(self, batches: int = 1) -> None:
         """Move the position forward by ``batches`` steps (see :meth:`Loader.advance`), once known (a run
         that ends must know where, to stop there)."""
-        check_int("batches", batches, 0, 2**62, "a non-negative integer")
+        check_int("batches", batches, min=0, max=2**62)
         self._await(min(self._position + batches * self._batch_size, MAX_POSITION))
         super().advance(batches)
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from streampack._checks import check_int
 from streampack.errors import InputError
 from streampack.format import ledger
 from streampack.inputs.sources import (
@@ -46,7 +47,7 @@ from streampack.inputs.sources import (
     read_unit,
     records_before,
 )
-from streampack.loader import Loader, check_int
+from streampack.loader import Loader
 from streampack.order import groups
 from streampack.order.mixture import Mixture
 from streampack.reader import Cache
@@ -209,7 +210,7 @@ def _position(view: Loader, step: int | None, state: Mapping[str, Any] | None) -
     """The position of ``step``: from the state's position (``view`` resumed from it), else from 0."""
     if step is None:
         return view.position  # the state's, else the loader's own: the view is a copy of it
-    check_int("step", step, 0, 2**62, "a non-negative integer")
+    check_int("step", step, min=0, max=2**62)
     return (view.position if state is not None else 0) + int(step) * view.options.batch_size
 
 

@@ -44,6 +44,9 @@ class Order(Protocol):
     names: tuple[str, ...]
     """One name per source; ``source ids`` index this tuple."""
 
+    resumes: tuple[str, ...]
+    """The kinds of saved order (``fingerprint()["kind"]``) it continues; :meth:`resumed` refuses others."""
+
     @property
     def end(self) -> int | None:
         """The first position past the stream, or ``None`` for an endless one."""
@@ -68,8 +71,13 @@ class Order(Protocol):
     def resumed(self, saved: Mapping[str, Any], position: int) -> Order:
         """This order, continued from a checkpoint's ``saved`` fingerprint at ``position``.
 
+        ``saved`` of a kind in :attr:`resumes` was read strictly first
+        (:func:`streampack.loader.state.read_order`:
+        exactly the keys of its kind, of the right types); one of another kind is refused here, by kind.
+
         Raises:
-            LoaderStateError: the checkpoint's positions mean other samples here (other data or seed).
+            LoaderStateError: the checkpoint's positions mean other samples here (other data or seed), or
+                it is of a kind this order does not continue.
         """
         ...
 
@@ -122,6 +130,8 @@ class Shuffled(OneSource):
         data: the data's fingerprint (what a checkpoint is checked against).
         name: the source's name in reports.
     """
+
+    resumes: tuple[str, ...] = ("shuffled",)
 
     def __init__(
         self,

@@ -40,11 +40,12 @@ from typing import Any
 
 import numpy as np
 
+from streampack._checks import check_int
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.order import OneSource, Shuffled, groups, mismatch
 from streampack.order.permutation import Permutation
 
-__all__ = ["BlockShuffle", "BlockShuffled", "shuffle_fingerprint", "single_order"]
+__all__ = ["BlockShuffle", "BlockShuffled", "check_shuffle", "shuffle_fingerprint", "single_order"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +70,19 @@ class BlockShuffle:
 
     def __post_init__(self) -> None:
         for name in ("block", "window"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 1 <= value <= 2**40:
-                raise OptionsError(
-                    f"BlockShuffle {name} must be an integer in [1, 2**40] (got {name}={value!r})"
-                )
-            object.__setattr__(self, name, int(value))
+            object.__setattr__(self, name, check_int(name, getattr(self, name), min=1, max=2**40))
+
+
+def check_shuffle(shuffle: object) -> None:
+    """Refuse a ``shuffle=`` that is not ``True``, ``False`` or a :class:`BlockShuffle`.
+
+    Raises:
+        OptionsError: it is anything else (``1``, ``"blocks"``, ``None``).
+    """
+    if not isinstance(shuffle, (bool, BlockShuffle)):
+        raise OptionsError(
+            f"shuffle must be True, False or a BlockShuffle(block=..., window=...) (got shuffle={shuffle!r})"
+        )
 
 
 def shuffle_fingerprint(shuffle: bool | BlockShuffle) -> bool | dict[str, int]:
@@ -121,6 +129,8 @@ class BlockShuffled(OneSource):
         data: the data's fingerprint (what a checkpoint is checked against).
         name: the source's name in reports.
     """
+
+    resumes: tuple[str, ...] = ("blocks",)
 
     def __init__(
         self,

@@ -23,13 +23,20 @@ import numbers
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
+from streampack._checks import check_choice, check_int
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.order import MAX_POSITION, Shuffled, data_fingerprint, groups, mismatch
-from streampack.order.blockshuffle import BlockShuffle, BlockShuffled, shuffle_fingerprint, single_order
+from streampack.order.blockshuffle import (
+    BlockShuffle,
+    BlockShuffled,
+    check_shuffle,
+    shuffle_fingerprint,
+    single_order,
+)
 from streampack.order.permutation import Permutation
 
 __all__ = ["Mixture"]
@@ -81,6 +88,9 @@ class Mixture:
             would stop before its first block.
     """
 
+    # A single dataset's checkpoint continues as the source with its data.
+    resumes: tuple[str, ...] = ("shuffled", "blocks", "mixture")
+
     def __init__(
         self,
         sources: Mapping[str, Any],
@@ -92,18 +102,13 @@ class Mixture:
         block_size: int = 4096,
         stop: Stop = "never",
     ) -> None:
-        _check_int("seed", seed, 0, 2**64 - 1)
-        _check_int("block_size", block_size, 1, 2**40)
-        if not isinstance(shuffle, (bool, BlockShuffle)):
-            raise OptionsError(
-                "shuffle must be True, False or a BlockShuffle(block=..., window=...) "
-                f"(got shuffle={shuffle!r})"
-            )
-        if stop not in ("never", "first_exhausted"):
-            raise OptionsError(f"stop must be 'never' or 'first_exhausted' (got stop={stop!r})")
+        seed = check_int("seed", seed, min=0, below=2**64)
+        block_size = check_int("block_size", block_size, min=1, max=2**40)
+        check_shuffle(shuffle)
+        check_choice("stop", stop, get_args(Stop))
         self.sources = _checked_sources(sources)
         self.names = tuple(self.sources)
-        self.seed, self.shuffle, self.block_size, self.stop = int(seed), shuffle, int(block_size), stop
+        self.seed, self.shuffle, self.block_size, self.stop = seed, shuffle, block_size, stop
         self._data = [data_fingerprint(data) for data in self.sources.values()]
         self._seeds = [_derive(self.seed, f"source:{name}") for name in self.names]
         self._blocks_seed = _derive(self.seed, "blocks")
@@ -472,17 +477,17 @@ def _stages(
         return [(0, weights)]
     assert stages is not None
     checked: list[tuple[int, Mapping[str, float]]] = []
-    for stage in stages:
+    for k, stage in enumerate(stages):
         if not (isinstance(stage, (tuple, list)) and len(stage) == 2 and isinstance(stage[1], Mapping)):
             raise OptionsError(
                 f"each stage is a (position, weights) pair, e.g. (0, {{'web': 1.0}}) (got {stage!r})"
             )
-        _check_int("a stage's position", stage[0], 0, MAX_POSITION)
-        if checked and stage[0] <= checked[-1][0]:
+        position = check_int(f"stages[{k}] position", stage[0], min=0, max=MAX_POSITION)
+        if checked and position <= checked[-1][0]:
             raise OptionsError(
-                f"stages must be in increasing order of position (got {stage[0]} after {checked[-1][0]})"
+                f"stages must be in increasing order of position (got {position} after {checked[-1][0]})"
             )
-        checked.append((int(stage[0]), stage[1]))
+        checked.append((position, stage[1]))
     if not checked or checked[0][0] != 0:
         raise OptionsError("the first stage must start at position 0, e.g. stages=[(0, {'web': 1.0}), ...]")
     return checked
@@ -496,11 +501,6 @@ def _first_block(position: int, block_size: int) -> int:
 def _derive(seed: int, tag: str) -> int:
     """A 64-bit seed for one use of a mixture's seed (the blocks, or one named source)."""
     return int.from_bytes(hashlib.blake2b(f"{seed}:{tag}".encode(), digest_size=8).digest(), "little")
-
-
-def _check_int(name: str, value: object, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= int(value) <= hi:
-        raise OptionsError(f"{name} must be an integer in [{lo}, {hi}] (got {value!r})")
 
 
 def _is_whole(value: object) -> bool:

@@ -29,12 +29,13 @@ every shuffled order, so ``tests/test_permutation.py`` pins known outputs.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Callable
 from typing import overload
 
 import numpy as np
 import numpy.typing as npt
+
+from streampack._checks import check_int
 
 __all__ = ["MAX_N", "Permutation"]
 
@@ -80,13 +81,6 @@ def _round_keys(seed: int, epoch: int) -> tuple[int, ...]:
     return tuple(_mix64(base + (r + 1) * _GOLDEN) for r in range(_ROUNDS))
 
 
-def _check_integer(name: str, value: object, lo: int, hi: int, allowed: str) -> int:
-    """Return ``value`` as an int if it is an integer in ``[lo, hi]``, else raise ValueError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= int(value) <= hi:
-        raise ValueError(f"{name} must be an integer in {allowed} (got {name}={value!r})")
-    return int(value)
-
-
 @dataclasses.dataclass(frozen=True)
 class Permutation:
     """A seeded bijection on ``[0, n)``, evaluated per index without materialising the order.
@@ -107,7 +101,7 @@ class Permutation:
         epoch: Epoch number, an integer in ``[0, 2**64)``; each epoch gives a different order.
 
     Raises:
-        ValueError: If ``n``, ``seed`` or ``epoch`` is not an integer in its allowed range.
+        OptionsError: (a ``ValueError``) ``n``, ``seed`` or ``epoch`` is not an integer in its allowed range.
     """
 
     n: int
@@ -119,9 +113,9 @@ class Permutation:
     _array_keys: tuple[np.uint64, ...] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        n = _check_integer("n", self.n, 1, MAX_N, "[1, 2**62]")
-        seed = _check_integer("seed", self.seed, 0, _MASK64, "[0, 2**64)")
-        epoch = _check_integer("epoch", self.epoch, 0, _MASK64, "[0, 2**64)")
+        n = check_int("n", self.n, min=1, max=MAX_N)
+        seed = check_int("seed", self.seed, min=0, below=2**64)
+        epoch = check_int("epoch", self.epoch, min=0, below=2**64)
         keys = _round_keys(seed, epoch)
         object.__setattr__(self, "n", n)
         object.__setattr__(self, "seed", seed)

@@ -30,11 +30,11 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast, get_args
 
 import numpy as np
 
-from streampack.errors import OptionsError
+from streampack._checks import check_choice
 from streampack.format import LAYOUT_DIR
 from streampack.samples.layout import Bins
 
@@ -42,10 +42,14 @@ if TYPE_CHECKING:
     from streampack.reader import Cache
     from streampack.samples.split import Chosen
 
-__all__ = ["CHUNK_DOCS", "NoTarget", "TooLong", "plan_documents", "plan_packed"]
+__all__ = ["CHUNK_DOCS", "NO_TARGET", "TOO_LONG", "NoTarget", "TooLong", "plan_documents", "plan_packed"]
 
 TooLong = Literal["split", "truncate", "drop"]
 NoTarget = Literal["keep", "drop"]
+TOO_LONG: tuple[TooLong, ...] = get_args(TooLong)
+"""The ``too_long`` policies, in the order messages list them."""
+NO_TARGET: tuple[NoTarget, ...] = get_args(NoTarget)
+"""The ``no_target`` policies."""
 
 # Documents packed together: larger chunks pack a little tighter, and take more memory to plan.
 CHUNK_DOCS = 1 << 16
@@ -90,8 +94,7 @@ def plan_documents(
 def _settings(settings: dict[str, int | str], no_target: NoTarget) -> dict[str, int | str]:
     """The planner's settings; ``no_target`` only when it drops, so that the plans (and the checkpoints)
     that keep every piece are those of streampack before the option existed."""
-    if no_target_policy(no_target) is None:
-        raise OptionsError(f"no_target must be 'keep' or 'drop' (got {no_target!r})")
+    check_choice("no_target", no_target, NO_TARGET)
     return {**settings, "no_target": "drop"} if no_target == "drop" else settings
 
 
@@ -104,9 +107,8 @@ def _plan(
     content: str,
     assign: Callable[[np.ndarray, int], np.ndarray],
 ) -> Bins:
-    too_long = too_long_policy(settings["too_long"])
-    if too_long is None:
-        raise OptionsError(f"too_long must be 'split', 'truncate' or 'drop' (got {settings['too_long']!r})")
+    check_choice("too_long", settings["too_long"], TOO_LONG)
+    too_long = cast(TooLong, settings["too_long"])
     settings = {**settings, **chosen.fingerprint()}
     key_text = json.dumps([content, seq_len, settings, _PLAN_FORMAT], sort_keys=True)
     key = f"{settings['layout']}-{seq_len}-{hashlib.sha256(key_text.encode()).hexdigest()[:16]}"
@@ -142,16 +144,6 @@ def _plan(
         dropped=dropped,
         no_target=no_target,
     )
-
-
-def no_target_policy(value: object) -> NoTarget | None:
-    """``value`` as a ``no_target`` policy, or None when it is not one."""
-    return value if value in ("keep", "drop") else None
-
-
-def too_long_policy(value: object) -> TooLong | None:
-    """``value`` as a ``too_long`` policy, or None when it is not one."""
-    return value if value in ("split", "truncate", "drop") else None
 
 
 class _Pieces:

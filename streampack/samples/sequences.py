@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from streampack.errors import CacheError, OptionsError
+from streampack._checks import check_choice, check_int
+from streampack.errors import CacheError
 from streampack.order import groups
 from streampack.samples.layout import (
     Bins,
@@ -42,7 +43,7 @@ from streampack.samples.layout import (
     row_view,
     split_windows,
 )
-from streampack.samples.packing import NoTarget, TooLong, plan_documents, plan_packed, too_long_policy
+from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong, plan_documents, plan_packed
 from streampack.samples.split import Chosen
 from streampack.store import CacheRef
 from streampack.store.localcopy import CachedStore, on_release
@@ -78,12 +79,12 @@ class PackedSequences:
         chosen: the documents to lay end to end (one side of ``cache.split``); every document by default.
 
     Raises:
-        ValueError: ``seq_len`` or ``overlap`` is not an integer in its allowed range.
+        OptionsError: (a ``ValueError``) ``seq_len`` or ``overlap`` is not an integer in its allowed range.
     """
 
     def __init__(self, cache: Cache, seq_len: int, *, overlap: int = 0, chosen: Chosen | None = None) -> None:
-        seq_len = _check_int("seq_len", seq_len, 1, "a positive integer, e.g. 2048")
-        overlap = _check_int("overlap", overlap, 0, "a non-negative integer, usually 0 or 1")
+        seq_len = check_int("seq_len", seq_len, min=1, hint="tokens per sample, e.g. 2048")
+        overlap = check_int("overlap", overlap, min=0, hint="usually 0, or 1 for next-token targets")
         chosen = chosen if chosen is not None else Chosen(cache)
         self._setup(cache, FixedWindows(chosen.runs(cache), seq_len, overlap, chosen.fingerprint()))
 
@@ -475,27 +476,25 @@ def whole_documents(
     """Samples of whole documents: ``kind`` ``"packed"`` (best-fit) or ``"documents"`` (one per sample).
 
     Raises:
-        ValueError: ``seq_len`` is not a positive integer.
-        OptionsError: ``too_long`` or ``no_target`` is not a policy, or ``pad_id`` does not fit the cache's
-            token dtype.
+        OptionsError: ``seq_len`` is not a positive integer, ``too_long`` or ``no_target`` is not a policy,
+            or ``pad_id`` does not fit the cache's token dtype.
     """
-    seq_len = _check_int("seq_len", seq_len, 1, "a positive integer, e.g. 2048")
-    if too_long_policy(too_long) is None:
-        raise OptionsError(f"too_long must be 'split', 'truncate' or 'drop' (got {too_long!r})")
+    seq_len = check_int("seq_len", seq_len, min=1, hint="tokens per sample, e.g. 2048")
+    check_choice("too_long", too_long, TOO_LONG)
+    check_choice("no_target", no_target, NO_TARGET)
     if pad_id is None:
         pad_id = cache.eos_id if cache.eos_id is not None else 0
-    top = int(np.iinfo(cache.dtype).max)
-    if isinstance(pad_id, bool) or not isinstance(pad_id, numbers.Integral) or not 0 <= int(pad_id) <= top:
-        raise OptionsError(
-            f"pad_id must be an integer in [0, {top}], the cache's {cache.dtype} ids (got {pad_id!r})"
-        )
+    below = int(np.iinfo(cache.dtype).max) + 1
+    pad_id = check_int(
+        "pad_id", pad_id, min=0, below=below, hint=f"an id of the cache's {cache.dtype} tokens"
+    )
     plan = plan_packed if kind == "packed" else plan_documents
     layout = plan(
         cache,
         chosen,
         seq_len,
         too_long=too_long,
-        pad_id=int(pad_id),
+        pad_id=pad_id,
         content=content_digest(cache),
         no_target=no_target,
     )
@@ -582,9 +581,3 @@ def content_digest(cache: Cache) -> str:
 def _ref_of_old_pickle(state: dict[str, Any]) -> CacheRef:
     """The reference of samples pickled before :class:`CacheRef` (an absolute path, the digest)."""
     return CacheRef(Path(state["path"]).as_uri(), state["content"], state["allow_incomplete"])
-
-
-def _check_int(name: str, value: object, minimum: int, allowed: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < minimum:
-        raise ValueError(f"{name} must be {allowed} (got {name}={value!r})")
-    return int(value)

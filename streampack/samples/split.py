@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from streampack._checks import check_int
 from streampack.errors import OptionsError
 from streampack.samples.layout import Runs
 
@@ -160,8 +161,7 @@ def split(cache: Cache, holdout: float, *, seed: int = 0) -> tuple[DocumentSet, 
         OptionsError: ``holdout`` is neither a fraction in (0, 1) nor a count in range, or ``seed`` is not
             an integer.
     """
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise OptionsError(f"seed must be an integer (got {seed!r})")
+    check_int("seed", seed)
     if isinstance(holdout, numbers.Integral) and not isinstance(holdout, bool):
         count = int(holdout)
         if not 1 <= count <= cache.num_docs:

@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from streampack._checks import check_int_or_none
 from streampack.errors import CacheError, OptionsError
 from streampack.format import SHARD_DIR
 from streampack.store import LocalStore
@@ -497,9 +498,8 @@ def cached_store(
     Raises:
         OptionsError: ``max_local_bytes`` or ``prefetch_steps`` is not a non-negative integer.
     """
-    for name, value in (("max_local_bytes", max_local_bytes), ("prefetch_steps", prefetch_steps)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-            raise OptionsError(f"{name} must be a non-negative integer or None (got {name}={value!r})")
+    max_local_bytes = check_int_or_none("max_local_bytes", max_local_bytes, min=0)
+    prefetch_steps = check_int_or_none("prefetch_steps", prefetch_steps, min=0)
     remote = RemoteStore(url, storage_options)
     return CachedStore(
         remote,

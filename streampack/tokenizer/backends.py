@@ -41,8 +41,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from streampack.builder.options import SpecialTokens, TokenizerEngine
-from streampack.errors import MissingDependencyError, OptionsError, TokenizerError
+from streampack._checks import check_choice, check_int
+from streampack.builder.options import SPECIAL_TOKENS, TOKENIZER_ENGINES, SpecialTokens, TokenizerEngine
+from streampack.errors import MissingDependencyError, TokenizerError
 from streampack.tokenizer.pieces import (
     GPT2_SPLIT_PATTERNS,
     PROVEN_SPLIT_PATTERNS,
@@ -127,10 +128,8 @@ def load_tokenizer(
         TokenizerError: the spec names no usable tokenizer.
         MissingDependencyError: the backend's package (or the engine asked for) is not installed.
     """
-    if special_tokens not in ("text", "parse"):
-        raise OptionsError(f"special_tokens must be 'text' or 'parse' (got {special_tokens!r})")
-    if engine not in ENGINE_CHOICES:
-        raise OptionsError(f"tokenizer_engine must be one of {', '.join(ENGINE_CHOICES)} (got {engine!r})")
+    check_choice("special_tokens", special_tokens, SPECIAL_TOKENS)
+    check_choice("tokenizer_engine", engine, ENGINE_CHOICES)
     if spec == "bytes":
         if engine != "auto":
             raise TokenizerError(
@@ -142,7 +141,7 @@ def load_tokenizer(
     return HFTokenizer(spec, threads=threads, special_tokens=special_tokens, engine=engine)
 
 
-ENGINE_CHOICES: tuple[TokenizerEngine, ...] = ("auto", "tokenizers", "tiktoken", "fastokens")
+ENGINE_CHOICES: tuple[TokenizerEngine, ...] = TOKENIZER_ENGINES
 
 
 def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
@@ -237,9 +236,7 @@ def resolve_eos(tokenizer: Tokenizer, *, eos: bool, eos_id: int | None) -> EosPo
     if not eos:
         return EosPolicy(False, None)
     if eos_id is not None:
-        if eos_id < 0 or eos_id >= 1 << 32:
-            raise OptionsError(f"eos_id must be in [0, 2**32) (got {eos_id})")
-        return EosPolicy(True, eos_id)
+        return EosPolicy(True, check_int("eos_id", eos_id, min=0, below=2**32))
     if tokenizer.eos_id is None:
         raise TokenizerError(
             f"tokenizer {tokenizer.spec!r} has no EOS token that streampack recognises "

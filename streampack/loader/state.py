@@ -1,0 +1,335 @@
+"""The loader state's format, read strictly: the keys each version of a state, and each kind of order in
+it, holds (docs/FORMAT.md, "Loader checkpoints").
+
+A state resumes a run only when it means one place of it. So every reader of a state reads it here,
+through :func:`read`, against a :class:`Schema` (:meth:`Loader.load_state_dict
+<streampack.loader.Loader.load_state_dict>` for the loader's own keys and for the order of every kind in
+it, which covers :class:`~streampack.loader.follow.Follow`, mixtures and the trainer adapters, whose states
+are
+loader states):
+
+* a key the schema does not have is refused, naming the key, what the schema holds and what the state
+  holds; a key of *another* version or kind (a version 2 state carrying version 1's ``epoch``, as a
+  script that edits a checkpoint writes it, would otherwise resume at its own ``position``) also says
+  where it belongs and how to say it in this version;
+* so is a missing required key, and a value of the wrong type or out of range.
+
+Real states of an earlier version are converted by their reader (the loader reads version 1), after
+they were read strictly as what they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from streampack._checks import bounds, is_int
+from streampack.errors import LoaderStateError
+from streampack.order import MAX_POSITION
+
+__all__ = [
+    "LOADER_FORMAT",
+    "LOADER_VERSION",
+    "LOADER_VERSIONS",
+    "ORDERS",
+    "Field",
+    "Schema",
+    "read",
+    "read_loader_state",
+    "read_order",
+]
+
+LOADER_FORMAT = "streampack.Loader"
+LOADER_VERSION = 2
+"""The version :meth:`Loader.state_dict <streampack.loader.Loader.state_dict>` writes."""
+
+_DAMAGED = "the state is damaged: load one as state_dict() returned it"
+
+
+@dataclass(frozen=True)
+class Field:
+    """What one key of a state may hold.
+
+    Attributes:
+        allowed: what it must be, as a message says it (``"an integer in [0, 2**62]"``).
+        test: whether a value is allowed.
+        each: the value is an object whose every entry is read with this schema (a mixture's sources).
+    """
+
+    allowed: str
+    test: Callable[[Any], bool]
+    each: Schema | None = None
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The keys of one version of a state (or one kind of order): required, optional, and what to say of
+    keys that belong elsewhere.
+
+    Attributes:
+        name: what states of this schema are, plural, for messages (``"version 2 loader states"``).
+        required: keys every such state holds.
+        optional: keys it may hold.
+        hints: for a key of another version or kind, how this version says the same.
+    """
+
+    name: str
+    required: Mapping[str, Field]
+    optional: Mapping[str, Field] = field(default_factory=dict)
+    hints: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def fields(self) -> dict[str, Field]:
+        """Every key it may hold, required first."""
+        return {**self.required, **self.optional}
+
+
+def integer(*, min: int | None = None, max: int | None = None, below: int | None = None) -> Field:
+    """An integer (not a bool) within the bounds."""
+
+    def test(value: Any) -> bool:
+        return (
+            is_int(value)
+            and (min is None or value >= min)
+            and (max is None or value <= max)
+            and (below is None or value < below)
+        )
+
+    return Field(bounds(min, max, below), test)
+
+
+def _is_object(value: Any) -> bool:
+    return isinstance(value, Mapping)
+
+
+def _is_block_shuffle(value: Any) -> bool:
+    return (
+        isinstance(value, Mapping)
+        and set(value) == {"block", "window"}
+        and all(is_int(v) and v >= 1 for v in value.values())
+    )
+
+
+def _is_mixture_shuffle(value: Any) -> bool:
+    return isinstance(value, bool) or _is_block_shuffle(value)
+
+
+def _is_schedule(value: Any) -> bool:
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(
+            isinstance(segment, (list, tuple)) and len(segment) == 2 and isinstance(segment[1], Mapping)
+            for segment in value
+        )
+    )
+
+
+def _is_eras(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 2 and all(is_int(v) and v >= 1 for v in value)
+
+
+SEED = integer(min=0, below=2**64)
+BOOL = Field("True or False", lambda value: isinstance(value, bool))
+OBJECT = Field("a JSON object (a dict)", _is_object)
+_FORMAT = Field(repr(LOADER_FORMAT), lambda value: value == LOADER_FORMAT)
+
+
+def _kind(name: str) -> Field:
+    return Field(repr(name), lambda value: value == name)
+
+
+def _version(number: int) -> Field:
+    return Field(str(number), lambda value: is_int(value) and value == number)
+
+
+_POSITION_HINT = (
+    "A version 2 state says where the run stands by 'position' alone: the samples consumed since the run "
+    "started over all ranks (sample s of epoch e of a dataset of N samples is position e * N + s). Set "
+    "'position' and leave this key out."
+)
+
+LOADER_VERSIONS: dict[int, Schema] = {
+    1: Schema(
+        "version 1 loader states",
+        required={
+            "format": _FORMAT,
+            "version": _version(1),
+            "seed": SEED,
+            "shuffle": BOOL,
+            "dataset": OBJECT,
+            "epoch": integer(min=0),
+            "samples_in_epoch": integer(min=0),
+        },
+        optional={"batch_size": integer(min=1), "drop_last": BOOL, "world_size": integer(min=1)},
+        hints=dict.fromkeys(
+            ("position", "order"),
+            "A version 1 state says where the run stands by 'epoch' and 'samples_in_epoch'; to give a "
+            "position, write a version 2 state (as Loader.state_dict() writes it).",
+        ),
+    ),
+    LOADER_VERSION: Schema(
+        "version 2 loader states",
+        required={
+            "format": _FORMAT,
+            "version": _version(2),
+            "position": integer(min=0, max=MAX_POSITION),
+            "order": OBJECT,
+        },
+        optional={"batch_size": integer(min=1), "world_size": integer(min=1)},
+        hints={"epoch": _POSITION_HINT, "samples_in_epoch": _POSITION_HINT},
+    ),
+}
+"""Every version of a loader state this streampack reads."""
+
+_MIXTURE_SOURCE = Schema("a mixture's sources", required={"seed": SEED, "data": OBJECT})
+
+ORDERS: dict[str, Schema] = {
+    "shuffled": Schema(
+        "orders of kind 'shuffled'",
+        required={"kind": _kind("shuffled"), "seed": SEED, "shuffle": BOOL, "data": OBJECT},
+    ),
+    "blocks": Schema(
+        "orders of kind 'blocks'",
+        required={
+            "kind": _kind("blocks"),
+            "seed": SEED,
+            "block": integer(min=1),
+            "window": integer(min=1),
+            "data": OBJECT,
+        },
+    ),
+    "mixture": Schema(
+        "orders of kind 'mixture'",
+        required={
+            "kind": _kind("mixture"),
+            "seed": SEED,
+            "shuffle": Field(
+                "True, False or {'block': B, 'window': W}",
+                lambda v: isinstance(v, bool) or _is_block_shuffle(v),
+            ),
+            "block_size": integer(min=1),
+            "sources": Field("an object of source name -> {seed, data}", _is_object, each=_MIXTURE_SOURCE),
+            "schedule": Field("a non-empty list of [first block, {source: count}] pairs", _is_schedule),
+        },
+    ),
+    "follow": Schema(
+        "orders of kind 'follow'",
+        required={
+            "kind": _kind("follow"),
+            "seed": SEED,
+            "eras": Field("a list of two integers >= 1, [first_era, largest_era]", _is_eras),
+            "data": OBJECT,
+        },
+    ),
+}
+"""Every kind of order a loader state may hold, by its ``kind``."""
+
+
+def read(
+    state: object, schema: Schema, where: str, *, others: Sequence[Schema] = (), fix: str = _DAMAGED
+) -> dict[str, Any]:
+    """``state`` as a dict, once it holds exactly what ``schema`` allows.
+
+    Args:
+        state: what was given.
+        schema: what it must be.
+        where: what it is, for messages (``"loader state"``, ``"version 2 loader state's order"``).
+        others: the other versions or kinds of the same state, to say where a foreign key belongs.
+        fix: what to do, for messages.
+
+    Raises:
+        LoaderStateError: ``state`` is not an object, holds a key ``schema`` does not have, lacks a
+            required one, or holds a value that is not allowed; the message names the key, what the
+            schema holds and what the state holds.
+    """
+    if not isinstance(state, Mapping):
+        raise LoaderStateError(f"{where} must be a JSON object (got {_summary(state)}); {fix}")
+    fields = schema.fields
+    given = list(state)
+    for key in given:
+        if key not in fields:
+            homes = [other.name for other in others if key in other.fields and other is not schema]
+            home = f" (a key of {' and '.join(homes)})" if homes else ""
+            hint = schema.hints.get(key) if isinstance(key, str) else None
+            raise LoaderStateError(
+                f"{where} holds {key!r}{home}, which {schema.name} do not hold: they hold "
+                f"{_listed(schema)}; this one holds {given}. {hint or _capital(fix)}"
+            )
+    for key in schema.required:
+        if key not in state:
+            raise LoaderStateError(
+                f"{where} has no {key!r}, which {schema.name} hold: they hold {_listed(schema)}; this one "
+                f"holds {given}; {fix}"
+            )
+    checked: dict[str, Any] = {}
+    for key, value in state.items():
+        field_ = fields[key]
+        if not field_.test(value):
+            raise LoaderStateError(
+                f"{where} {key} must be {field_.allowed} (got {key}={_summary(value)}); {fix}"
+            )
+        if field_.each is not None:
+            value = {
+                name: read(item, field_.each, f"{where} {key}[{name!r}]", fix=fix)
+                for name, item in value.items()
+            }
+        checked[key] = value
+    return checked
+
+
+def read_loader_state(state: object) -> dict[str, Any]:
+    """A loader state read strictly as the version it says it is (its order is read by
+    :func:`read_order`).
+
+    Raises:
+        LoaderStateError: not a loader state, a version this streampack does not read, or not what its
+            version holds (see :func:`read`).
+    """
+    if not isinstance(state, Mapping) or state.get("format") != LOADER_FORMAT:
+        raise LoaderStateError(
+            f"not a streampack loader state (expected a dict with format={LOADER_FORMAT!r}, got "
+            f"{_summary(state)}); pass what Loader.state_dict() returned"
+        )
+    version = state.get("version")
+    schema = LOADER_VERSIONS.get(version) if is_int(version) else None
+    if schema is None:
+        readable = " and ".join(map(str, LOADER_VERSIONS))
+        raise LoaderStateError(
+            f"loader state version {version!r} is not supported by this streampack (it reads versions "
+            f"{readable}); resume with the streampack version that saved it"
+        )
+    return read(state, schema, f"version {version} loader state", others=list(LOADER_VERSIONS.values()))
+
+
+def read_order(order: Mapping[str, Any], version: int) -> dict[str, Any]:
+    """A loader state's ``order`` read strictly as the kind it says it is.
+
+    Raises:
+        LoaderStateError: an unknown kind, or not what its kind holds (see :func:`read`).
+    """
+    where = f"version {version} loader state's order"
+    kind = order.get("kind")
+    schema = ORDERS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise LoaderStateError(
+            f"{where} has kind={_summary(kind)}, which is none of the kinds of order a loader state holds "
+            f"({', '.join(map(repr, ORDERS))}); {_DAMAGED}"
+        )
+    return read(order, schema, where, others=list(ORDERS.values()))
+
+
+def _listed(schema: Schema) -> str:
+    required = list(schema.required)
+    optional = list(schema.optional)
+    return f"{required}" + (f" and may hold {optional}" if optional else "")
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:] + "."
+
+
+def _summary(value: object, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
