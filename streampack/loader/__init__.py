@@ -38,6 +38,7 @@ from streampack._checks import check_bool, check_choice, check_int, check_int_or
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import prefetch
 from streampack.loader.collate import Format, format_for
+from streampack.loader.lookahead import prefetch_steps, shard_files
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state, read_order
 from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
 from streampack.order.blockshuffle import BlockShuffle, check_shuffle, single_order
@@ -49,6 +50,7 @@ from streampack.samples.sequences import (
     holds_every_id,
     with_current_digests,
 )
+from streampack.store.localcopy import CachedStore
 
 __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
 
@@ -269,7 +271,7 @@ class Loader:
         parts = [source.data for source in self.sources]
         joinable = all(isinstance(part, PackedSequences) for part in parts)
         self._joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
-        self._prefetches = prefetch.steps_for(self._joined) > 0  # decided once: not a check per batch
+        self._prefetches = prefetch_steps(self._joined) > 0  # decided once: not a check per batch
         # Every checkpoint resumes against the order given here, never one an earlier load produced.
         self._configured: Order = self.order
         self._position = 0
@@ -605,6 +607,51 @@ class Loader:
         for source, rows in groups(sources):
             self.sources[source].read(samples[rows], out, rows)
         return out
+
+    @property
+    def prefetch_steps(self) -> int:
+        """Steps ahead whose shards are fetched in the background: 0 unless the samples are read from
+        object storage (see :func:`streampack.open`'s ``prefetch_steps``)."""
+        return prefetch_steps(self._joined)
+
+    def lookahead(
+        self, position: int, steps: int, *, stride: int | None = None
+    ) -> list[tuple[CachedStore, str]]:
+        """The shard files that this process's ``steps`` batches after ``position`` read, nearest step
+        first, each once: what :mod:`streampack.loader.prefetch` fetches ahead (the
+        :class:`~streampack.loader.lookahead.Lookahead` protocol).
+
+        Only files of caches read through a local copy (object storage) are listed, and only for batches
+        that can be made now (a :class:`~streampack.loader.follow.Follow` lists those of the eras known).
+
+        Args:
+            position: the position of the batch just read.
+            steps: batches ahead.
+            stride: positions from one of this process's batches to its next (every n-th batch in a
+                DataLoader worker); the global batch size by default.
+
+        Returns:
+            ``(store, key)`` pairs: the store of the local copy and the key of a file in it.
+        """
+        files: list[tuple[CachedStore, str]] = []
+        seen: set[tuple[int, int]] = set()
+        joined = self._joined  # read once: a growing source replaces it as it grows
+        if joined is None:
+            return files
+        stride = stride or self.options.batch_size
+        boundaries = self.options.output != "numpy"
+        for step in range(1, steps + 1):
+            at = position + step * stride
+            if not self._ready(at) or self._global_rows(at) == 0:  # not known yet, or the run ends
+                break
+            sources, samples = self.order(np.arange(*self._span(at), dtype=np.int64))
+            try:
+                files += shard_files(joined, sources, samples, boundaries=boundaries, seen=seen)
+            except IndexError:
+                if self._joined is joined:
+                    raise
+                return files  # the growing source was reopened meanwhile: start over after the next batch
+        return files
 
     # --- where the run stands ---------------------------------------------------------------------------
 

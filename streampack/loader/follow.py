@@ -52,7 +52,7 @@ from streampack._checks import check_choice, check_int
 from streampack.builder.coordinator import build_identity
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
 from streampack.format import MANIFEST, Manifest, ledger, load_manifest, shard_name
-from streampack.loader import Loader, LoaderOptions, Output, _Source, prefetch
+from streampack.loader import Loader, LoaderOptions, Output, _Source, lookahead
 from streampack.loader.collate import format_for
 from streampack.order import MAX_POSITION, Shuffled, groups, mismatch
 from streampack.order.permutation import Permutation
@@ -566,7 +566,7 @@ class Follow(Loader):
         sequences = self._committed().sequences(self.seq_len, overlap=self.overlap)
         self.dataset, self.sources = sequences, [_Source(sequences)]
         self._joined = JoinedSequences([sequences])
-        self._prefetches = prefetch.steps_for(self._joined) > 0
+        self._prefetches = lookahead.prefetch_steps(self._joined) > 0
         self.formatter = format_for(self.options.output, [sequences])
         self._clear_caches()
         self._data_known = known

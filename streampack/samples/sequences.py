@@ -401,6 +401,12 @@ class JoinedSequences:
         )
         return self._runs
 
+    def owner(self, shard: int) -> tuple[int, int]:
+        """``(part, shard of that part)`` of shard ``shard`` of the joined stream."""
+        if self._runs is None:
+            self._join()
+        return self._owners[shard]
+
     def forget_maps(self) -> None:
         """Forget the shard maps kept at hand (they close once no caller holds them)."""
         self._recent, self._views = {}, {}  # new dicts: another thread may be in the middle of a lookup
