@@ -718,3 +718,83 @@ def test_samples_pickled_before_format_2_reopen(cache: streampack.Cache) -> None
     copy = type(samples).__new__(type(samples))
     copy.__setstate__(state)
     assert np.array_equal(copy[[0, 5]], samples[[0, 5]])
+
+
+# --- the order given: Loader(source, order=...) ----------------------------------------------------------
+
+
+class Reversed(streampack.order.OneSource):
+    """An order of our own: each epoch serves the samples last to first."""
+
+    resumes = ("reversed",)
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size, seed=0, epochs=None, data=None, name="data")
+
+    def samples(self, positions: np.ndarray) -> np.ndarray:
+        return self.size - 1 - positions % self.size
+
+    def fingerprint(self) -> dict:
+        return {"kind": "reversed", "data": self.data}
+
+    def resumed(self, saved, position: int) -> Reversed:  # type: ignore[no-untyped-def]
+        return self
+
+
+def test_a_loader_reads_the_order_it_is_given() -> None:
+    """Any Order goes in ``order=``: the one the Loader makes from its options serves the same batches
+    and states given explicitly; an order of one's own is served, ranks and resume included."""
+    made = Loader(IndexSource(50), batch_size=4, seed=3, epochs=2, drop_last=False)
+    order = streampack.order.Shuffled(50, seed=3, epochs=2, data={"num_samples": 50})
+    given = Loader(IndexSource(50), order=order, batch_size=4, drop_last=False)
+    assert served(given) == served(made) and given.state_dict() == made.state_dict()
+    assert len(given) == len(made) == 25
+
+    mine = Loader(IndexSource(10), order=Reversed(10), batch_size=4)
+    assert served(mine, 3) == [[9, 8, 7, 6], [5, 4, 3, 2], [1, 0, 9, 8]]
+    ranks = [Loader(IndexSource(10), order=Reversed(10), batch_size=4, rank=r, world_size=2) for r in (0, 1)]
+    assert [served(rank, 1) for rank in ranks] == [[[9, 8]], [[7, 6]]]
+    resumed = Loader(IndexSource(10), order=Reversed(10), batch_size=4)
+    resumed.load_state_dict(mine.state_dict())
+    assert served(resumed, 1) == [[7, 6, 5, 4]]
+    with pytest.raises(TypeError, match="endless Loader has no len"):
+        len(mine)
+
+
+def test_several_sources_with_an_order_read_as_a_mixture_of_them() -> None:
+    sources = {"a": IndexSource(30), "b": IndexSource(40)}
+    mix = Mixture(sources, weights={"a": 1, "b": 3}, block_size=8, seed=2)
+    assert mix.sources_and_order() == (mix.sources, mix)
+    given = Loader(dict(sources), order=mix, batch_size=8)
+    sugar = Loader(mix, batch_size=8)
+    assert all(np.array_equal(a, b) for a, b in zip(given.picks(0), sugar.picks(0), strict=True))
+    assert served(given, 5) == served(sugar, 5) and given.state_dict() == sugar.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: Loader(IndexSource(9), order=Reversed(9), batch_size=3, seed=1), r"Reversed\(\.\.\., seed="),
+        (lambda: Loader(IndexSource(9), order=Reversed(9), batch_size=3, epochs=1), "the order's own end"),
+        (lambda: Loader({"a": IndexSource(9)}, batch_size=3), "are read in an order: pass order="),
+        (
+            lambda: Loader({"b": IndexSource(9)}, order=Reversed(9), batch_size=3),
+            r"named as the order names them.*\['data'\] \(got \['b'\]\)",
+        ),
+        (
+            lambda: Loader(Mixture({"a": IndexSource(9)}, weights={"a": 1}), order=Reversed(9), batch_size=3),
+            "not both",
+        ),
+        (
+            lambda: Loader(
+                IndexSource(9),
+                order=Mixture({"a": IndexSource(9), "b": IndexSource(9)}, weights={"a": 1, "b": 1}),
+                batch_size=3,
+            ),
+            "the order reads 2 sources",
+        ),
+    ],
+)
+def test_an_order_that_does_not_fit_its_sources_is_refused(make, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(OptionsError, match=message):
+        make()

@@ -39,10 +39,9 @@ from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import prefetch
 from streampack.loader.collate import Format, format_for
 from streampack.loader.lookahead import prefetch_steps, shard_files
-from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state, read_order
-from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
+from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, ORDERS, read_loader_state, read_order
+from streampack.order import MAX_POSITION, Order, Ordered, data_fingerprint, groups
 from streampack.order.blockshuffle import BlockShuffle, check_shuffle, single_order
-from streampack.order.mixture import Mixture
 from streampack.samples.layout import BatchedSpans
 from streampack.samples.sequences import (
     JoinedSequences,
@@ -197,20 +196,25 @@ class Loader:
     ``len(loader)`` is the number of batches of a run that ends (see :meth:`__len__`).
 
     Args:
-        dataset: the samples, usually ``cache.sequences(seq_len)``; see :class:`DataSource`. A 2-D numpy
+        source: the samples, usually ``cache.sequences(seq_len)``; see :class:`DataSource`. A 2-D numpy
             array also is one; a list of arrays is not (``np.stack`` it). Or a
-            :class:`~streampack.order.mixture.Mixture` of several, which then sets the order (seed, shuffle,
-            when to stop).
+            :class:`~streampack.order.mixture.Mixture` of several, which comes with its order (seed,
+            shuffle, when to stop); or a dict of name -> source, read in the ``order`` given.
+        order: the :class:`~streampack.order.Order` to read the source(s) in, one name per source; by
+            default the Loader makes one from ``seed``, ``shuffle`` and ``epochs``
+            (:class:`~streampack.order.Shuffled`, or :class:`~streampack.order.blockshuffle.BlockShuffled`).
+            An order given (or a Mixture's) is used as it is.
         batch_size: the GLOBAL batch size; each rank yields ``batch_size // world_size`` rows per step.
-        seed: shuffle seed (default 0; not with a mixture, which has its own).
+        seed: shuffle seed (default 0; not with an order given or a mixture, which have their own).
         shuffle: seeded random order, a different one every epoch; ``False``, stream order; or a
             :class:`~streampack.order.blockshuffle.BlockShuffle`, a locality-aware order for remote caches
-            (default True; not with a mixture, which takes its own ``shuffle=``).
+            (default True; not with an order given or a mixture, which takes its own ``shuffle=``).
         rank: this process's rank.
         world_size: the number of ranks.
         drop_last: drop the partial last batch of a run that ends; else split it over the ranks (refused
             when it has fewer rows than ranks, see :class:`LoaderOptions`).
-        epochs: epochs to run; ``None`` runs forever (not with a mixture: ``Mixture(stop=...)``).
+        epochs: epochs to run; ``None`` runs forever (not with an order given; a mixture's is
+            ``Mixture(stop=...)``).
         output: ``"numpy"``, ``"dict"`` or ``"varlen"``; see :class:`LoaderOptions`.
         dtype: integer dtype of the token arrays; ``None`` keeps the cache's.
         collate: applied to every batch before it is yielded (e.g. ``torch.from_numpy``).
@@ -221,14 +225,16 @@ class Loader:
             ``world_size``, the dataset holds less than one global batch (with ``drop_last``),
             ``drop_last=False`` would give some rank an empty last batch (fewer rows than ranks; the
             message names the numbers and the fixes), ``dtype`` cannot hold the cache's ids,
-            ``output="dict"`` is asked of samples it does not fit, or a mixture is given ``seed``,
-            ``shuffle`` or ``epochs``.
+            ``output="dict"`` is asked of samples it does not fit, an order or a mixture is given with
+            ``seed``, ``shuffle`` or ``epochs``, an order does not name one source per source given, or a
+            dict of sources comes without an order.
     """
 
     def __init__(
         self,
-        dataset: DataSource | Mixture,
+        source: DataSource | Mapping[str, DataSource] | Ordered,
         *,
+        order: Order | None = None,
         batch_size: int,
         seed: int | None = None,
         shuffle: bool | BlockShuffle | None = None,
@@ -240,8 +246,9 @@ class Loader:
         dtype: npt.DTypeLike = np.int64,
         collate: Callable[[Any], Any] | None = None,
     ) -> None:
-        if isinstance(dataset, Mixture):
-            _refuse_order_options(seed=seed, shuffle=shuffle, epochs=epochs)
+        parts, order = _sources_and_order(source, order)
+        if order is not None:
+            _refuse_order_options(order, seed=seed, shuffle=shuffle, epochs=epochs)
         self.options = LoaderOptions(
             batch_size=batch_size,
             seed=0 if seed is None else seed,
@@ -253,22 +260,25 @@ class Loader:
             output=output,
             dtype=dtype,
         )
-        self.dataset = dataset
+        self.dataset: Any = source
         self.collate = collate
-        if isinstance(dataset, Mixture):
-            self.sources = [_Source(source) for source in dataset.sources.values()]
-            self.order: Order = dataset
-        else:
-            self.sources = [_Source(dataset)]
+        self.sources = [_Source(part) for part in parts]
+        if order is None:  # the order of one dataset, from the options
             opts = self.options
-            self.order = single_order(
+            order = single_order(
                 len(self.sources[0]),
                 seed=opts.seed,
                 shuffle=opts.shuffle,
                 epochs=opts.epochs,
                 data=self.sources[0].fingerprint,
             )
-        parts = [source.data for source in self.sources]
+            self._check_size()
+        elif len(order.names) != len(parts):
+            raise OptionsError(
+                f"the order reads {len(order.names)} sources ({', '.join(order.names)}), the Loader was "
+                "given one; give a dict of name -> source, one per name of the order"
+            )
+        self.order: Order = order
         joinable = all(isinstance(part, PackedSequences) for part in parts)
         self._joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
         self._prefetches = prefetch_steps(self._joined) > 0  # decided once: not a check per batch
@@ -303,8 +313,6 @@ class Loader:
 
     def _check_sources(self) -> None:
         opts = self.options
-        if not isinstance(self.dataset, Mixture):
-            self._check_size()
         for source in self.sources:
             if opts.dtype is not None and not np.can_cast(source.dtype, opts.dtype):
                 raise OptionsError(
@@ -399,12 +407,7 @@ class Loader:
         return n // batch if self.options.drop_last else -(-n // batch)
 
     def _single_size(self, what: str) -> int:
-        if isinstance(self.dataset, Mixture):
-            raise TypeError(
-                f"{what} is not defined for a mixture: each source runs through its own epochs; "
-                "loader.realised() shows where each one stands"
-            )
-        return len(self.sources[0])
+        return self.order.epoch_size(what)
 
     def __len__(self) -> int:
         """Global batches of the whole run, the same on every rank (for LR schedules and progress bars).
@@ -416,14 +419,7 @@ class Loader:
         Raises:
             TypeError: the run is endless (``epochs=None``, or a mixture that never stops).
         """
-        end = self.order.end
-        if end is None:
-            raise TypeError(
-                "an endless Loader has no len(): pass epochs=... (or Mixture(stop='first_exhausted')), "
-                "or count steps yourself"
-            )
-        batch = self.options.batch_size
-        return end // batch if self.options.drop_last else -(-end // batch)
+        return self.order.batches(self.options.batch_size, self.options.drop_last)
 
     @property
     def finished(self) -> bool:
@@ -518,8 +514,16 @@ class Loader:
         return self._planned(position)
 
     def indices(self, position: int) -> np.ndarray:
-        """Sample indices of this rank's rows of the batch at ``position`` (one dataset; ``int64``)."""
-        self._single_size("indices()")
+        """Sample indices of this rank's rows of the batch at ``position`` (one dataset; ``int64``).
+
+        Raises:
+            TypeError: the order reads several sources, whose sample ids overlap (see :meth:`picks`).
+        """
+        if len(self.order.names) > 1:
+            raise TypeError(
+                f"indices() is not defined for an order of several sources ({', '.join(self.order.names)}): "
+                "each numbers its own samples; picks() gives each row's source and sample"
+            )
         return self.picks(position)[1]
 
     def _span(self, position: int) -> tuple[int, int]:
@@ -667,8 +671,8 @@ class Loader:
         position = min(self._position + steps * self.options.batch_size, MAX_POSITION)
         if self.order.end is not None:
             position = min(position, self.order.end)
-        served, sizes = self.order.consumed(position), self.order.sizes()
-        weights = self.order.weights(position) if isinstance(self.order, Mixture) else [1.0]
+        served, weights = self.order.consumed(position), self.order.weights(position)
+        sizes = [max(size, 1) for size in self.order.sizes()]  # a growing source may know none yet
         return [
             SourceProgress(name, weight, count, count / position if position else 0.0, size, count / size)
             for name, weight, count, size in zip(self.order.names, weights, served, sizes, strict=True)
@@ -713,8 +717,9 @@ class Loader:
         state = read_loader_state(state)
         version = state["version"]
         position, saved = self._upgrade(state) if version == 1 else (int(state["position"]), state["order"])
-        # The orders that can continue the saved one read it strictly; the others refuse its kind.
-        if saved.get("kind") in self._configured.resumes:
+        # The orders that can continue the saved one read it strictly; the others refuse its kind. An
+        # order of a kind of its own (not streampack's) reads its fingerprint itself.
+        if saved.get("kind") in self._configured.resumes and saved.get("kind") in ORDERS:
             saved = read_order(saved, version)
         saved = with_current_digests(saved, [source.data for source in self.sources])
         order = self._configured.resumed(saved, position)
@@ -725,7 +730,7 @@ class Loader:
         except OptionsError:
             self.order, self._position = previous
             raise
-        if isinstance(self.dataset, Mixture) and isinstance(order, Mixture):
+        if self.dataset is previous[0]:  # a dataset that is its own order (a Mixture) follows it
             self.dataset = order
         self._clear_caches()
 
@@ -807,13 +812,44 @@ class _Source:
             out[rows] = tokens
 
 
-def _refuse_order_options(**given: object) -> None:
-    """A mixture sets the order itself: refuse the single-dataset order options rather than ignore them."""
+def _sources_and_order(
+    source: DataSource | Mapping[str, DataSource] | Ordered, order: Order | None
+) -> tuple[list[DataSource], Order | None]:
+    """The sources a Loader reads and the order given with them (None: the Loader makes one)."""
+    if isinstance(source, Ordered):  # a Mixture: its sources, and itself their order
+        if order is not None:
+            raise OptionsError(
+                f"a {type(source).__name__} reads its sources in its own order; give it, or its sources with "
+                "order=..., not both"
+            )
+        sources, order = source.sources_and_order()
+        return list(sources.values()), order
+    if isinstance(source, Mapping):
+        if order is None:
+            raise OptionsError(
+                f"several sources ({', '.join(map(str, source))}) are read in an order: pass order=..., or "
+                "a streampack.order.mixture.Mixture of them"
+            )
+        if tuple(source) != tuple(order.names):
+            raise OptionsError(
+                f"the sources must be named as the order names them, in its order: {list(order.names)} "
+                f"(got {list(source)})"
+            )
+        return list(source.values()), order
+    return [source], order
+
+
+def _refuse_order_options(order: Order, **given: object) -> None:
+    """An order given sets seed, shuffle and end itself: refuse the single-dataset order options rather
+    than ignore them."""
+    kind = type(order).__name__
     for name, value in given.items():
         if value is not None:
-            where = "Mixture(stop='first_exhausted')" if name == "epochs" else f"Mixture(..., {name}=...)"
+            where = f"{kind}(..., {name}=...)"
+            if name == "epochs":
+                where = "the order's own end, e.g. Mixture(stop='first_exhausted') or Shuffled(n, epochs=...)"
             raise OptionsError(
-                f"{name}= sets the order of a single dataset; a mixture has its own: use {where} "
+                f"{name}= sets the order of a single dataset; {kind} is an order of its own: use {where} "
                 f"(got {name}={value!r})"
             )
 

@@ -54,7 +54,7 @@ from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
 from streampack.format import MANIFEST, Manifest, ledger, load_manifest, shard_name
 from streampack.loader import Loader, LoaderOptions, Output, _Source, lookahead
 from streampack.loader.collate import format_for
-from streampack.order import MAX_POSITION, Shuffled, groups, mismatch
+from streampack.order import MAX_POSITION, Shuffled, count_batches, groups, mismatch
 from streampack.order.permutation import Permutation
 from streampack.samples.sequences import JoinedSequences
 from streampack.store import LocalStore, open_store
@@ -200,7 +200,42 @@ class FollowOrder:
 
     def sizes(self) -> list[int]:
         """Windows of the finished cache; while it builds, those of the eras known to be committed."""
-        return [max(1, self.known)]
+        return [self.known]
+
+    def weights(self, position: int) -> list[float]:
+        """``[1.0]``: one source."""
+        return [1.0]
+
+    def epoch_size(self, what: str) -> int:
+        """Windows of the finished cache, once the build is complete.
+
+        Raises:
+            TypeError: the build is still running.
+        """
+        if self.total is None:
+            raise TypeError(
+                f"{what} is not known while the build runs: the number of samples is known once it is "
+                "complete"
+            )
+        return self.total
+
+    def batches(self, batch_size: int, drop_last: bool) -> int:
+        """Global batches of the one pass over the finished cache (``then="end"``).
+
+        Raises:
+            TypeError: ``then="epochs"`` (endless), or the build is still running.
+        """
+        if self.then == "epochs":
+            raise TypeError(
+                "a Follow with then='epochs' goes on with epochs of the finished cache endlessly: it has no "
+                "len(); use then='end' for one pass over every sample, or count steps yourself (max_steps)"
+            )
+        if self.end is None:
+            raise TypeError(
+                "a Follow has no len() while the build runs: the number of samples is known once it is "
+                "complete; count steps yourself (max_steps)"
+            )
+        return count_batches(self.end, batch_size, drop_last)
 
     def fingerprint(self) -> dict[str, Any]:
         """Kind, seed, era sizes and the data's identity; ``then`` only decides what follows the eras."""

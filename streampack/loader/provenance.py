@@ -49,7 +49,6 @@ from streampack.inputs.sources import (
 )
 from streampack.loader import Loader
 from streampack.order import groups
-from streampack.order.mixture import Mixture
 from streampack.reader import Cache
 from streampack.samples.sequences import PackedSequences
 
@@ -215,8 +214,7 @@ def _position(view: Loader, step: int | None, state: Mapping[str, Any] | None) -
 
 
 def _datasets(view: Loader) -> list[PackedSequences]:
-    data = view.dataset
-    parts = list(data.sources.values()) if isinstance(data, Mixture) else [data]
+    parts = [source.data for source in view.sources]
     for name, part in zip(view.order.names, parts):
         if not isinstance(part, PackedSequences):
             raise TypeError(

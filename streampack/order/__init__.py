@@ -5,10 +5,12 @@ run started, summed over all ranks. An :class:`Order` maps positions to ``(sourc
 holds no state, so a loader's checkpoint is one integer plus the order's fingerprint, and ranks, workers
 and batch sizes only decide which positions a process reads, never which sample a position holds.
 
-Three orders implement the protocol: :class:`Shuffled`, one source read epoch after epoch (here);
+Four orders implement the protocol: :class:`Shuffled`, one source read epoch after epoch (here);
 :class:`streampack.order.blockshuffle.BlockShuffled`, the same with a locality-aware order for remote caches;
-and :class:`streampack.order.mixture.Mixture`, several sources mixed by weight, each running through its own
-epochs.
+:class:`streampack.order.mixture.Mixture`, several sources mixed by weight, each running through its own
+epochs; and :class:`streampack.loader.follow.FollowOrder`, the windows of a cache whose build is running.
+A :class:`~streampack.loader.Loader` takes any of them (``Loader(source, order=...)``); a Mixture also
+comes with its sources (:class:`Ordered`), so ``Loader(mixture)`` reads them in its order.
 """
 
 from __future__ import annotations
@@ -16,14 +18,24 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from streampack.errors import LoaderStateError
 from streampack.order.permutation import Permutation
 
-__all__ = ["MAX_POSITION", "OneSource", "Order", "Permutation", "Shuffled", "data_fingerprint", "groups"]
+__all__ = [
+    "MAX_POSITION",
+    "OneSource",
+    "Order",
+    "Ordered",
+    "Permutation",
+    "Shuffled",
+    "count_batches",
+    "data_fingerprint",
+    "groups",
+]
 
 # Below this many distinct small keys, grouping scans once per key rather than sorting.
 _SCANNED_KEYS = 9
@@ -61,7 +73,32 @@ class Order(Protocol):
         ...
 
     def sizes(self) -> list[int]:
-        """Samples in one epoch of each source."""
+        """Samples in one epoch of each source (those known so far, for a source that grows)."""
+        ...
+
+    def weights(self, position: int) -> list[float]:
+        """Each source's share of the stream at ``position`` (``[1.0]`` for one source)."""
+        ...
+
+    def epoch_size(self, what: str) -> int:
+        """Samples per epoch of the one source this order reads epoch after epoch.
+
+        Args:
+            what: what needs it (a loader's ``"epoch"``, ``"steps_per_epoch"``), for the message.
+
+        Raises:
+            TypeError: the order has no single epoch (a mixture's sources each run through their own), or
+                does not know it yet (a build still running); the message says which.
+        """
+        ...
+
+    def batches(self, batch_size: int, drop_last: bool) -> int:
+        """Global batches of ``batch_size`` in the whole stream (a loader's ``len()``):
+        :func:`count_batches` of :attr:`end`.
+
+        Raises:
+            TypeError: the stream is endless, or its end is not known yet; the message says what to do.
+        """
         ...
 
     def fingerprint(self) -> dict[str, Any]:
@@ -72,14 +109,41 @@ class Order(Protocol):
         """This order, continued from a checkpoint's ``saved`` fingerprint at ``position``.
 
         ``saved`` of a kind in :attr:`resumes` was read strictly first
-        (:func:`streampack.loader.state.read_order`:
-        exactly the keys of its kind, of the right types); one of another kind is refused here, by kind.
+        (:func:`streampack.loader.state.read_order`: exactly the keys of its kind, of the right types) when
+        it is one of streampack's kinds; an order of a kind of its own checks its fingerprint here. One of
+        another kind is refused here, by kind.
 
         Raises:
             LoaderStateError: the checkpoint's positions mean other samples here (other data or seed), or
                 it is of a kind this order does not continue.
         """
         ...
+
+
+@runtime_checkable
+class Ordered(Protocol):
+    """Sources that come with the order they are read in, such as a
+    :class:`~streampack.order.mixture.Mixture`: ``Loader(ordered)`` reads the sources in that order, as
+    ``Loader(sources, order=order)`` would."""
+
+    def sources_and_order(self) -> tuple[Mapping[str, Any], Order]:
+        """The sources by name (in source-id order) and the order that reads them."""
+        ...
+
+
+def count_batches(end: int | None, batch_size: int, drop_last: bool) -> int:
+    """Global batches of ``batch_size`` in a stream that ends at ``end``: ``end // batch_size``, or
+    ``ceil(end / batch_size)`` when the partial last one is served (not ``drop_last``).
+
+    Raises:
+        TypeError: ``end`` is None: the stream is endless.
+    """
+    if end is None:
+        raise TypeError(
+            "an endless Loader has no len(): pass epochs=... (or Mixture(stop='first_exhausted')), "
+            "or count steps yourself"
+        )
+    return end // batch_size if drop_last else -(-end // batch_size)
 
 
 class OneSource:
@@ -114,6 +178,18 @@ class OneSource:
     def sizes(self) -> list[int]:
         """``[n]``."""
         return [self.size]
+
+    def weights(self, position: int) -> list[float]:
+        """``[1.0]``: one source."""
+        return [1.0]
+
+    def epoch_size(self, what: str) -> int:
+        """``n``."""
+        return self.size
+
+    def batches(self, batch_size: int, drop_last: bool) -> int:
+        """Global batches of the ``epochs`` (see :func:`count_batches`)."""
+        return count_batches(self.end, batch_size, drop_last)
 
 
 class Shuffled(OneSource):

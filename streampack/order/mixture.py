@@ -29,7 +29,7 @@ import numpy as np
 
 from streampack._checks import check_choice, check_int
 from streampack.errors import LoaderStateError, OptionsError
-from streampack.order import MAX_POSITION, Shuffled, data_fingerprint, groups, mismatch
+from streampack.order import MAX_POSITION, Shuffled, count_batches, data_fingerprint, groups, mismatch
 from streampack.order.blockshuffle import (
     BlockShuffle,
     BlockShuffled,
@@ -52,7 +52,8 @@ class Mixture:
     """Datasets mixed by weight into one stream, resumable with changed weights or added sources.
 
     Give it to :class:`~streampack.loader.Loader` (and so to ``streampack.torch.DataLoader``) in place
-    of one dataset; ranks, workers and checkpoints work unchanged.
+    of one dataset; ranks, workers and checkpoints work unchanged. It is the order of its sources and
+    holds them (:meth:`sources_and_order`), so ``Loader(mix)`` reads ``mix.sources`` in the order ``mix``.
 
     Example::
 
@@ -129,6 +130,10 @@ class Mixture:
         from streampack.loader.mixconfig import load_mixture
 
         return load_mixture(config)
+
+    def sources_and_order(self) -> tuple[dict[str, Any], Mixture]:
+        """Its sources and itself, their order: what a :class:`~streampack.loader.Loader` given it reads."""
+        return self.sources, self
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{name}: {len(data)}" for name, data in self.sources.items())
@@ -305,6 +310,22 @@ class Mixture:
         """Each source's share of the blocks in force at ``position`` (the rounded weights)."""
         segment = int(np.searchsorted(self._firsts, position // self.block_size, side="right")) - 1
         return [count / self.block_size for count in self._matrix[segment].tolist()]
+
+    def epoch_size(self, what: str) -> int:
+        """Refused: each source runs through its own epochs.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError(
+            f"{what} is not defined for a mixture: each source runs through its own epochs; "
+            "loader.realised() shows where each one stands"
+        )
+
+    def batches(self, batch_size: int, drop_last: bool) -> int:
+        """Global batches until the stream stops (``stop="first_exhausted"``; see
+        :func:`~streampack.order.count_batches`)."""
+        return count_batches(self.end, batch_size, drop_last)
 
     def fingerprint(self) -> dict[str, Any]:
         """Seed, shuffle, block size, each source's seed and data, and the schedule of per-block counts."""
