@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import streampack
 from benchmarks._backends import SHARED_DATA, TOKENIZERS_GPT2
 from benchmarks._report import environment, goal, parser, publish
-from streampack.loader.follow import Eras, FollowOrder
+from streampack.order.follow import Eras, FollowOrder
 
 SEQ_LEN, BATCH = 1024, 16
 SMALL_ERA = 4096
@@ -106,12 +106,11 @@ def read_speed(cache: Path, batches: int) -> dict[str, float]:
         if kind == "follow":
             return streampack.Follow(cache, seq_len=SEQ_LEN, overlap=1, batch_size=BATCH, seed=0)
         samples = streampack.open(cache).sequences(SEQ_LEN, overlap=1)
-        loader = streampack.Loader(samples, batch_size=BATCH, seed=0)
         if kind == "loader":
             order = FollowOrder(seed=0, eras=Eras(), then="end", data={})
             order.finish(len(samples))
-            loader.order = order
-        return loader
+            return streampack.Loader(samples, order=order, batch_size=BATCH)
+        return streampack.Loader(samples, batch_size=BATCH, seed=0)
 
     def run(kind: str) -> float:
         steps = iter(make(kind))

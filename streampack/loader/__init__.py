@@ -26,22 +26,31 @@ cache on a local disk or in the page cache serves them at memory speed, a networ
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Protocol
 
 import numpy as np
-import numpy.typing as npt
 
-from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
+from streampack._checks import check_int
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import prefetch
 from streampack.loader.collate import Format, format_for
+from streampack.loader.growing import Growing
 from streampack.loader.lookahead import prefetch_steps, shard_files
+from streampack.loader.options import (
+    LoaderOptions,
+    Output,
+    SourceProgress,
+    unknown_keyword,
+    with_keywords,
+)
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, ORDERS, read_loader_state, read_order
 from streampack.order import MAX_POSITION, Order, Ordered, data_fingerprint, groups
-from streampack.order.blockshuffle import BlockShuffle, check_shuffle, single_order
+from streampack.order.blockshuffle import single_order
 from streampack.samples.layout import BatchedSpans
 from streampack.samples.sequences import (
     JoinedSequences,
@@ -51,7 +60,7 @@ from streampack.samples.sequences import (
 )
 from streampack.store.localcopy import CachedStore
 
-__all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "SourceProgress"]
+__all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "Output", "SourceProgress"]
 
 STATE_VERSION = LOADER_VERSION
 """Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` also reads 1."""
@@ -59,8 +68,7 @@ STATE_VERSION = LOADER_VERSION
 # The order is computed for this many upcoming rows at once: one call costs ~100 numpy dispatches
 # whatever its size, which would otherwise dominate a small batch.
 _PLAN_ROWS = 4096
-
-Output = Literal["numpy", "dict", "varlen"]
+_OPTION_NAMES = {field.name for field in dataclasses.fields(LoaderOptions)}
 
 
 class DataSource(Protocol):
@@ -77,107 +85,6 @@ class DataSource(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, indices: np.ndarray) -> np.ndarray: ...
-
-
-@dataclass(frozen=True)
-class LoaderOptions:
-    """Settings of a :class:`Loader`, validated on creation.
-
-    Attributes:
-        batch_size: the GLOBAL batch size ``B``: rows of one step summed over all ranks.
-        seed: shuffle seed, an integer in ``[0, 2**64)`` (a :class:`~streampack.order.mixture.Mixture` has
-            its own).
-        shuffle: ``True``: visit samples in a seeded random order that changes every epoch; ``False``: in
-            stream order; a :class:`~streampack.order.blockshuffle.BlockShuffle`: shuffled blocks of
-            consecutive samples, mixed within windows of blocks (for caches read from object storage).
-        rank: this process's rank, in ``[0, world_size)``.
-        world_size: number of ranks; it must divide ``batch_size``.
-        drop_last: drop the last global batch of a run that ends (``epochs``, or a mixture that stops)
-            when it is partial; else serve it, split as evenly as possible over the ranks: each rank gets
-            ``rows // W`` of its rows or one more. The :class:`Loader` refuses ``drop_last=False`` when
-            that batch has fewer rows than ranks: some rank would get a 0-row batch, whose mean loss is
-            NaN. Endless runs have no last batch.
-        epochs: end the run after this many epochs of the dataset; ``None`` runs forever.
-        output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; ``"dict"``, the
-            ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take, with
-            ``-100`` labels at document starts (they shift ``labels`` themselves, so the samples must have
-            no overlap); or ``"varlen"``, the same plus ``cu_seqlens`` and ``max_seqlen``. Field by field:
-            :class:`streampack.loader.collate.CausalLMDict`.
-        dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype (the smallest to move
-            between processes; cast on arrival).
-
-    Raises:
-        OptionsError: (a ``ValueError``) an option is out of range or of the wrong type, or
-            ``batch_size`` does not divide by ``world_size``. Integer options are stored as Python ints.
-    """
-
-    batch_size: int
-    seed: int = 0
-    shuffle: bool | BlockShuffle = True
-    rank: int = 0
-    world_size: int = 1
-    drop_last: bool = True
-    epochs: int | None = None
-    output: Output = "numpy"
-    dtype: npt.DTypeLike = np.int64
-
-    def __post_init__(self) -> None:
-        # Stored as Python ints: numpy integers (seeds from np.random, sizes from arrays) would make
-        # state_dict() fail to serialize as JSON.
-        batch_hint = "the global batch size, over all ranks"
-        checked = {
-            "batch_size": check_int("batch_size", self.batch_size, min=1, max=2**62, hint=batch_hint),
-            "world_size": check_int("world_size", self.world_size, min=1, max=2**31),
-            "rank": check_int("rank", self.rank, min=0, below=int(self.world_size)),
-            "seed": check_int("seed", self.seed, min=0, below=2**64),
-            "epochs": check_int_or_none("epochs", self.epochs, min=1, max=2**63, hint="None loops forever"),
-        }
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)
-        check_shuffle(self.shuffle)
-        check_bool("drop_last", self.drop_last)
-        if self.batch_size % self.world_size:
-            smaller = self.batch_size // self.world_size * self.world_size
-            suggestion = f"{smaller} or {smaller + self.world_size}" if smaller else str(self.world_size)
-            raise OptionsError(
-                f"batch_size is the global batch size, split evenly over the ranks: batch_size="
-                f"{self.batch_size} does not divide by world_size={self.world_size}. Use a multiple of "
-                f"{self.world_size}, e.g. {suggestion}."
-            )
-        check_choice("output", self.output, get_args(Output))
-        if self.dtype is not None:
-            dtype = np.dtype(self.dtype)
-            if dtype.kind not in "iu":
-                raise OptionsError(
-                    f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})"
-                )
-            object.__setattr__(self, "dtype", dtype)
-
-    @property
-    def rows(self) -> int:
-        """Rows of a full batch on one rank: ``batch_size // world_size``."""
-        return self.batch_size // self.world_size
-
-
-@dataclass(frozen=True)
-class SourceProgress:
-    """Where one source of a run stands at a position: what :meth:`Loader.realised` reports.
-
-    Attributes:
-        name: the source's name.
-        weight: its share of the blocks in force at the position (1.0 for a single dataset).
-        served: samples of it served since the run started.
-        share: ``served`` divided by the position: the realised proportion.
-        size: its samples per epoch.
-        epoch: ``served / size``: the epoch it is in, with the fraction of it done.
-    """
-
-    name: str
-    weight: float
-    served: int
-    share: float
-    size: int
-    epoch: float
 
 
 class Loader:
@@ -232,37 +139,25 @@ class Loader:
 
     def __init__(
         self,
-        source: DataSource | Mapping[str, DataSource] | Ordered,
+        source: DataSource | Mapping[str, DataSource] | Ordered | Growing,
         *,
         order: Order | None = None,
-        batch_size: int,
-        seed: int | None = None,
-        shuffle: bool | BlockShuffle | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-        drop_last: bool = True,
-        epochs: int | None = None,
-        output: Output = "numpy",
-        dtype: npt.DTypeLike = np.int64,
+        options: LoaderOptions | None = None,
         collate: Callable[[Any], Any] | None = None,
+        **keywords: Any,
     ) -> None:
+        unknown = sorted(set(keywords) - _OPTION_NAMES)
+        if unknown:
+            raise unknown_keyword(type(self).__name__, unknown[0], sorted(_OPTION_NAMES))
+        # seed=None and shuffle=None say "not given": the defaults, or an order's own.
+        keywords = {k: v for k, v in keywords.items() if v is not None or k not in ("seed", "shuffle")}
         parts, order = _sources_and_order(source, order)
         if order is not None:
-            _refuse_order_options(order, seed=seed, shuffle=shuffle, epochs=epochs)
-        self.options = LoaderOptions(
-            batch_size=batch_size,
-            seed=0 if seed is None else seed,
-            shuffle=True if shuffle is None else shuffle,
-            rank=rank,
-            world_size=world_size,
-            drop_last=drop_last,
-            epochs=epochs,
-            output=output,
-            dtype=dtype,
-        )
+            _refuse_order_options(order, {k: keywords.get(k) for k in ("seed", "shuffle", "epochs")})
+        self.options: LoaderOptions = with_keywords(LoaderOptions, options, keywords)
         self.dataset: Any = source
         self.collate = collate
-        self.sources = [_Source(part) for part in parts]
+        self._use([_Source(part) for part in parts])
         if order is None:  # the order of one dataset, from the options
             opts = self.options
             order = single_order(
@@ -279,16 +174,28 @@ class Loader:
                 "given one; give a dict of name -> source, one per name of the order"
             )
         self.order: Order = order
-        joinable = all(isinstance(part, PackedSequences) for part in parts)
-        self._joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
-        self._prefetches = prefetch_steps(self._joined) > 0  # decided once: not a check per batch
         # Every checkpoint resumes against the order given here, never one an earlier load produced.
         self._configured: Order = self.order
         self._position = 0
+        # Positions whose samples are known, and those the sources opened can read: all of them, unless
+        # the source grows (see streampack.loader.growing).
+        self._growing = source if isinstance(source, Growing) else None
+        self._known = self._readable = 0 if self._growing is not None else MAX_POSITION
         self._check_sources()
         self.formatter: Format = format_for(self.options.output, [source.data for source in self.sources])
         self._check_last_batch()
         self._clear_caches()
+        if self._growing is not None:  # what it knows now, which the view opened above holds
+            self._grow(0)
+            self._readable = self._known
+
+    def _use(self, sources: list[_Source]) -> None:
+        """Read from ``sources`` (joined into one token space when every one is a cache)."""
+        self.sources = sources
+        parts = [source.data for source in sources]
+        joinable = all(isinstance(part, PackedSequences) for part in parts)
+        self._joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
+        self._prefetches = prefetch_steps(self._joined) > 0  # decided once: not a check per batch
 
     @property
     def source_dtype(self) -> np.dtype:
@@ -308,8 +215,9 @@ class Loader:
 
     @property
     def num_samples(self) -> int:
-        """Samples per epoch of the dataset (of all sources together, for a mixture)."""
-        return sum(len(source) for source in self.sources)
+        """Samples per epoch of the dataset (of all sources together, for a mixture; of those known so
+        far, for a source that grows)."""
+        return sum(self.order.sizes())
 
     def _check_sources(self) -> None:
         opts = self.options
@@ -366,13 +274,30 @@ class Loader:
         self._last_request: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle options, sources, order and position; the planned rows are recomputed where unpickled."""
-        return self.__dict__ | {"_plan": None, "_last_request": None}
+        """Pickle options, sources, order and position; the planned rows are recomputed where unpickled.
+
+        A copy of a loader over a growing source grows on its own: it gets its own copy of the source
+        and of its order, and reopens the source (grown since) before its first read.
+        """
+        state = self.__dict__ | {"_plan": None, "_last_request": None}
+        if self._growing is not None:
+            growing = copy.copy(self._growing)
+            state |= {"_growing": growing, "order": growing.order, "_configured": growing.order}
+            state |= {"dataset": growing if self.dataset is self._growing else self.dataset}
+            state["_readable"] = -1
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle; also a loader version 0.1 pickled, whose sources never grew."""
+        self.__dict__.update(state)
+        if "_growing" not in state:
+            self._growing, self._known, self._readable = None, MAX_POSITION, MAX_POSITION
 
     def __repr__(self) -> str:
         o = self.options
         return (
-            f"Loader({self.dataset!r}, batch_size={o.batch_size}, rank={o.rank}, world_size={o.world_size}, "
+            f"{type(self).__name__}({self.dataset!r}, batch_size={o.batch_size}, rank={o.rank}, "
+            f"world_size={o.world_size}, "
             f"order={self.order!r}, position={self._position})"
         )
 
@@ -427,8 +352,12 @@ class Loader:
         return self._global_rows(self._position) == 0
 
     def _global_rows(self, position: int) -> int:
-        """Rows of the global batch at ``position``: ``B``, fewer for the last of a run, 0 past it."""
-        batch, end = self.options.batch_size, self.order.end
+        """Rows of the global batch at ``position``: ``B``, fewer for the last of a run, 0 past it (once
+        a growing source knows the batch's samples: it may wait for them)."""
+        batch = self.options.batch_size
+        if position + batch > self._known and self._growing is not None:
+            self._grow(min(position + batch, MAX_POSITION))
+        end = self.order.end
         end = MAX_POSITION if end is None else end
         if end - position >= batch:
             return batch
@@ -464,7 +393,10 @@ class Loader:
     def advance(self, batches: int = 1) -> None:
         """Move the position forward by ``batches`` steps, as if that many batches had been consumed."""
         check_int("batches", batches, min=0, max=2**62)
-        batch, end = self.options.batch_size, self.order.end
+        batch = self.options.batch_size
+        if self._growing is not None:  # a run that ends must know where, to stop there
+            self._grow(min(self._position + batches * batch, MAX_POSITION))
+        end = self.order.end
         full = batches if end is None else min(batches, max(0, end - self._position) // batch)
         self._position = min(self._position + full * batch, MAX_POSITION)
         if batches > full:  # past the last full batch: the partial one, when it is served
@@ -503,6 +435,10 @@ class Loader:
         Raises:
             IndexError: no batch starts at ``position`` (negative, or past the run's end).
         """
+        if position + self.options.batch_size > self._readable and self._growing is not None:
+            self._global_rows(position)  # waits for the source to hold the batch's samples
+            if self._readable < self._known:
+                self._reopen()
         if position < 0 or self._global_rows(position) == 0:
             raise IndexError(
                 f"no batch at position {position}: positions start at 0 and the run ends at "
@@ -569,13 +505,45 @@ class Loader:
         return self._plan
 
     def _ready(self, position: int) -> bool:
-        """Whether the batch at ``position`` can be made now, without waiting (always, for a Loader)."""
-        return True
+        """Whether the batch at ``position`` can be made now, without waiting for a growing source."""
+        batch = self.options.batch_size
+        return self._growing is None or position + batch <= min(self._known, self._readable)
 
     def _planned_end(self) -> int | None:
-        """Where planning ahead stops: the run's end (a loader that learns its order as it goes stops at
-        what it knows)."""
-        return self.order.end
+        """Where planning ahead stops: the run's end, or what a growing source knows so far."""
+        end = self.order.end
+        if self._growing is None:
+            return end
+        return self._known if end is None else min(end, self._known)
+
+    # --- a growing source -------------------------------------------------------------------------------
+
+    def _grow(self, stop: int) -> None:
+        """Wait until the growing source knows the samples of positions ``[0, stop)``, or is complete (its
+        end is then checked as the run's).
+
+        Raises:
+            BuildStalledError: (a build) it grew no further for its timeout.
+            OptionsError: the source is complete, and its end leaves a rank an empty last batch.
+        """
+        growing = self._growing
+        assert growing is not None
+        if stop and stop <= self._known:
+            return
+        try:
+            growing.grow(stop, self._check_last_batch)
+        finally:
+            self._known = growing.known
+
+    def _reopen(self) -> None:
+        """Read from the growing source as it stands now: it holds every sample of the positions known."""
+        assert self._growing is not None
+        known = self._known
+        view = self._growing.view()
+        self._use([_Source(view)])
+        self.formatter = format_for(self.options.output, [view])
+        self._clear_caches()
+        self._readable = known
 
     def _read(
         self, position: int, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None
@@ -813,9 +781,15 @@ class _Source:
 
 
 def _sources_and_order(
-    source: DataSource | Mapping[str, DataSource] | Ordered, order: Order | None
+    source: DataSource | Mapping[str, DataSource] | Ordered | Growing, order: Order | None
 ) -> tuple[list[DataSource], Order | None]:
     """The sources a Loader reads and the order given with them (None: the Loader makes one)."""
+    if isinstance(source, Growing):  # what it holds now, in the order that grows with it
+        if order is not None:
+            raise OptionsError(
+                f"a {type(source).__name__} grows with its own order; give it without order=..."
+            )
+        return [source.view()], source.order
     if isinstance(source, Ordered):  # a Mixture: its sources, and itself their order
         if order is not None:
             raise OptionsError(
@@ -839,7 +813,7 @@ def _sources_and_order(
     return [source], order
 
 
-def _refuse_order_options(order: Order, **given: object) -> None:
+def _refuse_order_options(order: Order, given: Mapping[str, object]) -> None:
     """An order given sets seed, shuffle and end itself: refuse the single-dataset order options rather
     than ignore them."""
     kind = type(order).__name__

@@ -28,6 +28,11 @@ default): position ``N + q``, ``N`` its number of windows, is position ``q`` of
 A cache in object storage is read through a local copy (see :func:`streampack.open`), and the shards of
 the next steps whose eras are known are prefetched, as for a Loader.
 
+How it is made: a :class:`GrowingCache` is the committed part of the cache as a source that grows
+(:mod:`streampack.loader.growing`), reopened when the eras known outgrow it, with its
+:class:`~streampack.order.follow.FollowOrder` (:mod:`streampack.order.follow`); ``Follow(path, ...)`` is
+``Loader(GrowingCache(path, ...))``, so every other part of it is the Loader's.
+
 Scope: the windows layout only (not ``packed`` or ``documents``, whose samples depend on later documents),
 and one cache (not a mixture).
 """
@@ -35,7 +40,7 @@ and one cache (not a mixture).
 from __future__ import annotations
 
 import copy
-import functools
+import dataclasses
 import hashlib
 import json
 import os
@@ -44,24 +49,21 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
-import numpy.typing as npt
-
 from streampack import reader
 from streampack._checks import check_choice, check_int
 from streampack.builder.coordinator import build_identity
-from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
+from streampack.errors import BuildStalledError, OptionsError
 from streampack.format import MANIFEST, Manifest, ledger, load_manifest, shard_name
-from streampack.loader import Loader, LoaderOptions, Output, _Source, lookahead
-from streampack.loader.collate import format_for
-from streampack.order import MAX_POSITION, Shuffled, count_batches, groups, mismatch
-from streampack.order.permutation import Permutation
-from streampack.samples.sequences import JoinedSequences
+from streampack.loader import Loader
+from streampack.loader.options import LoaderOptions, unknown_keyword, with_keywords
+from streampack.order import MAX_POSITION
+from streampack.order.follow import Eras, FollowOrder
+from streampack.samples.sequences import PackedSequences
 from streampack.store import LocalStore, open_store
 from streampack.store.localcopy import cached_store
 from streampack.store.remote import is_remote
 
-__all__ = ["Eras", "Follow", "FollowOrder"]
+__all__ = ["Eras", "Follow", "FollowOptions", "FollowOrder", "GrowingCache", "build_digest"]
 
 # Units past the first unfinished one whose ledger entries are read while waiting, to tell a build that
 # works on later units from a stalled one (a build runs its units roughly in order); read at most every
@@ -71,194 +73,64 @@ _WATCH_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
-class Eras:
-    """Era boundaries, in windows: sizes ``first, 2 * first, 4 * first, ...`` up to ``largest``, then
-    ``largest`` each.
+class FollowOptions:
+    """What a :class:`Follow` serves of a cache whose build runs, and how it waits; validated on creation.
 
-    Args:
-        first: windows of era 0.
-        largest: the size eras grow to.
+    Attributes:
+        seq_len: tokens per sample.
+        overlap: extra tokens at the end of each sample (1 for next-token targets).
+        then: after the last era: ``"epochs"`` of the finished cache, endlessly (as a Loader runs), or
+            ``"end"`` (one pass over every window).
+        first_era: windows in era 0 (the first batch waits for them).
+        largest_era: the size eras grow to by doubling: the shuffle's reach once they are that large.
+        timeout: seconds a batch waits without the build committing anything before
+            :class:`~streampack.errors.BuildStalledError`. A build in object storage shows a unit only
+            once it is done: give more than one unit's build time.
+        poll: seconds between two reads of the ledger while waiting.
+        local_dir: (object storage) the local copy's directory.
+        max_local_bytes: (object storage) the bound on the local copy.
+        storage_options: (object storage) passed to the fsspec filesystem.
+        prefetch_steps: (object storage) steps ahead whose shards are fetched in the background, within the
+            eras known (8 by default; 0: none).
+
+    Raises:
+        OptionsError: an option is out of range.
     """
 
-    first: int = 1024
-    largest: int = 65536
+    seq_len: int
+    overlap: int = 0
+    then: Literal["end", "epochs"] = "epochs"
+    first_era: int = 1024
+    largest_era: int = 65536
+    timeout: float = 600.0
+    poll: float = 0.2
+    local_dir: str | os.PathLike[str] | None = None
+    max_local_bytes: int | None = None
+    storage_options: Mapping[str, Any] | None = None
+    prefetch_steps: int | None = None
 
     def __post_init__(self) -> None:
-        # Python ints: numpy integers would not serialize as JSON.
-        object.__setattr__(self, "first", check_int("first_era", self.first, min=1, max=2**40))
-        largest = check_int("largest_era", self.largest, min=self.first, max=2**40, hint="at least first_era")
-        object.__setattr__(self, "largest", largest)
-
-    @functools.cached_property
-    def _doubling(self) -> np.ndarray:
-        """``W_0 .. W_k``: where each era starts, up to the first one of size ``largest``."""
-        k = max(0, (-(-self.largest // self.first) - 1).bit_length())
-        return self.first * (np.int64(1) << np.arange(k + 1, dtype=np.int64)) - self.first
-
-    def start(self, era: int) -> int:
-        """``W_era``: the first window of ``era``."""
-        table = self._doubling
-        if era < len(table):
-            return int(table[era])
-        return int(table[-1]) + (era - len(table) + 1) * self.largest
-
-    def of(self, windows: np.ndarray) -> np.ndarray:
-        """The era of each window (``int64``)."""
-        table = self._doubling
-        last = int(table[-1])
-        return np.where(
-            windows < last,
-            np.searchsorted(table, windows, side="right") - 1,
-            len(table) - 1 + (windows - last) // self.largest,
-        )
-
-    def covered(self, windows: int) -> int:
-        """Windows of the eras that lie wholly within the first ``windows``: where the era holding window
-        ``windows`` starts."""
-        return self.start(int(self.of(np.array([windows], dtype=np.int64))[0]))
-
-
-class FollowOrder:
-    """The order of a :class:`Follow`: eras of the finished cache's windows, then (``then="epochs"``) the
-    :class:`~streampack.Loader`'s epochs of it. See the module docstring.
-
-    Pure given the build: positions of an era whose windows are all committed map to the same windows
-    before the build finishes as after. The last era's size, and the end, are known once the build is
-    complete (:meth:`finish`); the :class:`Follow` asks for no position before it knows its era.
-
-    Args:
-        seed: shuffle seed.
-        eras: the era sizes.
-        then: ``"end"`` after the last era, or ``"epochs"`` of the finished cache.
-        data: what identifies the samples (the build and the window settings), for checkpoints.
-    """
-
-    names: tuple[str, ...] = ("data",)
-    resumes: tuple[str, ...] = ("follow",)
-
-    def __init__(
-        self, *, seed: int, eras: Eras, then: Literal["end", "epochs"], data: Mapping[str, Any]
-    ) -> None:
-        self.seed, self.eras, self.then, self.data = seed, eras, then, dict(data)
-        self.total: int | None = None  # windows of the finished cache, once the build is complete
-        self.known = 0  # windows of the eras known to be committed
-        self._permutations: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
-        self._epochs = Shuffled(1)  # then="epochs": the Loader's order of the finished cache
-
-    def __repr__(self) -> str:
-        return f"FollowOrder(seed={self.seed}, {self.eras}, then={self.then!r}, total={self.total})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__ | {"_permutations": {}}
-
-    def finish(self, total: int | None) -> None:
-        """The build is complete and its cache holds ``total`` windows (``None``: take that back)."""
-        self.total = total
-        self.known = total if total is not None else self.known
-        self._permutations = {}  # the last era's may have been made at its full size
-        self._epochs = Shuffled(max(total or 0, 1), seed=self.seed)
+        object.__setattr__(self, "seq_len", check_int("seq_len", self.seq_len, min=1, max=2**40))
+        object.__setattr__(self, "overlap", check_int("overlap", self.overlap, min=0, max=2**40))
+        check_choice("then", self.then, ("end", "epochs"))
+        if not self.timeout > 0 or not self.poll > 0:
+            raise OptionsError(
+                f"timeout and poll must be positive seconds (got timeout={self.timeout}, poll={self.poll})"
+            )
+        eras = Eras(self.first_era, self.largest_era)  # validates; Python ints
+        object.__setattr__(self, "first_era", eras.first)
+        object.__setattr__(self, "largest_era", eras.largest)
 
     @property
-    def end(self) -> int | None:
-        """The last window's position with ``then="end"`` once the build is complete; else ``None``."""
-        return self.total if self.then == "end" else None
+    def eras(self) -> Eras:
+        """The era sizes."""
+        return Eras(self.first_era, self.largest_era)
 
-    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Source ids (all 0) and windows at ``positions``."""
-        return np.zeros(len(positions), dtype=np.int64), self.samples(positions)
-
-    def samples(self, positions: np.ndarray) -> np.ndarray:
-        """The windows at ``positions`` (in eras known to be committed, or anywhere once complete)."""
-        total = self.total
-        if total is not None and len(positions) and positions.max() >= total:
-            out = np.empty_like(positions)
-            late = positions >= total
-            out[late] = self._epochs.samples(positions[late] - total)
-            out[~late] = self.samples(positions[~late])
-            return out
-        out = np.empty_like(positions)
-        for era, rows in groups(self.eras.of(positions)):
-            first = self.eras.start(era)
-            out[rows] = first + self._permutation(era)(positions[rows] - first)
-        return out
-
-    def _permutation(self, era: int) -> Callable[[np.ndarray], np.ndarray]:
-        permutation = self._permutations.get(era)
-        if permutation is None:
-            first, stop = self.eras.start(era), self.eras.start(era + 1)
-            size = stop - first if self.total is None else min(stop, self.total) - first
-            permutation = Permutation(size, seed=self.seed, epoch=era)
-            # A new dict, not an update: a loader's prefetch thread may be looking up this one.
-            kept = dict(list(self._permutations.items())[-1:])
-            kept[era] = permutation
-            self._permutations = kept
-        return permutation
-
-    def consumed(self, position: int) -> list[int]:
-        """``[position]``: one source."""
-        return [position]
-
-    def sizes(self) -> list[int]:
-        """Windows of the finished cache; while it builds, those of the eras known to be committed."""
-        return [self.known]
-
-    def weights(self, position: int) -> list[float]:
-        """``[1.0]``: one source."""
-        return [1.0]
-
-    def epoch_size(self, what: str) -> int:
-        """Windows of the finished cache, once the build is complete.
-
-        Raises:
-            TypeError: the build is still running.
-        """
-        if self.total is None:
-            raise TypeError(
-                f"{what} is not known while the build runs: the number of samples is known once it is "
-                "complete"
-            )
-        return self.total
-
-    def batches(self, batch_size: int, drop_last: bool) -> int:
-        """Global batches of the one pass over the finished cache (``then="end"``).
-
-        Raises:
-            TypeError: ``then="epochs"`` (endless), or the build is still running.
-        """
-        if self.then == "epochs":
-            raise TypeError(
-                "a Follow with then='epochs' goes on with epochs of the finished cache endlessly: it has no "
-                "len(); use then='end' for one pass over every sample, or count steps yourself (max_steps)"
-            )
-        if self.end is None:
-            raise TypeError(
-                "a Follow has no len() while the build runs: the number of samples is known once it is "
-                "complete; count steps yourself (max_steps)"
-            )
-        return count_batches(self.end, batch_size, drop_last)
-
-    def fingerprint(self) -> dict[str, Any]:
-        """Kind, seed, era sizes and the data's identity; ``then`` only decides what follows the eras."""
-        return {
-            "kind": "follow",
-            "seed": self.seed,
-            "eras": [self.eras.first, self.eras.largest],
-            "data": self.data,
-        }
-
-    def resumed(self, saved: Mapping[str, Any], position: int) -> FollowOrder:
-        """This order, after checking the checkpoint was saved by a :class:`Follow` of the same build with
-        the same settings."""
-        if saved.get("kind") != "follow":
-            raise LoaderStateError(
-                f"the checkpoint was saved by a loader over a {saved.get('kind')!r} order, not by a Follow; "
-                "a Follow resumes its own states (with then='epochs' it goes on past the build by itself)"
-            )
-        mine = self.fingerprint()
-        for key in ("seed", "eras", "data"):
-            if saved.get(key) != mine[key]:
-                raise LoaderStateError(mismatch(key, saved.get(key), mine[key]))
-        return self
+    @property
+    def reading(self) -> dict[str, Any]:
+        """The options of a cache in object storage (see :func:`streampack.open`)."""
+        names = ("local_dir", "max_local_bytes", "storage_options", "prefetch_steps")
+        return {name: getattr(self, name) for name in names}
 
 
 class _Ledger:
@@ -306,6 +178,163 @@ class _Ledger:
         return ledger.read_progress(self.store, shard_name(unit), self.units[unit])
 
 
+class GrowingCache:
+    """The committed part of a cache whose build is running, as a source that grows
+    (:class:`~streampack.loader.growing.Growing`): its windows ``sequences(seq_len, overlap=overlap)``, in
+    the order of a :class:`~streampack.order.follow.FollowOrder`, known era by era as the ledger shows
+    them committed. See the module docstring; a :class:`Follow` is a Loader over one.
+
+    Args:
+        path: the cache directory or URL (its build may not have written its manifest yet).
+        options: the windows, eras and waiting.
+        seed: the shuffle seed of the eras.
+        batch_size: the loader's global batch size, and
+        drop_last: its ``drop_last``: with ``then="epochs"``, the finished cache must hold one batch.
+
+    Raises:
+        OptionsError: an object-storage option for a local cache.
+        BuildStalledError: the build wrote no manifest within ``timeout``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        options: FollowOptions,
+        *,
+        seed: int,
+        batch_size: int,
+        drop_last: bool,
+    ) -> None:
+        self.path, self.options = path, options
+        self._batch_size, self._drop_last = batch_size, drop_last
+        reading = options.reading if is_remote(path) else {}
+        given = [name for name, value in options.reading.items() if value is not None]
+        if given and not reading:
+            raise OptionsError(
+                f"{path}: {', '.join(given)} apply to caches in object storage (s3://...), not to a "
+                "local cache"
+            )
+        self._store = cached_store(str(path), **reading) if reading else open_store(path)
+        self._manifest = self._manifest_when_written()
+        self._ledger = _Ledger(self._store, self._manifest.units)
+        self._first: tuple[int, bool] | None = self._ledger.read()  # taken by the first grow()
+        data = {"build": build_digest(self._manifest), "seq_len": options.seq_len, "overlap": options.overlap}
+        self.order = FollowOrder(seed=seed, eras=options.eras, then=options.then, data=data)
+        self.known = 0  # positions whose samples are known and committed
+
+    def __repr__(self) -> str:
+        o, path = self.options, str(self.path)
+        return f"GrowingCache({path!r}, seq_len={o.seq_len}, overlap={o.overlap}, known={self.known})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (and copy) with an order and ledger of its own: a copy reads the ledger on its own."""
+        return self.__dict__ | {"order": copy.copy(self.order), "_ledger": copy.copy(self._ledger)}
+
+    def view(self) -> PackedSequences:
+        """The windows of the cache as the ledger was last read: they hold every sample of the positions
+        known."""
+        committed = reader.open_committed(self._store, self._manifest, self._ledger.progress())
+        return committed.sequences(self.options.seq_len, overlap=self.options.overlap)
+
+    def _windows(self, tokens: int) -> int:
+        """Windows that lie within the first ``tokens`` tokens of the stream."""
+        return max(0, (tokens - self.options.overlap) // self.options.seq_len)
+
+    def _manifest_when_written(self) -> Manifest:
+        """The build's manifest, once it has written it."""
+        store, timeout = self._store, self.options.timeout
+        started = time.monotonic()
+        while not store.exists(MANIFEST):
+            if time.monotonic() - started > timeout:
+                raise BuildStalledError(
+                    f"{store.describe('')}: no build has written a manifest here in {timeout:g} s; "
+                    "start the build (or check the path), or raise timeout="
+                )
+            time.sleep(self.options.poll)
+        return load_manifest(store)
+
+    # --- growing ----------------------------------------------------------------------------------------
+
+    def grow(self, stop: int, check: Callable[[], None]) -> None:
+        """Wait until the samples of positions ``[0, stop)`` are known and committed, or the build is done
+        (see :class:`~streampack.loader.growing.Growing`; the first call takes what the ledger showed when
+        the cache was opened).
+
+        Raises:
+            BuildStalledError: the ledger showed nothing new for ``timeout`` seconds.
+            OptionsError: the finished cache cannot serve the loader (see :meth:`_finish`).
+        """
+        if self._first is not None:  # what the first read showed: its view holds it, no second read
+            (tokens, complete), self._first = self._first, None
+            if complete:  # len() and the end are known at once
+                self._finish(self._windows(tokens), check)
+            else:
+                self.known = self.order.known = self.order.eras.covered(self._windows(tokens))
+        if stop > self.known:
+            self._await(stop, check)
+
+    def _finish(self, windows: int, check: Callable[[], None]) -> None:
+        """The build is complete and holds ``windows`` samples: every position is known from now on.
+
+        Raises:
+            OptionsError: the finished cache cannot serve these options (``then="epochs"`` over less than
+                a batch, or what ``check`` refuses); asked again at every batch.
+        """
+        self._check_finished(windows)
+        order = self.order
+        order.finish(windows)
+        try:
+            check()
+        except OptionsError:
+            order.finish(None)
+            raise
+        self.known = MAX_POSITION
+
+    def _check_finished(self, windows: int) -> None:
+        """Refuse to go on with epochs of a finished cache that holds no global batch."""
+        o, batch = self.options, self._batch_size
+        if o.then == "epochs" and (windows == 0 or (self._drop_last and windows < batch)):
+            raise OptionsError(
+                f"{self.path}: the finished cache holds {windows} samples of seq_len={o.seq_len}, fewer "
+                f"than one global batch of {batch}: then='epochs' has nothing to repeat. Use a "
+                "smaller batch_size or seq_len, or then='end'"
+            )
+
+    def _await(self, stop: int, check: Callable[[], None]) -> None:
+        """Wait until the samples of positions ``[0, stop)`` are known and committed, or the build is done.
+
+        Raises:
+            BuildStalledError: the ledger showed nothing new for ``timeout`` seconds.
+        """
+        order, timeout = self.order, self.options.timeout
+        waited_since = watched_at = time.monotonic()
+        seen: tuple[int, ...] | None = None
+        later: tuple[int, ...] | None = None
+        while True:
+            tokens, complete = self._ledger.read()
+            windows = self._windows(tokens)
+            if complete:
+                self._finish(windows, check)
+                return
+            order.known = self.known = max(self.known, order.eras.covered(windows))
+            if stop <= self.known:
+                return
+            now = time.monotonic()
+            if now - watched_at >= min(_WATCH_SECONDS, timeout / 8):  # later units: less often
+                watched_at, before, later = now, later, self._ledger.later()
+                if before is not None and later != before:
+                    waited_since = now
+            if (tokens, len(self._ledger.done)) != seen:
+                waited_since, seen = now, (tokens, len(self._ledger.done))
+            elif now - waited_since > timeout:
+                raise BuildStalledError(
+                    f"{self.path}: the build committed nothing for {timeout:g} s while position "
+                    f"{stop - 1} waited for its era ({windows} samples are committed in stream order); is "
+                    "the build still running? Rerun the build command to resume it, or raise timeout="
+                )
+            time.sleep(self.options.poll)
+
+
 class Follow(Loader):
     """A :class:`~streampack.Loader` of a cache whose build is running: its windows, served once committed.
 
@@ -320,31 +349,20 @@ class Follow(Loader):
     :mod:`streampack.torch`, Lightning and Hugging Face), with one dataset and its own order: see the
     module docstring. ``len()`` is known once the build is complete (with ``then="end"``).
 
+    It adds nothing to the Loader but its constructor: ``Follow(path, ...)`` is ``Loader(GrowingCache(path,
+    ...), options=...)``, a loader over a source that grows with its order (:class:`GrowingCache`).
+
     Args:
         path: the cache directory or URL (its build may not have written its manifest yet).
-        seq_len: tokens per sample.
-        batch_size: the GLOBAL batch size; each rank yields ``batch_size // world_size`` rows.
-        overlap: extra tokens at the end of each sample (1 for next-token targets).
-        seed: shuffle seed.
-        rank: this process's rank.
-        world_size: number of ranks; it must divide ``batch_size``.
-        drop_last: with ``then="end"``, drop the last partial global batch (see :class:`LoaderOptions`).
-        then: after the last era: ``"epochs"`` of the finished cache, endlessly (as a Loader runs), or
-            ``"end"`` (one pass over every window).
-        first_era: windows in era 0 (the first batch waits for them).
-        largest_era: the size eras grow to by doubling: the shuffle's reach once they are that large.
-        timeout: seconds a batch waits without the build committing anything before
-            :class:`~streampack.errors.BuildStalledError`. A build in object storage shows a unit only
-            once it is done: give more than one unit's build time.
-        poll: seconds between two reads of the ledger while waiting.
-        output: ``"numpy"``, ``"dict"`` or ``"varlen"``, as for the Loader.
-        dtype: integer dtype of the token arrays; ``None`` keeps the cache's.
+        options: the loader's settings (:class:`~streampack.loader.options.LoaderOptions`: ``batch_size``,
+            ``seed``, ``rank``, ``world_size``, ``drop_last`` (with ``then="end"``), ``output``, ``dtype``;
+            not ``shuffle`` or ``epochs``: the order is the eras').
+        follow: what it serves and how it waits (:class:`FollowOptions`: ``seq_len``, ``overlap``,
+            ``then``, ``first_era``, ``largest_era``, ``timeout``, ``poll``, and the object-storage
+            ``local_dir``, ``max_local_bytes``, ``storage_options``, ``prefetch_steps``).
         collate: applied to every batch before it is yielded.
-        local_dir: (object storage) the local copy's directory.
-        max_local_bytes: (object storage) the bound on the local copy.
-        storage_options: (object storage) passed to the fsspec filesystem.
-        prefetch_steps: (object storage) steps ahead whose shards are fetched in the background, within the
-            eras known (8 by default; 0: none).
+        **keywords: fields of either, which replace those of the objects given: ``Follow(path,
+            seq_len=2048, batch_size=32)`` needs no object.
 
     Raises:
         OptionsError: an option is out of range.
@@ -356,255 +374,85 @@ class Follow(Loader):
         self,
         path: str | os.PathLike[str],
         *,
-        seq_len: int,
-        batch_size: int,
-        overlap: int = 0,
-        seed: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        drop_last: bool = True,
-        then: Literal["end", "epochs"] = "epochs",
-        first_era: int = 1024,
-        largest_era: int = 65536,
-        timeout: float = 600.0,
-        poll: float = 0.2,
-        output: Output = "numpy",
-        dtype: npt.DTypeLike = np.int64,
+        options: LoaderOptions | None = None,
+        follow: FollowOptions | None = None,
         collate: Callable[[Any], Any] | None = None,
-        local_dir: str | os.PathLike[str] | None = None,
-        max_local_bytes: int | None = None,
-        storage_options: Mapping[str, Any] | None = None,
-        prefetch_steps: int | None = None,
+        **keywords: Any,
     ) -> None:
+        loading, following = _split(keywords)
         # Options are checked before waiting for the build, not after.
-        LoaderOptions(batch_size=batch_size, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last,
-                      output=output, dtype=dtype)  # fmt: skip
-        check_int("seq_len", seq_len, min=1, max=2**40)
-        check_int("overlap", overlap, min=0, max=2**40)
-        check_choice("then", then, ("end", "epochs"))
-        if not timeout > 0 or not poll > 0:
+        opts = with_keywords(LoaderOptions, options, loading)
+        if opts.shuffle is not True or opts.epochs is not None:
             raise OptionsError(
-                f"timeout and poll must be positive seconds (got timeout={timeout}, poll={poll})"
+                "a Follow serves the eras of the build in its own order: shuffle and epochs do not apply; "
+                f"then='end' or 'epochs' says what follows them (got shuffle={opts.shuffle!r}, "
+                f"epochs={opts.epochs!r})"
             )
-        eras = Eras(first_era, largest_era)
-        self.path, self.then, self.timeout, self.poll = path, then, timeout, poll
-        self.seq_len, self.overlap = int(seq_len), int(overlap)
-        reading: dict[str, Any] = {"local_dir": local_dir, "max_local_bytes": max_local_bytes}
-        reading |= {"storage_options": storage_options, "prefetch_steps": prefetch_steps}
-        self._reading: dict[str, Any] = reading if is_remote(path) else {}
-        given = [name for name, value in reading.items() if value is not None]
-        if given and not self._reading:
-            raise OptionsError(
-                f"{path}: {', '.join(given)} apply to caches in object storage (s3://...), not to a "
-                "local cache"
-            )
-        self._store = cached_store(str(path), **self._reading) if self._reading else open_store(path)
-        self._manifest = self._manifest_when_written()
-        self._ledger = _Ledger(self._store, self._manifest.units)
-        tokens, complete = self._ledger.read()
-        sequences = self._committed().sequences(seq_len, overlap=overlap)
-        self._known = 0  # positions whose samples are known and committed
-        self._data_known = 0  # positions the sources opened last can read
-        super().__init__(
-            sequences,
-            batch_size=batch_size,
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            drop_last=drop_last,
-            output=output,
-            dtype=dtype,
-            collate=collate,
+        settings = with_keywords(FollowOptions, follow, following)
+        source = GrowingCache(
+            path, settings, seed=opts.seed, batch_size=opts.batch_size, drop_last=opts.drop_last
         )
-        data = {"build": build_digest(self._manifest), "seq_len": self.seq_len, "overlap": self.overlap}
-        self._batch_size = self.options.batch_size
-        self.follow_order = FollowOrder(seed=self.options.seed, eras=eras, then=then, data=data)
-        self.order = self._configured = self.follow_order
-        # What the first read showed is known, and the view opened above holds it: no second open.
-        if complete:  # len() and the end are known at once
-            self._finish(self._windows(tokens))
-        else:
-            self._known = self.follow_order.known = eras.covered(self._windows(tokens))
-        self._data_known = self._known
+        super().__init__(source, options=opts, collate=collate)
 
-    def _windows(self, tokens: int) -> int:
-        """Windows that lie within the first ``tokens`` tokens of the stream."""
-        return max(0, (tokens - self.overlap) // self.seq_len)
-
-    def _manifest_when_written(self) -> Manifest:
-        """The build's manifest, once it has written it."""
-        store = self._store
-        started = time.monotonic()
-        while not store.exists(MANIFEST):
-            if time.monotonic() - started > self.timeout:
-                raise BuildStalledError(
-                    f"{store.describe('')}: no build has written a manifest here in {self.timeout:g} s; "
-                    "start the build (or check the path), or raise timeout="
-                )
-            time.sleep(self.poll)
-        return load_manifest(store)
-
-    def _committed(self) -> reader.Cache:
-        """The cache as the ledger was last read: it holds every sample of the positions known."""
-        return reader.open_committed(self._store, self._manifest, self._ledger.progress())
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle (and copy) as a Loader, with an order and ledger of its own; the copy reopens the cache
-        (it has grown since) before its first read."""
-        order = copy.copy(self.follow_order)
-        mine = {
-            "follow_order": order,
-            "order": order,
-            "_configured": order,
-            "_ledger": copy.copy(self._ledger),
-        }
-        return super().__getstate__() | mine | {"_data_known": -1}
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle; also a Follow version 0.1 pickled, which held what its cache had committed itself."""
+        super().__setstate__(state if "_growing" in state else _from_version_0_1(state))
 
     @property
-    def num_samples(self) -> int:
-        """Samples of the finished cache once the build is complete; before, of the eras known committed."""
-        order = self.follow_order
-        return order.total if order.total is not None else order.known
+    def follow_order(self) -> FollowOrder:
+        """The order it serves (its :attr:`~streampack.loader.Loader.order`)."""
+        return self.dataset.order
 
-    # --- what the build has committed ------------------------------------------------------------------
+    @property
+    def follow_options(self) -> FollowOptions:
+        """The windows, eras and waiting it was made with."""
+        return self.dataset.options
 
-    def _check_size(self) -> None:
-        """Nothing to check up front: the cache grows while it is followed."""
+    @property
+    def path(self) -> str | os.PathLike[str]:
+        """The cache directory or URL."""
+        return self.dataset.path
 
-    def _single_size(self, what: str) -> int:
-        if self.follow_order.total is None:
-            raise TypeError(
-                f"{what} is not known while the build runs: the number of samples is known once it is "
-                "complete"
-            )
-        return self.follow_order.total
 
-    def __len__(self) -> int:
-        """Global batches of the whole run, once the build is complete (see :meth:`Loader.__len__`).
+_LOADER_KEYWORDS = {f.name for f in dataclasses.fields(LoaderOptions)} - {"shuffle", "epochs"}
+_FOLLOW_KEYWORDS = {f.name for f in dataclasses.fields(FollowOptions)}
 
-        Raises:
-            TypeError: the build is still running, or ``then="epochs"`` (endless).
-        """
-        if self.then == "epochs":
-            raise TypeError(
-                "a Follow with then='epochs' goes on with epochs of the finished cache endlessly: it has no "
-                "len(); use then='end' for one pass over every sample, or count steps yourself (max_steps)"
-            )
-        if self.order.end is None:
-            raise TypeError(
-                "a Follow has no len() while the build runs: the number of samples is known once it is "
-                "complete; count steps yourself (max_steps)"
-            )
-        return super().__len__()
 
-    def _global_rows(self, position: int) -> int:
-        if position + self._batch_size > self._known:  # the one check per call once the eras are known
-            self._await(min(position + self._batch_size, MAX_POSITION))
-        return Loader._global_rows(self, position)
+def _split(keywords: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Follow's keywords: those of its :class:`LoaderOptions`, and those of its :class:`FollowOptions`.
 
-    def _finish(self, windows: int) -> None:
-        """The build is complete and holds ``windows`` samples: every position is known from now on.
+    Raises:
+        TypeError: a keyword names neither.
+    """
+    unknown = sorted(set(keywords) - _LOADER_KEYWORDS - _FOLLOW_KEYWORDS)
+    if unknown:
+        raise unknown_keyword("Follow", unknown[0], sorted(_LOADER_KEYWORDS | _FOLLOW_KEYWORDS))
+    loading = {k: v for k, v in keywords.items() if k in _LOADER_KEYWORDS}
+    return loading, {k: v for k, v in keywords.items() if k in _FOLLOW_KEYWORDS}
 
-        Raises:
-            OptionsError: the finished cache cannot serve these options (see :meth:`_check_finished` and
-                :meth:`Loader._check_last_batch`); asked again at every batch.
-        """
-        self._check_finished(windows)
-        order = self.follow_order
-        order.finish(windows)
-        try:
-            self._check_last_batch()
-        except OptionsError:
-            order.finish(None)
-            raise
-        self._known = MAX_POSITION
 
-    def _check_finished(self, windows: int) -> None:
-        """Refuse to go on with epochs of a finished cache that holds no global batch."""
-        opts = self.options
-        if self.then == "epochs" and (windows == 0 or (opts.drop_last and windows < opts.batch_size)):
-            raise OptionsError(
-                f"{self.path}: the finished cache holds {windows} samples of seq_len={self.seq_len}, fewer "
-                f"than one global batch of {opts.batch_size}: then='epochs' has nothing to repeat. Use a "
-                "smaller batch_size or seq_len, or then='end'"
-            )
+# What a Follow of version 0.1 (a Loader subclass) held of its build, now its GrowingCache's.
+_FOLLOW_0_1 = ("path", "then", "timeout", "poll", "seq_len", "overlap", "_reading", "_store", "_manifest",
+               "_ledger", "_known", "_data_known", "_batch_size", "follow_order")  # fmt: skip
 
-    def advance(self, batches: int = 1) -> None:
-        """Move the position forward by ``batches`` steps (see :meth:`Loader.advance`), once known (a run
-        that ends must know where, to stop there)."""
-        check_int("batches", batches, min=0, max=2**62)
-        self._await(min(self._position + batches * self._batch_size, MAX_POSITION))
-        super().advance(batches)
 
-    def _ready(self, position: int) -> bool:
-        """Whether the samples of the batch at ``position`` are known to be committed (no wait)."""
-        return position + self._batch_size <= min(self._known, self._data_known)
-
-    def _planned_end(self) -> int | None:
-        end = self.order.end
-        return self._known if end is None else min(end, self._known)
-
-    def _await(self, stop: int) -> None:
-        """Wait until the samples of positions ``[0, stop)`` are known and committed, or the build is done.
-
-        Raises:
-            BuildStalledError: the ledger showed nothing new for ``timeout`` seconds.
-        """
-        if stop <= self._known:
-            return
-        order = self.follow_order
-        waited_since = watched_at = time.monotonic()
-        seen: tuple[int, ...] | None = None
-        later: tuple[int, ...] | None = None
-        while True:
-            tokens, complete = self._ledger.read()
-            windows = self._windows(tokens)
-            if complete:
-                self._finish(windows)
-                return
-            order.known = self._known = max(self._known, order.eras.covered(windows))
-            if stop <= self._known:
-                return
-            now = time.monotonic()
-            if now - watched_at >= min(_WATCH_SECONDS, self.timeout / 8):  # later units: less often
-                watched_at, before, later = now, later, self._ledger.later()
-                if before is not None and later != before:
-                    waited_since = now
-            if (tokens, len(self._ledger.done)) != seen:
-                waited_since, seen = now, (tokens, len(self._ledger.done))
-            elif now - waited_since > self.timeout:
-                raise BuildStalledError(
-                    f"{self.path}: the build committed nothing for {self.timeout:g} s while position "
-                    f"{stop - 1} waited for its era ({windows} samples are committed in stream order); is "
-                    "the build still running? Rerun the build command to resume it, or raise timeout="
-                )
-            time.sleep(self.poll)
-
-    # --- reading ----------------------------------------------------------------------------------------
-
-    def picks(self, position: int) -> tuple[np.ndarray, np.ndarray]:
-        """Source and sample ids of this rank's rows at ``position``, once committed (see
-        :meth:`Loader.picks`); the view of the cache is reopened first when it does not hold them."""
-        if position + self._batch_size > self._data_known:
-            self._global_rows(position)  # waits for the build
-            if self._data_known < self._known:
-                self._reopen()
-        return super().picks(position)
-
-    def indices(self, position: int) -> np.ndarray:
-        """Sample indices of this rank's rows of the batch at ``position`` (``int64``)."""
-        return self.picks(position)[1]
-
-    def _reopen(self) -> None:
-        """Read from the cache as committed now: it holds every sample of the positions known."""
-        known = self._known
-        sequences = self._committed().sequences(self.seq_len, overlap=self.overlap)
-        self.dataset, self.sources = sequences, [_Source(sequences)]
-        self._joined = JoinedSequences([sequences])
-        self._prefetches = lookahead.prefetch_steps(self._joined) > 0
-        self.formatter = format_for(self.options.output, [sequences])
-        self._clear_caches()
-        self._data_known = known
+def _from_version_0_1(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The state of a Follow from the ``__dict__`` version 0.1 pickled: the same build, order and ledger,
+    held by a :class:`GrowingCache` (which reopens the cache before the first read, as 0.1 did)."""
+    order: FollowOrder = state["follow_order"]
+    settings = FollowOptions(
+        seq_len=state["seq_len"], overlap=state["overlap"], then=state["then"], first_era=order.eras.first,
+        largest_era=order.eras.largest, timeout=state["timeout"], poll=state["poll"], **state["_reading"],
+    )  # fmt: skip
+    growing = object.__new__(GrowingCache)
+    growing.__dict__.update(
+        path=state["path"], options=settings, _batch_size=state["_batch_size"],
+        _drop_last=state["options"].drop_last, _store=state["_store"], _manifest=state["_manifest"],
+        _ledger=state["_ledger"], _first=None, order=order, known=state["_known"],
+    )  # fmt: skip
+    loader = {key: value for key, value in state.items() if key not in _FOLLOW_0_1}
+    moved = {"dataset": growing, "_growing": growing, "order": order, "_configured": order}
+    return loader | moved | {"_known": state["_known"], "_readable": state["_data_known"]}
 
 
 def build_digest(manifest: Manifest) -> str:

@@ -1,0 +1,61 @@
+"""Sources that grow while a loader reads them: the protocol a :class:`~streampack.loader.Loader` asks.
+
+Most sources are whole when a loader opens them. One that grows (the committed part of a cache whose
+build is running, :class:`~streampack.loader.follow.GrowingCache`) comes with the order of its samples,
+which learns its positions as the source grows, and answers three questions:
+
+* **known**: how many positions have samples that are known and committed. The loader serves those at
+  once, and asks for more only when a batch reaches past them (one comparison per batch).
+* **grow**: wait until the positions of a batch are known, or the source is complete, when the order
+  learns where the stream ends. The loader then checks that end (its last batch must give every rank a
+  row) before it is accepted.
+* **view**: the source as committed now, which the loader reads from. The loader reopens it when it
+  knows more positions than the view it holds can read.
+
+So growing is a property of the source and its order, not of the loader: ``Loader(growing)`` is an
+ordinary loader, whose ranks, workers, state and adapters work as for any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+from streampack.order import Order
+
+__all__ = ["Growing"]
+
+
+@runtime_checkable
+class Growing(Protocol):
+    """A source that grows while it is read, with the order that serves its samples (see the module)."""
+
+    @property
+    def order(self) -> Order:
+        """The order of its samples; it knows its :attr:`~streampack.order.Order.end` once the source
+        is complete."""
+        ...
+
+    @property
+    def known(self) -> int:
+        """Positions whose samples are known and committed: every position
+        (:data:`~streampack.order.MAX_POSITION`) once the source is complete."""
+        ...
+
+    def grow(self, stop: int, check: Callable[[], None]) -> None:
+        """Wait until the samples of positions ``[0, stop)`` are known, or the source is complete.
+
+        ``stop=0`` takes what is known now without waiting.
+
+        Args:
+            stop: the first position not needed.
+            check: called once the source is complete and the order knows its end, before that is
+                accepted; what it raises is raised, and the end is taken back (to be checked again at the
+                next call).
+        """
+        ...
+
+    def view(self) -> Any:
+        """The source as committed now (a :class:`~streampack.loader.DataSource`): it holds the samples
+        of every position known."""
+        ...

@@ -1,0 +1,152 @@
+"""The settings of a :class:`~streampack.loader.Loader`: one frozen object, validated on creation.
+
+:class:`LoaderOptions` holds them; ``Loader(source, batch_size=32, seed=1)`` and
+``Loader(source, options=LoaderOptions(batch_size=32, seed=1))`` are the same loader, and keywords given
+with an options object replace its fields (:func:`with_keywords`). :class:`SourceProgress` is what
+:meth:`Loader.realised <streampack.loader.Loader.realised>` reports per source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar, get_args
+
+import numpy as np
+import numpy.typing as npt
+
+from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
+from streampack.errors import OptionsError
+from streampack.order.blockshuffle import BlockShuffle, check_shuffle
+
+__all__ = ["LoaderOptions", "Output", "SourceProgress", "unknown_keyword", "with_keywords"]
+
+Output = Literal["numpy", "dict", "varlen"]
+
+_Options = TypeVar("_Options")
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """Settings of a :class:`Loader`, validated on creation.
+
+    Attributes:
+        batch_size: the GLOBAL batch size ``B``: rows of one step summed over all ranks.
+        seed: shuffle seed, an integer in ``[0, 2**64)`` (a :class:`~streampack.order.mixture.Mixture` has
+            its own).
+        shuffle: ``True``: visit samples in a seeded random order that changes every epoch; ``False``: in
+            stream order; a :class:`~streampack.order.blockshuffle.BlockShuffle`: shuffled blocks of
+            consecutive samples, mixed within windows of blocks (for caches read from object storage).
+        rank: this process's rank, in ``[0, world_size)``.
+        world_size: number of ranks; it must divide ``batch_size``.
+        drop_last: drop the last global batch of a run that ends (``epochs``, or a mixture that stops)
+            when it is partial; else serve it, split as evenly as possible over the ranks: each rank gets
+            ``rows // W`` of its rows or one more. The :class:`Loader` refuses ``drop_last=False`` when
+            that batch has fewer rows than ranks: some rank would get a 0-row batch, whose mean loss is
+            NaN. Endless runs have no last batch.
+        epochs: end the run after this many epochs of the dataset; ``None`` runs forever.
+        output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; ``"dict"``, the
+            ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take, with
+            ``-100`` labels at document starts (they shift ``labels`` themselves, so the samples must have
+            no overlap); or ``"varlen"``, the same plus ``cu_seqlens`` and ``max_seqlen``. Field by field:
+            :class:`streampack.loader.collate.CausalLMDict`.
+        dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype (the smallest to move
+            between processes; cast on arrival).
+
+    Raises:
+        OptionsError: (a ``ValueError``) an option is out of range or of the wrong type, or
+            ``batch_size`` does not divide by ``world_size``. Integer options are stored as Python ints.
+    """
+
+    batch_size: int
+    seed: int = 0
+    shuffle: bool | BlockShuffle = True
+    rank: int = 0
+    world_size: int = 1
+    drop_last: bool = True
+    epochs: int | None = None
+    output: Output = "numpy"
+    dtype: npt.DTypeLike = np.int64
+
+    def __post_init__(self) -> None:
+        # Stored as Python ints: numpy integers (seeds from np.random, sizes from arrays) would make
+        # state_dict() fail to serialize as JSON.
+        batch_hint = "the global batch size, over all ranks"
+        checked = {
+            "batch_size": check_int("batch_size", self.batch_size, min=1, max=2**62, hint=batch_hint),
+            "world_size": check_int("world_size", self.world_size, min=1, max=2**31),
+            "rank": check_int("rank", self.rank, min=0, below=int(self.world_size)),
+            "seed": check_int("seed", self.seed, min=0, below=2**64),
+            "epochs": check_int_or_none("epochs", self.epochs, min=1, max=2**63, hint="None loops forever"),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
+        check_shuffle(self.shuffle)
+        check_bool("drop_last", self.drop_last)
+        if self.batch_size % self.world_size:
+            smaller = self.batch_size // self.world_size * self.world_size
+            suggestion = f"{smaller} or {smaller + self.world_size}" if smaller else str(self.world_size)
+            raise OptionsError(
+                f"batch_size is the global batch size, split evenly over the ranks: batch_size="
+                f"{self.batch_size} does not divide by world_size={self.world_size}. Use a multiple of "
+                f"{self.world_size}, e.g. {suggestion}."
+            )
+        check_choice("output", self.output, get_args(Output))
+        if self.dtype is not None:
+            dtype = np.dtype(self.dtype)
+            if dtype.kind not in "iu":
+                raise OptionsError(
+                    f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})"
+                )
+            object.__setattr__(self, "dtype", dtype)
+
+    @property
+    def rows(self) -> int:
+        """Rows of a full batch on one rank: ``batch_size // world_size``."""
+        return self.batch_size // self.world_size
+
+
+@dataclass(frozen=True)
+class SourceProgress:
+    """Where one source of a run stands at a position: what :meth:`Loader.realised` reports.
+
+    Attributes:
+        name: the source's name.
+        weight: its share of the blocks in force at the position (1.0 for a single dataset).
+        served: samples of it served since the run started.
+        share: ``served`` divided by the position: the realised proportion.
+        size: its samples per epoch.
+        epoch: ``served / size``: the epoch it is in, with the fraction of it done.
+    """
+
+    name: str
+    weight: float
+    served: int
+    share: float
+    size: int
+    epoch: float
+
+
+def with_keywords(cls: type[_Options], options: _Options | None, keywords: Mapping[str, Any]) -> _Options:
+    """``options`` with the fields named in ``keywords`` replaced (validated again); made of ``keywords``
+    alone when ``options`` is None.
+
+    Raises:
+        TypeError: a required field is missing.
+        OptionsError: a value is not allowed.
+    """
+    if options is None:
+        return cls(**keywords)
+    return dataclasses.replace(options, **keywords) if keywords else options  # type: ignore[type-var]
+
+
+def unknown_keyword(what: str, name: str, names: Collection[str]) -> TypeError:
+    """The error for a keyword ``what`` does not take: the name, the nearest of ``names`` and where they
+    are described."""
+    close = difflib.get_close_matches(name, sorted(names), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return TypeError(
+        f"{what}() got an unexpected keyword argument {name!r}{hint} (its options: {', '.join(names)})"
+    )
