@@ -55,6 +55,7 @@ from streampack.builder.coordinator import build_identity
 from streampack.errors import BuildStalledError, OptionsError
 from streampack.format import MANIFEST, Manifest, ledger, load_manifest, shard_name
 from streampack.loader import Loader
+from streampack.loader.growing import Reach
 from streampack.loader.options import LoaderOptions, unknown_keyword, with_keywords
 from streampack.order import MAX_POSITION
 from streampack.order.follow import Eras, FollowOrder
@@ -396,7 +397,7 @@ class Follow(Loader):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle; also a Follow version 0.1 pickled, which held what its cache had committed itself."""
-        super().__setstate__(state if "_growing" in state else _from_version_0_1(state))
+        super().__setstate__(state if "_reach" in state else _from_version_0_1(state))
 
     @property
     def follow_order(self) -> FollowOrder:
@@ -450,9 +451,10 @@ def _from_version_0_1(state: Mapping[str, Any]) -> dict[str, Any]:
         _drop_last=state["options"].drop_last, _store=state["_store"], _manifest=state["_manifest"],
         _ledger=state["_ledger"], _first=None, order=order, known=state["_known"],
     )  # fmt: skip
+    reach = Reach(growing)
+    reach.known, reach.readable = state["_known"], state["_data_known"]
     loader = {key: value for key, value in state.items() if key not in _FOLLOW_0_1}
-    moved = {"dataset": growing, "_growing": growing, "order": order, "_configured": order}
-    return loader | moved | {"_known": state["_known"], "_readable": state["_data_known"]}
+    return loader | {"dataset": growing, "_reach": reach, "order": order, "_configured": order}
 
 
 def build_digest(manifest: Manifest) -> str:

@@ -13,17 +13,19 @@ which learns its positions as the source grows, and answers three questions:
   knows more positions than the view it holds can read.
 
 So growing is a property of the source and its order, not of the loader: ``Loader(growing)`` is an
-ordinary loader, whose ranks, workers, state and adapters work as for any other.
+ordinary loader, whose ranks, workers, state and adapters work as for any other. It keeps its
+:class:`Reach` (how far it has read) beside the source.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from streampack.order import Order
 
-__all__ = ["Growing"]
+__all__ = ["Growing", "Reach"]
 
 
 @runtime_checkable
@@ -59,3 +61,40 @@ class Growing(Protocol):
         """The source as committed now (a :class:`~streampack.loader.DataSource`): it holds the samples
         of every position known."""
         ...
+
+
+class Reach:
+    """How far a loader reads a growing source: the positions whose samples it knows, and those the view
+    it opened last can read (it reopens the source when it knows more).
+
+    Args:
+        source: the growing source.
+    """
+
+    def __init__(self, source: Growing) -> None:
+        self.source = source
+        self.known = 0  # positions whose samples are known and committed
+        self.readable = 0  # positions the view opened last holds
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy grows on its own: its own copy of the source (and so of its order), which it reopens
+        (grown since) before its first read."""
+        return self.__dict__ | {"source": copy.copy(self.source), "readable": -1}
+
+    def grow(self, stop: int, check: Callable[[], None]) -> None:
+        """Wait until the source knows the samples of positions ``[0, stop)``, or is complete (see
+        :meth:`Growing.grow`); ``stop=0`` takes what it knows now."""
+        if stop and stop <= self.known:
+            return
+        try:
+            self.source.grow(stop, check)
+        finally:
+            self.known = self.source.known
+
+    def ready(self, stop: int) -> bool:
+        """Whether positions ``[0, stop)`` can be read now, without waiting or reopening."""
+        return stop <= min(self.known, self.readable)
+
+    def end(self, end: int | None) -> int | None:
+        """Where planning ahead stops: the run's ``end``, or what is known so far."""
+        return self.known if end is None else min(end, self.known)

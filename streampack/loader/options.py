@@ -19,9 +19,20 @@ import numpy.typing as npt
 
 from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
+from streampack.order import Order
 from streampack.order.blockshuffle import BlockShuffle, check_shuffle
 
-__all__ = ["LoaderOptions", "Output", "SourceProgress", "unknown_keyword", "with_keywords"]
+__all__ = [
+    "LoaderOptions",
+    "Output",
+    "SourceProgress",
+    "check_dtype",
+    "check_last_batch",
+    "check_size",
+    "progress",
+    "unknown_keyword",
+    "with_keywords",
+]
 
 Output = Literal["numpy", "dict", "varlen"]
 
@@ -30,12 +41,13 @@ _Options = TypeVar("_Options")
 
 @dataclass(frozen=True)
 class LoaderOptions:
-    """Settings of a :class:`Loader`, validated on creation.
+    """Settings of a :class:`~streampack.loader.Loader`, validated on creation.
 
     Attributes:
         batch_size: the GLOBAL batch size ``B``: rows of one step summed over all ranks.
-        seed: shuffle seed, an integer in ``[0, 2**64)`` (a :class:`~streampack.order.mixture.Mixture` has
-            its own).
+        seed: shuffle seed, an integer in ``[0, 2**64)``. Like ``shuffle`` and ``epochs``, it sets the order
+            the Loader makes for one dataset; an order given (``order=``, a
+            :class:`~streampack.order.mixture.Mixture`) has its own.
         shuffle: ``True``: visit samples in a seeded random order that changes every epoch; ``False``: in
             stream order; a :class:`~streampack.order.blockshuffle.BlockShuffle`: shuffled blocks of
             consecutive samples, mixed within windows of blocks (for caches read from object storage).
@@ -43,7 +55,7 @@ class LoaderOptions:
         world_size: number of ranks; it must divide ``batch_size``.
         drop_last: drop the last global batch of a run that ends (``epochs``, or a mixture that stops)
             when it is partial; else serve it, split as evenly as possible over the ranks: each rank gets
-            ``rows // W`` of its rows or one more. The :class:`Loader` refuses ``drop_last=False`` when
+            ``rows // W`` of its rows or one more. The Loader refuses ``drop_last=False`` when
             that batch has fewer rows than ranks: some rank would get a 0-row batch, whose mean loss is
             NaN. Endless runs have no last batch.
         epochs: end the run after this many epochs of the dataset; ``None`` runs forever.
@@ -129,6 +141,16 @@ class SourceProgress:
     epoch: float
 
 
+def progress(order: Order, position: int) -> list[SourceProgress]:
+    """Where each source of ``order`` stands at ``position`` (see :class:`SourceProgress`)."""
+    served, weights = order.consumed(position), order.weights(position)
+    sizes = [max(size, 1) for size in order.sizes()]  # a growing source may know none yet
+    return [
+        SourceProgress(name, weight, count, count / position if position else 0.0, size, count / size)
+        for name, weight, count, size in zip(order.names, weights, served, sizes, strict=True)
+    ]
+
+
 def with_keywords(cls: type[_Options], options: _Options | None, keywords: Mapping[str, Any]) -> _Options:
     """``options`` with the fields named in ``keywords`` replaced (validated again); made of ``keywords``
     alone when ``options`` is None.
@@ -150,3 +172,75 @@ def unknown_keyword(what: str, name: str, names: Collection[str]) -> TypeError:
     return TypeError(
         f"{what}() got an unexpected keyword argument {name!r}{hint} (its options: {', '.join(names)})"
     )
+
+
+def check_size(options: LoaderOptions, n: int) -> None:
+    """Refuse a dataset of ``n`` samples that holds no batch to iterate.
+
+    Raises:
+        OptionsError: ``n`` is 0, or less than one global batch with ``drop_last``.
+    """
+    if n == 0 or (options.drop_last and n < options.batch_size):
+        raise OptionsError(
+            f"the dataset has {n} samples, fewer than one global batch of {options.batch_size}: nothing "
+            "to iterate. Use a smaller batch_size or seq_len, a larger cache"
+            + (", or drop_last=False." if n else ".")
+        )
+
+
+def check_dtype(options: LoaderOptions, dtypes: list[np.dtype]) -> None:
+    """Refuse an output ``dtype`` that cannot hold every id of sources of these ``dtypes``.
+
+    Raises:
+        OptionsError: ``options.dtype`` is narrower than a source's.
+    """
+    for dtype in dtypes:
+        if options.dtype is not None and not np.can_cast(dtype, options.dtype):
+            raise OptionsError(
+                f"dtype={options.dtype} cannot hold every id of the cache's {dtype} tokens; use "
+                "int64 (the default), a wider integer type, or None to keep the cache dtype"
+            )
+
+
+def check_last_batch(opts: LoaderOptions, end: int | None, position: int) -> None:
+    """Refuse ``drop_last=False`` when the last partial global batch of a run that ends at ``end`` (read
+    from ``position`` on) cannot give every rank a row.
+
+    A rank with a 0-row batch computes a NaN mean loss, and DDP's all-reduce spreads the NaN
+    gradients to every rank. The remainder is known up front, so this is refused here rather than
+    padded with repeated samples: every served row stays a distinct sample, in the same order.
+
+    Raises:
+        OptionsError: the remainder is positive and smaller than the world size; the message names the
+            numbers and the fixes.
+    """
+    if opts.drop_last or end is None or end <= position:
+        return
+    left = end - position
+    remainder = left % opts.batch_size
+    if not 0 < remainder < opts.world_size:
+        return
+    plural = "s" if remainder > 1 else ""
+    fixes = []
+    if left >= opts.batch_size:
+        fixes.append(f"drop_last=True (the run then skips its last {remainder} sample{plural})")
+    other = _batch_size_for_ranks(left, opts.batch_size, opts.world_size)
+    if other is not None:
+        fixes.append(f"batch_size={other} (it leaves 0 or at least {opts.world_size} samples over)")
+    fixes.append("fewer ranks, or more samples (a larger cache or a smaller seq_len)")
+    raise OptionsError(
+        f"drop_last=False would give {opts.world_size - remainder} of the {opts.world_size} ranks an "
+        f"empty last batch: the {left} samples left in global batches of batch_size={opts.batch_size} "
+        f"leave {left} mod {opts.batch_size} = {remainder} sample{plural} for the last one, fewer than "
+        f"world_size={opts.world_size}. A mean loss over 0 rows is NaN, and DDP spreads it to every "
+        f"rank. Use {', or '.join(fixes)}."
+    )
+
+
+def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | None:
+    """The multiple of ``world_size`` nearest ``batch_size`` whose last global batch has a row per rank."""
+    for k in range(1, 1000):
+        for candidate in (batch_size - k * world_size, batch_size + k * world_size):
+            if 0 < candidate <= n and (n % candidate == 0 or n % candidate >= world_size):
+                return candidate
+    return None

@@ -26,7 +26,8 @@ from typing import Any
 
 from streampack._checks import bounds, is_int
 from streampack.errors import LoaderStateError
-from streampack.order import MAX_POSITION
+from streampack.order import MAX_POSITION, Order
+from streampack.samples.sequences import with_current_digests
 
 __all__ = [
     "LOADER_FORMAT",
@@ -38,6 +39,8 @@ __all__ = [
     "read",
     "read_loader_state",
     "read_order",
+    "resume",
+    "version_1",
 ]
 
 LOADER_FORMAT = "streampack.Loader"
@@ -333,3 +336,51 @@ def _capital(text: str) -> str:
 def _summary(value: object, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def version_1(state: Mapping[str, Any], size: int) -> tuple[int, dict[str, Any]]:
+    """A version 1 state (epoch and samples into it, read strictly) of a dataset of ``size`` samples, as a
+    version 2 position and order: the same place of the same epoch.
+
+    Raises:
+        LoaderStateError: the place is not one of an epoch of ``size`` samples within ``2**62``.
+    """
+    epoch, samples = state["epoch"], state["samples_in_epoch"]
+    if samples >= size or epoch * size + samples > MAX_POSITION:
+        raise LoaderStateError(
+            f"version 1 loader state has epoch={epoch!r}, samples_in_epoch={samples!r}: not a place in "
+            f"an epoch of {size} samples within 2**62 samples; the state is damaged"
+        )
+    order = {
+        "kind": "shuffled",
+        "seed": state["seed"],
+        "shuffle": state["shuffle"],
+        "data": state["dataset"],
+    }
+    return epoch * size + samples, order
+
+
+def resume(state: object, order: Order, datasets: Sequence[object]) -> tuple[int, Order]:
+    """Where a loader state resumes a run over ``order`` (the order a loader was made with), and that
+    order continued there.
+
+    The state is read strictly (:func:`read_loader_state`); a version 1 one is converted
+    (:func:`version_1`); its order is read strictly when it is one of streampack's kinds that ``order``
+    continues (:func:`read_order`; an order of a kind of its own reads its fingerprint itself), its data
+    fingerprints from before format version 2 get the current digests of ``datasets``
+    (:func:`~streampack.samples.sequences.with_current_digests`), and ``order.resumed`` checks it.
+
+    Raises:
+        LoaderStateError: the state is not one of a supported version, or not one ``order`` continues.
+        TypeError: a version 1 state, and ``order`` has no single epoch to place it in.
+    """
+    state = read_loader_state(state)
+    version = state["version"]
+    saved: Mapping[str, Any]
+    if version == 1:
+        position, saved = version_1(state, order.epoch_size("resuming a version 1 state"))
+    else:
+        position, saved = int(state["position"]), state["order"]
+    if saved.get("kind") in order.resumes and saved.get("kind") in ORDERS:
+        saved = read_order(saved, version)
+    return position, order.resumed(with_current_digests(saved, datasets), position)

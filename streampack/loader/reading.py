@@ -1,0 +1,258 @@
+"""What a loader reads, and how: its sources, and the plan of the rows of its next few batches.
+
+* :class:`DataSource` is what a :class:`~streampack.loader.Loader` is given: ``len()`` samples, read a
+  batch of indices at a time; the loader sees each through one contract (``_Source``), probed once.
+* :class:`Rows` holds a loader's sources, joined into one token space when every one is a cache
+  (:class:`~streampack.samples.sequences.JoinedSequences`: a batch of several caches is one split and one
+  copy loop), and the **plan**: the order is asked for the rows of this process's next few batches at
+  once (a call costs ~100 numpy dispatches whatever its size, which would otherwise dominate a small
+  batch), and their windows are split at shard boundaries and sorted by shard once, so a batch is a copy
+  of planned spans. The plan is a cache: what is read never depends on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from streampack.loader.lookahead import prefetch_steps
+from streampack.loader.options import LoaderOptions
+from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
+from streampack.samples.layout import BatchedSpans
+from streampack.samples.sequences import JoinedSequences, PackedSequences, holds_every_id
+
+__all__ = ["DataSource", "Rows"]
+
+# The order is computed for this many upcoming rows at once.
+_PLAN_ROWS = 4096
+
+
+class DataSource(Protocol):
+    """What a :class:`~streampack.loader.Loader` reads: ``len()`` samples, fetched a batch of indices at a
+    time.
+
+    :class:`streampack.samples.sequences.PackedSequences` is the usual one; a 2-D numpy array is one too
+    (sample ``i`` is row ``i``), a list of arrays is not (it cannot be indexed by an array). A source may
+    also offer
+    ``read(indices, out=...)`` (fill the given array: used instead of ``[indices]`` when a batch is read
+    from this source alone), ``boundaries(indices)`` (needed for ``output="dict"``), ``fingerprint()``
+    (checked against checkpoints), ``dtype`` and ``width`` (tokens per sample).
+    """
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, indices: np.ndarray) -> np.ndarray: ...
+
+
+class Rows:
+    """A loader's sources and the plan of its next rows (see the module docstring).
+
+    Args:
+        sources: the sources, in source-id order.
+    """
+
+    def __init__(self, sources: list[_Source]) -> None:
+        self.sources = sources
+        parts = [source.data for source in sources]
+        joinable = all(isinstance(part, PackedSequences) for part in parts)
+        self.joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
+        self.prefetches = prefetch_steps(self.joined) > 0  # decided once: not a check per batch
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the plan (the order changed, or the options a copy reads with)."""
+        self._plan: _Plan | None = None
+        self._last_request: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The sources; the plan is made again where unpickled."""
+        return self.__dict__ | {"_plan": None, "_last_request": None}
+
+    @property
+    def width(self) -> int:
+        """Tokens per sample."""
+        return self.sources[0].width
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The dtype that holds the tokens of every source: the cache dtype, for one cache."""
+        dtype = np.result_type(*(source.dtype for source in self.sources))
+        # int64 with uint64 promotes to float64, which would round ids: token ids fit int64.
+        return dtype if dtype.kind in "iu" else np.dtype(np.int64)
+
+    def picks(
+        self, position: int, order: Order, options: LoaderOptions, end: Callable[[], int | None]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Picks of the full batch at ``position``, computed together with those of the next few this
+        process will read.
+
+        The next few are at the stride seen between requests: every batch in a plain loop, every n-th in
+        a DataLoader worker. Results never depend on it; only how much planned work is used does.
+
+        Args:
+            position: the batch's global position.
+            order: the loader's order.
+            options: the loader's options (batch size, this rank's rows).
+            end: where planning stops (the run's end, or what a growing source knows), asked only when
+                a plan is made.
+        """
+        plan, last = self._plan, self._last_request
+        self._last_request = position
+        step = plan.step(position) if plan is not None else None
+        if plan is None or step is None:
+            plan, step = self._make_plan(position, last, order, options, end()), 0
+        return plan.sources[step], plan.samples[step]
+
+    def _make_plan(
+        self, position: int, last: int | None, order: Order, opts: LoaderOptions, end: int | None
+    ) -> _Plan:
+        stride = position - last if last is not None and position > last else opts.batch_size
+        count = max(1, _PLAN_ROWS // opts.rows)
+        if end is not None:
+            count = max(1, min(count, (end - position - opts.batch_size) // stride + 1))
+        count = min(count, (MAX_POSITION - position - opts.batch_size) // stride + 1)
+        firsts = position + stride * np.arange(count, dtype=np.int64) + opts.rank * opts.rows
+        sources, samples = order((firsts[:, None] + np.arange(opts.rows, dtype=np.int64)).reshape(-1))
+        # The windows of the whole plan are split at shard boundaries and sorted by shard once, here.
+        joined = self.joined
+        spans = None
+        if joined is not None:
+            pads = joined.pads_of(sources)
+            spans = BatchedSpans(joined.spans(sources, samples), opts.rows, count, self.width, pads)
+        self._plan = _Plan(
+            position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1), spans
+        )
+        return self._plan
+
+    def read(
+        self,
+        position: int,
+        sources: np.ndarray,
+        samples: np.ndarray,
+        out: np.ndarray | None,
+        dtype: np.dtype,
+    ) -> np.ndarray:
+        """The tokens of the batch at ``position`` (its ``sources`` and ``samples``): copied from its
+        planned spans, else split now; into ``out``, or a new array of ``dtype``.
+
+        Raises:
+            ValueError: ``out`` is not an array of the batch's shape and a dtype that holds every id.
+        """
+        plan, joined, width = self._plan, self.joined, self.width
+        step = None if plan is None or plan.spans is None else plan.step(position)
+        if out is None and step is not None and joined is not None:
+            whole = plan.spans.whole(step, joined.rows, dtype)  # type: ignore[union-attr]
+            if whole is not None:
+                return whole
+        if out is None:
+            out = np.empty((len(samples), width), dtype=dtype)
+        elif (
+            not isinstance(out, np.ndarray)
+            or out.shape != (len(samples), width)
+            or not holds_every_id(self.dtype, out.dtype)
+        ):
+            raise ValueError(
+                f"out must be a numpy array of shape {(len(samples), width)} and an integer dtype that "
+                f"holds every {self.dtype} id (got {type(out).__name__} "
+                f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
+            )
+        if joined is not None:  # every source is a cache
+            if step is not None:
+                plan.spans.read(step, out, joined.tokens, joined.rows)  # type: ignore[union-attr]
+            else:
+                joined.read(sources, samples, out)
+            return out
+        if len(self.sources) == 1:
+            self.sources[0].read(samples, out)
+            return out
+        for source, rows in groups(sources):
+            self.sources[source].read(samples[rows], out, rows)
+        return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The picks of ``count`` full batches at ``first``, ``first + stride``, ...: this rank's rows of each."""
+
+    first: int
+    stride: int
+    count: int
+    sources: np.ndarray  # (count, rows)
+    samples: np.ndarray  # (count, rows)
+    spans: BatchedSpans | None  # where their tokens are, when every source is a cache
+
+    def step(self, position: int) -> int | None:
+        """Which planned batch starts at ``position``, if any."""
+        step, offset = divmod(position - self.first, self.stride)
+        return step if offset == 0 and 0 <= step < self.count else None
+
+
+class _Source:
+    """A :class:`DataSource` seen through the one contract the loader needs, probed once at creation.
+
+    Raises:
+        TypeError: ``data`` cannot be read a batch of indices at a time (see :func:`check_source`).
+    """
+
+    def __init__(self, data: DataSource) -> None:
+        check_source(data)
+        self.data = data
+        self.size = len(data)
+        self.fingerprint = data_fingerprint(data)
+        width, dtype = getattr(data, "width", None), getattr(data, "dtype", None)
+        if isinstance(data, np.ndarray) and data.ndim == 2:
+            width = data.shape[1]
+        if (width is None or dtype is None) and self.size:
+            probe = np.asarray(data[np.zeros(1, dtype=np.int64)])
+            width, dtype = (
+                probe.shape[-1] if width is None else width,
+                probe.dtype if dtype is None else dtype,
+            )
+        self.width: int = int(width or 0)
+        self.dtype = np.dtype(dtype if dtype is not None else np.int64)
+        # PackedSequences: read straight into the rows, skipping read()'s checks of the indices and of
+        # out, which the loader made itself (in range, int64) and checked once here.
+        self._read_rows = data._read if isinstance(data, PackedSequences) else None
+        self._read_into = None if self._read_rows is not None else getattr(data, "read", None)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Write sample ``indices[k]`` into ``out[rows[k]]`` (into ``out[k]`` when ``rows`` is None)."""
+        if self._read_rows is not None:
+            self._read_rows(indices, out, rows)
+            return
+        if self._read_into is not None and rows is None:
+            self._read_into(indices, out=out)
+            return
+        tokens = np.asarray(self.data[indices])
+        if rows is None:
+            out[...] = tokens
+        else:
+            out[rows] = tokens
+
+
+def check_source(dataset: object) -> None:
+    """Refuse at creation what cannot serve ``dataset[index_array]``, rather than at the first batch.
+
+    Raises:
+        TypeError: a list or tuple, or an object without ``__len__`` or ``__getitem__``.
+    """
+    missing = [name for name in ("__len__", "__getitem__") if not hasattr(dataset, name)]
+    if isinstance(dataset, (list, tuple)):
+        got = f"a {type(dataset).__name__} of {len(dataset)} items, which cannot be indexed by an array"
+        hint = " (np.stack(samples) makes one of equal-length samples)"
+    elif missing:
+        got = f"{type(dataset).__name__}, which has no {' or '.join(missing)}"
+        hint = ""
+    else:
+        return
+    raise TypeError(
+        f"the Loader reads each batch as dataset[index_array], a (rows, width) array (got {got}). Pass "
+        f"cache.sequences(seq_len), a 2-D numpy array{hint}, or an object with __len__() and "
+        "__getitem__(index array) returning a 2-D array."
+    )
