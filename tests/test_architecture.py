@@ -36,7 +36,6 @@ KNOWN = {
     ("streampack.reader", "streampack.samples.sequences"): "Cache.sequences/packed/documents build samples",
     ("streampack.reader", "streampack.samples.split"): "Cache.split builds a DocumentSet",
     ("streampack.reader", "streampack.samples.packing"): "Cache.packed's too_long type",
-    ("streampack.order.mixture", "streampack.loader.mixconfig"): "Mixture.from_config repeats load_mixture",
     ("streampack.samples.layout", "streampack.samples.packing"): "Bins reloads its plan on unpickling",
     ("streampack.samples.split", "streampack.reader"): "the samples knot: a split reopens and builds samples",
     ("streampack.cli.demo", "streampack.cli"): "the demo reuses the CLI's cache_stats",

@@ -61,7 +61,7 @@ def test_yaml_and_json_configs_give_the_mixture_python_gives(project: Path) -> N
         ],
     }  # fmt: skip
     (project / "mix.json").write_text(json.dumps(json_config))
-    from_json = Mixture.from_config(project / "mix.json")
+    from_json = streampack.load_mixture(project / "mix.json")
     for mixture in (from_yaml, from_json):
         assert mixture.fingerprint() == expected.fingerprint()
         assert all(np.array_equal(a, b) for a, b in zip(mixture(positions), expected(positions), strict=True))

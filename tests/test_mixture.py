@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import streampack
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
+from streampack.order import schedule
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
 
@@ -376,7 +377,7 @@ def test_any_change_of_weights_or_sources_on_resume_repeats_and_skips_nothing(
     for j, n in enumerate(changed.sizes()):
         times = Counter(i for k, i in served if k == j)
         assert not times or max(times.values()) - min(times.get(i, 0) for i in range(n)) <= 1
-    new_counts = changed._counts(weights)
+    new_counts = schedule.counts(weights, changed.names, changed.block_size)
     for first in range(started, len(served) - block + 1, block):
         counts = Counter(k for k, _ in served[first : first + block])
         assert [counts.get(j, 0) for j in range(len(new_counts))] == list(new_counts)

@@ -18,18 +18,21 @@ sample is served twice or skipped within a source's epoch.
 from __future__ import annotations
 
 import hashlib
-import math
-import numbers
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
-from pathlib import Path
 from typing import Any, Literal, get_args
 
 import numpy as np
 
 from streampack._checks import check_choice, check_int
 from streampack.errors import LoaderStateError, OptionsError
-from streampack.order import MAX_POSITION, Shuffled, count_batches, data_fingerprint, groups, mismatch
+from streampack.order import (
+    Shuffled,
+    count_batches,
+    data_fingerprint,
+    groups,
+    mismatch,
+    schedule,
+)
 from streampack.order.blockshuffle import (
     BlockShuffle,
     BlockShuffled,
@@ -38,6 +41,7 @@ from streampack.order.blockshuffle import (
     single_order,
 )
 from streampack.order.permutation import Permutation
+from streampack.order.schedule import Counts, summary
 
 __all__ = ["Mixture"]
 
@@ -45,7 +49,6 @@ Stop = Literal["never", "first_exhausted"]
 # Block tables kept for reuse (each 16 bytes per position): enough for the blocks a plan of a few
 # thousand rows spans in a DataLoader worker of one rank among several.
 _CACHED_BLOCKS = 8
-Counts = tuple[int, ...]
 
 
 class Mixture:
@@ -113,8 +116,10 @@ class Mixture:
         self._data = [data_fingerprint(data) for data in self.sources.values()]
         self._seeds = [_derive(self.seed, f"source:{name}") for name in self.names]
         self._blocks_seed = _derive(self.seed, "blocks")
+        size = self.block_size
         segments = [
-            (_first_block(start, self.block_size), self._counts(w)) for start, w in _stages(weights, stages)
+            (schedule.first_block(start, size), schedule.counts(w, self.names, size))
+            for start, w in schedule.stages(weights, stages)
         ]
         self._set_schedule(segments)
         if self.end == 0:
@@ -122,14 +127,6 @@ class Mixture:
                 "the mixture would stop before its first block: some source has fewer samples than its share "
                 f"of a block of {self.block_size}; use a smaller block_size, or stop='never'"
             )
-
-    @classmethod
-    def from_config(cls, config: str | Path | Mapping[str, Any]) -> Mixture:
-        """The mixture a YAML or JSON config file (or dict) describes; see
-        :mod:`streampack.loader.mixconfig`."""
-        from streampack.loader.mixconfig import load_mixture
-
-        return load_mixture(config)
 
     def sources_and_order(self) -> tuple[dict[str, Any], Mixture]:
         """Its sources and itself, their order: what a :class:`~streampack.loader.Loader` given it reads."""
@@ -148,92 +145,23 @@ class Mixture:
 
     # --- the schedule -----------------------------------------------------------------------------------
 
-    def _counts(self, weights: Mapping[str, float]) -> Counts:
-        """Positions per block of each source: the weights times the block size, by largest remainder."""
-        unknown = sorted(set(weights) - set(self.names))
-        if unknown:
-            raise OptionsError(
-                f"weights name sources the mixture does not have: {unknown} (it has {list(self.names)})"
-            )
-        exact: list[Fraction] = []
-        for name in self.names:
-            weight = weights.get(name, 0)
-            if (
-                isinstance(weight, bool)
-                or not isinstance(weight, numbers.Real)
-                or not math.isfinite(weight)
-                or weight < 0
-            ):
-                raise OptionsError(f"the weight of {name!r} must be a non-negative number (got {weight!r})")
-            exact.append(Fraction(float(weight)))
-        total = sum(exact)
-        if total == 0:
-            raise OptionsError(
-                f"the weights are all zero: {dict(weights)}; give some source a positive weight"
-            )
-        quotas = [w * self.block_size / total for w in exact]
-        counts = [math.floor(q) for q in quotas]
-        by_remainder = sorted(range(len(quotas)), key=lambda j: (counts[j] - quotas[j], j))
-        for j in by_remainder[: self.block_size - sum(counts)]:
-            counts[j] += 1
-        for name, share, count in zip(self.names, exact, counts, strict=True):
-            if share and not count:
-                fits = math.ceil(total / share)
-                raise OptionsError(
-                    f"the weight of {name!r} ({float(share / total):.3g} of the mixture) is less than one "
-                    f"position per block of block_size={self.block_size}; use block_size={fits} or more"
-                )
-        return tuple(counts)
-
     def _set_schedule(self, segments: Sequence[tuple[int, Counts]]) -> None:
-        """Keep the segments (first block, counts), merging neighbours with equal counts."""
-        merged: list[tuple[int, Counts]] = []
-        for first, counts in sorted(segments):
-            if merged and merged[-1][0] == first:
-                raise OptionsError(
-                    f"two stages start in the same block ({first}, positions from "
-                    f"{first * self.block_size}); stages must be at least block_size={self.block_size} "
-                    "positions apart"
-                )
-            if not merged or merged[-1][1] != counts:
-                merged.append((first, counts))
-        self._schedule = tuple(merged)
-        self._firsts = np.array([first for first, _ in merged], dtype=np.int64)
-        self._matrix = np.array([counts for _, counts in merged], dtype=np.int64)
-        self._cumulative = np.concatenate([np.zeros((len(merged), 1), np.int64), self._matrix.cumsum(1)], 1)
-        lengths = np.diff(self._firsts)
-        # Cursor of each source at the first block of each segment, summed in Python ints: a damaged
-        # schedule fails to fit int64 here, loudly, rather than wrapping.
-        bases = [[0] * len(self.names)]
-        for length, counts in zip(lengths.tolist(), self._matrix[:-1].tolist(), strict=True):
-            bases.append([b + length * c for b, c in zip(bases[-1], counts, strict=True)])
-        self._bases = np.array(bases, dtype=np.int64)
+        """Keep the segments (first block, counts), merging neighbours with equal counts, and the tables
+        the map from positions reads (see :func:`streampack.order.schedule.tables`)."""
+        self._schedule = schedule.merged(segments, self.block_size)
+        self._firsts, self._matrix, self._cumulative, self._bases = schedule.tables(self._schedule)
         self._orders = self._make_orders()
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._end = self._find_end()
+        self._end = None
+        if self.stop == "first_exhausted":
+            sizes = [len(data) for data in self.sources.values()]
+            self._end = schedule.exhausted(self._schedule, self._bases, sizes, self.block_size)
 
     def _make_orders(self) -> list[Shuffled | BlockShuffled]:
         return [
             single_order(len(data), seed=seed, shuffle=self.shuffle, name=name)
             for name, data, seed in zip(self.names, self.sources.values(), self._seeds, strict=True)
         ]
-
-    def _find_end(self) -> int | None:
-        """With ``stop="first_exhausted"``: the first block some source cannot fill from its first epoch."""
-        if self.stop == "never":
-            return None
-        sizes = [len(data) for data in self.sources.values()]
-        nexts = [*self._firsts[1:].tolist(), None]
-        for (first, counts), base, following in zip(self._schedule, self._bases.tolist(), nexts, strict=True):
-            ends = [
-                first + max(0, (size - start) // count)
-                for size, start, count in zip(sizes, base, counts, strict=True)
-                if count
-            ]
-            block = min(ends)
-            if following is None or block < following:
-                return min(block * self.block_size, MAX_POSITION)
-        return None  # pragma: no cover - the last segment always ends
 
     # --- the Order protocol -----------------------------------------------------------------------------
 
@@ -355,7 +283,14 @@ class Mixture:
             LoaderStateError: seed, shuffle or block size differ; a source of the checkpoint is missing
                 here or has other data; or the checkpoint is not a loader order.
         """
-        history, seeds = self._history(saved)
+        history, seeds = schedule.saved_history(
+            saved,
+            names=self.names,
+            data=self._data,
+            seed=self.seed,
+            shuffle=shuffle_fingerprint(self.shuffle),
+            block_size=self.block_size,
+        )
         for name, (_, data) in seeds.items():
             if name not in self.sources:
                 raise LoaderStateError(
@@ -379,81 +314,12 @@ class Mixture:
         resumed._set_schedule(segments)
         return resumed
 
-    def _history(
-        self, saved: Mapping[str, Any]
-    ) -> tuple[list[tuple[int, Counts]], dict[str, tuple[int, Any]]]:
-        """The checkpoint's schedule (as counts over this mixture's names) and each source's seed and data."""
-        kind, shuffle = saved.get("kind"), shuffle_fingerprint(self.shuffle)
-        if kind in ("shuffled", "blocks"):
-            data = saved.get("data")
-            names = [name for name, mine in zip(self.names, self._data, strict=True) if mine == data]
-            if not names:
-                raise LoaderStateError(
-                    f"the checkpoint read one dataset ({_summary(data)}), which is none of this mixture's "
-                    f"sources {list(self.names)}; add it to the mixture to continue its epoch"
-                )
-            saved_shuffle = (
-                saved.get("shuffle")
-                if kind == "shuffled"
-                else {"block": saved.get("block"), "window": saved.get("window")}
-            )
-            if saved_shuffle != shuffle:
-                raise LoaderStateError(mismatch("shuffle", saved_shuffle, shuffle))
-            counts = tuple(self.block_size if name == names[0] else 0 for name in self.names)
-            try:
-                seed = _saved_seed(saved.get("seed"))
-            except ValueError as error:
-                raise LoaderStateError(f"the checkpoint's order is damaged ({error})") from error
-            return [(0, counts)], {names[0]: (seed, data)}
-        if kind != "mixture":
-            raise LoaderStateError(
-                f"the checkpoint's order is not a loader order (kind={kind!r}); it is damaged"
-            )
-        for key, mine in (("seed", self.seed), ("shuffle", shuffle), ("block_size", self.block_size)):
-            if saved.get(key) != mine:
-                raise LoaderStateError(mismatch(key, saved.get(key), mine))
-        try:
-            seeds = {
-                name: (_saved_seed(info["seed"]), info["data"]) for name, info in saved["sources"].items()
-            }
-            history = self._saved_schedule(saved["schedule"], set(seeds))
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise LoaderStateError(f"the checkpoint's mixture schedule is damaged ({error})") from error
-        return history, seeds
-
-    def _saved_schedule(self, schedule: object, known: set[str]) -> list[tuple[int, Counts]]:
-        """A checkpoint's schedule as counts over this mixture's names, refused unless a mixture saved it.
-
-        Raises:
-            ValueError: not a list of ``[first block, {source: count}]`` from block 0 in increasing order,
-                counts of sources the checkpoint does not read, or counts that are not non-negative
-                integers filling a block.
-        """
-        if not isinstance(schedule, list) or not schedule:
-            raise ValueError(
-                f"the schedule is a non-empty list of [first block, counts] (got {_summary(schedule)})"
-            )
-        history: list[tuple[int, Counts]] = []
-        for first, counts in schedule:
-            previous = history[-1][0] if history else -1
-            if not _is_whole(first) or first <= previous:
-                raise ValueError(f"a segment at block {first!r} follows one at block {previous}")
-            if not isinstance(counts, Mapping) or not set(counts) <= known:
-                raise ValueError(f"counts {_summary(counts)} name sources other than {sorted(known)}")
-            whole = all(_is_whole(c) and c >= 0 for c in counts.values())
-            if not whole or sum(counts.values()) != self.block_size:
-                raise ValueError(f"counts {_summary(counts)} do not fill a block of {self.block_size}")
-            history.append((int(first), tuple(int(counts.get(name, 0)) for name in self.names)))
-        if history[0][0] != 0:
-            raise ValueError(f"the schedule starts at block {history[0][0]}, not 0")
-        return history
-
 
 def _checked_sources(sources: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(sources, Mapping) or not sources:
         raise OptionsError(
             "a Mixture takes a dict of name -> dataset, e.g. {'web': web.sequences(2048)} "
-            f"(got {_summary(sources)})"
+            f"(got {summary(sources)})"
         )
     widths, tokenizers = {}, {}
     for name, data in sources.items():
@@ -489,52 +355,6 @@ def _checked_sources(sources: Mapping[str, Any]) -> dict[str, Any]:
     return dict(sources)
 
 
-def _stages(
-    weights: Mapping[str, float] | None, stages: Sequence[tuple[int, Mapping[str, float]]] | None
-) -> list[tuple[int, Mapping[str, float]]]:
-    if (weights is None) == (stages is None):
-        raise OptionsError("give a Mixture either weights={...} or stages=[(0, {...}), ...], one of the two")
-    if weights is not None:
-        return [(0, weights)]
-    assert stages is not None
-    checked: list[tuple[int, Mapping[str, float]]] = []
-    for k, stage in enumerate(stages):
-        if not (isinstance(stage, (tuple, list)) and len(stage) == 2 and isinstance(stage[1], Mapping)):
-            raise OptionsError(
-                f"each stage is a (position, weights) pair, e.g. (0, {{'web': 1.0}}) (got {stage!r})"
-            )
-        position = check_int(f"stages[{k}] position", stage[0], min=0, max=MAX_POSITION)
-        if checked and position <= checked[-1][0]:
-            raise OptionsError(
-                f"stages must be in increasing order of position (got {position} after {checked[-1][0]})"
-            )
-        checked.append((position, stage[1]))
-    if not checked or checked[0][0] != 0:
-        raise OptionsError("the first stage must start at position 0, e.g. stages=[(0, {'web': 1.0}), ...]")
-    return checked
-
-
-def _first_block(position: int, block_size: int) -> int:
-    """The first block starting at or after ``position``."""
-    return -(-position // block_size)
-
-
 def _derive(seed: int, tag: str) -> int:
     """A 64-bit seed for one use of a mixture's seed (the blocks, or one named source)."""
     return int.from_bytes(hashlib.blake2b(f"{seed}:{tag}".encode(), digest_size=8).digest(), "little")
-
-
-def _is_whole(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _saved_seed(value: object) -> int:
-    """A checkpoint's source seed, which must be one a Mixture derives: an integer in ``[0, 2**64)``."""
-    if not _is_whole(value) or not 0 <= int(value) < 2**64:  # type: ignore[call-overload]
-        raise ValueError(f"a source's seed must be an integer in [0, 2**64) (got {_summary(value)})")
-    return int(value)  # type: ignore[call-overload]
-
-
-def _summary(value: object, limit: int = 120) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,272 @@
+"""A mixture's schedule: how many positions of each block every source holds, from which block on.
+
+A schedule is a list of segments ``(first block, counts)``: from block ``first`` on, every block holds
+``counts[j]`` positions of source ``j``, up to the next segment's first block. :func:`counts` turns weights
+into a block's counts (by largest remainder, so every block follows the weights to within one position),
+:func:`stages` checks the ``(position, weights)`` stages a :class:`~streampack.order.mixture.Mixture` is
+given, and :func:`saved_history` reads back the schedule a checkpoint recorded, strictly: a damaged one is
+refused, not guessed at.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from streampack._checks import check_int
+from streampack.errors import LoaderStateError, OptionsError
+from streampack.order import MAX_POSITION, mismatch
+
+__all__ = [
+    "Counts",
+    "counts",
+    "exhausted",
+    "first_block",
+    "merged",
+    "saved_history",
+    "stages",
+    "summary",
+    "tables",
+]
+
+Counts = tuple[int, ...]
+
+
+def counts(weights: Mapping[str, float], names: Sequence[str], block_size: int) -> Counts:
+    """Positions per block of each of the sources ``names``: the weights times the block size, by largest
+    remainder.
+
+    Raises:
+        OptionsError: a weight names no source, is not a non-negative number, or is below one position
+            per block; or every weight is zero.
+    """
+    unknown = sorted(set(weights) - set(names))
+    if unknown:
+        raise OptionsError(
+            f"weights name sources the mixture does not have: {unknown} (it has {list(names)})"
+        )
+    exact: list[Fraction] = []
+    for name in names:
+        weight = weights.get(name, 0)
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, numbers.Real)
+            or not math.isfinite(weight)
+            or weight < 0
+        ):
+            raise OptionsError(f"the weight of {name!r} must be a non-negative number (got {weight!r})")
+        exact.append(Fraction(float(weight)))
+    total = sum(exact)
+    if total == 0:
+        raise OptionsError(f"the weights are all zero: {dict(weights)}; give some source a positive weight")
+    quotas = [w * block_size / total for w in exact]
+    counts = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(quotas)), key=lambda j: (counts[j] - quotas[j], j))
+    for j in by_remainder[: block_size - sum(counts)]:
+        counts[j] += 1
+    for name, share, count in zip(names, exact, counts, strict=True):
+        if share and not count:
+            fits = math.ceil(total / share)
+            raise OptionsError(
+                f"the weight of {name!r} ({float(share / total):.3g} of the mixture) is less than one "
+                f"position per block of block_size={block_size}; use block_size={fits} or more"
+            )
+    return tuple(counts)
+
+
+def merged(segments: Sequence[tuple[int, Counts]], block_size: int) -> tuple[tuple[int, Counts], ...]:
+    """The segments in order of their first block, neighbours with equal counts merged.
+
+    Raises:
+        OptionsError: two segments start in the same block.
+    """
+    merged: list[tuple[int, Counts]] = []
+    for first, counts in sorted(segments):
+        if merged and merged[-1][0] == first:
+            raise OptionsError(
+                f"two stages start in the same block ({first}, positions from "
+                f"{first * block_size}); stages must be at least block_size={block_size} "
+                "positions apart"
+            )
+        if not merged or merged[-1][1] != counts:
+            merged.append((first, counts))
+    return tuple(merged)
+
+
+def tables(schedule: Sequence[tuple[int, Counts]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The arrays a mixture maps positions with: each segment's first block, its counts (a segment per
+    row), their running sums along a block (a leading 0 column), and each source's cursor at the
+    segment's first block."""
+    firsts = np.array([first for first, _ in schedule], dtype=np.int64)
+    matrix = np.array([counts for _, counts in schedule], dtype=np.int64)
+    cumulative = np.concatenate([np.zeros((len(schedule), 1), np.int64), matrix.cumsum(1)], 1)
+    lengths = np.diff(firsts)
+    # Cursor of each source at the first block of each segment, summed in Python ints: a damaged
+    # schedule fails to fit int64 here, loudly, rather than wrapping.
+    bases = [[0] * matrix.shape[1]]
+    for length, counts in zip(lengths.tolist(), matrix[:-1].tolist(), strict=True):
+        bases.append([b + length * c for b, c in zip(bases[-1], counts, strict=True)])
+    return firsts, matrix, cumulative, np.array(bases, dtype=np.int64)
+
+
+def exhausted(
+    schedule: Sequence[tuple[int, Counts]], bases: np.ndarray, sizes: Sequence[int], block_size: int
+) -> int | None:
+    """Where a stream stops with ``stop="first_exhausted"``: the first position of the first block some
+    source (of ``sizes`` samples) cannot fill from its first epoch."""
+    nexts = [*(first for first, _ in schedule[1:]), None]
+    for (first, counts), base, following in zip(schedule, bases.tolist(), nexts, strict=True):
+        ends = [
+            first + max(0, (size - start) // count)
+            for size, start, count in zip(sizes, base, counts, strict=True)
+            if count
+        ]
+        block = min(ends)
+        if following is None or block < following:
+            return min(block * block_size, MAX_POSITION)
+    return None  # pragma: no cover - the last segment always ends
+
+
+def stages(
+    weights: Mapping[str, float] | None, stages: Sequence[tuple[int, Mapping[str, float]]] | None
+) -> list[tuple[int, Mapping[str, float]]]:
+    """The ``(position, weights)`` stages of a mixture given ``weights`` (one stage at 0) or ``stages``.
+
+    Raises:
+        OptionsError: both or neither given, or stages that are not pairs from position 0 in increasing
+            order.
+    """
+    if (weights is None) == (stages is None):
+        raise OptionsError("give a Mixture either weights={...} or stages=[(0, {...}), ...], one of the two")
+    if weights is not None:
+        return [(0, weights)]
+    assert stages is not None
+    checked: list[tuple[int, Mapping[str, float]]] = []
+    for k, stage in enumerate(stages):
+        if not (isinstance(stage, (tuple, list)) and len(stage) == 2 and isinstance(stage[1], Mapping)):
+            raise OptionsError(
+                f"each stage is a (position, weights) pair, e.g. (0, {{'web': 1.0}}) (got {stage!r})"
+            )
+        position = check_int(f"stages[{k}] position", stage[0], min=0, max=MAX_POSITION)
+        if checked and position <= checked[-1][0]:
+            raise OptionsError(
+                f"stages must be in increasing order of position (got {position} after {checked[-1][0]})"
+            )
+        checked.append((position, stage[1]))
+    if not checked or checked[0][0] != 0:
+        raise OptionsError("the first stage must start at position 0, e.g. stages=[(0, {'web': 1.0}), ...]")
+    return checked
+
+
+def first_block(position: int, block_size: int) -> int:
+    """The first block starting at or after ``position``."""
+    return -(-position // block_size)
+
+
+def saved_history(
+    saved: Mapping[str, Any],
+    *,
+    names: Sequence[str],
+    data: Sequence[Any],
+    seed: int,
+    shuffle: Any,
+    block_size: int,
+) -> tuple[list[tuple[int, Counts]], dict[str, tuple[int, Any]]]:
+    """A checkpoint's schedule (as counts over the mixture's ``names``) and each source's seed and data.
+
+    Args:
+        saved: the checkpoint's order: a mixture's, or a single dataset's (which continues as the
+            source with its data).
+        names: the mixture's sources, and
+        data: their data fingerprints.
+        seed, shuffle, block_size: the mixture's (``shuffle`` as a checkpoint records it).
+
+    Raises:
+        LoaderStateError: the checkpoint does not continue here (another seed, shuffle or block size, a
+            dataset that is no source here) or is damaged.
+    """
+    kind = saved.get("kind")
+    if kind in ("shuffled", "blocks"):
+        one = saved.get("data")
+        found = [name for name, mine in zip(names, data, strict=True) if mine == one]
+        if not found:
+            raise LoaderStateError(
+                f"the checkpoint read one dataset ({summary(one)}), which is none of this mixture's "
+                f"sources {list(names)}; add it to the mixture to continue its epoch"
+            )
+        saved_shuffle = (
+            saved.get("shuffle")
+            if kind == "shuffled"
+            else {"block": saved.get("block"), "window": saved.get("window")}
+        )
+        if saved_shuffle != shuffle:
+            raise LoaderStateError(mismatch("shuffle", saved_shuffle, shuffle))
+        whole = tuple(block_size if name == found[0] else 0 for name in names)
+        try:
+            first_seed = _saved_seed(saved.get("seed"))
+        except ValueError as error:
+            raise LoaderStateError(f"the checkpoint's order is damaged ({error})") from error
+        return [(0, whole)], {found[0]: (first_seed, one)}
+    if kind != "mixture":
+        raise LoaderStateError(f"the checkpoint's order is not a loader order (kind={kind!r}); it is damaged")
+    for key, mine in (("seed", seed), ("shuffle", shuffle), ("block_size", block_size)):
+        if saved.get(key) != mine:
+            raise LoaderStateError(mismatch(key, saved.get(key), mine))
+    try:
+        seeds = {name: (_saved_seed(info["seed"]), info["data"]) for name, info in saved["sources"].items()}
+        history = _saved_schedule(saved["schedule"], set(seeds), names, block_size)
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise LoaderStateError(f"the checkpoint's mixture schedule is damaged ({error})") from error
+    return history, seeds
+
+
+def _saved_schedule(
+    schedule: object, known: set[str], names: Sequence[str], block_size: int
+) -> list[tuple[int, Counts]]:
+    """A checkpoint's schedule as counts over the mixture's ``names``, refused unless a mixture saved it.
+
+    Raises:
+        ValueError: not a list of ``[first block, {source: count}]`` from block 0 in increasing order,
+            counts of sources the checkpoint does not read, or counts that are not non-negative
+            integers filling a block.
+    """
+    if not isinstance(schedule, list) or not schedule:
+        raise ValueError(
+            f"the schedule is a non-empty list of [first block, counts] (got {summary(schedule)})"
+        )
+    history: list[tuple[int, Counts]] = []
+    for first, counts in schedule:
+        previous = history[-1][0] if history else -1
+        if not _is_whole(first) or first <= previous:
+            raise ValueError(f"a segment at block {first!r} follows one at block {previous}")
+        if not isinstance(counts, Mapping) or not set(counts) <= known:
+            raise ValueError(f"counts {summary(counts)} name sources other than {sorted(known)}")
+        whole = all(_is_whole(c) and c >= 0 for c in counts.values())
+        if not whole or sum(counts.values()) != block_size:
+            raise ValueError(f"counts {summary(counts)} do not fill a block of {block_size}")
+        history.append((int(first), tuple(int(counts.get(name, 0)) for name in names)))
+    if history[0][0] != 0:
+        raise ValueError(f"the schedule starts at block {history[0][0]}, not 0")
+    return history
+
+
+def _is_whole(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _saved_seed(value: object) -> int:
+    """A checkpoint's source seed, which must be one a Mixture derives: an integer in ``[0, 2**64)``."""
+    if not _is_whole(value) or not 0 <= int(value) < 2**64:  # type: ignore[call-overload]
+        raise ValueError(f"a source's seed must be an integer in [0, 2**64) (got {summary(value)})")
+    return int(value)  # type: ignore[call-overload]
+
+
+def summary(value: object, limit: int = 120) -> str:
+    """``repr(value)``, cut to ``limit`` characters (for messages)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
