@@ -318,3 +318,31 @@ def test_a_trainer_trains_while_the_build_runs_and_resumes_to_the_same_batches(
         _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr.decode()
     assert train("b", 3) + train("b", 6, resume=True) == during
+
+
+def test_a_follow_takes_its_options_as_objects_or_keywords(finished: Path) -> None:
+    """``Follow(path, options=LoaderOptions(...), follow=FollowOptions(...))`` is the Follow the keywords
+    make; a Follow is a Loader made of a growing source and its order, no subclass of its own logic."""
+    from streampack.loader import LoaderOptions
+    from streampack.loader.follow import FollowOptions, GrowingCache
+
+    keywords = make_follow(finished)
+    objects = Follow(
+        finished,
+        options=LoaderOptions(batch_size=BATCH, seed=5),
+        follow=FollowOptions(seq_len=SEQ_LEN, overlap=OVERLAP, then="end", timeout=60.0, poll=0.02, **ERAS),
+    )
+    assert isinstance(objects, streampack.Loader) and isinstance(objects.dataset, GrowingCache)
+    assert objects.options == keywords.options and objects.follow_options == keywords.follow_options
+    assert objects.order is objects.follow_order and objects.path == finished
+    assert all(np.array_equal(a, b) for a, b in zip(objects, keywords, strict=True))
+    assert objects.state_dict() == keywords.state_dict()
+    assert {name for name in vars(Follow) if not name.startswith("__")} <= {
+        "follow_order", "follow_options", "path",
+    }  # fmt: skip
+    with pytest.raises(TypeError, match="'seq_lenn'; did you mean 'seq_len'"):
+        make_follow(finished, seq_lenn=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'shuffle'"):
+        make_follow(finished, shuffle=False)
+    with pytest.raises(OptionsError, match="shuffle and epochs do not apply"):
+        Follow(finished, options=LoaderOptions(batch_size=BATCH, epochs=2), seq_len=SEQ_LEN)

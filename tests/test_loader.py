@@ -798,3 +798,21 @@ def test_several_sources_with_an_order_read_as_a_mixture_of_them() -> None:
 def test_an_order_that_does_not_fit_its_sources_is_refused(make, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(OptionsError, match=message):
         make()
+
+
+def test_options_come_as_one_object_or_as_keywords() -> None:
+    """``options=LoaderOptions(...)`` and keywords make the same loader; keywords given with the object
+    replace its fields; an unknown keyword is refused with the nearest name."""
+    options = LoaderOptions(batch_size=4, seed=3, drop_last=False, epochs=2)
+    given = Loader(IndexSource(30), options=options)
+    keywords = Loader(IndexSource(30), batch_size=4, seed=3, drop_last=False, epochs=2)
+    assert given.options == keywords.options == options
+    assert served(given) == served(keywords) and given.state_dict() == keywords.state_dict()
+    other = Loader(IndexSource(30), options=options, seed=4)
+    assert other.options == dataclasses.replace(options, seed=4) and options.seed == 3
+    with pytest.raises(
+        TypeError, match="unexpected keyword argument 'batch_sise'; did you mean 'batch_size'"
+    ):
+        Loader(IndexSource(30), batch_sise=4)
+    with pytest.raises(OptionsError, match="does not divide by world_size=3"):
+        Loader(IndexSource(30), options=options, world_size=3)

@@ -263,3 +263,9 @@ def test_prefetch_fetches_the_next_steps_shards_in_the_background(
     expected = list(streampack.Loader(streampack.open(local).sequences(LONG), batch_size=2, seed=3, epochs=1))
     assert all(np.array_equal(a, b) for a, b in zip([first, *rest], expected, strict=True))
     assert shard_disk_use(tmp_path / "copy") <= total // 2
+    # What the prefetcher asked: the files of the next steps' shards, each once, of the local copy only.
+    files = loader.lookahead(0, 4)
+    assert loader.prefetch_steps == 4 and files and len(set(files)) == len(files)
+    assert all(isinstance(store, CachedStore) and store.exists(key) for store, key in files)
+    local_loader = streampack.Loader(streampack.open(local).sequences(LONG), batch_size=2, seed=3)
+    assert local_loader.prefetch_steps == 0 and local_loader.lookahead(0, 4) == []
