@@ -338,8 +338,9 @@ def test_a_follow_takes_its_options_as_objects_or_keywords(finished: Path) -> No
     assert all(np.array_equal(a, b) for a, b in zip(objects, keywords, strict=True))
     assert objects.state_dict() == keywords.state_dict()
     assert {name for name in vars(Follow) if not name.startswith("__")} <= {
-        "follow_order", "follow_options", "path",
+        "follow_order", "follow_options", "path", "seq_len", "overlap", "then", "timeout", "poll",
     }  # fmt: skip
+    assert (objects.seq_len, objects.overlap, objects.then, objects.poll) == (SEQ_LEN, OVERLAP, "end", 0.02)
     with pytest.raises(TypeError, match="'seq_lenn'; did you mean 'seq_len'"):
         make_follow(finished, seq_lenn=4)
     with pytest.raises(TypeError, match="unexpected keyword argument 'shuffle'"):

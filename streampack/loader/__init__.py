@@ -1,11 +1,14 @@
 """The training loader: global batches of a run's samples, split over ranks, resumable in O(1).
 
-The loader keeps four small jobs and leaves the order to an :class:`~streampack.order.Order`:
+A :class:`Loader` composes a source and an order, and keeps four small jobs:
 
 * **Order**: a pure map from *global positions* (samples consumed since the run started, over all ranks)
-  to samples. One dataset is read by :class:`~streampack.order.Shuffled` (epoch ``e`` is
-  ``Permutation(N, seed=seed, epoch=e)``), or by a :class:`~streampack.order.blockshuffle.BlockShuffled`;
-  several by a :class:`~streampack.order.mixture.Mixture`.
+  to samples, any :class:`~streampack.order.Order` (``order=``). By default one dataset is read by
+  :class:`~streampack.order.Shuffled` (epoch ``e`` is ``Permutation(N, seed=seed, epoch=e)``), or by a
+  :class:`~streampack.order.blockshuffle.BlockShuffled`; a :class:`~streampack.order.mixture.Mixture`
+  brings several sources with their order; a source that grows while it is read (a cache whose build
+  runs: :mod:`streampack.loader.follow`) brings its own (:mod:`streampack.loader.growing`). The loader
+  asks the order through its protocol only, so no kind of order is a special case here.
 * **Batching and ranks**: the global batch at position ``p`` is positions ``[p, p + B)``, ``B`` the
   *global* batch size; rank ``r`` of ``W`` takes the contiguous ``r``-th slice of ``B / W`` of them. A
   run that ends (``epochs``, or a mixture that stops) ends with one partial global batch, dropped
@@ -15,8 +18,11 @@ The loader keeps four small jobs and leaves the order to an :class:`~streampack.
   batch from it directly; nothing is replayed. Ranks only slice global batches and workers only take
   every n-th of them, so a run may resume with another world size, other DataLoader workers, and
   another global batch size (the next batch starts at the saved position).
-* **Reading and output**: each source's rows are read straight into the batch array, which the format
-  chosen by ``output=`` (:mod:`streampack.loader.collate`) turns into what a step yields.
+* **Reading and output**: each source's rows are read straight into the batch array
+  (:mod:`streampack.loader.reading`), which the format chosen by ``output=``
+  (:mod:`streampack.loader.collate`) turns into what a step yields.
+
+The settings are one :class:`~streampack.loader.options.LoaderOptions` (``options=``, or keywords).
 
 Trade-off: the shuffle is global (any sample can follow any other), so reads are random; a memory-mapped
 cache on a local disk or in the page cache serves them at memory speed, a network filesystem does not.

@@ -414,6 +414,13 @@ class Follow(Loader):
         """The cache directory or URL."""
         return self.dataset.path
 
+    # The settings a Follow of version 0.1 held as attributes; they are its FollowOptions' now.
+    seq_len = property(lambda self: self.follow_options.seq_len, doc="Tokens per sample.")
+    overlap = property(lambda self: self.follow_options.overlap, doc="Extra tokens per sample.")
+    then = property(lambda self: self.follow_options.then, doc="What follows the last era.")
+    timeout = property(lambda self: self.follow_options.timeout, doc="Seconds a batch waits at most.")
+    poll = property(lambda self: self.follow_options.poll, doc="Seconds between reads of the ledger.")
+
 
 _LOADER_KEYWORDS = {f.name for f in dataclasses.fields(LoaderOptions)} - {"shuffle", "epochs"}
 _FOLLOW_KEYWORDS = {f.name for f in dataclasses.fields(FollowOptions)}

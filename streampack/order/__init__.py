@@ -8,7 +8,7 @@ and batch sizes only decide which positions a process reads, never which sample 
 Four orders implement the protocol: :class:`Shuffled`, one source read epoch after epoch (here);
 :class:`streampack.order.blockshuffle.BlockShuffled`, the same with a locality-aware order for remote caches;
 :class:`streampack.order.mixture.Mixture`, several sources mixed by weight, each running through its own
-epochs; and :class:`streampack.loader.follow.FollowOrder`, the windows of a cache whose build is running.
+epochs; and :class:`streampack.order.follow.FollowOrder`, the windows of a cache whose build is running.
 A :class:`~streampack.loader.Loader` takes any of them (``Loader(source, order=...)``); a Mixture also
 comes with its sources (:class:`Ordered`), so ``Loader(mixture)`` reads them in its order.
 """
