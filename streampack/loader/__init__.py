@@ -200,8 +200,7 @@ class Loader:
         o = self.options
         return (
             f"{type(self).__name__}({self.dataset!r}, batch_size={o.batch_size}, rank={o.rank}, "
-            f"world_size={o.world_size}, "
-            f"order={self.order!r}, position={self._position})"
+            f"world_size={o.world_size}, order={self.order!r}, position={self._position})"
         )
 
     # --- position ---------------------------------------------------------------------------------------

@@ -141,12 +141,13 @@ class Rows:
         Raises:
             ValueError: ``out`` is not an array of the batch's shape and a dtype that holds every id.
         """
-        plan, joined, width = self._plan, self.joined, self.width
+        plan, joined = self._plan, self.joined
         step = None if plan is None or plan.spans is None else plan.step(position)
         if out is None and step is not None and joined is not None:
             whole = plan.spans.whole(step, joined.rows, dtype)  # type: ignore[union-attr]
             if whole is not None:
                 return whole
+        width = self.width
         if out is None:
             out = np.empty((len(samples), width), dtype=dtype)
         elif (
