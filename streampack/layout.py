@@ -283,6 +283,8 @@ class Bins:
         directory: where the plan's arrays are mapped from (a copy in another process maps them again
             rather than pickling them); None when they are held in memory.
         dropped: documents the plan left out (``too_long="drop"``).
+        checked: the stored plan's ``plan.json`` checksum and the identities of the files checked, so that
+            a copy in another process maps that plan, and the same files without reading them again.
     """
 
     overlap = 0
@@ -299,6 +301,7 @@ class Bins:
         settings: dict[str, int | str],
         directory: Path | None = None,
         dropped: int = 0,
+        checked: tuple[str, tuple[tuple[int, ...], ...]] = ("", ()),
     ) -> None:
         self.starts, self.shards, self.lo, self.lengths = starts, shards, lo, lengths
         self.seq_len = self.width = seq_len
@@ -306,6 +309,7 @@ class Bins:
         self.settings = settings
         self.directory = directory
         self.dropped = dropped
+        self.checked = checked
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the plan's directory rather than its mapped arrays, when it has one."""
@@ -314,12 +318,14 @@ class Bins:
         return {**self.__dict__, "starts": None, "shards": None, "lo": None, "lengths": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore the settings; map the arrays again from the plan's directory."""
+        """Restore the settings; map the arrays again from the plan's directory (checked to be the same
+        plan; its files are read again only where they are not the files checked before pickling)."""
         self.__dict__.update(state)
         if self.directory is not None:
-            from streampack.packing import load_plan
+            from streampack.planstore import load_plan
 
-            arrays = load_plan(self.directory)
+            checksum, identities = self.checked
+            arrays = load_plan(self.directory, checksum, identities).arrays
             self.starts, self.shards = arrays["starts"], arrays["shards"]
             self.lo, self.lengths = arrays["lo"], arrays["lengths"]
 

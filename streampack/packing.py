@@ -4,8 +4,8 @@ A plan is a :class:`~streampack.layout.Bins` table: for each sample, the pieces 
 order, then padding. It is computed from the shards' offset tables alone (no token is read), a chunk of
 documents at a time, so planning needs memory for one chunk whatever the size of the cache; the table is
 written beside the cache (``CACHE/layouts/KEY/``) and memory-mapped, so that every rank and worker shares
-one copy in the page cache and a second run starts at once. Where the cache is read-only the plan is kept
-in memory instead.
+one copy in the page cache and a second run starts at once; it is checked before use and planned again if
+damaged (:mod:`streampack.planstore`). Where the cache is read-only the plan is kept in memory instead.
 
 * :func:`plan_packed`: best-fit decreasing, within chunks of :data:`CHUNK_DOCS` documents: pieces in
   decreasing length, each into the open bin with the least room that fits it, else a new bin.
@@ -18,11 +18,6 @@ Planning is deterministic: the same cache, documents and settings always give th
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -32,6 +27,7 @@ import numpy as np
 from streampack.errors import OptionsError
 from streampack.format import LAYOUT_DIR
 from streampack.layout import Bins
+from streampack.planstore import PlanIdentity, stored
 
 if TYPE_CHECKING:
     from streampack.holdout import Chosen
@@ -43,8 +39,6 @@ TooLong = Literal["split", "truncate", "drop"]
 
 # Documents packed together: larger chunks pack a little tighter, and take more memory to plan.
 CHUNK_DOCS = 1 << 16
-
-_ARRAYS = {"starts": np.int64, "shards": np.int64, "lo": np.int64, "lengths": np.int32}
 
 
 def plan_packed(
@@ -78,8 +72,7 @@ def _plan(
     if too_long is None:
         raise OptionsError(f"too_long must be 'split', 'truncate' or 'drop' (got {settings['too_long']!r})")
     settings = {**settings, **chosen.fingerprint()}
-    key_text = json.dumps([content, seq_len, settings], sort_keys=True)
-    key = f"{settings['layout']}-{seq_len}-{hashlib.sha256(key_text.encode()).hexdigest()[:16]}"
+    identity = PlanIdentity(content, seq_len, settings)
     pieces = _Pieces(cache, chosen, seq_len, too_long)
 
     def tables() -> Iterator[dict[str, np.ndarray]]:
@@ -99,17 +92,19 @@ def _plan(
             before += len(lengths)
         yield {"starts": np.array([before], dtype=np.int64)}
 
-    arrays, directory, dropped = _stored(Path(cache.root) / LAYOUT_DIR / key, tables, pieces)
+    directory = Path(cache.root) / LAYOUT_DIR / identity.key
+    plan = stored(directory, identity, tables, lambda: pieces.dropped, cache.table.num_tokens)
     return Bins(
-        arrays["starts"],
-        arrays["shards"],
-        arrays["lo"],
-        arrays["lengths"],
+        plan.arrays["starts"],
+        plan.arrays["shards"],
+        plan.arrays["lo"],
+        plan.arrays["lengths"],
         seq_len=seq_len,
         pad_id=pad_id,
         settings=settings,
-        directory=directory,
-        dropped=dropped,
+        directory=plan.directory,
+        dropped=plan.dropped,
+        checked=(plan.checksum, plan.identities),
     )
 
 
@@ -172,76 +167,6 @@ def _joined(
         np.concatenate([p[1] for p in parts]),
         np.concatenate([p[2] for p in parts]),
     )
-
-
-def _stored(
-    directory: Path, tables: Callable[[], Iterator[dict[str, np.ndarray]]], pieces: _Pieces
-) -> tuple[dict[str, np.ndarray], Path | None, int]:
-    """The plan's arrays, mapped from ``directory``; planned and written there first when absent.
-
-    Written into a temporary directory renamed into place, so a reader never sees half a plan and two
-    processes planning at once both end up reading one. Kept in memory where the cache is read-only.
-
-    Returns:
-        The arrays, the directory they are mapped from (None: in memory), and the documents dropped.
-    """
-    if (directory / "plan.json").is_file():
-        return _mapped(directory)
-    try:
-        directory.parent.mkdir(exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".planning-", dir=directory.parent))
-    except OSError:
-        arrays: dict[str, list[np.ndarray]] = {name: [] for name in _ARRAYS}
-        for table in tables():
-            for name, values in table.items():
-                arrays[name].append(values)
-        joined = {name: np.concatenate(parts).astype(_ARRAYS[name]) for name, parts in arrays.items()}
-        return joined, None, pieces.dropped
-    try:
-        counts = dict.fromkeys(_ARRAYS, 0)
-        files = {name: open(scratch / f"{name}.bin", "wb") for name in _ARRAYS}  # noqa: SIM115
-        try:
-            for table in tables():
-                for name, values in table.items():
-                    files[name].write(values.astype(np.dtype(_ARRAYS[name]).newbyteorder("<")).tobytes())
-                    counts[name] += len(values)
-        finally:
-            for file in files.values():
-                file.close()
-        facts = {"counts": counts, "dropped": pieces.dropped}
-        (scratch / "plan.json").write_text(json.dumps(facts))
-        try:
-            os.rename(scratch, directory)
-        except OSError:  # another process placed the same plan first
-            shutil.rmtree(scratch, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    return _mapped(directory)
-
-
-def _mapped(directory: Path) -> tuple[dict[str, np.ndarray], Path, int]:
-    arrays, dropped = _load(directory)
-    return arrays, directory, dropped
-
-
-def _load(directory: Path) -> tuple[dict[str, np.ndarray], int]:
-    """Map the arrays of the plan in ``directory``; return them and its count of dropped documents."""
-    facts = json.loads((directory / "plan.json").read_text())
-    arrays = {}
-    for name, dtype in _ARRAYS.items():
-        count = int(facts["counts"][name])
-        little = np.dtype(dtype).newbyteorder("<")
-        path = directory / f"{name}.bin"
-        # A plain ndarray view of the map (which it keeps alive): slicing an np.memmap costs more.
-        mapped = np.memmap(path, dtype=little, mode="r", shape=(count,)) if count else np.zeros(0, little)
-        arrays[name] = mapped.view(np.ndarray)
-    return arrays, int(facts["dropped"])
-
-
-def load_plan(directory: Path) -> dict[str, np.ndarray]:
-    """The arrays of a stored plan (for a :class:`~streampack.layout.Bins` unpickled in another process)."""
-    return _load(directory)[0]
 
 
 def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
