@@ -135,9 +135,8 @@ def stored(
         if damage is not None:
             raise CacheError(
                 f"{damage}. The cache is not writable here ({e.strerror or e}), so it cannot be planned "
-                "again: "
-                f"delete {directory} (or all of {directory.parent}) where you can write to the cache; a plan "
-                "is derived from the shards and is made again at its next use"
+                f"again: delete {directory} (or all of {directory.parent}) where you can write to the cache; "
+                "a plan is derived from the shards and is made again at its next use"
             ) from None
         arrays: dict[str, list[np.ndarray]] = {name: [] for name in PLAN_ARRAYS}
         for table in tables():
@@ -366,10 +365,10 @@ def _check_structure(
         over = np.flatnonzero(first + length > shard_tokens[shard])
         if len(over):
             at = int(over[0])
+            end, inside = int(first[at] + length[at]), int(shard[at])
             raise PlanDamage(
-                f"{directory / 'lo.bin'}: piece {begin + at} ends at token {int(first[at] + length[at])} of "
-                f"shard "
-                f"{int(shard[at])}, which holds {int(shard_tokens[shard[at]])}"
+                f"{directory / 'lo.bin'}: piece {begin + at} ends at token {end} of shard {inside}, which "
+                f"holds {int(shard_tokens[inside])}"
             )
 
 
