@@ -318,7 +318,7 @@ def test_resuming_onto_a_shard_shorter_than_its_ledger_is_refused(pristine: Path
     shutil.copytree(pristine, cache)
     edit_manifest(cache, lambda m: m.update(complete=False))
     entry = cache / "ledger" / "000001.json"
-    entry.write_text(json.dumps({**json.loads(entry.read_text()), "done": False}))
+    entry.write_text(json.dumps(with_checksum({**json.loads(entry.read_text()), "done": False})))
     tokens = cache / "shards" / "000001.tokens"
     os.truncate(tokens, tokens.stat().st_size // 2)
     with pytest.raises(CacheError, match=r"000001\.tokens holds .* bytes but the ledger committed"):

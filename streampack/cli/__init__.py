@@ -24,11 +24,12 @@ from streampack.builder.coordinator import build as build_cache
 from streampack.builder.options import CacheSpec, RunOptions, default
 from streampack.builder.stagetimes import render as render_stages
 from streampack.errors import OptionsError, StreampackError, TokenizerError
-from streampack.format import FORMAT_VERSION, Manifest, upgrade_manifest
+from streampack.format import FORMAT_VERSION, OFFSET_DTYPE, Manifest, upgrade_manifest
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
 from streampack.reader.verify import verify as verify_cache
 from streampack.store import disk_error
+from streampack.store.localcopy import CachedStore
 from streampack.store.remote import is_remote
 from streampack.tokenizer.backends import Tokenizer, load_tokenizer
 
@@ -307,12 +308,17 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
     """The figures ``streampack info`` prints."""
     lengths = cache.doc_lengths()
     quantiles = np.percentile(lengths, [50, 99]) if len(lengths) else [0, 0]
-    size = sum(cache.shard_tokens(i).nbytes + cache.shard_offsets(i).nbytes for i in range(cache.num_shards))
+    # From the shard table: mapping every token file would download it from object storage.
+    size = cache.num_tokens * cache.dtype.itemsize + cache.num_docs * OFFSET_DTYPE.itemsize
     if cache.has_loss_mask:
         size += cache.num_tokens  # one byte per token
     tokenizer = cache.manifest.tokenizer
+    remote = isinstance(cache.store, CachedStore)
+    where: dict[str, Any] = {"path": cache.store.uri if remote else str(cache.root)}
+    if remote:
+        where["local_copy"] = str(cache.root)
     return {
-        "path": str(cache.root),
+        **where,
         "num_docs": cache.num_docs,
         "num_tokens": cache.num_tokens,
         "num_shards": cache.num_shards,
@@ -411,8 +417,12 @@ def _cuts_summary(manifest: Manifest) -> str:
 @cli.command()
 @click.argument("cache_dir", type=click.Path())
 def verify(cache_dir: str) -> None:
-    """Check every checksum, offset, token id, EOS and BOS of the cache; exit 1 on the first damage found."""
+    """Check every file of the cache in CACHE_DIR (or every object under a URL: read from object storage,
+    never from a local copy): checksums, offsets, token ids, EOS and BOS, ledger, plans; list anything
+    unknown. Exit 1 if any damage is found."""
     report = verify_cache(cache_dir)
+    for note in report.notes:
+        click.echo(f"note: {note}")
     if not report.ok:
         for problem in report.problems:
             click.echo(f"error: {problem}", err=True)
@@ -420,7 +430,8 @@ def verify(cache_dir: str) -> None:
     checked = f"{_size(report.bytes_checked)} checked"
     if report.bytes_checked and report.seconds:
         checked += f" at {_size(report.bytes_checked / report.seconds)}/s"
-    click.echo(f"ok: {cache_dir} ({checked})")
+    where = " from object storage" if is_remote(cache_dir) else ""
+    click.echo(f"ok: {report.path} ({checked}{where})")
 
 
 @cli.command()

@@ -450,8 +450,9 @@ _FIELDS_BEFORE_CHECKSUM = frozenset(
 )
 
 
-def manifest_checksum(doc: dict[str, Any]) -> str:
-    """CRC-32 of a manifest's canonical JSON (sorted keys, no whitespace), its ``checksum`` field left out.
+def content_checksum(doc: dict[str, Any]) -> str:
+    """CRC-32 of a JSON object's canonical form (sorted keys, no whitespace), its ``checksum`` field left
+    out: the checksum of a manifest, a ledger entry and a plan's ``plan.json``.
 
     Computed over the parsed values, not the file's bytes, so that it does not depend on the layout.
     """
@@ -459,9 +460,12 @@ def manifest_checksum(doc: dict[str, Any]) -> str:
     return checksum_text(zlib.crc32(orjson.dumps(content, option=orjson.OPT_SORT_KEYS)))
 
 
+manifest_checksum = content_checksum
+
+
 def with_checksum(doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` with its ``checksum`` field set (see :func:`manifest_checksum`)."""
-    return {**doc, "checksum": manifest_checksum(doc)}
+    """``doc`` with its ``checksum`` field set (see :func:`content_checksum`)."""
+    return {**doc, "checksum": content_checksum(doc)}
 
 
 def _check_manifest_checksum(path: str, raw: Any) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from streampack.errors import CacheError
-from streampack.format import ledger_key
+from streampack.format import content_checksum, ledger_key, with_checksum
 from streampack.store import LocalStore, Store, put_json
 
 
@@ -100,8 +100,8 @@ def read_progress(root: Path | Store, name: str, unit: str) -> UnitProgress:
 
 
 def commit(root: Path | Store, name: str, progress: UnitProgress) -> None:
-    """Atomically and durably replace the ledger entry of shard ``name``."""
-    put_json(_store(root), ledger_key(name), asdict(progress))
+    """Atomically and durably replace the ledger entry of shard ``name`` (with its ``checksum``)."""
+    put_json(_store(root), ledger_key(name), with_checksum(asdict(progress)))
 
 
 def _store(root: Path | Store) -> Store:
@@ -109,6 +109,16 @@ def _store(root: Path | Store) -> Store:
 
 
 def _parse(raw: Any, path: str) -> UnitProgress:
+    if isinstance(raw, dict) and "checksum" in raw:
+        expected, actual = raw["checksum"], content_checksum(raw)
+        if expected != actual:
+            raise CacheError(
+                f"{path}: the ledger entry's content does not match its checksum (recorded {expected!r:.40}, "
+                f"content {actual}); it was damaged or edited: rerun the build with overwrite=True"
+            )
+        raw = {key: value for key, value in raw.items() if key != "checksum"}
+    # An entry written before the checksum existed has none: any field UnitProgress does not know (a
+    # damaged "checksum" key among them) is refused below.
     try:
         progress = UnitProgress(**raw)
     except TypeError as e:

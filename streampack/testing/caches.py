@@ -1,7 +1,8 @@
 """Write token caches straight from numpy arrays, for tests and benchmarks (private; not a build path).
 
 The files follow docs/FORMAT.md exactly. :func:`write_cache` records every shard's checksums (its shards
-are in memory anyway); :func:`write_random_cache` records none (the reader does not check them, and
+are in memory anyway) and a finished ledger entry per shard; :func:`write_random_cache` records none
+(the reader does not check them, and
 ``streampack verify`` would refuse such a cache), which keeps writing a multi-gigabyte synthetic cache at
 disk speed and in flat memory.
 """
@@ -10,23 +11,27 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from streampack.format import (
+    LEDGER_DIR,
     MANIFEST,
     SHARD_DIR,
     Manifest,
     ShardInfo,
     ShardTable,
     checksum_text,
+    ledger_key,
     load_manifest,
     offsets_path,
     shard_name,
     tokens_path,
     with_checksum,
 )
+from streampack.format.ledger import UnitProgress
 from streampack.store import encode_json
 
 _CHUNK_TOKENS = 1 << 25
@@ -66,6 +71,9 @@ def write_cache(
         unit = f"synthetic:{index}" if units is None else units[index]
         checksums = checksum_text(zlib.crc32(token_bytes)), checksum_text(zlib.crc32(offset_bytes))
         infos.append(ShardInfo(name, unit, len(ends), len(tokens), *checksums))
+        entry = UnitProgress(unit, len(ends), len(ends), len(tokens), 0, True, *checksums)
+        (root / LEDGER_DIR).mkdir(exist_ok=True)
+        (root / ledger_key(name)).write_bytes(encode_json(with_checksum(asdict(entry))))
     _write_manifest(root, infos, vocab_size, eos_id)
     return root
 
