@@ -21,6 +21,7 @@ import click
 import numpy as np
 
 from streampack.build import build as build_cache
+from streampack.build import engine_summary
 from streampack.errors import OptionsError, StreampackError, TokenizerError
 from streampack.format import FORMAT_VERSION, Manifest, upgrade_manifest
 from streampack.options import CacheSpec, RunOptions, default
@@ -107,6 +108,12 @@ _SPEC, _RUN = CacheSpec, RunOptions
 )
 @click.option("--bos-id", type=click.IntRange(min=0), help="Put this BOS id before every document.")
 @click.option(
+    "--allow-new-ids",
+    is_flag=True,
+    help="Allow an --eos-id or --bos-id outside the tokenizer's vocabulary (the cache's vocab_size grows "
+    "past it); without it such an id is refused.",
+)
+@click.option(
     "--on-bad-record",
     type=click.Choice(["error", "skip"]),
     default=default(_RUN, "on_bad_record"),
@@ -190,6 +197,7 @@ def build(
     no_eos: bool,
     bos: bool,
     bos_id: int | None,
+    allow_new_ids: bool,
     on_bad_record: str,
     overwrite: bool,
     progress: bool | None,
@@ -239,6 +247,7 @@ def build(
             commit_seconds=commit_seconds,
             stage=stage,
             profile=profile,
+            allow_new_ids=allow_new_ids,
         )
     except OptionsError as e:
         raise click.UsageError(_in_cli_terms(str(e))) from None
@@ -252,6 +261,8 @@ def build(
         f"built {summary.out}: {summary.num_docs:,} documents, {summary.num_tokens:,} tokens in "
         f"{summary.num_shards} shards, {summary.seconds:.1f} s{resumed}"
     )
+    if summary.tokenizer_engine:
+        click.echo(f"tokenizer engine: {summary.tokenizer_engine}")
     if summary.skipped_records:
         noun = "record" if summary.skipped_records == 1 else "records"
         click.echo(f"skipped {summary.skipped_records:,} bad {noun} (--on-bad-record skip)")
@@ -274,7 +285,9 @@ _CLI_TERMS = {
     "eos_id=N": "--eos-id N",
     "bos_id=N": "--bos-id N",
     "eos_id=": "--eos-id ",
+    "bos_id=": "--bos-id ",
     "eos=False": "--no-eos",
+    "allow_new_ids=True": "--allow-new-ids",
     "text_field=": "--text-field ",
     "fields=[...]": "--fields A,B",
     "chat=...": "--chat FIELD",
@@ -338,23 +351,10 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
 
 
 def _engines_summary(engines: list[dict[str, Any]]) -> str:
-    """Which engines computed the ids (over the runs of a resumed build), and how they were verified."""
+    """Which engines computed the ids (over the runs of a resumed build), why, and how they were verified."""
     if not engines:
         return "not recorded"
-    return "; then ".join(_engine_summary(e) for e in engines)
-
-
-def _engine_summary(engine: dict[str, Any]) -> str:
-    reference = f"{engine['name']} {engine['version']}"
-    if reference == engine.get("reference"):
-        return f"{reference} (the tokenizer's reference engine)"
-    verify = engine.get("verify") or {}
-    checked = {
-        "sample": f"first {verify.get('first', 0):,} records + {verify.get('rate', 0):.1%} re-encoded",
-        "all": "every record re-encoded",
-        "none": "not verified",
-    }.get(verify.get("mode", ""), "verification not recorded")
-    return f"{reference} (reference {engine.get('reference')}; {checked})"
+    return "; then ".join(engine_summary(e) for e in engines)
 
 
 def _sft_summary(manifest: Manifest) -> str:

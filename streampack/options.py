@@ -137,6 +137,10 @@ class RunOptions:
             and endpoints otherwise come from the environment, as for any client of the store).
         profile: measure the CPU time of each stage of the pipeline too (``BuildSummary.stages``), at a
             small cost per record.
+        allow_new_ids: allow an ``eos_id`` or ``bos_id`` outside the tokenizer's vocabulary; the cache's
+            ``vocab_size`` (recorded, and compared on resume) then grows past it. Without it such an id is
+            refused. It only permits: a cache built with it has the bytes it would have with any other
+            permission, so it is a run option, not part of the cache's identity.
     """
 
     workers: int | None = None
@@ -154,6 +158,7 @@ class RunOptions:
     stage: str | None = None
     storage_options: Mapping[str, Any] | None = None
     profile: bool = False
+    allow_new_ids: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("engine", self.engine, ("local", "ray"))
