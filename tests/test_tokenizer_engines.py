@@ -499,3 +499,58 @@ def test_build_and_info_say_which_engine_ran_and_why(tmp_path: Path, gpt2_tokeni
     assert "tokenizer engine: tokenizers " in result.stdout and "(fastokens is not installed" in result.stdout
     engines = load_manifest(tmp_path / "none").engines
     assert engines[0]["name"] == "tokenizers" and engines[0]["why"].startswith("fastokens is not installed")
+
+
+# ------------------------------------------------------------------------ who gets the fast engine
+
+
+def _fastokens_requirements() -> dict[str, Any]:
+    """The fastokens requirement of the core dependencies and of the ``fast`` extra, from pyproject.toml."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    core = [Requirement(r) for r in project["dependencies"] if r.startswith("fastokens")]
+    extra = [Requirement(r) for r in project["optional-dependencies"]["fast"]]
+    assert len(core) == 1 and len(extra) == 1
+    return {"core": core[0], "extra": extra[0]}
+
+
+@pytest.mark.parametrize(
+    ("implementation", "system", "machine", "wheels"),
+    [
+        ("CPython", "linux", "x86_64", True),
+        ("CPython", "linux", "aarch64", True),
+        ("CPython", "linux", "i686", True),
+        ("CPython", "linux", "armv7l", True),
+        ("CPython", "linux", "ppc64le", True),
+        ("CPython", "darwin", "arm64", True),
+        ("CPython", "darwin", "x86_64", True),
+        ("CPython", "win32", "AMD64", True),
+        ("CPython", "linux", "s390x", False),
+        ("CPython", "linux", "riscv64", False),
+        ("CPython", "win32", "ARM64", False),
+        ("CPython", "win32", "x86", False),
+        ("PyPy", "linux", "x86_64", False),
+    ],
+)
+def test_fastokens_is_a_dependency_exactly_where_it_has_wheels(
+    implementation: str, system: str, machine: str, wheels: bool
+) -> None:
+    """fastokens 0.3.5's wheels (CPython abi3): manylinux x86_64/i686 (glibc 2.17), aarch64/armv7l/ppc64le
+    (glibc 2.28), musllinux x86_64/i686/aarch64/armv7l, macOS x86_64/arm64, win_amd64; nothing else."""
+    requirements = _fastokens_requirements()
+    environment = {"platform_python_implementation": implementation, "sys_platform": system}
+    environment |= {"platform_machine": machine, "extra": "fast"}
+    assert requirements["core"].marker.evaluate(environment) == wheels
+    assert requirements["extra"].marker.evaluate(environment) == wheels  # the extra adds nothing
+    assert requirements["core"].specifier == requirements["extra"].specifier
+
+
+def test_this_platform_has_the_fast_engine_by_default(gpt2_tokenizer: Path) -> None:
+    """Here fastokens is installed as a core dependency, and it is what a default build runs."""
+    from streampack.tokenize import fastokens_unsupported_platform
+
+    assert fastokens_unsupported_platform() == ""
+    assert _fastokens_requirements()["core"].marker.evaluate()
+    assert isinstance(load_tokenizer(str(gpt2_tokenizer)).engine, FastokensEngine)
