@@ -143,8 +143,9 @@ _SPEC, _RUN = CacheSpec, RunOptions
     default=default(_RUN, "tokenizer_engine"),
     show_default=True,
     help="What computes the token ids (the same ids whichever): auto picks fastokens where it is installed "
-    "(pip install 'streampack[fast]') and known to reproduce the tokenizer exactly, else the tokenizer's "
-    "own library (tokenizers for a tokenizer.json, tiktoken for tiktoken:).",
+    "(a dependency where it has wheels) and proven to reproduce the tokenizer exactly in this special-token "
+    "mode, else the tokenizer's own library (tokenizers for a tokenizer.json, tiktoken for tiktoken:); "
+    "build and info say which ran and why.",
 )
 @click.option(
     "--verify-tokens",

@@ -118,9 +118,10 @@ class RunOptions:
         workers: worker processes (default: see :func:`streampack.build.default_workers`).
         threads: tokenizer threads per worker (default: the cores divided among the workers).
         engine: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
-        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine known to give exactly
-            the tokenizer's own ids: ``fastokens`` where installed, for the byte-level BPE tokenizers it
-            reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``. Every engine gives the same bytes.
+        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine proven to give exactly
+            the tokenizer's own ids in the build's special-token mode: ``fastokens`` where installed, for
+            the byte-level BPE tokenizers it reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``.
+            Every engine gives the same bytes; ``BuildSummary.tokenizer_engine`` says which ran and why.
         verify_tokens: with an engine other than the tokenizer's reference engine, re-encode with the
             reference and stop at the first difference: ``sample`` (the build's first 20 records and a
             hash-chosen 0.1 % of the rest), ``all``, or ``none``.

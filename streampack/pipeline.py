@@ -561,12 +561,12 @@ def _id_error(
     engine, reference = tokenizer.engine.name, tokenizer.reference_engine().name
     if engine != reference:
         todo = (
-            f"rebuild with tokenizer_engine='{reference}' (overwrite=True), and report the tokenizer: "
+            f"Rebuild with tokenizer_engine='{reference}' (overwrite=True), and report the tokenizer: "
             f"streampack chose {engine} as exact for it"
         )
     else:
         todo = (
-            "the tokenizer's own library gave an id outside the vocabulary it reports: report the tokenizer"
+            "The tokenizer's own library gave an id outside the vocabulary it reports: report the tokenizer"
         )
     return TokenizerError(
         f"{record_location(unit.task.unit, unit.spec.read, batch.records[piece])}: the {engine} engine gave "

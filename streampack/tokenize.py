@@ -472,7 +472,8 @@ def _import_fastokens(needed: bool) -> Any:
     except ImportError:
         if needed:
             raise MissingDependencyError(
-                "tokenizer_engine='fastokens' needs the fastokens package: pip install 'streampack[fast]'"
+                "tokenizer_engine='fastokens' needs the fastokens package, a dependency of streampack "
+                "where it has wheels: pip install fastokens"
             ) from None
         return None
     return fastokens
