@@ -33,7 +33,7 @@ from streampack.builder.pipeline import (
 from streampack.builder.progress import BuildProgress
 from streampack.builder.publish import Publisher, default_stage
 from streampack.builder.stagetimes import add_up, mark_process_start
-from streampack.errors import CacheError, ConfigMismatchError, StreampackError
+from streampack.errors import CacheError, ConfigMismatchError, OptionsError, StreampackError
 from streampack.format import (
     LAYOUT_DIR,
     LEDGER_DIR,
@@ -66,6 +66,8 @@ from streampack.store import LocalStore
 from streampack.store.remote import RemoteStore, is_remote
 from streampack.tokenizer.backends import (
     ENGINE_CHOICES,
+    BosPolicy,
+    EosPolicy,
     Tokenizer,
     describe_engine,
     load_tokenizer,
@@ -90,6 +92,9 @@ class BuildSummary:
     units_already_done: int = 0
     seconds: float = 0.0
     workers: int = 1  # processes that ran units (Ray: tasks at once is the cluster's business; 1 shown)
+    # Which engine computed the ids in this run, and why: "fastokens 0.3.5 (proven exact for this tokenizer
+    # in text mode)", "tokenizers 0.23.3 (fastokens refused: ...)". A cache found complete says "".
+    tokenizer_engine: str = ""
     stages: dict[str, list[float]] = field(
         default_factory=dict
     )  # [wall, CPU] s per stage: streampack.builder.stagetimes
@@ -146,7 +151,7 @@ def build(
     spec = replace(spec, max_piece_chars=pieces.max_chars)
     eos = resolve_eos(tokenizer, eos=spec.eos, eos_id=spec.eos_id)
     bos = resolve_bos(tokenizer, bos=spec.bos, bos_id=spec.bos_id)
-    vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1, (bos.id or 0) + 1)
+    vocab_size = _vocab_size(tokenizer, eos, bos, allow_new_ids=run.allow_new_ids)
     fingerprint = tokenizer.fingerprint()
     cuts = {"exact": tokenizer.cut_safety.exact, "reason": tokenizer.cut_safety.reason}
     described = {**fingerprint, "vocab_size": vocab_size, "spec": spec.tokenizer, "cuts": cuts}
@@ -179,6 +184,7 @@ def build(
         read=read,
         eos=eos,
         bos=bos,
+        vocab_size=vocab_size,
         verify=_verify_mode(tokenizer, run),
         dtype=manifest.dtype,
         pieces=pieces,
@@ -206,9 +212,43 @@ def build(
     return summary
 
 
+def _vocab_size(tokenizer: Tokenizer, eos: EosPolicy, bos: BosPolicy, *, allow_new_ids: bool) -> int:
+    """The cache's vocab size: the tokenizer's, grown past an EOS or BOS id beyond it only when allowed.
+
+    Raises:
+        OptionsError: an EOS or BOS id is outside the tokenizer's vocabulary and ``allow_new_ids`` is off.
+    """
+    size = tokenizer.vocab_size
+    for kind, token_id in (("eos", eos.id), ("bos", bos.id)):
+        if token_id is not None and token_id >= size and not allow_new_ids:
+            raise OptionsError(
+                f"{kind}_id={token_id} is outside the vocabulary of tokenizer {tokenizer.spec!r}, whose "
+                f"{size:,} ids are 0..{size - 1:,}: a model's embedding of {size:,} rows has no row for it. "
+                f"Give an id below {size:,}, or pass allow_new_ids=True if the model adds ids of its own "
+                f"(the cache's vocab_size then becomes {token_id + 1:,})"
+            )
+    return max(size, (eos.id or 0) + 1, (bos.id or 0) + 1)
+
+
 def _verify_mode(tokenizer: Tokenizer, run: RunOptions) -> VerifyTokens:
     """What the units re-encode with the reference engine: nothing when the engine is the reference."""
     return "none" if tokenizer.engine is tokenizer.reference_engine() else run.verify_tokens
+
+
+def engine_summary(entry: dict[str, Any]) -> str:
+    """One line for a manifest's engine entry: which engine computed the ids, why, and how they were checked
+    against the reference engine."""
+    name = f"{entry['name']} {entry['version']}"
+    why = f"{entry['why']}; " if entry.get("why") else ""
+    if name == entry.get("reference"):
+        return f"{name} ({why}the tokenizer's reference engine)"
+    verify = entry.get("verify") or {}
+    checked = {
+        "sample": f"first {verify.get('first', 0):,} records + {verify.get('rate', 0):.1%} re-encoded",
+        "all": "every record re-encoded",
+        "none": "not verified",
+    }.get(verify.get("mode", ""), "verification not recorded")
+    return f"{name} ({why}reference {entry.get('reference')}; {checked})"
 
 
 def _engine_entry(tokenizer: Tokenizer, run: RunOptions) -> dict[str, Any]:
@@ -366,6 +406,7 @@ def _build_locked(
     progress = [ledger.read_progress(store, shard_name(u.index), u.describe()) for u in units]
     summary.units_already_done = sum(p.done for p in progress)
     summary.units_resumed = sum(not p.done and p.records > 0 for p in progress)
+    summary.tokenizer_engine = engine_summary(_engine_entry(tokenizer, run))
     todo = [t for t, p in zip(tasks, progress) if not p.done]
     summary.workers = _worker_count(todo, run, tokenizer)
     summary.stages = {"prepare": [time.perf_counter() - started[0], time.process_time() - started[1]]}

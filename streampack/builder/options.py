@@ -145,9 +145,10 @@ class RunOptions:
         workers: worker processes (default: see :func:`streampack.builder.coordinator.default_workers`).
         threads: tokenizer threads per worker (default: the cores divided among the workers).
         engine: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
-        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine known to give exactly
-            the tokenizer's own ids: ``fastokens`` where installed, for the byte-level BPE tokenizers it
-            reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``. Every engine gives the same bytes.
+        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine proven to give exactly
+            the tokenizer's own ids in the build's special-token mode: ``fastokens`` where installed, for
+            the byte-level BPE tokenizers it reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``.
+            Every engine gives the same bytes; ``BuildSummary.tokenizer_engine`` says which ran and why.
         verify_tokens: with an engine other than the tokenizer's reference engine, re-encode with the
             reference and stop at the first difference: ``sample`` (the build's first 20 records and a
             hash-chosen 0.1 % of the rest), ``all``, or ``none``.
@@ -164,6 +165,10 @@ class RunOptions:
             and endpoints otherwise come from the environment, as for any client of the store).
         profile: measure the CPU time of each stage of the pipeline too (``BuildSummary.stages``), at a
             small cost per record.
+        allow_new_ids: allow an ``eos_id`` or ``bos_id`` outside the tokenizer's vocabulary; the cache's
+            ``vocab_size`` (recorded, and compared on resume) then grows past it. Without it such an id is
+            refused. It only permits: a cache built with it has the bytes it would have with any other
+            permission, so it is a run option, not part of the cache's identity.
     """
 
     workers: int | None = None
@@ -181,6 +186,7 @@ class RunOptions:
     stage: str | None = None
     storage_options: Mapping[str, Any] | None = None
     profile: bool = False
+    allow_new_ids: bool = False
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, get_args(Engine))

@@ -21,6 +21,7 @@ import click
 import numpy as np
 
 from streampack.builder.coordinator import build as build_cache
+from streampack.builder.coordinator import engine_summary
 from streampack.builder.options import CacheSpec, RunOptions, default
 from streampack.builder.stagetimes import render as render_stages
 from streampack.errors import OptionsError, StreampackError, TokenizerError
@@ -108,6 +109,12 @@ _SPEC, _RUN = CacheSpec, RunOptions
 )
 @click.option("--bos-id", type=click.IntRange(min=0), help="Put this BOS id before every document.")
 @click.option(
+    "--allow-new-ids",
+    is_flag=True,
+    help="Allow an --eos-id or --bos-id outside the tokenizer's vocabulary (the cache's vocab_size grows "
+    "past it); without it such an id is refused.",
+)
+@click.option(
     "--on-bad-record",
     type=click.Choice(["error", "skip"]),
     default=default(_RUN, "on_bad_record"),
@@ -137,8 +144,9 @@ _SPEC, _RUN = CacheSpec, RunOptions
     default=default(_RUN, "tokenizer_engine"),
     show_default=True,
     help="What computes the token ids (the same ids whichever): auto picks fastokens where it is installed "
-    "(pip install 'streampack[fast]') and known to reproduce the tokenizer exactly, else the tokenizer's "
-    "own library (tokenizers for a tokenizer.json, tiktoken for tiktoken:).",
+    "(a dependency where it has wheels) and proven to reproduce the tokenizer exactly in this special-token "
+    "mode, else the tokenizer's own library (tokenizers for a tokenizer.json, tiktoken for tiktoken:); "
+    "build and info say which ran and why.",
 )
 @click.option(
     "--verify-tokens",
@@ -191,6 +199,7 @@ def build(
     no_eos: bool,
     bos: bool,
     bos_id: int | None,
+    allow_new_ids: bool,
     on_bad_record: str,
     overwrite: bool,
     progress: bool | None,
@@ -240,6 +249,7 @@ def build(
             commit_seconds=commit_seconds,
             stage=stage,
             profile=profile,
+            allow_new_ids=allow_new_ids,
         )
     except OptionsError as e:
         raise click.UsageError(_in_cli_terms(str(e))) from None
@@ -253,6 +263,8 @@ def build(
         f"built {summary.out}: {summary.num_docs:,} documents, {summary.num_tokens:,} tokens in "
         f"{summary.num_shards} shards, {summary.seconds:.1f} s{resumed}"
     )
+    if summary.tokenizer_engine:
+        click.echo(f"tokenizer engine: {summary.tokenizer_engine}")
     if summary.skipped_records:
         noun = "record" if summary.skipped_records == 1 else "records"
         click.echo(f"skipped {summary.skipped_records:,} bad {noun} (--on-bad-record skip)")
@@ -275,7 +287,9 @@ _CLI_TERMS = {
     "eos_id=N": "--eos-id N",
     "bos_id=N": "--bos-id N",
     "eos_id=": "--eos-id ",
+    "bos_id=": "--bos-id ",
     "eos=False": "--no-eos",
+    "allow_new_ids=True": "--allow-new-ids",
     "text_field=": "--text-field ",
     "fields=[...]": "--fields A,B",
     "chat=...": "--chat FIELD",
@@ -360,23 +374,10 @@ def _no_target_docs(cache: Cache) -> int:
 
 
 def _engines_summary(engines: list[dict[str, Any]]) -> str:
-    """Which engines computed the ids (over the runs of a resumed build), and how they were verified."""
+    """Which engines computed the ids (over the runs of a resumed build), why, and how they were verified."""
     if not engines:
         return "not recorded"
-    return "; then ".join(_engine_summary(e) for e in engines)
-
-
-def _engine_summary(engine: dict[str, Any]) -> str:
-    reference = f"{engine['name']} {engine['version']}"
-    if reference == engine.get("reference"):
-        return f"{reference} (the tokenizer's reference engine)"
-    verify = engine.get("verify") or {}
-    checked = {
-        "sample": f"first {verify.get('first', 0):,} records + {verify.get('rate', 0):.1%} re-encoded",
-        "all": "every record re-encoded",
-        "none": "not verified",
-    }.get(verify.get("mode", ""), "verification not recorded")
-    return f"{reference} (reference {engine.get('reference')}; {checked})"
+    return "; then ".join(engine_summary(e) for e in engines)
 
 
 def _sft_summary(manifest: Manifest) -> str:

@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,8 +63,10 @@ class Tokenizer(Protocol):
 
     spec: str
     vocab_size: int
-    # What computes its ids (see the module docstring).
+    # What computes its ids (see the module docstring), and why that engine: "proven exact for this
+    # tokenizer in parse mode", "fastokens refused: ...", "fastokens is not installed (...)", ...
     engine: Engine
+    engine_reason: str
     # Where cuts keep its tokens, documents are cut into pieces of about this many characters because it
     # encodes them faster than whole documents (None: no such cuts); see
     # streampack.tokenizer.pieces.piece_rule.
@@ -145,12 +148,14 @@ ENGINE_CHOICES: tuple[TokenizerEngine, ...] = TOKENIZER_ENGINES
 
 
 def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
-    """The engine that computes a tokenizer's ids and its reference, with versions (for the manifest)."""
+    """The engine that computes a tokenizer's ids, why, and its reference, with versions (for the
+    manifest)."""
     engine, reference = tokenizer.engine, tokenizer.reference_engine()
     return {
         "name": engine.name,
         "version": engine.version,
         "reference": f"{reference.name} {reference.version}",
+        "why": tokenizer.engine_reason,
     }
 
 
@@ -163,15 +168,46 @@ def _fastokens_or_reference(
     split_special: bool,
     threads: int | None,
     refusal: str,
-    reference_name: str,
-) -> Engine:
+) -> tuple[Engine, str]:
     """The fastokens engine where the tokenizer's structure is proven (``problem`` empty), loading in the
-    background; else the reference engine, or a :class:`TokenizerError` when fastokens was asked for."""
+    background; else the reference engine, or a :class:`TokenizerError` when fastokens was asked for.
+    With the reason for the choice (see :attr:`Tokenizer.engine_reason`)."""
+    mode = "text" if split_special else "parse"
     if not problem:
-        return FastokensEngine(load, split_special=split_special, threads=threads, fallback=reference_name)
+        engine = FastokensEngine(load, split_special=split_special, threads=threads, fallback=reference.name)
+        return engine, f"proven exact for this tokenizer in {mode} mode"
     if choice == "fastokens":
-        raise TokenizerError(f"{refusal} ({problem}); use tokenizer_engine='auto' or '{reference_name}'")
-    return reference
+        raise TokenizerError(
+            f"{refusal} in {mode} mode ({problem}); use tokenizer_engine='auto' or '{reference.name}'"
+        )
+    return reference, f"fastokens refused: {problem} in {mode} mode"
+
+
+def _reference_reason(choice: TokenizerEngine, fastokens: Any) -> str:
+    """Why a tokenizer runs its reference engine when fastokens was not even considered."""
+    if choice != "auto":
+        return f"asked for: tokenizer_engine={choice!r}"
+    unsupported = fastokens_unsupported_platform()
+    if unsupported:
+        return f"fastokens is not installed on this platform: it has no wheels for {unsupported}"
+    return "fastokens is not installed: pip install fastokens (streampack depends on it on this platform)"
+
+
+def fastokens_unsupported_platform() -> str:
+    """The interpreter and platform, when fastokens has no wheels for them (pyproject.toml's environment
+    markers install it where it has); ``""`` where it has."""
+    import platform
+    import sys
+    import sysconfig
+
+    implementation, machine, system = platform.python_implementation(), platform.machine(), sys.platform
+    wheels = {"linux": {"x86_64", "i686", "aarch64", "armv7l", "ppc64le"}, "darwin": {"x86_64", "arm64"}}
+    wheels["win32"] = {"AMD64"} if sys.maxsize > 1 << 32 else set()  # 32-bit Python on 64-bit Windows
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return f"free-threaded {implementation} {platform.python_version()}"
+    if implementation != "CPython" or machine not in wheels.get(system, set()):
+        return f"{implementation} on {system} {machine}"
+    return ""
 
 
 def _wrong_engine(spec: str, choice: str, kind: str, allowed: str) -> TokenizerError:
@@ -389,6 +425,7 @@ class FastokensEngine:
     def _load(self, load: Callable[[], Any], threads: int | None) -> None:
         try:
             tok = load()
+            _text_is_whole(tok)
             # Its pool reads FASTOKENS_BPE_THREADS when the first batch call starts it.
             with _environment("FASTOKENS_BPE_THREADS", str(threads or os.cpu_count() or 1)):
                 tok.encode_batch_flat(["a b", "c d"], add_special_tokens=False)
@@ -433,18 +470,22 @@ def _import_fastokens(needed: bool) -> Any:
     except ImportError:
         if needed:
             raise MissingDependencyError(
-                "tokenizer_engine='fastokens' needs the fastokens package: pip install 'streampack[fast]'"
+                "tokenizer_engine='fastokens' needs the fastokens package, a dependency of streampack "
+                "where it has wheels: pip install fastokens"
             ) from None
         return None
     return fastokens
 
 
-def fastokens_mismatch_hf(structure: dict[str, Any]) -> str:
-    """Why ``fastokens`` may not give a ``tokenizer.json``'s ids; ``""`` when its structure is one it is known
-    to reproduce exactly (docs/ENGINES: byte-level BPE, no normalizer, a proven split pattern).
+def fastokens_mismatch_hf(structure: dict[str, Any], *, parse_special: bool) -> str:
+    """Why ``fastokens`` may not give a ``tokenizer.json``'s ids in a special-token mode; ``""`` when its
+    structure is one it is known to reproduce exactly: byte-level BPE, no normalizer, a proven split
+    pattern, only special added tokens; and where special tokens are parsed, each added token's id the one
+    ``tokenizers`` gives it, and no two added tokens that could compete for the same characters.
 
     Args:
         structure: the tokenizer's parts, as :meth:`HFTokenizer._structure` gives them.
+        parse_special: special-token strings in the text are matched as their ids (``parse`` mode).
     """
     model = structure["model"]
     if model["type"] != "BPE":
@@ -457,10 +498,126 @@ def fastokens_mismatch_hf(structure: dict[str, Any]) -> str:
     problem = _byte_level_problem(structure["pre_tokenizer"] or {})
     if problem:
         return problem
-    plain = [t["content"] for t in structure["added_tokens"] if not t["special"]]
+    added = structure["added_tokens"]
+    plain = [t["content"] for t in added if not t["special"]]
     if plain:
-        return f"the added token {plain[0]!r} is not special (it would be matched inside the text)"
+        return f"the added token {plain[0]!r} is not special: it would be matched inside the text"
+    contents = [t["content"] for t in added]
+    twice = next((c for c in contents if contents.count(c) > 1), None)
+    if twice is not None:
+        return f"two added tokens are {twice!r}, which fastokens cannot load"
+    if not parse_special:
+        return ""  # special-token strings are text: no added token is matched
+    return _matched_added_problem(added)
+
+
+def fastokens_mismatch_tiktoken(pattern: str, specials: dict[str, int], *, parse_special: bool) -> str:
+    """Why ``fastokens`` may not give a tiktoken encoding's ids in a special-token mode; ``""`` when its split
+    pattern is proven and, where special tokens are parsed, no two of them could compete for the same
+    characters (tiktoken tries them in an order of its own; fastokens takes the longest)."""
+    if pattern not in PROVEN_SPLIT_PATTERNS:
+        return "its pat_str is not GPT-2's, cl100k's or o200k's"
+    if parse_special:
+        overlap = _overlapping(list(specials))
+        if overlap:
+            return f"the special tokens {overlap[0]!r} and {overlap[1]!r} overlap"
     return ""
+
+
+# The flags of an added token in a tokenizer.json, which decide where it matches.
+_ADDED_FLAGS = ("special", "lstrip", "rstrip", "single_word", "normalized")
+
+
+def _matched_added_problem(added: list[dict[str, Any]]) -> str:
+    """Why fastokens may match a ``tokenizer.json``'s added tokens otherwise than ``tokenizers``; ``""`` when
+    it is proven not to.
+
+    Measured against tokenizers 0.23 (tests/test_tokenizer_engines.py): fastokens gives an added token the
+    id the file declares, tokenizers the vocabulary's id where the content is a vocabulary entry (else the
+    next free id); and the two match differently where one token's text may begin inside another's, or
+    where one strips the whitespace that begins or ends another, or where a single_word token's neighbours
+    differ between its two passes (below). Every other combination of the flags matches alike.
+    """
+    for t in added:
+        if t["id"] != t["vocab_id"]:
+            which = "vocabulary id" if t["in_model"] else "tokenizers' id"
+            return f"added token {t['content']!r} id {t['id']} != {which} {t['vocab_id']}"
+    overlap = _overlapping([t["content"] for t in added])
+    if overlap:
+        return f"the added tokens {overlap[0]!r} and {overlap[1]!r} overlap"
+    strips = next((t["content"] for t in added if t["lstrip"] or t["rstrip"]), None)
+    spaced = next(
+        (t["content"] for t in added if t["content"][:1].isspace() or t["content"][-1:].isspace()), None
+    )
+    if strips is not None and spaced is not None:
+        return f"the added token {strips!r} strips whitespace and {spaced!r} begins or ends with whitespace"
+    # tokenizers matches the tokens that are not normalized first, then the others in the text between
+    # them, where a single_word token's neighbours are the ends of that text, not the characters beside it.
+    word = next((t["content"] for t in added if t["single_word"] and t["normalized"]), None)
+    if word is not None and not all(t["normalized"] for t in added):
+        return f"the added token {word!r} is single_word and normalized, and other added tokens are not"
+    return ""
+
+
+def _overlapping(contents: list[str]) -> tuple[str, str] | None:
+    """Two of ``contents`` that may overlap in a text: one inside the other, or an end of one the start of
+    another (or of itself); None when no two may."""
+    if "" in contents:
+        return "", next((c for c in contents if c), "")
+    whole = set(contents)
+    lengths = sorted({len(c) for c in contents})
+    starts = {c[:i]: c for c in contents for i in range(1, len(c))}  # every proper prefix
+    for c in contents:
+        for i in range(1, len(c)):
+            if c[i:] in starts:  # c's end is another's (or its own) start
+                return c, starts[c[i:]]
+        for n in lengths:
+            if n >= len(c):
+                break
+            inner = next((c[i : i + n] for i in range(len(c) - n + 1) if c[i : i + n] in whole), None)
+            if inner is not None:
+                return inner, c
+    return None
+
+
+def _text_is_whole(tok: Any) -> None:
+    """Turn off the truncation and padding a tokenizer.json may set: a document's tokens are its whole
+    text's, and a batch's texts are not padded to one length (``tokenizers`` and ``fastokens`` alike)."""
+    tok.no_truncation()
+    tok.no_padding()
+
+
+def _json_member(text: str, key: str) -> Any:
+    """The member ``key`` of the JSON object ``text`` (None when absent), parsing only the members before it.
+
+    A ``tokenizer.json`` has ``added_tokens`` before its large ``model``: this reads a few kB of a file whose
+    full parse costs ~0.05 s per 3.5 MB.
+    """
+    decoder = json.JSONDecoder()
+
+    def skip(at: int) -> int:  # past JSON whitespace
+        found = _JSON_SPACE.match(text, at)
+        return found.end() if found else at
+
+    at = skip(0)
+    if text[at : at + 1] != "{":
+        return None
+    at = skip(at + 1)
+    while text[at : at + 1] == '"':
+        name, at = decoder.raw_decode(text, at)
+        at = skip(at)
+        if text[at : at + 1] != ":":
+            return None
+        value, at = decoder.raw_decode(text, skip(at + 1))
+        if name == key:
+            return value
+        at = skip(at)
+        if text[at : at + 1] == ",":
+            at = skip(at + 1)
+    return None
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
 def _byte_level_problem(pre: dict[str, Any]) -> str:
@@ -507,6 +664,7 @@ class BytesTokenizer:
     fast_piece_chars: int | None = None  # encoding bytes costs the same per character at any length
     cut_safety = CutSafety(True, "every cut keeps UTF-8 bytes")
     engine: Engine = BytesEngine()  # stateless: one for all
+    engine_reason = "the bytes tokenizer's only engine"
 
     @property
     def cores_per_worker(self) -> int:
@@ -574,33 +732,38 @@ class HFTokenizer:
             raise MissingDependencyError(
                 "streampack needs tokenizers >= 0.15 (encode_special_tokens): pip install -U tokenizers"
             )
+        _text_is_whole(self._tok)
         self._tok.encode_special_tokens = special_tokens == "text"
         self._parsing: Any = None if special_tokens == "text" else self._tok  # see encode_specials
         self._parsing_lock = threading.Lock()
-        self.cut_safety = hf_cut_safety(self._structure(), parse_special=special_tokens == "parse")
+        structure = self._structure()
+        self.cut_safety = hf_cut_safety(structure, parse_special=special_tokens == "parse")
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self._config = self._read_config()
         self._eos_id, self._eos_problem = self._find_special("eos_token", EOS_NAMES, added_only=False)
         self._bos_id, self._bos_problem = self._find_special("bos_token", BOS_NAMES, added_only=True)
         self._reference = TokenizersEngine(self._tok, threads=threads)
-        self.engine: Engine = self._choose_engine(engine, threads, special_tokens)
+        self.engine: Engine
+        self.engine, self.engine_reason = self._choose_engine(engine, threads, special_tokens, structure)
 
-    def _choose_engine(self, choice: TokenizerEngine, threads: int | None, special: SpecialTokens) -> Engine:
-        """``tokenizers``, or ``fastokens`` where it is installed and known to give the same ids."""
+    def _choose_engine(
+        self, choice: TokenizerEngine, threads: int | None, special: SpecialTokens, structure: dict[str, Any]
+    ) -> tuple[Engine, str]:
+        """``tokenizers``, or ``fastokens`` where it is installed and proven to give the same ids in this
+        special-token mode; and why."""
         if choice == "tiktoken":
             raise _wrong_engine(self.spec, choice, "a tokenizer.json", "tokenizers and fastokens")
         fastokens = _import_fastokens(needed=choice == "fastokens") if choice != "tokenizers" else None
         if fastokens is None:
-            return self._reference
+            return self._reference, _reference_reason(choice, fastokens)
         return _fastokens_or_reference(
             self._reference,
             choice,
-            fastokens_mismatch_hf(self._structure()),
+            fastokens_mismatch_hf(structure, parse_special=special == "parse"),
             lambda: fastokens.Tokenizer.from_json_str(self._definition.decode("utf-8")),
             split_special=special == "text",
             threads=threads,
             refusal=f"{self._path}: fastokens is not known to give this tokenizer's ids",
-            reference_name="tokenizers",
         )
 
     @property
@@ -623,7 +786,10 @@ class HFTokenizer:
         def state(part: Any) -> Any:
             return None if part is None else json.loads(part.__getstate__())
 
-        added = self._tok.get_added_tokens_decoder().values()
+        # The ids the file declares: fastokens gives those, tokenizers numbers its added tokens itself
+        # (the vocabulary's id where the content is a vocabulary entry, else the next free id).
+        declared = _json_member(self._definition.decode("utf-8"), "added_tokens")
+        added = [t for t in declared if isinstance(t, dict)] if isinstance(declared, list) else []
         return {
             "normalizer": state(self._tok.normalizer),
             "pre_tokenizer": state(self._tok.pre_tokenizer),
@@ -635,7 +801,13 @@ class HFTokenizer:
                 },
             },
             "added_tokens": [
-                {"content": t.content, "special": t.special, "rstrip": t.rstrip, "normalized": t.normalized}
+                {
+                    "id": t.get("id"),
+                    "content": str(t.get("content", "")),
+                    **{key: bool(t.get(key)) for key in _ADDED_FLAGS},
+                    "vocab_id": self._tok.token_to_id(str(t.get("content", ""))),
+                    "in_model": self._tok.model.token_to_id(str(t.get("content", ""))) is not None,
+                }
                 for t in added
             ],
         }
@@ -726,6 +898,7 @@ class HFTokenizer:
                 from tokenizers import Tokenizer as _Tokenizer
 
                 self._parsing = _Tokenizer.from_str(self._definition.decode("utf-8"))
+                _text_is_whole(self._parsing)
         encodings = self._parsing.encode_batch(texts, add_special_tokens=False)
         return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
 
@@ -803,22 +976,23 @@ class TiktokenTokenizer:
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
         definition = (ranks, mergeable_ranks, pattern, specials)
-        self.engine: Engine = self._choose_engine(engine, threads, definition)
+        self.engine: Engine
+        self.engine, self.engine_reason = self._choose_engine(engine, threads, definition)
 
     def _choose_engine(
         self,
         choice: TokenizerEngine,
         threads: int | None,
         definition: tuple[Path, dict[bytes, int], str, dict[str, int]],
-    ) -> Engine:
-        """tiktoken, or ``fastokens`` where it is installed and known to give the same ids."""
+    ) -> tuple[Engine, str]:
+        """tiktoken, or ``fastokens`` where it is installed and proven to give the same ids in this
+        special-token mode; and why."""
         if choice == "tokenizers":
             raise _wrong_engine(self.spec, choice, "a tiktoken encoding", "tiktoken and fastokens")
         fastokens = _import_fastokens(needed=choice == "fastokens") if choice != "tiktoken" else None
         if fastokens is None:
-            return self._reference
+            return self._reference, _reference_reason(choice, fastokens)
         ranks, mergeable_ranks, pattern, specials = definition
-        proven = pattern in PROVEN_SPLIT_PATTERNS
 
         def load() -> Any:
             if pattern in GPT2_SPLIT_PATTERNS:  # its fastest form: see streampack.tokenizer.tiktoken_json
@@ -828,12 +1002,11 @@ class TiktokenTokenizer:
         return _fastokens_or_reference(
             self._reference,
             choice,
-            "" if proven else "its pat_str is not GPT-2's, cl100k's or o200k's",
+            fastokens_mismatch_tiktoken(pattern, specials, parse_special=bool(self._allowed)),
             load,
             split_special=not self._allowed,
             threads=threads,
             refusal=f"{ranks}: fastokens is not known to give this encoding's ids",
-            reference_name="tiktoken",
         )
 
     @property
