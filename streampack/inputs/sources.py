@@ -38,8 +38,8 @@ from typing import Any, BinaryIO, TypeAlias, cast
 import orjson
 
 from streampack._checks import check_int
-from streampack.builder.options import DEFAULT_UNIT_BYTES
 from streampack.errors import BadRecordError, InputError, OptionsError
+from streampack.inputs import DEFAULT_UNIT_BYTES
 from streampack.inputs.discovery import (
     COMPRESSION_SUFFIXES,
     Discovery,
