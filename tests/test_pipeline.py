@@ -19,7 +19,9 @@ from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError
 from streampack.format import ledger
 from streampack.format.ledger import Counts, UnitProgress
-from streampack.inputs.sources import ReadOptions, WorkUnit, expand_inputs, plan_units
+from streampack.inputs.discovery import expand_inputs
+from streampack.inputs.records import ReadOptions, WorkUnit
+from streampack.inputs.units import plan_units
 from streampack.tokenizer.backends import BytesTokenizer, EosPolicy
 from streampack.tokenizer.pieces import EXACT_CUT_PIECE_CHARS, PieceRule
 from tests.conftest import write_jsonl

@@ -50,18 +50,10 @@ from streampack.format import (
     token_dtype,
 )
 from streampack.format.ledger import UnitProgress
+from streampack.inputs.discovery import Ignored, check_output_outside_inputs, discover_inputs
+from streampack.inputs.records import Documents, ReadOptions, WorkUnit, refuse_text_for_sft
 from streampack.inputs.sft import load_chat_template
-from streampack.inputs.sources import (
-    Documents,
-    Ignored,
-    ReadOptions,
-    WorkUnit,
-    check_output_outside_inputs,
-    discover_inputs,
-    plan_python_units,
-    plan_units,
-    refuse_text_for_sft,
-)
+from streampack.inputs.units import plan_python_units, plan_units
 from streampack.store import LocalStore
 from streampack.store.remote import RemoteStore, is_remote
 from streampack.tokenizer.backends import (

@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar, get_args
 
 from streampack._checks import check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
+from streampack.inputs import DEFAULT_UNIT_BYTES
 
 OnBadRecord = Literal["error", "skip"]
 Engine = Literal["local", "ray"]
@@ -26,7 +27,6 @@ TokenizerEngine = Literal["auto", "tokenizers", "tiktoken", "fastokens"]
 VerifyTokens = Literal["sample", "all", "none"]
 SPECIAL_TOKENS: tuple[SpecialTokens, ...] = get_args(SpecialTokens)
 TOKENIZER_ENGINES: tuple[TokenizerEngine, ...] = get_args(TokenizerEngine)
-DEFAULT_UNIT_BYTES = 64 << 20
 _Options = TypeVar("_Options", bound=type)
 
 

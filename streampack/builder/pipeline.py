@@ -29,8 +29,9 @@ from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
 from streampack.format import ledger, shard_name
 from streampack.format.ledger import Counts, UnitProgress
+from streampack.inputs.records import Position, ReadOptions, TextStream, WorkUnit
 from streampack.inputs.sft import Sft
-from streampack.inputs.sources import Position, ReadOptions, TextStream, WorkUnit, read_unit, records_before
+from streampack.inputs.units import read_unit, records_before
 from streampack.tokenizer.backends import BosPolicy, EosPolicy, Tokenizer, load_tokenizer
 from streampack.tokenizer.pieces import CutCount, PieceRule
 

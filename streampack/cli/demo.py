@@ -10,7 +10,7 @@ import click
 import numpy as np
 
 from streampack.builder.coordinator import build
-from streampack.inputs.sources import Documents
+from streampack.inputs.records import Documents
 from streampack.reader import open as open_cache
 
 DEMO_SEQ_LEN = 256
