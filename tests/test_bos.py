@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 
 import streampack
 from streampack.errors import ConfigMismatchError, OptionsError, TokenizerError
-from streampack.format import file_checksum, with_checksum
+from streampack.format import with_checksum
+from streampack.store.files import file_checksum
 from tests.conftest import run_cli, set_shard_checksum, write_jsonl
 
 GPT2_EOS = 50256

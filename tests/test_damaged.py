@@ -252,7 +252,7 @@ def test_fuzzed_manifests_and_ledgers_raise_only_cache_errors(
 
 
 def test_missing_eos_is_found_even_with_matching_checksums(cache: Path) -> None:
-    from streampack.format import file_checksum
+    from streampack.store.files import file_checksum
 
     path = cache / "shards" / "000001.tokens"
     tokens = np.fromfile(path, dtype="<u2")
@@ -266,7 +266,7 @@ def test_missing_eos_is_found_even_with_matching_checksums(cache: Path) -> None:
 
 def poke_tokens(cache: Path, shard: int, values: dict[int, int]) -> np.ndarray:
     """Set tokens of a shard (by position) and give the manifest its new checksum; return its offsets."""
-    from streampack.format import file_checksum
+    from streampack.store.files import file_checksum
 
     path = cache / "shards" / f"{shard:06d}.tokens"
     tokens = np.fromfile(path, dtype="<u2")

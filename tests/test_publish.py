@@ -115,7 +115,9 @@ def test_a_build_killed_mid_upload_resumes_against_the_remote_ledger(
     proc.communicate(timeout=60)
 
     objects = remote_bytes(fs, f"{name}/c")
-    manifest = streampack.format.load_manifest(streampack.store.remote.RemoteStore(url, options(s3_endpoint)))
+    manifest = streampack.store.files.load_manifest(
+        streampack.store.remote.RemoteStore(url, options(s3_endpoint))
+    )
     assert not manifest.complete and manifest.shards == []
     for key in (k for k in objects if k.startswith("ledger/")):
         stem = key.split("/")[1].removesuffix(".json")

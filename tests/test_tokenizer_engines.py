@@ -13,7 +13,7 @@ import pytest
 
 import streampack
 from streampack.errors import TokenizerError
-from streampack.format import load_manifest
+from streampack.store.files import load_manifest
 from streampack.tokenizer.backends import FastokensEngine, load_tokenizer
 from tests.conftest import SAMPLE_CORPUS, shard_bytes, write_jsonl
 
@@ -431,7 +431,7 @@ def test_an_id_at_or_above_the_vocab_size_stops_the_build_before_it_is_written(
     """Were the proof ever wrong again (here: the old one, which let fastokens run this tokenizer in parse
     mode), the id outside the vocabulary is stopped on the write path, past the verification sample."""
     from streampack.builder.pipeline import verified
-    from streampack.format import ledger
+    from streampack.store.files import read_progress
 
     folder = _gpt2_with(gpt2_tokenizer, tmp_path / "tok", [_added(50257, "Hello")])
     texts = [f"record {i}: " + ("Hello there" if i == 1500 else "nothing here") for i in range(3000)]
@@ -451,7 +451,7 @@ def test_an_id_at_or_above_the_vocab_size_stops_the_build_before_it_is_written(
         r"this cache .*before writing the batch.*tokenizer_engine='tokenizers'",
     ):
         streampack.build(data, out, tokenizer=str(folder), **options)
-    committed = ledger.read_progress(out, "000000", str(data))
+    committed = read_progress(out, "000000", str(data))
     assert 0 < committed.docs < 1500  # the batches before it were written and committed
     tokens = np.fromfile(out / "shards" / "000000.tokens", dtype=np.uint16)
     assert len(tokens) == committed.tokens and tokens.max() < 50257

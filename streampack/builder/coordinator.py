@@ -34,27 +34,25 @@ from streampack.builder.progress import BuildProgress
 from streampack.builder.publish import Publisher, default_stage
 from streampack.builder.stagetimes import add_up, mark_process_start
 from streampack.errors import CacheError, ConfigMismatchError, OptionsError, StreampackError
-from streampack.format import (
+from streampack.format.identity import build_identity
+from streampack.format.ledger import UnitProgress
+from streampack.format.manifest import Manifest, ShardInfo, ShardTable
+from streampack.format.names import (
     LAYOUT_DIR,
     LEDGER_DIR,
     LOCK,
     MANIFEST,
     SHARD_DIR,
-    Manifest,
-    ShardInfo,
-    ShardTable,
     dtype_name,
-    ledger,
-    load_manifest,
     shard_name,
     token_dtype,
 )
-from streampack.format.ledger import UnitProgress
 from streampack.inputs.discovery import Ignored, check_output_outside_inputs, discover_inputs
 from streampack.inputs.records import Documents, ReadOptions, WorkUnit, refuse_text_for_sft
 from streampack.inputs.sft import load_chat_template
 from streampack.inputs.units import plan_python_units, plan_units
 from streampack.store import LocalStore
+from streampack.store.files import load_manifest, read_progress, write_manifest
 from streampack.store.remote import RemoteStore, is_remote
 from streampack.tokenizer.backends import (
     ENGINE_CHOICES,
@@ -393,9 +391,9 @@ def _build_locked(
                 publisher.finish()
             return _summarize(summary, existing)
         manifest = replace(manifest, engines=_engines(existing.engines, manifest.engines))
-    manifest.write(store)
+    write_manifest(store, manifest)
     units = [t.unit for t in tasks]
-    progress = [ledger.read_progress(store, shard_name(u.index), u.describe()) for u in units]
+    progress = [read_progress(store, shard_name(u.index), u.describe()) for u in units]
     summary.units_already_done = sum(p.done for p in progress)
     summary.units_resumed = sum(not p.done and p.records > 0 for p in progress)
     summary.tokenizer_engine = engine_summary(_engine_entry(tokenizer, run))
@@ -417,7 +415,7 @@ def _build_locked(
         empty_docs=sum(p.empty_docs for p in progress),
         inexact_cuts=sum(p.inexact_cuts for p in progress),
     )
-    final.write(store)
+    write_manifest(store, final)
     if publisher is not None:
         publisher.finish()
     return _summarize(summary, final)
@@ -478,25 +476,6 @@ def _check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> No
             f"{root}: the inputs changed since the ledger was written ({changed}); rerun with overwrite=True "
             "to rebuild from the current inputs"
         )
-
-
-def build_identity(manifest: Manifest) -> dict[str, Any]:
-    """What a resumed build must share with the cache, one setting per key (the tokenizer by its hash:
-    the same tokenizer may be named by another path). Settings that a cache written before they existed
-    lacks read as their defaults, which is what such a build did."""
-    config = manifest.build_config()
-    tokenizer = {k: v for k, v in config["tokenizer"].items() if k != "spec"}
-    settings = {k: v for k, v in config["settings"].items() if k != "tokenizer"}
-    for key, value in _LATER_SETTINGS.items():
-        settings.setdefault(key, value)
-    # The policies as resolved (the tokenizer's own EOS or BOS may come from a tokenizer_config.json, which
-    # the tokenizer's hash does not cover), keyed apart from the settings of the same name.
-    policies = {"eos_policy": config["eos"], "bos_policy": config["bos"]}
-    return {"tokenizer": tokenizer, "dtype": config["dtype"], **policies, **settings}
-
-
-# Settings added after caches were first written, with the value that those caches were built with.
-_LATER_SETTINGS: dict[str, Any] = {"bos": False, "bos_id": None, "fields": None, "chat": None}
 
 
 def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:

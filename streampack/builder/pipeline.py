@@ -27,11 +27,12 @@ from streampack.builder.options import OnBadRecord, SpecialTokens, TokenizerEngi
 from streampack.builder.stagetimes import Stopwatch
 from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
-from streampack.format import ledger, shard_name
 from streampack.format.ledger import Counts, UnitProgress
+from streampack.format.names import shard_name
 from streampack.inputs.records import Position, ReadOptions, TextStream, WorkUnit
 from streampack.inputs.sft import Sft
 from streampack.inputs.units import read_unit, records_before
+from streampack.store.files import read_progress
 from streampack.tokenizer.backends import BosPolicy, EosPolicy, Tokenizer, load_tokenizer
 from streampack.tokenizer.pieces import CutCount, PieceRule
 
@@ -123,7 +124,7 @@ def run_units(
     with _Pipeline(report) as pipeline:
         for task in tasks:
             name = shard_name(task.unit.index)
-            progress = ledger.read_progress(Path(task.spec.root), name, task.unit.describe())
+            progress = read_progress(Path(task.spec.root), name, task.unit.describe())
             if progress.done:
                 yield UnitResult(task.unit.index, progress)
                 continue

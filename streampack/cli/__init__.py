@@ -25,11 +25,13 @@ from streampack.builder.coordinator import engine_summary
 from streampack.builder.options import CacheSpec, RunOptions, default
 from streampack.builder.stagetimes import render as render_stages
 from streampack.errors import OptionsError, StreampackError, TokenizerError
-from streampack.format import FORMAT_VERSION, OFFSET_DTYPE, Manifest, upgrade_manifest
+from streampack.format.manifest import FORMAT_VERSION, Manifest
+from streampack.format.names import OFFSET_DTYPE
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
 from streampack.reader.verify import verify as verify_cache
 from streampack.store import disk_error
+from streampack.store.files import upgrade_manifest
 from streampack.store.localcopy import CachedStore
 from streampack.store.remote import is_remote
 from streampack.tokenizer.backends import Tokenizer, load_tokenizer

@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -49,15 +47,18 @@ import numpy.typing as npt
 
 from streampack import reader
 from streampack._checks import check_choice, check_int
-from streampack.builder.coordinator import build_identity
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
-from streampack.format import MANIFEST, Manifest, ledger, load_manifest, shard_name
+from streampack.format import ledger
+from streampack.format.identity import build_digest
+from streampack.format.manifest import Manifest
+from streampack.format.names import MANIFEST, shard_name
 from streampack.loader import Loader, LoaderOptions, Output, _Source, prefetch
 from streampack.loader.collate import format_for
 from streampack.order import MAX_POSITION, Shuffled, groups, mismatch
 from streampack.order.permutation import Permutation
 from streampack.samples.sequences import JoinedSequences
 from streampack.store import LocalStore, open_store
+from streampack.store.files import load_manifest, read_progress
 from streampack.store.localcopy import cached_store
 from streampack.store.remote import is_remote
 
@@ -268,7 +269,7 @@ class _Ledger:
     def _progress(self, unit: int) -> ledger.UnitProgress | None:
         if unit >= len(self.units):
             return None
-        return ledger.read_progress(self.store, shard_name(unit), self.units[unit])
+        return read_progress(self.store, shard_name(unit), self.units[unit])
 
 
 class Follow(Loader):
@@ -570,17 +571,3 @@ class Follow(Loader):
         self.formatter = format_for(self.options.output, [sequences])
         self._clear_caches()
         self._data_known = known
-
-
-def build_digest(manifest: Manifest) -> str:
-    """What identifies a build's output, the same while it runs, once complete and after a resume: what a
-    resumed build must share with it (:func:`~streampack.builder.coordinator.build_identity`), its inputs
-    and work units."""
-    fields = {
-        "identity": build_identity(manifest),
-        "inputs": manifest.inputs,
-        "units": manifest.units,
-        "loss_mask": manifest.loss_mask,
-    }
-    text = json.dumps(fields, sort_keys=True, default=str)
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

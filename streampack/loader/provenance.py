@@ -33,7 +33,6 @@ import numpy as np
 
 from streampack._checks import check_int
 from streampack.errors import InputError
-from streampack.format import ledger
 from streampack.inputs.discovery import InputFile, discover_inputs
 from streampack.inputs.records import Documents, Item, ReadOptions, TextStream, WorkUnit
 from streampack.inputs.units import plan_python_units, plan_units, read_unit, records_before
@@ -42,6 +41,7 @@ from streampack.order import groups
 from streampack.order.mixture import Mixture
 from streampack.reader import Cache
 from streampack.samples.sequences import PackedSequences
+from streampack.store.files import read_progress
 
 __all__ = ["Placement", "Provenance", "position_of", "which"]
 
@@ -422,7 +422,7 @@ class _Inputs:
         path = described.split(" [", 1)[0]
         match = _PYTHON_ROWS.search(described)
         first = int(match.group(1)) if match else 0
-        progress = ledger.read_progress(Path(self.cache.root), f"{unit:06d}", described)
+        progress = read_progress(Path(self.cache.root), f"{unit:06d}", described)
         gapless = progress.records == progress.docs
         return {local: (path, None, first + local if gapless else None) for local in wanted}
 

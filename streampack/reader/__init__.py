@@ -23,22 +23,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
-from streampack.format import (
+from streampack.format.ledger import UnitProgress
+from streampack.format.manifest import Manifest, ShardInfo, ShardTable
+from streampack.format.names import (
     OFFSET_DTYPE,
     SHARD_DIR,
-    Manifest,
-    ShardInfo,
-    ShardTable,
     checksum_text,
-    ledger,
-    load_manifest,
     mask_key,
     offsets_key,
     shard_name,
     tokens_key,
 )
-from streampack.format.ledger import UnitProgress
 from streampack.store import LocalStore, open_store
+from streampack.store.files import load_manifest, read_progress
 from streampack.store.localcopy import CachedStore, Expected, cached_store, on_release
 from streampack.store.remote import is_remote
 
@@ -495,7 +492,7 @@ def open(
                 f"{store.describe('')}: the build of this cache has not finished; rerun the same build "
                 "command to complete it, or open it with allow_incomplete=True to read the committed part"
             )
-        progress = [ledger.read_progress(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
+        progress = [read_progress(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
         return open_committed(store, manifest, progress)
     if isinstance(store, CachedStore):
         store.expect(_expected_files(manifest, manifest.table, None))

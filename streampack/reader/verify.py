@@ -28,18 +28,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from streampack.errors import CacheError, StreampackError
-from streampack.format import (
+from streampack.format.manifest import Manifest
+from streampack.format.names import (
     LAYOUT_DIR,
     LEDGER_DIR,
     LOCK,
     MANIFEST,
     OFFSET_DTYPE,
     SHARD_DIR,
-    Manifest,
     checksum_text,
-    ledger,
     ledger_key,
-    load_manifest,
     mask_key,
     offsets_key,
     shard_name,
@@ -47,6 +45,7 @@ from streampack.format import (
 )
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
+from streampack.store.files import load_manifest, read_progress
 from streampack.store.plans import PLAN_ARRAYS, PLAN_JSON, inspect_plan
 from streampack.store.remote import RemoteStore, is_remote
 
@@ -192,7 +191,7 @@ def _check_ledger(manifest: Manifest, store: Any, listed: set[str], report: Veri
             report.problems.append(f"{where}: the ledger entry of work unit {index} is missing")
             continue
         try:
-            entry = ledger.read_progress(store, name, unit)
+            entry = read_progress(store, name, unit)
         except CacheError as e:
             report.problems.append(str(e))
             continue

@@ -31,7 +31,7 @@ import numpy as np
 
 from streampack._checks import check_choice
 from streampack.errors import CacheError
-from streampack.format import LAYOUT_DIR
+from streampack.format.names import LAYOUT_DIR
 from streampack.samples.layout import Bins
 from streampack.store.plans import PlanIdentity, stored
 

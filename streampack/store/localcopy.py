@@ -65,7 +65,7 @@ import numpy as np
 
 from streampack._checks import check_int_or_none
 from streampack.errors import CacheError, OptionsError
-from streampack.format import SHARD_DIR
+from streampack.format.names import SHARD_DIR
 from streampack.store import LocalStore
 from streampack.store.remote import RemoteStore
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from streampack.errors import CacheError
-from streampack.format import checksum_text, content_checksum, with_checksum
+from streampack.format.names import checksum_text, content_checksum, with_checksum
 from streampack.store import LocalStore
 
 __all__ = ["PLAN_ARRAYS", "PlanIdentity", "StoredPlan", "inspect_plan", "load_plan", "plan_key", "stored"]

@@ -16,23 +16,21 @@ from pathlib import Path
 
 import numpy as np
 
-from streampack.format import (
+from streampack.format.ledger import UnitProgress
+from streampack.format.manifest import Manifest, ShardInfo, ShardTable
+from streampack.format.names import (
     LEDGER_DIR,
     MANIFEST,
     SHARD_DIR,
-    Manifest,
-    ShardInfo,
-    ShardTable,
     checksum_text,
     ledger_key,
-    load_manifest,
     offsets_path,
     shard_name,
     tokens_path,
     with_checksum,
 )
-from streampack.format.ledger import UnitProgress
 from streampack.store import encode_json
+from streampack.store.files import load_manifest, write_manifest
 
 _CHUNK_TOKENS = 1 << 25
 
@@ -123,7 +121,7 @@ def _dtype(vocab_size: int) -> np.dtype:
 
 
 def _write_manifest(root: Path, shards: list[ShardInfo], vocab_size: int, eos_id: int) -> None:
-    Manifest(
+    manifest = Manifest(
         tokenizer={"kind": "synthetic", "name": "synthetic", "sha256": "", "vocab_size": vocab_size},
         dtype=_dtype(vocab_size).name,
         eos={"append": True, "id": eos_id},
@@ -132,7 +130,8 @@ def _write_manifest(root: Path, shards: list[ShardInfo], vocab_size: int, eos_id
         units=[s.unit for s in shards],
         complete=True,
         table=ShardTable.from_rows(shards),
-    ).write(root)
+    )
+    write_manifest(root, manifest)
 
 
 def _write_random_shard(
