@@ -284,3 +284,34 @@ def test_the_readme_python_build_writes_its_own_cache_directory() -> None:
     python_out = re.search(r'streampack\.build\(\["a\.jsonl\.gz", "b\.parquet"\], "([^"]+)"', readme)
     assert cli_out and python_out
     assert cli_out.group(1).rstrip("/") != python_out.group(1).rstrip("/")
+
+
+def test_build_has_one_flag_per_option_field() -> None:
+    """Every field of CacheSpec and RunOptions is set by exactly one flag of ``build`` (or is listed as
+    having none), so a field added to the dataclasses cannot be missing from the command."""
+    import dataclasses
+
+    from streampack.builder.options import CacheSpec, RunOptions
+    from streampack.cli.build import FLAGS, NO_FLAG
+
+    declared = [(flag.owner, flag.field) for flag in FLAGS]
+    assert len(declared) == len(set(declared))
+    every = {(cls, f.name) for cls in (CacheSpec, RunOptions) for f in dataclasses.fields(cls)}
+    assert set(declared) | set(NO_FLAG) == every and not set(declared) & set(NO_FLAG)
+
+
+def test_build_flags_default_to_the_dataclasses_defaults() -> None:
+    import click
+
+    from streampack.builder.options import CacheSpec, RunOptions
+    from streampack.cli import cli
+    from streampack.cli.build import options_from_flags
+
+    command = cli.commands["build"]
+    given = {
+        p.name: p.get_default(click.Context(command))
+        for p in command.params
+        if p.name not in {"inputs", "out"}
+    }
+    spec, run = options_from_flags({**given, "progress": False})
+    assert spec == CacheSpec() and run == RunOptions()
