@@ -315,3 +315,15 @@ def test_build_flags_default_to_the_dataclasses_defaults() -> None:
     }
     spec, run = options_from_flags({**given, "progress": False})
     assert spec == CacheSpec() and run == RunOptions()
+
+
+def test_engine_flag_is_the_old_name_of_executor(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "tiny"}])
+    assert "--engine" not in run_cli("build", "--help").stdout
+    result = run_cli("build", src, "--out", tmp_path / "c", "--engine", "local")
+    assert "warning: --engine is deprecated: it is now --executor" in result.stderr
+    result = run_cli(
+        "build", src, "--out", tmp_path / "d", "--engine", "local", "--executor", "local", check=False
+    )
+    assert result.returncode == 2 and "give --executor only" in result.stderr
+    assert run_cli("build", src, "--out", tmp_path / "e", "--executor", "local").stderr == ""

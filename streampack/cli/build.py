@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any, get_args, get_type_hints
 
 import click
+from click.core import ParameterSource
 
 from streampack.builder.coordinator import build as build_cache
-from streampack.builder.options import CacheSpec, RunOptions, default
+from streampack.builder.options import CacheSpec, Executor, RunOptions, default
 from streampack.builder.stagetimes import render as render_stages
 from streampack.errors import OptionsError
 
@@ -207,8 +208,8 @@ FLAGS = [
     ),
     Flag(
         RunOptions,
-        "engine",
-        ("--engine",),
+        "executor",
+        ("--executor",),
         "local: a process pool here; ray: Ray tasks on a cluster (--out on shared storage).",
     ),
     Flag(
@@ -305,11 +306,19 @@ def options_from_flags(given: Mapping[str, Any]) -> tuple[CacheSpec, RunOptions]
     help="Cache directory, or an fsspec URL (s3://bucket/prefix) to build in --stage and upload there.",
 )
 @_flags
-def build(inputs: tuple[str, ...], out: str, **given: Any) -> None:
+@click.option(
+    "--engine", "old_engine", type=click.Choice(get_args(Executor)), hidden=True
+)  # --executor's old name
+def build(inputs: tuple[str, ...], out: str, old_engine: str | None, **given: Any) -> None:
     """Tokenize INPUTS (files, directories, globs, URLs) into a token cache in --out.
 
     Rerunning the same command after an interruption resumes where it stopped.
     """
+    if old_engine is not None:
+        if click.get_current_context().get_parameter_source("executor") is ParameterSource.COMMANDLINE:
+            raise click.UsageError("--engine is the old name of --executor: give --executor only")
+        click.echo("warning: --engine is deprecated: it is now --executor (the same choices)", err=True)
+        given["executor"] = old_engine
     try:
         spec, run = options_from_flags(given)
     except OptionsError as e:
