@@ -25,8 +25,13 @@ from tests.conftest import SAMPLE_CORPUS, run_cli
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"(?P<mark><!-- example: skip \((?P<why>[^)]*)\) -->\n)?```python\n(?P<code>.*?)```", re.S)
-#: Training examples show a real run's length; here each trains two steps.
-STEPS = {"max_steps=10_000": "max_steps=2", "max_steps=1_000": "max_steps=2"}
+#: Training examples show a real run's length on a GPU; here each trains two steps on the CPU (TRL's
+#: config asks for bf16 by default, which a CPU refuses).
+STEPS = {
+    "max_steps=10_000": "max_steps=2",
+    "max_steps=1_000": "max_steps=2",
+    'trl.SFTConfig("sft-out",': 'trl.SFTConfig("sft-out", bf16=False,',
+}
 
 
 def examples(doc: str) -> list[tuple[int, str, str | None]]:

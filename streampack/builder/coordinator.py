@@ -499,7 +499,7 @@ def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str
 
 
 def _worker_count(todo: list[UnitTask], run: RunOptions, tokenizer: Tokenizer) -> int:
-    """Worker processes of the local engine: as asked or chosen, at most one per unit to build."""
+    """Worker processes of the local executor: as asked or chosen, at most one per unit to build."""
     wanted = run.workers or default_workers(tokenizer, os.cpu_count() or 1)
     return min(wanted, max(sum(not t.unit.in_process for t in todo), 1))
 
@@ -516,7 +516,7 @@ def _run(
     pooled = [t for t in todo if not t.unit.in_process]
     here = partial(run_units, tokenizer=tokenizer)  # this process: the tokenizer build() loaded
     yield from run_local(here, in_process, workers=1, on_progress=report)
-    if run.engine == "ray":
+    if run.executor == "ray":
         threads = run.threads or cores  # a Ray task holds one CPU, but its node's cores are its to use
         setup: dict[str, Any] = {"on_progress": report, "initializer": init_worker, "initargs": (threads,)}
         yield from run_ray(run_units, pooled, address=run.ray_address, **setup)
