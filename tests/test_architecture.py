@@ -41,7 +41,6 @@ KNOWN = {
     ("streampack.samples.split", "streampack.reader"): "the samples knot: a split reopens and builds samples",
     ("streampack.loader.prefetch", "streampack.loader"): "prefetch reads the Loader's privates",
     ("streampack.cli.demo", "streampack.cli"): "the demo reuses the CLI's cache_stats",
-    ("streampack.tokenizer.backends", "streampack.builder.options"): "the engine and special-token Literals",
 }
 
 

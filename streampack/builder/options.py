@@ -19,14 +19,12 @@ from typing import Any, Literal, TypeVar, get_args
 from streampack._checks import check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
 from streampack.inputs import DEFAULT_UNIT_BYTES
+from streampack.tokenizer.choices import ENGINE_CHOICES, SPECIAL_TOKENS, SpecialTokens, TokenizerEngine
 
 OnBadRecord = Literal["error", "skip"]
 Engine = Literal["local", "ray"]
-SpecialTokens = Literal["text", "parse"]
-TokenizerEngine = Literal["auto", "tokenizers", "tiktoken", "fastokens"]
 VerifyTokens = Literal["sample", "all", "none"]
-SPECIAL_TOKENS: tuple[SpecialTokens, ...] = get_args(SpecialTokens)
-TOKENIZER_ENGINES: tuple[TokenizerEngine, ...] = get_args(TokenizerEngine)
+TOKENIZER_ENGINES = ENGINE_CHOICES  # its name here before the tokenizer package held it
 _Options = TypeVar("_Options", bound=type)
 
 
@@ -190,7 +188,7 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         check_choice("engine", self.engine, get_args(Engine))
-        check_choice("tokenizer_engine", self.tokenizer_engine, TOKENIZER_ENGINES)
+        check_choice("tokenizer_engine", self.tokenizer_engine, ENGINE_CHOICES)
         check_choice("verify_tokens", self.verify_tokens, get_args(VerifyTokens))
         check_choice("on_bad_record", self.on_bad_record, get_args(OnBadRecord))
         for name in ("workers", "threads"):

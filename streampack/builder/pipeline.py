@@ -23,7 +23,7 @@ from types import TracebackType
 
 import numpy as np
 
-from streampack.builder.options import OnBadRecord, SpecialTokens, TokenizerEngine, VerifyTokens
+from streampack.builder.options import OnBadRecord, VerifyTokens
 from streampack.builder.stagetimes import Stopwatch
 from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
@@ -33,6 +33,7 @@ from streampack.inputs.records import Position, ReadOptions, TextStream, WorkUni
 from streampack.inputs.sft import Sft
 from streampack.inputs.units import read_unit, records_before
 from streampack.tokenizer.backends import BosPolicy, EosPolicy, Tokenizer, load_tokenizer
+from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
 from streampack.tokenizer.pieces import CutCount, PieceRule
 
 ProgressFn = Callable[[dict[str, int]], None]

@@ -33,6 +33,7 @@ from streampack.store import disk_error
 from streampack.store.localcopy import CachedStore
 from streampack.store.remote import is_remote
 from streampack.tokenizer.backends import Tokenizer, load_tokenizer
+from streampack.tokenizer.choices import ENGINE_CHOICES, SPECIAL_TOKENS
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -63,7 +64,7 @@ _SPEC, _RUN = CacheSpec, RunOptions
 )
 @click.option(
     "--special-tokens",
-    type=click.Choice(["text", "parse"]),
+    type=click.Choice(SPECIAL_TOKENS),
     default=default(_SPEC, "special_tokens"),
     show_default=True,
     help="text: special-token strings in documents (e.g. <|endoftext|>) are plain text; parse: their ids.",
@@ -140,7 +141,7 @@ _SPEC, _RUN = CacheSpec, RunOptions
 @click.option("--ray-address", help="Ray cluster address [default: a running one, else a new local one].")
 @click.option(
     "--tokenizer-engine",
-    type=click.Choice(["auto", "tokenizers", "tiktoken", "fastokens"]),
+    type=click.Choice(ENGINE_CHOICES),
     default=default(_RUN, "tokenizer_engine"),
     show_default=True,
     help="What computes the token ids (the same ids whichever): auto picks fastokens where it is installed "

@@ -43,8 +43,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from streampack._checks import check_choice, check_int
-from streampack.builder.options import SPECIAL_TOKENS, TOKENIZER_ENGINES, SpecialTokens, TokenizerEngine
 from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.tokenizer.choices import ENGINE_CHOICES, SPECIAL_TOKENS, SpecialTokens, TokenizerEngine
 from streampack.tokenizer.pieces import (
     GPT2_SPLIT_PATTERNS,
     PROVEN_SPLIT_PATTERNS,
@@ -142,9 +142,6 @@ def load_tokenizer(
     if spec.startswith("tiktoken:"):
         return TiktokenTokenizer(spec, threads=threads, special_tokens=special_tokens, engine=engine)
     return HFTokenizer(spec, threads=threads, special_tokens=special_tokens, engine=engine)
-
-
-ENGINE_CHOICES: tuple[TokenizerEngine, ...] = TOKENIZER_ENGINES
 
 
 def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
