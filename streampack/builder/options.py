@@ -64,7 +64,7 @@ class CacheSpec:
         eos: append an EOS id after every document.
         eos_id: the EOS id to append (default: the tokenizer's own EOS token).
         bos: put the tokenizer's BOS id before every document (see
-            :func:`streampack.tokenizer.backends.resolve_bos`).
+            :func:`streampack.tokenizer.specials.resolve_bos`).
         bos_id: put this BOS id before every document (sets ``bos``).
         text_field: JSON key or Parquet column holding the text.
         split_lines: one document per line of ``.txt`` inputs (default: one per file).

@@ -32,9 +32,11 @@ from streampack.format.ledger import Counts, UnitProgress
 from streampack.inputs.records import Position, ReadOptions, TextStream, WorkUnit
 from streampack.inputs.sft import Sft
 from streampack.inputs.units import read_unit, records_before
-from streampack.tokenizer.backends import BosPolicy, EosPolicy, Tokenizer, load_tokenizer
+from streampack.tokenizer.base import Tokenizer
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
+from streampack.tokenizer.load import load_tokenizer
 from streampack.tokenizer.pieces import CutCount, PieceRule
+from streampack.tokenizer.specials import BosPolicy, EosPolicy
 
 ProgressFn = Callable[[dict[str, int]], None]
 NO_BOS = BosPolicy(False, None)

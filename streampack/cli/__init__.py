@@ -32,8 +32,9 @@ from streampack.reader.verify import verify as verify_cache
 from streampack.store import disk_error
 from streampack.store.localcopy import CachedStore
 from streampack.store.remote import is_remote
-from streampack.tokenizer.backends import Tokenizer, load_tokenizer
+from streampack.tokenizer.base import Tokenizer
 from streampack.tokenizer.choices import ENGINE_CHOICES, SPECIAL_TOKENS
+from streampack.tokenizer.load import load_tokenizer
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
