@@ -1,4 +1,5 @@
-"""What a tokenizer is to streampack: the :class:`Tokenizer` protocol, and the engine it runs.
+"""What a tokenizer is to streampack: the :class:`Tokenizer` protocol, the engine it runs
+(:func:`describe_engine`), and :class:`LibraryTokenizer`, what the tokenizers a library defines share.
 
 **Text is text.** A document's tokens are the tokenizer's encoding of its text with special-token strings
 (``<|endoftext|>``, ``</s>``, ...) encoded as the plain text they are, and no post-processor template
@@ -18,12 +19,19 @@ the library it is defined by, whose ids are the ids of the cache whatever engine
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
 
-from streampack.tokenizer.engines import Engine
+from streampack.tokenizer.choices import TokenizerEngine
+from streampack.tokenizer.engines import (
+    Engine,
+    _fastokens_or_reference,
+    _import_fastokens,
+    _reference_reason,
+    _wrong_engine,
+)
 from streampack.tokenizer.pieces import CutSafety
 
 
@@ -90,3 +98,71 @@ def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
         "reference": f"{reference.name} {reference.version}",
         "why": tokenizer.engine_reason,
     }
+
+
+class LibraryTokenizer:
+    """What the tokenizers a library defines (``tokenizers``, ``tiktoken``) share: that library is their
+    reference engine; their engine is it or ``fastokens``, chosen alike (:meth:`_choose_engine`); and they
+    encode with their engine.
+
+    A subclass sets ``_kind`` (what it is, for messages) and ``_wrong_library`` (the other library's
+    engine, which cannot compute its ids), makes its reference engine ``_reference`` and then its engine
+    with :meth:`_choose_engine`.
+    """
+
+    _kind: str
+    _wrong_library: str
+    spec: str
+    _reference: Engine
+    engine: Engine
+    engine_reason: str
+
+    def _choose_engine(
+        self,
+        choice: TokenizerEngine,
+        threads: int | None,
+        *,
+        problem: Callable[[], str],
+        load: Callable[[Any], Any],
+        split_special: bool,
+        refusal: str,
+    ) -> tuple[Engine, str]:
+        """The reference engine, or ``fastokens`` where it is installed and proven to give the same ids in
+        this special-token mode; and why.
+
+        Args:
+            choice: the engine asked for.
+            threads: the engine's threads.
+            problem: why fastokens may not give the ids (``""``: proven to), asked only where it is installed.
+            load: makes the ``fastokens.Tokenizer`` from the ``fastokens`` module.
+            split_special: special-token strings are text.
+            refusal: the start of the error when fastokens is asked for and not proven.
+        """
+        library = self._reference.name
+        if choice == self._wrong_library:
+            raise _wrong_engine(self.spec, choice, self._kind, f"{library} and fastokens")
+        fastokens = _import_fastokens(needed=choice == "fastokens") if choice != library else None
+        if fastokens is None:
+            return self._reference, _reference_reason(choice, fastokens)
+        return _fastokens_or_reference(
+            self._reference,
+            choice,
+            problem(),
+            lambda: load(fastokens),
+            split_special=split_special,
+            threads=threads,
+            refusal=refusal,
+        )
+
+    @property
+    def cores_per_worker(self) -> int:
+        """See :class:`Tokenizer`."""
+        return self.engine.cores_per_worker
+
+    def reference_engine(self) -> Engine:
+        """The engine that defines this tokenizer's ids: its library's."""
+        return self._reference
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`."""
+        return self.engine.encode_batch(texts)

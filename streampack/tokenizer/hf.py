@@ -16,22 +16,15 @@ from typing import Any
 import numpy as np
 
 from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.tokenizer.base import LibraryTokenizer
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
-from streampack.tokenizer.engines import (
-    Engine,
-    TokenizersEngine,
-    _fastokens_or_reference,
-    _import_fastokens,
-    _reference_reason,
-    _text_is_whole,
-    _wrong_engine,
-)
+from streampack.tokenizer.engines import TokenizersEngine, _text_is_whole
 from streampack.tokenizer.pieces import hf_cut_safety
 from streampack.tokenizer.proofs import _ADDED_FLAGS, fastokens_mismatch_hf
 from streampack.tokenizer.specials import BOS_NAMES, EOS_NAMES
 
 
-class HFTokenizer:
+class HFTokenizer(LibraryTokenizer):
     """A Hugging Face ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``.
 
     Its reference engine is ``tokenizers`` itself, with ``add_special_tokens=False`` and
@@ -41,6 +34,8 @@ class HFTokenizer:
     # Its batch call encodes 100 MB of the real corpus 1.17x as fast in 10,000-character pieces as in whole
     # documents (5,000: 1.16x; 20,000: 1.14x; GPT-2, 2 cores; benchmarks/bench_pieces.py).
     fast_piece_chars: int | None = 10_000
+    _kind = "a tokenizer.json"
+    _wrong_library = "tiktoken"
 
     def __init__(
         self,
@@ -82,37 +77,14 @@ class HFTokenizer:
         self._eos_id, self._eos_problem = self._find_special("eos_token", EOS_NAMES, added_only=False)
         self._bos_id, self._bos_problem = self._find_special("bos_token", BOS_NAMES, added_only=True)
         self._reference = TokenizersEngine(self._tok, threads=threads)
-        self.engine: Engine
-        self.engine, self.engine_reason = self._choose_engine(engine, threads, special_tokens, structure)
-
-    def _choose_engine(
-        self, choice: TokenizerEngine, threads: int | None, special: SpecialTokens, structure: dict[str, Any]
-    ) -> tuple[Engine, str]:
-        """``tokenizers``, or ``fastokens`` where it is installed and proven to give the same ids in this
-        special-token mode; and why."""
-        if choice == "tiktoken":
-            raise _wrong_engine(self.spec, choice, "a tokenizer.json", "tokenizers and fastokens")
-        fastokens = _import_fastokens(needed=choice == "fastokens") if choice != "tokenizers" else None
-        if fastokens is None:
-            return self._reference, _reference_reason(choice, fastokens)
-        return _fastokens_or_reference(
-            self._reference,
-            choice,
-            fastokens_mismatch_hf(structure, parse_special=special == "parse"),
-            lambda: fastokens.Tokenizer.from_json_str(self._definition.decode("utf-8")),
-            split_special=special == "text",
-            threads=threads,
+        self.engine, self.engine_reason = self._choose_engine(
+            engine,
+            threads,
+            problem=lambda: fastokens_mismatch_hf(structure, parse_special=special_tokens == "parse"),
+            load=lambda fastokens: fastokens.Tokenizer.from_json_str(self._definition.decode("utf-8")),
+            split_special=special_tokens == "text",
             refusal=f"{self._path}: fastokens is not known to give this tokenizer's ids",
         )
-
-    @property
-    def cores_per_worker(self) -> int:
-        """See :class:`Tokenizer`."""
-        return self.engine.cores_per_worker
-
-    def reference_engine(self) -> Engine:
-        """The engine that defines this tokenizer's ids: ``tokenizers``."""
-        return self._reference
 
     def _structure(self) -> dict[str, Any]:
         """The parts of the definition that decide which cuts keep the tokens (see
@@ -221,10 +193,6 @@ class HFTokenizer:
         """See :class:`Tokenizer`."""
         digest = hashlib.sha256(self._definition).hexdigest()
         return {"kind": "hf", "name": self._path.name, "vocab_size": self.vocab_size, "sha256": digest}
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """See :class:`Tokenizer`."""
-        return self.engine.encode_batch(texts)
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`.

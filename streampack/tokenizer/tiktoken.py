@@ -16,22 +16,16 @@ from typing import Any
 import numpy as np
 
 from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.tokenizer.base import LibraryTokenizer
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
-from streampack.tokenizer.engines import (
-    Engine,
-    TiktokenEngine,
-    _fastokens_or_reference,
-    _import_fastokens,
-    _reference_reason,
-    _wrong_engine,
-)
+from streampack.tokenizer.engines import TiktokenEngine
 from streampack.tokenizer.pieces import GPT2_SPLIT_PATTERNS, tiktoken_cut_safety
 from streampack.tokenizer.proofs import fastokens_mismatch_tiktoken
 from streampack.tokenizer.specials import EOS_NAMES
 from streampack.tokenizer.tiktoken_json import byte_level_json
 
 
-class TiktokenTokenizer:
+class TiktokenTokenizer(LibraryTokenizer):
     """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens).
 
     Its reference engine is tiktoken itself: ``encode_ordinary``, or with every special token allowed when
@@ -39,6 +33,8 @@ class TiktokenTokenizer:
     """
 
     fast_piece_chars: int | None = None  # measured: pieces encode no faster (benchmarks/bench_pieces.py)
+    _kind = "a tiktoken encoding"
+    _wrong_library = "tokenizers"
 
     def __init__(
         self,
@@ -94,48 +90,20 @@ class TiktokenTokenizer:
         self._allowed = set(specials) if special_tokens == "parse" else set()
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
-        definition = (ranks, mergeable_ranks, pattern, specials)
-        self.engine: Engine
-        self.engine, self.engine_reason = self._choose_engine(engine, threads, definition)
 
-    def _choose_engine(
-        self,
-        choice: TokenizerEngine,
-        threads: int | None,
-        definition: tuple[Path, dict[bytes, int], str, dict[str, int]],
-    ) -> tuple[Engine, str]:
-        """tiktoken, or ``fastokens`` where it is installed and proven to give the same ids in this
-        special-token mode; and why."""
-        if choice == "tokenizers":
-            raise _wrong_engine(self.spec, choice, "a tiktoken encoding", "tiktoken and fastokens")
-        fastokens = _import_fastokens(needed=choice == "fastokens") if choice != "tiktoken" else None
-        if fastokens is None:
-            return self._reference, _reference_reason(choice, fastokens)
-        ranks, mergeable_ranks, pattern, specials = definition
-
-        def load() -> Any:
+        def load(fastokens: Any) -> Any:
             if pattern in GPT2_SPLIT_PATTERNS:  # its fastest form: see streampack.tokenizer.tiktoken_json
                 return fastokens.Tokenizer.from_json_str(byte_level_json(mergeable_ranks, specials))
             return fastokens.Tokenizer.from_tiktoken(str(ranks), pattern=pattern, special_tokens=specials)
 
-        return _fastokens_or_reference(
-            self._reference,
-            choice,
-            fastokens_mismatch_tiktoken(pattern, specials, parse_special=bool(self._allowed)),
-            load,
+        self.engine, self.engine_reason = self._choose_engine(
+            engine,
+            threads,
+            problem=lambda: fastokens_mismatch_tiktoken(pattern, specials, parse_special=bool(self._allowed)),
+            load=load,
             split_special=not self._allowed,
-            threads=threads,
             refusal=f"{ranks}: fastokens is not known to give this encoding's ids",
         )
-
-    @property
-    def cores_per_worker(self) -> int:
-        """See :class:`Tokenizer`."""
-        return self.engine.cores_per_worker
-
-    def reference_engine(self) -> Engine:
-        """The engine that defines this tokenizer's ids: tiktoken."""
-        return self._reference
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("TiktokenTokenizer is not picklable: load it in each process from its spec")
@@ -144,10 +112,6 @@ class TiktokenTokenizer:
         """See :class:`Tokenizer`."""
         digest = hashlib.sha256(self._definition).hexdigest()
         return {"kind": "tiktoken", "name": self._name, "vocab_size": self.vocab_size, "sha256": digest}
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """See :class:`Tokenizer`. Encodes as ``encode_ordinary`` unless special tokens are parsed."""
-        return self.engine.encode_batch(texts)
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`."""
