@@ -5,12 +5,29 @@ from __future__ import annotations
 import importlib
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import streampack
-from streampack._aliases import MOVED
+from streampack._aliases import MOVED, _Alias
+
+
+@pytest.fixture(autouse=True)
+def _forget_old_paths() -> Iterator[None]:
+    """Each test's imports of old paths are undone after it: importing ``streampack.build`` binds the
+    package's ``build`` to the alias module, which other tests must not see."""
+    face = dict(vars(streampack))
+    yield
+    for old in MOVED:
+        sys.modules.pop(old, None)
+    for name, value in list(vars(streampack).items()):
+        if isinstance(value, _Alias):  # an old module bound over a name of the package, or new
+            if name in face:
+                setattr(streampack, name, face[name])
+            else:
+                delattr(streampack, name)
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

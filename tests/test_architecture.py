@@ -38,7 +38,6 @@ KNOWN = {
     ("streampack.samples.layout", "streampack.samples.packing"): "Bins reloads its plan on unpickling",
     ("streampack.samples.split", "streampack.reader"): "the samples knot: a split reopens and builds samples",
     ("streampack.loader.prefetch", "streampack.loader"): "prefetch reads the Loader's privates",
-    ("streampack.tokenizer.backends", "streampack.builder.options"): "the engine and special-token Literals",
 }
 
 

@@ -86,7 +86,7 @@ class _OneWrongId(FastokensEngine):
 
 @pytest.fixture
 def wrong_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("streampack.tokenizer.backends.FastokensEngine", _OneWrongId)
+    monkeypatch.setattr("streampack.tokenizer.engines.FastokensEngine", _OneWrongId)
 
 
 def test_the_verification_sample_stops_an_engine_that_gets_one_id_wrong(
@@ -437,7 +437,7 @@ def test_an_id_at_or_above_the_vocab_size_stops_the_build_before_it_is_written(
     texts = [f"record {i}: " + ("Hello there" if i == 1500 else "nothing here") for i in range(3000)]
     data = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in texts])
     assert not verified(0, 1500, "sample")
-    monkeypatch.setattr("streampack.tokenizer.backends.fastokens_mismatch_hf", lambda *args, **kwargs: "")
+    monkeypatch.setattr("streampack.tokenizer.hf.fastokens_mismatch_hf", lambda *args, **kwargs: "")
     out = tmp_path / "c"
     options: dict[str, Any] = {
         "special_tokens": "parse",

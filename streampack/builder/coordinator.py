@@ -54,17 +54,11 @@ from streampack.inputs.units import plan_python_units, plan_units
 from streampack.store import LocalStore
 from streampack.store.files import load_manifest, read_progress, write_manifest
 from streampack.store.remote import RemoteStore, is_remote
-from streampack.tokenizer.backends import (
-    ENGINE_CHOICES,
-    BosPolicy,
-    EosPolicy,
-    Tokenizer,
-    describe_engine,
-    load_tokenizer,
-    resolve_bos,
-    resolve_eos,
-)
+from streampack.tokenizer.base import Tokenizer, describe_engine
+from streampack.tokenizer.choices import ENGINE_CHOICES
+from streampack.tokenizer.load import load_tokenizer
 from streampack.tokenizer.pieces import piece_rule
+from streampack.tokenizer.specials import BosPolicy, EosPolicy, resolve_bos, resolve_eos
 
 
 @dataclass

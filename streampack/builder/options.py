@@ -20,14 +20,12 @@ from typing import Any, Literal, TypeVar, get_args
 from streampack._checks import check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
 from streampack.inputs import DEFAULT_UNIT_BYTES
+from streampack.tokenizer.choices import ENGINE_CHOICES, SPECIAL_TOKENS, SpecialTokens, TokenizerEngine
 
 OnBadRecord = Literal["error", "skip"]
 Executor = Literal["local", "ray"]
-SpecialTokens = Literal["text", "parse"]
-TokenizerEngine = Literal["auto", "tokenizers", "tiktoken", "fastokens"]
 VerifyTokens = Literal["sample", "all", "none"]
-SPECIAL_TOKENS: tuple[SpecialTokens, ...] = get_args(SpecialTokens)
-TOKENIZER_ENGINES: tuple[TokenizerEngine, ...] = get_args(TokenizerEngine)
+TOKENIZER_ENGINES = ENGINE_CHOICES  # its name here before the tokenizer package held it
 _Options = TypeVar("_Options", bound=type)
 
 
@@ -96,7 +94,7 @@ class CacheSpec:
         eos: append an EOS id after every document.
         eos_id: the EOS id to append (default: the tokenizer's own EOS token).
         bos: put the tokenizer's BOS id before every document (see
-            :func:`streampack.tokenizer.backends.resolve_bos`).
+            :func:`streampack.tokenizer.specials.resolve_bos`).
         bos_id: put this BOS id before every document (sets ``bos``).
         text_field: JSON key or Parquet column holding the text.
         split_lines: one document per line of ``.txt`` inputs (default: one per file).
@@ -221,7 +219,7 @@ class RunOptions:
 
     def __post_init__(self) -> None:
         check_choice("executor", self.executor, get_args(Executor))
-        check_choice("tokenizer_engine", self.tokenizer_engine, TOKENIZER_ENGINES)
+        check_choice("tokenizer_engine", self.tokenizer_engine, ENGINE_CHOICES)
         check_choice("verify_tokens", self.verify_tokens, get_args(VerifyTokens))
         check_choice("on_bad_record", self.on_bad_record, get_args(OnBadRecord))
         for name in ("workers", "threads"):

@@ -23,7 +23,7 @@ from types import TracebackType
 
 import numpy as np
 
-from streampack.builder.options import OnBadRecord, SpecialTokens, TokenizerEngine, VerifyTokens
+from streampack.builder.options import OnBadRecord, VerifyTokens
 from streampack.builder.stagetimes import Stopwatch
 from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
@@ -33,8 +33,11 @@ from streampack.inputs.records import Position, ReadOptions, TextStream, WorkUni
 from streampack.inputs.sft import Sft
 from streampack.inputs.units import read_unit, records_before
 from streampack.store.files import read_progress
-from streampack.tokenizer.backends import BosPolicy, EosPolicy, Tokenizer, load_tokenizer
+from streampack.tokenizer.base import Tokenizer
+from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
+from streampack.tokenizer.load import load_tokenizer
 from streampack.tokenizer.pieces import CutCount, PieceRule
+from streampack.tokenizer.specials import BosPolicy, EosPolicy
 
 ProgressFn = Callable[[dict[str, int]], None]
 NO_BOS = BosPolicy(False, None)
