@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from streampack.builder.coordinator import build
     from streampack.builder.options import CacheSpec, RunOptions
     from streampack.errors import StreampackError
-    from streampack.inputs.sources import Documents
+    from streampack.inputs.records import Documents
     from streampack.loader import Loader
     from streampack.loader.follow import Follow
     from streampack.loader.mixconfig import load_mixture
@@ -44,7 +44,7 @@ _PUBLIC = {
     "Cache": "streampack.reader",
     "CacheSpec": "streampack.builder.options",
     "RunOptions": "streampack.builder.options",
-    "Documents": "streampack.inputs.sources",
+    "Documents": "streampack.inputs.records",
     "Loader": "streampack.loader",
     "Follow": "streampack.loader.follow",
     "Mixture": "streampack.order.mixture",

@@ -12,8 +12,9 @@ import pytest
 from tokenizers import Tokenizer
 
 import streampack
-from streampack.errors import ConfigMismatchError, TokenizerError
-from streampack.format import file_checksum, with_checksum
+from streampack.errors import ConfigMismatchError, OptionsError, TokenizerError
+from streampack.format import with_checksum
+from streampack.store.files import file_checksum
 from tests.conftest import run_cli, set_shard_checksum, write_jsonl
 
 GPT2_EOS = 50256
@@ -110,9 +111,13 @@ def test_no_bos_found_says_to_give_an_id(tmp_path: Path, gpt2_tokenizer: Path, t
         streampack.build(src, tmp_path / "c", tokenizer=str(folder), bos=True, overwrite=True)
 
 
-def test_a_bos_id_above_the_vocabulary_widens_it(tmp_path: Path) -> None:
+def test_a_bos_id_above_the_vocabulary_widens_it_only_when_allowed(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": "ab"}])
-    streampack.build(src, tmp_path / "c", bos_id=70_000)
+    with pytest.raises(
+        OptionsError, match=r"bos_id=70000 is outside the vocabulary of tokenizer 'bytes', whose 257"
+    ):
+        streampack.build(src, tmp_path / "c", bos_id=70_000)
+    streampack.build(src, tmp_path / "c", bos_id=70_000, allow_new_ids=True)
     cache = streampack.open(tmp_path / "c")
     assert cache.dtype.name == "uint32" and cache.vocab_size == 70_001
     assert docs_of(tmp_path / "c") == [[70_000, 97, 98, 256]]
@@ -165,7 +170,7 @@ def poke(cache: Path, position: int, value: int) -> None:
 
 def test_verify_finds_a_missing_or_stray_bos(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in ("abc", "defg", "hi")])
-    streampack.build(src, tmp_path / "c", bos_id=300)
+    streampack.build(src, tmp_path / "c", bos_id=300, allow_new_ids=True)
     assert streampack.verify(tmp_path / "c").ok  # [300 a b c 256] [300 d e f g 256] [300 h i 256]
     missing = tmp_path / "missing"
     shutil.copytree(tmp_path / "c", missing)
@@ -199,3 +204,26 @@ def test_cli_bos_info_and_verify(tmp_path: Path, gpt2_tokenizer: Path) -> None:
     assert failed.returncode == 1 and "pass --bos-id N" in failed.stderr and "Traceback" not in failed.stderr
     refused = run_cli("build", src, "--tokenizer", folder, "--out", tmp_path / "d", "--bos", check=False)
     assert refused.returncode == 1 and "bos_policy: the cache has" in refused.stderr
+
+
+def test_cli_refuses_an_eos_or_bos_id_outside_the_vocabulary_unless_allowed(
+    tmp_path: Path, gpt2_tokenizer: Path
+) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
+    for flag in ("--eos-id", "--bos-id"):
+        refused = run_cli(
+            "build", src, "-t", gpt2_tokenizer, "--out", tmp_path / "c", flag, "50257", check=False
+        )
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr
+        assert f"{flag} 50257 is outside the vocabulary of tokenizer" in refused.stderr
+        assert "whose 50,257 ids are 0..50,256" in refused.stderr and "--allow-new-ids" in refused.stderr
+        assert not (tmp_path / "c" / "manifest.json").exists()
+    run_cli(
+        "build", src, "-t", gpt2_tokenizer, "--out", tmp_path / "c", "--eos-id", "50300", "--allow-new-ids"
+    )
+    info = json.loads(run_cli("info", tmp_path / "c", "--json").stdout)
+    assert info["eos_id"] == 50300 and info["vocab_size"] == 50301
+    assert run_cli("verify", tmp_path / "c").stdout.startswith("ok:")
+    # An id inside the vocabulary needs no permission, and the vocabulary does not grow.
+    run_cli("build", src, "-t", gpt2_tokenizer, "--out", tmp_path / "d", "--eos-id", "50256", "--bos-id", "0")
+    assert json.loads(run_cli("info", tmp_path / "d", "--json").stdout)["vocab_size"] == 50257

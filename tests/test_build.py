@@ -214,7 +214,7 @@ def test_tiktoken_backend(tmp_path: Path, tiktoken_gpt2: Path, gpt2_tokenizer: P
 
 def test_eos_options(tmp_path: Path) -> None:
     streampack.build(streampack.Documents(["ab"]), tmp_path / "none", eos=False)
-    streampack.build(streampack.Documents(["ab"]), tmp_path / "big", eos_id=70000)
+    streampack.build(streampack.Documents(["ab"]), tmp_path / "big", eos_id=70000, allow_new_ids=True)
     assert streampack.open(tmp_path / "none").doc(0).tolist() == [97, 98]
     big = streampack.open(tmp_path / "big")
     assert big.doc(0).tolist() == [97, 98, 70000] and big.dtype == np.dtype("uint32")

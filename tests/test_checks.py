@@ -101,7 +101,7 @@ CASES: list[tuple[str, Call, str, str]] = [
     ("build eos_id", lambda c, t: build(t, eos_id=-1), "eos_id", "-1"),
     ("build bos_id", lambda c, t: build(t, bos_id=2**32), "bos_id", str(2**32)),
     ("build special_tokens", lambda c, t: build(t, special_tokens="maybe"), "special_tokens", "'maybe'"),
-    ("build engine", lambda c, t: build(t, engine="spark"), "engine", "'spark'"),
+    ("build executor", lambda c, t: build(t, executor="spark"), "executor", "'spark'"),
     ("build commit_bytes", lambda c, t: build(t, commit_bytes=0), "commit_bytes", "0"),
     ("build max_piece_chars", lambda c, t: build(t, max_piece_chars=-1), "max_piece_chars", "-1"),
     (

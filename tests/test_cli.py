@@ -284,3 +284,46 @@ def test_the_readme_python_build_writes_its_own_cache_directory() -> None:
     python_out = re.search(r'streampack\.build\(\["a\.jsonl\.gz", "b\.parquet"\], "([^"]+)"', readme)
     assert cli_out and python_out
     assert cli_out.group(1).rstrip("/") != python_out.group(1).rstrip("/")
+
+
+def test_build_has_one_flag_per_option_field() -> None:
+    """Every field of CacheSpec and RunOptions is set by exactly one flag of ``build`` (or is listed as
+    having none), so a field added to the dataclasses cannot be missing from the command."""
+    import dataclasses
+
+    from streampack.builder.options import CacheSpec, RunOptions
+    from streampack.cli.build import FLAGS, NO_FLAG
+
+    declared = [(flag.owner, flag.field) for flag in FLAGS]
+    assert len(declared) == len(set(declared))
+    every = {(cls, f.name) for cls in (CacheSpec, RunOptions) for f in dataclasses.fields(cls)}
+    assert set(declared) | set(NO_FLAG) == every and not set(declared) & set(NO_FLAG)
+
+
+def test_build_flags_default_to_the_dataclasses_defaults() -> None:
+    import click
+
+    from streampack.builder.options import CacheSpec, RunOptions
+    from streampack.cli import cli
+    from streampack.cli.build import options_from_flags
+
+    command = cli.commands["build"]
+    given = {
+        p.name: p.get_default(click.Context(command))
+        for p in command.params
+        if p.name not in {"inputs", "out"}
+    }
+    spec, run = options_from_flags({**given, "progress": False})
+    assert spec == CacheSpec() and run == RunOptions()
+
+
+def test_engine_flag_is_the_old_name_of_executor(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "tiny"}])
+    assert "--engine" not in run_cli("build", "--help").stdout
+    result = run_cli("build", src, "--out", tmp_path / "c", "--engine", "local")
+    assert "warning: --engine is deprecated: it is now --executor" in result.stderr
+    result = run_cli(
+        "build", src, "--out", tmp_path / "d", "--engine", "local", "--executor", "local", check=False
+    )
+    assert result.returncode == 2 and "give --executor only" in result.stderr
+    assert run_cli("build", src, "--out", tmp_path / "e", "--executor", "local").stderr == ""

@@ -252,7 +252,7 @@ def test_fuzzed_manifests_and_ledgers_raise_only_cache_errors(
 
 
 def test_missing_eos_is_found_even_with_matching_checksums(cache: Path) -> None:
-    from streampack.format import file_checksum
+    from streampack.store.files import file_checksum
 
     path = cache / "shards" / "000001.tokens"
     tokens = np.fromfile(path, dtype="<u2")
@@ -266,7 +266,7 @@ def test_missing_eos_is_found_even_with_matching_checksums(cache: Path) -> None:
 
 def poke_tokens(cache: Path, shard: int, values: dict[int, int]) -> np.ndarray:
     """Set tokens of a shard (by position) and give the manifest its new checksum; return its offsets."""
-    from streampack.format import file_checksum
+    from streampack.store.files import file_checksum
 
     path = cache / "shards" / f"{shard:06d}.tokens"
     tokens = np.fromfile(path, dtype="<u2")
@@ -318,7 +318,7 @@ def test_resuming_onto_a_shard_shorter_than_its_ledger_is_refused(pristine: Path
     shutil.copytree(pristine, cache)
     edit_manifest(cache, lambda m: m.update(complete=False))
     entry = cache / "ledger" / "000001.json"
-    entry.write_text(json.dumps({**json.loads(entry.read_text()), "done": False}))
+    entry.write_text(json.dumps(with_checksum({**json.loads(entry.read_text()), "done": False})))
     tokens = cache / "shards" / "000001.tokens"
     os.truncate(tokens, tokens.stat().st_size // 2)
     with pytest.raises(CacheError, match=r"000001\.tokens holds .* bytes but the ledger committed"):

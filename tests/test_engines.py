@@ -76,7 +76,7 @@ def test_ray_engine_matches_local(
         write_jsonl(tmp_path / "in" / "big.jsonl", [{"text": "word " * (j % 90)} for j in range(3000)])
     )
     options = {"tokenizer": str(bpe_tokenizer), "unit_bytes": 1 << 16}
-    summary = streampack.build(inputs, tmp_path / "ray", engine="ray", progress=True, **options)
+    summary = streampack.build(inputs, tmp_path / "ray", executor="ray", progress=True, **options)
     assert summary.empty_docs == 3 * 50 + 34  # the texts repeated 0 times
     docs = f"{9000 - summary.empty_docs:,} docs"
     assert docs in capsys.readouterr().err.splitlines()[-1]  # the tasks' progress reached the bar
@@ -89,7 +89,7 @@ def test_ray_engine_matches_local(
 def test_ray_engine_reports_bad_records_like_local(tmp_path: Path, local_cluster: None) -> None:
     src = write_bytes(tmp_path / "bad.jsonl", b'{"text": "ok"}\n{"oops": 1}\n')
     with pytest.raises(streampack.BadRecordError, match=r"bad\.jsonl:2: no 'text' field"):
-        streampack.build(src, tmp_path / "c", engine="ray")
+        streampack.build(src, tmp_path / "c", executor="ray")
 
 
 def _killed_units(tasks: Sequence[Any], report: Callable[[dict[str, int]], None]) -> Iterator[Any]:

@@ -104,8 +104,7 @@ def test_a_stalled_build_serves_only_committed_eras_then_raises(tmp_path: Path, 
     proc.communicate(timeout=60)
     partial = streampack.open(out, allow_incomplete=True)
     done = [
-        streampack.format.ledger.read_progress(out, f"{i:06d}", u)
-        for i, u in enumerate(partial.manifest.units)
+        streampack.store.files.read_progress(out, f"{i:06d}", u) for i, u in enumerate(partial.manifest.units)
     ]
     assert not all(p.done for p in done), "the build finished before it was killed"
     prefix, unit = 0, 0
@@ -227,7 +226,7 @@ def test_the_build_digest_ignores_what_a_resumed_build_may_change(finished: Path
     saved while following it must still resume."""
     import dataclasses
 
-    from streampack.loader.follow import build_digest
+    from streampack.format.identity import build_digest
 
     manifest = streampack.open(finished).manifest
     moved = dataclasses.replace(

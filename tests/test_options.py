@@ -34,7 +34,7 @@ def test_a_misspelt_option_is_refused_with_the_nearest_name(tmp_path: Path) -> N
         ({"eos": False, "eos_id": 3}, "eos_id=3 contradicts eos=False"),
         ({"special_tokens": "maybe"}, "special_tokens must be one of 'text', 'parse'"),
         ({"workers": 0}, r"workers must be an integer >= 1, or None \(got workers=0\)"),
-        ({"engine": "spark"}, "engine must be one of 'local', 'ray'"),
+        ({"executor": "spark"}, "executor must be one of 'local', 'ray'"),
     ],
 )
 def test_bad_values_are_option_errors(options: dict[str, object], message: str) -> None:
@@ -99,3 +99,18 @@ def test_workers_share_the_cores_unless_threads_are_given() -> None:
     assert worker_threads(RunOptions(), workers=2, cores=16) == 8
     assert worker_threads(RunOptions(), workers=3, cores=2) == 1
     assert worker_threads(RunOptions(threads=4), workers=2, cores=2) == 4
+
+
+def test_engine_is_the_old_name_of_executor(tmp_path: Path) -> None:
+    with pytest.warns(DeprecationWarning, match=r"engine= is deprecated: it is now executor="):
+        run = RunOptions(engine="ray")  # type: ignore[call-arg]
+    assert run == RunOptions(executor="ray")
+    with pytest.warns(DeprecationWarning, match=r"RunOptions.engine is deprecated"):
+        assert run.engine == "ray"
+    with pytest.warns(DeprecationWarning, match=r"engine= is deprecated"):
+        assert split_options(None, None, {"engine": "ray"})[1].executor == "ray"
+    with pytest.raises(OptionsError, match=r"engine= is the old name of executor=: give executor= only"):
+        RunOptions(engine="ray", executor="local")  # type: ignore[call-arg]
+    with pytest.warns(DeprecationWarning, match=r"engine= is deprecated") as caught:
+        streampack.build(streampack.Documents(["a b"]), tmp_path / "c", engine="local", workers=1)
+    assert caught[0].filename == __file__  # the warning names the caller's line

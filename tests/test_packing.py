@@ -157,7 +157,8 @@ def test_pieces_without_a_target_are_counted_and_can_be_dropped(tmp_path: Path) 
     assert kept.fingerprint()["no_target"] == "drop" and "no_target" not in split.fingerprint()
     packed = cache.packed(10, too_long="split", no_target="drop", pad_id=PAD)
     assert packed.layout.no_target == 2 and packed.layout.tokens == kept.layout.tokens
-    with pytest.raises(OptionsError, match=r"no_target must be 'keep' or 'drop' \(got 'skip'\)"):
+    wording = r"no_target must be one of 'keep', 'drop' \(got no_target='skip'\)"
+    with pytest.raises(OptionsError, match=wording):
         cache.documents(10, no_target="skip")  # type: ignore[arg-type]
 
 

@@ -17,9 +17,11 @@ from streampack.builder import pipeline
 from streampack.builder.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, run_units
 from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError
-from streampack.format import ledger
 from streampack.format.ledger import Counts, UnitProgress
-from streampack.inputs.sources import ReadOptions, WorkUnit, expand_inputs, plan_units
+from streampack.inputs.discovery import expand_inputs
+from streampack.inputs.records import ReadOptions, WorkUnit
+from streampack.inputs.units import plan_units
+from streampack.store.files import read_progress
 from streampack.tokenizer.backends import BytesTokenizer, EosPolicy
 from streampack.tokenizer.pieces import EXACT_CUT_PIECE_CHARS, PieceRule
 from tests.conftest import write_jsonl
@@ -176,8 +178,8 @@ def test_a_bad_record_finishes_the_unit_before_and_commits_its_own_unit_up_to_it
     (slow_call,) = tokenizer.slow_calls
     assert any(text.startswith("b") for text in tokenizer.started_while(slow_call)), "unit 1 waited"
     root = tmp_path / "out"
-    done = ledger.read_progress(root, "000000", tasks[0].unit.describe())
-    partial = ledger.read_progress(root, "000001", tasks[1].unit.describe())
+    done = read_progress(root, "000000", tasks[0].unit.describe())
+    partial = read_progress(root, "000001", tasks[1].unit.describe())
     assert done.done and done.records == len(first)
     assert not partial.done and partial.records == 5
     assert partial.docs == 5

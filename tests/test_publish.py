@@ -115,7 +115,9 @@ def test_a_build_killed_mid_upload_resumes_against_the_remote_ledger(
     proc.communicate(timeout=60)
 
     objects = remote_bytes(fs, f"{name}/c")
-    manifest = streampack.format.load_manifest(streampack.store.remote.RemoteStore(url, options(s3_endpoint)))
+    manifest = streampack.store.files.load_manifest(
+        streampack.store.remote.RemoteStore(url, options(s3_endpoint))
+    )
     assert not manifest.complete and manifest.shards == []
     for key in (k for k in objects if k.startswith("ledger/")):
         stem = key.split("/")[1].removesuffix(".json")
@@ -179,3 +181,17 @@ def test_a_build_through_a_link_that_resets_connections_completes_byte_identical
     assert proxy.connections > 3  # some were reset
     streampack.build(inputs, tmp_path / "local", tokenizer=str(bpe_tokenizer), **BUILD)
     assert remote_bytes(fs, f"{name}/c") == shard_bytes(tmp_path / "local")
+
+
+def test_a_range_past_the_end_of_a_cut_object_fails_at_once_without_retries(s3_endpoint: str) -> None:
+    import s3fs
+
+    from streampack.errors import CacheError
+    from streampack.store.remote import RemoteStore
+
+    s3fs.S3FileSystem(client_kwargs={"endpoint_url": s3_endpoint}).mkdir("cut-objects")
+    store = RemoteStore("s3://cut-objects/c", s3_options(s3_endpoint), attempts=4, backoff=5.0)
+    store.put_atomic("x", b"0123456789")
+    with pytest.raises(CacheError, match="cannot read") as refused:
+        store.read("x", 12, 20)  # the store refuses the range: asking again gives the same answer
+    assert "attempts" not in str(refused.value)

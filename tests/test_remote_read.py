@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -19,8 +20,8 @@ import pytest
 
 import streampack
 from streampack.loader import prefetch
-from streampack.store.localcopy import BLOCK, CachedStore
-from tests.conftest import CREDENTIALS, s3_options, write_jsonl
+from streampack.store.localcopy import BLOCK, CachedStore, default_local_dir
+from tests.conftest import CREDENTIALS, run_cli, s3_options, write_jsonl
 
 pytest.importorskip("s3fs", reason="reading from S3 needs s3fs (the dev extra has it)")
 
@@ -269,3 +270,96 @@ def test_prefetch_fetches_the_next_steps_shards_in_the_background(
     assert all(isinstance(store, CachedStore) and store.exists(key) for store, key in files)
     local_loader = streampack.Loader(streampack.open(local).sequences(LONG), batch_size=2, seed=3)
     assert local_loader.prefetch_steps == 0 and local_loader.lookahead(0, 4) == []
+
+
+def test_verify_of_a_url_reads_the_objects_not_a_local_copy(
+    tmp_path: Path,
+    built: tuple[str, Path, int, int],
+    s3_endpoint: str,
+    bucket: tuple[Any, str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """B1: a damaged object is found although an earlier read left its good copy where the CLI looks."""
+    fs, name = bucket
+    fs.cp("reads/c", f"{name}/c", recursive=True)
+    url = f"s3://{name}/c"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the CLI's default local copies go under tmp_path
+    sound = run_cli("verify", url)
+    assert sound.stdout.startswith(f"ok: {url} (") and "from object storage" in sound.stdout
+    assert not (tmp_path / "streampack-read").exists()  # streamed through the checks, nothing kept
+    default_copy = tmp_path / "streampack-read" / default_local_dir(url).name
+    cache = streampack.open(url, local_dir=default_copy, storage_options=s3_options(s3_endpoint))
+    for shard in range(cache.num_shards):
+        cache.shard_tokens(shard)  # the good copies are local now
+    key = f"{name}/c/shards/000002.tokens"
+    data = bytearray(fs.cat_file(key))
+    data[len(data) // 2] ^= 0x01
+    fs.pipe_file(key, bytes(data))
+    damaged = run_cli("verify", url, check=False)
+    assert damaged.returncode == 1, damaged.stdout
+    assert damaged.stderr.startswith(f"error: {url}/shards/000002.tokens: checksum crc32:"), damaged.stderr
+    report = streampack.verify(url, storage_options=s3_options(s3_endpoint))
+    assert report.path == url and len(report.problems) == 1 and report.problems[0].startswith(url)
+
+
+def test_info_of_a_url_shows_the_url_as_the_path_and_the_local_copy_apart(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, local, _, _ = built
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    copy = tmp_path / "streampack-read" / default_local_dir(url).name
+    stats = json.loads(run_cli("info", url, "--json").stdout)
+    assert stats["path"] == url and stats["local_copy"] == str(copy)
+    assert stats["bytes"] == json.loads(run_cli("info", local, "--json").stdout)["bytes"]
+    assert "local_copy" not in json.loads(run_cli("info", local, "--json").stdout)
+    text = run_cli("info", url).stdout
+    assert re.search(rf"^path\s+{re.escape(url)}$", text, re.M) and re.search(
+        rf"^local_copy\s+{copy}$", text, re.M
+    )
+    assert not [p for p in (copy / "shards").iterdir() if ".tokens." in p.name]  # info reads no token file
+
+
+def test_a_batch_that_its_own_process_cannot_fit_in_the_bound_is_refused_at_once(
+    tmp_path: Path, bpe_tokenizer: Path, s3_endpoint: str, bucket: tuple[Any, str]
+) -> None:
+    """C2: the copies the waiting read itself maps are the ones that leave no room: no other process can
+    free them, so it says so at once rather than after WAIT_SECONDS."""
+    _, name = bucket
+    inputs = [
+        write_jsonl(tmp_path / f"{i}.jsonl", [{"text": f"alpha beta {i} gamma " * 30} for _ in range(150)])
+        for i in range(2)
+    ]
+    url = f"s3://{name}/two"
+    streampack.build(
+        inputs,
+        url,
+        tokenizer=str(bpe_tokenizer),
+        stage=str(tmp_path / "stage"),
+        storage_options=s3_options(s3_endpoint),
+        unit_bytes=inputs[0].stat().st_size,
+        workers=1,
+        commit_seconds=0,
+    )
+    probe = streampack.open(url, local_dir=tmp_path / "probe", storage_options=s3_options(s3_endpoint))
+    assert probe.num_shards == 2
+    store = probe.store
+    assert isinstance(store, CachedStore)
+    largest = max(sum(store.expected_blocks(key) for key in probe.shard_keys(s)) for s in range(2))
+    cache = streampack.open(
+        url,
+        local_dir=tmp_path / "copy",
+        max_local_bytes=largest,
+        prefetch_steps=0,
+        storage_options=s3_options(s3_endpoint),
+    )
+    boundary = int(cache.token_starts[1])
+    samples = cache.sequences(SEQ_LEN)
+    crossing = boundary // SEQ_LEN
+    assert crossing * SEQ_LEN < boundary < (crossing + 1) * SEQ_LEN, "the window must cross the shards"
+    with pytest.raises(
+        streampack.CacheError, match=r"this process itself maps \d+ bytes .* raise max_local_bytes"
+    ):
+        samples[crossing]
+    assert np.array_equal(samples[crossing - 1], probe.sequences(SEQ_LEN)[crossing - 1])  # one shard fits

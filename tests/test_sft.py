@@ -18,7 +18,8 @@ from tokenizers import Tokenizer
 
 import streampack
 from streampack.errors import BadRecordError, CacheError, ConfigMismatchError, InputError, TokenizerError
-from streampack.format import file_checksum, with_checksum
+from streampack.format import with_checksum
+from streampack.store.files import file_checksum
 from tests.conftest import run_cli, set_shard_checksum, write_jsonl
 
 GPT2_EOS = 50256
@@ -391,7 +392,9 @@ def damaged(cache: Path, tmp_path: Path, position: int, value: int, *, fix_check
 
 def test_verify_checks_the_mask(tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [{"p": "ab", "r": "cd"}, {"p": "e", "r": "f"}])
-    streampack.build(src, tmp_path / "c", fields=["p", "r"], bos_id=300)  # [300 a b c d 256] [300 e f 256]
+    streampack.build(
+        src, tmp_path / "c", fields=["p", "r"], bos_id=300, allow_new_ids=True
+    )  # [300 a b c d 256] [300 e f 256]
     assert streampack.verify(tmp_path / "c").ok
     problems = streampack.verify(damaged(tmp_path / "c", tmp_path, 2, 1, fix_checksum=False)).problems
     assert any("000000.mask: checksum" in p for p in problems), problems

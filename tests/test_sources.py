@@ -1,5 +1,5 @@
-"""Tests for the readers of `streampack.inputs.sources`: what records become, and that a resumed unit skips
-exactly the records it committed, on the paths taken only for bad records too."""
+"""Tests for the readers of `streampack.inputs` (`units` and the formats): what records become, and that
+a resumed unit skips exactly the records it committed, on the paths taken only for bad records too."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 
 import streampack
 from streampack.errors import BadRecordError
-from streampack.inputs.sources import ReadOptions, expand_inputs, plan_units, read_unit
+from streampack.inputs.discovery import expand_inputs
+from streampack.inputs.records import ReadOptions
+from streampack.inputs.units import plan_units, read_unit
 
 ADVICE = "; pass text_field=... to choose another"
 

@@ -33,46 +33,32 @@ from streampack.builder.pipeline import (
 from streampack.builder.progress import BuildProgress
 from streampack.builder.publish import Publisher, default_stage
 from streampack.builder.stagetimes import add_up, mark_process_start
-from streampack.errors import CacheError, ConfigMismatchError, StreampackError
-from streampack.format import (
+from streampack.errors import CacheError, ConfigMismatchError, OptionsError, StreampackError
+from streampack.format.identity import build_identity
+from streampack.format.ledger import UnitProgress
+from streampack.format.manifest import Manifest, ShardInfo, ShardTable
+from streampack.format.names import (
     LAYOUT_DIR,
     LEDGER_DIR,
     LOCK,
     MANIFEST,
     SHARD_DIR,
-    Manifest,
-    ShardInfo,
-    ShardTable,
     dtype_name,
-    ledger,
-    load_manifest,
     shard_name,
     token_dtype,
 )
-from streampack.format.ledger import UnitProgress
+from streampack.inputs.discovery import Ignored, check_output_outside_inputs, discover_inputs
+from streampack.inputs.records import Documents, ReadOptions, WorkUnit, refuse_text_for_sft
 from streampack.inputs.sft import load_chat_template
-from streampack.inputs.sources import (
-    Documents,
-    Ignored,
-    ReadOptions,
-    WorkUnit,
-    check_output_outside_inputs,
-    discover_inputs,
-    plan_python_units,
-    plan_units,
-    refuse_text_for_sft,
-)
+from streampack.inputs.units import plan_python_units, plan_units
 from streampack.store import LocalStore
+from streampack.store.files import load_manifest, read_progress, write_manifest
 from streampack.store.remote import RemoteStore, is_remote
-from streampack.tokenizer.backends import (
-    ENGINE_CHOICES,
-    Tokenizer,
-    describe_engine,
-    load_tokenizer,
-    resolve_bos,
-    resolve_eos,
-)
+from streampack.tokenizer.base import Tokenizer, describe_engine
+from streampack.tokenizer.choices import ENGINE_CHOICES
+from streampack.tokenizer.load import load_tokenizer
 from streampack.tokenizer.pieces import piece_rule
+from streampack.tokenizer.specials import BosPolicy, EosPolicy, resolve_bos, resolve_eos
 
 
 @dataclass
@@ -90,6 +76,9 @@ class BuildSummary:
     units_already_done: int = 0
     seconds: float = 0.0
     workers: int = 1  # processes that ran units (Ray: tasks at once is the cluster's business; 1 shown)
+    # Which engine computed the ids in this run, and why: "fastokens 0.3.5 (proven exact for this tokenizer
+    # in text mode)", "tokenizers 0.23.3 (fastokens refused: ...)". A cache found complete says "".
+    tokenizer_engine: str = ""
     stages: dict[str, list[float]] = field(
         default_factory=dict
     )  # [wall, CPU] s per stage: streampack.builder.stagetimes
@@ -146,7 +135,7 @@ def build(
     spec = replace(spec, max_piece_chars=pieces.max_chars)
     eos = resolve_eos(tokenizer, eos=spec.eos, eos_id=spec.eos_id)
     bos = resolve_bos(tokenizer, bos=spec.bos, bos_id=spec.bos_id)
-    vocab_size = max(tokenizer.vocab_size, (eos.id or 0) + 1, (bos.id or 0) + 1)
+    vocab_size = _vocab_size(tokenizer, eos, bos, allow_new_ids=run.allow_new_ids)
     fingerprint = tokenizer.fingerprint()
     cuts = {"exact": tokenizer.cut_safety.exact, "reason": tokenizer.cut_safety.reason}
     described = {**fingerprint, "vocab_size": vocab_size, "spec": spec.tokenizer, "cuts": cuts}
@@ -179,6 +168,7 @@ def build(
         read=read,
         eos=eos,
         bos=bos,
+        vocab_size=vocab_size,
         verify=_verify_mode(tokenizer, run),
         dtype=manifest.dtype,
         pieces=pieces,
@@ -206,9 +196,43 @@ def build(
     return summary
 
 
+def _vocab_size(tokenizer: Tokenizer, eos: EosPolicy, bos: BosPolicy, *, allow_new_ids: bool) -> int:
+    """The cache's vocab size: the tokenizer's, grown past an EOS or BOS id beyond it only when allowed.
+
+    Raises:
+        OptionsError: an EOS or BOS id is outside the tokenizer's vocabulary and ``allow_new_ids`` is off.
+    """
+    size = tokenizer.vocab_size
+    for kind, token_id in (("eos", eos.id), ("bos", bos.id)):
+        if token_id is not None and token_id >= size and not allow_new_ids:
+            raise OptionsError(
+                f"{kind}_id={token_id} is outside the vocabulary of tokenizer {tokenizer.spec!r}, whose "
+                f"{size:,} ids are 0..{size - 1:,}: a model's embedding of {size:,} rows has no row for it. "
+                f"Give an id below {size:,}, or pass allow_new_ids=True if the model adds ids of its own "
+                f"(the cache's vocab_size then becomes {token_id + 1:,})"
+            )
+    return max(size, (eos.id or 0) + 1, (bos.id or 0) + 1)
+
+
 def _verify_mode(tokenizer: Tokenizer, run: RunOptions) -> VerifyTokens:
     """What the units re-encode with the reference engine: nothing when the engine is the reference."""
     return "none" if tokenizer.engine is tokenizer.reference_engine() else run.verify_tokens
+
+
+def engine_summary(entry: dict[str, Any]) -> str:
+    """One line for a manifest's engine entry: which engine computed the ids, why, and how they were checked
+    against the reference engine."""
+    name = f"{entry['name']} {entry['version']}"
+    why = f"{entry['why']}; " if entry.get("why") else ""
+    if name == entry.get("reference"):
+        return f"{name} ({why}the tokenizer's reference engine)"
+    verify = entry.get("verify") or {}
+    checked = {
+        "sample": f"first {verify.get('first', 0):,} records + {verify.get('rate', 0):.1%} re-encoded",
+        "all": "every record re-encoded",
+        "none": "not verified",
+    }.get(verify.get("mode", ""), "verification not recorded")
+    return f"{name} ({why}reference {entry.get('reference')}; {checked})"
 
 
 def _engine_entry(tokenizer: Tokenizer, run: RunOptions) -> dict[str, Any]:
@@ -361,11 +385,12 @@ def _build_locked(
                 publisher.finish()
             return _summarize(summary, existing)
         manifest = replace(manifest, engines=_engines(existing.engines, manifest.engines))
-    manifest.write(store)
+    write_manifest(store, manifest)
     units = [t.unit for t in tasks]
-    progress = [ledger.read_progress(store, shard_name(u.index), u.describe()) for u in units]
+    progress = [read_progress(store, shard_name(u.index), u.describe()) for u in units]
     summary.units_already_done = sum(p.done for p in progress)
     summary.units_resumed = sum(not p.done and p.records > 0 for p in progress)
+    summary.tokenizer_engine = engine_summary(_engine_entry(tokenizer, run))
     todo = [t for t, p in zip(tasks, progress) if not p.done]
     summary.workers = _worker_count(todo, run, tokenizer)
     summary.stages = {"prepare": [time.perf_counter() - started[0], time.process_time() - started[1]]}
@@ -384,7 +409,7 @@ def _build_locked(
         empty_docs=sum(p.empty_docs for p in progress),
         inexact_cuts=sum(p.inexact_cuts for p in progress),
     )
-    final.write(store)
+    write_manifest(store, final)
     if publisher is not None:
         publisher.finish()
     return _summarize(summary, final)
@@ -447,25 +472,6 @@ def _check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> No
         )
 
 
-def build_identity(manifest: Manifest) -> dict[str, Any]:
-    """What a resumed build must share with the cache, one setting per key (the tokenizer by its hash:
-    the same tokenizer may be named by another path). Settings that a cache written before they existed
-    lacks read as their defaults, which is what such a build did."""
-    config = manifest.build_config()
-    tokenizer = {k: v for k, v in config["tokenizer"].items() if k != "spec"}
-    settings = {k: v for k, v in config["settings"].items() if k != "tokenizer"}
-    for key, value in _LATER_SETTINGS.items():
-        settings.setdefault(key, value)
-    # The policies as resolved (the tokenizer's own EOS or BOS may come from a tokenizer_config.json, which
-    # the tokenizer's hash does not cover), keyed apart from the settings of the same name.
-    policies = {"eos_policy": config["eos"], "bos_policy": config["bos"]}
-    return {"tokenizer": tokenizer, "dtype": config["dtype"], **policies, **settings}
-
-
-# Settings added after caches were first written, with the value that those caches were built with.
-_LATER_SETTINGS: dict[str, Any] = {"bos": False, "bos_id": None, "fields": None, "chat": None}
-
-
 def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
     old_paths, new_paths = [i["path"] for i in old], [i["path"] for i in new]
     if old_paths != new_paths:
@@ -487,7 +493,7 @@ def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str
 
 
 def _worker_count(todo: list[UnitTask], run: RunOptions, tokenizer: Tokenizer) -> int:
-    """Worker processes of the local engine: as asked or chosen, at most one per unit to build."""
+    """Worker processes of the local executor: as asked or chosen, at most one per unit to build."""
     wanted = run.workers or default_workers(tokenizer, os.cpu_count() or 1)
     return min(wanted, max(sum(not t.unit.in_process for t in todo), 1))
 
@@ -504,7 +510,7 @@ def _run(
     pooled = [t for t in todo if not t.unit.in_process]
     here = partial(run_units, tokenizer=tokenizer)  # this process: the tokenizer build() loaded
     yield from run_local(here, in_process, workers=1, on_progress=report)
-    if run.engine == "ray":
+    if run.executor == "ray":
         threads = run.threads or cores  # a Ray task holds one CPU, but its node's cores are its to use
         setup: dict[str, Any] = {"on_progress": report, "initializer": init_worker, "initargs": (threads,)}
         yield from run_ray(run_units, pooled, address=run.ray_address, **setup)

@@ -205,7 +205,7 @@ def run_ray(
         import ray
         from ray.util.queue import Queue
     except ImportError:
-        raise MissingDependencyError("the ray engine needs Ray: pip install 'streampack[ray]'") from None
+        raise MissingDependencyError("the ray executor needs Ray: pip install 'streampack[ray]'") from None
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)

@@ -3,7 +3,7 @@
 
 Every field of :class:`CacheSpec` can change the cache's bytes: the whole spec is recorded in the manifest
 and a resumed build must match it. :class:`RunOptions` never change the bytes (a cache is byte-identical
-for any number of workers, threads or engine) and are never recorded. The CLI takes its defaults from
+for any number of workers, threads or executor) and are never recorded. The CLI takes its defaults from
 these classes, so each default is written once.
 """
 
@@ -12,21 +12,20 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar, get_args
 
 from streampack._checks import check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
+from streampack.inputs import DEFAULT_UNIT_BYTES
+from streampack.tokenizer.choices import ENGINE_CHOICES, SPECIAL_TOKENS, SpecialTokens, TokenizerEngine
 
 OnBadRecord = Literal["error", "skip"]
-Engine = Literal["local", "ray"]
-SpecialTokens = Literal["text", "parse"]
-TokenizerEngine = Literal["auto", "tokenizers", "tiktoken", "fastokens"]
+Executor = Literal["local", "ray"]
 VerifyTokens = Literal["sample", "all", "none"]
-SPECIAL_TOKENS: tuple[SpecialTokens, ...] = get_args(SpecialTokens)
-TOKENIZER_ENGINES: tuple[TokenizerEngine, ...] = get_args(TokenizerEngine)
-DEFAULT_UNIT_BYTES = 64 << 20
+TOKENIZER_ENGINES = ENGINE_CHOICES  # its name here before the tokenizer package held it
 _Options = TypeVar("_Options", bound=type)
 
 
@@ -38,6 +37,7 @@ def _named_fields(cls: _Options) -> _Options:
 
     @functools.wraps(init)
     def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        kwargs = new_names(kwargs, names, stacklevel=3)
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise OptionsError(unknown_option(unknown[0], names, f"{cls.__name__} has no field"))
@@ -45,6 +45,34 @@ def _named_fields(cls: _Options) -> _Options:
 
     setattr(cls, "__init__", checked_init)  # noqa: B010 - mypy refuses assigning a method directly
     return cls
+
+
+#: Options renamed since 0.1, old name -> new: still accepted, with a DeprecationWarning.
+RENAMED = {"engine": "executor"}
+
+
+def new_names(options: dict[str, Any], names: Collection[str], *, stacklevel: int) -> dict[str, Any]:
+    """``options`` with the old names of :data:`RENAMED` fields in ``names`` given their new ones, each
+    with a :class:`DeprecationWarning` (``stacklevel`` points it at the caller's line).
+
+    Raises:
+        OptionsError: an option given under both its old and its new name.
+    """
+    old = [name for name in options if name in RENAMED and RENAMED[name] in names]
+    if not old:
+        return options
+    options = dict(options)
+    for name in old:
+        new = RENAMED[name]
+        if new in options:
+            raise OptionsError(f"{name}= is the old name of {new}=: give {new}= only")
+        warnings.warn(
+            f"{name}= is deprecated: it is now {new}= (the same values)",
+            DeprecationWarning,
+            stacklevel=stacklevel,
+        )
+        options[new] = options.pop(name)
+    return options
 
 
 def unknown_option(name: str, names: Collection[str], what: str) -> str:
@@ -66,7 +94,7 @@ class CacheSpec:
         eos: append an EOS id after every document.
         eos_id: the EOS id to append (default: the tokenizer's own EOS token).
         bos: put the tokenizer's BOS id before every document (see
-            :func:`streampack.tokenizer.backends.resolve_bos`).
+            :func:`streampack.tokenizer.specials.resolve_bos`).
         bos_id: put this BOS id before every document (sets ``bos``).
         text_field: JSON key or Parquet column holding the text.
         split_lines: one document per line of ``.txt`` inputs (default: one per file).
@@ -144,10 +172,12 @@ class RunOptions:
     Attributes:
         workers: worker processes (default: see :func:`streampack.builder.coordinator.default_workers`).
         threads: tokenizer threads per worker (default: the cores divided among the workers).
-        engine: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
-        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine known to give exactly
-            the tokenizer's own ids: ``fastokens`` where installed, for the byte-level BPE tokenizers it
-            reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``. Every engine gives the same bytes.
+        executor: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster); formerly
+            ``engine``, a name still accepted with a :class:`DeprecationWarning`.
+        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine proven to give exactly
+            the tokenizer's own ids in the build's special-token mode: ``fastokens`` where installed, for
+            the byte-level BPE tokenizers it reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``.
+            Every engine gives the same bytes; ``BuildSummary.tokenizer_engine`` says which ran and why.
         verify_tokens: with an engine other than the tokenizer's reference engine, re-encode with the
             reference and stop at the first difference: ``sample`` (the build's first 20 records and a
             hash-chosen 0.1 % of the rest), ``all``, or ``none``.
@@ -164,11 +194,15 @@ class RunOptions:
             and endpoints otherwise come from the environment, as for any client of the store).
         profile: measure the CPU time of each stage of the pipeline too (``BuildSummary.stages``), at a
             small cost per record.
+        allow_new_ids: allow an ``eos_id`` or ``bos_id`` outside the tokenizer's vocabulary; the cache's
+            ``vocab_size`` (recorded, and compared on resume) then grows past it. Without it such an id is
+            refused. It only permits: a cache built with it has the bytes it would have with any other
+            permission, so it is a run option, not part of the cache's identity.
     """
 
     workers: int | None = None
     threads: int | None = None
-    engine: Engine = "local"
+    executor: Executor = "local"
     tokenizer_engine: TokenizerEngine = "auto"
     verify_tokens: VerifyTokens = "sample"
     ray_address: str | None = None
@@ -181,10 +215,11 @@ class RunOptions:
     stage: str | None = None
     storage_options: Mapping[str, Any] | None = None
     profile: bool = False
+    allow_new_ids: bool = False
 
     def __post_init__(self) -> None:
-        check_choice("engine", self.engine, get_args(Engine))
-        check_choice("tokenizer_engine", self.tokenizer_engine, TOKENIZER_ENGINES)
+        check_choice("executor", self.executor, get_args(Executor))
+        check_choice("tokenizer_engine", self.tokenizer_engine, ENGINE_CHOICES)
         check_choice("verify_tokens", self.verify_tokens, get_args(VerifyTokens))
         check_choice("on_bad_record", self.on_bad_record, get_args(OnBadRecord))
         for name in ("workers", "threads"):
@@ -193,6 +228,12 @@ class RunOptions:
             object.__setattr__(self, name, check_int(name, getattr(self, name), min=1))
         if self.commit_seconds < 0:
             raise OptionsError(f"commit_seconds must be >= 0 (got {self.commit_seconds})")
+
+    @property
+    def engine(self) -> Executor:
+        """Deprecated: :attr:`executor`, under its old name."""
+        warnings.warn("RunOptions.engine is deprecated: it is now RunOptions.executor", DeprecationWarning, 2)
+        return self.executor
 
 
 def split_options(
@@ -205,6 +246,7 @@ def split_options(
     """
     spec_names = {f.name for f in fields(CacheSpec)}
     run_names = {f.name for f in fields(RunOptions)}
+    options = new_names(options, run_names, stacklevel=4)  # warn at the line that called build()
     unknown = sorted(set(options) - spec_names - run_names)
     if unknown:
         raise OptionsError(unknown_option(unknown[0], spec_names | run_names, "unknown build option"))

@@ -23,16 +23,21 @@ from types import TracebackType
 
 import numpy as np
 
-from streampack.builder.options import OnBadRecord, SpecialTokens, TokenizerEngine, VerifyTokens
+from streampack.builder.options import OnBadRecord, VerifyTokens
 from streampack.builder.stagetimes import Stopwatch
 from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
-from streampack.format import ledger, shard_name
 from streampack.format.ledger import Counts, UnitProgress
+from streampack.format.names import shard_name
+from streampack.inputs.records import Position, ReadOptions, TextStream, WorkUnit
 from streampack.inputs.sft import Sft
-from streampack.inputs.sources import Position, ReadOptions, TextStream, WorkUnit, read_unit, records_before
-from streampack.tokenizer.backends import BosPolicy, EosPolicy, Tokenizer, load_tokenizer
+from streampack.inputs.units import read_unit, records_before
+from streampack.store.files import read_progress
+from streampack.tokenizer.base import Tokenizer
+from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
+from streampack.tokenizer.load import load_tokenizer
 from streampack.tokenizer.pieces import CutCount, PieceRule
+from streampack.tokenizer.specials import BosPolicy, EosPolicy
 
 ProgressFn = Callable[[dict[str, int]], None]
 NO_BOS = BosPolicy(False, None)
@@ -81,6 +86,9 @@ class UnitSpec:
     dtype: str
     pieces: PieceRule  # resolved for the tokenizer (see :func:`streampack.tokenizer.pieces.piece_rule`)
     bos: BosPolicy = NO_BOS
+    # The manifest's vocab_size: every id written is below it, checked per batch before it is written
+    # (None: below the dtype's limit only).
+    vocab_size: int | None = None
     verify: VerifyTokens = "none"  # re-encode records with the reference engine (see VERIFY_FIRST)
     on_bad_record: OnBadRecord = "error"
     batch_chars: int = 1 << 20
@@ -119,7 +127,7 @@ def run_units(
     with _Pipeline(report) as pipeline:
         for task in tasks:
             name = shard_name(task.unit.index)
-            progress = ledger.read_progress(Path(task.spec.root), name, task.unit.describe())
+            progress = read_progress(Path(task.spec.root), name, task.unit.describe())
             if progress.done:
                 yield UnitResult(task.unit.index, progress)
                 continue
@@ -195,6 +203,7 @@ class _OpenUnit:
         dtype = np.dtype(task.spec.dtype)
         self.writer = ShardWriter(Path(task.spec.root), name, dtype, progress, masked=task.spec.read.sft)
         self.eos = np.array([task.spec.eos.id], dtype=np.uint32) if task.spec.eos.append else None
+        self.id_limit = task.spec.vocab_size or int(np.iinfo(dtype).max) + 1
         self.bos = np.array([task.spec.bos.id], dtype=np.uint32) if task.spec.bos.prepend else None
         self.position = Position()
         self.reported_bytes = 0
@@ -229,6 +238,7 @@ class _Batch:
     opens_doc: bool  # the first piece is the first of its document (a later one is when the one before ends)
     targets: list[bool] | None  # SFT builds: per piece, its tokens carry the loss
     checks: list[tuple[int, int]]  # (piece, record) of the pieces re-encoded with the reference engine
+    records: list[int]  # per piece, the unit's record it is from (for errors)
     counts: Counts  # the unit's records consumed by this batch and the ones before it, and what they held
     last: bool = False  # the unit's last batch (possibly empty): writing it completes the unit
 
@@ -310,6 +320,7 @@ class _Pipeline:
         self.targets: list[bool] = []  # SFT builds only: per piece, as in _Batch
         self.templated: list[bool] = []  # SFT builds only: per piece, written by a chat template
         self.checks: list[tuple[int, int]] = []  # as in _Batch
+        self.records: list[int] = []  # as in _Batch
 
     def _bad_record(self, error: BadRecordError) -> None:
         if self.unit.spec.on_bad_record == "error":
@@ -337,6 +348,7 @@ class _Pipeline:
                 self.checks.append((len(self.texts), record))
             self.texts.append(piece)
             self.ends_doc.append(False)
+            self.records.append(record)
             self.batch_chars += len(piece)
         self.ends_doc[-1] = True
         self.tally.inexact_cuts += cuts.inexact
@@ -361,6 +373,7 @@ class _Pipeline:
                     self.checks.append((len(self.texts), record))
                 self.texts.append(piece)
                 self.ends_doc.append(False)
+                self.records.append(record)
                 self.targets.append(segment.target)
                 self.templated.append(segment.template)
                 self.batch_chars += len(piece)
@@ -391,6 +404,7 @@ class _Pipeline:
                 self.opens_doc,
                 targets,
                 self.checks,
+                self.records,
                 self.tally.counts(),
                 last,
             )
@@ -423,8 +437,12 @@ class _Pipeline:
         if encoded:
             with watch.stage("frame"):
                 tokens, doc_ends, piece_ends = _frame(
-                    encoded, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos, unit.writer.dtype
+                    encoded, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos
                 )
+                top = int(tokens.max()) if len(tokens) else 0
+                if top >= unit.id_limit:
+                    raise _id_error(unit, batch, tokens, piece_ends, top)
+                tokens = tokens.astype(unit.writer.dtype, copy=False)
                 mask = None
                 if batch.targets is not None:
                     mask = _loss_mask(batch, piece_ends, unit.bos is not None, unit.eos is not None)
@@ -459,9 +477,9 @@ def _frame(
     opens_doc: bool,
     bos: np.ndarray | None,
     eos: np.ndarray | None,
-    dtype: np.dtype,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A batch's tokens with BOS before each document begun and EOS after each document completed; the
+    """A batch's tokens (uint32, as the engine gave them: the caller checks them before they are narrowed to
+    the cache's dtype) with BOS before each document begun and EOS after each document completed; the
     completed documents' end offsets; and every piece's end offset (BOS and EOS included).
 
     A document cut into pieces gets one BOS, before its first piece: a piece begins a document when it is
@@ -481,7 +499,7 @@ def _frame(
             n += 1
         lengths[i] = n
         opens = ends
-    tokens = np.concatenate(parts, dtype=dtype, casting="unsafe")
+    tokens = np.concatenate(parts, dtype=np.uint32)
     piece_ends = np.cumsum(lengths)
     return tokens, piece_ends[np.asarray(ends_doc)], piece_ends
 
@@ -536,6 +554,30 @@ def _encode_and_check(
             if not np.array_equal(ids[piece], expected):
                 raise _Mismatch(record, ids[piece].tolist(), expected.tolist(), texts[piece])
     return ids, encoded - started, time.perf_counter() - encoded if checks else 0.0
+
+
+def _id_error(
+    unit: _OpenUnit, batch: _Batch, tokens: np.ndarray, piece_ends: np.ndarray, top: int
+) -> TokenizerError:
+    """The error naming the record whose tokens hold an id at or above the cache's vocab size."""
+    piece = int(np.searchsorted(piece_ends, int(np.argmax(tokens)), side="right"))
+    tokenizer = unit.tokenizer
+    engine, reference = tokenizer.engine.name, tokenizer.reference_engine().name
+    if engine != reference:
+        todo = (
+            f"Rebuild with tokenizer_engine='{reference}' (overwrite=True), and report the tokenizer: "
+            f"streampack chose {engine} as exact for it"
+        )
+    else:
+        todo = (
+            "The tokenizer's own library gave an id outside the vocabulary it reports: report the tokenizer"
+        )
+    return TokenizerError(
+        f"{record_location(unit.task.unit, unit.spec.read, batch.records[piece])}: the {engine} engine gave "
+        f"token id {top}, not below the vocab size {unit.id_limit:,} of this cache (tokenizer "
+        f"{tokenizer.spec!r}). The build stopped before writing the batch; the cache keeps only what was "
+        f"committed before it. {todo}"
+    )
 
 
 def _mismatch_error(unit: _OpenUnit, mismatch: _Mismatch) -> TokenizerError:

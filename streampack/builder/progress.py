@@ -8,7 +8,7 @@ from typing import Any
 
 from streampack.builder.pipeline import UnitResult
 from streampack.format.ledger import UnitProgress
-from streampack.inputs.sources import WorkUnit
+from streampack.inputs.records import WorkUnit
 
 
 class BuildProgress:

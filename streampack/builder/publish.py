@@ -30,22 +30,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from streampack.errors import CacheError, StreampackError
-from streampack.format import (
+from streampack.format.ledger import UnitProgress
+from streampack.format.manifest import Manifest
+from streampack.format.names import (
     LAYOUT_DIR,
     LEDGER_DIR,
     MANIFEST,
     SHARD_DIR,
-    Manifest,
     checksum_text,
-    ledger,
     ledger_key,
-    load_manifest,
     mask_key,
     offsets_key,
     tokens_key,
 )
-from streampack.format.ledger import UnitProgress
 from streampack.store import LocalStore
+from streampack.store.files import commit_progress, load_manifest, read_progress, write_manifest
 from streampack.store.remote import RemoteStore
 
 SameBuild = Callable[[str, Manifest, Manifest], None]  # raises ConfigMismatchError when they differ
@@ -102,7 +101,7 @@ class Publisher:
             _empty(self.stage)
         self.stage.makedirs(LEDGER_DIR)
         self.stage.makedirs(SHARD_DIR)
-        manifest.write(self.remote)
+        write_manifest(self.remote, manifest)
         self._adopt_remote_ledger()
         for name in sorted(set(self.units) - self.up):
             self._upload_staged(name)
@@ -144,9 +143,9 @@ class Publisher:
         for name, unit in self.units.items():
             if f"{name}.json" not in entries:
                 continue
-            progress = ledger.read_progress(self.remote, name, unit)
+            progress = read_progress(self.remote, name, unit)
             if progress.done:
-                ledger.commit(self.stage, name, progress)
+                commit_progress(self.stage, name, progress)
                 self.up.add(name)
 
     def _upload_staged(self, name: str) -> None:
@@ -162,7 +161,7 @@ class Publisher:
                 self.stage.delete(key)
 
     def _staged_progress(self, name: str) -> UnitProgress:
-        return ledger.read_progress(self.stage, name, self.units[name])
+        return read_progress(self.stage, name, self.units[name])
 
     def _upload(self, name: str, progress: UnitProgress) -> None:
         files = [(tokens_key(name), progress.tokens_checksum), (offsets_key(name), progress.offsets_checksum)]

@@ -13,17 +13,10 @@ from types import TracebackType
 
 import numpy as np
 
-from streampack.format import (
-    OFFSET_DTYPE,
-    SHARD_DIR,
-    checksum_text,
-    ledger,
-    mask_key,
-    offsets_key,
-    tokens_key,
-)
 from streampack.format.ledger import Counts, UnitProgress
+from streampack.format.names import OFFSET_DTYPE, SHARD_DIR, checksum_text, mask_key, offsets_key, tokens_key
 from streampack.store import LocalStore, StagedFile, disk_error
+from streampack.store.files import commit_progress
 
 __all__ = ["ShardWriter", "disk_error"]
 
@@ -108,7 +101,7 @@ class ShardWriter:
             inexact_cuts=counts.inexact_cuts,
             mask_checksum=checksums[2],
         )
-        ledger.commit(self._store, self.name, self.progress)
+        commit_progress(self._store, self.name, self.progress)
         return self.progress
 
     def close(self) -> None:

@@ -10,11 +10,27 @@ import click
 import numpy as np
 
 from streampack.builder.coordinator import build
-from streampack.inputs.sources import Documents
+from streampack.cli.inspect import cache_stats
+from streampack.inputs.records import Documents
 from streampack.reader import open as open_cache
 
 DEMO_SEQ_LEN = 256
 DEMO_BATCH = 8
+
+
+@click.command()
+@click.option(
+    "--out",
+    "-o",
+    default="demo-cache",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Cache directory to build (a demo cache already there is replaced).",
+)
+@click.option("--workers", "-j", type=click.IntRange(min=1), help="Worker processes [default: cores].")
+def demo(out: str, workers: int | None) -> None:
+    """Build a cache from this Python's own standard library sources with the bytes tokenizer, show it."""
+    run_demo(Path(out), workers=workers)
 
 
 def stdlib_sources() -> list[Path]:
@@ -29,8 +45,6 @@ def _texts(paths: list[Path]) -> Iterator[dict[str, str]]:
 
 def run_demo(out: Path, *, workers: int | None = None) -> None:
     """Build ``out`` from the standard library with the bytes tokenizer, print its info and a few batches."""
-    from streampack.cli import cache_stats
-
     paths = stdlib_sources()
     click.echo(f"building {out} from {len(paths)} standard-library files with the 'bytes' tokenizer")
     summary = build(Documents(_texts(paths)), out, tokenizer="bytes", workers=workers, overwrite=True)

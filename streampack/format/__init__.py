@@ -1,4 +1,4 @@
-"""The on-disk token cache: file layout and manifest schema (the I/O is :mod:`streampack.store`'s).
+"""The on-disk token cache: what a cache *is*, and nothing about where it is kept.
 
 A cache is a directory::
 
@@ -10,573 +10,85 @@ A cache is a directory::
     build.lock             present while a build runs (holds its pid)
 
 docs/FORMAT.md documents every field; everything can be read with numpy and json alone.
+
+The package is pure (it imports nothing of streampack's but :mod:`streampack.errors`), one module per idea:
+
+* :mod:`~streampack.format.names`: keys, directory and shard names, the token dtype rule, checksum text;
+* :mod:`~streampack.format.manifest`: :class:`Manifest` and its shard table, to and from JSON;
+* :mod:`~streampack.format.ledger`: :class:`~streampack.format.ledger.UnitProgress`, one ledger entry;
+* :mod:`~streampack.format.identity`: what identifies a build (resume, follow).
+
+Reading and writing these files through a store is :mod:`streampack.store.files`'s. This module re-exports
+the names it always held (pickles name ``streampack.format.Manifest`` and ``streampack.format.ShardTable``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import re
-import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-import numpy as np
-import orjson
-
-from streampack.errors import CacheError
-from streampack.store import LocalStore, Store, crc32_file, encode_json
-
-FORMAT_NAME = "streampack-cache"
-FORMAT_VERSION = 2  # 2: the shard table as columns (ShardTable); version 1 (rows) is still read
-READABLE_VERSIONS = (1, 2)
-MANIFEST = "manifest.json"
-LEDGER_DIR = "ledger"
-SHARD_DIR = "shards"
-LAYOUT_DIR = "layouts"  # sample plans derived from the shards (streampack.samples.packing); safe to delete
-LOCK = "build.lock"
-OFFSET_DTYPE = np.dtype("<u8")
-_SHARD_NAME = re.compile(r"^[0-9]{6}$")
-_CHECKSUM = re.compile(r"^crc32:[0-9a-f]{8}$")
-_CHECKSUMS = re.compile(r"(?:crc32:[0-9a-f]{8})*")
-NO_BOS: dict[str, Any] = {"prepend": False, "id": None}
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Return the smallest little-endian unsigned dtype that holds ids ``0 .. vocab_size - 1``."""
-    if vocab_size <= 1 << 16:
-        return np.dtype("<u2")
-    if vocab_size <= 1 << 32:
-        return np.dtype("<u4")
-    raise CacheError(f"vocab size {vocab_size} does not fit in uint32")
-
-
-def dtype_name(dtype: np.dtype) -> str:
-    """Return the manifest name of a token dtype (``uint16`` or ``uint32``)."""
-    return np.dtype(dtype).name
-
-
-def shard_name(unit_index: int) -> str:
-    """Return the file stem of the shard written by work unit ``unit_index``."""
-    return f"{unit_index:06d}"
-
-
-def tokens_key(name: str) -> str:
-    """Store key of a shard's token file."""
-    return f"{SHARD_DIR}/{name}.tokens"
-
-
-def offsets_key(name: str) -> str:
-    """Store key of a shard's offsets file."""
-    return f"{SHARD_DIR}/{name}.offsets"
-
-
-def mask_key(name: str) -> str:
-    """Store key of a shard's loss mask file (SFT builds only)."""
-    return f"{SHARD_DIR}/{name}.mask"
-
-
-def ledger_key(name: str) -> str:
-    """Store key of the ledger entry of shard ``name``."""
-    return f"{LEDGER_DIR}/{name}.json"
-
-
-def tokens_path(root: Path, name: str) -> Path:
-    """Path of a shard's token file."""
-    return root / tokens_key(name)
-
-
-def offsets_path(root: Path, name: str) -> Path:
-    """Path of a shard's offsets file."""
-    return root / offsets_key(name)
-
-
-def mask_path(root: Path, name: str) -> Path:
-    """Path of a shard's loss mask file (SFT builds only)."""
-    return root / mask_key(name)
-
-
-def checked_shard_name(name: object) -> str:
-    """Validate a shard name read from a manifest or ledger; a name is six digits, never a path."""
-    if not isinstance(name, str) or not _SHARD_NAME.match(name):
-        raise CacheError(f"invalid shard name {name!r} in the manifest: expected six digits like '000042'")
-    return name
-
-
-def file_checksum(path: Path, length: int | None = None) -> str:
-    """CRC-32 of the first ``length`` bytes of a file (all of it by default), as ``crc32:xxxxxxxx``.
-
-    CRC-32 detects damage (truncation, flipped bytes) at memory speed; it is not a defence against
-    tampering, which the reader handles by never trusting paths or sizes from the manifest.
-    """
-    return checksum_text(crc32_file(path, length))
-
-
-def checksum_text(crc: int) -> str:
-    """A CRC-32 as the manifest writes it: ``crc32:xxxxxxxx``."""
-    return f"crc32:{crc:08x}"
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One row of the manifest's shard table."""
-
-    name: str
-    unit: str
-    num_docs: int
-    num_tokens: int
-    tokens_checksum: str
-    offsets_checksum: str
-    mask_checksum: str | None = None  # None: the cache has no loss mask
-
-    def to_json(self) -> dict[str, Any]:
-        """The manifest representation of this shard."""
-        shard = {
-            "name": self.name,
-            "unit": self.unit,
-            "num_docs": self.num_docs,
-            "num_tokens": self.num_tokens,
-            "tokens_checksum": self.tokens_checksum,
-            "offsets_checksum": self.offsets_checksum,
-        }
-        if self.mask_checksum is not None:
-            shard["mask_checksum"] = self.mask_checksum
-        return shard
-
-
-_CRC_COLUMNS = ("tokens_crc32", "offsets_crc32", "mask_crc32")
-
-
-@dataclass(frozen=True, eq=False)
-class ShardTable:
-    """The manifest's shard table as columns: one array per field, element ``i`` for shard ``i``.
-
-    Shard ``i`` is named :func:`shard_name` ``(i)`` and was written by work unit ``i`` (described by the
-    manifest's ``units[i]``), so neither is stored. A checksum column is None where none was recorded (a
-    synthetic cache, the committed prefix of an unfinished build); ``mask_crc32`` is also None when the
-    cache has no loss mask. Opening 10^5 shards makes a few arrays, not 10^5 Python objects.
-
-    Attributes:
-        num_docs: documents per shard (int64).
-        num_tokens: tokens per shard (int64).
-        tokens_crc32: CRC-32 of each ``.tokens`` file (uint32), or None.
-        offsets_crc32: CRC-32 of each ``.offsets`` file (uint32), or None.
-        mask_crc32: CRC-32 of each ``.mask`` file (uint32), or None.
-    """
-
-    num_docs: np.ndarray
-    num_tokens: np.ndarray
-    tokens_crc32: np.ndarray | None = None
-    offsets_crc32: np.ndarray | None = None
-    mask_crc32: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("num_docs", "num_tokens", *_CRC_COLUMNS):
-            column = getattr(self, name)
-            if column is not None:
-                column.setflags(write=False)  # shared by every view of the cache
-
-    @classmethod
-    def empty(cls) -> ShardTable:
-        """The table of a manifest whose build has not finished: no shard."""
-        return cls(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-
-    def __len__(self) -> int:
-        return len(self.num_docs)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ShardTable):
-            return NotImplemented
-        return all(
-            (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
-            for name in ("num_docs", "num_tokens", *_CRC_COLUMNS)
-            for a, b in [(getattr(self, name), getattr(other, name))]
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-    @classmethod
-    def from_rows(cls, rows: Sequence[ShardInfo]) -> ShardTable:
-        """The columns of a row table (a version 1 manifest's, or a build's).
-
-        Raises:
-            ValueError: a checksum is neither ``crc32:xxxxxxxx`` nor empty, or some shards have one and
-                others not.
-        """
-        return cls(
-            np.array([r.num_docs for r in rows], dtype=np.int64),
-            np.array([r.num_tokens for r in rows], dtype=np.int64),
-            _crc_column([r.tokens_checksum for r in rows], "tokens_checksum"),
-            _crc_column([r.offsets_checksum for r in rows], "offsets_checksum"),
-            _crc_column([r.mask_checksum or "" for r in rows], "mask_checksum"),
-        )
-
-    def row(self, index: int, unit: str, masked: bool) -> ShardInfo:
-        """Shard ``index`` as a :class:`ShardInfo` (``unit``: its work unit's description)."""
-        mask = _crc_text(self.mask_crc32, index)
-        return ShardInfo(
-            shard_name(index),
-            unit,
-            int(self.num_docs[index]),
-            int(self.num_tokens[index]),
-            _crc_text(self.tokens_crc32, index),
-            _crc_text(self.offsets_crc32, index),
-            mask if masked else None,
-        )
-
-    def to_json(self, masked: bool) -> dict[str, Any]:
-        """The manifest's ``shards`` object: counts as lists, each checksum column as one hex string."""
-        columns: dict[str, Any] = {"num_docs": self.num_docs.tolist(), "num_tokens": self.num_tokens.tolist()}
-        for name in _CRC_COLUMNS if masked else _CRC_COLUMNS[:2]:
-            column = getattr(self, name)
-            columns[name] = None if column is None else column.astype(">u4").tobytes().hex()
-        return columns
-
-    @classmethod
-    def from_json(cls, raw: Any, masked: bool) -> ShardTable:
-        """Parse a version 2 ``shards`` object; raises ValueError, TypeError or KeyError when malformed."""
-        if not isinstance(raw, dict):
-            raise ValueError(f"shards must be an object of columns (got {type(raw).__name__})")
-        num_docs, num_tokens = _count_column(raw, "num_docs"), _count_column(raw, "num_tokens")
-        if len(num_docs) != len(num_tokens):
-            raise ValueError(f"shards.num_docs has {len(num_docs)} items, num_tokens {len(num_tokens)}")
-        crcs = [_hex_column(raw, name, len(num_docs)) for name in _CRC_COLUMNS[:2]]
-        if masked and "mask_crc32" not in raw:
-            raise ValueError("loss_mask is true but the shard table has no mask_crc32")
-        mask = _hex_column(raw, "mask_crc32", len(num_docs)) if masked else None
-        return cls(num_docs, num_tokens, crcs[0], crcs[1], mask)
-
-    def digest(self) -> str:
-        """A short digest of the table (SHA-256 of its columns' bytes), the same in every process."""
-        h = hashlib.sha256(b"streampack shard table 2")
-        for name in ("num_docs", "num_tokens", *_CRC_COLUMNS):
-            column = getattr(self, name)
-            little = None if column is None else column.astype(column.dtype.newbyteorder("<"))
-            h.update(b"-" if little is None else name.encode() + little.tobytes())
-        return h.hexdigest()[:16]
-
-    def version_1_digest(self) -> str:
-        """The digest streampack took before version 2 (SHA-256 of the rows' JSON): builds one list per
-        shard, so it is computed only to recognise a checkpoint saved then."""
-        rows = [
-            [shard_name(i), docs, tokens, _crc_text(self.tokens_crc32, i), _crc_text(self.offsets_crc32, i)]
-            for i, (docs, tokens) in enumerate(zip(self.num_docs.tolist(), self.num_tokens.tolist()))
-        ]
-        return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
-
-
-def _crc_text(column: np.ndarray | None, index: int) -> str:
-    return "" if column is None else checksum_text(int(column[index]))
-
-
-def _crc_column(texts: list[Any], name: str) -> np.ndarray | None:
-    """Checksums ``crc32:xxxxxxxx`` as uint32, or None when none was recorded (all empty)."""
-    if all(text == "" for text in texts):
-        return None
-    joined = "".join(text if isinstance(text, str) else "?" for text in texts)
-    if len(joined) != 14 * len(texts) or not _CHECKSUMS.fullmatch(joined):  # one regex pass, not one a row
-        bad = next(i for i, text in enumerate(texts) if not (isinstance(text, str) and _CHECKSUM.match(text)))
-        raise ValueError(f"shard {bad}: {name} {texts[bad]!r} is not crc32:xxxxxxxx")
-    digits = np.frombuffer(joined.encode(), dtype="S14").view("S1").reshape(-1, 14)[:, 6:]
-    return np.frombuffer(bytes.fromhex(digits.tobytes().decode()), dtype=">u4").astype(np.uint32)
-
-
-def _count_column(raw: dict[str, Any], name: str) -> np.ndarray:
-    """A list of non-negative integers as int64, checked by its dtype (no per-item Python check)."""
-    values = raw[name]
-    if not isinstance(values, list):
-        raise ValueError(f"shards.{name} must be a list of counts")
-    column = np.array(values) if values else np.zeros(0, dtype=np.int64)
-    if column.ndim != 1 or column.dtype.kind not in "iu":  # strings, floats, booleans, nulls, lists
-        raise ValueError(f"shards.{name} must be a list of non-negative integers")
-    if column.dtype.kind == "u" and len(column) and column.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"shards.{name} holds a count over 2**63")
-    column = column.astype(np.int64)
-    if len(column) and column.min() < 0:
-        raise ValueError(f"shards.{name} holds a negative count ({int(column.min())})")
-    return column
-
-
-def _hex_column(raw: dict[str, Any], name: str, count: int) -> np.ndarray | None:
-    """A checksum column: 8 hex digits per shard in one string, or null (none recorded)."""
-    text = raw[name]
-    if text is None:
-        return None
-    if not isinstance(text, str) or len(text) != 8 * count or not re.fullmatch(r"[0-9a-f]*", text):
-        raise ValueError(f"shards.{name} must be {8 * count} lowercase hex digits (8 per shard) or null")
-    return np.frombuffer(bytes.fromhex(text), dtype=">u4").astype(np.uint32)
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """The parsed ``manifest.json`` of a cache.
-
-    ``complete`` is false while a build runs (or after it was interrupted): the shard table is then empty
-    and the committed prefix is described by the ledger.
-    """
-
-    tokenizer: dict[str, Any]
-    dtype: str
-    eos: dict[str, Any]
-    settings: dict[str, Any]
-    inputs: list[dict[str, Any]]
-    units: list[str]
-    complete: bool = False
-    table: ShardTable = field(default_factory=ShardTable.empty)
-    skipped_records: int = 0
-    empty_docs: int = 0
-    inexact_cuts: int = 0
-    ignored_inputs: dict[str, Any] = field(default_factory=dict)
-    bos: dict[str, Any] = field(default_factory=lambda: dict(NO_BOS))
-    loss_mask: bool = False  # an SFT build: every shard has a .mask file
-    # Informational, not compared on resume (every engine gives the same ids): the engines that computed
-    # the ids, one entry per distinct engine and verification over the runs that built the cache.
-    engines: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids of the tokenizer (every id in the cache is below it)."""
-        return int(self.tokenizer["vocab_size"])
-
-    @property
-    def shards(self) -> list[ShardInfo]:
-        """The shard table as rows, built on each call (prefer :attr:`table`, its columns)."""
-        return [self.table.row(i, self.units[i], self.loss_mask) for i in range(len(self.table))]
-
-    @property
-    def num_docs(self) -> int:
-        """Documents in the complete cache."""
-        return int(self.table.num_docs.sum())
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the complete cache."""
-        return int(self.table.num_tokens.sum())
-
-    def build_config(self) -> dict[str, Any]:
-        """The settings a resumed build must share with this cache."""
-        return {
-            "tokenizer": self.tokenizer,
-            "dtype": self.dtype,
-            "eos": self.eos,
-            "bos": self.bos,
-            "settings": self.settings,
-        }
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON document written to ``manifest.json`` (which :meth:`write` adds a checksum to)."""
-        return {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "complete": self.complete,
-            "tokenizer": self.tokenizer,
-            "dtype": self.dtype,
-            "eos": self.eos,
-            "bos": self.bos,
-            "loss_mask": self.loss_mask,
-            "settings": self.settings,
-            "inputs": self.inputs,
-            "units": self.units,
-            "num_docs": self.num_docs,
-            "num_tokens": self.num_tokens,
-            "skipped_records": self.skipped_records,
-            "empty_docs": self.empty_docs,
-            "inexact_cuts": self.inexact_cuts,
-            "ignored_inputs": self.ignored_inputs,
-            "engines": self.engines,
-            "shards": self.table.to_json(self.loss_mask),
-        }
-
-    def write(self, root: Path | Store) -> None:
-        """Atomically replace the cache's ``manifest.json`` (``root`` is its directory or its store)."""
-        store = LocalStore(root) if isinstance(root, Path) else root
-        store.put_atomic(MANIFEST, encode_json(with_checksum(self.to_json())))
-
-
-def load_manifest(root: Path | Store) -> Manifest:
-    """Read and validate the cache's ``manifest.json`` (``root`` is its directory or its store).
-
-    Raises:
-        CacheError: the manifest is missing, malformed, from another format version, or inconsistent.
-    """
-    store = LocalStore(root) if isinstance(root, Path) else root
-    path = store.describe(MANIFEST)
-    if isinstance(store, LocalStore) and not store.is_dir():
-        raise CacheError(f"{store.root}: no such cache directory")
-    raw = store.read_json(MANIFEST, what="manifest")
-    _check_manifest_checksum(path, raw)
-    try:
-        return _parse_manifest(raw)
-    except (KeyError, TypeError, ValueError) as e:
-        raise CacheError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
-
-
-def upgrade_manifest(root: str | os.PathLike[str]) -> int:
-    """Rewrite a cache's manifest in the current format version, its content unchanged; return the version
-    it had. Shard files, ledger and layouts are not touched, and checkpoints and plans of the cache keep
-    working (they identify it by content, the same in every version).
-
-    A version 1 manifest holds its shard table as rows: one JSON object per shard, which costs ~20x more
-    to open at 10^5 shards than version 2's columns (``benchmarks/bench_open.py``).
-
-    Raises:
-        CacheError: not a cache, or its manifest is damaged.
-        BuildLockedError: a build holds the cache's lock.
-    """
-    store = LocalStore(root)
-    if not store.is_dir() or not store.exists(MANIFEST):
-        raise CacheError(f"{store.root}: not a streampack cache (no {MANIFEST})")
-    with store.lock(LOCK):
-        raw = store.read_json(MANIFEST, what="manifest")
-        version = raw.get("format_version") if isinstance(raw, dict) else None
-        manifest = load_manifest(store)  # validates it, whatever its version
-        if version != FORMAT_VERSION:
-            manifest.write(store)
-    return int(version)  # type: ignore[arg-type]
-
-
-# ------------------------------------------------------------------------------------ manifest checksum
-
-# The top-level fields of the manifests written before the checksum: such a manifest is accepted without
-# one, but any other field there (e.g. "checksum" with a flipped bit) means damage.
-_FIELDS_BEFORE_CHECKSUM = frozenset(
-    {
-        *("format", "format_version", "complete", "tokenizer", "dtype", "eos", "settings", "inputs"),
-        *("units", "num_docs", "num_tokens", "skipped_records", "shards"),
-    }
+from streampack.format.identity import build_digest, build_identity
+from streampack.format.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    NO_BOS,
+    READABLE_VERSIONS,
+    Manifest,
+    ShardInfo,
+    ShardTable,
+    parse_manifest,
+)
+from streampack.format.names import (
+    LAYOUT_DIR,
+    LEDGER_DIR,
+    LOCK,
+    MANIFEST,
+    OFFSET_DTYPE,
+    SHARD_DIR,
+    checked_shard_name,
+    checksum_text,
+    content_checksum,
+    dtype_name,
+    ledger_key,
+    manifest_checksum,
+    mask_key,
+    mask_path,
+    offsets_key,
+    offsets_path,
+    shard_name,
+    token_dtype,
+    tokens_key,
+    tokens_path,
+    with_checksum,
 )
 
-
-def manifest_checksum(doc: dict[str, Any]) -> str:
-    """CRC-32 of a manifest's canonical JSON (sorted keys, no whitespace), its ``checksum`` field left out.
-
-    Computed over the parsed values, not the file's bytes, so that it does not depend on the layout.
-    """
-    content = {key: value for key, value in doc.items() if key != "checksum"}
-    return checksum_text(zlib.crc32(orjson.dumps(content, option=orjson.OPT_SORT_KEYS)))
-
-
-def with_checksum(doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` with its ``checksum`` field set (see :func:`manifest_checksum`)."""
-    return {**doc, "checksum": manifest_checksum(doc)}
-
-
-def _check_manifest_checksum(path: str, raw: Any) -> None:
-    """Refuse a manifest whose content differs from what its checksum covers.
-
-    The shard files' checksums cover the data, and this one everything else (inputs, settings, the
-    tokenizer's hash, the shard table), so that no damage to the manifest goes unnoticed.
-    """
-    if not isinstance(raw, dict):
-        return  # _parse_manifest refuses it
-    if "checksum" not in raw:
-        unknown = sorted(set(raw) - _FIELDS_BEFORE_CHECKSUM)
-        if unknown:
-            raise CacheError(
-                f"{path}: the manifest has no checksum and an unknown field {unknown[0]!r}; it is damaged: "
-                "rebuild the cache (overwrite=True)"
-            )
-        return
-    expected, actual = raw["checksum"], manifest_checksum(raw)
-    if expected != actual:
-        raise CacheError(
-            f"{path}: the manifest's content does not match its checksum (recorded {expected!r:.40}, content "
-            f"{actual}); it was damaged or edited: rebuild the cache (overwrite=True)"
-        )
-
-
-def _parse_manifest(raw: Any) -> Manifest:
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
-        raise ValueError(f"not a {FORMAT_NAME} manifest")
-    version = raw["format_version"]
-    if not isinstance(version, int) or isinstance(version, bool) or version not in READABLE_VERSIONS:
-        raise CacheError(
-            f"cache format version {version!r} is not supported by this streampack (it reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade streampack or rebuild the cache"
-        )
-    _require(raw["tokenizer"], {"kind": str, "name": str, "vocab_size": int}, "tokenizer")
-    _require(raw["eos"], {"append": bool}, "eos")
-    if raw["eos"]["append"] and not isinstance(raw["eos"].get("id"), int):
-        raise ValueError("eos.id must be an integer when eos.append is true")
-    bos = raw.get("bos", NO_BOS)  # written before BOS existed: none
-    _require(bos, {"prepend": bool}, "bos")
-    if bos["prepend"] and not _is_count(bos.get("id")):
-        raise ValueError("bos.id must be a non-negative integer when bos.prepend is true")
-    dtype = raw["dtype"]
-    if dtype not in ("uint16", "uint32"):
-        raise ValueError(f"dtype {dtype!r} is not uint16 or uint32")
-    loss_mask = raw.get("loss_mask", False)
-    if not isinstance(loss_mask, bool):
-        raise ValueError(f"loss_mask must be true or false (got {loss_mask!r})")
-    units = raw["units"]
-    if not isinstance(units, list) or not all(isinstance(u, str) for u in units):
-        raise ValueError("units must be a list of strings")
-    if version == 1:
-        table = _table_of_rows(raw["shards"], loss_mask)
-    else:
-        table = ShardTable.from_json(raw["shards"], loss_mask)
-    vocab = raw["tokenizer"]["vocab_size"]
-    if (
-        not isinstance(vocab, int)
-        or not 0 < vocab <= np.iinfo(np.uint16 if dtype == "uint16" else np.uint32).max + 1
-    ):
-        raise ValueError(f"vocab_size {vocab!r} does not fit dtype {dtype}")
-    manifest = Manifest(
-        tokenizer=dict(raw["tokenizer"]),
-        dtype=dtype,
-        eos=dict(raw["eos"]),
-        settings=dict(raw["settings"]),
-        inputs=list(raw["inputs"]),
-        units=units,
-        complete=bool(raw["complete"]),
-        table=table,
-        skipped_records=int(raw.get("skipped_records", 0)),
-        empty_docs=int(raw.get("empty_docs", 0)),
-        inexact_cuts=int(raw.get("inexact_cuts", 0)),
-        ignored_inputs=dict(raw.get("ignored_inputs", {})),
-        bos=dict(bos),
-        loss_mask=loss_mask,
-        engines=list(raw.get("engines", [])),
-    )
-    if manifest.complete and (raw["num_docs"], raw["num_tokens"]) != (manifest.num_docs, manifest.num_tokens):
-        raise ValueError("num_docs/num_tokens disagree with the shard table")
-    if manifest.complete and len(table) != len(units):
-        raise ValueError(f"the shard table has {len(table)} shards for {len(units)} work units")
-    return manifest
-
-
-def _table_of_rows(raw: Any, masked: bool) -> ShardTable:
-    """A version 1 shard table (a list of rows) as columns, checked as version 1 was, a column at a time."""
-    if not isinstance(raw, list) or not all(isinstance(row, dict) for row in raw):
-        raise ValueError("shards must be a list of rows in a version 1 manifest")
-    names = [row["name"] for row in raw]
-    if names != [shard_name(i) for i in range(len(names))]:
-        for name in names:
-            checked_shard_name(name)  # a name that is no shard name at all is refused as such
-        raise ValueError("the shard table does not list one shard per work unit, in order")
-    counts = {key: [row[key] for row in raw] for key in ("num_docs", "num_tokens")}
-    masks = [row.get("mask_checksum") for row in raw]
-    if masked and None in masks:
-        raise ValueError("loss_mask is true but a shard has no mask_checksum")
-    return ShardTable(
-        _count_column(counts, "num_docs"),
-        _count_column(counts, "num_tokens"),
-        _crc_column([row["tokens_checksum"] for row in raw], "tokens_checksum"),
-        _crc_column([row["offsets_checksum"] for row in raw], "offsets_checksum"),
-        _crc_column([mask or "" for mask in masks], "mask_checksum"),
-    )
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _require(section: Any, fields: dict[str, type], name: str) -> None:
-    if not isinstance(section, dict):
-        raise ValueError(f"{name} must be an object")
-    for key, kind in fields.items():
-        if not isinstance(section.get(key), kind) or (kind is int and isinstance(section.get(key), bool)):
-            raise ValueError(f"{name}.{key} must be a {kind.__name__} (got {section.get(key)!r})")
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "LAYOUT_DIR",
+    "LEDGER_DIR",
+    "LOCK",
+    "MANIFEST",
+    "NO_BOS",
+    "OFFSET_DTYPE",
+    "READABLE_VERSIONS",
+    "SHARD_DIR",
+    "Manifest",
+    "ShardInfo",
+    "ShardTable",
+    "build_digest",
+    "build_identity",
+    "checked_shard_name",
+    "checksum_text",
+    "content_checksum",
+    "dtype_name",
+    "ledger_key",
+    "manifest_checksum",
+    "mask_key",
+    "mask_path",
+    "offsets_key",
+    "offsets_path",
+    "parse_manifest",
+    "shard_name",
+    "token_dtype",
+    "tokens_key",
+    "tokens_path",
+    "with_checksum",
+]

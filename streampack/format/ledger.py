@@ -1,4 +1,4 @@
-"""Build progress, one small JSON file per work unit.
+"""Build progress, one small JSON file per work unit: :class:`UnitProgress` and parsing an entry.
 
 The ledger is the commit record of a build: a unit's entry says how many input records it has consumed
 and how many documents and tokens of its shard are durable. The writer fsyncs shard data *before* the
@@ -7,17 +7,18 @@ holds; the resumed unit truncates its shard to the entry's lengths and skips the
 
 One file per unit (rather than one shared file) lets worker processes commit without talking to each
 other or to the coordinator.
+
+Pure: reading and writing the entries through a store is :mod:`streampack.store.files`'s
+(:func:`~streampack.store.files.read_progress`, :func:`~streampack.store.files.commit_progress`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from streampack.errors import CacheError
-from streampack.format import ledger_key
-from streampack.store import LocalStore, Store, put_json
+from streampack.format.names import content_checksum
 
 
 @dataclass(frozen=True)
@@ -73,42 +74,22 @@ class UnitProgress:
         return Counts(self.records, self.skipped, self.empty_docs, self.inexact_cuts)
 
 
-def read_progress(root: Path | Store, name: str, unit: str) -> UnitProgress:
-    """Return the committed progress of a unit, or a fresh one if it has not committed yet.
-
-    Args:
-        root: the cache directory, or its store.
-        name: the unit's shard name.
-        unit: the unit's description, which the entry must hold.
+def parse_progress(raw: Any, path: str) -> UnitProgress:
+    """Validate the parsed JSON of a ledger entry (``path``: how messages name it) and return its progress.
 
     Raises:
-        CacheError: the entry is malformed or belongs to a different work unit.
+        CacheError: the entry is malformed or does not match its checksum.
     """
-    store = _store(root)
-    key = ledger_key(name)
-    if not store.exists(key):
-        return UnitProgress(unit=unit)
-    raw = store.read_json(key, what="ledger entry")
-    path = store.describe(key)
-    progress = _parse(raw, path)
-    if progress.unit != unit:
-        raise CacheError(
-            f"{path}: ledger entry is for work unit {progress.unit!r}, but this build's unit {name} is "
-            f"{unit!r}; the inputs changed since the ledger was written: rerun with overwrite=True"
-        )
-    return progress
-
-
-def commit(root: Path | Store, name: str, progress: UnitProgress) -> None:
-    """Atomically and durably replace the ledger entry of shard ``name``."""
-    put_json(_store(root), ledger_key(name), asdict(progress))
-
-
-def _store(root: Path | Store) -> Store:
-    return LocalStore(root) if isinstance(root, Path) else root
-
-
-def _parse(raw: Any, path: str) -> UnitProgress:
+    if isinstance(raw, dict) and "checksum" in raw:
+        expected, actual = raw["checksum"], content_checksum(raw)
+        if expected != actual:
+            raise CacheError(
+                f"{path}: the ledger entry's content does not match its checksum (recorded {expected!r:.40}, "
+                f"content {actual}); it was damaged or edited: rerun the build with overwrite=True"
+            )
+        raw = {key: value for key, value in raw.items() if key != "checksum"}
+    # An entry written before the checksum existed has none: any field UnitProgress does not know (a
+    # damaged "checksum" key among them) is refused below.
     try:
         progress = UnitProgress(**raw)
     except TypeError as e:

@@ -37,7 +37,7 @@ from streampack.errors import MissingDependencyError, TokenizerError
 if TYPE_CHECKING:
     from jinja2 import Template
 
-    from streampack.tokenizer.backends import Tokenizer
+    from streampack.tokenizer.base import Tokenizer
 
 # The special-token strings of a tokenizer_config.json that a template sees as variables, as transformers
 # passes them.

@@ -41,8 +41,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -51,9 +49,11 @@ from typing import Any, Literal
 
 from streampack import reader
 from streampack._checks import check_choice, check_int
-from streampack.builder.coordinator import build_identity
 from streampack.errors import BuildStalledError, OptionsError
-from streampack.format import MANIFEST, Manifest, ledger, load_manifest, shard_name
+from streampack.format import ledger
+from streampack.format.identity import build_digest
+from streampack.format.manifest import Manifest
+from streampack.format.names import MANIFEST, shard_name
 from streampack.loader import Loader
 from streampack.loader.growing import Reach
 from streampack.loader.options import LoaderOptions, unknown_keyword, with_keywords
@@ -61,10 +61,11 @@ from streampack.order import MAX_POSITION
 from streampack.order.follow import Eras, FollowOrder
 from streampack.samples.sequences import PackedSequences
 from streampack.store import LocalStore, open_store
+from streampack.store.files import load_manifest, read_progress
 from streampack.store.localcopy import cached_store
 from streampack.store.remote import is_remote
 
-__all__ = ["Eras", "Follow", "FollowOptions", "FollowOrder", "GrowingCache", "build_digest"]
+__all__ = ["Eras", "Follow", "FollowOptions", "FollowOrder", "GrowingCache"]
 
 # Units past the first unfinished one whose ledger entries are read while waiting, to tell a build that
 # works on later units from a stalled one (a build runs its units roughly in order); read at most every
@@ -176,7 +177,7 @@ class _Ledger:
     def _progress(self, unit: int) -> ledger.UnitProgress | None:
         if unit >= len(self.units):
             return None
-        return ledger.read_progress(self.store, shard_name(unit), self.units[unit])
+        return read_progress(self.store, shard_name(unit), self.units[unit])
 
 
 class GrowingCache:
@@ -462,17 +463,3 @@ def _from_version_0_1(state: Mapping[str, Any]) -> dict[str, Any]:
     reach.known, reach.readable = state["_known"], state["_data_known"]
     loader = {key: value for key, value in state.items() if key not in _FOLLOW_0_1}
     return loader | {"dataset": growing, "_reach": reach, "order": order, "_configured": order}
-
-
-def build_digest(manifest: Manifest) -> str:
-    """What identifies a build's output, the same while it runs, once complete and after a resume: what a
-    resumed build must share with it (:func:`~streampack.builder.coordinator.build_identity`), its inputs
-    and work units."""
-    fields = {
-        "identity": build_identity(manifest),
-        "inputs": manifest.inputs,
-        "units": manifest.units,
-        "loss_mask": manifest.loss_mask,
-    }
-    text = json.dumps(fields, sort_keys=True, default=str)
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

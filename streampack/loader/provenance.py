@@ -7,7 +7,7 @@ recomputed here rather than recorded during training:
 2. **Documents**: each row's tokens mapped to documents by ``boundaries(indices).doc_ids``, and the
    document's own tokens that the row holds.
 3. **Records**: a document is the ``k``-th one of its shard, which is one work unit of the build; the unit's
-   input is read again with :func:`streampack.inputs.sources.read_unit`, counting records as the build did
+   input is read again with :func:`streampack.inputs.units.read_unit`, counting records as the build did
    (blank
    lines, empty documents and skipped bad records are records that make no document), up to its ``k``-th
    document. Each unit a batch touches is read once, up to its last document in the batch.
@@ -33,24 +33,14 @@ import numpy as np
 
 from streampack._checks import check_int
 from streampack.errors import InputError
-from streampack.format import ledger
-from streampack.inputs.sources import (
-    Documents,
-    InputFile,
-    Item,
-    ReadOptions,
-    TextStream,
-    WorkUnit,
-    discover_inputs,
-    plan_python_units,
-    plan_units,
-    read_unit,
-    records_before,
-)
+from streampack.inputs.discovery import InputFile, discover_inputs
+from streampack.inputs.records import Documents, Item, ReadOptions, TextStream, WorkUnit
+from streampack.inputs.units import plan_python_units, plan_units, read_unit, records_before
 from streampack.loader import Loader
 from streampack.order import groups
 from streampack.reader import Cache
 from streampack.samples.sequences import PackedSequences
+from streampack.store.files import read_progress
 
 __all__ = ["Placement", "Provenance", "position_of", "which"]
 
@@ -430,7 +420,7 @@ class _Inputs:
         path = described.split(" [", 1)[0]
         match = _PYTHON_ROWS.search(described)
         first = int(match.group(1)) if match else 0
-        progress = ledger.read_progress(Path(self.cache.root), f"{unit:06d}", described)
+        progress = read_progress(Path(self.cache.root), f"{unit:06d}", described)
         gapless = progress.records == progress.docs
         return {local: (path, None, first + local if gapless else None) for local in wanted}
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,21 +23,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
-from streampack.format import (
+from streampack.format.ledger import UnitProgress
+from streampack.format.manifest import Manifest, ShardInfo, ShardTable
+from streampack.format.names import (
     OFFSET_DTYPE,
     SHARD_DIR,
-    Manifest,
-    ShardInfo,
-    ShardTable,
-    ledger,
-    load_manifest,
+    checksum_text,
     mask_key,
     offsets_key,
     shard_name,
     tokens_key,
 )
-from streampack.format.ledger import UnitProgress
 from streampack.store import LocalStore, open_store
+from streampack.store.files import load_manifest, read_progress
 from streampack.store.localcopy import CachedStore, Expected, cached_store, on_release
 from streampack.store.remote import is_remote
 
@@ -44,6 +44,10 @@ if TYPE_CHECKING:
     from streampack.samples.sequences import PackedSequences
     from streampack.samples.split import DocumentSet
 
+
+# Offsets files this process checked against their checksums, by (path, device, inode, size, mtime, CRC).
+_checked_offsets: set[tuple[object, ...]] = set()
+_checked_lock = threading.Lock()
 
 # Shard files kept mapped per kind (tokens, offsets, masks): every map holds a file descriptor, and the
 # common limit is 1024 per process (three kinds x 128 = 384 of them); remapping a shard costs ~20 us.
@@ -305,10 +309,47 @@ class Cache:
     def shard_offsets(self, shard: int) -> np.ndarray:
         """The cumulative document end offsets of shard ``shard`` (memory-mapped on first use).
 
+        Every reader finds documents through these tables (samples of whole documents, splits, document
+        boundaries), so each is checked against the manifest's checksum when this process first maps it
+        (a table is about 1 % of its shard: 8 bytes per document); tokens and masks are served as mapped,
+        their sizes checked, and ``streampack verify`` checks their checksums.
+
         Raises:
-            CacheError: as for :meth:`shard_tokens`.
+            CacheError: as for :meth:`shard_tokens`, or the table does not match its checksum.
         """
         return self._map(self._offsets, shard, offsets_key, OFFSET_DTYPE, self.table.num_docs)
+
+    def raw_offsets(self, shard: int) -> np.ndarray:
+        """:meth:`shard_offsets` without its checksum check (its size is checked), and not kept: for
+        ``verify``, which checks the table itself and says what is wrong with it."""
+        index = self._index(shard)
+        key, count = offsets_key(shard_name(index)), int(self.table.num_docs[index])
+        self._check_size(key, count, OFFSET_DTYPE.itemsize)
+        return self.store.map_array(key, OFFSET_DTYPE, count)
+
+    def _check_offsets(self, key: str, index: int, mapped: np.ndarray) -> None:
+        """Refuse an offsets table that does not match the manifest's checksum; a table of the same file
+        (device, inode, size, modification time) is checked once per process."""
+        if self.table.offsets_crc32 is None or isinstance(self.store, CachedStore):
+            return  # none recorded (an unfinished build); a local copy is verified when it is fetched
+        expected = checksum_text(int(self.table.offsets_crc32[index]))
+        path = self.store.path(key)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return  # removed since it was mapped: the map holds what was checked at its size
+        identity = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, expected)
+        with _checked_lock:
+            known = identity in _checked_offsets
+        if not known:
+            actual = checksum_text(zlib.crc32(mapped.data) if len(mapped) else 0)
+            if actual != expected:
+                raise CacheError(
+                    f"{path}: checksum {actual} does not match the manifest's {expected}: the table of where "
+                    "each document ends is damaged; run `streampack verify` on the cache and rebuild it"
+                )
+            with _checked_lock:
+                _checked_offsets.add(identity)
 
     def shard_loss_mask(self, shard: int) -> np.ndarray:
         """The loss mask of shard ``shard``: uint8, one per token of :meth:`shard_tokens`, 1 where the token
@@ -360,7 +401,10 @@ class Cache:
         index = self._index(shard)
         key, count = key_of(shard_name(index)), int(counts[index])
         self._check_size(key, count, dtype.itemsize)
-        mapped = maps[index] = self.store.map_array(key, dtype, count)
+        mapped = self.store.map_array(key, dtype, count)
+        if maps is self._offsets:
+            self._check_offsets(key, index, mapped)
+        maps[index] = mapped
         while len(maps) > MAX_OPEN_MAPS:
             try:
                 maps.popitem(last=False)  # closed once no caller holds a view of it
@@ -448,7 +492,7 @@ def open(
                 f"{store.describe('')}: the build of this cache has not finished; rerun the same build "
                 "command to complete it, or open it with allow_incomplete=True to read the committed part"
             )
-        progress = [ledger.read_progress(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
+        progress = [read_progress(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
         return open_committed(store, manifest, progress)
     if isinstance(store, CachedStore):
         store.expect(_expected_files(manifest, manifest.table, None))

@@ -1,37 +1,76 @@
-"""Full verification of a cache: checksums, offsets, token range, EOS and BOS placement (at every
-document's end and start, and nowhere else), and an SFT build's loss mask (0 or 1, 1 at every EOS, 0 at
-every BOS).
+"""Full verification of a cache: every file of its directory, or every object under its URL.
 
-:func:`streampack.open` checks file sizes on every open; :func:`verify` reads every byte once, in chunks,
-checksumming and range-checking each chunk, so it runs in bounded memory at disk or checksum speed,
-whichever is slower.
+* the manifest (its checksum, when it is opened);
+* each shard's files: checksums, offsets, token range, EOS and BOS placement (at every document's end and
+  start, and nowhere else), and an SFT build's loss mask (0 or 1, 1 at every EOS, 0 at every BOS);
+* the ledger: one entry per work unit, its checksum, and that it says what the manifest says;
+* the plans under ``layouts/`` (:func:`streampack.store.plans.inspect_plan`): sizes, checksums, structure;
+* anything else in the directory is listed as unknown (not checked, not ignored).
+
+:func:`streampack.open` checks file sizes when it maps a shard; :func:`verify` reads every byte once, in
+chunks, checksumming and range-checking each chunk, so it runs in bounded memory (a chunk, and one shard's
+offset table) at disk or checksum speed, whichever is slower. A cache in object storage is verified from
+its objects, streamed through the same checks with ranged reads: never from a local copy that a reader
+keeps (which may hold the good bytes of an object damaged since).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 import zlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
 from streampack.errors import CacheError, StreampackError
-from streampack.format import checksum_text
+from streampack.format.manifest import Manifest
+from streampack.format.names import (
+    LAYOUT_DIR,
+    LEDGER_DIR,
+    LOCK,
+    MANIFEST,
+    OFFSET_DTYPE,
+    SHARD_DIR,
+    checksum_text,
+    ledger_key,
+    mask_key,
+    offsets_key,
+    shard_name,
+    tokens_key,
+)
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
+from streampack.store.files import load_manifest, read_progress
+from streampack.store.plans import PLAN_ARRAYS, PLAN_JSON, inspect_plan
+from streampack.store.remote import RemoteStore, is_remote
 
 _CHUNK_ITEMS = 8 << 20
 _SHOWN = 3  # control ids inside documents listed in the report, of a shard
+_PLAN_NAME = re.compile(r"^(packed|documents)-[0-9]+-[0-9a-f]{16}$")
+_PLAN_FILES = frozenset({PLAN_JSON, *(f"{name}.bin" for name in PLAN_ARRAYS)})
 
 
 @dataclass
 class VerifyReport:
-    """The outcome of :func:`verify`: ``problems`` is empty for a sound cache."""
+    """The outcome of :func:`verify`: ``problems`` is empty for a sound cache.
 
-    path: Path
+    Attributes:
+        path: the cache directory, or the URL of a cache in object storage.
+        problems: each damage found, naming its file (or object).
+        notes: what is there but not checked: entries unknown to the format, leftovers of an interrupted
+            write, plans of an earlier state of the cache. None is a problem.
+        bytes_checked: bytes read and checked.
+        seconds: how long it took.
+    """
+
+    path: Path | str
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     bytes_checked: int = 0
     seconds: float = 0.0
 
@@ -46,107 +85,354 @@ class VerifyReport:
         return self.bytes_checked / 1e9 / self.seconds if self.seconds else 0.0
 
 
-def verify(path: str | os.PathLike[str]) -> VerifyReport:
-    """Check everything about a cache; return a report listing each problem precisely."""
-    report = VerifyReport(Path(path))
+def verify(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
+    """Check everything about a cache; return a report listing each problem precisely.
+
+    Args:
+        path: a cache directory, or the URL of a cache in object storage (``s3://bucket/prefix``), whose
+            objects are read (streamed through the checks, nothing kept).
+        storage_options: (object storage) passed to the fsspec filesystem.
+    """
     started = time.perf_counter()
-    try:
-        cache = open_cache(path)
-    except StreampackError as e:
-        report.problems.append(str(e))
-        return report
-    for shard in range(cache.num_shards):
-        report.problems.extend(_check_shard(cache, shard, report))
+    if is_remote(path):
+        report = VerifyReport(str(path).rstrip("/"))
+        try:
+            _verify_remote(RemoteStore(str(path), storage_options), report)
+        except StreampackError as e:
+            report.problems.append(str(e))
+    else:
+        report = VerifyReport(Path(path))
+        _verify_local(Path(path), report)
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _check_shard(cache: Cache, shard: int, report: VerifyReport) -> list[str]:
-    info = cache.shard_info(shard)
-    tokens_file, offsets_file = cache.shard_paths(shard)
+# ------------------------------------------------------------------------------------- the two walks
+
+
+def _verify_local(root: Path, report: VerifyReport) -> None:
     try:
-        offsets = cache.shard_offsets(shard)
-        tokens = cache.shard_tokens(shard)
+        cache = open_cache(root)
+    except StreampackError as e:
+        report.problems.append(str(e))
+        return
+    source = _Mapped(cache)
+    expected = _shard_files(cache.manifest)
+    listed = _entries(root / SHARD_DIR)
+    for shard in range(cache.num_shards):
+        report.problems.extend(
+            _check_shard(cache.manifest, shard, int(cache.doc_starts[shard]), source, report)
+        )
+    _note_unknown(report, root / SHARD_DIR, listed, expected)
+    _check_ledger(cache.manifest, cache.store, _entries(root / LEDGER_DIR), report)
+    layouts = root / LAYOUT_DIR
+    if layouts.is_dir() and not layouts.is_symlink():
+        _check_layouts(cache, layouts, report)
+    known = {MANIFEST, SHARD_DIR, LEDGER_DIR, LAYOUT_DIR, LOCK}
+    _note_unknown(report, root, _entries(root), known)
+
+
+def _verify_remote(remote: RemoteStore, report: VerifyReport) -> None:
+    manifest = load_manifest(remote)
+    if not manifest.complete:
+        raise CacheError(
+            f"{remote.url}: the build of this cache has not finished; rerun the same build command to "
+            "complete it"
+        )
+    source = _Streamed(remote, remote.list_sizes(SHARD_DIR))
+    doc_starts = np.concatenate([[0], np.cumsum(manifest.table.num_docs)])
+    for shard in range(len(manifest.table)):
+        report.problems.extend(_check_shard(manifest, shard, int(doc_starts[shard]), source, report))
+    _note_unknown(report, remote.describe(SHARD_DIR), set(source.sizes), _shard_files(manifest))
+    _check_ledger(manifest, remote, set(remote.list(LEDGER_DIR)), report)
+    known = {MANIFEST, SHARD_DIR, LEDGER_DIR}
+    _note_unknown(report, remote.url, set(remote.list("")), known)
+
+
+def _entries(folder: Path) -> set[str]:
+    try:
+        return set(os.listdir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
+def _shard_files(manifest: Manifest) -> set[str]:
+    names = set()
+    for shard in range(len(manifest.table)):
+        name = shard_name(shard)
+        names |= {f"{name}.tokens", f"{name}.offsets"} | ({f"{name}.mask"} if manifest.loss_mask else set())
+    return names
+
+
+def _note_unknown(report: VerifyReport, where: Path | str, listed: set[str], known: set[str]) -> None:
+    """List the entries of a folder that the format does not name (temporary files of a write too)."""
+    for name in sorted(listed - known):
+        if name.endswith(".tmp"):
+            what = "a file being written, or left by an interrupted write; safe to delete when no build runs"
+        else:
+            what = "unknown to the cache format, not checked"
+        report.notes.append(f"{where}/{name}: {what}")
+
+
+# ------------------------------------------------------------------------------------------ the ledger
+
+
+def _check_ledger(manifest: Manifest, store: Any, listed: set[str], report: VerifyReport) -> None:
+    """One entry per unit, sound (its checksum), finished, and recording the manifest's counts."""
+    names = {f"{shard_name(i)}.json" for i in range(len(manifest.units))}
+    _note_unknown(report, store.describe(LEDGER_DIR), listed, names)
+    table = manifest.table
+    skipped = 0
+    before = len(report.problems)
+    for index, unit in enumerate(manifest.units):
+        name = shard_name(index)
+        where = store.describe(ledger_key(name))
+        if f"{name}.json" not in listed:
+            report.problems.append(f"{where}: the ledger entry of work unit {index} is missing")
+            continue
+        try:
+            entry = read_progress(store, name, unit)
+        except CacheError as e:
+            report.problems.append(str(e))
+            continue
+        # Its checksums are the manifest's, unless the manifest was rewritten since (a test's forgery, a
+        # repair): what the files hold is checked against the manifest, which readers trust.
+        recorded = (entry.done, entry.docs, entry.tokens)
+        wanted = (True, int(table.num_docs[index]), int(table.num_tokens[index]))
+        if recorded != wanted:
+            report.problems.append(
+                f"{where}: the ledger entry says (done, docs, tokens) {recorded}, the manifest {wanted}"
+            )
+        skipped += entry.skipped
+    # (Caches written before empty_docs and inexact_cuts existed have them in neither file, or in one.)
+    if len(report.problems) == before and skipped != manifest.skipped_records:
+        report.problems.append(
+            f"{store.describe(LEDGER_DIR)}: the entries skipped {skipped} records in all, the manifest says "
+            f"{manifest.skipped_records}"
+        )
+
+
+# ------------------------------------------------------------------------------------------ the plans
+
+
+def _check_layouts(cache: Cache, layouts: Path, report: VerifyReport) -> None:
+    """Every plan under ``layouts/``; leftovers of planning noted, anything else unknown."""
+    for name in sorted(_entries(layouts)):
+        path = layouts / name
+        if name.startswith((".planning-", ".damaged-")):
+            report.notes.append(f"{path}: a plan being written, or left by a killed process; safe to delete")
+        elif _PLAN_NAME.match(name) and path.is_dir() and not path.is_symlink():
+            problems, checked, note = inspect_plan(path, cache.table.num_tokens, cache.content_digest)
+            report.problems.extend(
+                f"{p}; the plan is derived from the shards: delete {path} and it is made again at its next "
+                "use"
+                for p in problems
+            )
+            report.bytes_checked += checked
+            if note:
+                report.notes.append(note)
+            _note_unknown(report, path, _entries(path), set(_PLAN_FILES))
+        else:
+            report.notes.append(f"{path}: unknown to the cache format, not checked")
+
+
+# ------------------------------------------------------------------------------------------ the shards
+
+
+class _Source(Protocol):
+    """Where verify reads a shard's files: mapped from a directory, or streamed from object storage."""
+
+    def describe(self, key: str) -> str: ...
+
+    def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray: ...
+
+    def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]: ...
+
+
+class _Mapped:
+    """A local cache's files, mapped by the reader (which checks their sizes and where they lead)."""
+
+    def __init__(self, cache: Cache) -> None:
+        self.cache = cache
+
+    def describe(self, key: str) -> str:
+        return str(self.cache.store.path(key))
+
+    def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+        return self._array(key, dtype, count)
+
+    def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
+        array = self._array(key, dtype, count)
+        for start in range(0, len(array), _CHUNK_ITEMS):
+            yield array[start : start + _CHUNK_ITEMS]
+
+    def _array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+        shard = int(key.split("/")[-1].split(".")[0])
+        kind = key.rsplit(".", 1)[-1]
+        if kind == "tokens":
+            return self.cache.shard_tokens(shard)
+        if kind == "offsets":
+            return self.cache.raw_offsets(shard)
+        return self.cache.shard_loss_mask(shard)
+
+
+class _Streamed:
+    """A remote cache's objects, read in ranged chunks (nothing kept but the chunk in hand)."""
+
+    def __init__(self, remote: RemoteStore, sizes: dict[str, int]) -> None:
+        self.remote, self.sizes = remote, sizes
+
+    def describe(self, key: str) -> str:
+        return self.remote.describe(key)
+
+    def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+        parts = list(self.chunks(key, dtype, count))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+    def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
+        size = self.sizes.get(key.split("/")[-1])
+        expected = count * dtype.itemsize
+        if size is None:
+            raise CacheError(f"{self.describe(key)}: shard object missing; the cache is damaged, rebuild it")
+        if size != expected:
+            raise CacheError(
+                f"{self.describe(key)}: {size} bytes, but the manifest says {count} items ({expected} "
+                "bytes); the cache is damaged or truncated: rebuild it"
+            )
+        step = _CHUNK_ITEMS * dtype.itemsize
+        for start in range(0, expected, step):
+            data = self.remote.read(key, start, min(expected, start + step))
+            if len(data) != min(step, expected - start):
+                raise CacheError(f"{self.describe(key)}: the object changed while it was read; verify again")
+            yield np.frombuffer(data, dtype=dtype)
+
+
+@dataclass
+class _Scan:
+    """What one pass over a file found: its checksum, the first value over a limit, control ids where
+    streampack never puts them, and documents whose first or last token is not the expected one."""
+
+    crc: int = 0
+    first_over: tuple[int, int] | None = None  # position, value
+    strays: list[_Strays] = field(default_factory=list)
+    wrong: dict[str, tuple[int, int]] = field(default_factory=dict)  # check -> (documents, first one)
+
+    @property
+    def checksum(self) -> str:
+        return checksum_text(self.crc)
+
+
+def _check_shard(
+    manifest: Manifest, shard: int, doc_start: int, source: _Source, report: VerifyReport
+) -> list[str]:
+    """Every check of shard ``shard`` (whose first document is ``doc_start``); its problems."""
+    info = manifest.table.row(shard, manifest.units[shard], manifest.loss_mask)
+    dtype = np.dtype(manifest.dtype).newbyteorder("<")
+    keys = tokens_key(info.name), offsets_key(info.name)
+    tokens_file, offsets_file = map(source.describe, keys)
+    try:
+        offsets = source.whole(keys[1], OFFSET_DTYPE, info.num_docs)
     except (CacheError, ValueError, OSError) as e:
-        return [f"{tokens_file}: cannot map ({e})"]
-    offsets_crc, _, _ = _scan(offsets, None)
-    problems = _check_offsets(offsets_file, offsets, info.num_tokens)
-    controls = [] if problems else _stray_controls(cache)
-    tokens_crc, first_too_large, strays = _scan(tokens, cache.vocab_size, controls, offsets)  # one pass
-    report.bytes_checked += tokens.nbytes + offsets.nbytes
-    problems[:0] = [
-        f"{path}: checksum {actual} does not match the manifest's {expected}"
-        for path, actual, expected in (
-            (tokens_file, tokens_crc, info.tokens_checksum),
-            (offsets_file, offsets_crc, info.offsets_checksum),
-        )
-        if actual != expected
-    ]
-    if first_too_large is not None:
+        return [f"{offsets_file}: cannot read ({e})"]
+    report.bytes_checked += offsets.nbytes
+    problems = []
+    offsets_crc = checksum_text(zlib.crc32(offsets.data))
+    if offsets_crc != info.offsets_checksum:
         problems.append(
-            f"{tokens_file}: token {first_too_large} is {int(tokens[first_too_large])}, not below the vocab "
-            f"size {cache.vocab_size}"
+            f"{offsets_file}: checksum {offsets_crc} does not match the manifest's {info.offsets_checksum}"
         )
-    if not problems and len(offsets):
-        problems.extend(_check_ends_and_starts(cache, shard, tokens, offsets))
-    problems.extend(_stray_problem(cache, shard, found) for found in strays if found.count)
-    if cache.has_loss_mask:
-        problems.extend(_check_mask(cache, shard, offsets, report, check_places=not problems))
+    offset_problems = _check_offsets(offsets_file, offsets, info.num_tokens)
+    problems += offset_problems
+    sound = not offset_problems
+    eos = manifest.eos["id"] if manifest.eos["append"] else None
+    bos = manifest.bos["id"] if manifest.bos["prepend"] else None
+    ends = np.asarray(offsets, dtype=np.int64)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    places = {}  # what must stand at each document's end and start, when the offsets are sound
+    if sound and len(ends):
+        empty = ends <= starts
+        if eos is not None:
+            places["end with EOS"] = (ends - 1, eos, empty)
+        if bos is not None:
+            places["begin with BOS"] = (starts, bos, empty)
+    controls = _stray_controls(manifest) if sound else []
+    try:
+        scan = _scan(
+            source.chunks(keys[0], dtype, info.num_tokens), manifest.vocab_size, controls, ends, places
+        )
+    except (CacheError, ValueError, OSError) as e:
+        return [*problems, f"{tokens_file}: cannot read ({e})"]
+    report.bytes_checked += info.num_tokens * dtype.itemsize
+    if scan.checksum != info.tokens_checksum:
+        problems.insert(
+            0, f"{tokens_file}: checksum {scan.checksum} does not match the manifest's {info.tokens_checksum}"
+        )
+    if scan.first_over is not None:
+        position, value = scan.first_over
+        problems.append(
+            f"{tokens_file}: token {position} is {value}, not below the vocab size {manifest.vocab_size}"
+        )
+    if not problems:
+        for name, (count, first) in scan.wrong.items():
+            control = eos if name == "end with EOS" else bos
+            problems.append(
+                f"{tokens_file}: document {doc_start + first} (and {count - 1} more) does not {name} "
+                f"{control}"
+            )
+    problems.extend(
+        _stray_problem(doc_start, tokens_file, offsets, found) for found in scan.strays if found.count
+    )
+    if manifest.loss_mask:
+        problems.extend(
+            _check_mask(manifest, shard, doc_start, source, ends, report, check_places=not problems)
+        )
     return problems
 
 
 def _check_mask(
-    cache: Cache, shard: int, offsets: np.ndarray, report: VerifyReport, *, check_places: bool
+    manifest: Manifest,
+    shard: int,
+    doc_start: int,
+    source: _Source,
+    ends: np.ndarray,
+    report: VerifyReport,
+    *,
+    check_places: bool,
 ) -> list[str]:
     """The loss mask's checksum and values; with ``check_places``, that each EOS is a target and each BOS
     is not."""
-    path = cache.shard_mask_path(shard)
+    info = manifest.table.row(shard, manifest.units[shard], manifest.loss_mask)
+    key = mask_key(info.name)
+    path = source.describe(key)
+    places = {}
+    if check_places and len(ends):
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        nothing = np.zeros(len(ends), dtype=bool)
+        if manifest.eos["append"]:
+            places["EOS"] = (ends - 1, 1, nothing)
+        if manifest.bos["prepend"]:
+            places["BOS"] = (starts, 0, nothing)
     try:
-        mask = cache.shard_loss_mask(shard)
+        scan = _scan(source.chunks(key, np.dtype(np.uint8), info.num_tokens), 2, [], ends, places)
     except (CacheError, ValueError, OSError) as e:
-        return [f"{path}: cannot map ({e})"]
-    crc, first_over, _ = _scan(mask, 2)
-    report.bytes_checked += mask.nbytes
-    expected = cache.shard_info(shard).mask_checksum
-    problems = [] if crc == expected else [f"{path}: checksum {crc} does not match the manifest's {expected}"]
-    if first_over is not None:
-        problems.append(f"{path}: byte {first_over} is {int(mask[first_over])}, not 0 or 1")
-    if problems or not check_places or not len(offsets):
+        return [f"{path}: cannot read ({e})"]
+    report.bytes_checked += info.num_tokens
+    expected = info.mask_checksum
+    problems = (
+        []
+        if scan.checksum == expected
+        else [f"{path}: checksum {scan.checksum} does not match the manifest's {expected}"]
+    )
+    if scan.first_over is not None:
+        problems.append(f"{path}: byte {scan.first_over[0]} is {scan.first_over[1]}, not 0 or 1")
+    if problems:
         return problems
-    ends = np.asarray(offsets, dtype=np.int64)
-    starts = np.concatenate([[0], ends[:-1]])
-    for control, at, wanted in (("EOS", cache.eos_id, ends - 1), ("BOS", cache.bos_id, starts)):
-        if at is None:
-            continue
+    for control, (count, first) in scan.wrong.items():
         value = 1 if control == "EOS" else 0
-        wrong = np.flatnonzero(mask[wanted] != value)
-        if len(wrong):
-            doc = int(cache.doc_starts[shard] + wrong[0])
-            problems.append(
-                f"{path}: the {control} of document {doc} (and {len(wrong) - 1} more) has mask "
-                f"{1 - value}, not {value}"
-            )
-    return problems
-
-
-def _check_ends_and_starts(cache: Cache, shard: int, tokens: np.ndarray, offsets: np.ndarray) -> list[str]:
-    """Every document ends with the EOS id (when appended) and begins with the BOS id (when prepended)."""
-    tokens_file, _ = cache.shard_paths(shard)
-    ends = np.asarray(offsets, dtype=np.int64)
-    starts = np.concatenate([[0], ends[:-1]])
-    problems = []
-    for name, control, at in (
-        ("end with EOS", cache.eos_id, ends - 1),
-        ("begin with BOS", cache.bos_id, starts),
-    ):
-        if control is None:
-            continue
-        missing = np.flatnonzero((ends <= starts) | (tokens[np.clip(at, 0, len(tokens) - 1)] != control))
-        if len(missing):
-            doc = int(cache.doc_starts[shard] + missing[0])
-            problems.append(
-                f"{tokens_file}: document {doc} (and {len(missing) - 1} more) does not {name} {control}"
-            )
+        problems.append(
+            f"{path}: the {control} of document {doc_start + first} (and {count - 1} more) has mask "
+            f"{1 - value}, not {value}"
+        )
     return problems
 
 
@@ -169,16 +455,17 @@ class _Strays:
     first: list[int] = field(default_factory=list)  # positions in the shard
 
 
-def _stray_controls(cache: Cache) -> list[_Control]:
+def _stray_controls(manifest: Manifest) -> list[_Control]:
     """The control ids that may stand only where streampack puts them (an empty list: anywhere).
 
     With ``special_tokens: parse`` a document's text may hold a control token's string, encoded as its id;
     a chat template writes special tokens (``<|im_end|>`` may be the EOS token) as their ids.
     """
-    settings = cache.manifest.settings
+    settings = manifest.settings
     if settings.get("special_tokens") == "parse" or settings.get("chat"):
         return []
-    eos, bos = cache.eos_id, cache.bos_id
+    eos = manifest.eos["id"] if manifest.eos["append"] else None
+    bos = manifest.bos["id"] if manifest.bos["prepend"] else None
     controls = []
     if eos is not None:
         controls.append(_Control("EOS", eos, at_start=eos == bos, at_end=True))
@@ -188,29 +475,37 @@ def _stray_controls(cache: Cache) -> list[_Control]:
 
 
 def _scan(
-    array: np.ndarray,
+    chunks: Iterator[np.ndarray],
     limit: int | None,
-    controls: list[_Control] | None = None,
-    ends: np.ndarray | None = None,
-) -> tuple[str, int | None, list[_Strays]]:
-    """Checksum ``array``'s bytes, a chunk at a time.
-
-    With ``limit``, also find its first value not below ``limit``; with ``controls`` and the document
-    ``ends`` of a token array, also find the control ids that stand where streampack never puts them.
-    """
-    crc, first_over = 0, None
-    strays = [_Strays(c) for c in controls or []]
-    for start in range(0, len(array), _CHUNK_ITEMS):
-        chunk = array[start : start + _CHUNK_ITEMS]
-        crc = zlib.crc32(chunk.data, crc)
-        if limit is not None and first_over is None and int(chunk.max()) >= limit:
-            first_over = start + int(np.argmax(chunk >= limit))
-        for found in strays:
-            assert ends is not None, "controls come with the document ends"
+    controls: list[_Control],
+    ends: np.ndarray,
+    places: dict[str, tuple[np.ndarray, int, np.ndarray]],
+) -> _Scan:
+    """Checksum a file's chunks in order; also find its first value not below ``limit``, the ``controls``
+    that stand where streampack never puts them (given the document ``ends``), and for each check of
+    ``places`` (positions, each sorted, the value that must stand there, and documents that fail it
+    whatever they hold) the documents that fail it."""
+    scan = _Scan(strays=[_Strays(c) for c in controls])
+    wrong = {name: failed.copy() for name, (_, _, failed) in places.items()}
+    start = 0
+    for chunk in chunks:
+        scan.crc = zlib.crc32(chunk.data, scan.crc)
+        if limit is not None and scan.first_over is None and len(chunk) and int(chunk.max()) >= limit:
+            at = int(np.argmax(chunk >= limit))
+            scan.first_over = (start + at, int(chunk[at]))
+        for found in scan.strays:
             positions = _misplaced(chunk, start, found.control, ends)
             found.count += len(positions)
             found.first.extend(positions[: _SHOWN - len(found.first)].tolist())
-    return checksum_text(crc), first_over, strays
+        for name, (positions, value, _) in places.items():
+            lo, hi = np.searchsorted(positions, [start, start + len(chunk)])
+            inside = positions[lo:hi] - start
+            wrong[name][lo:hi] |= chunk[inside] != value
+        start += len(chunk)
+    for name, failed in wrong.items():
+        if failed.any():
+            scan.wrong[name] = (int(failed.sum()), int(np.argmax(failed)))
+    return scan
 
 
 def _misplaced(chunk: np.ndarray, start: int, control: _Control, ends: np.ndarray) -> np.ndarray:
@@ -230,19 +525,18 @@ def _is_end(ends: np.ndarray, positions: np.ndarray) -> np.ndarray:
     """Whether each of ``positions`` is one of the (sorted) document ``ends``."""
     if not len(ends):
         return np.zeros(len(positions), dtype=bool)
-    index = np.minimum(np.searchsorted(ends, positions.astype(np.uint64)), len(ends) - 1)
+    index = np.minimum(np.searchsorted(ends, positions), len(ends) - 1)
     return np.asarray(ends[index], dtype=np.int64) == positions
 
 
-def _stray_problem(cache: Cache, shard: int, strays: _Strays) -> str:
-    offsets = cache.shard_offsets(shard)
+def _stray_problem(doc_start: int, tokens_file: str, offsets: np.ndarray, strays: _Strays) -> str:
     where = []
     for position in strays.first:
         local = int(np.searchsorted(offsets, np.uint64(position), side="right"))
         begin = int(offsets[local - 1]) if local else 0
-        doc = int(cache.doc_starts[shard]) + local
-        where.append(f"document {doc} at token {position - begin} of {int(offsets[local]) - begin}")
-    tokens_file, _ = cache.shard_paths(shard)
+        where.append(
+            f"document {doc_start + local} at token {position - begin} of {int(offsets[local]) - begin}"
+        )
     control = strays.control
     shown = f" (the first {len(where)})" if strays.count > len(where) else ""
     place = "not at their end" if control.at_end else "not at their start"
@@ -254,7 +548,7 @@ def _stray_problem(cache: Cache, shard: int, strays: _Strays) -> str:
     )
 
 
-def _check_offsets(path: Path, offsets: np.ndarray, num_tokens: int) -> list[str]:
+def _check_offsets(path: str, offsets: np.ndarray, num_tokens: int) -> list[str]:
     if not len(offsets):
         return [] if num_tokens == 0 else [f"{path}: no documents, but {num_tokens} tokens"]
     steps = np.diff(offsets.astype(np.int64), prepend=0)

@@ -286,6 +286,8 @@ class Bins:
         no_target: pieces (documents, or pieces of split ones) with no target token, whose every label
             would be ``-100`` (a prompt truncated before its response): left out with
             ``no_target="drop"``, else served.
+        checked: the stored plan's ``plan.json`` checksum and the identities of the files checked, so that
+            a copy in another process maps that plan, and the same files without reading them again.
     """
 
     overlap = 0
@@ -303,6 +305,7 @@ class Bins:
         directory: Path | None = None,
         dropped: int = 0,
         no_target: int = 0,
+        checked: tuple[str, tuple[tuple[int, ...], ...]] = ("", ()),
     ) -> None:
         self.starts, self.shards, self.lo, self.lengths = starts, shards, lo, lengths
         self.seq_len = self.width = seq_len
@@ -311,6 +314,7 @@ class Bins:
         self.directory = directory
         self.dropped = dropped
         self.no_target = no_target
+        self.checked = checked
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the plan's directory rather than its mapped arrays, when it has one."""
@@ -319,15 +323,26 @@ class Bins:
         return {**self.__dict__, "starts": None, "shards": None, "lo": None, "lengths": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore the settings; map the arrays again from the plan's directory."""
-        self.no_target = 0  # pickled before the count existed
+        """Restore the settings; map the arrays again from the plan's directory (checked to be the same
+        plan; its files are read again only where they are not the files checked before pickling)."""
+        self.no_target, self.checked = 0, ("", ())  # pickled before the count and the checks existed
         self.__dict__.update(state)
-        if self.directory is not None:
-            from streampack.samples.packing import load_plan
+        if self.directory is None:
+            return
+        from streampack.store.plans import PlanDamage, load_plan
 
-            arrays = load_plan(self.directory)
-            self.starts, self.shards = arrays["starts"], arrays["shards"]
-            self.lo, self.lengths = arrays["lo"], arrays["lengths"]
+        checksum, identities = self.checked
+        try:
+            arrays = load_plan(self.directory, checksum, identities).arrays
+        except PlanDamage:
+            if checksum:
+                raise
+            # Pickled by streampack 0.1, whose plans had no checksums: made again (the same plan).
+            from streampack.samples.packing import plan_again
+
+            arrays = plan_again(self.directory, self.seq_len, self.settings, self.pad_id)
+        self.starts, self.shards = arrays["starts"], arrays["shards"]
+        self.lo, self.lengths = arrays["lo"], arrays["lengths"]
 
     @property
     def tokens(self) -> int:

@@ -5,8 +5,8 @@ holds, in
 order, then padding. It is computed from the shards' offset tables alone (no token is read), a chunk of
 documents at a time, so planning needs memory for one chunk whatever the size of the cache; the table is
 written beside the cache (``CACHE/layouts/KEY/``) and memory-mapped, so that every rank and worker shares
-one copy in the page cache and a second run starts at once. Where the cache is read-only the plan is kept
-in memory instead.
+one copy in the page cache and a second run starts at once; it is checked before use and planned again if
+damaged (:mod:`streampack.store.plans`). Where the cache is read-only the plan is kept in memory instead.
 
 * :func:`plan_packed`: best-fit decreasing, within chunks of :data:`CHUNK_DOCS` documents: pieces in
   decreasing length, each into the open bin with the least room that fits it, else a new bin.
@@ -23,11 +23,6 @@ Planning is deterministic: the same cache, documents and settings always give th
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast, get_args
@@ -35,8 +30,10 @@ from typing import TYPE_CHECKING, Literal, cast, get_args
 import numpy as np
 
 from streampack._checks import check_choice
-from streampack.format import LAYOUT_DIR
+from streampack.errors import CacheError
+from streampack.format.names import LAYOUT_DIR
 from streampack.samples.layout import Bins
+from streampack.store.plans import PlanIdentity, stored
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -53,10 +50,6 @@ NO_TARGET: tuple[NoTarget, ...] = get_args(NoTarget)
 
 # Documents packed together: larger chunks pack a little tighter, and take more memory to plan.
 CHUNK_DOCS = 1 << 16
-
-_ARRAYS = {"starts": np.int64, "shards": np.int64, "lo": np.int64, "lengths": np.int32}
-# Part of every plan's key: plans stored before pieces without a target were counted are planned again.
-_PLAN_FORMAT = 2
 
 
 def plan_packed(
@@ -86,9 +79,7 @@ def plan_documents(
 ) -> Bins:
     """One document per sample (each piece of a split one), padded to ``seq_len`` tokens."""
     settings = _settings({"layout": "documents", "too_long": too_long}, no_target)
-    return _plan(
-        cache, chosen, seq_len, settings, pad_id, content, lambda lengths, _: np.arange(len(lengths))
-    )
+    return _plan(cache, chosen, seq_len, settings, pad_id, content, _one_per_sample)
 
 
 def _settings(settings: dict[str, int | str], no_target: NoTarget) -> dict[str, int | str]:
@@ -96,6 +87,11 @@ def _settings(settings: dict[str, int | str], no_target: NoTarget) -> dict[str, 
     that keep every piece are those of streampack before the option existed."""
     check_choice("no_target", no_target, NO_TARGET)
     return {**settings, "no_target": "drop"} if no_target == "drop" else settings
+
+
+def _one_per_sample(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """One document (or piece of one) per sample."""
+    return np.arange(len(lengths))
 
 
 def _plan(
@@ -110,8 +106,7 @@ def _plan(
     check_choice("too_long", settings["too_long"], TOO_LONG)
     too_long = cast(TooLong, settings["too_long"])
     settings = {**settings, **chosen.fingerprint()}
-    key_text = json.dumps([content, seq_len, settings, _PLAN_FORMAT], sort_keys=True)
-    key = f"{settings['layout']}-{seq_len}-{hashlib.sha256(key_text.encode()).hexdigest()[:16]}"
+    identity = PlanIdentity(content, seq_len, settings)
     pieces = _Pieces(cache, chosen, seq_len, too_long, settings.get("no_target") == "drop")
 
     def tables() -> Iterator[dict[str, np.ndarray]]:
@@ -131,19 +126,47 @@ def _plan(
             before += len(lengths)
         yield {"starts": np.array([before], dtype=np.int64)}
 
-    arrays, directory, (dropped, no_target) = _stored(Path(cache.root) / LAYOUT_DIR / key, tables, pieces)
+    directory = Path(cache.root) / LAYOUT_DIR / identity.key
+    plan = stored(directory, identity, tables, pieces.counts, cache.table.num_tokens)
     return Bins(
-        arrays["starts"],
-        arrays["shards"],
-        arrays["lo"],
-        arrays["lengths"],
+        plan.arrays["starts"],
+        plan.arrays["shards"],
+        plan.arrays["lo"],
+        plan.arrays["lengths"],
         seq_len=seq_len,
         pad_id=pad_id,
         settings=settings,
-        directory=directory,
-        dropped=dropped,
-        no_target=no_target,
+        directory=plan.directory,
+        dropped=plan.dropped,
+        no_target=plan.no_target,
+        checked=(plan.checksum, plan.identities),
     )
+
+
+def plan_again(
+    directory: Path, seq_len: int, settings: dict[str, int | str], pad_id: int
+) -> dict[str, np.ndarray]:
+    """The arrays of the plan ``directory`` names, planned again from its cache: for samples pickled by
+    streampack 0.1, whose stored plans carry no checksums. Planning is deterministic: it is the same plan.
+
+    Raises:
+        CacheError: the plan is of a split (whose selection the settings do not restore), or the cache
+            changed since the samples were made.
+    """
+    from streampack.reader import open as open_cache
+    from streampack.samples.split import Chosen
+
+    if "split" in settings or settings.get("layout") not in _ASSIGN:
+        raise CacheError(
+            f"{directory}: a plan stored by streampack 0.1 (without checksums) that this version cannot make "
+            "again by itself: make these samples again (cache.split(...).packed(...))"
+        )
+    cache = open_cache(directory.parent.parent)
+    assign = _ASSIGN[str(settings["layout"])]
+    bins = _plan(cache, Chosen(cache), seq_len, dict(settings), pad_id, cache.content_digest, assign)
+    if bins.directory is not None and bins.directory.name != directory.name:
+        raise CacheError(f"{directory}: the cache changed since these samples were made; make them again")
+    return {"starts": bins.starts, "shards": bins.shards, "lo": bins.lo, "lengths": bins.lengths}
 
 
 class _Pieces:
@@ -161,6 +184,10 @@ class _Pieces:
         self.drop_no_target = drop_no_target
         self.dropped = 0
         self.no_target = 0
+
+    def counts(self) -> dict[str, int]:
+        """What the plan left out, once its pieces are all made: ``dropped`` and ``no_target``."""
+        return {"dropped": self.dropped, "no_target": self.no_target}
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -241,80 +268,6 @@ def _joined(
     )
 
 
-def _stored(
-    directory: Path, tables: Callable[[], Iterator[dict[str, np.ndarray]]], pieces: _Pieces
-) -> tuple[dict[str, np.ndarray], Path | None, tuple[int, int]]:
-    """The plan's arrays, mapped from ``directory``; planned and written there first when absent.
-
-    Written into a temporary directory renamed into place, so a reader never sees half a plan and two
-    processes planning at once both end up reading one. Kept in memory where the cache is read-only.
-
-    Returns:
-        The arrays, the directory they are mapped from (None: in memory), and the counts of documents
-        dropped (``too_long``) and of pieces without a target token.
-    """
-    if (directory / "plan.json").is_file():
-        return _mapped(directory)
-    try:
-        directory.parent.mkdir(exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".planning-", dir=directory.parent))
-    except OSError:
-        arrays: dict[str, list[np.ndarray]] = {name: [] for name in _ARRAYS}
-        for table in tables():
-            for name, values in table.items():
-                arrays[name].append(values)
-        joined = {name: np.concatenate(parts).astype(_ARRAYS[name]) for name, parts in arrays.items()}
-        return joined, None, (pieces.dropped, pieces.no_target)
-    try:
-        counts = dict.fromkeys(_ARRAYS, 0)
-        files = {name: open(scratch / f"{name}.bin", "wb") for name in _ARRAYS}  # noqa: SIM115
-        try:
-            for table in tables():
-                for name, values in table.items():
-                    files[name].write(values.astype(np.dtype(_ARRAYS[name]).newbyteorder("<")).tobytes())
-                    counts[name] += len(values)
-        finally:
-            for file in files.values():
-                file.close()
-        facts = {"counts": counts, "dropped": pieces.dropped, "no_target": pieces.no_target}
-        (scratch / "plan.json").write_text(json.dumps(facts))
-        try:
-            os.rename(scratch, directory)
-        except OSError:  # another process placed the same plan first
-            shutil.rmtree(scratch, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    return _mapped(directory)
-
-
-def _mapped(directory: Path) -> tuple[dict[str, np.ndarray], Path, tuple[int, int]]:
-    arrays, counts = _load(directory)
-    return arrays, directory, counts
-
-
-def _load(directory: Path) -> tuple[dict[str, np.ndarray], tuple[int, int]]:
-    """Map the arrays of the plan in ``directory``; return them and its counts of dropped documents and
-    of pieces without a target."""
-    facts = json.loads((directory / "plan.json").read_text())
-    arrays = {}
-    for name, dtype in _ARRAYS.items():
-        count = int(facts["counts"][name])
-        little = np.dtype(dtype).newbyteorder("<")
-        path = directory / f"{name}.bin"
-        # A plain ndarray view of the map (which it keeps alive): slicing an np.memmap costs more.
-        mapped = np.memmap(path, dtype=little, mode="r", shape=(count,)) if count else np.zeros(0, little)
-        arrays[name] = mapped.view(np.ndarray)
-    # Plans stored by 0.1 did not count the pieces without a target (their pickles still name them).
-    return arrays, (int(facts["dropped"]), int(facts.get("no_target", 0)))
-
-
-def load_plan(directory: Path) -> dict[str, np.ndarray]:
-    """The arrays of a stored plan (for a :class:`~streampack.samples.layout.Bins` unpickled in another
-    process)."""
-    return _load(directory)[0]
-
-
 def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
     """The bin of each item, packed best-fit decreasing into bins of ``capacity``; bins in opening order.
 
@@ -340,3 +293,9 @@ def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
             nonempty[left] = True
         bin_of[item] = chosen
     return bin_of
+
+
+_ASSIGN: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
+    "packed": _best_fit_decreasing,
+    "documents": _one_per_sample,
+}

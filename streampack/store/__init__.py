@@ -16,6 +16,9 @@ object storage would differ underneath the same keys: it has no append, rename, 
 it publishes a shard once finished (staged locally, then uploaded), publishes ledger entries then the
 manifest with conditional puts, and serves :meth:`Store.map_array` from a bounded local copy.
 
+Reading and writing the manifest and the ledger's entries through a store is
+:mod:`streampack.store.files`'s.
+
 A cache is named by a URI (:func:`open_store`): a plain path or a ``file://`` URI is a local store; a
 cache in object storage is read through a bounded local copy (:mod:`streampack.store.localcopy`).
 :class:`CacheRef` (the URI plus the digest of the shard table) is what picklable views of a cache carry,

@@ -29,10 +29,15 @@ The rules that keep several processes (DataLoader workers, ranks) of one node co
   files it can lock exclusively. When nothing can be evicted, the process first drops the maps it keeps
   for reuse (the reader's, the loader's), then touches ``pressure`` and waits: a thread of every process
   reading the copy with a bound watches that file and drops its process's kept maps when it changes
-  (maps in use by a read stay valid). It gives up after a while with a message saying the bound is too
-  small. The bound must therefore hold the shards
-  that one batch of every process of the node reads at once, plus what prefetching keeps ahead; a bound
-  smaller than the largest shard is refused when the cache is opened.
+  (maps in use by a read stay valid). It gives up after a while (:data:`WAIT_SECONDS`) with a message
+  saying the bound is too small; at once (within :data:`OWN_WAIT_SECONDS`) when the copies its own
+  process maps leave no room, which no other process can free (one batch needs more than the bound).
+  The bound must therefore hold the shards that one batch of every process of the node reads at once,
+  plus what prefetching keeps ahead; a bound smaller than the largest shard is refused when the cache is
+  opened.
+* **A copy is what was verified.** A copy is renamed into place only once its size and CRC-32 match;
+  each map checks its size again (a copy truncated since would crash the process at the first read past
+  its end): one of another size is deleted and fetched again.
 
 Prefetching (:mod:`streampack.loader.prefetch`) fetches the shards of the next steps in a background thread,
 within half the bound and without ever waiting for room or evicting what it fetched for nearer steps.
@@ -60,7 +65,7 @@ import numpy as np
 
 from streampack._checks import check_int_or_none
 from streampack.errors import CacheError, OptionsError
-from streampack.format import SHARD_DIR
+from streampack.format.names import SHARD_DIR
 from streampack.store import LocalStore
 from streampack.store.remote import RemoteStore
 
@@ -76,6 +81,12 @@ _releasers: list[weakref.WeakMethod[Callable[[], None]]] = []
 _releasers_lock = threading.Lock()
 _watched: dict[Path, int] = {}  # the local copies this process watches for pressure, and by which pid
 _POLL_SECONDS = 0.02
+# The copies this process maps, with the number of its live maps of each: what only it can release.
+_pinned: dict[Path, int] = {}
+_pinned_lock = threading.Lock()
+# How long a process waits when its own maps alone leave no room: another of its threads may be between
+# the maps of one read and their release; one batch is read in far less.
+OWN_WAIT_SECONDS = 1.0
 
 
 def default_local_dir(url: str) -> Path:
@@ -293,7 +304,7 @@ class CachedStore(LocalStore):
         for _ in range(8):  # evicted between its download and its map: fetched again
             path = self.fetch(key)
             assert path is not None  # a fetch that may wait returns a path or raises
-            mapped = _map_pinned(path, nbytes)
+            mapped = _map_pinned(path, nbytes, self._expected[key].size)
             if mapped is not None:
                 with contextlib.suppress(OSError):
                     os.utime(path)  # most recently used
@@ -365,10 +376,24 @@ class CachedStore(LocalStore):
         the checksum."""
         crc = 0
         done = 0
+        # A final file's last GET asks for one byte more: an object longer than the manifest says is
+        # damaged too (its first bytes may still match the checksum).
+        end = expected.size + 1 if expected.checksum else expected.size
         while done < expected.size:
-            chunk = self.remote.read(key, done, min(expected.size, done + _CHUNK))
+            try:
+                chunk = self.remote.read(key, done, min(end, done + _CHUNK))
+            except FileNotFoundError:
+                raise CacheError(
+                    f"{self.describe(key)}: the object is missing, but the cache's manifest names it; the "
+                    "cache in object storage is damaged: rebuild it"
+                ) from None
             if not chunk:
                 break
+            if done + len(chunk) > expected.size:
+                raise CacheError(
+                    f"{self.describe(key)}: the object holds more than the {expected.size} bytes the cache's "
+                    "manifest says; the cache in object storage is damaged: rebuild it"
+                )
             os.pwrite(fd, chunk, done)
             crc = zlib.crc32(chunk, crc)
             done += len(chunk)
@@ -390,6 +415,7 @@ class CachedStore(LocalStore):
         when there is no room and ``wait`` is false."""
         deadline = time.monotonic() + WAIT_SECONDS
         released = False
+        own_since: float | None = None
         while True:
             with _flocked(self.root / "space.lock"):
                 if self._make_room(_blocks(size), keep):
@@ -403,6 +429,20 @@ class CachedStore(LocalStore):
                 release_maps()  # this process's kept maps may be what holds the room
                 released = True
                 continue
+            own = self._own_blocks()
+            if self.max_local_bytes is not None and own + _blocks(size) > self.max_local_bytes:
+                own_since = time.monotonic() if own_since is None else own_since
+                if time.monotonic() - own_since > OWN_WAIT_SECONDS:
+                    raise CacheError(
+                        f"{self.root}: no room for {size} more bytes within max_local_bytes="
+                        f"{self.max_local_bytes}: this process itself maps {own} bytes of copies there (the "
+                        "shards its current reads use), which no other process can free, and the next file "
+                        "does not fit beside them. The bound must hold the shards one batch of every process "
+                        "of the node reads at once; raise max_local_bytes (this process alone needs at "
+                        f"least {own + _blocks(size)})"
+                    )
+            else:
+                own_since = None
             (self.root / "pressure").touch()  # other processes drop their kept maps (see _watch_pressure)
             if time.monotonic() > deadline:
                 raise CacheError(
@@ -412,6 +452,17 @@ class CachedStore(LocalStore):
                     "at once; raise max_local_bytes"
                 )
             time.sleep(0.05)
+
+    def _own_blocks(self) -> int:
+        """What the copies this process maps take (counted as the bound counts them)."""
+        shards = self.root / SHARD_DIR
+        with _pinned_lock:
+            paths = [path for path in _pinned if path.parent == shards]
+        total = 0
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                total += _blocks(path.stat().st_size)
+        return total
 
     def _make_room(self, need: int, keep: frozenset[Path]) -> bool:
         """Evict least recently used copies that no one maps until ``need`` more bytes fit the bound."""
@@ -441,20 +492,38 @@ def _blocks(size: int) -> int:
     return -(-size // BLOCK) * BLOCK
 
 
-def _map_pinned(path: Path, nbytes: int) -> mmap.mmap | None:
+def _map_pinned(path: Path, nbytes: int, size: int) -> mmap.mmap | None:
     """A read-only map of ``path`` holding a shared lock on it until the map is closed (the map keeps a
-    duplicate of the descriptor, which shares the lock); None when the file was evicted meanwhile."""
+    duplicate of the descriptor, which shares the lock); None when the file was evicted meanwhile, or was
+    not of its verified ``size`` (damaged since its download: deleted, to be fetched again)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        if os.fstat(fd).st_nlink == 0:  # evicted between the open and the lock
+        st = os.fstat(fd)
+        if st.st_nlink == 0:  # evicted between the open and the lock
             return None
-        return mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ)
+        if st.st_size != size:  # a map past its end would crash the process (SIGBUS) at the first read
+            path.unlink(missing_ok=True)
+            return None
+        mapped = mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
+    with _pinned_lock:
+        _pinned[path] = _pinned.get(path, 0) + 1
+    weakref.finalize(mapped, _unpin, path)
+    return mapped
+
+
+def _unpin(path: Path) -> None:
+    with _pinned_lock:
+        left = _pinned.get(path, 0) - 1
+        if left > 0:
+            _pinned[path] = left
+        else:
+            _pinned.pop(path, None)
 
 
 def _evict(path: Path) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -241,6 +242,10 @@ def _transient(error: Exception) -> bool:
     """Whether ``error`` may pass on retry: an OSError that is not a refusal, a timeout or connection
     error, or any error of the storage clients' network stacks."""
     if isinstance(error, _PERMANENT):
+        return False
+    # fsspec's clients map a request the store refuses as malformed (a range past the end of a cut object,
+    # an invalid name) to EINVAL: asking again gives the same answer.
+    if isinstance(error, OSError) and error.errno == errno.EINVAL:
         return False
     if isinstance(error, (OSError, TimeoutError, ConnectionError)):
         return True

@@ -1,7 +1,8 @@
 """Write token caches straight from numpy arrays, for tests and benchmarks (private; not a build path).
 
 The files follow docs/FORMAT.md exactly. :func:`write_cache` records every shard's checksums (its shards
-are in memory anyway); :func:`write_random_cache` records none (the reader does not check them, and
+are in memory anyway) and a finished ledger entry per shard; :func:`write_random_cache` records none
+(the reader does not check them, and
 ``streampack verify`` would refuse such a cache), which keeps writing a multi-gigabyte synthetic cache at
 disk speed and in flat memory.
 """
@@ -10,24 +11,26 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from streampack.format import (
+from streampack.format.ledger import UnitProgress
+from streampack.format.manifest import Manifest, ShardInfo, ShardTable
+from streampack.format.names import (
+    LEDGER_DIR,
     MANIFEST,
     SHARD_DIR,
-    Manifest,
-    ShardInfo,
-    ShardTable,
     checksum_text,
-    load_manifest,
+    ledger_key,
     offsets_path,
     shard_name,
     tokens_path,
     with_checksum,
 )
 from streampack.store import encode_json
+from streampack.store.files import load_manifest, write_manifest
 
 _CHUNK_TOKENS = 1 << 25
 
@@ -66,6 +69,9 @@ def write_cache(
         unit = f"synthetic:{index}" if units is None else units[index]
         checksums = checksum_text(zlib.crc32(token_bytes)), checksum_text(zlib.crc32(offset_bytes))
         infos.append(ShardInfo(name, unit, len(ends), len(tokens), *checksums))
+        entry = UnitProgress(unit, len(ends), len(ends), len(tokens), 0, True, *checksums)
+        (root / LEDGER_DIR).mkdir(exist_ok=True)
+        (root / ledger_key(name)).write_bytes(encode_json(with_checksum(asdict(entry))))
     _write_manifest(root, infos, vocab_size, eos_id)
     return root
 
@@ -115,7 +121,7 @@ def _dtype(vocab_size: int) -> np.dtype:
 
 
 def _write_manifest(root: Path, shards: list[ShardInfo], vocab_size: int, eos_id: int) -> None:
-    Manifest(
+    manifest = Manifest(
         tokenizer={"kind": "synthetic", "name": "synthetic", "sha256": "", "vocab_size": vocab_size},
         dtype=_dtype(vocab_size).name,
         eos={"append": True, "id": eos_id},
@@ -124,7 +130,8 @@ def _write_manifest(root: Path, shards: list[ShardInfo], vocab_size: int, eos_id
         units=[s.unit for s in shards],
         complete=True,
         table=ShardTable.from_rows(shards),
-    ).write(root)
+    )
+    write_manifest(root, manifest)
 
 
 def _write_random_shard(

@@ -1,11 +1,15 @@
 """Tokenizers: text becomes ids, exactly as the tokenizer's own library gives them.
 
-``backends`` holds the tokenizer protocol, its backends (the built-in ``bytes``, Hugging Face
-``tokenizer.json``, tiktoken ranks) and the engines that compute their ids (the reference libraries and
-the fast engine, used only where it is proven exact); ``pieces`` cuts long texts where the cut cannot
-change the ids; ``tiktoken_json`` describes tiktoken ranks as a ``tokenizer.json``.
+``base`` holds the tokenizer protocol and ``load`` loads one from its SPEC (a table of kinds: the
+built-in ``bytes``, a Hugging Face ``tokenizer.json`` in ``hf``, tiktoken ranks in ``tiktoken``, which
+``tiktoken_json`` also describes as a ``tokenizer.json``); ``choices`` names the special-token modes and
+the engine choices; ``specials`` decides the EOS and BOS a build adds; ``engines`` holds the engines that
+compute the ids (the reference libraries, and the fast engine, used only where ``proofs`` proves it
+exact); ``pieces`` cuts long texts where the cut cannot change the ids. ``backends`` re-exports them all
+under the path that held them until 0.2.
 """
 
-from streampack.tokenizer.backends import Tokenizer, load_tokenizer
+from streampack.tokenizer.base import Tokenizer
+from streampack.tokenizer.load import load_tokenizer
 
 __all__ = ["Tokenizer", "load_tokenizer"]

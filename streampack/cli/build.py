@@ -1,0 +1,374 @@
+"""``streampack build``: tokenize a corpus into a token cache, and the summary it prints.
+
+Library messages name Python parameters; :func:`in_cli_terms` shows them as this command's flags (the
+``streampack`` group uses it for every error it prints).
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, get_args, get_type_hints
+
+import click
+from click.core import ParameterSource
+
+from streampack.builder.coordinator import build as build_cache
+from streampack.builder.options import CacheSpec, Executor, RunOptions, default
+from streampack.builder.stagetimes import render as render_stages
+from streampack.errors import OptionsError
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One option of ``build``: the :class:`CacheSpec` or :class:`RunOptions` field it sets, and how.
+
+    The option's default is the field's (through ``shown``), and a ``Literal`` field's choices are its
+    type's: neither is written twice, so the command cannot drift from the dataclasses. The click parameter
+    is named after the field.
+
+    Attributes:
+        owner: the class the field is on.
+        field: the field's name.
+        decls: the option's flags, as click takes them (``"--tokenizer", "-t"``).
+        help: the text ``--help`` shows.
+        type: the click type (default: a choice of a ``Literal`` field's values, else what the default is).
+        is_flag: a flag without a value (``--bos``).
+        metavar: what ``--help`` shows for the value.
+        hidden: left out of ``--help`` (tuning knobs).
+        shown: the field's default as the option's default (``--unit-mb`` counts MB).
+        value: the option's value as the field's (``--no-eos`` gives ``eos=False``).
+    """
+
+    owner: type[CacheSpec] | type[RunOptions]
+    field: str
+    decls: tuple[str, ...]
+    help: str | None = None
+    type: click.ParamType | None = None
+    is_flag: bool = False
+    metavar: str | None = None
+    hidden: bool = False
+    shown: Callable[[Any], Any] = _same
+    value: Callable[[Any], Any] = _same
+
+    def option(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """The ``click.option`` decorator of this flag."""
+        initial = self.shown(default(self.owner, self.field))
+        kind = self.type
+        if kind is None:
+            allowed = get_args(get_type_hints(self.owner)[self.field])
+            if allowed and all(isinstance(a, str) for a in allowed):  # a Literal of strings
+                kind = click.Choice(list(allowed))
+        return click.option(
+            *self.decls,
+            self.field,
+            type=kind,
+            is_flag=self.is_flag or None,  # None: click reads --a/--no-a as a flag
+            default=initial,
+            show_default=initial is not None and not self.is_flag and not self.hidden,
+            metavar=self.metavar,
+            hidden=self.hidden,
+            help=self.help,
+        )
+
+
+_MB = 1 << 20
+
+#: The options of ``build`` in the order ``--help`` lists them, one per field of CacheSpec and RunOptions
+#: but those in NO_FLAG.
+FLAGS = [
+    Flag(
+        CacheSpec,
+        "tokenizer",
+        ("--tokenizer", "-t"),
+        "'bytes'; a tokenizer.json path or folder; or tiktoken:DIR/NAME.tiktoken, with NAME.json beside it "
+        "holding 'pat_str' and 'special_tokens'.",
+    ),
+    Flag(
+        CacheSpec,
+        "special_tokens",
+        ("--special-tokens",),
+        "text: special-token strings in documents (e.g. <|endoftext|>) are plain text; parse: their ids.",
+    ),
+    Flag(
+        RunOptions,
+        "workers",
+        ("--workers", "-j"),
+        "Worker processes [default: one per 8 cores for tokenizer.json, one per core otherwise].",
+        type=click.IntRange(min=1),
+    ),
+    Flag(
+        RunOptions,
+        "threads",
+        ("--threads",),
+        "Tokenizer threads per worker [default: the cores divided among the workers].",
+        type=click.IntRange(min=1),
+    ),
+    Flag(CacheSpec, "text_field", ("--text-field",), "JSON key / Parquet column of the text."),
+    Flag(
+        CacheSpec,
+        "split_lines",
+        ("--split-lines",),
+        "One document per line of .txt inputs (default: per file).",
+        is_flag=True,
+    ),
+    Flag(
+        CacheSpec,
+        "fields",
+        ("--fields",),
+        "SFT: build each document from these fields, each tokenized on its own; all but the last are the "
+        "prompt (no loss), the last and the EOS are the target. Writes a loss mask beside each shard.",
+        metavar="A,B,...",
+        value=lambda names: None if names is None else tuple(f.strip() for f in names.split(",")),
+    ),
+    Flag(
+        CacheSpec,
+        "chat",
+        ("--chat",),
+        "SFT: build each document from the list of {role, content} messages in FIELD, rendered with the "
+        "chat template of the tokenizer_config.json beside the tokenizer.json; the assistant turns and the "
+        "EOS are the target. Writes a loss mask beside each shard (needs jinja2: pip install "
+        "'streampack[chat]').",
+        metavar="FIELD",
+    ),
+    Flag(
+        CacheSpec,
+        "eos_id",
+        ("--eos-id",),
+        "EOS id to append [default: the tokenizer's].",
+        type=click.IntRange(min=0),
+    ),
+    Flag(
+        CacheSpec,
+        "eos",
+        ("--no-eos",),
+        "Append no EOS after documents.",
+        is_flag=True,
+        shown=operator.not_,
+        value=operator.not_,
+    ),
+    Flag(
+        CacheSpec,
+        "bos",
+        ("--bos",),
+        "Put the tokenizer's BOS id before every document (the bos_token of a tokenizer_config.json beside "
+        "the tokenizer.json, else an added token like <s> or <|begin_of_text|>).",
+        is_flag=True,
+    ),
+    Flag(
+        CacheSpec,
+        "bos_id",
+        ("--bos-id",),
+        "Put this BOS id before every document.",
+        type=click.IntRange(min=0),
+    ),
+    Flag(
+        RunOptions,
+        "allow_new_ids",
+        ("--allow-new-ids",),
+        "Allow an --eos-id or --bos-id outside the tokenizer's vocabulary (the cache's vocab_size grows "
+        "past it); without it such an id is refused.",
+        is_flag=True,
+    ),
+    Flag(
+        RunOptions,
+        "on_bad_record",
+        ("--on-bad-record",),
+        "error: stop at the first bad record (what was committed stays); skip: skip and count them.",
+    ),
+    Flag(
+        RunOptions,
+        "overwrite",
+        ("--overwrite",),
+        "Delete the existing cache in --out and start over.",
+        is_flag=True,
+    ),
+    Flag(
+        RunOptions,
+        "progress",
+        ("--progress/--no-progress",),
+        "Progress bar [default: when stderr is a tty].",
+        shown=lambda _: None,  # decided when the command runs
+        value=lambda shown: sys.stderr.isatty() if shown is None else shown,
+    ),
+    Flag(
+        CacheSpec,
+        "unit_bytes",
+        ("--unit-mb",),
+        "Split large uncompressed JSONL and Parquet inputs into work units of this size.",
+        type=click.IntRange(min=1),
+        shown=lambda size: size >> 20,
+        value=lambda mb: mb << 20,
+    ),
+    Flag(
+        RunOptions,
+        "executor",
+        ("--executor",),
+        "local: a process pool here; ray: Ray tasks on a cluster (--out on shared storage).",
+    ),
+    Flag(
+        RunOptions,
+        "ray_address",
+        ("--ray-address",),
+        "Ray cluster address [default: a running one, else a new local one].",
+    ),
+    Flag(
+        RunOptions,
+        "tokenizer_engine",
+        ("--tokenizer-engine",),
+        "What computes the token ids (the same ids whichever): auto picks fastokens where it is installed "
+        "(a dependency where it has wheels) and proven to reproduce the tokenizer exactly in this "
+        "special-token mode, else the tokenizer's own library (tokenizers for a tokenizer.json, tiktoken for "
+        "tiktoken:); build and info say which ran and why.",
+    ),
+    Flag(
+        RunOptions,
+        "verify_tokens",
+        ("--verify-tokens",),
+        "When another engine than the tokenizer's own library computes the ids, re-encode with the latter "
+        "and stop at the first difference: sample (the first 20 records and 0.1% of the rest), all, none.",
+    ),
+    Flag(
+        RunOptions,
+        "stage",
+        ("--stage",),
+        "With --out URL: local directory the shards are built in before upload [default: one per URL "
+        "under the temp directory].",
+        type=click.Path(file_okay=False),
+    ),
+    Flag(
+        CacheSpec,
+        "max_piece_chars",
+        ("--max-piece-chars",),
+        "Tokenize longer documents in pieces of at most N characters "
+        "[default: 100000 where cuts at spaces provably keep the tokenizer's tokens, else 1000000].",
+        type=click.IntRange(min=1),
+    ),
+    Flag(
+        RunOptions,
+        "profile",
+        ("--profile",),
+        "After the summary, print where the time went: seconds per stage (read, pieces, encode, write, "
+        "...) summed over the worker processes.",
+        is_flag=True,
+    ),
+    Flag(RunOptions, "batch_chars", ("--batch-chars",), type=click.IntRange(min=1), hidden=True),
+    Flag(RunOptions, "commit_seconds", ("--commit-seconds",), type=click.FloatRange(min=0), hidden=True),
+    Flag(
+        RunOptions,
+        "commit_bytes",
+        ("--commit-mb",),
+        type=click.FloatRange(min=0),
+        hidden=True,
+        shown=lambda size: size / _MB,
+        value=lambda mb: max(int(mb * _MB), 1),
+    ),
+]
+
+#: The fields no flag sets, and why.
+NO_FLAG = {
+    (RunOptions, "storage_options"): "the object store's credentials and endpoints come from the environment",
+}
+
+
+def _flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command`` with the options of :data:`FLAGS`, in their order."""
+    for flag in reversed(FLAGS):  # click lists the decorator applied last first
+        command = flag.option()(command)
+    return command
+
+
+def options_from_flags(given: Mapping[str, Any]) -> tuple[CacheSpec, RunOptions]:
+    """The :class:`CacheSpec` and :class:`RunOptions` the options of ``build`` (by field name) give.
+
+    Raises:
+        OptionsError: a value the dataclasses refuse.
+    """
+    values: dict[type, dict[str, Any]] = {CacheSpec: {}, RunOptions: {}}
+    for flag in FLAGS:
+        values[flag.owner][flag.field] = flag.value(given[flag.field])
+    return CacheSpec(**values[CacheSpec]), RunOptions(**values[RunOptions])
+
+
+@click.command()
+@click.argument("inputs", nargs=-1, required=True)
+@click.option(
+    "--out",
+    "-o",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Cache directory, or an fsspec URL (s3://bucket/prefix) to build in --stage and upload there.",
+)
+@_flags
+@click.option(
+    "--engine", "old_engine", type=click.Choice(get_args(Executor)), hidden=True
+)  # --executor's old name
+def build(inputs: tuple[str, ...], out: str, old_engine: str | None, **given: Any) -> None:
+    """Tokenize INPUTS (files, directories, globs, URLs) into a token cache in --out.
+
+    Rerunning the same command after an interruption resumes where it stopped.
+    """
+    if old_engine is not None:
+        if click.get_current_context().get_parameter_source("executor") is ParameterSource.COMMANDLINE:
+            raise click.UsageError("--engine is the old name of --executor: give --executor only")
+        click.echo("warning: --engine is deprecated: it is now --executor (the same choices)", err=True)
+        given["executor"] = old_engine
+    try:
+        spec, run = options_from_flags(given)
+    except OptionsError as e:
+        raise click.UsageError(in_cli_terms(str(e))) from None
+    summary = build_cache(list(inputs), out, spec=spec, run=run)
+    resumed = ""
+    if summary.units_already_done or summary.units_resumed:
+        resumed = (
+            f" (resumed: {summary.units_already_done} units already done, {summary.units_resumed} partial)"
+        )
+    click.echo(
+        f"built {summary.out}: {summary.num_docs:,} documents, {summary.num_tokens:,} tokens in "
+        f"{summary.num_shards} shards, {summary.seconds:.1f} s{resumed}"
+    )
+    if summary.tokenizer_engine:
+        click.echo(f"tokenizer engine: {summary.tokenizer_engine}")
+    if summary.skipped_records:
+        noun = "record" if summary.skipped_records == 1 else "records"
+        click.echo(f"skipped {summary.skipped_records:,} bad {noun} (--on-bad-record skip)")
+    if summary.empty_docs:
+        noun = "document" if summary.empty_docs == 1 else "documents"
+        click.echo(f"left out {summary.empty_docs:,} empty or whitespace-only {noun}")
+    if summary.inexact_cuts:
+        click.echo(
+            f"note: {summary.inexact_cuts:,} cuts of very long documents may have changed the tokens next to "
+            "them (see `streampack info`)"
+        )
+    if run.profile:
+        click.echo(render_stages(summary.stages, summary.seconds, summary.workers))
+
+
+# Library messages name Python parameters; the CLI shows them as its flags.
+_CLI_TERMS = {
+    'on_bad_record="skip"': "--on-bad-record skip",
+    "overwrite=True": "--overwrite",
+    "eos_id=N": "--eos-id N",
+    "bos_id=N": "--bos-id N",
+    "eos_id=": "--eos-id ",
+    "bos_id=": "--bos-id ",
+    "eos=False": "--no-eos",
+    "allow_new_ids=True": "--allow-new-ids",
+    "text_field=": "--text-field ",
+    "fields=[...]": "--fields A,B",
+    "chat=...": "--chat FIELD",
+    "output directory": "--out",
+}
+
+
+def in_cli_terms(message: str) -> str:
+    """``message`` with the Python parameters it names shown as the CLI's flags."""
+    for python, flag in _CLI_TERMS.items():
+        message = message.replace(python, flag)
+    return message

@@ -1,0 +1,47 @@
+"""The identity of a build: what a resumed build must share with the cache it continues
+(:func:`build_identity`), and what a follower compares to tell that a cache is still the output of the
+same build (:func:`build_digest`).
+
+Pure functions of a :class:`~streampack.format.manifest.Manifest`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from streampack.format.manifest import Manifest
+
+
+def build_identity(manifest: Manifest) -> dict[str, Any]:
+    """What a resumed build must share with the cache, one setting per key (the tokenizer by its hash:
+    the same tokenizer may be named by another path). Settings that a cache written before they existed
+    lacks read as their defaults, which is what such a build did."""
+    config = manifest.build_config()
+    tokenizer = {k: v for k, v in config["tokenizer"].items() if k != "spec"}
+    settings = {k: v for k, v in config["settings"].items() if k != "tokenizer"}
+    for key, value in _LATER_SETTINGS.items():
+        settings.setdefault(key, value)
+    # The policies as resolved (the tokenizer's own EOS or BOS may come from a tokenizer_config.json, which
+    # the tokenizer's hash does not cover), keyed apart from the settings of the same name.
+    policies = {"eos_policy": config["eos"], "bos_policy": config["bos"]}
+    return {"tokenizer": tokenizer, "dtype": config["dtype"], **policies, **settings}
+
+
+# Settings added after caches were first written, with the value that those caches were built with.
+_LATER_SETTINGS: dict[str, Any] = {"bos": False, "bos_id": None, "fields": None, "chat": None}
+
+
+def build_digest(manifest: Manifest) -> str:
+    """What identifies a build's output, the same while it runs, once complete and after a resume: what a
+    resumed build must share with it (:func:`build_identity`), its inputs
+    and work units."""
+    fields = {
+        "identity": build_identity(manifest),
+        "inputs": manifest.inputs,
+        "units": manifest.units,
+        "loss_mask": manifest.loss_mask,
+    }
+    text = json.dumps(fields, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -1,0 +1,109 @@
+"""The names of a cache's files and the small rules every file follows: keys, directory and shard names,
+the token dtype rule, and checksum text (docs/FORMAT.md).
+
+Pure: nothing here reads or writes a file (that is :mod:`streampack.store.files`'s).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from streampack.errors import CacheError
+
+MANIFEST = "manifest.json"
+LEDGER_DIR = "ledger"
+SHARD_DIR = "shards"
+LAYOUT_DIR = "layouts"  # sample plans derived from the shards (streampack.samples.packing); safe to delete
+LOCK = "build.lock"
+OFFSET_DTYPE = np.dtype("<u8")
+_SHARD_NAME = re.compile(r"^[0-9]{6}$")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Return the smallest little-endian unsigned dtype that holds ids ``0 .. vocab_size - 1``."""
+    if vocab_size <= 1 << 16:
+        return np.dtype("<u2")
+    if vocab_size <= 1 << 32:
+        return np.dtype("<u4")
+    raise CacheError(f"vocab size {vocab_size} does not fit in uint32")
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """Return the manifest name of a token dtype (``uint16`` or ``uint32``)."""
+    return np.dtype(dtype).name
+
+
+def shard_name(unit_index: int) -> str:
+    """Return the file stem of the shard written by work unit ``unit_index``."""
+    return f"{unit_index:06d}"
+
+
+def tokens_key(name: str) -> str:
+    """Store key of a shard's token file."""
+    return f"{SHARD_DIR}/{name}.tokens"
+
+
+def offsets_key(name: str) -> str:
+    """Store key of a shard's offsets file."""
+    return f"{SHARD_DIR}/{name}.offsets"
+
+
+def mask_key(name: str) -> str:
+    """Store key of a shard's loss mask file (SFT builds only)."""
+    return f"{SHARD_DIR}/{name}.mask"
+
+
+def ledger_key(name: str) -> str:
+    """Store key of the ledger entry of shard ``name``."""
+    return f"{LEDGER_DIR}/{name}.json"
+
+
+def tokens_path(root: Path, name: str) -> Path:
+    """Path of a shard's token file."""
+    return root / tokens_key(name)
+
+
+def offsets_path(root: Path, name: str) -> Path:
+    """Path of a shard's offsets file."""
+    return root / offsets_key(name)
+
+
+def mask_path(root: Path, name: str) -> Path:
+    """Path of a shard's loss mask file (SFT builds only)."""
+    return root / mask_key(name)
+
+
+def checked_shard_name(name: object) -> str:
+    """Validate a shard name read from a manifest or ledger; a name is six digits, never a path."""
+    if not isinstance(name, str) or not _SHARD_NAME.match(name):
+        raise CacheError(f"invalid shard name {name!r} in the manifest: expected six digits like '000042'")
+    return name
+
+
+def checksum_text(crc: int) -> str:
+    """A CRC-32 as the manifest writes it: ``crc32:xxxxxxxx``."""
+    return f"crc32:{crc:08x}"
+
+
+def content_checksum(doc: dict[str, Any]) -> str:
+    """CRC-32 of a JSON object's canonical form (sorted keys, no whitespace), its ``checksum`` field left
+    out: the checksum of a manifest, a ledger entry and a plan's ``plan.json``.
+
+    Computed over the parsed values, not the file's bytes, so that it does not depend on the layout.
+    """
+    content = {key: value for key, value in doc.items() if key != "checksum"}
+    return checksum_text(zlib.crc32(orjson.dumps(content, option=orjson.OPT_SORT_KEYS)))
+
+
+manifest_checksum = content_checksum
+
+
+def with_checksum(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with its ``checksum`` field set (see :func:`content_checksum`)."""
+    return {**doc, "checksum": content_checksum(doc)}

@@ -1,0 +1,265 @@
+"""What reading an input is about: the work unit, the read options, and the items a unit's records become.
+
+A *work unit* (:class:`WorkUnit`) is a piece of input decided by the inputs alone (a whole file; a run of
+consecutive small files; a line-aligned byte range of a large uncompressed JSONL file; a range of Parquet
+row groups; an index range of a Python sequence), never by the number of workers. Each unit becomes one
+shard, so the cache is the same whatever runs it.
+
+Also here: how one record (a JSON object, a Parquet row, a Python dict) becomes an :data:`Item` — its
+text, its SFT fields or its chat — or a :class:`~streampack.errors.BadRecordError` saying what is wrong
+with it, shared by every format. Nothing here opens a file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO, TypeAlias
+
+from streampack._checks import check_int
+from streampack.errors import BadRecordError, InputError, OptionsError
+from streampack.inputs import DEFAULT_UNIT_BYTES
+from streampack.inputs.discovery import InputFile
+from streampack.inputs.sft import ChatError, ChatTemplate, Sft, check_messages, field_segments
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    """A piece of input that becomes one shard.
+
+    ``start``/``stop`` are byte offsets for a split JSONL file, row-group indices for Parquet, row indices
+    for a Python sequence; ``stop=None`` means to the end. ``rest`` holds the whole files read after
+    ``file`` when the unit is a run of small files.
+    """
+
+    index: int
+    file: InputFile | None = None
+    start: int = 0
+    stop: int | None = None
+    items: Any = None
+    rest: tuple[InputFile, ...] = ()
+
+    @property
+    def files(self) -> tuple[InputFile, ...]:
+        """The input files of the unit, in reading order (none for Python objects)."""
+        return () if self.file is None else (self.file, *self.rest)
+
+    def describe(self) -> str:
+        """A stable, human-readable identity of the unit (stored in the ledger and manifest)."""
+        where = self.file.path if self.file else f"python:{type(self.items).__name__}"
+        if self.rest:
+            return f"{where} .. {self.rest[-1].path} ({len(self.rest) + 1} files)"
+        if self.stop is None and self.start == 0:
+            return where
+        kind = "bytes" if self.file and self.file.format == "jsonl" else "rows"
+        if self.file and self.file.format == "parquet":
+            kind = "row groups"
+        return f"{where} [{kind} {self.start}:{'' if self.stop is None else self.stop}]"
+
+    @property
+    def in_process(self) -> bool:
+        """Python objects are read in the coordinating process: they may not pickle, or be costly to."""
+        return self.file is None
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How records become documents.
+
+    Attributes:
+        text_field: the JSON key or Parquet column holding the text.
+        split_lines: one document per line of a ``.txt`` file instead of one per file.
+        unit_bytes: uncompressed JSONL files and Parquet files are split into units of about this size.
+        fields: an SFT build from these fields of each record (see :mod:`streampack.inputs.sft`), not
+            text_field.
+        chat: an SFT build from the conversation of each record, rendered with this template.
+    """
+
+    text_field: str = "text"
+    split_lines: bool = False
+    unit_bytes: int = DEFAULT_UNIT_BYTES
+    fields: tuple[str, ...] | None = None
+    chat: ChatTemplate | None = None
+
+    @property
+    def sft(self) -> bool:
+        """Records are SFT documents (fields or a chat), not texts."""
+        return self.fields is not None or self.chat is not None
+
+    def __post_init__(self) -> None:
+        if not self.text_field:
+            raise OptionsError("text_field must be a non-empty string")
+        check_int("unit_bytes", self.unit_bytes, min=1 << 16)
+
+
+class TextStream:
+    """A document read in decoded chunks, for texts too large to hold as one string."""
+
+    def __init__(self, chunks: Iterator[str]) -> None:
+        self._chunks = chunks
+
+    def __iter__(self) -> Iterator[str]:
+        return self._chunks
+
+
+Item: TypeAlias = "str | TextStream | Sft | BadRecordError | None"
+
+
+# What a record must hold: the text field, the SFT fields, or the chat template (with its messages' field).
+Wanted: TypeAlias = "str | tuple[str, ...] | ChatTemplate"
+
+
+RecordReader: TypeAlias = Callable[[dict[str, Any], Any, Callable[[], str]], Item]  # (record, wanted, where)
+
+
+class Documents:
+    """Marks a Python object as the documents themselves (not paths): a sequence or iterable of ``str``
+    or of dicts holding the text field. Hugging Face datasets and generators are recognised without it;
+    a plain list of strings needs it, since it would otherwise be read as a list of paths.
+
+    Args:
+        items: the documents.
+        fingerprint: a string that identifies these documents and changes whenever they do (a dataset
+            version, a content hash). With it, an interrupted build resumes and a finished cache is reused;
+            without it, a build into a directory that holds a cache is refused (streampack cannot tell
+            whether a list or generator still holds the same documents), unless it overwrites.
+    """
+
+    def __init__(self, items: Iterable[Any], *, fingerprint: str | None = None) -> None:
+        self.items = items
+        self.fingerprint = fingerprint
+
+    def __repr__(self) -> str:
+        return f"Documents({type(self.items).__name__})"
+
+
+class Position:
+    """How far a unit has read into its input files, in on-disk (compressed) bytes; for progress bars."""
+
+    def __init__(self) -> None:
+        self._raw: BinaryIO | None = None
+        self._base = 0
+        self._files_done = 0  # bytes of the files of a run already read to the end
+
+    def attach(self, raw: BinaryIO, base: int) -> None:
+        """Follow ``raw``, which was positioned at byte ``base``."""
+        self._raw, self._base = raw, base
+
+    def file_done(self, size: int) -> None:
+        """The file being read (of ``size`` bytes) was read to its end; a run's next file follows."""
+        self._raw, self._files_done = None, self._files_done + size
+
+    def bytes_read(self) -> int:
+        """Bytes of the input consumed so far (as far as known)."""
+        try:
+            current = self._raw.tell() - self._base if self._raw is not None else 0
+        except (OSError, ValueError):
+            current = 0
+        return self._files_done + current
+
+
+def record_reader(options: ReadOptions) -> tuple[RecordReader, Wanted]:
+    """How a record (a JSON object, a Parquet row, a dict) becomes an item, and what it must hold: chosen
+    once per unit, so that reading a record costs one call, as it did before SFT builds existed."""
+    if options.fields is not None:
+        return _fields_of, options.fields
+    if options.chat is not None:
+        return _chat_of, options.chat
+    return _text_of, options.text_field
+
+
+def describe(wanted: Wanted) -> str:
+    """What a record must hold, for messages."""
+    if isinstance(wanted, tuple):
+        return f"the fields {', '.join(map(repr, wanted))}"
+    return f"a {wanted if isinstance(wanted, str) else wanted.field!r} field"
+
+
+def refuse_text_for_sft(files: Iterable[InputFile], option: str) -> None:
+    """Raise when an SFT build (made with ``option``) is given text files, which hold no fields.
+
+    Raises:
+        InputError: naming the first text file.
+    """
+    text = next((f for f in files if f.format == "text"), None)
+    if text is not None:
+        raise InputError(
+            f"{text.path}: a text file holds no fields to build with {option}; give JSONL, Parquet or "
+            "Python dicts"
+        )
+
+
+class _Missing:
+    """The text field is absent from a record; ``problem`` says which part of its path is missing."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _text_of(record: dict[str, Any], field: str, location: Callable[[], str]) -> Item:
+    """The text of a record: ``record[field]``, or for a dotted field absent as such, the nested value."""
+    text = record[field] if field in record else _nested_value(record, field)
+    if isinstance(text, str):
+        return text
+    if isinstance(text, _Missing):
+        return BadRecordError(location(), text.problem)
+    return BadRecordError(location(), f"the {field!r} field is {_kind(text)}, expected a string")
+
+
+def _fields_of(record: dict[str, Any], fields: tuple[str, ...], location: Callable[[], str]) -> Item:
+    """An SFT document of a record's ``fields``: each a string (the last one the target)."""
+    values = []
+    for field in fields:
+        value = record[field] if field in record else _nested_value(record, field, "fields=[...]")
+        if isinstance(value, _Missing):
+            return BadRecordError(location(), value.problem)
+        if not isinstance(value, str):
+            return BadRecordError(location(), f"the {field!r} field is {_kind(value)}, expected a string")
+        values.append(value)
+    return field_segments(values)
+
+
+def _chat_of(record: dict[str, Any], chat: ChatTemplate, location: Callable[[], str]) -> Item:
+    """An SFT document of a record's conversation, rendered with ``chat``'s template."""
+    field = chat.field
+    messages = record[field] if field in record else _nested_value(record, field, "chat=...")
+    if isinstance(messages, _Missing):
+        return BadRecordError(location(), messages.problem)
+    try:
+        return chat.segments(check_messages(messages, field))
+    except ChatError as e:
+        return BadRecordError(location(), str(e))
+
+
+def _nested_value(record: dict[str, Any], field: str, option: str = "text_field=...") -> Any:
+    """``record["a"]["b"]`` for the field ``a.b``, or a :class:`_Missing` saying which part is absent."""
+    parts = field.split(".")
+    advice = f"; pass {option} to choose another"
+    if len(parts) == 1 or parts[0] not in record:
+        fields = ", ".join(map(repr, list(record)[:10])) or "none"
+        return _Missing(f"no {field!r} field (fields: {fields}){advice}")
+    value: Any = record
+    for i, part in enumerate(parts):
+        outer = ".".join(parts[:i])
+        if not isinstance(value, dict):
+            return _Missing(f"no {field!r} field: {outer!r} is {_kind(value)}, not an object{advice}")
+        if part not in value:
+            fields = ", ".join(map(repr, list(value)[:10])) or "none"
+            return _Missing(f"no {field!r} field: {outer!r} has no {part!r} (its fields: {fields}){advice}")
+        value = value[part]
+    return value
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def encodable(item: Item, where: str) -> Item:
+    """Python strings, unlike decoded files, may hold lone surrogates, which no tokenizer can encode."""
+    texts = [item] if isinstance(item, str) else [s.text for s in item] if isinstance(item, tuple) else []
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return BadRecordError(where, f"the text holds a lone surrogate at character {e.start}")
+    return item

@@ -1,0 +1,150 @@
+"""The plan of work units, and reading one: the dispatch above the formats.
+
+:func:`plan_units` (files) and :func:`plan_python_units` (a Python object) cut the inputs into work units
+(:class:`~streampack.inputs.records.WorkUnit`), decided by the inputs and options alone.
+:func:`read_unit` reads one with the reader of its format (:mod:`~streampack.inputs.lines`,
+:mod:`~streampack.inputs.text`, :mod:`~streampack.inputs.parquet`, :mod:`~streampack.inputs.python`), and
+yields one item per input record consumed, in order:
+
+- ``str``: a document's text;
+- :class:`~streampack.inputs.records.TextStream`: a document too large to hold as one string (a big
+  ``.txt`` file), read in chunks;
+- a tuple of :class:`~streampack.inputs.sft.Segment`: an SFT document (fields or a chat), in an SFT build;
+- ``None``: a record that holds no document (a blank line);
+- :class:`~streampack.errors.BadRecordError`: an unusable record, which the builder raises or skips.
+
+Counting records this way is what lets a resumed unit skip exactly what it committed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Set, Sized
+from typing import Any
+
+from streampack.errors import InputError
+from streampack.inputs.discovery import InputFile
+from streampack.inputs.lines import count_lines_before, read_lines
+from streampack.inputs.parquet import parquet_file, read_parquet, row_group_ranges
+from streampack.inputs.python import read_python
+from streampack.inputs.records import Item, Position, ReadOptions, WorkUnit, refuse_text_for_sft
+from streampack.inputs.text import read_text_document
+
+SEQUENCE_UNIT_ROWS = 100_000
+
+
+def plan_units(files: Sequence[InputFile], options: ReadOptions) -> list[WorkUnit]:
+    """Split input files into work units, in input order. Depends on the inputs and options only.
+
+    A large file is split into ranges (see :func:`_ranges`); consecutive small JSONL and text files are
+    grouped into runs of at most ``unit_bytes``, so that a directory of a million small files makes a few
+    shards, not a million.
+    """
+    units: list[WorkUnit] = []
+    run: list[InputFile] = []
+    run_bytes = 0
+
+    def end_run() -> None:
+        nonlocal run_bytes
+        if run:
+            units.append(WorkUnit(len(units), run[0], rest=tuple(run[1:])))
+            run.clear()
+            run_bytes = 0
+
+    for file in files:
+        ranges = _ranges(file, options)
+        if ranges != [(0, None)] or file.format == "parquet":
+            end_run()
+            units.extend(WorkUnit(len(units), file, start, stop) for start, stop in ranges)
+            continue
+        if run and run_bytes + file.size > options.unit_bytes:
+            end_run()
+        run.append(file)
+        run_bytes += file.size
+    end_run()
+    return units
+
+
+def plan_python_units(items: Any) -> list[WorkUnit]:
+    """Work units for a Python object: index ranges of a sequence, or one unit for any other iterable."""
+    if (
+        isinstance(items, (str, bytes, Mapping, Set))
+        or not isinstance(items, Iterable)
+        or _is_dataframe(items)
+    ):
+        raise InputError(
+            f"cannot read documents from a {type(items).__name__}: pass a list or iterable of str or of "
+            "dicts (for a DataFrame: df['text'].tolist() or its records), or a Hugging Face Dataset"
+        )
+    if isinstance(items, Sized) and hasattr(items, "__getitem__"):
+        n = len(items)
+        bounds = range(0, max(n, 1), SEQUENCE_UNIT_ROWS)
+        return [WorkUnit(i, None, a, min(a + SEQUENCE_UNIT_ROWS, n), items) for i, a in enumerate(bounds)]
+    return [WorkUnit(0, None, 0, None, items)]
+
+
+def _is_dataframe(items: Any) -> bool:
+    return type(items).__name__ == "DataFrame"  # pandas or polars: iterating one yields column names
+
+
+def _ranges(file: InputFile, options: ReadOptions) -> list[tuple[int, int | None]]:
+    if file.format == "jsonl" and file.compression is None and file.size > options.unit_bytes:
+        starts = range(0, file.size, options.unit_bytes)
+        return [(a, min(a + options.unit_bytes, file.size)) for a in starts]
+    if file.format == "parquet":
+        return row_group_ranges(file, options.unit_bytes)
+    return [(0, None)]
+
+
+def read_unit(
+    unit: WorkUnit, options: ReadOptions, *, skip: int = 0, position: Position | None = None
+) -> Iterator[Item]:
+    """Yield one item per record of ``unit`` after the first ``skip`` records (see the module docstring).
+
+    Raises:
+        InputError: the input cannot be opened or its stream is truncated or corrupt.
+    """
+    if unit.file is None:
+        return read_python(unit, options, skip)
+    if options.sft:
+        refuse_text_for_sft(unit.files, "fields=[...]" if options.fields is not None else "chat=...")
+    if unit.rest:
+        return _read_run(unit, options, skip, position)
+    if unit.file.format == "parquet":
+        return read_parquet(unit, options, skip)
+    if unit.file.format == "text" and not options.split_lines:
+        return read_text_document(unit.file, skip, position)
+    return read_lines(unit, options, skip, position)
+
+
+def records_before(unit: WorkUnit) -> int:
+    """Records of the unit's input before its first one: where :func:`read_unit`'s records start.
+
+    The lines of its file before a byte range of a JSONL file (counted: it reads the file up to the
+    range), the rows before a range of Parquet row groups (from the file's metadata), the index of a
+    range of a Python sequence; 0 for a whole file or a run of files.
+
+    Raises:
+        InputError: the input cannot be opened or read up to the unit.
+    """
+    file = unit.file
+    if file is None or unit.rest or not unit.start:
+        return unit.start if file is None else 0
+    if file.format == "parquet":
+        metadata = parquet_file(file).metadata
+        return sum(metadata.row_group(g).num_rows for g in range(unit.start))
+    return count_lines_before(file, unit.start)
+
+
+def _read_run(unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None) -> Iterator[Item]:
+    """The records of a run of whole files, one file after the other."""
+    for file in unit.files:
+        if skip and file.format == "text" and not options.split_lines:
+            skip -= 1  # a whole-file document: one record, skipped without reading it
+        else:
+            for item in read_unit(WorkUnit(unit.index, file), options, position=position):
+                if skip:  # a resumed run reads its committed records again to count them
+                    skip -= 1
+                else:
+                    yield item
+        if position is not None:
+            position.file_done(file.size)

@@ -1,0 +1,115 @@
+"""Reading and writing a cache's JSON files through a store: the manifest and the ledger's entries.
+
+What these files hold, and how they are checked, is the format's (:mod:`streampack.format.manifest`,
+:mod:`streampack.format.ledger`); this module only moves their bytes, through any :class:`Store`. Every
+function takes the cache's directory (a :class:`~pathlib.Path`, read as a :class:`LocalStore`) or its store.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+from streampack.errors import CacheError
+from streampack.format.ledger import UnitProgress, parse_progress
+from streampack.format.manifest import FORMAT_VERSION, Manifest, parse_manifest
+from streampack.format.names import LOCK, MANIFEST, checksum_text, ledger_key, with_checksum
+from streampack.store import LocalStore, Store, crc32_file, encode_json, put_json
+
+__all__ = [
+    "commit_progress",
+    "file_checksum",
+    "load_manifest",
+    "read_progress",
+    "upgrade_manifest",
+    "write_manifest",
+]
+
+
+def write_manifest(root: Path | Store, manifest: Manifest) -> None:
+    """Atomically replace the cache's ``manifest.json`` (``root`` is its directory or its store)."""
+    store = _store(root)
+    store.put_atomic(MANIFEST, encode_json(with_checksum(manifest.to_json())))
+
+
+def load_manifest(root: Path | Store) -> Manifest:
+    """Read and validate the cache's ``manifest.json`` (``root`` is its directory or its store).
+
+    Raises:
+        CacheError: the manifest is missing, malformed, from another format version, or inconsistent.
+    """
+    store = _store(root)
+    path = store.describe(MANIFEST)
+    if isinstance(store, LocalStore) and not store.is_dir():
+        raise CacheError(f"{store.root}: no such cache directory")
+    raw = store.read_json(MANIFEST, what="manifest")
+    return parse_manifest(raw, path)
+
+
+def upgrade_manifest(root: str | os.PathLike[str]) -> int:
+    """Rewrite a cache's manifest in the current format version, its content unchanged; return the version
+    it had. Shard files, ledger and layouts are not touched, and checkpoints and plans of the cache keep
+    working (they identify it by content, the same in every version).
+
+    A version 1 manifest holds its shard table as rows: one JSON object per shard, which costs ~20x more
+    to open at 10^5 shards than version 2's columns (``benchmarks/bench_open.py``).
+
+    Raises:
+        CacheError: not a cache, or its manifest is damaged.
+        BuildLockedError: a build holds the cache's lock.
+    """
+    store = LocalStore(root)
+    if not store.is_dir() or not store.exists(MANIFEST):
+        raise CacheError(f"{store.root}: not a streampack cache (no {MANIFEST})")
+    with store.lock(LOCK):
+        raw = store.read_json(MANIFEST, what="manifest")
+        version = raw.get("format_version") if isinstance(raw, dict) else None
+        manifest = load_manifest(store)  # validates it, whatever its version
+        if version != FORMAT_VERSION:
+            write_manifest(store, manifest)
+    return int(version)  # type: ignore[arg-type]
+
+
+def read_progress(root: Path | Store, name: str, unit: str) -> UnitProgress:
+    """Return the committed progress of a unit, or a fresh one if it has not committed yet.
+
+    Args:
+        root: the cache directory, or its store.
+        name: the unit's shard name.
+        unit: the unit's description, which the entry must hold.
+
+    Raises:
+        CacheError: the entry is malformed or belongs to a different work unit.
+    """
+    store = _store(root)
+    key = ledger_key(name)
+    if not store.exists(key):
+        return UnitProgress(unit=unit)
+    raw = store.read_json(key, what="ledger entry")
+    path = store.describe(key)
+    progress = parse_progress(raw, path)
+    if progress.unit != unit:
+        raise CacheError(
+            f"{path}: ledger entry is for work unit {progress.unit!r}, but this build's unit {name} is "
+            f"{unit!r}; the inputs changed since the ledger was written: rerun with overwrite=True"
+        )
+    return progress
+
+
+def commit_progress(root: Path | Store, name: str, progress: UnitProgress) -> None:
+    """Atomically and durably replace the ledger entry of shard ``name`` (with its ``checksum``)."""
+    put_json(_store(root), ledger_key(name), with_checksum(asdict(progress)))
+
+
+def file_checksum(path: Path, length: int | None = None) -> str:
+    """CRC-32 of the first ``length`` bytes of a file (all of it by default), as ``crc32:xxxxxxxx``.
+
+    CRC-32 detects damage (truncation, flipped bytes) at memory speed; it is not a defence against
+    tampering, which the reader handles by never trusting paths or sizes from the manifest.
+    """
+    return checksum_text(crc32_file(path, length))
+
+
+def _store(root: Path | Store) -> Store:
+    return LocalStore(root) if isinstance(root, Path) else root

@@ -1,0 +1,15 @@
+"""The fixed choices of a tokenizer, written once: how special-token strings are read, and which engine
+computes the ids.
+
+:mod:`streampack.builder.options` types its fields with them and the CLI offers them; the tokenizer
+package checks them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+SpecialTokens = Literal["text", "parse"]
+TokenizerEngine = Literal["auto", "tokenizers", "tiktoken", "fastokens"]
+SPECIAL_TOKENS: tuple[SpecialTokens, ...] = get_args(SpecialTokens)
+ENGINE_CHOICES: tuple[TokenizerEngine, ...] = get_args(TokenizerEngine)

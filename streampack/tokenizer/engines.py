@@ -1,0 +1,295 @@
+"""Engines: what computes a tokenizer's ids, and how a tokenizer chooses one.
+
+A tokenizer decides which ids a text gets; an :class:`Engine` computes them: ``bytes`` (built in),
+``tokenizers`` (``encode_batch_fast``), ``tiktoken``, or ``fastokens``, the fast engine, chosen only where
+:mod:`streampack.tokenizer.proofs` proves it gives the reference engine's ids for the tokenizer.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import numpy as np
+
+from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.tokenizer.choices import TokenizerEngine
+
+
+class Engine(Protocol):
+    """What computes a tokenizer's ids; the tokenizer decides which ids they are (its special-token rule
+    is set up in the engine when the tokenizer makes it)."""
+
+    name: str  # the --tokenizer-engine choice: tokenizers, tiktoken, fastokens (bytes: built in)
+    # The cores one build process of it keeps busy (see Tokenizer.cores_per_worker).
+    cores_per_worker: int
+
+    @property
+    def version(self) -> str:
+        """The version of the library that computes the ids."""
+        ...
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each text as uint32 (or uint8) arrays."""
+        ...
+
+
+def _package_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+@contextlib.contextmanager
+def _environment(name: str, value: str) -> Iterator[None]:
+    """Set the environment variable ``name`` for the duration of the block only."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
+def _text_is_whole(tok: Any) -> None:
+    """Turn off the truncation and padding a tokenizer.json may set: a document's tokens are its whole
+    text's, and a batch's texts are not padded to one length (``tokenizers`` and ``fastokens`` alike)."""
+    tok.no_truncation()
+    tok.no_padding()
+
+
+class BytesEngine:
+    """UTF-8 bytes as ids: the ``bytes`` tokenizer's only engine."""
+
+    name = "bytes"
+    version = "1"
+    cores_per_worker = 1  # holds the GIL
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`."""
+        return [np.frombuffer(t.encode("utf-8"), np.uint8) for t in texts]
+
+
+class TokenizersEngine:
+    """Hugging Face ``tokenizers``' ``encode_batch_fast``: the reference engine of a ``tokenizer.json``."""
+
+    name = "tokenizers"
+    cores_per_worker = 8  # its batch call is slow enough that one reader keeps 8 cores of it busy
+
+    def __init__(self, tok: Any, *, threads: int | None) -> None:
+        """Encode with ``tok``, a ``tokenizers.Tokenizer`` already set to the special-token rule."""
+        self._tok = tok
+        self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        if threads is not None and threads != os.cpu_count():
+            self._start_thread_pool(threads)
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        return _package_version("tokenizers")
+
+    def _start_thread_pool(self, threads: int) -> None:
+        """Start ``tokenizers``' thread pool with ``threads`` threads, if this process has none yet.
+
+        The pool reads ``RAYON_NUM_THREADS`` once, when the first batch call starts it; the variable is set
+        only for that call, so nothing is left in the caller's environment. A pool already running in this
+        process keeps its size.
+        """
+        with _environment("RAYON_NUM_THREADS", str(threads)):
+            self._encode(["a b", "c d"], add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`."""
+        encodings = self._encode(texts, add_special_tokens=False)
+        # array('I') copies the Python int list in C at ~60% of np.array's cost; this runs under the GIL.
+        return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
+
+
+class TiktokenEngine:
+    """tiktoken, one text per call on a thread pool, ids returned in a buffer: the reference engine of a
+    ``tiktoken:`` encoding."""
+
+    name = "tiktoken"
+    cores_per_worker = 1  # 3-4 M tokens/s: reading and framing in one process would hold it back
+
+    def __init__(self, enc: Any, *, allowed: set[str], threads: int | None) -> None:
+        """Encode with ``enc``, a ``tiktoken.Encoding``, matching only the special tokens ``allowed``."""
+        self._enc = enc
+        self._allowed = allowed
+        self._threads = threads or 1
+        self._pool = ThreadPoolExecutor(self._threads) if self._threads > 1 else None
+        core = getattr(enc, "_core_bpe", None)
+        self._to_buffer = getattr(core, "encode_to_tiktoken_buffer", None)
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        return _package_version("tiktoken")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`. Encodes as ``encode_ordinary`` unless special tokens are allowed."""
+        if self._to_buffer is None:  # older tiktoken: the public batch call, then a list-to-array copy
+            batch = self._enc.encode_batch(texts, allowed_special=self._allowed, disallowed_special=())
+            return [np.array(ids, dtype=np.uint32) for ids in batch]
+        if self._pool is None:
+            return [self._encode_one(t) for t in texts]
+        return list(self._pool.map(self._encode_one, texts))
+
+    def _encode_one(self, text: str) -> np.ndarray:
+        # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.
+        assert self._to_buffer is not None, "encode_batch checks for it"
+        return np.frombuffer(self._to_buffer(text, self._allowed), dtype=np.uint32)
+
+
+class FastokensEngine:
+    """``fastokens`` (Rust, PCRE2 JIT): encodes a byte-level BPE ``tokenizer.json`` or tiktoken ranks ~10-40x
+    faster than their reference engines, into a flat buffer of ids with no per-token Python objects.
+
+    Used only for tokenizers whose structure it is known to reproduce (:func:`fastokens_mismatch`), and
+    checked against the reference engine while a build runs (:mod:`streampack.builder.pipeline`).
+    """
+
+    name = "fastokens"
+    # Its threads encode a GPT-2 batch at ~1.1 CPU-s per 100 MB (58 M tokens/s on 2 cores); the reader spends
+    # ~0.55 CPU-s per 100 MB reading, parsing, cutting and writing: one reader keeps ~3 cores busy. On 2
+    # cores one process of 2 threads built 345 MB in 4.2 s against 4.7 s for two processes of one thread
+    # (each loads the tokenizer, ~0.8 CPU-s).
+    cores_per_worker = 3
+
+    def __init__(
+        self, load: Callable[[], Any], *, split_special: bool, threads: int | None, fallback: str
+    ) -> None:
+        """Encode with the ``fastokens.Tokenizer`` that ``load()`` makes; ``split_special``: special tokens
+        are text; ``fallback``: the engine a load failure's message suggests.
+
+        It loads on a thread of its own (0.3-1 s), while the build lists and reads its first records.
+        """
+        self._split_special = split_special
+        self._fallback = fallback
+        self._tok: Future[Any] = Future()
+        # Not a daemon: a process that exits (a finished build resumed) waits for the load to end rather than
+        # killing the thread inside fastokens' native code, which aborts ("exception not rethrown").
+        loading = threading.Thread(target=self._load, args=(load, threads), name="streampack-fastokens-load")
+        loading.start()
+
+    def _load(self, load: Callable[[], Any], threads: int | None) -> None:
+        try:
+            tok = load()
+            _text_is_whole(tok)
+            # Its pool reads FASTOKENS_BPE_THREADS when the first batch call starts it.
+            with _environment("FASTOKENS_BPE_THREADS", str(threads or os.cpu_count() or 1)):
+                tok.encode_batch_flat(["a b", "c d"], add_special_tokens=False)
+        except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
+            self._tok.set_exception(e)
+        else:
+            self._tok.set_result(tok)
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        return _package_version("fastokens")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`.
+
+        Raises:
+            TokenizerError: fastokens could not load the tokenizer.
+        """
+        try:
+            tok = self._tok.result()
+        except Exception as e:
+            raise TokenizerError(
+                f"fastokens cannot load the tokenizer ({e}); use tokenizer_engine='{self._fallback}'"
+            ) from None
+        ids, offsets = tok.encode_batch_flat(
+            texts, add_special_tokens=False, split_special_tokens=self._split_special
+        )
+        flat = np.frombuffer(ids, dtype=np.uint32)
+        bounds = np.frombuffer(offsets, dtype=np.uint64).astype(np.intp)
+        return np.split(flat, bounds[1:-1]) if len(texts) else []
+
+
+def _import_fastokens(needed: bool) -> Any:
+    """The ``fastokens`` module; None when it is missing and not ``needed``.
+
+    Raises:
+        MissingDependencyError: it is ``needed`` and not installed.
+    """
+    try:
+        import fastokens
+    except ImportError:
+        if needed:
+            raise MissingDependencyError(
+                "tokenizer_engine='fastokens' needs the fastokens package, a dependency of streampack "
+                "where it has wheels: pip install fastokens"
+            ) from None
+        return None
+    return fastokens
+
+
+def fastokens_unsupported_platform() -> str:
+    """The interpreter and platform, when fastokens has no wheels for them (pyproject.toml's environment
+    markers install it where it has); ``""`` where it has."""
+    import platform
+    import sys
+    import sysconfig
+
+    implementation, machine, system = platform.python_implementation(), platform.machine(), sys.platform
+    wheels = {"linux": {"x86_64", "i686", "aarch64", "armv7l", "ppc64le"}, "darwin": {"x86_64", "arm64"}}
+    wheels["win32"] = {"AMD64"} if sys.maxsize > 1 << 32 else set()  # 32-bit Python on 64-bit Windows
+    if sysconfig.get_config_var("Py_GIL_DISABLED"):
+        return f"free-threaded {implementation} {platform.python_version()}"
+    if implementation != "CPython" or machine not in wheels.get(system, set()):
+        return f"{implementation} on {system} {machine}"
+    return ""
+
+
+def _reference_reason(choice: TokenizerEngine, fastokens: Any) -> str:
+    """Why a tokenizer runs its reference engine when fastokens was not even considered."""
+    if choice != "auto":
+        return f"asked for: tokenizer_engine={choice!r}"
+    unsupported = fastokens_unsupported_platform()
+    if unsupported:
+        return f"fastokens is not installed on this platform: it has no wheels for {unsupported}"
+    return "fastokens is not installed: pip install fastokens (streampack depends on it on this platform)"
+
+
+def _fastokens_or_reference(
+    reference: Engine,
+    choice: TokenizerEngine,
+    problem: str,
+    load: Callable[[], Any],
+    *,
+    split_special: bool,
+    threads: int | None,
+    refusal: str,
+) -> tuple[Engine, str]:
+    """The fastokens engine where the tokenizer's structure is proven (``problem`` empty), loading in the
+    background; else the reference engine, or a :class:`TokenizerError` when fastokens was asked for.
+    With the reason for the choice (see :attr:`Tokenizer.engine_reason`)."""
+    mode = "text" if split_special else "parse"
+    if not problem:
+        engine = FastokensEngine(load, split_special=split_special, threads=threads, fallback=reference.name)
+        return engine, f"proven exact for this tokenizer in {mode} mode"
+    if choice == "fastokens":
+        raise TokenizerError(
+            f"{refusal} in {mode} mode ({problem}); use tokenizer_engine='auto' or '{reference.name}'"
+        )
+    return reference, f"fastokens refused: {problem} in {mode} mode"
+
+
+def _wrong_engine(spec: str, choice: str, kind: str, allowed: str) -> TokenizerError:
+    return TokenizerError(
+        f"tokenizer {spec!r} is {kind}: its engines are {allowed} (got tokenizer_engine={choice!r})"
+    )

@@ -1,0 +1,175 @@
+"""A tiktoken encoding from a local ranks file (``NAME.tiktoken``) and its JSON sidecar (``NAME.json``: split
+pattern, special tokens), and its engine: ``tiktoken``, or ``fastokens`` where proven exact. Nothing is
+ever downloaded.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.tokenizer.base import LibraryTokenizer
+from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
+from streampack.tokenizer.engines import TiktokenEngine
+from streampack.tokenizer.pieces import GPT2_SPLIT_PATTERNS, tiktoken_cut_safety
+from streampack.tokenizer.proofs import fastokens_mismatch_tiktoken
+from streampack.tokenizer.specials import EOS_NAMES
+from streampack.tokenizer.tiktoken_json import byte_level_json
+
+
+class TiktokenTokenizer(LibraryTokenizer):
+    """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens).
+
+    Its reference engine is tiktoken itself: ``encode_ordinary``, or with every special token allowed when
+    they are parsed.
+    """
+
+    fast_piece_chars: int | None = None  # measured: pieces encode no faster (benchmarks/bench_pieces.py)
+    _kind = "a tiktoken encoding"
+    _wrong_library = "tokenizers"
+
+    def __init__(
+        self,
+        spec: str,
+        *,
+        threads: int | None = None,
+        special_tokens: SpecialTokens = "text",
+        engine: TokenizerEngine = "auto",
+    ) -> None:
+        try:
+            import tiktoken
+        except ImportError:
+            raise MissingDependencyError(
+                "the tiktoken backend needs the tiktoken package: pip install 'streampack[tiktoken]'"
+            ) from None
+        ranks = Path(spec.removeprefix("tiktoken:"))
+        if not ranks.name:
+            raise TokenizerError(
+                f"tokenizer {spec!r}: no ranks file named; pass tiktoken:/path/to/NAME.tiktoken"
+            )
+        sidecar = ranks.with_suffix(".json")
+        if not ranks.is_file():
+            raise TokenizerError(
+                f"tokenizer {spec!r}: no ranks file at {ranks}; pass tiktoken:/path/to/NAME.tiktoken "
+                "(streampack never downloads one)"
+            )
+        if not sidecar.is_file():
+            raise TokenizerError(
+                f"tokenizer {spec!r}: {sidecar} is missing; it holds the encoding's 'pat_str' and "
+                "'special_tokens' (JSON)"
+            )
+        self.spec = spec
+        self._definition = ranks.read_bytes() + sidecar.read_bytes()
+        try:
+            mergeable_ranks = _read_ranks(ranks)
+        except ValueError as e:
+            raise TokenizerError(str(e)) from None
+        pattern, specials, n_vocab = _read_sidecar(sidecar, mergeable_ranks)
+        try:
+            self._enc = tiktoken.Encoding(
+                ranks.stem,
+                pat_str=pattern,
+                mergeable_ranks=mergeable_ranks,
+                special_tokens=specials,
+                explicit_n_vocab=n_vocab,
+            )
+        except (ValueError, KeyError, TypeError, OverflowError) as e:
+            raise TokenizerError(f"tokenizer {spec!r}: cannot load ({type(e).__name__}: {e})") from None
+        self._name = ranks.stem
+        self.vocab_size = self._enc.n_vocab
+        self.eos_id = next((specials[n] for n in EOS_NAMES if n in specials), None)
+        self.bos_id: int | None = None  # a ranks file says nothing of a BOS: give bos_id
+        self._allowed = set(specials) if special_tokens == "parse" else set()
+        self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
+        self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
+
+        def load(fastokens: Any) -> Any:
+            if pattern in GPT2_SPLIT_PATTERNS:  # its fastest form: see streampack.tokenizer.tiktoken_json
+                return fastokens.Tokenizer.from_json_str(byte_level_json(mergeable_ranks, specials))
+            return fastokens.Tokenizer.from_tiktoken(str(ranks), pattern=pattern, special_tokens=specials)
+
+        self.engine, self.engine_reason = self._choose_engine(
+            engine,
+            threads,
+            problem=lambda: fastokens_mismatch_tiktoken(pattern, specials, parse_special=bool(self._allowed)),
+            load=load,
+            split_special=not self._allowed,
+            refusal=f"{ranks}: fastokens is not known to give this encoding's ids",
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("TiktokenTokenizer is not picklable: load it in each process from its spec")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """See :class:`Tokenizer`."""
+        digest = hashlib.sha256(self._definition).hexdigest()
+        return {"kind": "tiktoken", "name": self._name, "vocab_size": self.vocab_size, "sha256": digest}
+
+    def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Tokenizer`."""
+        batch = self._enc.encode_batch(texts, allowed_special="all", disallowed_special=())
+        return [np.array(ids, dtype=np.uint32) for ids in batch]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """See :class:`Tokenizer`."""
+        return self._enc.decode(list(ids))
+
+
+def _read_sidecar(path: Path, ranks: dict[bytes, int]) -> tuple[str, dict[str, int], int | None]:
+    """The split pattern, special tokens and explicit vocabulary size of a tiktoken sidecar, validated."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except ValueError as e:
+        raise TokenizerError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("pat_str"), str):
+        raise TokenizerError(f"{path}: needs a 'pat_str' string (the encoding's split pattern)")
+    specials = meta.get("special_tokens", {})
+    if not isinstance(specials, dict):
+        raise TokenizerError(
+            f"{path}: 'special_tokens' must be an object of token string -> id (got a "
+            f"{type(specials).__name__})"
+        )
+    taken = set(ranks.values())
+    for token, token_id in specials.items():
+        if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < 1 << 32:
+            raise TokenizerError(
+                f"{path}: special_tokens[{token!r}] = {token_id!r} is not an id in [0, 2**32)"
+            )
+        if token_id in taken:
+            raise TokenizerError(
+                f"{path}: special_tokens[{token!r}] = {token_id} is also the rank of a regular token; "
+                "give the special token an id of its own"
+            )
+    n_vocab = meta.get("explicit_n_vocab")
+    real = max([*taken, *specials.values()], default=-1) + 1
+    if n_vocab is not None and n_vocab != real:
+        raise TokenizerError(
+            f"{path}: explicit_n_vocab is {n_vocab!r}, but the ranks and special tokens make {real} ids; "
+            "fix it or leave it out"
+        )
+    return meta["pat_str"], specials, n_vocab
+
+
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    """Parse a ``.tiktoken`` ranks file (``base64-token rank`` per line).
+
+    Read here rather than with ``tiktoken.load.load_tiktoken_bpe``, which serves a copy cached under the
+    temp directory by path: an edited ranks file would then not be the one the manifest fingerprints.
+    """
+    ranks = {}
+    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+        if line.strip():
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except (ValueError, binascii.Error):
+                raise ValueError(f"{path}:{number}: expected 'base64-token rank'") from None
+    return ranks
