@@ -33,7 +33,6 @@ cache on a local disk or in the page cache serves them at memory speed, a networ
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -44,6 +43,7 @@ from streampack._checks import check_int
 from streampack.errors import OptionsError
 from streampack.loader import prefetch
 from streampack.loader.collate import Format, format_for
+from streampack.loader.given import given
 from streampack.loader.growing import Growing, Reach
 from streampack.loader.lookahead import prefetch_steps, shard_files
 from streampack.loader.options import (
@@ -54,8 +54,6 @@ from streampack.loader.options import (
     check_last_batch,
     check_size,
     progress,
-    unknown_keyword,
-    with_keywords,
 )
 from streampack.loader.reading import DataSource, Rows, _Source
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, resume
@@ -67,8 +65,6 @@ __all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "Output", "
 
 STATE_VERSION = LOADER_VERSION
 """Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` also reads 1."""
-
-_OPTION_NAMES = {field.name for field in dataclasses.fields(LoaderOptions)}
 
 
 class Loader:
@@ -123,7 +119,7 @@ class Loader:
         collate: Callable[[Any], Any] | None = None,
         **keywords: Any,
     ) -> None:
-        self.options, parts, order = _inputs(type(self).__name__, source, order, options, keywords)
+        self.options, parts, order = given(type(self).__name__, source, order, options, keywords)
         self.dataset: Any = source
         self.collate = collate
         self._rows = Rows([_Source(part) for part in parts])
@@ -191,9 +187,10 @@ class Loader:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle; also a loader version 0.1 pickled, which held its sources itself."""
+        """Unpickle; also a loader version 0.1 pickled: it held its sources itself (now its
+        :class:`~streampack.loader.reading.Rows`), and none of them grew (a Follow's conversion says)."""
         if "_rows" not in state:
-            state = _from_version_0_1(state)
+            state = {"_reach": None} | Rows.of_version_0_1(state)
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
@@ -498,95 +495,3 @@ class Loader:
         if self.dataset is previous[0]:  # a dataset that is its own order (a Mixture) follows it
             self.dataset = order
         self._rows.forget()
-
-
-def _inputs(
-    what: str,
-    source: DataSource | Mapping[str, DataSource] | Ordered | Growing,
-    order: Order | None,
-    options: LoaderOptions | None,
-    keywords: Mapping[str, Any],
-) -> tuple[LoaderOptions, list[DataSource], Order | None]:
-    """What a Loader is given, checked: its options (the object's, with the keywords' fields), its
-    sources, and the order given with them (None: the Loader makes one from the options).
-
-    Raises:
-        TypeError: a keyword names no option.
-        OptionsError: an option is not allowed, an order comes with ``seed``, ``shuffle`` or ``epochs``,
-            or the sources do not fit the order (see :class:`Loader`).
-    """
-    unknown = sorted(set(keywords) - _OPTION_NAMES)
-    if unknown:
-        raise unknown_keyword(what, unknown[0], sorted(_OPTION_NAMES))
-    # seed=None and shuffle=None say "not given": the defaults, or an order's own.
-    keywords = {k: v for k, v in keywords.items() if v is not None or k not in ("seed", "shuffle")}
-    parts, order = _sources_and_order(source, order)
-    if order is not None:
-        _refuse_order_options(order, {k: keywords.get(k) for k in ("seed", "shuffle", "epochs")})
-    opts = with_keywords(LoaderOptions, options, keywords)
-    if order is not None and len(order.names) != len(parts):
-        raise OptionsError(
-            f"the order reads {len(order.names)} sources ({', '.join(order.names)}), the Loader was "
-            "given one; give a dict of name -> source, one per name of the order"
-        )
-    return opts, parts, order
-
-
-def _sources_and_order(
-    source: DataSource | Mapping[str, DataSource] | Ordered | Growing, order: Order | None
-) -> tuple[list[DataSource], Order | None]:
-    """The sources a Loader reads and the order given with them (None: the Loader makes one)."""
-    if isinstance(source, Growing):  # what it holds now, in the order that grows with it
-        if order is not None:
-            raise OptionsError(
-                f"a {type(source).__name__} grows with its own order; give it without order=..."
-            )
-        return [source.view()], source.order
-    if isinstance(source, Ordered):  # a Mixture: its sources, and itself their order
-        if order is not None:
-            raise OptionsError(
-                f"a {type(source).__name__} reads its sources in its own order; give it, or its sources with "
-                "order=..., not both"
-            )
-        sources, order = source.sources_and_order()
-        return list(sources.values()), order
-    if isinstance(source, Mapping):
-        if order is None:
-            raise OptionsError(
-                f"several sources ({', '.join(map(str, source))}) are read in an order: pass order=..., or "
-                "a streampack.order.mixture.Mixture of them"
-            )
-        if tuple(source) != tuple(order.names):
-            raise OptionsError(
-                f"the sources must be named as the order names them, in its order: {list(order.names)} "
-                f"(got {list(source)})"
-            )
-        return list(source.values()), order
-    return [source], order
-
-
-def _refuse_order_options(order: Order, given: Mapping[str, object]) -> None:
-    """An order given sets seed, shuffle and end itself: refuse the single-dataset order options rather
-    than ignore them."""
-    kind = type(order).__name__
-    for name, value in given.items():
-        if value is not None:
-            where = f"{kind}(..., {name}=...)"
-            if name == "epochs":
-                where = "the order's own end, e.g. Mixture(stop='first_exhausted') or Shuffled(n, epochs=...)"
-            raise OptionsError(
-                f"{name}= sets the order of a single dataset; {kind} is an order of its own: use {where} "
-                f"(got {name}={value!r})"
-            )
-
-
-def _from_version_0_1(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The state of a loader from the ``__dict__`` version 0.1 pickled: its sources, joined view and
-    prefetch flag held by :class:`~streampack.loader.reading.Rows`; no source of 0.1 grew (a Follow's
-    own conversion gives its reach)."""
-    rows = object.__new__(Rows)
-    rows.__dict__.update(sources=state["sources"], joined=state["_joined"], prefetches=state["_prefetches"])
-    rows.forget()
-    old = ("sources", "_joined", "_prefetches", "_plan", "_last_request")
-    loader = {key: value for key, value in state.items() if key not in old}
-    return {"_reach": None} | loader | {"_rows": rows}
