@@ -92,7 +92,7 @@ class PressureWatcher:
         # thread holds the lock (in watch).
         self._lock = threading.RLock()
         self._watched: dict[int, Path] = {}  # the copy's directory, by the key of who watches it
-        self._seen: dict[Path, int] = {}  # the pressure file's modification time, by directory
+        self._seen: dict[Path, int] = {}  # the last modification time seen, by pressure file
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
