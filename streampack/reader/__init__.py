@@ -37,6 +37,7 @@ from streampack.format.names import (
 from streampack.store import LocalStore, open_store
 from streampack.store.files import load_manifest, read_progress
 from streampack.store.localcopy import CachedStore, Expected, cached_store, on_release
+from streampack.store.pressure import forget_release
 from streampack.store.remote import is_remote
 
 if TYPE_CHECKING:
@@ -63,7 +64,13 @@ class Cache:
         manifest: its parsed manifest.
         table: its shard table (the manifest's, or the committed prefix of an unfinished build's).
         dtype: the token dtype (uint16 or uint32).
+
+    Close it (:meth:`close`, or ``with streampack.open(...) as cache``) when done with it in a long-lived
+    process that opens many caches from object storage.
     """
+
+    _closed = False
+    _opened_store: CachedStore | None = None  # the store open() made for this cache, closed with it
 
     def __init__(self, store: LocalStore, manifest: Manifest, table: ShardTable) -> None:
         self.store = store
@@ -85,6 +92,22 @@ class Cache:
     def __repr__(self) -> str:
         name = self.store.describe("")
         return f"Cache({name!r}, docs={self.num_docs}, tokens={self.num_tokens}, dtype={self.dtype.name})"
+
+    def close(self) -> None:
+        """Drop the shard maps kept for reuse, stop taking part in a local copy's releases, and close the
+        store :func:`open` made for this cache (see :meth:`CachedStore.close`); reads refuse afterwards.
+        Calling it again does nothing."""
+        self._closed = True
+        forget_release(self.drop_maps)
+        self.drop_maps()
+        if self._opened_store is not None:
+            self._opened_store.close()
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def drop_maps(self) -> None:
         """Forget the shard maps kept for reuse (they close once no caller holds a view of them): a cache
@@ -398,6 +421,8 @@ class Cache:
             with contextlib.suppress(KeyError):  # evicted by another thread since the get
                 maps.move_to_end(shard)
             return mapped
+        if self._closed:
+            raise CacheError(f"{self.store.describe('')}: the cache was closed; open it again to read it")
         index = self._index(shard)
         key, count = key_of(shard_name(index)), int(counts[index])
         self._check_size(key, count, dtype.itemsize)
@@ -448,7 +473,8 @@ def open(
     its manifest (and ledger) are read remotely, each shard file is fetched whole on first use, verified
     against its checksum, and memory-mapped from ``local_dir``, which the processes of a node share (one
     download per file) and which never holds more than ``max_local_bytes`` of shard files (least
-    recently used ones are evicted; see :mod:`streampack.store.localcopy`).
+    recently used ones are evicted; see :mod:`streampack.store.localcopy`). :meth:`Cache.close` (or a
+    ``with`` block) releases what reading it holds: kept maps, and the thread that watches a bounded copy.
 
     Args:
         path: the cache directory (a path, or a ``file://`` URI), or the URL of a cache in object storage.
@@ -493,10 +519,14 @@ def open(
                 "command to complete it, or open it with allow_incomplete=True to read the committed part"
             )
         progress = [read_progress(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
-        return open_committed(store, manifest, progress)
+        cache = open_committed(store, manifest, progress)
+    else:
+        if isinstance(store, CachedStore):
+            store.expect(_expected_files(manifest, manifest.table, None))
+        cache = Cache(store, manifest, manifest.table)
     if isinstance(store, CachedStore):
-        store.expect(_expected_files(manifest, manifest.table, None))
-    return Cache(store, manifest, manifest.table)
+        cache._opened_store = store
+    return cache
 
 
 def open_committed(store: LocalStore, manifest: Manifest, progress: list[UnitProgress]) -> Cache:
