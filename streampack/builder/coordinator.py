@@ -47,7 +47,8 @@ from streampack.format.names import (
     shard_name,
     token_dtype,
 )
-from streampack.inputs.discovery import Ignored, check_output_outside_inputs, discover_inputs
+from streampack.inputs.discovery import check_output_outside_inputs, discover_inputs
+from streampack.inputs.inputfile import Ignored
 from streampack.inputs.records import Documents, ReadOptions, WorkUnit, refuse_text_for_sft
 from streampack.inputs.sft import load_chat_template
 from streampack.inputs.units import plan_python_units, plan_units

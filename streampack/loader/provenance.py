@@ -33,7 +33,8 @@ import numpy as np
 
 from streampack._checks import check_int
 from streampack.errors import InputError
-from streampack.inputs.discovery import InputFile, discover_inputs
+from streampack.inputs.discovery import discover_inputs
+from streampack.inputs.inputfile import InputFile
 from streampack.inputs.records import Documents, Item, ReadOptions, TextStream, WorkUnit
 from streampack.inputs.units import plan_python_units, plan_units, read_unit, records_before
 from streampack.loader import Loader
