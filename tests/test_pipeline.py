@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack.builder import pipeline
 from streampack.builder.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, run_units
 from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError
@@ -76,7 +75,7 @@ class RecordingWriter(ShardWriter):
 def recording(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[UnitProgress]]:
     commits: ClassVar[dict[str, list[UnitProgress]]] = {}
     monkeypatch.setattr(RecordingWriter, "commits", commits)
-    monkeypatch.setattr(pipeline, "ShardWriter", RecordingWriter)
+    monkeypatch.setattr("streampack.builder.commits.ShardWriter", RecordingWriter)  # an open unit's writer
     return commits
 
 
