@@ -6,7 +6,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from streampack.builder.pipeline import UnitResult
+from streampack.builder.tasks import UnitResult
 from streampack.format.ledger import UnitProgress
 from streampack.inputs.records import WorkUnit
 
