@@ -14,7 +14,7 @@ import numpy as np
 
 from streampack.builder.tasks import UnitTask
 from streampack.builder.writer import ShardWriter
-from streampack.format.ledger import Counts, UnitProgress
+from streampack.format.ledger import Counts, LedgerEntry
 from streampack.format.names import shard_name
 from streampack.inputs.records import Position
 from streampack.tokenizer.base import Tokenizer
@@ -23,7 +23,7 @@ from streampack.tokenizer.base import Tokenizer
 class OpenUnit:
     """A unit whose shard is open: its writer, and what the next commit and progress event need."""
 
-    def __init__(self, task: UnitTask, progress: UnitProgress, tokenizer: Tokenizer) -> None:
+    def __init__(self, task: UnitTask, progress: LedgerEntry, tokenizer: Tokenizer) -> None:
         self.task, self.spec, self.tokenizer = task, task.spec, tokenizer
         name = shard_name(task.unit.index)
         dtype = np.dtype(task.spec.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,19 +25,19 @@ from streampack.builder.pipeline import VERIFY_FIRST, VERIFY_RATE
 from streampack.builder.pipeline import run_units as run_units
 from streampack.builder.planning import as_documents, plan_inputs
 from streampack.builder.progress import BuildProgress
-from streampack.builder.publish import Publisher, default_stage
+from streampack.builder.publish import Publisher, default_staging_dir
 from streampack.builder.running import default_workers as default_workers
 from streampack.builder.running import execute, worker_count
 from streampack.builder.running import worker_threads as worker_threads
-from streampack.builder.stagetimes import add_up, mark_process_start
 from streampack.builder.tasks import TokenizerRef, UnitSpec, UnitTask
 from streampack.builder.tasks import UnitResult as UnitResult
 from streampack.builder.tasks import init_worker as init_worker
+from streampack.builder.timings import add_up, mark_process_start
 from streampack.errors import CacheError as CacheError
 from streampack.errors import ConfigMismatchError as ConfigMismatchError
 from streampack.errors import OptionsError, StreampackError
 from streampack.format.identity import build_identity as build_identity
-from streampack.format.ledger import UnitProgress
+from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import Manifest, ShardInfo, ShardTable
 from streampack.format.names import LAYOUT_DIR as LAYOUT_DIR
 from streampack.format.names import LEDGER_DIR as LEDGER_DIR
@@ -52,7 +53,7 @@ from streampack.inputs.sft import load_chat_template
 from streampack.inputs.units import plan_python_units as plan_python_units
 from streampack.inputs.units import plan_units as plan_units
 from streampack.store import LocalStore
-from streampack.store.files import load_manifest, read_progress, write_manifest
+from streampack.store.files import load_manifest, read_entry, write_manifest
 from streampack.store.remote import RemoteStore, is_remote
 from streampack.tokenizer.base import Tokenizer, describe_engine
 from streampack.tokenizer.choices import ENGINE_CHOICES
@@ -79,9 +80,16 @@ class BuildSummary:
     # Which engine computed the ids in this run, and why: "fastokens 0.3.5 (proven exact for this tokenizer
     # in text mode)", "tokenizers 0.23.3 (fastokens refused: ...)". A cache found complete says "".
     tokenizer_engine: str = ""
-    stages: dict[str, list[float]] = field(
-        default_factory=dict
-    )  # [wall, CPU] s per stage: streampack.builder.stagetimes
+    # [wall, CPU] seconds per part of the build (read, encode, write, ...): streampack.builder.timings
+    timings: dict[str, list[float]] = field(default_factory=dict)
+
+    @property
+    def stages(self) -> dict[str, list[float]]:
+        """Deprecated: :attr:`timings`, under its old name."""
+        warnings.warn(
+            "BuildSummary.stages is deprecated: it is now BuildSummary.timings", DeprecationWarning, 2
+        )
+        return self.timings
 
     @property
     def tokens_per_second(self) -> float:
@@ -104,7 +112,8 @@ def build(
             ``Dataset``/``IterableDataset``, a generator, or :class:`~streampack.Documents` wrapping any
             iterable of ``str`` or dicts.
         out: the cache directory (created if needed), or an fsspec URL (``s3://bucket/prefix``): the
-            build is then staged in ``run.stage`` and published there (see :mod:`streampack.builder.publish`).
+            build is then made in ``run.staging_dir`` and published there (see
+            :mod:`streampack.builder.publish`).
         spec: the settings that identify the cache (:class:`~streampack.CacheSpec`).
         run: how the build runs (:class:`~streampack.RunOptions`).
         **options: fields of either, by name (``tokenizer="gpt2/tokenizer.json", workers=4``), replacing
@@ -119,7 +128,7 @@ def build(
     """
     spec, run = split_options(spec, run, options)
     remote = RemoteStore(out, run.storage_options) if isinstance(out, str) and is_remote(out) else None
-    root = Path(out) if remote is None else Path(run.stage or default_stage(remote.url))
+    root = Path(out) if remote is None else Path(run.staging_dir or default_staging_dir(remote.url))
     mark_process_start()
     started = time.perf_counter(), time.process_time()
     if as_documents(inputs) is None:  # paths: refuse an output that would mix with them before listing them
@@ -248,20 +257,20 @@ def _engine_entry(tokenizer: Tokenizer, run: RunOptions) -> dict[str, Any]:
 
 def _build_remote(
     remote: RemoteStore,
-    stage: LocalStore,
+    staging: LocalStore,
     manifest: Manifest,
     tasks: list[UnitTask],
     run: RunOptions,
     tokenizer: Tokenizer,
     started: tuple[float, float],
 ) -> BuildSummary:
-    """Build in the staging directory ``stage`` and publish to ``remote`` (see
+    """Build in the staging directory ``staging`` and publish to ``remote`` (see
     :mod:`streampack.builder.publish`)."""
-    publisher = Publisher(remote, stage, {shard_name(t.unit.index): t.unit.describe() for t in tasks})
+    publisher = Publisher(remote, staging, {shard_name(t.unit.index): t.unit.describe() for t in tasks})
     complete = publisher.begin(manifest, overwrite=run.overwrite, same_build=check_same_build)
     if complete is not None:
         return _summarize(BuildSummary(out=remote.url), complete)
-    summary = _build_locked(stage, manifest, tasks, run, tokenizer, started, publisher)
+    summary = _build_locked(staging, manifest, tasks, run, tokenizer, started, publisher)
     summary.out = remote.url
     return summary
 
@@ -287,27 +296,27 @@ def _build_locked(
         manifest = replace(manifest, engines=_engines(existing.engines, manifest.engines))
     write_manifest(store, manifest)
     units = [t.unit for t in tasks]
-    progress = [read_progress(store, shard_name(u.index), u.describe()) for u in units]
-    summary.units_already_done = sum(p.done for p in progress)
-    summary.units_resumed = sum(not p.done and p.records > 0 for p in progress)
+    entries = [read_entry(store, shard_name(u.index), u.describe()) for u in units]
+    summary.units_already_done = sum(p.done for p in entries)
+    summary.units_resumed = sum(not p.done and p.records > 0 for p in entries)
     summary.tokenizer_engine = engine_summary(_engine_entry(tokenizer, run))
-    todo = [t for t, p in zip(tasks, progress) if not p.done]
+    todo = [t for t, p in zip(tasks, entries) if not p.done]
     summary.workers = worker_count(todo, run, tokenizer)
-    summary.stages = {"prepare": [time.perf_counter() - started[0], time.process_time() - started[1]]}
-    with BuildProgress(run.progress, units, progress) as bar:
+    summary.timings = {"prepare": [time.perf_counter() - started[0], time.process_time() - started[1]]}
+    with BuildProgress(run.progress, units, entries) as bar:
         for result in execute(todo, run, tokenizer, summary.workers, bar.update):
-            summary.stages = add_up([summary.stages, result.stages])
-            progress[result.unit_index] = result.progress
-            if publisher is not None and result.progress.done:
+            summary.timings = add_up([summary.timings, result.timings])
+            entries[result.unit_index] = result.entry
+            if publisher is not None and result.entry.done:
                 publisher.unit_done(shard_name(result.unit_index))
             bar.unit_done(result)
     final = replace(
         manifest,
         complete=True,
-        table=_shard_table(units, progress, manifest.loss_mask),
-        skipped_records=sum(p.skipped for p in progress),
-        empty_docs=sum(p.empty_docs for p in progress),
-        inexact_cuts=sum(p.inexact_cuts for p in progress),
+        table=_shard_table(units, entries, manifest.loss_mask),
+        skipped_records=sum(p.skipped for p in entries),
+        empty_docs=sum(p.empty_docs for p in entries),
+        inexact_cuts=sum(p.inexact_cuts for p in entries),
     )
     write_manifest(store, final)
     if publisher is not None:
@@ -327,7 +336,7 @@ def _summarize(summary: BuildSummary, manifest: Manifest) -> BuildSummary:
     return summary
 
 
-def _shard_table(units: list[WorkUnit], progress: list[UnitProgress], masked: bool) -> ShardTable:
+def _shard_table(units: list[WorkUnit], entries: list[LedgerEntry], masked: bool) -> ShardTable:
     rows = [
         ShardInfo(
             shard_name(u.index),
@@ -338,6 +347,6 @@ def _shard_table(units: list[WorkUnit], progress: list[UnitProgress], masked: bo
             p.offsets_checksum,
             p.mask_checksum if masked else None,
         )
-        for u, p in zip(units, progress)
+        for u, p in zip(units, entries)
     ]
     return ShardTable.from_rows(rows)

@@ -37,22 +37,22 @@ from streampack.builder.framing import (
 )
 from streampack.builder.options import OnBadRecord as OnBadRecord
 from streampack.builder.options import VerifyTokens
-from streampack.builder.stagetimes import Stopwatch
 from streampack.builder.tasks import NO_BOS as NO_BOS
 from streampack.builder.tasks import TokenizerRef as TokenizerRef
 from streampack.builder.tasks import UnitResult, UnitTask, worker_tokenizer
 from streampack.builder.tasks import UnitSpec as UnitSpec
 from streampack.builder.tasks import init_worker as init_worker
+from streampack.builder.timings import Stopwatch
 from streampack.builder.writer import ShardWriter as ShardWriter
 from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
 from streampack.format.ledger import Counts as Counts
-from streampack.format.ledger import UnitProgress
+from streampack.format.ledger import LedgerEntry
 from streampack.format.names import shard_name
 from streampack.inputs.records import Position as Position
 from streampack.inputs.records import ReadOptions, TextStream, WorkUnit
 from streampack.inputs.sft import Sft
 from streampack.inputs.units import read_unit, records_before
-from streampack.store.files import read_progress
+from streampack.store.files import read_entry
 from streampack.tokenizer.base import Tokenizer
 from streampack.tokenizer.choices import SpecialTokens as SpecialTokens
 from streampack.tokenizer.choices import TokenizerEngine as TokenizerEngine
@@ -96,13 +96,13 @@ def run_units(
     with _Pipeline(report) as pipeline:
         for task in tasks:
             name = shard_name(task.unit.index)
-            progress = read_progress(Path(task.spec.root), name, task.unit.describe())
+            progress = read_entry(Path(task.spec.root), name, task.unit.describe())
             if progress.done:
                 yield UnitResult(task.unit.index, progress)
                 continue
             pipeline.watch.measure_cpu(task.spec.profile)
             if tokenizer is None:
-                with pipeline.watch.stage("load tokenizer"):
+                with pipeline.watch.timing("load tokenizer"):
                     tokenizer = worker_tokenizer(task.spec.tokenizer)
             pipeline.read(task, progress, tokenizer)
             yield from pipeline.take_finished()
@@ -156,7 +156,7 @@ class _Pipeline:
         for unit in self.open_units:  # units cut short by an error keep only what they committed
             unit.writer.close()
 
-    def read(self, task: UnitTask, progress: UnitProgress, tokenizer: Tokenizer) -> None:
+    def read(self, task: UnitTask, progress: LedgerEntry, tokenizer: Tokenizer) -> None:
         """Read all of a unit's records into batches; its last batches may still encode on return."""
         unit = OpenUnit(task, progress, tokenizer)
         self.open_units.append(unit)
@@ -292,7 +292,7 @@ class _Pipeline:
         self._start_batch()
         self._write_encoded()
         while len(self.queue) >= MAX_QUEUED_BATCHES or self._encoding() > ENCODING_THREADS:
-            with self.watch.stage("wait"):
+            with self.watch.timing("wait"):
                 wait([b.encoded for b in self.queue if not b.encoded.done()], return_when=FIRST_COMPLETED)
             self._write_encoded()
 
@@ -307,7 +307,7 @@ class _Pipeline:
     def _write(self, batch: Batch) -> None:
         unit, watch = batch.unit, self.watch
         try:
-            with watch.stage("wait"):
+            with watch.timing("wait"):
                 encoded, encode_seconds, verify_seconds = batch.encoded.result()
         except Mismatch as e:
             raise _mismatch_error(unit, e) from None
@@ -315,7 +315,7 @@ class _Pipeline:
         if verify_seconds:
             watch.add("verify", verify_seconds)
         if encoded:
-            with watch.stage("frame"):
+            with watch.timing("frame"):
                 tokens, doc_ends, piece_ends = frame(
                     encoded, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos
                 )
@@ -326,11 +326,11 @@ class _Pipeline:
                 mask = None
                 if batch.targets is not None:
                     mask = loss_mask(batch, piece_ends, unit.bos is not None, unit.eos is not None)
-            with watch.stage("write"):
+            with watch.timing("write"):
                 unit.writer.append(tokens, doc_ends, mask)
             event = {"unit": unit.task.unit.index, "docs": len(doc_ends), "tokens": len(tokens)}
             self.report({**event, "bytes": unit.bytes_read_delta()})
-        with watch.stage("write"):
+        with watch.timing("write"):
             if batch.last:
                 self._finish(unit, batch)
             else:

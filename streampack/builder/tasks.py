@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from streampack.builder.options import OnBadRecord, VerifyTokens
 from streampack.errors import TokenizerError
-from streampack.format.ledger import UnitProgress
+from streampack.format.ledger import LedgerEntry
 from streampack.inputs.records import ReadOptions, WorkUnit
 from streampack.tokenizer.base import Tokenizer
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
@@ -56,7 +56,7 @@ class UnitSpec:
     batch_chars: int = 1 << 20
     commit_bytes: int = 64 << 20
     commit_seconds: float = 10.0
-    profile: bool = False  # measure each stage's CPU time too (see streampack.builder.stagetimes)
+    profile: bool = False  # measure the CPU time of each timing too (see streampack.builder.timings)
 
 
 @dataclass(frozen=True)
@@ -69,12 +69,12 @@ class UnitTask:
 
 @dataclass(frozen=True)
 class UnitResult:
-    """A finished unit's final progress, and the seconds per stage its process spent since its last result
-    (summed over results, a process's whole time: see :mod:`streampack.builder.stagetimes`)."""
+    """A finished unit's final ledger entry, and its process's timings since its last result (summed over
+    results, a process's whole time: see :mod:`streampack.builder.timings`)."""
 
     unit_index: int
-    progress: UnitProgress
-    stages: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    entry: LedgerEntry
+    timings: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------- worker processes only
