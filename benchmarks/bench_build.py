@@ -292,9 +292,10 @@ def own_seconds(stdout: str) -> float | None:
 
 
 def stage_table(stdout: str) -> list[str]:
-    """The markdown table ``build --profile`` prints after its summary (header ``| stage |``), if any."""
+    """The markdown table ``build --profile`` prints after its summary (header ``| timing |``, ``| stage |``
+    before the table was named timings), if any."""
     lines = stdout.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith("| stage |")), None)
+    start = next((i for i, line in enumerate(lines) if line.startswith(("| timing |", "| stage |"))), None)
     if start is None:
         return []
     table = []
@@ -473,7 +474,7 @@ def stage_sections(rows: list[Row], cli: Cli) -> list[str]:
         if auto[0].stages:
             out += auto[0].stages
         elif cli.profile:
-            out.append("The build printed no stage table (no line starting `| stage |`).")
+            out.append("The build printed no timings table (no line starting `| timing |`).")
         else:
             out.append("No stage table: this `streampack build` has no `--profile` option yet.")
     return out

@@ -5,6 +5,9 @@ stub files at the top of the package, where they would hide the tree the move wa
 serves the old paths from this table: ``import streampack.sequences`` gives a module whose attributes are
 those of :mod:`streampack.samples.sequences`, and warns when one is used. Pickles that name the old paths
 (``streampack.sequences.PackedSequences``) load the same classes. The hook goes in 0.3.
+
+Names renamed in 0.2 keep their old name the same way: :func:`renamed` makes a module's ``__getattr__``
+that serves an old name with a warning, :func:`renamed_method` a method's old name.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import importlib.util
 import sys
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 #: Old module path -> where it lives now.
@@ -46,7 +50,7 @@ MOVED = {
     "streampack.sequences": "streampack.samples.sequences",
     "streampack.sft": "streampack.inputs.sft",
     "streampack.sources": "streampack.inputs.sources",
-    "streampack.stagetimes": "streampack.builder.stagetimes",
+    "streampack.stagetimes": "streampack.builder.timings",
     "streampack.tiktoken_json": "streampack.tokenizer.tiktoken_json",
     "streampack.tokenize": "streampack.tokenizer.backends",
     "streampack.verify": "streampack.reader.verify",
@@ -99,3 +103,34 @@ def install() -> None:
     """Add the finder once, after the standard ones."""
     if not any(isinstance(f, _AliasFinder) for f in sys.meta_path):
         sys.meta_path.append(_AliasFinder())
+
+
+def renamed(module: str, names: dict[str, str]) -> Callable[[str], Any]:
+    """A ``__getattr__`` for ``module`` that serves the old ``names`` (old -> new) of its objects, with a
+    ``DeprecationWarning``; any other name is an ``AttributeError``."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(
+            f"{module}.{name} is deprecated: it is now {names[name]} (the same object); the old name goes "
+            "in 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(sys.modules[module], names[name])
+
+    return __getattr__
+
+
+def renamed_method(old: str, new: str) -> Any:
+    """A method ``old`` that calls the method ``new`` of its object, with a ``DeprecationWarning``."""
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kind = type(self).__name__
+        warnings.warn(f"{kind}.{old} is deprecated: it is now {kind}.{new}", DeprecationWarning, stacklevel=2)
+        return getattr(self, new)(*args, **kwargs)
+
+    method.__name__ = old
+    method.__doc__ = f"Deprecated: :meth:`{new}`, under its old name."
+    return method

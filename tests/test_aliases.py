@@ -70,3 +70,34 @@ def test_the_import_statement_of_an_old_path_names_the_caller_in_its_warning() -
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert "DeprecationWarning: streampack.sequences moved to streampack.samples.sequences" in done.stderr
     assert '<string>", line 3' in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("module", "old", "new"),
+    [
+        ("streampack.format.ledger", "UnitProgress", "LedgerEntry"),
+        ("streampack.ledger", "UnitProgress", "LedgerEntry"),  # 0.1's path, which its pickles name
+        ("streampack.loader.options", "SourceProgress", "SourceShare"),
+        ("streampack.loader", "SourceProgress", "SourceShare"),
+        ("streampack", "SourceProgress", "SourceShare"),
+        ("streampack.store", "StagedFile", "AppendFile"),
+        ("streampack.builder.publish", "default_stage", "default_staging_dir"),
+    ],
+)
+def test_a_renamed_name_still_gives_its_object_with_a_warning(module: str, old: str, new: str) -> None:
+    found = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=old):
+        value = getattr(found, old)
+    assert value.__name__ == new
+
+
+def test_local_store_stage_is_the_old_name_of_append_file(tmp_path: Path) -> None:
+    from streampack.store import LocalStore
+
+    with pytest.warns(
+        DeprecationWarning, match="LocalStore.stage is deprecated: it is now LocalStore.append_file"
+    ):
+        file = LocalStore(tmp_path).stage("x.tokens", 0)
+    file.write(b"ab")
+    file.close()
+    assert (tmp_path / "x.tokens").read_bytes() == b"ab"

@@ -206,7 +206,9 @@ def remote(
     fs.mkdir("sweep")
     root = tmp_path_factory.mktemp("remote-sweep")
     url = "s3://sweep/c"
-    build_pristine(root, url, stage=str(root / "stage"), storage_options=s3_options(s3_endpoint), workers=1)
+    build_pristine(
+        root, url, staging_dir=str(root / "stage"), storage_options=s3_options(s3_endpoint), workers=1
+    )
     assert sorted(fs.find("sweep/c")) == sorted(f"sweep/c/{name}" for name in REMOTE_FILES)
     return fs, url, local[1]  # the same documents: the same samples
 

@@ -104,7 +104,7 @@ def test_a_stalled_build_serves_only_committed_eras_then_raises(tmp_path: Path, 
     proc.communicate(timeout=60)
     partial = streampack.open(out, allow_incomplete=True)
     done = [
-        streampack.store.files.read_progress(out, f"{i:06d}", u) for i, u in enumerate(partial.manifest.units)
+        streampack.store.files.read_entry(out, f"{i:06d}", u) for i, u in enumerate(partial.manifest.units)
     ]
     assert not all(p.done for p in done), "the build finished before it was killed"
     prefix, unit = 0, 0
@@ -141,7 +141,7 @@ def test_a_loader_follows_a_build_into_object_storage(
     torch_data = pytest.importorskip("streampack.torch", reason="the DataLoader part needs torch")
     _, name = bucket
     url, options = f"s3://{name}/c", s3_options(s3_endpoint)
-    args = [*follow_args(corpus(tmp_path), url, bpe_tokenizer), "--stage", str(tmp_path / "stage")]
+    args = [*follow_args(corpus(tmp_path), url, bpe_tokenizer), "--staging-dir", str(tmp_path / "stage")]
     proc = start_cli_build(args, s3_endpoint)
     # Batches of 32: a DataLoader costs ~1 ms a batch here whatever its size.
     reading = {"storage_options": options, "local_dir": tmp_path / "copy", "poll": 0.05, "batch_size": 32}

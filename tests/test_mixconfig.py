@@ -188,7 +188,7 @@ def remote_project(tmp_path: Path, bucket: tuple[Any, str], s3_endpoint: str) ->
             streampack.build(
                 [tmp_path / "in" / f"{source}.jsonl"],
                 f"s3://{name}/{source}",
-                stage=str(tmp_path / "stage" / source),
+                staging_dir=str(tmp_path / "stage" / source),
                 storage_options=s3_options(s3_endpoint),
             )
     (tmp_path / "mix.yaml").write_text(REMOTE_YAML.format(endpoint=s3_endpoint, bucket=name))

@@ -114,3 +114,22 @@ def test_engine_is_the_old_name_of_executor(tmp_path: Path) -> None:
     with pytest.warns(DeprecationWarning, match=r"engine= is deprecated") as caught:
         streampack.build(streampack.Documents(["a b"]), tmp_path / "c", engine="local", workers=1)
     assert caught[0].filename == __file__  # the warning names the caller's line
+
+
+def test_stage_is_the_old_name_of_staging_dir(tmp_path: Path) -> None:
+    with pytest.warns(DeprecationWarning, match=r"stage= is deprecated: it is now staging_dir="):
+        run = RunOptions(stage="/tmp/s")  # type: ignore[call-arg]
+    assert run == RunOptions(staging_dir="/tmp/s")
+    with pytest.warns(DeprecationWarning, match=r"RunOptions.stage is deprecated"):
+        assert run.stage == "/tmp/s"
+    with pytest.warns(DeprecationWarning, match=r"stage= is deprecated"):
+        assert split_options(None, None, {"stage": "/tmp/s"})[1].staging_dir == "/tmp/s"
+    with pytest.raises(OptionsError, match=r"stage= is the old name of staging_dir=: give staging_dir= only"):
+        RunOptions(stage="/tmp/s", staging_dir="/tmp/t")  # type: ignore[call-arg]
+
+
+def test_build_summary_stages_is_the_old_name_of_timings(tmp_path: Path) -> None:
+    summary = streampack.build(streampack.Documents(["a b"]), tmp_path / "c", workers=1, profile=True)
+    assert "read" in summary.timings
+    with pytest.warns(DeprecationWarning, match=r"BuildSummary.stages is deprecated: it is now .*timings"):
+        assert summary.stages is summary.timings

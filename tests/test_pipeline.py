@@ -13,15 +13,14 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack.builder import pipeline
 from streampack.builder.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, run_units
 from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError
-from streampack.format.ledger import Counts, UnitProgress
+from streampack.format.ledger import Counts, LedgerEntry
 from streampack.inputs.discovery import expand_inputs
 from streampack.inputs.records import ReadOptions, WorkUnit
 from streampack.inputs.units import plan_units
-from streampack.store.files import read_progress
+from streampack.store.files import read_entry
 from streampack.tokenizer.backends import BytesTokenizer, EosPolicy
 from streampack.tokenizer.pieces import EXACT_CUT_PIECE_CHARS, PieceRule
 from tests.conftest import write_jsonl
@@ -64,19 +63,19 @@ class SlowBatches(BytesTokenizer):
 class RecordingWriter(ShardWriter):
     """A shard writer that remembers what every commit of every shard recorded."""
 
-    commits: ClassVar[dict[str, list[UnitProgress]]] = {}
+    commits: ClassVar[dict[str, list[LedgerEntry]]] = {}
 
-    def commit(self, counts: Counts, *, done: bool = False) -> UnitProgress:
+    def commit(self, counts: Counts, *, done: bool = False) -> LedgerEntry:
         progress = super().commit(counts, done=done)
         self.commits.setdefault(self.name, []).append(progress)
         return progress
 
 
 @pytest.fixture
-def recording(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[UnitProgress]]:
-    commits: ClassVar[dict[str, list[UnitProgress]]] = {}
+def recording(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[LedgerEntry]]:
+    commits: ClassVar[dict[str, list[LedgerEntry]]] = {}
     monkeypatch.setattr(RecordingWriter, "commits", commits)
-    monkeypatch.setattr(pipeline, "ShardWriter", RecordingWriter)
+    monkeypatch.setattr("streampack.builder.commits.ShardWriter", RecordingWriter)  # an open unit's writer
     return commits
 
 
@@ -112,7 +111,7 @@ def _tasks(tmp_path: Path, files: Sequence[Sequence[str | None]]) -> list[UnitTa
 
 
 def _check_unit(
-    root: Path, name: str, texts: Sequence[str | None], final: UnitProgress, commits: list[UnitProgress]
+    root: Path, name: str, texts: Sequence[str | None], final: LedgerEntry, commits: list[LedgerEntry]
 ) -> None:
     """The shard holds every text's bytes + EOS in order, and each commit describes exactly its records."""
     expected = [[*t.encode(), 256] for t in texts if t is not None]
@@ -131,7 +130,7 @@ def _check_unit(
 def test_out_of_order_batches_are_written_in_order_and_commits_are_exact(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    recording: dict[str, list[UnitProgress]],
+    recording: dict[str, list[LedgerEntry]],
     slow_batches: int,
 ) -> None:
     texts = _texts(0, "w")
@@ -139,11 +138,11 @@ def test_out_of_order_batches_are_written_in_order_and_commits_are_exact(
     (result,) = run_units(_tasks(tmp_path, [texts]), lambda event: None, tokenizer)
 
     assert tokenizer.finished()[:slow_batches] != list(range(slow_batches)), "no batch finished out of order"
-    _check_unit(tmp_path / "out", "000000", texts, result.progress, recording["000000"])
+    _check_unit(tmp_path / "out", "000000", texts, result.entry, recording["000000"])
 
 
 def test_next_unit_encodes_while_the_last_batch_of_the_one_before_still_does(
-    tmp_path: Path, recording: dict[str, list[UnitProgress]]
+    tmp_path: Path, recording: dict[str, list[LedgerEntry]]
 ) -> None:
     files = [_texts(seed, prefix) for seed, prefix in enumerate("abc")]
     last_of_a = next(t for t in reversed(files[0]) if t is not None)
@@ -155,11 +154,11 @@ def test_next_unit_encodes_while_the_last_batch_of_the_one_before_still_does(
     assert any(text.startswith("b") for text in tokenizer.started_while(slow_call)), "unit 1 waited"
     for result, texts in zip(results, files):
         name = f"{result.unit_index:06d}"
-        _check_unit(tmp_path / "out", name, texts, result.progress, recording[name])
+        _check_unit(tmp_path / "out", name, texts, result.entry, recording[name])
 
 
 def test_a_bad_record_finishes_the_unit_before_and_commits_its_own_unit_up_to_it(
-    tmp_path: Path, recording: dict[str, list[UnitProgress]]
+    tmp_path: Path, recording: dict[str, list[LedgerEntry]]
 ) -> None:
     first, second = ([t for t in _texts(seed, prefix) if t is not None] for seed, prefix in enumerate("ab"))
     last_of_first = next(t for t in reversed(first) if t is not None)
@@ -178,8 +177,8 @@ def test_a_bad_record_finishes_the_unit_before_and_commits_its_own_unit_up_to_it
     (slow_call,) = tokenizer.slow_calls
     assert any(text.startswith("b") for text in tokenizer.started_while(slow_call)), "unit 1 waited"
     root = tmp_path / "out"
-    done = read_progress(root, "000000", tasks[0].unit.describe())
-    partial = read_progress(root, "000001", tasks[1].unit.describe())
+    done = read_entry(root, "000000", tasks[0].unit.describe())
+    partial = read_entry(root, "000001", tasks[1].unit.describe())
     assert done.done and done.records == len(first)
     assert not partial.done and partial.records == 5
     assert partial.docs == 5

@@ -60,7 +60,7 @@ def test_a_build_to_s3_is_byte_identical_to_a_local_build_and_reads_back(
         inputs,
         url,
         tokenizer=str(bpe_tokenizer),
-        stage=str(tmp_path / "stage"),
+        staging_dir=str(tmp_path / "stage"),
         storage_options=options(s3_endpoint),
         **BUILD,
     )
@@ -102,7 +102,7 @@ def test_a_build_killed_mid_upload_resumes_against_the_remote_ledger(
     fs, name = bucket
     inputs = make_inputs(tmp_path / "in", docs=12000)
     url, stage = f"s3://{name}/c", tmp_path / "stage"
-    args = [*map(str, inputs), "--out", url, "--stage", str(stage), "--tokenizer", str(bpe_tokenizer)]
+    args = [*map(str, inputs), "--out", url, "--staging-dir", str(stage), "--tokenizer", str(bpe_tokenizer)]
     args += ["--unit-mb", "1", "--workers", "1", "--commit-seconds", "0"]
     proc = start_cli_build(args, s3_endpoint)
     up: list[str] = []
@@ -157,9 +157,13 @@ def test_an_unreachable_store_is_a_clear_error_after_retries(
     }
     inputs = make_inputs(tmp_path / "in", docs=10)
     with pytest.raises(CacheError, match=r"s3://nowhere/c/manifest\.json: cannot check after 4 "):
-        streampack.build(inputs, "s3://nowhere/c", storage_options=unreachable, stage=str(tmp_path / "s"))
+        streampack.build(
+            inputs, "s3://nowhere/c", storage_options=unreachable, staging_dir=str(tmp_path / "s")
+        )
     with pytest.raises(CacheError, match=r"nowhere/c/manifest\.json: cannot check \(TypeError"):
-        streampack.build(inputs, "s3://nowhere/c", storage_options={"bogus": 1}, stage=str(tmp_path / "s"))
+        streampack.build(
+            inputs, "s3://nowhere/c", storage_options={"bogus": 1}, staging_dir=str(tmp_path / "s")
+        )
 
 
 def test_a_build_through_a_link_that_resets_connections_completes_byte_identical(

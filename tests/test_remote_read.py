@@ -56,7 +56,7 @@ def built(
         inputs,
         url,
         tokenizer=str(bpe_tokenizer),
-        stage=str(root / "stage"),
+        staging_dir=str(root / "stage"),
         storage_options=s3_options(s3_endpoint),
         **BUILD,
     )
@@ -337,7 +337,7 @@ def test_a_batch_that_its_own_process_cannot_fit_in_the_bound_is_refused_at_once
         inputs,
         url,
         tokenizer=str(bpe_tokenizer),
-        stage=str(tmp_path / "stage"),
+        staging_dir=str(tmp_path / "stage"),
         storage_options=s3_options(s3_endpoint),
         unit_bytes=inputs[0].stat().st_size,
         workers=1,

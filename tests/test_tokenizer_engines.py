@@ -133,18 +133,18 @@ def test_gpt2_ranks_become_the_tokenizer_json_that_gives_tiktokens_ids(tiktoken_
         assert got == enc.encode_ordinary(text), text
 
 
-def test_build_profile_reports_every_stage(tmp_path: Path, sample: Path, gpt2_tokenizer: Path) -> None:
-    """`--profile` prints where the time went; the summary holds the same [wall, CPU] seconds per stage."""
+def test_build_profile_reports_every_timing(tmp_path: Path, sample: Path, gpt2_tokenizer: Path) -> None:
+    """`--profile` prints where the time went; the summary holds the same [wall, CPU] seconds per timing."""
     from tests.conftest import run_cli
 
     summary = streampack.build(sample, tmp_path / "api", tokenizer=str(gpt2_tokenizer), profile=True)
-    for stage in ("prepare", "read", "pieces", "frame", "write", "encode", "verify", "process"):
-        assert stage in summary.stages, stage
-    wall, cpu = summary.stages["read"]
+    for timing in ("prepare", "read", "pieces", "frame", "write", "encode", "verify", "process"):
+        assert timing in summary.timings, timing
+    wall, cpu = summary.timings["read"]
     assert wall > 0 and cpu > 0
-    assert summary.stages["encode"][1] == 0  # encoder threads report wall time; their CPU is the process's
+    assert summary.timings["encode"][1] == 0  # encoder threads report wall time; their CPU is the process's
     out = run_cli("build", sample, "--out", tmp_path / "cli", "-t", gpt2_tokenizer, "--profile").stdout
-    table = out[out.index("| stage |") :]
+    table = out[out.index("| timing |") :]
     for row in (
         "| read | main |",
         "| encode calls | encoder threads |",
@@ -431,7 +431,7 @@ def test_an_id_at_or_above_the_vocab_size_stops_the_build_before_it_is_written(
     """Were the proof ever wrong again (here: the old one, which let fastokens run this tokenizer in parse
     mode), the id outside the vocabulary is stopped on the write path, past the verification sample."""
     from streampack.builder.pipeline import verified
-    from streampack.store.files import read_progress
+    from streampack.store.files import read_entry
 
     folder = _gpt2_with(gpt2_tokenizer, tmp_path / "tok", [_added(50257, "Hello")])
     texts = [f"record {i}: " + ("Hello there" if i == 1500 else "nothing here") for i in range(3000)]
@@ -451,7 +451,7 @@ def test_an_id_at_or_above_the_vocab_size_stops_the_build_before_it_is_written(
         r"this cache .*before writing the batch.*tokenizer_engine='tokenizers'",
     ):
         streampack.build(data, out, tokenizer=str(folder), **options)
-    committed = read_progress(out, "000000", str(data))
+    committed = read_entry(out, "000000", str(data))
     assert 0 < committed.docs < 1500  # the batches before it were written and committed
     tokens = np.fromfile(out / "shards" / "000000.tokens", dtype=np.uint16)
     assert len(tokens) == committed.tokens and tokens.max() < 50257

@@ -48,7 +48,7 @@ def _named_fields(cls: _Options) -> _Options:
 
 
 #: Options renamed since 0.1, old name -> new: still accepted, with a DeprecationWarning.
-RENAMED = {"engine": "executor"}
+RENAMED = {"engine": "executor", "stage": "staging_dir"}
 
 
 def new_names(options: dict[str, Any], names: Collection[str], *, stacklevel: int) -> dict[str, Any]:
@@ -170,7 +170,7 @@ class RunOptions:
     """How a build runs; never changes the cache's bytes, never recorded.
 
     Attributes:
-        workers: worker processes (default: see :func:`streampack.builder.coordinator.default_workers`).
+        workers: worker processes (default: see :func:`streampack.builder.running.default_workers`).
         threads: tokenizer threads per worker (default: the cores divided among the workers).
         executor: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster); formerly
             ``engine``, a name still accepted with a :class:`DeprecationWarning`.
@@ -188,11 +188,12 @@ class RunOptions:
         batch_chars: characters of text tokenized per batch call.
         commit_bytes: commit after this many bytes of tokens...
         commit_seconds: ...or after this many seconds, whichever comes first.
-        stage: a build to object storage: the local directory where shards are built before they are
-            uploaded (default: one per URL under the system temp directory).
+        staging_dir: a build to object storage: the local directory where shards are built before they
+            are uploaded (default: one per URL under the system temp directory); formerly ``stage``, a
+            name still accepted with a :class:`DeprecationWarning`.
         storage_options: a build to object storage: options of its fsspec filesystem (credentials
             and endpoints otherwise come from the environment, as for any client of the store).
-        profile: measure the CPU time of each stage of the pipeline too (``BuildSummary.stages``), at a
+        profile: measure the CPU time of each part of the pipeline too (``BuildSummary.timings``), at a
             small cost per record.
         allow_new_ids: allow an ``eos_id`` or ``bos_id`` outside the tokenizer's vocabulary; the cache's
             ``vocab_size`` (recorded, and compared on resume) then grows past it. Without it such an id is
@@ -212,7 +213,7 @@ class RunOptions:
     batch_chars: int = 1 << 20
     commit_bytes: int = 64 << 20
     commit_seconds: float = 10.0
-    stage: str | None = None
+    staging_dir: str | None = None
     storage_options: Mapping[str, Any] | None = None
     profile: bool = False
     allow_new_ids: bool = False
@@ -234,6 +235,14 @@ class RunOptions:
         """Deprecated: :attr:`executor`, under its old name."""
         warnings.warn("RunOptions.engine is deprecated: it is now RunOptions.executor", DeprecationWarning, 2)
         return self.executor
+
+    @property
+    def stage(self) -> str | None:
+        """Deprecated: :attr:`staging_dir`, under its old name."""
+        warnings.warn(
+            "RunOptions.stage is deprecated: it is now RunOptions.staging_dir", DeprecationWarning, 2
+        )
+        return self.staging_dir
 
 
 def split_options(

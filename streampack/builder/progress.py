@@ -6,15 +6,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from streampack.builder.pipeline import UnitResult
-from streampack.format.ledger import UnitProgress
+from streampack.builder.tasks import UnitResult
+from streampack.format.ledger import LedgerEntry
 from streampack.inputs.records import WorkUnit
 
 
 class BuildProgress:
     """A tqdm bar over input bytes, with documents and tokens/s; silent when disabled."""
 
-    def __init__(self, enabled: bool, units: Sequence[WorkUnit], progress: Sequence[UnitProgress]) -> None:
+    def __init__(self, enabled: bool, units: Sequence[WorkUnit], progress: Sequence[LedgerEntry]) -> None:
         self.enabled = enabled
         self.sizes = {u.index: _unit_size(u) for u in units}
         self.read: dict[int, int] = {}

@@ -1,4 +1,4 @@
-"""Publishing a build to object storage: shards staged locally, then uploaded unit by unit, manifest last.
+"""Publishing a build to object storage: shards built in a local staging directory, uploaded unit by unit.
 
 A build to ``s3://bucket/prefix`` runs exactly as a local one, in a local *staging* directory (the local
 commit protocol: shards appended in place, fsynced, ledger entries published after them). Object storage
@@ -12,11 +12,11 @@ then receives, in this order:
 
 A reader of the remote cache therefore never sees a manifest naming a shard that is not entirely there.
 A killed build resumes against the *remote* ledger: every unit whose entry is up is adopted as done (its
-entry copied into the stage, its shard not rebuilt), so the staging directory may be gone; units that the
-stage holds finished but that are not up yet are uploaded first; the rest are built (resumed from the
-stage's own ledger where it has one). Units are deterministic, so the result is byte-identical to a local
-build. The remote store is the authority: a stage that belongs to another build, or whose remote cache is
-gone, is emptied.
+entry copied into the staging directory, its shard not rebuilt), so the staging directory may be gone;
+units that the staging directory holds finished but that are not up yet are uploaded first; the rest are
+built (resumed from the staging directory's own ledger where it has one). Units are deterministic, so the
+result is byte-identical to a local build. The remote store is the authority: a staging directory that
+belongs to another build, or whose remote cache is gone, is emptied.
 
 Object stores cannot lock: the build holds the lock of its staging directory, which keeps apart the
 builds of one machine, not those of several machines writing to the same URL.
@@ -29,8 +29,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from streampack._aliases import renamed
 from streampack.errors import CacheError, StreampackError
-from streampack.format.ledger import UnitProgress
+from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import Manifest
 from streampack.format.names import (
     LAYOUT_DIR,
@@ -44,37 +45,40 @@ from streampack.format.names import (
     tokens_key,
 )
 from streampack.store import LocalStore
-from streampack.store.files import commit_progress, load_manifest, read_progress, write_manifest
+from streampack.store.files import commit_entry, load_manifest, read_entry, write_manifest
 from streampack.store.remote import RemoteStore
+
+__getattr__ = renamed(__name__, {"default_stage": "default_staging_dir"})  # its name in 0.1
 
 SameBuild = Callable[[str, Manifest, Manifest], None]  # raises ConfigMismatchError when they differ
 
 _CACHE_ENTRIES = {MANIFEST, LEDGER_DIR, SHARD_DIR, LAYOUT_DIR}
 
 
-def default_stage(url: str) -> Path:
+def default_staging_dir(url: str) -> Path:
     """The staging directory of a build to ``url`` when none is given: one per URL, in the temp dir."""
     digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / "streampack-stage" / digest
 
 
 class Publisher:
-    """Publishes a build staged in ``stage`` to ``remote`` (see the module docstring for the order).
+    """Publishes a build made in the staging directory ``staging`` to ``remote`` (see the module docstring
+    for the order).
 
     Args:
         remote: the cache's store in object storage.
-        stage: the local staging directory's store (the build holds its lock).
+        staging: the local staging directory's store (the build holds its lock).
         units: the description of every work unit, by shard name, in order.
     """
 
-    def __init__(self, remote: RemoteStore, stage: LocalStore, units: dict[str, str]) -> None:
+    def __init__(self, remote: RemoteStore, staging: LocalStore, units: dict[str, str]) -> None:
         self.remote = remote
-        self.stage = stage
+        self.staging = staging
         self.units = units
         self.up: set[str] = set()  # the units whose shard and ledger entry are up
 
     def begin(self, manifest: Manifest, *, overwrite: bool, same_build: SameBuild) -> Manifest | None:
-        """Reconcile the stage with the remote cache before the build runs.
+        """Reconcile the staging directory with the remote cache before the build runs.
 
         Returns:
             The remote cache's manifest when it is already complete (nothing to do), else None.
@@ -97,23 +101,23 @@ class Publisher:
             same_build(self.remote.url, existing, manifest)
             if existing.complete:
                 return existing
-        if overwrite or existing is None or not self._stage_matches(manifest, same_build):
-            _empty(self.stage)
-        self.stage.makedirs(LEDGER_DIR)
-        self.stage.makedirs(SHARD_DIR)
+        if overwrite or existing is None or not self._staging_matches(manifest, same_build):
+            _empty(self.staging)
+        self.staging.makedirs(LEDGER_DIR)
+        self.staging.makedirs(SHARD_DIR)
         write_manifest(self.remote, manifest)
         self._adopt_remote_ledger()
         for name in sorted(set(self.units) - self.up):
-            self._upload_staged(name)
+            self._upload_from_staging(name)
         return None
 
     def unit_done(self, name: str) -> None:
         """Upload a unit that just finished: its shard's files, checked against its ledger entry, then
         the entry."""
-        self._upload(name, self._staged_progress(name))
+        self._upload(name, self._staging_entry(name))
 
     def finish(self) -> None:
-        """Publish the stage's complete manifest, once every unit is up.
+        """Publish the staging directory's complete manifest, once every unit is up.
 
         Raises:
             CacheError: a unit is not up (a bug: every finished unit is uploaded as it finishes).
@@ -123,61 +127,61 @@ class Publisher:
             raise CacheError(
                 f"{self.remote.url}: units {missing[:3]} are not uploaded; rerun the same command to resume"
             )
-        self.remote.put_atomic(MANIFEST, self.stage.read(MANIFEST))
+        self.remote.put_atomic(MANIFEST, self.staging.read(MANIFEST))
 
     # ---------------------------------------------------------------------------------------- internals
 
-    def _stage_matches(self, manifest: Manifest, same_build: SameBuild) -> bool:
-        if not self.stage.exists(MANIFEST):
+    def _staging_matches(self, manifest: Manifest, same_build: SameBuild) -> bool:
+        if not self.staging.exists(MANIFEST):
             return False
         try:
-            same_build(str(self.stage.root), load_manifest(self.stage), manifest)
+            same_build(str(self.staging.root), load_manifest(self.staging), manifest)
         except StreampackError:
             return False
         return True
 
     def _adopt_remote_ledger(self) -> None:
         """Mark up every unit whose ledger entry is up (it is published only once the unit is done), and
-        copy the entry into the stage so that the build does not run the unit again."""
+        copy the entry into the staging directory so that the build does not run the unit again."""
         entries = set(self.remote.list(LEDGER_DIR))
         for name, unit in self.units.items():
             if f"{name}.json" not in entries:
                 continue
-            progress = read_progress(self.remote, name, unit)
+            progress = read_entry(self.remote, name, unit)
             if progress.done:
-                commit_progress(self.stage, name, progress)
+                commit_entry(self.staging, name, progress)
                 self.up.add(name)
 
-    def _upload_staged(self, name: str) -> None:
-        """Upload a unit the stage holds finished (a killed build's); a damaged or half-deleted stage's
-        unit is forgotten instead, to be built again."""
-        progress = self._staged_progress(name)
+    def _upload_from_staging(self, name: str) -> None:
+        """Upload a unit the staging directory holds finished (a killed build's); a damaged or half-deleted
+        staging directory's unit is forgotten instead, to be built again."""
+        progress = self._staging_entry(name)
         if not progress.done:
             return
         try:
             self._upload(name, progress)
-        except (FileNotFoundError, _StagedDamage):
+        except (FileNotFoundError, _StagingDamage):
             for key in (ledger_key(name), tokens_key(name), offsets_key(name), mask_key(name)):
-                self.stage.delete(key)
+                self.staging.delete(key)
 
-    def _staged_progress(self, name: str) -> UnitProgress:
-        return read_progress(self.stage, name, self.units[name])
+    def _staging_entry(self, name: str) -> LedgerEntry:
+        return read_entry(self.staging, name, self.units[name])
 
-    def _upload(self, name: str, progress: UnitProgress) -> None:
+    def _upload(self, name: str, progress: LedgerEntry) -> None:
         files = [(tokens_key(name), progress.tokens_checksum), (offsets_key(name), progress.offsets_checksum)]
         if progress.mask_checksum:
             files.append((mask_key(name), progress.mask_checksum))
         for key, expected in files:
-            actual = checksum_text(self.stage.crc32(key))
+            actual = checksum_text(self.staging.crc32(key))
             if actual != expected:
-                raise _StagedDamage(
-                    f"{self.stage.describe(key)}: the staged file's checksum is {actual}, its ledger entry "
-                    f"says {expected}: it was damaged after it was written; delete the staging directory "
-                    f"{self.stage.root} and rerun the same command"
+                raise _StagingDamage(
+                    f"{self.staging.describe(key)}: the staging directory's file has checksum {actual}, its "
+                    f"ledger entry says {expected}: it was damaged after it was written; delete the staging "
+                    f"directory {self.staging.root} and rerun the same command"
                 )
         for key, _ in files:
-            self.remote.put_file(key, str(self.stage.path(key)))
-        self.remote.put_atomic(ledger_key(name), self.stage.read(ledger_key(name)))
+            self.remote.put_file(key, str(self.staging.path(key)))
+        self.remote.put_atomic(ledger_key(name), self.staging.read(ledger_key(name)))
         self.up.add(name)
 
     def _delete_remote(self) -> None:
@@ -195,11 +199,11 @@ class Publisher:
             self.remote.delete(key)
 
 
-class _StagedDamage(CacheError):
-    """A staged shard file differs from its ledger entry's checksum."""
+class _StagingDamage(CacheError):
+    """A shard file in the staging directory differs from its ledger entry's checksum."""
 
 
-def _empty(stage: LocalStore) -> None:
+def _empty(staging: LocalStore) -> None:
     """Delete what a staging directory holds of a cache (its lock stays: the build holds it)."""
     for key in (MANIFEST, LEDGER_DIR, SHARD_DIR, LAYOUT_DIR):
-        stage.delete(key)
+        staging.delete(key)

@@ -13,19 +13,19 @@ from types import TracebackType
 
 import numpy as np
 
-from streampack.format.ledger import Counts, UnitProgress
+from streampack.format.ledger import Counts, LedgerEntry
 from streampack.format.names import OFFSET_DTYPE, SHARD_DIR, checksum_text, mask_key, offsets_key, tokens_key
-from streampack.store import LocalStore, StagedFile, disk_error
-from streampack.store.files import commit_progress
+from streampack.store import AppendFile, LocalStore, disk_error
+from streampack.store.files import commit_entry
 
 __all__ = ["ShardWriter", "disk_error"]
 
 
 class ShardWriter:
-    """Append-only writer of one shard, resuming from a unit's committed progress.
+    """Append-only writer of one shard, resuming from a unit's committed ledger entry.
 
-    Use as a context manager; nothing is committed implicitly on exit. The shard's files are staged in
-    place in the local store (:class:`~streampack.store.StagedFile`).
+    Use as a context manager; nothing is committed implicitly on exit. The shard's files are appended to
+    in place in the local store (:class:`~streampack.store.AppendFile`).
 
     Args:
         root: the cache directory.
@@ -36,18 +36,18 @@ class ShardWriter:
     """
 
     def __init__(
-        self, root: Path, name: str, dtype: np.dtype, progress: UnitProgress, *, masked: bool = False
+        self, root: Path, name: str, dtype: np.dtype, progress: LedgerEntry, *, masked: bool = False
     ) -> None:
         self.root = root
         self.name = name
         self.dtype = np.dtype(dtype)
         self.progress = progress
         self._store = LocalStore(root)
-        self._tokens = self._store.stage(tokens_key(name), progress.tokens * self.dtype.itemsize)
+        self._tokens = self._store.append_file(tokens_key(name), progress.tokens * self.dtype.itemsize)
         self._tokens.lock()
         self._created = self._tokens.created
-        self._offsets = self._store.stage(offsets_key(name), progress.docs * OFFSET_DTYPE.itemsize)
-        self._mask = self._store.stage(mask_key(name), progress.tokens) if masked else None
+        self._offsets = self._store.append_file(offsets_key(name), progress.docs * OFFSET_DTYPE.itemsize)
+        self._mask = self._store.append_file(mask_key(name), progress.tokens) if masked else None
         self.num_tokens = progress.tokens
         self.num_docs = progress.docs
         self._doc_aligned_tokens = progress.tokens
@@ -71,7 +71,7 @@ class ShardWriter:
         self.num_tokens += len(tokens)
         self.num_docs += len(ends)
 
-    def commit(self, counts: Counts, *, done: bool = False) -> UnitProgress:
+    def commit(self, counts: Counts, *, done: bool = False) -> LedgerEntry:
         """Make everything appended durable, then record it in the ledger.
 
         The ledger records the tokens up to the end of the last complete document: the tokens of a document
@@ -79,8 +79,8 @@ class ShardWriter:
         the records they belong to (``counts`` covers complete documents only). With ``done``, also record
         the final checksums.
         """
-        for staged in self._files():
-            staged.sync()
+        for file in self._files():
+            file.sync()
         if self._created:  # the new files' directory entries must be durable before a ledger names them
             self._store.sync_dir(SHARD_DIR)
             self._created = False
@@ -88,7 +88,7 @@ class ShardWriter:
         if done:
             mask = "" if self._mask is None else self._checksum(mask_key(self.name))
             checksums = (self._checksum(tokens_key(self.name)), self._checksum(offsets_key(self.name)), mask)
-        self.progress = UnitProgress(
+        self.progress = LedgerEntry(
             unit=self.progress.unit,
             records=counts.records,
             docs=self.num_docs,
@@ -101,15 +101,15 @@ class ShardWriter:
             inexact_cuts=counts.inexact_cuts,
             mask_checksum=checksums[2],
         )
-        commit_progress(self._store, self.name, self.progress)
+        commit_entry(self._store, self.name, self.progress)
         return self.progress
 
     def close(self) -> None:
         """Close the files (without committing)."""
-        for staged in self._files():
-            staged.close()
+        for file in self._files():
+            file.close()
 
-    def _files(self) -> list[StagedFile]:
+    def _files(self) -> list[AppendFile]:
         return [self._tokens, self._offsets] + ([] if self._mask is None else [self._mask])
 
     def _checksum(self, key: str) -> str:

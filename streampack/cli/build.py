@@ -17,7 +17,7 @@ from click.core import ParameterSource
 
 from streampack.builder.coordinator import build as build_cache
 from streampack.builder.options import CacheSpec, Executor, RunOptions, default
-from streampack.builder.stagetimes import render as render_stages
+from streampack.builder.timings import render as render_timings
 from streampack.errors import OptionsError
 
 
@@ -236,8 +236,8 @@ FLAGS = [
     ),
     Flag(
         RunOptions,
-        "stage",
-        ("--stage",),
+        "staging_dir",
+        ("--staging-dir",),
         "With --out URL: local directory the shards are built in before upload [default: one per URL "
         "under the temp directory].",
         type=click.Path(file_okay=False),
@@ -254,7 +254,7 @@ FLAGS = [
         RunOptions,
         "profile",
         ("--profile",),
-        "After the summary, print where the time went: seconds per stage (read, pieces, encode, write, "
+        "After the summary, print where the time went: timings in seconds (read, pieces, encode, write, "
         "...) summed over the worker processes.",
         is_flag=True,
     ),
@@ -303,13 +303,18 @@ def options_from_flags(given: Mapping[str, Any]) -> tuple[CacheSpec, RunOptions]
     "-o",
     required=True,
     type=click.Path(file_okay=False),
-    help="Cache directory, or an fsspec URL (s3://bucket/prefix) to build in --stage and upload there.",
+    help="Cache directory, or an fsspec URL (s3://bucket/prefix) to build in --staging-dir and upload there.",
 )
 @_flags
 @click.option(
     "--engine", "old_engine", type=click.Choice(get_args(Executor)), hidden=True
 )  # --executor's old name
-def build(inputs: tuple[str, ...], out: str, old_engine: str | None, **given: Any) -> None:
+@click.option(
+    "--stage", "old_stage", type=click.Path(file_okay=False), hidden=True
+)  # --staging-dir's old name
+def build(
+    inputs: tuple[str, ...], out: str, old_engine: str | None, old_stage: str | None, **given: Any
+) -> None:
     """Tokenize INPUTS (files, directories, globs, URLs) into a token cache in --out.
 
     Rerunning the same command after an interruption resumes where it stopped.
@@ -319,6 +324,11 @@ def build(inputs: tuple[str, ...], out: str, old_engine: str | None, **given: An
             raise click.UsageError("--engine is the old name of --executor: give --executor only")
         click.echo("warning: --engine is deprecated: it is now --executor (the same choices)", err=True)
         given["executor"] = old_engine
+    if old_stage is not None:
+        if click.get_current_context().get_parameter_source("staging_dir") is ParameterSource.COMMANDLINE:
+            raise click.UsageError("--stage is the old name of --staging-dir: give --staging-dir only")
+        click.echo("warning: --stage is deprecated: it is now --staging-dir (the same directory)", err=True)
+        given["staging_dir"] = old_stage
     try:
         spec, run = options_from_flags(given)
     except OptionsError as e:
@@ -347,7 +357,7 @@ def build(inputs: tuple[str, ...], out: str, old_engine: str | None, **given: An
             "them (see `streampack info`)"
         )
     if run.profile:
-        click.echo(render_stages(summary.stages, summary.seconds, summary.workers))
+        click.echo(render_timings(summary.timings, summary.seconds, summary.workers))
 
 
 # Library messages name Python parameters; the CLI shows them as its flags.

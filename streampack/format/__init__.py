@@ -15,7 +15,7 @@ The package is pure (it imports nothing of streampack's but :mod:`streampack.err
 
 * :mod:`~streampack.format.names`: keys, directory and shard names, the token dtype rule, checksum text;
 * :mod:`~streampack.format.manifest`: :class:`Manifest` and its shard table, to and from JSON;
-* :mod:`~streampack.format.ledger`: :class:`~streampack.format.ledger.UnitProgress`, one ledger entry;
+* :mod:`~streampack.format.ledger`: :class:`~streampack.format.ledger.LedgerEntry`, one ledger entry;
 * :mod:`~streampack.format.identity`: what identifies a build (resume, follow).
 
 Reading and writing these files through a store is :mod:`streampack.store.files`'s. This module re-exports

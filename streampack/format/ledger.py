@@ -1,4 +1,4 @@
-"""Build progress, one small JSON file per work unit: :class:`UnitProgress` and parsing an entry.
+"""The build's ledger, one small JSON file per work unit: :class:`LedgerEntry` and parsing an entry.
 
 The ledger is the commit record of a build: a unit's entry says how many input records it has consumed
 and how many documents and tokens of its shard are durable. The writer fsyncs shard data *before* the
@@ -9,11 +9,12 @@ One file per unit (rather than one shared file) lets worker processes commit wit
 other or to the coordinator.
 
 Pure: reading and writing the entries through a store is :mod:`streampack.store.files`'s
-(:func:`~streampack.store.files.read_progress`, :func:`~streampack.store.files.commit_progress`).
+(:func:`~streampack.store.files.read_entry`, :func:`~streampack.store.files.commit_entry`).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +40,7 @@ class Counts:
 
 
 @dataclass(frozen=True)
-class UnitProgress:
+class LedgerEntry:
     """What one work unit has durably committed.
 
     Attributes:
@@ -74,7 +75,7 @@ class UnitProgress:
         return Counts(self.records, self.skipped, self.empty_docs, self.inexact_cuts)
 
 
-def parse_progress(raw: Any, path: str) -> UnitProgress:
+def parse_entry(raw: Any, path: str) -> LedgerEntry:
     """Validate the parsed JSON of a ledger entry (``path``: how messages name it) and return its progress.
 
     Raises:
@@ -88,10 +89,10 @@ def parse_progress(raw: Any, path: str) -> UnitProgress:
                 f"content {actual}); it was damaged or edited: rerun the build with overwrite=True"
             )
         raw = {key: value for key, value in raw.items() if key != "checksum"}
-    # An entry written before the checksum existed has none: any field UnitProgress does not know (a
+    # An entry written before the checksum existed has none: any field LedgerEntry does not know (a
     # damaged "checksum" key among them) is refused below.
     try:
-        progress = UnitProgress(**raw)
+        progress = LedgerEntry(**raw)
     except TypeError as e:
         raise CacheError(f"{path}: malformed ledger entry ({e})") from None
     for key in ("records", "docs", "tokens", "skipped", "empty_docs", "inexact_cuts"):
@@ -99,3 +100,16 @@ def parse_progress(raw: Any, path: str) -> UnitProgress:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise CacheError(f"{path}: malformed ledger entry ({key}={value!r})")
     return progress
+
+
+def __getattr__(name: str) -> Any:
+    """``UnitProgress``, the old name of :class:`LedgerEntry`, with a ``DeprecationWarning`` (0.1's pickles
+    name it: they load as a ``LedgerEntry``)."""
+    if name == "UnitProgress":
+        warnings.warn(
+            "UnitProgress is deprecated: it is now LedgerEntry (the same class); the old name goes in 0.3",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return LedgerEntry
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

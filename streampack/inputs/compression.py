@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from typing import Any, BinaryIO, cast
 
 from streampack.errors import InputError
-from streampack.inputs.discovery import InputFile, describe_error
+from streampack.inputs.inputfile import InputFile, describe_error
 from streampack.inputs.records import Position
 
 READ_CHUNK = 1 << 20

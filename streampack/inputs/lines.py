@@ -16,7 +16,7 @@ import orjson
 
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import READ_CHUNK, STREAM_ERRORS, open_input, refuse_compressed
-from streampack.inputs.discovery import COMPRESSION_SUFFIXES, InputFile, looks_like_json_lines
+from streampack.inputs.inputfile import COMPRESSION_SUFFIXES, InputFile, looks_like_json_lines
 from streampack.inputs.records import (
     Item,
     Position,

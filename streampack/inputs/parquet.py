@@ -10,7 +10,7 @@ from typing import Any
 
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import open_remote
-from streampack.inputs.discovery import InputFile
+from streampack.inputs.inputfile import InputFile
 from streampack.inputs.records import Item, ReadOptions, WorkUnit, record_reader
 
 

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, TypeAlias
 from streampack._checks import check_int
 from streampack.errors import BadRecordError, InputError, OptionsError
 from streampack.inputs import DEFAULT_UNIT_BYTES
-from streampack.inputs.discovery import InputFile
+from streampack.inputs.inputfile import InputFile
 from streampack.inputs.sft import ChatError, ChatTemplate, Sft, check_messages, field_segments
 
 

@@ -11,7 +11,8 @@ This module is the face of :mod:`streampack.inputs`' reading side, kept so that 
 - the formats: :mod:`~streampack.inputs.lines` (JSON Lines, text read one document per line),
   :mod:`~streampack.inputs.text` (a text file as one document), :mod:`~streampack.inputs.parquet`,
   :mod:`~streampack.inputs.python`; and :mod:`~streampack.inputs.compression`, opening and decompressing;
-- :mod:`~streampack.inputs.discovery` (the input files), re-exported here since before the split.
+- :mod:`~streampack.inputs.discovery` and :mod:`~streampack.inputs.inputfile` (the input files), re-exported
+  here since before the split.
 
 ``__all__`` is the old module's. Every other name it imported or defined without an underscore still
 imports from here (``name as name``). Code inside streampack imports from the modules above, not from here.
@@ -24,17 +25,11 @@ from streampack.errors import BadRecordError as BadRecordError
 from streampack.errors import InputError as InputError
 from streampack.errors import OptionsError as OptionsError
 from streampack.inputs import DEFAULT_UNIT_BYTES as DEFAULT_UNIT_BYTES
-from streampack.inputs.discovery import COMPRESSION_SUFFIXES as COMPRESSION_SUFFIXES
-from streampack.inputs.discovery import (
-    Discovery,
-    Ignored,
-    InputFile,
-    check_output_outside_inputs,
-    discover_inputs,
-    expand_inputs,
-)
-from streampack.inputs.discovery import describe_error as describe_error
-from streampack.inputs.discovery import looks_like_json_lines as looks_like_json_lines
+from streampack.inputs.discovery import Discovery, check_output_outside_inputs, discover_inputs, expand_inputs
+from streampack.inputs.inputfile import COMPRESSION_SUFFIXES as COMPRESSION_SUFFIXES
+from streampack.inputs.inputfile import Ignored, InputFile
+from streampack.inputs.inputfile import describe_error as describe_error
+from streampack.inputs.inputfile import looks_like_json_lines as looks_like_json_lines
 from streampack.inputs.records import Documents, Item, Position, ReadOptions, TextStream, WorkUnit
 from streampack.inputs.records import RecordReader as RecordReader
 from streampack.inputs.records import Wanted as Wanted

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import READ_CHUNK, STREAM_ERRORS, open_input, refuse_compressed
-from streampack.inputs.discovery import InputFile
+from streampack.inputs.inputfile import InputFile
 from streampack.inputs.records import Item, Position, TextStream
 
 _STREAM_TEXT_BYTES = 8 << 20  # larger .txt documents are streamed in chunks rather than read whole

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence, Set, Sized
 from typing import Any
 
 from streampack.errors import InputError
-from streampack.inputs.discovery import InputFile
+from streampack.inputs.inputfile import InputFile
 from streampack.inputs.lines import count_lines_before, read_lines
 from streampack.inputs.parquet import parquet_file, read_parquet, row_group_ranges
 from streampack.inputs.python import read_python

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from streampack._aliases import renamed
 from streampack._checks import check_int
 from streampack.errors import OptionsError
 from streampack.loader import prefetch
@@ -49,11 +50,11 @@ from streampack.loader.lookahead import prefetch_steps, shard_files
 from streampack.loader.options import (
     LoaderOptions,
     Output,
-    SourceProgress,
+    SourceShare,
     check_dtype,
     check_last_batch,
     check_size,
-    progress,
+    shares,
 )
 from streampack.loader.reading import DataSource, Rows, _Source
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, resume
@@ -61,7 +62,8 @@ from streampack.order import MAX_POSITION, Order, Ordered
 from streampack.order.blockshuffle import single_order
 from streampack.store.localcopy import CachedStore
 
-__all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "Output", "SourceProgress"]
+__all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "Output", "SourceShare"]
+__getattr__ = renamed(__name__, {"SourceProgress": "SourceShare"})  # 0.1's name
 
 STATE_VERSION = LOADER_VERSION
 """Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` also reads 1."""
@@ -434,7 +436,7 @@ class Loader:
 
     # --- where the run stands ---------------------------------------------------------------------------
 
-    def realised(self, steps: int = 0) -> list[SourceProgress]:
+    def realised(self, steps: int = 0) -> list[SourceShare]:
         """Per source: samples served, realised share and epoch, ``steps`` batches after the position.
 
         Computed from the order alone (nothing is read), so a plan far ahead is as cheap as now.
@@ -446,7 +448,7 @@ class Loader:
         position = min(self._position + steps * self.options.batch_size, MAX_POSITION)
         if self.order.end is not None:
             position = min(position, self.order.end)
-        return progress(self.order, position)
+        return shares(self.order, position)
 
     # --- state ------------------------------------------------------------------------------------------
 

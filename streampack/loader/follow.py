@@ -61,7 +61,7 @@ from streampack.order import MAX_POSITION
 from streampack.order.follow import Eras, FollowOrder
 from streampack.samples.sequences import PackedSequences
 from streampack.store import LocalStore, open_store
-from streampack.store.files import load_manifest, read_progress
+from streampack.store.files import load_manifest, read_entry
 from streampack.store.localcopy import cached_store
 from streampack.store.remote import is_remote
 
@@ -142,8 +142,8 @@ class _Ledger:
 
     def __init__(self, store: LocalStore, units: list[str]) -> None:
         self.store, self.units = store, units
-        self.done: list[ledger.UnitProgress] = []  # the entries of the first units, all finished
-        self.running: ledger.UnitProgress | None = None  # the first unfinished unit's, as last read
+        self.done: list[ledger.LedgerEntry] = []  # the entries of the first units, all finished
+        self.running: ledger.LedgerEntry | None = None  # the first unfinished unit's, as last read
         self._done_tokens = 0
 
     def read(self) -> tuple[int, bool]:
@@ -168,16 +168,16 @@ class _Ledger:
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"done": list(self.done)}  # a copy's reads must not grow this one's list
 
-    def progress(self) -> list[ledger.UnitProgress]:
+    def progress(self) -> list[ledger.LedgerEntry]:
         """Every unit's entry as last read: the finished ones, the first unfinished one, none after it (the
         follower reads nothing past the prefix)."""
         first = [*self.done, *([self.running] if self.running is not None else [])]
-        return first + [ledger.UnitProgress(unit=unit) for unit in self.units[len(first) :]]
+        return first + [ledger.LedgerEntry(unit=unit) for unit in self.units[len(first) :]]
 
-    def _progress(self, unit: int) -> ledger.UnitProgress | None:
+    def _progress(self, unit: int) -> ledger.LedgerEntry | None:
         if unit >= len(self.units):
             return None
-        return read_progress(self.store, shard_name(unit), self.units[unit])
+        return read_entry(self.store, shard_name(unit), self.units[unit])
 
 
 class GrowingCache:

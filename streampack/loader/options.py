@@ -2,7 +2,7 @@
 
 :class:`LoaderOptions` holds them; ``Loader(source, batch_size=32, seed=1)`` and
 ``Loader(source, options=LoaderOptions(batch_size=32, seed=1))`` are the same loader, and keywords given
-with an options object replace its fields (:func:`with_keywords`). :class:`SourceProgress` is what
+with an options object replace its fields (:func:`with_keywords`). :class:`SourceShare` is what
 :meth:`Loader.realised <streampack.loader.Loader.realised>` reports per source.
 """
 
@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar, get_args
 import numpy as np
 import numpy.typing as npt
 
+from streampack._aliases import renamed
 from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
 from streampack.order import Order
@@ -25,14 +26,16 @@ from streampack.order.blockshuffle import BlockShuffle, check_shuffle
 __all__ = [
     "LoaderOptions",
     "Output",
-    "SourceProgress",
+    "SourceShare",
     "check_dtype",
     "check_last_batch",
     "check_size",
-    "progress",
+    "shares",
     "unknown_keyword",
     "with_keywords",
 ]
+
+__getattr__ = renamed(__name__, {"SourceProgress": "SourceShare"})  # its name in 0.1
 
 Output = Literal["numpy", "dict", "varlen", "hf-flash"]
 
@@ -123,7 +126,7 @@ class LoaderOptions:
 
 
 @dataclass(frozen=True)
-class SourceProgress:
+class SourceShare:
     """Where one source of a run stands at a position: what :meth:`Loader.realised` reports.
 
     Attributes:
@@ -143,12 +146,12 @@ class SourceProgress:
     epoch: float
 
 
-def progress(order: Order, position: int) -> list[SourceProgress]:
-    """Where each source of ``order`` stands at ``position`` (see :class:`SourceProgress`)."""
+def shares(order: Order, position: int) -> list[SourceShare]:
+    """Where each source of ``order`` stands at ``position`` (see :class:`SourceShare`)."""
     served, weights = order.consumed(position), order.weights(position)
     sizes = [max(size, 1) for size in order.sizes()]  # a growing source may know none yet
     return [
-        SourceProgress(name, weight, count, count / position if position else 0.0, size, count / size)
+        SourceShare(name, weight, count, count / position if position else 0.0, size, count / size)
         for name, weight, count, size in zip(order.names, weights, served, sizes, strict=True)
     ]
 

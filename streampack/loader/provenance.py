@@ -33,14 +33,15 @@ import numpy as np
 
 from streampack._checks import check_int
 from streampack.errors import InputError
-from streampack.inputs.discovery import InputFile, discover_inputs
+from streampack.inputs.discovery import discover_inputs
+from streampack.inputs.inputfile import InputFile
 from streampack.inputs.records import Documents, Item, ReadOptions, TextStream, WorkUnit
 from streampack.inputs.units import plan_python_units, plan_units, read_unit, records_before
 from streampack.loader import Loader
 from streampack.order import groups
 from streampack.reader import Cache
 from streampack.samples.sequences import PackedSequences
-from streampack.store.files import read_progress
+from streampack.store.files import read_entry
 
 __all__ = ["Placement", "Provenance", "position_of", "which"]
 
@@ -420,7 +421,7 @@ class _Inputs:
         path = described.split(" [", 1)[0]
         match = _PYTHON_ROWS.search(described)
         first = int(match.group(1)) if match else 0
-        progress = read_progress(Path(self.cache.root), f"{unit:06d}", described)
+        progress = read_entry(Path(self.cache.root), f"{unit:06d}", described)
         gapless = progress.records == progress.docs
         return {local: (path, None, first + local if gapless else None) for local in wanted}
 

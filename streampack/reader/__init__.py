@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
-from streampack.format.ledger import UnitProgress
+from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import Manifest, ShardInfo, ShardTable
 from streampack.format.names import (
     OFFSET_DTYPE,
@@ -35,7 +35,7 @@ from streampack.format.names import (
     tokens_key,
 )
 from streampack.store import LocalStore, open_store
-from streampack.store.files import load_manifest, read_progress
+from streampack.store.files import load_manifest, read_entry
 from streampack.store.localcopy import CachedStore, Expected, cached_store, on_release
 from streampack.store.pressure import forget_release
 from streampack.store.remote import is_remote
@@ -518,7 +518,7 @@ def open(
                 f"{store.describe('')}: the build of this cache has not finished; rerun the same build "
                 "command to complete it, or open it with allow_incomplete=True to read the committed part"
             )
-        progress = [read_progress(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
+        progress = [read_entry(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
         cache = open_committed(store, manifest, progress)
     else:
         if isinstance(store, CachedStore):
@@ -529,7 +529,7 @@ def open(
     return cache
 
 
-def open_committed(store: LocalStore, manifest: Manifest, progress: list[UnitProgress]) -> Cache:
+def open_committed(store: LocalStore, manifest: Manifest, progress: list[LedgerEntry]) -> Cache:
     """The cache of an unfinished build as ``progress`` (each unit's ledger entry, read by the caller)
     says it is committed: what :func:`open` gives with ``allow_incomplete=True``, without reading the
     ledger again (a follower keeps the entries of finished units, which are final)."""
@@ -539,7 +539,7 @@ def open_committed(store: LocalStore, manifest: Manifest, progress: list[UnitPro
     return Cache(store, manifest, table)
 
 
-def _committed_table(progress: list[UnitProgress]) -> ShardTable:
+def _committed_table(progress: list[LedgerEntry]) -> ShardTable:
     """Each unit's committed prefix from its ledger entry (none: the unit has not committed yet).
 
     A unit's writer makes its shard files durable before the ledger entry that covers them, so every
@@ -550,7 +550,7 @@ def _committed_table(progress: list[UnitProgress]) -> ShardTable:
 
 
 def _expected_files(
-    manifest: Manifest, table: ShardTable, progress: list[UnitProgress] | None
+    manifest: Manifest, table: ShardTable, progress: list[LedgerEntry] | None
 ) -> dict[str, Expected]:
     """The size and checksum of every shard file, by key, for verifying local copies: from the manifest of
     a complete build; for an unfinished one, from the ledger entries of its finished units (in object

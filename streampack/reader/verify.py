@@ -45,7 +45,7 @@ from streampack.format.names import (
 )
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
-from streampack.store.files import load_manifest, read_progress
+from streampack.store.files import load_manifest, read_entry
 from streampack.store.plans import PLAN_ARRAYS, PLAN_JSON, inspect_plan
 from streampack.store.remote import RemoteStore, is_remote
 
@@ -191,7 +191,7 @@ def _check_ledger(manifest: Manifest, store: Any, listed: set[str], report: Veri
             report.problems.append(f"{where}: the ledger entry of work unit {index} is missing")
             continue
         try:
-            entry = read_progress(store, name, unit)
+            entry = read_entry(store, name, unit)
         except CacheError as e:
             report.problems.append(str(e))
             continue

@@ -6,7 +6,7 @@ range, map an array, publish an object atomically, list, or lock. :class:`Store`
 :class:`LocalStore` is a directory on a POSIX filesystem and holds every POSIX detail of the package:
 
 * publishing is write to ``KEY.tmp``, ``fsync``, ``rename``, ``fsync`` of the directory;
-* a shard is *staged in place* (:class:`StagedFile`): appended to from its committed length, fsynced
+* a shard is *appended in place* (:class:`AppendFile`): appended to from its committed length, fsynced
   by the writer before the ledger entry that covers it is published, and flocked while written;
 * reading maps files with ``mmap`` (a plain ndarray view, so slicing stays as cheap as a bare array);
 * the build lock is an ``flock``ed file, emptied and never deleted.
@@ -44,8 +44,10 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 import orjson
 
+from streampack._aliases import renamed, renamed_method
 from streampack.errors import BuildLockedError, CacheError, WriteError
 
+__getattr__ = renamed(__name__, {"StagedFile": "AppendFile"})  # its name in 0.1
 MAX_JSON_BYTES = 64 << 20  # a manifest of 100k shards is ~20 MB; refuse anything absurd before parsing
 _CHECKSUM_CHUNK = 16 << 20
 
@@ -55,7 +57,7 @@ class Store(Protocol):
 
     The operations every kind of store can offer: a local directory implements them with POSIX files,
     an object store with ranged GETs and (conditional) PUTs. Writing shards by appending is not part of
-    the contract: a local store stages them in place (:meth:`LocalStore.stage`); a remote one would
+    the contract: a local store appends to them in place (:meth:`LocalStore.append_file`); a remote one would
     publish each finished shard whole.
     """
 
@@ -238,7 +240,7 @@ class LocalStore:
         """The ``flock`` of the file ``key`` (see :class:`FileLock`)."""
         return FileLock(self.path(key))
 
-    # ------------------------------------------------------------------------- local only: staging
+    # ------------------------------------------------------------------- local only: appending in place
 
     def makedirs(self, key: str = "") -> None:
         """Create the folder ``key`` (the cache directory itself by default) and its parents."""
@@ -252,9 +254,11 @@ class LocalStore:
         else:
             path.unlink(missing_ok=True)
 
-    def stage(self, key: str, length: int) -> StagedFile:
-        """Open the file ``key`` for appending at its committed ``length`` (see :class:`StagedFile`)."""
-        return StagedFile(self.path(key), length)
+    def append_file(self, key: str, length: int) -> AppendFile:
+        """Open the file ``key`` for appending at its committed ``length`` (see :class:`AppendFile`)."""
+        return AppendFile(self.path(key), length)
+
+    stage = renamed_method("stage", "append_file")  # its name in 0.1
 
     def sync_dir(self, key: str) -> None:
         """Make file creations and renames in the folder ``key`` durable."""
@@ -341,7 +345,7 @@ class CacheRef:
 # ------------------------------------------------------------------------------ POSIX primitives
 
 
-class StagedFile:
+class AppendFile:
     """A shard file of a local store being appended to in place, from its committed length.
 
     Opening truncates any uncommitted tail a crash left behind; :meth:`sync` is the writer's fsync

@@ -12,16 +12,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 from streampack.errors import CacheError
-from streampack.format.ledger import UnitProgress, parse_progress
+from streampack.format.ledger import LedgerEntry, parse_entry
 from streampack.format.manifest import FORMAT_VERSION, Manifest, parse_manifest
 from streampack.format.names import LOCK, MANIFEST, checksum_text, ledger_key, with_checksum
 from streampack.store import LocalStore, Store, crc32_file, encode_json, put_json
 
 __all__ = [
-    "commit_progress",
+    "commit_entry",
     "file_checksum",
     "load_manifest",
-    "read_progress",
+    "read_entry",
     "upgrade_manifest",
     "write_manifest",
 ]
@@ -71,7 +71,7 @@ def upgrade_manifest(root: str | os.PathLike[str]) -> int:
     return int(version)  # type: ignore[arg-type]
 
 
-def read_progress(root: Path | Store, name: str, unit: str) -> UnitProgress:
+def read_entry(root: Path | Store, name: str, unit: str) -> LedgerEntry:
     """Return the committed progress of a unit, or a fresh one if it has not committed yet.
 
     Args:
@@ -85,10 +85,10 @@ def read_progress(root: Path | Store, name: str, unit: str) -> UnitProgress:
     store = _store(root)
     key = ledger_key(name)
     if not store.exists(key):
-        return UnitProgress(unit=unit)
+        return LedgerEntry(unit=unit)
     raw = store.read_json(key, what="ledger entry")
     path = store.describe(key)
-    progress = parse_progress(raw, path)
+    progress = parse_entry(raw, path)
     if progress.unit != unit:
         raise CacheError(
             f"{path}: ledger entry is for work unit {progress.unit!r}, but this build's unit {name} is "
@@ -97,7 +97,7 @@ def read_progress(root: Path | Store, name: str, unit: str) -> UnitProgress:
     return progress
 
 
-def commit_progress(root: Path | Store, name: str, progress: UnitProgress) -> None:
+def commit_entry(root: Path | Store, name: str, progress: LedgerEntry) -> None:
     """Atomically and durably replace the ledger entry of shard ``name`` (with its ``checksum``)."""
     put_json(_store(root), ledger_key(name), with_checksum(asdict(progress)))
 

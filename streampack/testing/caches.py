@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streampack.format.ledger import UnitProgress
+from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import Manifest, ShardInfo, ShardTable
 from streampack.format.names import (
     LEDGER_DIR,
@@ -69,7 +69,7 @@ def write_cache(
         unit = f"synthetic:{index}" if units is None else units[index]
         checksums = checksum_text(zlib.crc32(token_bytes)), checksum_text(zlib.crc32(offset_bytes))
         infos.append(ShardInfo(name, unit, len(ends), len(tokens), *checksums))
-        entry = UnitProgress(unit, len(ends), len(ends), len(tokens), 0, True, *checksums)
+        entry = LedgerEntry(unit, len(ends), len(ends), len(tokens), 0, True, *checksums)
         (root / LEDGER_DIR).mkdir(exist_ok=True)
         (root / ledger_key(name)).write_bytes(encode_json(with_checksum(asdict(entry))))
     _write_manifest(root, infos, vocab_size, eos_id)

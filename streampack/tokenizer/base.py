@@ -54,7 +54,7 @@ class Tokenizer(Protocol):
     @property
     def cores_per_worker(self) -> int:
         """How many cores one build process of it keeps busy: its engine's threads plus the Python thread
-        that reads and frames the documents; see :func:`streampack.builder.coordinator.default_workers`."""
+        that reads and frames the documents; see :func:`streampack.builder.running.default_workers`."""
         ...
 
     @property

@@ -157,7 +157,7 @@ class FastokensEngine:
     faster than their reference engines, into a flat buffer of ids with no per-token Python objects.
 
     Used only for tokenizers whose structure it is known to reproduce (:func:`fastokens_mismatch`), and
-    checked against the reference engine while a build runs (:mod:`streampack.builder.pipeline`).
+    checked against the reference engine while a build runs (:mod:`streampack.builder.framing`).
     """
 
     name = "fastokens"

@@ -1,9 +1,9 @@
-"""Where a build's time goes: seconds per pipeline stage, for ``streampack build --profile``.
+"""Where a build's time goes: its timings, seconds per part of the pipeline, for ``build --profile``.
 
-A :class:`Stopwatch` charges the time of one thread to the stage it is in: switching stage reads the wall
+A :class:`Stopwatch` charges the time of one thread to the timing it is in: switching timing reads the wall
 clock (and, when profiling, the thread's CPU clock), so the reader thread can switch per record. Calls on
 other threads (encoding) are timed there and added with :meth:`Stopwatch.add`. The table sums the times
-of every worker process; the main thread's stages add up to its wall time, while the engine encodes
+of every worker process; the main thread's timings add up to its wall time, while the engine encodes
 beside it on its own threads.
 """
 
@@ -16,8 +16,8 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-# The order of the table's rows; stages not listed follow in the order met.
-STAGES = (
+# The order of the table's rows; timings not listed follow in the order met.
+TIMINGS = (
     "start",  # a worker process's start: the interpreter and imports (CPU only)
     "prepare",  # the coordinating process: list inputs, load the tokenizer, plan units, check the output
     "load tokenizer",  # a worker process's own load
@@ -32,7 +32,7 @@ STAGES = (
 _THREADED = ("encode", "verify")
 
 # The process's CPU seconds already reported (a worker runs a pipeline, hence a stopwatch, per unit): 0 until
-# the first unit of a worker process, whose start-up is then reported as the stage "start".
+# the first unit of a worker process, whose start-up is then reported as the timing "start".
 _process_cpu_taken = 0.0
 
 
@@ -43,24 +43,24 @@ def mark_process_start() -> None:
 
 
 class Stopwatch:
-    """Wall seconds per stage of one thread, and with ``cpu`` its CPU seconds too; plus stages other threads
-    report (:meth:`add`).
+    """Wall seconds per timing of one thread, and with ``cpu`` its CPU seconds too; plus timings other
+    threads report (:meth:`add`).
 
     A thread's CPU clock costs a system call (~0.8 us, 10x the wall clock's), so it is read only when
-    profiling. Wall time alone overstates a stage whose thread waits for a core.
+    profiling. Wall time alone overstates a timing whose thread waits for a core.
     """
 
-    def __init__(self, stage: str = "other", *, cpu: bool = False) -> None:
-        self.seconds: dict[str, list[float]] = {}  # stage -> [wall, cpu]
+    def __init__(self, timing: str = "other", *, cpu: bool = False) -> None:
+        self.seconds: dict[str, list[float]] = {}  # timing -> [wall, cpu]
         self.cpu = cpu
-        self._stage = stage
+        self._timing = timing
         self._since = self._now()
 
     def measure_cpu(self, on: bool) -> None:
         """Start (or stop) reading the thread's CPU clock at the next switch."""
         global _process_cpu_taken
         if on != self.cpu:
-            self.switch(self._stage)
+            self.switch(self._timing)
             self.cpu = on
             self._since = self._now()
         if on and _process_cpu_taken == 0.0:  # a worker process's first unit: what starting it cost
@@ -70,32 +70,32 @@ class Stopwatch:
     def _now(self) -> tuple[float, float]:
         return time.perf_counter(), time.thread_time() if self.cpu else 0.0
 
-    def switch(self, stage: str) -> str:
-        """Charge the time since the last switch to the current stage, enter ``stage``; return the old one."""
+    def switch(self, timing: str) -> str:
+        """Charge the time since the last switch to the current timing, enter ``timing``; return the old."""
         now = self._now()
-        self._charge(self._stage, now[0] - self._since[0], now[1] - self._since[1])
-        previous, self._stage, self._since = self._stage, stage, now
+        self._charge(self._timing, now[0] - self._since[0], now[1] - self._since[1])
+        previous, self._timing, self._since = self._timing, timing, now
         return previous
 
-    def _charge(self, stage: str, wall: float, cpu: float) -> None:
-        times = self.seconds.setdefault(stage, [0.0, 0.0])
+    def _charge(self, timing: str, wall: float, cpu: float) -> None:
+        times = self.seconds.setdefault(timing, [0.0, 0.0])
         times[0] += wall
         times[1] += cpu
 
     @contextlib.contextmanager
-    def stage(self, stage: str) -> Iterator[None]:
-        """Charge a ``with`` block to ``stage``, then go back to the stage before it."""
-        previous = self.switch(stage)
+    def timing(self, timing: str) -> Iterator[None]:
+        """Charge a ``with`` block to ``timing``, then go back to the timing before it."""
+        previous = self.switch(timing)
         try:
             yield
         finally:
             self.switch(previous)
 
-    def timed(self, items: Iterable[T], stage: str) -> Iterator[T]:
-        """``items``, the time spent producing each charged to ``stage``."""
+    def timed(self, items: Iterable[T], timing: str) -> Iterator[T]:
+        """``items``, the time spent producing each charged to ``timing``."""
         iterator = iter(items)
         while True:
-            previous = self.switch(stage)
+            previous = self.switch(timing)
             try:
                 item = next(iterator)
             except StopIteration:
@@ -104,14 +104,14 @@ class Stopwatch:
             self.switch(previous)
             yield item
 
-    def add(self, stage: str, wall: float) -> None:
-        """Add wall seconds measured on another thread to ``stage`` (its CPU is in the process's)."""
-        self._charge(stage, wall, 0.0)
+    def add(self, timing: str, wall: float) -> None:
+        """Add wall seconds measured on another thread to ``timing`` (its CPU is in the process's)."""
+        self._charge(timing, wall, 0.0)
 
     def take(self) -> dict[str, list[float]]:
-        """The times charged since the last take (the current stage's running time included), and with
-        ``cpu`` the process's CPU seconds since then as the stage ``"process"``."""
-        self.switch(self._stage)
+        """The times charged since the last take (the current timing's running time included), and with
+        ``cpu`` the process's CPU seconds since then as the timing ``"process"``."""
+        self.switch(self._timing)
         taken, self.seconds = self.seconds, {}
         if self.cpu:
             global _process_cpu_taken
@@ -122,34 +122,34 @@ class Stopwatch:
 
 
 def add_up(parts: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, list[float]]:
-    """The sum of several stage tables (``stage -> [wall, cpu]``)."""
+    """The sum of several timing tables (``timing -> [wall, cpu]``)."""
     total: dict[str, list[float]] = {}
     for part in parts:
-        for stage, (wall, cpu) in part.items():
-            times = total.setdefault(stage, [0.0, 0.0])
+        for timing, (wall, cpu) in part.items():
+            times = total.setdefault(timing, [0.0, 0.0])
             times[0] += wall
             times[1] += cpu
     return total
 
 
 def render(times: Mapping[str, Sequence[float]], wall: float, workers: int) -> str:
-    """A markdown table of ``times`` (``stage -> [wall, cpu]``) summed over ``workers`` processes.
+    """A markdown table of ``times`` (``timing -> [wall, cpu]``) summed over ``workers`` processes.
 
-    The main thread's stages have wall and CPU seconds; encode and verify have the wall seconds of the
+    The main thread's timings have wall and CPU seconds; encode and verify have the wall seconds of the
     engines' calls on the encoder threads, which overlap the main thread's; "engine threads" is the CPU
     the worker processes spent outside their main threads (the engines' own threads, mostly).
     """
-    main = [s for s in STAGES if s in times and s not in _THREADED]
-    main += [s for s in times if s not in STAGES and s != "process"]
-    lines = ["| stage | thread | wall s | CPU s |", "|---|---|---:|---:|"]
-    for stage in main:
-        if stage == "other" and times[stage][0] < 0.0005:
+    main = [s for s in TIMINGS if s in times and s not in _THREADED]
+    main += [s for s in times if s not in TIMINGS and s != "process"]
+    lines = ["| timing | thread | wall s | CPU s |", "|---|---|---:|---:|"]
+    for timing in main:
+        if timing == "other" and times[timing][0] < 0.0005:
             continue
-        wall_s = "" if stage == "start" else f"{times[stage][0]:.3f}"
-        lines.append(f"| {stage} | main | {wall_s} | {times[stage][1]:.3f} |")
-    for stage in _THREADED:
-        if stage in times:
-            lines.append(f"| {stage} calls | encoder threads | {times[stage][0]:.3f} | |")
+        wall_s = "" if timing == "start" else f"{times[timing][0]:.3f}"
+        lines.append(f"| {timing} | main | {wall_s} | {times[timing][1]:.3f} |")
+    for timing in _THREADED:
+        if timing in times:
+            lines.append(f"| {timing} calls | encoder threads | {times[timing][0]:.3f} | |")
     if "process" in times:
         units_main = sum(times[s][1] for s in main if s not in ("prepare", "start"))
         start = times.get("start", [0.0, 0.0])[1]

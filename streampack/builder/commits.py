@@ -1,0 +1,54 @@
+"""A unit being built: its open shard, where its reading is, when it last committed, and its counts.
+
+The pipeline (:mod:`streampack.builder.pipeline`) keeps one :class:`OpenUnit` per unit whose shard is open,
+and a :class:`Tally` of the unit being read; a commit records the tally as the ledger entry's counts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from streampack.builder.tasks import UnitTask
+from streampack.builder.writer import ShardWriter
+from streampack.format.ledger import Counts, LedgerEntry
+from streampack.format.names import shard_name
+from streampack.inputs.records import Position
+from streampack.tokenizer.base import Tokenizer
+
+
+class OpenUnit:
+    """A unit whose shard is open: its writer, and what the next commit and progress event need."""
+
+    def __init__(self, task: UnitTask, progress: LedgerEntry, tokenizer: Tokenizer) -> None:
+        self.task, self.spec, self.tokenizer = task, task.spec, tokenizer
+        name = shard_name(task.unit.index)
+        dtype = np.dtype(task.spec.dtype)
+        self.writer = ShardWriter(Path(task.spec.root), name, dtype, progress, masked=task.spec.read.sft)
+        self.eos = np.array([task.spec.eos.id], dtype=np.uint32) if task.spec.eos.append else None
+        self.id_limit = task.spec.vocab_size or int(np.iinfo(dtype).max) + 1
+        self.bos = np.array([task.spec.bos.id], dtype=np.uint32) if task.spec.bos.prepend else None
+        self.position = Position()
+        self.reported_bytes = 0
+        self.last_commit = (time.monotonic(), self.writer.num_tokens)
+
+    def bytes_read_delta(self) -> int:
+        now = max(self.position.bytes_read() - self.task.unit.start, 0)
+        delta, self.reported_bytes = now - self.reported_bytes, now
+        return max(delta, 0)
+
+
+@dataclass
+class Tally:
+    """The counts of the unit being read, updated per record (a :class:`Counts` is made per batch)."""
+
+    records: int
+    skipped: int
+    empty_docs: int
+    inexact_cuts: int
+
+    def counts(self) -> Counts:
+        return Counts(self.records, self.skipped, self.empty_docs, self.inexact_cuts)

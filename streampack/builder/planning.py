@@ -1,0 +1,84 @@
+"""The plan of a build: its work units, the manifest's record of its inputs, and what discovery skipped.
+
+Paths, directories, globs and URLs are discovered (:mod:`streampack.inputs.discovery`) and cut into units
+by the inputs alone; Python documents (a dataset, a generator, :class:`~streampack.Documents`) are planned
+as units read in this process, identified across runs by a fingerprint where they have one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from streampack.builder.options import CacheSpec
+from streampack.inputs.discovery import discover_inputs
+from streampack.inputs.inputfile import Ignored
+from streampack.inputs.records import Documents, ReadOptions, WorkUnit, refuse_text_for_sft
+from streampack.inputs.units import plan_python_units, plan_units
+
+
+@dataclass(frozen=True)
+class _Plan:
+    units: list[WorkUnit]
+    inputs: list[dict[str, Any]]  # the manifest's record of each input read
+    ignored: dict[str, Any]  # what discovery skipped: counts by reason, and the first few entries
+
+
+def plan_inputs(inputs: Any, read: ReadOptions, spec: CacheSpec) -> _Plan:
+    """The units of ``inputs`` (paths or Python documents), the record of each input, and what was skipped."""
+    documents = as_documents(inputs)
+    if documents is not None:
+        items = documents.items if isinstance(documents, Documents) else documents
+        stat = {"path": f"python:{type(items).__name__}", "size": _len_or_none(items), "mtime_ns": None}
+        stat["fingerprint"] = _python_fingerprint(documents)
+        return _Plan(plan_python_units(items), [stat], {})
+    paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    found = discover_inputs(paths)
+    if spec.sft:
+        refuse_text_for_sft(found.files, "fields=[...]" if spec.fields is not None else "chat=...")
+    return _Plan(plan_units(found.files, read), [f.stat_json() for f in found.files], _ignored(found.ignored))
+
+
+def _ignored(entries: list[Ignored]) -> dict[str, Any]:
+    if not entries:
+        return {}
+    reasons = Counter(e.reason.split(" of ")[0] for e in entries)  # "duplicate of X" counts as "duplicate"
+    first = [{"path": e.path, "reason": e.reason} for e in entries[:_IGNORED_LISTED]]
+    return {"count": len(entries), "by_reason": dict(sorted(reasons.items())), "first": first}
+
+
+_IGNORED_LISTED = 20
+
+
+def _python_fingerprint(documents: Any) -> str | None:
+    """What identifies Python documents across runs: the user's fingerprint, or a Hugging Face dataset's.
+
+    ``datasets`` keeps a dataset's content hash in the private ``_fingerprint`` attribute; it changes
+    whenever the dataset's data or transforms do. Other Python objects cannot be identified.
+    """
+    if isinstance(documents, Documents):
+        if documents.fingerprint is not None:
+            return documents.fingerprint
+        documents = documents.items
+    fingerprint = getattr(documents, "_fingerprint", None)
+    return fingerprint if isinstance(fingerprint, str) else None
+
+
+def as_documents(inputs: Any) -> Any:
+    """``inputs`` when they are Python documents, ``None`` when they are paths (a path, or a list of them)."""
+    if isinstance(inputs, Documents):
+        return inputs
+    if isinstance(inputs, (str, os.PathLike)):
+        return None
+    if isinstance(inputs, (list, tuple)) and all(isinstance(i, (str, os.PathLike)) for i in inputs):
+        return None
+    return inputs
+
+
+def _len_or_none(items: Any) -> int | None:
+    try:
+        return len(items)
+    except TypeError:
+        return None

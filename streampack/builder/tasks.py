@@ -1,0 +1,117 @@
+"""What a worker is given to build a unit and what it gives back; how a worker process loads its tokenizer.
+
+Everything here is picklable: a :class:`UnitTask` travels to a worker process or a Ray task, and a
+:class:`UnitResult` back. :func:`init_worker` and :func:`worker_tokenizer` run only in worker processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from streampack.builder.options import OnBadRecord, VerifyTokens
+from streampack.errors import TokenizerError
+from streampack.format.ledger import LedgerEntry
+from streampack.inputs.records import ReadOptions, WorkUnit
+from streampack.tokenizer.base import Tokenizer
+from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
+from streampack.tokenizer.load import load_tokenizer
+from streampack.tokenizer.pieces import PieceRule
+from streampack.tokenizer.specials import BosPolicy, EosPolicy
+
+NO_BOS = BosPolicy(False, None)
+
+
+@dataclass(frozen=True)
+class TokenizerRef:
+    """The tokenizer of a build as a worker loads it: its SPEC, special-token mode and definition hash.
+
+    The hash lets a worker refuse a tokenizer file that changed after the build started, and keys the
+    worker's tokenizer cache, so an edited file is never served from an old load.
+    """
+
+    spec: str
+    special_tokens: SpecialTokens
+    sha256: str
+    engine: TokenizerEngine = "auto"  # the engine the build's own tokenizer runs, so that workers run it too
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """What every unit of one build shares (picklable): the resolved cache spec and the run's policies."""
+
+    root: str
+    tokenizer: TokenizerRef
+    read: ReadOptions
+    eos: EosPolicy
+    dtype: str
+    pieces: PieceRule  # resolved for the tokenizer (see :func:`streampack.tokenizer.pieces.piece_rule`)
+    bos: BosPolicy = NO_BOS
+    # The manifest's vocab_size: every id written is below it, checked per batch before it is written
+    # (None: below the dtype's limit only).
+    vocab_size: int | None = None
+    verify: VerifyTokens = "none"  # re-encode records with the reference engine (see pipeline.VERIFY_FIRST)
+    on_bad_record: OnBadRecord = "error"
+    batch_chars: int = 1 << 20
+    commit_bytes: int = 64 << 20
+    commit_seconds: float = 10.0
+    profile: bool = False  # measure the CPU time of each timing too (see streampack.builder.timings)
+
+
+@dataclass(frozen=True)
+class UnitTask:
+    """Everything a worker needs to build one unit (picklable)."""
+
+    spec: UnitSpec
+    unit: WorkUnit
+
+
+@dataclass(frozen=True)
+class UnitResult:
+    """A finished unit's final ledger entry, and its process's timings since its last result (summed over
+    results, a process's whole time: see :mod:`streampack.builder.timings`)."""
+
+    unit_index: int
+    entry: LedgerEntry
+    timings: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- worker processes only
+
+# Set and read only in spawned worker processes and Ray tasks, never in the process that calls build():
+# a worker serves the units of builds whose tokenizer it loads once (a tokenizer.json takes ~0.5 s).
+_worker_threads = 0
+_worker_tokenizers: dict[tuple[TokenizerRef, int], Tokenizer] = {}
+
+
+def init_worker(threads: int) -> None:
+    """Worker-process initializer: encode with ``threads`` threads.
+
+    Hugging Face ``tokenizers`` sizes its thread pool from ``RAYON_NUM_THREADS`` when the pool first
+    starts, so in a worker of its own the variable is the way to set it.
+    """
+    global _worker_threads
+    _worker_threads = threads
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+
+
+def worker_tokenizer(ref: TokenizerRef) -> Tokenizer:
+    """This worker's tokenizer for ``ref``, loaded once, and checked to be the one the build started with.
+
+    Raises:
+        TokenizerError: the tokenizer's files changed since the build started.
+    """
+    key = (ref, _worker_threads)
+    if key not in _worker_tokenizers:
+        tokenizer = load_tokenizer(
+            ref.spec, threads=_worker_threads or None, special_tokens=ref.special_tokens, engine=ref.engine
+        )
+        found = tokenizer.fingerprint()["sha256"]
+        if found != ref.sha256:
+            raise TokenizerError(
+                f"tokenizer {ref.spec!r} changed since the build started (sha256 {ref.sha256[:12]}... "
+                f"then, {found[:12]}... now); rerun the build to use one tokenizer throughout"
+            )
+        _worker_tokenizers[key] = tokenizer
+    return _worker_tokenizers[key]
