@@ -495,3 +495,23 @@ def test_megatron_export_to_object_storage(
     dataset = indexed.IndexedDataset(str(tmp_path / "corpus"))
     for i in range(0, natural.num_docs, 37):
         np.testing.assert_array_equal(dataset[i], natural.doc(i))
+
+
+def test_the_export_benchmark_runs_quick(tmp_path: Path) -> None:
+    """benchmarks/bench_export.py --quick, the smoke run of the benchmark: every row reports."""
+    if not SAMPLE_CORPUS.exists():
+        pytest.skip(f"sample corpus not found at {SAMPLE_CORPUS}")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_export.py"
+    out = tmp_path / "report.md"
+    cmd = [sys.executable, str(bench), "--quick", "--tmp", str(tmp_path / "work"), "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    report = out.read_text()
+    for row in (
+        "| megatron |",
+        "| llmc |",
+        "| datatrove |",
+        "| olmo |",
+        "| hf (parquet, documents) |",
+        "| mds",
+    ):
+        assert row in report

@@ -73,7 +73,7 @@ def write(
             name = file_name(index)
             with dest.open(name) as out:
                 for chunk in token_chunks(cache, docs.shard):
-                    out.write(chunk.astype(little, copy=False).tobytes())
+                    out.write(np.ascontiguousarray(chunk, dtype=little).data)
                     bar.update(len(chunk))
             with dest.open(f"{name}.index") as out:
                 out.write(docs.ends.astype("<u8").tobytes())

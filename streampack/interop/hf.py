@@ -28,6 +28,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from streampack.errors import OptionsError
 from streampack.interop.writing import (
@@ -40,6 +41,7 @@ from streampack.interop.writing import (
     shard_mask,
     token_chunks,
 )
+from streampack.loader.collate import CausalLMDict
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -137,8 +139,6 @@ def _document_batches(cache: Cache) -> Iterator[tuple[pa.RecordBatch, int]]:
 
 
 def _sample_batches(cache: Cache, seq_len: int, packed: bool) -> Iterator[tuple[pa.RecordBatch, int]]:
-    from streampack.loader.collate import CausalLMDict
-
     samples = cache.packed(seq_len) if packed else cache.sequences(seq_len)
     as_dict = CausalLMDict([samples])
     rows = max(1, CHUNK_TOKENS // seq_len)
@@ -191,8 +191,6 @@ class _Files:
         if self.kind == "arrow":
             self._writer = pa.ipc.new_stream(out, self.schema)
         else:
-            import pyarrow.parquet as pq
-
             self._writer = pq.ParquetWriter(out, self.schema)
         self.names.append(name)
         self.rows.append(0)

@@ -142,7 +142,7 @@ def write(
                         pending = next(chunks)
                         continue
                     take = pending[:left]
-                    out.write(take.astype(little, copy=False).tobytes())
+                    out.write(np.ascontiguousarray(take, dtype=little).data)
                     bar.update(len(take))
                     left -= len(take)
                     pending = pending[len(take) :]

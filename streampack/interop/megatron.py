@@ -103,7 +103,7 @@ def write(
     with Progress(progress, cache.num_tokens, "megatron") as bar, dest.open(".bin") as out:
         for shard in range(cache.num_shards):
             for chunk in token_chunks(cache, shard):
-                out.write(chunk.astype(dtype, copy=False).tobytes())
+                out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
                 bar.update(len(chunk))
     with dest.open(".idx") as out:
         write_index(out, cache, dtype)

@@ -75,7 +75,7 @@ def write(
             with dest.open("train.bin") as out:
                 for shard in range(cache.num_shards):
                     for chunk in token_chunks(cache, shard):
-                        out.write(chunk.astype(dtype, copy=False).tobytes())
+                        out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
                         bar.update(len(chunk))
         else:
             train, validation = cache.split(options.val, seed=options.split_seed)
@@ -92,5 +92,5 @@ def _write_side(out: IO[bytes], cache: Cache, side: DocumentSet, dtype: np.dtype
     lengths = np.diff(runs.starts)
     for shard, offset, length in zip(runs.shards.tolist(), runs.offsets.tolist(), lengths.tolist()):
         for chunk in token_chunks(cache, shard, offset, offset + length):
-            out.write(chunk.astype(dtype, copy=False).tobytes())
+            out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
             bar.update(len(chunk))

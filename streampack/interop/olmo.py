@@ -76,7 +76,7 @@ def write(
             name = token_file(index)
             with dest.open(name) as out:
                 for chunk in token_chunks(cache, docs.shard):
-                    out.write(chunk.astype(little, copy=False).tobytes())
+                    out.write(np.ascontiguousarray(chunk, dtype=little).data)
                     bar.update(len(chunk))
             if cache.has_loss_mask:
                 with dest.open(mask_file(index)) as out:
