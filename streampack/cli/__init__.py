@@ -1,4 +1,4 @@
-"""The ``streampack`` command line: build, info, verify, upgrade, decode, bench, mix, which, demo.
+"""The ``streampack`` command line: build, info, verify, upgrade, decode, export, bench, mix, which, demo.
 
 User errors print one line on stderr (no traceback) and exit 1; an interrupted build (Ctrl-C, or SIGTERM)
 says how to resume and exits 130 (143 for SIGTERM).
@@ -15,7 +15,7 @@ from types import FrameType
 
 import click
 
-from streampack.cli import build, demo, inspect, training
+from streampack.cli import build, demo, export, inspect, training
 from streampack.cli.build import in_cli_terms
 from streampack.cli.inspect import cache_stats
 from streampack.errors import StreampackError
@@ -36,6 +36,7 @@ for _command in (
     inspect.verify,
     inspect.upgrade,
     inspect.decode,
+    export.export,
     training.bench,
     training.mix,
     training.which,

@@ -41,6 +41,7 @@ from streampack.store.pressure import forget_release
 from streampack.store.remote import is_remote
 
 if TYPE_CHECKING:
+    from streampack.interop import Exported
     from streampack.samples.packing import NoTarget, TooLong
     from streampack.samples.sequences import PackedSequences
     from streampack.samples.split import DocumentSet
@@ -249,6 +250,12 @@ class Cache:
         from streampack.samples.split import Chosen, DocumentSet
 
         return DocumentSet(self, Chosen(self))
+
+    def export(self, format: str, dest: str | os.PathLike[str], **options: Any) -> Exported:
+        """Write the cache in another ecosystem's token format; see :func:`streampack.interop.export`."""
+        from streampack.interop import export
+
+        return export(self, format, dest, **options)
 
     def doc(self, index: int) -> np.ndarray:
         """Tokens of document ``index`` (including its BOS and EOS), a read-only view of the memory map."""

@@ -1,0 +1,166 @@
+"""Export throughput and memory, per format: `python benchmarks/bench_export.py [--quick]`.
+
+Builds two caches of the real sample corpus (../shared/data, GPT-2): 1x, and 4x (the corpus repeated four
+times). For every export format, a fresh process exports the 4x cache ``--repeats`` times (the best time
+counts) and the 1x cache once; the baseline, measured the same way in the same run, is a plain
+``shutil.copyfile`` of the cache's shard files (tokens and offsets). The table gives each export's
+throughput ÷ the copy's on the same bytes (the copy's seconds ÷ the export's; goal >= 0.8), and the peak
+RSS (``VmHWM``, imports included) of the 1x and 4x processes (goal: 4x within 50 MB of 1x: memory flat in
+the cache's size). ``--quick`` uses the first 100 documents, one repeat: a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import zstandard
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import environment, goal, publish
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+CORPUS = DATA / "corpus" / "natural-sample.jsonl.zst"
+TOKENIZER = DATA / "tokenizers" / "gpt2" / "tokenizer.json"
+
+#: (row name, format, options)
+ROWS = [
+    ("megatron", "megatron", {}),
+    ("llmc", "llmc", {}),
+    ("nanogpt", "nanogpt", {}),
+    ("nanogpt --val 0.01", "nanogpt", {"val": 0.01}),
+    ("datatrove", "datatrove", {}),
+    ("olmo", "olmo", {}),
+    ("hf (parquet, documents)", "hf", {}),
+    ("hf (arrow, --seq-len 2048 --packed)", "hf", {"files": "arrow", "seq_len": 2048, "packed": True}),
+    ("mds (documents)", "mds", {}),
+    ("mds (--seq-len 2048)", "mds", {"seq_len": 2048}),
+]
+
+PROBE = """
+import json, re, shutil, sys, time
+import streampack, streampack.interop
+cache_dir, out, kind, repeats = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+options = json.loads(sys.argv[5])
+cache = streampack.open(cache_dir)
+if kind != "copy":
+    import importlib
+    importlib.import_module(streampack.interop.FORMATS[kind])  # its imports (pyarrow...) are not timed
+best = float("inf")
+for r in range(repeats):
+    dest = f"{out}/{r}"
+    start = time.perf_counter()
+    if kind == "copy":
+        import os
+        os.makedirs(dest)
+        for shard in range(cache.num_shards):
+            for path in cache.shard_paths(shard):
+                shutil.copyfile(path, f"{dest}/{path.name}")
+    else:
+        cache.export(kind, f"{dest}/x", progress=False, **options)
+    best = min(best, time.perf_counter() - start)
+    shutil.rmtree(dest)
+peak_kb = re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)
+print(json.dumps({"seconds": best, "peak_mb": int(peak_kb) / 1024}))
+"""
+
+
+def main() -> None:
+    """Build the caches, run every row, print and write the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="the first 100 documents, one repeat (a smoke run)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="exports of the 4x cache per row (best counts)"
+    )
+    parser.add_argument("--tmp", default=os.path.join(tempfile.gettempdir(), "streampack-bench-export"))
+    parser.add_argument("--out", help="report file (default benchmarks/results/export[-quick].md)")
+    args = parser.parse_args()
+    if not CORPUS.exists():
+        sys.exit(f"the sample corpus is not at {CORPUS} (../shared/data)")
+    repeats = 1 if args.quick else args.repeats
+    tmp = Path(args.tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        caches = build_caches(tmp, quick=args.quick)
+        report = measure_all(caches, tmp, repeats, args.quick)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    publish(report, "export", args)
+
+
+def build_caches(tmp: Path, *, quick: bool) -> dict[str, Path]:
+    """The 1x and 4x caches (shards of about 1 MiB of input each)."""
+    import streampack
+
+    lines = zstandard.ZstdDecompressor().stream_reader(CORPUS.open("rb")).read().splitlines(keepends=True)
+    if quick:
+        lines = lines[:100]
+    caches = {}
+    for times in (1, 4):
+        src = tmp / f"corpus-{times}x.jsonl"
+        src.write_bytes(b"".join(lines) * times)
+        caches[f"{times}x"] = out = tmp / f"cache-{times}x"
+        streampack.build(src, out, tokenizer=str(TOKENIZER), unit_bytes=1 << 20, progress=False)
+    return caches
+
+
+def run(cache: Path, out: Path, kind: str, repeats: int, options: dict) -> dict:
+    """One row's measurement in a fresh process."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-c", PROBE, str(cache), str(out), kind, str(repeats), json.dumps(options)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if done.returncode:
+        raise RuntimeError(f"{kind} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_all(caches: dict[str, Path], tmp: Path, repeats: int, quick: bool) -> str:
+    import streampack
+
+    big = streampack.open(caches["4x"])
+    size_mb = sum(p.stat().st_size for s in range(big.num_shards) for p in big.shard_paths(s)) / 2**20
+    copy = run(caches["4x"], tmp / "copy", "copy", repeats, {})
+    copy_1x = run(caches["1x"], tmp / "copy1", "copy", 1, {})
+    lines = [
+        f"# Export throughput and memory{' (--quick)' if quick else ''}",
+        "",
+        environment(),
+        "",
+        f"4x cache: {big.num_docs:,} documents, {big.num_tokens:,} tokens, {big.num_shards} shards, "
+        f"{size_mb:.1f} MB of shard files; best of {repeats}. Baseline: `shutil.copyfile` of those files, "
+        f"{copy['seconds']:.3f} s ({size_mb / copy['seconds']:.0f} MB/s), peak RSS "
+        f"{copy_1x['peak_mb']:.0f} MB (1x) / {copy['peak_mb']:.0f} MB (4x).",
+        "",
+        "| format | export s (4x) | MB/s | throughput ÷ copy | peak RSS 1x MB | peak RSS 4x MB "
+        "| 4x − 1x MB |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    goals = []
+    for name, kind, options in ROWS:
+        four = run(caches["4x"], tmp / "rows", kind, repeats, options)
+        one = run(caches["1x"], tmp / "rows", kind, 1, options)
+        ratio = copy["seconds"] / four["seconds"]
+        growth = four["peak_mb"] - one["peak_mb"]
+        lines.append(
+            f"| {name} | {four['seconds']:.3f} | {size_mb / four['seconds']:.0f} | {ratio:.2f} "
+            f"| {one['peak_mb']:.0f} | {four['peak_mb']:.0f} | {growth:+.0f} |"
+        )
+        goals.append(goal(f"{name}: throughput ÷ copy", ratio, ">=", 0.8))
+        goals.append(goal(f"{name}: peak RSS 4x − 1x (MB)", growth, "<=", 50))
+        print(lines[-1], file=sys.stderr, flush=True)
+    return "\n".join([*lines, "", "Goals:", "", *goals, ""])
+
+
+if __name__ == "__main__":
+    main()

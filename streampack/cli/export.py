@@ -1,0 +1,79 @@
+"""``streampack export``: write a cache in another ecosystem's token format (:mod:`streampack.interop`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from streampack.interop import FORMATS
+from streampack.interop import export as export_cache
+
+
+@click.command()
+@click.argument("cache_dir")
+@click.option(
+    "--format", "format_", required=True, type=click.Choice(list(FORMATS)), help="The format to write."
+)
+@click.option(
+    "--out",
+    "dest",
+    required=True,
+    help="Destination: a directory (megatron: a path prefix), or an fsspec URL.",
+)
+@click.option("--overwrite", is_flag=True, help="Replace what is at --out once the new export is complete.")
+@click.option(
+    "--seq-len", type=int, help="hf, mds: one sample of this many tokens a row (default: a document)."
+)
+@click.option("--packed", is_flag=True, help="hf: whole documents packed into the --seq-len samples.")
+@click.option("--val", type=float, help="nanogpt: hold out this fraction of the documents into val.bin.")
+@click.option("--split-seed", type=int, help="nanogpt: which documents --val holds out.")
+@click.option(
+    "--dtype", help="megatron: optimal (default), cache, uint16 or int32; nanogpt: uint16 or cache."
+)
+@click.option("--shard-tokens", type=int, help="llmc: tokens a shard holds (default 10^8, at most 2^31 - 1).")
+@click.option(
+    "--hf-files", type=click.Choice(["parquet", "arrow", "both"]), help="hf: which files (parquet)."
+)
+@click.option(
+    "--drop-loss-mask", is_flag=True, help="Export an SFT cache's tokens to a format without masks."
+)
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def export(
+    cache_dir: str,
+    format_: str,
+    dest: str,
+    overwrite: bool,
+    seq_len: int | None,
+    packed: bool,
+    val: float | None,
+    split_seed: int | None,
+    dtype: str | None,
+    shard_tokens: int | None,
+    hf_files: str | None,
+    drop_loss_mask: bool,
+    no_progress: bool,
+) -> None:
+    """Write the cache in CACHE_DIR in another ecosystem's token format, atomically.
+
+    Formats: megatron (DEST.bin + DEST.idx), llmc (llm.c / modded-nanogpt shards), nanogpt (train.bin),
+    datatrove (.ds files), olmo (OLMo-core numpy files), hf (Parquet / save_to_disk), mds (MosaicML).
+    """
+    given: dict[str, Any] = {
+        "seq_len": seq_len,
+        "packed": packed or None,
+        "val": int(val) if val is not None and val >= 1 and float(val).is_integer() else val,
+        "split_seed": split_seed,
+        "dtype": dtype,
+        "shard_tokens": shard_tokens,
+        "files": hf_files,
+        "drop_loss_mask": drop_loss_mask or None,
+    }
+    options = {key: value for key, value in given.items() if value is not None}
+    done = export_cache(
+        cache_dir, format_, dest, overwrite=overwrite, progress=False if no_progress else None, **options
+    )
+    click.echo(
+        f"exported {done.rows:,} {'rows' if seq_len else 'documents'}, {done.num_tokens:,} tokens as "
+        f"{format_} to {dest} ({len(done.files)} files)"
+    )

@@ -1,0 +1,139 @@
+"""A streampack cache in the token formats of the other ecosystems.
+
+``streampack.interop.export(cache, "megatron", "out/corpus")`` (or ``cache.export(...)``, or
+``streampack export CACHE --format megatron --out out/corpus``) writes the cache's documents in one of:
+
+=========== ============================================================ ==================================
+format      what is written                                              read by
+=========== ============================================================ ==================================
+megatron    ``DEST.bin`` + ``DEST.idx`` (MMIDIDX version 1)              Megatron-LM, NeMo, gpt-neox, ...
+llmc        ``DEST/train_NNNNNN.bin`` (256 x int32 header + tokens)      llm.c, modded-nanogpt
+nanogpt     ``DEST/train.bin`` (+ ``val.bin``), flat tokens              nanoGPT's ``train.py``
+datatrove   ``DEST/NNNNN.ds`` + ``.ds.index`` (+ ``.ds.loss``) + meta    datatrove, nanotron
+olmo        ``DEST/token_ids_part_NNNNNN.npy`` (+ label masks) + json     OLMo-core's numpy datasets
+hf          ``save_to_disk`` Arrow and/or Parquet, ``input_ids``          ``datasets``, TRL, axolotl
+mds         ``DEST/shard.NNNNN.mds`` + ``index.json``                     MosaicML streaming, llm-foundry
+=========== ============================================================ ==================================
+
+One module per format holds its layout and its writer (and, in a later release, its reader);
+:mod:`streampack.interop.writing` holds what they share: the destination, staged and committed atomically
+(see there), reading the cache in bounded memory, the progress bar and the refusals. A format refuses what
+it cannot hold (an SFT cache's loss mask, ids too large for its dtype) with an
+:class:`~streampack.errors.OptionsError` that names what would be lost and a format that keeps it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from streampack.errors import OptionsError
+from streampack.interop.writing import Destination
+
+if TYPE_CHECKING:
+    from streampack.reader import Cache
+
+__all__ = ["FORMATS", "Exported", "export"]
+
+#: Format name -> the module that writes it.
+FORMATS: dict[str, str] = {
+    "megatron": "streampack.interop.megatron",
+    "llmc": "streampack.interop.llmc",
+    "nanogpt": "streampack.interop.nanogpt",
+    "datatrove": "streampack.interop.datatrove",
+    "olmo": "streampack.interop.olmo",
+    "hf": "streampack.interop.hf",
+    "mds": "streampack.interop.mds",
+}
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What an export wrote.
+
+    Attributes:
+        format: the format's name.
+        dest: the destination as given.
+        files: every file written, by its final path or key, the format's index last.
+        rows: documents written, or samples for an export of samples (hf and mds with ``seq_len``).
+        num_tokens: tokens written (delimiters and padding included).
+    """
+
+    format: str
+    dest: str
+    files: list[str]
+    rows: int
+    num_tokens: int
+
+
+def export(
+    cache: Cache | str | os.PathLike[str],
+    format: str,
+    dest: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    **options: Any,
+) -> Exported:
+    """Write ``cache`` to ``dest`` in ``format`` (one of :data:`FORMATS`), atomically.
+
+    Args:
+        cache: an open cache, or its path or URL.
+        format: ``"megatron"``, ``"llmc"``, ``"nanogpt"``, ``"datatrove"``, ``"olmo"``, ``"hf"`` or ``"mds"``.
+        dest: a local path or an fsspec URL (``s3://bucket/prefix``): the directory to create, or for
+            ``megatron`` the prefix of ``DEST.bin`` and ``DEST.idx``.
+        overwrite: replace what is at ``dest`` (only once the new export is complete).
+        progress: show a progress bar on stderr; by default when stderr is a terminal.
+        storage_options: passed to the fsspec filesystem of a URL ``dest``.
+        **options: the format's options (its module's ``Options``), e.g. ``dtype="optimal"`` for
+            megatron, ``seq_len=2048, packed=True`` for hf, ``val=0.01`` for nanogpt.
+
+    Returns:
+        What was written.
+
+    Raises:
+        OptionsError: an unknown format or option, a destination that exists (without ``overwrite``), or
+            a cache the format cannot hold without losing something (the message says what and which
+            format keeps it).
+    """
+    if format not in FORMATS:
+        raise OptionsError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
+    from streampack.reader import Cache
+    from streampack.reader import open as open_cache
+
+    opened = cache if isinstance(cache, Cache) else open_cache(cache)
+    module = importlib.import_module(FORMATS[format])
+    chosen = _options(module.Options, options, format)
+    module.check(opened, chosen)
+    destination = Destination(
+        dest,
+        layout=module.LAYOUT,
+        suffixes=getattr(module, "SUFFIXES", ()),
+        overwrite=overwrite,
+        storage_options=dict(storage_options) if storage_options else None,
+    )
+    shown = sys.stderr.isatty() if progress is None else progress
+    try:
+        rows, tokens, last = module.write(opened, destination, chosen, shown)
+    except BaseException:
+        destination.abort()  # an error or Ctrl-C; a killed process leaves it for the next run to clear
+        raise
+    files = destination.commit(last)
+    return Exported(format, str(dest), files, rows, tokens)
+
+
+def _options(kind: type, given: Mapping[str, Any], format: str) -> Any:
+    """The format's options dataclass from keywords, naming the allowed ones on an unknown keyword."""
+    allowed = [f.name for f in fields(kind)]
+    unknown = sorted(set(given) - set(allowed))
+    if unknown:
+        raise OptionsError(
+            f"the {format} export takes no option {', '.join(unknown)}; its options are: "
+            f"{', '.join(allowed) or 'none'}"
+        )
+    return kind(**given)

@@ -1,0 +1,88 @@
+"""datatrove's tokenized files (what nanotron's Nanosets read): ``DEST/NNNNN.ds`` and its sidecars.
+
+The layout, as huggingface/datatrove ``src/datatrove/pipeline/tokens/tokenizer.py`` (``TokenizedFile``)
+writes it and ``src/datatrove/utils/dataset.py`` (``DatatroveFileDataset``, ``DatatroveFolderDataset``)
+reads it:
+
+* ``NAME.ds``: the tokens, little-endian uint16 (``token_size`` 2) or uint32 (4), each document followed
+  by its EOS where the tokenizer appends one;
+* ``NAME.ds.index``: uint64, the cumulative end of every document, in tokens;
+* ``NAME.ds.loss``: (an SFT cache) one byte a token, 1 where the token is a training target;
+* ``NAME.ds.metadata``: text, ``TOKENIZER|TOKEN_SIZE``, the token count, and the count in short form.
+
+That is a streampack shard, renamed: one ``.ds`` per non-empty shard, its offsets table as the index (the
+same bytes) and its loss mask as the ``.ds.loss``. Readers take ``token_size`` from the user: it is the
+cache's token width, recorded in each ``.ds.metadata``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, token_chunks
+
+if TYPE_CHECKING:
+    from streampack.reader import Cache
+
+LAYOUT = "directory"
+
+
+@dataclass(frozen=True)
+class Options:
+    """The datatrove export has no options: the layout follows the cache."""
+
+
+def file_name(index: int) -> str:
+    """The ``.ds`` file of the ``index``-th non-empty shard."""
+    return f"{index:05d}.ds"
+
+
+def check(cache: Cache, options: Options) -> None:
+    """Nothing to refuse: tokens, boundaries and a loss mask all have a file."""
+
+
+def tokenizer_name(cache: Cache) -> str:
+    """What ``.ds.metadata`` names the tokenizer by."""
+    tokenizer = cache.manifest.tokenizer
+    return str(tokenizer.get("name") or tokenizer.get("spec") or "Unknown Tokenizer").replace("|", "/")
+
+
+def short_count(count: int) -> str:
+    """A count as ``humanize.metric(count, unit="T")`` shows it in datatrove's metadata (``1.23 MT``)."""
+    for power, prefix in ((12, "T"), (9, "G"), (6, "M"), (3, "k")):
+        if count >= 10**power:
+            value = count / 10**power
+            return f"{value:.{max(0, 2 - len(str(int(value))) + 1)}f} {prefix}T"
+    return f"{count} T"
+
+
+def write(
+    cache: Cache, dest: Destination, options: Options, progress: bool
+) -> tuple[int, int, Sequence[str]]:
+    """Write one ``.ds`` (and sidecars) per non-empty shard."""
+    little = cache.dtype.newbyteorder("<")
+    index = 0
+    with Progress(progress, cache.num_tokens, "datatrove") as bar:
+        for docs in shard_docs(cache):
+            if not len(docs.ends) or not docs.ends[-1]:
+                continue
+            name = file_name(index)
+            with dest.open(name) as out:
+                for chunk in token_chunks(cache, docs.shard):
+                    out.write(np.ascontiguousarray(chunk, dtype=little).data)
+                    bar.update(len(chunk))
+            with dest.open(f"{name}.index") as out:
+                out.write(docs.ends.astype("<u8").tobytes())
+            if cache.has_loss_mask:
+                with dest.open(f"{name}.loss") as out:
+                    out.write((shard_mask(cache, docs.shard) != 0).astype(np.uint8).tobytes())
+            count = int(docs.ends[-1])
+            with dest.open(f"{name}.metadata") as out:
+                text = f"{tokenizer_name(cache)}|{cache.dtype.itemsize}\n{count}\n{short_count(count)}"
+                out.write(text.encode())
+            index += 1
+    return cache.num_docs, cache.num_tokens, []

@@ -1,0 +1,256 @@
+"""A Hugging Face dataset: ``save_to_disk``'s Arrow files and/or Parquet, with ``input_ids`` a row.
+
+Layouts (huggingface/datasets ``src/datasets/arrow_dataset.py``, ``save_to_disk`` / ``load_from_disk``
+and ``to_parquet``):
+
+* ``files="arrow"``: ``DEST/data-NNNNN-of-MMMMM.arrow`` (Arrow IPC streams, the features in the schema's
+  ``huggingface`` metadata), ``DEST/dataset_info.json`` and ``DEST/state.json`` (the list of files,
+  written last: ``datasets.load_from_disk(DEST)``);
+* ``files="parquet"`` (the default): ``DEST/data/train-NNNNN-of-MMMMM.parquet``, the Hub's layout
+  (``datasets.load_dataset("parquet", data_dir=DEST)`` or ``load_dataset(DEST)``);
+* ``files="both"``: both in ``DEST``.
+
+Rows: one document a row (``input_ids`` with its BOS and EOS; an SFT cache adds ``labels``: the ids, with
+-100 at the first token and on every token its loss mask marks as no target), or with ``seq_len`` one
+sample a row, as the :class:`~streampack.Loader` gives them with ``output="dict"``: ``input_ids``,
+``labels`` and ``position_ids`` of :meth:`Cache.sequences(seq_len) <streampack.Cache.sequences>`
+(fixed windows of the stream) or, with ``packed=True``, of :meth:`Cache.packed(seq_len)
+<streampack.Cache.packed>` (whole documents best-fit packed, then padded). ``input_ids`` are int32,
+``labels`` and ``position_ids`` int64, each a list.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from streampack.errors import OptionsError
+from streampack.interop.writing import (
+    CHUNK_TOKENS,
+    Destination,
+    Progress,
+    check_int_option,
+    doc_chunks,
+    shard_docs,
+    shard_mask,
+    token_chunks,
+)
+from streampack.loader.collate import CausalLMDict
+
+if TYPE_CHECKING:
+    from streampack.reader import Cache
+
+LAYOUT = "directory"
+Files = Literal["arrow", "parquet", "both"]
+#: Tokens a file holds, about (a new file starts at the next row past it).
+FILE_TOKENS = 1 << 28
+
+
+@dataclass(frozen=True)
+class Options:
+    """Options of the Hugging Face export.
+
+    Attributes:
+        files: ``"parquet"`` (the default), ``"arrow"`` (``save_to_disk``) or ``"both"``.
+        seq_len: one sample of this many tokens a row (as the Loader's ``output="dict"``); one document
+            a row when None (the default).
+        packed: (with ``seq_len``) whole documents packed into the samples (:meth:`Cache.packed`), not
+            fixed windows of the stream (:meth:`Cache.sequences`).
+        file_tokens: start a new file past this many tokens.
+    """
+
+    files: Files = "parquet"
+    seq_len: int | None = None
+    packed: bool = False
+    file_tokens: int = FILE_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.files not in ("arrow", "parquet", "both"):
+            raise OptionsError(f"hf files must be arrow, parquet or both (got {self.files!r})")
+        if self.seq_len is not None:
+            check_int_option("seq_len", self.seq_len, low=1)
+        elif self.packed:
+            raise OptionsError(
+                "packed=True (--packed) packs documents into samples of seq_len tokens: give seq_len"
+            )
+        check_int_option("file_tokens", self.file_tokens, low=1)
+
+
+def check(cache: Cache, options: Options) -> None:
+    """Nothing to refuse: a mask becomes ``labels``."""
+
+
+def features(columns: Sequence[str]) -> dict[str, Any]:
+    """The ``datasets`` features of the columns, as ``dataset_info.json`` and the schema metadata hold them
+    (``Sequence``, which every ``datasets`` version reads)."""
+    types = {"input_ids": "int32", "labels": "int64", "position_ids": "int64"}
+    return {c: {"feature": {"dtype": types[c], "_type": "Value"}, "_type": "Sequence"} for c in columns}
+
+
+def schema(columns: Sequence[str]) -> pa.Schema:
+    """The Arrow schema of the rows, with the features in its ``huggingface`` metadata."""
+    types = {"input_ids": pa.int32(), "labels": pa.int64(), "position_ids": pa.int64()}
+    meta = json.dumps({"info": {"features": features(columns)}})
+    return pa.schema([(c, pa.list_(types[c])) for c in columns], metadata={"huggingface": meta})
+
+
+def batches(cache: Cache, options: Options) -> Iterator[tuple[pa.RecordBatch, int]]:
+    """The rows, a record batch of about :data:`CHUNK_TOKENS` tokens at a time, with its token count."""
+    if options.seq_len is None:
+        yield from _document_batches(cache)
+    else:
+        yield from _sample_batches(cache, options.seq_len, options.packed)
+
+
+def columns_of(cache: Cache, options: Options) -> list[str]:
+    """The columns the rows have."""
+    if options.seq_len is not None:
+        return ["input_ids", "labels", "position_ids"]
+    return ["input_ids", "labels"] if cache.has_loss_mask else ["input_ids"]
+
+
+def _lists(values: np.ndarray, offsets: np.ndarray) -> pa.ListArray:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
+
+
+def _document_batches(cache: Cache) -> Iterator[tuple[pa.RecordBatch, int]]:
+    names = ["input_ids", "labels"] if cache.has_loss_mask else ["input_ids"]
+    for docs in shard_docs(cache):
+        mask = shard_mask(cache, docs.shard) if cache.has_loss_mask else None
+        for first, stop in doc_chunks(cache, docs):
+            lo, hi = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1])
+            tokens = np.concatenate(
+                list(token_chunks(cache, docs.shard, lo, hi)) or [np.zeros(0, cache.dtype)]
+            )
+            offsets = np.concatenate([[0], docs.ends[first:stop] - lo])
+            arrays = [_lists(tokens.astype(np.int32), offsets)]
+            if mask is not None:
+                labels = tokens.astype(np.int64)
+                labels[mask[lo:hi] == 0] = -100
+                labels[offsets[:-1][np.diff(offsets) > 0]] = -100  # each document's first token
+                arrays.append(_lists(labels, offsets))
+            yield pa.RecordBatch.from_arrays(arrays, names=names), hi - lo
+
+
+def _sample_batches(cache: Cache, seq_len: int, packed: bool) -> Iterator[tuple[pa.RecordBatch, int]]:
+    samples = cache.packed(seq_len) if packed else cache.sequences(seq_len)
+    as_dict = CausalLMDict([samples])
+    rows = max(1, CHUNK_TOKENS // seq_len)
+    for first in range(0, len(samples), rows):
+        indices = np.arange(first, min(first + rows, len(samples)), dtype=np.int64)
+        batch = as_dict(samples.read(indices), np.zeros(len(indices), dtype=np.int64), indices)
+        offsets = np.arange(0, (len(indices) + 1) * seq_len, seq_len, dtype=np.int64)
+        arrays = [
+            _lists(np.asarray(batch["input_ids"], dtype=np.int32).reshape(-1), offsets),
+            _lists(np.asarray(batch["labels"], dtype=np.int64).reshape(-1), offsets),
+            _lists(np.asarray(batch["position_ids"], dtype=np.int64).reshape(-1), offsets),
+        ]
+        cache.drop_maps()  # the samples read through memory maps: let go of their pages
+        yield (
+            pa.RecordBatch.from_arrays(arrays, names=["input_ids", "labels", "position_ids"]),
+            len(indices) * seq_len,
+        )
+
+
+class _Files:
+    """The open Arrow and Parquet files of one kind, a new one past ``file_tokens`` tokens."""
+
+    def __init__(self, dest: Destination, kind: str, schema: pa.Schema, file_tokens: int) -> None:
+        self.dest, self.kind, self.schema, self.file_tokens = dest, kind, schema, file_tokens
+        self.names: list[str] = []
+        self.rows: list[int] = []
+        self._opened: Any = None
+        self._writer: Any = None
+        self._tokens = 0
+
+    def name(self, index: int, count: int | None = None) -> str:
+        of = f"-of-{count:05d}" if count is not None else ""
+        if self.kind == "arrow":
+            return f"data-{index:05d}{of}.arrow"
+        return f"data/train-{index:05d}{of}.parquet"
+
+    def write(self, batch: pa.RecordBatch, tokens: int) -> None:
+        if self._writer is None:
+            self._open()
+        self._writer.write_batch(batch)
+        self.rows[-1] += batch.num_rows
+        self._tokens += tokens
+        if self._tokens >= self.file_tokens:
+            self.close()
+
+    def _open(self) -> None:
+        name = self.name(len(self.names))
+        self._opened = self.dest.open(name)
+        out: IO[bytes] = self._opened.__enter__()
+        if self.kind == "arrow":
+            self._writer = pa.ipc.new_stream(out, self.schema)
+        else:
+            self._writer = pq.ParquetWriter(out, self.schema)
+        self.names.append(name)
+        self.rows.append(0)
+        self._tokens = 0
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._opened.__exit__(None, None, None)
+            self._writer = self._opened = None
+
+    def finish(self) -> list[str]:
+        """Close the last file (an empty dataset gets one empty file) and name each by the count."""
+        if not self.names:
+            self._open()
+        self.close()
+        final = [self.name(i, len(self.names)) for i in range(len(self.names))]
+        for old, new in zip(self.names, final):
+            self.dest.rename(old, new)
+        return final
+
+
+def write(
+    cache: Cache, dest: Destination, options: Options, progress: bool
+) -> tuple[int, int, Sequence[str]]:
+    """Write the files, then (for Arrow) ``dataset_info.json`` and ``state.json`` last."""
+    columns = columns_of(cache, options)
+    kinds = ["arrow", "parquet"] if options.files == "both" else [options.files]
+    files = {k: _Files(dest, k, schema(columns), options.file_tokens) for k in kinds}
+    total, rows = 0, 0
+    with Progress(progress, cache.num_tokens, "hf") as bar:
+        for batch, tokens in batches(cache, options):
+            for f in files.values():
+                f.write(batch, tokens)
+            total += tokens
+            rows += batch.num_rows
+            bar.update(tokens)
+    names = {k: f.finish() for k, f in files.items()}
+    last: list[str] = []
+    if "arrow" in names:
+        info = {
+            "citation": "",
+            "description": "",
+            "features": features(columns),
+            "homepage": "",
+            "license": "",
+        }
+        with dest.open("dataset_info.json") as out:
+            out.write(json.dumps(info, indent=2).encode())
+        state: dict[str, Any] = {
+            "_data_files": [{"filename": n} for n in names["arrow"]],
+            "_fingerprint": f"streampack-{cache.content_digest}"[:32],
+            "_format_columns": None,
+            "_format_kwargs": {},
+            "_format_type": None,
+            "_output_all_columns": False,
+            "_split": None,
+        }
+        with dest.open("state.json") as out:
+            out.write(json.dumps(state, indent=2).encode())
+        last = ["dataset_info.json", "state.json"]
+    docs = cache.num_docs if options.seq_len is None else rows
+    return docs, total, last

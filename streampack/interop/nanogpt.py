@@ -1,0 +1,96 @@
+"""nanoGPT's flat token files: ``DEST/train.bin`` (and ``val.bin``), headerless uint16, plus ``meta.pkl``.
+
+The layout of karpathy/nanoGPT ``data/openwebtext/prepare.py``: every document's tokens followed by the
+EOT id (``<|endoftext|>``), end to end, as one ``np.memmap`` of uint16; ``train.py``'s ``get_batch`` maps
+``train.bin`` and ``val.bin`` with ``dtype=np.uint16`` and draws random windows from them. A cache that
+appends an EOS is written as it is (a copy of its shards); ``val=FRACTION`` holds out that fraction of the
+documents (:meth:`streampack.Cache.split`, seeded by ``split_seed``) into ``val.bin``, which ``train.py``'s
+evaluation reads. ``meta.pkl`` holds ``{"vocab_size": ...}``, which ``train.py`` reads to size the model.
+
+Document boundaries survive only as the EOS ids in the stream; ``train.py`` reads uint16 only, so a
+vocabulary above 65,536 ids is refused unless ``dtype="cache"`` (then edit ``train.py``'s dtype).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Literal
+
+import numpy as np
+
+from streampack.errors import OptionsError
+from streampack.interop.writing import Destination, Progress, check_ids_fit, refuse_loss_mask, token_chunks
+
+if TYPE_CHECKING:
+    from streampack.reader import Cache
+    from streampack.samples.split import DocumentSet
+
+LAYOUT = "directory"
+
+
+@dataclass(frozen=True)
+class Options:
+    """Options of the nanoGPT export.
+
+    Attributes:
+        val: hold out this fraction of the documents (or this many, an int) into ``val.bin``; none by
+            default.
+        split_seed: which documents ``val`` holds out (as :meth:`streampack.Cache.split`'s ``seed``).
+        dtype: ``"uint16"`` (what ``train.py`` reads, the default) or ``"cache"`` (the cache's own).
+        drop_loss_mask: export an SFT cache's tokens without its loss mask (refused otherwise).
+    """
+
+    val: float | int | None = None
+    split_seed: int = 0
+    dtype: Literal["uint16", "cache"] = "uint16"
+    drop_loss_mask: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("uint16", "cache"):
+            raise OptionsError(f"nanogpt dtype must be uint16 or cache (got {self.dtype!r})")
+
+
+def check(cache: Cache, options: Options) -> None:
+    """Refuse a loss mask, and a vocabulary that uint16 cannot hold (unless ``dtype="cache"``)."""
+    refuse_loss_mask(cache, "nanogpt", options.drop_loss_mask)
+    if options.dtype == "uint16":
+        check_ids_fit(
+            cache,
+            np.dtype(np.uint16),
+            "nanogpt",
+            "nanoGPT's train.py reads uint16: export to llmc (uint32, version 7) or megatron (int32), or "
+            'pass dtype="cache" and change train.py\'s np.uint16 to np.uint32.',
+        )
+
+
+def write(
+    cache: Cache, dest: Destination, options: Options, progress: bool
+) -> tuple[int, int, Sequence[str]]:
+    """Write ``train.bin`` (and ``val.bin``), then ``meta.pkl``."""
+    dtype = (np.dtype(np.uint16) if options.dtype == "uint16" else cache.dtype).newbyteorder("<")
+    with Progress(progress, cache.num_tokens, "nanogpt") as bar:
+        if options.val is None:
+            with dest.open("train.bin") as out:
+                for shard in range(cache.num_shards):
+                    for chunk in token_chunks(cache, shard):
+                        out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
+                        bar.update(len(chunk))
+        else:
+            train, validation = cache.split(options.val, seed=options.split_seed)
+            for name, side in (("train.bin", train), ("val.bin", validation)):
+                with dest.open(name) as out:
+                    _write_side(out, cache, side, dtype, bar)
+    with dest.open("meta.pkl") as out:
+        pickle.dump({"vocab_size": cache.vocab_size}, out)
+    return cache.num_docs, cache.num_tokens, ["meta.pkl"]
+
+
+def _write_side(out: IO[bytes], cache: Cache, side: DocumentSet, dtype: np.dtype, bar: Progress) -> None:
+    runs = side.chosen.runs(cache)
+    lengths = np.diff(runs.starts)
+    for shard, offset, length in zip(runs.shards.tolist(), runs.offsets.tolist(), lengths.tolist()):
+        for chunk in token_chunks(cache, shard, offset, offset + length):
+            out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
+            bar.update(len(chunk))

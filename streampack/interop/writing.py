@@ -1,0 +1,357 @@
+"""What every exporter shares: the destination (staged, then committed), reading a cache in bounded memory,
+the progress bar, and the refusals.
+
+**Atomic, not resumable.** An export writes every file under a staging name and moves the files into place
+only once all of them are written, the format's index (the file its reader opens first: a Megatron
+``.idx``, an MDS ``index.json``, a ``save_to_disk`` ``state.json``) last. A killed export leaves the
+staging area and nothing at the destination; the next run removes the staging area and starts again.
+
+* A local destination is staged in a hidden sibling directory (``.NAME.streampack-export``) on the same
+  file system; a directory format is moved into place by one ``rename`` of that directory, a prefix format
+  (Megatron's ``DEST.bin`` + ``DEST.idx``) file by file, the index last. Files are fsynced before the
+  rename.
+* An object-storage destination (any fsspec URL) is staged under the sibling prefix
+  ``DEST.streampack-export/`` and moved (a server-side copy per object) into place, the index last. Object
+  stores have no atomic rename of many objects: a kill *during that move* can leave some files of a
+  format without an index file (datatrove, llm.c, OLMo, Parquet) visible to a reader that lists files.
+
+**Bounded memory.** Token files are read with plain reads of :data:`CHUNK_TOKENS` tokens (not through
+memory maps, whose touched pages would count towards the process's memory until unmapped); offset tables
+(8 bytes a document) and loss masks are read a shard at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from streampack.errors import OptionsError
+from streampack.store.localcopy import CachedStore
+from streampack.store.remote import is_remote
+
+if TYPE_CHECKING:
+    from streampack.reader import Cache
+
+#: Tokens read at once from a shard's token file (16 MiB of uint32, 8 MiB of uint16).
+CHUNK_TOKENS = 1 << 22
+
+STAGING_SUFFIX = ".streampack-export"
+
+Layout = Literal["directory", "prefix"]
+
+
+# ----------------------------------------------------------------------------- the destination
+
+
+class Destination:
+    """Where an export writes: files under a staging name, then moved into place by :meth:`commit`.
+
+    Args:
+        dest: a local path or an fsspec URL. For a ``"directory"`` format the directory to create; for a
+            ``"prefix"`` format (Megatron) the path prefix its files' suffixes are appended to.
+        layout: ``"directory"`` or ``"prefix"``.
+        suffixes: (``"prefix"``) the suffixes of the format's files, e.g. ``(".bin", ".idx")``.
+        overwrite: replace what is at ``dest`` (removed only once the new export is complete).
+        storage_options: passed to the fsspec filesystem of a URL.
+
+    Raises:
+        OptionsError: something is already at ``dest`` and ``overwrite`` is false, or storage options were
+            given for a local path.
+    """
+
+    def __init__(
+        self,
+        dest: str | os.PathLike[str],
+        *,
+        layout: Layout,
+        suffixes: Sequence[str] = (),
+        overwrite: bool = False,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.dest, self.layout, self.suffixes, self.overwrite = str(dest), layout, tuple(suffixes), overwrite
+        self.remote = is_remote(self.dest)
+        if storage_options and not self.remote:
+            raise OptionsError(
+                f"{dest}: storage_options apply to object storage (s3://...), not a local path"
+            )
+        if self.remote:
+            import fsspec
+
+            self.fs, root = fsspec.core.url_to_fs(self.dest, **(storage_options or {}))
+            self.root = root.rstrip("/")
+            self.staging = self.root + STAGING_SUFFIX
+        else:
+            path = Path(self.dest).expanduser().absolute()
+            if self.dest.endswith(("/", os.sep)) and layout == "prefix":
+                raise OptionsError(
+                    f"{dest}: a {layout} format needs a path prefix such as out/corpus, not a folder"
+                )
+            self.root = str(path)
+            self.staging = str(path.parent / f".{path.name}{STAGING_SUFFIX}")
+        self.written: list[str] = []
+        self._check_free()
+        self._clear_staging()
+
+    def describe(self) -> str:
+        """The destination as the user named it, for messages."""
+        return self.dest
+
+    def final(self, name: str) -> str:
+        """Where the file ``name`` ends up (a path or a key)."""
+        return self.root + name if self.layout == "prefix" else f"{self.root}/{name}"
+
+    def existing(self) -> list[str]:
+        """What is already at the destination (the directory, or the prefix's files)."""
+        targets = [self.root] if self.layout == "directory" else [self.root + s for s in self.suffixes]
+        if self.remote:
+            return [t for t in targets if self.fs.exists(t)]
+        return [t for t in targets if os.path.lexists(t)]
+
+    def _check_free(self) -> None:
+        found = self.existing()
+        if found and not self.overwrite:
+            raise OptionsError(
+                f"{self.dest}: the destination exists ({', '.join(found)}); pass overwrite=True "
+                "(--overwrite) to replace it once the new export is complete, or choose another --out"
+            )
+
+    def _clear_staging(self) -> None:
+        """Remove what a killed export left in the staging area, then create it."""
+        if self.remote:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.staging, recursive=True)
+            return
+        shutil.rmtree(self.staging, ignore_errors=True)
+        os.makedirs(self.staging)
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[IO[bytes]]:
+        """Write the file ``name`` (a path relative to the destination; a suffix for a prefix format)."""
+        staged = self._staged(name)
+        if self.remote:
+            with self.fs.open(staged, "wb") as f:
+                yield f
+        else:
+            os.makedirs(os.path.dirname(staged), exist_ok=True)
+            with open(staged, "wb") as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+        self.written.append(name)
+
+    def rename(self, name: str, new: str) -> None:
+        """Rename a written file in the staging area (a name that counts the files, known at the end)."""
+        if self.remote:
+            self.fs.mv(self._staged(name), self._staged(new))
+        else:
+            os.replace(self._staged(name), self._staged(new))
+        self.written[self.written.index(name)] = new
+
+    def _staged(self, name: str) -> str:
+        if self.layout == "prefix":
+            return f"{self.staging}/{Path(self.root).name}{name}"
+        return f"{self.staging}/{name}"
+
+    def commit(self, last: Sequence[str] = ()) -> list[str]:
+        """Move every written file into place, those named in ``last`` last (in that order); replace what
+        was there (with ``overwrite``). Returns the final paths or keys."""
+        order = [n for n in self.written if n not in last] + [n for n in last if n in self.written]
+        if self.remote:
+            self._remove_existing()
+            for name in order:
+                self.fs.mv(self._staged(name), self.final(name))
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.staging, recursive=True)
+        elif self.layout == "directory":
+            _fsync_dir(self.staging)
+            old = None
+            if os.path.lexists(self.root):
+                old = f"{self.staging}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(self.root, old)
+            os.replace(self.staging, self.root)
+            _fsync_dir(os.path.dirname(self.root))
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            # A reader opens the index first: remove the old one before any new file lands beside it.
+            for suffix in reversed(self.suffixes):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.root + suffix)
+            for name in order:
+                os.replace(self._staged(name), self.final(name))
+            _fsync_dir(os.path.dirname(self.root))
+            shutil.rmtree(self.staging, ignore_errors=True)
+        return [self.final(n) for n in order]
+
+    def _remove_existing(self) -> None:
+        for target in self.existing():
+            self.fs.rm(target, recursive=self.layout == "directory")
+
+    def abort(self) -> None:
+        """Remove the staging area (after an error; a killed process leaves it for the next run)."""
+        if self.remote:
+            with contextlib.suppress(Exception):
+                self.fs.rm(self.staging, recursive=True)
+        else:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ----------------------------------------------------------------------------- reading the cache
+
+
+@dataclass(frozen=True)
+class ShardDocs:
+    """One shard's document table: where each document ends (cumulative tokens, int64) and the global
+    index of its first document."""
+
+    shard: int
+    ends: np.ndarray
+    first_doc: int
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens of each document (int64)."""
+        return np.diff(self.ends, prepend=0)
+
+
+def shard_docs(cache: Cache) -> Iterator[ShardDocs]:
+    """Every shard's document table, in stream order (one table in memory at a time)."""
+    for shard in range(cache.num_shards):
+        ends = np.array(cache.shard_offsets(shard), dtype=np.int64)
+        yield ShardDocs(shard, ends, int(cache.doc_starts[shard]))
+
+
+def token_chunks(cache: Cache, shard: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
+    """Tokens ``[start, stop)`` of shard ``shard`` (all of them by default), in new arrays of at most
+    :data:`CHUNK_TOKENS` tokens, read from the file (a remote cache's shard is fetched first)."""
+    count = int(cache.table.num_tokens[shard])
+    stop = count if stop is None else stop
+    if stop <= start:
+        return
+    cache.shard_tokens(shard)  # checks the file's size (and fetches a remote cache's copy)
+    path = cache.shard_paths(shard)[0]
+    itemsize = cache.dtype.itemsize
+    with open(path, "rb") as f:
+        pos = start
+        while pos < stop:
+            n = min(CHUNK_TOKENS, stop - pos)
+            f.seek(pos * itemsize)
+            yield np.fromfile(f, dtype=cache.dtype, count=n)
+            pos += n
+    _release(cache)
+
+
+def shard_mask(cache: Cache, shard: int) -> np.ndarray:
+    """Shard ``shard``'s loss mask (uint8, one byte a token) as a new array read from the file."""
+    cache.shard_loss_mask(shard)
+    path = cache.shard_mask_path(shard)
+    assert path is not None  # the cache has a mask: shard_loss_mask raised otherwise
+    mask = np.fromfile(path, dtype=np.uint8, count=int(cache.table.num_tokens[shard]))
+    _release(cache)
+    return mask
+
+
+def _release(cache: Cache) -> None:
+    """Drop the maps the size checks made: an export reads every shard once."""
+    if not isinstance(cache.store, CachedStore):
+        cache.drop_maps()
+
+
+def doc_chunks(cache: Cache, docs: ShardDocs, max_tokens: int = CHUNK_TOKENS) -> Iterator[tuple[int, int]]:
+    """Runs ``[first, stop)`` of a shard's documents of about ``max_tokens`` tokens each (a longer document
+    is a run of its own)."""
+    ends = docs.ends
+    first = 0
+    while first < len(ends):
+        base = int(ends[first - 1]) if first else 0
+        stop = int(np.searchsorted(ends, base + max_tokens, side="right"))
+        stop = max(stop, first + 1)
+        yield first, stop
+        first = stop
+
+
+# ----------------------------------------------------------------------------- progress and refusals
+
+
+class Progress:
+    """A tqdm bar over the tokens an export writes, on stderr; silent when disabled."""
+
+    def __init__(self, enabled: bool, total: int, what: str) -> None:
+        self.bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total, unit="tok", unit_scale=True, desc=f"export {what}", dynamic_ncols=True
+            )
+
+    def update(self, tokens: int) -> None:
+        """Count ``tokens`` more tokens written."""
+        if self.bar is not None:
+            self.bar.update(tokens)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def refuse_loss_mask(cache: Cache, format: str, drop: bool) -> None:
+    """Refuse an SFT cache's loss mask into a format that cannot hold one, unless ``drop`` is set.
+
+    Raises:
+        OptionsError: naming the mask, the formats that keep it and how to drop it deliberately.
+    """
+    if cache.has_loss_mask and not drop:
+        raise OptionsError(
+            f"{cache.root}: this SFT cache has a loss mask (which tokens are training targets), and the "
+            f"{format} format cannot hold one: the export would lose it. Export to datatrove (.ds.loss), "
+            "olmo (label mask files) or hf (labels) to keep it, or pass drop_loss_mask=True "
+            "(--drop-loss-mask) to export the tokens alone"
+        )
+
+
+def check_ids_fit(cache: Cache, dtype: np.dtype, format: str, keeps: str) -> None:
+    """Refuse a vocabulary whose ids a format's token dtype cannot hold.
+
+    Raises:
+        OptionsError: naming the vocabulary, the dtype and a format (or option) that holds the ids.
+    """
+    top = np.iinfo(dtype).max
+    if cache.vocab_size - 1 > top:
+        raise OptionsError(
+            f"{cache.root}: a vocabulary of {cache.vocab_size:,} ids does not fit the {format} format's "
+            f"{dtype.name} tokens (at most {top:,}): ids would wrap. {keeps}"
+        )
+
+
+def check_int_option(name: str, value: object, *, low: int, high: int | None = None) -> int:
+    """An integer option in ``[low, high]``.
+
+    Raises:
+        OptionsError: it is not an integer in range.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise OptionsError(f"{name} must be an integer (got {value!r})")
+    if value < low or (high is not None and value > high):
+        allowed = f"between {low:,} and {high:,}" if high is not None else f"at least {low:,}"
+        raise OptionsError(f"{name} must be {allowed} (got {value:,})")
+    return int(value)

@@ -1,0 +1,517 @@
+"""Exports to the other ecosystems' token formats, read back by those ecosystems' own readers.
+
+Where the reader is a package (megatron-core, datatrove, datasets, mosaicml-streaming) the test calls it;
+where it is a script (llm.c, modded-nanogpt, nanoGPT) the test reproduces its loader's few lines, and says
+from which file; OLMo-core does not install beside this environment's packages (it would change
+huggingface-hub and filelock), so its reading rule is reproduced from its source, and said so.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zstandard
+
+import streampack
+from streampack.errors import OptionsError
+from streampack.testing.caches import write_cache
+from tests.conftest import SAMPLE_CORPUS, run_cli, s3_options, write_jsonl
+
+STUBS = Path(__file__).resolve().parent / "stubs"
+
+
+@pytest.fixture(scope="module")
+def natural(tmp_path_factory: pytest.TempPathFactory, gpt2_tokenizer: Path) -> streampack.Cache:
+    """The real sample corpus with the GPT-2 tokenizer, in about a dozen shards."""
+    if not SAMPLE_CORPUS.exists():
+        pytest.skip(f"sample corpus not found at {SAMPLE_CORPUS}")
+    tmp = tmp_path_factory.mktemp("natural")
+    text = zstandard.ZstdDecompressor().stream_reader(SAMPLE_CORPUS.open("rb")).read()
+    (tmp / "natural.jsonl").write_bytes(text)
+    out = tmp / "cache"
+    streampack.build(tmp / "natural.jsonl", out, tokenizer=str(gpt2_tokenizer), unit_bytes=1 << 20)
+    cache = streampack.open(out)
+    assert cache.num_shards > 5
+    return cache
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer: Path) -> streampack.Cache:
+    """A small SFT cache: prompt/response fields, a loss mask on the responses and EOS."""
+    tmp = tmp_path_factory.mktemp("sft")
+    records = [
+        {"prompt": f"Question {i}: what is {i} + {i}?", "response": f"It is {2 * i}."} for i in range(300)
+    ]
+    src = write_jsonl(tmp / "sft.jsonl", records)
+    streampack.build(src, tmp / "cache", tokenizer=str(bpe_tokenizer), fields=["prompt", "response"])
+    cache = streampack.open(tmp / "cache")
+    assert cache.has_loss_mask
+    return cache
+
+
+def docs_of(cache: streampack.Cache) -> list[np.ndarray]:
+    return [np.asarray(cache.doc(i)) for i in range(cache.num_docs)]
+
+
+# ----------------------------------------------------------------------------- megatron
+
+
+def test_megatron_indexed_dataset_reads_every_document(natural: streampack.Cache, tmp_path: Path) -> None:
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    done = natural.export("megatron", tmp_path / "corpus")
+    assert done.files == [str(tmp_path / "corpus.bin"), str(tmp_path / "corpus.idx")]
+    dataset = indexed.IndexedDataset(str(tmp_path / "corpus"))
+    assert len(dataset) == natural.num_docs
+    assert dataset.index.dtype == np.uint16  # optimal_dtype(50,257)
+    assert list(dataset.document_indices) == list(range(natural.num_docs + 1))
+    for i, doc in enumerate(docs_of(natural)):
+        np.testing.assert_array_equal(dataset[i], doc)
+    assert not list(tmp_path.glob(".*"))  # no staging area left
+
+
+def test_megatron_bytes_equal_indexed_dataset_builder(natural: streampack.Cache, tmp_path: Path) -> None:
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    import torch
+
+    natural.export("megatron", tmp_path / "ours")
+    dtype = indexed.DType.optimal_dtype(natural.vocab_size)
+    builder = indexed.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=dtype)
+    for doc in docs_of(natural):
+        builder.add_item(torch.from_numpy(doc.astype(np.int64)))
+        builder.end_document()
+    builder.finalize(str(tmp_path / "theirs.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (tmp_path / f"theirs{suffix}").read_bytes(), (
+            suffix
+        )
+
+
+def test_megatron_int32_for_a_large_vocabulary(tmp_path: Path) -> None:
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    tokens = np.array([5, 70000, 99999, 3, 99999], dtype=np.uint32)
+    cache = streampack.open(
+        write_cache(tmp_path / "c", [(tokens, np.array([3, 5]))], vocab_size=100000, eos_id=99999)
+    )
+    cache.export("megatron", tmp_path / "m")
+    dataset = indexed.IndexedDataset(str(tmp_path / "m"))
+    assert dataset.index.dtype == np.int32
+    np.testing.assert_array_equal(dataset[0], tokens[:3])
+    np.testing.assert_array_equal(dataset[1], tokens[3:])
+
+
+# ----------------------------------------------------------------------------- llm.c / modded-nanogpt
+
+
+def llmc_load_data_shard(filename: Path) -> np.ndarray:
+    """karpathy/llm.c ``train_gpt2.py`` ``_load_data_shard``, as written there (numpy)."""
+    with open(filename, "rb") as f:
+        header = np.frombuffer(f.read(256 * 4), dtype=np.int32)
+        assert header[0] == 20240520, "magic number mismatch in the data .bin file"
+        assert header[1] == 1, "unsupported version"
+        ntok = header[2]
+        tokens = np.frombuffer(f.read(), dtype=np.uint16)
+    assert len(tokens) == ntok, "number of tokens read does not match header?"
+    return tokens
+
+
+def modded_nanogpt_load_data_shard(file: Path) -> np.ndarray:
+    """KellerJordan/modded-nanogpt ``train_gpt.py`` ``_load_data_shard`` (without ``pin_memory=True``,
+    which needs CUDA)."""
+    import torch
+
+    header = torch.from_file(str(file), False, 256, dtype=torch.int32)
+    assert header[0] == 20240520, "magic number mismatch in the data .bin file"
+    assert header[1] == 1, "unsupported version"
+    num_tokens = int(header[2])
+    with file.open("rb", buffering=0) as f:
+        tokens = torch.empty(num_tokens, dtype=torch.uint16)
+        f.seek(256 * 4)
+        nbytes = f.readinto(tokens.numpy())
+        assert nbytes == 2 * num_tokens, "number of tokens read does not match header"
+    return tokens.numpy()
+
+
+def test_llmc_shards_put_eot_before_every_document(natural: streampack.Cache, tmp_path: Path) -> None:
+    natural.export("llmc", tmp_path / "fineweb", shard_tokens=1_000_000)
+    files = sorted((tmp_path / "fineweb").glob("train_*.bin"))
+    assert len(files) == -(-natural.num_tokens // 1_000_000)
+    stream = np.concatenate([llmc_load_data_shard(f) for f in files])
+    np.testing.assert_array_equal(stream, np.concatenate([modded_nanogpt_load_data_shard(f) for f in files]))
+    eot = natural.eos_id
+    expected = np.concatenate([np.concatenate([[eot], doc[:-1]]) for doc in docs_of(natural)])
+    np.testing.assert_array_equal(stream, expected)
+    # modded-nanogpt's BOS alignment finds every document at the EOT id (BOS_ID = 50256).
+    assert np.count_nonzero(stream == 50256) == natural.num_docs
+
+
+# ----------------------------------------------------------------------------- nanoGPT
+
+
+def nanogpt_get_batch(data_dir: Path, split: str, block_size: int, batch_size: int) -> tuple:
+    """karpathy/nanoGPT ``train.py`` ``get_batch`` (CPU branch), as written there."""
+    import torch
+
+    if split == "train":
+        data = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
+    else:
+        data = np.memmap(os.path.join(data_dir, "val.bin"), dtype=np.uint16, mode="r")
+    ix = torch.randint(len(data) - block_size, (batch_size,))
+    x = torch.stack([torch.from_numpy((data[i : i + block_size]).astype(np.int64)) for i in ix])
+    y = torch.stack([torch.from_numpy((data[i + 1 : i + 1 + block_size]).astype(np.int64)) for i in ix])
+    return x, y, ix
+
+
+def test_nanogpt_train_and_val_bins(natural: streampack.Cache, tmp_path: Path) -> None:
+    import torch
+
+    natural.export("nanogpt", tmp_path / "owt", val=0.05)
+    train, validation = natural.split(0.05)
+    by_side = {"train": train.chosen, "val": validation.chosen}
+    docs = docs_of(natural)
+    for split, chosen in by_side.items():
+        keep = np.concatenate([chosen.in_shard(s) for s in range(natural.num_shards)])
+        expected = np.concatenate([d for d, k in zip(docs, keep) if k])
+        data = np.memmap(tmp_path / "owt" / f"{split}.bin", dtype=np.uint16, mode="r")
+        np.testing.assert_array_equal(data, expected)
+        torch.manual_seed(0)
+        x, y, ix = nanogpt_get_batch(tmp_path / "owt", split, 64, 4)
+        for row, i in enumerate(ix.tolist()):
+            np.testing.assert_array_equal(x[row].numpy(), expected[i : i + 64])
+            np.testing.assert_array_equal(y[row].numpy(), expected[i + 1 : i + 65])
+    with open(tmp_path / "owt" / "meta.pkl", "rb") as f:
+        assert pickle.load(f)["vocab_size"] == natural.vocab_size
+
+
+# ----------------------------------------------------------------------------- datatrove
+
+
+def test_datatrove_folder_dataset_reads_tokens_and_positions(
+    natural: streampack.Cache, tmp_path: Path
+) -> None:
+    dataset_module = pytest.importorskip("datatrove.utils.dataset")
+    natural.export("datatrove", tmp_path / "dt")
+    seq_len = 255
+    dataset = dataset_module.DatatroveFolderDataset(
+        str(tmp_path / "dt"), seq_len, filename_pattern="*.ds", token_size=2, return_positions=True
+    )
+    files = sorted((tmp_path / "dt").glob("*.ds"))
+    assert len(files) == natural.num_shards
+    expected_len = sum(int(n) // (seq_len + 1) for n in natural.table.num_tokens)
+    assert len(dataset) == expected_len
+    item = 0
+    for shard, path in enumerate(files):
+        tokens = np.asarray(natural.shard_tokens(shard))
+        ends = np.asarray(natural.shard_offsets(shard), dtype=np.int64)
+        np.testing.assert_array_equal(np.fromfile(f"{path}.index", dtype="<u8"), ends)
+        assert (path.parent / f"{path.name}.metadata").read_text().splitlines()[:2] == [
+            f"{natural.manifest.tokenizer['name']}|2",
+            str(len(tokens)),
+        ]
+        for window in range(len(tokens) // (seq_len + 1)):
+            sample = dataset[item]
+            lo = window * (seq_len + 1)
+            np.testing.assert_array_equal(sample["input_ids"].numpy(), tokens[lo : lo + seq_len + 1])
+            starts = np.concatenate([[0], ends[:-1]])
+            doc_start = starts[np.searchsorted(ends, np.arange(lo, lo + seq_len + 1), side="right")]
+            expected_pos = np.arange(lo, lo + seq_len + 1) - np.maximum(doc_start, lo)
+            # datatrove counts positions from the window start, and restarts them after each document end.
+            np.testing.assert_array_equal(sample["positions"].numpy(), expected_pos)
+            item += 1
+
+
+def test_datatrove_keeps_the_loss_mask(sft: streampack.Cache, tmp_path: Path) -> None:
+    sft.export("datatrove", tmp_path / "dt")
+    loss = np.fromfile(tmp_path / "dt" / "00000.ds.loss", dtype=np.bool_)
+    np.testing.assert_array_equal(loss, np.asarray(sft.shard_loss_mask(0)).astype(bool))
+
+
+# ----------------------------------------------------------------------------- OLMo-core
+
+
+def olmo_iter_document_indices_local(
+    data_path: Path, eos_token_id: int, dtype: type
+) -> list[tuple[int, int]]:
+    """allenai/OLMo-core ``src/olmo_core/data/utils.py`` ``iter_document_indices``, its local-array branch
+    (``use_array_if_local``), as written there: a document ends at each EOS."""
+    mmap = np.memmap(data_path, mode="r", dtype=dtype)
+    doc_boundaries = (mmap == eos_token_id).nonzero()[0]
+    out, start_idx = [], 0
+    for idx in doc_boundaries:
+        end_idx = idx + 1
+        out.append((start_idx, int(end_idx)))
+        start_idx = end_idx
+    return out
+
+
+def olmo_iter_document_indices_metadata(data_path: Path) -> list[tuple[int, int]]:
+    """The same function's metadata branch (a remote array): the ``.csv.gz`` beside the ``.npy``."""
+    metadata_path = data_path.parent / data_path.name.replace(".npy", ".csv.gz")
+    out = []
+    with gzip.open(metadata_path, "rt") as f:
+        for line in f:
+            start_index_str, end_index_str, *_ = line.split(",")
+            out.append((int(start_index_str), int(end_index_str)))
+    return out
+
+
+def test_olmo_memmaps_find_every_document(
+    natural: streampack.Cache, sft: streampack.Cache, tmp_path: Path
+) -> None:
+    for cache, name in ((natural, "natural"), (sft, "sft")):
+        cache.export("olmo", tmp_path / name)
+        config = json.loads((tmp_path / name / "olmo.json").read_text())
+        assert config["dtype"] == "uint16" and config["eos_token_id"] == cache.eos_id
+        docs = docs_of(cache)
+        found = []
+        for path in config["paths"]:
+            data = np.memmap(tmp_path / name / path, mode="r", dtype=np.uint16)
+            spans = olmo_iter_document_indices_local(tmp_path / name / path, cache.eos_id, np.uint16)
+            assert spans == olmo_iter_document_indices_metadata(tmp_path / name / path)
+            found += [np.asarray(data[a:b]) for a, b in spans]
+        assert len(found) == len(docs)
+        for ours, theirs in zip(docs, found):
+            np.testing.assert_array_equal(ours, theirs)
+    masks = json.loads((tmp_path / "sft" / "olmo.json").read_text())["label_mask_paths"]
+    mask = np.memmap(tmp_path / "sft" / masks[0], mode="r", dtype=np.bool_)
+    np.testing.assert_array_equal(mask, np.asarray(sft.shard_loss_mask(0)).astype(bool))
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+def test_hf_documents_in_arrow_and_parquet(natural: streampack.Cache, tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    natural.export("hf", tmp_path / "hf", files="both", file_tokens=1_000_000)
+    docs = docs_of(natural)
+    from_disk = datasets.load_from_disk(str(tmp_path / "hf"))
+    parquet = datasets.load_dataset("parquet", data_dir=str(tmp_path / "hf" / "data"), split="train")
+    for dataset in (from_disk, parquet):
+        assert len(dataset) == len(docs)
+        for row, doc in zip(dataset.with_format("numpy")["input_ids"], docs):
+            np.testing.assert_array_equal(row, doc)
+    assert len(list((tmp_path / "hf").glob("data-*-of-*.arrow"))) > 1
+
+
+def test_hf_packed_samples_equal_the_loaders_dicts(natural: streampack.Cache, tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    natural.export("hf", tmp_path / "packed", seq_len=512, packed=True, files="arrow")
+    dataset = datasets.load_from_disk(str(tmp_path / "packed")).with_format("numpy")
+    samples = natural.packed(512)
+    loader = streampack.Loader(
+        samples, batch_size=64, shuffle=False, output="dict", drop_last=False, epochs=1
+    )
+    rows = 0
+    for batch in loader:
+        got = dataset[rows : rows + len(batch["input_ids"])]
+        for key in ("input_ids", "labels", "position_ids"):
+            np.testing.assert_array_equal(np.stack(got[key]), np.asarray(batch[key]), err_msg=key)
+        rows += len(batch["input_ids"])
+    assert rows == len(dataset) == len(samples)
+
+
+def test_hf_sft_documents_carry_labels(sft: streampack.Cache, tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+    sft.export("hf", tmp_path / "sft")
+    dataset = datasets.load_dataset("parquet", data_dir=str(tmp_path / "sft" / "data"), split="train")
+    loader = streampack.Loader(sft.documents(64), batch_size=1, shuffle=False, output="dict", epochs=1)
+    for row, batch in zip(dataset.with_format("numpy"), loader):
+        n = len(row["input_ids"])
+        np.testing.assert_array_equal(row["labels"], np.asarray(batch["labels"])[0, :n])
+
+
+# ----------------------------------------------------------------------------- MDS
+
+
+@pytest.fixture
+def streaming(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """mosaicml-streaming, importable with the torchvision stub (tests/stubs) on sys.path."""
+    monkeypatch.syspath_prepend(str(STUBS))
+    return pytest.importorskip("streaming")
+
+
+def test_mds_streaming_dataset_reads_documents_and_windows(
+    natural: streampack.Cache, tmp_path: Path, streaming: object
+) -> None:
+    docs = docs_of(natural)
+    natural.export("mds", tmp_path / "docs", size_limit=1 << 20)
+    dataset = streaming.StreamingDataset(local=str(tmp_path / "docs"), shuffle=False, batch_size=1)
+    assert len(dataset) == len(docs)
+    for i, doc in enumerate(docs):
+        np.testing.assert_array_equal(dataset[i]["input_ids"], doc)
+    natural.export("mds", tmp_path / "windows", seq_len=1024)
+    windows = streaming.StreamingDataset(local=str(tmp_path / "windows"), shuffle=False, batch_size=1)
+    seqs = natural.sequences(1024)
+    assert len(windows) == len(seqs)
+    for i in range(0, len(seqs), 97):
+        np.testing.assert_array_equal(windows[i]["input_ids"], seqs[i])
+
+
+def test_mds_matches_mdswriter_shards(natural: streampack.Cache, tmp_path: Path, streaming: object) -> None:
+    """Ours and MDSWriter's: the same index and shard bytes."""
+    natural.export("mds", tmp_path / "ours", size_limit=1 << 20)
+    with streaming.MDSWriter(
+        out=str(tmp_path / "theirs"), columns={"input_ids": "ndarray:uint16"}, size_limit=1 << 20
+    ) as writer:
+        for doc in docs_of(natural):
+            writer.write({"input_ids": doc.astype(np.uint16)})
+    ours = json.loads((tmp_path / "ours" / "index.json").read_text())
+    theirs = json.loads((tmp_path / "theirs" / "index.json").read_text())
+    assert ours == theirs
+    for shard in theirs["shards"]:
+        name = shard["raw_data"]["basename"]
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "theirs" / name).read_bytes()
+
+
+# ----------------------------------------------------------------------------- what a format cannot hold
+
+
+def test_a_loss_mask_into_megatron_is_refused(sft: streampack.Cache, tmp_path: Path) -> None:
+    for format in ("megatron", "llmc", "nanogpt", "mds"):
+        with pytest.raises(OptionsError, match=r"loss mask.*datatrove.*olmo.*hf.*drop_loss_mask") as e:
+            sft.export(format, tmp_path / format)
+        assert f"the {format} format cannot hold one" in str(e.value)
+    assert not list(tmp_path.iterdir())  # refused before anything was written
+    sft.export("megatron", tmp_path / "m", drop_loss_mask=True)
+    assert (tmp_path / "m.idx").exists()
+
+
+def test_a_vocabulary_too_large_for_the_dtype_is_refused(tmp_path: Path) -> None:
+    tokens = np.array([1, 99999, 70000, 99999], dtype=np.uint32)
+    cache = streampack.open(
+        write_cache(tmp_path / "c", [(tokens, np.array([2, 4]))], vocab_size=100000, eos_id=99999)
+    )
+    with pytest.raises(OptionsError, match=r"100,000 ids does not fit the nanogpt format's uint16.*llmc"):
+        cache.export("nanogpt", tmp_path / "n")
+    with pytest.raises(OptionsError, match=r"100,000 ids does not fit the megatron format's uint16"):
+        cache.export("megatron", tmp_path / "m", dtype="uint16")
+    cache.export("nanogpt", tmp_path / "n", dtype="cache")
+    np.testing.assert_array_equal(np.fromfile(tmp_path / "n" / "train.bin", dtype="<u4"), tokens)
+
+
+def test_an_existing_destination_is_refused_unless_overwritten(
+    natural: streampack.Cache, tmp_path: Path
+) -> None:
+    natural.export("datatrove", tmp_path / "dt")
+    with pytest.raises(OptionsError, match=r"the destination exists .*overwrite=True \(--overwrite\)"):
+        natural.export("datatrove", tmp_path / "dt")
+    (tmp_path / "dt" / "stale.ds").write_bytes(b"x")
+    natural.export("datatrove", tmp_path / "dt", overwrite=True)
+    assert not (tmp_path / "dt" / "stale.ds").exists()
+    with pytest.raises(
+        OptionsError, match=r"takes no option seq_len; its options are: dtype, drop_loss_mask"
+    ):
+        natural.export("megatron", tmp_path / "m", seq_len=8)
+    with pytest.raises(OptionsError, match=r"unknown export format 'parquet'; choose one of megatron"):
+        natural.export("parquet", tmp_path / "p")
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # IndexedDataset.__del__
+def test_a_killed_export_leaves_nothing_a_reader_takes_then_a_rerun_completes(tmp_path: Path) -> None:
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    rng = np.random.default_rng(0)
+    shards = [
+        (rng.integers(0, 50000, 4_000_000).astype(np.uint16), np.arange(1, 41) * 100_000) for _ in range(12)
+    ]
+    cache = write_cache(tmp_path / "big", shards, vocab_size=50257, eos_id=50256)
+    prefix = tmp_path / "out" / "corpus"
+    prefix.parent.mkdir()
+    staging = prefix.parent / ".corpus.streampack-export"
+    cmd = [
+        sys.executable,
+        "-m",
+        "streampack.cli",
+        "export",
+        str(cache),
+        "--format",
+        "megatron",
+        "--out",
+        str(prefix),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            staged = staging / "corpus.bin"
+            if staged.exists() and staged.stat().st_size > 0:
+                break
+            time.sleep(0.002)
+        assert proc.poll() is None, f"the export ended before it could be killed: {proc.stderr.read()!r}"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert not prefix.with_suffix(".idx").exists() and not prefix.with_suffix(".bin").exists()
+    with pytest.raises((FileNotFoundError, AssertionError)):
+        indexed.IndexedDataset(str(prefix))
+    run_cli("export", cache, "--format", "megatron", "--out", prefix)
+    assert not staging.exists()
+    dataset = indexed.IndexedDataset(str(prefix))
+    assert len(dataset) == 12 * 40
+    np.testing.assert_array_equal(dataset[41], shards[1][0][100_000:200_000])
+
+
+# ----------------------------------------------------------------------------- the CLI, and object storage
+
+
+def test_cli_exports_megatron_and_hf(natural: streampack.Cache, tmp_path: Path) -> None:
+    done = run_cli("export", natural.root, "--format", "megatron", "--out", tmp_path / "m", "--no-progress")
+    assert (
+        f"exported {natural.num_docs:,} documents, {natural.num_tokens:,} tokens as megatron" in done.stdout
+    )
+    assert (tmp_path / "m.bin").stat().st_size == natural.num_tokens * 2
+    done = run_cli("export", natural.root, "--format", "hf", "--out", tmp_path / "hf", "--seq-len", "128")
+    assert "rows" in done.stdout and (tmp_path / "hf" / "data" / "train-00000-of-00001.parquet").exists()
+    again = run_cli("export", natural.root, "--format", "hf", "--out", tmp_path / "hf", check=False)
+    assert (
+        again.returncode == 1 and "the destination exists" in again.stderr and "--overwrite" in again.stderr
+    )
+    refused = run_cli(
+        "export", natural.root, "--format", "hf", "--out", tmp_path / "x", "--packed", check=False
+    )
+    assert refused.returncode == 1 and "give seq_len" in refused.stderr
+
+
+def test_megatron_export_to_object_storage(
+    natural: streampack.Cache, s3_endpoint: str, bucket: tuple, tmp_path: Path
+) -> None:
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    fs, name = bucket
+    done = natural.export("megatron", f"s3://{name}/megatron/corpus", storage_options=s3_options(s3_endpoint))
+    assert done.files[-1] == f"{name}/megatron/corpus.idx"
+    assert sorted(fs.ls(f"{name}/megatron")) == [f"{name}/megatron/corpus.bin", f"{name}/megatron/corpus.idx"]
+    assert not fs.exists(f"{name}/megatron/corpus.streampack-export")
+    fs.get(f"{name}/megatron/corpus.bin", str(tmp_path / "corpus.bin"))
+    fs.get(f"{name}/megatron/corpus.idx", str(tmp_path / "corpus.idx"))
+    dataset = indexed.IndexedDataset(str(tmp_path / "corpus"))
+    for i in range(0, natural.num_docs, 37):
+        np.testing.assert_array_equal(dataset[i], natural.doc(i))
+
+
+def test_the_export_benchmark_runs_quick(tmp_path: Path) -> None:
+    """benchmarks/bench_export.py --quick, the smoke run of the benchmark: every row reports."""
+    if not SAMPLE_CORPUS.exists():
+        pytest.skip(f"sample corpus not found at {SAMPLE_CORPUS}")
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_export.py"
+    out = tmp_path / "report.md"
+    cmd = [sys.executable, str(bench), "--quick", "--tmp", str(tmp_path / "work"), "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    report = out.read_text()
+    for row in (
+        "| megatron |",
+        "| llmc |",
+        "| datatrove |",
+        "| olmo |",
+        "| hf (parquet, documents) |",
+        "| mds",
+    ):
+        assert row in report
