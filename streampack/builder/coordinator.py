@@ -47,6 +47,16 @@ from streampack.format.names import (
     shard_name,
     token_dtype,
 )
+from streampack.format.sections import (
+    BuildSettings,
+    Cuts,
+    EngineRecord,
+    IgnoredEntry,
+    IgnoredInputs,
+    InputRecord,
+    TokenizerInfo,
+    Verification,
+)
 from streampack.inputs.discovery import Ignored, check_output_outside_inputs, discover_inputs
 from streampack.inputs.records import Documents, ReadOptions, WorkUnit, refuse_text_for_sft
 from streampack.inputs.sft import load_chat_template
@@ -137,19 +147,24 @@ def build(
     bos = resolve_bos(tokenizer, bos=spec.bos, bos_id=spec.bos_id)
     vocab_size = _vocab_size(tokenizer, eos, bos, allow_new_ids=run.allow_new_ids)
     fingerprint = tokenizer.fingerprint()
-    cuts = {"exact": tokenizer.cut_safety.exact, "reason": tokenizer.cut_safety.reason}
-    described = {**fingerprint, "vocab_size": vocab_size, "spec": spec.tokenizer, "cuts": cuts}
+    chat_sha256 = None
     if spec.chat is not None:
         chat = load_chat_template(tokenizer, spec.chat)
         read = replace(read, chat=chat)
-        described["chat_template_sha256"] = chat.sha256  # compared on resume, as the tokenizer's own hash
+        chat_sha256 = chat.sha256  # compared on resume, as the tokenizer's own hash
+    described = TokenizerInfo(
+        **{**fingerprint, "vocab_size": vocab_size},
+        spec=spec.tokenizer,
+        cuts=Cuts(tokenizer.cut_safety.exact, tokenizer.cut_safety.reason),
+        chat_template_sha256=chat_sha256,
+    )
     manifest = Manifest(
         tokenizer=described,
         dtype=dtype_name(token_dtype(vocab_size)),
-        eos=eos.to_json(),
-        bos=bos.to_json(),
+        eos=eos,
+        bos=bos,
         loss_mask=spec.sft,
-        settings=spec.to_json(),
+        settings=BuildSettings(**spec.to_json()),
         inputs=plan.inputs,
         units=[u.describe() for u in plan.units],
         ignored_inputs=plan.ignored,
@@ -219,60 +234,60 @@ def _verify_mode(tokenizer: Tokenizer, run: RunOptions) -> VerifyTokens:
     return "none" if tokenizer.engine is tokenizer.reference_engine() else run.verify_tokens
 
 
-def engine_summary(entry: dict[str, Any]) -> str:
+def engine_summary(entry: EngineRecord) -> str:
     """One line for a manifest's engine entry: which engine computed the ids, why, and how they were checked
     against the reference engine."""
-    name = f"{entry['name']} {entry['version']}"
-    why = f"{entry['why']}; " if entry.get("why") else ""
-    if name == entry.get("reference"):
+    name = f"{entry.name} {entry.version}"
+    why = f"{entry.why}; " if entry.why else ""
+    if name == entry.reference:
         return f"{name} ({why}the tokenizer's reference engine)"
-    verify = entry.get("verify") or {}
+    verify = entry.verify or Verification("")
     checked = {
-        "sample": f"first {verify.get('first', 0):,} records + {verify.get('rate', 0):.1%} re-encoded",
+        "sample": f"first {verify.first or 0:,} records + {verify.rate or 0:.1%} re-encoded",
         "all": "every record re-encoded",
         "none": "not verified",
-    }.get(verify.get("mode", ""), "verification not recorded")
-    return f"{name} ({why}reference {entry.get('reference')}; {checked})"
+    }.get(verify.mode, "verification not recorded")
+    return f"{name} ({why}reference {entry.reference}; {checked})"
 
 
-def _engine_entry(tokenizer: Tokenizer, run: RunOptions) -> dict[str, Any]:
+def _engine_entry(tokenizer: Tokenizer, run: RunOptions) -> EngineRecord:
     """The manifest's record of the engine of this run, and how its ids were checked against the reference."""
-    entry: dict[str, Any] = describe_engine(tokenizer)
     mode = _verify_mode(tokenizer, run)
+    verify = None
     if tokenizer.engine is not tokenizer.reference_engine():
-        entry["verify"] = {"mode": mode}
-        if mode == "sample":
-            entry["verify"].update(first=VERIFY_FIRST, rate=VERIFY_RATE)
-    return entry
+        verify = Verification(mode, VERIFY_FIRST, VERIFY_RATE) if mode == "sample" else Verification(mode)
+    engine = describe_engine(tokenizer)
+    return EngineRecord(engine["name"], engine["version"], engine["reference"], engine["why"], verify=verify)
 
 
 @dataclass(frozen=True)
 class _Plan:
     units: list[WorkUnit]
-    inputs: list[dict[str, Any]]  # the manifest's record of each input read
-    ignored: dict[str, Any]  # what discovery skipped: counts by reason, and the first few entries
+    inputs: list[InputRecord]  # the manifest's record of each input read
+    ignored: IgnoredInputs  # what discovery skipped: counts by reason, and the first few entries
 
 
 def _plan(inputs: Any, read: ReadOptions, spec: CacheSpec) -> _Plan:
     documents = _as_documents(inputs)
     if documents is not None:
         items = documents.items if isinstance(documents, Documents) else documents
-        stat = {"path": f"python:{type(items).__name__}", "size": _len_or_none(items), "mtime_ns": None}
-        stat["fingerprint"] = _python_fingerprint(documents)
-        return _Plan(plan_python_units(items), [stat], {})
+        path = f"python:{type(items).__name__}"
+        stat = InputRecord(path, _len_or_none(items), None, _python_fingerprint(documents))
+        return _Plan(plan_python_units(items), [stat], IgnoredInputs())
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     found = discover_inputs(paths)
     if spec.sft:
         refuse_text_for_sft(found.files, "fields=[...]" if spec.fields is not None else "chat=...")
-    return _Plan(plan_units(found.files, read), [f.stat_json() for f in found.files], _ignored(found.ignored))
+    inputs = [InputRecord(f.path, f.size, f.mtime_ns) for f in found.files]
+    return _Plan(plan_units(found.files, read), inputs, _ignored(found.ignored))
 
 
-def _ignored(entries: list[Ignored]) -> dict[str, Any]:
+def _ignored(entries: list[Ignored]) -> IgnoredInputs:
     if not entries:
-        return {}
+        return IgnoredInputs()
     reasons = Counter(e.reason.split(" of ")[0] for e in entries)  # "duplicate of X" counts as "duplicate"
-    first = [{"path": e.path, "reason": e.reason} for e in entries[:_IGNORED_LISTED]]
-    return {"count": len(entries), "by_reason": dict(sorted(reasons.items())), "first": first}
+    first = tuple(IgnoredEntry(e.path, e.reason) for e in entries[:_IGNORED_LISTED])
+    return IgnoredInputs(len(entries), dict(sorted(reasons.items())), first)
 
 
 _IGNORED_LISTED = 20
@@ -415,7 +430,7 @@ def _build_locked(
     return _summarize(summary, final)
 
 
-def _engines(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _engines(before: list[EngineRecord], now: list[EngineRecord]) -> list[EngineRecord]:
     """The engines of the earlier runs of a resumed build, then this run's unless it is one of them."""
     return before + [e for e in now if e not in before]
 
@@ -455,8 +470,8 @@ def _check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> No
             f"{root} holds a cache built with other settings ({'; '.join(differences)}); use another output "
             "directory, or overwrite=True to start over"
         )
-    python = [i for i in new.inputs if i["path"].startswith("python:")]
-    unidentified = [i["path"] for i in python if not i.get("fingerprint")]
+    python = [i for i in new.inputs if i.python]
+    unidentified = [i.path for i in python if not i.fingerprint]
     if unidentified:
         raise ConfigMismatchError(
             f"{root} holds a cache built from Python objects ({unidentified[0]}), and streampack cannot tell "
@@ -472,20 +487,21 @@ def _check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> No
         )
 
 
-def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
-    old_paths, new_paths = [i["path"] for i in old], [i["path"] for i in new]
+def _changed_inputs(old: list[InputRecord], new: list[InputRecord]) -> str:
+    old_paths, new_paths = [i.path for i in old], [i.path for i in new]
     if old_paths != new_paths:
         return (
             f"the cache was built from {len(old_paths)} inputs starting {old_paths[:2]}, not {new_paths[:2]}"
         )
-    for before, now in zip(old, new):
+    for old_input, new_input in zip(old, new):
+        before, now = old_input.to_json(), new_input.to_json()
         changed = [
             f"{key} {before.get(key)} -> {now.get(key)}"
             for key in sorted(before | now)
             if before.get(key) != now.get(key)
         ]
         if changed:
-            return f"{now['path']}: {', '.join(changed)}"
+            return f"{new_input.path}: {', '.join(changed)}"
     return ""
 
 
