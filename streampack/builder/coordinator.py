@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -487,7 +487,7 @@ def _check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> No
         )
 
 
-def _changed_inputs(old: list[InputRecord], new: list[InputRecord]) -> str:
+def _changed_inputs(old: Sequence[InputRecord], new: Sequence[InputRecord]) -> str:
     old_paths, new_paths = [i.path for i in old], [i.path for i in new]
     if old_paths != new_paths:
         return (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,7 @@ def _sft_summary(manifest: Manifest) -> str:
     return "no (plain text; no loss mask)"
 
 
-def _inputs_read(inputs: list[InputRecord]) -> str:
+def _inputs_read(inputs: Sequence[InputRecord]) -> str:
     paths = [i.path for i in inputs]
     if len(paths) <= 2:
         return ", ".join(paths) or "none"

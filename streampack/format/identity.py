@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Any
 
-from streampack.format.manifest import Manifest
+from streampack.format.manifest import Manifest, inputs_json
 
 
 def build_identity(manifest: Manifest) -> dict[str, Any]:
@@ -41,7 +41,7 @@ def build_digest(manifest: Manifest) -> str:
     and work units."""
     fields = {
         "identity": build_identity(manifest),
-        "inputs": [i.to_json() for i in manifest.inputs],
+        "inputs": inputs_json(manifest.inputs),
         "units": manifest.units,
         "loss_mask": manifest.loss_mask,
     }

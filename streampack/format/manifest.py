@@ -25,6 +25,7 @@ from streampack.format.sections import (
     EosPolicy,
     IgnoredInputs,
     InputRecord,
+    InputRecords,
     Section,
     TokenizerInfo,
     sections_of,
@@ -240,7 +241,7 @@ class Manifest:
     dtype: str
     eos: EosPolicy
     settings: BuildSettings
-    inputs: list[InputRecord]
+    inputs: Sequence[InputRecord]  # InputRecords when read from a file
     units: list[str]
     complete: bool = False
     table: ShardTable = field(default_factory=ShardTable.empty)
@@ -300,7 +301,7 @@ class Manifest:
             "bos": self.bos.to_json(),
             "loss_mask": self.loss_mask,
             "settings": self.settings.to_json(),
-            "inputs": [i.to_json() for i in self.inputs],
+            "inputs": inputs_json(self.inputs),
             "units": self.units,
             "num_docs": self.num_docs,
             "num_tokens": self.num_tokens,
@@ -400,7 +401,7 @@ def _parse_manifest(raw: Any, path: str) -> Manifest:
         dtype=dtype,
         eos=eos,
         settings=BuildSettings.from_json(raw["settings"], where=path),
-        inputs=list(sections_of(raw["inputs"], InputRecord, where=path, name="inputs")),
+        inputs=InputRecords.from_json(raw["inputs"], where=path),
         units=units,
         complete=bool(raw["complete"]),
         table=table,
@@ -441,6 +442,11 @@ def _table_of_rows(raw: Any, masked: bool) -> ShardTable:
     )
 
 
+def inputs_json(inputs: Sequence[InputRecord]) -> list[dict[str, Any]]:
+    """The manifest's ``inputs``: as read (:class:`InputRecords`), or each record's JSON."""
+    return inputs.to_json() if isinstance(inputs, InputRecords) else [i.to_json() for i in inputs]
+
+
 def _accept_dict_sections(manifest: Manifest) -> None:
     """Turn sections given as dicts (as before they were records) into their records, with a warning."""
     singles: dict[str, type[Section]] = {
@@ -452,7 +458,12 @@ def _accept_dict_sections(manifest: Manifest) -> None:
     }
     given = [name for name in singles if isinstance(getattr(manifest, name), Mapping)]
     lists: dict[str, type[Section]] = {"inputs": InputRecord, "engines": EngineRecord}
-    given += [n for n in lists if any(isinstance(item, Mapping) for item in getattr(manifest, n))]
+    given += [
+        n
+        for n in lists
+        if not isinstance(getattr(manifest, n), InputRecords)  # read from a file: checked, records on access
+        and any(isinstance(item, Mapping) for item in getattr(manifest, n))
+    ]
     if not given:
         return
     warnings.warn(
@@ -466,6 +477,8 @@ def _accept_dict_sections(manifest: Manifest) -> None:
         if isinstance(value, Mapping):
             object.__setattr__(manifest, name, cls.from_json(dict(value), where="Manifest()", name=name))
     for name, item_cls in lists.items():
+        if name not in given:
+            continue
         items = [
             item_cls.from_json(dict(item), where="Manifest()", name=f"{name}[{i}]")
             if isinstance(item, Mapping)

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from functools import partial
+from itertools import repeat
+from operator import is_not
+from typing import Any, ClassVar, TypeVar, overload
 
 from streampack.errors import CacheError
 
@@ -36,6 +39,7 @@ __all__ = [
     "IgnoredEntry",
     "IgnoredInputs",
     "InputRecord",
+    "InputRecords",
     "Section",
     "TokenizerInfo",
     "Verification",
@@ -48,22 +52,27 @@ S = TypeVar("S", bound="Section")
 
 @dataclass(frozen=True)
 class _Kind:
-    """What a key's value must be: ``what`` for messages, ``parse`` from JSON, ``dump`` back to JSON."""
+    """What a key's value must be: ``what`` for messages, ``parse`` from JSON, ``dump`` back to JSON (None:
+    the JSON value itself, kept as it is)."""
 
     what: str
     accepts: Callable[[Any], bool]
-    parse: Callable[[Any, str, str], Any] = lambda value, where, name: value
-    dump: Callable[[Any], Any] = lambda value: value
+    parse: Callable[[Any, str, str], Any] | None = None
+    dump: Callable[[Any], Any] | None = None
+    # Types whose every value is accepted: checked by ``type(value) in exact`` before ``accepts`` is called,
+    # which spares a call per key (a manifest may list 10^5 inputs). JSON gives values of exactly these.
+    exact: frozenset[type] = frozenset()
+    at_least: int | None = None  # integers (not bools) from this one up are accepted too
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_STR = _Kind("a string", lambda v: isinstance(v, str))
-_BOOL = _Kind("true or false", lambda v: isinstance(v, bool))
-_INT = _Kind("an integer", _is_int)
-_COUNT = _Kind("a non-negative integer", lambda v: _is_int(v) and v >= 0)
+_STR = _Kind("a string", lambda v: isinstance(v, str), exact=frozenset({str}))
+_BOOL = _Kind("true or false", lambda v: isinstance(v, bool), exact=frozenset({bool}))
+_INT = _Kind("an integer", _is_int, exact=frozenset({int}))
+_COUNT = _Kind("a non-negative integer", lambda v: _is_int(v) and v >= 0, at_least=0)
 _NUMBER = _Kind("a number", lambda v: _is_int(v) or isinstance(v, float))
 _COUNTS = _Kind(
     "an object of non-negative integers",
@@ -81,11 +90,19 @@ _STRINGS = _Kind(
 
 def _or_null(kind: _Kind) -> _Kind:
     """``kind``, or JSON null (None)."""
+    if kind.parse is None and kind.dump is None:
+        exact = kind.exact | {type(None)}
+        accepts = kind.accepts
+        what = f"{kind.what} or null"
+        return _Kind(what, lambda v: v is None or accepts(v), exact=exact, at_least=kind.at_least)
+    parse, dump = kind.parse, kind.dump
+    assert parse is not None and dump is not None
     return _Kind(
         f"{kind.what} or null",
         lambda v: v is None or kind.accepts(v),
-        parse=lambda value, where, name: None if value is None else kind.parse(value, where, name),
-        dump=lambda value: None if value is None else kind.dump(value),
+        parse=lambda value, where, name: None if value is None else parse(value, where, name),
+        dump=lambda value: None if value is None else dump(value),
+        exact=kind.exact | {type(None)},
     )
 
 
@@ -150,8 +167,12 @@ class Section:
     section_name: ClassVar[str] = "section"
 
     @classmethod
-    def _keys(cls) -> list[dataclasses.Field[Any]]:
-        return [f for f in dataclasses.fields(cls) if "kind" in f.metadata]
+    def _keys(cls) -> dict[str, _Key]:
+        """The section's keys, by name, in the order the builder writes them (computed once per class)."""
+        keys = _KEYS.get(cls)
+        if keys is None:
+            keys = _KEYS[cls] = {f.name: _Key.of(f) for f in dataclasses.fields(cls) if "kind" in f.metadata}
+        return keys
 
     @classmethod
     def from_json(cls: type[S], raw: Any, *, where: str = "manifest.json", name: str | None = None) -> S:
@@ -169,41 +190,84 @@ class Section:
         name = name or cls.section_name
         if not isinstance(raw, dict):
             raise CacheError(_malformed(where, f"{name} must be an object (got {_shown(raw)})"))
+        keys = cls._keys()
         values: dict[str, Any] = {}
-        for key in cls._keys():
-            kind: _Kind = key.metadata["kind"]
-            if key.name not in raw:
-                if key.metadata["required"]:
-                    raise CacheError(_malformed(where, f"{name} has no {key.name!r} ({kind.what})"))
+        absent = 0
+        for key_name, key in keys.items():
+            if key_name not in raw:
+                absent += 1
+                if key.required:
+                    raise CacheError(_malformed(where, f"{name} has no {key_name!r} ({key.kind.what})"))
+                values[key_name] = dict(key.default) if type(key.default) is dict else key.default
                 continue
-            value = raw[key.name]
-            if not kind.accepts(value):
-                problem = f"{name}.{key.name} must be {kind.what} (got {_shown(value)})"
+            value = raw[key_name]
+            kind = key.kind
+            if type(value) not in kind.exact and not kind.accepts(value):
+                problem = f"{name}.{key_name} must be {kind.what} (got {_shown(value)})"
                 raise CacheError(_malformed(where, problem))
-            values[key.name] = kind.parse(value, where, f"{name}.{key.name}")
-        known = {key.name for key in cls._keys()}
-        extra = {k: v for k, v in raw.items() if k not in known}
-        section = cls(**values, extra=extra, json_keys=tuple(raw))
+            values[key_name] = value if kind.parse is None else kind.parse(value, where, f"{name}.{key_name}")
+        unknown = len(raw) > len(keys) - absent
+        values["extra"] = {k: v for k, v in raw.items() if k not in keys} if unknown else {}
+        values["json_keys"] = tuple(raw)
+        # The values are checked: set them as the dataclass's __init__ would, without its object.__setattr__
+        # per field (a third of the time of reading an input record).
+        section = object.__new__(cls)
+        section.__dict__.update(values)
+        section.__post_init__()
         section._check(where, name)
         return section
+
+    def __post_init__(self) -> None:
+        """Nothing to do here; a section whose fields need it normalises them."""
+
+    @classmethod
+    def all_valid(cls, raws: list[Any]) -> bool:
+        """Whether every JSON object of ``raws`` reads as this section, checked a key at a time over all of
+        them (a few passes in C, not a loop in Python per object); False also where it cannot tell (a
+        nested section, a check between fields): :meth:`from_json` on each then says."""
+        if set(map(type, raws)) - {dict} or cls._check is not Section._check:
+            return False
+        for key_name, key in cls._keys().items():
+            kind = key.kind
+            if kind.parse is not None:
+                return False
+            # In C: dict.get over the objects (_NO_DEFAULT, an object(), where the key is absent).
+            column = list(map(dict.get, raws, repeat(key_name), repeat(_NO_DEFAULT)))
+            types = set(map(type, column))
+            found = types - kind.exact - (set() if key.required else {object})
+            if found == {int} and kind.at_least is not None:
+                ints = column if len(types) == 1 else filter(partial(is_not, None), column)
+                if min(filter(partial(is_not, _NO_DEFAULT), ints), default=kind.at_least) < kind.at_least:
+                    return False
+            elif found:
+                return False
+        return True
 
     def _check(self, where: str, name: str) -> None:
         """What the types alone do not say (one field's value requiring another's); raises CacheError."""
 
     def to_json(self) -> dict[str, Any]:
         """The section's JSON object: the one it was read from, or the one the builder writes."""
-        known = {key.name: key for key in self._keys()}
+        keys, values, extra = self._keys(), self.__dict__, self.extra
+        written: dict[str, Any] = {}
         if self.json_keys is not None:
-            names = [*self.json_keys]
-            names += [n for n, key in known.items() if n not in names and not _holds_default(self, key)]
-        else:
-            names = [n for n, k in known.items() if not (k.metadata["omit"] and _holds_default(self, k))]
-            names += [n for n in self.extra if n not in names]
-        return {
-            n: known[n].metadata["kind"].dump(getattr(self, n)) if n in known else self.extra[n]
-            for n in names
-            if n in known or n in self.extra
-        }
+            for name in self.json_keys:  # as it was read
+                key = keys.get(name)
+                if key is not None:
+                    written[name] = values[name] if key.kind.dump is None else key.kind.dump(values[name])
+                elif name in extra:
+                    written[name] = extra[name]
+            if len(written) == len(keys) + len(extra):
+                return written
+            # Changed since it was read (dataclasses.replace): a value given to a key that was absent.
+            chosen = [n for n, key in keys.items() if n not in written and values[n] != key.default]
+        else:  # made in code: every key, but those that hold their default and are written only with a value
+            chosen = [n for n, key in keys.items() if not (key.omit and values[n] == key.default)]
+        for name in chosen:
+            dump = keys[name].kind.dump
+            written[name] = values[name] if dump is None else dump(values[name])
+        written.update((name, value) for name, value in extra.items() if name not in written)
+        return written
 
     # Reading by key, as when the sections were dicts: deprecated, for code written then.
 
@@ -221,12 +285,27 @@ class Section:
         return key in self.to_json()
 
 
-def _holds_default(section: Section, key: dataclasses.Field[Any]) -> bool:
-    if key.default is not dataclasses.MISSING:
-        return bool(getattr(section, key.name) == key.default)
-    if key.default_factory is not dataclasses.MISSING:
-        return bool(getattr(section, key.name) == key.default_factory())
-    return False
+@dataclass(frozen=True)
+class _Key:
+    """A key of a section, as :func:`_key` declared it (``default``: a value no record holds if none)."""
+
+    kind: _Kind
+    required: bool
+    omit: bool
+    default: Any
+
+    @classmethod
+    def of(cls, f: dataclasses.Field[Any]) -> _Key:
+        default: Any = _NO_DEFAULT
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        return cls(f.metadata["kind"], f.metadata["required"], f.metadata["omit"], default)
+
+
+_NO_DEFAULT = object()
+_KEYS: dict[type[Section], dict[str, _Key]] = {}
 
 
 def _warn_key(section: Section, key: str) -> None:
@@ -358,7 +437,8 @@ class BuildSettings(Section):
     section_name: ClassVar[str] = "settings"
 
     def __post_init__(self) -> None:
-        if isinstance(self.fields, list):  # given as CacheSpec.to_json() writes it
+        """``fields`` given as a list (as :meth:`CacheSpec.to_json` writes it) is kept as a tuple."""
+        if isinstance(self.fields, list):
             object.__setattr__(self, "fields", tuple(self.fields))
 
     @property
@@ -459,6 +539,62 @@ class IgnoredInputs(Section):
 
     def __bool__(self) -> bool:
         return self.count > 0 or bool(self.extra)
+
+
+class InputRecords(Sequence[InputRecord]):
+    """The manifest's ``inputs``: their JSON objects, checked as a whole when read, each an
+    :class:`InputRecord` when asked for.
+
+    Why not a list of records: a cache may be built from 10^5 files, and opening it would make 10^5 objects
+    that few readers look at (a resumed build, ``which``, ``info``); the objects are kept as read, and
+    written back as they are.
+    """
+
+    def __init__(self, raws: list[dict[str, Any]]) -> None:
+        self._raws = raws
+
+    @classmethod
+    def from_json(cls, raw: Any, *, where: str = "manifest.json", name: str = "inputs") -> InputRecords:
+        """Check the JSON list of inputs; raises CacheError as :meth:`InputRecord.from_json` does."""
+        if not isinstance(raw, list):
+            raise CacheError(_malformed(where, f"{name} must be a list of objects (got {_shown(raw)})"))
+        if not InputRecord.all_valid(raw):
+            for i, item in enumerate(raw):  # the first bad one says what is wrong
+                InputRecord.from_json(item, where=where, name=f"{name}[{i}]")
+        return cls(raw)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The JSON list, as it was read."""
+        return list(self._raws)
+
+    def __len__(self) -> int:
+        return len(self._raws)
+
+    @overload
+    def __getitem__(self, index: int) -> InputRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[InputRecord]: ...
+
+    def __getitem__(self, index: int | slice) -> InputRecord | list[InputRecord]:
+        if isinstance(index, slice):
+            return [InputRecord.from_json(raw) for raw in self._raws[index]]
+        return InputRecord.from_json(self._raws[index])
+
+    def __iter__(self) -> Iterator[InputRecord]:
+        return (InputRecord.from_json(raw) for raw in self._raws)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, InputRecords):
+            return self._raws == other._raws
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"InputRecords({len(self)} inputs)"
 
 
 def sections_of(raw: Any, cls: type[S], *, where: str, name: str) -> tuple[S, ...]:
