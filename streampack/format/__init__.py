@@ -15,6 +15,8 @@ The package is pure (it imports nothing of streampack's but :mod:`streampack.err
 
 * :mod:`~streampack.format.names`: keys, directory and shard names, the token dtype rule, checksum text;
 * :mod:`~streampack.format.manifest`: :class:`Manifest` and its shard table, to and from JSON;
+* :mod:`~streampack.format.record`: :class:`~streampack.format.record.Section`, a JSON object as a typed
+  record that writes back the JSON it was read from;
 * :mod:`~streampack.format.sections`: the manifest's other sections as typed records (tokenizer, EOS and
   BOS policies, settings, inputs, engines, skipped inputs) that write back the JSON they were read from;
 * :mod:`~streampack.format.ledger`: :class:`~streampack.format.ledger.UnitProgress`, one ledger entry;

@@ -14,21 +14,34 @@ checked once at the door, instead of ``manifest.tokenizer["vocab_size"]`` at eve
 is a ``KeyError`` far from the file. Reading a section by key (``section["name"]``) still works, with a
 :class:`DeprecationWarning`.
 
-Pure: imports nothing of streampack's but :mod:`streampack.errors`.
+Pure: imports nothing of streampack's but :mod:`streampack.errors` and the base of the records,
+:mod:`streampack.format.record`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from functools import partial
-from itertools import repeat
-from operator import is_not
-from typing import Any, ClassVar, TypeVar, overload
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, overload
 
 from streampack.errors import CacheError
+from streampack.format.record import (
+    BOOL,
+    COUNT,
+    COUNTS,
+    INT,
+    NUMBER,
+    STR,
+    STRINGS,
+    S,
+    Section,
+    key,
+    malformed,
+    or_null,
+    section_kind,
+    sections_kind,
+    shown,
+)
 
 __all__ = [
     "BosPolicy",
@@ -45,286 +58,6 @@ __all__ = [
     "Verification",
 ]
 
-S = TypeVar("S", bound="Section")
-
-# ------------------------------------------------------------------------------------- the value checks
-
-
-@dataclass(frozen=True)
-class _Kind:
-    """What a key's value must be: ``what`` for messages, ``parse`` from JSON, ``dump`` back to JSON (None:
-    the JSON value itself, kept as it is)."""
-
-    what: str
-    accepts: Callable[[Any], bool]
-    parse: Callable[[Any, str, str], Any] | None = None
-    dump: Callable[[Any], Any] | None = None
-    # Types whose every value is accepted: checked by ``type(value) in exact`` before ``accepts`` is called,
-    # which spares a call per key (a manifest may list 10^5 inputs). JSON gives values of exactly these.
-    exact: frozenset[type] = frozenset()
-    at_least: int | None = None  # integers (not bools) from this one up are accepted too
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-_STR = _Kind("a string", lambda v: isinstance(v, str), exact=frozenset({str}))
-_BOOL = _Kind("true or false", lambda v: isinstance(v, bool), exact=frozenset({bool}))
-_INT = _Kind("an integer", _is_int, exact=frozenset({int}))
-_COUNT = _Kind("a non-negative integer", lambda v: _is_int(v) and v >= 0, at_least=0)
-_NUMBER = _Kind("a number", lambda v: _is_int(v) or isinstance(v, float))
-_COUNTS = _Kind(
-    "an object of non-negative integers",
-    lambda v: isinstance(v, dict) and all(_is_int(n) and n >= 0 for n in v.values()),
-    parse=lambda value, where, name: dict(value),
-    dump=dict,
-)
-_STRINGS = _Kind(
-    "a list of strings",
-    lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
-    parse=lambda value, where, name: tuple(value),  # a tuple: the record stays hashable
-    dump=list,
-)
-
-
-def _or_null(kind: _Kind) -> _Kind:
-    """``kind``, or JSON null (None)."""
-    if kind.parse is None and kind.dump is None:
-        exact = kind.exact | {type(None)}
-        accepts = kind.accepts
-        what = f"{kind.what} or null"
-        return _Kind(what, lambda v: v is None or accepts(v), exact=exact, at_least=kind.at_least)
-    parse, dump = kind.parse, kind.dump
-    assert parse is not None and dump is not None
-    return _Kind(
-        f"{kind.what} or null",
-        lambda v: v is None or kind.accepts(v),
-        parse=lambda value, where, name: None if value is None else parse(value, where, name),
-        dump=lambda value: None if value is None else dump(value),
-        exact=kind.exact | {type(None)},
-    )
-
-
-def _section(cls: type[Section]) -> _Kind:
-    """A nested section (an object read by ``cls.from_json``)."""
-    return _Kind(
-        "an object",
-        lambda v: isinstance(v, dict),
-        parse=lambda value, where, name: cls.from_json(value, where=where, name=name),
-        dump=lambda value: value.to_json(),
-    )
-
-
-def _sections(cls: type[Section]) -> _Kind:
-    """A list of nested sections."""
-    return _Kind(
-        "a list of objects",
-        lambda v: isinstance(v, list) and all(isinstance(item, dict) for item in v),
-        parse=lambda value, where, name: tuple(
-            cls.from_json(item, where=where, name=f"{name}[{i}]") for i, item in enumerate(value)
-        ),
-        dump=lambda value: [item.to_json() for item in value],
-    )
-
-
-def _key(
-    kind: _Kind, default: Any = dataclasses.MISSING, *, required: bool = False, omit: bool = False
-) -> Any:
-    """A dataclass field that is a key of the section's JSON object.
-
-    Args:
-        kind: what its value must be.
-        default: its value when the key is absent from the JSON.
-        required: a JSON object without the key is refused.
-        omit: a section made in code leaves the key out while it holds ``default`` (the builder writes it
-            only when it has a value).
-    """
-    metadata = {"kind": kind, "required": required, "omit": omit}
-    if default is dataclasses.MISSING:
-        return field(metadata=metadata)
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata, hash=False)
-    return field(default=default, metadata=metadata)
-
-
-# ----------------------------------------------------------------------------------------- the base
-
-
-@dataclass(frozen=True)
-class Section:
-    """A JSON object of the manifest as a record: one field per key this version knows.
-
-    Attributes:
-        extra: the keys this version does not know (a later version wrote them), kept as they were.
-        json_keys: the keys of the JSON object it was read from, in their order (None: made in code).
-            Not compared: two sections with the same content are equal however they were written.
-    """
-
-    extra: Mapping[str, Any] = field(default_factory=dict, kw_only=True, repr=False, hash=False)
-    json_keys: tuple[str, ...] | None = field(default=None, kw_only=True, repr=False, compare=False)
-
-    section_name: ClassVar[str] = "section"
-
-    @classmethod
-    def _keys(cls) -> dict[str, _Key]:
-        """The section's keys, by name, in the order the builder writes them (computed once per class)."""
-        keys = _KEYS.get(cls)
-        if keys is None:
-            keys = _KEYS[cls] = {f.name: _Key.of(f) for f in dataclasses.fields(cls) if "kind" in f.metadata}
-        return keys
-
-    @classmethod
-    def from_json(cls: type[S], raw: Any, *, where: str = "manifest.json", name: str | None = None) -> S:
-        """Read the section from its JSON object.
-
-        Args:
-            raw: the parsed JSON.
-            where: how messages name the file (its path).
-            name: how messages name the section (default: its key in the manifest).
-
-        Raises:
-            CacheError: ``raw`` is not an object, lacks a required key, or holds a value of the wrong type;
-                the message names the file and the key.
-        """
-        name = name or cls.section_name
-        if not isinstance(raw, dict):
-            raise CacheError(_malformed(where, f"{name} must be an object (got {_shown(raw)})"))
-        keys = cls._keys()
-        values: dict[str, Any] = {}
-        absent = 0
-        for key_name, key in keys.items():
-            if key_name not in raw:
-                absent += 1
-                if key.required:
-                    raise CacheError(_malformed(where, f"{name} has no {key_name!r} ({key.kind.what})"))
-                values[key_name] = dict(key.default) if type(key.default) is dict else key.default
-                continue
-            value = raw[key_name]
-            kind = key.kind
-            if type(value) not in kind.exact and not kind.accepts(value):
-                problem = f"{name}.{key_name} must be {kind.what} (got {_shown(value)})"
-                raise CacheError(_malformed(where, problem))
-            values[key_name] = value if kind.parse is None else kind.parse(value, where, f"{name}.{key_name}")
-        unknown = len(raw) > len(keys) - absent
-        values["extra"] = {k: v for k, v in raw.items() if k not in keys} if unknown else {}
-        values["json_keys"] = tuple(raw)
-        # The values are checked: set them as the dataclass's __init__ would, without its object.__setattr__
-        # per field (a third of the time of reading an input record).
-        section = object.__new__(cls)
-        section.__dict__.update(values)
-        section.__post_init__()
-        section._check(where, name)
-        return section
-
-    def __post_init__(self) -> None:
-        """Nothing to do here; a section whose fields need it normalises them."""
-
-    @classmethod
-    def all_valid(cls, raws: list[Any]) -> bool:
-        """Whether every JSON object of ``raws`` reads as this section, checked a key at a time over all of
-        them (a few passes in C, not a loop in Python per object); False also where it cannot tell (a
-        nested section, a check between fields): :meth:`from_json` on each then says."""
-        if set(map(type, raws)) - {dict} or cls._check is not Section._check:
-            return False
-        for key_name, key in cls._keys().items():
-            kind = key.kind
-            if kind.parse is not None:
-                return False
-            # In C: dict.get over the objects (_NO_DEFAULT, an object(), where the key is absent).
-            column = list(map(dict.get, raws, repeat(key_name), repeat(_NO_DEFAULT)))
-            types = set(map(type, column))
-            found = types - kind.exact - (set() if key.required else {object})
-            if found == {int} and kind.at_least is not None:
-                ints = column if len(types) == 1 else filter(partial(is_not, None), column)
-                if min(filter(partial(is_not, _NO_DEFAULT), ints), default=kind.at_least) < kind.at_least:
-                    return False
-            elif found:
-                return False
-        return True
-
-    def _check(self, where: str, name: str) -> None:
-        """What the types alone do not say (one field's value requiring another's); raises CacheError."""
-
-    def to_json(self) -> dict[str, Any]:
-        """The section's JSON object: the one it was read from, or the one the builder writes."""
-        keys, values, extra = self._keys(), self.__dict__, self.extra
-        written: dict[str, Any] = {}
-        if self.json_keys is not None:
-            for name in self.json_keys:  # as it was read
-                key = keys.get(name)
-                if key is not None:
-                    written[name] = values[name] if key.kind.dump is None else key.kind.dump(values[name])
-                elif name in extra:
-                    written[name] = extra[name]
-            if len(written) == len(keys) + len(extra):
-                return written
-            # Changed since it was read (dataclasses.replace): a value given to a key that was absent.
-            chosen = [n for n, key in keys.items() if n not in written and values[n] != key.default]
-        else:  # made in code: every key, but those that hold their default and are written only with a value
-            chosen = [n for n, key in keys.items() if not (key.omit and values[n] == key.default)]
-        for name in chosen:
-            dump = keys[name].kind.dump
-            written[name] = values[name] if dump is None else dump(values[name])
-        written.update((name, value) for name, value in extra.items() if name not in written)
-        return written
-
-    # Reading by key, as when the sections were dicts: deprecated, for code written then.
-
-    def __getitem__(self, key: str) -> Any:
-        _warn_key(self, key)
-        return self.to_json()[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The JSON value of ``key`` (deprecated: read the attribute)."""
-        _warn_key(self, key)
-        return self.to_json().get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        _warn_key(self, str(key))
-        return key in self.to_json()
-
-
-@dataclass(frozen=True)
-class _Key:
-    """A key of a section, as :func:`_key` declared it (``default``: a value no record holds if none)."""
-
-    kind: _Kind
-    required: bool
-    omit: bool
-    default: Any
-
-    @classmethod
-    def of(cls, f: dataclasses.Field[Any]) -> _Key:
-        default: Any = _NO_DEFAULT
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        return cls(f.metadata["kind"], f.metadata["required"], f.metadata["omit"], default)
-
-
-_NO_DEFAULT = object()
-_KEYS: dict[type[Section], dict[str, _Key]] = {}
-
-
-def _warn_key(section: Section, key: str) -> None:
-    warnings.warn(
-        f"manifest sections are records: read {section.section_name}.{key} as an attribute "
-        f"({type(section).__name__}), not as {section.section_name}[{key!r}]",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-
-
-def _malformed(where: str, problem: str) -> str:
-    return f"{where}: malformed manifest: {problem}; rebuild the cache (overwrite=True)"
-
-
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
 
 # ---------------------------------------------------------------------------------------- the sections
 
@@ -333,13 +66,13 @@ def _shown(value: Any) -> str:
 class Cuts(Section):
     """Whether cutting a long document at spaces is proven to give the tokenizer's own ids, and why."""
 
-    exact: bool = _key(_BOOL, required=True)
-    reason: str = _key(_STR, required=True)
+    exact: bool = key(BOOL, required=True)
+    reason: str = key(STR, required=True)
 
     section_name: ClassVar[str] = "tokenizer.cuts"
 
 
-_CUTS = _section(Cuts)
+_CUTS = section_kind(Cuts)
 
 
 @dataclass(frozen=True)
@@ -356,13 +89,13 @@ class TokenizerInfo(Section):
         chat_template_sha256: a chat build: the hash of its chat template (compared on resume).
     """
 
-    kind: str = _key(_STR, required=True)
-    name: str = _key(_STR, required=True)
-    vocab_size: int = _key(_INT, required=True)
-    sha256: str | None = _key(_STR, None, omit=True)
-    spec: str | None = _key(_STR, None, omit=True)
-    cuts: Cuts | None = _key(_CUTS, None, omit=True)  # noqa: RUF009 (_key makes a dataclasses.field)
-    chat_template_sha256: str | None = _key(_STR, None, omit=True)
+    kind: str = key(STR, required=True)
+    name: str = key(STR, required=True)
+    vocab_size: int = key(INT, required=True)
+    sha256: str | None = key(STR, None, omit=True)
+    spec: str | None = key(STR, None, omit=True)
+    cuts: Cuts | None = key(_CUTS, None, omit=True)  # noqa: RUF009 (key makes a dataclasses.field)
+    chat_template_sha256: str | None = key(STR, None, omit=True)
 
     section_name: ClassVar[str] = "tokenizer"
 
@@ -376,15 +109,15 @@ class TokenizerInfo(Section):
 class EosPolicy(Section):
     """Whether an EOS id is appended after every document, and which (the manifest's ``eos``)."""
 
-    append: bool = _key(_BOOL, required=True)
-    id: int | None = _key(_or_null(_COUNT), None)
+    append: bool = key(BOOL, required=True)
+    id: int | None = key(or_null(COUNT), None)
 
     section_name: ClassVar[str] = "eos"
 
     def _check(self, where: str, name: str) -> None:
         if self.append and self.id is None:
             problem = f"{name}.id must be a non-negative integer when append is true"
-            raise CacheError(_malformed(where, problem))
+            raise CacheError(malformed(where, problem))
 
     @property
     def appended(self) -> int | None:
@@ -396,15 +129,15 @@ class EosPolicy(Section):
 class BosPolicy(Section):
     """Whether a BOS id is put before every document, and which (the manifest's ``bos``)."""
 
-    prepend: bool = _key(_BOOL, required=True)
-    id: int | None = _key(_or_null(_COUNT), None)
+    prepend: bool = key(BOOL, required=True)
+    id: int | None = key(or_null(COUNT), None)
 
     section_name: ClassVar[str] = "bos"
 
     def _check(self, where: str, name: str) -> None:
         if self.prepend and self.id is None:
             problem = f"{name}.id must be a non-negative integer when prepend is true"
-            raise CacheError(_malformed(where, problem))
+            raise CacheError(malformed(where, problem))
 
     @property
     def prepended(self) -> int | None:
@@ -421,18 +154,18 @@ class BuildSettings(Section):
     A cache written from arrays (:mod:`streampack.testing`) records none of them.
     """
 
-    tokenizer: str | None = _key(_STR, None, omit=True)  # None: not recorded
-    special_tokens: str | None = _key(_STR, None, omit=True)
-    eos: bool = _key(_BOOL, True)
-    eos_id: int | None = _key(_or_null(_COUNT), None)
-    bos: bool = _key(_BOOL, False)
-    bos_id: int | None = _key(_or_null(_COUNT), None)
-    text_field: str = _key(_STR, "text")
-    split_lines: bool = _key(_BOOL, False)
-    unit_bytes: int = _key(_COUNT, 64 << 20)
-    max_piece_chars: int | None = _key(_or_null(_COUNT), None)
-    fields: tuple[str, ...] | None = _key(_or_null(_STRINGS), None)
-    chat: str | None = _key(_or_null(_STR), None)
+    tokenizer: str | None = key(STR, None, omit=True)  # None: not recorded
+    special_tokens: str | None = key(STR, None, omit=True)
+    eos: bool = key(BOOL, True)
+    eos_id: int | None = key(or_null(COUNT), None)
+    bos: bool = key(BOOL, False)
+    bos_id: int | None = key(or_null(COUNT), None)
+    text_field: str = key(STR, "text")
+    split_lines: bool = key(BOOL, False)
+    unit_bytes: int = key(COUNT, 64 << 20)
+    max_piece_chars: int | None = key(or_null(COUNT), None)
+    fields: tuple[str, ...] | None = key(or_null(STRINGS), None)
+    chat: str | None = key(or_null(STR), None)
 
     section_name: ClassVar[str] = "settings"
 
@@ -458,10 +191,10 @@ class InputRecord(Section):
         fingerprint: Python documents only: what identifies them across runs, or None.
     """
 
-    path: str = _key(_STR, required=True)
-    size: int | None = _key(_or_null(_COUNT), None)
-    mtime_ns: int | None = _key(_or_null(_INT), None)
-    fingerprint: str | None = _key(_or_null(_STR), None)
+    path: str = key(STR, required=True)
+    size: int | None = key(or_null(COUNT), None)
+    mtime_ns: int | None = key(or_null(INT), None)
+    fingerprint: str | None = key(or_null(STR), None)
 
     section_name: ClassVar[str] = "inputs[]"
 
@@ -482,14 +215,14 @@ class InputRecord(Section):
 class Verification(Section):
     """How the ids of an engine other than the reference were checked (an engine record's ``verify``)."""
 
-    mode: str = _key(_STR, required=True)
-    first: int | None = _key(_COUNT, None, omit=True)
-    rate: float | None = _key(_NUMBER, None, omit=True)
+    mode: str = key(STR, required=True)
+    first: int | None = key(COUNT, None, omit=True)
+    rate: float | None = key(NUMBER, None, omit=True)
 
     section_name: ClassVar[str] = "engines[].verify"
 
 
-_VERIFICATION = _section(Verification)
+_VERIFICATION = section_kind(Verification)
 
 
 @dataclass(frozen=True)
@@ -499,11 +232,11 @@ class EngineRecord(Section):
     Informational: not compared on resume (every engine gives the same ids).
     """
 
-    name: str = _key(_STR, required=True)
-    version: str = _key(_STR, required=True)
-    reference: str | None = _key(_STR, None, omit=True)
-    why: str | None = _key(_STR, None, omit=True)
-    verify: Verification | None = _key(_VERIFICATION, None, omit=True)  # noqa: RUF009 (a field too)
+    name: str = key(STR, required=True)
+    version: str = key(STR, required=True)
+    reference: str | None = key(STR, None, omit=True)
+    why: str | None = key(STR, None, omit=True)
+    verify: Verification | None = key(_VERIFICATION, None, omit=True)  # noqa: RUF009 (a field too)
 
     section_name: ClassVar[str] = "engines[]"
 
@@ -512,13 +245,13 @@ class EngineRecord(Section):
 class IgnoredEntry(Section):
     """An entry under an input directory or glob that the build did not read, and why."""
 
-    path: str = _key(_STR, required=True)
-    reason: str = _key(_STR, required=True)
+    path: str = key(STR, required=True)
+    reason: str = key(STR, required=True)
 
     section_name: ClassVar[str] = "ignored_inputs.first[]"
 
 
-_IGNORED_ENTRIES = _sections(IgnoredEntry)
+_IGNORED_ENTRIES = sections_kind(IgnoredEntry)
 
 
 @dataclass(frozen=True)
@@ -531,9 +264,9 @@ class IgnoredInputs(Section):
         first: the first few entries.
     """
 
-    count: int = _key(_COUNT, 0, omit=True)
-    by_reason: Mapping[str, int] = _key(_COUNTS, {}, omit=True)
-    first: tuple[IgnoredEntry, ...] = _key(_IGNORED_ENTRIES, (), omit=True)
+    count: int = key(COUNT, 0, omit=True)
+    by_reason: Mapping[str, int] = key(COUNTS, {}, omit=True)
+    first: tuple[IgnoredEntry, ...] = key(_IGNORED_ENTRIES, (), omit=True)
 
     section_name: ClassVar[str] = "ignored_inputs"
 
@@ -557,7 +290,7 @@ class InputRecords(Sequence[InputRecord]):
     def from_json(cls, raw: Any, *, where: str = "manifest.json", name: str = "inputs") -> InputRecords:
         """Check the JSON list of inputs; raises CacheError as :meth:`InputRecord.from_json` does."""
         if not isinstance(raw, list):
-            raise CacheError(_malformed(where, f"{name} must be a list of objects (got {_shown(raw)})"))
+            raise CacheError(malformed(where, f"{name} must be a list of objects (got {shown(raw)})"))
         if not InputRecord.all_valid(raw):
             for i, item in enumerate(raw):  # the first bad one says what is wrong
                 InputRecord.from_json(item, where=where, name=f"{name}[{i}]")
@@ -604,5 +337,5 @@ def sections_of(raw: Any, cls: type[S], *, where: str, name: str) -> tuple[S, ..
         CacheError: ``raw`` is not a list of such objects.
     """
     if not isinstance(raw, list):
-        raise CacheError(_malformed(where, f"{name} must be a list of objects (got {_shown(raw)})"))
+        raise CacheError(malformed(where, f"{name} must be a list of objects (got {shown(raw)})"))
     return tuple(cls.from_json(item, where=where, name=f"{name}[{i}]") for i, item in enumerate(raw))
