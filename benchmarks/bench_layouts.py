@@ -230,7 +230,7 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
     speed, speed_goals = throughput_table(runs)
-    tokenizer = f"`{opened.manifest.tokenizer['name']}`, {opened.vocab_size:,} ids"
+    tokenizer = f"`{opened.manifest.tokenizer.name}`, {opened.vocab_size:,} ids"
     report = "\n".join(
         [
             "# Layouts benchmark" + (" (quick)" if args.quick else ""),

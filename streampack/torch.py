@@ -51,7 +51,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "streampack.torch needs PyTorch, an optional extra: pip install 'streampack[torch]'"
     ) from error
 
-from streampack.errors import LoaderStateError
+from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
 from streampack.loader.collate import Tokens
 from streampack.samples.sequences import PackedSequences
@@ -80,7 +80,8 @@ class Dataset(torch_data.Dataset):
         dtype: tensor dtype of the tokens, an integer type that holds every id of the cache dtype.
 
     Raises:
-        ValueError: ``dtype`` cannot hold every id of the cache dtype (e.g. ``torch.int16`` for uint16).
+        OptionsError: (a ValueError) ``dtype`` cannot hold every id of the cache dtype (e.g.
+            ``torch.int16`` for uint16).
     """
 
     def __init__(self, sequences: PackedSequences, *, dtype: torch.dtype = torch.int64) -> None:
@@ -88,7 +89,7 @@ class Dataset(torch_data.Dataset):
         self.dtype = dtype
         self._numpy_dtype = torch.empty(0, dtype=dtype).numpy().dtype
         if self._numpy_dtype.kind not in "iu" or not np.can_cast(sequences.dtype, self._numpy_dtype, "safe"):
-            raise ValueError(
+            raise OptionsError(
                 f"dtype={dtype} cannot hold every id of the cache's {sequences.dtype} tokens; use "
                 "torch.int64 (the default)"
             )
@@ -197,7 +198,7 @@ class DataLoader(torch_data.DataLoader):
             ``multiprocessing_context``, ``timeout``, ... as for ``torch.utils.data.DataLoader``.
 
     Raises:
-        ValueError: a batching argument, or ``in_order=False``, was given.
+        OptionsError: (a ValueError) a batching argument, or ``in_order=False``, was given.
     """
 
     pin_memory: bool  # torch's attribute, declared for type checking without torch installed
@@ -205,13 +206,13 @@ class DataLoader(torch_data.DataLoader):
     def __init__(self, loader: Loader, *, shared_slots: bool = True, **kwargs: Any) -> None:
         for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "collate_fn", "drop_last"):
             if name in kwargs:
-                raise ValueError(
+                raise OptionsError(
                     f"streampack.torch.DataLoader makes batches with the Loader, so it takes no {name}= "
                     f"(got {name}={kwargs[name]!r}); set batch_size, shuffle, drop_last and collate on the "
                     "Loader instead"
                 )
         if kwargs.get("in_order") is False:
-            raise ValueError(
+            raise OptionsError(
                 "streampack.torch.DataLoader hands batches out in schedule order, which resuming relies on; "
                 "in_order=False is not supported"
             )

@@ -40,7 +40,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from streampack._checks import is_int
-from streampack.errors import LoaderStateError, MissingDependencyError
+from streampack.errors import LoaderStateError, MissingDependencyError, OptionsError
 from streampack.loader import Loader
 from streampack.loader.state import LOADER_FORMAT, read_loader_state
 
@@ -147,11 +147,11 @@ def stateful_dataloader(loader: Loader, **kwargs: Any) -> Any:
 
     Raises:
         MissingDependencyError: torchdata is not installed.
-        ValueError: a batching argument was given (the loader makes the batches).
+        OptionsError: (a ValueError) a batching argument was given (the loader makes the batches).
     """
     for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "collate_fn", "drop_last"):
         if name in kwargs:
-            raise ValueError(
+            raise OptionsError(
                 f"the Loader makes the batches, so stateful_dataloader takes no {name}= (got "
                 f"{name}={kwargs[name]!r}); set batch_size, shuffle, drop_last and collate on the Loader"
             )

@@ -65,8 +65,8 @@ def test_the_bos_token_of_tokenizer_config_starts_every_document(
     expected = [[GPT2_EOS, *encode(gpt2_tokenizer, t), GPT2_EOS] for t in TEXTS]
     assert docs_of(tmp_path / "c") == expected
     cache = streampack.open(tmp_path / "c")
-    assert cache.bos_id == GPT2_EOS and cache.manifest.bos == {"prepend": True, "id": GPT2_EOS}
-    assert cache.manifest.settings["bos"] is True
+    assert cache.bos_id == GPT2_EOS and cache.manifest.bos.to_json() == {"prepend": True, "id": GPT2_EOS}
+    assert cache.manifest.settings.bos is True
     report = streampack.verify(tmp_path / "c")
     assert report.ok, report.problems  # the BOS at each start is not an EOS inside a document
 

@@ -14,6 +14,7 @@ import streampack
 from streampack import BlockShuffle, Follow, Loader, Mixture
 from streampack._checks import bounds, check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
+from streampack.order.blockshuffle import BlockShuffled
 from streampack.order.permutation import Permutation
 from tests.conftest import write_jsonl
 
@@ -65,6 +66,9 @@ CASES: list[tuple[str, Call, str, str]] = [
     ("documents pad_id", lambda c, t: c.documents(8, pad_id=-1), "pad_id", "-1"),
     ("documents pad_id big", lambda c, t: c.documents(8, pad_id=2**16), "pad_id", "65536"),
     ("split seed", lambda c, t: c.split(0.1, seed=1.5), "seed", "1.5"),
+    ("split holdout count", lambda c, t: c.split(0), "holdout", "0"),
+    ("split holdout over", lambda c, t: c.split(10**6), "holdout", str(10**6)),
+    ("block-shuffled size", lambda c, t: BlockShuffled(0), "size", "0"),
     ("split side", lambda c, t: c.split(0.1)[0].sequences(0), "seq_len", "0"),
     ("Loader batch_size", lambda c, t: loader(c, batch_size=0), "batch_size", "0"),
     ("Loader seed", lambda c, t: loader(c, seed=-1), "seed", "-1"),

@@ -231,8 +231,8 @@ def test_the_build_digest_ignores_what_a_resumed_build_may_change(finished: Path
     manifest = streampack.open(finished).manifest
     moved = dataclasses.replace(
         manifest,
-        tokenizer={**manifest.tokenizer, "spec": "/elsewhere/tokenizer.json"},
-        settings={**manifest.settings, "tokenizer": "/elsewhere/tokenizer.json"},
+        tokenizer=dataclasses.replace(manifest.tokenizer, spec="/elsewhere/tokenizer.json"),
+        settings=dataclasses.replace(manifest.settings, tokenizer="/elsewhere/tokenizer.json"),
     )
     assert build_digest(moved) == build_digest(manifest)
     assert build_digest(dataclasses.replace(manifest, units=manifest.units[:-1])) != build_digest(manifest)

@@ -215,7 +215,7 @@ def test_datatrove_folder_dataset_reads_tokens_and_positions(
         ends = np.asarray(natural.shard_offsets(shard), dtype=np.int64)
         np.testing.assert_array_equal(np.fromfile(f"{path}.index", dtype="<u8"), ends)
         assert (path.parent / f"{path.name}.metadata").read_text().splitlines()[:2] == [
-            f"{natural.manifest.tokenizer['name']}|2",
+            f"{natural.manifest.tokenizer.name}|2",
             str(len(tokens)),
         ]
         for window in range(len(tokens) // (seq_len + 1)):

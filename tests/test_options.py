@@ -47,9 +47,9 @@ def test_the_spec_is_recorded_whole_and_run_options_never(tmp_path: Path) -> Non
         streampack.Documents(["a b"]), tmp_path / "c", workers=1, text_field="body", progress=False
     )
     settings = streampack.open(tmp_path / "c").manifest.settings
-    assert set(settings) == {f.name for f in dataclasses.fields(CacheSpec)}
-    assert settings["text_field"] == "body" and settings["max_piece_chars"] == 100_000
-    assert not set(settings) & {f.name for f in dataclasses.fields(RunOptions)}
+    assert set(settings.to_json()) == {f.name for f in dataclasses.fields(CacheSpec)}
+    assert settings.text_field == "body" and settings.max_piece_chars == 100_000
+    assert not set(settings.to_json()) & {f.name for f in dataclasses.fields(RunOptions)}
 
 
 CHANGES = {

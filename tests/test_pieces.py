@@ -261,8 +261,8 @@ def test_a_tokenizer_with_pieces_across_spaces_gets_no_speed_cuts_and_its_long_d
     reference = Tokenizer.from_file(str(path))
     for i, doc in enumerate(docs):
         assert cache.doc(i)[:-1].tolist() == reference.encode(doc).ids
-    assert cache.manifest.settings["max_piece_chars"] == INEXACT_CUT_PIECE_CHARS
-    assert cache.manifest.tokenizer["cuts"]["exact"] is False
+    assert cache.manifest.settings.max_piece_chars == INEXACT_CUT_PIECE_CHARS
+    assert cache.manifest.tokenizer.cuts is not None and cache.manifest.tokenizer.cuts.exact is False
 
 
 def test_memory_cuts_are_counted_in_the_manifest(tmp_path: Path) -> None:

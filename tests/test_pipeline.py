@@ -208,4 +208,4 @@ def test_default_piece_size_is_recorded(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "in.jsonl", [{"text": "a b c"}])
     streampack.build(path, tmp_path / "c")
     settings = streampack.open(tmp_path / "c").manifest.settings
-    assert settings["max_piece_chars"] == EXACT_CUT_PIECE_CHARS == 100_000
+    assert settings.max_piece_chars == EXACT_CUT_PIECE_CHARS == 100_000

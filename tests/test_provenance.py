@@ -73,7 +73,7 @@ def check_step(
     tokenizers: dict[str, Any] = {}
     for doc in found:
         cache = streampack.open(doc.cache)
-        spec = cache.manifest.tokenizer["spec"]
+        spec = cache.manifest.tokenizer.spec
         tokenizer = tokenizers.setdefault(spec, load_tokenizer(spec))
         tokens = cache.doc(doc.doc)
         assert doc.length == len(tokens)

@@ -233,7 +233,8 @@ def test_chat_loss_is_on_the_assistant_turns_and_content_stays_text(
     assert got[0][0].count(im_end) == len(CONVERSATION)  # the template's, not the contents' strings
     cache = streampack.open(tmp_path / "c")
     assert (
-        cache.manifest.settings["chat"] == "messages" and "chat_template_sha256" in cache.manifest.tokenizer
+        cache.manifest.settings.chat == "messages"
+        and cache.manifest.tokenizer.chat_template_sha256 is not None
     )
     assert streampack.verify(tmp_path / "c").ok
 

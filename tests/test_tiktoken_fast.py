@@ -127,7 +127,7 @@ def test_a_cl100k_cache_is_the_same_with_either_engine(tmp_path: Path, texts: li
             tokenizer_engine=engine,
         )
     plain, fast = streampack.open(tmp_path / "tiktoken"), streampack.open(tmp_path / "auto")
-    assert fast.manifest.engines[0]["name"] == "fastokens"
+    assert fast.manifest.engines[0].name == "fastokens"
     assert plain.num_docs == fast.num_docs == len(documents)
     for i in range(plain.num_docs):
         np.testing.assert_array_equal(plain.doc(i), fast.doc(i))

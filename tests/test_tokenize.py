@@ -104,7 +104,7 @@ def test_a_cache_holds_no_control_id_inside_a_document(
     for i in range(len(SPECIAL_TEXTS)):
         assert hf.doc(i).tolist() == tt.doc(i).tolist()
         assert 50256 not in hf.doc(i)[:-1].tolist() and hf.doc(i)[-1] == 50256
-    assert hf.manifest.settings["special_tokens"] == "text"
+    assert hf.manifest.settings.special_tokens == "text"
 
 
 def test_parsing_special_tokens_is_an_explicit_recorded_choice(
@@ -121,7 +121,7 @@ def test_parsing_special_tokens_is_an_explicit_recorded_choice(
         )
         cache = streampack.open(tmp_path / name)
         assert cache.doc(0).tolist() == [15496, 50256, 10603, 50256]
-        assert cache.manifest.settings["special_tokens"] == "parse"
+        assert cache.manifest.settings.special_tokens == "parse"
 
 
 # ------------------------------------------------------------------------------------ bad tokenizer files
@@ -229,7 +229,7 @@ def test_a_rebuild_after_the_tokenizer_file_changed_uses_the_new_one(tmp_path: P
         tok.save(str(path))
         streampack.build(docs, tmp_path / f"c{i}", tokenizer=str(path))
         cache = streampack.open(tmp_path / f"c{i}")
-        assert cache.manifest.tokenizer["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        assert cache.manifest.tokenizer.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
         assert cache.doc(0)[:-1].tolist() == tok.encode(TRAINING_TEXT[0], add_special_tokens=False).ids
         caches.append(cache)
     assert caches[0].num_tokens != caches[1].num_tokens

@@ -64,7 +64,7 @@ def test_gpt2_caches_are_byte_identical_across_engines(
     assert [(e["name"], e["reference"].split()[0], e["verify"]["mode"]) for e in engines] == [
         ("fastokens", "tiktoken", "sample")
     ]
-    assert load_manifest(tmp_path / "0").engines[0]["name"] == "tokenizers"
+    assert load_manifest(tmp_path / "0").engines[0].name == "tokenizers"
 
 
 def test_the_engine_is_not_a_setting_a_rerun_must_match(
@@ -498,7 +498,7 @@ def test_build_and_info_say_which_engine_ran_and_why(tmp_path: Path, gpt2_tokeni
     assert result.returncode == 0, result.stderr
     assert "tokenizer engine: tokenizers " in result.stdout and "(fastokens is not installed" in result.stdout
     engines = load_manifest(tmp_path / "none").engines
-    assert engines[0]["name"] == "tokenizers" and engines[0]["why"].startswith("fastokens is not installed")
+    assert engines[0].name == "tokenizers" and engines[0].why.startswith("fastokens is not installed")
 
 
 # ------------------------------------------------------------------------ who gets the fast engine

@@ -224,8 +224,11 @@ def test_plain_torch_dataloader_over_the_iterable_dataset(numbered: streampack.C
 
 def test_batching_arguments_are_refused(numbered: streampack.Cache) -> None:
     loader = Loader(numbered.sequences(SEQ_LEN), batch_size=4)
-    with pytest.raises(ValueError, match=r"takes no batch_size= \(got batch_size=8\); set batch_size"):
+    with pytest.raises(
+        ValueError, match=r"takes no batch_size= \(got batch_size=8\); set batch_size"
+    ) as refused:
         DataLoader(loader, batch_size=8)
+    assert isinstance(refused.value, OptionsError)  # the one type of a wrong argument, a ValueError
     with pytest.raises(ValueError, match="takes no shuffle="):
         DataLoader(loader, shuffle=True)
 

@@ -43,6 +43,13 @@ from streampack.format.names import LAYOUT_DIR as LAYOUT_DIR
 from streampack.format.names import LEDGER_DIR as LEDGER_DIR
 from streampack.format.names import LOCK, MANIFEST, dtype_name, shard_name, token_dtype
 from streampack.format.names import SHARD_DIR as SHARD_DIR
+from streampack.format.sections import (
+    BuildSettings,
+    Cuts,
+    EngineRecord,
+    TokenizerInfo,
+    Verification,
+)
 from streampack.inputs.discovery import check_output_outside_inputs
 from streampack.inputs.discovery import discover_inputs as discover_inputs
 from streampack.inputs.inputfile import Ignored as Ignored
@@ -146,19 +153,24 @@ def build(
     bos = resolve_bos(tokenizer, bos=spec.bos, bos_id=spec.bos_id)
     vocab_size = _vocab_size(tokenizer, eos, bos, allow_new_ids=run.allow_new_ids)
     fingerprint = tokenizer.fingerprint()
-    cuts = {"exact": tokenizer.cut_safety.exact, "reason": tokenizer.cut_safety.reason}
-    described = {**fingerprint, "vocab_size": vocab_size, "spec": spec.tokenizer, "cuts": cuts}
+    chat_sha256 = None
     if spec.chat is not None:
         chat = load_chat_template(tokenizer, spec.chat)
         read = replace(read, chat=chat)
-        described["chat_template_sha256"] = chat.sha256  # compared on resume, as the tokenizer's own hash
+        chat_sha256 = chat.sha256  # compared on resume, as the tokenizer's own hash
+    described = TokenizerInfo(
+        **{**fingerprint, "vocab_size": vocab_size},
+        spec=spec.tokenizer,
+        cuts=Cuts(tokenizer.cut_safety.exact, tokenizer.cut_safety.reason),
+        chat_template_sha256=chat_sha256,
+    )
     manifest = Manifest(
         tokenizer=described,
         dtype=dtype_name(token_dtype(vocab_size)),
-        eos=eos.to_json(),
-        bos=bos.to_json(),
+        eos=eos,
+        bos=bos,
         loss_mask=spec.sft,
-        settings=spec.to_json(),
+        settings=BuildSettings(**spec.to_json()),
         inputs=plan.inputs,
         units=[u.describe() for u in plan.units],
         ignored_inputs=plan.ignored,
@@ -228,31 +240,30 @@ def _verify_mode(tokenizer: Tokenizer, run: RunOptions) -> VerifyTokens:
     return "none" if tokenizer.engine is tokenizer.reference_engine() else run.verify_tokens
 
 
-def engine_summary(entry: dict[str, Any]) -> str:
+def engine_summary(entry: EngineRecord) -> str:
     """One line for a manifest's engine entry: which engine computed the ids, why, and how they were checked
     against the reference engine."""
-    name = f"{entry['name']} {entry['version']}"
-    why = f"{entry['why']}; " if entry.get("why") else ""
-    if name == entry.get("reference"):
+    name = f"{entry.name} {entry.version}"
+    why = f"{entry.why}; " if entry.why else ""
+    if name == entry.reference:
         return f"{name} ({why}the tokenizer's reference engine)"
-    verify = entry.get("verify") or {}
+    verify = entry.verify or Verification("")
     checked = {
-        "sample": f"first {verify.get('first', 0):,} records + {verify.get('rate', 0):.1%} re-encoded",
+        "sample": f"first {verify.first or 0:,} records + {verify.rate or 0:.1%} re-encoded",
         "all": "every record re-encoded",
         "none": "not verified",
-    }.get(verify.get("mode", ""), "verification not recorded")
-    return f"{name} ({why}reference {entry.get('reference')}; {checked})"
+    }.get(verify.mode, "verification not recorded")
+    return f"{name} ({why}reference {entry.reference}; {checked})"
 
 
-def _engine_entry(tokenizer: Tokenizer, run: RunOptions) -> dict[str, Any]:
+def _engine_entry(tokenizer: Tokenizer, run: RunOptions) -> EngineRecord:
     """The manifest's record of the engine of this run, and how its ids were checked against the reference."""
-    entry: dict[str, Any] = describe_engine(tokenizer)
     mode = _verify_mode(tokenizer, run)
+    verify = None
     if tokenizer.engine is not tokenizer.reference_engine():
-        entry["verify"] = {"mode": mode}
-        if mode == "sample":
-            entry["verify"].update(first=VERIFY_FIRST, rate=VERIFY_RATE)
-    return entry
+        verify = Verification(mode, VERIFY_FIRST, VERIFY_RATE) if mode == "sample" else Verification(mode)
+    engine = describe_engine(tokenizer)
+    return EngineRecord(engine["name"], engine["version"], engine["reference"], engine["why"], verify=verify)
 
 
 def _build_remote(
@@ -324,7 +335,7 @@ def _build_locked(
     return _summarize(summary, final)
 
 
-def _engines(before: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _engines(before: list[EngineRecord], now: list[EngineRecord]) -> list[EngineRecord]:
     """The engines of the earlier runs of a resumed build, then this run's unless it is one of them."""
     return before + [e for e in now if e not in before]
 

@@ -4,13 +4,14 @@ or the cache there checked to be the same build (settings, tokenizer, inputs unc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from streampack.errors import CacheError, ConfigMismatchError, StreampackError
 from streampack.format.identity import build_identity
 from streampack.format.manifest import Manifest
 from streampack.format.names import LAYOUT_DIR, LEDGER_DIR, LOCK, MANIFEST, SHARD_DIR
+from streampack.format.sections import InputRecord
 from streampack.store import LocalStore
 from streampack.store.files import load_manifest
 
@@ -69,8 +70,8 @@ def check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> Non
             f"{root} holds a cache built with other settings ({'; '.join(differences)}); use another output "
             "directory, or overwrite=True to start over"
         )
-    python = [i for i in new.inputs if i["path"].startswith("python:")]
-    unidentified = [i["path"] for i in python if not i.get("fingerprint")]
+    python = [i for i in new.inputs if i.python]
+    unidentified = [i.path for i in python if not i.fingerprint]
     if unidentified:
         raise ConfigMismatchError(
             f"{root} holds a cache built from Python objects ({unidentified[0]}), and streampack cannot tell "
@@ -86,18 +87,19 @@ def check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> Non
         )
 
 
-def _changed_inputs(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> str:
-    old_paths, new_paths = [i["path"] for i in old], [i["path"] for i in new]
+def _changed_inputs(old: Sequence[InputRecord], new: Sequence[InputRecord]) -> str:
+    old_paths, new_paths = [i.path for i in old], [i.path for i in new]
     if old_paths != new_paths:
         return (
             f"the cache was built from {len(old_paths)} inputs starting {old_paths[:2]}, not {new_paths[:2]}"
         )
-    for before, now in zip(old, new):
+    for old_input, new_input in zip(old, new):
+        before, now = old_input.to_json(), new_input.to_json()
         changed = [
             f"{key} {before.get(key)} -> {now.get(key)}"
             for key in sorted(before | now)
             if before.get(key) != now.get(key)
         ]
         if changed:
-            return f"{now['path']}: {', '.join(changed)}"
+            return f"{new_input.path}: {', '.join(changed)}"
     return ""

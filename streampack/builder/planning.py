@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streampack.builder.options import CacheSpec
+from streampack.format.sections import IgnoredEntry, IgnoredInputs, InputRecord
 from streampack.inputs.discovery import discover_inputs
 from streampack.inputs.inputfile import Ignored
 from streampack.inputs.records import Documents, ReadOptions, WorkUnit, refuse_text_for_sft
@@ -22,8 +23,8 @@ from streampack.inputs.units import plan_python_units, plan_units
 @dataclass(frozen=True)
 class _Plan:
     units: list[WorkUnit]
-    inputs: list[dict[str, Any]]  # the manifest's record of each input read
-    ignored: dict[str, Any]  # what discovery skipped: counts by reason, and the first few entries
+    inputs: list[InputRecord]  # the manifest's record of each input read
+    ignored: IgnoredInputs  # what discovery skipped: counts by reason, and the first few entries
 
 
 def plan_inputs(inputs: Any, read: ReadOptions, spec: CacheSpec) -> _Plan:
@@ -31,22 +32,23 @@ def plan_inputs(inputs: Any, read: ReadOptions, spec: CacheSpec) -> _Plan:
     documents = as_documents(inputs)
     if documents is not None:
         items = documents.items if isinstance(documents, Documents) else documents
-        stat = {"path": f"python:{type(items).__name__}", "size": _len_or_none(items), "mtime_ns": None}
-        stat["fingerprint"] = _python_fingerprint(documents)
-        return _Plan(plan_python_units(items), [stat], {})
+        path = f"python:{type(items).__name__}"
+        stat = InputRecord(path, _len_or_none(items), None, _python_fingerprint(documents))
+        return _Plan(plan_python_units(items), [stat], IgnoredInputs())
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     found = discover_inputs(paths)
     if spec.sft:
         refuse_text_for_sft(found.files, "fields=[...]" if spec.fields is not None else "chat=...")
-    return _Plan(plan_units(found.files, read), [f.stat_json() for f in found.files], _ignored(found.ignored))
+    inputs = [InputRecord(f.path, f.size, f.mtime_ns) for f in found.files]
+    return _Plan(plan_units(found.files, read), inputs, _ignored(found.ignored))
 
 
-def _ignored(entries: list[Ignored]) -> dict[str, Any]:
+def _ignored(entries: list[Ignored]) -> IgnoredInputs:
     if not entries:
-        return {}
+        return IgnoredInputs()
     reasons = Counter(e.reason.split(" of ")[0] for e in entries)  # "duplicate of X" counts as "duplicate"
-    first = [{"path": e.path, "reason": e.reason} for e in entries[:_IGNORED_LISTED]]
-    return {"count": len(entries), "by_reason": dict(sorted(reasons.items())), "first": first}
+    first = tuple(IgnoredEntry(e.path, e.reason) for e in entries[:_IGNORED_LISTED])
+    return IgnoredInputs(len(entries), dict(sorted(reasons.items())), first)
 
 
 _IGNORED_LISTED = 20

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from streampack.builder.coordinator import engine_summary
 from streampack.errors import StreampackError, TokenizerError
 from streampack.format.manifest import FORMAT_VERSION, Manifest
 from streampack.format.names import OFFSET_DTYPE
+from streampack.format.sections import EngineRecord, IgnoredInputs, InputRecord
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
 from streampack.reader.verify import verify as verify_cache
@@ -59,12 +61,12 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "num_tokens": cache.num_tokens,
         "num_shards": cache.num_shards,
         "bytes": int(size),
-        "tokenizer": f"{tokenizer['kind']}:{tokenizer['name']} ({tokenizer.get('spec', '?')})",
+        "tokenizer": f"{tokenizer.kind}:{tokenizer.name} ({tokenizer.spec or '?'})",
         "vocab_size": cache.vocab_size,
         "dtype": cache.dtype.name,
         "eos_id": cache.eos_id,
         "bos_id": cache.bos_id,
-        "special_tokens": cache.manifest.settings.get("special_tokens", "not recorded"),
+        "special_tokens": cache.manifest.settings.special_tokens or "not recorded",
         "tokenizer_engine": _engines_summary(cache.manifest.engines),
         "sft": _sft_summary(cache.manifest),
         "loss_mask": cache.has_loss_mask,
@@ -95,7 +97,7 @@ def _no_target_docs(cache: Cache) -> int:
     return count
 
 
-def _engines_summary(engines: list[dict[str, Any]]) -> str:
+def _engines_summary(engines: list[EngineRecord]) -> str:
     """Which engines computed the ids (over the runs of a resumed build), why, and how they were verified."""
     if not engines:
         return "not recorded"
@@ -104,7 +106,7 @@ def _engines_summary(engines: list[dict[str, Any]]) -> str:
 
 def _sft_summary(manifest: Manifest) -> str:
     """What an SFT build made its documents of, and that its shards carry a loss mask."""
-    fields, chat = manifest.settings.get("fields"), manifest.settings.get("chat")
+    fields, chat = manifest.settings.fields, manifest.settings.chat
     if fields:
         return f"fields {', '.join(fields)} (loss on {fields[-1]} and EOS; loss mask: yes)"
     if chat:
@@ -112,29 +114,29 @@ def _sft_summary(manifest: Manifest) -> str:
     return "no (plain text; no loss mask)"
 
 
-def _inputs_read(inputs: list[dict[str, Any]]) -> str:
-    paths = [i["path"] for i in inputs]
+def _inputs_read(inputs: Sequence[InputRecord]) -> str:
+    paths = [i.path for i in inputs]
     if len(paths) <= 2:
         return ", ".join(paths) or "none"
     return f"{len(paths):,} files: {paths[0]} .. {paths[-1]}"
 
 
-def _ignored_summary(ignored: dict[str, Any]) -> str:
+def _ignored_summary(ignored: IgnoredInputs) -> str:
     """Entries under the input directories and globs that were not read, by reason."""
-    if not ignored:
+    if not ignored.count:
         return "none"
-    reasons = ", ".join(f"{n:,} {reason}" for reason, n in ignored["by_reason"].items())
-    first = ignored["first"][0]
-    return f"{ignored['count']:,} ({reasons}), e.g. {first['path']} ({first['reason']})"
+    reasons = ", ".join(f"{n:,} {reason}" for reason, n in ignored.by_reason.items())
+    first = ignored.first[0]
+    return f"{ignored.count:,} ({reasons}), e.g. {first.path} ({first.reason})"
 
 
 def _cuts_summary(manifest: Manifest) -> str:
     """How many cuts of long documents may have changed tokens, and why cuts at spaces are exact or not."""
-    cuts = manifest.tokenizer.get("cuts")
+    cuts = manifest.tokenizer.cuts
     if not cuts:
         return f"{manifest.inexact_cuts:,}"
-    exact = "exact" if cuts["exact"] else "not proven exact"
-    return f"{manifest.inexact_cuts:,}; cuts at spaces: {exact} ({cuts['reason']})"
+    exact = "exact" if cuts.exact else "not proven exact"
+    return f"{manifest.inexact_cuts:,}; cuts at spaces: {exact} ({cuts.reason})"
 
 
 @click.command()
@@ -237,7 +239,7 @@ def _decoder(cache: Cache, given: str | None) -> Tokenizer:
     ids into other text, silently. A tokenizer given explicitly is used whatever its hash, with a warning.
     """
     built_with = cache.manifest.tokenizer
-    spec = given or str(built_with.get("spec", "bytes"))
+    spec = given or built_with.spec or "bytes"
     path = spec.removeprefix("tiktoken:")
     if given is None and spec != "bytes" and not Path(path).exists():
         where = (
@@ -249,7 +251,7 @@ def _decoder(cache: Cache, given: str | None) -> Tokenizer:
             f"the cache was built with tokenizer {spec!r}, {where}: pass --tokenizer PATH to decode with it"
         )
     decoder = load_tokenizer(spec)
-    expected, actual = built_with.get("sha256"), decoder.fingerprint()["sha256"]
+    expected, actual = built_with.sha256, decoder.fingerprint()["sha256"]
     if expected and actual != expected:
         mismatch = f"tokenizer {spec!r} has sha256 {actual}, but the cache was built with sha256 {expected}"
         if given is None:

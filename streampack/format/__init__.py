@@ -15,6 +15,10 @@ The package is pure (it imports nothing of streampack's but :mod:`streampack.err
 
 * :mod:`~streampack.format.names`: keys, directory and shard names, the token dtype rule, checksum text;
 * :mod:`~streampack.format.manifest`: :class:`Manifest` and its shard table, to and from JSON;
+* :mod:`~streampack.format.record`: :class:`~streampack.format.record.Section`, a JSON object as a typed
+  record that writes back the JSON it was read from;
+* :mod:`~streampack.format.sections`: the manifest's other sections as typed records (tokenizer, EOS and
+  BOS policies, settings, inputs, engines, skipped inputs) that write back the JSON they were read from;
 * :mod:`~streampack.format.ledger`: :class:`~streampack.format.ledger.LedgerEntry`, one ledger entry;
 * :mod:`~streampack.format.identity`: what identifies a build (resume, follow).
 
@@ -58,6 +62,15 @@ from streampack.format.names import (
     tokens_path,
     with_checksum,
 )
+from streampack.format.sections import (
+    BosPolicy,
+    BuildSettings,
+    EngineRecord,
+    EosPolicy,
+    IgnoredInputs,
+    InputRecord,
+    TokenizerInfo,
+)
 
 __all__ = [
     "FORMAT_NAME",
@@ -70,9 +83,16 @@ __all__ = [
     "OFFSET_DTYPE",
     "READABLE_VERSIONS",
     "SHARD_DIR",
+    "BosPolicy",
+    "BuildSettings",
+    "EngineRecord",
+    "EosPolicy",
+    "IgnoredInputs",
+    "InputRecord",
     "Manifest",
     "ShardInfo",
     "ShardTable",
+    "TokenizerInfo",
     "build_digest",
     "build_identity",
     "checked_shard_name",

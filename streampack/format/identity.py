@@ -11,22 +11,24 @@ import hashlib
 import json
 from typing import Any
 
-from streampack.format.manifest import Manifest
+from streampack.format.manifest import Manifest, inputs_json
 
 
 def build_identity(manifest: Manifest) -> dict[str, Any]:
     """What a resumed build must share with the cache, one setting per key (the tokenizer by its hash:
     the same tokenizer may be named by another path). Settings that a cache written before they existed
-    lacks read as their defaults, which is what such a build did."""
-    config = manifest.build_config()
-    tokenizer = {k: v for k, v in config["tokenizer"].items() if k != "spec"}
-    settings = {k: v for k, v in config["settings"].items() if k != "tokenizer"}
+    lacks read as their defaults, which is what such a build did.
+
+    Computed from the sections' JSON, as written: a key a later version added (an extra of a section) is
+    compared too."""
+    tokenizer = {k: v for k, v in manifest.tokenizer.to_json().items() if k != "spec"}
+    settings = {k: v for k, v in manifest.settings.to_json().items() if k != "tokenizer"}
     for key, value in _LATER_SETTINGS.items():
         settings.setdefault(key, value)
     # The policies as resolved (the tokenizer's own EOS or BOS may come from a tokenizer_config.json, which
     # the tokenizer's hash does not cover), keyed apart from the settings of the same name.
-    policies = {"eos_policy": config["eos"], "bos_policy": config["bos"]}
-    return {"tokenizer": tokenizer, "dtype": config["dtype"], **policies, **settings}
+    policies = {"eos_policy": manifest.eos.to_json(), "bos_policy": manifest.bos.to_json()}
+    return {"tokenizer": tokenizer, "dtype": manifest.dtype, **policies, **settings}
 
 
 # Settings added after caches were first written, with the value that those caches were built with.
@@ -39,7 +41,7 @@ def build_digest(manifest: Manifest) -> str:
     and work units."""
     fields = {
         "identity": build_identity(manifest),
-        "inputs": manifest.inputs,
+        "inputs": inputs_json(manifest.inputs),
         "units": manifest.units,
         "loss_mask": manifest.loss_mask,
     }

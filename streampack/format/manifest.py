@@ -9,7 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,13 +18,25 @@ import numpy as np
 
 from streampack.errors import CacheError
 from streampack.format.names import checked_shard_name, checksum_text, manifest_checksum, shard_name
+from streampack.format.sections import (
+    BosPolicy,
+    BuildSettings,
+    EngineRecord,
+    EosPolicy,
+    IgnoredInputs,
+    InputRecord,
+    InputRecords,
+    Section,
+    TokenizerInfo,
+    sections_of,
+)
 
 FORMAT_NAME = "streampack-cache"
 FORMAT_VERSION = 2  # 2: the shard table as columns (ShardTable); version 1 (rows) is still read
 READABLE_VERSIONS = (1, 2)
 _CHECKSUM = re.compile(r"^crc32:[0-9a-f]{8}$")
 _CHECKSUMS = re.compile(r"(?:crc32:[0-9a-f]{8})*")
-NO_BOS: dict[str, Any] = {"prepend": False, "id": None}
+NO_BOS = BosPolicy(False, None)  # the policy of a cache written before BOS existed
 
 
 @dataclass(frozen=True)
@@ -224,28 +237,31 @@ class Manifest:
     and the committed prefix is described by the ledger.
     """
 
-    tokenizer: dict[str, Any]
+    tokenizer: TokenizerInfo
     dtype: str
-    eos: dict[str, Any]
-    settings: dict[str, Any]
-    inputs: list[dict[str, Any]]
+    eos: EosPolicy
+    settings: BuildSettings
+    inputs: Sequence[InputRecord]  # InputRecords when read from a file
     units: list[str]
     complete: bool = False
     table: ShardTable = field(default_factory=ShardTable.empty)
     skipped_records: int = 0
     empty_docs: int = 0
     inexact_cuts: int = 0
-    ignored_inputs: dict[str, Any] = field(default_factory=dict)
-    bos: dict[str, Any] = field(default_factory=lambda: dict(NO_BOS))
+    ignored_inputs: IgnoredInputs = field(default_factory=IgnoredInputs)
+    bos: BosPolicy = NO_BOS
     loss_mask: bool = False  # an SFT build: every shard has a .mask file
     # Informational, not compared on resume (every engine gives the same ids): the engines that computed
     # the ids, one entry per distinct engine and verification over the runs that built the cache.
-    engines: list[dict[str, Any]] = field(default_factory=list)
+    engines: list[EngineRecord] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _accept_dict_sections(self)
 
     @property
     def vocab_size(self) -> int:
         """Number of token ids of the tokenizer (every id in the cache is below it)."""
-        return int(self.tokenizer["vocab_size"])
+        return self.tokenizer.vocab_size
 
     @property
     def shards(self) -> list[ShardInfo]:
@@ -265,11 +281,11 @@ class Manifest:
     def build_config(self) -> dict[str, Any]:
         """The settings a resumed build must share with this cache."""
         return {
-            "tokenizer": self.tokenizer,
+            "tokenizer": self.tokenizer.to_json(),
             "dtype": self.dtype,
-            "eos": self.eos,
-            "bos": self.bos,
-            "settings": self.settings,
+            "eos": self.eos.to_json(),
+            "bos": self.bos.to_json(),
+            "settings": self.settings.to_json(),
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -279,21 +295,21 @@ class Manifest:
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "complete": self.complete,
-            "tokenizer": self.tokenizer,
+            "tokenizer": self.tokenizer.to_json(),
             "dtype": self.dtype,
-            "eos": self.eos,
-            "bos": self.bos,
+            "eos": self.eos.to_json(),
+            "bos": self.bos.to_json(),
             "loss_mask": self.loss_mask,
-            "settings": self.settings,
-            "inputs": self.inputs,
+            "settings": self.settings.to_json(),
+            "inputs": inputs_json(self.inputs),
             "units": self.units,
             "num_docs": self.num_docs,
             "num_tokens": self.num_tokens,
             "skipped_records": self.skipped_records,
             "empty_docs": self.empty_docs,
             "inexact_cuts": self.inexact_cuts,
-            "ignored_inputs": self.ignored_inputs,
-            "engines": self.engines,
+            "ignored_inputs": self.ignored_inputs.to_json(),
+            "engines": [e.to_json() for e in self.engines],
             "shards": self.table.to_json(self.loss_mask),
         }
 
@@ -311,7 +327,7 @@ def parse_manifest(raw: Any, path: str) -> Manifest:
     """
     _check_manifest_checksum(path, raw)
     try:
-        return _parse_manifest(raw)
+        return _parse_manifest(raw, path)
     except (KeyError, TypeError, ValueError) as e:
         raise CacheError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
 
@@ -352,7 +368,7 @@ def _check_manifest_checksum(path: str, raw: Any) -> None:
         )
 
 
-def _parse_manifest(raw: Any) -> Manifest:
+def _parse_manifest(raw: Any, path: str) -> Manifest:
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
         raise ValueError(f"not a {FORMAT_NAME} manifest")
     version = raw["format_version"]
@@ -361,14 +377,9 @@ def _parse_manifest(raw: Any) -> Manifest:
             f"cache format version {version!r} is not supported by this streampack (it reads versions "
             f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade streampack or rebuild the cache"
         )
-    _require(raw["tokenizer"], {"kind": str, "name": str, "vocab_size": int}, "tokenizer")
-    _require(raw["eos"], {"append": bool}, "eos")
-    if raw["eos"]["append"] and not isinstance(raw["eos"].get("id"), int):
-        raise ValueError("eos.id must be an integer when eos.append is true")
-    bos = raw.get("bos", NO_BOS)  # written before BOS existed: none
-    _require(bos, {"prepend": bool}, "bos")
-    if bos["prepend"] and not _is_count(bos.get("id")):
-        raise ValueError("bos.id must be a non-negative integer when bos.prepend is true")
+    tokenizer = TokenizerInfo.from_json(raw["tokenizer"], where=path)
+    eos = EosPolicy.from_json(raw["eos"], where=path)
+    bos = BosPolicy.from_json(raw["bos"], where=path) if "bos" in raw else NO_BOS  # before BOS existed: none
     dtype = raw["dtype"]
     if dtype not in ("uint16", "uint32"):
         raise ValueError(f"dtype {dtype!r} is not uint16 or uint32")
@@ -382,28 +393,25 @@ def _parse_manifest(raw: Any) -> Manifest:
         table = _table_of_rows(raw["shards"], loss_mask)
     else:
         table = ShardTable.from_json(raw["shards"], loss_mask)
-    vocab = raw["tokenizer"]["vocab_size"]
-    if (
-        not isinstance(vocab, int)
-        or not 0 < vocab <= np.iinfo(np.uint16 if dtype == "uint16" else np.uint32).max + 1
-    ):
+    vocab = tokenizer.vocab_size
+    if not 0 < vocab <= np.iinfo(np.uint16 if dtype == "uint16" else np.uint32).max + 1:
         raise ValueError(f"vocab_size {vocab!r} does not fit dtype {dtype}")
     manifest = Manifest(
-        tokenizer=dict(raw["tokenizer"]),
+        tokenizer=tokenizer,
         dtype=dtype,
-        eos=dict(raw["eos"]),
-        settings=dict(raw["settings"]),
-        inputs=list(raw["inputs"]),
+        eos=eos,
+        settings=BuildSettings.from_json(raw["settings"], where=path),
+        inputs=InputRecords.from_json(raw["inputs"], where=path),
         units=units,
         complete=bool(raw["complete"]),
         table=table,
         skipped_records=int(raw.get("skipped_records", 0)),
         empty_docs=int(raw.get("empty_docs", 0)),
         inexact_cuts=int(raw.get("inexact_cuts", 0)),
-        ignored_inputs=dict(raw.get("ignored_inputs", {})),
-        bos=dict(bos),
+        ignored_inputs=IgnoredInputs.from_json(raw.get("ignored_inputs", {}), where=path),
+        bos=bos,
         loss_mask=loss_mask,
-        engines=list(raw.get("engines", [])),
+        engines=list(sections_of(raw.get("engines", []), EngineRecord, where=path, name="engines")),
     )
     if manifest.complete and (raw["num_docs"], raw["num_tokens"]) != (manifest.num_docs, manifest.num_tokens):
         raise ValueError("num_docs/num_tokens disagree with the shard table")
@@ -434,13 +442,47 @@ def _table_of_rows(raw: Any, masked: bool) -> ShardTable:
     )
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def inputs_json(inputs: Sequence[InputRecord]) -> list[dict[str, Any]]:
+    """The manifest's ``inputs``: as read (:class:`InputRecords`), or each record's JSON."""
+    return inputs.to_json() if isinstance(inputs, InputRecords) else [i.to_json() for i in inputs]
 
 
-def _require(section: Any, fields: dict[str, type], name: str) -> None:
-    if not isinstance(section, dict):
-        raise ValueError(f"{name} must be an object")
-    for key, kind in fields.items():
-        if not isinstance(section.get(key), kind) or (kind is int and isinstance(section.get(key), bool)):
-            raise ValueError(f"{name}.{key} must be a {kind.__name__} (got {section.get(key)!r})")
+def _accept_dict_sections(manifest: Manifest) -> None:
+    """Turn sections given as dicts (as before they were records) into their records, with a warning."""
+    singles: dict[str, type[Section]] = {
+        "tokenizer": TokenizerInfo,
+        "eos": EosPolicy,
+        "bos": BosPolicy,
+        "settings": BuildSettings,
+        "ignored_inputs": IgnoredInputs,
+    }
+    given = [name for name in singles if isinstance(getattr(manifest, name), Mapping)]
+    lists: dict[str, type[Section]] = {"inputs": InputRecord, "engines": EngineRecord}
+    given += [
+        n
+        for n in lists
+        if not isinstance(getattr(manifest, n), InputRecords)  # read from a file: checked, records on access
+        and any(isinstance(item, Mapping) for item in getattr(manifest, n))
+    ]
+    if not given:
+        return
+    warnings.warn(
+        f"Manifest({', '.join(f'{n}=' for n in given)}...) given as dicts is deprecated: give their records "
+        "(streampack.format.sections: TokenizerInfo, EosPolicy, BosPolicy, BuildSettings, InputRecord, ...)",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    for name, cls in singles.items():
+        value = getattr(manifest, name)
+        if isinstance(value, Mapping):
+            object.__setattr__(manifest, name, cls.from_json(dict(value), where="Manifest()", name=name))
+    for name, item_cls in lists.items():
+        if name not in given:
+            continue
+        items = [
+            item_cls.from_json(dict(item), where="Manifest()", name=f"{name}[{i}]")
+            if isinstance(item, Mapping)
+            else item
+            for i, item in enumerate(getattr(manifest, name))
+        ]
+        object.__setattr__(manifest, name, items)

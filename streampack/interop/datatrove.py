@@ -48,7 +48,7 @@ def check(cache: Cache, options: Options) -> None:
 def tokenizer_name(cache: Cache) -> str:
     """What ``.ds.metadata`` names the tokenizer by."""
     tokenizer = cache.manifest.tokenizer
-    return str(tokenizer.get("name") or tokenizer.get("spec") or "Unknown Tokenizer").replace("|", "/")
+    return str(tokenizer.name or tokenizer.spec or "Unknown Tokenizer").replace("|", "/")
 
 
 def short_count(count: int) -> str:

@@ -329,8 +329,8 @@ class _Inputs:
         self.cache = cache
         manifest = cache.manifest
         settings = manifest.settings
-        self.read = ReadOptions(settings["text_field"], settings["split_lines"], settings["unit_bytes"])
-        self.python = any(str(i["path"]).startswith("python:") for i in manifest.inputs)
+        self.read = ReadOptions(settings.text_field, settings.split_lines, settings.unit_bytes)
+        self.python = any(i.python for i in manifest.inputs)
         self.documents = documents
         self._units: list[WorkUnit] | None = None
         self._now: dict[str, InputFile] = {}
@@ -385,7 +385,7 @@ class _Inputs:
     def _files(self) -> list[InputFile]:
         """The input files as the build saw them (its sizes plan the units), found where they were."""
         recorded = self.cache.manifest.inputs
-        paths = [str(i["path"]) for i in recorded]
+        paths = [i.path for i in recorded]
         try:
             now = discover_inputs(paths).files
         except InputError as e:
@@ -401,7 +401,7 @@ class _Inputs:
             )
         self._now = {file.path: file for file in now}
         return [
-            dataclasses.replace(file, size=i["size"], mtime_ns=i["mtime_ns"])
+            dataclasses.replace(file, size=file.size if i.size is None else i.size, mtime_ns=i.mtime_ns)
             for file, i in zip(now, recorded)
         ]
 

@@ -144,8 +144,7 @@ class BlockShuffled(OneSource):
         name: str = "data",
     ) -> None:
         BlockShuffle(block, window)  # validates
-        if size < 1:
-            raise OptionsError(f"a block-shuffled source needs at least one sample (got size={size})")
+        check_int("size", size, min=1, hint="a block-shuffled source needs at least one sample")
         super().__init__(size, seed=seed, epochs=epochs, data=data, name=name)
         self.block, self.window = block, window
         self.num_blocks = -(-size // block)

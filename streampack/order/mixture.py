@@ -339,11 +339,7 @@ def _checked_sources(sources: Mapping[str, Any]) -> dict[str, Any]:
         cache = getattr(data, "cache", None)
         if cache is not None:
             tokenizer = cache.manifest.tokenizer
-            tokenizers[name] = (
-                tokenizer["kind"],
-                tokenizer.get("sha256") or tokenizer["name"],
-                tokenizer["vocab_size"],
-            )
+            tokenizers[name] = (tokenizer.kind, tokenizer.identity, tokenizer.vocab_size)
     if len(set(widths.values())) > 1:
         raise OptionsError(f"the sources' samples must have one width (seq_len + overlap); got {widths}")
     if len(set(tokenizers.values())) > 1:

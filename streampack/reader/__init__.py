@@ -141,12 +141,12 @@ class Cache:
     @property
     def eos_id(self) -> int | None:
         """The EOS id appended after every document, or None."""
-        return self.manifest.eos["id"] if self.manifest.eos["append"] else None
+        return self.manifest.eos.appended
 
     @property
     def bos_id(self) -> int | None:
         """The BOS id put before every document, or None (also for caches written before BOS existed)."""
-        return self.manifest.bos["id"] if self.manifest.bos["prepend"] else None
+        return self.manifest.bos.prepended
 
     @functools.cached_property
     def content_digest(self) -> str:

@@ -344,8 +344,7 @@ def _check_shard(
     offset_problems = _check_offsets(offsets_file, offsets, info.num_tokens)
     problems += offset_problems
     sound = not offset_problems
-    eos = manifest.eos["id"] if manifest.eos["append"] else None
-    bos = manifest.bos["id"] if manifest.bos["prepend"] else None
+    eos, bos = manifest.eos.appended, manifest.bos.prepended
     ends = np.asarray(offsets, dtype=np.int64)
     starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
     places = {}  # what must stand at each document's end and start, when the offsets are sound
@@ -408,9 +407,9 @@ def _check_mask(
     if check_places and len(ends):
         starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         nothing = np.zeros(len(ends), dtype=bool)
-        if manifest.eos["append"]:
+        if manifest.eos.append:
             places["EOS"] = (ends - 1, 1, nothing)
-        if manifest.bos["prepend"]:
+        if manifest.bos.prepend:
             places["BOS"] = (starts, 0, nothing)
     try:
         scan = _scan(source.chunks(key, np.dtype(np.uint8), info.num_tokens), 2, [], ends, places)
@@ -462,10 +461,9 @@ def _stray_controls(manifest: Manifest) -> list[_Control]:
     a chat template writes special tokens (``<|im_end|>`` may be the EOS token) as their ids.
     """
     settings = manifest.settings
-    if settings.get("special_tokens") == "parse" or settings.get("chat"):
+    if settings.special_tokens == "parse" or settings.chat:
         return []
-    eos = manifest.eos["id"] if manifest.eos["append"] else None
-    bos = manifest.bos["id"] if manifest.bos["prepend"] else None
+    eos, bos = manifest.eos.appended, manifest.bos.prepended
     controls = []
     if eos is not None:
         controls.append(_Control("EOS", eos, at_start=eos == bos, at_end=True))

@@ -163,12 +163,8 @@ def split(cache: Cache, holdout: float, *, seed: int = 0) -> tuple[DocumentSet, 
     """
     check_int("seed", seed)
     if isinstance(holdout, numbers.Integral) and not isinstance(holdout, bool):
-        count = int(holdout)
-        if not 1 <= count <= cache.num_docs:
-            raise OptionsError(
-                f"holdout={count} documents: it must be between 1 and the cache's {cache.num_docs} documents "
-                "(or a fraction such as 0.01)"
-            )
+        hint = f"a number of the cache's {cache.num_docs} documents, or a fraction such as 0.01"
+        count = check_int("holdout", holdout, min=1, max=cache.num_docs, hint=hint)
         hashes = doc_hashes(np.arange(cache.num_docs, dtype=np.uint64), int(seed))
         threshold = int(np.partition(hashes, count - 1)[count - 1]) + 1
         described = f"count:{count}"

@@ -29,6 +29,7 @@ from streampack.format.names import (
     tokens_path,
     with_checksum,
 )
+from streampack.format.sections import BuildSettings, EosPolicy, TokenizerInfo
 from streampack.store import encode_json
 from streampack.store.files import load_manifest, write_manifest
 
@@ -122,10 +123,10 @@ def _dtype(vocab_size: int) -> np.dtype:
 
 def _write_manifest(root: Path, shards: list[ShardInfo], vocab_size: int, eos_id: int) -> None:
     manifest = Manifest(
-        tokenizer={"kind": "synthetic", "name": "synthetic", "sha256": "", "vocab_size": vocab_size},
+        tokenizer=TokenizerInfo("synthetic", "synthetic", vocab_size, sha256=""),
         dtype=_dtype(vocab_size).name,
-        eos={"append": True, "id": eos_id},
-        settings={"synthetic": True},
+        eos=EosPolicy(True, eos_id),
+        settings=BuildSettings.from_json({"synthetic": True}),  # none of a build's settings
         inputs=[],
         units=[s.unit for s in shards],
         complete=True,

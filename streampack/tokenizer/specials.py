@@ -1,44 +1,21 @@
 """The EOS and BOS policies: whether a build appends an EOS id after every document and puts a BOS id before
 it, and which ids, from the options and the tokenizer's own tokens.
+
+The policies are the manifest's records (:class:`~streampack.format.sections.EosPolicy`,
+:class:`~streampack.format.sections.BosPolicy`), importable from here too.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 from streampack._checks import check_int
 from streampack.errors import TokenizerError
+from streampack.format.sections import BosPolicy, EosPolicy  # the manifest's sections, what a build decides
 from streampack.tokenizer.base import Tokenizer
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
 
 
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
-
-
-@dataclass(frozen=True)
-class EosPolicy:
-    """Whether an EOS id is appended after every document, and which."""
-
-    append: bool
-    id: int | None
-
-    def to_json(self) -> dict[str, Any]:
-        """Manifest representation."""
-        return {"append": self.append, "id": self.id}
-
-
-@dataclass(frozen=True)
-class BosPolicy:
-    """Whether a BOS id is put before every document, and which."""
-
-    prepend: bool
-    id: int | None
-
-    def to_json(self) -> dict[str, Any]:
-        """Manifest representation."""
-        return {"prepend": self.prepend, "id": self.id}
 
 
 def resolve_bos(tokenizer: Tokenizer, *, bos: bool, bos_id: int | None) -> BosPolicy:

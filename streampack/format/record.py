@@ -1,0 +1,304 @@
+"""A JSON object of the manifest as a typed record: :class:`Section`, the base of the manifest's sections
+(:mod:`streampack.format.sections`), with the kinds of value its keys hold.
+
+A section is a frozen dataclass, one field per key (declared with :func:`key`, which says the key's
+:class:`Kind`, whether it is required, and whether a section made in code leaves it out while it holds its
+default). :meth:`Section.from_json` checks a JSON object once, a missing or mistyped key a
+:class:`~streampack.errors.CacheError` naming the file and the key; :meth:`Section.to_json` gives back the
+object it was read from, keys absent, unknown (:attr:`Section.extra`) or in their order included.
+
+Pure: imports nothing of streampack's but :mod:`streampack.errors`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import partial
+from itertools import repeat
+from operator import is_not
+from typing import Any, ClassVar, TypeVar
+
+from streampack.errors import CacheError
+
+__all__ = ["Kind", "Section", "key"]
+
+S = TypeVar("S", bound="Section")
+
+# ------------------------------------------------------------------------------------- the value checks
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What a key's value must be: ``what`` for messages, ``parse`` from JSON, ``dump`` back to JSON (None:
+    the JSON value itself, kept as it is)."""
+
+    what: str
+    accepts: Callable[[Any], bool]
+    parse: Callable[[Any, str, str], Any] | None = None
+    dump: Callable[[Any], Any] | None = None
+    # Types whose every value is accepted: checked by ``type(value) in exact`` before ``accepts`` is called,
+    # which spares a call per key (a manifest may list 10^5 inputs). JSON gives values of exactly these.
+    exact: frozenset[type] = frozenset()
+    at_least: int | None = None  # integers (not bools) from this one up are accepted too
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+STR = Kind("a string", lambda v: isinstance(v, str), exact=frozenset({str}))
+BOOL = Kind("true or false", lambda v: isinstance(v, bool), exact=frozenset({bool}))
+INT = Kind("an integer", is_int, exact=frozenset({int}))
+COUNT = Kind("a non-negative integer", lambda v: is_int(v) and v >= 0, at_least=0)
+NUMBER = Kind("a number", lambda v: is_int(v) or isinstance(v, float))
+COUNTS = Kind(
+    "an object of non-negative integers",
+    lambda v: isinstance(v, dict) and all(is_int(n) and n >= 0 for n in v.values()),
+    parse=lambda value, where, name: dict(value),
+    dump=dict,
+)
+STRINGS = Kind(
+    "a list of strings",
+    lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
+    parse=lambda value, where, name: tuple(value),  # a tuple: the record stays hashable
+    dump=list,
+)
+
+
+def or_null(kind: Kind) -> Kind:
+    """``kind``, or JSON null (None)."""
+    if kind.parse is None and kind.dump is None:
+        exact = kind.exact | {type(None)}
+        accepts = kind.accepts
+        what = f"{kind.what} or null"
+        return Kind(what, lambda v: v is None or accepts(v), exact=exact, at_least=kind.at_least)
+    parse, dump = kind.parse, kind.dump
+    assert parse is not None and dump is not None
+    return Kind(
+        f"{kind.what} or null",
+        lambda v: v is None or kind.accepts(v),
+        parse=lambda value, where, name: None if value is None else parse(value, where, name),
+        dump=lambda value: None if value is None else dump(value),
+        exact=kind.exact | {type(None)},
+    )
+
+
+def section_kind(cls: type[Section]) -> Kind:
+    """A nested section (an object read by ``cls.from_json``)."""
+    return Kind(
+        "an object",
+        lambda v: isinstance(v, dict),
+        parse=lambda value, where, name: cls.from_json(value, where=where, name=name),
+        dump=lambda value: value.to_json(),
+    )
+
+
+def sections_kind(cls: type[Section]) -> Kind:
+    """A list of nested sections."""
+    return Kind(
+        "a list of objects",
+        lambda v: isinstance(v, list) and all(isinstance(item, dict) for item in v),
+        parse=lambda value, where, name: tuple(
+            cls.from_json(item, where=where, name=f"{name}[{i}]") for i, item in enumerate(value)
+        ),
+        dump=lambda value: [item.to_json() for item in value],
+    )
+
+
+def key(kind: Kind, default: Any = dataclasses.MISSING, *, required: bool = False, omit: bool = False) -> Any:
+    """A dataclass field that is a key of the section's JSON object.
+
+    Args:
+        kind: what its value must be.
+        default: its value when the key is absent from the JSON.
+        required: a JSON object without the key is refused.
+        omit: a section made in code leaves the key out while it holds ``default`` (the builder writes it
+            only when it has a value).
+    """
+    metadata = {"kind": kind, "required": required, "omit": omit}
+    if default is dataclasses.MISSING:
+        return field(metadata=metadata)
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata, hash=False)
+    return field(default=default, metadata=metadata)
+
+
+# ----------------------------------------------------------------------------------------- the base
+
+
+@dataclass(frozen=True)
+class Section:
+    """A JSON object of the manifest as a record: one field per key this version knows.
+
+    Attributes:
+        extra: the keys this version does not know (a later version wrote them), kept as they were.
+        json_keys: the keys of the JSON object it was read from, in their order (None: made in code).
+            Not compared: two sections with the same content are equal however they were written.
+    """
+
+    extra: Mapping[str, Any] = field(default_factory=dict, kw_only=True, repr=False, hash=False)
+    json_keys: tuple[str, ...] | None = field(default=None, kw_only=True, repr=False, compare=False)
+
+    section_name: ClassVar[str] = "section"
+
+    @classmethod
+    def _keys(cls) -> dict[str, _Key]:
+        """The section's keys, by name, in the order the builder writes them (computed once per class)."""
+        keys = _KEYS.get(cls)
+        if keys is None:
+            keys = _KEYS[cls] = {f.name: _Key.of(f) for f in dataclasses.fields(cls) if "kind" in f.metadata}
+        return keys
+
+    @classmethod
+    def from_json(cls: type[S], raw: Any, *, where: str = "manifest.json", name: str | None = None) -> S:
+        """Read the section from its JSON object.
+
+        Args:
+            raw: the parsed JSON.
+            where: how messages name the file (its path).
+            name: how messages name the section (default: its key in the manifest).
+
+        Raises:
+            CacheError: ``raw`` is not an object, lacks a required key, or holds a value of the wrong type;
+                the message names the file and the key.
+        """
+        name = name or cls.section_name
+        if not isinstance(raw, dict):
+            raise CacheError(malformed(where, f"{name} must be an object (got {shown(raw)})"))
+        keys = cls._keys()
+        values: dict[str, Any] = {}
+        absent = 0
+        for key_name, key in keys.items():
+            if key_name not in raw:
+                absent += 1
+                if key.required:
+                    raise CacheError(malformed(where, f"{name} has no {key_name!r} ({key.kind.what})"))
+                values[key_name] = dict(key.default) if type(key.default) is dict else key.default
+                continue
+            value = raw[key_name]
+            kind = key.kind
+            if type(value) not in kind.exact and not kind.accepts(value):
+                problem = f"{name}.{key_name} must be {kind.what} (got {shown(value)})"
+                raise CacheError(malformed(where, problem))
+            values[key_name] = value if kind.parse is None else kind.parse(value, where, f"{name}.{key_name}")
+        unknown = len(raw) > len(keys) - absent
+        values["extra"] = {k: v for k, v in raw.items() if k not in keys} if unknown else {}
+        values["json_keys"] = tuple(raw)
+        # The values are checked: set them as the dataclass's __init__ would, without its object.__setattr__
+        # per field (a third of the time of reading an input record).
+        section = object.__new__(cls)
+        section.__dict__.update(values)
+        section.__post_init__()
+        section._check(where, name)
+        return section
+
+    def __post_init__(self) -> None:
+        """Nothing to do here; a section whose fields need it normalises them."""
+
+    @classmethod
+    def all_valid(cls, raws: list[Any]) -> bool:
+        """Whether every JSON object of ``raws`` reads as this section, checked a key at a time over all of
+        them (a few passes in C, not a loop in Python per object); False also where it cannot tell (a
+        nested section, a check between fields): :meth:`from_json` on each then says."""
+        if set(map(type, raws)) - {dict} or cls._check is not Section._check:
+            return False
+        for key_name, key in cls._keys().items():
+            kind = key.kind
+            if kind.parse is not None:
+                return False
+            # In C: dict.get over the objects (_NO_DEFAULT, an object(), where the key is absent).
+            column = list(map(dict.get, raws, repeat(key_name), repeat(_NO_DEFAULT)))
+            types = set(map(type, column))
+            found = types - kind.exact - (set() if key.required else {object})
+            if found == {int} and kind.at_least is not None:
+                ints = column if len(types) == 1 else filter(partial(is_not, None), column)
+                if min(filter(partial(is_not, _NO_DEFAULT), ints), default=kind.at_least) < kind.at_least:
+                    return False
+            elif found:
+                return False
+        return True
+
+    def _check(self, where: str, name: str) -> None:
+        """What the types alone do not say (one field's value requiring another's); raises CacheError."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The section's JSON object: the one it was read from, or the one the builder writes."""
+        keys, values, extra = self._keys(), self.__dict__, self.extra
+        written: dict[str, Any] = {}
+        if self.json_keys is not None:
+            for name in self.json_keys:  # as it was read
+                key = keys.get(name)
+                if key is not None:
+                    written[name] = values[name] if key.kind.dump is None else key.kind.dump(values[name])
+                elif name in extra:
+                    written[name] = extra[name]
+            if len(written) == len(keys) + len(extra):
+                return written
+            # Changed since it was read (dataclasses.replace): a value given to a key that was absent.
+            chosen = [n for n, key in keys.items() if n not in written and values[n] != key.default]
+        else:  # made in code: every key, but those that hold their default and are written only with a value
+            chosen = [n for n, key in keys.items() if not (key.omit and values[n] == key.default)]
+        for name in chosen:
+            dump = keys[name].kind.dump
+            written[name] = values[name] if dump is None else dump(values[name])
+        written.update((name, value) for name, value in extra.items() if name not in written)
+        return written
+
+    # Reading by key, as when the sections were dicts: deprecated, for code written then.
+
+    def __getitem__(self, key: str) -> Any:
+        _warn_key(self, key)
+        return self.to_json()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The JSON value of ``key`` (deprecated: read the attribute)."""
+        _warn_key(self, key)
+        return self.to_json().get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        _warn_key(self, str(key))
+        return key in self.to_json()
+
+
+@dataclass(frozen=True)
+class _Key:
+    """A key of a section, as :func:`key` declared it (``default``: a value no record holds if none)."""
+
+    kind: Kind
+    required: bool
+    omit: bool
+    default: Any
+
+    @classmethod
+    def of(cls, f: dataclasses.Field[Any]) -> _Key:
+        default: Any = _NO_DEFAULT
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        return cls(f.metadata["kind"], f.metadata["required"], f.metadata["omit"], default)
+
+
+_NO_DEFAULT = object()
+_KEYS: dict[type[Section], dict[str, _Key]] = {}
+
+
+def _warn_key(section: Section, key: str) -> None:
+    warnings.warn(
+        f"manifest sections are records: read {section.section_name}.{key} as an attribute "
+        f"({type(section).__name__}), not as {section.section_name}[{key!r}]",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+def malformed(where: str, problem: str) -> str:
+    return f"{where}: malformed manifest: {problem}; rebuild the cache (overwrite=True)"
+
+
+def shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
