@@ -101,7 +101,7 @@ def _killed_units(tasks: Sequence[Any], report: Callable[[dict[str, int]], None]
 def _queue_killing_units(tasks: Sequence[Any], report: Callable[[dict[str, int]], None]) -> Iterator[Any]:
     import ray
 
-    ray.kill(report.__self__.actor)  # type: ignore[attr-defined]  # the progress queue's actor dies
+    ray.kill(report.queue.actor)  # type: ignore[attr-defined]  # the progress queue's actor dies
     yield from tasks
 
 
