@@ -332,9 +332,10 @@ def _run_ray_task(
 class _TaskEvents:
     """A Ray task's progress events, sent to the coordinator's queue a batch at a time.
 
-    Every send is a blocking round trip to the queue's actor; one per encoded batch (``Queue.put``) made a
-    build on a one-CPU node 4x slower than the same core without Ray (``bench_scaling.py``). The
-    coordinator forwards events every ``_RAY_POLL_SECONDS``, so sending more often shows nothing sooner.
+    Every send is a blocking round trip to the queue's actor; one per encoded batch (``Queue.put``) was
+    most of a Ray build's time (``bench_scaling.py``: 0.24 of the same core without Ray, on a loaded
+    machine). The coordinator forwards events every ``_RAY_POLL_SECONDS``: sending more often shows
+    nothing sooner.
     """
 
     def __init__(self, queue: Any) -> None:
