@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,7 @@ import pytest
 import streampack
 from streampack.builder.executors import run_ray
 from streampack.errors import BadRecordError, WorkerDiedError
-from tests.conftest import shard_bytes, write_bytes, write_jsonl
+from tests.conftest import run_cli, shard_bytes, write_bytes, write_jsonl
 
 
 def test_a_build_script_without_a_main_guard_runs_once(tmp_path: Path) -> None:
@@ -100,7 +101,7 @@ def _killed_units(tasks: Sequence[Any], report: Callable[[dict[str, int]], None]
 def _queue_killing_units(tasks: Sequence[Any], report: Callable[[dict[str, int]], None]) -> Iterator[Any]:
     import ray
 
-    ray.kill(report.__self__.actor)  # type: ignore[attr-defined]  # the progress queue's actor dies
+    ray.kill(report.queue.actor)  # type: ignore[attr-defined]  # the progress queue's actor dies
     yield from tasks
 
 
@@ -121,3 +122,17 @@ def test_ray_failures_are_one_resumable_error(local_cluster: None, units: Any) -
 def test_a_bug_in_a_ray_task_keeps_its_own_exception(local_cluster: None) -> None:
     with pytest.raises(ZeroDivisionError, match="a bug"):
         list(run_ray(_buggy_units, [1], address=None, on_progress=lambda event: None))
+
+
+def test_an_unreachable_ray_address_is_named(tmp_path: Path, bpe_tokenizer: Path) -> None:
+    """ray.init retries for ever where no cluster answers: the build says so at once, naming the address."""
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    src = write_jsonl(tmp_path / "a.jsonl", [{"text": "a few words"}] * 10)
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    ray = ["--executor", "ray", "--ray-address", address]
+    failed = run_cli("build", src, "--tokenizer", bpe_tokenizer, "--out", tmp_path / "c", *ray, check=False)
+    assert failed.returncode == 1
+    assert f"error: no Ray cluster answers at ray_address={address!r} (Connection refused" in failed.stderr
+    assert "Traceback" not in failed.stderr
