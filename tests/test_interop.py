@@ -460,6 +460,27 @@ def test_a_killed_export_leaves_nothing_a_reader_takes_then_a_rerun_completes(tm
     np.testing.assert_array_equal(dataset[41], shards[1][0][100_000:200_000])
 
 
+def test_a_durable_export_writes_the_same_files(natural: streampack.Cache, tmp_path: Path) -> None:
+    """durable=True (fsync of every file and folder before the move) changes when, not what, is written."""
+    for format, options in (("megatron", {}), ("hf", {"seq_len": 256}), ("nanogpt", {"val": 0.1})):
+        plain = natural.export(format, tmp_path / f"{format}-plain", **options)
+        durable = natural.export(format, tmp_path / f"{format}-durable", durable=True, **options)
+        assert len(plain.files) == len(durable.files)
+        for a, b in zip(plain.files, durable.files):
+            assert Path(a).read_bytes() == Path(b).read_bytes(), (a, b)
+    done = run_cli(
+        "export",
+        natural.root,
+        "--format",
+        "datatrove",
+        "--out",
+        tmp_path / "dt",
+        "--durable",
+        "--no-progress",
+    )
+    assert "as datatrove" in done.stdout and not list(tmp_path.glob(".*streampack-export*"))
+
+
 # ----------------------------------------------------------------------------- the CLI, and object storage
 
 

@@ -38,6 +38,12 @@ from streampack.interop import export as export_cache
 @click.option(
     "--drop-loss-mask", is_flag=True, help="Export an SFT cache's tokens to a format without masks."
 )
+@click.option(
+    "--durable",
+    is_flag=True,
+    help="fsync every file before the move into place: a machine crash, not only a killed export, then "
+    "leaves no destination a reader takes as whole.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def export(
     cache_dir: str,
@@ -52,6 +58,7 @@ def export(
     shard_tokens: int | None,
     hf_files: str | None,
     drop_loss_mask: bool,
+    durable: bool,
     no_progress: bool,
 ) -> None:
     """Write the cache in CACHE_DIR in another ecosystem's token format, atomically.
@@ -71,7 +78,13 @@ def export(
     }
     options = {key: value for key, value in given.items() if value is not None}
     done = export_cache(
-        cache_dir, format_, dest, overwrite=overwrite, progress=False if no_progress else None, **options
+        cache_dir,
+        format_,
+        dest,
+        overwrite=overwrite,
+        progress=False if no_progress else None,
+        durable=durable,
+        **options,
     )
     click.echo(
         f"exported {done.rows:,} {'rows' if seq_len else 'documents'}, {done.num_tokens:,} tokens as "

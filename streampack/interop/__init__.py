@@ -78,6 +78,7 @@ def export(
     overwrite: bool = False,
     progress: bool | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    durable: bool = False,
     **options: Any,
 ) -> Exported:
     """Write ``cache`` to ``dest`` in ``format`` (one of :data:`FORMATS`), atomically.
@@ -90,6 +91,9 @@ def export(
         overwrite: replace what is at ``dest`` (only once the new export is complete).
         progress: show a progress bar on stderr; by default when stderr is a terminal.
         storage_options: passed to the fsspec filesystem of a URL ``dest``.
+        durable: fsync every file before the move into place, so that a crash of the machine (not only
+            of the process) leaves no destination a reader takes as whole; see
+            :mod:`streampack.interop.writing` (off by default, as for a copy).
         **options: the format's options (its module's ``Options``), e.g. ``dtype="optimal"`` for
             megatron, ``seq_len=2048, packed=True`` for hf, ``val=0.01`` for nanogpt.
 
@@ -116,6 +120,7 @@ def export(
         suffixes=getattr(module, "SUFFIXES", ()),
         overwrite=overwrite,
         storage_options=dict(storage_options) if storage_options else None,
+        durable=durable,
     )
     shown = sys.stderr.isatty() if progress is None else progress
     try:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, token_chunks
+from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -72,9 +72,7 @@ def write(
                 continue
             name = file_name(index)
             with dest.open(name) as out:
-                for chunk in token_chunks(cache, docs.shard):
-                    out.write(np.ascontiguousarray(chunk, dtype=little).data)
-                    bar.update(len(chunk))
+                bar.update(write_tokens(out, cache, docs.shard, little))
             with dest.open(f"{name}.index") as out:
                 out.write(docs.ends.astype("<u8").tobytes())
             if cache.has_loss_mask:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from streampack.interop.writing import (
     refuse_loss_mask,
     shard_docs,
     token_chunks,
+    write_tokens,
 )
 
 if TYPE_CHECKING:
@@ -130,9 +131,23 @@ def write(
     total, size = stream_length(cache), options.shard_tokens
     counts = [min(size, total - start) for start in range(0, total, size)]
     little = cache.dtype.newbyteorder("<")
-    chunks = stream(cache)
-    pending = np.zeros(0, dtype=cache.dtype)
     with Progress(progress, total, "llmc") as bar:
+        if cache.bos_id is None or cache.eos_id is None:
+            # The stream is the cache's tokens (shifted right by one behind an EOS where the EOS delimits):
+            # each llm.c shard is a span of them, copied as the file holds them.
+            shift = int(cache.bos_id is None)
+            for index, count in enumerate(counts):
+                with dest.open(shard_file(index)) as out:
+                    out.write(header(count, cache.dtype.itemsize))
+                    first = index * size
+                    if shift and first == 0:
+                        out.write(np.array([cache.eos_id], dtype=little).tobytes())
+                        first = 1
+                    _write_stream(out, cache, first - shift, index * size + count - shift, little)
+                    bar.update(count)
+            return cache.num_docs, total, []
+        chunks = stream(cache)
+        pending = np.zeros(0, dtype=cache.dtype)
         for index, count in enumerate(counts):
             with dest.open(shard_file(index)) as out:
                 out.write(header(count, cache.dtype.itemsize))
@@ -147,3 +162,13 @@ def write(
                     left -= len(take)
                     pending = pending[len(take) :]
     return cache.num_docs, total, []
+
+
+def _write_stream(out: IO[bytes], cache: Cache, start: int, stop: int, dtype: np.dtype) -> None:
+    """Tokens ``[start, stop)`` of the cache's whole stream, shard by shard."""
+    starts = np.asarray(cache.token_starts, dtype=np.int64)
+    shard = max(0, int(np.searchsorted(starts, start, side="right")) - 1)
+    while shard < cache.num_shards and starts[shard] < stop:
+        base = int(starts[shard])
+        write_tokens(out, cache, shard, dtype, max(start - base, 0), min(stop, int(starts[shard + 1])) - base)
+        shard += 1

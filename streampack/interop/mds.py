@@ -20,7 +20,6 @@ A shard holds at most ``size_limit`` bytes (the writer's default, 64 MiB) of sam
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -104,13 +103,37 @@ def check(cache: Cache, options: Options) -> None:
 
 def encode_document(tokens: np.ndarray) -> bytes:
     """One document as a sample of the variable ``ndarray`` encoding: its size header, shape, values."""
-    code, shape_dtype = next((c, d) for limit, c, d in SHAPE_CODES if len(tokens) < limit)
-    body = bytes([(1 << 2) | code]) + np.array([len(tokens)], dtype=shape_dtype).tobytes() + tokens.tobytes()
-    return np.array([len(body)], dtype="<u4").tobytes() + body
+    data, _ = encode_documents(tokens, np.array([0, len(tokens)]))
+    return data.tobytes()
 
 
-def samples(cache: Cache, options: Options) -> Iterator[tuple[list[bytes], int]]:
-    """The encoded samples, in groups, with the tokens of each group."""
+def encode_documents(tokens: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Documents ``tokens[bounds[i]:bounds[i + 1]]`` (none empty) as consecutive samples of the variable
+    ``ndarray`` encoding: the bytes (uint8) and each sample's size. The headers (size, shape code, shape)
+    are built as one table; a document's bytes move by one slice copy each."""
+    lengths = np.diff(bounds).astype(np.int64)
+    codes = np.searchsorted([limit for limit, _, _ in SHAPE_CODES], lengths, side="right")
+    shape_bytes = np.array([np.dtype(d).itemsize for _, _, d in SHAPE_CODES])[codes]
+    heads = 4 + 1 + shape_bytes  # size, ndim << 2 | code, shape
+    sizes = heads + lengths * tokens.dtype.itemsize
+    table = np.zeros((len(lengths), 9), dtype=np.uint8)
+    table[:, :4] = (sizes - 4).astype("<u4").view(np.uint8).reshape(-1, 4)
+    table[:, 4] = (1 << 2) | codes
+    table[:, 5:] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)  # little-endian: the first w bytes
+    data = np.empty(int(sizes.sum()), dtype=np.uint8)
+    values = tokens.view(np.uint8)
+    itemsize = tokens.dtype.itemsize
+    at = 0
+    for i, (head, lo, hi) in enumerate(zip(heads.tolist(), bounds[:-1].tolist(), bounds[1:].tolist())):
+        data[at : at + head] = table[i, :head]
+        stop = at + head + (hi - lo) * itemsize
+        data[at + head : stop] = values[lo * itemsize : hi * itemsize]
+        at = stop
+    return data, sizes
+
+
+def samples(cache: Cache, options: Options) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """The encoded samples, in groups: each group's bytes (uint8), its samples' sizes and its tokens."""
     little = cache.dtype.newbyteorder("<")
     if options.seq_len is None:
         for docs in shard_docs(cache):
@@ -118,51 +141,67 @@ def samples(cache: Cache, options: Options) -> Iterator[tuple[list[bytes], int]]
                 lo, hi = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1])
                 parts = list(token_chunks(cache, docs.shard, lo, hi))
                 tokens = np.concatenate(parts).astype(little, copy=False) if parts else np.zeros(0, little)
-                bounds = np.concatenate([[0], docs.ends[first:stop] - lo]).tolist()
-                encoded = [encode_document(tokens[a:b]) for a, b in itertools.pairwise(bounds) if b > a]
-                yield encoded, hi - lo
+                bounds = np.concatenate([[lo], docs.ends[first:stop]]) - lo
+                bounds = bounds[np.concatenate([[True], np.diff(bounds) > 0])]  # no empty documents
+                yield (*encode_documents(tokens, bounds), hi - lo)
         return
     windows = cache.sequences(options.seq_len)
     rows = max(1, (1 << 22) // options.seq_len)
+    row_bytes = options.seq_len * cache.dtype.itemsize
     for first in range(0, len(windows), rows):
         block = windows.read(np.arange(first, min(first + rows, len(windows)))).astype(little, copy=False)
         cache.drop_maps()
-        yield [row.tobytes() for row in block], block.size
+        sizes = np.full(len(block), row_bytes, dtype=np.int64)
+        yield np.ascontiguousarray(block).view(np.uint8).reshape(-1), sizes, block.size
 
 
 def write(
     cache: Cache, dest: Destination, options: Options, progress: bool
 ) -> tuple[int, int, Sequence[str]]:
-    """Write the shards, then ``index.json``."""
+    """Write the shards, then ``index.json``.
+
+    A shard is cut where ``MDSWriter`` cuts it: before the sample that would take its samples and offsets
+    past ``size_limit`` less the header and config (a sample larger than that alone in a shard); the cut
+    is found in each group's cumulative sizes, not a sample at a time."""
     shard_config = config(cache, options)
     config_bytes = json.dumps(shard_config, sort_keys=True).encode()
-    fixed = 4 + 4 + len(config_bytes)  # MDSWriter's extra bytes per shard; 4 more per sample (its offset)
+    room = options.size_limit - (4 + 4 + len(config_bytes))  # less MDSWriter's extra bytes per shard
     shards: list[dict[str, Any]] = []
-    pending: list[bytes] = []
-    size = 0
+    pending: list[np.ndarray] = []  # the pending samples' bytes, in pieces
+    pending_sizes: list[np.ndarray] = []
+    used = 0  # bytes the pending samples take, with their 4-byte offsets
     rows = tokens = 0
 
     def flush() -> None:
         name = f"shard.{len(shards):05d}.mds"
-        offsets = np.cumsum([0] + [len(s) for s in pending], dtype=np.int64)
-        offsets += 4 + 4 * (len(pending) + 1) + len(config_bytes)
-        head = np.array([len(pending)], dtype="<u4").tobytes() + offsets.astype("<u4").tobytes()
+        sizes = np.concatenate(pending_sizes)
+        offsets = np.concatenate([[0], np.cumsum(sizes)]) + 4 + 4 * (len(sizes) + 1) + len(config_bytes)
         with dest.open(name) as out:
-            out.write(head + config_bytes)
-            for sample in pending:
-                out.write(sample)
+            out.write(np.array([len(sizes)], dtype="<u4").tobytes() + offsets.astype("<u4").tobytes())
+            out.write(config_bytes)
+            for piece in pending:
+                out.write(piece.data)
         raw = {"basename": name, "bytes": int(offsets[-1]), "hashes": {}}
-        shards.append({"samples": len(pending), "raw_data": raw, "zip_data": None, **shard_config})
+        shards.append({"samples": len(sizes), "raw_data": raw, "zip_data": None, **shard_config})
 
     with Progress(progress, cache.num_tokens, "mds") as bar:
-        for group, count in samples(cache, options):
-            for sample in group:
-                if pending and size + len(sample) + 4 > options.size_limit - fixed:
-                    flush()
-                    pending, size = [], 0
-                pending.append(sample)
-                size += len(sample) + 4
-            rows += len(group)
+        for data, sizes, count in samples(cache, options):
+            starts = np.concatenate([[0], np.cumsum(sizes)])
+            taken = np.concatenate([[0], np.cumsum(sizes + 4)])  # with each sample's offset
+            pos = 0
+            while pos < len(sizes):
+                fit = int(np.searchsorted(taken, taken[pos] + room - used, side="right")) - 1 - pos
+                if fit <= 0:
+                    if pending:
+                        flush()
+                        pending, pending_sizes, used = [], [], 0
+                        continue
+                    fit = 1  # larger than a shard holds: alone in one, as MDSWriter does
+                pending.append(data[starts[pos] : starts[pos + fit]])
+                pending_sizes.append(sizes[pos : pos + fit])
+                used += int(taken[pos + fit] - taken[pos])
+                pos += fit
+            rows += len(sizes)
             tokens += count
             bar.update(count)
         if pending:

@@ -33,7 +33,7 @@ from streampack.interop.writing import (
     check_ids_fit,
     refuse_loss_mask,
     shard_docs,
-    token_chunks,
+    write_tokens,
 )
 
 if TYPE_CHECKING:
@@ -102,9 +102,7 @@ def write(
     dtype = token_dtype(cache, options)
     with Progress(progress, cache.num_tokens, "megatron") as bar, dest.open(".bin") as out:
         for shard in range(cache.num_shards):
-            for chunk in token_chunks(cache, shard):
-                out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
-                bar.update(len(chunk))
+            bar.update(write_tokens(out, cache, shard, dtype))
     with dest.open(".idx") as out:
         write_index(out, cache, dtype)
     return cache.num_docs, cache.num_tokens, [".idx"]

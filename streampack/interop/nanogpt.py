@@ -5,7 +5,8 @@ EOT id (``<|endoftext|>``), end to end, as one ``np.memmap`` of uint16; ``train.
 ``train.bin`` and ``val.bin`` with ``dtype=np.uint16`` and draws random windows from them. A cache that
 appends an EOS is written as it is (a copy of its shards); ``val=FRACTION`` holds out that fraction of the
 documents (:meth:`streampack.Cache.split`, seeded by ``split_seed``) into ``val.bin``, which ``train.py``'s
-evaluation reads. ``meta.pkl`` holds ``{"vocab_size": ...}``, which ``train.py`` reads to size the model.
+evaluation reads; both files are written in one pass over the shards. ``meta.pkl`` holds
+``{"vocab_size": ...}``, which ``train.py`` reads to size the model.
 
 Document boundaries survive only as the EOS ids in the stream; ``train.py`` reads uint16 only, so a
 vocabulary above 65,536 ids is refused unless ``dtype="cache"`` (then edit ``train.py``'s dtype).
@@ -21,11 +22,19 @@ from typing import IO, TYPE_CHECKING, Literal
 import numpy as np
 
 from streampack.errors import OptionsError
-from streampack.interop.writing import Destination, Progress, check_ids_fit, refuse_loss_mask, token_chunks
+from streampack.interop.writing import (
+    Destination,
+    Progress,
+    check_ids_fit,
+    refuse_loss_mask,
+    shard_docs,
+    write_spans,
+    write_tokens,
+)
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
-    from streampack.samples.split import DocumentSet
+    from streampack.samples.split import Chosen
 
 LAYOUT = "directory"
 
@@ -74,23 +83,28 @@ def write(
         if options.val is None:
             with dest.open("train.bin") as out:
                 for shard in range(cache.num_shards):
-                    for chunk in token_chunks(cache, shard):
-                        out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
-                        bar.update(len(chunk))
+                    bar.update(write_tokens(out, cache, shard, dtype))
         else:
-            train, validation = cache.split(options.val, seed=options.split_seed)
-            for name, side in (("train.bin", train), ("val.bin", validation)):
-                with dest.open(name) as out:
-                    _write_side(out, cache, side, dtype, bar)
+            _, validation = cache.split(options.val, seed=options.split_seed)
+            with dest.open("train.bin") as train, dest.open("val.bin") as val:
+                _write_split(cache, validation.chosen, (train, val), dtype, bar)
     with dest.open("meta.pkl") as out:
         pickle.dump({"vocab_size": cache.vocab_size}, out)
     return cache.num_docs, cache.num_tokens, ["meta.pkl"]
 
 
-def _write_side(out: IO[bytes], cache: Cache, side: DocumentSet, dtype: np.dtype, bar: Progress) -> None:
-    runs = side.chosen.runs(cache)
-    lengths = np.diff(runs.starts)
-    for shard, offset, length in zip(runs.shards.tolist(), runs.offsets.tolist(), lengths.tolist()):
-        for chunk in token_chunks(cache, shard, offset, offset + length):
-            out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
-            bar.update(len(chunk))
+def _write_split(
+    cache: Cache, held: Chosen, outs: tuple[IO[bytes], IO[bytes]], dtype: np.dtype, bar: Progress
+) -> None:
+    """Both sides in one pass over the shards (``outs``: train, validation): each stretch of consecutive
+    documents on one side is one span of its shard, written to that side's file."""
+    for docs in shard_docs(cache):
+        if not len(docs.ends):
+            continue
+        side = held.in_shard(docs.shard)  # True: validation
+        change = np.flatnonzero(side[1:] != side[:-1]) + 1  # the first document of each later stretch
+        bounds = np.concatenate([[0], docs.ends[change - 1], docs.ends[-1:]]).tolist()
+        sides = side[np.concatenate([[0], change])].tolist()
+        spans = [(outs[s], lo, hi) for s, lo, hi in zip(sides, bounds[:-1], bounds[1:])]
+        write_spans(cache, docs.shard, dtype, spans)
+        bar.update(int(docs.ends[-1]))

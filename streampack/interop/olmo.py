@@ -28,7 +28,7 @@ from typing import IO, TYPE_CHECKING
 import numpy as np
 
 from streampack.errors import OptionsError
-from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, token_chunks
+from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -75,9 +75,7 @@ def write(
             index = len(paths)
             name = token_file(index)
             with dest.open(name) as out:
-                for chunk in token_chunks(cache, docs.shard):
-                    out.write(np.ascontiguousarray(chunk, dtype=little).data)
-                    bar.update(len(chunk))
+                bar.update(write_tokens(out, cache, docs.shard, little))
             if cache.has_loss_mask:
                 with dest.open(mask_file(index)) as out:
                     out.write((shard_mask(cache, docs.shard) != 0).astype(np.uint8).tobytes())
@@ -101,15 +99,40 @@ def write(
 
 
 def _write_sidecar(out: IO[bytes], ends: np.ndarray, first_doc: int) -> None:
-    """dolma's ``start,end,id`` lines, gzipped, 65,536 documents at a time."""
+    """dolma's ``start,end,id`` lines, gzipped, 65,536 documents at a time.
+
+    gzip's fastest level (1): the default (9) took ten times as long for a file a fifth smaller (measured on
+    200,000 rows), more than writing the shard's tokens, for a file only a remote array's reader opens."""
     starts = np.concatenate([[0], ends[:-1]])
+    ids = np.arange(first_doc, first_doc + len(ends), dtype=np.int64)
     step = 1 << 16
-    with gzip.GzipFile(fileobj=out, mode="wb", mtime=0) as z:
+    with gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=1) as z:
         for first in range(0, len(ends), step):
-            stop = min(first + step, len(ends))
-            rows = zip(
-                starts[first:stop].tolist(),
-                ends[first:stop].tolist(),
-                range(first_doc + first, first_doc + stop),
-            )
-            z.write("".join(f"{a},{b},{c}\n" for a, b, c in rows).encode())
+            z.write(csv_rows([c[first : first + step] for c in (starts, ends, ids)]))
+
+
+#: 10, 100, ..., 10**18: a non-negative int64 has 1 + (how many of these it reaches) digits.
+_POWERS = 10 ** np.arange(1, 19, dtype=np.int64)
+
+
+def csv_rows(columns: Sequence[np.ndarray]) -> bytes:
+    """Rows of non-negative integers as decimal text, ``a,b,c\n`` a row, without a Python loop per row:
+    each row is laid out in a table of fixed-width fields (right-aligned digits, unused bytes 0), whose
+    non-zero bytes, in order, are the text."""
+    rows = len(columns[0])
+    if not rows:
+        return b""
+    digits = [1 + np.searchsorted(_POWERS, c, side="right") for c in columns]
+    widths = [int(d.max()) for d in digits]
+    table = np.zeros((rows, sum(widths) + len(columns)), dtype=np.uint8)
+    at = 0
+    for column, count, width in zip(columns, digits, widths):
+        left = np.asarray(column, dtype=np.int64).copy()
+        for k in range(width):  # the k-th digit from the right, where the number has one
+            table[:, at + width - 1 - k] = np.where(count > k, left % 10 + ord("0"), 0)
+            left //= 10
+        at += width
+        table[:, at] = ord(",")
+        at += 1
+    table[:, -1] = ord("\n")
+    return table[table != 0].tobytes()

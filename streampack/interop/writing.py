@@ -8,31 +8,45 @@ staging area and nothing at the destination; the next run removes the staging ar
 
 * A local destination is staged in a hidden sibling directory (``.NAME.streampack-export``) on the same
   file system; a directory format is moved into place by one ``rename`` of that directory, a prefix format
-  (Megatron's ``DEST.bin`` + ``DEST.idx``) file by file, the index last. Files are fsynced before the
-  rename.
+  (Megatron's ``DEST.bin`` + ``DEST.idx``) file by file, the index last.
+* **Killed, or crashed.** A killed process (an error, Ctrl-C, ``SIGKILL``, the OOM killer) never leaves a
+  destination a reader takes as whole: what it wrote is in the page cache, which every reader sees, and
+  the rename either happened or did not. By default nothing is fsynced, as ``cp``, ``shutil.copyfile`` and
+  the formats' own writers (Megatron's ``IndexedDatasetBuilder``, datatrove, ``MDSWriter``,
+  ``save_to_disk``) do: a crash of the machine itself (power, kernel) within the file system's writeback
+  interval after the export may leave a destination whose files are cut short or zero-filled.
+  ``durable=True`` (``--durable``) fsyncs every file (and a directory format's directories) before the
+  move and the parent directory after it, so that after a crash there is the staging area or the whole
+  destination; each fsync waits for the disk (``benchmarks/bench_export.py``'s ``--durable`` row
+  measures the cost).
 * An object-storage destination (any fsspec URL) is staged under the sibling prefix
   ``DEST.streampack-export/`` and moved (a server-side copy per object) into place, the index last. Object
   stores have no atomic rename of many objects: a kill *during that move* can leave some files of a
   format without an index file (datatrove, llm.c, OLMo, Parquet) visible to a reader that lists files.
 
-**Bounded memory.** Token files are read with plain reads of :data:`CHUNK_TOKENS` tokens (not through
-memory maps, whose touched pages would count towards the process's memory until unmapped); offset tables
-(8 bytes a document) and loss masks are read a shard at a time.
+**Bounded memory, and copies in the kernel.** Where a format's token file holds a shard's bytes as they are
+(the same width: datatrove's ``.ds``, OLMo's ``.npy``, nanoGPT's ``train.bin``, Megatron's ``.bin`` in
+the cache's width), :func:`write_tokens` has the kernel copy them (``copy_file_range``, else
+``sendfile``, as ``shutil.copyfile`` does), so they never pass through this process. Elsewhere token files
+are read with plain reads of :data:`CHUNK_TOKENS` tokens (not through memory maps, whose touched pages
+would count towards the process's memory until unmapped); offset tables (8 bytes a document) and loss
+masks are read a shard at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from streampack.errors import OptionsError
+from streampack.errors import CacheError, OptionsError
 from streampack.store.localcopy import CachedStore
 from streampack.store.remote import is_remote
 
@@ -60,6 +74,7 @@ class Destination:
         suffixes: (``"prefix"``) the suffixes of the format's files, e.g. ``(".bin", ".idx")``.
         overwrite: replace what is at ``dest`` (removed only once the new export is complete).
         storage_options: passed to the fsspec filesystem of a URL.
+        durable: (local) fsync every file and directory before the move (see the module's docstring).
 
     Raises:
         OptionsError: something is already at ``dest`` and ``overwrite`` is false, or storage options were
@@ -74,8 +89,10 @@ class Destination:
         suffixes: Sequence[str] = (),
         overwrite: bool = False,
         storage_options: dict[str, Any] | None = None,
+        durable: bool = False,
     ) -> None:
         self.dest, self.layout, self.suffixes, self.overwrite = str(dest), layout, tuple(suffixes), overwrite
+        self.durable = durable
         self.remote = is_remote(self.dest)
         if storage_options and not self.remote:
             raise OptionsError(
@@ -142,8 +159,9 @@ class Destination:
             os.makedirs(os.path.dirname(staged), exist_ok=True)
             with open(staged, "wb") as f:
                 yield f
-                f.flush()
-                os.fsync(f.fileno())
+                if self.durable:
+                    f.flush()
+                    os.fsync(f.fileno())
         self.written.append(name)
 
     def rename(self, name: str, new: str) -> None:
@@ -170,14 +188,17 @@ class Destination:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm(self.staging, recursive=True)
         elif self.layout == "directory":
-            _fsync_dir(self.staging)
+            if self.durable:
+                for folder, _, _ in os.walk(self.staging):
+                    _fsync_dir(folder)
             old = None
             if os.path.lexists(self.root):
                 old = f"{self.staging}.old"
                 shutil.rmtree(old, ignore_errors=True)
                 os.replace(self.root, old)
             os.replace(self.staging, self.root)
-            _fsync_dir(os.path.dirname(self.root))
+            if self.durable:
+                _fsync_dir(os.path.dirname(self.root))
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         else:
@@ -187,7 +208,8 @@ class Destination:
                     os.remove(self.root + suffix)
             for name in order:
                 os.replace(self._staged(name), self.final(name))
-            _fsync_dir(os.path.dirname(self.root))
+            if self.durable:
+                _fsync_dir(os.path.dirname(self.root))
             shutil.rmtree(self.staging, ignore_errors=True)
         return [self.final(n) for n in order]
 
@@ -255,6 +277,101 @@ def token_chunks(cache: Cache, shard: int, start: int = 0, stop: int | None = No
             yield np.fromfile(f, dtype=cache.dtype, count=n)
             pos += n
     _release(cache)
+
+
+def write_tokens(
+    out: IO[bytes], cache: Cache, shard: int, dtype: np.dtype, start: int = 0, stop: int | None = None
+) -> int:
+    """Write tokens ``[start, stop)`` of shard ``shard`` (all of them by default) to ``out`` as ``dtype``
+    (little-endian); returns how many. See :func:`write_spans`."""
+    stop = int(cache.table.num_tokens[shard]) if stop is None else stop
+    write_spans(cache, shard, dtype, [(out, start, stop)])
+    return max(0, stop - start)
+
+
+def write_spans(
+    cache: Cache, shard: int, dtype: np.dtype, spans: Iterable[tuple[IO[bytes], int, int]]
+) -> None:
+    """Write each span ``(out, start, stop)`` of shard ``shard``'s tokens to its ``out``, in order, as
+    ``dtype`` (little-endian), the shard file opened (and its size checked) once.
+
+    Where ``dtype`` has the cache's width (and its ids fit, which the exporters check first: a uint32 id
+    below 2**31 has the bytes of the int32) and ``out`` is a local file, the kernel copies the bytes from
+    the shard file; otherwise they are read in chunks of :data:`CHUNK_TOKENS` and written, cast where the
+    width differs.
+    """
+    itemsize = cache.dtype.itemsize
+    same = dtype.itemsize == itemsize and _little(cache.dtype)
+    opened: IO[bytes] | None = None
+    try:
+        for out, start, stop in spans:
+            if stop <= start:
+                continue
+            if opened is None:
+                cache.shard_tokens(shard)  # checks the file's size (and fetches a remote cache's copy)
+                opened = open(cache.shard_paths(shard)[0], "rb")  # noqa: SIM115 (closed below)
+            fd = _fileno(out) if same else None
+            if fd is not None:
+                out.flush()
+                start += (
+                    _kernel_copy(opened.fileno(), fd, start * itemsize, (stop - start) * itemsize) // itemsize
+                )
+                out.seek(0, os.SEEK_END)  # the buffered writer learns where the file now ends
+            while start < stop:
+                n = min(CHUNK_TOKENS, stop - start)
+                opened.seek(start * itemsize)
+                chunk = np.fromfile(opened, dtype=cache.dtype, count=n)
+                if len(chunk) < n:
+                    raise CacheError(
+                        f"{cache.shard_paths(shard)[0]}: ended at token {start + len(chunk):,}, not "
+                        f"{stop:,}: the shard file was cut short while it was read; run `streampack verify`"
+                    )
+                out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
+                start += n
+    finally:
+        if opened is not None:
+            opened.close()
+            _release(cache)
+
+
+def _little(dtype: np.dtype) -> bool:
+    return dtype == dtype.newbyteorder("<")
+
+
+def _fileno(out: IO[bytes]) -> int | None:
+    """The descriptor of a local file, None for anything else (an fsspec file, a buffer)."""
+    try:
+        return out.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return None
+
+
+def _kernel_copy(src: int, dst: int, offset: int, count: int) -> int:
+    """Copy ``count`` bytes of ``src`` from ``offset`` to ``dst``'s position in the kernel; returns the bytes
+    copied, fewer where neither ``copy_file_range`` nor ``sendfile`` works for these files (the caller
+    writes the rest itself)."""
+    done = 0
+    copy_range = getattr(os, "copy_file_range", None)
+    if copy_range is None and not hasattr(os, "sendfile"):
+        return 0
+    while done < count:
+        try:
+            if copy_range is not None:
+                n = copy_range(src, dst, count - done, offset + done)
+            else:
+                n = os.sendfile(dst, src, offset + done, count - done)
+        except OSError as e:
+            unsupported = (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+            if e.errno not in unsupported:
+                raise
+            if copy_range is None or not hasattr(os, "sendfile"):
+                return done
+            copy_range = None  # e.g. across file systems on an old kernel: try sendfile
+            continue
+        if n == 0:
+            return done  # the file ends early: the chunked reads after it say so
+        done += n
+    return done
 
 
 def shard_mask(cache: Cache, shard: int) -> np.ndarray:
