@@ -115,10 +115,10 @@ class Prefetcher:
             with self._cond:
                 while self._wanted is None and not self._stopping:
                     self._cond.wait()
-                if self._stopping:
+                wanted, self._wanted = self._wanted, None
+                if self._stopping or wanted is None:
                     return
-                position, stride = self._wanted
-                self._wanted = None
+            position, stride = wanted
             loader = self._loader()
             if loader is None:
                 return
