@@ -13,7 +13,6 @@ that serves an old name with a warning, :func:`renamed_method` a method's old na
 from __future__ import annotations
 
 import importlib
-import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
@@ -82,14 +81,22 @@ class _Alias(types.ModuleType):
         return function(*args, **kwargs)
 
 
-class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Finds the old paths of :data:`MOVED` (only once the real files are not found)."""
+class _AliasFinder:
+    """Finds the old paths of :data:`MOVED` (only once the real files are not found).
+
+    A meta path finder and loader by protocol (``find_spec``, ``create_module``, ``exec_module``), not by
+    the ``importlib.abc`` classes: importing those loads ``importlib.resources`` and ``tempfile``, a
+    tenth of what ``import streampack`` costs.
+    """
 
     def find_spec(
         self, fullname: str, path: Any = None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         """A spec for an old path; ``None`` for every other name."""
-        return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
+        if fullname not in MOVED:
+            return None
+        # typeshed's LoaderProtocol asks for the legacy load_module(); the import system uses exec_module.
+        return importlib.util.spec_from_loader(fullname, self)  # type: ignore[arg-type]
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         """An empty :class:`_Alias` module."""

@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
-from streampack.loader import prefetch
 from streampack.loader.follow import Eras, Follow, FollowOrder
 from tests.conftest import s3_options, write_jsonl
 from tests.test_resume import build_args, start_build
@@ -164,7 +163,8 @@ def test_a_loader_follows_a_build_into_object_storage(
     )
     assert np.array_equal(np.concatenate(batches), expected_rows(follow, samples, len(batches)))
     assert len(batches) == len(samples) // 32
-    assert prefetch._prefetchers[follow].fetched > 0  # shards of the known eras fetched ahead
+    prefetcher = follow._prefetcher
+    assert prefetcher is not None and prefetcher.fetched > 0  # shards of the known eras fetched ahead
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import pickle
@@ -255,7 +256,7 @@ def test_prefetch_fetches_the_next_steps_shards_in_the_background(
     loader = streampack.Loader(remote.sequences(LONG), batch_size=2, seed=3, epochs=1)
     batches = iter(loader)
     first = next(batches)
-    prefetcher = prefetch._prefetchers[loader]
+    prefetcher = loader._prefetcher
     assert prefetcher is not None
     deadline = time.monotonic() + 30
     while prefetcher.fetched == 0 and time.monotonic() < deadline:
@@ -271,6 +272,69 @@ def test_prefetch_fetches_the_next_steps_shards_in_the_background(
     assert all(isinstance(store, CachedStore) and store.exists(key) for store, key in files)
     local_loader = streampack.Loader(streampack.open(local).sequences(LONG), batch_size=2, seed=3)
     assert local_loader.prefetch_steps == 0 and local_loader.lookahead(0, 4) == []
+
+
+def prefetch_threads() -> list[threading.Thread]:
+    """The streampack prefetch threads alive in this process."""
+    return [t for t in threading.enumerate() if t.name.startswith(prefetch.THREAD_PREFIX) and t.is_alive()]
+
+
+def no_prefetch_threads_left() -> None:
+    """Let the threads of loaders that earlier tests dropped end (their finalizers stop them)."""
+    gc.collect()
+    for thread in prefetch_threads():
+        thread.join(timeout=30)
+    assert prefetch_threads() == []
+
+
+def test_close_stops_the_prefetch_thread_and_a_later_batch_starts_a_new_one(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
+) -> None:
+    url, local, total, _ = built
+    no_prefetch_threads_left()
+    remote = streampack.open(
+        url,
+        local_dir=tmp_path / "copy",
+        max_local_bytes=total // 2,
+        storage_options=s3_options(s3_endpoint),
+        prefetch_steps=4,
+    )
+    expected = list(streampack.Loader(streampack.open(local).sequences(LONG), batch_size=2, seed=3, epochs=1))
+    with streampack.Loader(remote.sequences(LONG), batch_size=2, seed=3, epochs=1) as loader:
+        batches = iter(loader)
+        head = [next(batches) for _ in range(3)]
+        (first,) = prefetch_threads()
+        assert loader._prefetcher is not None and first.name == loader._prefetcher.name
+    assert not first.is_alive() and prefetch_threads() == []  # close() joined it
+    loader.close()  # again: nothing more to do
+    # The loader stays usable after close(): the next batch starts a new thread, from where it stood.
+    rest = list(batches)
+    (second,) = prefetch_threads()
+    assert second.name != first.name
+    loader.close()
+    assert not second.is_alive() and prefetch_threads() == []
+    assert all(np.array_equal(a, b) for a, b in zip([*head, *rest], expected, strict=True))
+
+
+def test_a_loader_dropped_without_close_stops_its_prefetch_thread(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
+) -> None:
+    url, _, total, _ = built
+    no_prefetch_threads_left()
+    remote = streampack.open(
+        url,
+        local_dir=tmp_path / "copy",
+        max_local_bytes=total // 2,
+        storage_options=s3_options(s3_endpoint),
+        prefetch_steps=4,
+    )
+    loader = streampack.Loader(remote.sequences(LONG), batch_size=2, seed=3)
+    loader.batch(0)
+    (thread,) = prefetch_threads()
+    del loader
+    gc.collect()
+    thread.join(timeout=30)  # the finalizer told it to stop: it ends without being joined by anyone
+    assert not thread.is_alive()
 
 
 def test_verify_of_a_url_reads_the_objects_not_a_local_copy(

@@ -17,13 +17,15 @@ A user's ``collate=`` function, when given, is applied after the format.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from streampack.errors import OptionsError
 from streampack.order import groups
-from streampack.samples.layout import Boundaries
+
+if TYPE_CHECKING:
+    from streampack.samples.layout import Boundaries
 
 __all__ = ["CausalLMDict", "Format", "Tokens", "format_for"]
 
@@ -131,6 +133,9 @@ class CausalLMDict:
             starts.append(rows[row_of] * columns + column)
             docs.append(found.docs)
             marks.append((rows, found.marks))
+        # Imported here, not with the loader: the sources that give boundaries have loaded it already.
+        from streampack.samples.layout import Boundaries
+
         order = np.argsort(np.concatenate(starts), kind="stable")
         mask = None
         if any(m is not None for _, m in marks):

@@ -4,8 +4,9 @@ A loader takes its source as one dataset, a dict of named ones (read in the ``or
 that comes with its order (:class:`~streampack.order.Ordered`: a Mixture), or one that grows while it is
 read (:class:`~streampack.loader.growing.Growing`); its settings as a
 :class:`~streampack.loader.options.LoaderOptions`, keywords, or both. :func:`given` turns each into the
-same three things: the options, the list of sources, and the order (None: the loader makes one from the
-options), and refuses what does not fit together, naming the fix.
+same three things: the options, the sources (each probed once, as the loader reads it), and the order
+(the one given, or one made from the options for a single dataset), and refuses what does not fit
+together, naming the fix.
 """
 
 from __future__ import annotations
@@ -16,8 +17,14 @@ from typing import Any
 
 from streampack.errors import OptionsError
 from streampack.loader.growing import Growing
-from streampack.loader.options import LoaderOptions, unknown_keyword, with_keywords
-from streampack.loader.reading import DataSource
+from streampack.loader.options import (
+    LoaderOptions,
+    check_dtype,
+    check_size,
+    unknown_keyword,
+    with_keywords,
+)
+from streampack.loader.reading import DataSource, _Source
 from streampack.order import Order, Ordered
 
 __all__ = ["given"]
@@ -31,14 +38,25 @@ def given(
     order: Order | None,
     options: LoaderOptions | None,
     keywords: Mapping[str, Any],
-) -> tuple[LoaderOptions, list[DataSource], Order | None]:
+) -> tuple[LoaderOptions, list[_Source], Order]:
     """What a Loader is given, checked: its options (the object's, with the keywords' fields), its
-    sources, and the order given with them (None: the Loader makes one from the options).
+    sources, and their order (the one given, or for one dataset the one its options describe).
+
+    Args:
+        what: the class being made, for messages (``"Loader"``, ``"Follow"``).
+        source: one dataset, a dict of name -> dataset, a Mixture, or a growing source.
+        order: the order given, or None.
+        options: the options object given, or None.
+        keywords: the option fields given as keywords.
 
     Raises:
-        TypeError: a keyword names no option.
-        OptionsError: an option is not allowed, an order comes with ``seed``, ``shuffle`` or ``epochs``,
-            or the sources do not fit the order (see :class:`Loader`).
+        TypeError: ``source`` is a list or tuple, or has no ``__len__`` or ``__getitem__``; a keyword
+            names no option.
+        OptionsError: (a ``ValueError``) an option is out of range; ``batch_size`` does not divide by
+            ``world_size``; the dataset holds less than one global batch (with ``drop_last``);
+            ``dtype`` cannot hold the cache's ids; an order or a mixture is given with ``seed``,
+            ``shuffle`` or ``epochs``; an order does not name one source per source given; or a dict of
+            sources comes without an order.
     """
     unknown = sorted(set(keywords) - _OPTION_NAMES)
     if unknown:
@@ -54,7 +72,17 @@ def given(
             f"the order reads {len(order.names)} sources ({', '.join(order.names)}), the Loader was "
             "given one; give a dict of name -> source, one per name of the order"
         )
-    return opts, parts, order
+    sources = [_Source(part) for part in parts]
+    if order is None:  # the order of one dataset, from the options
+        from streampack.order.blockshuffle import single_order
+
+        first = sources[0]
+        order = single_order(
+            len(first), seed=opts.seed, shuffle=opts.shuffle, epochs=opts.epochs, data=first.fingerprint
+        )
+        check_size(opts, len(first))
+    check_dtype(opts, [source.dtype for source in sources])
+    return opts, sources, order
 
 
 def _sources_and_order(

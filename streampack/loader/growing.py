@@ -81,6 +81,15 @@ class Reach:
         (grown since) before its first read."""
         return self.__dict__ | {"source": copy.copy(self.source), "readable": -1}
 
+    def copied(self, dataset: object) -> dict[str, Any]:
+        """What a copy of a loader over this source holds in place of the original's: its own copy of
+        this reach, and so of the source and its order (which it resumes against), and its dataset (the
+        source's copy, when the loader was given the source itself)."""
+        reach = copy.copy(self)
+        order = reach.source.order
+        mine = reach.source if dataset is self.source else dataset
+        return {"_reach": reach, "order": order, "_configured": order, "dataset": mine}
+
     def grow(self, stop: int, check: Callable[[], None]) -> None:
         """Wait until the source knows the samples of positions ``[0, stop)``, or is complete (see
         :meth:`Growing.grow`); ``stop=0`` takes what it knows now."""

@@ -1,21 +1,28 @@
 """Which store keys the next steps of a loader read: what a prefetcher fetches ahead.
 
 A loader's order is known in advance, so the shard files of its next batches are too:
-:meth:`Loader.lookahead <streampack.loader.Loader.lookahead>` lists them, nearest step first, and
-:mod:`streampack.loader.prefetch` fetches them. The prefetcher knows nothing else of the loader: it asks
-the :class:`Lookahead` protocol, and this module maps samples to the files of the caches they sit in.
+:meth:`Loader.lookahead <streampack.loader.Loader.lookahead>` lists them (:func:`files_ahead`), nearest
+step first, and :mod:`streampack.loader.prefetch` fetches them. The prefetcher knows nothing else of the
+loader: it asks the :class:`Lookahead` protocol, and this module maps samples to the files of the caches
+they sit in.
+
+Only a loader over caches in object storage has anything to fetch, and it has read their samples
+(:mod:`streampack.samples`) and opened their local copies (:mod:`streampack.store.localcopy`) already: so
+those modules are imported here when asked, not with the loader.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from streampack.samples.sequences import JoinedSequences
-from streampack.store.localcopy import CachedStore
+if TYPE_CHECKING:
+    from streampack.samples.sequences import JoinedSequences
+    from streampack.store.localcopy import CachedStore
 
-__all__ = ["Lookahead", "prefetch_steps", "shard_files"]
+__all__ = ["Lookahead", "files_ahead", "prefetch_steps", "shard_files"]
 
 
 class Lookahead(Protocol):
@@ -36,8 +43,10 @@ class Lookahead(Protocol):
 
 def prefetch_steps(joined: JoinedSequences | None) -> int:
     """Steps ahead to prefetch for a loader over ``joined``: 0 unless it reads a cache in object storage."""
-    if not isinstance(joined, JoinedSequences):
+    if joined is None:
         return 0
+    from streampack.store.localcopy import CachedStore
+
     stores = [part.cache.store for part in joined.parts]
     return max((s.prefetch_steps for s in stores if isinstance(s, CachedStore)), default=0)
 
@@ -60,6 +69,8 @@ def shard_files(
     Raises:
         IndexError: a sample is past the end of its source.
     """
+    from streampack.store.localcopy import CachedStore
+
     files: list[tuple[CachedStore, str]] = []
     for shard in dict.fromkeys(joined.spans(sources, samples).shards.tolist()):
         part, local = joined.owner(shard)
@@ -70,4 +81,40 @@ def shard_files(
         store = cache.store
         if isinstance(store, CachedStore):
             files += [(store, key) for key in cache.shard_keys(local, boundaries=boundaries)]
+    return files
+
+
+def files_ahead(
+    current: Callable[[], JoinedSequences | None],
+    steps: Iterable[tuple[np.ndarray, np.ndarray] | None],
+    *,
+    boundaries: bool,
+) -> list[tuple[CachedStore, str]]:
+    """The files of the shards that the picks of ``steps`` read, nearest step first, each once.
+
+    Args:
+        current: the sources the loader reads now, joined (None: not every one is a cache, so nothing
+            is listed); asked again when a pick is past the end of its source, which a growing source
+            reopened meanwhile causes (the list then stops there, to start over after the next batch).
+        steps: the source ids and sample ids of this process's rows of each batch ahead; None where a
+            batch cannot be made now (past the run, or not known yet), which ends the list.
+        boundaries: also the files of the batches' document boundaries (see :func:`shard_files`).
+
+    Raises:
+        IndexError: a sample is past the end of its source, which was not reopened.
+    """
+    files: list[tuple[CachedStore, str]] = []
+    seen: set[tuple[int, int]] = set()
+    joined = current()  # read once: a growing source replaces it as it grows
+    if joined is None:
+        return files
+    for picks in steps:
+        if picks is None:
+            break
+        try:
+            files += shard_files(joined, *picks, boundaries=boundaries, seen=seen)
+        except IndexError:
+            if current() is joined:
+                raise
+            break
     return files

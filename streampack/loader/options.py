@@ -9,10 +9,9 @@ with an options object replace its fields (:func:`with_keywords`). :class:`Sourc
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -20,8 +19,10 @@ import numpy.typing as npt
 from streampack._aliases import renamed
 from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
-from streampack.order import Order
-from streampack.order.blockshuffle import BlockShuffle, check_shuffle
+
+if TYPE_CHECKING:
+    from streampack.order import Order
+    from streampack.order.blockshuffle import BlockShuffle
 
 __all__ = [
     "LoaderOptions",
@@ -100,7 +101,10 @@ class LoaderOptions:
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
-        check_shuffle(self.shuffle)
+        if self.shuffle is not True:  # a BlockShuffle (or a mistake): its module says which
+            from streampack.order.blockshuffle import check_shuffle
+
+            check_shuffle(self.shuffle)
         check_bool("drop_last", self.drop_last)
         if self.batch_size % self.world_size:
             smaller = self.batch_size // self.world_size * self.world_size
@@ -172,6 +176,8 @@ def with_keywords(cls: type[_Options], options: _Options | None, keywords: Mappi
 def unknown_keyword(what: str, name: str, names: Collection[str]) -> TypeError:
     """The error for a keyword ``what`` does not take: the name, the nearest of ``names`` and where they
     are described."""
+    import difflib  # only to word an error
+
     close = difflib.get_close_matches(name, sorted(names), n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     return TypeError(

@@ -1,21 +1,33 @@
 """Fetching ahead the shards a loader over a cache in object storage will read in its next steps.
 
 The order of samples is known in advance: the loader's :class:`~streampack.order.Order` maps positions to
-samples, the layouts map samples to spans of shards. After each batch, :func:`after_batch` tells this
-process's :class:`Prefetcher` (one per loader, started on first use, in every DataLoader worker) where
-the loader stands; its thread asks the loader's :class:`~streampack.loader.lookahead.Lookahead` for the
-shard files of the next ``prefetch_steps`` batches of this process (every n-th batch in a DataLoader
-worker: the stride seen between batches) and fetches those missing from the local copy
-(:mod:`streampack.store.localcopy`), nearest step first.
+samples, the layouts map samples to spans of shards. After each batch, the loader tells its
+:class:`Prefetcher` where it stands (:meth:`Prefetcher.announce`); the prefetcher's thread asks the
+loader's :class:`~streampack.loader.lookahead.Lookahead` for the shard files of the next
+``prefetch_steps`` batches of this process (every n-th batch in a DataLoader worker: the stride seen
+between batches) and fetches those missing from the local copy (:mod:`streampack.store.localcopy`),
+nearest step first.
 
 It stays out of the way of the reads: it fetches within half of ``max_local_bytes``, never evicts what it
 fetched for nearer steps, never waits for room (it stops and starts again after the next batch), and
 leaves errors to the read that needs the file. Nothing of this runs for a local cache.
+
+**Lifecycle.** A prefetcher belongs to the loader that started it (on the loader's first batch from
+object storage, in every process that reads: each DataLoader worker starts its own); nothing else holds
+it. Its daemon thread, named ``streampack-prefetch-<n>``, ends
+
+* when the loader is closed (:meth:`Loader.close <streampack.loader.Loader.close>`, or the end of
+  ``with loader:``), which calls :meth:`Prefetcher.close`: the thread is told to stop and joined, within
+  a bounded wait (a file being downloaded is finished first);
+* when the loader is garbage-collected without being closed: a :func:`weakref.finalize` on the loader
+  tells the thread to stop (the thread holds the loader weakly, so it never keeps it alive);
+* with the process, being a daemon.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import weakref
 from pathlib import Path
@@ -27,27 +39,23 @@ if TYPE_CHECKING:
     from streampack.loader.lookahead import Lookahead
     from streampack.store.localcopy import CachedStore
 
-_prefetchers: weakref.WeakKeyDictionary[Lookahead, Prefetcher | None] = weakref.WeakKeyDictionary()
+__all__ = ["THREAD_PREFIX", "Prefetcher"]
 
+THREAD_PREFIX = "streampack-prefetch-"
+"""How every prefetch thread's name starts."""
 
-def after_batch(loader: Lookahead, position: int) -> None:
-    """Tell the prefetcher of ``loader`` (made on first call; none when it prefetches no steps) that the
-    batch at ``position`` was read."""
-    try:
-        prefetcher = _prefetchers[loader]
-    except KeyError:
-        steps = loader.prefetch_steps
-        prefetcher = _prefetchers[loader] = Prefetcher(loader, steps) if steps else None
-    if prefetcher is not None:
-        prefetcher.announce(position)
+_numbers = itertools.count(1)
 
 
 class Prefetcher:
     """The background thread that fetches the shards of a loader's next steps (see the module docstring).
 
+    It starts at creation and runs until :meth:`close` or :meth:`stop`, or until the loader is
+    garbage-collected.
+
     Args:
         loader: what it fetches for, asked through :class:`~streampack.loader.lookahead.Lookahead` alone
-            (held weakly: the thread ends once it is gone).
+            (held weakly).
         steps: batches ahead to fetch for.
     """
 
@@ -56,9 +64,25 @@ class Prefetcher:
         self._steps = steps
         self._wanted: tuple[int, int] | None = None
         self._last: int | None = None
+        self._stopping = False
         self._cond = threading.Condition()
         self.fetched = 0  # files this prefetcher downloaded
-        threading.Thread(target=self._run, name="streampack-prefetch", daemon=True).start()
+        self._thread = threading.Thread(
+            target=self._run, name=f"{THREAD_PREFIX}{next(_numbers)}", daemon=True
+        )
+        self._finalizer = weakref.finalize(loader, self.stop)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether its thread runs and was not told to stop (False in a process forked from the one that
+        started it: a fork copies no thread but the forking one)."""
+        return not self._stopping and self._thread.is_alive()
+
+    @property
+    def name(self) -> str:
+        """Its thread's name: ``streampack-prefetch-<n>``."""
+        return self._thread.name
 
     def announce(self, position: int) -> None:
         """The batch at ``position`` was read: fetch for the ones after it."""
@@ -68,15 +92,33 @@ class Prefetcher:
             self._wanted = (position, stride)
             self._cond.notify()
 
+    def stop(self) -> None:
+        """Tell the thread to end, without waiting for it: it ends after the file it is fetching, if any."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread and wait until it has ended, at most ``timeout`` seconds; calling it again does
+        nothing more.
+
+        A download longer than ``timeout`` is not cut: the thread ends once it is done (a daemon, it
+        never holds the process).
+        """
+        self._finalizer.detach()
+        self.stop()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._wanted is None:
-                    self._cond.wait(timeout=1.0)
-                    if self._wanted is None and self._loader() is None:
-                        return
-                position, stride = self._wanted
-                self._wanted = None
+                while self._wanted is None and not self._stopping:
+                    self._cond.wait()
+                wanted, self._wanted = self._wanted, None
+                if self._stopping or wanted is None:
+                    return
+            position, stride = wanted
             loader = self._loader()
             if loader is None:
                 return
@@ -85,12 +127,12 @@ class Prefetcher:
             del loader
 
     def _fetch(self, files: list[tuple[CachedStore, str]]) -> None:
-        """Fetch ``files`` in order, within half of each store's bound; stop at a newer announcement or
-        when there is no room."""
+        """Fetch ``files`` in order, within half of each store's bound; stop at a newer announcement, when
+        told to stop, or when there is no room."""
         kept: list[Path] = []
         used = 0
         for store, key in files:
-            if self._wanted is not None:
+            if self._wanted is not None or self._stopping:
                 return
             path = store.path(key)
             if store.max_local_bytes is not None:

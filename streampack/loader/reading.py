@@ -8,21 +8,26 @@
   once (a call costs ~100 numpy dispatches whatever its size, which would otherwise dominate a small
   batch), and their windows are split at shard boundaries and sorted by shard once, so a batch is a copy
   of planned spans. The plan is a cache: what is read never depends on it.
+
+The :mod:`streampack.samples` modules that tell a cache's samples apart are imported when a loader is
+made (a cache's samples have loaded them already), not with this module: ``from streampack import
+Loader`` stays cheap.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from streampack.loader.lookahead import prefetch_steps
-from streampack.loader.options import LoaderOptions
 from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
-from streampack.samples.layout import BatchedSpans
-from streampack.samples.sequences import JoinedSequences, PackedSequences, holds_every_id
+
+if TYPE_CHECKING:
+    from streampack.loader.options import LoaderOptions
+    from streampack.samples.layout import BatchedSpans
 
 __all__ = ["DataSource", "Rows"]
 
@@ -55,6 +60,8 @@ class Rows:
     """
 
     def __init__(self, sources: list[_Source]) -> None:
+        from streampack.samples.sequences import JoinedSequences, PackedSequences
+
         self.sources = sources
         parts = [source.data for source in sources]
         joinable = all(isinstance(part, PackedSequences) for part in parts)
@@ -132,6 +139,8 @@ class Rows:
         joined = self.joined
         spans = None
         if joined is not None:
+            from streampack.samples.layout import BatchedSpans
+
             pads = joined.pads_of(sources)
             spans = BatchedSpans(joined.spans(sources, samples), opts.rows, count, self.width, pads)
         self._plan = _Plan(
@@ -165,7 +174,8 @@ class Rows:
         elif (
             not isinstance(out, np.ndarray)
             or out.shape != (len(samples), width)
-            or not holds_every_id(self.dtype, out.dtype)
+            or out.dtype.kind not in "iu"
+            or not np.can_cast(self.dtype, out.dtype, "safe")
         ):
             raise ValueError(
                 f"out must be a numpy array of shape {(len(samples), width)} and an integer dtype that "
@@ -211,6 +221,8 @@ class _Source:
     """
 
     def __init__(self, data: DataSource) -> None:
+        from streampack.samples.sequences import PackedSequences
+
         check_source(data)
         self.data = data
         self.size = len(data)

@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streampack._checks import bounds, is_int
 from streampack.errors import LoaderStateError
 from streampack.order import MAX_POSITION, Order
-from streampack.samples.sequences import with_current_digests
+
+if TYPE_CHECKING:
+    from streampack.loader.options import LoaderOptions
 
 __all__ = [
     "LOADER_FORMAT",
@@ -40,6 +42,7 @@ __all__ = [
     "read_loader_state",
     "read_order",
     "resume",
+    "saved",
     "version_1",
 ]
 
@@ -338,6 +341,25 @@ def _summary(value: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def saved(position: int, order: Order, options: LoaderOptions) -> dict[str, Any]:
+    """The state of a loader at ``position`` of ``order``, as :meth:`Loader.state_dict
+    <streampack.loader.Loader.state_dict>` returns it (a version :data:`LOADER_VERSION` state).
+
+    It holds the format and version, the position (samples consumed since the run started, over all
+    ranks) and the order's fingerprint: what the positions mean (seed, data, and for a mixture its
+    sources, weights and the schedule so far). The batch size and world size are recorded for
+    information only: a state may be loaded with others.
+    """
+    return {
+        "format": LOADER_FORMAT,
+        "version": LOADER_VERSION,
+        "position": position,
+        "order": order.fingerprint(),
+        "batch_size": options.batch_size,
+        "world_size": options.world_size,
+    }
+
+
 def version_1(state: Mapping[str, Any], size: int) -> tuple[int, dict[str, Any]]:
     """A version 1 state (epoch and samples into it, read strictly) of a dataset of ``size`` samples, as a
     version 2 position and order: the same place of the same epoch.
@@ -374,6 +396,8 @@ def resume(state: object, order: Order, datasets: Sequence[object]) -> tuple[int
         LoaderStateError: the state is not one of a supported version, or not one ``order`` continues.
         TypeError: a version 1 state, and ``order`` has no single epoch to place it in.
     """
+    from streampack.samples.sequences import with_current_digests
+
     state = read_loader_state(state)
     version = state["version"]
     saved: Mapping[str, Any]

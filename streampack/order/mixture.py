@@ -24,13 +24,12 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from streampack._checks import check_choice, check_int
-from streampack.errors import LoaderStateError, OptionsError
+from streampack.errors import OptionsError
 from streampack.order import (
     Shuffled,
     count_batches,
     data_fingerprint,
     groups,
-    mismatch,
     schedule,
 )
 from streampack.order.blockshuffle import (
@@ -116,12 +115,7 @@ class Mixture:
         self._data = [data_fingerprint(data) for data in self.sources.values()]
         self._seeds = [_derive(self.seed, f"source:{name}") for name in self.names]
         self._blocks_seed = _derive(self.seed, "blocks")
-        size = self.block_size
-        segments = [
-            (schedule.first_block(start, size), schedule.counts(w, self.names, size))
-            for start, w in schedule.stages(weights, stages)
-        ]
-        self._set_schedule(segments)
+        self._set_schedule(schedule.segments(weights, stages, self.names, self.block_size))
         if self.end == 0:
             raise OptionsError(
                 "the mixture would stop before its first block: some source has fewer samples than its share "
@@ -291,27 +285,14 @@ class Mixture:
             shuffle=shuffle_fingerprint(self.shuffle),
             block_size=self.block_size,
         )
-        for name, (_, data) in seeds.items():
-            if name not in self.sources:
-                raise LoaderStateError(
-                    f"the checkpoint reads source {name!r}, which this mixture does not have (it has "
-                    f"{list(self.names)}); keep it in the mixture, with weight 0 to stop reading it"
-                )
-            here = self._data[self.names.index(name)]
-            if data != here:
-                raise LoaderStateError(mismatch(f"data of source {name!r}", data, here))
         started = -(-position // self.block_size)  # blocks that had begun
-        own = self._schedule
-        in_force = own[int(np.searchsorted(self._firsts, started, side="right")) - 1][1]
-        segments = [segment for segment in history if segment[0] < started]
-        segments += [(started, in_force)] + [segment for segment in own if segment[0] > started]
         resumed = object.__new__(Mixture)
         resumed.__dict__.update(self.__dict__)
         resumed._seeds = [
             seeds[name][0] if name in seeds else seed
             for name, seed in zip(self.names, self._seeds, strict=True)
         ]
-        resumed._set_schedule(segments)
+        resumed._set_schedule(schedule.spliced(history, self._schedule, started))
         return resumed
 
 

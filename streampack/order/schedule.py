@@ -29,6 +29,8 @@ __all__ = [
     "first_block",
     "merged",
     "saved_history",
+    "segments",
+    "spliced",
     "stages",
     "summary",
     "tables",
@@ -168,6 +170,36 @@ def first_block(position: int, block_size: int) -> int:
     return -(-position // block_size)
 
 
+def segments(
+    weights: Mapping[str, float] | None,
+    stages_: Sequence[tuple[int, Mapping[str, float]]] | None,
+    names: Sequence[str],
+    block_size: int,
+) -> list[tuple[int, Counts]]:
+    """The segments (first block, counts) of a mixture of the sources ``names`` given ``weights`` or
+    ``stages_`` (see :func:`stages` and :func:`counts`): each stage from the first block starting at or
+    after its position.
+
+    Raises:
+        OptionsError: the stages or a weight are not allowed.
+    """
+    return [
+        (first_block(start, block_size), counts(w, names, block_size))
+        for start, w in stages(weights, stages_)
+    ]
+
+
+def spliced(
+    history: Sequence[tuple[int, Counts]], own: Sequence[tuple[int, Counts]], started: int
+) -> list[tuple[int, Counts]]:
+    """The schedule of a run resumed when ``started`` blocks had begun: the checkpoint's ``history``
+    before that block, then the mixture's ``own`` schedule, starting with the counts it has in force
+    there (both schedules start at block 0)."""
+    in_force = [counts for first, counts in own if first <= started][-1]
+    kept = [segment for segment in history if segment[0] < started]
+    return [*kept, (started, in_force), *(segment for segment in own if segment[0] > started)]
+
+
 def saved_history(
     saved: Mapping[str, Any],
     *,
@@ -188,7 +220,8 @@ def saved_history(
 
     Raises:
         LoaderStateError: the checkpoint does not continue here (another seed, shuffle or block size, a
-            dataset that is no source here) or is damaged.
+            dataset that is no source here, a source of it missing here or with other data) or is
+            damaged.
     """
     kind = saved.get("kind")
     if kind in ("shuffled", "blocks"):
@@ -222,6 +255,15 @@ def saved_history(
         history = _saved_schedule(saved["schedule"], set(seeds), names, block_size)
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise LoaderStateError(f"the checkpoint's mixture schedule is damaged ({error})") from error
+    for name, (_, saved_data) in seeds.items():
+        if name not in names:
+            raise LoaderStateError(
+                f"the checkpoint reads source {name!r}, which this mixture does not have (it has "
+                f"{list(names)}); keep it in the mixture, with weight 0 to stop reading it"
+            )
+        here = data[list(names).index(name)]
+        if saved_data != here:
+            raise LoaderStateError(mismatch(f"data of source {name!r}", saved_data, here))
     return history, seeds
 
 
