@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from _backends import iter_texts
 from _build_inputs import FORMATS, chat_tokenizer, convert, files_under, size_mb
 from _build_rows import (
     AUTO,
@@ -252,6 +253,12 @@ def measure_formats(
                 else f"**not met** ({', '.join(f'{n} {rows[n].tokens:,}' for n in differ)})"
             )
         )
+        if "text" in differ:  # a .txt file's first U+FEFF is its byte-order mark, which the reader drops
+            boms = sum(text.startswith("\ufeff") for text in iter_texts(corpus.path))
+            lines.append(
+                f"  - {boms} of the texts begin with U+FEFF, which the `.txt` reader takes for the file's "
+                "byte-order mark and drops (`streampack/inputs/text.py`), ~3 tokens each"
+            )
     lines += stage_columns({(JSONL if n == JSONL else n): r for n, r in rows.items()})
     return lines
 
@@ -333,9 +340,12 @@ def measure_encodings(
 
 
 def source_commit() -> str:
-    """The project's commit, and whether its package files had uncommitted changes."""
+    """The last commit that changed the package (``streampack/``, ``pyproject.toml``), and whether it has
+    uncommitted changes: what a ``pip install .`` of the project holds."""
     head = subprocess.run(
-        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ["git", "-C", str(REPO), "log", "-1", "--format=%h", "--", "streampack", "pyproject.toml"],
+        capture_output=True,
+        text=True,
     )
     dirty = subprocess.run(
         ["git", "-C", str(REPO), "status", "--porcelain", "--", "streampack", "pyproject.toml"],
@@ -408,7 +418,7 @@ def measure_plain(args: argparse.Namespace, corpus: Corpus, tmp: Path) -> list[s
         "",
         "## The plain install (`pip install .`, no extras named; GPT-2 `tokenizer.json`, default engine, 1x)",
         "",
-        f"- venv: `{venv}`, installed from commit {installed}"
+        f"- venv: `{venv}`, its package as of commit {installed}"
         + ("" if installed == now else f" — **the project is now at {now}: remove the venv to reinstall**"),
         f"- it holds: {why_not or plain_versions(venv)}",
         "- the build runs its `streampack` console script with `PYTHONPATH` unset; the raw limits run in the "
