@@ -4,7 +4,8 @@
 from, so every file here holds exactly the JSONL's documents (or, for the SFT inputs, each document cut in
 two at the space nearest its middle):
 
-- ``parquet``: one ``text`` column, row groups of 1000 rows (as ``datasets.Dataset.to_parquet`` writes);
+- ``parquet``: one ``text`` column, row groups of 1000 rows (~8 MB of this corpus's text each; ``datasets``
+  aims at row groups of up to 100 MB, which a work unit reads whole);
 - ``zst`` / ``gz``: the JSONL file itself compressed, one file (zstandard level 3, gzip level 6);
 - ``text``: one ``.txt`` file per document (``streampack build DIR``'s default, a document per file: the
   texts hold newlines, so one document per line could not hold the same documents), 1000 to a folder;
