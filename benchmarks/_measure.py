@@ -62,6 +62,7 @@ def run(
     cwd: str | None = None,
     poll_s: float = 0.05,
     timeout_s: float | None = None,
+    unset: Sequence[str] = (),
 ) -> Measurement:
     """Run ``cmd`` to completion, sampling the RSS of its process tree every ``poll_s`` seconds.
 
@@ -74,11 +75,12 @@ def run(
         cwd: Working directory for the command.
         poll_s: Sampling interval in seconds.
         timeout_s: Kill the process tree after this many seconds (``None``: wait forever).
+        unset: Variables of the current environment to leave out (``PYTHONPATH`` for another venv).
 
     Returns:
         The measurement. A timed-out run has ``returncode`` -9 and a note appended to ``stderr``.
     """
-    full_env = {**os.environ, **(env or {})}
+    full_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
         popen = subprocess.Popen(list(cmd), stdout=out, stderr=err, env=full_env, cwd=cwd)

@@ -9,10 +9,16 @@ default ``auto`` engine. With ``--repeats N``, each repeat runs the group's rows
 later every time; the table shows the median run of each row and its ratios are the medians of the N
 per-repeat ratios. The auto build also runs at the larger ``--scale`` multiples (peak RSS growth).
 
+Then the groups of :mod:`_build_groups`, each paired and rotated the same way: the same texts in every
+input format ÷ the plain JSONL's build (``--formats``), builds with the cl100k_base and o200k_base ranks ÷
+the GPT-2 ranks' build (``--encodings``), and a build from a plain ``pip install .`` ÷ both raw limits
+(``--plain-venv``, ``--skip-plain``).
+
 Usage::
 
     python benchmarks/bench_build.py --corpus natural.jsonl [--scale 1,4]
-        [--quick] [--skip-peers] [--repeats N]
+        [--quick] [--skip-peers] [--repeats N] [--backends LIST|none] [--formats LIST|all|none]
+        [--encodings LIST|all|none] [--skip-plain] [--plain-venv DIR]
 
 Prints a markdown table and writes it to ``benchmarks/results/build.md`` (``build-quick.md`` with
 ``--quick``). See ``benchmarks/README.md`` for what each row means.
@@ -25,105 +31,45 @@ import datetime
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
 import psutil
 from _backends import TIKTOKEN_GPT2, TOKENIZERS_GPT2, head_lines
-from _measure import Measurement, run
+from _build_groups import ENCODINGS, FORMATS, measure_encodings, measure_formats, measure_plain, parse_list
+from _build_rows import (
+    AUTO,
+    BACKENDS,
+    BUILD,
+    FAST_RAW,
+    HERE,
+    KIND,
+    PIECES,
+    RAW,
+    REPO,
+    Cli,
+    Corpus,
+    Row,
+    failed,
+    log,
+    median_of,
+    raw_limit,
+    streampack_build,
+    streampack_cli,
+)
+from _measure import run
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-BACKENDS = ("tokenizers", "tiktoken")  # a group per tokenizer kind, named after its own library
-KIND = {"tokenizers": "tokenizer.json", "tiktoken": "tiktoken ranks"}
-FAST_WORKER = {"tokenizers": "fastokens-json", "tiktoken": "fastokens-tiktoken"}  # _raw_limit.py --backend
-RAW = "raw limit (baseline)"
-FAST_RAW = "raw limit of the fast engine"
-PIECES = "reference: raw call over the build's pieces"
-BUILD = "streampack build"  # --tokenizer-engine <the tokenizer's own library>
-AUTO = "streampack build, auto engine"  # no --tokenizer-engine: the default
 RSS_GOAL_MB = 1024.0
 RATIO_GOAL = 0.95
 AUTO_GOAL = {"tokenizers": 10.0, "tiktoken": 5.0}  # auto build ÷ the tokenizer's own library's raw limit
 FAST_RATIO_GOAL = 0.8  # auto build ÷ the fast engine's raw limit
 RSS_SCALE_GOAL = 1.1
-BUILT_SECONDS = re.compile(r"^built .*, ([0-9.]+) s\b")  # the build's summary line
-
-
-@dataclass
-class Row:
-    """One line of the table; ``wall_s``/``tokens``/``peak_rss_mb`` stay ``None`` for a row not run."""
-
-    method: str
-    backend: str  # the group: the tokenizer's own library (tokenizers: tokenizer.json, tiktoken: ranks)
-    engine: str  # what computed the ids
-    input_mb: float
-    wall_s: float | None = None
-    tokens: int | None = None
-    peak_rss_mb: float | None = None
-    note: str = ""
-    scale: int = 1
-    build_s: float | None = None  # a build's own timer, from its summary line: no interpreter start-up
-    stages: list[str] = field(default_factory=list)  # a build's --profile table, markdown lines
-    ratio: float | None = None  # ÷ the group's raw limit: the median of the per-repeat ratios
-    fast_ratio: float | None = None  # ÷ the fast engine's raw limit, likewise
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """Tokens per wall second, or ``None`` if the row did not run."""
-        if self.wall_s is None or self.tokens is None:
-            return None
-        return self.tokens / self.wall_s
-
-
-@dataclass(frozen=True)
-class Corpus:
-    """A JSONL input file and the size of its ``text`` fields."""
-
-    path: str
-    docs: int
-    text_mb: float  # UTF-8 bytes of the text fields, in 10**6 bytes
-    file_mb: float
-
-
-@dataclass(frozen=True)
-class Cli:
-    """How to run ``streampack``, and what this version of it can do."""
-
-    prefix: list[str]
-    why_not: str  # why it cannot run yet, else ""
-    profile: bool  # `build --help` lists --profile (the stage table)
-
-
-def failed(row: Row, m: Measurement) -> Row:
-    """Mark ``row`` as failed with the last line of the command's stderr."""
-    tail = (m.stderr.strip().splitlines() or ["(no stderr)"])[-1]
-    row.note = f"failed (exit {m.returncode}): {tail[:160]}"
-    row.peak_rss_mb = m.peak_rss_mb
-    return row
-
-
-def median_of(rows: list[Row]) -> Row:
-    """The run of median wall time among the successful ``rows``, with the largest peak RSS of them all.
-
-    The largest peak RSS is the conservative figure to check a memory goal against.
-    """
-    ok = sorted((r for r in rows if r.wall_s is not None), key=lambda r: r.wall_s or 0.0)
-    if not ok:
-        return rows[-1]
-    median = ok[(len(ok) - 1) // 2]
-    median.peak_rss_mb = max(r.peak_rss_mb or 0.0 for r in ok)
-    if len(rows) > 1:
-        median.note += f"; median of {len(ok)} runs"
-    return median
 
 
 def rotated(repeats: int, runners: dict[str, Callable[[], Row]]) -> list[Row]:
@@ -164,11 +110,6 @@ def _median_noted(row: Row, values: list[float], what: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def log(msg: str) -> None:
-    """Progress goes to stderr so the table on stdout stays clean."""
-    print(f"[bench_build {datetime.datetime.now():%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
-
-
 # --- inputs ---------------------------------------------------------------------------------------
 
 
@@ -197,113 +138,6 @@ def scale_corpus(corpus: Corpus, times: int, tmp: Path) -> Corpus:
 
 
 # --- rows -----------------------------------------------------------------------------------------
-
-
-def raw_limit(
-    backend: str, corpus: Corpus, tokenizer: str, *, fast: bool = False, pieces: bool = False
-) -> Row:
-    """Raw limit: encode-only seconds of a batch call, texts loaded first.
-
-    ``backend`` names the group; ``fast``: the fast engine's call on the same tokenizer file rather than
-    the group's own library's (the baseline). With ``pieces``, a reference row rather than the baseline:
-    the texts cut as the build cuts them.
-    """
-    worker = FAST_WORKER[backend] if fast else backend
-    method = FAST_RAW if fast else PIECES if pieces else RAW
-    row = Row(method, backend, "fastokens" if fast else backend, corpus.text_mb)
-    cmd = [sys.executable, str(HERE / "_raw_limit.py"), "--backend", worker, "--corpus", corpus.path]
-    m = run([*cmd, "--tokenizer", tokenizer, *(["--build-pieces"] if pieces else [])])
-    if m.returncode != 0:
-        return failed(row, m)
-    out = json.loads(m.stdout.strip().splitlines()[-1])
-    row.wall_s, row.tokens, row.peak_rss_mb = out["encode_s"], out["num_tokens"], m.peak_rss_mb
-    row.note = f"{row.tokens / 1e6:.1f} M tokens; encode calls only (process wall {m.wall_s:.1f} s)"
-    return row
-
-
-def streampack_cli() -> Cli:
-    """How to run streampack, why it cannot run yet (else ""), whether it has ``build --profile``."""
-    exe = Path(sys.executable).with_name("streampack")
-    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "streampack.cli"]
-    helps = {}
-    for sub in ("build", "info"):
-        probe = subprocess.run([*base, sub, "--help"], cwd=REPO, capture_output=True, text=True)
-        if probe.returncode != 0:
-            tail = (probe.stderr.strip().splitlines() or ["?"])[-1]
-            return Cli(base, f"not run: streampack CLI not ready (`{sub} --help`: {tail[:100]})", False)
-        helps[sub] = probe.stdout
-    return Cli(base, "", re.search(r"^\s*--profile\b", helps["build"], re.MULTILINE) is not None)
-
-
-def streampack_build(
-    cli: Cli,
-    backend: str,
-    spec: str,
-    corpus: Corpus,
-    scale: int,
-    out_dir: Path,
-    *,
-    auto: bool,
-    extra: Sequence[str] = (),
-) -> Row:
-    """One ``streampack build`` of ``corpus``; its tokens and engine are read back with ``info --json``.
-
-    ``auto``: the default engine (no ``--tokenizer-engine``), with ``--profile`` where the CLI has it;
-    else ``--tokenizer-engine <backend>``, the tokenizer's own library.
-    """
-    engine = [] if auto else ["--tokenizer-engine", backend]
-    extra = [*engine, *(["--profile"] if auto and cli.profile else []), *extra]
-    row = Row(AUTO if auto else BUILD, backend, "auto" if auto else backend, corpus.text_mb, scale=scale)
-    if cli.why_not:
-        row.note = cli.why_not
-        return row
-    build = [*cli.prefix, "build", corpus.path, "--tokenizer", spec, "--out", str(out_dir), "--overwrite"]
-    m = run([*build, *extra], cwd=str(REPO))
-    try:
-        if m.returncode != 0:
-            return failed(row, m)
-        info = run([*cli.prefix, "info", str(out_dir), "--json"], cwd=str(REPO))
-        if info.returncode != 0:
-            failed(row, info).note = f"`info` {row.note}"
-            row.peak_rss_mb = m.peak_rss_mb
-            return row
-        described = json.loads(info.stdout)
-        row.tokens = int(described["num_tokens"])
-        row.wall_s, row.peak_rss_mb = m.wall_s, m.peak_rss_mb
-        row.build_s, row.stages = own_seconds(m.stdout), stage_table(m.stdout)
-        ran = str(described.get("tokenizer_engine", "? (`info` does not say)"))
-        if auto:
-            row.engine = f"auto → {ran.split(' (')[0]}"
-        row.note = f"{row.tokens / 1e6:.1f} M tokens; {scale}x corpus" + "".join(f" {a}" for a in extra)
-        if auto and scale == 1:
-            row.note += f"; engine that ran (`info`): {ran}"
-        return row
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
-
-
-def own_seconds(stdout: str) -> float | None:
-    """The seconds of the build's summary line (``built ...: N documents, ..., X s``), if it printed one."""
-    for line in stdout.splitlines():
-        found = BUILT_SECONDS.match(line)
-        if found:
-            return float(found.group(1))
-    return None
-
-
-def stage_table(stdout: str) -> list[str]:
-    """The markdown table ``build --profile`` prints after its summary (header ``| timing |``, ``| stage |``
-    before the table was named timings), if any."""
-    lines = stdout.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith(("| timing |", "| stage |"))), None)
-    if start is None:
-        return []
-    table = []
-    for line in lines[start:]:
-        if not line.startswith("|"):
-            break
-        table.append(line.rstrip())
-    return table
 
 
 def peer(
@@ -474,7 +308,7 @@ def stage_sections(rows: list[Row], cli: Cli) -> list[str]:
         if auto[0].stages:
             out += auto[0].stages
         elif cli.profile:
-            out.append("The build printed no timings table (no line starting `| timing |`).")
+            out.append("The build printed no stage table (no line starting `| stage |`).")
         else:
             out.append("No stage table: this `streampack build` has no `--profile` option yet.")
     return out
@@ -508,7 +342,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--backends",
         default=",".join(BACKENDS),
-        help="tokenizers to run, a comma-separated subset of tokenizers (tokenizer.json), tiktoken (ranks)",
+        help="tokenizer groups to run, a comma-separated subset of tokenizers (tokenizer.json), tiktoken "
+        "(ranks), or none",
+    )
+    parser.add_argument(
+        "--formats",
+        default="all",
+        help=f"input formats beside plain JSONL: a subset of {','.join(FORMATS)}, all (default) or none",
+    )
+    parser.add_argument(
+        "--encodings",
+        default="all",
+        help=f"tiktoken ranks beside GPT-2's: a subset of {','.join(ENCODINGS)}, all (default) or none",
+    )
+    parser.add_argument("--skip-plain", action="store_true", help="skip the plain-install row")
+    parser.add_argument(
+        "--plain-venv",
+        default=str(REPO / ".bench-plain-venv"),
+        help="venv of the plain install (`pip install .`, no extras), created if absent",
     )
     parser.add_argument(
         "--repeats", type=int, default=1, help="rounds of each group's four 1x rows (medians reported)"
@@ -535,9 +386,12 @@ def parse_args() -> argparse.Namespace:
     args.scales = sorted({int(s) for s in args.scale.split(",")})
     if not args.scales or min(args.scales) < 1:
         parser.error(f"--scale takes positive integers like 1,4 (got {args.scale!r})")
-    unknown = set(args.backends.split(",")) - set(BACKENDS)
-    if unknown:
-        parser.error(f"--backends takes a subset of {','.join(BACKENDS)} (got {args.backends!r})")
+    try:
+        args.backend_list = parse_list(args.backends, BACKENDS, "--backends")
+        args.format_list = parse_list(args.formats, FORMATS, "--formats")
+        args.encoding_list = parse_list(args.encodings, ENCODINGS, "--encodings")
+    except ValueError as e:
+        parser.error(str(e))
     return args
 
 
@@ -654,16 +508,26 @@ def main() -> None:
         # seconds apart, not across the whole run (the machine is shared).
         scaled: dict[int, Corpus] = {1: corpus}
         rows: list[Row] = []
-        for backend in args.backends.split(","):
+        for backend in args.backend_list:
             rows += measure_group(backend, args, cli, corpus, scaled, tmp)
         for scale, big in scaled.items():
             if scale != 1:
                 Path(big.path).unlink()
-        rows += measure_peers(args, corpus, tmp)
+        if args.backend_list:
+            rows += measure_peers(args, corpus, tmp)
+        sections: list[str] = []
+        if args.format_list:
+            sections += measure_formats(args, cli, corpus, tmp, args.format_list)
+        if args.encoding_list:
+            sections += measure_encodings(args, cli, corpus, tmp, args.encoding_list)
+        if not args.skip_plain:
+            sections += measure_plain(args, corpus, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    text = render(rows, report_header(args, corpus, load_at_start), cli)
+    header = report_header(args, corpus, load_at_start)
+    text = render(rows, header, cli) if rows else "\n".join(header) + "\n"
+    text += "\n".join(sections) + ("\n" if sections else "")
     print(text)
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(text)
