@@ -31,6 +31,7 @@ import numpy.typing as npt
 from streampack._checks import check_choice, check_int
 from streampack.errors import CacheError
 from streampack.order import groups
+from streampack.samples.chosen import Chosen
 from streampack.samples.layout import (
     Bins,
     Boundaries,
@@ -43,8 +44,15 @@ from streampack.samples.layout import (
     row_view,
     split_windows,
 )
-from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong, plan_documents, plan_packed
-from streampack.samples.split import Chosen
+from streampack.samples.packing import (
+    NO_TARGET,
+    TOO_LONG,
+    NoTarget,
+    TooLong,
+    plan_again,
+    plan_documents,
+    plan_packed,
+)
 from streampack.store import CacheRef
 from streampack.store.localcopy import CachedStore, on_release
 
@@ -119,6 +127,10 @@ class PackedSequences:
         self._ref = state["cache"] if "cache" in state else _ref_of_old_pickle(state)
         self._num_tokens = state["num_tokens"]
         self._layout = state["layout"]
+        layout = self._layout  # unpickled before these samples: pickles are restored inner objects first
+        if isinstance(layout, Bins) and layout.needs_plan and layout.directory is not None:
+            # Pickled by streampack 0.1, whose plans had no checksums: made again (the same plan).
+            layout.restore(plan_again(layout.directory, layout.seq_len, layout.settings, layout.pad_id))
         self._doc_starts = state["doc_starts"]
         self._masked = state.get("masked", False)
         self._cache = None
