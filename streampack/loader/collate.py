@@ -21,7 +21,7 @@ import numpy as np
 
 from streampack.errors import OptionsError
 from streampack.order import groups
-from streampack.samples.layout import Boundaries
+from streampack.samples.boundaries import Boundaries
 
 __all__ = ["CausalLMDict", "Format", "Tokens", "format_for"]
 

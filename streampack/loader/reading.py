@@ -21,8 +21,9 @@ import numpy as np
 from streampack.loader.lookahead import prefetch_steps
 from streampack.loader.options import LoaderOptions
 from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
-from streampack.samples.layout import BatchedSpans
-from streampack.samples.sequences import JoinedSequences, PackedSequences, holds_every_id
+from streampack.samples.batches import holds_every_id
+from streampack.samples.copies import BatchedSpans
+from streampack.samples.sequences import JoinedSequences, PackedSequences
 
 __all__ = ["DataSource", "Rows"]
 

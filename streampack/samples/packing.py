@@ -153,7 +153,7 @@ def plan_again(
         CacheError: the plan is of a split (whose selection the settings do not restore), or the cache
             changed since the samples were made.
     """
-    from streampack.reader import open as open_cache
+    from streampack.reader.opening import open as open_cache
     from streampack.samples.chosen import Chosen
 
     if "split" in settings or settings.get("layout") not in _ASSIGN:
