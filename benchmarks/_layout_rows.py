@@ -32,11 +32,12 @@ from _procfs import children, cpu_seconds
 
 import streampack
 from streampack.loader import Loader
+from streampack.samples import PackedSequences
 
 BATCH = 32
 
 
-def make_samples(cache: streampack.Cache, layout: str, seq_len: int) -> streampack.PackedSequences:
+def make_samples(cache: streampack.Cache, layout: str, seq_len: int) -> PackedSequences:
     """The samples of ``layout`` (see the module docstring)."""
     if layout == "windows":
         return cache.sequences(seq_len)
@@ -45,7 +46,7 @@ def make_samples(cache: streampack.Cache, layout: str, seq_len: int) -> streampa
     return cache.documents(seq_len, too_long="truncate")
 
 
-def real_tokens(samples: streampack.PackedSequences) -> int:
+def real_tokens(samples: PackedSequences) -> int:
     """Tokens the samples hold, padding excluded (windows have none)."""
     layout = samples.layout
     return int(getattr(layout, "tokens", len(samples) * samples.width))
@@ -72,7 +73,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def batches(args: argparse.Namespace, samples: streampack.PackedSequences) -> Iterator[Any]:
+def batches(args: argparse.Namespace, samples: PackedSequences) -> Iterator[Any]:
     """Endless shuffled batches of ``samples`` (the loader runs epoch after epoch)."""
     loader = Loader(samples, batch_size=BATCH, seed=0, output=args.output)
     if not args.workers:

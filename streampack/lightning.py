@@ -57,7 +57,7 @@ class ModelPacedDataLoader(DataLoader):
         super().__init__(loader, **kwargs)
         self._pending: deque[int] = deque()  # positions of batches handed out and not yet consumed
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override, unused-ignore]
         """Yield batches like :class:`streampack.torch.DataLoader`, each pending until consumed."""
         self._pending.clear()
         batches = cast(Generator[Any, None, None], super().__iter__())

@@ -200,6 +200,8 @@ class DataLoader(torch_data.DataLoader):
         ValueError: a batching argument, or ``in_order=False``, was given.
     """
 
+    pin_memory: bool  # torch's attribute, declared for type checking without torch installed
+
     def __init__(self, loader: Loader, *, shared_slots: bool = True, **kwargs: Any) -> None:
         for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "collate_fn", "drop_last"):
             if name in kwargs:
@@ -221,16 +223,17 @@ class DataLoader(torch_data.DataLoader):
             # The ring goes to the workers inside the dataset; pinning happens on copy-out instead, and
             # like the DataLoader's own, only where there is an accelerator to pin for.
             dataset._ring = _SlotRing(loader, self.num_workers, (self.prefetch_factor or 2) + 2)
-            self._pin, self.pin_memory = bool(self.pin_memory) and _have_accelerator(), False
+            self._pin = bool(self.pin_memory) and _have_accelerator()
+            self.pin_memory = False
 
     @property
     def loader(self) -> Loader:
         """The loader whose batches are served."""
-        return self.dataset.loader  # type: ignore[attr-defined]
+        return self.dataset.loader  # type: ignore[attr-defined, unused-ignore]
 
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override, unused-ignore]
         """Yield batches from the loader's position, advancing it by one per batch handed out."""
-        dataset: IterableDataset = self.dataset  # type: ignore[assignment]
+        dataset: IterableDataset = self.dataset  # type: ignore[assignment, unused-ignore]
         dataset.publish()
         ring, wanted = dataset._ring, self.loader.options.dtype
         dtype = None if wanted is None else np.dtype(wanted)
@@ -275,7 +278,7 @@ class DataLoader(torch_data.DataLoader):
                 "before iter(), or break out of the loop first (or close() the iterator)"
             )
         before = self.loader.order.fingerprint()
-        self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+        self.dataset.load_state_dict(state)  # type: ignore[attr-defined, unused-ignore]
         if self.loader.order.fingerprint() != before:
             self._restart_workers()
 
@@ -376,7 +379,7 @@ def _shared_array(shape: tuple[int, int], dtype: np.dtype) -> tuple[torch.Tensor
     try:
         storage = torch.UntypedStorage._new_shared(nbytes)
         # torch's stubs lack the (source, offset, size) form that torch accepts
-        tensor = torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)  # type: ignore[call-overload]
+        tensor = torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)  # type: ignore[call-overload, unused-ignore]
     except (AttributeError, RuntimeError):  # pragma: no cover - other torch versions
         tensor = torch.empty(shape, dtype=torch_dtype).share_memory_()
     return tensor, tensor.numpy()

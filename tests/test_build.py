@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 import streampack
-from streampack.errors import BadRecordError, ConfigMismatchError, StreampackError
+from streampack.errors import BadRecordError, ConfigMismatchError, InputError, StreampackError
 from tests.conftest import shard_bytes, write_bytes, write_jsonl
 
 texts = st.text(st.characters(exclude_categories=["Cs"]), max_size=300)
@@ -289,13 +289,13 @@ def test_a_cache_inside_its_input_directory_is_not_read_as_input(tmp_path: Path)
 
 @pytest.mark.parametrize("items", [{"text": "a"}, {"a.jsonl", "b.jsonl"}])
 def test_mappings_and_sets_are_not_documents(tmp_path: Path, items: object) -> None:
-    with pytest.raises(streampack.InputError, match="cannot read documents from a"):
+    with pytest.raises(InputError, match="cannot read documents from a"):
         streampack.build(items, tmp_path / "c")
 
 
 def test_python_strings_with_lone_surrogates_are_bad_records(tmp_path: Path) -> None:
     docs = streampack.Documents(["fine", "bad \ud800 text", {"text": "also fine"}])
-    with pytest.raises(streampack.BadRecordError, match="python record 1: the text holds a lone surrogate"):
+    with pytest.raises(BadRecordError, match="python record 1: the text holds a lone surrogate"):
         streampack.build(docs, tmp_path / "a")
     summary = streampack.build(docs, tmp_path / "b", on_bad_record="skip")
     assert summary.num_docs == 2 and summary.skipped_records == 1

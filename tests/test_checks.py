@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack import BlockShuffle, Follow, Loader, Mixture, OptionsError
+from streampack import BlockShuffle, Follow, Loader, Mixture
 from streampack._checks import bounds, check_choice, check_int, check_int_or_none
+from streampack.errors import OptionsError
 from streampack.order.permutation import Permutation
 from tests.conftest import write_jsonl
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import streampack
+from streampack.errors import InputError
 from streampack.inputs.discovery import Ignored, check_output_outside_inputs, discover_inputs, expand_inputs
 from tests.conftest import run_cli, write_jsonl
 
@@ -109,7 +110,7 @@ def test_json_documents_and_cache_files_are_not_inputs_in_directories_and_globs(
     for spec in (d, f"{d}/**/*.json*", f"{d}/cache/ledger/*.json"):
         try:
             found = discover_inputs([spec])
-        except streampack.InputError as e:  # the ledger glob: nothing but cache files
+        except InputError as e:  # the ledger glob: nothing but cache files
             assert "the glob matches no input files" in str(e) and "a streampack cache" in str(e)
             continue
         assert _names([f.path for f in found.files], d) == ["broken.json", "data.json", "empty.json"]
@@ -119,7 +120,7 @@ def test_json_documents_and_cache_files_are_not_inputs_in_directories_and_globs(
     assert {"README.md": "not an input file type"}.items() <= {
         os.path.relpath(i.path, d): i.reason for i in discover_inputs([d]).ignored
     }.items()
-    with pytest.raises(streampack.InputError, match=r"manifest\.json: a file of the streampack cache"):
+    with pytest.raises(InputError, match=r"manifest\.json: a file of the streampack cache"):
         expand_inputs([d / "cache" / "manifest.json"])
 
 
@@ -163,7 +164,7 @@ def test_a_url_folder_is_expanded_like_a_directory(tmp_path: Path) -> None:
 
 
 def test_a_missing_url_says_why(tmp_path: Path) -> None:
-    with pytest.raises(streampack.InputError, match=r"nope/: cannot read \(FileNotFoundError: .*No such"):
+    with pytest.raises(InputError, match=r"nope/: cannot read \(FileNotFoundError: .*No such"):
         expand_inputs([f"file://{tmp_path}/nope/"])
 
 
@@ -190,11 +191,11 @@ def test_out_at_a_glob_root_or_holding_an_input_is_refused_but_inside_an_input_f
 ) -> None:
     write_jsonl(tmp_path / "e" / "data" / "f.jsonl", [{"text": "a"}])
     e = tmp_path / "e"
-    with pytest.raises(streampack.InputError, match=r"is the root of the input glob .*/e/\*\.jsonl"):
+    with pytest.raises(InputError, match=r"is the root of the input glob .*/e/\*\.jsonl"):
         check_output_outside_inputs(e, [f"{e}/*.jsonl"])
-    with pytest.raises(streampack.InputError, match=r"holds the input .*/e/data/f\.jsonl"):
+    with pytest.raises(InputError, match=r"holds the input .*/e/data/f\.jsonl"):
         check_output_outside_inputs(e, [e / "data" / "f.jsonl"])
-    with pytest.raises(streampack.InputError, match=r"is the input file"):
+    with pytest.raises(InputError, match=r"is the input file"):
         check_output_outside_inputs(e / "data" / "f.jsonl", [e / "data" / "f.jsonl"])
     check_output_outside_inputs(e / "data" / "cache", [e / "data", "https://host/e", "-"])
     for _ in range(2):

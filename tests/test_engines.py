@@ -16,7 +16,7 @@ import pytest
 
 import streampack
 from streampack.builder.executors import run_ray
-from streampack.errors import WorkerDiedError
+from streampack.errors import BadRecordError, WorkerDiedError
 from tests.conftest import shard_bytes, write_bytes, write_jsonl
 
 
@@ -88,7 +88,7 @@ def test_ray_engine_matches_local(
 @pytest.mark.slow
 def test_ray_engine_reports_bad_records_like_local(tmp_path: Path, local_cluster: None) -> None:
     src = write_bytes(tmp_path / "bad.jsonl", b'{"text": "ok"}\n{"oops": 1}\n')
-    with pytest.raises(streampack.BadRecordError, match=r"bad\.jsonl:2: no 'text' field"):
+    with pytest.raises(BadRecordError, match=r"bad\.jsonl:2: no 'text' field"):
         streampack.build(src, tmp_path / "c", executor="ray")
 
 

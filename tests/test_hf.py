@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from streampack.samples import PackedSequences
+
 pytest.importorskip("torch")
 pytest.importorskip("accelerate", reason="Trainer needs accelerate: pip install 'streampack[hf]'")
 pytest.importorskip("transformers", reason="streampack.hf needs pip install 'streampack[hf]'")
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 
 @pytest.fixture(scope="module")
-def seqs(tmp_path_factory: pytest.TempPathFactory) -> streampack.PackedSequences:
+def seqs(tmp_path_factory: pytest.TempPathFactory) -> PackedSequences:
     return numbered_cache(tmp_path_factory.mktemp("hf") / "c").sequences(8)
 
 
@@ -43,7 +45,7 @@ class Recording(streampack.hf.Trainer):
 
 
 def train(
-    seqs: streampack.PackedSequences, out: Path, max_steps: int, resume: bool = False, workers: int = 0
+    seqs: PackedSequences, out: Path, max_steps: int, resume: bool = False, workers: int = 0
 ) -> list[list[int]]:
     from transformers import TrainingArguments
 
@@ -66,7 +68,7 @@ def train(
 
 
 def test_trainer_resumes_at_the_next_batch_with_nothing_replayed(
-    seqs: streampack.PackedSequences, tmp_path: Path
+    seqs: PackedSequences, tmp_path: Path
 ) -> None:
     uninterrupted = train(seqs, tmp_path / "a", max_steps=6)
     assert len(uninterrupted) == 12  # 6 steps of 2 accumulated batches
@@ -79,7 +81,7 @@ def test_trainer_resumes_at_the_next_batch_with_nothing_replayed(
 
 
 def test_trainer_refuses_a_loader_of_another_shape_and_a_checkpoint_without_a_state(
-    seqs: streampack.PackedSequences, tmp_path: Path
+    seqs: PackedSequences, tmp_path: Path
 ) -> None:
     from transformers import TrainingArguments
 
@@ -142,7 +144,7 @@ if dist.get_rank() == 0:
 
 @pytest.mark.slow
 def test_trainer_under_torchrun_gives_each_rank_its_rows_and_resumes_exactly(
-    seqs: streampack.PackedSequences, tmp_path: Path
+    seqs: PackedSequences, tmp_path: Path
 ) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
@@ -167,7 +169,7 @@ def test_trainer_under_torchrun_gives_each_rank_its_rows_and_resumes_exactly(
 
 
 def trl_train(
-    seqs: streampack.PackedSequences, out: Path, tokenizer: Any, max_steps: int, resume: bool = False
+    seqs: PackedSequences, out: Path, tokenizer: Any, max_steps: int, resume: bool = False
 ) -> tuple[list[list[int]], Any]:
     """Train with the README's own-Trainer path over TRL's SFTTrainer; the batches it trained on."""
     import trl
@@ -198,7 +200,7 @@ def trl_train(
 
 
 def test_trl_sft_trainer_with_the_mixin_trains_checkpoints_and_resumes_exactly(
-    seqs: streampack.PackedSequences, tmp_path: Path, bpe_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
+    seqs: PackedSequences, tmp_path: Path, bpe_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("trl", reason="the TRL path needs trl (the dev extra has it)")
     from transformers import PreTrainedTokenizerFast

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from streampack.samples import PackedSequences
+
 torch = pytest.importorskip("torch")
 pl = pytest.importorskip("lightning.pytorch", reason="needs pip install 'streampack[lightning]'")
 
@@ -19,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 
 
 @pytest.fixture(scope="module")
-def seqs(tmp_path_factory: pytest.TempPathFactory) -> streampack.PackedSequences:
+def seqs(tmp_path_factory: pytest.TempPathFactory) -> PackedSequences:
     return numbered_cache(tmp_path_factory.mktemp("lightning") / "c").sequences(8)
 
 
@@ -43,7 +45,7 @@ class TinyLM(pl.LightningModule):
 
 
 def fit(
-    seqs: streampack.PackedSequences,
+    seqs: PackedSequences,
     out: Path,
     max_steps: int,
     *,
@@ -72,7 +74,7 @@ def fit(
 # An endless loader has no length, so Lightning fetches a batch ahead; with one, it does not.
 @pytest.mark.parametrize("epochs", [None, 1])
 def test_lightning_checkpoint_resumes_at_the_first_batch_the_model_had_not_seen(
-    seqs: streampack.PackedSequences, tmp_path: Path, epochs: int | None
+    seqs: PackedSequences, tmp_path: Path, epochs: int | None
 ) -> None:
     uninterrupted = fit(seqs, tmp_path / "a", 7, epochs=epochs)
     first = fit(seqs, tmp_path / "b", 3, epochs=epochs)
@@ -87,7 +89,7 @@ def test_lightning_checkpoint_resumes_at_the_first_batch_the_model_had_not_seen(
 
 
 def test_datamodule_state_after_fit_excludes_the_batch_fetched_ahead(
-    seqs: streampack.PackedSequences, tmp_path: Path
+    seqs: PackedSequences, tmp_path: Path
 ) -> None:
     loader = streampack.Loader(seqs, batch_size=4, seed=5)
     data = streampack.lightning.DataModule(loader)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import LoaderStateError, OptionsError
-from streampack.samples import packing
+from streampack.samples import PackedSequences, packing
 from streampack.testing.caches import write_cache
 
 PAD = 2**32 - 1  # no token of these caches: their ids are their indices
@@ -41,7 +41,7 @@ def documents_of(cache: streampack.Cache) -> list[np.ndarray]:
     return [np.arange(starts[d], starts[d + 1]) for d in range(cache.num_docs)]
 
 
-def served(samples: streampack.PackedSequences) -> list[np.ndarray]:
+def served(samples: PackedSequences) -> list[np.ndarray]:
     """The tokens of every sample, padding removed."""
     rows = samples[np.arange(len(samples))]
     return [row[row != samples.pad_id] for row in rows]
@@ -301,7 +301,7 @@ def test_a_bad_holdout_is_refused(tmp_path: Path, holdout: object) -> None:
         cache.split(holdout)  # type: ignore[arg-type]
 
 
-def _docs_served(cache: streampack.Cache, samples: streampack.PackedSequences) -> set[int]:
+def _docs_served(cache: streampack.Cache, samples: PackedSequences) -> set[int]:
     found = samples.boundaries(np.arange(len(samples)))
     docs = set(found.doc_ids.reshape(-1).tolist())
     docs.discard(-1)
@@ -395,7 +395,7 @@ def test_sft_labels_are_ignored_exactly_on_prompts_padding_and_starts(
         assert labels[~ignored].tolist() == batch["input_ids"][0][~ignored].tolist()
 
 
-def _pieces_of(samples: streampack.PackedSequences, index: int) -> list[tuple[int, int, int, int]]:
+def _pieces_of(samples: PackedSequences, index: int) -> list[tuple[int, int, int, int]]:
     """(document, first token in it, one past its last, column) of each piece of sample ``index``."""
     cache = samples.cache
     spans = samples.layout.spans(np.array([index]))

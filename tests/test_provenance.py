@@ -21,8 +21,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import streampack
-from streampack import InputError, Loader, Mixture, OptionsError, Provenance
-from streampack.loader.provenance import position_of
+from streampack import Loader, Mixture
+from streampack.errors import InputError, OptionsError
+from streampack.loader.provenance import Provenance, position_of
+from streampack.tokenizer import load_tokenizer
 from tests.conftest import run_cli, write_bytes, write_jsonl
 
 MakeLoader = Callable[..., Loader]
@@ -72,7 +74,7 @@ def check_step(
     for doc in found:
         cache = streampack.open(doc.cache)
         spec = cache.manifest.tokenizer["spec"]
-        tokenizer = tokenizers.setdefault(spec, streampack.load_tokenizer(spec))
+        tokenizer = tokenizers.setdefault(spec, load_tokenizer(spec))
         tokens = cache.doc(doc.doc)
         assert doc.length == len(tokens)
         text = record_text(doc, texts)

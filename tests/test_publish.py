@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import streampack
+from streampack.errors import CacheError, ConfigMismatchError
 from streampack.testing.linkproxy import LinkProxy
 from tests.conftest import CREDENTIALS, s3_options, shard_bytes, write_jsonl
 
@@ -141,7 +142,7 @@ def test_a_resumed_build_with_other_settings_is_refused_naming_the_url(
     url = f"s3://{name}/c"
     streampack.build(inputs, url, tokenizer=str(bpe_tokenizer), storage_options=options(s3_endpoint))
     mismatch = rf"{url} holds a cache built with other settings"
-    with pytest.raises(streampack.ConfigMismatchError, match=mismatch):
+    with pytest.raises(ConfigMismatchError, match=mismatch):
         streampack.build(inputs, url, tokenizer="bytes", storage_options=options(s3_endpoint))
 
 
@@ -155,9 +156,9 @@ def test_an_unreachable_store_is_a_clear_error_after_retries(
         "config_kwargs": {"retries": {"max_attempts": 1}},
     }
     inputs = make_inputs(tmp_path / "in", docs=10)
-    with pytest.raises(streampack.CacheError, match=r"s3://nowhere/c/manifest\.json: cannot check after 4 "):
+    with pytest.raises(CacheError, match=r"s3://nowhere/c/manifest\.json: cannot check after 4 "):
         streampack.build(inputs, "s3://nowhere/c", storage_options=unreachable, stage=str(tmp_path / "s"))
-    with pytest.raises(streampack.CacheError, match=r"nowhere/c/manifest\.json: cannot check \(TypeError"):
+    with pytest.raises(CacheError, match=r"nowhere/c/manifest\.json: cannot check \(TypeError"):
         streampack.build(inputs, "s3://nowhere/c", storage_options={"bogus": 1}, stage=str(tmp_path / "s"))
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import streampack
+from streampack.errors import InputError
 from tests.conftest import shard_bytes, write_jsonl
 
 pytest.importorskip("aiohttp", reason="fsspec's HTTP filesystem needs aiohttp (the dev extra has it)")
@@ -56,14 +57,14 @@ def test_http_inputs_build_the_same_cache_as_local_files(tmp_path: Path, http_ro
 
 def test_missing_url_is_a_clear_error(tmp_path: Path, http_root: tuple[Path, str]) -> None:
     _, url = http_root
-    with pytest.raises(streampack.InputError, match=r"missing\.jsonl"):
+    with pytest.raises(InputError, match=r"missing\.jsonl"):
         streampack.build(f"{url}/missing.jsonl", tmp_path / "c")
 
 
 def test_url_errors_say_why(tmp_path: Path, http_root: tuple[Path, str]) -> None:
     _, url = http_root
-    with pytest.raises(streampack.InputError, match=r"missing\.jsonl: cannot read \(.*404"):
+    with pytest.raises(InputError, match=r"missing\.jsonl: cannot read \(.*404"):
         streampack.build(f"{url}/missing.jsonl", tmp_path / "c")
     closed = url.rsplit(":", 1)[0] + ":1"  # nothing listens on port 1
-    with pytest.raises(streampack.InputError, match=r"x\.jsonl: cannot read \(.*Cannot connect to host"):
+    with pytest.raises(InputError, match=r"x\.jsonl: cannot read \(.*Cannot connect to host"):
         streampack.build(f"{closed}/x.jsonl", tmp_path / "c")

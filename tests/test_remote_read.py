@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import streampack
+from streampack.errors import CacheError, OptionsError
 from streampack.loader import prefetch
 from streampack.store.localcopy import BLOCK, CachedStore, default_local_dir
 from tests.conftest import CREDENTIALS, run_cli, s3_options, write_jsonl
@@ -203,7 +204,7 @@ def test_a_damaged_object_is_refused_naming_its_key_and_nothing_is_kept(
     first = int(cache.doc_starts[2])
     cache.doc(0)  # another shard reads fine
     with pytest.raises(
-        streampack.CacheError, match=rf"s3://{name}/c/shards/000002\.tokens: the object's checksum is crc32:"
+        CacheError, match=rf"s3://{name}/c/shards/000002\.tokens: the object's checksum is crc32:"
     ):
         cache.doc(first)
     assert not [p for p in (tmp_path / "copy" / "shards").iterdir() if p.name.startswith("000002.tokens")]
@@ -214,11 +215,11 @@ def test_a_bound_smaller_than_the_largest_shard_is_refused(
 ) -> None:
     url, _, _, largest = built
     refused = rf"max_local_bytes=4096 is smaller than the largest shard of {url} \({largest} bytes"
-    with pytest.raises(streampack.OptionsError, match=refused):
+    with pytest.raises(OptionsError, match=refused):
         streampack.open(
             url, local_dir=tmp_path / "c", max_local_bytes=4096, storage_options=s3_options(s3_endpoint)
         )
-    with pytest.raises(streampack.OptionsError, match="apply to caches in object storage"):
+    with pytest.raises(OptionsError, match="apply to caches in object storage"):
         streampack.open(tmp_path, max_local_bytes=1 << 20)
 
 
@@ -358,8 +359,6 @@ def test_a_batch_that_its_own_process_cannot_fit_in_the_bound_is_refused_at_once
     samples = cache.sequences(SEQ_LEN)
     crossing = boundary // SEQ_LEN
     assert crossing * SEQ_LEN < boundary < (crossing + 1) * SEQ_LEN, "the window must cross the shards"
-    with pytest.raises(
-        streampack.CacheError, match=r"this process itself maps \d+ bytes .* raise max_local_bytes"
-    ):
+    with pytest.raises(CacheError, match=r"this process itself maps \d+ bytes .* raise max_local_bytes"):
         samples[crossing]
     assert np.array_equal(samples[crossing - 1], probe.sequences(SEQ_LEN)[crossing - 1])  # one shard fits

@@ -17,8 +17,16 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 import streampack
-from streampack.errors import BadRecordError, CacheError, ConfigMismatchError, InputError, TokenizerError
+from streampack.errors import (
+    BadRecordError,
+    CacheError,
+    ConfigMismatchError,
+    InputError,
+    OptionsError,
+    TokenizerError,
+)
 from streampack.format import with_checksum
+from streampack.samples import PackedSequences
 from streampack.store.files import file_checksum
 from tests.conftest import run_cli, set_shard_checksum, write_jsonl
 
@@ -183,9 +191,9 @@ def test_text_files_and_contradictory_options_are_refused(tmp_path: Path) -> Non
         InputError, match=r"a\.txt: a text file holds no fields to build with fields=\[\.\.\.\]"
     ):
         streampack.build(tmp_path / "a.txt", tmp_path / "c", fields=["prompt", "response"])
-    with pytest.raises(streampack.OptionsError, match="give one or the other"):
+    with pytest.raises(OptionsError, match="give one or the other"):
         streampack.build(tmp_path / "a.txt", tmp_path / "c", fields=["a", "b"], chat="messages")
-    with pytest.raises(streampack.OptionsError, match="fields must be a list of distinct"):
+    with pytest.raises(OptionsError, match="fields must be a list of distinct"):
         streampack.build(tmp_path / "a.txt", tmp_path / "c", fields="prompt,response")
 
 
@@ -459,7 +467,7 @@ def test_cli_sft_build_info_verify(tmp_path: Path, gpt2_tokenizer: Path) -> None
 # ------------------------------------------------------------------------------ samples with no target
 
 
-def all_labels(samples: streampack.PackedSequences) -> np.ndarray:
+def all_labels(samples: PackedSequences) -> np.ndarray:
     """The ``output="dict"`` labels of every sample, in order."""
     loader = streampack.Loader(samples, batch_size=1, shuffle=False, epochs=1, output="dict")
     return np.concatenate([batch["labels"] for batch in loader])

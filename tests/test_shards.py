@@ -42,6 +42,9 @@ class InMemory:
     def drop(self) -> None:
         self.asked.append("drop")
 
+    def close(self) -> None:
+        self.asked.append("close")
+
 
 @pytest.fixture
 def native(tmp_path: Path) -> Cache:
@@ -60,6 +63,9 @@ def test_a_cache_reads_its_shards_through_the_protocol(native: Cache) -> None:
     assert {"tokens", "offsets"} <= set(source.asked)
     other.drop_maps()
     assert source.asked[-1] == "drop"
+    with other:
+        pass
+    assert source.asked[-1] == "close"
 
 
 def test_shard_files_are_the_default_and_keep_their_maps(native: Cache) -> None:
@@ -72,6 +78,9 @@ def test_shard_files_are_the_default_and_keep_their_maps(native: Cache) -> None:
         native.shard_loss_mask(0)
     native.drop_maps()
     assert native.files.tokens(1) is not None
+    native.close()
+    with pytest.raises(CacheError, match="the cache was closed"):
+        native.shard_tokens(1)
 
 
 def test_a_shard_file_of_the_wrong_size_is_refused_when_first_mapped(native: Cache) -> None:

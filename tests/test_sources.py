@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import streampack
-from streampack.errors import BadRecordError
+from streampack.errors import BadRecordError, InputError
 from streampack.inputs.discovery import expand_inputs
 from streampack.inputs.records import ReadOptions
 from streampack.inputs.units import plan_units, read_unit
@@ -54,7 +54,7 @@ def test_parquet_dictionary_text_with_invalid_utf8_names_the_file_and_the_rows(t
     dictionary = pa.DictionaryArray.from_arrays(pa.array([0, 1, 0]), _invalid_strings([b"ok", b"\xff"]))
     path = tmp_path / "a.parquet"
     pq.write_table(pa.table({"text": dictionary}), path)
-    with pytest.raises(streampack.InputError, match=r"a\.parquet: row 1 or after: .*Invalid UTF8"):
+    with pytest.raises(InputError, match=r"a\.parquet: row 1 or after: .*Invalid UTF8"):
         _records(path, ReadOptions())
 
 
@@ -75,7 +75,7 @@ def test_parquet_nested_field_with_null_parents_and_a_literal_dotted_column(tmp_
     deep = tmp_path / "deep.parquet"
     pq.write_table(pa.table({"a": pa.array([{"b": {"c": "deep"}}])}), deep)
     assert _records(deep, ReadOptions(text_field="a.b.c")) == ["deep"]
-    with pytest.raises(streampack.InputError, match=r"no column 'a\.b\.c\.d': 'a\.b\.c' has type string"):
+    with pytest.raises(InputError, match=r"no column 'a\.b\.c\.d': 'a\.b\.c' has type string"):
         _records(deep, ReadOptions(text_field="a.b.c.d"))
 
 

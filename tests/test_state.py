@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack import BlockShuffle, Follow, Loader, LoaderStateError, Mixture
+from streampack import BlockShuffle, Follow, Loader, Mixture
+from streampack.errors import LoaderStateError
 from streampack.loader.state import LOADER_VERSIONS, ORDERS, Schema
 from tests.conftest import write_jsonl
 

@@ -7,7 +7,9 @@ hands it to the format chosen once from its ``output=`` option:
 * ``"dict"``: :class:`CausalLMDict`, the ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face
   causal language models take, with no loss across documents;
 * ``"varlen"``: the same plus ``cu_seqlens`` and ``max_seqlen``, for variable-length attention kernels
-  (``flash_attn_varlen_func``) in a model of one's own.
+  (``flash_attn_varlen_func``) in a model of one's own;
+* ``"hf-flash"``: the same segments under the names a Hugging Face model passes to its flash-attention
+  path (``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``).
 
 A user's ``collate=`` function, when given, is applied after the format.
 """
@@ -57,24 +59,31 @@ class CausalLMDict:
       attention read packed documents from them (the same three fields as its
       ``DataCollatorWithFlattening``).
 
-    With ``varlen=True`` (``output="varlen"``), also:
+    With ``segments="varlen"`` (``output="varlen"``), also:
 
     * ``cu_seqlens``: ``int32``, ``(segments + 1,)``: where each segment (a document, or its part in a
       row) starts in the flattened batch, then ``rows * seq_len``. Its length varies from batch to batch.
     * ``max_seqlen``: ``int``, the longest segment.
 
+    With ``segments="hf-flash"`` (``output="hf-flash"``), the same two under the names of Hugging Face's
+    ``FlashAttentionKwargs`` (those its ``DataCollatorWithFlattening`` returns): ``cu_seq_lens_q`` and
+    ``cu_seq_lens_k`` (both ``cu_seqlens``; a causal LM attends within its own tokens) and
+    ``max_length_q`` and ``max_length_k`` (both ``max_seqlen``). A model given them with a flash-attention
+    implementation attends within each segment; the rows stay ``(rows, seq_len)`` (its varlen path flattens
+    the batch itself, which is where ``cu_seqlens`` counts), so the trainer's batch size means what it did.
+
     Args:
         sources: the loader's data sources, in source-id order.
-        varlen: add ``cu_seqlens`` and ``max_seqlen``.
+        segments: ``None``, or the names to add the segments under: ``"varlen"`` or ``"hf-flash"``.
 
     Raises:
         OptionsError: a source has no ``boundaries()`` method, or its samples overlap.
     """
 
-    def __init__(self, sources: Sequence[object], *, varlen: bool = False) -> None:
-        self.varlen = varlen
+    def __init__(self, sources: Sequence[object], *, segments: str | None = None) -> None:
+        self.segments = segments
         self._boundaries_of: list[Callable[[np.ndarray], Boundaries]] = []
-        output = f"output={'varlen' if varlen else 'dict'!r}"  # the option the user gave, in messages
+        output = f"output={segments or 'dict'!r}"  # the option the user gave, in messages
         for data in sources:
             if not hasattr(data, "boundaries"):
                 raise OptionsError(
@@ -101,9 +110,12 @@ class CausalLMDict:
         for start, stop in found.padding():
             flat[start:stop] = -100
         batch: dict[str, Any] = {"input_ids": tokens, "labels": labels, "position_ids": found.position_ids}
-        if self.varlen:
+        if self.segments == "varlen":
             batch["cu_seqlens"] = found.cu_seqlens
             batch["max_seqlen"] = found.max_seqlen
+        elif self.segments == "hf-flash":
+            batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = found.cu_seqlens
+            batch["max_length_q"] = batch["max_length_k"] = found.max_seqlen
         return batch
 
     def _boundaries(self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]) -> Boundaries:
@@ -130,11 +142,11 @@ class CausalLMDict:
 
 
 def format_for(output: str, sources: Sequence[object]) -> Format:
-    """The format of ``output`` (``"numpy"``, ``"dict"`` or ``"varlen"``, already validated).
+    """The format of ``output`` (``"numpy"``, ``"dict"``, ``"varlen"`` or ``"hf-flash"``, already validated).
 
     Raises:
         OptionsError: a dict is asked of sources it does not fit (see :class:`CausalLMDict`).
     """
     if output == "numpy":
         return Tokens()
-    return CausalLMDict(sources, varlen=output == "varlen")
+    return CausalLMDict(sources, segments=None if output == "dict" else output)

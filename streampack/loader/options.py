@@ -34,7 +34,7 @@ __all__ = [
     "with_keywords",
 ]
 
-Output = Literal["numpy", "dict", "varlen"]
+Output = Literal["numpy", "dict", "varlen", "hf-flash"]
 
 _Options = TypeVar("_Options")
 
@@ -62,7 +62,9 @@ class LoaderOptions:
         output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; ``"dict"``, the
             ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take, with
             ``-100`` labels at document starts (they shift ``labels`` themselves, so the samples must have
-            no overlap); or ``"varlen"``, the same plus ``cu_seqlens`` and ``max_seqlen``. Field by field:
+            no overlap); ``"varlen"``, the same plus ``cu_seqlens`` and ``max_seqlen``; or ``"hf-flash"``,
+            the same under the names Hugging Face's flash-attention path reads (``cu_seq_lens_q/k``,
+            ``max_length_q/k``, as its ``DataCollatorWithFlattening`` gives them). Field by field:
             :class:`streampack.loader.collate.CausalLMDict`.
         dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype (the smallest to move
             between processes; cast on arrival).

@@ -18,6 +18,7 @@ from streampack.format.manifest import Manifest, ShardInfo, ShardTable
 from streampack.format.names import mask_key, offsets_key, shard_name, tokens_key
 from streampack.reader.shards import ShardFiles, Shards
 from streampack.store import LocalStore
+from streampack.store.localcopy import CachedStore
 
 if TYPE_CHECKING:
     from streampack.samples.packing import NoTarget, TooLong
@@ -36,15 +37,14 @@ class Cache:
         manifest: its parsed manifest.
         table: its shard table (the manifest's, or the committed prefix of an unfinished build's).
         dtype: the token dtype (uint16 or uint32).
-        files: what its shards are read from (:class:`~streampack.reader.shards.Shards`).
+        files: what its shards' arrays are read from (a :class:`~streampack.reader.shards.Shards`; by
+            default, its files in ``store`` checked against the manifest: ``ShardFiles``).
 
-    Args:
-        store: where its files are.
-        manifest: its parsed manifest.
-        table: its shard table.
-        files: the source of its shards' arrays; its shard files in ``store``, checked against the
-            manifest (:class:`~streampack.reader.shards.ShardFiles`), by default.
+    Close it (:meth:`close`, or ``with streampack.open(...) as cache``) when done with it in a long-lived
+    process that opens many caches from object storage.
     """
+
+    _opened_store: CachedStore | None = None  # the store open() made for this cache, closed with it
 
     def __init__(
         self, store: LocalStore, manifest: Manifest, table: ShardTable, *, files: Shards | None = None
@@ -62,9 +62,22 @@ class Cache:
         name = self.store.describe("")
         return f"Cache({name!r}, docs={self.num_docs}, tokens={self.num_tokens}, dtype={self.dtype.name})"
 
+    def close(self) -> None:
+        """Drop the shard maps kept for reuse, stop taking part in a local copy's releases, and close the
+        store :func:`open` made for this cache (see :meth:`CachedStore.close`); reads refuse afterwards.
+        Calling it again does nothing."""
+        self.files.close()
+        if self._opened_store is not None:
+            self._opened_store.close()
+
+    def __enter__(self) -> Cache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def drop_maps(self) -> None:
-        """Forget the shard maps kept for reuse (they close once no caller holds a view of them): a cache
-        read through a bounded local copy cannot evict a mapped file."""
+        """Forget the shard maps kept for reuse; those still held stay valid (see ``Shards.drop``)."""
         self.files.drop()
 
     @property
@@ -236,26 +249,19 @@ class Cache:
         return [tokens_key(name), offsets_key(name)] + ([mask_key(name)] if self.manifest.loss_mask else [])
 
     def shard_tokens(self, shard: int) -> np.ndarray:
-        """The token array of shard ``shard``. See :meth:`streampack.reader.shards.ShardFiles.tokens`."""
+        """The token array of shard ``shard`` (see :meth:`ShardFiles.tokens`)."""
         return self.files.tokens(shard)
 
     def shard_offsets(self, shard: int) -> np.ndarray:
-        """The cumulative document end offsets of shard ``shard``, checked against the manifest's checksum.
-        See :meth:`streampack.reader.shards.ShardFiles.offsets`."""
+        """Where each document of shard ``shard`` ends, checked (see :meth:`ShardFiles.offsets`)."""
         return self.files.offsets(shard)
 
     def raw_offsets(self, shard: int) -> np.ndarray:
-        """:meth:`shard_offsets` without its checksum check (its size is checked), and not kept: for
-        ``verify``, which checks the table itself and says what is wrong with it."""
+        """:meth:`shard_offsets` unchecked and not kept, for ``verify`` (see ``Shards.raw_offsets``)."""
         return self.files.raw_offsets(shard)
 
     def shard_loss_mask(self, shard: int) -> np.ndarray:
-        """The loss mask of shard ``shard``: uint8, one per token of :meth:`shard_tokens`, 1 where the token
-        is a training target. See :meth:`streampack.reader.shards.ShardFiles.mask`.
-
-        Raises:
-            CacheError: the cache has no loss mask (it was not built with ``fields`` or ``chat``).
-        """
+        """The loss mask of shard ``shard``, 1 at a training target (see :meth:`ShardFiles.mask`)."""
         return self.files.mask(shard)
 
     def shard_mask_path(self, shard: int) -> Path | None:

@@ -42,7 +42,8 @@ def open(
     its manifest (and ledger) are read remotely, each shard file is fetched whole on first use, verified
     against its checksum, and memory-mapped from ``local_dir``, which the processes of a node share (one
     download per file) and which never holds more than ``max_local_bytes`` of shard files (least
-    recently used ones are evicted; see :mod:`streampack.store.localcopy`).
+    recently used ones are evicted; see :mod:`streampack.store.localcopy`). :meth:`Cache.close` (or a
+    ``with`` block) releases what reading it holds: kept maps, and the thread that watches a bounded copy.
 
     Args:
         path: the cache directory (a path, or a ``file://`` URI), or the URL of a cache in object storage.
@@ -87,10 +88,14 @@ def open(
                 "command to complete it, or open it with allow_incomplete=True to read the committed part"
             )
         progress = [read_progress(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
-        return open_committed(store, manifest, progress)
+        cache = open_committed(store, manifest, progress)
+    else:
+        if isinstance(store, CachedStore):
+            store.expect(_expected_files(manifest, manifest.table, None))
+        cache = Cache(store, manifest, manifest.table)
     if isinstance(store, CachedStore):
-        store.expect(_expected_files(manifest, manifest.table, None))
-    return Cache(store, manifest, manifest.table)
+        cache._opened_store = store
+    return cache
 
 
 def open_committed(store: LocalStore, manifest: Manifest, progress: list[UnitProgress]) -> Cache:

@@ -32,7 +32,8 @@ from streampack.format.names import (
     tokens_key,
 )
 from streampack.store import LocalStore
-from streampack.store.localcopy import CachedStore, on_release
+from streampack.store.localcopy import CachedStore
+from streampack.store.pressure import forget_release, on_release
 
 __all__ = ["MAX_OPEN_MAPS", "ShardFiles", "Shards"]
 
@@ -80,6 +81,11 @@ class Shards(Protocol):
         """Forget the arrays kept for reuse (those a caller still holds stay valid)."""
         ...
 
+    def close(self) -> None:
+        """Let go of what reading holds (kept arrays, registrations); reads refuse afterwards. Calling it
+        again does nothing."""
+        ...
+
 
 class ShardFiles:
     """The shard files of a native cache in a store, memory-mapped on first use and checked against its
@@ -90,6 +96,8 @@ class ShardFiles:
         manifest: the cache's manifest (its dtype, whether it is complete and has a loss mask).
         table: the shard table read (the manifest's, or the committed prefix of an unfinished build's).
     """
+
+    _closed = False
 
     def __init__(self, store: LocalStore, manifest: Manifest, table: ShardTable) -> None:
         self.store, self.manifest, self.table = store, manifest, table
@@ -113,6 +121,13 @@ class ShardFiles:
         # concurrent clear).
         for maps in (self._tokens, self._offsets, self._masks):
             maps.clear()
+
+    def close(self) -> None:
+        """Drop the shard maps kept for reuse and stop taking part in a local copy's releases; maps are
+        refused afterwards. Calling it again does nothing."""
+        self._closed = True
+        forget_release(self.drop)
+        self.drop()
 
     def tokens(self, shard: int) -> np.ndarray:
         """The token array of shard ``shard`` (memory-mapped on first use).
@@ -205,6 +220,8 @@ class ShardFiles:
             with contextlib.suppress(KeyError):  # evicted by another thread since the get
                 maps.move_to_end(shard)
             return mapped
+        if self._closed:
+            raise CacheError(f"{self.store.describe('')}: the cache was closed; open it again to read it")
         index = self._index(shard)
         key, count = key_of(shard_name(index)), int(counts[index])
         self._check_size(key, count, dtype.itemsize)

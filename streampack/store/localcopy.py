@@ -29,7 +29,8 @@ The rules that keep several processes (DataLoader workers, ranks) of one node co
   files it can lock exclusively. When nothing can be evicted, the process first drops the maps it keeps
   for reuse (the reader's, the loader's), then touches ``pressure`` and waits: a thread of every process
   reading the copy with a bound watches that file and drops its process's kept maps when it changes
-  (maps in use by a read stay valid). It gives up after a while (:data:`WAIT_SECONDS`) with a message
+  (maps in use by a read stay valid; :mod:`streampack.store.pressure`: one thread per process, while an
+  open store watches a copy). It gives up after a while (:data:`WAIT_SECONDS`) with a message
   saying the bound is too small; at once (within :data:`OWN_WAIT_SECONDS`) when the copies its own
   process maps leave no room, which no other process can free (one batch needs more than the bound).
   The bound must therefore hold the shards that one batch of every process of the node reads at once,
@@ -41,23 +42,26 @@ The rules that keep several processes (DataLoader workers, ranks) of one node co
 
 Prefetching (:mod:`streampack.loader.prefetch`) fetches the shards of the next steps in a background thread,
 within half the bound and without ever waiting for room or evicting what it fetched for nearer steps.
+
+**Lifecycle.** A store registers its copy with the process's watcher on its first map (with a bound);
+:meth:`CachedStore.close` (or the end of its ``with`` block) takes the registration back, which stops the
+watcher thread once no open store of the process watches a copy, and refuses further reads. A store
+garbage-collected unclosed takes it back too (a weakref finalizer). The copies stay on disk for the next
+reader.
+
+This module holds the store; :mod:`streampack.store.copies` the files of the copy (downloads, the bound,
+eviction, pinning maps) and :mod:`streampack.store.pressure` the release of kept maps (the watcher).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import fcntl
 import hashlib
-import mmap
 import os
 import tempfile
-import threading
-import time
 import weakref
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,87 +71,42 @@ from streampack._checks import check_int_or_none
 from streampack.errors import CacheError, OptionsError
 from streampack.format.names import SHARD_DIR
 from streampack.store import LocalStore
+
+# The names this module held before it was split stay importable from it (the private ones too, for code
+# that reached them): the copy's files are streampack.store.copies', releasing kept maps
+# streampack.store.pressure's. Gone: the registry of copies watched and the thread per copy.
+from streampack.store.copies import (  # noqa: F401
+    _CHUNK,
+    BLOCK,
+    OWN_WAIT_SECONDS,
+    WAIT_SECONDS,
+    Expected,
+    LocalCopy,
+    _pinned,
+    _pinned_lock,
+    _unpin,
+    blocks,
+    download,
+    flocked,
+    map_pinned,
+)
+from streampack.store.copies import blocks as _blocks  # noqa: F401
+from streampack.store.copies import evict as _evict  # noqa: F401
+from streampack.store.copies import flocked as _flocked  # noqa: F401
+from streampack.store.copies import map_pinned as _map_pinned  # noqa: F401
+from streampack.store.pressure import POLL_SECONDS as _POLL_SECONDS  # noqa: F401
+from streampack.store.pressure import WATCHER, _releasers, _releasers_lock, on_release, release_maps  # noqa: F401
+from streampack.store.pressure import mtime as _mtime  # noqa: F401
 from streampack.store.remote import RemoteStore
 
 DEFAULT_PREFETCH_STEPS = 8
 """Steps ahead whose shards a loader over a remote cache fetches in the background."""
-
-BLOCK = 4096  # files are counted in whole blocks: what they take on disk, not their length
-WAIT_SECONDS = 60.0  # how long a download waits for other processes to release mapped files
-_CHUNK = 8 << 20  # bytes per ranged GET of a download
-
-# Callbacks that drop the maps this process keeps for reuse (registered by readers and loaders).
-_releasers: list[weakref.WeakMethod[Callable[[], None]]] = []
-_releasers_lock = threading.Lock()
-_watched: dict[Path, int] = {}  # the local copies this process watches for pressure, and by which pid
-_POLL_SECONDS = 0.02
-# The copies this process maps, with the number of its live maps of each: what only it can release.
-_pinned: dict[Path, int] = {}
-_pinned_lock = threading.Lock()
-# How long a process waits when its own maps alone leave no room: another of its threads may be between
-# the maps of one read and their release; one batch is read in far less.
-OWN_WAIT_SECONDS = 1.0
 
 
 def default_local_dir(url: str) -> Path:
     """The local copy of the cache at ``url`` when none is given: one per URL, in the temp dir."""
     digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / "streampack-read" / digest
-
-
-def on_release(method: Callable[[], None]) -> None:
-    """Register a bound method that drops the shard maps its object keeps for reuse: called when a
-    download needs room that only mapped files hold (held weakly: registering never keeps it alive)."""
-    with _releasers_lock:
-        _releasers[:] = [ref for ref in _releasers if ref() is not None]
-        _releasers.append(weakref.WeakMethod(method))
-
-
-def release_maps() -> None:
-    """Drop every shard map this process keeps for reuse (maps still in use stay valid)."""
-    with _releasers_lock:
-        methods = [ref() for ref in _releasers]
-    for method in methods:
-        if method is not None:
-            method()
-
-
-def _watch_pressure(root: Path) -> None:
-    """Start (once per process and local copy) the thread that drops this process's kept maps whenever
-    another process waits for room: an idle process (a DataLoader worker blocked on its queue) would
-    otherwise keep its files pinned."""
-    with _releasers_lock:
-        if _watched.get(root) == os.getpid():
-            return
-        _watched[root] = os.getpid()
-    pressure = root / "pressure"
-    threading.Thread(target=_watch, args=(pressure,), name="streampack-pressure", daemon=True).start()
-
-
-def _watch(pressure: Path) -> None:
-    seen = _mtime(pressure)
-    while True:
-        time.sleep(_POLL_SECONDS)
-        now = _mtime(pressure)
-        if now != seen:
-            seen = now
-            release_maps()
-
-
-def _mtime(path: Path) -> int:
-    try:
-        return os.stat(path).st_mtime_ns
-    except FileNotFoundError:
-        return 0
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What the local copy of a shard file must be: its length, and its checksum (``crc32:…``; empty when
-    the cache records none, e.g. a unit an unfinished build has not published whole)."""
-
-    size: int
-    checksum: str
 
 
 class CachedStore(LocalStore):
@@ -163,7 +122,14 @@ class CachedStore(LocalStore):
         max_local_bytes: the bound on the shard files of ``local_dir``; None: unbounded.
         prefetch_steps: how many steps ahead a loader fetches (0: no prefetching).
         storage_options: what ``remote`` was opened with, for reopening it in another process.
+
+    Close it (:meth:`close`, or a ``with`` block) when done: see the module docstring's lifecycle.
     """
+
+    # Class defaults: a store unpickled (or made by streampack 0.1) starts open and not watched here.
+    _closed = False
+    _watching = 0  # the process whose watcher watches this copy for this store (0: none)
+    _unwatch: weakref.finalize | None = None  # takes the registration back (on close, or when garbage)
 
     def __init__(
         self,
@@ -192,6 +158,24 @@ class CachedStore(LocalStore):
 
     def __repr__(self) -> str:
         return f"CachedStore({self.remote.url!r}, local_dir={str(self.root)!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (and copy) the store, not its registration with this process's watcher."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_watching", "_unwatch")}
+
+    def close(self) -> None:
+        """Take back the copy's registration with the process's watcher (whose thread ends, joined, once
+        no open store of the process watches a copy) and refuse further reads; the copies stay on disk,
+        and maps already made stay valid. Calling it again does nothing."""
+        self._closed = True
+        if self._unwatch is not None:
+            self._unwatch()
+
+    def __enter__(self) -> CachedStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def reopen_options(self) -> dict[str, Any]:
         """The arguments of :func:`streampack.open` that reopen this cache through the same local copy."""
@@ -263,7 +247,7 @@ class CachedStore(LocalStore):
         shards: dict[str, int] = {}
         for key, expected in files.items():
             stem = key.rsplit(".", 1)[0]
-            shards[stem] = shards.get(stem, 0) + _blocks(expected.size)
+            shards[stem] = shards.get(stem, 0) + blocks(expected.size)
         largest = max(shards.values(), default=0)
         if self.max_local_bytes < largest:
             raise OptionsError(
@@ -292,19 +276,19 @@ class CachedStore(LocalStore):
         until the map is garbage.
 
         Raises:
-            CacheError: the object is missing, damaged (checksum or size), or cannot be fetched; or the
-                bound leaves no room for it.
+            CacheError: the object is missing, damaged (checksum or size), or cannot be fetched; the
+                bound leaves no room for it; or the store was closed.
         """
         dtype = np.dtype(dtype)
         if count == 0:
             return np.zeros(0, dtype=dtype)
         nbytes = count * dtype.itemsize
-        if self.max_local_bytes is not None:
-            _watch_pressure(self.root)
+        if self.max_local_bytes is not None and self._watching != os.getpid():
+            self._watch_pressure()
         for _ in range(8):  # evicted between its download and its map: fetched again
             path = self.fetch(key)
             assert path is not None  # a fetch that may wait returns a path or raises
-            mapped = _map_pinned(path, nbytes, self._expected[key].size)
+            mapped = map_pinned(path, nbytes, self._expected[key].size)
             if mapped is not None:
                 with contextlib.suppress(OSError):
                     os.utime(path)  # most recently used
@@ -316,7 +300,7 @@ class CachedStore(LocalStore):
 
     def expected_blocks(self, key: str) -> int:
         """What the copy of the shard file ``key`` takes, counted as the bound counts it."""
-        return _blocks(self._expected[key].size)
+        return blocks(self._expected[key].size)
 
     def is_local(self, key: str) -> bool:
         """Whether the verified copy of ``key`` is in the local directory."""
@@ -335,223 +319,41 @@ class CachedStore(LocalStore):
             The copy's path; None when ``wait`` is false and there was no room.
 
         Raises:
-            CacheError: the object is missing or damaged, a download keeps failing, or (``wait``) no room
-                was made in time.
+            CacheError: the object is missing or damaged, a download keeps failing, (``wait``) no room
+                was made in time, or the store was closed.
         """
+        self._refuse_closed()
         path = self.path(key)
         if path.exists():
             return path
         expected = self._expected.get(key)
         if expected is None:
             raise CacheError(f"{self.describe(key)}: not a shard file of this cache's manifest")
-        with _flocked(self.root / "locks" / path.name):
-            if path.exists():  # another process fetched it while this one waited for the lock
-                return path
-            part = path.with_name(f"{path.name}.part{os.getpid()}-{threading.get_ident()}")
-            fd = self._reserve(part, expected.size, wait=wait, keep=frozenset(keep))
-            if fd is None:
-                return None
-            try:
-                self._download(key, expected, fd)
-                # Under the space lock: a scan that counts the files must not list the part and then
-                # find it gone (renamed), missing the file under both names.
-                with _flocked(self.root / "space.lock"):
-                    os.replace(part, path)
-            except BaseException:
-                part.unlink(missing_ok=True)
-                raise
-            finally:
-                os.close(fd)  # releases the part's lock: it is the copy now, or gone
-        self.downloads += 1
+        copy = LocalCopy(self.root, self.max_local_bytes)
+        downloaded = copy.fetch(self.remote, key, path, expected, wait=wait, keep=frozenset(keep))
+        if downloaded is None:
+            return None
+        self.downloads += downloaded
         return path
 
     def local_bytes(self) -> int:
         """What the shard files of the local directory take, counted as the bound counts them."""
-        return sum(size for _, _, size in self._local_files())
+        return sum(size for _, _, size in LocalCopy(self.root, self.max_local_bytes).files())
 
-    # ---------------------------------------------------------------------------------------- internals
+    def _watch_pressure(self) -> None:
+        """Register the copy with this process's watcher (see :mod:`streampack.store.pressure`): an idle
+        process (a DataLoader worker blocked on its queue) would otherwise keep its files pinned."""
+        self._refuse_closed()
+        # By id (unique while the store lives): two threads of a first read register it once between them.
+        WATCHER.watch(id(self), self.root)
+        if self._unwatch is None:  # else made before a fork: it takes back the registration here too
+            self._unwatch = weakref.finalize(self, WATCHER.unwatch, id(self))
+            self._unwatch.atexit = False  # the thread is a daemon: nothing to stop at exit
+        self._watching = os.getpid()
 
-    def _download(self, key: str, expected: Expected, fd: int) -> None:
-        """Write the object's first ``expected.size`` bytes at the start of ``fd``, checking the size and
-        the checksum."""
-        crc = 0
-        done = 0
-        # A final file's last GET asks for one byte more: an object longer than the manifest says is
-        # damaged too (its first bytes may still match the checksum).
-        end = expected.size + 1 if expected.checksum else expected.size
-        while done < expected.size:
-            try:
-                chunk = self.remote.read(key, done, min(end, done + _CHUNK))
-            except FileNotFoundError:
-                raise CacheError(
-                    f"{self.describe(key)}: the object is missing, but the cache's manifest names it; the "
-                    "cache in object storage is damaged: rebuild it"
-                ) from None
-            if not chunk:
-                break
-            if done + len(chunk) > expected.size:
-                raise CacheError(
-                    f"{self.describe(key)}: the object holds more than the {expected.size} bytes the cache's "
-                    "manifest says; the cache in object storage is damaged: rebuild it"
-                )
-            os.pwrite(fd, chunk, done)
-            crc = zlib.crc32(chunk, crc)
-            done += len(chunk)
-        if done != expected.size:
-            raise CacheError(
-                f"{self.describe(key)}: the object holds {done} bytes, the cache's manifest says "
-                f"{expected.size}; the cache in object storage is damaged: rebuild it"
-            )
-        actual = f"crc32:{crc:08x}"
-        if expected.checksum and actual != expected.checksum:
-            raise CacheError(
-                f"{self.describe(key)}: the object's checksum is {actual}, the cache's manifest says "
-                f"{expected.checksum}; the object was damaged or replaced after the build: rebuild the cache "
-                "(nothing was kept locally)"
-            )
-
-    def _reserve(self, part: Path, size: int, *, wait: bool, keep: frozenset[Path]) -> int | None:
-        """Make room for ``size`` bytes and create ``part`` at that size, locked; its descriptor, or None
-        when there is no room and ``wait`` is false."""
-        deadline = time.monotonic() + WAIT_SECONDS
-        released = False
-        own_since: float | None = None
-        while True:
-            with _flocked(self.root / "space.lock"):
-                if self._make_room(_blocks(size), keep):
-                    fd = os.open(part, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-                    fcntl.flock(fd, fcntl.LOCK_EX)
-                    os.ftruncate(fd, size)
-                    return fd
-            if not wait:
-                return None
-            if not released:
-                release_maps()  # this process's kept maps may be what holds the room
-                released = True
-                continue
-            own = self._own_blocks()
-            if self.max_local_bytes is not None and own + _blocks(size) > self.max_local_bytes:
-                own_since = time.monotonic() if own_since is None else own_since
-                if time.monotonic() - own_since > OWN_WAIT_SECONDS:
-                    raise CacheError(
-                        f"{self.root}: no room for {size} more bytes within max_local_bytes="
-                        f"{self.max_local_bytes}: this process itself maps {own} bytes of copies there (the "
-                        "shards its current reads use), which no other process can free, and the next file "
-                        "does not fit beside them. The bound must hold the shards one batch of every process "
-                        "of the node reads at once; raise max_local_bytes (this process alone needs at "
-                        f"least {own + _blocks(size)})"
-                    )
-            else:
-                own_since = None
-            (self.root / "pressure").touch()  # other processes drop their kept maps (see _watch_pressure)
-            if time.monotonic() > deadline:
-                raise CacheError(
-                    f"{self.root}: no room for {size} more bytes within max_local_bytes="
-                    f"{self.max_local_bytes} after {WAIT_SECONDS:.0f} s: every file there is mapped by a "
-                    "reader. The bound must hold the shards one batch of every process of the node reads "
-                    "at once; raise max_local_bytes"
-                )
-            time.sleep(0.05)
-
-    def _own_blocks(self) -> int:
-        """What the copies this process maps take (counted as the bound counts them)."""
-        shards = self.root / SHARD_DIR
-        with _pinned_lock:
-            paths = [path for path in _pinned if path.parent == shards]
-        total = 0
-        for path in paths:
-            with contextlib.suppress(FileNotFoundError):
-                total += _blocks(path.stat().st_size)
-        return total
-
-    def _make_room(self, need: int, keep: frozenset[Path]) -> bool:
-        """Evict least recently used copies that no one maps until ``need`` more bytes fit the bound."""
-        if self.max_local_bytes is None:
-            return True
-        files = self._local_files()
-        used = sum(size for _, _, size in files)
-        for _, path, size in sorted(files):
-            if used + need <= self.max_local_bytes:
-                break
-            if path not in keep and _evict(path):
-                used -= size
-        return used + need <= self.max_local_bytes
-
-    def _local_files(self) -> builtins.list[tuple[float, Path, int]]:
-        """(modification time, path, blocks) of every file of the shard folder."""
-        found = []
-        with os.scandir(self.root / SHARD_DIR) as entries:
-            for entry in entries:
-                with contextlib.suppress(FileNotFoundError):
-                    st = entry.stat()
-                    found.append((st.st_mtime, Path(entry.path), _blocks(st.st_size)))
-        return found
-
-
-def _blocks(size: int) -> int:
-    return -(-size // BLOCK) * BLOCK
-
-
-def _map_pinned(path: Path, nbytes: int, size: int) -> mmap.mmap | None:
-    """A read-only map of ``path`` holding a shared lock on it until the map is closed (the map keeps a
-    duplicate of the descriptor, which shares the lock); None when the file was evicted meanwhile, or was
-    not of its verified ``size`` (damaged since its download: deleted, to be fetched again)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        st = os.fstat(fd)
-        if st.st_nlink == 0:  # evicted between the open and the lock
-            return None
-        if st.st_size != size:  # a map past its end would crash the process (SIGBUS) at the first read
-            path.unlink(missing_ok=True)
-            return None
-        mapped = mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-    with _pinned_lock:
-        _pinned[path] = _pinned.get(path, 0) + 1
-    weakref.finalize(mapped, _unpin, path)
-    return mapped
-
-
-def _unpin(path: Path) -> None:
-    with _pinned_lock:
-        left = _pinned.get(path, 0) - 1
-        if left > 0:
-            _pinned[path] = left
-        else:
-            _pinned.pop(path, None)
-
-
-def _evict(path: Path) -> bool:
-    """Delete ``path`` unless someone maps it (or downloads it): whether its room was freed."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False  # a download renamed into place since the scan: its room is still taken
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    else:
-        path.unlink(missing_ok=True)
-        return True
-    finally:
-        os.close(fd)
-
-
-@contextlib.contextmanager
-def _flocked(path: Path) -> Iterator[None]:
-    """Hold the exclusive ``flock`` of ``path`` (created, never deleted) for a ``with`` block."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise CacheError(f"{self.remote.url}: the cache was closed; open it again to read it")
 
 
 def cached_store(

@@ -293,3 +293,29 @@ def _wrong_engine(spec: str, choice: str, kind: str, allowed: str) -> TokenizerE
     return TokenizerError(
         f"tokenizer {spec!r} is {kind}: its engines are {allowed} (got tokenizer_engine={choice!r})"
     )
+
+
+class RoutedEngine:
+    """``fast`` for every text but those holding one of ``characters``, which ``exact`` encodes: for a fast
+    form that may differ from the tokenizer only in texts holding them (see
+    :func:`streampack.tokenizer.tiktoken_json.fast_split`). Named and versioned as ``fast``."""
+
+    def __init__(self, fast: Engine, exact: Engine, characters: str) -> None:
+        self.fast, self.exact, self.characters = fast, exact, characters
+        self.name = fast.name
+        self.cores_per_worker = fast.cores_per_worker
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        return self.fast.version
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`."""
+        encoded = self.fast.encode_batch(texts)
+        routed = [i for i, text in enumerate(texts) if any(c in text for c in self.characters)]
+        if routed:
+            exact = self.exact.encode_batch([texts[i] for i in routed])
+            for i, ids in zip(routed, exact, strict=True):
+                encoded[i] = ids
+        return encoded

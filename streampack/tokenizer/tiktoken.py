@@ -18,11 +18,11 @@ import numpy as np
 from streampack.errors import MissingDependencyError, TokenizerError
 from streampack.tokenizer.base import LibraryTokenizer
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
-from streampack.tokenizer.engines import TiktokenEngine
+from streampack.tokenizer.engines import RoutedEngine, TiktokenEngine
 from streampack.tokenizer.pieces import GPT2_SPLIT_PATTERNS, tiktoken_cut_safety
 from streampack.tokenizer.proofs import fastokens_mismatch_tiktoken
 from streampack.tokenizer.specials import EOS_NAMES
-from streampack.tokenizer.tiktoken_json import byte_level_json
+from streampack.tokenizer.tiktoken_json import byte_level_json, fast_split
 
 
 class TiktokenTokenizer(LibraryTokenizer):
@@ -91,12 +91,18 @@ class TiktokenTokenizer(LibraryTokenizer):
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
 
+        split = fast_split(pattern)
+
         def load(fastokens: Any) -> Any:
-            if pattern in GPT2_SPLIT_PATTERNS:  # its fastest form: see streampack.tokenizer.tiktoken_json
+            # Its fastest forms: see streampack.tokenizer.tiktoken_json.
+            if pattern in GPT2_SPLIT_PATTERNS:
                 return fastokens.Tokenizer.from_json_str(byte_level_json(mergeable_ranks, specials))
+            if split is not None:
+                definition = byte_level_json(mergeable_ranks, specials, split=split.pattern)
+                return fastokens.Tokenizer.from_json_str(definition)
             return fastokens.Tokenizer.from_tiktoken(str(ranks), pattern=pattern, special_tokens=specials)
 
-        self.engine, self.engine_reason = self._choose_engine(
+        chosen, self.engine_reason = self._choose_engine(
             engine,
             threads,
             problem=lambda: fastokens_mismatch_tiktoken(pattern, specials, parse_special=bool(self._allowed)),
@@ -104,6 +110,12 @@ class TiktokenTokenizer(LibraryTokenizer):
             split_special=not self._allowed,
             refusal=f"{ranks}: fastokens is not known to give this encoding's ids",
         )
+        if split is not None and split.exact_for and chosen is not self._reference:
+            chosen = RoutedEngine(chosen, self._reference, split.exact_for)
+            self.engine_reason += (
+                "; texts holding U+017F (long s, where its fast form splits otherwise) by tiktoken"
+            )
+        self.engine = chosen
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("TiktokenTokenizer is not picklable: load it in each process from its spec")
