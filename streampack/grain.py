@@ -87,7 +87,7 @@ class DocumentSource:
     """
 
     def __init__(self, cache: Cache, *, dtype: npt.DTypeLike | None = None) -> None:
-        from streampack.samples.sequences import cache_ref
+        from streampack.samples.refs import cache_ref
 
         self._ref = cache_ref(cache)
         self._num_docs = cache.num_docs
@@ -135,7 +135,7 @@ class DocumentSource:
     def _opened(self) -> Cache:
         if self._cache is not None:
             return self._cache
-        from streampack.samples.sequences import reopen_unchanged
+        from streampack.samples.refs import reopen_unchanged
 
         cache = reopen_unchanged(self._ref, "this document source")
         self._cache = cache

@@ -23,12 +23,14 @@ TOP, LAZY, TYPING = "top", "lazy", "typing"
 
 @dataclass(frozen=True)
 class Edge:
-    """``source`` imports ``target`` (dotted module names), ``kind`` one of TOP, LAZY, TYPING."""
+    """``source`` imports ``target`` (dotted module names), ``kind`` one of TOP, LAZY, TYPING;
+    ``delegation`` when the import only serves delegations (see :func:`delegating_imports`)."""
 
     source: str
     target: str
     kind: str
     line: int
+    delegation: bool = False
 
 
 def modules(package: Path = PACKAGE) -> dict[str, Path]:
@@ -89,14 +91,61 @@ def _walk(node: ast.AST, kind: str) -> Iterator[tuple[ast.Import | ast.ImportFro
         yield from _walk(child, child_kind)
 
 
+def is_delegation(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether ``function`` is a delegation: its body a docstring, imports and one ``return`` of a value.
+
+    Sugar on a lower type that hands the call to a module above it (pandas' ``DataFrame.plot`` calls
+    ``pandas.plotting``): the logic, and its documentation, live above.
+    """
+    body = function.body[1:] if ast.get_docstring(function, clean=False) is not None else function.body
+    return (
+        bool(body)
+        and all(isinstance(statement, (ast.Import, ast.ImportFrom)) for statement in body[:-1])
+        and isinstance(body[-1], ast.Return)
+        and body[-1].value is not None
+    )
+
+
+def delegating_imports(tree: ast.Module) -> set[int]:
+    """The ``id`` of each import statement of ``tree`` that only serves delegations (:func:`is_delegation`):
+    an import inside one, and a ``TYPE_CHECKING`` import whose every name is used only in the annotations
+    of delegations."""
+    functions = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and is_delegation(node)
+    ]
+    found = {id(s) for f in functions for s in f.body if isinstance(s, (ast.Import, ast.ImportFrom))}
+    annotations: list[ast.expr] = []
+    for f in functions:
+        arguments = [*f.args.posonlyargs, *f.args.args, *f.args.kwonlyargs, f.args.vararg, f.args.kwarg]
+        annotations += [a.annotation for a in arguments if a is not None and a.annotation is not None]
+        annotations += [f.returns] if f.returns is not None else []
+    in_annotations = {id(n) for a in annotations for n in ast.walk(a) if isinstance(n, ast.Name)}
+    uses: dict[str, list[int]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            uses.setdefault(node.id, []).append(id(node))
+    for node, kind in _walk(tree, TOP):
+        if kind == TYPING and isinstance(node, ast.ImportFrom):
+            names = [alias.asname or alias.name for alias in node.names]
+            if all(uses.get(n) and all(u in in_annotations for u in uses[n]) for n in names):
+                found.add(id(node))
+    return found
+
+
 def edges(known: dict[str, Path] | None = None) -> list[Edge]:
     """Every import of one of our modules by another, with its kind and line."""
     known = known or modules()
     found = []
     for name, path in known.items():
         tree = ast.parse(path.read_text(), str(path))
+        delegating = delegating_imports(tree)
         for node, kind in _walk(tree, TOP):
-            found.extend(Edge(name, target, kind, node.lineno) for target in set(_targets(node, name, known)))
+            found.extend(
+                Edge(name, target, kind, node.lineno, id(node) in delegating)
+                for target in set(_targets(node, name, known))
+            )
     return found
 
 
@@ -173,13 +222,13 @@ def main() -> None:
     known = modules()
     all_edges = edges(known)
     top_cycles = cycles(all_edges, {TOP})
-    any_cycles = cycles(all_edges, {TOP, LAZY, TYPING})
+    any_cycles = cycles([e for e in all_edges if not e.delegation], {TOP, LAZY, TYPING})
     classes = class_sizes(known)
     long = [(n, m) for n, m in module_sizes(known) if n > 500]
     rows = [
         ("modules", len(known), ""),
         ("module-level import cycles", len(top_cycles), "goal 0"),
-        ("cycles counting lazy and TYPE_CHECKING imports", len(any_cycles), ""),
+        ("cycles counting lazy and TYPE_CHECKING imports", len(any_cycles), "delegations aside"),
         ("largest class (lines)", classes[0][0], f"{classes[0][1]}; goal <= 250"),
         ("modules over 500 lines", len(long), "goal <= 3"),
         ("top-level names", len(top_level_names()), "goal <= 15"),

@@ -20,7 +20,7 @@ from streampack.errors import CacheError
 from streampack.format import with_checksum
 from tests.conftest import as_version_1, run_cli, set_shard_checksum, write_jsonl
 
-verify_module = importlib.import_module("streampack.verify")  # streampack.verify is the function
+shard_checks = importlib.import_module("streampack.reader.shardchecks")  # where verify reads in chunks
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_token_out_of_range(cache: Path) -> None:
 def test_verify_checks_in_chunks_what_the_whole_file_holds(
     cache: Path, pristine: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(verify_module, "_CHUNK_ITEMS", 7)  # many chunks, none aligned with anything
+    monkeypatch.setattr(shard_checks, "_CHUNK_ITEMS", 7)  # many chunks, none aligned with anything
     assert streampack.verify(pristine).ok  # chunked checksums equal the manifest's whole-file ones
     path = cache / "shards" / "000001.tokens"
     tokens = np.fromfile(path, dtype="<u2")
@@ -281,7 +281,7 @@ def test_eos_ids_inside_documents_are_found(
     cache: Path, chunk_items: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A1: an EOS id anywhere but at its document's end splits the document for EOS-based readers."""
-    monkeypatch.setattr(verify_module, "_CHUNK_ITEMS", chunk_items)  # 7: the ids fall in other chunks
+    monkeypatch.setattr(shard_checks, "_CHUNK_ITEMS", chunk_items)  # 7: the ids fall in other chunks
     ends = np.fromfile(cache / "shards" / "000001.offsets", dtype="<u8").astype(int)
     long_docs = [i for i in range(1, len(ends)) if ends[i] - ends[i - 1] > 20]
     a, b = long_docs[0], long_docs[1]

@@ -167,10 +167,10 @@ def test_an_idle_process_drops_its_kept_maps_when_another_process_needs_their_ro
         for shard in range(4):
             cache.shard_tokens(shard)
             cache.shard_offsets(shard)  # kept in the reader's maps: pinned
-        assert len(cache._tokens) == 4
+        assert len(cache.files._tokens) == 4
         other = read_all_in_a_process(url, tmp_path / "copy", bound, s3_endpoint)
         assert other["downloads"] >= SHARDS * 2 - 8
-        assert len(cache._tokens) == 0  # dropped by the watcher while the main thread waited
+        assert len(cache.files._tokens) == 0  # dropped by the watcher while the main thread waited
         # and this process still reads, fetching again what the other evicted
         sums = sum(int(cache.doc(i).sum()) for i in range(cache.num_docs))
     assert sums == other["total"]

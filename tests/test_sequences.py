@@ -411,9 +411,9 @@ def test_threads_share_a_cache_beyond_its_open_maps(tmp_path: Path, monkeypatch:
     # grain reads from a thread pool: shard maps evicted by one thread while another looks them up.
     from concurrent.futures import ThreadPoolExecutor
 
-    from streampack import reader
+    from streampack.reader import shards as shard_files
 
-    monkeypatch.setattr(reader, "MAX_OPEN_MAPS", 3)
+    monkeypatch.setattr(shard_files, "MAX_OPEN_MAPS", 3)
     shards = [(np.arange(k * 40, k * 40 + 40), np.array([10, 25, 40])) for k in range(24)]
     cache = streampack.open(write_cache(tmp_path / "c", shards, vocab_size=2000, eos_id=1999))
     seqs = cache.sequences(7)

@@ -25,7 +25,7 @@ from streampack.errors import OptionsError
 from streampack.order import groups
 
 if TYPE_CHECKING:
-    from streampack.samples.layout import Boundaries
+    from streampack.samples.boundaries import Boundaries
 
 __all__ = ["CausalLMDict", "Format", "Tokens", "format_for"]
 
@@ -134,7 +134,7 @@ class CausalLMDict:
             docs.append(found.docs)
             marks.append((rows, found.marks))
         # Imported here, not with the loader: the sources that give boundaries have loaded it already.
-        from streampack.samples.layout import Boundaries
+        from streampack.samples.boundaries import Boundaries
 
         order = np.argsort(np.concatenate(starts), kind="stable")
         mask = None

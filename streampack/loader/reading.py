@@ -27,7 +27,7 @@ from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
 
 if TYPE_CHECKING:
     from streampack.loader.options import LoaderOptions
-    from streampack.samples.layout import BatchedSpans
+    from streampack.samples.copies import BatchedSpans
 
 __all__ = ["DataSource", "Rows"]
 
@@ -139,7 +139,7 @@ class Rows:
         joined = self.joined
         spans = None
         if joined is not None:
-            from streampack.samples.layout import BatchedSpans
+            from streampack.samples.copies import BatchedSpans
 
             pads = joined.pads_of(sources)
             spans = BatchedSpans(joined.spans(sources, samples), opts.rows, count, self.width, pads)

@@ -37,7 +37,7 @@ from streampack.store.plans import PlanIdentity, stored
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
-    from streampack.samples.split import Chosen
+    from streampack.samples.chosen import Chosen
 
 __all__ = ["CHUNK_DOCS", "NO_TARGET", "TOO_LONG", "NoTarget", "TooLong", "plan_documents", "plan_packed"]
 
@@ -153,8 +153,8 @@ def plan_again(
         CacheError: the plan is of a split (whose selection the settings do not restore), or the cache
             changed since the samples were made.
     """
-    from streampack.reader import open as open_cache
-    from streampack.samples.split import Chosen
+    from streampack.reader.opening import open as open_cache
+    from streampack.samples.chosen import Chosen
 
     if "split" in settings or settings.get("layout") not in _ASSIGN:
         raise CacheError(

@@ -10,50 +10,57 @@ end to end. :class:`PackedSequences` serves the samples a :mod:`~streampack.samp
 * ``cache.packed(seq_len)`` and ``cache.documents(seq_len)``: whole documents, best-fit packed or one per
   sample, then padding (planned by :mod:`streampack.samples.packing`).
 
-Reading and document boundaries are written once over a layout's spans, in :mod:`streampack.samples.layout`.
-Reading a batch is one call: each span is a slice of a memory-mapped shard copied straight into the output
-array, with no per-token Python work. Document boundaries come from the shards' offset tables with
-``searchsorted``, so a batch costs the same whatever the size of the cache.
+Reading (:mod:`~streampack.samples.copies`) and document boundaries (:mod:`~streampack.samples.boundaries`)
+are written once over a layout's spans. Reading a batch is one call: each span, a slice of a memory-mapped
+shard, is copied straight into the output array (no per-token Python work); boundaries come from the
+shards' offset tables with ``searchsorted``, so a batch costs the same whatever the size of the cache.
 """
 
 from __future__ import annotations
 
-import functools
-import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from streampack._checks import check_choice, check_int
-from streampack.errors import CacheError
 from streampack.order import groups
-from streampack.samples.layout import (
-    Bins,
-    Boundaries,
-    FixedWindows,
-    Layout,
-    Runs,
-    Spans,
-    boundaries,
-    read_spans,
-    row_view,
-    split_windows,
+from streampack.samples.batches import Index, check_out, holds_every_id, sample_indices, target_rows
+from streampack.samples.boundaries import Boundaries, boundaries
+from streampack.samples.chosen import Chosen
+from streampack.samples.copies import read_spans, row_view
+from streampack.samples.layout import Bins, FixedWindows, Layout, Runs, split_windows
+from streampack.samples.packing import (
+    NO_TARGET,
+    TOO_LONG,
+    NoTarget,
+    TooLong,
+    plan_again,
+    plan_documents,
+    plan_packed,
 )
-from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong, plan_documents, plan_packed
-from streampack.samples.split import Chosen
+from streampack.samples.refs import cache_ref, content_digest, ref_of_old_pickle, reopen_unchanged
+from streampack.samples.spans import Spans
 from streampack.store import CacheRef
 from streampack.store.localcopy import CachedStore, on_release
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["Boundaries", "PackedSequences"]
-
-Index = int | np.integer | slice | npt.ArrayLike
+__all__ = [
+    "Boundaries",
+    "Index",
+    "JoinedSequences",
+    "PackedSequences",
+    "cache_ref",
+    "content_digest",
+    "holds_every_id",
+    "reopen_unchanged",
+    "whole_documents",
+    "with_current_digests",
+]
 
 
 class PackedSequences:
@@ -116,9 +123,13 @@ class PackedSequences:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore the settings; the cache is reopened lazily, on first use."""
-        self._ref = state["cache"] if "cache" in state else _ref_of_old_pickle(state)
+        self._ref = state["cache"] if "cache" in state else ref_of_old_pickle(state)
         self._num_tokens = state["num_tokens"]
         self._layout = state["layout"]
+        layout = self._layout  # unpickled before these samples: pickles are restored inner objects first
+        if isinstance(layout, Bins) and layout.needs_plan and layout.directory is not None:
+            # Pickled by streampack 0.1, whose plans had no checksums: made again (the same plan).
+            layout.restore(plan_again(layout.directory, layout.seq_len, layout.settings, layout.pad_id))
         self._doc_starts = state["doc_starts"]
         self._masked = state.get("masked", False)
         self._cache = None
@@ -214,7 +225,7 @@ class PackedSequences:
             IndexError: an index is outside ``[-len, len)``.
             TypeError: ``index`` is not an integer, a slice or an integer array.
         """
-        indices, shape = self._indices(index)
+        indices, shape = sample_indices(index, len(self))
         out = np.empty((indices.size, self.width), dtype=self.dtype)
         self._read(indices, out)
         return out.reshape(*shape, self.width)
@@ -241,40 +252,16 @@ class PackedSequences:
             ValueError: ``indices`` is not 1-D, or ``out`` has the wrong shape or a dtype that cannot hold
                 every token id (a narrower or non-integer one, which would wrap or round ids silently).
         """
-        flat, shape = self._indices(indices)
+        flat, shape = sample_indices(indices, len(self))
         if len(shape) != 1:
             raise ValueError(f"read() takes a 1-D array of indices (got shape {shape})")
-        targets = None if rows is None else self._rows(rows, flat.size, out)
+        targets = None if rows is None else target_rows(rows, flat.size, out)
         if out is None:
             out = np.empty((flat.size, self.width), dtype=self.dtype)
         else:
-            self._check_out(out, flat.size if targets is None else None)
+            check_out(out, self.dtype, self.width, flat.size if targets is None else None)
         self._read(flat, out, targets)
         return out
-
-    @staticmethod
-    def _rows(rows: npt.ArrayLike, count: int, out: np.ndarray | None) -> np.ndarray:
-        targets = np.asarray(rows)
-        if out is None or targets.shape != (count,) or not np.issubdtype(targets.dtype, np.integer):
-            raise ValueError(
-                f"rows= needs an out= array and one integer row per index (got {count} indices and rows of "
-                f"shape {targets.shape}, dtype {targets.dtype})"
-            )
-        if count and not 0 <= int(targets.min()) <= int(targets.max()) < len(out):
-            raise IndexError(f"rows must be in [0, {len(out)}), the rows of out")
-        return targets.astype(np.int64, copy=False)
-
-    def _check_out(self, out: object, rows: int | None) -> None:
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a numpy array (got {type(out).__name__})")
-        if not holds_every_id(self.dtype, out.dtype):
-            raise ValueError(
-                f"out has dtype {out.dtype}, which cannot hold every id of the cache's {self.dtype} tokens "
-                f"(they would be silently changed); use {self.dtype} or a wider integer type such as int64"
-            )
-        if out.ndim != 2 or out.shape[1] != self.width or (rows is not None and out.shape[0] != rows):
-            need = f"{(rows, self.width)}" if rows is not None else f"(rows, {self.width})"
-            raise ValueError(f"out has shape {out.shape}, but windows of {self.width} tokens need {need}")
 
     def boundaries(self, index: Index) -> Boundaries:
         """Document boundaries of the samples at ``index``: position ids, document ids, ``cu_seqlens``.
@@ -288,7 +275,7 @@ class PackedSequences:
         Returns:
             A :class:`Boundaries` whose arrays have shape ``index_shape + (seq_len,)``.
         """
-        indices, shape = self._indices(index)
+        indices, shape = sample_indices(index, len(self))
         found = boundaries(
             self._layout.spans(indices),
             indices.size,
@@ -298,35 +285,6 @@ class PackedSequences:
             self._loss_mask if self._masked else None,
         )
         return found.reshaped((*shape, self.seq_len))
-
-    def _indices(self, index: Index) -> tuple[np.ndarray, tuple[int, ...]]:
-        """Normalize ``index`` to a flat int64 array of in-range sample numbers, and its shape."""
-        n = len(self)
-        if isinstance(index, slice):
-            return np.arange(*index.indices(n), dtype=np.int64), (len(range(*index.indices(n))),)
-        if isinstance(index, numbers.Integral) and not isinstance(index, bool):
-            value = int(index)
-            if not -n <= value < n:
-                raise IndexError(f"sample {value} out of range for {n} samples (allowed: -{n} <= i < {n})")
-            return np.array([value % n], dtype=np.int64), ()
-        array = np.asarray(index)
-        if array.dtype == np.bool_ or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
-            raise TypeError(
-                f"sample index must be an int, a slice or an integer array (got {type(index).__name__} "
-                f"of dtype {array.dtype})"
-            )
-        low = high = 0
-        if array.size:
-            # Checked in the array's own dtype, before the cast: uint64 values >= 2**63 would wrap to
-            # negative int64s, which count from the end.
-            low, high = int(array.min()), int(array.max())
-            if low < -n or high >= n:
-                bad = low if low < -n else high
-                raise IndexError(f"sample {bad} out of range for {n} samples (allowed: -{n} <= i < {n})")
-        flat = array.astype(np.int64).reshape(-1)
-        if low < 0:
-            flat = np.where(flat < 0, flat + n, flat)
-        return flat, array.shape
 
     def _read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
         pad = self._layout.pad_id
@@ -507,44 +465,6 @@ def whole_documents(
     return PackedSequences.of(cache, layout)
 
 
-@functools.lru_cache(maxsize=64)
-def holds_every_id(tokens: np.dtype, out: np.dtype) -> bool:
-    """Whether ``out`` is an integer dtype that holds every value of ``tokens`` (memoised: once per read)."""
-    return out.kind in "iu" and bool(np.can_cast(tokens, out, "safe"))
-
-
-def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
-    """Reopen the cache ``ref`` names (in another process), refusing it if its shards changed since.
-
-    Args:
-        ref: the cache's URI, whether its build had finished, and the :func:`content_digest` taken when
-            ``what`` were made.
-        what: what was made from the cache, for the message (``"these samples"``).
-
-    Raises:
-        CacheError: the cache cannot be opened, or its shard table is not the one ``ref`` digests.
-    """
-    from streampack.reader import open as open_cache
-
-    cache = open_cache(ref.uri, allow_incomplete=ref.allow_incomplete, **(ref.reading or {}))
-    now = content_digest(cache)
-    if now != ref.content and ref.content != cache.version_1_digest:  # pickled before format version 2
-        raise CacheError(
-            f"{cache.store.describe('')}: the cache changed on disk since {what} were made from it (it now "
-            f"holds {cache.num_docs} documents, {cache.num_tokens} tokens; shard table {now}, was "
-            f"{ref.content}), so their indices no longer mean the same tokens. Make {what} again from the "
-            "reopened cache (and restart the loader)."
-        )
-    return cache
-
-
-def cache_ref(cache: Cache) -> CacheRef:
-    """The reference that picklable views of ``cache`` carry (see :class:`~streampack.store.CacheRef`)."""
-    store = cache.store
-    reading = store.reopen_options() if isinstance(store, CachedStore) else None
-    return CacheRef(store.uri, content_digest(cache), not cache.manifest.complete, reading)
-
-
 def with_current_digests(order: Mapping[str, Any], datasets: Sequence[object]) -> Mapping[str, Any]:
     """A checkpoint's order with each data fingerprint saved by streampack before format version 2 (whose
     ``shards`` digest was :attr:`~streampack.reader.Cache.version_1_digest`) given the current digest.
@@ -577,13 +497,3 @@ def with_current_digests(order: Mapping[str, Any], datasets: Sequence[object]) -
             for name, source in sources.items()
         }
     return upgraded
-
-
-def content_digest(cache: Cache) -> str:
-    """A short digest of the shard table: :attr:`streampack.reader.Cache.content_digest`."""
-    return cache.content_digest
-
-
-def _ref_of_old_pickle(state: dict[str, Any]) -> CacheRef:
-    """The reference of samples pickled before :class:`CacheRef` (an absolute path, the digest)."""
-    return CacheRef(Path(state["path"]).as_uri(), state["content"], state["allow_incomplete"])

@@ -11,89 +11,20 @@ does: ``train.sequences(2048)``, ``validation.packed(2048)``, ``validation.docum
 from __future__ import annotations
 
 import numbers
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from streampack._checks import check_int
 from streampack.errors import OptionsError
-from streampack.samples.layout import Runs
+from streampack.samples.chosen import Chosen, Side, doc_hashes
+from streampack.samples.sequences import PackedSequences, whole_documents
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
     from streampack.samples.packing import NoTarget, TooLong
-    from streampack.samples.sequences import PackedSequences
 
-__all__ = ["Chosen", "DocumentSet", "split"]
-
-Side = Literal["train", "validation"]
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-class Chosen:
-    """The documents a layout uses: all of them (``side=None``), or one side of a held-out split.
-
-    Args:
-        threshold: documents whose hash is below it are held out (at most ``2**64``).
-        side: ``"train"`` (the rest) or ``"validation"`` (the held-out ones); None for every document.
-        seed: the split's seed.
-        holdout: how the split was asked for (``"fraction:0.01"``, ``"count:1000"``), for the fingerprint.
-    """
-
-    def __init__(
-        self, cache: Cache, *, threshold: int = 0, side: Side | None = None, seed: int = 0, holdout: str = ""
-    ) -> None:
-        self.doc_starts = np.asarray(cache.doc_starts, dtype=np.int64)
-        self.threshold, self.side, self.seed, self.holdout = threshold, side, seed, holdout
-
-    def fingerprint(self) -> dict[str, int | str]:
-        """The split's settings (nothing for every document)."""
-        if self.side is None:
-            return {}
-        return {"split": self.side, "holdout": self.holdout, "split_seed": self.seed}
-
-    def in_shard(self, shard: int) -> np.ndarray:
-        """Whether each document of shard ``shard`` is chosen (``bool``, one per document)."""
-        first, stop = int(self.doc_starts[shard]), int(self.doc_starts[shard + 1])
-        if self.side is None:
-            return np.ones(stop - first, dtype=bool)
-        hashes = doc_hashes(np.arange(first, stop, dtype=np.uint64), self.seed)
-        held = (
-            hashes <= np.uint64(self.threshold - 1) if self.threshold else np.zeros(len(hashes), dtype=bool)
-        )
-        return held if self.side == "validation" else ~held
-
-    def runs(self, cache: Cache) -> Runs:
-        """The chosen documents as a token stream: one run per stretch of consecutive chosen documents."""
-        if self.side is None:
-            return Runs.whole(np.asarray(cache.token_starts, dtype=np.int64))
-        shards, offsets, lengths = [], [], []
-        for shard in range(cache.num_shards):
-            ends = np.asarray(cache.shard_offsets(shard), dtype=np.int64)
-            edges = np.flatnonzero(np.diff(np.concatenate([[0], self.in_shard(shard).astype(np.int8), [0]])))
-            first, stop = edges[0::2], edges[1::2]  # stretches [first, stop) of chosen documents
-            lo = np.where(first > 0, ends[np.maximum(first - 1, 0)], 0)
-            hi = ends[stop - 1] if len(stop) else np.zeros(0, dtype=np.int64)
-            keep = hi > lo
-            shards.append(np.full(int(keep.sum()), shard, dtype=np.int64))
-            offsets.append(lo[keep])
-            lengths.append((hi - lo)[keep])
-        if not shards:
-            empty = np.zeros(0, dtype=np.int64)
-            return Runs(np.zeros(1, dtype=np.int64), empty, empty)
-        length = np.concatenate(lengths)
-        starts = np.concatenate([[0], np.cumsum(length)]).astype(np.int64)
-        return Runs(starts, np.concatenate(shards), np.concatenate(offsets).astype(np.int64))
-
-
-def doc_hashes(indices: np.ndarray, seed: int) -> np.ndarray:
-    """A 64-bit hash of each document index and the seed (splitmix64's finaliser), ``uint64``."""
-    with np.errstate(over="ignore"):
-        x = indices.astype(np.uint64) + (np.uint64(seed % 2**64) + np.uint64(1)) * _GOLDEN
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+__all__ = ["Chosen", "DocumentSet", "Side", "all_documents", "doc_hashes", "split"]
 
 
 class DocumentSet:
@@ -116,9 +47,20 @@ class DocumentSet:
         return sum(int(self.chosen.in_shard(shard).sum()) for shard in range(self.cache.num_shards))
 
     def sequences(self, seq_len: int, *, overlap: int = 0) -> PackedSequences:
-        """Fixed windows of these documents laid end to end; see :meth:`streampack.reader.Cache.sequences`."""
-        from streampack.samples.sequences import PackedSequences
+        """Fixed windows of these documents laid end to end: sample ``i`` is tokens
+        ``[i*seq_len, i*seq_len + seq_len + overlap)`` of their stream (``cache.sequences``: of the cache's).
 
+        Windows cross document and shard boundaries (the ``group_texts`` convention); only the final partial
+        window is dropped. See :class:`~streampack.samples.sequences.PackedSequences`.
+
+        Args:
+            seq_len: tokens per sample, at least 1.
+            overlap: extra tokens at the end of each window, shared with the start of the next one; ``1``
+                gives nanoGPT-style inputs ``window[:-1]`` and next-token targets ``window[1:]``.
+
+        Raises:
+            OptionsError: ``seq_len`` or ``overlap`` is not an integer in its allowed range.
+        """
         return PackedSequences(self.cache, seq_len, overlap=overlap, chosen=self.chosen)
 
     def packed(
@@ -129,9 +71,29 @@ class DocumentSet:
         no_target: NoTarget = "keep",
         pad_id: int | None = None,
     ) -> PackedSequences:
-        """Whole documents best-fit packed into samples; see :meth:`streampack.reader.Cache.packed`."""
-        from streampack.samples.sequences import whole_documents
+        """Whole documents packed into samples of ``seq_len`` tokens by best-fit decreasing, then padding.
 
+        Every document is in exactly one sample, unless it is longer than ``seq_len``: ``too_long="split"``
+        cuts it into pieces of ``seq_len`` tokens and a remainder, each packed on its own; ``"truncate"``
+        keeps its first ``seq_len`` tokens; ``"drop"`` leaves it out (``samples.layout.dropped`` counts
+        them). The plan is computed from the offset tables in chunks of
+        :data:`~streampack.samples.packing.CHUNK_DOCS` documents and stored in ``CACHE/layouts/`` (see
+        :mod:`streampack.samples.packing`). ``samples.layout.padding`` is the fraction of padding, and
+        ``samples.layout.no_target`` counts the pieces with no target token.
+
+        Args:
+            seq_len: tokens per sample.
+            too_long: what to do with a document longer than ``seq_len``.
+            no_target: what to do with a piece (a document, or a piece of a split one) with no target
+                token, whose every ``output="dict"`` label would be ``-100`` (in an SFT cache, a prompt
+                truncated before its response): ``"keep"`` it (the default) or ``"drop"`` it.
+            pad_id: the id that fills padding (masked out of the loss in ``output="dict"``); the cache's
+                EOS id by default, else 0.
+
+        Raises:
+            OptionsError: ``seq_len`` is not a positive integer, ``too_long`` or ``no_target`` is not a
+                policy, or ``pad_id`` does not fit the cache's token dtype.
+        """
         return whole_documents(self.cache, self.chosen, "packed", seq_len, too_long, pad_id, no_target)
 
     def documents(
@@ -142,14 +104,38 @@ class DocumentSet:
         no_target: NoTarget = "keep",
         pad_id: int | None = None,
     ) -> PackedSequences:
-        """One document per sample, padded; see :meth:`streampack.reader.Cache.documents`."""
-        from streampack.samples.sequences import whole_documents
+        """One document per sample, padded to ``seq_len`` tokens: for fine-tuning (SFT) on a masked cache.
 
+        ``no_target="drop"`` leaves out the samples with no target token (a prompt truncated before its
+        response would make a sample whose every label is ``-100``, and a batch of such samples a NaN mean
+        loss); ``samples.layout.no_target`` counts them either way.
+
+        Args:
+            seq_len: tokens per sample.
+            too_long: a document longer than ``seq_len`` is cut to its first ``seq_len`` tokens
+                (``"truncate"``, the default), left out (``"drop"``), or served as several samples of
+                consecutive pieces (``"split"``).
+            no_target: ``"keep"`` (the default) or ``"drop"`` the samples with no target token.
+            pad_id: as for :meth:`packed`.
+
+        Raises:
+            OptionsError: as for :meth:`packed`.
+        """
         return whole_documents(self.cache, self.chosen, "documents", seq_len, too_long, pad_id, no_target)
 
 
+def all_documents(cache: Cache) -> DocumentSet:
+    """Every document of ``cache``, as a :class:`DocumentSet` (``cache.all_documents()``): what
+    ``cache.sequences``, ``cache.packed`` and ``cache.documents`` make their samples of."""
+    return DocumentSet(cache, Chosen(cache))
+
+
 def split(cache: Cache, holdout: float, *, seed: int = 0) -> tuple[DocumentSet, DocumentSet]:
-    """The training and validation sides of ``cache``, holding out ``holdout`` of its documents.
+    """The training and validation sides of ``cache``, holding out ``holdout`` of its documents
+    (``cache.split``).
+
+    ``train, validation = cache.split(0.01)``; then ``train.sequences(2048)`` and
+    ``validation.sequences(2048)`` (or ``.packed``, ``.documents``) never share a document.
 
     Args:
         cache: the cache.

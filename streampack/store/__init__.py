@@ -318,7 +318,7 @@ class CacheRef:
 
     Picklable views of a cache (``PackedSequences``, ``grain.DocumentSource``) carry this, never the
     open cache; reopening checks that the digest still matches
-    (``streampack.samples.sequences.reopen_unchanged``).
+    (``streampack.samples.refs.reopen_unchanged``).
 
     Attributes:
         uri: the store's URI (``file:///abs/path`` for a local cache, the URL of one in object storage).

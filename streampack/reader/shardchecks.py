@@ -1,0 +1,355 @@
+"""The checks of a cache's shard files, for :func:`streampack.reader.verify.verify`: checksums, the
+offset table, the token range, EOS and BOS placement (at every document's end and start, and nowhere
+else), and an SFT build's loss mask (0 or 1, 1 at every EOS, 0 at every BOS).
+
+Each file is read once, in chunks of :data:`_CHUNK_ITEMS` items, from a :class:`Mapped` local cache or
+:class:`Streamed` from object storage, so a check runs in bounded memory (a chunk, and one shard's offset
+table).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from streampack.errors import CacheError
+from streampack.format.manifest import Manifest
+from streampack.format.names import OFFSET_DTYPE, checksum_text, mask_key, offsets_key, tokens_key
+from streampack.reader.cache import Cache
+from streampack.reader.report import VerifyReport
+from streampack.store.remote import RemoteStore
+
+__all__ = ["Mapped", "Streamed", "check_shard"]
+
+_CHUNK_ITEMS = 8 << 20
+_SHOWN = 3  # control ids inside documents listed in the report, of a shard
+
+
+class _Source(Protocol):
+    """Where verify reads a shard's files: mapped from a directory, or streamed from object storage."""
+
+    def describe(self, key: str) -> str: ...
+
+    def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray: ...
+
+    def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]: ...
+
+
+class Mapped:
+    """A local cache's files, mapped by the reader (which checks their sizes and where they lead)."""
+
+    def __init__(self, cache: Cache) -> None:
+        self.cache = cache
+
+    def describe(self, key: str) -> str:
+        return str(self.cache.store.path(key))
+
+    def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+        return self._array(key, dtype, count)
+
+    def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
+        array = self._array(key, dtype, count)
+        for start in range(0, len(array), _CHUNK_ITEMS):
+            yield array[start : start + _CHUNK_ITEMS]
+
+    def _array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+        shard = int(key.split("/")[-1].split(".")[0])
+        kind = key.rsplit(".", 1)[-1]
+        if kind == "tokens":
+            return self.cache.shard_tokens(shard)
+        if kind == "offsets":
+            return self.cache.raw_offsets(shard)
+        return self.cache.shard_loss_mask(shard)
+
+
+class Streamed:
+    """A remote cache's objects, read in ranged chunks (nothing kept but the chunk in hand)."""
+
+    def __init__(self, remote: RemoteStore, sizes: dict[str, int]) -> None:
+        self.remote, self.sizes = remote, sizes
+
+    def describe(self, key: str) -> str:
+        return self.remote.describe(key)
+
+    def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+        parts = list(self.chunks(key, dtype, count))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+    def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
+        size = self.sizes.get(key.split("/")[-1])
+        expected = count * dtype.itemsize
+        if size is None:
+            raise CacheError(f"{self.describe(key)}: shard object missing; the cache is damaged, rebuild it")
+        if size != expected:
+            raise CacheError(
+                f"{self.describe(key)}: {size} bytes, but the manifest says {count} items ({expected} "
+                "bytes); the cache is damaged or truncated: rebuild it"
+            )
+        step = _CHUNK_ITEMS * dtype.itemsize
+        for start in range(0, expected, step):
+            data = self.remote.read(key, start, min(expected, start + step))
+            if len(data) != min(step, expected - start):
+                raise CacheError(f"{self.describe(key)}: the object changed while it was read; verify again")
+            yield np.frombuffer(data, dtype=dtype)
+
+
+@dataclass
+class _Scan:
+    """What one pass over a file found: its checksum, the first value over a limit, control ids where
+    streampack never puts them, and documents whose first or last token is not the expected one."""
+
+    crc: int = 0
+    first_over: tuple[int, int] | None = None  # position, value
+    strays: list[_Strays] = field(default_factory=list)
+    wrong: dict[str, tuple[int, int]] = field(default_factory=dict)  # check -> (documents, first one)
+
+    @property
+    def checksum(self) -> str:
+        return checksum_text(self.crc)
+
+
+def check_shard(
+    manifest: Manifest, shard: int, doc_start: int, source: _Source, report: VerifyReport
+) -> list[str]:
+    """Every check of shard ``shard`` (whose first document is ``doc_start``); its problems."""
+    info = manifest.table.row(shard, manifest.units[shard], manifest.loss_mask)
+    dtype = np.dtype(manifest.dtype).newbyteorder("<")
+    keys = tokens_key(info.name), offsets_key(info.name)
+    tokens_file, offsets_file = map(source.describe, keys)
+    try:
+        offsets = source.whole(keys[1], OFFSET_DTYPE, info.num_docs)
+    except (CacheError, ValueError, OSError) as e:
+        return [f"{offsets_file}: cannot read ({e})"]
+    report.bytes_checked += offsets.nbytes
+    problems = []
+    offsets_crc = checksum_text(zlib.crc32(offsets.data))
+    if offsets_crc != info.offsets_checksum:
+        problems.append(
+            f"{offsets_file}: checksum {offsets_crc} does not match the manifest's {info.offsets_checksum}"
+        )
+    offset_problems = _check_offsets(offsets_file, offsets, info.num_tokens)
+    problems += offset_problems
+    sound = not offset_problems
+    eos = manifest.eos.appended
+    bos = manifest.bos.prepended
+    ends = np.asarray(offsets, dtype=np.int64)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    places = {}  # what must stand at each document's end and start, when the offsets are sound
+    if sound and len(ends):
+        empty = ends <= starts
+        if eos is not None:
+            places["end with EOS"] = (ends - 1, eos, empty)
+        if bos is not None:
+            places["begin with BOS"] = (starts, bos, empty)
+    controls = _stray_controls(manifest) if sound else []
+    try:
+        scan = _scan(
+            source.chunks(keys[0], dtype, info.num_tokens), manifest.vocab_size, controls, ends, places
+        )
+    except (CacheError, ValueError, OSError) as e:
+        return [*problems, f"{tokens_file}: cannot read ({e})"]
+    report.bytes_checked += info.num_tokens * dtype.itemsize
+    if scan.checksum != info.tokens_checksum:
+        problems.insert(
+            0, f"{tokens_file}: checksum {scan.checksum} does not match the manifest's {info.tokens_checksum}"
+        )
+    if scan.first_over is not None:
+        position, value = scan.first_over
+        problems.append(
+            f"{tokens_file}: token {position} is {value}, not below the vocab size {manifest.vocab_size}"
+        )
+    if not problems:
+        for name, (count, first) in scan.wrong.items():
+            control = eos if name == "end with EOS" else bos
+            problems.append(
+                f"{tokens_file}: document {doc_start + first} (and {count - 1} more) does not {name} "
+                f"{control}"
+            )
+    problems.extend(
+        _stray_problem(doc_start, tokens_file, offsets, found) for found in scan.strays if found.count
+    )
+    if manifest.loss_mask:
+        problems.extend(
+            _check_mask(manifest, shard, doc_start, source, ends, report, check_places=not problems)
+        )
+    return problems
+
+
+def _check_mask(
+    manifest: Manifest,
+    shard: int,
+    doc_start: int,
+    source: _Source,
+    ends: np.ndarray,
+    report: VerifyReport,
+    *,
+    check_places: bool,
+) -> list[str]:
+    """The loss mask's checksum and values; with ``check_places``, that each EOS is a target and each BOS
+    is not."""
+    info = manifest.table.row(shard, manifest.units[shard], manifest.loss_mask)
+    key = mask_key(info.name)
+    path = source.describe(key)
+    places = {}
+    if check_places and len(ends):
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        nothing = np.zeros(len(ends), dtype=bool)
+        if manifest.eos.append:
+            places["EOS"] = (ends - 1, 1, nothing)
+        if manifest.bos.prepend:
+            places["BOS"] = (starts, 0, nothing)
+    try:
+        scan = _scan(source.chunks(key, np.dtype(np.uint8), info.num_tokens), 2, [], ends, places)
+    except (CacheError, ValueError, OSError) as e:
+        return [f"{path}: cannot read ({e})"]
+    report.bytes_checked += info.num_tokens
+    expected = info.mask_checksum
+    problems = (
+        []
+        if scan.checksum == expected
+        else [f"{path}: checksum {scan.checksum} does not match the manifest's {expected}"]
+    )
+    if scan.first_over is not None:
+        problems.append(f"{path}: byte {scan.first_over[0]} is {scan.first_over[1]}, not 0 or 1")
+    if problems:
+        return problems
+    for control, (count, first) in scan.wrong.items():
+        value = 1 if control == "EOS" else 0
+        problems.append(
+            f"{path}: the {control} of document {doc_start + first} (and {count - 1} more) has mask "
+            f"{1 - value}, not {value}"
+        )
+    return problems
+
+
+@dataclass(frozen=True)
+class _Control:
+    """A control id streampack writes, and where in a document it may stand."""
+
+    name: str  # EOS or BOS
+    id: int
+    at_start: bool  # it may be a document's first token
+    at_end: bool  # it may be a document's last token
+
+
+@dataclass
+class _Strays:
+    """A control id found where streampack never writes it: how many, and where the first are."""
+
+    control: _Control
+    count: int = 0
+    first: list[int] = field(default_factory=list)  # positions in the shard
+
+
+def _stray_controls(manifest: Manifest) -> list[_Control]:
+    """The control ids that may stand only where streampack puts them (an empty list: anywhere).
+
+    With ``special_tokens: parse`` a document's text may hold a control token's string, encoded as its id;
+    a chat template writes special tokens (``<|im_end|>`` may be the EOS token) as their ids.
+    """
+    settings = manifest.settings
+    if settings.special_tokens == "parse" or settings.chat:
+        return []
+    eos = manifest.eos.appended
+    bos = manifest.bos.prepended
+    controls = []
+    if eos is not None:
+        controls.append(_Control("EOS", eos, at_start=eos == bos, at_end=True))
+    if bos is not None and bos != eos:
+        controls.append(_Control("BOS", bos, at_start=True, at_end=False))
+    return controls
+
+
+def _scan(
+    chunks: Iterator[np.ndarray],
+    limit: int | None,
+    controls: list[_Control],
+    ends: np.ndarray,
+    places: dict[str, tuple[np.ndarray, int, np.ndarray]],
+) -> _Scan:
+    """Checksum a file's chunks in order; also find its first value not below ``limit``, the ``controls``
+    that stand where streampack never puts them (given the document ``ends``), and for each check of
+    ``places`` (positions, each sorted, the value that must stand there, and documents that fail it
+    whatever they hold) the documents that fail it."""
+    scan = _Scan(strays=[_Strays(c) for c in controls])
+    wrong = {name: failed.copy() for name, (_, _, failed) in places.items()}
+    start = 0
+    for chunk in chunks:
+        scan.crc = zlib.crc32(chunk.data, scan.crc)
+        if limit is not None and scan.first_over is None and len(chunk) and int(chunk.max()) >= limit:
+            at = int(np.argmax(chunk >= limit))
+            scan.first_over = (start + at, int(chunk[at]))
+        for found in scan.strays:
+            positions = _misplaced(chunk, start, found.control, ends)
+            found.count += len(positions)
+            found.first.extend(positions[: _SHOWN - len(found.first)].tolist())
+        for name, (positions, value, _) in places.items():
+            lo, hi = np.searchsorted(positions, [start, start + len(chunk)])
+            inside = positions[lo:hi] - start
+            wrong[name][lo:hi] |= chunk[inside] != value
+        start += len(chunk)
+    for name, failed in wrong.items():
+        if failed.any():
+            scan.wrong[name] = (int(failed.sum()), int(np.argmax(failed)))
+    return scan
+
+
+def _misplaced(chunk: np.ndarray, start: int, control: _Control, ends: np.ndarray) -> np.ndarray:
+    """Positions of the ``control`` ids of ``chunk`` (at ``start`` in its shard) where it may not stand."""
+    found = np.flatnonzero(chunk == control.id).astype(np.int64) + start
+    if not len(found):
+        return found
+    allowed = np.zeros(len(found), dtype=bool)
+    if control.at_end:  # position p ends a document when p + 1 is a document end
+        allowed |= _is_end(ends, found + 1)
+    if control.at_start:  # and begins one when it is 0 or a document end
+        allowed |= (found == 0) | _is_end(ends, found)
+    return found[~allowed]
+
+
+def _is_end(ends: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Whether each of ``positions`` is one of the (sorted) document ``ends``."""
+    if not len(ends):
+        return np.zeros(len(positions), dtype=bool)
+    index = np.minimum(np.searchsorted(ends, positions), len(ends) - 1)
+    return np.asarray(ends[index], dtype=np.int64) == positions
+
+
+def _stray_problem(doc_start: int, tokens_file: str, offsets: np.ndarray, strays: _Strays) -> str:
+    where = []
+    for position in strays.first:
+        local = int(np.searchsorted(offsets, np.uint64(position), side="right"))
+        begin = int(offsets[local - 1]) if local else 0
+        where.append(
+            f"document {doc_start + local} at token {position - begin} of {int(offsets[local]) - begin}"
+        )
+    control = strays.control
+    shown = f" (the first {len(where)})" if strays.count > len(where) else ""
+    place = "not at their end" if control.at_end else "not at their start"
+    return (
+        f"{tokens_file}: {strays.count} {control.name} {'id' if strays.count == 1 else 'ids'} {control.id} "
+        f"inside documents, {place}: {'; '.join(where)}{shown}. The text held the {control.name} token's "
+        "string, which the tokenizer turned into the control id; rebuild the cache with overwrite=True "
+        "(special-token strings are now encoded as text)"
+    )
+
+
+def _check_offsets(path: str, offsets: np.ndarray, num_tokens: int) -> list[str]:
+    if not len(offsets):
+        return [] if num_tokens == 0 else [f"{path}: no documents, but {num_tokens} tokens"]
+    steps = np.diff(offsets.astype(np.int64), prepend=0)
+    bad = np.flatnonzero(steps < 0)
+    if len(bad):
+        i = int(bad[0])
+        return [
+            f"{path}: offsets not monotone at document {i} ({int(offsets[i - 1])} then {int(offsets[i])})"
+        ]
+    if int(offsets[-1]) != num_tokens:
+        return [
+            f"{path}: the last document ends at {int(offsets[-1])}, but the shard has {num_tokens} tokens"
+        ]
+    return []

@@ -1,0 +1,257 @@
+"""The shards a :class:`~streampack.reader.Cache` reads: per shard, its tokens, its table of document ends
+and (an SFT build's) its loss mask, as arrays.
+
+:class:`Shards` is the protocol a cache reads through, and all it asks of where the tokens are kept;
+:class:`ShardFiles` serves it from the shard files of a native cache in a store, each checked against the
+manifest when it is first mapped (its size, one ``stat``, and that it does not lead out of the cache;
+an offsets table also against its checksum), before anything is read from it. Another token format
+(a Megatron ``.bin/.idx`` pair, llm.c shards) is opened as a cache by serving the same protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from streampack.errors import CacheError
+from streampack.format.manifest import Manifest, ShardTable
+from streampack.format.names import (
+    OFFSET_DTYPE,
+    SHARD_DIR,
+    checksum_text,
+    mask_key,
+    offsets_key,
+    shard_name,
+    tokens_key,
+)
+from streampack.store import LocalStore
+from streampack.store.localcopy import CachedStore
+from streampack.store.pressure import forget_release, on_release
+
+__all__ = ["MAX_OPEN_MAPS", "ShardFiles", "Shards"]
+
+# Offsets files this process checked against their checksums, by (path, device, inode, size, mtime, CRC).
+_checked_offsets: set[tuple[object, ...]] = set()
+_checked_lock = threading.Lock()
+
+# Shard files kept mapped per kind (tokens, offsets, masks): every map holds a file descriptor, and the
+# common limit is 1024 per process (three kinds x 128 = 384 of them); remapping a shard costs ~20 us.
+MAX_OPEN_MAPS = 128
+
+
+class Shards(Protocol):
+    """The arrays of each shard of a cache, by shard index (``0 <= shard < shards``; a negative index
+    counts from the end, as a list's does, and one out of range raises ``IndexError``).
+
+    Every array is read-only and stays valid while a caller holds it, whatever the source does meanwhile
+    (a memory map that the source stops keeping closes once no view of it is left). Safe to call from
+    several threads.
+    """
+
+    def tokens(self, shard: int) -> np.ndarray:
+        """The tokens of shard ``shard``, in the manifest's dtype: its documents, end to end."""
+        ...
+
+    def offsets(self, shard: int) -> np.ndarray:
+        """The end of each document of shard ``shard`` (``uint64``, cumulative, local to the shard),
+        checked as the format allows (a checksum, where it has one)."""
+        ...
+
+    def raw_offsets(self, shard: int) -> np.ndarray:
+        """:meth:`offsets` without the check of its content, and not kept: for ``verify``, which checks
+        the table itself and says what is wrong with it."""
+        ...
+
+    def mask(self, shard: int) -> np.ndarray:
+        """The loss mask of shard ``shard`` (``uint8``, one per token, 1 at a training target).
+
+        Raises:
+            CacheError: the cache has no loss mask.
+        """
+        ...
+
+    def drop(self) -> None:
+        """Forget the arrays kept for reuse (those a caller still holds stay valid)."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what reading holds (kept arrays, registrations); reads refuse afterwards. Calling it
+        again does nothing."""
+        ...
+
+
+class ShardFiles:
+    """The shard files of a native cache in a store, memory-mapped on first use and checked against its
+    manifest; the last :data:`MAX_OPEN_MAPS` maps of each kind are kept (each holds a file descriptor).
+
+    Args:
+        store: where the cache's files are.
+        manifest: the cache's manifest (its dtype, whether it is complete and has a loss mask).
+        table: the shard table read (the manifest's, or the committed prefix of an unfinished build's).
+    """
+
+    _closed = False
+
+    def __init__(self, store: LocalStore, manifest: Manifest, table: ShardTable) -> None:
+        self.store, self.manifest, self.table = store, manifest, table
+        # The shards folder is checked here; a file in it can only lead out as a symlink, which the check at
+        # its first map (_check_size) refuses.
+        store.refuse_outside(SHARD_DIR)
+        self.dtype = np.dtype(manifest.dtype).newbyteorder("<")
+        self._tokens: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._offsets: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
+        if isinstance(store, CachedStore):
+            on_release(self.drop)
+
+    def __repr__(self) -> str:
+        return f"ShardFiles({self.store.describe('')!r}, shards={len(self.table)})"
+
+    def drop(self) -> None:
+        """Forget the shard maps kept for reuse (they close once no caller holds a view of them): a cache
+        read through a bounded local copy cannot evict a mapped file."""
+        # Cleared in place: a lookup under way holds the dict itself (and _map is safe against a
+        # concurrent clear).
+        for maps in (self._tokens, self._offsets, self._masks):
+            maps.clear()
+
+    def close(self) -> None:
+        """Drop the shard maps kept for reuse and stop taking part in a local copy's releases; maps are
+        refused afterwards. Calling it again does nothing."""
+        self._closed = True
+        forget_release(self.drop)
+        self.drop()
+
+    def tokens(self, shard: int) -> np.ndarray:
+        """The token array of shard ``shard`` (memory-mapped on first use).
+
+        Raises:
+            CacheError: the file is missing, of another size than the manifest says, or leads out of the
+                cache (checked when it is mapped, before anything is read from it).
+        """
+        return self._map(self._tokens, shard, tokens_key, self.dtype, self.table.num_tokens)
+
+    def offsets(self, shard: int) -> np.ndarray:
+        """The cumulative document end offsets of shard ``shard`` (memory-mapped on first use).
+
+        Every reader finds documents through these tables (samples of whole documents, splits, document
+        boundaries), so each is checked against the manifest's checksum when this process first maps it
+        (a table is about 1 % of its shard: 8 bytes per document); tokens and masks are served as mapped,
+        their sizes checked, and ``streampack verify`` checks their checksums.
+
+        Raises:
+            CacheError: as for :meth:`tokens`, or the table does not match its checksum.
+        """
+        return self._map(self._offsets, shard, offsets_key, OFFSET_DTYPE, self.table.num_docs)
+
+    def raw_offsets(self, shard: int) -> np.ndarray:
+        """:meth:`offsets` without its checksum check (its size is checked), and not kept: for
+        ``verify``, which checks the table itself and says what is wrong with it."""
+        index = self._index(shard)
+        key, count = offsets_key(shard_name(index)), int(self.table.num_docs[index])
+        self._check_size(key, count, OFFSET_DTYPE.itemsize)
+        return self.store.map_array(key, OFFSET_DTYPE, count)
+
+    def mask(self, shard: int) -> np.ndarray:
+        """The loss mask of shard ``shard``: uint8, one per token of :meth:`tokens`, 1 where the token is a
+        training target (memory-mapped on first use).
+
+        Raises:
+            CacheError: the cache has no loss mask (it was not built with ``fields`` or ``chat``).
+        """
+        if not self.manifest.loss_mask:
+            raise CacheError(
+                f"{self.store.root}: the cache has no loss mask (it was built from texts, not with "
+                "fields=[...] or chat=...); every token is a training target"
+            )
+        return self._map(self._masks, shard, mask_key, np.dtype(np.uint8), self.table.num_tokens)
+
+    def _index(self, shard: int) -> int:
+        """``shard`` as a non-negative index (IndexError when out of range, as a list would raise)."""
+        return range(len(self.table))[shard]
+
+    def _check_offsets(self, key: str, index: int, mapped: np.ndarray) -> None:
+        """Refuse an offsets table that does not match the manifest's checksum; a table of the same file
+        (device, inode, size, modification time) is checked once per process."""
+        if self.table.offsets_crc32 is None or isinstance(self.store, CachedStore):
+            return  # none recorded (an unfinished build); a local copy is verified when it is fetched
+        expected = checksum_text(int(self.table.offsets_crc32[index]))
+        path = self.store.path(key)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return  # removed since it was mapped: the map holds what was checked at its size
+        identity = (str(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, expected)
+        with _checked_lock:
+            known = identity in _checked_offsets
+        if not known:
+            actual = checksum_text(zlib.crc32(mapped.data) if len(mapped) else 0)
+            if actual != expected:
+                raise CacheError(
+                    f"{path}: checksum {actual} does not match the manifest's {expected}: the table of where "
+                    "each document ends is damaged; run `streampack verify` on the cache and rebuild it"
+                )
+            with _checked_lock:
+                _checked_offsets.add(identity)
+
+    def _map(
+        self,
+        maps: OrderedDict[int, np.ndarray],
+        shard: int,
+        key_of: Callable[[str], str],
+        dtype: np.dtype,
+        counts: np.ndarray,
+    ) -> np.ndarray:
+        """The memory map of one of shard ``shard``'s files (``counts``: items per shard), from a small LRU
+        (each open map holds a file descriptor); the file is checked whenever it is (re)mapped.
+
+        Safe from several threads (grain reads from a thread pool): each OrderedDict call is atomic, a map
+        another thread evicts meanwhile stays valid for whoever holds it, and nothing is looked up twice.
+        """
+        mapped = maps.get(shard)
+        if mapped is not None:
+            with contextlib.suppress(KeyError):  # evicted by another thread since the get
+                maps.move_to_end(shard)
+            return mapped
+        if self._closed:
+            raise CacheError(f"{self.store.describe('')}: the cache was closed; open it again to read it")
+        index = self._index(shard)
+        key, count = key_of(shard_name(index)), int(counts[index])
+        self._check_size(key, count, dtype.itemsize)
+        mapped = self.store.map_array(key, dtype, count)
+        if maps is self._offsets:
+            self._check_offsets(key, index, mapped)
+        maps[index] = mapped
+        while len(maps) > MAX_OPEN_MAPS:
+            try:
+                maps.popitem(last=False)  # closed once no caller holds a view of it
+            except KeyError:  # emptied by another thread
+                break
+        return mapped
+
+    def _check_size(self, key: str, count: int, itemsize: int) -> None:
+        """Refuse a shard file that is missing, shorter than the manifest says (longer, once complete), or
+        a symlink leading out of the cache: one ``lstat`` (and one ``stat``)."""
+        if count == 0 and not self.manifest.complete:
+            return  # a unit of an unfinished build that has not committed yet may have no files at all
+        if isinstance(self.store, CachedStore):
+            return  # its local copies are checked against the size and checksum when they are fetched
+        self.store.refuse_outside(key, links_only=True)
+        try:
+            size = self.store.size(key)
+        except FileNotFoundError:
+            path = self.store.path(key)
+            raise CacheError(f"{path}: shard file missing; the cache is damaged, rebuild it") from None
+        expected = count * itemsize
+        if size < expected or (self.manifest.complete and size != expected):
+            raise CacheError(
+                f"{self.store.path(key)}: {size} bytes, but the manifest says {count} items ({expected} "
+                "bytes); the cache is damaged or truncated: run `streampack verify` and rebuild it"
+            )

@@ -1,0 +1,183 @@
+"""Where documents start inside a batch of samples: :func:`boundaries` of a batch's spans, found from the
+shards' offset tables alone, and the :class:`Boundaries` attention kernels take (position ids, document
+ids, ``cu_seqlens``, the loss mask).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from streampack.samples.copies import read_spans
+from streampack.samples.spans import Spans, ragged_arange
+
+__all__ = ["Boundaries", "boundaries"]
+
+
+class Boundaries:
+    """Where documents start inside a batch of samples, in the forms attention kernels take.
+
+    Every row starts a new segment (a model sees nothing before its window), and so does every document
+    start inside a row, every piece of a document that a layout placed apart from the rest, and the
+    padding at the end of a row. All arrays cover the ``seq_len`` input positions of each sample, not its
+    ``overlap`` tail.
+
+    Held as its segments (a few per row); each array below is computed on first use, so a batch pays only
+    for the ones it uses.
+
+    Attributes:
+        position_ids: ``int64`` array of shape ``index_shape + (seq_len,)``: the position of each token in
+            its segment, restarting at 0 at every document start and at every row start.
+        doc_ids: ``int64`` array of the same shape: the global index of each token's document in the cache
+            (``cache.doc(doc_ids[r, t])`` holds the token), ``-1`` at padding.
+        cu_seqlens: ``int32`` array of shape ``(segments + 1,)``: cumulative segment lengths over the
+            flattened batch, starting at 0 and ending at ``rows * seq_len`` (the ``cu_seqlens`` argument of
+            varlen attention such as ``flash_attn_varlen_func``).
+        max_seqlen: length of the longest segment.
+        loss_mask: ``bool`` array of the shape of ``position_ids``: True where the token is a training
+            target: inside a document (not padding) and, in a cache built with a loss mask (SFT), marked as
+            one (a response, not its prompt).
+
+    Args:
+        shape: ``index_shape + (seq_len,)``.
+        starts: ``int64``, where each segment starts in the flattened batch, ascending, from 0.
+        docs: ``int64``, each segment's document (``-1``: padding).
+        marks: the build's loss mask of every token (``bool``, of ``shape``), for caches that have one.
+    """
+
+    def __init__(
+        self, shape: tuple[int, ...], starts: np.ndarray, docs: np.ndarray, marks: np.ndarray | None = None
+    ) -> None:
+        self.shape, self.starts, self.docs, self.marks = shape, starts, docs, marks
+        self.size = int(np.prod(shape))
+        self.lengths = np.diff(starts, append=self.size)
+
+    def reshaped(self, shape: tuple[int, ...]) -> Boundaries:
+        """The same boundaries, whose arrays have ``shape`` (as many elements)."""
+        marks = None if self.marks is None else self.marks.reshape(shape)
+        return Boundaries(shape, self.starts, self.docs, marks)
+
+    @functools.cached_property
+    def position_ids(self) -> np.ndarray:
+        """See the class docstring."""
+        columns = self.shape[-1] if self.shape else 1
+        count = np.arange(columns, dtype=np.int64)
+        positions = np.empty(self.size, dtype=np.int64)
+        if self.size:
+            positions.reshape(-1, columns)[...] = count  # segments that start a row: most of them
+        inside = np.flatnonzero(self.starts % columns)
+        for start, length in zip(self.starts[inside].tolist(), self.lengths[inside].tolist()):
+            positions[start : start + length] = count[:length]
+        return positions.reshape(self.shape)
+
+    @functools.cached_property
+    def doc_ids(self) -> np.ndarray:
+        """See the class docstring."""
+        return np.repeat(self.docs, self.lengths).reshape(self.shape)
+
+    @functools.cached_property
+    def cu_seqlens(self) -> np.ndarray:
+        """See the class docstring."""
+        return np.append(self.starts, self.size).astype(np.int32)
+
+    @property
+    def max_seqlen(self) -> int:
+        """See the class docstring."""
+        return int(self.lengths.max()) if self.lengths.size else 0
+
+    @functools.cached_property
+    def loss_mask(self) -> np.ndarray:
+        """See the class docstring."""
+        mask = np.ones(self.size, dtype=bool) if self.marks is None else self.marks.reshape(-1).copy()
+        for start, stop in self.padding():
+            mask[start:stop] = False
+        return mask.reshape(self.shape)
+
+    def padding(self) -> list[tuple[int, int]]:
+        """The padding of the batch: ``[start, stop)`` ranges of the flattened batch."""
+        pads = np.flatnonzero(self.docs < 0)
+        return list(zip(self.starts[pads].tolist(), (self.starts[pads] + self.lengths[pads]).tolist()))
+
+
+def boundaries(
+    spans: Spans,
+    rows: int,
+    columns: int,
+    offsets_of: Callable[[int], np.ndarray],
+    doc_starts: np.ndarray,
+    mask_of: Callable[[int], np.ndarray] | None = None,
+) -> Boundaries:
+    """Document boundaries in the first ``columns`` columns of a batch of ``rows`` rows.
+
+    Computed from the offset tables of the shards the spans touch (two ``searchsorted`` calls per shard);
+    no token is read. Columns no span covers are padding: one segment per row, of document ``-1``.
+
+    Args:
+        spans: the batch's spans.
+        rows: rows of the batch.
+        columns: columns to cover, e.g. ``seq_len`` (a window's ``overlap`` tail excluded).
+        offsets_of: the offset table of a shard: each document's end, local to the shard.
+        doc_starts: global index of each shard's first document.
+        mask_of: the loss mask of a shard (1 where a token is a training target), for caches that have one.
+
+    Returns:
+        A :class:`Boundaries` whose arrays have shape ``(rows, columns)``.
+    """
+    if rows == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Boundaries((0, columns), empty, empty)
+    spans = spans.head(columns)
+    padding = _padding_starts(spans, rows, columns)
+    positions, docs = [padding], [np.full(len(padding), -1, dtype=np.int64)]
+    for shard in np.unique(spans.shards).tolist():
+        mine = spans.shards == shard
+        found = _segments_in_shard(
+            offsets_of(shard),
+            int(doc_starts[shard]),
+            spans.lo[mine],
+            spans.hi[mine],
+            spans.rows[mine] * columns + spans.col[mine],
+        )
+        positions += [found[0], found[2]]
+        docs += [found[1], found[3]]
+    starts, start_docs = np.concatenate(positions), np.concatenate(docs)
+    order = np.argsort(starts, kind="stable")
+    starts, start_docs = starts[order], start_docs[order]
+    # Empty documents (no EOS appended) end where the next starts: keep the last, which holds tokens.
+    last = np.append(starts[1:] != starts[:-1], True)
+    marks = None
+    if mask_of is not None:
+        marks = np.zeros((rows, columns), dtype=np.uint8)  # padding stays 0
+        read_spans(spans, marks, mask_of)
+        marks = marks.view(bool)
+    return Boundaries((rows, columns), starts[last], start_docs[last], marks)
+
+
+def _padding_starts(spans: Spans, rows: int, columns: int) -> np.ndarray:
+    """Flat position of each row's padding, for the rows whose spans end before ``columns``."""
+    used = np.zeros(rows, dtype=np.int64)
+    np.maximum.at(used, spans.rows, spans.col + (spans.hi - spans.lo))
+    short = np.flatnonzero(used < columns)
+    return short * columns + used[short]
+
+
+def _segments_in_shard(
+    offsets: np.ndarray, base: int, lo: np.ndarray, hi: np.ndarray, flat: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Segment starts of the spans ``[lo, hi)`` of one shard that begin at ``flat`` in the batch.
+
+    ``offsets`` is the shard's offset table and ``base`` the global index of its first document. Returns
+    the flat position and global document id of each span start, then of each document start strictly
+    inside a span.
+    """
+    # offsets hold each document's END: document j spans [offsets[j-1], offsets[j]). uint64 queries
+    # keep searchsorted from promoting the whole table to float64.
+    first = np.searchsorted(offsets, lo.astype(np.uint64), side="right").astype(np.int64)
+    stop = np.searchsorted(offsets, hi.astype(np.uint64), side="left").astype(np.int64)
+    counts = stop - first
+    ends = ragged_arange(first, counts)
+    cut_local = offsets[ends].astype(np.int64)
+    cut_pos = np.repeat(flat - lo, counts) + cut_local
+    return flat, base + first, cut_pos, base + ends + 1

@@ -1,0 +1,252 @@
+"""Copying the spans of a batch into the rows of an array: :func:`read_spans` for one batch,
+:class:`BatchedSpans` for several batches planned at once.
+
+A span that fills a whole row is one row of its shard's :func:`row_view`, and the rows of one shard are
+copied by one fancy-index take; a batch whose spans tile their rows is one concatenation; the rest is
+copied slice by slice. Every copy casts on the way, with no temporary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from streampack.samples.spans import Spans
+
+__all__ = ["BatchedSpans", "read_spans", "row_view"]
+
+
+def read_spans(
+    spans: Spans, out: np.ndarray, tokens_of: Callable[[int], np.ndarray], rows: np.ndarray | None = None
+) -> None:
+    """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard.
+
+    Shard by shard: one lookup of each shard's map per call rather than one per span (the cache's LRU
+    bookkeeping), and one map held at a time, so open descriptors stay bounded. The spans that fill a whole
+    row are copied with one row take per shard (see :class:`_Copies`).
+
+    Args:
+        spans: what to copy.
+        out: destination, wide enough for every span.
+        tokens_of: the tokens of a shard.
+        rows: the row of ``out`` for each row of the spans; the same row when omitted.
+    """
+    order = np.argsort(spans.shards, kind="stable")
+    targets = spans.rows if rows is None else rows[spans.rows]
+    sorted_spans = Spans(
+        targets[order], spans.shards[order], spans.lo[order], spans.hi[order], spans.col[order]
+    )
+    copies = _Copies(sorted_spans, np.zeros(len(order), dtype=np.int64), 1, out.shape[1])
+    copies.apply(0, out, tokens_of, lambda shard: row_view(tokens_of(shard), out.shape[1]))
+
+
+def row_view(tokens: np.ndarray, width: int) -> np.ndarray:
+    """The windows of ``width`` tokens of a shard as rows of a 2-D view (no copy): row ``i`` starts at ``i``.
+
+    A batch of windows is then one fancy-index take of rows, a single C loop of contiguous copies.
+    """
+    count = max(0, len(tokens) - width + 1)
+    step = tokens.strides[0]
+    return np.ndarray((count, width), tokens.dtype, buffer=tokens, strides=(step, step))
+
+
+# Rows of one shard in one batch from which a row take beats slice copies (measured: ~8, for 2 KB rows).
+_TAKE_ROWS = 8
+
+
+class _Copies:
+    """How to copy the spans of some batches: per batch, row takes per shard, then the other spans.
+
+    A span that fills a whole row (column 0, ``width`` tokens) is one row of its shard's
+    :func:`row_view`: where one batch holds at least :data:`_TAKE_ROWS` of them in one shard, they are copied
+    by one fancy-index take, written into their rows of the output with the cast on the way. The rest (a few
+    rows of a shard, a window cut by a shard boundary, a document laid beside others) are copied slice by
+    slice, which costs less for a few rows.
+
+    Args:
+        spans: the spans, sorted by batch then shard.
+        batch: the batch of each span.
+        batches: the number of batches.
+        width: columns of a row.
+    """
+
+    def __init__(self, spans: Spans, batch: np.ndarray, batches: int, width: int) -> None:
+        full = (spans.col == 0) & (spans.hi - spans.lo == width)
+        key = batch * (int(spans.shards.max(initial=0)) + 1) + spans.shards
+        _, group_of, group_rows = np.unique(key[full], return_inverse=True, return_counts=True)
+        full[np.flatnonzero(full)[group_rows[group_of] < _TAKE_ROWS]] = False
+        # The takes: spans in (batch, shard) groups; per group its shard and slice of the take arrays.
+        taken = np.flatnonzero(full)
+        self._take_rows, self._take_lo = spans.rows[taken], spans.lo[taken]
+        b, shard = batch[taken], spans.shards[taken]
+        firsts = np.flatnonzero(np.diff(b, prepend=-1) | np.diff(shard, prepend=-1))
+        self._groups = list(zip(shard[firsts].tolist(), firsts.tolist(), [*firsts[1:].tolist(), len(taken)]))
+        self._group_bounds = np.searchsorted(b[firsts], np.arange(batches + 1)).tolist()
+        # The rest, copied slice by slice: in batch then shard order, with each batch's bounds.
+        rest = np.flatnonzero(~full)
+        self._rows, self._shards = spans.rows[rest], spans.shards[rest]
+        self._lo, self._hi, self._col = spans.lo[rest], spans.hi[rest], spans.col[rest]
+        self._bounds = np.searchsorted(batch[rest], np.arange(batches + 1)).tolist()
+
+    def taken_rows(self, batch: int) -> int:
+        """Rows of batch ``batch`` that its row takes copy."""
+        return sum(
+            stop - first
+            for _, first, stop in self._groups[self._group_bounds[batch] : self._group_bounds[batch + 1]]
+        )
+
+    def whole(self, batch: int, rows_of: Callable[[int], np.ndarray], dtype: np.dtype) -> np.ndarray | None:
+        """Batch ``batch`` as a new array of ``dtype``, when it is one row take (all its rows in one shard).
+
+        The take alone, with no copy into an output array: the plain numpy read itself.
+        """
+        first, stop = self._group_bounds[batch], self._group_bounds[batch + 1]
+        if stop - first != 1 or self._bounds[batch] != self._bounds[batch + 1]:
+            return None
+        shard, lo, hi = self._groups[first]
+        taken = rows_of(shard)[self._take_lo[lo:hi]]
+        return taken if taken.dtype == dtype else taken.astype(dtype)
+
+    def apply(
+        self,
+        batch: int,
+        out: np.ndarray,
+        tokens_of: Callable[[int], np.ndarray],
+        rows_of: Callable[[int], np.ndarray],
+    ) -> None:
+        """Copy the spans of batch ``batch`` into ``out``; ``rows_of(shard)``: its :func:`row_view`."""
+        for shard, first, stop in self._groups[self._group_bounds[batch] : self._group_bounds[batch + 1]]:
+            out[self._take_rows[first:stop]] = rows_of(shard)[self._take_lo[first:stop]]
+        part = slice(self._bounds[batch], self._bounds[batch + 1])
+        current, tokens = -1, None
+        for row, shard, start, stop, column in zip(
+            self._rows[part].tolist(),
+            self._shards[part].tolist(),
+            self._lo[part].tolist(),
+            self._hi[part].tolist(),
+            self._col[part].tolist(),
+        ):
+            if shard != current:
+                current, tokens = shard, tokens_of(shard)
+            out[row, column : column + stop - start] = tokens[start:stop]  # type: ignore[index]
+
+
+class _Tiles:
+    """Each batch as one row-major run of spans and padding: one ``np.concatenate`` into the flat output.
+
+    Spans that tile their rows (each row covered from column 0 with no gap, padding after) need no
+    placement: in row order, a batch's spans and padding laid end to end ARE its flattened output. So a
+    batch of many short spans (packed documents, windows spread over many shards) costs one slice per span
+    to list them, then a single C-level copy with the cast on the way.
+
+    Args:
+        spans: the spans, any order; ``rows`` are the rows of the whole plan.
+        rows: rows per batch.
+        width: columns of a row.
+        pads: the padding id of each row of the plan (None: no layout pads, every row is covered).
+    """
+
+    def __init__(self, spans: Spans, rows: int, batches: int, width: int, pads: np.ndarray | None) -> None:
+        used = np.zeros(rows * batches, dtype=np.int64)
+        np.maximum.at(used, spans.rows, spans.col + (spans.hi - spans.lo))
+        short = np.flatnonzero(used < width)
+        pad_ids = pads[short] if pads is not None else np.zeros(len(short), dtype=np.int64)
+        self._pad_id = int(pad_ids[0]) if len(pad_ids) else 0
+        # Padding is an entry of shard -1 (its ``lo`` holds the id to fill with).
+        row = np.concatenate([spans.rows, short])
+        col = np.concatenate([spans.col, used[short]])
+        order = np.lexsort((col, row))
+        row, col = row[order], col[order]
+        self._shards = np.concatenate([spans.shards, np.full(len(short), -1, dtype=np.int64)])[order]
+        self._lo = np.concatenate([spans.lo, pad_ids])[order]
+        lengths = np.concatenate([spans.hi - spans.lo, width - used[short]])[order]
+        self._hi = np.where(self._shards < 0, lengths, self._lo + lengths)
+        # They tile when each entry starts where the previous one of its row ended, from column 0.
+        ends = np.cumsum(lengths)
+        self.tiles = bool(np.array_equal(ends - lengths, row * width + col)) and (
+            len(ends) == 0 or int(ends[-1]) == rows * batches * width
+        )
+        self.tiles &= bool((pad_ids == self._pad_id).all())  # one padding id per plan (one per source)
+        self._bounds = np.searchsorted(row // rows, np.arange(batches + 1)).tolist()
+        self._blocks: dict[np.dtype, np.ndarray] = {}
+        self._width = width
+
+    def apply(self, batch: int, out: np.ndarray, tokens_of: Callable[[int], np.ndarray]) -> bool:
+        """Copy batch ``batch`` into ``out``; False (nothing done) when ``out`` is not one block."""
+        if not out.flags.c_contiguous:
+            return False
+        part = slice(self._bounds[batch], self._bounds[batch + 1])
+        maps: dict[int, np.ndarray] = {}
+        for shard in set(self._shards[part].tolist()):
+            maps[shard] = tokens_of(shard) if shard >= 0 else self._block(out.dtype)
+        pieces = [
+            maps[shard][lo:hi] if shard >= 0 else maps[-1][:hi]
+            for shard, lo, hi in zip(
+                self._shards[part].tolist(), self._lo[part].tolist(), self._hi[part].tolist()
+            )
+        ]
+        np.concatenate(pieces, out=out.reshape(-1))
+        return True
+
+    def _block(self, dtype: np.dtype) -> np.ndarray:
+        """A row of padding in ``dtype`` (every padding entry's ``lo`` holds its id; one id per plan)."""
+        block = self._blocks.get(dtype)
+        if block is None:
+            block = self._blocks[dtype] = np.full(self._width, self._pad_id, dtype=dtype)
+        return block
+
+
+class BatchedSpans:
+    """The spans of several batches of ``rows`` rows each, planned once so that each batch only copies.
+
+    A loader plans a few thousand rows at a time; splitting their windows, sorting their spans and grouping
+    the row takes once per plan, rather than once per batch, leaves only the copy to each batch. A batch
+    with row takes (:class:`_Copies`) copies that way; any other, when its spans tile their rows, in one
+    concatenation (:class:`_Tiles`).
+
+    Args:
+        spans: the spans of ``batches * rows`` consecutive rows.
+        rows: rows per batch.
+        batches: the number of batches.
+        width: columns of a row.
+        pads: the padding id of each of the ``batches * rows`` rows, when some layout pads; else None.
+    """
+
+    def __init__(
+        self, spans: Spans, rows: int, batches: int, width: int, pads: np.ndarray | None = None
+    ) -> None:
+        batch = spans.rows // rows
+        order = np.lexsort((spans.shards, batch))
+        ordered = Spans(
+            (spans.rows % rows)[order],
+            spans.shards[order],
+            spans.lo[order],
+            spans.hi[order],
+            spans.col[order],
+        )
+        self._copies = _Copies(ordered, batch[order], batches, width)
+        self._tiles = _Tiles(spans, rows, batches, width, pads)
+        self._pads = pads
+        self._rows = rows
+
+    def read(
+        self,
+        batch: int,
+        out: np.ndarray,
+        tokens_of: Callable[[int], np.ndarray],
+        rows_of: Callable[[int], np.ndarray],
+    ) -> None:
+        """Copy the spans of batch ``batch`` into ``out`` (its ``rows`` rows), padding included."""
+        copies = self._copies
+        # Row takes win where they copy most rows; otherwise one concatenation of every span does.
+        mostly_taken = copies.taken_rows(batch) * 4 >= 3 * self._rows
+        if not mostly_taken and self._tiles.tiles and self._tiles.apply(batch, out, tokens_of):
+            return
+        if self._pads is not None:
+            out[...] = self._pads[batch * self._rows : (batch + 1) * self._rows, None]
+        copies.apply(batch, out, tokens_of, rows_of)
+
+    def whole(self, batch: int, rows_of: Callable[[int], np.ndarray], dtype: np.dtype) -> np.ndarray | None:
+        """Batch ``batch`` as a new array, when all its rows are one row take of one shard; else None."""
+        return self._copies.whole(batch, rows_of, dtype)
