@@ -61,7 +61,7 @@ def test_gpt2_caches_are_byte_identical_across_engines(
     reference = caches[(json_spec, "tokenizers")]
     assert all(cache == reference for cache in caches.values())
     engines = load_manifest(tmp_path / "3").engines
-    assert [(e["name"], e["reference"].split()[0], e["verify"]["mode"]) for e in engines] == [
+    assert [(e.name, e.reference.split()[0], e.verify.mode if e.verify else None) for e in engines] == [
         ("fastokens", "tiktoken", "sample")
     ]
     assert load_manifest(tmp_path / "0").engines[0].name == "tokenizers"
@@ -360,10 +360,8 @@ def test_parse_mode_build_with_an_added_token_that_is_a_vocabulary_entry(
     assert auto == _build(data, tmp_path / "ref", str(folder), "tokenizers", special_tokens="parse")
     assert streampack.open(tmp_path / "auto").doc(1500).tolist()[-3:] == [15496, 612, 50256]
     (entry,) = load_manifest(tmp_path / "auto").engines
-    assert entry["name"] == "tokenizers"
-    assert (
-        entry["why"] == "fastokens refused: added token 'Hello' id 50257 != vocabulary id 15496 in parse mode"
-    )
+    assert entry.name == "tokenizers"
+    assert entry.why == "fastokens refused: added token 'Hello' id 50257 != vocabulary id 15496 in parse mode"
     assert streampack.verify(tmp_path / "auto").ok
 
 
