@@ -30,13 +30,14 @@ def execute(
     report: Callable[[dict[str, int]], None],
 ) -> Iterable[UnitResult]:
     """Run ``todo``: units read in this process here, the others on the executor ``run`` names."""
-    cores = os.cpu_count() or 1
     in_process = [t for t in todo if t.unit.in_process]
     pooled = [t for t in todo if not t.unit.in_process]
     here = partial(run_units, tokenizer=tokenizer)  # this process: the tokenizer build() loaded
     yield from run_local(here, in_process, workers=1, on_progress=report)
     if run.executor == "ray":
-        threads = run.threads or cores  # a Ray task holds one CPU, but its node's cores are its to use
+        # Ray runs one task per CPU of each node (num_cpus=1): one thread each unless asked for more, so
+        # that a node's tasks together use its cores without oversubscribing them.
+        threads = run.threads or 1
         setup: dict[str, Any] = {"on_progress": report, "initializer": init_worker, "initargs": (threads,)}
         yield from run_ray(run_units, pooled, address=run.ray_address, **setup)
     elif workers == 1:
