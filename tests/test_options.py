@@ -117,15 +117,16 @@ def test_engine_is_the_old_name_of_executor(tmp_path: Path) -> None:
 
 
 def test_stage_is_the_old_name_of_staging_dir(tmp_path: Path) -> None:
+    staging, other = str(tmp_path / "s"), str(tmp_path / "t")
     with pytest.warns(DeprecationWarning, match=r"stage= is deprecated: it is now staging_dir="):
-        run = RunOptions(stage="/tmp/s")  # type: ignore[call-arg]
-    assert run == RunOptions(staging_dir="/tmp/s")
+        run = RunOptions(stage=staging)  # type: ignore[call-arg]
+    assert run == RunOptions(staging_dir=staging)
     with pytest.warns(DeprecationWarning, match=r"RunOptions.stage is deprecated"):
-        assert run.stage == "/tmp/s"
+        assert run.stage == staging
     with pytest.warns(DeprecationWarning, match=r"stage= is deprecated"):
-        assert split_options(None, None, {"stage": "/tmp/s"})[1].staging_dir == "/tmp/s"
+        assert split_options(None, None, {"stage": staging})[1].staging_dir == staging
     with pytest.raises(OptionsError, match=r"stage= is the old name of staging_dir=: give staging_dir= only"):
-        RunOptions(stage="/tmp/s", staging_dir="/tmp/t")  # type: ignore[call-arg]
+        RunOptions(stage=staging, staging_dir=other)  # type: ignore[call-arg]
 
 
 def test_build_summary_stages_is_the_old_name_of_timings(tmp_path: Path) -> None:
