@@ -242,17 +242,22 @@ def test_samples_of_a_remote_cache_pickle_its_url_and_reopen_through_the_same_lo
     )
 
 
+def prefetching_copy(url: str, tmp_path: Path, total: int, endpoint: str) -> streampack.Cache:
+    """The remote cache through a local copy of half its size, prefetching 4 steps ahead."""
+    return streampack.open(
+        url,
+        local_dir=tmp_path / "copy",
+        max_local_bytes=total // 2,
+        storage_options=s3_options(endpoint),
+        prefetch_steps=4,
+    )
+
+
 def test_prefetch_fetches_the_next_steps_shards_in_the_background(
     tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
 ) -> None:
     url, local, total, _ = built
-    remote = streampack.open(
-        url,
-        local_dir=tmp_path / "copy",
-        max_local_bytes=total // 2,
-        storage_options=s3_options(s3_endpoint),
-        prefetch_steps=4,
-    )
+    remote = prefetching_copy(url, tmp_path, total, s3_endpoint)
     loader = streampack.Loader(remote.sequences(LONG), batch_size=2, seed=3, epochs=1)
     batches = iter(loader)
     first = next(batches)
@@ -292,13 +297,7 @@ def test_close_stops_the_prefetch_thread_and_a_later_batch_starts_a_new_one(
 ) -> None:
     url, local, total, _ = built
     no_prefetch_threads_left()
-    remote = streampack.open(
-        url,
-        local_dir=tmp_path / "copy",
-        max_local_bytes=total // 2,
-        storage_options=s3_options(s3_endpoint),
-        prefetch_steps=4,
-    )
+    remote = prefetching_copy(url, tmp_path, total, s3_endpoint)
     expected = list(streampack.Loader(streampack.open(local).sequences(LONG), batch_size=2, seed=3, epochs=1))
     with streampack.Loader(remote.sequences(LONG), batch_size=2, seed=3, epochs=1) as loader:
         batches = iter(loader)
@@ -321,13 +320,7 @@ def test_a_loader_dropped_without_close_stops_its_prefetch_thread(
 ) -> None:
     url, _, total, _ = built
     no_prefetch_threads_left()
-    remote = streampack.open(
-        url,
-        local_dir=tmp_path / "copy",
-        max_local_bytes=total // 2,
-        storage_options=s3_options(s3_endpoint),
-        prefetch_steps=4,
-    )
+    remote = prefetching_copy(url, tmp_path, total, s3_endpoint)
     loader = streampack.Loader(remote.sequences(LONG), batch_size=2, seed=3)
     loader.batch(0)
     (thread,) = prefetch_threads()

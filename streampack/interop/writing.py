@@ -47,6 +47,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
+from streampack.store import fsync_dir
 from streampack.store.localcopy import CachedStore
 from streampack.store.remote import is_remote
 
@@ -190,7 +191,7 @@ class Destination:
         elif self.layout == "directory":
             if self.durable:
                 for folder, _, _ in os.walk(self.staging):
-                    _fsync_dir(folder)
+                    fsync_dir(Path(folder))
             old = None
             if os.path.lexists(self.root):
                 old = f"{self.staging}.old"
@@ -198,7 +199,7 @@ class Destination:
                 os.replace(self.root, old)
             os.replace(self.staging, self.root)
             if self.durable:
-                _fsync_dir(os.path.dirname(self.root))
+                fsync_dir(Path(os.path.dirname(self.root)))
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
         else:
@@ -209,7 +210,7 @@ class Destination:
             for name in order:
                 os.replace(self._staged(name), self.final(name))
             if self.durable:
-                _fsync_dir(os.path.dirname(self.root))
+                fsync_dir(Path(os.path.dirname(self.root)))
             shutil.rmtree(self.staging, ignore_errors=True)
         return [self.final(n) for n in order]
 
@@ -224,14 +225,6 @@ class Destination:
                 self.fs.rm(self.staging, recursive=True)
         else:
             shutil.rmtree(self.staging, ignore_errors=True)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- reading the cache
