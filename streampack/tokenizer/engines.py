@@ -312,10 +312,9 @@ class RoutedEngine:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Engine`."""
-        encoded = self.fast.encode_batch(texts)
-        routed = [i for i, text in enumerate(texts) if any(c in text for c in self.characters)]
-        if routed:
-            exact = self.exact.encode_batch([texts[i] for i in routed])
-            for i, ids in zip(routed, exact, strict=True):
-                encoded[i] = ids
-        return encoded
+        routed = {i for i, text in enumerate(texts) if any(c in text for c in self.characters)}
+        if not routed:
+            return self.fast.encode_batch(texts)
+        fast = iter(self.fast.encode_batch([t for i, t in enumerate(texts) if i not in routed]))
+        exact = iter(self.exact.encode_batch([t for i, t in enumerate(texts) if i in routed]))
+        return [next(exact) if i in routed else next(fast) for i in range(len(texts))]
