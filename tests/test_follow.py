@@ -39,6 +39,18 @@ def follow_args(src: Path, out: Path | str, tokenizer: Path) -> list[str]:
     return args
 
 
+def hold(proc: Any) -> None:
+    """Stop a running build's process group (SIGSTOP): it stays running, committing nothing more, so a
+    test's loaders serve its committed part while it runs however slowly the machine starts them."""
+    os.killpg(proc.pid, signal.SIGSTOP)
+
+
+def release(proc: Any) -> None:
+    """Let a build held by :func:`hold` go on (SIGCONT; harmless if it was not held)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGCONT)
+
+
 def make_follow(out: Path | str, **kwargs: Any) -> Follow:
     settings: dict = {"seq_len": SEQ_LEN, "overlap": OVERLAP, "batch_size": BATCH, "seed": 5, **ERAS}
     settings["then"] = "end"  # one pass, so that a test's loop ends
@@ -63,6 +75,7 @@ def test_loaders_follow_a_running_build_in_an_order_fixed_by_the_build(
     torch_data = pytest.importorskip("streampack.torch", reason="the DataLoader part needs torch")
     out = tmp_path / "c"
     proc = start_build(follow_args(corpus(tmp_path), out, bpe_tokenizer), out)
+    hold(proc)
     try:
         follow = make_follow(out)
         ranks = [make_follow(out, rank=r, world_size=2) for r in (0, 1)]
@@ -73,9 +86,12 @@ def test_loaders_follow_a_running_build_in_an_order_fixed_by_the_build(
             running.append(proc.poll() is None)
             assert np.array_equal(np.concatenate([left, right]), batch)
             assert np.array_equal(tensor.numpy(), batch)
+            if step == 1:
+                release(proc)
             if step == 20:
                 saved = json.loads(json.dumps(follow.state_dict()))
     finally:
+        release(proc)
         _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr.decode()
     assert saved is not None and running[0] and sum(running) >= 2, "no batch was served while building"
@@ -142,6 +158,11 @@ def test_a_loader_follows_a_build_into_object_storage(
     url, options = f"s3://{name}/c", s3_options(s3_endpoint)
     args = [*follow_args(corpus(tmp_path), url, bpe_tokenizer), "--staging-dir", str(tmp_path / "stage")]
     proc = start_cli_build(args, s3_endpoint)
+    fs, deadline = bucket[0], time.monotonic() + 120
+    while proc.poll() is None and not (fs.invalidate_cache() or fs.exists(f"{name}/c/ledger")):
+        assert time.monotonic() < deadline, "no unit of the build reached the bucket"
+        time.sleep(0.02)
+    hold(proc)
     # Batches of 32: a DataLoader costs ~1 ms a batch here whatever its size.
     reading = {"storage_options": options, "local_dir": tmp_path / "copy", "poll": 0.05, "batch_size": 32}
     try:
@@ -153,8 +174,11 @@ def test_a_loader_follows_a_build_into_object_storage(
             assert np.array_equal(tensor.numpy(), batch)
             batches.append(batch)
             running.append(proc.poll() is None)
+            if len(running) == 2:
+                release(proc)
             time.sleep(0.002)  # a training step, which the prefetcher overlaps
     finally:
+        release(proc)
         _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr.decode()
     assert running[0] and sum(running) >= 2, "no batch was served while the build ran"
@@ -298,6 +322,8 @@ def test_a_trainer_trains_while_the_build_runs_and_resumes_to_the_same_batches(
     class Recording(hf.Trainer):
         def training_step(self, model: Any, inputs: Any, num_items_in_batch: Any = None) -> Any:
             seen.append((inputs["input_ids"].tolist(), proc.poll() is None))
+            if len(seen) == 2:
+                release(proc)
             return super().training_step(model, inputs, num_items_in_batch)
 
     def train(run: str, max_steps: int, resume: bool = False) -> list[list[list[int]]]:
@@ -310,10 +336,12 @@ def test_a_trainer_trains_while_the_build_runs_and_resumes_to_the_same_batches(
         trainer.train(resume_from_checkpoint=resume or None)
         return [batch for batch, _ in seen]
 
+    hold(proc)
     try:
         during = train("a", 6)
         assert seen[0][1], "the first step came after the build ended"
     finally:
+        release(proc)
         _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr.decode()
     assert train("b", 3) + train("b", 6, resume=True) == during
