@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zstandard
+
+import streampack
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 GPT2_JSON = SHARED_DATA / "tokenizers" / "gpt2" / "tokenizer.json"
@@ -178,3 +181,32 @@ def as_version_1(manifest: dict) -> dict:
                 row[f"{field}_checksum"] = "" if digits is None else f"crc32:{digits[at : at + 8]}"
         rows.append(row)
     return {**manifest, "format_version": 1, "shards": rows}
+
+
+@pytest.fixture(scope="session")
+def natural(tmp_path_factory: pytest.TempPathFactory, gpt2_tokenizer: Path) -> streampack.Cache:
+    """The real sample corpus with the GPT-2 tokenizer, in about a dozen shards."""
+    if not SAMPLE_CORPUS.exists():
+        pytest.skip(f"sample corpus not found at {SAMPLE_CORPUS}")
+    tmp = tmp_path_factory.mktemp("natural")
+    text = zstandard.ZstdDecompressor().stream_reader(SAMPLE_CORPUS.open("rb")).read()
+    (tmp / "natural.jsonl").write_bytes(text)
+    out = tmp / "cache"
+    streampack.build(tmp / "natural.jsonl", out, tokenizer=str(gpt2_tokenizer), unit_bytes=1 << 20)
+    cache = streampack.open(out)
+    assert cache.num_shards > 5
+    return cache
+
+
+@pytest.fixture(scope="session")
+def sft(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer: Path) -> streampack.Cache:
+    """A small SFT cache: prompt/response fields, a loss mask on the responses and EOS."""
+    tmp = tmp_path_factory.mktemp("sft")
+    records = [
+        {"prompt": f"Question {i}: what is {i} + {i}?", "response": f"It is {2 * i}."} for i in range(300)
+    ]
+    src = write_jsonl(tmp / "sft.jsonl", records)
+    streampack.build(src, tmp / "cache", tokenizer=str(bpe_tokenizer), fields=["prompt", "response"])
+    cache = streampack.open(tmp / "cache")
+    assert cache.has_loss_mask
+    return cache

@@ -21,43 +21,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zstandard
 
 import streampack
 from streampack.errors import OptionsError
 from streampack.testing.caches import write_cache
-from tests.conftest import SAMPLE_CORPUS, run_cli, s3_options, write_jsonl
+from tests.conftest import SAMPLE_CORPUS, run_cli, s3_options
 
 STUBS = Path(__file__).resolve().parent / "stubs"
-
-
-@pytest.fixture(scope="module")
-def natural(tmp_path_factory: pytest.TempPathFactory, gpt2_tokenizer: Path) -> streampack.Cache:
-    """The real sample corpus with the GPT-2 tokenizer, in about a dozen shards."""
-    if not SAMPLE_CORPUS.exists():
-        pytest.skip(f"sample corpus not found at {SAMPLE_CORPUS}")
-    tmp = tmp_path_factory.mktemp("natural")
-    text = zstandard.ZstdDecompressor().stream_reader(SAMPLE_CORPUS.open("rb")).read()
-    (tmp / "natural.jsonl").write_bytes(text)
-    out = tmp / "cache"
-    streampack.build(tmp / "natural.jsonl", out, tokenizer=str(gpt2_tokenizer), unit_bytes=1 << 20)
-    cache = streampack.open(out)
-    assert cache.num_shards > 5
-    return cache
-
-
-@pytest.fixture(scope="module")
-def sft(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer: Path) -> streampack.Cache:
-    """A small SFT cache: prompt/response fields, a loss mask on the responses and EOS."""
-    tmp = tmp_path_factory.mktemp("sft")
-    records = [
-        {"prompt": f"Question {i}: what is {i} + {i}?", "response": f"It is {2 * i}."} for i in range(300)
-    ]
-    src = write_jsonl(tmp / "sft.jsonl", records)
-    streampack.build(src, tmp / "cache", tokenizer=str(bpe_tokenizer), fields=["prompt", "response"])
-    cache = streampack.open(tmp / "cache")
-    assert cache.has_loss_mask
-    return cache
 
 
 def docs_of(cache: streampack.Cache) -> list[np.ndarray]:

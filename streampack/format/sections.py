@@ -75,12 +75,18 @@ class Cuts(Section):
 _CUTS = section_kind(Cuts)
 
 
+#: The tokenizer kind of another format's token files whose tokenizer nobody declared: a mixture checks
+#: it against no other source's.
+UNDECLARED = "undeclared"
+
+
 @dataclass(frozen=True)
 class TokenizerInfo(Section):
     """The manifest's ``tokenizer``: what the cache was tokenized with.
 
     Attributes:
-        kind: ``bytes``, ``hf``, ``tiktoken`` (``synthetic`` for a cache written from arrays).
+        kind: ``bytes``, ``hf``, ``tiktoken`` (``synthetic`` for a cache written from arrays,
+            :data:`UNDECLARED` for another format's files opened without ``tokenizer=``).
         name: the tokenizer's file name (``tokenizer.json``), or ``bytes``.
         vocab_size: token ids are below it (the tokenizer's, grown past an EOS/BOS id given beyond it).
         sha256: the hash of the tokenizer's definition (compared on resume), or None if not recorded.

@@ -259,14 +259,20 @@ def token_chunks(cache: Cache, shard: int, start: int = 0, stop: int | None = No
     stop = count if stop is None else stop
     if stop <= start:
         return
-    cache.shard_tokens(shard)  # checks the file's size (and fetches a remote cache's copy)
-    path = cache.shard_paths(shard)[0]
+    tokens = cache.shard_tokens(shard)  # checks the file's size (and fetches a remote cache's copy)
+    where = cache.files.token_file(shard)
+    if where is None:  # not one span of a file (MDS samples): from the array its reader made
+        for pos in range(start, stop, CHUNK_TOKENS):
+            yield np.array(tokens[pos : min(pos + CHUNK_TOKENS, stop)])
+        return
+    del tokens
+    path, base = where
     itemsize = cache.dtype.itemsize
     with open(path, "rb") as f:
         pos = start
         while pos < stop:
             n = min(CHUNK_TOKENS, stop - pos)
-            f.seek(pos * itemsize)
+            f.seek(base + pos * itemsize)
             yield np.fromfile(f, dtype=cache.dtype, count=n)
             pos += n
     _release(cache)
@@ -296,28 +302,36 @@ def write_spans(
     itemsize = cache.dtype.itemsize
     same = dtype.itemsize == itemsize and _little(cache.dtype)
     opened: IO[bytes] | None = None
+    where = cache.files.token_file(shard)
+    if where is None:  # not one span of a file (MDS samples): from the array its reader made
+        tokens = cache.shard_tokens(shard)
+        for out, start, stop in spans:
+            for pos in range(start, stop, CHUNK_TOKENS):
+                chunk = tokens[pos : min(pos + CHUNK_TOKENS, stop)]
+                out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
+        return
+    path, base = where
     try:
         for out, start, stop in spans:
             if stop <= start:
                 continue
             if opened is None:
                 cache.shard_tokens(shard)  # checks the file's size (and fetches a remote cache's copy)
-                opened = open(cache.shard_paths(shard)[0], "rb")  # noqa: SIM115 (closed below)
+                opened = open(path, "rb")  # noqa: SIM115 (closed below)
             fd = _fileno(out) if same else None
             if fd is not None:
                 out.flush()
-                start += (
-                    _kernel_copy(opened.fileno(), fd, start * itemsize, (stop - start) * itemsize) // itemsize
-                )
+                offset, size = base + start * itemsize, (stop - start) * itemsize
+                start += _kernel_copy(opened.fileno(), fd, offset, size) // itemsize
                 out.seek(0, os.SEEK_END)  # the buffered writer learns where the file now ends
             while start < stop:
                 n = min(CHUNK_TOKENS, stop - start)
-                opened.seek(start * itemsize)
+                opened.seek(base + start * itemsize)
                 chunk = np.fromfile(opened, dtype=cache.dtype, count=n)
                 if len(chunk) < n:
                     raise CacheError(
-                        f"{cache.shard_paths(shard)[0]}: ended at token {start + len(chunk):,}, not "
-                        f"{stop:,}: the shard file was cut short while it was read; run `streampack verify`"
+                        f"{path}: ended at token {start + len(chunk):,}, not {stop:,}: the token file was "
+                        "cut short while it was read; run `streampack verify`"
                     )
                 out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
                 start += n
@@ -369,10 +383,7 @@ def _kernel_copy(src: int, dst: int, offset: int, count: int) -> int:
 
 def shard_mask(cache: Cache, shard: int) -> np.ndarray:
     """Shard ``shard``'s loss mask (uint8, one byte a token) as a new array read from the file."""
-    cache.shard_loss_mask(shard)
-    path = cache.shard_mask_path(shard)
-    assert path is not None  # the cache has a mask: shard_loss_mask raised otherwise
-    mask = np.fromfile(path, dtype=np.uint8, count=int(cache.table.num_tokens[shard]))
+    mask = np.array(cache.shard_loss_mask(shard), dtype=np.uint8)
     _release(cache)
     return mask
 

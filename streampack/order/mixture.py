@@ -25,6 +25,7 @@ import numpy as np
 
 from streampack._checks import check_choice, check_int
 from streampack.errors import OptionsError
+from streampack.format.sections import UNDECLARED
 from streampack.order import (
     Shuffled,
     count_batches,
@@ -318,7 +319,7 @@ def _checked_sources(sources: Mapping[str, Any]) -> dict[str, Any]:
         if width is not None:
             widths[name] = int(width)
         cache = getattr(data, "cache", None)
-        if cache is not None:
+        if cache is not None and cache.manifest.tokenizer.kind != UNDECLARED:
             tokenizer = cache.manifest.tokenizer
             tokenizers[name] = (tokenizer.kind, tokenizer.identity, tokenizer.vocab_size)
     if len(set(widths.values())) > 1:

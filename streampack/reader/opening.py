@@ -17,7 +17,7 @@ import numpy as np
 from streampack.errors import CacheError, OptionsError
 from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import Manifest, ShardTable
-from streampack.format.names import OFFSET_DTYPE, mask_key, offsets_key, shard_name, tokens_key
+from streampack.format.names import MANIFEST, OFFSET_DTYPE, mask_key, offsets_key, shard_name, tokens_key
 from streampack.reader.cache import Cache
 from streampack.store import LocalStore, open_store
 from streampack.store.files import load_manifest, read_entry
@@ -35,8 +35,22 @@ def open(
     max_local_bytes: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
     prefetch_steps: int | None = None,
+    format: str | None = None,
+    eos_id: int | None = None,
+    bos_id: int | None = None,
+    dtype: str | None = None,
+    tokenizer: str | None = None,
+    vocab_size: int | None = None,
 ) -> Cache:
-    """Open a token cache for reading.
+    """Open a token cache for reading: a streampack cache, or another ecosystem's token files.
+
+    A local path that holds no streampack cache is opened as the token files of another format if one
+    recognises it (:mod:`streampack.interop.reading`): a Megatron prefix (``x`` for ``x.bin`` + ``x.idx``),
+    a folder of llm.c shards, datatrove ``.ds`` files, OLMo ``.npy`` memmaps or MDS shards, a nanoGPT
+    ``train.bin``. They are memory-mapped as they are (MDS samples excepted: see its module), and the
+    cache serves everything a native one does; ``format``, ``eos_id``, ``bos_id``, ``dtype``,
+    ``tokenizer`` and ``vocab_size`` tell it what those files do not say
+    (:class:`~streampack.interop.reading.ForeignOptions`).
 
     A cache in object storage (``s3://bucket/prefix``, any fsspec URL) is read through a local copy:
     its manifest (and ledger) are read remotely, each shard file is fetched whole on first use, verified
@@ -56,13 +70,22 @@ def open(
         storage_options: (object storage) passed to the fsspec filesystem (endpoint, credentials...).
         prefetch_steps: (object storage) steps ahead whose shards a :class:`~streampack.Loader` fetches
             in the background (0: none); 8 by default.
+        format: (other formats) the format of the files; recognised from them by default.
+        eos_id: (other formats) the id that ends every document (nanoGPT, OLMo, Megatron).
+        bos_id: (other formats) the id that starts every document (llm.c's delimiter).
+        dtype: (other formats) the token dtype of headerless files, ``uint16`` or ``uint32``.
+        tokenizer: (other formats) the tokenizer the ids are of, as ``build`` takes it (checked by mixtures).
+        vocab_size: (other formats) every id is below it.
 
     Raises:
         CacheError: the directory is not a cache, its build is incomplete (unless allowed), or its
             manifest and files disagree.
         OptionsError: an object-storage option for a local cache, or a bound smaller than a shard.
     """
+    declared = {"format": format, "eos_id": eos_id, "bos_id": bos_id, "dtype": dtype}
+    declared.update(tokenizer=tokenizer, vocab_size=vocab_size)
     if is_remote(path):
+        _refuse_declared(path, declared, "a cache in object storage (other formats are read locally)")
         store: LocalStore = cached_store(
             str(path),
             local_dir=local_dir,
@@ -80,6 +103,9 @@ def open(
                 "(s3://...), not to a local cache"
             )
         store = open_store(path)
+        if format is not None or not store.exists(MANIFEST):
+            return _open_foreign(path, declared)
+        _refuse_declared(path, declared, "a streampack cache")
     manifest = load_manifest(store)
     if not manifest.complete:
         if not allow_incomplete:
@@ -96,6 +122,21 @@ def open(
     if isinstance(store, CachedStore):
         cache._opened_store = store
     return cache
+
+
+def _refuse_declared(path: str | os.PathLike[str], declared: dict[str, Any], what: str) -> None:
+    """Refuse the options of other formats' files for ``what``."""
+    named = [name for name, value in declared.items() if value is not None]
+    if named:
+        raise OptionsError(f"{path}: {', '.join(named)} apply to other formats' token files, not to {what}")
+
+
+def _open_foreign(path: str | os.PathLike[str], declared: dict[str, Any]) -> Cache:
+    """Another format's token files at ``path`` as a cache; see
+    :func:`streampack.interop.reading.open_foreign`."""
+    from streampack.interop.reading import open_foreign
+
+    return open_foreign(path, **declared)
 
 
 def open_committed(store: LocalStore, manifest: Manifest, progress: list[LedgerEntry]) -> Cache:

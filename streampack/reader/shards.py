@@ -16,6 +16,7 @@ import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -75,6 +76,11 @@ class Shards(Protocol):
         Raises:
             CacheError: the cache has no loss mask.
         """
+        ...
+
+    def token_file(self, shard: int) -> tuple[Path, int] | None:
+        """Where shard ``shard``'s tokens lie end to end in a local file: (its path, the byte offset of
+        the first), for readers that copy them (exports); None where they are not one span of a file."""
         ...
 
     def drop(self) -> None:
@@ -172,6 +178,10 @@ class ShardFiles:
                 "fields=[...] or chat=...); every token is a training target"
             )
         return self._map(self._masks, shard, mask_key, np.dtype(np.uint8), self.table.num_tokens)
+
+    def token_file(self, shard: int) -> tuple[Path, int]:
+        """The shard's ``.tokens`` file (a remote cache's local copy once :meth:`tokens` fetched it)."""
+        return self.store.path(tokens_key(shard_name(self._index(shard)))), 0
 
     def _index(self, shard: int) -> int:
         """``shard`` as a non-negative index (IndexError when out of range, as a list would raise)."""

@@ -1,0 +1,334 @@
+"""Another ecosystem's token files opened as a :class:`~streampack.reader.Cache`.
+
+A format module that can be read has ``recognise(path) -> bool`` and ``read(path, options) -> Foreign``:
+it checks the files' headers and indexes (a :class:`~streampack.errors.CacheError` names the file, the
+field and what was expected), and describes each of its shards as a :class:`ForeignShard`: how many
+documents and tokens it holds (known when it is opened) and how to map its tokens, document ends and loss
+mask (asked on first use). :class:`ForeignShards` serves them through the
+:class:`~streampack.reader.shards.Shards` protocol, and :func:`open_foreign` makes the cache: its
+manifest says what the files declare (dtype, EOS, BOS, a loss mask) and what the user declared
+(``tokenizer=``, ``eos_id=``...), with no shard checksums (the formats have none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from streampack.errors import CacheError, OptionsError
+from streampack.format.manifest import Manifest, ShardTable
+from streampack.format.sections import (
+    UNDECLARED,
+    BosPolicy,
+    BuildSettings,
+    EosPolicy,
+    InputRecord,
+    TokenizerInfo,
+)
+from streampack.reader.shards import MAX_OPEN_MAPS
+from streampack.store import LocalStore
+
+if TYPE_CHECKING:
+    from streampack.reader import Cache
+
+__all__ = ["READERS", "Foreign", "ForeignOptions", "ForeignShard", "ForeignShards", "open_foreign"]
+
+#: Format name -> the module that reads it, in the order a path is tried.
+READERS: dict[str, str] = {
+    "megatron": "streampack.interop.megatron",
+}
+
+
+@dataclass(frozen=True)
+class ForeignOptions:
+    """What opening a foreign cache may be told that its files do not say.
+
+    Attributes:
+        format: the format to read it as (one of :data:`READERS`); recognised from the files by default.
+        eos_id: the id that ends every document (headerless streams: nanoGPT, OLMo); the format's own
+            convention by default.
+        bos_id: the id that starts every document (llm.c: the delimiter before each one).
+        dtype: the token dtype of headerless files (``"uint16"`` or ``"uint32"``).
+        tokenizer: the tokenizer the ids are of (as ``build`` takes it): its fingerprint goes into the
+            manifest, so a mixture can check it against the other sources'.
+        vocab_size: every id is below it (the declared tokenizer's, else the format's, else the dtype's).
+    """
+
+    format: str | None = None
+    eos_id: int | None = None
+    bos_id: int | None = None
+    dtype: str | None = None
+    tokenizer: str | None = None
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.format is not None and self.format not in READERS:
+            raise OptionsError(f"unknown format {self.format!r} to open; choose one of {', '.join(READERS)}")
+        if self.dtype is not None and self.dtype not in ("uint16", "uint32"):
+            raise OptionsError(f"dtype must be uint16 or uint32 (got {self.dtype!r})")
+        for name in ("eos_id", "bos_id", "vocab_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise OptionsError(f"{name} must be a non-negative integer (got {value!r})")
+
+    def given(self) -> bool:
+        """Whether any option was given (they apply to foreign caches only)."""
+        return any(value is not None for value in vars(self).values())
+
+
+@dataclass(frozen=True)
+class ForeignShard:
+    """One shard of a foreign cache.
+
+    Attributes:
+        path: the file that holds its tokens (what the shard is described by).
+        num_docs: its documents.
+        num_tokens: its tokens.
+        tokens: maps its tokens (read-only, the cache's dtype), checking what it can first.
+        ends: the end of each of its documents (uint64, cumulative, from 0).
+        mask: maps its loss mask (uint8, one a token), or None without one.
+        token_file: where its tokens lie end to end in a file, as (path, byte offset), or None if they
+            are not stored contiguously (an export then reads them from :attr:`tokens`).
+    """
+
+    path: Path
+    num_docs: int
+    num_tokens: int
+    tokens: Callable[[], np.ndarray]
+    ends: Callable[[], np.ndarray]
+    mask: Callable[[], np.ndarray] | None = None
+    token_file: tuple[Path, int] | None = None
+
+
+@dataclass(frozen=True)
+class Foreign:
+    """A foreign cache as its format module read it.
+
+    Attributes:
+        format: the format's name.
+        root: the directory (or prefix) it was opened from.
+        dtype: the token dtype (``uint16`` or ``uint32``; int32 files are read as uint32).
+        shards: its shards, in stream order.
+        eos_id: the id that ends every document, if the format or the user says there is one.
+        bos_id: the id that starts every document, likewise.
+        vocab_size: every id is below it, where the files record it.
+        tokenizer_name: the tokenizer the files name, if any.
+        files: every file it reads (their sizes go into the manifest's inputs).
+    """
+
+    format: str
+    root: Path
+    dtype: np.dtype
+    shards: list[ForeignShard]
+    eos_id: int | None = None
+    bos_id: int | None = None
+    vocab_size: int | None = None
+    tokenizer_name: str | None = None
+    files: list[Path] = field(default_factory=list)
+
+    @property
+    def loss_mask(self) -> bool:
+        """Whether its shards have a loss mask."""
+        return bool(self.shards) and all(s.mask is not None for s in self.shards)
+
+
+class ForeignShards:
+    """The :class:`~streampack.reader.shards.Shards` of a foreign cache: each shard's arrays made by its
+    format's reader on first use, the last :data:`~streampack.reader.shards.MAX_OPEN_MAPS` of each kind kept.
+    """
+
+    _closed = False
+
+    def __init__(self, foreign: Foreign) -> None:
+        self.foreign = foreign
+        self._kept: dict[str, OrderedDict[int, np.ndarray]] = {k: OrderedDict() for k in ("t", "o", "m")}
+
+    def __repr__(self) -> str:
+        foreign = self.foreign
+        return f"ForeignShards({foreign.format}, {str(foreign.root)!r}, shards={len(foreign.shards)})"
+
+    def tokens(self, shard: int) -> np.ndarray:
+        """The tokens of shard ``shard``."""
+        return self._get("t", shard, lambda s: s.tokens())
+
+    def offsets(self, shard: int) -> np.ndarray:
+        """Where each document of shard ``shard`` ends (checked by the format's reader)."""
+        return self._get("o", shard, lambda s: s.ends())
+
+    def raw_offsets(self, shard: int) -> np.ndarray:
+        """:meth:`offsets`, not kept."""
+        return self.foreign.shards[self._index(shard)].ends()
+
+    def mask(self, shard: int) -> np.ndarray:
+        """The loss mask of shard ``shard``.
+
+        Raises:
+            CacheError: the files have no loss mask.
+        """
+        if not self.foreign.loss_mask:
+            raise CacheError(
+                f"{self.foreign.root}: this {self.foreign.format} cache has no loss mask; every token is a "
+                "training target"
+            )
+        return self._get("m", shard, lambda s: s.mask())  # type: ignore[misc]
+
+    def token_file(self, shard: int) -> tuple[Path, int] | None:
+        """Where shard ``shard``'s tokens lie end to end: (file, byte offset), or None."""
+        return self.foreign.shards[self._index(shard)].token_file
+
+    def drop(self) -> None:
+        """Forget the arrays kept for reuse (those a caller holds stay valid)."""
+        for kept in self._kept.values():
+            kept.clear()
+
+    def close(self) -> None:
+        """Drop the kept arrays; reads refuse afterwards."""
+        self._closed = True
+        self.drop()
+
+    def _index(self, shard: int) -> int:
+        return range(len(self.foreign.shards))[shard]
+
+    def _get(self, kind: str, shard: int, make: Callable[[ForeignShard], np.ndarray]) -> np.ndarray:
+        kept = self._kept[kind]
+        index = self._index(shard)
+        array = kept.get(index)
+        if array is not None:
+            with contextlib.suppress(KeyError):  # evicted by another thread since the get
+                kept.move_to_end(index)
+            return array
+        if self._closed:
+            raise CacheError(f"{self.foreign.root}: the cache was closed; open it again to read it")
+        array = make(self.foreign.shards[index])
+        kept[index] = array
+        while len(kept) > MAX_OPEN_MAPS:
+            try:
+                kept.popitem(last=False)
+            except KeyError:
+                break
+        return array
+
+
+def open_foreign(path: str | os.PathLike[str], **declared: Any) -> Cache:
+    """Open the token files at ``path`` (a Megatron prefix, a folder of llm.c, datatrove, OLMo or MDS
+    shards, a nanoGPT ``train.bin``...) as a cache, without copying them; ``declared`` are the fields of
+    :class:`ForeignOptions`.
+
+    Raises:
+        CacheError: no format recognises ``path``, or its files are damaged (the message names the file
+            and the field).
+        OptionsError: an option the format does not take.
+    """
+    from streampack.reader import Cache
+
+    options = ForeignOptions(**declared)
+    chosen = options.format or recognise(path)
+    module = importlib.import_module(READERS[chosen])
+    foreign: Foreign = module.read(Path(path), options)
+    manifest = foreign_manifest(foreign, options)
+    cache = Cache(LocalStore(foreign.root), manifest, manifest.table, files=ForeignShards(foreign))
+    return cache
+
+
+def recognise(path: str | os.PathLike[str]) -> str:
+    """The format whose files are at ``path``.
+
+    Raises:
+        CacheError: none is (the message lists what each format looks for).
+    """
+    where = Path(path)
+    if not where.exists() and not any(Path(f"{where}{suffix}").exists() for suffix in (".bin", ".idx")):
+        raise CacheError(f"{where}: no such cache directory")
+    for name, module_name in READERS.items():
+        if importlib.import_module(module_name).recognise(where):
+            return name
+    looked = "; ".join(importlib.import_module(m).LOOKS_FOR for m in READERS.values())
+    raise CacheError(
+        f"{where}: not a streampack cache (no manifest.json) nor the token files of another format "
+        f"({looked}). Build a cache with `streampack build`, or pass format= to say which format it is"
+    )
+
+
+def foreign_manifest(foreign: Foreign, options: ForeignOptions) -> Manifest:
+    """The manifest of a foreign cache: what its files and the user declared; no checksums."""
+    table = ShardTable(
+        np.array([s.num_docs for s in foreign.shards], dtype=np.int64),
+        np.array([s.num_tokens for s in foreign.shards], dtype=np.int64),
+    )
+    inputs = [InputRecord(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in foreign.files]
+    return Manifest(
+        tokenizer=_tokenizer(foreign, options),
+        dtype=foreign.dtype.name,
+        eos=EosPolicy(foreign.eos_id is not None, foreign.eos_id),
+        bos=BosPolicy(foreign.bos_id is not None, foreign.bos_id),
+        settings=BuildSettings.from_json({"foreign": foreign.format}),
+        inputs=inputs,
+        units=[f"{foreign.format}:{s.path.name}" for s in foreign.shards],
+        complete=True,
+        table=table,
+        loss_mask=foreign.loss_mask,
+    )
+
+
+def _tokenizer(foreign: Foreign, options: ForeignOptions) -> TokenizerInfo:
+    """The declared tokenizer's fingerprint, as a build records it; else the format's name for it."""
+    capacity = 1 << (8 * foreign.dtype.itemsize)
+    if options.tokenizer is not None:
+        from streampack.tokenizer import load_tokenizer
+
+        fingerprint = load_tokenizer(options.tokenizer, threads=1).fingerprint()
+        vocab = options.vocab_size or max(fingerprint["vocab_size"], *(i + 1 for i in _ids(foreign)))
+        return TokenizerInfo(**{**fingerprint, "vocab_size": vocab}, spec=options.tokenizer)
+    vocab = options.vocab_size or foreign.vocab_size or capacity
+    return TokenizerInfo(UNDECLARED, foreign.tokenizer_name or foreign.format, vocab)
+
+
+def _ids(foreign: Foreign) -> list[int]:
+    return [i for i in (foreign.eos_id, foreign.bos_id) if i is not None] or [0]
+
+
+def check_size(path: Path, expected: int, what: str) -> None:
+    """Refuse a file that is missing or not ``expected`` bytes long, naming what it should hold."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise CacheError(f"{path}: missing; it should hold {what}") from None
+    if size != expected:
+        raise CacheError(
+            f"{path}: {size:,} bytes, but {what} take {expected:,}: the file is truncated or does not "
+            "belong to this index"
+        )
+
+
+def check_ends(path: Path, ends: np.ndarray, num_tokens: int) -> np.ndarray:
+    """Refuse document ends that go back or past ``num_tokens`` (naming the first bad entry)."""
+    if len(ends):
+        back = np.flatnonzero(np.diff(ends.astype(np.int64), prepend=0) < 0)
+        if len(back):
+            i = int(back[0])
+            before = int(ends[i - 1]) if i else 0
+            raise CacheError(
+                f"{path}: document end {i} is {int(ends[i]):,}, before the previous one ({before:,}): the "
+                "index must not decrease"
+            )
+        if int(ends[-1]) > num_tokens:
+            raise CacheError(
+                f"{path}: the last document ends at token {int(ends[-1]):,}, past the {num_tokens:,} tokens "
+                "of its token file"
+            )
+    return ends
+
+
+def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
+    """``count`` tokens of ``dtype`` at byte ``offset`` of ``path``, memory-mapped read-only."""
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
