@@ -6,7 +6,9 @@ counts) and the 1x cache once; the baseline, measured the same way in the same r
 ``shutil.copyfile`` of the cache's shard files (tokens and offsets). The table gives each export's
 throughput ÷ the copy's on the same bytes (the copy's seconds ÷ the export's; goal >= 0.8), and the peak
 RSS (``VmHWM``, imports included) of the 1x and 4x processes (goal: 4x within 50 MB of 1x: memory flat in
-the cache's size). ``--quick`` uses the first 100 documents, one repeat: a smoke run.
+the cache's size). ``--quick`` uses the first 100 documents, one repeat: a smoke run. The ``convert``
+rows time ``streampack.interop.convert`` of an export of the cache (made beforehand, not timed) into a
+native cache, against the same copy.
 
 Notes on the figures:
 
@@ -60,6 +62,7 @@ ROWS = [
     ("hf (arrow, --seq-len 2048 --packed)", "hf", {"files": "arrow", "seq_len": 2048, "packed": True}),
     ("mds (documents)", "mds", {}),
     ("mds (--seq-len 2048)", "mds", {"seq_len": 2048}),
+    ("convert from megatron", "convert", {"source": "megatron", "open": {"eos_id": 50256}}),
 ]
 
 PROBE = """
@@ -71,6 +74,7 @@ cache = streampack.open(cache_dir)
 if kind != "copy":
     import importlib
     importlib.import_module(streampack.interop.FORMATS.get(kind, "streampack.interop.hf"))  # not timed
+    importlib.import_module("streampack.interop.native")
 def copy_shards(dest):
     import os
     os.makedirs(dest)
@@ -106,6 +110,13 @@ for r in range(repeats):
             with open(f"{dest}/x.parquet", "wb") as f, pq.ParquetWriter(f, schema, use_dictionary=False) as w:
                 for b in held:
                     w.write_batch(b)
+    elif kind == "convert":  # a native cache of the cache's export to another format
+        source = f"{out}/source-{options['source']}"
+        if r == 0:
+            cache.export(options["source"], source, overwrite=True, progress=False)
+            streampack.open(source, **options["open"])  # the reader's imports, not timed
+        start = time.perf_counter()
+        streampack.interop.convert(source, f"{dest}/x", progress=False, **options["open"])
     else:
         cache.export(kind, f"{dest}/x", progress=False, **options)
     best = min(best, time.perf_counter() - start)

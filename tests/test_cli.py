@@ -189,7 +189,8 @@ def test_max_piece_chars_is_recorded_and_kept_on_resume(tmp_path: Path) -> None:
     assert result.returncode == 1 and "max_piece_chars" in result.stderr and "Traceback" not in result.stderr
 
 
-COMMANDS = ["build", "info", "verify", "upgrade", "decode", "export", "bench", "mix", "which", "demo"]
+COMMANDS = ["build", "info", "verify", "upgrade", "decode", "export", "convert", "bench", "mix", "which"]
+COMMANDS += ["demo"]
 
 
 @pytest.mark.parametrize("name", COMMANDS)

@@ -373,7 +373,7 @@ def test_an_existing_destination_is_refused_unless_overwritten(
     natural: streampack.Cache, tmp_path: Path
 ) -> None:
     natural.export("datatrove", tmp_path / "dt")
-    with pytest.raises(OptionsError, match=r"the destination exists .*overwrite=True \(--overwrite\)"):
+    with pytest.raises(OptionsError, match=r"the destination exists .*pass overwrite=True to replace"):
         natural.export("datatrove", tmp_path / "dt")
     (tmp_path / "dt" / "stale.ds").write_bytes(b"x")
     natural.export("datatrove", tmp_path / "dt", overwrite=True)
@@ -504,5 +504,6 @@ def test_the_export_benchmark_runs_quick(tmp_path: Path) -> None:
         "| olmo |",
         "| hf (parquet, documents) |",
         "| mds",
+        "| convert from megatron |",
     ):
         assert row in report

@@ -213,3 +213,22 @@ def test_a_damaged_pair_is_a_cache_error_naming_the_file_and_field(
     damage(small)  # type: ignore[operator]
     with pytest.raises(CacheError, match=message):
         streampack.open(small)
+
+
+def test_samples_of_an_opened_pair_reach_dataloader_workers_with_what_was_declared(
+    natural: streampack.Cache, exported: Path
+) -> None:
+    """Pickled samples reopen the pair as it was opened (format, ``eos_id``): in real DataLoader worker
+    processes, the batches are the in-process Loader's."""
+    import pickle
+
+    torch_data = pytest.importorskip("streampack.torch", reason="the DataLoader part needs torch")
+    opened = streampack.open(exported, eos_id=50256)
+    samples = opened.sequences(64)
+    again = pickle.loads(pickle.dumps(samples))
+    assert again.cache.eos_id == 50256 and again.cache.declared == {"eos_id": 50256, "format": "megatron"}
+    np.testing.assert_array_equal(again[np.arange(30)], samples[np.arange(30)])
+    loader = streampack.Loader(samples, batch_size=8, seed=1)
+    workers = torch_data.DataLoader(streampack.Loader(samples, batch_size=8, seed=1), num_workers=2)
+    for mine, theirs, _ in zip(loader, workers, range(12), strict=False):
+        np.testing.assert_array_equal(theirs.numpy(), mine)

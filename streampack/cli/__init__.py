@@ -1,4 +1,5 @@
-"""The ``streampack`` command line: build, info, verify, upgrade, decode, export, bench, mix, which, demo.
+"""The ``streampack`` command line: build, info, verify, upgrade, decode, export, convert, bench, mix, which,
+demo.
 
 User errors print one line on stderr (no traceback) and exit 1; an interrupted build (Ctrl-C, or SIGTERM)
 says how to resume and exits 130 (143 for SIGTERM).
@@ -37,6 +38,7 @@ for _command in (
     inspect.upgrade,
     inspect.decode,
     export.export,
+    export.convert,
     training.bench,
     training.mix,
     training.which,

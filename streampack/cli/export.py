@@ -2,12 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import click
 
 from streampack.interop import FORMATS
+from streampack.interop import convert as convert_source
 from streampack.interop import export as export_cache
+
+F = TypeVar("F", bound=Callable[..., Any])
+#: The formats streampack reads (``streampack.interop.reading.READERS``, listed here to keep the CLI light).
+SOURCE_FORMATS = ["megatron", "mds", "datatrove", "olmo", "llmc", "nanogpt"]
+
+
+def source_options(command: F) -> F:
+    """The options that tell ``streampack.open`` what another format's files do not say."""
+    options = [
+        click.option("--from", "source_format", type=click.Choice(SOURCE_FORMATS),
+                     help="The format of the source's files (recognised from them by default)."),
+        click.option("--eos-id", type=int, help="Source: the id that ends every document (nanoGPT, OLMo)."),
+        click.option("--bos-id", type=int, help="Source: the id that starts every document (llm.c's)."),
+        click.option("--token-dtype", type=click.Choice(["uint16", "uint32"]),
+                     help="Source: the token dtype of headerless files (nanoGPT, OLMo)."),
+        click.option("--tokenizer", help="Source: the tokenizer its ids are of (mixtures check it)."),
+        click.option("--vocab-size", type=int, help="Source: every id is below it."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def declared(
+    source_format: str | None,
+    eos_id: int | None,
+    bos_id: int | None,
+    token_dtype: str | None,
+    tokenizer: str | None,
+    vocab_size: int | None,
+) -> dict[str, Any]:
+    """The keywords of ``streampack.open`` the source options gave."""
+    given = {"format": source_format, "eos_id": eos_id, "bos_id": bos_id, "dtype": token_dtype}
+    given.update(tokenizer=tokenizer, vocab_size=vocab_size)
+    return {key: value for key, value in given.items() if value is not None}
 
 
 @click.command()
@@ -45,6 +82,7 @@ from streampack.interop import export as export_cache
     "leaves no destination a reader takes as whole.",
 )
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
+@source_options
 def export(
     cache_dir: str,
     format_: str,
@@ -60,12 +98,17 @@ def export(
     drop_loss_mask: bool,
     durable: bool,
     no_progress: bool,
+    **source: Any,
 ) -> None:
     """Write the cache in CACHE_DIR in another ecosystem's token format, atomically.
 
     Formats: megatron (DEST.bin + DEST.idx), llmc (llm.c / modded-nanogpt shards), nanogpt (train.bin),
-    datatrove (.ds files), olmo (OLMo-core numpy files), hf (Parquet / save_to_disk), mds (MosaicML).
+    datatrove (.ds files), olmo (OLMo-core numpy files), hf (Parquet / save_to_disk), mds (MosaicML),
+    streampack (a native cache, as `convert` writes). CACHE_DIR may hold another format's files too (see
+    `convert`).
     """
+    from streampack.reader import open as open_cache
+
     given: dict[str, Any] = {
         "seq_len": seq_len,
         "packed": packed or None,
@@ -77,16 +120,55 @@ def export(
         "drop_loss_mask": drop_loss_mask or None,
     }
     options = {key: value for key, value in given.items() if value is not None}
-    done = export_cache(
-        cache_dir,
-        format_,
-        dest,
-        overwrite=overwrite,
-        progress=False if no_progress else None,
-        durable=durable,
-        **options,
-    )
+    with open_cache(cache_dir, **declared(**source)) as opened:
+        done = export_cache(
+            opened,
+            format_,
+            dest,
+            overwrite=overwrite,
+            progress=False if no_progress else None,
+            durable=durable,
+            **options,
+        )
     click.echo(
         f"exported {done.rows:,} {'rows' if seq_len else 'documents'}, {done.num_tokens:,} tokens as "
         f"{format_} to {dest} ({len(done.files)} files)"
     )
+
+
+@click.command()
+@click.argument("source")
+@click.option("--out", required=True, help="The cache directory to create (or an fsspec URL).")
+@click.option("--overwrite", is_flag=True, help="Replace what is at --out once the new cache is complete.")
+@click.option(
+    "--shard-tokens", type=int, help="Tokens a shard holds at most (default 2^28), cut between documents."
+)
+@click.option("--durable", is_flag=True, help="fsync every file before the move into place.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@source_options
+def convert(
+    source: str,
+    out: str,
+    overwrite: bool,
+    shard_tokens: int | None,
+    durable: bool,
+    no_progress: bool,
+    **given: Any,
+) -> None:
+    """Make a streampack cache of another format's token files at SOURCE, at about the speed of a copy.
+
+    SOURCE: a Megatron prefix (x for x.bin + x.idx), a folder of llm.c, datatrove (.ds), OLMo (.npy) or
+    MDS shards, or a nanoGPT train.bin. The new cache has a manifest with every file's checksum
+    (`streampack verify` checks them) and keeps what the source declares (EOS, BOS, loss masks) and what
+    --eos-id, --bos-id, --tokenizer say.
+    """
+    done = convert_source(
+        source,
+        out,
+        overwrite=overwrite,
+        progress=False if no_progress else None,
+        durable=durable,
+        shard_tokens=shard_tokens,
+        **declared(**given),
+    )
+    click.echo(f"converted {done.rows:,} documents, {done.num_tokens:,} tokens from {source} into {out}")

@@ -13,9 +13,14 @@ datatrove   ``DEST/NNNNN.ds`` + ``.ds.index`` (+ ``.ds.loss``) + meta    datatro
 olmo        ``DEST/token_ids_part_NNNNNN.npy`` (+ label masks) + json     OLMo-core's numpy datasets
 hf          ``save_to_disk`` Arrow and/or Parquet, ``input_ids``          ``datasets``, TRL, axolotl
 mds         ``DEST/shard.NNNNN.mds`` + ``index.json``                     MosaicML streaming, llm-foundry
+streampack  a native cache (``streampack convert``)                       streampack
 =========== ============================================================ ==================================
 
-One module per format holds its layout and its writer (and, in a later release, its reader);
+``streampack.open`` reads the first six back (:mod:`streampack.interop.reading`): a foreign cache is
+served through the same :class:`~streampack.reader.Cache`, and ``export(..., "streampack", DEST)`` (or
+``streampack convert SOURCE --out DEST``) makes a native cache of it.
+
+One module per format holds its layout, its writer and (for the six that can be read) its reader;
 :mod:`streampack.interop.writing` holds what they share: the destination, staged and committed atomically
 (see there), reading the cache in bounded memory, the progress bar and the refusals. A format refuses what
 it cannot hold (an SFT cache's loss mask, ids too large for its dtype) with an
@@ -37,7 +42,7 @@ from streampack.interop.writing import Destination
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["FORMATS", "Exported", "export"]
+__all__ = ["FORMATS", "Exported", "convert", "export"]
 
 #: Format name -> the module that writes it.
 FORMATS: dict[str, str] = {
@@ -48,6 +53,7 @@ FORMATS: dict[str, str] = {
     "olmo": "streampack.interop.olmo",
     "hf": "streampack.interop.hf",
     "mds": "streampack.interop.mds",
+    "streampack": "streampack.interop.native",
 }
 
 
@@ -84,8 +90,9 @@ def export(
     """Write ``cache`` to ``dest`` in ``format`` (one of :data:`FORMATS`), atomically.
 
     Args:
-        cache: an open cache, or its path or URL.
-        format: ``"megatron"``, ``"llmc"``, ``"nanogpt"``, ``"datatrove"``, ``"olmo"``, ``"hf"`` or ``"mds"``.
+        cache: an open cache, or its path or URL (another format's files too: see :func:`streampack.open`).
+        format: ``"megatron"``, ``"llmc"``, ``"nanogpt"``, ``"datatrove"``, ``"olmo"``, ``"hf"``, ``"mds"``
+            or ``"streampack"`` (a native cache: what ``convert`` writes).
         dest: a local path or an fsspec URL (``s3://bucket/prefix``): the directory to create, or for
             ``megatron`` the prefix of ``DEST.bin`` and ``DEST.idx``.
         overwrite: replace what is at ``dest`` (only once the new export is complete).
@@ -130,6 +137,50 @@ def export(
         raise
     files = destination.commit(last)
     return Exported(format, str(dest), files, rows, tokens)
+
+
+def convert(
+    source: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+    durable: bool = False,
+    shard_tokens: int | None = None,
+    **declared: Any,
+) -> Exported:
+    """Make a native cache at ``out`` of another format's token files at ``source`` (or of a cache):
+    :func:`streampack.open` ``(source, **declared)``, then :func:`export` to ``"streampack"``
+    (:mod:`streampack.interop.native`), at about the speed of a copy.
+
+    Args:
+        source: what :func:`streampack.open` takes: a Megatron prefix, a folder of llm.c, datatrove, OLMo
+            or MDS shards, a nanoGPT ``train.bin``, or a cache.
+        out: the cache directory to create (or an fsspec URL).
+        overwrite, progress, storage_options, durable: as for :func:`export`.
+        shard_tokens: tokens a shard of the new cache holds at most (cut between documents).
+        **declared: what the files do not say, as :func:`streampack.open` takes it (``format``, ``eos_id``,
+            ``bos_id``, ``dtype``, ``tokenizer``, ``vocab_size``).
+
+    Raises:
+        CacheError: ``source`` is no format streampack reads, or its files are damaged.
+        OptionsError: as for :func:`export`.
+    """
+    from streampack.reader import open as open_cache
+
+    options = {} if shard_tokens is None else {"shard_tokens": shard_tokens}
+    with open_cache(source, **declared) as opened:
+        return export(
+            opened,
+            "streampack",
+            out,
+            overwrite=overwrite,
+            progress=progress,
+            storage_options=storage_options,
+            durable=durable,
+            **options,
+        )
 
 
 def _options(kind: type, given: Mapping[str, Any], format: str) -> Any:

@@ -235,6 +235,7 @@ def open_foreign(path: str | os.PathLike[str], **declared: Any) -> Cache:
     foreign: Foreign = module.read(Path(path), options)
     manifest = foreign_manifest(foreign, options)
     cache = Cache(LocalStore(foreign.root), manifest, manifest.table, files=ForeignShards(foreign))
+    cache.declared = {**{k: v for k, v in declared.items() if v is not None}, "format": chosen}
     return cache
 
 

@@ -137,7 +137,7 @@ class Destination:
         if found and not self.overwrite:
             raise OptionsError(
                 f"{self.dest}: the destination exists ({', '.join(found)}); pass overwrite=True "
-                "(--overwrite) to replace it once the new export is complete, or choose another --out"
+                "to replace it once the new export is complete, or choose another destination"
             )
 
     def _clear_staging(self) -> None:

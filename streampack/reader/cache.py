@@ -44,6 +44,9 @@ class Cache:
     """
 
     _opened_store: CachedStore | None = None  # the store open() made for this cache, closed with it
+    #: What :func:`streampack.open` was told about another format's files (its format, ``eos_id``...):
+    #: the keywords that reopen the cache the same way in another process; None for a native cache.
+    declared: dict[str, Any] | None = None
 
     def __init__(
         self, store: LocalStore, manifest: Manifest, table: ShardTable, *, files: Shards | None = None

@@ -46,7 +46,7 @@ def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
 def cache_ref(cache: Cache) -> CacheRef:
     """The reference that picklable views of ``cache`` carry (see :class:`~streampack.store.CacheRef`)."""
     store = cache.store
-    reading = store.reopen_options() if isinstance(store, CachedStore) else None
+    reading = store.reopen_options() if isinstance(store, CachedStore) else cache.declared
     return CacheRef(store.uri, content_digest(cache), not cache.manifest.complete, reading)
 
 

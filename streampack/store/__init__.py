@@ -324,8 +324,9 @@ class CacheRef:
         uri: the store's URI (``file:///abs/path`` for a local cache, the URL of one in object storage).
         content: the digest of the shard table when the view was made.
         allow_incomplete: reopen the committed part of a build that had not finished.
-        reading: for a cache in object storage, the options of :func:`streampack.open` that reopen it
-            through the same local copy (storage options included: never shown in its repr).
+        reading: the options of :func:`streampack.open` that reopen it as it was opened: for a cache in
+            object storage, through the same local copy (storage options included: never shown in its
+            repr); for another format's files, what the user declared about them (``eos_id``...).
     """
 
     uri: str
@@ -337,7 +338,7 @@ class CacheRef:
     def local_path(self) -> str:
         """The absolute local path of the cache (for messages and ``PackedSequences.path``); the URL of a
         cache in object storage."""
-        if self.reading is not None:
+        if not self.uri.startswith("file:"):
             return self.uri
         return str(open_store(self.uri).root)
 

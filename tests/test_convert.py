@@ -1,0 +1,100 @@
+"""``streampack convert``: another format's token files made into a native cache, checked by ``verify``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import streampack
+from streampack.errors import OptionsError
+from streampack.interop import convert
+from streampack.testing.caches import write_cache
+from tests.conftest import run_cli
+
+
+def test_a_converted_megatron_pair_is_the_cache_it_came_from(
+    natural: streampack.Cache, tmp_path: Path, gpt2_tokenizer: Path
+) -> None:
+    """Exported to Megatron and converted back: the same documents, a manifest that says where they came
+    from and with which (declared) tokenizer, checksums that ``verify`` checks, and an export of it that
+    is byte for byte the first."""
+    natural.export("megatron", tmp_path / "m")
+    done = convert(tmp_path / "m", tmp_path / "back", eos_id=50256, tokenizer=str(gpt2_tokenizer))
+    assert (done.rows, done.num_tokens) == (natural.num_docs, natural.num_tokens)
+    back = streampack.open(tmp_path / "back")
+    assert back.num_docs == natural.num_docs and back.eos_id == 50256
+    for i in range(natural.num_docs):
+        np.testing.assert_array_equal(back.doc(i), natural.doc(i))
+    manifest = back.manifest
+    assert manifest.tokenizer.identity == natural.manifest.tokenizer.identity
+    assert manifest.settings.to_json()["foreign"] == "megatron"
+    assert [Path(i.path).name for i in manifest.inputs] == ["m.bin", "m.idx"]
+    verified = run_cli("verify", str(tmp_path / "back"))
+    assert verified.returncode == 0 and "ok:" in verified.stdout, verified.stderr
+    back.export("megatron", tmp_path / "again")
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"again{suffix}").read_bytes() == (tmp_path / f"m{suffix}").read_bytes()
+
+
+def test_shards_are_cut_between_documents(tmp_path: Path) -> None:
+    """``shard_tokens`` bounds each shard, cut between documents; a longer document is a shard alone."""
+    tokens = np.arange(1, 41, dtype=np.uint16) % 9
+    ends = np.array([3, 5, 20, 22, 30, 40])  # the third document (15 tokens) is longer than a shard
+    cache = streampack.open(write_cache(tmp_path / "c", [(tokens, ends)], vocab_size=10, eos_id=9))
+    cache.export("megatron", tmp_path / "m")
+    convert(tmp_path / "m", tmp_path / "n", shard_tokens=8)
+    native = streampack.open(tmp_path / "n")
+    assert list(native.table.num_tokens) == [5, 15, 2, 8, 10]
+    assert list(native.table.num_docs) == [2, 1, 1, 1, 1]
+    assert native.manifest.units[1] == "megatron:m.bin[documents 2:3]"
+    np.testing.assert_array_equal(native.tokens(0, 40), tokens)
+    assert run_cli("verify", str(tmp_path / "n")).returncode == 0
+
+
+def test_an_sft_cache_keeps_its_loss_mask(sft: streampack.Cache, tmp_path: Path) -> None:
+    """The native export of a cache (here one with a loss mask) re-shards it, masks and all."""
+    sft.export("streampack", tmp_path / "n", shard_tokens=1000)
+    copy = streampack.open(tmp_path / "n")
+    assert copy.has_loss_mask and copy.num_shards > sft.num_shards
+    for i in range(sft.num_docs):
+        np.testing.assert_array_equal(copy.doc(i), sft.doc(i))
+        np.testing.assert_array_equal(copy.doc_loss_mask(i), sft.doc_loss_mask(i))
+    assert run_cli("verify", str(tmp_path / "n")).returncode == 0
+
+
+def test_the_cli_converts_and_refuses_clearly(natural: streampack.Cache, tmp_path: Path) -> None:
+    """``streampack convert`` with the source's options; a damaged source is one line naming its file,
+    with nothing at ``--out``; an existing ``--out`` is kept unless ``--overwrite``."""
+    natural.export("megatron", tmp_path / "m")
+    done = run_cli("convert", str(tmp_path / "m"), "--out", str(tmp_path / "n"), "--eos-id", "50256")
+    assert done.returncode == 0, done.stderr
+    assert f"converted {natural.num_docs:,} documents" in done.stdout
+    assert streampack.open(tmp_path / "n").eos_id == 50256
+    again = run_cli("convert", str(tmp_path / "m"), "--out", str(tmp_path / "n"), check=False)
+    assert again.returncode == 1 and "the destination exists" in again.stderr
+    assert "pass --overwrite to replace it" in again.stderr
+    with pytest.raises(OptionsError, match="the destination exists"):
+        convert(tmp_path / "m", tmp_path / "n")
+
+    cut = tmp_path / "cut"
+    (tmp_path / "cut.idx").write_bytes((tmp_path / "m.idx").read_bytes())
+    (tmp_path / "cut.bin").write_bytes((tmp_path / "m.bin").read_bytes()[:1000])
+    failed = run_cli("convert", str(cut), "--out", str(tmp_path / "x"), check=False)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert f"{cut}.bin: 1,000 bytes, but the" in failed.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_export_takes_another_formats_files_with_their_options(
+    natural: streampack.Cache, tmp_path: Path
+) -> None:
+    """``streampack export SOURCE`` of a Megatron pair: to datatrove, with ``--eos-id`` and ``--from``."""
+    natural.export("megatron", tmp_path / "m")
+    done = run_cli(
+        "export", str(tmp_path / "m"), "--from", "megatron", "--eos-id", "50256",
+        "--format", "streampack", "--out", str(tmp_path / "n"),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert streampack.open(tmp_path / "n").num_docs == natural.num_docs
