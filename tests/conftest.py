@@ -19,6 +19,7 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 GPT2_JSON = SHARED_DATA / "tokenizers" / "gpt2" / "tokenizer.json"
 TIKTOKEN_GPT2 = SHARED_DATA / "tokenizers" / "tiktoken" / "gpt2.tiktoken"
 SAMPLE_CORPUS = SHARED_DATA / "corpus" / "natural-sample.jsonl.zst"
+STUBS = Path(__file__).resolve().parent / "stubs"
 
 TRAINING_TEXT = [
     "The quick brown fox jumps over the lazy dog.",
@@ -210,3 +211,10 @@ def sft(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer: Path) -> stream
     cache = streampack.open(tmp / "cache")
     assert cache.has_loss_mask
     return cache
+
+
+@pytest.fixture
+def streaming(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """mosaicml-streaming, importable with the torchvision stub (tests/stubs) on sys.path."""
+    monkeypatch.syspath_prepend(str(STUBS))
+    return pytest.importorskip("streaming")

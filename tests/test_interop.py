@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -26,8 +25,6 @@ import streampack
 from streampack.errors import OptionsError
 from streampack.testing.caches import write_cache
 from tests.conftest import SAMPLE_CORPUS, run_cli, s3_options
-
-STUBS = Path(__file__).resolve().parent / "stubs"
 
 
 def docs_of(cache: streampack.Cache) -> list[np.ndarray]:
@@ -301,13 +298,6 @@ def test_hf_sft_documents_carry_labels(sft: streampack.Cache, tmp_path: Path) ->
 
 
 # ----------------------------------------------------------------------------- MDS
-
-
-@pytest.fixture
-def streaming(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """mosaicml-streaming, importable with the torchvision stub (tests/stubs) on sys.path."""
-    monkeypatch.syspath_prepend(str(STUBS))
-    return pytest.importorskip("streaming")
 
 
 def test_mds_streaming_dataset_reads_documents_and_windows(

@@ -13,16 +13,37 @@ reads it:
 That is a streampack shard, renamed: one ``.ds`` per non-empty shard, its offsets table as the index (the
 same bytes) and its loss mask as the ``.ds.loss``. Readers take ``token_size`` from the user: it is the
 cache's token width, recorded in each ``.ds.metadata``.
+
+Reading (:func:`read`, what ``streampack.open(FOLDER)`` does for a folder of ``.ds`` files or one ``.ds``
+file): each ``.ds`` is one shard, memory-mapped as it is, in the order ``DatatroveFolderDataset`` takes the
+files (the folder's ``*.ds`` sorted by name; not its subfolders). The token width is the
+``TOKENIZER|TOKEN_SIZE`` line of the ``.ds.metadata`` files (all must agree), else ``dtype=``, else 2 bytes
+(uint16), the default of datatrove's readers: a file of uint32 tokens without metadata needs
+``dtype="uint32"``. The tokenizer the metadata names becomes the cache's tokenizer name (no fingerprint:
+declare ``tokenizer=`` for a mixture to check it). The files do not record an EOS id, though datatrove's
+tokenizer step appends one to every document when told (``eos_token``): the documents are the
+``.ds.index`` ends, and ``eos_id=`` declares the id they end with, if any (the manifest's EOS). A
+``.ds.loss`` beside every ``.ds`` is the cache's loss mask (a nonzero byte: a training target).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from streampack.errors import CacheError, OptionsError
+from streampack.interop.reading import (
+    Foreign,
+    ForeignOptions,
+    ForeignShard,
+    check_ends,
+    check_size,
+    map_tokens,
+)
 from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:
@@ -84,3 +105,153 @@ def write(
                 out.write(text.encode())
             index += 1
     return cache.num_docs, cache.num_tokens, []
+
+
+# Reading ---------------------------------------------------------------------------------------------
+
+LOOKS_FOR = "datatrove: a folder of NAME.ds + NAME.ds.index (or one .ds file)"
+SUFFIX = ".ds"
+#: The name datatrove's ``TokenizedFile`` gives a tokenizer it was not told (then ``|SIZE`` twice).
+UNKNOWN = "Unknown Tokenizer"
+#: The width datatrove's readers take without being told (``token_size=2``).
+DEFAULT_TOKEN_SIZE = 2
+TOKEN_DTYPES: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
+
+
+def ds_files(path: Path) -> list[Path]:
+    """The ``.ds`` files at ``path`` (a folder's, sorted by name as datatrove lists them; or the file)."""
+    if path.is_file():
+        return [path] if path.name.endswith(SUFFIX) else []
+    if not path.is_dir():
+        return []
+    return sorted(
+        (p for p in path.iterdir() if p.name.endswith(SUFFIX) and p.is_file()), key=lambda p: p.name
+    )
+
+
+def recognise(path: Path) -> bool:
+    """Whether ``path`` is a ``.ds`` file or a folder that holds one."""
+    return bool(ds_files(path))
+
+
+def read(path: Path, options: ForeignOptions) -> Foreign:
+    """The ``.ds`` files at ``path``, one shard each; their documents are the ``.ds.index`` ends.
+
+    Raises:
+        CacheError: no ``.ds`` file; a ``.ds`` whose size is not a whole number of tokens; a
+            ``.ds.index`` missing, not a whole number of uint64, decreasing, or not ending at the token
+            count; a ``.ds.loss`` not one byte a token, or beside some files only; ``.ds.metadata`` files
+            that are malformed or disagree (with each other, with ``dtype=`` or with the token count).
+    """
+    files = ds_files(path)
+    if not files:
+        raise CacheError(f"{path}: no .ds file; {LOOKS_FOR}")
+    metadata = [_metadata(Path(f"{f}.metadata")) for f in files]
+    named = {(name, size) for name, size, _ in (m for m in metadata if m is not None)}
+    if len({size for _, size in named}) > 1:
+        raise CacheError(
+            f"{path}: the .ds.metadata files give token sizes {sorted({s for _, s in named})}: the files of "
+            "one cache have one token width; open the files of each width apart"
+        )
+    size = next(iter(named))[1] if named else None
+    if options.dtype is not None:
+        declared = np.dtype(options.dtype).itemsize
+        if size is not None and declared != size:
+            raise OptionsError(
+                f"{path}: dtype={options.dtype!r} is {declared} bytes a token, but the .ds.metadata files "
+                f"say TOKEN_SIZE {size}; leave dtype= out (the metadata gives it)"
+            )
+        size = declared
+    dtype = TOKEN_DTYPES[size or DEFAULT_TOKEN_SIZE]
+    names = sorted({name for name, _ in named if name is not None})
+    shards = [_shard(f, dtype, m) for f, m in zip(files, metadata)]
+    masked = [s.mask is not None for s in shards]
+    if any(masked) and not all(masked):
+        lacking = files[masked.index(False)]
+        raise CacheError(
+            f"{lacking}.loss: missing, though other .ds files of {path} have a .ds.loss: every file of a "
+            "cache with a loss mask needs one (one byte a token); remove the others to read it without"
+        )
+    sidecars = [Path(f"{f}{s}") for f in files for s in (".index", ".loss", ".metadata")]
+    return Foreign(
+        "datatrove",
+        path,
+        dtype,
+        shards,
+        options.eos_id,
+        options.bos_id,
+        tokenizer_name=", ".join(names) or None,
+        files=files + [p for p in sidecars if p.is_file()],
+    )
+
+
+def _metadata(path: Path) -> tuple[str | None, int, int | None] | None:
+    """A ``.ds.metadata``'s tokenizer name (None if unknown), token size and token count; None without."""
+    if not path.is_file():
+        return None
+    lines = path.read_text(errors="replace").splitlines()
+    name, _, size = lines[0].rpartition("|") if lines else ("", "", "")
+    if not name or size not in ("2", "4"):
+        raise CacheError(
+            f"{path}: the first line is {lines[0] if lines else ''!r}, expected TOKENIZER|TOKEN_SIZE with a "
+            "size of 2 or 4 (as datatrove writes it)"
+        )
+    count = lines[1].strip() if len(lines) > 1 else ""
+    if count and not count.isdigit():
+        raise CacheError(f"{path}: the token count (line 2) is {count!r}, expected a number of tokens")
+    known = None if name.startswith(UNKNOWN) else name
+    return known, int(size), int(count) if count else None
+
+
+def _shard(ds: Path, dtype: np.dtype, metadata: tuple[str | None, int, int | None] | None) -> ForeignShard:
+    """One ``.ds`` file and its sidecars, checked."""
+    nbytes = ds.stat().st_size
+    if nbytes % dtype.itemsize:
+        raise CacheError(
+            f"{ds}: {nbytes:,} bytes, not a whole number of {dtype.itemsize}-byte tokens: the file is "
+            "truncated, or its tokens are of another width (dtype=)"
+        )
+    count = nbytes // dtype.itemsize
+    if metadata is not None and metadata[2] is not None and metadata[2] != count:
+        raise CacheError(
+            f"{ds}.metadata: the token count is {metadata[2]:,}, but {ds.name} holds {count:,} tokens: the "
+            "file is truncated or does not belong to this metadata"
+        )
+    index = Path(f"{ds}.index")
+    if not index.is_file():
+        raise CacheError(
+            f"{index}: missing; it should hold the end of every document of {ds.name} (uint64, in tokens), "
+            "as datatrove writes it with save_index=True"
+        )
+    size = index.stat().st_size
+    if size % 8:
+        raise CacheError(
+            f"{index}: {size:,} bytes, not a whole number of uint64 document ends: the file is truncated"
+        )
+    ends = map_tokens(index, np.dtype("<u8"), 0, size // 8)
+    _check_index(index, ends, count)
+    loss = Path(f"{ds}.loss")
+    mask = None
+    if loss.is_file():
+        check_size(loss, count, f"the loss mask of the {count:,} tokens of {ds.name} (one byte a token)")
+        mask = lambda: map_tokens(loss, np.dtype(np.uint8), 0, count)  # noqa: E731
+    return ForeignShard(
+        ds,
+        len(ends),
+        count,
+        tokens=lambda: map_tokens(ds, dtype, 0, count),
+        ends=lambda: ends,
+        mask=mask,
+        token_file=(ds, 0),
+    )
+
+
+def _check_index(index: Path, ends: np.ndarray, count: int) -> None:
+    """The document ends never decrease and the last is the token count (no token outside a document)."""
+    check_ends(index, ends, count)
+    last = int(ends[-1]) if len(ends) else 0
+    if last != count:
+        raise CacheError(
+            f"{index}: the last document ends at token {last:,}, but the .ds file holds {count:,} tokens: "
+            "the index or the tokens are cut short, or they do not belong together"
+        )

@@ -138,7 +138,10 @@ def write_index(out: IO[bytes], cache: Cache, dtype: np.dtype) -> None:
 
 LOOKS_FOR = "megatron: PREFIX.bin + PREFIX.idx"
 #: The token dtype streampack reads each Megatron dtype code as (int32 ids are non-negative: uint32 bytes).
-READ_DTYPES = {DTYPE_CODES["uint16"]: np.dtype("<u2"), DTYPE_CODES["int32"]: np.dtype("<u4")}
+READ_DTYPES: dict[int, np.dtype] = {
+    DTYPE_CODES["uint16"]: np.dtype("<u2"),
+    DTYPE_CODES["int32"]: np.dtype("<u4"),
+}
 HEADER = struct.Struct("<9sQBQQ")
 
 
@@ -210,7 +213,7 @@ def _header(idx: Path) -> tuple[bytes, int, int, int, int]:
         raise CacheError(f"{idx}: missing") from None
     if len(raw) < HEADER.size:
         raise CacheError(f"{idx}: {len(raw)} bytes, shorter than the {HEADER.size}-byte MMIDIDX header")
-    return HEADER.unpack(raw)  # type: ignore[return-value]
+    return HEADER.unpack(raw)
 
 
 def _sequence_ends(idx: Path, lengths: np.ndarray, pointers: np.ndarray, itemsize: int) -> np.ndarray:

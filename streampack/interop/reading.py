@@ -44,7 +44,13 @@ __all__ = ["READERS", "Foreign", "ForeignOptions", "ForeignShard", "ForeignShard
 #: Format name -> the module that reads it, in the order a path is tried.
 READERS: dict[str, str] = {
     "megatron": "streampack.interop.megatron",
+    "mds": "streampack.interop.mds",
+    "datatrove": "streampack.interop.datatrove",
 }
+
+#: Bytes of the token copies (shards not stored end to end: MDS samples) that :class:`ForeignShards` keeps
+#: for reuse; the last one made is kept whatever its size. A map costs a file descriptor, a copy memory.
+MAX_COPY_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -142,14 +148,15 @@ class Foreign:
 
 class ForeignShards:
     """The :class:`~streampack.reader.shards.Shards` of a foreign cache: each shard's arrays made by its
-    format's reader on first use, the last :data:`~streampack.reader.shards.MAX_OPEN_MAPS` of each kind kept.
+    format's reader on first use, the last :data:`~streampack.reader.shards.MAX_OPEN_MAPS` of each kind kept
+    (of the token copies, those made last up to :data:`MAX_COPY_BYTES`).
     """
 
     _closed = False
 
     def __init__(self, foreign: Foreign) -> None:
         self.foreign = foreign
-        self._kept: dict[str, OrderedDict[int, np.ndarray]] = {k: OrderedDict() for k in ("t", "o", "m")}
+        self._kept: dict[str, OrderedDict[int, np.ndarray]] = {k: OrderedDict() for k in ("t", "c", "o", "m")}
 
     def __repr__(self) -> str:
         foreign = self.foreign
@@ -157,7 +164,8 @@ class ForeignShards:
 
     def tokens(self, shard: int) -> np.ndarray:
         """The tokens of shard ``shard``."""
-        return self._get("t", shard, lambda s: s.tokens())
+        copied = self.foreign.shards[self._index(shard)].token_file is None
+        return self._get("c" if copied else "t", shard, lambda s: s.tokens())
 
     def offsets(self, shard: int) -> np.ndarray:
         """Where each document of shard ``shard`` ends (checked by the format's reader)."""
@@ -209,12 +217,16 @@ class ForeignShards:
             raise CacheError(f"{self.foreign.root}: the cache was closed; open it again to read it")
         array = make(self.foreign.shards[index])
         kept[index] = array
-        while len(kept) > MAX_OPEN_MAPS:
+        while len(kept) > MAX_OPEN_MAPS or (kind == "c" and len(kept) > 1 and _nbytes(kept) > MAX_COPY_BYTES):
             try:
                 kept.popitem(last=False)
             except KeyError:
                 break
         return array
+
+
+def _nbytes(kept: OrderedDict[int, np.ndarray]) -> int:
+    return sum(array.nbytes for array in list(kept.values()))
 
 
 def open_foreign(path: str | os.PathLike[str], **declared: Any) -> Cache:
