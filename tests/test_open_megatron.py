@@ -232,3 +232,21 @@ def test_samples_of_an_opened_pair_reach_dataloader_workers_with_what_was_declar
     workers = torch_data.DataLoader(streampack.Loader(samples, batch_size=8, seed=1), num_workers=2)
     for mine, theirs, _ in zip(loader, workers, range(12), strict=False):
         np.testing.assert_array_equal(theirs.numpy(), mine)
+
+
+def test_verify_checks_every_token_of_a_pair_against_what_was_declared(small: Path) -> None:
+    """``streampack verify`` of a pair: ok with the EOS it has; a wrong ``--eos-id`` or a ``--vocab-size``
+    below its ids are errors naming the ``.bin``; ``info`` describes it."""
+    from tests.conftest import run_cli
+
+    done = run_cli("verify", small, "--eos-id", "9")
+    assert done.returncode == 0 and "megatron files: their headers and indexes were checked" in done.stdout
+    wrong = run_cli("verify", small, "--eos-id", "5", check=False)
+    assert (
+        wrong.returncode == 1
+        and f"{small}.bin: document 0 (and 2 more) does not end with EOS 5" in wrong.stderr
+    )
+    low = run_cli("verify", small, "--vocab-size", "8", check=False)
+    assert low.returncode == 1 and f"{small}.bin: token 2 is 9, not below the vocab size 8" in low.stderr
+    info = run_cli("info", small, "--eos-id", "9")
+    assert "num_docs          3" in info.stdout and "undeclared:megatron" in info.stdout

@@ -14,6 +14,7 @@ import click
 import numpy as np
 
 from streampack.builder.coordinator import engine_summary
+from streampack.cli.sources import declared, source_options
 from streampack.errors import StreampackError, TokenizerError
 from streampack.format.manifest import FORMAT_VERSION, Manifest
 from streampack.format.names import OFFSET_DTYPE
@@ -30,9 +31,11 @@ from streampack.tokenizer.backends import Tokenizer, load_tokenizer
 @click.command()
 @click.argument("cache_dir", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def info(cache_dir: str, as_json: bool) -> None:
-    """Describe the cache in CACHE_DIR: documents, tokens, shards, tokenizer, document lengths."""
-    stats = cache_stats(open_cache(cache_dir))
+@source_options
+def info(cache_dir: str, as_json: bool, **source: Any) -> None:
+    """Describe the cache in CACHE_DIR: documents, tokens, shards, tokenizer, document lengths. CACHE_DIR
+    may hold another format's token files (a Megatron prefix, llm.c, datatrove, OLMo or MDS shards...)."""
+    stats = cache_stats(open_cache(cache_dir, **declared(**source)))
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -141,11 +144,13 @@ def _cuts_summary(manifest: Manifest) -> str:
 
 @click.command()
 @click.argument("cache_dir", type=click.Path())
-def verify(cache_dir: str) -> None:
+@source_options
+def verify(cache_dir: str, **source: Any) -> None:
     """Check every file of the cache in CACHE_DIR (or every object under a URL: read from object storage,
     never from a local copy): checksums, offsets, token ids, EOS and BOS, ledger, plans; list anything
-    unknown. Exit 1 if any damage is found."""
-    report = verify_cache(cache_dir)
+    unknown. Exit 1 if any damage is found. Another format's token files get the checks they allow: their
+    headers and indexes, and every token against --vocab-size, --eos-id and --bos-id where given."""
+    report = verify_cache(cache_dir, **declared(**source))
     for note in report.notes:
         click.echo(f"note: {note}")
     if not report.ok:

@@ -192,6 +192,15 @@ class ForeignShards:
         """Where shard ``shard``'s tokens lie end to end: (file, byte offset), or None."""
         return self.foreign.shards[self._index(shard)].token_file
 
+    def describe(self, shard: int, kind: str) -> str:
+        """The token file of shard ``shard``, and which of its parts ``kind`` is."""
+        path = self.foreign.shards[self._index(shard)].path
+        return (
+            str(path)
+            if kind == "tokens"
+            else f"{path} ({'document ends' if kind == 'offsets' else 'loss mask'})"
+        )
+
     def drop(self) -> None:
         """Forget the arrays kept for reuse (those a caller holds stay valid)."""
         for kept in self._kept.values():

@@ -46,7 +46,9 @@ class Mapped:
         self.cache = cache
 
     def describe(self, key: str) -> str:
-        return str(self.cache.store.path(key))
+        shard = int(key.split("/")[-1].split(".")[0])
+        kind = {"tokens": "tokens", "offsets": "offsets"}.get(key.rsplit(".", 1)[-1], "mask")
+        return self.cache.files.describe(shard, kind)
 
     def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         return self._array(key, dtype, count)
@@ -113,9 +115,16 @@ class _Scan:
 
 
 def check_shard(
-    manifest: Manifest, shard: int, doc_start: int, source: _Source, report: VerifyReport
+    manifest: Manifest,
+    shard: int,
+    doc_start: int,
+    source: _Source,
+    report: VerifyReport,
+    *,
+    checksums: bool = True,
 ) -> list[str]:
-    """Every check of shard ``shard`` (whose first document is ``doc_start``); its problems."""
+    """Every check of shard ``shard`` (whose first document is ``doc_start``); its problems. Without
+    ``checksums`` (another format's files, which record none) the files' CRC-32s are not compared."""
     info = manifest.table.row(shard, manifest.units[shard], manifest.loss_mask)
     dtype = np.dtype(manifest.dtype).newbyteorder("<")
     keys = tokens_key(info.name), offsets_key(info.name)
@@ -127,7 +136,7 @@ def check_shard(
     report.bytes_checked += offsets.nbytes
     problems = []
     offsets_crc = checksum_text(zlib.crc32(offsets.data))
-    if offsets_crc != info.offsets_checksum:
+    if checksums and offsets_crc != info.offsets_checksum:
         problems.append(
             f"{offsets_file}: checksum {offsets_crc} does not match the manifest's {info.offsets_checksum}"
         )
@@ -153,7 +162,7 @@ def check_shard(
     except (CacheError, ValueError, OSError) as e:
         return [*problems, f"{tokens_file}: cannot read ({e})"]
     report.bytes_checked += info.num_tokens * dtype.itemsize
-    if scan.checksum != info.tokens_checksum:
+    if checksums and scan.checksum != info.tokens_checksum:
         problems.insert(
             0, f"{tokens_file}: checksum {scan.checksum} does not match the manifest's {info.tokens_checksum}"
         )
@@ -174,7 +183,16 @@ def check_shard(
     )
     if manifest.loss_mask:
         problems.extend(
-            _check_mask(manifest, shard, doc_start, source, ends, report, check_places=not problems)
+            _check_mask(
+                manifest,
+                shard,
+                doc_start,
+                source,
+                ends,
+                report,
+                check_places=not problems,
+                checksums=checksums,
+            )
         )
     return problems
 
@@ -188,6 +206,7 @@ def _check_mask(
     report: VerifyReport,
     *,
     check_places: bool,
+    checksums: bool = True,
 ) -> list[str]:
     """The loss mask's checksum and values; with ``check_places``, that each EOS is a target and each BOS
     is not."""
@@ -210,7 +229,7 @@ def _check_mask(
     expected = info.mask_checksum
     problems = (
         []
-        if scan.checksum == expected
+        if scan.checksum == expected or not checksums
         else [f"{path}: checksum {scan.checksum} does not match the manifest's {expected}"]
     )
     if scan.first_over is not None:

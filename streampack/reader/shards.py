@@ -83,6 +83,11 @@ class Shards(Protocol):
         the first), for readers that copy them (exports); None where they are not one span of a file."""
         ...
 
+    def describe(self, shard: int, kind: str) -> str:
+        """The file that holds shard ``shard``'s ``kind`` (``tokens``, ``offsets`` or ``mask``), as
+        messages name it."""
+        ...
+
     def drop(self) -> None:
         """Forget the arrays kept for reuse (those a caller still holds stay valid)."""
         ...
@@ -182,6 +187,11 @@ class ShardFiles:
     def token_file(self, shard: int) -> tuple[Path, int]:
         """The shard's ``.tokens`` file (a remote cache's local copy once :meth:`tokens` fetched it)."""
         return self.store.path(tokens_key(shard_name(self._index(shard)))), 0
+
+    def describe(self, shard: int, kind: str) -> str:
+        """The path of shard ``shard``'s ``.tokens``, ``.offsets`` or ``.mask`` file."""
+        key_of = {"tokens": tokens_key, "offsets": offsets_key, "mask": mask_key}[kind]
+        return str(self.store.path(key_of(shard_name(self._index(shard)))))
 
     def _index(self, shard: int) -> int:
         """``shard`` as a non-negative index (IndexError when out of range, as a list would raise)."""

@@ -45,13 +45,21 @@ _PLAN_NAME = re.compile(r"^(packed|documents)-[0-9]+-[0-9a-f]{16}$")
 _PLAN_FILES = frozenset({PLAN_JSON, *(f"{name}.bin" for name in PLAN_ARRAYS)})
 
 
-def verify(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None, **declared: Any
+) -> VerifyReport:
     """Check everything about a cache; return a report listing each problem precisely.
+
+    Another format's token files (see :func:`streampack.open`) get the checks they allow: their headers
+    and indexes (when they are opened), then every token against the vocabulary size and the EOS and BOS
+    placement that ``declared`` gives, and a loss mask's values; they record no checksums.
 
     Args:
         path: a cache directory, or the URL of a cache in object storage (``s3://bucket/prefix``), whose
-            objects are read (streamed through the checks, nothing kept).
+            objects are read (streamed through the checks, nothing kept); or another format's files.
         storage_options: (object storage) passed to the fsspec filesystem.
+        **declared: (other formats) what :func:`streampack.open` takes about them: ``eos_id``,
+            ``bos_id``, ``vocab_size``, ``format``, ``dtype``, ``tokenizer``.
     """
     started = time.perf_counter()
     if is_remote(path):
@@ -62,7 +70,7 @@ def verify(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] |
             report.problems.append(str(e))
     else:
         report = VerifyReport(Path(path))
-        _verify_local(Path(path), report)
+        _verify_local(Path(path), report, declared)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -70,13 +78,16 @@ def verify(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] |
 # ------------------------------------------------------------------------------------- the two walks
 
 
-def _verify_local(root: Path, report: VerifyReport) -> None:
+def _verify_local(root: Path, report: VerifyReport, declared: Mapping[str, Any]) -> None:
     try:
-        cache = open_cache(root)
+        cache = open_cache(root, **declared)
     except StreampackError as e:
         report.problems.append(str(e))
         return
     source = Mapped(cache)
+    if cache.declared is not None:
+        _verify_foreign(cache, source, report)
+        return
     expected = _shard_files(cache.manifest)
     listed = _entries(root / SHARD_DIR)
     for shard in range(cache.num_shards):
@@ -90,6 +101,18 @@ def _verify_local(root: Path, report: VerifyReport) -> None:
         _check_layouts(cache, layouts, report)
     known = {MANIFEST, SHARD_DIR, LEDGER_DIR, LAYOUT_DIR, LOCK}
     _note_unknown(report, root, _entries(root), known)
+
+
+def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
+    """Every token of another format's files: no checksums, ledger or plans to check."""
+    format = cache.declared["format"] if cache.declared else "another"
+    report.notes.append(
+        f"{format} files: their headers and indexes were checked; they record no checksums (convert them "
+        "with `streampack convert` for a cache that has)"
+    )
+    for shard in range(cache.num_shards):
+        doc_start = int(cache.doc_starts[shard])
+        report.problems.extend(check_shard(cache.manifest, shard, doc_start, source, report, checksums=False))
 
 
 def _verify_remote(remote: RemoteStore, report: VerifyReport) -> None:
