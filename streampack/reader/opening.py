@@ -104,7 +104,7 @@ def open(
             )
         store = open_store(path)
         if format is not None or not store.exists(MANIFEST):
-            return _open_foreign(path, declared)
+            return _open_foreign(store.root, declared)
         _refuse_declared(path, declared, "a streampack cache")
     manifest = load_manifest(store)
     if not manifest.complete:

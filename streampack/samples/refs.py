@@ -46,7 +46,12 @@ def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
 def cache_ref(cache: Cache) -> CacheRef:
     """The reference that picklable views of ``cache`` carry (see :class:`~streampack.store.CacheRef`)."""
     store = cache.store
-    reading = store.reopen_options() if isinstance(store, CachedStore) else None
+    reading: dict[str, Any] | None
+    if isinstance(store, CachedStore):
+        reading = store.reopen_options()
+    else:  # another format's token files reopen with what was declared (a Shards may not say: None)
+        declared = getattr(cache.files, "reopen_options", None)
+        reading = declared() if declared is not None else None
     return CacheRef(store.uri, content_digest(cache), not cache.manifest.complete, reading)
 
 

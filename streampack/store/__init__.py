@@ -324,8 +324,8 @@ class CacheRef:
         uri: the store's URI (``file:///abs/path`` for a local cache, the URL of one in object storage).
         content: the digest of the shard table when the view was made.
         allow_incomplete: reopen the committed part of a build that had not finished.
-        reading: for a cache in object storage, the options of :func:`streampack.open` that reopen it
-            through the same local copy (storage options included: never shown in its repr).
+        reading: the options of :func:`streampack.open` that reopen it: the same local copy of object storage
+            (storage options included: never shown in its repr), or what another format's files declared.
     """
 
     uri: str
@@ -337,7 +337,7 @@ class CacheRef:
     def local_path(self) -> str:
         """The absolute local path of the cache (for messages and ``PackedSequences.path``); the URL of a
         cache in object storage."""
-        if self.reading is not None:
+        if self.reading is not None and not self.uri.startswith("file:"):
             return self.uri
         return str(open_store(self.uri).root)
 
