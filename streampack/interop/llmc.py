@@ -15,17 +15,45 @@ document is then written as it is, without an EOS the cache appended), else its 
 ``tokens, EOS`` become ``EOS, tokens``: the stream shifted by one). A cache with neither is refused. The
 stream fills shards of ``shard_tokens`` tokens (llm.c's ``shard_size``, 10**8) one after the other; as in
 llm.c, a document may continue into the next shard.
+
+**Reading** (``streampack.open(PATH)``): PATH is a folder of ``*.bin`` shards (every one, in name order:
+llm.c's ``fineweb.py`` writes its ``fineweb_val_000000.bin`` beside the train shards, so open a folder
+that holds the split you want, or one shard file), or one such file. Each header is checked: the magic and
+version pair (:data:`HEADERS`), a token count ``header[2]`` of at least 0, and a file of exactly the
+1,024-byte header and that many tokens; all shards have one dtype. One shard is one streampack shard, its
+tokens mapped where they lie. A document *starts* at each delimiter, ``bos_id=`` (by default
+:data:`DELIMITERS`: GPT-2's ``<|endoftext|>`` 50256 for uint16 shards, Llama 3's
+``<|begin_of_text|>`` 128000 for uint32 ones, what llm.c's writers put there), which the cache's
+``bos_id`` then is: a document is ``[delimiter, tokens...]``; the tokens before a shard's first delimiter
+are a document too. streampack's documents lie within one shard, so a document that llm.c continued
+into the next shard is read as two, cut at the shard's end. The delimiters are counted when the shards are
+opened (a scan of every shard at disk speed: the number of documents is needed first); where each one is,
+when a shard is first read. A cache exported here (in one shard) and opened again thus has, for an EOS
+cache, the documents ``[EOS] + doc[:-1]`` (its stream shifted by one), and for a BOS cache its own
+documents (less the EOS, where it appended one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import numpy as np
 
-from streampack.errors import OptionsError
+from streampack.errors import CacheError, OptionsError
+from streampack.interop.reading import (
+    Foreign,
+    ForeignOptions,
+    ForeignShard,
+    check_doc_count,
+    check_id_fits,
+    count_id,
+    id_positions,
+    map_tokens,
+)
 from streampack.interop.writing import (
     Destination,
     Progress,
@@ -172,3 +200,131 @@ def _write_stream(out: IO[bytes], cache: Cache, start: int, stop: int, dtype: np
         base = int(starts[shard])
         write_tokens(out, cache, shard, dtype, max(start - base, 0), min(stop, int(starts[shard + 1])) - base)
         shard += 1
+
+
+# Reading ---------------------------------------------------------------------------------------------
+
+LOOKS_FOR = "llmc: a folder of *.bin shards with llm.c's header (magic 20240520 or 20240801), or one"
+HEADER_BYTES = 4 * HEADER_INTS
+#: The delimiter llm.c's writers put before every document, by token width: GPT-2's ``<|endoftext|>``
+#: (``fineweb.py``, ``tinyshakespeare.py``...) and Llama 3's ``<|begin_of_text|>``.
+DELIMITERS = {2: 50256, 4: 128000}
+#: magic -> (its version, the token width in bytes).
+MAGICS = {magic: (version, itemsize) for itemsize, (magic, version) in HEADERS.items()}
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The shard files ``path`` names: itself, or the ``*.bin`` files of the folder in name order."""
+    if path.is_dir():
+        return sorted(p for p in path.glob("*.bin") if p.is_file())
+    return [path] if path.is_file() else []
+
+
+def has_header(path: Path) -> bool:
+    """Whether ``path`` starts with an llm.c magic."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(4)
+    except OSError:
+        return False
+    return len(raw) == 4 and int.from_bytes(raw, "little", signed=True) in MAGICS
+
+
+def recognise(path: Path) -> bool:
+    """Whether ``path`` is an llm.c shard or a folder holding one (a file that starts with a magic)."""
+    return any(has_header(f) for f in shard_files(path))
+
+
+def read(path: Path, options: ForeignOptions) -> Foreign:
+    """The shards at ``path`` (see the module's docstring), each header checked.
+
+    Raises:
+        CacheError: a shard is shorter than its header, its magic or version is not llm.c's, its token
+            count is below 0 or disagrees with its size, or the shards do not all have one dtype.
+        OptionsError: ``eos_id=`` or ``dtype=`` (an llm.c shard has a delimiter before each document, and
+            its header says its dtype), or a ``bos_id`` the dtype cannot hold.
+    """
+    if options.dtype is not None:
+        raise OptionsError(
+            f"{path}: an llm.c header records its dtype (magic and version); dtype= applies to headerless "
+            "files"
+        )
+    if options.eos_id is not None:
+        raise OptionsError(
+            f"{path}: llm.c shards put a delimiter before each document, not an EOS after it: pass bos_id= "
+            f"(the delimiter; {DELIMITERS[2]} for uint16 shards and {DELIMITERS[4]} for uint32 ones by "
+            "default), not eos_id="
+        )
+    files = shard_files(path)
+    if not files:
+        raise CacheError(f"{path}: no *.bin files; an llm.c cache is a folder of shards, or one shard file")
+    counts = [_header(f) for f in files]
+    (first, (_, itemsize)), *rest = zip(files, counts)
+    for f, (_, size) in rest:
+        if size != itemsize:
+            raise CacheError(
+                f"{f}: {_kind(size)} tokens, but {first.name} has {_kind(itemsize)} ones: the shards of one "
+                "cache must have one dtype (magic and version)"
+            )
+    dtype = np.dtype(f"<u{itemsize}")
+    delimiter = DELIMITERS[itemsize] if options.bos_id is None else options.bos_id
+    check_id_fits(path, "bos_id", delimiter, dtype)
+    shards = []
+    for f, (count, _) in zip(files, counts):
+        tokens = map_tokens(f, dtype, HEADER_BYTES, count)
+        docs = count_id(tokens, delimiter) + int(count > 0 and int(tokens[0]) != delimiter)
+        shards.append(
+            ForeignShard(
+                f,
+                docs,
+                count,
+                tokens=partial(map_tokens, f, dtype, HEADER_BYTES, count),
+                ends=partial(_ends, f, dtype, count, delimiter, docs),
+                token_file=(f, HEADER_BYTES),
+            )
+        )
+    return Foreign("llmc", path, dtype, shards, bos_id=delimiter, files=files)
+
+
+def _kind(itemsize: int) -> str:
+    magic, version = HEADERS[itemsize]
+    return f"uint{8 * itemsize} (magic {magic}, version {version})"
+
+
+def _header(path: Path) -> tuple[int, int]:
+    """The token count and width of the shard ``path``, checked against its header and size."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER_BYTES)
+    if len(raw) < HEADER_BYTES:
+        raise CacheError(
+            f"{path}: {len(raw):,} bytes, shorter than the {HEADER_BYTES:,}-byte llm.c header (256 int32): "
+            "the file is truncated, or not an llm.c shard"
+        )
+    magic, version, count = (int(v) for v in np.frombuffer(raw, dtype="<i4", count=3))
+    if magic not in MAGICS:
+        known = " or ".join(f"{m} ({_kind(w).split()[0]})" for m, (_, w) in MAGICS.items())
+        raise CacheError(f"{path}: header[0] (the magic) is {magic}, expected {known}: not an llm.c shard")
+    expected, itemsize = MAGICS[magic]
+    if version != expected:
+        raise CacheError(
+            f"{path}: header[1] (the version) is {version}, expected {expected} with magic {magic}: a "
+            "version streampack cannot read"
+        )
+    if count < 0:
+        raise CacheError(f"{path}: header[2] (the token count) is {count}, expected at least 0")
+    size = path.stat().st_size
+    if size != HEADER_BYTES + count * itemsize:
+        expected = HEADER_BYTES + count * itemsize
+        raise CacheError(
+            f"{path}: {size:,} bytes, expected {expected:,}: the {HEADER_BYTES:,}-byte "
+            f"header and the {count:,} uint{8 * itemsize} tokens header[2] (the token count) says it holds. "
+            "The file is truncated, or its header is wrong"
+        )
+    return count, itemsize
+
+
+def _ends(path: Path, dtype: np.dtype, count: int, delimiter: int, docs: int) -> np.ndarray:
+    """A document ends before each delimiter but one at the start, and at the shard's end."""
+    starts = id_positions(map_tokens(path, dtype, HEADER_BYTES, count), delimiter)
+    ends = np.append(starts[starts > 0], count) if count else starts
+    return check_doc_count(path, ends.astype(np.uint64), docs)

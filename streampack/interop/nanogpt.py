@@ -10,6 +10,20 @@ evaluation reads; both files are written in one pass over the shards. ``meta.pkl
 
 Document boundaries survive only as the EOS ids in the stream; ``train.py`` reads uint16 only, so a
 vocabulary above 65,536 ids is refused unless ``dtype="cache"`` (then edit ``train.py``'s dtype).
+
+**Reading** (``streampack.open(PATH)``): PATH is a folder with ``train.bin`` (its ``val.bin`` is not
+read: open ``PATH/val.bin`` for it), or one headerless ``.bin`` file (one that does not start with an llm.c
+magic, which :mod:`~streampack.interop.llmc` reads). The tokens are ``dtype=`` (uint16 by default, as
+``train.py`` maps them), so the file must be a whole number of them. A file holds no boundaries but its
+EOS ids: with ``eos_id=`` (GPT-2's ``<|endoftext|>``, 50256, for ``prepare.py``'s files) a document is
+its tokens up to and with each EOS, and a tail after the last one is a last document; without it the file
+is one document, one stream (``sequences`` windows it as ``get_batch`` does; ``documents`` has one).
+``meta.pkl`` beside the file gives the vocabulary size (read as plain data: no class is unpickled).
+
+A file with an EOS is read as shards of at most :data:`SHARD_TOKENS` tokens, each cut after an EOS (a
+document longer than that makes its shard longer), mapped where they lie: each shard's document ends are
+then a bounded array, found when it is first read. The EOS ids are counted when the file is opened, a scan
+at disk speed (the number of documents is needed first).
 """
 
 from __future__ import annotations
@@ -17,11 +31,24 @@ from __future__ import annotations
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Literal
+from functools import partial
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from streampack.errors import OptionsError
+from streampack.errors import CacheError, OptionsError
+from streampack.interop.llmc import has_header
+from streampack.interop.reading import (
+    SCAN_TOKENS,
+    Foreign,
+    ForeignOptions,
+    ForeignShard,
+    check_doc_count,
+    check_id_fits,
+    ends_at,
+    map_tokens,
+)
 from streampack.interop.writing import (
     Destination,
     Progress,
@@ -108,3 +135,132 @@ def _write_split(
         spans = [(outs[s], lo, hi) for s, lo, hi in zip(sides, bounds[:-1], bounds[1:])]
         write_spans(cache, docs.shard, dtype, spans)
         bar.update(int(docs.ends[-1]))
+
+
+# Reading ---------------------------------------------------------------------------------------------
+
+LOOKS_FOR = "nanogpt: a folder with train.bin, or one headerless .bin file (with eos_id= and dtype=)"
+#: The most tokens a shard of a file read with an EOS holds (unless one document is longer).
+SHARD_TOKENS = 1 << 28
+
+
+def token_path(path: Path) -> Path:
+    """The token file ``path`` names: ``path/train.bin`` for a folder."""
+    return path / "train.bin" if path.is_dir() else path
+
+
+def recognise(path: Path) -> bool:
+    """Whether ``path`` is (a folder with) a ``.bin`` file without an llm.c header."""
+    file = token_path(path)
+    return file.suffix == ".bin" and file.is_file() and not has_header(file)
+
+
+def read(path: Path, options: ForeignOptions) -> Foreign:
+    """The token file at ``path`` (see the module's docstring).
+
+    Raises:
+        CacheError: the file is missing, or not a whole number of tokens of its dtype, or ``meta.pkl`` is
+            not a dict of plain values.
+        OptionsError: ``bos_id=`` (nanoGPT's documents end at an EOS), or an ``eos_id`` the dtype cannot
+            hold.
+    """
+    if options.bos_id is not None:
+        raise OptionsError(
+            f"{path}: nanoGPT's files hold each document followed by its EOT: pass eos_id= to find "
+            "documents (bos_id= is llm.c's delimiter before each one)"
+        )
+    file = token_path(path)
+    if not file.is_file():
+        raise CacheError(f"{file}: missing; a nanoGPT folder holds train.bin (open PATH/val.bin for val)")
+    dtype = np.dtype(options.dtype or "uint16").newbyteorder("<")
+    size = file.stat().st_size
+    if size % dtype.itemsize:
+        raise CacheError(
+            f"{file}: {size:,} bytes, not a whole number of {dtype.itemsize}-byte {dtype.name} tokens: the "
+            f"file is truncated, or its tokens are not {dtype.name} (pass dtype=)"
+        )
+    count = size // dtype.itemsize
+    eos = options.eos_id
+    if eos is not None:
+        check_id_fits(file, "eos_id", eos, dtype)
+    meta = file.parent / "meta.pkl"
+    vocab = _vocab_size(meta) if meta.is_file() else None
+    shards = []
+    for start, stop, docs in plan_shards(map_tokens(file, dtype, 0, count), eos, SHARD_TOKENS):
+        offset, length = start * dtype.itemsize, stop - start
+        shards.append(
+            ForeignShard(
+                file,
+                docs,
+                length,
+                tokens=partial(map_tokens, file, dtype, offset, length),
+                ends=partial(_ends, file, dtype, offset, length, eos, docs),
+                token_file=(file, offset),
+            )
+        )
+    files = [file, meta] if vocab is not None else [file]
+    return Foreign("nanogpt", path, dtype, shards, eos_id=eos, vocab_size=vocab, files=files)
+
+
+def plan_shards(
+    tokens: np.ndarray, eos_id: int | None, shard_tokens: int, *, scan_tokens: int = SCAN_TOKENS
+) -> list[tuple[int, int, int]]:
+    """``(start, stop, documents)`` of each shard of a flat stream, found in one pass that compares
+    ``scan_tokens`` at a time: each cut after the last EOS within ``shard_tokens`` tokens of its start
+    (after the first EOS past them if a document is longer); one shard, one document, without ``eos_id``."""
+    total = len(tokens)
+    if eos_id is None or not total:
+        return [(0, total, int(total > 0))]
+    spans: list[tuple[int, int, int]] = []
+    start = last = docs = 0  # the shard's start, the end of its last document so far, its documents
+    for lo in range(0, total, scan_tokens):
+        hi = min(lo + scan_tokens, total)
+        ends = np.flatnonzero(tokens[lo:hi] == eos_id) + (lo + 1)
+        j = 0
+        while True:
+            limit = start + shard_tokens
+            k = int(np.searchsorted(ends, limit, side="right"))
+            if k > j:
+                last, docs, j = int(ends[k - 1]), docs + k - j, k
+            if hi <= limit:
+                break  # every end up to the limit is not seen yet
+            if last > start:
+                spans.append((start, last, docs))
+                start, docs = last, 0
+            elif j < len(ends):  # a document longer than a shard: it ends at the next EOS
+                end = int(ends[j])
+                spans.append((start, end, 1))
+                start = last = end
+                j += 1
+            else:
+                break
+    if start < total:
+        spans.append((start, total, docs + int(int(tokens[total - 1]) != eos_id)))
+    return spans
+
+
+def _ends(path: Path, dtype: np.dtype, offset: int, count: int, eos: int | None, docs: int) -> np.ndarray:
+    if eos is None:
+        return np.array([count] if count else [], dtype=np.uint64)
+    return check_doc_count(path, ends_at(map_tokens(path, dtype, offset, count), eos), docs)
+
+
+class _PlainData(pickle.Unpickler):
+    """Unpickles builtin values only: a ``meta.pkl`` is data, and unpickling a class could run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def _vocab_size(meta: Path) -> int | None:
+    """``meta.pkl``'s ``vocab_size`` (``prepare.py``'s of shakespeare_char, or an export's)."""
+    try:
+        with open(meta, "rb") as f:
+            value = _PlainData(f).load()
+    except (pickle.UnpicklingError, EOFError, ValueError) as e:
+        raise CacheError(
+            f"{meta}: not a pickled dict of plain values ({e}); nanoGPT's meta.pkl holds vocab_size. Move it "
+            "aside to open the tokens without it"
+        ) from None
+    vocab = value.get("vocab_size") if isinstance(value, dict) else None
+    return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None

@@ -15,6 +15,19 @@ What allenai/OLMo-core ``src/olmo_core/data/numpy_dataset.py`` (``NumpyDatasetCo
   ``eos_token_id``, ``bos_token_id``, ``vocab_size`` (written last: the export's index).
 
 One file per non-empty shard. OLMo-core finds documents by their EOS, so a cache without one is refused.
+
+**Reading** (``streampack.open(PATH)``): PATH is a folder with ``olmo.json`` (an export's: its ``paths``,
+``label_mask_paths``, ``dtype``, ``eos_token_id``, ``bos_token_id`` and ``vocab_size``, the paths relative
+to the folder), or a folder of ``*.npy`` token files (every one but the ``labels_mask_*`` ones, in name
+order; ``labels_mask_X.npy`` is the mask of ``token_ids_X.npy`` where one is there, as dolma names them),
+or one such file. Without ``olmo.json``, ``dtype=`` gives the dtype (uint16 by default, dolma's) and
+``eos_id=`` the EOS, which is needed (OLMo-core's config always has it); given beside ``olmo.json`` they
+must agree with it. Each file is one shard, mapped where it lies; a document ends at each EOS (OLMo-core's
+rule for a local array, ``iter_document_indices``), and a tail after the last one is a last document. The
+EOS ids are counted when the files are opened, a scan at disk speed, rather than read from the
+``.csv.gz`` sidecars: gunzipping and parsing a line a document costs more than comparing the tokens (and a
+folder not written by dolma has none). A label mask (one bool byte a token) is the loss mask, its bytes
+read as uint8 (1 at a training target) where they lie.
 """
 
 from __future__ import annotations
@@ -23,11 +36,23 @@ import gzip
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING
+from functools import partial
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from streampack.errors import OptionsError
+from streampack.errors import CacheError, OptionsError
+from streampack.interop.reading import (
+    Foreign,
+    ForeignOptions,
+    ForeignShard,
+    check_doc_count,
+    check_id_fits,
+    docs_ending_at,
+    ends_at,
+    map_tokens,
+)
 from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:
@@ -136,3 +161,175 @@ def csv_rows(columns: Sequence[np.ndarray]) -> bytes:
         at += 1
     table[:, -1] = ord("\n")
     return table[table != 0].tobytes()
+
+
+# Reading ---------------------------------------------------------------------------------------------
+
+LOOKS_FOR = "olmo: a folder with olmo.json or headerless *.npy token files, or one .npy file (with eos_id=)"
+TOKEN_PREFIX = "token_ids"
+MASK_PREFIX = "labels_mask"
+#: The start of a NumPy ``.npy`` header: OLMo's token files are raw arrays despite their name.
+NPY_MAGIC = b"\x93NUMPY"
+
+
+def recognise(path: Path) -> bool:
+    """Whether ``path`` is a folder with ``olmo.json`` or ``*.npy`` files, or a ``.npy`` file."""
+    if path.is_dir():
+        return (path / CONFIG).is_file() or any(path.glob("*.npy"))
+    return path.suffix == ".npy" and path.is_file()
+
+
+def read(path: Path, options: ForeignOptions) -> Foreign:
+    """The token files at ``path`` (see the module's docstring).
+
+    Raises:
+        CacheError: ``olmo.json`` is not what the export writes, a token file is missing or not a whole
+            number of tokens, or a label mask is not one byte a token.
+        OptionsError: no EOS id is known, ``dtype=`` or ``eos_id=`` disagree with ``olmo.json``, or an id
+            does not fit the dtype.
+    """
+    config = _config(path / CONFIG) if path.is_dir() and (path / CONFIG).is_file() else {}
+    if config:
+        tokens = [path / p for p in config["paths"]]
+        masks = [path / p for p in config["label_mask_paths"]] if config.get("label_mask_paths") else None
+    else:
+        tokens, masks = _discover(path)
+    where = path / CONFIG if config else path
+    dtype = np.dtype(_declared(where, "dtype", config.get("dtype"), options.dtype) or "uint16")
+    dtype = dtype.newbyteorder("<")
+    eos = _declared(where, "eos_token_id", config.get("eos_token_id"), options.eos_id)
+    bos = _declared(where, "bos_token_id", config.get("bos_token_id"), options.bos_id)
+    if eos is None:
+        raise OptionsError(
+            f"{path}: OLMo's token files end each document with the EOS id, and none is known: pass eos_id= "
+            "(the tokenizer's EOS, the eos_token_id of the run's config)"
+        )
+    for name, value in (("eos_id", eos), ("bos_id", bos)):
+        if value is not None:
+            check_id_fits(path, name, value, dtype)
+    shards = []
+    for index, file in enumerate(tokens):
+        count = _token_count(file, dtype)
+        mask = None
+        if masks is not None:
+            _check_mask(masks[index], file, count)
+            mask = partial(map_tokens, masks[index], np.dtype(np.uint8), 0, count)
+        docs = docs_ending_at(map_tokens(file, dtype, 0, count), eos)
+        shards.append(
+            ForeignShard(
+                file,
+                docs,
+                count,
+                tokens=partial(map_tokens, file, dtype, 0, count),
+                ends=partial(_ends, file, dtype, count, eos, docs),
+                mask=mask,
+                token_file=(file, 0),
+            )
+        )
+    files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]
+    vocab = config.get("vocab_size")
+    return Foreign("olmo", path, dtype, shards, eos, bos, vocab, files=files)
+
+
+def _config(file: Path) -> dict[str, Any]:
+    """``olmo.json``, its fields checked."""
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CacheError(
+            f"{file}: not readable JSON ({e}); the export writes it last, so rerun the export"
+        ) from None
+    if not isinstance(config, dict):
+        raise CacheError(f"{file}: a JSON {type(config).__name__}, expected an object with paths, dtype...")
+    paths = config.get("paths")
+    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+        raise CacheError(f"{file}: paths is {paths!r}, expected a list of token file names")
+    masks = config.get("label_mask_paths")
+    if masks is not None and (
+        not isinstance(masks, list) or len(masks) != len(paths) or not all(isinstance(m, str) for m in masks)
+    ):
+        raise CacheError(
+            f"{file}: label_mask_paths is {masks!r}, expected null or a list of {len(paths)} file names (one "
+            "a token file)"
+        )
+    remote = [p for p in [*paths, *(masks or [])] if "://" in p]
+    if remote:
+        raise CacheError(
+            f"{file}: {remote[0]} is a URL; streampack opens OLMo token files on a local disk: copy them "
+            "beside olmo.json"
+        )
+    for name in ("eos_token_id", "bos_token_id", "vocab_size"):
+        value = config.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise CacheError(f"{file}: {name} is {value!r}, expected null or a non-negative integer")
+    if config.get("dtype") not in (None, "uint16", "uint32"):
+        raise CacheError(
+            f"{file}: dtype is {config['dtype']!r}, expected uint16 or uint32 (the token dtypes streampack "
+            "reads)"
+        )
+    return config
+
+
+def _discover(path: Path) -> tuple[list[Path], list[Path] | None]:
+    """The token files of a folder without ``olmo.json`` (or the one file), and their masks if any."""
+    if not path.is_dir():
+        return [path], None
+    files = sorted(p for p in path.glob("*.npy") if p.is_file())
+    tokens = [p for p in files if not p.name.startswith(MASK_PREFIX)]
+    if not tokens:
+        raise CacheError(f"{path}: no token files; the *.npy files are all label masks ({MASK_PREFIX}_*)")
+    masks = [p.with_name(p.name.replace(TOKEN_PREFIX, MASK_PREFIX, 1)) for p in tokens]
+    found = [m.is_file() and m.name.startswith(MASK_PREFIX) for m in masks]
+    if not any(found):
+        return tokens, None
+    if not all(found):
+        lacking = tokens[found.index(False)]
+        raise CacheError(
+            f"{lacking}: no label mask beside it ({masks[found.index(False)].name}), where other token files "
+            "have one: a loss mask covers every token or none"
+        )
+    return tokens, masks
+
+
+def _declared(where: Path, name: str, recorded: Any, given: Any) -> Any:
+    """The value ``olmo.json`` records for ``name``, or the one given; they must agree where both are."""
+    if recorded is not None and given is not None and recorded != given:
+        raise OptionsError(f"{where}: {name} is {recorded!r} there, but {given!r} was given: drop the option")
+    return given if recorded is None else recorded
+
+
+def _token_count(file: Path, dtype: np.dtype) -> int:
+    """The tokens of ``file``, refusing a missing one, a NumPy header, or a partial token."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(len(NPY_MAGIC))
+    except FileNotFoundError:
+        raise CacheError(f"{file}: missing; it is one of the token files the cache lists") from None
+    if head == NPY_MAGIC:
+        raise CacheError(
+            f"{file}: starts with a NumPy .npy header; OLMo's token files are headerless arrays "
+            "(np.memmap). Write its tokens with array.tofile(), or open it with np.load"
+        )
+    if size % dtype.itemsize:
+        raise CacheError(
+            f"{file}: {size:,} bytes, not a whole number of {dtype.itemsize}-byte {dtype.name} tokens: the "
+            f"file is truncated, or its tokens are not {dtype.name}"
+        )
+    return size // dtype.itemsize
+
+
+def _check_mask(mask: Path, file: Path, count: int) -> None:
+    try:
+        size = mask.stat().st_size
+    except FileNotFoundError:
+        raise CacheError(f"{mask}: missing; it should hold the label mask of {file.name}") from None
+    if size != count:
+        raise CacheError(
+            f"{mask}: {size:,} bytes, but the label mask of {file.name} holds one bool byte a token: "
+            f"{count:,} expected. The file is truncated, or belongs to another token file"
+        )
+
+
+def _ends(path: Path, dtype: np.dtype, count: int, eos: int, docs: int) -> np.ndarray:
+    return check_doc_count(path, ends_at(map_tokens(path, dtype, 0, count), eos), docs)

@@ -41,11 +41,17 @@ if TYPE_CHECKING:
 
 __all__ = ["READERS", "Foreign", "ForeignOptions", "ForeignShard", "ForeignShards", "open_foreign"]
 
+#: Tokens a scan for an id compares at a time (its temporary array holds one byte a token).
+SCAN_TOKENS = 1 << 22
+
 #: Format name -> the module that reads it, in the order a path is tried.
 READERS: dict[str, str] = {
     "megatron": "streampack.interop.megatron",
     "mds": "streampack.interop.mds",
     "datatrove": "streampack.interop.datatrove",
+    "olmo": "streampack.interop.olmo",
+    "llmc": "streampack.interop.llmc",
+    "nanogpt": "streampack.interop.nanogpt",
 }
 
 #: Bytes of the token copies (shards not stored end to end: MDS samples) that :class:`ForeignShards` keeps
@@ -347,6 +353,51 @@ def check_ends(path: Path, ends: np.ndarray, num_tokens: int) -> np.ndarray:
                 "of its token file"
             )
     return ends
+
+
+def count_id(tokens: np.ndarray, token_id: int) -> int:
+    """How many times ``token_id`` occurs in ``tokens`` (a memory map), read :data:`SCAN_TOKENS` at a time."""
+    step = SCAN_TOKENS
+    return sum(int(np.count_nonzero(tokens[i : i + step] == token_id)) for i in range(0, len(tokens), step))
+
+
+def id_positions(tokens: np.ndarray, token_id: int) -> np.ndarray:
+    """Where ``token_id`` occurs in ``tokens`` (int64, ascending), read :data:`SCAN_TOKENS` at a time."""
+    step = SCAN_TOKENS
+    parts = [np.flatnonzero(tokens[i : i + step] == token_id) + i for i in range(0, len(tokens), step)]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+
+def docs_ending_at(tokens: np.ndarray, eos_id: int) -> int:
+    """The documents of a stream in which each ends with ``eos_id``: a tail after the last EOS is one more."""
+    return count_id(tokens, eos_id) + int(len(tokens) > 0 and int(tokens[-1]) != eos_id)
+
+
+def ends_at(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """The end of each document of :func:`docs_ending_at` (uint64): after each EOS, and the stream's end."""
+    ends = id_positions(tokens, eos_id) + 1
+    if len(tokens) and (not len(ends) or int(ends[-1]) != len(tokens)):
+        ends = np.append(ends, len(tokens))
+    return ends.astype(np.uint64)
+
+
+def check_doc_count(path: Path, ends: np.ndarray, num_docs: int) -> np.ndarray:
+    """Refuse ends that do not count the ``num_docs`` documents found when the file was opened."""
+    if len(ends) != num_docs:
+        raise CacheError(
+            f"{path}: {len(ends):,} documents now, {num_docs:,} when it was opened: the file changed since; "
+            "open it again"
+        )
+    return ends
+
+
+def check_id_fits(path: Path, name: str, token_id: int, dtype: np.dtype) -> None:
+    """Refuse a declared id that tokens of ``dtype`` cannot hold (it would never be found)."""
+    if token_id >= 1 << (8 * dtype.itemsize):
+        raise OptionsError(
+            f"{path}: {name}={token_id:,} does not fit its {dtype.name} tokens (at most "
+            f"{(1 << (8 * dtype.itemsize)) - 1:,}): the id is wrong, or the files are uint32 (pass dtype=)"
+        )
 
 
 def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
