@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from streampack.cli.sources import declared, source_options
 from streampack.errors import StreampackError
 from streampack.reader import open as open_cache
 
@@ -224,7 +225,7 @@ def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | 
 
 
 @click.command()
-@click.argument("data", type=click.Path(exists=True))
+@click.argument("data", type=click.Path())
 @click.option(
     "--seq-len",
     type=click.IntRange(min=1),
@@ -259,6 +260,7 @@ def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | 
     help="A saved loader state (JSON): the batch a run resumed from it serves first (--step N: N later).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@source_options
 def which(
     data: str,
     seq_len: int | None,
@@ -272,12 +274,15 @@ def which(
     step: int | None,
     state_path: str | None,
     as_json: bool,
+    **source: Any,
 ) -> None:
     """Print the documents of one step's batch with their input file and line.
 
     DATA is a cache directory, or a mixture config (YAML or JSON). Nothing needs to have been logged:
     the batch is recomputed from the run's settings (those of its Loader), and each document's line is
     found by reading its part of the inputs again, which must be where and as they were at build time.
+    DATA may hold another format's token files: each document is then named by its file and its index
+    there (Megatron's IndexedDataset[i], the i-th document of a .ds...).
     """
     from streampack.loader.provenance import position_of
     from streampack.loader.provenance import which as find
@@ -290,7 +295,7 @@ def which(
         raise click.UsageError("give --batch-size B: the global batch size of the run")
     world_size = world_size or (state or {}).get("world_size") or 1
     shuffle = (no_shuffle, shuffle_block, shuffle_window)
-    loader = _run_loader(data, seq_len, overlap, batch_size, seed, shuffle, world_size)
+    loader = _run_loader(data, seq_len, overlap, batch_size, seed, shuffle, world_size, declared(**source))
     position = position_of(loader, step, state=state)
     docs = find(loader, step, state=state)
     if as_json:
@@ -302,7 +307,7 @@ def which(
         f"position {position:,}: {len(docs)} documents in {rows_count} runs of tokens, batch of "
         f"{batch_size} over {world_size} rank{'s' if world_size > 1 else ''}"
     )
-    mixed = Path(data).is_file()
+    mixed = _is_config(data)
     source = f"{'source':<12} " if mixed else ""
     click.echo(f"{source}{'doc':>10} {'tokens':>7}  {'rank:row[columns]':<24} location")
     for doc in docs:
@@ -321,6 +326,11 @@ def _read_state(path: str) -> dict[str, Any]:
     return state
 
 
+def _is_config(data: str) -> bool:
+    """Whether ``data`` names a mixture config (a YAML or JSON file), not a cache or token files."""
+    return Path(data).suffix in {".yaml", ".yml", ".json"} and Path(data).is_file()
+
+
 def _run_loader(
     data: str,
     seq_len: int | None,
@@ -329,19 +339,20 @@ def _run_loader(
     seed: int | None,
     shuffle: tuple[bool, int | None, int | None],
     world_size: int,
+    source: dict[str, Any],
 ) -> Any:
     """The Loader of a run over a cache directory or a mixture config, as ``which`` was told it."""
     from streampack.loader import Loader
     from streampack.loader.mixconfig import load_mixture
 
-    if Path(data).is_file():
+    if _is_config(data):
         dataset: Any = load_mixture(data)
         _check_agrees_with_config(data, dataset, seq_len, overlap, seed, shuffle)
         options: dict[str, Any] = {}
     else:
         if seq_len is None:
             raise click.UsageError("give --seq-len L: the tokens per sample of the run")
-        dataset = open_cache(data).sequences(seq_len, overlap=overlap or 0)
+        dataset = open_cache(data, **source).sequences(seq_len, overlap=overlap or 0)
         options = {"seed": seed or 0, "shuffle": _shuffle(*shuffle)}
     try:
         return Loader(dataset, batch_size=batch_size, world_size=world_size, **options)

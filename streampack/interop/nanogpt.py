@@ -186,6 +186,7 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
     meta = file.parent / "meta.pkl"
     vocab = _vocab_size(meta) if meta.is_file() else None
     shards = []
+    first_doc = 0
     for start, stop, docs in plan_shards(map_tokens(file, dtype, 0, count), eos, SHARD_TOKENS):
         offset, length = start * dtype.itemsize, stop - start
         shards.append(
@@ -196,8 +197,10 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
                 tokens=partial(map_tokens, file, dtype, offset, length),
                 ends=partial(_ends, file, dtype, offset, length, eos, docs),
                 token_file=(file, offset),
+                first_doc=first_doc,
             )
         )
+        first_doc += docs
     files = [file, meta] if vocab is not None else [file]
     return Foreign("nanogpt", path, dtype, shards, eos_id=eos, vocab_size=vocab, files=files)
 

@@ -87,7 +87,10 @@ def write(
     cache: Cache, dest: Destination, options: Options, progress: bool
 ) -> tuple[int, int, Sequence[str]]:
     """Write the shards, then the manifest (committed last)."""
-    docs_column, tokens_column, crcs, units = [], [], [], []
+    docs_column: list[int] = []
+    tokens_column: list[int] = []
+    crcs: list[list[int]] = []
+    units: list[str] = []
     with Progress(progress, cache.num_tokens, "streampack") as bar:
         for docs in shard_docs(cache):
             unit = cache.manifest.units[docs.shard]
@@ -158,7 +161,7 @@ def _copy_with_crc(cache: Cache, shard: int, out: IO[bytes], start: int, end: in
     def checksum() -> None:
         crc = 0
         for at in range(0, len(raw), _CRC_BYTES):
-            crc = zlib.crc32(raw[at : at + _CRC_BYTES], crc)
+            crc = zlib.crc32(raw[at : at + _CRC_BYTES].data, crc)
         result[0] = crc
 
     summer = threading.Thread(target=checksum, name="streampack-convert-crc", daemon=True)

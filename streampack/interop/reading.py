@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +109,7 @@ class ForeignShard:
         mask: maps its loss mask (uint8, one a token), or None without one.
         token_file: where its tokens lie end to end in a file, as (path, byte offset), or None if they
             are not stored contiguously (an export then reads them from :attr:`tokens`).
+        first_doc: the index in :attr:`path` of its first document (a file read as several shards).
     """
 
     path: Path
@@ -118,6 +119,7 @@ class ForeignShard:
     ends: Callable[[], np.ndarray]
     mask: Callable[[], np.ndarray] | None = None
     token_file: tuple[Path, int] | None = None
+    first_doc: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,11 @@ class ForeignShards:
     def token_file(self, shard: int) -> tuple[Path, int] | None:
         """Where shard ``shard``'s tokens lie end to end: (file, byte offset), or None."""
         return self.foreign.shards[self._index(shard)].token_file
+
+    def origin(self, shard: int) -> tuple[str, int]:
+        """The file that holds shard ``shard``'s documents and the index there of its first."""
+        found = self.foreign.shards[self._index(shard)]
+        return str(found.path), found.first_doc
 
     def describe(self, shard: int, kind: str) -> str:
         """The token file of shard ``shard``, and which of its parts ``kind`` is."""
@@ -299,11 +306,21 @@ def foreign_manifest(foreign: Foreign, options: ForeignOptions) -> Manifest:
         bos=BosPolicy(foreign.bos_id is not None, foreign.bos_id),
         settings=BuildSettings.from_json({"foreign": foreign.format}),
         inputs=inputs,
-        units=[f"{foreign.format}:{s.path.name}" for s in foreign.shards],
+        units=_units(foreign),
         complete=True,
         table=table,
         loss_mask=foreign.loss_mask,
     )
+
+
+def _units(foreign: Foreign) -> list[str]:
+    """Each shard described by its file (and its documents there, where a file is read as several)."""
+    shared = Counter(s.path for s in foreign.shards)
+    return [
+        f"{foreign.format}:{s.path.name}"
+        + (f"[documents {s.first_doc}:{s.first_doc + s.num_docs}]" if shared[s.path] > 1 else "")
+        for s in foreign.shards
+    ]
 
 
 def _tokenizer(foreign: Foreign, options: ForeignOptions) -> TokenizerInfo:

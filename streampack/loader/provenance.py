@@ -73,11 +73,13 @@ class Provenance:
         doc: its global index in the cache: ``cache.doc(doc)`` holds its tokens.
         length: its tokens in the cache, EOS included.
         unit: the work unit (and shard) of the cache that holds it.
-        path: the input file, or ``python:TYPE`` for documents given as Python objects.
+        path: the input file, or ``python:TYPE`` for documents given as Python objects; for a cache of
+            another format's files (:func:`streampack.open`), the file that holds the document.
         line: its line in the file, counted from 1: JSONL, and text read one document per line; else None.
-        row: its row counted from 0: of a Parquet file (``table.slice(row, 1)``), or its index in a Python
-            sequence; else None. None too for Python documents that were not given to :func:`which` when
-            their unit left some records out (the row cannot be known then).
+        row: its row counted from 0: of a Parquet file (``table.slice(row, 1)``), its index in a Python
+            sequence, or in another format's file (Megatron's ``IndexedDataset[row]``, the ``row``-th
+            document of a datatrove ``.ds``...); else None. None too for Python documents that were not
+            given to :func:`which` when their unit left some records out (the row cannot be known then).
         placements: where its tokens sit in the batch, in batch order (a document may span several rows).
     """
 
@@ -312,7 +314,12 @@ def _locate(cache: Cache, docs: list[int], documents: Any) -> dict[int, _Found]:
         locals_ = [docs[i] - int(doc_starts[shard]) for i in picked.tolist()]
         offsets = cache.shard_offsets(shard)
         unit = int(info.name)
-        for local, (path, line, row) in inputs.records(unit, locals_).items():
+        origin = cache.files.origin(shard)
+        if origin is not None:  # another format's files: the document's index in its file
+            records = {local: (origin[0], None, origin[1] + local) for local in locals_}
+        else:
+            records = inputs.records(unit, locals_)
+        for local, (path, line, row) in records.items():
             length = int(offsets[local]) - (int(offsets[local - 1]) if local else 0)
             found[int(doc_starts[shard]) + local] = _Found(unit, length, path, line, row)
     return found

@@ -88,6 +88,12 @@ class Shards(Protocol):
         messages name it."""
         ...
 
+    def origin(self, shard: int) -> tuple[str, int] | None:
+        """Another format's file that holds shard ``shard``'s documents, and the index there of its first
+        (what that format's own reader calls it); None for a native cache, whose inputs say where each
+        document came from."""
+        ...
+
     def drop(self) -> None:
         """Forget the arrays kept for reuse (those a caller still holds stay valid)."""
         ...
@@ -187,6 +193,10 @@ class ShardFiles:
     def token_file(self, shard: int) -> tuple[Path, int]:
         """The shard's ``.tokens`` file (a remote cache's local copy once :meth:`tokens` fetched it)."""
         return self.store.path(tokens_key(shard_name(self._index(shard)))), 0
+
+    def origin(self, shard: int) -> None:
+        """None: a native cache's documents come from its inputs (see :func:`streampack.which`)."""
+        return None
 
     def describe(self, shard: int, kind: str) -> str:
         """The path of shard ``shard``'s ``.tokens``, ``.offsets`` or ``.mask`` file."""
