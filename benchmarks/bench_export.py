@@ -63,6 +63,11 @@ ROWS = [
     ("mds (documents)", "mds", {}),
     ("mds (--seq-len 2048)", "mds", {"seq_len": 2048}),
     ("convert from megatron", "convert", {"source": "megatron", "open": {"eos_id": 50256}}),
+    ("convert from datatrove", "convert", {"source": "datatrove", "open": {"eos_id": 50256}}),
+    ("convert from olmo", "convert", {"source": "olmo", "open": {}}),
+    ("convert from nanogpt", "convert", {"source": "nanogpt", "open": {"eos_id": 50256}}),
+    ("convert from llmc", "convert", {"source": "llmc", "open": {}}),
+    ("convert from mds", "convert", {"source": "mds", "open": {}}),
 ]
 
 PROBE = """
