@@ -165,6 +165,9 @@ class ForeignShards:
     def __init__(self, foreign: Foreign) -> None:
         self.foreign = foreign
         self._kept: dict[str, OrderedDict[int, np.ndarray]] = {k: OrderedDict() for k in ("t", "c", "o", "m")}
+        # Per shard, where its tokens are kept: mapped ("t") or copied ("c", MDS samples).
+        self._token_kind = ["c" if s.token_file is None else "t" for s in foreign.shards]
+        self._masked = foreign.loss_mask
 
     def __repr__(self) -> str:
         foreign = self.foreign
@@ -172,12 +175,11 @@ class ForeignShards:
 
     def tokens(self, shard: int) -> np.ndarray:
         """The tokens of shard ``shard``."""
-        copied = self.foreign.shards[self._index(shard)].token_file is None
-        return self._get("c" if copied else "t", shard, lambda s: s.tokens())
+        return self._get(self._token_kind[shard], shard, _tokens_of)
 
     def offsets(self, shard: int) -> np.ndarray:
         """Where each document of shard ``shard`` ends (checked by the format's reader)."""
-        return self._get("o", shard, lambda s: s.ends())
+        return self._get("o", shard, _ends_of)
 
     def raw_offsets(self, shard: int) -> np.ndarray:
         """:meth:`offsets`, not kept."""
@@ -189,12 +191,12 @@ class ForeignShards:
         Raises:
             CacheError: the files have no loss mask.
         """
-        if not self.foreign.loss_mask:
+        if not self._masked:
             raise CacheError(
                 f"{self.foreign.root}: this {self.foreign.format} cache has no loss mask; every token is a "
                 "training target"
             )
-        return self._get("m", shard, lambda s: s.mask())  # type: ignore[misc]
+        return self._get("m", shard, _mask_of)
 
     def token_file(self, shard: int) -> tuple[Path, int] | None:
         """Where shard ``shard``'s tokens lie end to end: (file, byte offset), or None."""
@@ -228,12 +230,16 @@ class ForeignShards:
         return range(len(self.foreign.shards))[shard]
 
     def _get(self, kind: str, shard: int, make: Callable[[ForeignShard], np.ndarray]) -> np.ndarray:
+        """Shard ``shard``'s array of ``kind``: kept (a lookup, on every batch's path), or made."""
         kept = self._kept[kind]
+        array = kept.get(shard)  # kept under its non-negative index: a negative one misses, then is found
+        if array is not None:
+            with contextlib.suppress(KeyError):  # evicted by another thread since the get
+                kept.move_to_end(shard)
+            return array
         index = self._index(shard)
         array = kept.get(index)
         if array is not None:
-            with contextlib.suppress(KeyError):  # evicted by another thread since the get
-                kept.move_to_end(index)
             return array
         if self._closed:
             raise CacheError(f"{self.foreign.root}: the cache was closed; open it again to read it")
@@ -245,6 +251,19 @@ class ForeignShards:
             except KeyError:
                 break
         return array
+
+
+def _tokens_of(shard: ForeignShard) -> np.ndarray:
+    return shard.tokens()
+
+
+def _ends_of(shard: ForeignShard) -> np.ndarray:
+    return shard.ends()
+
+
+def _mask_of(shard: ForeignShard) -> np.ndarray:
+    assert shard.mask is not None  # checked by ForeignShards.mask
+    return shard.mask()
 
 
 def _nbytes(kept: OrderedDict[int, np.ndarray]) -> int:
@@ -421,4 +440,6 @@ def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarr
     """``count`` tokens of ``dtype`` at byte ``offset`` of ``path``, memory-mapped read-only."""
     if count == 0:
         return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+    # A plain ndarray view (which keeps the map alive): slicing an np.memmap costs a subclass round trip per
+    # slice, a third of a Loader's time over windows of many shards.
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,)).view(np.ndarray)
