@@ -44,9 +44,7 @@ class Cache:
     """
 
     _opened_store: CachedStore | None = None  # the store open() made for this cache, closed with it
-    #: What :func:`streampack.open` was told about another format's files (its format, ``eos_id``...):
-    #: the keywords that reopen the cache the same way in another process; None for a native cache.
-    declared: dict[str, Any] | None = None
+    declared: dict[str, Any] | None = None  # another format's files: what reopens them (format, eos_id...)
 
     def __init__(
         self, store: LocalStore, manifest: Manifest, table: ShardTable, *, files: Shards | None = None

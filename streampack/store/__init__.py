@@ -324,9 +324,8 @@ class CacheRef:
         uri: the store's URI (``file:///abs/path`` for a local cache, the URL of one in object storage).
         content: the digest of the shard table when the view was made.
         allow_incomplete: reopen the committed part of a build that had not finished.
-        reading: the options of :func:`streampack.open` that reopen it as it was opened: for a cache in
-            object storage, through the same local copy (storage options included: never shown in its
-            repr); for another format's files, what the user declared about them (``eos_id``...).
+        reading: the :func:`streampack.open` options that reopen it as it was: the same local copy of
+            object storage (storage options: never in its repr), or what another format's files declared.
     """
 
     uri: str
