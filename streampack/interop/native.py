@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import IO, TYPE_CHECKING
 
@@ -39,6 +39,7 @@ from streampack.interop.writing import (
     Progress,
     ShardDocs,
     check_int_option,
+    doc_chunks,
     shard_docs,
     write_spans,
 )
@@ -71,18 +72,6 @@ def check(cache: Cache, options: Options) -> None:
     """Nothing to refuse: a native cache keeps tokens, boundaries, masks and the manifest's policies."""
 
 
-def pieces(ends: np.ndarray, shard_tokens: int) -> Iterator[tuple[int, int]]:
-    """Document ranges ``[first, stop)`` of one shard, each of at most ``shard_tokens`` tokens (or one
-    document), in order."""
-    first = 0
-    while first < len(ends):
-        start = int(ends[first - 1]) if first else 0
-        stop = int(np.searchsorted(ends, start + shard_tokens, side="right"))
-        stop = max(stop, first + 1)
-        yield first, stop
-        first = stop
-
-
 def write(
     cache: Cache, dest: Destination, options: Options, progress: bool
 ) -> tuple[int, int, Sequence[str]]:
@@ -94,7 +83,7 @@ def write(
     with Progress(progress, cache.num_tokens, "streampack") as bar:
         for docs in shard_docs(cache):
             unit = cache.manifest.units[docs.shard]
-            for first, stop in pieces(docs.ends, options.shard_tokens):
+            for first, stop in doc_chunks(cache, docs, options.shard_tokens):
                 name = shard_name(len(units))
                 crcs.append(_write_shard(cache, docs, first, stop, name, dest))
                 start = int(docs.ends[first - 1]) if first else 0
