@@ -308,8 +308,8 @@ def which(
         f"{batch_size} over {world_size} rank{'s' if world_size > 1 else ''}"
     )
     mixed = _is_config(data)
-    source = f"{'source':<12} " if mixed else ""
-    click.echo(f"{source}{'doc':>10} {'tokens':>7}  {'rank:row[columns]':<24} location")
+    heading = f"{'source':<12} " if mixed else ""
+    click.echo(f"{heading}{'doc':>10} {'tokens':>7}  {'rank:row[columns]':<24} location")
     for doc in docs:
         placed = " ".join(f"{p.rank}:{p.row}[{p.columns[0]}:{p.columns[1]}]" for p in doc.placements)
         name = f"{doc.source:<12} " if mixed else ""

@@ -315,6 +315,7 @@ def _locate(cache: Cache, docs: list[int], documents: Any) -> dict[int, _Found]:
         offsets = cache.shard_offsets(shard)
         unit = int(info.name)
         origin = cache.files.origin(shard)
+        records: dict[int, _Where]
         if origin is not None:  # another format's files: the document's index in its file
             records = {local: (origin[0], None, origin[1] + local) for local in locals_}
         else:
