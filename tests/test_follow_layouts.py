@@ -269,3 +269,74 @@ def test_an_eras_plan_is_the_same_from_any_committed_prefix_that_holds_it(
         covered.append(len(plan))
         era += 1
     assert len(covered) == era
+
+
+def test_a_mixture_with_a_following_source_keeps_its_weights_and_resumes_mid_build_and_after(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    """A finished cache and a running build mixed half and half: two ranks serve their slices of each
+    global batch while the build is held, a state saved mid-build resumes in a loader made while it still
+    runs and in one made after it ended (with the mixture from a config that says ``follow: true``), to
+    the same batches; each source serves each of its samples once, the following one in its follow order.
+    """
+    from streampack.loader.mixconfig import load_mixture
+    from streampack.order.mixture import Mixture
+
+    web_path = streampack.build(corpus(tmp_path / "w", 600), tmp_path / "web", tokenizer=str(bpe_tokenizer),
+                                unit_bytes=1 << 16).out  # fmt: skip
+    web = streampack.open(web_path).sequences(SEQ_LEN)
+    out = tmp_path / "c"
+    follow = {"seq_len": SEQ_LEN, "batch_size": BATCH, "seed": 2, "first_era": 64, "largest_era": 2048}
+    follow.update(timeout=60.0, poll=0.02)
+    mix = {"weights": {"web": 0.5, "fresh": 0.5}, "block_size": 16, "seed": 2}
+
+    def loader(**kwargs: Any) -> streampack.Loader:
+        mixture = Mixture({"web": web, "fresh": Follow(out, **follow)}, **mix)  # type: ignore[arg-type]
+        return streampack.Loader(mixture, batch_size=BATCH, **kwargs)
+
+    proc = start_build(follow_args(corpus(tmp_path, 4000), out, bpe_tokenizer), out)
+    hold_at(proc, out, 64)  # ~200 windows: eras 0 and 1 (192 windows) are committed
+    try:
+        main, ranks = loader(), [loader(rank=r, world_size=2) for r in (0, 1)]
+        batches, saved = [], None
+        for step, (batch, left, right) in enumerate(zip(main, *ranks, strict=False)):
+            batches.append(batch)
+            assert np.array_equal(np.concatenate([left, right]), batch)
+            assert step > 2 or proc.poll() is None
+            if step == 2:
+                saved = json.loads(json.dumps(main.state_dict()))
+                resumed = loader()  # made while the build is held: mid-build
+                resumed.load_state_dict(saved)
+                again = iter(resumed)
+                release(proc)
+            if step > 2:
+                assert np.array_equal(next(again), batch)
+            if step == 60:
+                break
+    finally:
+        release(proc)
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr.decode()
+    assert saved is not None
+
+    fresh_config = {"path": str(out), "follow": True, "first_era": 64, "largest_era": 2048, "timeout": 60}
+    config = {"seq_len": SEQ_LEN, "sources": {"web": str(web_path), "fresh": fresh_config}, **mix}
+    after = streampack.Loader(load_mixture(config), batch_size=BATCH)
+    after.load_state_dict(saved)
+    assert all(np.array_equal(a, b) for a, b in zip(after, batches[3:], strict=False))
+
+    positions = np.arange(len(batches) * BATCH, dtype=np.int64)
+    sources, samples = main.order(positions)
+    fresh = main.dataset.sources["fresh"]
+    finished = streampack.open(out).sequences(SEQ_LEN)
+    tables = [web, finished]
+    expected = np.stack([tables[s][int(i)] for s, i in zip(sources, samples, strict=True)])
+    assert np.array_equal(np.concatenate(batches), expected)
+    for source in (0, 1):
+        mine = samples[sources == source]
+        assert len(np.unique(mine)) == len(mine) > 0  # each sample once
+    served = int((sources == 1).sum())
+    assert np.array_equal(samples[sources == 1], fresh.order.samples(np.arange(served, dtype=np.int64)))
+    assert [share.served for share in main.realised()] == [int((sources == s).sum()) for s in (0, 1)]
+    with pytest.raises(OptionsError, match="stop='first_exhausted' does not apply"):
+        Mixture({"web": web, "fresh": Follow(out, **follow)}, stop="first_exhausted", **mix)  # type: ignore[arg-type]

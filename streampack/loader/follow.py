@@ -315,6 +315,16 @@ class GrowingCache:
         """Unpickle; also what version 0.1 pickled (windows only: no era plans)."""
         self.__dict__.update({"_plans": [], "_committed": None} | state)
 
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the samples it serves, in their order (a mixture's checkpoint records it): the
+        follow order's fingerprint."""
+        return self.order.fingerprint()
+
+    def resume(self, order: FollowOrder) -> None:
+        """A loader goes on from a checkpoint with ``order``: this order, checked (see
+        :meth:`FollowOrder.resumed`)."""
+        self.order = order
+
     def view(self) -> PackedSequences:
         """The samples of the cache as the ledger was last read: they hold every sample of the positions
         known (windows, or the plans of the eras known laid end to end)."""
