@@ -505,7 +505,8 @@ class Follow(Loader):
             ``seed``, ``rank``, ``world_size``, ``drop_last`` (with ``then="end"``), ``output``, ``dtype``;
             not ``shuffle`` or ``epochs``: the order is the eras').
         follow: what it serves and how it waits (:class:`FollowOptions`: ``seq_len``, ``overlap``,
-            ``then``, ``first_era``, ``largest_era``, ``timeout``, ``poll``, and the object-storage
+            ``layout`` with ``too_long``, ``no_target`` and ``pad_id``, ``then``, ``first_era``,
+            ``largest_era``, ``timeout``, ``poll``, and the object-storage
             ``local_dir``, ``max_local_bytes``, ``storage_options``, ``prefetch_steps``).
         collate: applied to every batch before it is yielded.
         **keywords: fields of either, which replace those of the objects given: ``Follow(path,

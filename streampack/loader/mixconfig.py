@@ -274,7 +274,7 @@ def _follow_source(
         )
     else:
         path = str(path if "://" in path else base / path)
-    layout = "sequences" if samples["layout"] == "windows" else samples["layout"]
+    layout: Any = "sequences" if samples["layout"] == "windows" else samples["layout"]
     try:
         options = FollowOptions(
             seq_len=samples["seq_len"], overlap=samples["overlap"], layout=layout, **settings, **reading
