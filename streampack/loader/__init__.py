@@ -43,6 +43,7 @@ from streampack._aliases import renamed
 from streampack.loader.collate import Format, format_for
 from streampack.loader.given import given
 from streampack.loader.growing import Growing, Reach
+from streampack.loader.growmix import growing_mixture
 from streampack.loader.lookahead import files_ahead, prefetch_steps
 from streampack.loader.options import LoaderOptions, Output, SourceShare, check_last_batch
 from streampack.loader.reading import DataSource, Rows, _Source
@@ -109,6 +110,7 @@ class Loader(Steps):
         collate: Callable[[Any], Any] | None = None,
         **keywords: Any,
     ) -> None:
+        source = growing_mixture(source)  # a Mixture with a source that grows, grows with it
         self.options, sources, self.order = given(type(self).__name__, source, order, options, keywords)
         self.dataset: Any = source
         self.collate = collate
@@ -234,8 +236,9 @@ class Loader(Steps):
         reach = self._reach
         assert reach is not None
         known, view = reach.known, reach.source.view()
-        self._rows = Rows([_Source(view)])
-        self.formatter = format_for(self.options.output, [view])
+        parts = list(view.values()) if isinstance(view, Mapping) else [view]
+        self._rows = Rows([_Source(part) for part in parts])
+        self.formatter = format_for(self.options.output, parts)
         reach.readable = known
 
     # --- fetching ahead (object storage) ----------------------------------------------------------------
@@ -308,5 +311,7 @@ class Loader(Steps):
         check_last_batch(self.options, order.end, position)
         if self.dataset is self.order:  # a dataset that is its own order (a Mixture) follows it
             self.dataset = order
+        if self._reach is not None:  # a growing source grows with the order resumed
+            self._reach.resumed(order)
         self.order, self._position = order, position
         self._rows.forget()

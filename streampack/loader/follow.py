@@ -33,8 +33,16 @@ How it is made: a :class:`GrowingCache` is the committed part of the cache as a 
 :class:`~streampack.order.follow.FollowOrder` (:mod:`streampack.order.follow`); ``Follow(path, ...)`` is
 ``Loader(GrowingCache(path, ...))``, so every other part of it is the Loader's.
 
-Scope: the windows layout only (not ``packed`` or ``documents``, whose samples depend on later documents),
-and one cache (not a mixture).
+**Whole documents** (``layout="packed"`` or ``"documents"``, with ``too_long``, ``no_target`` and
+``pad_id`` as ``cache.packed`` and ``cache.documents`` take them): eras count documents, not windows. Era
+``e`` is documents ``[D_e, D_{e+1})``, planned on their own once the ledger shows them all committed (best-fit
+packing, or one document per sample: :mod:`streampack.samples.eras`), and its samples are served in a
+permutation of their own, as a window era's are. A plan is made from its era's documents alone, so it is
+final once made, and a sample never changes once served; an era boundary falls between two documents, so a
+document, and every piece of a split one, lies in exactly one era. After the last era (the documents left
+when the build completes) come epochs of the eras' samples together, or the end. The samples are those of
+the eras' plans, not ``open(path).packed(seq_len)``'s, which packs the whole cache at once: the price is a
+little more padding at each era's end.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import numpy as np
 
 from streampack import reader
 from streampack._checks import check_choice, check_int
@@ -59,13 +69,19 @@ from streampack.loader.growing import Reach
 from streampack.loader.options import LoaderOptions, unknown_keyword, with_keywords
 from streampack.order import MAX_POSITION
 from streampack.order.follow import Eras, FollowOrder
+from streampack.samples.eras import EraPlan, era_plan, joined
+from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong
 from streampack.samples.sequences import PackedSequences
 from streampack.store import LocalStore, open_store
 from streampack.store.files import load_manifest, read_entry
 from streampack.store.localcopy import cached_store
 from streampack.store.remote import is_remote
 
-__all__ = ["Eras", "Follow", "FollowOptions", "FollowOrder", "GrowingCache"]
+__all__ = ["Eras", "Follow", "FollowLayout", "FollowOptions", "FollowOrder", "GrowingCache"]
+
+FollowLayout = Literal["sequences", "packed", "documents"]
+# What each layout cuts a document longer than seq_len to by default: what cache.packed/documents do.
+_TOO_LONG: dict[str, TooLong] = {"packed": "split", "documents": "truncate"}
 
 # Units past the first unfinished one whose ledger entries are read while waiting, to tell a build that
 # works on later units from a stalled one (a build runs its units roughly in order); read at most every
@@ -80,7 +96,7 @@ class FollowOptions:
 
     Attributes:
         seq_len: tokens per sample.
-        overlap: extra tokens at the end of each sample (1 for next-token targets).
+        overlap: extra tokens at the end of each sample (1 for next-token targets; windows only).
         then: after the last era: ``"epochs"`` of the finished cache, endlessly (as a Loader runs), or
             ``"end"`` (one pass over every window).
         first_era: windows in era 0 (the first batch waits for them).
@@ -94,6 +110,13 @@ class FollowOptions:
         storage_options: (object storage) passed to the fsspec filesystem.
         prefetch_steps: (object storage) steps ahead whose shards are fetched in the background, within the
             eras known (8 by default; 0: none).
+        layout: ``"sequences"`` (windows, the default; ``"windows"`` is taken as a synonym), ``"packed"``
+            (whole documents, best-fit packed) or ``"documents"`` (one document per sample); for the last
+            two, ``first_era`` and ``largest_era`` count documents (see the module docstring).
+        too_long: (whole documents) what to do with a document longer than ``seq_len``: ``"split"``
+            (packed's default), ``"truncate"`` (documents' default) or ``"drop"``.
+        no_target: (whole documents) ``"keep"`` or ``"drop"`` the pieces with no target token.
+        pad_id: (whole documents) the id that fills padding; the cache's EOS id by default, else 0.
 
     Raises:
         OptionsError: an option is out of range.
@@ -110,10 +133,15 @@ class FollowOptions:
     max_local_bytes: int | None = None
     storage_options: Mapping[str, Any] | None = None
     prefetch_steps: int | None = None
+    layout: FollowLayout = "sequences"
+    too_long: TooLong | None = None
+    no_target: NoTarget = "keep"
+    pad_id: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_len", check_int("seq_len", self.seq_len, min=1, max=2**40))
         object.__setattr__(self, "overlap", check_int("overlap", self.overlap, min=0, max=2**40))
+        self._check_layout()
         check_choice("then", self.then, ("end", "epochs"))
         if not self.timeout > 0 or not self.poll > 0:
             raise OptionsError(
@@ -123,9 +151,43 @@ class FollowOptions:
         object.__setattr__(self, "first_era", eras.first)
         object.__setattr__(self, "largest_era", eras.largest)
 
+    def _check_layout(self) -> None:
+        """The layout and its settings: whole-document settings for whole documents only, and the
+        overlap for windows only; ``too_long`` set to the layout's default."""
+        layout = "sequences" if self.layout == "windows" else self.layout
+        check_choice("layout", layout, ("sequences", "packed", "documents"))
+        object.__setattr__(self, "layout", layout)
+        if layout == "sequences":
+            named = ("too_long", "pad_id")
+            given = [f"{name}={getattr(self, name)!r}" for name in named if getattr(self, name) is not None]
+            given += [f"no_target={self.no_target!r}"] if self.no_target != "keep" else []
+            if given:
+                raise OptionsError(
+                    f"{', '.join(given)} apply to whole documents, not to windows: give layout='packed' or "
+                    "'documents' with them, or leave them out"
+                )
+            return
+        if self.overlap:
+            raise OptionsError(
+                f"overlap applies to layout='sequences' only, not to {layout!r} (got "
+                f"overlap={self.overlap}); whole-document samples have no overlap: leave it out"
+            )
+        too_long = _TOO_LONG[layout] if self.too_long is None else self.too_long
+        check_choice("too_long", too_long, TOO_LONG)
+        check_choice("no_target", self.no_target, NO_TARGET)
+        object.__setattr__(self, "too_long", too_long)
+        if self.pad_id is not None:
+            object.__setattr__(self, "pad_id", check_int("pad_id", self.pad_id, min=0, max=2**63 - 1))
+
+    @property
+    def whole_documents(self) -> bool:
+        """Whether the samples are whole documents (``packed`` or ``documents``), whose eras count
+        documents."""
+        return self.layout != "sequences"
+
     @property
     def eras(self) -> Eras:
-        """The era sizes."""
+        """The era sizes (in documents for whole documents, else in windows)."""
         return Eras(self.first_era, self.largest_era)
 
     @property
@@ -146,18 +208,23 @@ class _Ledger:
         self.running: ledger.LedgerEntry | None = None  # the first unfinished unit's, as last read
         self._done_tokens = 0
 
-    def read(self) -> tuple[int, bool]:
-        """``(tokens of the committed prefix, complete)``."""
+    _done_docs: int | None = None  # None: not counted yet (a ledger that version 0.1 pickled)
+
+    def read(self) -> tuple[int, int, bool]:
+        """``(tokens of the committed prefix, its documents, complete)``."""
         self.running = None  # until read again: a failed read leaves no entry in another unit's place
+        if self._done_docs is None:
+            self._done_docs = sum(entry.docs for entry in self.done)
         progress = self._progress(len(self.done))
         while progress is not None and progress.done:
             self.done.append(progress)
             self._done_tokens += progress.tokens
+            self._done_docs += progress.docs
             progress = self._progress(len(self.done))
         self.running = progress
         if progress is None:
-            return self._done_tokens, True
-        return self._done_tokens + progress.tokens, False
+            return self._done_tokens, self._done_docs, True
+        return self._done_tokens + progress.tokens, self._done_docs + progress.docs, False
 
     def later(self) -> tuple[int, ...]:
         """Tokens committed by the units after the first unfinished one (up to ``_WATCHED_UNITS``)."""
@@ -182,9 +249,10 @@ class _Ledger:
 
 class GrowingCache:
     """The committed part of a cache whose build is running, as a source that grows
-    (:class:`~streampack.loader.growing.Growing`): its windows ``sequences(seq_len, overlap=overlap)``, in
-    the order of a :class:`~streampack.order.follow.FollowOrder`, known era by era as the ledger shows
-    them committed. See the module docstring; a :class:`Follow` is a Loader over one.
+    (:class:`~streampack.loader.growing.Growing`): its windows ``sequences(seq_len, overlap=overlap)``
+    (or its eras' plans of whole documents), in the order of a
+    :class:`~streampack.order.follow.FollowOrder`, known era by era as the ledger shows them committed.
+    See the module docstring; a :class:`Follow` is a Loader over one.
 
     Args:
         path: the cache directory or URL (its build may not have written its manifest yet).
@@ -219,28 +287,102 @@ class GrowingCache:
         self._store = cached_store(str(path), **reading) if reading else open_store(path)
         self._manifest = self._manifest_when_written()
         self._ledger = _Ledger(self._store, self._manifest.units)
-        self._first: tuple[int, bool] | None = self._ledger.read()  # taken by the first grow()
-        data = {"build": build_digest(self._manifest), "seq_len": options.seq_len, "overlap": options.overlap}
-        self.order = FollowOrder(seed=seed, eras=options.eras, then=options.then, data=data)
+        self._first: tuple[int, int, bool] | None = self._ledger.read()  # taken by the first grow()
+        data: dict[str, Any] = {"build": build_digest(self._manifest), "seq_len": options.seq_len}
+        if options.whole_documents:
+            self.pad_id = self._pad_id()
+            data.update(layout=options.layout, too_long=options.too_long, no_target=options.no_target)
+            data["pad_id"] = self.pad_id
+        else:
+            data["overlap"] = options.overlap
+        by: Literal["windows", "documents"] = "documents" if options.whole_documents else "windows"
+        self.order = FollowOrder(seed=seed, eras=options.eras, then=options.then, data=data, by=by)
         self.known = 0  # positions whose samples are known and committed
+        self._plans: list[EraPlan] = []  # whole documents: the plans of the eras known, in order
+        self._committed: reader.Cache | None = None  # the cache as the ledger was last read
 
     def __repr__(self) -> str:
         o, path = self.options, str(self.path)
         return f"GrowingCache({path!r}, seq_len={o.seq_len}, overlap={o.overlap}, known={self.known})"
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle (and copy) with an order and ledger of its own: a copy reads the ledger on its own."""
-        return self.__dict__ | {"order": copy.copy(self.order), "_ledger": copy.copy(self._ledger)}
+        """Pickle (and copy) with an order, ledger and era plans of its own: a copy reads the ledger on its
+        own."""
+        state = self.__dict__ | {"order": copy.copy(self.order), "_ledger": copy.copy(self._ledger)}
+        return state | {"_plans": list(self.__dict__.get("_plans", ())), "_committed": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickle; also what version 0.1 pickled (windows only: no era plans)."""
+        self.__dict__.update({"_plans": [], "_committed": None} | state)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What identifies the samples it serves, in their order (a mixture's checkpoint records it): the
+        follow order's fingerprint."""
+        return self.order.fingerprint()
+
+    def resume(self, order: FollowOrder) -> None:
+        """A loader goes on from a checkpoint with ``order``: this order, checked (see
+        :meth:`FollowOrder.resumed`)."""
+        self.order = order
 
     def view(self) -> PackedSequences:
-        """The windows of the cache as the ledger was last read: they hold every sample of the positions
-        known."""
-        committed = reader.open_committed(self._store, self._manifest, self._ledger.progress())
-        return committed.sequences(self.options.seq_len, overlap=self.options.overlap)
+        """The samples of the cache as the ledger was last read: they hold every sample of the positions
+        known (windows, or the plans of the eras known laid end to end)."""
+        committed = self._committed_cache()
+        o = self.options
+        if not o.whole_documents:
+            return committed.sequences(o.seq_len, overlap=o.overlap)
+        if self._first is not None:  # the eras the first read shows, which the first grow() takes
+            self._samples(*self._first)
+        settings: dict[str, int | str] = {"layout": f"follow-{o.layout}", "too_long": str(o.too_long)}
+        settings.update(no_target=o.no_target, eras=f"{o.first_era}:{o.largest_era}")
+        layout = joined(self._plans, seq_len=o.seq_len, pad_id=self.pad_id, settings=settings)
+        return PackedSequences.of(committed, layout)
 
-    def _windows(self, tokens: int) -> int:
-        """Windows that lie within the first ``tokens`` tokens of the stream."""
-        return max(0, (tokens - self.options.overlap) // self.options.seq_len)
+    def _committed_cache(self) -> reader.Cache:
+        """The committed part of the cache as the ledger was last read."""
+        if self._committed is None:
+            self._committed = reader.open_committed(self._store, self._manifest, self._ledger.progress())
+        return self._committed
+
+    def _read(self) -> tuple[int, int, bool]:
+        """The ledger read again: ``(tokens, documents, complete)`` of the committed prefix."""
+        read = self._ledger.read()
+        self._committed = None  # opened again when asked: the ledger moved on
+        return read
+
+    def _pad_id(self) -> int:
+        """The whole-document samples' padding id: the one given, checked against the token dtype, or the
+        cache's EOS id, else 0."""
+        manifest, given = self._manifest, self.options.pad_id
+        if given is None:
+            return manifest.eos.appended if manifest.eos.appended is not None else 0
+        below = int(np.iinfo(np.dtype(manifest.dtype)).max) + 1
+        hint = f"an id of the cache's {manifest.dtype} tokens"
+        return check_int("pad_id", given, min=0, below=below, hint=hint)
+
+    def _samples(self, tokens: int, docs: int, complete: bool) -> int:
+        """Samples of the eras whose samples are committed (all of them once ``complete``): windows, or
+        the samples of the eras of whole documents planned (planning those newly committed)."""
+        if not self.options.whole_documents:
+            windows = max(0, (tokens - self.options.overlap) // self.options.seq_len)
+            return windows if complete else self.order.eras.covered(windows)
+        o, eras, order = self.options, self.order.eras, self.order
+        while True:
+            era = len(self._plans)
+            first, stop = eras.start(era), eras.start(era + 1)
+            if not (stop <= docs or (complete and first < docs)):
+                break
+            kind, too_long = o.layout, o.too_long
+            assert too_long is not None
+            plan = era_plan(
+                self._committed_cache(), first, min(stop, docs), kind=kind, seq_len=o.seq_len,
+                too_long=too_long, no_target=o.no_target,
+            )  # fmt: skip
+            self._plans = [*self._plans, plan]
+            order.learn(len(plan))
+        assert order.bounds is not None
+        return order.bounds[-1]
 
     def _manifest_when_written(self) -> Manifest:
         """The build's manifest, once it has written it."""
@@ -267,16 +409,18 @@ class GrowingCache:
             OptionsError: the finished cache cannot serve the loader (see :meth:`_finish`).
         """
         if self._first is not None:  # what the first read showed: its view holds it, no second read
-            (tokens, complete), self._first = self._first, None
+            (tokens, docs, complete), self._first = self._first, None
+            samples = self._samples(tokens, docs, complete)
             if complete:  # len() and the end are known at once
-                self._finish(self._windows(tokens), check)
+                self._finish(samples, check)
             else:
-                self.known = self.order.known = self.order.eras.covered(self._windows(tokens))
+                self.known = self.order.known = samples
         if stop > self.known:
             self._await(stop, check)
 
     def _finish(self, windows: int, check: Callable[[], None]) -> None:
-        """The build is complete and holds ``windows`` samples: every position is known from now on.
+        """The build is complete and holds ``windows`` samples (windows, or the eras' samples of whole
+        documents): every position is known from now on.
 
         Raises:
             OptionsError: the finished cache cannot serve these options (``then="epochs"`` over less than
@@ -313,12 +457,12 @@ class GrowingCache:
         seen: tuple[int, ...] | None = None
         later: tuple[int, ...] | None = None
         while True:
-            tokens, complete = self._ledger.read()
-            windows = self._windows(tokens)
+            tokens, docs, complete = self._read()
+            samples = self._samples(tokens, docs, complete)
             if complete:
-                self._finish(windows, check)
+                self._finish(samples, check)
                 return
-            order.known = self.known = max(self.known, order.eras.covered(windows))
+            order.known = self.known = max(self.known, samples)
             if stop <= self.known:
                 return
             now = time.monotonic()
@@ -331,7 +475,8 @@ class GrowingCache:
             elif now - waited_since > timeout:
                 raise BuildStalledError(
                     f"{self.path}: the build committed nothing for {timeout:g} s while position "
-                    f"{stop - 1} waited for its era ({windows} samples are committed in stream order); is "
+                    f"{stop - 1} waited for its era ({samples} samples are known; {tokens} tokens of {docs} "
+                    "documents are committed in stream order); is "
                     "the build still running? Rerun the build command to resume it, or raise timeout="
                 )
             time.sleep(self.options.poll)
@@ -360,7 +505,8 @@ class Follow(Loader):
             ``seed``, ``rank``, ``world_size``, ``drop_last`` (with ``then="end"``), ``output``, ``dtype``;
             not ``shuffle`` or ``epochs``: the order is the eras').
         follow: what it serves and how it waits (:class:`FollowOptions`: ``seq_len``, ``overlap``,
-            ``then``, ``first_era``, ``largest_era``, ``timeout``, ``poll``, and the object-storage
+            ``layout`` with ``too_long``, ``no_target`` and ``pad_id``, ``then``, ``first_era``,
+            ``largest_era``, ``timeout``, ``poll``, and the object-storage
             ``local_dir``, ``max_local_bytes``, ``storage_options``, ``prefetch_steps``).
         collate: applied to every batch before it is yielded.
         **keywords: fields of either, which replace those of the objects given: ``Follow(path,
@@ -457,7 +603,7 @@ def _from_version_0_1(state: Mapping[str, Any]) -> dict[str, Any]:
     growing.__dict__.update(
         path=state["path"], options=settings, _batch_size=state["_batch_size"],
         _drop_last=state["options"].drop_last, _store=state["_store"], _manifest=state["_manifest"],
-        _ledger=state["_ledger"], _first=None, order=order, known=state["_known"],
+        _ledger=state["_ledger"], _first=None, order=order, known=state["_known"], _plans=[], _committed=None,
     )  # fmt: skip
     reach = Reach(growing)
     reach.known, reach.readable = state["_known"], state["_data_known"]

@@ -94,7 +94,8 @@ def _sources_and_order(
             raise OptionsError(
                 f"a {type(source).__name__} grows with its own order; give it without order=..."
             )
-        return [source.view()], source.order
+        view = source.view()  # one source, or several by name (a mixture with a source that grows)
+        return (list(view.values()) if isinstance(view, Mapping) else [view]), source.order
     if isinstance(source, Ordered):  # a Mixture: its sources, and itself their order
         if order is not None:
             raise OptionsError(

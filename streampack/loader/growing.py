@@ -58,8 +58,13 @@ class Growing(Protocol):
         ...
 
     def view(self) -> Any:
-        """The source as committed now (a :class:`~streampack.loader.DataSource`): it holds the samples
-        of every position known."""
+        """The source as committed now (a :class:`~streampack.loader.DataSource`, or a dict of name ->
+        source for an order of several): it holds the samples of every position known."""
+        ...
+
+    def resume(self, order: Any) -> None:
+        """The loader goes on from a checkpoint in ``order`` (what its order's ``resumed`` gave): the
+        source grows with that order from now on."""
         ...
 
 
@@ -99,6 +104,15 @@ class Reach:
             self.source.grow(stop, check)
         finally:
             self.known = self.source.known
+
+    def resumed(self, order: Order) -> None:
+        """The loader goes on from a checkpoint in ``order``: the source grows with it. A new order (a
+        mixture's, with the schedule of the checkpoint) maps positions to other samples: what is known is
+        asked again, and the next batch reads a view opened anew."""
+        before = self.source.order
+        self.source.resume(order)
+        if self.source.order is not before:
+            self.known, self.readable = self.source.known, 0
 
     def ready(self, stop: int) -> bool:
         """Whether positions ``[0, stop)`` can be read now, without waiting or reopening."""

@@ -17,6 +17,12 @@ Example ``mix.yaml``::
         local_dir: /nvme/math-copy   # optional (relative to this file); the local copy of its shards
         max_local_bytes: 2.0e+10     # optional: the bound on that copy
         storage_options: {client_kwargs: {endpoint_url: "http://127.0.0.1:9000"}}  # optional (fsspec)
+      fresh:                # a cache whose build is running, followed (streampack.Follow) as it grows
+        path: caches/fresh
+        follow: true
+        first_era: 1024              # optional: era sizes (in samples; in documents for packed/documents)
+        largest_era: 65536           # optional
+        timeout: 600                 # optional: seconds a batch waits for the build to commit more
     # For every source in object storage that does not set its own (all optional):
     local_dir: /scratch/mix  # one subdirectory per source: /scratch/mix/code, ...
     max_local_bytes: 1.0e+11 # the bound of each source's local copy
@@ -29,7 +35,10 @@ Example ``mix.yaml``::
 
 Unknown keys are refused, so a misspelt ``weigths`` never passes silently as "no weights". A source in
 object storage is read as :func:`streampack.open` reads one (``local_dir``, ``max_local_bytes``,
-``storage_options``); those keys are refused for a local cache.
+``storage_options``); those keys are refused for a local cache. A source with ``follow: true`` is the
+committed part of a cache whose build runs, read as :class:`~streampack.loader.follow.Follow` reads it
+(its eras shuffled with the config's ``seed``), beside finished ones (see
+:mod:`streampack.order.mixture`).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from typing import Any
 import orjson
 
 from streampack.errors import MissingDependencyError, OptionsError
+from streampack.loader.follow import FollowOptions, GrowingCache
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
 from streampack.reader import Cache
@@ -143,6 +153,12 @@ def _mixture(config: Mapping[str, Any], base: Path, where: str) -> Mixture:
     shared = _reading(config, base, where)
     datasets = {}
     for name, location in sources.items():
+        if isinstance(location, Mapping) and location.get("follow") is not None:
+            datasets[str(name)] = _follow_source(
+                str(name), location, shared, base, f"{where}: sources.{name}",
+                {"seq_len": seq_len, "overlap": overlap, "layout": layout, "seed": config.get("seed", 0)},
+            )  # fmt: skip
+            continue
         cache = _open_source(str(name), location, shared, base, f"{where}: sources.{name}")
         datasets[str(name)] = (
             cache.sequences(seq_len, overlap=overlap)
@@ -213,6 +229,60 @@ def _open_source(name: str, location: object, shared: dict[str, Any], base: Path
     if "local_dir" in shared and "local_dir" not in own:
         reading["local_dir"] = shared["local_dir"] / name
     return open_cache(location, **reading)
+
+
+_FOLLOWING = ("follow", "first_era", "largest_era", "timeout", "poll")
+
+
+def _follow_source(
+    name: str, location: Mapping[str, Any], shared: dict[str, Any], base: Path, where: str,
+    samples: Mapping[str, Any],
+) -> Any:  # fmt: skip
+    """The source ``follow: true`` names: a :class:`~streampack.loader.follow.GrowingCache` of the cache at
+    ``path``, whose build may be running, with the config's ``samples`` settings (seq_len, overlap,
+    layout, seed) and the source's era and waiting settings."""
+    if location["follow"] is not True:
+        raise OptionsError(
+            f"{where}: follow is true, or left out for a finished cache (got {location['follow']!r})"
+        )
+    settings = {key: location[key] for key in _FOLLOWING[1:] if key in location}
+    for key in ("first_era", "largest_era"):
+        if key in settings:
+            settings[key] = _integer(settings[key], f"{where}: {key}", minimum=1)
+    for key in ("timeout", "poll"):
+        value = settings.get(key)
+        if key in settings and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise OptionsError(f"{where}: {key} is a number of seconds (got {value!r})")
+    path = location.get("path")
+    rest = {k: v for k, v in location.items() if k not in _FOLLOWING}
+    if not isinstance(path, str) or not path:
+        raise OptionsError(f"{where}: 'path' is a cache directory or URL (got {path!r})")
+    unknown = sorted(set(map(str, rest)) - {"path", *_READING})
+    if unknown:
+        raise OptionsError(
+            f"{where}: unknown keys {unknown}; a source has {['path', *_READING, *_FOLLOWING]}"
+        )
+    reading = _reading(rest, base, where)
+    if is_remote(path):
+        reading = {**shared, **reading}
+        if "local_dir" in shared and "local_dir" not in rest:
+            reading["local_dir"] = shared["local_dir"] / name
+    elif reading:
+        raise OptionsError(
+            f"{where}: {', '.join(reading)} apply to caches in object storage (s3://...), not to the local "
+            f"cache {path}"
+        )
+    else:
+        path = str(path if "://" in path else base / path)
+    layout: Any = "sequences" if samples["layout"] == "windows" else samples["layout"]
+    try:
+        options = FollowOptions(
+            seq_len=samples["seq_len"], overlap=samples["overlap"], layout=layout, **settings, **reading
+        )
+        # In a mixture the source goes on with epochs of its finished cache, as every source does.
+        return GrowingCache(path, options, seed=int(samples["seed"]), batch_size=1, drop_last=False)
+    except OptionsError as error:
+        raise OptionsError(f"{where}: {error}") from None
 
 
 def _block_shuffle(value: Mapping[str, Any], where: str) -> BlockShuffle:

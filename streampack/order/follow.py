@@ -6,6 +6,12 @@ position ``p`` of era ``e`` is window ``W_e + Permutation(size_e, seed, epoch=e)
 ends where the finished cache's windows end, known once the build is complete; after it come full
 permutations of the finished cache (``then="epochs"``) or the end (``then="end"``).
 
+Whole-document layouts (``packed``, ``documents``) count eras in **documents**: era ``e`` is documents
+``[D_e, D_{e+1})`` (the same :class:`Eras` arithmetic), planned on their own once committed
+(:mod:`streampack.samples.eras`), and its samples are the next ``S_{e+1} - S_e`` positions, which the
+source tells the order as each era's plan is made (:meth:`FollowOrder.learn`): positions
+``[S_e, S_{e+1})`` are its samples, permuted as a window era's are.
+
 :class:`FollowOrder` is pure given the build: positions of an era whose windows are all committed map to the
 same windows before the build finishes as after. It reads nothing: what is committed is learnt by the
 source that grows with it (:class:`streampack.loader.follow.GrowingCache`), which tells it how many windows
@@ -89,16 +95,28 @@ class FollowOrder:
         seed: shuffle seed.
         eras: the era sizes.
         then: ``"end"`` after the last era, or ``"epochs"`` of the finished cache.
-        data: what identifies the samples (the build and the window settings), for checkpoints.
+        data: what identifies the samples (the build and the layout's settings), for checkpoints.
+        by: what the eras count: ``"windows"`` (the samples themselves), or ``"documents"`` (whole-document
+            layouts, whose eras' sizes in samples are learnt from their plans: :meth:`learn`).
     """
 
     names: tuple[str, ...] = ("data",)
     resumes: tuple[str, ...] = ("follow",)
+    #: Whole-document layouts: the first sample of each era whose plan is known, then the end of the last
+    #: one (``[0]`` before any); ``None`` for windows, whose eras are :class:`Eras` arithmetic in samples.
+    bounds: list[int] | None = None
 
     def __init__(
-        self, *, seed: int, eras: Eras, then: Literal["end", "epochs"], data: Mapping[str, Any]
+        self,
+        *,
+        seed: int,
+        eras: Eras,
+        then: Literal["end", "epochs"],
+        data: Mapping[str, Any],
+        by: Literal["windows", "documents"] = "windows",
     ) -> None:
         self.seed, self.eras, self.then, self.data = seed, eras, then, dict(data)
+        self.bounds = [0] if by == "documents" else None
         self.total: int | None = None  # windows of the finished cache, once the build is complete
         self.known = 0  # windows of the eras known to be committed
         self._permutations: dict[int, Callable[[np.ndarray], np.ndarray]] = {}
@@ -109,6 +127,13 @@ class FollowOrder:
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__ | {"_permutations": {}}
+
+    def learn(self, samples: int) -> None:
+        """(Whole-document layouts) the next era's plan is made and holds ``samples`` samples: its
+        positions are known."""
+        assert self.bounds is not None
+        self.bounds = [*self.bounds, self.bounds[-1] + samples]  # a new list: a prefetch thread may read it
+        self.known = self.bounds[-1]
 
     def finish(self, total: int | None) -> None:
         """The build is complete and its cache holds ``total`` windows (``None``: take that back)."""
@@ -136,15 +161,25 @@ class FollowOrder:
             out[~late] = self.samples(positions[~late])
             return out
         out = np.empty_like(positions)
-        for era, rows in groups(self.eras.of(positions)):
-            first = self.eras.start(era)
+        bounds = self.bounds
+        if bounds is not None:  # eras of documents: where each starts in samples is learnt
+            # side="right" skips eras without samples: the last era starting at or before the position.
+            of = np.searchsorted(np.asarray(bounds, dtype=np.int64), positions, side="right") - 1
+        else:
+            of = self.eras.of(positions)
+        for era, rows in groups(of):
+            first = self._start(era, bounds)
             out[rows] = first + self._permutation(era)(positions[rows] - first)
         return out
+
+    def _start(self, era: int, bounds: list[int] | None) -> int:
+        return self.eras.start(era) if bounds is None else bounds[era]
 
     def _permutation(self, era: int) -> Callable[[np.ndarray], np.ndarray]:
         permutation = self._permutations.get(era)
         if permutation is None:
-            first, stop = self.eras.start(era), self.eras.start(era + 1)
+            bounds = self.bounds
+            first, stop = self._start(era, bounds), self._start(era + 1, bounds)
             size = stop - first if self.total is None else min(stop, self.total) - first
             permutation = Permutation(size, seed=self.seed, epoch=era)
             # A new dict, not an update: a loader's prefetch thread may be looking up this one.

@@ -13,6 +13,15 @@ counts), so the map from position to sample is pure and O(1) in the position. A 
 schedule so far, which is what lets a run resume with new weights or new sources: blocks that had begun
 keep the counts they were served with, later blocks take the new ones, and every cursor continues, so no
 sample is served twice or skipped within a source's epoch.
+
+A source may **grow** while it is read: a cache whose build runs, followed
+(:class:`~streampack.loader.follow.Follow`, or its :class:`~streampack.loader.follow.GrowingCache`). Its
+samples are served in the follow order (eras, then epochs of the finished cache; its own seed), at its
+cursor as for any source, and a :class:`~streampack.Loader` over the mixture waits, before a batch, until
+that source knows the samples its cursor reaches (:mod:`streampack.loader.growmix`). The mixture's weights
+are kept exactly: a batch waits for the build rather than serve another source in its place. Its number
+of samples is the number known so far; ``stop="first_exhausted"`` is refused (the end would depend on when
+the build ends).
 """
 
 from __future__ import annotations
@@ -27,7 +36,6 @@ from streampack._checks import check_choice, check_int
 from streampack.errors import OptionsError
 from streampack.format.sections import UNDECLARED
 from streampack.order import (
-    Shuffled,
     count_batches,
     data_fingerprint,
     groups,
@@ -35,7 +43,6 @@ from streampack.order import (
 )
 from streampack.order.blockshuffle import (
     BlockShuffle,
-    BlockShuffled,
     check_shuffle,
     shuffle_fingerprint,
     single_order,
@@ -113,6 +120,12 @@ class Mixture:
         self.sources = _checked_sources(sources)
         self.names = tuple(self.sources)
         self.seed, self.shuffle, self.block_size, self.stop = seed, shuffle, block_size, stop
+        growing = [name for name, data in self.sources.items() if grows(data)]
+        if growing and stop != "never":
+            raise OptionsError(
+                f"source {growing[0]!r} grows while it is read (a cache whose build runs), so where it is "
+                f"exhausted is not known: stop={stop!r} does not apply; use stop='never'"
+            )
         self._data = [data_fingerprint(data) for data in self.sources.values()]
         self._seeds = [_derive(self.seed, f"source:{name}") for name in self.names]
         self._blocks_seed = _derive(self.seed, "blocks")
@@ -127,8 +140,22 @@ class Mixture:
         """Its sources and itself, their order: what a :class:`~streampack.loader.Loader` given it reads."""
         return self.sources, self
 
+    def growing(self) -> dict[str, Any]:
+        """The sources that grow while they are read, by name (none for finished caches)."""
+        return {name: data for name, data in self.sources.items() if grows(data)}
+
+    def with_sources(self, replaced: Mapping[str, Any]) -> Mixture:
+        """This mixture (its schedule and seeds) reading ``replaced`` in place of the sources of those
+        names: a copy of a loader reads its own copies of the sources that grow."""
+        mixture = object.__new__(Mixture)
+        mixture.__dict__.update(self.__dict__)
+        mixture.sources = {**self.sources, **replaced}
+        mixture._orders = mixture._make_orders()
+        mixture._blocks = {}
+        return mixture
+
     def __repr__(self) -> str:
-        sizes = ", ".join(f"{name}: {len(data)}" for name, data in self.sources.items())
+        sizes = ", ".join(f"{name}: {size}" for name, size in zip(self.names, self.sizes(), strict=True))
         return f"Mixture({{{sizes}}}, seed={self.seed}, block_size={self.block_size}, stop={self.stop!r})"
 
     def __getstate__(self) -> dict[str, Any]:
@@ -152,9 +179,10 @@ class Mixture:
             sizes = [len(data) for data in self.sources.values()]
             self._end = schedule.exhausted(self._schedule, self._bases, sizes, self.block_size)
 
-    def _make_orders(self) -> list[Shuffled | BlockShuffled]:
+    def _make_orders(self) -> list[Any]:
+        """Each source's order of its samples: a growing source's own (it learns its samples as it grows)."""
         return [
-            single_order(len(data), seed=seed, shuffle=self.shuffle, name=name)
+            data.order if grows(data) else single_order(len(data), seed=seed, shuffle=self.shuffle, name=name)
             for name, data, seed in zip(self.names, self.sources.values(), self._seeds, strict=True)
         ]
 
@@ -226,8 +254,8 @@ class Mixture:
         return [int(count) for count in served]
 
     def sizes(self) -> list[int]:
-        """Samples per epoch of each source."""
-        return [len(data) for data in self.sources.values()]
+        """Samples per epoch of each source (of a growing source: those known so far)."""
+        return [data.order.sizes()[0] if grows(data) else len(data) for data in self.sources.values()]
 
     def weights(self, position: int) -> list[float]:
         """Each source's share of the blocks in force at ``position`` (the rounded weights)."""
@@ -304,14 +332,20 @@ def _checked_sources(sources: Mapping[str, Any]) -> dict[str, Any]:
             f"(got {summary(sources)})"
         )
     widths, tokenizers = {}, {}
+    checked = {}
     for name, data in sources.items():
         if not isinstance(name, str) or not name:
             raise OptionsError(f"source names must be non-empty strings (got {name!r})")
-        if not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
+        if grows(getattr(data, "dataset", None)):  # a Follow: the source that grows it reads
+            data = data.dataset
+        checked[name] = data
+        if grows(data):  # what it holds now says its width and tokenizer
+            data = data.view()
+        elif not hasattr(data, "__len__") or not hasattr(data, "__getitem__"):
             raise OptionsError(
                 f"source {name!r} is a {type(data).__name__}, not a dataset (len() and [indices])"
             )
-        if len(data) == 0:
+        elif len(data) == 0:
             raise OptionsError(f"source {name!r} has no samples")
         width = getattr(data, "width", None) or (
             data.shape[1] if isinstance(data, np.ndarray) and data.ndim == 2 else None
@@ -330,7 +364,13 @@ def _checked_sources(sources: Mapping[str, Any]) -> dict[str, Any]:
             f"the sources were tokenized with different tokenizers ({described}): their ids mean different "
             "tokens. Build every cache with the tokenizer the model uses."
         )
-    return dict(sources)
+    return checked
+
+
+def grows(data: object) -> bool:
+    """Whether ``data`` is a source that grows while it is read
+    (:class:`~streampack.loader.growing.Growing`: an order of its own, ``known`` and ``grow``)."""
+    return all(hasattr(data, name) for name in ("order", "known", "grow", "view"))
 
 
 def _derive(seed: int, tag: str) -> int:

@@ -112,17 +112,7 @@ def _plan(
     def tables() -> Iterator[dict[str, np.ndarray]]:
         before = 0  # pieces in the chunks before this one
         for shards, lo, lengths in pieces:
-            bin_of = assign(lengths, seq_len)
-            placed = np.empty(len(lengths), dtype=np.int64)  # the order pieces went into their bins
-            placed[np.argsort(-lengths, kind="stable")] = np.arange(len(lengths))
-            order = np.lexsort((placed, bin_of))
-            counts = np.bincount(bin_of)
-            yield {
-                "starts": before + np.cumsum(counts) - counts,
-                "shards": shards[order],
-                "lo": lo[order],
-                "lengths": lengths[order],
-            }
+            yield binned(shards, lo, lengths, assign(lengths, seq_len), before)
             before += len(lengths)
         yield {"starts": np.array([before], dtype=np.int64)}
 
@@ -141,6 +131,24 @@ def _plan(
         no_target=plan.no_target,
         checked=(plan.checksum, plan.identities),
     )
+
+
+def binned(
+    shards: np.ndarray, lo: np.ndarray, lengths: np.ndarray, bin_of: np.ndarray, before: int
+) -> dict[str, np.ndarray]:
+    """The table of one chunk's pieces placed in bins ``bin_of``: each bin's first piece (counted from
+    ``before``, the pieces of the chunks before it), and the pieces in bin order, each bin's in the order
+    they went in."""
+    placed = np.empty(len(lengths), dtype=np.int64)  # the order pieces went into their bins
+    placed[np.argsort(-lengths, kind="stable")] = np.arange(len(lengths))
+    order = np.lexsort((placed, bin_of))
+    counts = np.bincount(bin_of)
+    return {
+        "starts": before + np.cumsum(counts) - counts,
+        "shards": shards[order],
+        "lo": lo[order],
+        "lengths": lengths[order],
+    }
 
 
 def plan_again(
