@@ -78,8 +78,8 @@ class Loader(Steps):
         for batch in loader:  # (32, 2049) int64 arrays
             x, y = batch[:, :-1], batch[:, 1:]
 
-    Over a cache in object storage it fetches the next steps' shards on a thread of its own
-    (:mod:`streampack.loader.prefetch`): :meth:`close` it, or use ``with Loader(...) as loader:``.
+    Over object storage it fetches the next steps' shards on a thread of its own (:mod:`.prefetch`):
+    :meth:`close` it, or use ``with Loader(...) as loader:``.
 
     Args:
         source: the samples: a :class:`DataSource` such as ``cache.sequences(seq_len)`` or a 2-D numpy
@@ -113,8 +113,7 @@ class Loader(Steps):
         source = growing_mixture(source)  # a Mixture with a source that grows, grows with it
         self.options, sources, self.order = given(type(self).__name__, source, order, options, keywords)
         self.dataset: Any = source
-        self.collate = collate
-        self._rows = Rows(sources)
+        self.collate, self._rows = collate, Rows(sources)
         # Every checkpoint resumes against the order given here, never one an earlier load produced.
         self._configured: Order = self.order
         self._position = 0

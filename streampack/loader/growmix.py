@@ -28,14 +28,14 @@ from typing import Any
 
 from streampack.loader.growing import Growing
 from streampack.order import MAX_POSITION
-from streampack.order.mixture import Mixture
+from streampack.order.mixture import Mixture, growing_sources, with_sources
 
 __all__ = ["GrowingMixture", "growing_mixture"]
 
 
 def growing_mixture(source: Any) -> Any:
     """``source``, or a :class:`GrowingMixture` of it when it is a Mixture with a source that grows."""
-    if isinstance(source, Mixture) and source.growing():
+    if isinstance(source, Mixture) and growing_sources(source):
         return GrowingMixture(source)
     return source
 
@@ -57,8 +57,8 @@ class GrowingMixture:
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy grows on its own: its own copies of the growing sources, in a mixture that reads them."""
-        growing = {name: copy.copy(data) for name, data in self.order.growing().items()}
-        return self.__dict__ | {"order": self.order.with_sources(growing)}
+        growing = {name: copy.copy(data) for name, data in growing_sources(self.order).items()}
+        return self.__dict__ | {"order": with_sources(self.order, growing)}
 
     @property
     def sources(self) -> dict[str, Any]:
@@ -89,7 +89,7 @@ class GrowingMixture:
         return {name: data.view() if name in growing else data for name, data in self.order.sources.items()}
 
     def _growing_names(self) -> set[str]:
-        return set(self.order.growing())
+        return set(growing_sources(self.order))
 
     def _known(self) -> int:
         """The largest position ``P`` whose cursors ``consumed(P)`` each growing source knows."""

@@ -120,12 +120,9 @@ class Mixture:
         self.sources = _checked_sources(sources)
         self.names = tuple(self.sources)
         self.seed, self.shuffle, self.block_size, self.stop = seed, shuffle, block_size, stop
-        growing = [name for name, data in self.sources.items() if grows(data)]
-        if growing and stop != "never":
-            raise OptionsError(
-                f"source {growing[0]!r} grows while it is read (a cache whose build runs), so where it is "
-                f"exhausted is not known: stop={stop!r} does not apply; use stop='never'"
-            )
+        if (growing := list(growing_sources(self))) and stop != "never":  # its end is not known yet
+            end = f"its end is not known, so stop={stop!r} does not apply: use stop='never'"
+            raise OptionsError(f"source {growing[0]!r} grows while read (its build runs): {end}")
         self._data = [data_fingerprint(data) for data in self.sources.values()]
         self._seeds = [_derive(self.seed, f"source:{name}") for name in self.names]
         self._blocks_seed = _derive(self.seed, "blocks")
@@ -139,20 +136,6 @@ class Mixture:
     def sources_and_order(self) -> tuple[dict[str, Any], Mixture]:
         """Its sources and itself, their order: what a :class:`~streampack.loader.Loader` given it reads."""
         return self.sources, self
-
-    def growing(self) -> dict[str, Any]:
-        """The sources that grow while they are read, by name (none for finished caches)."""
-        return {name: data for name, data in self.sources.items() if grows(data)}
-
-    def with_sources(self, replaced: Mapping[str, Any]) -> Mixture:
-        """This mixture (its schedule and seeds) reading ``replaced`` in place of the sources of those
-        names: a copy of a loader reads its own copies of the sources that grow."""
-        mixture = object.__new__(Mixture)
-        mixture.__dict__.update(self.__dict__)
-        mixture.sources = {**self.sources, **replaced}
-        mixture._orders = mixture._make_orders()
-        mixture._blocks = {}
-        return mixture
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{name}: {size}" for name, size in zip(self.names, self.sizes(), strict=True))
@@ -371,6 +354,22 @@ def grows(data: object) -> bool:
     """Whether ``data`` is a source that grows while it is read
     (:class:`~streampack.loader.growing.Growing`: an order of its own, ``known`` and ``grow``)."""
     return all(hasattr(data, name) for name in ("order", "known", "grow", "view"))
+
+
+def growing_sources(mixture: Mixture) -> dict[str, Any]:
+    """The sources of ``mixture`` that grow while they are read, by name (none for finished caches)."""
+    return {name: data for name, data in mixture.sources.items() if grows(data)}
+
+
+def with_sources(mixture: Mixture, replaced: Mapping[str, Any]) -> Mixture:
+    """``mixture`` (its schedule and seeds) reading ``replaced`` in place of the sources of those names: a
+    copy of a loader reads its own copies of the sources that grow."""
+    copied = object.__new__(Mixture)
+    copied.__dict__.update(mixture.__dict__)
+    copied.sources = {**mixture.sources, **replaced}
+    copied._orders = copied._make_orders()
+    copied._blocks = {}
+    return copied
 
 
 def _derive(seed: int, tag: str) -> int:
