@@ -6,7 +6,9 @@ counts) and the 1x cache once; the baseline, measured the same way in the same r
 ``shutil.copyfile`` of the cache's shard files (tokens and offsets). The table gives each export's
 throughput ÷ the copy's on the same bytes (the copy's seconds ÷ the export's; goal >= 0.8), and the peak
 RSS (``VmHWM``, imports included) of the 1x and 4x processes (goal: 4x within 50 MB of 1x: memory flat in
-the cache's size). ``--quick`` uses the first 100 documents, one repeat: a smoke run. The ``convert``
+the cache's size). ``--quick`` uses the first 100 documents, one repeat: a smoke run; ``--corpus FILE``
+another JSONL corpus (the 345 MB one, with ``--unit-bytes 67108864``: shards of a default build), and
+``--rows convert,megatron`` only the rows whose names hold one of those texts. The ``convert``
 rows time ``streampack.interop.convert`` of an export of the cache (made beforehand, not timed) into a
 native cache, against the same copy.
 
@@ -143,6 +145,13 @@ def main() -> None:
     parser.add_argument(
         "--unit-bytes", type=int, default=1 << 20, help="input bytes a shard of the caches holds (1 MiB)"
     )
+    parser.add_argument(
+        "--corpus",
+        help="a JSONL corpus instead of the sample (e.g. natural.jsonl of ../shared/data/make_corpus.sh)",
+    )
+    parser.add_argument(
+        "--rows", default="", help="only the rows whose name contains one of these comma-separated texts"
+    )
     parser.add_argument("--tmp", default=os.path.join(tempfile.gettempdir(), "streampack-bench-export"))
     parser.add_argument("--out", help="report file (default benchmarks/results/export[-quick].md)")
     args = parser.parse_args()
@@ -153,26 +162,34 @@ def main() -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        caches = build_caches(tmp, quick=args.quick, unit_bytes=args.unit_bytes)
-        report = measure_all(caches, tmp, repeats, args.quick)
+        caches = build_caches(tmp, quick=args.quick, unit_bytes=args.unit_bytes, corpus=args.corpus)
+        report = measure_all(caches, tmp, repeats, args.quick, args.rows)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     publish(report, "export", args)
 
 
-def build_caches(tmp: Path, *, quick: bool, unit_bytes: int = 1 << 20) -> dict[str, Path]:
-    """The 1x and 4x caches (shards of about ``unit_bytes`` of input each)."""
+def build_caches(
+    tmp: Path, *, quick: bool, unit_bytes: int = 1 << 20, corpus: str | None = None
+) -> dict[str, Path]:
+    """The 1x and 4x caches (shards of about ``unit_bytes`` of input each), of the sample or ``corpus``."""
     import streampack
 
-    lines = zstandard.ZstdDecompressor().stream_reader(CORPUS.open("rb")).read().splitlines(keepends=True)
+    if corpus is not None:
+        text = Path(corpus).read_bytes()
+    else:
+        text = zstandard.ZstdDecompressor().stream_reader(CORPUS.open("rb")).read()
     if quick:
-        lines = lines[:100]
+        text = b"".join(text.splitlines(keepends=True)[:100])
     caches = {}
     for times in (1, 4):
         src = tmp / f"corpus-{times}x.jsonl"
-        src.write_bytes(b"".join(lines) * times)
+        with open(src, "wb") as f:
+            for _ in range(times):
+                f.write(text)
         caches[f"{times}x"] = out = tmp / f"cache-{times}x"
         streampack.build(src, out, tokenizer=str(TOKENIZER), unit_bytes=unit_bytes, progress=False)
+        src.unlink()
     return caches
 
 
@@ -187,7 +204,7 @@ def run(cache: Path, out: Path, kind: str, repeats: int, options: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure_all(caches: dict[str, Path], tmp: Path, repeats: int, quick: bool) -> str:
+def measure_all(caches: dict[str, Path], tmp: Path, repeats: int, quick: bool, only: str = "") -> str:
     import streampack
 
     big = streampack.open(caches["4x"])
@@ -209,7 +226,8 @@ def measure_all(caches: dict[str, Path], tmp: Path, repeats: int, quick: bool) -
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     goals = []
-    for name, kind, options in ROWS:
+    chosen = [row for row in ROWS if any(part in row[0] for part in only.split(","))]
+    for name, kind, options in chosen:
         four = run(caches["4x"], tmp / "rows", kind, repeats, options)
         one = run(caches["1x"], tmp / "rows", kind, 1, options)
         ratio = four["copy_seconds"] / four["seconds"]

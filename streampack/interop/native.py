@@ -14,10 +14,12 @@ the GIL), so the copy runs at about the speed of a plain copy.
 
 from __future__ import annotations
 
+import os
 import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 import numpy as np
@@ -145,18 +147,44 @@ def _write_shard(
 def _copy_with_crc(cache: Cache, shard: int, out: IO[bytes], start: int, end: int, tokens: np.ndarray) -> int:
     """Copy tokens ``[start, end)`` of ``shard`` to ``out`` while another thread computes their CRC-32."""
     result = [0]
-    raw = np.ascontiguousarray(tokens, dtype=cache.dtype.newbyteorder("<")).view(np.uint8)
-
-    def checksum() -> None:
-        crc = 0
-        for at in range(0, len(raw), _CRC_BYTES):
-            crc = zlib.crc32(raw[at : at + _CRC_BYTES].data, crc)
-        result[0] = crc
-
-    summer = threading.Thread(target=checksum, name="streampack-convert-crc", daemon=True)
+    where = cache.files.token_file(shard)
+    summer = threading.Thread(
+        target=_crc_of_file if where is not None else _crc_of_array,
+        args=(result, where, cache.dtype.itemsize, start, end)
+        if where is not None
+        else (result, tokens, cache),
+        name="streampack-convert-crc",
+        daemon=True,
+    )
     summer.start()
     try:
         write_spans(cache, shard, cache.dtype.newbyteorder("<"), [(out, start, end)])
     finally:
         summer.join()
     return result[0]
+
+
+def _crc_of_file(result: list[int], where: tuple[Path, int], itemsize: int, start: int, end: int) -> None:
+    """The CRC-32 of tokens ``[start, end)`` of a token file, by plain reads into one buffer: pages of a
+    memory map would count towards the process's memory until unmapped."""
+    path, base = where
+    buffer = bytearray(_CRC_BYTES)
+    view, crc = memoryview(buffer), 0
+    with open(path, "rb", buffering=0) as f:
+        at, stop = base + start * itemsize, base + end * itemsize
+        while at < stop:
+            n = os.preadv(f.fileno(), [view[: min(_CRC_BYTES, stop - at)]], at)
+            if n == 0:
+                break  # cut short meanwhile: the copy says so
+            crc = zlib.crc32(view[:n], crc)
+            at += n
+    result[0] = crc
+
+
+def _crc_of_array(result: list[int], tokens: np.ndarray, cache: Cache) -> None:
+    """The CRC-32 of tokens held in memory (a shard not stored end to end: MDS samples)."""
+    raw = np.ascontiguousarray(tokens, dtype=cache.dtype.newbyteorder("<")).view(np.uint8)
+    crc = 0
+    for at in range(0, len(raw), _CRC_BYTES):
+        crc = zlib.crc32(raw[at : at + _CRC_BYTES].data, crc)
+    result[0] = crc
