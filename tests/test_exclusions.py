@@ -290,3 +290,30 @@ def test_bad_exclusions_are_refused_with_what_was_given(numbered: streampack.Cac
         run.exclude(Exclusions(documents=[1], at=6))
     run.exclude(Exclusions(documents=[1]))
     assert run.exclusions_state()[0]["at"] == 18
+
+
+def test_a_mixture_config_names_exclusions_globally_and_per_source(
+    numbered: streampack.Cache, other: streampack.Cache, tmp_path: Path
+) -> None:
+    from streampack.loader.mixconfig import load_mixture, mixture_exclusions
+
+    config = tmp_path / "mix.yaml"
+    config.write_text(
+        f"seq_len: {SEQ_LEN}\nseed: 2\nblock_size: 16\n"
+        f"sources:\n  a: {{path: {numbered.root}, exclude: {{documents: [1, 2]}}}}\n  b: {other.root}\n"
+        "weights: {a: 1, b: 1}\n"
+        "exclude:\n  - steps: [[2, 3]]\n  - documents: {b: [4]}\n    mode: skip\n"
+    )
+    found = mixture_exclusions(config)
+    assert [e.counts() for e in found] == [
+        {"documents": 0, "hashes": 0, "steps": 1, "positions": 0},
+        {"documents": 1, "hashes": 0, "steps": 0, "positions": 0},
+        {"documents": 2, "hashes": 0, "steps": 0, "positions": 0},
+    ]
+    loader = Loader(load_mixture(config), batch_size=8, exclude=found)
+    bad_a = set(excluded_samples(numbered.sequences(SEQ_LEN), np.asarray([1, 2])).tolist())
+    for position in itertools.islice(loader.schedule(), 40):
+        sources, samples = loader.picks(position)
+        assert not {int(s) for s, src in zip(samples, sources, strict=True) if src == 0} & bad_a
+    with pytest.raises(OptionsError, match=r"exclude\[0\]"):
+        mixture_exclusions({"sources": {}, "exclude": [{"step": [1, 2]}]})
