@@ -23,7 +23,7 @@ from streampack.testing.caches import write_random_cache
 
 def rate(loader: Loader, steps: int) -> float:
     """Batches per second over ``steps`` batches from the loader's position 0."""
-    loader._position = 0  # noqa: SLF001 - restart the same loader (its exclusions counted once)
+    loader._position = 0  # restart the same loader: its exclusions are counted once
     start = time.perf_counter()
     for _, _batch in zip(range(steps), loader, strict=False):
         pass

@@ -336,8 +336,8 @@ class Loader(Steps):
             OptionsError: ``at`` is before the current position (batches already served would change),
                 or ``entry`` does not fit the sources or the output (see :class:`Loader`).
         """
-        self._exclude_given = [*self._exclude_given, entry]
         self._enforce([*self._in_force, self._placed(entry, self._position)])
+        self._exclude_given = [*self._exclude_given, entry]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a :meth:`state_dict`: the next batch starts where the saved run stopped.
@@ -354,10 +354,8 @@ class Loader(Steps):
             OptionsError: ``drop_last=False`` would give some rank an empty last batch from there.
         """
         datasets = [source.data for source in self.sources]
-        recorded: list[Mapping[str, Any]] = (
-            list(state.get("exclusions", ())) if isinstance(state, Mapping) else []
-        )
-        position, order = resume(state, self._configured, datasets)
+        position, order = resume(state, self._configured, datasets)  # the state read strictly
+        recorded: list[Mapping[str, Any]] = list(state.get("exclusions", ()))
         check_prefix(recorded, self._exclude_given)
         kept = [(self._exclude_given[i], int(e["at"]), int(e["batch_size"])) for i, e in enumerate(recorded)]
         if any(entry.mode == "skip" and at < position for entry, at, _ in kept):
@@ -366,11 +364,12 @@ class Loader(Steps):
             cursor = self._layered(whole, kept)[0]._cursor(position)  # type: ignore[attr-defined]
             order = resume({**state, "position": cursor}, self._configured, datasets)[1]
         added = [self._placed(entry, position) for entry in self._exclude_given[len(recorded) :]]
+        filtered, masking = self._checked(order, kept + added)
+        check_last_batch(self.options, filtered.end, position)  # before anything changes
         if self.dataset is self._base:  # a dataset that is its own order (a Mixture) follows it
             self.dataset = order
         self._base, self._position = order, position
-        self._enforce(kept + added)
-        check_last_batch(self.options, self.order.end, position)
+        self.order, self._masking, self._in_force = filtered, masking, kept + added
         self._rows.forget()
 
     # --- exclusions -------------------------------------------------------------------------------------
@@ -422,7 +421,16 @@ class Loader(Steps):
         return order, (Masking(masks) if masks else None)
 
     def _enforce(self, entries: list[tuple[Exclusions, int, int]]) -> None:
-        """Put ``entries`` in force over the base order (their positions must not go back)."""
+        """Put ``entries`` in force over the base order (see :meth:`_checked`)."""
+        self.order, self._masking = self._checked(self._base, entries)
+        self._in_force = list(entries)
+        self._rows.forget()
+
+    def _checked(
+        self, base: Order, entries: list[tuple[Exclusions, int, int]]
+    ) -> tuple[Order, Masking | None]:
+        """``base`` filtered by ``entries`` and their masking, once they fit: their positions do not go
+        back, and mask mode has labels to mask."""
         ats = [at for _, at, _ in entries]
         if ats != sorted(ats):
             raise OptionsError(
@@ -437,9 +445,7 @@ class Loader(Steps):
                 f"{self.options.output!r} has no labels; use output='dict' (or 'varlen', 'hf-flash'), or "
                 "mode='skip'"
             )
-        self.order, self._masking = self._layered(self._base, entries)
-        self._in_force = list(entries)
-        self._rows.forget()
+        return self._layered(base, entries)
 
 
 def _listed(exclude: Exclusions | Sequence[Exclusions] | None) -> list[Exclusions]:
