@@ -112,7 +112,7 @@ def _kind_of(kind: str, path: Path_, key: str) -> type:
     return {"seed": int, "position": int, "batch_size": int, "world_size": int, "epoch": int,
             "samples_in_epoch": int, "block": int, "window": int, "block_size": int, "shuffle": bool,
             "drop_last": bool, "data": dict, "dataset": dict, "order": dict, "sources": dict,
-            "schedule": list, "eras": list}[key]  # fmt: skip
+            "schedule": list, "eras": list, "exclusions": list}[key]  # fmt: skip
 
 
 KINDS = ["shuffled", "blocks", "mixture", "follow", "version 1"]

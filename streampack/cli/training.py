@@ -170,9 +170,10 @@ def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | 
     The config's keys (unknown ones are refused): seq_len and sources (required); weights, or stages
     (a list of {at: SAMPLES or {tokens: N}, weights: {...}}); layout (windows, packed, documents),
     overlap, seed, shuffle (true, false or {block: B, window: W}), block_size, stop (never,
-    first_exhausted); for sources in object storage, local_dir, max_local_bytes and storage_options.
+    first_exhausted); for sources in object storage, local_dir, max_local_bytes and storage_options;
+    exclude (a list of {documents, hashes, steps, positions, mode, at}: what the run takes out).
     A source is a cache directory (relative to the config file), a URL (s3://bucket/prefix), or
-    {path: ..., local_dir: ..., max_local_bytes: ..., storage_options: ...}. For example:
+    {path: ..., local_dir: ..., max_local_bytes: ..., storage_options: ..., exclude: ...}. For example:
 
     \b
         seq_len: 2048
@@ -343,12 +344,12 @@ def _run_loader(
 ) -> Any:
     """The Loader of a run over a cache directory or a mixture config, as ``which`` was told it."""
     from streampack.loader import Loader
-    from streampack.loader.mixconfig import load_mixture
+    from streampack.loader.mixconfig import load_mixture, mixture_exclusions
 
     if _is_config(data):
         dataset: Any = load_mixture(data)
         _check_agrees_with_config(data, dataset, seq_len, overlap, seed, shuffle)
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"exclude": mixture_exclusions(data)}
     else:
         if seq_len is None:
             raise click.UsageError("give --seq-len L: the tokens per sample of the run")

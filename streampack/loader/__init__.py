@@ -34,13 +34,15 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from streampack._aliases import renamed
-from streampack.loader.collate import Format, format_for
+from streampack.errors import OptionsError
+from streampack.loader.collate import CausalLMDict, Format, format_for
+from streampack.loader.exclusions import Exclusions, check_prefix, entry_state
 from streampack.loader.given import given
 from streampack.loader.growing import Growing, Reach
 from streampack.loader.growmix import growing_mixture
@@ -49,13 +51,14 @@ from streampack.loader.options import LoaderOptions, Output, SourceShare, check_
 from streampack.loader.reading import DataSource, Rows, _Source
 from streampack.loader.state import LOADER_VERSION, resume, saved
 from streampack.loader.steps import Steps
-from streampack.order import Order, Ordered
+from streampack.order import MAX_POSITION, Order, Ordered
 
 if TYPE_CHECKING:
+    from streampack.loader.excluding import Masking
     from streampack.loader.prefetch import Prefetcher
     from streampack.store.localcopy import CachedStore
 
-__all__ = ["STATE_VERSION", "DataSource", "Loader", "LoaderOptions", "Output", "SourceShare"]
+__all__ = ["STATE_VERSION", "DataSource", "Exclusions", "Loader", "LoaderOptions", "Output", "SourceShare"]
 __getattr__ = renamed(__name__, {"SourceProgress": "SourceShare"})  # 0.1's name
 
 STATE_VERSION = LOADER_VERSION
@@ -90,6 +93,9 @@ class Loader(Steps):
         options: a :class:`~streampack.loader.options.LoaderOptions`, which documents each setting;
             keywords given too replace its fields (``batch_size``, the GLOBAL batch size, is required).
         collate: applied to every batch before it is yielded (e.g. ``torch.from_numpy``).
+        exclude: :class:`~streampack.loader.exclusions.Exclusions` (or a list of them, in the order they
+            were given during the run) taking documents and steps out of the run from a position on
+            (:mod:`streampack.loader.exclusions`).
 
     Raises:
         TypeError: ``source`` cannot be read a batch of indices at a time, or a keyword names no option.
@@ -100,6 +106,10 @@ class Loader(Steps):
     """
 
     _prefetcher: Prefetcher | None = None  # started by the first batch read from object storage
+    # No exclusions: what a loader unpickled from an earlier version holds (see __init__).
+    _exclude_given: Sequence[Exclusions] = ()
+    _in_force: Sequence[tuple[Exclusions, int, int]] = ()
+    _masking: Masking | None = None
 
     def __init__(
         self,
@@ -108,6 +118,7 @@ class Loader(Steps):
         order: Order | None = None,
         options: LoaderOptions | None = None,
         collate: Callable[[Any], Any] | None = None,
+        exclude: Exclusions | Sequence[Exclusions] | None = None,
         **keywords: Any,
     ) -> None:
         source = growing_mixture(source)  # a Mixture with a source that grows, grows with it
@@ -120,6 +131,15 @@ class Loader(Steps):
         # How far a growing source is known and opened (streampack.loader.growing); None: it is whole.
         self._reach = Reach(source) if isinstance(source, Growing) else None
         self.formatter: Format = format_for(self.options.output, [source.data for source in sources])
+        # Exclusions: those given, those in force (entry, position it took effect at, batch size of its
+        # steps), the order they filter, and per process the documents each names, by digest.
+        self._exclude_given = _listed(exclude)
+        self._base: Order = self.order
+        self._excluded_docs: dict[str, dict[int, np.ndarray]] = {}
+        if self._exclude_given:
+            self._enforce(
+                [(e, 0 if e.at is None else e.at, self.options.batch_size) for e in self._exclude_given]
+            )
         self._check_last_batch()
         if self._reach is not None:  # what it knows now, which the view opened above holds
             self._reach.grow(0, self._check_last_batch)
@@ -157,6 +177,8 @@ class Loader(Steps):
         if "_rows" not in state:
             state = {"_reach": None} | Rows.of_version_0_1(state)
         self.__dict__.update(state)
+        if "_base" not in self.__dict__:  # pickled before exclusions: its order is unfiltered
+            self.__dict__.update(_base=self.__dict__.get("order"), _excluded_docs={})
 
     def __repr__(self) -> str:
         o = self.options
@@ -192,7 +214,14 @@ class Loader(Steps):
         """
         sources, samples = self.picks(position)
         tokens = self._rows.read(position, sources, samples, out, self._out_dtype)
-        result = self.formatter(tokens, sources, samples)
+        if self._masking is not None and isinstance(self.formatter, CausalLMDict):
+            rows = np.arange(*self._span(position), dtype=np.int64)
+            masking = self._masking
+            result = self.formatter(
+                tokens, sources, samples, masked=lambda r, d: masking(rows, sources, r, d)
+            )
+        else:
+            result = self.formatter(tokens, sources, samples)
         if self._rows.prefetches:  # a cache in object storage: fetch the next steps' shards
             self._prefetch(position)
         return self.collate(result) if self.collate is not None else result
@@ -289,8 +318,28 @@ class Loader(Steps):
 
     def state_dict(self) -> dict[str, Any]:
         """The position and the order's fingerprint as a small JSON-serializable dict
-        (:func:`streampack.loader.state.saved`); another batch size or world size may load it."""
-        return saved(self._position, self.order, self.options)
+        (:func:`streampack.loader.state.saved`); another batch size or world size may load it. With
+        exclusions in force it also holds :meth:`exclusions_state`."""
+        state = saved(self._position, self._base, self.options)
+        if self._in_force:
+            state["exclusions"] = self.exclusions_state()
+        return state
+
+    def exclusions_state(self) -> list[dict[str, Any]]:
+        """The exclusions in force, as the state records them: per exclusion its digest, mode, the
+        position it took effect at, the batch size its steps were counted in and how much it names
+        (:func:`~streampack.loader.exclusions.entry_state`); small and JSON-able."""
+        return [entry_state(entry, at, batch) for entry, at, batch in self._in_force]
+
+    def exclude(self, entry: Exclusions) -> None:
+        """Take what ``entry`` names out of the run from its ``at`` (default: the current position) on.
+
+        Raises:
+            OptionsError: ``at`` is before the current position (batches already served would change),
+                or ``entry`` does not fit the sources or the output (see :class:`Loader`).
+        """
+        self._enforce([*self._in_force, self._placed(entry, self._position)])
+        self._exclude_given = [*self._exclude_given, entry]
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from a :meth:`state_dict`: the next batch starts where the saved run stopped.
@@ -306,11 +355,111 @@ class Loader(Steps):
                 or data (both sides named; see :func:`streampack.loader.state.resume`).
             OptionsError: ``drop_last=False`` would give some rank an empty last batch from there.
         """
-        position, order = resume(state, self._configured, [source.data for source in self.sources])
-        check_last_batch(self.options, order.end, position)
-        if self.dataset is self.order:  # a dataset that is its own order (a Mixture) follows it
+        datasets = [source.data for source in self.sources]
+        position, order = resume(state, self._configured, datasets)  # the state read strictly
+        recorded: list[Mapping[str, Any]] = list(state.get("exclusions", ()))
+        check_prefix(recorded, self._exclude_given)
+        kept = [(self._exclude_given[i], int(e["at"]), int(e["batch_size"])) for i, e in enumerate(recorded)]
+        if any(entry.mode == "skip" and at < position for entry, at, _ in kept):
+            # The order resumes where the saved run's base order stood: its exclusions skipped positions.
+            whole = resume({**state, "position": MAX_POSITION}, self._configured, datasets)[1]
+            cursor = self._layered(whole, kept)[0]._cursor(position)  # type: ignore[attr-defined]
+            order = resume({**state, "position": cursor}, self._configured, datasets)[1]
+        added = [self._placed(entry, position) for entry in self._exclude_given[len(recorded) :]]
+        filtered, masking = self._checked(order, kept + added)
+        check_last_batch(self.options, filtered.end, position)  # before anything changes
+        if self.dataset is self._base:  # a dataset that is its own order (a Mixture) follows it
             self.dataset = order
         if self._reach is not None:  # a growing source grows with the order resumed
             self._reach.resumed(order)
-        self.order, self._position = order, position
+        self._base, self._position = order, position
+        self.order, self._masking, self._in_force = filtered, masking, kept + added
         self._rows.forget()
+
+    # --- exclusions -------------------------------------------------------------------------------------
+
+    def _placed(self, entry: Exclusions, position: int) -> tuple[Exclusions, int, int]:
+        """``entry`` in force from its ``at``, else ``position``, with its steps at this batch size."""
+        at = position if entry.at is None else entry.at
+        if at < position:
+            raise OptionsError(
+                f"Exclusions(at={at}) is before the loader's position {position}: batches already served "
+                "would change; leave at=None (from here on) or give a position >= the current one"
+            )
+        return entry, at, self.options.batch_size
+
+    def _layered(
+        self, base: Order, entries: list[tuple[Exclusions, int, int]]
+    ) -> tuple[Order, Masking | None]:
+        """``base`` filtered by the skip ``entries``, and the masking of the mask ones."""
+        from streampack.loader.excluding import (
+            Masking,
+            Skipping,
+            excluded_documents,
+            excluded_samples,
+            merged,
+            sample_keys,
+        )
+
+        order, masks = base, []
+        names, datasets = list(base.names), [source.data for source in self.sources]
+        for entry, at, batch in entries:
+            docs = self._excluded_docs.get(entry.digest)
+            if docs is None:
+                docs = excluded_documents(entry, names, datasets)
+                self._excluded_docs[entry.digest] = docs
+            ranges = merged(entry.ranges(batch))
+            if entry.mode == "mask":
+                masks.append((at, docs, ranges))
+                continue
+            samples = {source: excluded_samples(datasets[source], ids) for source, ids in docs.items()}
+            keys = sample_keys(samples)
+            if base.end is None and all(
+                len(samples.get(s, ())) >= size for s, size in enumerate(base.sizes())
+            ):
+                raise OptionsError(
+                    f"the exclusions take out every sample of every source ({', '.join(names)}), and the "
+                    "run is endless: nothing is left to serve"
+                )
+            order = Skipping(order, at, keys, ranges)
+        return order, (Masking(masks) if masks else None)
+
+    def _enforce(self, entries: list[tuple[Exclusions, int, int]]) -> None:
+        """Put ``entries`` in force over the base order (see :meth:`_checked`)."""
+        self.order, self._masking = self._checked(self._base, entries)
+        self._in_force = list(entries)
+        self._rows.forget()
+
+    def _checked(
+        self, base: Order, entries: list[tuple[Exclusions, int, int]]
+    ) -> tuple[Order, Masking | None]:
+        """``base`` filtered by ``entries`` and their masking, once they fit: their positions do not go
+        back, and mask mode has labels to mask."""
+        ats = [at for _, at, _ in entries]
+        if ats != sorted(ats):
+            raise OptionsError(
+                f"exclusions take effect at positions {ats}: each must be at or after the one before "
+                "(they are given in the order of the run)"
+            )
+        if any(entry.mode == "mask" for entry, _, _ in entries) and not isinstance(
+            self.formatter, CausalLMDict
+        ):
+            raise OptionsError(
+                f"Exclusions(mode='mask') sets labels=-100 on excluded tokens, and output="
+                f"{self.options.output!r} has no labels; use output='dict' (or 'varlen', 'hf-flash'), or "
+                "mode='skip'"
+            )
+        return self._layered(base, entries)
+
+
+def _listed(exclude: Exclusions | Sequence[Exclusions] | None) -> list[Exclusions]:
+    """``exclude=`` as a list of exclusions, checked."""
+    if exclude is None:
+        return []
+    listed = [exclude] if isinstance(exclude, Exclusions) else list(exclude)
+    for entry in listed:
+        if not isinstance(entry, Exclusions):
+            raise TypeError(
+                f"exclude= takes streampack.loader.Exclusions, or a list of them (got {type(entry).__name__})"
+            )
+    return listed

@@ -101,8 +101,19 @@ class CausalLMDict:
                 )
             self._boundaries_of.append(data.boundaries)
 
-    def __call__(self, tokens: np.ndarray, sources: np.ndarray, samples: np.ndarray) -> dict[str, Any]:
-        """The dict of ``tokens``: ``input_ids`` (the array itself), ``labels``, ``position_ids``, ..."""
+    def __call__(
+        self,
+        tokens: np.ndarray,
+        sources: np.ndarray,
+        samples: np.ndarray,
+        *,
+        masked: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+    ) -> dict[str, Any]:
+        """The dict of ``tokens``: ``input_ids`` (the array itself), ``labels``, ``position_ids``, ...
+
+        ``masked``, given each document segment's row and document, says which get ``labels = -100``
+        (the loader's exclusions in mask mode, :mod:`streampack.loader.excluding`).
+        """
         found = self._boundaries(sources, samples, tokens.shape)
         labels = tokens.astype(np.int64)
         flat = labels.reshape(-1)
@@ -111,6 +122,10 @@ class CausalLMDict:
             labels[~found.marks] = -100
         for start, stop in found.padding():
             flat[start:stop] = -100
+        if masked is not None:
+            hit = np.flatnonzero(masked(found.starts // tokens.shape[1], found.docs))
+            for start, length in zip(found.starts[hit].tolist(), found.lengths[hit].tolist(), strict=True):
+                flat[start : start + length] = -100
         batch: dict[str, Any] = {"input_ids": tokens, "labels": labels, "position_ids": found.position_ids}
         if self.segments == "varlen":
             batch["cu_seqlens"] = found.cu_seqlens

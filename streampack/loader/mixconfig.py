@@ -32,6 +32,15 @@ Example ``mix.yaml``::
         weights: {web: 0.9, code: 0.1}
       - at: {tokens: 2.0e+10}   # or a position in samples: at: 10000000
         weights: {web: 0.7, code: 0.3}
+    exclude:              # optional: what to take out of the run (streampack.loader.Exclusions), a list
+      - steps: [[1200, 1250]]   # global steps (both included), or positions: [[start, stop]]
+        mode: skip              # skip (default) | mask
+      - documents: {web: [17, 4242]}
+
+A source given as a mapping may also hold ``exclude:`` (a mapping or a list of them) naming its own
+documents (``documents: [17]``, ``hashes: [...]``). :func:`mixture_exclusions` reads them all, the
+config's list first, then each source's in the order of ``sources``; pass them to the loader as
+``Loader(load_mixture(path), exclude=mixture_exclusions(path), ...)``, in that order at every resume.
 
 Unknown keys are refused, so a misspelt ``weigths`` never passes silently as "no weights". A source in
 object storage is read as :func:`streampack.open` reads one (``local_dir``, ``max_local_bytes``,
@@ -52,6 +61,7 @@ from typing import Any
 import orjson
 
 from streampack.errors import MissingDependencyError, OptionsError
+from streampack.loader.exclusions import Exclusions
 from streampack.loader.follow import FollowOptions, GrowingCache
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
@@ -59,7 +69,7 @@ from streampack.reader import Cache
 from streampack.reader import open as open_cache
 from streampack.store.remote import is_remote
 
-__all__ = ["load_mixture"]
+__all__ = ["load_mixture", "mixture_exclusions"]
 
 # How a cache in object storage is read (streampack.open's options), per source or for every source.
 _READING = ("local_dir", "max_local_bytes", "storage_options")
@@ -74,6 +84,7 @@ _KEYS = {
     "sources",
     "weights",
     "stages",
+    "exclude",
     *_READING,
 }
 
@@ -94,6 +105,41 @@ def load_mixture(config: str | Path | Mapping[str, Any]) -> Mixture:
         return _mixture(config, Path.cwd(), "the mixture config")
     path = Path(config)
     return _mixture(_read(path), path.parent, str(path))
+
+
+def mixture_exclusions(config: str | Path | Mapping[str, Any]) -> list[Exclusions]:
+    """The exclusions a mixture config names (its ``exclude:`` list, then each source's), in that order.
+
+    Raises:
+        OptionsError: ``exclude:`` is not a mapping or a list of them, or one of them is not an
+            :class:`~streampack.loader.exclusions.Exclusions`; the message names the file and the key.
+    """
+    where = "the mixture config" if isinstance(config, Mapping) else str(config)
+    data = config if isinstance(config, Mapping) else _read(Path(config))
+    found = _exclusions(data.get("exclude"), None, f"{where}: exclude")
+    sources = data.get("sources")
+    for name, location in sources.items() if isinstance(sources, Mapping) else ():
+        if isinstance(location, Mapping):
+            found += _exclusions(location.get("exclude"), str(name), f"{where}: sources.{name}.exclude")
+    return found
+
+
+def _exclusions(value: object, source: str | None, where: str) -> list[Exclusions]:
+    if value is None:
+        return []
+    listed = value if isinstance(value, list) else [value]
+    out = []
+    for index, item in enumerate(listed):
+        if not isinstance(item, Mapping):
+            raise OptionsError(
+                f"{where}[{index}] is a mapping of documents, hashes, steps, positions, mode, at "
+                f"(got {item!r})"
+            )
+        try:
+            out.append(Exclusions.from_config(item, source=source))
+        except OptionsError as error:
+            raise OptionsError(f"{where}[{index}]: {error}") from None
+    return out
 
 
 def _read(path: Path) -> Mapping[str, Any]:
@@ -210,7 +256,7 @@ def _open_source(name: str, location: object, shared: dict[str, Any], base: Path
     """
     own: dict[str, Any] = {}
     if isinstance(location, Mapping):
-        unknown = sorted(set(map(str, location)) - {"path", *_READING})
+        unknown = sorted(set(map(str, location)) - {"path", "exclude", *_READING})
         if unknown or "path" not in location:
             problem = f"unknown keys {unknown}" if unknown else "'path' is missing"
             raise OptionsError(f"{where}: {problem}; a source is a path or URL, or has {['path', *_READING]}")

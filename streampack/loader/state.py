@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from streampack._checks import bounds, is_int
 from streampack.errors import LoaderStateError
+from streampack.loader.exclusions import is_entries
 from streampack.order import MAX_POSITION, Order
 
 if TYPE_CHECKING:
@@ -183,7 +184,12 @@ LOADER_VERSIONS: dict[int, Schema] = {
             "position": integer(min=0, max=MAX_POSITION),
             "order": OBJECT,
         },
-        optional={"batch_size": integer(min=1), "world_size": integer(min=1)},
+        optional={
+            "batch_size": integer(min=1),
+            "world_size": integer(min=1),
+            # The exclusions in force (streampack.loader.exclusions.entry_state), in the order given.
+            "exclusions": Field("a list of exclusion entries as Loader.state_dict() writes them", is_entries),
+        },
         hints={"epoch": _POSITION_HINT, "samples_in_epoch": _POSITION_HINT},
     ),
 }

@@ -1,0 +1,260 @@
+"""Taking documents and steps out of a run: what :class:`Exclusions` names, and how a checkpoint records it.
+
+An :class:`Exclusions` names documents (by their index in a source's cache, or by :func:`token_hash` of
+their tokens) and global steps or position ranges, and says what happens to them from a position on:
+
+* ``mode="skip"``: every sample that touches an excluded document, and every position of an excluded
+  range, is not served; the rest of the run is served exactly once, in the same order (the order is
+  filtered, :mod:`streampack.loader.excluding`). The run gets shorter by what was taken out.
+* ``mode="mask"``: the positions are unchanged; in the dict outputs (``output="dict"``, ``"varlen"``,
+  ``"hf-flash"``) the tokens of an excluded document get ``labels = -100`` (no loss), and so does every
+  token of a row at an excluded position. A plain array (``output="numpy"``) has no labels to mask, so
+  mask mode is refused there.
+
+An exclusion takes effect at a position: its ``at``, or, left ``None``, where the loader is when it is
+given (position 0 for a new run, the checkpoint's position at :meth:`Loader.load_state_dict
+<streampack.loader.Loader.load_state_dict>`). A loader's state records, per exclusion in force, a digest of
+what it names, the position it took effect at, its mode and the batch size its steps were counted in
+(:func:`entry_state`): a run resumed with the same list is exact, one resumed with a longer list keeps
+every batch before the new entries took effect, and one whose list lacks an entry of the checkpoint is
+refused (:func:`check_prefix`).
+
+Trade-off of :func:`token_hash`: a hash of the tokens is computed from the cache alone (nothing is read
+from the inputs), but finding the documents of a list of hashes hashes every document of the cache once
+per process, O(tokens); indices cost nothing to find.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from streampack._checks import is_int
+from streampack.errors import LoaderStateError, OptionsError
+from streampack.order import MAX_POSITION
+
+__all__ = ["ExclusionMode", "Exclusions", "check_prefix", "entry_state", "token_hash"]
+
+ExclusionMode = Literal["skip", "mask"]
+_MODES = ("skip", "mask")
+
+#: What a list of document ids or hashes is given for: the only source of a loader (one source).
+ONLY = ""
+
+
+def token_hash(tokens: np.ndarray) -> str:
+    """The content hash that names a document in :class:`Exclusions`: BLAKE2b (16 bytes, hex) of its tokens
+    as little-endian ``int64``, as :meth:`Cache.doc <streampack.reader.Cache.doc>` returns them (BOS and
+    EOS included), so it does not depend on the cache's token dtype."""
+    data = np.ascontiguousarray(np.asarray(tokens), dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _by_source(name: str, value: object, item: type) -> dict[str, tuple[Any, ...]]:
+    """A list (for the only source) or a mapping of source name -> list, as a dict of sorted tuples."""
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Sequence | np.ndarray):
+        raise OptionsError(
+            f"Exclusions({name}=...) takes a list, or a dict of source name -> list (got {value!r:.120})"
+        )
+    else:
+        pairs = [(ONLY, value)]
+    out: dict[str, tuple[Any, ...]] = {}
+    for source, items in pairs:
+        if not isinstance(source, str):
+            raise OptionsError(f"Exclusions({name}=...) source names must be strings (got {source!r})")
+        listed = list(np.asarray(items).tolist()) if isinstance(items, np.ndarray) else list(items)
+        for one in listed:
+            good = is_int(one) and one >= 0 if item is int else isinstance(one, str) and len(one) == 32
+            if not good:
+                allowed = "document indices >= 0" if item is int else "32-digit hex token hashes"
+                raise OptionsError(
+                    f"Exclusions({name}=...) holds {one!r} for source {source or 'data'!r}: it takes "
+                    f"{allowed}"
+                )
+        if listed:
+            out[source] = tuple(sorted(set(listed)))
+    return out
+
+
+def _ranges(name: str, value: object, *, inclusive: bool) -> tuple[tuple[int, int], ...]:
+    """Pairs ``(first, last)`` (``inclusive``) or ``(start, stop)``, as sorted ``[start, stop)`` pairs."""
+    out = []
+    for pair in value if isinstance(value, Sequence) else [value]:
+        if not (
+            isinstance(pair, Sequence)
+            and len(pair) == 2
+            and all(is_int(v) and 0 <= v <= MAX_POSITION for v in pair)
+            and (pair[0] <= pair[1] if inclusive else pair[0] < pair[1])
+        ):
+            form = "(first, last) with first <= last" if inclusive else "(start, stop) with start < stop"
+            raise OptionsError(
+                f"Exclusions({name}=...) takes a list of pairs {form}, integers >= 0 (got {pair!r:.80})"
+            )
+        out.append((int(pair[0]), int(pair[1]) + 1 if inclusive else int(pair[1])))
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class Exclusions:
+    """Documents and steps to take out of a run from a position on (see the module docstring).
+
+    Example::
+
+        loader = Loader(cache.sequences(2048), batch_size=32, exclude=Exclusions(documents=[17, 4242]))
+        # at a resume: the checkpoint's list, then what was found since, from the checkpoint's position
+        loader = Loader(..., exclude=[first, Exclusions(steps=[(1200, 1250)])])
+        loader.load_state_dict(state)
+
+    Args:
+        documents: indices of documents in the source's cache (``cache.doc(i)``, as ``streampack which``
+            reports them): a list for a loader of one source, a dict of source name -> list for a mixture.
+        hashes: :func:`token_hash` of documents' tokens, given like ``documents``.
+        steps: global steps ``(first, last)``, both included, counted at the loader's batch size when the
+            exclusion is given (positions ``[first * B, (last + 1) * B)`` of the run as it was served).
+        positions: global position ranges ``(start, stop)``, ``stop`` excluded, of the run as it was served.
+        mode: ``"skip"`` (not served) or ``"mask"`` (served, with no loss; dict outputs only).
+        at: the global position it takes effect at; ``None``: where the loader is when it is given.
+
+    Raises:
+        OptionsError: a value not of the form above (the message names it and what is allowed).
+    """
+
+    documents: Sequence[int] | Mapping[str, Sequence[int]] = ()
+    hashes: Sequence[str] | Mapping[str, Sequence[str]] = ()
+    steps: Sequence[tuple[int, int]] = ()
+    positions: Sequence[tuple[int, int]] = ()
+    mode: ExclusionMode = "skip"
+    at: int | None = None
+    _documents: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _hashes: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+    _steps: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    _positions: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in _MODES:
+            raise OptionsError(f"Exclusions(mode=...) must be 'skip' or 'mask' (got mode={self.mode!r})")
+        if self.at is not None and not (is_int(self.at) and 0 <= self.at <= MAX_POSITION):
+            raise OptionsError(f"Exclusions(at=...) must be a position >= 0 or None (got at={self.at!r})")
+        set_ = object.__setattr__
+        set_(self, "_documents", _by_source("documents", self.documents, int))
+        set_(self, "_hashes", _by_source("hashes", self.hashes, str))
+        set_(self, "_steps", _ranges("steps", self.steps, inclusive=True))
+        set_(self, "_positions", _ranges("positions", self.positions, inclusive=False))
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, source: str | None = None) -> Exclusions:
+        """An exclusion from a mixture config's ``exclude:`` mapping (keys: the arguments above).
+
+        Args:
+            config: the mapping.
+            source: the source it is given under (its documents and hashes are that source's).
+
+        Raises:
+            OptionsError: a key that is not an argument, or a value not of its form.
+        """
+        allowed = {"documents", "hashes", "steps", "positions", "mode", "at"}
+        unknown = sorted(set(config) - allowed)
+        if unknown:
+            raise OptionsError(f"exclude: has keys {unknown}; it takes {sorted(allowed)}")
+        given = dict(config)
+        if source is not None:
+            for key in ("documents", "hashes"):
+                if key in given:
+                    given[key] = {source: given[key]}
+        for key in ("steps", "positions"):
+            if key in given:
+                given[key] = [tuple(pair) for pair in given[key]]
+        return cls(**given)
+
+    def document_ids(self) -> dict[str, tuple[int, ...]]:
+        """The documents named by index, by source name (``""``: the only source), sorted."""
+        return self._documents
+
+    def document_hashes(self) -> dict[str, tuple[str, ...]]:
+        """The documents named by :func:`token_hash`, by source name (``""``: the only source)."""
+        return self._hashes
+
+    def ranges(self, batch_size: int) -> list[tuple[int, int]]:
+        """The position ranges ``[start, stop)`` it takes out, its steps counted at ``batch_size``."""
+        steps = [(first * batch_size, min(stop * batch_size, MAX_POSITION)) for first, stop in self._steps]
+        return sorted(steps + list(self._positions))
+
+    @property
+    def digest(self) -> str:
+        """What it names (not where it takes effect): the digest a checkpoint records for it."""
+        spec = {
+            "documents": self._documents,
+            "hashes": self._hashes,
+            "steps": self._steps,
+            "positions": self._positions,
+            "mode": self.mode,
+        }
+        text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def counts(self) -> dict[str, int]:
+        """How much it names: documents (by index and by hash), step ranges and position ranges."""
+        return {
+            "documents": sum(map(len, self._documents.values())),
+            "hashes": sum(map(len, self._hashes.values())),
+            "steps": len(self._steps),
+            "positions": len(self._positions),
+        }
+
+
+def entry_state(entry: Exclusions, at: int, batch_size: int) -> dict[str, Any]:
+    """What a loader state records of an exclusion in force: small, whatever the list's length."""
+    return {"digest": entry.digest, "mode": entry.mode, "at": at, "batch_size": batch_size, **entry.counts()}
+
+
+def _is_entry(value: Any) -> bool:
+    keys = {"digest", "mode", "at", "batch_size", "documents", "hashes", "steps", "positions"}
+    return (
+        isinstance(value, Mapping)
+        and set(value) == keys
+        and isinstance(value["digest"], str)
+        and value["mode"] in _MODES
+        and all(is_int(value[k]) and value[k] >= 0 for k in keys - {"digest", "mode"})
+        and value["batch_size"] >= 1
+    )
+
+
+def is_entries(value: Any) -> bool:
+    """Whether ``value`` is a state's ``exclusions``: a list of what :func:`entry_state` writes."""
+    return isinstance(value, (list, tuple)) and all(_is_entry(entry) for entry in value)
+
+
+def check_prefix(saved: Sequence[Mapping[str, Any]], given: Sequence[Exclusions]) -> None:
+    """Refuse a resume whose exclusions do not start with the checkpoint's (entries removed or changed).
+
+    Raises:
+        LoaderStateError: an exclusion of the checkpoint is missing from ``given`` or differs there, or
+            one given with ``at=`` says another position than the checkpoint's; both sides are named.
+    """
+    for index, entry in enumerate(saved):
+        if index >= len(given):
+            raise LoaderStateError(
+                f"the checkpoint has {len(saved)} exclusions in force, this loader was given {len(given)}: "
+                f"exclusion {index} (mode {entry['mode']!r}, in force from position {entry['at']}, "
+                f"{_named(entry)}) is missing. Taking an exclusion back would change batches already "
+                "served; pass the checkpoint's exclusions first, in order, then any new ones (exclude=[...])"
+            )
+        mine = given[index]
+        if mine.digest != entry["digest"] or (mine.at is not None and mine.at != entry["at"]):
+            raise LoaderStateError(
+                f"exclusion {index} differs from the checkpoint's: in checkpoint: digest {entry['digest']}, "
+                f"mode {entry['mode']!r}, at {entry['at']}, {_named(entry)} / in this loader: digest "
+                f"{mine.digest}, mode {mine.mode!r}, at {mine.at}, {_named(mine.counts())}. Pass the "
+                "checkpoint's exclusions unchanged, in order, then any new ones"
+            )
+
+
+def _named(counts: Mapping[str, Any]) -> str:
+    return ", ".join(f"{counts[k]} {k}" for k in ("documents", "hashes", "steps", "positions"))
