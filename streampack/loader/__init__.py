@@ -40,13 +40,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from streampack._aliases import renamed
+from streampack._checks import check_int
 from streampack.loader.collate import Format, format_for
 from streampack.loader.given import given
 from streampack.loader.growing import Growing, Reach
 from streampack.loader.lookahead import files_ahead, prefetch_steps
 from streampack.loader.options import LoaderOptions, Output, SourceShare, check_last_batch
 from streampack.loader.reading import DataSource, Rows, _Source
-from streampack.loader.state import LOADER_VERSION, resume, saved
+from streampack.loader.state import LOADER_VERSION, history_entry, read_loader_state, resume, saved
 from streampack.loader.steps import Steps
 from streampack.order import Order, Ordered
 
@@ -99,6 +100,7 @@ class Loader(Steps):
     """
 
     _prefetcher: Prefetcher | None = None  # started by the first batch read from object storage
+    _history: tuple[dict[str, Any], ...] = ()  # a loader 0.1 pickled knows none
 
     def __init__(
         self,
@@ -123,6 +125,7 @@ class Loader(Steps):
         if self._reach is not None:  # what it knows now, which the view opened above holds
             self._reach.grow(0, self._check_last_batch)
             self._reach.readable = self._reach.known
+        self._history = (self._entry(0, None),)
 
     @property
     def sources(self) -> list[_Source]:
@@ -285,12 +288,32 @@ class Loader(Steps):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def state_dict(self) -> dict[str, Any]:
-        """The position and the order's fingerprint as a small JSON-serializable dict
-        (:func:`streampack.loader.state.saved`); another batch size or world size may load it."""
-        return saved(self._position, self.order, self.options)
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The run's history: one entry for its start and one per resume, each saying how the run was
+        read from its position on (:func:`~streampack.loader.state.history_entry`). :meth:`state_dict`
+        carries it, so the last checkpoint of a run is enough to audit it
+        (:func:`streampack.loader.audit.audit`)."""
+        return [dict(entry) for entry in self._history]
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def state_dict(self) -> dict[str, Any]:
+        """The position, the order's fingerprint and the run's :attr:`history` as a small
+        JSON-serializable dict (:func:`streampack.loader.state.saved`); another batch size or world size
+        may load it."""
+        return saved(self._position, self.order, self.options, self._history)
+
+    def _entry(self, position: int, step: int | None) -> dict[str, Any]:
+        """This loader's history entry at ``position`` (with the exclusions in force, where a loader has
+        them)."""
+        exclusions = getattr(self, "exclusions_state", None)
+        if callable(exclusions):
+            exclusions = exclusions()
+        data = self.sources[0].fingerprint if self.sources else {}
+        return history_entry(
+            position, self.order, self._configured, self.options, data, step=step, exclusions=exclusions
+        )
+
+    def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
         """Resume from a :meth:`state_dict`: the next batch starts where the saved run stopped.
 
         O(1): nothing is replayed. The world size, the DataLoader workers and the global batch size may
@@ -298,15 +321,27 @@ class Loader(Steps):
         :class:`~streampack.order.mixture.Mixture`), and a version 1 state resumes at the same place of
         the same epoch. What follows depends on the state and this loader's dataset only.
 
+        The state's :attr:`history` is kept, with an entry for this resume appended.
+
+        Args:
+            state: what :meth:`state_dict` returned (read back from JSON).
+            step: the trainer's own step at this resume (the model checkpoint's), recorded in the
+                history so that an audit can tell a data state and a model checkpoint of different steps
+                apart (the framework adapters pass it); None when not known.
+
         Raises:
             LoaderStateError: (a ``ValueError``) not a state this loader continues: of no supported
                 version, a key too many or missing, a value of the wrong type, or another seed, shuffle
                 or data (both sides named; see :func:`streampack.loader.state.resume`).
             OptionsError: ``drop_last=False`` would give some rank an empty last batch from there.
         """
+        if step is not None:
+            step = check_int("step", step, min=0, max=2**62, hint="the trainer's step at this resume")
         position, order = resume(state, self._configured, [source.data for source in self.sources])
         check_last_batch(self.options, order.end, position)
         if self.dataset is self.order:  # a dataset that is its own order (a Mixture) follows it
             self.dataset = order
         self.order, self._position = order, position
         self._rows.forget()
+        earlier = read_loader_state(state).get("history", [])
+        self._history = (*(dict(entry) for entry in earlier), self._entry(position, step))
