@@ -1,0 +1,629 @@
+"""A proof of what a run saw, from its last checkpoint alone: every sample each step consumed, recomputed.
+
+A loader state carries the run's history (:attr:`Loader.history <streampack.loader.Loader.history>`):
+one entry for the start and one per resume, each saying how the run was read from its position on. The
+run is a sequence of *legs*, one per entry. Leg ``i`` starts at the entry's position ``p_i`` and the
+trainer's step ``s_i`` (the step an adapter recorded, else the one the data implies), and trains one
+global batch per step until the next resume, whose step says how far the model got: it trained
+positions ``[p_i, X_i)`` with ``X_i = p_i + (s_{i+1} - s_i) * B_i`` (up to the state's position, for the
+last leg). A resume whose data state is not at ``X_i`` replays or skips: the usual way is a model
+checkpoint and a data state of different steps.
+
+:func:`audit` builds the :class:`~streampack.loader.Loader` each entry describes (from the data given:
+a cache directory, a mixture config, or the sources themselves; the entry's seed, shuffle, batch size,
+layout and mixture schedule, resumed from the previous leg as the run resumed), checks its order against
+the digest recorded, and asks it, through the function its batches are served with
+(:meth:`Steps.served <streampack.loader.steps.Steps.served>`), for the samples of every position the leg
+trained, in chunks of positions with numpy. Each source serves its samples at a *cursor* (samples of it
+served so far: sample ``c mod N`` of epoch ``c // N``), and the positions of a leg serve a contiguous run
+of each source's cursors (:meth:`Order.consumed <streampack.order.Order.consumed>`), so the verdict is
+interval arithmetic per source: a cursor served by two legs is a sample served twice within its epoch, a
+cursor below the furthest one served that no leg served is a sample skipped. Nothing is read but the
+caches' manifests: no token.
+
+Ranges in reports are half-open: ``positions 9600-10000`` are positions 9600 to 9999.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from streampack.errors import LoaderStateError, OptionsError
+from streampack.loader import Loader
+from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, order_digest, read_loader_state
+
+__all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit"]
+
+_CHUNK = 1 << 20  # positions recomputed at once: 16 MB of picks
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One stretch of a run between two resumes.
+
+    Attributes:
+        index: its history entry (0: the run's start).
+        positions: ``(start, stop)``: the global positions the model trained in it.
+        steps: ``(start, stop)``: the trainer's steps it trained.
+        batch_size: its global batch size.
+        world_size: its ranks.
+        step_given: whether its first step was the trainer's own (recorded by an adapter), not inferred.
+        weights: each source's share of the stream at its start.
+    """
+
+    index: int
+    positions: tuple[int, int]
+    steps: tuple[int, int]
+    batch_size: int
+    world_size: int
+    step_given: bool
+    weights: dict[str, float]
+
+
+@dataclass(frozen=True)
+class SourceAudit:
+    """What one source served over the whole run.
+
+    Attributes:
+        name: the source's name (``"data"`` for one dataset).
+        size: its samples per epoch.
+        samples: samples of it the model trained on, replays included.
+        tokens: ``samples * seq_len`` (the sample width for samples that are not a cache's).
+        epochs: the furthest cursor served over ``size``: the epochs it went through, with the fraction
+            of the last.
+        twice: samples served a second time within their epoch.
+        skipped: samples of an epoch never served while later ones were.
+        coverage: per epoch ``[served once, served twice, skipped]``, counts of samples.
+    """
+
+    name: str
+    size: int
+    samples: int
+    tokens: int
+    epochs: float
+    twice: int
+    skipped: int
+    coverage: list[list[int]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Where and why a run did not serve each sample once.
+
+    Attributes:
+        kind: ``"twice"`` (positions served again), ``"skipped"``, or ``"unverified"`` (the history begins
+            after position 0: the state was saved by a streampack without histories, or edited).
+        resume: the history entry at which it happened.
+        positions: ``(start, stop)``: the positions concerned (for ``"twice"``, those of the later leg).
+        steps: ``(start, stop)``: the trainer's steps that trained them (for ``"skipped"``, the step the
+            run jumped at, twice).
+        samples: per source, the samples concerned.
+        message: the finding in words.
+    """
+
+    kind: str
+    resume: int
+    positions: tuple[int, int]
+    steps: tuple[int, int]
+    samples: dict[str, int]
+    message: str
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """The audit of a run (see :func:`audit`).
+
+    Attributes:
+        position: the last state's position.
+        step: the trainer's step there.
+        legs: the run's legs, one per history entry.
+        sources: per source, what it served.
+        findings: each replay, skip or gap in the history, in the run's order; none for a clean run.
+    """
+
+    position: int
+    step: int
+    legs: list[Leg]
+    sources: list[SourceAudit]
+    findings: list[Finding]
+
+    @property
+    def clean(self) -> bool:
+        """True when every sample trained was served once within its epoch and none was skipped."""
+        return not self.findings
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-able dicts (``streampack audit --json``)."""
+        return {"clean": self.clean, **asdict(self)}
+
+    def text(self) -> str:
+        """The report as ``streampack audit`` prints it."""
+        lines = [
+            f"run         {len(self.legs)} legs ({len(self.legs) - 1} resumes), to position "
+            f"{self.position:,}, step {self.step:,}"
+        ]
+        for leg in self.legs:
+            given = "" if leg.step_given else " (inferred)"
+            lines.append(
+                f"leg {leg.index:<7} positions {leg.positions[0]:,}-{leg.positions[1]:,}, steps "
+                f"{leg.steps[0]:,}{given}-{leg.steps[1]:,}, batch {leg.batch_size} over {leg.world_size} "
+                f"rank{'s' if leg.world_size > 1 else ''}"
+            )
+        lines.append(
+            f"{'source':<16} {'samples':>14} {'tokens':>16} {'epochs':>9} {'twice':>10} {'skipped':>10}"
+        )
+        for s in self.sources:
+            lines.append(
+                f"{s.name:<16} {s.samples:>14,} {s.tokens:>16,} {s.epochs:>9.3f} {s.twice:>10,} "
+                f"{s.skipped:>10,}"
+            )
+        if self.clean:
+            lines.append("verdict     clean: every sample served once within its epoch, none skipped")
+        else:
+            lines.append(f"verdict     NOT clean: {len(self.findings)} findings")
+            lines.extend(f"  - {finding.message}" for finding in self.findings)
+        return "\n".join(lines)
+
+
+def audit(
+    state: Mapping[str, Any] | str | Path,
+    data: Any,
+    *,
+    seq_len: int | None = None,
+    seed: int | None = None,
+) -> AuditReport:
+    """Recompute every sample a run consumed from its last loader state, and say whether each was served
+    once within its epoch.
+
+    Example::
+
+        report = streampack.loader.audit.audit("ckpt/streampack_loader.json", "mix.yaml")
+        assert report.clean, report.text()
+
+    Args:
+        state: the run's last :meth:`Loader.state_dict` (a dict, or a JSON file holding one).
+        data: what the run read: a cache directory or a mixture config (``.yaml``/``.yml``/``.json``),
+            as ``streampack which`` takes them; or the sources themselves: a dataset (``cache.sequences
+            (...)``, an array) or a :class:`~streampack.order.mixture.Mixture` (its weights are the
+            history's, only its sources are used).
+        seq_len: the run's sequence length, checked against the history (not needed).
+        seed: the run's seed, checked against the history (not needed).
+
+    Returns:
+        An :class:`AuditReport`: per source, samples and tokens served, epochs, replays and skips; each
+        finding with its positions, steps and why.
+
+    Raises:
+        LoaderStateError: the state is not a loader state, or has no history (saved by a streampack before
+            histories), or ``data`` is not what the run read (the recomputed order differs from the one
+            recorded: both named).
+        OptionsError: ``seq_len`` or ``seed`` differ from the run's.
+    """
+    state = _read(state)
+    checked = read_loader_state(state)
+    entries = checked.get("history") or []
+    if not entries:
+        raise LoaderStateError(
+            "the loader state has no history (it was saved by a streampack before 0.2's histories, or "
+            "edited): there is nothing to audit from; audit a state saved by this version"
+        )
+    _check_given(entries, seq_len, seed)
+    final = int(checked["position"])
+    loaders = _leg_loaders(entries, data)
+    starts = _steps(entries)
+    ends = _ends(entries, starts, final, loaders)
+    legs = [
+        Leg(
+            i,
+            (int(e["position"]), ends[i]),
+            (starts[i], starts[i] + _batches(ends[i] - int(e["position"]), int(e["batch_size"]))),
+            int(e["batch_size"]),
+            int(e["world_size"]),
+            e["step"] is not None,
+            dict(zip(loader.order.names, loader.order.weights(int(e["position"])), strict=True)),
+        )
+        for i, (e, loader) in enumerate(zip(entries, loaders, strict=True))
+    ]
+    names = list(loaders[-1].order.names)
+    sizes = dict(zip(names, loaders[-1].order.sizes(), strict=True))
+    served = _served(legs, loaders, names)
+    findings: list[Finding] = []
+    if legs[0].positions[0] > 0:
+        first = legs[0].positions[0]
+        findings.append(
+            Finding(
+                "unverified", 0, (0, first), (0, legs[0].steps[0]), {},
+                f"positions 0-{first:,} are not in the history: the run's start was saved by a streampack "
+                "without histories, so what they served cannot be audited",
+            )  # fmt: skip
+        )
+    twice, skipped = _intervals(legs, loaders, names)
+    findings += _findings(legs, loaders, names, twice, skipped)
+    width = _width(entries[-1], loaders[-1])
+    sources = []
+    for name in names:
+        union = _union([(a, b) for a, b, _ in _cursor_runs(legs, loaders, name)])
+        distinct = sum(b - a for a, b in union)
+        twice_count = sum(b - a for _, a, b, _ in twice.get(name, []))
+        skipped_count = sum(b - a for _, a, b in skipped.get(name, []))
+        sources.append(
+            SourceAudit(
+                name, sizes[name], served[name], served[name] * width,
+                (max((b for _, b in union), default=0)) / max(sizes[name], 1) if distinct else 0.0,
+                twice_count, skipped_count, _coverage(sizes[name], union, twice.get(name, []),
+                                                     skipped.get(name, [])),
+            )  # fmt: skip
+        )
+    return AuditReport(final, legs[-1].steps[1], legs, sources, findings)
+
+
+# --------------------------------------------------------------------------------- the legs' loaders
+
+
+def _read(state: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
+    if isinstance(state, Mapping):
+        return state
+    try:
+        loaded = json.loads(Path(state).read_text())
+    except (OSError, ValueError) as error:
+        raise LoaderStateError(f"cannot read the loader state {state}: {error}") from None
+    if not isinstance(loaded, Mapping):
+        raise LoaderStateError(f"{state}: a loader state is a JSON object (Loader.state_dict())")
+    return loaded
+
+
+def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed: int | None) -> None:
+    """Refuse a ``seq_len`` or ``seed`` that is not the run's (they are not needed: the history holds them)."""
+    for key, given in (("seq_len", seq_len), ("seed", seed)):
+        if given is None:
+            continue
+        recorded = sorted(
+            {e["data"].get("seq_len") if key == "seq_len" else e["seed"] for e in entries} - {None}
+        )
+        if recorded and given not in recorded:
+            raise OptionsError(
+                f"{key}={given} was given, but the run's history records {key} {recorded}; leave it out "
+                "(the history holds it) or give the run's"
+            )
+
+
+def _leg_loaders(entries: Sequence[Mapping[str, Any]], data: Any) -> list[Loader]:
+    """The loader each entry describes, each after the first resumed from the previous one's order at its
+    position, as the run resumed."""
+    loaders: list[Loader] = []
+    for i, entry in enumerate(entries):
+        loader = _loader(entry, data)
+        position = int(entry["position"])
+        if loaders:
+            previous = loaders[-1].order.fingerprint()
+            loader.load_state_dict(
+                {"format": LOADER_FORMAT, "version": LOADER_VERSION, "position": position, "order": previous}
+            )
+        elif position:
+            loader.advance(0)
+        recorded, mine = entry["order"], order_digest(loader.order.fingerprint())
+        if recorded != mine:
+            raise LoaderStateError(
+                f"history entry {i} (position {position:,}) records the order {recorded}; the data given "
+                f"makes the order {mine} ({loader.order!r}): it is not what the run read. Give the cache or "
+                "mixture config of the run (the same caches, seq_len and layout)"
+            )
+        loaders.append(loader)
+    return loaders
+
+
+def _loader(entry: Mapping[str, Any], data: Any) -> Loader:
+    from streampack.order import Ordered
+    from streampack.order.blockshuffle import BlockShuffle
+    from streampack.order.mixture import Mixture
+
+    shuffle = entry["shuffle"]
+    shuffle = BlockShuffle(**shuffle) if isinstance(shuffle, Mapping) else shuffle
+    batch = int(entry["batch_size"])
+    if isinstance(data, (str, Path)) and _is_config(data):
+        from streampack.loader.mixconfig import load_mixture
+
+        data = load_mixture(data)
+    if entry["kind"] == "mixture":
+        if not isinstance(data, Ordered):
+            raise OptionsError(
+                "the run read a mixture: give its mixture config (or the Mixture), not "
+                f"{type(data).__name__} {data!r}"
+            )
+        sources, base = data.sources_and_order()
+        block = int(entry["block_size"])
+        stages = [(int(first) * block, dict(counts)) for first, counts in entry["schedule"]]
+        mixture = Mixture(
+            dict(sources), stages=stages, seed=int(entry["seed"]), shuffle=shuffle, block_size=block,
+            stop=getattr(base, "stop", "never"),
+        )  # fmt: skip
+        return Loader(mixture, batch_size=batch)
+    if isinstance(data, Ordered):
+        raise OptionsError(
+            f"the run read one dataset (an order of kind {entry['kind']!r}): give its cache, not a mixture"
+        )
+    if isinstance(data, (str, Path)):
+        data = _samples(str(data), entry["data"])
+    return Loader(data, batch_size=batch, seed=int(entry["seed"]), shuffle=shuffle)
+
+
+def _is_config(data: str | Path) -> bool:
+    return Path(data).suffix in {".yaml", ".yml", ".json"} and Path(data).is_file()
+
+
+def _samples(path: str, described: Mapping[str, Any]) -> Any:
+    """The samples of the cache at ``path`` that the history describes (layout, seq_len, overlap)."""
+    from streampack.reader import open as open_cache
+
+    layout, seq_len = described.get("layout"), described.get("seq_len")
+    if seq_len is None or layout not in ("windows", "packed", "documents"):
+        raise OptionsError(
+            f"the run read samples of layout {layout!r} (not a cache's): give those samples to "
+            "streampack.loader.audit.audit(state, samples), not a path"
+        )
+    cache = open_cache(path)
+    if layout == "windows":
+        return cache.sequences(int(seq_len), overlap=int(described.get("overlap", 0)))
+    return getattr(cache, layout)(int(seq_len))
+
+
+def _width(entry: Mapping[str, Any], loader: Loader) -> int:
+    """Tokens one sample gives the model: its ``seq_len`` (the width of samples that are not a cache's)."""
+    seq_len = entry["data"].get("seq_len")
+    return int(seq_len) if seq_len is not None else loader.width
+
+
+# --------------------------------------------------------------------------------------- steps, ends
+
+
+def _batches(positions: int, batch: int) -> int:
+    return -(-positions // batch)
+
+
+def _steps(entries: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The trainer's step at each entry: the one recorded, else the one the data implies (the previous
+    step plus the batches from the previous position)."""
+    steps: list[int] = []
+    for i, entry in enumerate(entries):
+        if entry["step"] is not None:
+            steps.append(int(entry["step"]))
+        elif i == 0:
+            steps.append(_batches(int(entry["position"]), int(entry["batch_size"])))
+        else:
+            previous = entries[i - 1]
+            moved = int(entry["position"]) - int(previous["position"])
+            steps.append(steps[-1] + max(0, _batches(moved, int(previous["batch_size"]))))
+    return steps
+
+
+def _ends(
+    entries: Sequence[Mapping[str, Any]], steps: list[int], final: int, loaders: list[Loader]
+) -> list[int]:
+    """Where the model stopped training each leg: the next resume's step says how many batches it
+    trained (its data state may say otherwise); the last leg ends at the state's position."""
+    ends = []
+    for i, entry in enumerate(entries):
+        start = int(entry["position"])
+        if i + 1 == len(entries):
+            end = final
+        elif entries[i + 1]["step"] is not None:
+            end = start + max(0, steps[i + 1] - steps[i]) * int(entry["batch_size"])
+        else:
+            end = int(entries[i + 1]["position"])
+        limit = loaders[i].order.end
+        ends.append(max(start, end if limit is None else min(end, limit)))
+    return ends
+
+
+# ----------------------------------------------------------------------------- what each leg served
+
+
+def _served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> dict[str, int]:
+    """Samples of each source the legs trained on, recomputed position by position through the function
+    the loader serves its batches with (in chunks of positions), and checked against the cursors."""
+    counts = dict.fromkeys(names, 0)
+    for leg, loader in zip(legs, loaders, strict=True):
+        start, stop = leg.positions
+        here = np.zeros(len(loader.order.names), dtype=np.int64)
+        for lo in range(start, stop, _CHUNK):
+            sources, _ = loader.served(lo, min(stop, lo + _CHUNK))
+            here += np.bincount(sources, minlength=len(here))
+        before, after = loader.order.consumed(start), loader.order.consumed(stop)
+        for j, name in enumerate(loader.order.names):
+            if int(here[j]) != after[j] - before[j]:
+                raise LoaderStateError(
+                    f"leg {leg.index}: source {name!r} served {int(here[j])} samples at positions "
+                    f"{start}-{stop}, its cursor moved {after[j] - before[j]}: the order is not consistent "
+                    "with itself (a bug: please report it)"
+                )
+            counts[name] = counts.get(name, 0) + int(here[j])
+    return counts
+
+
+def _cursor_runs(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, int, int]]:
+    """``(first, stop, leg)``: the cursors of source ``name`` each leg served."""
+    runs = []
+    for leg, loader in zip(legs, loaders, strict=True):
+        if name not in loader.order.names:
+            continue
+        j = loader.order.names.index(name)
+        start, stop = leg.positions
+        a, b = loader.order.consumed(start)[j], loader.order.consumed(stop)[j]
+        runs.append((a, b, leg.index))
+    return runs
+
+
+def _union(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for a, b in sorted(run for run in runs if run[1] > run[0]):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _minus(run: tuple[int, int], union: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    pieces, (a, b) = [], run
+    for lo, hi in union:
+        if hi <= a or lo >= b:
+            continue
+        if lo > a:
+            pieces.append((a, lo))
+        a = max(a, hi)
+    if a < b:
+        pieces.append((a, b))
+    return pieces
+
+
+def _intervals(
+    legs: list[Leg], loaders: list[Loader], names: list[str]
+) -> tuple[dict[str, list[tuple[int, int, int, int]]], dict[str, list[tuple[int, int, int]]]]:
+    """Per source, the cursors served twice ``(leg, first, stop, earlier leg)`` and those skipped
+    ``(leg, first, stop)``: ``leg`` is the resume where it happened."""
+    twice: dict[str, list[tuple[int, int, int, int]]] = {}
+    skipped: dict[str, list[tuple[int, int, int]]] = {}
+    for name in names:
+        union: list[tuple[int, int]] = []
+        owners: list[tuple[int, int, int]] = []  # who served what, for naming the earlier leg
+        gaps: list[tuple[int, int, int]] = []
+        for a, b, leg in _cursor_runs(legs, loaders, name):
+            top = max((hi for _, hi in union), default=0)
+            if leg > 0 and a > top:
+                gaps.append((leg, top, a))
+            for lo, hi, earlier in owners:
+                first, stop = max(a, lo), min(b, hi)
+                if first < stop:
+                    twice.setdefault(name, []).append((leg, first, stop, earlier))
+            if b > a:
+                owners.append((a, b, leg))
+                union = _union([*union, (a, b)])
+        _merge_twice(twice, name)
+        for leg, a, b in gaps:
+            for first, stop in _minus((a, b), union):
+                skipped.setdefault(name, []).append((leg, first, stop))
+    return twice, skipped
+
+
+def _merge_twice(twice: dict[str, list[tuple[int, int, int, int]]], name: str) -> None:
+    """A cursor served by three legs is twice twice over: count each once per later leg."""
+    runs = twice.get(name)
+    if not runs:
+        return
+    merged: list[tuple[int, int, int, int]] = []
+    for leg in sorted({run[0] for run in runs}):
+        mine = [run for run in runs if run[0] == leg]
+        earlier = mine[0][3]
+        merged += [(leg, a, b, earlier) for a, b in _union([(a, b) for _, a, b, _ in mine])]
+    twice[name] = merged
+
+
+def _position_of(loader: Loader, j: int, cursor: int, lo: int, hi: int) -> int:
+    """The first position in ``[lo, hi]`` at which source ``j`` of the loader's order has served
+    ``cursor`` samples (``hi`` if none): cursors rise with positions."""
+    consumed = loader.order.consumed
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if consumed(mid)[j] >= cursor:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _findings(
+    legs: list[Leg],
+    loaders: list[Loader],
+    names: list[str],
+    twice: dict[str, list[tuple[int, int, int, int]]],
+    skipped: dict[str, list[tuple[int, int, int]]],
+) -> list[Finding]:
+    """One finding per resume that replayed or skipped, with the positions and steps concerned."""
+    found: list[Finding] = []
+    for k, leg in enumerate(legs):
+        loader = loaders[k]
+        start, stop = leg.positions
+        batch = leg.batch_size
+        previous = legs[k - 1] if k else None
+        data_step = (
+            previous.steps[0] + _batches(start - previous.positions[0], previous.batch_size)
+            if previous is not None
+            else leg.steps[0]
+        )
+        why = (
+            f"resumed at step {leg.steps[0]:,} from a data state at position {start:,} (step {data_step:,})"
+            + (f", the model had trained to position {previous.positions[1]:,}" if previous else "")
+        )
+        counts: dict[str, int] = {}
+        lo, hi = stop, start
+        for name in names:
+            for at, a, b, _ in twice.get(name, []):
+                if at != k:
+                    continue
+                j = loader.order.names.index(name)
+                counts[name] = counts.get(name, 0) + b - a
+                lo = min(lo, _position_of(loader, j, a + 1, start, stop) - 1)
+                hi = max(hi, _position_of(loader, j, b, start, stop))
+        if counts:
+            steps = (leg.steps[0] + (lo - start) // batch, leg.steps[0] + _batches(hi - start, batch))
+            found.append(
+                Finding(
+                    "twice", k, (lo, hi), steps, counts,
+                    f"positions {lo:,}-{hi:,} (steps {steps[0]:,}-{steps[1]:,}) served twice "
+                    f"({_listed(counts)}): {why}; the data state is older than the model checkpoint",
+                )  # fmt: skip
+            )
+        counts, lo, hi = {}, math.inf, -1
+        for name in names:
+            for at, a, b in skipped.get(name, []):
+                if at != k:
+                    continue
+                j = loader.order.names.index(name)
+                counts[name] = counts.get(name, 0) + b - a
+                lo = min(lo, _position_of(loader, j, a + 1, 0, start) - 1)
+                hi = max(hi, _position_of(loader, j, b, 0, start))
+        if counts:
+            span = (int(lo), int(hi))
+            found.append(
+                Finding(
+                    "skipped", k, span, (leg.steps[0], leg.steps[0]), counts,
+                    f"positions {span[0]:,}-{span[1]:,} skipped ({_listed(counts)}), never trained: {why}; "
+                    "the data state is newer than the model checkpoint",
+                )  # fmt: skip
+            )
+    return found
+
+
+def _listed(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{count:,} samples of {name}" for name, count in counts.items())
+
+
+def _coverage(
+    size: int,
+    union: list[tuple[int, int]],
+    twice: list[tuple[int, int, int, int]],
+    skipped: list[tuple[int, int, int]],
+) -> list[list[int]]:
+    """Per epoch: samples served (once or more), served twice, skipped."""
+    if size <= 0 or not union:
+        return []
+    epochs = -(-max(b for _, b in union) // size)
+
+    def per_epoch(runs: list[tuple[int, int]]) -> list[int]:
+        counts = [0] * epochs
+        for a, b in runs:
+            for e in range(a // size, min(epochs, -(-b // size))):
+                counts[e] += max(0, min(b, (e + 1) * size) - max(a, e * size))
+        return counts
+
+    served = per_epoch(union)
+    again = per_epoch([(a, b) for _, a, b, _ in twice])
+    missed = per_epoch([(a, b) for _, a, b in skipped])
+    return [[s - t, t, m] for s, t, m in zip(served, again, missed, strict=True)]
