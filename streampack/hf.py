@@ -96,6 +96,7 @@ class LoaderTrainerMixin(_TrainerBase):
         if not isinstance(loader, Loader):
             return super().get_train_dataloader()
         self.args.ignore_data_skip = True
+        loader.batches_per_step = max(1, int(self.args.gradient_accumulation_steps))  # for its history
         _check_ranks(loader, self.args, self._train_batch_size)
         args = self.args
         options: dict[str, Any] = {

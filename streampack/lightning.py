@@ -118,6 +118,9 @@ class DataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> ModelPacedDataLoader:
         """A DataLoader of the loader's batches from its current position."""
+        accumulate = getattr(self.trainer, "accumulate_grad_batches", 1) if self.trainer else 1
+        if isinstance(accumulate, int) and accumulate >= 1:  # the loader's history counts the steps
+            self.loader.batches_per_step = accumulate
         self._train = ModelPacedDataLoader(self.loader, **self.dataloader_kwargs)
         return self._train
 

@@ -121,8 +121,8 @@ def _kind_of(kind: str, path: Path_, key: str) -> type:
     """The type of the value the key holds in a real state of ``kind`` (for its near misses)."""
     if path[:1] == ("history",):
         return {"position": int, "step": int, "order": str, "kind": str, "seed": int, "shuffle": bool,
-                "batch_size": int, "world_size": int, "data": dict, "block_size": int,
-                "schedule": list}[key]  # fmt: skip
+                "batch_size": int, "world_size": int, "batches_per_step": int, "data": dict,
+                "block_size": int, "schedule": list}[key]  # fmt: skip
     return {"seed": int, "position": int, "batch_size": int, "world_size": int, "epoch": int,
             "samples_in_epoch": int, "block": int, "window": int, "block_size": int, "shuffle": bool,
             "drop_last": bool, "data": dict, "dataset": dict, "order": dict, "sources": dict,
@@ -178,8 +178,7 @@ def test_a_version_2_state_with_version_1_keys_says_how_version_2_says_it(caches
     assert "which version 2 loader states do not hold: they hold ['format', 'version', 'position'" in message
     assert (
         "this one holds ['format', 'version', 'position', 'order', 'batch_size', 'world_size', 'history', "
-        "'epoch'"
-        in message
+        "'epoch'" in message
     )
     assert "sample s of epoch e of a dataset of N samples is position e * N + s" in message
 

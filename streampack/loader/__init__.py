@@ -101,6 +101,10 @@ class Loader(Steps):
 
     _prefetcher: Prefetcher | None = None  # started by the first batch read from object storage
     _history: tuple[dict[str, Any], ...] = ()  # a loader 0.1 pickled knows none
+    batches_per_step: int = 1
+    """Global batches the trainer takes per step (its gradient accumulation), recorded in the history
+    entry of the stretch of the run now being read, so that an audit counts the trainer's steps; the
+    framework adapters set it."""
 
     def __init__(
         self,
@@ -300,7 +304,10 @@ class Loader(Steps):
         """The position, the order's fingerprint and the run's :attr:`history` as a small
         JSON-serializable dict (:func:`streampack.loader.state.saved`); another batch size or world size
         may load it."""
-        return saved(self._position, self.order, self.options, self._history)
+        history = list(self._history)
+        if history:  # how this stretch is trained is known by now (an adapter set it)
+            history[-1] = history[-1] | {"batches_per_step": int(self.batches_per_step)}
+        return saved(self._position, self.order, self.options, history)
 
     def _entry(self, position: int, step: int | None) -> dict[str, Any]:
         """This loader's history entry at ``position`` (with the exclusions in force, where a loader has
@@ -310,7 +317,14 @@ class Loader(Steps):
             exclusions = exclusions()
         data = self.sources[0].fingerprint if self.sources else {}
         return history_entry(
-            position, self.order, self._configured, self.options, data, step=step, exclusions=exclusions
+            position,
+            self.order,
+            self._configured,
+            self.options,
+            data,
+            step=step,
+            batches_per_step=self.batches_per_step,
+            exclusions=exclusions,
         )
 
     def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:

@@ -27,7 +27,6 @@ Ranges in reports are half-open: ``positions 9600-10000`` are positions 9600 to 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, order_digest, read_loader_state
 
-__all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit"]
+__all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit", "leg_loaders"]
 
 _CHUNK = 1 << 20  # positions recomputed at once: 16 MB of picks
 
@@ -53,6 +52,7 @@ class Leg:
         positions: ``(start, stop)``: the global positions the model trained in it.
         steps: ``(start, stop)``: the trainer's steps it trained.
         batch_size: its global batch size.
+        batches_per_step: global batches per trainer step (gradient accumulation).
         world_size: its ranks.
         step_given: whether its first step was the trainer's own (recorded by an adapter), not inferred.
         weights: each source's share of the stream at its start.
@@ -62,8 +62,15 @@ class Leg:
     positions: tuple[int, int]
     steps: tuple[int, int]
     batch_size: int
+    batches_per_step: int
     world_size: int
     step_given: bool
+
+    @property
+    def stride(self) -> int:
+        """Positions per trainer step: ``batch_size * batches_per_step``."""
+        return self.batch_size * self.batches_per_step
+
     weights: dict[str, float]
 
 
@@ -216,15 +223,16 @@ def audit(
         )
     _check_given(entries, seq_len, seed)
     final = int(checked["position"])
-    loaders = _leg_loaders(entries, data)
+    loaders = leg_loaders(entries, data)
     starts = _steps(entries)
     ends = _ends(entries, starts, final, loaders)
     legs = [
         Leg(
             i,
             (int(e["position"]), ends[i]),
-            (starts[i], starts[i] + _batches(ends[i] - int(e["position"]), int(e["batch_size"]))),
+            (starts[i], starts[i] + _batches(ends[i] - int(e["position"]), _stride(e))),
             int(e["batch_size"]),
+            int(e["batches_per_step"]),
             int(e["world_size"]),
             e["step"] is not None,
             dict(zip(loader.order.names, loader.order.weights(int(e["position"])), strict=True)),
@@ -239,10 +247,14 @@ def audit(
         first = legs[0].positions[0]
         findings.append(
             Finding(
-                "unverified", 0, (0, first), (0, legs[0].steps[0]), {},
+                "unverified",
+                0,
+                (0, first),
+                (0, legs[0].steps[0]),
+                {},
                 f"positions 0-{first:,} are not in the history: the run's start was saved by a streampack "
                 "without histories, so what they served cannot be audited",
-            )  # fmt: skip
+            )
         )
     twice, skipped = _intervals(legs, loaders, names)
     findings += _findings(legs, loaders, names, twice, skipped)
@@ -255,11 +267,15 @@ def audit(
         skipped_count = sum(b - a for _, a, b in skipped.get(name, []))
         sources.append(
             SourceAudit(
-                name, sizes[name], served[name], served[name] * width,
+                name,
+                sizes[name],
+                served[name],
+                served[name] * width,
                 (max((b for _, b in union), default=0)) / max(sizes[name], 1) if distinct else 0.0,
-                twice_count, skipped_count, _coverage(sizes[name], union, twice.get(name, []),
-                                                     skipped.get(name, [])),
-            )  # fmt: skip
+                twice_count,
+                skipped_count,
+                _coverage(sizes[name], union, twice.get(name, []), skipped.get(name, [])),
+            )
         )
     return AuditReport(final, legs[-1].steps[1], legs, sources, findings)
 
@@ -280,7 +296,7 @@ def _read(state: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
 
 
 def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed: int | None) -> None:
-    """Refuse a ``seq_len`` or ``seed`` that is not the run's (they are not needed: the history holds them)."""
+    """Refuse a ``seq_len`` or ``seed`` not the run's (they are not needed: the history holds them)."""
     for key, given in (("seq_len", seq_len), ("seed", seed)):
         if given is None:
             continue
@@ -294,9 +310,14 @@ def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed
             )
 
 
-def _leg_loaders(entries: Sequence[Mapping[str, Any]], data: Any) -> list[Loader]:
-    """The loader each entry describes, each after the first resumed from the previous one's order at its
-    position, as the run resumed."""
+def leg_loaders(entries: Sequence[Mapping[str, Any]], data: Any) -> list[Loader]:
+    """The loader each history entry describes, each after the first resumed from the previous one's order
+    at its position, as the run resumed (what :func:`audit` recomputes the run with).
+
+    Raises:
+        LoaderStateError: a loader's order is not the one its entry records (``data`` is not the run's).
+        OptionsError: ``data`` is not of the kind the run read (a mixture's config for a mixture).
+    """
     loaders: list[Loader] = []
     for i, entry in enumerate(entries):
         loader = _loader(entry, data)
@@ -341,9 +362,13 @@ def _loader(entry: Mapping[str, Any], data: Any) -> Loader:
         block = int(entry["block_size"])
         stages = [(int(first) * block, dict(counts)) for first, counts in entry["schedule"]]
         mixture = Mixture(
-            dict(sources), stages=stages, seed=int(entry["seed"]), shuffle=shuffle, block_size=block,
+            dict(sources),
+            stages=stages,
+            seed=int(entry["seed"]),
+            shuffle=shuffle,
+            block_size=block,
             stop=getattr(base, "stop", "never"),
-        )  # fmt: skip
+        )
         return Loader(mixture, batch_size=batch)
     if isinstance(data, Ordered):
         raise OptionsError(
@@ -387,6 +412,11 @@ def _batches(positions: int, batch: int) -> int:
     return -(-positions // batch)
 
 
+def _stride(entry: Mapping[str, Any]) -> int:
+    """Positions one trainer step of the entry's stretch takes."""
+    return int(entry["batch_size"]) * int(entry["batches_per_step"])
+
+
 def _steps(entries: Sequence[Mapping[str, Any]]) -> list[int]:
     """The trainer's step at each entry: the one recorded, else the one the data implies (the previous
     step plus the batches from the previous position)."""
@@ -395,11 +425,11 @@ def _steps(entries: Sequence[Mapping[str, Any]]) -> list[int]:
         if entry["step"] is not None:
             steps.append(int(entry["step"]))
         elif i == 0:
-            steps.append(_batches(int(entry["position"]), int(entry["batch_size"])))
+            steps.append(_batches(int(entry["position"]), _stride(entry)))
         else:
             previous = entries[i - 1]
             moved = int(entry["position"]) - int(previous["position"])
-            steps.append(steps[-1] + max(0, _batches(moved, int(previous["batch_size"]))))
+            steps.append(steps[-1] + max(0, _batches(moved, _stride(previous))))
     return steps
 
 
@@ -414,7 +444,7 @@ def _ends(
         if i + 1 == len(entries):
             end = final
         elif entries[i + 1]["step"] is not None:
-            end = start + max(0, steps[i + 1] - steps[i]) * int(entry["batch_size"])
+            end = start + max(0, steps[i + 1] - steps[i]) * _stride(entry)
         else:
             end = int(entries[i + 1]["position"])
         limit = loaders[i].order.end
@@ -495,6 +525,8 @@ def _intervals(
         owners: list[tuple[int, int, int]] = []  # who served what, for naming the earlier leg
         gaps: list[tuple[int, int, int]] = []
         for a, b, leg in _cursor_runs(legs, loaders, name):
+            if b <= a:  # a stretch that trained nothing (the model went back before it) moved nothing
+                continue
             top = max((hi for _, hi in union), default=0)
             if leg > 0 and a > top:
                 gaps.append((leg, top, a))
@@ -502,9 +534,8 @@ def _intervals(
                 first, stop = max(a, lo), min(b, hi)
                 if first < stop:
                     twice.setdefault(name, []).append((leg, first, stop, earlier))
-            if b > a:
-                owners.append((a, b, leg))
-                union = _union([*union, (a, b)])
+            owners.append((a, b, leg))
+            union = _union([*union, (a, b)])
         _merge_twice(twice, name)
         for leg, a, b in gaps:
             for first, stop in _minus((a, b), union):
@@ -545,42 +576,53 @@ def _findings(
     twice: dict[str, list[tuple[int, int, int, int]]],
     skipped: dict[str, list[tuple[int, int, int]]],
 ) -> list[Finding]:
-    """One finding per resume that replayed or skipped, with the positions and steps concerned."""
+    """One finding per resume that replayed or skipped, with the positions and steps concerned.
+
+    A replay goes on across later resumes that continue where the model stood (with new weights, a
+    source may take longer to serve again what it had served): it is reported at the resume that began
+    it, its positions and steps running over the legs it spans.
+    """
     found: list[Finding] = []
+    cause = list(range(len(legs)))
+    for k in range(1, len(legs)):
+        if legs[k].positions[0] == legs[k - 1].positions[1]:  # a faithful resume: what went on goes on
+            cause[k] = cause[k - 1]
+    replays: dict[int, tuple[dict[str, int], list[tuple[int, int, int, int]]]] = {}
     for k, leg in enumerate(legs):
-        loader = loaders[k]
-        start, stop = leg.positions
-        batch = leg.batch_size
-        previous = legs[k - 1] if k else None
-        data_step = (
-            previous.steps[0] + _batches(start - previous.positions[0], previous.batch_size)
-            if previous is not None
-            else leg.steps[0]
-        )
-        why = (
-            f"resumed at step {leg.steps[0]:,} from a data state at position {start:,} (step {data_step:,})"
-            + (f", the model had trained to position {previous.positions[1]:,}" if previous else "")
-        )
-        counts: dict[str, int] = {}
-        lo, hi = stop, start
+        loader, (start, stop) = loaders[k], leg.positions
         for name in names:
             for at, a, b, _ in twice.get(name, []):
                 if at != k:
                     continue
                 j = loader.order.names.index(name)
+                lo = _position_of(loader, j, a + 1, start, stop) - 1
+                hi = _position_of(loader, j, b, start, stop)
+                steps = (
+                    leg.steps[0] + (lo - start) // leg.stride,
+                    leg.steps[0] + _batches(hi - start, leg.stride),
+                )
+                counts, spans = replays.setdefault(cause[k], ({}, []))
                 counts[name] = counts.get(name, 0) + b - a
-                lo = min(lo, _position_of(loader, j, a + 1, start, stop) - 1)
-                hi = max(hi, _position_of(loader, j, b, start, stop))
-        if counts:
-            steps = (leg.steps[0] + (lo - start) // batch, leg.steps[0] + _batches(hi - start, batch))
+                spans.append((lo, hi, *steps))
+    for k, leg in enumerate(legs):
+        why = _why(legs, k)
+        if k in replays:
+            counts, spans = replays[k]
+            lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+            steps = (min(s[2] for s in spans), max(s[3] for s in spans))
             found.append(
                 Finding(
-                    "twice", k, (lo, hi), steps, counts,
+                    "twice",
+                    k,
+                    (lo, hi),
+                    steps,
+                    counts,
                     f"positions {lo:,}-{hi:,} (steps {steps[0]:,}-{steps[1]:,}) served twice "
                     f"({_listed(counts)}): {why}; the data state is older than the model checkpoint",
-                )  # fmt: skip
+                )
             )
-        counts, lo, hi = {}, math.inf, -1
+        loader, start = loaders[k], leg.positions[0]
+        counts, lo, hi = {}, 2**63, -1
         for name in names:
             for at, a, b in skipped.get(name, []):
                 if at != k:
@@ -590,15 +632,31 @@ def _findings(
                 lo = min(lo, _position_of(loader, j, a + 1, 0, start) - 1)
                 hi = max(hi, _position_of(loader, j, b, 0, start))
         if counts:
-            span = (int(lo), int(hi))
             found.append(
                 Finding(
-                    "skipped", k, span, (leg.steps[0], leg.steps[0]), counts,
-                    f"positions {span[0]:,}-{span[1]:,} skipped ({_listed(counts)}), never trained: {why}; "
+                    "skipped",
+                    k,
+                    (lo, hi),
+                    (leg.steps[0], leg.steps[0]),
+                    counts,
+                    f"positions {lo:,}-{hi:,} skipped ({_listed(counts)}), never trained: {why}; "
                     "the data state is newer than the model checkpoint",
-                )  # fmt: skip
+                )
             )
     return found
+
+
+def _why(legs: list[Leg], k: int) -> str:
+    """How resume ``k`` came about: the model's step, the data state's position and step."""
+    leg, start = legs[k], legs[k].positions[0]
+    if k == 0:
+        return f"the run started at step {leg.steps[0]:,} and position {start:,}"
+    previous = legs[k - 1]
+    data_step = previous.steps[0] + _batches(start - previous.positions[0], previous.stride)
+    return (
+        f"resumed at step {leg.steps[0]:,} from a data state at position {start:,} (step {data_step:,}), "
+        f"the model had trained to position {previous.positions[1]:,}"
+    )
 
 
 def _listed(counts: Mapping[str, int]) -> str:

@@ -34,12 +34,12 @@ if TYPE_CHECKING:
     from streampack.loader.options import LoaderOptions
 
 __all__ = [
+    "HISTORY_ENTRY",
     "LOADER_FORMAT",
     "LOADER_VERSION",
     "LOADER_VERSIONS",
     "ORDERS",
     "Field",
-    "HISTORY_ENTRY",
     "Schema",
     "data_description",
     "history_entry",
@@ -187,6 +187,7 @@ HISTORY_ENTRY = Schema(
         "shuffle": Field("True, False or {'block': B, 'window': W}", _is_mixture_shuffle),
         "batch_size": integer(min=1),
         "world_size": integer(min=1),
+        "batches_per_step": integer(min=1),
         "data": Field("an object of layout, seq_len and overlap", _is_data),
         "block_size": Field("an integer >= 1 or null", lambda v: v is None or (is_int(v) and v >= 1)),
         "schedule": Field(
@@ -335,9 +336,7 @@ def read(
                 for name, item in value.items()
             }
         if field_.items is not None:
-            value = [
-                read(item, field_.items, f"{where} {key}[{i}]", fix=fix) for i, item in enumerate(value)
-            ]
+            value = [read(item, field_.items, f"{where} {key}[{i}]", fix=fix) for i, item in enumerate(value)]
         checked[key] = value
     return checked
 
@@ -408,7 +407,7 @@ def data_description(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
     """What a source's samples are, from its fingerprint: ``layout`` (``"windows"``, ``"packed"``,
     ``"documents"``; ``"array"`` for samples that are not a cache's), ``seq_len`` and ``overlap``."""
     layout = fingerprint.get("layout", "windows" if "seq_len" in fingerprint else "array")
-    described = {"layout": layout if isinstance(layout, str) else str(layout)}
+    described: dict[str, Any] = {"layout": layout if isinstance(layout, str) else str(layout)}
     for key in ("seq_len", "overlap"):
         if is_int(fingerprint.get(key)):
             described[key] = int(fingerprint[key])
@@ -423,6 +422,7 @@ def history_entry(
     data: Mapping[str, Any],
     *,
     step: int | None = None,
+    batches_per_step: int = 1,
     exclusions: Any = None,
 ) -> dict[str, Any]:
     """One entry of a state's history (:data:`HISTORY_ENTRY`): how a run was read from ``position``.
@@ -431,9 +431,10 @@ def history_entry(
     :mod:`streampack.loader.audit`): the order's kind, seed and shuffle, and for a mixture its block
     size and the schedule it was *configured* with (the part before ``position`` is the earlier entries'),
     the data's layout, ``seq_len`` and ``overlap``, the batch and world size, the exclusions in force;
-    the digest of the order in force, to check the recomputed one; and ``step``, the trainer's own step
-    there when a framework adapter (or the caller) gave it, null otherwise. Every field is bounded: a
-    history grows by one small entry per resume.
+    the digest of the order in force, to check the recomputed one; ``step``, the trainer's own step
+    there when a framework adapter (or the caller) gave it, null otherwise; and ``batches_per_step``,
+    the global batches the trainer takes per step (gradient accumulation), which the adapters set.
+    Every field is bounded: a history grows by one small entry per resume.
     """
     mine = order.fingerprint()
     own = configured.fingerprint()
@@ -450,6 +451,7 @@ def history_entry(
         "shuffle": shuffle,
         "batch_size": options.batch_size,
         "world_size": options.world_size,
+        "batches_per_step": int(batches_per_step),
         "data": data_description(data),
         "block_size": own.get("block_size") if mixed else None,
         "schedule": own.get("schedule") if mixed else None,
