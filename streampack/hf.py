@@ -96,6 +96,7 @@ class LoaderTrainerMixin(_TrainerBase):
         if not isinstance(loader, Loader):
             return super().get_train_dataloader()
         self.args.ignore_data_skip = True
+        loader.batches_per_step = max(1, int(self.args.gradient_accumulation_steps))  # for its history
         _check_ranks(loader, self.args, self._train_batch_size)
         args = self.args
         options: dict[str, Any] = {
@@ -126,7 +127,9 @@ class LoaderTrainerMixin(_TrainerBase):
                 folder = get_last_checkpoint(self.args.output_dir)
                 if folder is None:
                     raise ValueError(f"no checkpoint found in output_dir {self.args.output_dir}")
-            self.train_dataset.load_state_dict(_read_state(str(folder)))
+            # The model checkpoint's step goes into the loader's history, for an audit to compare.
+            step = _checkpoint_step(str(folder))
+            self.train_dataset.load_state_dict(_read_state(str(folder)), step=step)
             resume_from_checkpoint = folder
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -229,6 +232,16 @@ class _SaveLoaderState(transformers.TrainerCallback):
             with open(path + ".tmp", "w") as file:
                 json.dump(loader.state_dict(), file)
             os.replace(path + ".tmp", path)
+
+
+def _checkpoint_step(folder: str) -> int | None:
+    """The Trainer's ``global_step`` its checkpoint folder records (``trainer_state.json``), if any."""
+    try:
+        with open(os.path.join(folder, "trainer_state.json")) as file:
+            step = json.load(file).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 def _read_state(folder: str) -> Any:

@@ -85,9 +85,9 @@ class ModelPacedDataLoader(DataLoader):
             state["position"] = self._pending[0]
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
         """Resume from :meth:`state_dict` (see :meth:`streampack.torch.DataLoader.load_state_dict`)."""
-        super().load_state_dict(state)
+        super().load_state_dict(state, step=step)
         self._pending.clear()
 
 
@@ -118,6 +118,9 @@ class DataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> ModelPacedDataLoader:
         """A DataLoader of the loader's batches from its current position."""
+        accumulate = getattr(self.trainer, "accumulate_grad_batches", 1) if self.trainer else 1
+        if isinstance(accumulate, int) and accumulate >= 1:  # the loader's history counts the steps
+            self.loader.batches_per_step = accumulate
         self._train = ModelPacedDataLoader(self.loader, **self.dataloader_kwargs)
         return self._train
 
@@ -132,10 +135,20 @@ class DataModule(pl.LightningDataModule):
             LoaderStateError: the state does not fit the loader (see :meth:`Loader.load_state_dict`), or
                 it came while a DataLoader iterator is running.
         """
+        step = self._checkpoint_step()
         if self._train is not None:
-            self._train.load_state_dict(state_dict)
+            self._train.load_state_dict(state_dict, step=step)
         else:
-            self.loader.load_state_dict(state_dict)
+            self.loader.load_state_dict(state_dict, step=step)
+
+    def _checkpoint_step(self) -> int | None:
+        """The ``global_step`` of the checkpoint being restored (the model's), when Lightning restores
+        one: the loader's history records it, for an audit to compare with the data state's."""
+        trainer = getattr(self, "trainer", None)
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        checkpoint = getattr(connector, "_loaded_checkpoint", None) or {}
+        step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
+        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 class _CountModelBatches(pl.Callback):

@@ -176,9 +176,10 @@ class IterableDataset(torch_data.IterableDataset):
         """The loader's state (see :meth:`Loader.state_dict`)."""
         return self.loader.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume the loader from ``state``; the next iteration starts at the batch after the saved one."""
-        self.loader.load_state_dict(state)
+    def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
+        """Resume the loader from ``state``; the next iteration starts at the batch after the saved one
+        (``step``: the trainer's, for the loader's history)."""
+        self.loader.load_state_dict(state, step=step)
         self.publish()
 
 
@@ -261,8 +262,11 @@ class DataLoader(torch_data.DataLoader):
         """The loader's state after the batches handed out so far (small, JSON-serializable)."""
         return self.loader.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
         """Resume from :meth:`state_dict`; the next ``iter()`` (or ``for`` loop) starts there.
+
+        ``step``, the trainer's step at this resume, goes into the loader's history (see
+        :meth:`Loader.load_state_dict`).
 
         Refused while an iterator over this DataLoader is running (a batch was asked of it, and it is
         neither exhausted nor closed): its workers are already making the batches of the old position, so
@@ -279,7 +283,7 @@ class DataLoader(torch_data.DataLoader):
                 "before iter(), or break out of the loop first (or close() the iterator)"
             )
         before = self.loader.order.fingerprint()
-        self.dataset.load_state_dict(state)  # type: ignore[attr-defined, unused-ignore]
+        self.dataset.load_state_dict(state, step=step)  # type: ignore[attr-defined, unused-ignore]
         if self.loader.order.fingerprint() != before:
             self._restart_workers()
 

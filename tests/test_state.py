@@ -17,10 +17,10 @@ import pytest
 import streampack
 from streampack import BlockShuffle, Follow, Loader, Mixture
 from streampack.errors import LoaderStateError
-from streampack.loader.state import LOADER_VERSIONS, ORDERS, Schema
+from streampack.loader.state import HISTORY_ENTRY, LOADER_VERSIONS, ORDERS, Schema
 from tests.conftest import write_jsonl
 
-Path_ = tuple[str, ...]  # where a part of the state is: () the state, ("order",), ("order", "sources", "a")
+Path_ = tuple[str | int, ...]  # where a part is: () the state, ("order",), ("history", 0), ...
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def parts(kind: str) -> list[tuple[Path_, Schema, int]]:
     """Each part of a state of ``kind`` with its schema, and the version named in its messages."""
     if kind == "version 1":
         return [((), LOADER_VERSIONS[1], 1)]
-    found = [((), LOADER_VERSIONS[2], 2), (("order",), ORDERS[kind], 2)]
+    found = [((), LOADER_VERSIONS[2], 2), (("order",), ORDERS[kind], 2), (("history", 0), HISTORY_ENTRY, 2)]
     if kind == "mixture":
         found += [
             (("order", "sources", name), schema, 2)
@@ -82,6 +82,10 @@ def _source() -> Schema:
 
 # Values of the wrong type for what a key holds: every key gets "x" and None, and a near miss.
 NEAR_MISSES: dict[type, list[object]] = {int: [True, -1, 1.5], bool: [1], dict: [[]], list: [{}]}
+# Keys of a history entry that may be null (a step not known, an order that is no mixture), and the
+# exclusions, whose shape the exclusions define.
+NULLABLE = {"step", "block_size", "schedule"}
+ANY_VALUE = {"exclusions"}
 
 
 def mistakes(kind: str) -> list[tuple[str, Path_, str, Callable[[dict], None]]]:
@@ -93,9 +97,15 @@ def mistakes(kind: str) -> list[tuple[str, Path_, str, Callable[[dict], None]]]:
             if key not in ("format", "version", "kind"):  # those decide which schema applies: see below
                 made.append(("missing key", path, key, lambda part, key=key: part.pop(key)))
         for key in schema.fields:
-            if key in ("format", "version", "kind"):
+            if key in ("format", "version") or (key == "kind" and path != ("history", 0)):
                 continue
-            for wrong in ["x", None, *NEAR_MISSES.get(_kind_of(kind, path, key), [])]:
+            if schema is HISTORY_ENTRY and key in ANY_VALUE:
+                continue
+            nullable = schema is HISTORY_ENTRY and key in NULLABLE
+            near = NEAR_MISSES.get(_kind_of(kind, path, key), [])
+            if schema is HISTORY_ENTRY and key == "kind":  # any kind's name, so a string
+                near = [1]
+            for wrong in [*([] if key == "kind" else ["x"]), *([] if nullable else [None]), *near]:
                 made.append((f"wrong type {wrong!r}", path, key, _setter(key, wrong)))
     other_version = ["position"] if kind == "version 1" else ["epoch", "samples_in_epoch"]
     add = {"position": 8} if kind == "version 1" else {"epoch": 0, "samples_in_epoch": 8}
@@ -109,10 +119,14 @@ def _setter(key: str, wrong: object) -> Callable[[dict], None]:
 
 def _kind_of(kind: str, path: Path_, key: str) -> type:
     """The type of the value the key holds in a real state of ``kind`` (for its near misses)."""
+    if path[:1] == ("history",):
+        return {"position": int, "step": int, "order": str, "kind": str, "seed": int, "shuffle": bool,
+                "batch_size": int, "world_size": int, "batches_per_step": int, "data": dict,
+                "block_size": int, "schedule": list}[key]  # fmt: skip
     return {"seed": int, "position": int, "batch_size": int, "world_size": int, "epoch": int,
             "samples_in_epoch": int, "block": int, "window": int, "block_size": int, "shuffle": bool,
             "drop_last": bool, "data": dict, "dataset": dict, "order": dict, "sources": dict,
-            "schedule": list, "eras": list, "exclusions": list}[key]  # fmt: skip
+            "schedule": list, "eras": list, "exclusions": list, "history": list}[key]  # fmt: skip
 
 
 KINDS = ["shuffled", "blocks", "mixture", "follow", "version 1"]
@@ -120,15 +134,16 @@ CASES = [(kind, *mistake) for kind in KINDS for mistake in mistakes(kind)]
 
 
 def part_of(state: dict, path: Path_) -> dict:
+    part: Any = state
     for key in path:
-        state = state[key]
-    return state
+        part = part[key]
+    return part
 
 
 @pytest.mark.parametrize(
     ("kind", "what", "path", "key", "mistake"),
     CASES,
-    ids=[f"{kind}-{'.'.join(path) or 'state'}-{key}-{what}" for kind, what, path, key, _ in CASES],
+    ids=[f"{kind}-{'.'.join(map(str, path)) or 'state'}-{key}-{what}" for kind, what, path, key, _ in CASES],
 )
 def test_every_kind_of_state_refuses_every_wrong_key_naming_it_and_the_version(
     caches: tuple[Path, Path], kind: str, what: str, path: Path_, key: str, mistake: Callable[[dict], None]
@@ -162,8 +177,8 @@ def test_a_version_2_state_with_version_1_keys_says_how_version_2_says_it(caches
     assert "loader state holds 'epoch' (a key of version 1 loader states)" in message
     assert "which version 2 loader states do not hold: they hold ['format', 'version', 'position'" in message
     assert (
-        "this one holds ['format', 'version', 'position', 'order', 'batch_size', 'world_size', 'epoch'"
-        in message
+        "this one holds ['format', 'version', 'position', 'order', 'batch_size', 'world_size', 'history', "
+        "'epoch'" in message
     )
     assert "sample s of epoch e of a dataset of N samples is position e * N + s" in message
 

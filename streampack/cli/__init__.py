@@ -16,7 +16,7 @@ from types import FrameType
 
 import click
 
-from streampack.cli import build, demo, export, inspect, training
+from streampack.cli import audit, build, demo, export, inspect, training
 from streampack.cli.build import in_cli_terms
 from streampack.cli.inspect import cache_stats
 from streampack.errors import StreampackError
@@ -42,6 +42,7 @@ for _command in (
     training.bench,
     training.mix,
     training.which,
+    audit.audit,
     demo.demo,
 ):
     cli.add_command(_command)

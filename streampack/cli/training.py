@@ -160,7 +160,20 @@ def _children() -> list[int]:
     "--state", "state_path", type=click.Path(dir_okay=False), help="Start from a loader state (JSON)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | None, as_json: bool) -> None:
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    help="Also draw the weights in force and realised shares over the run's steps into this PNG.",
+)
+def mix(
+    config_path: str,
+    steps: int,
+    batch_size: int | None,
+    state_path: str | None,
+    as_json: bool,
+    plot_path: str | None,
+) -> None:
     """Show a mixture's plan: per source, its weight, realised share and epoch after --steps batches.
 
     Nothing is read but the caches' manifests: the proportions come from the order alone, exactly, also
@@ -204,6 +217,10 @@ def mix(config_path: str, steps: int, batch_size: int | None, state_path: str | 
     if loader.order.end is not None:
         position = min(position, loader.order.end)
     report = loader.realised(steps)
+    if plot_path is not None:
+        from streampack.cli.plots import plot_mix
+
+        plot_mix(loader, position, plot_path)
     if as_json:
         rows = [vars(progress) for progress in report]
         click.echo(json.dumps({"position": position, "end": loader.order.end, "sources": rows}, indent=2))

@@ -40,18 +40,19 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from streampack._aliases import renamed
-from streampack.errors import OptionsError
+from streampack._checks import check_int
+from streampack.loader import inforce
 from streampack.loader.collate import CausalLMDict, Format, format_for
-from streampack.loader.exclusions import Exclusions, check_prefix, entry_state
+from streampack.loader.exclusions import Exclusions, entry_state
 from streampack.loader.given import given
 from streampack.loader.growing import Growing, Reach
 from streampack.loader.growmix import growing_mixture
 from streampack.loader.lookahead import files_ahead, prefetch_steps
 from streampack.loader.options import LoaderOptions, Output, SourceShare, check_last_batch
 from streampack.loader.reading import DataSource, Rows, _Source
-from streampack.loader.state import LOADER_VERSION, resume, saved
+from streampack.loader.state import LOADER_VERSION, history_entry, read_loader_state, resume, saved
 from streampack.loader.steps import Steps
-from streampack.order import MAX_POSITION, Order, Ordered
+from streampack.order import Order, Ordered
 
 if TYPE_CHECKING:
     from streampack.loader.excluding import Masking
@@ -110,6 +111,11 @@ class Loader(Steps):
     _exclude_given: Sequence[Exclusions] = ()
     _in_force: Sequence[tuple[Exclusions, int, int]] = ()
     _masking: Masking | None = None
+    _history: tuple[dict[str, Any], ...] = ()  # a loader 0.1 pickled knows none
+    batches_per_step: int = 1
+    """Global batches the trainer takes per step (its gradient accumulation), recorded in the history
+    entry of the stretch of the run now being read, so that an audit counts the trainer's steps; the
+    framework adapters set it."""
 
     def __init__(
         self,
@@ -131,19 +137,19 @@ class Loader(Steps):
         # How far a growing source is known and opened (streampack.loader.growing); None: it is whole.
         self._reach = Reach(source) if isinstance(source, Growing) else None
         self.formatter: Format = format_for(self.options.output, [source.data for source in sources])
-        # Exclusions: those given, those in force (entry, position it took effect at, batch size of its
-        # steps), the order they filter, and per process the documents each names, by digest.
-        self._exclude_given = _listed(exclude)
-        self._base: Order = self.order
-        self._excluded_docs: dict[str, dict[int, np.ndarray]] = {}
+        # Exclusions (streampack.loader.inforce): those given, those in force, the order they filter, and
+        # per process the documents each names, by digest.
+        self._exclude_given, self._base = inforce.listed(exclude), self.order
+        self._excluded_docs: inforce.Found = {}
         if self._exclude_given:
             self._enforce(
-                [(e, 0 if e.at is None else e.at, self.options.batch_size) for e in self._exclude_given]
+                [inforce.placed(e, e.at or 0, self.options.batch_size) for e in self._exclude_given]
             )
         self._check_last_batch()
         if self._reach is not None:  # what it knows now, which the view opened above holds
             self._reach.grow(0, self._check_last_batch)
             self._reach.readable = self._reach.known
+        self._history = (self._entry(0, None),)
 
     @property
     def sources(self) -> list[_Source]:
@@ -317,13 +323,32 @@ class Loader(Steps):
         self.close()
 
     def state_dict(self) -> dict[str, Any]:
-        """The position and the order's fingerprint as a small JSON-serializable dict
-        (:func:`streampack.loader.state.saved`); another batch size or world size may load it. With
-        exclusions in force it also holds :meth:`exclusions_state`."""
-        state = saved(self._position, self._base, self.options)
+        """The position, the order's fingerprint and the run's :attr:`history` as a small
+        JSON-serializable dict (:func:`streampack.loader.state.saved`); another batch size or world size
+        may load it. With exclusions in force it also holds :meth:`exclusions_state`."""
+        history = list(self._history)
+        if history:  # how this stretch is trained is known by now (an adapter set it)
+            history[-1] = history[-1] | {"batches_per_step": int(self.batches_per_step)}
+        state = saved(self._position, self._base, self.options, history)
         if self._in_force:
             state["exclusions"] = self.exclusions_state()
         return state
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The run's history: one entry for its start and one per resume, each saying how the run was
+        read from its position on (:func:`~streampack.loader.state.history_entry`). :meth:`state_dict`
+        carries it, so the last checkpoint of a run is enough to audit it
+        (:func:`streampack.loader.audit.audit`)."""
+        return [dict(entry) for entry in self._history]
+
+    def _entry(self, position: int, step: int | None) -> dict[str, Any]:
+        """This loader's history entry at ``position``, with the exclusions in force."""
+        data = self.sources[0].fingerprint if self.sources else {}
+        return history_entry(
+            position, self._base, self._configured, self.options, data, step=step,
+            batches_per_step=self.batches_per_step, exclusions=self.exclusions_state() or None,
+        )  # fmt: skip
 
     def exclusions_state(self) -> list[dict[str, Any]]:
         """The exclusions in force, as the state records them: per exclusion its digest, mode, the
@@ -338,10 +363,10 @@ class Loader(Steps):
             OptionsError: ``at`` is before the current position (batches already served would change),
                 or ``entry`` does not fit the sources or the output (see :class:`Loader`).
         """
-        self._enforce([*self._in_force, self._placed(entry, self._position)])
+        self._enforce([*self._in_force, inforce.placed(entry, self._position, self.options.batch_size)])
         self._exclude_given = [*self._exclude_given, entry]
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
         """Resume from a :meth:`state_dict`: the next batch starts where the saved run stopped.
 
         O(1): nothing is replayed. The world size, the DataLoader workers and the global batch size may
@@ -354,18 +379,20 @@ class Loader(Steps):
                 version, a key too many or missing, a value of the wrong type, or another seed, shuffle
                 or data (both sides named; see :func:`streampack.loader.state.resume`).
             OptionsError: ``drop_last=False`` would give some rank an empty last batch from there.
+
+        The state's :attr:`history` is kept, with an entry for this resume appended; ``step`` is the
+        trainer's own step at this resume (the model checkpoint's, which the framework adapters pass),
+        so that an audit can tell a data state and a model checkpoint of different steps apart.
         """
+        if step is not None:
+            step = check_int("step", step, min=0, max=2**62, hint="the trainer's step at this resume")
         datasets = [source.data for source in self.sources]
         position, order = resume(state, self._configured, datasets)  # the state read strictly
-        recorded: list[Mapping[str, Any]] = list(state.get("exclusions", ()))
-        check_prefix(recorded, self._exclude_given)
-        kept = [(self._exclude_given[i], int(e["at"]), int(e["batch_size"])) for i, e in enumerate(recorded)]
-        if any(entry.mode == "skip" and at < position for entry, at, _ in kept):
-            # The order resumes where the saved run's base order stood: its exclusions skipped positions.
-            whole = resume({**state, "position": MAX_POSITION}, self._configured, datasets)[1]
-            cursor = self._layered(whole, kept)[0]._cursor(position)  # type: ignore[attr-defined]
-            order = resume({**state, "position": cursor}, self._configured, datasets)[1]
-        added = [self._placed(entry, position) for entry in self._exclude_given[len(recorded) :]]
+        order, kept = inforce.resumed(
+            state, position, order, self._configured, datasets, self._exclude_given, self._excluded_docs
+        )
+        batch = self.options.batch_size
+        added = [inforce.placed(entry, position, batch) for entry in self._exclude_given[len(kept) :]]
         filtered, masking = self._checked(order, kept + added)
         check_last_batch(self.options, filtered.end, position)  # before anything changes
         if self.dataset is self._base:  # a dataset that is its own order (a Mixture) follows it
@@ -375,91 +402,19 @@ class Loader(Steps):
         self._base, self._position = order, position
         self.order, self._masking, self._in_force = filtered, masking, kept + added
         self._rows.forget()
+        earlier = read_loader_state(state).get("history", [])
+        self._history = (*(dict(entry) for entry in earlier), self._entry(position, step))
 
     # --- exclusions -------------------------------------------------------------------------------------
 
-    def _placed(self, entry: Exclusions, position: int) -> tuple[Exclusions, int, int]:
-        """``entry`` in force from its ``at``, else ``position``, with its steps at this batch size."""
-        at = position if entry.at is None else entry.at
-        if at < position:
-            raise OptionsError(
-                f"Exclusions(at={at}) is before the loader's position {position}: batches already served "
-                "would change; leave at=None (from here on) or give a position >= the current one"
-            )
-        return entry, at, self.options.batch_size
-
-    def _layered(
-        self, base: Order, entries: list[tuple[Exclusions, int, int]]
-    ) -> tuple[Order, Masking | None]:
-        """``base`` filtered by the skip ``entries``, and the masking of the mask ones."""
-        from streampack.loader.excluding import (
-            Masking,
-            Skipping,
-            excluded_documents,
-            excluded_samples,
-            merged,
-            sample_keys,
-        )
-
-        order, masks = base, []
-        names, datasets = list(base.names), [source.data for source in self.sources]
-        for entry, at, batch in entries:
-            docs = self._excluded_docs.get(entry.digest)
-            if docs is None:
-                docs = excluded_documents(entry, names, datasets)
-                self._excluded_docs[entry.digest] = docs
-            ranges = merged(entry.ranges(batch))
-            if entry.mode == "mask":
-                masks.append((at, docs, ranges))
-                continue
-            samples = {source: excluded_samples(datasets[source], ids) for source, ids in docs.items()}
-            keys = sample_keys(samples)
-            if base.end is None and all(
-                len(samples.get(s, ())) >= size for s, size in enumerate(base.sizes())
-            ):
-                raise OptionsError(
-                    f"the exclusions take out every sample of every source ({', '.join(names)}), and the "
-                    "run is endless: nothing is left to serve"
-                )
-            order = Skipping(order, at, keys, ranges)
-        return order, (Masking(masks) if masks else None)
-
-    def _enforce(self, entries: list[tuple[Exclusions, int, int]]) -> None:
+    def _enforce(self, entries: list[inforce.Entry]) -> None:
         """Put ``entries`` in force over the base order (see :meth:`_checked`)."""
         self.order, self._masking = self._checked(self._base, entries)
         self._in_force = list(entries)
         self._rows.forget()
 
-    def _checked(
-        self, base: Order, entries: list[tuple[Exclusions, int, int]]
-    ) -> tuple[Order, Masking | None]:
-        """``base`` filtered by ``entries`` and their masking, once they fit: their positions do not go
-        back, and mask mode has labels to mask."""
-        ats = [at for _, at, _ in entries]
-        if ats != sorted(ats):
-            raise OptionsError(
-                f"exclusions take effect at positions {ats}: each must be at or after the one before "
-                "(they are given in the order of the run)"
-            )
-        if any(entry.mode == "mask" for entry, _, _ in entries) and not isinstance(
-            self.formatter, CausalLMDict
-        ):
-            raise OptionsError(
-                f"Exclusions(mode='mask') sets labels=-100 on excluded tokens, and output="
-                f"{self.options.output!r} has no labels; use output='dict' (or 'varlen', 'hf-flash'), or "
-                "mode='skip'"
-            )
-        return self._layered(base, entries)
-
-
-def _listed(exclude: Exclusions | Sequence[Exclusions] | None) -> list[Exclusions]:
-    """``exclude=`` as a list of exclusions, checked."""
-    if exclude is None:
-        return []
-    listed = [exclude] if isinstance(exclude, Exclusions) else list(exclude)
-    for entry in listed:
-        if not isinstance(entry, Exclusions):
-            raise TypeError(
-                f"exclude= takes streampack.loader.Exclusions, or a list of them (got {type(entry).__name__})"
-            )
-    return listed
+    def _checked(self, base: Order, entries: list[inforce.Entry]) -> tuple[Order, Masking | None]:
+        """``base`` filtered by ``entries`` and their masking (:func:`streampack.loader.inforce.checked`)."""
+        datasets = [source.data for source in self.sources]
+        formatter, output = self.formatter, self.options.output
+        return inforce.checked(base, entries, datasets, self._excluded_docs, formatter, output)

@@ -20,6 +20,8 @@ they were read strictly as what they are.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -33,12 +35,16 @@ if TYPE_CHECKING:
     from streampack.loader.options import LoaderOptions
 
 __all__ = [
+    "HISTORY_ENTRY",
     "LOADER_FORMAT",
     "LOADER_VERSION",
     "LOADER_VERSIONS",
     "ORDERS",
     "Field",
     "Schema",
+    "data_description",
+    "history_entry",
+    "order_digest",
     "read",
     "read_loader_state",
     "read_order",
@@ -62,11 +68,13 @@ class Field:
         allowed: what it must be, as a message says it (``"an integer in [0, 2**62]"``).
         test: whether a value is allowed.
         each: the value is an object whose every entry is read with this schema (a mixture's sources).
+        items: the value is a list whose every item is read with this schema (a state's history).
     """
 
     allowed: str
     test: Callable[[Any], bool]
     each: Schema | None = None
+    items: Schema | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,48 @@ def _version(number: int) -> Field:
     return Field(str(number), lambda value: is_int(value) and value == number)
 
 
+def _is_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _is_step(value: Any) -> bool:
+    return value is None or (is_int(value) and 0 <= value <= MAX_POSITION)
+
+
+def _is_digest(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
+
+
+def _is_data(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(
+        isinstance(k, str) and (isinstance(v, str) or is_int(v)) for k, v in value.items()
+    )
+
+
+HISTORY_ENTRY = Schema(
+    "history entries",
+    required={
+        "position": integer(min=0, max=MAX_POSITION),
+        "step": Field("an integer >= 0 or null", _is_step),
+        "order": Field("16 hexadecimal digits (the order fingerprint's digest)", _is_digest),
+        "kind": Field("a string", lambda value: isinstance(value, str)),
+        "seed": SEED,
+        "shuffle": Field("True, False or {'block': B, 'window': W}", _is_mixture_shuffle),
+        "batch_size": integer(min=1),
+        "world_size": integer(min=1),
+        "batches_per_step": integer(min=1),
+        "data": Field("an object of layout, seq_len and overlap", _is_data),
+        "block_size": Field("an integer >= 1 or null", lambda v: v is None or (is_int(v) and v >= 1)),
+        "schedule": Field(
+            "null or a non-empty list of [first block, {source: count}]",
+            lambda value: value is None or _is_schedule(value),
+        ),
+        "exclusions": Field("any JSON value", lambda value: True),
+    },
+)
+"""One entry of a state's ``history``: how the run was read from ``position`` on (see
+:func:`history_entry`). The run's start has one, and every resume appends one."""
+
 _POSITION_HINT = (
     "A version 2 state says where the run stands by 'position' alone: the samples consumed since the run "
     "started over all ranks (sample s of epoch e of a dataset of N samples is position e * N + s). Set "
@@ -189,6 +239,7 @@ LOADER_VERSIONS: dict[int, Schema] = {
             "world_size": integer(min=1),
             # The exclusions in force (streampack.loader.exclusions.entry_state), in the order given.
             "exclusions": Field("a list of exclusion entries as Loader.state_dict() writes them", is_entries),
+            "history": Field("a list of history entries", _is_list, items=HISTORY_ENTRY),
         },
         hints={"epoch": _POSITION_HINT, "samples_in_epoch": _POSITION_HINT},
     ),
@@ -287,6 +338,8 @@ def read(
                 name: read(item, field_.each, f"{where} {key}[{name!r}]", fix=fix)
                 for name, item in value.items()
             }
+        if field_.items is not None:
+            value = [read(item, field_.items, f"{where} {key}[{i}]", fix=fix) for i, item in enumerate(value)]
         checked[key] = value
     return checked
 
@@ -347,14 +400,79 @@ def _summary(value: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def saved(position: int, order: Order, options: LoaderOptions) -> dict[str, Any]:
+def order_digest(fingerprint: Mapping[str, Any]) -> str:
+    """16 hexadecimal digits that identify an order's fingerprint (its canonical JSON's SHA-256)."""
+    text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def data_description(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
+    """What a source's samples are, from its fingerprint: ``layout`` (``"windows"``, ``"packed"``,
+    ``"documents"``; ``"array"`` for samples that are not a cache's), ``seq_len`` and ``overlap``."""
+    layout = fingerprint.get("layout", "windows" if "seq_len" in fingerprint else "array")
+    described: dict[str, Any] = {"layout": layout if isinstance(layout, str) else str(layout)}
+    for key in ("seq_len", "overlap"):
+        if is_int(fingerprint.get(key)):
+            described[key] = int(fingerprint[key])
+    return described
+
+
+def history_entry(
+    position: int,
+    order: Order,
+    configured: Order,
+    options: LoaderOptions,
+    data: Mapping[str, Any],
+    *,
+    step: int | None = None,
+    batches_per_step: int = 1,
+    exclusions: Any = None,
+) -> dict[str, Any]:
+    """One entry of a state's history (:data:`HISTORY_ENTRY`): how a run was read from ``position``.
+
+    It holds what recomputes the samples served from there (the audit builds the loader it describes,
+    :mod:`streampack.loader.audit`): the order's kind, seed and shuffle, and for a mixture its block
+    size and the schedule it was *configured* with (the part before ``position`` is the earlier entries'),
+    the data's layout, ``seq_len`` and ``overlap``, the batch and world size, the exclusions in force;
+    the digest of the order in force, to check the recomputed one; ``step``, the trainer's own step
+    there when a framework adapter (or the caller) gave it, null otherwise; and ``batches_per_step``,
+    the global batches the trainer takes per step (gradient accumulation), which the adapters set.
+    Every field is bounded: a history grows by one small entry per resume.
+    """
+    mine = order.fingerprint()
+    own = configured.fingerprint()
+    shuffle = mine.get("shuffle", True)
+    if mine.get("kind") == "blocks":
+        shuffle = {"block": mine.get("block"), "window": mine.get("window")}
+    mixed = own.get("kind") == "mixture"
+    return {
+        "position": int(position),
+        "step": None if step is None else int(step),
+        "order": order_digest(mine),
+        "kind": str(mine.get("kind")),
+        "seed": int(mine.get("seed", 0)),
+        "shuffle": shuffle,
+        "batch_size": options.batch_size,
+        "world_size": options.world_size,
+        "batches_per_step": int(batches_per_step),
+        "data": data_description(data),
+        "block_size": own.get("block_size") if mixed else None,
+        "schedule": own.get("schedule") if mixed else None,
+        "exclusions": exclusions,
+    }
+
+
+def saved(
+    position: int, order: Order, options: LoaderOptions, history: Sequence[Mapping[str, Any]] = ()
+) -> dict[str, Any]:
     """The state of a loader at ``position`` of ``order``, as :meth:`Loader.state_dict
     <streampack.loader.Loader.state_dict>` returns it (a version :data:`LOADER_VERSION` state).
 
     It holds the format and version, the position (samples consumed since the run started, over all
     ranks) and the order's fingerprint: what the positions mean (seed, data, and for a mixture its
     sources, weights and the schedule so far). The batch size and world size are recorded for
-    information only: a state may be loaded with others.
+    information only: a state may be loaded with others. ``history`` (one entry per start or resume,
+    :func:`history_entry`) is what :mod:`streampack.loader.audit` recomputes the run from.
     """
     return {
         "format": LOADER_FORMAT,
@@ -363,6 +481,7 @@ def saved(position: int, order: Order, options: LoaderOptions) -> dict[str, Any]
         "order": order.fingerprint(),
         "batch_size": options.batch_size,
         "world_size": options.world_size,
+        "history": [dict(entry) for entry in history],
     }
 
 

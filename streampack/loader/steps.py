@@ -154,9 +154,18 @@ class Steps:
             position + (opts.rank + 1) * size // opts.world_size,
         )
 
+    def served(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source ids and sample ids served at the global positions ``[start, stop)``, over all ranks: what
+        the batches covering them serve, asked as a batch asks them (``int64``).
+
+        An audit recomputes a run through it (:mod:`streampack.loader.audit`), so whatever decides what a
+        position serves is audited as it serves.
+        """
+        return self.order(np.arange(start, stop, dtype=np.int64))
+
     def _unplanned_picks(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """The order's picks for this rank's rows of the batch at ``position``, asked on their own."""
-        return self.order(np.arange(*self._span(position), dtype=np.int64))
+        return self.served(*self._span(position))
 
     def _picks_ahead(self, at: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The picks of the batch at ``at``; None, without waiting, if it is not known yet or past the end."""

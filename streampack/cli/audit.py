@@ -1,0 +1,57 @@
+"""``streampack audit``: what a run saw, recomputed from its last loader state, with a verdict."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from streampack.errors import StreampackError
+
+
+@click.command()
+@click.argument("state_path", metavar="STATE.json", type=click.Path(dir_okay=False))
+@click.argument("data", type=click.Path())
+@click.option("--seq-len", type=click.IntRange(min=1), help="Checked against the run's history (not needed).")
+@click.option("--seed", type=int, help="Checked against the run's history (not needed).")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    help="Also draw coverage per source and epoch, resumes marked, into this PNG (the plot extra).",
+)
+def audit(
+    state_path: str, data: str, seq_len: int | None, seed: int | None, as_json: bool, plot_path: str | None
+) -> None:
+    """Recompute every sample a run consumed from its last loader state, and say whether each was served
+    once within its epoch; exit 1 unless the run is clean.
+
+    STATE.json is the run's last loader state (Loader.state_dict() as JSON, or streampack_loader.json of
+    a streampack.hf checkpoint); its history says how each stretch between resumes was read. DATA is what
+    the run read: a cache directory or a mixture config, as for `streampack which`. Nothing is read but
+    the manifests: the samples come from the pure order, so a run of 10^6 steps takes seconds.
+
+    A resume whose data state and model checkpoint are of different steps (the trainer's step is recorded
+    by streampack.hf and streampack.lightning) shows as positions served twice or skipped, with the steps.
+    """
+    from streampack.loader.audit import audit as run_audit
+    from streampack.loader.audit import leg_loaders
+
+    try:
+        with open(state_path) as file:
+            state = json.load(file)
+    except (OSError, ValueError) as e:
+        raise StreampackError(f"cannot read the loader state {state_path}: {e}") from None
+    report = run_audit(state, data, seq_len=seq_len, seed=seed)
+    if plot_path is not None:
+        from streampack.cli.plots import plot_audit
+
+        plot_audit(report, leg_loaders(state["history"], data), plot_path)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        click.echo(report.text())
+    if not report.clean:
+        sys.exit(1)

@@ -1,0 +1,325 @@
+"""The arithmetic of an audit (:mod:`streampack.loader.audit`): what each stretch of a run served, per
+source as runs of *cursors* (samples of it served so far), and where two stretches served the same cursor
+(a sample twice within its epoch) or none served one below the furthest (a sample skipped).
+
+A stretch's positions serve a contiguous run of each source's cursors (:meth:`Order.consumed
+<streampack.order.Order.consumed>` at its two ends), so everything here is interval arithmetic over a
+few runs per source; the samples themselves are recomputed only to check the counts (:func:`served`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from streampack.errors import LoaderStateError
+from streampack.loader import Loader
+
+__all__ = [
+    "CHUNK",
+    "Finding",
+    "Leg",
+    "batches",
+    "coverage",
+    "cursor_runs",
+    "findings",
+    "intervals",
+    "served",
+    "union",
+]
+
+CHUNK = 1 << 20  # positions recomputed at once: 16 MB of picks
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One stretch of a run between two resumes.
+
+    Attributes:
+        index: its history entry (0: the run's start).
+        positions: ``(start, stop)``: the global positions the model trained in it.
+        steps: ``(start, stop)``: the trainer's steps it trained.
+        batch_size: its global batch size.
+        batches_per_step: global batches per trainer step (gradient accumulation).
+        world_size: its ranks.
+        step_given: whether its first step was the trainer's own (recorded by an adapter), not inferred.
+        weights: each source's share of the stream at its start.
+    """
+
+    index: int
+    positions: tuple[int, int]
+    steps: tuple[int, int]
+    batch_size: int
+    batches_per_step: int
+    world_size: int
+    step_given: bool
+
+    @property
+    def stride(self) -> int:
+        """Positions per trainer step: ``batch_size * batches_per_step``."""
+        return self.batch_size * self.batches_per_step
+
+    weights: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Where and why a run did not serve each sample once.
+
+    Attributes:
+        kind: ``"twice"`` (positions served again), ``"skipped"``, or ``"unverified"`` (the history begins
+            after position 0: the state was saved by a streampack without histories, or edited).
+        resume: the history entry at which it happened.
+        positions: ``(start, stop)``: the positions concerned (for ``"twice"``, those of the later leg).
+        steps: ``(start, stop)``: the trainer's steps that trained them (for ``"skipped"``, the step the
+            run jumped at, twice).
+        samples: per source, the samples concerned.
+        message: the finding in words.
+    """
+
+    kind: str
+    resume: int
+    positions: tuple[int, int]
+    steps: tuple[int, int]
+    samples: dict[str, int]
+    message: str
+
+
+def batches(positions: int, batch: int) -> int:
+    """Steps of ``batch`` positions that ``positions`` take, the last one partial."""
+    return -(-positions // batch)
+
+
+def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> dict[str, int]:
+    """Samples of each source the legs trained on, recomputed position by position through the function
+    the loader serves its batches with (in chunks of positions), and checked against the cursors."""
+    counts = dict.fromkeys(names, 0)
+    for leg, loader in zip(legs, loaders, strict=True):
+        start, stop = leg.positions
+        here = np.zeros(len(loader.order.names), dtype=np.int64)
+        for lo in range(start, stop, CHUNK):
+            sources, _ = loader.served(lo, min(stop, lo + CHUNK))
+            here += np.bincount(sources, minlength=len(here))
+        before, after = loader.order.consumed(start), loader.order.consumed(stop)
+        for j, name in enumerate(loader.order.names):
+            if int(here[j]) != after[j] - before[j]:
+                raise LoaderStateError(
+                    f"leg {leg.index}: source {name!r} served {int(here[j])} samples at positions "
+                    f"{start}-{stop}, its cursor moved {after[j] - before[j]}: the order is not consistent "
+                    "with itself (a bug: please report it)"
+                )
+            counts[name] = counts.get(name, 0) + int(here[j])
+    return counts
+
+
+def cursor_runs(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, int, int]]:
+    """``(first, stop, leg)``: the cursors of source ``name`` each leg served."""
+    runs = []
+    for leg, loader in zip(legs, loaders, strict=True):
+        if name not in loader.order.names:
+            continue
+        j = loader.order.names.index(name)
+        start, stop = leg.positions
+        a, b = loader.order.consumed(start)[j], loader.order.consumed(stop)[j]
+        runs.append((a, b, leg.index))
+    return runs
+
+
+def union(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The half-open runs merged: sorted, disjoint, none empty."""
+    merged: list[list[int]] = []
+    for a, b in sorted(run for run in runs if run[1] > run[0]):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _minus(run: tuple[int, int], union: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    pieces, (a, b) = [], run
+    for lo, hi in union:
+        if hi <= a or lo >= b:
+            continue
+        if lo > a:
+            pieces.append((a, lo))
+        a = max(a, hi)
+    if a < b:
+        pieces.append((a, b))
+    return pieces
+
+
+def intervals(
+    legs: list[Leg], loaders: list[Loader], names: list[str]
+) -> tuple[dict[str, list[tuple[int, int, int, int]]], dict[str, list[tuple[int, int, int]]]]:
+    """Per source, the cursors served twice ``(leg, first, stop, earlier leg)`` and those skipped
+    ``(leg, first, stop)``: ``leg`` is the resume where it happened."""
+    twice: dict[str, list[tuple[int, int, int, int]]] = {}
+    skipped: dict[str, list[tuple[int, int, int]]] = {}
+    for name in names:
+        covered: list[tuple[int, int]] = []
+        owners: list[tuple[int, int, int]] = []  # who served what, for naming the earlier leg
+        gaps: list[tuple[int, int, int]] = []
+        for a, b, leg in cursor_runs(legs, loaders, name):
+            if b <= a:  # a stretch that trained nothing (the model went back before it) moved nothing
+                continue
+            top = max((hi for _, hi in covered), default=0)
+            if leg > 0 and a > top:
+                gaps.append((leg, top, a))
+            for lo, hi, earlier in owners:
+                first, stop = max(a, lo), min(b, hi)
+                if first < stop:
+                    twice.setdefault(name, []).append((leg, first, stop, earlier))
+            owners.append((a, b, leg))
+            covered = union([*covered, (a, b)])
+        _merge_twice(twice, name)
+        for leg, a, b in gaps:
+            for first, stop in _minus((a, b), covered):
+                skipped.setdefault(name, []).append((leg, first, stop))
+    return twice, skipped
+
+
+def _merge_twice(twice: dict[str, list[tuple[int, int, int, int]]], name: str) -> None:
+    """A cursor served by three legs is twice twice over: count each once per later leg."""
+    runs = twice.get(name)
+    if not runs:
+        return
+    merged: list[tuple[int, int, int, int]] = []
+    for leg in sorted({run[0] for run in runs}):
+        mine = [run for run in runs if run[0] == leg]
+        earlier = mine[0][3]
+        merged += [(leg, a, b, earlier) for a, b in union([(a, b) for _, a, b, _ in mine])]
+    twice[name] = merged
+
+
+def _position_of(loader: Loader, j: int, cursor: int, lo: int, hi: int) -> int:
+    """The first position in ``[lo, hi]`` at which source ``j`` of the loader's order has served
+    ``cursor`` samples (``hi`` if none): cursors rise with positions."""
+    consumed = loader.order.consumed
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if consumed(mid)[j] >= cursor:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def findings(
+    legs: list[Leg],
+    loaders: list[Loader],
+    names: list[str],
+    twice: dict[str, list[tuple[int, int, int, int]]],
+    skipped: dict[str, list[tuple[int, int, int]]],
+) -> list[Finding]:
+    """One finding per resume that replayed or skipped, with the positions and steps concerned.
+
+    A replay goes on across later resumes that continue where the model stood (with new weights, a
+    source may take longer to serve again what it had served): it is reported at the resume that began
+    it, its positions and steps running over the legs it spans.
+    """
+    found: list[Finding] = []
+    cause = list(range(len(legs)))
+    for k in range(1, len(legs)):
+        if legs[k].positions[0] == legs[k - 1].positions[1]:  # a faithful resume: what went on goes on
+            cause[k] = cause[k - 1]
+    replays: dict[int, tuple[dict[str, int], list[tuple[int, int, int, int]]]] = {}
+    for k, leg in enumerate(legs):
+        loader, (start, stop) = loaders[k], leg.positions
+        for name in names:
+            for at, a, b, _ in twice.get(name, []):
+                if at != k:
+                    continue
+                j = loader.order.names.index(name)
+                lo = _position_of(loader, j, a + 1, start, stop) - 1
+                hi = _position_of(loader, j, b, start, stop)
+                steps = (
+                    leg.steps[0] + (lo - start) // leg.stride,
+                    leg.steps[0] + batches(hi - start, leg.stride),
+                )
+                counts, spans = replays.setdefault(cause[k], ({}, []))
+                counts[name] = counts.get(name, 0) + b - a
+                spans.append((lo, hi, *steps))
+    for k, leg in enumerate(legs):
+        why = _why(legs, k)
+        if k in replays:
+            counts, spans = replays[k]
+            lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+            steps = (min(s[2] for s in spans), max(s[3] for s in spans))
+            found.append(
+                Finding(
+                    "twice",
+                    k,
+                    (lo, hi),
+                    steps,
+                    counts,
+                    f"positions {lo:,}-{hi:,} (steps {steps[0]:,}-{steps[1]:,}) served twice "
+                    f"({_listed(counts)}): {why}; the data state is older than the model checkpoint",
+                )
+            )
+        loader, start = loaders[k], leg.positions[0]
+        counts, lo, hi = {}, 2**63, -1
+        for name in names:
+            for at, a, b in skipped.get(name, []):
+                if at != k:
+                    continue
+                j = loader.order.names.index(name)
+                counts[name] = counts.get(name, 0) + b - a
+                lo = min(lo, _position_of(loader, j, a + 1, 0, start) - 1)
+                hi = max(hi, _position_of(loader, j, b, 0, start))
+        if counts:
+            found.append(
+                Finding(
+                    "skipped",
+                    k,
+                    (lo, hi),
+                    (leg.steps[0], leg.steps[0]),
+                    counts,
+                    f"positions {lo:,}-{hi:,} skipped ({_listed(counts)}), never trained: {why}; "
+                    "the data state is newer than the model checkpoint",
+                )
+            )
+    return found
+
+
+def _why(legs: list[Leg], k: int) -> str:
+    """How resume ``k`` came about: the model's step, the data state's position and step."""
+    leg, start = legs[k], legs[k].positions[0]
+    if k == 0:
+        return f"the run started at step {leg.steps[0]:,} and position {start:,}"
+    previous = legs[k - 1]
+    data_step = previous.steps[0] + batches(start - previous.positions[0], previous.stride)
+    return (
+        f"resumed at step {leg.steps[0]:,} from a data state at position {start:,} (step {data_step:,}), "
+        f"the model had trained to position {previous.positions[1]:,}"
+    )
+
+
+def _listed(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{count:,} samples of {name}" for name, count in counts.items())
+
+
+def coverage(
+    size: int,
+    union: list[tuple[int, int]],
+    twice: list[tuple[int, int, int, int]],
+    skipped: list[tuple[int, int, int]],
+) -> list[list[int]]:
+    """Per epoch: samples served (once or more), served twice, skipped."""
+    if size <= 0 or not union:
+        return []
+    epochs = -(-max(b for _, b in union) // size)
+
+    def per_epoch(runs: list[tuple[int, int]]) -> list[int]:
+        counts = [0] * epochs
+        for a, b in runs:
+            for e in range(a // size, min(epochs, -(-b // size))):
+                counts[e] += max(0, min(b, (e + 1) * size) - max(a, e * size))
+        return counts
+
+    served = per_epoch(union)
+    again = per_epoch([(a, b) for _, a, b, _ in twice])
+    missed = per_epoch([(a, b) for _, a, b in skipped])
+    return [[s - t, t, m] for s, t, m in zip(served, again, missed, strict=True)]
