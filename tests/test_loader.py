@@ -351,6 +351,7 @@ def test_state_is_small_versioned_json(cache: streampack.Cache) -> None:
     loader = Loader(cache.sequences(16), batch_size=4, seed=7, world_size=2, rank=1)
     served(loader, 3)
     state = loader.state_dict()
+    history = state.pop("history")
     assert state == {
         "format": "streampack.Loader",
         "version": STATE_VERSION,
@@ -360,6 +361,8 @@ def test_state_is_small_versioned_json(cache: streampack.Cache) -> None:
         "world_size": 2,
     }
     assert len(json.dumps(state)) < 400
+    assert len(history) == 1 and history[0]["position"] == 0  # the run's start: one small entry a resume
+    assert len(json.dumps(history)) < 600
 
 
 def test_state_is_json_when_options_are_numpy_integers() -> None:

@@ -36,7 +36,8 @@ from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
 from streampack.loader import coverage as cov
 from streampack.loader.coverage import Finding, Leg
-from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, order_digest, read_loader_state
+from streampack.loader.history import order_digest
+from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state
 
 __all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit", "leg_loaders"]
 

@@ -20,8 +20,6 @@ they were read strictly as what they are.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,9 +40,6 @@ __all__ = [
     "ORDERS",
     "Field",
     "Schema",
-    "data_description",
-    "history_entry",
-    "order_digest",
     "read",
     "read_loader_state",
     "read_order",
@@ -199,7 +194,7 @@ HISTORY_ENTRY = Schema(
     },
 )
 """One entry of a state's ``history``: how the run was read from ``position`` on (see
-:func:`history_entry`). The run's start has one, and every resume appends one."""
+:func:`~streampack.loader.history.history_entry`). The run's start has one, and every resume appends one."""
 
 _POSITION_HINT = (
     "A version 2 state says where the run stands by 'position' alone: the samples consumed since the run "
@@ -400,68 +395,6 @@ def _summary(value: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def order_digest(fingerprint: Mapping[str, Any]) -> str:
-    """16 hexadecimal digits that identify an order's fingerprint (its canonical JSON's SHA-256)."""
-    text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def data_description(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
-    """What a source's samples are, from its fingerprint: ``layout`` (``"windows"``, ``"packed"``,
-    ``"documents"``; ``"array"`` for samples that are not a cache's), ``seq_len`` and ``overlap``."""
-    layout = fingerprint.get("layout", "windows" if "seq_len" in fingerprint else "array")
-    described: dict[str, Any] = {"layout": layout if isinstance(layout, str) else str(layout)}
-    for key in ("seq_len", "overlap"):
-        if is_int(fingerprint.get(key)):
-            described[key] = int(fingerprint[key])
-    return described
-
-
-def history_entry(
-    position: int,
-    order: Order,
-    configured: Order,
-    options: LoaderOptions,
-    data: Mapping[str, Any],
-    *,
-    step: int | None = None,
-    batches_per_step: int = 1,
-    exclusions: Any = None,
-) -> dict[str, Any]:
-    """One entry of a state's history (:data:`HISTORY_ENTRY`): how a run was read from ``position``.
-
-    It holds what recomputes the samples served from there (the audit builds the loader it describes,
-    :mod:`streampack.loader.audit`): the order's kind, seed and shuffle, and for a mixture its block
-    size and the schedule it was *configured* with (the part before ``position`` is the earlier entries'),
-    the data's layout, ``seq_len`` and ``overlap``, the batch and world size, the exclusions in force;
-    the digest of the order in force, to check the recomputed one; ``step``, the trainer's own step
-    there when a framework adapter (or the caller) gave it, null otherwise; and ``batches_per_step``,
-    the global batches the trainer takes per step (gradient accumulation), which the adapters set.
-    Every field is bounded: a history grows by one small entry per resume.
-    """
-    mine = order.fingerprint()
-    own = configured.fingerprint()
-    shuffle = mine.get("shuffle", True)
-    if mine.get("kind") == "blocks":
-        shuffle = {"block": mine.get("block"), "window": mine.get("window")}
-    mixed = own.get("kind") == "mixture"
-    return {
-        "position": int(position),
-        "step": None if step is None else int(step),
-        "order": order_digest(mine),
-        "kind": str(mine.get("kind")),
-        "seed": int(mine.get("seed", 0)),
-        "shuffle": shuffle,
-        "batch_size": options.batch_size,
-        "world_size": options.world_size,
-        "batches_per_step": int(batches_per_step),
-        "data": data_description(data),
-        "block_size": own.get("block_size") if mixed else None,
-        "schedule": own.get("schedule") if mixed else None,
-        "exclusions": exclusions,
-    }
-
-
 def saved(
     position: int, order: Order, options: LoaderOptions, history: Sequence[Mapping[str, Any]] = ()
 ) -> dict[str, Any]:
@@ -472,7 +405,8 @@ def saved(
     ranks) and the order's fingerprint: what the positions mean (seed, data, and for a mixture its
     sources, weights and the schedule so far). The batch size and world size are recorded for
     information only: a state may be loaded with others. ``history`` (one entry per start or resume,
-    :func:`history_entry`) is what :mod:`streampack.loader.audit` recomputes the run from.
+    :func:`~streampack.loader.history.history_entry`) is what :mod:`streampack.loader.audit` recomputes
+    the run from.
     """
     return {
         "format": LOADER_FORMAT,

@@ -1,0 +1,149 @@
+"""What a :class:`~streampack.loader.Loader` saves and resumes from: its state dict (position, the order's
+fingerprint, the run's history, the exclusions in force) and :meth:`Checkpointed.load_state_dict`, the base
+the Loader is made on, as it is on :class:`~streampack.loader.steps.Steps`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from streampack._checks import check_int
+from streampack.loader import inforce
+from streampack.loader.exclusions import Exclusions, entry_state
+from streampack.loader.history import history_entry
+from streampack.loader.options import check_last_batch
+from streampack.loader.state import read_loader_state, resume, saved
+from streampack.loader.steps import Steps
+from streampack.order import Order
+
+if TYPE_CHECKING:
+    from streampack.loader.collate import Format
+    from streampack.loader.excluding import Masking
+    from streampack.loader.reading import Rows, _Source
+
+__all__ = ["Checkpointed"]
+
+
+class Checkpointed(Steps):
+    """The state of a loader's run, saved and resumed; its history; the exclusions in force.
+
+    Set by the :class:`~streampack.loader.Loader`: what it reads (``sources``, ``formatter``, ``_rows``),
+    the order it was configured with and the base order the exclusions filter.
+    """
+
+    # No exclusions, no history: what a loader unpickled from an earlier version holds.
+    _exclude_given: Sequence[Exclusions] = ()
+    _in_force: Sequence[tuple[Exclusions, int, int]] = ()
+    _masking: Masking | None = None
+    _history: tuple[dict[str, Any], ...] = ()  # a loader 0.1 pickled knows none
+    batches_per_step: int = 1
+    """Global batches the trainer takes per step (its gradient accumulation), recorded in the history
+    entry of the stretch of the run now being read, so that an audit counts the trainer's steps; the
+    framework adapters set it."""
+
+    dataset: Any
+    formatter: Format
+    _rows: Rows
+    _base: Order
+    _configured: Order
+    _excluded_docs: inforce.Found
+
+    @property
+    def sources(self) -> list[_Source]:
+        """The sources read, in source-id order."""
+        return self._rows.sources
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, the order's fingerprint and the run's :attr:`history` as a small
+        JSON-serializable dict (:func:`streampack.loader.state.saved`); another batch size or world size
+        may load it. With exclusions in force it also holds :meth:`exclusions_state`."""
+        history = list(self._history)
+        if history:  # how this stretch is trained is known by now (an adapter set it)
+            history[-1] = history[-1] | {"batches_per_step": int(self.batches_per_step)}
+        state = saved(self._position, self._base, self.options, history)
+        if self._in_force:
+            state["exclusions"] = self.exclusions_state()
+        return state
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The run's history: one entry for its start and one per resume, each saying how the run was
+        read from its position on (:func:`~streampack.loader.history.history_entry`). :meth:`state_dict`
+        carries it, so the last checkpoint of a run is enough to audit it
+        (:func:`streampack.loader.audit.audit`)."""
+        return [dict(entry) for entry in self._history]
+
+    def _entry(self, position: int, step: int | None) -> dict[str, Any]:
+        """This loader's history entry at ``position``, with the exclusions in force."""
+        data = self.sources[0].fingerprint if self.sources else {}
+        return history_entry(
+            position, self._base, self._configured, self.options, data, step=step,
+            batches_per_step=self.batches_per_step, exclusions=self.exclusions_state() or None,
+        )  # fmt: skip
+
+    def exclusions_state(self) -> list[dict[str, Any]]:
+        """The exclusions in force, as the state records them: per exclusion its digest, mode, the
+        position it took effect at, the batch size its steps were counted in and how much it names
+        (:func:`~streampack.loader.exclusions.entry_state`); small and JSON-able."""
+        return [entry_state(entry, at, batch) for entry, at, batch in self._in_force]
+
+    def exclude(self, entry: Exclusions) -> None:
+        """Take what ``entry`` names out of the run from its ``at`` (default: the current position) on.
+
+        Raises:
+            OptionsError: ``at`` is before the current position (batches already served would change),
+                or ``entry`` does not fit the sources or the output (see :class:`Loader`).
+        """
+        self._enforce([*self._in_force, inforce.placed(entry, self._position, self.options.batch_size)])
+        self._exclude_given = [*self._exclude_given, entry]
+
+    def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
+        """Resume from a :meth:`state_dict`: the next batch starts where the saved run stopped.
+
+        O(1): nothing is replayed. The world size, the DataLoader workers and the global batch size may
+        differ from the saved run's, a mixture may come with new stages or sources (see
+        :class:`~streampack.order.mixture.Mixture`), and a version 1 state resumes at the same place of
+        the same epoch. What follows depends on the state and this loader's dataset only.
+
+        Raises:
+            LoaderStateError: (a ``ValueError``) not a state this loader continues: of no supported
+                version, a key too many or missing, a value of the wrong type, or another seed, shuffle
+                or data (both sides named; see :func:`streampack.loader.state.resume`).
+            OptionsError: ``drop_last=False`` would give some rank an empty last batch from there.
+
+        The state's :attr:`history` is kept, with an entry for this resume appended; ``step`` is the
+        trainer's own step at this resume (the model checkpoint's, which the framework adapters pass),
+        so that an audit can tell a data state and a model checkpoint of different steps apart.
+        """
+        if step is not None:
+            step = check_int("step", step, min=0, max=2**62, hint="the trainer's step at this resume")
+        datasets = [source.data for source in self.sources]
+        position, order = resume(state, self._configured, datasets)  # the state read strictly
+        order, kept = inforce.resumed(
+            state, position, order, self._configured, datasets, self._exclude_given, self._excluded_docs
+        )
+        batch = self.options.batch_size
+        added = [inforce.placed(entry, position, batch) for entry in self._exclude_given[len(kept) :]]
+        filtered, masking = self._checked(order, kept + added)
+        check_last_batch(self.options, filtered.end, position)  # before anything changes
+        if self.dataset is self._base:  # a dataset that is its own order (a Mixture) follows it
+            self.dataset = order
+        if self._reach is not None:  # a growing source grows with the order resumed
+            self._reach.resumed(order)
+        self._base, self._position = order, position
+        self.order, self._masking, self._in_force = filtered, masking, kept + added
+        self._rows.forget()
+        earlier = read_loader_state(state).get("history", [])
+        self._history = (*(dict(entry) for entry in earlier), self._entry(position, step))
+
+    def _enforce(self, entries: list[inforce.Entry]) -> None:
+        """Put ``entries`` in force over the base order (see :meth:`_checked`)."""
+        self.order, self._masking = self._checked(self._base, entries)
+        self._in_force = list(entries)
+        self._rows.forget()
+
+    def _checked(self, base: Order, entries: list[inforce.Entry]) -> tuple[Order, Masking | None]:
+        """``base`` filtered by ``entries`` and their masking (:func:`streampack.loader.inforce.checked`)."""
+        datasets = [source.data for source in self.sources]
+        formatter, output = self.formatter, self.options.output
+        return inforce.checked(base, entries, datasets, self._excluded_docs, formatter, output)
