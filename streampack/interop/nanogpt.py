@@ -48,6 +48,7 @@ from streampack.interop.reading import (
     check_id_fits,
     ends_at,
     map_tokens,
+    scanned,
 )
 from streampack.interop.writing import (
     Destination,
@@ -216,9 +217,9 @@ def plan_shards(
         return [(0, total, int(total > 0))]
     spans: list[tuple[int, int, int]] = []
     start = last = docs = 0  # the shard's start, the end of its last document so far, its documents
-    for lo in range(0, total, scan_tokens):
-        hi = min(lo + scan_tokens, total)
-        ends = np.flatnonzero(tokens[lo:hi] == eos_id) + (lo + 1)
+    for lo, chunk in scanned(tokens, scan_tokens):
+        hi = lo + len(chunk)
+        ends = np.flatnonzero(chunk == eos_id) + (lo + 1)
         j = 0
         while True:
             limit = start + shard_tokens

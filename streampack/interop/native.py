@@ -42,6 +42,7 @@ from streampack.interop.writing import (
     ShardDocs,
     check_int_option,
     doc_chunks,
+    release_maps,
     shard_docs,
     write_spans,
 )
@@ -95,6 +96,7 @@ def write(
                 units.append(unit if whole else f"{unit}[documents {first}:{stop}]")
                 _write_entry(dest, name, units[-1], docs_column[-1], tokens_column[-1], crcs[-1], cache)
                 bar.update(tokens_column[-1])
+            release_maps(cache)  # one source shard's arrays at a time (an MDS shard's is a copy)
     columns = np.array(crcs, dtype=np.uint32).reshape(-1, 3)
     table = ShardTable(
         np.array(docs_column, dtype=np.int64),

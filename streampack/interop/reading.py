@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import mmap
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -391,16 +392,39 @@ def check_ends(path: Path, ends: np.ndarray, num_tokens: int) -> np.ndarray:
     return ends
 
 
+def scanned(tokens: np.ndarray, step: int = SCAN_TOKENS) -> Iterator[tuple[int, np.ndarray]]:
+    """``(start, chunk)`` of ``tokens`` (a memory map), ``step`` at a time; each chunk's pages are let go
+    of once the caller is done with it, so that a scan of a large file leaves this process's memory as it
+    was (a mapped page read counts towards it until unmapped)."""
+    for start in range(0, len(tokens), step):
+        chunk = tokens[start : start + step]
+        yield start, chunk
+        forget_pages(chunk)
+
+
+def forget_pages(chunk: np.ndarray) -> None:
+    """Drop the pages of a memory-mapped ``chunk`` from this process (``MADV_DONTNEED`` on its clean,
+    read-only pages: a later read maps them again from the page cache); nothing for an array in memory."""
+    mapped = chunk.base
+    while mapped is not None and not isinstance(mapped, mmap.mmap):
+        mapped = getattr(mapped, "base", None)
+    if mapped is None or not hasattr(mapped, "madvise") or not chunk.nbytes:
+        return
+    origin = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
+    first = (chunk.ctypes.data - origin) // mmap.PAGESIZE * mmap.PAGESIZE
+    stop = min(chunk.ctypes.data - origin + chunk.nbytes, len(mapped))
+    with contextlib.suppress(OSError, ValueError):
+        mapped.madvise(mmap.MADV_DONTNEED, first, stop - first)
+
+
 def count_id(tokens: np.ndarray, token_id: int) -> int:
     """How many times ``token_id`` occurs in ``tokens`` (a memory map), read :data:`SCAN_TOKENS` at a time."""
-    step = SCAN_TOKENS
-    return sum(int(np.count_nonzero(tokens[i : i + step] == token_id)) for i in range(0, len(tokens), step))
+    return sum(int(np.count_nonzero(chunk == token_id)) for _, chunk in scanned(tokens))
 
 
 def id_positions(tokens: np.ndarray, token_id: int) -> np.ndarray:
     """Where ``token_id`` occurs in ``tokens`` (int64, ascending), read :data:`SCAN_TOKENS` at a time."""
-    step = SCAN_TOKENS
-    parts = [np.flatnonzero(tokens[i : i + step] == token_id) + i for i in range(0, len(tokens), step)]
+    parts = [np.flatnonzero(chunk == token_id) + start for start, chunk in scanned(tokens)]
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
 

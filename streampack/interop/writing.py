@@ -275,7 +275,7 @@ def token_chunks(cache: Cache, shard: int, start: int = 0, stop: int | None = No
             f.seek(base + pos * itemsize)
             yield np.fromfile(f, dtype=cache.dtype, count=n)
             pos += n
-    _release(cache)
+    release_maps(cache)
 
 
 def write_tokens(
@@ -338,7 +338,7 @@ def write_spans(
     finally:
         if opened is not None:
             opened.close()
-            _release(cache)
+            release_maps(cache)
 
 
 def _little(dtype: np.dtype) -> bool:
@@ -384,11 +384,11 @@ def _kernel_copy(src: int, dst: int, offset: int, count: int) -> int:
 def shard_mask(cache: Cache, shard: int) -> np.ndarray:
     """Shard ``shard``'s loss mask (uint8, one byte a token) as a new array read from the file."""
     mask = np.array(cache.shard_loss_mask(shard), dtype=np.uint8)
-    _release(cache)
+    release_maps(cache)
     return mask
 
 
-def _release(cache: Cache) -> None:
+def release_maps(cache: Cache) -> None:
     """Drop the maps the size checks made: an export reads every shard once."""
     if not isinstance(cache.store, CachedStore):
         cache.drop_maps()
