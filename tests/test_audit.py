@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import streampack
@@ -114,6 +114,28 @@ LEG = st.tuples(
     mixed=st.booleans(),
     legs=st.lists(LEG, min_size=1, max_size=5),
     picks=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1), st.booleans()), min_size=4, max_size=4),
+)
+@example(  # a skip whose source is served again only legs later, past a leg that trained nothing
+    mixed=True,
+    legs=[
+        (3, (8, 4), (3, 3)),
+        (1, (2, 1), (3, 3)),
+        (1, (2, 1), (3, 1)),
+        (3, (2, 1), (3, 1)),
+        (3, (8, 4), (3, 1)),
+    ],
+    picks=[(0.0, 0.45, False), (0.67, 0.5, False), (0.86, 0.0, False), (0.0, 0.45, False)],
+)
+@example(  # a replay that a resume jumping forward, short of what was served, does not end
+    mixed=True,
+    legs=[
+        (4, (8, 4), (3, 2)),
+        (6, (3, 1), (2, 3)),
+        (7, (4, 2), (1, 3)),
+        (6, (2, 1), (1, 2)),
+        (3, (4, 2), (3, 3)),
+    ],
+    picks=[(0.78, 0.02, False), (0.77, 0.58, True), (0.44, 0.78, False), (0.06, 0.0, False)],
 )
 def test_the_verdict_equals_a_brute_force_replay_of_random_histories(
     mixed: bool, legs: list[Any], picks: list[tuple[float, float, bool]]

@@ -26,7 +26,9 @@ __all__ = [
     "cursor_runs",
     "findings",
     "intervals",
+    "jumps",
     "served",
+    "stands",
     "union",
 ]
 
@@ -151,47 +153,94 @@ def _minus(run: tuple[int, int], union: list[tuple[int, int]]) -> list[tuple[int
     return pieces
 
 
+def stands(legs: list[Leg]) -> list[int]:
+    """Per leg, the leg at whose end the model stood when it resumed there: the one before, unless that
+    one trained nothing (the model resumed at its first step again), then the one that one resumed from."""
+    found = [0] * len(legs)
+    for k in range(2, len(legs)):
+        before = legs[k - 1]
+        found[k] = k - 1 if before.positions[1] > before.positions[0] else found[k - 1]
+    return found
+
+
+def _cursor(loader: Loader, name: str, position: int) -> int | None:
+    if name not in loader.order.names:
+        return None
+    return int(loader.order.consumed(position)[loader.order.names.index(name)])
+
+
+def jumps(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, int, int]]:
+    """``(leg, model, data)``: per resume the model kept (not one into a leg that trained nothing, which the
+    next resume undid, but the last), source ``name``'s cursor where the model stood and the one its data
+    state resumed at (equal for a faithful resume)."""
+    found = []
+    for k, m in enumerate(stands(legs)):
+        if k == 0 or (k + 1 < len(legs) and legs[k].positions[1] <= legs[k].positions[0]):
+            continue  # a resume into a leg that trained nothing was undone by the next one
+        model = _cursor(loaders[m], name, legs[m].positions[1])
+        data = _cursor(loaders[k], name, legs[k].positions[0])
+        if model is not None and data is not None:
+            found.append((k, model, data))
+    return found
+
+
 def intervals(
     legs: list[Leg], loaders: list[Loader], names: list[str]
 ) -> tuple[dict[str, list[tuple[int, int, int, int]]], dict[str, list[tuple[int, int, int]]]]:
-    """Per source, the cursors served twice ``(leg, first, stop, earlier leg)`` and those skipped
-    ``(leg, first, stop)``: ``leg`` is the resume where it happened."""
+    """Per source, the cursors served twice ``(leg, first, stop, resume)`` (``leg`` served them again, and
+    ``resume`` began the replay) and those skipped ``(resume, first, stop)``.
+
+    Cursors only rise while a leg serves, so a cursor served again was crossed downwards by a resume
+    whose data state was behind the model for that source: the latest such resume began its replay,
+    even when later resumes continued it or jumped forward without catching up. A skipped cursor is one
+    below the furthest served that no leg served; the resume whose data state was ahead of the model for
+    that source skipped it (the first, if several did), even when the source is served again only legs
+    later.
+    """
     twice: dict[str, list[tuple[int, int, int, int]]] = {}
     skipped: dict[str, list[tuple[int, int, int]]] = {}
     for name in names:
         covered: list[tuple[int, int]] = []
         owners: list[tuple[int, int, int]] = []  # who served what, for naming the earlier leg
-        gaps: list[tuple[int, int, int]] = []
         for a, b, leg in cursor_runs(legs, loaders, name):
             if b <= a:  # a stretch that trained nothing (the model went back before it) moved nothing
                 continue
-            top = max((hi for _, hi in covered), default=0)
-            if leg > 0 and a > top:
-                gaps.append((leg, top, a))
             for lo, hi, earlier in owners:
                 first, stop = max(a, lo), min(b, hi)
                 if first < stop:
                     twice.setdefault(name, []).append((leg, first, stop, earlier))
             owners.append((a, b, leg))
             covered = union([*covered, (a, b)])
-        _merge_twice(twice, name)
-        for leg, a, b in gaps:
-            for first, stop in _minus((a, b), covered):
+        moves = jumps(legs, loaders, name)
+        _merge_twice(twice, name, [(k, data, model) for k, model, data in moves if data < model])
+        top = max((hi for _, hi in covered), default=0)
+        done = list(covered)  # cursors served, or already reported skipped
+        for leg, model, data in moves:
+            if min(data, top) <= model:
+                continue
+            for first, stop in _minus((model, min(data, top)), union(done)):
                 skipped.setdefault(name, []).append((leg, first, stop))
+                done.append((first, stop))
     return twice, skipped
 
 
-def _merge_twice(twice: dict[str, list[tuple[int, int, int, int]]], name: str) -> None:
-    """A cursor served by three legs is twice twice over: count each once per later leg."""
+def _merge_twice(
+    twice: dict[str, list[tuple[int, int, int, int]]], name: str, back: list[tuple[int, int, int]]
+) -> None:
+    """A cursor served by three legs is twice twice over: count each once per later leg; and name for
+    each the resume that began its replay, the latest of ``back`` (``(resume, data, model)``: the
+    cursors a resume went back over) at or before the leg that took it down over the cursor."""
     runs = twice.get(name)
     if not runs:
         return
     merged: list[tuple[int, int, int, int]] = []
     for leg in sorted({run[0] for run in runs}):
-        mine = [run for run in runs if run[0] == leg]
-        earlier = mine[0][3]
-        merged += [(leg, a, b, earlier) for a, b in union([(a, b) for _, a, b, _ in mine])]
-    twice[name] = merged
+        left = union([(a, b) for at, a, b, _ in runs if at == leg])
+        for resume, lo, hi in sorted((r for r in back if r[0] <= leg), reverse=True):
+            merged += [(leg, max(a, lo), min(b, hi), resume) for a, b in left if max(a, lo) < min(b, hi)]
+            left = [piece for run in left for piece in _minus(run, [(lo, hi)])]
+        merged += [(leg, a, b, leg) for a, b in left]  # none: a replay needs a resume that went back
+    twice[name] = sorted(merged)
 
 
 def _position_of(loader: Loader, j: int, cursor: int, lo: int, hi: int) -> int:
@@ -216,20 +265,16 @@ def findings(
 ) -> list[Finding]:
     """One finding per resume that replayed or skipped, with the positions and steps concerned.
 
-    A replay goes on across later resumes that continue where the model stood (with new weights, a
-    source may take longer to serve again what it had served): it is reported at the resume that began
-    it, its positions and steps running over the legs it spans.
+    A replay goes on across later resumes until the source has caught up with what it had served (with
+    new weights it may take longer; a resume that jumps forward short of that does not end it): it is
+    reported at the resume that began it, its positions and steps running over the legs it spans.
     """
     found: list[Finding] = []
-    cause = list(range(len(legs)))
-    for k in range(1, len(legs)):
-        if legs[k].positions[0] == legs[k - 1].positions[1]:  # a faithful resume: what went on goes on
-            cause[k] = cause[k - 1]
     replays: dict[int, tuple[dict[str, int], list[tuple[int, int, int, int]]]] = {}
     for k, leg in enumerate(legs):
         loader, (start, stop) = loaders[k], leg.positions
         for name in names:
-            for at, a, b, _ in twice.get(name, []):
+            for at, a, b, began in twice.get(name, []):
                 if at != k:
                     continue
                 j = loader.order.names.index(name)
@@ -239,7 +284,7 @@ def findings(
                     leg.steps[0] + (lo - start) // leg.stride,
                     leg.steps[0] + batches(hi - start, leg.stride),
                 )
-                counts, spans = replays.setdefault(cause[k], ({}, []))
+                counts, spans = replays.setdefault(began, ({}, []))
                 counts[name] = counts.get(name, 0) + b - a
                 spans.append((lo, hi, *steps))
     for k, leg in enumerate(legs):
@@ -289,11 +334,11 @@ def _why(legs: list[Leg], k: int) -> str:
     leg, start = legs[k], legs[k].positions[0]
     if k == 0:
         return f"the run started at step {leg.steps[0]:,} and position {start:,}"
-    previous = legs[k - 1]
+    previous, stood = legs[k - 1], legs[stands(legs)[k]].positions[1]
     data_step = previous.steps[0] + batches(start - previous.positions[0], previous.stride)
     return (
         f"resumed at step {leg.steps[0]:,} from a data state at position {start:,} (step {data_step:,}), "
-        f"the model had trained to position {previous.positions[1]:,}"
+        f"the model had trained to position {stood:,}"
     )
 
 
