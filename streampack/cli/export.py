@@ -120,7 +120,7 @@ def convert(
     no_progress: bool,
     **given: Any,
 ) -> None:
-    """Make a streampack cache of another format's token files at SOURCE, at about the speed of a copy.
+    """Make a streampack cache of another format's token files at SOURCE (the tokens copied by the kernel).
 
     SOURCE: a Megatron prefix (x for x.bin + x.idx), a folder of llm.c, datatrove (.ds), OLMo (.npy) or
     MDS shards, or a nanoGPT train.bin. The new cache has a manifest with every file's checksum

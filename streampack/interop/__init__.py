@@ -152,7 +152,8 @@ def convert(
 ) -> Exported:
     """Make a native cache at ``out`` of another format's token files at ``source`` (or of a cache):
     :func:`streampack.open` ``(source, **declared)``, then :func:`export` to ``"streampack"``
-    (:mod:`streampack.interop.native`), at about the speed of a copy.
+    (:mod:`streampack.interop.native`): the tokens copied by the kernel while another thread checksums
+    them, in memory flat in the source's size.
 
     Args:
         source: what :func:`streampack.open` takes: a Megatron prefix, a folder of llm.c, datatrove, OLMo
