@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from streampack.cli.plots import plot_option
 from streampack.errors import StreampackError
 
 
@@ -16,12 +17,7 @@ from streampack.errors import StreampackError
 @click.option("--seq-len", type=click.IntRange(min=1), help="Checked against the run's history (not needed).")
 @click.option("--seed", type=int, help="Checked against the run's history (not needed).")
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False),
-    help="Also draw coverage per source and epoch, resumes marked, into this PNG (the plot extra).",
-)
+@plot_option("coverage per source and epoch, resumes marked (the plot extra),")
 def audit(
     state_path: str, data: str, seq_len: int | None, seed: int | None, as_json: bool, plot_path: str | None
 ) -> None:

@@ -3,16 +3,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import click
 import numpy as np
 
 from streampack.errors import MissingDependencyError
 
-__all__ = ["plot_audit", "plot_mix"]
+__all__ = ["plot_audit", "plot_mix", "plot_option"]
 
 _POINTS = 200  # positions sampled per curve: the order is pure, any position costs the same
+
+
+def plot_option(what: str) -> Callable[[Any], Any]:
+    """The ``--plot FILE.png`` option of a command that draws ``what``."""
+    return click.option(
+        "--plot", "plot_path", type=click.Path(dir_okay=False), help=f"Also draw {what} into this PNG."
+    )
 
 
 def _pyplot() -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from streampack.cli.plots import plot_option
 from streampack.cli.sources import declared, source_options
 from streampack.errors import StreampackError
 from streampack.reader import open as open_cache
@@ -160,12 +161,7 @@ def _children() -> list[int]:
     "--state", "state_path", type=click.Path(dir_okay=False), help="Start from a loader state (JSON)."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False),
-    help="Also draw the weights in force and realised shares over the run's steps into this PNG.",
-)
+@plot_option("the weights in force and realised shares over the run's steps")
 def mix(
     config_path: str,
     steps: int,
@@ -206,11 +202,7 @@ def mix(
     mixture = load_mixture(config_path)
     loader = Loader(mixture, batch_size=batch_size or 1)
     if state_path is not None:
-        try:
-            state = json.loads(Path(state_path).read_text())
-        except (OSError, ValueError) as e:
-            raise StreampackError(f"cannot read the loader state {state_path}: {e}") from None
-        loader.load_state_dict(state)
+        loader.load_state_dict(_read_state(state_path))
     from streampack.order import MAX_POSITION
 
     position = min(loader.position + steps * (batch_size or 1), MAX_POSITION)  # as realised() counts
@@ -335,13 +327,9 @@ def which(
 
 
 def _read_state(path: str) -> dict[str, Any]:
-    try:
-        state = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise StreampackError(f"cannot read the loader state {path}: {e}") from None
-    if not isinstance(state, dict):
-        raise StreampackError(f"{path}: a loader state is a JSON object (Loader.state_dict()), got {state!r}")
-    return state
+    from streampack.loader.audit import read_state_file
+
+    return dict(read_state_file(path))
 
 
 def _is_config(data: str) -> bool:

@@ -158,7 +158,7 @@ def audit(
             recorded: both named).
         OptionsError: ``seq_len`` or ``seed`` differ from the run's.
     """
-    state = _read(state)
+    state = read_state_file(state)
     checked = read_loader_state(state)
     entries = checked.get("history") or []
     if not entries:
@@ -228,7 +228,12 @@ def audit(
 # --------------------------------------------------------------------------------- the legs' loaders
 
 
-def _read(state: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
+def read_state_file(state: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
+    """A loader state given as a dict, or read from the JSON file ``state`` names.
+
+    Raises:
+        LoaderStateError: the file cannot be read, or holds no JSON object.
+    """
     if isinstance(state, Mapping):
         return state
     try:
