@@ -190,7 +190,7 @@ def test_max_piece_chars_is_recorded_and_kept_on_resume(tmp_path: Path) -> None:
 
 
 COMMANDS = ["build", "info", "verify", "upgrade", "decode", "export", "convert", "bench", "mix", "which"]
-COMMANDS += ["demo"]
+COMMANDS += ["demo", "audit"]
 
 
 @pytest.mark.parametrize("name", COMMANDS)
