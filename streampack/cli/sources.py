@@ -8,9 +8,11 @@ from typing import Any, TypeVar
 
 import click
 
+from streampack.interop.reading import READERS
+
 F = TypeVar("F", bound=Callable[..., Any])
-#: The formats streampack reads (``streampack.interop.reading.READERS``, listed here to keep the CLI light).
-SOURCE_FORMATS = ["megatron", "mds", "datatrove", "olmo", "llmc", "nanogpt"]
+#: The formats streampack reads.
+SOURCE_FORMATS = list(READERS)
 
 
 def source_options(command: F) -> F:

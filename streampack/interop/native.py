@@ -129,9 +129,8 @@ def _write_shard(
     """Write one native shard of documents ``[first, stop)`` of ``docs``; its files' CRC-32s."""
     start = int(docs.ends[first - 1]) if first else 0
     end = int(docs.ends[stop - 1])
-    tokens = cache.shard_tokens(docs.shard)[start:end]
     with dest.open(tokens_key(name)) as out:
-        tokens_crc = _copy_with_crc(cache, docs.shard, out, start, end, tokens)
+        tokens_crc = _copy_with_crc(cache, docs.shard, out, start, end)
     offsets = (docs.ends[first:stop] - start).astype("<u8")
     with dest.open(offsets_key(name)) as out:
         out.write(offsets.tobytes())
@@ -146,7 +145,7 @@ def _write_shard(
     return sums
 
 
-def _copy_with_crc(cache: Cache, shard: int, out: IO[bytes], start: int, end: int, tokens: np.ndarray) -> int:
+def _copy_with_crc(cache: Cache, shard: int, out: IO[bytes], start: int, end: int) -> int:
     """Copy tokens ``[start, end)`` of ``shard`` to ``out`` while another thread computes their CRC-32."""
     result = [0]
     where = cache.files.token_file(shard)
@@ -154,7 +153,7 @@ def _copy_with_crc(cache: Cache, shard: int, out: IO[bytes], start: int, end: in
         target=_crc_of_file if where is not None else _crc_of_array,
         args=(result, where, cache.dtype.itemsize, start, end)
         if where is not None
-        else (result, tokens, cache),
+        else (result, cache.shard_tokens(shard)[start:end], cache),
         name="streampack-convert-crc",
         daemon=True,
     )
