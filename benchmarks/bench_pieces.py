@@ -1,7 +1,8 @@
 """Benchmark the piece size: the same texts encoded whole and cut into pieces, by the raw batch call.
 
 Each backend's fastest batch call (as in ``_raw_limit.py``: ``tokenizers`` ``encode_batch_fast``,
-tiktoken ``encode_ordinary_batch`` with one thread per core) encodes the corpus's texts, already in
+tiktoken ``encode_ordinary_batch`` with one thread per core, the fast engine ``fastokens``
+``encode_batch_flat`` on the same ``tokenizer.json``) encodes the corpus's texts, already in
 memory, either as whole documents (the baseline, ratio 1.00) or cut by
 :class:`streampack.tokenizer.backends.PieceRule`
 into pieces of about N characters at word boundaries, which keep the tokens (the run checks that the
@@ -12,7 +13,7 @@ the median of its per-round ratios to the baseline.
 Usage::
 
     python benchmarks/bench_pieces.py --corpus natural.jsonl [--mb 100]
-        [--rounds 3] [--targets 100000,20000,10000,5000] [--backends tokenizers,tiktoken]
+        [--rounds 3] [--targets 100000,20000,10000,5000] [--backends tokenizers,tiktoken,fastokens]
 
 Prints a markdown table and writes it to ``benchmarks/results/pieces.md``.
 """
@@ -62,6 +63,13 @@ if backend == "tokenizers":
     from tokenizers import Tokenizer
     tok = Tokenizer.from_file(TOKENIZERS_GPT2)
     encode = lambda b: [len(e) for e in tok.encode_batch_fast(b, add_special_tokens=False)]
+elif backend == "fastokens":
+    import fastokens
+    os.environ.setdefault("FASTOKENS_BPE_THREADS", str(os.cpu_count() or 1))
+    fast = fastokens.Tokenizer.from_file(TOKENIZERS_GPT2)
+    def encode(b):
+        ids, offsets = fast.encode_batch_flat(b, add_special_tokens=False)
+        return [len(ids) // 4]
 else:
     enc = load_tiktoken(TIKTOKEN_GPT2)
     threads = os.cpu_count() or 1
@@ -89,7 +97,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=100.0, help="use the first MB (10^6 chars) of text")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--targets", default="100000,20000,10000,5000", help="piece sizes to compare")
-    parser.add_argument("--backends", default="tokenizers,tiktoken")
+    parser.add_argument("--backends", default="tokenizers,tiktoken,fastokens")
     parser.add_argument("--out", default=str(HERE / "results" / "pieces.md"))
     args = parser.parse_args()
     limit = int(args.mb * 1e6)

@@ -357,9 +357,17 @@ def test_the_shared_tiktoken_patterns_are_proven() -> None:
 
 
 def test_piece_sizes_follow_the_proof(bpe_tokenizer: Path) -> None:
-    hf = load_tokenizer(str(bpe_tokenizer))
+    hf = load_tokenizer(str(bpe_tokenizer), engine="tokenizers")
     rule = piece_rule(hf.cut_safety, hf.fast_piece_chars)
     assert (rule.max_chars, rule.target_chars, rule.exact_spaces) == (EXACT_CUT_PIECE_CHARS, 10_000, True)
     assert piece_rule(hf.cut_safety, hf.fast_piece_chars, 5_000).target_chars is None  # target >= limit
+
+
+def test_the_fast_engine_encodes_whole_documents_up_to_the_bound(bpe_tokenizer: Path) -> None:
+    pytest.importorskip("fastokens")
+    fast = load_tokenizer(str(bpe_tokenizer), engine="fastokens")
+    rule = piece_rule(fast.cut_safety, fast.fast_piece_chars)
+    assert fast.engine.name == "fastokens"
+    assert (rule.max_chars, rule.target_chars, rule.exact_spaces) == (EXACT_CUT_PIECE_CHARS, None, True)
     bytes_rule = piece_rule(load_tokenizer("bytes").cut_safety, None)
     assert (bytes_rule.max_chars, bytes_rule.target_chars) == (EXACT_CUT_PIECE_CHARS, None)

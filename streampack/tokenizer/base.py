@@ -44,10 +44,14 @@ class Tokenizer(Protocol):
     # tokenizer in parse mode", "fastokens refused: ...", "fastokens is not installed (...)", ...
     engine: Engine
     engine_reason: str
-    # Where cuts keep its tokens, documents are cut into pieces of about this many characters because it
-    # encodes them faster than whole documents (None: no such cuts); see
-    # streampack.tokenizer.pieces.piece_rule.
-    fast_piece_chars: int | None
+
+    @property
+    def fast_piece_chars(self) -> int | None:
+        """Where cuts keep its tokens, documents are cut into pieces of about this many characters, because
+        its engine encodes them faster than whole documents (None: no such cuts); see
+        :func:`streampack.tokenizer.pieces.piece_rule`."""
+        ...
+
     # Which cuts keep its tokens, proven from its structure.
     cut_safety: CutSafety
 
@@ -158,6 +162,11 @@ class LibraryTokenizer:
     def cores_per_worker(self) -> int:
         """See :class:`Tokenizer`."""
         return self.engine.cores_per_worker
+
+    @property
+    def fast_piece_chars(self) -> int | None:
+        """See :class:`Tokenizer`: its engine's."""
+        return self.engine.fast_piece_chars
 
     def reference_engine(self) -> Engine:
         """The engine that defines this tokenizer's ids: its library's."""

@@ -28,6 +28,10 @@ class Engine(Protocol):
     name: str  # the --tokenizer-engine choice: tokenizers, tiktoken, fastokens (bytes: built in)
     # The cores one build process of it keeps busy (see Tokenizer.cores_per_worker).
     cores_per_worker: int
+    # Where cuts keep the tokens, documents are cut into pieces of about this many characters, because this
+    # engine encodes them faster than whole documents (None: only the pieces' size bound cuts them); see
+    # streampack.tokenizer.pieces.piece_rule.
+    fast_piece_chars: int | None
 
     @property
     def version(self) -> str:
@@ -75,6 +79,7 @@ class BytesEngine:
     name = "bytes"
     version = "1"
     cores_per_worker = 1  # holds the GIL
+    fast_piece_chars: int | None = None  # encoding bytes costs the same per character at any length
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Engine`."""
@@ -86,6 +91,9 @@ class TokenizersEngine:
 
     name = "tokenizers"
     cores_per_worker = 8  # its batch call is slow enough that one reader keeps 8 cores of it busy
+    # Its batch call encodes 100 MB of the real corpus 1.17x as fast in 10,000-character pieces as in whole
+    # documents (5,000: 1.16x; 20,000: 1.14x; GPT-2, 2 cores; benchmarks/bench_pieces.py).
+    fast_piece_chars: int | None = 10_000
 
     def __init__(self, tok: Any, *, threads: int | None) -> None:
         """Encode with ``tok``, a ``tokenizers.Tokenizer`` already set to the special-token rule."""
@@ -122,6 +130,7 @@ class TiktokenEngine:
 
     name = "tiktoken"
     cores_per_worker = 1  # 3-4 M tokens/s: reading and framing in one process would hold it back
+    fast_piece_chars: int | None = None  # measured: pieces encode no faster (benchmarks/bench_pieces.py)
 
     def __init__(self, enc: Any, *, allowed: set[str], threads: int | None) -> None:
         """Encode with ``enc``, a ``tiktoken.Encoding``, matching only the special tokens ``allowed``."""
@@ -166,6 +175,11 @@ class FastokensEngine:
     # cores one process of 2 threads built 345 MB in 4.2 s against 4.7 s for two processes of one thread
     # (each loads the tokenizer, ~0.8 CPU-s).
     cores_per_worker = 3
+    # Whole documents, up to the pieces' bound of 100,000 characters: its batch call is fastest so
+    # (345 MB, GPT-2, 2 cores: 1.16x whole documents, 10,000-character pieces 1.07x;
+    # benchmarks/results/pieces-fastokens.md), and the build without the 10,000-character cuts took 0.87x
+    # the wall time (fewer pieces to slice, list and frame).
+    fast_piece_chars: int | None = None
 
     def __init__(
         self, load: Callable[[], Any], *, split_special: bool, threads: int | None, fallback: str
@@ -304,6 +318,7 @@ class RoutedEngine:
         self.fast, self.exact, self.characters = fast, exact, characters
         self.name = fast.name
         self.cores_per_worker = fast.cores_per_worker
+        self.fast_piece_chars = fast.fast_piece_chars
 
     @property
     def version(self) -> str:

@@ -32,7 +32,6 @@ class TiktokenTokenizer(LibraryTokenizer):
     they are parsed.
     """
 
-    fast_piece_chars: int | None = None  # measured: pieces encode no faster (benchmarks/bench_pieces.py)
     _kind = "a tiktoken encoding"
     _wrong_library = "tokenizers"
 
