@@ -231,8 +231,9 @@ def _shard(ds: Path, dtype: np.dtype, metadata: tuple[str | None, int, int | Non
     ends = map_tokens(index, np.dtype("<u8"), 0, size // 8)
     _check_index(index, ends, count)
     loss = Path(f"{ds}.loss")
-    mask = None
+    mask, mask_file = None, None
     if loss.is_file():
+        mask_file = loss
         check_size(loss, count, f"the loss mask of the {count:,} tokens of {ds.name} (one byte a token)")
         mask = lambda: map_tokens(loss, np.dtype(np.uint8), 0, count)  # noqa: E731
     return ForeignShard(
@@ -243,6 +244,8 @@ def _shard(ds: Path, dtype: np.dtype, metadata: tuple[str | None, int, int | Non
         ends=lambda: ends,
         mask=mask,
         token_file=(ds, 0),
+        index_files=(index,),
+        mask_file=mask_file,
     )
 
 

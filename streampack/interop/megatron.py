@@ -201,6 +201,7 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
         tokens=lambda: map_tokens(bin_path, dtype, 0, total),
         ends=document_ends,
         token_file=(bin_path, 0),
+        index_files=(idx,),
     )
     return Foreign("megatron", prefix, dtype, [shard], options.eos_id, options.bos_id, files=[bin_path, idx])
 

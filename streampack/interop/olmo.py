@@ -224,6 +224,7 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
                 ends=partial(_ends, file, dtype, count, eos, docs),
                 mask=mask,
                 token_file=(file, 0),
+                mask_file=masks[index] if masks is not None else None,
             )
         )
     files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]

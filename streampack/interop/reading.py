@@ -111,6 +111,8 @@ class ForeignShard:
         token_file: where its tokens lie end to end in a file, as (path, byte offset), or None if they
             are not stored contiguously (an export then reads them from :attr:`tokens`).
         first_doc: the index in :attr:`path` of its first document (a file read as several shards).
+        index_files: the files its document ends are read from, other than :attr:`path` (an ``.idx``).
+        mask_file: the file of its loss mask, if it has one.
     """
 
     path: Path
@@ -121,6 +123,8 @@ class ForeignShard:
     mask: Callable[[], np.ndarray] | None = None
     token_file: tuple[Path, int] | None = None
     first_doc: int = 0
+    index_files: tuple[Path, ...] = ()
+    mask_file: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,21 @@ class ForeignShards:
             if kind == "tokens"
             else f"{path} ({'document ends' if kind == 'offsets' else 'loss mask'})"
         )
+
+    def paths(self, shard: int) -> tuple[Path, ...]:
+        """Shard ``shard``'s token file, then the files its document ends are read from."""
+        found = self.foreign.shards[self._index(shard)]
+        return tuple(dict.fromkeys((found.path, *found.index_files)))
+
+    def keys(self, shard: int, *, boundaries: bool = True) -> list[str]:
+        """The keys of :meth:`paths` (its token file's alone without ``boundaries``), and the loss mask's."""
+        found = self.foreign.shards[self._index(shard)]
+        files = (found.path, *found.index_files, found.mask_file) if boundaries else (found.path,)
+        return [str(path) for path in dict.fromkeys(files) if path is not None]
+
+    def mask_path(self, shard: int) -> Path | None:
+        """The file of shard ``shard``'s loss mask, or None."""
+        return self.foreign.shards[self._index(shard)].mask_file
 
     def drop(self) -> None:
         """Forget the arrays kept for reuse (those a caller holds stay valid)."""
