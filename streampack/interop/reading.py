@@ -113,6 +113,7 @@ class ForeignShard:
         first_doc: the index in :attr:`path` of its first document (a file read as several shards).
         index_files: the files its document ends are read from, other than :attr:`path` (an ``.idx``).
         mask_file: the file of its loss mask, if it has one.
+        hashes: the digests its format records of :attr:`path`, by algorithm (MDS's, when asked for).
     """
 
     path: Path
@@ -125,6 +126,7 @@ class ForeignShard:
     first_doc: int = 0
     index_files: tuple[Path, ...] = ()
     mask_file: Path | None = None
+    hashes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,10 @@ class ForeignShards:
     def mask_path(self, shard: int) -> Path | None:
         """The file of shard ``shard``'s loss mask, or None."""
         return self.foreign.shards[self._index(shard)].mask_file
+
+    def hashes(self, shard: int) -> dict[str, str]:
+        """The digests the format records of shard ``shard``'s token file (none: empty)."""
+        return dict(self.foreign.shards[self._index(shard)].hashes)
 
     def drop(self) -> None:
         """Forget the arrays kept for reuse (those a caller holds stay valid)."""

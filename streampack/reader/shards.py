@@ -103,6 +103,12 @@ class Shards(Protocol):
         """The file of shard ``shard``'s loss mask, or None without one."""
         ...
 
+    def hashes(self, shard: int) -> dict[str, str]:
+        """The digests the format records of shard ``shard``'s token file (``paths(shard)[0]``, its whole
+        bytes), by algorithm (:mod:`streampack.reader.filehashes`); empty where it records none (a native
+        cache's checksums are in its manifest)."""
+        ...
+
     def origin(self, shard: int) -> tuple[str, int] | None:
         """Another format's file that holds shard ``shard``'s documents, and the index there of its first
         (what that format's own reader calls it); None for a native cache, whose inputs say where each
@@ -225,6 +231,10 @@ class ShardFiles:
         """The shard's ``.mask`` file, or None when the cache has no loss mask."""
         masked = self.manifest.loss_mask
         return self.store.path(mask_key(shard_name(self._index(shard)))) if masked else None
+
+    def hashes(self, shard: int) -> dict[str, str]:
+        """None: a native cache's checksums are its manifest's (``verify`` checks them)."""
+        return {}
 
     def origin(self, shard: int) -> None:
         """None: a native cache's documents come from its inputs (see :func:`streampack.which`)."""
