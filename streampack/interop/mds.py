@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size, map_tokens
+from streampack.interop.files import map_tokens
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size
 from streampack.interop.writing import (
     Destination,
     Progress,

@@ -153,6 +153,11 @@ def _note_unread(cache: Cache, format: str, report: VerifyReport) -> None:
 
 
 def _verify_remote(remote: RemoteStore, report: VerifyReport) -> None:
+    if not remote.exists(MANIFEST):
+        raise CacheError(
+            f"{remote.describe(MANIFEST)}: not found: verify reads a streampack cache in object storage; "
+            "another format's files there are verified from a local copy of them (`streampack verify PATH`)"
+        )
     manifest = load_manifest(remote)
     if not manifest.complete:
         raise CacheError(
