@@ -197,3 +197,25 @@ def test_a_megatron_pair_over_http_opens_too(
     local = streampack.open(megatron_pair)
     with streampack.open(f"{base}/corpus", format="megatron", local_dir=tmp_path / "copy") as opened:
         assert_same_documents(opened, local)
+
+
+def test_an_object_replaced_under_its_url_is_fetched_again_and_verify_says_where_to_verify(
+    megatron_pair: Path, bucket: tuple[Any, str], s3_endpoint: str, tmp_path: Path
+) -> None:
+    """A foreign file records no checksum: its copy is named by its size and ETag, so a ``.bin``
+    rewritten with other tokens of the same size is fetched again, never served from the old copy."""
+    fs, name = bucket
+    for suffix in (".bin", ".idx"):
+        upload(fs, Path(f"{megatron_pair}{suffix}"), f"{name}/p{suffix}")
+    url = f"s3://{name}/p"
+    options = {"storage_options": s3_options(s3_endpoint), "local_dir": tmp_path / "copy"}
+    with streampack.open(url, **options) as first:
+        before = np.array(first.doc(0))
+    tokens = np.fromfile(f"{megatron_pair}.bin", dtype=np.uint16)
+    tokens[0] ^= 1
+    fs.pipe_file(f"{name}/p.bin", tokens.tobytes())
+    with streampack.open(url, **options) as second:
+        assert int(second.doc(0)[0]) == int(before[0]) ^ 1
+        assert second.store.downloads == 1  # the .bin again; the .idx is unchanged
+    report = streampack.verify(url, storage_options=s3_options(s3_endpoint))
+    assert not report.ok and report.problems[0].startswith(f"{url}/manifest.json: not found: verify reads")
