@@ -65,3 +65,43 @@ def test_a_mixture_reads_a_foreign_cache_beside_a_native_one(
         assert all(tuple(row) in windows for row in batch)  # the same tokens either way
     names = {doc.source for step in range(10) for doc in streampack.which(loader, step)}
     assert names == {"native", "megatron"}
+
+
+#: (format, the files of the first shard that export writes: tokens, then document ends; its loss mask's)
+SHARD_FILES = [
+    ("megatron", ("m.bin", "m.idx"), None),
+    ("datatrove", ("00000.ds", "00000.ds.index"), "00000.ds.loss"),
+    ("olmo", ("token_ids_part_000000.npy",), "labels_mask_part_000000.npy"),
+]
+
+
+@pytest.mark.parametrize(("name", "files", "mask"), SHARD_FILES, ids=[f[0] for f in SHARD_FILES])
+def test_a_foreign_cache_names_its_own_files_for_each_shard(
+    natural: streampack.Cache,
+    sft: streampack.Cache,
+    tmp_path: Path,
+    name: str,
+    files: tuple,
+    mask: str | None,
+) -> None:
+    """``shard_paths``, ``shard_keys`` and ``shard_mask_path`` answer with the format's files (what a
+    prefetcher fetches), through the cache's ``Shards``: never with a native shard's names."""
+    source = natural if mask is None else sft
+    dest = tmp_path / ("m" if name == "megatron" else name)
+    source.export(name, dest)
+    opened = streampack.open(dest, eos_id=source.eos_id)
+    folder = dest.parent if name == "megatron" else dest
+    paths = opened.shard_paths(0)
+    assert [p.name for p in paths] == list(files) and all(p.parent == folder and p.is_file() for p in paths)
+    keys = opened.shard_keys(0)
+    assert (
+        keys[: len(files)] == [str(p) for p in paths] and opened.shard_keys(0, boundaries=False) == keys[:1]
+    )
+    if mask is None:
+        assert opened.shard_mask_path(0) is None and len(keys) == len(files)
+    else:
+        assert opened.shard_mask_path(0) == folder / mask and keys[-1] == str(folder / mask)
+        assert (folder / mask).stat().st_size >= int(opened.table.num_tokens[0])
+    assert opened.shard_paths(-1) == opened.shard_paths(opened.num_shards - 1)
+    with pytest.raises(IndexError):
+        opened.shard_paths(opened.num_shards)

@@ -344,3 +344,80 @@ def test_a_sample_header_that_disagrees_is_refused_on_first_read(
     opened = streampack.open(tmp_path / "mds")  # the offsets table alone is read at open
     with pytest.raises(CacheError, match=r"shard\.00000\.mds: sample 3's shape is .* implies"):
         opened.doc(0)
+
+
+def write_with_mdswriter(streaming: Any, out: Path, docs: list[np.ndarray], **options: Any) -> None:
+    columns = {"input_ids": "ndarray:uint16"}
+    with streaming.MDSWriter(out=str(out), columns=columns, size_limit=1 << 14, **options) as writer:
+        for doc in docs:
+            writer.write({"input_ids": doc.astype(np.uint16)})
+
+
+def test_verify_checks_the_digests_mdswriter_recorded(
+    small: streampack.Cache, tmp_path: Path, streaming: Any
+) -> None:
+    """``MDSWriter(hashes=["sha1", "xxh64"])`` records each shard's digests in index.json: ``verify``
+    checks both (hashlib, xxhash) and names the shard file whose bytes changed and the digest that
+    differs; shards written without hashes get a note that none are recorded."""
+    from tests.conftest import run_cli
+
+    docs = docs_of(small)
+    write_with_mdswriter(streaming, tmp_path / "hashed", docs, hashes=["sha1", "xxh64"])
+    index = json.loads((tmp_path / "hashed" / "index.json").read_text())
+    assert len(index["shards"]) > 2 and set(index["shards"][1]["raw_data"]["hashes"]) == {"sha1", "xxh64"}
+    report = streampack.verify(tmp_path / "hashed")
+    assert report.ok, report.problems
+    assert any(f"{len(index['shards'])} of {len(index['shards'])} shard files against the sha1, xxh64" in n
+               for n in report.notes)  # fmt: skip
+    shard = tmp_path / "hashed" / index["shards"][1]["raw_data"]["basename"]
+    raw = bytearray(shard.read_bytes())
+    raw[-1] ^= 1  # the last token of its last sample: the headers and the offsets still agree
+    shard.write_bytes(bytes(raw))
+    damaged = run_cli("verify", tmp_path / "hashed", check=False)
+    assert damaged.returncode == 1
+    for algo in ("sha1", "xxh64"):
+        assert f"{shard}: its {algo} digest is " in damaged.stderr
+        assert index["shards"][1]["raw_data"]["hashes"][algo] in damaged.stderr
+    assert damaged.stderr.count("digest is") == 2  # the other shards are sound
+    write_with_mdswriter(streaming, tmp_path / "plain", docs)
+    plain = run_cli("verify", tmp_path / "plain")
+    assert "mds files: their headers and indexes were checked; no digest of them is recorded" in plain.stdout
+
+
+def test_a_digest_of_an_algorithm_not_known_here_is_noted_not_checked(
+    small: streampack.Cache, tmp_path: Path
+) -> None:
+    small.export("mds", tmp_path / "mds", size_limit=1 << 14)
+    edit_index(lambda index: index["shards"][0]["raw_data"].update(hashes={"nohash9": "00"}))(
+        tmp_path / "mds"
+    )
+    report = streampack.verify(tmp_path / "mds")
+    assert report.ok and any("its nohash9 digest is recorded but not checked" in n for n in report.notes)
+    edit_index(lambda index: index["shards"][0]["raw_data"].update(hashes=["sha1"]))(tmp_path / "mds")
+    with pytest.raises(CacheError, match=r"shards\[0\]\.raw_data\.hashes is \['sha1'\], expected an object"):
+        streampack.open(tmp_path / "mds")
+
+
+def test_verify_of_a_foreign_folder_says_what_a_foreign_cache_needs(
+    natural: streampack.Cache, tmp_path: Path
+) -> None:
+    """A file in a datatrove folder that is none of its files is listed as not part of the cache (no
+    native format to name it against); an EOS id inside a document is the declared id's or the writer's
+    doing, not a build to redo with ``overwrite=True``."""
+    natural.export("datatrove", tmp_path / "dt")
+    (tmp_path / "dt" / "notes.txt").write_text("a file of the user's")
+    (tmp_path / "dt" / "extra").mkdir()
+    report = streampack.verify(tmp_path / "dt", eos_id=GPT2_EOS)
+    assert report.ok, report.problems
+    unread = [n for n in report.notes if "not one of the datatrove files" in n]
+    assert [n.split(":")[0] for n in unread] == [
+        str(tmp_path / "dt" / name) for name in ("extra", "notes.txt")
+    ]
+    assert not any("cache format" in n or "rebuild" in n for n in report.notes)
+    tokens = np.memmap(tmp_path / "dt" / "00000.ds", dtype=np.uint16, mode="r+")
+    tokens[3] = GPT2_EOS  # inside the first document
+    tokens.flush()
+    del tokens
+    problems = streampack.verify(tmp_path / "dt", eos_id=GPT2_EOS).problems
+    assert len(problems) == 1 and "1 EOS id 50256 inside documents" in problems[0]
+    assert "declare the right eos_id=" in problems[0] and "overwrite=True" not in problems[0]

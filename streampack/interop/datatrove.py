@@ -36,20 +36,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
-from streampack.interop.reading import (
-    Foreign,
-    ForeignOptions,
-    ForeignShard,
-    check_ends,
-    check_size,
-    map_tokens,
-)
+from streampack.interop.files import LOCAL, ForeignFiles
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_ends, check_size
 from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
 LAYOUT = "directory"
+#: Read from object storage too (through a local copy: :mod:`streampack.interop.files`).
+REMOTE = True
 
 
 @dataclass(frozen=True)
@@ -118,23 +114,22 @@ DEFAULT_TOKEN_SIZE = 2
 TOKEN_DTYPES: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
-def ds_files(path: Path) -> list[Path]:
+def ds_files(path: Path, files: ForeignFiles = LOCAL) -> list[Path]:
     """The ``.ds`` files at ``path`` (a folder's, sorted by name as datatrove lists them; or the file)."""
-    if path.is_file():
+    if files.is_file(path):
         return [path] if path.name.endswith(SUFFIX) else []
-    if not path.is_dir():
+    if not files.is_dir(path):
         return []
-    return sorted(
-        (p for p in path.iterdir() if p.name.endswith(SUFFIX) and p.is_file()), key=lambda p: p.name
-    )
+    found = (p for p in files.listdir(path) if p.name.endswith(SUFFIX) and files.is_file(p))
+    return sorted(found, key=lambda p: p.name)
 
 
-def recognise(path: Path) -> bool:
+def recognise(path: Path, files: ForeignFiles = LOCAL) -> bool:
     """Whether ``path`` is a ``.ds`` file or a folder that holds one."""
-    return bool(ds_files(path))
+    return bool(ds_files(path, files))
 
 
-def read(path: Path, options: ForeignOptions) -> Foreign:
+def read(path: Path, options: ForeignOptions, where: ForeignFiles = LOCAL) -> Foreign:
     """The ``.ds`` files at ``path``, one shard each; their documents are the ``.ds.index`` ends.
 
     Raises:
@@ -143,10 +138,10 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
             count; a ``.ds.loss`` not one byte a token, or beside some files only; ``.ds.metadata`` files
             that are malformed or disagree (with each other, with ``dtype=`` or with the token count).
     """
-    files = ds_files(path)
+    files = ds_files(path, where)
     if not files:
         raise CacheError(f"{path}: no .ds file; {LOOKS_FOR}")
-    metadata = [_metadata(Path(f"{f}.metadata")) for f in files]
+    metadata = [_metadata(Path(f"{f}.metadata"), where) for f in files]
     named = {(name, size) for name, size, _ in (m for m in metadata if m is not None)}
     if len({size for _, size in named}) > 1:
         raise CacheError(
@@ -164,7 +159,7 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
         size = declared
     dtype = TOKEN_DTYPES[size or DEFAULT_TOKEN_SIZE]
     names = sorted({name for name, _ in named if name is not None})
-    shards = [_shard(f, dtype, m) for f, m in zip(files, metadata)]
+    shards = [_shard(f, dtype, m, where) for f, m in zip(files, metadata)]
     masked = [s.mask is not None for s in shards]
     if any(masked) and not all(masked):
         lacking = files[masked.index(False)]
@@ -181,15 +176,15 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
         options.eos_id,
         options.bos_id,
         tokenizer_name=", ".join(names) or None,
-        files=files + [p for p in sidecars if p.is_file()],
+        files=files + [p for p in sidecars if where.is_file(p)],
     )
 
 
-def _metadata(path: Path) -> tuple[str | None, int, int | None] | None:
+def _metadata(path: Path, files: ForeignFiles) -> tuple[str | None, int, int | None] | None:
     """A ``.ds.metadata``'s tokenizer name (None if unknown), token size and token count; None without."""
-    if not path.is_file():
+    if not files.is_file(path):
         return None
-    lines = path.read_text(errors="replace").splitlines()
+    lines = files.read(path).decode(errors="replace").splitlines()
     name, _, size = lines[0].rpartition("|") if lines else ("", "", "")
     if not name or size not in ("2", "4"):
         raise CacheError(
@@ -203,9 +198,11 @@ def _metadata(path: Path) -> tuple[str | None, int, int | None] | None:
     return known, int(size), int(count) if count else None
 
 
-def _shard(ds: Path, dtype: np.dtype, metadata: tuple[str | None, int, int | None] | None) -> ForeignShard:
+def _shard(
+    ds: Path, dtype: np.dtype, metadata: tuple[str | None, int, int | None] | None, files: ForeignFiles
+) -> ForeignShard:
     """One ``.ds`` file and its sidecars, checked."""
-    nbytes = ds.stat().st_size
+    nbytes = files.size(ds)
     if nbytes % dtype.itemsize:
         raise CacheError(
             f"{ds}: {nbytes:,} bytes, not a whole number of {dtype.itemsize}-byte tokens: the file is "
@@ -218,31 +215,35 @@ def _shard(ds: Path, dtype: np.dtype, metadata: tuple[str | None, int, int | Non
             "file is truncated or does not belong to this metadata"
         )
     index = Path(f"{ds}.index")
-    if not index.is_file():
+    if not files.is_file(index):
         raise CacheError(
             f"{index}: missing; it should hold the end of every document of {ds.name} (uint64, in tokens), "
             "as datatrove writes it with save_index=True"
         )
-    size = index.stat().st_size
+    size = files.size(index)
     if size % 8:
         raise CacheError(
             f"{index}: {size:,} bytes, not a whole number of uint64 document ends: the file is truncated"
         )
-    ends = map_tokens(index, np.dtype("<u8"), 0, size // 8)
+    ends = files.map(index, np.dtype("<u8"), 0, size // 8)
     _check_index(index, ends, count)
     loss = Path(f"{ds}.loss")
-    mask = None
-    if loss.is_file():
-        check_size(loss, count, f"the loss mask of the {count:,} tokens of {ds.name} (one byte a token)")
-        mask = lambda: map_tokens(loss, np.dtype(np.uint8), 0, count)  # noqa: E731
+    mask, mask_file = None, None
+    if files.is_file(loss):
+        mask_file = loss
+        what = f"the loss mask of the {count:,} tokens of {ds.name} (one byte a token)"
+        check_size(loss, count, what, files)
+        mask = lambda: files.map(loss, np.dtype(np.uint8), 0, count)  # noqa: E731
     return ForeignShard(
         ds,
         len(ends),
         count,
-        tokens=lambda: map_tokens(ds, dtype, 0, count),
+        tokens=lambda: files.map(ds, dtype, 0, count),
         ends=lambda: ends,
         mask=mask,
         token_file=(ds, 0),
+        index_files=(index,),
+        mask_file=mask_file,
     )
 
 

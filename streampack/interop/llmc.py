@@ -44,16 +44,9 @@ from typing import IO, TYPE_CHECKING
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
-from streampack.interop.reading import (
-    Foreign,
-    ForeignOptions,
-    ForeignShard,
-    check_doc_count,
-    check_id_fits,
-    count_id,
-    id_positions,
-    map_tokens,
-)
+from streampack.interop.files import map_tokens
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_doc_count, check_id_fits
+from streampack.interop.scans import count_id, id_positions
 from streampack.interop.writing import (
     Destination,
     Progress,

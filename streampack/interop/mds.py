@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size, map_tokens
+from streampack.interop.files import map_tokens
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size
 from streampack.interop.writing import (
     Destination,
     Progress,
@@ -56,6 +57,7 @@ from streampack.interop.writing import (
     shard_docs,
     token_chunks,
 )
+from streampack.reader.filehashes import recorded_hashes
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -347,6 +349,7 @@ def _shard(root: Path, index_path: Path, i: int, entry: Any) -> tuple[ForeignSha
     raw = _field(index_path, where, entry, "raw_data", dict)
     basename = _field(index_path, f"{where}.raw_data", raw, "basename", str)
     nbytes = _field(index_path, f"{where}.raw_data", raw, "bytes", int)
+    hashes = recorded_hashes(f"{index_path}: {where}.raw_data.hashes", raw.get("hashes"))
     shard_path = root / basename
     if Path(basename).is_absolute() or ".." in Path(basename).parts:
         raise CacheError(
@@ -370,7 +373,7 @@ def _shard(root: Path, index_path: Path, i: int, entry: Any) -> tuple[ForeignSha
         def gather() -> np.ndarray:
             return _gather(shard_path, offsets, lengths, widths, column.dtype, total)
 
-        shard = ForeignShard(shard_path, samples, total, tokens=gather, ends=lambda: ends)
+        shard = ForeignShard(shard_path, samples, total, tokens=gather, ends=lambda: ends, hashes=hashes)
         return shard, column
     window = column.seq_len * column.dtype.itemsize
     wrong = np.flatnonzero(np.diff(offsets.astype(np.int64)) != window)
@@ -390,6 +393,7 @@ def _shard(root: Path, index_path: Path, i: int, entry: Any) -> tuple[ForeignSha
         tokens=lambda: map_tokens(shard_path, column.dtype, first, total),
         ends=lambda: fixed_ends,
         token_file=(shard_path, first),
+        hashes=hashes,
     )
     return shard, column
 

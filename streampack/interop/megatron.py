@@ -28,7 +28,8 @@ from typing import IO, TYPE_CHECKING, Literal
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size, map_tokens
+from streampack.interop.files import LOCAL, ForeignFiles
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size
 from streampack.interop.writing import (
     Destination,
     Progress,
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from streampack.reader import Cache
 
 LAYOUT = "prefix"
+#: Read from object storage too (through a local copy: :mod:`streampack.interop.files`).
+REMOTE = True
 SUFFIXES = (".bin", ".idx")
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -150,12 +153,12 @@ def prefix_of(path: Path) -> Path:
     return path.with_suffix("") if path.suffix in SUFFIXES else path
 
 
-def recognise(path: Path) -> bool:
+def recognise(path: Path, files: ForeignFiles = LOCAL) -> bool:
     """Whether ``path`` names a Megatron pair (its ``.idx`` exists)."""
-    return Path(f"{prefix_of(path)}.idx").is_file()
+    return files.is_file(Path(f"{prefix_of(path)}.idx"))
 
 
-def read(path: Path, options: ForeignOptions) -> Foreign:
+def read(path: Path, options: ForeignOptions, files: ForeignFiles = LOCAL) -> Foreign:
     """The pair ``PREFIX.bin`` + ``PREFIX.idx`` as one shard; its documents are Megatron's documents
     (``document_indices``: one sequence each, as streampack and ``preprocess_data.py`` write them).
 
@@ -167,7 +170,7 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
         raise OptionsError(f"{path}: a Megatron index records its dtype; dtype= applies to headerless files")
     prefix = prefix_of(path)
     idx, bin_path = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
-    magic, version, code, sequences, documents = _header(idx)
+    magic, version, code, sequences, documents = _header(idx, files)
     if magic != MAGIC:
         raise CacheError(f"{idx}: magic {magic!r}, expected {MAGIC!r}: not a Megatron MMIDIDX index")
     if version != VERSION:
@@ -182,14 +185,14 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
         raise CacheError(f"{idx}: document_count {documents}, expected at least 1 (the indices start at 0)")
     dtype = READ_DTYPES[code]
     check_size(idx, HEADER.size + 12 * sequences + 8 * documents,
-               f"the header, {sequences:,} sequences and {documents:,} document indices")  # fmt: skip
-    lengths = map_tokens(idx, np.dtype("<i4"), HEADER.size, sequences)
-    pointers = map_tokens(idx, np.dtype("<i8"), HEADER.size + 4 * sequences, sequences)
-    doc_indices = map_tokens(idx, np.dtype("<i8"), HEADER.size + 12 * sequences, documents)
+               f"the header, {sequences:,} sequences and {documents:,} document indices", files)  # fmt: skip
+    lengths = files.map(idx, np.dtype("<i4"), HEADER.size, sequences)
+    pointers = files.map(idx, np.dtype("<i8"), HEADER.size + 4 * sequences, sequences)
+    doc_indices = files.map(idx, np.dtype("<i8"), HEADER.size + 12 * sequences, documents)
     ends = _sequence_ends(idx, lengths, pointers, dtype.itemsize)
     total = int(ends[-1]) if len(ends) else 0
     _check_documents(idx, doc_indices, sequences)
-    check_size(bin_path, total * dtype.itemsize, f"the {total:,} tokens of {idx.name}")
+    check_size(bin_path, total * dtype.itemsize, f"the {total:,} tokens of {idx.name}", files)
 
     def document_ends() -> np.ndarray:
         return np.concatenate([[0], ends]).astype(np.uint64)[np.asarray(doc_indices[1:])]
@@ -198,17 +201,17 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
         bin_path,
         documents - 1,
         total,
-        tokens=lambda: map_tokens(bin_path, dtype, 0, total),
+        tokens=lambda: files.map(bin_path, dtype, 0, total),
         ends=document_ends,
         token_file=(bin_path, 0),
+        index_files=(idx,),
     )
     return Foreign("megatron", prefix, dtype, [shard], options.eos_id, options.bos_id, files=[bin_path, idx])
 
 
-def _header(idx: Path) -> tuple[bytes, int, int, int, int]:
+def _header(idx: Path, files: ForeignFiles) -> tuple[bytes, int, int, int, int]:
     try:
-        with open(idx, "rb") as f:
-            raw = f.read(HEADER.size)
+        raw = files.read(idx, 0, HEADER.size)
     except FileNotFoundError:
         raise CacheError(f"{idx}: missing") from None
     if len(raw) < HEADER.size:

@@ -38,18 +38,10 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
+from streampack.interop.files import map_tokens
 from streampack.interop.llmc import has_header
-from streampack.interop.reading import (
-    SCAN_TOKENS,
-    Foreign,
-    ForeignOptions,
-    ForeignShard,
-    check_doc_count,
-    check_id_fits,
-    ends_at,
-    map_tokens,
-    scanned,
-)
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_doc_count, check_id_fits
+from streampack.interop.scans import SCAN_TOKENS, ends_at, scanned
 from streampack.interop.writing import (
     Destination,
     Progress,

@@ -43,16 +43,9 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
-from streampack.interop.reading import (
-    Foreign,
-    ForeignOptions,
-    ForeignShard,
-    check_doc_count,
-    check_id_fits,
-    docs_ending_at,
-    ends_at,
-    map_tokens,
-)
+from streampack.interop.files import map_tokens
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_doc_count, check_id_fits
+from streampack.interop.scans import docs_ending_at, ends_at
 from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:
@@ -224,6 +217,7 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
                 ends=partial(_ends, file, dtype, count, eos, docs),
                 mask=mask,
                 token_file=(file, 0),
+                mask_file=masks[index] if masks is not None else None,
             )
         )
     files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import mmap
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from streampack.errors import CacheError, OptionsError
+from streampack.errors import CacheError, OptionsError, StreampackError
 from streampack.format.manifest import Manifest, ShardTable
 from streampack.format.sections import (
     UNDECLARED,
@@ -34,16 +33,15 @@ from streampack.format.sections import (
     InputRecord,
     TokenizerInfo,
 )
+from streampack.interop.files import LOCAL, ForeignFiles
 from streampack.reader.shards import MAX_OPEN_MAPS
 from streampack.store import LocalStore
+from streampack.store.pressure import forget_release, on_release
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
 __all__ = ["READERS", "Foreign", "ForeignOptions", "ForeignShard", "ForeignShards", "open_foreign"]
-
-#: Tokens a scan for an id compares at a time (its temporary array holds one byte a token).
-SCAN_TOKENS = 1 << 22
 
 #: Format name -> the module that reads it, in the order a path is tried.
 READERS: dict[str, str] = {
@@ -111,6 +109,9 @@ class ForeignShard:
         token_file: where its tokens lie end to end in a file, as (path, byte offset), or None if they
             are not stored contiguously (an export then reads them from :attr:`tokens`).
         first_doc: the index in :attr:`path` of its first document (a file read as several shards).
+        index_files: the files its document ends are read from, other than :attr:`path` (an ``.idx``).
+        mask_file: the file of its loss mask, if it has one.
+        hashes: the digests its format records of :attr:`path`, by algorithm (MDS's, when asked for).
     """
 
     path: Path
@@ -121,6 +122,9 @@ class ForeignShard:
     mask: Callable[[], np.ndarray] | None = None
     token_file: tuple[Path, int] | None = None
     first_doc: int = 0
+    index_files: tuple[Path, ...] = ()
+    mask_file: Path | None = None
+    hashes: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -158,13 +162,15 @@ class Foreign:
 class ForeignShards:
     """The :class:`~streampack.reader.shards.Shards` of a foreign cache: each shard's arrays made by its
     format's reader on first use, the last :data:`~streampack.reader.shards.MAX_OPEN_MAPS` of each kind kept
-    (of the token copies, those made last up to :data:`MAX_COPY_BYTES`).
+    (of the token copies, those made last up to :data:`MAX_COPY_BYTES`). ``files``: where they are read from.
     """
 
     _closed = False
 
-    def __init__(self, foreign: Foreign) -> None:
-        self.foreign = foreign
+    def __init__(self, foreign: Foreign, files: ForeignFiles = LOCAL) -> None:
+        self.foreign, self.where = foreign, files
+        if not files.local:  # a bounded local copy may need the room of the maps kept here
+            on_release(self.drop)
         self._kept: dict[str, OrderedDict[int, np.ndarray]] = {k: OrderedDict() for k in ("t", "c", "o", "m")}
         # Per shard, where its tokens are kept: mapped ("t") or copied ("c", MDS samples).
         self._token_kind = ["c" if s.token_file is None else "t" for s in foreign.shards]
@@ -200,22 +206,40 @@ class ForeignShards:
         return self._get("m", shard, _mask_of)
 
     def token_file(self, shard: int) -> tuple[Path, int] | None:
-        """Where shard ``shard``'s tokens lie end to end: (file, byte offset), or None."""
-        return self.foreign.shards[self._index(shard)].token_file
+        """Where shard ``shard``'s tokens lie end to end in a local file: (file, byte offset), or None."""
+        return self.foreign.shards[self._index(shard)].token_file if self.where.local else None
 
     def origin(self, shard: int) -> tuple[str, int]:
         """The file that holds shard ``shard``'s documents and the index there of its first."""
         found = self.foreign.shards[self._index(shard)]
-        return str(found.path), found.first_doc
+        return self.where.name(found.path), found.first_doc
 
     def describe(self, shard: int, kind: str) -> str:
         """The token file of shard ``shard``, and which of its parts ``kind`` is."""
-        path = self.foreign.shards[self._index(shard)].path
+        path = self.where.name(self.foreign.shards[self._index(shard)].path)
         return (
-            str(path)
-            if kind == "tokens"
-            else f"{path} ({'document ends' if kind == 'offsets' else 'loss mask'})"
+            path if kind == "tokens" else f"{path} ({'document ends' if kind == 'offsets' else 'loss mask'})"
         )
+
+    def paths(self, shard: int) -> tuple[Path, ...]:
+        """Shard ``shard``'s token file, then the files its document ends are read from."""
+        found = self.foreign.shards[self._index(shard)]
+        return tuple(self.where.local_path(path) for path in dict.fromkeys((found.path, *found.index_files)))
+
+    def keys(self, shard: int, *, boundaries: bool = True) -> list[str]:
+        """The keys of :meth:`paths` (its token file's alone without ``boundaries``), and the loss mask's."""
+        found = self.foreign.shards[self._index(shard)]
+        files = (found.path, *found.index_files, found.mask_file) if boundaries else (found.path,)
+        return [self.where.key(path) for path in dict.fromkeys(files) if path is not None]
+
+    def mask_path(self, shard: int) -> Path | None:
+        """The file of shard ``shard``'s loss mask, or None."""
+        mask = self.foreign.shards[self._index(shard)].mask_file
+        return None if mask is None else self.where.local_path(mask)
+
+    def hashes(self, shard: int) -> dict[str, str]:
+        """The digests the format records of shard ``shard``'s token file (none: empty)."""
+        return dict(self.foreign.shards[self._index(shard)].hashes)
 
     def drop(self) -> None:
         """Forget the arrays kept for reuse (those a caller holds stay valid)."""
@@ -223,8 +247,9 @@ class ForeignShards:
             kept.clear()
 
     def close(self) -> None:
-        """Drop the kept arrays; reads refuse afterwards."""
+        """Drop the kept arrays (and stop taking part in a local copy's releases); reads refuse afterwards."""
         self._closed = True
+        forget_release(self.drop)
         self.drop()
 
     def _index(self, shard: int) -> int:
@@ -244,7 +269,10 @@ class ForeignShards:
             return array
         if self._closed:
             raise CacheError(f"{self.foreign.root}: the cache was closed; open it again to read it")
-        array = make(self.foreign.shards[index])
+        try:
+            array = make(self.foreign.shards[index])
+        except StreampackError as e:
+            raise type(e)(self.where.shown(str(e))) from None
         kept[index] = array
         while len(kept) > MAX_OPEN_MAPS or (kind == "c" and len(kept) > 1 and _nbytes(kept) > MAX_COPY_BYTES):
             try:
@@ -271,54 +299,88 @@ def _nbytes(kept: OrderedDict[int, np.ndarray]) -> int:
     return sum(array.nbytes for array in list(kept.values()))
 
 
-def open_foreign(path: str | os.PathLike[str], **declared: Any) -> Cache:
+def open_foreign(
+    path: str | os.PathLike[str],
+    *,
+    files: ForeignFiles = LOCAL,
+    store: LocalStore | None = None,
+    **declared: Any,
+) -> Cache:
     """Open the token files at ``path`` (a Megatron prefix, a folder of llm.c, datatrove, OLMo or MDS
     shards, a nanoGPT ``train.bin``...) as a cache, without copying them; ``declared`` are the fields of
-    :class:`ForeignOptions`.
+    :class:`ForeignOptions`. ``files`` and ``store`` say where they are read from (object storage:
+    :func:`streampack.interop.remote.open_remote`); local files and a store of their folder by default.
 
     Raises:
         CacheError: no format recognises ``path``, or its files are damaged (the message names the file
             and the field).
-        OptionsError: an option the format does not take.
+        OptionsError: an option the format does not take, or a format not read from object storage.
     """
     from streampack.reader import Cache
 
     options = ForeignOptions(**declared)
-    chosen = options.format or recognise(path)
+    chosen = options.format or recognise(path, files)
     module = importlib.import_module(READERS[chosen])
-    foreign: Foreign = module.read(Path(path), options)
-    manifest = foreign_manifest(foreign, options)
-    cache = Cache(LocalStore(foreign.root), manifest, manifest.table, files=ForeignShards(foreign))
+    if not files.local and not getattr(module, "REMOTE", False):
+        raise OptionsError(
+            f"{files.name(Path(path))}: {chosen} files are read from a local path; from object storage "
+            f"streampack opens {' and '.join(remote_formats())} files: copy these to a local or shared "
+            f"filesystem and open that path, or convert them (`streampack convert`) to a cache there"
+        )
+    try:
+        foreign: Foreign = (
+            module.read(Path(path), options, files) if not files.local else module.read(Path(path), options)
+        )
+        manifest = foreign_manifest(foreign, options, files)
+    except StreampackError as e:
+        raise type(e)(files.shown(str(e))) from None
+    shards = ForeignShards(foreign, files)
+    cache = Cache(store or LocalStore(foreign.root), manifest, manifest.table, files=shards)
     cache.declared = {**{k: v for k, v in declared.items() if v is not None}, "format": chosen}
     return cache
 
 
-def recognise(path: str | os.PathLike[str]) -> str:
-    """The format whose files are at ``path``.
+def remote_formats() -> list[str]:
+    """The formats whose files :func:`open_foreign` reads from object storage."""
+    return [n for n, m in READERS.items() if getattr(importlib.import_module(m), "REMOTE", False)]
+
+
+def recognise(path: str | os.PathLike[str], files: ForeignFiles = LOCAL) -> str:
+    """The format whose files are at ``path`` (of those read from object storage, for ``files`` there).
 
     Raises:
         CacheError: none is (the message lists what each format looks for).
     """
     where = Path(path)
-    if not where.exists() and not any(Path(f"{where}{suffix}").exists() for suffix in (".bin", ".idx")):
-        raise CacheError(f"{where}: no such cache directory")
-    for name, module_name in READERS.items():
-        if importlib.import_module(module_name).recognise(where):
+    near = [where, *(Path(f"{where}{suffix}") for suffix in (".bin", ".idx"))]
+    if not any(files.is_file(p) or files.is_dir(p) for p in near):
+        missing = "no such cache directory" if files.local else "no object or folder there"
+        raise CacheError(f"{files.name(where)}: {missing}")
+    names = READERS if files.local else remote_formats()
+    for name in names:
+        module = importlib.import_module(READERS[name])
+        if module.recognise(where) if files.local else module.recognise(where, files):
             return name
-    looked = "; ".join(importlib.import_module(m).LOOKS_FOR for m in READERS.values())
+    looked = "; ".join(importlib.import_module(READERS[n]).LOOKS_FOR for n in names)
+    if not files.local:  # open() looked for a native cache's manifest first
+        raise CacheError(
+            f"{files.name(where)}/manifest.json: not found: no streampack cache there, nor the token files "
+            f"of a format read from object storage ({looked}; the others are read from a local path). Check "
+            "the URL, or pass format= to say which format it is"
+        )
     raise CacheError(
         f"{where}: not a streampack cache (no manifest.json) nor the token files of another format "
         f"({looked}). Build a cache with `streampack build`, or pass format= to say which format it is"
     )
 
 
-def foreign_manifest(foreign: Foreign, options: ForeignOptions) -> Manifest:
+def foreign_manifest(foreign: Foreign, options: ForeignOptions, files: ForeignFiles = LOCAL) -> Manifest:
     """The manifest of a foreign cache: what its files and the user declared; no checksums."""
     table = ShardTable(
         np.array([s.num_docs for s in foreign.shards], dtype=np.int64),
         np.array([s.num_tokens for s in foreign.shards], dtype=np.int64),
     )
-    inputs = [InputRecord(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in foreign.files]
+    inputs = [InputRecord(files.name(p), files.size(p), files.mtime_ns(p)) for p in foreign.files]
     return Manifest(
         tokenizer=_tokenizer(foreign, options),
         dtype=foreign.dtype.name,
@@ -360,10 +422,10 @@ def _ids(foreign: Foreign) -> list[int]:
     return [i for i in (foreign.eos_id, foreign.bos_id) if i is not None] or [0]
 
 
-def check_size(path: Path, expected: int, what: str) -> None:
+def check_size(path: Path, expected: int, what: str, files: ForeignFiles = LOCAL) -> None:
     """Refuse a file that is missing or not ``expected`` bytes long, naming what it should hold."""
     try:
-        size = path.stat().st_size
+        size = files.size(path)
     except FileNotFoundError:
         raise CacheError(f"{path}: missing; it should hold {what}") from None
     if size != expected:
@@ -392,55 +454,6 @@ def check_ends(path: Path, ends: np.ndarray, num_tokens: int) -> np.ndarray:
     return ends
 
 
-def scanned(tokens: np.ndarray, step: int = SCAN_TOKENS) -> Iterator[tuple[int, np.ndarray]]:
-    """``(start, chunk)`` of ``tokens`` (a memory map), ``step`` at a time; each chunk's pages are let go
-    of once the caller is done with it, so that a scan of a large file leaves this process's memory as it
-    was (a mapped page read counts towards it until unmapped)."""
-    for start in range(0, len(tokens), step):
-        chunk = tokens[start : start + step]
-        yield start, chunk
-        forget_pages(chunk)
-
-
-def forget_pages(chunk: np.ndarray) -> None:
-    """Drop the pages of a memory-mapped ``chunk`` from this process (``MADV_DONTNEED`` on its clean,
-    read-only pages: a later read maps them again from the page cache); nothing for an array in memory."""
-    mapped = chunk.base
-    while mapped is not None and not isinstance(mapped, mmap.mmap):
-        mapped = getattr(mapped, "base", None)
-    if mapped is None or not hasattr(mapped, "madvise") or not chunk.nbytes:
-        return
-    origin = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
-    first = (chunk.ctypes.data - origin) // mmap.PAGESIZE * mmap.PAGESIZE
-    stop = min(chunk.ctypes.data - origin + chunk.nbytes, len(mapped))
-    with contextlib.suppress(OSError, ValueError):
-        mapped.madvise(mmap.MADV_DONTNEED, first, stop - first)
-
-
-def count_id(tokens: np.ndarray, token_id: int) -> int:
-    """How many times ``token_id`` occurs in ``tokens`` (a memory map), read :data:`SCAN_TOKENS` at a time."""
-    return sum(int(np.count_nonzero(chunk == token_id)) for _, chunk in scanned(tokens))
-
-
-def id_positions(tokens: np.ndarray, token_id: int) -> np.ndarray:
-    """Where ``token_id`` occurs in ``tokens`` (int64, ascending), read :data:`SCAN_TOKENS` at a time."""
-    parts = [np.flatnonzero(chunk == token_id) + start for start, chunk in scanned(tokens)]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-
-
-def docs_ending_at(tokens: np.ndarray, eos_id: int) -> int:
-    """The documents of a stream in which each ends with ``eos_id``: a tail after the last EOS is one more."""
-    return count_id(tokens, eos_id) + int(len(tokens) > 0 and int(tokens[-1]) != eos_id)
-
-
-def ends_at(tokens: np.ndarray, eos_id: int) -> np.ndarray:
-    """The end of each document of :func:`docs_ending_at` (uint64): after each EOS, and the stream's end."""
-    ends = id_positions(tokens, eos_id) + 1
-    if len(tokens) and (not len(ends) or int(ends[-1]) != len(tokens)):
-        ends = np.append(ends, len(tokens))
-    return ends.astype(np.uint64)
-
-
 def check_doc_count(path: Path, ends: np.ndarray, num_docs: int) -> np.ndarray:
     """Refuse ends that do not count the ``num_docs`` documents found when the file was opened."""
     if len(ends) != num_docs:
@@ -458,12 +471,3 @@ def check_id_fits(path: Path, name: str, token_id: int, dtype: np.dtype) -> None
             f"{path}: {name}={token_id:,} does not fit its {dtype.name} tokens (at most "
             f"{(1 << (8 * dtype.itemsize)) - 1:,}): the id is wrong, or the files are uint32 (pass dtype=)"
         )
-
-
-def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
-    """``count`` tokens of ``dtype`` at byte ``offset`` of ``path``, memory-mapped read-only."""
-    if count == 0:
-        return np.zeros(0, dtype=dtype)
-    # A plain ndarray view (which keeps the map alive): slicing an np.memmap costs a subclass round trip per
-    # slice, a third of a Loader's time over windows of many shards.
-    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,)).view(np.ndarray)

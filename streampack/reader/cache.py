@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streampack.format.manifest import Manifest, ShardInfo, ShardTable
-from streampack.format.names import mask_key, offsets_key, shard_name, tokens_key
 from streampack.reader.shards import ShardFiles, Shards
 from streampack.store import LocalStore
 from streampack.store.localcopy import CachedStore
@@ -238,18 +237,13 @@ class Cache:
         """Global index of the first document of each shard, plus the total at the end."""
         return self._doc_starts
 
-    def shard_paths(self, shard: int) -> tuple[Path, Path]:
-        """The token and offsets files of shard ``shard``."""
-        name = shard_name(self._index(shard))
-        return self.store.path(tokens_key(name)), self.store.path(offsets_key(name))
+    def shard_paths(self, shard: int) -> tuple[Path, ...]:
+        """The files of shard ``shard``'s tokens and document ends (see ``Shards.paths``)."""
+        return self.files.paths(shard)
 
     def shard_keys(self, shard: int, *, boundaries: bool = True) -> list[str]:
-        """The store keys of shard ``shard``'s files: tokens, then (with ``boundaries``) offsets and the
-        loss mask if any."""
-        name = shard_name(self._index(shard))
-        if not boundaries:
-            return [tokens_key(name)]
-        return [tokens_key(name), offsets_key(name)] + ([mask_key(name)] if self.manifest.loss_mask else [])
+        """The store keys of shard ``shard``'s files (see ``Shards.keys``)."""
+        return self.files.keys(shard, boundaries=boundaries)
 
     def shard_tokens(self, shard: int) -> np.ndarray:
         """The token array of shard ``shard`` (see :meth:`ShardFiles.tokens`)."""
@@ -268,15 +262,10 @@ class Cache:
         return self.files.mask(shard)
 
     def shard_mask_path(self, shard: int) -> Path | None:
-        """The loss mask file of shard ``shard``, or None when the cache has no loss mask."""
-        masked = self.manifest.loss_mask
-        return self.store.path(mask_key(shard_name(self._index(shard)))) if masked else None
+        """The loss mask file of shard ``shard``, or None without a loss mask (see ``Shards.mask_path``)."""
+        return self.files.mask_path(shard)
 
     @property
     def token_starts(self) -> np.ndarray:
         """Global index of the first token of each shard, plus the total at the end."""
         return self._token_starts
-
-    def _index(self, shard: int) -> int:
-        """``shard`` as a non-negative index (IndexError when out of range, as a list would raise)."""
-        return range(self.num_shards)[shard]

@@ -52,7 +52,8 @@ def open(
     ``tokenizer`` and ``vocab_size`` tell it what those files do not say
     (:class:`~streampack.interop.reading.ForeignOptions`).
 
-    A cache in object storage (``s3://bucket/prefix``, any fsspec URL) is read through a local copy:
+    A cache in object storage (``s3://bucket/prefix``, any fsspec URL) is read through a local copy (so
+    are Megatron and datatrove files there, :mod:`streampack.interop.remote`):
     its manifest (and ledger) are read remotely, each shard file is fetched whole on first use, verified
     against its checksum, and memory-mapped from ``local_dir``, which the processes of a node share (one
     download per file) and which never holds more than ``max_local_bytes`` of shard files (least
@@ -85,14 +86,12 @@ def open(
     declared = {"format": format, "eos_id": eos_id, "bos_id": bos_id, "dtype": dtype}
     declared.update(tokenizer=tokenizer, vocab_size=vocab_size)
     if is_remote(path):
-        _refuse_declared(path, declared, "a cache in object storage (other formats are read locally)")
-        store: LocalStore = cached_store(
-            str(path),
-            local_dir=local_dir,
-            max_local_bytes=max_local_bytes,
-            prefetch_steps=prefetch_steps,
-            storage_options=storage_options,
-        )
+        copy: dict[str, Any] = {"local_dir": local_dir, "max_local_bytes": max_local_bytes}
+        copy.update(prefetch_steps=prefetch_steps, storage_options=storage_options)
+        store: LocalStore = cached_store(str(path), **copy)
+        if format is not None or not store.exists(MANIFEST):
+            return _open_foreign_remote(str(path), declared, copy)
+        _refuse_declared(path, declared, "a streampack cache")
     else:
         reading = {"local_dir": local_dir, "max_local_bytes": max_local_bytes}
         reading["prefetch_steps"] = prefetch_steps
@@ -137,6 +136,14 @@ def _open_foreign(path: str | os.PathLike[str], declared: dict[str, Any]) -> Cac
     from streampack.interop.reading import open_foreign
 
     return open_foreign(path, **declared)
+
+
+def _open_foreign_remote(url: str, declared: dict[str, Any], copy: dict[str, Any]) -> Cache:
+    """Another format's token files in object storage as a cache; see
+    :func:`streampack.interop.remote.open_remote`."""
+    from streampack.interop.remote import open_remote
+
+    return open_remote(url, declared, **copy)
 
 
 def open_committed(store: LocalStore, manifest: Manifest, progress: list[LedgerEntry]) -> Cache:

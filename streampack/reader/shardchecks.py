@@ -179,7 +179,9 @@ def check_shard(
                 f"{control}"
             )
     problems.extend(
-        _stray_problem(doc_start, tokens_file, offsets, found) for found in scan.strays if found.count
+        _stray_problem(doc_start, tokens_file, offsets, found, native=checksums)
+        for found in scan.strays
+        if found.count
     )
     if manifest.loss_mask:
         problems.extend(
@@ -338,7 +340,9 @@ def _is_end(ends: np.ndarray, positions: np.ndarray) -> np.ndarray:
     return np.asarray(ends[index], dtype=np.int64) == positions
 
 
-def _stray_problem(doc_start: int, tokens_file: str, offsets: np.ndarray, strays: _Strays) -> str:
+def _stray_problem(
+    doc_start: int, tokens_file: str, offsets: np.ndarray, strays: _Strays, *, native: bool
+) -> str:
     where = []
     for position in strays.first:
         local = int(np.searchsorted(offsets, np.uint64(position), side="right"))
@@ -349,11 +353,21 @@ def _stray_problem(doc_start: int, tokens_file: str, offsets: np.ndarray, strays
     control = strays.control
     shown = f" (the first {len(where)})" if strays.count > len(where) else ""
     place = "not at their end" if control.at_end else "not at their start"
-    return (
+    found = (
         f"{tokens_file}: {strays.count} {control.name} {'id' if strays.count == 1 else 'ids'} {control.id} "
-        f"inside documents, {place}: {'; '.join(where)}{shown}. The text held the {control.name} token's "
-        "string, which the tokenizer turned into the control id; rebuild the cache with overwrite=True "
-        "(special-token strings are now encoded as text)"
+        f"inside documents, {place}: {'; '.join(where)}{shown}. "
+    )
+    if not native:  # another tool wrote these files: nothing streampack builds would change them
+        option = "eos_id" if control.at_end else "bos_id"
+        return found + (
+            f"Either {control.id} is not the id these files {'end' if control.at_end else 'start'} their "
+            f"documents with (declare the right {option}=, or none), or the tool that wrote them encoded "
+            f"the {control.name} token's string inside the text as the id: write the files again from "
+            "the text with that tool, or build a streampack cache from it (`streampack build`)"
+        )
+    return found + (
+        f"The text held the {control.name} token's string, which the tokenizer turned into the control id; "
+        "rebuild the cache with overwrite=True (special-token strings are now encoded as text)"
     )
 
 

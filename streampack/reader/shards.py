@@ -88,6 +88,27 @@ class Shards(Protocol):
         messages name it."""
         ...
 
+    def paths(self, shard: int) -> tuple[Path, ...]:
+        """The local files shard ``shard`` is read from: its tokens' first, then those its document ends
+        are read from, each once (none where they are found in the token file); the loss mask's is
+        :meth:`mask_path`'s. A file that holds several shards is listed for each."""
+        ...
+
+    def keys(self, shard: int, *, boundaries: bool = True) -> list[str]:
+        """The store keys of shard ``shard``'s files: its tokens', then (with ``boundaries``) those of its
+        document ends and its loss mask, each once: what a prefetcher fetches from object storage."""
+        ...
+
+    def mask_path(self, shard: int) -> Path | None:
+        """The file of shard ``shard``'s loss mask, or None without one."""
+        ...
+
+    def hashes(self, shard: int) -> dict[str, str]:
+        """The digests the format records of shard ``shard``'s token file (``paths(shard)[0]``, its whole
+        bytes), by algorithm (:mod:`streampack.reader.filehashes`); empty where it records none (a native
+        cache's checksums are in its manifest)."""
+        ...
+
     def origin(self, shard: int) -> tuple[str, int] | None:
         """Another format's file that holds shard ``shard``'s documents, and the index there of its first
         (what that format's own reader calls it); None for a native cache, whose inputs say where each
@@ -193,6 +214,27 @@ class ShardFiles:
     def token_file(self, shard: int) -> tuple[Path, int]:
         """The shard's ``.tokens`` file (a remote cache's local copy once :meth:`tokens` fetched it)."""
         return self.store.path(tokens_key(shard_name(self._index(shard)))), 0
+
+    def paths(self, shard: int) -> tuple[Path, ...]:
+        """The shard's ``.tokens`` and ``.offsets`` files."""
+        name = shard_name(self._index(shard))
+        return self.store.path(tokens_key(name)), self.store.path(offsets_key(name))
+
+    def keys(self, shard: int, *, boundaries: bool = True) -> list[str]:
+        """The keys of its ``.tokens``, then (with ``boundaries``) its ``.offsets`` and ``.mask`` files."""
+        name = shard_name(self._index(shard))
+        if not boundaries:
+            return [tokens_key(name)]
+        return [tokens_key(name), offsets_key(name)] + ([mask_key(name)] if self.manifest.loss_mask else [])
+
+    def mask_path(self, shard: int) -> Path | None:
+        """The shard's ``.mask`` file, or None when the cache has no loss mask."""
+        masked = self.manifest.loss_mask
+        return self.store.path(mask_key(shard_name(self._index(shard)))) if masked else None
+
+    def hashes(self, shard: int) -> dict[str, str]:
+        """None: a native cache's checksums are its manifest's (``verify`` checks them)."""
+        return {}
 
     def origin(self, shard: int) -> None:
         """None: a native cache's documents come from its inputs (see :func:`streampack.which`)."""

@@ -32,6 +32,7 @@ from streampack.errors import CacheError, StreampackError
 from streampack.format.manifest import Manifest
 from streampack.format.names import LAYOUT_DIR, LEDGER_DIR, LOCK, MANIFEST, SHARD_DIR, ledger_key, shard_name
 from streampack.reader.cache import Cache
+from streampack.reader.filehashes import check_file
 from streampack.reader.opening import open as open_cache
 from streampack.reader.report import VerifyReport
 from streampack.reader.shardchecks import Mapped, Streamed, check_shard
@@ -104,18 +105,59 @@ def _verify_local(root: Path, report: VerifyReport, declared: Mapping[str, Any])
 
 
 def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
-    """Every token of another format's files: no checksums, ledger or plans to check."""
+    """Every token of another format's files, and the digests of them it records (MDS's, if asked for);
+    no ledger or plans to check. Entries of its folder it does not read are listed."""
     format = cache.declared["format"] if cache.declared else "another"
-    report.notes.append(
-        f"{format} files: their headers and indexes were checked; they record no checksums (convert them "
-        "with `streampack convert` for a cache that has)"
-    )
+    hashed = 0
     for shard in range(cache.num_shards):
         doc_start = int(cache.doc_starts[shard])
         report.problems.extend(check_shard(cache.manifest, shard, doc_start, source, report, checksums=False))
+        recorded = cache.files.hashes(shard)
+        if recorded:
+            path = cache.files.paths(shard)[0]
+            problems, notes, read = check_file(path, recorded, cache.files.describe(shard, "tokens"))
+            report.problems.extend(problems)
+            report.notes.extend(notes)
+            report.bytes_checked += read
+            hashed += 1
+    checked = "their headers and indexes were checked"
+    if hashed:
+        algos = sorted({a for s in range(cache.num_shards) for a in cache.files.hashes(s)})
+        report.notes.append(
+            f"{format} files: {checked}, and {hashed} of {cache.num_shards} shard files against the "
+            f"{', '.join(algos)} digests recorded of them"
+        )
+    else:
+        report.notes.append(
+            f"{format} files: {checked}; no digest of them is recorded (MDSWriter records them when given "
+            "hashes=[...]; `streampack convert` makes a cache with a checksum of every file)"
+            if format == "mds"
+            else f"{format} files: {checked}; they record no checksums (convert them with `streampack "
+            "convert` for a cache that has)"
+        )
+    _note_unread(cache, format, report)
+
+
+def _note_unread(cache: Cache, format: str, report: VerifyReport) -> None:
+    """The entries of a foreign cache's folder that are none of the files it was read from."""
+    root = Path(cache.root)
+    if not root.is_dir():
+        return  # a Megatron prefix: the folder holds other files than the pair by design
+    inputs = [Path(entry.path).resolve() for entry in cache.manifest.inputs]
+    read = {path.name for path in inputs if path.parent == root.resolve()}
+    for name in sorted(_entries(root) - read - {LAYOUT_DIR}):
+        report.notes.append(
+            f"{root / name}: not one of the {format} files this cache is read from, so not part of it and "
+            "not checked; move it out of the folder if it does not belong there"
+        )
 
 
 def _verify_remote(remote: RemoteStore, report: VerifyReport) -> None:
+    if not remote.exists(MANIFEST):
+        raise CacheError(
+            f"{remote.describe(MANIFEST)}: not found: verify reads a streampack cache in object storage; "
+            "another format's files there are verified from a local copy of them (`streampack verify PATH`)"
+        )
     manifest = load_manifest(remote)
     if not manifest.complete:
         raise CacheError(

@@ -46,7 +46,9 @@ def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
 def cache_ref(cache: Cache) -> CacheRef:
     """The reference that picklable views of ``cache`` carry (see :class:`~streampack.store.CacheRef`)."""
     store = cache.store
-    reading = store.reopen_options() if isinstance(store, CachedStore) else cache.declared
+    # Both, for another format's files in object storage: the same local copy, and what they declared.
+    copy = store.reopen_options() if isinstance(store, CachedStore) else {}
+    reading = {**copy, **(cache.declared or {})} or None
     return CacheRef(store.uri, content_digest(cache), not cache.manifest.complete, reading)
 
 

@@ -46,10 +46,12 @@ OWN_WAIT_SECONDS = 1.0
 @dataclass(frozen=True)
 class Expected:
     """What the local copy of a shard file must be: its length, and its checksum (``crc32:…``; empty when
-    the cache records none, e.g. a unit an unfinished build has not published whole)."""
+    the cache records none, e.g. a unit an unfinished build has not published whole); ``version`` tells
+    apart the objects of one key and size that record no checksum (another format's files: their ETag)."""
 
     size: int
     checksum: str
+    version: str = ""
 
 
 @dataclass(frozen=True)

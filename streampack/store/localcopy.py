@@ -64,6 +64,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 
@@ -130,6 +131,7 @@ class CachedStore(LocalStore):
     _closed = False
     _watching = 0  # the process whose watcher watches this copy for this store (0: none)
     _unwatch: weakref.finalize | None = None  # takes the registration back (on close, or when garbage)
+    opened: str | None = None  # the URL open() was given, where it is not the remote's (a Megatron prefix)
 
     def __init__(
         self,
@@ -190,8 +192,8 @@ class CachedStore(LocalStore):
 
     @property
     def uri(self) -> str:
-        """The cache's URL."""
-        return self.remote.url
+        """The cache's URL: what :func:`streampack.open` was given."""
+        return self.opened or self.remote.url
 
     def describe(self, key: str) -> str:
         """The URL of ``key``."""
@@ -264,7 +266,10 @@ class CachedStore(LocalStore):
         if expected is None:
             return super().path(key)
         tag = expected.checksum.rsplit(":", 1)[-1] if expected.checksum else f"n{expected.size}"
-        return self.root / f"{key}.{tag}"
+        tag += f"-{expected.version}" if expected.version else ""
+        # Another format's files are copied into the shard folder too, where the bound counts them.
+        name = key if key.startswith(f"{SHARD_DIR}/") else f"{SHARD_DIR}/{quote(key, safe='')}"
+        return self.root / f"{name}.{tag}"
 
     def refuse_outside(self, key: str, *, links_only: bool = False) -> None:
         """Nothing to refuse: shard keys come from the manifest, checked names, and map to local copies

@@ -129,6 +129,16 @@ class RemoteStore:
         """Size of the object ``key``. Raises FileNotFoundError when it does not exist."""
         return int(self._call("stat", key, self.fs.size, self._path(key)))
 
+    def info(self, key: str) -> dict[str, Any]:
+        """fsspec's description of ``key``: ``size``, ``type`` (``file`` or ``directory``) and what the
+        store says of its version (``ETag``, ``LastModified``). Raises FileNotFoundError without one."""
+        self.fs.invalidate_cache(self._path(key))
+        return dict(self._call("stat", key, self.fs.info, self._path(key)))
+
+    def entries(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """fsspec's description of each object and folder directly under ``prefix``, by name (one LIST)."""
+        return {_name(e): dict(e) for e in self._ls(prefix)}
+
     def read(self, key: str, start: int = 0, stop: int | None = None) -> bytes:
         """Bytes ``[start, stop)`` of ``key`` (one ranged GET)."""
         return bytes(self._call("read", key, self.fs.cat_file, self._path(key), start=start, end=stop))

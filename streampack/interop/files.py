@@ -1,0 +1,259 @@
+"""Where a foreign cache's files are read from: a local path (:data:`LOCAL`), or object storage through the
+bounded local copy that a native cache in object storage is read through (:class:`CopiedFiles`, over a
+:class:`~streampack.store.localcopy.CachedStore`).
+
+A format reader that can read from object storage (its module's ``REMOTE`` is true: Megatron, datatrove)
+asks a :class:`ForeignFiles` what it would ask the file system: whether a path is a file or a folder, a
+folder's files, a file's size, a few bytes of it (a header, a ``.ds.metadata``), a memory map of it. Its
+paths are :class:`~pathlib.Path` s either way: local ones, or, in object storage, the object's key under
+the local copy's directory (:attr:`CopiedFiles.root`), which :meth:`ForeignFiles.name` turns back into
+the object's URL for messages. A file mapped from object storage is fetched whole into the local copy on
+first use (its size from the store's listing, and its version, an ETag where the store gives one, in the
+copy's name, so that an object replaced under the same URL is fetched again), counted against
+``max_local_bytes``, evicted when unmapped and least recently used, exactly as a native shard file is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from streampack.store.copies import Expected
+from streampack.store.localcopy import CachedStore
+
+__all__ = ["LOCAL", "CopiedFiles", "ForeignFiles", "LocalFiles", "map_tokens"]
+
+
+class ForeignFiles(Protocol):
+    """What a format reader asks of where its files are (see the module docstring)."""
+
+    @property
+    def local(self) -> bool:
+        """Whether the paths are the files themselves (else keys of objects, fetched when mapped)."""
+        ...
+
+    def is_file(self, path: Path) -> bool:
+        """Whether ``path`` is a file."""
+        ...
+
+    def is_dir(self, path: Path) -> bool:
+        """Whether ``path`` is a folder."""
+        ...
+
+    def listdir(self, folder: Path) -> list[Path]:
+        """The entries directly in ``folder``."""
+        ...
+
+    def size(self, path: Path) -> int:
+        """The size of the file ``path``. Raises FileNotFoundError when there is none."""
+        ...
+
+    def read(self, path: Path, start: int = 0, stop: int | None = None) -> bytes:
+        """Bytes ``[start, stop)`` of ``path``. Raises FileNotFoundError when there is none."""
+        ...
+
+    def map(self, path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
+        """``count`` items of ``dtype`` at byte ``offset`` of ``path``, memory-mapped read-only."""
+        ...
+
+    def mtime_ns(self, path: Path) -> int:
+        """When ``path`` was last modified (0 where the store does not say)."""
+        ...
+
+    def name(self, path: Path) -> str:
+        """``path`` as messages name it: the file, or the object's URL."""
+        ...
+
+    def key(self, path: Path) -> str:
+        """The store key of ``path`` (a local file's is its path)."""
+        ...
+
+    def local_path(self, path: Path) -> Path:
+        """The local file ``path`` is read from: itself, or its copy (there once mapped)."""
+        ...
+
+    def shown(self, message: str) -> str:
+        """``message`` with the paths it names as :meth:`name` names them."""
+        ...
+
+
+def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
+    """``count`` tokens of ``dtype`` at byte ``offset`` of ``path``, memory-mapped read-only."""
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    # A plain ndarray view (which keeps the map alive): slicing an np.memmap costs a subclass round trip per
+    # slice, a third of a Loader's time over windows of many shards.
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,)).view(np.ndarray)
+
+
+class LocalFiles:
+    """Files of the local file system, read where they lie."""
+
+    local = True
+
+    def is_file(self, path: Path) -> bool:
+        """Whether ``path`` is a file."""
+        return path.is_file()
+
+    def is_dir(self, path: Path) -> bool:
+        """Whether ``path`` is a folder."""
+        return path.is_dir()
+
+    def listdir(self, folder: Path) -> list[Path]:
+        """The entries of ``folder``."""
+        return list(folder.iterdir())
+
+    def size(self, path: Path) -> int:
+        """The size of ``path``."""
+        return path.stat().st_size
+
+    def read(self, path: Path, start: int = 0, stop: int | None = None) -> bytes:
+        """Bytes ``[start, stop)`` of ``path``."""
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read() if stop is None else f.read(max(0, stop - start))
+
+    def map(self, path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
+        """:func:`map_tokens`."""
+        return map_tokens(path, dtype, offset, count)
+
+    def mtime_ns(self, path: Path) -> int:
+        """Its modification time."""
+        return path.stat().st_mtime_ns
+
+    def name(self, path: Path) -> str:
+        """The path."""
+        return str(path)
+
+    def key(self, path: Path) -> str:
+        """The path."""
+        return str(path)
+
+    def local_path(self, path: Path) -> Path:
+        """The path."""
+        return path
+
+    def shown(self, message: str) -> str:
+        """``message`` as it is."""
+        return message
+
+
+#: The local file system.
+LOCAL = LocalFiles()
+
+
+class CopiedFiles:
+    """Objects under the URL of ``store``'s remote, read through its bounded local copy.
+
+    Args:
+        store: the local copy of the folder that holds the files (for a Megatron prefix, its folder).
+    """
+
+    local = False
+
+    def __init__(self, store: CachedStore) -> None:
+        self.store = store
+        self.root = store.root
+        self._info: dict[str, dict[str, Any] | None] = {}
+        self._expected: dict[str, Expected] = {}
+
+    def __repr__(self) -> str:
+        return f"CopiedFiles({self.store.remote.url!r})"
+
+    def is_file(self, path: Path) -> bool:
+        """Whether the object exists (and is not a folder)."""
+        info = self._stat(path)
+        return info is not None and info.get("type") != "directory"
+
+    def is_dir(self, path: Path) -> bool:
+        """Whether ``path`` is a folder of objects."""
+        info = self._stat(path)
+        return info is not None and info.get("type") == "directory"
+
+    def listdir(self, folder: Path) -> list[Path]:
+        """The objects and folders directly under ``folder`` (one listing; their sizes kept)."""
+        key = self.key(folder)
+        found = []
+        for name, info in self.store.remote.entries(key).items():
+            self._info[f"{key}/{name}" if key else name] = info
+            found.append(folder / name)
+        return found
+
+    def size(self, path: Path) -> int:
+        """The object's size, as the store lists it."""
+        return int(self._existing(path)["size"])
+
+    def read(self, path: Path, start: int = 0, stop: int | None = None) -> bytes:
+        """Bytes of the object, read from the store (no copy kept: headers and small files)."""
+        data = self.store.remote.read(self.key(path), start, stop)
+        if stop is not None and len(data) > stop - start:  # a server that ignores ranges sends it whole
+            data = data[start:stop]
+        return data
+
+    def map(self, path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
+        """The items, mapped from the object's verified local copy (fetched whole first if not there)."""
+        dtype = np.dtype(dtype)
+        if count == 0:
+            return np.zeros(0, dtype=dtype)
+        key = self._expect(path)
+        whole = self.store.map_array(key, np.dtype(np.uint8), self._expected[key].size)
+        return whole[offset : offset + count * dtype.itemsize].view(dtype)
+
+    def mtime_ns(self, path: Path) -> int:
+        """When the object was last modified, where the store says (else 0)."""
+        when: Any = self._existing(path).get("LastModified")
+        return int(when.timestamp() * 1e9) if hasattr(when, "timestamp") else 0
+
+    def name(self, path: Path) -> str:
+        """The object's URL."""
+        return self.store.remote.describe(self.key(path))
+
+    def key(self, path: Path) -> str:
+        """The object's key (its path under :attr:`root`)."""
+        relative = path.relative_to(self.root).as_posix()
+        return "" if relative == "." else relative
+
+    def local_path(self, path: Path) -> Path:
+        """The object's verified copy in the local directory (there once it was mapped)."""
+        return self.store.path(self._expect(path))
+
+    def shown(self, message: str) -> str:
+        """``message`` with the local copy's directory replaced by the remote URL."""
+        return message.replace(str(self.root), self.store.remote.url)
+
+    def expected(self) -> dict[str, Expected]:
+        """What each object mapped so far must be (its size, and its version where the store gives one)."""
+        return dict(self._expected)
+
+    def _stat(self, path: Path) -> dict[str, Any] | None:
+        key = self.key(path)
+        if key not in self._info:
+            try:
+                self._info[key] = self.store.remote.info(key)
+            except FileNotFoundError:
+                self._info[key] = None
+        return self._info[key]
+
+    def _existing(self, path: Path) -> dict[str, Any]:
+        info = self._stat(path)
+        if info is None:
+            raise FileNotFoundError(self.name(path))
+        return info
+
+    def _expect(self, path: Path) -> str:
+        """Record what the copy of ``path`` must be with the store (which refuses a bound too small)."""
+        key = self.key(path)
+        if key not in self._expected:
+            info = self._existing(path)
+            self._expected[key] = Expected(int(info["size"]), "", _version(info))
+            self.store.expect(self._expected)
+        return key
+
+
+def _version(info: dict[str, Any]) -> str:
+    """A short tag of the object's version (its ETag, else its modification time), or "" if none is given."""
+    given = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
+    return hashlib.sha256(str(given).encode()).hexdigest()[:12] if given else ""

@@ -1,0 +1,98 @@
+"""Digests that another format records of its files (MDS's ``raw_data.hashes``, as ``MDSWriter(hashes=
+[...])`` writes them), and checking a file against them for :func:`streampack.reader.verify.verify`.
+
+An algorithm is named as mosaicml-streaming names it: one of :mod:`hashlib`'s (``sha1``, ``md5``,
+``sha256``...) or of the ``xxhash`` package's (``xxh32``, ``xxh64``, ``xxh3_64``, ``xxh128``...); the
+digest is the hex digest of the file's whole bytes. A file is read once, :data:`CHUNK_BYTES` at a time,
+every recorded algorithm updated from the same chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from streampack.errors import CacheError
+
+__all__ = ["CHUNK_BYTES", "check_file", "recorded_hashes"]
+
+CHUNK_BYTES = 8 << 20
+
+
+def recorded_hashes(where: str, value: object) -> dict[str, str]:
+    """The digests ``value`` records (an object of algorithm -> hex digest; none when absent).
+
+    Args:
+        where: the file and field, for the message (``index.json: shards[3].raw_data.hashes``).
+
+    Raises:
+        CacheError: ``value`` is not such an object.
+    """
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise CacheError(f"{where} is {value!r}, expected an object of algorithm names to hex digests")
+    return {str(algo): digest.lower() for algo, digest in value.items()}
+
+
+def check_file(path: Path, recorded: Mapping[str, str], described: str) -> tuple[list[str], list[str], int]:
+    """Read ``path`` once and compare its digests with ``recorded``.
+
+    Args:
+        described: the file as messages name it.
+
+    Returns:
+        The problems (a digest that differs, the file missing), the notes (an algorithm this process
+        cannot compute, which is not checked) and the bytes read.
+    """
+    hashers: dict[str, Any] = {}
+    notes = []
+    for algo in recorded:
+        hasher = _hasher(algo)
+        if hasher is None:
+            notes.append(f"{described}: its {algo} digest is recorded but not checked ({_why(algo)})")
+        else:
+            hashers[algo] = hasher
+    if not hashers:
+        return [], notes, 0
+    read = 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(CHUNK_BYTES):
+                read += len(chunk)
+                for hasher in hashers.values():
+                    hasher.update(chunk)
+    except OSError as e:
+        return [f"{described}: cannot read it to check its recorded digests ({e.strerror or e})"], notes, read
+    problems = [
+        f"{described}: its {algo} digest is {hasher.hexdigest()}, but {recorded[algo]} is recorded: the file "
+        "changed or was damaged since it was written; write it again"
+        for algo, hasher in hashers.items()
+        if hasher.hexdigest() != recorded[algo]
+    ]
+    return problems, notes, read
+
+
+def _hasher(algo: str) -> Any:
+    """A new hasher of ``algo`` (hashlib's, else xxhash's), or None where there is none here."""
+    if algo in hashlib.algorithms_available and not algo.startswith("shake_"):
+        return hashlib.new(algo)
+    if algo.startswith("xxh"):
+        try:
+            import xxhash
+        except ImportError:
+            return None
+        make = getattr(xxhash, algo, None) if algo in xxhash.algorithms_available else None
+        return make() if make is not None else None
+    return None
+
+
+def _why(algo: str) -> str:
+    if algo.startswith("xxh"):
+        try:
+            import xxhash  # noqa: F401
+        except ImportError:
+            return "install xxhash to check it: pip install xxhash"
+    return "an algorithm neither hashlib nor xxhash offers"
