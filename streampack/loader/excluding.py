@@ -108,7 +108,9 @@ def excluded_documents(
     """The documents ``entry`` names, by source id: sorted global document indices of that source's cache.
 
     Raises:
-        OptionsError: a source it names is not read, or has no cache; an index past the cache's documents.
+        OptionsError: a source it names is not read, or has no cache; an index past the cache's documents;
+            a record name that is no input record of the cache (:mod:`streampack.loader.origins`).
+        InputError: an input file a record name reads again is missing or changed since the build.
     """
     found: dict[int, list[np.ndarray]] = {}
     for name, ids in _source_names(entry, names, entry.document_ids()).items():
@@ -121,6 +123,12 @@ def excluded_documents(
                 f"{cache.num_docs} documents (indices 0 to {cache.num_docs - 1})"
             )
         found.setdefault(source, []).append(docs)
+    for name, records in _source_names(entry, names, entry.document_records()).items():
+        from streampack.loader.origins import documents_named
+
+        source = names.index(name)
+        named = documents_named(_cache_of(datasets[source], name), records)
+        found.setdefault(source, []).append(np.asarray(sorted(named.values()), dtype=np.int64))
     for name, hashes in _source_names(entry, names, entry.document_hashes()).items():
         source = names.index(name)
         cache = _cache_of(datasets[source], name)
