@@ -1,0 +1,125 @@
+"""The audit of a run with exclusions: it re-applies them where the history says they were in force, so a
+run with skip exclusions resumed through batch-size, world-size and mixture changes audits clean with the
+counts its loaders really served, and one whose model trained on an excluded document is flagged."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import streampack
+from streampack.errors import LoaderStateError
+from streampack.loader import Exclusions, Loader
+from streampack.loader.audit import audit
+from streampack.order.mixture import Mixture
+from tests.conftest import run_cli
+from tests.test_exclusions import SEQ_LEN, _numbered
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory: pytest.TempPathFactory) -> tuple[streampack.Cache, streampack.Cache]:
+    root = tmp_path_factory.mktemp("ax")
+    return _numbered(root / "a", 240, 0), _numbered(root / "b", 160, 1)
+
+
+def _served(ranks: list[Loader], steps: int, seen: Counter[tuple[str, int]]) -> None:
+    """Train ``steps`` global steps on the loaders of every rank, counting each (source, sample) served."""
+    for _ in range(steps):
+        for loader in ranks:
+            sources, samples = loader.picks(loader.position)
+            for source, sample in zip(sources.tolist(), samples.tolist(), strict=True):
+                seen[loader.order.names[source], sample] += 1
+            loader.advance(1)
+
+
+def test_a_run_with_skip_exclusions_audits_clean_with_what_it_served(
+    caches: tuple[streampack.Cache, streampack.Cache], tmp_path: Path
+) -> None:
+    a, b = (cache.sequences(SEQ_LEN) for cache in caches)
+    first = Exclusions(documents={"a": [3, 40, 41]}, steps=[(2, 3)])
+    later = Exclusions(documents={"b": [7, 8]}, positions=[(100, 140)])
+    seen: Counter[tuple[str, int]] = Counter()
+    run = Loader(
+        Mixture({"a": a, "b": b}, {"a": 1, "b": 1}, block_size=16, seed=4), batch_size=8, exclude=first
+    )
+    _served([run], 6, seen)
+    again = Loader(
+        Mixture({"a": a, "b": b}, {"a": 3, "b": 1}, block_size=16, seed=4),
+        batch_size=12,
+        exclude=[first, later],
+    )
+    again.load_state_dict(run.state_dict(), step=6)
+    _served([again], 7, seen)
+    ranks = [
+        Loader(
+            Mixture({"a": a, "b": b}, {"a": 3, "b": 1}, block_size=16, seed=4),
+            batch_size=4,
+            rank=rank,
+            world_size=2,
+            exclude=[first, later],
+        )
+        for rank in range(2)
+    ]
+    for loader in ranks:
+        loader.load_state_dict(json.loads(json.dumps(again.state_dict())), step=13)
+    _served(ranks, 9, seen)
+    state = ranks[0].state_dict()
+    mixture = Mixture({"a": a, "b": b}, {"a": 1}, block_size=16, seed=4)
+    report = audit(state, mixture, exclude=[first, later])
+    assert report.clean, report.text()
+    served = {s.name: s.samples for s in report.sources}
+    assert served == {name: sum(c for (n, _), c in seen.items() if n == name) for name in ("a", "b")}
+    assert max(seen.values()) == 1  # the run served each sample once, and the audit agrees
+    assert all(s.excluded > 0 for s in report.sources)
+    with pytest.raises(LoaderStateError, match="has 1 exclusions in force, and 0 were given"):
+        audit(state, mixture)
+    with pytest.raises(LoaderStateError, match=r"exclusion 1 given .* is not the one the run had"):
+        audit(state, mixture, exclude=[first, Exclusions(documents={"b": [7]})])
+
+    # The CLI re-applies a mixture config's exclude:, and --exclude FILE's.
+    config = tmp_path / "mix.yaml"
+    config.write_text(
+        f"seq_len: {SEQ_LEN}\nseed: 4\nblock_size: 16\nsources:\n  a: {caches[0].root}\n"
+        f"  b: {caches[1].root}\n"
+        "weights: {a: 1, b: 1}\n"
+        "exclude:\n  - {documents: {a: [3, 40, 41]}, steps: [[2, 3]]}\n"
+        "  - {documents: {b: [7, 8]}, positions: [[100, 140]]}\n"
+    )
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    done = run_cli("audit", tmp_path / "state.json", config, "--json")
+    assert json.loads(done.stdout)["clean"] is True
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("\n".join(config.read_text().split("\n")[:8]) + "\n")
+    refused = run_cli("audit", tmp_path / "state.json", bare, check=False)
+    assert refused.returncode == 1 and "exclusions in force" in refused.stderr
+    done = run_cli("audit", tmp_path / "state.json", bare, "--exclude", config)
+    assert "verdict     clean" in done.stdout and "excluded" in done.stdout
+
+
+def test_a_model_that_trained_on_an_excluded_document_is_flagged(
+    caches: tuple[streampack.Cache, streampack.Cache],
+) -> None:
+    seqs = caches[0].sequences(SEQ_LEN)
+    run = Loader(seqs, batch_size=6, seed=2)
+    run.advance(6)
+    older = run.state_dict()  # the data state saved at step 6; the model goes on to step 10
+    trained = np.concatenate([run.picks(position)[1] for position in range(36, 60, 6)])
+    doc = int(seqs.boundaries(trained[3:4]).doc_ids[0, 0])
+    bad = Exclusions(documents=[doc])
+    resumed = Loader(seqs, batch_size=6, seed=2, exclude=bad)
+    resumed.load_state_dict(older, step=10)  # the exclusion takes effect at position 36: too late
+    resumed.advance(5)
+    report = audit(resumed.state_dict(), seqs, exclude=[bad])
+    kinds = [finding.kind for finding in report.findings]
+    assert kinds.count("twice") == 1 and kinds.count("excluded") == 1, report.text()
+    (flagged,) = [finding for finding in report.findings if finding.kind == "excluded"]
+    assert flagged.resume == 0 and flagged.positions[0] >= 36 and flagged.positions[1] <= 60
+    assert "exclusion 0 (mode 'skip') takes out from position 36" in flagged.message
+    clean = Loader(seqs, batch_size=6, seed=2, exclude=bad)
+    clean.load_state_dict(older, step=6)
+    clean.advance(5)
+    assert audit(clean.state_dict(), seqs, exclude=[bad]).clean
