@@ -4,6 +4,7 @@ cache of real files, split into several work units."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from streampack import Loader
 from streampack.errors import OptionsError
 from streampack.loader import Exclusions
 from streampack.loader.origins import documents_named
-from tests.conftest import write_bytes
+from tests.conftest import run_cli, write_bytes
 from tests.test_provenance import doc_text, jsonl_with_gaps
 
 
@@ -92,3 +93,29 @@ def test_bad_record_names_are_refused_naming_them(tmp_path: Path) -> None:
         assert name in str(caught.value)
     with pytest.raises(OptionsError, match=r"'path:line' \(lines from 1\)"):
         Exclusions(records=[f"{src}:0"])
+
+
+def test_cli_which_marks_excluded_documents_and_steps(tmp_path: Path) -> None:
+    src = write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(200))
+    cache = _build(src, tmp_path / "c")
+    plain = Loader(cache.sequences(16), batch_size=8, seed=3)
+    masked = streampack.which(plain, 5)[0]
+    skipped = next(doc for doc in streampack.which(plain, 6) if doc.doc != masked.doc)
+    rules = tmp_path / "exclude.yaml"
+    rules.write_text(
+        f"exclude:\n  - {{records: ['{masked.location}'], mode: mask}}\n  - {{steps: [[7, 7]], mode: mask}}\n"
+        f"  - {{steps: [[8, 8]]}}\n  - {{documents: [{skipped.doc}], at: 80}}\n"
+    )
+    settings = [cache.root, "--seq-len", "16", "--batch-size", "8", "--seed", "3", "--exclude", rules]
+    shown = json.loads(run_cli("which", *settings, "--step", "5", "--json").stdout)
+    marks = {d["doc"]: d["excluded"] for d in shown["documents"]}
+    assert marks[masked.doc] == "mask" and shown["excluded"] == []
+    expected = {masked.doc: "mask"} | ({skipped.doc: "skip from position 80"} if skipped.doc in marks else {})
+    assert {d: mark for d, mark in marks.items() if mark} == expected
+    table = run_cli("which", *settings, "--step", "6").stdout
+    assert f"{skipped.location}  excluded (skip from position 80)\n" in table
+    table = run_cli("which", *settings, "--step", "7").stdout
+    assert "excluded: positions 56-64 of this step are excluded (mask) by exclusion 1" in table
+    table = run_cli("which", *settings, "--step", "8").stdout
+    assert "excluded: positions 64-72 are excluded (skip) by exclusion 2 from position 0" in table
+    assert "excluded (" not in run_cli("which", *settings[:7], "--step", "5").stdout

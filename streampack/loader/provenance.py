@@ -33,7 +33,7 @@ from streampack.order import groups
 from streampack.reader import Cache
 from streampack.samples.sequences import PackedSequences
 
-__all__ = ["Placement", "Provenance", "position_of", "which"]
+__all__ = ["Placement", "Provenance", "excluded_steps", "position_of", "which"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,9 @@ class Provenance:
             document of a datatrove ``.ds``...); else None. None too for Python documents that were not
             given to :func:`which` when their unit left some records out (the row cannot be known then).
         placements: where its tokens sit in the batch, in batch order (a document may span several rows).
+        excluded: None, or how an exclusion of the loader names it: ``"mask"`` (served with ``labels =
+            -100``), or ``"skip from position P"`` / ``"mask from position P"`` (served here, before the
+            exclusion took effect at ``P``).
     """
 
     source: str
@@ -82,6 +85,7 @@ class Provenance:
     line: int | None
     row: int | None
     placements: tuple[Placement, ...]
+    excluded: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -159,6 +163,7 @@ def which(
         ) from None
     datasets, names = _datasets(view), view.order.names
     placed = _placed(datasets, sources, samples, loader.options.world_size)
+    marks = _marks(view, position, list(placed))
     result = []
     for source in sorted({source for source, _ in placed}):
         seqs = datasets[source]
@@ -168,8 +173,54 @@ def which(
             runs = sorted(placed[source, doc], key=lambda run: run[:2])
             pieces = tuple(placement for _, _, placement in runs)
             found = (where.length, where.unit, where.path, where.line, where.row)
-            result.append((runs[0][:2], Provenance(names[source], seqs.path, doc, *found, pieces)))
+            mark = marks.get((source, doc))
+            result.append((runs[0][:2], Provenance(names[source], seqs.path, doc, *found, pieces, mark)))
     return [provenance for _, provenance in sorted(result, key=lambda item: item[0])]
+
+
+def excluded_steps(
+    loader: Loader, step: int | None = None, *, state: Mapping[str, Any] | None = None
+) -> list[str]:
+    """What the loader's exclusions do to one step's batch (``step`` and ``state`` as for :func:`which`), in
+    words: a step whose positions an exclusion in force skips (the batch at its position is the one served
+    after them) or masks (served with ``labels = -100``). Empty for a step no exclusion names.
+    """
+    view = _global_view(loader, state)
+    position = _position(view, step, state)
+    stop = position + view.options.batch_size
+    notes = []
+    for index, (entry, at, batch) in enumerate(view._in_force):
+        for start, end in entry.ranges(batch):
+            lo, hi = max(start, position, at), min(end, stop)
+            if lo >= hi:
+                continue
+            if entry.mode == "mask":
+                notes.append(
+                    f"positions {lo:,}-{hi:,} of this step are excluded (mask) by exclusion {index}: served "
+                    "with labels -100"
+                )
+            else:
+                notes.append(
+                    f"positions {lo:,}-{hi:,} are excluded (skip) by exclusion {index} from position {at:,}: "
+                    "the run served them no more, and this step's batch is the one served in their place"
+                )
+    return notes
+
+
+def _marks(view: Loader, position: int, batch: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    """``(source, doc) -> mark`` of the documents of ``batch`` the view's exclusions name (see
+    :class:`Provenance`): the first exclusion that names one marks it."""
+    marks: dict[tuple[int, int], str] = {}
+    for entry, at, _ in view._in_force:
+        found = view._excluded_docs.get(entry.digest, {})
+        label = entry.mode if at <= position else f"{entry.mode} from position {at}"
+        for source, doc in batch:
+            excluded = found.get(source)
+            if excluded is not None and len(excluded):
+                k = min(int(np.searchsorted(excluded, doc)), len(excluded) - 1)
+                if int(excluded[k]) == doc:
+                    marks.setdefault((source, doc), label)
+    return marks
 
 
 # --------------------------------------------------------------------------------------- the batch
