@@ -33,7 +33,7 @@ from streampack.order import Order
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["Masking", "Skipping", "excluded_documents", "excluded_samples"]
+__all__ = ["Masking", "Skipping", "excluded_documents", "excluded_samples", "unfiltered"]
 
 _SOURCE_SHIFT = 40  # key of a sample: source << 40 | sample
 _CHUNK = 1 << 16  # positions counted at once
@@ -331,6 +331,19 @@ class Skipping:
     def resumed(self, saved: Mapping[str, Any], position: int) -> Order:
         """Not asked: a loader resumes its base order and filters it again."""
         raise NotImplementedError("a loader resumes the order under its exclusions, then excludes again")
+
+
+def unfiltered(order: Order, position: int) -> int:
+    """The position, in the order under every skip exclusion of ``order``, of the sample ``order`` serves
+    at ``position`` (at its end: the end of the order under them): samples taken out count there."""
+    while isinstance(order, Skipping):
+        end = order.end
+        if end is None or position < end:
+            position = int(order.underlying(np.asarray([position], dtype=np.int64))[0])
+        else:
+            position = order._cursor(position)
+        order = order.base
+    return position
 
 
 # --- mask mode ---------------------------------------------------------------------------------------------
