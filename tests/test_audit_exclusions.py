@@ -123,3 +123,99 @@ def test_a_model_that_trained_on_an_excluded_document_is_flagged(
     clean.load_state_dict(older, step=6)
     clean.advance(5)
     assert audit(clean.state_dict(), seqs, exclude=[bad]).clean
+
+
+# --- the real run: a streampack.hf.Trainer job resumed three times ------------------------------------------
+
+_RUN_SCRIPT = """
+import json, sys
+from pathlib import Path
+from transformers import TrainingArguments
+import streampack, streampack.hf
+from streampack.loader import Exclusions
+from tests.frameworks import tiny_gpt2
+
+def train(phase):
+    args = TrainingArguments(str(out / "run"), per_device_train_batch_size=2, max_steps=phase["steps"],
+                             save_steps=3, use_cpu=True, ddp_backend="gloo", report_to=[],
+                             logging_strategy="no", disable_tqdm=True)
+    mixture = streampack.Mixture(sources, phase["weights"], block_size=8, seed=1)
+    exclude = [Exclusions(documents={"code": phase["exclude"]})] if phase["exclude"] else None
+    loader = streampack.Loader(mixture, batch_size=2 * args.world_size, rank=args.process_index,
+                               world_size=args.world_size, output="dict", exclude=exclude)
+    model, seen = tiny_gpt2(), []
+    record = lambda module, args, kwargs: seen.extend(kwargs["input_ids"][:, 0].tolist())
+    model.register_forward_pre_hook(record, with_kwargs=True)  # what the model's forward receives
+    trainer = streampack.hf.Trainer(model=model, args=args, train_dataset=loader)
+    trainer.train(resume_from_checkpoint=phase["resume"] or None)
+    (out / f"seen-{phase['steps']}-{args.process_index}.json").write_text(json.dumps(seen))
+
+web, code, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+sources = {"web": streampack.open(web).sequences(8), "code": streampack.open(code).sequences(8)}
+for phase in json.loads(sys.argv[4]):
+    train(phase)
+"""
+
+
+def _numbered_source(root: Path, offset: int) -> Path:
+    """A cache whose sample i of ``sequences(8)`` is 8 copies of ``offset + i``, in documents of 3 tokens."""
+    from streampack.testing.caches import write_cache
+
+    tokens = np.repeat(np.arange(150) + offset, 8)
+    ends = np.append(np.arange(3, len(tokens), 3), len(tokens))
+    return Path(write_cache(root, [(tokens, ends)], vocab_size=1000, eos_id=999))
+
+
+@pytest.mark.slow
+def test_a_trainer_run_resumed_over_ranks_weights_and_an_exclusion_audits_clean(tmp_path: Path) -> None:
+    """A streampack.hf.Trainer job on 1 rank, resumed on 2 (torchrun, gloo), then with new mixture weights,
+    then with an exclusion: ``streampack audit`` on its last checkpoint says clean, and its samples per
+    source are those the model's forward received (a forward hook records every rank's input_ids)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this Python")
+    web, code = _numbered_source(tmp_path / "web", 0), _numbered_source(tmp_path / "code", 300)
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(_RUN_SCRIPT))
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    bad = [20, 21, 22, 23, 24, 25, 60, 61]  # documents of code samples 7-9 and 22-23
+    phases = [
+        (1, {"steps": 3, "weights": {"web": 1, "code": 1}, "exclude": [], "resume": False}),
+        (2, {"steps": 6, "weights": {"web": 1, "code": 1}, "exclude": [], "resume": True}),  # 1 -> 2 ranks
+        (2, {"steps": 9, "weights": {"web": 1, "code": 3}, "exclude": [], "resume": True}),  # new weights
+        (2, {"steps": 12, "weights": {"web": 1, "code": 3}, "exclude": bad, "resume": True}),  # exclusion
+    ]
+    for ranks in (1, 2):  # one launch per world size, its phases one after the other
+        launch = [torchrun, "--standalone", "--nproc_per_node", str(ranks)]
+        mine = [phase for world, phase in phases if world == ranks]
+        command = [*launch, str(script), str(web), str(code), str(tmp_path), json.dumps(mine)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+    seen = {steps: [] for steps in (3, 6, 9, 12)}
+    for path in tmp_path.glob("seen-*.json"):
+        seen[int(path.name.split("-")[1])] += json.loads(path.read_text())
+    assert [len(seen[s]) for s in (3, 6, 9, 12)] == [3 * 2, 3 * 4, 3 * 4, 3 * 4]
+    after = {i - 300 for i in seen[12] if i >= 300}
+    assert not after & {7, 8, 9, 22, 23}, "the exclusion's samples were served after it took effect"
+
+    config = tmp_path / "mix.yaml"
+    config.write_text(
+        f"seq_len: 8\nseed: 1\nblock_size: 8\nsources:\n  web: {web}\n  code: {code}\n"
+        f"weights: {{web: 1, code: 1}}\nexclude:\n  - documents: {{code: {bad}}}\n"
+    )
+    state = tmp_path / "run" / "checkpoint-12" / "streampack_loader.json"
+    done = run_cli("audit", state, config, "--json")
+    report = json.loads(done.stdout)
+    assert report["clean"] is True and [leg["world_size"] for leg in report["legs"]] == [1, 2, 2, 2]
+    every = [i for ids in seen.values() for i in ids]
+    forward = {"web": sum(i < 300 for i in every), "code": sum(i >= 300 for i in every)}
+    assert {s["name"]: s["samples"] for s in report["sources"]} == forward
