@@ -125,6 +125,21 @@ def test_a_model_that_trained_on_an_excluded_document_is_flagged(
     assert audit(clean.state_dict(), seqs, exclude=[bad]).clean
 
 
+def test_a_run_with_mask_exclusions_audits_clean_with_nothing_taken_out(
+    caches: tuple[streampack.Cache, streampack.Cache],
+) -> None:
+    seqs = caches[0].sequences(SEQ_LEN)
+    masks = [Exclusions(documents=[5, 6], mode="mask"), Exclusions(steps=[(9, 10)], mode="mask")]
+    run = Loader(seqs, batch_size=6, seed=2, output="dict", exclude=masks[:1])
+    run.advance(7)
+    again = Loader(seqs, batch_size=4, seed=2, output="dict", exclude=masks)
+    again.load_state_dict(run.state_dict(), step=7)
+    again.advance(6)
+    report = audit(again.state_dict(), seqs, exclude=masks)
+    assert report.clean, report.text()
+    assert report.sources[0].samples == 7 * 6 + 6 * 4 and report.sources[0].excluded == 0
+
+
 # --- the real run: a streampack.hf.Trainer job resumed three times ------------------------------------------
 
 _RUN_SCRIPT = """
