@@ -317,3 +317,26 @@ def test_a_mixture_config_names_exclusions_globally_and_per_source(
         assert not {int(s) for s, src in zip(samples, sources, strict=True) if src == 0} & bad_a
     with pytest.raises(OptionsError, match=r"exclude\[0\]"):
         mixture_exclusions({"sources": {}, "exclude": [{"step": [1, 2]}]})
+
+
+def test_the_epoch_under_skip_exclusions_is_the_one_of_the_order_they_filter(
+    numbered: streampack.Cache,
+) -> None:
+    seqs = numbered.sequences(SEQ_LEN)
+    docs = [4, 20, 21, 90, 140]
+    bad = set(excluded_samples(seqs, np.asarray(docs)).tolist())
+    plain = Loader(seqs, batch_size=6, seed=1, epochs=2, drop_last=False)
+    served = [(p + k, s) for p in plain.schedule() for k, s in enumerate(plain.indices(p).tolist())]
+    kept = [(base, s) for base, s in served if s not in bad]  # the run without them, a list filtered
+    loader = Loader(seqs, batch_size=6, seed=1, epochs=2, drop_last=False, exclude=Exclusions(documents=docs))
+    epochs = []
+    for batch in loader:
+        position = loader.position - len(batch)
+        assert _ids(batch) == [s for _, s in kept[position : position + len(batch)]]
+        loader_at = Loader(
+            seqs, batch_size=6, seed=1, epochs=2, drop_last=False, exclude=Exclusions(documents=docs)
+        )
+        loader_at.load_state_dict({**loader.state_dict(), "position": position})
+        epochs.append((loader_at.epoch, kept[position][0] // len(seqs)))
+    assert all(mine == expected for mine, expected in epochs) and {e for e, _ in epochs} == {0, 1}
+    assert loader.epoch == 2  # the end of the run

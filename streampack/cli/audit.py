@@ -16,10 +16,23 @@ from streampack.errors import StreampackError
 @click.argument("data", type=click.Path())
 @click.option("--seq-len", type=click.IntRange(min=1), help="Checked against the run's history (not needed).")
 @click.option("--seed", type=int, help="Checked against the run's history (not needed).")
+@click.option(
+    "--exclude",
+    "exclude_path",
+    type=click.Path(dir_okay=False),
+    help="A YAML/JSON file whose exclude: list is the run's exclusions [default: DATA's, for a mixture "
+    "config].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @plot_option("coverage per source and epoch, resumes marked (the plot extra),")
 def audit(
-    state_path: str, data: str, seq_len: int | None, seed: int | None, as_json: bool, plot_path: str | None
+    state_path: str,
+    data: str,
+    seq_len: int | None,
+    seed: int | None,
+    exclude_path: str | None,
+    as_json: bool,
+    plot_path: str | None,
 ) -> None:
     """Recompute every sample a run consumed from its last loader state, and say whether each was served
     once within its epoch; exit 1 unless the run is clean.
@@ -31,20 +44,26 @@ def audit(
 
     A resume whose data state and model checkpoint are of different steps (the trainer's step is recorded
     by streampack.hf and streampack.lightning) shows as positions served twice or skipped, with the steps.
+
+    A run with exclusions is audited with them re-applied where its history says they were in force (the
+    state records their digests only): they come from the mixture config's exclude:, or --exclude FILE.
     """
     from streampack.loader.audit import audit as run_audit
-    from streampack.loader.audit import leg_loaders
+    from streampack.loader.audit import leg_loaders, run_exclusions
+    from streampack.loader.mixconfig import mixture_exclusions
 
     try:
         with open(state_path) as file:
             state = json.load(file)
     except (OSError, ValueError) as e:
         raise StreampackError(f"cannot read the loader state {state_path}: {e}") from None
-    report = run_audit(state, data, seq_len=seq_len, seed=seed)
+    exclude = run_exclusions(data, None if exclude_path is None else mixture_exclusions(exclude_path))
+    report = run_audit(state, data, seq_len=seq_len, seed=seed, exclude=exclude)
     if plot_path is not None:
         from streampack.cli.plots import plot_audit
 
-        plot_audit(report, leg_loaders(state["history"], data), plot_path)
+        loaders = leg_loaders(state["history"], data, exclude, state.get("exclusions") or [])
+        plot_audit(report, loaders, plot_path)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

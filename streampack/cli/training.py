@@ -269,6 +269,12 @@ def mix(
     type=click.Path(dir_okay=False),
     help="A saved loader state (JSON): the batch a run resumed from it serves first (--step N: N later).",
 )
+@click.option(
+    "--exclude",
+    "exclude_path",
+    type=click.Path(dir_okay=False),
+    help="A YAML/JSON file whose exclude: list the run was given (a mixture config's own is read too).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @source_options
 def which(
@@ -283,6 +289,7 @@ def which(
     world_size: int | None,
     step: int | None,
     state_path: str | None,
+    exclude_path: str | None,
     as_json: bool,
     **source: Any,
 ) -> None:
@@ -293,8 +300,12 @@ def which(
     found by reading its part of the inputs again, which must be where and as they were at build time.
     DATA may hold another format's token files: each document is then named by its file and its index
     there (Megatron's IndexedDataset[i], the i-th document of a .ds...).
+
+    With the run's exclusions (a mixture config's exclude:, --exclude FILE), a document one names is
+    marked "excluded (mask)" (served with no loss) or "excluded (skip from position P)" (served before it
+    took effect), and a step whose positions one skips or masks says so.
     """
-    from streampack.loader.provenance import position_of
+    from streampack.loader.provenance import excluded_steps, position_of
     from streampack.loader.provenance import which as find
 
     if step is None and state_path is None:
@@ -305,25 +316,30 @@ def which(
         raise click.UsageError("give --batch-size B: the global batch size of the run")
     world_size = world_size or (state or {}).get("world_size") or 1
     shuffle = (no_shuffle, shuffle_block, shuffle_window)
-    loader = _run_loader(data, seq_len, overlap, batch_size, seed, shuffle, world_size, declared(**source))
+    settings = (seq_len, overlap, batch_size, seed, shuffle, world_size)
+    loader = _run_loader(data, *settings, declared(**source), exclude_path)
     position = position_of(loader, step, state=state)
     docs = find(loader, step, state=state)
+    notes = excluded_steps(loader, step, state=state)
     if as_json:
         rows = [{**dataclasses.asdict(doc), "location": doc.location, "tokens": doc.tokens} for doc in docs]
-        click.echo(json.dumps({"position": position, "documents": rows}, indent=2))
+        click.echo(json.dumps({"position": position, "documents": rows, "excluded": notes}, indent=2))
         return
     rows_count = sum(len(doc.placements) for doc in docs)
     click.echo(
         f"position {position:,}: {len(docs)} documents in {rows_count} runs of tokens, batch of "
         f"{batch_size} over {world_size} rank{'s' if world_size > 1 else ''}"
     )
+    for note in notes:
+        click.echo(f"excluded: {note}")
     mixed = _is_config(data)
     heading = f"{'source':<12} " if mixed else ""
     click.echo(f"{heading}{'doc':>10} {'tokens':>7}  {'rank:row[columns]':<24} location")
     for doc in docs:
         placed = " ".join(f"{p.rank}:{p.row}[{p.columns[0]}:{p.columns[1]}]" for p in doc.placements)
         name = f"{doc.source:<12} " if mixed else ""
-        click.echo(f"{name}{doc.doc:>10} {doc.tokens:>7}  {placed:<24} {doc.location}")
+        mark = f"  excluded ({doc.excluded})" if doc.excluded else ""
+        click.echo(f"{name}{doc.doc:>10} {doc.tokens:>7}  {placed:<24} {doc.location}{mark}")
 
 
 def _read_state(path: str) -> dict[str, Any]:
@@ -346,8 +362,10 @@ def _run_loader(
     shuffle: tuple[bool, int | None, int | None],
     world_size: int,
     source: dict[str, Any],
+    exclude_path: str | None = None,
 ) -> Any:
-    """The Loader of a run over a cache directory or a mixture config, as ``which`` was told it."""
+    """The Loader of a run over a cache directory or a mixture config, as ``which`` was told it, with the
+    config's exclusions, then ``exclude_path``'s."""
     from streampack.loader import Loader
     from streampack.loader.mixconfig import load_mixture, mixture_exclusions
 
@@ -356,10 +374,15 @@ def _run_loader(
         _check_agrees_with_config(data, dataset, seq_len, overlap, seed, shuffle)
         options: dict[str, Any] = {"exclude": mixture_exclusions(data)}
     else:
+        options = {"exclude": []}
         if seq_len is None:
             raise click.UsageError("give --seq-len L: the tokens per sample of the run")
         dataset = open_cache(data, **source).sequences(seq_len, overlap=overlap or 0)
-        options = {"seed": seed or 0, "shuffle": _shuffle(*shuffle)}
+        options |= {"seed": seed or 0, "shuffle": _shuffle(*shuffle)}
+    if exclude_path is not None:
+        options["exclude"] += mixture_exclusions(exclude_path)
+    if any(entry.mode == "mask" for entry in options["exclude"]):
+        options["output"] = "dict"  # mask mode has labels to mask
     try:
         return Loader(dataset, batch_size=batch_size, world_size=world_size, **options)
     except ValueError as e:

@@ -35,8 +35,11 @@ from typing import Any
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
 from streampack.loader import coverage as cov
+from streampack.loader.auditexclusions import excluded_served, in_force, placed
 from streampack.loader.coverage import Finding, Leg
+from streampack.loader.exclusions import Exclusions
 from streampack.loader.history import order_digest
+from streampack.loader.inforce import listed
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state
 
 __all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit", "leg_loaders"]
@@ -54,6 +57,7 @@ class SourceAudit:
         epochs: the furthest cursor served over ``size``: the epochs it went through, with the fraction
             of the last.
         twice: samples served a second time within their epoch.
+        excluded: samples skip exclusions took out (passed over, not served: not skipped).
         skipped: samples of an epoch never served while later ones were.
         coverage: per epoch ``[served once, served twice, skipped]``, counts of samples.
     """
@@ -66,6 +70,7 @@ class SourceAudit:
     twice: int
     skipped: int
     coverage: list[list[int]] = field(default_factory=list)
+    excluded: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,12 +114,13 @@ class AuditReport:
                 f"rank{'s' if leg.world_size > 1 else ''}"
             )
         lines.append(
-            f"{'source':<16} {'samples':>14} {'tokens':>16} {'epochs':>9} {'twice':>10} {'skipped':>10}"
+            f"{'source':<16} {'samples':>14} {'tokens':>16} {'epochs':>9} {'twice':>10} {'skipped':>10} "
+            f"{'excluded':>10}"
         )
         for s in self.sources:
             lines.append(
                 f"{s.name:<16} {s.samples:>14,} {s.tokens:>16,} {s.epochs:>9.3f} {s.twice:>10,} "
-                f"{s.skipped:>10,}"
+                f"{s.skipped:>10,} {s.excluded:>10,}"
             )
         if self.clean:
             lines.append("verdict     clean: every sample served once within its epoch, none skipped")
@@ -130,6 +136,7 @@ def audit(
     *,
     seq_len: int | None = None,
     seed: int | None = None,
+    exclude: Exclusions | Sequence[Exclusions] | None = None,
 ) -> AuditReport:
     """Recompute every sample a run consumed from its last loader state, and say whether each was served
     once within its epoch.
@@ -147,6 +154,9 @@ def audit(
             history's, only its sources are used).
         seq_len: the run's sequence length, checked against the history (not needed).
         seed: the run's seed, checked against the history (not needed).
+        exclude: the run's exclusions, as its loader was given them (``Loader(exclude=...)``), which the
+            audit re-applies leg by leg where the history says they were in force (a state records only
+            their digests); default: a mixture config's ``exclude:``, else none.
 
     Returns:
         An :class:`AuditReport`: per source, samples and tokens served, epochs, replays and skips; each
@@ -157,6 +167,7 @@ def audit(
             histories), or ``data`` is not what the run read (the recomputed order differs from the one
             recorded: both named).
         OptionsError: ``seq_len`` or ``seed`` differ from the run's.
+        LoaderStateError: the history has exclusions in force that ``exclude`` lacks, or holds otherwise.
     """
     state = read_state_file(state)
     checked = read_loader_state(state)
@@ -168,7 +179,9 @@ def audit(
         )
     _check_given(entries, seq_len, seed)
     final = int(checked["position"])
-    loaders = leg_loaders(entries, data)
+    given = run_exclusions(data, exclude)
+    recorded = in_force(entries, checked.get("exclusions") or [])
+    loaders = leg_loaders(entries, data, given, checked.get("exclusions") or [])
     starts = _steps(entries)
     ends = _ends(entries, starts, final, loaders)
     legs = [
@@ -186,7 +199,7 @@ def audit(
     ]
     names = list(loaders[-1].order.names)
     sizes = dict(zip(names, loaders[-1].order.sizes(), strict=True))
-    served = cov.served(legs, loaders, names)
+    served, taken = cov.served(legs, loaders, names)
     findings: list[Finding] = []
     if legs[0].positions[0] > 0:
         first = legs[0].positions[0]
@@ -203,6 +216,7 @@ def audit(
         )
     twice, skipped = cov.intervals(legs, loaders, names)
     findings += cov.findings(legs, loaders, names, twice, skipped)
+    findings += excluded_served(legs, loaders, recorded, given)
     width = _width(entries[-1], loaders[-1])
     sources = []
     for name in names:
@@ -220,6 +234,7 @@ def audit(
                 twice_count,
                 skipped_count,
                 cov.coverage(sizes[name], union, twice.get(name, []), skipped.get(name, [])),
+                taken[name],
             )
         )
     return AuditReport(final, legs[-1].steps[1], legs, sources, findings)
@@ -260,29 +275,54 @@ def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed
             )
 
 
-def leg_loaders(entries: Sequence[Mapping[str, Any]], data: Any) -> list[Loader]:
+def run_exclusions(data: Any, exclude: Exclusions | Sequence[Exclusions] | None) -> list[Exclusions]:
+    """The run's exclusions: those given, else a mixture config's ``exclude:``, else none."""
+    if exclude is not None:
+        return listed(exclude)
+    if isinstance(data, (str, Path)) and _is_config(data):
+        from streampack.loader.mixconfig import mixture_exclusions
+
+        return mixture_exclusions(data)
+    return []
+
+
+def leg_loaders(
+    entries: Sequence[Mapping[str, Any]],
+    data: Any,
+    exclude: Sequence[Exclusions] = (),
+    final: Sequence[Mapping[str, Any]] = (),
+) -> list[Loader]:
     """The loader each history entry describes, each after the first resumed from the previous one's order
-    at its position, as the run resumed (what :func:`audit` recomputes the run with).
+    at its position, as the run resumed (what :func:`audit` recomputes the run with), with the exclusions
+    in force in its leg (:func:`~streampack.loader.auditexclusions.in_force`; ``final``: the state's).
 
     Raises:
-        LoaderStateError: a loader's order is not the one its entry records (``data`` is not the run's).
+        LoaderStateError: a loader's order is not the one its entry records (``data`` is not the run's),
+            or ``exclude`` is not the run's exclusions.
         OptionsError: ``data`` is not of the kind the run read (a mixture's config for a mixture).
     """
     loaders: list[Loader] = []
+    forced = in_force(entries, final)
     for i, entry in enumerate(entries):
-        loader = _loader(entry, data)
+        loader = _loader(entry, data, placed(forced[i], exclude, i))
         position = int(entry["position"])
         if loaders:
             previous = loaders[-1].order.fingerprint()
-            loader.load_state_dict(
-                {"format": LOADER_FORMAT, "version": LOADER_VERSION, "position": position, "order": previous}
-            )
+            state = {
+                "format": LOADER_FORMAT,
+                "version": LOADER_VERSION,
+                "position": position,
+                "order": previous,
+            }
+            if forced[i - 1]:
+                state["exclusions"] = [dict(record) for record in forced[i - 1]]
+            loader.load_state_dict(state)
         elif position:
             loader.advance(0)
-        recorded, mine = entry["order"], order_digest(loader.order.fingerprint())
-        if recorded != mine:
+        digest, mine = entry["order"], order_digest(loader.order.fingerprint())
+        if digest != mine:
             raise LoaderStateError(
-                f"history entry {i} (position {position:,}) records the order {recorded}; the data given "
+                f"history entry {i} (position {position:,}) records the order {digest}; the data given "
                 f"makes the order {mine} ({loader.order!r}): it is not what the run read. Give the cache or "
                 "mixture config of the run (the same caches, seq_len and layout)"
             )
@@ -290,7 +330,7 @@ def leg_loaders(entries: Sequence[Mapping[str, Any]], data: Any) -> list[Loader]
     return loaders
 
 
-def _loader(entry: Mapping[str, Any], data: Any) -> Loader:
+def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> Loader:
     from streampack.order import Ordered
     from streampack.order.blockshuffle import BlockShuffle
     from streampack.order.mixture import Mixture
@@ -319,14 +359,26 @@ def _loader(entry: Mapping[str, Any], data: Any) -> Loader:
             block_size=block,
             stop=getattr(base, "stop", "never"),
         )
-        return Loader(mixture, batch_size=batch)
+        return Loader(mixture, batch_size=batch, exclude=exclude, output=_output(exclude))
     if isinstance(data, Ordered):
         raise OptionsError(
             f"the run read one dataset (an order of kind {entry['kind']!r}): give its cache, not a mixture"
         )
     if isinstance(data, (str, Path)):
         data = _samples(str(data), entry["data"])
-    return Loader(data, batch_size=batch, seed=int(entry["seed"]), shuffle=shuffle)
+    return Loader(
+        data,
+        batch_size=batch,
+        seed=int(entry["seed"]),
+        shuffle=shuffle,
+        exclude=exclude,
+        output=_output(exclude),
+    )
+
+
+def _output(exclude: list[Exclusions]) -> str:
+    """The output a loader with these exclusions serves in the audit: mask mode needs labels to mask."""
+    return "dict" if any(entry.mode == "mask" for entry in exclude) else "numpy"
 
 
 def _is_config(data: str | Path) -> bool:

@@ -66,6 +66,22 @@ class Checkpointed(Steps):
         return state
 
     @property
+    def epoch(self) -> int:
+        """Epoch of the dataset that the next batch starts in (one dataset only). Under skip exclusions it
+        is the epoch of the order they filter: the samples they took out count in it.
+
+        Raises:
+            TypeError: the order reads a mixture, whose sources each run through their own epochs (see
+                :meth:`realised`).
+        """
+        size = self.order.epoch_size("epoch")
+        if not any(entry.mode == "skip" for entry, _, _ in self._in_force):
+            return self._position // size
+        from streampack.loader.excluding import unfiltered
+
+        return unfiltered(self.order, self._position) // size
+
+    @property
     def history(self) -> list[dict[str, Any]]:
         """The run's history: one entry for its start and one per resume, each saying how the run was
         read from its position on (:func:`~streampack.loader.history.history_entry`). :meth:`state_dict`

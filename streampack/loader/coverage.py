@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from streampack.errors import LoaderStateError
 from streampack.loader import Loader
+from streampack.loader.excluding import Skipping
 
 __all__ = [
     "CHUNK",
@@ -24,6 +26,7 @@ __all__ = [
     "batches",
     "coverage",
     "cursor_runs",
+    "excluded",
     "findings",
     "intervals",
     "jumps",
@@ -94,10 +97,12 @@ def batches(positions: int, batch: int) -> int:
     return -(-positions // batch)
 
 
-def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> dict[str, int]:
+def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
     """Samples of each source the legs trained on, recomputed position by position through the function
-    the loader serves its batches with (in chunks of positions), and checked against the cursors."""
+    the loader serves its batches with (in chunks of positions), and checked against the cursors; and
+    those skip exclusions took out of the legs (a source's cursor passes over them)."""
     counts = dict.fromkeys(names, 0)
+    taken = dict.fromkeys(names, 0)
     for leg, loader in zip(legs, loaders, strict=True):
         start, stop = leg.positions
         here = np.zeros(len(loader.order.names), dtype=np.int64)
@@ -105,15 +110,39 @@ def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> dict[str
             sources, _ = loader.served(lo, min(stop, lo + CHUNK))
             here += np.bincount(sources, minlength=len(here))
         before, after = loader.order.consumed(start), loader.order.consumed(stop)
+        out = excluded(loader, start, stop, here)
         for j, name in enumerate(loader.order.names):
-            if int(here[j]) != after[j] - before[j]:
+            if int(here[j] + out[j]) != after[j] - before[j]:
                 raise LoaderStateError(
                     f"leg {leg.index}: source {name!r} served {int(here[j])} samples at positions "
-                    f"{start}-{stop}, its cursor moved {after[j] - before[j]}: the order is not consistent "
+                    f"{start}-{stop} ({int(out[j])} excluded), its cursor moved {after[j] - before[j]}: "
+                    "the order is not consistent "
                     "with itself (a bug: please report it)"
                 )
             counts[name] = counts.get(name, 0) + int(here[j])
-    return counts
+            taken[name] = taken.get(name, 0) + int(out[j])
+    return counts, taken
+
+
+def _root(order: Any, position: int) -> int:
+    """The position of the order under every skip exclusion that ``position`` of ``order`` stands at."""
+    while isinstance(order, Skipping):
+        position, order = order._cursor(position), order.base
+    return position
+
+
+def excluded(loader: Loader, start: int, stop: int, served: np.ndarray) -> np.ndarray:
+    """Per source id, the samples the skip exclusions of ``loader`` took out between its positions ``start``
+    and ``stop``: those its order under none of them picks there, less those ``served``."""
+    if not isinstance(loader.order, Skipping):
+        return np.zeros(len(served), dtype=np.int64)
+    base = loader._base
+    lo, hi = _root(loader.order, start), _root(loader.order, stop)
+    counts = np.zeros(len(served), dtype=np.int64)
+    for first in range(lo, hi, CHUNK):
+        sources, _ = base(np.arange(first, min(hi, first + CHUNK), dtype=np.int64))
+        counts += np.bincount(sources, minlength=len(counts))
+    return counts - served
 
 
 def cursor_runs(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, int, int]]:

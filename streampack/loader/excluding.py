@@ -33,7 +33,7 @@ from streampack.order import Order
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["Masking", "Skipping", "excluded_documents", "excluded_samples"]
+__all__ = ["Masking", "Skipping", "excluded_documents", "excluded_samples", "unfiltered"]
 
 _SOURCE_SHIFT = 40  # key of a sample: source << 40 | sample
 _CHUNK = 1 << 16  # positions counted at once
@@ -108,7 +108,9 @@ def excluded_documents(
     """The documents ``entry`` names, by source id: sorted global document indices of that source's cache.
 
     Raises:
-        OptionsError: a source it names is not read, or has no cache; an index past the cache's documents.
+        OptionsError: a source it names is not read, or has no cache; an index past the cache's documents;
+            a record name that is no input record of the cache (:mod:`streampack.loader.origins`).
+        InputError: an input file a record name reads again is missing or changed since the build.
     """
     found: dict[int, list[np.ndarray]] = {}
     for name, ids in _source_names(entry, names, entry.document_ids()).items():
@@ -121,6 +123,12 @@ def excluded_documents(
                 f"{cache.num_docs} documents (indices 0 to {cache.num_docs - 1})"
             )
         found.setdefault(source, []).append(docs)
+    for name, records in _source_names(entry, names, entry.document_records()).items():
+        from streampack.loader.origins import documents_named
+
+        source = names.index(name)
+        named = documents_named(_cache_of(datasets[source], name), records)
+        found.setdefault(source, []).append(np.asarray(sorted(named.values()), dtype=np.int64))
     for name, hashes in _source_names(entry, names, entry.document_hashes()).items():
         source = names.index(name)
         cache = _cache_of(datasets[source], name)
@@ -323,6 +331,19 @@ class Skipping:
     def resumed(self, saved: Mapping[str, Any], position: int) -> Order:
         """Not asked: a loader resumes its base order and filters it again."""
         raise NotImplementedError("a loader resumes the order under its exclusions, then excludes again")
+
+
+def unfiltered(order: Order, position: int) -> int:
+    """The position, in the order under every skip exclusion of ``order``, of the sample ``order`` serves
+    at ``position`` (at its end: the end of the order under them): samples taken out count there."""
+    while isinstance(order, Skipping):
+        end = order.end
+        if end is None or position < end:
+            position = int(order.underlying(np.asarray([position], dtype=np.int64))[0])
+        else:
+            position = order._cursor(position)
+        order = order.base
+    return position
 
 
 # --- mask mode ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Taking documents and steps out of a run: what :class:`Exclusions` names, and how a checkpoint records it.
 
-An :class:`Exclusions` names documents (by their index in a source's cache, or by :func:`token_hash` of
+An :class:`Exclusions` names documents (by their index in a source's cache, by the input record they were
+built from, ``path:line`` or ``path[row]`` as ``streampack which`` reports it, or by :func:`token_hash` of
 their tokens) and global steps or position ranges, and says what happens to them from a position on:
 
 * ``mode="skip"``: every sample that touches an excluded document, and every position of an excluded
@@ -21,13 +22,16 @@ refused (:func:`check_prefix`).
 
 Trade-off of :func:`token_hash`: a hash of the tokens is computed from the cache alone (nothing is read
 from the inputs), but finding the documents of a list of hashes hashes every document of the cache once
-per process, O(tokens); indices cost nothing to find.
+per process, O(tokens); indices cost nothing to find; a record name reads again, once per process, the
+part of the input up to it (:func:`streampack.loader.origins.documents_named`), which must be where and as
+it was at build time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -38,7 +42,7 @@ from streampack._checks import is_int
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.order import MAX_POSITION
 
-__all__ = ["ExclusionMode", "Exclusions", "check_prefix", "entry_state", "token_hash"]
+__all__ = ["ExclusionMode", "Exclusions", "check_prefix", "entry_state", "parse_record", "token_hash"]
 
 ExclusionMode = Literal["skip", "mask"]
 _MODES = ("skip", "mask")
@@ -55,7 +59,32 @@ def token_hash(tokens: np.ndarray) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def _by_source(name: str, value: object, item: type) -> dict[str, tuple[Any, ...]]:
+_LINE = re.compile(r"^(?P<path>.+):(?P<line>[0-9]+)$")
+_ROW = re.compile(r"^(?P<path>.+)\[(?P<row>[0-9]+)\]$")
+
+
+def parse_record(name: str) -> tuple[str, int | None, int | None] | None:
+    """``(path, line, row)`` of a record named as ``streampack which`` reports it (``path:line``, lines
+    counted from 1, or ``path[row]``, rows from 0); None for a name of neither form."""
+    if (match := _LINE.match(name)) is not None and int(match["line"]) >= 1:
+        return match["path"], int(match["line"]), None
+    if (match := _ROW.match(name)) is not None:
+        return match["path"], None, int(match["row"])
+    return None
+
+
+_ITEMS = {
+    "documents": (lambda one: is_int(one) and one >= 0, "document indices >= 0"),
+    "hashes": (lambda one: isinstance(one, str) and len(one) == 32, "32-digit hex token hashes"),
+    "records": (
+        lambda one: isinstance(one, str) and parse_record(one) is not None,
+        "input records named 'path:line' (lines from 1) or 'path[row]' (rows from 0), as streampack which "
+        "reports them",
+    ),
+}
+
+
+def _by_source(name: str, value: object) -> dict[str, tuple[Any, ...]]:
     """A list (for the only source) or a mapping of source name -> list, as a dict of sorted tuples."""
     if isinstance(value, Mapping):
         pairs = list(value.items())
@@ -71,9 +100,8 @@ def _by_source(name: str, value: object, item: type) -> dict[str, tuple[Any, ...
             raise OptionsError(f"Exclusions({name}=...) source names must be strings (got {source!r})")
         listed = list(np.asarray(items).tolist()) if isinstance(items, np.ndarray) else list(items)
         for one in listed:
-            good = is_int(one) and one >= 0 if item is int else isinstance(one, str) and len(one) == 32
-            if not good:
-                allowed = "document indices >= 0" if item is int else "32-digit hex token hashes"
+            if not _ITEMS[name][0](one):
+                allowed = _ITEMS[name][1]
                 raise OptionsError(
                     f"Exclusions({name}=...) holds {one!r} for source {source or 'data'!r}: it takes "
                     f"{allowed}"
@@ -115,6 +143,10 @@ class Exclusions:
     Args:
         documents: indices of documents in the source's cache (``cache.doc(i)``, as ``streampack which``
             reports them): a list for a loader of one source, a dict of source name -> list for a mixture.
+        records: the input records documents were built from, named as ``streampack which`` reports
+            them: ``"path:line"`` (JSON Lines, text read a line a document; lines from 1) or
+            ``"path[row]"`` (a Parquet row, or a document of another format's file; rows from 0), given
+            like ``documents``.
         hashes: :func:`token_hash` of documents' tokens, given like ``documents``.
         steps: global steps ``(first, last)``, both included, counted at the loader's batch size when the
             exclusion is given (positions ``[first * B, (last + 1) * B)`` of the run as it was served).
@@ -127,12 +159,14 @@ class Exclusions:
     """
 
     documents: Sequence[int] | Mapping[str, Sequence[int]] = ()
+    records: Sequence[str] | Mapping[str, Sequence[str]] = ()
     hashes: Sequence[str] | Mapping[str, Sequence[str]] = ()
     steps: Sequence[tuple[int, int]] = ()
     positions: Sequence[tuple[int, int]] = ()
     mode: ExclusionMode = "skip"
     at: int | None = None
     _documents: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _records: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
     _hashes: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
     _steps: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
     _positions: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
@@ -143,8 +177,9 @@ class Exclusions:
         if self.at is not None and not (is_int(self.at) and 0 <= self.at <= MAX_POSITION):
             raise OptionsError(f"Exclusions(at=...) must be a position >= 0 or None (got at={self.at!r})")
         set_ = object.__setattr__
-        set_(self, "_documents", _by_source("documents", self.documents, int))
-        set_(self, "_hashes", _by_source("hashes", self.hashes, str))
+        set_(self, "_documents", _by_source("documents", self.documents))
+        set_(self, "_records", _by_source("records", self.records))
+        set_(self, "_hashes", _by_source("hashes", self.hashes))
         set_(self, "_steps", _ranges("steps", self.steps, inclusive=True))
         set_(self, "_positions", _ranges("positions", self.positions, inclusive=False))
 
@@ -159,13 +194,13 @@ class Exclusions:
         Raises:
             OptionsError: a key that is not an argument, or a value not of its form.
         """
-        allowed = {"documents", "hashes", "steps", "positions", "mode", "at"}
+        allowed = {"documents", "records", "hashes", "steps", "positions", "mode", "at"}
         unknown = sorted(set(config) - allowed)
         if unknown:
             raise OptionsError(f"exclude: has keys {unknown}; it takes {sorted(allowed)}")
         given = dict(config)
         if source is not None:
-            for key in ("documents", "hashes"):
+            for key in ("documents", "records", "hashes"):
                 if key in given:
                     given[key] = {source: given[key]}
         for key in ("steps", "positions"):
@@ -176,6 +211,10 @@ class Exclusions:
     def document_ids(self) -> dict[str, tuple[int, ...]]:
         """The documents named by index, by source name (``""``: the only source), sorted."""
         return self._documents
+
+    def document_records(self) -> dict[str, tuple[str, ...]]:
+        """The documents named by input record (``path:line``, ``path[row]``), by source name."""
+        return self._records
 
     def document_hashes(self) -> dict[str, tuple[str, ...]]:
         """The documents named by :func:`token_hash`, by source name (``""``: the only source)."""
@@ -191,6 +230,7 @@ class Exclusions:
         """What it names (not where it takes effect): the digest a checkpoint records for it."""
         spec = {
             "documents": self._documents,
+            **({"records": self._records} if self._records else {}),
             "hashes": self._hashes,
             "steps": self._steps,
             "positions": self._positions,
@@ -200,9 +240,11 @@ class Exclusions:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def counts(self) -> dict[str, int]:
-        """How much it names: documents (by index and by hash), step ranges and position ranges."""
+        """How much it names: documents (by index, by hash, by record), step ranges and position ranges;
+        ``records`` only when it names some (a state saved before records were named has no such key)."""
         return {
             "documents": sum(map(len, self._documents.values())),
+            **({"records": sum(map(len, self._records.values()))} if self._records else {}),
             "hashes": sum(map(len, self._hashes.values())),
             "steps": len(self._steps),
             "positions": len(self._positions),
@@ -218,7 +260,8 @@ def _is_entry(value: Any) -> bool:
     keys = {"digest", "mode", "at", "batch_size", "documents", "hashes", "steps", "positions"}
     return (
         isinstance(value, Mapping)
-        and set(value) == keys
+        and set(value) - {"records"} == keys
+        and is_int(value.get("records", 0))
         and isinstance(value["digest"], str)
         and value["mode"] in _MODES
         and all(is_int(value[k]) and value[k] >= 0 for k in keys - {"digest", "mode"})
@@ -257,4 +300,5 @@ def check_prefix(saved: Sequence[Mapping[str, Any]], given: Sequence[Exclusions]
 
 
 def _named(counts: Mapping[str, Any]) -> str:
-    return ", ".join(f"{counts[k]} {k}" for k in ("documents", "hashes", "steps", "positions"))
+    keys = ("documents", "records", "hashes", "steps", "positions")
+    return ", ".join(f"{counts[k]} {k}" for k in keys if k in counts)

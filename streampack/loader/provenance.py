@@ -7,10 +7,8 @@ recomputed here rather than recorded during training:
 2. **Documents**: each row's tokens mapped to documents by ``boundaries(indices).doc_ids``, and the
    document's own tokens that the row holds.
 3. **Records**: a document is the ``k``-th one of its shard, which is one work unit of the build; the unit's
-   input is read again with :func:`streampack.inputs.units.read_unit`, counting records as the build did
-   (blank
-   lines, empty documents and skipped bad records are records that make no document), up to its ``k``-th
-   document. Each unit a batch touches is read once, up to its last document in the batch.
+   input is read again (:mod:`streampack.loader.origins`), counting records as the build did, up to its
+   ``k``-th document. Each unit a batch touches is read once, up to its last document in the batch.
 
 The input files must still be where and as they were at build time (their size and modification time
 are checked against the manifest). Documents given as Python objects (``python:TYPE`` inputs) have no
@@ -22,28 +20,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
-import re
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from streampack._checks import check_int
-from streampack.errors import InputError
-from streampack.inputs.discovery import discover_inputs
-from streampack.inputs.inputfile import InputFile
-from streampack.inputs.records import Documents, Item, ReadOptions, TextStream, WorkUnit
-from streampack.inputs.units import plan_python_units, plan_units, read_unit, records_before
 from streampack.loader import Loader
+from streampack.loader.origins import locate
 from streampack.order import groups
 from streampack.reader import Cache
 from streampack.samples.sequences import PackedSequences
-from streampack.store.files import read_entry
 
-__all__ = ["Placement", "Provenance", "position_of", "which"]
+__all__ = ["Placement", "Provenance", "excluded_steps", "position_of", "which"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +71,9 @@ class Provenance:
             document of a datatrove ``.ds``...); else None. None too for Python documents that were not
             given to :func:`which` when their unit left some records out (the row cannot be known then).
         placements: where its tokens sit in the batch, in batch order (a document may span several rows).
+        excluded: None, or how an exclusion of the loader names it: ``"mask"`` (served with ``labels =
+            -100``), or ``"skip from position P"`` / ``"mask from position P"`` (served here, before the
+            exclusion took effect at ``P``).
     """
 
     source: str
@@ -92,6 +85,7 @@ class Provenance:
     line: int | None
     row: int | None
     placements: tuple[Placement, ...]
+    excluded: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -169,17 +163,64 @@ def which(
         ) from None
     datasets, names = _datasets(view), view.order.names
     placed = _placed(datasets, sources, samples, loader.options.world_size)
+    marks = _marks(view, position, list(placed))
     result = []
     for source in sorted({source for source, _ in placed}):
         seqs = datasets[source]
         docs = sorted(doc for s, doc in placed if s == source)
         given = documents.get(names[source]) if isinstance(documents, Mapping) else documents
-        for doc, where in _locate(seqs.cache, docs, given).items():
+        for doc, where in locate(seqs.cache, docs, given).items():
             runs = sorted(placed[source, doc], key=lambda run: run[:2])
             pieces = tuple(placement for _, _, placement in runs)
             found = (where.length, where.unit, where.path, where.line, where.row)
-            result.append((runs[0][:2], Provenance(names[source], seqs.path, doc, *found, pieces)))
+            mark = marks.get((source, doc))
+            result.append((runs[0][:2], Provenance(names[source], seqs.path, doc, *found, pieces, mark)))
     return [provenance for _, provenance in sorted(result, key=lambda item: item[0])]
+
+
+def excluded_steps(
+    loader: Loader, step: int | None = None, *, state: Mapping[str, Any] | None = None
+) -> list[str]:
+    """What the loader's exclusions do to one step's batch (``step`` and ``state`` as for :func:`which`), in
+    words: a step whose positions an exclusion in force skips (the batch at its position is the one served
+    after them) or masks (served with ``labels = -100``). Empty for a step no exclusion names.
+    """
+    view = _global_view(loader, state)
+    position = _position(view, step, state)
+    stop = position + view.options.batch_size
+    notes = []
+    for index, (entry, at, batch) in enumerate(view._in_force):
+        for start, end in entry.ranges(batch):
+            lo, hi = max(start, position, at), min(end, stop)
+            if lo >= hi:
+                continue
+            if entry.mode == "mask":
+                notes.append(
+                    f"positions {lo:,}-{hi:,} of this step are excluded (mask) by exclusion {index}: served "
+                    "with labels -100"
+                )
+            else:
+                notes.append(
+                    f"positions {lo:,}-{hi:,} are excluded (skip) by exclusion {index} from position {at:,}: "
+                    "the run served them no more, and this step's batch is the one served in their place"
+                )
+    return notes
+
+
+def _marks(view: Loader, position: int, batch: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
+    """``(source, doc) -> mark`` of the documents of ``batch`` the view's exclusions name (see
+    :class:`Provenance`): the first exclusion that names one marks it."""
+    marks: dict[tuple[int, int], str] = {}
+    for entry, at, _ in view._in_force:
+        found = view._excluded_docs.get(entry.digest, {})
+        label = entry.mode if at <= position else f"{entry.mode} from position {at}"
+        for source, doc in batch:
+            excluded = found.get(source)
+            if excluded is not None and len(excluded):
+                k = min(int(np.searchsorted(excluded, doc)), len(excluded) - 1)
+                if int(excluded[k]) == doc:
+                    marks.setdefault((source, doc), label)
+    return marks
 
 
 # --------------------------------------------------------------------------------------- the batch
@@ -287,180 +328,3 @@ def _doc_token_starts(cache: Cache, docs: np.ndarray) -> np.ndarray:
         before = int(cache.shard_offsets(shard)[local - 1]) if local else 0
         starts[k] = int(cache.token_starts[shard]) + before
     return starts
-
-
-# --------------------------------------------------------------------------------------- the records
-
-
-@dataclass(frozen=True)
-class _Found:
-    """Where a document came from (see :class:`Provenance`)."""
-
-    unit: int
-    length: int
-    path: str
-    line: int | None = None
-    row: int | None = None
-
-
-def _locate(cache: Cache, docs: list[int], documents: Any) -> dict[int, _Found]:
-    """The input record of each of ``docs`` (global indices in ``cache``): one replay per unit."""
-    inputs = _Inputs(cache, documents)
-    doc_starts = cache.doc_starts
-    shards = np.searchsorted(doc_starts, docs, side="right") - 1
-    found: dict[int, _Found] = {}
-    for shard, picked in groups(shards):
-        info = cache.shard_info(shard)
-        locals_ = [docs[i] - int(doc_starts[shard]) for i in picked.tolist()]
-        offsets = cache.shard_offsets(shard)
-        unit = int(info.name)
-        origin = cache.files.origin(shard)
-        records: dict[int, _Where]
-        if origin is not None:  # another format's files: the document's index in its file
-            records = {local: (origin[0], None, origin[1] + local) for local in locals_}
-        else:
-            records = inputs.records(unit, locals_)
-        for local, (path, line, row) in records.items():
-            length = int(offsets[local]) - (int(offsets[local - 1]) if local else 0)
-            found[int(doc_starts[shard]) + local] = _Found(unit, length, path, line, row)
-    return found
-
-
-_Where = tuple[str, int | None, int | None]  # (path, line, row)
-_PYTHON_ROWS = re.compile(r"\[rows (\d+):\d*\]$")
-
-
-class _Inputs:
-    """The work units a cache was built from, planned again from its manifest, and replayed on demand."""
-
-    def __init__(self, cache: Cache, documents: Any) -> None:
-        self.cache = cache
-        manifest = cache.manifest
-        settings = manifest.settings
-        self.read = ReadOptions(settings.text_field, settings.split_lines, settings.unit_bytes)
-        self.python = any(i.python for i in manifest.inputs)
-        self.documents = documents
-        self._units: list[WorkUnit] | None = None
-        self._now: dict[str, InputFile] = {}
-
-    def records(self, unit: int, wanted: list[int]) -> dict[int, _Where]:
-        """``(path, line, row)`` of the records that made the documents ``wanted`` of ``unit``."""
-        if self.python and self.documents is None:
-            return self._python_without_documents(unit, wanted)
-        work = self._plan()[unit]
-        self._check_unchanged(work)
-        left, found, docs = set(wanted), {}, 0
-        replay = _records(work, self.read)
-        try:
-            for where, item in replay:
-                if not _is_document(item):
-                    continue
-                if docs in left:
-                    found[docs] = where
-                    left.discard(docs)
-                    if not left:
-                        return found
-                docs += 1
-        finally:
-            replay.close()  # closes the input files now, not when collected
-        raise InputError(
-            f"{work.describe()}: holds {docs} documents now, but the cache's unit {unit} holds more (its "
-            f"document {max(left)} is asked for); the input changed since the build: rebuild the cache to "
-            "trace its documents"
-        )
-
-    def _plan(self) -> list[WorkUnit]:
-        if self._units is not None:
-            return self._units
-        manifest = self.cache.manifest
-        if self.python:
-            items = self.documents.items if isinstance(self.documents, Documents) else self.documents
-            units = plan_python_units(items)
-        else:
-            units = plan_units(self._files(), self.read)
-        planned = [unit.describe() for unit in units]
-        if planned != manifest.units:
-            at = next((i for i, (a, b) in enumerate(zip(planned, manifest.units)) if a != b), len(planned))
-            differ = f"unit {at}: {_at(planned, at)} now, {_at(manifest.units, at)} in the manifest"
-            fix = "; pass the documents the cache was built from" if self.python else ""
-            what = "the documents given" if self.python else "its inputs"
-            raise InputError(
-                f"{self.cache.root}: {what} make other work units than the build did ({differ}){fix}"
-            )
-        self._units = units
-        return units
-
-    def _files(self) -> list[InputFile]:
-        """The input files as the build saw them (its sizes plan the units), found where they were."""
-        recorded = self.cache.manifest.inputs
-        paths = [i.path for i in recorded]
-        try:
-            now = discover_inputs(paths).files
-        except InputError as e:
-            raise InputError(
-                f"{self.cache.root}: its input files are needed to find the documents' lines: {e}"
-            ) from None
-        found = [file.path for file in now]
-        if found != paths:  # two of them are one file now, say
-            first = next(i for i, (a, b) in enumerate(itertools.zip_longest(found, paths)) if a != b)
-            raise InputError(
-                f"{self.cache.root}: its input {first} is {_at(paths, first)}, but that path now reads as "
-                f"{_at(found, first)}; put the inputs back as they were at build time"
-            )
-        self._now = {file.path: file for file in now}
-        return [
-            dataclasses.replace(file, size=file.size if i.size is None else i.size, mtime_ns=i.mtime_ns)
-            for file, i in zip(now, recorded)
-        ]
-
-    def _check_unchanged(self, unit: WorkUnit) -> None:
-        for file in unit.files:
-            now = self._now.get(file.path)
-            if now is not None and (now.size, now.mtime_ns) != (file.size, file.mtime_ns):
-                raise InputError(
-                    f"{file.path}: changed since the cache was built (size {file.size} -> {now.size}, "
-                    f"mtime_ns {file.mtime_ns} -> {now.mtime_ns}), so its lines may not be the cache's "
-                    "documents any more; restore the file, or rebuild the cache"
-                )
-
-    def _python_without_documents(self, unit: int, wanted: list[int]) -> dict[int, _Where]:
-        """Rows of Python documents not given: exact where each of the unit's records made a document."""
-        described = self.cache.manifest.units[unit]
-        path = described.split(" [", 1)[0]
-        match = _PYTHON_ROWS.search(described)
-        first = int(match.group(1)) if match else 0
-        progress = read_entry(Path(self.cache.root), f"{unit:06d}", described)
-        gapless = progress.records == progress.docs
-        return {local: (path, None, first + local if gapless else None) for local in wanted}
-
-
-def _at(units: list[str], index: int) -> str:
-    return repr(units[index]) if index < len(units) else "none"
-
-
-def _records(unit: WorkUnit, read: ReadOptions) -> Generator[tuple[_Where, Item], None, None]:
-    """Every record of ``unit`` as the build reads it, with its ``(path, line, row)``."""
-    file = unit.file
-    if file is None:
-        path, first = f"python:{type(unit.items).__name__}", records_before(unit)
-        for i, item in enumerate(read_unit(unit, read)):
-            yield (path, None, first + i), item
-    elif unit.rest:  # a run of whole files, one after the other
-        for one in unit.files:
-            yield from _records(WorkUnit(unit.index, one), read)
-    elif file.format == "text" and not read.split_lines:  # the whole file is one record
-        for item in read_unit(unit, read):
-            yield (file.path, None, None), item
-    elif file.format == "parquet":
-        first = records_before(unit)
-        for i, item in enumerate(read_unit(unit, read)):
-            yield (file.path, None, first + i), item
-    else:  # one record per line
-        first = records_before(unit)
-        for i, item in enumerate(read_unit(unit, read)):
-            yield (file.path, first + i + 1, None), item
-
-
-def _is_document(item: Item) -> bool:
-    """Whether the build made a document of this record: text that is not empty or only whitespace."""
-    return isinstance(item, TextStream) or (isinstance(item, str) and bool(item) and not item.isspace())
