@@ -239,6 +239,53 @@ def test_chat_loss_is_on_the_assistant_turns_and_content_stays_text(
     assert streampack.verify(tmp_path / "c").ok
 
 
+def test_conversations_of_one_shape_keep_their_own_contents_and_fields(
+    tmp_path: Path, gpt2_tokenizer: Path
+) -> None:
+    """Conversations of one shape share a render of the template with markers for contents, and a
+    template's text is encoded once: neither may carry one record's contents or fields into another's."""
+    tokenizer = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", CHATML, CHATML_TOKENS)
+    conversations = [
+        [{"role": "user", "content": f"question {i} <|im_end|>"}, {"role": "assistant", "content": f"{i}"}]
+        for i in range(30)
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", [{"messages": c} for c in conversations])
+    streampack.build(src, tmp_path / "c", tokenizer=str(tokenizer.parent), chat="messages", batch_chars=100)
+    assert docs_and_masks(tmp_path / "c") == [expected_chat(tokenizer, CHATML, c) for c in conversations]
+
+    # Fields beside role and content: 1, True and "1" are equal keys in Python and render differently.
+    shown = "{% for m in messages %}{{ m['role'] }} {{ m['weight'] }}: {{ m['content'] }}\n{% endfor %}"
+    folder = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok2", shown, CHATML_TOKENS).parent
+    weights: list[object] = [1, True, "1", 1.0, "True", 1, [1], "x" * 300]
+    records = [{"messages": [{"role": "user", "content": "w", "weight": w}]} for w in weights]
+    src = write_jsonl(tmp_path / "w.jsonl", records)
+    streampack.build(src, tmp_path / "w", tokenizer=str(folder), chat="messages")
+    cache = streampack.open(tmp_path / "w")
+    text = encoder(tokenizer, parse=True)
+    rendered = [text.decode(cache.doc(i).tolist()[:-1]) for i in range(cache.num_docs)]
+    assert rendered == [f"user {w}: w\n" for w in weights]
+
+
+def test_a_templates_texts_are_encoded_once_each(gpt2_tokenizer: Path) -> None:
+    from streampack.tokenizer.base import RecurringTexts
+
+    tok = encoder(gpt2_tokenizer, parse=True)
+    asked: list[str] = []
+
+    def encode(texts: list[str]) -> list[np.ndarray]:
+        asked.extend(texts)
+        return [np.array(e.ids, dtype=np.uint32) for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+    recurring = RecurringTexts(encode)
+    long = "<|endoftext|> long " * 20  # over MAX_CHARS: encoded whenever it comes
+    batches = [["a<|endoftext|>", "b", "a<|endoftext|>", long], ["b", long, "c"], ["c", "a<|endoftext|>"]]
+    for batch in batches:
+        got = recurring(batch)
+        assert [g.tolist() for g in got] == [ids(tok, t) for t in batch]
+        assert not any(g.flags.writeable for g in got)
+    assert asked == ["a<|endoftext|>", "b", long, long, "c"]
+
+
 def test_the_render_is_what_transformers_renders(tmp_path: Path, gpt2_tokenizer: Path) -> None:
     transformers = pytest.importorskip("transformers")
     for name, template, added in (("chatml", CHATML, CHATML_TOKENS), ("llama3", LLAMA3, LLAMA3_TOKENS)):

@@ -16,16 +16,16 @@ it was built). The target segments are the assistant turns, found by rendering p
 ``messages[:i + 1]`` ends after turn ``i``; what lies between (the turn's content and what the template
 writes after it, e.g. ``<|im_end|>``) is the target. Special-token strings the *template* writes become
 their ids; the messages' *content* stays text (text is text), unless the build parses special tokens. To
-tell the two apart, the conversation is rendered once more with each content replaced by a marker, and the
-real render is traced through it (as given, or stripped where the template trims it); a template that
-changes content otherwise is refused for that record.
+tell the two apart, the conversation is rendered once more with each content replaced by a marker (once for
+all the conversations of one shape: the same roles and other fields), and the real render is traced through
+it (as given, or stripped where the template trims it); a template that changes content otherwise is
+refused for that record.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -153,20 +153,7 @@ class ChatTemplate:
                 changes the messages' content in a way that cannot be traced.
         """
         full = self.render(messages)
-        targets = self._assistant_spans(messages, full)
-        contents = self._content_spans(messages, full)
-        cuts = sorted(
-            {0, len(full), *(p for span in targets for p in span), *(p for s in contents for p in s)}
-        )
-        segments: list[Segment] = []
-        for start, end in itertools.pairwise(cuts):
-            target = any(a <= start < b for a, b in targets)
-            template = not any(a <= start < b for a, b in contents)
-            if segments and (segments[-1].target, segments[-1].template) == (target, template):
-                segments[-1] = Segment(segments[-1].text + full[start:end], target, template)
-            else:
-                segments.append(Segment(full[start:end], target, template))
-        return tuple(segments)
+        return _runs(full, self._assistant_spans(messages, full), self._content_spans(messages, full))
 
     def _assistant_spans(self, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int]]:
         """Where each assistant turn lies in ``full``: from the end of the generation prompt before it to
@@ -176,7 +163,8 @@ class ChatTemplate:
             if message["role"] != "assistant":
                 continue
             before = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[: i + 1])
+            # A render depends on its arguments alone: the render through the last turn is the whole one.
+            through = full if i == len(messages) - 1 else self.render(messages[: i + 1])
             start = spans[-1][1] if spans else 0
             if not (
                 full.startswith(before) and full.startswith(through) and start <= len(before) <= len(through)
@@ -190,14 +178,24 @@ class ChatTemplate:
             spans.append((len(before), len(through)))
         return spans
 
+    def _skeleton(self, messages: list[dict[str, Any]]) -> tuple[str, ...]:
+        """The render of ``messages`` with each content replaced by a marker, split at the markers (text,
+        index, text, ...): rendered once for all the conversations of one shape (their messages' roles and
+        other fields), as a render depends on its arguments alone."""
+        key = _skeleton_key(messages)
+        return self._render_skeleton(messages) if key is None else _skeleton_of(self, key)
+
+    def _render_skeleton(self, messages: list[dict[str, Any]]) -> tuple[str, ...]:
+        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
+        return tuple(_MARKER.split(self.render(marked)))
+
     def _content_spans(self, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int]]:
         """Where the messages' contents lie in ``full`` (the rest is the template's own text).
 
         The skeleton is the render with each content replaced by a marker; ``full`` must be the skeleton
         with each marker replaced by its content, as given or stripped (``| trim``).
         """
-        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
-        parts = _MARKER.split(self.render(marked))
+        parts = self._skeleton(messages)
         spans: list[tuple[int, int]] = []
         at = 0
         for k in range(0, len(parts) - 1, 2):
@@ -227,6 +225,50 @@ class ChatTemplate:
                 "change, so its own text cannot be told from the contents"
             )
         return spans
+
+
+def _runs(full: str, targets: list[tuple[int, int]], contents: list[tuple[int, int]]) -> Sft:
+    """``full`` cut where a target span or a content span begins or ends, each run of pieces alike (a
+    target or not, the template's text or not) one segment. Both lists of spans are in order and do not
+    overlap, so one pass over the cuts finds the span of each kind that each piece may lie in."""
+    cuts = sorted({0, len(full), *(p for span in targets for p in span), *(p for s in contents for p in s)})
+    segments: list[Segment] = []
+    t = c = 0
+    run_start, run_kind = 0, (False, False)
+    for start in cuts[:-1]:
+        while t < len(targets) and targets[t][1] <= start:
+            t += 1
+        while c < len(contents) and contents[c][1] <= start:
+            c += 1
+        kind = (
+            t < len(targets) and targets[t][0] <= start,
+            not (c < len(contents) and contents[c][0] <= start),
+        )
+        if kind != run_kind and start:
+            segments.append(Segment(full[run_start:start], *run_kind))
+            run_start = start
+        run_kind = kind
+    if full:
+        segments.append(Segment(full[run_start:], *run_kind))
+    return tuple(segments)
+
+
+def _skeleton_key(messages: list[dict[str, Any]]) -> tuple[tuple[tuple[str, str | None], ...], ...] | None:
+    """What the render of ``messages`` with each content replaced by a marker depends on: each message's
+    keys in order and its values but the content; None when a key or value is not a string (``1`` and
+    ``True`` are equal keys but render differently)."""
+    key = tuple(tuple((k, None if k == "content" else v) for k, v in m.items()) for m in messages)
+    if all(isinstance(k, str) and (k == "content" or isinstance(v, str)) for m in key for k, v in m):
+        return key
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _skeleton_of(
+    template: ChatTemplate, key: tuple[tuple[tuple[str, str | None], ...], ...]
+) -> tuple[str, ...]:
+    """:meth:`ChatTemplate._skeleton` of the conversations whose :func:`_skeleton_key` is ``key``."""
+    return template._render_skeleton([{k: v or "" for k, v in message} for message in key])
 
 
 def load_chat_template(tokenizer: Tokenizer, field: str) -> ChatTemplate:
@@ -334,4 +376,8 @@ def _compiled(source: str) -> Template:
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+    template = env.from_string(source)
+    # Its globals are a ChainMap over the environment's, which each render copies into a new context key
+    # by key: more than half of a short conversation's render. The environment's are final here.
+    template.globals = dict(template.globals)
+    return template

@@ -92,6 +92,35 @@ class Tokenizer(Protocol):
         ...
 
 
+class RecurringTexts:
+    """The ids of texts that recur, each encoded once: a chat template writes the same few strings
+    (``<|im_end|>\\n<|im_start|>assistant\\n``) into every conversation, and encoding them one record at a
+    time cost a chat build as much as its contents.
+
+    A text's ids are the same whatever batch it is encoded in, so a remembered text's are the ids it would
+    get again. Only short texts are kept, and at most :attr:`MAX_TEXTS`: what a template writes around a
+    message's fields (a tool call's JSON) may differ in every record.
+    """
+
+    MAX_CHARS = 256
+    MAX_TEXTS = 4096
+
+    def __init__(self, encode: Callable[[list[str]], list[np.ndarray]]) -> None:
+        self._encode = encode
+        self._ids: dict[str, np.ndarray] = {}
+
+    def __call__(self, texts: list[str]) -> list[np.ndarray]:
+        """The ids of each of ``texts`` (read-only arrays: they are shared by every call that gets them)."""
+        known = self._ids
+        new = [text for text in dict.fromkeys(texts) if text not in known]
+        fresh = dict(zip(new, self._encode(new))) if new else {}
+        for text, ids in fresh.items():
+            ids.flags.writeable = False
+            if len(text) <= self.MAX_CHARS and len(known) < self.MAX_TEXTS:
+                known[text] = ids  # (two encoder threads may both add a text: the same ids)
+        return [known[text] if text in known else fresh[text] for text in texts]
+
+
 def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
     """The engine that computes a tokenizer's ids, why, and its reference, with versions (for the
     manifest)."""

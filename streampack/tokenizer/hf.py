@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from streampack.errors import MissingDependencyError, TokenizerError
-from streampack.tokenizer.base import LibraryTokenizer
+from streampack.tokenizer.base import LibraryTokenizer, RecurringTexts
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
 from streampack.tokenizer.engines import TokenizersEngine, _text_is_whole
 from streampack.tokenizer.pieces import hf_cut_safety
@@ -67,6 +67,7 @@ class HFTokenizer(LibraryTokenizer):
         self._tok.encode_special_tokens = special_tokens == "text"
         self._parsing: Any = None if special_tokens == "text" else self._tok  # see encode_specials
         self._parsing_lock = threading.Lock()
+        self._template_ids = RecurringTexts(self._parse_specials)
         structure = self._structure()
         self.cut_safety = hf_cut_safety(structure, parse_special=special_tokens == "parse")
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
@@ -192,7 +193,11 @@ class HFTokenizer(LibraryTokenizer):
         return {"kind": "hf", "name": self._path.name, "vocab_size": self.vocab_size, "sha256": digest}
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
-        """See :class:`Tokenizer`.
+        """See :class:`Tokenizer`; each distinct text is encoded once (see :class:`RecurringTexts`)."""
+        return self._template_ids(texts)
+
+    def _parse_specials(self, texts: list[str]) -> list[np.ndarray]:
+        """The ids of ``texts`` with special-token strings as their ids.
 
         ``encode_special_tokens`` is a setting of the tokenizer object, shared by the threads encoding with
         it, so special tokens are parsed by a second instance, loaded on first use (chat builds only).
