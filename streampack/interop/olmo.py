@@ -47,9 +47,9 @@ from streampack.interop.reading import (
     Foreign,
     ForeignOptions,
     ForeignShard,
+    KeptEnds,
     check_doc_count,
     check_id_fits,
-    docs_ending_at,
     ends_at,
     map_tokens,
 )
@@ -208,20 +208,22 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
         if value is not None:
             check_id_fits(path, name, value, dtype)
     shards = []
+    kept = KeptEnds()
     for index, file in enumerate(tokens):
         count = _token_count(file, dtype)
         mask = None
         if masks is not None:
             _check_mask(masks[index], file, count)
             mask = partial(map_tokens, masks[index], np.dtype(np.uint8), 0, count)
-        docs = docs_ending_at(map_tokens(file, dtype, 0, count), eos)
+        found = ends_at(map_tokens(file, dtype, 0, count), eos)
+        docs = len(found)
         shards.append(
             ForeignShard(
                 file,
                 docs,
                 count,
                 tokens=partial(map_tokens, file, dtype, 0, count),
-                ends=partial(_ends, file, dtype, count, eos, docs),
+                ends=kept.ends(found, partial(_ends, file, dtype, count, eos, docs)),
                 mask=mask,
                 token_file=(file, 0),
             )

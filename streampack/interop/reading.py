@@ -45,6 +45,11 @@ __all__ = ["READERS", "Foreign", "ForeignOptions", "ForeignShard", "ForeignShard
 #: Tokens a scan for an id compares at a time (its temporary array holds one byte a token).
 SCAN_TOKENS = 1 << 22
 
+#: Bytes of document ends (8 a document) that an open which scans for them (nanoGPT, OLMo, llm.c: files
+#: without an index) keeps for the shards' first reads, so that reading them (a ``convert``, an export)
+#: scans the files once, not twice; a shard past it is scanned again when first read.
+KEPT_ENDS_BYTES = 1 << 26
+
 #: Format name -> the module that reads it, in the order a path is tried.
 READERS: dict[str, str] = {
     "megatron": "streampack.interop.megatron",
@@ -417,28 +422,36 @@ def forget_pages(chunk: np.ndarray) -> None:
         mapped.madvise(mmap.MADV_DONTNEED, first, stop - first)
 
 
-def count_id(tokens: np.ndarray, token_id: int) -> int:
-    """How many times ``token_id`` occurs in ``tokens`` (a memory map), read :data:`SCAN_TOKENS` at a time."""
-    return sum(int(np.count_nonzero(chunk == token_id)) for _, chunk in scanned(tokens))
-
-
 def id_positions(tokens: np.ndarray, token_id: int) -> np.ndarray:
     """Where ``token_id`` occurs in ``tokens`` (int64, ascending), read :data:`SCAN_TOKENS` at a time."""
     parts = [np.flatnonzero(chunk == token_id) + start for start, chunk in scanned(tokens)]
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
 
-def docs_ending_at(tokens: np.ndarray, eos_id: int) -> int:
-    """The documents of a stream in which each ends with ``eos_id``: a tail after the last EOS is one more."""
-    return count_id(tokens, eos_id) + int(len(tokens) > 0 and int(tokens[-1]) != eos_id)
-
-
 def ends_at(tokens: np.ndarray, eos_id: int) -> np.ndarray:
-    """The end of each document of :func:`docs_ending_at` (uint64): after each EOS, and the stream's end."""
+    """The end of each document of a stream in which each ends with ``eos_id`` (uint64): after each EOS,
+    and at the stream's end (a tail after the last EOS is one more document)."""
     ends = id_positions(tokens, eos_id) + 1
     if len(tokens) and (not len(ends) or int(ends[-1]) != len(tokens)):
         ends = np.append(ends, len(tokens))
     return ends.astype(np.uint64)
+
+
+class KeptEnds:
+    """The document ends the scans of one open found, kept up to :data:`KEPT_ENDS_BYTES` in all."""
+
+    def __init__(self) -> None:
+        self.left = KEPT_ENDS_BYTES
+
+    def ends(self, found: np.ndarray, rescan: Callable[[], np.ndarray]) -> Callable[[], np.ndarray]:
+        """A :attr:`ForeignShard.ends` that gives ``found`` (uint64, read-only) while the budget holds it,
+        else ``rescan``."""
+        if found.nbytes > self.left:
+            return rescan
+        self.left -= found.nbytes
+        kept = found.astype(np.uint64)
+        kept.flags.writeable = False
+        return lambda: kept
 
 
 def check_doc_count(path: Path, ends: np.ndarray, num_docs: int) -> np.ndarray:
