@@ -501,3 +501,15 @@ def test_olmo_bad_files_name_the_file_and_field(sft: streampack.Cache, tmp_path:
         streampack.open(tmp_path / "header.npy", eos_id=1)
     with pytest.raises(OptionsError, match=r"none is known: pass eos_id="):
         streampack.open(tmp_path / "good" / "token_ids_part_000000.npy")
+
+
+def test_a_scan_of_a_file_cut_short_since_it_was_opened_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "train.bin"
+    np.arange(1000, dtype="<u2").tofile(path)
+    span = reading.TokenSpan(path, np.dtype("<u2"), 0, 1000)
+    np.testing.assert_array_equal(np.concatenate([c.copy() for _, c in span.chunks(300)]), np.arange(1000))
+    assert span[-1] == 999 and span[0] == 0
+    with open(path, "r+b") as f:
+        f.truncate(1500)
+    with pytest.raises(CacheError, match=r"train\.bin: ended at byte 1,500, before the 1,000 tokens"):
+        reading.id_positions(span, 7)

@@ -49,6 +49,7 @@ from streampack.interop.reading import (
     ForeignOptions,
     ForeignShard,
     KeptEnds,
+    TokenSpan,
     check_doc_count,
     check_id_fits,
     id_positions,
@@ -272,7 +273,7 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
     shards = []
     kept = KeptEnds()
     for f, (count, _) in zip(files, counts):
-        found = _ends_found(map_tokens(f, dtype, HEADER_BYTES, count), delimiter)
+        found = _ends_found(TokenSpan(f, dtype, HEADER_BYTES, count), delimiter)
         docs = len(found)
         shards.append(
             ForeignShard(
@@ -326,10 +327,10 @@ def _header(path: Path) -> tuple[int, int]:
 
 def _ends(path: Path, dtype: np.dtype, count: int, delimiter: int, docs: int) -> np.ndarray:
     """:func:`_ends_found` of the shard ``path``, which must still hold ``docs`` documents."""
-    return check_doc_count(path, _ends_found(map_tokens(path, dtype, HEADER_BYTES, count), delimiter), docs)
+    return check_doc_count(path, _ends_found(TokenSpan(path, dtype, HEADER_BYTES, count), delimiter), docs)
 
 
-def _ends_found(tokens: np.ndarray, delimiter: int) -> np.ndarray:
+def _ends_found(tokens: TokenSpan, delimiter: int) -> np.ndarray:
     """A document ends before each delimiter but one at the start, and at the shard's end (uint64)."""
     starts = id_positions(tokens, delimiter)
     ends = np.append(starts[starts > 0], len(tokens)) if len(tokens) else starts

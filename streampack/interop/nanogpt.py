@@ -46,6 +46,7 @@ from streampack.interop.reading import (
     ForeignOptions,
     ForeignShard,
     KeptEnds,
+    TokenSpan,
     check_doc_count,
     check_id_fits,
     ends_at,
@@ -192,7 +193,7 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
     first_doc = 0
     found: list[np.ndarray | None] = []
     kept = KeptEnds()
-    spans = plan_shards(map_tokens(file, dtype, 0, count), eos, SHARD_TOKENS, found=found)
+    spans = plan_shards(TokenSpan(file, dtype, 0, count), eos, SHARD_TOKENS, found=found)
     for index, (start, stop, docs) in enumerate(spans):
         offset, length = start * dtype.itemsize, stop - start
         rescan = partial(_ends, file, dtype, offset, length, eos, docs)
@@ -214,7 +215,7 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
 
 
 def plan_shards(
-    tokens: np.ndarray,
+    tokens: np.ndarray | TokenSpan,
     eos_id: int | None,
     shard_tokens: int,
     *,
@@ -299,7 +300,7 @@ class _HeldEnds:
 def _ends(path: Path, dtype: np.dtype, offset: int, count: int, eos: int | None, docs: int) -> np.ndarray:
     if eos is None:
         return np.array([count] if count else [], dtype=np.uint64)
-    return check_doc_count(path, ends_at(map_tokens(path, dtype, offset, count), eos), docs)
+    return check_doc_count(path, ends_at(TokenSpan(path, dtype, offset, count), eos), docs)
 
 
 class _PlainData(pickle.Unpickler):

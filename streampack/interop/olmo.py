@@ -48,6 +48,7 @@ from streampack.interop.reading import (
     ForeignOptions,
     ForeignShard,
     KeptEnds,
+    TokenSpan,
     check_doc_count,
     check_id_fits,
     ends_at,
@@ -215,7 +216,7 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
         if masks is not None:
             _check_mask(masks[index], file, count)
             mask = partial(map_tokens, masks[index], np.dtype(np.uint8), 0, count)
-        found = ends_at(map_tokens(file, dtype, 0, count), eos)
+        found = ends_at(TokenSpan(file, dtype, 0, count), eos)
         docs = len(found)
         shards.append(
             ForeignShard(
@@ -334,4 +335,4 @@ def _check_mask(mask: Path, file: Path, count: int) -> None:
 
 
 def _ends(path: Path, dtype: np.dtype, count: int, eos: int, docs: int) -> np.ndarray:
-    return check_doc_count(path, ends_at(map_tokens(path, dtype, 0, count), eos), docs)
+    return check_doc_count(path, ends_at(TokenSpan(path, dtype, 0, count), eos), docs)

@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 
 __all__ = ["READERS", "Foreign", "ForeignOptions", "ForeignShard", "ForeignShards", "open_foreign"]
 
-#: Tokens a scan for an id compares at a time (its temporary array holds one byte a token).
-SCAN_TOKENS = 1 << 22
+#: Tokens a scan for an id compares at a time (its temporary array holds one byte a token; a read of a
+#: file's 1 Mi tokens stays in the CPU's cache: 4 Mi at a time scanned 25% slower here).
+SCAN_TOKENS = 1 << 20
 
 #: Bytes of document ends (8 a document) that an open which scans for them (nanoGPT, OLMo, llm.c: files
 #: without an index) keeps for the shards' first reads, so that reading them (a ``convert``, an export)
@@ -397,10 +398,57 @@ def check_ends(path: Path, ends: np.ndarray, num_tokens: int) -> np.ndarray:
     return ends
 
 
-def scanned(tokens: np.ndarray, step: int = SCAN_TOKENS) -> Iterator[tuple[int, np.ndarray]]:
-    """``(start, chunk)`` of ``tokens`` (a memory map), ``step`` at a time; each chunk's pages are let go
-    of once the caller is done with it, so that a scan of a large file leaves this process's memory as it
-    was (a mapped page read counts towards it until unmapped)."""
+@dataclass(frozen=True)
+class TokenSpan:
+    """``count`` tokens of ``dtype`` at byte ``offset`` of the file ``path``, as a scan reads them: by plain
+    reads into one buffer, which leave no mapped pages to fault in and let go of (a third faster than a
+    scan of a memory map here)."""
+
+    path: Path
+    dtype: np.dtype
+    offset: int
+    count: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        """Token ``index`` (one read)."""
+        _, chunk = next(self.chunks(1, first=range(self.count)[index]))
+        return int(chunk[0])
+
+    def chunks(self, step: int = SCAN_TOKENS, first: int = 0) -> Iterator[tuple[int, np.ndarray]]:
+        """``(start, chunk)`` from token ``first`` on, ``step`` at a time; each chunk is the buffer the next
+        read overwrites.
+
+        Raises:
+            CacheError: the file ends early (it was cut short since it was opened).
+        """
+        itemsize = self.dtype.itemsize
+        buffer = np.empty(min(step, max(self.count - first, 0)), dtype=self.dtype)
+        raw = buffer.view(np.uint8).data
+        with open(self.path, "rb", buffering=0) as f:
+            for start in range(first, self.count, step):
+                n = min(step, self.count - start)
+                view, got, at = raw[: n * itemsize], 0, self.offset + start * itemsize
+                while got < len(view):
+                    read = os.preadv(f.fileno(), [view[got:]], at + got)
+                    if not read:
+                        raise CacheError(
+                            f"{self.path}: ended at byte {at + got:,}, before the {self.count:,} tokens it "
+                            "held when it was opened: the file was cut short; open it again"
+                        )
+                    got += read
+                yield start, buffer[:n]
+
+
+def scanned(tokens: np.ndarray | TokenSpan, step: int = SCAN_TOKENS) -> Iterator[tuple[int, np.ndarray]]:
+    """``(start, chunk)`` of ``tokens`` (a file's :class:`TokenSpan`, or a memory map), ``step`` at a time;
+    a map's chunk's pages are let go of once the caller is done with it, so that a scan of a large file
+    leaves this process's memory as it was (a mapped page read counts towards it until unmapped)."""
+    if isinstance(tokens, TokenSpan):
+        yield from tokens.chunks(step)
+        return
     for start in range(0, len(tokens), step):
         chunk = tokens[start : start + step]
         yield start, chunk
@@ -422,13 +470,13 @@ def forget_pages(chunk: np.ndarray) -> None:
         mapped.madvise(mmap.MADV_DONTNEED, first, stop - first)
 
 
-def id_positions(tokens: np.ndarray, token_id: int) -> np.ndarray:
+def id_positions(tokens: np.ndarray | TokenSpan, token_id: int) -> np.ndarray:
     """Where ``token_id`` occurs in ``tokens`` (int64, ascending), read :data:`SCAN_TOKENS` at a time."""
     parts = [np.flatnonzero(chunk == token_id) + start for start, chunk in scanned(tokens)]
     return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
 
 
-def ends_at(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+def ends_at(tokens: np.ndarray | TokenSpan, eos_id: int) -> np.ndarray:
     """The end of each document of a stream in which each ends with ``eos_id`` (uint64): after each EOS,
     and at the stream's end (a tail after the last EOS is one more document)."""
     ends = id_positions(tokens, eos_id) + 1
