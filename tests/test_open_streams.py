@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import CacheError, OptionsError
-from streampack.interop import nanogpt, reading
+from streampack.interop import nanogpt, scanning
 from tests.conftest import SAMPLE_CORPUS
 
 EOT = 50256  # GPT-2's <|endoftext|>
@@ -311,7 +311,7 @@ def test_nanogpt_shards_are_cut_after_the_last_eos_that_fits(ids: list[int], siz
     if ids:  # the ends the scan kept are each shard's, from its start
         for (start, stop, docs), kept in zip(spans, found, strict=True):
             assert kept is not None and len(kept) == docs
-            np.testing.assert_array_equal(kept, reading.ends_at(tokens[start:stop], 0))
+            np.testing.assert_array_equal(kept, scanning.ends_at(tokens[start:stop], 0))
 
 
 @pytest.mark.parametrize("format", ["nanogpt", "llmc", "olmo"])
@@ -323,7 +323,7 @@ def test_documents_past_the_kept_ends_are_found_again(
     natural.export(format, tmp_path / format, **({"shard_tokens": 20_000} if format == "llmc" else {}))
     declared = {} if format == "llmc" else {"eos_id": natural.eos_id}
     kept = streampack.open(tmp_path / format, **declared)
-    monkeypatch.setattr(reading, "KEPT_ENDS_BYTES", 0)
+    monkeypatch.setattr(scanning, "KEPT_ENDS_BYTES", 0)
     monkeypatch.setattr(nanogpt, "KEPT_ENDS_BYTES", 0)
     found_again = streampack.open(tmp_path / format, **declared)
     assert kept.num_shards == found_again.num_shards and kept.num_docs == found_again.num_docs
@@ -506,10 +506,10 @@ def test_olmo_bad_files_name_the_file_and_field(sft: streampack.Cache, tmp_path:
 def test_a_scan_of_a_file_cut_short_since_it_was_opened_says_so(tmp_path: Path) -> None:
     path = tmp_path / "train.bin"
     np.arange(1000, dtype="<u2").tofile(path)
-    span = reading.TokenSpan(path, np.dtype("<u2"), 0, 1000)
+    span = scanning.TokenSpan(path, np.dtype("<u2"), 0, 1000)
     np.testing.assert_array_equal(np.concatenate([c.copy() for _, c in span.chunks(300)]), np.arange(1000))
     assert span[-1] == 999 and span[0] == 0
     with open(path, "r+b") as f:
         f.truncate(1500)
     with pytest.raises(CacheError, match=r"train\.bin: ended at byte 1,500, before the 1,000 tokens"):
-        reading.id_positions(span, 7)
+        scanning.id_positions(span, 7)

@@ -48,12 +48,14 @@ from streampack.interop.reading import (
     Foreign,
     ForeignOptions,
     ForeignShard,
-    KeptEnds,
-    TokenSpan,
     check_doc_count,
     check_id_fits,
-    id_positions,
     map_tokens,
+)
+from streampack.interop.scanning import (
+    KeptEnds,
+    TokenSpan,
+    id_positions,
 )
 from streampack.interop.writing import (
     Destination,

@@ -40,17 +40,19 @@ import numpy as np
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.llmc import has_header
 from streampack.interop.reading import (
-    KEPT_ENDS_BYTES,
-    SCAN_TOKENS,
     Foreign,
     ForeignOptions,
     ForeignShard,
-    KeptEnds,
-    TokenSpan,
     check_doc_count,
     check_id_fits,
-    ends_at,
     map_tokens,
+)
+from streampack.interop.scanning import (
+    KEPT_ENDS_BYTES,
+    SCAN_TOKENS,
+    KeptEnds,
+    TokenSpan,
+    ends_at,
     scanned,
 )
 from streampack.interop.writing import (

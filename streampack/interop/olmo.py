@@ -47,12 +47,14 @@ from streampack.interop.reading import (
     Foreign,
     ForeignOptions,
     ForeignShard,
-    KeptEnds,
-    TokenSpan,
     check_doc_count,
     check_id_fits,
-    ends_at,
     map_tokens,
+)
+from streampack.interop.scanning import (
+    KeptEnds,
+    TokenSpan,
+    ends_at,
 )
 from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, write_tokens
 
