@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import CacheError, OptionsError
-from streampack.interop import nanogpt
+from streampack.interop import nanogpt, scanning
 from tests.conftest import SAMPLE_CORPUS
 
 EOT = 50256  # GPT-2's <|endoftext|>
@@ -294,7 +294,9 @@ def test_nanogpt_export_opens_as_the_same_stream(
 )
 def test_nanogpt_shards_are_cut_after_the_last_eos_that_fits(ids: list[int], size: int, scan: int) -> None:
     tokens = np.array(ids, dtype=np.uint16)  # 0 is the EOS
-    spans = nanogpt.plan_shards(tokens, 0, size, scan_tokens=scan)
+    found: list[np.ndarray | None] = []
+    spans = nanogpt.plan_shards(tokens, 0, size, scan_tokens=scan, found=found)
+    assert spans == nanogpt.plan_shards(tokens, 0, size, scan_tokens=scan)
     ends = (np.flatnonzero(tokens == 0) + 1).tolist()
     assert [a for a, _, _ in spans] == [0, *(b for _, b, _ in spans[:-1])] and spans[-1][1] == len(tokens)
     for start, stop, docs in spans:
@@ -306,6 +308,28 @@ def test_nanogpt_shards_are_cut_after_the_last_eos_that_fits(ids: list[int], siz
         if stop < len(tokens):  # the last EOS that fits, or the first one past the limit
             assert stop == (fits[-1] if fits else min(e for e in ends if e > start))
     assert sum(d for _, _, d in spans) == (len(ends) + int(bool(ids) and ids[-1] != 0))
+    if ids:  # the ends the scan kept are each shard's, from its start
+        for (start, stop, docs), kept in zip(spans, found, strict=True):
+            assert kept is not None and len(kept) == docs
+            np.testing.assert_array_equal(kept, scanning.ends_at(tokens[start:stop], 0))
+
+
+@pytest.mark.parametrize("format", ["nanogpt", "llmc", "olmo"])
+def test_documents_past_the_kept_ends_are_found_again(
+    format: str, natural: streampack.Cache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An open keeps the document ends its scan found (so that a convert scans once); past the budget a
+    shard's are found again when read, the same."""
+    natural.export(format, tmp_path / format, **({"shard_tokens": 20_000} if format == "llmc" else {}))
+    declared = {} if format == "llmc" else {"eos_id": natural.eos_id}
+    kept = streampack.open(tmp_path / format, **declared)
+    monkeypatch.setattr(scanning, "KEPT_ENDS_BYTES", 0)
+    monkeypatch.setattr(nanogpt, "KEPT_ENDS_BYTES", 0)
+    found_again = streampack.open(tmp_path / format, **declared)
+    assert kept.num_shards == found_again.num_shards and kept.num_docs == found_again.num_docs
+    for shard in range(kept.num_shards):
+        np.testing.assert_array_equal(kept.shard_offsets(shard), found_again.shard_offsets(shard))
+    assert_docs(found_again, docs_of(kept))
 
 
 def test_nanogpt_val_bin_opens_as_the_held_out_documents(natural: streampack.Cache, tmp_path: Path) -> None:
@@ -477,3 +501,15 @@ def test_olmo_bad_files_name_the_file_and_field(sft: streampack.Cache, tmp_path:
         streampack.open(tmp_path / "header.npy", eos_id=1)
     with pytest.raises(OptionsError, match=r"none is known: pass eos_id="):
         streampack.open(tmp_path / "good" / "token_ids_part_000000.npy")
+
+
+def test_a_scan_of_a_file_cut_short_since_it_was_opened_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "train.bin"
+    np.arange(1000, dtype="<u2").tofile(path)
+    span = scanning.TokenSpan(path, np.dtype("<u2"), 0, 1000)
+    np.testing.assert_array_equal(np.concatenate([c.copy() for _, c in span.chunks(300)]), np.arange(1000))
+    assert span[-1] == 999 and span[0] == 0
+    with open(path, "r+b") as f:
+        f.truncate(1500)
+    with pytest.raises(CacheError, match=r"train\.bin: ended at byte 1,500, before the 1,000 tokens"):
+        scanning.id_positions(span, 7)

@@ -6,8 +6,10 @@ Pure: nothing here reads or writes a file (that is :mod:`streampack.store.files`
 
 from __future__ import annotations
 
+import importlib
 import re
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,20 @@ def checked_shard_name(name: object) -> str:
     if not isinstance(name, str) or not _SHARD_NAME.match(name):
         raise CacheError(f"invalid shard name {name!r} in the manifest: expected six digits like '000042'")
     return name
+
+
+def _crc32_function() -> Callable[..., int]:
+    """ISA-L's CRC-32 where the ``isal`` package is installed (carry-less multiply instructions: about ten
+    times zlib's 3 GB/s on this machine's x86_64), else zlib's: the same function, the same values."""
+    try:
+        found: Callable[..., int] = importlib.import_module("isal.isal_zlib").crc32
+        return found
+    except ImportError:
+        return zlib.crc32
+
+
+#: ``crc32(data, value=0)``: the CRC-32 of zlib (IEEE 802.3) of a bytes-like ``data``, continuing ``value``.
+crc32: Callable[..., int] = _crc32_function()
 
 
 def checksum_text(crc: int) -> str:

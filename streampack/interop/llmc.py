@@ -45,8 +45,18 @@ import numpy as np
 
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.files import map_tokens
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_doc_count, check_id_fits
-from streampack.interop.scans import count_id, id_positions
+from streampack.interop.reading import (
+    Foreign,
+    ForeignOptions,
+    ForeignShard,
+    check_doc_count,
+    check_id_fits,
+)
+from streampack.interop.scanning import (
+    KeptEnds,
+    TokenSpan,
+    id_positions,
+)
 from streampack.interop.writing import (
     Destination,
     Progress,
@@ -263,16 +273,17 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
     delimiter = DELIMITERS[itemsize] if options.bos_id is None else options.bos_id
     check_id_fits(path, "bos_id", delimiter, dtype)
     shards = []
+    kept = KeptEnds()
     for f, (count, _) in zip(files, counts):
-        tokens = map_tokens(f, dtype, HEADER_BYTES, count)
-        docs = count_id(tokens, delimiter) + int(count > 0 and int(tokens[0]) != delimiter)
+        found = _ends_found(TokenSpan(f, dtype, HEADER_BYTES, count), delimiter)
+        docs = len(found)
         shards.append(
             ForeignShard(
                 f,
                 docs,
                 count,
                 tokens=partial(map_tokens, f, dtype, HEADER_BYTES, count),
-                ends=partial(_ends, f, dtype, count, delimiter, docs),
+                ends=kept.ends(found, partial(_ends, f, dtype, count, delimiter, docs)),
                 token_file=(f, HEADER_BYTES),
             )
         )
@@ -317,7 +328,12 @@ def _header(path: Path) -> tuple[int, int]:
 
 
 def _ends(path: Path, dtype: np.dtype, count: int, delimiter: int, docs: int) -> np.ndarray:
-    """A document ends before each delimiter but one at the start, and at the shard's end."""
-    starts = id_positions(map_tokens(path, dtype, HEADER_BYTES, count), delimiter)
-    ends = np.append(starts[starts > 0], count) if count else starts
-    return check_doc_count(path, ends.astype(np.uint64), docs)
+    """:func:`_ends_found` of the shard ``path``, which must still hold ``docs`` documents."""
+    return check_doc_count(path, _ends_found(TokenSpan(path, dtype, HEADER_BYTES, count), delimiter), docs)
+
+
+def _ends_found(tokens: TokenSpan, delimiter: int) -> np.ndarray:
+    """A document ends before each delimiter but one at the start, and at the shard's end (uint64)."""
+    starts = id_positions(tokens, delimiter)
+    ends = np.append(starts[starts > 0], len(tokens)) if len(tokens) else starts
+    return ends.astype(np.uint64)

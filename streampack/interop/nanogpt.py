@@ -40,8 +40,21 @@ import numpy as np
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.files import map_tokens
 from streampack.interop.llmc import has_header
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_doc_count, check_id_fits
-from streampack.interop.scans import SCAN_TOKENS, ends_at, scanned
+from streampack.interop.reading import (
+    Foreign,
+    ForeignOptions,
+    ForeignShard,
+    check_doc_count,
+    check_id_fits,
+)
+from streampack.interop.scanning import (
+    KEPT_ENDS_BYTES,
+    SCAN_TOKENS,
+    KeptEnds,
+    TokenSpan,
+    ends_at,
+    scanned,
+)
 from streampack.interop.writing import (
     Destination,
     Progress,
@@ -180,15 +193,20 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
     vocab = _vocab_size(meta) if meta.is_file() else None
     shards = []
     first_doc = 0
-    for start, stop, docs in plan_shards(map_tokens(file, dtype, 0, count), eos, SHARD_TOKENS):
+    found: list[np.ndarray | None] = []
+    kept = KeptEnds()
+    spans = plan_shards(TokenSpan(file, dtype, 0, count), eos, SHARD_TOKENS, found=found)
+    for index, (start, stop, docs) in enumerate(spans):
         offset, length = start * dtype.itemsize, stop - start
+        rescan = partial(_ends, file, dtype, offset, length, eos, docs)
+        ends = found[index] if index < len(found) else None
         shards.append(
             ForeignShard(
                 file,
                 docs,
                 length,
                 tokens=partial(map_tokens, file, dtype, offset, length),
-                ends=partial(_ends, file, dtype, offset, length, eos, docs),
+                ends=rescan if ends is None else kept.ends(ends, rescan),
                 token_file=(file, offset),
                 first_doc=first_doc,
             )
@@ -199,19 +217,29 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
 
 
 def plan_shards(
-    tokens: np.ndarray, eos_id: int | None, shard_tokens: int, *, scan_tokens: int = SCAN_TOKENS
+    tokens: np.ndarray | TokenSpan,
+    eos_id: int | None,
+    shard_tokens: int,
+    *,
+    scan_tokens: int = SCAN_TOKENS,
+    found: list[np.ndarray | None] | None = None,
 ) -> list[tuple[int, int, int]]:
     """``(start, stop, documents)`` of each shard of a flat stream, found in one pass that compares
     ``scan_tokens`` at a time: each cut after the last EOS within ``shard_tokens`` tokens of its start
-    (after the first EOS past them if a document is longer); one shard, one document, without ``eos_id``."""
+    (after the first EOS past them if a document is longer); one shard, one document, without ``eos_id``.
+
+    ``found``, where given, receives each shard's document ends (uint64, from its start), or None for the
+    shards past :data:`~streampack.interop.reading.KEPT_ENDS_BYTES` of them (found again when read)."""
     total = len(tokens)
     if eos_id is None or not total:
         return [(0, total, int(total > 0))]
     spans: list[tuple[int, int, int]] = []
+    held = _HeldEnds(found)
     start = last = docs = 0  # the shard's start, the end of its last document so far, its documents
     for lo, chunk in scanned(tokens, scan_tokens):
         hi = lo + len(chunk)
         ends = np.flatnonzero(chunk == eos_id) + (lo + 1)
+        held.add(ends)
         j = 0
         while True:
             limit = start + shard_tokens
@@ -222,23 +250,59 @@ def plan_shards(
                 break  # every end up to the limit is not seen yet
             if last > start:
                 spans.append((start, last, docs))
+                held.close(start, last)
                 start, docs = last, 0
             elif j < len(ends):  # a document longer than a shard: it ends at the next EOS
                 end = int(ends[j])
                 spans.append((start, end, 1))
+                held.close(start, end)
                 start = last = end
                 j += 1
             else:
                 break
     if start < total:
-        spans.append((start, total, docs + int(int(tokens[total - 1]) != eos_id)))
+        tail = int(tokens[total - 1]) != eos_id  # tokens after the last EOS: one more document
+        spans.append((start, total, docs + int(tail)))
+        if tail:
+            held.add(np.array([total], dtype=np.int64))
+        held.close(start, total)
     return spans
+
+
+class _HeldEnds:
+    """The document ends :func:`plan_shards` has seen and not yet given to a shard: each shard's, once it
+    is cut, go to ``found`` (while they stay within :data:`KEPT_ENDS_BYTES` in all, then None)."""
+
+    def __init__(self, found: list[np.ndarray | None] | None) -> None:
+        self.found = found
+        self.parts: list[np.ndarray] | None = [] if found is not None else None
+        self.given = 0
+
+    def add(self, ends: np.ndarray) -> None:
+        """Hold the ends (absolute, ascending) of the chunk just scanned."""
+        if self.parts is not None and len(ends):
+            self.parts.append(ends)
+
+    def close(self, start: int, stop: int) -> None:
+        """Give the held ends up to ``stop`` to the shard ``[start, stop)`` just cut."""
+        if self.found is None or self.parts is None:
+            return
+        held = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.int64)
+        cut = int(np.searchsorted(held, stop, side="right"))
+        mine, rest = held[:cut], held[cut:]
+        self.given += mine.nbytes
+        if self.given > KEPT_ENDS_BYTES:  # the rest are found again when read: memory stays bounded
+            self.parts = None
+            self.found.append(None)
+            return
+        self.parts = [rest]
+        self.found.append((mine - start).astype(np.uint64))
 
 
 def _ends(path: Path, dtype: np.dtype, offset: int, count: int, eos: int | None, docs: int) -> np.ndarray:
     if eos is None:
         return np.array([count] if count else [], dtype=np.uint64)
-    return check_doc_count(path, ends_at(map_tokens(path, dtype, offset, count), eos), docs)
+    return check_doc_count(path, ends_at(TokenSpan(path, dtype, offset, count), eos), docs)
 
 
 class _PlainData(pickle.Unpickler):

@@ -44,8 +44,18 @@ import numpy as np
 
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.files import map_tokens
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_doc_count, check_id_fits
-from streampack.interop.scans import docs_ending_at, ends_at
+from streampack.interop.reading import (
+    Foreign,
+    ForeignOptions,
+    ForeignShard,
+    check_doc_count,
+    check_id_fits,
+)
+from streampack.interop.scanning import (
+    KeptEnds,
+    TokenSpan,
+    ends_at,
+)
 from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:
@@ -201,20 +211,22 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
         if value is not None:
             check_id_fits(path, name, value, dtype)
     shards = []
+    kept = KeptEnds()
     for index, file in enumerate(tokens):
         count = _token_count(file, dtype)
         mask = None
         if masks is not None:
             _check_mask(masks[index], file, count)
             mask = partial(map_tokens, masks[index], np.dtype(np.uint8), 0, count)
-        docs = docs_ending_at(map_tokens(file, dtype, 0, count), eos)
+        found = ends_at(TokenSpan(file, dtype, 0, count), eos)
+        docs = len(found)
         shards.append(
             ForeignShard(
                 file,
                 docs,
                 count,
                 tokens=partial(map_tokens, file, dtype, 0, count),
-                ends=partial(_ends, file, dtype, count, eos, docs),
+                ends=kept.ends(found, partial(_ends, file, dtype, count, eos, docs)),
                 mask=mask,
                 token_file=(file, 0),
                 mask_file=masks[index] if masks is not None else None,
@@ -326,4 +338,4 @@ def _check_mask(mask: Path, file: Path, count: int) -> None:
 
 
 def _ends(path: Path, dtype: np.dtype, count: int, eos: int, docs: int) -> np.ndarray:
-    return check_doc_count(path, ends_at(map_tokens(path, dtype, 0, count), eos), docs)
+    return check_doc_count(path, ends_at(TokenSpan(path, dtype, 0, count), eos), docs)

@@ -9,7 +9,6 @@ table).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,7 +17,7 @@ import numpy as np
 
 from streampack.errors import CacheError
 from streampack.format.manifest import Manifest
-from streampack.format.names import OFFSET_DTYPE, checksum_text, mask_key, offsets_key, tokens_key
+from streampack.format.names import OFFSET_DTYPE, checksum_text, crc32, mask_key, offsets_key, tokens_key
 from streampack.reader.cache import Cache
 from streampack.reader.report import VerifyReport
 from streampack.store.remote import RemoteStore
@@ -135,7 +134,7 @@ def check_shard(
         return [f"{offsets_file}: cannot read ({e})"]
     report.bytes_checked += offsets.nbytes
     problems = []
-    offsets_crc = checksum_text(zlib.crc32(offsets.data))
+    offsets_crc = checksum_text(crc32(offsets.data))
     if checksums and offsets_crc != info.offsets_checksum:
         problems.append(
             f"{offsets_file}: checksum {offsets_crc} does not match the manifest's {info.offsets_checksum}"
@@ -300,7 +299,7 @@ def _scan(
     wrong = {name: failed.copy() for name, (_, _, failed) in places.items()}
     start = 0
     for chunk in chunks:
-        scan.crc = zlib.crc32(chunk.data, scan.crc)
+        scan.crc = crc32(chunk.data, scan.crc)
         if limit is not None and scan.first_over is None and len(chunk) and int(chunk.max()) >= limit:
             at = int(np.argmax(chunk >= limit))
             scan.first_over = (start + at, int(chunk[at]))
