@@ -1,14 +1,16 @@
 """The forms in which the fast engine (``fastokens``) runs a tiktoken encoding fastest, and loads it fastest.
 
 * GPT-2's pattern (r50k, p50k): the ``tokenizer.json`` of :mod:`streampack.tokenizer.tiktoken_json`, whose
-  ByteLevel pre-tokenizer fastokens splits with hand-written code, ~3x its general regex.
+  ByteLevel pre-tokenizer fastokens splits with hand-written code (3x ``from_tiktoken``'s general regex on
+  the 12 MB sample corpus).
 * cl100k_base's and o200k_base's patterns: ``Tokenizer.from_tiktoken`` with the *caseless* spelling of the
-  pattern (Llama 3's for cl100k), which fastokens recognises and splits with hand-written code too, ~3x
-  the general regex it runs on the sidecars' spelling. ``from_tiktoken`` reads the ranks natively: o200k
-  loaded in 1.3-2 s of CPU, against ~4.7 s for the same ranks written as a ``tokenizer.json`` with ~446,000
-  merges (generated and parsed: ``python benchmarks/bench_build.py --encodings all``), and the ids are
-  BPE over ranks, tiktoken's own rule.
-* any other pattern: ``from_tiktoken`` with the pattern itself, which fastokens runs with its general regex.
+  pattern (Llama 3's for cl100k), which fastokens recognises and splits with hand-written code too (2-3x the
+  general regex it runs on the sidecars' spelling). It reads the ranks natively, without the GIL: 0.5 s of
+  CPU for cl100k and 1.4 s for o200k, against 1.5-1.9 s and 4.5-5.5 s for the same ranks written as a
+  ``tokenizer.json`` with every merge (233,000 and 446,000), generated in Python and parsed; and its ids are
+  BPE over the ranks, tiktoken's own rule.
+* any other pattern (none is proven exact today: :mod:`streampack.tokenizer.proofs`): ``from_tiktoken``
+  with the pattern itself, which fastokens runs with its general regex.
 
 The hand-written splitters fold the contractions' ASCII cases only: exactly the spelling with the cases
 listed (measured, tests/test_tiktoken_fast.py). The caseless spellings, as tiktoken runs them, also fold
