@@ -293,9 +293,9 @@ def measure_encodings(
         "",
         "Per ranks file of `../shared/data/tokenizers/tiktoken`: the fast engine's raw limit "
         "(`_raw_limit.py --backend fastokens-tiktoken`, loaded as builds load it: cl100k's and o200k's "
-        "split pattern in a `tokenizer.json`, `tiktoken_json.fast_split`) and `streampack build "
-        "--tokenizer tiktoken:RANKS --profile`. Ratios in tokens/s (the encodings make different numbers "
-        "of tokens from the same texts), medians of the per-repeat ratios.",
+        "ranks by `from_tiktoken` with the caseless spelling of their pattern, `fast_forms.fast_split`) "
+        "and `streampack build --tokenizer tiktoken:RANKS --profile`. Ratios in tokens/s (the encodings "
+        "make different numbers of tokens from the same texts), medians of the per-repeat ratios.",
         "",
         "| ranks | row | wall s | build s, own timer | M tokens/s | ÷ GPT-2's same row "
         "| ÷ its fast raw limit | peak RSS MB (tree) | tokens "

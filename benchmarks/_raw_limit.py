@@ -66,32 +66,20 @@ def time_fastokens(texts: list[str], path: str, batch: int, ranks: bool) -> tupl
 
     ``ranks``: ``path`` is a ``.tiktoken`` file, with its ``pat_str`` and ``special_tokens`` in the ``.json``
     beside it, loaded as streampack loads it (GPT-2's pattern as the equivalent ``tokenizer.json``, cl100k's
-    and o200k's as one with their split pattern, which fastokens splits with hand-written code: see
-    :mod:`streampack.tokenizer.tiktoken_json`; texts holding U+017F, which builds send to tiktoken, are
-    encoded by fastokens here); else a ``tokenizer.json``.
+    and o200k's by ``from_tiktoken`` with the caseless spelling of their pattern, which fastokens splits with
+    hand-written code: see :mod:`streampack.tokenizer.fast_forms`; texts holding U+017F, which builds send to
+    tiktoken, are encoded by fastokens here); else a ``tokenizer.json``.
     """
     import fastokens
 
-    if ranks:
+    if ranks:  # as builds load it: streampack.tokenizer.fast_forms
         from tiktoken.load import load_tiktoken_bpe
 
-        from streampack.tokenizer.pieces import GPT2_SPLIT_PATTERNS
-        from streampack.tokenizer.tiktoken_json import byte_level_json, fast_split
+        from streampack.tokenizer.fast_forms import load_fast_tiktoken
 
         meta = json.loads(Path(path).with_suffix(".json").read_text())
-        split = fast_split(meta["pat_str"])
-        if meta["pat_str"] in GPT2_SPLIT_PATTERNS:  # its fastest form, ~10x from_tiktoken's: what builds use
-            definition = byte_level_json(load_tiktoken_bpe(path), meta["special_tokens"])
-            tok = fastokens.Tokenizer.from_json_str(definition)
-        elif (
-            split is not None
-        ):  # cl100k's, o200k's: their split pattern in a tokenizer.json, as builds load it
-            definition = byte_level_json(load_tiktoken_bpe(path), meta["special_tokens"], split=split.pattern)
-            tok = fastokens.Tokenizer.from_json_str(definition)
-        else:
-            tok = fastokens.Tokenizer.from_tiktoken(
-                path, pattern=meta["pat_str"], special_tokens=meta["special_tokens"]
-            )
+        table = load_tiktoken_bpe(path)
+        tok = load_fast_tiktoken(fastokens, Path(path), table, meta["pat_str"], meta["special_tokens"])
     else:
         tok = fastokens.Tokenizer.from_file(path)
     seconds, tokens = 0.0, 0

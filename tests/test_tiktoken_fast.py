@@ -21,8 +21,8 @@ import zstandard
 import streampack
 from streampack.tokenizer import load_tokenizer
 from streampack.tokenizer.engines import RoutedEngine
+from streampack.tokenizer.fast_forms import fast_split
 from streampack.tokenizer.pieces import CL100K_CASELESS, O200K_CASELESS
-from streampack.tokenizer.tiktoken_json import fast_split
 from tests.conftest import SAMPLE_CORPUS, TIKTOKEN_GPT2
 
 tiktoken = pytest.importorskip("tiktoken")

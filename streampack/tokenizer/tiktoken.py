@@ -19,10 +19,10 @@ from streampack.errors import MissingDependencyError, TokenizerError
 from streampack.tokenizer.base import LibraryTokenizer
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
 from streampack.tokenizer.engines import RoutedEngine, TiktokenEngine
-from streampack.tokenizer.pieces import GPT2_SPLIT_PATTERNS, tiktoken_cut_safety
+from streampack.tokenizer.fast_forms import fast_split, load_fast_tiktoken
+from streampack.tokenizer.pieces import tiktoken_cut_safety
 from streampack.tokenizer.proofs import fastokens_mismatch_tiktoken
 from streampack.tokenizer.specials import EOS_NAMES
-from streampack.tokenizer.tiktoken_json import byte_level_json, fast_split
 
 
 class TiktokenTokenizer(LibraryTokenizer):
@@ -90,16 +90,8 @@ class TiktokenTokenizer(LibraryTokenizer):
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
 
-        split = fast_split(pattern)
-
         def load(fastokens: Any) -> Any:
-            # Its fastest forms: see streampack.tokenizer.tiktoken_json.
-            if pattern in GPT2_SPLIT_PATTERNS:
-                return fastokens.Tokenizer.from_json_str(byte_level_json(mergeable_ranks, specials))
-            if split is not None:
-                definition = byte_level_json(mergeable_ranks, specials, split=split.pattern)
-                return fastokens.Tokenizer.from_json_str(definition)
-            return fastokens.Tokenizer.from_tiktoken(str(ranks), pattern=pattern, special_tokens=specials)
+            return load_fast_tiktoken(fastokens, ranks, mergeable_ranks, pattern, specials)
 
         chosen, self.engine_reason = self._choose_engine(
             engine,
@@ -109,6 +101,7 @@ class TiktokenTokenizer(LibraryTokenizer):
             split_special=not self._allowed,
             refusal=f"{ranks}: fastokens is not known to give this encoding's ids",
         )
+        split = fast_split(pattern)
         if split is not None and split.exact_for and chosen is not self._reference:
             chosen = RoutedEngine(chosen, self._reference, split.exact_for)
             self.engine_reason += (

@@ -12,20 +12,16 @@ in that form. The ranks become:
   join, both pick the same pair. This is how Hugging Face converts tiktoken encodings; the build still
   re-encodes a sample with tiktoken itself (``verify_tokens``) and the tests compare whole caches.
 
-cl100k_base and o200k_base get the same treatment, with their pattern as a ``Split`` pre-tokenizer before a
-ByteLevel one that only maps bytes: fastokens recognises their caseless spellings (Llama 3's for cl100k)
-and splits them with hand-written code too, ~10x its general regex (:func:`fast_split`).
+cl100k_base's and o200k_base's patterns run fastest in another form: see
+:mod:`streampack.tokenizer.fast_forms`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
-
-from streampack.tokenizer.pieces import CL100K_CASELESS, CL100K_LISTED, O200K_CASELESS, O200K_LISTED
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -56,36 +52,9 @@ def merges_of(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
     return [(m[3], m[4]) for m in ranked]
 
 
-@dataclass(frozen=True)
-class FastSplit:
-    """How fastokens splits a tiktoken pattern fast: ``pattern`` in the ``tokenizer.json``, and the
-    characters (``exact_for``) whose texts go to tiktoken instead, where the two patterns may split apart."""
-
-    pattern: str
-    exact_for: str = ""
-
-
-# fastokens splits the caseless spellings with hand-written code that folds the contractions' ASCII cases
-# only: exactly the listed spellings (measured, tests/test_tiktoken_fast.py). The caseless spellings, as
-# tiktoken runs them, also fold U+017F (long s) to s, so texts holding it go to tiktoken.
-_FAST_SPLITS = {
-    CL100K_LISTED: FastSplit(CL100K_CASELESS),
-    O200K_LISTED: FastSplit(O200K_CASELESS),
-    CL100K_CASELESS: FastSplit(CL100K_CASELESS, exact_for="\u017f"),
-    O200K_CASELESS: FastSplit(O200K_CASELESS, exact_for="\u017f"),
-}
-
-
-def fast_split(pattern: str) -> FastSplit | None:
-    """The fast form of tiktoken's split ``pattern`` in fastokens, where it has one (cl100k's, o200k's)."""
-    return _FAST_SPLITS.get(pattern)
-
-
-def byte_level_json(
-    ranks: Mapping[bytes, int], special_tokens: Mapping[str, int], *, split: str | None = None
-) -> str:
-    """The ``tokenizer.json`` of a tiktoken encoding (see the module docstring): its pre-tokenizer is GPT-2's
-    ByteLevel regex, or ``split`` followed by a ByteLevel mapping of bytes."""
+def byte_level_json(ranks: Mapping[bytes, int], special_tokens: Mapping[str, int]) -> str:
+    """The ``tokenizer.json`` of a tiktoken encoding with GPT-2's split pattern (see the module docstring):
+    its pre-tokenizer is GPT-2's ByteLevel regex."""
     spelled = {token: token.decode("latin-1").translate(_BYTE_CHARS) for token in ranks}
     definition: dict[str, Any] = {
         "version": "1.0",
@@ -104,7 +73,12 @@ def byte_level_json(
             for content, token_id in special_tokens.items()
         ],
         "normalizer": None,
-        "pre_tokenizer": _pre_tokenizer(split),
+        "pre_tokenizer": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": True,
+            "use_regex": True,
+        },
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
         "model": {
@@ -122,17 +96,3 @@ def byte_level_json(
         },
     }
     return orjson.dumps(definition).decode("utf-8")
-
-
-def _pre_tokenizer(split: str | None) -> dict[str, Any]:
-    """GPT-2's ByteLevel pre-tokenizer, or the ``split`` regex then ByteLevel without its own regex."""
-    byte_level = {
-        "type": "ByteLevel",
-        "add_prefix_space": False,
-        "trim_offsets": True,
-        "use_regex": split is None,
-    }
-    if split is None:
-        return byte_level
-    regex = {"type": "Split", "pattern": {"Regex": split}, "behavior": "Isolated", "invert": False}
-    return {"type": "Sequence", "pretokenizers": [regex, byte_level]}
