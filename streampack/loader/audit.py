@@ -319,14 +319,29 @@ def _loader(entry: Mapping[str, Any], data: Any) -> Loader:
             block_size=block,
             stop=getattr(base, "stop", "never"),
         )
-        return Loader(mixture, batch_size=batch)
+        return Loader(mixture, batch_size=batch, seq_len_schedule=_schedule(entry))
     if isinstance(data, Ordered):
         raise OptionsError(
             f"the run read one dataset (an order of kind {entry['kind']!r}): give its cache, not a mixture"
         )
     if isinstance(data, (str, Path)):
         data = _samples(str(data), entry["data"])
-    return Loader(data, batch_size=batch, seed=int(entry["seed"]), shuffle=shuffle)
+    return Loader(
+        data, batch_size=batch, seed=int(entry["seed"]), shuffle=shuffle, seq_len_schedule=_schedule(entry)
+    )
+
+
+def _schedule(entry: Mapping[str, Any]) -> list[list[int]] | None:
+    """The lengths a leg served its units at (a seq_len schedule, or a resume at another seq_len; the
+    units are the entry's data): what the leg's loader is made with, so that it checks they fit."""
+    served, unit = entry.get("served"), entry["data"].get("seq_len")
+    if served is None:
+        return None
+    schedule = served["schedule"] if served["schedule"] is not None else [[0, int(served["seq_len"])]]
+    # A leg that joined units (resumed at a multiple of their length) served the same units; the loader
+    # that ran it checked its lengths, and a loader made afresh takes only lengths that divide them.
+    divides = isinstance(unit, int) and all(unit % length == 0 for _, length in schedule)
+    return schedule if divides else None
 
 
 def _is_config(data: str | Path) -> bool:
