@@ -7,6 +7,7 @@ The caches hold token ``t`` at stream position ``t``: every row says which token
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -279,6 +280,26 @@ def test_dict_output_gives_each_sub_window_its_own_boundaries(numbered: streampa
     expected = windows.boundaries((units[:, None] * 4 + np.arange(4)).reshape(-1))
     np.testing.assert_array_equal(batch["position_ids"], expected.position_ids)
     assert batch["input_ids"].shape == (16, 16) and (batch["position_ids"][:, 0] == 0).all()
+
+
+def test_mask_mode_exclusions_mask_the_sub_windows_of_an_excluded_document(
+    numbered: streampack.Cache,
+) -> None:
+    from streampack.loader import Exclusions
+
+    excluded = Exclusions(documents=[1], mode="mask")  # stream tokens [700, 3000)
+    options = {"batch_size": 8, "seed": 1, "output": "dict", "seq_len_schedule": [(0, 16)]}
+    loader = Loader(numbered.sequences(UNIT), exclude=excluded, **options)
+    plain = Loader(numbered.sequences(UNIT), **options)
+    hits = 0
+    for position in itertools.islice(loader.schedule(), 40):  # an endless run: its first 40 batches
+        batch, unmasked = loader.batch(position), plain.batch(position)
+        np.testing.assert_array_equal(batch["input_ids"], unmasked["input_ids"])
+        inside = (batch["input_ids"] >= 700) & (batch["input_ids"] < 3000)
+        assert (batch["labels"][inside] == -100).all()
+        np.testing.assert_array_equal(batch["labels"][~inside], unmasked["labels"][~inside])
+        hits += int(inside.sum())
+    assert hits
 
 
 def test_the_audit_of_a_run_with_a_schedule_is_clean_and_catches_a_repeat(numbered: streampack.Cache) -> None:

@@ -219,9 +219,8 @@ class Loader(Checkpointed):
         sources, samples = self.picks(position)
         span = self._span(position)
         if self._served is not None and self._served.splits(position):  # a unit's sub-windows
-            result = self._served.batch(
-                position, (sources, samples), span, out, self._out_dtype, self._masking
-            )
+            units = self._rows.read(position, sources, samples, None, self._out_dtype)
+            result = self._served.batch(position, (sources, samples), units, span, out, self._masking)
         else:
             tokens = self._rows.read(position, sources, samples, out, self._out_dtype)
             result = formatted(self.formatter, tokens, (sources, samples), span, self._masking)

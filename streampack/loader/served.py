@@ -25,7 +25,7 @@ from streampack._checks import is_int
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader.collate import CausalLMDict, Format, format_for
 from streampack.loader.options import LoaderOptions, check_size
-from streampack.loader.reading import Rows, _Source
+from streampack.loader.reading import _Source
 from streampack.loader.seqlen import SeqLenSchedule
 from streampack.loader.state import read_loader_state
 from streampack.order import Order
@@ -77,10 +77,10 @@ class Served:
                     "sub-windows of windows of its largest length. Read cache.sequences(L) with L the "
                     "largest length, a multiple of every other"
                 )
-        self._views: dict[int, tuple[Rows, Format]] = {}
+        self._formats: dict[int, Format] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__ | {"_views": {}}  # made again where unpickled
+        return self.__dict__ | {"_formats": {}}  # made again where unpickled
 
     def length(self, position: int) -> int:
         """The length the batch at ``position`` is served at."""
@@ -111,62 +111,102 @@ class Served:
         self,
         position: int,
         picks: tuple[np.ndarray, np.ndarray],
+        units: np.ndarray,
         span: tuple[int, int],
         out: np.ndarray | None,
-        dtype: np.dtype,
         masking: Masked | None,
     ) -> Any:
-        """The formatted batch of the units ``picks`` (at the positions ``span``), each as its
-        sub-windows, or joined ``length / unit`` at a time."""
+        """The formatted batch of the units ``picks`` (their tokens ``units``, at the positions ``span``),
+        each as its sub-windows, or joined ``length / unit`` at a time.
+
+        The tokens are cut from the units as read (planned, as any batch is read): a sub-window is a
+        slice of its unit's row, so only the document boundaries are asked of the windows at ``length``.
+        """
         length = self.length(position)
         if length > self.unit:
-            return self._joined(position, picks, span, out, dtype, masking, length // self.unit)
+            return self._joined(picks, units, span, out, masking, length // self.unit)
         k = self.unit // length
-        rows, formatter = self._view(length)
+        tokens = _cut(units, k, length, self.overlap, out)
         sources = np.repeat(picks[0], k)
         samples = (picks[1][:, None] * k + np.arange(k, dtype=np.int64)).reshape(-1)
-        tokens = rows.read(position, sources, samples, out, dtype)
-        return formatted(formatter, tokens, (sources, samples), span, masking, k)
+        return formatted(self._formatter(length), tokens, (sources, samples), span, masking, k)
 
     def _joined(
         self,
-        position: int,
         picks: tuple[np.ndarray, np.ndarray],
+        units: np.ndarray,
         span: tuple[int, int],
         out: np.ndarray | None,
-        dtype: np.dtype,
         masking: Masked | None,
         m: int,
     ) -> Any:
         """Rows of ``m`` consecutive units: their input tokens end to end, then the last one's overlap.
         Each unit's start stays a segment start (``position_ids`` 0, label -100): it is not the previous
         unit's continuation."""
-        rows, formatter = self._view(self.unit)
-        units = rows.read(position, *picks, None, dtype)
         count, unit = len(units) // m, self.unit
         tokens = units[:, :unit].reshape(count, m * unit)
         if self.overlap:
             tokens = np.concatenate([tokens, units[m - 1 :: m, unit:]], axis=1)
-        if out is not None:
-            if out.shape != tokens.shape:
-                raise ValueError(f"out must be of shape {tokens.shape} (got {out.shape})")
-            np.copyto(out, tokens)
-            tokens = out
-        result = formatted(formatter, units, picks, span, masking)
+        tokens = _into(tokens, out)
+        result = formatted(self._formatter(unit), units, picks, span, masking)
         if not isinstance(result, dict):
             return tokens
         shaped = {key: v.reshape(count, -1) if np.ndim(v) == 2 else v for key, v in result.items()}
         return shaped | {"input_ids": tokens}
 
-    def _view(self, length: int) -> tuple[Rows, Format]:
-        view = self._views.get(length)
-        if view is None:
+    def _formatter(self, length: int) -> Format:
+        """The format of windows of ``length`` (their document boundaries), made once."""
+        found = self._formats.get(length)
+        if found is None:
             from streampack.samples.lengths import at_seq_len
 
-            parts = [at_seq_len(part, length) for part in self._parts]
-            view = Rows([_Source(part) for part in parts]), format_for(self.output, parts)
-            self._views = self._views | {length: view}  # a new dict: a prefetch thread may read this one
-        return view
+            found = format_for(self.output, [at_seq_len(part, length) for part in self._parts])
+            self._formats = self._formats | {length: found}  # a new dict: a prefetch thread may read it
+        return found
+
+
+def _cut(units: np.ndarray, k: int, length: int, overlap: int, out: np.ndarray | None) -> np.ndarray:
+    """The ``k`` sub-windows of ``length`` (and ``overlap``) of each row of ``units``, row after row: a
+    view without overlap, else block copies (the inputs, then each overlap column), into ``out`` if given."""
+    count, width = len(units), length + overlap
+    if overlap == 0:
+        return _into(units.reshape(count * k, length), out)
+    if overlap > length:  # each overlap reaches past the next sub-window: cut by strides
+        step = units.strides[1]
+        cut = np.lib.stride_tricks.as_strided(
+            units, (count, k, width), (units.strides[0], length * step, step), writeable=False
+        )
+        return _into(cut.reshape(count * k, width), out)
+    if out is None:
+        out = np.empty((count * k, width), dtype=units.dtype)
+    elif (
+        not isinstance(out, np.ndarray)
+        or out.shape != (count * k, width)
+        or not np.can_cast(units.dtype, out.dtype)
+    ):
+        return _into(np.empty((count * k, width), dtype=units.dtype), out)  # the message of a wrong out
+    rows = out.reshape(count, k, width)
+    rows[:, :, :length] = units[:, : k * length].reshape(count, k, length)
+    for t in range(overlap):  # token (j + 1) * length + t of the unit ends sub-window j
+        rows[:, :, length + t] = units[:, length + t :: length][:, :k]
+    return out
+
+
+def _into(tokens: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``tokens`` copied into ``out`` when given (checked), else as a new contiguous array."""
+    if out is None:
+        return np.ascontiguousarray(tokens)
+    if (
+        not isinstance(out, np.ndarray)
+        or out.shape != tokens.shape
+        or not np.can_cast(tokens.dtype, out.dtype)
+    ):
+        raise ValueError(
+            f"out must be a numpy array of shape {tokens.shape} and a dtype that holds {tokens.dtype} "
+            f"(got {type(out).__name__} {getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
+        )
+    np.copyto(out, tokens)
+    return out
 
 
 def formatted(
