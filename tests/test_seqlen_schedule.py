@@ -316,6 +316,9 @@ def test_the_audit_of_a_run_with_a_schedule_is_clean_and_catches_a_repeat(number
     assert report.clean, report.text()
     assert report.sources[0].samples == 9 * 8 + 10 * 4
     assert report.sources[0].tokens == report.sources[0].samples * UNIT
+    assert audit(shorter.state_dict(), seqs.path, seq_len=16).clean  # a length the run served at
+    with pytest.raises(OptionsError, match=r"records seq_len \[16, 32, 64\]"):
+        audit(shorter.state_dict(), seqs.path, seq_len=48)
     replayed = Loader(seqs, batch_size=8, seed=5, seq_len_schedule=schedule)
     replayed.load_state_dict(at_4, step=9)  # the model had trained 9 steps; the data state is of 4
     replayed.advance(8)

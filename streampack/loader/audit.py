@@ -250,14 +250,22 @@ def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed
     for key, given in (("seq_len", seq_len), ("seed", seed)):
         if given is None:
             continue
-        recorded = sorted(
-            {e["data"].get("seq_len") if key == "seq_len" else e["seed"] for e in entries} - {None}
-        )
+        if key == "seed":
+            recorded = sorted({e["seed"] for e in entries})
+        else:  # the units' length, and those a seq_len schedule served them at
+            recorded = sorted({length for e in entries for length in _lengths(e)} - {None})
         if recorded and given not in recorded:
             raise OptionsError(
                 f"{key}={given} was given, but the run's history records {key} {recorded}; leave it out "
                 "(the history holds it) or give the run's"
             )
+
+
+def _lengths(entry: Mapping[str, Any]) -> list[int | None]:
+    """The sequence lengths a history entry's leg read: its units', and those it served them at."""
+    served = entry.get("served") or {}
+    schedule = served.get("schedule") or []
+    return [entry["data"].get("seq_len"), served.get("seq_len"), *(length for _, length in schedule)]
 
 
 def leg_loaders(entries: Sequence[Mapping[str, Any]], data: Any) -> list[Loader]:

@@ -2,10 +2,11 @@
 for, and a checkpoint's units taken over by a loader of another ``seq_len``.
 
 The order, the positions and the batches stay those of the units (:mod:`streampack.loader.seqlen`): a
-batch at length ``l`` is this rank's units, each read as its ``k = U / l`` sub-windows, unit after unit
-(rows ``k*i .. k*i + k - 1`` are unit ``i`` of the rank's slice, in the order of its text). Those are
-windows ``u*k .. u*k + k - 1`` of the same stream at ``l`` (:mod:`streampack.samples.lengths`), read and
-formatted by what reads any windows, with their own document boundaries.
+batch at length ``l`` is this rank's units, read as any batch is (planned), each cut into its ``k = U / l``
+sub-windows, unit after unit (rows ``k*i .. k*i + k - 1`` are unit ``i`` of the rank's slice, in the order
+of its text): a view of the rows without overlap, block copies with it. Those are windows
+``u*k .. u*k + k - 1`` of the same stream at ``l`` (:mod:`streampack.samples.lengths`), whose document
+boundaries (``output="dict"``) are asked of those windows.
 
 Why in one batch and on one rank: a unit's sub-windows are one read of contiguous tokens, and a trainer's
 step sees the same tokens at every length (its token budget); the rows of a step are as random as the
