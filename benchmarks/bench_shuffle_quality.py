@@ -32,6 +32,16 @@ Its last rows are the order of :class:`~streampack.loader.follow.Follow` (traini
 of consecutive samples whose sizes double from 1,024 to the largest, each shuffled within itself (for
 them, window x block is the largest era).
 
+Then the rows a :class:`~streampack.loader.seqlen.SeqLenSchedule` serves at a short length: the order
+permutes units of ``k`` windows of that length (``n / k`` windows of the largest length), and each unit's
+``k`` sub-windows are served together, in one batch (what the Loader does), next to the alternative of
+spreading them over ``k`` consecutive batches (each batch one sub-window of each of ``k`` times as many
+units), for ``k`` = 4 (512 of 2048) and 16 (128 of 2048); compare them with the global shuffle's row. Kept
+together, a batch of 512 short rows holds the units of 128 (or 32) rows of the largest length, the same
+tokens, and so their mix: its TV b=512 is the global shuffle's at a batch of 128 units (0.136) or 32
+(0.262), where spreading them would give the short windows' own 0.068, at the price of batches that depend
+on ``k`` batches' units (a position inside a unit, a change of length only at a group's end).
+
 The table is printed and saved to ``benchmarks/results/shuffle-quality.md``.
 
 Usage::
@@ -225,7 +235,30 @@ def locality_table(repeats: int) -> list[str]:
         rows.append(
             locality_row(name, follow.samples(positions), len(pickle.dumps(follow)), ms, largest // BLOCK)
         )
+    rows += [schedule_row(k, spread) for k in SUB_WINDOWS for spread in (False, True)]
     return rows
+
+
+# Sub-windows a unit is served as: 512 (and 128) tokens of units of 2048.
+SUB_WINDOWS = (4, 16)
+# Rows of a global batch at the short length, for the spread over batches.
+SCHEDULE_BATCH = 512
+
+
+def schedule_row(k: int, spread: bool) -> str:
+    """The order of the ``LOCALITY_N`` windows of a short length that a schedule serves: units of ``k`` of
+    them in the global shuffle, each unit's sub-windows together, or spread over ``k`` batches."""
+    units = Permutation(LOCALITY_N // k, seed=SEED)(np.arange(LOCALITY_N // k, dtype=np.int64))
+    subs = units[:, None] * k + np.arange(k)  # (units, k): each unit's sub-windows, in its order
+    if spread:  # groups of k batches: batch j of a group holds sub-window j of each of the group's units
+        per_group = SCHEDULE_BATCH  # units of a group: one sub-window of each in each of its k batches
+        groups = subs[: len(subs) // per_group * per_group].reshape(-1, per_group, k)
+        order = groups.transpose(0, 2, 1).reshape(-1)
+        name = f"seq_len schedule, units of {k} spread over {k} batches of {SCHEDULE_BATCH}"
+    else:
+        order = subs.reshape(-1)
+        name = f"seq_len schedule, units of {k} sub-windows, in one batch (the Loader's)"
+    return locality_row(name, order, "", None, LOCALITY_N // BLOCK)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,7 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     described = (
         f"Locality: n = {LOCALITY_N:,} samples, blocks of {BLOCK:,} consecutive samples, {DOMAINS} domains "
         "in contiguous runs (TV: batch domain mix vs the corpus'); 'local blocks': most distinct blocks in "
-        "2 x window x block consecutive positions."
+        "2 x window x block consecutive positions. The seq_len schedule rows: n windows of a short length "
+        "(the 16 domains over them), in units of k; a batch of 512 of them together holds 512 / k units, "
+        "the mix of a batch of 512 / k windows of the largest length (the same tokens)."
     )
     table = locality_table(args.repeats)
     print(described + "\n\n" + "\n".join(table), flush=True)

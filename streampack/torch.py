@@ -326,8 +326,11 @@ class _SlotRing:
 
     @staticmethod
     def fits(loader: Loader) -> bool:
-        """Whether batches are plain token arrays the ring can carry (numpy output, no custom collate)."""
-        return isinstance(loader.formatter, Tokens) and loader.collate is None
+        """Whether batches are plain token arrays of one shape the ring can carry (numpy output, no custom
+        collate, no seq_len schedule)."""
+        return (
+            isinstance(loader.formatter, Tokens) and loader.collate is None and not loader.serves_sub_windows
+        )
 
     def put(self, loader: Loader, worker: int, position: int) -> _Slot:
         """Write the batch at ``position`` into this worker's next slot (called in the worker)."""

@@ -448,11 +448,12 @@ def test_the_largest_position_a_state_may_hold_serves_batches(shuffle: bool) -> 
 
 def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
     state = Loader(cache.sequences(16), batch_size=4).state_dict()
+    with pytest.raises(LoaderStateError, match="windows of 16 tokens, this loader serves seq_len 24"):
+        Loader(cache.sequences(24), batch_size=4).load_state_dict(state)  # 32 would join them two a row
     with pytest.raises(
-        LoaderStateError,
-        match=r"data in checkpoint: \{.*'seq_len': 16.*\} / data in this loader.*sequence length changed",
+        LoaderStateError, match=r"data in checkpoint: \{.*'overlap': 0.*\} / data in this loader"
     ):
-        Loader(cache.sequences(32), batch_size=4).load_state_dict(state)
+        Loader(cache.sequences(16, overlap=1), batch_size=4).load_state_dict(state)
     with pytest.raises(LoaderStateError, match="not a streampack loader state"):
         Loader(cache.sequences(16), batch_size=4).load_state_dict([1, 2])  # type: ignore[arg-type]
 

@@ -42,7 +42,7 @@ import numpy as np
 from streampack._aliases import renamed
 from streampack.loader import inforce
 from streampack.loader.checkpoint import Checkpointed
-from streampack.loader.collate import CausalLMDict, Format, format_for
+from streampack.loader.collate import Format, format_for
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.given import given
 from streampack.loader.growing import Growing, Reach
@@ -50,6 +50,8 @@ from streampack.loader.growmix import growing_mixture
 from streampack.loader.lookahead import files_ahead, prefetch_steps
 from streampack.loader.options import LoaderOptions, Output, SourceShare
 from streampack.loader.reading import DataSource, Rows, _Source
+from streampack.loader.seqlen import SeqLenSchedule
+from streampack.loader.served import formatted, served_for
 from streampack.loader.state import LOADER_VERSION
 from streampack.order import Order, Ordered
 
@@ -57,7 +59,16 @@ if TYPE_CHECKING:
     from streampack.loader.prefetch import Prefetcher
     from streampack.store.localcopy import CachedStore
 
-__all__ = ["STATE_VERSION", "DataSource", "Exclusions", "Loader", "LoaderOptions", "Output", "SourceShare"]
+__all__ = [
+    "STATE_VERSION",
+    "DataSource",
+    "Exclusions",
+    "Loader",
+    "LoaderOptions",
+    "Output",
+    "SeqLenSchedule",
+    "SourceShare",
+]
 __getattr__ = renamed(__name__, {"SourceProgress": "SourceShare"})  # 0.1's name
 
 STATE_VERSION = LOADER_VERSION
@@ -126,6 +137,9 @@ class Loader(Checkpointed):
         # How far a growing source is known and opened (streampack.loader.growing); None: it is whole.
         self._reach = Reach(source) if isinstance(source, Growing) else None
         self.formatter: Format = format_for(self.options.output, [source.data for source in sources])
+        # The units served at other lengths (a seq_len schedule, streampack.loader.served); None: as they are.
+        self._served = served_for(self.options, sources, self._reach is not None)
+        self._own_order = order is None and not isinstance(source, (Ordered, Growing))
         # Exclusions (streampack.loader.inforce): those given, those in force, the order they filter, and
         # per process the documents each names, by digest.
         self._exclude_given, self._base = inforce.listed(exclude), self.order
@@ -151,8 +165,8 @@ class Loader(Checkpointed):
 
     @property
     def width(self) -> int:
-        """Tokens per sample: ``seq_len + overlap``."""
-        return self._rows.width
+        """Tokens per sample: ``seq_len + overlap`` (at the loader's own ``seq_len``, with a schedule)."""
+        return self._rows.width if self._served is None else self._served.width
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle options, sources, order and position, not the plan or the prefetch thread (made again
@@ -203,24 +217,23 @@ class Loader(Checkpointed):
             An array, or a dict of arrays, passed through ``collate`` when one was given.
         """
         sources, samples = self.picks(position)
-        tokens = self._rows.read(position, sources, samples, out, self._out_dtype)
-        if self._masking is not None and isinstance(self.formatter, CausalLMDict):
-            rows = np.arange(*self._span(position), dtype=np.int64)
-            masking = self._masking
-            result = self.formatter(
-                tokens, sources, samples, masked=lambda r, d: masking(rows, sources, r, d)
-            )
+        span = self._span(position)
+        if self._served is not None and self._served.splits(position):  # a unit's sub-windows
+            units = self._rows.read(position, sources, samples, None, self._out_dtype)
+            result = self._served.batch(position, (sources, samples), units, span, out, self._masking)
         else:
-            result = self.formatter(tokens, sources, samples)
+            tokens = self._rows.read(position, sources, samples, out, self._out_dtype)
+            result = formatted(self.formatter, tokens, (sources, samples), span, self._masking)
         if self._rows.prefetches:  # a cache in object storage: fetch the next steps' shards
             self._prefetch(position)
         return self.collate(result) if self.collate is not None else result
 
     def batch_shape(self, position: int) -> tuple[int, int]:
         """Shape ``(rows, width)`` of this rank's token array at ``position``: ``batch_size //
-        world_size`` rows, except in the last, partial batch (``drop_last=False``)."""
+        world_size`` rows, except in the last, partial batch (``drop_last=False``); with a
+        ``seq_len_schedule``, each unit's sub-windows at the length in force."""
         lo, hi = self._span(position)
-        return hi - lo, self.width
+        return (hi - lo, self.width) if self._served is None else self._served.shape(position, hi - lo)
 
     def picks(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """Source ids and sample ids of this rank's rows of the batch at ``position`` (``int64``).

@@ -265,9 +265,10 @@ def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed
     for key, given in (("seq_len", seq_len), ("seed", seed)):
         if given is None:
             continue
-        recorded = sorted(
-            {e["data"].get("seq_len") if key == "seq_len" else e["seed"] for e in entries} - {None}
-        )
+        if key == "seed":
+            recorded = sorted({e["seed"] for e in entries})
+        else:  # the units' length, and those a seq_len schedule served them at
+            recorded = sorted({length for e in entries for length in _lengths(e)} - {None})
         if recorded and given not in recorded:
             raise OptionsError(
                 f"{key}={given} was given, but the run's history records {key} {recorded}; leave it out "
@@ -284,6 +285,13 @@ def run_exclusions(data: Any, exclude: Exclusions | Sequence[Exclusions] | None)
 
         return mixture_exclusions(data)
     return []
+
+
+def _lengths(entry: Mapping[str, Any]) -> list[int | None]:
+    """The sequence lengths a history entry's leg read: its units', and those it served them at."""
+    served = entry.get("served") or {}
+    schedule = served.get("schedule") or []
+    return [entry["data"].get("seq_len"), served.get("seq_len"), *(length for _, length in schedule)]
 
 
 def leg_loaders(
@@ -359,7 +367,13 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
             block_size=block,
             stop=getattr(base, "stop", "never"),
         )
-        return Loader(mixture, batch_size=batch, exclude=exclude, output=_output(exclude))
+        return Loader(
+            mixture,
+            batch_size=batch,
+            exclude=exclude,
+            output=_output(exclude),
+            seq_len_schedule=_schedule(entry),
+        )
     if isinstance(data, Ordered):
         raise OptionsError(
             f"the run read one dataset (an order of kind {entry['kind']!r}): give its cache, not a mixture"
@@ -373,12 +387,26 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
         shuffle=shuffle,
         exclude=exclude,
         output=_output(exclude),
+        seq_len_schedule=_schedule(entry),
     )
 
 
 def _output(exclude: list[Exclusions]) -> str:
     """The output a loader with these exclusions serves in the audit: mask mode needs labels to mask."""
     return "dict" if any(entry.mode == "mask" for entry in exclude) else "numpy"
+
+
+def _schedule(entry: Mapping[str, Any]) -> list[list[int]] | None:
+    """The lengths a leg served its units at (a seq_len schedule, or a resume at another seq_len; the
+    units are the entry's data): what the leg's loader is made with, so that it checks they fit."""
+    served, unit = entry.get("served"), entry["data"].get("seq_len")
+    if served is None:
+        return None
+    schedule = served["schedule"] if served["schedule"] is not None else [[0, int(served["seq_len"])]]
+    # A leg that joined units (resumed at a multiple of their length) served the same units; the loader
+    # that ran it checked its lengths, and a loader made afresh takes only lengths that divide them.
+    divides = isinstance(unit, int) and all(unit % length == 0 for _, length in schedule)
+    return schedule if divides else None
 
 
 def _is_config(data: str | Path) -> bool:

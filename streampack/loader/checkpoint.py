@@ -9,9 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from streampack._checks import check_int
 from streampack.loader import inforce
+from streampack.loader.collate import format_for
 from streampack.loader.exclusions import Exclusions, entry_state
 from streampack.loader.history import history_entry
 from streampack.loader.options import check_last_batch
+from streampack.loader.reading import Rows
+from streampack.loader.served import regrained
 from streampack.loader.state import read_loader_state, resume, saved
 from streampack.loader.steps import Steps
 from streampack.order import Order
@@ -19,7 +22,8 @@ from streampack.order import Order
 if TYPE_CHECKING:
     from streampack.loader.collate import Format
     from streampack.loader.excluding import Masking
-    from streampack.loader.reading import Rows, _Source
+    from streampack.loader.reading import _Source
+    from streampack.loader.served import Served
 
 __all__ = ["Checkpointed"]
 
@@ -36,6 +40,8 @@ class Checkpointed(Steps):
     _in_force: Sequence[tuple[Exclusions, int, int]] = ()
     _masking: Masking | None = None
     _history: tuple[dict[str, Any], ...] = ()  # a loader 0.1 pickled knows none
+    _served: Served | None = None  # no seq_len schedule (streampack.loader.served)
+    _own_order = False  # whether the loader made its order from its options
     batches_per_step: int = 1
     """Global batches the trainer takes per step (its gradient accumulation), recorded in the history
     entry of the stretch of the run now being read, so that an audit counts the trainer's steps; the
@@ -47,6 +53,12 @@ class Checkpointed(Steps):
     _base: Order
     _configured: Order
     _excluded_docs: inforce.Found
+
+    @property
+    def serves_sub_windows(self) -> bool:
+        """Whether batches may be served at lengths other than the units' (a ``seq_len_schedule``, or a
+        resume at another ``seq_len``): their shape then follows the length (:meth:`batch_shape`)."""
+        return self._served is not None
 
     @property
     def sources(self) -> list[_Source]:
@@ -95,6 +107,7 @@ class Checkpointed(Steps):
         return history_entry(
             position, self._base, self._configured, self.options, data, step=step,
             batches_per_step=self.batches_per_step, exclusions=self.exclusions_state() or None,
+            served=None if self._served is None else self._served.entry(),
         )  # fmt: skip
 
     def exclusions_state(self) -> list[dict[str, Any]]:
@@ -133,6 +146,26 @@ class Checkpointed(Steps):
         """
         if step is not None:
             step = check_int("step", step, min=0, max=2**62, hint="the trainer's step at this resume")
+        before = self._take_over(state)
+        try:
+            self._resume(state, step)
+        except BaseException:
+            self.__dict__.update(before)  # as it was: the units it read, its order and options
+            raise
+
+    def _take_over(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """Read the units of ``state`` when they are windows of another length that this loader's lengths
+        divide (:func:`~streampack.loader.served.regrained`); what it held before, to undo it."""
+        keys = ("options", "_rows", "formatter", "order", "_base", "_configured", "_served", "_in_force")
+        before = {key: self.__dict__[key] for key in keys if key in self.__dict__}
+        parts = regrained(state, self.sources, self.options, self._served, self._own_order)
+        if parts is not None:
+            self.options, self._rows, self._served = parts.options, Rows(parts.sources), parts.served
+            self.formatter = format_for(self.options.output, [source.data for source in parts.sources])
+            self.order = self._base = self._configured = parts.order
+        return before
+
+    def _resume(self, state: Mapping[str, Any], step: int | None) -> None:
         datasets = [source.data for source in self.sources]
         position, order = resume(state, self._configured, datasets)  # the state read strictly
         order, kept = inforce.resumed(

@@ -45,6 +45,7 @@ def history_entry(
     step: int | None = None,
     batches_per_step: int = 1,
     exclusions: Any = None,
+    served: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One entry of a state's history (:data:`HISTORY_ENTRY`): how a run was read from ``position``.
 
@@ -54,8 +55,11 @@ def history_entry(
     the data's layout, ``seq_len`` and ``overlap``, the batch and world size, the exclusions in force;
     the digest of the order in force, to check the recomputed one; ``step``, the trainer's own step
     there when a framework adapter (or the caller) gave it, null otherwise; and ``batches_per_step``,
-    the global batches the trainer takes per step (gradient accumulation), which the adapters set.
-    Every field is bounded: a history grows by one small entry per resume.
+    the global batches the trainer takes per step (gradient accumulation), which the adapters set; and
+    for a loader that serves its units at other lengths (a seq_len schedule, or a resume at another
+    ``seq_len``), ``served``: its own ``seq_len`` and the schedule's ``[first token, seq_len]`` pairs
+    (:mod:`streampack.loader.seqlen`; ``data`` holds the units' ``seq_len``). Every field is bounded: a
+    history grows by one small entry per resume.
     """
     mine = order.fingerprint()
     own = configured.fingerprint()
@@ -63,7 +67,7 @@ def history_entry(
     if mine.get("kind") == "blocks":
         shuffle = {"block": mine.get("block"), "window": mine.get("window")}
     mixed = own.get("kind") == "mixture"
-    return {
+    entry = {
         "position": int(position),
         "step": None if step is None else int(step),
         "order": order_digest(mine),
@@ -78,3 +82,4 @@ def history_entry(
         "schedule": own.get("schedule") if mixed else None,
         "exclusions": exclusions,
     }
+    return entry if served is None else entry | {"served": dict(served)}

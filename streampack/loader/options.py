@@ -9,7 +9,7 @@ with an options object replace its fields (:func:`with_keywords`). :class:`Sourc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 
@@ -19,6 +19,7 @@ import numpy.typing as npt
 from streampack._aliases import renamed
 from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
+from streampack.loader.seqlen import SeqLenSchedule
 
 if TYPE_CHECKING:
     from streampack.order import Order
@@ -72,6 +73,12 @@ class LoaderOptions:
             :class:`streampack.loader.collate.CausalLMDict`.
         dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype (the smallest to move
             between processes; cast on arrival).
+        seq_len_schedule: the sequence length from each token of the run on, a
+            :class:`~streampack.loader.seqlen.SeqLenSchedule` or its ``(first token, seq_len)`` pairs:
+            the samples (``cache.sequences(U)``, ``U`` the largest length) are *units*, each served at a
+            shorter length ``l`` as its ``U / l`` sub-windows in the same batch, so a batch holds
+            ``batch_size * U / l`` rows of ``l`` (the same tokens at every length) and no token of an
+            epoch is served twice or skipped across a change. ``None``: every batch at ``U``.
 
     Raises:
         OptionsError: (a ``ValueError``) an option is out of range or of the wrong type, or
@@ -87,6 +94,7 @@ class LoaderOptions:
     epochs: int | None = None
     output: Output = "numpy"
     dtype: npt.DTypeLike = np.int64
+    seq_len_schedule: SeqLenSchedule | Sequence[Sequence[int]] | None = None
 
     def __post_init__(self) -> None:
         # Stored as Python ints: numpy integers (seeds from np.random, sizes from arrays) would make
@@ -106,6 +114,7 @@ class LoaderOptions:
 
             check_shuffle(self.shuffle)
         check_bool("drop_last", self.drop_last)
+        object.__setattr__(self, "seq_len_schedule", SeqLenSchedule.of(self.seq_len_schedule))
         if self.batch_size % self.world_size:
             smaller = self.batch_size // self.world_size * self.world_size
             suggestion = f"{smaller} or {smaller + self.world_size}" if smaller else str(self.world_size)

@@ -172,6 +172,22 @@ def _is_data(value: Any) -> bool:
     )
 
 
+def _is_served(value: Any) -> bool:
+    if (
+        not isinstance(value, Mapping)
+        or set(value) != {"seq_len", "schedule"}
+        or not is_int(value["seq_len"])
+    ):
+        return False
+    schedule = value["schedule"]
+    return schedule is None or (
+        isinstance(schedule, (list, tuple))
+        and all(
+            isinstance(pair, (list, tuple)) and len(pair) == 2 and all(map(is_int, pair)) for pair in schedule
+        )
+    )
+
+
 HISTORY_ENTRY = Schema(
     "history entries",
     required={
@@ -191,6 +207,11 @@ HISTORY_ENTRY = Schema(
             lambda value: value is None or _is_schedule(value),
         ),
         "exclusions": Field("any JSON value", lambda value: True),
+    },
+    optional={
+        "served": Field(
+            "an object of seq_len and schedule (null or a list of [first token, seq_len] pairs)", _is_served
+        ),
     },
 )
 """One entry of a state's ``history``: how the run was read from ``position`` on (see

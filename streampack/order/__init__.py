@@ -334,7 +334,9 @@ def mismatch(key: str, saved: object, mine: object) -> str:
     ):
         hint = (
             f" The sequence length changed ({saved.get('seq_len')} -> {mine.get('seq_len')}): positions "
-            "count samples of one length, so a checkpoint resumes only with the seq_len it was saved with."
+            "count samples of one length. A Loader of one cache.sequences(...) that makes its own order "
+            "resumes at a seq_len that divides the checkpoint's or is a multiple of it "
+            "(streampack.loader.served); this order resumes only with the seq_len it was saved with."
         )
     return (
         f"the loader state does not match this loader: {key} in checkpoint: {saved!r} / {key} in this "

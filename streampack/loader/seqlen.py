@@ -1,0 +1,98 @@
+"""A run's sequence length over its tokens: :class:`SeqLenSchedule`, e.g. 512 for a warmup, then 2048.
+
+A loader's positions count *units*: the samples its order permutes, windows of the largest length
+(``cache.sequences(2048)``). A schedule says at which length the units are served from a token of the run
+on; a unit of ``U`` tokens served at ``l`` (``l`` divides ``U``) is its ``U / l`` consecutive sub-windows,
+each ``l + overlap`` tokens of the unit's own stream, in one batch on one rank. Every batch takes the same
+units whatever the length (a fixed token budget: ``batch_size`` rows of ``U`` tokens, or ``batch_size * U
+/ l`` rows of ``l``), so no token of an epoch is served twice or skipped across a change, and positions,
+ranks, workers, exclusions, mixtures and resumes are those of the run without a schedule
+(:mod:`streampack.loader.served` reads the sub-windows).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+
+from streampack._checks import check_int
+from streampack.errors import OptionsError
+
+__all__ = ["SeqLenSchedule"]
+
+
+class SeqLenSchedule:
+    """The sequence length of a run from each token on: ``[(0, 512), (T, 2048)]`` serves 512 until token
+    ``T`` of the run (counted over all ranks), then 2048.
+
+    A change takes effect at the first global batch that starts at or after its token: a batch holds
+    ``batch_size * unit`` tokens at every length, so token ``T`` is step ``T // (batch_size * unit)``.
+
+    Args:
+        changes: ``(first token, seq_len)`` pairs, the first at token 0, tokens increasing.
+
+    Raises:
+        OptionsError: not such pairs; the message names the pair.
+    """
+
+    def __init__(self, changes: Iterable[Sequence[int]]) -> None:
+        pairs = [tuple(change) for change in changes]
+        if not pairs:
+            raise OptionsError(
+                "seq_len_schedule needs at least one (first token, seq_len) pair, e.g. [(0, 512)]"
+            )
+        checked: list[tuple[int, int]] = []
+        for index, pair in enumerate(pairs):
+            if len(pair) != 2:
+                raise OptionsError(
+                    f"seq_len_schedule[{index}] must be a (first token, seq_len) pair (got {pair!r})"
+                )
+            tokens = check_int(f"seq_len_schedule[{index}] first token", pair[0], min=0, max=2**62)
+            length = check_int(f"seq_len_schedule[{index}] seq_len", pair[1], min=1, hint="e.g. 512")
+            if checked and tokens <= checked[-1][0]:
+                raise OptionsError(
+                    f"seq_len_schedule's tokens must increase: pair {index} starts at token {tokens}, "
+                    f"pair {index - 1} at {checked[-1][0]}"
+                )
+            checked.append((tokens, length))
+        if checked[0][0] != 0:
+            raise OptionsError(
+                f"seq_len_schedule must say the length from token 0 on (its first pair starts at token "
+                f"{checked[0][0]}); begin it with (0, seq_len)"
+            )
+        self.changes: tuple[tuple[int, int], ...] = tuple(checked)
+        self._firsts = [tokens for tokens, _ in checked]
+
+    @classmethod
+    def of(cls, value: SeqLenSchedule | Iterable[Sequence[int]] | None) -> SeqLenSchedule | None:
+        """``value`` as a schedule: one given, one made of pairs, or None (no schedule)."""
+        if value is None or isinstance(value, SeqLenSchedule):
+            return value
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise OptionsError(
+                "seq_len_schedule takes a SeqLenSchedule or a list of (first token, seq_len) pairs "
+                f"(got {value!r})"
+            )
+        return cls(value)
+
+    def __repr__(self) -> str:
+        return f"SeqLenSchedule({[list(change) for change in self.changes]!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SeqLenSchedule) and other.changes == self.changes
+
+    def __hash__(self) -> int:
+        return hash(self.changes)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Every length the schedule serves, each once, in their order."""
+        return list(dict.fromkeys(length for _, length in self.changes))
+
+    def at(self, tokens: int) -> int:
+        """The length in force at token ``tokens`` of the run."""
+        return self.changes[bisect.bisect_right(self._firsts, tokens) - 1][1]
+
+    def to_json(self) -> list[list[int]]:
+        """The pairs as lists, as a history entry records them."""
+        return [list(change) for change in self.changes]

@@ -1,0 +1,330 @@
+"""Units served at other lengths: the sub-windows a :class:`~streampack.loader.seqlen.SeqLenSchedule` asks
+for, and a checkpoint's units taken over by a loader of another ``seq_len``.
+
+The order, the positions and the batches stay those of the units (:mod:`streampack.loader.seqlen`): a
+batch at length ``l`` is this rank's units, read as any batch is (planned), each cut into its ``k = U / l``
+sub-windows, unit after unit (rows ``k*i .. k*i + k - 1`` are unit ``i`` of the rank's slice, in the order
+of its text): a view of the rows without overlap, block copies with it. Those are windows
+``u*k .. u*k + k - 1`` of the same stream at ``l`` (:mod:`streampack.samples.lengths`), whose document
+boundaries (``output="dict"``) are asked of those windows.
+
+Why in one batch and on one rank: a unit's sub-windows are one read of contiguous tokens, and a trainer's
+step sees the same tokens at every length (its token budget); the rows of a step are as random as the
+units (``benchmarks/bench_shuffle_quality.py`` measures what neighbouring rows share).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from streampack._checks import is_int
+from streampack.errors import LoaderStateError, OptionsError
+from streampack.loader.collate import CausalLMDict, Format, format_for
+from streampack.loader.options import LoaderOptions, check_size
+from streampack.loader.reading import _Source
+from streampack.loader.seqlen import SeqLenSchedule
+from streampack.loader.state import read_loader_state
+from streampack.order import Order
+
+__all__ = ["Regrained", "Served", "formatted", "regrained", "served_for"]
+
+# The kinds of saved order of one source whose data a loader of another seq_len may take over.
+_ONE_SOURCE = ("shuffled", "blocks")
+
+Masked = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+
+
+class Served:
+    """A loader's units (windows of ``unit`` tokens) served at ``default`` tokens, or at the lengths of
+    ``schedule`` from its tokens on: a length that divides ``unit`` as each unit's sub-windows, and, with
+    ``joins`` (a loader resumed at a longer ``seq_len`` than its checkpoint's units), a multiple of it as
+    rows of that many consecutive units of the order.
+
+    Raises:
+        OptionsError: the sources are not fixed windows of one length, or a length does not fit it.
+    """
+
+    def __init__(
+        self,
+        sources: list[_Source],
+        *,
+        default: int | None,
+        schedule: SeqLenSchedule | None,
+        output: str,
+        joins: bool = False,
+    ) -> None:
+        from streampack.samples.lengths import windows_of
+
+        self._parts = [windows_of(source.data, "seq_len_schedule") for source in sources]
+        units = sorted({part.seq_len for part in self._parts})
+        if len(units) > 1:
+            raise OptionsError(
+                f"a seq_len_schedule serves every source's units at one length, but the sources' windows "
+                f"have the lengths {units}: read each source with cache.sequences({units[-1]})"
+            )
+        self.unit, self.overlap = units[0], self._parts[0].overlap
+        self.default = self.unit if default is None else default
+        self.schedule, self.output = schedule, output
+        for length in [self.default, *(schedule.lengths if schedule is not None else [])]:
+            if self.unit % length and not (joins and length % self.unit == 0):
+                raise OptionsError(
+                    f"seq_len_schedule serves seq_len {length}, which does not divide the units' length "
+                    f"{self.unit} (the windows of cache.sequences({self.unit})): a schedule serves "
+                    "sub-windows of windows of its largest length. Read cache.sequences(L) with L the "
+                    "largest length, a multiple of every other"
+                )
+        self._formats: dict[int, Format] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__ | {"_formats": {}}  # made again where unpickled
+
+    def length(self, position: int) -> int:
+        """The length the batch at ``position`` is served at."""
+        return self.default if self.schedule is None else self.schedule.at(position * self.unit)
+
+    def splits(self, position: int) -> bool:
+        """Whether the batch at ``position`` is served at another length than its units'."""
+        return self.length(position) != self.unit
+
+    @property
+    def width(self) -> int:
+        """Tokens per row at the default length: ``seq_len + overlap``."""
+        return self.default + self.overlap
+
+    def shape(self, position: int, units: int) -> tuple[int, int]:
+        """``(rows, width)`` of ``units`` units served at the length of the batch at ``position``."""
+        length = self.length(position)
+        return units * self.unit // length, length + self.overlap
+
+    def entry(self) -> dict[str, Any]:
+        """What a history entry records of it: the default length and the schedule's pairs."""
+        return {
+            "seq_len": self.default,
+            "schedule": None if self.schedule is None else self.schedule.to_json(),
+        }
+
+    def batch(
+        self,
+        position: int,
+        picks: tuple[np.ndarray, np.ndarray],
+        units: np.ndarray,
+        span: tuple[int, int],
+        out: np.ndarray | None,
+        masking: Masked | None,
+    ) -> Any:
+        """The formatted batch of the units ``picks`` (their tokens ``units``, at the positions ``span``),
+        each as its sub-windows, or joined ``length / unit`` at a time.
+
+        The tokens are cut from the units as read (planned, as any batch is read): a sub-window is a
+        slice of its unit's row, so only the document boundaries are asked of the windows at ``length``.
+        """
+        length = self.length(position)
+        if length > self.unit:
+            return self._joined(picks, units, span, out, masking, length // self.unit)
+        k = self.unit // length
+        tokens = _cut(units, k, length, self.overlap, out)
+        sources = np.repeat(picks[0], k)
+        samples = (picks[1][:, None] * k + np.arange(k, dtype=np.int64)).reshape(-1)
+        return formatted(self._formatter(length), tokens, (sources, samples), span, masking, k)
+
+    def _joined(
+        self,
+        picks: tuple[np.ndarray, np.ndarray],
+        units: np.ndarray,
+        span: tuple[int, int],
+        out: np.ndarray | None,
+        masking: Masked | None,
+        m: int,
+    ) -> Any:
+        """Rows of ``m`` consecutive units: their input tokens end to end, then the last one's overlap.
+        Each unit's start stays a segment start (``position_ids`` 0, label -100): it is not the previous
+        unit's continuation."""
+        count, unit = len(units) // m, self.unit
+        tokens = units[:, :unit].reshape(count, m * unit)
+        if self.overlap:
+            tokens = np.concatenate([tokens, units[m - 1 :: m, unit:]], axis=1)
+        tokens = _into(tokens, out)
+        result = formatted(self._formatter(unit), units, picks, span, masking)
+        if not isinstance(result, dict):
+            return tokens
+        shaped = {key: v.reshape(count, -1) if np.ndim(v) == 2 else v for key, v in result.items()}
+        return shaped | {"input_ids": tokens}
+
+    def _formatter(self, length: int) -> Format:
+        """The format of windows of ``length`` (their document boundaries), made once."""
+        found = self._formats.get(length)
+        if found is None:
+            from streampack.samples.lengths import at_seq_len
+
+            found = format_for(self.output, [at_seq_len(part, length) for part in self._parts])
+            self._formats = self._formats | {length: found}  # a new dict: a prefetch thread may read it
+        return found
+
+
+def _cut(units: np.ndarray, k: int, length: int, overlap: int, out: np.ndarray | None) -> np.ndarray:
+    """The ``k`` sub-windows of ``length`` (and ``overlap``) of each row of ``units``, row after row: a
+    view without overlap, else block copies (the inputs, then each overlap column), into ``out`` if given."""
+    count, width = len(units), length + overlap
+    if overlap == 0:
+        return _into(units.reshape(count * k, length), out)
+    if overlap > length:  # each overlap reaches past the next sub-window: cut by strides
+        step = units.strides[1]
+        cut = np.lib.stride_tricks.as_strided(
+            units, (count, k, width), (units.strides[0], length * step, step), writeable=False
+        )
+        return _into(cut.reshape(count * k, width), out)
+    if out is None:
+        out = np.empty((count * k, width), dtype=units.dtype)
+    elif (
+        not isinstance(out, np.ndarray)
+        or out.shape != (count * k, width)
+        or not np.can_cast(units.dtype, out.dtype)
+    ):
+        return _into(np.empty((count * k, width), dtype=units.dtype), out)  # the message of a wrong out
+    rows = out.reshape(count, k, width)
+    rows[:, :, :length] = units[:, : k * length].reshape(count, k, length)
+    for t in range(overlap):  # token (j + 1) * length + t of the unit ends sub-window j
+        rows[:, :, length + t] = units[:, length + t :: length][:, :k]
+    return out
+
+
+def _into(tokens: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``tokens`` copied into ``out`` when given (checked), else as a new contiguous array."""
+    if out is None:
+        return np.ascontiguousarray(tokens)
+    if (
+        not isinstance(out, np.ndarray)
+        or out.shape != tokens.shape
+        or not np.can_cast(tokens.dtype, out.dtype)
+    ):
+        raise ValueError(
+            f"out must be a numpy array of shape {tokens.shape} and a dtype that holds {tokens.dtype} "
+            f"(got {type(out).__name__} {getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
+        )
+    np.copyto(out, tokens)
+    return out
+
+
+def formatted(
+    formatter: Format,
+    tokens: np.ndarray,
+    picks: tuple[np.ndarray, np.ndarray],
+    span: tuple[int, int],
+    masking: Masked | None,
+    rows_a_position: int = 1,
+) -> Any:
+    """``tokens`` (the rows of ``picks``, ``rows_a_position`` of them for each position of ``span``)
+    formatted, with the labels ``masking`` names masked (exclusions in mask mode)."""
+    sources, samples = picks
+    if masking is None or not isinstance(formatter, CausalLMDict):
+        return formatter(tokens, sources, samples)
+    at = np.repeat(np.arange(*span, dtype=np.int64), rows_a_position)
+    return formatter(tokens, sources, samples, masked=lambda r, d: masking(at, sources, r, d))
+
+
+def served_for(options: LoaderOptions, sources: list[_Source], grows: bool) -> Served | None:
+    """The loader's :class:`Served` for its ``seq_len_schedule``; None without one.
+
+    Raises:
+        OptionsError: the schedule does not fit the sources (see :class:`Served`), or they grow.
+    """
+    schedule = SeqLenSchedule.of(options.seq_len_schedule)
+    if schedule is None:
+        return None
+    if grows:
+        raise OptionsError(
+            "seq_len_schedule is not supported over a source that grows (Follow); read the finished cache"
+        )
+    return Served(sources, default=None, schedule=schedule, output=options.output)
+
+
+@dataclass(frozen=True)
+class Regrained:
+    """A loader's parts after it took over a checkpoint's units (see :func:`regrained`)."""
+
+    options: LoaderOptions
+    sources: list[_Source]
+    order: Order
+    served: Served
+
+
+def regrained(
+    state: Mapping[str, Any], sources: list[_Source], options: LoaderOptions, served: Served | None, own: bool
+) -> Regrained | None:
+    """What a loader of one cache becomes to resume ``state``, whose units are windows of another length
+    that its lengths divide; None when the state's units are the loader's (or not windows at all).
+
+    The loader then reads the checkpoint's units (windows of the saved length of the same stream) in the
+    checkpoint's order, each served as sub-windows of its own lengths, and its ``batch_size`` (rows of its
+    own ``seq_len``) becomes the units of a global batch: the same tokens a step.
+
+    Args:
+        state: the loader state to resume.
+        sources: the loader's sources.
+        options: its options.
+        served: its :class:`Served`, or None.
+        own: whether the loader made its order itself from its options (a given order, a mixture, is
+            resumed only at its own length).
+
+    Raises:
+        LoaderStateError: the lengths do not divide the saved one, or a batch is not whole units; the
+            message names both lengths.
+    """
+    saved = read_loader_state(state).get("order")
+    if len(sources) != 1 or not own or not isinstance(saved, Mapping) or saved.get("kind") not in _ONE_SOURCE:
+        return None
+    data = saved.get("data")
+    unit = data.get("seq_len") if isinstance(data, Mapping) else None
+    current = served.unit if served is not None else getattr(sources[0].data, "seq_len", None)
+    if not is_int(unit) or "layout" in data or current is None or unit == current:  # type: ignore[operator]
+        return None
+    from streampack.samples.lengths import at_seq_len, windows_of
+
+    part = windows_of(sources[0].data, "resuming at another seq_len")
+    default = served.default if served is not None else part.seq_len
+    schedule = served.schedule if served is not None else None
+    lengths = [default, *(schedule.lengths if schedule is not None else [])]
+    fits = [unit % length == 0 or length % unit == 0 for length in lengths]
+    if not all(fits):
+        raise LoaderStateError(
+            f"the checkpoint's samples are windows of {unit} tokens, this loader serves seq_len "
+            f"{', '.join(map(str, dict.fromkeys(lengths)))}: a run changes its length at a resume exactly "
+            f"only to a length that divides the checkpoint's ({unit}) or is a multiple of it; resume with "
+            f"cache.sequences({unit}) and a seq_len_schedule, or with such a seq_len"
+        )
+    if max(lengths) > unit and not options.drop_last:
+        raise LoaderStateError(
+            f"resuming windows of {unit} tokens at seq_len {max(lengths)} joins {max(lengths) // unit} of "
+            "them a row, which the partial last batch of drop_last=False cannot always do; use "
+            "drop_last=True"
+        )
+    tokens = options.batch_size * default
+    if tokens % unit or (tokens // unit) % options.world_size:
+        raise LoaderStateError(
+            f"batch_size={options.batch_size} rows of seq_len {default} are {tokens} tokens, not whole "
+            f"windows of the checkpoint's {unit} tokens for each of the {options.world_size} ranks; use a "
+            f"batch_size that is a multiple of {max(1, unit // default) * options.world_size}"
+        )
+    per_rank = tokens // unit // options.world_size
+    for length in lengths:
+        if length > unit and per_rank % (length // unit):
+            raise LoaderStateError(
+                f"batch_size={options.batch_size} rows of seq_len {default} give each rank {per_rank} "
+                f"windows of the checkpoint's {unit} tokens, which seq_len {length} cannot join "
+                f"{length // unit} at a time; use a batch_size that makes them a multiple"
+            )
+    units = _Source(at_seq_len(part, unit))
+    options = dataclasses.replace(options, batch_size=tokens // unit)
+    check_size(options, len(units))
+    from streampack.order.blockshuffle import single_order
+
+    order = single_order(
+        len(units), seed=options.seed, shuffle=options.shuffle, epochs=options.epochs, data=units.fingerprint
+    )
+    served = Served([units], default=default, schedule=schedule, output=options.output, joins=True)
+    return Regrained(options, [units], order, served)

@@ -1,0 +1,40 @@
+"""The same stream's windows at another length: what a sequence-length schedule serves a unit as.
+
+Window ``u`` of ``cache.sequences(U)`` is tokens ``[u*U, u*U + U + overlap)``; window ``u*k + j`` of the
+same stream at ``l = U / k`` is tokens ``[u*U + j*l, u*U + (j+1)*l + overlap)``, inside it. So a unit's
+sub-windows are samples of :func:`at_seq_len`, read and given their document boundaries as any windows are.
+"""
+
+from __future__ import annotations
+
+from streampack.errors import OptionsError
+from streampack.samples.layout import FixedWindows
+from streampack.samples.sequences import PackedSequences
+
+__all__ = ["at_seq_len", "windows_of"]
+
+
+def windows_of(samples: object, what: str) -> PackedSequences:
+    """``samples`` when they are fixed windows of a cache (``cache.sequences``).
+
+    Raises:
+        OptionsError: they are not (packed or whole documents, an array); the message names ``what``.
+    """
+    if isinstance(samples, PackedSequences) and isinstance(samples.layout, FixedWindows):
+        return samples
+    kind = type(samples).__name__
+    if isinstance(samples, PackedSequences):
+        kind = f"{kind} of whole documents (cache.packed or cache.documents)"
+    raise OptionsError(
+        f"{what} serves sub-windows of fixed windows, cache.sequences(seq_len); got {kind}, whose samples "
+        "are not one stream cut in windows. Read cache.sequences(L) with L the largest length"
+    )
+
+
+def at_seq_len(samples: PackedSequences, seq_len: int) -> PackedSequences:
+    """The windows of ``samples``' stream (the same documents, the same overlap) at ``seq_len``."""
+    layout = samples.layout
+    assert isinstance(layout, FixedWindows)
+    return PackedSequences.of(
+        samples.cache, FixedWindows(layout.runs, seq_len, layout.overlap, layout.selection)
+    )
