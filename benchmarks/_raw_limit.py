@@ -115,7 +115,9 @@ def main() -> None:
         from streampack.tokenizer.backends import load_tokenizer
         from streampack.tokenizer.pieces import piece_rule
 
-        tokenizer = load_tokenizer(path if tokenizers else f"tiktoken:{path}")
+        # The pieces of the build with this reference engine (each engine cuts its own: fast_piece_chars).
+        engine = "tokenizers" if tokenizers else "tiktoken"
+        tokenizer = load_tokenizer(path if tokenizers else f"tiktoken:{path}", engine=engine)
         rule = piece_rule(tokenizer.cut_safety, tokenizer.fast_piece_chars)
         texts = [piece for text in texts for piece in rule.split(text)]
     if args.backend.startswith("fastokens"):
