@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -218,3 +221,24 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Any:
     """mosaicml-streaming, importable with the torchvision stub (tests/stubs) on sys.path."""
     monkeypatch.syspath_prepend(str(STUBS))
     return pytest.importorskip("streaming")
+
+
+@pytest.fixture
+def http_root(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A real HTTP server on 127.0.0.1 serving a fresh folder: (the folder, its base URL)."""
+    root = tmp_path / "www"
+    root.mkdir()
+    handler = functools.partial(_QuietHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass

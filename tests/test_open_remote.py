@@ -4,12 +4,8 @@ the bounded local copy a native remote cache is read through, against a real S3 
 
 from __future__ import annotations
 
-import functools
-import http.server
 import itertools
 import pickle
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,26 +161,6 @@ def test_formats_read_locally_only_are_refused_in_object_storage_saying_which_ar
         r"from object storage \(megatron: .*datatrove",
     ):
         streampack.open(f"s3://{name}/{fmt}", **options)  # not recognised among those
-
-
-@pytest.fixture
-def http_root(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    root = tmp_path / "www"
-    root.mkdir()
-    handler = functools.partial(_QuietHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield root, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass
 
 
 def test_a_megatron_pair_over_http_opens_too(

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import http.server
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,26 +11,6 @@ from streampack.errors import InputError
 from tests.conftest import shard_bytes, write_jsonl
 
 pytest.importorskip("aiohttp", reason="fsspec's HTTP filesystem needs aiohttp (the dev extra has it)")
-
-
-@pytest.fixture
-def http_root(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    root = tmp_path / "www"
-    root.mkdir()
-    handler = functools.partial(_QuietHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield root, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        pass
 
 
 def test_http_inputs_build_the_same_cache_as_local_files(tmp_path: Path, http_root: tuple[Path, str]) -> None:
