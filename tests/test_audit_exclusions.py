@@ -145,6 +145,7 @@ def test_a_run_with_mask_exclusions_audits_clean_with_nothing_taken_out(
 _RUN_SCRIPT = """
 import json, sys
 from pathlib import Path
+import torch.distributed as dist
 from transformers import TrainingArguments
 import streampack, streampack.hf
 from streampack.loader import Exclusions
@@ -169,6 +170,12 @@ web, code, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
 sources = {"web": streampack.open(web).sequences(8), "code": streampack.open(code).sequences(8)}
 for phase in json.loads(sys.argv[4]):
     train(phase)
+
+# Torn down here, as the other torchrun scripts of the suite do: a gloo process group left to the
+# interpreter's exit once aborted a rank there ("terminate called without an active exception").
+if dist.is_initialized():
+    dist.barrier()
+    dist.destroy_process_group()
 """
 
 
