@@ -242,3 +242,11 @@ def http_root(tmp_path: Path) -> Iterator[tuple[Path, str]]:
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         pass
+
+
+@pytest.fixture(scope="session")
+def megatron_export(natural: streampack.Cache, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``natural`` exported as a Megatron pair: the prefix of its ``.bin`` and ``.idx``."""
+    prefix = tmp_path_factory.mktemp("megatron") / "corpus"
+    natural.export("megatron", prefix)
+    return prefix

@@ -26,19 +26,12 @@ def texts(limit: int = 400) -> list[str]:
     return [orjson.loads(line)["text"] for line in raw.splitlines()[:limit]]
 
 
-@pytest.fixture(scope="module")
-def exported(natural: streampack.Cache, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    prefix = tmp_path_factory.mktemp("megatron") / "corpus"
-    natural.export("megatron", prefix)
-    return prefix
-
-
 def test_an_exported_pair_opens_as_the_same_documents_and_samples(
-    natural: streampack.Cache, exported: Path
+    natural: streampack.Cache, megatron_export: Path
 ) -> None:
     """Every document, the stream's windows, packed samples and a Loader's batches equal the native
     cache's; the prefix, ``.bin`` and ``.idx`` name the same pair."""
-    opened = streampack.open(exported, eos_id=natural.eos_id)
+    opened = streampack.open(megatron_export, eos_id=natural.eos_id)
     assert (opened.num_docs, opened.num_tokens, opened.dtype) == (
         natural.num_docs,
         natural.num_tokens,
@@ -56,7 +49,7 @@ def test_an_exported_pair_opens_as_the_same_documents_and_samples(
     loaders = [streampack.Loader(c.sequences(32), batch_size=8, seed=3) for c in (opened, natural)]
     for a, b, _ in zip(*loaders, range(20), strict=False):
         np.testing.assert_array_equal(a, b)
-    for name in (f"{exported}.bin", f"{exported}.idx"):
+    for name in (f"{megatron_export}.bin", f"{megatron_export}.idx"):
         assert streampack.open(name).num_docs == natural.num_docs
 
 
@@ -96,24 +89,28 @@ def test_a_pair_written_by_megatron_core_opens_with_megatrons_documents(
 
 
 def test_a_declared_tokenizer_lets_a_mixture_check_it(
-    natural: streampack.Cache, exported: Path, tmp_path: Path, bpe_tokenizer: Path, gpt2_tokenizer: Path
+    natural: streampack.Cache,
+    megatron_export: Path,
+    tmp_path: Path,
+    bpe_tokenizer: Path,
+    gpt2_tokenizer: Path,
 ) -> None:
     """Declared the same as the native cache's: they mix; declared another: refused as for two native
     caches; undeclared: mixes (nothing says otherwise)."""
-    same = streampack.open(exported, eos_id=50256, tokenizer=str(gpt2_tokenizer))
+    same = streampack.open(megatron_export, eos_id=50256, tokenizer=str(gpt2_tokenizer))
     assert same.manifest.tokenizer.identity == natural.manifest.tokenizer.identity
     assert same.vocab_size == natural.vocab_size
     streampack.Mixture(
         {"native": natural.sequences(32), "megatron": same.sequences(32)},
         weights={"native": 1, "megatron": 1},
     )
-    other = streampack.open(exported, eos_id=50256, tokenizer=str(bpe_tokenizer))
+    other = streampack.open(megatron_export, eos_id=50256, tokenizer=str(bpe_tokenizer))
     with pytest.raises(OptionsError, match="different tokenizers"):
         streampack.Mixture(
             {"native": natural.sequences(32), "megatron": other.sequences(32)},
             weights={"native": 1, "megatron": 1},
         )
-    undeclared = streampack.open(exported)
+    undeclared = streampack.open(megatron_export)
     streampack.Mixture(
         {"native": natural.sequences(32), "m": undeclared.sequences(32)}, weights={"native": 1, "m": 1}
     )
@@ -216,14 +213,14 @@ def test_a_damaged_pair_is_a_cache_error_naming_the_file_and_field(
 
 
 def test_samples_of_an_opened_pair_reach_dataloader_workers_with_what_was_declared(
-    natural: streampack.Cache, exported: Path
+    natural: streampack.Cache, megatron_export: Path
 ) -> None:
     """Pickled samples reopen the pair as it was opened (format, ``eos_id``): in real DataLoader worker
     processes, the batches are the in-process Loader's."""
     import pickle
 
     torch_data = pytest.importorskip("streampack.torch", reason="the DataLoader part needs torch")
-    opened = streampack.open(exported, eos_id=50256)
+    opened = streampack.open(megatron_export, eos_id=50256)
     samples = opened.sequences(64)
     again = pickle.loads(pickle.dumps(samples))
     assert again.cache.eos_id == 50256 and again.cache.declared == {"eos_id": 50256, "format": "megatron"}

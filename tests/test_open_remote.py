@@ -41,25 +41,18 @@ def assert_same_documents(opened: streampack.Cache, local: streampack.Cache) -> 
         np.testing.assert_array_equal(opened.doc(i), local.doc(i))
 
 
-@pytest.fixture(scope="module")
-def megatron_pair(natural: streampack.Cache, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("megatron") / "corpus"
-    natural.export("megatron", out)
-    return out
-
-
 def test_a_megatron_pair_in_s3_opens_through_the_local_copy(
-    megatron_pair: Path, bucket: tuple[Any, str], s3_endpoint: str, tmp_path: Path
+    megatron_export: Path, bucket: tuple[Any, str], s3_endpoint: str, tmp_path: Path
 ) -> None:
     """``open("s3://b/data/corpus", format="megatron")``: the same documents, windows and batches as the
     local pair; the files are fetched into local_dir (once), the cache names them by their URLs (which
     and its shard keys), and its samples reopen it from the URL when unpickled."""
     fs, name = bucket
     for suffix in (".bin", ".idx"):
-        upload(fs, Path(f"{megatron_pair}{suffix}"), f"{name}/data/corpus{suffix}")
+        upload(fs, Path(f"{megatron_export}{suffix}"), f"{name}/data/corpus{suffix}")
     url = f"s3://{name}/data/corpus"
     options = {"storage_options": s3_options(s3_endpoint), "local_dir": tmp_path / "copy"}
-    local = streampack.open(megatron_pair, eos_id=GPT2_EOS)
+    local = streampack.open(megatron_export, eos_id=GPT2_EOS)
     with streampack.open(url, format="megatron", eos_id=GPT2_EOS, **options) as opened:
         assert isinstance(opened.store, CachedStore) and opened.store.uri == url
         assert opened.shard_keys(0) == ["corpus.bin", "corpus.idx"]
@@ -133,11 +126,11 @@ def test_a_datatrove_sft_folder_in_s3_keeps_its_loss_mask(
 
 
 def test_damaged_files_in_s3_are_named_by_their_urls(
-    megatron_pair: Path, bucket: tuple[Any, str], s3_endpoint: str, tmp_path: Path
+    megatron_export: Path, bucket: tuple[Any, str], s3_endpoint: str, tmp_path: Path
 ) -> None:
     fs, name = bucket
-    upload(fs, Path(f"{megatron_pair}.idx"), f"{name}/cut.idx")
-    fs.pipe_file(f"{name}/cut.bin", Path(f"{megatron_pair}.bin").read_bytes()[:-2])
+    upload(fs, Path(f"{megatron_export}.idx"), f"{name}/cut.idx")
+    fs.pipe_file(f"{name}/cut.bin", Path(f"{megatron_export}.bin").read_bytes()[:-2])
     options = {"storage_options": s3_options(s3_endpoint), "local_dir": tmp_path / "copy"}
     with pytest.raises(CacheError) as error:
         streampack.open(f"s3://{name}/cut", **options)
@@ -164,30 +157,30 @@ def test_formats_read_locally_only_are_refused_in_object_storage_saying_which_ar
 
 
 def test_a_megatron_pair_over_http_opens_too(
-    megatron_pair: Path, http_root: tuple[Path, str], tmp_path: Path
+    megatron_export: Path, http_root: tuple[Path, str], tmp_path: Path
 ) -> None:
     pytest.importorskip("aiohttp", reason="fsspec's HTTP filesystem needs aiohttp (the dev extra has it)")
     root, base = http_root
     for suffix in (".bin", ".idx"):
-        (root / f"corpus{suffix}").write_bytes(Path(f"{megatron_pair}{suffix}").read_bytes())
-    local = streampack.open(megatron_pair)
+        (root / f"corpus{suffix}").write_bytes(Path(f"{megatron_export}{suffix}").read_bytes())
+    local = streampack.open(megatron_export)
     with streampack.open(f"{base}/corpus", format="megatron", local_dir=tmp_path / "copy") as opened:
         assert_same_documents(opened, local)
 
 
 def test_an_object_replaced_under_its_url_is_fetched_again_and_verify_says_where_to_verify(
-    megatron_pair: Path, bucket: tuple[Any, str], s3_endpoint: str, tmp_path: Path
+    megatron_export: Path, bucket: tuple[Any, str], s3_endpoint: str, tmp_path: Path
 ) -> None:
     """A foreign file records no checksum: its copy is named by its size and ETag, so a ``.bin``
     rewritten with other tokens of the same size is fetched again, never served from the old copy."""
     fs, name = bucket
     for suffix in (".bin", ".idx"):
-        upload(fs, Path(f"{megatron_pair}{suffix}"), f"{name}/p{suffix}")
+        upload(fs, Path(f"{megatron_export}{suffix}"), f"{name}/p{suffix}")
     url = f"s3://{name}/p"
     options = {"storage_options": s3_options(s3_endpoint), "local_dir": tmp_path / "copy"}
     with streampack.open(url, **options) as first:
         before = np.array(first.doc(0))
-    tokens = np.fromfile(f"{megatron_pair}.bin", dtype=np.uint16)
+    tokens = np.fromfile(f"{megatron_export}.bin", dtype=np.uint16)
     tokens[0] ^= 1
     fs.pipe_file(f"{name}/p.bin", tokens.tobytes())
     with streampack.open(url, **options) as second:
