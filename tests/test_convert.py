@@ -9,7 +9,8 @@ import pytest
 
 import streampack
 from streampack.errors import OptionsError
-from streampack.interop import convert
+from streampack.interop import convert, nanogpt
+from streampack.interop.scanning import scan_plan
 from streampack.testing.caches import write_cache
 from tests.conftest import run_cli
 
@@ -98,3 +99,40 @@ def test_export_takes_another_formats_files_with_their_options(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert streampack.open(tmp_path / "n").num_docs == natural.num_docs
+
+
+@pytest.mark.parametrize("format", ["nanogpt", "llmc", "olmo"])
+def test_a_scanned_format_converts_in_one_read_to_the_files_of_an_open_and_export(
+    format: str,
+    natural: streampack.Cache,
+    sft: streampack.Cache,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A format without an index (its documents found by a scan) converts with the copy and the scan side
+    by side (:func:`streampack.interop.native.write_scanned`): the same bytes, file for file, as an export
+    of the opened cache, over several shards (and OLMo's label masks), which ``verify`` passes."""
+    source = natural
+    if format == "olmo":  # an SFT cache in several shards: several token files, and their label masks
+        sft.export("streampack", tmp_path / "sharded", shard_tokens=1000)
+        source = streampack.open(tmp_path / "sharded")
+    monkeypatch.setattr(nanogpt, "SHARD_TOKENS", 50_000)
+    source.export(format, tmp_path / "src", **({"shard_tokens": 40_000} if format == "llmc" else {}))
+    declared = {} if format == "llmc" else {"eos_id": source.eos_id}
+    plan = scan_plan(tmp_path / "src", declared)
+    assert plan is not None and len(plan.spans) > 1
+    convert(tmp_path / "src", tmp_path / "scanned", **declared)
+    with streampack.open(tmp_path / "src", **declared) as opened:
+        opened.export("streampack", tmp_path / "opened")
+    files = sorted(
+        p.relative_to(tmp_path / "opened") for p in (tmp_path / "opened").rglob("*") if p.is_file()
+    )
+    assert files == sorted(
+        p.relative_to(tmp_path / "scanned") for p in (tmp_path / "scanned").rglob("*") if p.is_file()
+    )
+    for name in files:
+        assert (tmp_path / "scanned" / name).read_bytes() == (tmp_path / "opened" / name).read_bytes(), name
+    converted = streampack.open(tmp_path / "scanned")
+    assert converted.num_shards == len(plan.spans) and converted.has_loss_mask == (format == "olmo")
+    if format != "llmc":  # llm.c continues a document into the next shard: read as two, one without BOS
+        assert run_cli("verify", str(tmp_path / "scanned")).returncode == 0

@@ -16,6 +16,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -292,11 +293,10 @@ def test_nanogpt_export_opens_as_the_same_stream(
     st.integers(1, 12),
     st.integers(1, 9),
 )
-def test_nanogpt_shards_are_cut_after_the_last_eos_that_fits(ids: list[int], size: int, scan: int) -> None:
+def test_nanogpt_shards_are_cut_after_the_last_eos_that_fits(ids: list[int], size: int, window: int) -> None:
     tokens = np.array(ids, dtype=np.uint16)  # 0 is the EOS
-    found: list[np.ndarray | None] = []
-    spans = nanogpt.plan_shards(tokens, 0, size, scan_tokens=scan, found=found)
-    assert spans == nanogpt.plan_shards(tokens, 0, size, scan_tokens=scan)
+    cuts = nanogpt.shard_spans(tokens, 0, size, window=window)
+    spans = [(start, stop, len(scanning.Boundary(0).ends(tokens[start:stop])[0])) for start, stop in cuts]
     ends = (np.flatnonzero(tokens == 0) + 1).tolist()
     assert [a for a, _, _ in spans] == [0, *(b for _, b, _ in spans[:-1])] and spans[-1][1] == len(tokens)
     for start, stop, docs in spans:
@@ -308,10 +308,23 @@ def test_nanogpt_shards_are_cut_after_the_last_eos_that_fits(ids: list[int], siz
         if stop < len(tokens):  # the last EOS that fits, or the first one past the limit
             assert stop == (fits[-1] if fits else min(e for e in ends if e > start))
     assert sum(d for _, _, d in spans) == (len(ends) + int(bool(ids) and ids[-1] != 0))
-    if ids:  # the ends the scan kept are each shard's, from its start
-        for (start, stop, docs), kept in zip(spans, found, strict=True):
-            assert kept is not None and len(kept) == docs
-            np.testing.assert_array_equal(kept, scanning.ends_at(tokens[start:stop], 0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=80), st.booleans())
+def test_a_scan_finds_each_documents_end_and_the_crc_in_one_read(ids: list[int], starts: bool) -> None:
+    """Ends after each EOS (a tail after the last one is a document), or before each delimiter but one at
+    the start; the CRC-32 of the bytes read on the way."""
+    tokens = np.array(ids, dtype="<u2")
+    ends, crc = scanning.Boundary(0, starts=starts).ends(tokens, checksum=True)
+    marks = np.flatnonzero(tokens == 0)
+    if starts:
+        expected = [*(int(m) for m in marks if m > 0), *([len(ids)] if ids else [])]
+    else:
+        expected = [int(m) + 1 for m in marks] + ([len(ids)] if ids and ids[-1] != 0 else [])
+    assert ends.dtype == np.uint64 and ends.tolist() == expected
+    assert crc == zlib.crc32(tokens.tobytes())
+    assert scanning.Boundary(None).ends(tokens)[0].tolist() == ([len(ids)] if ids else [])
 
 
 @pytest.mark.parametrize("format", ["nanogpt", "llmc", "olmo"])
@@ -324,7 +337,6 @@ def test_documents_past_the_kept_ends_are_found_again(
     declared = {} if format == "llmc" else {"eos_id": natural.eos_id}
     kept = streampack.open(tmp_path / format, **declared)
     monkeypatch.setattr(scanning, "KEPT_ENDS_BYTES", 0)
-    monkeypatch.setattr(nanogpt, "KEPT_ENDS_BYTES", 0)
     found_again = streampack.open(tmp_path / format, **declared)
     assert kept.num_shards == found_again.num_shards and kept.num_docs == found_again.num_docs
     for shard in range(kept.num_shards):
@@ -512,4 +524,4 @@ def test_a_scan_of_a_file_cut_short_since_it_was_opened_says_so(tmp_path: Path) 
     with open(path, "r+b") as f:
         f.truncate(1500)
     with pytest.raises(CacheError, match=r"train\.bin: ended at byte 1,500, before the 1,000 tokens"):
-        scanning.id_positions(span, 7)
+        scanning.Boundary(7).ends(span)

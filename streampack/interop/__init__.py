@@ -32,11 +32,13 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from streampack.errors import OptionsError
+from streampack.interop.scanning import scan_plan
 from streampack.interop.writing import Destination
 
 if TYPE_CHECKING:
@@ -121,6 +123,30 @@ def export(
     module = importlib.import_module(FORMATS[format])
     chosen = _options(module.Options, options, format)
     module.check(opened, chosen)
+    return _written(
+        format,
+        dest,
+        partial(module.write, opened, options=chosen),
+        overwrite=overwrite,
+        progress=progress,
+        storage_options=storage_options,
+        durable=durable,
+    )
+
+
+def _written(
+    format: str,
+    dest: str | os.PathLike[str],
+    write: Callable[..., tuple[int, int, Sequence[str]]],
+    *,
+    overwrite: bool,
+    progress: bool | None,
+    storage_options: Mapping[str, Any] | None,
+    durable: bool,
+) -> Exported:
+    """Stage what ``write(dest=, progress=)`` writes at ``dest`` in ``format``'s layout, then commit it
+    (or clear it on an error)."""
+    module = importlib.import_module(FORMATS[format])
     destination = Destination(
         dest,
         layout=module.LAYOUT,
@@ -131,7 +157,7 @@ def export(
     )
     shown = sys.stderr.isatty() if progress is None else progress
     try:
-        rows, tokens, last = module.write(opened, destination, chosen, shown)
+        rows, tokens, last = write(dest=destination, progress=shown)
     except BaseException:
         destination.abort()  # an error or Ctrl-C; a killed process leaves it for the next run to clear
         raise
@@ -153,7 +179,9 @@ def convert(
     """Make a native cache at ``out`` of another format's token files at ``source`` (or of a cache):
     :func:`streampack.open` ``(source, **declared)``, then :func:`export` to ``"streampack"``
     (:mod:`streampack.interop.native`): the tokens copied by the kernel while another thread checksums
-    them, in memory flat in the source's size.
+    them, in memory flat in the source's size. Files without an index (nanoGPT, OLMo, llm.c) are not
+    opened first: their plan's spans are copied while another thread scans them for documents and
+    checksums (:func:`~streampack.interop.native.write_scanned`), the same files in one read.
 
     Args:
         source: what :func:`streampack.open` takes: a Megatron prefix, a folder of llm.c, datatrove, OLMo
@@ -168,9 +196,22 @@ def convert(
         CacheError: ``source`` is no format streampack reads, or its files are damaged.
         OptionsError: as for :func:`export`.
     """
+    from streampack.interop import native
     from streampack.reader import open as open_cache
 
     options = {} if shard_tokens is None else {"shard_tokens": shard_tokens}
+    limit = native.Options(**options).shard_tokens
+    plan = scan_plan(source, declared)
+    if plan is not None and all(span.count <= limit for span in plan.spans):
+        return _written(
+            "streampack",
+            out,
+            partial(native.write_scanned, plan, declared),
+            overwrite=overwrite,
+            progress=progress,
+            storage_options=storage_options,
+            durable=durable,
+        )
     with open_cache(source, **declared) as opened:
         return export(
             opened,

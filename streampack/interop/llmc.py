@@ -45,18 +45,8 @@ import numpy as np
 
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.files import map_tokens
-from streampack.interop.reading import (
-    Foreign,
-    ForeignOptions,
-    ForeignShard,
-    check_doc_count,
-    check_id_fits,
-)
-from streampack.interop.scanning import (
-    KeptEnds,
-    TokenSpan,
-    id_positions,
-)
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_id_fits
+from streampack.interop.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import (
     Destination,
     Progress,
@@ -239,7 +229,16 @@ def recognise(path: Path) -> bool:
 
 
 def read(path: Path, options: ForeignOptions) -> Foreign:
-    """The shards at ``path`` (see the module's docstring), each header checked.
+    """The shards at ``path`` (see the module's docstring): :func:`plan`, its spans scanned.
+
+    Raises:
+        CacheError, OptionsError: as for :func:`plan`.
+    """
+    return open_plan(plan(path, options))
+
+
+def plan(path: Path, options: ForeignOptions) -> ScanPlan:
+    """The shards at ``path``, each header checked; a document starts at each delimiter.
 
     Raises:
         CacheError: a shard is shorter than its header, its magic or version is not llm.c's, its token
@@ -272,21 +271,26 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
     dtype = np.dtype(f"<u{itemsize}")
     delimiter = DELIMITERS[itemsize] if options.bos_id is None else options.bos_id
     check_id_fits(path, "bos_id", delimiter, dtype)
-    shards = []
-    kept = KeptEnds()
-    for f, (count, _) in zip(files, counts):
-        found = _ends_found(TokenSpan(f, dtype, HEADER_BYTES, count), delimiter)
-        docs = len(found)
-        shards.append(
-            ForeignShard(
-                f,
-                docs,
-                count,
-                tokens=partial(map_tokens, f, dtype, HEADER_BYTES, count),
-                ends=kept.ends(found, partial(_ends, f, dtype, count, delimiter, docs)),
-                token_file=(f, HEADER_BYTES),
-            )
+    spans = [TokenSpan(f, dtype, HEADER_BYTES, count) for f, (count, _) in zip(files, counts)]
+    made = partial(_made, path, dtype, spans, delimiter, files)
+    return ScanPlan(spans, Boundary(delimiter, starts=True), made)
+
+
+def _made(
+    path: Path, dtype: np.dtype, spans: list[TokenSpan], delimiter: int, files: list[Path], found: list[Found]
+) -> Foreign:
+    """The foreign cache of the shards, given what their scans found."""
+    shards = [
+        ForeignShard(
+            span.path,
+            seen.num_docs,
+            span.count,
+            ends=seen.ends,
+            token_file=(span.path, HEADER_BYTES),
+            tokens=partial(map_tokens, span.path, dtype, HEADER_BYTES, span.count),
         )
+        for span, seen in zip(spans, found, strict=True)
+    ]
     return Foreign("llmc", path, dtype, shards, bos_id=delimiter, files=files)
 
 
@@ -325,15 +329,3 @@ def _header(path: Path) -> tuple[int, int]:
             "The file is truncated, or its header is wrong"
         )
     return count, itemsize
-
-
-def _ends(path: Path, dtype: np.dtype, count: int, delimiter: int, docs: int) -> np.ndarray:
-    """:func:`_ends_found` of the shard ``path``, which must still hold ``docs`` documents."""
-    return check_doc_count(path, _ends_found(TokenSpan(path, dtype, HEADER_BYTES, count), delimiter), docs)
-
-
-def _ends_found(tokens: TokenSpan, delimiter: int) -> np.ndarray:
-    """A document ends before each delimiter but one at the start, and at the shard's end (uint64)."""
-    starts = id_positions(tokens, delimiter)
-    ends = np.append(starts[starts > 0], len(tokens)) if len(tokens) else starts
-    return ends.astype(np.uint64)

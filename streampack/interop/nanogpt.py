@@ -21,9 +21,10 @@ is one document, one stream (``sequences`` windows it as ``get_batch`` does; ``d
 ``meta.pkl`` beside the file gives the vocabulary size (read as plain data: no class is unpickled).
 
 A file with an EOS is read as shards of at most :data:`SHARD_TOKENS` tokens, each cut after an EOS (a
-document longer than that makes its shard longer), mapped where they lie: each shard's document ends are
-then a bounded array, found when it is first read. The EOS ids are counted when the file is opened, a scan
-at disk speed (the number of documents is needed first).
+document longer than that makes its shard longer; each cut found by reading back from the limit), mapped
+where they lie: each shard's document ends are then a bounded array. The EOS ids are counted when the file
+is opened (the number of documents is needed first): a scan of the shards at disk speed, on a few threads
+(:func:`~streampack.interop.scanning.open_plan`).
 """
 
 from __future__ import annotations
@@ -40,21 +41,8 @@ import numpy as np
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.files import map_tokens
 from streampack.interop.llmc import has_header
-from streampack.interop.reading import (
-    Foreign,
-    ForeignOptions,
-    ForeignShard,
-    check_doc_count,
-    check_id_fits,
-)
-from streampack.interop.scanning import (
-    KEPT_ENDS_BYTES,
-    SCAN_TOKENS,
-    KeptEnds,
-    TokenSpan,
-    ends_at,
-    scanned,
-)
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_id_fits
+from streampack.interop.scanning import SCAN_TOKENS, Boundary, Found, ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import (
     Destination,
     Progress,
@@ -162,7 +150,17 @@ def recognise(path: Path) -> bool:
 
 
 def read(path: Path, options: ForeignOptions) -> Foreign:
-    """The token file at ``path`` (see the module's docstring).
+    """The token file at ``path`` (see the module's docstring): :func:`plan`, its spans scanned.
+
+    Raises:
+        CacheError, OptionsError: as for :func:`plan`.
+    """
+    return open_plan(plan(path, options))
+
+
+def plan(path: Path, options: ForeignOptions) -> ScanPlan:
+    """The shards of the token file at ``path``: spans of at most :data:`SHARD_TOKENS` tokens, each cut
+    after an EOS (:func:`shard_spans`), whose documents end at the EOS.
 
     Raises:
         CacheError: the file is missing, or not a whole number of tokens of its dtype, or ``meta.pkl`` is
@@ -185,124 +183,93 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
             f"{file}: {size:,} bytes, not a whole number of {dtype.itemsize}-byte {dtype.name} tokens: the "
             f"file is truncated, or its tokens are not {dtype.name} (pass dtype=)"
         )
-    count = size // dtype.itemsize
     eos = options.eos_id
     if eos is not None:
         check_id_fits(file, "eos_id", eos, dtype)
     meta = file.parent / "meta.pkl"
     vocab = _vocab_size(meta) if meta.is_file() else None
-    shards = []
-    first_doc = 0
-    found: list[np.ndarray | None] = []
-    kept = KeptEnds()
-    spans = plan_shards(TokenSpan(file, dtype, 0, count), eos, SHARD_TOKENS, found=found)
-    for index, (start, stop, docs) in enumerate(spans):
-        offset, length = start * dtype.itemsize, stop - start
-        rescan = partial(_ends, file, dtype, offset, length, eos, docs)
-        ends = found[index] if index < len(found) else None
+    whole = TokenSpan(file, dtype, 0, size // dtype.itemsize)
+    spans = [
+        TokenSpan(file, dtype, start * dtype.itemsize, stop - start)
+        for start, stop in shard_spans(whole, eos, SHARD_TOKENS)
+    ]
+    files = [file, meta] if vocab is not None else [file]
+    return ScanPlan(spans, Boundary(eos), partial(_made, path, spans, eos, vocab, files))
+
+
+def _made(
+    path: Path,
+    spans: list[TokenSpan],
+    eos: int | None,
+    vocab: int | None,
+    files: list[Path],
+    found: list[Found],
+) -> Foreign:
+    """The foreign cache of the spans of one token file, given what their scans found."""
+    shards, first_doc = [], 0
+    for span, seen in zip(spans, found, strict=True):
+        tokens = partial(map_tokens, span.path, span.dtype, span.offset, span.count)
         shards.append(
             ForeignShard(
-                file,
-                docs,
-                length,
-                tokens=partial(map_tokens, file, dtype, offset, length),
-                ends=rescan if ends is None else kept.ends(ends, rescan),
-                token_file=(file, offset),
+                span.path,
+                seen.num_docs,
+                span.count,
+                tokens=tokens,
+                ends=seen.ends,
+                token_file=(span.path, span.offset),
                 first_doc=first_doc,
             )
         )
-        first_doc += docs
-    files = [file, meta] if vocab is not None else [file]
-    return Foreign("nanogpt", path, dtype, shards, eos_id=eos, vocab_size=vocab, files=files)
+        first_doc += seen.num_docs
+    return Foreign("nanogpt", path, spans[0].dtype, shards, eos_id=eos, vocab_size=vocab, files=files)
 
 
-def plan_shards(
-    tokens: np.ndarray | TokenSpan,
-    eos_id: int | None,
-    shard_tokens: int,
-    *,
-    scan_tokens: int = SCAN_TOKENS,
-    found: list[np.ndarray | None] | None = None,
-) -> list[tuple[int, int, int]]:
-    """``(start, stop, documents)`` of each shard of a flat stream, found in one pass that compares
-    ``scan_tokens`` at a time: each cut after the last EOS within ``shard_tokens`` tokens of its start
-    (after the first EOS past them if a document is longer); one shard, one document, without ``eos_id``.
-
-    ``found``, where given, receives each shard's document ends (uint64, from its start), or None for the
-    shards past :data:`~streampack.interop.reading.KEPT_ENDS_BYTES` of them (found again when read)."""
+def shard_spans(
+    tokens: np.ndarray | TokenSpan, eos_id: int | None, shard_tokens: int, *, window: int = SCAN_TOKENS
+) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each shard of a flat stream: each cut after the last EOS within
+    ``shard_tokens`` tokens of its start (after the first EOS past them if a document is longer); one
+    shard without ``eos_id``. Each cut is found by reading back from the limit, ``window`` tokens at a
+    time (a document's worth, usually): the plan reads a few MiB of a file, not all of it."""
     total = len(tokens)
     if eos_id is None or not total:
-        return [(0, total, int(total > 0))]
-    spans: list[tuple[int, int, int]] = []
-    held = _HeldEnds(found)
-    start = last = docs = 0  # the shard's start, the end of its last document so far, its documents
-    for lo, chunk in scanned(tokens, scan_tokens):
-        hi = lo + len(chunk)
-        ends = np.flatnonzero(chunk == eos_id) + (lo + 1)
-        held.add(ends)
-        j = 0
-        while True:
-            limit = start + shard_tokens
-            k = int(np.searchsorted(ends, limit, side="right"))
-            if k > j:
-                last, docs, j = int(ends[k - 1]), docs + k - j, k
-            if hi <= limit:
-                break  # every end up to the limit is not seen yet
-            if last > start:
-                spans.append((start, last, docs))
-                held.close(start, last)
-                start, docs = last, 0
-            elif j < len(ends):  # a document longer than a shard: it ends at the next EOS
-                end = int(ends[j])
-                spans.append((start, end, 1))
-                held.close(start, end)
-                start = last = end
-                j += 1
-            else:
-                break
+        return [(0, total)]
+    spans, start = [], 0
+    while total - start > shard_tokens:
+        limit = start + shard_tokens
+        stop = _last_end(tokens, eos_id, start, limit, window) or _first_end(tokens, eos_id, limit, window)
+        if stop is None:
+            break  # no EOS past the limit: the rest is one document
+        spans.append((start, stop))
+        start = stop
     if start < total:
-        tail = int(tokens[total - 1]) != eos_id  # tokens after the last EOS: one more document
-        spans.append((start, total, docs + int(tail)))
-        if tail:
-            held.add(np.array([total], dtype=np.int64))
-        held.close(start, total)
+        spans.append((start, total))
     return spans
 
 
-class _HeldEnds:
-    """The document ends :func:`plan_shards` has seen and not yet given to a shard: each shard's, once it
-    is cut, go to ``found`` (while they stay within :data:`KEPT_ENDS_BYTES` in all, then None)."""
-
-    def __init__(self, found: list[np.ndarray | None] | None) -> None:
-        self.found = found
-        self.parts: list[np.ndarray] | None = [] if found is not None else None
-        self.given = 0
-
-    def add(self, ends: np.ndarray) -> None:
-        """Hold the ends (absolute, ascending) of the chunk just scanned."""
-        if self.parts is not None and len(ends):
-            self.parts.append(ends)
-
-    def close(self, start: int, stop: int) -> None:
-        """Give the held ends up to ``stop`` to the shard ``[start, stop)`` just cut."""
-        if self.found is None or self.parts is None:
-            return
-        held = np.concatenate(self.parts) if self.parts else np.zeros(0, dtype=np.int64)
-        cut = int(np.searchsorted(held, stop, side="right"))
-        mine, rest = held[:cut], held[cut:]
-        self.given += mine.nbytes
-        if self.given > KEPT_ENDS_BYTES:  # the rest are found again when read: memory stays bounded
-            self.parts = None
-            self.found.append(None)
-            return
-        self.parts = [rest]
-        self.found.append((mine - start).astype(np.uint64))
+def _window(tokens: np.ndarray | TokenSpan, start: int, stop: int) -> np.ndarray:
+    return tokens.read(start, stop) if isinstance(tokens, TokenSpan) else tokens[start:stop]
 
 
-def _ends(path: Path, dtype: np.dtype, offset: int, count: int, eos: int | None, docs: int) -> np.ndarray:
-    if eos is None:
-        return np.array([count] if count else [], dtype=np.uint64)
-    return check_doc_count(path, ends_at(TokenSpan(path, dtype, offset, count), eos), docs)
+def _last_end(tokens: np.ndarray | TokenSpan, eos: int, start: int, limit: int, window: int) -> int | None:
+    """The end of the last document that ends within ``(start, limit]``, or None."""
+    hi = limit
+    while hi > start:
+        lo = max(start, hi - window)
+        found = np.flatnonzero(_window(tokens, lo, hi) == eos)
+        if len(found):
+            return lo + int(found[-1]) + 1
+        hi = lo
+    return None
+
+
+def _first_end(tokens: np.ndarray | TokenSpan, eos: int, start: int, window: int) -> int | None:
+    """The end of the first document that ends after ``start``, or None."""
+    for lo in range(start, len(tokens), window):
+        found = np.flatnonzero(_window(tokens, lo, lo + window) == eos)
+        if len(found):
+            return lo + int(found[0]) + 1
+    return None
 
 
 class _PlainData(pickle.Unpickler):

@@ -10,17 +10,20 @@ sizes and times) and ``settings.foreign``. A source shard becomes one or more sh
 Tokens are copied by the kernel where the source holds them end to end in a file (every format but MDS);
 their CRC-32 is computed meanwhile on another thread, from the source's pages (with ISA-L's CRC-32 where
 ``isal`` is installed, :data:`streampack.format.names.crc32`: a tenth of the copy's time), so the convert
-runs at about the speed of a plain copy.
+runs at about the speed of a plain copy. A format whose documents are found by a scan (nanoGPT, OLMo,
+llm.c) is not opened first, which would read the files through before the copy began: ``convert`` plans
+its shards (:class:`~streampack.interop.scanning.ScanPlan`) and :func:`write_scanned` copies each while
+another thread scans it for its documents and its CRC-32, one read for both.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,12 +40,16 @@ from streampack.format.names import (
     tokens_key,
     with_checksum,
 )
+from streampack.interop.reading import Foreign, foreign_cache
+from streampack.interop.scanning import ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import (
     Destination,
     Progress,
     ShardDocs,
     check_int_option,
     doc_chunks,
+    file_descriptor,
+    kernel_copy,
     release_maps,
     shard_docs,
     write_spans,
@@ -81,36 +88,111 @@ def write(
     cache: Cache, dest: Destination, options: Options, progress: bool
 ) -> tuple[int, int, Sequence[str]]:
     """Write the shards, then the manifest (committed last)."""
-    docs_column: list[int] = []
-    tokens_column: list[int] = []
-    crcs: list[list[int]] = []
-    units: list[str] = []
+    written = _Written()
     with Progress(progress, cache.num_tokens, "streampack") as bar:
         for docs in shard_docs(cache):
             unit = cache.manifest.units[docs.shard]
             for first, stop in doc_chunks(cache, docs, options.shard_tokens):
-                name = shard_name(len(units))
-                crcs.append(_write_shard(cache, docs, first, stop, name, dest))
+                name = shard_name(len(written.units))
                 start = int(docs.ends[first - 1]) if first else 0
-                docs_column.append(stop - first)
-                tokens_column.append(int(docs.ends[stop - 1]) - start)
+                with dest.open(tokens_key(name)) as out:
+                    tokens_crc = _copy_with_crc(cache, docs.shard, out, start, int(docs.ends[stop - 1]))
                 whole = first == 0 and stop == len(docs.ends)
-                units.append(unit if whole else f"{unit}[documents {first}:{stop}]")
-                _write_entry(dest, name, units[-1], docs_column[-1], tokens_column[-1], crcs[-1], cache)
-                bar.update(tokens_column[-1])
+                named = unit if whole else f"{unit}[documents {first}:{stop}]"
+                written.add(cache, docs, first, stop, named, tokens_crc, dest)
+                bar.update(written.tokens[-1])
             release_maps(cache)  # one source shard's arrays at a time (an MDS shard's is a copy)
-    columns = np.array(crcs, dtype=np.uint32).reshape(-1, 3)
-    table = ShardTable(
-        np.array(docs_column, dtype=np.int64),
-        np.array(tokens_column, dtype=np.int64),
-        tokens_crc32=columns[:, 0],
-        offsets_crc32=columns[:, 1],
-        mask_crc32=columns[:, 2] if cache.has_loss_mask else None,
-    )
-    manifest = replace(cache.manifest, units=units, table=table, complete=True)
-    with dest.open(MANIFEST) as out:
-        out.write(encode_json(with_checksum(manifest.to_json())))
-    return cache.num_docs, cache.num_tokens, [MANIFEST]
+    return written.commit(cache, dest)
+
+
+def write_scanned(
+    plan: ScanPlan, declared: Mapping[str, Any], dest: Destination, progress: bool
+) -> tuple[int, int, Sequence[str]]:
+    """Write the native cache of a foreign one read by a scan (nanoGPT, OLMo, llm.c; ``declared`` as
+    :func:`streampack.open` takes it), each span of ``plan`` one shard: the kernel copies the spans while
+    another thread scans them for their documents and CRC-32s, so that the files are read once for both
+    and the copy need not wait for an open's scan. The same files as :func:`write` of the opened cache
+    (whose shards are the plan's spans)."""
+    crcs: list[int] = []
+    outcome: list[Foreign | BaseException] = []
+
+    def scan() -> None:
+        try:
+            outcome.append(open_plan(plan, threads=1, crcs=crcs))
+        except BaseException as e:  # raised again on the main thread
+            outcome.append(e)
+
+    scanner = threading.Thread(target=scan, name="streampack-convert-scan", daemon=True)
+    scanner.start()
+    spans = [span for span in plan.spans if span.count]  # an empty one has no documents: no shard
+    with Progress(progress, sum(span.count for span in spans), "streampack") as bar:
+        for index, span in enumerate(spans):
+            with dest.open(tokens_key(shard_name(index))) as out:
+                _copy_span(span, out)
+            bar.update(span.count)
+    scanner.join()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    cache = foreign_cache(outcome[0], declared)
+    written = _Written()
+    for docs, tokens_crc in zip(shard_docs(cache), crcs, strict=True):
+        if len(docs.ends):
+            written.add(cache, docs, 0, len(docs.ends), cache.manifest.units[docs.shard], tokens_crc, dest)
+    return written.commit(cache, dest)
+
+
+class _Written:
+    """The shards written so far: each one's documents, tokens, CRC-32s (tokens, offsets, mask) and unit;
+    :meth:`add` writes a shard's document ends (and mask) and ledger entry, :meth:`commit` the manifest."""
+
+    def __init__(self) -> None:
+        self.docs: list[int] = []
+        self.tokens: list[int] = []
+        self.crcs: list[list[int]] = []
+        self.units: list[str] = []
+
+    def add(
+        self,
+        cache: Cache,
+        docs: ShardDocs,
+        first: int,
+        stop: int,
+        unit: str,
+        tokens_crc: int,
+        dest: Destination,
+    ) -> None:
+        """Documents ``[first, stop)`` of ``docs``, whose tokens are written (their CRC-32 ``tokens_crc``)."""
+        name = shard_name(len(self.units))
+        start, end = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1]) if stop else 0
+        offsets = (docs.ends[first:stop] - start).astype("<u8")
+        with dest.open(offsets_key(name)) as out:
+            out.write(offsets.tobytes())
+        sums = [tokens_crc, crc32(offsets.data), 0]
+        if cache.has_loss_mask:
+            mask = np.ascontiguousarray(cache.shard_loss_mask(docs.shard)[start:end], dtype=np.uint8)
+            with dest.open(mask_key(name)) as out:
+                out.write(mask.data)
+            sums[2] = crc32(mask.data)
+        self.docs.append(stop - first)
+        self.tokens.append(end - start)
+        self.crcs.append(sums)
+        self.units.append(unit)
+        _write_entry(dest, name, unit, self.docs[-1], self.tokens[-1], sums, cache)
+
+    def commit(self, cache: Cache, dest: Destination) -> tuple[int, int, Sequence[str]]:
+        """Write the manifest (the last file, committed last)."""
+        columns = np.array(self.crcs, dtype=np.uint32).reshape(-1, 3)
+        table = ShardTable(
+            np.array(self.docs, dtype=np.int64),
+            np.array(self.tokens, dtype=np.int64),
+            tokens_crc32=columns[:, 0],
+            offsets_crc32=columns[:, 1],
+            mask_crc32=columns[:, 2] if cache.has_loss_mask else None,
+        )
+        manifest = replace(cache.manifest, units=self.units, table=table, complete=True)
+        with dest.open(MANIFEST) as out:
+            out.write(encode_json(with_checksum(manifest.to_json())))
+        return cache.num_docs, cache.num_tokens, [MANIFEST]
 
 
 def _write_entry(
@@ -123,28 +205,6 @@ def _write_entry(
                         mask_checksum=mask)  # fmt: skip
     with dest.open(ledger_key(name)) as out:
         out.write(encode_json(with_checksum(asdict(entry))))
-
-
-def _write_shard(
-    cache: Cache, docs: ShardDocs, first: int, stop: int, name: str, dest: Destination
-) -> list[int]:
-    """Write one native shard of documents ``[first, stop)`` of ``docs``; its files' CRC-32s."""
-    start = int(docs.ends[first - 1]) if first else 0
-    end = int(docs.ends[stop - 1])
-    with dest.open(tokens_key(name)) as out:
-        tokens_crc = _copy_with_crc(cache, docs.shard, out, start, end)
-    offsets = (docs.ends[first:stop] - start).astype("<u8")
-    with dest.open(offsets_key(name)) as out:
-        out.write(offsets.tobytes())
-    sums = [tokens_crc, crc32(offsets.data)]
-    if cache.has_loss_mask:
-        mask = np.ascontiguousarray(cache.shard_loss_mask(docs.shard)[start:end], dtype=np.uint8)
-        with dest.open(mask_key(name)) as out:
-            out.write(mask.data)
-        sums.append(crc32(mask.data))
-    else:
-        sums.append(0)
-    return sums
 
 
 def _copy_with_crc(cache: Cache, shard: int, out: IO[bytes], start: int, end: int) -> int:
@@ -191,3 +251,16 @@ def _crc_of_array(result: list[int], tokens: np.ndarray, cache: Cache) -> None:
     for at in range(0, len(raw), _CRC_BYTES):
         crc = crc32(raw[at : at + _CRC_BYTES].data, crc)
     result[0] = crc
+
+
+def _copy_span(span: TokenSpan, out: IO[bytes]) -> None:
+    """Copy the tokens of ``span`` to ``out``: by the kernel where ``out`` is a local file."""
+    nbytes, done = span.count * span.dtype.itemsize, 0
+    with open(span.path, "rb") as source:
+        fd = file_descriptor(out)
+        if fd is not None:
+            out.flush()
+            done = kernel_copy(source.fileno(), fd, span.offset, nbytes)
+            out.seek(0, os.SEEK_END)  # the buffered writer learns where the file now ends
+    for _, chunk in span.chunks(first=done // span.dtype.itemsize):  # the rest (an fsspec file: all)
+        out.write(chunk.data)

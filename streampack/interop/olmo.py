@@ -44,18 +44,8 @@ import numpy as np
 
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.files import map_tokens
-from streampack.interop.reading import (
-    Foreign,
-    ForeignOptions,
-    ForeignShard,
-    check_doc_count,
-    check_id_fits,
-)
-from streampack.interop.scanning import (
-    KeptEnds,
-    TokenSpan,
-    ends_at,
-)
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_id_fits
+from streampack.interop.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:
@@ -183,7 +173,16 @@ def recognise(path: Path) -> bool:
 
 
 def read(path: Path, options: ForeignOptions) -> Foreign:
-    """The token files at ``path`` (see the module's docstring).
+    """The token files at ``path`` (see the module's docstring): :func:`plan`, its spans scanned.
+
+    Raises:
+        CacheError, OptionsError: as for :func:`plan`.
+    """
+    return open_plan(plan(path, options))
+
+
+def plan(path: Path, options: ForeignOptions) -> ScanPlan:
+    """The token files at ``path``, one shard each, whose documents end at the EOS.
 
     Raises:
         CacheError: ``olmo.json`` is not what the export writes, a token file is missing or not a whole
@@ -210,31 +209,44 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
     for name, value in (("eos_id", eos), ("bos_id", bos)):
         if value is not None:
             check_id_fits(path, name, value, dtype)
+    spans = [TokenSpan(file, dtype, 0, _token_count(file, dtype)) for file in tokens]
+    if masks is not None:
+        for mask, span in zip(masks, spans, strict=True):
+            _check_mask(mask, span.path, span.count)
+    files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]
+    made = partial(_made, path, dtype, spans, masks, (eos, bos, config.get("vocab_size")), files)
+    return ScanPlan(spans, Boundary(eos), made)
+
+
+def _made(
+    path: Path,
+    dtype: np.dtype,
+    spans: list[TokenSpan],
+    masks: list[Path] | None,
+    ids: tuple[int, int | None, int | None],
+    files: list[Path],
+    found: list[Found],
+) -> Foreign:
+    """The foreign cache of the token files, given what their scans found (``ids``: EOS, BOS, vocabulary
+    size)."""
     shards = []
-    kept = KeptEnds()
-    for index, file in enumerate(tokens):
-        count = _token_count(file, dtype)
-        mask = None
-        if masks is not None:
-            _check_mask(masks[index], file, count)
-            mask = partial(map_tokens, masks[index], np.dtype(np.uint8), 0, count)
-        found = ends_at(TokenSpan(file, dtype, 0, count), eos)
-        docs = len(found)
+    for index, (span, seen) in enumerate(zip(spans, found, strict=True)):
+        mask_file = masks[index] if masks is not None else None
+        mask = None if mask_file is None else partial(map_tokens, mask_file, np.dtype("u1"), 0, span.count)
+        tokens = partial(map_tokens, span.path, span.dtype, 0, span.count)
         shards.append(
             ForeignShard(
-                file,
-                docs,
-                count,
-                tokens=partial(map_tokens, file, dtype, 0, count),
-                ends=kept.ends(found, partial(_ends, file, dtype, count, eos, docs)),
+                span.path,
+                seen.num_docs,
+                span.count,
+                tokens=tokens,
+                ends=seen.ends,
                 mask=mask,
-                token_file=(file, 0),
-                mask_file=masks[index] if masks is not None else None,
+                token_file=(span.path, 0),
+                mask_file=mask_file,
             )
         )
-    files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]
-    vocab = config.get("vocab_size")
-    return Foreign("olmo", path, dtype, shards, eos, bos, vocab, files=files)
+    return Foreign("olmo", path, dtype, shards, *ids, files=files)
 
 
 def _config(file: Path) -> dict[str, Any]:
@@ -335,7 +347,3 @@ def _check_mask(mask: Path, file: Path, count: int) -> None:
             f"{mask}: {size:,} bytes, but the label mask of {file.name} holds one bool byte a token: "
             f"{count:,} expected. The file is truncated, or belongs to another token file"
         )
-
-
-def _ends(path: Path, dtype: np.dtype, count: int, eos: int, docs: int) -> np.ndarray:
-    return check_doc_count(path, ends_at(TokenSpan(path, dtype, 0, count), eos), docs)

@@ -16,7 +16,7 @@ import contextlib
 import importlib
 import os
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -316,8 +316,6 @@ def open_foreign(
             and the field).
         OptionsError: an option the format does not take, or a format not read from object storage.
     """
-    from streampack.reader import Cache
-
     options = ForeignOptions(**declared)
     chosen = options.format or recognise(path, files)
     module = importlib.import_module(READERS[chosen])
@@ -331,12 +329,29 @@ def open_foreign(
         foreign: Foreign = (
             module.read(Path(path), options, files) if not files.local else module.read(Path(path), options)
         )
+    except StreampackError as e:
+        raise type(e)(files.shown(str(e))) from None
+    return foreign_cache(foreign, declared, files=files, store=store)
+
+
+def foreign_cache(
+    foreign: Foreign,
+    declared: Mapping[str, Any],
+    *,
+    files: ForeignFiles = LOCAL,
+    store: LocalStore | None = None,
+) -> Cache:
+    """The cache of what a format module read (``declared``: the fields of :class:`ForeignOptions`)."""
+    from streampack.reader import Cache
+
+    options = ForeignOptions(**declared)
+    try:
         manifest = foreign_manifest(foreign, options, files)
     except StreampackError as e:
         raise type(e)(files.shown(str(e))) from None
     shards = ForeignShards(foreign, files)
     cache = Cache(store or LocalStore(foreign.root), manifest, manifest.table, files=shards)
-    cache.declared = {**{k: v for k, v in declared.items() if v is not None}, "format": chosen}
+    cache.declared = {**{k: v for k, v in declared.items() if v is not None}, "format": foreign.format}
     return cache
 
 

@@ -2,20 +2,35 @@
 the id that ends or starts each document, in bounded memory: a file read into one buffer
 (:class:`TokenSpan`) or a memory map let go of chunk by chunk (:func:`scanned`); the ends an open found,
 kept for the shards' first reads (:class:`KeptEnds`).
+
+Such a format's reader plans its shards first (:class:`ScanPlan`: each shard's span of a file, found
+without reading the files through) and makes its :class:`~streampack.interop.reading.Foreign` from the
+ends a scan of each span finds: :func:`open_plan` scans the spans on a few threads (the compare and the
+reads release the GIL), and ``streampack convert`` scans them on one thread while the kernel copies them
+(:func:`streampack.interop.native.write_scanned`), the CRC-32 of each span computed in the same read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import mmap
 import os
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from streampack.errors import CacheError
+from streampack.format.names import MANIFEST, crc32
+from streampack.interop.reading import READERS, Foreign, ForeignOptions, check_doc_count, recognise
+from streampack.store import open_store
+from streampack.store.remote import is_remote
 
 #: Tokens a scan for an id compares at a time (its temporary array holds one byte a token; a read of a
 #: file's 1 Mi tokens stays in the CPU's cache: 4 Mi at a time scanned 25% slower here).
@@ -45,6 +60,13 @@ class TokenSpan:
         """Token ``index`` (one read)."""
         _, chunk = next(self.chunks(1, first=range(self.count)[index]))
         return int(chunk[0])
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` (clipped to the span), in a new array."""
+        start, stop = max(start, 0), min(stop, self.count)
+        if stop <= start:
+            return np.zeros(0, dtype=self.dtype)
+        return next(self.chunks(stop - start, first=start))[1]
 
     def chunks(self, step: int = SCAN_TOKENS, first: int = 0) -> Iterator[tuple[int, np.ndarray]]:
         """``(start, chunk)`` from token ``first`` on, ``step`` at a time; each chunk is the buffer the next
@@ -99,21 +121,6 @@ def forget_pages(chunk: np.ndarray) -> None:
         mapped.madvise(mmap.MADV_DONTNEED, first, stop - first)
 
 
-def id_positions(tokens: np.ndarray | TokenSpan, token_id: int) -> np.ndarray:
-    """Where ``token_id`` occurs in ``tokens`` (int64, ascending), read :data:`SCAN_TOKENS` at a time."""
-    parts = [np.flatnonzero(chunk == token_id) + start for start, chunk in scanned(tokens)]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
-
-
-def ends_at(tokens: np.ndarray | TokenSpan, eos_id: int) -> np.ndarray:
-    """The end of each document of a stream in which each ends with ``eos_id`` (uint64): after each EOS,
-    and at the stream's end (a tail after the last EOS is one more document)."""
-    ends = id_positions(tokens, eos_id) + 1
-    if len(tokens) and (not len(ends) or int(ends[-1]) != len(tokens)):
-        ends = np.append(ends, len(tokens))
-    return ends.astype(np.uint64)
-
-
 class KeptEnds:
     """The document ends the scans of one open found, kept up to :data:`KEPT_ENDS_BYTES` in all."""
 
@@ -129,3 +136,97 @@ class KeptEnds:
         kept = found.astype(np.uint64)
         kept.flags.writeable = False
         return lambda: kept
+
+
+#: Threads an open scans its spans on (at most): each is one core's compares and reads.
+SCAN_THREADS = min(4, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """How a stream marks its documents: ``token_id`` after each one (an EOS), or before each one
+    (``starts``: llm.c's delimiter); without ``token_id`` a span is one document."""
+
+    token_id: int | None
+    starts: bool = False
+
+    def ends(self, tokens: np.ndarray | TokenSpan, *, checksum: bool = False) -> tuple[np.ndarray, int]:
+        """The end of each document of ``tokens`` (uint64, from its start) and, with ``checksum``, the
+        CRC-32 of their little-endian bytes (0 without), in one read of them. After an EOS a tail with
+        none is one more document; before a delimiter, what precedes the first one is part of none."""
+        count, crc, parts = len(tokens), 0, []
+        if self.token_id is not None or checksum:
+            for start, chunk in scanned(tokens):
+                if self.token_id is not None:
+                    parts.append(np.flatnonzero(chunk == self.token_id) + start)
+                if checksum:
+                    crc = crc32(np.ascontiguousarray(chunk, dtype=chunk.dtype.newbyteorder("<")).data, crc)
+        if self.token_id is None:
+            return np.array([count] if count else [], dtype=np.uint64), crc
+        found = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        if self.starts:
+            ends = np.append(found[found > 0], count) if count else found
+        else:
+            ends = found + 1
+            if count and (not len(ends) or int(ends[-1]) != count):
+                ends = np.append(ends, count)
+        return ends.astype(np.uint64), crc
+
+
+@dataclass(frozen=True)
+class Found:
+    """What the scan of one span found: its documents, and their ends (kept, or found again)."""
+
+    num_docs: int
+    ends: Callable[[], np.ndarray]
+
+
+@dataclass(frozen=True)
+class ScanPlan:
+    """A foreign cache whose documents are found by scanning its files: the span of each of its shards,
+    how its documents are marked, and how its format makes it once each span's are found (``make``
+    takes one :class:`Found` a span)."""
+
+    spans: list[TokenSpan]
+    boundary: Boundary
+    make: Callable[[list[Found]], Foreign]
+
+
+def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | None = None) -> Foreign:
+    """The foreign cache of ``plan``, its spans scanned on ``threads`` threads (a few spans ahead of the
+    one kept next, so that memory stays bounded); each span's CRC-32 appended to ``crcs`` where given."""
+    kept, found = KeptEnds(), []
+    scan = partial(plan.boundary.ends, checksum=crcs is not None)
+    with ThreadPoolExecutor(max(1, min(threads, len(plan.spans))), "streampack-scan") as pool:
+        ahead: deque[Future[tuple[np.ndarray, int]]] = deque()
+        for index in range(len(plan.spans)):
+            while len(ahead) < 2 * threads and index + len(ahead) < len(plan.spans):
+                ahead.append(pool.submit(scan, plan.spans[index + len(ahead)]))
+            ends, crc = ahead.popleft().result()
+            span = plan.spans[index]
+            found.append(Found(len(ends), kept.ends(ends, partial(_rescan, span, plan.boundary, len(ends)))))
+            if crcs is not None:
+                crcs.append(crc)
+    return plan.make(found)
+
+
+def _rescan(span: TokenSpan, boundary: Boundary, docs: int) -> np.ndarray:
+    """The ends of ``span`` found again (past :data:`KEPT_ENDS_BYTES`): the same ``docs`` documents."""
+    return check_doc_count(span.path, boundary.ends(span)[0], docs)
+
+
+def scan_plan(source: str | os.PathLike[str], declared: Mapping[str, Any]) -> ScanPlan | None:
+    """The :class:`ScanPlan` of a local foreign cache read by a scan (nanoGPT, OLMo, llm.c) at ``source``
+    (``declared`` as :func:`streampack.open` takes it), or None for anything else (a native cache, one in
+    object storage, a format with an index, no cache at all: opening it says what it is)."""
+    options = ForeignOptions(**{k: v for k, v in declared.items() if v is not None})
+    try:
+        store = None if is_remote(source) else open_store(source)
+        if store is None or (options.format is None and store.exists(MANIFEST)):
+            return None
+        where = store.root
+        chosen = options.format or recognise(where)
+    except CacheError:
+        return None
+    planner = getattr(importlib.import_module(READERS[chosen]), "plan", None)
+    return None if planner is None else planner(where, options)

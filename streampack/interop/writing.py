@@ -318,11 +318,11 @@ def write_spans(
             if opened is None:
                 cache.shard_tokens(shard)  # checks the file's size (and fetches a remote cache's copy)
                 opened = open(path, "rb")  # noqa: SIM115 (closed below)
-            fd = _fileno(out) if same else None
+            fd = file_descriptor(out) if same else None
             if fd is not None:
                 out.flush()
                 offset, size = base + start * itemsize, (stop - start) * itemsize
-                start += _kernel_copy(opened.fileno(), fd, offset, size) // itemsize
+                start += kernel_copy(opened.fileno(), fd, offset, size) // itemsize
                 out.seek(0, os.SEEK_END)  # the buffered writer learns where the file now ends
             while start < stop:
                 n = min(CHUNK_TOKENS, stop - start)
@@ -345,7 +345,7 @@ def _little(dtype: np.dtype) -> bool:
     return dtype == dtype.newbyteorder("<")
 
 
-def _fileno(out: IO[bytes]) -> int | None:
+def file_descriptor(out: IO[bytes]) -> int | None:
     """The descriptor of a local file, None for anything else (an fsspec file, a buffer)."""
     try:
         return out.fileno()
@@ -353,7 +353,7 @@ def _fileno(out: IO[bytes]) -> int | None:
         return None
 
 
-def _kernel_copy(src: int, dst: int, offset: int, count: int) -> int:
+def kernel_copy(src: int, dst: int, offset: int, count: int) -> int:
     """Copy ``count`` bytes of ``src`` from ``offset`` to ``dst``'s position in the kernel; returns the bytes
     copied, fewer where neither ``copy_file_range`` nor ``sendfile`` works for these files (the caller
     writes the rest itself)."""
