@@ -26,9 +26,10 @@ tokens mapped where they lie. A document *starts* at each delimiter, ``bos_id=``
 ``<|begin_of_text|>`` 128000 for uint32 ones, what llm.c's writers put there), which the cache's
 ``bos_id`` then is: a document is ``[delimiter, tokens...]``; the tokens before a shard's first delimiter
 are a document too. streampack's documents lie within one shard, so a document that llm.c continued
-into the next shard is read as two, cut at the shard's end. The delimiters are counted when the shards are
-opened (a scan of every shard at disk speed: the number of documents is needed first); where each one is,
-when a shard is first read. A cache exported here (in one shard) and opened again thus has, for an EOS
+into the next shard is read as two, cut at the shard's end (``verify`` of the cache, or of one converted
+from it, takes a shard's first document without the delimiter as such a rest). The delimiters are
+counted when the shards are opened (a scan of every shard at disk speed, on a few threads: the number of
+documents is needed first). A cache exported here (in one shard) and opened again thus has, for an EOS
 cache, the documents ``[EOS] + doc[:-1]`` (its stream shifted by one), and for a BOS cache its own
 documents (less the EOS, where it appended one).
 """

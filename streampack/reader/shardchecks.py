@@ -147,12 +147,13 @@ def check_shard(
     ends = np.asarray(offsets, dtype=np.int64)
     starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
     places = {}  # what must stand at each document's end and start, when the offsets are sound
+    skipped = int(_continues_documents(manifest))  # documents at the shard's start the BOS check skips
     if sound and len(ends):
         empty = ends <= starts
         if eos is not None:
             places["end with EOS"] = (ends - 1, eos, empty)
         if bos is not None:
-            places["begin with BOS"] = (starts, bos, empty)
+            places["begin with BOS"] = (starts[skipped:], bos, empty[skipped:])
     controls = _stray_controls(manifest) if sound else []
     try:
         scan = _scan(
@@ -172,7 +173,7 @@ def check_shard(
         )
     if not problems:
         for name, (count, first) in scan.wrong.items():
-            control = eos if name == "end with EOS" else bos
+            control, first = (eos, first) if name == "end with EOS" else (bos, first + skipped)
             problems.append(
                 f"{tokens_file}: document {doc_start + first} (and {count - 1} more) does not {name} "
                 f"{control}"
@@ -196,6 +197,13 @@ def check_shard(
             )
         )
     return problems
+
+
+def _continues_documents(manifest: Manifest) -> bool:
+    """Whether a shard's first document may be the rest of the previous shard's last: llm.c cuts its
+    shards at a token count, so a document continues into the next one (read as two, the second without
+    the delimiter), and a cache converted from them keeps that."""
+    return manifest.settings.extra.get("foreign") == "llmc"
 
 
 def _check_mask(
