@@ -9,6 +9,7 @@ huggingface-hub and filelock), so its reading rule is reproduced from its source
 from __future__ import annotations
 
 import gzip
+import io
 import json
 import os
 import pickle
@@ -334,6 +335,33 @@ def test_mds_matches_mdswriter_shards(natural: streampack.Cache, tmp_path: Path,
 
 
 # ----------------------------------------------------------------------------- what a format cannot hold
+
+
+def test_pieces_gathered_by_the_kernel_are_written_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``write_pieces`` (MDS samples: headers and documents' values) gives a local file, a file that takes
+    less than asked at a time, and a writer without a descriptor the same bytes, in order."""
+    from streampack.interop import writing
+
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, 50_000, dtype=np.uint8)
+    cuts = np.sort(rng.choice(np.arange(1, len(data)), 2_999, replace=False)).tolist()
+    pieces = [data[a:b].data for a, b in zip([0, *cuts], [*cuts, len(data)])]
+    expected = data.tobytes()
+    with open(tmp_path / "whole", "wb") as out:
+        out.write(b"head")
+        writing.write_pieces(out, pieces)
+        out.write(b"tail")
+    assert (tmp_path / "whole").read_bytes() == b"head" + expected + b"tail"
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, batch: real(fd, batch[: len(batch) // 2]))  # short writes
+    with open(tmp_path / "short", "wb") as out:
+        writing.write_pieces(out, pieces)
+    assert (tmp_path / "short").read_bytes() == expected
+    buffer = io.BytesIO()
+    writing.write_pieces(buffer, pieces)
+    assert buffer.getvalue() == expected
 
 
 def test_a_loss_mask_into_megatron_is_refused(sft: streampack.Cache, tmp_path: Path) -> None:

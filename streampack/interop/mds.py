@@ -54,8 +54,9 @@ from streampack.interop.writing import (
     check_int_option,
     doc_chunks,
     refuse_loss_mask,
+    release_maps,
     shard_docs,
-    token_chunks,
+    write_pieces,
 )
 from streampack.reader.filehashes import recorded_hashes
 
@@ -122,16 +123,20 @@ def check(cache: Cache, options: Options) -> None:
     refuse_loss_mask(cache, "mds", options.drop_loss_mask)
 
 
-def encode_document(tokens: np.ndarray) -> bytes:
-    """One document as a sample of the variable ``ndarray`` encoding: its size header, shape, values."""
-    data, _ = encode_documents(tokens, np.array([0, len(tokens)]))
-    return data.tobytes()
+@dataclass(frozen=True)
+class Encoded:
+    """Consecutive samples as the pieces of their bytes (``per`` a sample: a document's header and values,
+    or a window) and their sizes; ``writev`` gathers the pieces, so a document's tokens are not copied."""
+
+    sizes: np.ndarray
+    pieces: list[memoryview]
+    per: int  # pieces a sample
 
 
-def encode_documents(tokens: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def encode_documents(tokens: np.ndarray, bounds: np.ndarray) -> Encoded:
     """Documents ``tokens[bounds[i]:bounds[i + 1]]`` (none empty) as consecutive samples of the variable
-    ``ndarray`` encoding: the bytes (uint8) and each sample's size. The headers (size, shape code, shape)
-    are built as one table; a document's bytes move by one slice copy each."""
+    ``ndarray`` encoding: their headers (size, shape code, shape) built as one table, each followed by
+    its document's values."""
     lengths = np.diff(bounds).astype(np.int64)
     codes = np.searchsorted([limit for limit, _, _ in SHAPE_CODES], lengths, side="right")
     shape_bytes = np.array([np.dtype(d).itemsize for _, _, d in SHAPE_CODES])[codes]
@@ -141,39 +146,35 @@ def encode_documents(tokens: np.ndarray, bounds: np.ndarray) -> tuple[np.ndarray
     table[:, :4] = (sizes - 4).astype("<u4").view(np.uint8).reshape(-1, 4)
     table[:, 4] = (1 << 2) | codes
     table[:, 5:] = lengths.astype("<u4").view(np.uint8).reshape(-1, 4)  # little-endian: the first w bytes
-    data = np.empty(int(sizes.sum()), dtype=np.uint8)
-    values = tokens.view(np.uint8)
-    itemsize = tokens.dtype.itemsize
-    at = 0
-    for i, (head, lo, hi) in enumerate(zip(heads.tolist(), bounds[:-1].tolist(), bounds[1:].tolist())):
-        data[at : at + head] = table[i, :head]
-        stop = at + head + (hi - lo) * itemsize
-        data[at + head : stop] = values[lo * itemsize : hi * itemsize]
-        at = stop
-    return data, sizes
+    header, values = table.reshape(-1).data, tokens.view(np.uint8).data
+    cuts = (bounds * tokens.dtype.itemsize).tolist()
+    pieces: list[memoryview] = []
+    for row, head, lo, hi in zip(range(0, table.size, 9), heads.tolist(), cuts[:-1], cuts[1:]):
+        pieces += (header[row : row + head], values[lo:hi])
+    return Encoded(sizes, pieces, 2)
 
 
-def samples(cache: Cache, options: Options) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """The encoded samples, in groups: each group's bytes (uint8), its samples' sizes and its tokens."""
+def samples(cache: Cache, options: Options) -> Iterator[tuple[Encoded, int]]:
+    """The encoded samples, in groups: each group's, and its tokens."""
     little = cache.dtype.newbyteorder("<")
     if options.seq_len is None:
         for docs in shard_docs(cache):
+            mapped = cache.shard_tokens(docs.shard)
             for first, stop in doc_chunks(cache, docs):
                 lo, hi = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1])
-                parts = list(token_chunks(cache, docs.shard, lo, hi))
-                tokens = np.concatenate(parts).astype(little, copy=False) if parts else np.zeros(0, little)
                 bounds = np.concatenate([[lo], docs.ends[first:stop]]) - lo
                 bounds = bounds[np.concatenate([[True], np.diff(bounds) > 0])]  # no empty documents
-                yield (*encode_documents(tokens, bounds), hi - lo)
+                yield encode_documents(np.ascontiguousarray(mapped[lo:hi], dtype=little), bounds), hi - lo
+            release_maps(cache)  # its pages leave this process with the last pieces written of them
         return
     windows = cache.sequences(options.seq_len)
-    rows = max(1, (1 << 22) // options.seq_len)
-    row_bytes = options.seq_len * cache.dtype.itemsize
+    rows, row_bytes = max(1, (1 << 22) // options.seq_len), options.seq_len * cache.dtype.itemsize
     for first in range(0, len(windows), rows):
         block = windows.read(np.arange(first, min(first + rows, len(windows)))).astype(little, copy=False)
         cache.drop_maps()
-        sizes = np.full(len(block), row_bytes, dtype=np.int64)
-        yield np.ascontiguousarray(block).view(np.uint8).reshape(-1), sizes, block.size
+        raw = np.ascontiguousarray(block).view(np.uint8).reshape(-1).data
+        pieces = [raw[at : at + row_bytes] for at in range(0, len(raw), row_bytes)]
+        yield Encoded(np.full(len(block), row_bytes, dtype=np.int64), pieces, 1), block.size
 
 
 def write(
@@ -188,7 +189,7 @@ def write(
     config_bytes = json.dumps(shard_config, sort_keys=True).encode()
     room = options.size_limit - (4 + 4 + len(config_bytes))  # less MDSWriter's extra bytes per shard
     shards: list[dict[str, Any]] = []
-    pending: list[np.ndarray] = []  # the pending samples' bytes, in pieces
+    pending: list[memoryview] = []  # the pending samples' bytes, in pieces
     pending_sizes: list[np.ndarray] = []
     used = 0  # bytes the pending samples take, with their 4-byte offsets
     rows = tokens = 0
@@ -200,14 +201,13 @@ def write(
         with dest.open(name) as out:
             out.write(np.array([len(sizes)], dtype="<u4").tobytes() + offsets.astype("<u4").tobytes())
             out.write(config_bytes)
-            for piece in pending:
-                out.write(piece.data)
+            write_pieces(out, pending)
         raw = {"basename": name, "bytes": int(offsets[-1]), "hashes": {}}
         shards.append({"samples": len(sizes), "raw_data": raw, "zip_data": None, **shard_config})
 
     with Progress(progress, cache.num_tokens, "mds") as bar:
-        for data, sizes, count in samples(cache, options):
-            starts = np.concatenate([[0], np.cumsum(sizes)])
+        for group, count in samples(cache, options):
+            sizes, per = group.sizes, group.per
             taken = np.concatenate([[0], np.cumsum(sizes + 4)])  # with each sample's offset
             pos = 0
             while pos < len(sizes):
@@ -218,7 +218,7 @@ def write(
                         pending, pending_sizes, used = [], [], 0
                         continue
                     fit = 1  # larger than a shard holds: alone in one, as MDSWriter does
-                pending.append(data[starts[pos] : starts[pos + fit]])
+                pending += group.pieces[pos * per : (pos + fit) * per]
                 pending_sizes.append(sizes[pos : pos + fit])
                 used += int(taken[pos + fit] - taken[pos])
                 pos += fit

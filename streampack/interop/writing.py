@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 
 #: Tokens read at once from a shard's token file (16 MiB of uint32, 8 MiB of uint16).
 CHUNK_TOKENS = 1 << 22
+#: Pieces one ``writev`` takes at most (the system's IOV_MAX).
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 16
 
 STAGING_SUFFIX = ".streampack-export"
 
@@ -351,6 +353,25 @@ def file_descriptor(out: IO[bytes]) -> int | None:
         return out.fileno()
     except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
         return None
+
+
+def write_pieces(out: IO[bytes], pieces: Sequence[memoryview]) -> None:
+    """Write ``pieces`` to ``out`` in order: gathered by the kernel where ``out`` is a local file
+    (``writev``, :data:`_IOV_MAX` pieces a call), else one by one."""
+    fd = file_descriptor(out) if hasattr(os, "writev") else None
+    if fd is None:
+        for piece in pieces:
+            out.write(piece)
+        return
+    out.flush()
+    for at in range(0, len(pieces), _IOV_MAX):
+        batch = pieces[at : at + _IOV_MAX]
+        written = os.writev(fd, batch)
+        if written < sum(map(len, batch)):  # a short write (rare for a file): the rest piece by piece
+            rest = b"".join(batch)[written:]
+            while rest:
+                rest = rest[os.write(fd, rest) :]
+    out.seek(0, os.SEEK_END)  # the buffered writer learns where the file now ends
 
 
 def kernel_copy(src: int, dst: int, offset: int, count: int) -> int:
