@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack.errors import OptionsError
+from streampack.errors import CacheError, OptionsError
 from streampack.interop import convert, nanogpt
 from streampack.interop.scanning import scan_plan
 from streampack.testing.caches import write_cache
@@ -137,3 +137,25 @@ def test_a_scanned_format_converts_in_one_read_to_the_files_of_an_open_and_expor
     for checked, given in (("scanned", {}), ("src", declared)):  # llm.c's documents continue across shards
         verified = run_cli("verify", str(tmp_path / checked), *(f"--eos-id={v}" for v in given.values()))
         assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_mds_samples_convert_where_they_lie(natural: streampack.Cache, tmp_path: Path) -> None:
+    """MDS samples (a header before each document's values) convert without a copy of the shard first:
+    each document's values written from the shard's map, cut into shards between documents, the same
+    documents, checksums that ``verify`` checks; a damaged header is refused before anything is kept."""
+    natural.export("mds", tmp_path / "mds", size_limit=1 << 20)
+    convert(tmp_path / "mds", tmp_path / "n", eos_id=natural.eos_id, shard_tokens=100_000)
+    native = streampack.open(tmp_path / "n")
+    assert native.num_shards > streampack.open(tmp_path / "mds").num_shards
+    assert native.num_docs == natural.num_docs
+    for i in range(0, natural.num_docs, 7):
+        np.testing.assert_array_equal(native.doc(i), natural.doc(i))
+    assert run_cli("verify", str(tmp_path / "n")).returncode == 0
+    shard = tmp_path / "mds" / "shard.00000.mds"
+    raw = bytearray(shard.read_bytes())
+    first = int(np.frombuffer(raw, dtype="<u4", count=2)[1])  # where sample 0 starts
+    raw[first + 4] ^= 0xFF  # its ndim and shape dtype code
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CacheError, match=r"shard\.00000\.mds: sample 0's ndim and shape dtype is"):
+        convert(tmp_path / "mds", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()

@@ -27,12 +27,12 @@ text is one document here). Other columns or encodings are refused, naming them 
 table are read (4 bytes a sample): a sample's token count follows from its size, its header being
 ``4 + 1 + w`` bytes for the narrowest shape width ``w`` that holds the count. Fixed windows lie end to end
 in the file and are memory-mapped as they are; variable samples are not (each has its size and shape
-before its values), so MDS is the one format read with a copy: a shard's tokens are gathered into one
-array on first use (the headers checked as one table, each sample's values moved by one slice copy),
-and :class:`~streampack.interop.reading.ForeignShards` keeps at most
-:data:`~streampack.interop.reading.MAX_COPY_BYTES` of such copies (each at most the shard's
-``size_limit``). A compressed shard is read from its raw file where ``StreamingDataset`` left one, and is
-refused otherwise. MDS records no EOS id (``eos_id=`` declares it).
+before its values), so MDS is the one format read with a copy: a shard's tokens are joined into one
+array on first use (the headers checked as one table; a convert writes each sample's values from the
+shard's map instead, gathered by ``writev``), and :class:`~streampack.interop.reading.ForeignShards`
+keeps at most :data:`~streampack.interop.reading.MAX_COPY_BYTES` of such copies (each at most the
+shard's ``size_limit``). A compressed shard is read from its raw file where ``StreamingDataset`` left
+one, and is refused otherwise. MDS records no EOS id (``eos_id=`` declares it).
 """
 
 from __future__ import annotations
@@ -370,10 +370,17 @@ def _shard(root: Path, index_path: Path, i: int, entry: Any) -> tuple[ForeignSha
         ends = np.cumsum(lengths, dtype=np.uint64)
         total = int(ends[-1]) if len(ends) else 0
 
-        def gather() -> np.ndarray:
-            return _gather(shard_path, offsets, lengths, widths, column.dtype, total)
+        def pieces() -> list[memoryview]:
+            data, firsts = _values(shard_path, offsets, lengths, widths)
+            view, nbytes = data.data, (lengths * column.dtype.itemsize).tolist()
+            return [view[a : a + n] for a, n in zip(firsts.tolist(), nbytes)]
 
-        shard = ForeignShard(shard_path, samples, total, tokens=gather, ends=lambda: ends, hashes=hashes)
+        def gather() -> np.ndarray:  # one copy of every sample's values, joined
+            return np.frombuffer(b"".join(pieces()), dtype=column.dtype)
+
+        shard = ForeignShard(
+            shard_path, samples, total, tokens=gather, ends=lambda: ends, hashes=hashes, pieces=pieces
+        )
         return shard, column
     window = column.seq_len * column.dtype.itemsize
     wrong = np.flatnonzero(np.diff(offsets.astype(np.int64)) != window)
@@ -456,16 +463,11 @@ def _lengths(shard_path: Path, offsets: np.ndarray, itemsize: int) -> tuple[np.n
     return lengths, widths
 
 
-def _gather(
-    shard_path: Path,
-    offsets: np.ndarray,
-    lengths: np.ndarray,
-    widths: np.ndarray,
-    dtype: np.dtype,
-    total: int,
-) -> np.ndarray:
-    """A shard's tokens in one new array: every sample's header checked as one table, then its values
-    moved by one slice copy."""
+def _values(
+    shard_path: Path, offsets: np.ndarray, lengths: np.ndarray, widths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """A shard's bytes (mapped) and where each sample's values start in them, every sample's header
+    checked as one table."""
     check_size(shard_path, int(offsets[-1]), "the samples its offsets table (read at open) ends at")
     data = map_tokens(shard_path, np.dtype(np.uint8), 0, int(offsets[-1]))
     starts = offsets[:-1]
@@ -479,14 +481,7 @@ def _gather(
         has = widths > byte
         shape[has] |= data[starts[has] + 5 + byte].astype(np.int64) << (8 * byte)
     _check_field(shard_path, "shape", shape, lengths)
-    out = np.empty(total, dtype=dtype)
-    values = out.view(np.uint8)
-    itemsize = dtype.itemsize
-    at = 0
-    for start, n in zip((starts + 5 + widths).tolist(), lengths.tolist()):
-        values[at : at + n * itemsize] = data[start : start + n * itemsize]
-        at += n * itemsize
-    return out
+    return data, starts + 5 + widths
 
 
 def _check_field(shard_path: Path, name: str, found: np.ndarray, expected: np.ndarray) -> None:

@@ -40,7 +40,7 @@ from streampack.format.names import (
     tokens_key,
     with_checksum,
 )
-from streampack.interop.reading import Foreign, foreign_cache
+from streampack.interop.reading import Foreign, ForeignShards, foreign_cache
 from streampack.interop.scanning import ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import (
     Destination,
@@ -52,6 +52,7 @@ from streampack.interop.writing import (
     kernel_copy,
     release_maps,
     shard_docs,
+    write_pieces,
     write_spans,
 )
 from streampack.store import encode_json
@@ -93,10 +94,8 @@ def write(
         for docs in shard_docs(cache):
             unit = cache.manifest.units[docs.shard]
             for first, stop in doc_chunks(cache, docs, options.shard_tokens):
-                name = shard_name(len(written.units))
-                start = int(docs.ends[first - 1]) if first else 0
-                with dest.open(tokens_key(name)) as out:
-                    tokens_crc = _copy_with_crc(cache, docs.shard, out, start, int(docs.ends[stop - 1]))
+                with dest.open(tokens_key(shard_name(len(written.units)))) as out:
+                    tokens_crc = _copy_with_crc(cache, docs, first, stop, out)
                 whole = first == 0 and stop == len(docs.ends)
                 named = unit if whole else f"{unit}[documents {first}:{stop}]"
                 written.add(cache, docs, first, stop, named, tokens_crc, dest)
@@ -207,10 +206,15 @@ def _write_entry(
         out.write(encode_json(with_checksum(asdict(entry))))
 
 
-def _copy_with_crc(cache: Cache, shard: int, out: IO[bytes], start: int, end: int) -> int:
-    """Copy tokens ``[start, end)`` of ``shard`` to ``out`` while another thread computes their CRC-32."""
+def _copy_with_crc(cache: Cache, docs: ShardDocs, first: int, stop: int, out: IO[bytes]) -> int:
+    """Copy the tokens of documents ``[first, stop)`` of ``docs`` to ``out`` while another thread
+    computes their CRC-32."""
+    shard, start, end = docs.shard, int(docs.ends[first - 1]) if first else 0, int(docs.ends[stop - 1])
     result = [0]
     where = cache.files.token_file(shard)
+    pieces = cache.files.pieces(shard) if where is None and isinstance(cache.files, ForeignShards) else None
+    if pieces is not None:  # MDS samples: each document's values written where they lie, no copy first
+        return _write_pieces_with_crc(pieces[first:stop], out)
     summer = threading.Thread(
         target=_crc_of_file if where is not None else _crc_of_array,
         args=(result, where, cache.dtype.itemsize, start, end)
@@ -264,3 +268,22 @@ def _copy_span(span: TokenSpan, out: IO[bytes]) -> None:
             out.seek(0, os.SEEK_END)  # the buffered writer learns where the file now ends
     for _, chunk in span.chunks(first=done // span.dtype.itemsize):  # the rest (an fsspec file: all)
         out.write(chunk.data)
+
+
+def _write_pieces_with_crc(pieces: list[memoryview], out: IO[bytes]) -> int:
+    """Write ``pieces`` to ``out`` (gathered by the kernel) while another thread computes their CRC-32."""
+    result = [0]
+
+    def crc_of_pieces() -> None:
+        crc = 0
+        for piece in pieces:
+            crc = crc32(piece, crc)
+        result[0] = crc
+
+    summer = threading.Thread(target=crc_of_pieces, name="streampack-convert-crc", daemon=True)
+    summer.start()
+    try:
+        write_pieces(out, pieces)
+    finally:
+        summer.join()
+    return result[0]

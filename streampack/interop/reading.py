@@ -112,6 +112,8 @@ class ForeignShard:
         index_files: the files its document ends are read from, other than :attr:`path` (an ``.idx``).
         mask_file: the file of its loss mask, if it has one.
         hashes: the digests its format records of :attr:`path`, by algorithm (MDS's, when asked for).
+        pieces: where tokens not stored end to end lie in :attr:`path`: each document's bytes, as views
+            of its map (checked first), or None (MDS's samples: a convert writes them as they lie).
     """
 
     path: Path
@@ -125,6 +127,7 @@ class ForeignShard:
     index_files: tuple[Path, ...] = ()
     mask_file: Path | None = None
     hashes: dict[str, str] = field(default_factory=dict)
+    pieces: Callable[[], list[memoryview]] | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,11 @@ class ForeignShards:
     def token_file(self, shard: int) -> tuple[Path, int] | None:
         """Where shard ``shard``'s tokens lie end to end in a local file: (file, byte offset), or None."""
         return self.foreign.shards[self._index(shard)].token_file if self.where.local else None
+
+    def pieces(self, shard: int) -> list[memoryview] | None:
+        """Each document's bytes of shard ``shard``, where its tokens lie in a local file in pieces."""
+        made = self.foreign.shards[self._index(shard)].pieces
+        return made() if made is not None and self.where.local else None
 
     def origin(self, shard: int) -> tuple[str, int]:
         """The file that holds shard ``shard``'s documents and the index there of its first."""
