@@ -168,11 +168,12 @@ def test_a_megatron_pair_over_http_opens_too(
         assert_same_documents(opened, local)
 
 
-def test_an_object_replaced_under_its_url_is_fetched_again_and_verify_says_where_to_verify(
+def test_an_object_replaced_under_its_url_is_fetched_again_and_verified_as_it_is_now(
     megatron_export: Path, bucket: tuple[Any, str], s3_endpoint: str, tmp_path: Path
 ) -> None:
     """A foreign file records no checksum: its copy is named by its size and ETag, so a ``.bin``
-    rewritten with other tokens of the same size is fetched again, never served from the old copy."""
+    rewritten with other tokens of the same size is fetched again, never served from the old copy; verify
+    checks the tokens as they are now, naming the object."""
     fs, name = bucket
     for suffix in (".bin", ".idx"):
         upload(fs, Path(f"{megatron_export}{suffix}"), f"{name}/p{suffix}")
@@ -186,5 +187,13 @@ def test_an_object_replaced_under_its_url_is_fetched_again_and_verify_says_where
     with streampack.open(url, **options) as second:
         assert int(second.doc(0)[0]) == int(before[0]) ^ 1
         assert second.store.downloads == 1  # the .bin again; the .idx is unchanged
-    report = streampack.verify(url, storage_options=s3_options(s3_endpoint))
-    assert not report.ok and report.problems[0].startswith(f"{url}/manifest.json: not found: verify reads")
+    report = streampack.verify(url, storage_options=s3_options(s3_endpoint), eos_id=50256)
+    assert report.ok, report.problems  # the tokens as they are now, through a local copy of them
+    assert any("megatron files: their headers and indexes were checked" in note for note in report.notes)
+    tokens[-1] ^= 1  # the last document no longer ends with the EOS
+    fs.pipe_file(f"{name}/p.bin", tokens.tobytes())
+    report = streampack.verify(url, storage_options=s3_options(s3_endpoint), eos_id=50256)
+    assert not report.ok and report.problems[0].startswith(f"{url}.bin: document ")
+    assert "does not end with EOS 50256" in report.problems[0]
+    missing = streampack.verify(f"s3://{name}/nothing", storage_options=s3_options(s3_endpoint))
+    assert missing.problems == [f"s3://{name}/nothing: no object or folder there"]

@@ -14,13 +14,15 @@ The checks of the shard files are in :mod:`streampack.reader.shardchecks`; the r
 chunks, checksumming and range-checking each chunk, so it runs in bounded memory (a chunk, and one shard's
 offset table) at disk or checksum speed, whichever is slower. A cache in object storage is verified from
 its objects, streamed through the same checks with ranged reads: never from a local copy that a reader
-keeps (which may hold the good bytes of an object damaged since).
+keeps (which may hold the good bytes of an object damaged since). Another format's files there (Megatron,
+datatrove) are fetched into a local copy of the verify's own, a file at a time, and checked as local ones.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,7 +68,11 @@ def verify(
     if is_remote(path):
         report = VerifyReport(str(path).rstrip("/"))
         try:
-            _verify_remote(RemoteStore(str(path), storage_options), report)
+            remote = RemoteStore(str(path), storage_options)
+            if declared.get("format") is None and remote.exists(MANIFEST):
+                _verify_remote(remote, report)
+            else:
+                _verify_remote_foreign(str(path), storage_options, declared, report)
         except StreampackError as e:
             report.problems.append(str(e))
     else:
@@ -152,12 +158,19 @@ def _note_unread(cache: Cache, format: str, report: VerifyReport) -> None:
         )
 
 
+def _verify_remote_foreign(
+    url: str, storage_options: Mapping[str, Any] | None, declared: Mapping[str, Any], report: VerifyReport
+) -> None:
+    """Another format's files in object storage (Megatron, datatrove), fetched a file at a time into a
+    local copy of this verify's own (never one a reader keeps), then checked as local ones are."""
+    with (
+        tempfile.TemporaryDirectory(prefix="streampack-verify-") as copy,
+        open_cache(url, storage_options=storage_options, local_dir=copy, **declared) as cache,
+    ):
+        _verify_foreign(cache, Mapped(cache), report)
+
+
 def _verify_remote(remote: RemoteStore, report: VerifyReport) -> None:
-    if not remote.exists(MANIFEST):
-        raise CacheError(
-            f"{remote.describe(MANIFEST)}: not found: verify reads a streampack cache in object storage; "
-            "another format's files there are verified from a local copy of them (`streampack verify PATH`)"
-        )
     manifest = load_manifest(remote)
     if not manifest.complete:
         raise CacheError(
