@@ -197,3 +197,17 @@ def test_an_object_replaced_under_its_url_is_fetched_again_and_verified_as_it_is
     assert "does not end with EOS 50256" in report.problems[0]
     missing = streampack.verify(f"s3://{name}/nothing", storage_options=s3_options(s3_endpoint))
     assert missing.problems == [f"s3://{name}/nothing: no object or folder there"]
+
+
+def test_a_datatrove_folder_over_http_opens_where_the_server_lists_it(
+    natural: streampack.Cache, http_root: tuple[Path, str], tmp_path: Path
+) -> None:
+    """A datatrove folder served by a plain HTTP server (Python's, which lists a folder as a page of
+    links, as fsspec's HTTP filesystem reads it): the same documents."""
+    pytest.importorskip("aiohttp", reason="fsspec's HTTP filesystem needs aiohttp (the dev extra has it)")
+    root, base = http_root
+    natural.export("datatrove", root / "dt")
+    url = f"{base}/dt/"
+    with streampack.open(url, format="datatrove", eos_id=50256, local_dir=tmp_path / "copy") as opened:
+        assert_same_documents(opened, natural)
+    assert streampack.verify(url, format="datatrove", eos_id=50256).ok

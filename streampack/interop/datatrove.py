@@ -116,10 +116,11 @@ TOKEN_DTYPES: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 def ds_files(path: Path, files: ForeignFiles = LOCAL) -> list[Path]:
     """The ``.ds`` files at ``path`` (a folder's, sorted by name as datatrove lists them; or the file)."""
-    if files.is_file(path):
-        return [path] if path.name.endswith(SUFFIX) else []
-    if not files.is_dir(path):
+    if path.name.endswith(SUFFIX) and files.is_file(path):
+        return [path]
+    if files.local and not files.is_dir(path):
         return []
+    # A remote folder: listed whatever its own description says (an HTTP server's page is a "file").
     found = (p for p in files.listdir(path) if p.name.endswith(SUFFIX) and files.is_file(p))
     return sorted(found, key=lambda p: p.name)
 

@@ -178,7 +178,8 @@ class CopiedFiles:
         key = self.key(folder)
         found = []
         for name, info in self.store.remote.entries(key).items():
-            self._info[f"{key}/{name}" if key else name] = info
+            if info.get("size") is not None or info.get("type") == "directory":  # else asked when needed
+                self._info[f"{key}/{name}" if key else name] = info
             found.append(folder / name)
         return found
 
