@@ -57,7 +57,9 @@ def test_killed_worker_is_an_error_and_state_resumes(tmp_path: Path) -> None:
     killed = run("kill", str(state))
     assert killed.returncode != 0, killed.stdout
     assert "DataLoader worker" in killed.stderr, killed.stderr[-2000:]
-    assert "exited unexpectedly" in killed.stderr, killed.stderr[-2000:]
+    # torch says so from its SIGCHLD handler or from its next check of the workers, whichever runs first.
+    said = ("exited unexpectedly", "is killed by signal: Killed")
+    assert any(words in killed.stderr for words in said), killed.stderr[-2000:]
     assert run("resume", str(state), str(tmp_path / "resumed.npy")).returncode == 0
     assert run("full", str(state), str(tmp_path / "full.npy")).returncode == 0
     np.testing.assert_array_equal(np.load(tmp_path / "resumed.npy"), np.load(tmp_path / "full.npy"))

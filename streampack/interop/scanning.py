@@ -153,7 +153,7 @@ class Boundary:
     def ends(self, tokens: np.ndarray | TokenSpan, *, checksum: bool = False) -> tuple[np.ndarray, int]:
         """The end of each document of ``tokens`` (uint64, from its start) and, with ``checksum``, the
         CRC-32 of their little-endian bytes (0 without), in one read of them. After an EOS a tail with
-        none is one more document; before a delimiter, what precedes the first one is part of none."""
+        none is one more document; with delimiters, what precedes the first one is a document too."""
         count, crc, parts = len(tokens), 0, []
         if self.token_id is not None or checksum:
             for start, chunk in scanned(tokens):
