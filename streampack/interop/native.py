@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -210,28 +211,34 @@ def _copy_with_crc(cache: Cache, docs: ShardDocs, first: int, stop: int, out: IO
     """Copy the tokens of documents ``[first, stop)`` of ``docs`` to ``out`` while another thread
     computes their CRC-32."""
     shard, start, end = docs.shard, int(docs.ends[first - 1]) if first else 0, int(docs.ends[stop - 1])
-    result = [0]
     where = cache.files.token_file(shard)
     pieces = cache.files.pieces(shard) if where is None and isinstance(cache.files, ForeignShards) else None
     if pieces is not None:  # MDS samples: each document's values written where they lie, no copy first
-        return _write_pieces_with_crc(pieces[first:stop], out)
+        mine = pieces[first:stop]
+        return _beside(partial(_crc_of_pieces, mine), partial(write_pieces, out, mine))
+    copy = partial(write_spans, cache, shard, cache.dtype.newbyteorder("<"), [(out, start, end)])
+    if where is not None:
+        return _beside(partial(_crc_of_file, where, cache.dtype.itemsize, start, end), copy)
+    raw = np.ascontiguousarray(cache.shard_tokens(shard)[start:end], dtype=cache.dtype.newbyteorder("<"))
+    chunks = [raw.view(np.uint8)[at : at + _CRC_BYTES].data for at in range(0, raw.nbytes, _CRC_BYTES)]
+    return _beside(partial(_crc_of_pieces, chunks), copy)
+
+
+def _beside(checksum: Callable[[], int], write: Callable[[], object]) -> int:
+    """``write()`` on this thread while another computes ``checksum()``; the checksum."""
+    result = [0]
     summer = threading.Thread(
-        target=_crc_of_file if where is not None else _crc_of_array,
-        args=(result, where, cache.dtype.itemsize, start, end)
-        if where is not None
-        else (result, cache.shard_tokens(shard)[start:end], cache),
-        name="streampack-convert-crc",
-        daemon=True,
+        target=lambda: result.__setitem__(0, checksum()), name="streampack-convert-crc", daemon=True
     )
     summer.start()
     try:
-        write_spans(cache, shard, cache.dtype.newbyteorder("<"), [(out, start, end)])
+        write()
     finally:
         summer.join()
     return result[0]
 
 
-def _crc_of_file(result: list[int], where: tuple[Path, int], itemsize: int, start: int, end: int) -> None:
+def _crc_of_file(where: tuple[Path, int], itemsize: int, start: int, end: int) -> int:
     """The CRC-32 of tokens ``[start, end)`` of a token file, by plain reads into one buffer: pages of a
     memory map would count towards the process's memory until unmapped."""
     path, base = where
@@ -245,16 +252,15 @@ def _crc_of_file(result: list[int], where: tuple[Path, int], itemsize: int, star
                 break  # cut short meanwhile: the copy says so
             crc = crc32(view[:n], crc)
             at += n
-    result[0] = crc
+    return crc
 
 
-def _crc_of_array(result: list[int], tokens: np.ndarray, cache: Cache) -> None:
-    """The CRC-32 of tokens held in memory (a shard not stored end to end: MDS samples)."""
-    raw = np.ascontiguousarray(tokens, dtype=cache.dtype.newbyteorder("<")).view(np.uint8)
+def _crc_of_pieces(pieces: Sequence[memoryview]) -> int:
+    """The CRC-32 of ``pieces`` end to end."""
     crc = 0
-    for at in range(0, len(raw), _CRC_BYTES):
-        crc = crc32(raw[at : at + _CRC_BYTES].data, crc)
-    result[0] = crc
+    for piece in pieces:
+        crc = crc32(piece, crc)
+    return crc
 
 
 def _copy_span(span: TokenSpan, out: IO[bytes]) -> None:
@@ -268,22 +274,3 @@ def _copy_span(span: TokenSpan, out: IO[bytes]) -> None:
             out.seek(0, os.SEEK_END)  # the buffered writer learns where the file now ends
     for _, chunk in span.chunks(first=done // span.dtype.itemsize):  # the rest (an fsspec file: all)
         out.write(chunk.data)
-
-
-def _write_pieces_with_crc(pieces: list[memoryview], out: IO[bytes]) -> int:
-    """Write ``pieces`` to ``out`` (gathered by the kernel) while another thread computes their CRC-32."""
-    result = [0]
-
-    def crc_of_pieces() -> None:
-        crc = 0
-        for piece in pieces:
-            crc = crc32(piece, crc)
-        result[0] = crc
-
-    summer = threading.Thread(target=crc_of_pieces, name="streampack-convert-crc", daemon=True)
-    summer.start()
-    try:
-        write_pieces(out, pieces)
-    finally:
-        summer.join()
-    return result[0]
