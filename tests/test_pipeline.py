@@ -22,6 +22,7 @@ from streampack.inputs.records import ReadOptions, WorkUnit
 from streampack.inputs.units import plan_units
 from streampack.store.files import read_entry
 from streampack.tokenizer.backends import BytesTokenizer, EosPolicy
+from streampack.tokenizer.engines import FlatIds
 from streampack.tokenizer.pieces import EXACT_CUT_PIECE_CHARS, PieceRule
 from tests.conftest import write_jsonl
 
@@ -39,7 +40,7 @@ class SlowBatches(BytesTokenizer):
         self.slow_calls: list[int] = []
         self.lock = threading.Lock()
 
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    def encode_flat(self, texts: list[str]) -> FlatIds:
         with self.lock:
             call, self.calls = self.calls, self.calls + 1
             self.log.append(("start", call))
@@ -49,7 +50,7 @@ class SlowBatches(BytesTokenizer):
             time.sleep(0.3)
         with self.lock:
             self.log.append(("end", call))
-        return super().encode_batch(texts)
+        return super().encode_flat(texts)
 
     def finished(self) -> list[int]:
         return [call for event, call in self.log if event == "end"]

@@ -28,12 +28,14 @@ class OpenUnit:
         name = shard_name(task.unit.index)
         dtype = np.dtype(task.spec.dtype)
         self.writer = ShardWriter(Path(task.spec.root), name, dtype, progress, masked=task.spec.read.sft)
-        self.eos = np.array([task.spec.eos.id], dtype=np.uint32) if task.spec.eos.append else None
+        self.dtype = dtype
+        self.eos = task.spec.eos.id if task.spec.eos.append else None
         self.id_limit = task.spec.vocab_size or int(np.iinfo(dtype).max) + 1
-        self.bos = np.array([task.spec.bos.id], dtype=np.uint32) if task.spec.bos.prepend else None
+        self.bos = task.spec.bos.id if task.spec.bos.prepend else None
         self.position = Position()
         self.reported_bytes = 0
-        self.last_commit = (time.monotonic(), self.writer.num_tokens)
+        self.tokens = self.writer.num_tokens  # framed so far (the writer thread appends them after)
+        self.last_commit = (time.monotonic(), self.tokens)
 
     def bytes_read_delta(self) -> int:
         now = max(self.position.bytes_read() - self.task.unit.start, 0)

@@ -1,5 +1,6 @@
 """A batch of pieces: encoded on a helper thread (its sampled pieces checked against the reference engine),
-then framed into the cache's tokens: BOS and EOS around its documents, their end offsets, an SFT loss mask.
+then framed there into the cache's tokens: BOS and EOS around its documents, their end offsets, an SFT loss
+mask. The reading thread, which holds the cores' work back, only hands the framed tokens to the writer.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 from streampack.builder.commits import OpenUnit
 from streampack.format.ledger import Counts
 from streampack.tokenizer.base import Tokenizer
+from streampack.tokenizer.engines import FlatIds, joined
 
 
 @dataclass
@@ -21,7 +23,7 @@ class Batch:
     """A batch being encoded, with what a commit after it may record."""
 
     unit: OpenUnit
-    encoded: Future[Encoded]
+    encoded: Future[Encoded]  # set once it is submitted
     ends_doc: list[bool]  # per piece: the piece is the last of its document
     opens_doc: bool  # the first piece is the first of its document (a later one is when the one before ends)
     targets: list[bool] | None  # SFT builds: per piece, its tokens carry the loss
@@ -32,36 +34,62 @@ class Batch:
 
 
 def frame(
-    encoded: list[np.ndarray],
+    ids: FlatIds,
     ends_doc: list[bool],
     opens_doc: bool,
-    bos: np.ndarray | None,
-    eos: np.ndarray | None,
+    bos: int | None,
+    eos: int | None,
+    dtype: np.dtype,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A batch's tokens (uint32, as the engine gave them: the caller checks them before they are narrowed to
-    the cache's dtype) with BOS before each document begun and EOS after each document completed; the
-    completed documents' end offsets; and every piece's end offset (BOS and EOS included).
+    """A batch's tokens in ``dtype`` (the caller has checked that its ids fit) with BOS before each document
+    begun and EOS after each document completed; the completed documents' end offsets; and every piece's
+    end offset (BOS and EOS included).
 
     A document cut into pieces gets one BOS, before its first piece: a piece begins a document when it is
     the batch's first and ``opens_doc``, or when the piece before it ends one.
     """
+    flat, offsets = ids
+    ends = np.asarray(ends_doc, dtype=bool)
+    opens = np.concatenate([[opens_doc], ends[:-1]])
+    added = np.zeros(len(ends), dtype=np.intp)  # per piece: its BOS and EOS
+    order, where, values = [], [], []  # piece i's BOS sorts as 2i, its EOS as 2i + 1
+    if eos is not None:
+        added += ends
+        (pieces,) = np.nonzero(ends)
+        order.append(2 * pieces + 1)
+        where.append(offsets[1:][pieces])
+        values.append(np.full(len(pieces), eos, dtype=dtype))
+    if bos is not None:
+        added += opens
+        (pieces,) = np.nonzero(opens)
+        order.append(2 * pieces)
+        where.append(offsets[:-1][pieces])
+        values.append(np.full(len(pieces), bos, dtype=dtype))
+    piece_ends = offsets[1:] + np.cumsum(added)
+    if not where:
+        return flat.astype(dtype), piece_ends[ends], piece_ends
+    sort = np.argsort(np.concatenate(order))
+    at, value = np.concatenate(where)[sort], np.concatenate(values)[sort]
+    return _inserted(flat, at, value, dtype), piece_ends[ends], piece_ends
+
+
+# Up to this many BOS/EOS ids a batch, one slice of the ids per run between them is joined (345 MB of GPT-2
+# documents: ~130 a batch, 2.5x faster than np.insert's boolean mask); past it, np.insert is.
+_JOINED_RUNS = 512
+
+
+def _inserted(flat: np.ndarray, at: np.ndarray, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``flat`` in ``dtype`` with ``values[j]`` before ``flat[at[j]]`` (``at`` sorted; ties in order)."""
+    if len(at) > _JOINED_RUNS:
+        return np.insert(flat.astype(dtype), at, values)
     parts: list[np.ndarray] = []
-    lengths = np.empty(len(encoded), dtype=np.int64)
-    opens = opens_doc
-    for i, (ids, ends) in enumerate(zip(encoded, ends_doc)):
-        n = len(ids)
-        if opens and bos is not None:
-            parts.append(bos)
-            n += 1
-        parts.append(ids)
-        if ends and eos is not None:
-            parts.append(eos)
-            n += 1
-        lengths[i] = n
-        opens = ends
-    tokens = np.concatenate(parts, dtype=np.uint32)
-    piece_ends = np.cumsum(lengths)
-    return tokens, piece_ends[np.asarray(ends_doc)], piece_ends
+    start = 0
+    for j, stop in enumerate(at.tolist()):
+        parts.append(flat[start:stop])
+        parts.append(values[j : j + 1])
+        start = stop
+    parts.append(flat[start:])
+    return np.concatenate(parts, dtype=dtype, casting="unsafe")
 
 
 def loss_mask(batch: Batch, piece_ends: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
@@ -78,11 +106,11 @@ def loss_mask(batch: Batch, piece_ends: np.ndarray, bos: bool, eos: bool) -> np.
     return mask
 
 
-def encode_with_templates(tokenizer: Tokenizer, texts: list[str], templated: list[bool]) -> list[np.ndarray]:
+def encode_with_templates(tokenizer: Tokenizer, texts: list[str], templated: list[bool]) -> FlatIds:
     """Encode a batch whose chat-template pieces parse special-token strings and whose others do not."""
     plain = iter(tokenizer.encode_batch([t for t, special in zip(texts, templated) if not special]))
     special = iter(tokenizer.encode_specials([t for t, special in zip(texts, templated) if special]))
-    return [next(special) if is_template else next(plain) for is_template in templated]
+    return joined([next(special) if is_template else next(plain) for is_template in templated])
 
 
 class Mismatch(Exception):
@@ -93,24 +121,55 @@ class Mismatch(Exception):
         self.record, self.engine, self.reference, self.piece = record, engine, reference, piece
 
 
-# A batch's ids per piece, and the seconds its encoder thread spent encoding and verifying them.
-Encoded = tuple[list[np.ndarray], float, float]
+class OutOfVocabulary(Exception):
+    """An engine gave an id at or above the cache's vocab size (raised on an encoding thread)."""
+
+    def __init__(self, top: int, piece: int) -> None:
+        super().__init__(top)
+        self.top, self.piece = top, piece
 
 
-def encode_and_check(
-    encode: Callable[[], list[np.ndarray]],
-    tokenizer: Tokenizer,
-    texts: list[str],
-    checks: list[tuple[int, int]],
-) -> Encoded:
-    """A batch's ids, ``encode()``, once its sampled pieces (``checks``) have the reference engine's ids;
-    else raises :class:`Mismatch`."""
+@dataclass(frozen=True)
+class Encoded:
+    """A batch's tokens as the cache stores them, and the seconds its encoder thread spent encoding,
+    verifying and framing them."""
+
+    tokens: np.ndarray  # in the cache's dtype, BOS and EOS included
+    doc_ends: np.ndarray  # the completed documents' ends, relative to the first token
+    mask: np.ndarray | None  # SFT builds: the loss mask
+    encode_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    frame_seconds: float = 0.0
+
+
+def encode_and_frame(encode: Callable[[], FlatIds], texts: list[str], batch: Batch) -> Encoded:
+    """A batch's tokens: ``encode()``'s ids, framed, once its sampled pieces have the reference engine's ids
+    (else :class:`Mismatch`) and every id is below the cache's vocab size (else :class:`OutOfVocabulary`)."""
     started = time.perf_counter()
     ids = encode()
     encoded = time.perf_counter()
-    if checks:
-        reference = tokenizer.reference_engine().encode_batch([texts[i] for i, _ in checks])
-        for (piece, record), expected in zip(checks, reference):
-            if not np.array_equal(ids[piece], expected):
-                raise Mismatch(record, ids[piece].tolist(), expected.tolist(), texts[piece])
-    return ids, encoded - started, time.perf_counter() - encoded if checks else 0.0
+    unit = batch.unit
+    if batch.checks:
+        _check(ids, texts, batch.checks, unit.tokenizer)
+    verified = time.perf_counter()
+    flat, offsets = ids
+    top = int(flat.max()) if len(flat) else 0
+    if top >= unit.id_limit:
+        raise OutOfVocabulary(top, int(np.searchsorted(offsets, int(np.argmax(flat)), side="right")) - 1)
+    tokens, doc_ends, piece_ends = frame(ids, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos, unit.dtype)
+    mask = None
+    if batch.targets is not None:
+        mask = loss_mask(batch, piece_ends, unit.bos is not None, unit.eos is not None)
+    return Encoded(
+        tokens, doc_ends, mask, encoded - started, verified - encoded, time.perf_counter() - verified
+    )
+
+
+def _check(ids: FlatIds, texts: list[str], checks: list[tuple[int, int]], tokenizer: Tokenizer) -> None:
+    """Raise :class:`Mismatch` unless each checked piece's ids are the reference engine's."""
+    flat, offsets = ids
+    reference = tokenizer.reference_engine().encode_batch([texts[i] for i, _ in checks])
+    for (piece, record), expected in zip(checks, reference):
+        got = flat[offsets[piece] : offsets[piece + 1]]
+        if not np.array_equal(got, expected):
+            raise Mismatch(record, got.tolist(), expected.tolist(), texts[piece])

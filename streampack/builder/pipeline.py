@@ -9,7 +9,8 @@ before it still encode, so the cores never wait at a unit's end.
 
 What a unit's worker is given and gives back is in :mod:`~streampack.builder.tasks`; a unit's open shard and
 the counts its commits record in :mod:`~streampack.builder.commits`; encoding a batch and framing its ids
-into the cache's tokens in :mod:`~streampack.builder.framing`. Their names still import from here.
+into the cache's tokens in :mod:`~streampack.builder.framing`; the thread that writes them in
+:mod:`~streampack.builder.writerthread`. Their names still import from here.
 """
 
 from __future__ import annotations
@@ -30,10 +31,9 @@ from streampack.builder.framing import (
     Batch,
     Encoded,
     Mismatch,
-    encode_and_check,
+    OutOfVocabulary,
+    encode_and_frame,
     encode_with_templates,
-    frame,
-    loss_mask,
 )
 from streampack.builder.options import OnBadRecord as OnBadRecord
 from streampack.builder.options import VerifyTokens
@@ -42,20 +42,22 @@ from streampack.builder.tasks import TokenizerRef as TokenizerRef
 from streampack.builder.tasks import UnitResult, UnitTask, worker_tokenizer
 from streampack.builder.tasks import UnitSpec as UnitSpec
 from streampack.builder.tasks import init_worker as init_worker
-from streampack.builder.timings import Stopwatch
+from streampack.builder.timings import Stopwatch, add_up
 from streampack.builder.writer import ShardWriter as ShardWriter
+from streampack.builder.writerthread import Framed, WriterThread
 from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
 from streampack.format.ledger import Counts as Counts
 from streampack.format.ledger import LedgerEntry
 from streampack.format.names import shard_name
 from streampack.inputs.records import Position as Position
-from streampack.inputs.records import ReadOptions, TextStream, WorkUnit
+from streampack.inputs.records import TextStream
 from streampack.inputs.sft import Sft
-from streampack.inputs.units import read_unit, records_before
+from streampack.inputs.units import read_unit, record_location
 from streampack.store.files import read_entry
 from streampack.tokenizer.base import Tokenizer
 from streampack.tokenizer.choices import SpecialTokens as SpecialTokens
 from streampack.tokenizer.choices import TokenizerEngine as TokenizerEngine
+from streampack.tokenizer.engines import FASTOKENS_CALLS, FlatIds
 from streampack.tokenizer.load import load_tokenizer as load_tokenizer
 from streampack.tokenizer.pieces import CutCount
 from streampack.tokenizer.pieces import PieceRule as PieceRule
@@ -64,13 +66,17 @@ from streampack.tokenizer.specials import EosPolicy as EosPolicy
 
 ProgressFn = Callable[[dict[str, int]], None]
 
+_NOTHING = Encoded(np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint64), None)  # an empty last batch
+
 
 # Batches encoded at once, each on a helper thread of its own: while one batch ends on a long document that
-# holds a single tokenizer thread, the other keeps the remaining cores busy.
-ENCODING_THREADS = 2
-# Batches submitted and not yet written. A batch waits here when one before it is still encoding (a long
-# document); encoded batches hold only their token arrays, a few bytes per token.
-MAX_QUEUED_BATCHES = 8
+# holds a single tokenizer thread, the other keeps the remaining cores busy. The fast engine divides its
+# threads among these calls (streampack.tokenizer.engines.fastokens_call_threads).
+ENCODING_THREADS = FASTOKENS_CALLS
+# Batches submitted and not yet written: the encoder threads' next work, ready while the reader is busy, and
+# batches that wait for one before them that still encodes (a long document). A batch holds ~1 MiB of text
+# until it is encoded, then only its token arrays, a few bytes per token.
+MAX_QUEUED_BATCHES = 32
 
 # verify_tokens="sample": the records re-encoded with the reference engine are the build's first
 # VERIFY_FIRST (those of unit 0) and a VERIFY_RATE share of every unit's, chosen by a hash of the record's
@@ -101,6 +107,7 @@ def run_units(
                 yield UnitResult(task.unit.index, progress)
                 continue
             pipeline.watch.measure_cpu(task.spec.profile)
+            pipeline.watch.charge_start()
             if tokenizer is None:
                 with pipeline.watch.timing("load tokenizer"):
                     tokenizer = worker_tokenizer(task.spec.tokenizer)
@@ -126,12 +133,14 @@ def verified(unit_index: int, record: int, mode: VerifyTokens) -> bool:
 class _Pipeline:
     """Records -> pieces -> batches -> tokens -> shards, committing at document boundaries.
 
-    This thread reads and parses records and writes encoded batches in input order; the batches encode on
-    ``ENCODING_THREADS`` helper threads (tokenizers release the GIL while they encode), with one more
-    waiting, so that a helper never idles while the reader catches up. Batches that finish while an earlier
-    one still encodes wait in the queue; the reader blocks only when ``MAX_QUEUED_BATCHES`` are queued.
-    A commit records the records and tokens of the batches written so far: the pipeline never drains to
-    commit, nor to start the next unit.
+    This thread reads and parses records, cuts them into pieces and groups the pieces into batches; the
+    batches encode on ``ENCODING_THREADS`` helper threads (tokenizers release the GIL while they encode),
+    this thread frames their ids in input order, and a writer thread (:mod:`~streampack.builder.writerthread`)
+    appends and commits them. Batches that finish while an earlier one still encodes wait in the queue; the
+    reader blocks only when ``MAX_QUEUED_BATCHES`` are queued, or when more than ``ENCODING_THREADS`` are
+    ready to encode, or the writer is ``MAX_QUEUED_BATCHES`` behind. A commit
+    records the records and tokens of the batches written so far: the pipeline never drains to commit, nor
+    to start the next unit.
     """
 
     unit: OpenUnit  # the unit being read
@@ -141,8 +150,8 @@ class _Pipeline:
         self.report = report
         self.queue: deque[Batch] = deque()
         self.open_units: list[OpenUnit] = []
-        self.finished: list[UnitResult] = []
         self.encoder = ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="streampack-encode")
+        self.writer = WriterThread(MAX_QUEUED_BATCHES)
         self.watch = Stopwatch()
         self._start_batch()
 
@@ -153,6 +162,7 @@ class _Pipeline:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.encoder.shutdown(wait=True, cancel_futures=True)
+        self.writer.stop()
         for unit in self.open_units:  # units cut short by an error keep only what they committed
             unit.writer.close()
 
@@ -186,10 +196,18 @@ class _Pipeline:
         self._flush()
         while self.queue:
             self._write(self.queue.popleft())  # waits for the batch to be encoded
+        with self.watch.timing("wait"):
+            self.writer.drain()
 
     def take_finished(self) -> list[UnitResult]:
-        """The results of the units completed since the last call."""
-        finished, self.finished = self.finished, []
+        """The results of the units completed since the last call, with this thread's timings since then."""
+        finished = self.writer.take_finished()
+        if not finished:
+            return []
+        done = {r.unit_index for r in finished}
+        self.open_units = [u for u in self.open_units if u.task.unit.index not in done]
+        first = finished[0]
+        finished[0] = UnitResult(first.unit_index, first.entry, add_up([first.timings, self.watch.take()]))
         return finished
 
     def _start_batch(self) -> None:
@@ -262,33 +280,30 @@ class _Pipeline:
         self.tally.inexact_cuts += cuts.inexact
 
     def _flush(self, last: bool = False) -> None:
-        """Submit the current batch for encoding; write the batches that are encoded."""
+        """Submit the current batch for encoding; hand the batches that are encoded to the writer."""
         if not self.texts and not last:
             return
-        encoded: Future[Encoded]
         tokenizer = self.unit.tokenizer
-        encode: Callable[[], list[np.ndarray]] = partial(tokenizer.encode_batch, self.texts)
+        encode: Callable[[], FlatIds] = partial(tokenizer.encode_flat, self.texts)
         if any(self.templated):
             encode = partial(encode_with_templates, tokenizer, self.texts, self.templated)
-        if self.texts:
-            encoded = self.encoder.submit(encode_and_check, encode, tokenizer, self.texts, self.checks)
-        else:
-            encoded = Future()
-            encoded.set_result(([], 0.0, 0.0))
         targets = self.targets if self.unit.spec.read.sft else None
-        self.queue.append(
-            Batch(
-                self.unit,
-                encoded,
-                self.ends_doc,
-                self.opens_doc,
-                targets,
-                self.checks,
-                self.records,
-                self.tally.counts(),
-                last,
-            )
+        batch = Batch(
+            self.unit,
+            Future(),
+            self.ends_doc,
+            self.opens_doc,
+            targets,
+            self.checks,
+            self.records,
+            self.tally.counts(),
+            last,
         )
+        if self.texts:
+            batch.encoded = self.encoder.submit(encode_and_frame, encode, self.texts, batch)
+        else:
+            batch.encoded.set_result(_NOTHING)
+        self.queue.append(batch)
         self._start_batch()
         self._write_encoded()
         while len(self.queue) >= MAX_QUEUED_BATCHES or self._encoding() > ENCODING_THREADS:
@@ -308,54 +323,39 @@ class _Pipeline:
         unit, watch = batch.unit, self.watch
         try:
             with watch.timing("wait"):
-                encoded, encode_seconds, verify_seconds = batch.encoded.result()
+                encoded = batch.encoded.result()
         except Mismatch as e:
             raise _mismatch_error(unit, e) from None
-        watch.add("encode", encode_seconds)
-        if verify_seconds:
-            watch.add("verify", verify_seconds)
-        if encoded:
-            with watch.timing("frame"):
-                tokens, doc_ends, piece_ends = frame(
-                    encoded, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos
-                )
-                top = int(tokens.max()) if len(tokens) else 0
-                if top >= unit.id_limit:
-                    raise _id_error(unit, batch, tokens, piece_ends, top)
-                tokens = tokens.astype(unit.writer.dtype, copy=False)
-                mask = None
-                if batch.targets is not None:
-                    mask = loss_mask(batch, piece_ends, unit.bos is not None, unit.eos is not None)
-            with watch.timing("write"):
-                unit.writer.append(tokens, doc_ends, mask)
-            event = {"unit": unit.task.unit.index, "docs": len(doc_ends), "tokens": len(tokens)}
+        except OutOfVocabulary as e:
+            raise _id_error(unit, batch, e) from None
+        watch.add("encode", encoded.encode_seconds)
+        if encoded.verify_seconds:
+            watch.add("verify", encoded.verify_seconds)
+        watch.add("frame", encoded.frame_seconds)
+        tokens = encoded.tokens
+        if len(tokens):
+            event = {"unit": unit.task.unit.index, "docs": len(encoded.doc_ends), "tokens": len(tokens)}
             self.report({**event, "bytes": unit.bytes_read_delta()})
-        with watch.timing("write"):
-            if batch.last:
-                self._finish(unit, batch)
-            else:
-                self._maybe_commit(unit, batch)
+        unit.tokens += len(tokens)
+        framed = Framed(
+            unit, tokens, encoded.doc_ends, encoded.mask, batch.counts, self._commits(unit), batch.last
+        )
+        with watch.timing("wait"):
+            self.writer.put(framed)
 
-    def _maybe_commit(self, unit: OpenUnit, written: Batch) -> None:
+    def _commits(self, unit: OpenUnit) -> bool:
+        """Whether the unit commits after its tokens so far: ``commit_bytes`` or ``commit_seconds`` on."""
         started, tokens = unit.last_commit
-        new_bytes = (unit.writer.num_tokens - tokens) * unit.writer.dtype.itemsize
-        spec = unit.spec
-        if new_bytes >= spec.commit_bytes or time.monotonic() - started >= spec.commit_seconds:
-            unit.writer.commit(written.counts)
-            unit.last_commit = (time.monotonic(), unit.writer.num_tokens)
-
-    def _finish(self, unit: OpenUnit, last: Batch) -> None:
-        final = unit.writer.commit(last.counts, done=True)
-        unit.writer.close()
-        self.open_units.remove(unit)
-        self.finished.append(UnitResult(unit.task.unit.index, final, self.watch.take()))
+        new_bytes = (unit.tokens - tokens) * unit.writer.dtype.itemsize
+        if new_bytes < unit.spec.commit_bytes and time.monotonic() - started < unit.spec.commit_seconds:
+            return False
+        unit.last_commit = (time.monotonic(), unit.tokens)
+        return True
 
 
-def _id_error(
-    unit: OpenUnit, batch: Batch, tokens: np.ndarray, piece_ends: np.ndarray, top: int
-) -> TokenizerError:
+def _id_error(unit: OpenUnit, batch: Batch, error: OutOfVocabulary) -> TokenizerError:
     """The error naming the record whose tokens hold an id at or above the cache's vocab size."""
-    piece = int(np.searchsorted(piece_ends, int(np.argmax(tokens)), side="right"))
+    top, piece = error.top, error.piece
     tokenizer = unit.tokenizer
     engine, reference = tokenizer.engine.name, tokenizer.reference_engine().name
     if engine != reference:
@@ -389,25 +389,3 @@ def _mismatch_error(unit: OpenUnit, mismatch: Mismatch) -> TokenizerError:
         f"text {mismatch.piece[:60]!r}...). The build stopped; its committed part may hold such ids: rebuild "
         f"with overwrite=True and tokenizer_engine='{tokenizer.reference_engine().name}', and report the text"
     )
-
-
-def record_location(unit: WorkUnit, read: ReadOptions, record: int) -> str:
-    """Where record ``record`` of ``unit`` is: ``path:line``, ``path row N``, or a whole file's path.
-
-    Reads the unit's inputs up to the record for a run of small files; meant for error messages.
-    """
-    file = unit.file
-    if file is None:
-        return f"python:{type(unit.items).__name__} row {records_before(unit) + record}"
-    if unit.rest:  # a run of whole files: find the file holding the record
-        for one in unit.files:
-            count = sum(1 for _ in read_unit(WorkUnit(unit.index, one), read))
-            if record < count:
-                return record_location(WorkUnit(unit.index, one), read, record)
-            record -= count
-        return unit.describe()
-    if file.format == "parquet":
-        return f"{file.path} row {records_before(unit) + record}"
-    if file.format == "text" and not read.split_lines:
-        return file.path
-    return f"{file.path}:{records_before(unit) + record + 1}"

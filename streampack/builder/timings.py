@@ -1,10 +1,10 @@
 """Where a build's time goes: its timings, seconds per part of the pipeline, for ``build --profile``.
 
 A :class:`Stopwatch` charges the time of one thread to the timing it is in: switching timing reads the wall
-clock (and, when profiling, the thread's CPU clock), so the reader thread can switch per record. Calls on
-other threads (encoding) are timed there and added with :meth:`Stopwatch.add`. The table sums the times
-of every worker process; the main thread's timings add up to its wall time, while the engine encodes
-beside it on its own threads.
+clock (and, when profiling, the thread's CPU clock), so the reader thread can switch per record; the writer
+thread has a stopwatch of its own. Calls on the encoder threads (encoding, verifying, framing) are timed
+there and added with :meth:`Stopwatch.add`. The table sums the times of every worker process; the main
+thread's timings add up to its wall time, and so do the writer's, while the engine encodes beside them.
 """
 
 from __future__ import annotations
@@ -22,14 +22,16 @@ TIMINGS = (
     "prepare",  # the coordinating process: list inputs, load the tokenizer, plan units, check the output
     "load tokenizer",  # a worker process's own load
     "read",  # read and parse records (I/O, decompression, JSON)
-    "pieces",  # cut documents into pieces and group them into batches
-    "wait",  # the reader waits for encoder threads (the engine is the bottleneck)
-    "frame",  # add BOS/EOS, join the pieces' ids
-    "write",  # append to the shard, commit (fsync, ledger)
+    "pieces",  # cut documents into pieces, group them into batches, hand the encoded ones to the writer
+    "wait",  # the reader waits for encoder threads (the engine is the bottleneck) or for the writer
     "encode",  # on encoder threads: the engine's batch calls
     "verify",  # on encoder threads: the reference engine's re-encoding of the sampled records
+    "frame",  # on encoder threads: check the ids, add BOS/EOS, narrow them to the cache's dtype
+    "write wait",  # the writer thread waits for the next batch (the reader or the engine is the bottleneck)
+    "write",  # on the writer thread: append to the shard, commit (fsync, ledger), checksum a finished shard
 )
-_THREADED = ("encode", "verify")
+_THREADED = ("encode", "verify", "frame")  # wall seconds of calls on the encoder threads
+_WRITER = ("write wait", "write")  # timed on the writer thread, with its CPU when profiling
 
 # The process's CPU seconds already reported (a worker runs a pipeline, hence a stopwatch, per unit): 0 until
 # the first unit of a worker process, whose start-up is then reported as the timing "start".
@@ -58,12 +60,15 @@ class Stopwatch:
 
     def measure_cpu(self, on: bool) -> None:
         """Start (or stop) reading the thread's CPU clock at the next switch."""
-        global _process_cpu_taken
         if on != self.cpu:
             self.switch(self._timing)
             self.cpu = on
             self._since = self._now()
-        if on and _process_cpu_taken == 0.0:  # a worker process's first unit: what starting it cost
+
+    def charge_start(self) -> None:
+        """Charge what starting this worker process cost to the timing "start", once, when measuring CPU."""
+        global _process_cpu_taken
+        if self.cpu and _process_cpu_taken == 0.0:
             _process_cpu_taken = time.process_time()
             self._charge("start", 0.0, _process_cpu_taken)
 
@@ -108,12 +113,12 @@ class Stopwatch:
         """Add wall seconds measured on another thread to ``timing`` (its CPU is in the process's)."""
         self._charge(timing, wall, 0.0)
 
-    def take(self) -> dict[str, list[float]]:
+    def take(self, *, process: bool = True) -> dict[str, list[float]]:
         """The times charged since the last take (the current timing's running time included), and with
-        ``cpu`` the process's CPU seconds since then as the timing ``"process"``."""
+        ``cpu`` and ``process`` the process's CPU seconds since then as the timing ``"process"``."""
         self.switch(self._timing)
         taken, self.seconds = self.seconds, {}
-        if self.cpu:
+        if self.cpu and process:
             global _process_cpu_taken
             now = time.process_time()
             taken["process"] = [0.0, now - _process_cpu_taken]
@@ -135,11 +140,11 @@ def add_up(parts: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, list[flo
 def render(times: Mapping[str, Sequence[float]], wall: float, workers: int) -> str:
     """A markdown table of ``times`` (``timing -> [wall, cpu]``) summed over ``workers`` processes.
 
-    The main thread's timings have wall and CPU seconds; encode and verify have the wall seconds of the
-    engines' calls on the encoder threads, which overlap the main thread's; "engine threads" is the CPU
-    the worker processes spent outside their main threads (the engines' own threads, mostly).
+    The main thread's and the writer thread's timings have wall and CPU seconds; encode, verify and frame
+    have the wall seconds of the calls on the encoder threads, which overlap the others'; "engine threads"
+    is the CPU the worker processes spent outside those two threads (the engines' own, mostly).
     """
-    main = [s for s in TIMINGS if s in times and s not in _THREADED]
+    main = [s for s in TIMINGS if s in times and s not in _THREADED + _WRITER]
     main += [s for s in times if s not in TIMINGS and s != "process"]
     lines = ["| timing | thread | wall s | CPU s |", "|---|---|---:|---:|"]
     for timing in main:
@@ -150,10 +155,14 @@ def render(times: Mapping[str, Sequence[float]], wall: float, workers: int) -> s
     for timing in _THREADED:
         if timing in times:
             lines.append(f"| {timing} calls | encoder threads | {times[timing][0]:.3f} | |")
+    for timing in _WRITER:
+        if timing in times:
+            lines.append(f"| {timing} | writer | {times[timing][0]:.3f} | {times[timing][1]:.3f} |")
     if "process" in times:
-        units_main = sum(times[s][1] for s in main if s not in ("prepare", "start"))
+        measured = [s for s in main + list(_WRITER) if s in times and s not in ("prepare", "start")]
         start = times.get("start", [0.0, 0.0])[1]
-        lines.append(f"| engine threads | others | | {times['process'][1] - units_main:.3f} |")
+        engine = times["process"][1] - sum(times[s][1] for s in measured)
+        lines.append(f"| engine threads | others | | {engine:.3f} |")
         lines.append(f"| all processes | | | {times['process'][1] + start + times['prepare'][1]:.3f} |")
     plural = "es" if workers != 1 else ""
     lines.append(f"| build, wall ({workers} worker process{plural}) | | {wall:.3f} | |")

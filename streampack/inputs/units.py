@@ -148,3 +148,25 @@ def _read_run(unit: WorkUnit, options: ReadOptions, skip: int, position: Positio
                     yield item
         if position is not None:
             position.file_done(file.size)
+
+
+def record_location(unit: WorkUnit, read: ReadOptions, record: int) -> str:
+    """Where record ``record`` of ``unit`` is: ``path:line``, ``path row N``, or a whole file's path.
+
+    Reads the unit's inputs up to the record for a run of small files; meant for error messages.
+    """
+    file = unit.file
+    if file is None:
+        return f"python:{type(unit.items).__name__} row {records_before(unit) + record}"
+    if unit.rest:  # a run of whole files: find the file holding the record
+        for one in unit.files:
+            count = sum(1 for _ in read_unit(WorkUnit(unit.index, one), read))
+            if record < count:
+                return record_location(WorkUnit(unit.index, one), read, record)
+            record -= count
+        return unit.describe()
+    if file.format == "parquet":
+        return f"{file.path} row {records_before(unit) + record}"
+    if file.format == "text" and not read.split_lines:
+        return file.path
+    return f"{file.path}:{records_before(unit) + record + 1}"

@@ -27,6 +27,7 @@ import numpy as np
 from streampack.tokenizer.choices import TokenizerEngine
 from streampack.tokenizer.engines import (
     Engine,
+    FlatIds,
     _fastokens_or_reference,
     _import_fastokens,
     _reference_reason,
@@ -81,6 +82,10 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text (special-token text as text, unless parsed; none added), as arrays."""
+        ...
+
+    def encode_flat(self, texts: list[str]) -> FlatIds:
+        """The ids :meth:`encode_batch` gives, end to end, and where each text's begin."""
         ...
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
@@ -204,3 +209,7 @@ class LibraryTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`."""
         return self.engine.encode_batch(texts)
+
+    def encode_flat(self, texts: list[str]) -> FlatIds:
+        """See :class:`Tokenizer`."""
+        return self.engine.encode_flat(texts)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from streampack.tokenizer.engines import BytesEngine, Engine
+from streampack.tokenizer.engines import BytesEngine, Engine, FlatIds
 from streampack.tokenizer.pieces import CutSafety
 
 
@@ -39,6 +39,10 @@ class BytesTokenizer:
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`."""
         return self.engine.encode_batch(texts)
+
+    def encode_flat(self, texts: list[str]) -> FlatIds:
+        """See :class:`Tokenizer`."""
+        return self.engine.encode_flat(texts)
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`; bytes have no special tokens."""
