@@ -134,13 +134,13 @@ class _Pipeline:
     """Records -> pieces -> batches -> tokens -> shards, committing at document boundaries.
 
     This thread reads and parses records, cuts them into pieces and groups the pieces into batches; the
-    batches encode on ``ENCODING_THREADS`` helper threads (tokenizers release the GIL while they encode),
-    this thread frames their ids in input order, and a writer thread (:mod:`~streampack.builder.writerthread`)
-    appends and commits them. Batches that finish while an earlier one still encodes wait in the queue; the
-    reader blocks only when ``MAX_QUEUED_BATCHES`` are queued, or when more than ``ENCODING_THREADS`` are
-    ready to encode, or the writer is ``MAX_QUEUED_BATCHES`` behind. A commit
-    records the records and tokens of the batches written so far: the pipeline never drains to commit, nor
-    to start the next unit.
+    batches encode, and their ids are framed, on ``ENCODING_THREADS`` helper threads (tokenizers release
+    the GIL while they encode); this thread hands them in input order to a writer thread
+    (:mod:`~streampack.builder.writerthread`), which appends and commits them. Batches that finish while
+    an earlier one still encodes wait in the queue; the reader blocks only when ``MAX_QUEUED_BATCHES`` are
+    queued, when more than ``ENCODING_THREADS`` are ready to encode, or when the writer is that far behind.
+    A commit records the records and tokens of the batches written so far: the pipeline never drains to
+    commit, nor to start the next unit.
     """
 
     unit: OpenUnit  # the unit being read
