@@ -342,7 +342,7 @@ def test_pieces_gathered_by_the_kernel_are_written_whole(
 ) -> None:
     """``write_pieces`` (MDS samples: headers and documents' values) gives a local file, a file that takes
     less than asked at a time, and a writer without a descriptor the same bytes, in order."""
-    from streampack.interop import writing
+    from streampack.interop import copying
 
     rng = np.random.default_rng(0)
     data = rng.integers(0, 256, 50_000, dtype=np.uint8)
@@ -351,17 +351,50 @@ def test_pieces_gathered_by_the_kernel_are_written_whole(
     expected = data.tobytes()
     with open(tmp_path / "whole", "wb") as out:
         out.write(b"head")
-        writing.write_pieces(out, pieces)
+        copying.write_pieces(out, pieces)
         out.write(b"tail")
     assert (tmp_path / "whole").read_bytes() == b"head" + expected + b"tail"
     real = os.writev
     monkeypatch.setattr(os, "writev", lambda fd, batch: real(fd, batch[: len(batch) // 2]))  # short writes
     with open(tmp_path / "short", "wb") as out:
-        writing.write_pieces(out, pieces)
+        copying.write_pieces(out, pieces)
     assert (tmp_path / "short").read_bytes() == expected
     buffer = io.BytesIO()
-    writing.write_pieces(buffer, pieces)
+    copying.write_pieces(buffer, pieces)
     assert buffer.getvalue() == expected
+
+
+def test_a_byte_range_is_copied_by_the_kernel_or_left_to_the_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``copy_range`` appends a file's byte range to a local file (after what the buffered writer holds),
+    falls back to ``sendfile`` where ``copy_file_range`` is refused, copies what there is of a file cut
+    short, and leaves a writer without a descriptor to the caller."""
+    import errno
+
+    from streampack.interop import copying
+
+    source = tmp_path / "source"
+    source.write_bytes(bytes(range(256)) * 40)
+    expected = source.read_bytes()[1000:9000]
+    with open(source, "rb") as src, open(tmp_path / "out", "wb") as out:
+        out.write(b"head")  # buffered, not yet on disk: must land first
+        assert copying.copy_range(src, 1000, 8000, out) == 8000
+        out.write(b"tail")
+    assert (tmp_path / "out").read_bytes() == b"head" + expected + b"tail"
+
+    def refused(*args: object) -> int:
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refused)
+    with open(source, "rb") as src, open(tmp_path / "sent", "wb") as out:
+        assert copying.copy_range(src, 1000, 8000, out) == 8000
+    assert (tmp_path / "sent").read_bytes() == expected
+    monkeypatch.undo()
+    with open(source, "rb") as src, open(tmp_path / "short", "wb") as out:
+        assert copying.copy_range(src, 10_000, 500, out) == 240  # the file has 10,240 bytes
+    with open(source, "rb") as src:
+        assert copying.copy_range(src, 0, 100, io.BytesIO()) == 0
 
 
 def test_a_loss_mask_into_megatron_is_refused(sft: streampack.Cache, tmp_path: Path) -> None:

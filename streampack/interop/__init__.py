@@ -20,10 +20,11 @@ streampack  a native cache (``streampack convert``)                       stream
 served through the same :class:`~streampack.reader.Cache`, and ``export(..., "streampack", DEST)`` (or
 ``streampack convert SOURCE --out DEST``) makes a native cache of it.
 
-One module per format holds its layout, its writer and (for the six that can be read) its reader;
-:mod:`streampack.interop.writing` holds what they share: the destination, staged and committed atomically
-(see there), reading the cache in bounded memory, the progress bar and the refusals. A format refuses what
-it cannot hold (an SFT cache's loss mask, ids too large for its dtype) with an
+One module per format holds its layout, its writer and (for the six that can be read) its reader. What
+the writers share: :mod:`~streampack.interop.destination` (files staged, then committed atomically: see
+there), :mod:`~streampack.interop.copying` (bytes moved by the kernel) and
+:mod:`~streampack.interop.writing` (reading the cache in bounded memory, the progress bar, the refusals).
+A format refuses what it cannot hold (an SFT cache's loss mask, ids too large for its dtype) with an
 :class:`~streampack.errors.OptionsError` that names what would be lost and a format that keeps it.
 """
 
@@ -38,8 +39,8 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from streampack.errors import OptionsError
+from streampack.interop.destination import Destination
 from streampack.interop.scanning import scan_plan
-from streampack.interop.writing import Destination
 
 if TYPE_CHECKING:
     from streampack.reader import Cache

@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
+from streampack.interop.destination import Destination
 from streampack.interop.files import LOCAL, ForeignFiles
 from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_ends, check_size
-from streampack.interop.writing import Destination, Progress, shard_docs, shard_mask, write_tokens
+from streampack.interop.writing import Progress, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:
     from streampack.reader import Cache

@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from streampack.errors import OptionsError
+from streampack.interop.destination import Destination
 from streampack.interop.writing import (
-    Destination,
     Progress,
     ShardDocs,
     check_int_option,

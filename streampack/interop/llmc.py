@@ -45,11 +45,11 @@ from typing import IO, TYPE_CHECKING
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
+from streampack.interop.destination import Destination
 from streampack.interop.files import map_tokens
 from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_id_fits
 from streampack.interop.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import (
-    Destination,
     Progress,
     check_int_option,
     refuse_loss_mask,

@@ -46,17 +46,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
+from streampack.interop.copying import write_pieces
+from streampack.interop.destination import Destination
 from streampack.interop.files import map_tokens
 from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size
 from streampack.interop.writing import (
-    Destination,
     Progress,
     check_int_option,
     doc_chunks,
     refuse_loss_mask,
     release_maps,
     shard_docs,
-    write_pieces,
 )
 from streampack.reader.filehashes import recorded_hashes
 

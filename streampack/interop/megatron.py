@@ -28,10 +28,10 @@ from typing import IO, TYPE_CHECKING, Literal
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
+from streampack.interop.destination import Destination
 from streampack.interop.files import LOCAL, ForeignFiles
 from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size
 from streampack.interop.writing import (
-    Destination,
     Progress,
     check_ids_fit,
     refuse_loss_mask,

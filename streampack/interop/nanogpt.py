@@ -39,12 +39,12 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
+from streampack.interop.destination import Destination
 from streampack.interop.files import map_tokens
 from streampack.interop.llmc import has_header
 from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_id_fits
 from streampack.interop.scanning import SCAN_TOKENS, Boundary, Found, ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import (
-    Destination,
     Progress,
     check_ids_fit,
     refuse_loss_mask,

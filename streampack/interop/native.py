@@ -41,19 +41,17 @@ from streampack.format.names import (
     tokens_key,
     with_checksum,
 )
+from streampack.interop.copying import copy_range, write_pieces
+from streampack.interop.destination import Destination
 from streampack.interop.reading import Foreign, ForeignShards, foreign_cache
 from streampack.interop.scanning import ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import (
-    Destination,
     Progress,
     ShardDocs,
     check_int_option,
     doc_chunks,
-    file_descriptor,
-    kernel_copy,
     release_maps,
     shard_docs,
-    write_pieces,
     write_spans,
 )
 from streampack.store import encode_json
@@ -265,12 +263,8 @@ def _crc_of_pieces(pieces: Sequence[memoryview]) -> int:
 
 def _copy_span(span: TokenSpan, out: IO[bytes]) -> None:
     """Copy the tokens of ``span`` to ``out``: by the kernel where ``out`` is a local file."""
-    nbytes, done = span.count * span.dtype.itemsize, 0
+    nbytes = span.count * span.dtype.itemsize
     with open(span.path, "rb") as source:
-        fd = file_descriptor(out)
-        if fd is not None:
-            out.flush()
-            done = kernel_copy(source.fileno(), fd, span.offset, nbytes)
-            out.seek(0, os.SEEK_END)  # the buffered writer learns where the file now ends
+        done = copy_range(source, span.offset, nbytes, out)
     for _, chunk in span.chunks(first=done // span.dtype.itemsize):  # the rest (an fsspec file: all)
         out.write(chunk.data)

@@ -1,0 +1,204 @@
+"""Where an export writes: its files staged, then moved into place at once.
+
+**Atomic, not resumable.** An export writes every file under a staging name and moves the files into place
+only once all of them are written, the format's index (the file its reader opens first: a Megatron
+``.idx``, an MDS ``index.json``, a ``save_to_disk`` ``state.json``) last. A killed export leaves the
+staging area and nothing at the destination; the next run removes the staging area and starts again.
+
+* A local destination is staged in a hidden sibling directory (``.NAME.streampack-export``) on the same
+  file system; a directory format is moved into place by one ``rename`` of that directory, a prefix format
+  (Megatron's ``DEST.bin`` + ``DEST.idx``) file by file, the index last.
+* **Killed, or crashed.** A killed process (an error, Ctrl-C, ``SIGKILL``, the OOM killer) never leaves a
+  destination a reader takes as whole: what it wrote is in the page cache, which every reader sees, and
+  the rename either happened or did not. By default nothing is fsynced, as ``cp``, ``shutil.copyfile`` and
+  the formats' own writers (Megatron's ``IndexedDatasetBuilder``, datatrove, ``MDSWriter``,
+  ``save_to_disk``) do: a crash of the machine itself (power, kernel) within the file system's writeback
+  interval after the export may leave a destination whose files are cut short or zero-filled.
+  ``durable=True`` (``--durable``) fsyncs every file (and a directory format's directories) before the
+  move and the parent directory after it, so that after a crash there is the staging area or the whole
+  destination; each fsync waits for the disk (``benchmarks/bench_export.py``'s ``--durable`` row
+  measures the cost).
+* An object-storage destination (any fsspec URL) is staged under the sibling prefix
+  ``DEST.streampack-export/`` and moved (a server-side copy per object) into place, the index last. Object
+  stores have no atomic rename of many objects: a kill *during that move* can leave some files of a
+  format without an index file (datatrove, llm.c, OLMo, Parquet) visible to a reader that lists files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from streampack.errors import OptionsError
+from streampack.store import fsync_dir
+from streampack.store.remote import is_remote
+
+STAGING_SUFFIX = ".streampack-export"
+
+Layout = Literal["directory", "prefix"]
+
+
+class Destination:
+    """Where an export writes: files under a staging name, then moved into place by :meth:`commit`.
+
+    Args:
+        dest: a local path or an fsspec URL. For a ``"directory"`` format the directory to create; for a
+            ``"prefix"`` format (Megatron) the path prefix its files' suffixes are appended to.
+        layout: ``"directory"`` or ``"prefix"``.
+        suffixes: (``"prefix"``) the suffixes of the format's files, e.g. ``(".bin", ".idx")``.
+        overwrite: replace what is at ``dest`` (removed only once the new export is complete).
+        storage_options: passed to the fsspec filesystem of a URL.
+        durable: (local) fsync every file and directory before the move (see the module's docstring).
+
+    Raises:
+        OptionsError: something is already at ``dest`` and ``overwrite`` is false, or storage options were
+            given for a local path.
+    """
+
+    def __init__(
+        self,
+        dest: str | os.PathLike[str],
+        *,
+        layout: Layout,
+        suffixes: Sequence[str] = (),
+        overwrite: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        durable: bool = False,
+    ) -> None:
+        self.dest, self.layout, self.suffixes, self.overwrite = str(dest), layout, tuple(suffixes), overwrite
+        self.durable = durable
+        self.remote = is_remote(self.dest)
+        if storage_options and not self.remote:
+            raise OptionsError(
+                f"{dest}: storage_options apply to object storage (s3://...), not a local path"
+            )
+        if self.remote:
+            import fsspec
+
+            self.fs, root = fsspec.core.url_to_fs(self.dest, **(storage_options or {}))
+            self.root = root.rstrip("/")
+            self.staging = self.root + STAGING_SUFFIX
+        else:
+            path = Path(self.dest).expanduser().absolute()
+            if self.dest.endswith(("/", os.sep)) and layout == "prefix":
+                raise OptionsError(
+                    f"{dest}: a {layout} format needs a path prefix such as out/corpus, not a folder"
+                )
+            self.root = str(path)
+            self.staging = str(path.parent / f".{path.name}{STAGING_SUFFIX}")
+        self.written: list[str] = []
+        self._check_free()
+        self._clear_staging()
+
+    def describe(self) -> str:
+        """The destination as the user named it, for messages."""
+        return self.dest
+
+    def final(self, name: str) -> str:
+        """Where the file ``name`` ends up (a path or a key)."""
+        return self.root + name if self.layout == "prefix" else f"{self.root}/{name}"
+
+    def existing(self) -> list[str]:
+        """What is already at the destination (the directory, or the prefix's files)."""
+        targets = [self.root] if self.layout == "directory" else [self.root + s for s in self.suffixes]
+        if self.remote:
+            return [t for t in targets if self.fs.exists(t)]
+        return [t for t in targets if os.path.lexists(t)]
+
+    def _check_free(self) -> None:
+        found = self.existing()
+        if found and not self.overwrite:
+            raise OptionsError(
+                f"{self.dest}: the destination exists ({', '.join(found)}); pass overwrite=True "
+                "to replace it once the new export is complete, or choose another destination"
+            )
+
+    def _clear_staging(self) -> None:
+        """Remove what a killed export left in the staging area, then create it."""
+        if self.remote:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.staging, recursive=True)
+            return
+        shutil.rmtree(self.staging, ignore_errors=True)
+        os.makedirs(self.staging)
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[IO[bytes]]:
+        """Write the file ``name`` (a path relative to the destination; a suffix for a prefix format)."""
+        staged = self._staged(name)
+        if self.remote:
+            with self.fs.open(staged, "wb") as f:
+                yield f
+        else:
+            os.makedirs(os.path.dirname(staged), exist_ok=True)
+            with open(staged, "wb") as f:
+                yield f
+                if self.durable:
+                    f.flush()
+                    os.fsync(f.fileno())
+        self.written.append(name)
+
+    def rename(self, name: str, new: str) -> None:
+        """Rename a written file in the staging area (a name that counts the files, known at the end)."""
+        if self.remote:
+            self.fs.mv(self._staged(name), self._staged(new))
+        else:
+            os.replace(self._staged(name), self._staged(new))
+        self.written[self.written.index(name)] = new
+
+    def _staged(self, name: str) -> str:
+        if self.layout == "prefix":
+            return f"{self.staging}/{Path(self.root).name}{name}"
+        return f"{self.staging}/{name}"
+
+    def commit(self, last: Sequence[str] = ()) -> list[str]:
+        """Move every written file into place, those named in ``last`` last (in that order); replace what
+        was there (with ``overwrite``). Returns the final paths or keys."""
+        order = [n for n in self.written if n not in last] + [n for n in last if n in self.written]
+        if self.remote:
+            self._remove_existing()
+            for name in order:
+                self.fs.mv(self._staged(name), self.final(name))
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.staging, recursive=True)
+        elif self.layout == "directory":
+            if self.durable:
+                for folder, _, _ in os.walk(self.staging):
+                    fsync_dir(Path(folder))
+            old = None
+            if os.path.lexists(self.root):
+                old = f"{self.staging}.old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(self.root, old)
+            os.replace(self.staging, self.root)
+            if self.durable:
+                fsync_dir(Path(os.path.dirname(self.root)))
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            # A reader opens the index first: remove the old one before any new file lands beside it.
+            for suffix in reversed(self.suffixes):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.root + suffix)
+            for name in order:
+                os.replace(self._staged(name), self.final(name))
+            if self.durable:
+                fsync_dir(Path(os.path.dirname(self.root)))
+            shutil.rmtree(self.staging, ignore_errors=True)
+        return [self.final(n) for n in order]
+
+    def _remove_existing(self) -> None:
+        for target in self.existing():
+            self.fs.rm(target, recursive=self.layout == "directory")
+
+    def abort(self) -> None:
+        """Remove the staging area (after an error; a killed process leaves it for the next run)."""
+        if self.remote:
+            with contextlib.suppress(Exception):
+                self.fs.rm(self.staging, recursive=True)
+        else:
+            shutil.rmtree(self.staging, ignore_errors=True)
