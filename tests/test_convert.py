@@ -134,6 +134,8 @@ def test_a_scanned_format_converts_in_one_read_to_the_files_of_an_open_and_expor
         assert (tmp_path / "scanned" / name).read_bytes() == (tmp_path / "opened" / name).read_bytes(), name
     converted = streampack.open(tmp_path / "scanned")
     assert converted.num_shards == len(plan.spans) and converted.has_loss_mask == (format == "olmo")
+    # llm.c cuts its shards at a token count: the manifest says a shard's first document may continue
+    assert converted.manifest.settings.extra.get("continued_documents", False) == (format == "llmc")
     for checked, given in (("scanned", {}), ("src", declared)):  # llm.c's documents continue across shards
         verified = run_cli("verify", str(tmp_path / checked), *(f"--eos-id={v}" for v in given.values()))
         assert verified.returncode == 0, verified.stdout + verified.stderr

@@ -292,7 +292,7 @@ def _made(
         )
         for span, seen in zip(spans, found, strict=True)
     ]
-    return Foreign("llmc", path, dtype, shards, bos_id=delimiter, files=files)
+    return Foreign("llmc", path, dtype, shards, bos_id=delimiter, files=files, continued_documents=True)
 
 
 def _kind(itemsize: int) -> str:

@@ -144,6 +144,8 @@ class Foreign:
         vocab_size: every id is below it, where the files record it.
         tokenizer_name: the tokenizer the files name, if any.
         files: every file it reads (their sizes go into the manifest's inputs).
+        continued_documents: a shard's first document may be the rest of the previous shard's last (a
+            format that cuts its shards at a token count, llm.c): ``verify`` then takes it without the BOS.
     """
 
     format: str
@@ -155,6 +157,7 @@ class Foreign:
     vocab_size: int | None = None
     tokenizer_name: str | None = None
     files: list[Path] = field(default_factory=list)
+    continued_documents: bool = False
 
     @property
     def loss_mask(self) -> bool:
@@ -409,13 +412,21 @@ def foreign_manifest(foreign: Foreign, options: ForeignOptions, files: ForeignFi
         dtype=foreign.dtype.name,
         eos=EosPolicy(foreign.eos_id is not None, foreign.eos_id),
         bos=BosPolicy(foreign.bos_id is not None, foreign.bos_id),
-        settings=BuildSettings.from_json({"foreign": foreign.format}),
+        settings=BuildSettings.from_json(_settings(foreign)),
         inputs=inputs,
         units=_units(foreign),
         complete=True,
         table=table,
         loss_mask=foreign.loss_mask,
     )
+
+
+def _settings(foreign: Foreign) -> dict[str, Any]:
+    """What a foreign cache's manifest records of where it came from (a convert keeps it)."""
+    settings: dict[str, Any] = {"foreign": foreign.format}
+    if foreign.continued_documents:
+        settings["continued_documents"] = True
+    return settings
 
 
 def _units(foreign: Foreign) -> list[str]:

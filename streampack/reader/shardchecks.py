@@ -200,10 +200,10 @@ def check_shard(
 
 
 def _continues_documents(manifest: Manifest) -> bool:
-    """Whether a shard's first document may be the rest of the previous shard's last: llm.c cuts its
-    shards at a token count, so a document continues into the next one (read as two, the second without
-    the delimiter), and a cache converted from them keeps that."""
-    return manifest.settings.extra.get("foreign") == "llmc"
+    """Whether a shard's first document may be the rest of the previous shard's last, as the manifest of a
+    foreign cache says where its format cuts shards at a token count (llm.c: a document read as two, the
+    second without the delimiter); a cache converted from one keeps the setting."""
+    return manifest.settings.extra.get("continued_documents") is True
 
 
 def _check_mask(
