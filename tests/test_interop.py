@@ -318,14 +318,23 @@ def test_mds_streaming_dataset_reads_documents_and_windows(
         np.testing.assert_array_equal(windows[i]["input_ids"], seqs[i])
 
 
-def test_mds_matches_mdswriter_shards(natural: streampack.Cache, tmp_path: Path, streaming: object) -> None:
-    """Ours and MDSWriter's: the same index and shard bytes."""
-    natural.export("mds", tmp_path / "ours", size_limit=1 << 20)
+@pytest.mark.parametrize("seq_len", [None, 1000])
+def test_mds_matches_mdswriter_shards(
+    seq_len: int | None, natural: streampack.Cache, tmp_path: Path, streaming: object
+) -> None:
+    """Ours and MDSWriter's: the same index and shard bytes, for documents and for fixed windows (the
+    stream's spans, copied from a cache of several shards, so that windows cross shard ends)."""
+    natural.export("streampack", tmp_path / "sharded", shard_tokens=30_000)
+    source = streampack.open(tmp_path / "sharded")
+    assert source.num_shards > 3
+    source.export("mds", tmp_path / "ours", size_limit=1 << 16, seq_len=seq_len)
+    encoding = "ndarray:uint16" + ("" if seq_len is None else f":{seq_len}")
+    samples = docs_of(natural) if seq_len is None else list(natural.sequences(seq_len))
     with streaming.MDSWriter(
-        out=str(tmp_path / "theirs"), columns={"input_ids": "ndarray:uint16"}, size_limit=1 << 20
+        out=str(tmp_path / "theirs"), columns={"input_ids": encoding}, size_limit=1 << 16
     ) as writer:
-        for doc in docs_of(natural):
-            writer.write({"input_ids": doc.astype(np.uint16)})
+        for sample in samples:
+            writer.write({"input_ids": np.asarray(sample, dtype=np.uint16)})
     ours = json.loads((tmp_path / "ours" / "index.json").read_text())
     theirs = json.loads((tmp_path / "theirs" / "index.json").read_text())
     assert ours == theirs

@@ -38,10 +38,11 @@ one, and is refused otherwise. MDS records no EOS id (``eos_id=`` declares it).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,6 +50,13 @@ from streampack.errors import CacheError, OptionsError
 from streampack.interop.copying import write_pieces
 from streampack.interop.destination import Destination
 from streampack.interop.files import map_tokens
+from streampack.interop.mdsshards import (
+    INDEX,
+    SHAPE_CODES,
+    sample_lengths,
+    sample_values,
+    shard_offsets,
+)
 from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size
 from streampack.interop.writing import (
     Progress,
@@ -57,6 +65,7 @@ from streampack.interop.writing import (
     refuse_loss_mask,
     release_maps,
     shard_docs,
+    write_stream,
 )
 from streampack.reader.filehashes import recorded_hashes
 
@@ -64,10 +73,7 @@ if TYPE_CHECKING:
     from streampack.reader import Cache
 
 LAYOUT = "directory"
-INDEX = "index.json"
 SIZE_LIMIT = 1 << 26
-#: ``NDArray``'s shape dtype codes, by the largest dimension they hold.
-SHAPE_CODES = ((1 << 8, 0, "<u1"), (1 << 16, 1, "<u2"), (1 << 32, 2, "<u4"))
 
 
 @dataclass(frozen=True)
@@ -125,12 +131,12 @@ def check(cache: Cache, options: Options) -> None:
 
 @dataclass(frozen=True)
 class Encoded:
-    """Consecutive samples as the pieces of their bytes (``per`` a sample: a document's header and values,
-    or a window) and their sizes; ``writev`` gathers the pieces, so a document's tokens are not copied."""
+    """Consecutive documents as samples: the pieces of their bytes (two a sample, its header and its
+    values), their sizes and their tokens; ``writev`` gathers the pieces, so no token is copied."""
 
     sizes: np.ndarray
+    lengths: np.ndarray
     pieces: list[memoryview]
-    per: int  # pieces a sample
 
 
 def encode_documents(tokens: np.ndarray, bounds: np.ndarray) -> Encoded:
@@ -151,30 +157,20 @@ def encode_documents(tokens: np.ndarray, bounds: np.ndarray) -> Encoded:
     pieces: list[memoryview] = []
     for row, head, lo, hi in zip(range(0, table.size, 9), heads.tolist(), cuts[:-1], cuts[1:]):
         pieces += (header[row : row + head], values[lo:hi])
-    return Encoded(sizes, pieces, 2)
+    return Encoded(sizes, lengths, pieces)
 
 
-def samples(cache: Cache, options: Options) -> Iterator[tuple[Encoded, int]]:
-    """The encoded samples, in groups: each group's, and its tokens."""
+def document_samples(cache: Cache) -> Iterator[tuple[Encoded, int]]:
+    """Every document as an encoded sample, in groups: each group's, and its tokens."""
     little = cache.dtype.newbyteorder("<")
-    if options.seq_len is None:
-        for docs in shard_docs(cache):
-            mapped = cache.shard_tokens(docs.shard)
-            for first, stop in doc_chunks(cache, docs):
-                lo, hi = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1])
-                bounds = np.concatenate([[lo], docs.ends[first:stop]]) - lo
-                bounds = bounds[np.concatenate([[True], np.diff(bounds) > 0])]  # no empty documents
-                yield encode_documents(np.ascontiguousarray(mapped[lo:hi], dtype=little), bounds), hi - lo
-            release_maps(cache)  # its pages leave this process with the last pieces written of them
-        return
-    windows = cache.sequences(options.seq_len)
-    rows, row_bytes = max(1, (1 << 22) // options.seq_len), options.seq_len * cache.dtype.itemsize
-    for first in range(0, len(windows), rows):
-        block = windows.read(np.arange(first, min(first + rows, len(windows)))).astype(little, copy=False)
-        cache.drop_maps()
-        raw = np.ascontiguousarray(block).view(np.uint8).reshape(-1).data
-        pieces = [raw[at : at + row_bytes] for at in range(0, len(raw), row_bytes)]
-        yield Encoded(np.full(len(block), row_bytes, dtype=np.int64), pieces, 1), block.size
+    for docs in shard_docs(cache):
+        mapped = cache.shard_tokens(docs.shard)
+        for first, stop in doc_chunks(cache, docs):
+            lo, hi = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1])
+            bounds = np.concatenate([[lo], docs.ends[first:stop]]) - lo
+            bounds = bounds[np.concatenate([[True], np.diff(bounds) > 0])]  # no empty documents
+            yield encode_documents(np.ascontiguousarray(mapped[lo:hi], dtype=little), bounds), hi - lo
+        release_maps(cache)  # its pages leave this process with the last pieces written of them
 
 
 def write(
@@ -183,53 +179,84 @@ def write(
     """Write the shards, then ``index.json``.
 
     A shard is cut where ``MDSWriter`` cuts it: before the sample that would take its samples and offsets
-    past ``size_limit`` less the header and config (a sample larger than that alone in a shard); the cut
-    is found in each group's cumulative sizes, not a sample at a time."""
-    shard_config = config(cache, options)
-    config_bytes = json.dumps(shard_config, sort_keys=True).encode()
-    room = options.size_limit - (4 + 4 + len(config_bytes))  # less MDSWriter's extra bytes per shard
-    shards: list[dict[str, Any]] = []
+    past ``size_limit`` less the header and config (a sample larger than that alone in a shard)."""
+    shard = _ShardWriter(dest, config(cache, options))
+    with Progress(progress, cache.num_tokens, "mds") as bar:
+        if options.seq_len is None:
+            _write_documents(cache, shard, bar)
+        else:
+            _write_windows(cache, options.seq_len, shard, bar)
+    with dest.open(INDEX) as out:
+        out.write(json.dumps({"version": 2, "shards": shard.index}, sort_keys=True).encode())
+    return sum(s["samples"] for s in shard.index), shard.tokens, [INDEX]
+
+
+class _ShardWriter:
+    """Writes MDS shards one after the other: each one's header (sample count, offsets) and config, then
+    its samples' bytes; keeps each one's entry of ``index.json``."""
+
+    def __init__(self, dest: Destination, shard_config: dict[str, Any]) -> None:
+        self.dest, self.shard_config = dest, shard_config
+        self.config_bytes = json.dumps(shard_config, sort_keys=True).encode()
+        self.room = shard_config["size_limit"] - (4 + 4 + len(self.config_bytes))  # as MDSWriter's
+        self.index: list[dict[str, Any]] = []
+        self.tokens = 0
+
+    def write(self, sizes: np.ndarray, tokens: int, samples: Callable[[IO[bytes]], None]) -> None:
+        """One shard of samples of ``sizes`` bytes (``tokens`` in all), whose bytes ``samples`` writes."""
+        name = f"shard.{len(self.index):05d}.mds"
+        offsets = np.concatenate([[0], np.cumsum(sizes)]) + 4 + 4 * (len(sizes) + 1) + len(self.config_bytes)
+        with self.dest.open(name) as out:
+            out.write(np.array([len(sizes)], dtype="<u4").tobytes() + offsets.astype("<u4").tobytes())
+            out.write(self.config_bytes)
+            samples(out)
+        raw = {"basename": name, "bytes": int(offsets[-1]), "hashes": {}}
+        self.index.append({"samples": len(sizes), "raw_data": raw, "zip_data": None, **self.shard_config})
+        self.tokens += tokens
+
+
+def _write_documents(cache: Cache, shard: _ShardWriter, bar: Progress) -> None:
+    """One document a sample; each shard's cut found in a group's cumulative sizes, not a sample at a time."""
     pending: list[memoryview] = []  # the pending samples' bytes, in pieces
     pending_sizes: list[np.ndarray] = []
-    used = 0  # bytes the pending samples take, with their 4-byte offsets
-    rows = tokens = 0
+    used = tokens = 0  # bytes the pending samples take, with their 4-byte offsets; their tokens
 
     def flush() -> None:
-        name = f"shard.{len(shards):05d}.mds"
-        sizes = np.concatenate(pending_sizes)
-        offsets = np.concatenate([[0], np.cumsum(sizes)]) + 4 + 4 * (len(sizes) + 1) + len(config_bytes)
-        with dest.open(name) as out:
-            out.write(np.array([len(sizes)], dtype="<u4").tobytes() + offsets.astype("<u4").tobytes())
-            out.write(config_bytes)
-            write_pieces(out, pending)
-        raw = {"basename": name, "bytes": int(offsets[-1]), "hashes": {}}
-        shards.append({"samples": len(sizes), "raw_data": raw, "zip_data": None, **shard_config})
+        shard.write(np.concatenate(pending_sizes), tokens, partial(write_pieces, pieces=pending))
 
-    with Progress(progress, cache.num_tokens, "mds") as bar:
-        for group, count in samples(cache, options):
-            sizes, per = group.sizes, group.per
-            taken = np.concatenate([[0], np.cumsum(sizes + 4)])  # with each sample's offset
-            pos = 0
-            while pos < len(sizes):
-                fit = int(np.searchsorted(taken, taken[pos] + room - used, side="right")) - 1 - pos
-                if fit <= 0:
-                    if pending:
-                        flush()
-                        pending, pending_sizes, used = [], [], 0
-                        continue
-                    fit = 1  # larger than a shard holds: alone in one, as MDSWriter does
-                pending += group.pieces[pos * per : (pos + fit) * per]
-                pending_sizes.append(sizes[pos : pos + fit])
-                used += int(taken[pos + fit] - taken[pos])
-                pos += fit
-            rows += len(sizes)
-            tokens += count
-            bar.update(count)
-        if pending:
-            flush()
-    with dest.open(INDEX) as out:
-        out.write(json.dumps({"version": 2, "shards": shards}, sort_keys=True).encode())
-    return rows, tokens, [INDEX]
+    for group, count in document_samples(cache):
+        sizes = group.sizes
+        taken = np.concatenate([[0], np.cumsum(sizes + 4)])  # with each sample's offset
+        pos = 0
+        while pos < len(sizes):
+            fit = int(np.searchsorted(taken, taken[pos] + shard.room - used, side="right")) - 1 - pos
+            if fit <= 0:
+                if pending:
+                    flush()
+                    pending, pending_sizes, used, tokens = [], [], 0, 0
+                    continue
+                fit = 1  # larger than a shard holds: alone in one, as MDSWriter does
+            pending += group.pieces[2 * pos : 2 * (pos + fit)]
+            pending_sizes.append(sizes[pos : pos + fit])
+            used += int(taken[pos + fit] - taken[pos])
+            tokens += int(group.lengths[pos : pos + fit].sum())
+            pos += fit
+        bar.update(count)
+    if pending:
+        flush()
+
+
+def _write_windows(cache: Cache, seq_len: int, shard: _ShardWriter, bar: Progress) -> None:
+    """Fixed windows: each shard's samples are a span of the stream (the values alone, end to end), copied
+    from the cache's shards by the kernel where they are files (:func:`write_stream`)."""
+    row_bytes = seq_len * cache.dtype.itemsize
+    per_shard = max(1, shard.room // (row_bytes + 4))
+    windows = cache.num_tokens // seq_len
+    for first in range(0, windows, per_shard):
+        count = min(per_shard, windows - first)
+        start, stop = first * seq_len, (first + count) * seq_len
+        shard.write(np.full(count, row_bytes), stop - start, partial(write_stream, cache, start, stop))
+        bar.update(stop - start)
 
 
 # Reading ---------------------------------------------------------------------------------------------
@@ -364,14 +391,14 @@ def _shard(root: Path, index_path: Path, i: int, entry: Any) -> tuple[ForeignSha
             "(StreamingDataset does so when it reads it), or export the shards uncompressed"
         )
     check_size(shard_path, nbytes, f"the {samples:,} samples of shards[{i}] (raw_data.bytes in {INDEX})")
-    offsets = _offsets(shard_path, samples, nbytes)
+    offsets = shard_offsets(shard_path, samples, nbytes)
     if column.seq_len is None:
-        lengths, widths = _lengths(shard_path, offsets, column.dtype.itemsize)
+        lengths, widths = sample_lengths(shard_path, offsets, column.dtype.itemsize)
         ends = np.cumsum(lengths, dtype=np.uint64)
         total = int(ends[-1]) if len(ends) else 0
 
         def pieces() -> list[memoryview]:
-            data, firsts = _values(shard_path, offsets, lengths, widths)
+            data, firsts = sample_values(shard_path, offsets, lengths, widths)
             view, nbytes = data.data, (lengths * column.dtype.itemsize).tolist()
             return [view[a : a + n] for a, n in zip(firsts.tolist(), nbytes)]
 
@@ -403,93 +430,3 @@ def _shard(root: Path, index_path: Path, i: int, entry: Any) -> tuple[ForeignSha
         hashes=hashes,
     )
     return shard, column
-
-
-def _offsets(shard_path: Path, samples: int, nbytes: int) -> np.ndarray:
-    """A shard's offsets table (``samples + 1`` uint32 after its sample count), checked."""
-    table = 4 + 4 * (samples + 1)
-    if nbytes < table:
-        raise CacheError(
-            f"{shard_path}: {nbytes:,} bytes, shorter than the {table:,}-byte sample count and offsets of "
-            f"its {samples:,} samples"
-        )
-    head = np.fromfile(shard_path, dtype="<u4", count=samples + 2)
-    if int(head[0]) != samples:
-        raise CacheError(
-            f"{shard_path}: num_samples is {int(head[0]):,}, but {INDEX} says {samples:,} samples: the shard "
-            "does not belong to this index"
-        )
-    offsets = head[1:].astype(np.int64)
-    if int(offsets[0]) < table:
-        raise CacheError(
-            f"{shard_path}: offsets[0] is {int(offsets[0]):,}, inside the {table:,}-byte offsets table"
-        )
-    back = np.flatnonzero(np.diff(offsets) <= 0)
-    if len(back):
-        j = int(back[0])
-        raise CacheError(
-            f"{shard_path}: offsets[{j + 1}] is {int(offsets[j + 1]):,}, not after offsets[{j}] "
-            f"({int(offsets[j]):,}): the offsets must increase (every sample has bytes)"
-        )
-    if int(offsets[-1]) != nbytes:
-        raise CacheError(
-            f"{shard_path}: offsets[{samples}] (the end of the last sample) is {int(offsets[-1]):,}, but the "
-            f"file is {nbytes:,} bytes"
-        )
-    return offsets
-
-
-def _lengths(shard_path: Path, offsets: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each variable sample's token count and shape width, from its size alone: ``4 + 1 + w + n *
-    itemsize`` bytes with ``w`` the narrowest of :data:`SHAPE_CODES` that holds ``n`` (one fits)."""
-    sizes = np.diff(offsets)
-    lengths = np.full(len(sizes), -1, dtype=np.int64)
-    widths = np.zeros(len(sizes), dtype=np.int64)
-    low = 1
-    for limit, _, shape_dtype in (*SHAPE_CODES, (np.iinfo(np.int64).max, 3, "<u8")):
-        width = np.dtype(shape_dtype).itemsize
-        rest = sizes - 5 - width
-        n = rest // itemsize
-        fits = (rest % itemsize == 0) & (n >= low) & (n < limit) & (lengths < 0)
-        lengths[fits], widths[fits] = n[fits], width
-        low = limit
-    bad = np.flatnonzero(lengths < 0)
-    if len(bad):
-        j = int(bad[0])
-        raise CacheError(
-            f"{shard_path}: sample {j} is {int(sizes[j]):,} bytes (offsets[{j}] to offsets[{j + 1}]), which "
-            f"no size, shape and {itemsize}-byte values of a 1-dimensional ndarray add up to"
-        )
-    return lengths, widths
-
-
-def _values(
-    shard_path: Path, offsets: np.ndarray, lengths: np.ndarray, widths: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """A shard's bytes (mapped) and where each sample's values start in them, every sample's header
-    checked as one table."""
-    check_size(shard_path, int(offsets[-1]), "the samples its offsets table (read at open) ends at")
-    data = map_tokens(shard_path, np.dtype(np.uint8), 0, int(offsets[-1]))
-    starts = offsets[:-1]
-    size = np.ascontiguousarray(data[starts[:, None] + np.arange(4)]).view("<u4")[:, 0]
-    _check_field(shard_path, "size", size, np.diff(offsets) - 4)
-    code_of = np.zeros(9, dtype=np.int64)  # shape width in bytes -> NDArray's shape dtype code
-    code_of[[1, 2, 4, 8]] = [0, 1, 2, 3]
-    _check_field(shard_path, "ndim and shape dtype", data[starts + 4], (1 << 2) | code_of[widths])
-    shape = np.zeros(len(starts), dtype=np.int64)
-    for byte in range(8):  # little-endian: byte b of the shape where the width has one
-        has = widths > byte
-        shape[has] |= data[starts[has] + 5 + byte].astype(np.int64) << (8 * byte)
-    _check_field(shard_path, "shape", shape, lengths)
-    return data, starts + 5 + widths
-
-
-def _check_field(shard_path: Path, name: str, found: np.ndarray, expected: np.ndarray) -> None:
-    """Refuse the first sample whose header field ``name`` is not what its size implies."""
-    wrong = np.flatnonzero(found.astype(np.int64) != expected.astype(np.int64))
-    if len(wrong):
-        j = int(wrong[0])
-        raise CacheError(
-            f"{shard_path}: sample {j}'s {name} is {int(found[j]):,}, but its size in the offsets table "
-            f"implies {int(expected[j]):,}: the sample's header disagrees with the offsets table"
-        )
