@@ -555,3 +555,28 @@ def test_this_platform_has_the_fast_engine_by_default(gpt2_tokenizer: Path) -> N
     assert fastokens_unsupported_platform() == ""
     assert _fastokens_requirements()["core"].marker.evaluate()
     assert isinstance(load_tokenizer(str(gpt2_tokenizer)).engine, FastokensEngine)
+
+
+@pytest.mark.parametrize("engine", ["auto", "tokenizers"])
+def test_fastokens_loads_beside_the_reference_engine_only_where_it_may_run(
+    engine: str, gpt2_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fastokens' load (which lets go of the GIL) starts before ``tokenizers`` parses the same file, so
+    that a build's encoders wait less; a tokenizer asked to run ``tokenizers`` starts no load at all."""
+    import threading
+
+    import tokenizers
+
+    loading_while_parsed: list[bool] = []
+    parse = tokenizers.Tokenizer.from_str
+
+    def observed(text: str) -> tokenizers.Tokenizer:
+        names = {t.name for t in threading.enumerate()}
+        loading_while_parsed.append("streampack-fastokens-load" in names)
+        return parse(text)
+
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_str", staticmethod(observed))
+    tok = load_tokenizer(str(gpt2_tokenizer), engine=engine)
+    assert loading_while_parsed == [engine == "auto"]
+    assert isinstance(tok.engine, FastokensEngine) == (engine == "auto")
+    assert tok.encode_batch(["Hello world"])[0].tolist() == [15496, 995]

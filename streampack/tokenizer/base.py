@@ -27,6 +27,7 @@ import numpy as np
 from streampack.tokenizer.choices import TokenizerEngine
 from streampack.tokenizer.engines import (
     Engine,
+    FastokensLoad,
     FlatIds,
     _fastokens_or_reference,
     _import_fastokens,
@@ -164,6 +165,7 @@ class LibraryTokenizer:
         load: Callable[[Any], Any],
         split_special: bool,
         refusal: str,
+        started: FastokensLoad | None = None,
     ) -> tuple[Engine, str]:
         """The reference engine, or ``fastokens`` where it is installed and proven to give the same ids in
         this special-token mode; and why.
@@ -175,6 +177,7 @@ class LibraryTokenizer:
             load: makes the ``fastokens.Tokenizer`` from the ``fastokens`` module.
             split_special: special-token strings are text.
             refusal: the start of the error when fastokens is asked for and not proven.
+            started: the load :meth:`_start_fastokens` started, if it did.
         """
         library = self._reference.name
         if choice == self._wrong_library:
@@ -186,11 +189,23 @@ class LibraryTokenizer:
             self._reference,
             choice,
             problem(),
-            lambda: load(fastokens),
+            lambda: started or FastokensLoad(lambda: load(fastokens), threads),
             split_special=split_special,
-            threads=threads,
             refusal=refusal,
         )
+
+    @staticmethod
+    def _start_fastokens(
+        choice: TokenizerEngine, threads: int | None, load: Callable[[Any], Any]
+    ) -> FastokensLoad | None:
+        """Start loading the fastokens tokenizer now, before the reference engine loads and the structure
+        that decides whether fastokens may run is read (:meth:`_choose_engine` then takes the load, or it is
+        dropped): the load lets go of the GIL, and a build's encoders wait for it. None where fastokens
+        will not be chosen whatever the structure (another engine asked for, or it is not installed)."""
+        if choice not in ("auto", "fastokens"):
+            return None
+        fastokens = _import_fastokens(needed=False)
+        return None if fastokens is None else FastokensLoad(lambda: load(fastokens), threads)
 
     @property
     def cores_per_worker(self) -> int:

@@ -192,6 +192,32 @@ class TiktokenEngine:
         return np.frombuffer(self._to_buffer(text, self._allowed), dtype=np.uint32)
 
 
+class FastokensLoad:
+    """A ``fastokens.Tokenizer`` that ``load()`` makes on a thread of its own (0.3-1 s), its pool started
+    with the threads a build's call gets (:func:`fastokens_call_threads`). fastokens lets go of the GIL
+    while it loads, so the load runs beside the reference engine's, the build's listing and its first
+    reads."""
+
+    def __init__(self, load: Callable[[], Any], threads: int | None) -> None:
+        self.tokenizer: Future[Any] = Future()
+        # Not a daemon: a process that exits (a finished build resumed) waits for the load to end rather than
+        # killing the thread inside fastokens' native code, which aborts ("exception not rethrown").
+        loading = threading.Thread(target=self._load, args=(load, threads), name="streampack-fastokens-load")
+        loading.start()
+
+    def _load(self, load: Callable[[], Any], threads: int | None) -> None:
+        try:
+            tok = load()
+            _text_is_whole(tok)
+            # Its pool reads FASTOKENS_BPE_THREADS when the first batch call starts it.
+            with _environment("FASTOKENS_BPE_THREADS", str(fastokens_call_threads(threads))):
+                tok.encode_batch_flat(["a b", "c d"], add_special_tokens=False)
+        except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
+            self.tokenizer.set_exception(e)
+        else:
+            self.tokenizer.set_result(tok)
+
+
 class FastokensEngine:
     """``fastokens`` (Rust, PCRE2 JIT): encodes a byte-level BPE ``tokenizer.json`` or tiktoken ranks ~10-40x
     faster than their reference engines, into a flat buffer of ids with no per-token Python objects.
@@ -212,33 +238,12 @@ class FastokensEngine:
     # the wall time (fewer pieces to slice, list and frame).
     fast_piece_chars: int | None = None
 
-    def __init__(
-        self, load: Callable[[], Any], *, split_special: bool, threads: int | None, fallback: str
-    ) -> None:
-        """Encode with the ``fastokens.Tokenizer`` that ``load()`` makes; ``split_special``: special tokens
-        are text; ``fallback``: the engine a load failure's message suggests.
-
-        It loads on a thread of its own (0.3-1 s), while the build lists and reads its first records.
-        """
+    def __init__(self, loading: FastokensLoad, *, split_special: bool, fallback: str) -> None:
+        """Encode with the ``fastokens.Tokenizer`` that ``loading`` makes; ``split_special``: special tokens
+        are text; ``fallback``: the engine a load failure's message suggests."""
         self._split_special = split_special
         self._fallback = fallback
-        self._tok: Future[Any] = Future()
-        # Not a daemon: a process that exits (a finished build resumed) waits for the load to end rather than
-        # killing the thread inside fastokens' native code, which aborts ("exception not rethrown").
-        loading = threading.Thread(target=self._load, args=(load, threads), name="streampack-fastokens-load")
-        loading.start()
-
-    def _load(self, load: Callable[[], Any], threads: int | None) -> None:
-        try:
-            tok = load()
-            _text_is_whole(tok)
-            # Its pool reads FASTOKENS_BPE_THREADS when the first batch call starts it.
-            with _environment("FASTOKENS_BPE_THREADS", str(fastokens_call_threads(threads))):
-                tok.encode_batch_flat(["a b", "c d"], add_special_tokens=False)
-        except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
-            self._tok.set_exception(e)
-        else:
-            self._tok.set_result(tok)
+        self._tok = loading.tokenizer
 
     @property
     def version(self) -> str:
@@ -333,18 +338,18 @@ def _fastokens_or_reference(
     reference: Engine,
     choice: TokenizerEngine,
     problem: str,
-    load: Callable[[], Any],
+    loading: Callable[[], FastokensLoad],
     *,
     split_special: bool,
-    threads: int | None,
     refusal: str,
 ) -> tuple[Engine, str]:
     """The fastokens engine where the tokenizer's structure is proven (``problem`` empty), loading in the
-    background; else the reference engine, or a :class:`TokenizerError` when fastokens was asked for.
-    With the reason for the choice (see :attr:`Tokenizer.engine_reason`)."""
+    background (``loading()`` starts the load, or gives the one started); else the reference engine, or a
+    :class:`TokenizerError` when fastokens was asked for. With the reason for the choice (see
+    :attr:`Tokenizer.engine_reason`)."""
     mode = "text" if split_special else "parse"
     if not problem:
-        engine = FastokensEngine(load, split_special=split_special, threads=threads, fallback=reference.name)
+        engine = FastokensEngine(loading(), split_special=split_special, fallback=reference.name)
         return engine, f"proven exact for this tokenizer in {mode} mode"
     if choice == "fastokens":
         raise TokenizerError(

@@ -10,6 +10,7 @@ import json
 import re
 import threading
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,8 @@ class HFTokenizer(LibraryTokenizer):
         self.spec = spec
         self._path = path
         self._definition = path.read_bytes()
+        load = partial(_load_fastokens, self._definition)
+        started = self._start_fastokens(engine, threads, load)
         try:
             self._tok = _Tokenizer.from_str(self._definition.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception for unparsable files
@@ -79,9 +82,10 @@ class HFTokenizer(LibraryTokenizer):
             engine,
             threads,
             problem=lambda: fastokens_mismatch_hf(structure, parse_special=special_tokens == "parse"),
-            load=lambda fastokens: fastokens.Tokenizer.from_json_str(self._definition.decode("utf-8")),
+            load=load,
             split_special=special_tokens == "text",
             refusal=f"{self._path}: fastokens is not known to give this tokenizer's ids",
+            started=started,
         )
 
     def _structure(self) -> dict[str, Any]:
@@ -219,6 +223,11 @@ class HFTokenizer(LibraryTokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`."""
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _load_fastokens(definition: bytes, fastokens: Any) -> Any:
+    """The ``fastokens.Tokenizer`` of a ``tokenizer.json``'s bytes."""
+    return fastokens.Tokenizer.from_json_str(definition.decode("utf-8"))
 
 
 def _json_member(text: str, key: str) -> Any:

@@ -72,6 +72,11 @@ class TiktokenTokenizer(LibraryTokenizer):
         except ValueError as e:
             raise TokenizerError(str(e)) from None
         pattern, specials, n_vocab = _read_sidecar(sidecar, mergeable_ranks)
+
+        def load(fastokens: Any) -> Any:
+            return load_fast_tiktoken(fastokens, ranks, mergeable_ranks, pattern, specials)
+
+        started = self._start_fastokens(engine, threads, load)
         try:
             self._enc = tiktoken.Encoding(
                 ranks.stem,
@@ -89,10 +94,6 @@ class TiktokenTokenizer(LibraryTokenizer):
         self._allowed = set(specials) if special_tokens == "parse" else set()
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
-
-        def load(fastokens: Any) -> Any:
-            return load_fast_tiktoken(fastokens, ranks, mergeable_ranks, pattern, specials)
-
         chosen, self.engine_reason = self._choose_engine(
             engine,
             threads,
@@ -100,6 +101,7 @@ class TiktokenTokenizer(LibraryTokenizer):
             load=load,
             split_special=not self._allowed,
             refusal=f"{ranks}: fastokens is not known to give this encoding's ids",
+            started=started,
         )
         split = fast_split(pattern)
         if split is not None and split.exact_for and chosen is not self._reference:
