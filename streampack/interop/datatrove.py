@@ -37,8 +37,9 @@ import numpy as np
 
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.destination import Destination
+from streampack.interop.filechecks import check_ends, check_size
 from streampack.interop.files import LOCAL, ForeignFiles
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_ends, check_size
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard
 from streampack.interop.writing import Progress, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:

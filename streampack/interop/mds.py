@@ -49,6 +49,7 @@ import numpy as np
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.copying import write_pieces
 from streampack.interop.destination import Destination
+from streampack.interop.filechecks import check_size
 from streampack.interop.files import map_tokens
 from streampack.interop.mdsshards import (
     INDEX,
@@ -57,7 +58,7 @@ from streampack.interop.mdsshards import (
     sample_values,
     shard_offsets,
 )
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard
 from streampack.interop.writing import (
     Progress,
     check_int_option,

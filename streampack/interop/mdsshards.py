@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from streampack.errors import CacheError
+from streampack.interop.filechecks import check_size
 from streampack.interop.files import map_tokens
-from streampack.interop.reading import check_size
 
 INDEX = "index.json"
 #: ``NDArray``'s shape dtype codes, by the largest dimension they hold.

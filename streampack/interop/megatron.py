@@ -29,8 +29,9 @@ import numpy as np
 
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.destination import Destination
+from streampack.interop.filechecks import check_size
 from streampack.interop.files import LOCAL, ForeignFiles
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_size
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard
 from streampack.interop.writing import (
     Progress,
     check_ids_fit,

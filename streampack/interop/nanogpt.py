@@ -40,9 +40,10 @@ import numpy as np
 
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.destination import Destination
+from streampack.interop.filechecks import check_id_fits
 from streampack.interop.files import map_tokens
 from streampack.interop.llmc import has_header
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard, check_id_fits
+from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard
 from streampack.interop.scanning import SCAN_TOKENS, Boundary, Found, ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import (
     Progress,

@@ -28,7 +28,8 @@ import numpy as np
 
 from streampack.errors import CacheError
 from streampack.format.names import MANIFEST, crc32
-from streampack.interop.reading import READERS, Foreign, ForeignOptions, check_doc_count, recognise
+from streampack.interop.filechecks import check_doc_count
+from streampack.interop.reading import READERS, Foreign, ForeignOptions, recognise
 from streampack.store import open_store
 from streampack.store.remote import is_remote
 
