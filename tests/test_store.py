@@ -109,3 +109,29 @@ def test_views_made_from_a_relative_path_reopen_in_a_process_elsewhere(
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"{cache.doc(7).tolist()} {cache.sequences(8)[2].tolist()}"
+
+
+def test_an_append_files_checksum_is_kept_as_it_is_written_and_read_back_once_resumed(tmp_path: Path) -> None:
+    """A file appended from empty keeps its CRC-32 as it is written (no read-back at the end); one resumed
+    from a committed length (its uncommitted tail cut off) reads its file back: both equal the CRC-32 of
+    the bytes on disk."""
+    import zlib
+
+    store = LocalStore(tmp_path)
+    (tmp_path / "shards").mkdir()
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in (0, 1, 4096, 100_000, 7)]
+    fresh = store.append_file("shards/a.bin", 0)
+    for piece in pieces:
+        fresh.write(piece.data)
+    fresh.sync()
+    assert fresh.crc32() == zlib.crc32((tmp_path / "shards/a.bin").read_bytes())
+    fresh.close()
+    with open(tmp_path / "shards/a.bin", "ab") as f:
+        f.write(b"an uncommitted tail a crash left")
+    resumed = store.append_file("shards/a.bin", 104_104)
+    resumed.write(b"more")
+    expected = b"".join(p.tobytes() for p in pieces) + b"more"
+    assert (tmp_path / "shards/a.bin").read_bytes()[:104_104] == expected[:104_104]
+    assert resumed.crc32() == zlib.crc32(expected)
+    resumed.close()

@@ -63,10 +63,10 @@ class ShardWriter:
         """
         if self._mask is not None:
             assert mask is not None and len(mask) == len(tokens), "a masked shard takes a byte per token"
-            self._mask.write(mask.astype(np.uint8, copy=False).tobytes())
-        self._tokens.write(tokens.astype(self.dtype, copy=False).tobytes())
+            self._mask.write(_buffer(mask, np.dtype(np.uint8)))
+        self._tokens.write(_buffer(tokens, self.dtype))
         if len(ends):
-            self._offsets.write((ends + self.num_tokens).astype(OFFSET_DTYPE).tobytes())
+            self._offsets.write(_buffer(ends + self.num_tokens, OFFSET_DTYPE))
             self._doc_aligned_tokens = self.num_tokens + int(ends[-1])
         self.num_tokens += len(tokens)
         self.num_docs += len(ends)
@@ -86,8 +86,8 @@ class ShardWriter:
             self._created = False
         checksums = ("", "", "")
         if done:
-            mask = "" if self._mask is None else self._checksum(mask_key(self.name))
-            checksums = (self._checksum(tokens_key(self.name)), self._checksum(offsets_key(self.name)), mask)
+            mask = "" if self._mask is None else checksum_text(self._mask.crc32())
+            checksums = (checksum_text(self._tokens.crc32()), checksum_text(self._offsets.crc32()), mask)
         self.progress = LedgerEntry(
             unit=self.progress.unit,
             records=counts.records,
@@ -112,9 +112,6 @@ class ShardWriter:
     def _files(self) -> list[AppendFile]:
         return [self._tokens, self._offsets] + ([] if self._mask is None else [self._mask])
 
-    def _checksum(self, key: str) -> str:
-        return checksum_text(self._store.crc32(key))
-
     def __enter__(self) -> ShardWriter:
         return self
 
@@ -122,3 +119,8 @@ class ShardWriter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _buffer(array: np.ndarray, dtype: np.dtype) -> memoryview:
+    """``array``'s bytes as ``dtype``, without a copy where it already is one, contiguous."""
+    return np.ascontiguousarray(array, dtype=dtype).view(np.uint8).data

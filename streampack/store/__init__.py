@@ -361,6 +361,9 @@ class AppendFile:
         self.path = path
         self.created = not path.exists()
         self._file = _open_at(path, length)
+        # The CRC-32 of what is appended, kept as it is written (a file started afresh needs no read-back
+        # for its checksum); None for a file resumed from a committed length, read back when asked.
+        self._crc: int | None = 0 if length == 0 else None
 
     def lock(self) -> None:
         """Hold an exclusive ``flock`` on the file while writing it, so that no two processes ever do.
@@ -380,12 +383,24 @@ class AppendFile:
                 "to exit, then rerun the same command"
             ) from None
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         """Append ``data``."""
         try:
             self._file.write(data)
         except OSError as e:
             raise disk_error(e, self.path) from None
+        if self._crc is not None:
+            self._crc = zlib.crc32(data, self._crc)
+
+    def crc32(self) -> int:
+        """The CRC-32 of the whole file as appended so far."""
+        if self._crc is not None:
+            return self._crc
+        try:
+            self._file.flush()
+        except OSError as e:
+            raise disk_error(e, self.path) from None
+        return crc32_file(self.path)
 
     def sync(self) -> None:
         """Flush and fsync what was appended."""
