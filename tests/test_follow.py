@@ -51,6 +51,25 @@ def release(proc: Any) -> None:
         os.killpg(proc.pid, signal.SIGCONT)
 
 
+def kill_once_a_unit_is_done(proc: Any, out: Path) -> None:
+    """SIGKILL a build's process group as soon as its ledger says one unit is done: the first of its 8
+    units, so the build is still running (a fixed sleep raced a build that got faster)."""
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not any(_done(entry) for entry in (out / "ledger").glob("*.json")):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+
+def _done(entry: Path) -> bool:
+    try:
+        return bool(json.loads(entry.read_bytes()).get("done"))
+    except (OSError, ValueError):  # replaced while it was read: the next poll reads it
+        return False
+
+
 def make_follow(out: Path | str, **kwargs: Any) -> Follow:
     settings: dict = {"seq_len": SEQ_LEN, "overlap": OVERLAP, "batch_size": BATCH, "seed": 5, **ERAS}
     settings["then"] = "end"  # one pass, so that a test's loop ends
@@ -114,9 +133,7 @@ def test_a_stalled_build_serves_only_committed_eras_then_raises(tmp_path: Path, 
     past the committed prefix, and the next batch ends in a clear error once ``timeout`` passes."""
     out = tmp_path / "c"
     proc = start_build(follow_args(corpus(tmp_path), out, bpe_tokenizer), out)
-    time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
+    kill_once_a_unit_is_done(proc, out)
     partial = streampack.open(out, allow_incomplete=True)
     done = [
         streampack.store.files.read_entry(out, f"{i:06d}", u) for i, u in enumerate(partial.manifest.units)
