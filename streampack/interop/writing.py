@@ -140,13 +140,12 @@ def write_spans(
 
 def write_stream(cache: Cache, start: int, stop: int, out: IO[bytes]) -> None:
     """Tokens ``[start, stop)`` of the cache's stream to ``out`` (little-endian), shard by shard."""
-    little = cache.dtype.newbyteorder("<")
-    starts = np.concatenate([[0], np.cumsum(cache.table.num_tokens)])
-    for shard in range(int(np.searchsorted(starts, start, side="right")) - 1, cache.num_shards):
-        if starts[shard] >= stop:
-            break
-        lo, hi = max(start, int(starts[shard])), min(stop, int(starts[shard + 1]))
-        write_spans(cache, shard, little, [(out, lo - int(starts[shard]), hi - int(starts[shard]))])
+    little, starts = cache.dtype.newbyteorder("<"), cache.token_starts
+    shard = int(np.searchsorted(starts, start, side="right")) - 1
+    while start < stop:
+        base, end = int(starts[shard]), min(stop, int(starts[shard + 1]))
+        write_spans(cache, shard, little, [(out, start - base, end - base)])
+        start, shard = end, shard + 1
 
 
 def _little(dtype: np.dtype) -> bool:
