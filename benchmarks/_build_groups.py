@@ -393,8 +393,9 @@ def plain_versions(venv: Path) -> str:
     return done.stdout.strip() or f"? ({(done.stderr.strip().splitlines() or ['?'])[-1]})"
 
 
-def measure_plain(args: argparse.Namespace, corpus: Corpus, tmp: Path) -> list[str]:
-    """A build in the plain-install venv ÷ the ``tokenizers`` and tiktoken raw limits; the report section."""
+def measure_plain(args: argparse.Namespace, corpus: Corpus, tmp: Path, scale: int = 1) -> list[str]:
+    """A build in the plain-install venv ÷ the ``tokenizers`` and tiktoken raw limits, on ``corpus`` (the
+    benchmark's corpus ``scale`` times); the report section."""
     venv = Path(args.plain_venv).resolve()
     why_not = ensure_plain_venv(venv)
     exe = venv / "bin" / "streampack"
@@ -406,7 +407,7 @@ def measure_plain(args: argparse.Namespace, corpus: Corpus, tmp: Path) -> list[s
         "tokenizers": lambda: raw_limit("tokenizers", corpus, args.tokenizer_json),
         "tiktoken": lambda: raw_limit("tiktoken", corpus, args.tiktoken_ranks),
         "plain": lambda: streampack_build(
-            plain, "tokenizers", args.tokenizer_json, corpus, 1, out, auto=True, extra=extra
+            plain, "tokenizers", args.tokenizer_json, corpus, scale, out, auto=True, extra=extra
         ),
     }
     log(f"plain install: its build and both raw limits, {args.repeats} repeat(s)")
@@ -416,7 +417,8 @@ def measure_plain(args: argparse.Namespace, corpus: Corpus, tmp: Path) -> list[s
     now = source_commit()
     lines = [
         "",
-        "## The plain install (`pip install .`, no extras named; GPT-2 `tokenizer.json`, default engine, 1x)",
+        "## The plain install (`pip install .`, no extras named; GPT-2 `tokenizer.json`, default engine, "
+        f"{scale}x)",
         "",
         f"- venv: `{venv}`, its package as of commit {installed}"
         + ("" if installed == now else f" — **the project is now at {now}: remove the venv to reinstall**"),
@@ -443,9 +445,8 @@ def measure_plain(args: argparse.Namespace, corpus: Corpus, tmp: Path) -> list[s
     lines += ["", "Goals (issue 26 item 1):", ""]
     for name, target in PLAIN_GOALS.items():
         values = wall["plain", name]
-        lines.append(
-            goal_line(f"plain-install build ÷ {titles[name].split(': ')[1]}", median(values), target, values)
-        )
+        what = f"plain-install build ÷ {titles[name].split(': ')[1]} at {scale}x"
+        lines.append(goal_line(what, median(values), target, values))
     return lines
 
 

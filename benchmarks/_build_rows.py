@@ -166,7 +166,8 @@ def streampack_build(
         row.note = cli.why_not
         return row
     build = [*cli.prefix, "build", corpus.path, "--tokenizer", spec, "--out", str(out_dir), "--overwrite"]
-    m = run([*build, *extra], cwd=cli.cwd or str(REPO), unset=cli.unset)
+    shutil.rmtree(out_dir, ignore_errors=True)  # every build into an empty directory: an overwrite's deletion
+    m = run([*build, *extra], cwd=cli.cwd or str(REPO), unset=cli.unset)  # of the last one is not building
     try:
         if m.returncode != 0:
             return failed(row, m)

@@ -365,7 +365,10 @@ def parse_args() -> argparse.Namespace:
         default="all",
         help=f"tiktoken ranks beside GPT-2's: a subset of {','.join(ENCODINGS)}, all (default) or none",
     )
-    parser.add_argument("--skip-plain", action="store_true", help="skip the plain-install row")
+    parser.add_argument("--skip-plain", action="store_true", help="skip the plain-install rows")
+    parser.add_argument(
+        "--plain-scale", default="1", help="corpus multiples of the plain-install rows (default 1; e.g. 1,4)"
+    )
     parser.add_argument(
         "--plain-venv",
         default=str(REPO / ".bench-plain-venv"),
@@ -396,6 +399,9 @@ def parse_args() -> argparse.Namespace:
     args.scales = sorted({int(s) for s in args.scale.split(",")})
     if not args.scales or min(args.scales) < 1:
         parser.error(f"--scale takes positive integers like 1,4 (got {args.scale!r})")
+    args.plain_scales = sorted({int(s) for s in args.plain_scale.split(",")})
+    if not args.plain_scales or min(args.plain_scales) < 1:
+        parser.error(f"--plain-scale takes positive integers like 1,4 (got {args.plain_scale!r})")
     try:
         args.backend_list = parse_list(args.backends, BACKENDS, "--backends")
         args.format_list = parse_list(args.formats, FORMATS, "--formats")
@@ -558,7 +564,11 @@ def main() -> None:
         if args.encoding_list:
             sections += measure_encodings(args, cli, corpus, tmp, args.encoding_list)
         if not args.skip_plain:
-            sections += measure_plain(args, corpus, tmp)
+            for scale in args.plain_scales:
+                plain_corpus = corpus if scale == 1 else scale_corpus(corpus, scale, tmp)
+                sections += measure_plain(args, plain_corpus, tmp, scale)
+                if scale != 1:
+                    Path(plain_corpus.path).unlink()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -141,7 +141,7 @@ def test_build_profile_reports_every_timing(tmp_path: Path, sample: Path, gpt2_t
     from tests.conftest import run_cli
 
     summary = streampack.build(sample, tmp_path / "api", tokenizer=str(gpt2_tokenizer), profile=True)
-    for timing in ("prepare", "read", "pieces", "frame", "write", "encode", "verify", "process"):
+    for timing in ("prepare", "read", "parse", "frame", "write", "encode", "verify", "process"):
         assert timing in summary.timings, timing
     wall, cpu = summary.timings["read"]
     assert wall > 0 and cpu > 0
@@ -449,7 +449,7 @@ def test_an_id_at_or_above_the_vocab_size_stops_the_build_before_it_is_written(
     with pytest.raises(
         TokenizerError,
         match=r"in\.jsonl:1501: the fastokens engine gave token id 50257, not below the vocab size 50,257 of "
-        r"this cache .*before writing the batch.*tokenizer_engine='tokenizers'",
+        r"this cache .*before writing the block.*tokenizer_engine='tokenizers'",
     ):
         streampack.build(data, out, tokenizer=str(folder), **options)
     committed = read_entry(out, "000000", str(data))

@@ -1,11 +1,13 @@
 """A unit being built: its open shard, where its reading is, when it last committed, and its counts.
 
 The pipeline (:mod:`streampack.builder.pipeline`) keeps one :class:`OpenUnit` per unit whose shard is open,
-and a :class:`Tally` of the unit being read; a commit records the tally as the ledger entry's counts.
+with the :class:`Tally` of the records whose tokens it has handed to the writer; a commit records the tally
+as the ledger entry's counts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ class OpenUnit:
         self.position = Position()
         self.reported_bytes = 0
         self.tokens = self.writer.num_tokens  # framed so far (the writer thread appends them after)
+        self.tally = Tally(*dataclasses.astuple(progress.counts))  # the records of those tokens
         self.last_commit = (time.monotonic(), self.tokens)
 
     def bytes_read_delta(self) -> int:
@@ -45,12 +48,20 @@ class OpenUnit:
 
 @dataclass
 class Tally:
-    """The counts of the unit being read, updated per record (a :class:`Counts` is made per batch)."""
+    """A unit's counts so far, added up block by block (a :class:`Counts` is made per block)."""
 
     records: int
     skipped: int
     empty_docs: int
     inexact_cuts: int
 
+    def add(self, counts: Counts) -> None:
+        """Add a block's own counts."""
+        self.records += counts.records
+        self.skipped += counts.skipped
+        self.empty_docs += counts.empty_docs
+        self.inexact_cuts += counts.inexact_cuts
+
     def counts(self) -> Counts:
+        """The counts so far."""
         return Counts(self.records, self.skipped, self.empty_docs, self.inexact_cuts)

@@ -1,36 +1,32 @@
-"""A batch of pieces: encoded on a helper thread (its sampled pieces checked against the reference engine),
-then framed there into the cache's tokens: BOS and EOS around its documents, their end offsets, an SFT loss
-mask. The reading thread, which holds the cores' work back, only hands the framed tokens to the writer.
+"""A batch of pieces encoded in one call on an encoder thread: its sampled pieces checked against the
+reference engine, every id checked against the cache's vocab size, then framed into the cache's tokens
+(BOS and EOS around its documents, their end offsets, an SFT loss mask).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from streampack.builder.commits import OpenUnit
-from streampack.format.ledger import Counts
 from streampack.tokenizer.base import Tokenizer
 from streampack.tokenizer.engines import FlatIds, joined
 
 
 @dataclass
 class Batch:
-    """A batch being encoded, with what a commit after it may record."""
+    """Pieces to encode in one call, and per piece what framing its ids needs."""
 
-    unit: OpenUnit
-    encoded: Future[Encoded]  # set once it is submitted
-    ends_doc: list[bool]  # per piece: the piece is the last of its document
-    opens_doc: bool  # the first piece is the first of its document (a later one is when the one before ends)
-    targets: list[bool] | None  # SFT builds: per piece, its tokens carry the loss
-    checks: list[tuple[int, int]]  # (piece, record) of the pieces re-encoded with the reference engine
-    records: list[int]  # per piece, the unit's record it is from (for errors)
-    counts: Counts  # the unit's records consumed by this batch and the ones before it, and what they held
-    last: bool = False  # the unit's last batch (possibly empty): writing it completes the unit
+    opens_doc: bool = True  # the first piece begins a document (a later one does when the one before ends)
+    texts: list[str] = field(default_factory=list)
+    ends_doc: list[bool] = field(default_factory=list)  # the piece is the last of its document
+    records: list[int] = field(default_factory=list)  # the unit's record each piece is from (for errors)
+    checks: list[tuple[int, int]] = field(default_factory=list)  # (piece, record) the reference re-encodes
+    targets: list[bool] = field(default_factory=list)  # SFT builds only: the piece's tokens carry the loss
+    templated: list[bool] = field(default_factory=list)  # SFT builds only: the piece is a chat template's
+    chars: int = 0
 
 
 def frame(
@@ -94,7 +90,6 @@ def _inserted(flat: np.ndarray, at: np.ndarray, values: np.ndarray, dtype: np.dt
 
 def loss_mask(batch: Batch, piece_ends: np.ndarray, bos: bool, eos: bool) -> np.ndarray:
     """The loss mask of a framed SFT batch: each piece's tokens as its segment says, a BOS 0, an EOS 1."""
-    assert batch.targets is not None, "SFT batches only"
     lengths = np.diff(piece_ends, prepend=0)
     mask = np.repeat(np.asarray(batch.targets, dtype=np.uint8), lengths)
     ends = np.asarray(batch.ends_doc, dtype=bool)
@@ -124,9 +119,9 @@ class Mismatch(Exception):
 class OutOfVocabulary(Exception):
     """An engine gave an id at or above the cache's vocab size (raised on an encoding thread)."""
 
-    def __init__(self, top: int, piece: int) -> None:
+    def __init__(self, top: int, record: int) -> None:
         super().__init__(top)
-        self.top, self.piece = top, piece
+        self.top, self.record = top, record
 
 
 @dataclass(frozen=True)
@@ -142,23 +137,26 @@ class Encoded:
     frame_seconds: float = 0.0
 
 
-def encode_and_frame(encode: Callable[[], FlatIds], texts: list[str], batch: Batch) -> Encoded:
-    """A batch's tokens: ``encode()``'s ids, framed, once its sampled pieces have the reference engine's ids
+def encode_and_frame(unit: OpenUnit, batch: Batch) -> Encoded:
+    """A batch's tokens: its pieces' ids, framed, once its sampled pieces have the reference engine's ids
     (else :class:`Mismatch`) and every id is below the cache's vocab size (else :class:`OutOfVocabulary`)."""
     started = time.perf_counter()
-    ids = encode()
+    tokenizer, texts = unit.tokenizer, batch.texts
+    ids = encode_with_templates(tokenizer, texts, batch.templated) if any(batch.templated) else None
+    if ids is None:
+        ids = tokenizer.encode_flat(texts)
     encoded = time.perf_counter()
-    unit = batch.unit
     if batch.checks:
-        _check(ids, texts, batch.checks, unit.tokenizer)
+        _check(ids, texts, batch.checks, tokenizer)
     verified = time.perf_counter()
     flat, offsets = ids
     top = int(flat.max()) if len(flat) else 0
     if top >= unit.id_limit:
-        raise OutOfVocabulary(top, int(np.searchsorted(offsets, int(np.argmax(flat)), side="right")) - 1)
+        piece = int(np.searchsorted(offsets, int(np.argmax(flat)), side="right")) - 1
+        raise OutOfVocabulary(top, batch.records[piece])
     tokens, doc_ends, piece_ends = frame(ids, batch.ends_doc, batch.opens_doc, unit.bos, unit.eos, unit.dtype)
     mask = None
-    if batch.targets is not None:
+    if unit.spec.read.sft:
         mask = loss_mask(batch, piece_ends, unit.bos is not None, unit.eos is not None)
     return Encoded(
         tokens, doc_ends, mask, encoded - started, verified - encoded, time.perf_counter() - verified

@@ -1,42 +1,39 @@
-"""Work units' pipeline: records -> pieces -> batches -> tokens -> shards, with commits.
+"""Work units' pipeline: records -> blocks -> tokens -> shards, with commits.
 
 Every engine runs :func:`run_units` on a sequence of :class:`UnitTask`. The units stream their records in
-order through one pipeline: long documents (and each segment of an SFT document) are cut into pieces, the
-pieces grouped into batches of about ``batch_chars`` characters, the batches encoded on helper threads and
-their tokens (and an SFT build's loss mask) appended to their unit's shard in input order, committing every
-``commit_bytes`` or ``commit_seconds``. The next unit starts reading while the last batches of the one
+order through one pipeline: this thread reads them (I/O and decompression only) and hands them, in blocks of
+about ``batch_chars``, to helper threads that parse them, cut long documents (and each segment of an SFT
+document) into pieces, encode the pieces and frame their ids (:mod:`~streampack.builder.blocks`); the
+blocks' tokens (and an SFT build's loss mask) are appended to their unit's shard in input order, committing
+every ``commit_bytes`` or ``commit_seconds``. The next unit starts reading while the last blocks of the one
 before it still encode, so the cores never wait at a unit's end.
 
 What a unit's worker is given and gives back is in :mod:`~streampack.builder.tasks`; a unit's open shard and
-the counts its commits record in :mod:`~streampack.builder.commits`; encoding a batch and framing its ids
-into the cache's tokens in :mod:`~streampack.builder.framing`; the thread that writes them in
+the counts its commits record in :mod:`~streampack.builder.commits`; a block's work in
+:mod:`~streampack.builder.blocks`, and encoding a batch of pieces and framing its ids into the cache's
+tokens in :mod:`~streampack.builder.framing`; the thread that writes them in
 :mod:`~streampack.builder.writerthread`. Their names still import from here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import numpy as np
 
-from streampack.builder.commits import OpenUnit, Tally
-from streampack.builder.framing import (
-    Batch,
-    Encoded,
-    Mismatch,
-    OutOfVocabulary,
-    encode_and_frame,
-    encode_with_templates,
-)
+from streampack.builder.blocks import VERIFY_FIRST as VERIFY_FIRST
+from streampack.builder.blocks import VERIFY_RATE as VERIFY_RATE
+from streampack.builder.blocks import Block, EncodedBlock, encode_block, stream_blocks
+from streampack.builder.blocks import verified as verified
+from streampack.builder.commits import OpenUnit
+from streampack.builder.framing import Mismatch, OutOfVocabulary
 from streampack.builder.options import OnBadRecord as OnBadRecord
-from streampack.builder.options import VerifyTokens
 from streampack.builder.tasks import NO_BOS as NO_BOS
 from streampack.builder.tasks import TokenizerRef as TokenizerRef
 from streampack.builder.tasks import UnitResult, UnitTask, worker_tokenizer
@@ -45,49 +42,38 @@ from streampack.builder.tasks import init_worker as init_worker
 from streampack.builder.timings import Stopwatch, add_up
 from streampack.builder.writer import ShardWriter as ShardWriter
 from streampack.builder.writerthread import Framed, WriterThread
-from streampack.errors import BadRecordError, StreampackError, TokenizerError, WriteError
-from streampack.format.ledger import Counts as Counts
-from streampack.format.ledger import LedgerEntry
+from streampack.errors import StreampackError, TokenizerError, WriteError
+from streampack.format.ledger import Counts, LedgerEntry
 from streampack.format.names import shard_name
+from streampack.inputs.parts import Part, StreamPart
 from streampack.inputs.records import Position as Position
-from streampack.inputs.records import TextStream
-from streampack.inputs.sft import Sft
-from streampack.inputs.units import read_unit, record_location
+from streampack.inputs.units import read_unit_parts, record_location
 from streampack.store.files import read_entry
 from streampack.tokenizer.base import Tokenizer
 from streampack.tokenizer.choices import SpecialTokens as SpecialTokens
 from streampack.tokenizer.choices import TokenizerEngine as TokenizerEngine
-from streampack.tokenizer.engines import FASTOKENS_CALLS, FlatIds
+from streampack.tokenizer.engines import FASTOKENS_CALLS
 from streampack.tokenizer.load import load_tokenizer as load_tokenizer
-from streampack.tokenizer.pieces import CutCount
 from streampack.tokenizer.pieces import PieceRule as PieceRule
 from streampack.tokenizer.specials import BosPolicy as BosPolicy
 from streampack.tokenizer.specials import EosPolicy as EosPolicy
 
 ProgressFn = Callable[[dict[str, int]], None]
 
-_NOTHING = Encoded(np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint64), None)  # an empty last batch
+_NOTHING = EncodedBlock(np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint64), None, Counts())
 
-
-# Batches encoded at once, each on a helper thread of its own: while one batch ends on a long document that
+# Blocks encoded at once, each on a helper thread of its own: while one thread parses its block (which holds
+# the GIL), the other runs the engine (which lets go of it); while one block ends on a long document that
 # holds a single tokenizer thread, the other keeps the remaining cores busy. The fast engine divides its
 # threads among these calls (streampack.tokenizer.engines.fastokens_call_threads).
 ENCODING_THREADS = FASTOKENS_CALLS
-# Batches submitted and not yet written: the encoder threads' next work, ready while the reader is busy, and
-# batches that wait for one before them that still encodes (a long document). A batch holds ~1 MiB of text
-# until it is encoded, then only its token arrays, a few bytes per token.
-MAX_QUEUED_BATCHES = 32
-
-# verify_tokens="sample": the records re-encoded with the reference engine are the build's first
-# VERIFY_FIRST (those of unit 0) and a VERIFY_RATE share of every unit's, chosen by a hash of the record's
-# place (unit index, record index): the same records on every run and with any number of workers.
-# The reference engine is 20-40x slower than fastokens: re-encoding the first 1,000 records and 0.5 % of the
-# rest (the first rule) took longer than the whole build with fastokens (345 MB: 11.9 s against 4.2 s); the
-# first 100 records alone were 1.6 MB there. The first 20 and 0.1 % (~1 record in 1,000 at any scale) are
-# ~0.7 MB of the 345 MB.
-VERIFY_FIRST = 20
-VERIFY_RATE = 0.001
-_VERIFY_BELOW = round(VERIFY_RATE * (1 << 32))
+# Blocks handed over and not yet written: the encoder threads' next work, ready while the reader waits for
+# the disk, and blocks that wait for one before them that still encodes (a long document). A block holds
+# ~1 MiB of input until it is encoded, then only its token arrays, a few bytes per token.
+MAX_QUEUED_BLOCKS = 32
+# Blocks handed over and not yet encoded: the reading thread waits for the GIL after each read, so the
+# encoder threads keep a few blocks in hand rather than wait for the next one.
+READ_AHEAD = 4 * ENCODING_THREADS
 
 
 def run_units(
@@ -120,40 +106,36 @@ def run_units(
 # ---------------------------------------------------------------------------------------------- pipeline
 
 
-def verified(unit_index: int, record: int, mode: VerifyTokens) -> bool:
-    """Whether record ``record`` of unit ``unit_index`` is re-encoded with the reference engine."""
-    if mode != "sample":
-        return mode == "all"
-    if unit_index == 0 and record < VERIFY_FIRST:
-        return True
-    mixed = ((unit_index << 40) ^ record) * 0x9E3779B97F4A7C15  # Fibonacci hashing of the record's place
-    return (mixed >> 32) & 0xFFFFFFFF < _VERIFY_BELOW
+@dataclass
+class _Queued:
+    """A block handed to an encoder thread, in input order."""
+
+    unit: OpenUnit
+    encoded: Future[EncodedBlock]
+    last: bool
 
 
 class _Pipeline:
-    """Records -> pieces -> batches -> tokens -> shards, committing at document boundaries.
+    """Records -> blocks -> tokens -> shards, committing at document boundaries.
 
-    This thread reads and parses records, cuts them into pieces and groups the pieces into batches; the
-    batches encode, and their ids are framed, on ``ENCODING_THREADS`` helper threads (tokenizers release
-    the GIL while they encode); this thread hands them in input order to a writer thread
-    (:mod:`~streampack.builder.writerthread`), which appends and commits them. Batches that finish while
-    an earlier one still encodes wait in the queue; the reader blocks only when ``MAX_QUEUED_BATCHES`` are
-    queued, when more than ``ENCODING_THREADS`` are ready to encode, or when the writer is that far behind.
-    A commit records the records and tokens of the batches written so far: the pipeline never drains to
+    This thread reads each unit's records in parts of about ``batch_chars`` (:mod:`~streampack.inputs.parts`)
+    and hands them, as blocks, to ``ENCODING_THREADS`` helper threads, which parse, cut, encode and frame
+    them (:mod:`~streampack.builder.blocks`); it hands the blocks' tokens in input order to a writer thread
+    (:mod:`~streampack.builder.writerthread`), which appends and commits them. Blocks that finish while an
+    earlier one still encodes wait in the queue; the reader waits only when ``MAX_QUEUED_BLOCKS`` are
+    queued, when more than ``ENCODING_THREADS`` wait for an encoder, or when the writer is that far behind.
+    A commit records the records and tokens of the blocks written so far: the pipeline never drains to
     commit, nor to start the next unit.
     """
 
-    unit: OpenUnit  # the unit being read
-    tally: Tally  # its records read so far (of documents complete), and what they held
-
     def __init__(self, report: ProgressFn) -> None:
         self.report = report
-        self.queue: deque[Batch] = deque()
+        self.queue: deque[_Queued] = deque()
         self.open_units: list[OpenUnit] = []
         self.encoder = ThreadPoolExecutor(ENCODING_THREADS, thread_name_prefix="streampack-encode")
-        self.writer = WriterThread(MAX_QUEUED_BATCHES)
+        self.writer = WriterThread(MAX_QUEUED_BLOCKS)
         self.watch = Stopwatch()
-        self._start_batch()
+        self.failed = False  # a block's error was raised, after what came before it was committed
 
     def __enter__(self) -> _Pipeline:
         return self
@@ -167,35 +149,37 @@ class _Pipeline:
             unit.writer.close()
 
     def read(self, task: UnitTask, progress: LedgerEntry, tokenizer: Tokenizer) -> None:
-        """Read all of a unit's records into batches; its last batches may still encode on return."""
+        """Read all of a unit's records into blocks; its last blocks may still encode on return."""
         unit = OpenUnit(task, progress, tokenizer)
         self.open_units.append(unit)
-        self.unit, self.tally = unit, Tally(*dataclasses.astuple(progress.counts))
-        items = read_unit(task.unit, task.spec.read, skip=self.tally.records, position=unit.position)
-        outside = self.watch.switch("pieces")  # the loop's own work; reading and flushing switch away
+        size, record = task.spec.batch_chars, unit.tally.records
+        parts = read_unit_parts(task.unit, task.spec.read, skip=record, position=unit.position, size=size)
+        held = _Held(unit)
+        outside = self.watch.switch("blocks")  # the loop's own work; reading and handing over switch away
         try:
-            for item in self.watch.timed(items, "read"):
-                if isinstance(item, BadRecordError):
-                    self._bad_record(item)
-                elif item is not None:
-                    self._add_document(item)
-                self.tally.records += 1
-                if self.batch_chars >= unit.spec.batch_chars:
-                    self._flush()
+            for part in self.watch.timed(parts, "read"):
+                if isinstance(part, StreamPart):
+                    self._hand_over(held.block())
+                    for block in stream_blocks(unit, held.next_record, part.stream):
+                        self._hand_over(block)
+                    held.skip_over(part)
+                elif held.add(part) >= size:
+                    self._hand_over(held.block())
+            self._hand_over(held.block())
+            self._hand_over(Block(unit, held.next_record, last=True))
         except (WriteError, TokenizerError):
             raise  # the disk state past the last commit is unknown, or its ids are wrong: write nothing more
-        except StreampackError:  # a bad record or input: keep everything read before it
-            self.drain()
-            unit.writer.commit(self.tally.counts())
+        except StreampackError:  # an input that cannot be read: keep everything read before it
+            if not self.failed:
+                self.drain()
+                unit.writer.commit(unit.tally.counts())
             raise
-        self._flush(last=True)
         self.watch.switch(outside)
 
     def drain(self) -> None:
         """Encode and write everything read so far."""
-        self._flush()
         while self.queue:
-            self._write(self.queue.popleft())  # waits for the batch to be encoded
+            self._write(self.queue.popleft())  # waits for the block to be encoded
         with self.watch.timing("wait"):
             self.writer.drain()
 
@@ -210,138 +194,67 @@ class _Pipeline:
         finished[0] = UnitResult(first.unit_index, first.entry, add_up([first.timings, self.watch.take()]))
         return finished
 
-    def _start_batch(self) -> None:
-        self.texts: list[str] = []
-        self.ends_doc: list[bool] = []
-        self.opens_doc = True  # until a document's pieces are flushed partway
-        self.batch_chars = 0
-        self.targets: list[bool] = []  # SFT builds only: per piece, as in Batch
-        self.templated: list[bool] = []  # SFT builds only: per piece, written by a chat template
-        self.checks: list[tuple[int, int]] = []  # as in Batch
-        self.records: list[int] = []  # as in Batch
-
-    def _bad_record(self, error: BadRecordError) -> None:
-        if self.unit.spec.on_bad_record == "error":
-            raise error
-        self.tally.skipped += 1
-
-    def _add_document(self, text: str | TextStream | Sft) -> None:
-        if isinstance(text, tuple):
-            self._add_segments(text)
+    def _hand_over(self, block: Block | None) -> None:
+        """Submit a block for encoding; hand the blocks that are encoded to the writer."""
+        if block is None:
             return
-        if isinstance(text, str) and (not text or text.isspace()):
-            self.tally.empty_docs += 1  # no document is empty or only whitespace
-            return
-        rule, batch_chars = self.unit.spec.pieces, self.unit.spec.batch_chars
-        cuts = CutCount()
-        pieces = rule.stream(text, cuts) if isinstance(text, TextStream) else rule.split(text, cuts)
-        record = self.tally.records
-        verify = self.unit.spec.verify
-        checked = verify != "none" and verified(self.unit.task.unit.index, record, verify)
-        for i, piece in enumerate(pieces):
-            if self.batch_chars >= batch_chars:
-                self._flush()  # mid-document: its counts start with the next batch
-                self.opens_doc = i == 0
-            if checked:
-                self.checks.append((len(self.texts), record))
-            self.texts.append(piece)
-            self.ends_doc.append(False)
-            self.records.append(record)
-            self.batch_chars += len(piece)
-        self.ends_doc[-1] = True
-        self.tally.inexact_cuts += cuts.inexact
-
-    def _add_segments(self, segments: Sft) -> None:
-        """An SFT document: each segment cut into pieces of its own, each piece a target or not."""
-        if all(not s.text or s.text.isspace() for s in segments):
-            self.tally.empty_docs += 1
-            return
-        rule, batch_chars = self.unit.spec.pieces, self.unit.spec.batch_chars
-        cuts = CutCount()
-        first = True
-        record = self.tally.records
-        verify = self.unit.spec.verify
-        checked = verify != "none" and verified(self.unit.task.unit.index, record, verify)
-        for segment in segments:
-            for piece in rule.split(segment.text, cuts) if segment.text else ():
-                if self.batch_chars >= batch_chars:
-                    self._flush()  # mid-document: its counts start with the next batch
-                    self.opens_doc = first
-                if checked and not segment.template:  # a template's pieces are the reference's own
-                    self.checks.append((len(self.texts), record))
-                self.texts.append(piece)
-                self.ends_doc.append(False)
-                self.records.append(record)
-                self.targets.append(segment.target)
-                self.templated.append(segment.template)
-                self.batch_chars += len(piece)
-                first = False
-        self.ends_doc[-1] = True
-        self.tally.inexact_cuts += cuts.inexact
-
-    def _flush(self, last: bool = False) -> None:
-        """Submit the current batch for encoding; hand the batches that are encoded to the writer."""
-        if not self.texts and not last:
-            return
-        tokenizer = self.unit.tokenizer
-        encode: Callable[[], FlatIds] = partial(tokenizer.encode_flat, self.texts)
-        if any(self.templated):
-            encode = partial(encode_with_templates, tokenizer, self.texts, self.templated)
-        targets = self.targets if self.unit.spec.read.sft else None
-        batch = Batch(
-            self.unit,
-            Future(),
-            self.ends_doc,
-            self.opens_doc,
-            targets,
-            self.checks,
-            self.records,
-            self.tally.counts(),
-            last,
-        )
-        if self.texts:
-            batch.encoded = self.encoder.submit(encode_and_frame, encode, self.texts, batch)
+        encoded: Future[EncodedBlock]
+        if block.parts or block.pieces is not None:
+            encoded = self.encoder.submit(encode_block, block)
         else:
-            batch.encoded.set_result(_NOTHING)
-        self.queue.append(batch)
-        self._start_batch()
+            encoded = Future()
+            encoded.set_result(_NOTHING)
+        self.queue.append(_Queued(block.unit, encoded, block.last))
         self._write_encoded()
-        while len(self.queue) >= MAX_QUEUED_BATCHES or self._encoding() > ENCODING_THREADS:
+        while len(self.queue) >= MAX_QUEUED_BLOCKS or self._encoding() > READ_AHEAD:
             with self.watch.timing("wait"):
-                wait([b.encoded for b in self.queue if not b.encoded.done()], return_when=FIRST_COMPLETED)
+                wait([q.encoded for q in self.queue if not q.encoded.done()], return_when=FIRST_COMPLETED)
             self._write_encoded()
 
     def _encoding(self) -> int:
-        return sum(not b.encoded.done() for b in self.queue)
+        return sum(not q.encoded.done() for q in self.queue)
 
     def _write_encoded(self) -> None:
-        """Write the batches at the head of the queue that are encoded."""
+        """Write the blocks at the head of the queue that are encoded."""
         while self.queue and self.queue[0].encoded.done():
             self._write(self.queue.popleft())
 
-    def _write(self, batch: Batch) -> None:
-        unit, watch = batch.unit, self.watch
+    def _write(self, queued: _Queued) -> None:
+        unit, watch = queued.unit, self.watch
         try:
             with watch.timing("wait"):
-                encoded = batch.encoded.result()
+                encoded = queued.encoded.result()
         except Mismatch as e:
             raise _mismatch_error(unit, e) from None
         except OutOfVocabulary as e:
-            raise _id_error(unit, batch, e) from None
-        watch.add("encode", encoded.encode_seconds)
-        if encoded.verify_seconds:
-            watch.add("verify", encoded.verify_seconds)
-        watch.add("frame", encoded.frame_seconds)
+            raise _id_error(unit, e) from None
+        except StreampackError:  # the block's records cannot be read: keep every block before it
+            self._stop(unit, commit=True)
+            raise
+        for name, seconds in zip(("parse", "encode", "verify", "frame"), encoded.seconds):
+            if seconds:
+                watch.add(name, seconds)
         tokens = encoded.tokens
         if len(tokens):
             event = {"unit": unit.task.unit.index, "docs": len(encoded.doc_ends), "tokens": len(tokens)}
             self.report({**event, "bytes": unit.bytes_read_delta()})
         unit.tokens += len(tokens)
-        framed = Framed(
-            unit, tokens, encoded.doc_ends, encoded.mask, batch.counts, self._commits(unit), batch.last
-        )
+        unit.tally.add(encoded.counts)
+        commit = self._commits(unit) or encoded.error is not None
+        counts = unit.tally.counts()
+        framed = Framed(unit, tokens, encoded.doc_ends, encoded.mask, counts, commit, queued.last)
         with watch.timing("wait"):
             self.writer.put(framed)
+        if encoded.error is not None:  # a bad record stops the build: keep every record before it
+            self._stop(unit, commit=False)
+            raise encoded.error
+
+    def _stop(self, unit: OpenUnit, *, commit: bool) -> None:
+        """Stop after a block that failed: what came before it written (and with ``commit``, committed)."""
+        self.failed = True
+        self.writer.drain()
+        if commit:
+            unit.writer.commit(unit.tally.counts())
 
     def _commits(self, unit: OpenUnit) -> bool:
         """Whether the unit commits after its tokens so far: ``commit_bytes`` or ``commit_seconds`` on."""
@@ -353,9 +266,39 @@ class _Pipeline:
         return True
 
 
-def _id_error(unit: OpenUnit, batch: Batch, error: OutOfVocabulary) -> TokenizerError:
+class _Held:
+    """The parts read and not yet handed over as a block, and the index of the record after them."""
+
+    def __init__(self, unit: OpenUnit) -> None:
+        self.unit = unit
+        self.parts: list[Part] = []
+        self.size = 0
+        self.next_record = unit.tally.records
+
+    def add(self, part: Part) -> int:
+        """Hold ``part``; the size held."""
+        self.parts.append(part)
+        self.size += part.size
+        self.next_record += part.records
+        return self.size
+
+    def skip_over(self, part: Part) -> None:
+        """Count ``part``'s records, handed over otherwise (a streamed document)."""
+        self.next_record += part.records
+
+    def block(self) -> Block | None:
+        """The parts held as a block (none if none is held); nothing is held after."""
+        if not self.parts:
+            return None
+        held = tuple(self.parts)
+        first = self.next_record - sum(p.records for p in held)
+        self.parts, self.size = [], 0
+        return Block(self.unit, first, held)
+
+
+def _id_error(unit: OpenUnit, error: OutOfVocabulary) -> TokenizerError:
     """The error naming the record whose tokens hold an id at or above the cache's vocab size."""
-    top, piece = error.top, error.piece
+    top = error.top
     tokenizer = unit.tokenizer
     engine, reference = tokenizer.engine.name, tokenizer.reference_engine().name
     if engine != reference:
@@ -368,9 +311,9 @@ def _id_error(unit: OpenUnit, batch: Batch, error: OutOfVocabulary) -> Tokenizer
             "The tokenizer's own library gave an id outside the vocabulary it reports: report the tokenizer"
         )
     return TokenizerError(
-        f"{record_location(unit.task.unit, unit.spec.read, batch.records[piece])}: the {engine} engine gave "
+        f"{record_location(unit.task.unit, unit.spec.read, error.record)}: the {engine} engine gave "
         f"token id {top}, not below the vocab size {unit.id_limit:,} of this cache (tokenizer "
-        f"{tokenizer.spec!r}). The build stopped before writing the batch; the cache keeps only what was "
+        f"{tokenizer.spec!r}). The build stopped before writing the block; the cache keeps only what was "
         f"committed before it. {todo}"
     )
 

@@ -2,8 +2,8 @@
 
 A :class:`Stopwatch` charges the time of one thread to the timing it is in: switching timing reads the wall
 clock (and, when profiling, the thread's CPU clock), so the reader thread can switch per record; the writer
-thread has a stopwatch of its own. Calls on the encoder threads (encoding, verifying, framing) are timed
-there and added with :meth:`Stopwatch.add`. The table sums the times of every worker process; the main
+thread has a stopwatch of its own. Calls on the encoder threads (parsing, encoding, verifying, framing) are
+timed there and added with :meth:`Stopwatch.add`. The table sums the times of every worker process; the main
 thread's timings add up to its wall time, and so do the writer's, while the engine encodes beside them.
 """
 
@@ -21,16 +21,17 @@ TIMINGS = (
     "start",  # a worker process's start: the interpreter and imports (CPU only)
     "prepare",  # the coordinating process: list inputs, load the tokenizer, plan units, check the output
     "load tokenizer",  # a worker process's own load
-    "read",  # read and parse records (I/O, decompression, JSON)
-    "pieces",  # cut documents into pieces, group them into batches, hand the encoded ones to the writer
+    "read",  # read records as they are stored (I/O, decompression), not parsed
+    "blocks",  # group them into blocks, hand the encoded ones to the writer
     "wait",  # the reader waits for encoder threads (the engine is the bottleneck) or for the writer
+    "parse",  # on encoder threads: parse the records (JSON), cut documents into pieces
     "encode",  # on encoder threads: the engine's batch calls
     "verify",  # on encoder threads: the reference engine's re-encoding of the sampled records
     "frame",  # on encoder threads: check the ids, add BOS/EOS, narrow them to the cache's dtype
     "write wait",  # the writer thread waits for the next batch (the reader or the engine is the bottleneck)
     "write",  # on the writer thread: append to the shard, commit (fsync, ledger), checksum a finished shard
 )
-_THREADED = ("encode", "verify", "frame")  # wall seconds of calls on the encoder threads
+_THREADED = ("parse", "encode", "verify", "frame")  # wall seconds of calls on the encoder threads
 _WRITER = ("write wait", "write")  # timed on the writer thread, with its CPU when profiling
 
 # The process's CPU seconds already reported (a worker runs a pipeline, hence a stopwatch, per unit): 0 until

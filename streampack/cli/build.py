@@ -254,7 +254,7 @@ FLAGS = [
         RunOptions,
         "profile",
         ("--profile",),
-        "After the summary, print where the time went: timings in seconds (read, pieces, encode, write, "
+        "After the summary, print where the time went: timings in seconds (read, parse, encode, write, "
         "...) summed over the worker processes.",
         is_flag=True,
     ),

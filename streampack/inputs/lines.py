@@ -1,8 +1,9 @@
 """Inputs read a line at a time: JSON Lines, and text files read one document per line (``split_lines``).
 
-Both share one reader of a unit's lines (:func:`read_lines`): a unit may be a byte range of a large file,
-which starts at the first line beginning in it, and a bad record names its absolute line number, counted
-from the start of the file only when a message needs it.
+Both share one reader of a unit's lines (:func:`read_line_parts`): a unit may be a byte range of a large
+file, which starts at the first line beginning in it. Its lines are read in parts of whole lines
+(:class:`LinesPart`), counted as they are read and parsed later, by whichever thread asks; a bad record
+names its absolute line number, counted from the start of the file only when a message needs it.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import numpy as np
 import orjson
 
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import READ_CHUNK, STREAM_ERRORS, open_input, refuse_compressed
 from streampack.inputs.inputfile import COMPRESSION_SUFFIXES, InputFile, looks_like_json_lines
+from streampack.inputs.parts import parsed, skipped
 from streampack.inputs.records import (
     Item,
     Position,
@@ -30,6 +34,8 @@ from streampack.inputs.records import (
 )
 from streampack.inputs.text import BOM
 
+_NEWLINE = ord("\n")
+
 
 def read_lines(unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None) -> Iterator[Item]:
     """One item per line of the unit (its byte range, or the whole file) after the first ``skip``.
@@ -37,34 +43,137 @@ def read_lines(unit: WorkUnit, options: ReadOptions, skip: int, position: Positi
     Raises:
         InputError: the input cannot be opened, or its stream is truncated or corrupt.
     """
+    return parsed(read_line_parts(unit, options, skip, position))
+
+
+def read_line_parts(
+    unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None, size: int = READ_CHUNK
+) -> Iterator[LinesPart]:
+    """The unit's lines after the first ``skip``, in parts of about ``size`` bytes of whole lines, each
+    parsed only when asked (:meth:`LinesPart.items`).
+
+    Raises:
+        InputError: the input cannot be opened, or its stream is truncated or corrupt.
+    """
     file = unit.file
     assert file is not None
-    is_json = file.format == "jsonl"
     extract, field = record_reader(options)
-    line_no = 0
+    reader = _LineReader(file, unit.start, file.format == "jsonl", extract, field)
+    return skipped(_line_parts(unit, reader, position, size), skip)  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _LineReader:
+    """How the lines of one unit become items: its file, where the unit starts, and its record reader."""
+
+    file: InputFile
+    start: int  # the unit's first byte in the file: line numbers in messages count from the file's start
+    is_json: bool
+    extract: RecordReader
+    field: Wanted
+
+    def items(self, lines: list[bytes], first: int) -> list[Item]:
+        """The items of ``lines`` (without their newlines), the first of which is line ``first`` of the
+        unit."""
+        file, start = self.file, self.start
+        if not self.is_json:
+            return [_decode_text_line(line, file, start, n) for n, line in enumerate(lines, first)]
+        extract, field = self.extract, self.field
+        if not isinstance(field, str):  # an SFT build's fields or chat
+            numbered = enumerate(lines, first)
+            return [_parse_json_line(line, field, extract, file, start, n) for n, line in numbered]
+        return self._texts(lines, first, field)
+
+    def _texts(self, lines: list[bytes], first: int, field: str) -> list[Item]:
+        """The text field of each JSON line: in one lookup where the line is an object whose field is a
+        string, else as :func:`_parse_json_line` says (a blank line, a bad record)."""
+        items: list[Item] = []
+        loads = orjson.loads
+        for n, line in enumerate(lines, first):
+            try:
+                text = loads(line)[field]
+            except (orjson.JSONDecodeError, TypeError, KeyError, IndexError):
+                text = None
+            if type(text) is not str:
+                text = _parse_json_line(line, field, self.extract, self.file, self.start, n)
+            items.append(text)
+        return items
+
+
+@dataclass(frozen=True)
+class LinesPart:
+    """Whole lines of a unit as read: each ends with a newline, except the input's last where it has none."""
+
+    data: bytes
+    records: int
+    first_line: int  # the line number of the first, counted from the unit's first line (1-based)
+    reader: _LineReader
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def items(self) -> list[Item]:
+        return self.reader.items(_split_lines(self.data), self.first_line)
+
+    def after(self, skip: int) -> LinesPart:
+        at = 0
+        for _ in range(skip):
+            at = self.data.index(b"\n", at) + 1
+        return LinesPart(self.data[at:], self.records - skip, self.first_line + skip, self.reader)
+
+
+def _line_parts(
+    unit: WorkUnit, reader: _LineReader, position: Position | None, size: int
+) -> Iterator[LinesPart]:
+    """Every line that begins in the unit, in parts of about ``size`` bytes (a longer line: a part of its
+    own)."""
+    file = reader.file
+    lines = 0
     with open_input(file, position) as f:
         try:
             pos = _seek_line_start(f, unit.start)
-            for line in f:
-                if unit.stop is not None and pos >= unit.stop:
-                    break
-                at_file_start = pos == 0
-                pos += len(line)
-                line_no += 1
-                if at_file_start and line.startswith(BOM):
-                    line = line[len(BOM) :]
-                if line_no <= skip:
-                    continue
-                if is_json:
-                    yield _parse_json_line(line, field, extract, file, unit.start, line_no)
-                else:
-                    yield _decode_text_line(line, file, unit.start, line_no)
+            while unit.stop is None or pos < unit.stop:
+                want = size if unit.stop is None else min(size, unit.stop - pos)
+                data = f.read(want)
+                if not data:
+                    return
+                if not data.endswith(b"\n"):
+                    data += f.readline()  # the rest of a line that begins in the unit
+                at_file_start, pos = pos == 0, pos + len(data)
+                if at_file_start and data.startswith(BOM):
+                    data = data[len(BOM) :]
+                    if not data:
+                        return  # a file of nothing but a byte-order mark holds no line
+                count = _count_lines(data)
+                yield LinesPart(data, count, lines + 1, reader)
+                lines += count
         except STREAM_ERRORS as e:
-            where = _location(file, unit.start, line_no) if line_no else f"{file.path}: before the first line"
+            where = _location(file, unit.start, lines) if lines else f"{file.path}: before the first line"
             raise InputError(
                 f"{where}: the {file.compression or 'file'} stream is truncated or corrupt after this point "
                 f"({e}); replace the file, then rerun the same command to resume"
             ) from None
+
+
+def _count_lines(data: bytes) -> int:
+    """The lines in ``data``: its newlines, and one more where it does not end with one."""
+    # numpy compares without the GIL, 4x faster than bytes.count (0.07 against 0.31 ms a MiB)
+    newlines = int(np.count_nonzero(np.frombuffer(data, np.uint8) == _NEWLINE))
+    return newlines + (not data.endswith(b"\n"))
+
+
+def _split_lines(data: bytes) -> list[bytes]:
+    """The lines of ``data``, without their newlines; found by memchr (``find``), 3x faster than
+    ``bytes.split`` (366 MB: 0.04 s against 0.12 s), which compares byte by byte."""
+    lines = []
+    find, start = data.find, 0
+    while (end := find(b"\n", start)) != -1:
+        lines.append(data[start:end])
+        start = end + 1
+    if start < len(data):
+        lines.append(data[start:])
+    return lines
 
 
 def _seek_line_start(f: BinaryIO, start: int) -> int:

@@ -4,14 +4,17 @@ and only when a Parquet file is read."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import open_remote
 from streampack.inputs.inputfile import InputFile
-from streampack.inputs.records import Item, ReadOptions, WorkUnit, record_reader
+from streampack.inputs.parts import Part, parsed
+from streampack.inputs.records import Item, ReadOptions, RecordReader, Wanted, WorkUnit, record_reader
 
 
 def parquet_file(file: InputFile) -> Any:
@@ -52,59 +55,107 @@ def read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[It
     Raises:
         InputError: no such column, not a string column, or the data cannot be read.
     """
+    return parsed(read_parquet_parts(unit, options, skip))
+
+
+def read_parquet_parts(
+    unit: WorkUnit, options: ReadOptions, skip: int, size: int = 1 << 20
+) -> Iterator[Part]:
+    """The unit's rows after the first ``skip``, in record batches of about ``size`` bytes of text, each
+    turned into Python strings (or records) only when asked (:meth:`TextValues.items`).
+
+    Raises:
+        InputError: no such column, not a string column, or the data cannot be read.
+    """
     file = unit.file
     assert file is not None
-    import pyarrow as pa
-
     parquet = parquet_file(file)
     if options.sft:
-        yield from _read_parquet_records(unit, parquet, options, skip)
-        return
-    field = options.text_field
+        return _record_parts(unit, parquet, options, skip, size)
+    return _text_parts(unit, parquet, options.text_field, skip, size)
+
+
+@dataclass(frozen=True)
+class TextValues:
+    """The text column's values of consecutive rows, as Arrow holds them."""
+
+    values: Any  # a string or large_string array (struct fields taken, dictionaries decoded)
+    row: int  # the rows of the file before the first
+    file: InputFile
+    field: str
+
+    @property
+    def records(self) -> int:
+        return len(self.values)
+
+    @property
+    def size(self) -> int:
+        return int(self.values.nbytes)
+
+    def items(self) -> list[Item]:
+        try:
+            texts: list[Any] = self.values.to_pylist()
+        except UnicodeDecodeError:
+            texts = _decoded_rows(self.values, self.file, self.row)
+        return [
+            BadRecordError(f"{self.file.path}: row {row}", f"the {self.field!r} value is null")
+            if text is None
+            else text
+            for row, text in enumerate(texts, self.row + 1)
+        ]
+
+    def after(self, skip: int) -> TextValues:
+        return TextValues(self.values.slice(skip), self.row + skip, self.file, self.field)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The columns an SFT build needs, of consecutive rows, as Arrow holds them."""
+
+    batch: Any  # a record batch
+    row: int  # the rows of the file before the first
+    file: InputFile
+    extract: RecordReader
+    wanted: Wanted
+
+    @property
+    def records(self) -> int:
+        return int(self.batch.num_rows)
+
+    @property
+    def size(self) -> int:
+        return int(self.batch.nbytes)
+
+    def items(self) -> list[Item]:
+        items: list[Item] = []
+        for row, record in enumerate(_batch_rows(self.batch, self.file, self.row), self.row + 1):
+            if isinstance(record, BadRecordError):
+                items.append(record)
+            else:
+                where = functools.partial(str, f"{self.file.path}: row {row}")
+                items.append(self.extract(record, self.wanted, where))
+        return items
+
+    def after(self, skip: int) -> Rows:
+        return Rows(self.batch.slice(skip), self.row + skip, self.file, self.extract, self.wanted)
+
+
+def _text_parts(unit: WorkUnit, parquet: Any, field: str, skip: int, size: int) -> Iterator[Part]:
+    file = unit.file
+    assert file is not None
     column, path = _text_column(file, parquet.schema_arrow, field)
     groups, row, skip = _row_groups_after(unit, parquet, skip)
     if not groups:
         return
-    try:
-        for batch in parquet.iter_batches(batch_size=1024, row_groups=groups, columns=[field]):
-            values = _string_values(batch.column(column), path)
-            try:
-                texts: list[Any] = values.to_pylist()
-            except UnicodeDecodeError:
-                texts = _decoded_rows(values, file, row)
-            for text in texts:
-                row += 1
-                if skip:
-                    skip -= 1
-                    continue
-                if isinstance(text, str):
-                    yield text
-                elif text is None:
-                    yield BadRecordError(f"{file.path}: row {row}", f"the {field!r} value is null")
-                else:
-                    yield text
-    except (OSError, ValueError, TypeError, KeyError, IndexError, pa.ArrowException) as e:
-        raise InputError(  # pyarrow fails a whole batch: the row is the first one not read
-            f"{file.path}: row {row + 1} or after: cannot read the Parquet data ({type(e).__name__}: {e})"
-        ) from None
+    batches = parquet.iter_batches(
+        batch_size=_rows_of(parquet, groups, size), row_groups=groups, columns=[field]
+    )
+    parts = (TextValues(_string_values(batch.column(column), path), 0, file, field) for batch in batches)
+    yield from _numbered(parts, file, row, skip)
 
 
-def _row_groups_after(unit: WorkUnit, parquet: Any, skip: int) -> tuple[list[int], int, int]:
-    """The unit's row groups left after skipping ``skip`` rows by whole groups; the rows before the first
-    of them (in the file); and the rows still to skip inside it."""
-    stop = parquet.metadata.num_row_groups if unit.stop is None else unit.stop
-    groups = list(range(unit.start, stop))
-    row = sum(parquet.metadata.row_group(g).num_rows for g in range(unit.start))
-    while groups and skip >= parquet.metadata.row_group(groups[0]).num_rows:
-        rows = parquet.metadata.row_group(groups.pop(0)).num_rows
-        skip, row = skip - rows, row + rows
-    return groups, row, skip
-
-
-def _read_parquet_records(unit: WorkUnit, parquet: Any, options: ReadOptions, skip: int) -> Iterator[Item]:
+def _record_parts(unit: WorkUnit, parquet: Any, options: ReadOptions, skip: int, size: int) -> Iterator[Part]:
     """An SFT build's Parquet rows, each as a dict of the columns it needs."""
-    import pyarrow as pa
-
     file = unit.file
     assert file is not None
     extract, wanted = record_reader(options)
@@ -118,20 +169,50 @@ def _read_parquet_records(unit: WorkUnit, parquet: Any, options: ReadOptions, sk
     groups, row, skip = _row_groups_after(unit, parquet, skip)
     if not groups:
         return
+    batches = parquet.iter_batches(
+        batch_size=_rows_of(parquet, groups, size), row_groups=groups, columns=columns
+    )
+    yield from _numbered((Rows(batch, 0, file, extract, wanted) for batch in batches), file, row, skip)
+
+
+def _numbered(parts: Iterator[TextValues | Rows], file: InputFile, row: int, skip: int) -> Iterator[Part]:
+    """The parts numbered from file row ``row`` on, without their first ``skip`` rows; a failure to read
+    is an input error naming the first row not read."""
+    import pyarrow as pa
+
     try:
-        for batch in parquet.iter_batches(batch_size=1024, row_groups=groups, columns=columns):
-            for record in _batch_rows(batch, file, row):
-                row += 1
-                if skip:
-                    skip -= 1
-                elif isinstance(record, BadRecordError):
-                    yield record
-                else:
-                    yield extract(record, wanted, functools.partial(str, f"{file.path}: row {row}"))
+        for part in parts:
+            part = dataclasses.replace(part, row=row)
+            row += part.records
+            if skip >= part.records:
+                skip -= part.records
+                continue
+            yield part.after(skip) if skip else part
+            skip = 0
     except (OSError, ValueError, TypeError, KeyError, IndexError, pa.ArrowException) as e:
-        raise InputError(
+        raise InputError(  # pyarrow fails a whole batch: the row is the first one not read
             f"{file.path}: row {row + 1} or after: cannot read the Parquet data ({type(e).__name__}: {e})"
         ) from None
+
+
+def _rows_of(parquet: Any, groups: list[int], size: int) -> int:
+    """Rows per record batch for about ``size`` bytes of the row groups' (uncompressed) data."""
+    metadata = parquet.metadata
+    rows = sum(metadata.row_group(g).num_rows for g in groups)
+    data = sum(metadata.row_group(g).total_byte_size for g in groups)
+    return max(1, min(65536, size * rows // max(data, 1)))
+
+
+def _row_groups_after(unit: WorkUnit, parquet: Any, skip: int) -> tuple[list[int], int, int]:
+    """The unit's row groups left after skipping ``skip`` rows by whole groups; the rows before the first
+    of them (in the file); and the rows still to skip inside it."""
+    stop = parquet.metadata.num_row_groups if unit.stop is None else unit.stop
+    groups = list(range(unit.start, stop))
+    row = sum(parquet.metadata.row_group(g).num_rows for g in range(unit.start))
+    while groups and skip >= parquet.metadata.row_group(groups[0]).num_rows:
+        rows = parquet.metadata.row_group(groups.pop(0)).num_rows
+        skip, row = skip - rows, row + rows
+    return groups, row, skip
 
 
 def _batch_rows(batch: Any, file: InputFile, row: int) -> list[dict[str, Any] | BadRecordError]:

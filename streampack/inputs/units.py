@@ -22,9 +22,11 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence, Set, Sized
 from typing import Any
 
 from streampack.errors import InputError
+from streampack.inputs.compression import READ_CHUNK
 from streampack.inputs.inputfile import InputFile
-from streampack.inputs.lines import count_lines_before, read_lines
-from streampack.inputs.parquet import parquet_file, read_parquet, row_group_ranges
+from streampack.inputs.lines import count_lines_before, read_line_parts
+from streampack.inputs.parquet import parquet_file, read_parquet_parts, row_group_ranges
+from streampack.inputs.parts import Part, grouped_items, parsed
 from streampack.inputs.python import read_python
 from streampack.inputs.records import Item, Position, ReadOptions, WorkUnit, refuse_text_for_sft
 from streampack.inputs.text import read_text_document
@@ -103,17 +105,34 @@ def read_unit(
     Raises:
         InputError: the input cannot be opened or its stream is truncated or corrupt.
     """
+    return parsed(read_unit_parts(unit, options, skip=skip, position=position))
+
+
+def read_unit_parts(
+    unit: WorkUnit,
+    options: ReadOptions,
+    *,
+    skip: int = 0,
+    position: Position | None = None,
+    size: int = READ_CHUNK,
+) -> Iterator[Part]:
+    """The records of ``unit`` after the first ``skip``, as read: in parts of about ``size`` bytes or
+    characters, each parsed into its items only when asked (:mod:`~streampack.inputs.parts`).
+
+    Raises:
+        InputError: the input cannot be opened or its stream is truncated or corrupt.
+    """
     if unit.file is None:
-        return read_python(unit, options, skip)
+        return grouped_items(read_python(unit, options, skip), size)
     if options.sft:
         refuse_text_for_sft(unit.files, "fields=[...]" if options.fields is not None else "chat=...")
     if unit.rest:
-        return _read_run(unit, options, skip, position)
+        return _run_parts(unit, options, skip, position, size)
     if unit.file.format == "parquet":
-        return read_parquet(unit, options, skip)
+        return read_parquet_parts(unit, options, skip, size)
     if unit.file.format == "text" and not options.split_lines:
-        return read_text_document(unit.file, skip, position)
-    return read_lines(unit, options, skip, position)
+        return grouped_items(read_text_document(unit.file, skip, position), size)
+    return read_line_parts(unit, options, skip, position, size)
 
 
 def records_before(unit: WorkUnit) -> int:
@@ -135,17 +154,21 @@ def records_before(unit: WorkUnit) -> int:
     return count_lines_before(file, unit.start)
 
 
-def _read_run(unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None) -> Iterator[Item]:
+def _run_parts(
+    unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None, size: int
+) -> Iterator[Part]:
     """The records of a run of whole files, one file after the other."""
     for file in unit.files:
         if skip and file.format == "text" and not options.split_lines:
             skip -= 1  # a whole-file document: one record, skipped without reading it
         else:
-            for item in read_unit(WorkUnit(unit.index, file), options, position=position):
-                if skip:  # a resumed run reads its committed records again to count them
-                    skip -= 1
-                else:
-                    yield item
+            parts = read_unit_parts(WorkUnit(unit.index, file), options, position=position, size=size)
+            for part in parts:
+                if skip >= part.records:  # a resumed run reads its committed records again to count them
+                    skip -= part.records
+                    continue
+                yield part.after(skip) if skip else part
+                skip = 0
         if position is not None:
             position.file_done(file.size)
 

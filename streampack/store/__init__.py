@@ -33,7 +33,6 @@ import fcntl
 import os
 import shutil
 import stat
-import zlib
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ import orjson
 
 from streampack._aliases import renamed, renamed_method
 from streampack.errors import CacheError, WriteError
+from streampack.format.names import crc32
 from streampack.store.locks import FileLock
 
 __getattr__ = renamed(__name__, {"StagedFile": "AppendFile"})  # its name in 0.1
@@ -390,7 +390,7 @@ class AppendFile:
         except OSError as e:
             raise disk_error(e, self.path) from None
         if self._crc is not None:
-            self._crc = zlib.crc32(data, self._crc)
+            self._crc = crc32(data, self._crc)
 
     def crc32(self) -> int:
         """The CRC-32 of the whole file as appended so far."""
@@ -451,7 +451,7 @@ def crc32_file(path: Path, length: int | None = None) -> int:
             chunk = f.read(min(_CHECKSUM_CHUNK, remaining))
             if not chunk:
                 break
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
             remaining -= len(chunk)
     return crc
 

@@ -1,0 +1,229 @@
+"""A block: the work of one encoder thread's call, from records as read to the cache's tokens.
+
+The reading thread only reads: it hands each run of about ``batch_chars`` of a unit's records, as read
+(:mod:`~streampack.inputs.parts`), to an encoder thread as a :class:`Block`. The encoder thread parses the
+records, cuts their documents into pieces (:meth:`PieceRule.split`), encodes the pieces in batches of about
+``batch_chars`` characters (one, unless a record is larger), checks and frames their ids
+(:mod:`~streampack.builder.framing`), and hands back an :class:`EncodedBlock`: the block's tokens and what
+its records counted. Parsing holds the GIL and encoding lets go of it, so the encoder threads take turns
+at the one while the other runs the engine: parsing runs on as many cores as encoding does.
+
+A document too large to hold as a string (a streamed text file) is cut into pieces on the reading thread,
+where its chunks are read, and reaches an encoder thread as pieces (:meth:`Block.of_pieces`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from streampack.builder.commits import OpenUnit
+from streampack.builder.framing import Batch, Encoded, encode_and_frame
+from streampack.builder.options import VerifyTokens
+from streampack.errors import BadRecordError
+from streampack.format.ledger import Counts
+from streampack.inputs.parts import Part
+from streampack.inputs.records import Item, TextStream
+from streampack.inputs.sft import Sft
+from streampack.tokenizer.pieces import CutCount
+
+# verify_tokens="sample": the records re-encoded with the reference engine are the build's first
+# VERIFY_FIRST (those of unit 0) and a VERIFY_RATE share of every unit's, chosen by a hash of the record's
+# place (unit index, record index): the same records on every run and with any number of workers.
+# The reference engine is 20-40x slower than fastokens: re-encoding the first 1,000 records and 0.5 % of the
+# rest (the first rule) took longer than the whole build with fastokens (345 MB: 11.9 s against 4.2 s); the
+# first 100 records alone were 1.6 MB there. The first 20 and 0.1 % (~1 record in 1,000 at any scale) are
+# ~0.7 MB of the 345 MB.
+VERIFY_FIRST = 20
+VERIFY_RATE = 0.001
+_VERIFY_BELOW = round(VERIFY_RATE * (1 << 32))
+
+_NO_COUNTS = Counts()
+
+
+def verified(unit_index: int, record: int, mode: VerifyTokens) -> bool:
+    """Whether record ``record`` of unit ``unit_index`` is re-encoded with the reference engine."""
+    if mode != "sample":
+        return mode == "all"
+    if unit_index == 0 and record < VERIFY_FIRST:
+        return True
+    mixed = ((unit_index << 40) ^ record) * 0x9E3779B97F4A7C15  # Fibonacci hashing of the record's place
+    return (mixed >> 32) & 0xFFFFFFFF < _VERIFY_BELOW
+
+
+@dataclass(frozen=True)
+class Block:
+    """Consecutive records of a unit to encode as one call's work, or pieces of one streamed document."""
+
+    unit: OpenUnit
+    first_record: int  # the unit's index of its first record
+    parts: tuple[Part, ...] = ()
+    pieces: Batch | None = None  # a streamed document's pieces, cut on the reading thread
+    counts: Counts = _NO_COUNTS  # with ``pieces``: what they count (records: 1 at the document's end)
+    last: bool = False  # the unit's last block (possibly empty): writing it completes the unit
+
+    @staticmethod
+    def of_pieces(unit: OpenUnit, record: int, pieces: Batch, ends: bool, inexact_cuts: int) -> Block:
+        """A block of pieces of record ``record``, a streamed document; ``ends``: its last ones."""
+        return Block(unit, record, pieces=pieces, counts=Counts(int(ends), 0, 0, inexact_cuts))
+
+
+@dataclass(frozen=True)
+class EncodedBlock:
+    """A block's tokens as the cache stores them, what its records counted, and its encoder's seconds."""
+
+    tokens: np.ndarray  # in the cache's dtype, BOS and EOS included
+    doc_ends: np.ndarray  # the completed documents' ends, relative to the first token
+    mask: np.ndarray | None  # SFT builds: the loss mask
+    counts: Counts  # the block's own: its records consumed (up to ``error``), and what they held
+    error: BadRecordError | None = None  # a bad record that stops the build (on_bad_record="error")
+    seconds: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # parse, encode, verify, frame
+
+
+def encode_block(block: Block) -> EncodedBlock:
+    """Parse, cut, encode, check and frame a block (on an encoder thread)."""
+    unit = block.unit
+    if block.pieces is not None:
+        encoded = [encode_and_frame(unit, block.pieces)]
+        return _joined(encoded, block.counts, None, parse_seconds=0.0)
+    started = time.perf_counter()
+    cutter = _Cutter(unit, block.first_record)
+    encoded = []
+    for batch in cutter.batches(block.parts):
+        encoded.append(encode_and_frame(unit, batch))
+    busy = sum(e.encode_seconds + e.verify_seconds + e.frame_seconds for e in encoded)
+    parse_seconds = time.perf_counter() - started - busy
+    return _joined(encoded, cutter.counts(), cutter.error, parse_seconds)
+
+
+def stream_blocks(unit: OpenUnit, record: int, stream: TextStream) -> Iterator[Block]:
+    """The blocks of a streamed document (record ``record``): its pieces, cut here as its chunks are read."""
+    spec = unit.spec
+    cuts = CutCount()
+    checked = spec.verify != "none" and verified(unit.task.unit.index, record, spec.verify)
+    batch = Batch()
+    for piece in spec.pieces.stream(stream, cuts):
+        if batch.chars >= spec.batch_chars:
+            yield Block.of_pieces(unit, record, batch, ends=False, inexact_cuts=0)
+            batch = Batch(opens_doc=False)
+        if checked:
+            batch.checks.append((len(batch.texts), record))
+        batch.texts.append(piece)
+        batch.ends_doc.append(False)
+        batch.records.append(record)
+        batch.chars += len(piece)
+    batch.ends_doc[-1] = True
+    yield Block.of_pieces(unit, record, batch, ends=True, inexact_cuts=cuts.inexact)
+
+
+class _Cutter:
+    """A block's records, parsed and cut into pieces, in batches of about ``batch_chars`` characters; and
+    what the records counted. Stops at a bad record when the build stops on one."""
+
+    def __init__(self, unit: OpenUnit, first_record: int) -> None:
+        self.unit, self.spec = unit, unit.spec
+        self.record = first_record  # the record being cut
+        self.first_record = first_record
+        self.skipped = self.empty_docs = 0
+        self.cuts = CutCount()
+        self.error: BadRecordError | None = None
+        self.batch = Batch()
+
+    def counts(self) -> Counts:
+        """The records cut (up to a bad record the build stops on), and what they held."""
+        records = self.record - self.first_record
+        return Counts(records, self.skipped, self.empty_docs, self.cuts.inexact)
+
+    def batches(self, parts: tuple[Part, ...]) -> Iterator[Batch]:
+        """The batches of pieces of the parts' records, each made as the one before it is encoded."""
+        for part in parts:
+            for item in part.items():
+                if isinstance(item, BadRecordError):
+                    if self.spec.on_bad_record == "error":
+                        self.error = item
+                        break
+                    self.skipped += 1
+                elif item is not None:
+                    yield from self._add(item)
+                self.record += 1
+            if self.error is not None:
+                break
+        if self.batch.texts:
+            yield self.batch
+
+    def _add(self, item: Item) -> Iterator[Batch]:
+        """Cut a document into pieces; a batch whenever one is full."""
+        if isinstance(item, tuple):
+            yield from self._add_segments(item)
+            return
+        assert isinstance(item, str), "a streamed document is cut on the reading thread"
+        if not item or item.isspace():
+            self.empty_docs += 1  # no document is empty or only whitespace
+            return
+        checked = self._checked()
+        for i, piece in enumerate(self.spec.pieces.split(item, self.cuts)):
+            if self.batch.chars >= self.spec.batch_chars:
+                yield self.batch  # mid-document: its counts start with the next batch
+                self.batch = Batch(opens_doc=i == 0)
+            self._append(piece, checked)
+        self.batch.ends_doc[-1] = True
+
+    def _add_segments(self, segments: Sft) -> Iterator[Batch]:
+        """An SFT document: each segment cut into pieces of its own, each piece a target or not."""
+        if all(not s.text or s.text.isspace() for s in segments):
+            self.empty_docs += 1
+            return
+        checked, first = self._checked(), True
+        for segment in segments:
+            for piece in self.spec.pieces.split(segment.text, self.cuts) if segment.text else ():
+                if self.batch.chars >= self.spec.batch_chars:
+                    yield self.batch
+                    self.batch = Batch(opens_doc=first)
+                self._append(piece, checked and not segment.template)  # a template's pieces: the reference's
+                self.batch.targets.append(segment.target)
+                self.batch.templated.append(segment.template)
+                first = False
+        self.batch.ends_doc[-1] = True
+
+    def _checked(self) -> bool:
+        verify = self.spec.verify
+        return verify != "none" and verified(self.unit.task.unit.index, self.record, verify)
+
+    def _append(self, piece: str, checked: bool) -> None:
+        batch = self.batch
+        if checked:
+            batch.checks.append((len(batch.texts), self.record))
+        batch.texts.append(piece)
+        batch.ends_doc.append(False)
+        batch.records.append(self.record)
+        batch.chars += len(piece)
+
+
+def _joined(
+    encoded: list[Encoded], counts: Counts, error: BadRecordError | None, parse_seconds: float
+) -> EncodedBlock:
+    """One block's tokens from its batches' (most blocks have one batch)."""
+    seconds = (
+        parse_seconds,
+        sum(e.encode_seconds for e in encoded),
+        sum(e.verify_seconds for e in encoded),
+        sum(e.frame_seconds for e in encoded),
+    )
+    if not encoded:
+        return EncodedBlock(_NO_TOKENS, _NO_ENDS, None, counts, error, seconds)
+    if len(encoded) == 1:
+        (one,) = encoded
+        return EncodedBlock(one.tokens, one.doc_ends, one.mask, counts, error, seconds)
+    starts = np.cumsum([0] + [len(e.tokens) for e in encoded[:-1]])
+    tokens = np.concatenate([e.tokens for e in encoded])
+    doc_ends = np.concatenate([e.doc_ends + start for e, start in zip(encoded, starts)])
+    masks = [e.mask for e in encoded if e.mask is not None]
+    mask = np.concatenate(masks) if masks else None
+    return EncodedBlock(tokens, doc_ends, mask, counts, error, seconds)
+
+
+_NO_TOKENS = np.zeros(0, dtype=np.uint32)
+_NO_ENDS = np.zeros(0, dtype=np.uint64)
