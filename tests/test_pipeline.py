@@ -210,3 +210,15 @@ def test_default_piece_size_is_recorded(tmp_path: Path) -> None:
     streampack.build(path, tmp_path / "c")
     settings = streampack.open(tmp_path / "c").manifest.settings
     assert settings.max_piece_chars == EXACT_CUT_PIECE_CHARS == 100_000
+
+
+def test_the_build_fixes_the_c_allocators_thresholds_where_it_is_glibc() -> None:
+    """A fixed mmap threshold keeps a long build's RSS flat (``streampack.builder.memory``); only glibc's
+    malloc is set, and only once."""
+    import platform
+
+    from streampack.builder.memory import steady_allocator
+
+    glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+    assert steady_allocator() is glibc
+    assert steady_allocator() is glibc  # idempotent

@@ -20,6 +20,7 @@ from typing import Any
 from streampack.builder.directory import check_same_build, prepare_directory
 from streampack.builder.executors import run_local as run_local
 from streampack.builder.executors import run_ray as run_ray
+from streampack.builder.memory import steady_allocator
 from streampack.builder.options import CacheSpec, RunOptions, VerifyTokens, split_options
 from streampack.builder.pipeline import VERIFY_FIRST, VERIFY_RATE
 from streampack.builder.pipeline import run_units as run_units
@@ -137,6 +138,7 @@ def build(
     remote = RemoteStore(out, run.storage_options) if isinstance(out, str) and is_remote(out) else None
     root = Path(out) if remote is None else Path(run.staging_dir or default_staging_dir(remote.url))
     mark_process_start()
+    steady_allocator()  # before the tokenizer's tables are allocated
     started = time.perf_counter(), time.process_time()
     if as_documents(inputs) is None:  # paths: refuse an output that would mix with them before listing them
         check_output_outside_inputs(root, [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)

@@ -33,6 +33,7 @@ from streampack.builder.blocks import Block, EncodedBlock, encode_block, stream_
 from streampack.builder.blocks import verified as verified
 from streampack.builder.commits import OpenUnit
 from streampack.builder.framing import Mismatch, OutOfVocabulary
+from streampack.builder.memory import steady_allocator
 from streampack.builder.options import OnBadRecord as OnBadRecord
 from streampack.builder.tasks import NO_BOS as NO_BOS
 from streampack.builder.tasks import TokenizerRef as TokenizerRef
@@ -85,6 +86,7 @@ def run_units(
     as they are, without reading their input again. ``tokenizer`` is the build's own (units run in the
     coordinating process); worker processes load theirs with :func:`worker_tokenizer`.
     """
+    steady_allocator()
     with _Pipeline(report) as pipeline:
         for task in tasks:
             name = shard_name(task.unit.index)
