@@ -109,12 +109,7 @@ def stream_blocks(unit: OpenUnit, record: int, stream: TextStream) -> Iterator[B
         if batch.chars >= spec.batch_chars:
             yield Block.of_pieces(unit, record, batch, ends=False, inexact_cuts=0)
             batch = Batch(opens_doc=False)
-        if checked:
-            batch.checks.append((len(batch.texts), record))
-        batch.texts.append(piece)
-        batch.ends_doc.append(False)
-        batch.records.append(record)
-        batch.chars += len(piece)
+        batch.add(piece, record, checked)
     batch.ends_doc[-1] = True
     yield Block.of_pieces(unit, record, batch, ends=True, inexact_cuts=cuts.inexact)
 
@@ -168,7 +163,7 @@ class _Cutter:
             if self.batch.chars >= self.spec.batch_chars:
                 yield self.batch  # mid-document: its counts start with the next batch
                 self.batch = Batch(opens_doc=i == 0)
-            self._append(piece, checked)
+            self.batch.add(piece, self.record, checked)
         self.batch.ends_doc[-1] = True
 
     def _add_segments(self, segments: Sft) -> Iterator[Batch]:
@@ -182,7 +177,8 @@ class _Cutter:
                 if self.batch.chars >= self.spec.batch_chars:
                     yield self.batch
                     self.batch = Batch(opens_doc=first)
-                self._append(piece, checked and not segment.template)  # a template's pieces: the reference's
+                # a template's pieces are the reference's own
+                self.batch.add(piece, self.record, checked and not segment.template)
                 self.batch.targets.append(segment.target)
                 self.batch.templated.append(segment.template)
                 first = False
@@ -191,15 +187,6 @@ class _Cutter:
     def _checked(self) -> bool:
         verify = self.spec.verify
         return verify != "none" and verified(self.unit.task.unit.index, self.record, verify)
-
-    def _append(self, piece: str, checked: bool) -> None:
-        batch = self.batch
-        if checked:
-            batch.checks.append((len(batch.texts), self.record))
-        batch.texts.append(piece)
-        batch.ends_doc.append(False)
-        batch.records.append(self.record)
-        batch.chars += len(piece)
 
 
 def _joined(

@@ -28,6 +28,16 @@ class Batch:
     templated: list[bool] = field(default_factory=list)  # SFT builds only: the piece is a chat template's
     chars: int = 0
 
+    def add(self, piece: str, record: int, checked: bool) -> None:
+        """Add a piece of record ``record``, not (yet) its document's last; ``checked``: the reference
+        engine re-encodes it."""
+        if checked:
+            self.checks.append((len(self.texts), record))
+        self.texts.append(piece)
+        self.ends_doc.append(False)
+        self.records.append(record)
+        self.chars += len(piece)
+
 
 def frame(
     ids: FlatIds,

@@ -9,7 +9,6 @@ import os
 import re
 import stat
 from collections.abc import Iterator
-from pathlib import Path
 
 from streampack.errors import InputError
 from streampack.inputs.inputfile import (
@@ -88,7 +87,7 @@ def _is_cache(directory: str) -> bool:
 
 def local_file(path: str, st: os.stat_result | None = None) -> InputFile:
     abspath = os.path.abspath(path)
-    if ".." in Path(path).parts and os.path.realpath(abspath) != os.path.realpath(path):
+    if ".." in path.split(os.sep) and os.path.realpath(abspath) != os.path.realpath(path):
         abspath = os.path.join(os.getcwd(), path)  # "link/.." is not where abspath's folding says
     if st is None:
         try:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from streampack.errors import BadRecordError
 from streampack.inputs.records import Item, TextStream
 
 
@@ -78,20 +79,21 @@ class StreamPart:
         raise AssertionError("a stream is one record: skipped whole or not at all")
 
 
-def grouped_items(items: Iterator[Item], size: int) -> Iterator[Part]:
+def grouped_items(items: Iterator[Item | Part], size: int) -> Iterator[Part]:
     """``items``, parsed where they are read, in parts of about ``size`` characters each; a
-    :class:`~streampack.inputs.records.TextStream` in a :class:`StreamPart` of its own."""
+    :class:`~streampack.inputs.records.TextStream` in a :class:`StreamPart` of its own, and the parts
+    among them (a run of files of several formats) as they are."""
     held: list[Item] = []
     chars = 0
     for item in items:
-        if isinstance(item, TextStream):
+        if not _is_item(item) or isinstance(item, TextStream):
             if held:
                 yield ItemsPart(tuple(held), chars)
                 held, chars = [], 0
-            yield StreamPart(item)
+            yield StreamPart(item) if isinstance(item, TextStream) else item  # type: ignore[misc]
             continue
-        held.append(item)
-        chars += _chars(item)
+        held.append(item)  # type: ignore[arg-type]
+        chars += _chars(item)  # type: ignore[arg-type]
         if chars >= size:
             yield ItemsPart(tuple(held), chars)
             held, chars = [], 0
@@ -113,6 +115,10 @@ def parsed(parts: Iterator[Part]) -> Iterator[Item]:
     """Every record's item, parsed where the parts are read."""
     for part in parts:
         yield from part.items()
+
+
+def _is_item(item: object) -> bool:
+    return item is None or isinstance(item, (str, tuple, TextStream, BadRecordError))
 
 
 def _chars(item: Item) -> int:

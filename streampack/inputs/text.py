@@ -21,11 +21,7 @@ def read_text_document(file: InputFile, skip: int, position: Position | None) ->
     if skip:
         return
     if file.size <= _STREAM_TEXT_BYTES and file.compression is None:
-        with open_input(file) as f:
-            try:
-                data = f.read()
-            except STREAM_ERRORS as e:
-                raise InputError(f"{file.path}: cannot read ({e})") from None
+        data = _whole(file)
         if data.startswith(BOM):
             data = data[len(BOM) :]
         try:
@@ -42,6 +38,19 @@ def read_text_document(file: InputFile, skip: int, position: Position | None) ->
         yield BadRecordError(f"{file.path}: byte {e.offset}", "invalid UTF-8")
         return
     yield TextStream(_decoded_chunks(file, position))
+
+
+def _whole(file: InputFile) -> bytes:
+    """A small uncompressed file's bytes; a local one without a read buffer (thousands of small files are
+    read one after the other)."""
+    try:
+        if file.is_local:
+            with open(file.path, "rb", buffering=0) as raw:
+                return raw.readall()
+        with open_input(file) as f:
+            return f.read()
+    except STREAM_ERRORS as e:
+        raise InputError(f"{file.path}: cannot read ({e})") from None
 
 
 class _InvalidUtf8(InputError):

@@ -157,20 +157,29 @@ def records_before(unit: WorkUnit) -> int:
 def _run_parts(
     unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None, size: int
 ) -> Iterator[Part]:
-    """The records of a run of whole files, one file after the other."""
-    for file in unit.files:
-        if skip and file.format == "text" and not options.split_lines:
-            skip -= 1  # a whole-file document: one record, skipped without reading it
-        else:
-            parts = read_unit_parts(WorkUnit(unit.index, file), options, position=position, size=size)
-            for part in parts:
-                if skip >= part.records:  # a resumed run reads its committed records again to count them
-                    skip -= part.records
-                    continue
-                yield part.after(skip) if skip else part
-                skip = 0
-        if position is not None:
-            position.file_done(file.size)
+    """The records of a run of whole files, one file after the other; consecutive whole-file documents
+    (small ``.txt`` files) in parts of about ``size`` characters, as other records are."""
+
+    def files() -> Iterator[Part | Item]:
+        nonlocal skip
+        for file in unit.files:
+            if file.format == "text" and not options.split_lines:
+                if skip:
+                    skip -= 1  # a whole-file document: one record, skipped without reading it
+                else:
+                    yield from read_text_document(file, 0, position)
+            else:
+                parts = read_unit_parts(WorkUnit(unit.index, file), options, position=position, size=size)
+                for part in parts:
+                    if skip >= part.records:  # a resumed run reads its committed records again to count them
+                        skip -= part.records
+                        continue
+                    yield part.after(skip) if skip else part
+                    skip = 0
+            if position is not None:
+                position.file_done(file.size)
+
+    return grouped_items(files(), size)
 
 
 def record_location(unit: WorkUnit, read: ReadOptions, record: int) -> str:
