@@ -25,6 +25,7 @@ KIND = {"tokenizers": "tokenizer.json", "tiktoken": "tiktoken ranks"}
 FAST_WORKER = {"tokenizers": "fastokens-json", "tiktoken": "fastokens-tiktoken"}  # _raw_limit.py --backend
 RAW = "raw limit (baseline)"
 FAST_RAW = "raw limit of the fast engine"
+FAST_AS_BUILT = "the fast engine as a build calls it"  # two calls at once, a thread each, 1 MiB batches
 PIECES = "reference: raw call over the build's pieces"
 BUILD = "streampack build"  # --tokenizer-engine <the tokenizer's own library>
 AUTO = "streampack build, auto engine"  # no --tokenizer-engine: the default
@@ -48,6 +49,7 @@ class Row:
     stages: list[str] = field(default_factory=list)  # a build's --profile table, markdown lines
     ratio: float | None = None  # ÷ the group's raw limit: the median of the per-repeat ratios
     fast_ratio: float | None = None  # ÷ the fast engine's raw limit, likewise
+    build_over: float | None = None  # a FAST_AS_BUILT row: the build's ratio to it (median of the repeats)
     engines: str = ""  # a build's manifest `engines`: "name version: why", one per engine
 
     @property
@@ -108,19 +110,27 @@ def log(msg: str) -> None:
 
 
 def raw_limit(
-    backend: str, corpus: Corpus, tokenizer: str, *, fast: bool = False, pieces: bool = False
+    backend: str,
+    corpus: Corpus,
+    tokenizer: str,
+    *,
+    fast: bool = False,
+    pieces: bool = False,
+    as_built: bool = False,
 ) -> Row:
     """Raw limit: encode-only seconds of a batch call, texts loaded first.
 
     ``backend`` names the group; ``fast``: the fast engine's call on the same tokenizer file rather than
     the group's own library's (the baseline). With ``pieces``, a reference row rather than the baseline:
-    the texts cut as the build cuts them.
+    the texts cut as the build cuts them. With ``as_built`` (and ``fast``), a reference row too: the fast
+    engine called as a build calls it (two calls at once of one thread each, batches of 1 MiB of text).
     """
     worker = FAST_WORKER[backend] if fast else backend
-    method = FAST_RAW if fast else PIECES if pieces else RAW
+    method = (FAST_AS_BUILT if as_built else FAST_RAW) if fast else PIECES if pieces else RAW
     row = Row(method, backend, "fastokens" if fast else backend, corpus.text_mb)
     cmd = [sys.executable, str(HERE / "_raw_limit.py"), "--backend", worker, "--corpus", corpus.path]
-    m = run([*cmd, "--tokenizer", tokenizer, *(["--build-pieces"] if pieces else [])])
+    built = ["--calls", "2", "--batch-chars", str(1 << 20), "--threads", "1"] if as_built else []
+    m = run([*cmd, "--tokenizer", tokenizer, *(["--build-pieces"] if pieces else []), *built])
     if m.returncode != 0:
         return failed(row, m)
     out = json.loads(m.stdout.strip().splitlines()[-1])
