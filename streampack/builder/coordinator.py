@@ -17,12 +17,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from streampack.builder.blocks import VERIFY_FIRST, VERIFY_RATE
 from streampack.builder.directory import check_same_build, prepare_directory
 from streampack.builder.executors import run_local as run_local
 from streampack.builder.executors import run_ray as run_ray
 from streampack.builder.memory import steady_allocator
 from streampack.builder.options import CacheSpec, RunOptions, VerifyTokens, split_options
-from streampack.builder.blocks import VERIFY_FIRST, VERIFY_RATE
 from streampack.builder.pipeline import run_units as run_units
 from streampack.builder.planning import as_documents, plan_inputs
 from streampack.builder.progress import BuildProgress

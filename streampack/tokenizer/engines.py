@@ -227,10 +227,11 @@ class FastokensEngine:
     """
 
     name = "fastokens"
-    # Its threads encode a GPT-2 batch at ~1.1 CPU-s per 100 MB (58 M tokens/s on 2 cores); the reader spends
-    # ~0.55 CPU-s per 100 MB reading, parsing, cutting and writing: one reader keeps ~3 cores busy. On 2
-    # cores one process of 2 threads built 345 MB in 4.2 s against 4.7 s for two processes of one thread
-    # (each loads the tokenizer, ~0.8 CPU-s).
+    # Its threads encode a GPT-2 batch at ~0.65-1.1 CPU-s per 100 MB; a process parses, cuts and frames under
+    # its one GIL at ~0.25 CPU-s per 100 MB (on its encoder threads, since 2026-12-05; reading, parsing and
+    # cutting took its reader ~0.55 before): one process keeps ~3 cores busy. On 2 cores one process of 2
+    # threads built 345 MB in 4.2 s against 4.7 s for two processes of one thread (each loads the
+    # tokenizer, ~0.8 CPU-s).
     cores_per_worker = 3
     # Whole documents, up to the pieces' bound of 100,000 characters: its batch call is fastest so
     # (345 MB, GPT-2, 2 cores: 1.16x whole documents, 10,000-character pieces 1.07x;
