@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +136,37 @@ def test_the_build_parses_records_on_its_encoder_threads(
     streampack.build(path, tmp_path / "c", workers=1, batch_chars=20_000)
     assert parsing and all(name.startswith("streampack-encode") for name in parsing), parsing
     assert streampack.open(tmp_path / "c").num_docs == 3000
+
+
+def test_a_record_longer_than_a_block_is_cut_where_it_is_read_and_shared_by_both_encoder_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long JSON line is a part of its own, parsed and cut on the reading thread into blocks that both
+    encoder threads take; the cache is the same as with blocks that hold it whole."""
+    from streampack.builder import blocks
+
+    texts = [f"short {i} " * 20 for i in range(40)]
+    texts[17] = " ".join(f"word{i}" for i in range(60_000))  # ~500 K characters
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    threads: set[str] = set()
+    original = blocks.encode_and_frame
+
+    def encode_and_frame(unit: Any, batch: Any) -> Any:
+        if 17 in batch.records:
+            threads.add(threading.current_thread().name)
+            time.sleep(0.02)  # as an engine takes time: the next block goes to the other thread
+        return original(unit, batch)
+
+    monkeypatch.setattr(blocks, "encode_and_frame", encode_and_frame)
+    options = {"workers": 1, "tokenizer": "bytes", "max_piece_chars": 5_000}
+    streampack.build(path, tmp_path / "cut", batch_chars=20_000, **options)
+    assert len(threads) == 2, threads
+    monkeypatch.undo()
+    streampack.build(path, tmp_path / "whole", batch_chars=1 << 22, **options)
+    for name in ("000000.tokens", "000000.offsets"):
+        assert (tmp_path / "cut" / "shards" / name).read_bytes() == (
+            tmp_path / "whole" / "shards" / name
+        ).read_bytes()
+    cache = streampack.open(tmp_path / "cut")
+    assert cache.num_docs == 40 and bytes(cache.doc(17)[:-1].tolist()).decode() == texts[17]

@@ -9,7 +9,9 @@ its records counted. Parsing holds the GIL and encoding lets go of it, so the en
 at the one while the other runs the engine: parsing runs on as many cores as encoding does.
 
 A document too large to hold as a string (a streamed text file) is cut into pieces on the reading thread,
-where its chunks are read, and reaches an encoder thread as pieces (:meth:`Block.of_pieces`).
+where its chunks are read, and reaches the encoder threads as blocks of pieces (:meth:`Block.of_pieces`);
+so does a record longer than a block (a JSON line of 100 MB), parsed and cut there, so that both encoder
+threads share its pieces.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from streampack.builder.framing import Batch, Encoded, encode_and_frame
 from streampack.builder.options import VerifyTokens
 from streampack.errors import BadRecordError
 from streampack.format.ledger import Counts
-from streampack.inputs.parts import Part
+from streampack.inputs.parts import ItemsPart, Part
 from streampack.inputs.records import Item, TextStream
 from streampack.inputs.sft import Sft
 from streampack.tokenizer.pieces import CutCount
@@ -61,13 +63,13 @@ class Block:
     unit: OpenUnit
     first_record: int  # the unit's index of its first record
     parts: tuple[Part, ...] = ()
-    pieces: Batch | None = None  # a streamed document's pieces, cut on the reading thread
+    pieces: Batch | None = None  # a long or streamed document's pieces, cut on the reading thread
     counts: Counts = _NO_COUNTS  # with ``pieces``: what they count (records: 1 at the document's end)
     last: bool = False  # the unit's last block (possibly empty): writing it completes the unit
 
     @staticmethod
     def of_pieces(unit: OpenUnit, record: int, pieces: Batch, ends: bool, inexact_cuts: int) -> Block:
-        """A block of pieces of record ``record``, a streamed document; ``ends``: its last ones."""
+        """A block of pieces of record ``record``, a long or streamed document; ``ends``: its last ones."""
         return Block(unit, record, pieces=pieces, counts=Counts(int(ends), 0, 0, inexact_cuts))
 
 
@@ -101,11 +103,30 @@ def encode_block(block: Block) -> EncodedBlock:
 
 def stream_blocks(unit: OpenUnit, record: int, stream: TextStream) -> Iterator[Block]:
     """The blocks of a streamed document (record ``record``): its pieces, cut here as its chunks are read."""
-    spec = unit.spec
     cuts = CutCount()
+    return _document_blocks(unit, record, unit.spec.pieces.stream(stream, cuts), cuts)
+
+
+def long_record_blocks(unit: OpenUnit, record: int, part: Part) -> Iterator[Block]:
+    """The blocks of a part holding one long record (record ``record``): parsed here, and a document's
+    pieces cut here into blocks of about ``batch_chars``, so that both encoder threads share them (on one,
+    the other would wait); any other item (an SFT document, a bad record, an empty text) a block of its own.
+    """
+    (item,) = part.items()
+    if isinstance(item, str) and item and not item.isspace():
+        cuts = CutCount()
+        yield from _document_blocks(unit, record, unit.spec.pieces.split(item, cuts), cuts)
+    else:
+        yield Block(unit, record, (ItemsPart((item,), 0),))
+
+
+def _document_blocks(unit: OpenUnit, record: int, pieces: Iterator[str], cuts: CutCount) -> Iterator[Block]:
+    """One document's pieces (record ``record``) in blocks of about ``batch_chars``; ``cuts`` counts the
+    memory cuts as they are made."""
+    spec = unit.spec
     checked = spec.verify != "none" and verified(unit.task.unit.index, record, spec.verify)
     batch = Batch()
-    for piece in spec.pieces.stream(stream, cuts):
+    for piece in pieces:
         if batch.chars >= spec.batch_chars:
             yield Block.of_pieces(unit, record, batch, ends=False, inexact_cuts=0)
             batch = Batch(opens_doc=False)

@@ -29,7 +29,7 @@ import numpy as np
 
 from streampack.builder.blocks import VERIFY_FIRST as VERIFY_FIRST
 from streampack.builder.blocks import VERIFY_RATE as VERIFY_RATE
-from streampack.builder.blocks import Block, EncodedBlock, encode_block, stream_blocks
+from streampack.builder.blocks import Block, EncodedBlock, encode_block, long_record_blocks, stream_blocks
 from streampack.builder.blocks import verified as verified
 from streampack.builder.commits import OpenUnit
 from streampack.builder.framing import Mismatch, OutOfVocabulary
@@ -160,9 +160,14 @@ class _Pipeline:
         outside = self.watch.switch("blocks")  # the loop's own work; reading and handing over switch away
         try:
             for part in self.watch.timed(parts, "read"):
-                if isinstance(part, StreamPart):
+                if isinstance(part, StreamPart) or (part.records == 1 and part.size > size):
                     self._hand_over(held.block())
-                    for block in stream_blocks(unit, held.next_record, part.stream):
+                    record = held.next_record
+                    if isinstance(part, StreamPart):
+                        blocks = stream_blocks(unit, record, part.stream)
+                    else:
+                        blocks = long_record_blocks(unit, record, part)
+                    for block in blocks:
                         self._hand_over(block)
                     held.skip_over(part)
                 elif held.add(part) >= size:

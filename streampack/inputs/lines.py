@@ -135,25 +135,37 @@ def _line_parts(
             pos = _seek_line_start(f, unit.start)
             while unit.stop is None or pos < unit.stop:
                 want = size if unit.stop is None else min(size, unit.stop - pos)
-                data = f.read(want)
-                if not data:
+                chunks = _whole_lines(f, want, size)
+                if not chunks:
                     return
-                if not data.endswith(b"\n"):
-                    data += f.readline()  # the rest of a line that begins in the unit
-                at_file_start, pos = pos == 0, pos + len(data)
-                if at_file_start and data.startswith(BOM):
-                    data = data[len(BOM) :]
-                    if not data:
-                        return  # a file of nothing but a byte-order mark holds no line
-                count = _count_lines(data)
-                yield LinesPart(data, count, lines + 1, reader)
-                lines += count
+                at_file_start, pos = pos == 0, pos + sum(map(len, chunks))
+                if at_file_start and chunks[0].startswith(BOM):
+                    chunks[0] = chunks[0][len(BOM) :]
+                for data in chunks:
+                    if data:  # (not a file of nothing but a byte-order mark: it holds no line)
+                        count = _count_lines(data)
+                        yield LinesPart(data, count, lines + 1, reader)
+                        lines += count
         except STREAM_ERRORS as e:
             where = _location(file, unit.start, lines) if lines else f"{file.path}: before the first line"
             raise InputError(
                 f"{where}: the {file.compression or 'file'} stream is truncated or corrupt after this point "
                 f"({e}); replace the file, then rerun the same command to resume"
             ) from None
+
+
+def _whole_lines(f: BinaryIO, want: int, size: int) -> list[bytes]:
+    """The next ``want`` bytes of ``f`` and the rest of the line they end in (none at the end of ``f``): one
+    chunk of whole lines, or two where the last line is longer than ``size``, a part of its own, which a
+    build parses and cuts where it reads it so that both encoder threads share its pieces."""
+    data = f.read(want)
+    if not data or data.endswith(b"\n"):
+        return [data] if data else []
+    rest = f.readline()  # the rest of a line that begins in the unit
+    last = data.rfind(b"\n") + 1
+    if len(data) - last + len(rest) > size and last:
+        return [data[:last], data[last:] + rest]
+    return [data + rest]
 
 
 def _count_lines(data: bytes) -> int:
