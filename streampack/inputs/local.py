@@ -169,13 +169,15 @@ def _entries(directory: str, real: str, ignored: list[Ignored]) -> Iterator[tupl
     except OSError as e:
         ignored.append(Ignored(directory, f"{UNREADABLE} ({e.strerror or e})"))
         return
+    # os.path.join(directory, name) and os.path.join(real, name), a prefix joined once (10^4 entries)
+    here, there = os.path.join(directory, ""), os.path.join(real, "")
     for entry in entries:
-        path = os.path.join(directory, entry.name)
+        path = here + entry.name
         try:
             is_dir, is_link = entry.is_dir(), entry.is_symlink()
         except OSError:
             is_dir, is_link = False, True
-        entry_real = os.path.realpath(path) if is_link else os.path.join(real, entry.name)
+        entry_real = os.path.realpath(path) if is_link else there + entry.name
         yield entry.name, path, entry_real, is_dir
 
 
