@@ -125,7 +125,7 @@ class _Pipeline:
     them (:mod:`~streampack.builder.blocks`); it hands the blocks' tokens in input order to a writer thread
     (:mod:`~streampack.builder.writerthread`), which appends and commits them. Blocks that finish while an
     earlier one still encodes wait in the queue; the reader waits only when ``MAX_QUEUED_BLOCKS`` are
-    queued, when more than ``ENCODING_THREADS`` wait for an encoder, or when the writer is that far behind.
+    queued, when more than ``READ_AHEAD`` are not yet encoded, or when the writer is that far behind.
     A commit records the records and tokens of the blocks written so far: the pipeline never drains to
     commit, nor to start the next unit.
     """
