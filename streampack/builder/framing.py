@@ -152,8 +152,9 @@ def encode_and_frame(unit: OpenUnit, batch: Batch) -> Encoded:
     (else :class:`Mismatch`) and every id is below the cache's vocab size (else :class:`OutOfVocabulary`)."""
     started = time.perf_counter()
     tokenizer, texts = unit.tokenizer, batch.texts
-    ids = encode_with_templates(tokenizer, texts, batch.templated) if any(batch.templated) else None
-    if ids is None:
+    if any(batch.templated):
+        ids = encode_with_templates(tokenizer, texts, batch.templated)
+    else:
         ids = tokenizer.encode_flat(texts)
     encoded = time.perf_counter()
     if batch.checks:
