@@ -97,7 +97,7 @@ def run_cli(
     *args: str | os.PathLike[str], check: bool = True, timeout: float = 300, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:
     """Run ``streampack ARGS`` in a subprocess, as a user would (in the directory ``cwd``)."""
-    cmd = [sys.executable, "-m", "streampack.cli", *map(str, args)]
+    cmd = [sys.executable, "-m", "streampack", *map(str, args)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd)
     if check and result.returncode != 0:
         raise AssertionError(

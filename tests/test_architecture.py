@@ -27,7 +27,7 @@ LAYERS = [
     {"samples", "order"},
     {"loader"},
     {"torch", "hf", "lightning", "torchdata", "grain", "jax", "interop"},
-    {"cli", "testing", "__init__"},
+    {"cli", "testing", "__init__", "__main__"},
 ]
 BUILD_SIDE = {"inputs", "tokenizer", "builder"}
 LOAD_SIDE = {

@@ -5,11 +5,31 @@ built-in ``bytes``, a Hugging Face ``tokenizer.json`` in ``hf``, tiktoken ranks 
 ``tiktoken_json`` also describes as a ``tokenizer.json``); ``choices`` names the special-token modes and
 the engine choices; ``specials`` decides the EOS and BOS a build adds; ``engines`` holds the engines that
 compute the ids (the reference libraries, and the fast engine, used only where ``proofs`` proves it
-exact); ``pieces`` cuts long texts where the cut cannot change the ids. ``backends`` re-exports them all
-under the path that held them until 0.2.
+exact); ``pieces`` cuts long texts where the cut cannot change the ids; ``preload`` starts the fast engine's
+load before a command's imports. ``backends`` re-exports them all under the path that held them until 0.2.
+
+The names here are loaded on first use, so that ``preload`` imports nothing but the standard library.
 """
 
-from streampack.tokenizer.base import Tokenizer
-from streampack.tokenizer.load import load_tokenizer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from streampack.tokenizer.base import Tokenizer
+    from streampack.tokenizer.load import load_tokenizer
 
 __all__ = ["Tokenizer", "load_tokenizer"]
+
+_PUBLIC = {"Tokenizer": "streampack.tokenizer.base", "load_tokenizer": "streampack.tokenizer.load"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.tokenizer import preload
 from streampack.tokenizer.base import LibraryTokenizer, RecurringTexts
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
 from streampack.tokenizer.engines import TokenizersEngine, _text_is_whole
@@ -226,8 +227,10 @@ class HFTokenizer(LibraryTokenizer):
 
 
 def _load_fastokens(definition: bytes, fastokens: Any) -> Any:
-    """The ``fastokens.Tokenizer`` of a ``tokenizer.json``'s bytes."""
-    return fastokens.Tokenizer.from_json_str(definition.decode("utf-8"))
+    """The ``fastokens.Tokenizer`` of a ``tokenizer.json``'s bytes: the one the command began to load before
+    its imports (:mod:`streampack.tokenizer.preload`) if it loaded these bytes, else a new one."""
+    early = preload.take(definition)
+    return fastokens.Tokenizer.from_json_str(definition.decode("utf-8")) if early is None else early.result()
 
 
 def _json_member(text: str, key: str) -> Any:

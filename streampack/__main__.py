@@ -1,0 +1,51 @@
+"""The ``streampack`` command (and ``python -m streampack``): it starts what a build will first wait on, then
+imports and runs the command line (:mod:`streampack.cli`)."""
+
+from __future__ import annotations
+
+import sys
+
+#: The values of ``build --tokenizer-engine`` under which a ``tokenizer.json`` may be encoded by fastokens.
+_FAST_ENGINES = {"auto", "fastokens"}
+
+
+def main() -> None:
+    """Console-script entry point: for a ``build`` of a ``tokenizer.json``, fastokens begins to load it on a
+    thread of its own (:mod:`streampack.tokenizer.preload`) while the command line is imported (~0.25 s on
+    the main thread); then the command runs as :func:`streampack.cli.main` runs it."""
+    tokenizer = fast_tokenizer_named(sys.argv[1:])
+    if tokenizer is not None:
+        from streampack.tokenizer import preload
+
+        preload.start(tokenizer)
+    from streampack.cli import main as run
+
+    run()
+
+
+def fast_tokenizer_named(args: list[str]) -> str | None:
+    """The ``--tokenizer`` of a ``build`` command line whose engine may be fastokens; None for any other
+    command line. A guess from the words alone, before the options are parsed: a wrong one costs a load that
+    is never taken."""
+    if not args or args[0] != "build" or {"-h", "--help"} & set(args):
+        return None
+    options = dict(_option_values(args[1:]))
+    tokenizer = options.get("--tokenizer", options.get("-t"))
+    engine = options.get("--tokenizer-engine", "auto")
+    return tokenizer if tokenizer and engine in _FAST_ENGINES and tokenizer != "bytes" else None
+
+
+def _option_values(args: list[str]) -> list[tuple[str, str]]:
+    """(option, value) for each ``--name value``, ``--name=value`` and ``-t value`` in ``args``."""
+    pairs = []
+    for i, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if equals and name.startswith("--"):
+            pairs.append((name, value))
+        elif arg.startswith("-") and i + 1 < len(args):
+            pairs.append((arg, args[i + 1]))
+    return pairs
+
+
+if __name__ == "__main__":
+    main()

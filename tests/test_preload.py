@@ -1,0 +1,85 @@
+"""The ``streampack`` command starts fastokens' load of a build's ``tokenizer.json`` before its imports
+(``streampack/__main__.py``, ``streampack/tokenizer/preload.py``); the tokenizer takes that load only where
+its file holds the very bytes loaded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import streampack
+from streampack.__main__ import fast_tokenizer_named
+from streampack.tokenizer import load_tokenizer, preload
+from tests.conftest import run_cli, shard_bytes, write_jsonl
+
+pytest.importorskip("fastokens")
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["build", "in.jsonl", "--tokenizer", "tok.json", "--out", "c"], "tok.json"),
+        (["build", "in.jsonl", "-t", "tok", "--out", "c"], "tok"),
+        (["build", "in.jsonl", "--tokenizer=tok.json", "--tokenizer-engine", "fastokens"], "tok.json"),
+        (["build", "in.jsonl", "--tokenizer", "tok.json", "--tokenizer-engine=tokenizers"], None),
+        (["build", "in.jsonl", "--tokenizer", "bytes"], None),
+        (["build", "in.jsonl", "--tokenizer", "tok.json", "--help"], None),
+        (["build", "in.jsonl"], None),
+        (["info", "--tokenizer", "tok.json"], None),
+        ([], None),
+    ],
+)
+def test_the_command_line_names_the_tokenizer_to_load_early(args: list[str], named: str | None) -> None:
+    assert fast_tokenizer_named(args) == named
+
+
+def test_a_load_is_taken_once_and_only_for_the_same_bytes(gpt2_tokenizer: Path, tmp_path: Path) -> None:
+    assert preload.start(str(gpt2_tokenizer.parent))  # a folder holding a tokenizer.json
+    definition = gpt2_tokenizer.read_bytes()
+    assert preload.take(definition + b" ") is None
+    early = preload.take(definition)
+    assert early is not None and preload.take(definition) is None
+    text = "Hello world, this is a test."
+    assert early.result().encode_batch_flat([text], add_special_tokens=False) is not None
+    assert not preload.start(str(tmp_path / "absent.json")) and not preload.start("tiktoken:x")
+
+
+def test_the_tokenizer_takes_the_early_load_and_encodes_as_without(gpt2_tokenizer: Path) -> None:
+    text = ["Hello world, this is a test. <|endoftext|> and more", "second"]
+    fresh = load_tokenizer(str(gpt2_tokenizer)).encode_batch(text)
+    assert preload.start(str(gpt2_tokenizer))
+    early = load_tokenizer(str(gpt2_tokenizer))
+    assert preload.take(gpt2_tokenizer.read_bytes()) is None  # taken by the tokenizer
+    assert early.engine.name == "fastokens"
+    assert [a.tolist() for a in early.encode_batch(text)] == [a.tolist() for a in fresh]
+
+
+def test_a_failed_early_load_fails_as_a_load_would(tmp_path: Path) -> None:
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text('{"model": {"type": "Unigram", "vocab": []}}')
+    assert preload.start(str(bad))
+    early = preload.take(bad.read_bytes())
+    assert early is not None and early.exception() is not None
+
+
+def test_the_preload_imports_nothing_but_the_standard_library() -> None:
+    probe = (
+        "import sys, streampack.tokenizer.preload\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'numpy', 'tokenizers', 'fastokens', 'click', 'orjson'}))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_command_builds_what_the_library_builds(gpt2_tokenizer: Path, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"document {i} " * (i % 50 + 1)} for i in range(300)])
+    run_cli("build", src, "--tokenizer", gpt2_tokenizer, "--out", tmp_path / "cli")
+    streampack.build(src, tmp_path / "lib", tokenizer=str(gpt2_tokenizer))
+    cli, lib = shard_bytes(tmp_path / "cli"), shard_bytes(tmp_path / "lib")
+    assert [k for k in cli if k.startswith("shards")] and {
+        k: v for k, v in cli.items() if k.startswith("shards")
+    } == {k: v for k, v in lib.items() if k.startswith("shards")}
