@@ -20,6 +20,11 @@ tell the two apart, the conversation is rendered once more with each content rep
 all the conversations of one shape: the same roles and other fields), and the real render is traced through
 it (as given, or stripped where the template trims it); a template that changes content otherwise is
 refused for that record.
+
+A template whose contents are proven only printed (:mod:`streampack.inputs.chat_proof`: never tested,
+filtered or passed on) renders every conversation of one shape alike but for its contents: such a
+conversation is not rendered at all, its segments are filled in from a plan made once per shape
+(:mod:`streampack.inputs.chat_plan`), ~4x less work a conversation.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.inputs.chat_plan import Plan, plan
+from streampack.inputs.chat_proof import content_only_printed
+from streampack.inputs.segments import Segment, Sft
 
 if TYPE_CHECKING:
     from jinja2 import Template
@@ -51,24 +59,6 @@ TEMPLATE_TOKENS = (
     "mask_token",
 )
 _MARKER = re.compile("\ue000([0-9]+)\ue001")  # private-use characters: no template writes them
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A span of a document's text, tokenized on its own.
-
-    Attributes:
-        text: the text.
-        target: its tokens are training targets (they carry the loss).
-        template: written by a chat template, so its special-token strings become their ids.
-    """
-
-    text: str
-    target: bool
-    template: bool = False
-
-
-Sft = tuple[Segment, ...]  # an SFT document: its segments in order
 
 
 class ChatError(ValueError):
@@ -152,6 +142,10 @@ class ChatTemplate:
             ChatError: the template cannot render the conversation, does not render it incrementally, or
                 changes the messages' content in a way that cannot be traced.
         """
+        key = _skeleton_key(messages) if _only_prints_contents(self.source) else None
+        shape_plan = None if key is None else _plan_of(self, key)
+        if shape_plan is not None:
+            return shape_plan.segments(messages)
         full = self.render(messages)
         return _runs(full, self._assistant_spans(messages, full), self._content_spans(messages, full))
 
@@ -257,10 +251,17 @@ def _skeleton_key(messages: list[dict[str, Any]]) -> tuple[tuple[tuple[str, str 
     """What the render of ``messages`` with each content replaced by a marker depends on: each message's
     keys in order and its values but the content; None when a key or value is not a string (``1`` and
     ``True`` are equal keys but render differently)."""
-    key = tuple(tuple((k, None if k == "content" else v) for k, v in m.items()) for m in messages)
-    if all(isinstance(k, str) and (k == "content" or isinstance(v, str)) for m in key for k, v in m):
-        return key
-    return None
+    key = []
+    for message in messages:
+        shape = []
+        for k, v in message.items():
+            if k == "content":
+                v = None
+            elif not (isinstance(k, str) and isinstance(v, str)):
+                return None
+            shape.append((k, v))
+        key.append(tuple(shape))
+    return tuple(key)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -269,6 +270,21 @@ def _skeleton_of(
 ) -> tuple[str, ...]:
     """:meth:`ChatTemplate._skeleton` of the conversations whose :func:`_skeleton_key` is ``key``."""
     return template._render_skeleton([{k: v or "" for k, v in message} for message in key])
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_of(template: ChatTemplate, key: tuple[tuple[tuple[str, str | None], ...], ...]) -> Plan | None:
+    """The :class:`~streampack.inputs.chat_plan.Plan` of the conversations whose :func:`_skeleton_key` is
+    ``key``, of a template that only prints contents."""
+    shape = [{k: v or "" for k, v in message} for message in key]
+    return plan(shape, lambda messages, prompt: template.render(messages, add_generation_prompt=prompt))
+
+
+@functools.lru_cache(maxsize=8)
+def _only_prints_contents(source: str) -> bool:
+    """Whether the template ``source`` is proven to only print the messages' contents
+    (:mod:`streampack.inputs.chat_proof`): its conversations are then made from one render per shape."""
+    return content_only_printed(source, _compiled(source).environment) is None
 
 
 def load_chat_template(tokenizer: Tokenizer, field: str) -> ChatTemplate:

@@ -1,0 +1,149 @@
+"""The segments of every conversation of one shape, made from renders of the shape alone.
+
+Where a chat template is proven to only print the contents (:mod:`streampack.inputs.chat_proof`), the render
+of a conversation is the render of its shape (each content replaced by a marker) with each marker replaced
+by its content, as given or stripped. So are the renders of its prefixes that find the assistant turns. A
+:class:`Plan` holds that once per shape: the template's text cut where a turn begins or ends, the contents'
+places between, and which of them are targets; :meth:`Plan.segments` fills in one conversation's contents,
+with no render. The plan gives the segments that rendering the conversation gives (``tests/test_sft.py``
+compares both on generated conversations); where a shape's renders do not line up so for every content
+(:func:`plan`'s None), the conversation is rendered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from streampack.inputs.segments import Segment, Sft
+
+#: Renders messages, with the generation prompt or not.
+Render = Callable[[list[dict[str, Any]], bool], str]
+#: A plan's item: a literal text, or the content of message ``index`` (``index`` >= 0, stripped or not);
+#: whether it is a target, whether it is the template's: (literal, index, stripped, target, template).
+Item = tuple[str, int, bool, bool, bool]
+
+# Private-use characters around a content's index: no template writes them. A marker padded with spaces
+# tells a content the template strips (its render loses the spaces) from one it prints as given.
+_MARK, _END = "\ue000", "\ue001"
+_MARKER = re.compile(f"{_MARK}([0-9]+){_END}")
+_PAD = " "
+
+
+@dataclass(frozen=True)
+class _Render:
+    """A render of a shape: its literal texts, and between each two the content of message ``index``
+    (stripped or not)."""
+
+    literals: list[str]
+    holes: list[tuple[int, bool]]
+
+    def starts(self, longer: _Render) -> bool:
+        """Whether this render is a prefix of ``longer`` whatever the contents."""
+        m = len(self.holes)
+        return (
+            m <= len(longer.holes)
+            and self.holes == longer.holes[:m]
+            and self.literals[:m] == longer.literals[:m]
+            and longer.literals[m].startswith(self.literals[m])
+        )
+
+    @property
+    def end(self) -> tuple[int, int]:
+        """Where it ends in a render it starts: (literal, offset in it)."""
+        return len(self.holes), len(self.literals[-1])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One shape's segments: each item is a literal text or a content to fill in, a target or not."""
+
+    items: tuple[Item, ...]
+
+    def segments(self, messages: list[dict[str, Any]]) -> Sft:
+        """The segments of a conversation of this plan's shape: its runs of texts alike (a target or not,
+        the template's or not), as :func:`streampack.inputs.sft._runs` cuts the render."""
+        segments: list[Segment] = []
+        texts: list[str] = []
+        kind = (False, False)
+        for literal, index, stripped, target, template in self.items:
+            if index >= 0:
+                literal = messages[index]["content"]
+                literal = literal.strip() if stripped else literal
+            if not literal:
+                continue
+            if (target, template) != kind and texts:
+                segments.append(Segment("".join(texts), *kind))
+                texts = []
+            kind = (target, template)
+            texts.append(literal)
+        if texts:
+            segments.append(Segment("".join(texts), *kind))
+        return tuple(segments)
+
+
+def plan(shape: list[dict[str, Any]], render: Render) -> Plan | None:
+    """The plan of the conversations of ``shape`` (their messages with any content), of a template proven
+    to only print contents; None where its renders do not line up for every content (the turns are then
+    found by rendering each conversation)."""
+    full = _render(shape, False, render)
+    if full is None:
+        return None
+    spans: list[tuple[tuple[int, int], tuple[int, int]]] = []
+    for i, message in enumerate(shape):
+        if message["role"] != "assistant":
+            continue
+        before = _render(shape[:i], True, render)
+        through = full if i == len(shape) - 1 else _render(shape[: i + 1], False, render)
+        start = spans[-1][1] if spans else (0, 0)
+        if before is None or through is None or not (before.starts(full) and through.starts(full)):
+            return None
+        if not start <= before.end <= through.end:
+            return None
+        spans.append((before.end, through.end))
+    return Plan(tuple(_items(full, spans)))
+
+
+def _render(shape: list[dict[str, Any]], prompt: bool, render: Render) -> _Render | None:
+    """The render of ``shape`` with its contents as holes; None where the markers cannot be told apart."""
+    marked = [{**m, "content": f"{_MARK}{i}{_END}"} for i, m in enumerate(shape)]
+    padded = [{**m, "content": f"{_PAD}{_MARK}{i}{_END}{_PAD}"} for i, m in enumerate(shape)]
+    plain = _MARKER.split(render(marked, prompt))
+    literals, indexes = plain[::2], [int(i) for i in plain[1::2]]
+    if any(i >= len(shape) for i in indexes) or any(_MARK in t or _END in t for t in literals):
+        return None
+    text, at, holes = render(padded, prompt), 0, []
+    for literal, index in zip(literals, indexes):
+        if not text.startswith(literal, at):
+            return None
+        at += len(literal)
+        bare = f"{_MARK}{index}{_END}"
+        stripped = text.startswith(bare, at)
+        if not stripped and not text.startswith(_PAD + bare + _PAD, at):
+            return None
+        holes.append((index, stripped))
+        at += len(bare) + (0 if stripped else 2 * len(_PAD))
+    if text[at:] != literals[-1]:
+        return None
+    return _Render(literals, holes)
+
+
+def _items(full: _Render, spans: list[tuple[tuple[int, int], tuple[int, int]]]) -> list[Item]:
+    """``full``'s literals cut where a span begins or ends, and its holes, each a target or not."""
+
+    def target(start: tuple[int, int], end: tuple[int, int]) -> bool:
+        return any(a <= start and end <= b for a, b in spans)
+
+    cuts = {point for span in spans for point in span}
+    items: list[Item] = []
+    for k, literal in enumerate(full.literals):
+        offsets = sorted({0, len(literal), *(off for lit, off in cuts if lit == k)})
+        for a, b in itertools.pairwise(offsets):
+            items.append((literal[a:b], -1, False, target((k, a), (k, b)), True))
+        if k < len(full.holes):
+            index, stripped = full.holes[k]
+            items.append(("", index, stripped, target((k, len(literal)), (k + 1, 0)), False))
+    return items

@@ -1,0 +1,166 @@
+"""Chat templates proven to only print the contents are rendered once per conversation shape
+(``streampack/inputs/chat_proof.py``, ``chat_plan.py``): the proof refuses every template in which a
+content could decide what is rendered, and the plan gives the segments that rendering each conversation
+gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import streampack
+from streampack.inputs import sft
+from streampack.inputs.chat_proof import content_only_printed
+from streampack.inputs.sft import ChatError, ChatTemplate
+from tests.conftest import write_jsonl
+from tests.test_sft import CHATML, CHATML_TOKENS, LLAMA3, chat_tokenizer, docs_and_masks
+
+pytest.importorskip("jinja2")
+
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+SYSTEM_FIRST = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}"
+    "{% set system = 'You help.' %}{% endif %}<<SYS>>{{ system }}<</SYS>>"
+    "{% for message in loop_messages %}{% if loop.first %}[first]{% endif %}"
+    "{{ message.role }}: {{ message.content }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+SET_BLOCK = (
+    "{% set ns = namespace(turns=0) %}{% for m in messages %}"
+    "{% if m.role == 'assistant' %}{% set ns.turns = ns.turns + 1 %}{% endif %}"
+    "{% set turn %}<{{ m.role }} {{ ns.turns }}>{{ m.content | trim }}</{{ m.role }}>{% endset %}"
+    "{% if m.content is string and 'name' not in m %}{{ turn }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+PROVEN = {"chatml": CHATML, "llama3": LLAMA3, "mistral": MISTRAL, "system": SYSTEM_FIRST, "set": SET_BLOCK}
+
+UNPROVEN = {
+    "a content tested": "{% for m in messages %}{% if m.content %}{{ m.content }}{% endif %}{% endfor %}",
+    "a content compared": "{% for m in messages %}{{ 'x' if m.content == 'a' else 'y' }}{% endfor %}",
+    "a content filtered": "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}",
+    "a content counted": "{% for m in messages %}{{ m.content | length }}{% endfor %}",
+    "a content indexed": "{% for m in messages %}{{ m.content[0] }}{% endfor %}",
+    "a content's method": "{% for m in messages %}{{ m.content.strip() }}{% endfor %}",
+    "a content looped over": "{% for m in messages %}{% for c in m.content %}{{ c }}{% endfor %}{% endfor %}",
+    "a message's get": "{% for m in messages %}{{ m.get('content') }}{% endfor %}",
+    "a message printed": "{% for m in messages %}{{ m }}{% endfor %}",
+    "a message serialised": "{% for m in messages %}{{ m | tojson }}{% endfor %}",
+    "the messages serialised": "{{ messages | tojson }}",
+    "a computed key": "{% for m in messages %}{% for k in ['content'] %}{{ m[k] }}{% endfor %}{% endfor %}",
+    "a content passed to a call": "{% for m in messages %}{{ raise_exception(m.content) }}{% endfor %}",
+    "a macro that prints a content": (
+        "{% macro show(m) %}{{ m.content }}{% endmacro %}{% for m in messages %}{{ show(m) }}{% endfor %}"
+    ),
+    "a named content trimmed": "{% for m in messages %}{% set c = m.content %}{{ c | trim }}{% endfor %}",
+    "a namespace holding a content": (
+        "{% set ns = namespace(c='') %}{% for m in messages %}{% set ns.c = m.content %}{% endfor %}"
+        "{{ ns.c }}"
+    ),
+    "a content in a set block tested": (
+        "{% for m in messages %}{% set t %}{{ m.content }}{% endset %}{% if t %}x{% endif %}{% endfor %}"
+    ),
+    "the previous message": "{% for m in messages %}{{ loop.previtem }}{% endfor %}",
+    "a recursive loop": "{% for m in messages recursive %}{{ m.role }}{% endfor %}",
+    "an include": "{% include 'other' %}",
+    "a name of two kinds": "{% set x = messages %}{% set x = 'a' %}{% for m in x %}{{ m }}{% endfor %}",
+}
+
+
+def template(source: str) -> ChatTemplate:
+    return ChatTemplate("messages", source, "test", (("bos_token", "<s>"), ("eos_token", "</s>")))
+
+
+def proof(source: str) -> str | None:
+    return content_only_printed(source, sft._compiled(source).environment)
+
+
+@pytest.mark.parametrize("source", PROVEN.values(), ids=PROVEN.keys())
+def test_templates_that_only_print_contents_are_proven(source: str) -> None:
+    assert proof(source) is None
+
+
+@pytest.mark.parametrize("source", UNPROVEN.values(), ids=UNPROVEN.keys())
+def test_templates_in_which_a_content_could_decide_are_not(source: str) -> None:
+    assert proof(source) is not None
+
+
+def rendered(chat: ChatTemplate, messages: list[dict[str, Any]]) -> Any:
+    """The segments as a render of the conversation itself finds them (the path of unproven templates)."""
+    try:
+        full = chat.render(messages)
+        return sft._runs(full, chat._assistant_spans(messages, full), chat._content_spans(messages, full))
+    except ChatError as e:
+        return str(e)
+
+
+def planned(chat: ChatTemplate, messages: list[dict[str, Any]]) -> Any:
+    try:
+        return chat.segments(messages)
+    except ChatError as e:
+        return str(e)
+
+
+contents = st.lists(
+    st.sampled_from(["a", "b", " ", "\n", "\t", "<|im_end|>", "[INST]", "\ue000", "1", "\ue001", "é"]),
+    max_size=8,
+).map("".join)
+messages = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": contents}),
+    min_size=1,
+    max_size=5,
+)
+
+
+@pytest.mark.parametrize("source", PROVEN.values(), ids=PROVEN.keys())
+@settings(max_examples=150, deadline=None)
+@given(conversation=messages)
+def test_a_shapes_plan_gives_the_segments_of_the_conversations_render(
+    source: str, conversation: list[dict[str, Any]]
+) -> None:
+    chat = template(source)
+    assert planned(chat, conversation) == rendered(chat, conversation)
+
+
+def test_a_build_renders_once_per_shape_and_gives_the_same_cache(
+    tmp_path: Path, gpt2_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", CHATML, CHATML_TOKENS).parent
+    conversations = [
+        [
+            {"role": "user", "content": f" question {i} <|im_end|>"},
+            {"role": "assistant", "content": "yes " * (i % 7)},
+            *([{"role": "user", "content": "and?"}] if i % 3 else []),
+        ]
+        for i in range(200)
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", [{"messages": c} for c in conversations])
+    renders: list[int] = []
+    render = ChatTemplate.render
+
+    def counted(self: ChatTemplate, *args: Any, **kwargs: Any) -> str:
+        renders.append(1)
+        return render(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChatTemplate, "render", counted)
+    sft._plan_of.cache_clear()
+    streampack.build(src, tmp_path / "planned", tokenizer=str(folder), chat="messages", workers=1)
+    assert 0 < len(renders) <= 2 * 6  # two shapes, each a few renders: none per conversation
+
+    monkeypatch.setattr(sft, "_only_prints_contents", lambda source: False)
+    streampack.build(src, tmp_path / "rendered", tokenizer=str(folder), chat="messages", workers=1)
+    assert len(renders) > 2 * len(conversations)
+    assert docs_and_masks(tmp_path / "planned") == docs_and_masks(tmp_path / "rendered")
+    shards = sorted(p.relative_to(tmp_path / "planned") for p in (tmp_path / "planned" / "shards").rglob("*"))
+    assert len(shards) > 1
+    for name in shards:
+        planned_file, rendered_file = tmp_path / "planned" / name, tmp_path / "rendered" / name
+        assert planned_file.is_dir() or planned_file.read_bytes() == rendered_file.read_bytes()
