@@ -17,7 +17,7 @@ threads share its pieces.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -120,7 +120,7 @@ def long_record_blocks(unit: OpenUnit, record: int, part: Part) -> Iterator[Bloc
         yield Block(unit, record, (ItemsPart((item,), 0),))
 
 
-def _document_blocks(unit: OpenUnit, record: int, pieces: Iterator[str], cuts: CutCount) -> Iterator[Block]:
+def _document_blocks(unit: OpenUnit, record: int, pieces: Iterable[str], cuts: CutCount) -> Iterator[Block]:
     """One document's pieces (record ``record``) in blocks of about ``batch_chars``; ``cuts`` counts the
     memory cuts as they are made."""
     spec = unit.spec
@@ -193,15 +193,14 @@ class _Cutter:
             self.empty_docs += 1
             return
         checked, first = self._checked(), True
-        for segment in segments:
-            for piece in self.spec.pieces.split(segment.text, self.cuts) if segment.text else ():
-                if self.batch.chars >= self.spec.batch_chars:
+        split, batch_chars = self.spec.pieces.split, self.spec.batch_chars
+        for text, target, template in segments:
+            for piece in split(text, self.cuts) if text else ():
+                if self.batch.chars >= batch_chars:
                     yield self.batch
                     self.batch = Batch(opens_doc=first)
                 # a template's pieces are the reference's own
-                self.batch.add(piece, self.record, checked and not segment.template)
-                self.batch.targets.append(segment.target)
-                self.batch.templated.append(segment.template)
+                self.batch.add_sft(piece, self.record, checked and not template, target, template)
                 first = False
         self.batch.ends_doc[-1] = True
 

@@ -38,6 +38,12 @@ class Batch:
         self.records.append(record)
         self.chars += len(piece)
 
+    def add_sft(self, piece: str, record: int, checked: bool, target: bool, template: bool) -> None:
+        """:meth:`add` a piece of an SFT document: a target or not, a chat template's or not."""
+        self.add(piece, record, checked)
+        self.targets.append(target)
+        self.templated.append(template)
+
 
 def frame(
     ids: FlatIds,
@@ -112,10 +118,21 @@ def loss_mask(batch: Batch, piece_ends: np.ndarray, bos: bool, eos: bool) -> np.
 
 
 def encode_with_templates(tokenizer: Tokenizer, texts: list[str], templated: list[bool]) -> FlatIds:
-    """Encode a batch whose chat-template pieces parse special-token strings and whose others do not."""
-    plain = iter(tokenizer.encode_batch([t for t, special in zip(texts, templated) if not special]))
-    special = iter(tokenizer.encode_specials([t for t, special in zip(texts, templated) if special]))
-    return joined([next(special) if is_template else next(plain) for is_template in templated])
+    """Encode a batch whose chat-template pieces parse special-token strings and whose others do not: the
+    two kinds' ids, each end to end, interleaved back into the pieces' order (no array per piece)."""
+    is_template = np.array(templated, dtype=bool)
+    plain, plain_offsets = tokenizer.encode_flat([t for t, special in zip(texts, templated) if not special])
+    special, special_offsets = joined(tokenizer.encode_specials([t for t, s in zip(texts, templated) if s]))
+    lengths = np.empty(len(texts), dtype=np.intp)
+    lengths[~is_template] = np.diff(plain_offsets)
+    lengths[is_template] = np.diff(special_offsets)
+    offsets = np.zeros(len(texts) + 1, dtype=np.intp)
+    np.cumsum(lengths, out=offsets[1:])
+    ids = np.empty(offsets[-1], dtype=np.result_type(plain, special))
+    token_is_template = np.repeat(is_template, lengths)
+    ids[token_is_template] = special
+    ids[~token_is_template] = plain
+    return ids, offsets
 
 
 class Mismatch(Exception):

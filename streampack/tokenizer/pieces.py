@@ -116,8 +116,14 @@ class PieceRule:
     exact_spaces: bool = True
     atoms: tuple[Atom, ...] = field(default=(), repr=False)
 
-    def split(self, text: str, count: CutCount | None = None) -> Iterator[str]:
+    def split(self, text: str, count: CutCount | None = None) -> Iterable[str]:
         """The pieces of ``text``; memory cuts are added to ``count``."""
+        # Most texts (a document, a chat's template text) are one piece: no generator for them.
+        if len(text) <= self.max_chars and (self.target_chars is None or len(text) <= self.target_chars):
+            return (text,)
+        return self._cut(text, count)
+
+    def _cut(self, text: str, count: CutCount | None) -> Iterator[str]:
         start = 0
         while (cut := self._next_cut(text, start, count)) is not None:
             yield text[start:cut]
