@@ -5,6 +5,7 @@ gives."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -164,3 +165,22 @@ def test_a_build_renders_once_per_shape_and_gives_the_same_cache(
     for name in shards:
         planned_file, rendered_file = tmp_path / "planned" / name, tmp_path / "rendered" / name
         assert planned_file.is_dir() or planned_file.read_bytes() == rendered_file.read_bytes()
+
+
+@pytest.mark.parametrize("kinds", ["", "p", "t", "tpt", "ptpptttp", "tttt"])
+def test_a_batchs_two_kinds_of_ids_are_interleaved_in_order(
+    tmp_path: Path, gpt2_tokenizer: Path, kinds: str
+) -> None:
+    from streampack.builder.framing import encode_with_templates
+    from streampack.tokenizer import load_tokenizer
+
+    folder = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", CHATML, CHATML_TOKENS).parent
+    tokenizer = load_tokenizer(str(folder))
+    texts = [f"<|im_start|>user\n{i % 2}" if k == "t" else f"a <|im_end|> {i}" for i, k in enumerate(kinds)]
+    templated = [k == "t" for k in kinds]
+    ids, offsets = encode_with_templates(tokenizer, texts, templated)
+    expected = [
+        (tokenizer.encode_specials([t]) if special else tokenizer.encode_batch([t]))[0].tolist()
+        for t, special in zip(texts, templated)
+    ]
+    assert [ids[a:b].tolist() for a, b in itertools.pairwise(offsets)] == expected

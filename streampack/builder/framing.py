@@ -122,7 +122,7 @@ def encode_with_templates(tokenizer: Tokenizer, texts: list[str], templated: lis
     two kinds' ids, each end to end, interleaved back into the pieces' order (no array per piece)."""
     is_template = np.array(templated, dtype=bool)
     plain, plain_offsets = tokenizer.encode_flat([t for t, special in zip(texts, templated) if not special])
-    special, special_offsets = joined(tokenizer.encode_specials([t for t, s in zip(texts, templated) if s]))
+    special, special_offsets = _recurring_ids(tokenizer, [t for t, s in zip(texts, templated) if s])
     lengths = np.empty(len(texts), dtype=np.intp)
     lengths[~is_template] = np.diff(plain_offsets)
     lengths[is_template] = np.diff(special_offsets)
@@ -133,6 +133,18 @@ def encode_with_templates(tokenizer: Tokenizer, texts: list[str], templated: lis
     ids[token_is_template] = special
     ids[~token_is_template] = plain
     return ids, offsets
+
+
+def _recurring_ids(tokenizer: Tokenizer, texts: list[str]) -> FlatIds:
+    """The ids of a chat template's pieces, end to end: its few distinct texts encoded (or remembered) once
+    each, and gathered into the pieces' order."""
+    distinct = list(dict.fromkeys(texts))
+    ids, offsets = joined(tokenizer.encode_specials(distinct))
+    codes = np.fromiter(map({t: i for i, t in enumerate(distinct)}.__getitem__, texts), np.intp, len(texts))
+    starts, lengths = offsets[codes], np.diff(offsets)[codes]
+    gathered = np.zeros(len(texts) + 1, dtype=np.intp)
+    np.cumsum(lengths, out=gathered[1:])
+    return ids[np.arange(gathered[-1]) + np.repeat(starts - gathered[:-1], lengths)], gathered
 
 
 class Mismatch(Exception):
