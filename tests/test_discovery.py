@@ -204,3 +204,24 @@ def test_out_at_a_glob_root_or_holding_an_input_is_refused_but_inside_an_input_f
 
 def test_discovery_reports_are_plain_values() -> None:
     assert Ignored("a", "hidden") == Ignored("a", "hidden")
+
+
+def test_a_files_manifest_record_is_made_straight_from_its_stats(tmp_path: Path) -> None:
+    from streampack.format.sections import InputRecord
+    from streampack.inputs.local import local_file
+
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "a"}\n')
+    found = local_file(str(path))
+    assert found.stat_json() == InputRecord(found.path, found.size, found.mtime_ns).to_json()
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/a/b.txt", "/a//b.txt", "//a/b.txt", "/a/./b.txt", "/a/../b.txt", "/a/.b.txt", "a/b.txt", "/a/b/", "/"],
+)
+def test_a_found_path_is_taken_as_absolute_only_where_abspath_gives_it_back(path: str) -> None:
+    from streampack.inputs.local import _absolute_and_normal
+
+    assert not _absolute_and_normal(path) or os.path.abspath(path) == path
+    assert _absolute_and_normal("/a/b.txt")

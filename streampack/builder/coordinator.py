@@ -48,7 +48,6 @@ from streampack.format.sections import (
     BuildSettings,
     Cuts,
     EngineRecord,
-    InputRecords,
     TokenizerInfo,
     Verification,
 )
@@ -174,9 +173,7 @@ def build(
         bos=bos,
         loss_mask=spec.sft,
         settings=BuildSettings(**spec.to_json()),
-        # As JSON once: the manifest is written twice and its identity taken from it (10^4 .txt inputs:
-        # 0.15 s a time as records)
-        inputs=InputRecords([i.to_json() for i in plan.inputs]),
+        inputs=plan.inputs,
         units=[u.describe() for u in plan.units],
         ignored_inputs=plan.ignored,
         engines=[_engine_entry(tokenizer, run)],

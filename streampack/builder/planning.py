@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streampack.builder.options import CacheSpec
-from streampack.format.sections import IgnoredEntry, IgnoredInputs, InputRecord
+from streampack.format.sections import IgnoredEntry, IgnoredInputs, InputRecord, InputRecords
 from streampack.inputs.discovery import discover_inputs
 from streampack.inputs.inputfile import Ignored
 from streampack.inputs.records import Documents, ReadOptions, WorkUnit, refuse_text_for_sft
@@ -23,7 +23,7 @@ from streampack.inputs.units import plan_python_units, plan_units
 @dataclass(frozen=True)
 class _Plan:
     units: list[WorkUnit]
-    inputs: list[InputRecord]  # the manifest's record of each input read
+    inputs: InputRecords  # the manifest's record of each input read, as its JSON
     ignored: IgnoredInputs  # what discovery skipped: counts by reason, and the first few entries
 
 
@@ -34,12 +34,13 @@ def plan_inputs(inputs: Any, read: ReadOptions, spec: CacheSpec) -> _Plan:
         items = documents.items if isinstance(documents, Documents) else documents
         path = f"python:{type(items).__name__}"
         stat = InputRecord(path, _len_or_none(items), None, _python_fingerprint(documents))
-        return _Plan(plan_python_units(items), [stat], IgnoredInputs())
+        return _Plan(plan_python_units(items), InputRecords([stat.to_json()]), IgnoredInputs())
     paths = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
     found = discover_inputs(paths)
     if spec.sft:
         refuse_text_for_sft(found.files, "fields=[...]" if spec.fields is not None else "chat=...")
-    inputs = [InputRecord(f.path, f.size, f.mtime_ns) for f in found.files]
+    # As JSON, made once: the manifest is written twice and its identity taken from it (10^4 .txt inputs)
+    inputs = InputRecords([f.stat_json() for f in found.files])
     return _Plan(plan_units(found.files, read), inputs, _ignored(found.ignored))
 
 

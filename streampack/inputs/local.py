@@ -19,6 +19,7 @@ from streampack.inputs.inputfile import (
     NOT_JSON_LINES,
     SYMLINK_LOOP,
     UNREADABLE,
+    Format,
     Ignored,
     InputFile,
     detect,
@@ -39,19 +40,21 @@ def found_files(root: str, parts: list[str], ignored: list[Ignored]) -> list[tup
         except OSError:  # a broken symlink
             ignored.append(Ignored(path, NOT_A_REGULAR_FILE))
             continue
-        reason = _not_an_input(path, st.st_mode)
+        detected = detect(path)
+        reason = _not_an_input(path, st.st_mode, detected)
         if reason is None:
-            found.append((local_file(path, st), file_real))
+            found.append((local_file(path, st, detected), file_real))
         else:
             ignored.append(Ignored(path, reason))
     return found
 
 
-def _not_an_input(path: str, mode: int) -> str | None:
-    """Why a file found under a directory or glob is not read, or None when it is an input file."""
+def _not_an_input(path: str, mode: int, detected: tuple[Format, str | None] | None) -> str | None:
+    """Why a file found under a directory or glob is not read (``detected``: its format, from its name), or
+    None when it is an input file."""
     if not stat.S_ISREG(mode):
         return NOT_A_REGULAR_FILE
-    if detect(path) is None:
+    if detected is None:
         return NOT_AN_INPUT_TYPE
     if path.lower().endswith(".json"):
         if cache_holding(path) is not None:
@@ -85,8 +88,12 @@ def _is_cache(directory: str) -> bool:
     )
 
 
-def local_file(path: str, st: os.stat_result | None = None) -> InputFile:
-    abspath = os.path.abspath(path)
+def local_file(
+    path: str, st: os.stat_result | None = None, detected: tuple[Format, str | None] | None = None
+) -> InputFile:
+    """The input file at local ``path`` (absolute in the result), its stats ``st`` and format ``detected``
+    (from its name) where already known."""
+    abspath = path if _absolute_and_normal(path) else os.path.abspath(path)
     if ".." in path.split(os.sep) and os.path.realpath(abspath) != os.path.realpath(path):
         abspath = os.path.join(os.getcwd(), path)  # "link/.." is not where abspath's folding says
     if st is None:
@@ -94,7 +101,15 @@ def local_file(path: str, st: os.stat_result | None = None) -> InputFile:
             st = os.stat(abspath)
         except OSError as e:
             raise InputError(f"{path}: cannot read ({e.strerror or e})") from None
-    return InputFile(abspath, *detect_strict(abspath), st.st_size, st.st_mtime_ns)
+    return InputFile(abspath, *(detected or detect_strict(abspath)), st.st_size, st.st_mtime_ns)
+
+
+def _absolute_and_normal(path: str) -> bool:
+    """Whether ``os.path.abspath`` would give ``path`` back (most paths found under an absolute folder):
+    absolute, and no ``//``, ``/.``, ``/..`` or trailing ``/`` for it to fold (a hidden name too is left to
+    it)."""
+    sep = os.sep
+    return path.startswith(sep) and not path.endswith(sep) and sep * 2 not in path and sep + "." not in path
 
 
 # ---------------------------------------------------------------------------------------------- globbing
@@ -148,7 +163,7 @@ def _match(
                 yield from _match(path, sub_real, rest, ancestors | {sub_real}, ignored)
     else:
         for name, path, entry_real, is_dir in _entries(directory, real, ignored):
-            if not fnmatch.fnmatch(name, head) or (rest and not is_dir):
+            if (head != "*" and not fnmatch.fnmatch(name, head)) or (rest and not is_dir):
                 continue
             if name.startswith(".") and not head.startswith("."):
                 ignored.append(Ignored(path, HIDDEN))
