@@ -194,6 +194,13 @@ class _Cutter:
             return
         checked, first = self._checked(), True
         split, batch_chars = self.spec.pieces.split, self.spec.batch_chars
+        texts, targets, templates = zip(*segments)
+        lengths = list(map(len, texts))
+        whole = all(lengths) and max(lengths) <= self.spec.pieces.whole_chars
+        if whole and self.batch.chars + sum(lengths) - lengths[-1] < batch_chars:
+            # each segment one piece, none of them starting a new batch: as the loop below, at once
+            self.batch.add_sft_document(texts, self.record, checked, targets, templates)
+            return
         for text, target, template in segments:
             for piece in split(text, self.cuts) if text else ():
                 if self.batch.chars >= batch_chars:

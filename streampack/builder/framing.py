@@ -6,6 +6,7 @@ reference engine, every id checked against the cache's vocab size, then framed i
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +44,26 @@ class Batch:
         self.add(piece, record, checked)
         self.targets.append(target)
         self.templated.append(template)
+
+    def add_sft_document(
+        self,
+        pieces: Sequence[str],
+        record: int,
+        checked: bool,
+        targets: Sequence[bool],
+        templates: Sequence[bool],
+    ) -> None:
+        """:meth:`add_sft` each of a whole SFT document's pieces, and end the document."""
+        first = len(self.texts)
+        if checked:  # a template's pieces are the reference's own
+            self.checks.extend((first + i, record) for i, template in enumerate(templates) if not template)
+        self.texts.extend(pieces)
+        self.ends_doc.extend([False] * (len(pieces) - 1))
+        self.ends_doc.append(True)
+        self.records.extend([record] * len(pieces))
+        self.chars += sum(map(len, pieces))
+        self.targets.extend(targets)
+        self.templated.extend(templates)
 
 
 def frame(

@@ -57,32 +57,52 @@ class _Render:
         return len(self.holes), len(self.literals[-1])
 
 
-@dataclass(frozen=True)
 class Plan:
-    """One shape's segments: each item is a literal text or a content to fill in, a target or not."""
+    """One shape's segments: its items, each a literal text or a content to fill in, a target or not."""
 
-    items: tuple[Item, ...]
+    __slots__ = ("_alternating", "_holes", "_kinds", "_targets", "_templates", "_texts")
+
+    def __init__(self, items: list[Item]) -> None:
+        """A plan of ``items`` in order (see :data:`Item`)."""
+        self._texts = [literal for literal, *_ in items]
+        self._holes = [
+            (k, index, stripped) for k, (_, index, stripped, _, _) in enumerate(items) if index >= 0
+        ]
+        self._targets = [target for *_, target, _ in items]
+        self._templates = [template for *_, template in items]
+        self._kinds = list(zip(self._targets, self._templates))
+        # Where no two neighbours are alike, the items are the segments whenever every content is
+        # non-empty (literals never are): the common case, made without joining runs.
+        self._alternating = all(a != b for a, b in itertools.pairwise(self._kinds))
 
     def segments(self, messages: list[dict[str, Any]]) -> Sft:
         """The segments of a conversation of this plan's shape: its runs of texts alike (a target or not,
         the template's or not), as :func:`streampack.inputs.sft._runs` cuts the render."""
-        segments: list[Segment] = []
-        texts: list[str] = []
-        kind = (False, False)
-        for literal, index, stripped, target, template in self.items:
-            if index >= 0:
-                literal = messages[index]["content"]
-                literal = literal.strip() if stripped else literal
-            if not literal:
-                continue
-            if (target, template) != kind and texts:
-                segments.append(Segment("".join(texts), *kind))
-                texts = []
-            kind = (target, template)
-            texts.append(literal)
-        if texts:
-            segments.append(Segment("".join(texts), *kind))
-        return tuple(segments)
+        texts = self._texts.copy()
+        for k, index, stripped in self._holes:
+            content = messages[index]["content"]
+            texts[k] = content.strip() if stripped else content
+        if self._alternating and all(texts):
+            return tuple(map(Segment, texts, self._targets, self._templates))
+        return _runs(texts, self._kinds)
+
+
+def _runs(texts: list[str], kinds: list[tuple[bool, bool]]) -> Sft:
+    """The non-empty ``texts`` joined into runs of the same kind (target, template)."""
+    segments: list[Segment] = []
+    run: list[str] = []
+    kind = (False, False)
+    for text, text_kind in zip(texts, kinds):
+        if not text:
+            continue
+        if text_kind != kind and run:
+            segments.append(Segment("".join(run), *kind))
+            run = []
+        kind = text_kind
+        run.append(text)
+    if run:
+        segments.append(Segment("".join(run), *kind))
+    return tuple(segments)
 
 
 def plan(shape: list[dict[str, Any]], render: Render) -> Plan | None:
@@ -104,7 +124,7 @@ def plan(shape: list[dict[str, Any]], render: Render) -> Plan | None:
         if not start <= before.end <= through.end:
             return None
         spans.append((before.end, through.end))
-    return Plan(tuple(_items(full, spans)))
+    return Plan(_items(full, spans))
 
 
 def _render(shape: list[dict[str, Any]], prompt: bool, render: Render) -> _Render | None:

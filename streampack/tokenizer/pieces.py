@@ -119,9 +119,12 @@ class PieceRule:
     def split(self, text: str, count: CutCount | None = None) -> Iterable[str]:
         """The pieces of ``text``; memory cuts are added to ``count``."""
         # Most texts (a document, a chat's template text) are one piece: no generator for them.
-        if len(text) <= self.max_chars and (self.target_chars is None or len(text) <= self.target_chars):
-            return (text,)
-        return self._cut(text, count)
+        return (text,) if len(text) <= self.whole_chars else self._cut(text, count)
+
+    @property
+    def whole_chars(self) -> int:
+        """The longest text that stays one piece."""
+        return self.max_chars if self.target_chars is None else min(self.max_chars, self.target_chars)
 
     def _cut(self, text: str, count: CutCount | None) -> Iterator[str]:
         start = 0
