@@ -142,7 +142,7 @@ def raw_limit(
 def streampack_cli() -> Cli:
     """How to run streampack, why it cannot run yet (else ""), whether it has ``build --profile``."""
     exe = Path(sys.executable).with_name("streampack")
-    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "streampack.cli"]
+    base = [str(exe)] if exe.exists() else [sys.executable, "-m", "streampack"]
     helps = {}
     for sub in ("build", "info"):
         probe = subprocess.run([*base, sub, "--help"], cwd=REPO, capture_output=True, text=True)

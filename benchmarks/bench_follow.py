@@ -42,7 +42,7 @@ SAMPLE = SHARED_DATA / "corpus" / "natural-sample.jsonl.zst"
 
 
 def build_command(corpus: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "streampack.cli", "build", str(corpus), "--out", str(out),
+    return [sys.executable, "-m", "streampack", "build", str(corpus), "--out", str(out),
             "--tokenizer", TOKENIZERS_GPT2, "--unit-mb", "8", "--overwrite"]  # fmt: skip
 
 

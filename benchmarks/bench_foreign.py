@@ -153,7 +153,7 @@ def corpus_file(args: argparse.Namespace, tmp: Path) -> Path:
 
 
 def cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "streampack.cli", *args]
+    return [sys.executable, "-m", "streampack", *args]
 
 
 def python(code: str, *args: str) -> dict:

@@ -123,7 +123,7 @@ def text_mb(corpus: Path) -> float:
 
 def build(corpus: Path, out: Path, row: Row, args: argparse.Namespace, address: str) -> tuple[float, float]:
     """One build of ``row`` in a fresh process: its wall time and its own timer's."""
-    cmd = [sys.executable, "-m", "streampack.cli", "build", str(corpus), "--tokenizer", TOKENIZERS_GPT2,
+    cmd = [sys.executable, "-m", "streampack", "build", str(corpus), "--tokenizer", TOKENIZERS_GPT2,
            "--out", str(out), "--overwrite", "--unit-mb", str(args.unit_mb), "--threads", "1",
            "--no-progress", *[address if flag == "ADDRESS" else flag for flag in row.flags]]  # fmt: skip
     started = time.perf_counter()
@@ -136,7 +136,7 @@ def build(corpus: Path, out: Path, row: Row, args: argparse.Namespace, address: 
 
 
 def tokens(cache: Path) -> int:
-    info = subprocess.run([sys.executable, "-m", "streampack.cli", "info", str(cache), "--json"],
+    info = subprocess.run([sys.executable, "-m", "streampack", "info", str(cache), "--json"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     return int(json.loads(info.stdout)["num_tokens"])
 

@@ -135,7 +135,7 @@ def train_tokenizer(path: Path) -> Path:
 def build_command(inputs: list[Path], tokenizer: Path, workers: int) -> list[str]:
     """The build, with tiny units, batches and commit intervals so that kills land in every phase."""
     return [
-        sys.executable, "-m", "streampack.cli", "build", *map(str, inputs), "--tokenizer", str(tokenizer),
+        sys.executable, "-m", "streampack", "build", *map(str, inputs), "--tokenizer", str(tokenizer),
         "--workers", str(workers), "--unit-mb", "1", "--batch-chars", "20000", "--commit-seconds", "0",
         "--commit-mb", "0", "--no-progress",
     ]  # fmt: skip

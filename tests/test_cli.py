@@ -148,7 +148,7 @@ def test_second_build_in_same_directory_is_refused(tmp_path: Path, bpe_tokenizer
     cmd = [
         sys.executable,
         "-m",
-        "streampack.cli",
+        "streampack",
         "build",
         str(src),
         "--out",

@@ -34,7 +34,7 @@ def test_file_size_limit_then_resume(tmp_path: Path) -> None:
         "0",
     ]
     limited = subprocess.run(
-        [sys.executable, "-m", "streampack.cli", "build", *args],
+        [sys.executable, "-m", "streampack", "build", *args],
         capture_output=True,
         text=True,
         preexec_fn=lambda: _limit_file_size(1 << 20),

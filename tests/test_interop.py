@@ -460,7 +460,7 @@ def test_a_killed_export_leaves_nothing_a_reader_takes_then_a_rerun_completes(tm
     cmd = [
         sys.executable,
         "-m",
-        "streampack.cli",
+        "streampack",
         "export",
         str(cache),
         "--format",

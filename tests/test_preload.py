@@ -83,3 +83,12 @@ def test_the_command_builds_what_the_library_builds(gpt2_tokenizer: Path, tmp_pa
     assert [k for k in cli if k.startswith("shards")] and {
         k: v for k, v in cli.items() if k.startswith("shards")
     } == {k: v for k, v in lib.items() if k.startswith("shards")}
+
+
+def test_both_module_entries_run_the_command() -> None:
+    helps = [
+        subprocess.run([sys.executable, "-m", module, "build", "--help"], capture_output=True, text=True)
+        for module in ("streampack", "streampack.cli")
+    ]
+    assert [h.returncode for h in helps] == [0, 0]
+    assert helps[0].stdout.splitlines()[1:] == helps[1].stdout.splitlines()[1:]  # but the program's name

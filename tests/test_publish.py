@@ -84,7 +84,7 @@ def test_a_build_to_s3_is_byte_identical_to_a_local_build_and_reads_back(
 def start_cli_build(args: list[str], endpoint: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
     return subprocess.Popen(
-        [sys.executable, "-m", "streampack.cli", "build", *args],
+        [sys.executable, "-m", "streampack", "build", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,

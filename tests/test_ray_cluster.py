@@ -126,7 +126,7 @@ def test_a_node_lost_mid_build_costs_a_rerun_at_most(
     # The reference engine: ~10x slower than the default, so that the units outlast the polling below.
     args = [corpus, "--tokenizer", gpt2_tokenizer, "--unit-mb", "1", "--tokenizer-engine", "tokenizers"]
     ray_args = [*args, "--out", tmp_path / "ray", "--executor", "ray", "--ray-address", two_nodes.address]
-    cmd = [sys.executable, "-m", "streampack.cli", "build", *map(str, ray_args)]
+    cmd = [sys.executable, "-m", "streampack", "build", *map(str, ray_args)]
     build = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -67,7 +67,7 @@ def build_args(inputs: list[Path], out: Path, tokenizer: Path) -> list[str]:
 def kill_at(args: list[str], delay: float) -> bool:
     """Start a build, SIGKILL its whole process group after ``delay`` s; True if it was still running."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streampack.cli", "build", *args],
+        [sys.executable, "-m", "streampack", "build", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -115,11 +115,11 @@ def test_a_killed_sft_build_resumes_to_identical_tokens_and_masks(
         proc.communicate(timeout=60)
     assert not streampack.open(tmp_path / "c", allow_incomplete=True).manifest.complete
     resumed = subprocess.run(
-        [sys.executable, "-m", "streampack.cli", "build", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "streampack", "build", *args], capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stderr
     straight = [*build_args([src], tmp_path / "straight", bpe_tokenizer), "--fields", "prompt,response"]
-    subprocess.run([sys.executable, "-m", "streampack.cli", "build", *straight], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "streampack", "build", *straight], check=True, timeout=300)
     files = shard_bytes(tmp_path / "c")
     assert (
         len([name for name in files if name.endswith(".mask")]) == streampack.open(tmp_path / "c").num_shards
@@ -132,7 +132,7 @@ def test_readers_during_a_build_see_only_committed_documents(tmp_path: Path, bpe
     inputs = make_corpus(tmp_path / "in")
     out = tmp_path / "c"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streampack.cli", "build", *build_args(inputs, out, bpe_tokenizer)],
+        [sys.executable, "-m", "streampack", "build", *build_args(inputs, out, bpe_tokenizer)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -186,7 +186,7 @@ def test_an_interrupted_build_serves_its_committed_prefix(tmp_path: Path, bpe_to
 def start_build(args: list[str], out: Path) -> subprocess.Popen:
     """``streampack build ARGS`` in a session of its own, returned once its first unit has committed."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streampack.cli", "build", *args],
+        [sys.executable, "-m", "streampack", "build", *args],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         start_new_session=True,
@@ -230,12 +230,12 @@ def test_sigterm_stops_a_build_like_ctrl_c(tmp_path: Path, target: str) -> None:
     assert not streampack.open(out, allow_incomplete=True).manifest.complete
 
     resumed = subprocess.run(
-        [sys.executable, "-m", "streampack.cli", "build", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "streampack", "build", *args], capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0 and "resumed" in resumed.stdout, resumed.stderr
     straight = tmp_path / "straight"
     subprocess.run(
-        [sys.executable, "-m", "streampack.cli", "build", *build_args(inputs, straight, Path("bytes"))],
+        [sys.executable, "-m", "streampack", "build", *build_args(inputs, straight, Path("bytes"))],
         check=True,
         capture_output=True,
         timeout=300,

