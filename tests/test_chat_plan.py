@@ -184,3 +184,21 @@ def test_a_batchs_two_kinds_of_ids_are_interleaved_in_order(
         for t, special in zip(texts, templated)
     ]
     assert [ids[a:b].tolist() for a, b in itertools.pairwise(offsets)] == expected
+
+
+def test_an_sft_document_joins_its_batch_at_once_as_piece_by_piece(
+    tmp_path: Path, gpt2_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streampack.tokenizer.pieces import PieceRule
+
+    folder = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", CHATML, CHATML_TOKENS).parent
+    conversations = [
+        [{"role": "user", "content": "q " * (i % 40)}, {"role": "assistant", "content": f"a{i} " * (i % 9)}]
+        for i in range(120)
+    ]
+    src = write_jsonl(tmp_path / "in.jsonl", [{"messages": c} for c in conversations])
+    options = {"tokenizer": str(folder), "chat": "messages", "workers": 1, "batch_chars": 300}
+    streampack.build(src, tmp_path / "at-once", verify_tokens="all", **options)
+    monkeypatch.setattr(PieceRule, "whole_chars", property(lambda self: -1))  # every piece on its own
+    streampack.build(src, tmp_path / "by-piece", verify_tokens="all", **options)
+    assert docs_and_masks(tmp_path / "at-once") == docs_and_masks(tmp_path / "by-piece")
