@@ -39,7 +39,8 @@ SET_BLOCK = (
     "{% set ns = namespace(turns=0) %}{% for m in messages %}"
     "{% if m.role == 'assistant' %}{% set ns.turns = ns.turns + 1 %}{% endif %}"
     "{% set turn %}<{{ m.role }} {{ ns.turns }}>{{ m.content | trim }}</{{ m.role }}>{% endset %}"
-    "{% if m.content is string and 'name' not in m %}{{ turn }}{% endif %}{% endfor %}"
+    "{% if m.content is string and m.content is not mapping and 'name' not in m %}{{ turn }}{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 PROVEN = {"chatml": CHATML, "llama3": LLAMA3, "mistral": MISTRAL, "system": SYSTEM_FIRST, "set": SET_BLOCK}

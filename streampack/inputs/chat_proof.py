@@ -22,9 +22,10 @@ from typing import Any
 
 CLEAN, CONTENT, MESSAGE, MESSAGES = "clean", "content", "message", "messages"
 _CONTENT_KEY = "content"
-# What a type test says of a content (always a string), a message (a dict) or the list of messages.
+# What a type test says of a content (always a string), a message (a dict) or the list of messages: the
+# same for every conversation (``message.content is string or message.content is iterable``).
 _TYPE_TESTS = {
-    CONTENT: {"string", "defined", "undefined", "none"},
+    CONTENT: {"string", "iterable", "sequence", "mapping", "defined", "undefined", "none"},
     MESSAGE: {"mapping", "defined", "undefined", "none"},
     MESSAGES: {"iterable", "sequence", "defined", "undefined", "none"},
 }
