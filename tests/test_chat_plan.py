@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.inputs import sft
-from streampack.inputs.chat_proof import content_only_printed
+from streampack.inputs.chat_proof import Proof, content_only_printed
 from streampack.inputs.sft import ChatError, ChatTemplate
 from tests.conftest import write_jsonl
 from tests.test_sft import CHATML, CHATML_TOKENS, LLAMA3, chat_tokenizer, docs_and_masks
@@ -38,15 +38,28 @@ SYSTEM_FIRST = (
 SET_BLOCK = (
     "{% set ns = namespace(turns=0) %}{% for m in messages %}"
     "{% if m.role == 'assistant' %}{% set ns.turns = ns.turns + 1 %}{% endif %}"
-    "{% set turn %}<{{ m.role }} {{ ns.turns }}>{{ m.content | trim }}</{{ m.role }}>{% endset %}"
+    "{% set turn %}<{{ m.role }}>[{{ ns.turns }}]{{ m.content | trim }}</{{ m.role }}>{% endset %}"
     "{% if m.content is string and m.content is not mapping and 'name' not in m %}{{ turn }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
-PROVEN = {"chatml": CHATML, "llama3": LLAMA3, "mistral": MISTRAL, "system": SYSTEM_FIRST, "set": SET_BLOCK}
+# Qwen 2.5's shape: an assistant turn's content written only where it is not empty (a truth test).
+QWEN = (
+    "{% for m in messages %}{{ '<|im_start|>' + m.role }}"
+    "{% if m.content and not (m.role == 'tool') %}{{ '\n' + m.content }}{% endif %}{{ '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+PROVEN = {
+    "chatml": CHATML,
+    "llama3": LLAMA3,
+    "mistral": MISTRAL,
+    "system": SYSTEM_FIRST,
+    "set": SET_BLOCK,
+    "qwen": QWEN,
+}
 
 UNPROVEN = {
-    "a content tested": "{% for m in messages %}{% if m.content %}{{ m.content }}{% endif %}{% endfor %}",
+    "a content's truth as a value": "{% for m in messages %}{{ m.content or 'empty' }}{% endfor %}",
     "a content compared": "{% for m in messages %}{{ 'x' if m.content == 'a' else 'y' }}{% endfor %}",
     "a content filtered": "{% for m in messages %}{{ m['content'] | upper }}{% endfor %}",
     "a content counted": "{% for m in messages %}{{ m.content | length }}{% endfor %}",
@@ -68,7 +81,8 @@ UNPROVEN = {
         "{{ ns.c }}"
     ),
     "a content in a set block tested": (
-        "{% for m in messages %}{% set t %}{{ m.content }}{% endset %}{% if t %}x{% endif %}{% endfor %}"
+        "{% for m in messages %}{% set t %}{{ m.content }}{% endset %}{% if t | length %}x{% endif %}"
+        "{% endfor %}"
     ),
     "the previous message": "{% for m in messages %}{{ loop.previtem }}{% endfor %}",
     "a recursive loop": "{% for m in messages recursive %}{{ m.role }}{% endfor %}",
@@ -81,18 +95,20 @@ def template(source: str) -> ChatTemplate:
     return ChatTemplate("messages", source, "test", (("bos_token", "<s>"), ("eos_token", "</s>")))
 
 
-def proof(source: str) -> str | None:
+def proof(source: str) -> Proof:
     return content_only_printed(source, sft._compiled(source).environment)
 
 
 @pytest.mark.parametrize("source", PROVEN.values(), ids=PROVEN.keys())
 def test_templates_that_only_print_contents_are_proven(source: str) -> None:
-    assert proof(source) is None
+    found = proof(source)
+    assert found.unproven is None
+    assert found.needs_non_blank == (source == QWEN)  # it tests a content's truth: true of any non-blank
 
 
 @pytest.mark.parametrize("source", UNPROVEN.values(), ids=UNPROVEN.keys())
 def test_templates_in_which_a_content_could_decide_are_not(source: str) -> None:
-    assert proof(source) is not None
+    assert proof(source).unproven is not None
 
 
 def rendered(chat: ChatTemplate, messages: list[dict[str, Any]]) -> Any:
@@ -157,7 +173,7 @@ def test_a_build_renders_once_per_shape_and_gives_the_same_cache(
     streampack.build(src, tmp_path / "planned", tokenizer=str(folder), chat="messages", workers=1)
     assert 0 < len(renders) <= 2 * 6  # two shapes, each a few renders: none per conversation
 
-    monkeypatch.setattr(sft, "_only_prints_contents", lambda source: False)
+    monkeypatch.setattr(sft, "_proof", lambda source: Proof("switched off"))
     streampack.build(src, tmp_path / "rendered", tokenizer=str(folder), chat="messages", workers=1)
     assert len(renders) > 2 * len(conversations)
     assert docs_and_masks(tmp_path / "planned") == docs_and_masks(tmp_path / "rendered")
@@ -203,3 +219,10 @@ def test_an_sft_document_joins_its_batch_at_once_as_piece_by_piece(
     monkeypatch.setattr(PieceRule, "whole_chars", property(lambda self: -1))  # every piece on its own
     streampack.build(src, tmp_path / "by-piece", verify_tokens="all", **options)
     assert docs_and_masks(tmp_path / "at-once") == docs_and_masks(tmp_path / "by-piece")
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3", "mistral", "set", "qwen"])
+def test_a_conversation_of_a_proven_template_is_planned(name: str) -> None:
+    chat = template(PROVEN[name])
+    conversation = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"}]
+    assert sft._plan_of(chat, sft._skeleton_key(conversation)) is not None

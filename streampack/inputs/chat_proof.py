@@ -12,12 +12,19 @@ flows through names (every assignment of a name counts, wherever it is), and eac
 content may be printed, concatenated, assigned, stripped where it is read (``message['content'] | trim``)
 and tested for its type; a message may be read by a constant key, tested for a key (``'tool_calls' in
 message``) or for its type; a list of messages may be iterated, indexed, sliced and counted. Anything else
-(a content in a test, a filter, a call or a comparison; a message printed, passed or serialised; a statement
-this module does not know) leaves the template unproven, and every conversation is rendered as before.
+(a content in a comparison, a filter or a call; a message printed, passed or serialised; a statement this
+module does not know) leaves the template unproven, and every conversation is rendered as before.
+
+One test of a content is allowed, with a condition: its truth (``{% if message.content %}``, as Qwen's
+templates write it), in the test of an ``if``, a loop's filter or a conditional expression, alone or under
+``not``, ``and``, ``or``. A marker is true, and so is every content that is not blank, stripped or not: the
+proof then holds for the conversations whose contents are all not blank (:attr:`Proof.needs_non_blank`),
+and the others are rendered.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 CLEAN, CONTENT, MESSAGE, MESSAGES = "clean", "content", "message", "messages"
@@ -38,14 +45,29 @@ class Unproven(Exception):
     """Where the template may let a content decide what it renders (the message is the reason)."""
 
 
-def content_only_printed(source: str, environment: Any) -> str | None:
-    """None where the contents of the chat template ``source`` (parsed in the Jinja ``environment`` it
-    renders in) are proven only printed (see the module docstring), else why not."""
+@dataclass(frozen=True)
+class Proof:
+    """What the analysis of a template found.
+
+    Attributes:
+        unproven: why the contents may decide what it renders; None where they are proven only printed.
+        needs_non_blank: the proof holds only for conversations whose contents are all not blank (the
+            template tests a content's truth).
+    """
+
+    unproven: str | None
+    needs_non_blank: bool = False
+
+
+def content_only_printed(source: str, environment: Any) -> Proof:
+    """Whether the contents of the chat template ``source`` (parsed in the Jinja ``environment`` it renders
+    in) are proven only printed (see the module docstring)."""
+    analysis = _Analysis()
     try:
-        _Analysis().run(environment.parse(source))
+        analysis.run(environment.parse(source))
     except Unproven as e:
-        return str(e)
-    return None
+        return Proof(str(e))
+    return Proof(None, analysis.tests_truth)
 
 
 class _Analysis:
@@ -54,6 +76,7 @@ class _Analysis:
     def __init__(self) -> None:
         self.names: dict[str, set[str]] = {"messages": {MESSAGES}}
         self.grew = False
+        self.tests_truth = False  # a content's truth is tested (see the module docstring)
 
     def run(self, tree: Any) -> None:
         for _ in range(20):
@@ -77,10 +100,10 @@ class _Analysis:
         if kind == "Output":
             return any(self.printed(n) for n in node.nodes)
         if kind == "If":
-            self.clean(node.test, "an if's test")
+            self.truth(node.test, "an if's test")
             branches = [node.body, *(branch.body for branch in node.elif_), node.else_]
             for branch in node.elif_:
-                self.clean(branch.test, "an elif's test")
+                self.truth(branch.test, "an elif's test")
             return any([self.statements(branch) for branch in branches])
         if kind == "For":
             return self.loop(node)
@@ -117,7 +140,7 @@ class _Analysis:
         else:
             raise Unproven(f"a loop over {_what(over)}")
         if node.test is not None:
-            self.clean(node.test, "a loop's filter")
+            self.truth(node.test, "a loop's filter")
         body = self.statements(node.body)
         return self.statements(node.else_) or body
 
@@ -148,6 +171,18 @@ class _Analysis:
             self.grew = True
 
     # --- expressions ------------------------------------------------------------------------------------
+
+    def truth(self, node: Any, where: str) -> None:
+        """A test, whose value counts only as true or false: a content's truth is allowed (and recorded)."""
+        if type(node).__name__ in ("Not", "And", "Or"):
+            for operand in node.iter_child_nodes():
+                self.truth(operand, where)
+            return
+        kind = self.kind(node)
+        if kind == CONTENT:
+            self.tests_truth = True
+        elif kind != CLEAN:
+            raise Unproven(f"{_what(kind)} in {where}")
 
     def clean(self, node: Any, where: str) -> None:
         kind = self.kind(node)
@@ -254,7 +289,7 @@ class _Analysis:
         return CLEAN
 
     def _CondExpr(self, node: Any) -> str:
-        self.clean(node.test, "a conditional expression's test")
+        self.truth(node.test, "a conditional expression's test")
         kinds = {self.kind(n) for n in (node.expr1, node.expr2) if n is not None}
         if kinds <= {CLEAN, CONTENT}:
             return CONTENT if CONTENT in kinds else CLEAN
