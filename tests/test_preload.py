@@ -47,6 +47,17 @@ def test_a_load_is_taken_once_and_only_for_the_same_bytes(gpt2_tokenizer: Path, 
     assert not preload.start(str(tmp_path / "absent.json")) and not preload.start("tiktoken:x")
 
 
+def test_an_unreadable_file_starts_nothing_and_is_left_to_the_command(
+    gpt2_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(self: Path) -> bytes:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    assert not preload.start(str(gpt2_tokenizer))
+    assert not preload.start("\0")  # a path the OS refuses outright
+
+
 def test_the_tokenizer_takes_the_early_load_and_encodes_as_without(gpt2_tokenizer: Path) -> None:
     text = ["Hello world, this is a test. <|endoftext|> and more", "second"]
     fresh = load_tokenizer(str(gpt2_tokenizer)).encode_batch(text)

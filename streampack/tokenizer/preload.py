@@ -22,14 +22,17 @@ _started: dict[bytes, Future[Any]] = {}
 
 def start(spec: str) -> bool:
     """Start loading the ``tokenizer.json`` that ``spec`` names (the file, or a folder holding one) with
-    fastokens, on a thread of its own; False where there is nothing to start (no such file, or fastokens
-    not installed)."""
+    fastokens, on a thread of its own; False where there is nothing to start (no such file, an unreadable
+    one, or fastokens not installed)."""
     path = Path(spec)
-    if path.is_dir():
-        path = path / "tokenizer.json"
-    if not path.is_file() or importlib.util.find_spec("fastokens") is None:
+    try:
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file() or importlib.util.find_spec("fastokens") is None:
+            return False
+        definition = path.read_bytes()
+    except (OSError, ValueError):  # the command's own load says what is wrong with the file, in its words
         return False
-    definition = path.read_bytes()
     loading: Future[Any] = Future()
     with _lock:
         _started[definition] = loading
