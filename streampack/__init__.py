@@ -16,13 +16,14 @@ side. The protocols users implement and the types they receive live in their nam
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
 from streampack import _aliases
 
 if TYPE_CHECKING:
-    from streampack.builder.coordinator import build
+    from streampack.builder.coordinator import BuildSummary
     from streampack.builder.options import CacheSpec, RunOptions
     from streampack.errors import StreampackError
     from streampack.inputs.records import Documents
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 #: The public names, and the module each is loaded from.
 _PUBLIC = {
-    "build": "streampack.builder.coordinator",
     "open": "streampack.reader",
     "verify": "streampack.reader.verify",
     "which": "streampack.loader.provenance",
@@ -100,6 +100,49 @@ __all__ = [
     "verify",
     "which",
 ]
+
+
+def build(
+    inputs: Any,
+    out: str | os.PathLike[str],
+    *,
+    spec: CacheSpec | None = None,
+    run: RunOptions | None = None,
+    **options: Any,
+) -> BuildSummary:
+    """Build (or resume building) a token cache from ``inputs`` into the directory ``out``.
+
+    Args:
+        inputs: a path, directory, glob or URL, or a list of them; or documents: a Hugging Face
+            ``Dataset``/``IterableDataset``, a generator, or :class:`~streampack.Documents` wrapping any
+            iterable of ``str`` or dicts.
+        out: the cache directory (created if needed), or an fsspec URL (``s3://bucket/prefix``): the
+            build is then made in ``run.staging_dir`` and published there (see
+            :mod:`streampack.builder.publish`).
+        spec: the settings that identify the cache (:class:`~streampack.CacheSpec`).
+        run: how the build runs (:class:`~streampack.RunOptions`).
+        **options: fields of either, by name (``tokenizer="gpt2/tokenizer.json", workers=4``), replacing
+            those of ``spec`` and ``run``.
+
+    Returns:
+        A :class:`~streampack.builder.coordinator.BuildSummary`.
+
+    Raises:
+        StreampackError: bad inputs or records, a tokenizer that cannot load, a cache built with other
+            settings or from other inputs, another build running in ``out``, or a full disk.
+    """
+    # fastokens loads a tokenizer.json (~0.25 s, without the GIL) while the builder is imported (~0.2 s)
+    from streampack.tokenizer import preload
+
+    preload.start(
+        options.get("tokenizer", getattr(spec, "tokenizer", None)),
+        options.get("tokenizer_engine", getattr(run, "tokenizer_engine", "auto")),
+    )
+    from streampack.builder.coordinator import build as build_cache
+    from streampack.builder.options import split_options
+
+    spec, run = split_options(spec, run, options)  # (its warnings name the line that called this)
+    return build_cache(inputs, out, spec=spec, run=run)
 
 
 def __getattr__(name: str) -> Any:

@@ -5,34 +5,30 @@ from __future__ import annotations
 
 import sys
 
-#: The values of ``build --tokenizer-engine`` under which a ``tokenizer.json`` may be encoded by fastokens.
-_FAST_ENGINES = {"auto", "fastokens"}
-
 
 def main() -> None:
     """Console-script entry point: for a ``build`` of a ``tokenizer.json``, fastokens begins to load it on a
     thread of its own (:mod:`streampack.tokenizer.preload`) while the command line is imported (~0.25 s on
     the main thread); then the command runs as :func:`streampack.cli.main` runs it."""
-    tokenizer = fast_tokenizer_named(sys.argv[1:])
-    if tokenizer is not None:
+    named = build_tokenizer_named(sys.argv[1:])
+    if named is not None:
         from streampack.tokenizer import preload
 
-        preload.start(tokenizer)
+        preload.start(*named)
     from streampack.cli import main as run
 
     run()
 
 
-def fast_tokenizer_named(args: list[str]) -> str | None:
-    """The ``--tokenizer`` of a ``build`` command line whose engine may be fastokens; None for any other
+def build_tokenizer_named(args: list[str]) -> tuple[str, str] | None:
+    """The ``--tokenizer`` and ``--tokenizer-engine`` of a ``build`` command line; None for any other
     command line. A guess from the words alone, before the options are parsed: a wrong one costs a load that
     is never taken."""
     if not args or args[0] != "build" or {"-h", "--help"} & set(args):
         return None
     options = dict(_option_values(args[1:]))
     tokenizer = options.get("--tokenizer", options.get("-t"))
-    engine = options.get("--tokenizer-engine", "auto")
-    return tokenizer if tokenizer and engine in _FAST_ENGINES and tokenizer != "bytes" else None
+    return None if tokenizer is None else (tokenizer, options.get("--tokenizer-engine", "auto"))
 
 
 def _option_values(args: list[str]) -> list[tuple[str, str]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import streampack
-from streampack.__main__ import fast_tokenizer_named
+from streampack.__main__ import build_tokenizer_named
 from streampack.tokenizer import load_tokenizer, preload
 from tests.conftest import run_cli, shard_bytes, write_jsonl
 
@@ -21,19 +21,33 @@ pytest.importorskip("fastokens")
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["build", "in.jsonl", "--tokenizer", "tok.json", "--out", "c"], "tok.json"),
-        (["build", "in.jsonl", "-t", "tok", "--out", "c"], "tok"),
-        (["build", "in.jsonl", "--tokenizer=tok.json", "--tokenizer-engine", "fastokens"], "tok.json"),
-        (["build", "in.jsonl", "--tokenizer", "tok.json", "--tokenizer-engine=tokenizers"], None),
-        (["build", "in.jsonl", "--tokenizer", "bytes"], None),
+        (["build", "in.jsonl", "--tokenizer", "tok.json", "--out", "c"], ("tok.json", "auto")),
+        (["build", "in.jsonl", "-t", "tok", "--out", "c"], ("tok", "auto")),
+        (
+            ["build", "in.jsonl", "--tokenizer=tok.json", "--tokenizer-engine", "fastokens"],
+            ("tok.json", "fastokens"),
+        ),
+        (
+            ["build", "in.jsonl", "-t", "tok.json", "--tokenizer-engine=tokenizers"],
+            ("tok.json", "tokenizers"),
+        ),
         (["build", "in.jsonl", "--tokenizer", "tok.json", "--help"], None),
         (["build", "in.jsonl"], None),
         (["info", "--tokenizer", "tok.json"], None),
         ([], None),
     ],
 )
-def test_the_command_line_names_the_tokenizer_to_load_early(args: list[str], named: str | None) -> None:
-    assert fast_tokenizer_named(args) == named
+def test_the_command_line_names_the_tokenizer_to_load_early(
+    args: list[str], named: tuple[str, str] | None
+) -> None:
+    assert build_tokenizer_named(args) == named
+
+
+def test_only_a_tokenizer_json_the_fast_engine_may_run_is_loaded_early(gpt2_tokenizer: Path) -> None:
+    for spec, engine in [(gpt2_tokenizer, "tokenizers"), ("bytes", "auto"), (None, "auto"), (3, "auto")]:
+        assert not preload.start(spec, engine)
+    assert preload.start(gpt2_tokenizer, "fastokens") and preload.start(str(gpt2_tokenizer))  # once
+    assert preload.take(gpt2_tokenizer.read_bytes()) is not None
 
 
 def test_a_load_is_taken_once_and_only_for_the_same_bytes(gpt2_tokenizer: Path, tmp_path: Path) -> None:
@@ -84,6 +98,23 @@ def test_the_preload_imports_nothing_but_the_standard_library() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+def test_the_library_call_loads_early_too(
+    gpt2_tokenizer: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[tuple[object, object]] = []
+    start = preload.start
+
+    def recorded(spec: object, engine: object = "auto") -> bool:
+        started.append((spec, engine))
+        return start(spec, engine)
+
+    monkeypatch.setattr(preload, "start", recorded)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "a few words"}] * 10)
+    streampack.build(src, tmp_path / "c", tokenizer=str(gpt2_tokenizer), workers=1)
+    assert started == [(str(gpt2_tokenizer), "auto")]
+    assert preload.take(gpt2_tokenizer.read_bytes()) is None  # taken by the build's tokenizer
 
 
 def test_the_command_builds_what_the_library_builds(gpt2_tokenizer: Path, tmp_path: Path) -> None:

@@ -113,27 +113,8 @@ def build(
     run: RunOptions | None = None,
     **options: Any,
 ) -> BuildSummary:
-    """Build (or resume building) a token cache from ``inputs`` into the directory ``out``.
-
-    Args:
-        inputs: a path, directory, glob or URL, or a list of them; or documents: a Hugging Face
-            ``Dataset``/``IterableDataset``, a generator, or :class:`~streampack.Documents` wrapping any
-            iterable of ``str`` or dicts.
-        out: the cache directory (created if needed), or an fsspec URL (``s3://bucket/prefix``): the
-            build is then made in ``run.staging_dir`` and published there (see
-            :mod:`streampack.builder.publish`).
-        spec: the settings that identify the cache (:class:`~streampack.CacheSpec`).
-        run: how the build runs (:class:`~streampack.RunOptions`).
-        **options: fields of either, by name (``tokenizer="gpt2/tokenizer.json", workers=4``), replacing
-            those of ``spec`` and ``run``.
-
-    Returns:
-        A :class:`BuildSummary`.
-
-    Raises:
-        StreampackError: bad inputs or records, a tokenizer that cannot load, a cache built with other
-            settings or from other inputs, another build running in ``out``, or a full disk.
-    """
+    """:func:`streampack.build` (see there), once the package's face has started fastokens' load of the
+    tokenizer beside its imports; the command line calls it as it is."""
     spec, run = split_options(spec, run, options)
     remote = RemoteStore(out, run.storage_options) if isinstance(out, str) and is_remote(out) else None
     root = Path(out) if remote is None else Path(run.staging_dir or default_staging_dir(remote.url))

@@ -11,6 +11,7 @@ Only the standard library is imported here: this runs before anything else of th
 from __future__ import annotations
 
 import importlib.util
+import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path
@@ -20,10 +21,17 @@ _lock = threading.Lock()
 _started: dict[bytes, Future[Any]] = {}
 
 
-def start(spec: str) -> bool:
+#: The engine choices under which a ``tokenizer.json`` may be encoded by fastokens.
+FAST_ENGINES = ("auto", "fastokens")
+
+
+def start(spec: object, engine: object = "auto") -> bool:
     """Start loading the ``tokenizer.json`` that ``spec`` names (the file, or a folder holding one) with
-    fastokens, on a thread of its own; False where there is nothing to start (no such file, an unreadable
-    one, or fastokens not installed)."""
+    fastokens, on a thread of its own, where the ``engine`` chosen may be fastokens; False where there is
+    nothing to start (another engine, not a path, no such file, an unreadable one, or fastokens not
+    installed). The options are not checked here: the build checks them."""
+    if engine not in FAST_ENGINES or not isinstance(spec, (str, os.PathLike)) or spec == "bytes":
+        return False
     path = Path(spec)
     try:
         if path.is_dir():
@@ -35,6 +43,8 @@ def start(spec: str) -> bool:
         return False
     loading: Future[Any] = Future()
     with _lock:
+        if definition in _started:  # begun and not taken yet (a build that failed before its load)
+            return True
         _started[definition] = loading
     # Not a daemon: a process that exits waits for the load to end rather than killing the thread inside
     # fastokens' native code, which aborts.
