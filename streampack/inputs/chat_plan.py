@@ -29,8 +29,13 @@ Item = tuple[str, int, bool, bool, bool]
 # Private-use characters around a content's index: no template writes them. A marker padded with spaces
 # tells a content the template strips (its render loses the spaces) from one it prints as given.
 _MARK, _END = "\ue000", "\ue001"
-_MARKER = re.compile(f"{_MARK}([0-9]+){_END}")
+MARKER = re.compile(f"{_MARK}([0-9]+){_END}")
 _PAD = " "
+
+
+def marked(messages: list[dict[str, Any]], pad: str = "") -> list[dict[str, Any]]:
+    """``messages`` with each content replaced by its marker (the message's index), padded with ``pad``."""
+    return [{**m, "content": f"{pad}{_MARK}{i}{_END}{pad}"} for i, m in enumerate(messages)]
 
 
 @dataclass(frozen=True)
@@ -129,13 +134,11 @@ def plan(shape: list[dict[str, Any]], render: Render) -> Plan | None:
 
 def _render(shape: list[dict[str, Any]], prompt: bool, render: Render) -> _Render | None:
     """The render of ``shape`` with its contents as holes; None where the markers cannot be told apart."""
-    marked = [{**m, "content": f"{_MARK}{i}{_END}"} for i, m in enumerate(shape)]
-    padded = [{**m, "content": f"{_PAD}{_MARK}{i}{_END}{_PAD}"} for i, m in enumerate(shape)]
-    plain = _MARKER.split(render(marked, prompt))
+    plain = MARKER.split(render(marked(shape), prompt))
     literals, indexes = plain[::2], [int(i) for i in plain[1::2]]
     if any(i >= len(shape) for i in indexes) or any(_MARK in t or _END in t for t in literals):
         return None
-    text, at, holes = render(padded, prompt), 0, []
+    text, at, holes = render(marked(shape, _PAD), prompt), 0, []
     for literal, index in zip(literals, indexes):
         if not text.startswith(literal, at):
             return None

@@ -33,13 +33,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streampack.errors import MissingDependencyError, TokenizerError
-from streampack.inputs.chat_plan import Plan, plan
+from streampack.inputs.chat_plan import MARKER, Plan, marked, plan
 from streampack.inputs.chat_proof import Proof, content_only_printed
 from streampack.inputs.segments import Segment, Sft
 
@@ -59,7 +58,6 @@ TEMPLATE_TOKENS = (
     "cls_token",
     "mask_token",
 )
-_MARKER = re.compile("\ue000([0-9]+)\ue001")  # private-use characters: no template writes them
 
 
 class ChatError(ValueError):
@@ -183,8 +181,7 @@ class ChatTemplate:
         return self._render_skeleton(messages) if key is None else _skeleton_of(self, key)
 
     def _render_skeleton(self, messages: list[dict[str, Any]]) -> tuple[str, ...]:
-        marked = [{**m, "content": f"\ue000{i}\ue001"} for i, m in enumerate(messages)]
-        return tuple(_MARKER.split(self.render(marked)))
+        return tuple(MARKER.split(self.render(marked(messages))))
 
     def _content_spans(self, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int]]:
         """Where the messages' contents lie in ``full`` (the rest is the template's own text).
