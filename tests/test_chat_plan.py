@@ -226,3 +226,42 @@ def test_a_conversation_of_a_proven_template_is_planned(name: str) -> None:
     chat = template(PROVEN[name])
     conversation = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"}]
     assert sft._plan_of(chat, sft._skeleton_key(conversation)) is not None
+
+
+def test_template_pieces_share_the_reference_instance_one_call_at_a_time(
+    tmp_path: Path, gpt2_tokenizer: Path
+) -> None:
+    """With fastokens as the engine, template pieces are parsed by the reference's own instance, its
+    special-token setting changed only for them: threads checking samples meanwhile still get text-mode ids,
+    and the template pieces get the ids of a separate parse-mode instance; no second instance is loaded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from streampack.tokenizer import load_tokenizer
+
+    pytest.importorskip("fastokens")
+    path = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", CHATML, CHATML_TOKENS)
+    tokenizer = load_tokenizer(str(path.parent))
+    assert tokenizer.engine.name == "fastokens"
+    parsing = HFTokenizer.from_file(str(path))
+    texting = HFTokenizer.from_file(str(path))
+    texting.encode_special_tokens = True
+    templates = [f"<|im_start|>user\n{i}<|im_end|>\n" * 50 for i in range(40)]
+    contents = [f"a <|im_end|> b <|im_start|> {i} " * 50 for i in range(40)]
+    want_templates = [e.ids for e in parsing.encode_batch(templates, add_special_tokens=False)]
+    want_contents = [e.ids for e in texting.encode_batch(contents, add_special_tokens=False)]
+
+    def template(i: int) -> list[int]:
+        return tokenizer._parse_specials([templates[i]])[0].tolist()
+
+    def content(i: int) -> list[int]:
+        return tokenizer.reference_engine().encode_batch([contents[i]])[0].tolist()
+
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            got_templates = pool.map(template, range(40))
+            got_contents = pool.map(content, range(40))
+            assert list(got_templates) == want_templates
+            assert list(got_contents) == want_contents
+    assert tokenizer._parsing is None  # no second instance

@@ -122,6 +122,9 @@ class TokenizersEngine:
         """Encode with ``tok``, a ``tokenizers.Tokenizer`` already set to the special-token rule."""
         self._tok = tok
         self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        # Set by an owner that changes ``tok``'s special-token setting for calls of its own: held by each
+        # call here, and by the owner's calls.
+        self.exclusive: threading.Lock | None = None
         if threads is not None and threads != os.cpu_count():
             self._start_thread_pool(threads)
 
@@ -142,7 +145,11 @@ class TokenizersEngine:
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Engine`."""
-        encodings = self._encode(texts, add_special_tokens=False)
+        if self.exclusive is None:
+            encodings = self._encode(texts, add_special_tokens=False)
+        else:
+            with self.exclusive:
+                encodings = self._encode(texts, add_special_tokens=False)
         # array('I') copies the Python int list in C at ~60% of np.array's cost; this runs under the GIL.
         return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
 

@@ -69,7 +69,7 @@ class HFTokenizer(LibraryTokenizer):
             )
         _text_is_whole(self._tok)
         self._tok.encode_special_tokens = special_tokens == "text"
-        self._parsing: Any = None if special_tokens == "text" else self._tok  # see encode_specials
+        self._parsing: Any = None if special_tokens == "text" else self._tok  # see _parse_specials
         self._parsing_lock = threading.Lock()
         self._template_ids = RecurringTexts(self._parse_specials)
         structure = self._structure()
@@ -88,6 +88,8 @@ class HFTokenizer(LibraryTokenizer):
             refusal=f"{self._path}: fastokens is not known to give this tokenizer's ids",
             started=started,
         )
+        if self._parsing is None and self.engine is not self._reference:
+            self._reference.exclusive = self._parsing_lock  # see _parse_specials
 
     def _structure(self) -> dict[str, Any]:
         """The parts of the definition that decide which cuts keep the tokens (see
@@ -202,18 +204,28 @@ class HFTokenizer(LibraryTokenizer):
         return self._template_ids(texts)
 
     def _parse_specials(self, texts: list[str]) -> list[np.ndarray]:
-        """The ids of ``texts`` with special-token strings as their ids.
+        """The ids of ``texts`` with special-token strings as their ids (chat builds' template pieces).
 
         ``encode_special_tokens`` is a setting of the tokenizer object, shared by the threads encoding with
-        it, so special tokens are parsed by a second instance, loaded on first use (chat builds only).
+        it. Where another engine computes the ids, the reference only checks samples: its calls and these
+        share the object one at a time, the setting changed only for these. Where the reference computes
+        them, special tokens are parsed by a second instance, loaded on first use (0.1 s for GPT-2's).
         """
-        with self._parsing_lock:
-            if self._parsing is None:
-                from tokenizers import Tokenizer as _Tokenizer
+        if self._reference.exclusive is not None:
+            with self._reference.exclusive:
+                self._tok.encode_special_tokens = False
+                try:
+                    encodings = self._tok.encode_batch(texts, add_special_tokens=False)
+                finally:
+                    self._tok.encode_special_tokens = True
+        else:
+            with self._parsing_lock:
+                if self._parsing is None:
+                    from tokenizers import Tokenizer as _Tokenizer
 
-                self._parsing = _Tokenizer.from_str(self._definition.decode("utf-8"))
-                _text_is_whole(self._parsing)
-        encodings = self._parsing.encode_batch(texts, add_special_tokens=False)
+                    self._parsing = _Tokenizer.from_str(self._definition.decode("utf-8"))
+                    _text_is_whole(self._parsing)
+            encodings = self._parsing.encode_batch(texts, add_special_tokens=False)
         return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
 
     @property
