@@ -65,30 +65,43 @@ class _Render:
 class Plan:
     """One shape's segments: its items, each a literal text or a content to fill in, a target or not."""
 
-    __slots__ = ("_alternating", "_holes", "_kinds", "_targets", "_templates", "_texts")
+    __slots__ = ("_alternating", "_holes", "_kinds", "_literals", "_texts")
 
     def __init__(self, items: list[Item]) -> None:
         """A plan of ``items`` in order (see :data:`Item`)."""
         self._texts = [literal for literal, *_ in items]
         self._holes = [
-            (k, index, stripped) for k, (_, index, stripped, _, _) in enumerate(items) if index >= 0
+            (k, index, stripped, target, template)
+            for k, (_, index, stripped, target, template) in enumerate(items)
+            if index >= 0
         ]
-        self._targets = [target for *_, target, _ in items]
-        self._templates = [template for *_, template in items]
-        self._kinds = list(zip(self._targets, self._templates))
-        # Where no two neighbours are alike, the items are the segments whenever every content is
-        # non-empty (literals never are): the common case, made without joining runs.
-        self._alternating = all(a != b for a, b in itertools.pairwise(self._kinds))
+        self._kinds = [(target, template) for *_, target, template in items]
+        # Where no two neighbours are alike and no literal is empty, the items are the segments whenever
+        # every content is non-empty: the common case, made without joining runs, the literals' segments
+        # made once.
+        self._alternating = all(a != b for a, b in itertools.pairwise(self._kinds)) and all(
+            literal for literal, index, *_ in items if index < 0
+        )
+        self._literals = [Segment(text, *kind) for text, kind in zip(self._texts, self._kinds)]
 
     def segments(self, messages: list[dict[str, Any]]) -> Sft:
         """The segments of a conversation of this plan's shape: its runs of texts alike (a target or not,
         the template's or not), as :func:`streampack.inputs.sft._runs` cuts the render."""
+        if self._alternating:
+            segments = self._literals.copy()
+            for k, index, stripped, target, template in self._holes:
+                content = messages[index]["content"]
+                if stripped:
+                    content = content.strip()
+                if not content:
+                    break
+                segments[k] = Segment(content, target, template)
+            else:
+                return tuple(segments)
         texts = self._texts.copy()
-        for k, index, stripped in self._holes:
+        for k, index, stripped, *_ in self._holes:
             content = messages[index]["content"]
             texts[k] = content.strip() if stripped else content
-        if self._alternating and all(texts):
-            return tuple(map(Segment, texts, self._targets, self._templates))
         return _runs(texts, self._kinds)
 
 
