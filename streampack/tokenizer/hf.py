@@ -35,6 +35,7 @@ class HFTokenizer(LibraryTokenizer):
 
     _kind = "a tokenizer.json"
     _wrong_library = "tiktoken"
+    _reference: TokenizersEngine
 
     def __init__(
         self,
