@@ -38,13 +38,17 @@ class Run:
     mixed: bool
     trained: list[list[tuple[int, int]]] = field(default_factory=list)  # per step, (source, sample) rows
     spans: list[tuple[int, int]] = field(default_factory=list)  # per step, its positions [lo, hi)
+    ends: list[tuple[int, ...]] = field(default_factory=list)  # per step, each source's samples read by then
     saved: dict[int, dict[str, Any]] = field(default_factory=dict)  # data state after each step
+    # the samples of each source read up to each saved state, along the states' own history
+    read: dict[int, tuple[int, ...]] = field(default_factory=dict)
     jumps: set[int] = field(default_factory=set)  # steps where the data did not continue the model's
     loaders: list[Loader] = field(default_factory=list)  # one per rank, this leg
 
     def start(self, batch: int, world: int, weights: tuple[int, int]) -> None:
         self.loaders = [self._loader(batch, world, rank, weights) for rank in range(world)]
         self.saved[0] = self.loaders[0].state_dict()
+        self.read[0] = (0,) * len(SIZES)
 
     def _loader(self, batch: int, world: int, rank: int, weights: tuple[int, int]) -> Loader:
         data = sources()
@@ -61,19 +65,26 @@ class Run:
             self.trained.append([(int(s), int(i)) for s, i in rows])
             self.spans.append((before, self.loaders[0].position))
             self.saved[len(self.trained)] = json.loads(json.dumps(self.loaders[0].state_dict()))
+            sources = [int(s) if self.mixed else 0 for s, _ in rows]
+            previous = self.read[len(self.trained) - 1]
+            self.read[len(self.trained)] = tuple(n + sources.count(j) for j, n in enumerate(previous))
+            self.ends.append(self.read[len(self.trained)])
 
     def resume(self, model: int, data: int, batch: int, world: int, weights: tuple[int, int]) -> None:
         """The model resumes from its checkpoint at step ``model`` (what it trained after is lost), the
         data from the state saved after step ``data``."""
-        state = self.saved[data]
-        del self.trained[model:], self.spans[model:]
+        state, read = self.saved[data], self.read[data]
+        del self.trained[model:], self.spans[model:], self.ends[model:]
         self.jumps = {step for step in self.jumps if step < model}
-        if state["position"] != (self.spans[-1][1] if self.spans else 0):
+        # A jump: the data state's sources were read to other places than where the model's last step left
+        # them. In a mixture that may be at the same global position, reached under other weights.
+        if read != (self.ends[-1] if self.ends else (0,) * len(SIZES)):
             self.jumps.add(model)
         self.loaders = [self._loader(batch, world, rank, weights) for rank in range(world)]
         for loader in self.loaders:
             loader.load_state_dict(state, step=model)
         self.saved = {model: self.loaders[0].state_dict()}
+        self.read = {model: read}
 
     def served(self) -> dict[str, list[int]]:
         found: dict[str, list[int]] = {name: [] for name in (SIZES if self.mixed else ["data"])}
@@ -125,6 +136,17 @@ LEG = st.tuples(
         (3, (8, 4), (3, 1)),
     ],
     picks=[(0.0, 0.45, False), (0.67, 0.5, False), (0.86, 0.0, False), (0.0, 0.45, False)],
+)
+@example(  # a data state at the model's global position, reached under other weights (other cursors)
+    mixed=True,
+    legs=[
+        (6, (4, 2), (2, 2)),
+        (5, (6, 2), (2, 3)),
+        (6, (8, 4), (1, 1)),
+        (5, (8, 4), (1, 3)),
+        (2, (6, 2), (2, 2)),
+    ],
+    picks=[(0.0, 0.52, False), (0.99, 0.43, False), (0.56, 0.03, False), (0.0, 0.52, False)],
 )
 @example(  # a replay that a resume jumping forward, short of what was served, does not end
     mixed=True,
