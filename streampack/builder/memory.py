@@ -9,8 +9,8 @@ build runs: 345 MB x 4 (GPT-2, 2 cores) peaked at 1.15-1.25x the RSS of 345 MB. 
 2 MiB, with a trim threshold of 64 MiB (so that an arena is not given back and taken again at every
 block), held it to 1.05-1.09x at the same speed (with a threshold of 1 MiB, mapping and faulting in those
 buffers cost 0.8 s more system time). A top pad of 64 MiB (the default is 128 KiB) grows an arena by that
-much at a time rather than by each buffer's size: 345 MB x 4 took 90,000 page faults where it took 130,000,
-0.15-0.2 s less system time and 0.97x the wall time.
+much at a time rather than by each buffer's size: 345 MB x 4 took 90,000 page faults where it took 130,000
+and 0.15-0.2 s less system time, at 0.975-0.995x the wall time (two paired runs) and the same peak RSS.
 """
 
 from __future__ import annotations
