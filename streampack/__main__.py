@@ -1,15 +1,20 @@
-"""The ``streampack`` command (and ``python -m streampack``): it starts what a build will first wait on, then
-imports and runs the command line (:mod:`streampack.cli`)."""
+"""The ``streampack`` command (and ``python -m streampack``): it keeps numpy's BLAS threads from starting
+(:mod:`streampack._blas`), starts what a build will first wait on, then imports and runs the command line
+(:mod:`streampack.cli`)."""
 
 from __future__ import annotations
 
 import sys
 
+from streampack._blas import no_blas_threads
+
 
 def main() -> None:
-    """Console-script entry point: for a ``build`` of a ``tokenizer.json``, fastokens begins to load it on a
-    thread of its own (:mod:`streampack.tokenizer.preload`) while the command line is imported (~0.25 s on
-    the main thread); then the command runs as :func:`streampack.cli.main` runs it."""
+    """Console-script entry point: numpy's BLAS threads kept from starting; for a ``build`` of a
+    ``tokenizer.json``, fastokens begins to load it on a thread of its own
+    (:mod:`streampack.tokenizer.preload`) while the command line is imported (~0.25 s on the main thread);
+    then the command runs as :func:`streampack.cli.main` runs it."""
+    no_blas_threads()
     named = build_tokenizer_named(sys.argv[1:])
     if named is not None:
         from streampack.tokenizer import preload

@@ -30,6 +30,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from streampack._blas import children_without_blas_threads
 from streampack.errors import MissingDependencyError, OptionsError, StreampackError, WorkerDiedError
 
 ProgressFn = Callable[[dict[str, int]], None]
@@ -123,7 +124,8 @@ class _WorkerProcess(multiprocessing.context.SpawnProcess):
         main = sys.modules["__main__"]
         sys.modules["__main__"] = types.ModuleType("__main__")
         try:
-            super().start()
+            with children_without_blas_threads():
+                super().start()
         finally:
             sys.modules["__main__"] = main
 
