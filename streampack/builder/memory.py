@@ -16,7 +16,6 @@ and 0.15-0.2 s less system time, at 0.975-0.995x the wall time (two paired runs)
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import sys
 
@@ -35,7 +34,9 @@ def steady_allocator() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # the C library this process runs on, by its global symbols: ctypes.util.find_library runs
+        # `ldconfig -p` in a subprocess (1.5-5 ms at a build's start; 40 ms beside a thread holding the GIL)
+        libc = ctypes.CDLL(None)
         gnu_get_libc_version = libc.gnu_get_libc_version  # glibc's alone: musl's mallopt does nothing
         mallopt = libc.mallopt
     except (OSError, AttributeError):
