@@ -131,7 +131,7 @@ def build(
         StreampackError: bad inputs or records, a tokenizer that cannot load, a cache built with other
             settings or from other inputs, another build running in ``out``, or a full disk.
     """
-    # fastokens loads a tokenizer.json (~0.25 s, without the GIL) while the builder is imported (~0.2 s)
+    # fastokens loads the tokenizer (~0.25-1.1 s, without the GIL) while the builder is imported (~0.2 s)
     from streampack.tokenizer import preload
 
     preload.start(

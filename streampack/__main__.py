@@ -11,7 +11,7 @@ from streampack._blas import no_blas_threads
 
 def main() -> None:
     """Console-script entry point: numpy's BLAS threads kept from starting; for a ``build`` of a
-    ``tokenizer.json``, fastokens begins to load it on a thread of its own
+    ``tokenizer.json`` (or of cl100k/o200k-pattern ranks), fastokens begins to load it on a thread of its own
     (:mod:`streampack.tokenizer.preload`) while the command line is imported (~0.25 s on the main thread);
     then the command runs as :func:`streampack.cli.main` runs it."""
     no_blas_threads()

@@ -13,7 +13,7 @@ import pytest
 import streampack
 from streampack.__main__ import build_tokenizer_named
 from streampack.tokenizer import load_tokenizer, preload
-from tests.conftest import run_cli, shard_bytes, write_jsonl
+from tests.conftest import TIKTOKEN_GPT2, run_cli, shard_bytes, write_jsonl
 
 pytest.importorskip("fastokens")
 
@@ -134,3 +134,53 @@ def test_both_module_entries_run_the_command() -> None:
     ]
     assert [h.returncode for h in helps] == [0, 0]
     assert helps[0].stdout.splitlines()[1:] == helps[1].stdout.splitlines()[1:]  # but the program's name
+
+
+def _cl100k() -> Path:
+    path = TIKTOKEN_GPT2.with_name("cl100k_base.tiktoken")
+    if not path.exists():
+        pytest.skip(f"{path} is absent (../shared/data)")
+    return path
+
+
+def test_a_tiktoken_encoding_fastokens_reads_itself_is_loaded_early(tmp_path: Path) -> None:
+    """cl100k's ranks (split by hand-written code, read by fastokens itself) load early; GPT-2's ranks
+    (written as a tokenizer.json first), other engines and ranks without a usable sidecar do not."""
+    pytest.importorskip("tiktoken")
+    ranks = _cl100k()
+    assert not preload.start(f"tiktoken:{TIKTOKEN_GPT2}")
+    assert not preload.start(f"tiktoken:{ranks}", "tiktoken")
+    for sidecar in [None, "{not json", '{"special_tokens": {}}', '{"pat_str": "\\\\w+"}']:
+        copy = tmp_path / "enc.tiktoken"
+        copy.write_bytes(ranks.read_bytes())
+        copy.with_suffix(".json").unlink(missing_ok=True)
+        if sidecar is not None:
+            copy.with_suffix(".json").write_text(sidecar)
+        assert not preload.start(f"tiktoken:{copy}"), sidecar
+    definition = ranks.read_bytes() + ranks.with_suffix(".json").read_bytes()
+    assert preload.start(f"tiktoken:{ranks}")
+    early = preload.take(definition)
+    assert early is not None and early.result().encode_batch_flat(["a b"], add_special_tokens=False)
+
+
+def test_the_tiktoken_tokenizer_takes_the_early_load_and_encodes_as_without() -> None:
+    pytest.importorskip("tiktoken")
+    ranks = _cl100k()
+    text = ["Hello world, this is a test. <|endoftext|> and more", "second’s line"]
+    fresh = load_tokenizer(f"tiktoken:{ranks}").encode_batch(text)
+    assert preload.start(f"tiktoken:{ranks}")
+    early = load_tokenizer(f"tiktoken:{ranks}")
+    assert preload.take(ranks.read_bytes() + ranks.with_suffix(".json").read_bytes()) is None  # taken
+    assert early.engine.name == "fastokens"
+    assert [a.tolist() for a in early.encode_batch(text)] == [a.tolist() for a in fresh]
+
+
+def test_the_command_builds_a_tiktoken_cache_as_the_library_does(tmp_path: Path) -> None:
+    pytest.importorskip("tiktoken")
+    spec = f"tiktoken:{_cl100k()}"
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"document {i} " * (i % 50 + 1)} for i in range(300)])
+    run_cli("build", src, "--tokenizer", spec, "--out", tmp_path / "cli")
+    streampack.build(src, tmp_path / "lib", tokenizer=spec)
+    cli, lib = shard_bytes(tmp_path / "cli"), shard_bytes(tmp_path / "lib")
+    shards = {k: v for k, v in cli.items() if k.startswith("shards")}
+    assert shards and shards == {k: v for k, v in lib.items() if k.startswith("shards")}

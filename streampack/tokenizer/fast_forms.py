@@ -31,7 +31,6 @@ from streampack.tokenizer.pieces import (
     O200K_CASELESS,
     O200K_LISTED,
 )
-from streampack.tokenizer.tiktoken_json import byte_level_json
 
 
 @dataclass(frozen=True)
@@ -74,10 +73,23 @@ def load_fast_tiktoken(
         special_tokens: its special tokens and their ids.
     """
     if pattern in GPT2_SPLIT_PATTERNS:
+        # imported here: the preload imports this module before the command's imports, orjson among them
+        from streampack.tokenizer.tiktoken_json import byte_level_json
+
         return fastokens.Tokenizer.from_json_str(byte_level_json(ranks, special_tokens))
     split = fast_split(pattern)
+    if split is None:
+        return fastokens.Tokenizer.from_tiktoken(
+            str(ranks_file), pattern=pattern, special_tokens=dict(special_tokens)
+        )
+    return load_split_tiktoken(fastokens, ranks_file, split, special_tokens)
+
+
+def load_split_tiktoken(
+    fastokens: Any, ranks_file: Path, split: FastSplit, special_tokens: Mapping[str, int]
+) -> Any:
+    """The ``fastokens.Tokenizer`` of a tiktoken encoding whose split it runs by hand-written code
+    (``split``): ``from_tiktoken``, which reads the ranks file itself, without the GIL."""
     return fastokens.Tokenizer.from_tiktoken(
-        str(ranks_file),
-        pattern=pattern if split is None else split.pattern,
-        special_tokens=dict(special_tokens),
+        str(ranks_file), pattern=split.pattern, special_tokens=dict(special_tokens)
     )
