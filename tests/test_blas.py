@@ -41,7 +41,8 @@ def _run(code: str, **env: str) -> tuple[int, str | None]:
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS starts no thread of its own on one core")
 def test_numpy_alone_starts_blas_threads_that_the_command_does_not() -> None:
     plain = 'import os, numpy; print(len(os.listdir("/proc/self/task")), None)'
-    assert _run(plain)[0] > 1  # what the command prevents (else this test could not fail)
+    if _run(plain)[0] == 1:  # what the command prevents (where it happens, this test can fail)
+        pytest.skip("this numpy's BLAS starts no threads at import")
     assert _run(_COMMAND) == (1, "1")
 
 
@@ -68,7 +69,8 @@ def _started(process_class: type[multiprocessing.process.BaseProcess]) -> tuple[
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="OpenBLAS starts no thread of its own on one core")
 def test_a_build_worker_process_starts_no_blas_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
-    assert _started(multiprocessing.get_context("spawn").Process)[0] > 1  # a plain spawned process
+    if _started(multiprocessing.get_context("spawn").Process)[0] == 1:  # a plain spawned process
+        pytest.skip("this numpy's BLAS starts no threads at import")
     assert _started(executors._WorkerProcess) == (1, "1")
     assert "OPENBLAS_NUM_THREADS" not in os.environ  # this process's environment is as it was
 
