@@ -117,14 +117,17 @@ def test_the_library_call_loads_early_too(
     assert preload.take(gpt2_tokenizer.read_bytes()) is None  # taken by the build's tokenizer
 
 
-def test_the_command_builds_what_the_library_builds(gpt2_tokenizer: Path, tmp_path: Path) -> None:
+def _command_builds_what_the_library_builds(spec: str, tmp_path: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"document {i} " * (i % 50 + 1)} for i in range(300)])
-    run_cli("build", src, "--tokenizer", gpt2_tokenizer, "--out", tmp_path / "cli")
-    streampack.build(src, tmp_path / "lib", tokenizer=str(gpt2_tokenizer))
+    run_cli("build", src, "--tokenizer", spec, "--out", tmp_path / "cli")
+    streampack.build(src, tmp_path / "lib", tokenizer=spec)
     cli, lib = shard_bytes(tmp_path / "cli"), shard_bytes(tmp_path / "lib")
-    assert [k for k in cli if k.startswith("shards")] and {
-        k: v for k, v in cli.items() if k.startswith("shards")
-    } == {k: v for k, v in lib.items() if k.startswith("shards")}
+    shards = {k: v for k, v in cli.items() if k.startswith("shards")}
+    assert shards and shards == {k: v for k, v in lib.items() if k.startswith("shards")}
+
+
+def test_the_command_builds_what_the_library_builds(gpt2_tokenizer: Path, tmp_path: Path) -> None:
+    _command_builds_what_the_library_builds(str(gpt2_tokenizer), tmp_path)
 
 
 def test_both_module_entries_run_the_command() -> None:
@@ -177,10 +180,4 @@ def test_the_tiktoken_tokenizer_takes_the_early_load_and_encodes_as_without() ->
 
 def test_the_command_builds_a_tiktoken_cache_as_the_library_does(tmp_path: Path) -> None:
     pytest.importorskip("tiktoken")
-    spec = f"tiktoken:{_cl100k()}"
-    src = write_jsonl(tmp_path / "in.jsonl", [{"text": f"document {i} " * (i % 50 + 1)} for i in range(300)])
-    run_cli("build", src, "--tokenizer", spec, "--out", tmp_path / "cli")
-    streampack.build(src, tmp_path / "lib", tokenizer=spec)
-    cli, lib = shard_bytes(tmp_path / "cli"), shard_bytes(tmp_path / "lib")
-    shards = {k: v for k, v in cli.items() if k.startswith("shards")}
-    assert shards and shards == {k: v for k, v in lib.items() if k.startswith("shards")}
+    _command_builds_what_the_library_builds(f"tiktoken:{_cl100k()}", tmp_path)
