@@ -27,6 +27,7 @@ RAW = "raw limit (baseline)"
 FAST_RAW = "raw limit of the fast engine"
 FAST_AS_BUILT = "the fast engine as a build calls it"  # two calls at once, a thread each, 1 MiB batches
 PIECES = "reference: raw call over the build's pieces"
+NO_ENGINE = "the build without its engine"  # _build_without_engine.py: the engine's calls stubbed, no check
 BUILD = "streampack build"  # --tokenizer-engine <the tokenizer's own library>
 AUTO = "streampack build, auto engine"  # no --tokenizer-engine: the default
 BUILT_SECONDS = re.compile(r"^built .*, ([0-9.]+) s\b")  # the build's summary line
@@ -223,6 +224,18 @@ def own_seconds(stdout: str) -> float | None:
         found = BUILT_SECONDS.match(line)
         if found:
             return float(found.group(1))
+    return None
+
+
+def stage_cpu(stages: list[str], timing: str) -> float | None:
+    """The CPU seconds of ``timing`` (its row's last cell) in a ``--profile`` stage table, if it has it."""
+    for line in stages:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] == timing:
+            try:
+                return float(cells[-1])
+            except ValueError:
+                return None
     return None
 
 

@@ -53,6 +53,7 @@ from _build_rows import (
     FAST_RAW,
     HERE,
     KIND,
+    NO_ENGINE,
     PIECES,
     RAW,
     REPO,
@@ -63,6 +64,7 @@ from _build_rows import (
     log,
     median_of,
     raw_limit,
+    stage_cpu,
     streampack_build,
     streampack_cli,
 )
@@ -292,6 +294,8 @@ def group_goals(
                 f"- {kind}: the same ÷ fastokens called as the build calls it (two one-thread calls at once, "
                 f"1 MiB batches; its fastest way here) at {steady.scale}x: {ratio:.2f} (no goal)"
             )
+        bare = next((r for r in group if r.method == NO_ENGINE and r.scale == steady.scale), None)
+        out += cpu_bound(kind, steady, bare, fast.get((backend, steady.scale)))
     scaled = {r.scale: r for r in group if r.method == AUTO}
     small, big = scaled.get(min(scaled, default=0)), scaled.get(max(scaled, default=0))
     if small is not None and big is not None and big is not small and small.peak_rss_mb and big.peak_rss_mb:
@@ -299,6 +303,31 @@ def group_goals(
         what = f"{kind}: auto build peak RSS {big.scale}x / {small.scale}x"
         out.append(_goal(what, growth, "≤", RSS_SCALE_GOAL))
     return out
+
+
+def cpu_bound(kind: str, build: Row, bare: Row | None, fast_tps: float | None) -> list[str]:
+    """What the build's CPU allows on this machine's cores: its processes' CPU seconds (``--profile``, the
+    median run) spread over every core at once is the least wall time it can take, whatever its threads
+    overlap; that bound against the fast engine's raw limit, and how much of the CPU lies outside the engine
+    (the build without its engine)."""
+    cpu, cores = stage_cpu(build.stages, "all processes"), os.cpu_count() or 1
+    if cpu is None or not build.tokens or not fast_tps:
+        return []
+    least = cpu / cores
+    bare_cpu = None if bare is None else stage_cpu(bare.stages, "all processes")
+    outside = (
+        ""
+        if bare_cpu is None or bare is None
+        else (
+            f"; the build without its engine (its calls stubbed, no check) took {bare_cpu:.1f} CPU s and "
+            f"{seconds(bare.wall_s)} s wall"
+        )
+    )
+    return [
+        f"- {kind}: CPU at {build.scale}x: the build's processes took {cpu:.1f} CPU s (`--profile`, its "
+        f"median run){outside}; on {cores} cores a build of {cpu:.1f} CPU s takes at least {least:.2f} s: "
+        f"at most {build.tokens / least / fast_tps:.2f} of the fast engine's raw limit (a bound; no goal)"
+    ]
 
 
 def same_tokens(kind: str, group: list[Row]) -> list[str]:
@@ -454,8 +483,22 @@ def measure_group(
         build = functools.partial(build_once, auto=True, scale=scale)
         limit = functools.partial(_scaled_raw_limit, backend, scaled[scale], source, scale)
         as_built = functools.partial(_scaled_raw_limit, backend, scaled[scale], source, scale, as_built=True)
-        rows += paired(args.repeats, build, limit, as_built)
+        bare = functools.partial(_build_without_engine, cli, backend, spec, scaled[scale], scale, tmp)
+        rows += paired(args.repeats, build, limit, as_built, bare)
     return rows
+
+
+def _build_without_engine(cli: Cli, backend: str, spec: str, corpus: Corpus, scale: int, tmp: Path) -> Row:
+    """The build with its engine's calls stubbed (``_build_without_engine.py``): what the rest of it costs.
+    Its ids are not the tokenizer's, so it shows no tokens per second."""
+    bare = Cli([sys.executable, str(HERE / "_build_without_engine.py")], cli.why_not, cli.profile)
+    out = tmp / "streampack-out"
+    unchecked = ["--verify-tokens", "none"]
+    row = streampack_build(bare, backend, spec, corpus, scale, out, auto=True, extra=unchecked)
+    row.method, row.engine, row.tokens = NO_ENGINE, "none (ids stubbed)", None
+    cpu = fmt(stage_cpu(row.stages, "all processes"), ".2f")
+    row.note = f"{scale}x corpus; fastokens' calls give zeros, no sampled check; {cpu} CPU s (all processes)"
+    return row
 
 
 def _scaled_raw_limit(backend: str, corpus: Corpus, source: str, scale: int, as_built: bool = False) -> Row:
@@ -465,26 +508,33 @@ def _scaled_raw_limit(backend: str, corpus: Corpus, source: str, scale: int, as_
 
 
 def paired(
-    repeats: int, build: Callable[[], Row], fast_raw: Callable[[], Row], as_built: Callable[[], Row]
+    repeats: int,
+    build: Callable[[], Row],
+    fast_raw: Callable[[], Row],
+    as_built: Callable[[], Row],
+    without_engine: Callable[[], Row],
 ) -> list[Row]:
-    """A build, the fast engine's raw limit on the same texts and the engine called as the build calls it,
-    in turn (each repeat starting one later); the build's ratios to the two, the medians of the per-repeat
-    ratios (the second in the note of the engine's row as the build calls it)."""
-    runs: list[list[Row]] = [[], [], []]
+    """A build, the fast engine's raw limit on the same texts, the engine called as the build calls it and
+    the build without its engine, in turn (each repeat starting one later); the build's ratios to the
+    second and third, the medians of the per-repeat ratios (the second in the note of the engine's row as
+    the build calls it)."""
+    runners = (build, fast_raw, as_built, without_engine)
+    runs: list[list[Row]] = [[] for _ in runners]
     ratios: list[list[float]] = [[], []]
     for i in range(repeats):
-        order = [(i + k) % 3 for k in range(3)]
-        done = dict(zip(order, [(build, fast_raw, as_built)[j]() for j in order]))
-        for j in range(3):
-            runs[j].append(done[j])
+        order = [(i + k) % len(runners) for k in range(len(runners))]
+        done = dict(zip(order, [runners[j]() for j in order]))
+        for j, run_rows in enumerate(runs):
+            run_rows.append(done[j])
         b = done[0].tokens_per_s
         for j in (1, 2):
-            if b and done[j].tokens_per_s:
-                ratios[j - 1].append(b / done[j].tokens_per_s)
-    row, limit, engine = (median_of(r) for r in runs)
+            other = done[j].tokens_per_s
+            if b and other:
+                ratios[j - 1].append(b / other)
+    row, limit, engine, bare = (median_of(r) for r in runs)
     row.fast_ratio = _median_noted(row, ratios[0], "÷ fast engine's raw limit on the same texts")
     engine.build_over = _median_noted(engine, ratios[1], "the build ÷ this")
-    return [row, limit, engine]
+    return [row, limit, engine, bare]
 
 
 def measure_peers(args: argparse.Namespace, corpus: Corpus, tmp: Path) -> list[Row]:
