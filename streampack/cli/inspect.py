@@ -25,7 +25,7 @@ from streampack.reader.verify import verify as verify_cache
 from streampack.store.files import upgrade_manifest
 from streampack.store.localcopy import CachedStore
 from streampack.store.remote import is_remote
-from streampack.tokenizer.backends import Tokenizer, load_tokenizer
+from streampack.tokenizer.backends import TIKTOKEN_PREFIX, Tokenizer, load_tokenizer
 
 
 @click.command()
@@ -245,7 +245,7 @@ def _decoder(cache: Cache, given: str | None) -> Tokenizer:
     """
     built_with = cache.manifest.tokenizer
     spec = given or built_with.spec or "bytes"
-    path = spec.removeprefix("tiktoken:")
+    path = spec.removeprefix(TIKTOKEN_PREFIX)
     if given is None and spec != "bytes" and not Path(path).exists():
         where = (
             "which no longer exists"

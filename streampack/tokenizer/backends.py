@@ -34,6 +34,7 @@ from streampack.tokenizer.engines import (  # noqa: F401  (the private helpers t
 )
 from streampack.tokenizer.hf import _JSON_SPACE, HFTokenizer, _json_member  # noqa: F401
 from streampack.tokenizer.load import load_tokenizer
+from streampack.tokenizer.preload import TIKTOKEN_PREFIX
 from streampack.tokenizer.proofs import (  # noqa: F401
     _ADDED_FLAGS,
     _byte_level_problem,
@@ -50,6 +51,7 @@ __all__ = [
     "ENGINE_CHOICES",
     "EOS_NAMES",
     "SPECIAL_TOKENS",
+    "TIKTOKEN_PREFIX",
     "BosPolicy",
     "BytesEngine",
     "BytesTokenizer",

@@ -243,8 +243,9 @@ class HFTokenizer(LibraryTokenizer):
 def _load_fastokens(definition: bytes, fastokens: Any) -> Any:
     """The ``fastokens.Tokenizer`` of a ``tokenizer.json``'s bytes: the one the command began to load before
     its imports (:mod:`streampack.tokenizer.preload`) if it loaded these bytes, else a new one."""
-    early = preload.take(definition)
-    return fastokens.Tokenizer.from_json_str(definition.decode("utf-8")) if early is None else early.result()
+    return preload.taken_or_loaded(
+        definition, lambda: fastokens.Tokenizer.from_json_str(definition.decode("utf-8"))
+    )
 
 
 def _json_member(text: str, key: str) -> Any:

@@ -21,6 +21,7 @@ from streampack.tokenizer.base import Tokenizer
 from streampack.tokenizer.bytes import BytesTokenizer
 from streampack.tokenizer.choices import ENGINE_CHOICES, SPECIAL_TOKENS, SpecialTokens, TokenizerEngine
 from streampack.tokenizer.hf import HFTokenizer
+from streampack.tokenizer.preload import TIKTOKEN_PREFIX
 from streampack.tokenizer.tiktoken import TiktokenTokenizer
 
 
@@ -46,7 +47,7 @@ def _load_bytes(
 #: A SPEC that is one of these names is loaded by its loader.
 NAMED: dict[str, Loader] = {"bytes": _load_bytes}
 #: Else, a SPEC that starts with one of these prefixes is loaded by its loader (given the whole SPEC).
-PREFIXED: dict[str, Loader] = {"tiktoken:": TiktokenTokenizer}
+PREFIXED: dict[str, Loader] = {TIKTOKEN_PREFIX: TiktokenTokenizer}
 #: Else, the SPEC is a ``tokenizer.json`` path or a folder holding one.
 DEFAULT: Loader = HFTokenizer
 

@@ -99,6 +99,13 @@ def take(definition: bytes) -> Future[Any] | None:
         return _started.pop(definition, None)
 
 
+def taken_or_loaded(definition: bytes, load: Callable[[], Any]) -> Any:
+    """The ``fastokens.Tokenizer`` :func:`start` began to load from exactly these bytes (or the error it
+    raised), else ``load()``'s: where a tokenizer's fastokens load takes the command's early one."""
+    early = take(definition)
+    return load() if early is None else early.result()
+
+
 def _load(load: Callable[[Any], Any], loading: Future[Any]) -> None:
     try:
         import fastokens

@@ -22,7 +22,6 @@ from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
 from streampack.tokenizer.engines import RoutedEngine, TiktokenEngine
 from streampack.tokenizer.fast_forms import fast_split, load_fast_tiktoken
 from streampack.tokenizer.pieces import tiktoken_cut_safety
-from streampack.tokenizer.preload import TIKTOKEN_PREFIX
 from streampack.tokenizer.proofs import fastokens_mismatch_tiktoken
 from streampack.tokenizer.specials import EOS_NAMES
 
@@ -51,7 +50,7 @@ class TiktokenTokenizer(LibraryTokenizer):
             raise MissingDependencyError(
                 "the tiktoken backend needs the tiktoken package: pip install 'streampack[tiktoken]'"
             ) from None
-        ranks = Path(spec.removeprefix(TIKTOKEN_PREFIX))
+        ranks = Path(spec.removeprefix(preload.TIKTOKEN_PREFIX))
         if not ranks.name:
             raise TokenizerError(
                 f"tokenizer {spec!r}: no ranks file named; pass tiktoken:/path/to/NAME.tiktoken"
@@ -77,10 +76,10 @@ class TiktokenTokenizer(LibraryTokenizer):
 
         def load(fastokens: Any) -> Any:
             # the load the command began before its imports (streampack.tokenizer.preload), if of these bytes
-            early = preload.take(self._definition)
-            if early is not None:
-                return early.result()
-            return load_fast_tiktoken(fastokens, ranks, mergeable_ranks, pattern, specials)
+            return preload.taken_or_loaded(
+                self._definition,
+                lambda: load_fast_tiktoken(fastokens, ranks, mergeable_ranks, pattern, specials),
+            )
 
         started = self._start_fastokens(engine, threads, load)
         try:
