@@ -1,0 +1,573 @@
+"""A reference model of what a streampack run serves, written to be obviously right rather than fast.
+
+It says which tokens, labels and position ids every rank is served at every step of a run, from the
+cache's documents (``cache.doc(i)``, ``cache.doc_loss_mask(i)``) and the public permutation
+(:class:`streampack.order.permutation.Permutation`, whose laws ``tests/test_permutation.py`` checks on its
+own). Nothing else of the package is used: every rule is restated here in plain Python loops over
+documents, tokens and positions, so that a change in the package that serves other data than these rules
+say is caught by ``tests/test_reference_model.py``, which runs the real ``Loader`` beside this model.
+
+The rules, in the words of the documentation they come from:
+
+* **Samples** (``cache.sequences``, ``cache.packed``, ``cache.documents``). A sample is a list of pieces
+  ``(document, first token, tokens)`` and then padding:
+  - windows: sample ``i`` is tokens ``[i*L, i*L + L + overlap)`` of all documents laid end to end; only the
+    final partial window is dropped;
+  - packed: documents cut by ``too_long`` into pieces of at most ``L`` tokens, pieces without a target
+    token left out when ``no_target="drop"``, then best-fit decreasing: pieces in decreasing length
+    (ties in document order), each into the open bin with the least room that fits it (ties: the bin
+    that reached that room last), else a new bin; bins in the order they were opened, each holding its
+    pieces in the order they went in, then padding with ``pad_id`` (the EOS id by default, else 0);
+  - documents: one piece per sample, padded the same way.
+* **Order**: position ``p`` of a run over ``N`` samples is sample ``Permutation(N, seed, epoch)(p mod N)``
+  of epoch ``p // N`` (``p mod N`` without shuffle); ``epochs=E`` ends the run at ``E * N``.
+* **Batches**: the global batch at ``p`` is positions ``[p, p + B)``; at a run's end a partial one,
+  dropped with ``drop_last``. Rank ``r`` of ``W`` takes positions ``[p + r*rows//W, p + (r+1)*rows//W)``.
+* **Exclusions**: a skip exclusion in force from ``at`` serves, at position ``q >= at``, the ``(q - at)``-th
+  position ``>= at`` of the stream before it whose sample touches no excluded document (its overlap
+  included) and that lies in no excluded range of that stream's positions. A mask exclusion labels -100
+  every token of an excluded document in a row at a position ``>= at``, and every token of a row at an
+  excluded position.
+* **Dict outputs**: ``labels`` are the tokens, except -100 at the first token of every segment (the start
+  of a row, of a document in it, of a piece, of the padding), on padding, on tokens an SFT cache marks as
+  prompt, and where an exclusion masks; ``position_ids`` count from 0 in every segment; ``cu_seqlens`` are
+  the segments' starts in the flattened batch, then its size.
+* **Lengths**: a run's samples are *units*, windows of ``U`` tokens. A unit served at ``l`` (a divisor of
+  ``U``) is its ``U / l`` consecutive sub-windows, rows of the same batch, which are windows ``u*k + j`` of
+  the same stream at ``l``; at a multiple ``l = m*U`` (a resume at a longer length), rows of ``m``
+  consecutive units of the rank's slice, each unit a segment of its own; joining units whose windows
+  overlap is refused. A schedule's length for the batch at ``p`` is the one in force at token ``p * U``.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from streampack.order.permutation import Permutation
+
+IGNORE = -100
+
+
+class Refused(Exception):
+    """The model's verdict that the real Loader must refuse a configuration (with the reason)."""
+
+
+# --- the corpus ---------------------------------------------------------------------------------------
+
+
+class Corpus:
+    """A cache's documents as Python lists of ints, its loss marks (SFT) and its EOS id."""
+
+    def __init__(
+        self, docs: tuple[tuple[int, ...], ...], marks: tuple[tuple[bool, ...], ...] | None, eos: int | None
+    ) -> None:
+        self.docs, self.marks, self.eos = docs, marks, eos
+
+    @classmethod
+    def read(cls, cache: Any) -> Corpus:
+        """Every document of ``cache``, through ``cache.doc`` and ``cache.doc_loss_mask`` only."""
+        docs = tuple(tuple(int(t) for t in cache.doc(i)) for i in range(cache.num_docs))
+        marks = None
+        if cache.has_loss_mask:
+            marks = tuple(tuple(bool(m) for m in cache.doc_loss_mask(i)) for i in range(cache.num_docs))
+        return cls(docs, marks, cache.eos_id)
+
+    def __repr__(self) -> str:
+        return f"Corpus({len(self.docs)} documents{', SFT' if self.marks is not None else ''})"
+
+    def mark(self, doc: int, token: int) -> bool:
+        """Whether token ``token`` of document ``doc`` is a training target (always, without marks)."""
+        return True if self.marks is None else self.marks[doc][token]
+
+
+# --- samples ------------------------------------------------------------------------------------------
+
+
+Piece = tuple[int, int, int]  # (document, first token, tokens)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Some documents' tokens, piece after piece, then ``pad`` tokens of ``pad_id``."""
+
+    pieces: tuple[Piece, ...]
+    pad: int = 0
+    pad_id: int = 0
+
+    def tokens(self, corpus: Corpus) -> list[int]:
+        out = []
+        for doc, first, count in self.pieces:
+            out += corpus.docs[doc][first : first + count]
+        return out + [self.pad_id] * self.pad
+
+    def documents(self) -> set[int]:
+        return {doc for doc, _, count in self.pieces if count}
+
+
+@dataclass(frozen=True)
+class Windows:
+    """``cache.sequences(seq_len, overlap=overlap)``."""
+
+    seq_len: int
+    overlap: int = 0
+
+    def samples(self, corpus: Corpus) -> list[Sample]:
+        stream = [(doc, t) for doc, tokens in enumerate(corpus.docs) for t in range(len(tokens))]
+        count = max(0, (len(stream) - self.overlap) // self.seq_len)
+        return [
+            Sample(_pieces(stream[i * self.seq_len : i * self.seq_len + self.seq_len + self.overlap]))
+            for i in range(count)
+        ]
+
+    @property
+    def width(self) -> int:
+        return self.seq_len + self.overlap
+
+
+def _pieces(tokens: list[tuple[int, int]]) -> tuple[Piece, ...]:
+    """Consecutive ``(document, token)`` pairs as pieces, one per run of one document."""
+    pieces: list[list[int]] = []
+    for doc, t in tokens:
+        if pieces and pieces[-1][0] == doc and pieces[-1][1] + pieces[-1][2] == t:
+            pieces[-1][2] += 1
+        else:
+            pieces.append([doc, t, 1])
+    return tuple((doc, first, count) for doc, first, count in pieces)
+
+
+@dataclass(frozen=True)
+class Whole:
+    """``cache.packed(...)`` (``packed=True``) or ``cache.documents(...)``."""
+
+    seq_len: int
+    packed: bool
+    too_long: str
+    no_target: str = "keep"
+    pad_id: int | None = None
+
+    overlap = 0
+
+    @property
+    def width(self) -> int:
+        return self.seq_len
+
+    def pieces(self, corpus: Corpus) -> list[Piece]:
+        """Every document cut by ``too_long``, without the targetless pieces when ``no_target="drop"``."""
+        out = []
+        for doc, tokens in enumerate(corpus.docs):
+            n, length = len(tokens), self.seq_len
+            if n == 0:
+                continue
+            if self.too_long == "truncate":
+                cut = [(doc, 0, min(n, length))]
+            elif self.too_long == "drop":
+                cut = [(doc, 0, n)] if n <= length else []
+            else:
+                cut = [(doc, k, min(length, n - k)) for k in range(0, n, length)]
+            for piece in cut:
+                if self.no_target == "drop" and not _has_target(corpus, piece):
+                    continue
+                out.append(piece)
+        return out
+
+    def samples(self, corpus: Corpus) -> list[Sample]:
+        pieces = self.pieces(corpus)
+        pad_id = self.pad_id if self.pad_id is not None else (corpus.eos if corpus.eos is not None else 0)
+        bins = _best_fit_decreasing(pieces, self.seq_len) if self.packed else [[p] for p in pieces]
+        return [
+            Sample(tuple(content), self.seq_len - sum(c for _, _, c in content), pad_id) for content in bins
+        ]
+
+
+def _has_target(corpus: Corpus, piece: Piece) -> bool:
+    """A piece has a target token after its first one (which starts a segment), marked as a target."""
+    doc, first, count = piece
+    return any(corpus.mark(doc, t) for t in range(first + 1, first + count))
+
+
+def _best_fit_decreasing(pieces: list[Piece], capacity: int) -> list[list[Piece]]:
+    assert len(pieces) < 1 << 16, "the model packs one chunk of pieces"
+    bins: list[dict[str, Any]] = []
+    clock = 0
+    for index in sorted(range(len(pieces)), key=lambda i: -pieces[i][2]):
+        size = pieces[index][2]
+        fits = [b for b in bins if b["room"] > 0 and size <= b["room"]]
+        if fits:
+            least = min(b["room"] for b in fits)
+            chosen = max((b for b in fits if b["room"] == least), key=lambda b: b["when"])
+        else:
+            chosen = {"room": capacity, "content": [], "when": -1}
+            bins.append(chosen)
+        chosen["content"].append(pieces[index])
+        chosen["room"] -= size
+        chosen["when"], clock = clock, clock + 1
+    return [b["content"] for b in bins]
+
+
+# --- the order and the served stream -------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _permutation(n: int, seed: int, epoch: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in Permutation(n, seed=seed, epoch=epoch)(np.arange(n, dtype=np.int64)))
+
+
+class Stream:
+    """A run's positions -> ``(source, sample)``; ``end`` None for an endless run."""
+
+    end: int | None
+
+    def __call__(self, position: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+
+class Shuffled(Stream):
+    """One source of ``n`` samples, epoch after epoch."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool, epochs: int | None) -> None:
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.end = None if epochs is None else epochs * n
+
+    def __call__(self, position: int) -> tuple[int, int]:
+        epoch, offset = divmod(position, self.n)
+        return 0, (_permutation(self.n, self.seed, epoch)[offset] if self.shuffle else offset)
+
+
+@dataclass
+class Exclusion:
+    """One exclusion in force: from ``at``, ``mode``, the documents it names (by source) and the position
+    ranges ``[start, stop)`` it takes out (of the stream before it, for skip; of the served run, for mask)."""
+
+    at: int
+    mode: str
+    documents: dict[int, set[int]] = field(default_factory=dict)
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+
+    def in_ranges(self, position: int) -> bool:
+        return any(start <= position < stop for start, stop in self.ranges)
+
+
+class Skipping(Stream):
+    """``base`` without, from ``at`` on, the positions a skip exclusion takes out."""
+
+    def __init__(self, base: Stream, entry: Exclusion, touches: Callable[[int, int], set[int]]) -> None:
+        self.base, self.entry, self.touches = base, entry, touches
+        self.kept: list[int] = []  # positions >= at of base that are served, in order
+        self.next = entry.at
+        self.end = None
+        if base.end is not None:
+            self._walk_until(lambda: self.next >= base.end)  # type: ignore[operator]
+            self.end = entry.at + len(self.kept) if base.end > entry.at else base.end
+
+    def _excluded(self, position: int) -> bool:
+        source, sample = self.base(position)
+        named = self.entry.documents.get(source, set())
+        return bool(named & self.touches(source, sample)) or self.entry.in_ranges(position)
+
+    def _walk_until(self, done: Callable[[], bool]) -> None:
+        while not done():
+            if self.base.end is not None and self.next >= self.base.end:
+                return
+            if not self._excluded(self.next):
+                self.kept.append(self.next)
+            self.next += 1
+            if self.next - self.entry.at > 10**6:
+                raise AssertionError("the model walked a million positions: everything excluded?")
+
+    def __call__(self, position: int) -> tuple[int, int]:
+        if position < self.entry.at:
+            return self.base(position)
+        index = position - self.entry.at
+        self._walk_until(lambda: len(self.kept) > index)
+        return self.base(self.kept[index])
+
+
+# --- batches ------------------------------------------------------------------------------------------
+
+
+def global_rows(position: int, batch_size: int, end: int | None, drop_last: bool) -> int:
+    """Rows of the global batch at ``position``: ``B``, the partial last one, or 0 past the run."""
+    if end is None or end - position >= batch_size:
+        return batch_size
+    if drop_last or position >= end:
+        return 0
+    return end - position
+
+
+def rank_slice(position: int, rows: int, rank: int, world_size: int) -> range:
+    return range(position + rank * rows // world_size, position + (rank + 1) * rows // world_size)
+
+
+def _check_last_batch(end: int | None, position: int, batch_size: int, world_size: int) -> None:
+    """A partial last batch with fewer rows than ranks is refused (some rank would get none)."""
+    if end is not None and end > position:
+        remainder = (end - position) % batch_size
+        if 0 < remainder < world_size:
+            raise Refused("an empty last batch for some rank")
+
+
+@dataclass
+class Row:
+    """One row of a batch: its tokens, and for dict outputs its segments ``(document or -1, first column,
+    columns)`` and the row's position (for mask exclusions)."""
+
+    tokens: list[int]
+    segments: list[tuple[int, int, int]]
+    marks: list[bool]
+    position: int
+    source: int
+
+
+def row_of(corpus: Corpus, sample: Sample, width: int, position: int, source: int) -> Row:
+    tokens = sample.tokens(corpus)
+    assert len(tokens) == width, (len(tokens), width)
+    segments, marks, column = [], [], 0
+    for doc, first, count in sample.pieces:
+        segments.append((doc, column, count))
+        marks += [corpus.mark(doc, t) for t in range(first, first + count)]
+        column += count
+    if sample.pad:
+        segments.append((-1, column, sample.pad))
+        marks += [False] * sample.pad
+    return Row(tokens, segments, marks, position, source)
+
+
+def joined(rows: Sequence[Row]) -> Row:
+    """Rows of consecutive units served as one row: each keeps its segments (a unit is not its
+    predecessor's continuation)."""
+    tokens: list[int] = []
+    segments: list[tuple[int, int, int]] = []
+    marks: list[bool] = []
+    for row in rows:
+        segments += [(doc, len(tokens) + start, count) for doc, start, count in row.segments]
+        tokens += row.tokens
+        marks += row.marks
+    return Row(tokens, segments, marks, rows[0].position, rows[0].source)
+
+
+def as_dict(rows: Sequence[Row], masks: Sequence[Exclusion], output: str, columns: int) -> dict[str, Any]:
+    """The ``output="dict"`` (``"varlen"``) batch of ``rows``."""
+    labels, positions, starts = [], [], []
+    for index, row in enumerate(rows):
+        label = list(row.tokens[:columns])
+        position_ids = [0] * columns
+        for doc, start, count in row.segments:
+            if start >= columns:
+                continue
+            count = min(count, columns - start)
+            starts.append(index * columns + start)
+            position_ids[start : start + count] = range(count)
+            label[start] = IGNORE
+            masked = doc < 0 or any(
+                row.position >= e.at
+                and (doc in e.documents.get(row.source, set()) or e.in_ranges(row.position))
+                for e in masks
+            )
+            for column in range(start, start + count):
+                if masked or not row.marks[column]:
+                    label[column] = IGNORE
+        labels.append(label)
+        positions.append(position_ids)
+    batch: dict[str, Any] = {
+        "input_ids": [row.tokens[:columns] for row in rows],
+        "labels": labels,
+        "position_ids": positions,
+    }
+    if output == "varlen":
+        cu = [*starts, len(rows) * columns]
+        batch["cu_seqlens"] = cu
+        batch["max_seqlen"] = max((b - a for a, b in itertools.pairwise(cu)), default=0)
+    return batch
+
+
+# --- a run --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Leg:
+    """One stretch of a run between resumes, as its Loader is made.
+
+    ``samples`` is what the Loader reads (``Windows`` or ``Whole``); ``schedule`` its seq_len schedule;
+    ``skip``/``mask`` the exclusions it adds; ``batches`` how many batches each rank takes.
+    """
+
+    samples: Windows | Whole
+    batch_size: int
+    world_size: int
+    batches: int
+    schedule: tuple[tuple[int, int], ...] | None = None
+    exclusions: list[Exclusion] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """What a run is made of: the cache, the order's settings, the output and its legs."""
+
+    corpus: Corpus
+    seed: int
+    shuffle: bool
+    epochs: int | None
+    drop_last: bool
+    output: str
+    legs: list[Leg]
+
+
+class Model:
+    """Replays a :class:`Run` in plain Python: per leg, per rank, the batches served."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        first = run.legs[0].samples
+        self.units = first  # what positions count: the first leg's samples
+        self.unit_samples = _samples(run.corpus, first)
+        n = len(self.unit_samples)
+        self.stream: Stream = (
+            Shuffled(n, run.seed, run.shuffle, run.epochs) if n else Shuffled(1, 0, False, 0)
+        )
+        self.masks: list[Exclusion] = []
+        self.given: list[Exclusion] = []  # every exclusion in force, in the order given
+        self.position = 0
+
+    def touches(self, source: int, sample: int) -> set[int]:
+        return self.unit_samples[sample].documents()
+
+    def unit_batch(self, leg: Leg) -> int:
+        """Units a global batch of ``leg`` holds."""
+        if leg.samples == self.units:
+            return leg.batch_size
+        return leg.batch_size * leg.samples.seq_len // self.units.seq_len  # type: ignore[union-attr]
+
+    def length(self, leg: Leg, position: int) -> int:
+        """The length the batch at ``position`` is served at."""
+        if leg.schedule is None:
+            return leg.samples.seq_len
+        token = position * self.units.seq_len
+        return [length for first, length in leg.schedule if first <= token][-1]
+
+    def check(self, leg: Leg, index: int) -> None:
+        """Raise :class:`Refused` where the real Loader must refuse ``leg`` (the model's refusals).
+
+        A Loader checks its last batch when it is made (from position 0 of its own samples, with the
+        exclusions it is given at their positions) and again at a resume (from the checkpoint's position).
+        """
+        run, unit = self.run, self.units
+        own = _samples(run.corpus, leg.samples)
+        if not own or (run.drop_last and len(own) < leg.batch_size):
+            raise Refused("fewer samples than one global batch")
+        if run.epochs is not None and not run.drop_last:
+            stream: Stream = Shuffled(len(own), run.seed, run.shuffle, run.epochs)
+            for entry in [*self.given, *leg.exclusions]:
+                if entry.mode == "skip":
+                    stream = Skipping(stream, entry, lambda _s, i: own[i].documents())
+            _check_last_batch(stream.end, 0, leg.batch_size, leg.world_size)
+        if index == 0:
+            return
+        if leg.samples != unit:
+            if not (isinstance(unit, Windows) and isinstance(leg.samples, Windows)):
+                raise Refused("another layout")
+            if leg.samples.overlap != unit.overlap:
+                raise Refused("another overlap")
+            lengths = [leg.samples.seq_len, *(length for _, length in leg.schedule or ())]
+            if not all(unit.seq_len % length == 0 or length % unit.seq_len == 0 for length in lengths):
+                raise Refused("a length that neither divides nor is a multiple of the units'")
+            if max(lengths) > unit.seq_len and not run.drop_last:
+                raise Refused("joins with drop_last=False")
+            tokens = leg.batch_size * leg.samples.seq_len
+            if tokens % unit.seq_len or (tokens // unit.seq_len) % leg.world_size:
+                raise Refused("not whole units per rank")
+            per_rank = tokens // unit.seq_len // leg.world_size
+            if any(length > unit.seq_len and per_rank % (length // unit.seq_len) for length in lengths):
+                raise Refused("units per rank not a multiple of the join")
+            if max(lengths) > unit.seq_len and unit.overlap:
+                raise Refused("joining units whose windows overlap")
+            if run.drop_last and len(self.unit_samples) < tokens // unit.seq_len:
+                raise Refused("fewer units than one global batch")
+        if not run.drop_last:
+            _check_last_batch(self.stream_after(leg).end, self.position, self.unit_batch(leg), leg.world_size)
+
+    def stream_after(self, leg: Leg) -> Stream:
+        """The served stream once ``leg``'s skip exclusions are in force."""
+        stream = self.stream
+        for entry in leg.exclusions:
+            if entry.mode == "skip":
+                stream = Skipping(stream, entry, self.touches)
+        return stream
+
+    def start_leg(self, leg: Leg, index: int) -> None:
+        """Put the leg's exclusions in force (in the order given) before its first batch.
+
+        Raises:
+            Refused: the real Loader must refuse the leg (see :meth:`check`).
+        """
+        self.check(leg, index)
+        self.stream = self.stream_after(leg)
+        self.masks += [entry for entry in leg.exclusions if entry.mode == "mask"]
+        self.given += leg.exclusions
+
+    def batches(self, leg: Leg, rank: int) -> list[Any]:
+        """The batches rank ``rank`` is served in ``leg`` from the current position (not moving it)."""
+        out = []
+        position = self.position
+        units_batch = self.unit_batch(leg)
+        for _ in range(leg.batches):
+            rows = global_rows(position, units_batch, self.stream.end, self.run.drop_last)
+            if rows == 0:
+                break
+            out.append(self.batch(leg, position, rank_slice(position, rows, rank, leg.world_size)))
+            position += rows
+        return out
+
+    def advance(self, leg: Leg) -> None:
+        units_batch = self.unit_batch(leg)
+        for _ in range(leg.batches):
+            rows = global_rows(self.position, units_batch, self.stream.end, self.run.drop_last)
+            if rows == 0:
+                break
+            self.position += rows
+
+    def batch(self, leg: Leg, position: int, positions: range) -> Any:
+        corpus, unit = self.run.corpus, self.units
+        length = self.length(leg, position)
+        rows: list[Row] = []
+        for p in positions:
+            source, sample = self.stream(p)
+            if length == unit.seq_len or not isinstance(unit, Windows):
+                rows.append(row_of(corpus, self.unit_samples[sample], unit.width, p, source))
+            elif length < unit.seq_len:
+                k = unit.seq_len // length
+                finer = _samples(corpus, Windows(length, unit.overlap))
+                rows += [
+                    row_of(corpus, finer[sample * k + j], length + unit.overlap, p, source) for j in range(k)
+                ]
+            else:
+                rows.append(row_of(corpus, self.unit_samples[sample], unit.width, p, source))
+        if isinstance(unit, Windows) and length > unit.seq_len:
+            m = length // unit.seq_len
+            inputs = [
+                Row(r.tokens[: unit.seq_len], r.segments, r.marks[: unit.seq_len], r.position, r.source)
+                for r in rows
+            ]
+            rows = [joined(inputs[i : i + m]) for i in range(0, len(inputs), m)]
+        columns = length if isinstance(unit, Windows) else unit.seq_len
+        if self.run.output == "numpy":
+            return np.asarray([row.tokens for row in rows], dtype=np.int64).reshape(len(rows), -1)
+        return as_dict(rows, self.masks, self.run.output, columns)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_samples(corpus_id: int, samples: Windows | Whole) -> list[Sample]:
+    return samples.samples(_CORPORA[corpus_id])
+
+
+_CORPORA: dict[int, Corpus] = {}
+
+
+def _samples(corpus: Corpus, samples: Windows | Whole) -> list[Sample]:
+    _CORPORA[id(corpus)] = corpus
+    return _cached_samples(id(corpus), samples)
