@@ -42,9 +42,12 @@ The rules, in the words of the documentation they come from:
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -288,6 +291,105 @@ class Skipping(Stream):
         return self.base(self.kept[index])
 
 
+def derived_seed(seed: int, tag: str) -> int:
+    """A mixture's seed for one use (``"blocks"``, ``"source:NAME"``): 8 bytes of BLAKE2b, little-endian."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{tag}".encode(), digest_size=8).digest(), "little")
+
+
+def block_counts(weights: dict[str, float], names: Sequence[str], block_size: int) -> tuple[int, ...]:
+    """Positions of each source in a block: weight x block size, rounded by largest remainder (ties to
+    the earlier source).
+
+    Raises:
+        Refused: a positive weight gets no position in a block.
+    """
+    exact = [Fraction(float(weights.get(name, 0))) for name in names]
+    quotas = [w * block_size / sum(exact) for w in exact]
+    counts = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(names)), key=lambda j: (-(quotas[j] - counts[j]), j))
+    for j in by_remainder[: block_size - sum(counts)]:
+        counts[j] += 1
+    if any(w and not c for w, c in zip(exact, counts)):
+        raise Refused("a weight below one position per block")
+    return tuple(counts)
+
+
+Schedule = list[tuple[int, tuple[int, ...]]]  # (first block, counts), from block 0
+
+
+def stage_schedule(
+    stages: Sequence[tuple[int, dict[str, float]]], names: Sequence[str], block_size: int
+) -> Schedule:
+    """Each stage from the first block starting at or after its position."""
+    return [(-(-position // block_size), block_counts(w, names, block_size)) for position, w in stages]
+
+
+class Mixed(Stream):
+    """Sources of ``sizes`` samples mixed by blocks (see the mixture's docs): position ``p`` is offset
+    ``o`` of block ``b``; the block's ``counts`` (the schedule's in force) laid out source after source,
+    its slots permuted (when shuffled and more than one source is in it); the source at ``o`` serves its
+    sample at its *cursor*, the positions of it in earlier blocks plus those before ``o`` in this one."""
+
+    def __init__(
+        self,
+        sizes: Sequence[int],
+        seeds: Sequence[int],
+        *,
+        seed: int,
+        shuffle: bool,
+        block_size: int,
+        schedule: Schedule,
+        stop: str,
+    ) -> None:
+        self.sizes, self.seeds, self.shuffle, self.block_size = list(sizes), list(seeds), shuffle, block_size
+        self.blocks_seed = derived_seed(seed, "blocks")
+        self.schedule = schedule
+        self.end = None
+        if stop == "first_exhausted":
+            block, cursors = 0, [0] * len(sizes)
+            while all(c + k <= n for c, k, n in zip(cursors, self.counts(block), sizes) if k):
+                cursors = [c + k for c, k in zip(cursors, self.counts(block))]
+                block += 1
+            self.end = block * block_size
+            if self.end == 0:
+                raise Refused("the mixture stops before its first block")
+
+    def counts(self, block: int) -> tuple[int, ...]:
+        return [counts for first, counts in self.schedule if first <= block][-1]
+
+    def labels(self, block: int) -> list[int]:
+        counts = self.counts(block)
+        labels = [j for j, count in enumerate(counts) for _ in range(count)]
+        if self.shuffle and sum(1 for c in counts if c) > 1:
+            slots = _permutation(self.block_size, self.blocks_seed, block)
+            labels = [labels[slots[i]] for i in range(self.block_size)]
+        return labels
+
+    def __call__(self, position: int) -> tuple[int, int]:
+        block, offset = divmod(position, self.block_size)
+        labels = self.labels(block)
+        source = labels[offset]
+        cursor = sum(self.counts(b)[source] for b in range(block)) + labels[:offset].count(source)
+        epoch, index = divmod(cursor, self.sizes[source])
+        if self.shuffle:
+            index = _permutation(self.sizes[source], self.seeds[source], epoch)[index]
+        return source, index
+
+
+def cursor(stream: Stream, position: int) -> int:
+    """The position of the stream under every skip exclusion reached once ``position`` are served."""
+    while isinstance(stream, Skipping):
+        entry = stream.entry
+        if position > entry.at:
+            if stream.end is not None and position >= stream.end:
+                position = stream.base.end  # type: ignore[assignment]
+            else:
+                stream(position - 1)
+                position = stream.kept[position - 1 - entry.at] + 1
+        stream = stream.base
+    return position
+
+
 # --- batches ------------------------------------------------------------------------------------------
 
 
@@ -403,11 +505,32 @@ class Leg:
     batches: int
     schedule: tuple[tuple[int, int], ...] | None = None
     exclusions: list[Exclusion] = field(default_factory=list)
+    mixture: MixLeg | None = None
+
+
+@dataclass(frozen=True)
+class MixLeg:
+    """The Mixture a leg is given: its sources (names of the run's ``sources``) and stages."""
+
+    names: tuple[str, ...]
+    stages: tuple[tuple[int, dict[str, float]], ...]
+
+
+@dataclass(frozen=True)
+class MixSpec:
+    """A mixture's settings that a run keeps."""
+
+    seed: int
+    shuffle: bool
+    block_size: int
+    stop: str
 
 
 @dataclass
 class Run:
-    """What a run is made of: the cache, the order's settings, the output and its legs."""
+    """What a run is made of: the cache (or a mixture's sources), the order's settings, the output and its
+    legs. A mixture run names its sources ``sources`` (name -> corpus and samples) and ``mix``; its legs'
+    ``samples`` is the first source's (they have one width)."""
 
     corpus: Corpus
     seed: int
@@ -416,6 +539,8 @@ class Run:
     drop_last: bool
     output: str
     legs: list[Leg]
+    sources: dict[str, tuple[Corpus, Windows | Whole]] = field(default_factory=dict)
+    mix: MixSpec | None = None
 
 
 class Model:
@@ -426,6 +551,10 @@ class Model:
         first = run.legs[0].samples
         self.units = first  # what positions count: the first leg's samples
         self.unit_samples = _samples(run.corpus, first)
+        # Per source id: its corpus and samples (one for a single dataset).
+        self.parts: list[tuple[Corpus, list[Sample]]] = [(run.corpus, self.unit_samples)]
+        self.names: tuple[str, ...] = ()
+        self.seeds: list[int] = []
         n = len(self.unit_samples)
         self.stream: Stream = (
             Shuffled(n, run.seed, run.shuffle, run.epochs) if n else Shuffled(1, 0, False, 0)
@@ -435,7 +564,77 @@ class Model:
         self.position = 0
 
     def touches(self, source: int, sample: int) -> set[int]:
-        return self.unit_samples[sample].documents()
+        return self.parts[source][1][sample].documents()
+
+    def mix(self, leg: MixLeg) -> None:
+        """Read ``leg``'s mixture from the current position: blocks begun keep their counts (those of the
+        schedule so far), the rest take the new stages; sources keep their seeds, new ones derive theirs."""
+        spec = self.run.mix
+        assert spec is not None
+        own = stage_schedule(leg.stages, leg.names, spec.block_size)
+        if self.names:
+            old = dict(zip(self.names, range(len(self.names))))
+            widened = [
+                (first, tuple(counts[old[n]] if n in old else 0 for n in leg.names))
+                for first, counts in self.base().schedule  # type: ignore[attr-defined]
+            ]
+            started = -(-cursor(self.stream, self.position) // spec.block_size)
+            in_force = [counts for first, counts in own if first <= started][-1]
+            own = [
+                *(seg for seg in widened if seg[0] < started),
+                (started, in_force),
+                *(seg for seg in own if seg[0] > started),
+            ]
+            seeds = [
+                self.seeds[old[n]] if n in old else derived_seed(spec.seed, f"source:{n}") for n in leg.names
+            ]
+        else:
+            seeds = [derived_seed(spec.seed, f"source:{n}") for n in leg.names]
+        self.names, self.seeds = leg.names, seeds
+        self.parts = [(self.run.sources[n][0], _samples(*self.run.sources[n])) for n in leg.names]
+        base = Mixed(
+            [len(samples) for _, samples in self.parts],
+            seeds,
+            seed=spec.seed,
+            shuffle=spec.shuffle,
+            block_size=spec.block_size,
+            schedule=own,
+            stop=spec.stop,
+        )
+        self.stream = self.relayered(base)
+
+    def fresh_mixture(self, leg: Leg) -> Stream:
+        """The stream of ``leg``'s mixture from position 0, under every exclusion it is given: what its
+        Loader checks when it is made."""
+        spec, mix = self.run.mix, leg.mixture
+        assert spec is not None and mix is not None
+        parts = [_samples(*self.run.sources[n]) for n in mix.names]
+        stream: Stream = Mixed(
+            [len(samples) for samples in parts],
+            [derived_seed(spec.seed, f"source:{n}") for n in mix.names],
+            seed=spec.seed,
+            shuffle=spec.shuffle,
+            block_size=spec.block_size,
+            schedule=stage_schedule(mix.stages, mix.names, spec.block_size),
+            stop=spec.stop,
+        )
+        for entry in [*self.given, *leg.exclusions]:
+            if entry.mode == "skip":
+                stream = Skipping(stream, entry, lambda source, i: parts[source][i].documents())
+        return stream
+
+    def base(self) -> Stream:
+        stream = self.stream
+        while isinstance(stream, Skipping):
+            stream = stream.base
+        return stream
+
+    def relayered(self, base: Stream) -> Stream:
+        """The skip exclusions in force, over a new base."""
+        for entry in self.given:
+            if entry.mode == "skip":
+                base = Skipping(base, entry, self.touches)
+        return base
 
     def unit_batch(self, leg: Leg) -> int:
         """Units a global batch of ``leg`` holds."""
@@ -457,6 +656,13 @@ class Model:
         exclusions it is given at their positions) and again at a resume (from the checkpoint's position).
         """
         run, unit = self.run, self.units
+        if run.mix is not None:
+            if not run.drop_last and leg.mixture is not None:
+                _check_last_batch(self.fresh_mixture(leg).end, 0, leg.batch_size, leg.world_size)
+                if index:
+                    end = self.stream_after(leg).end
+                    _check_last_batch(end, self.position, leg.batch_size, leg.world_size)
+            return
         own = _samples(run.corpus, leg.samples)
         if not own or (run.drop_last and len(own) < leg.batch_size):
             raise Refused("fewer samples than one global batch")
@@ -505,6 +711,8 @@ class Model:
         Raises:
             Refused: the real Loader must refuse the leg (see :meth:`check`).
         """
+        if leg.mixture is not None:
+            self.mix(leg.mixture)
         self.check(leg, index)
         self.stream = self.stream_after(leg)
         self.masks += [entry for entry in leg.exclusions if entry.mode == "mask"]
@@ -537,7 +745,10 @@ class Model:
         rows: list[Row] = []
         for p in positions:
             source, sample = self.stream(p)
-            if length == unit.seq_len or not isinstance(unit, Windows):
+            if self.run.mix is not None:
+                part_corpus, part_samples = self.parts[source]
+                rows.append(row_of(part_corpus, part_samples[sample], unit.width, p, source))
+            elif length == unit.seq_len or not isinstance(unit, Windows):
                 rows.append(row_of(corpus, self.unit_samples[sample], unit.width, p, source))
             elif length < unit.seq_len:
                 k = unit.seq_len // length

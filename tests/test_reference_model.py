@@ -23,8 +23,21 @@ from hypothesis import strategies as st
 import streampack
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Exclusions, Loader
+from streampack.order.mixture import Mixture
 
-from .reference_model import Corpus, Exclusion, Leg, Model, Refused, Run, Whole, Windows, _samples
+from .reference_model import (
+    Corpus,
+    Exclusion,
+    Leg,
+    MixLeg,
+    MixSpec,
+    Model,
+    Refused,
+    Run,
+    Whole,
+    Windows,
+    _samples,
+)
 
 WORDS = ["data", "token", "cache", "loader", "rank", "shard", "a", "of", "the", "epoch", "ünï", "漢字"]
 
@@ -141,6 +154,74 @@ def runs(draw: st.DrawFn, corpora: dict[str, Corpus]) -> Run:
     return run
 
 
+@st.composite
+def mixture_runs(draw: st.DrawFn, corpora: dict[str, Corpus]) -> Run:
+    """Mixtures of up to three sources of one width, with stages, and resumes that change the weights or
+    add a source."""
+    output = draw(st.sampled_from(["numpy", "dict", "varlen"]))
+    length = draw(st.sampled_from([16, 32]))
+
+    def layout() -> Windows | Whole:
+        kind = draw(st.sampled_from(["windows", "packed", "documents"]))
+        if kind == "windows":
+            return Windows(length)
+        return Whole(length, packed=kind == "packed", too_long=draw(st.sampled_from(["split", "truncate"])))
+
+    sources = {
+        "web": (corpora["plain"], layout()),
+        "chat": (corpora["sft"], layout()),
+        "more": (corpora["plain"], layout()),
+    }
+    block = draw(st.sampled_from([16, 32, 64]))
+    stop = draw(st.sampled_from(["never", "first_exhausted"]))
+    run = Run(
+        corpora["plain"],
+        seed=0,
+        shuffle=True,
+        epochs=None,
+        drop_last=True if stop == "never" else draw(st.booleans()),
+        output=output,
+        legs=[],
+        sources=sources,
+        mix=MixSpec(draw(st.integers(0, 2**64 - 1)), draw(st.booleans()), block, stop),
+    )
+    names: tuple[str, ...] = tuple(draw(st.sampled_from([("web",), ("web", "chat"), ("chat", "web")])))
+    weights = st.integers(0, 3)
+
+    def stages(names: tuple[str, ...]) -> tuple[tuple[int, dict[str, float]], ...]:
+        firsts = sorted(set(draw(st.lists(st.integers(1, 4), max_size=2))))
+        out = []
+        for position in [0, *(f * block for f in firsts)]:
+            w = {n: float(draw(weights)) for n in names}
+            if not any(w.values()):
+                w[names[0]] = 1.0
+            out.append((position, w))
+        return tuple(out)
+
+    position_hint = 0
+    mixture = MixLeg(names, stages(names))
+    for index in range(draw(st.integers(1, 4))):
+        if index and draw(st.booleans()):
+            if "more" not in names and draw(st.booleans()):
+                names = (*names, "more")
+            mixture = MixLeg(names, stages(names))
+        world = draw(st.sampled_from([1, 2, 3]))
+        batch = world * draw(st.integers(1, 4))
+        exclusions = []
+        if draw(st.integers(0, 2)) == 0:
+            mode = "mask" if output != "numpy" and draw(st.booleans()) else "skip"
+            source = draw(st.integers(0, len(names) - 1))
+            corpus = sources[names[source]][0]
+            docs = draw(st.lists(st.integers(0, len(corpus.docs) - 1), max_size=4))
+            start = draw(st.integers(0, 3 * batch))
+            ranges = [(start, start + draw(st.integers(1, 2 * batch)))] if draw(st.booleans()) else []
+            exclusions.append(Exclusion(0, mode, {source: set(docs)} if docs else {}, ranges))
+        leg = Leg(sources[names[0]][1], batch, world, draw(st.integers(0, 5)), None, exclusions, mixture)
+        run.legs.append(leg)
+        position_hint += leg.batches * batch
+    return run
+
+
 def _real_samples(cache: Any, samples: Windows | Whole) -> Any:
     if isinstance(samples, Windows):
         return cache.sequences(samples.seq_len, overlap=samples.overlap)
@@ -150,10 +231,11 @@ def _real_samples(cache: Any, samples: Windows | Whole) -> Any:
     )
 
 
-def _real_exclusion(entry: Exclusion) -> Exclusions:
-    return Exclusions(
-        documents=sorted(entry.documents.get(0, ())), positions=entry.ranges, mode=entry.mode, at=entry.at
-    )
+def _real_exclusion(entry: Exclusion, names: tuple[str, ...] = ()) -> Exclusions:
+    documents: Any = sorted(entry.documents.get(0, ()))
+    if names:
+        documents = {names[source]: sorted(docs) for source, docs in entry.documents.items()}
+    return Exclusions(documents=documents, positions=entry.ranges, mode=entry.mode, at=entry.at)
 
 
 def _same(real: Any, expected: Any, where: str) -> None:
@@ -203,19 +285,42 @@ def check_run(cache: Any, run: Run) -> None:
 def _loader(
     cache: Any, run: Run, leg: Leg, rank: int, model: Model, state: dict | None, given: list | None = None
 ) -> Loader:
-    loader = Loader(
-        _real_samples(cache, leg.samples),
-        batch_size=leg.batch_size,
-        seed=run.seed,
-        shuffle=run.shuffle,
-        epochs=run.epochs,
-        drop_last=run.drop_last,
-        output=run.output,
-        rank=rank,
-        world_size=leg.world_size,
-        seq_len_schedule=leg.schedule,
-        exclude=[_real_exclusion(e) for e in (model.given if given is None else given)],
-    )
+    given = model.given if given is None else given
+    if leg.mixture is not None:
+        spec = run.mix
+        assert spec is not None
+        mixture = Mixture(
+            {n: _real_samples(cache[id(run.sources[n][0])], run.sources[n][1]) for n in leg.mixture.names},
+            stages=list(leg.mixture.stages),
+            seed=spec.seed,
+            shuffle=spec.shuffle,
+            block_size=spec.block_size,
+            stop=spec.stop,
+        )
+        names = leg.mixture.names
+        loader = Loader(
+            mixture,
+            batch_size=leg.batch_size,
+            drop_last=run.drop_last,
+            output=run.output,
+            rank=rank,
+            world_size=leg.world_size,
+            exclude=[_real_exclusion(e, names) for e in given],
+        )
+    else:
+        loader = Loader(
+            _real_samples(cache, leg.samples),
+            batch_size=leg.batch_size,
+            seed=run.seed,
+            shuffle=run.shuffle,
+            epochs=run.epochs,
+            drop_last=run.drop_last,
+            output=run.output,
+            rank=rank,
+            world_size=leg.world_size,
+            seq_len_schedule=leg.schedule,
+            exclude=[_real_exclusion(e) for e in given],
+        )
     if state is not None:
         loader.load_state_dict(state)
     return loader
@@ -235,5 +340,23 @@ def test_random_runs_serve_what_the_model_says(caches: dict) -> None:
     def check(run: Run) -> None:
         name = next(n for n, c in corpora.items() if c is run.corpus)
         check_run(caches[name][0], run)
+
+    check()
+
+
+def test_random_mixture_runs_serve_what_the_model_says(caches: dict) -> None:
+    corpora = {name: corpus for name, (_, corpus) in caches.items()}
+    by_corpus = {id(corpus): cache for cache, corpus in caches.values()}
+
+    @settings(
+        max_examples=150,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(mixture_runs(corpora))
+    def check(run: Run) -> None:
+        check_run({id(c): by_corpus[id(c)] for c, _ in run.sources.values()}, run)
 
     check()
