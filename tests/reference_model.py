@@ -414,43 +414,46 @@ def _check_last_batch(end: int | None, position: int, batch_size: int, world_siz
             raise Refused("an empty last batch for some rank")
 
 
+Segment = tuple[int, int, int, int, int]  # (document or -1, first column, columns, position, source)
+
+
 @dataclass
 class Row:
-    """One row of a batch: its tokens, and for dict outputs its segments ``(document or -1, first column,
-    columns)`` and the row's position (for mask exclusions)."""
+    """One row of a batch: its tokens, whether each is a target, and its segments, each with the
+    position and source of the sample it comes from (for mask exclusions)."""
 
     tokens: list[int]
-    segments: list[tuple[int, int, int]]
+    segments: list[Segment]
     marks: list[bool]
-    position: int
-    source: int
 
 
 def row_of(corpus: Corpus, sample: Sample, width: int, position: int, source: int) -> Row:
     tokens = sample.tokens(corpus)
     assert len(tokens) == width, (len(tokens), width)
-    segments, marks, column = [], [], 0
+    segments: list[Segment] = []
+    marks: list[bool] = []
+    column = 0
     for doc, first, count in sample.pieces:
-        segments.append((doc, column, count))
+        segments.append((doc, column, count, position, source))
         marks += [corpus.mark(doc, t) for t in range(first, first + count)]
         column += count
     if sample.pad:
-        segments.append((-1, column, sample.pad))
+        segments.append((-1, column, sample.pad, position, source))
         marks += [False] * sample.pad
-    return Row(tokens, segments, marks, position, source)
+    return Row(tokens, segments, marks)
 
 
 def joined(rows: Sequence[Row]) -> Row:
     """Rows of consecutive units served as one row: each keeps its segments (a unit is not its
     predecessor's continuation)."""
     tokens: list[int] = []
-    segments: list[tuple[int, int, int]] = []
+    segments: list[Segment] = []
     marks: list[bool] = []
     for row in rows:
-        segments += [(doc, len(tokens) + start, count) for doc, start, count in row.segments]
+        segments += [(doc, len(tokens) + start, *rest) for doc, start, *rest in row.segments]
         tokens += row.tokens
         marks += row.marks
-    return Row(tokens, segments, marks, rows[0].position, rows[0].source)
+    return Row(tokens, segments, marks)
 
 
 def as_dict(rows: Sequence[Row], masks: Sequence[Exclusion], output: str, columns: int) -> dict[str, Any]:
@@ -459,7 +462,7 @@ def as_dict(rows: Sequence[Row], masks: Sequence[Exclusion], output: str, column
     for index, row in enumerate(rows):
         label = list(row.tokens[:columns])
         position_ids = [0] * columns
-        for doc, start, count in row.segments:
+        for doc, start, count, position, source in row.segments:
             if start >= columns:
                 continue
             count = min(count, columns - start)
@@ -467,8 +470,7 @@ def as_dict(rows: Sequence[Row], masks: Sequence[Exclusion], output: str, column
             position_ids[start : start + count] = range(count)
             label[start] = IGNORE
             masked = doc < 0 or any(
-                row.position >= e.at
-                and (doc in e.documents.get(row.source, set()) or e.in_ranges(row.position))
+                position >= e.at and (doc in e.documents.get(source, set()) or e.in_ranges(position))
                 for e in masks
             )
             for column in range(start, start + count):
@@ -760,10 +762,7 @@ class Model:
                 rows.append(row_of(corpus, self.unit_samples[sample], unit.width, p, source))
         if isinstance(unit, Windows) and length > unit.seq_len:
             m = length // unit.seq_len
-            inputs = [
-                Row(r.tokens[: unit.seq_len], r.segments, r.marks[: unit.seq_len], r.position, r.source)
-                for r in rows
-            ]
+            inputs = [Row(r.tokens[: unit.seq_len], r.segments, r.marks[: unit.seq_len]) for r in rows]
             rows = [joined(inputs[i : i + m]) for i in range(0, len(inputs), m)]
         columns = length if isinstance(unit, Windows) else unit.seq_len
         if self.run.output == "numpy":

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 import streampack
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Exclusions, Loader
+from streampack.loader.audit import audit
 from streampack.order.mixture import Mixture
 
 from .reference_model import (
@@ -251,10 +252,13 @@ def _same(real: Any, expected: Any, where: str) -> None:
         assert got == value, f"{where}: {key} differs:\n real {got}\n model {value}"
 
 
-def check_run(cache: Any, run: Run) -> None:
-    """Run ``run`` on the real Loader, leg by leg and rank by rank, against the model."""
+def check_run(cache: Any, run: Run, plant: bool = False) -> None:
+    """Run ``run`` on the real Loader, leg by leg and rank by rank, against the model; then audit it:
+    clean, and (``plant``) not clean once a resume replays or skips a leg."""
     model = Model(run)
     state: dict[str, Any] | None = None
+    states: list[tuple[dict[str, Any], int]] = []  # (state, trainer step) at each resume
+    step = 0
     for index, leg in enumerate(run.legs):
         for entry in leg.exclusions:
             entry.at = model.position
@@ -265,25 +269,77 @@ def check_run(cache: Any, run: Run) -> None:
             with pytest.raises((OptionsError, LoaderStateError)):
                 _loader(cache, run, leg, 0, model, state, [*model.given, *leg.exclusions])
             return
-        states = []
+        saved = []
         for rank in range(leg.world_size):
-            loader = _loader(cache, run, leg, rank, model, state)
+            loader = _loader(cache, run, leg, rank, model, state, step=step)
             served = list(islice(iter(loader), leg.batches))
             expected = model.batches(leg, rank)
             assert len(served) == len(expected), (
                 f"leg {index} rank {rank}: {len(served)} batches, model {len(expected)}"
             )
-            for step, (real, want) in enumerate(zip(served, expected)):
-                _same(real, want, f"leg {index} rank {rank} batch {step}")
-            states.append(json.dumps(loader.state_dict(), sort_keys=True))
-        assert len(set(states)) == 1, f"leg {index}: the ranks saved different states"
-        state = json.loads(states[0])
+            for number, (real, want) in enumerate(zip(served, expected)):
+                _same(real, want, f"leg {index} rank {rank} batch {number}")
+            saved.append(json.dumps(loader.state_dict(), sort_keys=True))
+        assert len(set(saved)) == 1, f"leg {index}: the ranks saved different states"
+        if state is not None:
+            states.append((state, step))
+        state = json.loads(saved[0])
+        step += len(served)
         model.advance(leg)
         assert state["position"] == model.position
+    if state is None:
+        return
+    report = audit(
+        state, _audit_data(cache, run), exclude=[_real_exclusion(e, model.names) for e in model.given]
+    )
+    assert report.clean, report.text()
+    served_rows = sum(source.samples for source in report.sources)
+    assert served_rows == model.position, (
+        f"audit: {served_rows} samples, model {model.position}\n{report.text()}"
+    )
+    if plant and states and run.legs[-1].batches and state["position"] > states[-1][0]["position"]:
+        _plant(cache, run, model, states[-1], state, step)
+
+
+def _plant(
+    cache: Any, run: Run, model: Model, before: tuple[dict[str, Any], int], last: dict[str, Any], step: int
+) -> None:
+    """A resume from the state before the last leg with the last leg's step (the model got further than
+    the data state: a replay), and from the last state with the earlier step (a skip): each found."""
+    leg = run.legs[-1]
+    for state, at, kind in ((before[0], step, "twice"), (last, before[1], "skipped")):
+        loader = _loader(cache, run, leg, 0, model, state, step=at)
+        if not list(islice(iter(loader), 1)):  # the run had ended: nothing is trained again
+            continue
+        report = audit(
+            loader.state_dict(),
+            _audit_data(cache, run),
+            exclude=[_real_exclusion(e, model.names) for e in model.given],
+        )
+        assert not report.clean, f"a planted {kind} was not found:\n{report.text()}"
+        assert sum(getattr(source, kind) for source in report.sources) > 0, report.text()
+
+
+def _audit_data(cache: Any, run: Run) -> Any:
+    """What ``audit`` is given: the first leg's samples, or its mixture's sources."""
+    leg = run.legs[0]
+    if leg.mixture is None:
+        return _real_samples(cache, leg.samples)
+    return Mixture(
+        {n: _real_samples(cache[id(run.sources[n][0])], run.sources[n][1]) for n in leg.mixture.names},
+        weights={leg.mixture.names[0]: 1.0},
+    )
 
 
 def _loader(
-    cache: Any, run: Run, leg: Leg, rank: int, model: Model, state: dict | None, given: list | None = None
+    cache: Any,
+    run: Run,
+    leg: Leg,
+    rank: int,
+    model: Model,
+    state: dict | None,
+    given: list | None = None,
+    step: int | None = None,
 ) -> Loader:
     given = model.given if given is None else given
     if leg.mixture is not None:
@@ -322,7 +378,7 @@ def _loader(
             exclude=[_real_exclusion(e) for e in given],
         )
     if state is not None:
-        loader.load_state_dict(state)
+        loader.load_state_dict(state, step=step)
     return loader
 
 
@@ -339,7 +395,7 @@ def test_random_runs_serve_what_the_model_says(caches: dict) -> None:
     @given(runs(corpora))
     def check(run: Run) -> None:
         name = next(n for n, c in corpora.items() if c is run.corpus)
-        check_run(caches[name][0], run)
+        check_run(caches[name][0], run, plant=run.seed % 4 == 0)
 
     check()
 
@@ -357,6 +413,8 @@ def test_random_mixture_runs_serve_what_the_model_says(caches: dict) -> None:
     )
     @given(mixture_runs(corpora))
     def check(run: Run) -> None:
-        check_run({id(c): by_corpus[id(c)] for c, _ in run.sources.values()}, run)
+        check_run(
+            {id(c): by_corpus[id(c)] for c, _ in run.sources.values()}, run, plant=run.mix.seed % 4 == 0
+        )
 
     check()
