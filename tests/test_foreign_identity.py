@@ -178,3 +178,16 @@ def test_a_file_removed_after_the_open_read_it_is_named(tmp_path: Path) -> None:
 
     with pytest.raises(CacheError, match=rf"{tmp_path / 'gone.bin'}: cannot be read .*open them again"):
         files_identity([], [tmp_path / "gone.bin"])
+
+
+def test_the_identity_of_a_scanned_file_is_the_same_past_the_ends_an_open_keeps(
+    caches: tuple[streampack.Cache, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each shard's ends digest is taken from its scan at open: the same whether the ends are kept or would
+    be scanned again when read (past ``KEPT_ENDS_BYTES``), so a large file is scanned once for it."""
+    from streampack.interop import scanning
+
+    folder = exported(caches[0], "nanogpt", tmp_path / "ng")
+    kept = streampack.open(folder, eos_id=EOT).content_digest
+    monkeypatch.setattr(scanning, "KEPT_ENDS_BYTES", 0)
+    assert streampack.open(folder, eos_id=EOT).content_digest == kept
