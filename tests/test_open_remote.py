@@ -59,6 +59,8 @@ def test_a_megatron_pair_in_s3_opens_through_the_local_copy(
         assert opened.files.describe(0, "tokens") == f"{url}.bin"
         assert opened.files.token_file(0) is None  # no local file to copy from in an export
         assert_same_documents(opened, local)
+        # What the files hold, not where: a state saved over the local pair resumes over the bucket's.
+        assert opened.content_digest == local.content_digest
         copies = sorted(p.name for p in (tmp_path / "copy" / "shards").iterdir())
         assert [c.rsplit(".", 1)[0] for c in copies] == ["corpus.bin", "corpus.idx"]
         assert opened.shard_paths(0)[0].parent == tmp_path / "copy" / "shards"
@@ -102,6 +104,7 @@ def test_a_datatrove_folder_in_s3_opens_with_its_loss_mask_within_the_bound(
         assert opened.declared == {"eos_id": GPT2_EOS, "format": "datatrove"}
         assert opened.store.downloads == opened.num_shards  # the .ds.index files, at open
         assert_same_documents(opened, local)
+        assert opened.content_digest == local.content_digest  # what the files hold, read by range
         used = opened.store.local_bytes()
         assert used <= bound and opened.store.downloads > opened.num_shards
         loader = streampack.Loader(opened.sequences(256), batch_size=4, seed=1)

@@ -224,3 +224,61 @@ def test_verify_checks_the_plans_and_ledger_in_its_byte_count(
     assert with_plan.ok and without.ok
     plan_bytes = sum(p.stat().st_size for p in plan_dir(pristine[0]).glob("*.bin"))
     assert with_plan.bytes_checked - without.bytes_checked == plan_bytes
+
+
+@contextlib.contextmanager
+def full_filesystem(path: Path, room: int) -> Iterator[Path]:
+    """A tmpfs of ``room`` bytes mounted at ``path`` (root only), and a function that fills what is left of
+    it: a disk full for real, not a mock of one."""
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(path)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)  # maps may still be open
+
+
+def fill(path: Path) -> None:
+    """Write ``path/filler`` until the file system it is on is full."""
+    with open(path / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+
+
+def test_a_plan_on_a_full_disk_is_kept_in_memory_with_a_warning_naming_the_folder(
+    pristine: tuple[Path, np.ndarray], tmp_path: Path
+) -> None:
+    """A plan that cannot be written (ENOSPC) is the in-memory plan a read-only cache gets, the same as the
+    stored one (its counts too: planned again, not counted twice), with a warning naming the folder;
+    nothing of it is left in ``layouts/``. A damaged plan there is refused, naming it and the fix."""
+    writable = tmp_path / "writable"
+    shutil.copytree(pristine[0], writable, ignore=shutil.ignore_patterns("layouts"))
+    stored = streampack.open(writable).packed(64, too_long="drop")
+    assert stored.layout.directory is not None and stored.layout.dropped > 0
+    size = sum(p.stat().st_size for p in writable.rglob("*") if p.is_file())
+    with full_filesystem(tmp_path / "small", size + (1 << 20)) as small:
+        shutil.copytree(writable, small / "cache", ignore=shutil.ignore_patterns("layouts"))
+        fill(small)
+        layouts = small / "cache" / "layouts"
+        with pytest.warns(
+            RuntimeWarning, match=rf"{layouts}: cannot store the plan packed-64-\w+ there \(No space"
+        ):
+            held = streampack.open(small / "cache").packed(64, too_long="drop")
+        assert held.layout.directory is None and list(layouts.iterdir()) == []
+        assert (held.layout.dropped, held.layout.no_target) == (
+            stored.layout.dropped,
+            stored.layout.no_target,
+        )
+        np.testing.assert_array_equal(held[np.arange(len(held))], stored[np.arange(len(stored))])
+        os.remove(small / "filler")
+        plan = Path(streampack.open(small / "cache").packed(SEQ_LEN).layout.directory)  # type: ignore[arg-type]
+        DAMAGES["lo shifted, in range"](plan)
+        fill(small)
+        with pytest.raises(
+            CacheError, match=rf"{plan}/lo\.bin: checksum .*No space.* delete {plan}.*free space"
+        ):
+            streampack.open(small / "cache").packed(SEQ_LEN)

@@ -7,7 +7,9 @@ documents and tokens it holds (known when it is opened) and how to map its token
 mask (asked on first use). :class:`ForeignShards` serves them through the
 :class:`~streampack.reader.shards.Shards` protocol, and :func:`open_foreign` makes the cache: its
 manifest says what the files declare (dtype, EOS, BOS, a loss mask) and what the user declared
-(``tokenizer=``, ``eos_id=``...), with no shard checksums (the formats have none).
+(``tokenizer=``, ``eos_id=``...), with no shard checksums (the formats have none): what identifies the
+files instead, in the cache's content digest, is what they hold when opened (:func:`foreign_identity`,
+:mod:`streampack.interop.identity`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from streampack.format.sections import (
     TokenizerInfo,
 )
 from streampack.interop.files import LOCAL, ForeignFiles
+from streampack.interop.identity import ends_digest, files_identity
 from streampack.reader.shards import MAX_OPEN_MAPS
 from streampack.store import LocalStore
 from streampack.store.pressure import forget_release, on_release
@@ -41,7 +44,15 @@ from streampack.store.pressure import forget_release, on_release
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["READERS", "Foreign", "ForeignOptions", "ForeignShard", "ForeignShards", "open_foreign"]
+__all__ = [
+    "READERS",
+    "Foreign",
+    "ForeignOptions",
+    "ForeignShard",
+    "ForeignShards",
+    "foreign_identity",
+    "open_foreign",
+]
 
 #: Format name -> the module that reads it, in the order a path is tried.
 READERS: dict[str, str] = {
@@ -114,6 +125,8 @@ class ForeignShard:
         hashes: the digests its format records of :attr:`path`, by algorithm (MDS's, when asked for).
         pieces: where tokens not stored end to end lie in :attr:`path`: each document's bytes, as views
             of its map (checked first), or None (MDS's samples: a convert writes them as they lie).
+        ends_digest: the :func:`~streampack.interop.identity.ends_digest` of :attr:`ends` as the open
+            found them (a scan's, which :attr:`ends` may scan again to give); None: made from :attr:`ends`.
     """
 
     path: Path
@@ -128,6 +141,7 @@ class ForeignShard:
     mask_file: Path | None = None
     hashes: dict[str, str] = field(default_factory=dict)
     pieces: Callable[[], list[memoryview]] | None = None
+    ends_digest: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -168,13 +182,14 @@ class Foreign:
 class ForeignShards:
     """The :class:`~streampack.reader.shards.Shards` of a foreign cache: each shard's arrays made by its
     format's reader on first use, the last :data:`~streampack.reader.shards.MAX_OPEN_MAPS` of each kind kept
-    (of the token copies, those made last up to :data:`MAX_COPY_BYTES`). ``files``: where they are read from.
+    (of the token copies, those made last up to :data:`MAX_COPY_BYTES`). ``files``: where they are read from;
+    ``identity``: what they held when opened (:func:`foreign_identity`).
     """
 
     _closed = False
 
-    def __init__(self, foreign: Foreign, files: ForeignFiles = LOCAL) -> None:
-        self.foreign, self.where = foreign, files
+    def __init__(self, foreign: Foreign, files: ForeignFiles = LOCAL, identity: str = "") -> None:
+        self.foreign, self.where, self._identity = foreign, files, identity
         if not files.local:  # a bounded local copy may need the room of the maps kept here
             on_release(self.drop)
         self._kept: dict[str, OrderedDict[int, np.ndarray]] = {k: OrderedDict() for k in ("t", "c", "o", "m")}
@@ -251,6 +266,11 @@ class ForeignShards:
     def hashes(self, shard: int) -> dict[str, str]:
         """The digests the format records of shard ``shard``'s token file (none: empty)."""
         return dict(self.foreign.shards[self._index(shard)].hashes)
+
+    def identity(self) -> str:
+        """What the files held when they were opened (their ends, sizes, first and last bytes): they
+        record no checksum for the shard table to hold (:mod:`streampack.interop.identity`)."""
+        return self._identity
 
     def drop(self) -> None:
         """Forget the arrays kept for reuse (those a caller holds stay valid)."""
@@ -358,12 +378,21 @@ def foreign_cache(
     options = ForeignOptions(**declared)
     try:
         manifest = foreign_manifest(foreign, options, files)
+        identity = foreign_identity(foreign, files)
     except StreampackError as e:
         raise type(e)(files.shown(str(e))) from None
-    shards = ForeignShards(foreign, files)
+    shards = ForeignShards(foreign, files, identity)
     cache = Cache(store or LocalStore(foreign.root), manifest, manifest.table, files=shards)
     cache.declared = {**{k: v for k, v in declared.items() if v is not None}, "format": foreign.format}
     return cache
+
+
+def foreign_identity(foreign: Foreign, files: ForeignFiles = LOCAL) -> str:
+    """What ``foreign``'s files hold (:func:`~streampack.interop.identity.files_identity`): each shard's
+    document ends, and the size and first and last bytes of each token and loss-mask file."""
+    ends = (shard.ends_digest or ends_digest(shard.ends()) for shard in foreign.shards)
+    sampled = [path for s in foreign.shards for path in (s.path, s.mask_file) if path is not None]
+    return files_identity(ends, list(dict.fromkeys(sampled)), files)
 
 
 def remote_formats() -> list[str]:

@@ -19,7 +19,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ import numpy as np
 from streampack.errors import CacheError
 from streampack.format.names import MANIFEST, crc32
 from streampack.interop.filechecks import check_doc_count
+from streampack.interop.identity import ends_digest
 from streampack.interop.reading import READERS, Foreign, ForeignOptions, recognise
 from streampack.store import open_store
 from streampack.store.remote import is_remote
@@ -176,10 +177,12 @@ class Boundary:
 
 @dataclass(frozen=True)
 class Found:
-    """What the scan of one span found: its documents, and their ends (kept, or found again)."""
+    """What the scan of one span found: its documents, their ends (kept, or found again), and the
+    :func:`~streampack.interop.identity.ends_digest` of those it found (b"": none taken)."""
 
     num_docs: int
     ends: Callable[[], np.ndarray]
+    digest: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,9 @@ class ScanPlan:
 
 def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | None = None) -> Foreign:
     """The foreign cache of ``plan``, its spans scanned on ``threads`` threads (a few spans ahead of the
-    one kept next, so that memory stays bounded); each span's CRC-32 appended to ``crcs`` where given."""
+    one kept next, so that memory stays bounded); each span's CRC-32 appended to ``crcs`` where given.
+    Each shard's :attr:`~streampack.interop.reading.ForeignShard.ends_digest` is that of the ends its scan
+    found, so that the cache's identity never scans a span again (its ends past :data:`KEPT_ENDS_BYTES`)."""
     kept, found = KeptEnds(), []
     scan = partial(plan.boundary.ends, checksum=crcs is not None)
     with ThreadPoolExecutor(max(1, min(threads, len(plan.spans))), "streampack-scan") as pool:
@@ -205,10 +210,20 @@ def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | 
                 ahead.append(pool.submit(scan, plan.spans[index + len(ahead)]))
             ends, crc = ahead.popleft().result()
             span = plan.spans[index]
-            found.append(Found(len(ends), kept.ends(ends, partial(_rescan, span, plan.boundary, len(ends)))))
+            rescan = partial(_rescan, span, plan.boundary, len(ends))
+            found.append(Found(len(ends), kept.ends(ends, rescan), ends_digest(ends)))
             if crcs is not None:
                 crcs.append(crc)
-    return plan.make(found)
+    return _with_digests(plan.make(found), found)
+
+
+def _with_digests(foreign: Foreign, found: list[Found]) -> Foreign:
+    """``foreign`` with the digest of each span's ends on its shard: a format makes one shard a span, in
+    their order (where one did not, the digests are made from the shards' ends)."""
+    shards = foreign.shards
+    if len(shards) != len(found) or any(s.num_docs != f.num_docs for s, f in zip(shards, found)):
+        return foreign
+    return replace(foreign, shards=[replace(s, ends_digest=f.digest) for s, f in zip(shards, found)])
 
 
 def _rescan(span: TokenSpan, boundary: Boundary, docs: int) -> np.ndarray:

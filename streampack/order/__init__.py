@@ -338,6 +338,17 @@ def mismatch(key: str, saved: object, mine: object) -> str:
             "resumes at a seq_len that divides the checkpoint's or is a multiple of it "
             "(streampack.loader.served); this order resumes only with the seq_len it was saved with."
         )
+    elif (
+        isinstance(saved, Mapping)
+        and isinstance(mine, Mapping)
+        and saved.get("shards") != mine.get("shards")
+        and {**saved, "shards": None} == {**mine, "shards": None}
+    ):
+        hint = (
+            f" Only the data's content digest differs (shards {saved.get('shards')} -> "
+            f"{mine.get('shards')}): the cache holds as many samples and tokens, but not those the state was "
+            "saved over (another cache, or files rewritten since)."
+        )
     return (
         f"the loader state does not match this loader: {key} in checkpoint: {saved!r} / {key} in this "
         f"loader: {mine!r}.{hint} Create the Loader with the settings and data of the run that saved the "

@@ -9,6 +9,7 @@ manifest and the offset tables of the shards in use. The views of its samples (`
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -110,10 +111,13 @@ class Cache:
 
     @functools.cached_property
     def content_digest(self) -> str:
-        """A short digest of the shard table (:meth:`~streampack.format.ShardTable.digest`): what samples are
-        made of, wherever the cache lives; computed once per open cache (every view and plan key asks).
+        """A short digest of what samples are made of, wherever the cache lives: the shard table
+        (:meth:`~streampack.format.ShardTable.digest`, whose CRC-32s cover a native cache's files), and for
+        another format's files, which record no checksum, what they held when opened (``Shards.identity``:
+        :mod:`streampack.interop.identity`). Computed once per open cache (every view and plan key asks).
         """
-        return self.table.digest()
+        table, held = self.table.digest(), self.files.identity()
+        return table if not held else hashlib.sha256(f"{table}:{held}".encode()).hexdigest()[:16]
 
     @functools.cached_property
     def version_1_digest(self) -> str:

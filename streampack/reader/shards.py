@@ -115,6 +115,13 @@ class Shards(Protocol):
         document came from."""
         ...
 
+    def identity(self) -> str:
+        """What identifies the shards' bytes where the shard table holds no checksum of them: another
+        format's files, as they were when opened (:mod:`streampack.interop.identity`); "" where the
+        table's checksums do (a native cache). :attr:`Cache.content_digest <streampack.reader.Cache.
+        content_digest>` covers it."""
+        ...
+
     def drop(self) -> None:
         """Forget the arrays kept for reuse (those a caller still holds stay valid)."""
         ...
@@ -239,6 +246,10 @@ class ShardFiles:
     def origin(self, shard: int) -> None:
         """None: a native cache's documents come from its inputs (see :func:`streampack.which`)."""
         return None
+
+    def identity(self) -> str:
+        """Nothing: the manifest's shard table holds each file's CRC-32."""
+        return ""
 
     def describe(self, shard: int, kind: str) -> str:
         """The path of shard ``shard``'s ``.tokens``, ``.offsets`` or ``.mask`` file."""

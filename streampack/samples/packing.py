@@ -6,7 +6,8 @@ order, then padding. It is computed from the shards' offset tables alone (no tok
 documents at a time, so planning needs memory for one chunk whatever the size of the cache; the table is
 written beside the cache (``CACHE/layouts/KEY/``) and memory-mapped, so that every rank and worker shares
 one copy in the page cache and a second run starts at once; it is checked before use and planned again if
-damaged (:mod:`streampack.store.plans`). Where the cache is read-only the plan is kept in memory instead.
+damaged (:mod:`streampack.store.plans`). Where the cache is read-only (or the plan cannot be written: a full
+disk, with a warning) the plan is kept in memory instead.
 
 * :func:`plan_packed`: best-fit decreasing, within chunks of :data:`CHUNK_DOCS` documents: pieces in
   decreasing length, each into the open bin with the least room that fits it, else a new bin.
@@ -198,6 +199,8 @@ class _Pieces:
         return {"dropped": self.dropped, "no_target": self.no_target}
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        # Counted afresh: a plan that could not be written is made again in memory (store.plans).
+        self.dropped = self.no_target = 0
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         held = 0
         for shard in range(self.cache.num_shards):

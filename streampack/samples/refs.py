@@ -27,7 +27,8 @@ def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
         what: what was made from the cache, for the message (``"these samples"``).
 
     Raises:
-        CacheError: the cache cannot be opened, or its shard table is not the one ``ref`` digests.
+        CacheError: the cache cannot be opened, or it is not the one ``ref`` digests (its shard table, and
+            for another format's files what they hold: :attr:`~streampack.reader.Cache.content_digest`).
     """
     from streampack.reader.opening import open as open_cache
 
@@ -36,7 +37,7 @@ def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
     if now != ref.content and ref.content != cache.version_1_digest:  # pickled before format version 2
         raise CacheError(
             f"{cache.store.describe('')}: the cache changed on disk since {what} were made from it (it now "
-            f"holds {cache.num_docs} documents, {cache.num_tokens} tokens; shard table {now}, was "
+            f"holds {cache.num_docs} documents, {cache.num_tokens} tokens; content digest {now}, was "
             f"{ref.content}), so their indices no longer mean the same tokens. Make {what} again from the "
             "reopened cache (and restart the loader)."
         )
@@ -53,7 +54,7 @@ def cache_ref(cache: Cache) -> CacheRef:
 
 
 def content_digest(cache: Cache) -> str:
-    """A short digest of the shard table: :attr:`streampack.reader.Cache.content_digest`."""
+    """A short digest of what the cache holds: :attr:`streampack.reader.Cache.content_digest`."""
     return cache.content_digest
 
 

@@ -17,12 +17,15 @@ views map a checked plan without reading it again; reading a batch costs what it
 
 A plan that fails a check is derived data: :func:`stored` plans it again and replaces it where the cache
 is writable, and refuses it (:class:`~streampack.errors.CacheError` naming the file and the fix) where it
-is not. ``streampack verify`` runs the same checks (:func:`inspect_plan`).
+is not. ``streampack verify`` runs the same checks (:func:`inspect_plan`). A plan that cannot be written is
+kept in memory: silently in a read-only cache, with a ``RuntimeWarning`` naming the folder and the reason
+where the write failed otherwise (a full disk), nothing of it left behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import mmap
@@ -30,6 +33,7 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -50,6 +54,10 @@ PLAN_JSON = "plan.json"
 PLAN_ARRAYS = {"starts": np.int64, "shards": np.int64, "lo": np.int64, "lengths": np.int32}
 _CHUNK_ITEMS = 4 << 20
 _OLD_FIELDS = frozenset({"counts", "dropped"})  # all that a version 1 plan.json held
+# Why a plan is not stored in a read-only cache, or in one without a folder for it (a Megatron pair's
+# prefix, a file named layouts): expected, so kept in memory without a warning.
+_READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EEXIST})
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 # Plans this process has checked: directory -> (plan.json's checksum, the identities of its files).
 _checked: dict[str, tuple[str, tuple[tuple[int, ...], ...]]] = {}
@@ -135,21 +143,16 @@ def stored(
         directory.parent.mkdir(exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=".planning-", dir=directory.parent))
     except OSError as e:
-        if damage is not None:
-            raise CacheError(
-                f"{damage}. The cache is not writable here ({e.strerror or e}), so it cannot be planned "
-                f"again: delete {directory} (or all of {directory.parent}) where you can write to the cache; "
-                "a plan is derived from the shards and is made again at its next use"
-            ) from None
-        arrays: dict[str, list[np.ndarray]] = {name: [] for name in PLAN_ARRAYS}
-        for table in tables():
-            for name, values in table.items():
-                arrays[name].append(values)
-        joined = {name: np.concatenate(parts).astype(PLAN_ARRAYS[name]) for name, parts in arrays.items()}
-        counted = left_out()
-        return StoredPlan(joined, None, counted["dropped"], counted["no_target"])
+        return _unstored(directory, e, damage, tables, left_out)
     try:
         checksum = _write(scratch, identity, tables, left_out)
+    except OSError as e:  # a full disk, a quota: nothing of the plan is left behind
+        shutil.rmtree(scratch, ignore_errors=True)
+        return _unstored(directory, e, damage, tables, left_out)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    try:
         if damage is not None:
             _move_away(directory)
         try:
@@ -162,6 +165,46 @@ def stored(
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return _open(directory, identity, shard_tokens)
+
+
+def _unstored(
+    directory: Path,
+    error: OSError,
+    damage: PlanDamage | None,
+    tables: Callable[[], Iterator[dict[str, np.ndarray]]],
+    left_out: Callable[[], dict[str, int]],
+) -> StoredPlan:
+    """The plan held in memory, where it cannot be stored in ``directory`` (``error``): silently where the
+    cache is read-only (a plan is derived data), with a warning where the write failed otherwise (a full
+    disk: each process and run then plans again, which the user should hear of).
+
+    Raises:
+        CacheError: a damaged plan (``damage``) lies in ``directory``: it would be read by the next run,
+            so it is refused until it can be replaced or deleted.
+    """
+    reason, read_only, full = error.strerror or str(error), error.errno in _READ_ONLY, error.errno in _FULL
+    if damage is not None:
+        why = "The cache is not writable here" if read_only else f"Writing {directory.parent} failed"
+        raise CacheError(
+            f"{damage}. {why} ({reason}), so it cannot be planned again: delete {directory} (or all of "
+            f"{directory.parent}) where you can write to the cache{', or free space' if full else ''}; a "
+            "plan is derived from the shards and is made again at its next use"
+        ) from None
+    if not read_only:
+        fix = "Free space there" if full else "Check that folder"
+        warnings.warn(
+            f"{directory.parent}: cannot store the plan {directory.name} there ({reason}); it is kept in "
+            f"memory, and planned again by each process and run that needs it. {fix} to store it",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    arrays: dict[str, list[np.ndarray]] = {name: [] for name in PLAN_ARRAYS}
+    for table in tables():
+        for name, values in table.items():
+            arrays[name].append(values)
+    joined = {name: np.concatenate(parts).astype(PLAN_ARRAYS[name]) for name, parts in arrays.items()}
+    counted = left_out()
+    return StoredPlan(joined, None, counted["dropped"], counted["no_target"])
 
 
 def load_plan(directory: Path, checksum: str, identities: tuple[tuple[int, ...], ...]) -> StoredPlan:
