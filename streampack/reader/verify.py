@@ -37,7 +37,7 @@ from streampack.reader.cache import Cache
 from streampack.reader.filehashes import check_file
 from streampack.reader.opening import open as open_cache
 from streampack.reader.report import VerifyReport
-from streampack.reader.shardchecks import Mapped, Streamed, check_shard
+from streampack.reader.shardchecks import Mapped, Streamed, check_delimiter, check_shard
 from streampack.store.files import load_manifest, read_entry
 from streampack.store.plans import PLAN_ARRAYS, PLAN_JSON, inspect_plan
 from streampack.store.remote import RemoteStore, is_remote
@@ -101,6 +101,7 @@ def _verify_local(root: Path, report: VerifyReport, declared: Mapping[str, Any])
         report.problems.extend(
             check_shard(cache.manifest, shard, int(cache.doc_starts[shard]), source, report)
         )
+    report.problems.extend(check_delimiter(cache.manifest, source))
     _note_unknown(report, root / SHARD_DIR, listed, expected)
     _check_ledger(cache.manifest, cache.store, _entries(root / LEDGER_DIR), report)
     layouts = root / LAYOUT_DIR
@@ -126,6 +127,7 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
             report.notes.extend(notes)
             report.bytes_checked += read
             hashed += 1
+    report.problems.extend(check_delimiter(cache.manifest, source))
     checked = "their headers and indexes were checked"
     if hashed:
         algos = sorted({a for s in range(cache.num_shards) for a in cache.files.hashes(s)})
@@ -181,6 +183,7 @@ def _verify_remote(remote: RemoteStore, report: VerifyReport) -> None:
     doc_starts = np.concatenate([[0], np.cumsum(manifest.table.num_docs)])
     for shard in range(len(manifest.table)):
         report.problems.extend(check_shard(manifest, shard, int(doc_starts[shard]), source, report))
+    report.problems.extend(check_delimiter(manifest, source))
     _note_unknown(report, remote.describe(SHARD_DIR), set(source.sizes), _shard_files(manifest))
     _check_ledger(manifest, remote, set(remote.list(LEDGER_DIR)), report)
     known = {MANIFEST, SHARD_DIR, LEDGER_DIR}
