@@ -628,6 +628,49 @@ def test_olmo_bad_files_name_the_file_and_field(sft: streampack.Cache, tmp_path:
         streampack.open(tmp_path / "good" / "token_ids_part_000000.npy")
 
 
+def test_olmo_json_counts_are_checked_against_the_token_files(
+    natural: streampack.Cache, tmp_path: Path
+) -> None:
+    """B3: olmo.json's num_tokens and num_docs, the export's, are checked when the folder is opened (and so
+    by verify): a token file cut at a document boundary, emptied, or with an EOS overwritten is refused,
+    naming olmo.json and both counts. An EOS id inside a document (a chat template's) is more documents, as
+    OLMo-core reads them too: no damage."""
+    natural.export("olmo", tmp_path / "good", progress=False)
+    eos, total, docs = natural.eos_id, natural.num_tokens, natural.num_docs
+
+    def damaged(name: str) -> tuple[Path, Path]:
+        shutil.copytree(tmp_path / "good", tmp_path / name)
+        return tmp_path / name, tmp_path / name / "token_ids_part_000000.npy"
+
+    cut = int(natural.shard_offsets(0)[9])  # the end of document 9
+    left = cut + int(natural.table.num_tokens[1:].sum())
+    folder, tokens = damaged("cut")
+    os.truncate(tokens, cut * 2)
+    counts = rf"olmo\.json: num_tokens is {total:,} \(and num_docs {docs}\), but its token files hold "
+    with pytest.raises(CacheError, match=counts + rf"{left:,} tokens: a file was cut"):
+        streampack.open(folder)
+    report = streampack.verify(folder)
+    assert not report.ok and f"num_tokens is {total:,}" in report.problems[0]
+    os.truncate(tokens, 0)
+    with pytest.raises(CacheError, match=counts + rf"{left - cut:,} tokens"):
+        streampack.open(folder)
+    folder, tokens = damaged("eos")
+    stream = np.memmap(tokens, dtype=np.uint16, mode="r+")
+    stream[int(np.flatnonzero(stream == eos)[0])] = 13
+    stream.flush()
+    del stream
+    with pytest.raises(
+        CacheError, match=rf"num_docs is {docs:,}, but its token files hold {docs - 1:,} documents"
+    ):
+        streampack.open(folder)
+    folder, tokens = damaged("more")
+    stream = np.memmap(tokens, dtype=np.uint16, mode="r+")
+    stream[1] = eos
+    stream.flush()
+    del stream
+    assert streampack.open(folder).num_docs == docs + 1
+
+
 def test_a_scan_of_a_file_cut_short_since_it_was_opened_says_so(tmp_path: Path) -> None:
     path = tmp_path / "train.bin"
     np.arange(1000, dtype="<u2").tofile(path)
