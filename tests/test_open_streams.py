@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import streampack
 from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError
 from streampack.interop import convert, nanogpt, scanning
-from tests.conftest import SAMPLE_CORPUS
+from tests.conftest import SAMPLE_CORPUS, run_cli
 
 EOT = 50256  # GPT-2's <|endoftext|>
 
@@ -382,8 +382,9 @@ def test_nanogpt_export_opens_as_the_same_stream(
     assert_docs(opened, docs_of(natural))
     np.testing.assert_array_equal(opened.sequences(512, overlap=1)[:], natural.sequences(512, overlap=1)[:])
     loader_runs(opened)
-    # Without eos_id the file is one stream: one document, the same windows.
-    stream = streampack.open(tmp_path / "owt")
+    # Without eos_id the file is one stream: one document, the same windows; opening it says so.
+    with pytest.warns(DocumentBoundaryWarning, match=r"owt/train\.bin: no eos_id declared: .* one document"):
+        stream = streampack.open(tmp_path / "owt")
     assert (stream.num_docs, stream.eos_id) == (1, None)
     np.testing.assert_array_equal(stream.doc(0), natural.tokens(0, natural.num_tokens))
     np.testing.assert_array_equal(stream.sequences(512)[:], natural.sequences(512)[:])
@@ -488,6 +489,21 @@ def test_nanogpt_prepare_py_bins_open_with_their_documents(encoded: list[list[in
     assert_docs(opened, [np.array([*encoded[0], EOT]), np.array(encoded[1])])
 
 
+def test_nanogpt_without_eos_id_says_it_is_one_document(natural: streampack.Cache, tmp_path: Path) -> None:
+    """New user 3c.2: `info` of a nanoGPT train.bin opened without --eos-id says the file is read as one
+    document, naming it and the option (stderr: the table on stdout stays as it is); with it, nothing."""
+    natural.export("nanogpt", tmp_path / "owt", progress=False)
+    shown = run_cli("info", tmp_path / "owt", "--json")
+    assert json.loads(shown.stdout)["num_docs"] == 1
+    assert shown.stderr.startswith(
+        f"warning: {tmp_path / 'owt' / 'train.bin'}: no eos_id declared: the file is"
+    )
+    assert "Pass --eos-id N, the id after each document" in shown.stderr and "Traceback" not in shown.stderr
+    declared = run_cli("info", tmp_path / "owt", "--eos-id", natural.eos_id, "--json")
+    assert json.loads(declared.stdout)["num_docs"] == natural.num_docs and not declared.stderr
+
+
+@pytest.mark.filterwarnings("ignore::streampack.errors.DocumentBoundaryWarning")  # opened without eos_id
 def test_nanogpt_bad_files_name_the_file_and_field(tmp_path: Path) -> None:
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "train.bin").write_bytes(b"\x01\x00\x02\x00\x03")

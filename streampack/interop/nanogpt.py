@@ -17,7 +17,8 @@ magic, which :mod:`~streampack.interop.llmc` reads). The tokens are ``dtype=`` (
 ``train.py`` maps them), so the file must be a whole number of them. A file holds no boundaries but its
 EOS ids: with ``eos_id=`` (GPT-2's ``<|endoftext|>``, 50256, for ``prepare.py``'s files) a document is
 its tokens up to and with each EOS, and a tail after the last one is a last document; without it the file
-is one document, one stream (``sequences`` windows it as ``get_batch`` does; ``documents`` has one).
+is one document, one stream (``sequences`` windows it as ``get_batch`` does; ``documents`` has one),
+and opening it says so with a :class:`~streampack.errors.DocumentBoundaryWarning`.
 ``meta.pkl`` beside the file gives the vocabulary size (read as plain data: no class is unpickled).
 
 A file with an EOS is read as shards of at most :data:`SHARD_TOKENS` tokens, each cut after an EOS (a
@@ -30,6 +31,7 @@ is opened (the number of documents is needed first): a scan of the shards at dis
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -38,7 +40,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from streampack.errors import CacheError, OptionsError
+from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError
 from streampack.interop.destination import Destination
 from streampack.interop.filechecks import check_id_fits
 from streampack.interop.files import map_tokens
@@ -187,6 +189,16 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     eos = options.eos_id
     if eos is not None:
         check_id_fits(file, "eos_id", eos, dtype)
+    else:
+        # Documented (one stream for get_batch-style windows), so a warning, not a refusal: documents()
+        # and packed() would serve one document made of them all.
+        warnings.warn(
+            f"{file}: no eos_id declared: the file is read as one document stream (sequences() windows it as "
+            "nanoGPT's get_batch does; documents() and packed() see one document). Pass eos_id=N, the id "
+            "after each document (50256 for GPT-2's prepare.py), to find its documents",
+            DocumentBoundaryWarning,
+            stacklevel=2,
+        )
     meta = file.parent / "meta.pkl"
     vocab = _vocab_size(meta) if meta.is_file() else None
     whole = TokenSpan(file, dtype, 0, size // dtype.itemsize)
