@@ -263,7 +263,8 @@ def test_llmc_export_of_a_uint32_cache_opens_with_its_documents(
     assert (opened.dtype, opened.bos_id) == (np.uint32, 100257)
     assert_docs(opened, [np.concatenate([[100257], doc[:-1]]) for doc in docs_of(cache)])
     assert len(opened.documents(2048)) >= cache.num_docs
-    assert streampack.verify(tmp_path / "llmc").ok
+    report = streampack.verify(tmp_path / "llmc")
+    assert report.ok and report.notes[0].startswith("llmc files: their headers were checked (magic, version")
     # Told another delimiter than the recorded one: refused, naming both.
     with pytest.raises(OptionsError, match=r"records the delimiter 100257 .* but bos_id=128000 was given"):
         streampack.open(tmp_path / "llmc", bos_id=128000)
@@ -503,6 +504,25 @@ def test_nanogpt_without_eos_id_says_it_is_one_document(natural: streampack.Cach
     assert json.loads(declared.stdout)["num_docs"] == natural.num_docs and not declared.stderr
 
 
+def test_verify_of_a_nanogpt_export_says_what_it_checked_and_knows_its_files(
+    natural: streampack.Cache, tmp_path: Path
+) -> None:
+    """New user 3c.3-4: verify says what it checked of nanoGPT's files (no header nor index: their size),
+    and names val.bin, which the export writes beside train.bin, as what it is, not as a leftover."""
+    natural.export("nanogpt", tmp_path / "owt", val=0.1, progress=False)
+    (tmp_path / "owt" / "notes.txt").write_text("a file of the user's")
+    done = run_cli("verify", tmp_path / "owt", "--eos-id", natural.eos_id)
+    notes = [line for line in done.stdout.splitlines() if line.startswith("note: ")]
+    assert "headers and indexes" not in done.stdout
+    assert notes[0].startswith("note: nanogpt files: only their size was checked (a whole number of tokens)")
+    val = tmp_path / "owt" / "val.bin"
+    assert f"note: {val}: nanoGPT's validation split (the export's --val)" in done.stdout
+    assert f"`streampack verify {val} --eos-id N`" in done.stdout
+    unread = [n for n in notes if "not one of the nanogpt files" in n]
+    assert len(unread) == 1 and "notes.txt" in unread[0]  # meta.pkl is read (its vocab_size)
+    assert run_cli("verify", val, "--eos-id", natural.eos_id).stdout.startswith("note: nanogpt files: only")
+
+
 @pytest.mark.filterwarnings("ignore::streampack.errors.DocumentBoundaryWarning")  # opened without eos_id
 def test_nanogpt_bad_files_name_the_file_and_field(tmp_path: Path) -> None:
     (tmp_path / "odd").mkdir()
@@ -685,6 +705,14 @@ def test_olmo_json_counts_are_checked_against_the_token_files(
     stream.flush()
     del stream
     assert streampack.open(folder).num_docs == docs + 1
+    # Its verify names dolma's .csv.gz sidecars, written by the export, as what they are.
+    notes = streampack.verify(tmp_path / "good").notes
+    assert not [n for n in notes if "not one of the olmo files" in n]
+    assert any(
+        "token_ids_part_000000.csv.gz: dolma's document index of token_ids_part_000000.npy" in n
+        for n in notes
+    )
+    assert notes[0].startswith("olmo files: olmo.json was checked where there is one")
 
 
 def test_a_scan_of_a_file_cut_short_since_it_was_opened_says_so(tmp_path: Path) -> None:

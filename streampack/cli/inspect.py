@@ -148,8 +148,9 @@ def _cuts_summary(manifest: Manifest) -> str:
 def verify(cache_dir: str, **source: Any) -> None:
     """Check every file of the cache in CACHE_DIR (or every object under a URL: read from object storage,
     never from a local copy): checksums, offsets, token ids, EOS and BOS, ledger, plans; list anything
-    unknown. Exit 1 if any damage is found. Another format's token files get the checks they allow: their
-    headers and indexes, and every token against --vocab-size, --eos-id and --bos-id where given."""
+    unknown. Exit 1 if any damage is found. Another format's token files get the checks they allow: what
+    their format records (headers, indexes, counts; a note says which), and every token against
+    --vocab-size, --eos-id and --bos-id where given."""
     report = verify_cache(cache_dir, **declared(**source))
     for note in report.notes:
         click.echo(f"note: {note}")

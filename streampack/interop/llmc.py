@@ -222,6 +222,11 @@ def _write_stream(out: IO[bytes], cache: Cache, start: int, stop: int, dtype: np
 # Reading ---------------------------------------------------------------------------------------------
 
 LOOKS_FOR = "llmc: a folder of *.bin shards with llm.c's header (magic 20240520 or 20240801), or one"
+#: What reading the files checks of them, as ``verify`` reports it.
+OPENED_CHECKS = (
+    "their headers were checked (magic, version, and the token count against each file's size); llm.c "
+    "shards have no index: documents are found at the delimiter"
+)
 HEADER_BYTES = 4 * HEADER_INTS
 #: The delimiter llm.c's writers put before every document, by token width: GPT-2's ``<|endoftext|>``
 #: (``fineweb.py``, ``tinyshakespeare.py``...) and Llama 3's ``<|begin_of_text|>``.

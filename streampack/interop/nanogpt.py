@@ -137,6 +137,11 @@ def _write_split(
 # Reading ---------------------------------------------------------------------------------------------
 
 LOOKS_FOR = "nanogpt: a folder with train.bin, or one headerless .bin file (with eos_id= and dtype=)"
+#: What reading the files checks of them, as ``verify`` reports it.
+OPENED_CHECKS = (
+    "only their size was checked (a whole number of tokens): nanoGPT's files have no header nor index, "
+    "their documents end at the EOS id, where one is declared"
+)
 #: The most tokens a shard of a file read with an EOS holds (unless one document is longer).
 SHARD_TOKENS = 1 << 28
 
@@ -144,6 +149,19 @@ SHARD_TOKENS = 1 << 28
 def token_path(path: Path) -> Path:
     """The token file ``path`` names: ``path/train.bin`` for a folder."""
     return path / "train.bin" if path.is_dir() else path
+
+
+def companion(path: Path) -> str | None:
+    """What the file ``path`` beside a ``train.bin`` that was read is, where nanoGPT's layout (and the
+    export) puts it there; None for a file it does not know."""
+    if path.name == "val.bin":
+        return (
+            "nanoGPT's validation split (the export's --val), read apart from train.bin, so not checked with "
+            f"it: verify it on its own (`streampack verify {path} --eos-id N`)"
+        )
+    if path.name == "meta.pkl":
+        return "nanoGPT's meta.pkl, which holds no vocab_size to read; not checked"
+    return None
 
 
 def recognise(path: Path) -> bool:

@@ -168,10 +168,27 @@ def csv_rows(columns: Sequence[np.ndarray]) -> bytes:
 # Reading ---------------------------------------------------------------------------------------------
 
 LOOKS_FOR = "olmo: a folder with olmo.json or headerless *.npy token files, or one .npy file (with eos_id=)"
+#: What reading the files checks of them, as ``verify`` reports it.
+OPENED_CHECKS = (
+    "olmo.json was checked where there is one (its fields, and its token and document counts against the "
+    "files), and each file's size (whole tokens; a label mask one byte a token): OLMo's token files have "
+    "no header, their documents end at the EOS id"
+)
 TOKEN_PREFIX = "token_ids"
 MASK_PREFIX = "labels_mask"
 #: The start of a NumPy ``.npy`` header: OLMo's token files are raw arrays despite their name.
 NPY_MAGIC = b"\x93NUMPY"
+
+
+def companion(path: Path) -> str | None:
+    """What the file ``path`` beside the token files that were read is, where dolma's layout (and the
+    export) puts it there; None for a file it does not know."""
+    if path.name.startswith(TOKEN_PREFIX) and path.name.endswith(".csv.gz"):
+        return (
+            f"dolma's document index of {path.name.removesuffix('.csv.gz')}.npy, not read (documents are "
+            "found at the EOS ids), so not checked"
+        )
+    return None
 
 
 def recognise(path: Path) -> bool:

@@ -53,9 +53,10 @@ def verify(
 ) -> VerifyReport:
     """Check everything about a cache; return a report listing each problem precisely.
 
-    Another format's token files (see :func:`streampack.open`) get the checks they allow: their headers
-    and indexes (when they are opened), then every token against the vocabulary size and the EOS and BOS
-    placement that ``declared`` gives, and a loss mask's values; they record no checksums.
+    Another format's token files (see :func:`streampack.open`) get the checks they allow: what their
+    format records of them (headers, indexes, counts: when they are opened; a note says which, per
+    format), then every token against the vocabulary size and the EOS and BOS placement that
+    ``declared`` gives, and a loss mask's values; they record no checksums.
 
     Args:
         path: a cache directory, or the URL of a cache in object storage (``s3://bucket/prefix``), whose
@@ -114,7 +115,7 @@ def _verify_local(root: Path, report: VerifyReport, declared: Mapping[str, Any])
 def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
     """Every token of another format's files, and the digests of them it records (MDS's, if asked for);
     no ledger or plans to check. Entries of its folder it does not read are listed."""
-    format = cache.declared["format"] if cache.declared else "another"
+    format = (cache.declared or {})["format"]  # a foreign cache is opened with its format
     hashed = 0
     for shard in range(cache.num_shards):
         doc_start = int(cache.doc_starts[shard])
@@ -128,7 +129,7 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
             report.bytes_checked += read
             hashed += 1
     report.problems.extend(check_delimiter(cache.manifest, source))
-    checked = "their headers and indexes were checked"
+    checked = _opened_checks(format)
     if hashed:
         algos = sorted({a for s in range(cache.num_shards) for a in cache.files.hashes(s)})
         report.notes.append(
@@ -147,17 +148,35 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
 
 
 def _note_unread(cache: Cache, format: str, report: VerifyReport) -> None:
-    """The entries of a foreign cache's folder that are none of the files it was read from."""
+    """The entries of a foreign cache's folder that are none of the files it was read from: what the
+    format writes there (nanoGPT's ``val.bin``...), or else unknown."""
     root = Path(cache.root)
     if not root.is_dir():
         return  # a Megatron prefix: the folder holds other files than the pair by design
     inputs = [Path(entry.path).resolve() for entry in cache.manifest.inputs]
     read = {path.name for path in inputs if path.parent == root.resolve()}
     for name in sorted(_entries(root) - read - {LAYOUT_DIR}):
+        known = _companion(format, root / name)
         report.notes.append(
-            f"{root / name}: not one of the {format} files this cache is read from, so not part of it and "
-            "not checked; move it out of the folder if it does not belong there"
+            f"{root / name}: {known}"
+            if known is not None
+            else f"{root / name}: not one of the {format} files this cache is read from, so not part of it "
+            "and not checked; move it out of the folder if it does not belong there"
         )
+
+
+def _opened_checks(format: str) -> str:
+    """What reading ``format``'s files checked (:func:`streampack.interop.filechecks.opened_checks`)."""
+    from streampack.interop.filechecks import opened_checks
+
+    return opened_checks(format)
+
+
+def _companion(format: str, path: Path) -> str | None:
+    """What ``path``, beside ``format``'s files, is (:func:`streampack.interop.filechecks.companion`)."""
+    from streampack.interop.filechecks import companion
+
+    return companion(format, path)
 
 
 def _verify_remote_foreign(
