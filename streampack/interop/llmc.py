@@ -374,12 +374,18 @@ def _warn_undelimited(path: Path, delimiter: int, spans: list[TokenSpan], found:
     ]
     if not lacking:
         return
-    where = "any" if len(lacking) == len(spans) else f"{len(lacking)} of the {len(spans)}"
-    named = ", ".join(lacking[:3]) + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
+    count, total = len(lacking), len(spans)
+    named = ", ".join(lacking[:3]) + (f" and {count - 3} more" if count > 3 else "")
+    if total == 1:
+        which = f"its shard ({named}) holds no delimiter {delimiter}"
+    elif count == total:
+        which = f"none of its {total} shards ({named}) holds the delimiter {delimiter}"
+    else:
+        which = f"{count} of its {total} shards ({named}) hold no delimiter {delimiter}"
     warnings.warn(
-        f"{path}: the delimiter {delimiter} occurs in no token of {where} shards ({named}): each is read "
-        "as one document. Either it continues a document longer than a shard, or the files put another "
-        "id before each document: pass bos_id=N with N that id",
+        f"{path}: {which}: each such shard is read as one document. "
+        "Either it continues a document longer than a shard, or the files put another id before each "
+        "document: pass bos_id=N with N that id",
         DocumentBoundaryWarning,
         stacklevel=2,
     )
