@@ -1,4 +1,4 @@
-"""Exceptions raised by streampack.
+"""Exceptions raised by streampack, and the warning it gives about another format's documents.
 
 Every error a user can cause is a :class:`StreampackError`; the CLI prints its message (no traceback) and
 exits with status 1. Messages say what was received, where (file and line or row), and what to do.
@@ -12,6 +12,7 @@ __all__ = [
     "BuildStalledError",
     "CacheError",
     "ConfigMismatchError",
+    "DocumentBoundaryWarning",
     "InputError",
     "LoaderStateError",
     "MissingDependencyError",
@@ -99,3 +100,12 @@ class WorkerDiedError(StreampackError):
 
 class MissingDependencyError(StreampackError, ImportError):
     """An optional dependency (an extra such as ``ray``, ``torch`` or ``tiktoken``) is not installed."""
+
+
+class DocumentBoundaryWarning(UserWarning):
+    """Another format's token files were opened with document boundaries that may not be theirs: a nanoGPT
+    file without a declared ``eos_id`` (read as one document), llm.c shards that hold no delimiter.
+
+    The tokens are read as they lie (``sequences`` windows them the same); ``documents``, ``packed`` and
+    ``output="dict"`` labels follow the boundaries, so the message says what to declare.
+    """

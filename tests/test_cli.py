@@ -246,6 +246,38 @@ def test_decode_asks_for_a_tokenizer_that_is_not_found(tmp_path: Path, bpe_token
     assert result.stdout.startswith("Hello world") and not result.stderr
 
 
+def test_decode_asks_for_a_tokenizer_where_the_cache_records_none(
+    tmp_path: Path, gpt2_tokenizer: Path
+) -> None:
+    """New user finding 1: a nanoGPT train.bin (written with numpy, as prepare.py does) and the cache
+    converted from it name no tokenizer; decode refused to guess (bytes printed mojibake with exit 0) and
+    asks for --tokenizer. --ids, and --tokenizer, still decode; a cache built with bytes decodes as before."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    texts = ["Hello world, this is nanoGPT.", "A second document."]
+    tokenizer = Tokenizer.from_file(str(gpt2_tokenizer))
+    ids = [[*tokenizer.encode(t).ids, 50256] for t in texts]
+    (tmp_path / "nano").mkdir()
+    np.array([i for doc in ids for i in doc], dtype=np.uint16).tofile(tmp_path / "nano" / "train.bin")
+    run_cli("convert", tmp_path / "nano", "--out", tmp_path / "native", "--eos-id", 50256)
+    for cache in (tmp_path / "nano", tmp_path / "native"):
+        result = run_cli("decode", cache, "--doc", "0", check=False)
+        assert result.returncode == 1 and not result.stdout and "Traceback" not in result.stderr, (
+            result.stderr
+        )
+        assert f"error: {cache}: the cache records no tokenizer to decode with" in result.stderr
+        assert "pass --tokenizer SPEC" in result.stderr
+        shown = run_cli("decode", cache, "--doc", "0", "--tokenizer", gpt2_tokenizer).stdout
+        assert shown.startswith(texts[0])
+    assert run_cli("decode", tmp_path / "native", "--doc", "1", "--ids").stdout.split() == list(
+        map(str, ids[1])
+    )
+    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "plain bytes"}])
+    run_cli("build", src, "--out", tmp_path / "bytes")
+    assert run_cli("decode", tmp_path / "bytes", "--doc", "0").stdout.startswith("plain bytes")
+
+
 def test_decode_refuses_a_tokenizer_changed_since_the_build(tmp_path: Path, bpe_tokenizer: Path) -> None:
     """C6: the manifest's sha256 of the tokenizer is checked; --tokenizer overrides it with a warning."""
     import hashlib

@@ -26,9 +26,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack.errors import CacheError, OptionsError
-from streampack.interop import nanogpt, scanning
-from tests.conftest import SAMPLE_CORPUS
+from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError
+from streampack.interop import convert, nanogpt, scanning
+from tests.conftest import SAMPLE_CORPUS, run_cli
 
 EOT = 50256  # GPT-2's <|endoftext|>
 
@@ -171,7 +171,12 @@ def test_llmc_shards_of_llmc_fineweb_writer_open_with_their_documents(
 ) -> None:
     shards = llmc_fineweb_shards(tmp_path / "gpt2", encoded, 20_000, EOT, "gpt-2")
     assert len(shards) > 3
-    opened = streampack.open(tmp_path / "gpt2")
+    # A document longer than a shard leaves one shard without a delimiter: read as one document, said.
+    with pytest.warns(
+        DocumentBoundaryWarning,
+        match=r"1 of its 11 shards \(fineweb_train_\d+\.bin\) hold no delimiter 50256",
+    ):
+        opened = streampack.open(tmp_path / "gpt2")
     assert opened.dtype == np.uint16 and opened.num_shards == len(shards)
     expected = [d for s in shards for d in split_at(np.array(s), EOT)]
     assert_docs(opened, expected)
@@ -236,6 +241,117 @@ def test_llmc_bad_shards_name_the_file_and_field(natural: streampack.Cache, tmp_
         streampack.open(tmp_path / "good", bos_id=70_000)
 
 
+def header_ints(shard: Path) -> np.ndarray:
+    """The 256 ints of an llm.c shard's header (uint32: the delimiter record is a token id)."""
+    return np.fromfile(shard, dtype="<u4", count=256)
+
+
+def test_llmc_export_of_a_uint32_cache_opens_with_its_documents(
+    texts: list[str], tiktoken_gpt2: Path, tmp_path: Path
+) -> None:
+    """A1: cl100k's EOS (100257) is not llm.c's uint32 delimiter (128000): the export records the one it
+    wrote in the header, and opening reads it, so each document comes back (not one per shard)."""
+    ranks = tiktoken_gpt2.with_name("cl100k_base.tiktoken")
+    if not ranks.exists():
+        pytest.skip(f"{ranks} is absent (../shared/data)")
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    streampack.build(src, tmp_path / "c", tokenizer=f"tiktoken:{ranks}", progress=False)
+    cache = streampack.open(tmp_path / "c")
+    assert (cache.dtype, cache.eos_id) == (np.uint32, 100257)
+    cache.export("llmc", tmp_path / "llmc", progress=False)
+    shard = tmp_path / "llmc" / "train_000000.bin"
+    assert header_ints(shard)[[0, 1, 254, 255]].tolist() == [20240801, 7, 20261207, 100257]
+    opened = streampack.open(tmp_path / "llmc")
+    assert (opened.dtype, opened.bos_id) == (np.uint32, 100257)
+    assert_docs(opened, [np.concatenate([[100257], doc[:-1]]) for doc in docs_of(cache)])
+    assert len(opened.documents(2048)) >= cache.num_docs
+    report = streampack.verify(tmp_path / "llmc")
+    assert report.ok and report.notes[0].startswith("llmc files: their headers were checked (magic, version")
+    # Told another delimiter than the recorded one: refused, naming both.
+    with pytest.raises(OptionsError, match=r"records the delimiter 100257 .* but bos_id=128000 was given"):
+        streampack.open(tmp_path / "llmc", bos_id=128000)
+    assert streampack.open(tmp_path / "llmc", bos_id=100257).num_docs == cache.num_docs
+
+
+def test_llmc_export_of_a_cache_with_a_bos_id_opens_with_its_documents(
+    texts: list[str], tmp_path: Path
+) -> None:
+    """A1: a uint16 cache whose delimiter is its --bos-id (255, not llm.c's 50256) round-trips."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t[:400]}) + "\n" for t in texts[:30]))
+    streampack.build(src, tmp_path / "c", bos_id=255, progress=False)
+    cache = streampack.open(tmp_path / "c")
+    assert (cache.dtype, cache.bos_id, cache.eos_id) == (np.uint16, 255, 256)
+    cache.export("llmc", tmp_path / "llmc", shard_tokens=1_500, progress=False)
+    shards = sorted((tmp_path / "llmc").glob("*.bin"))
+    assert len(shards) > 3 and all(header_ints(f)[255] == 255 for f in shards)
+    opened = streampack.open(tmp_path / "llmc")
+    assert opened.bos_id == 255
+    # Each document behind its BOS, less the EOS the cache appended; cut where a shard ends.
+    stream = np.concatenate([doc[:-1] for doc in docs_of(cache)])
+    np.testing.assert_array_equal(np.concatenate(docs_of(opened)), stream)
+    expected = [
+        d for f in range(opened.num_shards) for d in split_at(np.asarray(opened.shard_tokens(f)), 255)
+    ]
+    assert_docs(opened, expected)
+    assert opened.num_docs >= cache.num_docs
+    assert streampack.verify(tmp_path / "llmc").ok
+
+
+def test_llmc_shards_that_record_different_delimiters_are_refused(
+    natural: streampack.Cache, tmp_path: Path
+) -> None:
+    natural.export("llmc", tmp_path / "a", shard_tokens=500_000, progress=False)
+    first, second = sorted((tmp_path / "a").glob("*.bin"))[:2]
+    raw = bytearray(second.read_bytes())
+    raw[4 * 255 : 4 * 256] = np.array([7], dtype="<u4").tobytes()
+    second.write_bytes(bytes(raw))
+    with pytest.raises(CacheError, match=r"train_000001\.bin: its header records the delimiter 7, but "):
+        streampack.open(tmp_path / "a")
+    raw[4 * 254 : 4 * 256] = bytes(8)  # no record: written by another writer
+    second.write_bytes(bytes(raw))
+    with pytest.raises(CacheError, match=r"train_000001\.bin: its header records no delimiter, .* bos_id="):
+        streampack.open(tmp_path / "a")
+    assert streampack.open(tmp_path / "a", bos_id=EOT).num_shards > 2
+    raw[4 * 254 : 4 * 256] = np.array([20261207, 70_000], dtype="<u4").tobytes()
+    second.write_bytes(bytes(raw))
+    with pytest.raises(CacheError, match=r"header\[255\] .* is 70,000, more than its uint16 tokens hold"):
+        streampack.open(tmp_path / "a")
+    assert first.exists()
+
+
+def test_llmc_verify_fails_where_the_delimiter_never_occurs(encoded: list[list[int]], tmp_path: Path) -> None:
+    """A1: uint32 shards written as llm.c writes them, each document behind cl100k's 100257, read with the
+    uint32 default 128000: opening warns that no shard holds it; verify fails (every shard's first document
+    is exempt from the delimiter check, so it passed before), and so does verify of a cache converted from
+    them. Told the delimiter, they open with their documents and verify."""
+    shards = llmc_fineweb_shards(tmp_path / "cl", encoded, 50_000, 100257, "llama-3")
+    with pytest.warns(
+        DocumentBoundaryWarning, match=r"cl: none of its \d+ shards \(.*\) holds the delimiter 128000"
+    ):
+        opened = streampack.open(tmp_path / "cl")
+    assert opened.num_docs == len(shards)
+    with pytest.warns(DocumentBoundaryWarning):
+        report = streampack.verify(tmp_path / "cl")
+    assert not report.ok
+    assert (
+        len(report.problems) == 1
+        and "the delimiter 128000 (the BOS) occurs in no token" in report.problems[0]
+    )
+    assert "fineweb_train_000001.bin" in report.problems[0] and "bos_id=" in report.problems[0]
+    with pytest.warns(DocumentBoundaryWarning):
+        convert(tmp_path / "cl", tmp_path / "native", progress=False)
+    native = streampack.verify(tmp_path / "native")
+    assert not native.ok and "occurs in no token" in native.problems[0]
+    # One shard file alone: the same.
+    with pytest.warns(DocumentBoundaryWarning):
+        assert not streampack.verify(tmp_path / "cl" / "fineweb_val_000000.bin").ok
+    right = streampack.open(tmp_path / "cl", bos_id=100257)
+    assert_docs(right, [d for s in shards for d in split_at(np.array(s), 100257)])
+    assert streampack.verify(tmp_path / "cl", bos_id=100257).ok
+
+
 # ----------------------------------------------------------------------------- nanoGPT
 
 
@@ -270,8 +386,9 @@ def test_nanogpt_export_opens_as_the_same_stream(
     assert_docs(opened, docs_of(natural))
     np.testing.assert_array_equal(opened.sequences(512, overlap=1)[:], natural.sequences(512, overlap=1)[:])
     loader_runs(opened)
-    # Without eos_id the file is one stream: one document, the same windows.
-    stream = streampack.open(tmp_path / "owt")
+    # Without eos_id the file is one stream: one document, the same windows; opening it says so.
+    with pytest.warns(DocumentBoundaryWarning, match=r"owt/train\.bin: no eos_id declared: .* one document"):
+        stream = streampack.open(tmp_path / "owt")
     assert (stream.num_docs, stream.eos_id) == (1, None)
     np.testing.assert_array_equal(stream.doc(0), natural.tokens(0, natural.num_tokens))
     np.testing.assert_array_equal(stream.sequences(512)[:], natural.sequences(512)[:])
@@ -328,6 +445,7 @@ def test_a_scan_finds_each_documents_end_and_the_crc_in_one_read(ids: list[int],
 
 
 @pytest.mark.parametrize("format", ["nanogpt", "llmc", "olmo"])
+@pytest.mark.filterwarnings("ignore::streampack.errors.DocumentBoundaryWarning")  # documents over a shard
 def test_documents_past_the_kept_ends_are_found_again(
     format: str, natural: streampack.Cache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -375,6 +493,40 @@ def test_nanogpt_prepare_py_bins_open_with_their_documents(encoded: list[list[in
     assert_docs(opened, [np.array([*encoded[0], EOT]), np.array(encoded[1])])
 
 
+def test_nanogpt_without_eos_id_says_it_is_one_document(natural: streampack.Cache, tmp_path: Path) -> None:
+    """New user 3c.2: `info` of a nanoGPT train.bin opened without --eos-id says the file is read as one
+    document, naming it and the option (stderr: the table on stdout stays as it is); with it, nothing."""
+    natural.export("nanogpt", tmp_path / "owt", progress=False)
+    shown = run_cli("info", tmp_path / "owt", "--json")
+    assert json.loads(shown.stdout)["num_docs"] == 1
+    assert shown.stderr.startswith(
+        f"warning: {tmp_path / 'owt' / 'train.bin'}: no eos_id declared: the file is"
+    )
+    assert "Pass --eos-id N, the id after each document" in shown.stderr and "Traceback" not in shown.stderr
+    declared = run_cli("info", tmp_path / "owt", "--eos-id", natural.eos_id, "--json")
+    assert json.loads(declared.stdout)["num_docs"] == natural.num_docs and not declared.stderr
+
+
+def test_verify_of_a_nanogpt_export_says_what_it_checked_and_knows_its_files(
+    natural: streampack.Cache, tmp_path: Path
+) -> None:
+    """New user 3c.3-4: verify says what it checked of nanoGPT's files (no header nor index: their size),
+    and names val.bin, which the export writes beside train.bin, as what it is, not as a leftover."""
+    natural.export("nanogpt", tmp_path / "owt", val=0.1, progress=False)
+    (tmp_path / "owt" / "notes.txt").write_text("a file of the user's")
+    done = run_cli("verify", tmp_path / "owt", "--eos-id", natural.eos_id)
+    notes = [line for line in done.stdout.splitlines() if line.startswith("note: ")]
+    assert "headers and indexes" not in done.stdout
+    assert notes[0].startswith("note: nanogpt files: only their size was checked (a whole number of tokens)")
+    val = tmp_path / "owt" / "val.bin"
+    assert f"note: {val}: nanoGPT's validation split (the export's --val)" in done.stdout
+    assert f"`streampack verify {val} --eos-id N`" in done.stdout
+    unread = [n for n in notes if "not one of the nanogpt files" in n]
+    assert len(unread) == 1 and "notes.txt" in unread[0]  # meta.pkl is read (its vocab_size)
+    assert run_cli("verify", val, "--eos-id", natural.eos_id).stdout.startswith("note: nanogpt files: only")
+
+
+@pytest.mark.filterwarnings("ignore::streampack.errors.DocumentBoundaryWarning")  # opened without eos_id
 def test_nanogpt_bad_files_name_the_file_and_field(tmp_path: Path) -> None:
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "train.bin").write_bytes(b"\x01\x00\x02\x00\x03")
@@ -513,6 +665,57 @@ def test_olmo_bad_files_name_the_file_and_field(sft: streampack.Cache, tmp_path:
         streampack.open(tmp_path / "header.npy", eos_id=1)
     with pytest.raises(OptionsError, match=r"none is known: pass eos_id="):
         streampack.open(tmp_path / "good" / "token_ids_part_000000.npy")
+
+
+def test_olmo_json_counts_are_checked_against_the_token_files(
+    natural: streampack.Cache, tmp_path: Path
+) -> None:
+    """B3: olmo.json's num_tokens and num_docs, the export's, are checked when the folder is opened (and so
+    by verify): a token file cut at a document boundary, emptied, or with an EOS overwritten is refused,
+    naming olmo.json and both counts. An EOS id inside a document (a chat template's) is more documents, as
+    OLMo-core reads them too: no damage."""
+    natural.export("olmo", tmp_path / "good", progress=False)
+    eos, total, docs = natural.eos_id, natural.num_tokens, natural.num_docs
+
+    def damaged(name: str) -> tuple[Path, Path]:
+        shutil.copytree(tmp_path / "good", tmp_path / name)
+        return tmp_path / name, tmp_path / name / "token_ids_part_000000.npy"
+
+    cut = int(natural.shard_offsets(0)[9])  # the end of document 9
+    left = cut + int(natural.table.num_tokens[1:].sum())
+    folder, tokens = damaged("cut")
+    os.truncate(tokens, cut * 2)
+    counts = rf"olmo\.json: num_tokens is {total:,} \(and num_docs {docs}\), but its token files hold "
+    with pytest.raises(CacheError, match=counts + rf"{left:,} tokens: a file was cut"):
+        streampack.open(folder)
+    report = streampack.verify(folder)
+    assert not report.ok and f"num_tokens is {total:,}" in report.problems[0]
+    os.truncate(tokens, 0)
+    with pytest.raises(CacheError, match=counts + rf"{left - cut:,} tokens"):
+        streampack.open(folder)
+    folder, tokens = damaged("eos")
+    stream = np.memmap(tokens, dtype=np.uint16, mode="r+")
+    stream[int(np.flatnonzero(stream == eos)[0])] = 13
+    stream.flush()
+    del stream
+    with pytest.raises(
+        CacheError, match=rf"num_docs is {docs:,}, but its token files hold {docs - 1:,} documents"
+    ):
+        streampack.open(folder)
+    folder, tokens = damaged("more")
+    stream = np.memmap(tokens, dtype=np.uint16, mode="r+")
+    stream[1] = eos
+    stream.flush()
+    del stream
+    assert streampack.open(folder).num_docs == docs + 1
+    # Its verify names dolma's .csv.gz sidecars, written by the export, as what they are.
+    notes = streampack.verify(tmp_path / "good").notes
+    assert not [n for n in notes if "not one of the olmo files" in n]
+    assert any(
+        "token_ids_part_000000.csv.gz: dolma's document index of token_ids_part_000000.npy" in n
+        for n in notes
+    )
+    assert notes[0].startswith("olmo files: olmo.json was checked where there is one")
 
 
 def test_a_scan_of_a_file_cut_short_since_it_was_opened_says_so(tmp_path: Path) -> None:

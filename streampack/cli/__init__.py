@@ -1,8 +1,9 @@
 """The ``streampack`` command line: build, info, verify, upgrade, decode, export, convert, bench, mix, which,
 demo.
 
-User errors print one line on stderr (no traceback) and exit 1; an interrupted build (Ctrl-C, or SIGTERM)
-says how to resume and exits 130 (143 for SIGTERM).
+User errors print one line on stderr (no traceback) and exit 1, as do streampack's warnings (``warning:
+...``, the command going on); an interrupted build (Ctrl-C, or SIGTERM) says how to resume and exits 130
+(143 for SIGTERM).
 """
 
 from __future__ import annotations
@@ -11,15 +12,18 @@ import errno
 import functools
 import signal
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import TextIO
 
 import click
 
 from streampack.cli import audit, build, demo, export, inspect, training
 from streampack.cli.build import in_cli_terms
 from streampack.cli.inspect import cache_stats
-from streampack.errors import StreampackError
+from streampack.errors import DocumentBoundaryWarning, StreampackError
 from streampack.store import disk_error
 
 __all__ = ["INTERRUPTED", "SIGTERM_STATUS", "cache_stats", "cli", "main"]
@@ -81,6 +85,30 @@ def _interrupt_on_sigterm(terminated: list[bool], signum: int, frame: FrameType 
 
 def _run_cli() -> tuple[int, str]:
     """Run the command; return the exit status and the line to print on stderr (if any)."""
+    with warnings.catch_warnings():  # (restores showwarning after the command)
+        warnings.showwarning = functools.partial(_show_warning, warnings.showwarning)
+        return _run_command()
+
+
+def _show_warning(
+    python: Callable[..., object],
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """Print streampack's warnings as one ``warning:`` line on stderr, in the CLI's terms (``--eos-id``),
+    without the source line Python shows; others as ``python`` (the usual ``showwarning``) does."""
+    if issubclass(category, DocumentBoundaryWarning):
+        click.echo(f"warning: {in_cli_terms(str(message))}", err=True)
+    else:
+        python(message, category, filename, lineno, file, line)
+
+
+def _run_command() -> tuple[int, str]:
+    """:func:`_run_cli`'s command, its errors turned into an exit status and a line."""
     try:
         cli.main(standalone_mode=False)
     except (click.exceptions.Abort, KeyboardInterrupt):

@@ -148,8 +148,9 @@ def _cuts_summary(manifest: Manifest) -> str:
 def verify(cache_dir: str, **source: Any) -> None:
     """Check every file of the cache in CACHE_DIR (or every object under a URL: read from object storage,
     never from a local copy): checksums, offsets, token ids, EOS and BOS, ledger, plans; list anything
-    unknown. Exit 1 if any damage is found. Another format's token files get the checks they allow: their
-    headers and indexes, and every token against --vocab-size, --eos-id and --bos-id where given."""
+    unknown. Exit 1 if any damage is found. Another format's token files get the checks they allow: what
+    their format records (headers, indexes, counts; a note says which), and every token against
+    --vocab-size, --eos-id and --bos-id where given."""
     report = verify_cache(cache_dir, **declared(**source))
     for note in report.notes:
         click.echo(f"note: {note}")
@@ -215,7 +216,8 @@ def decode(
     """Print document --doc, or packed sample --sample of --seq-len tokens, of the cache as text.
 
     Decodes with the tokenizer that built the cache, refusing it if its file changed since (the manifest
-    holds its sha256); --tokenizer decodes with another one.
+    holds its sha256); --tokenizer decodes with another one, and is needed where the cache records none
+    (another format's files, or a cache converted from them).
     """
     if (doc_index is None) == (sample_index is None):
         raise click.UsageError("give exactly one of --doc I or --sample I (with --seq-len L)")
@@ -237,14 +239,22 @@ def decode(
 
 
 def _decoder(cache: Cache, given: str | None) -> Tokenizer:
-    """The tokenizer ``given``, else the one that built ``cache`` if its file is still the same.
+    """The tokenizer ``given``, else the one that built ``cache`` if its file is still the same; refused
+    where the cache records none (another format's files, a cache converted from them or written from
+    arrays), rather than guessed: the bytes tokenizer would print other ids as mojibake.
 
     The manifest records the tokenizer's spec as the build was given it (a relative path is taken from the
     directory the build ran in) and the sha256 of its definition: a file edited since would decode the
     ids into other text, silently. A tokenizer given explicitly is used whatever its hash, with a warning.
     """
     built_with = cache.manifest.tokenizer
-    spec = given or built_with.spec or "bytes"
+    spec = given or built_with.spec or ("bytes" if built_with.kind == "bytes" else None)
+    if spec is None:
+        raise TokenizerError(
+            f"{cache.root}: the cache records no tokenizer to decode with (tokenizer {built_with.kind}:"
+            f"{built_with.name}): pass --tokenizer SPEC, the one its ids are of (a tokenizer.json, "
+            "tiktoken:RANKS or bytes), or --ids to print the ids"
+        )
     path = spec.removeprefix(TIKTOKEN_PREFIX)
     if given is None and spec != "bytes" and not Path(path).exists():
         where = (

@@ -108,6 +108,11 @@ def write(
 # Reading ---------------------------------------------------------------------------------------------
 
 LOOKS_FOR = "datatrove: a folder of NAME.ds + NAME.ds.index (or one .ds file)"
+#: What reading the files checks of them, as ``verify`` reports it.
+OPENED_CHECKS = (
+    "their indexes and metadata were checked (each .ds.index against its .ds, the .ds.metadata token "
+    "widths and counts, a .ds.loss one byte a token); a .ds file has no header"
+)
 SUFFIX = ".ds"
 #: The name datatrove's ``TokenizedFile`` gives a tokenizer it was not told (then ``|SIZE`` twice).
 UNKNOWN = "Unknown Tokenizer"

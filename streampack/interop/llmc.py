@@ -5,7 +5,10 @@ it and ``llmc/dataloader.h`` / ``train_gpt2.py`` (``_load_data_shard``) and Kell
 ``train_gpt.py`` (``_load_data_shard``) read it: ``header[0]`` the magic, ``header[1]`` the version,
 ``header[2]`` the number of tokens (below 2**31); the rest of the 256 int32 zero; then the tokens,
 little-endian. uint16 tokens: magic 20240520, version 1 (GPT-2); uint32 tokens: magic 20240801,
-version 7 (Llama 3). modded-nanogpt reads only the first kind.
+version 7 (Llama 3). modded-nanogpt reads only the first kind. Those readers read nothing past
+``header[2]``: streampack's export records its delimiter in two of the reserved ints,
+``header[254] = 20261207`` (:data:`DELIMITER_TAG`, which marks the record) and ``header[255]`` the
+delimiter (its uint32 bits), so that its shards open with their documents whatever the delimiter.
 
 **Documents.** Those readers expect every document to be *preceded* by a delimiter: llm.c's
 ``fineweb.py`` writes ``[eot] + tokens`` (GPT-2's ``<|endoftext|>``, 50256), or ``<|begin_of_text|>`` for
@@ -21,21 +24,25 @@ llm.c's ``fineweb.py`` writes its ``fineweb_val_000000.bin`` beside the train sh
 that holds the split you want, or one shard file), or one such file. Each header is checked: the magic and
 version pair (:data:`HEADERS`), a token count ``header[2]`` of at least 0, and a file of exactly the
 1,024-byte header and that many tokens; all shards have one dtype. One shard is one streampack shard, its
-tokens mapped where they lie. A document *starts* at each delimiter, ``bos_id=`` (by default
-:data:`DELIMITERS`: GPT-2's ``<|endoftext|>`` 50256 for uint16 shards, Llama 3's
-``<|begin_of_text|>`` 128000 for uint32 ones, what llm.c's writers put there), which the cache's
-``bos_id`` then is: a document is ``[delimiter, tokens...]``; the tokens before a shard's first delimiter
-are a document too. streampack's documents lie within one shard, so a document that llm.c continued
-into the next shard is read as two, cut at the shard's end (``verify`` of the cache, or of one converted
-from it, takes a shard's first document without the delimiter as such a rest). The delimiters are
-counted when the shards are opened (a scan of every shard at disk speed, on a few threads: the number of
-documents is needed first). A cache exported here (in one shard) and opened again thus has, for an EOS
-cache, the documents ``[EOS] + doc[:-1]`` (its stream shifted by one), and for a BOS cache its own
-documents (less the EOS, where it appended one).
+tokens mapped where they lie. A document *starts* at each delimiter, which the cache's ``bos_id`` then
+is: the one the headers record (streampack's export), else ``bos_id=``, else :data:`DELIMITERS` (GPT-2's
+``<|endoftext|>`` 50256 for uint16 shards, Llama 3's ``<|begin_of_text|>`` 128000 for uint32 ones, what
+llm.c's writers put there); a ``bos_id=`` other than the recorded one is refused, and so are shards
+that record different ones. A document is ``[delimiter, tokens...]``; the tokens before a shard's first
+delimiter are a document too. streampack's documents lie within one shard, so a document that llm.c
+continued into the next shard is read as two, cut at the shard's end (``verify`` of the cache, or of one
+converted from it, takes a shard's first document without the delimiter as such a rest, and fails when
+the delimiter occurs in no shard at all). The delimiters are counted when the shards are opened (a scan
+of every shard at disk speed, on a few threads: the number of documents is needed first); a shard that
+holds none is read as one document, with a :class:`~streampack.errors.DocumentBoundaryWarning` (the
+rest of a document longer than a shard, or the sign of a wrong delimiter). A cache exported here (in
+one shard) and opened again thus has, for an EOS cache, the documents ``[EOS] + doc[:-1]`` (its stream
+shifted by one), and for a BOS cache its own documents (less the EOS, where it appended one).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -44,7 +51,7 @@ from typing import IO, TYPE_CHECKING
 
 import numpy as np
 
-from streampack.errors import CacheError, OptionsError
+from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError
 from streampack.interop.destination import Destination
 from streampack.interop.filechecks import check_id_fits
 from streampack.interop.files import map_tokens
@@ -68,6 +75,11 @@ HEADER_INTS = 256
 HEADERS = {2: (20240520, 1), 4: (20240801, 7)}
 MAX_SHARD_TOKENS = 2**31 - 1
 SHARD_TOKENS = 10**8
+#: ``header[DELIMITER_SLOT]`` holds :data:`DELIMITER_TAG` where ``header[DELIMITER_SLOT + 1]`` is the
+#: delimiter the export wrote before every document: two of the ints llm.c reserves (and leaves 0), the
+#: last ones, away from any field a later llm.c version might add after the token count.
+DELIMITER_SLOT = 254
+DELIMITER_TAG = 20261207
 
 
 @dataclass(frozen=True)
@@ -91,12 +103,21 @@ def shard_file(index: int) -> str:
     return f"train_{index:06d}.bin"
 
 
-def header(num_tokens: int, itemsize: int) -> bytes:
-    """The 256 x int32 header of a shard of ``num_tokens`` tokens."""
+def header(num_tokens: int, itemsize: int, delimiter: int) -> bytes:
+    """The 256 x int32 header of a shard of ``num_tokens`` tokens, each document behind ``delimiter``
+    (recorded in the reserved ints :data:`DELIMITER_SLOT` and after: llm.c's readers read none of them)."""
     magic, version = HEADERS[itemsize]
-    values = np.zeros(HEADER_INTS, dtype="<i4")
+    values = np.zeros(HEADER_INTS, dtype="<u4")
     values[:3] = (magic, version, num_tokens)
+    values[DELIMITER_SLOT : DELIMITER_SLOT + 2] = (DELIMITER_TAG, delimiter)
     return values.tobytes()
+
+
+def delimiter_of(cache: Cache) -> int:
+    """The id the export writes before each document: the cache's BOS, else its EOS (:func:`check`)."""
+    delimiter = cache.bos_id if cache.bos_id is not None else cache.eos_id
+    assert delimiter is not None  # refused by check()
+    return delimiter
 
 
 def check(cache: Cache, options: Options) -> None:
@@ -154,6 +175,7 @@ def write(
     total, size = stream_length(cache), options.shard_tokens
     counts = [min(size, total - start) for start in range(0, total, size)]
     little = cache.dtype.newbyteorder("<")
+    itemsize, delimiter = cache.dtype.itemsize, delimiter_of(cache)
     with Progress(progress, total, "llmc") as bar:
         if cache.bos_id is None or cache.eos_id is None:
             # The stream is the cache's tokens (shifted right by one behind an EOS where the EOS delimits):
@@ -161,7 +183,7 @@ def write(
             shift = int(cache.bos_id is None)
             for index, count in enumerate(counts):
                 with dest.open(shard_file(index)) as out:
-                    out.write(header(count, cache.dtype.itemsize))
+                    out.write(header(count, itemsize, delimiter))
                     first = index * size
                     if shift and first == 0:
                         out.write(np.array([cache.eos_id], dtype=little).tobytes())
@@ -173,7 +195,7 @@ def write(
         pending = np.zeros(0, dtype=cache.dtype)
         for index, count in enumerate(counts):
             with dest.open(shard_file(index)) as out:
-                out.write(header(count, cache.dtype.itemsize))
+                out.write(header(count, itemsize, delimiter))
                 left = count
                 while left:
                     if not len(pending):
@@ -200,6 +222,11 @@ def _write_stream(out: IO[bytes], cache: Cache, start: int, stop: int, dtype: np
 # Reading ---------------------------------------------------------------------------------------------
 
 LOOKS_FOR = "llmc: a folder of *.bin shards with llm.c's header (magic 20240520 or 20240801), or one"
+#: What reading the files checks of them, as ``verify`` reports it.
+OPENED_CHECKS = (
+    "their headers were checked (magic, version, and the token count against each file's size); llm.c "
+    "shards have no index: documents are found at the delimiter"
+)
 HEADER_BYTES = 4 * HEADER_INTS
 #: The delimiter llm.c's writers put before every document, by token width: GPT-2's ``<|endoftext|>``
 #: (``fineweb.py``, ``tinyshakespeare.py``...) and Llama 3's ``<|begin_of_text|>``.
@@ -244,9 +271,11 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
 
     Raises:
         CacheError: a shard is shorter than its header, its magic or version is not llm.c's, its token
-            count is below 0 or disagrees with its size, or the shards do not all have one dtype.
+            count is below 0 or disagrees with its size, the shards do not all have one dtype, or they
+            record different delimiters (or some one and others none).
         OptionsError: ``eos_id=`` or ``dtype=`` (an llm.c shard has a delimiter before each document, and
-            its header says its dtype), or a ``bos_id`` the dtype cannot hold.
+            its header says its dtype), a ``bos_id`` other than the one the headers record, or a
+            ``bos_id`` the dtype cannot hold.
     """
     if options.dtype is not None:
         raise OptionsError(
@@ -262,26 +291,62 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     files = shard_files(path)
     if not files:
         raise CacheError(f"{path}: no *.bin files; an llm.c cache is a folder of shards, or one shard file")
-    counts = [_header(f) for f in files]
-    (first, (_, itemsize)), *rest = zip(files, counts)
-    for f, (_, size) in rest:
-        if size != itemsize:
+    headers = [_header(f) for f in files]
+    (first, first_header), *rest = zip(files, headers)
+    itemsize = first_header.itemsize
+    for f, read in rest:
+        if read.itemsize != itemsize:
             raise CacheError(
-                f"{f}: {_kind(size)} tokens, but {first.name} has {_kind(itemsize)} ones: the shards of one "
-                "cache must have one dtype (magic and version)"
+                f"{f}: {_kind(read.itemsize)} tokens, but {first.name} has {_kind(itemsize)} ones: the "
+                "shards of one cache must have one dtype (magic and version)"
             )
     dtype = np.dtype(f"<u{itemsize}")
-    delimiter = DELIMITERS[itemsize] if options.bos_id is None else options.bos_id
-    check_id_fits(path, "bos_id", delimiter, dtype)
-    spans = [TokenSpan(f, dtype, HEADER_BYTES, count) for f, (count, _) in zip(files, counts)]
+    if options.bos_id is not None:
+        check_id_fits(path, "bos_id", options.bos_id, dtype)
+    delimiter = _delimiter(files, [h.delimiter for h in headers], options.bos_id, itemsize)
+    spans = [TokenSpan(f, dtype, HEADER_BYTES, h.count) for f, h in zip(files, headers)]
     made = partial(_made, path, dtype, spans, delimiter, files)
     return ScanPlan(spans, Boundary(delimiter, starts=True), made)
+
+
+def _delimiter(files: list[Path], recorded: list[int | None], given: int | None, itemsize: int) -> int:
+    """The delimiter of the shards ``files``: the one their headers record (``recorded``, one a file), else
+    ``given``, else llm.c's for the width.
+
+    Raises:
+        CacheError: the files record different delimiters, or some one and others none.
+        OptionsError: ``given`` is not the one they record.
+    """
+    marked = [(f, d) for f, d in zip(files, recorded) if d is not None]
+    if not marked:
+        return DELIMITERS[itemsize] if given is None else given
+    (file, delimiter), *others = marked
+    for other, value in others:
+        if value != delimiter:
+            raise CacheError(
+                f"{other}: its header records the delimiter {value}, but {file.name}'s records {delimiter}: "
+                "the shards of one cache have one delimiter; open the shards of each apart"
+            )
+    if given is not None and given != delimiter:
+        raise OptionsError(
+            f"{file}: its header records the delimiter {delimiter} (header[{DELIMITER_SLOT + 1}], written "
+            f"by streampack's export before every document), but bos_id={given} was given: drop bos_id="
+        )
+    unmarked = [f for f, d in zip(files, recorded) if d is None]
+    if unmarked and given is None:
+        raise CacheError(
+            f"{unmarked[0]}: its header records no delimiter, but {file.name}'s records {delimiter} "
+            "(streampack's export): the shards come from different writers. Pass "
+            f"bos_id={delimiter} to read every shard with it, or open the shards of each writer apart"
+        )
+    return delimiter
 
 
 def _made(
     path: Path, dtype: np.dtype, spans: list[TokenSpan], delimiter: int, files: list[Path], found: list[Found]
 ) -> Foreign:
-    """The foreign cache of the shards, given what their scans found."""
+    """The foreign cache of the shards, given what their scans found (a warning for those without a
+    delimiter)."""
     shards = [
         ForeignShard(
             span.path,
@@ -293,7 +358,37 @@ def _made(
         )
         for span, seen in zip(spans, found, strict=True)
     ]
+    _warn_undelimited(path, delimiter, spans, found)
     return Foreign("llmc", path, dtype, shards, bos_id=delimiter, files=files, continued_documents=True)
+
+
+def _warn_undelimited(path: Path, delimiter: int, spans: list[TokenSpan], found: list[Found]) -> None:
+    """Warn about the shards in which the delimiter never occurs: each is read as one document.
+
+    Not refused: a document longer than a shard leaves one without a delimiter in llm.c's layout, and a
+    stream without any is still windowed right by ``sequences``; ``verify`` fails when no shard holds one.
+    """
+    # A scan found a delimiter where a shard has two documents or more, or one that starts with it.
+    lacking = [
+        s.path.name for s, seen in zip(spans, found) if s.count and seen.num_docs < 2 and s[0] != delimiter
+    ]
+    if not lacking:
+        return
+    count, total = len(lacking), len(spans)
+    named = ", ".join(lacking[:3]) + (f" and {count - 3} more" if count > 3 else "")
+    if total == 1:
+        which = f"its shard ({named}) holds no delimiter {delimiter}"
+    elif count == total:
+        which = f"none of its {total} shards ({named}) holds the delimiter {delimiter}"
+    else:
+        which = f"{count} of its {total} shards ({named}) hold no delimiter {delimiter}"
+    warnings.warn(
+        f"{path}: {which}: each such shard is read as one document. "
+        "Either it continues a document longer than a shard, or the files put another id before each "
+        "document: pass bos_id=N with N that id",
+        DocumentBoundaryWarning,
+        stacklevel=2,
+    )
 
 
 def _kind(itemsize: int) -> str:
@@ -301,8 +396,17 @@ def _kind(itemsize: int) -> str:
     return f"uint{8 * itemsize} (magic {magic}, version {version})"
 
 
-def _header(path: Path) -> tuple[int, int]:
-    """The token count and width of the shard ``path``, checked against its header and size."""
+@dataclass(frozen=True)
+class _Header:
+    """What a shard's header says: its token count and width, and the delimiter it records (or None)."""
+
+    count: int
+    itemsize: int
+    delimiter: int | None
+
+
+def _header(path: Path) -> _Header:
+    """The header of the shard ``path``, checked against its size."""
     with open(path, "rb") as f:
         raw = f.read(HEADER_BYTES)
     if len(raw) < HEADER_BYTES:
@@ -330,4 +434,12 @@ def _header(path: Path) -> tuple[int, int]:
             f"header and the {count:,} uint{8 * itemsize} tokens header[2] (the token count) says it holds. "
             "The file is truncated, or its header is wrong"
         )
-    return count, itemsize
+    tag, delimiter = (int(v) for v in np.frombuffer(raw, dtype="<u4", count=2, offset=4 * DELIMITER_SLOT))
+    if tag != DELIMITER_TAG:
+        return _Header(count, itemsize, None)
+    if delimiter >= 1 << (8 * itemsize):
+        raise CacheError(
+            f"{path}: header[{DELIMITER_SLOT + 1}] (the delimiter streampack's export records) is "
+            f"{delimiter:,}, more than its uint{8 * itemsize} tokens hold: the header is damaged"
+        )
+    return _Header(count, itemsize, delimiter)

@@ -263,6 +263,11 @@ def _write_windows(cache: Cache, seq_len: int, shard: _ShardWriter, bar: Progres
 # Reading ---------------------------------------------------------------------------------------------
 
 LOOKS_FOR = "mds: a folder with index.json (MDS version 2, an input_ids column)"
+#: What reading the files checks of them, as ``verify`` reports it.
+OPENED_CHECKS = (
+    "their headers and indexes were checked (index.json; each shard's size, sample count and offsets; each "
+    "sample's header)"
+)
 COLUMN = "input_ids"
 READ_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 

@@ -141,6 +141,11 @@ def write_index(out: IO[bytes], cache: Cache, dtype: np.dtype) -> None:
 # Reading ---------------------------------------------------------------------------------------------
 
 LOOKS_FOR = "megatron: PREFIX.bin + PREFIX.idx"
+#: What reading the files checks of them, as ``verify`` reports it.
+OPENED_CHECKS = (
+    "their headers and indexes were checked (the .idx's magic, version, dtype and counts; its sequences "
+    "end to end in a .bin of their length; its document indices)"
+)
 #: The token dtype streampack reads each Megatron dtype code as (int32 ids are non-negative: uint32 bytes).
 READ_DTYPES: dict[int, np.dtype] = {
     DTYPE_CODES["uint16"]: np.dtype("<u2"),

@@ -17,7 +17,8 @@ magic, which :mod:`~streampack.interop.llmc` reads). The tokens are ``dtype=`` (
 ``train.py`` maps them), so the file must be a whole number of them. A file holds no boundaries but its
 EOS ids: with ``eos_id=`` (GPT-2's ``<|endoftext|>``, 50256, for ``prepare.py``'s files) a document is
 its tokens up to and with each EOS, and a tail after the last one is a last document; without it the file
-is one document, one stream (``sequences`` windows it as ``get_batch`` does; ``documents`` has one).
+is one document, one stream (``sequences`` windows it as ``get_batch`` does; ``documents`` has one),
+and opening it says so with a :class:`~streampack.errors.DocumentBoundaryWarning`.
 ``meta.pkl`` beside the file gives the vocabulary size (read as plain data: no class is unpickled).
 
 A file with an EOS is read as shards of at most :data:`SHARD_TOKENS` tokens, each cut after an EOS (a
@@ -30,6 +31,7 @@ is opened (the number of documents is needed first): a scan of the shards at dis
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -38,7 +40,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from streampack.errors import CacheError, OptionsError
+from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError
 from streampack.interop.destination import Destination
 from streampack.interop.filechecks import check_id_fits
 from streampack.interop.files import map_tokens
@@ -135,6 +137,11 @@ def _write_split(
 # Reading ---------------------------------------------------------------------------------------------
 
 LOOKS_FOR = "nanogpt: a folder with train.bin, or one headerless .bin file (with eos_id= and dtype=)"
+#: What reading the files checks of them, as ``verify`` reports it.
+OPENED_CHECKS = (
+    "only their size was checked (a whole number of tokens): nanoGPT's files have no header nor index, "
+    "their documents end at the EOS id, where one is declared"
+)
 #: The most tokens a shard of a file read with an EOS holds (unless one document is longer).
 SHARD_TOKENS = 1 << 28
 
@@ -142,6 +149,19 @@ SHARD_TOKENS = 1 << 28
 def token_path(path: Path) -> Path:
     """The token file ``path`` names: ``path/train.bin`` for a folder."""
     return path / "train.bin" if path.is_dir() else path
+
+
+def companion(path: Path) -> str | None:
+    """What the file ``path`` beside a ``train.bin`` that was read is, where nanoGPT's layout (and the
+    export) puts it there; None for a file it does not know."""
+    if path.name == "val.bin":
+        return (
+            "nanoGPT's validation split (the export's --val), read apart from train.bin, so not checked with "
+            f"it: verify it on its own (`streampack verify {path} --eos-id N`)"
+        )
+    if path.name == "meta.pkl":
+        return "nanoGPT's meta.pkl, which holds no vocab_size to read; not checked"
+    return None
 
 
 def recognise(path: Path) -> bool:
@@ -187,6 +207,16 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     eos = options.eos_id
     if eos is not None:
         check_id_fits(file, "eos_id", eos, dtype)
+    else:
+        # Documented (one stream for get_batch-style windows), so a warning, not a refusal: documents()
+        # and packed() would serve one document made of them all.
+        warnings.warn(
+            f"{file}: no eos_id declared: the file is read as one document stream (sequences() windows it as "
+            "nanoGPT's get_batch does; documents() and packed() see one document). Pass eos_id=N, the id "
+            "after each document (50256 for GPT-2's prepare.py), to find its documents",
+            DocumentBoundaryWarning,
+            stacklevel=2,
+        )
     meta = file.parent / "meta.pkl"
     vocab = _vocab_size(meta) if meta.is_file() else None
     whole = TokenSpan(file, dtype, 0, size // dtype.itemsize)

@@ -12,22 +12,24 @@ What allenai/OLMo-core ``src/olmo_core/data/numpy_dataset.py`` (``NumpyDatasetCo
   its index in the cache): ``iter_document_indices`` reads the first two fields from this file for a
   remote array, and finds documents at the EOS ids (each one ends a document) in a local one;
 * ``olmo.json``: what a ``NumpyDatasetConfig`` needs: ``paths``, ``label_mask_paths``, ``dtype``,
-  ``eos_token_id``, ``bos_token_id``, ``vocab_size`` (written last: the export's index).
+  ``eos_token_id``, ``bos_token_id``, ``vocab_size``; and the cache's ``num_docs`` and ``num_tokens``,
+  which a reader checks the files against (written last: the export's index).
 
 One file per non-empty shard. OLMo-core finds documents by their EOS, so a cache without one is refused.
 
 **Reading** (``streampack.open(PATH)``): PATH is a folder with ``olmo.json`` (an export's: its ``paths``,
 ``label_mask_paths``, ``dtype``, ``eos_token_id``, ``bos_token_id`` and ``vocab_size``, the paths relative
-to the folder), or a folder of ``*.npy`` token files (every one but the ``labels_mask_*`` ones, in name
-order; ``labels_mask_X.npy`` is the mask of ``token_ids_X.npy`` where one is there, as dolma names them),
-or one such file. Without ``olmo.json``, ``dtype=`` gives the dtype (uint16 by default, dolma's) and
-``eos_id=`` the EOS, which is needed (OLMo-core's config always has it); given beside ``olmo.json`` they
-must agree with it. Each file is one shard, mapped where it lies; a document ends at each EOS (OLMo-core's
-rule for a local array, ``iter_document_indices``), and a tail after the last one is a last document. The
-EOS ids are counted when the files are opened, a scan at disk speed, rather than read from the
-``.csv.gz`` sidecars: gunzipping and parsing a line a document costs more than comparing the tokens (and a
-folder not written by dolma has none). A label mask (one bool byte a token) is the loss mask, its bytes
-read as uint8 (1 at a training target) where they lie.
+to the folder; its ``num_tokens``, where it has them, must be the files', and its ``num_docs`` at most the
+documents they end with the EOS), or a folder of ``*.npy`` token files (every one but the
+``labels_mask_*`` ones, in name order; ``labels_mask_X.npy`` is the mask of ``token_ids_X.npy`` where one
+is there, as dolma names them), or one such file. Without ``olmo.json``, ``dtype=`` gives the dtype
+(uint16 by default, dolma's) and ``eos_id=`` the EOS, which is needed (OLMo-core's config always has it);
+given beside ``olmo.json`` they must agree with it. Each file is one shard, mapped where it lies; a
+document ends at each EOS (OLMo-core's rule for a local array, ``iter_document_indices``), and a tail
+after the last one is a last document. The EOS ids are counted when the files are opened, a scan at disk
+speed, rather than read from the ``.csv.gz`` sidecars: gunzipping and parsing a line a document costs more
+than comparing the tokens (and a folder not written by dolma has none). A label mask (one bool byte a
+token) is the loss mask, its bytes read as uint8 (1 at a training target) where they lie.
 """
 
 from __future__ import annotations
@@ -166,10 +168,27 @@ def csv_rows(columns: Sequence[np.ndarray]) -> bytes:
 # Reading ---------------------------------------------------------------------------------------------
 
 LOOKS_FOR = "olmo: a folder with olmo.json or headerless *.npy token files, or one .npy file (with eos_id=)"
+#: What reading the files checks of them, as ``verify`` reports it.
+OPENED_CHECKS = (
+    "olmo.json was checked where there is one (its fields, and its token and document counts against the "
+    "files), and each file's size (whole tokens; a label mask one byte a token): OLMo's token files have "
+    "no header, their documents end at the EOS id"
+)
 TOKEN_PREFIX = "token_ids"
 MASK_PREFIX = "labels_mask"
 #: The start of a NumPy ``.npy`` header: OLMo's token files are raw arrays despite their name.
 NPY_MAGIC = b"\x93NUMPY"
+
+
+def companion(path: Path) -> str | None:
+    """What the file ``path`` beside the token files that were read is, where dolma's layout (and the
+    export) puts it there; None for a file it does not know."""
+    if path.name.startswith(TOKEN_PREFIX) and path.name.endswith(".csv.gz"):
+        return (
+            f"dolma's document index of {path.name.removesuffix('.csv.gz')}.npy, not read (documents are "
+            "found at the EOS ids), so not checked"
+        )
+    return None
 
 
 def recognise(path: Path) -> bool:
@@ -192,8 +211,8 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     """The token files at ``path``, one shard each, whose documents end at the EOS.
 
     Raises:
-        CacheError: ``olmo.json`` is not what the export writes, a token file is missing or not a whole
-            number of tokens, or a label mask is not one byte a token.
+        CacheError: ``olmo.json`` is not what the export writes or its token count is not the files', a
+            token file is missing or not a whole number of tokens, or a label mask is not one byte a token.
         OptionsError: no EOS id is known, ``dtype=`` or ``eos_id=`` disagree with ``olmo.json``, or an id
             does not fit the dtype.
     """
@@ -220,8 +239,17 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     if masks is not None:
         for mask, span in zip(masks, spans, strict=True):
             _check_mask(mask, span.path, span.count)
+    recorded = config.get("num_tokens")
+    held = sum(span.count for span in spans)
+    if recorded is not None and recorded != held:
+        raise CacheError(
+            f"{where}: num_tokens is {recorded:,} (and num_docs {config.get('num_docs')}), but its token "
+            f"files hold {held:,} tokens: a file was cut, emptied or replaced since olmo.json was written. "
+            "Export the files again, or remove olmo.json's counts to read them as they are"
+        )
     files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]
-    made = partial(_made, path, dtype, spans, masks, (eos, bos, config.get("vocab_size")), files)
+    ids = (eos, bos, config.get("vocab_size"))
+    made = partial(_made, path, dtype, spans, masks, ids, files, config.get("num_docs"))
     return ScanPlan(spans, Boundary(eos), made)
 
 
@@ -232,10 +260,23 @@ def _made(
     masks: list[Path] | None,
     ids: tuple[int, int | None, int | None],
     files: list[Path],
+    num_docs: int | None,
     found: list[Found],
 ) -> Foreign:
     """The foreign cache of the token files, given what their scans found (``ids``: EOS, BOS, vocabulary
-    size)."""
+    size; ``num_docs``: what ``olmo.json`` records, if it does).
+
+    Raises:
+        CacheError: the files end fewer documents with the EOS than ``olmo.json`` counts. (More is no
+            damage: a document that holds the EOS id, a chat template's, is two to OLMo-core too.)
+    """
+    ended = sum(seen.num_docs for seen in found)
+    if num_docs is not None and ended < num_docs:
+        raise CacheError(
+            f"{path / CONFIG}: num_docs is {num_docs:,}, but its token files hold {ended:,} documents (ended "
+            f"by the EOS id {ids[0]}): the files were changed since olmo.json was written. Export them "
+            "again, or remove olmo.json's counts to read them as they are"
+        )
     shards = []
     for index, (span, seen) in enumerate(zip(spans, found, strict=True)):
         mask_file = masks[index] if masks is not None else None
@@ -283,7 +324,7 @@ def _config(file: Path) -> dict[str, Any]:
             f"{file}: {remote[0]} is a URL; streampack opens OLMo token files on a local disk: copy them "
             "beside olmo.json"
         )
-    for name in ("eos_token_id", "bos_token_id", "vocab_size"):
+    for name in ("eos_token_id", "bos_token_id", "vocab_size", "num_docs", "num_tokens"):
         value = config.get(name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
             raise CacheError(f"{file}: {name} is {value!r}, expected null or a non-negative integer")

@@ -1,6 +1,7 @@
 """The checks of a cache's shard files, for :func:`streampack.reader.verify.verify`: checksums, the
 offset table, the token range, EOS and BOS placement (at every document's end and start, and nowhere
-else), and an SFT build's loss mask (0 or 1, 1 at every EOS, 0 at every BOS).
+else), an SFT build's loss mask (0 or 1, 1 at every EOS, 0 at every BOS), and where shards may begin
+inside a document (llm.c's), that the delimiter occurs at all (:func:`check_delimiter`).
 
 Each file is read once, in chunks of :data:`_CHUNK_ITEMS` items, from a :class:`Mapped` local cache or
 :class:`Streamed` from object storage, so a check runs in bounded memory (a chunk, and one shard's offset
@@ -22,7 +23,7 @@ from streampack.reader.cache import Cache
 from streampack.reader.report import VerifyReport
 from streampack.store.remote import RemoteStore
 
-__all__ = ["Mapped", "Streamed", "check_shard"]
+__all__ = ["Mapped", "Streamed", "check_delimiter", "check_shard"]
 
 _CHUNK_ITEMS = 8 << 20
 _SHOWN = 3  # control ids inside documents listed in the report, of a shard
@@ -36,6 +37,8 @@ class _Source(Protocol):
     def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray: ...
 
     def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]: ...
+
+    def first(self, key: str, dtype: np.dtype, count: int) -> int: ...
 
 
 class Mapped:
@@ -56,6 +59,9 @@ class Mapped:
         array = self._array(key, dtype, count)
         for start in range(0, len(array), _CHUNK_ITEMS):
             yield array[start : start + _CHUNK_ITEMS]
+
+    def first(self, key: str, dtype: np.dtype, count: int) -> int:
+        return int(self._array(key, dtype, count)[0])
 
     def _array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         shard = int(key.split("/")[-1].split(".")[0])
@@ -96,6 +102,12 @@ class Streamed:
             if len(data) != min(step, expected - start):
                 raise CacheError(f"{self.describe(key)}: the object changed while it was read; verify again")
             yield np.frombuffer(data, dtype=dtype)
+
+    def first(self, key: str, dtype: np.dtype, count: int) -> int:
+        data = self.remote.read(key, 0, dtype.itemsize)
+        if len(data) != dtype.itemsize:
+            raise CacheError(f"{self.describe(key)}: shorter than one token; the cache is damaged")
+        return int(np.frombuffer(data, dtype=dtype)[0])
 
 
 @dataclass
@@ -197,6 +209,39 @@ def check_shard(
             )
         )
     return problems
+
+
+def check_delimiter(manifest: Manifest, source: _Source) -> list[str]:
+    """Of a cache whose shards may begin inside a document (llm.c's, or a cache converted from them): that
+    its BOS, the delimiter written before every document, occurs in its files at all; its problem, if not.
+
+    :func:`check_shard` takes each shard's first document without the delimiter as the rest of the previous
+    shard's last, so a delimiter that occurs nowhere (the files put another id before their documents)
+    would pass it, each shard one document. Reads at most one token a shard, up to the first shard that
+    holds the delimiter.
+    """
+    bos = manifest.bos.prepended
+    table = manifest.table
+    if bos is None or not _continues_documents(manifest) or not int(np.sum(table.num_tokens)):
+        return []
+    dtype = np.dtype(manifest.dtype).newbyteorder("<")
+    for shard in range(len(table)):
+        docs, tokens = int(table.num_docs[shard]), int(table.num_tokens[shard])
+        if docs > 1:
+            return []  # its later documents begin with the delimiter (check_shard says where one does not)
+        key = tokens_key(table.row(shard, manifest.units[shard], manifest.loss_mask).name)
+        try:
+            if tokens and source.first(key, dtype, tokens) == bos:
+                return []
+        except (CacheError, ValueError, OSError):
+            return []  # a damaged shard: check_shard names it
+    first = source.describe(tokens_key(table.row(0, manifest.units[0], manifest.loss_mask).name))
+    others = f" or the {len(table) - 1} other shards" if len(table) > 1 else ""
+    return [
+        f"{first}: the delimiter {bos} (the BOS) occurs in no token of it{others}, so each shard was read "
+        "as one document: llm.c's writers put the delimiter before every document, and these files put "
+        "another id there. Open them (or convert them) with bos_id= (--bos-id) that id"
+    ]
 
 
 def _continues_documents(manifest: Manifest) -> bool:

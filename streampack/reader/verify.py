@@ -37,7 +37,7 @@ from streampack.reader.cache import Cache
 from streampack.reader.filehashes import check_file
 from streampack.reader.opening import open as open_cache
 from streampack.reader.report import VerifyReport
-from streampack.reader.shardchecks import Mapped, Streamed, check_shard
+from streampack.reader.shardchecks import Mapped, Streamed, check_delimiter, check_shard
 from streampack.store.files import load_manifest, read_entry
 from streampack.store.plans import PLAN_ARRAYS, PLAN_JSON, inspect_plan
 from streampack.store.remote import RemoteStore, is_remote
@@ -53,9 +53,10 @@ def verify(
 ) -> VerifyReport:
     """Check everything about a cache; return a report listing each problem precisely.
 
-    Another format's token files (see :func:`streampack.open`) get the checks they allow: their headers
-    and indexes (when they are opened), then every token against the vocabulary size and the EOS and BOS
-    placement that ``declared`` gives, and a loss mask's values; they record no checksums.
+    Another format's token files (see :func:`streampack.open`) get the checks they allow: what their
+    format records of them (headers, indexes, counts: when they are opened; a note says which, per
+    format), then every token against the vocabulary size and the EOS and BOS placement that
+    ``declared`` gives, and a loss mask's values; they record no checksums.
 
     Args:
         path: a cache directory, or the URL of a cache in object storage (``s3://bucket/prefix``), whose
@@ -101,6 +102,7 @@ def _verify_local(root: Path, report: VerifyReport, declared: Mapping[str, Any])
         report.problems.extend(
             check_shard(cache.manifest, shard, int(cache.doc_starts[shard]), source, report)
         )
+    report.problems.extend(check_delimiter(cache.manifest, source))
     _note_unknown(report, root / SHARD_DIR, listed, expected)
     _check_ledger(cache.manifest, cache.store, _entries(root / LEDGER_DIR), report)
     layouts = root / LAYOUT_DIR
@@ -113,7 +115,7 @@ def _verify_local(root: Path, report: VerifyReport, declared: Mapping[str, Any])
 def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
     """Every token of another format's files, and the digests of them it records (MDS's, if asked for);
     no ledger or plans to check. Entries of its folder it does not read are listed."""
-    format = cache.declared["format"] if cache.declared else "another"
+    format = (cache.declared or {})["format"]  # a foreign cache is opened with its format
     hashed = 0
     for shard in range(cache.num_shards):
         doc_start = int(cache.doc_starts[shard])
@@ -126,7 +128,8 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
             report.notes.extend(notes)
             report.bytes_checked += read
             hashed += 1
-    checked = "their headers and indexes were checked"
+    report.problems.extend(check_delimiter(cache.manifest, source))
+    checked = _opened_checks(format)
     if hashed:
         algos = sorted({a for s in range(cache.num_shards) for a in cache.files.hashes(s)})
         report.notes.append(
@@ -145,17 +148,35 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
 
 
 def _note_unread(cache: Cache, format: str, report: VerifyReport) -> None:
-    """The entries of a foreign cache's folder that are none of the files it was read from."""
+    """The entries of a foreign cache's folder that are none of the files it was read from: what the
+    format writes there (nanoGPT's ``val.bin``...), or else unknown."""
     root = Path(cache.root)
     if not root.is_dir():
         return  # a Megatron prefix: the folder holds other files than the pair by design
     inputs = [Path(entry.path).resolve() for entry in cache.manifest.inputs]
     read = {path.name for path in inputs if path.parent == root.resolve()}
     for name in sorted(_entries(root) - read - {LAYOUT_DIR}):
+        known = _companion(format, root / name)
         report.notes.append(
-            f"{root / name}: not one of the {format} files this cache is read from, so not part of it and "
-            "not checked; move it out of the folder if it does not belong there"
+            f"{root / name}: {known}"
+            if known is not None
+            else f"{root / name}: not one of the {format} files this cache is read from, so not part of it "
+            "and not checked; move it out of the folder if it does not belong there"
         )
+
+
+def _opened_checks(format: str) -> str:
+    """What reading ``format``'s files checked (:func:`streampack.interop.filechecks.opened_checks`)."""
+    from streampack.interop.filechecks import opened_checks
+
+    return opened_checks(format)
+
+
+def _companion(format: str, path: Path) -> str | None:
+    """What ``path``, beside ``format``'s files, is (:func:`streampack.interop.filechecks.companion`)."""
+    from streampack.interop.filechecks import companion
+
+    return companion(format, path)
 
 
 def _verify_remote_foreign(
@@ -181,6 +202,7 @@ def _verify_remote(remote: RemoteStore, report: VerifyReport) -> None:
     doc_starts = np.concatenate([[0], np.cumsum(manifest.table.num_docs)])
     for shard in range(len(manifest.table)):
         report.problems.extend(check_shard(manifest, shard, int(doc_starts[shard]), source, report))
+    report.problems.extend(check_delimiter(manifest, source))
     _note_unknown(report, remote.describe(SHARD_DIR), set(source.sizes), _shard_files(manifest))
     _check_ledger(manifest, remote, set(remote.list(LEDGER_DIR)), report)
     known = {MANIFEST, SHARD_DIR, LEDGER_DIR}
