@@ -169,10 +169,12 @@ def _sample_batches(cache: Cache, seq_len: int, packed: bool) -> Iterator[tuple[
 def _sample_batch(
     cache: Cache, samples: PackedSequences, as_dict: CausalLMDict, first: int, stop: int
 ) -> tuple[pa.RecordBatch, int]:
-    """Samples ``[first, stop)`` as the Loader's ``output="dict"`` gives them, read straight into int32."""
+    """Samples ``[first, stop)`` as the Loader's ``output="dict"`` gives them, read straight into int32
+    (a uint32 cache's in uint32, whose bytes the int32 column then holds, as a document row's do)."""
     indices = np.arange(first, stop, dtype=np.int64)
     seq_len = samples.seq_len
-    tokens = samples.read(indices, out=np.empty((len(indices), seq_len), dtype=np.int32))
+    dtype = np.int32 if np.can_cast(cache.dtype, np.int32) else cache.dtype
+    tokens = samples.read(indices, out=np.empty((len(indices), seq_len), dtype=dtype))
     batch = as_dict(tokens, np.zeros(len(indices), dtype=np.int64), indices)
     offsets = np.arange(0, (len(indices) + 1) * seq_len, seq_len, dtype=np.int64)
     arrays = [
