@@ -487,6 +487,16 @@ def test_hf_samples_of_a_uint32_cache_are_written(tmp_path: Path) -> None:
     assert pq.read_table(path)["input_ids"].to_pylist() == [[5, 70000, 99999], [3, 99998, 99999]]
 
 
+def test_offsets_past_their_width_are_refused_not_wrapped(natural: streampack.Cache, tmp_path: Path) -> None:
+    """An MDS shard's offsets are uint32, an hf list's int32: a shard or row past them is refused."""
+    from streampack.interop.hf import _lists
+
+    with pytest.raises(OptionsError, match=r"size_limit must be between 64 and 4,294,967,295"):
+        natural.export("mds", tmp_path / "mds", size_limit=1 << 32)
+    with pytest.raises(OptionsError, match=r"a row of 2,147,483,648 tokens is longer than a list of the hf"):
+        _lists(np.zeros(4, dtype=np.int32), np.array([0, 1 << 31]))
+
+
 def test_an_existing_destination_is_refused_unless_overwritten(
     natural: streampack.Cache, tmp_path: Path
 ) -> None:

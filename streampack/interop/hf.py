@@ -119,7 +119,16 @@ def columns_of(cache: Cache, options: Options) -> list[str]:
 
 
 def _lists(values: np.ndarray, offsets: np.ndarray) -> pa.ListArray:
-    """A list column over ``values`` (no copy of them) cut at ``offsets``."""
+    """A list column over ``values`` (no copy of them) cut at ``offsets``.
+
+    Raises:
+        OptionsError: a row longer than a list's int32 offsets reach (``datasets``' ``Sequence``).
+    """
+    if len(offsets) and offsets[-1] > np.iinfo(np.int32).max:  # one document of 2**31 tokens, alone
+        raise OptionsError(
+            f"a row of {int(np.diff(offsets).max()):,} tokens is longer than a list of the hf format holds "
+            "(int32 offsets): export samples of seq_len tokens instead of whole documents"
+        )
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
 
 
