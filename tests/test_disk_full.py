@@ -87,3 +87,47 @@ def test_read_only_output_is_a_clear_error(tmp_path: Path, small_filesystem: Pat
     for out in (small_filesystem, small_filesystem / "sub"):
         result = run_cli("build", src, "--out", out, check=False)
         assert result.returncode == 1 and "Read-only file system; choose a writable --out" in result.stderr
+
+
+# ----------------------------------------------------------------------------- exports
+
+
+@pytest.fixture
+def exported_cache(tmp_path: Path) -> Path:
+    """A cache of about 3 MB of uint16 tokens: more than the small file system holds."""
+    src = write_jsonl(
+        tmp_path / "in.jsonl", [{"text": f"document {i} " + "word " * 200} for i in range(3000)]
+    )
+    run_cli("build", src, "--out", tmp_path / "c", "--workers", "1")
+    return tmp_path / "c"
+
+
+def test_an_export_that_fills_the_disk_names_its_file_and_keeps_nothing(
+    exported_cache: Path, small_filesystem: Path
+) -> None:
+    """An export is atomic: its message is not the build's (which keeps what it committed and resumes)."""
+    for format, written in (("nanogpt", "ng/train.bin"), ("megatron", "ng.bin"), ("streampack", "ng/shards")):
+        full = run_cli(
+            "export", exported_cache, "--format", format, "--out", small_filesystem / "ng", "--no-progress",
+            check=False,
+        )  # fmt: skip
+        assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr
+        assert f"error: disk full while writing {small_filesystem / written}" in full.stderr
+        assert (
+            "the export stopped and kept nothing" in full.stderr
+            and "then rerun the same command" in full.stderr
+        )
+        assert "committed so far is kept" not in full.stderr
+        assert not list(small_filesystem.iterdir())  # the staging area removed too
+
+
+def test_an_export_past_the_file_size_limit_names_its_file(exported_cache: Path, tmp_path: Path) -> None:
+    limited = subprocess.run(
+        [sys.executable, "-m", "streampack", "export", str(exported_cache), "--format", "llmc",
+         "--out", str(tmp_path / "llmc"), "--no-progress"],
+        capture_output=True, text=True, preexec_fn=lambda: _limit_file_size(1 << 20), timeout=120,
+    )  # fmt: skip
+    assert limited.returncode == 1 and "Traceback" not in limited.stderr, limited.stderr
+    assert f"file size limit reached while writing {tmp_path / 'llmc' / 'train_000000.bin'}" in limited.stderr
+    assert "kept nothing" in limited.stderr and "raise the file size limit (ulimit -f)" in limited.stderr
+    assert not list(tmp_path.glob("*llmc*"))

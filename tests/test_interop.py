@@ -13,6 +13,7 @@ import io
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack.errors import OptionsError
+from streampack.errors import CacheError, OptionsError
 from streampack.testing.caches import write_cache
 from tests.conftest import SAMPLE_CORPUS, run_cli, s3_options
 
@@ -427,6 +428,73 @@ def test_a_vocabulary_too_large_for_the_dtype_is_refused(tmp_path: Path) -> None
         cache.export("megatron", tmp_path / "m", dtype="uint16")
     cache.export("nanogpt", tmp_path / "n", dtype="cache")
     np.testing.assert_array_equal(np.fromfile(tmp_path / "n" / "train.bin", dtype="<u4"), tokens)
+
+
+def _foreign_with_ids_above_its_vocabulary(tmp_path: Path) -> streampack.Cache:
+    """A nanoGPT uint32 file (GPT-2 ids, EOS 50256) declared as GPT-2's 50,257 ids, holding 70000 and 3e9."""
+    tokens = np.array([1, 2, 50256, 70000, 5, 50256, 6, 3_000_000_000, 50256], dtype="<u4")
+    tokens.tofile(tmp_path / "train.bin")
+    return streampack.open(tmp_path / "train.bin", eos_id=50256, dtype="uint32", vocab_size=50257)
+
+
+def test_an_export_to_uint16_refuses_an_id_the_declared_vocabulary_does_not_cover(tmp_path: Path) -> None:
+    cache = _foreign_with_ids_above_its_vocabulary(tmp_path)
+    where = re.escape(f"{tmp_path / 'train.bin'}, document 1, token 0: the id 70,000 does not fit")
+    for format, options in (("nanogpt", {}), ("nanogpt", {"val": 1}), ("megatron", {})):
+        with pytest.raises(CacheError, match=where + r" the export's uint16 tokens .* read as 4,464") as e:
+            cache.export(format, tmp_path / format, **options)
+        assert 'dtype="cache"' in str(e.value) and "kept nothing" in str(e.value)
+        assert not list(tmp_path.glob(f"*{format}*"))  # nothing left, not even the staging area
+    # The cache's own width keeps every id as the files hold it.
+    cache.export("nanogpt", tmp_path / "n", dtype="cache")
+    assert np.fromfile(tmp_path / "n" / "train.bin", dtype="<u4")[3] == 70000
+
+
+def test_a_negative_megatron_id_is_refused_by_a_narrowing_export(tmp_path: Path) -> None:
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    import torch
+
+    builder = indexed.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.int32)
+    for doc in ([1, 2, 50256], [7, -5, 50256]):
+        builder.add_document(torch.tensor(doc), [len(doc)])
+    builder.finalize(str(tmp_path / "m.idx"))
+    cache = streampack.open(tmp_path / "m", eos_id=50256, vocab_size=50257)
+    with pytest.raises(CacheError, match=r"m.bin, document 1, token 1: the id 4,294,967,291 does not fit"):
+        cache.export("nanogpt", tmp_path / "n")
+
+
+def test_an_mds_export_of_samples_refuses_ids_past_uint16_too(tmp_path: Path) -> None:
+    """MDS samples are read from the array its reader made, not a span of a file: checked the same."""
+    tokens = np.array([1, 70000, 99999, 3, 99999], dtype=np.uint32)
+    wide = streampack.open(
+        write_cache(tmp_path / "c", [(tokens, np.array([3, 5]))], vocab_size=100000, eos_id=99999)
+    )
+    wide.export("mds", tmp_path / "mds")
+    declared = streampack.open(tmp_path / "mds", eos_id=99999, vocab_size=50000)
+    with pytest.raises(CacheError, match=r"shard.00000.mds, document 0, token 1: the id 70,000 does not fit"):
+        declared.export("nanogpt", tmp_path / "n")
+
+
+def test_hf_samples_of_a_uint32_cache_are_written(tmp_path: Path) -> None:
+    tokens = np.array([5, 70000, 99999, 3, 99998, 99999], dtype=np.uint32)
+    cache = streampack.open(
+        write_cache(tmp_path / "c", [(tokens, np.array([3, 6]))], vocab_size=100000, eos_id=99999)
+    )
+    cache.export("hf", tmp_path / "hf", seq_len=3)
+    import pyarrow.parquet as pq
+
+    (path,) = (tmp_path / "hf" / "data").glob("*.parquet")
+    assert pq.read_table(path)["input_ids"].to_pylist() == [[5, 70000, 99999], [3, 99998, 99999]]
+
+
+def test_offsets_past_their_width_are_refused_not_wrapped(natural: streampack.Cache, tmp_path: Path) -> None:
+    """An MDS shard's offsets are uint32, an hf list's int32: a shard or row past them is refused."""
+    from streampack.interop.hf import _lists
+
+    with pytest.raises(OptionsError, match=r"size_limit must be between 64 and 4,294,967,295"):
+        natural.export("mds", tmp_path / "mds", size_limit=1 << 32)
+    with pytest.raises(OptionsError, match=r"a row of 2,147,483,648 tokens is longer than a list of the hf"):
+        _lists(np.zeros(4, dtype=np.int32), np.array([0, 1 << 31]))
 
 
 def test_an_existing_destination_is_refused_unless_overwritten(

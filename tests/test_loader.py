@@ -19,11 +19,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack.errors import LoaderStateError, OptionsError
+from streampack.errors import CacheError, LoaderStateError, OptionsError
 from streampack.loader import STATE_VERSION, Loader, LoaderOptions
 from streampack.order.mixture import Mixture
 from streampack.order.permutation import Permutation
-from streampack.testing.caches import write_random_cache
+from streampack.testing.caches import write_cache, write_random_cache
 from tests.conftest import run_cli
 
 
@@ -500,8 +500,54 @@ def test_numpy_output_dtypes(cache: streampack.Cache) -> None:
     raw = next(iter(Loader(seqs, batch_size=4, seed=1, dtype=None)))
     assert raw.dtype == cache.dtype and np.array_equal(raw, default)
     assert next(iter(Loader(seqs, batch_size=4, seed=1, dtype="int32"))).dtype == np.int32
-    with pytest.raises(ValueError, match="cannot hold every id of the cache's uint16 tokens"):
-        Loader(seqs, batch_size=4, dtype=np.int16)
+    # Narrower than uint16 where the vocabulary (bytes: 257 ids) fits, not where it does not.
+    assert np.array_equal(next(iter(Loader(seqs, batch_size=4, seed=1, dtype=np.int16))), default)
+    with pytest.raises(ValueError, match="cannot hold every id of the cache's uint16 tokens: the vocab"):
+        Loader(seqs, batch_size=4, dtype=np.int8)
+
+
+def test_a_narrower_dtype_is_allowed_where_the_vocabulary_fits_it(tmp_path: Path) -> None:
+    """int32 for a uint32 cache of cl100k's 100,277 ids; refused where the vocabulary does not fit."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 100_277, 4096).astype(np.uint32)
+    cache = streampack.open(
+        write_cache(tmp_path / "c", [(tokens, np.array([1000, 4096]))], vocab_size=100_277, eos_id=100_276)
+    )
+    seqs = cache.sequences(16, overlap=1)
+    wide = Loader(seqs, batch_size=8, seed=1, epochs=1)
+    narrow = Loader(seqs, batch_size=8, seed=1, epochs=1, dtype="int32")
+    pairs = list(zip(wide, narrow, strict=True))
+    assert all(b.dtype == np.int32 and np.array_equal(a, b) for a, b in pairs)
+    into = np.empty((8, 17), dtype=np.int32)
+    assert narrow.batch(0, out=into) is into and np.array_equal(into, pairs[0][0])
+    with pytest.raises(OptionsError, match=r"dtype=uint16 cannot .* vocabulary has 100,277 ids, and uint16"):
+        Loader(seqs, batch_size=8, dtype="uint16")
+    with pytest.raises(OptionsError, match=r"dtype=int32 cannot .* int64 tokens \(the source has no vocab"):
+        Loader(np.zeros((8, 4), dtype=np.int64), batch_size=8, dtype="int32")
+
+
+def test_a_narrowing_loader_checks_every_batch_and_names_the_id(tmp_path: Path) -> None:
+    """Another format's files are only declared to keep to their vocabulary: each batch's ids are checked
+    as they are cast, and one that does not fit is named, with its sample and file."""
+    tokens = np.array([1, 2, 3, 50256, 70000, 5, 6, 50256, 7, 3_000_000_000, 8, 50256], dtype="<u4")
+    tokens.tofile(tmp_path / "train.bin")
+    cache = streampack.open(tmp_path / "train.bin", eos_id=50256, dtype="uint32", vocab_size=50257)
+    seqs = cache.sequences(4)
+    served = list(Loader(seqs, batch_size=1, shuffle=False, epochs=1))  # int64: every id as it is
+    assert [b.tolist() for b in served] == [[tokens[i : i + 4].tolist()] for i in (0, 4, 8)]
+    short = Loader(seqs, batch_size=1, shuffle=False, epochs=1, dtype="uint16")
+    assert short.batch(0).tolist() == [[1, 2, 3, 50256]]
+    file = re.escape(str(tmp_path / "train.bin"))
+    with pytest.raises(
+        CacheError,
+        match=rf"position 1: sample 1 of .* holds the id 70,000 \(column 0: {file}, document 1, token 0\), "
+        r"which dtype=uint16 cannot hold .* make it 4,464; its vocabulary has 50,257 ids",
+    ):
+        short.batch(1)
+    signed = Loader(seqs, batch_size=1, shuffle=False, epochs=1, dtype="int32")
+    assert signed.batch(1).tolist() == [[70000, 5, 6, 50256]]
+    with pytest.raises(CacheError, match=r"holds the id 3,000,000,000 \(column 1: .*, document 2, token 1\)"):
+        signed.batch(2)
 
 
 def test_dict_output_for_hugging_face_models(cache: streampack.Cache) -> None:

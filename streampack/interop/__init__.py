@@ -39,7 +39,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from streampack.errors import OptionsError
-from streampack.interop.destination import Destination
+from streampack.interop.destination import DISK_FULL, Destination, disk_full
 from streampack.interop.scanning import scan_plan
 
 if TYPE_CHECKING:
@@ -148,19 +148,24 @@ def _written(
     """Stage what ``write(dest=, progress=)`` writes at ``dest`` in ``format``'s layout, then commit it
     (or clear it on an error)."""
     module = importlib.import_module(FORMATS[format])
-    destination = Destination(
-        dest,
-        layout=module.LAYOUT,
-        suffixes=getattr(module, "SUFFIXES", ()),
-        overwrite=overwrite,
-        storage_options=dict(storage_options) if storage_options else None,
-        durable=durable,
-    )
     shown = sys.stderr.isatty() if progress is None else progress
     try:
-        rows, tokens, last = write(dest=destination, progress=shown)
-    except BaseException:
-        destination.abort()  # an error or Ctrl-C; a killed process leaves it for the next run to clear
+        destination = Destination(
+            dest,
+            layout=module.LAYOUT,
+            suffixes=getattr(module, "SUFFIXES", ()),
+            overwrite=overwrite,
+            storage_options=dict(storage_options) if storage_options else None,
+            durable=durable,
+        )
+        try:
+            rows, tokens, last = write(dest=destination, progress=shown)
+        except BaseException:
+            destination.abort()  # an error or Ctrl-C; a killed process leaves it for the next run to clear
+            raise
+    except OSError as error:
+        if error.errno in DISK_FULL:  # outside a file's write, which names its file: the staging folder
+            raise disk_full(error, str(dest)) from error
         raise
     files = destination.commit(last)
     return Exported(format, str(dest), files, rows, tokens)

@@ -27,17 +27,24 @@ staging area and nothing at the destination; the next run removes the staging ar
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from streampack.errors import OptionsError
+from streampack.errors import OptionsError, WriteError
 from streampack.store import fsync_dir
 from streampack.store.remote import is_remote
 
 STAGING_SUFFIX = ".streampack-export"
+#: The errors of a write that found no room: ``disk_full`` words them.
+DISK_FULL = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file size limit reached",
+}
 
 Layout = Literal["directory", "prefix"]
 
@@ -128,18 +135,27 @@ class Destination:
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[IO[bytes]]:
-        """Write the file ``name`` (a path relative to the destination; a suffix for a prefix format)."""
+        """Write the file ``name`` (a path relative to the destination; a suffix for a prefix format).
+
+        Raises:
+            WriteError: the disk (or a quota, or the file size limit) is full: naming the file.
+        """
         staged = self._staged(name)
-        if self.remote:
-            with self.fs.open(staged, "wb") as f:
-                yield f
-        else:
-            os.makedirs(os.path.dirname(staged), exist_ok=True)
-            with open(staged, "wb") as f:
-                yield f
-                if self.durable:
-                    f.flush()
-                    os.fsync(f.fileno())
+        try:
+            if self.remote:
+                with self.fs.open(staged, "wb") as f:
+                    yield f
+            else:
+                os.makedirs(os.path.dirname(staged), exist_ok=True)
+                with open(staged, "wb") as f:
+                    yield f
+                    if self.durable:
+                        f.flush()
+                        os.fsync(f.fileno())
+        except OSError as error:
+            if error.errno in DISK_FULL:
+                raise disk_full(error, self.final(name)) from error
+            raise
         self.written.append(name)
 
     def rename(self, name: str, new: str) -> None:
@@ -202,3 +218,18 @@ class Destination:
                 self.fs.rm(self.staging, recursive=True)
         else:
             shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def disk_full(error: OSError, path: str) -> WriteError:
+    """The error of an export whose write to ``path`` found no room (``error.errno`` in :data:`DISK_FULL`):
+    unlike a build's, nothing of an export is kept, and a rerun starts it over."""
+    reason = DISK_FULL.get(error.errno or errno.ENOSPC, "disk full")
+    room = (
+        "raise the file size limit (ulimit -f)"
+        if error.errno == errno.EFBIG
+        else "free space where it writes (the export needs about its own size there)"
+    )
+    return WriteError(
+        f"{reason} while writing {path}: the export stopped and kept nothing (an export is written whole "
+        f"or not at all, and a rerun starts it over); {room}, then rerun the same command"
+    )

@@ -119,7 +119,16 @@ def columns_of(cache: Cache, options: Options) -> list[str]:
 
 
 def _lists(values: np.ndarray, offsets: np.ndarray) -> pa.ListArray:
-    """A list column over ``values`` (no copy of them) cut at ``offsets``."""
+    """A list column over ``values`` (no copy of them) cut at ``offsets``.
+
+    Raises:
+        OptionsError: a row longer than a list's int32 offsets reach (``datasets``' ``Sequence``).
+    """
+    if len(offsets) and offsets[-1] > np.iinfo(np.int32).max:  # one document of 2**31 tokens, alone
+        raise OptionsError(
+            f"a row of {int(np.diff(offsets).max()):,} tokens is longer than a list of the hf format holds "
+            "(int32 offsets): export samples of seq_len tokens instead of whole documents"
+        )
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
 
 
@@ -169,10 +178,12 @@ def _sample_batches(cache: Cache, seq_len: int, packed: bool) -> Iterator[tuple[
 def _sample_batch(
     cache: Cache, samples: PackedSequences, as_dict: CausalLMDict, first: int, stop: int
 ) -> tuple[pa.RecordBatch, int]:
-    """Samples ``[first, stop)`` as the Loader's ``output="dict"`` gives them, read straight into int32."""
+    """Samples ``[first, stop)`` as the Loader's ``output="dict"`` gives them, read straight into int32
+    (a uint32 cache's in uint32, whose bytes the int32 column then holds, as a document row's do)."""
     indices = np.arange(first, stop, dtype=np.int64)
     seq_len = samples.seq_len
-    tokens = samples.read(indices, out=np.empty((len(indices), seq_len), dtype=np.int32))
+    dtype = np.int32 if np.can_cast(cache.dtype, np.int32) else cache.dtype
+    tokens = samples.read(indices, out=np.empty((len(indices), seq_len), dtype=dtype))
     batch = as_dict(tokens, np.zeros(len(indices), dtype=np.int64), indices)
     offsets = np.arange(0, (len(indices) + 1) * seq_len, seq_len, dtype=np.int64)
     arrays = [

@@ -75,6 +75,8 @@ if TYPE_CHECKING:
 
 LAYOUT = "directory"
 SIZE_LIMIT = 1 << 26
+#: A shard's offsets are uint32: no byte of it lies past this.
+MAX_OFFSET = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ class Options:
 
     Attributes:
         seq_len: one fixed window of this many tokens a sample; one document a sample when None.
-        size_limit: bytes a shard holds at most (``MDSWriter``'s ``size_limit``).
+        size_limit: bytes a shard holds at most (``MDSWriter``'s ``size_limit``); below 4 GiB, which the
+            shard's uint32 offsets reach.
         packed: not supported (MDS has no column for the boundaries of packed documents); refused.
         drop_loss_mask: export an SFT cache's tokens without its loss mask (refused otherwise).
     """
@@ -96,7 +99,7 @@ class Options:
     def __post_init__(self) -> None:
         if self.seq_len is not None:
             check_int_option("seq_len", self.seq_len, low=1)
-        check_int_option("size_limit", self.size_limit, low=64)
+        check_int_option("size_limit", self.size_limit, low=64, high=MAX_OFFSET)
         if self.packed:
             raise OptionsError(
                 "the mds export writes documents or fixed windows: packed samples would lose where each "
@@ -207,6 +210,11 @@ class _ShardWriter:
         """One shard of samples of ``sizes`` bytes (``tokens`` in all), whose bytes ``samples`` writes."""
         name = f"shard.{len(self.index):05d}.mds"
         offsets = np.concatenate([[0], np.cumsum(sizes)]) + 4 + 4 * (len(sizes) + 1) + len(self.config_bytes)
+        if offsets[-1] > MAX_OFFSET:  # one sample of 4 GiB, alone in its shard
+            raise OptionsError(
+                f"{name}: a sample of {int(sizes.max()):,} bytes does not fit an MDS shard, whose uint32 "
+                "offsets reach 4 GiB: export fixed windows (seq_len) instead of whole documents"
+            )
         with self.dest.open(name) as out:
             out.write(np.array([len(sizes)], dtype="<u4").tobytes() + offsets.astype("<u4").tobytes())
             out.write(self.config_bytes)

@@ -94,13 +94,19 @@ def write_spans(
     """Write each span ``(out, start, stop)`` of shard ``shard``'s tokens to its ``out``, in order, as
     ``dtype`` (little-endian), the shard file opened (and its size checked) once.
 
-    Where ``dtype`` has the cache's width (and its ids fit, which the exporters check first: a uint32 id
-    below 2**31 has the bytes of the int32) and ``out`` is a local file, the kernel copies the bytes from
-    the shard file; otherwise they are read in chunks of :data:`CHUNK_TOKENS` and written, cast where the
-    width differs.
+    Where ``dtype`` has the cache's width and ``out`` is a local file, the kernel copies the bytes from
+    the shard file (a uint32 id below 2**31 has the bytes of the int32; see :func:`narrows` for those
+    above); otherwise they are read in chunks of :data:`CHUNK_TOKENS` and written, cast where the width
+    differs. A narrowing cast (uint32 to uint16) has each chunk's ids checked first (:func:`check_fits`):
+    the exporters refuse a vocabulary that does not fit ``dtype``, but another format's files are only
+    declared to keep to theirs.
+
+    Raises:
+        CacheError: a token file was cut short, or holds an id that ``dtype`` cannot (naming it).
     """
     itemsize = cache.dtype.itemsize
     same = dtype.itemsize == itemsize and _little(cache.dtype)
+    narrowing = narrows(cache.dtype, dtype)
     opened: IO[bytes] | None = None
     where = cache.files.token_file(shard)
     if where is None:  # not one span of a file (MDS samples): from the array its reader made
@@ -108,6 +114,8 @@ def write_spans(
         for out, start, stop in spans:
             for pos in range(start, stop, CHUNK_TOKENS):
                 chunk = tokens[pos : min(pos + CHUNK_TOKENS, stop)]
+                if narrowing:
+                    check_fits(cache, shard, chunk, pos, dtype)
                 out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
         return
     path, base = where
@@ -130,6 +138,8 @@ def write_spans(
                         f"{path}: ended at token {start + len(chunk):,}, not {stop:,}: the token file was "
                         "cut short while it was read; run `streampack verify`"
                     )
+                if narrowing:
+                    check_fits(cache, shard, chunk, start, dtype)
                 out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
                 start += n
     finally:
@@ -146,6 +156,42 @@ def write_stream(cache: Cache, start: int, stop: int, out: IO[bytes]) -> None:
         base, end = int(starts[shard]), min(stop, int(starts[shard + 1]))
         write_spans(cache, shard, little, [(out, start - base, end - base)])
         start, shard = end, shard + 1
+
+
+def narrows(source: np.dtype, dest: np.dtype) -> bool:
+    """Whether writing ``source`` ids as ``dest`` can change one: ``dest`` is narrower.
+
+    Between equal widths the bytes are written as they are (by the kernel, where it can): a uint32 id of
+    2**31 or more, which no vocabulary has, becomes a negative int32, which no embedding takes, and reads
+    back into streampack as the same uint32 id (a Megatron int32 file is read as uint32).
+    """
+    return dest.itemsize < source.itemsize
+
+
+def check_fits(cache: Cache, shard: int, chunk: np.ndarray, start: int, dtype: np.dtype) -> None:
+    """Refuse tokens ``chunk`` of shard ``shard`` (from its token ``start``) that hold an id ``dtype``
+    cannot: the cast would wrap it to another id. A maximum (and a minimum, for signed tokens) over the
+    chunk: about the speed of memory.
+
+    Raises:
+        CacheError: naming the id, its document and file, and what to do.
+    """
+    if not len(chunk):
+        return
+    info = np.iinfo(dtype)
+    if chunk.max() <= info.max and (chunk.dtype.kind == "u" or chunk.min() >= info.min):
+        return
+    from streampack.loader.reading import token_place
+
+    at = int(np.flatnonzero((chunk > info.max) | (chunk < info.min))[0])
+    value = int(chunk[at])
+    raise CacheError(
+        f"{token_place(cache, shard, start + at)}: the id {value:,} does not fit the export's {dtype.name} "
+        f"tokens (at most {info.max:,}): written, it would read as {int(np.array(value).astype(dtype)):,}. "
+        f"The cache declares a vocabulary of {cache.vocab_size:,} ids, which its files do not keep to "
+        "(`streampack verify` lists every such id). The export stopped and kept nothing: fix the files, or "
+        'export with a dtype that holds the id (dtype="cache", --dtype cache: the cache\'s own)'
+    )
 
 
 def _little(dtype: np.dtype) -> bool:

@@ -24,7 +24,7 @@ from streampack.loader.options import (
     unknown_keyword,
     with_keywords,
 )
-from streampack.loader.reading import DataSource, _Source
+from streampack.loader.reading import DataSource, _Source, vocab_size_of
 from streampack.order import Order, Ordered
 
 __all__ = ["given"]
@@ -81,7 +81,9 @@ def given(
             len(first), seed=opts.seed, shuffle=opts.shuffle, epochs=opts.epochs, data=first.fingerprint
         )
         check_size(opts, len(first))
-    check_dtype(opts, [source.dtype for source in sources])
+    check_dtype(
+        opts, [source.dtype for source in sources], [vocab_size_of(source.data) for source in sources]
+    )
     return opts, sources, order
 
 

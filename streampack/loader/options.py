@@ -208,18 +208,39 @@ def check_size(options: LoaderOptions, n: int) -> None:
         )
 
 
-def check_dtype(options: LoaderOptions, dtypes: list[np.dtype]) -> None:
+def check_dtype(
+    options: LoaderOptions, dtypes: Sequence[np.dtype], vocab_sizes: Sequence[int | None] | None = None
+) -> None:
     """Refuse an output ``dtype`` that cannot hold every id of sources of these ``dtypes``.
 
+    A narrower ``dtype`` than a source's (int32 or uint16 for a uint32 cache) is allowed where the
+    source's vocabulary fits it (``vocab_sizes``: every id is below it; None where a source has none, such
+    as an array): int32 for cl100k's 100,277 ids. The loader then checks every batch's ids as it casts
+    them (:meth:`~streampack.loader.reading.Rows.read`): another format's files are only declared to keep
+    to their vocabulary.
+
     Raises:
-        OptionsError: ``options.dtype`` is narrower than a source's.
+        OptionsError: ``options.dtype`` is narrower than a source's, and its vocabulary does not fit it
+            (or is unknown).
     """
-    for dtype in dtypes:
-        if options.dtype is not None and not np.can_cast(dtype, options.dtype):
-            raise OptionsError(
-                f"dtype={options.dtype} cannot hold every id of the cache's {dtype} tokens; use "
-                "int64 (the default), a wider integer type, or None to keep the cache dtype"
-            )
+    if options.dtype is None:
+        return
+    sizes = list(vocab_sizes) if vocab_sizes is not None else [None] * len(dtypes)
+    for dtype, vocab in zip(dtypes, sizes, strict=True):
+        if np.can_cast(dtype, options.dtype):
+            continue
+        top = int(np.iinfo(options.dtype).max)
+        if vocab is not None and vocab - 1 <= top:
+            continue
+        why = (
+            f": the vocabulary has {vocab:,} ids, and {options.dtype} holds at most {top:,}"
+            if vocab is not None
+            else " (the source has no vocabulary size to say that its ids fit)"
+        )
+        raise OptionsError(
+            f"dtype={options.dtype} cannot hold every id of the cache's {dtype} tokens{why}; use "
+            "int64 (the default), a wider integer type, or None to keep the cache dtype"
+        )
 
 
 def check_last_batch(opts: LoaderOptions, end: int | None, position: int) -> None:

@@ -22,14 +22,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from streampack.errors import CacheError
 from streampack.loader.lookahead import prefetch_steps
 from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
 
 if TYPE_CHECKING:
     from streampack.loader.options import LoaderOptions
+    from streampack.reader import Cache
     from streampack.samples.copies import BatchedSpans
 
-__all__ = ["DataSource", "Rows"]
+__all__ = ["DataSource", "Rows", "token_place", "vocab_size_of"]
 
 # The order is computed for this many upcoming rows at once.
 _PLAN_ROWS = 4096
@@ -58,6 +60,8 @@ class Rows:
     Args:
         sources: the sources, in source-id order.
     """
+
+    _widens: np.dtype | None = None  # the last dtype read into that holds every id (no check needed)
 
     def __init__(self, sources: list[_Source]) -> None:
         from streampack.samples.sequences import JoinedSequences, PackedSequences
@@ -159,29 +163,79 @@ class Rows:
         """The tokens of the batch at ``position`` (its ``sources`` and ``samples``): copied from its
         planned spans, else split now; into ``out``, or a new array of ``dtype``.
 
+        A ``dtype`` (or ``out``) narrower than the sources' (int32 or uint16 for a uint32 cache: allowed
+        where the vocabulary fits it, :func:`~streampack.loader.options.check_dtype`) has every id checked
+        on the way: the ids are read in the sources' dtype and their maximum checked before the cast, or,
+        for a cast between equal widths (uint32 to int32), read straight into the narrower dtype, where an
+        id that did not fit is negative. A widening cast (int64, the default) checks nothing.
+
         Raises:
-            ValueError: ``out`` is not an array of the batch's shape and a dtype that holds every id.
+            ValueError: ``out`` is not an array of the batch's shape and a dtype that holds every id (or
+                the loader's own ``dtype``).
+            CacheError: an id of the batch does not fit a narrower dtype (the files hold an id their
+                vocabulary does not); the message names the id, the sample and where it lies.
         """
+        if out is not None and (
+            not isinstance(out, np.ndarray)
+            or out.shape != (len(samples), self.width)
+            or out.dtype.kind not in "iu"
+            or not (out.dtype == dtype or np.can_cast(self.dtype, out.dtype, "safe"))
+        ):
+            raise ValueError(
+                f"out must be a numpy array of shape {(len(samples), self.width)} and an integer dtype that "
+                f"holds every {self.dtype} id (got {type(out).__name__} "
+                f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
+            )
+        target = dtype if out is None else out.dtype
+        if target is not self._widens:  # decided once: a loader asks for the same dtype object every time
+            if not np.can_cast(self.dtype, target, "safe"):
+                return self._narrowed(position, sources, samples, out, np.dtype(target))
+            self._widens = target
+        return self._copy(position, sources, samples, out, target)
+
+    def _narrowed(
+        self,
+        position: int,
+        sources: np.ndarray,
+        samples: np.ndarray,
+        out: np.ndarray | None,
+        dtype: np.dtype,
+    ) -> np.ndarray:
+        """:meth:`read` into a narrower ``dtype``, every id checked (see there)."""
+        if dtype.itemsize == self.dtype.itemsize and self.dtype.kind == "u" and dtype.kind == "i":
+            tokens = self._copy(position, sources, samples, out, dtype)
+            if tokens.size and tokens.min() < 0:  # exactly the ids at or above 2**(bits - 1)
+                row, column = (int(i) for i in np.argwhere(tokens < 0)[0])
+                value = int(np.asarray(tokens[row, column]).astype(self.dtype))
+                raise self._unfit(value, dtype, row, column, sources, samples, position)
+            return tokens
+        wide = self._copy(position, sources, samples, None, self.dtype)
+        info = np.iinfo(dtype)
+        if wide.size and (wide.max() > info.max or (self.dtype.kind == "i" and wide.min() < info.min)):
+            row, column = (int(i) for i in np.argwhere((wide > info.max) | (wide < info.min))[0])
+            raise self._unfit(int(wide[row, column]), dtype, row, column, sources, samples, position)
+        if out is None:
+            return wide.astype(dtype)
+        np.copyto(out, wide, casting="unsafe")
+        return out
+
+    def _copy(
+        self,
+        position: int,
+        sources: np.ndarray,
+        samples: np.ndarray,
+        out: np.ndarray | None,
+        dtype: np.dtype,
+    ) -> np.ndarray:
+        """:meth:`read`'s copy, casting on the way (``out`` already checked)."""
         plan, joined = self._plan, self.joined
         step = None if plan is None or plan.spans is None else plan.step(position)
         if out is None and step is not None and joined is not None:
             whole = plan.spans.whole(step, joined.rows, dtype)  # type: ignore[union-attr]
             if whole is not None:
                 return whole
-        width = self.width
         if out is None:
-            out = np.empty((len(samples), width), dtype=dtype)
-        elif (
-            not isinstance(out, np.ndarray)
-            or out.shape != (len(samples), width)
-            or out.dtype.kind not in "iu"
-            or not np.can_cast(self.dtype, out.dtype, "safe")
-        ):
-            raise ValueError(
-                f"out must be a numpy array of shape {(len(samples), width)} and an integer dtype that "
-                f"holds every {self.dtype} id (got {type(out).__name__} "
-                f"{getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
-            )
+            out = np.empty((len(samples), self.width), dtype=dtype)
         if joined is not None:  # every source is a cache
             if step is not None:
                 plan.spans.read(step, out, joined.tokens, joined.rows)  # type: ignore[union-attr]
@@ -194,6 +248,80 @@ class Rows:
         for source, rows in groups(sources):
             self.sources[source].read(samples[rows], out, rows)
         return out
+
+    def _unfit(
+        self,
+        value: int,
+        dtype: np.dtype,
+        row: int,
+        column: int,
+        sources: np.ndarray,
+        samples: np.ndarray,
+        position: int,
+    ) -> CacheError:
+        """The error for the id ``value`` at ``column`` of ``row`` of a batch, which ``dtype`` cannot hold."""
+        source, sample = int(sources[row]), int(samples[row])
+        data = self.sources[source].data
+        named = f"source {source} ({_named(data)})" if len(self.sources) > 1 else _named(data)
+        where = _place_in_sample(data, sample, column)
+        vocab = vocab_size_of(data)
+        declared = (
+            f"; its vocabulary has {vocab:,} ids, which its files do not keep to (`streampack verify` lists "
+            "every such id)"
+            if vocab is not None
+            else ""
+        )
+        wrapped = int(np.array(value).astype(dtype))
+        return CacheError(
+            f"the batch at position {position:,}: sample {sample:,} of {named} holds the id {value:,} "
+            f"(column {column:,}{where}), which dtype={dtype} cannot hold (at most {np.iinfo(dtype).max:,}): "
+            f"the cast would make it {wrapped:,}{declared}. Fix the files, or use a dtype that holds the id "
+            "(int64, the default)"
+        )
+
+
+def vocab_size_of(data: object) -> int | None:
+    """The vocabulary size of a source read from a cache (every id is below it), else None."""
+    cache = getattr(data, "cache", None)
+    size = getattr(cache, "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _named(data: object) -> str:
+    path = getattr(data, "path", None)
+    return str(path) if isinstance(path, str) else type(data).__name__
+
+
+def _place_in_sample(data: object, sample: int, column: int) -> str:
+    """Where column ``column`` of sample ``sample`` of a cache's samples lies in its files (``""`` for
+    another source)."""
+    from streampack.samples.sequences import PackedSequences
+
+    if not isinstance(data, PackedSequences):
+        return ""
+    spans = data.layout.spans(np.array([sample], dtype=np.int64))
+    inside = (spans.col <= column) & (column < spans.col + spans.hi - spans.lo)
+    if not inside.any():
+        return ""
+    k = int(np.flatnonzero(inside)[0])
+    return ": " + token_place(data.cache, int(spans.shards[k]), int(spans.lo[k] + column - spans.col[k]))
+
+
+def token_place(cache: Cache, shard: int, pos: int) -> str:
+    """Where token ``pos`` of shard ``shard`` of ``cache`` lies, as messages name it: the file that holds it,
+    its document there (as another format's own reader numbers them; for a native cache, the cache's
+    document index) and its place in that document. Only for messages: it reads the shard's document
+    ends."""
+    ends = np.asarray(cache.shard_offsets(shard))
+    local = int(np.searchsorted(ends, pos, side="right"))
+    start = int(ends[local - 1]) if local else 0
+    origin = cache.files.origin(shard)
+    if origin is None:
+        file = cache.files.describe(shard, "tokens")
+        doc = f"the cache's document {int(cache.doc_starts[shard]) + local:,}"
+    else:
+        file, doc = origin[0], f"document {origin[1] + local:,}"
+    return f"{file}, {doc}, token {pos - start:,}"
 
 
 @dataclass(frozen=True)
