@@ -15,6 +15,7 @@ from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Exclusions, Loader
 from streampack.loader.excluding import excluded_samples
 from streampack.loader.exclusions import token_hash
+from streampack.loader.history import StepCount
 from streampack.order.mixture import Mixture
 from streampack.testing.caches import write_cache
 
@@ -340,3 +341,118 @@ def test_the_epoch_under_skip_exclusions_is_the_one_of_the_order_they_filter(
         epochs.append((loader_at.epoch, kept[position][0] // len(seqs)))
     assert all(mine == expected for mine, expected in epochs) and {e for e, _ in epochs} == {0, 1}
     assert loader.epoch == 2  # the end of the run
+
+
+# --- steps are the trainer's: counted through the run's history ---------------------------------------------
+
+
+def _indices(loader: Loader, start: int, stop: int) -> list[int]:
+    """The sample ids ``loader`` serves at positions ``start`` to ``stop`` (a multiple of its batch size)."""
+    step = loader.options.batch_size
+    return [s for p in range(start, stop, step) for s in loader.indices(p).tolist()]
+
+
+def test_steps_are_the_trainers_under_gradient_accumulation(numbered: streampack.Cache) -> None:
+    """The review's case (1): a trainer accumulating 3 batches a step, checkpointed at step 10; its loss
+    spike at steps 12-13 is the 24 positions 144-168, not 12 * 4 to 14 * 4 (before the resume, so nothing)."""
+    from streampack.loader.audit import audit
+
+    seqs = numbered.sequences(SEQ_LEN)
+    run = Loader(seqs, batch_size=4, seed=1)
+    run.batches_per_step = 3  # as streampack.hf and streampack.lightning set it
+    run.advance(10 * 3)
+    state = run.state_dict()
+    reference = Loader(seqs, batch_size=4, seed=1)
+    spike = Exclusions(steps=[(12, 13)])
+    expected = _indices(reference, 120, 144) + _indices(reference, 168, 288)
+    for before in (True, False):  # set by hand before the resume, or after it, as streampack.hf does
+        again = Loader(seqs, batch_size=4, seed=1, exclude=spike)
+        if before:
+            again.batches_per_step = 3
+        again.load_state_dict(state, step=10)
+        if not before:
+            again.batches_per_step = 3
+        assert _indices(again, 120, 264) == expected
+        assert again.exclusions_state()[0] | {"digest": None} == {
+            "digest": None, "mode": "skip", "at": 120, "legs": 2, "documents": 0, "hashes": 0, "steps": 1,
+            "positions": 0,
+        }  # fmt: skip
+    again.advance(12)
+    later = again.state_dict()
+    resumed = Loader(seqs, batch_size=4, seed=1, exclude=spike)  # batches_per_step not set: the state has it
+    resumed.load_state_dict(later, step=14)
+    assert _indices(resumed, 168, 264) == expected[48:]
+    report = audit(resumed.state_dict(), seqs, exclude=[spike])
+    assert report.clean, report.text()
+    assert report.sources[0].excluded == 24 and report.legs[1].steps == (10, 14)
+
+
+def test_steps_are_counted_through_a_change_of_batch_size(numbered: streampack.Cache) -> None:
+    """The review's case (2): 20 steps of 4, then of 8 from step 20 (position 80): steps 27-28 are positions
+    136-152, not 27 * 8 to 29 * 8; a range over both legs takes out each leg's part."""
+    seqs = numbered.sequences(SEQ_LEN)
+    run = Loader(seqs, batch_size=4, seed=2)
+    run.advance(20)
+    wider = Loader(seqs, batch_size=8, seed=2)
+    wider.load_state_dict(run.state_dict(), step=20)
+    wider.advance(5)
+    state = wider.state_dict()
+    again = Loader(seqs, batch_size=8, seed=2, exclude=Exclusions(steps=[(27, 28)]))
+    again.load_state_dict(state, step=25)
+    reference = Loader(seqs, batch_size=8, seed=2)
+    assert _indices(again, 120, 200) == _indices(reference, 120, 136) + _indices(reference, 152, 216)
+    counted = StepCount.of_history(again.history)  # steps 0-19 of 4, 20-24 of 8, from 25 of 8
+    assert Exclusions(steps=[(18, 21)]).ranges(counted) == [(72, 80), (80, 96)]  # each leg's part
+    assert Exclusions(steps=[(18, 21)]).ranges(8) == [(144, 176)]  # at one batch size, as before
+
+
+def test_a_range_wholly_before_where_the_exclusion_takes_effect_is_refused(
+    numbered: streampack.Cache,
+) -> None:
+    """A range the run has passed could never take anything out: refused, naming it, its positions and
+    where the exclusion takes effect; a range partly after it is taken."""
+    seqs = numbered.sequences(SEQ_LEN)
+    run = Loader(seqs, batch_size=4, seed=1)
+    run.advance(10)
+    state = run.state_dict()
+    with pytest.raises(
+        OptionsError, match=r"steps=\[\(3, 5\)\]\) takes out positions 12-24 .*before position 40"
+    ):
+        Loader(seqs, batch_size=4, seed=1, exclude=Exclusions(steps=[(3, 5)])).load_state_dict(state)
+    with pytest.raises(OptionsError, match=r"positions=\[\(0, 40\)\]\) lies wholly before position 40"):
+        Loader(seqs, batch_size=4, seed=1, exclude=Exclusions(positions=[(0, 40)])).load_state_dict(state)
+    partly = Loader(seqs, batch_size=4, seed=1, exclude=Exclusions(steps=[(8, 11)]))
+    partly.load_state_dict(state)
+    assert _indices(partly, 40, 48) == _indices(Loader(seqs, batch_size=4, seed=1), 48, 56)
+    with pytest.raises(OptionsError, match=r"positions=\[\(10, 20\)\]\) lies wholly before position 40"):
+        run.exclude(Exclusions(positions=[(10, 20)]))
+    assert run.exclusions_state() == []  # nothing put in force
+    ahead = Loader(seqs, batch_size=4, seed=1, exclude=Exclusions(steps=[(20, 21)], at=100))
+    with pytest.raises(OptionsError, match="before position 100"):
+        ahead.batches_per_step = 1  # its steps are positions 80-88: the check runs when they are known
+    served = Loader(seqs, batch_size=4, seed=1, exclude=Exclusions(steps=[(5, 6)]))
+    served.advance(2)
+    with pytest.raises(OptionsError, match="set batches_per_step before the first batch"):
+        served.batches_per_step = 2
+    plain = Loader(seqs, batch_size=4, seed=1)
+    assert served.batches_per_step == 1 and _indices(served, 20, 24) == _indices(plain, 28, 32)  # as it was
+
+
+def test_a_state_saved_before_steps_were_counted_through_the_history_resumes_as_it_counted(
+    numbered: streampack.Cache,
+) -> None:
+    """An exclusion recorded with the batch size its steps were counted at (no ``legs``) keeps that
+    meaning: steps of that many positions from position 0."""
+    seqs = numbered.sequences(SEQ_LEN)
+    steps = Exclusions(steps=[(12, 13)])
+    run = Loader(seqs, batch_size=4, seed=1, exclude=steps)
+    run.advance(5)
+    state = run.state_dict()
+    record = state["exclusions"][0]
+    del record["legs"]
+    record["batch_size"] = 2  # steps 12-13 at 2 positions a step: positions 24-28
+    old = Loader(seqs, batch_size=4, seed=1, exclude=steps)
+    old.load_state_dict(state)
+    assert old.exclusions_state()[0]["batch_size"] == 2
+    same = Loader(seqs, batch_size=4, seed=1, exclude=Exclusions(positions=[(24, 28)]))
+    assert _indices(old, 20, 60) == _indices(same, 20, 60)

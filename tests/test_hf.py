@@ -45,7 +45,12 @@ class Recording(streampack.hf.Trainer):
 
 
 def train(
-    seqs: PackedSequences, out: Path, max_steps: int, resume: bool = False, workers: int = 0
+    seqs: PackedSequences,
+    out: Path,
+    max_steps: int,
+    resume: bool = False,
+    workers: int = 0,
+    exclude: streampack.loader.Exclusions | None = None,
 ) -> list[list[int]]:
     from transformers import TrainingArguments
 
@@ -61,7 +66,7 @@ def train(
         logging_strategy="no",
         disable_tqdm=True,
     )
-    loader = streampack.Loader(seqs, batch_size=4, seed=1, output="dict")
+    loader = streampack.Loader(seqs, batch_size=4, seed=1, output="dict", exclude=exclude)
     trainer = Recording(model=tiny_gpt2(), args=args, train_dataset=loader)
     trainer.train(resume_from_checkpoint=resume or None)
     return trainer.seen
@@ -78,6 +83,23 @@ def test_trainer_resumes_at_the_next_batch_with_nothing_replayed(
     # A new process would build all of this anew: a new model, Trainer and Loader at position 0.
     rest = train(seqs, tmp_path / "b", max_steps=6, resume=True, workers=1)
     assert first + rest == uninterrupted
+
+
+def test_trainer_resumed_with_an_exclusion_of_its_steps_skips_those_steps_under_accumulation(
+    seqs: PackedSequences, tmp_path: Path
+) -> None:
+    """Exclusions(steps=...) names the Trainer's steps: with gradient accumulation 2, step 4 of a run
+    resumed at step 3 is the batches of positions 32-40 (4 rows, 2 batches a step), which the model does not
+    see; the step after serves what step 5 did."""
+    uninterrupted = train(seqs, tmp_path / "a", max_steps=6)
+    first = train(seqs, tmp_path / "b", max_steps=3)
+    spike = streampack.loader.Exclusions(steps=[(4, 4)])
+    rest = train(seqs, tmp_path / "b", max_steps=6, resume=True, exclude=spike)
+    assert first == uninterrupted[:6]
+    assert rest[:2] == uninterrupted[6:8] and rest[2:4] == uninterrupted[10:12]
+    assert not {s for batch in uninterrupted[8:10] for s in batch} & {s for batch in rest for s in batch}
+    state = json.loads((tmp_path / "b" / "checkpoint-6" / streampack.hf.LOADER_STATE_NAME).read_text())
+    assert [(e["step"], e["batches_per_step"]) for e in state["history"]] == [(None, 2), (3, 2)]
 
 
 def test_trainer_refuses_a_loader_of_another_shape_and_a_checkpoint_without_a_state(

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import streampack
 from streampack.errors import CacheError, LoaderStateError, OptionsError
 from streampack.loader import STATE_VERSION, Loader, LoaderOptions
+from streampack.loader.history import history_digest
 from streampack.order.mixture import Mixture
 from streampack.order.permutation import Permutation
 from streampack.testing.caches import write_cache, write_random_cache
@@ -352,6 +353,7 @@ def test_state_is_small_versioned_json(cache: streampack.Cache) -> None:
     served(loader, 3)
     state = loader.state_dict()
     history = state.pop("history")
+    assert state.pop("history_digest") == history_digest(history)  # checked at load
     assert state == {
         "format": "streampack.Loader",
         "version": STATE_VERSION,

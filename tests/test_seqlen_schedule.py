@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import streampack
@@ -125,6 +125,7 @@ def test_no_token_of_an_epoch_twice_nor_skipped(
 ) -> None:
     """Ranks x resumes x schedules x lengths: what every rank served, leg after leg, is each unit of the
     epoch's order up to where the run stopped, in that order, each token once."""
+    assume(not overlap or all(leg.get("length", 0) <= UNIT for leg in run))  # joins refuse an overlap
     units = numbered.sequences(UNIT, overlap=overlap)
     state: dict[str, Any] | None = None
     served: list[np.ndarray] = []
@@ -244,6 +245,30 @@ def test_a_resume_at_a_longer_seq_len_joins_the_units_in_their_order(numbered: s
         Loader(numbered.sequences(2 * UNIT), batch_size=4, seed=2, epochs=1, drop_last=False).load_state_dict(
             state
         )
+
+
+def test_a_resume_at_a_longer_seq_len_with_an_overlap_is_refused_naming_the_fixes(
+    numbered: streampack.Cache,
+) -> None:
+    """Joined units with an overlap would train the last input of each unit on the next unit's first token
+    (a row A[:64] + B[:65]): refused, naming what resumes instead; nothing changes."""
+    first = Loader(numbered.sequences(UNIT, overlap=1), batch_size=8, seed=3)
+    run_batches(first, 2)
+    state = first.state_dict()
+    longer = Loader(numbered.sequences(2 * UNIT, overlap=1), batch_size=4, seed=3)
+    with pytest.raises(LoaderStateError) as info:
+        longer.load_state_dict(state)
+    message = str(info.value)
+    assert "joins 2 of them a row" in message and "overlap=1" in message
+    assert "seq_len 64 or a length that divides it" in message and "output='dict'" in message
+    assert longer.position == 0 and longer.width == 2 * UNIT + 1  # unchanged by the refusal
+    shorter = Loader(numbered.sequences(UNIT // 2, overlap=1), batch_size=16, seed=3)
+    shorter.load_state_dict(state)  # a divisor still resumes: each unit's sub-windows keep their own tokens
+    batch = shorter.batch(shorter.position)
+    cores(batch, 1)  # every row continues its own text, overlap included
+    joined = Loader(numbered.sequences(2 * UNIT), batch_size=4, seed=3, output="dict")
+    joined.load_state_dict(Loader(numbered.sequences(UNIT), batch_size=8, seed=3).state_dict())
+    assert (joined.batch(0)["labels"][:, UNIT] == -100).all()  # the fix named: the join is not a target
 
 
 def test_a_mixture_with_a_schedule_serves_each_sources_units_once(tmp_path: Path) -> None:

@@ -126,7 +126,8 @@ def _kind_of(kind: str, path: Path_, key: str) -> type:
     return {"seed": int, "position": int, "batch_size": int, "world_size": int, "epoch": int,
             "samples_in_epoch": int, "block": int, "window": int, "block_size": int, "shuffle": bool,
             "drop_last": bool, "data": dict, "dataset": dict, "order": dict, "sources": dict,
-            "schedule": list, "eras": list, "exclusions": list, "history": list}[key]  # fmt: skip
+            "schedule": list, "eras": list, "exclusions": list, "history": list, "history_digest": str,
+            }[key]  # fmt: skip
 
 
 KINDS = ["shuffled", "blocks", "mixture", "follow", "version 1"]
@@ -178,7 +179,7 @@ def test_a_version_2_state_with_version_1_keys_says_how_version_2_says_it(caches
     assert "which version 2 loader states do not hold: they hold ['format', 'version', 'position'" in message
     assert (
         "this one holds ['format', 'version', 'position', 'order', 'batch_size', 'world_size', 'history', "
-        "'epoch'" in message
+        "'history_digest', 'epoch'" in message
     )
     assert "sample s of epoch e of a dataset of N samples is position e * N + s" in message
 
@@ -273,3 +274,48 @@ def test_hf_refuses_an_edited_checkpoint(caches: tuple[Path, Path], tmp_path: Pa
     trainer = streampack.hf.Trainer(model=tiny_gpt2(), args=args, train_dataset=loader)
     with pytest.raises(LoaderStateError, match="holds 'epoch'"):
         trainer.train(resume_from_checkpoint=str(folder))
+
+
+# --- the history: in order, and as it was saved -------------------------------------------------------------
+
+
+def test_a_history_edited_or_out_of_place_is_refused_naming_the_entry(caches: tuple[Path, Path]) -> None:
+    """The review's edits of a run's history (resumed at step 20 from a data state of step 10, so its audit
+    is not clean): each used to load and audit clean. An entry past the state's position, or before the
+    entry ahead of it, is refused by name; a deletion or a changed step by the history's digest. A state
+    saved before the digest (none) still loads; the audit reads states the same way."""
+    from streampack.loader.audit import audit
+
+    web = streampack.open(caches[0]).sequences(16)
+    run = Loader(web, batch_size=4, seed=3)
+    run.advance(10)
+    older = run.state_dict()
+    resumed = Loader(web, batch_size=4, seed=3)
+    resumed.load_state_dict(older, step=20)
+    resumed.advance(5)
+    state = json.loads(json.dumps(resumed.state_dict()))
+    assert not audit(state, web).clean
+
+    def edited(edit: Callable[[dict], None], *, digest: bool = True) -> dict[str, Any]:
+        wrong = copy.deepcopy(state)
+        edit(wrong)
+        if not digest:
+            wrong.pop("history_digest", None)
+        return wrong
+
+    cases = [
+        (edited(lambda s: s["history"].pop(1)), "does not match its history_digest"),
+        (edited(lambda s: s["history"][1].update(step=10)), "does not match its history_digest"),
+        (edited(lambda s: s["history"][1].update(position=10**6), digest=False), r"history\[1\] begins at "
+         r"position 1,000,000, past the state's own position 60"),
+        (edited(lambda s: s["history"].insert(1, s["history"][1] | {"position": 50}), digest=False),
+         r"history\[2\] begins at position 40, before history\[1\] \(50\)"),
+    ]  # fmt: skip
+    for wrong, message in cases:
+        with pytest.raises(LoaderStateError, match=message):
+            Loader(web, batch_size=4, seed=3).load_state_dict(wrong)
+        with pytest.raises(LoaderStateError, match=message):
+            audit(wrong, web)
+    old = edited(lambda s: None, digest=False)  # as a streampack before the digest saved it
+    Loader(web, batch_size=4, seed=3).load_state_dict(old)
+    assert not audit(old, web).clean

@@ -144,10 +144,8 @@ class Loader(Checkpointed):
         # per process the documents each names, by digest.
         self._exclude_given, self._base = inforce.listed(exclude), self.order
         self._excluded_docs: inforce.Found = {}
-        if self._exclude_given:
-            self._enforce(
-                [inforce.placed(e, e.at or 0, self.options.batch_size) for e in self._exclude_given]
-            )
+        if self._exclude_given:  # their ranges are checked once the run's history is known (a resume)
+            self._enforce([inforce.placed(e, e.at or 0, self._counting()) for e in self._exclude_given])
         self._check_last_batch()
         if self._reach is not None:  # what it knows now, which the view opened above holds
             self._reach.grow(0, self._check_last_batch)

@@ -38,7 +38,7 @@ from streampack.loader import coverage as cov
 from streampack.loader.auditexclusions import excluded_served, in_force, placed
 from streampack.loader.coverage import Finding, Leg
 from streampack.loader.exclusions import Exclusions
-from streampack.loader.history import order_digest
+from streampack.loader.history import leg_steps, order_digest, stride
 from streampack.loader.inforce import listed
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state
 
@@ -182,13 +182,13 @@ def audit(
     given = run_exclusions(data, exclude)
     recorded = in_force(entries, checked.get("exclusions") or [])
     loaders = leg_loaders(entries, data, given, checked.get("exclusions") or [])
-    starts = _steps(entries)
+    starts = leg_steps(entries)  # as Exclusions(steps=...) counts them
     ends = _ends(entries, starts, final, loaders)
     legs = [
         Leg(
             i,
             (int(e["position"]), ends[i]),
-            (starts[i], starts[i] + cov.batches(ends[i] - int(e["position"]), _stride(e))),
+            (starts[i], starts[i] + cov.batches(ends[i] - int(e["position"]), stride(e))),
             int(e["batch_size"]),
             int(e["batches_per_step"]),
             int(e["world_size"]),
@@ -314,19 +314,20 @@ def leg_loaders(
     for i, entry in enumerate(entries):
         loader = _loader(entry, data, placed(forced[i], exclude, i))
         position = int(entry["position"])
-        if loaders:
-            previous = loaders[-1].order.fingerprint()
+        if loaders or position or forced[i]:
+            # Resumed as the run resumed, from the previous leg's order (the first leg: its own), with every
+            # exclusion in force in this leg as the run recorded it: at its position, its steps counted
+            # through the history up to here, as the run counted them.
             state = {
                 "format": LOADER_FORMAT,
                 "version": LOADER_VERSION,
                 "position": position,
-                "order": previous,
+                "order": (loaders[-1] if loaders else loader).order.fingerprint(),
+                "history": [dict(earlier) for earlier in entries[: i + 1]],
             }
-            if forced[i - 1]:
-                state["exclusions"] = [dict(record) for record in forced[i - 1]]
+            if forced[i]:
+                state["exclusions"] = [dict(record) for record in forced[i]]
             loader.load_state_dict(state)
-        elif position:
-            loader.advance(0)
         digest, mine = entry["order"], order_digest(loader.order.fingerprint())
         if digest != mine:
             raise LoaderStateError(
@@ -438,27 +439,6 @@ def _width(entry: Mapping[str, Any], loader: Loader) -> int:
 # --------------------------------------------------------------------------------------- steps, ends
 
 
-def _stride(entry: Mapping[str, Any]) -> int:
-    """Positions one trainer step of the entry's stretch takes."""
-    return int(entry["batch_size"]) * int(entry["batches_per_step"])
-
-
-def _steps(entries: Sequence[Mapping[str, Any]]) -> list[int]:
-    """The trainer's step at each entry: the one recorded, else the one the data implies (the previous
-    step plus the batches from the previous position)."""
-    steps: list[int] = []
-    for i, entry in enumerate(entries):
-        if entry["step"] is not None:
-            steps.append(int(entry["step"]))
-        elif i == 0:
-            steps.append(cov.batches(int(entry["position"]), _stride(entry)))
-        else:
-            previous = entries[i - 1]
-            moved = int(entry["position"]) - int(previous["position"])
-            steps.append(steps[-1] + max(0, cov.batches(moved, _stride(previous))))
-    return steps
-
-
 def _ends(
     entries: Sequence[Mapping[str, Any]], steps: list[int], final: int, loaders: list[Loader]
 ) -> list[int]:
@@ -470,7 +450,7 @@ def _ends(
         if i + 1 == len(entries):
             end = final
         elif entries[i + 1]["step"] is not None:
-            end = start + max(0, steps[i + 1] - steps[i]) * _stride(entry)
+            end = start + max(0, steps[i + 1] - steps[i]) * stride(entry)
         else:
             end = int(entries[i + 1]["position"])
         limit = loaders[i].order.end

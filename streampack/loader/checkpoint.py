@@ -8,10 +8,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from streampack._checks import check_int
+from streampack.errors import OptionsError
 from streampack.loader import inforce
 from streampack.loader.collate import format_for
 from streampack.loader.exclusions import Exclusions, entry_state
-from streampack.loader.history import history_entry
+from streampack.loader.history import StepCount, history_entry
 from streampack.loader.options import check_last_batch
 from streampack.loader.reading import Rows
 from streampack.loader.served import regrained
@@ -37,15 +38,12 @@ class Checkpointed(Steps):
 
     # No exclusions, no history: what a loader unpickled from an earlier version holds.
     _exclude_given: Sequence[Exclusions] = ()
-    _in_force: Sequence[tuple[Exclusions, int, int]] = ()
+    _in_force: Sequence[inforce.Entry] = ()
     _masking: Masking | None = None
     _history: tuple[dict[str, Any], ...] = ()  # a loader 0.1 pickled knows none
     _served: Served | None = None  # no seq_len schedule (streampack.loader.served)
     _own_order = False  # whether the loader made its order from its options
-    batches_per_step: int = 1
-    """Global batches the trainer takes per step (its gradient accumulation), recorded in the history
-    entry of the stretch of the run now being read, so that an audit counts the trainer's steps; the
-    framework adapters set it."""
+    _batches_per_step = 1
 
     dataset: Any
     formatter: Format
@@ -53,6 +51,65 @@ class Checkpointed(Steps):
     _base: Order
     _configured: Order
     _excluded_docs: inforce.Found
+
+    @property
+    def batches_per_step(self) -> int:
+        """Global batches the trainer takes per step (its gradient accumulation; default 1), which the
+        framework adapters set. It is recorded in the history entry of the stretch of the run now being
+        read, so that an audit counts the trainer's steps, and it places the steps of the exclusions put
+        in force in this stretch (``Exclusions(steps=...)``: the trainer's steps).
+
+        Raises:
+            OptionsError: (when set) not an integer >= 1; or batches were served past where an exclusion
+                took effect whose steps it moves (set it before the first batch), or it moves them wholly
+                before that position.
+        """
+        return self._batches_per_step
+
+    @batches_per_step.setter
+    def batches_per_step(self, value: int) -> None:
+        value = check_int("batches_per_step", value, min=1, hint="the trainer's gradient accumulation steps")
+        before = self._batches_per_step
+        self._batches_per_step = value
+        try:
+            self._recount()
+        except BaseException:
+            self._batches_per_step = before
+            raise
+
+    def _counting(self, history: Sequence[Mapping[str, Any]] | None = None) -> StepCount:
+        """Where the trainer's steps are for an exclusion put in force now: through ``history`` (default:
+        the run's), its last entry the current leg, at this loader's ``batch_size * batches_per_step`` (no
+        history yet, a loader being made: from step 0 at position 0)."""
+        *earlier, current = (self._history if history is None else history) or [{"position": 0, "step": None}]
+        leg = {**current, "batch_size": self.options.batch_size, "batches_per_step": self.batches_per_step}
+        return StepCount.of_history([*earlier, leg])
+
+    def _recount(self) -> None:
+        """Count again the steps of the exclusions put in force in the current leg (``batches_per_step``
+        was set), check them, and put them in force so where that moves them."""
+        legs, counting = len(self._history) or 1, self._counting()
+        entries = list(self._in_force)
+        current = [i for i, (e, _, steps) in enumerate(entries) if steps.through == legs and e.step_ranges()]
+        for i in current:
+            entries[i] = (entries[i][0], entries[i][1], counting)
+        moved = [
+            i
+            for i in current
+            if entries[i][0].ranges(counting) != self._in_force[i][0].ranges(self._in_force[i][2])
+        ]
+        for i in moved:
+            entry, at, _ = entries[i]
+            if at < self._position:
+                raise OptionsError(
+                    f"batches_per_step={self.batches_per_step} moves the trainer's steps of exclusion {i} "
+                    f"(steps {entry.step_ranges()}), in force from position {at:,}, and the loader has "
+                    f"served batches up to position {self._position:,} with them where they were: set "
+                    "batches_per_step before the first batch (the framework adapters do)"
+                )
+        inforce.reaching([entries[i] for i in current])
+        if moved:
+            self._enforce(entries)
 
     @property
     def serves_sub_windows(self) -> bool:
@@ -112,18 +169,21 @@ class Checkpointed(Steps):
 
     def exclusions_state(self) -> list[dict[str, Any]]:
         """The exclusions in force, as the state records them: per exclusion its digest, mode, the
-        position it took effect at, the batch size its steps were counted in and how much it names
-        (:func:`~streampack.loader.exclusions.entry_state`); small and JSON-able."""
-        return [entry_state(entry, at, batch) for entry, at, batch in self._in_force]
+        position it took effect at, the history entries its steps were counted through and how much it
+        names (:func:`~streampack.loader.exclusions.entry_state`); small and JSON-able."""
+        return [entry_state(entry, at, steps) for entry, at, steps in self._in_force]
 
     def exclude(self, entry: Exclusions) -> None:
         """Take what ``entry`` names out of the run from its ``at`` (default: the current position) on.
 
         Raises:
             OptionsError: ``at`` is before the current position (batches already served would change),
-                or ``entry`` does not fit the sources or the output (see :class:`Loader`).
+                a range of its steps or positions lies wholly before it, or ``entry`` does not fit the
+                sources or the output (see :class:`Loader`).
         """
-        self._enforce([*self._in_force, inforce.placed(entry, self._position, self.options.batch_size)])
+        added = inforce.placed(entry, self._position, self._counting())
+        inforce.reaching([added])
+        self._enforce([*self._in_force, added])
         self._exclude_given = [*self._exclude_given, entry]
 
     def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
@@ -171,8 +231,10 @@ class Checkpointed(Steps):
         order, kept = inforce.resumed(
             state, position, order, self._configured, datasets, self._exclude_given, self._excluded_docs
         )
-        batch = self.options.batch_size
-        added = [inforce.placed(entry, position, batch) for entry in self._exclude_given[len(kept) :]]
+        earlier = [dict(entry) for entry in read_loader_state(state).get("history", [])]
+        counting = self._counting([*earlier, {"position": position, "step": step}])  # this leg begins here
+        added = [inforce.placed(entry, position, counting) for entry in self._exclude_given[len(kept) :]]
+        inforce.reaching(added)
         filtered, masking = self._checked(order, kept + added)
         check_last_batch(self.options, filtered.end, position)  # before anything changes
         if self.dataset is self._base:  # a dataset that is its own order (a Mixture) follows it
@@ -182,8 +244,7 @@ class Checkpointed(Steps):
         self._base, self._position = order, position
         self.order, self._masking, self._in_force = filtered, masking, kept + added
         self._rows.forget()
-        earlier = read_loader_state(state).get("history", [])
-        self._history = (*(dict(entry) for entry in earlier), self._entry(position, step))
+        self._history = (*earlier, self._entry(position, step))
 
     def _enforce(self, entries: list[inforce.Entry]) -> None:
         """Put ``entries`` in force over the base order (see :meth:`_checked`)."""

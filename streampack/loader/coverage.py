@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from streampack.errors import LoaderStateError
 from streampack.loader import Loader
-from streampack.loader.excluding import Skipping
+from streampack.loader.excluding import Skipping, reached
 
 __all__ = [
     "CHUNK",
@@ -124,20 +123,13 @@ def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> tuple[di
     return counts, taken
 
 
-def _root(order: Any, position: int) -> int:
-    """The position of the order under every skip exclusion that ``position`` of ``order`` stands at."""
-    while isinstance(order, Skipping):
-        position, order = order._cursor(position), order.base
-    return position
-
-
 def excluded(loader: Loader, start: int, stop: int, served: np.ndarray) -> np.ndarray:
     """Per source id, the samples the skip exclusions of ``loader`` took out between its positions ``start``
     and ``stop``: those its order under none of them picks there, less those ``served``."""
     if not isinstance(loader.order, Skipping):
         return np.zeros(len(served), dtype=np.int64)
     base = loader._base
-    lo, hi = _root(loader.order, start), _root(loader.order, stop)
+    lo, hi = reached(loader.order, start), reached(loader.order, stop)
     counts = np.zeros(len(served), dtype=np.int64)
     for first in range(lo, hi, CHUNK):
         sources, _ = base(np.arange(first, min(hi, first + CHUNK), dtype=np.int64))

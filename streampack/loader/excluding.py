@@ -33,7 +33,7 @@ from streampack.order import Order
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["Masking", "Skipping", "excluded_documents", "excluded_samples", "unfiltered"]
+__all__ = ["Masking", "Skipping", "excluded_documents", "excluded_samples", "reached", "unfiltered"]
 
 _SOURCE_SHIFT = 40  # key of a sample: source << 40 | sample
 _CHUNK = 1 << 16  # positions counted at once
@@ -331,6 +331,14 @@ class Skipping:
     def resumed(self, saved: Mapping[str, Any], position: int) -> Order:
         """Not asked: a loader resumes its base order and filters it again."""
         raise NotImplementedError("a loader resumes the order under its exclusions, then excludes again")
+
+
+def reached(order: Order, position: int) -> int:
+    """The position of the order under every skip exclusion of ``order`` that ``position`` of ``order``
+    stands at: where that order is once ``position`` samples are served, those taken out included."""
+    while isinstance(order, Skipping):
+        position, order = order._cursor(position), order.base
+    return position
 
 
 def unfiltered(order: Order, position: int) -> int:

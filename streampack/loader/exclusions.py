@@ -14,11 +14,26 @@ their tokens) and global steps or position ranges, and says what happens to them
 
 An exclusion takes effect at a position: its ``at``, or, left ``None``, where the loader is when it is
 given (position 0 for a new run, the checkpoint's position at :meth:`Loader.load_state_dict
-<streampack.loader.Loader.load_state_dict>`). A loader's state records, per exclusion in force, a digest of
-what it names, the position it took effect at, its mode and the batch size its steps were counted in
-(:func:`entry_state`): a run resumed with the same list is exact, one resumed with a longer list keeps
-every batch before the new entries took effect, and one whose list lacks an entry of the checkpoint is
-refused (:func:`check_prefix`).
+<streampack.loader.Loader.load_state_dict>`). A range of steps or positions that lies wholly before that
+position could never take anything out, so it is refused when the exclusion is put in force (by
+:meth:`~streampack.loader.Loader.exclude`, at a resume, or when ``batches_per_step`` is set).
+
+Steps are the *trainer's* steps, as its logs number them, mapped to positions through the run's history
+(:class:`~streampack.loader.history.StepCount`): each leg of the run (its start, and each resume) begins
+at the trainer's step recorded there (the model checkpoint's, which the framework adapters pass as
+``load_state_dict(step=...)``), else at the step counted from the previous leg, and takes ``batch_size *
+batches_per_step`` positions a step (``batches_per_step``: the trainer's gradient accumulation, which
+:mod:`streampack.hf` and :mod:`streampack.lightning` set). Steps past the current leg are counted at the
+loader's own ``batch_size * batches_per_step`` when the exclusion is put in force, and stay where that puts
+them: a later change of batch size or accumulation does not move them (name steps beyond such a change
+after it, or by positions). ``streampack audit`` counts steps the same way
+(:func:`~streampack.loader.history.leg_steps`).
+
+A loader's state records, per exclusion in force, a digest of what it names, the position it took effect
+at, its mode and the legs its steps were counted through (:func:`entry_state`; a state saved before that
+records the batch size they were counted at, from position 0, and resumes so): a run resumed with the
+same list is exact, one resumed with a longer list keeps every batch before the new entries took effect,
+and one whose list lacks an entry of the checkpoint is refused (:func:`check_prefix`).
 
 Trade-off of :func:`token_hash`: a hash of the tokens is computed from the cache alone (nothing is read
 from the inputs), but finding the documents of a list of hashes hashes every document of the cache once
@@ -40,9 +55,18 @@ import numpy as np
 
 from streampack._checks import is_int
 from streampack.errors import LoaderStateError, OptionsError
+from streampack.loader.history import StepCount
 from streampack.order import MAX_POSITION
 
-__all__ = ["ExclusionMode", "Exclusions", "check_prefix", "entry_state", "parse_record", "token_hash"]
+__all__ = [
+    "ExclusionMode",
+    "Exclusions",
+    "check_prefix",
+    "counted",
+    "entry_state",
+    "parse_record",
+    "token_hash",
+]
 
 ExclusionMode = Literal["skip", "mask"]
 _MODES = ("skip", "mask")
@@ -148,14 +172,18 @@ class Exclusions:
             ``"path[row]"`` (a Parquet row, or a document of another format's file; rows from 0), given
             like ``documents``.
         hashes: :func:`token_hash` of documents' tokens, given like ``documents``.
-        steps: global steps ``(first, last)``, both included, counted at the loader's batch size when the
-            exclusion is given (positions ``[first * B, (last + 1) * B)`` of the run as it was served).
+        steps: the trainer's steps ``(first, last)``, both included, as its logs number them: the
+            positions they took in the run as it was served, through the run's history (each leg's
+            ``batch_size * batches_per_step`` positions a step, from the step recorded at its resume; see
+            the module docstring). Steps past the current leg are counted at the loader's
+            ``batch_size * batches_per_step``.
         positions: global position ranges ``(start, stop)``, ``stop`` excluded, of the run as it was served.
         mode: ``"skip"`` (not served) or ``"mask"`` (served, with no loss; dict outputs only).
         at: the global position it takes effect at; ``None``: where the loader is when it is given.
 
     Raises:
-        OptionsError: a value not of the form above (the message names it and what is allowed).
+        OptionsError: a value not of the form above (the message names it and what is allowed); when
+            put in force, a range of steps or positions wholly before the position it takes effect at.
     """
 
     documents: Sequence[int] | Mapping[str, Sequence[int]] = ()
@@ -220,10 +248,21 @@ class Exclusions:
         """The documents named by :func:`token_hash`, by source name (``""``: the only source)."""
         return self._hashes
 
-    def ranges(self, batch_size: int) -> list[tuple[int, int]]:
-        """The position ranges ``[start, stop)`` it takes out, its steps counted at ``batch_size``."""
-        steps = [(first * batch_size, min(stop * batch_size, MAX_POSITION)) for first, stop in self._steps]
-        return sorted(steps + list(self._positions))
+    def ranges(self, steps: StepCount | int) -> list[tuple[int, int]]:
+        """The position ranges ``[start, stop)`` it takes out: its positions, and its steps where ``steps``
+        puts them (an ``int``: steps of that many positions from position 0)."""
+        count = StepCount.at_batch_size(steps) if isinstance(steps, int) else steps
+        return sorted(
+            [r for first, stop in self._steps for r in count.positions(first, stop)] + list(self._positions)
+        )
+
+    def step_ranges(self) -> list[tuple[int, int]]:
+        """Its steps, as ``(first, last)`` pairs, both included."""
+        return [(first, stop - 1) for first, stop in self._steps]
+
+    def position_ranges(self) -> list[tuple[int, int]]:
+        """Its positions, as ``(start, stop)`` pairs, ``stop`` excluded."""
+        return list(self._positions)
 
     @property
     def digest(self) -> str:
@@ -251,21 +290,50 @@ class Exclusions:
         }
 
 
-def entry_state(entry: Exclusions, at: int, batch_size: int) -> dict[str, Any]:
-    """What a loader state records of an exclusion in force: small, whatever the list's length."""
-    return {"digest": entry.digest, "mode": entry.mode, "at": at, "batch_size": batch_size, **entry.counts()}
+def entry_state(entry: Exclusions, at: int, steps: StepCount) -> dict[str, Any]:
+    """What a loader state records of an exclusion in force: small, whatever the list's length. Its steps
+    are recorded as the number of history entries they were counted through (``legs``), or, counted the
+    way of a state saved before that, the batch size (``batch_size``)."""
+    counting = {"batch_size": steps.legs[0][2]} if steps.through is None else {"legs": steps.through}
+    return {"digest": entry.digest, "mode": entry.mode, "at": at, **counting, **entry.counts()}
+
+
+def counted(record: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> StepCount:
+    """How the steps of an exclusion a state records were counted: through its first ``legs`` history
+    entries, or at its ``batch_size`` from position 0 (a state saved before steps were counted so).
+
+    Raises:
+        LoaderStateError: the state's history has fewer entries than the record counts through.
+    """
+    if "legs" not in record:
+        return StepCount.at_batch_size(int(record["batch_size"]))
+    legs = int(record["legs"])
+    if legs > len(history):
+        raise LoaderStateError(
+            f"the loader state's exclusion in force from position {record['at']} counts its steps through "
+            f"{legs} history entries, and the state's history has {len(history)}: the state is damaged; "
+            "load one as state_dict() returned it"
+        )
+    return StepCount.of_history(history[:legs])
+
+
+_ENTRY_KEYS = {"digest", "mode", "at", "documents", "hashes", "steps", "positions"}
+_COUNTINGS = ({"legs"}, {"batch_size"})
 
 
 def _is_entry(value: Any) -> bool:
-    keys = {"digest", "mode", "at", "batch_size", "documents", "hashes", "steps", "positions"}
+    if not isinstance(value, Mapping):
+        return False
+    counting = set(value) - _ENTRY_KEYS - {"records"}
+    numbers = (_ENTRY_KEYS | counting) - {"digest", "mode"}
     return (
-        isinstance(value, Mapping)
-        and set(value) - {"records"} == keys
+        set(value) >= _ENTRY_KEYS
+        and counting in _COUNTINGS
         and is_int(value.get("records", 0))
         and isinstance(value["digest"], str)
         and value["mode"] in _MODES
-        and all(is_int(value[k]) and value[k] >= 0 for k in keys - {"digest", "mode"})
-        and value["batch_size"] >= 1
+        and all(is_int(value[k]) and value[k] >= 0 for k in numbers)
+        and all(value[k] >= 1 for k in counting)
     )
 
 

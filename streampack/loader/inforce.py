@@ -2,8 +2,10 @@
 and carried through a resume. What the samples, orders and masks are is :mod:`streampack.loader.excluding`'s;
 the :class:`~streampack.loader.Loader` holds the entries and asks here.
 
-An entry in force is ``(exclusions, at, batch_size)``: the exclusions, the position they take effect at, and
-the batch size their steps are counted in.
+An entry in force is ``(exclusions, at, steps)``: the exclusions, the position they take effect at, and
+where the trainer's steps are (:class:`~streampack.loader.history.StepCount`, counted through the run's
+history when the entry was put in force, the current leg at the loader's ``batch_size *
+batches_per_step``).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from streampack.errors import OptionsError
 from streampack.loader.collate import CausalLMDict, Format
-from streampack.loader.exclusions import Exclusions, check_prefix
-from streampack.loader.state import resume
+from streampack.loader.exclusions import Exclusions, check_prefix, counted
+from streampack.loader.history import StepCount
+from streampack.loader.state import read_loader_state, resume
 from streampack.order import MAX_POSITION, Order
 
 if TYPE_CHECKING:
@@ -22,9 +25,9 @@ if TYPE_CHECKING:
 
     from streampack.loader.excluding import Masking
 
-__all__ = ["Entry", "checked", "layered", "listed", "placed", "resumed"]
+__all__ = ["Entry", "checked", "layered", "listed", "placed", "reaching", "resumed"]
 
-Entry = tuple[Exclusions, int, int]
+Entry = tuple[Exclusions, int, StepCount]
 #: Per process, the documents each exclusion names (by its digest), by source: found once.
 Found = dict[str, dict[int, "np.ndarray"]]
 
@@ -42,8 +45,8 @@ def listed(exclude: Exclusions | Sequence[Exclusions] | None) -> list[Exclusions
     return entries
 
 
-def placed(entry: Exclusions, position: int, batch_size: int) -> Entry:
-    """``entry`` in force from its ``at``, else ``position``, with its steps at ``batch_size``.
+def placed(entry: Exclusions, position: int, steps: StepCount) -> Entry:
+    """``entry`` in force from its ``at``, else ``position``, with its steps where ``steps`` puts them.
 
     Raises:
         OptionsError: ``at`` is before ``position`` (batches already served would change).
@@ -54,7 +57,35 @@ def placed(entry: Exclusions, position: int, batch_size: int) -> Entry:
             f"Exclusions(at={at}) is before the loader's position {position}: batches already served "
             "would change; leave at=None (from here on) or give a position >= the current one"
         )
-    return entry, at, batch_size
+    return entry, at, steps
+
+
+def reaching(entries: Sequence[Entry]) -> None:
+    """Refuse an entry with a range of steps or positions that lies wholly before the position it takes
+    effect at: it could never take anything out.
+
+    Raises:
+        OptionsError: such a range; the message names it, the positions it is and where the entry takes
+            effect.
+    """
+    for entry, at, steps in entries:
+        for first, last in entry.step_ranges():
+            ranges = steps.positions(first, last + 1)
+            if all(stop <= at for _, stop in ranges):
+                where = ", ".join(f"{a:,}-{b:,}" for a, b in ranges) or "none"
+                raise OptionsError(
+                    f"Exclusions(steps=[({first}, {last})]) takes out positions {where} (the trainer's steps "
+                    f"counted through the run's history: {steps.describe()}), all before position {at:,}, "
+                    "where the exclusion takes effect: it would take out nothing. Name steps the run reaches "
+                    f"from position {at:,} on (with the trainer's gradient accumulation set as "
+                    "loader.batches_per_step, as streampack.hf and streampack.lightning do), or positions"
+                )
+        for start, stop in entry.position_ranges():
+            if stop <= at:
+                raise OptionsError(
+                    f"Exclusions(positions=[({start}, {stop})]) lies wholly before position {at:,}, where "
+                    f"the exclusion takes effect: it would take out nothing. Name positions from {at:,} on"
+                )
 
 
 def layered(
@@ -72,11 +103,11 @@ def layered(
 
     order, masks = base, []
     names = list(base.names)
-    for entry, at, batch in entries:
+    for entry, at, steps in entries:
         docs = found.get(entry.digest)
         if docs is None:
             docs = found[entry.digest] = excluded_documents(entry, names, datasets)
-        ranges = merged(entry.ranges(batch))
+        ranges = merged(entry.ranges(steps))
         if entry.mode == "mask":
             masks.append((at, docs, ranges))
             continue
@@ -127,19 +158,24 @@ def resumed(
     given: Sequence[Exclusions],
     found: Found,
 ) -> tuple[Order, list[Entry]]:
-    """The base order a resume continues, and the entries the state had in force (a prefix of ``given``).
+    """The base order a resume continues, and the entries the state had in force (a prefix of ``given``),
+    their steps counted as the state records (through its history).
 
     A skip entry in force before ``position`` skipped positions of the saved run's order: the base order
     resumes where that run's stood.
 
     Raises:
-        LoaderStateError: the state's exclusions are not a prefix of ``given``.
+        LoaderStateError: the state's exclusions are not a prefix of ``given``, or one counts its steps
+            through more history than the state has.
     """
     recorded: list[Mapping[str, Any]] = list(state.get("exclusions", ()))
     check_prefix(recorded, given)
-    kept = [(given[i], int(e["at"]), int(e["batch_size"])) for i, e in enumerate(recorded)]
+    history = read_loader_state(state).get("history", [])
+    kept = [(given[i], int(e["at"]), counted(e, history)) for i, e in enumerate(recorded)]
     if any(entry.mode == "skip" and at < position for entry, at, _ in kept):
         whole = resume({**state, "position": MAX_POSITION}, configured, datasets)[1]
-        cursor = layered(whole, kept, datasets, found)[0]._cursor(position)  # type: ignore[attr-defined]
+        from streampack.loader.excluding import reached
+
+        cursor = reached(layered(whole, kept, datasets, found)[0], position)  # under every skip layer
         order = resume({**state, "position": cursor}, configured, datasets)[1]
     return order, kept

@@ -141,15 +141,12 @@ class Served:
         masking: Masked | None,
         m: int,
     ) -> Any:
-        """Rows of ``m`` consecutive units: their input tokens end to end, then the last one's overlap.
-        Each unit's start stays a segment start (``position_ids`` 0, label -100): it is not the previous
-        unit's continuation."""
-        count, unit = len(units) // m, self.unit
-        tokens = units[:, :unit].reshape(count, m * unit)
-        if self.overlap:
-            tokens = np.concatenate([tokens, units[m - 1 :: m, unit:]], axis=1)
-        tokens = _into(tokens, out)
-        result = formatted(self._formatter(unit), units, picks, span, masking)
+        """Rows of ``m`` consecutive units (without overlap: :func:`regrained` refuses joins of others),
+        end to end. Each unit's start stays a segment start (``position_ids`` 0, label -100): it is not the
+        previous unit's continuation."""
+        count = len(units) // m
+        tokens = _into(units.reshape(count, m * self.unit), out)
+        result = formatted(self._formatter(self.unit), units, picks, span, masking)
         if not isinstance(result, dict):
             return tokens
         shaped = {key: v.reshape(count, -1) if np.ndim(v) == 2 else v for key, v in result.items()}
@@ -273,7 +270,8 @@ def regrained(
 
     Raises:
         LoaderStateError: the lengths do not divide the saved one, or a batch is not whole units; the
-            message names both lengths.
+            message names both lengths. Also a length that joins units with an overlap: the last input of
+            each unit but the row's last would be trained on the next unit's first token.
     """
     saved = read_loader_state(state).get("order")
     if len(sources) != 1 or not own or not isinstance(saved, Mapping) or saved.get("kind") not in _ONE_SOURCE:
@@ -296,6 +294,15 @@ def regrained(
             f"{', '.join(map(str, dict.fromkeys(lengths)))}: a run changes its length at a resume exactly "
             f"only to a length that divides the checkpoint's ({unit}) or is a multiple of it; resume with "
             f"cache.sequences({unit}) and a seq_len_schedule, or with such a seq_len"
+        )
+    if max(lengths) > unit and part.overlap:
+        longest = max(lengths)
+        raise LoaderStateError(
+            f"resuming windows of {unit} tokens at seq_len {longest} joins {longest // unit} of them a row, "
+            f"and with overlap={part.overlap} the last input token of each joined window would get the next "
+            "window's first token as its target (text from elsewhere in the corpus), not its own next token. "
+            f"Resume at seq_len {unit} or a length that divides it, or read cache.sequences({longest}, "
+            "overlap=0) with output='dict', whose labels mask each join"
         )
     if max(lengths) > unit and not options.drop_last:
         raise LoaderStateError(

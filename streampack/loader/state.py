@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from streampack._checks import bounds, is_int
 from streampack.errors import LoaderStateError
 from streampack.loader.exclusions import is_entries
+from streampack.loader.history import check_history, history_digest
 from streampack.order import MAX_POSITION, Order
 
 if TYPE_CHECKING:
@@ -162,8 +163,8 @@ def _is_step(value: Any) -> bool:
     return value is None or (is_int(value) and 0 <= value <= MAX_POSITION)
 
 
-def _is_digest(value: Any) -> bool:
-    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
+def _is_digest(value: Any, length: int = 16) -> bool:
+    return isinstance(value, str) and len(value) == length and all(c in "0123456789abcdef" for c in value)
 
 
 def _is_data(value: Any) -> bool:
@@ -256,6 +257,11 @@ LOADER_VERSIONS: dict[int, Schema] = {
             # The exclusions in force (streampack.loader.exclusions.entry_state), in the order given.
             "exclusions": Field("a list of exclusion entries as Loader.state_dict() writes them", is_entries),
             "history": Field("a list of history entries", _is_list, items=HISTORY_ENTRY),
+            # The history's digest (streampack.loader.history.history_digest); a state saved before it
+            # has none, and its history is checked for order alone.
+            "history_digest": Field(
+                "32 hexadecimal digits (the history's digest)", lambda value: _is_digest(value, 32)
+            ),
         },
         hints={"epoch": _POSITION_HINT, "samples_in_epoch": _POSITION_HINT},
     ),
@@ -381,7 +387,10 @@ def read_loader_state(state: object) -> dict[str, Any]:
             f"loader state version {version!r} is not supported by this streampack (it reads versions "
             f"{readable}); resume with the streampack version that saved it"
         )
-    return read(state, schema, f"version {version} loader state", others=list(LOADER_VERSIONS.values()))
+    checked = read(state, schema, f"version {version} loader state", others=list(LOADER_VERSIONS.values()))
+    if "history" in checked:
+        check_history(checked["history"], checked["position"], checked.get("history_digest"))
+    return checked
 
 
 def read_order(order: Mapping[str, Any], version: int) -> dict[str, Any]:
@@ -427,8 +436,9 @@ def saved(
     sources, weights and the schedule so far). The batch size and world size are recorded for
     information only: a state may be loaded with others. ``history`` (one entry per start or resume,
     :func:`~streampack.loader.history.history_entry`) is what :mod:`streampack.loader.audit` recomputes
-    the run from.
+    the run from, and ``history_digest`` its digest, checked at load.
     """
+    entries = [dict(entry) for entry in history]
     return {
         "format": LOADER_FORMAT,
         "version": LOADER_VERSION,
@@ -436,7 +446,8 @@ def saved(
         "order": order.fingerprint(),
         "batch_size": options.batch_size,
         "world_size": options.world_size,
-        "history": [dict(entry) for entry in history],
+        "history": entries,
+        "history_digest": history_digest(entries),
     }
 
 
