@@ -68,8 +68,9 @@ def check_step(
         if state is not None:
             ranked.load_state_dict(state)
         batches.append(ranked.batch(position))
-    seq_len = loader.width - getattr(loader.sources[0].data, "overlap", 0)
-    assert sum(doc.tokens for doc in found) == sum(len(b) for b in batches) * seq_len  # every column once
+    overlap = getattr(loader.sources[0].data, "overlap", 0)
+    inputs = sum(len(b) * (b.shape[1] - overlap) for b in batches)  # rows as served: of seq_len + overlap
+    assert sum(doc.tokens for doc in found) == inputs  # every input column once
     tokenizers: dict[str, Any] = {}
     for doc in found:
         cache = streampack.open(doc.cache)
@@ -230,6 +231,41 @@ def test_a_step_of_a_resumed_state(tmp_path: Path, bpe_tokenizer: Path) -> None:
     resumed.load_state_dict(state)
     assert streampack.which(resumed) == streampack.which(resumed, 5) == check_step(make, 5, world_size=1)
     assert resumed.position == 20  # which() left it as it was
+
+
+def test_placements_under_a_seq_len_schedule_are_in_the_rows_served(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    """Units of 64 served as sub-windows of 16, then of 32, then whole: each placement is the row and
+    columns of the batch served (check_step), a document across sub-windows in a run for each."""
+    cache = build(write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(150)), tmp_path / "c", bpe_tokenizer)
+    seqs = streampack.open(cache).sequences(64, overlap=1)
+    schedule = [(0, 16), (64 * 8 * 2, 32), (64 * 8 * 4, 64)]
+    options = {"batch_size": 8, "seed": 1, "seq_len_schedule": schedule}
+    make: MakeLoader = lambda **more: Loader(seqs, **options, **more)  # noqa: E731
+    for step, rows in ((0, 16), (1, 16), (2, 8), (4, 4)):
+        found = check_step(make, step)
+        assert make(rank=1, world_size=2).batch_shape(step * 8) == (rows, 64 // (rows // 4) + 1)
+        assert max(p.row for doc in found for p in doc.placements) == rows - 1
+        # a document's run through a unit is cut into one run per sub-window it reaches
+        split = [doc for doc in found if len({(p.rank, p.row // (rows // 4)) for p in doc.placements}) == 1]
+        assert rows == 4 or any(len(doc.placements) > 1 for doc in split)
+
+
+def test_placements_of_a_resume_at_a_longer_seq_len_are_in_the_joined_rows(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    """A checkpoint of windows of 16 resumed at 64: four of its units a row, each placement in them."""
+    cache = build(write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(150)), tmp_path / "c", bpe_tokenizer)
+    run = loader_of(cache, 16, 16, seed=4)(rank=0, world_size=2)
+    for _ in zip(range(3), run):
+        pass
+    state = run.state_dict()
+    longer = loader_of(cache, 64, 4, seed=4)
+    for step in range(3):
+        found = check_step(longer, step, state=state)
+        assert {p.row for doc in found for p in doc.placements} == {0, 1}  # 8 units a rank, 2 rows of 64
+        assert max(p.columns[1] for doc in found for p in doc.placements) == 64
 
 
 def test_inputs_moved_or_changed_are_refused(tmp_path: Path, bpe_tokenizer: Path) -> None:
