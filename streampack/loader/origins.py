@@ -18,6 +18,7 @@ imported here: both import this module (the Loader is not needed to find a recor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 from collections.abc import Generator, Sequence
@@ -39,7 +40,7 @@ from streampack.reader import Cache
 from streampack.store.files import read_entry
 from streampack.tokenizer import load_tokenizer
 
-__all__ = ["Origin", "documents_named", "locate"]
+__all__ = ["Origin", "documents_named", "locate", "read_options"]
 
 
 @dataclass(frozen=True)
@@ -123,11 +124,15 @@ class _Inputs:
     def __init__(self, cache: Cache, documents: Any) -> None:
         self.cache = cache
         manifest = cache.manifest
-        self.read = read_options(cache)
         self.python = any(i.python for i in manifest.inputs)
         self.documents = documents
         self._units: list[WorkUnit] | None = None
         self._now: dict[str, InputFile] = {}
+
+    @functools.cached_property
+    def read(self) -> ReadOptions:
+        """How the build read the records: asked only when they are read (a chat's template is loaded)."""
+        return read_options(self.cache)
 
     def records(self, unit: int, wanted: list[int]) -> dict[int, _Where]:
         """``(path, line, row)`` of the records that made the documents ``wanted`` of ``unit``."""
