@@ -6,8 +6,10 @@ import functools
 import http.server
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,6 +32,53 @@ TRAINING_TEXT = [
     "Ünïcödé text, emoji 🙂 and CJK 漢字 must survive the round trip.",
     "def main():\n    return 42\n",
 ] * 50
+
+
+# ----------------------------------------------------------------------------- the libraries' caches
+
+#: Where the libraries the tests import keep what they cache, by environment variable: the Hugging Face
+#: libraries (``datasets.load_dataset`` its Arrow files, the hub its downloads) and matplotlib (its font
+#: list: transformers and Lightning import it). Each is a folder of the session's own (None: unset, so that
+#: it follows HF_HOME), so that a test run writes nothing into the user's caches. The libraries read these
+#: when imported, so the session sets them before collection (:func:`pytest_configure`), not in a
+#: fixture, which runs after the test modules have imported them.
+CACHES: dict[str, str | None] = {
+    "HF_HOME": "huggingface",
+    "HF_DATASETS_CACHE": "huggingface/datasets",
+    "HF_HUB_CACHE": "huggingface/hub",
+    "HUGGINGFACE_HUB_CACHE": "huggingface/hub",
+    "HF_MODULES_CACHE": "huggingface/modules",
+    "HF_ASSETS_CACHE": "huggingface/assets",
+    "HF_XET_CACHE": "huggingface/xet",
+    "TRANSFORMERS_CACHE": None,  # older transformers' own (deprecated: setting it warns)
+    "PYTORCH_TRANSFORMERS_CACHE": None,
+    "MPLCONFIGDIR": "matplotlib",
+}
+_user_environment: dict[str, str | None] = {}
+_session_caches: list[Path] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point the libraries' caches at a new folder of this session (removed when it ends)."""
+    folder = Path(tempfile.mkdtemp(prefix="streampack-tests-caches-")).resolve()
+    _session_caches.append(folder)
+    for name, under in CACHES.items():
+        _user_environment.setdefault(name, os.environ.get(name))
+        if under is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(folder / under)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Give the environment back as it was, and remove the session's caches."""
+    for name, value in _user_environment.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    for folder in _session_caches:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

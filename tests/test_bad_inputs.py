@@ -75,6 +75,13 @@ CASES = [
         skip_docs=2000,
     ),
     Case(
+        "JSON nested too deeply",
+        "a.jsonl",
+        GOOD + b'{"meta": ' + b"[" * 1100 + b"]" * 1100 + b', "text": "deep"}\n' + b'{"text": "last"}\n',
+        r"a\.jsonl:2001: malformed JSON \(nested too deeply\)\. Fix the record",
+        skip_docs=2001,
+    ),
+    Case(
         "JSON value not an object",
         "a.jsonl",
         b'"just a string"\n' + GOOD,

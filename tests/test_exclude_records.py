@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -18,7 +19,7 @@ from streampack.errors import OptionsError
 from streampack.loader import Exclusions
 from streampack.loader.origins import documents_named
 from tests.conftest import run_cli, write_bytes
-from tests.test_provenance import doc_text, jsonl_with_gaps
+from tests.test_provenance import chat_lines, doc_text, jsonl_with_gaps, sft_lines
 
 
 def _build(inputs: object, out: Path, **options: object) -> streampack.Cache:
@@ -119,3 +120,38 @@ def test_cli_which_marks_excluded_documents_and_steps(tmp_path: Path) -> None:
     table = run_cli("which", *settings, "--step", "8").stdout
     assert "excluded: positions 64-72 are excluded (skip) by exclusion 2 from position 0" in table
     assert "excluded (" not in run_cli("which", *settings[:7], "--step", "5").stdout
+
+
+@pytest.mark.parametrize("kind", ["fields", "chat"])
+def test_records_of_an_sft_cache_name_the_documents_they_made(
+    tmp_path: Path, gpt2_tokenizer: Path, kind: str
+) -> None:
+    """An SFT build reads fields or a chat, not ``text``: the ``k``-th record that made a document is
+    document ``k``, though records before it left out by the build (bad, empty, blank) hold a ``text``."""
+    if kind == "fields":
+        lines, kept = sft_lines(80)
+        options: dict[str, Any] = {"tokenizer": "bytes", "fields": ["prompt", "response"]}
+    else:
+        from tests.test_sft import CHATML, CHATML_TOKENS, chat_tokenizer
+
+        lines, kept = chat_lines(60)
+        tokenizer = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", CHATML, CHATML_TOKENS)
+        options = {"tokenizer": str(tokenizer.parent), "chat": "messages"}
+    src = write_bytes(tmp_path / "sft.jsonl", b"\n".join(lines) + b"\n")
+    streampack.build(src, tmp_path / "c", progress=False, on_bad_record="skip", **options)
+    cache = streampack.open(tmp_path / "c")
+    made = {f"{src}:{line}": k for k, line in enumerate(sorted(kept))}
+    assert documents_named(cache, list(made)) == made
+    left_out = [line for line in range(1, len(lines) + 1) if line not in kept]
+    for line in left_out[:8]:  # blank lines, bad records (most with a text), empty fields
+        with pytest.raises(OptionsError, match="a record that made no document"):
+            documents_named(cache, [f"{src}:{line}"])
+
+    chosen = list(made)[4:12]
+    seqs = cache.sequences(16)
+    by_record = Loader(seqs, batch_size=4, seed=3, epochs=1, exclude=Exclusions(records=chosen))
+    by_index = Loader(
+        seqs, batch_size=4, seed=3, epochs=1, exclude=Exclusions(documents=[made[n] for n in chosen])
+    )
+    assert len(by_record) == len(by_index) < len(Loader(seqs, batch_size=4, seed=3, epochs=1))
+    assert all(np.array_equal(a, b) for a, b in zip(by_record, by_index, strict=True))

@@ -272,6 +272,31 @@ def test_hf_documents_in_arrow_and_parquet(natural: streampack.Cache, tmp_path: 
     assert len(list((tmp_path / "hf").glob("data-*-of-*.arrow"))) > 1
 
 
+def test_the_hf_tests_write_nothing_into_the_users_hugging_face_cache(tmp_path: Path) -> None:
+    """``load_dataset("parquet", ...)`` caches its Arrow files under ``HF_HOME``: the suite points every
+    Hugging Face cache at a folder of its own (tests/conftest.py), so a run leaves the user's alone. Run in
+    a session of its own whose user's cache is an empty folder, the test that calls it leaves it empty."""
+    pytest.importorskip("datasets")
+    home = tmp_path / "users-cache"
+    home.mkdir()
+    users = {
+        "HF_HOME": str(home),
+        "HF_DATASETS_CACHE": str(home / "datasets"),
+        "HF_HUB_CACHE": str(home / "hub"),
+    }
+    test = f"{Path(__file__)}::test_hf_sft_documents_carry_labels"
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        env=os.environ | users,
+        cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+    assert sorted(home.rglob("*")) == []
+
+
 def test_hf_packed_samples_equal_the_loaders_dicts(natural: streampack.Cache, tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     natural.export("hf", tmp_path / "packed", seq_len=512, packed=True, files="arrow")

@@ -26,7 +26,7 @@ from streampack.tokenizer.pieces import (
     hf_cut_safety,
     piece_rule,
 )
-from tests.conftest import TIKTOKEN_GPT2, TRAINING_TEXT
+from tests.conftest import TIKTOKEN_GPT2, TRAINING_TEXT, run_cli
 
 words = st.text(st.characters(exclude_categories=["Cs", "Zs", "Cc"]), min_size=1, max_size=12)
 separators = st.sampled_from([" ", "  ", "\n", " \n ", "\t", ". ", "\n\n"])
@@ -265,10 +265,30 @@ def test_a_tokenizer_with_pieces_across_spaces_gets_no_speed_cuts_and_its_long_d
     assert cache.manifest.tokenizer.cuts is not None and cache.manifest.tokenizer.cuts.exact is False
 
 
-def test_memory_cuts_are_counted_in_the_manifest(tmp_path: Path) -> None:
-    texts = ["word  \n\n" * 3_000, "x" * 12_000, "fine text " * 100]
-    summary = streampack.build(streampack.Documents(texts), tmp_path / "c", max_piece_chars=1_000)
+MEMORY_CUT_TEXTS = ["word  \n\n" * 3_000, "x" * 12_000, "fine text " * 100]
+
+
+def test_memory_cuts_are_counted_in_the_manifest(tmp_path: Path, gpt2_tokenizer: Path) -> None:
+    summary = streampack.build(
+        streampack.Documents(MEMORY_CUT_TEXTS),
+        tmp_path / "c",
+        tokenizer=str(gpt2_tokenizer),
+        max_piece_chars=1_000,
+    )
     assert summary.inexact_cuts == streampack.open(tmp_path / "c").manifest.inexact_cuts == 23 + 11
+
+
+def test_the_bytes_tokenizer_counts_no_cut_as_inexact(tmp_path: Path) -> None:
+    """Its ids are each character's UTF-8 bytes: a cut anywhere keeps them, at a space or not."""
+    summary = streampack.build(streampack.Documents(MEMORY_CUT_TEXTS), tmp_path / "c", max_piece_chars=1_000)
+    cache = streampack.open(tmp_path / "c")
+    assert summary.inexact_cuts == cache.manifest.inexact_cuts == 0
+    assert [cache.doc(i)[:-1].tolist() for i in range(3)] == [list(t.encode()) for t in MEMORY_CUT_TEXTS]
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"text": "x" * 1_000_000}) + "\n")
+    built = run_cli("build", src, "--out", tmp_path / "d")
+    assert "may have changed the tokens" not in built.stdout + built.stderr
+    assert "inexact_cuts      0; cuts at spaces: exact" in run_cli("info", tmp_path / "d").stdout
 
 
 # ----------------------------------------------------------------------------- structures, one by one

@@ -68,8 +68,9 @@ def check_step(
         if state is not None:
             ranked.load_state_dict(state)
         batches.append(ranked.batch(position))
-    seq_len = loader.width - getattr(loader.sources[0].data, "overlap", 0)
-    assert sum(doc.tokens for doc in found) == sum(len(b) for b in batches) * seq_len  # every column once
+    overlap = getattr(loader.sources[0].data, "overlap", 0)
+    inputs = sum(len(b) * (b.shape[1] - overlap) for b in batches)  # rows as served: of seq_len + overlap
+    assert sum(doc.tokens for doc in found) == inputs  # every input column once
     tokenizers: dict[str, Any] = {}
     for doc in found:
         cache = streampack.open(doc.cache)
@@ -232,6 +233,41 @@ def test_a_step_of_a_resumed_state(tmp_path: Path, bpe_tokenizer: Path) -> None:
     assert resumed.position == 20  # which() left it as it was
 
 
+def test_placements_under_a_seq_len_schedule_are_in_the_rows_served(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    """Units of 64 served as sub-windows of 16, then of 32, then whole: each placement is the row and
+    columns of the batch served (check_step), a document across sub-windows in a run for each."""
+    cache = build(write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(150)), tmp_path / "c", bpe_tokenizer)
+    seqs = streampack.open(cache).sequences(64, overlap=1)
+    schedule = [(0, 16), (64 * 8 * 2, 32), (64 * 8 * 4, 64)]
+    options = {"batch_size": 8, "seed": 1, "seq_len_schedule": schedule}
+    make: MakeLoader = lambda **more: Loader(seqs, **options, **more)  # noqa: E731
+    for step, rows in ((0, 16), (1, 16), (2, 8), (4, 4)):
+        found = check_step(make, step)
+        assert make(rank=1, world_size=2).batch_shape(step * 8) == (rows, 64 // (rows // 4) + 1)
+        assert max(p.row for doc in found for p in doc.placements) == rows - 1
+        # a document's run through a unit is cut into one run per sub-window it reaches
+        split = [doc for doc in found if len({(p.rank, p.row // (rows // 4)) for p in doc.placements}) == 1]
+        assert rows == 4 or any(len(doc.placements) > 1 for doc in split)
+
+
+def test_placements_of_a_resume_at_a_longer_seq_len_are_in_the_joined_rows(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    """A checkpoint of windows of 16 resumed at 64: four of its units a row, each placement in them."""
+    cache = build(write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(150)), tmp_path / "c", bpe_tokenizer)
+    run = loader_of(cache, 16, 16, seed=4)(rank=0, world_size=2)
+    for _ in zip(range(3), run):
+        pass
+    state = run.state_dict()
+    longer = loader_of(cache, 64, 4, seed=4)
+    for step in range(3):
+        found = check_step(longer, step, state=state)
+        assert {p.row for doc in found for p in doc.placements} == {0, 1}  # 8 units a rank, 2 rows of 64
+        assert max(p.columns[1] for doc in found for p in doc.placements) == 64
+
+
 def test_inputs_moved_or_changed_are_refused(tmp_path: Path, bpe_tokenizer: Path) -> None:
     src = write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(30))
     cache = build(src, tmp_path / "c", bpe_tokenizer)
@@ -323,3 +359,120 @@ def test_cli_which_reads_a_mixture_config(tmp_path: Path, bpe_tokenizer: Path) -
     expected = streampack.which(Loader(mix, batch_size=4), 2)
     assert [line.split()[-1] for line in shown.stdout.splitlines()[2:]] == [d.location for d in expected]
     assert os.path.isdir(expected[0].cache)
+
+
+# ------------------------------------------------------------------------------------------- SFT caches
+
+
+def sft_lines(count: int) -> tuple[list[bytes], dict[int, dict[str, Any]]]:
+    """JSONL lines of SFT records (``prompt``, ``response``), a third of them with a rendered ``text`` copy,
+    between records that an SFT build leaves out though most hold a non-empty ``text``: a missing or
+    non-string response (bad, skipped), fields that are empty or whitespace, and blank lines. Returns the
+    lines and, by line number (from 1), the records that make a document."""
+    lines, kept = [], {}
+    for i in range(count):
+        record: dict[str, Any] = {"prompt": f"Question {i}: what is {i} + {i}?", "response": f" {2 * i}."}
+        if i % 3 == 0:
+            record["text"] = record["prompt"] + record["response"]
+        if i % 5 == 2:
+            del record["response"]  # bad: skipped
+        elif i % 7 == 3:
+            record["response"] = i  # bad: not a string
+        elif i % 11 == 4:
+            record |= {"prompt": "", "response": "  \n"}  # empty: no document
+        else:
+            kept[len(lines) + 1] = record
+        lines.append(json.dumps(record).encode())
+        if i % 9 == 8:
+            lines.append(b"")
+    return lines, kept
+
+
+def chat_lines(count: int) -> tuple[list[bytes], dict[int, dict[str, Any]]]:
+    """As :func:`sft_lines`, for a chat build: conversations in ``messages``, a third of them with a
+    ``text`` copy, between bad records (a turn whose content is not a string, no turns) and blank lines."""
+    lines, kept = [], {}
+    for i in range(count):
+        turns: list[dict[str, Any]] = [
+            {"role": "user", "content": f"Question {i}?"},
+            {"role": "assistant", "content": f"Answer {i}."},
+        ]
+        record: dict[str, Any] = {"messages": turns}
+        if i % 3 == 0:
+            record["text"] = f"Question {i}? Answer {i}."
+        if i % 5 == 2:
+            turns[1]["content"] = i  # bad: not a string
+        elif i % 7 == 3:
+            record["messages"] = []  # bad: no conversation
+        else:
+            kept[len(lines) + 1] = record
+        lines.append(json.dumps(record).encode())
+        if i % 9 == 8:
+            lines.append(b"")
+    return lines, kept
+
+
+def check_sft_epoch(
+    cache: streampack.Cache, kept: dict[int, dict[str, Any]], tokens_of: Callable[[dict[str, Any]], list[int]]
+) -> None:
+    """Every document ``which`` finds in an epoch is traced to the line of the record it was built from:
+    the ``k``-th record that made a document (``kept`` by line), whose tokens (``tokens_of``) it holds."""
+    lines = sorted(kept)
+    assert cache.num_docs == len(lines)
+    make = loader_of(Path(cache.root), 16, 4, seed=3)
+    seen = set()
+    for step in range(make().steps_per_epoch):
+        for doc in streampack.which(make(), step):
+            assert doc.line == lines[doc.doc], doc
+            assert cache.doc(doc.doc).tolist() == tokens_of(kept[doc.line]), doc
+            seen.add(doc.doc)
+    assert len(seen) > 0.9 * cache.num_docs
+
+
+def test_sft_fields_records_are_traced_as_the_build_read_them(tmp_path: Path) -> None:
+    """An SFT build reads its fields, not ``text``: records without ``text`` are found, and the records it
+    left out (bad, empty fields, blank) are not counted as documents even where their ``text`` is not."""
+    lines, kept = sft_lines(80)
+    src = write_bytes(tmp_path / "sft.jsonl", b"\n".join(lines) + b"\n")
+    out = tmp_path / "c"
+    fields = ("--fields", "prompt,response", "--on-bad-record", "skip", "--tokenizer", "bytes")
+    run_cli("build", src, "--out", out, *fields)
+    cache = streampack.open(out)
+    assert (cache.manifest.skipped_records, cache.manifest.empty_docs) == (25, 5)
+    check_sft_epoch(cache, kept, lambda r: [*(r["prompt"] + r["response"]).encode(), 256])
+    settings = ("--seq-len", "16", "--batch-size", "4", "--seed", "3", "--step", "0", "--json")
+    shown = json.loads(run_cli("which", out, *settings).stdout)
+    assert shown["documents"]
+    assert [d["location"] for d in shown["documents"]] == [
+        f"{src}:{sorted(kept)[d['doc']]}" for d in shown["documents"]
+    ]
+
+
+def test_chat_records_are_traced_as_the_build_rendered_them(tmp_path: Path, gpt2_tokenizer: Path) -> None:
+    """A chat build's records are read again with its chat template (found beside its tokenizer), and
+    refused once that template changed, which may render them otherwise."""
+    from tests.test_sft import CHATML, CHATML_TOKENS, chat_tokenizer, encoder, expected_chat, ids
+
+    tokenizer = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", CHATML, CHATML_TOKENS)
+    lines, kept = chat_lines(60)
+    src = write_bytes(tmp_path / "chat.jsonl", b"\n".join(lines) + b"\n")
+    out = tmp_path / "c"
+    chat = ("--chat", "messages", "--tokenizer", tokenizer.parent, "--on-bad-record", "skip")
+    run_cli("build", src, "--out", out, *chat)
+    cache = streampack.open(out)
+    assert cache.manifest.skipped_records == 60 - len(kept)
+    parse, text = encoder(tokenizer, parse=True), encoder(tokenizer, parse=False)
+
+    def chatml(record: dict[str, Any]) -> list[int]:  # expected_chat's tokens, with its encoders made once
+        turns = [(f"<|im_start|>{m['role']}\n", m["content"]) for m in record["messages"]]
+        made = [ids(parse, head) + ids(text, body) + ids(parse, "<|im_end|>\n") for head, body in turns]
+        return [*(t for tokens in made for t in tokens), parse.token_to_id("<|endoftext|>")]
+
+    first = kept[min(kept)]
+    assert chatml(first) == expected_chat(tokenizer, CHATML, first["messages"])[0]
+    check_sft_epoch(cache, kept, chatml)
+
+    config = tokenizer.parent / "tokenizer_config.json"
+    config.write_text(json.dumps({"chat_template": CHATML.replace("\\n", " ")}))
+    with pytest.raises(InputError, match=r"tokenizer_config\.json: its chat template has sha256 \w+, but"):
+        streampack.which(loader_of(out, 16, 4)(), 0)

@@ -366,6 +366,27 @@ def test_bad_conversations_are_bad_records(
     assert (summary.num_docs, summary.skipped_records) == (2, 1)
 
 
+def test_a_conversation_too_deep_for_the_template_is_a_bad_record(
+    tmp_path: Path, gpt2_tokenizer: Path
+) -> None:
+    """A template that writes a message as JSON fails on one nested deeper than Python's recursion limit
+    (orjson read it: it is within 1024 levels): a bad record, not a traceback that stops the build."""
+    template = "{% for m in messages %}{{ m | tojson }}{% endfor %}"
+    folder = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", template, CHATML_TOKENS).parent
+    good = json.dumps({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]})
+    deep = '{"messages": [{"role": "user", "content": "Q", "meta": ' + "[" * 1000 + "]" * 1000 + "}]}"
+    src = tmp_path / "in.jsonl"
+    src.write_text(f"{good}\n{deep}\n{good}\n")
+    with pytest.raises(
+        BadRecordError, match=r"in\.jsonl:2: the chat template .* failed on the conversation \(Rec"
+    ):
+        streampack.build(src, tmp_path / "c", tokenizer=str(folder), chat="messages")
+    summary = streampack.build(
+        src, tmp_path / "c", tokenizer=str(folder), chat="messages", on_bad_record="skip", overwrite=True
+    )
+    assert (summary.num_docs, summary.skipped_records) == (2, 1)
+
+
 def test_no_chat_template_is_a_clear_error(tmp_path: Path, gpt2_tokenizer: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [{"messages": []}])
     with pytest.raises(

@@ -28,7 +28,7 @@ from streampack.builder.options import VerifyTokens
 from streampack.errors import BadRecordError
 from streampack.format.ledger import Counts
 from streampack.inputs.parts import ItemsPart, Part
-from streampack.inputs.records import Item, TextStream
+from streampack.inputs.records import Item, TextStream, makes_document
 from streampack.inputs.sft import Sft
 from streampack.tokenizer.pieces import CutCount
 
@@ -113,7 +113,7 @@ def long_record_blocks(unit: OpenUnit, record: int, part: Part) -> Iterator[Bloc
     the other would wait); any other item (an SFT document, a bad record, an empty text) a block of its own.
     """
     (item,) = part.items()
-    if isinstance(item, str) and item and not item.isspace():
+    if isinstance(item, str) and makes_document(item):
         cuts = CutCount()
         yield from _document_blocks(unit, record, unit.spec.pieces.split(item, cuts), cuts)
     else:
@@ -162,8 +162,10 @@ class _Cutter:
                         self.error = item
                         break
                     self.skipped += 1
-                elif item is not None:
+                elif makes_document(item):
                     yield from self._add(item)
+                elif item is not None:  # (None: a blank line)
+                    self.empty_docs += 1  # no document is empty or only whitespace
                 self.record += 1
             if self.error is not None:
                 break
@@ -176,9 +178,6 @@ class _Cutter:
             yield from self._add_segments(item)
             return
         assert isinstance(item, str), "a streamed document is cut on the reading thread"
-        if not item or item.isspace():
-            self.empty_docs += 1  # no document is empty or only whitespace
-            return
         checked = self._checked()
         for i, piece in enumerate(self.spec.pieces.split(item, self.cuts)):
             if self.batch.chars >= self.spec.batch_chars:
@@ -189,9 +188,6 @@ class _Cutter:
 
     def _add_segments(self, segments: Sft) -> Iterator[Batch]:
         """An SFT document: each segment cut into pieces of its own, each piece a target or not."""
-        if all(not s.text or s.text.isspace() for s in segments):
-            self.empty_docs += 1
-            return
         checked, first = self._checked(), True
         split, batch_chars = self.spec.pieces.split, self.spec.batch_chars
         texts, targets, templates = zip(*segments)

@@ -266,6 +266,8 @@ def _parse_json_line_slowly(
         refuse_compressed(file)
         problem = _json_problem(line, error) + _json_document_hint(file)
         return BadRecordError(_location(file, start, line_no), problem)
+    except RecursionError:  # deeper than orjson's 1024 levels and than Python's recursion limit
+        return BadRecordError(_location(file, start, line_no), "malformed JSON (nested too deeply)")
     if not isinstance(record, dict):
         return _not_an_object(record, field, file, start, line_no)
     item = extract(record, field, lambda: _location(file, start, line_no))

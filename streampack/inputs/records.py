@@ -105,6 +105,20 @@ class TextStream:
 Item: TypeAlias = "str | TextStream | Sft | BadRecordError | None"
 
 
+def makes_document(item: Item) -> bool:
+    """Whether the build makes a document of a record's item: a text that is neither empty nor only
+    whitespace, a streamed text, or an SFT document with such a segment; never a bad record or a blank line.
+
+    The build (:mod:`streampack.builder.blocks`) and the replay of a cache's inputs that finds a document's
+    record (:mod:`streampack.loader.origins`) both ask this, so that they count the same records.
+    """
+    if isinstance(item, str):
+        return bool(item) and not item.isspace()
+    if isinstance(item, tuple):
+        return any(segment.text and not segment.text.isspace() for segment in item)
+    return isinstance(item, TextStream)
+
+
 # What a record must hold: the text field, the SFT fields, or the chat template (with its messages' field).
 Wanted: TypeAlias = "str | tuple[str, ...] | ChatTemplate"
 

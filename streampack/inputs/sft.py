@@ -129,7 +129,8 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise ChatError(f"the chat template of {self.origin} refused the conversation: {e}") from None
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as e:
+            # (RecursionError: a value nested too deeply for the template's tojson, say)
             raise ChatError(
                 f"the chat template of {self.origin} failed on the conversation ({type(e).__name__}: {e})"
             ) from None

@@ -1,8 +1,10 @@
 """Which input record each document of a cache was built from, and which document a named record made.
 
 A document is the ``k``-th one of its shard, which is one work unit of the build; the unit's input is read
-again with :func:`streampack.inputs.units.read_unit`, counting records as the build did (blank lines, empty
-documents and skipped bad records are records that make no document), up to its ``k``-th document
+again with :func:`streampack.inputs.units.read_unit`, read as the build read them (:func:`read_options`: its
+text field, or its SFT fields or chat template) and counted as the build counted them
+(:func:`~streampack.inputs.records.makes_document`: blank lines, empty documents and skipped bad records
+are records that make no document), up to its ``k``-th document
 (:func:`locate`, what ``streampack which`` reports), or up to the record named (:func:`documents_named`,
 what an :class:`~streampack.loader.exclusions.Exclusions` of ``records=`` names). Each unit is read once per
 call, up to the last record asked for.
@@ -16,6 +18,7 @@ imported here: both import this module (the Loader is not needed to find a recor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import re
 from collections.abc import Generator, Sequence
@@ -25,17 +28,19 @@ from typing import Any
 
 import numpy as np
 
-from streampack.errors import InputError, OptionsError
+from streampack.errors import InputError, OptionsError, TokenizerError
 from streampack.inputs.discovery import discover_inputs
 from streampack.inputs.inputfile import InputFile
-from streampack.inputs.records import Documents, Item, ReadOptions, TextStream, WorkUnit
+from streampack.inputs.records import Documents, Item, ReadOptions, WorkUnit, makes_document
+from streampack.inputs.sft import ChatTemplate, load_chat_template
 from streampack.inputs.units import plan_python_units, plan_units, read_unit, records_before
 from streampack.loader.exclusions import parse_record
 from streampack.order import groups
 from streampack.reader import Cache
 from streampack.store.files import read_entry
+from streampack.tokenizer import load_tokenizer
 
-__all__ = ["Origin", "documents_named", "locate"]
+__all__ = ["Origin", "documents_named", "locate", "read_options"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,43 @@ def locate(cache: Cache, docs: list[int], documents: Any) -> dict[int, Origin]:
     return found
 
 
+def read_options(cache: Cache) -> ReadOptions:
+    """How the build of ``cache`` read its records, from its manifest's settings: the text field, or the
+    SFT fields, or the chat, whose template is read again from the tokenizer the cache was built with. A
+    replay that read the records otherwise would count other records as documents.
+
+    Raises:
+        InputError: a chat build whose tokenizer no longer gives the chat template it was built with.
+    """
+    settings = cache.manifest.settings
+    read = ReadOptions(settings.text_field, settings.split_lines, settings.unit_bytes, fields=settings.fields)
+    if settings.chat is None:
+        return read
+    return dataclasses.replace(read, chat=_chat_template(cache, settings.chat))
+
+
+def _chat_template(cache: Cache, field: str) -> ChatTemplate:
+    """The chat template a chat build rendered its conversations with, found where the build found it."""
+    built_with = cache.manifest.tokenizer
+    spec = built_with.spec or cache.manifest.settings.tokenizer or "bytes"
+    why = "to find which records made its documents, its conversations are rendered again as the build did"
+    try:
+        chat = load_chat_template(load_tokenizer(spec, engine="tokenizers"), field)
+    except TokenizerError as e:
+        raise InputError(
+            f"{cache.root}: {why}, with the chat template of its tokenizer {spec!r} (a relative path is "
+            f"taken from where the build ran), which cannot be read now: {e}"
+        ) from None
+    expected = built_with.chat_template_sha256
+    if expected is not None and chat.sha256 != expected:
+        raise InputError(
+            f"{chat.origin}: its chat template has sha256 {chat.sha256}, but the cache {cache.root} was "
+            f"built with sha256 {expected}; {why}, and another template may render them otherwise: restore "
+            "the template, or rebuild the cache"
+        )
+    return chat
+
+
 _Where = tuple[str, int | None, int | None]  # (path, line, row)
 _PYTHON_ROWS = re.compile(r"\[rows (\d+):\d*\]$")
 
@@ -82,12 +124,15 @@ class _Inputs:
     def __init__(self, cache: Cache, documents: Any) -> None:
         self.cache = cache
         manifest = cache.manifest
-        settings = manifest.settings
-        self.read = ReadOptions(settings.text_field, settings.split_lines, settings.unit_bytes)
         self.python = any(i.python for i in manifest.inputs)
         self.documents = documents
         self._units: list[WorkUnit] | None = None
         self._now: dict[str, InputFile] = {}
+
+    @functools.cached_property
+    def read(self) -> ReadOptions:
+        """How the build read the records: asked only when they are read (a chat's template is loaded)."""
+        return read_options(self.cache)
 
     def records(self, unit: int, wanted: list[int]) -> dict[int, _Where]:
         """``(path, line, row)`` of the records that made the documents ``wanted`` of ``unit``."""
@@ -99,7 +144,7 @@ class _Inputs:
         replay = _records(work, self.read)
         try:
             for where, item in replay:
-                if not _is_document(item):
+                if not makes_document(item):
                     continue
                 if docs in left:
                     found[docs] = where
@@ -205,11 +250,6 @@ def _records(unit: WorkUnit, read: ReadOptions) -> Generator[tuple[_Where, Item]
         first = records_before(unit)
         for i, item in enumerate(read_unit(unit, read)):
             yield (file.path, first + i + 1, None), item
-
-
-def _is_document(item: Item) -> bool:
-    """Whether the build made a document of this record: text that is not empty or only whitespace."""
-    return isinstance(item, TextStream) or (isinstance(item, str) and bool(item) and not item.isspace())
 
 
 # --------------------------------------------------------------------------------------- named records
@@ -330,14 +370,14 @@ class _Named:
             for where, item in replay:
                 name = left.pop(where, None)
                 if name is not None:
-                    if not _is_document(item):
+                    if not makes_document(item):
                         raise OptionsError(
                             f"Exclusions(records=...) names {name!r}, a record that made no document (blank, "
                             "empty, or skipped as bad at build time): there is nothing to exclude"
                         )
                     assert shard is not None  # a unit that made a document has a shard
                     found[name] = int(self.cache.doc_starts[shard]) + docs
-                if _is_document(item):
+                if makes_document(item):
                     docs += 1
                 if not left:
                     return found

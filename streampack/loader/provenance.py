@@ -40,6 +40,10 @@ __all__ = ["Placement", "Provenance", "excluded_steps", "position_of", "which"]
 class Placement:
     """Where some of a document's tokens sit in a step's batch.
 
+    Coordinates are those of the batch as the rank is served it: under a ``seq_len_schedule`` (or a resume
+    at another ``seq_len``), the rows of the length served at that step, e.g. the ``k`` sub-windows a
+    unit is cut into, each of which may hold a part of the document.
+
     Attributes:
         rank: the rank whose batch holds the row.
         row: the row in that rank's batch.
@@ -163,6 +167,9 @@ def which(
         ) from None
     datasets, names = _datasets(view), view.order.names
     placed = _placed(datasets, sources, samples, loader.options.world_size)
+    rows, _ = view.batch_shape(position)
+    if rows != len(samples):  # served at another length than its samples (units): in the rows served
+        placed = _as_served(placed, datasets[0].seq_len, rows, len(samples))
     marks = _marks(view, position, list(placed))
     result = []
     for source in sorted({source for source, _ in placed}):
@@ -299,6 +306,38 @@ def _placements(
         columns = (int(c[k]), int(stops[k]))
         tokens = (start, start + columns[1] - columns[0])
         yield int(docs[k]), g, columns[0], Placement(rank, g - int(bounds[rank]), columns, tokens)
+
+
+def _as_served(
+    placed: dict[tuple[int, int], list[tuple[int, int, Placement]]], unit: int, rows: int, units: int
+) -> dict[tuple[int, int], list[tuple[int, int, Placement]]]:
+    """The runs of ``placed``, in samples of ``unit`` tokens (``units`` of them in the batch), as the batch
+    of ``rows`` rows serves them (:mod:`streampack.loader.served`): each unit cut into its ``k = rows /
+    units`` sub-windows (rows ``k*i .. k*i + k - 1``), or ``m = units / rows`` consecutive units of a rank
+    joined into one row. The ``(row, column)`` each run is sorted by stays the unit's: the order is the same.
+    """
+    served: dict[tuple[int, int], list[tuple[int, int, Placement]]] = {}
+    for key, runs in placed.items():
+        served[key] = [
+            (row, column, moved) for row, column, p in runs for moved in _served_runs(p, unit, rows, units)
+        ]
+    return served
+
+
+def _served_runs(p: Placement, unit: int, rows: int, units: int) -> Iterator[Placement]:
+    """One run of a unit as the rows of a batch served at another length hold it (see :func:`_as_served`)."""
+    if rows < units:  # joined: the unit is the (row % m)-th of its row (a rank's units are whole rows)
+        m = units // rows
+        shift = p.row % m * unit
+        yield dataclasses.replace(p, row=p.row // m, columns=(p.columns[0] + shift, p.columns[1] + shift))
+        return
+    k = rows // units
+    length = unit // k
+    (start, stop), first = p.columns, p.tokens[0]
+    for j in range(start // length, (stop - 1) // length + 1):  # the sub-windows the run reaches
+        lo, hi = max(start, j * length), min(stop, (j + 1) * length)
+        at = first + lo - start
+        yield Placement(p.rank, p.row * k + j, (lo - j * length, hi - j * length), (at, at + hi - lo))
 
 
 def _token_offsets(

@@ -19,7 +19,7 @@ class BytesTokenizer:
     eos_id: int | None = 256
     bos_id: int | None = None
     fast_piece_chars: int | None = None  # encoding bytes costs the same per character at any length
-    cut_safety = CutSafety(True, "every cut keeps UTF-8 bytes")
+    cut_safety = CutSafety(True, "every cut keeps UTF-8 bytes", anywhere=True)
     engine: Engine = BytesEngine()  # stateless: one for all
     engine_reason = "the bytes tokenizer's only engine"
 

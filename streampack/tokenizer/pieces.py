@@ -26,7 +26,8 @@ decided by :func:`hf_cut_safety` / :func:`tiktoken_cut_safety`, never from sampl
 **Memory cuts** bound the size of a piece where there is no such space (a base64 blob, a long CJK run), or
 for every cut of a tokenizer without such a proof: after a newline, else at the limit exactly (never inside
 an atom). They can change the tokens next to the cut; the builder counts them (``inexact_cuts`` in the
-manifest), so a user sees whether any document differs from the tokenizer's own encoding.
+manifest), so a user sees whether any document differs from the tokenizer's own encoding. A tokenizer
+whose every cut keeps its tokens (``CutSafety.anywhere``: the bytes tokenizer) counts none.
 """
 
 from __future__ import annotations
@@ -83,11 +84,14 @@ class CutSafety:
         exact: cutting before a single space between two non-spaces keeps the tokens.
         reason: why (or why not), in a few words; shown by ``streampack info``.
         atoms: strings matched whole in the raw text, which no cut may split.
+        anywhere: every cut between two characters keeps the tokens, not only those at spaces (the bytes
+            tokenizer's ids are each character's UTF-8 bytes): no cut is ever counted as inexact.
     """
 
     exact: bool
     reason: str
     atoms: tuple[Atom, ...] = ()
+    anywhere: bool = False
 
 
 @dataclass
@@ -109,12 +113,14 @@ class PieceRule:
         exact_spaces: cuts at a single space between non-spaces keep the tokens (``CutSafety.exact``);
             otherwise every cut is counted as inexact.
         atoms: strings no cut may split.
+        exact_anywhere: every cut keeps the tokens (``CutSafety.anywhere``): none is counted as inexact.
     """
 
     max_chars: int
     target_chars: int | None = None
     exact_spaces: bool = True
     atoms: tuple[Atom, ...] = field(default=(), repr=False)
+    exact_anywhere: bool = False
 
     def split(self, text: str, count: CutCount | None = None) -> Iterable[str]:
         """The pieces of ``text``; memory cuts are added to ``count``."""
@@ -166,7 +172,7 @@ class PieceRule:
         if rest <= self.max_chars:
             return None
         cut, exact = self._bounded_cut(text, start, start + self.max_chars)
-        if count is not None and not (exact and self.exact_spaces):
+        if count is not None and not (exact and self.exact_spaces) and not self.exact_anywhere:
             count.inexact += 1
         return cut
 
@@ -244,6 +250,7 @@ def piece_rule(safety: CutSafety, fast_piece_chars: int | None, max_chars: int |
         target if target is not None and target < limit else None,
         exact_spaces=safety.exact,
         atoms=safety.atoms,
+        exact_anywhere=safety.anywhere,
     )
 
 
