@@ -218,6 +218,40 @@ def test_a_planted_replay_and_skip_are_named_by_positions_and_steps() -> None:
     assert report.sources[0].skipped == 20
 
 
+def test_a_run_that_ends_in_a_partial_batch_is_audited_to_its_end() -> None:
+    """epochs=1 with drop_last=False: the last batch holds the 3 samples left, and the audit counts those,
+    not a whole batch past the run's end (the history records the epochs)."""
+    data = sources()["web"]  # 53 samples: 6 batches of 8 and one of 5
+    first = Loader(data, batch_size=8, seed=5, epochs=1, drop_last=False)
+    for _ in first:
+        pass
+    state = first.state_dict()
+    assert state["position"] == 53 and state["history"][0]["epochs"] == 1
+    resumed = Loader(data, batch_size=8, seed=5, epochs=1, drop_last=False)
+    resumed.load_state_dict(state, step=7)
+    report = audit(resumed.state_dict(), data)
+    assert report.clean, report.text()
+    assert report.sources[0].samples == 53 and report.legs[0].positions == (0, 53)
+
+
+def test_a_mixture_run_that_adds_a_source_at_a_resume_is_audited_clean() -> None:
+    """Each history entry names the sources its leg read, so the audit makes each leg's mixture of them."""
+    data = sources()
+    web = Loader(Mixture({"web": data["web"]}, {"web": 1}, block_size=8, seed=5), batch_size=4)
+    web.advance(5)
+    state = web.state_dict()
+    both = Loader(Mixture(data, {"web": 1, "code": 1}, block_size=8, seed=5), batch_size=4)
+    both.load_state_dict(state, step=5)
+    both.advance(5)
+    final = both.state_dict()
+    assert [entry["sources"] for entry in final["history"]] == [["web"], ["web", "code"]]
+    report = audit(final, Mixture(data, {"web": 1}, block_size=8, seed=5))
+    assert report.clean, report.text()
+    assert sum(source.samples for source in report.sources) == 40
+    with pytest.raises(streampack.errors.OptionsError, match=r"has no \['code'\]"):
+        audit(final, Mixture({"web": data["web"]}, {"web": 1}, block_size=8, seed=5))
+
+
 def test_a_state_without_history_is_refused_and_wrong_settings_are_named() -> None:
     data = sources()["web"]
     loader = Loader(data, batch_size=4, seed=5)

@@ -358,6 +358,14 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
                 f"{type(data).__name__} {data!r}"
             )
         sources, base = data.sources_and_order()
+        if "sources" in entry:  # the leg read these (a run may add sources at a resume)
+            missing = [name for name in entry["sources"] if name not in sources]
+            if missing:
+                raise OptionsError(
+                    f"the run read the sources {entry['sources']} from position {int(entry['position']):,}; "
+                    f"the data given has no {missing}: give the mixture of the run's last sources"
+                )
+            sources = {name: sources[name] for name in entry["sources"]}
         block = int(entry["block_size"])
         stages = [(int(first) * block, dict(counts)) for first, counts in entry["schedule"]]
         mixture = Mixture(
@@ -366,7 +374,7 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
             seed=int(entry["seed"]),
             shuffle=shuffle,
             block_size=block,
-            stop=getattr(base, "stop", "never"),
+            stop=entry.get("stop", "never") if "sources" in entry else getattr(base, "stop", "never"),
         )
         return Loader(
             mixture,
@@ -386,6 +394,7 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
         batch_size=batch,
         seed=int(entry["seed"]),
         shuffle=shuffle,
+        epochs=entry.get("epochs"),
         exclude=exclude,
         output=_output(exclude),
         seq_len_schedule=_schedule(entry),

@@ -77,8 +77,10 @@ def history_entry(
     the global batches the trainer takes per step (gradient accumulation), which the adapters set; and
     for a loader that serves its units at other lengths (a seq_len schedule, or a resume at another
     ``seq_len``), ``served``: its own ``seq_len`` and the schedule's ``[first token, seq_len]`` pairs
-    (:mod:`streampack.loader.seqlen`; ``data`` holds the units' ``seq_len``). Every field is bounded: a
-    history grows by one small entry per resume.
+    (:mod:`streampack.loader.seqlen`; ``data`` holds the units' ``seq_len``); and for a mixture,
+    ``sources``: the names of the sources it read (sources may be added at a resume), and ``stop`` when
+    it is not ``"never"``; for one dataset read for a number of epochs, ``epochs``. Every field is
+    bounded: a history grows by one small entry per resume.
     """
     mine = order.fingerprint()
     own = configured.fingerprint()
@@ -101,6 +103,12 @@ def history_entry(
         "schedule": own.get("schedule") if mixed else None,
         "exclusions": exclusions,
     }
+    if mixed:  # which sources it read (a source's weight may be 0): what an audit makes its mixture of
+        entry["sources"] = list(own.get("sources", {}))
+        if getattr(configured, "stop", "never") != "never":
+            entry["stop"] = str(getattr(configured, "stop"))  # noqa: B009 - an Order need not have one
+    elif getattr(configured, "epochs", None) is not None:  # where the run ends: an audit's legs end there
+        entry["epochs"] = int(configured.epochs)  # type: ignore[attr-defined]
     return entry if served is None else entry | {"served": dict(served)}
 
 

@@ -213,6 +213,17 @@ HISTORY_ENTRY = Schema(
         "served": Field(
             "an object of seq_len and schedule (null or a list of [first token, seq_len] pairs)", _is_served
         ),
+        "epochs": integer(min=1),
+        "stop": Field("'first_exhausted'", lambda value: value == "first_exhausted"),
+        "sources": Field(
+            "a non-empty list of distinct source names",
+            lambda value: (
+                isinstance(value, list)
+                and bool(value)
+                and all(isinstance(name, str) and name for name in value)
+                and len(set(value)) == len(value)
+            ),
+        ),
     },
 )
 """One entry of a state's ``history``: how the run was read from ``position`` on (see
