@@ -23,6 +23,7 @@ import pytest
 import streampack
 from streampack import Loader, Mixture
 from streampack.errors import InputError, OptionsError
+from streampack.loader import Exclusions
 from streampack.loader.provenance import Provenance, position_of
 from streampack.tokenizer import load_tokenizer
 from tests.conftest import run_cli, write_bytes, write_jsonl
@@ -67,7 +68,8 @@ def check_step(
         ranked = make(rank=rank, world_size=world_size)
         if state is not None:
             ranked.load_state_dict(state)
-        batches.append(ranked.batch(position))
+        batch = ranked.batch(position)
+        batches.append(batch["input_ids"] if isinstance(batch, dict) else batch)
     overlap = getattr(loader.sources[0].data, "overlap", 0)
     inputs = sum(len(b) * (b.shape[1] - overlap) for b in batches)  # rows as served: of seq_len + overlap
     assert sum(doc.tokens for doc in found) == inputs  # every input column once
@@ -261,11 +263,25 @@ def test_placements_of_a_resume_at_a_longer_seq_len_are_in_the_joined_rows(
     for _ in zip(range(3), run):
         pass
     state = run.state_dict()
-    longer = loader_of(cache, 64, 4, seed=4)
+    longer = loader_of(cache, 64, 4, seed=4, output="dict")  # joins need labels to mask them
     for step in range(3):
         found = check_step(longer, step, state=state)
         assert {p.row for doc in found for p in doc.placements} == {0, 1}  # 8 units a rank, 2 rows of 64
         assert max(p.columns[1] for doc in found for p in doc.placements) == 64
+
+
+def test_which_of_a_resume_at_another_seq_len_with_a_mask_exclusion(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    """The view ``which`` reads a run through keeps its output: a loader of sub-windows resuming units of
+    another length with a mask exclusion (which needs labels) is traced, not refused."""
+    cache = build(write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(60)), tmp_path / "c", bpe_tokenizer)
+    masked = Exclusions(documents=[3], mode="mask", at=0)
+    first = loader_of(cache, 32, 4, seed=2, output="dict", exclude=[masked])()
+    first.advance(2)
+    state = first.state_dict()
+    shorter = loader_of(cache, 16, 8, seed=2, output="dict", exclude=[masked])
+    check_step(shorter, 0, world_size=1, state=state)
 
 
 def test_inputs_moved_or_changed_are_refused(tmp_path: Path, bpe_tokenizer: Path) -> None:

@@ -240,7 +240,7 @@ def _global_view(loader: Loader, state: Mapping[str, Any] | None) -> Loader:
     are carried over; the original loader is left as it was.
     """
     view = copy.copy(loader)
-    view.options = dataclasses.replace(loader.options, rank=0, world_size=1, output="numpy")
+    view.options = dataclasses.replace(loader.options, rank=0, world_size=1)
     if state is not None:
         view.load_state_dict(state)
     return view

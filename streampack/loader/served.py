@@ -270,8 +270,9 @@ def regrained(
 
     Raises:
         LoaderStateError: the lengths do not divide the saved one, or a batch is not whole units; the
-            message names both lengths. Also a length that joins units with an overlap: the last input of
-            each unit but the row's last would be trained on the next unit's first token.
+            message names both lengths. Also a length that joins units with an overlap, or in
+            ``output="numpy"`` (no labels mask the joins): the last token of each unit but the row's last
+            would be trained on the next unit's first token.
     """
     saved = read_loader_state(state).get("order")
     if len(sources) != 1 or not own or not isinstance(saved, Mapping) or saved.get("kind") not in _ONE_SOURCE:
@@ -303,6 +304,15 @@ def regrained(
             "window's first token as its target (text from elsewhere in the corpus), not its own next token. "
             f"Resume at seq_len {unit} or a length that divides it, or read cache.sequences({longest}, "
             "overlap=0) with output='dict', whose labels mask each join"
+        )
+    if max(lengths) > unit and options.output == "numpy":
+        longest = max(lengths)
+        raise LoaderStateError(
+            f"resuming windows of {unit} tokens at seq_len {longest} joins {longest // unit} of them a row, "
+            "and output='numpy' has no labels to mask the joins: x, y = row[:-1], row[1:] would train the "
+            "last token of each joined window on the next window's first token (text from elsewhere in the "
+            f"corpus). Use output='dict' (each join a segment start, label -100), or resume at seq_len "
+            f"{unit} or a length that divides it"
         )
     if max(lengths) > unit and not options.drop_last:
         raise LoaderStateError(
