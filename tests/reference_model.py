@@ -36,7 +36,8 @@ The rules, in the words of the documentation they come from:
   ``U``) is its ``U / l`` consecutive sub-windows, rows of the same batch, which are windows ``u*k + j`` of
   the same stream at ``l``; at a multiple ``l = m*U`` (a resume at a longer length), rows of ``m``
   consecutive units of the rank's slice, each unit a segment of its own; joining units whose windows
-  overlap is refused. A schedule's length for the batch at ``p`` is the one in force at token ``p * U``.
+  overlap, or in ``output="numpy"`` (no labels mask a join), is refused. A schedule's length for the
+  batch at ``p`` is the one in force at token ``p * U``.
 """
 
 from __future__ import annotations
@@ -414,7 +415,8 @@ def _check_last_batch(end: int | None, position: int, batch_size: int, world_siz
             raise Refused("an empty last batch for some rank")
 
 
-Segment = tuple[int, int, int, int, int]  # (document or -1, first column, columns, position, source)
+# (document or -1, first column, columns, the document's token at the first column, position, source)
+Segment = tuple[int, int, int, int, int, int]
 
 
 @dataclass
@@ -434,11 +436,11 @@ def row_of(corpus: Corpus, sample: Sample, width: int, position: int, source: in
     marks: list[bool] = []
     column = 0
     for doc, first, count in sample.pieces:
-        segments.append((doc, column, count, position, source))
+        segments.append((doc, column, count, first, position, source))
         marks += [corpus.mark(doc, t) for t in range(first, first + count)]
         column += count
     if sample.pad:
-        segments.append((-1, column, sample.pad, position, source))
+        segments.append((-1, column, sample.pad, 0, position, source))
         marks += [False] * sample.pad
     return Row(tokens, segments, marks)
 
@@ -462,7 +464,7 @@ def as_dict(rows: Sequence[Row], masks: Sequence[Exclusion], output: str, column
     for index, row in enumerate(rows):
         label = list(row.tokens[:columns])
         position_ids = [0] * columns
-        for doc, start, count, position, source in row.segments:
+        for doc, start, count, _, position, source in row.segments:
             if start >= columns:
                 continue
             count = min(count, columns - start)
@@ -692,8 +694,8 @@ class Model:
             per_rank = tokens // unit.seq_len // leg.world_size
             if any(length > unit.seq_len and per_rank % (length // unit.seq_len) for length in lengths):
                 raise Refused("units per rank not a multiple of the join")
-            if max(lengths) > unit.seq_len and unit.overlap:
-                raise Refused("joining units whose windows overlap")
+            if max(lengths) > unit.seq_len and (unit.overlap or run.output == "numpy"):
+                raise Refused("joining units whose windows overlap, or with no labels to mask the joins")
             if run.drop_last and len(self.unit_samples) < tokens // unit.seq_len:
                 raise Refused("fewer units than one global batch")
         if not run.drop_last:
@@ -722,26 +724,24 @@ class Model:
 
     def batches(self, leg: Leg, rank: int) -> list[Any]:
         """The batches rank ``rank`` is served in ``leg`` from the current position (not moving it)."""
-        out = []
-        position = self.position
-        units_batch = self.unit_batch(leg)
-        for _ in range(leg.batches):
-            rows = global_rows(position, units_batch, self.stream.end, self.run.drop_last)
-            if rows == 0:
-                break
-            out.append(self.batch(leg, position, rank_slice(position, rows, rank, leg.world_size)))
-            position += rows
-        return out
+        return [
+            self.batch(leg, position, rank_slice(position, rows, rank, leg.world_size))
+            for position, rows in self.positions(leg)
+        ]
 
     def advance(self, leg: Leg) -> None:
-        units_batch = self.unit_batch(leg)
-        for _ in range(leg.batches):
-            rows = global_rows(self.position, units_batch, self.stream.end, self.run.drop_last)
-            if rows == 0:
-                break
-            self.position += rows
+        for position, rows in self.positions(leg):
+            self.position = position + rows
 
     def batch(self, leg: Leg, position: int, positions: range) -> Any:
+        """The formatted batch of ``positions`` (a rank's slice of the global batch at ``position``)."""
+        rows, columns = self.rows(leg, position, positions)
+        if self.run.output == "numpy":
+            return np.asarray([row.tokens for row in rows], dtype=np.int64).reshape(len(rows), -1)
+        return as_dict(rows, self.masks, self.run.output, columns)
+
+    def rows(self, leg: Leg, position: int, positions: range) -> tuple[list[Row], int]:
+        """The rows of ``positions`` as served, and their input columns (a window's overlap is not)."""
         corpus, unit = self.run.corpus, self.units
         length = self.length(leg, position)
         rows: list[Row] = []
@@ -765,9 +765,32 @@ class Model:
             inputs = [Row(r.tokens[: unit.seq_len], r.segments, r.marks[: unit.seq_len]) for r in rows]
             rows = [joined(inputs[i : i + m]) for i in range(0, len(inputs), m)]
         columns = length if isinstance(unit, Windows) else unit.seq_len
-        if self.run.output == "numpy":
-            return np.asarray([row.tokens for row in rows], dtype=np.int64).reshape(len(rows), -1)
-        return as_dict(rows, self.masks, self.run.output, columns)
+        return rows, columns
+
+    def positions(self, leg: Leg) -> list[tuple[int, int]]:
+        """``(position, rows)`` of each global batch ``leg`` serves from the current position."""
+        out, position = [], self.position
+        for _ in range(leg.batches):
+            rows = global_rows(position, self.unit_batch(leg), self.stream.end, self.run.drop_last)
+            if rows == 0:
+                break
+            out.append((position, rows))
+            position += rows
+        return out
+
+    def placements(self, leg: Leg, position: int, rows: int) -> dict[tuple[int, int], list[tuple]]:
+        """Per ``(source, document)`` of the global batch at ``position``, where its tokens sit among the
+        rows' input columns: ``(rank, row, (first column, stop), (first token, stop))``, in batch order."""
+        found: dict[tuple[int, int], list[tuple]] = {}
+        for rank in range(leg.world_size):
+            served, columns = self.rows(leg, position, rank_slice(position, rows, rank, leg.world_size))
+            for index, row in enumerate(served):
+                for doc, start, count, first, _, source in row.segments:
+                    count = min(count, columns - start)
+                    if doc >= 0 and count > 0:
+                        where = (rank, index, (start, start + count), (first, first + count))
+                        found.setdefault((source, doc), []).append(where)
+        return found
 
 
 @functools.lru_cache(maxsize=32)
