@@ -234,6 +234,23 @@ def test_a_run_that_ends_in_a_partial_batch_is_audited_to_its_end() -> None:
     assert report.sources[0].samples == 53 and report.legs[0].positions == (0, 53)
 
 
+def test_a_leg_that_reaches_the_end_of_a_drop_last_run_is_audited_to_its_last_full_batch() -> None:
+    """epochs=1 with drop_last: the 5 samples after the last full batch are never served, so a trainer
+    step counted past them (gradient accumulation 4: two steps, the second with two batches) trains up
+    to the last full batch, and a resume there is no replay."""
+    data = sources()["web"]  # 53 samples: 6 batches of 8, 5 left over
+    first = Loader(data, batch_size=8, seed=5, epochs=1)
+    first.batches_per_step = 4
+    assert len(list(first)) == 6
+    state = first.state_dict()
+    tail = Loader(data, batch_size=1, seed=5, epochs=1)
+    tail.load_state_dict(state, step=2)
+    next(iter(tail))
+    report = audit(tail.state_dict(), data)
+    assert report.clean, report.text()
+    assert report.legs[0].positions == (0, 48) and report.sources[0].samples == 49
+
+
 def test_a_mixture_run_that_adds_a_source_at_a_resume_is_audited_clean() -> None:
     """Each history entry names the sources its leg read, so the audit makes each leg's mixture of them."""
     data = sources()

@@ -452,7 +452,8 @@ def _ends(
     entries: Sequence[Mapping[str, Any]], steps: list[int], final: int, loaders: list[Loader]
 ) -> list[int]:
     """Where the model stopped training each leg: the next resume's step says how many batches it
-    trained (its data state may say otherwise); the last leg ends at the state's position."""
+    trained (its data state may say otherwise), up to the run's end (its last full batch, with
+    ``drop_last``); the last leg ends at the state's position."""
     ends = []
     for i, entry in enumerate(entries):
         start = int(entry["position"])
@@ -463,5 +464,8 @@ def _ends(
         else:
             end = int(entries[i + 1]["position"])
         limit = loaders[i].order.end
+        if limit is not None and entry.get("drop_last", True):  # its partial last batch is not served
+            batch = int(entry["batch_size"])
+            limit = start + max(0, limit - start) // batch * batch
         ends.append(max(start, end if limit is None else min(end, limit)))
     return ends

@@ -79,7 +79,8 @@ def history_entry(
     ``seq_len``), ``served``: its own ``seq_len`` and the schedule's ``[first token, seq_len]`` pairs
     (:mod:`streampack.loader.seqlen`; ``data`` holds the units' ``seq_len``); and for a mixture,
     ``sources``: the names of the sources it read (sources may be added at a resume), and ``stop`` when
-    it is not ``"never"``; for one dataset read for a number of epochs, ``epochs``. Every field is
+    it is not ``"never"``; for one dataset read for a number of epochs, ``epochs``; ``drop_last`` when it
+    is False (a run that ends serves its partial last batch). Every field is
     bounded: a history grows by one small entry per resume.
     """
     mine = order.fingerprint()
@@ -109,6 +110,8 @@ def history_entry(
             entry["stop"] = str(getattr(configured, "stop"))  # noqa: B009 - an Order need not have one
     elif getattr(configured, "epochs", None) is not None:  # where the run ends: an audit's legs end there
         entry["epochs"] = int(configured.epochs)  # type: ignore[attr-defined]
+    if not options.drop_last:  # a run that ends serves its partial last batch
+        entry["drop_last"] = False
     return entry if served is None else entry | {"served": dict(served)}
 
 

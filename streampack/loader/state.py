@@ -214,6 +214,7 @@ HISTORY_ENTRY = Schema(
             "an object of seq_len and schedule (null or a list of [first token, seq_len] pairs)", _is_served
         ),
         "epochs": integer(min=1),
+        "drop_last": Field("false (a run serving its partial last batch)", lambda value: value is False),
         "stop": Field("'first_exhausted'", lambda value: value == "first_exhausted"),
         "sources": Field(
             "a non-empty list of distinct source names",
