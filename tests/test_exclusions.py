@@ -80,7 +80,8 @@ def test_skip_serves_every_other_sample_of_an_epoch_once_and_keeps_the_past(
 ) -> None:
     seqs = numbered.sequences(SEQ_LEN)
     at = at_step * batch
-    exclusion = Exclusions(documents=docs, positions=[(a, a + n) for a, n in ranges], at=at)
+    # A range wholly before ``at`` is refused (it could take nothing out): the ranges reach ``at`` or past.
+    exclusion = Exclusions(documents=docs, positions=[(a, a + n) for a, n in ranges if a + n > at], at=at)
     options = dict(batch_size=batch, seed=seed, epochs=2, world_size=world)
     plain = _global_steps(lambda r: Loader(seqs, rank=r, **options), world)
 
@@ -428,14 +429,36 @@ def test_a_range_wholly_before_where_the_exclusion_takes_effect_is_refused(
         run.exclude(Exclusions(positions=[(10, 20)]))
     assert run.exclusions_state() == []  # nothing put in force
     ahead = Loader(seqs, batch_size=4, seed=1, exclude=Exclusions(steps=[(20, 21)], at=100))
+    ahead.batches_per_step = 1  # a resume may still count its steps again (the checkpoint's own exclusion)
     with pytest.raises(OptionsError, match="before position 100"):
-        ahead.batches_per_step = 1  # its steps are positions 80-88: the check runs when they are known
+        next(iter(ahead))  # its steps are positions 80-88: the check runs before the first batch
     served = Loader(seqs, batch_size=4, seed=1, exclude=Exclusions(steps=[(5, 6)]))
     served.advance(2)
     with pytest.raises(OptionsError, match="set batches_per_step before the first batch"):
         served.batches_per_step = 2
     plain = Loader(seqs, batch_size=4, seed=1)
     assert served.batches_per_step == 1 and _indices(served, 20, 24) == _indices(plain, 28, 32)  # as it was
+
+
+def test_batches_per_step_set_before_a_resume_keeps_the_checkpoints_exclusions(
+    numbered: streampack.Cache,
+) -> None:
+    """The checkpoint's exclusion given again with its at=: setting batches_per_step before
+    load_state_dict (a loop of one's own) counts its steps at the fresh loader's stride for a moment (step
+    4 at positions 16-20, before its at=24); it is not refused then, and the resume counts them again
+    through the history, as the run did (step 3 at position 24 after three batches of 8: step 4 is 28-32)."""
+    seqs = numbered.sequences(SEQ_LEN)
+    first = Loader(seqs, batch_size=8, seed=1)
+    first.advance(3)
+    second = Loader(seqs, batch_size=4, seed=1, exclude=[Exclusions(steps=[(4, 4)])])
+    second.load_state_dict(first.state_dict(), step=3)
+    state = second.state_dict()
+    again = Loader(seqs, batch_size=4, seed=1, exclude=[Exclusions(steps=[(4, 4)], at=24)])
+    again.batches_per_step = 1
+    again.load_state_dict(state, step=3)
+    plain = Loader(seqs, batch_size=4, seed=1)
+    assert _indices(again, 24, 28) == _indices(plain, 24, 28)
+    assert _indices(again, 28, 32) == _indices(plain, 32, 36)
 
 
 def test_a_state_saved_before_steps_were_counted_through_the_history_resumes_as_it_counted(

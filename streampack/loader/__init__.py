@@ -214,6 +214,8 @@ class Loader(Checkpointed):
         Returns:
             An array, or a dict of arrays, passed through ``collate`` when one was given.
         """
+        if not self._ahead_checked:
+            self._check_ahead()
         sources, samples = self.picks(position)
         span = self._span(position)
         if self._served is not None and self._served.splits(position):  # a unit's sub-windows

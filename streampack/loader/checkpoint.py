@@ -36,6 +36,7 @@ class Checkpointed(Steps):
     the order it was configured with and the base order the exclusions filter.
     """
 
+    _ahead_checked = True  # the exclusions from the position on were checked (see _check_ahead)
     # No exclusions, no history: what a loader unpickled from an earlier version holds.
     _exclude_given: Sequence[Exclusions] = ()
     _in_force: Sequence[inforce.Entry] = ()
@@ -107,7 +108,9 @@ class Checkpointed(Steps):
                     f"served batches up to position {self._position:,} with them where they were: set "
                     "batches_per_step before the first batch (the framework adapters do)"
                 )
-        inforce.reaching([entries[i] for i in current])
+        # An entry that takes effect past the position of a loader not yet resumed (the checkpoint's own,
+        # given again with at=) is counted again by the resume, and checked there.
+        inforce.reaching([entries[i] for i in current if entries[i][1] <= self._position])
         if moved:
             self._enforce(entries)
 
@@ -250,7 +253,15 @@ class Checkpointed(Steps):
         """Put ``entries`` in force over the base order (see :meth:`_checked`)."""
         self.order, self._masking = self._checked(self._base, entries)
         self._in_force = list(entries)
+        self._ahead_checked = False
         self._rows.forget()
+
+    def _check_ahead(self) -> None:
+        """Before a batch is served: refuse an exclusion that takes effect from here on and whose steps or
+        positions all lie before that (its steps are counted for good once batches are served; until
+        then a resume may count them again)."""
+        inforce.reaching([entry for entry in self._in_force if entry[1] >= self._position])
+        self._ahead_checked = True
 
     def _checked(self, base: Order, entries: list[inforce.Entry]) -> tuple[Order, Masking | None]:
         """``base`` filtered by ``entries`` and their masking (:func:`streampack.loader.inforce.checked`)."""
