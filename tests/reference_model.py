@@ -252,9 +252,27 @@ class Exclusion:
     mode: str
     documents: dict[int, set[int]] = field(default_factory=dict)
     ranges: list[tuple[int, int]] = field(default_factory=list)
+    steps: list[tuple[int, int]] = field(default_factory=list)  # the trainer's, first and last included
+    counted: list[tuple[int, int]] = field(default_factory=list)  # the positions of ``steps``
 
     def in_ranges(self, position: int) -> bool:
-        return any(start <= position < stop for start, stop in self.ranges)
+        return any(start <= position < stop for start, stop in [*self.ranges, *self.counted])
+
+
+def step_positions(legs: Sequence[tuple[int, int, int]], first: int, last: int) -> list[tuple[int, int]]:
+    """The positions of the trainer's steps ``first`` to ``last``: step ``s`` is in the leg ``(first step,
+    position, positions a step)`` that starts at or before it and before any later leg starts (a resume
+    from an earlier step trains those steps again); the last leg runs on, and steps before the first
+    leg's are counted back from it, down to position 0."""
+    out: list[tuple[int, int]] = []
+    for step in range(first, last + 1):
+        for i, (start, position, stride) in enumerate(legs):
+            later = [other for other, _, _ in legs[i + 1 :]]
+            if (i == 0 or start <= step) and all(step < other for other in later):
+                lo = position + (step - start) * stride
+                if lo + stride > 0:
+                    out.append((max(0, lo), lo + stride))
+    return out
 
 
 class Skipping(Stream):
@@ -510,6 +528,7 @@ class Leg:
     schedule: tuple[tuple[int, int], ...] | None = None
     exclusions: list[Exclusion] = field(default_factory=list)
     mixture: MixLeg | None = None
+    ga: int = 1  # global batches a trainer step takes (gradient accumulation: batches_per_step)
 
 
 @dataclass(frozen=True)
@@ -566,6 +585,7 @@ class Model:
         self.masks: list[Exclusion] = []
         self.given: list[Exclusion] = []  # every exclusion in force, in the order given
         self.position = 0
+        self.step_legs: list[tuple[int, int, int]] = []  # (first step, position, positions a step)
 
     def touches(self, source: int, sample: int) -> set[int]:
         return self.parts[source][1][sample].documents()
@@ -709,14 +729,28 @@ class Model:
                 stream = Skipping(stream, entry, self.touches)
         return stream
 
-    def start_leg(self, leg: Leg, index: int) -> None:
-        """Put the leg's exclusions in force (in the order given) before its first batch.
+    def start_leg(self, leg: Leg, index: int, step: int = 0) -> None:
+        """Put the leg's exclusions in force (in the order given) before its first batch; the trainer is
+        at ``step``.
+
+        Steps name the trainer's steps: counted through the run's legs so far (each leg's steps take
+        ``batch_size * batches_per_step`` positions), the current one running on.
 
         Raises:
-            Refused: the real Loader must refuse the leg (see :meth:`check`).
+            Refused: the real Loader must refuse the leg (see :meth:`check`), or a range of an exclusion
+                lies wholly before the position it takes effect at.
         """
         if leg.mixture is not None:
             self.mix(leg.mixture)
+        self.step_legs.append((step, self.position, self.unit_batch(leg) * leg.ga))
+        for entry in leg.exclusions:
+            counted = [step_positions(self.step_legs, first, last) for first, last in entry.steps]
+            entry.counted = [piece for pieces in counted for piece in pieces]
+            stops = [stop for _, stop in entry.ranges] + [
+                max((s for _, s in pieces), default=0) for pieces in counted
+            ]
+            if index and any(stop <= entry.at for stop in stops):
+                raise Refused("a range wholly before the position the exclusion takes effect at")
         self.check(leg, index)
         self.stream = self.stream_after(leg)
         self.masks += [entry for entry in leg.exclusions if entry.mode == "mask"]

@@ -143,14 +143,17 @@ def runs(draw: st.DrawFn, corpora: dict[str, Corpus]) -> Run:
                 leg_samples = Windows(length, samples.overlap)
                 if not longer:
                     batch = batch * factor
+        ga = draw(st.sampled_from([1, 1, 2, 3]))
         exclusions = []
         if draw(st.integers(0, 2)) == 0:
             mode = "mask" if output != "numpy" and draw(st.booleans()) else "skip"
             docs = draw(st.lists(st.integers(0, len(corpus.docs) - 1), max_size=4))
-            start = position_hint + draw(st.integers(0, 3 * batch))
+            start = draw(st.integers(-2 * batch, 3 * batch))  # from the leg's position (before it: refused)
             ranges = [(start, start + draw(st.integers(1, 2 * batch)))] if draw(st.booleans()) else []
-            exclusions.append(Exclusion(0, mode, {0: set(docs)} if docs else {}, ranges))
-        leg = Leg(leg_samples, batch, world, draw(st.integers(0, 5)), schedule, exclusions)
+            first = draw(st.integers(-2, 4))  # trainer steps from the leg's first (before it: refused)
+            steps = [(first, first + draw(st.integers(0, 2)))] if draw(st.booleans()) else []
+            exclusions.append(Exclusion(0, mode, {0: set(docs)} if docs else {}, ranges, steps))
+        leg = Leg(leg_samples, batch, world, ga * draw(st.integers(0, 3)), schedule, exclusions, ga=ga)
         run.legs.append(leg)
         position_hint += leg.batches * batch
     return run
@@ -237,7 +240,9 @@ def _real_exclusion(entry: Exclusion, names: tuple[str, ...] = ()) -> Exclusions
     documents: Any = sorted(entry.documents.get(0, ()))
     if names:
         documents = {names[source]: sorted(docs) for source, docs in entry.documents.items()}
-    return Exclusions(documents=documents, positions=entry.ranges, mode=entry.mode, at=entry.at)
+    return Exclusions(
+        documents=documents, positions=entry.ranges, steps=entry.steps, mode=entry.mode, at=entry.at
+    )
 
 
 def _same(real: Any, expected: Any, where: str) -> None:
@@ -264,12 +269,17 @@ def check_run(cache: Any, run: Run, plant: bool = False, which_too: bool = False
     for index, leg in enumerate(run.legs):
         for entry in leg.exclusions:
             entry.at = model.position
-            entry.ranges = [(model.position + a, model.position + b) for a, b in entry.ranges]
+            entry.ranges = [
+                (max(0, model.position + a), model.position + b)
+                for a, b in entry.ranges
+                if model.position + b > 0
+            ]
+            entry.steps = [(max(0, step + a), step + b) for a, b in entry.steps if step + b >= 0]
         try:
-            model.start_leg(leg, index)
+            model.start_leg(leg, index, step)
         except Refused:
             with pytest.raises((OptionsError, LoaderStateError)):
-                _loader(cache, run, leg, 0, model, state, [*model.given, *leg.exclusions])
+                _loader(cache, run, leg, 0, model, state, [*model.given, *leg.exclusions], step=step)
             return
         saved = []
         for rank in range(leg.world_size):
@@ -288,7 +298,7 @@ def check_run(cache: Any, run: Run, plant: bool = False, which_too: bool = False
         if state is not None:
             states.append((state, step))
         state = json.loads(saved[0])
-        step += len(served)
+        step += -(-len(served) // leg.ga)
         model.advance(leg)
         assert state["position"] == model.position
     if state is None:
@@ -407,6 +417,7 @@ def _loader(
         )
     if state is not None:
         loader.load_state_dict(state, step=step)
+    loader.batches_per_step = leg.ga  # as the trainer adapters set it, after the resume
     return loader
 
 
