@@ -72,6 +72,7 @@ class Corpus:
         self, docs: tuple[tuple[int, ...], ...], marks: tuple[tuple[bool, ...], ...] | None, eos: int | None
     ) -> None:
         self.docs, self.marks, self.eos = docs, marks, eos
+        self.records: dict[str, int | None] = {}  # input record -> the document it made (record_documents)
 
     @classmethod
     def read(cls, cache: Any) -> Corpus:
@@ -88,6 +89,36 @@ class Corpus:
     def mark(self, doc: int, token: int) -> bool:
         """Whether token ``token`` of document ``doc`` is a training target (always, without marks)."""
         return True if self.marks is None else self.marks[doc][token]
+
+
+def record_documents(paths: Sequence[str], corpus: Corpus, fields: Sequence[str]) -> dict[str, int | None]:
+    """Each input record, named as ``streampack which`` names it (``path:line`` for JSON Lines, lines
+    from 1; ``path[row]`` for Parquet), with the document it made (None: it made none).
+
+    Read with ``json`` and ``pyarrow`` alone, for a cache built with the bytes tokenizer: a record makes
+    the next document when its fields' UTF-8 bytes and the EOS are that document's tokens.
+    """
+    import json
+
+    import pyarrow.parquet as pq
+
+    records: list[tuple[str, dict[str, Any]]] = []
+    for path in paths:
+        if path.endswith(".parquet"):
+            rows = pq.read_table(path).to_pylist()
+            records += [(f"{path}[{row}]", record) for row, record in enumerate(rows)]
+        else:
+            with open(path, encoding="utf-8") as file:
+                records += [(f"{path}:{n}", json.loads(line)) for n, line in enumerate(file, 1)]
+    out: dict[str, int | None] = {}
+    doc = 0
+    for name, record in records:
+        tokens = [b for f in fields for b in str(record.get(f) or "").encode()] + [corpus.eos]
+        made = doc < len(corpus.docs) and list(corpus.docs[doc]) == tokens and len(tokens) > 1
+        out[name] = doc if made else None
+        doc += made
+    assert doc == len(corpus.docs), "every document is a record's"
+    return out
 
 
 # --- samples ------------------------------------------------------------------------------------------
@@ -254,6 +285,12 @@ class Exclusion:
     ranges: list[tuple[int, int]] = field(default_factory=list)
     steps: list[tuple[int, int]] = field(default_factory=list)  # the trainer's, first and last included
     counted: list[tuple[int, int]] = field(default_factory=list)  # the positions of ``steps``
+    records: dict[int, list[str]] = field(default_factory=dict)  # input records, by source
+    made: dict[int, set[int]] = field(default_factory=dict)  # the documents ``records`` made
+
+    def named(self, source: int) -> set[int]:
+        """The documents it names in ``source``: by index, and by the records that made them."""
+        return self.documents.get(source, set()) | self.made.get(source, set())
 
     def in_ranges(self, position: int) -> bool:
         return any(start <= position < stop for start, stop in [*self.ranges, *self.counted])
@@ -289,8 +326,7 @@ class Skipping(Stream):
 
     def _excluded(self, position: int) -> bool:
         source, sample = self.base(position)
-        named = self.entry.documents.get(source, set())
-        return bool(named & self.touches(source, sample)) or self.entry.in_ranges(position)
+        return bool(self.entry.named(source) & self.touches(source, sample)) or self.entry.in_ranges(position)
 
     def _walk_until(self, done: Callable[[], bool]) -> None:
         while not done():
@@ -490,8 +526,7 @@ def as_dict(rows: Sequence[Row], masks: Sequence[Exclusion], output: str, column
             position_ids[start : start + count] = range(count)
             label[start] = IGNORE
             masked = doc < 0 or any(
-                position >= e.at and (doc in e.documents.get(source, set()) or e.in_ranges(position))
-                for e in masks
+                position >= e.at and (doc in e.named(source) or e.in_ranges(position)) for e in masks
             )
             for column in range(start, start + count):
                 if masked or not row.marks[column]:
@@ -627,26 +662,6 @@ class Model:
         )
         self.stream = self.relayered(base)
 
-    def fresh_mixture(self, leg: Leg) -> Stream:
-        """The stream of ``leg``'s mixture from position 0, under every exclusion it is given: what its
-        Loader checks when it is made."""
-        spec, mix = self.run.mix, leg.mixture
-        assert spec is not None and mix is not None
-        parts = [_samples(*self.run.sources[n]) for n in mix.names]
-        stream: Stream = Mixed(
-            [len(samples) for samples in parts],
-            [derived_seed(spec.seed, f"source:{n}") for n in mix.names],
-            seed=spec.seed,
-            shuffle=spec.shuffle,
-            block_size=spec.block_size,
-            schedule=stage_schedule(mix.stages, mix.names, spec.block_size),
-            stop=spec.stop,
-        )
-        for entry in [*self.given, *leg.exclusions]:
-            if entry.mode == "skip":
-                stream = Skipping(stream, entry, lambda source, i: parts[source][i].documents())
-        return stream
-
     def base(self) -> Stream:
         stream = self.stream
         while isinstance(stream, Skipping):
@@ -676,28 +691,18 @@ class Model:
     def check(self, leg: Leg, index: int) -> None:
         """Raise :class:`Refused` where the real Loader must refuse ``leg`` (the model's refusals).
 
-        A Loader checks its last batch when it is made (from position 0 of its own samples, with the
-        exclusions it is given at their positions) and again at a resume (from the checkpoint's position).
+        A Loader refuses a dataset smaller than a batch when it is made, a checkpoint of units it cannot
+        serve when it resumes, and, before its first batch (from the position the resume put it at), a
+        last batch that leaves some rank none.
         """
         run, unit = self.run, self.units
         if run.mix is not None:
-            if not run.drop_last and leg.mixture is not None:
-                _check_last_batch(self.fresh_mixture(leg).end, 0, leg.batch_size, leg.world_size)
-                if index:
-                    end = self.stream_after(leg).end
-                    _check_last_batch(end, self.position, leg.batch_size, leg.world_size)
+            if not run.drop_last:
+                _check_last_batch(self.stream_after(leg).end, self.position, leg.batch_size, leg.world_size)
             return
         own = _samples(run.corpus, leg.samples)
         if not own or (run.drop_last and len(own) < leg.batch_size):
             raise Refused("fewer samples than one global batch")
-        if run.epochs is not None and not run.drop_last:
-            stream: Stream = Shuffled(len(own), run.seed, run.shuffle, run.epochs)
-            for entry in [*self.given, *leg.exclusions]:
-                if entry.mode == "skip":
-                    stream = Skipping(stream, entry, lambda _s, i: own[i].documents())
-            _check_last_batch(stream.end, 0, leg.batch_size, leg.world_size)
-        if index == 0:
-            return
         if leg.samples != unit:
             if not (isinstance(unit, Windows) and isinstance(leg.samples, Windows)):
                 raise Refused("another layout")
@@ -718,7 +723,7 @@ class Model:
                 raise Refused("joining units whose windows overlap, or with no labels to mask the joins")
             if run.drop_last and len(self.unit_samples) < tokens // unit.seq_len:
                 raise Refused("fewer units than one global batch")
-        if not run.drop_last:
+        if not run.drop_last:  # before the first batch
             _check_last_batch(self.stream_after(leg).end, self.position, self.unit_batch(leg), leg.world_size)
 
     def stream_after(self, leg: Leg) -> Stream:
@@ -744,6 +749,11 @@ class Model:
             self.mix(leg.mixture)
         self.step_legs.append((step, self.position, self.unit_batch(leg) * leg.ga))
         for entry in leg.exclusions:
+            for source, names in entry.records.items():
+                made = [self.parts[source][0].records[name] for name in names]
+                if None in made:
+                    raise Refused("a record that made no document")
+                entry.made[source] = {doc for doc in made if doc is not None}
             counted = [step_positions(self.step_legs, first, last) for first, last in entry.steps]
             entry.counted = [piece for pieces in counted for piece in pieces]
             stops = [stop for _, stop in entry.ranges] + [

@@ -84,8 +84,9 @@ def test_ranks_see_every_sample_once_with_equal_batch_counts(
 ) -> None:
     batch_size = world * rows
     if leaves_a_rank_empty(n, batch_size, world):
+        loader = Loader(IndexSource(n), batch_size=batch_size, world_size=world, drop_last=False, epochs=1)
         with pytest.raises(OptionsError, match="ranks an empty last batch"):
-            Loader(IndexSource(n), batch_size=batch_size, world_size=world, drop_last=False, epochs=1)
+            next(iter(loader))  # checked before the first batch: a resume would first move the position
         return
     per_rank = []
     for rank in range(world):
@@ -166,14 +167,15 @@ def test_steps_per_epoch_and_the_last_partial_batch() -> None:
 def test_drop_last_false_refuses_a_last_batch_with_fewer_rows_than_ranks() -> None:
     # 1,257 samples in global batches of 8 leave 1 for the last batch: 7 of 8 ranks would get 0 rows.
     for rank in (0, 7):
+        loader = Loader(IndexSource(1257), batch_size=8, world_size=8, rank=rank, drop_last=False, epochs=1)
         with pytest.raises(OptionsError) as refused:
-            Loader(IndexSource(1257), batch_size=8, world_size=8, rank=rank, drop_last=False, epochs=1)
+            loader.batch(0)
         message = str(refused.value)
         assert "7 of the 8 ranks an empty last batch" in message and "1257 mod 8 = 1 sample" in message
         assert "world_size=8" in message and "drop_last=True" in message and "batch_size=16" in message
     assert isinstance(refused.value, ValueError)
     with pytest.raises(OptionsError, match=r"5 mod 8 = 5 samples.*Use fewer ranks, or more samples"):
-        Loader(IndexSource(5), batch_size=8, world_size=8, drop_last=False, epochs=1)
+        next(iter(Loader(IndexSource(5), batch_size=8, world_size=8, drop_last=False, epochs=1)))
     # Allowed: an endless run (no last batch), one rank, drop_last=True, or a batch size whose remainder
     # (1257 mod 16 = 9) covers the ranks.
     assert Loader(IndexSource(1257), batch_size=8, world_size=8, drop_last=False).position == 0

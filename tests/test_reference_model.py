@@ -39,6 +39,7 @@ from .reference_model import (
     Whole,
     Windows,
     _samples,
+    record_documents,
 )
 
 WORDS = ["data", "token", "cache", "loader", "rank", "shard", "a", "of", "the", "epoch", "ünï", "漢字"]
@@ -81,7 +82,9 @@ def caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Cor
         options: dict[str, Any] = {"fields": ["prompt", "response"], "on_bad_record": "skip"} if sft else {}
         streampack.build(inputs, root / "cache", progress=False, **options)
         cache = streampack.open(root / "cache")
-        out[name] = (cache, Corpus.read(cache))
+        corpus = Corpus.read(cache)
+        corpus.records = record_documents(inputs, corpus, options.get("fields", ["text"]))
+        out[name] = (cache, corpus)
     return out
 
 
@@ -152,7 +155,10 @@ def runs(draw: st.DrawFn, corpora: dict[str, Corpus]) -> Run:
             ranges = [(start, start + draw(st.integers(1, 2 * batch)))] if draw(st.booleans()) else []
             first = draw(st.integers(-2, 4))  # trainer steps from the leg's first (before it: refused)
             steps = [(first, first + draw(st.integers(0, 2)))] if draw(st.booleans()) else []
-            exclusions.append(Exclusion(0, mode, {0: set(docs)} if docs else {}, ranges, steps))
+            named = draw(st.lists(st.sampled_from(sorted(corpus.records)), max_size=3))
+            exclusions.append(
+                Exclusion(0, mode, {0: set(docs)} if docs else {}, ranges, steps, records={0: named})
+            )
         leg = Leg(leg_samples, batch, world, ga * draw(st.integers(0, 3)), schedule, exclusions, ga=ga)
         run.legs.append(leg)
         position_hint += leg.batches * batch
@@ -237,11 +243,21 @@ def _real_samples(cache: Any, samples: Windows | Whole) -> Any:
 
 
 def _real_exclusion(entry: Exclusion, names: tuple[str, ...] = ()) -> Exclusions:
-    documents: Any = sorted(entry.documents.get(0, ()))
+    """What the run's Loader is given: documents by index, records by name."""
+    named = {source: set(records) for source, records in entry.records.items() if records}
+    by_index = entry.documents
+    documents: Any = sorted(by_index.get(0, ()))
+    records: Any = sorted(named.get(0, ()))
     if names:
-        documents = {names[source]: sorted(docs) for source, docs in entry.documents.items()}
+        documents = {names[source]: sorted(docs) for source, docs in by_index.items() if docs}
+        records = {names[source]: sorted(r) for source, r in named.items()}
     return Exclusions(
-        documents=documents, positions=entry.ranges, steps=entry.steps, mode=entry.mode, at=entry.at
+        documents=documents,
+        records=records,
+        positions=entry.ranges,
+        steps=entry.steps,
+        mode=entry.mode,
+        at=entry.at,
     )
 
 
@@ -278,8 +294,9 @@ def check_run(cache: Any, run: Run, plant: bool = False, which_too: bool = False
         try:
             model.start_leg(leg, index, step)
         except Refused:
-            with pytest.raises((OptionsError, LoaderStateError)):
-                _loader(cache, run, leg, 0, model, state, [*model.given, *leg.exclusions], step=step)
+            with pytest.raises((OptionsError, LoaderStateError)):  # made, resumed, or its first batch
+                given = [*model.given, *leg.exclusions]
+                next(iter(_loader(cache, run, leg, 0, model, state, given, step=step)))
             return
         saved = []
         for rank in range(leg.world_size):

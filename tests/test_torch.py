@@ -85,8 +85,9 @@ def test_drop_last_false_never_hands_a_rank_an_empty_batch(tmp_path: Path) -> No
     seqs = streampack.open(
         write_cache(tmp_path / "c", [(tokens, np.arange(1, len(tokens) + 1))], vocab_size=2000, eos_id=1999)
     ).sequences(SEQ_LEN)
+    refused = Loader(seqs, batch_size=8, world_size=8, drop_last=False, epochs=1)
     with pytest.raises(OptionsError, match=r"7 of the 8 ranks an empty last batch.*1257 mod 8 = 1 sample"):
-        Loader(seqs, batch_size=8, world_size=8, drop_last=False, epochs=1)
+        next(iter(DataLoader(refused)))
     # batch_size=16 leaves 9 rows: every rank gets 1 or 2, through DataLoader workers too.
     per_rank = []
     for rank in range(8):

@@ -111,8 +111,10 @@ class Loader(Checkpointed):
         TypeError: ``source`` cannot be read a batch of indices at a time, or a keyword names no option.
         OptionsError: (a ``ValueError``) an option is not allowed alone or with the source and order
             (:func:`~streampack.loader.given.given` lists each case), ``output="dict"`` does not fit the
-            samples, or ``drop_last=False`` would give some rank an empty last batch
-            (:func:`~streampack.loader.options.check_last_batch`). Each message names the fix.
+            samples. Each message names the fix. Before its first batch (or at a resume): ``drop_last=False``
+            would give some rank an empty last batch from its position
+            (:func:`~streampack.loader.options.check_last_batch`), or an exclusion's range lies wholly
+            before where it takes effect.
     """
 
     _prefetcher: Prefetcher | None = None  # started by the first batch read from object storage
@@ -146,8 +148,10 @@ class Loader(Checkpointed):
         self._excluded_docs: inforce.Found = {}
         if self._exclude_given:  # their ranges are checked once the run's history is known (a resume)
             self._enforce([inforce.placed(e, e.at or 0, self._counting()) for e in self._exclude_given])
-        self._check_last_batch()
+        # The run's last batch is checked before the first batch (a resume first moves the position).
+        self._ahead_checked = False
         if self._reach is not None:  # what it knows now, which the view opened above holds
+            self._check_last_batch()
             self._reach.grow(0, self._check_last_batch)
             self._reach.readable = self._reach.known
         self._history = (self._entry(0, None),)

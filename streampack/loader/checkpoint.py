@@ -36,7 +36,7 @@ class Checkpointed(Steps):
     the order it was configured with and the base order the exclusions filter.
     """
 
-    _ahead_checked = True  # the exclusions from the position on were checked (see _check_ahead)
+    _ahead_checked = True  # the run from the position on was checked (see _check_ahead)
     # No exclusions, no history: what a loader unpickled from an earlier version holds.
     _exclude_given: Sequence[Exclusions] = ()
     _in_force: Sequence[inforce.Entry] = ()
@@ -257,9 +257,15 @@ class Checkpointed(Steps):
         self._rows.forget()
 
     def _check_ahead(self) -> None:
-        """Before a batch is served: refuse an exclusion that takes effect from here on and whose steps or
-        positions all lie before that (its steps are counted for good once batches are served; until
-        then a resume may count them again)."""
+        """Before a batch is served (once, until a resume or an exclusion changes the run): refuse a last
+        batch that leaves a rank none, and an exclusion that takes effect from here on whose steps or
+        positions all lie before that. A loader made to resume a checkpoint is judged from the
+        checkpoint's position, with the steps counted through its history, not from position 0.
+
+        Raises:
+            OptionsError: either; the message names the numbers and the fixes.
+        """
+        self._check_last_batch()
         inforce.reaching([entry for entry in self._in_force if entry[1] >= self._position])
         self._ahead_checked = True
 
