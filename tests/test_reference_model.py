@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -261,6 +262,13 @@ def _real_exclusion(entry: Exclusion, names: tuple[str, ...] = ()) -> Exclusions
     )
 
 
+def _as_numpy(batch: Any) -> Any:
+    """A DataLoader's batch (a tensor, or a dict of tensors and ints) as the Loader's numpy."""
+    if isinstance(batch, dict):
+        return {key: value if isinstance(value, int) else value.numpy() for key, value in batch.items()}
+    return batch.numpy()
+
+
 def _same(real: Any, expected: Any, where: str) -> None:
     if isinstance(expected, np.ndarray):
         assert isinstance(real, np.ndarray), where
@@ -274,10 +282,13 @@ def _same(real: Any, expected: Any, where: str) -> None:
         assert got == value, f"{where}: {key} differs:\n real {got}\n model {value}"
 
 
-def check_run(cache: Any, run: Run, plant: bool = False, which_too: bool = False) -> None:
+def check_run(
+    cache: Any, run: Run, plant: bool = False, which_too: bool = False, workers: Sequence[int] | None = None
+) -> None:
     """Run ``run`` on the real Loader, leg by leg and rank by rank, against the model; then audit it:
     clean, and (``plant``) not clean once a resume replays or skips a leg. With ``which_too``, ``which``
-    must name where every document of one batch a leg of the run serves sits."""
+    must name where every document of one batch a leg of the run serves sits. With ``workers`` (one
+    count a leg), each rank reads through a ``streampack.torch.DataLoader`` with that many workers."""
     model = Model(run)
     state: dict[str, Any] | None = None
     states: list[tuple[dict[str, Any], int]] = []  # (state, trainer step) at each resume
@@ -301,7 +312,14 @@ def check_run(cache: Any, run: Run, plant: bool = False, which_too: bool = False
         saved = []
         for rank in range(leg.world_size):
             loader = _loader(cache, run, leg, rank, model, state, step=step)
-            served = list(islice(iter(loader), leg.batches))
+            if workers is None:
+                served = list(islice(iter(loader), leg.batches))
+            else:  # the rank's batches through real DataLoader worker processes, in order
+                from streampack.torch import DataLoader
+
+                data = DataLoader(loader, num_workers=workers[index])
+                served = [_as_numpy(batch) for batch in islice(iter(data), leg.batches)]
+                loader = data  # its state is the batches it handed out
             expected = model.batches(leg, rank)
             assert len(served) == len(expected), (
                 f"leg {index} rank {rank}: {len(served)} batches, model {len(expected)}"
@@ -479,3 +497,29 @@ def test_random_mixture_runs_serve_what_the_model_says(caches: dict) -> None:
         )
 
     check()
+
+
+# Runs read through real DataLoader worker processes (a few: each starts processes), with other worker
+# counts at each resume. (A leg's workers, its world size and the run's settings.)
+WORKER_RUNS = [
+    ("plain", "dict", [(Windows(16), 4, 2, 3, 2), (Windows(8), 8, 1, 4, 2), (Windows(16), 2, 1, 2, 0)]),
+    ("sft", "numpy", [(Whole(32, packed=True, too_long="split"), 6, 3, 4, 2), (None, 3, 1, 5, 1)]),
+    ("plain", "varlen", [(Whole(64, packed=False, too_long="truncate"), 2, 1, 5, 1), (None, 4, 2, 3, 2)]),
+]
+
+
+@pytest.mark.parametrize(("name", "output", "legs"), WORKER_RUNS)
+def test_dataloader_workers_serve_what_the_model_says(
+    caches: dict, name: str, output: str, legs: list
+) -> None:
+    """Each rank's batches through ``streampack.torch.DataLoader`` workers (0-2, another count at every
+    resume, with an exclusion put in force at the first resume) are the model's, in order."""
+    pytest.importorskip("torch")
+    cache, corpus = caches[name]
+    run = Run(corpus, seed=11, shuffle=True, epochs=None, drop_last=True, output=output, legs=[])
+    samples = legs[0][0]
+    for index, (made, batch, world, batches, _) in enumerate(legs):
+        mode = "mask" if output != "numpy" else "skip"
+        exclusions = [Exclusion(0, mode, {0: {1, 2, 3}}, [(2, 5)])] if index == 1 else []
+        run.legs.append(Leg(made or samples, batch, world, batches, None, exclusions))
+    check_run(cache, run, workers=[leg[4] for leg in legs])
