@@ -339,9 +339,10 @@ def build(
         resumed = (
             f" (resumed: {summary.units_already_done} units already done, {summary.units_resumed} partial)"
         )
+    shards = f"{summary.num_shards} shard{'s' if summary.num_shards != 1 else ''}"
     click.echo(
-        f"built {summary.out}: {summary.num_docs:,} documents, {summary.num_tokens:,} tokens in "
-        f"{summary.num_shards} shards, {summary.seconds:.1f} s{resumed}"
+        f"built {summary.out}: {summary.num_docs:,} documents, {summary.num_tokens:,} tokens in {shards}, "
+        f"{summary.seconds:.1f} s{resumed}"
     )
     if summary.tokenizer_engine:
         click.echo(f"tokenizer engine: {summary.tokenizer_engine}")
