@@ -1,8 +1,10 @@
-"""Every Python example of the README and docs/ runs, as written, on small real caches.
+"""Every Python example of the README and docs/ (the docs site's pages, guides included) runs, as written,
+on small real caches.
 
 The examples of one file run in order in one interpreter (a later example may use an earlier one's
 names, as a reader would), in a folder holding what they name: ``cache/``, ``sft-cache/``, ``tok/``,
-``tokenizer.json``, ``a.jsonl.gz``, ``b.parquet``, ``caches/{web,code,math}/``. Only the step counts of the
+``chat-tok/`` (GPT-2 and the ChatML template of ``docs/examples/``), ``tokenizer.json``, ``a.jsonl.gz``,
+``b.parquet``, ``caches/{web,code,math}/``. Only the step counts of the
 training examples are cut (``STEPS``): the rest runs verbatim. An example that cannot run here is marked
 in its file by ``<!-- example: skip (why) -->`` on the line before it.
 """
@@ -23,7 +25,7 @@ import pytest
 from tests.conftest import SAMPLE_CORPUS, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"(?P<mark><!-- example: skip \((?P<why>[^)]*)\) -->\n)?```python\n(?P<code>.*?)```", re.S)
 #: Training examples show a real run's length on a GPU; here each trains two steps on the CPU (TRL's
 #: config asks for bf16 by default, which a CPU refuses).
@@ -61,6 +63,9 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, gpt2_tokenizer: Path) ->
     shutil.copy(gpt2_tokenizer, here / "tokenizer.json")
     (here / "tok").mkdir()
     shutil.copy(gpt2_tokenizer, here / "tok" / "tokenizer.json")
+    (here / "chat-tok").mkdir()
+    shutil.copy(gpt2_tokenizer, here / "chat-tok" / "tokenizer.json")
+    shutil.copy(ROOT / "docs" / "examples" / "chat_template.jinja", here / "chat-tok")
     (here / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     with gzip.open(here / "a.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts[:20])

@@ -193,7 +193,10 @@ def convert(
         source: what :func:`streampack.open` takes: a Megatron prefix, a folder of llm.c, datatrove, OLMo
             or MDS shards, a nanoGPT ``train.bin``, or a cache.
         out: the cache directory to create (or an fsspec URL).
-        overwrite, progress, storage_options, durable: as for :func:`export`.
+        overwrite: as for :func:`export`.
+        progress: as for :func:`export`.
+        storage_options: as for :func:`export`.
+        durable: as for :func:`export`.
         shard_tokens: tokens a shard of the new cache holds at most (cut between documents).
         **declared: what the files do not say, as :func:`streampack.open` takes it (``format``, ``eos_id``,
             ``bos_id``, ``dtype``, ``tokenizer``, ``vocab_size``).
