@@ -462,6 +462,20 @@ def test_a_vocabulary_too_large_for_the_dtype_is_refused(tmp_path: Path) -> None
     np.testing.assert_array_equal(np.fromfile(tmp_path / "n" / "train.bin", dtype="<u4"), tokens)
 
 
+def test_megatron_refusal_of_an_undeclared_uint32_vocabulary_says_to_declare_it(tmp_path: Path) -> None:
+    """Another format's uint32 files record no vocabulary: theirs is 2**32 ids, more than Megatron's int32
+    holds, and the refusal names vocab_size= (not dtype="int32", the dtype it had chosen)."""
+    tokens = np.array([1, 70000, 100257, 5, 100257], dtype="<u4")
+    tokens.tofile(tmp_path / "train.bin")
+    opened = streampack.open(tmp_path / "train.bin", eos_id=100257, dtype="uint32")
+    with pytest.raises(OptionsError, match=r"no wider token dtype.*open the cache with vocab_size=") as e:
+        opened.export("megatron", tmp_path / "m")
+    assert 'Use dtype="optimal" or "int32"' not in str(e.value)
+    declared = streampack.open(tmp_path / "train.bin", eos_id=100257, dtype="uint32", vocab_size=100277)
+    declared.export("megatron", tmp_path / "m")
+    assert [d.tolist() for d in docs_of(streampack.open(tmp_path / "m"))] == [[1, 70000, 100257], [5, 100257]]
+
+
 def _foreign_with_ids_above_its_vocabulary(tmp_path: Path) -> streampack.Cache:
     """A nanoGPT uint32 file (GPT-2 ids, EOS 50256) declared as GPT-2's 50,257 ids, holding 70000 and 3e9."""
     tokens = np.array([1, 2, 50256, 70000, 5, 50256, 6, 3_000_000_000, 50256], dtype="<u4")
