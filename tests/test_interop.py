@@ -442,6 +442,38 @@ def test_a_loss_mask_into_megatron_is_refused(sft: streampack.Cache, tmp_path: P
     assert (tmp_path / "m.idx").exists()
 
 
+def test_nanogpt_refuses_a_cache_without_an_eos(tmp_path: Path) -> None:
+    """nanoGPT's files keep boundaries as the EOS ids alone: a BOS cache (or one with neither) would open as
+    one document."""
+    src = tmp_path / "docs.txt"
+    src.write_text("first document\nsecond one\n")
+    streampack.build(src, tmp_path / "bos", split_lines=True, eos=False, bos_id=256)
+    streampack.build(src, tmp_path / "none", split_lines=True, eos=False)
+    for name in ("bos", "none"):
+        with pytest.raises(OptionsError, match=r"appends no EOS, and nanoGPT's files keep document"):
+            streampack.open(tmp_path / name).export("nanogpt", tmp_path / f"{name}-n")
+        assert not (tmp_path / f"{name}-n").exists()
+    streampack.open(tmp_path / "bos").export("llmc", tmp_path / "bos-l")  # the delimiter keeps them
+    assert streampack.open(tmp_path / "bos-l").num_docs == 2
+
+
+def test_olmo_and_nanogpt_refuse_a_cache_whose_bos_is_its_eos(tmp_path: Path) -> None:
+    """A build with ``bos_id`` its EOS: a reader that ends a document at each EOS ends one at each BOS too
+    (OLMo's files read back as ``[EOS]``, ``[tokens, EOS]``, which verify refused)."""
+    src = tmp_path / "docs.txt"
+    src.write_text("first document\nsecond one\n")
+    streampack.build(src, tmp_path / "c", split_lines=True, bos_id=256)  # the bytes tokenizer's EOS is 256
+    cache = streampack.open(tmp_path / "c")
+    assert cache.bos_id == cache.eos_id == 256
+    for format in ("olmo", "nanogpt"):
+        with pytest.raises(OptionsError, match=r"the cache's BOS is its EOS \(256\)"):
+            cache.export(format, tmp_path / format)
+        assert not (tmp_path / format).exists()
+    cache.export("datatrove", tmp_path / "dt")  # an index keeps them
+    opened = streampack.open(tmp_path / "dt", eos_id=256, bos_id=256)
+    assert [d.tolist() for d in docs_of(opened)] == [d.tolist() for d in docs_of(cache)]
+
+
 def test_a_vocabulary_too_large_for_the_dtype_is_refused(tmp_path: Path) -> None:
     tokens = np.array([1, 99999, 70000, 99999], dtype=np.uint32)
     cache = streampack.open(
@@ -453,6 +485,20 @@ def test_a_vocabulary_too_large_for_the_dtype_is_refused(tmp_path: Path) -> None
         cache.export("megatron", tmp_path / "m", dtype="uint16")
     cache.export("nanogpt", tmp_path / "n", dtype="cache")
     np.testing.assert_array_equal(np.fromfile(tmp_path / "n" / "train.bin", dtype="<u4"), tokens)
+
+
+def test_megatron_refusal_of_an_undeclared_uint32_vocabulary_says_to_declare_it(tmp_path: Path) -> None:
+    """Another format's uint32 files record no vocabulary: theirs is 2**32 ids, more than Megatron's int32
+    holds, and the refusal names vocab_size= (not dtype="int32", the dtype it had chosen)."""
+    tokens = np.array([1, 70000, 100257, 5, 100257], dtype="<u4")
+    tokens.tofile(tmp_path / "train.bin")
+    opened = streampack.open(tmp_path / "train.bin", eos_id=100257, dtype="uint32")
+    with pytest.raises(OptionsError, match=r"no wider token dtype.*open the cache with vocab_size=") as e:
+        opened.export("megatron", tmp_path / "m")
+    assert 'Use dtype="optimal" or "int32"' not in str(e.value)
+    declared = streampack.open(tmp_path / "train.bin", eos_id=100257, dtype="uint32", vocab_size=100277)
+    declared.export("megatron", tmp_path / "m")
+    assert [d.tolist() for d in docs_of(streampack.open(tmp_path / "m"))] == [[1, 70000, 100257], [5, 100257]]
 
 
 def _foreign_with_ids_above_its_vocabulary(tmp_path: Path) -> streampack.Cache:

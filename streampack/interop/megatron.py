@@ -98,7 +98,16 @@ def token_dtype(cache: Cache, options: Options) -> np.dtype:
 def check(cache: Cache, options: Options) -> None:
     """Refuse a loss mask, and ids the chosen dtype cannot hold."""
     refuse_loss_mask(cache, "megatron", options.drop_loss_mask)
-    check_ids_fit(cache, token_dtype(cache, options), "megatron", 'Use dtype="optimal" or "int32".')
+    dtype = token_dtype(cache, options)
+    if dtype.itemsize < 4:
+        keeps = 'Use dtype="optimal" or "int32".'
+    else:  # Megatron has no wider dtype; another format's files have their dtype's vocabulary unless told
+        keeps = (
+            "Megatron has no wider token dtype. If the ids are of a smaller vocabulary (files that do not "
+            "record theirs have their dtype's), open the cache with vocab_size= (--vocab-size) the "
+            "tokenizer's, then export it."
+        )
+    check_ids_fit(cache, dtype, "megatron", keeps)
 
 
 def write(

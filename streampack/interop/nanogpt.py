@@ -8,8 +8,10 @@ documents (:meth:`streampack.Cache.split`, seeded by ``split_seed``) into ``val.
 evaluation reads; both files are written in one pass over the shards. ``meta.pkl`` holds
 ``{"vocab_size": ...}``, which ``train.py`` reads to size the model.
 
-Document boundaries survive only as the EOS ids in the stream; ``train.py`` reads uint16 only, so a
-vocabulary above 65,536 ids is refused unless ``dtype="cache"`` (then edit ``train.py``'s dtype).
+Document boundaries survive only as the EOS ids in the stream, so a cache without an EOS is refused, and
+so is one whose BOS is its EOS (each BOS would end a document when the file is read); ``train.py`` reads
+uint16 only, so a vocabulary above 65,536 ids is refused unless ``dtype="cache"`` (then edit ``train.py``'s
+dtype).
 
 **Reading** (``streampack.open(PATH)``): PATH is a folder with ``train.bin`` (its ``val.bin`` is not
 read: open ``PATH/val.bin`` for it), or one headerless ``.bin`` file (one that does not start with an llm.c
@@ -86,8 +88,21 @@ class Options:
 
 
 def check(cache: Cache, options: Options) -> None:
-    """Refuse a loss mask, and a vocabulary that uint16 cannot hold (unless ``dtype="cache"``)."""
+    """Refuse a loss mask, a vocabulary that uint16 cannot hold (unless ``dtype="cache"``), and a cache
+    whose documents the EOS ids do not delimit (no EOS, or a BOS that is the EOS)."""
     refuse_loss_mask(cache, "nanogpt", options.drop_loss_mask)
+    if cache.eos_id is None:
+        raise OptionsError(
+            f"{cache.root}: the cache appends no EOS, and nanoGPT's files keep document boundaries as the "
+            "EOS ids alone: they would be lost. Rebuild with an EOS, or export to llmc (a delimiter "
+            "before each document), megatron or datatrove"
+        )
+    if cache.bos_id == cache.eos_id:
+        raise OptionsError(
+            f"{cache.root}: the cache's BOS is its EOS ({cache.eos_id}), and nanoGPT's files keep document "
+            "boundaries as the EOS ids alone: each BOS would end a document too when they are read. "
+            "Rebuild without bos_id, or export to llmc, megatron or datatrove"
+        )
     if options.dtype == "uint16":
         check_ids_fit(
             cache,

@@ -15,7 +15,8 @@ What allenai/OLMo-core ``src/olmo_core/data/numpy_dataset.py`` (``NumpyDatasetCo
   ``eos_token_id``, ``bos_token_id``, ``vocab_size``; and the cache's ``num_docs`` and ``num_tokens``,
   which a reader checks the files against (written last: the export's index).
 
-One file per non-empty shard. OLMo-core finds documents by their EOS, so a cache without one is refused.
+One file per non-empty shard. OLMo-core finds documents by their EOS, so a cache without one is refused, and
+so is one whose BOS is its EOS (each BOS would end a document too).
 
 **Reading** (``streampack.open(PATH)``): PATH is a folder with ``olmo.json`` (an export's: its ``paths``,
 ``label_mask_paths``, ``dtype``, ``eos_token_id``, ``bos_token_id`` and ``vocab_size``, the paths relative
@@ -76,11 +77,17 @@ def mask_file(index: int) -> str:
 
 
 def check(cache: Cache, options: Options) -> None:
-    """Refuse a cache without an EOS: OLMo-core finds documents at the EOS ids."""
+    """Refuse a cache without an EOS, or whose BOS is its EOS: OLMo-core finds documents at the EOS ids."""
     if cache.eos_id is None:
         raise OptionsError(
             f"{cache.root}: the cache appends no EOS, and OLMo-core finds documents at the EOS ids: the "
             "document boundaries would be lost. Rebuild with an EOS, or export to megatron, datatrove or hf"
+        )
+    if cache.bos_id == cache.eos_id:
+        raise OptionsError(
+            f"{cache.root}: the cache's BOS is its EOS ({cache.eos_id}), and OLMo-core ends a document at "
+            "each EOS id: each BOS would end one too, every document read as two. Rebuild without bos_id, "
+            "or export to megatron, datatrove or hf, which keep boundaries in an index"
         )
 
 
