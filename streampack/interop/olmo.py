@@ -52,7 +52,14 @@ from streampack.interop.filechecks import check_id_fits
 from streampack.interop.files import map_tokens
 from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard
 from streampack.interop.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
-from streampack.interop.writing import Progress, shard_docs, shard_mask, write_tokens
+from streampack.interop.writing import (
+    Progress,
+    inner_token,
+    may_hold_specials,
+    shard_docs,
+    shard_mask,
+    write_tokens,
+)
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -88,6 +95,14 @@ def check(cache: Cache, options: Options) -> None:
             f"{cache.root}: the cache's BOS is its EOS ({cache.eos_id}), and OLMo-core ends a document at "
             "each EOS id: each BOS would end one too, every document read as two. Rebuild without bos_id, "
             "or export to megatron, datatrove or hf, which keep boundaries in an index"
+        )
+    if may_hold_specials(cache) and (found := inner_token(cache, cache.eos_id)) is not None:
+        doc, position = found
+        raise OptionsError(
+            f"{cache.root}: document {doc} holds the EOS id {cache.eos_id} at its token {position}, not only "
+            "at its end (a chat template's end of turn, or special tokens parsed in the text), and OLMo-core "
+            "ends a document at each EOS id: it would be read cut there. Export to megatron, datatrove or "
+            "hf, which keep boundaries in an index"
         )
 
 

@@ -252,6 +252,31 @@ class Progress:
             self.bar.close()
 
 
+def may_hold_specials(cache: Cache) -> bool:
+    """Whether the cache's documents may hold special ids inside them: a build that parsed special tokens
+    in its text or rendered conversations, or files a build did not write (their settings unknown). A
+    build in the default text mode encodes a special token's text as text."""
+    settings = cache.manifest.settings
+    return settings.special_tokens != "text" or settings.chat is not None
+
+
+def inner_token(cache: Cache, token: int) -> tuple[int, int] | None:
+    """``(document, position in it)`` of the first ``token`` inside a document (anywhere but its last
+    token), or None: read a chunk of a shard at a time."""
+    for docs in shard_docs(cache):
+        last = docs.ends - 1  # each document's last token
+        pos = 0
+        for chunk in token_chunks(cache, docs.shard):
+            hits = np.flatnonzero(chunk == token) + pos
+            inner = hits[~np.isin(hits, last)]
+            if len(inner):
+                doc = int(np.searchsorted(docs.ends, inner[0], side="right"))
+                start = int(docs.ends[doc - 1]) if doc else 0
+                return docs.first_doc + doc, int(inner[0]) - start
+            pos += len(chunk)
+    return None
+
+
 def refuse_loss_mask(cache: Cache, format: str, drop: bool) -> None:
     """Refuse an SFT cache's loss mask into a format that cannot hold one, unless ``drop`` is set.
 
