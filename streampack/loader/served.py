@@ -302,8 +302,8 @@ def regrained(
             f"resuming windows of {unit} tokens at seq_len {longest} joins {longest // unit} of them a row, "
             f"and with overlap={part.overlap} the last input token of each joined window would get the next "
             "window's first token as its target (text from elsewhere in the corpus), not its own next token. "
-            f"Resume at seq_len {unit} or a length that divides it, or read cache.sequences({longest}, "
-            "overlap=0) with output='dict', whose labels mask each join"
+            f"Resume at seq_len {unit} or a length that divides it (joins need a run without overlap, read "
+            "with output='dict', whose labels mask each join)"
         )
     if max(lengths) > unit and options.output == "numpy":
         longest = max(lengths)
