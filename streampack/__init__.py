@@ -107,7 +107,7 @@ def build(
     from streampack.builder.coordinator import build as build_cache
     from streampack.builder.options import split_options
 
-    spec, run = split_options(spec, run, options)  # (its warnings name the line that called this)
+    spec, run = split_options(spec, run, options)
     return build_cache(inputs, out, spec=spec, run=run)
 
 

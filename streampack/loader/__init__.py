@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from streampack._aliases import renamed
 from streampack.loader import inforce
 from streampack.loader.checkpoint import Checkpointed
 from streampack.loader.collate import Format, format_for
@@ -69,7 +68,6 @@ __all__ = [
     "SeqLenSchedule",
     "SourceShare",
 ]
-__getattr__ = renamed(__name__, {"SourceProgress": "SourceShare"})  # 0.1's name
 
 STATE_VERSION = LOADER_VERSION
 """Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` also reads 1."""
