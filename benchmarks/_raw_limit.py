@@ -11,7 +11,7 @@ a Python list, so on 2 cores 8 threads measured no faster than a serial loop (3.
 the natural corpus) while one thread per core reached 4.6. The limit should be the fastest call.
 
 Counting tokens and freeing the results happen outside the timed region. With ``--build-pieces``, the
-texts are first cut as ``streampack build`` cuts them (:func:`streampack.tokenizer.backends.piece_rule`),
+texts are first cut as ``streampack build`` cuts them (:func:`streampack.tokenizer.pieces.piece_rule`),
 for a
 reference row: the raw call over the same pieces as the build.
 Prints one JSON line: ``{"num_tokens", "encode_s", "docs"}``.
@@ -150,7 +150,7 @@ def main() -> None:
     path = args.tokenizer or (TOKENIZERS_GPT2 if tokenizers else TIKTOKEN_GPT2)
     texts = list(iter_texts(args.corpus))
     if args.build_pieces:
-        from streampack.tokenizer.backends import load_tokenizer
+        from streampack.tokenizer.load import load_tokenizer
         from streampack.tokenizer.pieces import piece_rule
 
         # The pieces of the build with this reference engine (each engine cuts its own: fast_piece_chars).

@@ -4,7 +4,7 @@ Each backend's fastest batch call (as in ``_raw_limit.py``: ``tokenizers`` ``enc
 tiktoken ``encode_ordinary_batch`` with one thread per core, the fast engine ``fastokens``
 ``encode_batch_flat`` on the same ``tokenizer.json``) encodes the corpus's texts, already in
 memory, either as whole documents (the baseline, ratio 1.00) or cut by
-:class:`streampack.tokenizer.backends.PieceRule`
+:class:`streampack.tokenizer.pieces.PieceRule`
 into pieces of about N characters at word boundaries, which keep the tokens (the run checks that the
 token count is the same). Batches hold 8 M characters whatever the piece size. Every run is its own
 subprocess; the rounds alternate the order of the rows, and the table shows the median of each row and

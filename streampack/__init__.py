@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import importlib
 import os
-import warnings
 from typing import TYPE_CHECKING, Any
-
-from streampack import _aliases
 
 if TYPE_CHECKING:
     from streampack.builder.coordinator import BuildSummary
@@ -51,37 +48,6 @@ _PUBLIC = {
     "BlockShuffle": "streampack.order.blockshuffle",
     "load_mixture": "streampack.loader.mixconfig",
     "StreampackError": "streampack.errors",
-}
-
-#: Names of version 0.1's top level that moved to a namespace: they still work, with a warning.
-_MOVED = {
-    **dict.fromkeys(
-        [
-            "BadRecordError",
-            "BuildLockedError",
-            "BuildStalledError",
-            "CacheError",
-            "ConfigMismatchError",
-            "InputError",
-            "LoaderStateError",
-            "MissingDependencyError",
-            "OptionsError",
-            "TokenizerError",
-            "WorkerDiedError",
-            "WriteError",
-        ],
-        "streampack.errors",
-    ),
-    "BuildSummary": "streampack.builder.coordinator",
-    "Boundaries": "streampack.samples",
-    "PackedSequences": "streampack.samples",
-    "Permutation": "streampack.order",
-    "LoaderOptions": "streampack.loader",
-    "SourceProgress": "streampack.loader",
-    "Placement": "streampack.loader.provenance",
-    "Provenance": "streampack.loader.provenance",
-    "VerifyReport": "streampack.reader.verify",
-    "load_tokenizer": "streampack.tokenizer",
 }
 
 __all__ = [
@@ -141,29 +107,18 @@ def build(
     from streampack.builder.coordinator import build as build_cache
     from streampack.builder.options import split_options
 
-    spec, run = split_options(spec, run, options)  # (its warnings name the line that called this)
+    spec, run = split_options(spec, run, options)
     return build_cache(inputs, out, spec=spec, run=run)
 
 
 def __getattr__(name: str) -> Any:
-    """Load a public name on first use (and a moved one, with a ``DeprecationWarning``)."""
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    elif name in _MOVED:
-        warnings.warn(
-            f"streampack.{name} moved to {_MOVED[name]}.{name} in streampack 0.2; the old name goes in 0.3",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(_MOVED[name]), name)
-    else:
+    """Load a public name on first use."""
+    if name not in _PUBLIC:
         raise AttributeError(f"module 'streampack' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
     globals()[name] = value  # later lookups are plain attribute reads
     return value
 
 
 def __dir__() -> list[str]:
     return sorted([*globals(), *_PUBLIC])
-
-
-_aliases.install()

@@ -102,11 +102,6 @@ class DocumentSource:
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        if "_ref" not in state:  # pickled before CacheRef: the cache's path as given, and its digest
-            from streampack.store import CacheRef, LocalStore
-
-            uri = LocalStore(state.pop("_path")).uri
-            state["_ref"] = CacheRef(uri, state.pop("_content"), state.pop("_allow_incomplete"))
         self.__dict__.update(state)
         self._cache = None
         self._lock = threading.Lock()

@@ -41,15 +41,6 @@ def test_every_public_name_resolves_and_is_documented(name: str) -> None:
     assert name in dir(streampack)
 
 
-@pytest.mark.parametrize("name", sorted(streampack._MOVED))
-def test_a_moved_top_level_name_still_works_with_a_warning_naming_its_home(name: str) -> None:
-    home = streampack._MOVED[name]
-    with pytest.warns(DeprecationWarning, match=f"streampack.{name} moved to {home}.{name}"):
-        value = getattr(streampack, name)
-    module = __import__(home, fromlist=[name])
-    assert value is getattr(module, name)
-
-
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'Loadr'"):
         streampack.Loadr  # noqa: B018
@@ -63,7 +54,7 @@ def _modules_after(statement: str) -> list[str]:
 
 def test_import_streampack_loads_nothing_but_its_face() -> None:
     loaded = [m for m in _modules_after("import streampack") if m.startswith("streampack")]
-    assert loaded == ["streampack", "streampack._aliases"]
+    assert loaded == ["streampack"]
 
 
 @pytest.mark.parametrize("statement", ["from streampack import Loader", "import streampack; streampack.open"])

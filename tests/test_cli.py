@@ -348,35 +348,3 @@ def test_build_flags_default_to_the_dataclasses_defaults() -> None:
     }
     spec, run = options_from_flags({**given, "progress": False})
     assert spec == CacheSpec() and run == RunOptions()
-
-
-def test_engine_flag_is_the_old_name_of_executor(tmp_path: Path) -> None:
-    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "tiny"}])
-    assert "--engine" not in run_cli("build", "--help").stdout
-    result = run_cli("build", src, "--out", tmp_path / "c", "--engine", "local")
-    assert "warning: --engine is deprecated: it is now --executor" in result.stderr
-    result = run_cli(
-        "build", src, "--out", tmp_path / "d", "--engine", "local", "--executor", "local", check=False
-    )
-    assert result.returncode == 2 and "give --executor only" in result.stderr
-    assert run_cli("build", src, "--out", tmp_path / "e", "--executor", "local").stderr == ""
-
-
-def test_stage_flag_is_the_old_name_of_staging_dir(tmp_path: Path) -> None:
-    src = write_jsonl(tmp_path / "in.jsonl", [{"text": "tiny"}])
-    help_text = run_cli("build", "--help").stdout
-    assert "--staging-dir" in help_text and "--stage " not in help_text
-    result = run_cli("build", src, "--out", tmp_path / "c", "--stage", tmp_path / "s")
-    assert "warning: --stage is deprecated: it is now --staging-dir" in result.stderr
-    result = run_cli(
-        "build",
-        src,
-        "--out",
-        tmp_path / "d",
-        "--stage",
-        tmp_path / "s",
-        "--staging-dir",
-        tmp_path / "s",
-        check=False,
-    )
-    assert result.returncode == 2 and "give --staging-dir only" in result.stderr

@@ -22,8 +22,8 @@ from streampack.builder.pipeline import ENCODING_THREADS
 from streampack.builder.writerthread import Framed, WriterThread
 from streampack.errors import WriteError
 from streampack.format.ledger import Counts
-from streampack.tokenizer.backends import load_tokenizer
 from streampack.tokenizer.engines import FASTOKENS_CALLS, fastokens_call_threads, joined
+from streampack.tokenizer.load import load_tokenizer
 from tests.conftest import SAMPLE_CORPUS
 
 

@@ -227,33 +227,7 @@ def test_keys_a_later_version_adds_are_kept_and_compared(tmp_path: Path) -> None
     assert build_identity(manifest) == identity_as_0_2(json.loads(data))
 
 
-# ------------------------------------------------------------------------------ the old ways still work
-
-
-def test_reading_a_section_by_key_still_works_with_a_warning(tmp_path: Path) -> None:
-    MAKE.KINDS["plain"](streampack, tmp_path)
-    manifest = streampack.open(tmp_path / "cache").manifest
-    with pytest.warns(DeprecationWarning, match=r"read tokenizer\.name as an attribute"):
-        assert manifest.tokenizer["name"] == "bytes"
-    with pytest.warns(DeprecationWarning):
-        assert manifest.settings.get("special_tokens") == "text" and manifest.settings.get("nope", 3) == 3
-    with pytest.warns(DeprecationWarning):
-        assert "cuts" in manifest.tokenizer
-
-
-def test_a_manifest_given_dicts_takes_them_as_sections_with_a_warning() -> None:
-    with pytest.warns(DeprecationWarning, match=r"Manifest\(tokenizer=, eos=, settings=, inputs=\.\.\.\)"):
-        manifest = Manifest(
-            tokenizer={"kind": "bytes", "name": "bytes", "vocab_size": 257},
-            dtype="uint16",
-            eos={"append": True, "id": 256},
-            settings={"text_field": "body"},
-            inputs=[{"path": "a.jsonl", "size": 3, "mtime_ns": 1}],
-            units=[],
-        )
-    assert manifest.tokenizer.vocab_size == 257 and manifest.eos.appended == 256
-    assert manifest.settings.text_field == "body" and manifest.inputs[0].path == "a.jsonl"
-    assert manifest.to_json()["settings"] == {"text_field": "body"}
+# ------------------------------------------------------------------------------ the policies' two homes
 
 
 def test_the_policies_are_the_tokenizer_packages_too() -> None:

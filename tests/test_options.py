@@ -99,38 +99,3 @@ def test_workers_share_the_cores_unless_threads_are_given() -> None:
     assert worker_threads(RunOptions(), workers=2, cores=16) == 8
     assert worker_threads(RunOptions(), workers=3, cores=2) == 1
     assert worker_threads(RunOptions(threads=4), workers=2, cores=2) == 4
-
-
-def test_engine_is_the_old_name_of_executor(tmp_path: Path) -> None:
-    with pytest.warns(DeprecationWarning, match=r"engine= is deprecated: it is now executor="):
-        run = RunOptions(engine="ray")  # type: ignore[call-arg]
-    assert run == RunOptions(executor="ray")
-    with pytest.warns(DeprecationWarning, match=r"RunOptions.engine is deprecated"):
-        assert run.engine == "ray"
-    with pytest.warns(DeprecationWarning, match=r"engine= is deprecated"):
-        assert split_options(None, None, {"engine": "ray"})[1].executor == "ray"
-    with pytest.raises(OptionsError, match=r"engine= is the old name of executor=: give executor= only"):
-        RunOptions(engine="ray", executor="local")  # type: ignore[call-arg]
-    with pytest.warns(DeprecationWarning, match=r"engine= is deprecated") as caught:
-        streampack.build(streampack.Documents(["a b"]), tmp_path / "c", engine="local", workers=1)
-    assert caught[0].filename == __file__  # the warning names the caller's line
-
-
-def test_stage_is_the_old_name_of_staging_dir(tmp_path: Path) -> None:
-    staging, other = str(tmp_path / "s"), str(tmp_path / "t")
-    with pytest.warns(DeprecationWarning, match=r"stage= is deprecated: it is now staging_dir="):
-        run = RunOptions(stage=staging)  # type: ignore[call-arg]
-    assert run == RunOptions(staging_dir=staging)
-    with pytest.warns(DeprecationWarning, match=r"RunOptions.stage is deprecated"):
-        assert run.stage == staging
-    with pytest.warns(DeprecationWarning, match=r"stage= is deprecated"):
-        assert split_options(None, None, {"stage": staging})[1].staging_dir == staging
-    with pytest.raises(OptionsError, match=r"stage= is the old name of staging_dir=: give staging_dir= only"):
-        RunOptions(stage=staging, staging_dir=other)  # type: ignore[call-arg]
-
-
-def test_build_summary_stages_is_the_old_name_of_timings(tmp_path: Path) -> None:
-    summary = streampack.build(streampack.Documents(["a b"]), tmp_path / "c", workers=1, profile=True)
-    assert "read" in summary.timings
-    with pytest.warns(DeprecationWarning, match=r"BuildSummary.stages is deprecated: it is now .*timings"):
-        assert summary.stages is summary.timings

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
 
 import streampack
-from streampack.tokenizer.backends import Tokenizer as StreampackTokenizer
-from streampack.tokenizer.backends import load_tokenizer
+from streampack.tokenizer.base import Tokenizer as StreampackTokenizer
+from streampack.tokenizer.load import load_tokenizer
 from streampack.tokenizer.pieces import (
     EXACT_CUT_PIECE_CHARS,
     INEXACT_CUT_PIECE_CHARS,
@@ -185,7 +185,7 @@ def kinds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Call
         found[kind] = (str(path), lambda t, r=reference: r.encode(t, add_special_tokens=False).ids)
     if TIKTOKEN_GPT2.exists():
         tiktoken = pytest.importorskip("tiktoken")
-        from streampack.tokenizer.backends import _read_ranks
+        from streampack.tokenizer.tiktoken import _read_ranks
 
         meta = json.loads(TIKTOKEN_GPT2.with_suffix(".json").read_text())
         encoding = tiktoken.Encoding(

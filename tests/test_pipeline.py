@@ -21,9 +21,10 @@ from streampack.inputs.discovery import expand_inputs
 from streampack.inputs.records import ReadOptions, WorkUnit
 from streampack.inputs.units import plan_units
 from streampack.store.files import read_entry
-from streampack.tokenizer.backends import BytesTokenizer, EosPolicy
+from streampack.tokenizer.bytes import BytesTokenizer
 from streampack.tokenizer.engines import FlatIds
 from streampack.tokenizer.pieces import EXACT_CUT_PIECE_CHARS, PieceRule
+from streampack.tokenizer.specials import EosPolicy
 from tests.conftest import write_jsonl
 
 SPEC = "slow-test-tokenizer"

@@ -77,15 +77,6 @@ def test_samples_pickle_a_cache_reference_not_a_path(root: Path) -> None:
     )
 
 
-def test_samples_pickled_before_the_reference_still_reopen(root: Path) -> None:
-    seqs = streampack.open(root).sequences(8)
-    old = {k: v for k, v in seqs.__getstate__().items() if k != "cache"}
-    old |= {"path": str(root.resolve()), "allow_incomplete": False, "content": seqs.fingerprint()["shards"]}
-    copy = type(seqs).__new__(type(seqs))
-    copy.__setstate__(old)
-    assert copy[3].tolist() == seqs[3].tolist()
-
-
 def test_views_made_from_a_relative_path_reopen_in_a_process_elsewhere(
     root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

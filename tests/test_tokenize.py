@@ -12,7 +12,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from streampack.errors import StreampackError, TokenizerError
-from streampack.tokenizer.backends import load_tokenizer, resolve_eos
+from streampack.tokenizer.load import load_tokenizer
+from streampack.tokenizer.specials import resolve_eos
 
 
 def test_bytes_tokenizer_round_trip() -> None:
@@ -80,7 +81,7 @@ def test_special_token_text_is_text_and_both_backends_agree(
     hf = load_tokenizer(str(gpt2_tokenizer))
     tt = load_tokenizer(f"tiktoken:{tiktoken_gpt2}")
     meta = json.loads(tiktoken_gpt2.with_suffix(".json").read_text())
-    from streampack.tokenizer.backends import _read_ranks
+    from streampack.tokenizer.tiktoken import _read_ranks
 
     reference = tiktoken.Encoding(
         "gpt2", pat_str=meta["pat_str"], mergeable_ranks=_read_ranks(tiktoken_gpt2), special_tokens={}

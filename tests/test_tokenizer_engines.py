@@ -14,8 +14,8 @@ import pytest
 import streampack
 from streampack.errors import TokenizerError
 from streampack.store.files import load_manifest
-from streampack.tokenizer.backends import FastokensEngine, load_tokenizer
-from streampack.tokenizer.engines import FlatIds
+from streampack.tokenizer.engines import FastokensEngine, FlatIds
+from streampack.tokenizer.load import load_tokenizer
 from tests.conftest import SAMPLE_CORPUS, shard_bytes, write_jsonl
 
 pytest.importorskip("fastokens", reason="the fast extra is not installed")
@@ -283,7 +283,7 @@ def test_fastokens_runs_only_where_it_is_proven_in_each_special_token_mode(
 ) -> None:
     """In parse mode an added token's id and its neighbours decide whether fastokens gives tokenizers' ids;
     in text mode special tokens are text and fastokens is exact for all of these."""
-    from streampack.tokenizer.backends import TokenizersEngine
+    from streampack.tokenizer.engines import TokenizersEngine
 
     added, refusal, differs = ADDED_TOKEN_CASES[case]
     folder = _gpt2_with(gpt2_tokenizer, tmp_path / "tok", added)
@@ -309,7 +309,7 @@ def test_fastokens_runs_only_where_it_is_proven_in_each_special_token_mode(
 def test_tokens_fastokens_cannot_hold_are_refused_in_both_modes(
     tmp_path: Path, gpt2_tokenizer: Path, special_tokens: str
 ) -> None:
-    from streampack.tokenizer.backends import TokenizersEngine
+    from streampack.tokenizer.engines import TokenizersEngine
 
     twice = _gpt2_with(gpt2_tokenizer, tmp_path / "twice", [_added(50257, "<|x|>"), _added(50258, "<|x|>")])
     plain = _gpt2_with(gpt2_tokenizer, tmp_path / "plain", [_added(50257, "Hello", special=False)])
@@ -550,7 +550,7 @@ def test_fastokens_is_a_dependency_exactly_where_it_has_wheels(
 
 def test_this_platform_has_the_fast_engine_by_default(gpt2_tokenizer: Path) -> None:
     """Here fastokens is installed as a core dependency, and it is what a default build runs."""
-    from streampack.tokenizer.backends import fastokens_unsupported_platform
+    from streampack.tokenizer.engines import fastokens_unsupported_platform
 
     assert fastokens_unsupported_platform() == ""
     assert _fastokens_requirements()["core"].marker.evaluate()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -90,14 +89,6 @@ class BuildSummary:
     tokenizer_engine: str = ""
     # [wall, CPU] seconds per part of the build (read, encode, write, ...): streampack.builder.timings
     timings: dict[str, list[float]] = field(default_factory=dict)
-
-    @property
-    def stages(self) -> dict[str, list[float]]:
-        """Deprecated: :attr:`timings`, under its old name."""
-        warnings.warn(
-            "BuildSummary.stages is deprecated: it is now BuildSummary.timings", DeprecationWarning, 2
-        )
-        return self.timings
 
     @property
     def tokens_per_second(self) -> float:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import warnings
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar, get_args
@@ -37,7 +36,6 @@ def _named_fields(cls: _Options) -> _Options:
 
     @functools.wraps(init)
     def checked_init(self: Any, *args: Any, **kwargs: Any) -> None:
-        kwargs = new_names(kwargs, names, stacklevel=3)
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise OptionsError(unknown_option(unknown[0], names, f"{cls.__name__} has no field"))
@@ -45,34 +43,6 @@ def _named_fields(cls: _Options) -> _Options:
 
     setattr(cls, "__init__", checked_init)  # noqa: B010 - mypy refuses assigning a method directly
     return cls
-
-
-#: Options renamed since 0.1, old name -> new: still accepted, with a DeprecationWarning.
-RENAMED = {"engine": "executor", "stage": "staging_dir"}
-
-
-def new_names(options: dict[str, Any], names: Collection[str], *, stacklevel: int) -> dict[str, Any]:
-    """``options`` with the old names of :data:`RENAMED` fields in ``names`` given their new ones, each
-    with a :class:`DeprecationWarning` (``stacklevel`` points it at the caller's line).
-
-    Raises:
-        OptionsError: an option given under both its old and its new name.
-    """
-    old = [name for name in options if name in RENAMED and RENAMED[name] in names]
-    if not old:
-        return options
-    options = dict(options)
-    for name in old:
-        new = RENAMED[name]
-        if new in options:
-            raise OptionsError(f"{name}= is the old name of {new}=: give {new}= only")
-        warnings.warn(
-            f"{name}= is deprecated: it is now {new}= (the same values)",
-            DeprecationWarning,
-            stacklevel=stacklevel,
-        )
-        options[new] = options.pop(name)
-    return options
 
 
 def unknown_option(name: str, names: Collection[str], what: str) -> str:
@@ -172,8 +142,7 @@ class RunOptions:
     Attributes:
         workers: worker processes (default: see :func:`streampack.builder.running.default_workers`).
         threads: tokenizer threads per worker (default: the cores divided among the workers).
-        executor: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster); formerly
-            ``engine``, a name still accepted with a :class:`DeprecationWarning`.
+        executor: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
         tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine proven to give exactly
             the tokenizer's own ids in the build's special-token mode: ``fastokens`` where installed, for
             the byte-level BPE tokenizers it reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``.
@@ -189,8 +158,7 @@ class RunOptions:
         commit_bytes: commit after this many bytes of tokens...
         commit_seconds: ...or after this many seconds, whichever comes first.
         staging_dir: a build to object storage: the local directory where shards are built before they
-            are uploaded (default: one per URL under the system temp directory); formerly ``stage``, a
-            name still accepted with a :class:`DeprecationWarning`.
+            are uploaded (default: one per URL under the system temp directory).
         storage_options: a build to object storage: options of its fsspec filesystem (credentials
             and endpoints otherwise come from the environment, as for any client of the store).
         profile: measure the CPU time of each part of the pipeline too (``BuildSummary.timings``), at a
@@ -230,20 +198,6 @@ class RunOptions:
         if self.commit_seconds < 0:
             raise OptionsError(f"commit_seconds must be >= 0 (got {self.commit_seconds})")
 
-    @property
-    def engine(self) -> Executor:
-        """Deprecated: :attr:`executor`, under its old name."""
-        warnings.warn("RunOptions.engine is deprecated: it is now RunOptions.executor", DeprecationWarning, 2)
-        return self.executor
-
-    @property
-    def stage(self) -> str | None:
-        """Deprecated: :attr:`staging_dir`, under its old name."""
-        warnings.warn(
-            "RunOptions.stage is deprecated: it is now RunOptions.staging_dir", DeprecationWarning, 2
-        )
-        return self.staging_dir
-
 
 def split_options(
     spec: CacheSpec | None, run: RunOptions | None, options: dict[str, Any]
@@ -255,7 +209,6 @@ def split_options(
     """
     spec_names = {f.name for f in fields(CacheSpec)}
     run_names = {f.name for f in fields(RunOptions)}
-    options = new_names(options, run_names, stacklevel=4)  # warn at the line that called build()
     unknown = sorted(set(options) - spec_names - run_names)
     if unknown:
         raise OptionsError(unknown_option(unknown[0], spec_names | run_names, "unknown build option"))

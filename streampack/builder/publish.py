@@ -29,7 +29,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from streampack._aliases import renamed
 from streampack.errors import CacheError, StreampackError
 from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import Manifest
@@ -47,8 +46,6 @@ from streampack.format.names import (
 from streampack.store import LocalStore
 from streampack.store.files import commit_entry, load_manifest, read_entry, write_manifest
 from streampack.store.remote import RemoteStore
-
-__getattr__ = renamed(__name__, {"default_stage": "default_staging_dir"})  # its name in 0.1
 
 SameBuild = Callable[[str, Manifest, Manifest], None]  # raises ConfigMismatchError when they differ
 

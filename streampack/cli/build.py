@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from typing import Any, get_args, get_type_hints
 
 import click
-from click.core import ParameterSource
 
 from streampack.builder.coordinator import build as build_cache
-from streampack.builder.options import CacheSpec, Executor, RunOptions, default
+from streampack.builder.options import CacheSpec, RunOptions, default
 from streampack.builder.timings import render as render_timings
 from streampack.errors import OptionsError
 
@@ -306,29 +305,11 @@ def options_from_flags(given: Mapping[str, Any]) -> tuple[CacheSpec, RunOptions]
     help="Cache directory, or an fsspec URL (s3://bucket/prefix) to build in --staging-dir and upload there.",
 )
 @_flags
-@click.option(
-    "--engine", "old_engine", type=click.Choice(get_args(Executor)), hidden=True
-)  # --executor's old name
-@click.option(
-    "--stage", "old_stage", type=click.Path(file_okay=False), hidden=True
-)  # --staging-dir's old name
-def build(
-    inputs: tuple[str, ...], out: str, old_engine: str | None, old_stage: str | None, **given: Any
-) -> None:
+def build(inputs: tuple[str, ...], out: str, **given: Any) -> None:
     """Tokenize INPUTS (files, directories, globs, URLs) into a token cache in --out.
 
     Rerunning the same command after an interruption resumes where it stopped.
     """
-    if old_engine is not None:
-        if click.get_current_context().get_parameter_source("executor") is ParameterSource.COMMANDLINE:
-            raise click.UsageError("--engine is the old name of --executor: give --executor only")
-        click.echo("warning: --engine is deprecated: it is now --executor (the same choices)", err=True)
-        given["executor"] = old_engine
-    if old_stage is not None:
-        if click.get_current_context().get_parameter_source("staging_dir") is ParameterSource.COMMANDLINE:
-            raise click.UsageError("--stage is the old name of --staging-dir: give --staging-dir only")
-        click.echo("warning: --stage is deprecated: it is now --staging-dir (the same directory)", err=True)
-        given["staging_dir"] = old_stage
     try:
         spec, run = options_from_flags(given)
     except OptionsError as e:

@@ -25,7 +25,9 @@ from streampack.reader.verify import verify as verify_cache
 from streampack.store.files import upgrade_manifest
 from streampack.store.localcopy import CachedStore
 from streampack.store.remote import is_remote
-from streampack.tokenizer.backends import TIKTOKEN_PREFIX, Tokenizer, load_tokenizer
+from streampack.tokenizer.base import Tokenizer
+from streampack.tokenizer.load import load_tokenizer
+from streampack.tokenizer.preload import TIKTOKEN_PREFIX
 
 
 @click.command()

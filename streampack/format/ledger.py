@@ -14,7 +14,6 @@ Pure: reading and writing the entries through a store is :mod:`streampack.store.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,16 +99,3 @@ def parse_entry(raw: Any, path: str) -> LedgerEntry:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise CacheError(f"{path}: malformed ledger entry ({key}={value!r})")
     return progress
-
-
-def __getattr__(name: str) -> Any:
-    """``UnitProgress``, the old name of :class:`LedgerEntry`, with a ``DeprecationWarning`` (0.1's pickles
-    name it: they load as a ``LedgerEntry``)."""
-    if name == "UnitProgress":
-        warnings.warn(
-            "UnitProgress is deprecated: it is now LedgerEntry (the same class); the old name goes in 0.3",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return LedgerEntry
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

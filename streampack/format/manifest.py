@@ -9,8 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +25,6 @@ from streampack.format.sections import (
     IgnoredInputs,
     InputRecord,
     InputRecords,
-    Section,
     TokenizerInfo,
     sections_of,
 )
@@ -255,9 +253,6 @@ class Manifest:
     # the ids, one entry per distinct engine and verification over the runs that built the cache.
     engines: list[EngineRecord] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        _accept_dict_sections(self)
-
     @property
     def vocab_size(self) -> int:
         """Number of token ids of the tokenizer (every id in the cache is below it)."""
@@ -445,44 +440,3 @@ def _table_of_rows(raw: Any, masked: bool) -> ShardTable:
 def inputs_json(inputs: Sequence[InputRecord]) -> list[dict[str, Any]]:
     """The manifest's ``inputs``: as read (:class:`InputRecords`), or each record's JSON."""
     return inputs.to_json() if isinstance(inputs, InputRecords) else [i.to_json() for i in inputs]
-
-
-def _accept_dict_sections(manifest: Manifest) -> None:
-    """Turn sections given as dicts (as before they were records) into their records, with a warning."""
-    singles: dict[str, type[Section]] = {
-        "tokenizer": TokenizerInfo,
-        "eos": EosPolicy,
-        "bos": BosPolicy,
-        "settings": BuildSettings,
-        "ignored_inputs": IgnoredInputs,
-    }
-    given = [name for name in singles if isinstance(getattr(manifest, name), Mapping)]
-    lists: dict[str, type[Section]] = {"inputs": InputRecord, "engines": EngineRecord}
-    given += [
-        n
-        for n in lists
-        if not isinstance(getattr(manifest, n), InputRecords)  # read from a file: checked, records on access
-        and any(isinstance(item, Mapping) for item in getattr(manifest, n))
-    ]
-    if not given:
-        return
-    warnings.warn(
-        f"Manifest({', '.join(f'{n}=' for n in given)}...) given as dicts is deprecated: give their records "
-        "(streampack.format.sections: TokenizerInfo, EosPolicy, BosPolicy, BuildSettings, InputRecord, ...)",
-        DeprecationWarning,
-        stacklevel=4,
-    )
-    for name, cls in singles.items():
-        value = getattr(manifest, name)
-        if isinstance(value, Mapping):
-            object.__setattr__(manifest, name, cls.from_json(dict(value), where="Manifest()", name=name))
-    for name, item_cls in lists.items():
-        if name not in given:
-            continue
-        items = [
-            item_cls.from_json(dict(item), where="Manifest()", name=f"{name}[{i}]")
-            if isinstance(item, Mapping)
-            else item
-            for i, item in enumerate(getattr(manifest, name))
-        ]
-        object.__setattr__(manifest, name, items)

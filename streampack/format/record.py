@@ -13,7 +13,6 @@ Pure: imports nothing of streampack's but :mod:`streampack.errors`.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -247,21 +246,6 @@ class Section:
         written.update((name, value) for name, value in extra.items() if name not in written)
         return written
 
-    # Reading by key, as when the sections were dicts: deprecated, for code written then.
-
-    def __getitem__(self, key: str) -> Any:
-        _warn_key(self, key)
-        return self.to_json()[key]
-
-    def get(self, key: str, default: Any = None) -> Any:
-        """The JSON value of ``key`` (deprecated: read the attribute)."""
-        _warn_key(self, key)
-        return self.to_json().get(key, default)
-
-    def __contains__(self, key: object) -> bool:
-        _warn_key(self, str(key))
-        return key in self.to_json()
-
 
 @dataclass(frozen=True)
 class _Key:
@@ -284,15 +268,6 @@ class _Key:
 
 _NO_DEFAULT = object()
 _KEYS: dict[type[Section], dict[str, _Key]] = {}
-
-
-def _warn_key(section: Section, key: str) -> None:
-    warnings.warn(
-        f"manifest sections are records: read {section.section_name}.{key} as an attribute "
-        f"({type(section).__name__}), not as {section.section_name}[{key!r}]",
-        DeprecationWarning,
-        stacklevel=3,
-    )
 
 
 def malformed(where: str, problem: str) -> str:

@@ -11,8 +11,7 @@ always written. So a manifest read and written again keeps its bytes, and what i
 
 Why records and not the dicts that used to stand here: a consumer reads ``manifest.tokenizer.vocab_size``,
 checked once at the door, instead of ``manifest.tokenizer["vocab_size"]`` at every use, where a missing key
-is a ``KeyError`` far from the file. Reading a section by key (``section["name"]``) still works, with a
-:class:`DeprecationWarning`.
+is a ``KeyError`` far from the file.
 
 Pure: imports nothing of streampack's but :mod:`streampack.errors` and the base of the records,
 :mod:`streampack.format.record`.

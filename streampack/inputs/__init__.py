@@ -5,8 +5,7 @@ what one record becomes; ``units`` plans the units and reads each one with the r
 ``lines`` (JSON Lines, and text one document per line), ``text`` (a text file as one document), ``parquet``
 and ``python`` (Python objects), over ``compression`` (opening and decompressing), each yielding a unit's
 records in ``parts`` that are parsed only when asked (by the build, on its encoder threads); ``sft`` turns
-fields and chat messages into text segments with their loss mask. ``sources`` re-exports the reading side's
-names under its old path. Nothing here knows about tokens.
+fields and chat messages into text segments with their loss mask. Nothing here knows about tokens.
 """
 
 from __future__ import annotations

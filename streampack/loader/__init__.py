@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from streampack._aliases import renamed
 from streampack.loader import inforce
 from streampack.loader.checkpoint import Checkpointed
 from streampack.loader.collate import Format, format_for
@@ -69,7 +68,6 @@ __all__ = [
     "SeqLenSchedule",
     "SourceShare",
 ]
-__getattr__ = renamed(__name__, {"SourceProgress": "SourceShare"})  # 0.1's name
 
 STATE_VERSION = LOADER_VERSION
 """Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` also reads 1."""
@@ -178,10 +176,7 @@ class Loader(Checkpointed):
         return state if self._reach is None else state | self._reach.copied(self.dataset)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle; also a loader version 0.1 pickled: it held its sources itself (now its
-        :class:`~streampack.loader.reading.Rows`), and none of them grew (a Follow's conversion says)."""
-        if "_rows" not in state:
-            state = {"_reach": None} | Rows.of_version_0_1(state)
+        """Unpickle."""
         self.__dict__.update(state)
         if "_base" not in self.__dict__:  # pickled before exclusions: its order is unfiltered
             self.__dict__.update(_base=self.__dict__.get("order"), _excluded_docs={})

@@ -41,7 +41,7 @@ class Checkpointed(Steps):
     _exclude_given: Sequence[Exclusions] = ()
     _in_force: Sequence[inforce.Entry] = ()
     _masking: Masking | None = None
-    _history: tuple[dict[str, Any], ...] = ()  # a loader 0.1 pickled knows none
+    _history: tuple[dict[str, Any], ...] = ()
     _served: Served | None = None  # no seq_len schedule (streampack.loader.served)
     _own_order = False  # whether the loader made its order from its options
     _batches_per_step = 1

@@ -50,7 +50,7 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -64,7 +64,6 @@ from streampack.format.manifest import Manifest
 from streampack.format.names import MANIFEST, shard_name
 from streampack.loader import Loader
 from streampack.loader.followoptions import FollowLayout, FollowOptions, split_keywords
-from streampack.loader.growing import Reach
 from streampack.loader.options import LoaderOptions, with_keywords
 from streampack.order import MAX_POSITION
 from streampack.order.follow import Eras, FollowOrder
@@ -95,7 +94,7 @@ class _Ledger:
         self.running: ledger.LedgerEntry | None = None  # the first unfinished unit's, as last read
         self._done_tokens = 0
 
-    _done_docs: int | None = None  # None: not counted yet (a ledger that version 0.1 pickled)
+    _done_docs: int | None = None  # None: not counted yet
 
     def read(self) -> tuple[int, int, bool]:
         """``(tokens of the committed prefix, its documents, complete)``."""
@@ -199,7 +198,7 @@ class GrowingCache:
         return state | {"_plans": list(self.__dict__.get("_plans", ())), "_committed": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle; also what version 0.1 pickled (windows only: no era plans)."""
+        """Unpickle; also what version 0.2.0 pickled (windows only: no era plans)."""
         self.__dict__.update({"_plans": [], "_committed": None} | state)
 
     def fingerprint(self) -> dict[str, Any]:
@@ -429,10 +428,6 @@ class Follow(Loader):
         )
         super().__init__(source, options=opts, collate=collate)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle; also a Follow version 0.1 pickled, which held what its cache had committed itself."""
-        super().__setstate__(state if "_reach" in state else _from_version_0_1(state))
-
     @property
     def follow_order(self) -> FollowOrder:
         """The order it serves (its :attr:`~streampack.loader.Loader.order`)."""
@@ -448,34 +443,9 @@ class Follow(Loader):
         """The cache directory or URL."""
         return self.dataset.path
 
-    # The settings a Follow of version 0.1 held as attributes; they are its FollowOptions' now.
+    # Its settings, read as attributes: they are its FollowOptions'.
     seq_len = property(lambda self: self.follow_options.seq_len, doc="Tokens per sample.")
     overlap = property(lambda self: self.follow_options.overlap, doc="Extra tokens per sample.")
     then = property(lambda self: self.follow_options.then, doc="What follows the last era.")
     timeout = property(lambda self: self.follow_options.timeout, doc="Seconds a batch waits at most.")
     poll = property(lambda self: self.follow_options.poll, doc="Seconds between reads of the ledger.")
-
-
-# What a Follow of version 0.1 (a Loader subclass) held of its build, now its GrowingCache's.
-_FOLLOW_0_1 = ("path", "then", "timeout", "poll", "seq_len", "overlap", "_reading", "_store", "_manifest",
-               "_ledger", "_known", "_data_known", "_batch_size", "follow_order")  # fmt: skip
-
-
-def _from_version_0_1(state: Mapping[str, Any]) -> dict[str, Any]:
-    """The state of a Follow from the ``__dict__`` version 0.1 pickled: the same build, order and ledger,
-    held by a :class:`GrowingCache` (which reopens the cache before the first read, as 0.1 did)."""
-    order: FollowOrder = state["follow_order"]
-    settings = FollowOptions(
-        seq_len=state["seq_len"], overlap=state["overlap"], then=state["then"], first_era=order.eras.first,
-        largest_era=order.eras.largest, timeout=state["timeout"], poll=state["poll"], **state["_reading"],
-    )  # fmt: skip
-    growing = object.__new__(GrowingCache)
-    growing.__dict__.update(
-        path=state["path"], options=settings, _batch_size=state["_batch_size"],
-        _drop_last=state["options"].drop_last, _store=state["_store"], _manifest=state["_manifest"],
-        _ledger=state["_ledger"], _first=None, order=order, known=state["_known"], _plans=[], _committed=None,
-    )  # fmt: skip
-    reach = Reach(growing)
-    reach.known, reach.readable = state["_known"], state["_data_known"]
-    loader = {key: value for key, value in state.items() if key not in _FOLLOW_0_1}
-    return loader | {"dataset": growing, "_reach": reach, "order": order, "_configured": order}

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
 import numpy as np
 import numpy.typing as npt
 
-from streampack._aliases import renamed
 from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
 from streampack.loader.seqlen import SeqLenSchedule
@@ -36,8 +35,6 @@ __all__ = [
     "unknown_keyword",
     "with_keywords",
 ]
-
-__getattr__ = renamed(__name__, {"SourceProgress": "SourceShare"})  # its name in 0.1
 
 Output = Literal["numpy", "dict", "varlen", "hf-flash"]
 

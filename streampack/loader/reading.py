@@ -16,7 +16,7 @@ Loader`` stays cheap.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -72,18 +72,6 @@ class Rows:
         self.joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
         self.prefetches = prefetch_steps(self.joined) > 0  # decided once: not a check per batch
         self.forget()
-
-    @classmethod
-    def of_version_0_1(cls, state: Mapping[str, Any]) -> dict[str, Any]:
-        """The ``__dict__`` a loader of version 0.1 pickled, with its sources, joined view and prefetch
-        flag as the :class:`Rows` ``_rows``."""
-        rows = object.__new__(cls)
-        rows.__dict__.update(
-            sources=state["sources"], joined=state["_joined"], prefetches=state["_prefetches"]
-        )
-        rows.forget()
-        old = ("sources", "_joined", "_prefetches", "_plan", "_last_request")
-        return {key: value for key, value in state.items() if key not in old} | {"_rows": rows}
 
     def forget(self) -> None:
         """Drop the plan (the order changed, or the options a copy reads with)."""

@@ -22,7 +22,6 @@ Two layouts:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -183,10 +182,6 @@ class Bins:
     """
 
     overlap = 0
-    #: True for a plan unpickled from streampack 0.1 whose stored plan has no checksum: its arrays are unset
-    #: until the samples that hold it plan it again (``PackedSequences``, through
-    #: :func:`streampack.samples.packing.plan_again`) and :meth:`restore` them.
-    needs_plan = False
 
     def __init__(
         self,
@@ -214,39 +209,22 @@ class Bins:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the plan's directory rather than its mapped arrays, when it has one."""
-        state = {name: value for name, value in self.__dict__.items() if name != "needs_plan"}
         if self.directory is None:
-            return state
-        return {**state, "starts": None, "shards": None, "lo": None, "lengths": None}
+            return self.__dict__
+        return {**self.__dict__, "starts": None, "shards": None, "lo": None, "lengths": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore the settings; map the arrays again from the plan's directory (checked to be the same
-        plan; its files are read again only where they are not the files checked before pickling).
-
-        A plan stored by streampack 0.1 has no checksum: a damaged one is left to be planned again
-        (:attr:`needs_plan`), which is the planners' work, not this table's."""
-        self.no_target, self.checked = 0, ("", ())  # pickled before the count and the checks existed
+        plan; its files are read again only where they are not the files checked before pickling)."""
         self.__dict__.update(state)
         if self.directory is None:
             return
-        from streampack.store.plans import PlanDamage, load_plan
+        from streampack.store.plans import load_plan
 
         checksum, identities = self.checked
-        try:
-            arrays = load_plan(self.directory, checksum, identities).arrays
-        except PlanDamage:
-            if checksum:
-                raise
-            # Pickled by streampack 0.1, whose plans had no checksums: its owner makes it again.
-            self.needs_plan = True
-            return
-        self.restore(arrays)
-
-    def restore(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Set the plan's tables (``starts``, ``shards``, ``lo``, ``lengths``), as loaded or planned again."""
+        arrays = load_plan(self.directory, checksum, identities).arrays
         self.starts, self.shards = arrays["starts"], arrays["shards"]
         self.lo, self.lengths = arrays["lo"], arrays["lengths"]
-        self.needs_plan = False
 
     @property
     def tokens(self) -> int:

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Literal, cast, get_args
 import numpy as np
 
 from streampack._checks import check_choice
-from streampack.errors import CacheError
 from streampack.format.names import LAYOUT_DIR
 from streampack.samples.layout import Bins
 from streampack.store.plans import PlanIdentity, stored
@@ -150,32 +149,6 @@ def binned(
         "lo": lo[order],
         "lengths": lengths[order],
     }
-
-
-def plan_again(
-    directory: Path, seq_len: int, settings: dict[str, int | str], pad_id: int
-) -> dict[str, np.ndarray]:
-    """The arrays of the plan ``directory`` names, planned again from its cache: for samples pickled by
-    streampack 0.1, whose stored plans carry no checksums. Planning is deterministic: it is the same plan.
-
-    Raises:
-        CacheError: the plan is of a split (whose selection the settings do not restore), or the cache
-            changed since the samples were made.
-    """
-    from streampack.reader.opening import open as open_cache
-    from streampack.samples.chosen import Chosen
-
-    if "split" in settings or settings.get("layout") not in _ASSIGN:
-        raise CacheError(
-            f"{directory}: a plan stored by streampack 0.1 (without checksums) that this version cannot make "
-            "again by itself: make these samples again (cache.split(...).packed(...))"
-        )
-    cache = open_cache(directory.parent.parent)
-    assign = _ASSIGN[str(settings["layout"])]
-    bins = _plan(cache, Chosen(cache), seq_len, dict(settings), pad_id, cache.content_digest, assign)
-    if bins.directory is not None and bins.directory.name != directory.name:
-        raise CacheError(f"{directory}: the cache changed since these samples were made; make them again")
-    return {"starts": bins.starts, "shards": bins.shards, "lo": bins.lo, "lengths": bins.lengths}
 
 
 class _Pieces:

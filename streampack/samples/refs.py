@@ -5,8 +5,7 @@ process and refuses it if its shards changed since.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from streampack.errors import CacheError
 from streampack.store import CacheRef
@@ -15,7 +14,7 @@ from streampack.store.localcopy import CachedStore
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["cache_ref", "content_digest", "ref_of_old_pickle", "reopen_unchanged"]
+__all__ = ["cache_ref", "content_digest", "reopen_unchanged"]
 
 
 def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
@@ -56,8 +55,3 @@ def cache_ref(cache: Cache) -> CacheRef:
 def content_digest(cache: Cache) -> str:
     """A short digest of what the cache holds: :attr:`streampack.reader.Cache.content_digest`."""
     return cache.content_digest
-
-
-def ref_of_old_pickle(state: dict[str, Any]) -> CacheRef:
-    """The reference of samples pickled before :class:`CacheRef` (an absolute path, the digest)."""
-    return CacheRef(Path(state["path"]).as_uri(), state["content"], state["allow_incomplete"])

@@ -37,11 +37,10 @@ from streampack.samples.packing import (
     TOO_LONG,
     NoTarget,
     TooLong,
-    plan_again,
     plan_documents,
     plan_packed,
 )
-from streampack.samples.refs import cache_ref, content_digest, ref_of_old_pickle, reopen_unchanged
+from streampack.samples.refs import cache_ref, content_digest, reopen_unchanged
 from streampack.samples.spans import Spans
 from streampack.store import CacheRef
 from streampack.store.localcopy import CachedStore, on_release
@@ -123,15 +122,11 @@ class PackedSequences:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore the settings; the cache is reopened lazily, on first use."""
-        self._ref = state["cache"] if "cache" in state else ref_of_old_pickle(state)
+        self._ref = state["cache"]
         self._num_tokens = state["num_tokens"]
         self._layout = state["layout"]
-        layout = self._layout  # unpickled before these samples: pickles are restored inner objects first
-        if isinstance(layout, Bins) and layout.needs_plan and layout.directory is not None:
-            # Pickled by streampack 0.1, whose plans had no checksums: made again (the same plan).
-            layout.restore(plan_again(layout.directory, layout.seq_len, layout.settings, layout.pad_id))
         self._doc_starts = state["doc_starts"]
-        self._masked = state.get("masked", False)
+        self._masked = state["masked"]
         self._cache = None
 
     @property

@@ -42,12 +42,10 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 import orjson
 
-from streampack._aliases import renamed, renamed_method
 from streampack.errors import CacheError, WriteError
 from streampack.format.names import crc32
 from streampack.store.locks import FileLock
 
-__getattr__ = renamed(__name__, {"StagedFile": "AppendFile"})  # its name in 0.1
 MAX_JSON_BYTES = 64 << 20  # a manifest of 100k shards is ~20 MB; refuse anything absurd before parsing
 _CHECKSUM_CHUNK = 16 << 20
 
@@ -257,8 +255,6 @@ class LocalStore:
     def append_file(self, key: str, length: int) -> AppendFile:
         """Open the file ``key`` for appending at its committed ``length`` (see :class:`AppendFile`)."""
         return AppendFile(self.path(key), length)
-
-    stage = renamed_method("stage", "append_file")  # its name in 0.1
 
     def sync_dir(self, key: str) -> None:
         """Make file creations and renames in the folder ``key`` durable."""

@@ -127,7 +127,7 @@ class CachedStore(LocalStore):
     Close it (:meth:`close`, or a ``with`` block) when done: see the module docstring's lifecycle.
     """
 
-    # Class defaults: a store unpickled (or made by streampack 0.1) starts open and not watched here.
+    # Class defaults: a store starts open, and one unpickled is not watched here.
     _closed = False
     _watching = 0  # the process whose watcher watches this copy for this store (0: none)
     _unwatch: weakref.finalize | None = None  # takes the registration back (on close, or when garbage)

@@ -215,12 +215,10 @@ def load_plan(directory: Path, checksum: str, identities: tuple[tuple[int, ...],
     Raises:
         CacheError: the plan is damaged, or is another plan than the copy's.
     """
-    if checksum:
-        with _checked_lock:
-            _checked.setdefault(str(directory), (checksum, identities))
+    with _checked_lock:
+        _checked.setdefault(str(directory), (checksum, identities))
     plan = _open(directory, None, None)
-    # Samples pickled by streampack 0.1 name no checksum: any sound plan of the folder's key is theirs.
-    if checksum and plan.checksum != checksum:
+    if plan.checksum != checksum:
         raise CacheError(
             f"{directory / PLAN_JSON}: the plan changed since these samples were made (checksum "
             f"{plan.checksum}, they were made with {checksum}); make the samples again"

@@ -6,7 +6,7 @@ built-in ``bytes``, a Hugging Face ``tokenizer.json`` in ``hf``, tiktoken ranks 
 the engine choices; ``specials`` decides the EOS and BOS a build adds; ``engines`` holds the engines that
 compute the ids (the reference libraries, and the fast engine, used only where ``proofs`` proves it
 exact); ``pieces`` cuts long texts where the cut cannot change the ids; ``preload`` starts the fast engine's
-load before a command's imports. ``backends`` re-exports them all under the path that held them until 0.2.
+load before a command's imports.
 
 The names here are loaded on first use, so that ``preload`` imports nothing but the standard library.
 """
