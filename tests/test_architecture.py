@@ -14,7 +14,19 @@ import ast
 
 import pytest
 
-from tests.structure import LAZY, TOP, TYPING, Edge, cycles, delegating_imports, edges, is_delegation, modules
+from tests.structure import (
+    LAZY,
+    TOP,
+    TYPING,
+    Edge,
+    cycles,
+    delegating_imports,
+    edges,
+    is_delegation,
+    lone_bases,
+    modules,
+    private_imports,
+)
 
 #: The packages, lowest first. A module may import its own package and anything on a lower layer.
 LAYERS = [
@@ -116,6 +128,26 @@ def test_every_known_exception_still_exists(all_edges: list[Edge]) -> None:
     seen = {(e.source, e.target) for e in all_edges}
     gone = sorted(set(KNOWN) - seen)
     assert not gone, f"these edges are cut: remove them from KNOWN: {gone}"
+
+
+def test_no_module_imports_another_modules_private_names() -> None:
+    """A helper another module needs is public in its package, or the two modules belong together."""
+    assert private_imports() == []
+
+
+#: Bases with one subclass in another module, each with why it is one (none may be added).
+LONE_BASES: dict[str, str] = {
+    "streampack.loader.steps.Steps -> streampack.loader.checkpoint.Checkpointed": "the Loader, composed next",
+    "streampack.loader.checkpoint.Checkpointed -> streampack.loader.Loader": "the Loader, composed next",
+}
+
+
+def test_no_base_class_holds_half_of_a_single_subclass() -> None:
+    """A class is as long as its idea: a base never made itself, whose only subclass lives in another
+    module, is one class cut in two (compose a value the class holds instead)."""
+    found = set(lone_bases())
+    assert found <= set(LONE_BASES), sorted(found - set(LONE_BASES))
+    assert set(LONE_BASES) <= found, f"gone, remove from LONE_BASES: {sorted(set(LONE_BASES) - found)}"
 
 
 def test_format_imports_nothing_of_ours_but_errors(all_edges: list[Edge]) -> None:

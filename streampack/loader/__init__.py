@@ -48,7 +48,7 @@ from streampack.loader.growing import Growing, Reach
 from streampack.loader.growmix import growing_mixture
 from streampack.loader.lookahead import files_ahead, prefetch_steps
 from streampack.loader.options import LoaderOptions, Output, SourceShare
-from streampack.loader.reading import DataSource, Rows, _Source
+from streampack.loader.reading import DataSource, Rows, Source
 from streampack.loader.seqlen import SeqLenSchedule
 from streampack.loader.served import formatted, served_for
 from streampack.loader.state import LOADER_VERSION
@@ -267,7 +267,7 @@ class Loader(Checkpointed):
         assert reach is not None
         known, view = reach.known, reach.source.view()
         parts = list(view.values()) if isinstance(view, Mapping) else [view]
-        self._rows = Rows([_Source(part) for part in parts])
+        self._rows = Rows([Source(part) for part in parts])
         self.formatter = format_for(self.options.output, parts)
         reach.readable = known
 

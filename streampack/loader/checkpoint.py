@@ -23,7 +23,7 @@ from streampack.order import Order
 if TYPE_CHECKING:
     from streampack.loader.collate import Format
     from streampack.loader.excluding import Masking
-    from streampack.loader.reading import _Source
+    from streampack.loader.reading import Source
     from streampack.loader.served import Served
 
 __all__ = ["Checkpointed"]
@@ -121,7 +121,7 @@ class Checkpointed(Steps):
         return self._served is not None
 
     @property
-    def sources(self) -> list[_Source]:
+    def sources(self) -> list[Source]:
         """The sources read, in source-id order."""
         return self._rows.sources
 

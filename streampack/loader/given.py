@@ -24,7 +24,7 @@ from streampack.loader.options import (
     unknown_keyword,
     with_keywords,
 )
-from streampack.loader.reading import DataSource, _Source, vocab_size_of
+from streampack.loader.reading import DataSource, Source, vocab_size_of
 from streampack.order import Order, Ordered
 
 __all__ = ["given"]
@@ -38,7 +38,7 @@ def given(
     order: Order | None,
     options: LoaderOptions | None,
     keywords: Mapping[str, Any],
-) -> tuple[LoaderOptions, list[_Source], Order]:
+) -> tuple[LoaderOptions, list[Source], Order]:
     """What a Loader is given, checked: its options (the object's, with the keywords' fields), its
     sources, and their order (the one given, or for one dataset the one its options describe).
 
@@ -72,7 +72,7 @@ def given(
             f"the order reads {len(order.names)} sources ({', '.join(order.names)}), the Loader was "
             "given one; give a dict of name -> source, one per name of the order"
         )
-    sources = [_Source(part) for part in parts]
+    sources = [Source(part) for part in parts]
     if order is None:  # the order of one dataset, from the options
         from streampack.order.blockshuffle import single_order
 

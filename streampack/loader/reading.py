@@ -1,7 +1,7 @@
 """What a loader reads, and how: its sources, and the plan of the rows of its next few batches.
 
 * :class:`DataSource` is what a :class:`~streampack.loader.Loader` is given: ``len()`` samples, read a
-  batch of indices at a time; the loader sees each through one contract (``_Source``), probed once.
+  batch of indices at a time; the loader sees each through one contract (``Source``), probed once.
 * :class:`Rows` holds a loader's sources, joined into one token space when every one is a cache
   (:class:`~streampack.samples.sequences.JoinedSequences`: a batch of several caches is one split and one
   copy loop), and the **plan**: the order is asked for the rows of this process's next few batches at
@@ -63,7 +63,7 @@ class Rows:
 
     _widens: np.dtype | None = None  # the last dtype read into that holds every id (no check needed)
 
-    def __init__(self, sources: list[_Source]) -> None:
+    def __init__(self, sources: list[Source]) -> None:
         from streampack.samples.sequences import JoinedSequences, PackedSequences
 
         self.sources = sources
@@ -329,7 +329,7 @@ class _Plan:
         return step if offset == 0 and 0 <= step < self.count else None
 
 
-class _Source:
+class Source:
     """A :class:`DataSource` seen through the one contract the loader needs, probed once at creation.
 
     Raises:

@@ -26,7 +26,7 @@ from streampack._checks import is_int
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader.collate import CausalLMDict, Format, format_for
 from streampack.loader.options import LoaderOptions, check_size
-from streampack.loader.reading import _Source
+from streampack.loader.reading import Source
 from streampack.loader.seqlen import SeqLenSchedule
 from streampack.loader.state import read_loader_state
 from streampack.order import Order
@@ -51,7 +51,7 @@ class Served:
 
     def __init__(
         self,
-        sources: list[_Source],
+        sources: list[Source],
         *,
         default: int | None,
         schedule: SeqLenSchedule | None,
@@ -224,7 +224,7 @@ def formatted(
     return formatter(tokens, sources, samples, masked=lambda r, d: masking(at, sources, r, d))
 
 
-def served_for(options: LoaderOptions, sources: list[_Source], grows: bool) -> Served | None:
+def served_for(options: LoaderOptions, sources: list[Source], grows: bool) -> Served | None:
     """The loader's :class:`Served` for its ``seq_len_schedule``; None without one.
 
     Raises:
@@ -245,13 +245,13 @@ class Regrained:
     """A loader's parts after it took over a checkpoint's units (see :func:`regrained`)."""
 
     options: LoaderOptions
-    sources: list[_Source]
+    sources: list[Source]
     order: Order
     served: Served
 
 
 def regrained(
-    state: Mapping[str, Any], sources: list[_Source], options: LoaderOptions, served: Served | None, own: bool
+    state: Mapping[str, Any], sources: list[Source], options: LoaderOptions, served: Served | None, own: bool
 ) -> Regrained | None:
     """What a loader of one cache becomes to resume ``state``, whose units are windows of another length
     that its lengths divide; None when the state's units are the loader's (or not windows at all).
@@ -335,7 +335,7 @@ def regrained(
                 f"windows of the checkpoint's {unit} tokens, which seq_len {length} cannot join "
                 f"{length // unit} at a time; use a batch_size that makes them a multiple"
             )
-    units = _Source(at_seq_len(part, unit))
+    units = Source(at_seq_len(part, unit))
     options = dataclasses.replace(options, batch_size=tokens // unit)
     check_size(options, len(units))
     from streampack.order.blockshuffle import single_order

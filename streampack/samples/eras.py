@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from streampack.samples.layout import Bins
-from streampack.samples.packing import _ASSIGN, CHUNK_DOCS, NoTarget, TooLong, _Pieces, binned
+from streampack.samples.packing import ASSIGNERS, CHUNK_DOCS, NoTarget, Pieces, TooLong, binned
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -76,7 +76,7 @@ def era_plan(
         too_long: what to do with a document longer than ``seq_len`` (see ``cache.packed``).
         no_target: ``"keep"`` or ``"drop"`` the pieces without a target token.
     """
-    pieces = _Pieces(cache, None, seq_len, too_long, no_target == "drop")  # type: ignore[arg-type]
+    pieces = Pieces(cache, None, seq_len, too_long, no_target == "drop")  # type: ignore[arg-type]
     doc_starts = np.asarray(cache.doc_starts, dtype=np.int64)
     parts = []
     for shard in _shards_of(doc_starts, first, stop):
@@ -93,7 +93,7 @@ def era_plan(
     shards = np.concatenate([p[0] for p in parts]) if parts else empty
     lo = np.concatenate([p[1] for p in parts]) if parts else empty
     lengths = np.concatenate([p[2] for p in parts]) if parts else empty
-    assign = _ASSIGN[kind]
+    assign = ASSIGNERS[kind]
     tables = []
     for begin in range(0, len(lengths), CHUNK_DOCS):
         chunk = slice(begin, begin + CHUNK_DOCS)

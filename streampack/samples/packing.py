@@ -107,7 +107,7 @@ def _plan(
     too_long = cast(TooLong, settings["too_long"])
     settings = {**settings, **chosen.fingerprint()}
     identity = PlanIdentity(content, seq_len, settings)
-    pieces = _Pieces(cache, chosen, seq_len, too_long, settings.get("no_target") == "drop")
+    pieces = Pieces(cache, chosen, seq_len, too_long, settings.get("no_target") == "drop")
 
     def tables() -> Iterator[dict[str, np.ndarray]]:
         before = 0  # pieces in the chunks before this one
@@ -151,7 +151,7 @@ def binned(
     }
 
 
-class _Pieces:
+class Pieces:
     """The pieces of the chosen documents, about :data:`CHUNK_DOCS` documents at a time, in stream order.
 
     Iterating yields ``(shards, lo, lengths)`` per chunk; documents longer than ``seq_len`` are cut,
@@ -279,7 +279,7 @@ def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
     return bin_of
 
 
-_ASSIGN: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
+ASSIGNERS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
     "packed": _best_fit_decreasing,
     "documents": _one_per_sample,
 }

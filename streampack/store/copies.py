@@ -33,11 +33,11 @@ from streampack.store.remote import RemoteStore
 
 BLOCK = 4096  # files are counted in whole blocks: what they take on disk, not their length
 WAIT_SECONDS = 60.0  # how long a download waits for other processes to release mapped files
-_CHUNK = 8 << 20  # bytes per ranged GET of a download
+COPY_CHUNK = 8 << 20  # bytes per ranged GET of a download
 
 # The copies this process maps, with the number of its live maps of each: what only it can release.
-_pinned: dict[Path, int] = {}
-_pinned_lock = threading.Lock()
+pinned: dict[Path, int] = {}
+pinned_lock = threading.Lock()
 # How long a process waits when its own maps alone leave no room: another of its threads may be between
 # the maps of one read and their release; one batch is read in far less.
 OWN_WAIT_SECONDS = 1.0
@@ -151,8 +151,8 @@ class LocalCopy:
     def own_blocks(self) -> int:
         """What the copies this process maps take (counted as the bound counts them)."""
         shards = self.root / SHARD_DIR
-        with _pinned_lock:
-            paths = [path for path in _pinned if path.parent == shards]
+        with pinned_lock:
+            paths = [path for path in pinned if path.parent == shards]
         total = 0
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
@@ -197,7 +197,7 @@ def download(remote: RemoteStore, key: str, expected: Expected, fd: int) -> None
     end = expected.size + 1 if expected.checksum else expected.size
     while done < expected.size:
         try:
-            chunk = remote.read(key, done, min(end, done + _CHUNK))
+            chunk = remote.read(key, done, min(end, done + COPY_CHUNK))
         except FileNotFoundError:
             raise CacheError(
                 f"{remote.describe(key)}: the object is missing, but the cache's manifest names it; the "
@@ -251,19 +251,19 @@ def map_pinned(path: Path, nbytes: int, size: int) -> mmap.mmap | None:
         mapped = mmap.mmap(fd, nbytes, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
-    with _pinned_lock:
-        _pinned[path] = _pinned.get(path, 0) + 1
-    weakref.finalize(mapped, _unpin, path)
+    with pinned_lock:
+        pinned[path] = pinned.get(path, 0) + 1
+    weakref.finalize(mapped, unpin, path)
     return mapped
 
 
-def _unpin(path: Path) -> None:
-    with _pinned_lock:
-        left = _pinned.get(path, 0) - 1
+def unpin(path: Path) -> None:
+    with pinned_lock:
+        left = pinned.get(path, 0) - 1
         if left > 0:
-            _pinned[path] = left
+            pinned[path] = left
         else:
-            _pinned.pop(path, None)
+            pinned.pop(path, None)
 
 
 def evict(path: Path) -> bool:

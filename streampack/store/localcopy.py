@@ -77,26 +77,26 @@ from streampack.store import LocalStore
 # that reached them): the copy's files are streampack.store.copies', releasing kept maps
 # streampack.store.pressure's. Gone: the registry of copies watched and the thread per copy.
 from streampack.store.copies import (  # noqa: F401
-    _CHUNK,
     BLOCK,
+    COPY_CHUNK,
     OWN_WAIT_SECONDS,
     WAIT_SECONDS,
     Expected,
     LocalCopy,
-    _pinned,
-    _pinned_lock,
-    _unpin,
     blocks,
     download,
     flocked,
     map_pinned,
+    pinned,
+    pinned_lock,
+    unpin,
 )
 from streampack.store.copies import blocks as _blocks  # noqa: F401
 from streampack.store.copies import evict as _evict  # noqa: F401
 from streampack.store.copies import flocked as _flocked  # noqa: F401
 from streampack.store.copies import map_pinned as _map_pinned  # noqa: F401
 from streampack.store.pressure import POLL_SECONDS as _POLL_SECONDS  # noqa: F401
-from streampack.store.pressure import WATCHER, _releasers, _releasers_lock, on_release, release_maps  # noqa: F401
+from streampack.store.pressure import WATCHER, on_release, release_maps, releasers, releasers_lock  # noqa: F401
 from streampack.store.pressure import mtime as _mtime  # noqa: F401
 from streampack.store.remote import RemoteStore
 

@@ -44,28 +44,28 @@ PRESSURE = "pressure"
 """The file of a local copy that a process waiting for room touches."""
 
 # Callbacks that drop the maps this process keeps for reuse (registered by readers and loaders).
-_releasers: list[weakref.WeakMethod[Callable[[], None]]] = []
-_releasers_lock = threading.Lock()
+releasers: list[weakref.WeakMethod[Callable[[], None]]] = []
+releasers_lock = threading.Lock()
 
 
 def on_release(method: Callable[[], None]) -> None:
     """Register a bound method that drops the shard maps its object keeps for reuse: called when a
     download needs room that only mapped files hold (held weakly: registering never keeps it alive)."""
-    with _releasers_lock:
-        _releasers[:] = [ref for ref in _releasers if ref() is not None]
-        _releasers.append(weakref.WeakMethod(method))
+    with releasers_lock:
+        releasers[:] = [ref for ref in releasers if ref() is not None]
+        releasers.append(weakref.WeakMethod(method))
 
 
 def forget_release(method: Callable[[], None]) -> None:
     """Take back a method :func:`on_release` registered (nothing when it is not registered)."""
-    with _releasers_lock:
-        _releasers[:] = [ref for ref in _releasers if ref() is not None and ref() != method]
+    with releasers_lock:
+        releasers[:] = [ref for ref in releasers if ref() is not None and ref() != method]
 
 
 def release_maps() -> None:
     """Drop every shard map this process keeps for reuse (maps still in use stay valid)."""
-    with _releasers_lock:
-        methods = [ref() for ref in _releasers]
+    with releasers_lock:
+        methods = [ref() for ref in releasers]
     for method in methods:
         if method is not None:
             method()

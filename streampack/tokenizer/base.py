@@ -29,10 +29,10 @@ from streampack.tokenizer.engines import (
     Engine,
     FastokensLoad,
     FlatIds,
-    _fastokens_or_reference,
-    _import_fastokens,
-    _reference_reason,
-    _wrong_engine,
+    fastokens_or_reference,
+    import_fastokens,
+    reference_reason,
+    wrong_engine,
 )
 from streampack.tokenizer.pieces import CutSafety
 
@@ -181,11 +181,11 @@ class LibraryTokenizer:
         """
         library = self._reference.name
         if choice == self._wrong_library:
-            raise _wrong_engine(self.spec, choice, self._kind, f"{library} and fastokens")
-        fastokens = _import_fastokens(needed=choice == "fastokens") if choice != library else None
+            raise wrong_engine(self.spec, choice, self._kind, f"{library} and fastokens")
+        fastokens = import_fastokens(needed=choice == "fastokens") if choice != library else None
         if fastokens is None:
-            return self._reference, _reference_reason(choice, fastokens)
-        return _fastokens_or_reference(
+            return self._reference, reference_reason(choice, fastokens)
+        return fastokens_or_reference(
             self._reference,
             choice,
             problem(),
@@ -204,7 +204,7 @@ class LibraryTokenizer:
         will not be chosen whatever the structure (another engine asked for, or it is not installed)."""
         if choice not in ("auto", "fastokens"):
             return None
-        fastokens = _import_fastokens(needed=False)
+        fastokens = import_fastokens(needed=False)
         return None if fastokens is None else FastokensLoad(lambda: load(fastokens), threads)
 
     @property

@@ -82,7 +82,7 @@ def _environment(name: str, value: str) -> Iterator[None]:
             os.environ[name] = before
 
 
-def _text_is_whole(tok: Any) -> None:
+def text_is_whole(tok: Any) -> None:
     """Turn off the truncation and padding a tokenizer.json may set: a document's tokens are its whole
     text's, and a batch's texts are not padded to one length (``tokenizers`` and ``fastokens`` alike)."""
     tok.no_truncation()
@@ -215,7 +215,7 @@ class FastokensLoad:
     def _load(self, load: Callable[[], Any], threads: int | None) -> None:
         try:
             tok = load()
-            _text_is_whole(tok)
+            text_is_whole(tok)
             # Its pool reads FASTOKENS_BPE_THREADS when the first batch call starts it.
             with _environment("FASTOKENS_BPE_THREADS", str(fastokens_call_threads(threads))):
                 tok.encode_batch_flat(["a b", "c d"], add_special_tokens=False)
@@ -297,7 +297,7 @@ def fastokens_call_threads(threads: int | None) -> int:
     return max(1, -(-cores // FASTOKENS_CALLS))
 
 
-def _import_fastokens(needed: bool) -> Any:
+def import_fastokens(needed: bool) -> Any:
     """The ``fastokens`` module; None when it is missing and not ``needed``.
 
     Raises:
@@ -332,7 +332,7 @@ def fastokens_unsupported_platform() -> str:
     return ""
 
 
-def _reference_reason(choice: TokenizerEngine, fastokens: Any) -> str:
+def reference_reason(choice: TokenizerEngine, fastokens: Any) -> str:
     """Why a tokenizer runs its reference engine when fastokens was not even considered."""
     if choice != "auto":
         return f"asked for: tokenizer_engine={choice!r}"
@@ -342,7 +342,7 @@ def _reference_reason(choice: TokenizerEngine, fastokens: Any) -> str:
     return "fastokens is not installed: pip install fastokens (streampack depends on it on this platform)"
 
 
-def _fastokens_or_reference(
+def fastokens_or_reference(
     reference: Engine,
     choice: TokenizerEngine,
     problem: str,
@@ -366,7 +366,7 @@ def _fastokens_or_reference(
     return reference, f"fastokens refused: {problem} in {mode} mode"
 
 
-def _wrong_engine(spec: str, choice: str, kind: str, allowed: str) -> TokenizerError:
+def wrong_engine(spec: str, choice: str, kind: str, allowed: str) -> TokenizerError:
     return TokenizerError(
         f"tokenizer {spec!r} is {kind}: its engines are {allowed} (got tokenizer_engine={choice!r})"
     )

@@ -20,9 +20,9 @@ from streampack.errors import MissingDependencyError, TokenizerError
 from streampack.tokenizer import preload
 from streampack.tokenizer.base import LibraryTokenizer, RecurringTexts
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
-from streampack.tokenizer.engines import TokenizersEngine, _text_is_whole
+from streampack.tokenizer.engines import TokenizersEngine, text_is_whole
 from streampack.tokenizer.pieces import hf_cut_safety
-from streampack.tokenizer.proofs import _ADDED_FLAGS, fastokens_mismatch_hf
+from streampack.tokenizer.proofs import ADDED_FLAGS, fastokens_mismatch_hf
 from streampack.tokenizer.specials import BOS_NAMES, EOS_NAMES
 
 
@@ -69,7 +69,7 @@ class HFTokenizer(LibraryTokenizer):
             raise MissingDependencyError(
                 "streampack needs tokenizers >= 0.15 (encode_special_tokens): pip install -U tokenizers"
             )
-        _text_is_whole(self._tok)
+        text_is_whole(self._tok)
         self._tok.encode_special_tokens = special_tokens == "text"
         self._parsing: Any = None if special_tokens == "text" else self._tok  # see _parse_specials
         self._parsing_lock = threading.Lock()
@@ -122,7 +122,7 @@ class HFTokenizer(LibraryTokenizer):
                 {
                     "id": t.get("id"),
                     "content": str(t.get("content", "")),
-                    **{key: bool(t.get(key)) for key in _ADDED_FLAGS},
+                    **{key: bool(t.get(key)) for key in ADDED_FLAGS},
                     "vocab_id": self._tok.token_to_id(str(t.get("content", ""))),
                     "in_model": self._tok.model.token_to_id(str(t.get("content", ""))) is not None,
                 }
@@ -226,7 +226,7 @@ class HFTokenizer(LibraryTokenizer):
                     from tokenizers import Tokenizer as _Tokenizer
 
                     self._parsing = _Tokenizer.from_str(self._definition.decode("utf-8"))
-                    _text_is_whole(self._parsing)
+                    text_is_whole(self._parsing)
             encodings = self._parsing.encode_batch(texts, add_special_tokens=False)
         return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
 

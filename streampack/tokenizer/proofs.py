@@ -58,7 +58,7 @@ def fastokens_mismatch_tiktoken(pattern: str, specials: dict[str, int], *, parse
 
 
 # The flags of an added token in a tokenizer.json, which decide where it matches.
-_ADDED_FLAGS = ("special", "lstrip", "rstrip", "single_word", "normalized")
+ADDED_FLAGS = ("special", "lstrip", "rstrip", "single_word", "normalized")
 
 
 def _matched_added_problem(added: list[dict[str, Any]]) -> str:
