@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import streampack
+import streampack.testing
 
 PUBLIC = [
     "BlockShuffle",
@@ -64,6 +66,24 @@ def test_a_trainer_that_reads_a_cache_loads_no_build_side_and_no_heavy_module(st
     assert not [m for m in ours if m.split(".")[1] in {"builder", "inputs", "tokenizer", "cli"}], ours
     heavy = {"multiprocessing", "concurrent.futures", "socket", "pyarrow", "tokenizers", "yaml", "click"}
     assert not heavy & set(loaded), heavy & set(loaded)
+
+
+REMOTE = {"streampack.store.remote", "streampack.store.localcopy", "streampack.store.copies",
+          "streampack.store.pressure"}  # fmt: skip
+
+
+@pytest.mark.parametrize("output", ["numpy", "dict"])
+def test_a_trainer_of_a_local_cache_loads_nothing_remote(tmp_path: Path, output: str) -> None:
+    """``open()`` of a local cache, a Loader and its batches (windows and packed documents) import no fsspec
+    and no module of the object-storage read path."""
+    streampack.testing.write_random_cache(tmp_path / "c", 50_000, num_shards=2, vocab_size=1000)
+    loaded = _modules_after(
+        f"import streampack\ncache = streampack.open({str(tmp_path / 'c')!r})\n"
+        f"for samples in (cache.sequences(64), cache.packed(64)):\n"
+        f"    next(iter(streampack.Loader(samples, batch_size=4, output={output!r})))"
+    )
+    assert not [m for m in loaded if m.split(".")[0] in {"fsspec", "s3fs", "aiobotocore"}]
+    assert not REMOTE & set(loaded), REMOTE & set(loaded)
 
 
 def test_the_torch_adapter_loads_no_build_side() -> None:

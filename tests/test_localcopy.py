@@ -18,7 +18,8 @@ import pytest
 
 import streampack
 from streampack.errors import CacheError
-from streampack.store.localcopy import BLOCK, CachedStore
+from streampack.store.copies import BLOCK
+from streampack.store.localcopy import CachedStore
 from streampack.store.pressure import THREAD_NAME, WATCHER
 from streampack.testing.caches import write_random_cache
 from tests.conftest import CREDENTIALS, s3_options

@@ -59,9 +59,9 @@ from streampack.inputs.records import refuse_text_for_sft as refuse_text_for_sft
 from streampack.inputs.sft import load_chat_template
 from streampack.inputs.units import plan_python_units as plan_python_units
 from streampack.inputs.units import plan_units as plan_units
-from streampack.store import LocalStore
+from streampack.store import LocalStore, is_remote
 from streampack.store.files import load_manifest, read_entry, write_manifest
-from streampack.store.remote import RemoteStore, is_remote
+from streampack.store.remote import RemoteStore
 from streampack.tokenizer.base import Tokenizer, describe_engine
 from streampack.tokenizer.choices import ENGINE_CHOICES
 from streampack.tokenizer.load import load_tokenizer

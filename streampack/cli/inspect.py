@@ -22,9 +22,9 @@ from streampack.format.sections import EngineRecord, IgnoredInputs, InputRecord
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
 from streampack.reader.verify import verify as verify_cache
+from streampack.store import is_remote
 from streampack.store.files import upgrade_manifest
 from streampack.store.localcopy import CachedStore
-from streampack.store.remote import is_remote
 from streampack.tokenizer.base import Tokenizer
 from streampack.tokenizer.load import load_tokenizer
 from streampack.tokenizer.preload import TIKTOKEN_PREFIX

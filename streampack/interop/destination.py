@@ -35,8 +35,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from streampack.errors import OptionsError, WriteError
-from streampack.store import fsync_dir
-from streampack.store.remote import is_remote
+from streampack.store import fsync_dir, is_remote
 
 STAGING_SUFFIX = ".streampack-export"
 #: The errors of a write that found no room: ``disk_full`` words them.

@@ -31,8 +31,7 @@ from streampack.format.names import MANIFEST, crc32
 from streampack.interop.filechecks import check_doc_count
 from streampack.interop.identity import ends_digest
 from streampack.interop.reading import READERS, Foreign, ForeignOptions, recognise
-from streampack.store import open_store
-from streampack.store.remote import is_remote
+from streampack.store import is_remote, open_store
 
 #: Tokens a scan for an id compares at a time (its temporary array holds one byte a token; a read of a
 #: file's 1 Mi tokens stays in the CPU's cache: 4 Mi at a time scanned 25% slower here).

@@ -69,10 +69,9 @@ from streampack.order import MAX_POSITION
 from streampack.order.follow import Eras, FollowOrder
 from streampack.samples.eras import EraPlan, era_plan, joined
 from streampack.samples.sequences import PackedSequences
-from streampack.store import LocalStore, open_store
+from streampack.store import LocalStore, is_remote, open_store
 from streampack.store.files import load_manifest, read_entry
 from streampack.store.localcopy import cached_store
-from streampack.store.remote import is_remote
 
 __all__ = ["Eras", "Follow", "FollowLayout", "FollowOptions", "FollowOrder", "GrowingCache"]
 

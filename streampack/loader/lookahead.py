@@ -14,7 +14,7 @@ those modules are imported here when asked, not with the loader.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 
@@ -45,10 +45,8 @@ def prefetch_steps(joined: JoinedSequences | None) -> int:
     """Steps ahead to prefetch for a loader over ``joined``: 0 unless it reads a cache in object storage."""
     if joined is None:
         return 0
-    from streampack.store.localcopy import CachedStore
-
     stores = [part.cache.store for part in joined.parts]
-    return max((s.prefetch_steps for s in stores if isinstance(s, CachedStore)), default=0)
+    return max((s.prefetch_steps for s in stores if s.fetches_copies), default=0)
 
 
 def shard_files(
@@ -69,8 +67,6 @@ def shard_files(
     Raises:
         IndexError: a sample is past the end of its source.
     """
-    from streampack.store.localcopy import CachedStore
-
     files: list[tuple[CachedStore, str]] = []
     for shard in dict.fromkeys(joined.spans(sources, samples).shards.tolist()):
         part, local = joined.owner(shard)
@@ -79,8 +75,9 @@ def shard_files(
         seen.add((part, local))
         cache = joined.parts[part].cache
         store = cache.store
-        if isinstance(store, CachedStore):
-            files += [(store, key) for key in cache.shard_keys(local, boundaries=boundaries)]
+        if store.fetches_copies:
+            fetching = cast("CachedStore", store)
+            files += [(fetching, key) for key in cache.shard_keys(local, boundaries=boundaries)]
     return files
 
 

@@ -67,7 +67,7 @@ from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
-from streampack.store.remote import is_remote
+from streampack.store import is_remote
 
 __all__ = ["load_mixture", "mixture_exclusions"]
 

@@ -19,13 +19,13 @@ import numpy as np
 from streampack.format.manifest import Manifest, ShardInfo, ShardTable
 from streampack.reader.shards import ShardFiles, Shards
 from streampack.store import LocalStore
-from streampack.store.localcopy import CachedStore
 
 if TYPE_CHECKING:
     from streampack.interop import Exported
     from streampack.samples.packing import NoTarget, TooLong
     from streampack.samples.sequences import PackedSequences
     from streampack.samples.split import DocumentSet
+    from streampack.store.localcopy import CachedStore
 
 __all__ = ["Cache"]
 

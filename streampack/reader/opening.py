@@ -19,10 +19,8 @@ from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import Manifest, ShardTable
 from streampack.format.names import MANIFEST, OFFSET_DTYPE, mask_key, offsets_key, shard_name, tokens_key
 from streampack.reader.cache import Cache
-from streampack.store import LocalStore, open_store
+from streampack.store import Expected, LocalStore, is_remote, open_store
 from streampack.store.files import load_manifest, read_entry
-from streampack.store.localcopy import CachedStore, Expected, cached_store
-from streampack.store.remote import is_remote
 
 __all__ = ["open", "open_committed"]
 
@@ -88,6 +86,8 @@ def open(
     if is_remote(path):
         copy: dict[str, Any] = {"local_dir": local_dir, "max_local_bytes": max_local_bytes}
         copy.update(prefetch_steps=prefetch_steps, storage_options=storage_options)
+        from streampack.store.localcopy import cached_store  # object storage only
+
         store: LocalStore = cached_store(str(path), **copy)
         if format is not None or not store.exists(MANIFEST):
             return _open_foreign_remote(str(path), declared, copy)
@@ -115,11 +115,11 @@ def open(
         progress = [read_entry(store, shard_name(i), u) for i, u in enumerate(manifest.units)]
         cache = open_committed(store, manifest, progress)
     else:
-        if isinstance(store, CachedStore):
+        if store.fetches_copies:
             store.expect(_expected_files(manifest, manifest.table, None))
         cache = Cache(store, manifest, manifest.table)
-    if isinstance(store, CachedStore):
-        cache._opened_store = store
+    if store.fetches_copies:
+        cache._opened_store = store  # type: ignore[assignment]  # a CachedStore
     return cache
 
 
@@ -151,7 +151,7 @@ def open_committed(store: LocalStore, manifest: Manifest, progress: list[LedgerE
     says it is committed: what :func:`open` gives with ``allow_incomplete=True``, without reading the
     ledger again (a follower keeps the entries of finished units, which are final)."""
     table = _committed_table(progress)
-    if isinstance(store, CachedStore):
+    if store.fetches_copies:
         store.expect(_expected_files(manifest, table, progress))
     return Cache(store, manifest, table)
 

@@ -33,8 +33,6 @@ from streampack.format.names import (
     tokens_key,
 )
 from streampack.store import LocalStore
-from streampack.store.localcopy import CachedStore
-from streampack.store.pressure import forget_release, on_release
 
 __all__ = ["MAX_OPEN_MAPS", "ShardFiles", "Shards"]
 
@@ -153,8 +151,8 @@ class ShardFiles:
         self._tokens: OrderedDict[int, np.ndarray] = OrderedDict()
         self._offsets: OrderedDict[int, np.ndarray] = OrderedDict()
         self._masks: OrderedDict[int, np.ndarray] = OrderedDict()
-        if isinstance(store, CachedStore):
-            on_release(self.drop)
+        if store.fetches_copies:
+            store.on_pressure(self.drop)
 
     def __repr__(self) -> str:
         return f"ShardFiles({self.store.describe('')!r}, shards={len(self.table)})"
@@ -171,7 +169,7 @@ class ShardFiles:
         """Drop the shard maps kept for reuse and stop taking part in a local copy's releases; maps are
         refused afterwards. Calling it again does nothing."""
         self._closed = True
-        forget_release(self.drop)
+        self.store.forget_pressure(self.drop)
         self.drop()
 
     def tokens(self, shard: int) -> np.ndarray:
@@ -263,7 +261,7 @@ class ShardFiles:
     def _check_offsets(self, key: str, index: int, mapped: np.ndarray) -> None:
         """Refuse an offsets table that does not match the manifest's checksum; a table of the same file
         (device, inode, size, modification time) is checked once per process."""
-        if self.table.offsets_crc32 is None or isinstance(self.store, CachedStore):
+        if self.table.offsets_crc32 is None or self.store.fetches_copies:
             return  # none recorded (an unfinished build); a local copy is verified when it is fetched
         expected = checksum_text(int(self.table.offsets_crc32[index]))
         path = self.store.path(key)
@@ -324,7 +322,7 @@ class ShardFiles:
         a symlink leading out of the cache: one ``lstat`` (and one ``stat``)."""
         if count == 0 and not self.manifest.complete:
             return  # a unit of an unfinished build that has not committed yet may have no files at all
-        if isinstance(self.store, CachedStore):
+        if self.store.fetches_copies:
             return  # its local copies are checked against the size and checksum when they are fetched
         self.store.refuse_outside(key, links_only=True)
         try:

@@ -38,9 +38,10 @@ from streampack.reader.filehashes import check_file
 from streampack.reader.opening import open as open_cache
 from streampack.reader.report import VerifyReport
 from streampack.reader.shardchecks import Mapped, Streamed, check_delimiter, check_shard
+from streampack.store import is_remote
 from streampack.store.files import load_manifest, read_entry
 from streampack.store.plans import PLAN_ARRAYS, PLAN_JSON, inspect_plan
-from streampack.store.remote import RemoteStore, is_remote
+from streampack.store.remote import RemoteStore
 
 __all__ = ["VerifyReport", "verify"]
 

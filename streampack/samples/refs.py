@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from streampack.errors import CacheError
 from streampack.store import CacheRef
-from streampack.store.localcopy import CachedStore
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -47,7 +46,7 @@ def cache_ref(cache: Cache) -> CacheRef:
     """The reference that picklable views of ``cache`` carry (see :class:`~streampack.store.CacheRef`)."""
     store = cache.store
     # Both, for another format's files in object storage: the same local copy, and what they declared.
-    copy = store.reopen_options() if isinstance(store, CachedStore) else {}
+    copy = store.reopen_options()
     reading = {**copy, **(cache.declared or {})} or None
     return CacheRef(store.uri, content_digest(cache), not cache.manifest.complete, reading)
 

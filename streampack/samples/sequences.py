@@ -43,7 +43,6 @@ from streampack.samples.packing import (
 from streampack.samples.refs import cache_ref, content_digest, reopen_unchanged
 from streampack.samples.spans import Spans
 from streampack.store import CacheRef
-from streampack.store.localcopy import CachedStore, on_release
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -345,8 +344,9 @@ class JoinedSequences:
                 tokens += part.layout.runs.total
             owners += [(j, shard) for shard in range(shards)]
         self._owners = owners
-        if any(isinstance(part.cache.store, CachedStore) for part in self.parts):
-            on_release(self.forget_maps)  # a bounded local copy cannot evict the maps kept here
+        fetching = [part.cache.store for part in self.parts if part.cache.store.fetches_copies]
+        if fetching:  # a bounded local copy cannot evict the maps kept here
+            fetching[0].on_pressure(self.forget_maps)
         self._runs = Runs(
             np.concatenate([np.zeros(1, dtype=np.int64)] + [r.starts[1:] for r in runs]),
             np.concatenate([r.shards for r in runs]) if runs else np.zeros(0, dtype=np.int64),

@@ -33,6 +33,7 @@ import fcntl
 import os
 import shutil
 import stat
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,12 +123,52 @@ def put_json(store: Store, key: str, obj: Any) -> None:
     store.put_atomic(key, encode_json(obj))
 
 
+def is_remote(where: object) -> bool:
+    """Whether ``where`` names object storage (an fsspec URL other than ``file://``)."""
+    if not isinstance(where, str) or "://" not in where:
+        return False
+    scheme = urlparse(where).scheme
+    return len(scheme) > 1 and scheme not in ("file", "local")  # one letter is a Windows drive
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the local copy of a shard file must be: its length, and its checksum (``crc32:…``; empty when
+    the cache records none, e.g. a unit an unfinished build has not published whole); ``version`` tells
+    apart the objects of one key and size that record no checksum (another format's files: their ETag)."""
+
+    size: int
+    checksum: str
+    version: str = ""
+
+
 class LocalStore:
     """A cache directory on a POSIX filesystem (see the module docstring for its protocol).
 
     Args:
         root: the cache directory, as the caller named it (messages show paths under it unchanged).
     """
+
+    #: Whether its shard files are copies fetched from object storage, checked (size, checksum) as they
+    #: are fetched (:class:`streampack.store.localcopy.CachedStore`): a reader then checks none itself.
+    fetches_copies = False
+    #: Batches ahead a loader fetches the shard files of (object storage only): none for local files.
+    prefetch_steps = 0
+
+    def expect(self, files: Mapping[str, Expected]) -> None:
+        """Record what each shard file must be, for a store that fetches copies; local files: nothing."""
+
+    def on_pressure(self, release: Callable[[], None]) -> None:
+        """Have ``release`` (a bound method that drops maps its object keeps) called when another read
+        needs their room: a bounded copy of object storage does; local files never need it."""
+
+    def forget_pressure(self, release: Callable[[], None]) -> None:
+        """Take back what :meth:`on_pressure` registered."""
+
+    def reopen_options(self) -> dict[str, Any]:
+        """The arguments of :func:`streampack.open`, beside the path, that reopen this cache as it was
+        opened: none for local files."""
+        return {}
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)

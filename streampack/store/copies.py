@@ -28,6 +28,7 @@ from pathlib import Path
 
 from streampack.errors import CacheError
 from streampack.format.names import SHARD_DIR
+from streampack.store import Expected
 from streampack.store.pressure import PRESSURE, release_maps
 from streampack.store.remote import RemoteStore
 
@@ -41,17 +42,6 @@ pinned_lock = threading.Lock()
 # How long a process waits when its own maps alone leave no room: another of its threads may be between
 # the maps of one read and their release; one batch is read in far less.
 OWN_WAIT_SECONDS = 1.0
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What the local copy of a shard file must be: its length, and its checksum (``crc32:…``; empty when
-    the cache records none, e.g. a unit an unfinished build has not published whole); ``version`` tells
-    apart the objects of one key and size that record no checksum (another format's files: their ETag)."""
-
-    size: int
-    checksum: str
-    version: str = ""
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,7 @@ import hashlib
 import os
 import tempfile
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -71,33 +71,13 @@ import numpy as np
 from streampack._checks import check_int_or_none
 from streampack.errors import CacheError, OptionsError
 from streampack.format.names import SHARD_DIR
-from streampack.store import LocalStore
-
-# The names this module held before it was split stay importable from it (the private ones too, for code
-# that reached them): the copy's files are streampack.store.copies', releasing kept maps
-# streampack.store.pressure's. Gone: the registry of copies watched and the thread per copy.
-from streampack.store.copies import (  # noqa: F401
-    BLOCK,
-    COPY_CHUNK,
-    OWN_WAIT_SECONDS,
-    WAIT_SECONDS,
-    Expected,
+from streampack.store import Expected, LocalStore
+from streampack.store.copies import (
     LocalCopy,
     blocks,
-    download,
-    flocked,
     map_pinned,
-    pinned,
-    pinned_lock,
-    unpin,
 )
-from streampack.store.copies import blocks as _blocks  # noqa: F401
-from streampack.store.copies import evict as _evict  # noqa: F401
-from streampack.store.copies import flocked as _flocked  # noqa: F401
-from streampack.store.copies import map_pinned as _map_pinned  # noqa: F401
-from streampack.store.pressure import POLL_SECONDS as _POLL_SECONDS  # noqa: F401
-from streampack.store.pressure import WATCHER, on_release, release_maps, releasers, releasers_lock  # noqa: F401
-from streampack.store.pressure import mtime as _mtime  # noqa: F401
+from streampack.store.pressure import WATCHER, forget_release, on_release
 from streampack.store.remote import RemoteStore
 
 DEFAULT_PREFETCH_STEPS = 8
@@ -178,6 +158,17 @@ class CachedStore(LocalStore):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    fetches_copies = True
+
+    def on_pressure(self, release: Callable[[], None]) -> None:
+        """Have ``release`` called when a download needs room that kept maps hold
+        (:func:`streampack.store.pressure.on_release`)."""
+        on_release(release)
+
+    def forget_pressure(self, release: Callable[[], None]) -> None:
+        """Take back what :meth:`on_pressure` registered."""
+        forget_release(release)
 
     def reopen_options(self) -> dict[str, Any]:
         """The arguments of :func:`streampack.open` that reopen this cache through the same local copy."""

@@ -45,14 +45,6 @@ _PERMANENT: tuple[type[BaseException], ...] = (
 _TRANSIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "requests", "urllib3", "google", "azure")
 
 
-def is_remote(where: object) -> bool:
-    """Whether ``where`` names object storage (an fsspec URL other than ``file://``)."""
-    if not isinstance(where, str) or "://" not in where:
-        return False
-    scheme = urlparse(where).scheme
-    return len(scheme) > 1 and scheme not in ("file", "local")  # one letter is a Windows drive
-
-
 class RemoteStore:
     """A cache under an fsspec URL, addressed by key like a :class:`~streampack.store.LocalStore`.
 
