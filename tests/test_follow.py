@@ -257,9 +257,24 @@ def test_options_are_refused_before_waiting_and_states_serialize(finished: Path,
     assert json.loads(json.dumps(follow.state_dict()))["order"]["eras"] == [64, 2048]
     n = len(streampack.open(finished).sequences(SEQ_LEN, overlap=OVERLAP))
     world = next(w for w in range(2, 64) if n % w)  # batches of one row per rank: a partial last one
-    for _ in range(2):
+    refused = make_follow(finished, batch_size=world, world_size=world, drop_last=False)
+    for _ in range(2):  # before its first batch, from its position (a resume may move it where it fits)
         with pytest.raises(OptionsError, match="empty last batch"):
-            make_follow(finished, batch_size=world, world_size=world, drop_last=False)
+            next(iter(refused))
+
+
+def test_a_follow_made_to_resume_a_finished_build_is_judged_from_the_checkpoints_position(
+    finished: Path,
+) -> None:
+    """drop_last=False over a finished build: the last batch is checked from the position the resume
+    gives, not from position 0, where another remainder would be refused."""
+    n = len(streampack.open(finished).sequences(SEQ_LEN, overlap=OVERLAP))
+    world = next(w for w in range(2, 64) if n % w)  # from position 0, a last batch of n % w rows
+    first = make_follow(finished, batch_size=1, drop_last=False)
+    first.advance(n % world)  # from here, whole batches of world rows to the end
+    resumed = make_follow(finished, batch_size=world, world_size=world, drop_last=False)
+    resumed.load_state_dict(first.state_dict())
+    assert len(list(resumed)) == (n - n % world) // world
 
 
 def test_the_build_digest_ignores_what_a_resumed_build_may_change(finished: Path) -> None:

@@ -149,8 +149,8 @@ class Loader(Checkpointed):
         # The run's last batch is checked before the first batch (a resume first moves the position).
         self._ahead_checked = False
         if self._reach is not None:  # what it knows now, which the view opened above holds
-            self._check_last_batch()
-            self._reach.grow(0, self._check_last_batch)
+            # An end known already is checked before the first batch, from the position a resume gives.
+            self._reach.grow(0, lambda: None)
             self._reach.readable = self._reach.known
         self._history = (self._entry(0, None),)
 
