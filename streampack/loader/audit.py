@@ -26,9 +26,10 @@ Ranges in reports are half-open: ``positions 9600-10000`` are positions 9600 to 
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +180,8 @@ def audit(
         )
     _check_given(entries, seq_len, seed)
     final = int(checked["position"])
+    if entries[0]["kind"] == "follow":
+        data = _followed(data, checked["order"])
     given = run_exclusions(data, exclude)
     recorded = in_force(entries, checked.get("exclusions") or [])
     loaders = leg_loaders(entries, data, given, checked.get("exclusions") or [])
@@ -383,6 +386,10 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
             output=_output(exclude),
             seq_len_schedule=_schedule(entry),
         )
+    if entry["kind"] == "follow":  # the build it followed (see _followed) grows with its own order
+        return Loader(
+            copy.copy(_followed(data, None)), batch_size=batch, exclude=exclude, output=_output(exclude)
+        )
     if isinstance(data, Ordered):
         raise OptionsError(
             f"the run read one dataset (an order of kind {entry['kind']!r}): give its cache, not a mixture"
@@ -399,6 +406,39 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
         output=_output(exclude),
         seq_len_schedule=_schedule(entry),
     )
+
+
+def _followed(data: Any, order: Mapping[str, Any] | None) -> Any:
+    """The build a Follow run read, as its audit reads it: a fresh
+    :class:`~streampack.loader.follow.GrowingCache` of the cache at the path given (with the settings the
+    run's ``order`` fingerprint names: samples, seed, eras), or of the one a Follow (or GrowingCache) given
+    reads. It goes on with epochs after the eras: the history does not record ``then=``, and a leg that
+    ended served no position past them.
+
+    Raises:
+        OptionsError: ``data`` is neither a path nor a Follow (nor, without ``order``, a Follow).
+    """
+    from streampack.loader.follow import FollowOptions, GrowingCache
+
+    growing = getattr(data, "dataset", data)
+    if isinstance(growing, GrowingCache):
+        if order is None:  # already made for the audit
+            return growing
+        path, options = growing.path, replace(growing.options, then="epochs")
+        order = growing.order.fingerprint()
+    elif isinstance(data, (str, Path)) and order is not None:
+        described = dict(order.get("data") or {})
+        described.pop("build", None)
+        first, largest = (int(size) for size in order["eras"])
+        # Nothing waits: the audit reads the positions the run served, which the build has committed.
+        path, options = data, FollowOptions(**described, first_era=first, largest_era=largest, timeout=1e-3)
+    else:
+        raise OptionsError(
+            f"the run followed a build (streampack.Follow): give audit() its cache directory or a Follow of "
+            f"it, not {type(data).__name__}"
+        )
+    # Of batch 1 without drop_last: a finished cache refused only when it holds no sample at all.
+    return GrowingCache(path, options, seed=int(order["seed"]), batch_size=1, drop_last=False)
 
 
 def _output(exclude: list[Exclusions]) -> str:
