@@ -38,6 +38,25 @@ The rules, in the words of the documentation they come from:
   consecutive units of the rank's slice, each unit a segment of its own; joining units whose windows
   overlap, or in ``output="numpy"`` (no labels mask a join), is refused. A schedule's length for the
   batch at ``p`` is the one in force at token ``p * U``.
+* **Follow** (training while the build runs; the section at the end). A build's units lie in the stream
+  in unit order; its *committed prefix* is every document of the units before the first unfinished one,
+  then the documents that one has committed. A Follow serves the samples of the *finished* cache (the
+  windows of ``cache.sequences``, or the eras' plans of whole documents) in **eras**: era sizes are
+  ``first_era``, then each twice the one before but at most ``largest_era``. Windows:
+  era ``e`` is windows ``[W_e, W_{e+1})``; whole documents: documents ``[D_e, D_{e+1})``, planned on their
+  own (packed or one piece per sample, as above), and era ``e``'s samples follow those of the eras before.
+  Position ``p`` of era ``e`` (whose samples are positions ``[S_e, S_{e+1})``) is sample ``S_e +
+  Permutation(S_{e+1} - S_e, seed, epoch=e)(p - S_e)``. An era is served once the committed prefix holds
+  it (windows: its last window, overlap included; documents: its last document), the last one once the
+  build is complete. After the last era (``T`` samples in all): ``then="epochs"`` serves position ``T + q``
+  as position ``q`` of a run over the ``T`` samples with the same seed, ``then="end"`` ends the run at
+  ``T``. A Follow reads the ledger when it is made and when a batch reaches past the positions it knows;
+  a batch waits until its global batch is known; once a read finds the build complete, the end is
+  checked (``then="epochs"`` with no global batch of samples, ``drop_last=False`` with a last batch that
+  leaves some rank none, from the current position) before the next batch. In a mixture, a followed
+  source serves at its cursor ``c`` position ``c`` of its follow run (its own seed, then epochs), whatever
+  the mixture's shuffle, and a batch waits until the build holds the samples that cursor reaches by the
+  batch's end (the weights are kept: no other source takes its rows).
 """
 
 from __future__ import annotations
@@ -46,7 +65,7 @@ import functools
 import hashlib
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -420,11 +439,15 @@ class Mixed(Stream):
             labels = [labels[slots[i]] for i in range(self.block_size)]
         return labels
 
-    def __call__(self, position: int) -> tuple[int, int]:
+    def place(self, position: int) -> tuple[int, int]:
+        """The source at ``position`` and its cursor there."""
         block, offset = divmod(position, self.block_size)
         labels = self.labels(block)
         source = labels[offset]
-        cursor = sum(self.counts(b)[source] for b in range(block)) + labels[:offset].count(source)
+        return source, sum(self.counts(b)[source] for b in range(block)) + labels[:offset].count(source)
+
+    def __call__(self, position: int) -> tuple[int, int]:
+        source, cursor = self.place(position)
         epoch, index = divmod(cursor, self.sizes[source])
         if self.shuffle:
             index = _permutation(self.sizes[source], self.seeds[source], epoch)[index]
@@ -848,3 +871,287 @@ _CORPORA: dict[int, Corpus] = {}
 def _samples(corpus: Corpus, samples: Windows | Whole) -> list[Sample]:
     _CORPORA[id(corpus)] = corpus
     return _cached_samples(id(corpus), samples)
+
+
+# --- follow: training while the build runs -------------------------------------------------------------
+
+
+def era_sizes(first: int, largest: int) -> Iterator[int]:
+    """The eras' sizes: ``first``, then each twice the one before but at most ``largest``."""
+    size = first
+    while True:
+        yield size
+        size = min(2 * size, largest)
+
+
+def committed(unit_docs: Sequence[int], progress: Sequence[int]) -> tuple[int, bool]:
+    """A build's committed prefix, ``(documents, complete)``, where unit ``k`` of ``unit_docs[k]``
+    documents has committed its first ``progress[k]``: the documents of the units before the first one
+    not done, then those that one committed (what later units committed is not in it yet); complete once
+    every unit is done."""
+    docs = 0
+    for made, total in zip(progress, unit_docs, strict=True):
+        docs += made
+        if made < total:
+            return docs, False
+    return docs, True
+
+
+@dataclass(frozen=True)
+class FollowSpec:
+    """What a Follow serves: its samples (``Windows`` for ``layout="sequences"``, ``Whole`` for
+    ``"packed"`` and ``"documents"``), its seed and its eras."""
+
+    samples: Windows | Whole
+    seed: int
+    first_era: int
+    largest_era: int
+
+
+@dataclass(frozen=True)
+class Era:
+    """Era ``index``: its samples are positions ``[first, stop)``; it is served once the committed prefix
+    holds ``needs`` windows (or documents): where it ends in the finished build."""
+
+    index: int
+    needs: int
+    first: int
+    stop: int
+
+
+class Following(Stream):
+    """A follow run's positions -> samples of the finished build (``samples``), era by era, then epochs
+    of them all (``then="epochs"``) or the end (``then="end"``)."""
+
+    def __init__(self, corpus: Corpus, spec: FollowSpec, then: str) -> None:
+        self.corpus, self.spec = corpus, spec
+        self.samples: list[Sample] = []
+        self.eras: list[Era] = []
+        if isinstance(spec.samples, Windows):
+            self.samples = _samples(corpus, spec.samples)
+            sizes = era_sizes(spec.first_era, spec.largest_era)
+            start = 0
+            while start < len(self.samples):
+                stop = start + next(sizes)
+                self.eras.append(Era(len(self.eras), stop, start, min(stop, len(self.samples))))
+                start = stop
+        else:
+            pieces = spec.samples.pieces(corpus)
+            sizes = era_sizes(spec.first_era, spec.largest_era)
+            first = 0
+            while first < len(corpus.docs):
+                stop = first + next(sizes)
+                plan = era_plan(corpus, spec.samples, [p for p in pieces if first <= p[0] < stop])
+                self.eras.append(Era(len(self.eras), stop, len(self.samples), len(self.samples) + len(plan)))
+                self.samples += plan
+                first = stop
+        self.total = len(self.samples)
+        self.end = self.total if then == "end" else None
+
+    def __call__(self, position: int) -> tuple[int, int]:
+        if position < self.total:
+            era = next(e for e in self.eras if e.first <= position < e.stop)
+            within = _permutation(era.stop - era.first, self.spec.seed, era.index)
+            return 0, era.first + within[position - era.first]
+        epoch, offset = divmod(position - self.total, self.total)
+        return 0, _permutation(self.total, self.spec.seed, epoch)[offset]
+
+    def known(self, docs: int, complete: bool) -> int | None:
+        """Positions served with the first ``docs`` documents committed: those of the eras it holds; every
+        position (None) once the build is complete."""
+        if complete:
+            return None
+        samples = self.spec.samples
+        holds = docs
+        if isinstance(samples, Windows):
+            tokens = sum(len(doc) for doc in self.corpus.docs[:docs])
+            holds = max(0, (tokens - samples.overlap) // samples.seq_len)
+        return max([e.stop for e in self.eras if e.needs <= holds], default=0)
+
+
+def era_plan(corpus: Corpus, whole: Whole, pieces: list[Piece]) -> list[Sample]:
+    """The samples of one era's ``pieces`` (its documents cut as ``whole`` cuts them), planned on their
+    own: best-fit decreasing (packed), or one piece per sample; padded as ``whole`` pads."""
+    pad_id = whole.pad_id if whole.pad_id is not None else (corpus.eos if corpus.eos is not None else 0)
+    bins = _best_fit_decreasing(pieces, whole.seq_len) if whole.packed else [[p] for p in pieces]
+    return [Sample(tuple(content), whole.seq_len - sum(c for _, _, c in content), pad_id) for content in bins]
+
+
+@dataclass
+class FollowLeg:
+    """One stretch of a follow run between resumes: its Follows' batch size, ranks, batches read (per
+    rank) and what follows the eras."""
+
+    batch_size: int
+    world_size: int
+    batches: int
+    then: str = "epochs"
+
+
+@dataclass
+class FollowRun:
+    """A follow run: the finished build's corpus and its units' documents, the Follow's settings, the
+    output, ``drop_last`` and the legs."""
+
+    corpus: Corpus
+    unit_docs: tuple[int, ...]
+    spec: FollowSpec
+    output: str
+    drop_last: bool
+    legs: list[FollowLeg]
+
+
+class FollowModel:
+    """Replays a :class:`FollowRun` as its Follows read a build whose progress the caller gives: per
+    batch, whether it is served yet, and what each rank is served."""
+
+    def __init__(self, run: FollowRun) -> None:
+        self.run = run
+        self.streams = {then: Following(run.corpus, run.spec, then) for then in ("end", "epochs")}
+        self.position = 0
+        self.known: int | None = 0  # positions the current leg's Follows know (None: every one)
+
+    def stream(self, leg: FollowLeg) -> Following:
+        return self.streams[leg.then]
+
+    def start_leg(self, leg: FollowLeg, progress: Sequence[int]) -> None:
+        """The leg's Follows are made (and resumed at the position) with the build at ``progress``: they
+        read the ledger.
+
+        Raises:
+            Refused: the build is complete and its end refused (see :meth:`read`).
+        """
+        self.known = 0
+        self.read(leg, progress)
+
+    def read(self, leg: FollowLeg, progress: Sequence[int]) -> None:
+        """The leg's Follows read the ledger: they know the eras committed, and every position once the
+        build is complete, after checking its end.
+
+        Raises:
+            Refused: ``then="epochs"`` over fewer samples than one global batch (none at all, with
+                ``drop_last=False``); ``drop_last=False`` and ``then="end"`` with a last batch, from the
+                position, that leaves some rank none.
+        """
+        docs, complete = committed(self.run.unit_docs, progress)
+        stream = self.stream(leg)
+        if complete and self.known is not None:
+            little = stream.total < leg.batch_size if self.run.drop_last else stream.total == 0
+            if leg.then == "epochs" and little:
+                raise Refused("then='epochs' has nothing to repeat")
+            if not self.run.drop_last:
+                _check_last_batch(stream.end, self.position, leg.batch_size, leg.world_size)
+        self.known = stream.known(docs, complete)
+
+    def next_rows(self, leg: FollowLeg, progress: Sequence[int]) -> int | None:
+        """Rows of the leg's next global batch with the build at ``progress`` (0: the run has ended), or
+        None while it waits for the build. A batch past the positions known reads the ledger first.
+
+        Raises:
+            Refused: the read found the build complete and refused its end (see :meth:`read`).
+        """
+        if self.known is not None and self.position + leg.batch_size > self.known:
+            self.read(leg, progress)
+        if self.known is None:
+            return global_rows(self.position, leg.batch_size, self.stream(leg).end, self.run.drop_last)
+        return leg.batch_size if self.position + leg.batch_size <= self.known else None
+
+    def batch(self, leg: FollowLeg, rows: int, rank: int) -> Any:
+        """Rank ``rank``'s share of the global batch of ``rows`` rows at the position."""
+        stream, samples = self.stream(leg), self.run.spec.samples
+        served = [
+            row_of(self.run.corpus, stream.samples[stream(p)[1]], samples.width, p, 0)
+            for p in rank_slice(self.position, rows, rank, leg.world_size)
+        ]
+        if self.run.output == "numpy":
+            tokens = [row.tokens for row in served]
+            return np.asarray(tokens, dtype=np.int64).reshape(len(served), samples.width)
+        return as_dict(served, [], self.run.output, samples.seq_len)
+
+
+class FollowMixed(Mixed):
+    """A mixture whose sources in ``following`` are followed (their builds run): such a source serves at
+    its cursor ``c`` position ``c`` of its follow run (its own seed, eras then epochs), whatever the
+    mixture's shuffle; the others as in :class:`Mixed`."""
+
+    def __init__(self, *args: Any, following: dict[int, Following], **settings: Any) -> None:
+        super().__init__(*args, **settings)
+        self.following = following
+
+    def __call__(self, position: int) -> tuple[int, int]:
+        source, cursor = self.place(position)
+        if source in self.following:
+            return source, self.following[source](cursor)[1]
+        return super().__call__(position)
+
+    def consumed(self, stop: int, source: int) -> int:
+        """Samples of ``source`` that positions ``[0, stop)`` serve: its cursor at ``stop``."""
+        block, offset = divmod(stop, self.block_size)
+        return sum(self.counts(b)[source] for b in range(block)) + self.labels(block)[:offset].count(source)
+
+
+@dataclass
+class FollowMixRun:
+    """A mixture of a finished cache (``web``: its corpus and samples) and a followed build (``fresh``:
+    its finished corpus and units' documents, and the Follow's settings), by ``stages``, with its legs (each
+    leg's ``then`` unused: the fresh source goes on with epochs after its eras)."""
+
+    web: tuple[Corpus, Windows | Whole]
+    fresh: FollowRun
+    stages: tuple[tuple[int, dict[str, float]], ...]
+    mix: MixSpec
+    output: str
+    legs: list[FollowLeg]
+
+
+class FollowMixModel:
+    """Replays a :class:`FollowMixRun`: a batch waits until the followed build holds the samples the fresh
+    source's cursor reaches by its end (the weights are kept exactly: no other source takes its rows)."""
+
+    NAMES = ("web", "fresh")
+
+    def __init__(self, run: FollowMixRun) -> None:
+        self.run = run
+        web_corpus, web_samples = run.web
+        self.following = Following(run.fresh.corpus, run.fresh.spec, "epochs")
+        self.parts = [
+            (web_corpus, _samples(web_corpus, web_samples)),
+            (run.fresh.corpus, self.following.samples),
+        ]
+        spec = run.mix
+        self.stream = FollowMixed(
+            [len(self.parts[0][1]), 1],
+            [derived_seed(spec.seed, f"source:{n}") for n in self.NAMES],
+            seed=spec.seed,
+            shuffle=spec.shuffle,
+            block_size=spec.block_size,
+            schedule=stage_schedule(run.stages, self.NAMES, spec.block_size),
+            stop="never",
+            following={1: self.following},
+        )
+        self.position = 0
+        self.known: int | None = 0  # samples of the fresh source its Follow knows (None: all)
+
+    def start_leg(self, progress: Sequence[int]) -> None:
+        """The leg's Follows are made with the build at ``progress``: they read the ledger."""
+        docs, complete = committed(self.run.fresh.unit_docs, progress)
+        self.known = self.following.known(docs, complete)
+
+    def next_rows(self, leg: FollowLeg, progress: Sequence[int]) -> int | None:
+        """Rows of the next global batch (a full one: the mixture never stops), or None while it waits."""
+        needs = self.stream.consumed(self.position + leg.batch_size, 1)
+        if self.known is not None and needs > self.known:
+            self.start_leg(progress)  # it reads the ledger again
+        return leg.batch_size if self.known is None or needs <= self.known else None
+
+    def batch(self, leg: FollowLeg, rows: int, rank: int) -> Any:
+        """Rank ``rank``'s share of the global batch at the position."""
+        width = self.run.web[1].width
+        served = []
+        for p in rank_slice(self.position, rows, rank, leg.world_size):
+            source, sample = self.stream(p)
+            corpus, samples = self.parts[source]
+            served.append(row_of(corpus, samples[sample], width, p, source))
+        if self.run.output == "numpy":
+            return np.asarray([row.tokens for row in served], dtype=np.int64).reshape(len(served), width)
+        return as_dict(served, [], self.run.output, self.run.web[1].seq_len)

@@ -7,8 +7,11 @@ batch must be what the model says, and every rank must save the same state.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import random
+import shutil
 from collections.abc import Sequence
 from itertools import islice
 from pathlib import Path
@@ -22,15 +25,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack.errors import LoaderStateError, OptionsError
+from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
+from streampack.format.ledger import LedgerEntry
+from streampack.format.manifest import ShardTable
+from streampack.format.names import mask_path, offsets_path, shard_name, tokens_path, with_checksum
 from streampack.loader import Exclusions, Loader
 from streampack.loader.audit import audit
+from streampack.loader.follow import Follow
 from streampack.loader.provenance import which
 from streampack.order.mixture import Mixture
+from streampack.store import encode_json
+from streampack.store.files import load_manifest
 
 from .reference_model import (
     Corpus,
     Exclusion,
+    FollowLeg,
+    FollowMixModel,
+    FollowMixRun,
+    FollowModel,
+    FollowRun,
+    FollowSpec,
     Leg,
     MixLeg,
     MixSpec,
@@ -51,8 +66,8 @@ def _text(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, size)))
 
 
-def _write_inputs(root: Path, sft: bool) -> list[str]:
-    """Two Parquet files around one JSON Lines file: three work units, three shards."""
+def _write_inputs(root: Path, sft: bool, kinds: Sequence[str] = ("parquet", "jsonl", "parquet")) -> list[str]:
+    """Two Parquet files around one JSON Lines file (or files of ``kinds``): a work unit, a shard each."""
     rng = random.Random(7 if sft else 3)
 
     def record() -> dict[str, str]:
@@ -61,7 +76,7 @@ def _write_inputs(root: Path, sft: bool) -> list[str]:
         return {"text": _text(rng)}
 
     paths = []
-    for index, kind in enumerate(["parquet", "jsonl", "parquet"]):
+    for index, kind in enumerate(kinds):
         path = root / f"part{index}.{kind}"
         records = [record() for _ in range(rng.randint(15, 30))]
         if kind == "parquet":
@@ -523,3 +538,448 @@ def test_dataloader_workers_serve_what_the_model_says(
         exclusions = [Exclusion(0, mode, {0: {1, 2, 3}}, [(2, 5)])] if index == 1 else []
         run.legs.append(Leg(made or samples, batch, world, batches, None, exclusions))
     check_run(cache, run, workers=[leg[4] for leg in legs])
+
+
+# --- follow: training while the build runs --------------------------------------------------------------
+
+
+class StagedBuild:
+    """A finished build replayed into ``out`` as its builder writes it: the incomplete manifest first; then
+    commit by commit, each unit's shard files growing (appended to, never rewritten) to hold the documents
+    it commits, and the next one (written, not committed yet), before its ledger entry says so; the finished
+    build's entry once the unit is done; the complete manifest last. Deterministic, in this process: a
+    follower reads it between two commits exactly as it reads a real build there."""
+
+    def __init__(self, finished: Path, out: Path) -> None:
+        manifest = load_manifest(finished)
+        self.finished, self.out, self.mask = finished, out, manifest.loss_mask
+        self.units = list(manifest.units)
+        self.docs = [int(n) for n in manifest.table.num_docs]
+        self.progress = [0] * len(self.units)
+        self.done = [False] * len(self.units)
+        (out / "shards").mkdir(parents=True)
+        (out / "ledger").mkdir()
+        running = dataclasses.replace(manifest, complete=False, table=ShardTable.empty())
+        _put(out / "manifest.json", encode_json(with_checksum(running.to_json())))
+        self.itemsize = np.dtype(manifest.dtype).itemsize
+
+    @property
+    def complete(self) -> bool:
+        return all(self.done)
+
+    def commit(self, unit: int, docs: int) -> None:
+        """Unit ``unit`` commits its first ``docs`` documents (no fewer than it has)."""
+        docs = min(max(docs, self.progress[unit]), self.docs[unit])
+        if self.done[unit] or (docs == self.progress[unit] and docs < self.docs[unit]):
+            return
+        name = shard_name(unit)
+        ends = np.fromfile(offsets_path(self.finished, name), dtype="<u8")
+        written = min(docs + 1, len(ends))
+        self._grow(offsets_path, name, written * 8)
+        tokens = int(ends[written - 1]) if written else 0
+        self._grow(tokens_path, name, tokens * self.itemsize)
+        if self.mask:
+            self._grow(mask_path, name, tokens)
+        entry = self.out / "ledger" / f"{name}.json"
+        if docs == self.docs[unit]:
+            _put(entry, (self.finished / "ledger" / f"{name}.json").read_bytes())
+            self.done[unit] = True
+        else:
+            tokens = int(ends[docs - 1]) if docs else 0
+            made = LedgerEntry(self.units[unit], records=docs, docs=docs, tokens=tokens)
+            _put(entry, encode_json(with_checksum(dataclasses.asdict(made))))
+        self.progress[unit] = docs
+
+    def mover(self, data: st.DataObject) -> Any:
+        """``move_on(moves)``: the build's next ``moves`` commits as ``data`` draws them, each of a few
+        documents by the first unit not done or one after it (units run in parallel); ``"wait"``: one by
+        the first unit not done (what a follower that waits needs); or (``"end"``, or once every unit is
+        done) its end."""
+
+        def move_on(moves: int | str) -> None:
+            if moves == "wait" and not self.complete:
+                unit = self.done.index(False)
+                self.commit(unit, self.progress[unit] + data.draw(st.integers(1, 16)))
+            for _ in range(moves if isinstance(moves, int) else 0):
+                if self.complete:
+                    break
+                after = data.draw(st.sampled_from([0, 0, 1, 2]))
+                unit = min(self.done.index(False) + after, len(self.units) - 1)
+                self.commit(unit, self.progress[unit] + data.draw(st.integers(1, 8)))
+            if moves == "end" or self.complete:
+                self.finish()
+
+        return move_on
+
+    def finish(self) -> None:
+        """Every unit done, then the complete manifest."""
+        for unit, docs in enumerate(self.docs):
+            self.commit(unit, docs)
+        _put(self.out / "manifest.json", (self.finished / "manifest.json").read_bytes())
+
+    def _grow(self, where: Any, name: str, size: int) -> None:
+        source, target = where(self.finished, name), where(self.out, name)
+        have = target.stat().st_size if target.exists() else 0
+        if size > have:
+            with open(source, "rb") as file:
+                file.seek(have)
+                data = file.read(size - have)
+            with open(target, "ab") as file:
+                file.write(data)
+
+
+def _put(path: Path, data: bytes) -> None:
+    """Replace ``path`` atomically (readers see the old file or the new one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+@st.composite
+def follow_runs(draw: st.DrawFn, corpora: dict[str, tuple[Corpus, tuple[int, ...]]]) -> FollowRun:
+    """Follows of every layout over a build of six units, with resumes that change the batch size, the
+    world size and ``then``."""
+    name = draw(st.sampled_from(sorted(corpora)))
+    corpus, unit_docs = corpora[name]
+    output = draw(st.sampled_from(["numpy", "dict", "varlen"]))
+    kind = draw(st.sampled_from(["windows", "packed", "documents"]))
+    if kind == "windows":
+        overlap = 0 if output != "numpy" else draw(st.sampled_from([0, 1]))
+        samples: Windows | Whole = Windows(draw(st.sampled_from([8, 16, 32])), overlap)
+        first = draw(st.integers(1, 24))
+    else:
+        samples = Whole(
+            draw(st.sampled_from([16, 32, 64])),
+            packed=kind == "packed",
+            too_long=draw(st.sampled_from(["split", "truncate", "drop"])),
+            no_target=draw(st.sampled_from(["keep", "drop"])),
+            pad_id=draw(st.sampled_from([None, 7])),
+        )
+        first = draw(st.integers(1, 4))
+    largest = first * 2 ** draw(st.integers(0, 2)) + draw(st.integers(0, first))
+    spec = FollowSpec(samples, draw(st.integers(0, 2**64 - 1)), first, largest)
+    run = FollowRun(corpus, unit_docs, spec, output, drop_last=draw(st.booleans()), legs=[])
+    for _ in range(draw(st.integers(1, 4))):
+        world = draw(st.sampled_from([1, 2, 3]))
+        batch = world * draw(st.integers(1, 3))
+        then = draw(st.sampled_from(["end", "epochs"]))
+        run.legs.append(FollowLeg(batch, world, draw(st.integers(0, 8)), then))
+    return run
+
+
+def _follow(path: Path, run: FollowRun, leg: FollowLeg, rank: int, timeout: float | None = None) -> Follow:
+    """The real Follow of a leg's rank (by default, a build that stalls is given up on quickly)."""
+    samples = run.spec.samples
+    if isinstance(samples, Windows):
+        layout: dict[str, Any] = {"seq_len": samples.seq_len, "overlap": samples.overlap}
+    else:
+        layout = {"layout": "packed" if samples.packed else "documents", "seq_len": samples.seq_len}
+        layout.update(too_long=samples.too_long, no_target=samples.no_target, pad_id=samples.pad_id)
+    return Follow(
+        path,
+        batch_size=leg.batch_size,
+        world_size=leg.world_size,
+        rank=rank,
+        seed=run.spec.seed,
+        drop_last=run.drop_last,
+        output=run.output,
+        then=leg.then,
+        first_era=run.spec.first_era,
+        largest_era=run.spec.largest_era,
+        timeout=timeout or STALL_SECONDS,
+        poll=STALL_SECONDS / 5,
+        **layout,
+    )
+
+
+STALL_SECONDS = 0.04  # a Follow waits this long for a build that commits nothing before it gives up
+
+
+def check_follow_run(finished: Path, out: Path, run: FollowRun, data: st.DataObject) -> None:
+    """Run ``run`` on real Follows of a build ``data`` replays (:class:`StagedBuild`) against the model:
+    every rank's every batch is the model's, served as soon as the model says the build holds it (a batch
+    the model says waits stalls: ``BuildStalledError``); every rank saves the same state; the audit of the
+    last state is clean. The build moves on between batches as ``data`` draws, and whenever the model says
+    the next batch waits for it."""
+    build = StagedBuild(finished, out)
+    move_on = build.mover(data)
+    move_on(data.draw(st.sampled_from([0, 1, 2, 4, "end"])))  # "end": a Follow of a finished build
+    model = FollowModel(run)
+    state: dict[str, Any] | None = None
+    states: list[tuple[dict[str, Any], int]] = []  # (state, trainer step) at each resume
+    step = 0
+    for index, leg in enumerate(run.legs):
+        try:
+            model.start_leg(leg, build.progress)
+        except Refused:
+            with pytest.raises(OptionsError):  # made, or its first batch
+                follow = _follow(out, run, leg, 0)
+                if state is not None:
+                    follow.load_state_dict(state)
+                next(iter(follow))
+            return
+        follows = [_follow(out, run, leg, rank) for rank in range(leg.world_size)]
+        if state is not None:
+            for follow in follows:
+                follow.load_state_dict(state)
+        batches = [iter(follow) for follow in follows]
+        stalled = False  # once a leg at most: a stall takes STALL_SECONDS
+        for number in range(leg.batches):
+            where = f"leg {index} batch {number} (position {model.position}, build {build.progress})"
+            move_on(data.draw(st.sampled_from([0] * 9 + [1, 1, 1, 2, 2, 3, "end"])))
+            try:
+                rows = model.next_rows(leg, build.progress)
+                while rows is None:  # it waits for the build
+                    if not stalled and data.draw(st.booleans()):
+                        with pytest.raises(BuildStalledError):
+                            next(batches[0])
+                        batches[0] = iter(follows[0])  # the same Follow goes on once the build does
+                        stalled = True
+                    move_on("wait")
+                    rows = model.next_rows(leg, build.progress)
+            except Refused:
+                with pytest.raises(OptionsError):
+                    next(batches[0])
+                return
+            if rows == 0:
+                assert all(next(batch, None) is None for batch in batches), f"{where}: the run goes on"
+                break
+            for rank, batch in enumerate(batches):
+                _same(next(batch), model.batch(leg, rows, rank), f"{where} rank {rank}")
+            model.position += rows
+        saved = {json.dumps(follow.state_dict(), sort_keys=True) for follow in follows}
+        assert len(saved) == 1, f"leg {index}: the ranks saved different states"
+        if state is not None:
+            states.append((state, step))
+        state = json.loads(saved.pop())
+        step += (state["position"] - (states[-1][0]["position"] if states else 0)) // leg.batch_size
+        assert state["position"] == model.position
+    assert state is not None
+    # The audit reads the build from its path (as `streampack audit` does), or through a Follow of it.
+    report = audit(state, out if run.spec.seed % 2 else follows[0])
+    assert report.clean, report.text()
+    assert sum(source.samples for source in report.sources) == model.position, report.text()
+    if states and state["position"] > states[-1][0]["position"]:
+        build.finish()  # the planted resumes below read their batch at once
+        _plant_follow(out, run, states[-1], (state, step))
+
+
+def _plant_follow(
+    out: Path, run: FollowRun, before: tuple[dict[str, Any], int], last: tuple[dict[str, Any], int]
+) -> None:
+    """A resume from the state before the last leg at the last leg's step (a replay), and from the last
+    state at the earlier step (a skip): the audit finds each (as :func:`_plant` for a Loader)."""
+    plants = ((before[0], last[1], "twice", run.legs[-2]), (last[0], before[1], "skipped", run.legs[-1]))
+    for state, step, kind, leg in plants:
+        follow = _follow(out, run, leg, 0)
+        try:
+            follow.load_state_dict(state, step=step)
+            if next(iter(follow), None) is None:  # the run had ended: nothing is trained again
+                continue
+        except OptionsError:  # drop_last=False: this batch size leaves a rank no row at the end from here
+            continue
+        report = audit(follow.state_dict(), out)
+        assert not report.clean, f"a planted {kind} was not found:\n{report.text()}"
+        assert sum(getattr(source, kind) for source in report.sources) > 0, report.text()
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Corpus, tuple[int, ...]]]:
+    """Finished builds of six units each, plain and SFT, which :class:`StagedBuild` replays: each with its
+    corpus and its units' documents."""
+    out = {}
+    for name, sft in (("plain", False), ("sft", True)):
+        root = tmp_path_factory.mktemp(f"follow-{name}")
+        inputs = _write_inputs(root, sft, ["jsonl", "parquet"] * 3)
+        options: dict[str, Any] = {"fields": ["prompt", "response"], "on_bad_record": "skip"} if sft else {}
+        streampack.build(inputs, root / "cache", progress=False, **options)
+        cache = streampack.open(root / "cache")
+        out[name] = (root / "cache", Corpus.read(cache), tuple(int(n) for n in cache.manifest.table.num_docs))
+    return out
+
+
+def test_random_follow_runs_serve_what_the_model_says(
+    builds: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    corpora = {name: (corpus, units) for name, (_, corpus, units) in builds.items()}
+    root = tmp_path_factory.mktemp("follow")
+    runs_made = iter(range(10**6))
+
+    @settings(
+        max_examples=150,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(follow_runs(corpora), st.data())
+    def check(run: FollowRun, data: st.DataObject) -> None:
+        name = next(n for n, (c, _) in corpora.items() if c is run.corpus)
+        out = root / str(next(runs_made))
+        try:
+            check_follow_run(builds[name][0], out, run, data)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    check()
+
+
+@st.composite
+def follow_mixture_runs(draw: st.DrawFn, builds: dict[str, tuple[Path, Corpus, tuple[int, ...]]]) -> Any:
+    """A finished cache and a followed build mixed by stages, resumed with other batch and world sizes."""
+    web_name, fresh_name = draw(st.sampled_from([("plain", "sft"), ("sft", "plain")]))
+    length = draw(st.sampled_from([16, 32]))
+    output = draw(st.sampled_from(["numpy", "dict", "varlen"]))
+
+    def layout() -> Windows | Whole:
+        kind = draw(st.sampled_from(["windows", "packed", "documents"]))
+        if kind == "windows":
+            return Windows(length)
+        return Whole(length, packed=kind == "packed", too_long=draw(st.sampled_from(["split", "truncate"])))
+
+    _, fresh_corpus, unit_docs = builds[fresh_name]
+    first = draw(st.integers(1, 6))
+    spec = FollowSpec(layout(), draw(st.integers(0, 2**64 - 1)), first, first * 2 ** draw(st.integers(0, 3)))
+    fresh = FollowRun(fresh_corpus, unit_docs, spec, "numpy", drop_last=True, legs=[])
+    block = draw(st.sampled_from([4, 8, 16]))
+    stages = []
+    for position in [0, *sorted(set(draw(st.lists(st.integers(1, 6), max_size=2))))]:
+        weights = {"web": float(draw(st.integers(0, 3))), "fresh": float(draw(st.integers(0, 3)))}
+        stages.append((position * block, weights if any(weights.values()) else {"fresh": 1.0}))
+    mix = MixSpec(draw(st.integers(0, 2**64 - 1)), draw(st.booleans()), block, "never")
+    run = FollowMixRun((builds[web_name][1], layout()), fresh, tuple(stages), mix, output, legs=[])
+    for _ in range(draw(st.integers(1, 3))):
+        world = draw(st.sampled_from([1, 2, 3]))
+        run.legs.append(FollowLeg(world * draw(st.integers(1, 3)), world, draw(st.integers(0, 10))))
+    return run, web_name, fresh_name
+
+
+def check_follow_mixture_run(
+    web: Path, finished: Path, out: Path, run: FollowMixRun, data: st.DataObject
+) -> None:
+    """Run ``run`` on real Loaders of a Mixture of the finished cache ``web`` and a Follow of a build
+    ``data`` replays into ``out`` against the model, as :func:`check_follow_run` does; then audit it."""
+    build = StagedBuild(finished, out)
+    move_on = build.mover(data)
+    move_on(data.draw(st.sampled_from([0, 1, 2, 4, "end"])))
+    model = FollowMixModel(run)
+    web_samples = _real_samples(streampack.open(web), run.web[1])
+    follow_leg = FollowLeg(1, 1, 0)  # the Follow given to the mixture: one sample is a global batch
+
+    def mixture(stages: Any) -> Mixture:
+        fresh = _follow(out, run.fresh, follow_leg, 0)
+        spec = run.mix
+        settings = {"seed": spec.seed, "shuffle": spec.shuffle, "block_size": spec.block_size}
+        return Mixture({"web": web_samples, "fresh": fresh}, **stages, **settings)  # type: ignore[arg-type]
+
+    state: dict[str, Any] | None = None
+    for index, leg in enumerate(run.legs):
+        model.start_leg(build.progress)
+        loaders = []
+        for rank in range(leg.world_size):
+            made = mixture({"stages": list(run.stages)})
+            sizes = {"batch_size": leg.batch_size, "rank": rank, "world_size": leg.world_size}
+            loader = Loader(made, **sizes, output=run.output)
+            if state is not None:
+                loader.load_state_dict(state)
+            loaders.append(loader)
+        batches = [iter(loader) for loader in loaders]
+        stalled = False
+        for number in range(leg.batches):
+            where = f"leg {index} batch {number} (position {model.position}, build {build.progress})"
+            move_on(data.draw(st.sampled_from([0] * 9 + [1, 1, 1, 2, 2, 3, "end"])))
+            rows = model.next_rows(leg, build.progress)
+            while rows is None:  # it waits for the build
+                if not stalled and data.draw(st.booleans()):
+                    with pytest.raises(BuildStalledError):
+                        next(batches[0])
+                    batches[0] = iter(loaders[0])
+                    stalled = True
+                move_on("wait")
+                rows = model.next_rows(leg, build.progress)
+            for rank, batch in enumerate(batches):
+                _same(next(batch), model.batch(leg, rows, rank), f"{where} rank {rank}")
+            model.position += rows
+        saved = {json.dumps(loader.state_dict(), sort_keys=True) for loader in loaders}
+        assert len(saved) == 1, f"leg {index}: the ranks saved different states"
+        state = json.loads(saved.pop())
+        assert state["position"] == model.position
+    assert state is not None
+    report = audit(state, mixture({"weights": {"web": 1.0}}))
+    assert report.clean, report.text()
+    assert sum(source.samples for source in report.sources) == model.position, report.text()
+
+
+def test_random_follow_mixture_runs_serve_what_the_model_says(
+    builds: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = tmp_path_factory.mktemp("follow-mixture")
+    runs_made = iter(range(10**6))
+
+    @settings(
+        max_examples=50,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(follow_mixture_runs(builds), st.data())
+    def check(made: Any, data: st.DataObject) -> None:
+        run, web, fresh = made
+        out = root / str(next(runs_made))
+        try:
+            check_follow_mixture_run(builds[web][0], builds[fresh][0], out, run, data)
+        finally:
+            shutil.rmtree(out, ignore_errors=True)
+
+    check()
+
+
+def test_a_follow_of_a_real_running_build_serves_what_the_model_says(
+    tmp_path: Path, bpe_tokenizer: Path
+) -> None:
+    """A real ``streampack build``, held once its first unit has committed a few eras, followed by two
+    ranks; resumed while it is held over three ranks with another batch size, then let go and followed
+    to the end: every batch is the model's, computed from the finished cache."""
+    from tests.test_follow import corpus, follow_args, release
+    from tests.test_follow_layouts import hold_at
+    from tests.test_resume import start_build
+
+    out = tmp_path / "c"
+    proc = start_build(follow_args(corpus(tmp_path, 2500), out, bpe_tokenizer), out)
+    hold_at(proc, out, 40)
+    spec = FollowSpec(Windows(48, overlap=1), seed=9, first_era=16, largest_era=256)
+    legs = [FollowLeg(8, 2, 5), FollowLeg(12, 3, 10**6, then="end")]
+    run = FollowRun(Corpus((), None, None), (), spec, "numpy", drop_last=True, legs=legs)
+    served: list[list[tuple[np.ndarray, ...]]] = []  # per leg, per batch, per rank
+    state: dict[str, Any] | None = None
+    try:
+        for index, leg in enumerate(legs):
+            follows = [_follow(out, run, leg, rank, timeout=60) for rank in range(leg.world_size)]
+            for follow in follows:
+                if state is not None:
+                    follow.load_state_dict(state)
+            assert proc.poll() is None, "the build ended before the resume"
+            if index:
+                release(proc)
+            served.append(list(islice(zip(*follows, strict=True), leg.batches)))
+            state = follows[0].state_dict()
+    finally:
+        release(proc)
+        _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr.decode()
+
+    finished = streampack.open(out)
+    run.corpus = Corpus.read(finished)
+    run.unit_docs = tuple(int(n) for n in finished.manifest.table.num_docs)
+    model = FollowModel(run)
+    for index, leg in enumerate(legs):
+        model.start_leg(leg, run.unit_docs)
+        for number, batches in enumerate(served[index]):
+            rows = model.next_rows(leg, run.unit_docs)
+            assert rows, f"leg {index} batch {number}: the model's run has ended"
+            for rank, batch in enumerate(batches):
+                _same(batch, model.batch(leg, rows, rank), f"leg {index} batch {number} rank {rank}")
+            model.position += rows
+        assert index == 0 or model.next_rows(leg, run.unit_docs) == 0, "the run ended early"
+    assert state is not None and state["position"] == model.position
