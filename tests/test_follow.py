@@ -277,6 +277,39 @@ def test_a_follow_made_to_resume_a_finished_build_is_judged_from_the_checkpoints
     assert len(list(resumed)) == (n - n % world) // world
 
 
+def test_exclusions_of_a_followed_build_mask_documents_not_committed_yet_and_skip_is_refused(
+    finished: Path, tmp_path: Path
+) -> None:
+    """Mask mode may name a document the running build has not committed yet: it is masked once served,
+    as over the finished build, and the run audits clean; skip mode, whose walk ahead would read samples
+    not committed yet, is refused."""
+    from streampack.loader import Exclusions
+    from streampack.loader.audit import audit
+    from tests.test_reference_model import StagedBuild
+
+    build = StagedBuild(finished, tmp_path / "c")
+    build.commit(0, 3)
+    later = build.docs[0] + 1  # a document of the second unit
+    mask = Exclusions(documents=[later], mode="mask")
+
+    def loader(**kwargs: Any) -> streampack.Loader:
+        growing = make_follow(tmp_path / "c", overlap=0).dataset
+        return streampack.Loader(growing, batch_size=BATCH, output="dict", **kwargs)
+
+    with pytest.raises(OptionsError, match=r"mode='skip'.* not supported over a source that grows"):
+        loader(exclude=Exclusions(documents=[later]))
+    running = loader(exclude=mask)  # made while the build runs: the document is not committed yet
+    build.finish()
+    done = loader(exclude=mask)
+    batches = list(running)
+    assert len(batches) == len(done) > 0
+    for a, b in zip(batches, done, strict=True):
+        assert np.array_equal(a["labels"], b["labels"]) and np.array_equal(a["input_ids"], b["input_ids"])
+    unmasked = list(loader())
+    assert sum(int((a["labels"] != b["labels"]).sum()) for a, b in zip(batches, unmasked, strict=True)) > 0
+    assert audit(running.state_dict(), tmp_path / "c", exclude=[mask]).clean
+
+
 def test_the_build_digest_ignores_what_a_resumed_build_may_change(finished: Path) -> None:
     """A build resumed with its tokenizer at another path rewrites the manifest's tokenizer spec; states
     saved while following it must still resume."""

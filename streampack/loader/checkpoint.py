@@ -270,7 +270,18 @@ class Checkpointed(Steps):
         self._ahead_checked = True
 
     def _checked(self, base: Order, entries: list[inforce.Entry]) -> tuple[Order, Masking | None]:
-        """``base`` filtered by ``entries`` and their masking (:func:`streampack.loader.inforce.checked`)."""
+        """``base`` filtered by ``entries`` and their masking (:func:`streampack.loader.inforce.checked`).
+
+        Raises:
+            OptionsError: they do not fit, or a skip exclusion is given over a source that grows (what it
+                takes out lies ahead, in samples the build has not committed yet).
+        """
+        if self._reach is not None and any(entry.mode == "skip" for entry, _, _ in entries):
+            raise OptionsError(
+                "Exclusions(mode='skip') are not supported over a source that grows (a Follow, or a mixture "
+                "with one): the samples they pass over lie ahead, where the build has not committed them "
+                "yet; use mode='mask' (labels=-100 on the excluded tokens, output='dict')"
+            )
         datasets = [source.data for source in self.sources]
         formatter, output = self.formatter, self.options.output
         return inforce.checked(base, entries, datasets, self._excluded_docs, formatter, output)

@@ -117,7 +117,7 @@ def excluded_documents(
         source = names.index(name)
         cache = _cache_of(datasets[source], name)
         docs = np.asarray(ids, dtype=np.int64)
-        if len(docs) and docs[-1] >= cache.num_docs:
+        if len(docs) and docs[-1] >= cache.num_docs and cache.manifest.complete:  # (a running build's: later)
             raise OptionsError(
                 f"Exclusions names document {int(docs[-1])} of source {name!r}, whose cache has "
                 f"{cache.num_docs} documents (indices 0 to {cache.num_docs - 1})"
@@ -160,10 +160,11 @@ def excluded_samples(data: object, docs: np.ndarray) -> np.ndarray:
     Each sample's spans (its layout's) are tested against the documents' token ranges, a chunk of samples
     at a time: O(samples) once, whatever the layout.
     """
-    if len(docs) == 0:
-        return np.zeros(0, dtype=np.int64)
     cache: Any = getattr(data, "cache")  # noqa: B009 - checked by _cache_of
     layout: Any = getattr(data, "layout")  # noqa: B009
+    docs = docs[docs < cache.num_docs]  # the others, a running build has not committed: in no sample yet
+    if len(docs) == 0:
+        return np.zeros(0, dtype=np.int64)
     starts, stops = _doc_ranges(cache, docs)
     token_starts = np.asarray(cache.token_starts, dtype=np.int64)
     hits = []
