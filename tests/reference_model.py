@@ -980,12 +980,13 @@ def era_plan(corpus: Corpus, whole: Whole, pieces: list[Piece]) -> list[Sample]:
 @dataclass
 class FollowLeg:
     """One stretch of a follow run between resumes: its Follows' batch size, ranks, batches read (per
-    rank) and what follows the eras."""
+    rank), what follows the eras, and the mask exclusions it adds (a mixture's)."""
 
     batch_size: int
     world_size: int
     batches: int
     then: str = "epochs"
+    exclusions: list[Exclusion] = field(default_factory=list)
 
 
 @dataclass
@@ -1131,9 +1132,15 @@ class FollowMixModel:
         )
         self.position = 0
         self.known: int | None = 0  # samples of the fresh source its Follow knows (None: all)
+        self.masks: list[Exclusion] = []  # the mask exclusions in force, in the order given
 
-    def start_leg(self, progress: Sequence[int]) -> None:
-        """The leg's Follows are made with the build at ``progress``: they read the ledger."""
+    def start_leg(self, leg: FollowLeg, progress: Sequence[int]) -> None:
+        """The leg's loaders are made with the build at ``progress`` (its Follows read the ledger), and
+        its exclusions put in force."""
+        self.read(progress)
+        self.masks += leg.exclusions
+
+    def read(self, progress: Sequence[int]) -> None:
         docs, complete = committed(self.run.fresh.unit_docs, progress)
         self.known = self.following.known(docs, complete)
 
@@ -1141,7 +1148,7 @@ class FollowMixModel:
         """Rows of the next global batch (a full one: the mixture never stops), or None while it waits."""
         needs = self.stream.consumed(self.position + leg.batch_size, 1)
         if self.known is not None and needs > self.known:
-            self.start_leg(progress)  # it reads the ledger again
+            self.read(progress)
         return leg.batch_size if self.known is None or needs <= self.known else None
 
     def batch(self, leg: FollowLeg, rows: int, rank: int) -> Any:
@@ -1154,4 +1161,4 @@ class FollowMixModel:
             served.append(row_of(corpus, samples[sample], width, p, source))
         if self.run.output == "numpy":
             return np.asarray([row.tokens for row in served], dtype=np.int64).reshape(len(served), width)
-        return as_dict(served, [], self.run.output, self.run.web[1].seq_len)
+        return as_dict(served, self.masks, self.run.output, self.run.web[1].seq_len)

@@ -850,7 +850,16 @@ def follow_mixture_runs(draw: st.DrawFn, builds: dict[str, tuple[Path, Corpus, t
     run = FollowMixRun((builds[web_name][1], layout()), fresh, tuple(stages), mix, output, legs=[])
     for _ in range(draw(st.integers(1, 3))):
         world = draw(st.sampled_from([1, 2, 3]))
-        run.legs.append(FollowLeg(world * draw(st.integers(1, 3)), world, draw(st.integers(0, 10))))
+        batch = world * draw(st.integers(1, 3))
+        exclusions = []
+        if output != "numpy" and draw(st.integers(0, 2)) == 0:  # mask mode: skip mode is refused
+            source = draw(st.integers(0, 1))
+            corpus = run.web[0] if source == 0 else fresh_corpus
+            docs = draw(st.lists(st.integers(0, len(corpus.docs) - 1), max_size=6))
+            start = draw(st.integers(0, 3 * batch))  # from the leg's position
+            ranges = [(start, start + draw(st.integers(1, 2 * batch)))] if draw(st.booleans()) else []
+            exclusions.append(Exclusion(0, "mask", {source: set(docs)} if docs else {}, ranges))
+        run.legs.append(FollowLeg(batch, world, draw(st.integers(0, 10)), exclusions=exclusions))
     return run, web_name, fresh_name
 
 
@@ -858,7 +867,8 @@ def check_follow_mixture_run(
     web: Path, finished: Path, out: Path, run: FollowMixRun, data: st.DataObject
 ) -> None:
     """Run ``run`` on real Loaders of a Mixture of the finished cache ``web`` and a Follow of a build
-    ``data`` replays into ``out`` against the model, as :func:`check_follow_run` does; then audit it."""
+    ``data`` replays into ``out`` against the model, as :func:`check_follow_run` does, with the mask
+    exclusions its legs add; then audit it."""
     build = StagedBuild(finished, out)
     move_on = build.mover(data)
     move_on(data.draw(st.sampled_from([0, 1, 2, 4, "end"])))
@@ -874,12 +884,16 @@ def check_follow_mixture_run(
 
     state: dict[str, Any] | None = None
     for index, leg in enumerate(run.legs):
-        model.start_leg(build.progress)
+        for entry in leg.exclusions:
+            entry.at = model.position
+            entry.ranges = [(model.position + a, model.position + b) for a, b in entry.ranges]
+        model.start_leg(leg, build.progress)
+        exclude = [_real_exclusion(entry, model.NAMES) for entry in model.masks]
         loaders = []
         for rank in range(leg.world_size):
             made = mixture({"stages": list(run.stages)})
             sizes = {"batch_size": leg.batch_size, "rank": rank, "world_size": leg.world_size}
-            loader = Loader(made, **sizes, output=run.output)
+            loader = Loader(made, **sizes, output=run.output, exclude=exclude)
             if state is not None:
                 loader.load_state_dict(state)
             loaders.append(loader)
@@ -905,7 +919,7 @@ def check_follow_mixture_run(
         state = json.loads(saved.pop())
         assert state["position"] == model.position
     assert state is not None
-    report = audit(state, mixture({"weights": {"web": 1.0}}))
+    report = audit(state, mixture({"weights": {"web": 1.0}}), exclude=exclude)
     assert report.clean, report.text()
     assert sum(source.samples for source in report.sources) == model.position, report.text()
 
