@@ -987,6 +987,7 @@ class FollowLeg:
     batches: int
     then: str = "epochs"
     exclusions: list[Exclusion] = field(default_factory=list)
+    stages: tuple[tuple[int, dict[str, float]], ...] | None = None  # a mixture's new stages, if any
 
 
 @dataclass
@@ -1135,8 +1136,19 @@ class FollowMixModel:
         self.masks: list[Exclusion] = []  # the mask exclusions in force, in the order given
 
     def start_leg(self, leg: FollowLeg, progress: Sequence[int]) -> None:
-        """The leg's loaders are made with the build at ``progress`` (its Follows read the ledger), and
-        its exclusions put in force."""
+        """The leg's loaders are made with the build at ``progress`` (its Follows read the ledger), with
+        its new stages, if any (blocks begun keep their counts, the rest take them), and its exclusions
+        put in force."""
+        if leg.stages is not None:
+            block = self.run.mix.block_size
+            own = stage_schedule(leg.stages, self.NAMES, block)
+            started = -(-self.position // block)
+            in_force = [counts for first, counts in own if first <= started][-1]
+            self.stream.schedule = [
+                *(segment for segment in self.stream.schedule if segment[0] < started),
+                (started, in_force),
+                *(segment for segment in own if segment[0] > started),
+            ]
         self.read(progress)
         self.masks += leg.exclusions
 

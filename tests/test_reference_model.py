@@ -826,7 +826,8 @@ def test_random_follow_runs_serve_what_the_model_says(
 
 @st.composite
 def follow_mixture_runs(draw: st.DrawFn, builds: dict[str, tuple[Path, Corpus, tuple[int, ...]]]) -> Any:
-    """A finished cache and a followed build mixed by stages, resumed with other batch and world sizes."""
+    """A finished cache and a followed build mixed by stages, resumed with other batch and world sizes,
+    other stages and mask exclusions."""
     web_name, fresh_name = draw(st.sampled_from([("plain", "sft"), ("sft", "plain")]))
     length = draw(st.sampled_from([16, 32]))
     output = draw(st.sampled_from(["numpy", "dict", "varlen"]))
@@ -842,13 +843,17 @@ def follow_mixture_runs(draw: st.DrawFn, builds: dict[str, tuple[Path, Corpus, t
     spec = FollowSpec(layout(), draw(st.integers(0, 2**64 - 1)), first, first * 2 ** draw(st.integers(0, 3)))
     fresh = FollowRun(fresh_corpus, unit_docs, spec, "numpy", drop_last=True, legs=[])
     block = draw(st.sampled_from([4, 8, 16]))
-    stages = []
-    for position in [0, *sorted(set(draw(st.lists(st.integers(1, 6), max_size=2))))]:
-        weights = {"web": float(draw(st.integers(0, 3))), "fresh": float(draw(st.integers(0, 3)))}
-        stages.append((position * block, weights if any(weights.values()) else {"fresh": 1.0}))
+
+    def stages() -> tuple[tuple[int, dict[str, float]], ...]:
+        out = []
+        for position in [0, *sorted(set(draw(st.lists(st.integers(1, 6), max_size=2))))]:
+            weights = {"web": float(draw(st.integers(0, 3))), "fresh": float(draw(st.integers(0, 3)))}
+            out.append((position * block, weights if any(weights.values()) else {"fresh": 1.0}))
+        return tuple(out)
+
     mix = MixSpec(draw(st.integers(0, 2**64 - 1)), draw(st.booleans()), block, "never")
-    run = FollowMixRun((builds[web_name][1], layout()), fresh, tuple(stages), mix, output, legs=[])
-    for _ in range(draw(st.integers(1, 3))):
+    run = FollowMixRun((builds[web_name][1], layout()), fresh, stages(), mix, output, legs=[])
+    for index in range(draw(st.integers(1, 3))):
         world = draw(st.sampled_from([1, 2, 3]))
         batch = world * draw(st.integers(1, 3))
         exclusions = []
@@ -859,7 +864,10 @@ def follow_mixture_runs(draw: st.DrawFn, builds: dict[str, tuple[Path, Corpus, t
             start = draw(st.integers(0, 3 * batch))  # from the leg's position
             ranges = [(start, start + draw(st.integers(1, 2 * batch)))] if draw(st.booleans()) else []
             exclusions.append(Exclusion(0, "mask", {source: set(docs)} if docs else {}, ranges))
-        run.legs.append(FollowLeg(batch, world, draw(st.integers(0, 10)), exclusions=exclusions))
+        changed = stages() if index and draw(st.booleans()) else None  # new weights at the resume
+        run.legs.append(
+            FollowLeg(batch, world, draw(st.integers(0, 10)), exclusions=exclusions, stages=changed)
+        )
     return run, web_name, fresh_name
 
 
@@ -883,15 +891,17 @@ def check_follow_mixture_run(
         return Mixture({"web": web_samples, "fresh": fresh}, **stages, **settings)  # type: ignore[arg-type]
 
     state: dict[str, Any] | None = None
+    stages = run.stages
     for index, leg in enumerate(run.legs):
         for entry in leg.exclusions:
             entry.at = model.position
             entry.ranges = [(model.position + a, model.position + b) for a, b in entry.ranges]
         model.start_leg(leg, build.progress)
         exclude = [_real_exclusion(entry, model.NAMES) for entry in model.masks]
+        stages = leg.stages or stages
         loaders = []
         for rank in range(leg.world_size):
-            made = mixture({"stages": list(run.stages)})
+            made = mixture({"stages": list(stages)})
             sizes = {"batch_size": leg.batch_size, "rank": rank, "world_size": leg.world_size}
             loader = Loader(made, **sizes, output=run.output, exclude=exclude)
             if state is not None:
