@@ -1007,3 +1007,58 @@ def test_a_follow_of_a_real_running_build_serves_what_the_model_says(
             model.position += rows
         assert index == 0 or model.next_rows(leg, run.unit_docs) == 0, "the run ended early"
     assert state is not None and state["position"] == model.position
+
+
+def test_dataloader_workers_follow_a_build_as_the_model_says(builds: dict, tmp_path: Path) -> None:
+    """Two ranks, each through ``streampack.torch.DataLoader`` workers (another count at each resume),
+    follow a build that a thread commits a few documents at a time while they wait for it: every batch is
+    the model's, whenever each worker read the ledger."""
+    pytest.importorskip("torch")
+    import threading
+    import time
+
+    from streampack.torch import DataLoader
+
+    finished, corpus, units = builds["sft"]
+    build = StagedBuild(finished, tmp_path / "c")
+    spec = FollowSpec(Whole(32, packed=True, too_long="split"), seed=5, first_era=2, largest_era=16)
+    legs = [FollowLeg(4, 2, 6), FollowLeg(6, 2, 4), FollowLeg(2, 1, 10**6, then="end")]
+    run = FollowRun(corpus, units, spec, "varlen", drop_last=True, legs=legs)
+    rng = random.Random(0)
+
+    def commits() -> None:
+        while not build.complete:
+            unit = min(build.done.index(False) + rng.choice([0, 0, 1]), len(units) - 1)
+            build.commit(unit, build.progress[unit] + rng.randint(1, 3))
+            time.sleep(0.02)
+        build.finish()
+
+    thread = threading.Thread(target=commits)
+    served: list[list[tuple[Any, ...]]] = []  # per leg, per batch, per rank
+    state: dict[str, Any] | None = None
+    try:
+        for leg, workers in zip(legs, [2, 1, 0], strict=True):
+            ranks = []
+            for rank in range(leg.world_size):
+                follow = _follow(build.out, run, leg, rank, timeout=60)
+                if state is not None:
+                    follow.load_state_dict(state)
+                ranks.append(DataLoader(follow, num_workers=workers))
+            steps = zip(*(iter(data) for data in ranks), strict=True)  # workers start
+            if not thread.is_alive() and not build.complete:
+                thread.start()  # the build moves on while the first workers wait for it
+            served.append([tuple(map(_as_numpy, step)) for step in islice(steps, leg.batches)])
+            state = ranks[0].state_dict()
+    finally:
+        if thread.is_alive():
+            thread.join()
+    model = FollowModel(run)
+    for index, leg in enumerate(legs):
+        model.start_leg(leg, units)
+        for number, batches in enumerate(served[index]):
+            rows = model.next_rows(leg, units)
+            assert rows, f"leg {index} batch {number}: the model's run has ended"
+            for rank, batch in enumerate(batches):
+                _same(batch, model.batch(leg, rows, rank), f"leg {index} batch {number} rank {rank}")
+            model.position += rows
+    assert model.next_rows(legs[-1], units) == 0 and state is not None and state["position"] == model.position
