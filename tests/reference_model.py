@@ -1058,17 +1058,35 @@ class FollowModel:
             return global_rows(self.position, leg.batch_size, self.stream(leg).end, self.run.drop_last)
         return leg.batch_size if self.position + leg.batch_size <= self.known else None
 
+    def rows(self, leg: FollowLeg, position: int, rows: int, rank: int) -> list[Row]:
+        """Rank ``rank``'s rows of the global batch of ``rows`` rows at ``position``."""
+        stream, width = self.stream(leg), self.run.spec.samples.width
+        return [
+            row_of(self.run.corpus, stream.samples[stream(p)[1]], width, p, 0)
+            for p in rank_slice(position, rows, rank, leg.world_size)
+        ]
+
     def batch(self, leg: FollowLeg, rows: int, rank: int) -> Any:
         """Rank ``rank``'s share of the global batch of ``rows`` rows at the position."""
-        stream, samples = self.stream(leg), self.run.spec.samples
-        served = [
-            row_of(self.run.corpus, stream.samples[stream(p)[1]], samples.width, p, 0)
-            for p in rank_slice(self.position, rows, rank, leg.world_size)
-        ]
+        served, samples = self.rows(leg, self.position, rows, rank), self.run.spec.samples
         if self.run.output == "numpy":
             tokens = [row.tokens for row in served]
             return np.asarray(tokens, dtype=np.int64).reshape(len(served), samples.width)
         return as_dict(served, [], self.run.output, samples.seq_len)
+
+    def placements(self, leg: FollowLeg, position: int, rows: int) -> dict[tuple[int, int], list[tuple]]:
+        """Per ``(source, document)`` of the global batch at ``position``, where its tokens sit among the
+        rows' input columns, as :meth:`Model.placements` says."""
+        found: dict[tuple[int, int], list[tuple]] = {}
+        columns = self.run.spec.samples.seq_len
+        for rank in range(leg.world_size):
+            for index, row in enumerate(self.rows(leg, position, rows, rank)):
+                for doc, start, count, first, _, source in row.segments:
+                    count = min(count, columns - start)
+                    if doc >= 0 and count > 0:
+                        where = (rank, index, (start, start + count), (first, first + count))
+                        found.setdefault((source, doc), []).append(where)
+        return found
 
 
 class FollowMixed(Mixed):

@@ -698,8 +698,9 @@ STALL_SECONDS = 0.04  # a Follow waits this long for a build that commits nothin
 def check_follow_run(finished: Path, out: Path, run: FollowRun, data: st.DataObject) -> None:
     """Run ``run`` on real Follows of a build ``data`` replays (:class:`StagedBuild`) against the model:
     every rank's every batch is the model's, served as soon as the model says the build holds it (a batch
-    the model says waits stalls: ``BuildStalledError``); every rank saves the same state; the audit of the
-    last state is clean. The build moves on between batches as ``data`` draws, and whenever the model says
+    the model says waits stalls: ``BuildStalledError``); every rank saves the same state; ``which`` names
+    where each document of a batch sits (some runs); the audit of the last state is clean, and finds a
+    planted replay and skip. The build moves on between batches as ``data`` draws, and whenever the model says
     the next batch waits for it."""
     build = StagedBuild(finished, out)
     move_on = build.mover(data)
@@ -724,6 +725,7 @@ def check_follow_run(finished: Path, out: Path, run: FollowRun, data: st.DataObj
                 follow.load_state_dict(state)
         batches = [iter(follow) for follow in follows]
         stalled = False  # once a leg at most: a stall takes STALL_SECONDS
+        served: list[tuple[int, int]] = []  # (position, rows) of each global batch of the leg
         for number in range(leg.batches):
             where = f"leg {index} batch {number} (position {model.position}, build {build.progress})"
             move_on(data.draw(st.sampled_from([0] * 9 + [1, 1, 1, 2, 2, 3, "end"])))
@@ -746,7 +748,13 @@ def check_follow_run(finished: Path, out: Path, run: FollowRun, data: st.DataObj
                 break
             for rank, batch in enumerate(batches):
                 _same(next(batch), model.batch(leg, rows, rank), f"{where} rank {rank}")
+            served.append((model.position, rows))
             model.position += rows
+        if served and run.spec.seed % 3 == 1:  # which names where each document of a batch sits
+            number = len(served) // 2
+            found = which(_follow(out, run, leg, 0), number, state=state)
+            got = {(0, p.doc): [(q.rank, q.row, q.columns, q.tokens) for q in p.placements] for p in found}
+            assert got == model.placements(leg, *served[number]), f"which of leg {index} batch {number}"
         saved = {json.dumps(follow.state_dict(), sort_keys=True) for follow in follows}
         assert len(saved) == 1, f"leg {index}: the ranks saved different states"
         if state is not None:
