@@ -347,7 +347,8 @@ def test_a_follow_run_is_audited_from_its_cache_directory_or_a_follow_of_it(
     caches: Path, tmp_path: Path
 ) -> None:
     """A Follow run (whole documents, eras of documents) resumed with another batch size audits clean
-    from the cache directory, from a Follow of it and with the CLI; a planted replay is found."""
+    from the cache directory, from a Follow of it and with the CLI (and its picture); a planted replay is
+    found."""
     settings = {"layout": "packed", "seq_len": 16, "seed": 4, "first_era": 2, "largest_era": 16}
     run = streampack.Follow(caches / "web", batch_size=4, **settings)
     run.advance(5)
@@ -360,7 +361,9 @@ def test_a_follow_run_is_audited_from_its_cache_directory_or_a_follow_of_it(
         report = audit(state, data)
         assert report.clean and report.sources[0].samples == 5 * 4 + 3 * 6, report.text()
     (tmp_path / "follow.json").write_text(json.dumps(state))
-    assert "clean" in run_cli("audit", tmp_path / "follow.json", caches / "web").stdout
+    picture = tmp_path / "follow.png"
+    assert "clean" in run_cli("audit", tmp_path / "follow.json", caches / "web", "--plot", picture).stdout
+    assert picture.read_bytes()[:4] == b"\x89PNG"
 
     replayed = streampack.Follow(caches / "web", batch_size=4, **settings)
     replayed.load_state_dict(first, step=8)  # the model trained 8 steps, the data state is of step 5

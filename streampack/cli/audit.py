@@ -62,7 +62,8 @@ def audit(
     if plot_path is not None:
         from streampack.cli.plots import plot_audit
 
-        loaders = leg_loaders(state["history"], data, exclude, state.get("exclusions") or [])
+        exclusions = state.get("exclusions") or []
+        loaders = leg_loaders(state["history"], data, exclude, exclusions, order=state.get("order"))
         plot_audit(report, loaders, plot_path)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))

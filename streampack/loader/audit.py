@@ -180,11 +180,9 @@ def audit(
         )
     _check_given(entries, seq_len, seed)
     final = int(checked["position"])
-    if entries[0]["kind"] == "follow":
-        data = _followed(data, checked["order"])
     given = run_exclusions(data, exclude)
     recorded = in_force(entries, checked.get("exclusions") or [])
-    loaders = leg_loaders(entries, data, given, checked.get("exclusions") or [])
+    loaders = leg_loaders(entries, data, given, checked.get("exclusions") or [], order=checked["order"])
     starts = leg_steps(entries)  # as Exclusions(steps=...) counts them
     ends = _ends(entries, starts, final, loaders)
     legs = [
@@ -302,16 +300,21 @@ def leg_loaders(
     data: Any,
     exclude: Sequence[Exclusions] = (),
     final: Sequence[Mapping[str, Any]] = (),
+    *,
+    order: Mapping[str, Any] | None = None,
 ) -> list[Loader]:
     """The loader each history entry describes, each after the first resumed from the previous one's order
     at its position, as the run resumed (what :func:`audit` recomputes the run with), with the exclusions
     in force in its leg (:func:`~streampack.loader.auditexclusions.in_force`; ``final``: the state's).
+    ``order`` is the state's: what a Follow run read (its eras), to audit it from a cache directory.
 
     Raises:
         LoaderStateError: a loader's order is not the one its entry records (``data`` is not the run's),
             or ``exclude`` is not the run's exclusions.
         OptionsError: ``data`` is not of the kind the run read (a mixture's config for a mixture).
     """
+    if entries and entries[0]["kind"] == "follow":
+        data = _followed(data, order)
     loaders: list[Loader] = []
     forced = in_force(entries, final)
     for i, entry in enumerate(entries):
@@ -387,9 +390,7 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
             seq_len_schedule=_schedule(entry),
         )
     if entry["kind"] == "follow":  # the build it followed (see _followed) grows with its own order
-        return Loader(
-            copy.copy(_followed(data, None)), batch_size=batch, exclude=exclude, output=_output(exclude)
-        )
+        return Loader(copy.copy(data), batch_size=batch, exclude=exclude, output=_output(exclude))
     if isinstance(data, Ordered):
         raise OptionsError(
             f"the run read one dataset (an order of kind {entry['kind']!r}): give its cache, not a mixture"
@@ -416,14 +417,12 @@ def _followed(data: Any, order: Mapping[str, Any] | None) -> Any:
     ended served no position past them.
 
     Raises:
-        OptionsError: ``data`` is neither a path nor a Follow (nor, without ``order``, a Follow).
+        OptionsError: ``data`` is neither a path (with ``order``) nor a Follow.
     """
     from streampack.loader.follow import FollowOptions, GrowingCache
 
     growing = getattr(data, "dataset", data)
     if isinstance(growing, GrowingCache):
-        if order is None:  # already made for the audit
-            return growing
         path, options = growing.path, replace(growing.options, then="epochs")
         order = growing.order.fingerprint()
     elif isinstance(data, (str, Path)) and order is not None:
@@ -434,8 +433,8 @@ def _followed(data: Any, order: Mapping[str, Any] | None) -> Any:
         path, options = data, FollowOptions(**described, first_era=first, largest_era=largest, timeout=1e-3)
     else:
         raise OptionsError(
-            f"the run followed a build (streampack.Follow): give audit() its cache directory or a Follow of "
-            f"it, not {type(data).__name__}"
+            f"the run followed a build (streampack.Follow): give its cache directory (with the state's "
+            f"order) or a Follow of it, not {type(data).__name__}"
         )
     # Of batch 1 without drop_last: a finished cache refused only when it holds no sample at all.
     return GrowingCache(path, options, seed=int(order["seed"]), batch_size=1, drop_last=False)
