@@ -14,14 +14,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-from streampack._blas import no_blas_threads
+import numpy as np
 
-no_blas_threads()  # as the command does, before numpy is imported
-
-import numpy as np  # noqa: E402
-
-from streampack.__main__ import main  # noqa: E402
-from streampack.tokenizer import engines  # noqa: E402
+from streampack.__main__ import main
+from streampack.tokenizer import engines
 
 _ZEROS = np.zeros(64 << 20, dtype=np.uint32)  # more ids than any batch of 1 MiB of text gets
 

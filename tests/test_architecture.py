@@ -30,7 +30,7 @@ from tests.structure import (
 
 #: The packages, lowest first. A module may import its own package and anything on a lower layer.
 LAYERS = [
-    {"errors", "_checks", "_blas"},
+    {"errors", "_checks"},
     {"format"},
     {"store"},
     {"inputs", "tokenizer"},

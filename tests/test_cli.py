@@ -309,12 +309,13 @@ def test_info_lists_what_was_read_and_what_was_skipped(tmp_path: Path) -> None:
     assert info["ignored_inputs"].startswith("3 (1 duplicate, 1 hidden, 1 not JSON Lines), e.g. ")
 
 
-def test_the_readme_python_build_writes_its_own_cache_directory() -> None:
-    """A newcomer runs the README's CLI build, then its Python build: the second must not be refused as
-    a build into the first one's cache with other inputs."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_the_guides_python_build_writes_its_own_cache_directory() -> None:
+    """A newcomer runs the README's CLI build, then the build guide's Python build: the second must not be
+    refused as a build into the first one's cache with other inputs."""
+    root = Path(__file__).resolve().parents[1]
+    readme, guide = (root / "README.md").read_text(), (root / "docs" / "guide" / "build.md").read_text()
     cli_out = re.search(r"^streampack build data/\S+ .*--out (\S+)", readme, re.M)
-    python_out = re.search(r'streampack\.build\(\["a\.jsonl\.gz", "b\.parquet"\], "([^"]+)"', readme)
+    python_out = re.search(r'streampack\.build\(\["a\.jsonl\.gz", "b\.parquet"\], "([^"]+)"', guide)
     assert cli_out and python_out
     assert cli_out.group(1).rstrip("/") != python_out.group(1).rstrip("/")
 

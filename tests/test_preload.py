@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import streampack
-from streampack.__main__ import build_tokenizer_named
 from streampack.tokenizer import load_tokenizer, preload
+from streampack.tokenizer.preload import named_by_command
 from tests.conftest import TIKTOKEN_GPT2, run_cli, shard_bytes, write_jsonl
 
 pytest.importorskip("fastokens")
@@ -40,7 +40,7 @@ pytest.importorskip("fastokens")
 def test_the_command_line_names_the_tokenizer_to_load_early(
     args: list[str], named: tuple[str, str] | None
 ) -> None:
-    assert build_tokenizer_named(args) == named
+    assert named_by_command(args) == named
 
 
 def test_only_a_tokenizer_json_the_fast_engine_may_run_is_loaded_early(gpt2_tokenizer: Path) -> None:

@@ -30,7 +30,6 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from streampack._blas import children_without_blas_threads
 from streampack.errors import MissingDependencyError, OptionsError, StreampackError, WorkerDiedError
 
 ProgressFn = Callable[[dict[str, int]], None]
@@ -124,8 +123,7 @@ class _WorkerProcess(multiprocessing.context.SpawnProcess):
         main = sys.modules["__main__"]
         sys.modules["__main__"] = types.ModuleType("__main__")
         try:
-            with children_without_blas_threads():
-                super().start()
+            super().start()
         finally:
             sys.modules["__main__"] = main
 

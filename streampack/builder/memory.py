@@ -8,9 +8,7 @@ above them all, and the arenas of its threads, which then serve them, fragment a
 build runs: 345 MB x 4 (GPT-2, 2 cores) peaked at 1.15-1.25x the RSS of 345 MB. A fixed threshold of
 2 MiB, with a trim threshold of 64 MiB (so that an arena is not given back and taken again at every
 block), held it to 1.05-1.09x at the same speed (with a threshold of 1 MiB, mapping and faulting in those
-buffers cost 0.8 s more system time). A top pad of 64 MiB (the default is 128 KiB) grows an arena by that
-much at a time rather than by each buffer's size: 345 MB x 4 took 90,000 page faults where it took 130,000
-and 0.15-0.2 s less system time, at 0.975-0.995x the wall time (two paired runs) and the same peak RSS.
+buffers cost 0.8 s more system time).
 """
 
 from __future__ import annotations
@@ -20,11 +18,9 @@ import functools
 import sys
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
-_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 2 << 20
 TRIM_THRESHOLD = 64 << 20
-TOP_PAD = 64 << 20
 
 
 @functools.cache
@@ -42,5 +38,5 @@ def steady_allocator() -> bool:
     except (OSError, AttributeError):
         return False
     del gnu_get_libc_version
-    settings = {_M_MMAP_THRESHOLD: MMAP_THRESHOLD, _M_TRIM_THRESHOLD: TRIM_THRESHOLD, _M_TOP_PAD: TOP_PAD}
+    settings = {_M_MMAP_THRESHOLD: MMAP_THRESHOLD, _M_TRIM_THRESHOLD: TRIM_THRESHOLD}
     return all([bool(mallopt(parameter, value)) for parameter, value in settings.items()])

@@ -33,6 +33,36 @@ _started: dict[bytes, Future[Any]] = {}
 FAST_ENGINES = ("auto", "fastokens")
 
 
+def start_for_command(args: list[str]) -> bool:
+    """Start loading the tokenizer a ``streampack build`` command line names (:func:`start`); False for
+    any other command line."""
+    named = named_by_command(args)
+    return named is not None and start(*named)
+
+
+def named_by_command(args: list[str]) -> tuple[str, str] | None:
+    """The ``--tokenizer`` and ``--tokenizer-engine`` of a ``build`` command line; None for any other
+    command line. A guess from the words alone, before the options are parsed: a wrong one costs a load
+    that is never taken."""
+    if not args or args[0] != "build" or {"-h", "--help"} & set(args):
+        return None
+    options = dict(option_values(args[1:]))
+    tokenizer = options.get("--tokenizer", options.get("-t"))
+    return None if tokenizer is None else (tokenizer, options.get("--tokenizer-engine", "auto"))
+
+
+def option_values(args: list[str]) -> list[tuple[str, str]]:
+    """(option, value) for each ``--name value``, ``--name=value`` and ``-t value`` in ``args``."""
+    pairs = []
+    for i, arg in enumerate(args):
+        name, equals, value = arg.partition("=")
+        if equals and name.startswith("--"):
+            pairs.append((name, value))
+        elif arg.startswith("-") and i + 1 < len(args):
+            pairs.append((arg, args[i + 1]))
+    return pairs
+
+
 def start(spec: object, engine: object = "auto") -> bool:
     """Start loading the tokenizer that ``spec`` names with fastokens, on a thread of its own, where the
     ``engine`` chosen may be fastokens: a ``tokenizer.json`` (the file, or a folder holding one), or a
