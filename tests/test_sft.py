@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -367,12 +368,16 @@ def test_bad_conversations_are_bad_records(
 
 
 def test_a_conversation_too_deep_for_the_template_is_a_bad_record(
-    tmp_path: Path, gpt2_tokenizer: Path
+    tmp_path: Path, gpt2_tokenizer: Path, request: pytest.FixtureRequest
 ) -> None:
     """A template that writes a message as JSON fails on one nested deeper than Python's recursion limit
     (orjson read it: it is within 1024 levels): a bad record, not a traceback that stops the build."""
     template = "{% for m in messages %}{{ m | tojson }}{% endfor %}"
     folder = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", template, CHATML_TOKENS).parent
+    # Python's default limit (1000), whatever a library imported earlier in the session raised it to.
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)
+    request.addfinalizer(lambda: sys.setrecursionlimit(limit))
     good = json.dumps({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]})
     deep = '{"messages": [{"role": "user", "content": "Q", "meta": ' + "[" * 1000 + "]" * 1000 + "}]}"
     src = tmp_path / "in.jsonl"
