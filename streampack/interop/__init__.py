@@ -16,15 +16,14 @@ mds         ``DEST/shard.NNNNN.mds`` + ``index.json``                     Mosaic
 streampack  a native cache (``streampack convert``)                       streampack
 =========== ============================================================ ==================================
 
-``streampack.open`` reads the first six back (:mod:`streampack.interop.reading`): a foreign cache is
-served through the same :class:`~streampack.reader.Cache`, and ``export(..., "streampack", DEST)`` (or
-``streampack convert SOURCE --out DEST``) makes a native cache of it.
+``streampack.open`` reads all but hf back as a :class:`~streampack.reader.Cache`
+(:mod:`streampack.interop.reading`), and ``streampack convert SOURCE --out DEST`` makes a native cache of
+it.
 
-One module per format holds its layout, its writer and (for the six that can be read) its reader. What
-the writers share: :mod:`~streampack.interop.destination` (files staged, then committed atomically: see
-there), :mod:`~streampack.interop.copying` (bytes moved by the kernel) and
-:mod:`~streampack.interop.writing` (reading the cache in bounded memory, the progress bar, the refusals).
-A format refuses what it cannot hold (an SFT cache's loss mask, ids too large for its dtype) with an
+One module per format holds its layout, its writer and, where it can be read, its reader. The writers
+share :mod:`~streampack.interop.destination` (files staged, then committed atomically),
+:mod:`~streampack.interop.copying` (bytes moved by the kernel) and :mod:`~streampack.interop.writing`. A
+format refuses what it cannot hold (a loss mask, ids too large for its dtype) with an
 :class:`~streampack.errors.OptionsError` that names what would be lost and a format that keeps it.
 """
 
@@ -101,9 +100,8 @@ def export(
         overwrite: replace what is at ``dest`` (only once the new export is complete).
         progress: show a progress bar on stderr; by default when stderr is a terminal.
         storage_options: passed to the fsspec filesystem of a URL ``dest``.
-        durable: fsync every file before the move into place, so that a crash of the machine (not only
-            of the process) leaves no destination a reader takes as whole; see
-            :mod:`streampack.interop.writing` (off by default, as for a copy).
+        durable: fsync every file before the move into place, so that a crash of the machine leaves no
+            destination a reader takes as whole (see :mod:`streampack.interop.destination`).
         **options: the format's options (its module's ``Options``), e.g. ``dtype="optimal"`` for
             megatron, ``seq_len=2048, packed=True`` for hf, ``val=0.01`` for nanogpt.
 
@@ -122,7 +120,14 @@ def export(
 
     opened = cache if isinstance(cache, Cache) else open_cache(cache)
     module = importlib.import_module(FORMATS[format])
-    chosen = _options(module.Options, options, format)
+    allowed = [f.name for f in fields(module.Options)]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise OptionsError(
+            f"the {format} export takes no option {', '.join(unknown)}; its options are: "
+            f"{', '.join(allowed) or 'none'}"
+        )
+    chosen = module.Options(**options)
     module.check(opened, chosen)
     return _written(
         format,
@@ -145,8 +150,8 @@ def _written(
     storage_options: Mapping[str, Any] | None,
     durable: bool,
 ) -> Exported:
-    """Stage what ``write(dest=, progress=)`` writes at ``dest`` in ``format``'s layout, then commit it
-    (or clear it on an error)."""
+    """Stage what ``write(dest=, progress=)`` writes at ``dest``, then commit it (or clear it on an
+    error)."""
     module = importlib.import_module(FORMATS[format])
     shown = sys.stderr.isatty() if progress is None else progress
     try:
@@ -182,21 +187,18 @@ def convert(
     shard_tokens: int | None = None,
     **declared: Any,
 ) -> Exported:
-    """Make a native cache at ``out`` of another format's token files at ``source`` (or of a cache):
-    :func:`streampack.open` ``(source, **declared)``, then :func:`export` to ``"streampack"``
-    (:mod:`streampack.interop.native`): the tokens copied by the kernel while another thread checksums
-    them, in memory flat in the source's size. Files without an index (nanoGPT, OLMo, llm.c) are not
-    opened first: their plan's spans are copied while another thread scans them for documents and
-    checksums (:func:`~streampack.interop.native.write_scanned`), the same files in one read.
+    """Make a native cache at ``out`` of another format's token files at ``source`` (or of a cache).
+
+    It is :func:`streampack.open` then :func:`export` to ``"streampack"``: the kernel copies the tokens
+    while another thread checksums them. Files without an index (nanoGPT, OLMo, llm.c) are not opened
+    first: their spans are copied while another thread scans them for documents and checksums, one read of
+    the files for both (:func:`~streampack.interop.native.write_scanned`).
 
     Args:
         source: what :func:`streampack.open` takes: a Megatron prefix, a folder of llm.c, datatrove, OLMo
             or MDS shards, a nanoGPT ``train.bin``, or a cache.
         out: the cache directory to create (or an fsspec URL).
-        overwrite: as for :func:`export`.
-        progress: as for :func:`export`.
-        storage_options: as for :func:`export`.
-        durable: as for :func:`export`.
+        overwrite, progress, storage_options, durable: as for :func:`export`.
         shard_tokens: tokens a shard of the new cache holds at most (cut between documents).
         **declared: what the files do not say, as :func:`streampack.open` takes it (``format``, ``eos_id``,
             ``bos_id``, ``dtype``, ``tokenizer``, ``vocab_size``).
@@ -208,39 +210,13 @@ def convert(
     from streampack.interop import native
     from streampack.reader import open as open_cache
 
-    options = {} if shard_tokens is None else {"shard_tokens": shard_tokens}
+    options: dict[str, Any] = {} if shard_tokens is None else {"shard_tokens": shard_tokens}
     limit = native.Options(**options).shard_tokens
     plan = scan_plan(source, declared)
+    writing: dict[str, Any] = dict(
+        overwrite=overwrite, progress=progress, storage_options=storage_options, durable=durable
+    )
     if plan is not None and all(span.count <= limit for span in plan.spans):
-        return _written(
-            "streampack",
-            out,
-            partial(native.write_scanned, plan, declared),
-            overwrite=overwrite,
-            progress=progress,
-            storage_options=storage_options,
-            durable=durable,
-        )
+        return _written("streampack", out, partial(native.write_scanned, plan, declared), **writing)
     with open_cache(source, **declared) as opened:
-        return export(
-            opened,
-            "streampack",
-            out,
-            overwrite=overwrite,
-            progress=progress,
-            storage_options=storage_options,
-            durable=durable,
-            **options,
-        )
-
-
-def _options(kind: type, given: Mapping[str, Any], format: str) -> Any:
-    """The format's options dataclass from keywords, naming the allowed ones on an unknown keyword."""
-    allowed = [f.name for f in fields(kind)]
-    unknown = sorted(set(given) - set(allowed))
-    if unknown:
-        raise OptionsError(
-            f"the {format} export takes no option {', '.join(unknown)}; its options are: "
-            f"{', '.join(allowed) or 'none'}"
-        )
-    return kind(**given)
+        return export(opened, "streampack", out, **writing, **options)

@@ -1,7 +1,6 @@
-"""Moving bytes into an export's files without passing them through this process where the kernel can:
-``copy_file_range`` (else ``sendfile``, as ``shutil.copyfile`` does) for a byte range of a file, ``writev``
-for pieces gathered from memory maps. Every function here takes a buffered ``out`` (a local file or an
-fsspec file) and leaves it positioned at its end, so that the caller's next ``out.write`` appends.
+"""Moving bytes into an export's files in the kernel where it can: ``copy_file_range`` (else ``sendfile``)
+for a byte range of a file, ``writev`` for pieces of memory maps. Each function leaves its buffered ``out``
+positioned at its end, so that the caller's next ``out.write`` appends.
 """
 
 from __future__ import annotations
@@ -25,10 +24,12 @@ def file_descriptor(out: IO[bytes]) -> int | None:
 
 
 def copy_range(source: IO[bytes], offset: int, count: int, out: IO[bytes]) -> int:
-    """Append ``count`` bytes of the file ``source`` from ``offset`` to ``out`` in the kernel; returns the
-    bytes copied: all of them, or fewer where ``out`` is not a local file (then 0), neither system call
-    works for these files, or ``source`` ends early. The caller writes the rest itself (and says where a
-    file was cut short)."""
+    """Append ``count`` bytes of the file ``source`` from ``offset`` to ``out`` in the kernel.
+
+    Returns:
+        The bytes copied: fewer than ``count`` (0 where ``out`` is not a local file) when the kernel
+        cannot copy these files or ``source`` ends early; the caller writes the rest.
+    """
     fd = file_descriptor(out)
     if fd is None or count <= 0:
         return 0
@@ -64,8 +65,7 @@ def _kernel_copy(src: int, dst: int, offset: int, count: int) -> int:
 
 
 def write_pieces(out: IO[bytes], pieces: Sequence[memoryview]) -> None:
-    """Write ``pieces`` to ``out`` in order: gathered by the kernel where ``out`` is a local file
-    (``writev``, :data:`_IOV_MAX` pieces a call), else one by one."""
+    """Write ``pieces`` to ``out`` in order: gathered by ``writev`` where ``out`` is a local file."""
     fd = file_descriptor(out) if hasattr(os, "writev") else None
     if fd is None:
         for piece in pieces:

@@ -1,29 +1,23 @@
 """datatrove's tokenized files (what nanotron's Nanosets read): ``DEST/NNNNN.ds`` and its sidecars.
 
-The layout, as huggingface/datatrove ``src/datatrove/pipeline/tokens/tokenizer.py`` (``TokenizedFile``)
-writes it and ``src/datatrove/utils/dataset.py`` (``DatatroveFileDataset``, ``DatatroveFolderDataset``)
-reads it:
+As huggingface/datatrove ``pipeline/tokens/tokenizer.py`` (``TokenizedFile``) writes it and
+``utils/dataset.py`` (``DatatroveFolderDataset``) reads it:
 
-* ``NAME.ds``: the tokens, little-endian uint16 (``token_size`` 2) or uint32 (4), each document followed
-  by its EOS where the tokenizer appends one;
-* ``NAME.ds.index``: uint64, the cumulative end of every document, in tokens;
-* ``NAME.ds.loss``: (an SFT cache) one byte a token, 1 where the token is a training target;
+* ``NAME.ds``: the tokens, little-endian uint16 or uint32, each document followed by its EOS where the
+  tokenizer appends one;
+* ``NAME.ds.index``: uint64, the cumulative end of every document;
+* ``NAME.ds.loss``: (an SFT cache) one byte a token, 1 at a training target;
 * ``NAME.ds.metadata``: text, ``TOKENIZER|TOKEN_SIZE``, the token count, and the count in short form.
 
-That is a streampack shard, renamed: one ``.ds`` per non-empty shard, its offsets table as the index (the
-same bytes) and its loss mask as the ``.ds.loss``. Readers take ``token_size`` from the user: it is the
-cache's token width, recorded in each ``.ds.metadata``.
+That is a streampack shard renamed: one ``.ds`` per non-empty shard, its offsets table as the index and
+its loss mask as the ``.ds.loss``.
 
-Reading (:func:`read`, what ``streampack.open(FOLDER)`` does for a folder of ``.ds`` files or one ``.ds``
-file): each ``.ds`` is one shard, memory-mapped as it is, in the order ``DatatroveFolderDataset`` takes the
-files (the folder's ``*.ds`` sorted by name; not its subfolders). The token width is the
-``TOKENIZER|TOKEN_SIZE`` line of the ``.ds.metadata`` files (all must agree), else ``dtype=``, else 2 bytes
-(uint16), the default of datatrove's readers: a file of uint32 tokens without metadata needs
-``dtype="uint32"``. The tokenizer the metadata names becomes the cache's tokenizer name (no fingerprint:
-declare ``tokenizer=`` for a mixture to check it). The files do not record an EOS id, though datatrove's
-tokenizer step appends one to every document when told (``eos_token``): the documents are the
-``.ds.index`` ends, and ``eos_id=`` declares the id they end with, if any (the manifest's EOS). A
-``.ds.loss`` beside every ``.ds`` is the cache's loss mask (a nonzero byte: a training target).
+**Reading** (``streampack.open(FOLDER)``, a folder of ``.ds`` files or one): each ``.ds`` is one shard,
+mapped as it is, in name order as ``DatatroveFolderDataset`` takes them. The token width is the
+``.ds.metadata`` files' (all must agree), else ``dtype=``, else uint16, datatrove's default. The tokenizer
+they name becomes the cache's tokenizer name (declare ``tokenizer=`` for a mixture to check it). The
+files record no EOS id: ``eos_id=`` declares the id documents end with, if any. A ``.ds.loss`` beside
+every ``.ds`` is the loss mask.
 """
 
 from __future__ import annotations
@@ -40,7 +34,7 @@ from streampack.interop.destination import Destination
 from streampack.interop.filechecks import check_ends, check_size
 from streampack.interop.files import LOCAL, ForeignFiles
 from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard
-from streampack.interop.writing import Progress, shard_docs, shard_mask, write_tokens
+from streampack.interop.writing import progress_bar, shard_docs, shard_mask, write_tokens
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -85,7 +79,7 @@ def write(
     """Write one ``.ds`` (and sidecars) per non-empty shard."""
     little = cache.dtype.newbyteorder("<")
     index = 0
-    with Progress(progress, cache.num_tokens, "datatrove") as bar:
+    with progress_bar(progress, cache.num_tokens, "datatrove") as bar:
         for docs in shard_docs(cache):
             if not len(docs.ends) or not docs.ends[-1]:
                 continue
@@ -122,7 +116,7 @@ TOKEN_DTYPES: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 
 
 def ds_files(path: Path, files: ForeignFiles = LOCAL) -> list[Path]:
-    """The ``.ds`` files at ``path`` (a folder's, sorted by name as datatrove lists them; or the file)."""
+    """The ``.ds`` files at ``path``: a folder's, sorted by name, or the file."""
     if path.name.endswith(SUFFIX) and files.is_file(path):
         return [path]
     if files.local and not files.is_dir(path):
@@ -138,13 +132,12 @@ def recognise(path: Path, files: ForeignFiles = LOCAL) -> bool:
 
 
 def read(path: Path, options: ForeignOptions, where: ForeignFiles = LOCAL) -> Foreign:
-    """The ``.ds`` files at ``path``, one shard each; their documents are the ``.ds.index`` ends.
+    """The ``.ds`` files at ``path``, one shard each, whose documents end at the ``.ds.index`` ends.
 
     Raises:
-        CacheError: no ``.ds`` file; a ``.ds`` whose size is not a whole number of tokens; a
-            ``.ds.index`` missing, not a whole number of uint64, decreasing, or not ending at the token
-            count; a ``.ds.loss`` not one byte a token, or beside some files only; ``.ds.metadata`` files
-            that are malformed or disagree (with each other, with ``dtype=`` or with the token count).
+        CacheError: no ``.ds`` file, or a file or sidecar that is malformed, of the wrong size, or
+            disagrees with the others (naming it).
+        OptionsError: ``dtype=`` other than the ``.ds.metadata`` files' width.
     """
     files = ds_files(path, where)
     if not files:

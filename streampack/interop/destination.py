@@ -1,27 +1,20 @@
 """Where an export writes: its files staged, then moved into place at once.
 
-**Atomic, not resumable.** An export writes every file under a staging name and moves the files into place
-only once all of them are written, the format's index (the file its reader opens first: a Megatron
-``.idx``, an MDS ``index.json``, a ``save_to_disk`` ``state.json``) last. A killed export leaves the
-staging area and nothing at the destination; the next run removes the staging area and starts again.
+**Atomic, not resumable.** An export writes every file under a staging name and moves them into place
+once all are written, the format's index (the file its reader opens first) last. A killed export leaves
+the staging area and nothing at the destination; the next run removes it and starts again.
 
 * A local destination is staged in a hidden sibling directory (``.NAME.streampack-export``) on the same
-  file system; a directory format is moved into place by one ``rename`` of that directory, a prefix format
-  (Megatron's ``DEST.bin`` + ``DEST.idx``) file by file, the index last.
-* **Killed, or crashed.** A killed process (an error, Ctrl-C, ``SIGKILL``, the OOM killer) never leaves a
-  destination a reader takes as whole: what it wrote is in the page cache, which every reader sees, and
-  the rename either happened or did not. By default nothing is fsynced, as ``cp``, ``shutil.copyfile`` and
-  the formats' own writers (Megatron's ``IndexedDatasetBuilder``, datatrove, ``MDSWriter``,
-  ``save_to_disk``) do: a crash of the machine itself (power, kernel) within the file system's writeback
-  interval after the export may leave a destination whose files are cut short or zero-filled.
-  ``durable=True`` (``--durable``) fsyncs every file (and a directory format's directories) before the
-  move and the parent directory after it, so that after a crash there is the staging area or the whole
-  destination; each fsync waits for the disk (``benchmarks/bench_export.py``'s ``--durable`` row
-  measures the cost).
-* An object-storage destination (any fsspec URL) is staged under the sibling prefix
-  ``DEST.streampack-export/`` and moved (a server-side copy per object) into place, the index last. Object
-  stores have no atomic rename of many objects: a kill *during that move* can leave some files of a
-  format without an index file (datatrove, llm.c, OLMo, Parquet) visible to a reader that lists files.
+  file system, and moved into place by one ``rename`` (a prefix format such as Megatron's file by file,
+  the index last).
+* **Killed, or crashed.** A killed process never leaves a destination a reader takes as whole: what it
+  wrote is in the page cache, and the rename happened or did not. Nothing is fsynced by default, as
+  ``cp`` and the formats' own writers do, so a crash of the machine soon after may leave files cut short
+  or zero-filled. ``durable=True`` (``--durable``) fsyncs every file and directory before the move and
+  the parent after it, at the cost of waiting for the disk (``benchmarks/bench_export.py --durable``).
+* An object-storage destination (any fsspec URL) is staged under ``DEST.streampack-export/`` and moved
+  into place object by object, the index last. Object stores have no atomic rename of many objects: a
+  kill during that move can leave files without their index visible to a reader that lists files.
 """
 
 from __future__ import annotations
@@ -97,12 +90,19 @@ class Destination:
             self.root = str(path)
             self.staging = str(path.parent / f".{path.name}{STAGING_SUFFIX}")
         self.written: list[str] = []
-        self._check_free()
-        self._clear_staging()
-
-    def describe(self) -> str:
-        """The destination as the user named it, for messages."""
-        return self.dest
+        found = self.existing()
+        if found and not overwrite:
+            raise OptionsError(
+                f"{dest}: the destination exists ({', '.join(found)}); pass overwrite=True "
+                "to replace it once the new export is complete, or choose another destination"
+            )
+        # What a killed export left in the staging area goes.
+        if self.remote:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm(self.staging, recursive=True)
+        else:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            os.makedirs(self.staging)
 
     def final(self, name: str) -> str:
         """Where the file ``name`` ends up (a path or a key)."""
@@ -114,23 +114,6 @@ class Destination:
         if self.remote:
             return [t for t in targets if self.fs.exists(t)]
         return [t for t in targets if os.path.lexists(t)]
-
-    def _check_free(self) -> None:
-        found = self.existing()
-        if found and not self.overwrite:
-            raise OptionsError(
-                f"{self.dest}: the destination exists ({', '.join(found)}); pass overwrite=True "
-                "to replace it once the new export is complete, or choose another destination"
-            )
-
-    def _clear_staging(self) -> None:
-        """Remove what a killed export left in the staging area, then create it."""
-        if self.remote:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.staging, recursive=True)
-            return
-        shutil.rmtree(self.staging, ignore_errors=True)
-        os.makedirs(self.staging)
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[IO[bytes]]:
@@ -175,7 +158,8 @@ class Destination:
         was there (with ``overwrite``). Returns the final paths or keys."""
         order = [n for n in self.written if n not in last] + [n for n in last if n in self.written]
         if self.remote:
-            self._remove_existing()
+            for target in self.existing():
+                self.fs.rm(target, recursive=self.layout == "directory")
             for name in order:
                 self.fs.mv(self._staged(name), self.final(name))
             with contextlib.suppress(FileNotFoundError):
@@ -206,10 +190,6 @@ class Destination:
             shutil.rmtree(self.staging, ignore_errors=True)
         return [self.final(n) for n in order]
 
-    def _remove_existing(self) -> None:
-        for target in self.existing():
-            self.fs.rm(target, recursive=self.layout == "directory")
-
     def abort(self) -> None:
         """Remove the staging area (after an error; a killed process leaves it for the next run)."""
         if self.remote:
@@ -220,8 +200,7 @@ class Destination:
 
 
 def disk_full(error: OSError, path: str) -> WriteError:
-    """The error of an export whose write to ``path`` found no room (``error.errno`` in :data:`DISK_FULL`):
-    unlike a build's, nothing of an export is kept, and a rerun starts it over."""
+    """The error of an export whose write to ``path`` found no room (``error.errno`` in :data:`DISK_FULL`)."""
     reason = DISK_FULL.get(error.errno or errno.ENOSPC, "disk full")
     room = (
         "raise the file size limit (ulimit -f)"

@@ -1,21 +1,17 @@
 """What the readers of foreign files check before they trust them: a file's size, document ends that go
-forward within the tokens, a document count that has not changed since the open, a declared id its tokens
-can hold. Each refusal is a :class:`~streampack.errors.CacheError` (or, for an option,
-:class:`~streampack.errors.OptionsError`) naming the file and the field. And what ``verify`` says of a
-format's files: what reading them checked (:func:`opened_checks`), which files beside them the format
-writes but does not read (:func:`companion`).
+forward within the tokens, a document count unchanged since the open, a declared id its tokens can hold.
+Each refusal is a :class:`~streampack.errors.CacheError` (for an option,
+:class:`~streampack.errors.OptionsError`) naming the file and the field.
 """
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.files import LOCAL, ForeignFiles
-from streampack.interop.reading import READERS
 
 
 def check_size(path: Path, expected: int, what: str, files: ForeignFiles = LOCAL) -> None:
@@ -67,15 +63,3 @@ def check_id_fits(path: Path, name: str, token_id: int, dtype: np.dtype) -> None
             f"{path}: {name}={token_id:,} does not fit its {dtype.name} tokens (at most "
             f"{(1 << (8 * dtype.itemsize)) - 1:,}): the id is wrong, or the files are uint32 (pass dtype=)"
         )
-
-
-def opened_checks(format: str) -> str:
-    """What reading ``format``'s files checks of them (its module's ``OPENED_CHECKS``), as ``verify`` says."""
-    return str(importlib.import_module(READERS[format]).OPENED_CHECKS)
-
-
-def companion(format: str, path: Path) -> str | None:
-    """What the file ``path``, in the folder of ``format``'s files but not read with them, is where that
-    format writes it there (nanoGPT's ``val.bin``); None for a file the format does not know."""
-    known = getattr(importlib.import_module(READERS[format]), "companion", None)
-    return None if known is None else known(path)

@@ -1,23 +1,19 @@
-"""Where a foreign cache's files are read from: a local path (:data:`LOCAL`), or object storage through the
-bounded local copy that a native cache in object storage is read through (:class:`CopiedFiles`, over a
-:class:`~streampack.store.localcopy.CachedStore`).
+"""Where a foreign cache's files are read from: a local path (:data:`LOCAL`), or object storage through
+the bounded local copy a native cache in object storage is read through (:class:`CopiedFiles`).
 
 A format reader that can read from object storage (its module's ``REMOTE`` is true: Megatron, datatrove)
-asks a :class:`ForeignFiles` what it would ask the file system: whether a path is a file or a folder, a
-folder's files, a file's size, a few bytes of it (a header, a ``.ds.metadata``), a memory map of it. Its
-paths are :class:`~pathlib.Path` s either way: local ones, or, in object storage, the object's key under
-the local copy's directory (:attr:`CopiedFiles.root`), which :meth:`ForeignFiles.name` turns back into
-the object's URL for messages. A file mapped from object storage is fetched whole into the local copy on
-first use (its size from the store's listing, and its version, an ETag where the store gives one, in the
-copy's name, so that an object replaced under the same URL is fetched again), counted against
-``max_local_bytes``, evicted when unmapped and least recently used, exactly as a native shard file is.
+asks a :data:`ForeignFiles` what it would ask the file system. Its paths are local paths, or in object
+storage the object's key under the local copy's directory, which :meth:`~CopiedFiles.name` turns back into
+the object's URL for messages. A remote file is fetched whole into the local copy when first mapped, with
+its version (an ETag where the store gives one) in the copy's name, so that an object replaced under the
+same URL is fetched again; it counts against ``max_local_bytes`` and is evicted as a native shard is.
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -25,59 +21,6 @@ from streampack.store.copies import Expected
 from streampack.store.localcopy import CachedStore
 
 __all__ = ["LOCAL", "CopiedFiles", "ForeignFiles", "LocalFiles", "map_tokens"]
-
-
-class ForeignFiles(Protocol):
-    """What a format reader asks of where its files are (see the module docstring)."""
-
-    @property
-    def local(self) -> bool:
-        """Whether the paths are the files themselves (else keys of objects, fetched when mapped)."""
-        ...
-
-    def is_file(self, path: Path) -> bool:
-        """Whether ``path`` is a file."""
-        ...
-
-    def is_dir(self, path: Path) -> bool:
-        """Whether ``path`` is a folder."""
-        ...
-
-    def listdir(self, folder: Path) -> list[Path]:
-        """The entries directly in ``folder``."""
-        ...
-
-    def size(self, path: Path) -> int:
-        """The size of the file ``path``. Raises FileNotFoundError when there is none."""
-        ...
-
-    def read(self, path: Path, start: int = 0, stop: int | None = None) -> bytes:
-        """Bytes ``[start, stop)`` of ``path``. Raises FileNotFoundError when there is none."""
-        ...
-
-    def map(self, path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
-        """``count`` items of ``dtype`` at byte ``offset`` of ``path``, memory-mapped read-only."""
-        ...
-
-    def mtime_ns(self, path: Path) -> int:
-        """When ``path`` was last modified (0 where the store does not say)."""
-        ...
-
-    def name(self, path: Path) -> str:
-        """``path`` as messages name it: the file, or the object's URL."""
-        ...
-
-    def key(self, path: Path) -> str:
-        """The store key of ``path`` (a local file's is its path)."""
-        ...
-
-    def local_path(self, path: Path) -> Path:
-        """The local file ``path`` is read from: itself, or its copy (there once mapped)."""
-        ...
-
-    def shown(self, message: str) -> str:
-        """``message`` with the paths it names as :meth:`name` names them."""
-        ...
 
 
 def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
@@ -90,7 +33,11 @@ def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarr
 
 
 class LocalFiles:
-    """Files of the local file system, read where they lie."""
+    """Files of the local file system, read where they lie.
+
+    Attributes:
+        local: whether the paths are the files themselves (else keys of objects, fetched when mapped).
+    """
 
     local = True
 
@@ -103,41 +50,41 @@ class LocalFiles:
         return path.is_dir()
 
     def listdir(self, folder: Path) -> list[Path]:
-        """The entries of ``folder``."""
+        """The entries directly in ``folder``."""
         return list(folder.iterdir())
 
     def size(self, path: Path) -> int:
-        """The size of ``path``."""
+        """The size of the file ``path``; FileNotFoundError when there is none."""
         return path.stat().st_size
 
     def read(self, path: Path, start: int = 0, stop: int | None = None) -> bytes:
-        """Bytes ``[start, stop)`` of ``path``."""
+        """Bytes ``[start, stop)`` of ``path``; FileNotFoundError when there is none."""
         with open(path, "rb") as f:
             f.seek(start)
             return f.read() if stop is None else f.read(max(0, stop - start))
 
     def map(self, path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
-        """:func:`map_tokens`."""
+        """``count`` items of ``dtype`` at byte ``offset`` of ``path``, memory-mapped read-only."""
         return map_tokens(path, dtype, offset, count)
 
     def mtime_ns(self, path: Path) -> int:
-        """Its modification time."""
+        """When ``path`` was last modified."""
         return path.stat().st_mtime_ns
 
     def name(self, path: Path) -> str:
-        """The path."""
+        """``path`` as messages name it."""
         return str(path)
 
     def key(self, path: Path) -> str:
-        """The path."""
+        """The store key of ``path``: its path."""
         return str(path)
 
     def local_path(self, path: Path) -> Path:
-        """The path."""
+        """The local file ``path`` is read from: itself."""
         return path
 
     def shown(self, message: str) -> str:
-        """``message`` as it is."""
+        """``message`` with the paths it names as :meth:`name` names them: as it is."""
         return message
 
 
@@ -146,7 +93,8 @@ LOCAL = LocalFiles()
 
 
 class CopiedFiles:
-    """Objects under the URL of ``store``'s remote, read through its bounded local copy.
+    """Objects under the URL of ``store``'s remote, read through its bounded local copy; what each method
+    does is :class:`LocalFiles`'s, for objects.
 
     Args:
         store: the local copy of the folder that holds the files (for a Megatron prefix, its folder).
@@ -258,3 +206,7 @@ def _version(info: dict[str, Any]) -> str:
     """A short tag of the object's version (its ETag, else its modification time), or "" if none is given."""
     given = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
     return hashlib.sha256(str(given).encode()).hexdigest()[:12] if given else ""
+
+
+#: Where a foreign cache's files are read from.
+ForeignFiles = LocalFiles | CopiedFiles

@@ -1,22 +1,19 @@
 """A Hugging Face dataset: ``save_to_disk``'s Arrow files and/or Parquet, with ``input_ids`` a row.
 
-Layouts (huggingface/datasets ``src/datasets/arrow_dataset.py``, ``save_to_disk`` / ``load_from_disk``
-and ``to_parquet``):
+Layouts (huggingface/datasets ``arrow_dataset.py``: ``save_to_disk`` and ``to_parquet``):
 
-* ``files="arrow"``: ``DEST/data-NNNNN-of-MMMMM.arrow`` (Arrow IPC streams, the features in the schema's
-  ``huggingface`` metadata), ``DEST/dataset_info.json`` and ``DEST/state.json`` (the list of files,
-  written last: ``datasets.load_from_disk(DEST)``);
+* ``files="arrow"``: ``DEST/data-NNNNN-of-MMMMM.arrow`` (Arrow IPC streams), ``DEST/dataset_info.json``
+  and ``DEST/state.json``, written last (``datasets.load_from_disk(DEST)``);
 * ``files="parquet"`` (the default): ``DEST/data/train-NNNNN-of-MMMMM.parquet``, the Hub's layout
-  (``datasets.load_dataset("parquet", data_dir=DEST)`` or ``load_dataset(DEST)``);
+  (``datasets.load_dataset(DEST)``);
 * ``files="both"``: both in ``DEST``.
 
-Rows: one document a row (``input_ids`` with its BOS and EOS; an SFT cache adds ``labels``: the ids, with
--100 at the first token and on every token its loss mask marks as no target), or with ``seq_len`` one
-sample a row, as the :class:`~streampack.Loader` gives them with ``output="dict"``: ``input_ids``,
-``labels`` and ``position_ids`` of :meth:`Cache.sequences(seq_len) <streampack.Cache.sequences>`
-(fixed windows of the stream) or, with ``packed=True``, of :meth:`Cache.packed(seq_len)
-<streampack.Cache.packed>` (whole documents best-fit packed, then padded). ``input_ids`` are int32,
-``labels`` and ``position_ids`` int64, each a list.
+Rows: one document a row (``input_ids`` with its BOS and EOS; an SFT cache adds ``labels``, the ids with
+-100 at the first token and wherever the loss mask says no target), or with ``seq_len`` one sample a row
+as the :class:`~streampack.Loader` gives them with ``output="dict"`` (``input_ids``, ``labels``,
+``position_ids``): of :meth:`Cache.sequences(seq_len) <streampack.Cache.sequences>`, or with
+``packed=True`` of :meth:`Cache.packed(seq_len) <streampack.Cache.packed>`. ``input_ids`` are int32,
+``labels`` and ``position_ids`` int64.
 """
 
 from __future__ import annotations
@@ -33,10 +30,10 @@ import pyarrow.parquet as pq
 from streampack.errors import OptionsError
 from streampack.interop.destination import Destination
 from streampack.interop.writing import (
-    Progress,
     ShardDocs,
     check_int_option,
     doc_chunks,
+    progress_bar,
     shard_docs,
     shard_mask,
     token_chunks,
@@ -90,8 +87,7 @@ def check(cache: Cache, options: Options) -> None:
 
 
 def features(columns: Sequence[str]) -> dict[str, Any]:
-    """The ``datasets`` features of the columns, as ``dataset_info.json`` and the schema metadata hold them
-    (``Sequence``, which every ``datasets`` version reads)."""
+    """The ``datasets`` features of the columns (``Sequence``, which every ``datasets`` version reads)."""
     types = {"input_ids": "int32", "labels": "int64", "position_ids": "int64"}
     return {c: {"feature": {"dtype": types[c], "_type": "Value"}, "_type": "Sequence"} for c in columns}
 
@@ -132,10 +128,9 @@ def _lists(values: np.ndarray, offsets: np.ndarray) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
 
 
-# A record batch of about BATCH_TOKENS tokens is built, written and let go before the next one is built
-# (hence one function a batch: a generator's loop variables would keep the previous one's arrays alive
-# while it builds the next). A sample batch holds about 20 bytes a token (int32 ids, int64 labels and
-# positions), so the peak memory is a few tens of MB whatever the cache's size.
+# A record batch of about BATCH_TOKENS tokens is written and let go before the next one is built (hence one
+# function a batch: a generator's loop variables would keep the previous one alive). A sample batch holds
+# about 20 bytes a token, so the peak memory is a few tens of MB whatever the cache's size.
 
 
 def _document_batches(cache: Cache) -> Iterator[tuple[pa.RecordBatch, int]]:
@@ -179,7 +174,7 @@ def _sample_batch(
     cache: Cache, samples: PackedSequences, as_dict: CausalLMDict, first: int, stop: int
 ) -> tuple[pa.RecordBatch, int]:
     """Samples ``[first, stop)`` as the Loader's ``output="dict"`` gives them, read straight into int32
-    (a uint32 cache's in uint32, whose bytes the int32 column then holds, as a document row's do)."""
+    (a uint32 cache's into uint32, whose bytes the int32 column holds)."""
     indices = np.arange(first, stop, dtype=np.int64)
     seq_len = samples.seq_len
     dtype = np.int32 if np.can_cast(cache.dtype, np.int32) else cache.dtype
@@ -262,7 +257,7 @@ def write(
     kinds = ["arrow", "parquet"] if options.files == "both" else [options.files]
     files = {k: _Files(dest, k, schema(columns), options.file_tokens) for k in kinds}
     total, rows = 0, 0
-    with Progress(progress, cache.num_tokens, "hf") as bar:
+    with progress_bar(progress, cache.num_tokens, "hf") as bar:
         for batch, tokens in batches(cache, options):
             for f in files.values():
                 f.write(batch, tokens)

@@ -1,30 +1,22 @@
 """What identifies another format's files: :func:`files_identity`, which with their shard table makes the
-cache's :attr:`~streampack.reader.Cache.content_digest`. That digest keys a stored plan of them
-(``PATH/layouts/KEY/``), is the ``shards`` of a loader state's data fingerprint, and is what a DataLoader
-worker checks when it opens them again (``streampack.samples.refs.reopen_unchanged``).
+cache's :attr:`~streampack.reader.Cache.content_digest`: the key of stored plans, the ``shards`` of a
+loader state's fingerprint, and what a DataLoader worker checks when it opens them again.
 
-A native cache's manifest holds every shard file's CRC-32, so its shard table identifies its bytes. Another
-format's files record no checksum, and their counts alone do not tell them apart: a nanoGPT ``train.bin``
-written again with the same documents in another order has the same counts. Reading every token at every
-open would cost what opening them in place saves (a Megatron pair opens without reading its ``.bin``), so:
+A native cache's manifest holds every file's CRC-32. Other formats' files record none, and their counts do
+not tell them apart (a ``train.bin`` rewritten with its documents reordered has the same counts), while
+reading every token at each open would cost what opening them in place saves. So the identity is:
 
-* **What the files hold, never where or when they were written.** Per shard, a digest of its document ends
-  (every open reads them anyway: from an index, or as the scan of a stream finds them), and per token or
-  loss-mask file its size and its first and last :data:`BLOCK` bytes. Paths, modification times and inodes
-  are left out on purpose: the same files copied to another machine, fetched from object storage or opened
-  through another path have the same identity, so a loader state saved over them resumes over the copy and
-  a copied folder keeps its plans. Files rewritten in place with other documents (or the same in another
-  order) have other ends: their old plan is not used (a fresh one is made), a state saved over the old
-  files is refused, and a worker that finds them changed since its parent opened them refuses to read.
-* **What it does not see**: a rewrite that keeps every document's end and the first and last
-  :data:`BLOCK` bytes of every file (documents of one length reordered except the first and last of each
-  file, tokens replaced one for one inside). A plan stays right then (it is made of the ends alone); what
-  a state resumes over is not checked. ``streampack convert`` makes a native cache, whose CRC-32s cover
-  every byte.
+* **What the files hold, not where or when they were written**: per shard a digest of its document ends
+  (every open reads them anyway), and per token or loss-mask file its size and first and last
+  :data:`BLOCK` bytes. Paths, times and inodes are left out, so a copy of the files elsewhere keeps its
+  plans and the loader states saved over it. Files rewritten with other documents, or the same in another
+  order, get a fresh plan, and states and workers over the old files refuse them.
+* **Blind to** a rewrite that keeps every document's end and each file's first and last :data:`BLOCK`
+  bytes. A plan stays right then (it is made of the ends); ``streampack convert`` makes a native cache,
+  whose CRC-32s cover every byte.
 
-Cost, measured on a 300 MB nanoGPT ``train.bin`` (286,077 documents; page cache warm, this 2-core machine):
-its open takes 50 ms (the scan for its EOS ids), to which hashing its ends adds 1.3 ms and its blocks
-0.03 ms. A CRC-32 of every token in the same scan would add 28 ms.
+On a 300 MB nanoGPT ``train.bin`` (286,077 documents), hashing the ends added 1.3 ms to a 50 ms open and
+the blocks 0.03 ms; a CRC-32 of every token in the same scan would have added 28 ms.
 """
 
 from __future__ import annotations
@@ -55,9 +47,12 @@ def ends_digest(ends: np.ndarray) -> bytes:
 
 
 def files_identity(ends: Iterable[bytes], sampled: Sequence[Path], files: ForeignFiles = LOCAL) -> str:
-    """The identity of another format's files (see the module docstring): ``ends``, each shard's
-    :func:`ends_digest`; ``sampled``, its token and loss-mask files, whose sizes and first and last
-    :data:`BLOCK` bytes are read (``files`` says where from).
+    """The identity of another format's files.
+
+    Args:
+        ends: each shard's :func:`ends_digest`.
+        sampled: the token and loss-mask files, whose sizes and first and last :data:`BLOCK` bytes are read.
+        files: where they are read from.
 
     Raises:
         CacheError: a file cannot be read (it was removed since it was opened).

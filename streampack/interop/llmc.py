@@ -1,43 +1,29 @@
 """llm.c and modded-nanogpt token shards: ``DEST/train_NNNNNN.bin``, a 256 x int32 header, then tokens.
 
-The layout, as karpathy/llm.c ``dev/data/data_common.py`` (``write_datafile``, ``HEADERS_INFO``) writes
-it and ``llmc/dataloader.h`` / ``train_gpt2.py`` (``_load_data_shard``) and KellerJordan/modded-nanogpt
-``train_gpt.py`` (``_load_data_shard``) read it: ``header[0]`` the magic, ``header[1]`` the version,
-``header[2]`` the number of tokens (below 2**31); the rest of the 256 int32 zero; then the tokens,
-little-endian. uint16 tokens: magic 20240520, version 1 (GPT-2); uint32 tokens: magic 20240801,
-version 7 (Llama 3). modded-nanogpt reads only the first kind. Those readers read nothing past
-``header[2]``: streampack's export records its delimiter in two of the reserved ints,
-``header[254] = 20261207`` (:data:`DELIMITER_TAG`, which marks the record) and ``header[255]`` the
-delimiter (its uint32 bits), so that its shards open with their documents whatever the delimiter.
+As karpathy/llm.c ``dev/data/data_common.py`` (``write_datafile``) writes it and ``llmc/dataloader.h``
+and KellerJordan/modded-nanogpt ``train_gpt.py`` read it: ``header[0]`` the magic, ``header[1]`` the
+version, ``header[2]`` the token count (below 2**31), the rest zero, then the little-endian tokens. uint16
+tokens: magic 20240520, version 1 (GPT-2); uint32: magic 20240801, version 7 (Llama 3; modded-nanogpt
+reads only uint16). The export also records its delimiter in two ints those readers leave alone:
+``header[254] = 20261207`` (:data:`DELIMITER_TAG`) and ``header[255]`` the delimiter.
 
-**Documents.** Those readers expect every document to be *preceded* by a delimiter: llm.c's
-``fineweb.py`` writes ``[eot] + tokens`` (GPT-2's ``<|endoftext|>``, 50256), or ``<|begin_of_text|>`` for
-Llama 3, and modded-nanogpt aligns its sequences to that id (``BOS_ID = 50256``). The export writes each
-document as ``[delimiter] + its tokens``: the delimiter is the cache's BOS id where it prepends one (the
-document is then written as it is, without an EOS the cache appended), else its EOS id (the cache's
-``tokens, EOS`` become ``EOS, tokens``: the stream shifted by one). A cache with neither is refused. The
-stream fills shards of ``shard_tokens`` tokens (llm.c's ``shard_size``, 10**8) one after the other; as in
-llm.c, a document may continue into the next shard.
+**Documents.** Those readers expect a delimiter *before* every document (llm.c's ``fineweb.py`` writes
+``[eot] + tokens``, 50256 for GPT-2, ``<|begin_of_text|>`` for Llama 3). The export writes
+``[delimiter] + tokens``: the delimiter is the cache's BOS where it prepends one (and an appended EOS is
+dropped), else its EOS (``tokens, EOS`` become ``EOS, tokens``: the stream shifted by one). A cache with
+neither is refused. The stream fills shards of ``shard_tokens`` tokens (llm.c's 10**8) one after the
+other, so a document may continue into the next shard.
 
-**Reading** (``streampack.open(PATH)``): PATH is a folder of ``*.bin`` shards (every one, in name order:
-llm.c's ``fineweb.py`` writes its ``fineweb_val_000000.bin`` beside the train shards, so open a folder
-that holds the split you want, or one shard file), or one such file. Each header is checked: the magic and
-version pair (:data:`HEADERS`), a token count ``header[2]`` of at least 0, and a file of exactly the
-1,024-byte header and that many tokens; all shards have one dtype. One shard is one streampack shard, its
-tokens mapped where they lie. A document *starts* at each delimiter, which the cache's ``bos_id`` then
-is: the one the headers record (streampack's export), else ``bos_id=``, else :data:`DELIMITERS` (GPT-2's
-``<|endoftext|>`` 50256 for uint16 shards, Llama 3's ``<|begin_of_text|>`` 128000 for uint32 ones, what
-llm.c's writers put there); a ``bos_id=`` other than the recorded one is refused, and so are shards
-that record different ones. A document is ``[delimiter, tokens...]``; the tokens before a shard's first
-delimiter are a document too. streampack's documents lie within one shard, so a document that llm.c
-continued into the next shard is read as two, cut at the shard's end (``verify`` of the cache, or of one
-converted from it, takes a shard's first document without the delimiter as such a rest, and fails when
-the delimiter occurs in no shard at all). The delimiters are counted when the shards are opened (a scan
-of every shard at disk speed, on a few threads: the number of documents is needed first); a shard that
-holds none is read as one document, with a :class:`~streampack.errors.DocumentBoundaryWarning` (the
-rest of a document longer than a shard, or the sign of a wrong delimiter). A cache exported here (in
-one shard) and opened again thus has, for an EOS cache, the documents ``[EOS] + doc[:-1]`` (its stream
-shifted by one), and for a BOS cache its own documents (less the EOS, where it appended one).
+**Reading** (``streampack.open(PATH)``): PATH is a folder of ``*.bin`` shards (all of them, in name
+order: llm.c writes ``fineweb_val_000000.bin`` beside the train shards, so open a folder of one split), or
+one shard. Each header is checked (:data:`HEADERS`, a token count of at least 0, a file of exactly the
+header and that many tokens); all shards share one dtype. Each shard is one streampack shard, mapped where
+it lies. A document starts at each delimiter, which becomes the cache's ``bos_id``: the one the headers
+record, else ``bos_id=``, else :data:`DELIMITERS` by width. A ``bos_id=`` other than the recorded one is
+refused, and so are shards that record different ones. Tokens before a shard's first delimiter are a
+document too, so a document llm.c continued into the next shard is read as two (``verify`` knows this, and
+fails when the delimiter occurs in no shard). The delimiters are counted by a scan at the open; a shard
+without one is read as one document, with a :class:`~streampack.errors.DocumentBoundaryWarning`.
 """
 
 from __future__ import annotations
@@ -45,25 +31,23 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError
 from streampack.interop.destination import Destination
 from streampack.interop.filechecks import check_id_fits
-from streampack.interop.files import map_tokens
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard
-from streampack.interop.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
+from streampack.interop.reading import Foreign, ForeignOptions
+from streampack.interop.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan, span_shards
 from streampack.interop.writing import (
-    Progress,
     check_int_option,
+    progress_bar,
     refuse_loss_mask,
     shard_docs,
     token_chunks,
-    write_tokens,
+    write_stream,
 )
 
 if TYPE_CHECKING:
@@ -113,13 +97,6 @@ def header(num_tokens: int, itemsize: int, delimiter: int) -> bytes:
     return values.tobytes()
 
 
-def delimiter_of(cache: Cache) -> int:
-    """The id the export writes before each document: the cache's BOS, else its EOS (:func:`check`)."""
-    delimiter = cache.bos_id if cache.bos_id is not None else cache.eos_id
-    assert delimiter is not None  # refused by check()
-    return delimiter
-
-
 def check(cache: Cache, options: Options) -> None:
     """Refuse a loss mask, and a cache with no delimiter to put before its documents."""
     refuse_loss_mask(cache, "llmc", options.drop_loss_mask)
@@ -131,27 +108,10 @@ def check(cache: Cache, options: Options) -> None:
         )
 
 
-def stream(cache: Cache) -> Iterator[np.ndarray]:
-    """The llm.c token stream of the cache, in chunks: each document preceded by the delimiter."""
-    bos, eos = cache.bos_id, cache.eos_id
-    if bos is None:
-        assert eos is not None
-        # tokens, EOS per document becomes EOS, tokens: the stream shifted right by one.
-        yield np.array([eos], dtype=cache.dtype)
-        held: np.ndarray | None = None
-        for shard in range(cache.num_shards):
-            for chunk in token_chunks(cache, shard):
-                if held is not None:
-                    yield held
-                held = chunk
-        if held is not None:
-            yield held[:-1]  # the last document's EOS, now before it
-        return
+def _without_eos(cache: Cache) -> Iterator[np.ndarray]:
+    """The tokens of a cache with a BOS and an EOS, in chunks, without each document's EOS (the next
+    document's BOS delimits it)."""
     for docs in shard_docs(cache):
-        if eos is None:
-            yield from token_chunks(cache, docs.shard)
-            continue
-        # BOS, tokens, EOS per document: drop each EOS (the next document's BOS delimits it).
         pos = 0
         for chunk in token_chunks(cache, docs.shard):
             stop = pos + len(chunk)
@@ -162,36 +122,33 @@ def stream(cache: Cache) -> Iterator[np.ndarray]:
             pos = stop
 
 
-def stream_length(cache: Cache) -> int:
-    """Tokens of :func:`stream`: the cache's, less one EOS a document where a BOS is the delimiter."""
-    dropped = cache.num_docs if cache.bos_id is not None and cache.eos_id is not None else 0
-    return cache.num_tokens - dropped
-
-
 def write(
     cache: Cache, dest: Destination, options: Options, progress: bool
 ) -> tuple[int, int, Sequence[str]]:
-    """Write the shards; each header counts its shard's tokens, known before it is written."""
-    total, size = stream_length(cache), options.shard_tokens
+    """Write the shards, each document behind the delimiter; each header counts its shard's tokens."""
+    bos, eos = cache.bos_id, cache.eos_id
+    delimiter = bos if bos is not None else eos
+    assert delimiter is not None  # refused by check()
+    dropped = cache.num_docs if bos is not None and eos is not None else 0  # each EOS, behind a BOS
+    total, size = cache.num_tokens - dropped, options.shard_tokens
     counts = [min(size, total - start) for start in range(0, total, size)]
-    little = cache.dtype.newbyteorder("<")
-    itemsize, delimiter = cache.dtype.itemsize, delimiter_of(cache)
-    with Progress(progress, total, "llmc") as bar:
-        if cache.bos_id is None or cache.eos_id is None:
-            # The stream is the cache's tokens (shifted right by one behind an EOS where the EOS delimits):
-            # each llm.c shard is a span of them, copied as the file holds them.
-            shift = int(cache.bos_id is None)
+    little, itemsize = cache.dtype.newbyteorder("<"), cache.dtype.itemsize
+    with progress_bar(progress, total, "llmc") as bar:
+        if bos is None or eos is None:
+            # The stream is the cache's tokens, shifted right by one behind an EOS where the EOS delimits
+            # (``tokens, EOS`` become ``EOS, tokens``): each shard is a span of them, copied as it lies.
+            shift = int(bos is None)
             for index, count in enumerate(counts):
                 with dest.open(shard_file(index)) as out:
                     out.write(header(count, itemsize, delimiter))
                     first = index * size
                     if shift and first == 0:
-                        out.write(np.array([cache.eos_id], dtype=little).tobytes())
+                        out.write(np.array([eos], dtype=little).tobytes())
                         first = 1
-                    _write_stream(out, cache, first - shift, index * size + count - shift, little)
+                    write_stream(cache, first - shift, index * size + count - shift, out)
                     bar.update(count)
             return cache.num_docs, total, []
-        chunks = stream(cache)
+        chunks = _without_eos(cache)
         pending = np.zeros(0, dtype=cache.dtype)
         for index, count in enumerate(counts):
             with dest.open(shard_file(index)) as out:
@@ -207,16 +164,6 @@ def write(
                     left -= len(take)
                     pending = pending[len(take) :]
     return cache.num_docs, total, []
-
-
-def _write_stream(out: IO[bytes], cache: Cache, start: int, stop: int, dtype: np.dtype) -> None:
-    """Tokens ``[start, stop)`` of the cache's whole stream, shard by shard."""
-    starts = np.asarray(cache.token_starts, dtype=np.int64)
-    shard = max(0, int(np.searchsorted(starts, start, side="right")) - 1)
-    while shard < cache.num_shards and starts[shard] < stop:
-        base = int(starts[shard])
-        write_tokens(out, cache, shard, dtype, max(start - base, 0), min(stop, int(starts[shard + 1])) - base)
-        shard += 1
 
 
 # Reading ---------------------------------------------------------------------------------------------
@@ -258,11 +205,7 @@ def recognise(path: Path) -> bool:
 
 
 def read(path: Path, options: ForeignOptions) -> Foreign:
-    """The shards at ``path`` (see the module's docstring): :func:`plan`, its spans scanned.
-
-    Raises:
-        CacheError, OptionsError: as for :func:`plan`.
-    """
+    """The shards at ``path``: :func:`plan`, its spans scanned."""
     return open_plan(plan(path, options))
 
 
@@ -305,8 +248,13 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
         check_id_fits(path, "bos_id", options.bos_id, dtype)
     delimiter = _delimiter(files, [h.delimiter for h in headers], options.bos_id, itemsize)
     spans = [TokenSpan(f, dtype, HEADER_BYTES, h.count) for f, h in zip(files, headers)]
-    made = partial(_made, path, dtype, spans, delimiter, files)
-    return ScanPlan(spans, Boundary(delimiter, starts=True), made)
+
+    def make(found: list[Found]) -> Foreign:
+        _warn_undelimited(path, delimiter, spans, found)
+        shards = span_shards(spans, found)
+        return Foreign("llmc", path, dtype, shards, bos_id=delimiter, files=files, continued_documents=True)
+
+    return ScanPlan(spans, Boundary(delimiter, starts=True), make)
 
 
 def _delimiter(files: list[Path], recorded: list[int | None], given: int | None, itemsize: int) -> int:
@@ -342,33 +290,13 @@ def _delimiter(files: list[Path], recorded: list[int | None], given: int | None,
     return delimiter
 
 
-def _made(
-    path: Path, dtype: np.dtype, spans: list[TokenSpan], delimiter: int, files: list[Path], found: list[Found]
-) -> Foreign:
-    """The foreign cache of the shards, given what their scans found (a warning for those without a
-    delimiter)."""
-    shards = [
-        ForeignShard(
-            span.path,
-            seen.num_docs,
-            span.count,
-            ends=seen.ends,
-            token_file=(span.path, HEADER_BYTES),
-            tokens=partial(map_tokens, span.path, dtype, HEADER_BYTES, span.count),
-        )
-        for span, seen in zip(spans, found, strict=True)
-    ]
-    _warn_undelimited(path, delimiter, spans, found)
-    return Foreign("llmc", path, dtype, shards, bos_id=delimiter, files=files, continued_documents=True)
-
-
 def _warn_undelimited(path: Path, delimiter: int, spans: list[TokenSpan], found: list[Found]) -> None:
-    """Warn about the shards in which the delimiter never occurs: each is read as one document.
+    """Warn about the shards without a delimiter, each read as one document.
 
-    Not refused: a document longer than a shard leaves one without a delimiter in llm.c's layout, and a
-    stream without any is still windowed right by ``sequences``; ``verify`` fails when no shard holds one.
+    Not refused: a document longer than a shard leaves one in llm.c's layout, and ``sequences`` windows a
+    stream without any right; ``verify`` fails when no shard holds one.
     """
-    # A scan found a delimiter where a shard has two documents or more, or one that starts with it.
+    # A shard holds a delimiter when it has two documents or more, or one that starts with it.
     lacking = [
         s.path.name for s, seen in zip(spans, found) if s.count and seen.num_docs < 2 and s[0] != delimiter
     ]

@@ -1,38 +1,29 @@
 """MosaicML Streaming's MDS: ``DEST/shard.NNNNN.mds`` files and ``DEST/index.json``.
 
-The layout, as mosaicml/streaming ``streaming/base/format/mds/writer.py`` (``MDSWriter.encode_sample``,
-``encode_joint_shard``), ``mds/encodings.py`` (``NDArray``) and ``base/writer.py`` (``flush_shard``,
-``_write_index``) write it and ``StreamingDataset`` reads it:
+As mosaicml/streaming's ``MDSWriter`` writes it (``mds/writer.py``, ``mds/encodings.py``'s ``NDArray``)
+and ``StreamingDataset`` reads it:
 
-* a shard: ``uint32 num_samples``, ``uint32 offsets[num_samples + 1]`` (from the file's start), the
-  shard's config as JSON (``sort_keys``), then the samples;
-* a sample of one column ``input_ids``: for the variable-length encoding ``ndarray:uint16`` (one
-  document a sample), ``uint32 size`` then ``(ndim << 2 | shape dtype code)`` as one byte, the shape in
-  that dtype, and the values; for the fixed encoding ``ndarray:uint16:L`` (``seq_len=L``: fixed windows of
-  the stream, :meth:`Cache.sequences(L) <streampack.Cache.sequences>`, as llm-foundry's
-  ``--concat_tokens`` rows), the values alone (uint32 for a uint32 cache);
+* a shard: ``uint32 num_samples``, ``uint32 offsets[num_samples + 1]``, the shard's config as JSON, then
+  the samples;
+* a sample of the one column ``input_ids``: with ``ndarray:uint16`` (one document a sample) ``uint32
+  size``, one byte ``ndim << 2 | shape dtype code``, the shape, then the values; with
+  ``ndarray:uint16:L`` (``seq_len=L``: fixed windows of the stream, as llm-foundry's
+  ``--concat_tokens``) the values alone (uint32 for a uint32 cache);
 * ``index.json``: ``{"version": 2, "shards": [...]}``, each shard's config with ``samples`` and
-  ``raw_data`` (basename, bytes, hashes), written last.
+  ``raw_data``, written last.
 
-A shard holds at most ``size_limit`` bytes (the writer's default, 64 MiB) of samples and offsets, as
-``MDSWriter`` cuts them. Empty documents are left out: MDS cannot encode an array of no element.
+A shard holds at most ``size_limit`` bytes (64 MiB by default), cut where ``MDSWriter`` cuts. Empty
+documents are left out: MDS cannot encode an empty array.
 
-Reading (:func:`read`, what ``streampack.open(FOLDER)`` does for a folder with an ``index.json``): each
-shard of the index is a shard of the cache, in the index's order, of one column ``input_ids`` encoded
-``ndarray:uint16`` or ``ndarray:uint32`` (one document a sample: what this export and
-``MDSWriter({"input_ids": "ndarray:uint16"})`` write), or ``ndarray:uint16:L`` / ``ndarray:uint32:L``
-(fixed windows: one document a sample of ``L`` tokens, so a window that spans documents of the original
-text is one document here). Other columns or encodings are refused, naming them (llm-foundry's
-``--concat_tokens`` writes a ``tokens`` column). At open, only ``index.json`` and each shard's offsets
-table are read (4 bytes a sample): a sample's token count follows from its size, its header being
-``4 + 1 + w`` bytes for the narrowest shape width ``w`` that holds the count. Fixed windows lie end to end
-in the file and are memory-mapped as they are; variable samples are not (each has its size and shape
-before its values), so MDS is the one format read with a copy: a shard's tokens are joined into one
-array on first use (the headers checked as one table; a convert writes each sample's values from the
-shard's map instead, gathered by ``writev``), and :class:`~streampack.interop.reading.ForeignShards`
-keeps at most :data:`~streampack.interop.reading.MAX_COPY_BYTES` of such copies (each at most the
-shard's ``size_limit``). A compressed shard is read from its raw file where ``StreamingDataset`` left
-one, and is refused otherwise. MDS records no EOS id (``eos_id=`` declares it).
+**Reading** (``streampack.open(FOLDER)`` with an ``index.json``): each shard of the index is a shard of
+the cache, of one ``input_ids`` column encoded ``ndarray:uint16``/``uint32`` (a document a sample) or
+``ndarray:uint16:L``/``uint32:L`` (a window of ``L`` tokens a sample, read as a document); anything else
+is refused, naming it. The open reads ``index.json`` and each shard's offsets table; a sample's token
+count follows from its size. Fixed windows lie end to end and are mapped as they are. Variable samples
+do not, so a shard's tokens are joined into one copy on first use (a convert writes each sample's values
+from the map instead), and :class:`~streampack.interop.reading.ForeignShards` keeps at most
+:data:`~streampack.interop.reading.MAX_COPY_BYTES` of copies. A compressed shard is read from the raw file
+``StreamingDataset`` leaves, else refused. MDS records no EOS id (``eos_id=`` declares it).
 """
 
 from __future__ import annotations
@@ -63,6 +54,7 @@ from streampack.interop.writing import (
     Progress,
     check_int_option,
     doc_chunks,
+    progress_bar,
     refuse_loss_mask,
     release_maps,
     shard_docs,
@@ -135,8 +127,8 @@ def check(cache: Cache, options: Options) -> None:
 
 @dataclass(frozen=True)
 class Encoded:
-    """Consecutive documents as samples: the pieces of their bytes (two a sample, its header and its
-    values), their sizes and their tokens; ``writev`` gathers the pieces, so no token is copied."""
+    """Consecutive documents as samples: their sizes, their tokens, and their bytes as pieces (a header
+    and the values, for ``writev`` to gather without a copy)."""
 
     sizes: np.ndarray
     lengths: np.ndarray
@@ -144,9 +136,8 @@ class Encoded:
 
 
 def encode_documents(tokens: np.ndarray, bounds: np.ndarray) -> Encoded:
-    """Documents ``tokens[bounds[i]:bounds[i + 1]]`` (none empty) as consecutive samples of the variable
-    ``ndarray`` encoding: their headers (size, shape code, shape) built as one table, each followed by
-    its document's values."""
+    """Documents ``tokens[bounds[i]:bounds[i + 1]]`` (none empty) as samples of the variable ``ndarray``
+    encoding, their headers built as one table."""
     lengths = np.diff(bounds).astype(np.int64)
     codes = np.searchsorted([limit for limit, _, _ in SHAPE_CODES], lengths, side="right")
     shape_bytes = np.array([np.dtype(d).itemsize for _, _, d in SHAPE_CODES])[codes]
@@ -165,7 +156,7 @@ def encode_documents(tokens: np.ndarray, bounds: np.ndarray) -> Encoded:
 
 
 def document_samples(cache: Cache) -> Iterator[tuple[Encoded, int]]:
-    """Every document as an encoded sample, in groups: each group's, and its tokens."""
+    """Every document as an encoded sample, in groups, with each group's tokens."""
     little = cache.dtype.newbyteorder("<")
     for docs in shard_docs(cache):
         mapped = cache.shard_tokens(docs.shard)
@@ -183,9 +174,9 @@ def write(
     """Write the shards, then ``index.json``.
 
     A shard is cut where ``MDSWriter`` cuts it: before the sample that would take its samples and offsets
-    past ``size_limit`` less the header and config (a sample larger than that alone in a shard)."""
+    past ``size_limit`` less the header and config (a larger sample alone in a shard)."""
     shard = _ShardWriter(dest, config(cache, options))
-    with Progress(progress, cache.num_tokens, "mds") as bar:
+    with progress_bar(progress, cache.num_tokens, "mds") as bar:
         if options.seq_len is None:
             _write_documents(cache, shard, bar)
         else:
@@ -196,8 +187,7 @@ def write(
 
 
 class _ShardWriter:
-    """Writes MDS shards one after the other: each one's header (sample count, offsets) and config, then
-    its samples' bytes; keeps each one's entry of ``index.json``."""
+    """Writes MDS shards one after the other, keeping each one's entry of ``index.json``."""
 
     def __init__(self, dest: Destination, shard_config: dict[str, Any]) -> None:
         self.dest, self.shard_config = dest, shard_config
@@ -225,7 +215,7 @@ class _ShardWriter:
 
 
 def _write_documents(cache: Cache, shard: _ShardWriter, bar: Progress) -> None:
-    """One document a sample; each shard's cut found in a group's cumulative sizes, not a sample at a time."""
+    """One document a sample, each shard's cut found in a group's cumulative sizes."""
     pending: list[memoryview] = []  # the pending samples' bytes, in pieces
     pending_sizes: list[np.ndarray] = []
     used = tokens = 0  # bytes the pending samples take, with their 4-byte offsets; their tokens
@@ -256,8 +246,7 @@ def _write_documents(cache: Cache, shard: _ShardWriter, bar: Progress) -> None:
 
 
 def _write_windows(cache: Cache, seq_len: int, shard: _ShardWriter, bar: Progress) -> None:
-    """Fixed windows: each shard's samples are a span of the stream (the values alone, end to end), copied
-    from the cache's shards by the kernel where they are files (:func:`write_stream`)."""
+    """Fixed windows: each shard's samples are a span of the stream, copied by the kernel where it can."""
     row_bytes = seq_len * cache.dtype.itemsize
     per_shard = max(1, shard.room // (row_bytes + 4))
     windows = cache.num_tokens // seq_len
@@ -297,11 +286,9 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
     """The shards ``index.json`` lists, one document a sample.
 
     Raises:
-        CacheError: ``index.json`` is not MDS version 2 JSON; a shard's entry is malformed, compressed
-            without its raw file, not one ``input_ids`` column of a token encoding, or of another dtype
-            than the others; its file is not ``raw_data.bytes`` long, its sample count or offsets table
-            disagree with the index or the file, or a sample's size fits no header of its encoding (the
-            message names the file, the sample and the field).
+        CacheError: ``index.json`` or a shard's entry is not what MDS version 2 writes for one column of
+            tokens, a compressed shard has no raw file, the shards' dtypes differ, or a shard's file
+            disagrees with its entry (naming the file, the sample and the field).
         OptionsError: ``dtype=`` (the encodings record it).
     """
     if options.dtype is not None:

@@ -1,7 +1,5 @@
-"""The files of an MDS shard as ``StreamingDataset`` reads them, checked without a Python loop over samples:
-the sample count and offsets table, each variable sample's size (its token count follows from it) and its
-header (``uint32 size``, ``ndim << 2 | shape dtype code``, the shape), read as one table. See
-:mod:`streampack.interop.mds` for the layout.
+"""An MDS shard's files checked as ``StreamingDataset`` reads them, without a Python loop over samples: the
+offsets table, and each variable sample's size and header as one table (:mod:`streampack.interop.mds`).
 """
 
 from __future__ import annotations
@@ -54,8 +52,8 @@ def shard_offsets(shard_path: Path, samples: int, nbytes: int) -> np.ndarray:
 
 
 def sample_lengths(shard_path: Path, offsets: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each variable sample's token count and shape width, from its size alone: ``4 + 1 + w + n *
-    itemsize`` bytes with ``w`` the narrowest of :data:`SHAPE_CODES` that holds ``n`` (one fits)."""
+    """Each variable sample's token count ``n`` and shape width ``w``, from its size alone: ``4 + 1 + w +
+    n * itemsize`` bytes, ``w`` the narrowest of :data:`SHAPE_CODES` that holds ``n``."""
     sizes = np.diff(offsets)
     lengths = np.full(len(sizes), -1, dtype=np.int64)
     widths = np.zeros(len(sizes), dtype=np.int64)
@@ -80,8 +78,7 @@ def sample_lengths(shard_path: Path, offsets: np.ndarray, itemsize: int) -> tupl
 def sample_values(
     shard_path: Path, offsets: np.ndarray, lengths: np.ndarray, widths: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A shard's bytes (mapped) and where each sample's values start in them, every sample's header
-    checked as one table."""
+    """A shard's bytes (mapped) and where each sample's values start in them, every header checked."""
     check_size(shard_path, int(offsets[-1]), "the samples its offsets table (read at open) ends at")
     data = map_tokens(shard_path, np.dtype(np.uint8), 0, int(offsets[-1]))
     starts = offsets[:-1]

@@ -10,11 +10,10 @@ little-endian:
 ``.bin``) and ``document_indices`` int64[document_count] (0, then the sequence index at each document's
 end). ``.bin``: the tokens of every sequence, end to end.
 
-One streampack document (with its BOS and EOS) is one Megatron sequence and one Megatron document:
-``document_indices = [0, 1, ..., N]``, as ``tools/preprocess_data.py`` writes it for a corpus without
-sentence splitting. The tokens are written in the dtype Megatron's ``DType.optimal_dtype(vocab_size)``
-picks (uint16 below 65,500 ids, else int32), which is what ``preprocess_data.py`` writes; ``dtype="cache"``
-keeps the cache's own where Megatron has a code for it (uint16; a uint32 cache becomes int32).
+One streampack document (with its BOS and EOS) is one Megatron sequence and one document:
+``document_indices = [0, 1, ..., N]``, as ``tools/preprocess_data.py`` writes a corpus without sentence
+splitting, in the dtype ``DType.optimal_dtype(vocab_size)`` picks (uint16 below 65,500 ids, else int32);
+``dtype="cache"`` keeps the cache's own (a uint32 cache as int32: Megatron has no uint32).
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ from streampack.interop.filechecks import check_size
 from streampack.interop.files import LOCAL, ForeignFiles
 from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard
 from streampack.interop.writing import (
-    Progress,
     check_ids_fit,
+    progress_bar,
     refuse_loss_mask,
     shard_docs,
     write_tokens,
@@ -50,16 +49,7 @@ SUFFIXES = (".bin", ".idx")
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 #: Megatron's ``DType`` codes.
-DTYPE_CODES = {
-    "uint8": 1,
-    "int8": 2,
-    "int16": 3,
-    "int32": 4,
-    "int64": 5,
-    "float64": 6,
-    "float32": 7,
-    "uint16": 8,
-}
+DTYPE_CODES = dict(uint8=1, int8=2, int16=3, int32=4, int64=5, float64=6, float32=7, uint16=8)
 #: ``DType.optimal_dtype``: uint16 for a cardinality below this, else int32.
 OPTIMAL_UINT16_BELOW = 65500
 
@@ -115,7 +105,7 @@ def write(
 ) -> tuple[int, int, Sequence[str]]:
     """Write ``.bin`` then ``.idx`` (committed last)."""
     dtype = token_dtype(cache, options)
-    with Progress(progress, cache.num_tokens, "megatron") as bar, dest.open(".bin") as out:
+    with progress_bar(progress, cache.num_tokens, "megatron") as bar, dest.open(".bin") as out:
         for shard in range(cache.num_shards):
             bar.update(write_tokens(out, cache, shard, dtype))
     with dest.open(".idx") as out:
@@ -174,12 +164,12 @@ def recognise(path: Path, files: ForeignFiles = LOCAL) -> bool:
 
 
 def read(path: Path, options: ForeignOptions, files: ForeignFiles = LOCAL) -> Foreign:
-    """The pair ``PREFIX.bin`` + ``PREFIX.idx`` as one shard; its documents are Megatron's documents
-    (``document_indices``: one sequence each, as streampack and ``preprocess_data.py`` write them).
+    """The pair ``PREFIX.bin`` + ``PREFIX.idx`` as one shard whose documents are Megatron's documents.
 
     Raises:
         CacheError: the index's magic, version, dtype or counts are wrong, its sequences are not end to
             end in ``.bin``, or ``.bin`` is not as long as the index says.
+        OptionsError: ``dtype=`` (the index records it).
     """
     if options.dtype is not None:
         raise OptionsError(f"{path}: a Megatron index records its dtype; dtype= applies to headerless files")

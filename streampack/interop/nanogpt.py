@@ -1,32 +1,21 @@
 """nanoGPT's flat token files: ``DEST/train.bin`` (and ``val.bin``), headerless uint16, plus ``meta.pkl``.
 
 The layout of karpathy/nanoGPT ``data/openwebtext/prepare.py``: every document's tokens followed by the
-EOT id (``<|endoftext|>``), end to end, as one ``np.memmap`` of uint16; ``train.py``'s ``get_batch`` maps
-``train.bin`` and ``val.bin`` with ``dtype=np.uint16`` and draws random windows from them. A cache that
-appends an EOS is written as it is (a copy of its shards); ``val=FRACTION`` holds out that fraction of the
-documents (:meth:`streampack.Cache.split`, seeded by ``split_seed``) into ``val.bin``, which ``train.py``'s
-evaluation reads; both files are written in one pass over the shards. ``meta.pkl`` holds
-``{"vocab_size": ...}``, which ``train.py`` reads to size the model.
+EOT id, end to end, as one uint16 ``np.memmap``; ``train.py``'s ``get_batch`` draws random windows from
+``train.bin`` and ``val.bin``, and reads ``meta.pkl``'s ``{"vocab_size": ...}`` to size the model. The
+export copies the shards of a cache that appends an EOS; ``val=FRACTION`` holds out that fraction of the
+documents (:meth:`streampack.Cache.split`, seeded by ``split_seed``) into ``val.bin``, in the same pass.
+Boundaries survive only as the EOS ids, so a cache without an EOS is refused, and so is one whose BOS is
+its EOS. ``train.py`` reads uint16, so a larger vocabulary is refused unless ``dtype="cache"``.
 
-Document boundaries survive only as the EOS ids in the stream, so a cache without an EOS is refused, and
-so is one whose BOS is its EOS (each BOS would end a document when the file is read); ``train.py`` reads
-uint16 only, so a vocabulary above 65,536 ids is refused unless ``dtype="cache"`` (then edit ``train.py``'s
-dtype).
-
-**Reading** (``streampack.open(PATH)``): PATH is a folder with ``train.bin`` (its ``val.bin`` is not
-read: open ``PATH/val.bin`` for it), or one headerless ``.bin`` file (one that does not start with an llm.c
-magic, which :mod:`~streampack.interop.llmc` reads). The tokens are ``dtype=`` (uint16 by default, as
-``train.py`` maps them), so the file must be a whole number of them. A file holds no boundaries but its
-EOS ids: with ``eos_id=`` (GPT-2's ``<|endoftext|>``, 50256, for ``prepare.py``'s files) a document is
-its tokens up to and with each EOS, and a tail after the last one is a last document; without it the file
-is one document, one stream (``sequences`` windows it as ``get_batch`` does; ``documents`` has one),
-and opening it says so with a :class:`~streampack.errors.DocumentBoundaryWarning`.
-``meta.pkl`` beside the file gives the vocabulary size (read as plain data: no class is unpickled).
-
-A file with an EOS is read as shards of at most :data:`SHARD_TOKENS` tokens, each cut after an EOS (a
-document longer than that makes its shard longer; each cut found by reading back from the limit), mapped
-where they lie: each shard's document ends are then a bounded array. The EOS ids are counted when the file
-is opened (the number of documents is needed first): a scan of the shards at disk speed, on a few threads
+**Reading** (``streampack.open(PATH)``): PATH is a folder with ``train.bin`` (open ``PATH/val.bin`` for
+the other split), or one headerless ``.bin`` file that does not start with an llm.c magic. Its tokens are
+``dtype=`` (uint16 by default). With ``eos_id=`` (50256 for GPT-2's ``prepare.py``) a document is its
+tokens up to and with each EOS, and a tail after the last one is a last document; without it the file is
+one document stream (``sequences`` windows it as ``get_batch`` does), with a
+:class:`~streampack.errors.DocumentBoundaryWarning`. ``meta.pkl`` gives the vocabulary size (plain data
+only: no class is unpickled). The file is read as shards of at most :data:`SHARD_TOKENS` tokens, each cut
+after an EOS, whose EOS ids are counted at the open by a scan on a few threads
 (:func:`~streampack.interop.scanning.open_plan`).
 """
 
@@ -36,7 +25,6 @@ import pickle
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
@@ -45,13 +33,21 @@ import numpy as np
 from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError
 from streampack.interop.destination import Destination
 from streampack.interop.filechecks import check_id_fits
-from streampack.interop.files import map_tokens
 from streampack.interop.llmc import has_header
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard
-from streampack.interop.scanning import SCAN_TOKENS, Boundary, Found, ScanPlan, TokenSpan, open_plan
+from streampack.interop.reading import Foreign, ForeignOptions
+from streampack.interop.scanning import (
+    SCAN_TOKENS,
+    Boundary,
+    Found,
+    ScanPlan,
+    TokenSpan,
+    open_plan,
+    span_shards,
+)
 from streampack.interop.writing import (
     Progress,
     check_ids_fit,
+    progress_bar,
     refuse_loss_mask,
     shard_docs,
     write_spans,
@@ -118,7 +114,7 @@ def write(
 ) -> tuple[int, int, Sequence[str]]:
     """Write ``train.bin`` (and ``val.bin``), then ``meta.pkl``."""
     dtype = (np.dtype(np.uint16) if options.dtype == "uint16" else cache.dtype).newbyteorder("<")
-    with Progress(progress, cache.num_tokens, "nanogpt") as bar:
+    with progress_bar(progress, cache.num_tokens, "nanogpt") as bar:
         if options.val is None:
             with dest.open("train.bin") as out:
                 for shard in range(cache.num_shards):
@@ -167,8 +163,7 @@ def token_path(path: Path) -> Path:
 
 
 def companion(path: Path) -> str | None:
-    """What the file ``path`` beside a ``train.bin`` that was read is, where nanoGPT's layout (and the
-    export) puts it there; None for a file it does not know."""
+    """What the file ``path`` beside a ``train.bin`` is, for ``verify``'s notes; None for an unknown one."""
     if path.name == "val.bin":
         return (
             "nanoGPT's validation split (the export's --val), read apart from train.bin, so not checked with "
@@ -180,29 +175,24 @@ def companion(path: Path) -> str | None:
 
 
 def recognise(path: Path) -> bool:
-    """Whether ``path`` is (a folder with) a ``.bin`` file without an llm.c header."""
+    """Whether ``path`` is, or holds, a ``.bin`` file without an llm.c header."""
     file = token_path(path)
     return file.suffix == ".bin" and file.is_file() and not has_header(file)
 
 
 def read(path: Path, options: ForeignOptions) -> Foreign:
-    """The token file at ``path`` (see the module's docstring): :func:`plan`, its spans scanned.
-
-    Raises:
-        CacheError, OptionsError: as for :func:`plan`.
-    """
+    """The token file at ``path``: :func:`plan`, its spans scanned."""
     return open_plan(plan(path, options))
 
 
 def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     """The shards of the token file at ``path``: spans of at most :data:`SHARD_TOKENS` tokens, each cut
-    after an EOS (:func:`shard_spans`), whose documents end at the EOS.
+    after an EOS.
 
     Raises:
-        CacheError: the file is missing, or not a whole number of tokens of its dtype, or ``meta.pkl`` is
+        CacheError: the file is missing, not a whole number of tokens of its dtype, or ``meta.pkl`` is
             not a dict of plain values.
-        OptionsError: ``bos_id=`` (nanoGPT's documents end at an EOS), or an ``eos_id`` the dtype cannot
-            hold.
+        OptionsError: ``bos_id=``, or an ``eos_id`` the dtype cannot hold.
     """
     if options.bos_id is not None:
         raise OptionsError(
@@ -222,9 +212,7 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     eos = options.eos_id
     if eos is not None:
         check_id_fits(file, "eos_id", eos, dtype)
-    else:
-        # Documented (one stream for get_batch-style windows), so a warning, not a refusal: documents()
-        # and packed() would serve one document made of them all.
+    else:  # documented (one stream for get_batch-style windows), so a warning, not a refusal
         warnings.warn(
             f"{file}: no eos_id declared: the file is read as one document stream (sequences() windows it as "
             "nanoGPT's get_batch does; documents() and packed() see one document). Pass eos_id=N, the id "
@@ -240,43 +228,23 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
         for start, stop in shard_spans(whole, eos, SHARD_TOKENS)
     ]
     files = [file, meta] if vocab is not None else [file]
-    return ScanPlan(spans, Boundary(eos), partial(_made, path, spans, eos, vocab, files))
 
+    def make(found: list[Found]) -> Foreign:
+        shards = span_shards(spans, found)
+        return Foreign("nanogpt", path, dtype, shards, eos_id=eos, vocab_size=vocab, files=files)
 
-def _made(
-    path: Path,
-    spans: list[TokenSpan],
-    eos: int | None,
-    vocab: int | None,
-    files: list[Path],
-    found: list[Found],
-) -> Foreign:
-    """The foreign cache of the spans of one token file, given what their scans found."""
-    shards, first_doc = [], 0
-    for span, seen in zip(spans, found, strict=True):
-        tokens = partial(map_tokens, span.path, span.dtype, span.offset, span.count)
-        shards.append(
-            ForeignShard(
-                span.path,
-                seen.num_docs,
-                span.count,
-                tokens=tokens,
-                ends=seen.ends,
-                token_file=(span.path, span.offset),
-                first_doc=first_doc,
-            )
-        )
-        first_doc += seen.num_docs
-    return Foreign("nanogpt", path, spans[0].dtype, shards, eos_id=eos, vocab_size=vocab, files=files)
+    return ScanPlan(spans, Boundary(eos), make)
 
 
 def shard_spans(
     tokens: np.ndarray | TokenSpan, eos_id: int | None, shard_tokens: int, *, window: int = SCAN_TOKENS
 ) -> list[tuple[int, int]]:
-    """``(start, stop)`` of each shard of a flat stream: each cut after the last EOS within
-    ``shard_tokens`` tokens of its start (after the first EOS past them if a document is longer); one
-    shard without ``eos_id``. Each cut is found by reading back from the limit, ``window`` tokens at a
-    time (a document's worth, usually): the plan reads a few MiB of a file, not all of it."""
+    """``(start, stop)`` of each shard of a flat stream, cut after the last EOS within ``shard_tokens``
+    tokens of its start (or the first EOS past them, for a longer document); one shard without ``eos_id``.
+
+    Each cut is found by reading back from the limit ``window`` tokens at a time, so planning reads a few
+    MiB of the file, not all of it.
+    """
     total = len(tokens)
     if eos_id is None or not total:
         return [(0, total)]

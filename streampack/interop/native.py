@@ -1,19 +1,15 @@
 """streampack's own cache as an export format: what ``streampack convert`` writes from another format.
 
-``export(cache, "streampack", DEST)`` writes a native cache (``docs/FORMAT.md``): ``shards/NNNNNN.tokens``,
-``.offsets`` (and ``.mask``), a finished ledger entry a shard, and a complete ``manifest.json`` with every
-file's CRC-32 (so that ``streampack verify`` checks it), written last. The manifest keeps what the
-source's said: its tokenizer (declared, or ``undeclared``), EOS, BOS, inputs (the foreign files, with their
-sizes and times) and ``settings.foreign``. A source shard becomes one or more shards of at most
-``shard_tokens`` tokens, cut between documents (a document longer than that is a shard of its own).
+``export(cache, "streampack", DEST)`` writes a native cache (``docs/FORMAT.md``) whose manifest, written
+last, holds every file's CRC-32 and keeps what the source's said (tokenizer, EOS, BOS, inputs and
+``settings.foreign``). A source shard becomes shards of at most ``shard_tokens`` tokens, cut between
+documents.
 
-Tokens are copied by the kernel where the source holds them end to end in a file (every format but MDS);
-their CRC-32 is computed meanwhile on another thread, from the source's pages (with ISA-L's CRC-32 where
-``isal`` is installed, :data:`streampack.format.names.crc32`: a tenth of the copy's time), so the convert
-runs at about the speed of a plain copy. A format whose documents are found by a scan (nanoGPT, OLMo,
-llm.c) is not opened first, which would read the files through before the copy began: ``convert`` plans
-its shards (:class:`~streampack.interop.scanning.ScanPlan`) and :func:`write_scanned` copies each while
-another thread scans it for its documents and its CRC-32, one read for both.
+The kernel copies the tokens where the source holds them end to end in a file (every format but MDS)
+while another thread computes their CRC-32 from the source's pages, so a convert runs at about the speed
+of a plain copy. A format whose documents are found by a scan (nanoGPT, OLMo, llm.c) is not opened first,
+which would read the files through before the copy began: :func:`write_scanned` copies each planned span
+while another thread scans it for its documents and CRC-32, one read for both.
 """
 
 from __future__ import annotations
@@ -46,10 +42,10 @@ from streampack.interop.destination import Destination
 from streampack.interop.reading import Foreign, ForeignShards, foreign_cache
 from streampack.interop.scanning import ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import (
-    Progress,
     ShardDocs,
     check_int_option,
     doc_chunks,
+    progress_bar,
     release_maps,
     shard_docs,
     write_spans,
@@ -89,7 +85,7 @@ def write(
 ) -> tuple[int, int, Sequence[str]]:
     """Write the shards, then the manifest (committed last)."""
     written = _Written()
-    with Progress(progress, cache.num_tokens, "streampack") as bar:
+    with progress_bar(progress, cache.num_tokens, "streampack") as bar:
         for docs in shard_docs(cache):
             unit = cache.manifest.units[docs.shard]
             for first, stop in doc_chunks(cache, docs, options.shard_tokens):
@@ -106,11 +102,12 @@ def write(
 def write_scanned(
     plan: ScanPlan, declared: Mapping[str, Any], dest: Destination, progress: bool
 ) -> tuple[int, int, Sequence[str]]:
-    """Write the native cache of a foreign one read by a scan (nanoGPT, OLMo, llm.c; ``declared`` as
-    :func:`streampack.open` takes it), each span of ``plan`` one shard: the kernel copies the spans while
-    another thread scans them for their documents and CRC-32s, so that the files are read once for both
-    and the copy need not wait for an open's scan. The same files as :func:`write` of the opened cache
-    (whose shards are the plan's spans)."""
+    """Write the native cache of a foreign one read by a scan, one shard a span of ``plan``: the kernel
+    copies the spans while another thread scans them. The same files as :func:`write` of the opened cache.
+
+    Args:
+        declared: what :func:`streampack.open` was told of the files.
+    """
     crcs: list[int] = []
     outcome: list[Foreign | BaseException] = []
 
@@ -123,7 +120,7 @@ def write_scanned(
     scanner = threading.Thread(target=scan, name="streampack-convert-scan", daemon=True)
     scanner.start()
     spans = [span for span in plan.spans if span.count]  # an empty one has no documents: no shard
-    with Progress(progress, sum(span.count for span in spans), "streampack") as bar:
+    with progress_bar(progress, sum(span.count for span in spans), "streampack") as bar:
         for index, span in enumerate(spans):
             with dest.open(tokens_key(shard_name(index))) as out:
                 _copy_span(span, out)
@@ -140,8 +137,7 @@ def write_scanned(
 
 
 class _Written:
-    """The shards written so far: each one's documents, tokens, CRC-32s (tokens, offsets, mask) and unit;
-    :meth:`add` writes a shard's document ends (and mask) and ledger entry, :meth:`commit` the manifest."""
+    """The shards written so far: each one's documents, tokens, CRC-32s (tokens, offsets, mask) and unit."""
 
     def __init__(self) -> None:
         self.docs: list[int] = []
@@ -159,7 +155,8 @@ class _Written:
         tokens_crc: int,
         dest: Destination,
     ) -> None:
-        """Documents ``[first, stop)`` of ``docs``, whose tokens are written (their CRC-32 ``tokens_crc``)."""
+        """Write the document ends (and mask) and ledger entry of documents ``[first, stop)`` of ``docs``,
+        whose tokens are written."""
         name = shard_name(len(self.units))
         start, end = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1]) if stop else 0
         offsets = (docs.ends[first:stop] - start).astype("<u8")
@@ -196,7 +193,7 @@ class _Written:
 def _write_entry(
     dest: Destination, name: str, unit: str, docs: int, tokens: int, crcs: list[int], cache: Cache
 ) -> None:
-    """The ledger entry of a finished unit, as a build leaves it (``verify`` checks one a shard)."""
+    """The ledger entry of a finished unit, as a build leaves it."""
     mask = checksum_text(crcs[2]) if cache.has_loss_mask else ""
     entry = LedgerEntry(unit, records=docs, docs=docs, tokens=tokens, done=True,
                         tokens_checksum=checksum_text(crcs[0]), offsets_checksum=checksum_text(crcs[1]),
@@ -237,8 +234,8 @@ def _beside(checksum: Callable[[], int], write: Callable[[], object]) -> int:
 
 
 def _crc_of_file(where: tuple[Path, int], itemsize: int, start: int, end: int) -> int:
-    """The CRC-32 of tokens ``[start, end)`` of a token file, by plain reads into one buffer: pages of a
-    memory map would count towards the process's memory until unmapped."""
+    """The CRC-32 of tokens ``[start, end)`` of a token file, by plain reads (a map's pages would count
+    towards the process's memory until unmapped)."""
     path, base = where
     buffer = bytearray(_CRC_BYTES)
     view, crc = memoryview(buffer), 0

@@ -1,36 +1,29 @@
 """OLMo-core's numpy token files (dolma's layout): headerless memmaps, label masks, and their sidecars.
 
-What allenai/OLMo-core ``src/olmo_core/data/numpy_dataset.py`` (``NumpyDatasetConfig``: ``paths``,
-``dtype``, ``label_mask_paths``) and ``src/olmo_core/data/utils.py`` read, as allenai/dolma
-``python/dolma/tokenizer/memmap_writer.py`` writes it:
+What allenai/OLMo-core ``data/numpy_dataset.py`` (``NumpyDatasetConfig``: ``paths``, ``dtype``,
+``label_mask_paths``) reads, as allenai/dolma ``tokenizer/memmap_writer.py`` writes it, one file per
+non-empty shard:
 
-* ``token_ids_part_NNNNNN.npy``: the tokens, a headerless little-endian array (uint16 or uint32, the
-  cache's dtype; despite the name, no ``.npy`` header), each document followed by the EOS id;
-* ``labels_mask_part_NNNNNN.npy``: (an SFT cache) one bool byte a token, True where the token is a
-  training target (``label_mask_paths``);
-* ``token_ids_part_NNNNNN.csv.gz``: one line ``start,end,id`` a document (token offsets in the file, and
-  its index in the cache): ``iter_document_indices`` reads the first two fields from this file for a
-  remote array, and finds documents at the EOS ids (each one ends a document) in a local one;
-* ``olmo.json``: what a ``NumpyDatasetConfig`` needs: ``paths``, ``label_mask_paths``, ``dtype``,
-  ``eos_token_id``, ``bos_token_id``, ``vocab_size``; and the cache's ``num_docs`` and ``num_tokens``,
-  which a reader checks the files against (written last: the export's index).
+* ``token_ids_part_NNNNNN.npy``: the tokens, a headerless little-endian uint16 or uint32 array (no
+  ``.npy`` header despite the name), each document followed by the EOS id;
+* ``labels_mask_part_NNNNNN.npy``: (an SFT cache) one bool byte a token, True at a training target;
+* ``token_ids_part_NNNNNN.csv.gz``: one ``start,end,id`` line a document, which OLMo-core reads for a
+  remote array only (a local one's documents end at the EOS ids);
+* ``olmo.json``: what a ``NumpyDatasetConfig`` needs (``paths``, ``label_mask_paths``, ``dtype``,
+  ``eos_token_id``, ``bos_token_id``, ``vocab_size``) and the cache's ``num_docs`` and ``num_tokens``,
+  which a reader checks the files against; written last.
 
-One file per non-empty shard. OLMo-core finds documents by their EOS, so a cache without one is refused, and
-so is one whose BOS is its EOS (each BOS would end a document too).
+OLMo-core ends a document at each EOS id, so a cache without an EOS is refused, and so is one whose BOS is
+its EOS or whose documents hold the EOS id inside them.
 
-**Reading** (``streampack.open(PATH)``): PATH is a folder with ``olmo.json`` (an export's: its ``paths``,
-``label_mask_paths``, ``dtype``, ``eos_token_id``, ``bos_token_id`` and ``vocab_size``, the paths relative
-to the folder; its ``num_tokens``, where it has them, must be the files', and its ``num_docs`` at most the
-documents they end with the EOS), or a folder of ``*.npy`` token files (every one but the
-``labels_mask_*`` ones, in name order; ``labels_mask_X.npy`` is the mask of ``token_ids_X.npy`` where one
-is there, as dolma names them), or one such file. Without ``olmo.json``, ``dtype=`` gives the dtype
-(uint16 by default, dolma's) and ``eos_id=`` the EOS, which is needed (OLMo-core's config always has it);
-given beside ``olmo.json`` they must agree with it. Each file is one shard, mapped where it lies; a
-document ends at each EOS (OLMo-core's rule for a local array, ``iter_document_indices``), and a tail
-after the last one is a last document. The EOS ids are counted when the files are opened, a scan at disk
-speed, rather than read from the ``.csv.gz`` sidecars: gunzipping and parsing a line a document costs more
-than comparing the tokens (and a folder not written by dolma has none). A label mask (one bool byte a
-token) is the loss mask, its bytes read as uint8 (1 at a training target) where they lie.
+**Reading** (``streampack.open(PATH)``): PATH is a folder with ``olmo.json`` (its paths relative to the
+folder; its ``num_tokens`` must be the files', its ``num_docs`` at most the documents they hold), or a
+folder of ``*.npy`` token files (in name order; ``labels_mask_X.npy`` is the mask of ``token_ids_X.npy``),
+or one such file. Without ``olmo.json``, ``dtype=`` gives the dtype (uint16 by default) and ``eos_id=``
+the EOS, which is required; beside ``olmo.json`` they must agree with it. Each file is one shard, mapped
+where it lies, whose documents end at each EOS; a tail after the last one is a last document. The EOS ids
+are counted by a scan at the open rather than read from the ``.csv.gz`` sidecars: gunzipping and parsing
+a line a document costs more than comparing the tokens, and a folder not written by dolma has none.
 """
 
 from __future__ import annotations
@@ -40,7 +33,6 @@ import json
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,13 +41,12 @@ import numpy as np
 from streampack.errors import CacheError, OptionsError
 from streampack.interop.destination import Destination
 from streampack.interop.filechecks import check_id_fits
-from streampack.interop.files import map_tokens
-from streampack.interop.reading import Foreign, ForeignOptions, ForeignShard
-from streampack.interop.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
+from streampack.interop.reading import Foreign, ForeignOptions
+from streampack.interop.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan, span_shards
 from streampack.interop.writing import (
-    Progress,
     inner_token,
     may_hold_specials,
+    progress_bar,
     shard_docs,
     shard_mask,
     write_tokens,
@@ -114,7 +105,7 @@ def write(
     paths: list[str] = []
     masks: list[str] = []
     # The sidecars (text, gzipped) are written on a thread while the kernel copies the next shard's tokens.
-    with Progress(progress, cache.num_tokens, "olmo") as bar, ThreadPoolExecutor(1) as sidecars:
+    with progress_bar(progress, cache.num_tokens, "olmo") as bar, ThreadPoolExecutor(1) as sidecars:
         written: list[Future[None]] = []
         for docs in shard_docs(cache):
             if not len(docs.ends) or not docs.ends[-1]:
@@ -203,8 +194,7 @@ NPY_MAGIC = b"\x93NUMPY"
 
 
 def companion(path: Path) -> str | None:
-    """What the file ``path`` beside the token files that were read is, where dolma's layout (and the
-    export) puts it there; None for a file it does not know."""
+    """What the file ``path`` beside the token files is, for ``verify``'s notes; None for an unknown one."""
     if path.name.startswith(TOKEN_PREFIX) and path.name.endswith(".csv.gz"):
         return (
             f"dolma's document index of {path.name.removesuffix('.csv.gz')}.npy, not read (documents are "
@@ -221,11 +211,7 @@ def recognise(path: Path) -> bool:
 
 
 def read(path: Path, options: ForeignOptions) -> Foreign:
-    """The token files at ``path`` (see the module's docstring): :func:`plan`, its spans scanned.
-
-    Raises:
-        CacheError, OptionsError: as for :func:`plan`.
-    """
+    """The token files at ``path``: :func:`plan`, its spans scanned."""
     return open_plan(plan(path, options))
 
 
@@ -233,8 +219,8 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     """The token files at ``path``, one shard each, whose documents end at the EOS.
 
     Raises:
-        CacheError: ``olmo.json`` is not what the export writes or its token count is not the files', a
-            token file is missing or not a whole number of tokens, or a label mask is not one byte a token.
+        CacheError: ``olmo.json`` is not what the export writes, or its counts are not the files'; a token
+            file is missing or not a whole number of tokens; a label mask is not one byte a token.
         OptionsError: no EOS id is known, ``dtype=`` or ``eos_id=`` disagree with ``olmo.json``, or an id
             does not fit the dtype.
     """
@@ -261,62 +247,30 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     if masks is not None:
         for mask, span in zip(masks, spans, strict=True):
             _check_mask(mask, span.path, span.count)
-    recorded = config.get("num_tokens")
+    recorded, num_docs = config.get("num_tokens"), config.get("num_docs")
     held = sum(span.count for span in spans)
     if recorded is not None and recorded != held:
         raise CacheError(
-            f"{where}: num_tokens is {recorded:,} (and num_docs {config.get('num_docs')}), but its token "
+            f"{where}: num_tokens is {recorded:,} (and num_docs {num_docs}), but its token "
             f"files hold {held:,} tokens: a file was cut, emptied or replaced since olmo.json was written. "
             "Export the files again, or remove olmo.json's counts to read them as they are"
         )
     files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]
-    ids = (eos, bos, config.get("vocab_size"))
-    made = partial(_made, path, dtype, spans, masks, ids, files, config.get("num_docs"))
-    return ScanPlan(spans, Boundary(eos), made)
 
-
-def _made(
-    path: Path,
-    dtype: np.dtype,
-    spans: list[TokenSpan],
-    masks: list[Path] | None,
-    ids: tuple[int, int | None, int | None],
-    files: list[Path],
-    num_docs: int | None,
-    found: list[Found],
-) -> Foreign:
-    """The foreign cache of the token files, given what their scans found (``ids``: EOS, BOS, vocabulary
-    size; ``num_docs``: what ``olmo.json`` records, if it does).
-
-    Raises:
-        CacheError: the files end fewer documents with the EOS than ``olmo.json`` counts. (More is no
-            damage: a document that holds the EOS id, a chat template's, is two to OLMo-core too.)
-    """
-    ended = sum(seen.num_docs for seen in found)
-    if num_docs is not None and ended < num_docs:
-        raise CacheError(
-            f"{path / CONFIG}: num_docs is {num_docs:,}, but its token files hold {ended:,} documents (ended "
-            f"by the EOS id {ids[0]}): the files were changed since olmo.json was written. Export them "
-            "again, or remove olmo.json's counts to read them as they are"
-        )
-    shards = []
-    for index, (span, seen) in enumerate(zip(spans, found, strict=True)):
-        mask_file = masks[index] if masks is not None else None
-        mask = None if mask_file is None else partial(map_tokens, mask_file, np.dtype("u1"), 0, span.count)
-        tokens = partial(map_tokens, span.path, span.dtype, 0, span.count)
-        shards.append(
-            ForeignShard(
-                span.path,
-                seen.num_docs,
-                span.count,
-                tokens=tokens,
-                ends=seen.ends,
-                mask=mask,
-                token_file=(span.path, 0),
-                mask_file=mask_file,
+    def make(found: list[Found]) -> Foreign:
+        # More documents than olmo.json counts is no damage: a document that holds the EOS id (a chat
+        # template's) is two to OLMo-core too.
+        ended = sum(seen.num_docs for seen in found)
+        if num_docs is not None and ended < num_docs:
+            raise CacheError(
+                f"{path / CONFIG}: num_docs is {num_docs:,}, but its token files hold {ended:,} documents "
+                f"(ended by the EOS id {eos}): the files were changed since olmo.json was written. Export "
+                "them again, or remove olmo.json's counts to read them as they are"
             )
-        )
-    return Foreign("olmo", path, dtype, shards, *ids, files=files)
+        shards = span_shards(spans, found, masks)
+        return Foreign("olmo", path, dtype, shards, eos, bos, config.get("vocab_size"), files=files)
+
+    return ScanPlan(spans, Boundary(eos), make)
 
 
 def _config(file: Path) -> dict[str, Any]:

@@ -1,15 +1,12 @@
 """Another ecosystem's token files opened as a :class:`~streampack.reader.Cache`.
 
-A format module that can be read has ``recognise(path) -> bool`` and ``read(path, options) -> Foreign``:
-it checks the files' headers and indexes (a :class:`~streampack.errors.CacheError` names the file, the
-field and what was expected), and describes each of its shards as a :class:`ForeignShard`: how many
-documents and tokens it holds (known when it is opened) and how to map its tokens, document ends and loss
-mask (asked on first use). :class:`ForeignShards` serves them through the
-:class:`~streampack.reader.shards.Shards` protocol, and :func:`open_foreign` makes the cache: its
-manifest says what the files declare (dtype, EOS, BOS, a loss mask) and what the user declared
-(``tokenizer=``, ``eos_id=``...), with no shard checksums (the formats have none): what identifies the
-files instead, in the cache's content digest, is what they hold when opened (:func:`foreign_identity`,
-:mod:`streampack.interop.identity`).
+A format module that can be read has ``recognise(path) -> bool`` and ``read(path, options) -> Foreign``.
+It checks the files' headers and indexes (a :class:`~streampack.errors.CacheError` names the file, the
+field and what was expected) and describes each shard as a :class:`ForeignShard`: its counts, known at
+the open, and how to map its tokens, document ends and loss mask on first use. :class:`ForeignShards`
+serves them through the :class:`~streampack.reader.shards.Shards` protocol. The manifest
+:func:`open_foreign` makes says what the files and the user declared; the formats record no checksums, so
+what the files held when opened identifies them instead (:mod:`streampack.interop.identity`).
 """
 
 from __future__ import annotations
@@ -64,8 +61,8 @@ READERS: dict[str, str] = {
     "nanogpt": "streampack.interop.nanogpt",
 }
 
-#: Bytes of the token copies (shards not stored end to end: MDS samples) that :class:`ForeignShards` keeps
-#: for reuse; the last one made is kept whatever its size. A map costs a file descriptor, a copy memory.
+#: Bytes of token copies (MDS samples, not stored end to end) that :class:`ForeignShards` keeps for reuse;
+#: the last one is kept whatever its size. A kept map costs a file descriptor, a kept copy memory.
 MAX_COPY_BYTES = 1 << 30
 
 
@@ -75,12 +72,10 @@ class ForeignOptions:
 
     Attributes:
         format: the format to read it as (one of :data:`READERS`); recognised from the files by default.
-        eos_id: the id that ends every document (headerless streams: nanoGPT, OLMo); the format's own
-            convention by default.
+        eos_id: the id that ends every document (nanoGPT, OLMo); the format's convention by default.
         bos_id: the id that starts every document (llm.c: the delimiter before each one).
         dtype: the token dtype of headerless files (``"uint16"`` or ``"uint32"``).
-        tokenizer: the tokenizer the ids are of (as ``build`` takes it): its fingerprint goes into the
-            manifest, so a mixture can check it against the other sources'.
+        tokenizer: the tokenizer of the ids (as ``build`` takes it), whose fingerprint a mixture checks.
         vocab_size: every id is below it (the declared tokenizer's, else the format's, else the dtype's).
     """
 
@@ -101,32 +96,26 @@ class ForeignOptions:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise OptionsError(f"{name} must be a non-negative integer (got {value!r})")
 
-    def given(self) -> bool:
-        """Whether any option was given (they apply to foreign caches only)."""
-        return any(value is not None for value in vars(self).values())
-
 
 @dataclass(frozen=True)
 class ForeignShard:
     """One shard of a foreign cache.
 
     Attributes:
-        path: the file that holds its tokens (what the shard is described by).
+        path: the file that holds its tokens.
         num_docs: its documents.
         num_tokens: its tokens.
-        tokens: maps its tokens (read-only, the cache's dtype), checking what it can first.
-        ends: the end of each of its documents (uint64, cumulative, from 0).
-        mask: maps its loss mask (uint8, one a token), or None without one.
-        token_file: where its tokens lie end to end in a file, as (path, byte offset), or None if they
-            are not stored contiguously (an export then reads them from :attr:`tokens`).
+        tokens: maps its tokens (read-only, the cache's dtype).
+        ends: the end of each of its documents (uint64, cumulative).
+        mask: maps its loss mask (uint8, one a token), or None.
+        token_file: (path, byte offset) where its tokens lie end to end, or None if they do not.
         first_doc: the index in :attr:`path` of its first document (a file read as several shards).
-        index_files: the files its document ends are read from, other than :attr:`path` (an ``.idx``).
-        mask_file: the file of its loss mask, if it has one.
-        hashes: the digests its format records of :attr:`path`, by algorithm (MDS's, when asked for).
-        pieces: where tokens not stored end to end lie in :attr:`path`: each document's bytes, as views
-            of its map (checked first), or None (MDS's samples: a convert writes them as they lie).
-        ends_digest: the :func:`~streampack.interop.identity.ends_digest` of :attr:`ends` as the open
-            found them (a scan's, which :attr:`ends` may scan again to give); None: made from :attr:`ends`.
+        index_files: the files other than :attr:`path` its document ends are read from (an ``.idx``).
+        mask_file: the file of its loss mask, or None.
+        hashes: the digests its format records of :attr:`path`, by algorithm.
+        pieces: each document's bytes as views of its map, where its tokens are not end to end (MDS).
+        ends_digest: the :func:`~streampack.interop.identity.ends_digest` of :attr:`ends` that a scan
+            found at the open; None: made from :attr:`ends`.
     """
 
     path: Path
@@ -151,15 +140,15 @@ class Foreign:
     Attributes:
         format: the format's name.
         root: the directory (or prefix) it was opened from.
-        dtype: the token dtype (``uint16`` or ``uint32``; int32 files are read as uint32).
+        dtype: the token dtype, uint16 or uint32 (int32 files are read as uint32).
         shards: its shards, in stream order.
-        eos_id: the id that ends every document, if the format or the user says there is one.
-        bos_id: the id that starts every document, likewise.
+        eos_id: the id that ends every document, if any.
+        bos_id: the id that starts every document, if any.
         vocab_size: every id is below it, where the files record it.
         tokenizer_name: the tokenizer the files name, if any.
-        files: every file it reads (their sizes go into the manifest's inputs).
-        continued_documents: a shard's first document may be the rest of the previous shard's last (a
-            format that cuts its shards at a token count, llm.c): ``verify`` then takes it without the BOS.
+        files: every file it reads (the manifest's inputs).
+        continued_documents: a shard's first document may continue the previous shard's last (llm.c cuts
+            shards at a token count), so ``verify`` does not ask it to start with the BOS.
     """
 
     format: str
@@ -181,9 +170,13 @@ class Foreign:
 
 class ForeignShards:
     """The :class:`~streampack.reader.shards.Shards` of a foreign cache: each shard's arrays made by its
-    format's reader on first use, the last :data:`~streampack.reader.shards.MAX_OPEN_MAPS` of each kind kept
-    (of the token copies, those made last up to :data:`MAX_COPY_BYTES`). ``files``: where they are read from;
-    ``identity``: what they held when opened (:func:`foreign_identity`).
+    format's reader on first use, the last :data:`~streampack.reader.shards.MAX_OPEN_MAPS` of each kind
+    kept (and of token copies, those within :data:`MAX_COPY_BYTES`).
+
+    Args:
+        foreign: what the format's reader read.
+        files: where the files are read from.
+        identity: what they held when opened (:func:`foreign_identity`).
     """
 
     _closed = False
@@ -203,15 +196,15 @@ class ForeignShards:
 
     def tokens(self, shard: int) -> np.ndarray:
         """The tokens of shard ``shard``."""
-        return self._get(self._token_kind[shard], shard, _tokens_of)
+        return self._get(self._token_kind[shard], shard, "tokens")
 
     def offsets(self, shard: int) -> np.ndarray:
         """Where each document of shard ``shard`` ends (checked by the format's reader)."""
-        return self._get("o", shard, _ends_of)
+        return self._get("o", shard, "ends")
 
     def raw_offsets(self, shard: int) -> np.ndarray:
         """:meth:`offsets`, not kept."""
-        return self.foreign.shards[self._index(shard)].ends()
+        return self._shard(shard).ends()
 
     def mask(self, shard: int) -> np.ndarray:
         """The loss mask of shard ``shard``.
@@ -224,52 +217,51 @@ class ForeignShards:
                 f"{self.foreign.root}: this {self.foreign.format} cache has no loss mask; every token is a "
                 "training target"
             )
-        return self._get("m", shard, _mask_of)
+        return self._get("m", shard, "mask")
 
     def token_file(self, shard: int) -> tuple[Path, int] | None:
-        """Where shard ``shard``'s tokens lie end to end in a local file: (file, byte offset), or None."""
-        return self.foreign.shards[self._index(shard)].token_file if self.where.local else None
+        """(file, byte offset) where shard ``shard``'s tokens lie end to end in a local file, or None."""
+        return self._shard(shard).token_file if self.where.local else None
 
     def pieces(self, shard: int) -> list[memoryview] | None:
         """Each document's bytes of shard ``shard``, where its tokens lie in a local file in pieces."""
-        made = self.foreign.shards[self._index(shard)].pieces
+        made = self._shard(shard).pieces
         return made() if made is not None and self.where.local else None
 
     def origin(self, shard: int) -> tuple[str, int]:
-        """The file that holds shard ``shard``'s documents and the index there of its first."""
-        found = self.foreign.shards[self._index(shard)]
+        """The file that holds shard ``shard``'s documents, and the index there of its first."""
+        found = self._shard(shard)
         return self.where.name(found.path), found.first_doc
 
     def describe(self, shard: int, kind: str) -> str:
         """The token file of shard ``shard``, and which of its parts ``kind`` is."""
-        path = self.where.name(self.foreign.shards[self._index(shard)].path)
+        path = self.where.name(self._shard(shard).path)
         return (
             path if kind == "tokens" else f"{path} ({'document ends' if kind == 'offsets' else 'loss mask'})"
         )
 
     def paths(self, shard: int) -> tuple[Path, ...]:
         """Shard ``shard``'s token file, then the files its document ends are read from."""
-        found = self.foreign.shards[self._index(shard)]
+        found = self._shard(shard)
         return tuple(self.where.local_path(path) for path in dict.fromkeys((found.path, *found.index_files)))
 
     def keys(self, shard: int, *, boundaries: bool = True) -> list[str]:
         """The keys of :meth:`paths` (its token file's alone without ``boundaries``), and the loss mask's."""
-        found = self.foreign.shards[self._index(shard)]
+        found = self._shard(shard)
         files = (found.path, *found.index_files, found.mask_file) if boundaries else (found.path,)
         return [self.where.key(path) for path in dict.fromkeys(files) if path is not None]
 
     def mask_path(self, shard: int) -> Path | None:
         """The file of shard ``shard``'s loss mask, or None."""
-        mask = self.foreign.shards[self._index(shard)].mask_file
+        mask = self._shard(shard).mask_file
         return None if mask is None else self.where.local_path(mask)
 
     def hashes(self, shard: int) -> dict[str, str]:
         """The digests the format records of shard ``shard``'s token file (none: empty)."""
-        return dict(self.foreign.shards[self._index(shard)].hashes)
+        return dict(self._shard(shard).hashes)
 
     def identity(self) -> str:
-        """What the files held when they were opened (their ends, sizes, first and last bytes): they
-        record no checksum for the shard table to hold (:mod:`streampack.interop.identity`)."""
+        """What the files held when they were opened (:mod:`streampack.interop.identity`)."""
         return self._identity
 
     def drop(self) -> None:
@@ -278,56 +270,42 @@ class ForeignShards:
             kept.clear()
 
     def close(self) -> None:
-        """Drop the kept arrays (and stop taking part in a local copy's releases); reads refuse afterwards."""
+        """Drop the kept arrays and leave a local copy's releases; reads refuse afterwards."""
         self._closed = True
         forget_release(self.drop)
         self.drop()
 
-    def _index(self, shard: int) -> int:
-        return range(len(self.foreign.shards))[shard]
+    def _shard(self, shard: int) -> ForeignShard:
+        return self.foreign.shards[range(len(self.foreign.shards))[shard]]
 
-    def _get(self, kind: str, shard: int, make: Callable[[ForeignShard], np.ndarray]) -> np.ndarray:
-        """Shard ``shard``'s array of ``kind``: kept (a lookup, on every batch's path), or made."""
+    def _get(self, kind: str, shard: int, attribute: str) -> np.ndarray:
+        """Shard ``shard``'s array of ``kind``: kept (a lookup, on every batch's path), or made by its
+        :class:`ForeignShard`'s ``attribute``."""
         kept = self._kept[kind]
         array = kept.get(shard)  # kept under its non-negative index: a negative one misses, then is found
         if array is not None:
             with contextlib.suppress(KeyError):  # evicted by another thread since the get
                 kept.move_to_end(shard)
             return array
-        index = self._index(shard)
+        index = range(len(self.foreign.shards))[shard]
         array = kept.get(index)
         if array is not None:
             return array
         if self._closed:
             raise CacheError(f"{self.foreign.root}: the cache was closed; open it again to read it")
         try:
-            array = make(self.foreign.shards[index])
+            array = getattr(self.foreign.shards[index], attribute)()
         except StreampackError as e:
             raise type(e)(self.where.shown(str(e))) from None
         kept[index] = array
-        while len(kept) > MAX_OPEN_MAPS or (kind == "c" and len(kept) > 1 and _nbytes(kept) > MAX_COPY_BYTES):
+        while len(kept) > MAX_OPEN_MAPS or (
+            kind == "c" and len(kept) > 1 and sum(a.nbytes for a in list(kept.values())) > MAX_COPY_BYTES
+        ):
             try:
                 kept.popitem(last=False)
             except KeyError:
                 break
         return array
-
-
-def _tokens_of(shard: ForeignShard) -> np.ndarray:
-    return shard.tokens()
-
-
-def _ends_of(shard: ForeignShard) -> np.ndarray:
-    return shard.ends()
-
-
-def _mask_of(shard: ForeignShard) -> np.ndarray:
-    assert shard.mask is not None  # checked by ForeignShards.mask
-    return shard.mask()
-
-
-def _nbytes(kept: OrderedDict[int, np.ndarray]) -> int:
-    return sum(array.nbytes for array in list(kept.values()))
 
 
 def open_foreign(
@@ -337,14 +315,16 @@ def open_foreign(
     store: LocalStore | None = None,
     **declared: Any,
 ) -> Cache:
-    """Open the token files at ``path`` (a Megatron prefix, a folder of llm.c, datatrove, OLMo or MDS
-    shards, a nanoGPT ``train.bin``...) as a cache, without copying them; ``declared`` are the fields of
-    :class:`ForeignOptions`. ``files`` and ``store`` say where they are read from (object storage:
-    :func:`streampack.interop.remote.open_remote`); local files and a store of their folder by default.
+    """Open another format's token files at ``path`` as a cache, where they lie.
+
+    Args:
+        path: a Megatron prefix, a folder of llm.c, datatrove, OLMo or MDS shards, a nanoGPT ``train.bin``.
+        files: where they are read from (object storage: :func:`streampack.interop.remote.open_remote`).
+        store: the cache's store; a store of their folder by default.
+        **declared: the fields of :class:`ForeignOptions`.
 
     Raises:
-        CacheError: no format recognises ``path``, or its files are damaged (the message names the file
-            and the field).
+        CacheError: no format recognises ``path``, or its files are damaged (naming the file and field).
         OptionsError: an option the format does not take, or a format not read from object storage.
     """
     options = ForeignOptions(**declared)
@@ -388,8 +368,7 @@ def foreign_cache(
 
 
 def foreign_identity(foreign: Foreign, files: ForeignFiles = LOCAL) -> str:
-    """What ``foreign``'s files hold (:func:`~streampack.interop.identity.files_identity`): each shard's
-    document ends, and the size and first and last bytes of each token and loss-mask file."""
+    """The :func:`~streampack.interop.identity.files_identity` of ``foreign``'s files."""
     ends = (shard.ends_digest or ends_digest(shard.ends()) for shard in foreign.shards)
     sampled = [path for s in foreign.shards for path in (s.path, s.mask_file) if path is not None]
     return files_identity(ends, list(dict.fromkeys(sampled)), files)
@@ -401,10 +380,10 @@ def remote_formats() -> list[str]:
 
 
 def recognise(path: str | os.PathLike[str], files: ForeignFiles = LOCAL) -> str:
-    """The format whose files are at ``path`` (of those read from object storage, for ``files`` there).
+    """The format whose files are at ``path`` (of those read from object storage, for remote ``files``).
 
     Raises:
-        CacheError: none is (the message lists what each format looks for).
+        CacheError: none is; the message lists what each format looks for.
     """
     where = Path(path)
     near = [where, *(Path(f"{where}{suffix}") for suffix in (".bin", ".idx"))]
@@ -441,7 +420,12 @@ def foreign_manifest(foreign: Foreign, options: ForeignOptions, files: ForeignFi
         dtype=foreign.dtype.name,
         eos=EosPolicy(foreign.eos_id is not None, foreign.eos_id),
         bos=BosPolicy(foreign.bos_id is not None, foreign.bos_id),
-        settings=BuildSettings.from_json(_settings(foreign)),
+        settings=BuildSettings.from_json(
+            {
+                "foreign": foreign.format,
+                **({"continued_documents": True} if foreign.continued_documents else {}),
+            }
+        ),
         inputs=inputs,
         units=_units(foreign),
         complete=True,
@@ -450,16 +434,8 @@ def foreign_manifest(foreign: Foreign, options: ForeignOptions, files: ForeignFi
     )
 
 
-def _settings(foreign: Foreign) -> dict[str, Any]:
-    """What a foreign cache's manifest records of where it came from (a convert keeps it)."""
-    settings: dict[str, Any] = {"foreign": foreign.format}
-    if foreign.continued_documents:
-        settings["continued_documents"] = True
-    return settings
-
-
 def _units(foreign: Foreign) -> list[str]:
-    """Each shard described by its file (and its documents there, where a file is read as several)."""
+    """Each shard's unit: its file, and its documents there where a file is read as several shards."""
     shared = Counter(s.path for s in foreign.shards)
     return [
         f"{foreign.format}:{s.path.name}"
@@ -475,11 +451,8 @@ def _tokenizer(foreign: Foreign, options: ForeignOptions) -> TokenizerInfo:
         from streampack.tokenizer import load_tokenizer
 
         fingerprint = load_tokenizer(options.tokenizer, threads=1).fingerprint()
-        vocab = options.vocab_size or max(fingerprint["vocab_size"], *(i + 1 for i in _ids(foreign)))
+        ids = [i for i in (foreign.eos_id, foreign.bos_id) if i is not None] or [0]
+        vocab = options.vocab_size or max(fingerprint["vocab_size"], *(i + 1 for i in ids))
         return TokenizerInfo(**{**fingerprint, "vocab_size": vocab}, spec=options.tokenizer)
     vocab = options.vocab_size or foreign.vocab_size or capacity
     return TokenizerInfo(UNDECLARED, foreign.tokenizer_name or foreign.format, vocab)
-
-
-def _ids(foreign: Foreign) -> list[int]:
-    return [i for i in (foreign.eos_id, foreign.bos_id) if i is not None] or [0]

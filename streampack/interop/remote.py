@@ -1,15 +1,11 @@
-"""Another format's token files in object storage (``s3://bucket/prefix``, ``https://...``, any fsspec URL)
-opened as a cache: :func:`open_remote`, what :func:`streampack.open` does for a URL that holds no
-``manifest.json`` (or with ``format=``).
+"""Another format's token files in object storage (any fsspec URL) opened as a cache: :func:`open_remote`,
+what :func:`streampack.open` does for a URL without a ``manifest.json``.
 
-They are read through the same bounded local copy a native cache in object storage is
-(:class:`~streampack.store.localcopy.CachedStore`, :mod:`streampack.interop.files`): the store is the
-folder that holds them (for a Megatron prefix ``s3://b/data/corpus``, ``s3://b/data``, whose ``corpus.bin``
-and ``corpus.idx`` are read), the small files that say where documents are (an ``.idx``, each
-``.ds.index``) are fetched when the cache is opened, the token files when a shard is first read (a
-:class:`~streampack.Loader` prefetches those of its next steps), each one whole into ``local_dir``,
-within ``max_local_bytes``. Formats whose readers do not read through it (see
-:func:`~streampack.interop.reading.remote_formats`) are refused, saying which are.
+They are read through the bounded local copy a native cache in object storage is read through
+(:mod:`streampack.interop.files`), whose store is their folder (``s3://b/data`` for the Megatron prefix
+``s3://b/data/corpus``). The small files that say where documents are (an ``.idx``, each ``.ds.index``)
+are fetched at the open, the token files whole when a shard is first read. Formats not read through it
+are refused, saying which are.
 """
 
 from __future__ import annotations
@@ -38,8 +34,8 @@ def open_remote(
     prefetch_steps: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Cache:
-    """The token files at ``url`` as a cache read through a local copy; the keywords are
-    :func:`streampack.open`'s, ``declared`` what it was told of the files (``format``, ``eos_id``...).
+    """The token files at ``url`` as a cache read through a local copy; ``declared`` and the keywords are
+    what :func:`streampack.open` was given.
 
     Raises:
         CacheError: no format read from object storage recognises ``url``, or its files are damaged

@@ -1,13 +1,11 @@
-"""What every exporter shares besides its destination (:mod:`~streampack.interop.destination`): reading
-a cache in bounded memory, the progress bar, and the refusals.
+"""What every exporter shares besides its destination: reading a cache in bounded memory, the progress
+bar, and the refusals.
 
-**Bounded memory, and copies in the kernel.** Where a format's token file holds a shard's bytes as they are
-(the same width: datatrove's ``.ds``, OLMo's ``.npy``, nanoGPT's ``train.bin``, Megatron's ``.bin`` in
-the cache's width), :func:`write_tokens` has the kernel copy them (:mod:`~streampack.interop.copying`),
-so they never pass through this process. Elsewhere token files are read with plain reads of
-:data:`CHUNK_TOKENS` tokens (not through memory maps, whose touched pages would count towards the
-process's memory until unmapped); offset tables (8 bytes a document) and loss masks are read a shard at a
-time.
+Where a format's token file holds a shard's bytes as they are (same width), :func:`write_tokens` has the
+kernel copy them (:mod:`~streampack.interop.copying`), so they never pass through this process. Elsewhere
+token files are read with plain reads of :data:`CHUNK_TOKENS` tokens, not through memory maps, whose pages
+would count towards the process's memory until unmapped. Offset tables and loss masks are read a shard at
+a time.
 """
 
 from __future__ import annotations
@@ -25,15 +23,16 @@ from streampack.store.localcopy import CachedStore
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
+#: A tqdm progress bar (tqdm is untyped).
+Progress = Any
+
 #: Tokens read at once from a shard's token file (16 MiB of uint32, 8 MiB of uint16).
 CHUNK_TOKENS = 1 << 22
-# ----------------------------------------------------------------------------- reading the cache
 
 
 @dataclass(frozen=True)
 class ShardDocs:
-    """One shard's document table: where each document ends (cumulative tokens, int64) and the global
-    index of its first document."""
+    """One shard's document ends (cumulative, int64) and the global index of its first document."""
 
     shard: int
     ends: np.ndarray
@@ -53,8 +52,8 @@ def shard_docs(cache: Cache) -> Iterator[ShardDocs]:
 
 
 def token_chunks(cache: Cache, shard: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-    """Tokens ``[start, stop)`` of shard ``shard`` (all of them by default), in new arrays of at most
-    :data:`CHUNK_TOKENS` tokens, read from the file (a remote cache's shard is fetched first)."""
+    """Tokens ``[start, stop)`` of shard ``shard`` (all by default), in new arrays of at most
+    :data:`CHUNK_TOKENS` tokens."""
     count = int(cache.table.num_tokens[shard])
     stop = count if stop is None else stop
     if stop <= start:
@@ -81,8 +80,8 @@ def token_chunks(cache: Cache, shard: int, start: int = 0, stop: int | None = No
 def write_tokens(
     out: IO[bytes], cache: Cache, shard: int, dtype: np.dtype, start: int = 0, stop: int | None = None
 ) -> int:
-    """Write tokens ``[start, stop)`` of shard ``shard`` (all of them by default) to ``out`` as ``dtype``
-    (little-endian); returns how many. See :func:`write_spans`."""
+    """Write tokens ``[start, stop)`` of shard ``shard`` (all by default) to ``out`` as ``dtype``; returns
+    how many. See :func:`write_spans`."""
     stop = int(cache.table.num_tokens[shard]) if stop is None else stop
     write_spans(cache, shard, dtype, [(out, start, stop)])
     return max(0, stop - start)
@@ -92,21 +91,20 @@ def write_spans(
     cache: Cache, shard: int, dtype: np.dtype, spans: Iterable[tuple[IO[bytes], int, int]]
 ) -> None:
     """Write each span ``(out, start, stop)`` of shard ``shard``'s tokens to its ``out``, in order, as
-    ``dtype`` (little-endian), the shard file opened (and its size checked) once.
+    little-endian ``dtype``.
 
-    Where ``dtype`` has the cache's width and ``out`` is a local file, the kernel copies the bytes from
-    the shard file (a uint32 id below 2**31 has the bytes of the int32; see :func:`narrows` for those
-    above); otherwise they are read in chunks of :data:`CHUNK_TOKENS` and written, cast where the width
-    differs. A narrowing cast (uint32 to uint16) has each chunk's ids checked first (:func:`check_fits`):
-    the exporters refuse a vocabulary that does not fit ``dtype``, but another format's files are only
-    declared to keep to theirs.
+    Where ``dtype`` has the cache's width and ``out`` is a local file, the kernel copies the bytes. Between
+    equal widths the bytes are kept as they are: a uint32 id of 2**31 or more, which no vocabulary has,
+    becomes a negative int32 and reads back as the same uint32. A narrower ``dtype`` has each chunk's ids
+    checked (:func:`check_fits`): the exporters refuse a vocabulary that does not fit it, but another
+    format's files are only declared to keep to theirs.
 
     Raises:
         CacheError: a token file was cut short, or holds an id that ``dtype`` cannot (naming it).
     """
     itemsize = cache.dtype.itemsize
-    same = dtype.itemsize == itemsize and _little(cache.dtype)
-    narrowing = narrows(cache.dtype, dtype)
+    same = dtype.itemsize == itemsize and cache.dtype == cache.dtype.newbyteorder("<")
+    narrowing = dtype.itemsize < itemsize
     opened: IO[bytes] | None = None
     where = cache.files.token_file(shard)
     if where is None:  # not one span of a file (MDS samples): from the array its reader made
@@ -158,20 +156,9 @@ def write_stream(cache: Cache, start: int, stop: int, out: IO[bytes]) -> None:
         start, shard = end, shard + 1
 
 
-def narrows(source: np.dtype, dest: np.dtype) -> bool:
-    """Whether writing ``source`` ids as ``dest`` can change one: ``dest`` is narrower.
-
-    Between equal widths the bytes are written as they are (by the kernel, where it can): a uint32 id of
-    2**31 or more, which no vocabulary has, becomes a negative int32, which no embedding takes, and reads
-    back into streampack as the same uint32 id (a Megatron int32 file is read as uint32).
-    """
-    return dest.itemsize < source.itemsize
-
-
 def check_fits(cache: Cache, shard: int, chunk: np.ndarray, start: int, dtype: np.dtype) -> None:
-    """Refuse tokens ``chunk`` of shard ``shard`` (from its token ``start``) that hold an id ``dtype``
-    cannot: the cast would wrap it to another id. A maximum (and a minimum, for signed tokens) over the
-    chunk: about the speed of memory.
+    """Refuse tokens ``chunk`` of shard ``shard`` (from its token ``start``) with an id that ``dtype``
+    cannot hold: the cast would wrap it to another id.
 
     Raises:
         CacheError: naming the id, its document and file, and what to do.
@@ -194,12 +181,8 @@ def check_fits(cache: Cache, shard: int, chunk: np.ndarray, start: int, dtype: n
     )
 
 
-def _little(dtype: np.dtype) -> bool:
-    return dtype == dtype.newbyteorder("<")
-
-
 def shard_mask(cache: Cache, shard: int) -> np.ndarray:
-    """Shard ``shard``'s loss mask (uint8, one byte a token) as a new array read from the file."""
+    """Shard ``shard``'s loss mask (uint8) as a new array."""
     mask = np.array(cache.shard_loss_mask(shard), dtype=np.uint8)
     release_maps(cache)
     return mask
@@ -213,7 +196,7 @@ def release_maps(cache: Cache) -> None:
 
 def doc_chunks(cache: Cache, docs: ShardDocs, max_tokens: int = CHUNK_TOKENS) -> Iterator[tuple[int, int]]:
     """Runs ``[first, stop)`` of a shard's documents of about ``max_tokens`` tokens each (a longer document
-    is a run of its own)."""
+    alone)."""
     ends = docs.ends
     first = 0
     while first < len(ends):
@@ -224,45 +207,29 @@ def doc_chunks(cache: Cache, docs: ShardDocs, max_tokens: int = CHUNK_TOKENS) ->
         first = stop
 
 
-# ----------------------------------------------------------------------------- progress and refusals
+def progress_bar(enabled: bool, total: int, what: str) -> Progress:
+    """A tqdm bar on stderr over the tokens an export writes (silent unless ``enabled``)."""
+    from tqdm import tqdm
 
-
-class Progress:
-    """A tqdm bar over the tokens an export writes, on stderr; silent when disabled."""
-
-    def __init__(self, enabled: bool, total: int, what: str) -> None:
-        self.bar: Any = None
-        if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(
-                total=total, unit="tok", unit_scale=True, desc=f"export {what}", dynamic_ncols=True
-            )
-
-    def update(self, tokens: int) -> None:
-        """Count ``tokens`` more tokens written."""
-        if self.bar is not None:
-            self.bar.update(tokens)
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
+    return tqdm(
+        total=total,
+        unit="tok",
+        unit_scale=True,
+        desc=f"export {what}",
+        dynamic_ncols=True,
+        disable=not enabled,
+    )
 
 
 def may_hold_specials(cache: Cache) -> bool:
-    """Whether the cache's documents may hold special ids inside them: a build that parsed special tokens
-    in its text or rendered conversations, or files a build did not write (their settings unknown). A
-    build in the default text mode encodes a special token's text as text."""
+    """Whether the cache's documents may hold special ids: a build that parsed special tokens or rendered
+    conversations, or files a build did not write. The default text mode encodes them as text."""
     settings = cache.manifest.settings
     return settings.special_tokens != "text" or settings.chat is not None
 
 
 def inner_token(cache: Cache, token: int) -> tuple[int, int] | None:
-    """``(document, position in it)`` of the first ``token`` inside a document (anywhere but its last
-    token), or None: read a chunk of a shard at a time."""
+    """``(document, position in it)`` of the first ``token`` anywhere but at a document's end, or None."""
     for docs in shard_docs(cache):
         last = docs.ends - 1  # each document's last token
         pos = 0

@@ -1,9 +1,8 @@
 """The cache opened for reading: :class:`Cache`, its documents and the global token stream.
 
-A cache reads its shards through a :class:`~streampack.reader.shards.Shards` (the shard files of a native
-cache, :class:`~streampack.reader.shards.ShardFiles`, by default); nothing is read into RAM beyond the
-manifest and the offset tables of the shards in use. The views of its samples (``sequences``, ``packed``,
-``documents``, ``split``) are made in :mod:`streampack.samples`: the methods here only hand the cache on.
+A cache reads its shards through a :class:`~streampack.reader.shards.Shards`; nothing is read into RAM
+beyond the manifest and the offset tables of the shards in use. Its sample views (``sequences``,
+``packed``, ``documents``, ``split``) are made in :mod:`streampack.samples`; the methods here delegate.
 """
 
 from __future__ import annotations
@@ -39,8 +38,8 @@ class Cache:
         manifest: its parsed manifest.
         table: its shard table (the manifest's, or the committed prefix of an unfinished build's).
         dtype: the token dtype (uint16 or uint32).
-        files: what its shards' arrays are read from (a :class:`~streampack.reader.shards.Shards`; by
-            default, its files in ``store`` checked against the manifest: ``ShardFiles``).
+        files: what its shards' arrays are read from (a :class:`~streampack.reader.shards.Shards`;
+            ``ShardFiles`` by default).
     """
 
     _opened_store: CachedStore | None = None  # the store open() made for this cache, closed with it
@@ -63,8 +62,8 @@ class Cache:
         return f"Cache({name!r}, docs={self.num_docs}, tokens={self.num_tokens}, dtype={self.dtype.name})"
 
     def close(self) -> None:
-        """Drop the kept shard maps and close the store :func:`open` made (``with streampack.open(...)`` does
-        it too): for long-lived processes opening many remote caches. Reads refuse afterwards; idempotent."""
+        """Drop the kept shard maps and close the store :func:`open` made (as a ``with`` block does); reads
+        refuse afterwards. Idempotent."""
         self.files.close()
         if self._opened_store is not None:
             self._opened_store.close()
@@ -111,11 +110,9 @@ class Cache:
 
     @functools.cached_property
     def content_digest(self) -> str:
-        """A short digest of what samples are made of, wherever the cache lives: the shard table
-        (:meth:`~streampack.format.ShardTable.digest`, whose CRC-32s cover a native cache's files), and for
-        another format's files, which record no checksum, what they held when opened (``Shards.identity``:
-        :mod:`streampack.interop.identity`). Computed once per open cache (every view and plan key asks).
-        """
+        """A short digest of what samples are made of, wherever the cache lives: the shard table, whose
+        CRC-32s cover a native cache's files, and for another format's files what they held when opened
+        (:mod:`streampack.interop.identity`)."""
         table, held = self.table.digest(), self.files.identity()
         return table if not held else hashlib.sha256(f"{table}:{held}".encode()).hexdigest()[:16]
 
@@ -127,7 +124,7 @@ class Cache:
 
     @functools.cached_property
     def shards(self) -> list[ShardInfo]:
-        """The shard table as rows, in stream order (built on first use; :meth:`shard_info` makes one)."""
+        """The shard table as rows, in stream order."""
         return [self.shard_info(i) for i in range(self.num_shards)]
 
     def shard_info(self, shard: int) -> ShardInfo:
@@ -225,9 +222,8 @@ class Cache:
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"token range [{start}, {stop}) out of range [0, {self.num_tokens}]")
         out = np.empty(stop - start, dtype=self.dtype)
-        first = int(np.searchsorted(self._token_starts, start, side="right") - 1)
+        shard = int(np.searchsorted(self._token_starts, start, side="right") - 1)
         pos = start
-        shard = first
         while pos < stop:
             base = int(self._token_starts[shard])
             end = min(stop, int(self._token_starts[shard + 1]))

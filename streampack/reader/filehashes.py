@@ -1,10 +1,8 @@
-"""Digests that another format records of its files (MDS's ``raw_data.hashes``, as ``MDSWriter(hashes=
-[...])`` writes them), and checking a file against them for :func:`streampack.reader.verify.verify`.
+"""Digests another format records of its files (MDS's ``raw_data.hashes``), and checking a file against
+them for :func:`streampack.reader.verify.verify`.
 
-An algorithm is named as mosaicml-streaming names it: one of :mod:`hashlib`'s (``sha1``, ``md5``,
-``sha256``...) or of the ``xxhash`` package's (``xxh32``, ``xxh64``, ``xxh3_64``, ``xxh128``...); the
-digest is the hex digest of the file's whole bytes. A file is read once, :data:`CHUNK_BYTES` at a time,
-every recorded algorithm updated from the same chunk.
+An algorithm is named as mosaicml-streaming names it, one of :mod:`hashlib`'s or of the ``xxhash``
+package's; the digest is the hex digest of the whole file, read once for every algorithm.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ class VerifyReport:
     Attributes:
         path: the cache directory, or the URL of a cache in object storage.
         problems: each damage found, naming its file (or object).
-        notes: what is there but not checked: entries unknown to the format, leftovers of an interrupted
-            write, plans of an earlier state of the cache. None is a problem.
+        notes: what is there but not checked (unknown entries, leftovers of an interrupted write); none
+            is a problem.
         bytes_checked: bytes read and checked.
         seconds: how long it took.
     """
@@ -31,8 +31,3 @@ class VerifyReport:
     def ok(self) -> bool:
         """True when no problem was found."""
         return not self.problems
-
-    @property
-    def gb_per_second(self) -> float:
-        """Verification speed."""
-        return self.bytes_checked / 1e9 / self.seconds if self.seconds else 0.0

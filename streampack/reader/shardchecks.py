@@ -1,11 +1,9 @@
-"""The checks of a cache's shard files, for :func:`streampack.reader.verify.verify`: checksums, the
-offset table, the token range, EOS and BOS placement (at every document's end and start, and nowhere
-else), an SFT build's loss mask (0 or 1, 1 at every EOS, 0 at every BOS), and where shards may begin
-inside a document (llm.c's), that the delimiter occurs at all (:func:`check_delimiter`).
+"""The checks of a cache's shard files, for :func:`streampack.reader.verify.verify`.
 
-Each file is read once, in chunks of :data:`_CHUNK_ITEMS` items, from a :class:`Mapped` local cache or
-:class:`Streamed` from object storage, so a check runs in bounded memory (a chunk, and one shard's offset
-table).
+Checksums, the offset table, the token range, EOS and BOS at every document's end and start and nowhere
+else, an SFT build's loss mask (0 or 1, 1 at every EOS, 0 at every BOS), and, where shards may begin
+inside a document (llm.c's), that the delimiter occurs at all. Each file is read once in chunks, mapped
+(:class:`Mapped`) or streamed from object storage (:class:`Streamed`), so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ _SHOWN = 3  # control ids inside documents listed in the report, of a shard
 
 
 class _Source(Protocol):
-    """Where verify reads a shard's files: mapped from a directory, or streamed from object storage."""
+    """Where verify reads a shard's files, by key."""
 
     def describe(self, key: str) -> str: ...
 
@@ -112,8 +110,7 @@ class Streamed:
 
 @dataclass
 class _Scan:
-    """What one pass over a file found: its checksum, the first value over a limit, control ids where
-    streampack never puts them, and documents whose first or last token is not the expected one."""
+    """What one pass over a file found (see :func:`_scan`)."""
 
     crc: int = 0
     first_over: tuple[int, int] | None = None  # position, value
@@ -134,8 +131,8 @@ def check_shard(
     *,
     checksums: bool = True,
 ) -> list[str]:
-    """Every check of shard ``shard`` (whose first document is ``doc_start``); its problems. Without
-    ``checksums`` (another format's files, which record none) the files' CRC-32s are not compared."""
+    """The problems of shard ``shard``, whose first document is ``doc_start``. Without ``checksums``
+    (another format's files record none) the CRC-32s are not compared."""
     info = manifest.table.row(shard, manifest.units[shard], manifest.loss_mask)
     dtype = np.dtype(manifest.dtype).newbyteorder("<")
     keys = tokens_key(info.name), offsets_key(info.name)
@@ -212,13 +209,11 @@ def check_shard(
 
 
 def check_delimiter(manifest: Manifest, source: _Source) -> list[str]:
-    """Of a cache whose shards may begin inside a document (llm.c's, or a cache converted from them): that
-    its BOS, the delimiter written before every document, occurs in its files at all; its problem, if not.
+    """The problem of a cache whose shards may begin inside a document (llm.c's) when its BOS, the
+    delimiter, occurs in none of its files.
 
-    :func:`check_shard` takes each shard's first document without the delimiter as the rest of the previous
-    shard's last, so a delimiter that occurs nowhere (the files put another id before their documents)
-    would pass it, each shard one document. Reads at most one token a shard, up to the first shard that
-    holds the delimiter.
+    :func:`check_shard` lets a shard's first document lack the delimiter (the rest of the previous shard's
+    last), so a wrong delimiter would pass it, each shard one document. Reads at most one token a shard.
     """
     bos = manifest.bos.prepended
     table = manifest.table
@@ -245,9 +240,8 @@ def check_delimiter(manifest: Manifest, source: _Source) -> list[str]:
 
 
 def _continues_documents(manifest: Manifest) -> bool:
-    """Whether a shard's first document may be the rest of the previous shard's last, as the manifest of a
-    foreign cache says where its format cuts shards at a token count (llm.c: a document read as two, the
-    second without the delimiter); a cache converted from one keeps the setting."""
+    """Whether a shard's first document may continue the previous shard's last (llm.c's files, or a cache
+    converted from them)."""
     return manifest.settings.extra.get("continued_documents") is True
 
 
@@ -319,11 +313,8 @@ class _Strays:
 
 
 def _stray_controls(manifest: Manifest) -> list[_Control]:
-    """The control ids that may stand only where streampack puts them (an empty list: anywhere).
-
-    With ``special_tokens: parse`` a document's text may hold a control token's string, encoded as its id;
-    a chat template writes special tokens (``<|im_end|>`` may be the EOS token) as their ids.
-    """
+    """The control ids that may stand only where streampack puts them (none where a build parsed special
+    tokens or rendered chats, which put them inside documents)."""
     settings = manifest.settings
     if settings.special_tokens == "parse" or settings.chat:
         return []
@@ -344,10 +335,12 @@ def _scan(
     ends: np.ndarray,
     places: dict[str, tuple[np.ndarray, int, np.ndarray]],
 ) -> _Scan:
-    """Checksum a file's chunks in order; also find its first value not below ``limit``, the ``controls``
-    that stand where streampack never puts them (given the document ``ends``), and for each check of
-    ``places`` (positions, each sorted, the value that must stand there, and documents that fail it
-    whatever they hold) the documents that fail it."""
+    """One pass over a file's chunks: its checksum, its first value not below ``limit``, and the
+    ``controls`` that stand inside documents (given their ``ends``).
+
+    Each check of ``places`` is (sorted positions, the value that must stand there, documents that fail
+    whatever they hold); the scan counts the documents that fail it.
+    """
     scan = _Scan(strays=[_Strays(c) for c in controls])
     wrong = {name: failed.copy() for name, (_, _, failed) in places.items()}
     start = 0

@@ -1,11 +1,9 @@
-"""The shards a :class:`~streampack.reader.Cache` reads: per shard, its tokens, its table of document ends
-and (an SFT build's) its loss mask, as arrays.
+"""The shards a :class:`~streampack.reader.Cache` reads: each one's tokens, document ends and (an SFT
+build's) loss mask, as arrays.
 
-:class:`Shards` is the protocol a cache reads through, and all it asks of where the tokens are kept;
-:class:`ShardFiles` serves it from the shard files of a native cache in a store, each checked against the
-manifest when it is first mapped (its size, one ``stat``, and that it does not lead out of the cache;
-an offsets table also against its checksum), before anything is read from it. Another token format
-(a Megatron ``.bin/.idx`` pair, llm.c shards) is opened as a cache by serving the same protocol.
+:class:`Shards` is the protocol a cache reads through. :class:`ShardFiles` serves it from a native cache's
+shard files, each checked against the manifest before anything is read from it; another format's files
+serve the same protocol (:class:`~streampack.interop.reading.ForeignShards`).
 """
 
 from __future__ import annotations
@@ -46,12 +44,11 @@ MAX_OPEN_MAPS = 128
 
 
 class Shards(Protocol):
-    """The arrays of each shard of a cache, by shard index (``0 <= shard < shards``; a negative index
-    counts from the end, as a list's does, and one out of range raises ``IndexError``).
+    """The arrays of each shard of a cache, by shard index (negative from the end, as a list's; out of
+    range: ``IndexError``).
 
-    Every array is read-only and stays valid while a caller holds it, whatever the source does meanwhile
-    (a memory map that the source stops keeping closes once no view of it is left). Safe to call from
-    several threads.
+    Every array is read-only and stays valid while a caller holds it, even once the source stops keeping
+    it. Safe to call from several threads.
     """
 
     def tokens(self, shard: int) -> np.ndarray:
@@ -59,17 +56,16 @@ class Shards(Protocol):
         ...
 
     def offsets(self, shard: int) -> np.ndarray:
-        """The end of each document of shard ``shard`` (``uint64``, cumulative, local to the shard),
-        checked as the format allows (a checksum, where it has one)."""
+        """The end of each document of shard ``shard`` (uint64, cumulative), checked as the format
+        allows."""
         ...
 
     def raw_offsets(self, shard: int) -> np.ndarray:
-        """:meth:`offsets` without the check of its content, and not kept: for ``verify``, which checks
-        the table itself and says what is wrong with it."""
+        """:meth:`offsets` unchecked and not kept, for ``verify``, which checks the table itself."""
         ...
 
     def mask(self, shard: int) -> np.ndarray:
-        """The loss mask of shard ``shard`` (``uint8``, one per token, 1 at a training target).
+        """The loss mask of shard ``shard`` (uint8, one a token, 1 at a training target).
 
         Raises:
             CacheError: the cache has no loss mask.
@@ -77,24 +73,22 @@ class Shards(Protocol):
         ...
 
     def token_file(self, shard: int) -> tuple[Path, int] | None:
-        """Where shard ``shard``'s tokens lie end to end in a local file: (its path, the byte offset of
-        the first), for readers that copy them (exports); None where they are not one span of a file."""
+        """(path, byte offset) where shard ``shard``'s tokens lie end to end in a local file, for exports
+        that copy them; None where they do not."""
         ...
 
     def describe(self, shard: int, kind: str) -> str:
-        """The file that holds shard ``shard``'s ``kind`` (``tokens``, ``offsets`` or ``mask``), as
-        messages name it."""
+        """The file of shard ``shard``'s ``kind`` (tokens, offsets or mask), as messages name it."""
         ...
 
     def paths(self, shard: int) -> tuple[Path, ...]:
-        """The local files shard ``shard`` is read from: its tokens' first, then those its document ends
-        are read from, each once (none where they are found in the token file); the loss mask's is
-        :meth:`mask_path`'s. A file that holds several shards is listed for each."""
+        """The local files of shard ``shard``'s tokens, then of its document ends, each once (the loss
+        mask's: :meth:`mask_path`)."""
         ...
 
     def keys(self, shard: int, *, boundaries: bool = True) -> list[str]:
-        """The store keys of shard ``shard``'s files: its tokens', then (with ``boundaries``) those of its
-        document ends and its loss mask, each once: what a prefetcher fetches from object storage."""
+        """The store keys of shard ``shard``'s tokens, then (with ``boundaries``) of its document ends and
+        loss mask, each once: what a prefetcher fetches."""
         ...
 
     def mask_path(self, shard: int) -> Path | None:
@@ -102,22 +96,18 @@ class Shards(Protocol):
         ...
 
     def hashes(self, shard: int) -> dict[str, str]:
-        """The digests the format records of shard ``shard``'s token file (``paths(shard)[0]``, its whole
-        bytes), by algorithm (:mod:`streampack.reader.filehashes`); empty where it records none (a native
-        cache's checksums are in its manifest)."""
+        """The digests another format records of shard ``shard``'s token file, by algorithm
+        (:mod:`streampack.reader.filehashes`); empty where it records none."""
         ...
 
     def origin(self, shard: int) -> tuple[str, int] | None:
-        """Another format's file that holds shard ``shard``'s documents, and the index there of its first
-        (what that format's own reader calls it); None for a native cache, whose inputs say where each
-        document came from."""
+        """Another format's file that holds shard ``shard``'s documents and the index there of its first;
+        None for a native cache, whose inputs say where each document came from."""
         ...
 
     def identity(self) -> str:
-        """What identifies the shards' bytes where the shard table holds no checksum of them: another
-        format's files, as they were when opened (:mod:`streampack.interop.identity`); "" where the
-        table's checksums do (a native cache). :attr:`Cache.content_digest <streampack.reader.Cache.
-        content_digest>` covers it."""
+        """What identifies another format's files, which record no checksum
+        (:mod:`streampack.interop.identity`); "" for a native cache, whose shard table has them."""
         ...
 
     def drop(self) -> None:
@@ -125,14 +115,13 @@ class Shards(Protocol):
         ...
 
     def close(self) -> None:
-        """Let go of what reading holds (kept arrays, registrations); reads refuse afterwards. Calling it
-        again does nothing."""
+        """Let go of what reading holds; reads refuse afterwards. Idempotent."""
         ...
 
 
 class ShardFiles:
-    """The shard files of a native cache in a store, memory-mapped on first use and checked against its
-    manifest; the last :data:`MAX_OPEN_MAPS` maps of each kind are kept (each holds a file descriptor).
+    """The shard files of a native cache, memory-mapped on first use and checked against its manifest; the
+    last :data:`MAX_OPEN_MAPS` maps of each kind are kept.
 
     Args:
         store: where the cache's files are.
@@ -144,8 +133,7 @@ class ShardFiles:
 
     def __init__(self, store: LocalStore, manifest: Manifest, table: ShardTable) -> None:
         self.store, self.manifest, self.table = store, manifest, table
-        # The shards folder is checked here; a file in it can only lead out as a symlink, which the check at
-        # its first map (_check_size) refuses.
+        # A file in the checked shards folder can only lead out as a symlink, which _check_size refuses.
         store.refuse_outside(SHARD_DIR)
         self.dtype = np.dtype(manifest.dtype).newbyteorder("<")
         self._tokens: OrderedDict[int, np.ndarray] = OrderedDict()
@@ -158,16 +146,13 @@ class ShardFiles:
         return f"ShardFiles({self.store.describe('')!r}, shards={len(self.table)})"
 
     def drop(self) -> None:
-        """Forget the shard maps kept for reuse (they close once no caller holds a view of them): a cache
-        read through a bounded local copy cannot evict a mapped file."""
-        # Cleared in place: a lookup under way holds the dict itself (and _map is safe against a
-        # concurrent clear).
+        """Forget the shard maps kept for reuse (a bounded local copy cannot evict a mapped file)."""
+        # Cleared in place: a lookup under way holds the dict itself, and _map is safe against that.
         for maps in (self._tokens, self._offsets, self._masks):
             maps.clear()
 
     def close(self) -> None:
-        """Drop the shard maps kept for reuse and stop taking part in a local copy's releases; maps are
-        refused afterwards. Calling it again does nothing."""
+        """Drop the kept maps and leave a local copy's releases; maps are refused afterwards. Idempotent."""
         self._closed = True
         self.store.forget_pressure(self.drop)
         self.drop()
@@ -182,12 +167,11 @@ class ShardFiles:
         return self._map(self._tokens, shard, tokens_key, self.dtype, self.table.num_tokens)
 
     def offsets(self, shard: int) -> np.ndarray:
-        """The cumulative document end offsets of shard ``shard`` (memory-mapped on first use).
+        """The cumulative document ends of shard ``shard`` (memory-mapped on first use).
 
-        Every reader finds documents through these tables (samples of whole documents, splits, document
-        boundaries), so each is checked against the manifest's checksum when this process first maps it
-        (a table is about 1 % of its shard: 8 bytes per document); tokens and masks are served as mapped,
-        their sizes checked, and ``streampack verify`` checks their checksums.
+        Every reader finds documents through these tables, so each is checked against its checksum when
+        this process first maps it (8 bytes a document: about 1 % of the shard). Tokens and masks are only
+        size-checked; ``streampack verify`` checks their checksums.
 
         Raises:
             CacheError: as for :meth:`tokens`, or the table does not match its checksum.
@@ -195,16 +179,15 @@ class ShardFiles:
         return self._map(self._offsets, shard, offsets_key, OFFSET_DTYPE, self.table.num_docs)
 
     def raw_offsets(self, shard: int) -> np.ndarray:
-        """:meth:`offsets` without its checksum check (its size is checked), and not kept: for
-        ``verify``, which checks the table itself and says what is wrong with it."""
+        """:meth:`offsets` size-checked only and not kept, for ``verify``, which checks the table itself."""
         index = self._index(shard)
         key, count = offsets_key(shard_name(index)), int(self.table.num_docs[index])
         self._check_size(key, count, OFFSET_DTYPE.itemsize)
         return self.store.map_array(key, OFFSET_DTYPE, count)
 
     def mask(self, shard: int) -> np.ndarray:
-        """The loss mask of shard ``shard``: uint8, one per token of :meth:`tokens`, 1 where the token is a
-        training target (memory-mapped on first use).
+        """The loss mask of shard ``shard``: uint8, one a token, 1 at a training target (mapped on first
+        use).
 
         Raises:
             CacheError: the cache has no loss mask (it was not built with ``fields`` or ``chat``).
@@ -259,8 +242,7 @@ class ShardFiles:
         return range(len(self.table))[shard]
 
     def _check_offsets(self, key: str, index: int, mapped: np.ndarray) -> None:
-        """Refuse an offsets table that does not match the manifest's checksum; a table of the same file
-        (device, inode, size, modification time) is checked once per process."""
+        """Refuse an offsets table that does not match its checksum; once per process per file version."""
         if self.table.offsets_crc32 is None or self.store.fetches_copies:
             return  # none recorded (an unfinished build); a local copy is verified when it is fetched
         expected = checksum_text(int(self.table.offsets_crc32[index]))
@@ -290,11 +272,10 @@ class ShardFiles:
         dtype: np.dtype,
         counts: np.ndarray,
     ) -> np.ndarray:
-        """The memory map of one of shard ``shard``'s files (``counts``: items per shard), from a small LRU
-        (each open map holds a file descriptor); the file is checked whenever it is (re)mapped.
+        """The map of one of shard ``shard``'s files from a small LRU, the file checked when (re)mapped.
 
-        Safe from several threads (grain reads from a thread pool): each OrderedDict call is atomic, a map
-        another thread evicts meanwhile stays valid for whoever holds it, and nothing is looked up twice.
+        Safe from several threads (grain reads from a pool): each OrderedDict call is atomic, and a map
+        another thread evicts stays valid for whoever holds it.
         """
         mapped = maps.get(shard)
         if mapped is not None:
@@ -318,8 +299,8 @@ class ShardFiles:
         return mapped
 
     def _check_size(self, key: str, count: int, itemsize: int) -> None:
-        """Refuse a shard file that is missing, shorter than the manifest says (longer, once complete), or
-        a symlink leading out of the cache: one ``lstat`` (and one ``stat``)."""
+        """Refuse a shard file that is missing, of another size than the manifest says (only shorter, while
+        the build runs), or a symlink out of the cache."""
         if count == 0 and not self.manifest.complete:
             return  # a unit of an unfinished build that has not committed yet may have no files at all
         if self.store.fetches_copies:

@@ -1,31 +1,23 @@
 """Full verification of a cache: every file of its directory, or every object under its URL.
 
-* the manifest (its checksum, when it is opened);
-* each shard's files: checksums, offsets, token range, EOS and BOS placement (at every document's end and
-  start, and nowhere else), and an SFT build's loss mask (0 or 1, 1 at every EOS, 0 at every BOS);
-* the ledger: one entry per work unit, its checksum, and that it says what the manifest says;
-* the plans under ``layouts/`` (:func:`streampack.store.plans.inspect_plan`): sizes, checksums, structure;
-* anything else in the directory is listed as unknown (not checked, not ignored).
-
-The checks of the shard files are in :mod:`streampack.reader.shardchecks`; the report is a
-:class:`~streampack.reader.report.VerifyReport`.
-
-:func:`streampack.open` checks file sizes when it maps a shard; :func:`verify` reads every byte once, in
-chunks, checksumming and range-checking each chunk, so it runs in bounded memory (a chunk, and one shard's
-offset table) at disk or checksum speed, whichever is slower. A cache in object storage is verified from
-its objects, streamed through the same checks with ranged reads: never from a local copy that a reader
-keeps (which may hold the good bytes of an object damaged since). Another format's files there (Megatron,
-datatrove) are fetched into a local copy of the verify's own, a file at a time, and checked as local ones.
+It checks the manifest's checksum, each shard's files (:mod:`streampack.reader.shardchecks`), the ledger
+(one sound entry per unit, saying what the manifest says) and the plans under ``layouts/``; anything else
+is listed as unknown. Every byte is read once, in chunks, so memory stays bounded. A cache in object
+storage is streamed from its objects with ranged reads, never from a reader's local copy, which may hold
+the good bytes of an object damaged since; another format's files there are fetched into a local copy of
+the verify's own.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -54,10 +46,9 @@ def verify(
 ) -> VerifyReport:
     """Check everything about a cache; return a report listing each problem precisely.
 
-    Another format's token files (see :func:`streampack.open`) get the checks they allow: what their
-    format records of them (headers, indexes, counts: when they are opened; a note says which, per
-    format), then every token against the vocabulary size and the EOS and BOS placement that
-    ``declared`` gives, and a loss mask's values; they record no checksums.
+    Another format's token files get the checks they allow: what their format records (checked at the
+    open; a note says what), every token against the vocabulary size and the EOS and BOS that
+    ``declared`` gives, and a loss mask's values. They record no checksums.
 
     Args:
         path: a cache directory, or the URL of a cache in object storage (``s3://bucket/prefix``), whose
@@ -114,8 +105,8 @@ def _verify_local(root: Path, report: VerifyReport, declared: Mapping[str, Any])
 
 
 def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
-    """Every token of another format's files, and the digests of them it records (MDS's, if asked for);
-    no ledger or plans to check. Entries of its folder it does not read are listed."""
+    """Every token of another format's files, and the digests it records of them; entries of its folder
+    it does not read are listed."""
     format = (cache.declared or {})["format"]  # a foreign cache is opened with its format
     hashed = 0
     for shard in range(cache.num_shards):
@@ -130,7 +121,8 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
             report.bytes_checked += read
             hashed += 1
     report.problems.extend(check_delimiter(cache.manifest, source))
-    checked = _opened_checks(format)
+    reader = _reader(format)
+    checked = reader.OPENED_CHECKS
     if hashed:
         algos = sorted({a for s in range(cache.num_shards) for a in cache.files.hashes(s)})
         report.notes.append(
@@ -145,19 +137,21 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
             else f"{format} files: {checked}; they record no checksums (convert them with `streampack "
             "convert` for a cache that has)"
         )
-    _note_unread(cache, format, report)
+    _note_unread(cache, format, getattr(reader, "companion", None), report)
 
 
-def _note_unread(cache: Cache, format: str, report: VerifyReport) -> None:
-    """The entries of a foreign cache's folder that are none of the files it was read from: what the
-    format writes there (nanoGPT's ``val.bin``...), or else unknown."""
+def _note_unread(
+    cache: Cache, format: str, companion: Callable[[Path], str | None] | None, report: VerifyReport
+) -> None:
+    """Note the entries of a foreign cache's folder it was not read from: what the format writes there,
+    or unknown."""
     root = Path(cache.root)
     if not root.is_dir():
         return  # a Megatron prefix: the folder holds other files than the pair by design
     inputs = [Path(entry.path).resolve() for entry in cache.manifest.inputs]
     read = {path.name for path in inputs if path.parent == root.resolve()}
     for name in sorted(_entries(root) - read - {LAYOUT_DIR}):
-        known = _companion(format, root / name)
+        known = None if companion is None else companion(root / name)
         report.notes.append(
             f"{root / name}: {known}"
             if known is not None
@@ -166,25 +160,18 @@ def _note_unread(cache: Cache, format: str, report: VerifyReport) -> None:
         )
 
 
-def _opened_checks(format: str) -> str:
-    """What reading ``format``'s files checked (:func:`streampack.interop.filechecks.opened_checks`)."""
-    from streampack.interop.filechecks import opened_checks
+def _reader(format: str) -> ModuleType:
+    """The module that reads ``format``'s files (:data:`streampack.interop.reading.READERS`): its
+    ``OPENED_CHECKS`` say what reading them checked, its ``companion`` what the files beside them are."""
+    from streampack.interop.reading import READERS
 
-    return opened_checks(format)
-
-
-def _companion(format: str, path: Path) -> str | None:
-    """What ``path``, beside ``format``'s files, is (:func:`streampack.interop.filechecks.companion`)."""
-    from streampack.interop.filechecks import companion
-
-    return companion(format, path)
+    return importlib.import_module(READERS[format])
 
 
 def _verify_remote_foreign(
     url: str, storage_options: Mapping[str, Any] | None, declared: Mapping[str, Any], report: VerifyReport
 ) -> None:
-    """Another format's files in object storage (Megatron, datatrove), fetched a file at a time into a
-    local copy of this verify's own (never one a reader keeps), then checked as local ones are."""
+    """Another format's files in object storage, fetched into a local copy of this verify's own."""
     with (
         tempfile.TemporaryDirectory(prefix="streampack-verify-") as copy,
         open_cache(url, storage_options=storage_options, local_dir=copy, **declared) as cache,
@@ -226,7 +213,7 @@ def _shard_files(manifest: Manifest) -> set[str]:
 
 
 def _note_unknown(report: VerifyReport, where: Path | str, listed: set[str], known: set[str]) -> None:
-    """List the entries of a folder that the format does not name (temporary files of a write too)."""
+    """Note the entries of a folder that the format does not name."""
     for name in sorted(listed - known):
         if name.endswith(".tmp"):
             what = "a file being written, or left by an interrupted write; safe to delete when no build runs"
