@@ -192,13 +192,13 @@ def convert(
     It is :func:`streampack.open` then :func:`export` to ``"streampack"``: the kernel copies the tokens
     while another thread checksums them. Files without an index (nanoGPT, OLMo, llm.c) are not opened
     first: their spans are copied while another thread scans them for documents and checksums, one read of
-    the files for both (:func:`~streampack.interop.native.write_scanned`).
+    the files for both (:func:`~streampack.interop.native.write_scanned`). ``overwrite``, ``progress``,
+    ``storage_options`` and ``durable`` are as for :func:`export`.
 
     Args:
         source: what :func:`streampack.open` takes: a Megatron prefix, a folder of llm.c, datatrove, OLMo
             or MDS shards, a nanoGPT ``train.bin``, or a cache.
         out: the cache directory to create (or an fsspec URL).
-        overwrite, progress, storage_options, durable: as for :func:`export`.
         shard_tokens: tokens a shard of the new cache holds at most (cut between documents).
         **declared: what the files do not say, as :func:`streampack.open` takes it (``format``, ``eos_id``,
             ``bos_id``, ``dtype``, ``tokenizer``, ``vocab_size``).
