@@ -33,7 +33,7 @@ from streampack.tokenizer.preload import TIKTOKEN_PREFIX
 @click.command()
 @click.argument("cache_dir", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-@source_options
+@source_options()
 def info(cache_dir: str, as_json: bool, **source: Any) -> None:
     """Describe the cache in CACHE_DIR: documents, tokens, shards, tokenizer, document lengths. CACHE_DIR
     may hold another format's token files (a Megatron prefix, llm.c, datatrove, OLMo or MDS shards...)."""
@@ -146,7 +146,7 @@ def _cuts_summary(manifest: Manifest) -> str:
 
 @click.command()
 @click.argument("cache_dir", type=click.Path())
-@source_options
+@source_options()
 def verify(cache_dir: str, **source: Any) -> None:
     """Check every file of the cache in CACHE_DIR (or every object under a URL: read from object storage,
     never from a local copy): checksums, offsets, token ids, EOS and BOS, ledger, plans; list anything

@@ -12,7 +12,7 @@ from typing import Any
 import click
 
 from streampack.cli.plots import plot_option
-from streampack.cli.sources import declared, source_options
+from streampack.cli.sources import declared, old_flag, source_options
 from streampack.errors import StreampackError
 from streampack.reader import open as open_cache
 
@@ -45,8 +45,11 @@ def _shuffle(no_shuffle: bool, block: int | None, window: int | None) -> Any:
 @click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sample.")
 @click.option("--batch-size", type=click.IntRange(min=1), required=True, help="Global batch size.")
 @click.option(
-    "--workers", type=click.IntRange(min=0), default=0, show_default=True, help="DataLoader workers (torch)."
+    "--loader-workers",
+    type=click.IntRange(min=0),
+    help="DataLoader worker processes (torch) [default: 0, the loader alone].",
 )
+@old_flag("--workers", "--loader-workers", "old_workers", type=click.IntRange(min=0))
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Batches to time.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed.")
 @_SHUFFLE_BLOCK
@@ -62,7 +65,8 @@ def bench(
     cache_dir: str,
     seq_len: int,
     batch_size: int,
-    workers: int,
+    loader_workers: int | None,
+    old_workers: int | None,
     steps: int,
     seed: int,
     shuffle_block: int | None,
@@ -71,9 +75,11 @@ def bench(
 ) -> None:
     """Time the shuffled loader on CACHE_DIR: samples/s, tokens/s and memory per process.
 
-    With --workers N the batches go through streampack.torch.DataLoader (needs the torch extra).
+    With --loader-workers N the batches go through streampack.torch.DataLoader (needs the torch extra).
     """
     from streampack.loader import Loader
+
+    workers = loader_workers if loader_workers is not None else old_workers or 0
 
     cache = open_cache(cache_dir)
     try:
@@ -276,7 +282,7 @@ def mix(
     help="A YAML/JSON file whose exclude: list the run was given (a mixture config's own is read too).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-@source_options
+@source_options()
 def which(
     data: str,
     seq_len: int | None,
