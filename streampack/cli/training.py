@@ -1,5 +1,4 @@
-"""``streampack bench``, ``mix`` and ``which``: the loader's side of a run, timed, planned and traced back
-to the input lines."""
+"""``streampack bench``, ``mix`` and ``which``: a run's loader, timed, planned and traced to input lines."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ _SHUFFLE_WINDOW = click.option(
 
 
 def _shuffle(no_shuffle: bool, block: int | None, window: int | None) -> Any:
-    """What ``shuffle=`` the loader options given on the command line mean."""
+    """The ``shuffle=`` of the loader options given on the command line."""
     from streampack.order.blockshuffle import BlockShuffle
 
     if block is None and window is None:
@@ -111,7 +110,7 @@ def bench(
 
 
 def _time_batches(batches: Any, steps: int) -> dict[str, Any]:
-    """Draw one batch (timed apart: startup), then ``steps`` more; read the memory of every process."""
+    """Time one batch (startup), then ``steps`` more; read the memory of every process."""
     import time
 
     start = time.perf_counter()
@@ -370,8 +369,8 @@ def _run_loader(
     source: dict[str, Any],
     exclude_path: str | None = None,
 ) -> Any:
-    """The Loader of a run over a cache directory or a mixture config, as ``which`` was told it, with the
-    config's exclusions, then ``exclude_path``'s."""
+    """The Loader of a run over a cache or a mixture config, as ``which`` was told it, with the config's
+    exclusions, then ``exclude_path``'s."""
     from streampack.loader import Loader
     from streampack.loader.mixconfig import load_mixture, mixture_exclusions
 
@@ -403,11 +402,8 @@ def _check_agrees_with_config(
     seed: int | None,
     shuffle: tuple[bool, int | None, int | None],
 ) -> None:
-    """Refuse run settings given on the command line that contradict the mixture config's own.
-
-    A config sets its samples' length, overlap, seed and shuffle itself; the same values given again (as
-    a script that passes them for a cache does) are accepted.
-    """
+    """Refuse run settings on the command line that contradict the mixture config's own (the same values
+    given again are accepted)."""
     from streampack.order.blockshuffle import shuffle_fingerprint
 
     first = next(iter(mixture.sources.values()))

@@ -1,10 +1,8 @@
-"""Write token caches straight from numpy arrays, for tests and benchmarks (private; not a build path).
+"""Write token caches straight from numpy arrays, for tests and benchmarks (not a build path).
 
-The files follow docs/FORMAT.md exactly. :func:`write_cache` records every shard's checksums (its shards
-are in memory anyway) and a finished ledger entry per shard; :func:`write_random_cache` records none
-(the reader does not check them, and
-``streampack verify`` would refuse such a cache), which keeps writing a multi-gigabyte synthetic cache at
-disk speed and in flat memory.
+The files follow docs/FORMAT.md. :func:`write_cache` records every shard's checksums and ledger entry;
+:func:`write_random_cache` records none (``streampack verify`` refuses it), which writes gigabytes at disk
+speed in flat memory.
 """
 
 from __future__ import annotations
@@ -158,8 +156,7 @@ def _write_random_shard(
 
 
 def rewrite_as_version_1(root: str | Path) -> None:
-    """Rewrite a cache's manifest as format version 1 wrote it (the shard table as rows), to measure and
-    test how caches built before version 2 read."""
+    """Rewrite a cache's manifest as format version 1 wrote it (the shard table as rows)."""
     manifest = load_manifest(Path(root))
     doc = {**manifest.to_json(), "format_version": 1, "shards": [s.to_json() for s in manifest.shards]}
     (Path(root) / MANIFEST).write_bytes(encode_json(with_checksum(doc)))
