@@ -32,6 +32,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from streampack._checks import is_int
 from streampack.errors import LoaderStateError, OptionsError, extra_needed
 from streampack.loader import Loader
 
@@ -216,7 +217,7 @@ def _checkpoint_step(folder: str) -> int | None:
             step = json.load(file).get("global_step")
     except (OSError, ValueError, AttributeError):
         return None
-    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+    return step if is_int(step) and step >= 0 else None
 
 
 def _read_state(folder: str) -> Any:

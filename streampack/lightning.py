@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any, cast
 
+from streampack._checks import is_int
 from streampack.errors import extra_needed
 from streampack.loader import Loader
 from streampack.torch import DataLoader
@@ -134,7 +135,7 @@ class DataModule(pl.LightningDataModule):
         connector = getattr(trainer, "_checkpoint_connector", None)
         checkpoint = getattr(connector, "_loaded_checkpoint", None) or {}
         step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
-        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+        return step if is_int(step) and step >= 0 else None
 
 
 class _CountModelBatches(pl.Callback):

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from streampack._checks import is_int
 from streampack.errors import CacheError
 from streampack.format.names import checksum_text, content_checksum, with_checksum
 from streampack.store import LocalStore
@@ -313,7 +314,7 @@ def _check_files(
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _map(path: Path, dtype: np.dtype, entry: Any) -> tuple[np.ndarray, tuple[int, ...]]:

@@ -24,6 +24,7 @@ from streampack.format.names import (
     ledger_key,
     offsets_path,
     shard_name,
+    token_dtype,
     tokens_path,
     with_checksum,
 )
@@ -57,7 +58,7 @@ def write_cache(
     """
     root = Path(root)
     (root / SHARD_DIR).mkdir(parents=True)
-    dtype = _dtype(vocab_size)
+    dtype = token_dtype(vocab_size)
     infos = []
     for index, (tokens, ends) in enumerate(shards):
         name = shard_name(index)
@@ -103,7 +104,7 @@ def write_random_cache(
     root = Path(root)
     (root / SHARD_DIR).mkdir(parents=True)
     rng = np.random.default_rng(seed)
-    dtype = _dtype(vocab_size)
+    dtype = token_dtype(vocab_size)
     bounds = np.linspace(0, num_tokens, num_shards + 1).astype(np.int64)
     infos = []
     for index in range(num_shards):
@@ -115,14 +116,10 @@ def write_random_cache(
     return root
 
 
-def _dtype(vocab_size: int) -> np.dtype:
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
 def _write_manifest(root: Path, shards: list[ShardInfo], vocab_size: int, eos_id: int) -> None:
     manifest = Manifest(
         tokenizer=TokenizerInfo("synthetic", "synthetic", vocab_size, sha256=""),
-        dtype=_dtype(vocab_size).name,
+        dtype=token_dtype(vocab_size).name,
         eos=EosPolicy(True, eos_id),
         settings=BuildSettings.from_json({"synthetic": True}),  # none of a build's settings
         inputs=[],
