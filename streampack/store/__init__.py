@@ -52,48 +52,37 @@ class Store(Protocol):
     @property
     def uri(self) -> str:
         """The store's absolute address (``file:///data/cache``), for reopening it in another process."""
-        ...
 
     def describe(self, key: str) -> str:
         """How messages name ``key`` (a path for a local store)."""
-        ...
 
     def exists(self, key: str) -> bool:
         """Whether an object ``key`` exists."""
-        ...
 
     def size(self, key: str) -> int:
         """Size in bytes of ``key``; FileNotFoundError when it does not exist."""
-        ...
 
     def read(self, key: str, start: int = 0, stop: int | None = None) -> bytes:
         """Bytes ``[start, stop)`` of ``key`` (to its end when ``stop`` is None)."""
-        ...
 
     def read_json(self, key: str, *, what: str) -> Any:
         """A small JSON object; a :class:`CacheError` naming ``what`` when absent, oversized or malformed."""
-        ...
 
     def map_array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         """The first ``count`` items of ``key`` as a read-only array (a memory map where possible)."""
-        ...
 
     def put_atomic(self, key: str, data: bytes) -> None:
         """Publish ``data`` as ``key`` durably: readers see the old object or the new one, never a part."""
-        ...
 
     def list(self, prefix: str) -> list[str]:
         """The names of the objects directly under ``prefix`` (a folder key), sorted."""
-        ...
 
     def list_sizes(self, prefix: str) -> dict[str, int]:
         """The size of every object directly under ``prefix``, by name, in one listing."""
-        ...
 
     def lock(self, key: str) -> AbstractContextManager[object]:
         """An exclusive lock named ``key`` for a ``with`` block, where the store can lock
         (:class:`BuildLockedError` when another live process holds it)."""
-        ...
 
 
 def encode_json(obj: Any) -> bytes:
