@@ -10,7 +10,7 @@ Three tables, each row measured in fresh processes, in one run:
 2. **Loader**: a ``Loader`` over ``sequences(2048)``, batch 8, shuffled, over each opened cache ÷ the same
    Loader over the native cache (same tokens), timed alternately in one process, best of ``--repeats``
    (goal >= 0.9).
-3. **Megatron's path**: ``streampack build`` + ``streampack export --format megatron`` (two CLI processes)
+3. **Megatron's path**: ``streampack build`` + ``streampack export --to megatron`` (two CLI processes)
    against megatron-core's ``IndexedDatasetBuilder`` fed by ``tokenizers``' ``encode_batch`` (its Rust
    threads on every core; what ``tools/preprocess_data.py`` does, minus its per-document Python
    encoder), on the same corpus and tokenizer: wall time, peak RSS of the process tree, and whether the
@@ -251,7 +251,7 @@ def megatron_side_by_side(corpus: Path, tmp: Path) -> dict:
     )
     if build.returncode:
         raise RuntimeError(build.stderr[-3000:])
-    export = measure(cli("export", str(cache), "--format", "megatron", "--out", str(ours), "--no-progress"))
+    export = measure(cli("export", str(cache), "--to", "megatron", "--out", str(ours), "--no-progress"))
     if export.returncode:
         raise RuntimeError(export.stderr[-3000:])
     env = {"PYTHONPATH": str(ROOT)}

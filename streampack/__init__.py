@@ -2,15 +2,14 @@
 
 Build side: :func:`build` streams documents through a tokenizer into cache shards, resumably.
 Load side: :func:`open` memory-maps a cache; :class:`Loader` serves shuffled, resumable batches of its
-samples, or of a :class:`Mixture` of several caches by weight; :class:`Follow` serves a cache while its
-build runs; :func:`which` says which documents (and input lines) a step's batch held.
+samples, or of a :class:`Mixture` of caches; :class:`Follow` serves a cache while its build runs;
+:func:`which` says which documents (and input lines) a step's batch held.
 
 Every name here is loaded on first use, so a trainer that only reads a cache never imports the build
-side. The protocols users implement and the types they receive live in their namespaces:
-:mod:`streampack.samples`, :mod:`streampack.order`, :mod:`streampack.loader`, :mod:`streampack.errors`,
-:mod:`streampack.tokenizer`; framework adapters in :mod:`streampack.torch`, :mod:`streampack.hf`,
-:mod:`streampack.lightning`, :mod:`streampack.torchdata`, :mod:`streampack.grain` and
-:mod:`streampack.jax`, none imported here.
+side. Protocols and returned types live in :mod:`streampack.samples`, :mod:`streampack.order`,
+:mod:`streampack.loader` and :mod:`streampack.errors`; framework adapters in :mod:`streampack.torch`,
+:mod:`streampack.hf`, :mod:`streampack.lightning`, :mod:`streampack.torchdata`, :mod:`streampack.grain`
+and :mod:`streampack.jax`.
 """
 
 from __future__ import annotations
@@ -83,8 +82,7 @@ def build(
             ``Dataset``/``IterableDataset``, a generator, or :class:`~streampack.Documents` wrapping any
             iterable of ``str`` or dicts.
         out: the cache directory (created if needed), or an fsspec URL (``s3://bucket/prefix``): the
-            build is then made in ``run.staging_dir`` and published there (see
-            :mod:`streampack.builder.publish`).
+            build is then made in ``run.staging_dir`` and published there.
         spec: the settings that identify the cache (:class:`~streampack.CacheSpec`).
         run: how the build runs (:class:`~streampack.RunOptions`).
         **options: fields of either, by name (``tokenizer="gpt2/tokenizer.json", workers=4``), replacing
@@ -97,18 +95,16 @@ def build(
         StreampackError: bad inputs or records, a tokenizer that cannot load, a cache built with other
             settings or from other inputs, another build running in ``out``, or a full disk.
     """
-    # fastokens loads the tokenizer (~0.25-1.1 s, without the GIL) while the builder is imported (~0.2 s)
+    # The tokenizer loads on a thread of its own (~0.25-1.1 s) while the builder is imported (~0.2 s).
     from streampack.tokenizer import preload
 
     preload.start(
         options.get("tokenizer", getattr(spec, "tokenizer", None)),
         options.get("tokenizer_engine", getattr(run, "tokenizer_engine", "auto")),
     )
-    from streampack.builder.coordinator import build as build_cache
-    from streampack.builder.options import split_options
+    from streampack.builder import coordinator
 
-    spec, run = split_options(spec, run, options)
-    return build_cache(inputs, out, spec=spec, run=run)
+    return coordinator.build(inputs, out, spec=spec, run=run, **options)
 
 
 def __getattr__(name: str) -> Any:

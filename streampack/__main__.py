@@ -1,6 +1,4 @@
-"""The ``streampack`` command (and ``python -m streampack``): for a ``build`` of a tokenizer fastokens runs,
-it starts fastokens' load of it (:func:`streampack.tokenizer.preload.start_for_command`), then imports and
-runs the command line (:mod:`streampack.cli`)."""
+"""The ``streampack`` command (and ``python -m streampack``): the command line of :mod:`streampack.cli`."""
 
 from __future__ import annotations
 
@@ -8,9 +6,8 @@ import sys
 
 
 def main() -> None:
-    """Console-script entry point: a build's tokenizer begins to load on a thread of its own (7 % of a
-    build of 345 MB on 2 cores) while the command line is imported; then the command runs as
-    :func:`streampack.cli.main` runs it."""
+    """Console-script entry point: a build's tokenizer starts loading on a thread of its own (7 % of a
+    small build's wall time) while the command line is imported, then the command runs."""
     from streampack.tokenizer import preload
 
     preload.start_for_command(sys.argv[1:])

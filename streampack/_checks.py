@@ -1,15 +1,13 @@
 """The one validator of arguments: every option streampack takes is checked here, with one wording.
 
-A wrong argument is an :class:`~streampack.errors.OptionsError` (also a ``ValueError``) whose message has
-one shape wherever it comes from: what the argument must be, then what was given::
+A wrong argument is an :class:`~streampack.errors.OptionsError` (also a ``ValueError``) of one shape::
 
     batch_size must be an integer >= 1 (got batch_size=0)
     seed must be an integer in [0, 2**64) (got seed=-1)
     too_long must be one of 'split', 'truncate', 'drop' (got too_long='nope')
 
-Bounds are written as people read them: powers of two as ``2**k``, a half-open range when the limit is
-one past the largest value. Values read from a file of a cache are not arguments: a damaged file is a
-:class:`~streampack.errors.CacheError` (see :mod:`streampack.format`, :mod:`streampack.format.ledger`).
+Values read from a cache's files are not arguments: a damaged file is a
+:class:`~streampack.errors.CacheError`.
 """
 
 from __future__ import annotations
@@ -92,7 +90,7 @@ def check_int_or_none(
     below: int | None = None,
     hint: str = "",
 ) -> int | None:
-    """``None``, or ``value`` checked as :func:`check_int` does (the message then allows None too)."""
+    """``None``, or ``value`` checked as :func:`check_int` does."""
     if value is None:
         return None
     try:
@@ -102,22 +100,14 @@ def check_int_or_none(
 
 
 def check_choice(name: str, value: object, choices: Iterable[object], *, hint: str = "") -> None:
-    """Refuse ``value`` unless it is one of ``choices``.
-
-    Raises:
-        OptionsError: it is none of them; the message lists them.
-    """
+    """Refuse ``value`` (:class:`OptionsError`, listing them) unless it is one of ``choices``."""
     allowed = tuple(choices)
     if not any(isinstance(value, type(choice)) and value == choice for choice in allowed):
         raise OptionsError(_message(name, f"one of {', '.join(map(repr, allowed))}", value, hint))
 
 
 def check_bool(name: str, value: object, *, hint: str = "") -> bool:
-    """``value`` if it is ``True`` or ``False``.
-
-    Raises:
-        OptionsError: it is anything else (``1``, ``"yes"``, ``None``).
-    """
+    """``value`` if it is ``True`` or ``False``, else an :class:`OptionsError` (``1``, ``None``)."""
     if not isinstance(value, bool):
         raise OptionsError(_message(name, "True or False", value, hint))
     return value

@@ -6,6 +6,9 @@ exits with status 1. Messages say what was received, where (file and line or row
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 __all__ = [
     "BadRecordError",
     "BuildLockedError",
@@ -75,7 +78,7 @@ class ConfigMismatchError(StreampackError):
 class LoaderStateError(StreampackError, ValueError):
     """A loader state (``load_state_dict``) is damaged, from a newer streampack, or from another run.
 
-    Also a ``ValueError``, as a wrong argument value is; the message names both sides of a mismatch.
+    Also a ``ValueError``; the message names both sides of a mismatch.
     """
 
 
@@ -98,14 +101,32 @@ class WorkerDiedError(StreampackError):
     """A build worker died (killed, out of memory, a lost Ray node); rerunning the build resumes it."""
 
 
-class MissingDependencyError(StreampackError, ImportError):
-    """An optional dependency (an extra such as ``ray``, ``torch`` or ``tiktoken``) is not installed."""
+class MissingDependencyError(StreampackError, ModuleNotFoundError):
+    """An optional dependency (an extra such as ``ray``, ``torch`` or ``tiktoken``) is not installed.
+
+    A ``ModuleNotFoundError``, so ``pytest.importorskip("streampack.torch")`` skips where torch is absent.
+    """
+
+
+@contextlib.contextmanager
+def extra_needed(user: str, needs: str, extra: str) -> Iterator[None]:
+    """Turn an ``ImportError`` in the block into a :class:`MissingDependencyError` naming the extra.
+
+    Args:
+        user: what needs the dependency (``streampack.torch``).
+        needs: the dependency, as people name it (``PyTorch``).
+        extra: what to install (``torch``, for ``pip install 'streampack[torch]'``).
+    """
+    try:
+        yield
+    except ImportError as error:
+        raise MissingDependencyError(f"{user} needs {needs}: pip install 'streampack[{extra}]'") from error
 
 
 class DocumentBoundaryWarning(UserWarning):
     """Another format's token files were opened with document boundaries that may not be theirs: a nanoGPT
     file without a declared ``eos_id`` (read as one document), llm.c shards that hold no delimiter.
 
-    The tokens are read as they lie (``sequences`` windows them the same); ``documents``, ``packed`` and
-    ``output="dict"`` labels follow the boundaries, so the message says what to declare.
+    The tokens are read as they lie; ``documents``, ``packed`` and ``output="dict"`` labels follow the
+    boundaries, so the message says what to declare.
     """

@@ -1,15 +1,12 @@
 """grain data sources over a cache: its packed samples, or its documents for grain's own packers.
 
-grain (and torchtitan, which loads through it) reads any object with ``__len__`` and ``__getitem__``: the
-``RandomAccessDataSource`` protocol. It must be picklable (for grain's worker processes), have a
-``__repr__`` that identifies it (checked against grain checkpoints) and be safe to read from several
-threads at once (grain prefetches with a thread pool). These two sources are, and need no grain import:
+grain (and torchtitan, which loads through it) reads any picklable object with ``__len__``,
+``__getitem__`` and an identifying ``__repr__``, from several threads at once. These two sources are, and
+need no grain import:
 
-* :class:`SequenceSource`: item ``i`` is packed sample ``i`` of ``cache.sequences(seq_len)``, a 1-D
-  array of ``seq_len + overlap`` tokens; grain then shuffles, batches and checkpoints them itself.
-* :class:`DocumentSource`: item ``i`` is document ``i`` (its tokens and its EOS, as the cache stores
-  them), for grain's packers (``grain.experimental.FirstFitPackIterDataset``, ``BestFitPackIterDataset``)
-  or torchtitan's pretokenized sources.
+* :class:`SequenceSource`: item ``i`` is packed sample ``i`` of ``cache.sequences(seq_len)``;
+* :class:`DocumentSource`: item ``i`` is document ``i`` (its EOS included), for grain's packers
+  (``grain.experimental.FirstFitPackIterDataset``) or torchtitan's pretokenized sources.
 
 Example::
 
@@ -20,8 +17,7 @@ Example::
     )
     iterator = iter(packed.batch(8))  # iterator.get_state() / set_state() checkpoint it
 
-Either source reopens the cache lazily after unpickling and refuses to read one that changed on disk
-since (:class:`~streampack.errors.CacheError`), like ``PackedSequences``.
+Either source reopens the cache lazily after unpickling, and refuses one that changed on disk since.
 """
 
 from __future__ import annotations
@@ -72,7 +68,7 @@ class SequenceSource:
         Raises:
             IndexError: ``index`` is out of range.
         """
-        # One reader at a time: the cache's table of open memory maps is not made for threads.
+        # One reader at a time: the cache's table of open maps is not made for threads.
         with self._lock:
             row = self.sequences[operator.index(index)]
         return row if self.dtype is None else row.astype(self.dtype)

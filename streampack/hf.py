@@ -1,7 +1,7 @@
 """Hugging Face ``transformers.Trainer`` fed by a :class:`~streampack.loader.Loader`, resuming exactly.
 
-Install with ``pip install 'streampack[hf]'``. Pass the loader as ``train_dataset`` to
-:class:`Trainer` (or to a Trainer class of your own with :class:`LoaderTrainerMixin` in front)::
+Install with ``pip install 'streampack[hf]'``. Pass the loader as ``train_dataset`` to :class:`Trainer`,
+or to a Trainer class of your own with :class:`LoaderTrainerMixin` first among its bases::
 
     args = TrainingArguments("out", per_device_train_batch_size=8, max_steps=10_000, save_steps=500)
     loader = streampack.Loader(cache.sequences(1024), batch_size=8 * args.world_size, seed=0,
@@ -11,29 +11,18 @@ Install with ``pip install 'streampack[hf]'``. Pass the loader as ``train_datase
 
 What it changes, and why:
 
-* **Batches**: ``get_train_dataloader`` (the Trainer's documented override point) returns a
-  :class:`streampack.torch.DataLoader` over the loader, with the ``dataloader_*`` arguments; it is not
-  passed through accelerate, which would re-batch the loader's batches, or under DDP read them on rank 0
-  only and scatter them. Every rank reads its own rows of each global batch (build each rank's loader
-  with ``rank=args.process_index, world_size=args.world_size``; DDP syncs the gradients as usual).
+* **Batches**: ``get_train_dataloader`` returns a :class:`streampack.torch.DataLoader` over the loader,
+  not passed through accelerate, which would re-batch its batches or scatter them from rank 0. Every rank
+  reads its own rows of each global batch.
 * **Checkpoints**: every checkpoint folder gets ``streampack_loader.json``, the loader state after the
-  batches of its steps (the Trainer draws exactly ``gradient_accumulation_steps`` batches per step).
-* **Resume**: ``train(resume_from_checkpoint=...)`` loads that state before training, and the Trainer is
-  told not to skip batches (``ignore_data_skip=True``), so nothing is replayed: the first batch after the
-  resume is the one an uninterrupted run would have had.
+  batches of its steps.
+* **Resume**: ``train(resume_from_checkpoint=...)`` loads that state first, with ``ignore_data_skip=True``,
+  so nothing is replayed.
 
-Use ``output="dict"`` (``input_ids``, ``labels`` with ``-100`` at document starts, ``position_ids``) for a
-causal LM. The run's length is the Trainer's ``max_steps`` (an endless loader has no length), or the
-loader's ``epochs`` with ``num_train_epochs=1``.
-
-**TRL** (tested with TRL 1.16 and transformers 5.24): ``class MyTrainer(LoaderTrainerMixin, trl.SFTTrainer)``.
-TRL's trainers take only a ``datasets.Dataset`` or ``IterableDataset`` (and read its first example at
-construction), so the mixin hands such a Trainer a ``datasets.IterableDataset`` view of the loader's rows
-while it is constructed (reading one batch, without moving the loader), sets
-``dataset_kwargs={"skip_prepare_dataset": True}`` on an ``SFTConfig`` (the loader's samples are already
-tokenized, packed and labelled), then trains on the loader itself as above. ``SFTConfig(packing=True)`` is
-refused: pack with ``cache.packed(seq_len)``. Pass ``processing_class`` (the tokenizer), as TRL otherwise
-loads the model's own from the Hub.
+**TRL**: ``class MyTrainer(LoaderTrainerMixin, trl.SFTTrainer)``. TRL's trainers take only a ``datasets``
+dataset, so the mixin hands them a ``datasets.IterableDataset`` view of the loader's rows while they are
+constructed, skips their dataset preparation, then trains on the loader itself. ``SFTConfig(packing=True)``
+is refused: pack with ``cache.packed(seq_len)``.
 """
 
 from __future__ import annotations
@@ -43,16 +32,13 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from streampack.errors import LoaderStateError, MissingDependencyError, OptionsError
+from streampack._checks import is_int
+from streampack.errors import LoaderStateError, OptionsError, extra_needed
 from streampack.loader import Loader
 
-try:
+with extra_needed("streampack.hf", "transformers and accelerate", "hf,torch"):
     import transformers
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise MissingDependencyError(
-        "streampack.hf needs transformers and accelerate: pip install 'streampack[hf,torch]'"
-    ) from error
 
 from streampack.torch import DataLoader
 
@@ -152,8 +138,8 @@ def _checks_its_dataset(cls: type) -> bool:
 def _with_rows_view(
     loader: Loader, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The Trainer's arguments with a ``datasets.IterableDataset`` view of ``loader`` as its train dataset,
-    and (for an ``SFTConfig``) dataset preparation skipped: the rows are already training rows."""
+    """The Trainer's arguments with a ``datasets`` view of ``loader`` as its train dataset, and (for an
+    ``SFTConfig``) dataset preparation skipped: the rows are already training rows."""
     view = _rows_view(loader)
     if "train_dataset" in kwargs:
         kwargs = {**kwargs, "train_dataset": view}
@@ -172,20 +158,10 @@ def _with_rows_view(
 
 
 def _rows_view(loader: Loader) -> Any:
-    """A ``datasets.IterableDataset`` of the rows of ``loader``'s batches, from its position on, each a
-    dict of lists (``input_ids``, and ``labels``, ``position_ids`` for ``output="dict"``); iterating it
-    never moves the loader. Its ``len()`` is the loader's (its batches) where the loader has one, so
-    that a Trainer checking for a length (to count epochs) finds one.
-
-    For Trainers that refuse other datasets: what they train on is the loader itself (see
-    :class:`LoaderTrainerMixin`).
-    """
-    try:
+    """A ``datasets.IterableDataset`` of the rows of ``loader``'s batches (dicts of lists), with the
+    loader's ``len()``; iterating it never moves the loader."""
+    with extra_needed("this Trainer, which takes only a datasets.Dataset,", "datasets", "hf"):
         import datasets
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise MissingDependencyError(
-            "this Trainer takes only a datasets.Dataset: pip install 'streampack[hf]' (it has datasets)"
-        ) from error
     view = datasets.IterableDataset.from_generator(_rows, gen_kwargs={"loader": loader})
     view.__class__ = _sized_rows_class()  # the same object, with a length: Trainer checks one for epochs
     view._streampack_loader = loader
@@ -241,7 +217,7 @@ def _checkpoint_step(folder: str) -> int | None:
             step = json.load(file).get("global_step")
     except (OSError, ValueError, AttributeError):
         return None
-    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+    return step if is_int(step) and step >= 0 else None
 
 
 def _read_state(folder: str) -> Any:

@@ -1,10 +1,9 @@
 """JAX: each step's global batch as one sharded ``jax.Array``, built from this process's rows.
 
-Install with ``pip install 'streampack[jax]'``. Every JAX process runs a :class:`~streampack.loader.Loader`
-with ``rank=jax.process_index(), world_size=jax.process_count()``, so it reads only its own contiguous
-rows of each global batch, which is exactly the part of the batch its devices hold under a sharding of
-the batch axis; ``jax.make_array_from_process_local_data`` then assembles the global array without moving
-any data between processes::
+Install with ``pip install 'streampack[jax]'``. Each JAX process runs a :class:`~streampack.loader.Loader`
+with ``rank=jax.process_index(), world_size=jax.process_count()``: it reads only the rows its devices
+hold under a sharding of the batch axis, so ``jax.make_array_from_process_local_data`` assembles the
+global array without moving data between processes::
 
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -13,9 +12,6 @@ any data between processes::
     for batch in streampack.jax.global_batches(loader, sharding):  # (256, 2049) global arrays
         state = train_step(state, batch)
         checkpoint = {"data": loader.state_dict(), ...}  # resumes at the next batch
-
-For ``output="dict"`` each 2-D field becomes a global array and anything else (``max_seqlen``, the
-per-process ``cu_seqlens``) is passed through as it is.
 """
 
 from __future__ import annotations
@@ -25,13 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from streampack.errors import MissingDependencyError, OptionsError
+from streampack.errors import OptionsError, extra_needed
 from streampack.loader import Loader
 
-try:
+with extra_needed("streampack.jax", "JAX", "jax"):
     import jax
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise MissingDependencyError("streampack.jax needs JAX: pip install 'streampack[jax]'") from error
 
 __all__ = ["global_batches"]
 
@@ -39,8 +33,8 @@ __all__ = ["global_batches"]
 def global_batches(loader: Loader, sharding: Any) -> Iterator[Any]:
     """Iterate the loader, turning each batch into global ``jax.Array`` s laid out by ``sharding``.
 
-    The loader advances as batches are handed out, so its ``state_dict()`` after ``k`` of them resumes
-    at batch ``k + 1``.
+    The loader advances as batches are handed out, so its ``state_dict()`` resumes at the next one. For
+    ``output="dict"``, each 2-D field becomes a global array; the rest passes through as it is.
 
     Args:
         loader: this process's loader (``rank=jax.process_index()``, ``world_size=jax.process_count()``).

@@ -1,25 +1,17 @@
 """Lightning: a ``LightningDataModule`` whose loader state Lightning's own checkpoints save and restore.
 
-Install with ``pip install 'streampack[lightning]'`` (``lightning``, or the older ``pytorch_lightning``
-package when ``lightning`` is absent)::
+Install with ``pip install 'streampack[lightning]'`` (``lightning``, else ``pytorch_lightning``)::
 
     loader = streampack.Loader(cache.sequences(1024), batch_size=32, seed=0, rank=rank, world_size=world)
     data = streampack.lightning.DataModule(loader, num_workers=2)
     trainer = lightning.pytorch.Trainer(max_steps=10_000, callbacks=[ModelCheckpoint(...)])
     trainer.fit(model, datamodule=data)  # after a crash, the same with ckpt_path="last"
 
-Lightning fetches one batch ahead of the step it runs (to know whether the current batch is the last),
-so a DataLoader that counts the batches it handed out is one batch ahead of the model when Lightning
-saves its state, and the resumed run skips a batch. This DataModule counts the batches the *model*
-received instead (a small callback it adds to the Trainer, on ``on_train_batch_start``): its state, and
-the state of its DataLoader, is the position of the first batch the model has not trained on, including
-one Lightning had fetched and not yet used. Lightning saves that state in every checkpoint (under the
-DataModule's class name, and under the fit loop's ``combined_loader``) and restores it before the first
-batch is fetched, so a resumed run continues with exactly the batch an uninterrupted one would have had.
-
-The run's length is the Trainer's ``max_steps`` with an endless loader (Lightning then sees no epochs),
-or the loader's ``epochs`` in one Lightning epoch (``max_epochs=1``). A ``training_step`` that takes
-``dataloader_iter`` and pulls batches itself is not supported: the callback sees one batch per step.
+Lightning fetches one batch ahead of the step it runs, so a DataLoader that counts the batches it handed
+out is one ahead of the model when a checkpoint is saved, and the resumed run would skip a batch. This
+DataModule counts the batches the *model* received instead (a callback on ``on_train_batch_start``), so
+a resumed run continues with exactly the batch an uninterrupted one would have had. A ``training_step``
+that pulls batches itself from ``dataloader_iter`` is not supported.
 """
 
 from __future__ import annotations
@@ -28,19 +20,16 @@ from collections import deque
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any, cast
 
-from streampack.errors import MissingDependencyError
+from streampack._checks import is_int
+from streampack.errors import extra_needed
 from streampack.loader import Loader
 from streampack.torch import DataLoader
 
-try:
-    import lightning.pytorch as pl
-except ImportError:  # pragma: no cover - depends on the environment
+with extra_needed("streampack.lightning", "Lightning", "lightning"):
     try:
+        import lightning.pytorch as pl
+    except ImportError:  # pragma: no cover - depends on the environment
         import pytorch_lightning as pl
-    except ImportError as error:
-        raise MissingDependencyError(
-            "streampack.lightning needs Lightning: pip install 'streampack[lightning]'"
-        ) from error
 
 __all__ = ["DataModule", "ModelPacedDataLoader"]
 
@@ -48,9 +37,9 @@ __all__ = ["DataModule", "ModelPacedDataLoader"]
 class ModelPacedDataLoader(DataLoader):
     """A :class:`streampack.torch.DataLoader` whose state counts only the batches a consumer confirmed.
 
-    Each batch handed out stays pending until :meth:`consumed` is called for it (the
-    :class:`DataModule`'s callback does, when the model receives it); :meth:`state_dict` is the loader
-    state at the first pending batch. Takes the arguments of :class:`streampack.torch.DataLoader`.
+    Each batch handed out stays pending until :meth:`consumed` confirms it (the :class:`DataModule`'s
+    callback does, when the model receives it); :meth:`state_dict` is the loader state at the first
+    pending batch. Takes the arguments of :class:`streampack.torch.DataLoader`.
     """
 
     def __init__(self, loader: Loader, **kwargs: Any) -> None:
@@ -94,8 +83,7 @@ class ModelPacedDataLoader(DataLoader):
 class DataModule(pl.LightningDataModule):
     """Serves a :class:`~streampack.loader.Loader` to a Lightning ``Trainer``, resumable exactly.
 
-    Pass it as ``trainer.fit(model, datamodule=...)``. Build the loader with this process's ``rank`` and
-    ``world_size`` (the DDP rank under Lightning); the global batch is split over the ranks by the loader.
+    Build the loader with this process's ``rank`` and ``world_size`` (the DDP rank under Lightning).
 
     Args:
         loader: the training loader.
@@ -142,13 +130,12 @@ class DataModule(pl.LightningDataModule):
             self.loader.load_state_dict(state_dict, step=step)
 
     def _checkpoint_step(self) -> int | None:
-        """The ``global_step`` of the checkpoint being restored (the model's), when Lightning restores
-        one: the loader's history records it, for an audit to compare with the data state's."""
+        """The ``global_step`` of the checkpoint being restored, for the loader's history."""
         trainer = getattr(self, "trainer", None)
         connector = getattr(trainer, "_checkpoint_connector", None)
         checkpoint = getattr(connector, "_loaded_checkpoint", None) or {}
         step = checkpoint.get("global_step") if isinstance(checkpoint, Mapping) else None
-        return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+        return step if is_int(step) and step >= 0 else None
 
 
 class _CountModelBatches(pl.Callback):

@@ -1,25 +1,18 @@
 """PyTorch adapters: feed a :class:`~streampack.loader.Loader` through ``torch.utils.data.DataLoader``.
 
-Install with ``pip install 'streampack[torch]'``. Three pieces:
+Install with ``pip install 'streampack[torch]'``.
 
-* :class:`IterableDataset` yields a rank's batches, whole, as tensors. With DataLoader workers, worker
-  ``k`` of ``n`` makes batches ``k, k + n, k + 2n, ...`` of the schedule, and the DataLoader, which asks
-  its workers in turn, hands them out in order. Workers build each batch in shared memory, so sending it
-  to the training process moves a file descriptor, not the tokens.
-* :class:`DataLoader` is ``torch.utils.data.DataLoader`` over such a dataset that counts the batches it
-  hands out, so its ``state_dict()`` resumes exactly at the next one, with any ``num_workers``,
-  ``persistent_workers``, ``pin_memory`` or ``prefetch_factor``.
+* :class:`IterableDataset` yields a rank's batches as tensors; DataLoader worker ``k`` of ``n`` makes
+  batches ``k, k + n, ...``, and the DataLoader hands them out in order.
+* :class:`DataLoader` counts the batches it hands out, so its ``state_dict()`` resumes exactly at the
+  next one, whatever the workers had prefetched.
 * :class:`Dataset` is a plain map-style dataset of samples, for samplers of your own.
 
-Moving batches between processes: passing each batch as its own shared-memory tensor costs a new
-shared-memory file and a file-descriptor handshake per batch, which caps a DataLoader at about a
-thousand batches per second whatever their size. So :class:`DataLoader` (numpy output, no custom
-collate) gives its workers a ring of batch slots in shared memory, allocated once: a worker writes a batch
-into its next slot in the cache dtype (the smallest on the wire) and sends only the slot number; the
-training process copies the slot out, casting to the loader's dtype in the same pass, into a tensor of its
-own. A stamp per slot detects any slot overwritten before it was copied, which the DataLoader's bounded
-prefetch (``prefetch_factor`` batches per worker, handed out in order) rules out; ``shared_slots=False``
-falls back to one tensor per batch.
+Why a ring of shared-memory slots: sending each batch as a shared-memory tensor of its own costs a new
+file and a descriptor handshake per batch, which caps a DataLoader near a thousand batches per second.
+So the workers write batches into slots allocated once (in the cache dtype), send only the slot number,
+and the training process copies the slot out; a stamp per slot detects a slot overwritten before it was
+read. ``shared_slots=False`` sends one tensor per batch instead.
 
 Example (one process of ``torchrun``)::
 
@@ -43,15 +36,12 @@ from typing import Any
 
 import numpy as np
 
-try:
+from streampack.errors import LoaderStateError, OptionsError, extra_needed
+
+with extra_needed("streampack.torch", "PyTorch", "torch"):
     import torch
     import torch.utils.data as torch_data
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError(
-        "streampack.torch needs PyTorch, an optional extra: pip install 'streampack[torch]'"
-    ) from error
 
-from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
 from streampack.loader.collate import Tokens
 from streampack.samples.sequences import PackedSequences
@@ -71,17 +61,15 @@ def rank_and_world_size() -> tuple[int, int]:
 class Dataset(torch_data.Dataset):
     """Map-style dataset of packed samples: ``dataset[i]`` is sample ``i`` as a 1-D tensor.
 
-    Fetching a batch of indices is one vectorised read (``__getitems__``, which the DataLoader uses when
-    present). Order, ranks and resuming are then up to your sampler; :class:`DataLoader` over a
-    :class:`~streampack.loader.Loader` does all three.
+    A batch of indices is one vectorised read (``__getitems__``). Order, ranks and resuming are up to your
+    sampler; :class:`DataLoader` over a :class:`~streampack.loader.Loader` does all three.
 
     Args:
         sequences: the samples, e.g. ``cache.sequences(2048)``.
         dtype: tensor dtype of the tokens, an integer type that holds every id of the cache dtype.
 
     Raises:
-        OptionsError: (a ValueError) ``dtype`` cannot hold every id of the cache dtype (e.g.
-            ``torch.int16`` for uint16).
+        OptionsError: ``dtype`` cannot hold every id of the cache dtype (``torch.int16`` for uint16).
     """
 
     def __init__(self, sequences: PackedSequences, *, dtype: torch.dtype = torch.int64) -> None:
@@ -115,14 +103,10 @@ class Dataset(torch_data.Dataset):
 class IterableDataset(torch_data.IterableDataset):
     """A rank's batches as tensors, split over DataLoader workers in order. Use with ``batch_size=None``.
 
-    Iteration starts at the loader's position when the DataLoader iterator is created (also with
-    persistent workers, which read it from a small shared-memory tensor); the dataset itself never moves
-    the loader. :class:`DataLoader` wraps this and advances the loader as batches are handed out.
-
-    Persistent workers keep the loader's order as it was when they started. A :meth:`load_state_dict`
-    that changes the order (a mixture resumed with new weights or sources, or from another checkpoint's
-    history) does not reach them, so they then refuse to iterate (:class:`LoaderStateError`) rather than
-    serve other samples than the state's; :class:`DataLoader` restarts them instead.
+    Iteration starts at the loader's position when the DataLoader iterator is created; the dataset never
+    moves the loader (:class:`DataLoader` does, as it hands batches out). Persistent workers keep the
+    order they started with, so after a :meth:`load_state_dict` that changed it (a mixture resumed with
+    new weights) they refuse to iterate (:class:`LoaderStateError`); :class:`DataLoader` restarts them.
 
     Args:
         loader: the loader to serve; its ``collate``, if any, runs in the workers before conversion.
@@ -130,8 +114,7 @@ class IterableDataset(torch_data.IterableDataset):
 
     def __init__(self, loader: Loader) -> None:
         self.loader = loader
-        # The position the next iteration starts at and the digest of the order it reads; shared memory
-        # survives both fork and spawn.
+        # The start position and the digest of its order, in shared memory: it survives fork and spawn.
         self._start = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._ring: _SlotRing | None = None  # set by DataLoader, which alone knows how to read slots
         self.publish()
@@ -177,8 +160,7 @@ class IterableDataset(torch_data.IterableDataset):
         return self.loader.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
-        """Resume the loader from ``state``; the next iteration starts at the batch after the saved one
-        (``step``: the trainer's, for the loader's history)."""
+        """Resume the loader from ``state`` (``step``: the trainer's, for the loader's history)."""
         self.loader.load_state_dict(state, step=step)
         self.publish()
 
@@ -186,20 +168,19 @@ class IterableDataset(torch_data.IterableDataset):
 class DataLoader(torch_data.DataLoader):
     """``torch.utils.data.DataLoader`` over a :class:`~streampack.loader.Loader`, with exact resume.
 
-    Batches are made whole by the loader (global batch semantics, this rank's rows), so there is no
-    ``batch_size``, ``sampler`` or ``collate_fn`` here; every other DataLoader argument is passed through.
-    Each batch handed out advances the loader, so :meth:`state_dict` after ``k`` batches resumes at batch
-    ``k + 1``, whatever the workers had prefetched.
+    The loader makes the batches (this rank's rows of each global batch), so there is no ``batch_size``,
+    ``sampler`` or ``collate_fn``; other DataLoader arguments pass through. Each batch handed out advances
+    the loader, so :meth:`state_dict` after ``k`` batches resumes at batch ``k + 1``.
 
     Args:
         loader: the loader to serve.
         shared_slots: with workers, send batches through a ring of shared-memory slots (see the module
-            docs); ``False`` sends each batch as a shared-memory tensor of its own.
+            docs); ``False`` sends each batch as a tensor of its own.
         **kwargs: ``num_workers``, ``pin_memory``, ``persistent_workers``, ``prefetch_factor``,
             ``multiprocessing_context``, ``timeout``, ... as for ``torch.utils.data.DataLoader``.
 
     Raises:
-        OptionsError: (a ValueError) a batching argument, or ``in_order=False``, was given.
+        OptionsError: a batching argument, or ``in_order=False``, was given.
     """
 
     pin_memory: bool  # torch's attribute, declared for type checking without torch installed
@@ -222,8 +203,7 @@ class DataLoader(torch_data.DataLoader):
         self._pin = False
         self._running = 0  # iterators started and not yet exhausted or closed
         if shared_slots and self.num_workers > 0 and _SlotRing.fits(loader):
-            # The ring goes to the workers inside the dataset; pinning happens on copy-out instead, and
-            # like the DataLoader's own, only where there is an accelerator to pin for.
+            # Pinning happens on copy-out instead, as torch's, only where there is an accelerator.
             dataset._ring = _SlotRing(loader, self.num_workers, (self.prefetch_factor or 2) + 2)
             self._pin = bool(self.pin_memory) and _have_accelerator()
             self.pin_memory = False
@@ -250,11 +230,10 @@ class DataLoader(torch_data.DataLoader):
             self._running -= 1
 
     def __len__(self) -> int:
-        """Batches of the whole run on every rank: ``len(loader)`` (see :meth:`Loader.__len__`).
+        """Batches of the whole run: ``len(loader)``.
 
         Raises:
-            TypeError: the run is endless, so there is no length (torch and trainers then rely on
-                ``max_steps``).
+            TypeError: the run is endless (trainers then rely on ``max_steps``).
         """
         return len(self.loader)
 
@@ -263,15 +242,10 @@ class DataLoader(torch_data.DataLoader):
         return self.loader.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
-        """Resume from :meth:`state_dict`; the next ``iter()`` (or ``for`` loop) starts there.
+        """Resume from :meth:`state_dict`; the next ``iter()`` starts there.
 
-        ``step``, the trainer's step at this resume, goes into the loader's history (see
-        :meth:`Loader.load_state_dict`).
-
-        Refused while an iterator over this DataLoader is running (a batch was asked of it, and it is
-        neither exhausted nor closed): its workers are already making the batches of the old position, so
-        the batches it would go on to hand out and the state would disagree, and a checkpoint taken then
-        would resume at the wrong batch. Leaving a ``for`` loop with ``break`` ends its iterator.
+        ``step``, the trainer's step, goes into the loader's history. Refused while an iterator is running:
+        its workers already make the batches of the old position (``break`` out of the loop first).
 
         Raises:
             LoaderStateError: an iterator is running, or the state does not fit the loader (see
@@ -288,8 +262,7 @@ class DataLoader(torch_data.DataLoader):
             self._restart_workers()
 
     def _restart_workers(self) -> None:
-        """Let persistent workers go: they hold the order from before a resume changed it (a mixture's
-        new weights or sources), and only the position reaches them through shared memory."""
+        """Let persistent workers go: they hold the order from before a resume changed it."""
         iterator = getattr(self, "_iterator", None)
         if iterator is not None:
             shutdown = getattr(iterator, "_shutdown_workers", None)
@@ -300,7 +273,7 @@ class DataLoader(torch_data.DataLoader):
 
 @dataclass(frozen=True)
 class _Slot:
-    """What a worker sends for a batch it wrote into the ring: where it is, and the stamp it left there."""
+    """What a worker sends for a batch it wrote into the ring: the slot, and the stamp it left there."""
 
     index: int
     rows: int
@@ -326,8 +299,7 @@ class _SlotRing:
 
     @staticmethod
     def fits(loader: Loader) -> bool:
-        """Whether batches are plain token arrays of one shape the ring can carry (numpy output, no custom
-        collate, no seq_len schedule)."""
+        """Whether batches are plain token arrays the ring can carry (no collate, no seq_len schedule)."""
         return (
             isinstance(loader.formatter, Tokens) and loader.collate is None and not loader.serves_sub_windows
         )
@@ -376,12 +348,8 @@ def _have_accelerator() -> bool:
 
 
 def _shared_array(shape: tuple[int, int], dtype: np.dtype) -> tuple[torch.Tensor, np.ndarray]:
-    """A tensor allocated directly in shared memory, and a numpy view of it to fill.
-
-    A worker's batch is sent to the training process by passing its storage's file descriptor; a tensor
-    in ordinary memory would first be copied into shared memory. ``default_collate`` allocates the same
-    way (``_new_shared``); fall back to a copy should that private call disappear.
-    """
+    """A tensor allocated in shared memory (as ``default_collate`` does), and a numpy view of it to fill:
+    sending it to the training process then copies nothing."""
     torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
     nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
     try:

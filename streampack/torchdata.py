@@ -1,18 +1,10 @@
 """torchdata's ``StatefulDataLoader`` over a :class:`~streampack.loader.Loader`, resuming from ITS state.
 
-Install with ``pip install 'streampack[torchdata]'``. ``StatefulDataLoader`` checkpoints a sampler that
-has ``state_dict()`` / ``load_state_dict()`` in the main process, at the very index each batch was made
-from, whatever its workers had prefetched. So the loader's order enters it as a sampler:
-
-* :class:`LoaderSampler` yields, for every batch still to come, the loader's state at that batch (a
-  small dict: the position and what it means), and its own state is the state after the last one it
-  yielded;
-* :class:`LoaderBatches` is a map-style dataset whose item at such a state is the loader's batch there
-  (this rank's rows, in the loader's output format, as tensors). A worker that receives a state of
-  another order (a mixture resumed with new weights) resumes its copy of the loader from it first.
-
-With ``batch_size=None`` the DataLoader hands each item out as one batch. :func:`stateful_dataloader`
-puts the two together::
+Install with ``pip install 'streampack[torchdata]'``. ``StatefulDataLoader`` checkpoints its sampler in
+the main process at the index each batch was made from, whatever the workers prefetched, so the loader's
+order enters it as a sampler: :class:`LoaderSampler` yields the loader's state at each batch to come, and
+:class:`LoaderBatches` maps such a state to the loader's batch there. :func:`stateful_dataloader` puts the
+two together::
 
     loader = streampack.Loader(seqs, batch_size=32, seed=0, rank=rank, world_size=world)
     data = streampack.torchdata.stateful_dataloader(loader, num_workers=2)
@@ -22,14 +14,10 @@ puts the two together::
     # later, in a new process: the same construction, then
     data.load_state_dict(torch.load(path)["data"])  # continues at the batch after the saved one
 
-Resuming needs the same ``num_workers`` (StatefulDataLoader's rule: its state holds one part per
-worker), and the DataLoader :func:`stateful_dataloader` returns refuses a state saved with another
-number, naming both (:class:`~streampack.errors.LoaderStateError`). The sampler state inside, under
-``_index_sampler_state``, is a plain loader state and resumes with any: load it into the ``Loader``, and
-make a new DataLoader of it with the new ``num_workers``. The sampler works the same with
-a plain ``torch.utils.data.DataLoader`` and accelerate's ``use_stateful_dataloader=True``. Checkpoint the
-DataLoader's state, not the ``Loader``'s: the sampler advances a copy of the loader, so the ``Loader``
-you passed in stays where it was.
+Resuming needs the same ``num_workers`` (torchdata's rule), and a state saved with another number is
+refused, naming both. The sampler's state inside it (``_index_sampler_state``) is a plain loader state,
+which resumes with any. Checkpoint the DataLoader's state, not the ``Loader``'s: the sampler advances a
+copy of the loader.
 """
 
 from __future__ import annotations
@@ -40,17 +28,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from streampack._checks import is_int
-from streampack.errors import LoaderStateError, MissingDependencyError, OptionsError
+from streampack.errors import LoaderStateError, OptionsError, extra_needed
 from streampack.loader import Loader
 from streampack.loader.state import LOADER_FORMAT, read_loader_state
 
-try:
+with extra_needed("streampack.torchdata", "PyTorch and torchdata", "torchdata"):
     import torch.utils.data as torch_data
     from torch.utils.data._utils.collate import default_convert
-except ImportError as error:  # pragma: no cover - depends on the environment
-    raise MissingDependencyError(
-        "streampack.torchdata needs PyTorch and torchdata: pip install 'streampack[torchdata]'"
-    ) from error
 
 __all__ = ["LoaderBatches", "LoaderSampler", "stateful_dataloader"]
 
@@ -59,7 +43,7 @@ class LoaderSampler(torch_data.Sampler):
     """Stateful sampler: the loader's state at each batch still to come, in schedule order.
 
     Its :meth:`state_dict` is the loader state after the last state it yielded, so a ``StatefulDataLoader``
-    (which snapshots its sampler when it hands out each batch's index) resumes at the next batch.
+    resumes at the next batch.
 
     Args:
         loader: the loader whose batches to schedule; it is copied, and the copy advances.
@@ -80,7 +64,7 @@ class LoaderSampler(torch_data.Sampler):
             yield state
 
     def __len__(self) -> int:
-        """Batches of the whole run (see :meth:`Loader.__len__`); ``TypeError`` for an endless run."""
+        """Batches of the whole run; ``TypeError`` for an endless run."""
         return len(self._loader)
 
     def state_dict(self) -> dict[str, Any]:
@@ -99,8 +83,9 @@ class LoaderSampler(torch_data.Sampler):
 class LoaderBatches(torch_data.Dataset):
     """Map-style dataset of a loader's batches: the item at a loader state is the batch it starts with.
 
-    Items are this rank's rows in the loader's output format (an array, or a dict of arrays), converted
-    to tensors; pass ``batch_size=None`` to the DataLoader so that each item is one batch.
+    Items are this rank's rows in the loader's output format, as tensors; pass ``batch_size=None`` to the
+    DataLoader so that each item is one batch. A worker given a state of another order (a mixture resumed
+    with new weights) resumes its copy of the loader from it first.
 
     Args:
         loader: the loader to read; each DataLoader worker gets a copy.
@@ -142,12 +127,11 @@ def stateful_dataloader(loader: Loader, **kwargs: Any) -> Any:
     Returns:
         ``StatefulDataLoader(LoaderBatches(loader), sampler=LoaderSampler(loader), batch_size=None,
         **kwargs)``, whose ``load_state_dict`` refuses a state saved with another ``num_workers``
-        (:class:`~streampack.errors.LoaderStateError`, naming both numbers) rather than fail at the next
-        ``iter()`` with torchdata's bare ``AssertionError``.
+        (:class:`~streampack.errors.LoaderStateError`) rather than fail later with a bare ``AssertionError``.
 
     Raises:
         MissingDependencyError: torchdata is not installed.
-        OptionsError: (a ValueError) a batching argument was given (the loader makes the batches).
+        OptionsError: a batching argument was given (the loader makes the batches).
     """
     for name in ("batch_size", "shuffle", "sampler", "batch_sampler", "collate_fn", "drop_last"):
         if name in kwargs:
@@ -162,12 +146,8 @@ def stateful_dataloader(loader: Loader, **kwargs: Any) -> Any:
 @functools.cache
 def _stateful_dataloader_class() -> type:
     """torchdata's ``StatefulDataLoader`` with its state's worker count checked on load (made once)."""
-    try:
+    with extra_needed("stateful_dataloader", "torchdata", "torchdata"):
         from torchdata.stateful_dataloader import StatefulDataLoader
-    except ImportError as error:
-        raise MissingDependencyError(
-            "stateful_dataloader needs torchdata: pip install 'streampack[torchdata]'"
-        ) from error
 
     class LoaderStatefulDataLoader(StatefulDataLoader):
         """A ``StatefulDataLoader`` that refuses a state saved with another ``num_workers``."""
@@ -182,14 +162,12 @@ def _stateful_dataloader_class() -> type:
 def _check_workers(state: object, num_workers: int) -> None:
     """Refuse a ``StatefulDataLoader`` state that a DataLoader with ``num_workers`` cannot resume.
 
-    torchdata resumes a state only with the number of workers that saved it: with workers, the state is
-    ``{"_snapshot": {"_main_snapshot": {"_num_workers": n, ...}, "_worker_snapshots": {one per worker},
-    ...}, ...}``; without, a flat dict with ``"_num_yielded"``. Another number fails inside torchdata
-    at the next ``iter()``, with a bare ``AssertionError``. An empty dict (no state) is let through.
+    With workers, torchdata's state is ``{"_snapshot": {"_main_snapshot": {"_num_workers": n, ...}, ...}}``;
+    without, a flat dict with ``"_num_yielded"``.
 
     Raises:
-        LoaderStateError: the state was saved with another ``num_workers`` (both are named, and what to do),
-            or it is a streampack loader state rather than the DataLoader's.
+        LoaderStateError: the state was saved with another ``num_workers``, or it is a streampack loader
+            state rather than the DataLoader's.
     """
     if not isinstance(state, Mapping) or not state:
         return

@@ -349,3 +349,47 @@ def test_build_flags_default_to_the_dataclasses_defaults() -> None:
     }
     spec, run = options_from_flags({**given, "progress": False})
     assert spec == CacheSpec() and run == RunOptions()
+
+
+@pytest.fixture
+def nanogpt_file(tmp_path: Path) -> Path:
+    """A headerless nanoGPT train.bin: its format, dtype and EOS are told, not read."""
+    import numpy as np
+
+    path = tmp_path / "train.bin"
+    np.array([5, 6, 0, 7, 0] * 20, dtype="<u2").tofile(path)
+    return path
+
+
+@pytest.mark.parametrize(("old", "new"), [("--from", "--format"), ("--token-dtype", "--dtype")])
+def test_an_old_source_flag_still_works_and_names_the_new_one(nanogpt_file: Path, old: str, new: str) -> None:
+    """Scripts written before the source flags took ``streampack.open``'s names keep working, warned."""
+    flags = {"--format": "nanogpt", "--dtype": "uint16"}
+    given = [arg for flag, value in flags.items() for arg in ((old if flag == new else flag), value)]
+    shown = run_cli("info", nanogpt_file, *given, "--eos-id", "0", "--json")
+    assert f"warning: {old} is deprecated; use {new}" in shown.stderr
+    assert json.loads(shown.stdout)["num_docs"] == 40
+
+
+@pytest.mark.parametrize(("old", "new"), [("--format", "--to"), ("--dtype", "--out-dtype")])
+def test_export_reads_its_old_output_flags_with_a_warning(tmp_path: Path, old: str, new: str) -> None:
+    """``export --format F --dtype D`` named what export writes before ``--to`` and ``--out-dtype``."""
+    from streampack.testing import write_random_cache
+
+    cache = write_random_cache(tmp_path / "c", 5000)
+    dtype = ["--dtype" if old == "--dtype" else "--out-dtype", "uint16"]
+    done = run_cli("export", cache, "--format", "nanogpt", *dtype, "--out", tmp_path / "ng", "--no-progress")
+    assert f"warning: export {old}" in done.stderr and f"use {new}" in done.stderr
+    assert "as nanogpt" in done.stdout and (tmp_path / "ng" / "train.bin").exists()
+    missing = run_cli("export", cache, "--out", tmp_path / "x", check=False)
+    assert missing.returncode == 2 and "--to" in missing.stderr
+
+
+def test_bench_workers_is_now_loader_workers(tmp_path: Path) -> None:
+    """``bench --workers`` meant DataLoader workers, which ``build --workers`` (processes) does not."""
+    from streampack.testing import write_random_cache
+
+    cache = write_random_cache(tmp_path / "c", 5000)
+    done = run_cli("bench", cache, "--seq-len", "8", "--batch-size", "4", "--steps", "2", "--workers", "0")
+    assert "warning: --workers is deprecated; use --loader-workers" in done.stderr
+    assert "throughput" in done.stdout

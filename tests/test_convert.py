@@ -91,11 +91,11 @@ def test_the_cli_converts_and_refuses_clearly(natural: streampack.Cache, tmp_pat
 def test_export_takes_another_formats_files_with_their_options(
     natural: streampack.Cache, tmp_path: Path
 ) -> None:
-    """``streampack export SOURCE`` of a Megatron pair: to datatrove, with ``--eos-id`` and ``--from``."""
+    """``streampack export SOURCE`` of a Megatron pair: to a cache, with ``--eos-id`` and ``--format``."""
     natural.export("megatron", tmp_path / "m")
     done = run_cli(
-        "export", str(tmp_path / "m"), "--from", "megatron", "--eos-id", "50256",
-        "--format", "streampack", "--out", str(tmp_path / "n"),
+        "export", str(tmp_path / "m"), "--format", "megatron", "--eos-id", "50256",
+        "--to", "streampack", "--out", str(tmp_path / "n"),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert streampack.open(tmp_path / "n").num_docs == natural.num_docs

@@ -108,7 +108,7 @@ def test_an_export_that_fills_the_disk_names_its_file_and_keeps_nothing(
     """An export is atomic: its message is not the build's (which keeps what it committed and resumes)."""
     for format, written in (("nanogpt", "ng/train.bin"), ("megatron", "ng.bin"), ("streampack", "ng/shards")):
         full = run_cli(
-            "export", exported_cache, "--format", format, "--out", small_filesystem / "ng", "--no-progress",
+            "export", exported_cache, "--to", format, "--out", small_filesystem / "ng", "--no-progress",
             check=False,
         )  # fmt: skip
         assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr
@@ -123,7 +123,7 @@ def test_an_export_that_fills_the_disk_names_its_file_and_keeps_nothing(
 
 def test_an_export_past_the_file_size_limit_names_its_file(exported_cache: Path, tmp_path: Path) -> None:
     limited = subprocess.run(
-        [sys.executable, "-m", "streampack", "export", str(exported_cache), "--format", "llmc",
+        [sys.executable, "-m", "streampack", "export", str(exported_cache), "--to", "llmc",
          "--out", str(tmp_path / "llmc"), "--no-progress"],
         capture_output=True, text=True, preexec_fn=lambda: _limit_file_size(1 << 20), timeout=120,
     )  # fmt: skip

@@ -602,7 +602,7 @@ def test_a_killed_export_leaves_nothing_a_reader_takes_then_a_rerun_completes(tm
         "streampack",
         "export",
         str(cache),
-        "--format",
+        "--to",
         "megatron",
         "--out",
         str(prefix),
@@ -622,7 +622,7 @@ def test_a_killed_export_leaves_nothing_a_reader_takes_then_a_rerun_completes(tm
     assert not prefix.with_suffix(".idx").exists() and not prefix.with_suffix(".bin").exists()
     with pytest.raises((FileNotFoundError, AssertionError)):
         indexed.IndexedDataset(str(prefix))
-    run_cli("export", cache, "--format", "megatron", "--out", prefix)
+    run_cli("export", cache, "--to", "megatron", "--out", prefix)
     assert not staging.exists()
     dataset = indexed.IndexedDataset(str(prefix))
     assert len(dataset) == 12 * 40
@@ -640,7 +640,7 @@ def test_a_durable_export_writes_the_same_files(natural: streampack.Cache, tmp_p
     done = run_cli(
         "export",
         natural.root,
-        "--format",
+        "--to",
         "datatrove",
         "--out",
         tmp_path / "dt",
@@ -654,20 +654,18 @@ def test_a_durable_export_writes_the_same_files(natural: streampack.Cache, tmp_p
 
 
 def test_cli_exports_megatron_and_hf(natural: streampack.Cache, tmp_path: Path) -> None:
-    done = run_cli("export", natural.root, "--format", "megatron", "--out", tmp_path / "m", "--no-progress")
+    done = run_cli("export", natural.root, "--to", "megatron", "--out", tmp_path / "m", "--no-progress")
     assert (
         f"exported {natural.num_docs:,} documents, {natural.num_tokens:,} tokens as megatron" in done.stdout
     )
     assert (tmp_path / "m.bin").stat().st_size == natural.num_tokens * 2
-    done = run_cli("export", natural.root, "--format", "hf", "--out", tmp_path / "hf", "--seq-len", "128")
+    done = run_cli("export", natural.root, "--to", "hf", "--out", tmp_path / "hf", "--seq-len", "128")
     assert "rows" in done.stdout and (tmp_path / "hf" / "data" / "train-00000-of-00001.parquet").exists()
-    again = run_cli("export", natural.root, "--format", "hf", "--out", tmp_path / "hf", check=False)
+    again = run_cli("export", natural.root, "--to", "hf", "--out", tmp_path / "hf", check=False)
     assert (
         again.returncode == 1 and "the destination exists" in again.stderr and "--overwrite" in again.stderr
     )
-    refused = run_cli(
-        "export", natural.root, "--format", "hf", "--out", tmp_path / "x", "--packed", check=False
-    )
+    refused = run_cli("export", natural.root, "--to", "hf", "--out", tmp_path / "x", "--packed", check=False)
     assert refused.returncode == 1 and "give seq_len" in refused.stderr
 
 

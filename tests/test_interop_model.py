@@ -827,7 +827,7 @@ def test_cli_export_convert_verify_of_a_real_uint32_sft_cache(
     source = Source(cache.vocab_size, cache.eos_id, cache.bos_id, [docs_of(cache)], [masks_of(cache) or []],
                     wide=True)  # fmt: skip
     dt, native = tmp_path / "dt", tmp_path / "dt-native"
-    run_cli("export", cache.root, "--format", "datatrove", "--out", dt, "--no-progress")
+    run_cli("export", cache.root, "--to", "datatrove", "--out", dt, "--no-progress")
     ids = ["--eos-id", str(CL100K_EOS), "--bos-id", str(CL100K_BOS)]
     run_cli("verify", dt, *ids)
     run_cli("convert", dt, "--out", native, "--shard-tokens", "300", "--no-progress", *ids)
@@ -836,9 +836,9 @@ def test_cli_export_convert_verify_of_a_real_uint32_sft_cache(
         assert converted.num_shards > 3
         assert_docs(docs_of(converted), source.docs, "datatrove, converted")
         assert_masks(masks_of(converted), source.doc_masks, "datatrove, converted")
-    refused = run_cli("export", cache.root, "--format", "llmc", "--out", tmp_path / "l", check=False)
+    refused = run_cli("export", cache.root, "--to", "llmc", "--out", tmp_path / "l", check=False)
     assert refused.returncode != 0 and "--drop-loss-mask" in refused.stderr
-    run_cli("export", cache.root, "--format", "llmc", "--out", tmp_path / "l", "--shard-tokens", "300",
+    run_cli("export", cache.root, "--to", "llmc", "--out", tmp_path / "l", "--shard-tokens", "300",
             "--drop-loss-mask", "--no-progress")  # fmt: skip
     run_cli("convert", tmp_path / "l", "--out", tmp_path / "l-native", "--no-progress")
     run_cli("verify", tmp_path / "l-native")

@@ -294,6 +294,7 @@ def test_two_torchrun_ranks_with_workers_consume_an_epoch_once(
 
 
 def test_cli_bench_with_workers_reports_each_worker(numbered: streampack.Cache) -> None:
-    out = run_cli("bench", numbered.root, "--seq-len", "8", "--batch-size", "4", "--workers", "2").stdout
+    args = ["--seq-len", "8", "--batch-size", "4", "--loader-workers", "2"]
+    out = run_cli("bench", numbered.root, *args).stdout
     memory = next(line for line in out.splitlines() if line.startswith("memory"))
     assert memory.count(" MB") == 3, out  # the main process and two workers

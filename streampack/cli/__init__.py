@@ -1,9 +1,7 @@
-"""The ``streampack`` command line: build, info, verify, upgrade, decode, export, convert, bench, mix, which,
-demo.
+"""The ``streampack`` command line.
 
-User errors print one line on stderr (no traceback) and exit 1, as do streampack's warnings (``warning:
-...``, the command going on); an interrupted build (Ctrl-C, or SIGTERM) says how to resume and exits 130
-(143 for SIGTERM).
+A user error prints one line on stderr (no traceback) and exits 1; streampack's warnings print one
+``warning:`` line; an interrupted command (Ctrl-C, SIGTERM) says how to resume and exits 130 (143).
 """
 
 from __future__ import annotations
@@ -59,9 +57,8 @@ SIGTERM_STATUS = 128 + signal.SIGTERM  # what a shell reports for a process that
 def main() -> None:
     """Console-script entry point.
 
-    SIGTERM (how Slurm, Kubernetes and ``kill`` stop a job) stops a command as Ctrl-C does: the command
-    unwinds, so a build stops its workers, releases its lock and leaves no shared-memory objects behind;
-    the exit status is 143 (128 + 15) for SIGTERM, 130 for Ctrl-C.
+    SIGTERM (how Slurm, Kubernetes and ``kill`` stop a job) stops a command as Ctrl-C does: it unwinds, so
+    a build stops its workers, releases its lock and leaves no shared memory behind.
     """
     terminated: list[bool] = []
     signal.signal(signal.SIGTERM, functools.partial(_interrupt_on_sigterm, terminated))
@@ -99,8 +96,7 @@ def _show_warning(
     file: TextIO | None = None,
     line: str | None = None,
 ) -> None:
-    """Print streampack's warnings as one ``warning:`` line on stderr, in the CLI's terms (``--eos-id``),
-    without the source line Python shows; others as ``python`` (the usual ``showwarning``) does."""
+    """Print streampack's warnings as one ``warning:`` line, in the CLI's terms; others as ``python`` does."""
     if issubclass(category, DocumentBoundaryWarning):
         click.echo(f"warning: {in_cli_terms(str(message))}", err=True)
     else:
@@ -118,7 +114,7 @@ def _run_command() -> tuple[int, str]:
         return e.exit_code, ""
     except StreampackError as e:
         return 1, f"error: {in_cli_terms(str(e))}"
-    except OSError as e:  # one the library did not turn into a StreampackError: still one line, with the file
+    except OSError as e:  # not turned into a StreampackError: still one line, with the file
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             message = str(disk_error(e, Path(e.filename or "?")))
         else:

@@ -1,5 +1,4 @@
-"""``python -m streampack.cli``: the ``streampack`` command, as ``python -m streampack`` runs it but for the
-early load of a build's tokenizer (:mod:`streampack.__main__`), which this package's imports come before."""
+"""``python -m streampack.cli``: the ``streampack`` command, without the early tokenizer load."""
 
 from streampack.cli import main
 

@@ -1,11 +1,10 @@
-"""``streampack build``: tokenize a corpus into a token cache, and the summary it prints.
-
-Library messages name Python parameters; :func:`in_cli_terms` shows them as this command's flags (the
-``streampack`` group uses it for every error it prints).
+"""``streampack build``: tokenize a corpus into a token cache, and the summary it prints; and
+:func:`in_cli_terms`, which shows the Python parameters library messages name as the CLI's flags.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import sys
 from collections.abc import Callable, Mapping
@@ -24,37 +23,43 @@ def _same(value: Any) -> Any:
     return value
 
 
+_SPEC_FIELDS = frozenset(f.name for f in dataclasses.fields(CacheSpec))
+Owner = type[CacheSpec] | type[RunOptions]
+
+
 @dataclass(frozen=True)
 class Flag:
     """One option of ``build``: the :class:`CacheSpec` or :class:`RunOptions` field it sets, and how.
 
-    The option's default is the field's (through ``shown``), and a ``Literal`` field's choices are its
-    type's: neither is written twice, so the command cannot drift from the dataclasses. The click parameter
-    is named after the field.
+    Its default and a ``Literal`` field's choices come from the dataclasses, so the command cannot drift
+    from them.
 
     Attributes:
-        owner: the class the field is on.
-        field: the field's name.
-        decls: the option's flags, as click takes them (``"--tokenizer", "-t"``).
+        field: the field's name, which names the click parameter (and the flag, unless ``decls`` does).
         help: the text ``--help`` shows.
-        type: the click type (default: a choice of a ``Literal`` field's values, else what the default is).
+        decls: the option's flags, where they are not ``--field-name`` (``"--tokenizer", "-t"``).
+        type: the click type (default: a ``Literal`` field's choices, else what the default is).
         is_flag: a flag without a value (``--bos``).
         metavar: what ``--help`` shows for the value.
         hidden: left out of ``--help`` (tuning knobs).
-        shown: the field's default as the option's default (``--unit-mb`` counts MB).
+        shown: the field's default as the option's (``--unit-mb`` counts MB).
         value: the option's value as the field's (``--no-eos`` gives ``eos=False``).
     """
 
-    owner: type[CacheSpec] | type[RunOptions]
     field: str
-    decls: tuple[str, ...]
     help: str | None = None
+    decls: tuple[str, ...] = ()
     type: click.ParamType | None = None
     is_flag: bool = False
     metavar: str | None = None
     hidden: bool = False
     shown: Callable[[Any], Any] = _same
     value: Callable[[Any], Any] = _same
+
+    @property
+    def owner(self) -> Owner:
+        """The class the field is on."""
+        return CacheSpec if self.field in _SPEC_FIELDS else RunOptions
 
     def option(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """The ``click.option`` decorator of this flag."""
@@ -65,7 +70,7 @@ class Flag:
             if allowed and all(isinstance(a, str) for a in allowed):  # a Literal of strings
                 kind = click.Choice(list(allowed))
         return click.option(
-            *self.decls,
+            *(self.decls or ("--" + self.field.replace("_", "-"),)),
             self.field,
             type=kind,
             is_flag=self.is_flag or None,  # None: click reads --a/--no-a as a flag
@@ -78,191 +83,128 @@ class Flag:
 
 
 _MB = 1 << 20
+_POSITIVE = click.IntRange(min=1)
 
 #: The options of ``build`` in the order ``--help`` lists them, one per field of CacheSpec and RunOptions
 #: but those in NO_FLAG.
 FLAGS = [
     Flag(
-        CacheSpec,
         "tokenizer",
-        ("--tokenizer", "-t"),
         "'bytes'; a tokenizer.json path or folder; or tiktoken:DIR/NAME.tiktoken, with NAME.json beside it "
         "holding 'pat_str' and 'special_tokens'.",
+        ("--tokenizer", "-t"),
     ),
     Flag(
-        CacheSpec,
         "special_tokens",
-        ("--special-tokens",),
         "text: special-token strings in documents (e.g. <|endoftext|>) are plain text; parse: their ids.",
     ),
     Flag(
-        RunOptions,
         "workers",
-        ("--workers", "-j"),
         "Worker processes [default: one per 8 cores for tokenizer.json, one per core otherwise].",
-        type=click.IntRange(min=1),
+        ("--workers", "-j"),
+        type=_POSITIVE,
     ),
     Flag(
-        RunOptions,
         "threads",
-        ("--threads",),
         "Tokenizer threads per worker [default: the cores divided among the workers].",
-        type=click.IntRange(min=1),
+        type=_POSITIVE,
     ),
-    Flag(CacheSpec, "text_field", ("--text-field",), "JSON key / Parquet column of the text."),
+    Flag("text_field", "JSON key / Parquet column of the text."),
+    Flag("split_lines", "One document per line of .txt inputs (default: per file).", is_flag=True),
     Flag(
-        CacheSpec,
-        "split_lines",
-        ("--split-lines",),
-        "One document per line of .txt inputs (default: per file).",
-        is_flag=True,
-    ),
-    Flag(
-        CacheSpec,
         "fields",
-        ("--fields",),
         "SFT: build each document from these fields, each tokenized on its own; all but the last are the "
         "prompt (no loss), the last and the EOS are the target. Writes a loss mask beside each shard.",
         metavar="A,B,...",
         value=lambda names: None if names is None else tuple(f.strip() for f in names.split(",")),
     ),
     Flag(
-        CacheSpec,
         "chat",
-        ("--chat",),
         "SFT: build each document from the list of {role, content} messages in FIELD, rendered with the "
         "chat template of the tokenizer_config.json beside the tokenizer.json; the assistant turns and the "
         "EOS are the target. Writes a loss mask beside each shard (needs jinja2: pip install "
         "'streampack[chat]').",
         metavar="FIELD",
     ),
+    Flag("eos_id", "EOS id to append [default: the tokenizer's].", type=click.IntRange(min=0)),
     Flag(
-        CacheSpec,
-        "eos_id",
-        ("--eos-id",),
-        "EOS id to append [default: the tokenizer's].",
-        type=click.IntRange(min=0),
-    ),
-    Flag(
-        CacheSpec,
         "eos",
-        ("--no-eos",),
         "Append no EOS after documents.",
+        ("--no-eos",),
         is_flag=True,
         shown=operator.not_,
         value=operator.not_,
     ),
     Flag(
-        CacheSpec,
         "bos",
-        ("--bos",),
         "Put the tokenizer's BOS id before every document (the bos_token of a tokenizer_config.json beside "
         "the tokenizer.json, else an added token like <s> or <|begin_of_text|>).",
         is_flag=True,
     ),
+    Flag("bos_id", "Put this BOS id before every document.", type=click.IntRange(min=0)),
     Flag(
-        CacheSpec,
-        "bos_id",
-        ("--bos-id",),
-        "Put this BOS id before every document.",
-        type=click.IntRange(min=0),
-    ),
-    Flag(
-        RunOptions,
         "allow_new_ids",
-        ("--allow-new-ids",),
         "Allow an --eos-id or --bos-id outside the tokenizer's vocabulary (the cache's vocab_size grows "
         "past it); without it such an id is refused.",
         is_flag=True,
     ),
     Flag(
-        RunOptions,
         "on_bad_record",
-        ("--on-bad-record",),
         "error: stop at the first bad record (what was committed stays); skip: skip and count them.",
     ),
+    Flag("overwrite", "Delete the existing cache in --out and start over.", is_flag=True),
     Flag(
-        RunOptions,
-        "overwrite",
-        ("--overwrite",),
-        "Delete the existing cache in --out and start over.",
-        is_flag=True,
-    ),
-    Flag(
-        RunOptions,
         "progress",
-        ("--progress/--no-progress",),
         "Progress bar [default: when stderr is a tty].",
+        ("--progress/--no-progress",),
         shown=lambda _: None,  # decided when the command runs
         value=lambda shown: sys.stderr.isatty() if shown is None else shown,
     ),
     Flag(
-        CacheSpec,
         "unit_bytes",
-        ("--unit-mb",),
         "Split large uncompressed JSONL and Parquet inputs into work units of this size.",
-        type=click.IntRange(min=1),
+        ("--unit-mb",),
+        type=_POSITIVE,
         shown=lambda size: size >> 20,
         value=lambda mb: mb << 20,
     ),
+    Flag("executor", "local: a process pool here; ray: Ray tasks on a cluster (--out on shared storage)."),
+    Flag("ray_address", "Ray cluster address [default: a running one, else a new local one]."),
     Flag(
-        RunOptions,
-        "executor",
-        ("--executor",),
-        "local: a process pool here; ray: Ray tasks on a cluster (--out on shared storage).",
-    ),
-    Flag(
-        RunOptions,
-        "ray_address",
-        ("--ray-address",),
-        "Ray cluster address [default: a running one, else a new local one].",
-    ),
-    Flag(
-        RunOptions,
         "tokenizer_engine",
-        ("--tokenizer-engine",),
         "What computes the token ids (the same ids whichever): auto picks fastokens where it is installed "
         "(a dependency where it has wheels) and proven to reproduce the tokenizer exactly in this "
         "special-token mode, else the tokenizer's own library (tokenizers for a tokenizer.json, tiktoken for "
         "tiktoken:); build and info say which ran and why.",
     ),
     Flag(
-        RunOptions,
         "verify_tokens",
-        ("--verify-tokens",),
         "When another engine than the tokenizer's own library computes the ids, re-encode with the latter "
         "and stop at the first difference: sample (the first 20 records and 0.1% of the rest), all, none.",
     ),
     Flag(
-        RunOptions,
         "staging_dir",
-        ("--staging-dir",),
         "With --out URL: local directory the shards are built in before upload [default: one per URL "
         "under the temp directory].",
         type=click.Path(file_okay=False),
     ),
     Flag(
-        CacheSpec,
         "max_piece_chars",
-        ("--max-piece-chars",),
         "Tokenize longer documents in pieces of at most N characters "
         "[default: 100000 where cuts at spaces provably keep the tokenizer's tokens, else 1000000].",
-        type=click.IntRange(min=1),
+        type=_POSITIVE,
     ),
     Flag(
-        RunOptions,
         "profile",
-        ("--profile",),
         "After the summary, print where the time went: timings in seconds (read, parse, encode, write, "
         "...) summed over the worker processes.",
         is_flag=True,
     ),
-    Flag(RunOptions, "batch_chars", ("--batch-chars",), type=click.IntRange(min=1), hidden=True),
-    Flag(RunOptions, "commit_seconds", ("--commit-seconds",), type=click.FloatRange(min=0), hidden=True),
+    Flag("batch_chars", type=_POSITIVE, hidden=True),
+    Flag("commit_seconds", type=click.FloatRange(min=0), hidden=True),
     Flag(
-        RunOptions,
         "commit_bytes",
-        ("--commit-mb",),
+        decls=("--commit-mb",),
         type=click.FloatRange(min=0),
         hidden=True,
         shown=lambda size: size / _MB,
@@ -284,11 +226,8 @@ def _flags(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def options_from_flags(given: Mapping[str, Any]) -> tuple[CacheSpec, RunOptions]:
-    """The :class:`CacheSpec` and :class:`RunOptions` the options of ``build`` (by field name) give.
-
-    Raises:
-        OptionsError: a value the dataclasses refuse.
-    """
+    """The :class:`CacheSpec` and :class:`RunOptions` the options of ``build`` (by field name) give;
+    :class:`OptionsError` for a value the dataclasses refuse."""
     values: dict[type, dict[str, Any]] = {CacheSpec: {}, RunOptions: {}}
     for flag in FLAGS:
         values[flag.owner][flag.field] = flag.value(given[flag.field])
@@ -342,7 +281,6 @@ def build(inputs: tuple[str, ...], out: str, **given: Any) -> None:
         click.echo(render_timings(summary.timings, summary.seconds, summary.workers))
 
 
-# Library messages name Python parameters; the CLI shows them as its flags.
 _CLI_TERMS = {
     'on_bad_record="skip"': "--on-bad-record skip",
     "overwrite=True": "--overwrite",

@@ -34,7 +34,7 @@ def demo(out: str, workers: int | None) -> None:
 
 
 def stdlib_sources() -> list[Path]:
-    """The standard library's top-level ``.py`` files, sorted: a few MB of real text on every machine."""
+    """The standard library's top-level ``.py`` files: a few MB of real text on every machine."""
     return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
 
 

@@ -14,9 +14,7 @@ from streampack.interop import export as export_cache
 
 @click.command()
 @click.argument("cache_dir")
-@click.option(
-    "--format", "format_", required=True, type=click.Choice(list(FORMATS)), help="The format to write."
-)
+@click.option("--to", type=click.Choice(list(FORMATS)), help="The format to write (required).")
 @click.option(
     "--out",
     "dest",
@@ -31,7 +29,7 @@ from streampack.interop import export as export_cache
 @click.option("--val", type=float, help="nanogpt: hold out this fraction of the documents into val.bin.")
 @click.option("--split-seed", type=int, help="nanogpt: which documents --val holds out.")
 @click.option(
-    "--dtype", help="megatron: optimal (default), cache, uint16 or int32; nanogpt: uint16 or cache."
+    "--out-dtype", help="megatron: optimal (default), cache, uint16 or int32; nanogpt: uint16 or cache."
 )
 @click.option("--shard-tokens", type=int, help="llmc: tokens a shard holds (default 10^8, at most 2^31 - 1).")
 @click.option(
@@ -47,17 +45,17 @@ from streampack.interop import export as export_cache
     "leaves no destination a reader takes as whole.",
 )
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-@source_options
+@source_options(loose=True)
 def export(
     cache_dir: str,
-    format_: str,
+    to: str | None,
     dest: str,
     overwrite: bool,
     seq_len: int | None,
     packed: bool,
     val: float | None,
     split_seed: int | None,
-    dtype: str | None,
+    out_dtype: str | None,
     shard_tokens: int | None,
     hf_files: str | None,
     drop_loss_mask: bool,
@@ -70,16 +68,25 @@ def export(
     Formats: megatron (DEST.bin + DEST.idx), llmc (llm.c / modded-nanogpt shards), nanogpt (train.bin),
     datatrove (.ds files), olmo (OLMo-core numpy files), hf (Parquet / save_to_disk), mds (MosaicML),
     streampack (a native cache, as `convert` writes). CACHE_DIR may hold another format's files too (see
-    `convert`).
+    `convert`): --format, --dtype and the other source options describe them.
     """
     from streampack.reader import open as open_cache
+
+    if to is None:  # a script from when --format and --dtype named what export writes
+        if source["source_format"] is None:
+            raise click.UsageError("Missing option '--to': the format to write.")
+        click.echo("warning: export --format FORMAT is deprecated; use --to FORMAT", err=True)
+        to, source["source_format"] = source["source_format"], None
+        if source["source_dtype"] is not None:
+            click.echo("warning: export --dtype is deprecated; use --out-dtype", err=True)
+            out_dtype, source["source_dtype"] = source["source_dtype"], None
 
     given: dict[str, Any] = {
         "seq_len": seq_len,
         "packed": packed or None,
         "val": int(val) if val is not None and val >= 1 and float(val).is_integer() else val,
         "split_seed": split_seed,
-        "dtype": dtype,
+        "dtype": out_dtype,
         "shard_tokens": shard_tokens,
         "files": hf_files,
         "drop_loss_mask": drop_loss_mask or None,
@@ -88,7 +95,7 @@ def export(
     with open_cache(cache_dir, **declared(**source)) as opened:
         done = export_cache(
             opened,
-            format_,
+            to,
             dest,
             overwrite=overwrite,
             progress=False if no_progress else None,
@@ -97,7 +104,7 @@ def export(
         )
     click.echo(
         f"exported {done.rows:,} {'rows' if seq_len else 'documents'}, {done.num_tokens:,} tokens as "
-        f"{format_} to {dest} ({len(done.files)} files)"
+        f"{to} to {dest} ({len(done.files)} files)"
     )
 
 
@@ -110,7 +117,7 @@ def export(
 )
 @click.option("--durable", is_flag=True, help="fsync every file before the move into place.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
-@source_options
+@source_options()
 def convert(
     source: str,
     out: str,

@@ -1,5 +1,4 @@
-"""``streampack info``, ``verify``, ``upgrade`` and ``decode``: look at a cache; :func:`cache_stats`, the
-figures ``info`` prints, with their summaries."""
+"""``streampack info``, ``verify``, ``upgrade`` and ``decode``: look at a cache."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from streampack.tokenizer.preload import TIKTOKEN_PREFIX
 @click.command()
 @click.argument("cache_dir", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-@source_options
+@source_options()
 def info(cache_dir: str, as_json: bool, **source: Any) -> None:
     """Describe the cache in CACHE_DIR: documents, tokens, shards, tokenizer, document lengths. CACHE_DIR
     may hold another format's token files (a Megatron prefix, llm.c, datatrove, OLMo or MDS shards...)."""
@@ -88,8 +87,8 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
 
 
 def _no_target_docs(cache: Cache) -> int:
-    """Documents with no target token (every ``output="dict"`` label ``-100``, whatever the ``seq_len``):
-    in an SFT cache, e.g. a conversation without an assistant turn built without EOS. Reads the masks."""
+    """Documents with no target token (every ``output="dict"`` label ``-100``): in an SFT cache, e.g. a
+    conversation without an assistant turn built without EOS."""
     from streampack.samples.packing import has_target
 
     count = 0
@@ -103,14 +102,14 @@ def _no_target_docs(cache: Cache) -> int:
 
 
 def _engines_summary(engines: list[EngineRecord]) -> str:
-    """Which engines computed the ids (over the runs of a resumed build), why, and how they were verified."""
+    """Which engines computed the ids, why, and how they were verified."""
     if not engines:
         return "not recorded"
     return "; then ".join(engine_summary(e) for e in engines)
 
 
 def _sft_summary(manifest: Manifest) -> str:
-    """What an SFT build made its documents of, and that its shards carry a loss mask."""
+    """What an SFT build made its documents of."""
     fields, chat = manifest.settings.fields, manifest.settings.chat
     if fields:
         return f"fields {', '.join(fields)} (loss on {fields[-1]} and EOS; loss mask: yes)"
@@ -127,7 +126,7 @@ def _inputs_read(inputs: Sequence[InputRecord]) -> str:
 
 
 def _ignored_summary(ignored: IgnoredInputs) -> str:
-    """Entries under the input directories and globs that were not read, by reason."""
+    """Entries of the input directories and globs that were not read, by reason."""
     if not ignored.count:
         return "none"
     reasons = ", ".join(f"{n:,} {reason}" for reason, n in ignored.by_reason.items())
@@ -146,7 +145,7 @@ def _cuts_summary(manifest: Manifest) -> str:
 
 @click.command()
 @click.argument("cache_dir", type=click.Path())
-@source_options
+@source_options()
 def verify(cache_dir: str, **source: Any) -> None:
     """Check every file of the cache in CACHE_DIR (or every object under a URL: read from object storage,
     never from a local copy): checksums, offsets, token ids, EOS and BOS, ledger, plans; list anything
@@ -241,13 +240,9 @@ def decode(
 
 
 def _decoder(cache: Cache, given: str | None) -> Tokenizer:
-    """The tokenizer ``given``, else the one that built ``cache`` if its file is still the same; refused
-    where the cache records none (another format's files, a cache converted from them or written from
-    arrays), rather than guessed: the bytes tokenizer would print other ids as mojibake.
-
-    The manifest records the tokenizer's spec as the build was given it (a relative path is taken from the
-    directory the build ran in) and the sha256 of its definition: a file edited since would decode the
-    ids into other text, silently. A tokenizer given explicitly is used whatever its hash, with a warning.
+    """The tokenizer ``given``, else the one that built ``cache`` if its file is unchanged (its sha256):
+    an edited file would decode the ids into other text, silently. Refused where the cache records none,
+    rather than guessed. A tokenizer given is used whatever its hash, with a warning.
     """
     built_with = cache.manifest.tokenizer
     spec = given or built_with.spec or ("bytes" if built_with.kind == "bytes" else None)

@@ -1,5 +1,4 @@
-"""The pictures of ``streampack audit --plot`` and ``streampack mix --plot``, drawn with matplotlib (the
-``plot`` extra), into a PNG file."""
+"""The pictures of ``streampack audit --plot`` and ``mix --plot``, drawn into a PNG with matplotlib."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from typing import Any
 import click
 import numpy as np
 
-from streampack.errors import MissingDependencyError
+from streampack.errors import extra_needed
 
 __all__ = ["plot_audit", "plot_mix", "plot_option"]
 
@@ -25,27 +24,17 @@ def plot_option(what: str) -> Callable[[Any], Any]:
 
 
 def _pyplot() -> Any:
-    try:
+    with extra_needed("--plot", "matplotlib", "plot"):
         import matplotlib
 
         matplotlib.use("Agg")  # a file, never a window: this runs in terminals and on clusters
         import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise MissingDependencyError(
-            "--plot draws with matplotlib: pip install 'streampack[plot]'"
-        ) from error
     return plt
 
 
 def plot_audit(report: Any, loaders: list[Any], path: str | Path) -> None:
-    """Coverage per source and epoch (served once, twice, skipped), and each source's cursor over the
-    run's steps with the resumes marked, into ``path``.
-
-    Args:
-        report: the :class:`~streampack.loader.audit.AuditReport`.
-        loaders: the loader of each of its legs (:func:`streampack.loader.audit.leg_loaders`).
-        path: the PNG file to write.
-    """
+    """Draw coverage per source and epoch, and each source's cursor over the run's steps with the resumes
+    marked, into ``path``; ``loaders`` are those of the report's legs."""
     plt = _pyplot()
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(10, 8))
     for source in report.sources:
@@ -87,8 +76,8 @@ def plot_audit(report: Any, loaders: list[Any], path: str | Path) -> None:
 
 
 def plot_mix(loader: Any, end: int, path: str | Path) -> None:
-    """Each source's weight in force and its realised share over the positions ``[0, end]`` of a
-    mixture's run (the loader's order: a resumed one holds its schedule so far), into ``path``."""
+    """Draw each source's weight in force and realised share over the positions ``[0, end]`` of a mixture's
+    run into ``path``."""
     plt = _pyplot()
     order = loader.order
     batch = loader.options.batch_size

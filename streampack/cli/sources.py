@@ -1,5 +1,6 @@
-"""The options of the commands that read another format's token files: what ``streampack.open`` may be
-told that those files do not say (:class:`streampack.interop.reading.ForeignOptions`)."""
+"""Options several commands share: what ``streampack.open`` may be told that another format's token files
+do not say (:class:`streampack.interop.reading.ForeignOptions`), under its keywords' names; and the old
+names of renamed flags, kept working."""
 
 from __future__ import annotations
 
@@ -13,34 +14,68 @@ from streampack.interop.reading import READERS
 F = TypeVar("F", bound=Callable[..., Any])
 #: The formats streampack reads.
 SOURCE_FORMATS = list(READERS)
+SOURCE_DTYPES = ["uint16", "uint32"]
 
 
-def source_options(command: F) -> F:
-    """The options that tell ``streampack.open`` what another format's files do not say."""
+def old_flag(old: str, new: str, name: str, **kwargs: Any) -> Callable[[F], F]:
+    """A hidden option ``old``, the name a flag had before it became ``new``: scripts that use it keep
+    working, with a one-line warning naming ``new``. Its value goes to the parameter ``name``."""
+
+    def warn(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is not None:
+            click.echo(f"warning: {old} is deprecated; use {new}", err=True)
+        return value
+
+    return click.option(old, name, hidden=True, callback=warn, **kwargs)
+
+
+def source_options(*, loose: bool = False) -> Callable[[F], F]:
+    """The options that tell ``streampack.open`` what another format's files do not say.
+
+    Args:
+        loose: take any ``--format`` and ``--dtype`` (``open`` checks them): ``export`` reads its old
+            spellings, where they named what it writes.
+    """
+    formats = None if loose else click.Choice(SOURCE_FORMATS)
+    dtypes = None if loose else click.Choice(SOURCE_DTYPES)
     options = [
-        click.option("--from", "source_format", type=click.Choice(SOURCE_FORMATS),
-                     help="The format of the source's files (recognised from them by default)."),
+        click.option("--format", "source_format", type=formats,
+                     help="Source: the format of its files (recognised from them by default)."),
+        old_flag("--from", "--format", "old_from", type=click.Choice(SOURCE_FORMATS)),
         click.option("--eos-id", type=int, help="Source: the id that ends every document (nanoGPT, OLMo)."),
         click.option("--bos-id", type=int, help="Source: the id that starts every document (llm.c's)."),
-        click.option("--token-dtype", type=click.Choice(["uint16", "uint32"]),
-                     help="Source: the token dtype of headerless files (nanoGPT, OLMo)."),
+        click.option("--dtype", "source_dtype", type=dtypes,
+                     help="Source: the token dtype of headerless files (nanoGPT, OLMo): uint16 or uint32."),
+        old_flag("--token-dtype", "--dtype", "old_token_dtype", type=click.Choice(SOURCE_DTYPES)),
         click.option("--tokenizer", help="Source: the tokenizer its ids are of (mixtures check it)."),
         click.option("--vocab-size", type=int, help="Source: every id is below it."),
     ]  # fmt: skip
-    for option in reversed(options):
-        command = option(command)
-    return command
+
+    def decorate(command: F) -> F:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
 
 
 def declared(
     source_format: str | None,
+    old_from: str | None,
     eos_id: int | None,
     bos_id: int | None,
-    token_dtype: str | None,
+    source_dtype: str | None,
+    old_token_dtype: str | None,
     tokenizer: str | None,
     vocab_size: int | None,
 ) -> dict[str, Any]:
     """The keywords of ``streampack.open`` the source options gave."""
-    given = {"format": source_format, "eos_id": eos_id, "bos_id": bos_id, "dtype": token_dtype}
-    given.update(tokenizer=tokenizer, vocab_size=vocab_size)
+    given = {
+        "format": source_format or old_from,
+        "eos_id": eos_id,
+        "bos_id": bos_id,
+        "dtype": source_dtype or old_token_dtype,
+        "tokenizer": tokenizer,
+        "vocab_size": vocab_size,
+    }
     return {key: value for key, value in given.items() if value is not None}

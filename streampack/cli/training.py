@@ -1,5 +1,4 @@
-"""``streampack bench``, ``mix`` and ``which``: the loader's side of a run, timed, planned and traced back
-to the input lines."""
+"""``streampack bench``, ``mix`` and ``which``: a run's loader, timed, planned and traced to input lines."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import Any
 import click
 
 from streampack.cli.plots import plot_option
-from streampack.cli.sources import declared, source_options
+from streampack.cli.sources import declared, old_flag, source_options
 from streampack.errors import StreampackError
 from streampack.reader import open as open_cache
 
@@ -29,7 +28,7 @@ _SHUFFLE_WINDOW = click.option(
 
 
 def _shuffle(no_shuffle: bool, block: int | None, window: int | None) -> Any:
-    """What ``shuffle=`` the loader options given on the command line mean."""
+    """The ``shuffle=`` of the loader options given on the command line."""
     from streampack.order.blockshuffle import BlockShuffle
 
     if block is None and window is None:
@@ -45,8 +44,11 @@ def _shuffle(no_shuffle: bool, block: int | None, window: int | None) -> Any:
 @click.option("--seq-len", type=click.IntRange(min=1), required=True, help="Tokens per sample.")
 @click.option("--batch-size", type=click.IntRange(min=1), required=True, help="Global batch size.")
 @click.option(
-    "--workers", type=click.IntRange(min=0), default=0, show_default=True, help="DataLoader workers (torch)."
+    "--loader-workers",
+    type=click.IntRange(min=0),
+    help="DataLoader worker processes (torch) [default: 0, the loader alone].",
 )
+@old_flag("--workers", "--loader-workers", "old_workers", type=click.IntRange(min=0))
 @click.option("--steps", type=click.IntRange(min=1), default=200, show_default=True, help="Batches to time.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Shuffle seed.")
 @_SHUFFLE_BLOCK
@@ -62,7 +64,8 @@ def bench(
     cache_dir: str,
     seq_len: int,
     batch_size: int,
-    workers: int,
+    loader_workers: int | None,
+    old_workers: int | None,
     steps: int,
     seed: int,
     shuffle_block: int | None,
@@ -71,9 +74,11 @@ def bench(
 ) -> None:
     """Time the shuffled loader on CACHE_DIR: samples/s, tokens/s and memory per process.
 
-    With --workers N the batches go through streampack.torch.DataLoader (needs the torch extra).
+    With --loader-workers N the batches go through streampack.torch.DataLoader (needs the torch extra).
     """
     from streampack.loader import Loader
+
+    workers = loader_workers if loader_workers is not None else old_workers or 0
 
     cache = open_cache(cache_dir)
     try:
@@ -105,7 +110,7 @@ def bench(
 
 
 def _time_batches(batches: Any, steps: int) -> dict[str, Any]:
-    """Draw one batch (timed apart: startup), then ``steps`` more; read the memory of every process."""
+    """Time one batch (startup), then ``steps`` more; read the memory of every process."""
     import time
 
     start = time.perf_counter()
@@ -276,7 +281,7 @@ def mix(
     help="A YAML/JSON file whose exclude: list the run was given (a mixture config's own is read too).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-@source_options
+@source_options()
 def which(
     data: str,
     seq_len: int | None,
@@ -364,8 +369,8 @@ def _run_loader(
     source: dict[str, Any],
     exclude_path: str | None = None,
 ) -> Any:
-    """The Loader of a run over a cache directory or a mixture config, as ``which`` was told it, with the
-    config's exclusions, then ``exclude_path``'s."""
+    """The Loader of a run over a cache or a mixture config, as ``which`` was told it, with the config's
+    exclusions, then ``exclude_path``'s."""
     from streampack.loader import Loader
     from streampack.loader.mixconfig import load_mixture, mixture_exclusions
 
@@ -397,11 +402,8 @@ def _check_agrees_with_config(
     seed: int | None,
     shuffle: tuple[bool, int | None, int | None],
 ) -> None:
-    """Refuse run settings given on the command line that contradict the mixture config's own.
-
-    A config sets its samples' length, overlap, seed and shuffle itself; the same values given again (as
-    a script that passes them for a cache does) are accepted.
-    """
+    """Refuse run settings on the command line that contradict the mixture config's own (the same values
+    given again are accepted)."""
     from streampack.order.blockshuffle import shuffle_fingerprint
 
     first = next(iter(mixture.sources.values()))

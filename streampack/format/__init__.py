@@ -9,21 +9,9 @@ A cache is a directory::
     shards/NNNNNN.mask     SFT builds only: uint8 loss mask, one byte per token (1: a training target)
     build.lock             present while a build runs (holds its pid)
 
-docs/FORMAT.md documents every field; everything can be read with numpy and json alone.
-
-The package is pure (it imports nothing of streampack's but :mod:`streampack.errors`), one module per idea:
-
-* :mod:`~streampack.format.names`: keys, directory and shard names, the token dtype rule, checksum text;
-* :mod:`~streampack.format.manifest`: :class:`Manifest` and its shard table, to and from JSON;
-* :mod:`~streampack.format.record`: :class:`~streampack.format.record.Section`, a JSON object as a typed
-  record that writes back the JSON it was read from;
-* :mod:`~streampack.format.sections`: the manifest's other sections as typed records (tokenizer, EOS and
-  BOS policies, settings, inputs, engines, skipped inputs) that write back the JSON they were read from;
-* :mod:`~streampack.format.ledger`: :class:`~streampack.format.ledger.LedgerEntry`, one ledger entry;
-* :mod:`~streampack.format.identity`: what identifies a build (resume, follow).
-
-Reading and writing these files through a store is :mod:`streampack.store.files`'s. This module re-exports
-the names it always held (pickles name ``streampack.format.Manifest`` and ``streampack.format.ShardTable``).
+docs/FORMAT.md documents every field; everything can be read with numpy and json alone. The package is
+pure (it imports nothing of streampack's but :mod:`streampack.errors`); reading and writing these files
+through a store is :mod:`streampack.store.files`'s.
 """
 
 from __future__ import annotations

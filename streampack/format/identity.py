@@ -1,8 +1,5 @@
 """The identity of a build: what a resumed build must share with the cache it continues
-(:func:`build_identity`), and what a follower compares to tell that a cache is still the output of the
-same build (:func:`build_digest`).
-
-Pure functions of a :class:`~streampack.format.manifest.Manifest`.
+(:func:`build_identity`), and what tells a follower a cache is still the same build's (:func:`build_digest`).
 """
 
 from __future__ import annotations
@@ -15,12 +12,9 @@ from streampack.format.manifest import Manifest, inputs_json
 
 
 def build_identity(manifest: Manifest) -> dict[str, Any]:
-    """What a resumed build must share with the cache, one setting per key (the tokenizer by its hash:
-    the same tokenizer may be named by another path). Settings that a cache written before they existed
-    lacks read as their defaults, which is what such a build did.
-
-    Computed from the sections' JSON, as written: a key a later version added (an extra of a section) is
-    compared too."""
+    """What a resumed build must share with the cache, one setting per key (the tokenizer by its hash: it
+    may be named by another path). Computed from the sections' JSON, so a key a later version added is
+    compared too; settings older caches lack read as what such a build did."""
     tokenizer = {k: v for k, v in manifest.tokenizer.to_json().items() if k != "spec"}
     settings = {k: v for k, v in manifest.settings.to_json().items() if k != "tokenizer"}
     for key, value in _LATER_SETTINGS.items():
@@ -36,9 +30,8 @@ _LATER_SETTINGS: dict[str, Any] = {"bos": False, "bos_id": None, "fields": None,
 
 
 def build_digest(manifest: Manifest) -> str:
-    """What identifies a build's output, the same while it runs, once complete and after a resume: what a
-    resumed build must share with it (:func:`build_identity`), its inputs
-    and work units."""
+    """What identifies a build's output, the same while it runs, once complete and after a resume: its
+    :func:`build_identity`, inputs and work units."""
     fields = {
         "identity": build_identity(manifest),
         "inputs": inputs_json(manifest.inputs),

@@ -1,7 +1,5 @@
-"""The manifest: :class:`Manifest` and its shard table (:class:`ShardTable`, :class:`ShardInfo`), and
-parsing and serialising them to and from the JSON objects ``manifest.json`` holds (docs/FORMAT.md).
-
-Pure: reading and writing ``manifest.json`` through a store is :mod:`streampack.store.files`'s.
+"""The manifest: :class:`Manifest` and its shard table (:class:`ShardTable`, :class:`ShardInfo`), to and
+from the JSON objects ``manifest.json`` holds (docs/FORMAT.md). Pure: no file is read here.
 """
 
 from __future__ import annotations
@@ -69,12 +67,11 @@ _CRC_COLUMNS = ("tokens_crc32", "offsets_crc32", "mask_crc32")
 
 @dataclass(frozen=True, eq=False)
 class ShardTable:
-    """The manifest's shard table as columns: one array per field, element ``i`` for shard ``i``.
+    """The manifest's shard table as columns: element ``i`` of each array is shard ``i``'s.
 
-    Shard ``i`` is named :func:`shard_name` ``(i)`` and was written by work unit ``i`` (described by the
-    manifest's ``units[i]``), so neither is stored. A checksum column is None where none was recorded (a
-    synthetic cache, the committed prefix of an unfinished build); ``mask_crc32`` is also None when the
-    cache has no loss mask. Opening 10^5 shards makes a few arrays, not 10^5 Python objects.
+    Shard ``i`` is named :func:`shard_name` ``(i)`` and was written by work unit ``i``, so neither is
+    stored. A checksum column is None where none was recorded (a synthetic cache, the committed prefix of
+    an unfinished build, no loss mask). Opening 10^5 shards makes a few arrays, not 10^5 objects.
 
     Attributes:
         num_docs: documents per shard (int64).
@@ -117,12 +114,8 @@ class ShardTable:
 
     @classmethod
     def from_rows(cls, rows: Sequence[ShardInfo]) -> ShardTable:
-        """The columns of a row table (a version 1 manifest's, or a build's).
-
-        Raises:
-            ValueError: a checksum is neither ``crc32:xxxxxxxx`` nor empty, or some shards have one and
-                others not.
-        """
+        """The columns of a row table (a build's); ValueError for a checksum neither ``crc32:xxxxxxxx`` nor
+        empty, or where some shards have one and others not."""
         return cls(
             np.array([r.num_docs for r in rows], dtype=np.int64),
             np.array([r.num_tokens for r in rows], dtype=np.int64),
@@ -176,8 +169,7 @@ class ShardTable:
         return h.hexdigest()[:16]
 
     def version_1_digest(self) -> str:
-        """The digest streampack took before version 2 (SHA-256 of the rows' JSON): builds one list per
-        shard, so it is computed only to recognise a checkpoint saved then."""
+        """Format version 1's digest (SHA-256 of the rows' JSON), to recognise a checkpoint saved then."""
         rows = [
             [shard_name(i), docs, tokens, _crc_text(self.tokens_crc32, i), _crc_text(self.offsets_crc32, i)]
             for i, (docs, tokens) in enumerate(zip(self.num_docs.tolist(), self.num_tokens.tolist()))
@@ -231,8 +223,8 @@ def _hex_column(raw: dict[str, Any], name: str, count: int) -> np.ndarray | None
 class Manifest:
     """The parsed ``manifest.json`` of a cache.
 
-    ``complete`` is false while a build runs (or after it was interrupted): the shard table is then empty
-    and the committed prefix is described by the ledger.
+    ``complete`` is false while a build runs or after it was interrupted: the shard table is then empty,
+    and the ledger describes the committed prefix.
     """
 
     tokenizer: TokenizerInfo
@@ -249,8 +241,7 @@ class Manifest:
     ignored_inputs: IgnoredInputs = field(default_factory=IgnoredInputs)
     bos: BosPolicy = NO_BOS
     loss_mask: bool = False  # an SFT build: every shard has a .mask file
-    # Informational, not compared on resume (every engine gives the same ids): the engines that computed
-    # the ids, one entry per distinct engine and verification over the runs that built the cache.
+    # The engines that computed the ids over the runs (informational: every engine gives the same ids).
     engines: list[EngineRecord] = field(default_factory=list)
 
     @property
@@ -273,19 +264,8 @@ class Manifest:
         """Tokens in the complete cache."""
         return int(self.table.num_tokens.sum())
 
-    def build_config(self) -> dict[str, Any]:
-        """The settings a resumed build must share with this cache."""
-        return {
-            "tokenizer": self.tokenizer.to_json(),
-            "dtype": self.dtype,
-            "eos": self.eos.to_json(),
-            "bos": self.bos.to_json(),
-            "settings": self.settings.to_json(),
-        }
-
     def to_json(self) -> dict[str, Any]:
-        """The JSON document written to ``manifest.json`` (which
-        :func:`streampack.store.files.write_manifest` adds a checksum to)."""
+        """The JSON document of ``manifest.json``, its checksum left to the writer."""
         return {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
@@ -327,8 +307,6 @@ def parse_manifest(raw: Any, path: str) -> Manifest:
         raise CacheError(f"{path}: malformed manifest ({type(e).__name__}: {e})") from None
 
 
-# ------------------------------------------------------------------------------------ manifest checksum
-
 # The top-level fields of the manifests written before the checksum: such a manifest is accepted without
 # one, but any other field there (e.g. "checksum" with a flipped bit) means damage.
 _FIELDS_BEFORE_CHECKSUM = frozenset(
@@ -340,11 +318,8 @@ _FIELDS_BEFORE_CHECKSUM = frozenset(
 
 
 def _check_manifest_checksum(path: str, raw: Any) -> None:
-    """Refuse a manifest whose content differs from what its checksum covers.
-
-    The shard files' checksums cover the data, and this one everything else (inputs, settings, the
-    tokenizer's hash, the shard table), so that no damage to the manifest goes unnoticed.
-    """
+    """Refuse a manifest whose content differs from its checksum, which covers everything the shard files'
+    checksums do not (inputs, settings, the tokenizer's hash, the shard table)."""
     if not isinstance(raw, dict):
         return  # _parse_manifest refuses it
     if "checksum" not in raw:
@@ -416,7 +391,7 @@ def _parse_manifest(raw: Any, path: str) -> Manifest:
 
 
 def _table_of_rows(raw: Any, masked: bool) -> ShardTable:
-    """A version 1 shard table (a list of rows) as columns, checked as version 1 was, a column at a time."""
+    """A version 1 shard table (a list of rows) as columns, checked a column at a time."""
     if not isinstance(raw, list) or not all(isinstance(row, dict) for row in raw):
         raise ValueError("shards must be a list of rows in a version 1 manifest")
     names = [row["name"] for row in raw]

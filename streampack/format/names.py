@@ -1,7 +1,5 @@
 """The names of a cache's files and the small rules every file follows: keys, directory and shard names,
 the token dtype rule, and checksum text (docs/FORMAT.md).
-
-Pure: nothing here reads or writes a file (that is :mod:`streampack.store.files`'s).
 """
 
 from __future__ import annotations
@@ -89,8 +87,8 @@ def checked_shard_name(name: object) -> str:
 
 
 def _crc32_function() -> Callable[..., int]:
-    """ISA-L's CRC-32 where the ``isal`` package is installed (carry-less multiply instructions: about ten
-    times zlib's 3 GB/s on this machine's x86_64), else zlib's: the same function, the same values."""
+    """ISA-L's CRC-32 where ``isal`` is installed (about ten times zlib's 3 GB/s on x86_64), else zlib's:
+    the same values."""
     try:
         found: Callable[..., int] = importlib.import_module("isal.isal_zlib").crc32
         return found
@@ -109,10 +107,7 @@ def checksum_text(crc: int) -> str:
 
 def content_checksum(doc: dict[str, Any]) -> str:
     """CRC-32 of a JSON object's canonical form (sorted keys, no whitespace), its ``checksum`` field left
-    out: the checksum of a manifest, a ledger entry and a plan's ``plan.json``.
-
-    Computed over the parsed values, not the file's bytes, so that it does not depend on the layout.
-    """
+    out: the checksum of a manifest, a ledger entry and a ``plan.json``, whatever the file's layout."""
     content = {key: value for key, value in doc.items() if key != "checksum"}
     return checksum_text(zlib.crc32(orjson.dumps(content, option=orjson.OPT_SORT_KEYS)))
 

@@ -1,13 +1,10 @@
-"""A JSON object of the manifest as a typed record: :class:`Section`, the base of the manifest's sections
-(:mod:`streampack.format.sections`), with the kinds of value its keys hold.
+"""A JSON object of the manifest as a typed record: :class:`Section`, the base of the manifest's sections.
 
-A section is a frozen dataclass, one field per key (declared with :func:`key`, which says the key's
-:class:`Kind`, whether it is required, and whether a section made in code leaves it out while it holds its
-default). :meth:`Section.from_json` checks a JSON object once, a missing or mistyped key a
-:class:`~streampack.errors.CacheError` naming the file and the key; :meth:`Section.to_json` gives back the
-object it was read from, keys absent, unknown (:attr:`Section.extra`) or in their order included.
-
-Pure: imports nothing of streampack's but :mod:`streampack.errors`.
+A section is a frozen dataclass with one field per key, declared with :func:`key` (its :class:`Kind`,
+whether it is required, whether a section made in code leaves it out at its default).
+:meth:`Section.from_json` checks a JSON object once, naming the file and the key of what is wrong;
+:meth:`Section.to_json` gives back the object it was read from, absent, unknown and ordered keys
+included, so what is computed from it (the build identity) keeps its value.
 """
 
 from __future__ import annotations
@@ -26,8 +23,6 @@ __all__ = ["Kind", "Section", "key"]
 
 S = TypeVar("S", bound="Section")
 
-# ------------------------------------------------------------------------------------- the value checks
-
 
 @dataclass(frozen=True)
 class Kind:
@@ -38,8 +33,7 @@ class Kind:
     accepts: Callable[[Any], bool]
     parse: Callable[[Any, str, str], Any] | None = None
     dump: Callable[[Any], Any] | None = None
-    # Types whose every value is accepted: checked by ``type(value) in exact`` before ``accepts`` is called,
-    # which spares a call per key (a manifest may list 10^5 inputs). JSON gives values of exactly these.
+    # Types whose every value is accepted, checked before ``accepts``: a call spared per key of 10^5 inputs.
     exact: frozenset[type] = frozenset()
     at_least: int | None = None  # integers (not bools) from this one up are accepted too
 
@@ -123,9 +117,6 @@ def key(kind: Kind, default: Any = dataclasses.MISSING, *, required: bool = Fals
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=metadata, hash=False)
     return field(default=default, metadata=metadata)
-
-
-# ----------------------------------------------------------------------------------------- the base
 
 
 @dataclass(frozen=True)

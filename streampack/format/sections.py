@@ -2,19 +2,10 @@
 :class:`BosPolicy`, :class:`BuildSettings`, :class:`InputRecord`, :class:`EngineRecord` and
 :class:`IgnoredInputs` (docs/FORMAT.md describes each).
 
-Each has ``from_json`` (validating: a missing or mistyped field is a :class:`~streampack.errors.CacheError`
-naming the file and the field) and ``to_json``, which gives back exactly the JSON object it was read from:
-the same keys in the same order, a key absent stays absent, and keys this version does not know (written
-by a later one) are kept, in :attr:`Section.extra`. A section made in code writes the JSON the builder has
-always written. So a manifest read and written again keeps its bytes, and what is computed from its JSON
-(the build identity, :mod:`streampack.format.identity`) keeps its values.
-
-Why records and not the dicts that used to stand here: a consumer reads ``manifest.tokenizer.vocab_size``,
-checked once at the door, instead of ``manifest.tokenizer["vocab_size"]`` at every use, where a missing key
-is a ``KeyError`` far from the file.
-
-Pure: imports nothing of streampack's but :mod:`streampack.errors` and the base of the records,
-:mod:`streampack.format.record`.
+Each is checked once when read (a missing or mistyped field is a :class:`~streampack.errors.CacheError`
+naming the file and the field), and writes back exactly the JSON it was read from (see
+:mod:`streampack.format.record`), so a manifest read and written again keeps its bytes and its build
+identity.
 """
 
 from __future__ import annotations
@@ -56,9 +47,6 @@ __all__ = [
     "TokenizerInfo",
     "Verification",
 ]
-
-
-# ---------------------------------------------------------------------------------------- the sections
 
 
 @dataclass(frozen=True)
@@ -154,9 +142,8 @@ class BosPolicy(Section):
 class BuildSettings(Section):
     """The manifest's ``settings``: the build's :class:`~streampack.CacheSpec`, recorded whole.
 
-    A cache written before a setting existed lacks its key: the field then holds the value such a build
-    had (``special_tokens``: None, not recorded), and the key stays absent when the section is written.
-    A cache written from arrays (:mod:`streampack.testing`) records none of them.
+    A key a cache written before its setting existed lacks reads as the value such a build had, and stays
+    absent when the section is written again.
     """
 
     tokenizer: str | None = key(STR, None, omit=True)  # None: not recorded
@@ -281,11 +268,7 @@ class IgnoredInputs(Section):
 
 class InputRecords(Sequence[InputRecord]):
     """The manifest's ``inputs``: their JSON objects, checked as a whole when read, each an
-    :class:`InputRecord` when asked for.
-
-    Why not a list of records: a cache may be built from 10^5 files, and opening it would make 10^5 objects
-    that few readers look at (a resumed build, ``which``, ``info``); the objects are kept as read, and
-    written back as they are.
+    :class:`InputRecord` when asked for (a cache of 10^5 files need not make 10^5 records to open).
     """
 
     def __init__(self, raws: list[dict[str, Any]]) -> None:
@@ -336,11 +319,7 @@ class InputRecords(Sequence[InputRecord]):
 
 
 def sections_of(raw: Any, cls: type[S], *, where: str, name: str) -> tuple[S, ...]:
-    """A JSON list of ``cls`` sections (``inputs``, ``engines``).
-
-    Raises:
-        CacheError: ``raw`` is not a list of such objects.
-    """
+    """A JSON list of ``cls`` sections (``engines``); a :class:`CacheError` if it is not one."""
     if not isinstance(raw, list):
         raise CacheError(malformed(where, f"{name} must be a list of objects (got {shown(raw)})"))
     return tuple(cls.from_json(item, where=where, name=f"{name}[{i}]") for i, item in enumerate(raw))

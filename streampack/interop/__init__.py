@@ -1,7 +1,7 @@
 """A streampack cache in the token formats of the other ecosystems.
 
 ``streampack.interop.export(cache, "megatron", "out/corpus")`` (or ``cache.export(...)``, or
-``streampack export CACHE --format megatron --out out/corpus``) writes the cache's documents in one of:
+``streampack export CACHE --to megatron --out out/corpus``) writes the cache's documents in one of:
 
 =========== ============================================================ ==================================
 format      what is written                                              read by

@@ -177,7 +177,7 @@ def check_fits(cache: Cache, shard: int, chunk: np.ndarray, start: int, dtype: n
         f"tokens (at most {info.max:,}): written, it would read as {int(np.array(value).astype(dtype)):,}. "
         f"The cache declares a vocabulary of {cache.vocab_size:,} ids, which its files do not keep to "
         "(`streampack verify` lists every such id). The export stopped and kept nothing: fix the files, or "
-        'export with a dtype that holds the id (dtype="cache", --dtype cache: the cache\'s own)'
+        'export with a dtype that holds the id (dtype="cache", --out-dtype cache: the cache\'s own)'
     )
 
 

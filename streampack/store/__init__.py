@@ -1,28 +1,19 @@
 """Where a cache's bytes live and how they become durable: the storage seam.
 
 Everything above this module names a cache's files by *key*, a ``/``-separated path relative to the
-cache (``manifest.json``, ``ledger/000003.json``, ``shards/000003.tokens``), and asks a store to read a
-range, map an array, publish an object atomically, list, or lock. :class:`Store` is that contract;
-:class:`LocalStore` is a directory on a POSIX filesystem and holds every POSIX detail of the package:
+cache (``manifest.json``, ``shards/000003.tokens``), and asks a store to read a range, map an array,
+publish an object atomically, list, or lock. :class:`Store` is that contract; :class:`LocalStore`, a
+directory on a POSIX filesystem, holds every POSIX detail of the package:
 
 * publishing is write to ``KEY.tmp``, ``fsync``, ``rename``, ``fsync`` of the directory;
-* a shard is *appended in place* (:class:`AppendFile`): appended to from its committed length, fsynced
-  by the writer before the ledger entry that covers it is published, and flocked while written;
-* reading maps files with ``mmap`` (a plain ndarray view, so slicing stays as cheap as a bare array);
+* a shard is appended in place (:class:`AppendFile`) from its committed length, fsynced before the
+  ledger entry that covers it is published, and flocked while written;
+* reading maps files with ``mmap``;
 * the build lock is an ``flock``ed file, emptied and never deleted.
 
-This is today's commit protocol unchanged, byte for byte: only where the code lives moved. A store for
-object storage would differ underneath the same keys: it has no append, rename, fsync, flock or mmap, so
-it publishes a shard once finished (staged locally, then uploaded), publishes ledger entries then the
-manifest with conditional puts, and serves :meth:`Store.map_array` from a bounded local copy.
-
-Reading and writing the manifest and the ledger's entries through a store is
-:mod:`streampack.store.files`'s.
-
-A cache is named by a URI (:func:`open_store`): a plain path or a ``file://`` URI is a local store; a
-cache in object storage is read through a bounded local copy (:mod:`streampack.store.localcopy`).
-:class:`CacheRef` (the URI plus the digest of the shard table) is what picklable views of a cache carry,
-so that a copy unpickled elsewhere reopens the same cache and can tell whether it changed.
+A cache in object storage is read through a bounded local copy (:mod:`streampack.store.localcopy`).
+:class:`CacheRef` is what picklable views of a cache carry to reopen it elsewhere and tell whether it
+changed.
 """
 
 from __future__ import annotations
@@ -54,73 +45,49 @@ _CHECKSUM_CHUNK = 16 << 20
 class Store(Protocol):
     """Where the files of one cache live, addressed by key (``"shards/000003.tokens"``).
 
-    The operations every kind of store can offer: a local directory implements them with POSIX files,
-    an object store with ranged GETs and (conditional) PUTs. Writing shards by appending is not part of
-    the contract: a local store appends to them in place (:meth:`LocalStore.append_file`); a remote one would
-    publish each finished shard whole.
+    What every kind of store offers: a local directory with POSIX files, an object store with ranged GETs
+    and PUTs. Appending to shards is not part of it: only a local store appends in place.
     """
 
     @property
     def uri(self) -> str:
-        """The store's address, absolute (``file:///data/cache``), for reopening it in another process."""
-        ...
+        """The store's absolute address (``file:///data/cache``), for reopening it in another process."""
 
     def describe(self, key: str) -> str:
         """How messages name ``key`` (a path for a local store)."""
-        ...
 
     def exists(self, key: str) -> bool:
         """Whether an object ``key`` exists."""
-        ...
 
     def size(self, key: str) -> int:
-        """Size in bytes of ``key``. Raises FileNotFoundError when it does not exist."""
-        ...
+        """Size in bytes of ``key``; FileNotFoundError when it does not exist."""
 
     def read(self, key: str, start: int = 0, stop: int | None = None) -> bytes:
         """Bytes ``[start, stop)`` of ``key`` (to its end when ``stop`` is None)."""
-        ...
 
     def read_json(self, key: str, *, what: str) -> Any:
-        """A small JSON object, refused with a :class:`CacheError` naming ``what`` when absent, oversized
-        or malformed."""
-        ...
+        """A small JSON object; a :class:`CacheError` naming ``what`` when absent, oversized or malformed."""
 
     def map_array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         """The first ``count`` items of ``key`` as a read-only array (a memory map where possible)."""
-        ...
 
     def put_atomic(self, key: str, data: bytes) -> None:
-        """Publish ``data`` as ``key``: readers see the old object or the new one, never a part; durable
-        when this returns."""
-        ...
+        """Publish ``data`` as ``key`` durably: readers see the old object or the new one, never a part."""
 
     def list(self, prefix: str) -> list[str]:
         """The names of the objects directly under ``prefix`` (a folder key), sorted."""
-        ...
 
     def list_sizes(self, prefix: str) -> dict[str, int]:
-        """The size of every object directly under ``prefix``, by name (one listing, not one call per
-        object: an object store's LIST returns sizes too)."""
-        ...
+        """The size of every object directly under ``prefix``, by name, in one listing."""
 
     def lock(self, key: str) -> AbstractContextManager[object]:
-        """An exclusive lock named ``key`` held for a ``with`` block, where the store can lock.
-
-        Raises:
-            BuildLockedError: another live process holds it.
-        """
-        ...
+        """An exclusive lock named ``key`` for a ``with`` block, where the store can lock
+        (:class:`BuildLockedError` when another live process holds it)."""
 
 
 def encode_json(obj: Any) -> bytes:
     """The bytes a cache's JSON files hold: indented, keys sorted, one final newline."""
     return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
-
-
-def put_json(store: Store, key: str, obj: Any) -> None:
-    """Publish ``obj`` as the JSON object ``key`` (see :meth:`Store.put_atomic`)."""
-    store.put_atomic(key, encode_json(obj))
 
 
 def is_remote(where: object) -> bool:
@@ -133,9 +100,8 @@ def is_remote(where: object) -> bool:
 
 @dataclass(frozen=True)
 class Expected:
-    """What the local copy of a shard file must be: its length, and its checksum (``crc32:…``; empty when
-    the cache records none, e.g. a unit an unfinished build has not published whole); ``version`` tells
-    apart the objects of one key and size that record no checksum (another format's files: their ETag)."""
+    """What the local copy of a shard file must be: its length and checksum (``crc32:…``, or empty where
+    none is recorded); ``version`` tells apart unchecksummed objects of one key and size (their ETag)."""
 
     size: int
     checksum: str
@@ -149,25 +115,22 @@ class LocalStore:
         root: the cache directory, as the caller named it (messages show paths under it unchanged).
     """
 
-    #: Whether its shard files are copies fetched from object storage, checked (size, checksum) as they
-    #: are fetched (:class:`streampack.store.localcopy.CachedStore`): a reader then checks none itself.
+    #: Whether its shard files are copies fetched (and checked) from object storage: readers check none.
     fetches_copies = False
-    #: Batches ahead a loader fetches the shard files of (object storage only): none for local files.
+    #: Batches ahead a loader fetches the shard files of: none for local files.
     prefetch_steps = 0
 
     def expect(self, files: Mapping[str, Expected]) -> None:
-        """Record what each shard file must be, for a store that fetches copies; local files: nothing."""
+        """Record what each shard file must be, for a store that fetches copies; nothing here."""
 
     def on_pressure(self, release: Callable[[], None]) -> None:
-        """Have ``release`` (a bound method that drops maps its object keeps) called when another read
-        needs their room: a bounded copy of object storage does; local files never need it."""
+        """Have ``release`` called when a bounded local copy needs the room of kept maps; never here."""
 
     def forget_pressure(self, release: Callable[[], None]) -> None:
         """Take back what :meth:`on_pressure` registered."""
 
     def reopen_options(self) -> dict[str, Any]:
-        """The arguments of :func:`streampack.open`, beside the path, that reopen this cache as it was
-        opened: none for local files."""
+        """The :func:`streampack.open` keywords that reopen this cache as it was opened: none here."""
         return {}
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
@@ -209,7 +172,7 @@ class LocalStore:
             return f.read() if stop is None else f.read(max(0, stop - start))
 
     def read_json(self, key: str, *, what: str) -> Any:
-        """Read a small JSON file; refuse an oversized, non-regular or malformed one (:class:`CacheError`)."""
+        """Read a small JSON file; a :class:`CacheError` for an oversized, non-regular or malformed one."""
         path = self.path(key)
         try:
             with open(path, "rb") as f:
@@ -231,8 +194,7 @@ class LocalStore:
         """A read-only memory map of the first ``count`` items of ``key``, as a plain ndarray view."""
         if count == 0:
             return np.zeros(0, dtype=dtype)
-        # A plain ndarray view of the map (which it keeps alive): slicing an np.memmap costs a subclass round
-        # trip per slice, which shows in a batch of many small windows.
+        # A plain ndarray view: slicing an np.memmap costs a subclass round trip per slice.
         return np.memmap(self.path(key), dtype=dtype, mode="r", shape=(count,)).view(np.ndarray)
 
     def put_atomic(self, key: str, data: bytes) -> None:
@@ -254,11 +216,8 @@ class LocalStore:
     def list_sizes(self, prefix: str) -> dict[str, int]:
         """The size of every file in the folder ``prefix``, by name (none when it does not exist).
 
-        One ``scandir`` and one ``lstat`` per file, with no ``Path`` objects: 100,000 shards are listed in
-        a fraction of a second. A symlink is followed only once it is known to stay inside the cache.
-
-        Raises:
-            CacheError: a symlink in the folder resolves outside the cache.
+        One ``scandir`` and one ``lstat`` per file: 100,000 shards list in a fraction of a second. A
+        symlink is followed only once it is known to stay inside the cache (else a :class:`CacheError`).
         """
         sizes = {}
         try:
@@ -278,8 +237,6 @@ class LocalStore:
     def lock(self, key: str) -> FileLock:
         """The ``flock`` of the file ``key`` (see :class:`FileLock`)."""
         return FileLock(self.path(key))
-
-    # ------------------------------------------------------------------- local only: appending in place
 
     def makedirs(self, key: str = "") -> None:
         """Create the folder ``key`` (the cache directory itself by default) and its parents."""
@@ -306,13 +263,10 @@ class LocalStore:
         return crc32_file(self.path(key), length)
 
     def refuse_outside(self, key: str, *, links_only: bool = False) -> None:
-        """Refuse ``key`` if it resolves outside the cache directory (a symlink pointing out).
+        """Refuse ``key`` (:class:`CacheError`) if it resolves outside the cache directory.
 
         With ``links_only``, only a symlink is resolved: a plain file in a folder already checked cannot
-        lead out, and one ``lstat`` per file (rather than a ``realpath`` walk) opens 10,000 shards fast.
-
-        Raises:
-            CacheError: ``key`` resolves outside the cache.
+        lead out, and one ``lstat`` (not a ``realpath`` walk) per file opens 10,000 shards fast.
         """
         path = self.path(key)
         if links_only and not os.path.islink(path):
@@ -325,11 +279,7 @@ class LocalStore:
 
 
 def open_store(where: str | os.PathLike[str] | LocalStore) -> LocalStore:
-    """The store a cache address names: a path or a ``file://`` URI (a local store).
-
-    Raises:
-        CacheError: another scheme (object storage is not supported for caches yet).
-    """
+    """The local store a path or a ``file://`` URI names; a :class:`CacheError` for another scheme."""
     if isinstance(where, LocalStore):
         return where
     if isinstance(where, os.PathLike):
@@ -354,15 +304,14 @@ class CacheRef:
     """What names one cache wherever it is reopened: its store's URI and the digest of its shard table.
 
     Picklable views of a cache (``PackedSequences``, ``grain.DocumentSource``) carry this, never the
-    open cache; reopening checks that the digest still matches
-    (``streampack.samples.refs.reopen_unchanged``).
+    open cache; reopening checks that the digest still matches.
 
     Attributes:
-        uri: the store's URI (``file:///abs/path`` for a local cache, the URL of one in object storage).
+        uri: the store's URI (``file:///abs/path``, or the URL of a cache in object storage).
         content: the digest of the shard table when the view was made.
         allow_incomplete: reopen the committed part of a build that had not finished.
-        reading: the :func:`streampack.open` options that reopen it as it was: the same local copy of
-            object storage (storage options: never in its repr), or what another format's files declared.
+        reading: the :func:`streampack.open` keywords that reopen it as it was (never in its repr: they
+            may hold storage credentials).
     """
 
     uri: str
@@ -372,22 +321,17 @@ class CacheRef:
 
     @property
     def local_path(self) -> str:
-        """The absolute local path of the cache (for messages and ``PackedSequences.path``); the URL of a
-        cache in object storage."""
+        """The absolute local path of the cache; the URL of a cache in object storage."""
         if not self.uri.startswith("file:"):
             return self.uri
         return str(open_store(self.uri).root)
 
 
-# ------------------------------------------------------------------------------ POSIX primitives
-
-
 class AppendFile:
     """A shard file of a local store being appended to in place, from its committed length.
 
-    Opening truncates any uncommitted tail a crash left behind; :meth:`sync` is the writer's fsync
-    before a ledger entry names the bytes. Every write error becomes a :class:`WriteError` that says what
-    to do (see :func:`disk_error`).
+    Opening truncates any uncommitted tail a crash left behind; :meth:`sync` is the writer's fsync before
+    a ledger entry names the bytes. A write error is a :class:`WriteError` that says what to do.
 
     Raises:
         CacheError: the file is shorter than its committed length (damaged after it was written).
@@ -398,18 +342,14 @@ class AppendFile:
         self.path = path
         self.created = not path.exists()
         self._file = _open_at(path, length)
-        # The CRC-32 of what is appended, kept as it is written (a file started afresh needs no read-back
-        # for its checksum); None for a file resumed from a committed length, read back when asked.
+        # The CRC-32 so far, for a file started afresh; None for a resumed one (read back when asked).
         self._crc: int | None = 0 if length == 0 else None
 
     def lock(self) -> None:
-        """Hold an exclusive ``flock`` on the file while writing it, so that no two processes ever do.
+        """Hold an exclusive ``flock`` on the file while writing it (:class:`WriteError` if another holds it).
 
-        The build lock keeps builds apart; this also covers a worker that outlived a killed build (a Ray
-        task, or a pool worker still starting when its coordinator died) while the rerun resumes its unit.
-
-        Raises:
-            WriteError: another process holds it (the file is closed).
+        The build lock keeps builds apart; this also keeps out a worker that outlived a killed build (a Ray
+        task, a pool worker still starting) while the rerun resumes its unit.
         """
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -448,7 +388,7 @@ class AppendFile:
             raise disk_error(e, self.path) from None
 
     def close(self) -> None:
-        """Close the file (what was not synced may be lost in a crash; the ledger does not name it)."""
+        """Close the file (what was not synced may be lost in a crash; no ledger entry names it)."""
         self._file.close()
 
 

@@ -1,14 +1,8 @@
-"""The files of a bounded local copy: verified downloads, the bound (reservation, eviction), pinning maps.
+"""The files of a bounded local copy: verified downloads, the bound (reservation, eviction), pinned maps.
 
-The rules these keep are :mod:`streampack.store.localcopy`'s (its module docstring): a download is
-written under a temporary name reserved at its full size, checked against its size and CRC-32
-(:func:`download`); room is made under ``space.lock`` by evicting the least recently used copies that no
-one maps (:class:`LocalCopy`); and a map holds a shared ``flock`` on its copy for as long as it lives
-(:func:`map_pinned`), which keeps it from eviction.
-
-The copies this process maps are counted in a process-wide table (how many live maps of each path):
-what only this process can release. Its entries follow the maps' lifetimes (a weakref finalizer per
-map), which may outlive the store that made them.
+The rules are :mod:`streampack.store.localcopy`'s. The copies this process maps are counted in a
+process-wide table (live maps per path, each dropped by a weakref finalizer of its map): what only this
+process can release.
 """
 
 from __future__ import annotations
@@ -67,14 +61,8 @@ class LocalCopy:
         keep: frozenset[Path],
     ) -> bool | None:
         """Download the object ``key`` of ``remote`` into its verified copy ``path``, unless another
-        process did while this one waited for the file's lock (one download per file).
-
-        Returns:
-            Whether this call downloaded it; None when ``wait`` is false and there was no room.
-
-        Raises:
-            CacheError: as :meth:`~streampack.store.localcopy.CachedStore.fetch` says.
-        """
+        process did while this one waited for the file's lock: whether this call downloaded it (None when
+        ``wait`` is false and there was no room). Raises as :meth:`CachedStore.fetch` does."""
         with flocked(self.root / "locks" / path.name):
             if path.exists():  # another process fetched it while this one waited for the lock
                 return False
@@ -84,8 +72,7 @@ class LocalCopy:
                 return None
             try:
                 download(remote, key, expected, fd)
-                # Under the space lock: a scan that counts the files must not list the part and then
-                # find it gone (renamed), missing the file under both names.
+                # Under the space lock: a scan must not miss the file under both its names.
                 with flocked(self.root / "space.lock"):
                     os.replace(part, path)
             except BaseException:
@@ -174,12 +161,8 @@ class LocalCopy:
 
 
 def download(remote: RemoteStore, key: str, expected: Expected, fd: int) -> None:
-    """Write the object's first ``expected.size`` bytes at the start of ``fd``, checking the size and
-    the checksum.
-
-    Raises:
-        CacheError: the object is missing, or of another size or checksum than ``expected``.
-    """
+    """Write the object's first ``expected.size`` bytes at the start of ``fd``; a :class:`CacheError`
+    when it is missing, or of another size or checksum than ``expected``."""
     crc = 0
     done = 0
     # A final file's last GET asks for one byte more: an object longer than the manifest says is
@@ -223,9 +206,9 @@ def blocks(size: int) -> int:
 
 
 def map_pinned(path: Path, nbytes: int, size: int) -> mmap.mmap | None:
-    """A read-only map of ``path`` holding a shared lock on it until the map is closed (the map keeps a
-    duplicate of the descriptor, which shares the lock); None when the file was evicted meanwhile, or was
-    not of its verified ``size`` (damaged since its download: deleted, to be fetched again)."""
+    """A read-only map of ``path`` that holds a shared lock on it while it lives (the map's duplicate of the
+    descriptor shares the lock); None when the file was evicted meanwhile, or is not of its verified
+    ``size`` (then deleted, to be fetched again)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:

@@ -1,8 +1,7 @@
 """Reading and writing a cache's JSON files through a store: the manifest and the ledger's entries.
 
-What these files hold, and how they are checked, is the format's (:mod:`streampack.format.manifest`,
-:mod:`streampack.format.ledger`); this module only moves their bytes, through any :class:`Store`. Every
-function takes the cache's directory (a :class:`~pathlib.Path`, read as a :class:`LocalStore`) or its store.
+What they hold is the format's (:mod:`streampack.format`); this module moves their bytes. Every function
+takes the cache's directory (a :class:`~pathlib.Path`) or its store.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from streampack.errors import CacheError
 from streampack.format.ledger import LedgerEntry, parse_entry
 from streampack.format.manifest import FORMAT_VERSION, Manifest, parse_manifest
 from streampack.format.names import LOCK, MANIFEST, checksum_text, ledger_key, with_checksum
-from streampack.store import LocalStore, Store, crc32_file, encode_json, put_json
+from streampack.store import LocalStore, Store, crc32_file, encode_json
 
 __all__ = [
     "commit_entry",
@@ -49,11 +48,10 @@ def load_manifest(root: Path | Store) -> Manifest:
 
 def upgrade_manifest(root: str | os.PathLike[str]) -> int:
     """Rewrite a cache's manifest in the current format version, its content unchanged; return the version
-    it had. Shard files, ledger and layouts are not touched, and checkpoints and plans of the cache keep
-    working (they identify it by content, the same in every version).
+    it had. Nothing else is touched, and checkpoints and plans of the cache keep working.
 
-    A version 1 manifest holds its shard table as rows: one JSON object per shard, which costs ~20x more
-    to open at 10^5 shards than version 2's columns (``benchmarks/bench_open.py``).
+    A version 1 manifest holds its shard table as rows, which open ~20x slower at 10^5 shards
+    (``benchmarks/bench_open.py``).
 
     Raises:
         CacheError: not a cache, or its manifest is damaged.
@@ -72,7 +70,7 @@ def upgrade_manifest(root: str | os.PathLike[str]) -> int:
 
 
 def read_entry(root: Path | Store, name: str, unit: str) -> LedgerEntry:
-    """Return the committed progress of a unit, or a fresh one if it has not committed yet.
+    """The committed progress of a unit, or a fresh one if it has not committed yet.
 
     Args:
         root: the cache directory, or its store.
@@ -99,14 +97,14 @@ def read_entry(root: Path | Store, name: str, unit: str) -> LedgerEntry:
 
 def commit_entry(root: Path | Store, name: str, progress: LedgerEntry) -> None:
     """Atomically and durably replace the ledger entry of shard ``name`` (with its ``checksum``)."""
-    put_json(_store(root), ledger_key(name), with_checksum(asdict(progress)))
+    _store(root).put_atomic(ledger_key(name), encode_json(with_checksum(asdict(progress))))
 
 
 def file_checksum(path: Path, length: int | None = None) -> str:
     """CRC-32 of the first ``length`` bytes of a file (all of it by default), as ``crc32:xxxxxxxx``.
 
-    CRC-32 detects damage (truncation, flipped bytes) at memory speed; it is not a defence against
-    tampering, which the reader handles by never trusting paths or sizes from the manifest.
+    It detects damage at memory speed; it is no defence against tampering (the reader never trusts paths
+    or sizes from the manifest instead).
     """
     return checksum_text(crc32_file(path, length))
 

@@ -1,56 +1,34 @@
 """Reading a cache in object storage through a bounded local copy shared by the processes of one node.
 
-:class:`CachedStore` is the store :func:`streampack.open` gives a cache under an fsspec URL
-(``s3://bucket/prefix``): the manifest, ledger and listings are read from object storage, and each shard
-file is fetched whole, on first use, into a local directory, then memory-mapped from there, so that
-the reader and the loader run unchanged. The local directory (``local_dir``; by default one per URL
-under the temp dir) holds::
+:class:`CachedStore` is the store :func:`streampack.open` gives a cache under an fsspec URL: the manifest,
+ledger and listings are read from object storage, and each shard file is fetched whole on first use into
+a local directory, then memory-mapped from there, so the reader and the loader run unchanged::
 
-    shards/NNNNNN.tokens.CRC    a verified copy of shards/NNNNNN.tokens (CRC: its checksum's hex digits)
-    shards/NNNNNN.tokens.CRC.partPID   a download under way (its full size, reserved up front)
-    locks/NNNNNN.tokens.CRC     the per-file download lock
-    space.lock                  held while the space is counted and files are evicted
-    pressure                    touched by a process waiting for room
-    layouts/                    the sample plans of ``cache.packed`` (see :mod:`streampack.samples.packing`)
-
-Naming a copy by its checksum means a cache rebuilt under the same URL never serves a stale copy.
+    shards/NNNNNN.tokens.CRC           a verified copy (CRC: its checksum's hex digits, so a cache
+                                       rebuilt under the same URL never serves a stale copy)
+    shards/NNNNNN.tokens.CRC.partPID   a download under way, reserved at its full size
+    locks/NNNNNN.tokens.CRC            the per-file download lock
+    space.lock                         held while the space is counted and files are evicted
+    pressure                           touched by a process waiting for room
+    layouts/                           the sample plans of ``cache.packed``
 
 The rules that keep several processes (DataLoader workers, ranks) of one node correct:
 
-* **One download per file.** A download holds the file's lock (``flock``), writes to a temporary name,
-  verifies the size and the CRC-32 the manifest (or, for an unfinished build, the ledger) records, and
-  only then renames it into place. A process that waited for the lock finds the copy and uses it.
-* **Bounded disk.** With ``max_local_bytes``, the shard files of the directory (copies and downloads
-  under way, each counted in whole 4 KiB blocks) never total more than the bound: room for a download is
-  made under ``space.lock`` by evicting the least recently used copies (the oldest modification time;
-  a copy is touched each time it is mapped) and reserved by creating the temporary file at its full size.
-* **Mapped files are never evicted.** Deleting a mapped file would not free its disk until the map is
-  closed, so a map holds a shared ``flock`` on its file for as long as it lives, and eviction takes only
-  files it can lock exclusively. When nothing can be evicted, the process first drops the maps it keeps
-  for reuse (the reader's, the loader's), then touches ``pressure`` and waits: a thread of every process
-  reading the copy with a bound watches that file and drops its process's kept maps when it changes
-  (maps in use by a read stay valid; :mod:`streampack.store.pressure`: one thread per process, while an
-  open store watches a copy). It gives up after a while (:data:`WAIT_SECONDS`) with a message
-  saying the bound is too small; at once (within :data:`OWN_WAIT_SECONDS`) when the copies its own
-  process maps leave no room, which no other process can free (one batch needs more than the bound).
-  The bound must therefore hold the shards that one batch of every process of the node reads at once,
-  plus what prefetching keeps ahead; a bound smaller than the largest shard is refused when the cache is
-  opened.
-* **A copy is what was verified.** A copy is renamed into place only once its size and CRC-32 match;
-  each map checks its size again (a copy truncated since would crash the process at the first read past
-  its end): one of another size is deleted and fetched again.
+* **One download per file**, under the file's ``flock``, into a temporary name renamed into place once
+  its size and CRC-32 match what the manifest (or the ledger of an unfinished build) records.
+* **Bounded disk.** With ``max_local_bytes``, the shard files (counted in 4 KiB blocks) never total more
+  than the bound: room is made under ``space.lock`` by evicting the least recently mapped copies.
+* **Mapped files are never evicted**: a map holds a shared ``flock`` on its copy, and eviction takes only
+  files it can lock exclusively. Without room, a process drops its own kept maps, then touches
+  ``pressure`` so that the others drop theirs (:mod:`streampack.store.pressure`), and gives up after
+  :data:`~streampack.store.copies.WAIT_SECONDS` saying the bound is too small. The bound must hold the
+  shards one batch of every process of the node reads at once.
+* **A copy is what was verified**: each map checks its size again (a map past a truncated file's end
+  would crash the process); one of another size is deleted and fetched again.
 
-Prefetching (:mod:`streampack.loader.prefetch`) fetches the shards of the next steps in a background thread,
-within half the bound and without ever waiting for room or evicting what it fetched for nearer steps.
-
-**Lifecycle.** A store registers its copy with the process's watcher on its first map (with a bound);
-:meth:`CachedStore.close` (or the end of its ``with`` block) takes the registration back, which stops the
-watcher thread once no open store of the process watches a copy, and refuses further reads. A store
-garbage-collected unclosed takes it back too (a weakref finalizer). The copies stay on disk for the next
-reader.
-
-This module holds the store; :mod:`streampack.store.copies` the files of the copy (downloads, the bound,
-eviction, pinning maps) and :mod:`streampack.store.pressure` the release of kept maps (the watcher).
+Close a store (:meth:`CachedStore.close`) to stop its process's watcher thread once no open store uses
+it; the copies stay on disk for the next reader. :mod:`streampack.store.copies` holds the files of the
+copy (downloads, the bound, eviction, pinned maps).
 """
 
 from __future__ import annotations
@@ -72,11 +50,7 @@ from streampack._checks import check_int_or_none
 from streampack.errors import CacheError, OptionsError
 from streampack.format.names import SHARD_DIR
 from streampack.store import Expected, LocalStore
-from streampack.store.copies import (
-    LocalCopy,
-    blocks,
-    map_pinned,
-)
+from streampack.store.copies import LocalCopy, blocks, map_pinned
 from streampack.store.pressure import WATCHER, forget_release, on_release
 from streampack.store.remote import RemoteStore
 
@@ -93,9 +67,9 @@ def default_local_dir(url: str) -> Path:
 class CachedStore(LocalStore):
     """A remote cache read through a bounded local copy (see the module docstring for the rules).
 
-    Everything but shard files is read from ``remote``; :meth:`map_array` fetches a shard file into the
-    local directory when it is not there, and maps the copy. It is a :class:`~streampack.store.LocalStore`
-    of the local directory for what readers keep locally (the plans under ``layouts/``).
+    Everything but shard files is read from ``remote``; :meth:`map_array` maps a shard file's local copy,
+    fetched first when absent. It is a :class:`~streampack.store.LocalStore` of the local directory for
+    what readers keep there (the plans under ``layouts/``).
 
     Args:
         remote: the cache in object storage.
@@ -104,7 +78,7 @@ class CachedStore(LocalStore):
         prefetch_steps: how many steps ahead a loader fetches (0: no prefetching).
         storage_options: what ``remote`` was opened with, for reopening it in another process.
 
-    Close it (:meth:`close`, or a ``with`` block) when done: see the module docstring's lifecycle.
+    Close it (:meth:`close`, or a ``with`` block) when done.
     """
 
     # Class defaults: a store starts open, and one unpickled is not watched here.
@@ -146,9 +120,8 @@ class CachedStore(LocalStore):
         return {k: v for k, v in self.__dict__.items() if k not in ("_watching", "_unwatch")}
 
     def close(self) -> None:
-        """Take back the copy's registration with the process's watcher (whose thread ends, joined, once
-        no open store of the process watches a copy) and refuse further reads; the copies stay on disk,
-        and maps already made stay valid. Calling it again does nothing."""
+        """Stop watching the copy for this store and refuse further reads; the copies stay on disk, and
+        maps already made stay valid. Calling it again does nothing."""
         self._closed = True
         if self._unwatch is not None:
             self._unwatch()
@@ -162,8 +135,7 @@ class CachedStore(LocalStore):
     fetches_copies = True
 
     def on_pressure(self, release: Callable[[], None]) -> None:
-        """Have ``release`` called when a download needs room that kept maps hold
-        (:func:`streampack.store.pressure.on_release`)."""
+        """Have ``release`` called when a download needs room that kept maps hold."""
         on_release(release)
 
     def forget_pressure(self, release: Callable[[], None]) -> None:
@@ -179,7 +151,7 @@ class CachedStore(LocalStore):
             "storage_options": self.storage_options,
         }
 
-    # ---------------------------------------------------------------------------- the remote cache's
+    # What is not a shard file is read from object storage.
 
     @property
     def uri(self) -> str:
@@ -191,7 +163,7 @@ class CachedStore(LocalStore):
         return self.remote.describe(key)
 
     def exists(self, key: str) -> bool:
-        """Whether the object ``key`` exists in object storage."""
+        """Whether the object ``key`` exists."""
         return self.remote.exists(key)
 
     def size(self, key: str) -> int:
@@ -203,37 +175,24 @@ class CachedStore(LocalStore):
         return self.remote.read(key, start, stop)
 
     def read_json(self, key: str, *, what: str) -> Any:
-        """A small JSON object of the remote cache (see :meth:`RemoteStore.read_json`)."""
+        """A small JSON object of the remote cache."""
         return self.remote.read_json(key, what=what)
 
     def list(self, prefix: str) -> builtins.list[str]:
-        """The names of the objects under ``prefix`` in object storage."""
+        """The names of the objects under ``prefix``."""
         return self.remote.list(prefix)
 
     def list_sizes(self, prefix: str) -> dict[str, int]:
-        """The sizes of the objects under ``prefix`` in object storage (one LIST)."""
+        """The sizes of the objects under ``prefix`` (one LIST)."""
         return self.remote.list_sizes(prefix)
 
     def put_atomic(self, key: str, data: bytes) -> None:
-        """Refused: a cache read through a local copy is read-only.
-
-        Raises:
-            CacheError: always.
-        """
+        """Refused (:class:`CacheError`): a cache read through a local copy is read-only."""
         raise CacheError(f"{self.describe(key)}: a cache opened from object storage is read-only")
 
-    # ---------------------------------------------------------------------------------- the local copy
-
     def expect(self, files: Mapping[str, Expected]) -> None:
-        """Record what each shard file must be (from the manifest, or the ledger of an unfinished build),
-        and refuse a bound that cannot hold the largest shard.
-
-        Args:
-            files: by key (``shards/000003.tokens``).
-
-        Raises:
-            OptionsError: ``max_local_bytes`` is smaller than the largest shard's files.
-        """
+        """Record what each shard file must be, by key, and refuse (:class:`OptionsError`) a
+        ``max_local_bytes`` smaller than the largest shard's files."""
         self._expected = dict(files)
         if self.max_local_bytes is None:
             return
@@ -263,13 +222,11 @@ class CachedStore(LocalStore):
         return self.root / f"{name}.{tag}"
 
     def refuse_outside(self, key: str, *, links_only: bool = False) -> None:
-        """Nothing to refuse: shard keys come from the manifest, checked names, and map to local copies
-        this store writes itself."""
+        """Nothing to refuse: shard keys are checked names, mapped to copies this store writes itself."""
 
     def map_array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         """The first ``count`` items of the shard file ``key``, mapped from its local copy (fetched first
-        when it is not there). The map holds a shared lock on the copy, which keeps it from eviction
-        until the map is garbage.
+        when absent); the map keeps the copy from eviction while it lives.
 
         Raises:
             CacheError: the object is missing, damaged (checksum or size), or cannot be fetched; the
@@ -298,18 +255,13 @@ class CachedStore(LocalStore):
         """What the copy of the shard file ``key`` takes, counted as the bound counts it."""
         return blocks(self._expected[key].size)
 
-    def is_local(self, key: str) -> bool:
-        """Whether the verified copy of ``key`` is in the local directory."""
-        return self.path(key).exists()
-
     def fetch(self, key: str, *, wait: bool = True, keep: Iterable[Path] = ()) -> Path | None:
         """Make sure the verified copy of the shard file ``key`` is local, downloading it if needed.
 
         Args:
             key: a shard file's key.
-            wait: wait for other processes to release mapped files when only they hold the room needed
-                (and drop this process's own kept maps first); else give up at once.
-            keep: local copies not to evict to make room (what a prefetch fetched for nearer steps).
+            wait: wait for other processes to release the room their maps hold; else give up at once.
+            keep: local copies not to evict (what a prefetch fetched for nearer steps).
 
         Returns:
             The copy's path; None when ``wait`` is false and there was no room.
@@ -337,8 +289,8 @@ class CachedStore(LocalStore):
         return sum(size for _, _, size in LocalCopy(self.root, self.max_local_bytes).files())
 
     def _watch_pressure(self) -> None:
-        """Register the copy with this process's watcher (see :mod:`streampack.store.pressure`): an idle
-        process (a DataLoader worker blocked on its queue) would otherwise keep its files pinned."""
+        """Register the copy with this process's watcher: an idle process (a DataLoader worker blocked on
+        its queue) would otherwise keep its files pinned."""
         self._refuse_closed()
         # By id (unique while the store lives): two threads of a first read register it once between them.
         WATCHER.watch(id(self), self.root)

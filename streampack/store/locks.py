@@ -13,9 +13,8 @@ from streampack.errors import BuildLockedError
 class FileLock:
     """Context manager holding the exclusive ``flock`` of a lock file (the build lock of a cache).
 
-    The file holds the holder's pid and host; it is emptied, never deleted, when released. The kernel
-    releases an ``flock`` when its process dies, so a lock left by a killed process is recognised as stale
-    and taken over safely, while a live one is refused with its pid.
+    The file holds the holder's pid and host, and is emptied, never deleted, when released. The kernel
+    releases an ``flock`` when its process dies, so a killed build's lock is taken over safely.
 
     Raises:
         BuildLockedError: another live process holds the lock, or the file cannot be created.
@@ -39,8 +38,7 @@ class FileLock:
             os.close(fd)
             raise BuildLockedError(
                 f"{self.path.parent} is locked by another build ({holder}); wait for it to finish or stop "
-                "it, "
-                "then rerun (a killed build's lock is released automatically)"
+                "it, then rerun (a killed build's lock is released automatically)"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)

@@ -1,25 +1,18 @@
 """The files of a stored plan (``CACHE/layouts/KEY/``): writing them, and checking them before use.
 
-A plan (:mod:`streampack.samples.packing`) decides which tokens every sample holds, for every rank and every
-later run, so its files are covered like the shards are: ``plan.json`` records what the plan is of (the
-cache's content digest, ``seq_len``, the planner's settings, hence its ``KEY``), each array file's size
-and CRC-32, and a checksum of its own content. A plan is checked when a process first maps it:
+A plan (:mod:`streampack.samples.packing`) decides which tokens every sample holds, for every rank and
+later run, so its files are covered as the shards are. ``plan.json`` records what the plan is of (the
+cache's content digest, ``seq_len``, the planner's settings: hence its ``KEY``), each array file's size
+and CRC-32, and a checksum of its own content. A process checks a plan when it first maps it: the JSON,
+each file's size and CRC-32, and its structure against the cache (samples in order, each of one piece or
+more and at most ``seq_len`` tokens, every piece inside its shard). What was checked is remembered per
+process by the files' identities (device, inode, size, mtime), so DataLoader workers map a checked plan
+without reading it again.
 
-* ``plan.json`` read with the size cap of every JSON file of a cache, its checksum, that it is the plan of
-  this directory's key and of the settings asked for;
-* each array file's size, then its CRC-32 (one read of the plan, in chunks);
-* its structure against the cache: samples in order, each holding at least one piece and at most
-  ``seq_len`` tokens, every piece inside its shard.
-
-What was checked is remembered per process (and carried by a pickled :class:`~streampack.samples.layout.Bins`)
-by the files' identities (device, inode, size, modification time), so DataLoader workers and later
-views map a checked plan without reading it again; reading a batch costs what it did.
-
-A plan that fails a check is derived data: :func:`stored` plans it again and replaces it where the cache
-is writable, and refuses it (:class:`~streampack.errors.CacheError` naming the file and the fix) where it
-is not. ``streampack verify`` runs the same checks (:func:`inspect_plan`). A plan that cannot be written is
-kept in memory: silently in a read-only cache, with a ``RuntimeWarning`` naming the folder and the reason
-where the write failed otherwise (a full disk), nothing of it left behind.
+A plan is derived data: one that fails a check is planned again where the cache is writable, and
+refused (:class:`~streampack.errors.CacheError` naming the file and the fix) where it is not. One that
+cannot be written is kept in memory: silently in a read-only cache, with a ``RuntimeWarning`` otherwise
+(a full disk).
 """
 
 from __future__ import annotations
@@ -42,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from streampack._checks import is_int
 from streampack.errors import CacheError
 from streampack.format.names import checksum_text, content_checksum, with_checksum
 from streampack.store import LocalStore
@@ -49,11 +43,10 @@ from streampack.store import LocalStore
 __all__ = ["PLAN_ARRAYS", "PlanIdentity", "StoredPlan", "inspect_plan", "load_plan", "plan_key", "stored"]
 
 PLAN_FORMAT = "streampack-plan"
-PLAN_VERSION = 2  # 2: sizes, checksums and identity in plan.json; 1 (counts and dropped only) is re-planned
+PLAN_VERSION = 2  # a version 1 plan.json has no checksum: it fails the check and is planned again
 PLAN_JSON = "plan.json"
 PLAN_ARRAYS = {"starts": np.int64, "shards": np.int64, "lo": np.int64, "lengths": np.int32}
 _CHUNK_ITEMS = 4 << 20
-_OLD_FIELDS = frozenset({"counts", "dropped"})  # all that a version 1 plan.json held
 # Why a plan is not stored in a read-only cache, or in one without a folder for it (a Megatron pair's
 # prefix, a file named layouts): expected, so kept in memory without a warning.
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EEXIST})
@@ -117,10 +110,7 @@ def stored(
     shard_tokens: np.ndarray,
 ) -> StoredPlan:
     """The plan in ``directory``, checked; planned (``tables``) and written there first when absent or
-    damaged. Kept in memory where the cache is read-only and no plan is stored.
-
-    Written into a temporary folder renamed into place, so a reader never sees half a plan and two
-    processes planning at once both end up reading one (planning is deterministic: theirs are equal).
+    damaged (into a temporary folder renamed into place: two processes planning at once read one).
 
     Args:
         directory: ``CACHE/layouts/KEY``.
@@ -174,13 +164,9 @@ def _unstored(
     tables: Callable[[], Iterator[dict[str, np.ndarray]]],
     left_out: Callable[[], dict[str, int]],
 ) -> StoredPlan:
-    """The plan held in memory, where it cannot be stored in ``directory`` (``error``): silently where the
-    cache is read-only (a plan is derived data), with a warning where the write failed otherwise (a full
-    disk: each process and run then plans again, which the user should hear of).
-
-    Raises:
-        CacheError: a damaged plan (``damage``) lies in ``directory``: it would be read by the next run,
-            so it is refused until it can be replaced or deleted.
+    """The plan held in memory, where it cannot be stored in ``directory``: silently in a read-only
+    cache, with a warning where the write failed otherwise (every process and run then plans again).
+    A damaged plan lying there (``damage``) is refused (:class:`CacheError`): the next run would read it.
     """
     reason, read_only, full = error.strerror or str(error), error.errno in _READ_ONLY, error.errno in _FULL
     if damage is not None:
@@ -208,13 +194,8 @@ def _unstored(
 
 
 def load_plan(directory: Path, checksum: str, identities: tuple[tuple[int, ...], ...]) -> StoredPlan:
-    """The plan in ``directory`` for a copy of its samples in another process: it must be the plan that
-    ``checksum`` (of ``plan.json``) names; its files are checked again unless ``identities`` shows them
-    to be the files checked where the copy was made.
-
-    Raises:
-        CacheError: the plan is damaged, or is another plan than the copy's.
-    """
+    """The plan in ``directory`` for a copy of its samples in another process: the one ``checksum`` names
+    (else a :class:`CacheError`), checked again unless ``identities`` shows the files checked already."""
     with _checked_lock:
         _checked.setdefault(str(directory), (checksum, identities))
     plan = _open(directory, None, None)
@@ -256,9 +237,6 @@ def inspect_plan(
     return [], sum(a.nbytes for a in plan.arrays.values()), note
 
 
-# ------------------------------------------------------------------------------------------ internals
-
-
 def _open(directory: Path, identity: PlanIdentity | None, shard_tokens: np.ndarray | None) -> StoredPlan:
     """Map the plan in ``directory`` once its files pass the checks (see the module docstring)."""
     return _check_files(directory, _facts(directory, identity), shard_tokens, recheck=False)
@@ -273,8 +251,6 @@ def _facts(directory: Path, identity: PlanIdentity | None) -> dict[str, Any]:
         raise PlanDamage(f"{e}") from None
     if not isinstance(raw, dict):
         raise PlanDamage(f"{path}: the plan is not a JSON object")
-    if set(raw) == _OLD_FIELDS:
-        raise PlanDamage(f"{path}: a plan written by an older streampack, without sizes or checksums")
     if raw.get("checksum") != content_checksum(raw):
         raise PlanDamage(
             f"{path}: the plan's content does not match its checksum (recorded {raw.get('checksum')!r:.40}, "
@@ -338,7 +314,7 @@ def _check_files(
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_int(value) and value >= 0
 
 
 def _map(path: Path, dtype: np.dtype, entry: Any) -> tuple[np.ndarray, tuple[int, ...]]:

@@ -1,26 +1,11 @@
 """Dropping the shard maps a process keeps for reuse when a bounded local copy needs their room.
 
-A mapped file of a local copy (:mod:`streampack.store.localcopy`) cannot be evicted, and readers keep
-maps for reuse (the reader's LRU of shard maps, the loader's). When a download finds no room, its process
-first drops its own kept maps (:func:`release_maps`), then touches the copy's ``pressure`` file and
-waits: every other process that reads the copy with a bound watches that file and drops its kept maps
-when it changes, so that an idle process (a DataLoader worker blocked on its queue) does not keep its
-files pinned.
-
-Both registries here are per process by nature, so they are process-wide, and documented as such:
-
-* **The releasers**: the bound methods that drop the maps an object keeps (:func:`on_release`), held
-  weakly (registering never keeps an object alive); :func:`forget_release` takes one back (a closed
-  cache's).
-* **The watcher** (:data:`WATCHER`): one thread per process, named :data:`THREAD_NAME`, polls the
-  ``pressure`` file of every local copy an open store of the process watches (every
-  :data:`POLL_SECONDS`). A store registers its copy on its first map (:meth:`PressureWatcher.watch`, by
-  the store's ``id``) and takes it back when closed, or when garbage-collected (a weakref finalizer the
-  store holds): :meth:`PressureWatcher.unwatch` stops the thread and joins it (a bounded wait) once no
-  copy is watched, and the next registration starts a new one. Why one thread for all copies rather than
-  one per copy: a poll of one ``stat`` per copy is the same work either way, and a process that opens
-  many caches holds one thread, not one per cache. A forked child (a DataLoader worker) starts with no
-  registration and no thread; its stores register again on their first map there.
+A mapped copy cannot be evicted (:mod:`streampack.store.localcopy`), and readers keep maps for reuse. A
+download that finds no room first drops its own process's kept maps (:func:`release_maps`), then touches
+the copy's ``pressure`` file: every other process reading the copy with a bound runs one watcher thread
+(:data:`WATCHER`) that polls the ``pressure`` file of each copy its open stores read, and drops its kept
+maps when one changes. One thread per process, not per copy: a poll is one ``stat`` a copy either way.
+A forked child starts with no registration and no thread.
 """
 
 from __future__ import annotations
@@ -43,14 +28,14 @@ THREAD_NAME = "streampack-pressure"
 PRESSURE = "pressure"
 """The file of a local copy that a process waiting for room touches."""
 
-# Callbacks that drop the maps this process keeps for reuse (registered by readers and loaders).
+# Bound methods that drop the maps this process keeps for reuse, held weakly.
 releasers: list[weakref.WeakMethod[Callable[[], None]]] = []
 releasers_lock = threading.Lock()
 
 
 def on_release(method: Callable[[], None]) -> None:
-    """Register a bound method that drops the shard maps its object keeps for reuse: called when a
-    download needs room that only mapped files hold (held weakly: registering never keeps it alive)."""
+    """Register a bound method that drops the shard maps its object keeps, for when a download needs their
+    room (held weakly: registering never keeps the object alive)."""
     with releasers_lock:
         releasers[:] = [ref for ref in releasers if ref() is not None]
         releasers.append(weakref.WeakMethod(method))
@@ -80,16 +65,15 @@ def mtime(path: Path) -> int:
 
 
 class PressureWatcher:
-    """The thread that drops this process's kept maps when another process waits for room in a local
-    copy it reads (see the module docstring); :data:`WATCHER` is the process's one instance."""
+    """The thread that drops this process's kept maps when another process waits for room in a copy it
+    reads; :data:`WATCHER` is the process's one instance."""
 
     def __init__(self) -> None:
         self._reset()
         os.register_at_fork(after_in_child=self._reset)
 
     def _reset(self) -> None:
-        # An RLock: a store's finalizer (unwatch) may run in a garbage collection that starts while this
-        # thread holds the lock (in watch).
+        # An RLock: a store's finalizer (unwatch) may run in a garbage collection started under the lock.
         self._lock = threading.RLock()
         self._watched: dict[int, Path] = {}  # the copy's directory, by the key of who watches it
         self._seen: dict[Path, int] = {}  # the last modification time seen, by pressure file
@@ -102,8 +86,7 @@ class PressureWatcher:
         return self._thread
 
     def watch(self, key: int, root: Path) -> None:
-        """Watch the local copy in ``root`` for ``key`` (a store's ``id``: registering it again changes
-        nothing), starting the thread if none runs."""
+        """Watch the copy in ``root`` for ``key`` (a store's ``id``), starting the thread if none runs."""
         with self._lock:
             self._watched[key] = root
             pressure = root / PRESSURE
@@ -117,8 +100,8 @@ class PressureWatcher:
                 self._thread.start()
 
     def unwatch(self, key: int) -> None:
-        """Take back the registration of ``key`` (nothing when there is none); once no copy is watched, stop
-        the thread and wait up to :data:`JOIN_SECONDS` for it to end."""
+        """Take back the registration of ``key``; once no copy is watched, stop the thread and wait up to
+        :data:`JOIN_SECONDS` for it to end."""
         with self._lock:
             root = self._watched.pop(key, None)
             if root is not None and root not in self._watched.values():
@@ -147,4 +130,4 @@ class PressureWatcher:
 
 
 WATCHER = PressureWatcher()
-"""The process's watcher (process-wide: see the module docstring)."""
+"""The process's watcher."""

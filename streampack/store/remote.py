@@ -1,15 +1,11 @@
 """A cache under an fsspec URL (``s3://bucket/prefix``, ``gs://…``, ``memory://…``): the object-store side
 of the :class:`~streampack.store.Store` seam, as far as building needs it.
 
-An object store has no append, rename, fsync, flock or mmap. :class:`RemoteStore` therefore offers what
-a build publishes with: whole objects put under their final key (one PUT is atomic on S3, GCS and Azure:
-a reader sees the old object or the new one; other filesystems get a temporary key then a move), small
-JSON reads, existence checks and listings. Shards are written and committed in a local staging
-directory and published whole once finished (:mod:`streampack.builder.publish`).
-
-Every call is retried a few times when it fails for a reason that may pass (a reset connection, a
-timeout, a 5xx); the final error names the URL and says what to do. Missing objects and refused
-permissions are never retried.
+An object store has no append, rename, fsync, flock or mmap, so a build stages its shards locally and
+publishes each object whole (:mod:`streampack.builder.publish`): one PUT is atomic on S3, GCS and Azure;
+other filesystems get a temporary key then a move. Every call is retried when it fails for a reason that
+may pass (a reset connection, a timeout, a 5xx), never for a missing object or a refusal; the final
+error names the URL and says what to do.
 """
 
 from __future__ import annotations
@@ -91,8 +87,7 @@ class RemoteStore:
 
     @property
     def fs(self) -> Any:
-        """The fsspec filesystem; a new one in a forked child (DataLoader workers): clients such as s3fs's
-        cannot be used across a fork."""
+        """The fsspec filesystem; a new one in a forked child (s3fs's clients do not survive a fork)."""
         if self._pid != os.getpid():
             self._fs, _ = self._connect()
         return self._fs
@@ -122,8 +117,7 @@ class RemoteStore:
         return int(self._call("stat", key, self.fs.size, self._path(key)))
 
     def info(self, key: str) -> dict[str, Any]:
-        """fsspec's description of ``key``: ``size``, ``type`` (``file`` or ``directory``) and what the
-        store says of its version (``ETag``, ``LastModified``). Raises FileNotFoundError without one."""
+        """fsspec's description of ``key`` (``size``, ``type``, ``ETag``); FileNotFoundError if none."""
         self.fs.invalidate_cache(self._path(key))
         return dict(self._call("stat", key, self.fs.info, self._path(key)))
 
@@ -149,11 +143,7 @@ class RemoteStore:
             raise CacheError(f"{self.describe(key)}: {what} is not valid JSON ({e})") from None
 
     def map_array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
-        """Not offered yet: a remote cache is read from a local copy.
-
-        Raises:
-            CacheError: always, saying what to do.
-        """
+        """Refused (:class:`CacheError`): a remote cache is read from a local copy."""
         raise CacheError(
             f"{self.describe(key)}: reading a cache in object storage is not supported yet; copy it to a "
             "local or shared filesystem and open that path"
@@ -183,11 +173,9 @@ class RemoteStore:
         self.fs.invalidate_cache(self._path(key))
 
     def lock(self, key: str) -> contextlib.nullcontext[None]:
-        """No lock: object stores cannot lock. A remote build holds the lock of its local staging
-        directory instead, which keeps apart the builds of one machine (not of several)."""
+        """No lock: object stores cannot lock (a remote build holds its staging directory's lock instead,
+        which keeps apart the builds of one machine, not of several)."""
         return contextlib.nullcontext()
-
-    # ---------------------------------------------------------------------------------------- internals
 
     def _ls(self, prefix: str) -> builtins.list[dict[str, Any]]:
         path = self._path(prefix)

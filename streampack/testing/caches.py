@@ -1,10 +1,8 @@
-"""Write token caches straight from numpy arrays, for tests and benchmarks (private; not a build path).
+"""Write token caches straight from numpy arrays, for tests and benchmarks (not a build path).
 
-The files follow docs/FORMAT.md exactly. :func:`write_cache` records every shard's checksums (its shards
-are in memory anyway) and a finished ledger entry per shard; :func:`write_random_cache` records none
-(the reader does not check them, and
-``streampack verify`` would refuse such a cache), which keeps writing a multi-gigabyte synthetic cache at
-disk speed and in flat memory.
+The files follow docs/FORMAT.md. :func:`write_cache` records every shard's checksums and ledger entry;
+:func:`write_random_cache` records none (``streampack verify`` refuses it), which writes gigabytes at disk
+speed in flat memory.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from streampack.format.names import (
     ledger_key,
     offsets_path,
     shard_name,
+    token_dtype,
     tokens_path,
     with_checksum,
 )
@@ -59,7 +58,7 @@ def write_cache(
     """
     root = Path(root)
     (root / SHARD_DIR).mkdir(parents=True)
-    dtype = _dtype(vocab_size)
+    dtype = token_dtype(vocab_size)
     infos = []
     for index, (tokens, ends) in enumerate(shards):
         name = shard_name(index)
@@ -105,7 +104,7 @@ def write_random_cache(
     root = Path(root)
     (root / SHARD_DIR).mkdir(parents=True)
     rng = np.random.default_rng(seed)
-    dtype = _dtype(vocab_size)
+    dtype = token_dtype(vocab_size)
     bounds = np.linspace(0, num_tokens, num_shards + 1).astype(np.int64)
     infos = []
     for index in range(num_shards):
@@ -117,14 +116,10 @@ def write_random_cache(
     return root
 
 
-def _dtype(vocab_size: int) -> np.dtype:
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
 def _write_manifest(root: Path, shards: list[ShardInfo], vocab_size: int, eos_id: int) -> None:
     manifest = Manifest(
         tokenizer=TokenizerInfo("synthetic", "synthetic", vocab_size, sha256=""),
-        dtype=_dtype(vocab_size).name,
+        dtype=token_dtype(vocab_size).name,
         eos=EosPolicy(True, eos_id),
         settings=BuildSettings.from_json({"synthetic": True}),  # none of a build's settings
         inputs=[],
@@ -158,8 +153,7 @@ def _write_random_shard(
 
 
 def rewrite_as_version_1(root: str | Path) -> None:
-    """Rewrite a cache's manifest as format version 1 wrote it (the shard table as rows), to measure and
-    test how caches built before version 2 read."""
+    """Rewrite a cache's manifest as format version 1 wrote it (the shard table as rows)."""
     manifest = load_manifest(Path(root))
     doc = {**manifest.to_json(), "format_version": 1, "shards": [s.to_json() for s in manifest.shards]}
     (Path(root) / MANIFEST).write_bytes(encode_json(with_checksum(doc)))

@@ -1,8 +1,5 @@
-"""A TCP proxy on 127.0.0.1 that makes a link slow or flaky, for the tests and benchmarks of object storage.
-
-Not part of the library's API: the object-storage tests put it in front of a local S3 server (moto's) to
-reset connections, and ``benchmarks/bench_remote.py`` to throttle the link to a bandwidth.
-"""
+"""A TCP proxy on 127.0.0.1 that makes a link slow or flaky, for the tests and benchmarks of object
+storage (in front of moto's S3 server)."""
 
 from __future__ import annotations
 
