@@ -8,8 +8,9 @@ function takes the cache's directory (a :class:`~pathlib.Path`, read as a :class
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 from pathlib import Path
+
+import msgspec
 
 from streampack.errors import CacheError
 from streampack.format.ledger import LedgerEntry, parse_entry
@@ -99,7 +100,7 @@ def read_entry(root: Path | Store, name: str, unit: str) -> LedgerEntry:
 
 def commit_entry(root: Path | Store, name: str, progress: LedgerEntry) -> None:
     """Atomically and durably replace the ledger entry of shard ``name`` (with its ``checksum``)."""
-    put_json(_store(root), ledger_key(name), with_checksum(asdict(progress)))
+    put_json(_store(root), ledger_key(name), with_checksum(msgspec.structs.asdict(progress)))
 
 
 def file_checksum(path: Path, length: int | None = None) -> str:
