@@ -19,10 +19,11 @@ from typing import Annotated, Any
 
 import msgspec
 
-from streampack.errors import CacheError
+from streampack.errors import CacheError, read_json
 from streampack.format.names import content_checksum
 
 _Count = Annotated[int, msgspec.Meta(ge=0)]
+_REBUILD = "rerun the build with overwrite=True"
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,7 @@ def parse_entry(raw: Any, path: str) -> LedgerEntry:
         if expected != actual:
             raise CacheError(
                 f"{path}: the ledger entry's content does not match its checksum (recorded {expected!r:.40}, "
-                f"content {actual}); it was damaged or edited: rerun the build with overwrite=True"
+                f"content {actual}); it was damaged or edited: {_REBUILD}"
             )
         raw = {key: value for key, value in raw.items() if key != "checksum"}
-    try:
-        return msgspec.convert(raw, LedgerEntry, strict=True)
-    except msgspec.ValidationError as error:
-        raise CacheError(
-            f"{path}: malformed ledger entry: {error}; rerun the build with overwrite=True"
-        ) from None
+    return read_json(raw, LedgerEntry, CacheError, f"{path}: malformed ledger entry", _REBUILD)

@@ -317,31 +317,6 @@ def counted(record: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> 
     return StepCount.of_history(history[:legs])
 
 
-_ENTRY_KEYS = {"digest", "mode", "at", "documents", "hashes", "steps", "positions"}
-_COUNTINGS = ({"legs"}, {"batch_size"})
-
-
-def _is_entry(value: Any) -> bool:
-    if not isinstance(value, Mapping):
-        return False
-    counting = set(value) - _ENTRY_KEYS - {"records"}
-    numbers = (_ENTRY_KEYS | counting) - {"digest", "mode"}
-    return (
-        set(value) >= _ENTRY_KEYS
-        and counting in _COUNTINGS
-        and is_int(value.get("records", 0))
-        and isinstance(value["digest"], str)
-        and value["mode"] in _MODES
-        and all(is_int(value[k]) and value[k] >= 0 for k in numbers)
-        and all(value[k] >= 1 for k in counting)
-    )
-
-
-def is_entries(value: Any) -> bool:
-    """Whether ``value`` is a state's ``exclusions``: a list of what :func:`entry_state` writes."""
-    return isinstance(value, (list, tuple)) and all(_is_entry(entry) for entry in value)
-
-
 def check_prefix(saved: Sequence[Mapping[str, Any]], given: Sequence[Exclusions]) -> None:
     """Refuse a resume whose exclusions do not start with the checkpoint's (entries removed or changed).
 
