@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -130,7 +129,7 @@ def read_json(
     fix: str,
     *,
     at: str = "$",
-    dec_hook: Callable[[type, Any], Any] | None = None,
+    strict: bool = True,
 ) -> T:
     """``value`` (parsed JSON or YAML) as ``struct``, a msgspec struct that refuses unknown keys.
 
@@ -144,13 +143,14 @@ def read_json(
         where: what ``value`` is, for the message (a file, ``"version 2 loader state"``).
         fix: what to do, for the message.
         at: the JSON path of ``value`` in what ``where`` names (``"$.order"``).
-        dec_hook: msgspec's hook for the types of ``struct`` it does not know.
+        strict: False to take numbers written as strings or floats (``"1e9"``, ``2.0e+10``), as in a
+            config file.
 
     Raises:
         StreampackError: (``error``) ``value`` is not what ``struct`` holds.
     """
     try:
-        return msgspec.convert(value, struct, strict=True, dec_hook=dec_hook)
+        return msgspec.convert(value, struct, strict=strict)
     except msgspec.ValidationError as refused:
         text, _, path = str(refused).partition(" - at ")
         path = path or "`$`"
