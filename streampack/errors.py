@@ -152,8 +152,9 @@ def read_json(
     try:
         return msgspec.convert(value, struct, strict=strict)
     except msgspec.ValidationError as refused:
-        text, _, path = str(refused).partition(" - at ")
-        path = path or "`$`"
+        text, found, path = str(refused).rpartition(" - at ")
+        if not found:
+            text, path = path, "`$`"
         if text.startswith("Expected") and ", got" not in text and path.startswith("`$"):
             with contextlib.suppress(LookupError, TypeError):  # msgspec does not say a missed bound's value
                 text += f", got `{_value_at(value, path.strip('`'))!r:.80}`"
