@@ -1,4 +1,5 @@
-"""Exceptions raised by streampack, and the warning it gives about another format's documents.
+"""Exceptions raised by streampack, the warning it gives about another format's documents, and
+:func:`read_json`, the one way it reads JSON that comes in.
 
 Every error a user can cause is a :class:`StreampackError`; the CLI prints its message (no traceback) and
 exits with status 1. Messages say what was received, where (file and line or row), and what to do.
@@ -7,7 +8,11 @@ exits with status 1. Messages say what was received, where (file and line or row
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
+from typing import Any, TypeVar
+
+import msgspec
 
 __all__ = [
     "BadRecordError",
@@ -24,7 +29,10 @@ __all__ = [
     "TokenizerError",
     "WorkerDiedError",
     "WriteError",
+    "read_json",
 ]
+
+T = TypeVar("T")
 
 
 class StreampackError(Exception):
@@ -130,3 +138,52 @@ class DocumentBoundaryWarning(UserWarning):
     The tokens are read as they lie; ``documents``, ``packed`` and ``output="dict"`` labels follow the
     boundaries, so the message says what to declare.
     """
+
+
+def read_json(
+    value: object,
+    struct: type[T],
+    error: type[StreampackError],
+    where: str,
+    fix: str,
+    *,
+    at: str = "$",
+    strict: bool = True,
+) -> T:
+    """``value`` (parsed JSON or YAML) as ``struct``, a msgspec struct that refuses unknown keys.
+
+    Every refusal reads the same, naming the JSON path: ``{where}: Expected `int` >= 0, got `-1` - at
+    `$.order.seed`; {fix}``.
+
+    Args:
+        value: what was read.
+        struct: what it must be.
+        error: the error to raise.
+        where: what ``value`` is, for the message (a file, ``"version 2 loader state"``).
+        fix: what to do, for the message.
+        at: the JSON path of ``value`` in what ``where`` names (``"$.order"``).
+        strict: False to take numbers written as strings or floats (``"1e9"``, ``2.0e+10``), as in a
+            config file.
+
+    Raises:
+        StreampackError: (``error``) ``value`` is not what ``struct`` holds.
+    """
+    try:
+        return msgspec.convert(value, struct, strict=strict)
+    except msgspec.ValidationError as refused:
+        text, found, path = str(refused).rpartition(" - at ")
+        if not found:
+            text, path = path, "`$`"
+        if text.startswith("Expected") and ", got" not in text and path.startswith("`$"):
+            with contextlib.suppress(LookupError, TypeError):  # msgspec does not say a missed bound's value
+                text += f", got `{_value_at(value, path.strip('`'))!r:.80}`"
+        raise error(f"{where}: {text} - at {path.replace('`$', f'`{at}')}; {fix}") from None
+
+
+def _value_at(value: Any, path: str) -> object:
+    """The value at a JSON path as msgspec names it (``$.order.seed``, ``$.history[0]``)."""
+    if "[...]" in path:
+        raise LookupError(path)
+    for name, index in re.findall(r"\.(\w+)|\[(\d+)\]", path):
+        value = value[name] if name else value[int(index)]
+    return value

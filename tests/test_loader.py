@@ -397,10 +397,10 @@ def order_change(**change: object) -> Callable[[dict], dict]:
         (order_change(kind="mixture"), "over a 'mixture' order, this loader reads one dataset"),
         (lambda s: s | {"version": 99}, "version 99 is not supported"),
         (lambda s: s | {"format": "other"}, "not a streampack loader state"),
-        (lambda s: s | {"position": -1}, r"position must be an integer in \[0, 2\*\*62\]"),
-        (lambda s: s | {"position": "3"}, "position must be an integer"),
-        (lambda s: s | {"position": 2**62 + 1}, r"\(got position=4611686018427387905\)"),
-        (lambda s: {k: v for k, v in s.items() if k != "order"}, "loader state has no 'order'"),
+        (lambda s: s | {"position": -1}, r"Expected `int` >= 0, got `-1` - at `\$\.position`"),
+        (lambda s: s | {"position": "3"}, r"Expected `int`, got `str` - at `\$\.position`"),
+        (lambda s: s | {"position": 2**62 + 1}, r"<= 4611686018427387904, got `4611686018427387905`"),
+        (lambda s: {k: v for k, v in s.items() if k != "order"}, r"missing required field `order` - at `\$`"),
     ],
 )
 def test_mismatched_or_damaged_state_is_refused_naming_both_sides(

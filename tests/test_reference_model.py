@@ -17,6 +17,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -587,7 +588,7 @@ class StagedBuild:
         else:
             tokens = int(ends[docs - 1]) if docs else 0
             made = LedgerEntry(self.units[unit], records=docs, docs=docs, tokens=tokens)
-            _put(entry, encode_json(with_checksum(dataclasses.asdict(made))))
+            _put(entry, encode_json(with_checksum(msgspec.structs.asdict(made))))
         self.progress[unit] = docs
 
     def mover(self, data: st.DataObject) -> Any:

@@ -15,10 +15,15 @@ Pure: reading and writing the entries through a store is :mod:`streampack.store.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from streampack.errors import CacheError
+import msgspec
+
+from streampack.errors import CacheError, read_json
 from streampack.format.names import content_checksum
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_REBUILD = "rerun the build with overwrite=True"
 
 
 @dataclass(frozen=True)
@@ -38,8 +43,7 @@ class Counts:
     inexact_cuts: int = 0
 
 
-@dataclass(frozen=True)
-class LedgerEntry:
+class LedgerEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What one work unit has durably committed.
 
     Attributes:
@@ -48,24 +52,24 @@ class LedgerEntry:
         docs: documents in the shard.
         tokens: tokens in the shard.
         skipped: bad records skipped (with ``on_bad_record="skip"``).
-        empty_docs: documents left out as empty or whitespace only.
-        inexact_cuts: memory cuts in long documents (see :mod:`streampack.tokenizer.pieces`).
         done: the unit reached the end of its input and its shard is final.
         tokens_checksum: checksum of the final token file (set when done).
         offsets_checksum: checksum of the final offsets file (set when done).
+        empty_docs: documents left out as empty or whitespace only.
+        inexact_cuts: memory cuts in long documents (see :mod:`streampack.tokenizer.pieces`).
         mask_checksum: checksum of the final loss mask file (set when done; SFT builds only).
     """
 
     unit: str
-    records: int = 0
-    docs: int = 0
-    tokens: int = 0
-    skipped: int = 0
+    records: _Count = 0
+    docs: _Count = 0
+    tokens: _Count = 0
+    skipped: _Count = 0
     done: bool = False
     tokens_checksum: str = ""
     offsets_checksum: str = ""
-    empty_docs: int = 0
-    inexact_cuts: int = 0
+    empty_docs: _Count = 0
+    inexact_cuts: _Count = 0
     mask_checksum: str = ""
 
     @property
@@ -75,27 +79,20 @@ class LedgerEntry:
 
 
 def parse_entry(raw: Any, path: str) -> LedgerEntry:
-    """Validate the parsed JSON of a ledger entry (``path``: how messages name it) and return its progress.
+    """The ledger entry in ``raw``, the parsed JSON of the file that ``path`` names, checked.
+
+    An entry written before the checksum existed has none; its other keys are read as strictly.
 
     Raises:
-        CacheError: the entry is malformed or does not match its checksum.
+        CacheError: the entry does not match its checksum, holds an unknown key, lacks ``unit``, or holds
+            a value of the wrong type (the message names its JSON path).
     """
     if isinstance(raw, dict) and "checksum" in raw:
         expected, actual = raw["checksum"], content_checksum(raw)
         if expected != actual:
             raise CacheError(
                 f"{path}: the ledger entry's content does not match its checksum (recorded {expected!r:.40}, "
-                f"content {actual}); it was damaged or edited: rerun the build with overwrite=True"
+                f"content {actual}); it was damaged or edited: {_REBUILD}"
             )
         raw = {key: value for key, value in raw.items() if key != "checksum"}
-    # An entry written before the checksum existed has none: any field LedgerEntry does not know (a
-    # damaged "checksum" key among them) is refused below.
-    try:
-        progress = LedgerEntry(**raw)
-    except TypeError as e:
-        raise CacheError(f"{path}: malformed ledger entry ({e})") from None
-    for key in ("records", "docs", "tokens", "skipped", "empty_docs", "inexact_cuts"):
-        value = getattr(progress, key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise CacheError(f"{path}: malformed ledger entry ({key}={value!r})")
-    return progress
+    return read_json(raw, LedgerEntry, CacheError, f"{path}: malformed ledger entry", _REBUILD)

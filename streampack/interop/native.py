@@ -17,11 +17,12 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from streampack.format.ledger import LedgerEntry
@@ -199,7 +200,7 @@ def _write_entry(
                         tokens_checksum=checksum_text(crcs[0]), offsets_checksum=checksum_text(crcs[1]),
                         mask_checksum=mask)  # fmt: skip
     with dest.open(ledger_key(name)) as out:
-        out.write(encode_json(with_checksum(asdict(entry))))
+        out.write(encode_json(with_checksum(msgspec.structs.asdict(entry))))
 
 
 def _copy_with_crc(cache: Cache, docs: ShardDocs, first: int, stop: int, out: IO[bytes]) -> int:

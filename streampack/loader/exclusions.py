@@ -1,45 +1,33 @@
 """Taking documents and steps out of a run: what :class:`Exclusions` names, and how a checkpoint records it.
 
-An :class:`Exclusions` names documents (by their index in a source's cache, by the input record they were
-built from, ``path:line`` or ``path[row]`` as ``streampack which`` reports it, or by :func:`token_hash` of
-their tokens) and global steps or position ranges, and says what happens to them from a position on:
+An :class:`Exclusions` names documents (by index in a source's cache, by the input record they were built
+from as ``streampack which`` reports it, or by :func:`token_hash`) and ranges of global steps or positions.
+From the position it takes effect at (its ``at``, else where the loader is when it is given), ``mode``
+says what happens to them:
 
-* ``mode="skip"``: every sample that touches an excluded document, and every position of an excluded
-  range, is not served; the rest of the run is served exactly once, in the same order (the order is
-  filtered, :mod:`streampack.loader.excluding`). The run gets shorter by what was taken out.
-* ``mode="mask"``: the positions are unchanged; in the dict outputs (``output="dict"``, ``"varlen"``,
-  ``"hf-flash"``) the tokens of an excluded document get ``labels = -100`` (no loss), and so does every
-  token of a row at an excluded position. A plain array (``output="numpy"``) has no labels to mask, so
-  mask mode is refused there.
+* ``"skip"``: samples that touch an excluded document, and excluded positions, are not served; the rest of
+  the run is served once, in the same order (:mod:`streampack.loader.excluding`), and the run gets shorter.
+* ``"mask"``: positions are unchanged; in dict outputs the excluded tokens get ``labels = -100``, as do
+  all tokens of a row at an excluded position. A plain array has no labels, so mask mode is refused there.
 
-An exclusion takes effect at a position: its ``at``, or, left ``None``, where the loader is when it is
-given (position 0 for a new run, the checkpoint's position at :meth:`Loader.load_state_dict
-<streampack.loader.Loader.load_state_dict>`). A range of steps or positions that lies wholly before that
-position could never take anything out, so it is refused when the exclusion is put in force (by
-:meth:`~streampack.loader.Loader.exclude`, at a resume, or when ``batches_per_step`` is set).
+A range wholly before that position could take nothing out, so it is refused when the exclusion is put in
+force (by :meth:`~streampack.loader.Loader.exclude`, at a resume, or when ``batches_per_step`` is set).
 
-Steps are the *trainer's* steps, as its logs number them, mapped to positions through the run's history
-(:class:`~streampack.loader.history.StepCount`): each leg of the run (its start, and each resume) begins
-at the trainer's step recorded there (the model checkpoint's, which the framework adapters pass as
-``load_state_dict(step=...)``), else at the step counted from the previous leg, and takes ``batch_size *
-batches_per_step`` positions a step (``batches_per_step``: the trainer's gradient accumulation, which
-:mod:`streampack.hf` and :mod:`streampack.lightning` set). Steps past the current leg are counted at the
-loader's own ``batch_size * batches_per_step`` when the exclusion is put in force, and stay where that puts
-them: a later change of batch size or accumulation does not move them (name steps beyond such a change
-after it, or by positions). ``streampack audit`` counts steps the same way
-(:func:`~streampack.loader.history.leg_steps`).
+Steps are the trainer's steps as its logs number them, mapped to positions through the run's history
+(:class:`~streampack.loader.history.StepCount`): each leg of the run (its start, and each resume) begins at
+the step recorded there, else at the one counted from the previous leg, and takes ``batch_size *
+batches_per_step`` positions a step. Steps past the current leg are counted at the loader's own stride
+when the exclusion is put in force, and stay there if the batch size changes later.
 
-A loader's state records, per exclusion in force, a digest of what it names, the position it took effect
-at, its mode and the legs its steps were counted through (:func:`entry_state`; a state saved before that
-records the batch size they were counted at, from position 0, and resumes so): a run resumed with the
-same list is exact, one resumed with a longer list keeps every batch before the new entries took effect,
-and one whose list lacks an entry of the checkpoint is refused (:func:`check_prefix`).
+A loader state records, per exclusion in force, a digest of what it names, where it took effect, its mode
+and the legs its steps were counted through (:func:`entry_state`). A run resumed with the same list is
+exact, one with a longer list keeps every batch before the new entries took effect, and one whose list
+lacks an entry of the checkpoint is refused (:func:`check_prefix`).
 
-Trade-off of :func:`token_hash`: a hash of the tokens is computed from the cache alone (nothing is read
-from the inputs), but finding the documents of a list of hashes hashes every document of the cache once
-per process, O(tokens); indices cost nothing to find; a record name reads again, once per process, the
-part of the input up to it (:func:`streampack.loader.origins.documents_named`), which must be where and as
-it was at build time.
+Trade-off: a :func:`token_hash` needs only the cache, but finding the documents of a list of hashes hashes
+every document once per process, O(tokens); indices cost nothing; a record name reads the input again up
+to it, once per process (:func:`streampack.loader.origins.documents_named`), which must be where and as it
+was at build time.
 """
 
 from __future__ import annotations
@@ -52,9 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
+from msgspec import Struct
 
 from streampack._checks import is_int
-from streampack.errors import LoaderStateError, OptionsError
+from streampack.errors import LoaderStateError, OptionsError, read_json
 from streampack.loader.history import StepCount
 from streampack.order import MAX_POSITION
 
@@ -76,9 +65,11 @@ ONLY = ""
 
 
 def token_hash(tokens: np.ndarray) -> str:
-    """The content hash that names a document in :class:`Exclusions`: BLAKE2b (16 bytes, hex) of its tokens
-    as little-endian ``int64``, as :meth:`Cache.doc <streampack.reader.Cache.doc>` returns them (BOS and
-    EOS included), so it does not depend on the cache's token dtype."""
+    """The hash that names a document in :class:`Exclusions`: BLAKE2b (16 bytes, hex) of its tokens.
+
+    The tokens are taken as :meth:`Cache.doc <streampack.reader.Cache.doc>` returns them (BOS and EOS
+    included) and as little-endian ``int64``, so the hash does not depend on the cache's token dtype.
+    """
     data = np.ascontiguousarray(np.asarray(tokens), dtype="<i8").tobytes()
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
@@ -88,8 +79,8 @@ _ROW = re.compile(r"^(?P<path>.+)\[(?P<row>[0-9]+)\]$")
 
 
 def parse_record(name: str) -> tuple[str, int | None, int | None] | None:
-    """``(path, line, row)`` of a record named as ``streampack which`` reports it (``path:line``, lines
-    counted from 1, or ``path[row]``, rows from 0); None for a name of neither form."""
+    """``(path, line, row)`` of a record named ``path:line`` (lines from 1) or ``path[row]`` (rows from 0),
+    as ``streampack which`` reports it; None for a name of neither form."""
     if (match := _LINE.match(name)) is not None and int(match["line"]) >= 1:
         return match["path"], int(match["line"]), None
     if (match := _ROW.match(name)) is not None:
@@ -136,7 +127,7 @@ def _by_source(name: str, value: object) -> dict[str, tuple[Any, ...]]:
 
 
 def _ranges(name: str, value: object, *, inclusive: bool) -> tuple[tuple[int, int], ...]:
-    """Pairs ``(first, last)`` (``inclusive``) or ``(start, stop)``, as sorted ``[start, stop)`` pairs."""
+    """Pairs ``(first, last)`` (``inclusive``) or ``(start, stop)`` as sorted ``[start, stop)`` pairs."""
     out = []
     for pair in value if isinstance(value, Sequence) else [value]:
         if not (
@@ -151,6 +142,21 @@ def _ranges(name: str, value: object, *, inclusive: bool) -> tuple[tuple[int, in
             )
         out.append((int(pair[0]), int(pair[1]) + 1 if inclusive else int(pair[1])))
     return tuple(sorted(out))
+
+
+class _ExclusionConfig(Struct, forbid_unknown_fields=True):
+    """A config's ``exclude:`` mapping: the arguments of :class:`Exclusions`, which checks their values."""
+
+    documents: list[int] | dict[str, list[int]] = []
+    records: list[str] | dict[str, list[str]] = []
+    hashes: list[str] | dict[str, list[str]] = []
+    steps: list[tuple[int, int]] = []
+    positions: list[tuple[int, int]] = []
+    mode: Literal["skip", "mask"] = "skip"
+    at: int | None = None
+
+
+_ARGUMENTS = ", ".join(_ExclusionConfig.__struct_fields__)
 
 
 @dataclass(frozen=True)
@@ -172,11 +178,8 @@ class Exclusions:
             ``"path[row]"`` (a Parquet row, or a document of another format's file; rows from 0), given
             like ``documents``.
         hashes: :func:`token_hash` of documents' tokens, given like ``documents``.
-        steps: the trainer's steps ``(first, last)``, both included, as its logs number them: the
-            positions they took in the run as it was served, through the run's history (each leg's
-            ``batch_size * batches_per_step`` positions a step, from the step recorded at its resume; see
-            the module docstring). Steps past the current leg are counted at the loader's
-            ``batch_size * batches_per_step``.
+        steps: the trainer's steps ``(first, last)``, both included, as its logs number them, mapped to
+            positions through the run's history (see the module docstring).
         positions: global position ranges ``(start, stop)``, ``stop`` excluded, of the run as it was served.
         mode: ``"skip"`` (not served) or ``"mask"`` (served, with no loss; dict outputs only).
         at: the global position it takes effect at; ``None``: where the loader is when it is given.
@@ -222,18 +225,11 @@ class Exclusions:
         Raises:
             OptionsError: a key that is not an argument, or a value not of its form.
         """
-        allowed = {"documents", "records", "hashes", "steps", "positions", "mode", "at"}
-        unknown = sorted(set(config) - allowed)
-        if unknown:
-            raise OptionsError(f"exclude: has keys {unknown}; it takes {sorted(allowed)}")
-        given = dict(config)
+        read = read_json(config, _ExclusionConfig, OptionsError, "exclude", f"it takes {_ARGUMENTS}")
+        given = {name: getattr(read, name) for name in read.__struct_fields__}
         if source is not None:
             for key in ("documents", "records", "hashes"):
-                if key in given:
-                    given[key] = {source: given[key]}
-        for key in ("steps", "positions"):
-            if key in given:
-                given[key] = [tuple(pair) for pair in given[key]]
+                given[key] = {source: given[key]}
         return cls(**given)
 
     def document_ids(self) -> dict[str, tuple[int, ...]]:
@@ -279,8 +275,8 @@ class Exclusions:
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def counts(self) -> dict[str, int]:
-        """How much it names: documents (by index, by hash, by record), step ranges and position ranges;
-        ``records`` only when it names some (a state saved before records were named has no such key)."""
+        """How much it names: documents by index and by hash, step and position ranges, and ``records``
+        when it names some (a state saved before records has no such key)."""
         return {
             "documents": sum(map(len, self._documents.values())),
             **({"records": sum(map(len, self._records.values()))} if self._records else {}),
@@ -291,16 +287,18 @@ class Exclusions:
 
 
 def entry_state(entry: Exclusions, at: int, steps: StepCount) -> dict[str, Any]:
-    """What a loader state records of an exclusion in force: small, whatever the list's length. Its steps
-    are recorded as the number of history entries they were counted through (``legs``), or, counted the
-    way of a state saved before that, the batch size (``batch_size``)."""
+    """What a loader state records of an exclusion in force: a digest and counts, small whatever it names.
+
+    Its steps are recorded as the number of history entries they were counted through (``legs``), or, for
+    a state saved before that, as the batch size they were counted at (``batch_size``).
+    """
     counting = {"batch_size": steps.legs[0][2]} if steps.through is None else {"legs": steps.through}
     return {"digest": entry.digest, "mode": entry.mode, "at": at, **counting, **entry.counts()}
 
 
 def counted(record: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> StepCount:
     """How the steps of an exclusion a state records were counted: through its first ``legs`` history
-    entries, or at its ``batch_size`` from position 0 (a state saved before steps were counted so).
+    entries, or at its ``batch_size`` from position 0 (a state saved before legs).
 
     Raises:
         LoaderStateError: the state's history has fewer entries than the record counts through.
@@ -315,31 +313,6 @@ def counted(record: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> 
             "load one as state_dict() returned it"
         )
     return StepCount.of_history(history[:legs])
-
-
-_ENTRY_KEYS = {"digest", "mode", "at", "documents", "hashes", "steps", "positions"}
-_COUNTINGS = ({"legs"}, {"batch_size"})
-
-
-def _is_entry(value: Any) -> bool:
-    if not isinstance(value, Mapping):
-        return False
-    counting = set(value) - _ENTRY_KEYS - {"records"}
-    numbers = (_ENTRY_KEYS | counting) - {"digest", "mode"}
-    return (
-        set(value) >= _ENTRY_KEYS
-        and counting in _COUNTINGS
-        and is_int(value.get("records", 0))
-        and isinstance(value["digest"], str)
-        and value["mode"] in _MODES
-        and all(is_int(value[k]) and value[k] >= 0 for k in numbers)
-        and all(value[k] >= 1 for k in counting)
-    )
-
-
-def is_entries(value: Any) -> bool:
-    """Whether ``value`` is a state's ``exclusions``: a list of what :func:`entry_state` writes."""
-    return isinstance(value, (list, tuple)) and all(_is_entry(entry) for entry in value)
 
 
 def check_prefix(saved: Sequence[Mapping[str, Any]], given: Sequence[Exclusions]) -> None:

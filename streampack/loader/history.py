@@ -1,12 +1,10 @@
-"""The run's history a loader state carries: one small entry for the start and one per resume, each saying
-how the run was read from its position on (:func:`history_entry`; the schema that reads it back is
-:data:`streampack.loader.state.HISTORY_ENTRY`). :mod:`streampack.loader.audit` recomputes a run from it.
+"""The run's history a loader state carries: one small entry for the start and one per resume.
 
-The history is also where the trainer's steps are: each entry begins a *leg* of the run at its position
-and at the trainer's step there (:func:`leg_steps`), and a leg takes ``batch_size * batches_per_step``
-positions a step. :class:`StepCount` maps steps to positions through the legs, for
-``Exclusions(steps=...)`` and the audit alike. A state carries the history's digest
-(:func:`history_digest`), and :func:`check_history` refuses one that is not a run's.
+Each entry says how the run was read from its position on (:func:`history_entry`, read back by
+:class:`streampack.loader.state.HistoryEntry`); :mod:`streampack.loader.audit` recomputes a run from them.
+Each entry also begins a *leg* of the trainer's steps (:func:`leg_steps`), which :class:`StepCount` maps
+to positions for ``Exclusions(steps=...)`` and the audit alike. A state carries the history's digest
+(:func:`history_digest`), and :func:`check_history` refuses a history that is not a run's.
 """
 
 from __future__ import annotations
@@ -66,22 +64,21 @@ def history_entry(
     exclusions: Any = None,
     served: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One entry of a state's history (:data:`HISTORY_ENTRY`): how a run was read from ``position``.
+    """One entry of a state's history: what recomputes the samples a run served from ``position`` on.
 
-    It holds what recomputes the samples served from there (the audit builds the loader it describes,
-    :mod:`streampack.loader.audit`): the order's kind, seed and shuffle, and for a mixture its block
-    size and the schedule it was *configured* with (the part before ``position`` is the earlier entries'),
-    the data's layout, ``seq_len`` and ``overlap``, the batch and world size, the exclusions in force;
-    the digest of the order in force, to check the recomputed one; ``step``, the trainer's own step
-    there when a framework adapter (or the caller) gave it, null otherwise; and ``batches_per_step``,
-    the global batches the trainer takes per step (gradient accumulation), which the adapters set; and
-    for a loader that serves its units at other lengths (a seq_len schedule, or a resume at another
-    ``seq_len``), ``served``: its own ``seq_len`` and the schedule's ``[first token, seq_len]`` pairs
-    (:mod:`streampack.loader.seqlen`; ``data`` holds the units' ``seq_len``); and for a mixture,
-    ``sources``: the names of the sources it read (sources may be added at a resume), and ``stop`` when
-    it is not ``"never"``; for one dataset read for a number of epochs, ``epochs``; ``drop_last`` when it
-    is False (a run that ends serves its partial last batch). Every field is
-    bounded: a history grows by one small entry per resume.
+    The audit builds the loader an entry describes (:mod:`streampack.loader.audit`), so it holds:
+
+    * the order's kind, seed and shuffle, and the digest of the order in force, to check the recomputed one;
+    * for a mixture, its block size, the schedule it was *configured* with (earlier entries hold the part
+      before ``position``), the names of the sources it read, and ``stop`` unless ``"never"``; for one
+      dataset read for a number of epochs, ``epochs``;
+    * the data's layout, ``seq_len`` and ``overlap``; the batch and world size; the exclusions in force;
+    * ``step``, the trainer's step there when an adapter or the caller gave it (else null), and
+      ``batches_per_step``, the trainer's gradient accumulation;
+    * ``served`` for a loader that serves its units at other lengths (:mod:`streampack.loader.seqlen`):
+      its own ``seq_len`` and ``[first token, seq_len]`` pairs; ``drop_last`` when False.
+
+    Every field is bounded: a history grows by one small entry per resume.
     """
     mine = order.fingerprint()
     own = configured.fingerprint()

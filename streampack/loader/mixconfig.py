@@ -37,56 +37,113 @@ Example ``mix.yaml``::
         mode: skip              # skip (default) | mask
       - documents: {web: [17, 4242]}
 
-A source given as a mapping may also hold ``exclude:`` (a mapping or a list of them) naming its own
-documents (``documents: [17]``, ``hashes: [...]``). :func:`mixture_exclusions` reads them all, the
-config's list first, then each source's in the order of ``sources``; pass them to the loader as
-``Loader(load_mixture(path), exclude=mixture_exclusions(path), ...)``, in that order at every resume.
+A finished source given as a mapping may also hold ``exclude:`` (a mapping or a list of them) naming its
+own documents (``documents: [17]``, ``hashes: [...]``). :func:`mixture_exclusions` reads them all, the
+config's list first, then each source's; pass them as ``Loader(load_mixture(path),
+exclude=mixture_exclusions(path), ...)``, in that order at every resume.
 
-Unknown keys are refused, so a misspelt ``weigths`` never passes silently as "no weights". A source in
-object storage is read as :func:`streampack.open` reads one (``local_dir``, ``max_local_bytes``,
-``storage_options``); those keys are refused for a local cache. A source with ``follow: true`` is the
-committed part of a cache whose build runs, read as :class:`~streampack.loader.follow.Follow` reads it
-(its eras shuffled with the config's ``seed``), beside finished ones (see
-:mod:`streampack.order.mixture`).
+Unknown keys are refused, so a misspelt ``weigths`` never passes silently as "no weights"; numbers may be
+written as floats or strings (``2.0e+10``, ``"1e9"``). The reading options (``local_dir``,
+``max_local_bytes``, ``storage_options``, as :func:`streampack.open` takes them) apply to caches in object
+storage only. A source with ``follow: true`` is the committed part of a cache whose build runs, read as
+:class:`~streampack.loader.follow.Follow` reads it, its eras shuffled with the config's ``seed``.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import orjson
+import yaml
+from msgspec import Meta, Struct
 
-from streampack.errors import MissingDependencyError, OptionsError
+from streampack.errors import OptionsError, read_json
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.follow import FollowOptions, GrowingCache
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
-from streampack.reader import Cache
 from streampack.reader import open as open_cache
 from streampack.store import is_remote
 
 __all__ = ["load_mixture", "mixture_exclusions"]
 
-# How a cache in object storage is read (streampack.open's options), per source or for every source.
+Count = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(ge=1)]
+_FIX = "see streampack mix --help for what a mixture config holds"
 _READING = ("local_dir", "max_local_bytes", "storage_options")
-_KEYS = {
-    "seq_len",
-    "layout",
-    "overlap",
-    "seed",
-    "shuffle",
-    "block_size",
-    "stop",
-    "sources",
-    "weights",
-    "stages",
-    "exclude",
-    *_READING,
-}
+_FOLLOWING = ("first_era", "largest_era", "timeout", "poll")
+
+
+class _Reading(Struct, forbid_unknown_fields=True, kw_only=True):
+    """How caches in object storage are read (:func:`streampack.open`'s options)."""
+
+    local_dir: str | None = None
+    max_local_bytes: Positive | None = None
+    storage_options: dict[str, Any] | None = None
+
+
+class _Source(_Reading):
+    """A source given as a mapping: its cache, how to read it, and how to follow a build that runs."""
+
+    path: Annotated[str, Meta(min_length=1)]
+    exclude: Any = None  # read by mixture_exclusions
+    follow: Literal[True] | None = None
+    first_era: Positive | None = None
+    largest_era: Positive | None = None
+    timeout: float | None = None
+    poll: float | None = None
+
+    def __post_init__(self) -> None:
+        following = [key for key in _FOLLOWING if getattr(self, key) is not None]
+        reading = [key for key in _READING if getattr(self, key) is not None]
+        if following and not self.follow:
+            raise ValueError(f"{', '.join(following)} apply to a source with follow: true only")
+        if self.follow and self.exclude is not None:
+            raise ValueError("exclude applies to a finished cache, not to one followed")
+        if reading and not is_remote(self.path):
+            raise ValueError(
+                f"{', '.join(reading)} apply to caches in object storage (s3://...), not to the local cache "
+                f"{self.path}"
+            )
+
+
+class _At(Struct, forbid_unknown_fields=True):
+    """Where a stage starts, given in samples or in tokens."""
+
+    samples: Count | None = None
+    tokens: Count | None = None
+
+    def __post_init__(self) -> None:
+        if (self.samples is None) == (self.tokens is None):
+            raise ValueError("a stage is at a position in samples, or {samples: N} or {tokens: N}")
+
+
+class _Stage(Struct, forbid_unknown_fields=True):
+    at: Count | _At
+    weights: dict[str, float]
+
+
+class _BlockShuffle(Struct, forbid_unknown_fields=True):
+    block: Positive = BlockShuffle.block
+    window: Positive = BlockShuffle.window
+
+
+class _Config(_Reading):
+    """A mixture config; its sources are read one by one (:class:`_Source`), so messages name them."""
+
+    seq_len: Positive
+    sources: Annotated[dict[str, Any], Meta(min_length=1)]
+    layout: Literal["windows", "packed", "documents"] = "windows"
+    overlap: Count = 0
+    seed: int | None = None
+    shuffle: bool | _BlockShuffle | None = None
+    block_size: int | None = None
+    stop: Literal["never", "first_exhausted"] | None = None
+    weights: dict[str, float] | None = None
+    stages: list[_Stage] | None = None
+    exclude: Any = None  # read by mixture_exclusions
 
 
 def load_mixture(config: str | Path | Mapping[str, Any]) -> Mixture:
@@ -98,7 +155,8 @@ def load_mixture(config: str | Path | Mapping[str, Any]) -> Mixture:
 
     Raises:
         OptionsError: (a ``ValueError``) the file cannot be parsed, a key is unknown or missing, a value
-            has the wrong type, or the mixture itself is refused; the message names the file and the key.
+            has the wrong type, or the mixture itself is refused; the message names the file and the
+            JSON path of the key.
         CacheError: a source's cache cannot be opened.
     """
     if isinstance(config, Mapping):
@@ -125,16 +183,8 @@ def mixture_exclusions(config: str | Path | Mapping[str, Any]) -> list[Exclusion
 
 
 def _exclusions(value: object, source: str | None, where: str) -> list[Exclusions]:
-    if value is None:
-        return []
-    listed = value if isinstance(value, list) else [value]
     out = []
-    for index, item in enumerate(listed):
-        if not isinstance(item, Mapping):
-            raise OptionsError(
-                f"{where}[{index}] is a mapping of documents, hashes, steps, positions, mode, at "
-                f"(got {item!r})"
-            )
+    for index, item in enumerate([] if value is None else value if isinstance(value, list) else [value]):
         try:
             out.append(Exclusions.from_config(item, source=source))
         except OptionsError as error:
@@ -152,13 +202,10 @@ def _read(path: Path) -> Mapping[str, Any]:
         text = path.read_bytes()
     except OSError as error:
         raise OptionsError(f"cannot read the mixture config {path}: {error.strerror}") from None
-    if suffix == ".json":
-        try:
-            data = orjson.loads(text)
-        except orjson.JSONDecodeError as error:
-            raise OptionsError(f"{path}: not valid JSON ({error})") from None
-    else:
-        data = _yaml(text, path)
+    try:
+        data = orjson.loads(text) if suffix == ".json" else yaml.safe_load(text)
+    except (orjson.JSONDecodeError, yaml.YAMLError) as error:
+        raise OptionsError(f"{path}: not valid {'JSON' if suffix == '.json' else 'YAML'} ({error})") from None
     if not isinstance(data, Mapping):
         raise OptionsError(
             f"{path}: a mixture config is a mapping with sources and weights (got {type(data).__name__})"
@@ -166,214 +213,80 @@ def _read(path: Path) -> Mapping[str, Any]:
     return data
 
 
-def _yaml(text: bytes, path: Path) -> Any:
-    try:
-        import yaml
-    except ImportError:  # pragma: no cover - pyyaml is a dependency
-        raise MissingDependencyError(
-            f"reading {path} needs PyYAML: pip install pyyaml, or write the config as JSON"
-        ) from None
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise OptionsError(f"{path}: not valid YAML ({error})") from None
-
-
-def _mixture(config: Mapping[str, Any], base: Path, where: str) -> Mixture:
-    unknown = sorted(set(map(str, config)) - _KEYS)
-    if unknown:
-        raise OptionsError(f"{where}: unknown keys {unknown}; a mixture config has {sorted(_KEYS)}")
-    for key in ("seq_len", "sources"):
-        if key not in config:
-            raise OptionsError(f"{where}: {key!r} is missing")
-    seq_len = _integer(config["seq_len"], f"{where}: seq_len", minimum=1)
-    overlap = _integer(config.get("overlap", 0), f"{where}: overlap", minimum=0)
-    sources = config["sources"]
-    if not isinstance(sources, Mapping) or not sources:
-        raise OptionsError(f"{where}: sources is a mapping of name: cache directory or URL (got {sources!r})")
-    layout = config.get("layout", "windows")
-    if layout not in ("windows", "packed", "documents"):
-        raise OptionsError(f"{where}: layout is windows, packed or documents (got {layout!r})")
-    if overlap and layout != "windows":
-        raise OptionsError(f"{where}: overlap applies to layout: windows only (got layout: {layout})")
-    shared = _reading(config, base, where)
-    datasets = {}
-    for name, location in sources.items():
-        if isinstance(location, Mapping) and location.get("follow") is not None:
-            datasets[str(name)] = _follow_source(
-                str(name), location, shared, base, f"{where}: sources.{name}",
-                {"seq_len": seq_len, "overlap": overlap, "layout": layout, "seed": config.get("seed", 0)},
-            )  # fmt: skip
-            continue
-        cache = _open_source(str(name), location, shared, base, f"{where}: sources.{name}")
-        datasets[str(name)] = (
-            cache.sequences(seq_len, overlap=overlap)
-            if layout == "windows"
-            else getattr(cache, layout)(seq_len)
+def _mixture(raw: Mapping[str, Any], base: Path, where: str) -> Mixture:
+    config = read_json(raw, _Config, OptionsError, where, _FIX, strict=False)
+    if config.overlap and config.layout != "windows":
+        raise OptionsError(
+            f"{where}: overlap applies to layout: windows only (got layout: {config.layout}) - at `$.overlap`"
         )
-    stages = config.get("stages")
-    if stages is not None:
-        if not isinstance(stages, list):
-            raise OptionsError(f"{where}: stages is a list of {{at: ..., weights: {{...}}}} (got {stages!r})")
-        stages = [_stage(stage, seq_len, f"{where}: stages[{i}]") for i, stage in enumerate(stages)]
-    options = {key: config[key] for key in ("seed", "shuffle", "block_size", "stop") if key in config}
-    if isinstance(options.get("shuffle"), Mapping):
-        options["shuffle"] = _block_shuffle(options["shuffle"], f"{where}: shuffle")
+    shared = _reading(config, base)
+    datasets = {}
+    for name, raw_source in config.sources.items():
+        given = {"path": raw_source} if isinstance(raw_source, str) else raw_source
+        source = read_json(given, _Source, OptionsError, where, _FIX, at=f"$.sources.{name}", strict=False)
+        path, reading = _location(name, source, shared, base)
+        if source.follow:
+            datasets[name] = _following(source, path, reading, config, f"{where}: sources.{name}")
+            continue
+        cache = open_cache(path, **reading)
+        datasets[name] = (
+            cache.sequences(config.seq_len, overlap=config.overlap)
+            if config.layout == "windows"
+            else getattr(cache, config.layout)(config.seq_len)
+        )
+    stages = None
+    if config.stages is not None:
+        stages = [(_samples(stage.at, config.seq_len), stage.weights) for stage in config.stages]
+    block = config.shuffle
+    shuffle = BlockShuffle(block.block, block.window) if isinstance(block, _BlockShuffle) else block
+    options = {"seed": config.seed, "shuffle": shuffle, "block_size": config.block_size, "stop": config.stop}
     try:
-        return Mixture(datasets, config.get("weights"), stages=stages, **options)
+        chosen: dict[str, Any] = {key: value for key, value in options.items() if value is not None}
+        return Mixture(datasets, config.weights, stages=stages, **chosen)
     except OptionsError as error:
         raise OptionsError(f"{where}: {error}") from None
 
 
-def _reading(config: Mapping[str, Any], base: Path, where: str) -> dict[str, Any]:
-    """The reading options of ``config`` (a whole config's, or one source's), checked; relative
-    ``local_dir`` taken from ``base``."""
-    options: dict[str, Any] = {}
-    if config.get("local_dir") is not None:
-        local_dir = config["local_dir"]
-        if not isinstance(local_dir, str):
-            raise OptionsError(f"{where}: local_dir is a directory (got {local_dir!r})")
-        options["local_dir"] = base / local_dir
-    if config.get("max_local_bytes") is not None:
-        options["max_local_bytes"] = _integer(
-            config["max_local_bytes"], f"{where}: max_local_bytes", minimum=1
-        )
-    if config.get("storage_options") is not None:
-        storage = config["storage_options"]
-        if not isinstance(storage, Mapping):
-            raise OptionsError(
-                f"{where}: storage_options is a mapping passed to the fsspec filesystem (got {storage!r})"
-            )
-        options["storage_options"] = dict(storage)
-    return options
+def _samples(at: int | _At, seq_len: int) -> int:
+    """A stage's start in samples: ``{tokens: N}`` is the first sample that reaches token ``N``."""
+    if isinstance(at, int):
+        return at
+    return at.samples if at.samples is not None else -(-(at.tokens or 0) // seq_len)
 
 
-def _open_source(name: str, location: object, shared: dict[str, Any], base: Path, where: str) -> Cache:
-    """Open the cache of source ``name``: a path or URL, or a mapping with ``path`` and reading options.
+def _reading(options: _Reading, base: Path) -> dict[str, Any]:
+    """The reading options ``options`` sets; a relative ``local_dir`` taken from ``base``."""
+    reading = {key: getattr(options, key) for key in _READING if getattr(options, key) is not None}
+    if "local_dir" in reading:
+        reading["local_dir"] = base / reading["local_dir"]
+    return reading
 
-    A source in object storage takes the config's reading options where it sets none of its own (the
-    config's ``local_dir`` holding one subdirectory per source); a local one takes none.
+
+def _location(name: str, source: _Source, shared: dict[str, Any], base: Path) -> tuple[str, dict[str, Any]]:
+    """The cache of source ``name`` and its reading options.
+
+    A cache in object storage takes the config's options where it sets none of its own, the config's
+    ``local_dir`` holding one subdirectory per source; a local one, relative to ``base``, takes none.
     """
-    own: dict[str, Any] = {}
-    if isinstance(location, Mapping):
-        unknown = sorted(set(map(str, location)) - {"path", "exclude", *_READING})
-        if unknown or "path" not in location:
-            problem = f"unknown keys {unknown}" if unknown else "'path' is missing"
-            raise OptionsError(f"{where}: {problem}; a source is a path or URL, or has {['path', *_READING]}")
-        own = _reading(location, base, where)
-        location = location["path"]
-    if not isinstance(location, str) or not location:
-        raise OptionsError(f"{where} is a cache directory or URL (got {location!r})")
-    if not is_remote(location):
-        if own:
-            raise OptionsError(
-                f"{where}: {', '.join(own)} apply to caches in object storage (s3://...), not to the local "
-                f"cache {location}"
-            )
-        return open_cache(location if "://" in location else base / location)
+    if not is_remote(source.path):
+        return str(source.path if "://" in source.path else base / source.path), {}
+    own = _reading(source, base)
     reading = {**shared, **own}
     if "local_dir" in shared and "local_dir" not in own:
         reading["local_dir"] = shared["local_dir"] / name
-    return open_cache(location, **reading)
+    return source.path, reading
 
 
-_FOLLOWING = ("follow", "first_era", "largest_era", "timeout", "poll")
-
-
-def _follow_source(
-    name: str, location: Mapping[str, Any], shared: dict[str, Any], base: Path, where: str,
-    samples: Mapping[str, Any],
-) -> Any:  # fmt: skip
-    """The source ``follow: true`` names: a :class:`~streampack.loader.follow.GrowingCache` of the cache at
-    ``path``, whose build may be running, with the config's ``samples`` settings (seq_len, overlap,
-    layout, seed) and the source's era and waiting settings."""
-    if location["follow"] is not True:
-        raise OptionsError(
-            f"{where}: follow is true, or left out for a finished cache (got {location['follow']!r})"
-        )
-    settings = {key: location[key] for key in _FOLLOWING[1:] if key in location}
-    for key in ("first_era", "largest_era"):
-        if key in settings:
-            settings[key] = _integer(settings[key], f"{where}: {key}", minimum=1)
-    for key in ("timeout", "poll"):
-        value = settings.get(key)
-        if key in settings and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise OptionsError(f"{where}: {key} is a number of seconds (got {value!r})")
-    path = location.get("path")
-    rest = {k: v for k, v in location.items() if k not in _FOLLOWING}
-    if not isinstance(path, str) or not path:
-        raise OptionsError(f"{where}: 'path' is a cache directory or URL (got {path!r})")
-    unknown = sorted(set(map(str, rest)) - {"path", *_READING})
-    if unknown:
-        raise OptionsError(
-            f"{where}: unknown keys {unknown}; a source has {['path', *_READING, *_FOLLOWING]}"
-        )
-    reading = _reading(rest, base, where)
-    if is_remote(path):
-        reading = {**shared, **reading}
-        if "local_dir" in shared and "local_dir" not in rest:
-            reading["local_dir"] = shared["local_dir"] / name
-    elif reading:
-        raise OptionsError(
-            f"{where}: {', '.join(reading)} apply to caches in object storage (s3://...), not to the local "
-            f"cache {path}"
-        )
-    else:
-        path = str(path if "://" in path else base / path)
-    layout: Any = "sequences" if samples["layout"] == "windows" else samples["layout"]
+def _following(source: _Source, path: str, reading: dict[str, Any], config: _Config, where: str) -> Any:
+    """The :class:`~streampack.loader.follow.GrowingCache` a ``follow: true`` source names, read with the
+    config's seq_len, overlap, layout and seed."""
+    settings = {key: getattr(source, key) for key in _FOLLOWING if getattr(source, key) is not None}
+    layout: Any = "sequences" if config.layout == "windows" else config.layout
     try:
         options = FollowOptions(
-            seq_len=samples["seq_len"], overlap=samples["overlap"], layout=layout, **settings, **reading
+            seq_len=config.seq_len, overlap=config.overlap, layout=layout, **settings, **reading
         )
         # In a mixture the source goes on with epochs of its finished cache, as every source does.
-        return GrowingCache(path, options, seed=int(samples["seed"]), batch_size=1, drop_last=False)
+        return GrowingCache(path, options, seed=config.seed or 0, batch_size=1, drop_last=False)
     except OptionsError as error:
         raise OptionsError(f"{where}: {error}") from None
-
-
-def _block_shuffle(value: Mapping[str, Any], where: str) -> BlockShuffle:
-    unknown = sorted(set(map(str, value)) - {"block", "window"})
-    if unknown:
-        raise OptionsError(f"{where}: unknown keys {unknown}; a block shuffle has 'block' and 'window'")
-    try:
-        return BlockShuffle(**{key: _integer(v, f"{where}.{key}", minimum=1) for key, v in value.items()})
-    except OptionsError as error:
-        raise OptionsError(f"{where}: {error}") from None
-
-
-def _stage(stage: object, seq_len: int, where: str) -> tuple[int, Mapping[str, float]]:
-    if not isinstance(stage, Mapping) or set(stage) != {"at", "weights"}:
-        raise OptionsError(f"{where} is a mapping with 'at' and 'weights' (got {stage!r})")
-    at, weights = stage["at"], stage["weights"]
-    if not isinstance(weights, Mapping):
-        raise OptionsError(f"{where}.weights is a mapping of source: weight (got {weights!r})")
-    if isinstance(at, Mapping):
-        if len(at) != 1 or next(iter(at)) not in ("samples", "tokens"):
-            raise OptionsError(
-                f"{where}.at is a position in samples, or {{samples: N}} or {{tokens: N}} (got {at!r})"
-            )
-        unit, count = next(iter(at.items()))
-        value = _integer(count, f"{where}.at.{unit}", minimum=0)
-        return (-(-value // seq_len) if unit == "tokens" else value), weights
-    return _integer(at, f"{where}.at", minimum=0), weights
-
-
-def _integer(value: object, where: str, *, minimum: int) -> int:
-    """A whole number, also given as a float (``2.0e+10``) or a string (``"1e9"``, ``"10_000"``)."""
-    number: Any = value
-    if isinstance(value, str):
-        try:
-            number = (
-                float(value.replace("_", ""))
-                if any(c in value for c in ".eE")
-                else int(value.replace("_", ""))
-            )
-        except ValueError:
-            number = None
-    if isinstance(number, numbers.Integral) and not isinstance(number, bool):
-        number = int(number)
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or not math.isfinite(number):
-        raise OptionsError(f"{where} must be a whole number (got {value!r})")
-    if number != int(number) or int(number) < minimum:
-        raise OptionsError(f"{where} must be a whole number >= {minimum} (got {value!r})")
-    return int(number)

@@ -7,8 +7,9 @@ takes the cache's directory (a :class:`~pathlib.Path`) or its store.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 from pathlib import Path
+
+import msgspec
 
 from streampack.errors import CacheError
 from streampack.format.ledger import LedgerEntry, parse_entry
@@ -97,7 +98,7 @@ def read_entry(root: Path | Store, name: str, unit: str) -> LedgerEntry:
 
 def commit_entry(root: Path | Store, name: str, progress: LedgerEntry) -> None:
     """Atomically and durably replace the ledger entry of shard ``name`` (with its ``checksum``)."""
-    _store(root).put_atomic(ledger_key(name), encode_json(with_checksum(asdict(progress))))
+    _store(root).put_atomic(ledger_key(name), encode_json(with_checksum(msgspec.structs.asdict(progress))))
 
 
 def file_checksum(path: Path, length: int | None = None) -> str:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from streampack.format.ledger import LedgerEntry
@@ -71,7 +71,7 @@ def write_cache(
         infos.append(ShardInfo(name, unit, len(ends), len(tokens), *checksums))
         entry = LedgerEntry(unit, len(ends), len(ends), len(tokens), 0, True, *checksums)
         (root / LEDGER_DIR).mkdir(exist_ok=True)
-        (root / ledger_key(name)).write_bytes(encode_json(with_checksum(asdict(entry))))
+        (root / ledger_key(name)).write_bytes(encode_json(with_checksum(msgspec.structs.asdict(entry))))
     _write_manifest(root, infos, vocab_size, eos_id)
     return root
 
