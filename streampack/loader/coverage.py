@@ -24,13 +24,10 @@ __all__ = [
     "batches",
     "coverage",
     "cursor_runs",
-    "excluded",
     "findings",
     "intervals",
-    "jumps",
     "listed",
     "served",
-    "stands",
     "union",
 ]
 
@@ -115,7 +112,7 @@ def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> tuple[di
             sources, _ = loader.served(lo, min(stop, lo + CHUNK))
             here += np.bincount(sources, minlength=len(here))
         before, after = loader.order.consumed(start), loader.order.consumed(stop)
-        out = excluded(loader, start, stop, here)
+        out = _excluded(loader, start, stop, here)
         for j, name in enumerate(loader.order.names):
             if int(here[j] + out[j]) != after[j] - before[j]:
                 raise LoaderStateError(
@@ -129,7 +126,7 @@ def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> tuple[di
     return counts, taken
 
 
-def excluded(loader: Loader, start: int, stop: int, served: np.ndarray) -> np.ndarray:
+def _excluded(loader: Loader, start: int, stop: int, served: np.ndarray) -> np.ndarray:
     """Per source id, the samples the skip exclusions of ``loader`` passed over in ``[start, stop)``: those
     its order without them picks there, less those ``served``."""
     if not isinstance(loader.order, Skipping):
@@ -180,7 +177,7 @@ def _minus(run: tuple[int, int], union: list[tuple[int, int]]) -> list[tuple[int
     return pieces
 
 
-def stands(legs: list[Leg]) -> list[int]:
+def _stands(legs: list[Leg]) -> list[int]:
     """Per leg, the leg at whose end the model stood when it resumed there: the one before, or, when that
     one trained nothing, the one that one resumed from."""
     found = [0] * len(legs)
@@ -196,11 +193,11 @@ def _cursor(loader: Loader, name: str, position: int) -> int | None:
     return int(loader.order.consumed(position)[loader.order.names.index(name)])
 
 
-def jumps(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, int, int]]:
+def _jumps(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, int, int]]:
     """``(leg, model, data)`` per resume the model kept: source ``name``'s cursor where the model stood,
     and the one its data state resumed at (equal for a faithful resume)."""
     found = []
-    for k, m in enumerate(stands(legs)):
+    for k, m in enumerate(_stands(legs)):
         if k == 0 or (k + 1 < len(legs) and legs[k].positions[1] <= legs[k].positions[0]):
             continue  # a resume into a leg that trained nothing was undone by the next one
         model = _cursor(loaders[m], name, legs[m].positions[1])
@@ -234,7 +231,7 @@ def intervals(
                     twice.setdefault(name, []).append((leg, first, stop, earlier))
             owners.append((a, b, leg))
             covered = union([*covered, (a, b)])
-        moves = jumps(legs, loaders, name)
+        moves = _jumps(legs, loaders, name)
         _merge_twice(twice, name, [(k, data, model) for k, model, data in moves if data < model])
         top = max((hi for _, hi in covered), default=0)
         done = list(covered)  # cursors served, or already reported skipped
@@ -350,7 +347,7 @@ def _why(legs: list[Leg], k: int) -> str:
     leg, start = legs[k], legs[k].positions[0]
     if k == 0:
         return f"the run started at step {leg.steps[0]:,} and position {start:,}"
-    previous, stood = legs[k - 1], legs[stands(legs)[k]].positions[1]
+    previous, stood = legs[k - 1], legs[_stands(legs)[k]].positions[1]
     data_step = previous.steps[0] + batches(start - previous.positions[0], previous.stride)
     return (
         f"resumed at step {leg.steps[0]:,} from a data state at position {start:,} (step {data_step:,}), "

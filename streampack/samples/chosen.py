@@ -1,8 +1,5 @@
-"""Which documents of a cache samples are made of: :class:`Chosen`, all of them or one side of a held-out
-split (the split itself is made by :func:`streampack.samples.split.split`).
-
-Document ``i`` is held out when a 64-bit hash of ``(i, seed)`` (:func:`doc_hashes`) falls below a
-threshold, so a document's side depends on its index and the threshold alone.
+"""Which documents of a cache samples are made of: all of them, or one side of a held-out split
+(:func:`streampack.samples.split.split`), by a hash of each document's index (:func:`doc_hashes`).
 """
 
 from __future__ import annotations

@@ -24,14 +24,7 @@ from streampack.samples.boundaries import Boundaries, boundaries
 from streampack.samples.chosen import Chosen
 from streampack.samples.copies import read_spans, row_view
 from streampack.samples.layout import Bins, FixedWindows, Layout, Runs, split_windows
-from streampack.samples.packing import (
-    NO_TARGET,
-    TOO_LONG,
-    NoTarget,
-    TooLong,
-    plan_documents,
-    plan_packed,
-)
+from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong, plan
 from streampack.samples.refs import cache_ref, reopen_unchanged
 from streampack.samples.spans import Spans
 from streampack.store import CacheRef
@@ -406,11 +399,11 @@ def whole_documents(
     pad_id = check_int(
         "pad_id", pad_id, min=0, below=below, hint=f"an id of the cache's {cache.dtype} tokens"
     )
-    plan = plan_packed if kind == "packed" else plan_documents
     layout = plan(
         cache,
         chosen,
         seq_len,
+        kind=kind,
         too_long=too_long,
         pad_id=pad_id,
         content=cache.content_digest,
