@@ -99,7 +99,7 @@ def position_of(loader: Loader, step: int | None = None, *, state: Mapping[str, 
         OptionsError: ``step`` is not a non-negative integer.
         LoaderStateError: ``state`` does not resume over this loader's data and order.
     """
-    return _position(_global_view(loader, state), step, state)
+    return _view_at(loader, step, state)[1]
 
 
 def which(
@@ -135,8 +135,7 @@ def which(
             ones the cache was built from.
         LoaderStateError: ``state`` does not resume over this loader's data and order.
     """
-    view = _global_view(loader, state)
-    position = _position(view, step, state)
+    view, position = _view_at(loader, step, state)
     try:
         sources, samples = view.picks(position)
     except IndexError:
@@ -174,8 +173,7 @@ def excluded_steps(
 ) -> list[str]:
     """In words, what the loader's exclusions do to one step's batch (``step`` and ``state`` as for
     :func:`which`): skip its positions or mask them. Empty for a step no exclusion names."""
-    view = _global_view(loader, state)
-    position = _position(view, step, state)
+    view, position = _view_at(loader, step, state)
     stop = position + view.options.batch_size
     notes = []
     for index, (entry, at, batch) in enumerate(view._in_force):
@@ -214,8 +212,9 @@ def _marks(view: Loader, position: int, batch: list[tuple[int, int]]) -> dict[tu
 # --------------------------------------------------------------------------------------- the batch
 
 
-def _global_view(loader: Loader, state: Mapping[str, Any] | None) -> Loader:
-    """A copy of ``loader`` that reads every rank's rows, at ``state``'s position when given.
+def _view_at(loader: Loader, step: int | None, state: Mapping[str, Any] | None) -> tuple[Loader, int]:
+    """A copy of ``loader`` that reads every rank's rows, resumed from ``state`` when given, and the
+    position of ``step``: counted from the state's position, else from 0; without a step, the copy's own.
 
     ``copy.copy`` goes through ``Loader.__getstate__``, which leaves the original's planned rows behind.
     """
@@ -223,15 +222,10 @@ def _global_view(loader: Loader, state: Mapping[str, Any] | None) -> Loader:
     view.options = dataclasses.replace(loader.options, rank=0, world_size=1)
     if state is not None:
         view.load_state_dict(state)
-    return view
-
-
-def _position(view: Loader, step: int | None, state: Mapping[str, Any] | None) -> int:
-    """The position of ``step``, counted from the state's position (``view`` resumed from it), else from 0."""
     if step is None:
-        return view.position  # the state's, else the loader's own: the view is a copy of it
+        return view, view.position
     check_int("step", step, min=0, max=2**62)
-    return (view.position if state is not None else 0) + int(step) * view.options.batch_size
+    return view, (view.position if state is not None else 0) + int(step) * view.options.batch_size
 
 
 def _datasets(view: Loader) -> list[PackedSequences]:
