@@ -107,7 +107,7 @@ class _Epoch:
     """One epoch's block order, and the slot of its short block."""
 
     blocks: Permutation | None  # slot (among the full blocks' slots) -> full block
-    short: int  # the short block's slot; the number of blocks when there is none
+    short: int  # the number of blocks when there is none
 
 
 class BlockShuffled(OneSource):

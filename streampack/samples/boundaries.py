@@ -36,9 +36,9 @@ class Boundaries:
 
     Args:
         shape: ``index_shape + (seq_len,)``.
-        starts: ``int64``, where each segment starts in the flattened batch, ascending, from 0.
-        docs: ``int64``, each segment's document (``-1``: padding).
-        marks: the build's loss mask of every token (``bool``, of ``shape``), for caches that have one.
+        starts: where each segment starts in the flattened batch, ascending from 0.
+        docs: each segment's document (``-1``: padding).
+        marks: the build's loss mask of every token, of ``shape``, for caches that have one.
     """
 
     def __init__(
@@ -111,13 +111,10 @@ def boundaries(
     Args:
         spans: the batch's spans.
         rows: rows of the batch.
-        columns: columns to cover, e.g. ``seq_len`` (a window's ``overlap`` tail excluded).
+        columns: columns to cover, e.g. ``seq_len`` (not a window's ``overlap`` tail).
         offsets_of: the offset table of a shard: each document's end, local to the shard.
         doc_starts: global index of each shard's first document.
-        mask_of: the loss mask of a shard (1 where a token is a training target), for caches that have one.
-
-    Returns:
-        A :class:`Boundaries` whose arrays have shape ``(rows, columns)``.
+        mask_of: the loss mask of a shard, for caches that have one.
     """
     if rows == 0:
         empty = np.zeros(0, dtype=np.int64)

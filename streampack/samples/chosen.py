@@ -27,7 +27,7 @@ class Chosen:
         threshold: documents whose hash is below it are held out (at most ``2**64``).
         side: ``"train"`` (the rest) or ``"validation"`` (the held-out ones); None for every document.
         seed: the split's seed.
-        holdout: how the split was asked for (``"fraction:0.01"``, ``"count:1000"``), for the fingerprint.
+        holdout: how the split was asked for (``"fraction:0.01"``), for the fingerprint.
     """
 
     def __init__(

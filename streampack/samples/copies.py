@@ -52,17 +52,10 @@ _TAKE_ROWS = 8
 
 
 class _Copies:
-    """How to copy the spans of some batches: per batch, row takes per shard, then the other spans.
+    """How to copy the ``spans`` of some batches (sorted by ``batch`` then shard): row takes, then slices.
 
-    Where a batch holds at least :data:`_TAKE_ROWS` spans of one shard that fill a whole row, they are
-    copied by one fancy-index take of its :func:`row_view`. The rest (a few rows of a shard, a window cut
-    by a shard boundary, a document beside others) are copied slice by slice, cheaper for a few rows.
-
-    Args:
-        spans: the spans, sorted by batch then shard.
-        batch: the batch of each span.
-        batches: the number of batches.
-        width: columns of a row.
+    Where a batch holds at least :data:`_TAKE_ROWS` whole-row spans of one shard, they are copied by one
+    fancy-index take of its :func:`row_view`; the rest slice by slice, cheaper for a few rows.
     """
 
     def __init__(self, spans: Spans, batch: np.ndarray, batches: int, width: int) -> None:
@@ -127,14 +120,8 @@ class _Tiles:
     """Each batch as one row-major run of spans and padding: one ``np.concatenate`` into the flat output.
 
     Where spans tile their rows (from column 0 with no gap, padding after), a batch's spans and padding
-    laid end to end in row order are its flattened output: a batch of many short spans costs one slice
-    per span, then a single copy.
-
-    Args:
-        spans: the spans, any order; ``rows`` are the rows of the whole plan.
-        rows: rows per batch.
-        width: columns of a row.
-        pads: the padding id of each row of the plan (None: no layout pads, every row is covered).
+    laid end to end are its flattened output: one slice per span, then a single copy. ``pads`` holds the
+    padding id of each row of the plan, or None when no layout pads.
     """
 
     def __init__(self, spans: Spans, rows: int, batches: int, width: int, pads: np.ndarray | None) -> None:
@@ -198,7 +185,7 @@ class BatchedSpans:
         rows: rows per batch.
         batches: the number of batches.
         width: columns of a row.
-        pads: the padding id of each of the ``batches * rows`` rows, when some layout pads; else None.
+        pads: the padding id of each row, when some layout pads; else None.
     """
 
     def __init__(

@@ -85,9 +85,9 @@ class Runs:
     cache is one run per shard; a split, one run per stretch of consecutive chosen documents.
 
     Attributes:
-        starts: ``int64``, ``runs + 1``: where each run starts in the stream, then the stream's length.
-        shards: ``int64``, ``runs``: the shard each run lies in.
-        offsets: ``int64``, ``runs``: the run's first token, local to its shard.
+        starts: where each run starts in the stream, then the stream's length (``int64``).
+        shards: the shard each run lies in.
+        offsets: each run's first token, local to its shard.
     """
 
     starts: np.ndarray
