@@ -118,8 +118,7 @@ def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> tuple[di
                 raise LoaderStateError(
                     f"leg {leg.index}: source {name!r} served {int(here[j])} samples at positions "
                     f"{start}-{stop} ({int(out[j])} excluded), its cursor moved {after[j] - before[j]}: "
-                    "the order is not consistent "
-                    "with itself (a bug: please report it)"
+                    "the order is not consistent with itself (a bug: please report it)"
                 )
             counts[name] = counts.get(name, 0) + int(here[j])
             taken[name] = taken.get(name, 0) + int(out[j])
