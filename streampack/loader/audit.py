@@ -1,25 +1,17 @@
 """A proof of what a run saw, from its last checkpoint alone: every sample each step consumed, recomputed.
 
 A loader state carries the run's history (:attr:`Loader.history <streampack.loader.Loader.history>`):
-one entry for the start and one per resume, each saying how the run was read from its position on. The
-run is a sequence of *legs*, one per entry. Leg ``i`` starts at the entry's position ``p_i`` and the
-trainer's step ``s_i`` (the step an adapter recorded, else the one the data implies), and trains one
-global batch per step until the next resume, whose step says how far the model got: it trained
-positions ``[p_i, X_i)`` with ``X_i = p_i + (s_{i+1} - s_i) * B_i`` (up to the state's position, for the
-last leg). A resume whose data state is not at ``X_i`` replays or skips: the usual way is a model
-checkpoint and a data state of different steps.
+one entry for the start and one per resume. Each entry starts a *leg* at position ``p_i`` and trainer step
+``s_i``; the leg trains one global batch of ``B_i`` positions per step until the next resume, whose step
+says how far the model got: positions ``[p_i, p_i + (s_{i+1} - s_i) * B_i)`` (to the state's position
+for the last leg). A resume whose data state is elsewhere replays or skips positions: the usual cause is
+a model checkpoint and a data state of different steps.
 
-:func:`audit` builds the :class:`~streampack.loader.Loader` each entry describes (from the data given:
-a cache directory, a mixture config, or the sources themselves; the entry's seed, shuffle, batch size,
-layout and mixture schedule, resumed from the previous leg as the run resumed), checks its order against
-the digest recorded, and asks it, through the function its batches are served with
-(:meth:`Steps.served <streampack.loader.steps.Steps.served>`), for the samples of every position the leg
-trained, in chunks of positions with numpy. Each source serves its samples at a *cursor* (samples of it
-served so far: sample ``c mod N`` of epoch ``c // N``), and the positions of a leg serve a contiguous run
-of each source's cursors (:meth:`Order.consumed <streampack.order.Order.consumed>`), so the verdict is
-interval arithmetic per source: a cursor served by two legs is a sample served twice within its epoch, a
-cursor below the furthest one served that no leg served is a sample skipped. Nothing is read but the
-caches' manifests: no token.
+:func:`audit` rebuilds the :class:`~streampack.loader.Loader` of each entry from the data given, checks
+its order against the digest recorded, and recomputes the samples of every position the leg trained.
+Each source serves its samples at a *cursor* (sample ``c mod N`` of epoch ``c // N``) and a leg serves a
+contiguous run of cursors (:meth:`Order.consumed <streampack.order.Order.consumed>`), so the verdict is
+interval arithmetic per source (:mod:`streampack.loader.coverage`). No token is read, only manifests.
 
 Ranges in reports are half-open: ``positions 9600-10000`` are positions 9600 to 9999.
 """
@@ -54,13 +46,12 @@ class SourceAudit:
         name: the source's name (``"data"`` for one dataset).
         size: its samples per epoch.
         samples: samples of it the model trained on, replays included.
-        tokens: ``samples * seq_len`` (the sample width for samples that are not a cache's).
-        epochs: the furthest cursor served over ``size``: the epochs it went through, with the fraction
-            of the last.
+        tokens: ``samples * seq_len`` (the sample width, for samples that are not a cache's).
+        epochs: the furthest cursor served over ``size``: epochs gone through, with the fraction of the last.
         twice: samples served a second time within their epoch.
-        excluded: samples skip exclusions took out (passed over, not served: not skipped).
         skipped: samples of an epoch never served while later ones were.
         coverage: per epoch ``[served once, served twice, skipped]``, counts of samples.
+        excluded: samples that skip exclusions passed over (not served, and not counted as skipped).
     """
 
     name: str
@@ -139,8 +130,8 @@ def audit(
     seed: int | None = None,
     exclude: Exclusions | Sequence[Exclusions] | None = None,
 ) -> AuditReport:
-    """Recompute every sample a run consumed from its last loader state, and say whether each was served
-    once within its epoch.
+    """Recompute every sample a run consumed from its last loader state, and check each was served once
+    within its epoch.
 
     Example::
 
@@ -148,30 +139,26 @@ def audit(
         assert report.clean, report.text()
 
     Args:
-        state: the run's last :meth:`Loader.state_dict` (a dict, or a JSON file holding one).
-        data: what the run read: a cache directory or a mixture config (``.yaml``/``.yml``/``.json``),
-            as ``streampack which`` takes them; or the sources themselves: a dataset (``cache.sequences
-            (...)``, an array) or a :class:`~streampack.order.mixture.Mixture` (its weights are the
-            history's, only its sources are used).
-        seq_len: the run's sequence length, checked against the history (not needed).
-        seed: the run's seed, checked against the history (not needed).
-        exclude: the run's exclusions, as its loader was given them (``Loader(exclude=...)``), which the
-            audit re-applies leg by leg where the history says they were in force (a state records only
-            their digests); default: a mixture config's ``exclude:``, else none.
+        state: the run's last :meth:`Loader.state_dict`, or a JSON file holding one.
+        data: what the run read: a cache directory or a mixture config (``.yaml``/``.yml``/``.json``), as
+            ``streampack which`` takes them; or the sources themselves: a dataset, or a
+            :class:`~streampack.order.mixture.Mixture` (only its sources are used, not its weights).
+        seq_len: the run's sequence length, checked against the history if given.
+        seed: the run's seed, checked against the history if given.
+        exclude: the run's exclusions, as its loader was given them; the audit re-applies them where the
+            history says they were in force (a state records only their digests). Default: a mixture
+            config's ``exclude:``, else none.
 
     Returns:
         An :class:`AuditReport`: per source, samples and tokens served, epochs, replays and skips; each
-        finding with its positions, steps and why.
+        finding with its positions, steps and cause.
 
     Raises:
-        LoaderStateError: the state is not a loader state, or has no history (saved by a streampack before
-            histories), or ``data`` is not what the run read (the recomputed order differs from the one
-            recorded: both named).
+        LoaderStateError: the state is not a loader state or has no history; ``data`` is not what the run
+            read (both orders named); or ``exclude`` lacks exclusions the history has in force.
         OptionsError: ``seq_len`` or ``seed`` differ from the run's.
-        LoaderStateError: the history has exclusions in force that ``exclude`` lacks, or holds otherwise.
     """
-    state = read_state_file(state)
-    checked = read_loader_state(state)
+    checked = read_loader_state(read_state_file(state))
     entries = checked.get("history") or []
     if not entries:
         raise LoaderStateError(
@@ -179,69 +166,91 @@ def audit(
             "edited): there is nothing to audit from; audit a state saved by this version"
         )
     _check_given(entries, seq_len, seed)
-    final = int(checked["position"])
     given = run_exclusions(data, exclude)
-    recorded = in_force(entries, checked.get("exclusions") or [])
-    loaders = leg_loaders(entries, data, given, checked.get("exclusions") or [], order=checked["order"])
-    starts = leg_steps(entries)  # as Exclusions(steps=...) counts them
-    ends = _ends(entries, starts, final, loaders)
-    legs = [
-        Leg(
-            i,
-            (int(e["position"]), ends[i]),
-            (starts[i], starts[i] + cov.batches(ends[i] - int(e["position"]), stride(e))),
-            int(e["batch_size"]),
-            int(e["batches_per_step"]),
-            int(e["world_size"]),
-            e["step"] is not None,
-            dict(zip(loader.order.names, loader.order.weights(int(e["position"])), strict=True)),
-        )
-        for i, (e, loader) in enumerate(zip(entries, loaders, strict=True))
-    ]
+    exclusions = checked.get("exclusions") or []
+    loaders = leg_loaders(entries, data, given, exclusions, order=checked["order"])
+    legs = _legs(entries, loaders, int(checked["position"]))
     names = list(loaders[-1].order.names)
-    sizes = dict(zip(names, loaders[-1].order.sizes(), strict=True))
     served, taken = cov.served(legs, loaders, names)
-    findings: list[Finding] = []
-    if legs[0].positions[0] > 0:
-        first = legs[0].positions[0]
-        findings.append(
-            Finding(
-                "unverified",
-                0,
-                (0, first),
-                (0, legs[0].steps[0]),
-                {},
-                f"positions 0-{first:,} are not in the history: the run's start was saved by a streampack "
-                "without histories, so what they served cannot be audited",
-            )
-        )
     twice, skipped = cov.intervals(legs, loaders, names)
-    findings += cov.findings(legs, loaders, names, twice, skipped)
-    findings += excluded_served(legs, loaders, recorded, given)
+    findings = _unverified(legs) + cov.findings(legs, loaders, names, twice, skipped)
+    findings += excluded_served(legs, loaders, in_force(entries, exclusions), given)
     width = _width(entries[-1], loaders[-1])
+    sizes = dict(zip(names, loaders[-1].order.sizes(), strict=True))
     sources = []
     for name in names:
         union = cov.union([(a, b) for a, b, _ in cov.cursor_runs(legs, loaders, name)])
-        distinct = sum(b - a for a, b in union)
-        twice_count = sum(b - a for _, a, b, _ in twice.get(name, []))
-        skipped_count = sum(b - a for _, a, b in skipped.get(name, []))
+        twice_of, skipped_of = twice.get(name, []), skipped.get(name, [])
         sources.append(
             SourceAudit(
-                name,
-                sizes[name],
-                served[name],
-                served[name] * width,
-                (max((b for _, b in union), default=0)) / max(sizes[name], 1) if distinct else 0.0,
-                twice_count,
-                skipped_count,
-                cov.coverage(sizes[name], union, twice.get(name, []), skipped.get(name, [])),
-                taken[name],
+                name=name,
+                size=sizes[name],
+                samples=served[name],
+                tokens=served[name] * width,
+                epochs=max((b for _, b in union), default=0) / max(sizes[name], 1),
+                twice=sum(b - a for _, a, b, _ in twice_of),
+                skipped=sum(b - a for _, a, b in skipped_of),
+                coverage=cov.coverage(sizes[name], union, twice_of, skipped_of),
+                excluded=taken[name],
             )
         )
-    return AuditReport(final, legs[-1].steps[1], legs, sources, findings)
+    return AuditReport(
+        position=int(checked["position"]),
+        step=legs[-1].steps[1],
+        legs=legs,
+        sources=sources,
+        findings=findings,
+    )
 
 
-# --------------------------------------------------------------------------------- the legs' loaders
+def _legs(entries: Sequence[Mapping[str, Any]], loaders: list[Loader], final: int) -> list[Leg]:
+    """The run's legs. The model trained each up to where the next resume's step says (its data state may
+    say otherwise), within the stream's end; the last one up to the state's position, ``final``."""
+    steps = leg_steps(entries)  # as Exclusions(steps=...) counts them
+    legs = []
+    for i, (entry, loader) in enumerate(zip(entries, loaders, strict=True)):
+        start, batch = int(entry["position"]), int(entry["batch_size"])
+        if i + 1 == len(entries):
+            end = final
+        elif entries[i + 1]["step"] is not None:
+            end = start + max(0, steps[i + 1] - steps[i]) * stride(entry)
+        else:
+            end = int(entries[i + 1]["position"])
+        limit = loader.order.end
+        if limit is not None and entry.get("drop_last", True):  # its partial last batch is not served
+            limit = start + max(0, limit - start) // batch * batch
+        end = max(start, end if limit is None else min(end, limit))
+        legs.append(
+            Leg(
+                index=i,
+                positions=(start, end),
+                steps=(steps[i], steps[i] + cov.batches(end - start, stride(entry))),
+                batch_size=batch,
+                batches_per_step=int(entry["batches_per_step"]),
+                world_size=int(entry["world_size"]),
+                step_given=entry["step"] is not None,
+                weights=dict(zip(loader.order.names, loader.order.weights(start), strict=True)),
+            )
+        )
+    return legs
+
+
+def _unverified(legs: list[Leg]) -> list[Finding]:
+    """A finding for the positions before the history's first entry, if any."""
+    first = legs[0].positions[0]
+    if not first:
+        return []
+    return [
+        Finding(
+            kind="unverified",
+            resume=0,
+            positions=(0, first),
+            steps=(0, legs[0].steps[0]),
+            samples={},
+            message=f"positions 0-{first:,} are not in the history: the run's start was saved by a "
+            "streampack without histories, so what they served cannot be audited",
+        )
+    ]
 
 
 def read_state_file(state: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
@@ -262,7 +271,7 @@ def read_state_file(state: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
 
 
 def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed: int | None) -> None:
-    """Refuse a ``seq_len`` or ``seed`` not the run's (they are not needed: the history holds them)."""
+    """Refuse a ``seq_len`` or ``seed`` that is not the run's."""
     for key, given in (("seq_len", seq_len), ("seed", seed)):
         if given is None:
             continue
@@ -303,10 +312,9 @@ def leg_loaders(
     *,
     order: Mapping[str, Any] | None = None,
 ) -> list[Loader]:
-    """The loader each history entry describes, each after the first resumed from the previous one's order
-    at its position, as the run resumed (what :func:`audit` recomputes the run with), with the exclusions
-    in force in its leg (:func:`~streampack.loader.auditexclusions.in_force`; ``final``: the state's).
-    ``order`` is the state's: what a Follow run read (its eras), to audit it from a cache directory.
+    """The loader of each history entry, resumed as the run resumed, with the exclusions in force in its leg.
+
+    ``final`` are the state's exclusions, and ``order`` its order, which names what a Follow run read.
 
     Raises:
         LoaderStateError: a loader's order is not the one its entry records (``data`` is not the run's),
@@ -321,9 +329,8 @@ def leg_loaders(
         loader = _loader(entry, data, placed(forced[i], exclude, i))
         position = int(entry["position"])
         if loaders or position or forced[i]:
-            # Resumed as the run resumed, from the previous leg's order (the first leg: its own), with every
-            # exclusion in force in this leg as the run recorded it: at its position, its steps counted
-            # through the history up to here, as the run counted them.
+            # From the previous leg's order (the first leg: its own), with the exclusions in force in this
+            # leg, and the history up to here, which counts their steps as the run did.
             state = {
                 "format": LOADER_FORMAT,
                 "version": LOADER_VERSION,
@@ -346,13 +353,19 @@ def leg_loaders(
 
 
 def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> Loader:
+    """The loader a history entry describes, over ``data``."""
     from streampack.order import Ordered
     from streampack.order.blockshuffle import BlockShuffle
     from streampack.order.mixture import Mixture
 
+    # Mask mode needs labels to mask.
+    output = "dict" if any(exclusion.mode == "mask" for exclusion in exclude) else "numpy"
+    common: dict[str, Any] = {"batch_size": int(entry["batch_size"]), "exclude": exclude, "output": output}
+    if entry["kind"] == "follow":  # the build it followed (see _followed) grows with its own order
+        return Loader(copy.copy(data), **common)
+    common["seq_len_schedule"] = _schedule(entry)
     shuffle = entry["shuffle"]
     shuffle = BlockShuffle(**shuffle) if isinstance(shuffle, Mapping) else shuffle
-    batch = int(entry["batch_size"])
     if isinstance(data, (str, Path)) and _is_config(data):
         from streampack.loader.mixconfig import load_mixture
 
@@ -373,48 +386,30 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
                 )
             sources = {name: sources[name] for name in entry["sources"]}
         block = int(entry["block_size"])
-        stages = [(int(first) * block, dict(counts)) for first, counts in entry["schedule"]]
         mixture = Mixture(
             dict(sources),
-            stages=stages,
+            stages=[(int(first) * block, dict(counts)) for first, counts in entry["schedule"]],
             seed=int(entry["seed"]),
             shuffle=shuffle,
             block_size=block,
             stop=entry.get("stop", "never") if "sources" in entry else getattr(base, "stop", "never"),
         )
-        return Loader(
-            mixture,
-            batch_size=batch,
-            exclude=exclude,
-            output=_output(exclude),
-            seq_len_schedule=_schedule(entry),
-        )
-    if entry["kind"] == "follow":  # the build it followed (see _followed) grows with its own order
-        return Loader(copy.copy(data), batch_size=batch, exclude=exclude, output=_output(exclude))
+        return Loader(mixture, **common)
     if isinstance(data, Ordered):
         raise OptionsError(
             f"the run read one dataset (an order of kind {entry['kind']!r}): give its cache, not a mixture"
         )
     if isinstance(data, (str, Path)):
         data = _samples(str(data), entry["data"])
-    return Loader(
-        data,
-        batch_size=batch,
-        seed=int(entry["seed"]),
-        shuffle=shuffle,
-        epochs=entry.get("epochs"),
-        exclude=exclude,
-        output=_output(exclude),
-        seq_len_schedule=_schedule(entry),
-    )
+    return Loader(data, seed=int(entry["seed"]), shuffle=shuffle, epochs=entry.get("epochs"), **common)
 
 
 def _followed(data: Any, order: Mapping[str, Any] | None) -> Any:
-    """The build a Follow run read, as its audit reads it: a fresh
-    :class:`~streampack.loader.follow.GrowingCache` of the cache at the path given (with the settings the
-    run's ``order`` fingerprint names: samples, seed, eras), or of the one a Follow (or GrowingCache) given
-    reads. It goes on with epochs after the eras: the history does not record ``then=``, and a leg that
-    ended served no position past them.
+    """A fresh :class:`~streampack.loader.follow.GrowingCache` of the build a Follow run read: of the cache
+    at the path given, with the settings the run's ``order`` names, or of the one a given Follow reads.
+
+    It goes on with epochs after the eras: the history does not record ``then=``, and no leg served a
+    position past them.
 
     Raises:
         OptionsError: ``data`` is neither a path (with ``order``) nor a Follow.
@@ -440,14 +435,8 @@ def _followed(data: Any, order: Mapping[str, Any] | None) -> Any:
     return GrowingCache(path, options, seed=int(order["seed"]), batch_size=1, drop_last=False)
 
 
-def _output(exclude: list[Exclusions]) -> str:
-    """The output a loader with these exclusions serves in the audit: mask mode needs labels to mask."""
-    return "dict" if any(entry.mode == "mask" for entry in exclude) else "numpy"
-
-
 def _schedule(entry: Mapping[str, Any]) -> list[list[int]] | None:
-    """The lengths a leg served its units at (a seq_len schedule, or a resume at another seq_len; the
-    units are the entry's data): what the leg's loader is made with, so that it checks they fit."""
+    """The lengths a leg served its units at (a seq_len schedule, or a resume at another seq_len)."""
     served, unit = entry.get("served"), entry["data"].get("seq_len")
     if served is None:
         return None
@@ -479,32 +468,6 @@ def _samples(path: str, described: Mapping[str, Any]) -> Any:
 
 
 def _width(entry: Mapping[str, Any], loader: Loader) -> int:
-    """Tokens one sample gives the model: its ``seq_len`` (the width of samples that are not a cache's)."""
+    """Tokens one sample gives the model: its ``seq_len``, else (not a cache's samples) its width."""
     seq_len = entry["data"].get("seq_len")
     return int(seq_len) if seq_len is not None else loader.width
-
-
-# --------------------------------------------------------------------------------------- steps, ends
-
-
-def _ends(
-    entries: Sequence[Mapping[str, Any]], steps: list[int], final: int, loaders: list[Loader]
-) -> list[int]:
-    """Where the model stopped training each leg: the next resume's step says how many batches it
-    trained (its data state may say otherwise), up to the run's end (its last full batch, with
-    ``drop_last``); the last leg ends at the state's position."""
-    ends = []
-    for i, entry in enumerate(entries):
-        start = int(entry["position"])
-        if i + 1 == len(entries):
-            end = final
-        elif entries[i + 1]["step"] is not None:
-            end = start + max(0, steps[i + 1] - steps[i]) * stride(entry)
-        else:
-            end = int(entries[i + 1]["position"])
-        limit = loaders[i].order.end
-        if limit is not None and entry.get("drop_last", True):  # its partial last batch is not served
-            batch = int(entry["batch_size"])
-            limit = start + max(0, limit - start) // batch * batch
-        ends.append(max(start, end if limit is None else min(end, limit)))
-    return ends

@@ -20,7 +20,7 @@ import numpy as np
 
 from streampack.errors import LoaderStateError
 from streampack.loader import Loader
-from streampack.loader.coverage import CHUNK, Finding, Leg, batches
+from streampack.loader.coverage import CHUNK, Finding, Leg, listed
 from streampack.loader.excluding import excluded_documents, excluded_samples, sample_keys
 from streampack.loader.exclusions import Exclusions
 
@@ -117,18 +117,14 @@ def _served_of(
 
 def _finding(leg: Leg, m: int, record: Record, counts: dict[str, int], hits: tuple[int, int]) -> Finding:
     lo, hi = hits
-    steps = (
-        leg.steps[0] + (lo - leg.positions[0]) // leg.stride,
-        leg.steps[0] + batches(hi - leg.positions[0], leg.stride),
-    )
-    listed = ", ".join(f"{count:,} samples of {name}" for name, count in counts.items())
+    steps = leg.steps_of(lo, hi)
     return Finding(
-        "excluded",
-        leg.index,
-        hits,
-        steps,
-        counts,
-        f"positions {lo:,}-{hi:,} (steps {steps[0]:,}-{steps[1]:,}) trained {listed} that exclusion {m} "
-        f"(mode {record['mode']!r}) takes out from position {int(record['at']):,}: it was put in force at a "
-        "later resume, from a data state older than the model checkpoint",
+        kind="excluded",
+        resume=leg.index,
+        positions=hits,
+        steps=steps,
+        samples=counts,
+        message=f"positions {lo:,}-{hi:,} (steps {steps[0]:,}-{steps[1]:,}) trained {listed(counts)} that "
+        f"exclusion {m} (mode {record['mode']!r}) takes out from position {int(record['at']):,}: it was put "
+        "in force at a later resume, from a data state older than the model checkpoint",
     )

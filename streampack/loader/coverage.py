@@ -1,10 +1,9 @@
-"""The arithmetic of an audit (:mod:`streampack.loader.audit`): what each stretch of a run served, per
-source as runs of *cursors* (samples of it served so far), and where two stretches served the same cursor
-(a sample twice within its epoch) or none served one below the furthest (a sample skipped).
+"""The interval arithmetic of an audit (:mod:`streampack.loader.audit`): which samples each leg served.
 
-A stretch's positions serve a contiguous run of each source's cursors (:meth:`Order.consumed
-<streampack.order.Order.consumed>` at its two ends), so everything here is interval arithmetic over a
-few runs per source; the samples themselves are recomputed only to check the counts (:func:`served`).
+A leg's positions serve a contiguous run of each source's *cursors* (samples of it served so far), read
+from :meth:`Order.consumed <streampack.order.Order.consumed>` at its two ends. A cursor served by two legs
+is a sample served twice within its epoch; one below the furthest served that no leg served is a sample
+skipped. The samples themselves are recomputed only to check the counts (:func:`served`).
 """
 
 from __future__ import annotations
@@ -25,12 +24,10 @@ __all__ = [
     "batches",
     "coverage",
     "cursor_runs",
-    "excluded",
     "findings",
     "intervals",
-    "jumps",
+    "listed",
     "served",
-    "stands",
     "union",
 ]
 
@@ -59,13 +56,17 @@ class Leg:
     batches_per_step: int
     world_size: int
     step_given: bool
+    weights: dict[str, float]
 
     @property
     def stride(self) -> int:
         """Positions per trainer step: ``batch_size * batches_per_step``."""
         return self.batch_size * self.batches_per_step
 
-    weights: dict[str, float]
+    def steps_of(self, lo: int, hi: int) -> tuple[int, int]:
+        """The trainer steps that trained its positions ``[lo, hi)``."""
+        start = self.positions[0]
+        return self.steps[0] + (lo - start) // self.stride, self.steps[0] + batches(hi - start, self.stride)
 
 
 @dataclass(frozen=True)
@@ -92,14 +93,16 @@ class Finding:
 
 
 def batches(positions: int, batch: int) -> int:
-    """Steps of ``batch`` positions that ``positions`` take, the last one partial."""
+    """Steps of ``batch`` positions that ``positions`` take, counting a partial last one."""
     return -(-positions // batch)
 
 
 def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
-    """Samples of each source the legs trained on, recomputed position by position through the function
-    the loader serves its batches with (in chunks of positions), and checked against the cursors; and
-    those skip exclusions took out of the legs (a source's cursor passes over them)."""
+    """Per source, the samples the legs trained on and those skip exclusions passed over.
+
+    The samples are recomputed position by position, as the loader serves them, and checked against the
+    cursors.
+    """
     counts = dict.fromkeys(names, 0)
     taken = dict.fromkeys(names, 0)
     for leg, loader in zip(legs, loaders, strict=True):
@@ -109,23 +112,22 @@ def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> tuple[di
             sources, _ = loader.served(lo, min(stop, lo + CHUNK))
             here += np.bincount(sources, minlength=len(here))
         before, after = loader.order.consumed(start), loader.order.consumed(stop)
-        out = excluded(loader, start, stop, here)
+        out = _excluded(loader, start, stop, here)
         for j, name in enumerate(loader.order.names):
             if int(here[j] + out[j]) != after[j] - before[j]:
                 raise LoaderStateError(
                     f"leg {leg.index}: source {name!r} served {int(here[j])} samples at positions "
                     f"{start}-{stop} ({int(out[j])} excluded), its cursor moved {after[j] - before[j]}: "
-                    "the order is not consistent "
-                    "with itself (a bug: please report it)"
+                    "the order is not consistent with itself (a bug: please report it)"
                 )
             counts[name] = counts.get(name, 0) + int(here[j])
             taken[name] = taken.get(name, 0) + int(out[j])
     return counts, taken
 
 
-def excluded(loader: Loader, start: int, stop: int, served: np.ndarray) -> np.ndarray:
-    """Per source id, the samples the skip exclusions of ``loader`` took out between its positions ``start``
-    and ``stop``: those its order under none of them picks there, less those ``served``."""
+def _excluded(loader: Loader, start: int, stop: int, served: np.ndarray) -> np.ndarray:
+    """Per source id, the samples the skip exclusions of ``loader`` passed over in ``[start, stop)``: those
+    its order without them picks there, less those ``served``."""
     if not isinstance(loader.order, Skipping):
         return np.zeros(len(served), dtype=np.int64)
     base = loader._base
@@ -174,9 +176,9 @@ def _minus(run: tuple[int, int], union: list[tuple[int, int]]) -> list[tuple[int
     return pieces
 
 
-def stands(legs: list[Leg]) -> list[int]:
-    """Per leg, the leg at whose end the model stood when it resumed there: the one before, unless that
-    one trained nothing (the model resumed at its first step again), then the one that one resumed from."""
+def _stands(legs: list[Leg]) -> list[int]:
+    """Per leg, the leg at whose end the model stood when it resumed there: the one before, or, when that
+    one trained nothing, the one that one resumed from."""
     found = [0] * len(legs)
     for k in range(2, len(legs)):
         before = legs[k - 1]
@@ -190,12 +192,11 @@ def _cursor(loader: Loader, name: str, position: int) -> int | None:
     return int(loader.order.consumed(position)[loader.order.names.index(name)])
 
 
-def jumps(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, int, int]]:
-    """``(leg, model, data)``: per resume the model kept (not one into a leg that trained nothing, which the
-    next resume undid, but the last), source ``name``'s cursor where the model stood and the one its data
-    state resumed at (equal for a faithful resume)."""
+def _jumps(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, int, int]]:
+    """``(leg, model, data)`` per resume the model kept: source ``name``'s cursor where the model stood,
+    and the one its data state resumed at (equal for a faithful resume)."""
     found = []
-    for k, m in enumerate(stands(legs)):
+    for k, m in enumerate(_stands(legs)):
         if k == 0 or (k + 1 < len(legs) and legs[k].positions[1] <= legs[k].positions[0]):
             continue  # a resume into a leg that trained nothing was undone by the next one
         model = _cursor(loaders[m], name, legs[m].positions[1])
@@ -208,15 +209,12 @@ def jumps(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, 
 def intervals(
     legs: list[Leg], loaders: list[Loader], names: list[str]
 ) -> tuple[dict[str, list[tuple[int, int, int, int]]], dict[str, list[tuple[int, int, int]]]]:
-    """Per source, the cursors served twice ``(leg, first, stop, resume)`` (``leg`` served them again, and
-    ``resume`` began the replay) and those skipped ``(resume, first, stop)``.
+    """Per source, the cursors served twice, ``(leg, first, stop, resume)``, and those skipped,
+    ``(resume, first, stop)``.
 
-    Cursors only rise while a leg serves, so a cursor served again was crossed downwards by a resume
-    whose data state was behind the model for that source: the latest such resume began its replay,
-    even when later resumes continued it or jumped forward without catching up. A skipped cursor is one
-    below the furthest served that no leg served; the resume whose data state was ahead of the model for
-    that source skipped it (the first, if several did), even when the source is served again only legs
-    later.
+    Cursors only rise within a leg, so a cursor served again was crossed downwards by a resume whose data
+    state was behind the model: the latest such resume began the replay. A skipped cursor was jumped over
+    by a resume whose data state was ahead of the model (the first, if several did).
     """
     twice: dict[str, list[tuple[int, int, int, int]]] = {}
     skipped: dict[str, list[tuple[int, int, int]]] = {}
@@ -232,7 +230,7 @@ def intervals(
                     twice.setdefault(name, []).append((leg, first, stop, earlier))
             owners.append((a, b, leg))
             covered = union([*covered, (a, b)])
-        moves = jumps(legs, loaders, name)
+        moves = _jumps(legs, loaders, name)
         _merge_twice(twice, name, [(k, data, model) for k, model, data in moves if data < model])
         top = max((hi for _, hi in covered), default=0)
         done = list(covered)  # cursors served, or already reported skipped
@@ -248,9 +246,8 @@ def intervals(
 def _merge_twice(
     twice: dict[str, list[tuple[int, int, int, int]]], name: str, back: list[tuple[int, int, int]]
 ) -> None:
-    """A cursor served by three legs is twice twice over: count each once per later leg; and name for
-    each the resume that began its replay, the latest of ``back`` (``(resume, data, model)``: the
-    cursors a resume went back over) at or before the leg that took it down over the cursor."""
+    """Count a cursor served by three legs once per later leg, and name for each the resume that began
+    its replay: the latest of ``back`` (``(resume, data, model)``) at or before that leg."""
     runs = twice.get(name)
     if not runs:
         return
@@ -265,8 +262,7 @@ def _merge_twice(
 
 
 def _position_of(loader: Loader, j: int, cursor: int, lo: int, hi: int) -> int:
-    """The first position in ``[lo, hi]`` at which source ``j`` of the loader's order has served
-    ``cursor`` samples (``hi`` if none): cursors rise with positions."""
+    """The first position in ``[lo, hi]`` where source ``j`` has served ``cursor`` samples, else ``hi``."""
     consumed = loader.order.consumed
     while lo < hi:
         mid = (lo + hi) // 2
@@ -286,11 +282,9 @@ def findings(
 ) -> list[Finding]:
     """One finding per resume that replayed or skipped, with the positions and steps concerned.
 
-    A replay goes on across later resumes until the source has caught up with what it had served (with
-    new weights it may take longer; a resume that jumps forward short of that does not end it): it is
-    reported at the resume that began it, its positions and steps running over the legs it spans.
+    A replay lasts until the source catches up with what it had served, possibly over later resumes: it
+    is reported at the resume that began it, over every leg it spans.
     """
-    found: list[Finding] = []
     replays: dict[int, tuple[dict[str, int], list[tuple[int, int, int, int]]]] = {}
     for k, leg in enumerate(legs):
         loader, (start, stop) = loaders[k], leg.positions
@@ -301,13 +295,10 @@ def findings(
                 j = loader.order.names.index(name)
                 lo = _position_of(loader, j, a + 1, start, stop) - 1
                 hi = _position_of(loader, j, b, start, stop)
-                steps = (
-                    leg.steps[0] + (lo - start) // leg.stride,
-                    leg.steps[0] + batches(hi - start, leg.stride),
-                )
                 counts, spans = replays.setdefault(began, ({}, []))
                 counts[name] = counts.get(name, 0) + b - a
-                spans.append((lo, hi, *steps))
+                spans.append((lo, hi, *leg.steps_of(lo, hi)))
+    found: list[Finding] = []
     for k, leg in enumerate(legs):
         why = _why(legs, k)
         if k in replays:
@@ -316,13 +307,13 @@ def findings(
             steps = (min(s[2] for s in spans), max(s[3] for s in spans))
             found.append(
                 Finding(
-                    "twice",
-                    k,
-                    (lo, hi),
-                    steps,
-                    counts,
-                    f"positions {lo:,}-{hi:,} (steps {steps[0]:,}-{steps[1]:,}) served twice "
-                    f"({_listed(counts)}): {why}; the data state is older than the model checkpoint",
+                    kind="twice",
+                    resume=k,
+                    positions=(lo, hi),
+                    steps=steps,
+                    samples=counts,
+                    message=f"positions {lo:,}-{hi:,} (steps {steps[0]:,}-{steps[1]:,}) served twice "
+                    f"({listed(counts)}): {why}; the data state is older than the model checkpoint",
                 )
             )
         loader, start = loaders[k], leg.positions[0]
@@ -338,12 +329,12 @@ def findings(
         if counts:
             found.append(
                 Finding(
-                    "skipped",
-                    k,
-                    (lo, hi),
-                    (leg.steps[0], leg.steps[0]),
-                    counts,
-                    f"positions {lo:,}-{hi:,} skipped ({_listed(counts)}), never trained: {why}; "
+                    kind="skipped",
+                    resume=k,
+                    positions=(lo, hi),
+                    steps=(leg.steps[0], leg.steps[0]),
+                    samples=counts,
+                    message=f"positions {lo:,}-{hi:,} skipped ({listed(counts)}), never trained: {why}; "
                     "the data state is newer than the model checkpoint",
                 )
             )
@@ -355,7 +346,7 @@ def _why(legs: list[Leg], k: int) -> str:
     leg, start = legs[k], legs[k].positions[0]
     if k == 0:
         return f"the run started at step {leg.steps[0]:,} and position {start:,}"
-    previous, stood = legs[k - 1], legs[stands(legs)[k]].positions[1]
+    previous, stood = legs[k - 1], legs[_stands(legs)[k]].positions[1]
     data_step = previous.steps[0] + batches(start - previous.positions[0], previous.stride)
     return (
         f"resumed at step {leg.steps[0]:,} from a data state at position {start:,} (step {data_step:,}), "
@@ -363,7 +354,8 @@ def _why(legs: list[Leg], k: int) -> str:
     )
 
 
-def _listed(counts: Mapping[str, int]) -> str:
+def listed(counts: Mapping[str, int]) -> str:
+    """``counts`` of samples per source, in words."""
     return ", ".join(f"{count:,} samples of {name}" for name, count in counts.items())
 
 

@@ -1,18 +1,11 @@
 """Which input record each document of a cache was built from, and which document a named record made.
 
-A document is the ``k``-th one of its shard, which is one work unit of the build; the unit's input is read
-again with :func:`streampack.inputs.units.read_unit`, read as the build read them (:func:`read_options`: its
-text field, or its SFT fields or chat template) and counted as the build counted them
-(:func:`~streampack.inputs.records.makes_document`: blank lines, empty documents and skipped bad records
-are records that make no document), up to its ``k``-th document
-(:func:`locate`, what ``streampack which`` reports), or up to the record named (:func:`documents_named`,
-what an :class:`~streampack.loader.exclusions.Exclusions` of ``records=`` names). Each unit is read once per
-call, up to the last record asked for.
-
-The input files must still be where and as they were at build time (their size and modification time
-are checked against the manifest). Documents given as Python objects (``python:TYPE`` inputs) have no
-file to read again. Neither :mod:`streampack.loader.provenance` nor :mod:`streampack.loader.excluding` is
-imported here: both import this module (the Loader is not needed to find a record).
+A document is the ``k``-th of its shard, which is one work unit of the build. The unit's input is read
+again as the build read it (:func:`read_options`) and its records counted as the build counted them
+(:func:`~streampack.inputs.records.makes_document`), up to its ``k``-th document (:func:`locate`, for
+``streampack which``) or up to a named record (:func:`documents_named`, for ``Exclusions(records=...)``).
+Each unit is read once per call. The input files must still be as they were at build time; Python
+objects (``python:TYPE`` inputs) have no file to read again.
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ import functools
 import itertools
 import re
 from collections.abc import Generator, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +39,7 @@ __all__ = ["Origin", "documents_named", "locate", "read_options"]
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a document came from (see :class:`Provenance`)."""
+    """Where a document came from (see :class:`~streampack.loader.provenance.Provenance`)."""
 
     unit: int
     length: int
@@ -78,9 +72,9 @@ def locate(cache: Cache, docs: list[int], documents: Any) -> dict[int, Origin]:
 
 
 def read_options(cache: Cache) -> ReadOptions:
-    """How the build of ``cache`` read its records, from its manifest's settings: the text field, or the
-    SFT fields, or the chat, whose template is read again from the tokenizer the cache was built with. A
-    replay that read the records otherwise would count other records as documents.
+    """How the build of ``cache`` read its records, from its manifest: the text field, the SFT fields, or
+    the chat template, read again from the cache's tokenizer. Read otherwise, other records would count
+    as documents.
 
     Raises:
         InputError: a chat build whose tokenizer no longer gives the chat template it was built with.
@@ -141,8 +135,7 @@ class _Inputs:
         work = self._plan()[unit]
         self._check_unchanged(work)
         left, found, docs = set(wanted), {}, 0
-        replay = _records(work, self.read)
-        try:
+        with closing(_records(work, self.read)) as replay:  # closes the input files now, not when collected
             for where, item in replay:
                 if not makes_document(item):
                     continue
@@ -152,8 +145,6 @@ class _Inputs:
                     if not left:
                         return found
                 docs += 1
-        finally:
-            replay.close()  # closes the input files now, not when collected
         raise InputError(
             f"{work.describe()}: holds {docs} documents now, but the cache's unit {unit} holds more (its "
             f"document {max(left)} is asked for); the input changed since the build: rebuild the cache to "
@@ -258,8 +249,8 @@ _Wanted = dict[str, tuple[str, int | None, int | None]]  # name -> (path, line, 
 
 
 def documents_named(cache: Cache, names: Sequence[str]) -> dict[str, int]:
-    """The document of ``cache`` each record name made (``path:line`` or ``path[row]``, as ``which``
-    reports them), by name. Each unit that holds a name is read once, up to its last name.
+    """The document of ``cache`` that each record name (``path:line`` or ``path[row]``, as ``which`` reports
+    them) made. Each unit that holds a name is read once.
 
     Raises:
         OptionsError: a name of neither form, a path that is not one of the cache's inputs, a line or row
@@ -283,9 +274,7 @@ def documents_named(cache: Cache, names: Sequence[str]) -> dict[str, int]:
     return _Named(cache).find(wanted)
 
 
-def _named_in_token_files(
-    cache: Cache, wanted: dict[str, tuple[str, int | None, int | None]]
-) -> dict[str, int]:
+def _named_in_token_files(cache: Cache, wanted: _Wanted) -> dict[str, int]:
     """Names ``path[row]`` of a cache of another format's files: the row-th document of that file."""
     found: dict[str, int] = {}
     paths = set()
@@ -331,7 +320,8 @@ class _Named:
         by_unit: dict[int, dict[tuple[str, int | None, int | None], str]] = {}
         for name, (path, line, row) in wanted.items():
             unit = self._unit_of(units, name, path, line, row)
-            by_unit.setdefault(unit.index, {})[(unit_path(unit, path), line, row)] = name
+            spelt = next(f.path for f in unit.files if _same(path, f.path))  # as the unit's records name it
+            by_unit.setdefault(unit.index, {})[(spelt, line, row)] = name
         found: dict[str, int] = {}
         for index, names in by_unit.items():
             found |= self._replay(units[index], names)
@@ -365,8 +355,7 @@ class _Named:
     def _replay(self, unit: WorkUnit, names: dict[tuple[str, int | None, int | None], str]) -> dict[str, int]:
         left, found, docs = dict(names), {}, 0
         shard = self.shard_of.get(unit.index)
-        replay = _records(unit, self.inputs.read)
-        try:
+        with closing(_records(unit, self.inputs.read)) as replay:
             for where, item in replay:
                 name = left.pop(where, None)
                 if name is not None:
@@ -381,15 +370,8 @@ class _Named:
                     docs += 1
                 if not left:
                     return found
-        finally:
-            replay.close()
         name = next(iter(left.values()))
         raise OptionsError(
             f"Exclusions(records=...) names {name!r}, past the records of its file ({unit.describe()} ends "
             f"before it): name a record that streampack which reports"
         )
-
-
-def unit_path(unit: WorkUnit, path: str) -> str:
-    """The path as the unit's records name it (the build's spelling of ``path``)."""
-    return next(f.path for f in unit.files if _same(path, f.path))

@@ -1,19 +1,9 @@
-"""Which documents a training step read, and the input file and line each one came from; nothing logged.
+"""Which documents a training step read, and the input record each came from, recomputed: nothing is logged.
 
-A step's global batch is a pure function of the loader's order and the step's position, so it is
-recomputed here rather than recorded during training:
-
-1. **Samples**: the rows of every rank, from :meth:`Loader.picks` at the step's position.
-2. **Documents**: each row's tokens mapped to documents by ``boundaries(indices).doc_ids``, and the
-   document's own tokens that the row holds.
-3. **Records**: a document is the ``k``-th one of its shard, which is one work unit of the build; the unit's
-   input is read again (:mod:`streampack.loader.origins`), counting records as the build did, up to its
-   ``k``-th document. Each unit a batch touches is read once, up to its last document in the batch.
-
-The input files must still be where and as they were at build time (their size and modification time
-are checked against the manifest). Documents given as Python objects (``python:TYPE`` inputs) have no
-file to read again: pass them as ``documents=``, or their row is known only in units where every record
-made a document.
+A step's global batch is a pure function of the loader's order and its position: its rows are the
+loader's picks there, each row's documents come from the layout's boundaries, and each document's input
+record is found by reading its work unit's input again (:mod:`streampack.loader.origins`), once per unit
+the batch touches. The input files must still be as they were at build time.
 """
 
 from __future__ import annotations
@@ -38,11 +28,8 @@ __all__ = ["Placement", "Provenance", "excluded_steps", "position_of", "which"]
 
 @dataclass(frozen=True)
 class Placement:
-    """Where some of a document's tokens sit in a step's batch.
-
-    Coordinates are those of the batch as the rank is served it: under a ``seq_len_schedule`` (or a resume
-    at another ``seq_len``), the rows of the length served at that step, e.g. the ``k`` sub-windows a
-    unit is cut into, each of which may hold a part of the document.
+    """Where some of a document's tokens sit in a step's batch, as the rank is served it (under a
+    ``seq_len_schedule``, in the rows of the length served at that step).
 
     Attributes:
         rank: the rank whose batch holds the row.
@@ -67,17 +54,16 @@ class Provenance:
         doc: its global index in the cache: ``cache.doc(doc)`` holds its tokens.
         length: its tokens in the cache, EOS included.
         unit: the work unit (and shard) of the cache that holds it.
-        path: the input file, or ``python:TYPE`` for documents given as Python objects; for a cache of
-            another format's files (:func:`streampack.open`), the file that holds the document.
-        line: its line in the file, counted from 1: JSONL, and text read one document per line; else None.
-        row: its row counted from 0: of a Parquet file (``table.slice(row, 1)``), its index in a Python
-            sequence, or in another format's file (Megatron's ``IndexedDataset[row]``, the ``row``-th
-            document of a datatrove ``.ds``...); else None. None too for Python documents that were not
-            given to :func:`which` when their unit left some records out (the row cannot be known then).
-        placements: where its tokens sit in the batch, in batch order (a document may span several rows).
-        excluded: None, or how an exclusion of the loader names it: ``"mask"`` (served with ``labels =
-            -100``), or ``"skip from position P"`` / ``"mask from position P"`` (served here, before the
-            exclusion took effect at ``P``).
+        path: the input file, ``python:TYPE`` for Python objects, or the file of another format that holds
+            it.
+        line: its line in the file, from 1 (JSONL, and text read one document per line); else None.
+        row: its row from 0: of a Parquet file, a Python sequence, or another format's file (Megatron's
+            ``IndexedDataset[row]``); else None, also for Python documents not given to :func:`which`
+            whose unit left some records out.
+        placements: where its tokens sit in the batch, in batch order (it may span several rows).
+        excluded: None, or how an exclusion names it: ``"mask"`` (served with ``labels = -100``), or
+            ``"skip from position P"`` / ``"mask from position P"`` (served before the exclusion took
+            effect at ``P``).
     """
 
     source: str
@@ -98,7 +84,7 @@ class Provenance:
 
     @property
     def location(self) -> str:
-        """``path:line``, ``path[row]``, or the path alone for a whole file (``[?]``: row unknown)."""
+        """``path:line``, ``path[row]`` (``[?]``: row unknown), or the path alone for a whole file."""
         if self.line is not None:
             return f"{self.path}:{self.line}"
         if self.row is not None:
@@ -107,13 +93,13 @@ class Provenance:
 
 
 def position_of(loader: Loader, step: int | None = None, *, state: Mapping[str, Any] | None = None) -> int:
-    """The global position of a step's batch (see :func:`which` for what ``step`` and ``state`` mean).
+    """The global position of a step's batch (``step`` and ``state`` as for :func:`which`).
 
     Raises:
         OptionsError: ``step`` is not a non-negative integer.
         LoaderStateError: ``state`` does not resume over this loader's data and order.
     """
-    return _position(_global_view(loader, state), step, state)
+    return _view_at(loader, step, state)[1]
 
 
 def which(
@@ -125,39 +111,31 @@ def which(
 ) -> list[Provenance]:
     """The documents of one step's global batch (the rows of every rank), each with its input record.
 
-    Computed, not logged: the batch is a pure function of the loader's order and position, and each
-    document's record is found by reading its work unit's input again (once per unit the batch touches).
-
     Example::
 
         for doc in streampack.which(loader, 1200):  # what step 1200 (of a run from the start) read
             print(doc.location, doc.doc, doc.tokens)  # e.g. /data/web-07.jsonl:81234 5512 1783
 
     Args:
-        loader: the training run's loader (its dataset or mixture, batch size, seed, world size); it is
-            not changed.
-        step: the step, counted from the start of the run (its batch is at position ``step *
-            batch_size``); with ``state``, counted from the state's position instead. Without either, the
-            batch the loader serves next.
-        state: a :meth:`Loader.state_dict`: the batch that a run resumed from it serves first (``step``
-            batches later with ``step``). Needed for a mixture whose weights changed on a resume, whose
-            earlier blocks only the state's schedule describes.
-        documents: the Python documents a cache was built from (what was passed to ``build``), to find
-            the rows of ``python:TYPE`` inputs; for a mixture, a mapping of source name to them.
+        loader: the training run's loader; it is not changed.
+        step: the step, counted from the start of the run, or from the position of ``state``. Without
+            either, the batch the loader serves next.
+        state: a :meth:`Loader.state_dict` to count ``step`` from. Needed for a mixture whose weights
+            changed on a resume: only the state's schedule describes its earlier blocks.
+        documents: the Python documents a cache was built from, to find the rows of ``python:TYPE``
+            inputs; for a mixture, a mapping of source name to them.
 
     Returns:
-        One :class:`Provenance` per document, in the order of its first token in the global batch
-        (rank by rank, row by row).
+        One :class:`Provenance` per document, in the order of its first token in the global batch.
 
     Raises:
         IndexError: the run has no batch at that step.
         TypeError: a source is not ``cache.sequences(...)`` (a numpy array has no documents).
-        InputError: an input file is missing or changed since the build (size or modification time),
-            or ``documents`` are not the ones the cache was built from.
+        InputError: an input file is missing or changed since the build, or ``documents`` are not the
+            ones the cache was built from.
         LoaderStateError: ``state`` does not resume over this loader's data and order.
     """
-    view = _global_view(loader, state)
-    position = _position(view, step, state)
+    view, position = _view_at(loader, step, state)
     try:
         sources, samples = view.picks(position)
     except IndexError:
@@ -178,22 +156,24 @@ def which(
         given = documents.get(names[source]) if isinstance(documents, Mapping) else documents
         for doc, where in locate(seqs.cache, docs, given).items():
             runs = sorted(placed[source, doc], key=lambda run: run[:2])
-            pieces = tuple(placement for _, _, placement in runs)
-            found = (where.length, where.unit, where.path, where.line, where.row)
-            mark = marks.get((source, doc))
-            result.append((runs[0][:2], Provenance(names[source], seqs.path, doc, *found, pieces, mark)))
+            provenance = Provenance(
+                source=names[source],
+                cache=seqs.path,
+                doc=doc,
+                placements=tuple(placement for _, _, placement in runs),
+                excluded=marks.get((source, doc)),
+                **dataclasses.asdict(where),
+            )
+            result.append((runs[0][:2], provenance))
     return [provenance for _, provenance in sorted(result, key=lambda item: item[0])]
 
 
 def excluded_steps(
     loader: Loader, step: int | None = None, *, state: Mapping[str, Any] | None = None
 ) -> list[str]:
-    """What the loader's exclusions do to one step's batch (``step`` and ``state`` as for :func:`which`), in
-    words: a step whose positions an exclusion in force skips (the batch at its position is the one served
-    after them) or masks (served with ``labels = -100``). Empty for a step no exclusion names.
-    """
-    view = _global_view(loader, state)
-    position = _position(view, step, state)
+    """In words, what the loader's exclusions do to one step's batch (``step`` and ``state`` as for
+    :func:`which`): skip its positions or mask them. Empty for a step no exclusion names."""
+    view, position = _view_at(loader, step, state)
     stop = position + view.options.batch_size
     notes = []
     for index, (entry, at, batch) in enumerate(view._in_force):
@@ -215,8 +195,7 @@ def excluded_steps(
 
 
 def _marks(view: Loader, position: int, batch: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
-    """``(source, doc) -> mark`` of the documents of ``batch`` the view's exclusions name (see
-    :class:`Provenance`): the first exclusion that names one marks it."""
+    """``(source, doc) -> mark`` of the first exclusion that names each document of ``batch``."""
     marks: dict[tuple[int, int], str] = {}
     for entry, at, _ in view._in_force:
         found = view._excluded_docs.get(entry.digest, {})
@@ -233,25 +212,20 @@ def _marks(view: Loader, position: int, batch: list[tuple[int, int]]) -> dict[tu
 # --------------------------------------------------------------------------------------- the batch
 
 
-def _global_view(loader: Loader, state: Mapping[str, Any] | None) -> Loader:
-    """A copy of ``loader`` that reads every rank's rows, at ``state``'s position when given.
+def _view_at(loader: Loader, step: int | None, state: Mapping[str, Any] | None) -> tuple[Loader, int]:
+    """A copy of ``loader`` that reads every rank's rows, resumed from ``state`` when given, and the
+    position of ``step``: counted from the state's position, else from 0; without a step, the copy's own.
 
-    ``copy.copy`` goes through ``Loader.__getstate__``, so no planned rows of the original (its own rank's)
-    are carried over; the original loader is left as it was.
+    ``copy.copy`` goes through ``Loader.__getstate__``, which leaves the original's planned rows behind.
     """
     view = copy.copy(loader)
     view.options = dataclasses.replace(loader.options, rank=0, world_size=1)
     if state is not None:
         view.load_state_dict(state)
-    return view
-
-
-def _position(view: Loader, step: int | None, state: Mapping[str, Any] | None) -> int:
-    """The position of ``step``: from the state's position (``view`` resumed from it), else from 0."""
     if step is None:
-        return view.position  # the state's, else the loader's own: the view is a copy of it
+        return view, view.position
     check_int("step", step, min=0, max=2**62)
-    return (view.position if state is not None else 0) + int(step) * view.options.batch_size
+    return view, (view.position if state is not None else 0) + int(step) * view.options.batch_size
 
 
 def _datasets(view: Loader) -> list[PackedSequences]:
@@ -283,8 +257,8 @@ def _placements(
 ) -> Iterator[tuple[int, int, int, Placement]]:
     """Per run of one document in a row: ``(doc, global row, column, Placement)``.
 
-    ``rows`` are the samples' rows in the global batch of ``batch`` rows, which rank ``r`` of ``world``
-    splits as the loader does: rows ``[r * batch // world, (r + 1) * batch // world)``.
+    ``rows`` are the samples' rows in the global batch of ``batch`` rows: rank ``r`` of ``world`` holds
+    ``[r * batch // world, (r + 1) * batch // world)``, as the loader splits it.
     """
     ids = seqs.boundaries(samples).doc_ids
     count, width = ids.shape
@@ -311,10 +285,9 @@ def _placements(
 def _as_served(
     placed: dict[tuple[int, int], list[tuple[int, int, Placement]]], unit: int, rows: int, units: int
 ) -> dict[tuple[int, int], list[tuple[int, int, Placement]]]:
-    """The runs of ``placed``, in samples of ``unit`` tokens (``units`` of them in the batch), as the batch
-    of ``rows`` rows serves them (:mod:`streampack.loader.served`): each unit cut into its ``k = rows /
-    units`` sub-windows (rows ``k*i .. k*i + k - 1``), or ``m = units / rows`` consecutive units of a rank
-    joined into one row. The ``(row, column)`` each run is sorted by stays the unit's: the order is the same.
+    """The runs of ``placed``, in ``units`` samples of ``unit`` tokens, as a batch of ``rows`` rows serves
+    them (:mod:`streampack.loader.served`): each unit cut into ``rows / units`` sub-windows, or
+    ``units / rows`` units joined into one row. Each run keeps its unit's ``(row, column)`` to sort by.
     """
     served: dict[tuple[int, int], list[tuple[int, int, Placement]]] = {}
     for key, runs in placed.items():
@@ -343,11 +316,8 @@ def _served_runs(p: Placement, unit: int, rows: int, units: int) -> Iterator[Pla
 def _token_offsets(
     seqs: PackedSequences, samples: np.ndarray, r: np.ndarray, c: np.ndarray, docs: np.ndarray
 ) -> np.ndarray:
-    """Which token of document ``docs[k]`` is at column ``c[k]`` of sample ``samples[r[k]]``.
-
-    The layout's spans say which token of the stream each column holds; the offset tables, where each
-    document starts in it.
-    """
+    """Which token of document ``docs[k]`` is at column ``c[k]`` of sample ``samples[r[k]]``, from the
+    layout's spans and the offset tables."""
     cache = seqs.cache
     spans = seqs.layout.spans(samples)
     order = np.lexsort((spans.col, spans.rows))

@@ -1,21 +1,22 @@
-"""Which sample comes at each global position of a run: a pure function, the same in every process.
+"""Orders: which sample each global position of a run reads, as a pure function shared by every process.
 
-A run reads one stream of samples. Its *global position* is the number of samples consumed since the
-run started, summed over all ranks. An :class:`Order` maps positions to ``(source, sample)`` pairs and
-holds no state, so a loader's checkpoint is one integer plus the order's fingerprint, and ranks, workers
-and batch sizes only decide which positions a process reads, never which sample a position holds.
+A run reads one stream of samples; its *global position* counts the samples consumed since the start,
+summed over all ranks. An :class:`Order` maps positions to ``(source, sample)`` pairs and holds no state,
+so a checkpoint is one integer plus the order's fingerprint, and ranks, workers and batch sizes only
+decide which positions a process reads.
 
-Four orders implement the protocol: :class:`Shuffled`, one source read epoch after epoch (here);
-:class:`streampack.order.blockshuffle.BlockShuffled`, the same with a locality-aware order for remote caches;
-:class:`streampack.order.mixture.Mixture`, several sources mixed by weight, each running through its own
-epochs; and :class:`streampack.order.follow.FollowOrder`, the windows of a cache whose build is running.
-A :class:`~streampack.loader.Loader` takes any of them (``Loader(source, order=...)``); a Mixture also
-comes with its sources (:class:`Ordered`), so ``Loader(mixture)`` reads them in its order.
+The orders: :class:`Shuffled` (one source, epoch after epoch),
+:class:`~streampack.order.blockshuffle.BlockShuffled` (the same, locality-aware for remote caches),
+:class:`~streampack.order.mixture.Mixture` (several sources by weight) and
+:class:`~streampack.order.follow.FollowOrder` (a cache whose build is running). A
+:class:`~streampack.loader.Loader` takes any of them (``Loader(source, order=...)``); a Mixture also
+holds its sources (:class:`Ordered`), so ``Loader(mixture)`` reads them in its order.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -49,15 +50,14 @@ MAX_POSITION = 2**62
 class Order(Protocol):
     """A pure map from global positions to samples, shared by every rank and worker of a run.
 
-    Implementations are deterministic (the same positions give the same samples in any process, on any
-    machine), picklable, and cheap to call on a few thousand positions at once.
+    Deterministic in any process and on any machine, picklable, and cheap on thousands of positions.
     """
 
     names: tuple[str, ...]
-    """One name per source; ``source ids`` index this tuple."""
+    """One name per source; source ids index this tuple."""
 
     resumes: tuple[str, ...]
-    """The kinds of saved order (``fingerprint()["kind"]``) it continues; :meth:`resumed` refuses others."""
+    """The kinds of saved order (``fingerprint()["kind"]``) that :meth:`resumed` continues."""
 
     @property
     def end(self) -> int | None:
@@ -65,53 +65,49 @@ class Order(Protocol):
         ...
 
     def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The ``(source ids, sample ids)`` at ``positions`` (a 1-D ``int64`` array below :attr:`end`)."""
+        """The ``(source ids, sample ids)`` at ``positions`` (1-D ``int64``, below :attr:`end`)."""
         ...
 
     def consumed(self, position: int) -> list[int]:
-        """Samples each source has served once the stream reaches ``position``: its cursor."""
+        """Each source's cursor at ``position``: the samples it has served."""
         ...
 
     def sizes(self) -> list[int]:
-        """Samples in one epoch of each source (those known so far, for a source that grows)."""
+        """Samples in one epoch of each source (so far, for a source that grows)."""
         ...
 
     def weights(self, position: int) -> list[float]:
-        """Each source's share of the stream at ``position`` (``[1.0]`` for one source)."""
+        """Each source's share of the stream at ``position``."""
         ...
 
     def epoch_size(self, what: str) -> int:
         """Samples per epoch of the one source this order reads epoch after epoch.
 
         Args:
-            what: what needs it (a loader's ``"epoch"``, ``"steps_per_epoch"``), for the message.
+            what: what needs it (``"epoch"``, ``"steps_per_epoch"``), for the message.
 
         Raises:
-            TypeError: the order has no single epoch (a mixture's sources each run through their own), or
-                does not know it yet (a build still running); the message says which.
+            TypeError: the order has no single epoch (a mixture), or does not know it yet (a running build).
         """
         ...
 
     def batches(self, batch_size: int, drop_last: bool) -> int:
-        """Global batches of ``batch_size`` in the whole stream (a loader's ``len()``):
-        :func:`count_batches` of :attr:`end`.
+        """Global batches in the whole stream (a loader's ``len()``); see :func:`count_batches`.
 
         Raises:
-            TypeError: the stream is endless, or its end is not known yet; the message says what to do.
+            TypeError: the stream is endless, or its end is not known yet.
         """
         ...
 
     def fingerprint(self) -> dict[str, Any]:
-        """What the positions mean (JSON-able): a checkpoint stores it next to its position."""
+        """What the positions mean, JSON-able: a checkpoint stores it next to its position."""
         ...
 
     def resumed(self, saved: Mapping[str, Any], position: int) -> Order:
         """This order, continued from a checkpoint's ``saved`` fingerprint at ``position``.
 
-        ``saved`` of a kind in :attr:`resumes` was read strictly first
-        (:func:`streampack.loader.state.read_order`: exactly the keys of its kind, of the right types) when
-        it is one of streampack's kinds; an order of a kind of its own checks its fingerprint here. One of
-        another kind is refused here, by kind.
+        A ``saved`` of one of streampack's kinds was already checked strictly
+        (:func:`streampack.loader.state.read_order`); an order of its own kind checks its fingerprint here.
 
         Raises:
             LoaderStateError: the checkpoint's positions mean other samples here (other data or seed), or
@@ -122,9 +118,10 @@ class Order(Protocol):
 
 @runtime_checkable
 class Ordered(Protocol):
-    """Sources that come with the order they are read in, such as a
-    :class:`~streampack.order.mixture.Mixture`: ``Loader(ordered)`` reads the sources in that order, as
-    ``Loader(sources, order=order)`` would."""
+    """Sources that come with their order, such as a :class:`~streampack.order.mixture.Mixture`.
+
+    ``Loader(ordered)`` reads them as ``Loader(sources, order=order)`` would.
+    """
 
     def sources_and_order(self) -> tuple[Mapping[str, Any], Order]:
         """The sources by name (in source-id order) and the order that reads them."""
@@ -132,8 +129,7 @@ class Ordered(Protocol):
 
 
 def count_batches(end: int | None, batch_size: int, drop_last: bool) -> int:
-    """Global batches of ``batch_size`` in a stream that ends at ``end``: ``end // batch_size``, or
-    ``ceil(end / batch_size)`` when the partial last one is served (not ``drop_last``).
+    """Global batches in a stream ending at ``end``; with ``drop_last`` the partial last one is not counted.
 
     Raises:
         TypeError: ``end`` is None: the stream is endless.
@@ -147,9 +143,7 @@ def count_batches(end: int | None, batch_size: int, drop_last: bool) -> int:
 
 
 class OneSource:
-    """What the orders of one source share: ``size`` samples an epoch, read epoch after epoch (``epochs``
-    of them, or endlessly), the data's fingerprint and the source's name. Subclasses map positions to
-    samples (:meth:`samples`) and give their fingerprint."""
+    """The base of the orders of one source read epoch after epoch; subclasses implement :meth:`samples`."""
 
     def __init__(
         self, size: int, *, seed: int, epochs: int | None, data: Mapping[str, Any] | None, name: str
@@ -160,7 +154,7 @@ class OneSource:
 
     @property
     def end(self) -> int | None:
-        """``epochs * n``, or ``None`` when endless."""
+        """``epochs * size``, or ``None`` when endless."""
         return None if self.epochs is None else min(self.epochs * self.size, MAX_POSITION)
 
     def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -172,19 +166,19 @@ class OneSource:
         raise NotImplementedError
 
     def consumed(self, position: int) -> list[int]:
-        """``[position]``: one source, every position is its own."""
+        """``[position]``: every position is the one source's."""
         return [position]
 
     def sizes(self) -> list[int]:
-        """``[n]``."""
+        """``[size]``."""
         return [self.size]
 
     def weights(self, position: int) -> list[float]:
-        """``[1.0]``: one source."""
+        """``[1.0]``."""
         return [1.0]
 
     def epoch_size(self, what: str) -> int:
-        """``n``."""
+        """``size``."""
         return self.size
 
     def batches(self, batch_size: int, drop_last: bool) -> int:
@@ -195,15 +189,15 @@ class OneSource:
 class Shuffled(OneSource):
     """One source read epoch after epoch: position ``p`` is sample ``Permutation(n, seed, epoch)(i)``.
 
-    ``epoch, i = divmod(p, n)``, so every epoch visits each of the ``n`` samples once, in a new order
-    (stream order with ``shuffle=False``). Batches may straddle two epochs.
+    With ``epoch, i = divmod(p, n)``, every epoch visits each sample once, in a new order (stream order
+    with ``shuffle=False``). Batches may straddle two epochs.
 
     Args:
         size: samples per epoch, ``n``.
         seed: shuffle seed.
         shuffle: a seeded random order per epoch; else stream order.
         epochs: end the stream after this many epochs; ``None`` for an endless one.
-        data: the data's fingerprint (what a checkpoint is checked against).
+        data: the data's fingerprint, which a checkpoint is checked against.
         name: the source's name in reports.
     """
 
@@ -243,10 +237,10 @@ class Shuffled(OneSource):
         return out
 
     def permutation(self, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
-        """The order of ``epoch`` (the last two are kept: batches straddle at most one boundary).
+        """The order of ``epoch``; the last two are kept, as batches straddle at most one epoch boundary.
 
-        A small dataset's order is kept as a table (at most 64 kB an epoch): a mixture's small sources
-        are asked for a few rows at a time, and a lookup costs less than the Feistel passes.
+        A small dataset's order is kept as a table (at most 64 kB): a mixture asks its small sources for
+        a few rows at a time, and a lookup costs less than the Feistel passes.
         """
         permutation = self._permutations.get(epoch)
         if permutation is None:
@@ -256,10 +250,7 @@ class Shuffled(OneSource):
                 permutation = functools.partial(_look_up, table)
             else:
                 permutation = feistel
-            # A new dict, not an update: a loader's prefetch thread may be looking up this one.
-            kept = dict(list(self._permutations.items())[-1:])
-            kept[epoch] = permutation
-            self._permutations = kept
+            self._permutations = kept(self._permutations, epoch, permutation)
         return permutation
 
     def fingerprint(self) -> dict[str, Any]:
@@ -267,8 +258,7 @@ class Shuffled(OneSource):
         return {"kind": "shuffled", "seed": self.seed, "shuffle": self.shuffle, "data": dict(self.data)}
 
     def resumed(self, saved: Mapping[str, Any], position: int) -> Shuffled:
-        """This order, after checking the checkpoint was made with the same seed, shuffle and data."""
-        mine = self.fingerprint()
+        """This order, once the checkpoint is checked to have the same seed, shuffle and data."""
         if saved.get("kind") == "blocks":
             block = f"BlockShuffle(block={saved.get('block')!r}, window={saved.get('window')!r})"
             raise LoaderStateError(
@@ -281,9 +271,7 @@ class Shuffled(OneSource):
                 "one dataset; resume it with the same kind of loader (a Mixture can take over a "
                 "single-dataset checkpoint, not the reverse)"
             )
-        for key in ("seed", "shuffle", "data"):
-            if saved.get(key) != mine[key]:
-                raise LoaderStateError(mismatch(key, saved.get(key), mine[key]))
+        check_same(saved, self.fingerprint(), ("seed", "shuffle", "data"))
         return self
 
 
@@ -291,11 +279,16 @@ def _look_up(table: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return table[offsets].astype(np.int64)
 
 
+def kept(recent: dict[int, Any], key: int, value: Any) -> dict[int, Any]:
+    """``recent``'s last entry and ``key: value``, in a new dict: a prefetch thread may be reading the old."""
+    return {**dict(list(recent.items())[-1:]), key: value}
+
+
 def groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
     """Each distinct key with the indices holding it, in O(n log n) whatever the number of keys.
 
-    Cheaper paths for what the loader asks most: keys already in order (the blocks of consecutive
-    positions: no sort) and few small keys (a mixture's sources: one scan each).
+    Keys already in order (consecutive positions) need no sort, and a few small keys (a mixture's
+    sources) one scan each: the cases the loader asks most.
     """
     if len(keys) == 0:
         return
@@ -324,31 +317,42 @@ def data_fingerprint(data: object) -> dict[str, Any]:
     return dict(fingerprint()) if fingerprint is not None else {"num_samples": len(data)}  # type: ignore[arg-type]
 
 
+def derive(seed: int, tag: str) -> int:
+    """A 64-bit seed for one use (``tag``) of an order's seed."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}:{tag}".encode(), digest_size=8).digest(), "little")
+
+
+def check_same(saved: Mapping[str, Any], mine: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+    """Refuse a checkpoint whose fingerprint differs from ``mine`` at one of ``keys``.
+
+    Raises:
+        LoaderStateError: naming the first such key and both values (see :func:`mismatch`).
+    """
+    for key in keys:
+        if saved.get(key) != mine[key]:
+            raise LoaderStateError(mismatch(key, saved.get(key), mine[key]))
+
+
 def mismatch(key: str, saved: object, mine: object) -> str:
     """The message for a checkpoint whose ``key`` differs from this loader's, naming both values."""
     hint = ""
-    if (
-        isinstance(saved, Mapping)
-        and isinstance(mine, Mapping)
-        and saved.get("seq_len") != mine.get("seq_len")
-    ):
-        hint = (
-            f" The sequence length changed ({saved.get('seq_len')} -> {mine.get('seq_len')}): positions "
-            "count samples of one length. A Loader of one cache.sequences(...) that makes its own order "
-            "resumes at a seq_len that divides the checkpoint's or is a multiple of it "
-            "(streampack.loader.served); this order resumes only with the seq_len it was saved with."
-        )
-    elif (
-        isinstance(saved, Mapping)
-        and isinstance(mine, Mapping)
-        and saved.get("shards") != mine.get("shards")
-        and {**saved, "shards": None} == {**mine, "shards": None}
-    ):
-        hint = (
-            f" Only the data's content digest differs (shards {saved.get('shards')} -> "
-            f"{mine.get('shards')}): the cache holds as many samples and tokens, but not those the state was "
-            "saved over (another cache, or files rewritten since)."
-        )
+    if isinstance(saved, Mapping) and isinstance(mine, Mapping):
+        if saved.get("seq_len") != mine.get("seq_len"):
+            hint = (
+                f" The sequence length changed ({saved.get('seq_len')} -> {mine.get('seq_len')}): positions "
+                "count samples of one length. A Loader of one cache.sequences(...) that makes its own order "
+                "resumes at a seq_len that divides the checkpoint's or is a multiple of it "
+                "(streampack.loader.served); this order resumes only with the seq_len it was saved with."
+            )
+        elif saved.get("shards") != mine.get("shards") and {**saved, "shards": None} == {
+            **mine,
+            "shards": None,
+        }:
+            hint = (
+                f" Only the data's content digest differs (shards {saved.get('shards')} -> "
+                f"{mine.get('shards')}): the cache holds as many samples and tokens, but not those the state "
+                "was saved over (another cache, or files rewritten since)."
+            )
     return (
         f"the loader state does not match this loader: {key} in checkpoint: {saved!r} / {key} in this "
         f"loader: {mine!r}.{hint} Create the Loader with the settings and data of the run that saved the "

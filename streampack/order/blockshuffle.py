@@ -1,40 +1,33 @@
 """A locality-aware shuffle: shuffled blocks of consecutive samples, mixed within windows of blocks.
 
-A global shuffle lets any sample follow any other, so a reader of a cache in object storage would need
-the whole cache local (or one request per sample). :class:`BlockShuffled` bounds what a reader needs:
+A global shuffle lets any sample follow any other, so a reader of a cache in object storage needs the
+whole cache local, or one request per sample. :class:`BlockShuffled` bounds what a reader needs:
 
-* **Blocks**: the samples are cut into blocks of ``block`` consecutive sample ids (the last one shorter
-  when ``block`` does not divide ``n``). Consecutive samples are contiguous bytes of the cache, so a
-  block is one byte range to fetch (two where it crosses a shard boundary).
+* **Blocks** of ``block`` consecutive sample ids (the last one shorter when ``block`` does not divide
+  ``n``): one byte range of the cache to fetch, two where it crosses a shard boundary.
 * **Block order**: each epoch visits the blocks in the order of a seeded
-  :class:`~streampack.order.permutation.Permutation`; the short block, if any, is put at a seeded slot of
-  its own.
-* **Windows**: the shuffled block order is cut into windows of ``window`` consecutive blocks, and the
-  samples of each window are served in the order of a full permutation of the window's samples.
+  :class:`~streampack.order.permutation.Permutation`; the short block takes a seeded slot of its own.
+* **Windows** of ``window`` consecutive blocks of that order: the samples of a window are served in the
+  order of a full permutation of them.
 
-So the positions of one window hold the samples of at most ``window`` blocks, and any run of
-``window * block`` consecutive positions of an epoch those of at most ``2 * window`` blocks when
-``block`` divides ``n`` (``3 * window`` otherwise: the window holding the short block is shorter, so a
-run may cross it whole): a reader that keeps the current and the next window local rarely misses.
-The map from position to sample stays pure and O(1) in memory (a few integers per epoch), like
+So ``window * block`` consecutive positions of an epoch hold the samples of at most ``2 * window``
+blocks (``3 * window`` when ``block`` does not divide ``n``): a reader that keeps the current and the
+next window local rarely misses. The map stays pure and O(1) in memory, like
 :class:`~streampack.order.Shuffled`'s.
 
-Why blocks of a fixed number of samples rather than one shard each: the arithmetic that finds a
-position's window needs equal blocks, and shards hold different numbers of samples (and a sample may
-straddle two shards). ``block`` is a number of samples; at seq_len 2048 with uint16 tokens the default
-4096 is 16 MB, a good size for one object-storage range request.
+Blocks hold a fixed number of samples, not one shard each, because finding a position's window needs
+equal blocks. The default 4096 samples is 16 MB at seq_len 2048 with uint16 tokens, a good size for one
+object-storage range request.
 
-Trade-off: a sample can only follow samples of its own window, so a batch mixes ``window`` stretches
-of the corpus rather than the whole corpus. A corpus stored in order of domain (or source, or date)
-shows it: a batch's mix of domains drifts from the corpus' mix when the window is small against the
-number of blocks of each domain (``benchmarks/bench_shuffle_quality.py`` measures it; README
-"Shuffling"). Shuffle the inputs before building when that matters, or widen the window.
+Trade-off: a sample only follows samples of its own window, so a batch mixes ``window`` stretches of the
+corpus. For a corpus stored by domain (or source, or date), a batch's mix of domains drifts from the
+corpus' mix when the window is small (``benchmarks/bench_shuffle_quality.py`` measures it). Shuffle the
+inputs before building when that matters, or widen the window.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,7 +35,7 @@ import numpy as np
 
 from streampack._checks import check_int
 from streampack.errors import LoaderStateError, OptionsError
-from streampack.order import OneSource, Shuffled, groups, mismatch
+from streampack.order import OneSource, Shuffled, check_same, derive, groups, kept
 from streampack.order.permutation import Permutation
 
 __all__ = ["BlockShuffle", "BlockShuffled", "check_shuffle", "shuffle_fingerprint", "single_order"]
@@ -50,16 +43,16 @@ __all__ = ["BlockShuffle", "BlockShuffled", "check_shuffle", "shuffle_fingerprin
 
 @dataclasses.dataclass(frozen=True)
 class BlockShuffle:
-    """How to block-shuffle: pass it as ``shuffle=`` to a :class:`~streampack.loader.Loader` or Mixture.
+    """How to block-shuffle: the ``shuffle=`` of a :class:`~streampack.loader.Loader` or Mixture.
 
     Example::
 
         loader = Loader(cache.sequences(2048), batch_size=32, shuffle=BlockShuffle(block=4096, window=32))
 
     Attributes:
-        block: samples per block (consecutive sample ids: one contiguous byte range of the cache).
+        block: samples per block: consecutive sample ids, one byte range of the cache.
         window: blocks whose samples are shuffled together; a reader needs about ``2 * window * block``
-            samples local. ``window`` at least the number of blocks shuffles each epoch as a whole.
+            samples local. A window of every block shuffles each epoch as a whole.
 
     Raises:
         OptionsError: (a ``ValueError``) ``block`` or ``window`` is not a positive integer.
@@ -111,10 +104,10 @@ def single_order(
 
 @dataclasses.dataclass(frozen=True)
 class _Epoch:
-    """What one epoch's order needs beyond the options: its block order and where its short block is."""
+    """One epoch's block order, and the slot of its short block."""
 
     blocks: Permutation | None  # slot (among the full blocks' slots) -> full block
-    short: int  # the short block's slot; the number of blocks when there is none
+    short: int  # the number of blocks when there is none
 
 
 class BlockShuffled(OneSource):
@@ -126,7 +119,7 @@ class BlockShuffled(OneSource):
         block: samples per block.
         window: blocks per window.
         epochs: end the stream after this many epochs; ``None`` for an endless one.
-        data: the data's fingerprint (what a checkpoint is checked against).
+        data: the data's fingerprint, which a checkpoint is checked against.
         name: the source's name in reports.
     """
 
@@ -151,7 +144,7 @@ class BlockShuffled(OneSource):
         self.num_windows = -(-self.num_blocks // window)
         self._full = size // block  # blocks of ``block`` samples; one more, shorter, when ragged
         self._missing = self.num_blocks * block - size  # samples the short block lacks (0: none)
-        self._seeds = {tag: _derive(seed, tag) for tag in ("blocks", "short", "windows")}
+        self._seeds = {tag: derive(seed, f"block-shuffle:{tag}") for tag in ("blocks", "short", "windows")}
         self._epochs: dict[int, _Epoch] = {}
 
     def __repr__(self) -> str:
@@ -172,7 +165,7 @@ class BlockShuffled(OneSource):
         return out
 
     def _epoch(self, epoch: int) -> _Epoch:
-        """The block order of ``epoch`` (the last two are kept: batches straddle at most one boundary)."""
+        """The block order of ``epoch``; the last two are kept."""
         cached = self._epochs.get(epoch)
         if cached is not None:
             return cached
@@ -180,9 +173,7 @@ class BlockShuffled(OneSource):
         short = self.num_blocks
         if self._missing:
             short = Permutation(self.num_blocks, seed=self._seeds["short"], epoch=epoch)(0)
-        if len(self._epochs) >= 2:
-            self._epochs.pop(next(iter(self._epochs)))
-        self._epochs[epoch] = _Epoch(blocks, short)
+        self._epochs = kept(self._epochs, epoch, _Epoch(blocks, short))
         return self._epochs[epoch]
 
     def _epoch_samples(self, epoch: int, offsets: np.ndarray) -> np.ndarray:
@@ -231,7 +222,7 @@ class BlockShuffled(OneSource):
         }
 
     def resumed(self, saved: Mapping[str, Any], position: int) -> BlockShuffled:
-        """This order, after checking the checkpoint was made with the same seed, blocks, window and data.
+        """This order, once the checkpoint is checked to have the same seed, block, window and data.
 
         Raises:
             LoaderStateError: the checkpoint was saved over another order, or with other settings or data.
@@ -249,14 +240,5 @@ class BlockShuffled(OneSource):
                 f"the checkpoint was saved by a loader over a {kind!r} order, this loader reads one dataset "
                 "in block-shuffled order; resume it with the same kind of loader"
             )
-        mine = self.fingerprint()
-        for key in ("seed", "block", "window", "data"):
-            if saved.get(key) != mine[key]:
-                raise LoaderStateError(mismatch(key, saved.get(key), mine[key]))
+        check_same(saved, self.fingerprint(), ("seed", "block", "window", "data"))
         return self
-
-
-def _derive(seed: int, tag: str) -> int:
-    """A 64-bit seed for one use of a block shuffle's seed."""
-    digest = hashlib.blake2b(f"{seed}:block-shuffle:{tag}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")

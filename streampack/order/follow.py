@@ -1,21 +1,17 @@
-"""The order of a cache whose build is running: its windows in eras, each shuffled once it is committed.
+"""The order of a cache whose build is running: its windows in eras, each shuffled once committed.
 
-The finished cache's windows are cut into **eras** of consecutive windows: era ``e`` is windows ``[W_e,
-W_{e+1})``, whose sizes double from ``first`` up to ``largest`` (:class:`Eras`) and then stay there, and
-position ``p`` of era ``e`` is window ``W_e + Permutation(size_e, seed, epoch=e)(p - W_e)``. The last era
-ends where the finished cache's windows end, known once the build is complete; after it come full
-permutations of the finished cache (``then="epochs"``) or the end (``then="end"``).
+The finished cache's windows are cut into **eras** of consecutive windows, ``[W_e, W_{e+1})``, whose
+sizes double from ``first`` up to ``largest`` (:class:`Eras`). Position ``p`` of era ``e`` is window
+``W_e + Permutation(size_e, seed, epoch=e)(p - W_e)``. The last era ends with the finished cache, known
+once the build is complete; then come epochs of the finished cache (``then="epochs"``) or the end.
 
-Whole-document layouts (``packed``, ``documents``) count eras in **documents**: era ``e`` is documents
-``[D_e, D_{e+1})`` (the same :class:`Eras` arithmetic), planned on their own once committed
-(:mod:`streampack.samples.eras`), and its samples are the next ``S_{e+1} - S_e`` positions, which the
-source tells the order as each era's plan is made (:meth:`FollowOrder.learn`): positions
-``[S_e, S_{e+1})`` are its samples, permuted as a window era's are.
+Whole-document layouts count eras in **documents** instead, each era planned on its own once committed
+(:mod:`streampack.samples.eras`). The source tells the order how many samples each era's plan holds
+(:meth:`FollowOrder.learn`), and those positions are permuted as a window era's are.
 
-:class:`FollowOrder` is pure given the build: positions of an era whose windows are all committed map to the
-same windows before the build finishes as after. It reads nothing: what is committed is learnt by the
-source that grows with it (:class:`streampack.loader.follow.GrowingCache`), which tells it how many windows
-are known (:attr:`FollowOrder.known`) and, at the end, how many there are (:meth:`FollowOrder.finish`).
+The order reads nothing: the source that grows with the build
+(:class:`streampack.loader.follow.GrowingCache`) tells it how much is committed (:attr:`FollowOrder.known`)
+and, at the end, how many windows there are (:meth:`FollowOrder.finish`).
 """
 
 from __future__ import annotations
@@ -29,7 +25,7 @@ import numpy as np
 
 from streampack._checks import check_int
 from streampack.errors import LoaderStateError
-from streampack.order import Shuffled, count_batches, groups, mismatch
+from streampack.order import OneSource, Shuffled, check_same, count_batches, groups, kept
 from streampack.order.permutation import Permutation
 
 __all__ = ["Eras", "FollowOrder"]
@@ -37,8 +33,7 @@ __all__ = ["Eras", "FollowOrder"]
 
 @dataclass(frozen=True)
 class Eras:
-    """Era boundaries, in windows: sizes ``first, 2 * first, 4 * first, ...`` up to ``largest``, then
-    ``largest`` each.
+    """Era boundaries, in windows: sizes ``first, 2 * first, ...`` up to ``largest``, then ``largest`` each.
 
     Args:
         first: windows of era 0.
@@ -78,32 +73,28 @@ class Eras:
         )
 
     def covered(self, windows: int) -> int:
-        """Windows of the eras that lie wholly within the first ``windows``: where the era holding window
-        ``windows`` starts."""
+        """Windows of the eras wholly within the first ``windows``: where the era holding that one starts."""
         return self.start(int(self.of(np.array([windows], dtype=np.int64))[0]))
 
 
-class FollowOrder:
-    """The order of a :class:`~streampack.loader.follow.Follow`: eras of the finished cache's windows,
-    then (``then="epochs"``) the :class:`~streampack.Loader`'s epochs of it. See the module docstring.
+class FollowOrder(OneSource):
+    """The order of a :class:`~streampack.loader.follow.Follow` (see the module docstring).
 
-    Pure given the build: positions of an era whose windows are all committed map to the same windows
-    before the build finishes as after. The last era's size, and the end, are known once the build is
-    complete (:meth:`finish`); the loader asks for no position before it knows its era.
+    Pure given the build: the positions of a committed era map to the same windows before the build
+    finishes as after. The loader asks for no position before it knows its era.
 
     Args:
         seed: shuffle seed.
         eras: the era sizes.
         then: ``"end"`` after the last era, or ``"epochs"`` of the finished cache.
         data: what identifies the samples (the build and the layout's settings), for checkpoints.
-        by: what the eras count: ``"windows"`` (the samples themselves), or ``"documents"`` (whole-document
-            layouts, whose eras' sizes in samples are learnt from their plans: :meth:`learn`).
+        by: what the eras count: ``"windows"``, or ``"documents"`` for whole-document layouts, whose
+            eras' sizes in samples are learnt from their plans (:meth:`learn`).
     """
 
-    names: tuple[str, ...] = ("data",)
     resumes: tuple[str, ...] = ("follow",)
     #: Whole-document layouts: the first sample of each era whose plan is known, then the end of the last
-    #: one (``[0]`` before any); ``None`` for windows, whose eras are :class:`Eras` arithmetic in samples.
+    #: one (``[0]`` before any); ``None`` for windows, whose eras are :class:`Eras` arithmetic.
     bounds: list[int] | None = None
 
     def __init__(
@@ -115,7 +106,8 @@ class FollowOrder:
         data: Mapping[str, Any],
         by: Literal["windows", "documents"] = "windows",
     ) -> None:
-        self.seed, self.eras, self.then, self.data = seed, eras, then, dict(data)
+        super().__init__(0, seed=seed, epochs=None, data=data, name="data")
+        self.eras, self.then = eras, then
         self.bounds = [0] if by == "documents" else None
         self.total: int | None = None  # windows of the finished cache, once the build is complete
         self.known = 0  # windows of the eras known to be committed
@@ -129,8 +121,7 @@ class FollowOrder:
         return self.__dict__ | {"_permutations": {}}
 
     def learn(self, samples: int) -> None:
-        """(Whole-document layouts) the next era's plan is made and holds ``samples`` samples: its
-        positions are known."""
+        """Take note that the next era's plan holds ``samples`` samples (whole-document layouts)."""
         assert self.bounds is not None
         self.bounds = [*self.bounds, self.bounds[-1] + samples]  # a new list: a prefetch thread may read it
         self.known = self.bounds[-1]
@@ -146,10 +137,6 @@ class FollowOrder:
     def end(self) -> int | None:
         """The last window's position with ``then="end"`` once the build is complete; else ``None``."""
         return self.total if self.then == "end" else None
-
-    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Source ids (all 0) and windows at ``positions``."""
-        return np.zeros(len(positions), dtype=np.int64), self.samples(positions)
 
     def samples(self, positions: np.ndarray) -> np.ndarray:
         """The windows at ``positions`` (in eras known to be committed, or anywhere once complete)."""
@@ -182,23 +169,12 @@ class FollowOrder:
             first, stop = self._start(era, bounds), self._start(era + 1, bounds)
             size = stop - first if self.total is None else min(stop, self.total) - first
             permutation = Permutation(size, seed=self.seed, epoch=era)
-            # A new dict, not an update: a loader's prefetch thread may be looking up this one.
-            kept = dict(list(self._permutations.items())[-1:])
-            kept[era] = permutation
-            self._permutations = kept
+            self._permutations = kept(self._permutations, era, permutation)
         return permutation
-
-    def consumed(self, position: int) -> list[int]:
-        """``[position]``: one source."""
-        return [position]
 
     def sizes(self) -> list[int]:
         """Windows of the finished cache; while it builds, those of the eras known to be committed."""
         return [self.known]
-
-    def weights(self, position: int) -> list[float]:
-        """``[1.0]``: one source."""
-        return [1.0]
 
     def epoch_size(self, what: str) -> int:
         """Windows of the finished cache, once the build is complete.
@@ -241,15 +217,11 @@ class FollowOrder:
         }
 
     def resumed(self, saved: Mapping[str, Any], position: int) -> FollowOrder:
-        """This order, after checking the checkpoint was saved by a ``Follow`` of the same build with
-        the same settings."""
+        """This order, once the checkpoint is checked to be a ``Follow``'s of the same build and settings."""
         if saved.get("kind") != "follow":
             raise LoaderStateError(
                 f"the checkpoint was saved by a loader over a {saved.get('kind')!r} order, not by a Follow; "
                 "a Follow resumes its own states (with then='epochs' it goes on past the build by itself)"
             )
-        mine = self.fingerprint()
-        for key in ("seed", "eras", "data"):
-            if saved.get(key) != mine[key]:
-                raise LoaderStateError(mismatch(key, saved.get(key), mine[key]))
+        check_same(saved, self.fingerprint(), ("seed", "eras", "data"))
         return self

@@ -1,32 +1,26 @@
 """Several datasets read as one stream by weight: exact per block, each source through its own epochs.
 
-Global positions are cut into blocks of ``block_size`` consecutive positions. A block holds ``c_j``
-positions of source ``j``: the weights in force, times the block size, rounded by largest remainder, so
-every block (and so every prefix, to within one block) follows the weights. Inside a block the
-positions are permuted with a seeded :class:`~streampack.order.permutation.Permutation` of the block. Source
-``j`` serves its samples in the order of its own :class:`~streampack.order.Shuffled` (a
-:class:`~streampack.order.blockshuffle.BlockShuffled` with ``shuffle=BlockShuffle(...)``), through its own
-epochs, at a *cursor*: the samples it served in earlier blocks plus its rank in this one.
+Global positions are cut into blocks of ``block_size``. A block holds ``c_j`` positions of source ``j``:
+the weights in force times the block size, rounded by largest remainder, so every block (and every
+prefix, to within one block) follows the weights. A seeded
+:class:`~streampack.order.permutation.Permutation` shuffles the positions inside a block. Source ``j``
+serves its samples in its own order (:class:`~streampack.order.Shuffled`, or
+:class:`~streampack.order.blockshuffle.BlockShuffled`), through its own epochs, at a *cursor*: the samples
+it served in earlier blocks plus its rank in this one.
 
 The cursors before block ``k`` are a sum over the schedule's segments (runs of blocks with the same
-counts), so the map from position to sample is pure and O(1) in the position. A checkpoint records the
-schedule so far, which is what lets a run resume with new weights or new sources: blocks that had begun
-keep the counts they were served with, later blocks take the new ones, and every cursor continues, so no
-sample is served twice or skipped within a source's epoch.
+counts), so the map is pure and O(1) in the position. A checkpoint records the schedule so far, so a run
+can resume with new weights or new sources: blocks already begun keep their counts, later blocks take
+the new ones, and every cursor continues, so no sample is served twice or skipped within an epoch.
 
-A source may **grow** while it is read: a cache whose build runs, followed
-(:class:`~streampack.loader.follow.Follow`, or its :class:`~streampack.loader.follow.GrowingCache`). Its
-samples are served in the follow order (eras, then epochs of the finished cache; its own seed), at its
-cursor as for any source, and a :class:`~streampack.Loader` over the mixture waits, before a batch, until
-that source knows the samples its cursor reaches (:mod:`streampack.loader.growmix`). The mixture's weights
-are kept exactly: a batch waits for the build rather than serve another source in its place. Its number
-of samples is the number known so far; ``stop="first_exhausted"`` is refused (the end would depend on when
-the build ends).
+A source may **grow** while it is read: a :class:`~streampack.loader.follow.Follow` of a running build.
+It is served in its follow order at its cursor like any source, and a loader waits before a batch until
+that source knows the samples its cursor reaches (:mod:`streampack.loader.growmix`): the weights are kept
+exactly. ``stop="first_exhausted"`` is refused, as the end would depend on when the build ends.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
@@ -35,35 +29,25 @@ import numpy as np
 from streampack._checks import check_choice, check_int
 from streampack.errors import OptionsError
 from streampack.format.sections import UNDECLARED
-from streampack.order import (
-    count_batches,
-    data_fingerprint,
-    groups,
-    schedule,
-)
-from streampack.order.blockshuffle import (
-    BlockShuffle,
-    check_shuffle,
-    shuffle_fingerprint,
-    single_order,
-)
+from streampack.order import count_batches, data_fingerprint, derive, groups, schedule
+from streampack.order.blockshuffle import BlockShuffle, check_shuffle, shuffle_fingerprint, single_order
 from streampack.order.permutation import Permutation
 from streampack.order.schedule import Counts, summary
 
 __all__ = ["Mixture"]
 
 Stop = Literal["never", "first_exhausted"]
-# Block tables kept for reuse (each 16 bytes per position): enough for the blocks a plan of a few
-# thousand rows spans in a DataLoader worker of one rank among several.
+# Block tables kept for reuse (16 bytes per position): enough for the blocks that a plan of a few
+# thousand rows spans in one DataLoader worker.
 _CACHED_BLOCKS = 8
 
 
 class Mixture:
     """Datasets mixed by weight into one stream, resumable with changed weights or added sources.
 
-    Give it to :class:`~streampack.loader.Loader` (and so to ``streampack.torch.DataLoader``) in place
-    of one dataset; ranks, workers and checkpoints work unchanged. It is the order of its sources and
-    holds them (:meth:`sources_and_order`), so ``Loader(mix)`` reads ``mix.sources`` in the order ``mix``.
+    Give it to a :class:`~streampack.loader.Loader` in place of one dataset; ranks, workers and
+    checkpoints work unchanged. It is both its sources' order and their holder, so ``Loader(mix)`` reads
+    ``mix.sources`` in the order ``mix``.
 
     Example::
 
@@ -75,28 +59,24 @@ class Mixture:
         loader = Loader(mix, batch_size=32)
 
     Args:
-        sources: name -> dataset (e.g. ``cache.sequences(seq_len)``), all with samples of one width and,
-            for caches, one tokenizer. Names identify sources in checkpoints, stages and reports.
-        weights: name -> weight (any non-negative numbers; normalised). Sources left out get weight 0.
-            The same as ``stages=[(0, weights)]``.
-        stages: ``(position, weights)`` pairs, the first at position 0: from the first block starting at
-            or after ``position`` (a global position: samples since the run started), the weights change.
+        sources: name -> dataset (e.g. ``cache.sequences(seq_len)``), all of one sample width and one
+            tokenizer. Names identify sources in checkpoints, stages and reports.
+        weights: name -> non-negative weight, normalised; sources left out get 0. Same as
+            ``stages=[(0, weights)]``.
+        stages: ``(position, weights)`` pairs, the first at position 0: the weights change from the first
+            block starting at or after ``position`` (samples since the run started).
         seed: seed of the block order and of each source's order.
         shuffle: permute positions inside a block and samples inside each source's epochs; else both in
-            order. A :class:`~streampack.order.blockshuffle.BlockShuffle` permutes positions inside a block
-            and reads each source in block-shuffled order (for sources read from object storage).
+            order. A :class:`~streampack.order.blockshuffle.BlockShuffle` reads each source block-shuffled.
         block_size: positions per block. Weights are rounded to multiples of ``1 / block_size``; each
             source with a positive weight needs at least one position per block.
-        stop: ``"never"`` (each source wraps into its next epoch when exhausted) or
-            ``"first_exhausted"`` (the stream ends before the first block that would need a sample of
-            some source's second epoch).
+        stop: ``"never"`` (each source wraps into its next epoch) or ``"first_exhausted"`` (the stream
+            ends before the first block that needs a sample of some source's second epoch).
 
     Raises:
-        OptionsError: (a ``ValueError``) no sources, a name that is not a string, an empty source,
-            sources of different widths or tokenizers, weights naming unknown sources or not
-            non-negative numbers, stages that do not start at 0 or are not increasing, a positive weight
-            below one position per block (the message gives the block size that fits), or a stream that
-            would stop before its first block.
+        OptionsError: (a ``ValueError``) the sources, weights, stages or block size are not allowed; the
+            message says which and why (for a weight below one position per block, the block size that
+            fits).
     """
 
     # A single dataset's checkpoint continues as the source with its data.
@@ -124,8 +104,8 @@ class Mixture:
             end = f"its end is not known, so stop={stop!r} does not apply: use stop='never'"
             raise OptionsError(f"source {growing[0]!r} grows while read (its build runs): {end}")
         self._data = [data_fingerprint(data) for data in self.sources.values()]
-        self._seeds = [_derive(self.seed, f"source:{name}") for name in self.names]
-        self._blocks_seed = _derive(self.seed, "blocks")
+        self._seeds = [derive(self.seed, f"source:{name}") for name in self.names]
+        self._blocks_seed = derive(self.seed, "blocks")
         self._set_schedule(schedule.segments(weights, stages, self.names, self.block_size))
         if self.end == 0:
             raise OptionsError(
@@ -134,7 +114,7 @@ class Mixture:
             )
 
     def sources_and_order(self) -> tuple[dict[str, Any], Mixture]:
-        """Its sources and itself, their order: what a :class:`~streampack.loader.Loader` given it reads."""
+        """Its sources, and itself as their order."""
         return self.sources, self
 
     def __repr__(self) -> str:
@@ -151,8 +131,7 @@ class Mixture:
     # --- the schedule -----------------------------------------------------------------------------------
 
     def _set_schedule(self, segments: Sequence[tuple[int, Counts]]) -> None:
-        """Keep the segments (first block, counts), merging neighbours with equal counts, and the tables
-        the map from positions reads (see :func:`streampack.order.schedule.tables`)."""
+        """Keep the segments ``(first block, counts)`` and the tables the map from positions reads."""
         self._schedule = schedule.merged(segments, self.block_size)
         self._firsts, self._matrix, self._cumulative, self._bases = schedule.tables(self._schedule)
         self._orders = self._make_orders()
@@ -163,7 +142,7 @@ class Mixture:
             self._end = schedule.exhausted(self._schedule, self._bases, sizes, self.block_size)
 
     def _make_orders(self) -> list[Any]:
-        """Each source's order of its samples: a growing source's own (it learns its samples as it grows)."""
+        """Each source's order of its samples; a growing source has its own."""
         return [
             data.order if grows(data) else single_order(len(data), seed=seed, shuffle=self.shuffle, name=name)
             for name, data, seed in zip(self.names, self.sources.values(), self._seeds, strict=True)
@@ -199,8 +178,8 @@ class Mixture:
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         """Each offset's source in ``block``, and its rank among that source's offsets there.
 
-        Ranks rise with the offset, so a source's cursor does too: inside a block, as across blocks, a
-        source serves its samples in its own order, and never starts its next epoch early.
+        Ranks rise with the offset, so within a block too a source serves its samples in its own order
+        and never starts its next epoch early.
         """
         cached = self._blocks.get(block)
         if cached is not None:
@@ -237,7 +216,7 @@ class Mixture:
         return [int(count) for count in served]
 
     def sizes(self) -> list[int]:
-        """Samples per epoch of each source (of a growing source: those known so far)."""
+        """Samples per epoch of each source (so far, for a growing source)."""
         return [data.order.sizes()[0] if grows(data) else len(data) for data in self.sources.values()]
 
     def weights(self, position: int) -> list[float]:
@@ -257,8 +236,7 @@ class Mixture:
         )
 
     def batches(self, batch_size: int, drop_last: bool) -> int:
-        """Global batches until the stream stops (``stop="first_exhausted"``; see
-        :func:`~streampack.order.count_batches`)."""
+        """Global batches until the stream stops (``stop="first_exhausted"``)."""
         return count_batches(self.end, batch_size, drop_last)
 
     def fingerprint(self) -> dict[str, Any]:
@@ -281,9 +259,9 @@ class Mixture:
     def resumed(self, saved: Mapping[str, Any], position: int) -> Mixture:
         """This mixture continued from a checkpoint: its schedule before ``position``, this one's after.
 
-        Blocks begun before ``position`` keep the counts they were served with; from the next block on,
-        this mixture's weights apply. Sources keep the seeds they were read with, so each cursor
-        continues its epoch. A checkpoint of a single dataset resumes as the source with the same data.
+        Blocks begun before ``position`` keep their counts, and sources keep the seeds they were read
+        with, so each cursor continues its epoch. A single dataset's checkpoint continues as the source
+        with its data.
 
         Raises:
             LoaderStateError: seed, shuffle or block size differ; a source of the checkpoint is missing
@@ -351,27 +329,21 @@ def _checked_sources(sources: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def grows(data: object) -> bool:
-    """Whether ``data`` is a source that grows while it is read
-    (:class:`~streampack.loader.growing.Growing`: an order of its own, ``known`` and ``grow``)."""
+    """Whether ``data`` grows while it is read (a :class:`~streampack.loader.growing.Growing`)."""
     return all(hasattr(data, name) for name in ("order", "known", "grow", "view"))
 
 
 def growing_sources(mixture: Mixture) -> dict[str, Any]:
-    """The sources of ``mixture`` that grow while they are read, by name (none for finished caches)."""
+    """The sources of ``mixture`` that grow while they are read, by name."""
     return {name: data for name, data in mixture.sources.items() if grows(data)}
 
 
 def with_sources(mixture: Mixture, replaced: Mapping[str, Any]) -> Mixture:
-    """``mixture`` (its schedule and seeds) reading ``replaced`` in place of the sources of those names: a
-    copy of a loader reads its own copies of the sources that grow."""
+    """``mixture`` reading ``replaced`` in place of the sources of those names (a loader's copy reads its
+    own copies of the sources that grow)."""
     copied = object.__new__(Mixture)
     copied.__dict__.update(mixture.__dict__)
     copied.sources = {**mixture.sources, **replaced}
     copied._orders = copied._make_orders()
     copied._blocks = {}
     return copied
-
-
-def _derive(seed: int, tag: str) -> int:
-    """A 64-bit seed for one use of a mixture's seed (the blocks, or one named source)."""
-    return int.from_bytes(hashlib.blake2b(f"{seed}:{tag}".encode(), digest_size=8).digest(), "little")

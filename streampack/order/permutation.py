@@ -1,29 +1,22 @@
 """A seeded permutation of ``[0, n)`` evaluated on demand, in O(1) memory.
 
-Shuffling a corpus of ``n`` sequences does not need a permutation array: :class:`Permutation` maps a
-position ``i`` to ``p(i)`` with a pure function of ``(seed, epoch, i)``. Resuming a shuffled run therefore
-needs only three integers, and any worker can compute any slice of the order without coordination.
+:class:`Permutation` maps a position ``i`` to ``p(i)`` with a pure function of ``(seed, epoch, i)``, so
+resuming a shuffled run needs three integers and any worker computes any slice of the order alone.
 
-How it works:
+* A balanced Feistel network permutes the ``2k``-bit integers, ``2k`` the smallest even width with
+  ``2**(2k) >= n``. Each round XORs one half with a keyed multiply-xorshift mix of the other; a Feistel
+  network is a bijection whatever its round function, so the mix is chosen for diffusion.
+* Cycle walking maps the result back onto ``[0, n)``: an output ``>= n`` goes through the network again.
+  As ``2**(2k) < 4n``, an index needs fewer than four passes on average.
+* Round keys come from ``(seed, epoch)`` through splitmix64. It is all integer arithmetic, so the order
+  is the same across processes, machines and numpy versions.
 
-* A balanced Feistel network permutes the ``2k``-bit integers, where ``2k`` is the smallest even bit
-  width with ``2**(2k) >= n`` (at least 2 bits). Each round swaps the halves and XORs one half with a
-  keyed multiply-xorshift mix of the other. A Feistel network is a bijection whatever its round function
-  is, so the mix is chosen for diffusion, not invertibility.
-* Cycle walking maps ``[0, 2**(2k))`` back onto ``[0, n)``: an output ``>= n`` is fed through the network
-  again until it lands below ``n``. Following the cycles of a bijection this way gives a bijection on
-  ``[0, n)``. Because ``2**(2k) < 4n``, an index needs fewer than four evaluations on average.
-* Round keys come from ``(seed, epoch)`` through the splitmix64 mixer. Everything is integer arithmetic
-  (Python ints, or ``uint64`` arrays that wrap), so the order is identical across processes, machines
-  and numpy versions; no global random state or ``hash()`` is involved.
+Against ``numpy.random.default_rng(seed).permutation(n)``: no ``8n``-byte array to build, hold or
+checkpoint, and random access to any position; in exchange about a hundred integer operations per
+index, and a keyed pseudo-random permutation rather than a uniformly drawn one (good for shuffling,
+not for cryptography).
 
-Trade-offs against ``numpy.random.default_rng(seed).permutation(n)``: no ``8n``-byte array to build,
-hold or checkpoint, and random access to any position; in exchange each index costs about a hundred
-integer operations, and the order is a keyed pseudo-random permutation rather than a uniformly drawn
-one (good for shuffling data, not a cryptographic primitive).
-
-The output is part of the resume contract: changing the rounds, the mixer or the key schedule changes
-every shuffled order, so ``tests/test_permutation.py`` pins known outputs.
+The output is part of the resume contract: ``tests/test_permutation.py`` pins known outputs.
 """
 
 from __future__ import annotations
@@ -64,7 +57,7 @@ _U_32 = np.uint64(32)
 
 
 def _mix64(z: int) -> int:
-    """Apply the splitmix64 finalizer to a Python integer (a bijection on 64-bit words)."""
+    """The splitmix64 finalizer: a bijection on 64-bit words."""
     z &= _MASK64
     z = ((z ^ (z >> 30)) * _MUL1) & _MASK64
     z = ((z ^ (z >> 27)) * _MUL2) & _MASK64
@@ -72,11 +65,7 @@ def _mix64(z: int) -> int:
 
 
 def _round_keys(seed: int, epoch: int) -> tuple[int, ...]:
-    """Derive the Feistel round keys from ``(seed, epoch)``.
-
-    For a fixed seed, distinct epochs give distinct base states (each step is a bijection of the epoch),
-    and the round keys are the splitmix64 stream started from that state.
-    """
+    """The Feistel round keys: the splitmix64 stream from a state that is a bijection of the epoch."""
     base = _mix64(_mix64(seed) ^ _mix64(epoch ^ _EPOCH_SALT))
     return tuple(_mix64(base + (r + 1) * _GOLDEN) for r in range(_ROUNDS))
 
@@ -85,8 +74,8 @@ def _round_keys(seed: int, epoch: int) -> tuple[int, ...]:
 class Permutation:
     """A seeded bijection on ``[0, n)``, evaluated per index without materialising the order.
 
-    ``Permutation(n, seed=s, epoch=e)(i)`` is the record served at step ``i`` of epoch ``e``. The object
-    holds a few integers, pickles small, and compares and hashes by ``(n, seed, epoch)``.
+    ``Permutation(n, seed=s, epoch=e)(i)`` is the record served at step ``i`` of epoch ``e``. It holds a
+    few integers, and compares and hashes by ``(n, seed, epoch)``.
 
     Example:
         >>> p = Permutation(10, seed=1234)
@@ -126,15 +115,12 @@ class Permutation:
         object.__setattr__(self, "_array_keys", tuple(np.uint64(key) for key in keys))
 
     def __reduce__(self) -> tuple[Callable[[int, int, int], Permutation], tuple[int, int, int]]:
-        """Pickle as ``(n, seed, epoch)`` only; the round keys are rederived on load.
-
-        This keeps the pickle small, revalidated when loaded, and free of numpy objects, whose pickles do
-        not load across numpy major versions.
-        """
+        """Pickle as ``(n, seed, epoch)``: small, checked on load, and free of numpy objects, whose pickles
+        do not load across numpy major versions."""
         return (_restore, (self.n, self.seed, self.epoch))
 
     def __len__(self) -> int:
-        """Return ``n``, the size of the permuted domain."""
+        """``n``."""
         return self.n
 
     @overload
@@ -144,14 +130,10 @@ class Permutation:
     def __call__(self, index: npt.ArrayLike) -> npt.NDArray[np.int64]: ...
 
     def __call__(self, index: int | np.integer | npt.ArrayLike) -> int | npt.NDArray[np.int64]:
-        """Return the permuted index ``p(index)``.
-
-        Each output depends only on ``(n, seed, epoch)`` and its own input, never on the rest of the
-        batch, so any split of the positions into calls gives the same order.
+        """Return the permuted index ``p(index)``; each output depends on its own input alone.
 
         Args:
-            index: A position in ``[0, n)``: a Python or numpy integer, or an integer array (or array-like)
-                of any shape.
+            index: A position in ``[0, n)``: an integer, or an integer array-like of any shape.
 
         Returns:
             An ``int`` for an integer input; otherwise an ``np.int64`` array of the input's shape.
@@ -183,7 +165,7 @@ class Permutation:
             )
 
     def _feistel(self, x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-        """One pass of the Feistel network over ``[0, 2**(2k))``, vectorised; must equal `_feistel_int`."""
+        """One pass of the Feistel network, vectorised; must equal `_feistel_int`."""
         half = np.uint64(self._half_bits)
         drop = np.uint64(64 - self._half_bits)
         left: npt.NDArray[np.uint64] = x >> half
@@ -215,13 +197,13 @@ class Permutation:
         return (left << half) | right
 
     def _walk_int(self, y: int) -> int:
-        """Finish cycle walking for one Feistel output: step until it lands in ``[0, n)``."""
+        """Cycle-walk one Feistel output into ``[0, n)``."""
         while y >= self.n:
             y = self._feistel_int(y)
         return y
 
     def _permute(self, x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
-        """Apply the Feistel network with cycle walking to a 1-D array of positions in ``[0, n)``."""
+        """The Feistel network with cycle walking, over a 1-D array of positions."""
         n = np.uint64(self.n)
         out = self._feistel(x)
         walking = np.flatnonzero(out >= n)

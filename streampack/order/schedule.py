@@ -1,11 +1,8 @@
 """A mixture's schedule: how many positions of each block every source holds, from which block on.
 
-A schedule is a list of segments ``(first block, counts)``: from block ``first`` on, every block holds
-``counts[j]`` positions of source ``j``, up to the next segment's first block. :func:`counts` turns weights
-into a block's counts (by largest remainder, so every block follows the weights to within one position),
-:func:`stages` checks the ``(position, weights)`` stages a :class:`~streampack.order.mixture.Mixture` is
-given, and :func:`saved_history` reads back the schedule a checkpoint recorded, strictly: a damaged one is
-refused, not guessed at.
+A schedule is a list of segments ``(first block, counts)``: from block ``first`` until the next segment,
+every block holds ``counts[j]`` positions of source ``j``. A checkpoint's schedule is read back strictly
+(:func:`saved_history`): a damaged one is refused, not guessed at.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ __all__ = [
     "Counts",
     "counts",
     "exhausted",
-    "first_block",
     "merged",
     "saved_history",
     "segments",
@@ -40,8 +36,7 @@ Counts = tuple[int, ...]
 
 
 def counts(weights: Mapping[str, float], names: Sequence[str], block_size: int) -> Counts:
-    """Positions per block of each of the sources ``names``: the weights times the block size, by largest
-    remainder.
+    """Positions per block of each source: the weights times the block size, rounded by largest remainder.
 
     Raises:
         OptionsError: a weight names no source, is not a non-negative number, or is below one position
@@ -101,9 +96,8 @@ def merged(segments: Sequence[tuple[int, Counts]], block_size: int) -> tuple[tup
 
 
 def tables(schedule: Sequence[tuple[int, Counts]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The arrays a mixture maps positions with: each segment's first block, its counts (a segment per
-    row), their running sums along a block (a leading 0 column), and each source's cursor at the
-    segment's first block."""
+    """The arrays a mixture maps positions with, one row per segment: its first block, its counts, their
+    running sums (from a 0 column), and each source's cursor at its first block."""
     firsts = np.array([first for first, _ in schedule], dtype=np.int64)
     matrix = np.array([counts for _, counts in schedule], dtype=np.int64)
     cumulative = np.concatenate([np.zeros((len(schedule), 1), np.int64), matrix.cumsum(1)], 1)
@@ -119,8 +113,8 @@ def tables(schedule: Sequence[tuple[int, Counts]]) -> tuple[np.ndarray, np.ndarr
 def exhausted(
     schedule: Sequence[tuple[int, Counts]], bases: np.ndarray, sizes: Sequence[int], block_size: int
 ) -> int | None:
-    """Where a stream stops with ``stop="first_exhausted"``: the first position of the first block some
-    source (of ``sizes`` samples) cannot fill from its first epoch."""
+    """Where a ``stop="first_exhausted"`` stream stops: the first block some source of ``sizes`` samples
+    cannot fill from its first epoch, as a position."""
     nexts = [*(first for first, _ in schedule[1:]), None]
     for (first, counts), base, following in zip(schedule, bases.tolist(), nexts, strict=True):
         ends = [
@@ -165,36 +159,26 @@ def stages(
     return checked
 
 
-def first_block(position: int, block_size: int) -> int:
-    """The first block starting at or after ``position``."""
-    return -(-position // block_size)
-
-
 def segments(
     weights: Mapping[str, float] | None,
     stages_: Sequence[tuple[int, Mapping[str, float]]] | None,
     names: Sequence[str],
     block_size: int,
 ) -> list[tuple[int, Counts]]:
-    """The segments (first block, counts) of a mixture of the sources ``names`` given ``weights`` or
-    ``stages_`` (see :func:`stages` and :func:`counts`): each stage from the first block starting at or
-    after its position.
+    """The segments of a mixture given ``weights`` or ``stages_``: each stage's counts from the first block
+    starting at or after its position.
 
     Raises:
         OptionsError: the stages or a weight are not allowed.
     """
-    return [
-        (first_block(start, block_size), counts(w, names, block_size))
-        for start, w in stages(weights, stages_)
-    ]
+    return [(-(-start // block_size), counts(w, names, block_size)) for start, w in stages(weights, stages_)]
 
 
 def spliced(
     history: Sequence[tuple[int, Counts]], own: Sequence[tuple[int, Counts]], started: int
 ) -> list[tuple[int, Counts]]:
-    """The schedule of a run resumed when ``started`` blocks had begun: the checkpoint's ``history``
-    before that block, then the mixture's ``own`` schedule, starting with the counts it has in force
-    there (both schedules start at block 0)."""
+    """The schedule of a run resumed when ``started`` blocks had begun: the checkpoint's ``history`` before
+    that block, the mixture's ``own`` from there."""
     in_force = [counts for first, counts in own if first <= started][-1]
     kept = [segment for segment in history if segment[0] < started]
     return [*kept, (started, in_force), *(segment for segment in own if segment[0] > started)]
@@ -209,19 +193,15 @@ def saved_history(
     shuffle: Any,
     block_size: int,
 ) -> tuple[list[tuple[int, Counts]], dict[str, tuple[int, Any]]]:
-    """A checkpoint's schedule (as counts over the mixture's ``names``) and each source's seed and data.
+    """A checkpoint's schedule, as counts over the mixture's ``names``, and each saved source's seed and data.
 
-    Args:
-        saved: the checkpoint's order: a mixture's, or a single dataset's (which continues as the
-            source with its data).
-        names: the mixture's sources, and
-        data: their data fingerprints.
-        seed, shuffle, block_size: the mixture's (``shuffle`` as a checkpoint records it).
+    ``saved`` is a mixture's order, or a single dataset's, which continues as the source with its data;
+    ``data`` are the fingerprints of the sources ``names``; ``seed``, ``shuffle`` and ``block_size`` the
+    mixture's (``shuffle`` as a checkpoint records it).
 
     Raises:
-        LoaderStateError: the checkpoint does not continue here (another seed, shuffle or block size, a
-            dataset that is no source here, a source of it missing here or with other data) or is
-            damaged.
+        LoaderStateError: the checkpoint does not continue this mixture (another seed, shuffle or block
+            size; a source missing here or with other data), or it is damaged.
     """
     kind = saved.get("kind")
     if kind in ("shuffled", "blocks"):
@@ -270,12 +250,11 @@ def saved_history(
 def _saved_schedule(
     schedule: object, known: set[str], names: Sequence[str], block_size: int
 ) -> list[tuple[int, Counts]]:
-    """A checkpoint's schedule as counts over the mixture's ``names``, refused unless a mixture saved it.
+    """A checkpoint's schedule as counts over the mixture's ``names``.
 
     Raises:
-        ValueError: not a list of ``[first block, {source: count}]`` from block 0 in increasing order,
-            counts of sources the checkpoint does not read, or counts that are not non-negative
-            integers filling a block.
+        ValueError: not a list of ``[first block, {source: count}]`` from block 0 in increasing order, whose
+            counts of the ``known`` sources are non-negative integers filling a block.
     """
     if not isinstance(schedule, list) or not schedule:
         raise ValueError(
@@ -302,7 +281,7 @@ def _is_whole(value: object) -> bool:
 
 
 def _saved_seed(value: object) -> int:
-    """A checkpoint's source seed, which must be one a Mixture derives: an integer in ``[0, 2**64)``."""
+    """A checkpoint's source seed: an integer in ``[0, 2**64)``, as a Mixture derives them."""
     if not _is_whole(value) or not 0 <= int(value) < 2**64:  # type: ignore[call-overload]
         raise ValueError(f"a source's seed must be an integer in [0, 2**64) (got {summary(value)})")
     return int(value)  # type: ignore[call-overload]

@@ -1,12 +1,9 @@
 """Samples: which tokens of a cache make sample ``i``.
 
-``layout`` holds the ``Layout`` protocol (sample ``i`` = these spans, this padding, this loss mask) and its
-forms: fixed windows of the token stream, packed bins of whole documents, one document per sample, over
-the ``spans`` of a stream; ``copies`` reads a batch's spans into an array and ``boundaries`` finds the
-documents inside them; ``packing`` plans the bins and stores the plans; ``sequences`` the samples a loader
-reads (``PackedSequences``; ``batches`` checks what a read is asked, ``refs`` names the cache across
-processes); ``chosen`` which documents samples are made of, and ``split`` the views of them that make
-samples (``DocumentSet``: every document, or one side of a held-out split).
+A ``Layout`` maps each sample to ``Spans`` of the cache's token stream: fixed windows, or whole documents
+packed (planned by ``packing``) or one per sample. ``PackedSequences`` are the samples a loader reads,
+with their ``Boundaries``; a ``DocumentSet`` is the documents they are made of: all of them, or one side
+of a held-out split.
 """
 
 from streampack.samples.boundaries import Boundaries

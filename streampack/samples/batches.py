@@ -1,6 +1,4 @@
-"""What a read of samples is asked, checked: the sample indices (an int, a slice, an integer array),
-the rows of the output they go to, and the output array itself.
-"""
+"""Checks of what a read of samples is asked: the sample indices, the rows they go to, the output array."""
 
 from __future__ import annotations
 
@@ -58,8 +56,8 @@ def target_rows(rows: npt.ArrayLike, count: int, out: np.ndarray | None) -> np.n
 
 
 def check_out(out: object, dtype: np.dtype, width: int, rows: int | None) -> None:
-    """Refuse an ``out`` that is not a 2-D integer array of ``rows`` rows (any number, when None) and
-    ``width`` columns, in a dtype that holds every id of the token ``dtype``."""
+    """Refuse an ``out`` that is not a 2-D array of ``rows`` rows (any, when None) and ``width`` columns, of
+    a dtype that holds every id of the token ``dtype``."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy array (got {type(out).__name__})")
     if not holds_every_id(dtype, out.dtype):
@@ -74,5 +72,5 @@ def check_out(out: object, dtype: np.dtype, width: int, rows: int | None) -> Non
 
 @functools.lru_cache(maxsize=64)
 def holds_every_id(tokens: np.dtype, out: np.dtype) -> bool:
-    """Whether ``out`` is an integer dtype that holds every value of ``tokens`` (memoised: once per read)."""
+    """Whether ``out`` is an integer dtype that holds every value of ``tokens``."""
     return out.kind in "iu" and bool(np.can_cast(tokens, out, "safe"))

@@ -1,6 +1,5 @@
-"""Where documents start inside a batch of samples: :func:`boundaries` of a batch's spans, found from the
-shards' offset tables alone, and the :class:`Boundaries` attention kernels take (position ids, document
-ids, ``cu_seqlens``, the loss mask).
+"""Where documents start inside a batch of samples, found from the shards' offset tables alone, in the
+forms attention kernels take: position ids, document ids, ``cu_seqlens``, the loss mask.
 """
 
 from __future__ import annotations
@@ -19,32 +18,27 @@ __all__ = ["Boundaries", "boundaries"]
 class Boundaries:
     """Where documents start inside a batch of samples, in the forms attention kernels take.
 
-    Every row starts a new segment (a model sees nothing before its window), and so does every document
-    start inside a row, every piece of a document that a layout placed apart from the rest, and the
-    padding at the end of a row. All arrays cover the ``seq_len`` input positions of each sample, not its
-    ``overlap`` tail.
-
-    Held as its segments (a few per row); each array below is computed on first use, so a batch pays only
-    for the ones it uses.
+    A new segment starts at every row, every document start, every piece of a document that a layout
+    placed apart, and the padding at the end of a row. The arrays cover the ``seq_len`` input positions of
+    each sample, not its ``overlap`` tail; each is computed from the segments on first use.
 
     Attributes:
-        position_ids: ``int64`` array of shape ``index_shape + (seq_len,)``: the position of each token in
-            its segment, restarting at 0 at every document start and at every row start.
-        doc_ids: ``int64`` array of the same shape: the global index of each token's document in the cache
-            (``cache.doc(doc_ids[r, t])`` holds the token), ``-1`` at padding.
-        cu_seqlens: ``int32`` array of shape ``(segments + 1,)``: cumulative segment lengths over the
-            flattened batch, starting at 0 and ending at ``rows * seq_len`` (the ``cu_seqlens`` argument of
-            varlen attention such as ``flash_attn_varlen_func``).
+        position_ids: ``int64``, of shape ``index_shape + (seq_len,)``: each token's position in its
+            segment.
+        doc_ids: ``int64``, of the same shape: the global index of each token's document in the cache,
+            ``-1`` at padding.
+        cu_seqlens: ``int32``, of shape ``(segments + 1,)``: cumulative segment lengths over the flattened
+            batch, from 0 to ``rows * seq_len`` (the argument of varlen attention such as
+            ``flash_attn_varlen_func``).
         max_seqlen: length of the longest segment.
-        loss_mask: ``bool`` array of the shape of ``position_ids``: True where the token is a training
-            target: inside a document (not padding) and, in a cache built with a loss mask (SFT), marked as
-            one (a response, not its prompt).
+        loss_mask: ``bool``, of the shape of ``position_ids``: True at a training target, a token of a
+            document (not padding) that, in an SFT cache, the loss mask marks (a response, not its prompt).
 
     Args:
         shape: ``index_shape + (seq_len,)``.
-        starts: ``int64``, where each segment starts in the flattened batch, ascending, from 0.
-        docs: ``int64``, each segment's document (``-1``: padding).
-        marks: the build's loss mask of every token (``bool``, of ``shape``), for caches that have one.
+        starts: where each segment starts in the flattened batch, ascending from 0.
+        docs: each segment's document (``-1``: padding).
+        marks: the build's loss mask of every token, of ``shape``, for caches that have one.
     """
 
     def __init__(
@@ -111,19 +105,16 @@ def boundaries(
 ) -> Boundaries:
     """Document boundaries in the first ``columns`` columns of a batch of ``rows`` rows.
 
-    Computed from the offset tables of the shards the spans touch (two ``searchsorted`` calls per shard);
-    no token is read. Columns no span covers are padding: one segment per row, of document ``-1``.
+    Two ``searchsorted`` calls per shard the spans touch; no token is read. Columns no span covers are
+    padding: one segment per row, of document ``-1``.
 
     Args:
         spans: the batch's spans.
         rows: rows of the batch.
-        columns: columns to cover, e.g. ``seq_len`` (a window's ``overlap`` tail excluded).
+        columns: columns to cover, e.g. ``seq_len`` (not a window's ``overlap`` tail).
         offsets_of: the offset table of a shard: each document's end, local to the shard.
         doc_starts: global index of each shard's first document.
-        mask_of: the loss mask of a shard (1 where a token is a training target), for caches that have one.
-
-    Returns:
-        A :class:`Boundaries` whose arrays have shape ``(rows, columns)``.
+        mask_of: the loss mask of a shard, for caches that have one.
     """
     if rows == 0:
         empty = np.zeros(0, dtype=np.int64)
@@ -166,11 +157,10 @@ def _padding_starts(spans: Spans, rows: int, columns: int) -> np.ndarray:
 def _segments_in_shard(
     offsets: np.ndarray, base: int, lo: np.ndarray, hi: np.ndarray, flat: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Segment starts of the spans ``[lo, hi)`` of one shard that begin at ``flat`` in the batch.
+    """Segment starts of the spans ``[lo, hi)`` of one shard that begin at ``flat`` in the batch: the flat
+    position and global document id of each span start, then of each document start inside a span.
 
-    ``offsets`` is the shard's offset table and ``base`` the global index of its first document. Returns
-    the flat position and global document id of each span start, then of each document start strictly
-    inside a span.
+    ``offsets`` is the shard's offset table and ``base`` the global index of its first document.
     """
     # offsets hold each document's END: document j spans [offsets[j-1], offsets[j]). uint64 queries
     # keep searchsorted from promoting the whole table to float64.

@@ -1,8 +1,5 @@
-"""Which documents of a cache samples are made of: :class:`Chosen`, all of them or one side of a held-out
-split (the split itself is made by :func:`streampack.samples.split.split`).
-
-Document ``i`` is held out when a 64-bit hash of ``(i, seed)`` (:func:`doc_hashes`) falls below a
-threshold, so a document's side depends on its index and the threshold alone.
+"""Which documents of a cache samples are made of: all of them, or one side of a held-out split
+(:func:`streampack.samples.split.split`), by a hash of each document's index (:func:`doc_hashes`).
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ class Chosen:
         threshold: documents whose hash is below it are held out (at most ``2**64``).
         side: ``"train"`` (the rest) or ``"validation"`` (the held-out ones); None for every document.
         seed: the split's seed.
-        holdout: how the split was asked for (``"fraction:0.01"``, ``"count:1000"``), for the fingerprint.
+        holdout: how the split was asked for (``"fraction:0.01"``), for the fingerprint.
     """
 
     def __init__(

@@ -1,9 +1,9 @@
 """Copying the spans of a batch into the rows of an array: :func:`read_spans` for one batch,
 :class:`BatchedSpans` for several batches planned at once.
 
-A span that fills a whole row is one row of its shard's :func:`row_view`, and the rows of one shard are
-copied by one fancy-index take; a batch whose spans tile their rows is one concatenation; the rest is
-copied slice by slice. Every copy casts on the way, with no temporary.
+Spans that fill whole rows of one shard are copied by one fancy-index take of its :func:`row_view`; a
+batch whose spans tile their rows by one concatenation; the rest slice by slice. Every copy casts on the
+way, with no temporary.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ def read_spans(
 ) -> None:
     """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard.
 
-    Shard by shard: one lookup of each shard's map per call rather than one per span (the cache's LRU
-    bookkeeping), and one map held at a time, so open descriptors stay bounded. The spans that fill a whole
-    row are copied with one row take per shard (see :class:`_Copies`).
+    Shard by shard, each shard's map is looked up once per call, and one map is held at a time.
 
     Args:
         spans: what to copy.
@@ -42,10 +40,8 @@ def read_spans(
 
 
 def row_view(tokens: np.ndarray, width: int) -> np.ndarray:
-    """The windows of ``width`` tokens of a shard as rows of a 2-D view (no copy): row ``i`` starts at ``i``.
-
-    A batch of windows is then one fancy-index take of rows, a single C loop of contiguous copies.
-    """
+    """The windows of ``width`` tokens of a shard as rows of a 2-D view, without a copy: row ``i`` starts
+    at token ``i``, so a batch of windows is one fancy-index take."""
     count = max(0, len(tokens) - width + 1)
     step = tokens.strides[0]
     return np.ndarray((count, width), tokens.dtype, buffer=tokens, strides=(step, step))
@@ -56,19 +52,10 @@ _TAKE_ROWS = 8
 
 
 class _Copies:
-    """How to copy the spans of some batches: per batch, row takes per shard, then the other spans.
+    """How to copy the ``spans`` of some batches (sorted by ``batch`` then shard): row takes, then slices.
 
-    A span that fills a whole row (column 0, ``width`` tokens) is one row of its shard's
-    :func:`row_view`: where one batch holds at least :data:`_TAKE_ROWS` of them in one shard, they are copied
-    by one fancy-index take, written into their rows of the output with the cast on the way. The rest (a few
-    rows of a shard, a window cut by a shard boundary, a document laid beside others) are copied slice by
-    slice, which costs less for a few rows.
-
-    Args:
-        spans: the spans, sorted by batch then shard.
-        batch: the batch of each span.
-        batches: the number of batches.
-        width: columns of a row.
+    Where a batch holds at least :data:`_TAKE_ROWS` whole-row spans of one shard, they are copied by one
+    fancy-index take of its :func:`row_view`; the rest slice by slice, cheaper for a few rows.
     """
 
     def __init__(self, spans: Spans, batch: np.ndarray, batches: int, width: int) -> None:
@@ -97,10 +84,7 @@ class _Copies:
         )
 
     def whole(self, batch: int, rows_of: Callable[[int], np.ndarray], dtype: np.dtype) -> np.ndarray | None:
-        """Batch ``batch`` as a new array of ``dtype``, when it is one row take (all its rows in one shard).
-
-        The take alone, with no copy into an output array: the plain numpy read itself.
-        """
+        """Batch ``batch`` as a new array of ``dtype``, when it is one row take of one shard; else None."""
         first, stop = self._group_bounds[batch], self._group_bounds[batch + 1]
         if stop - first != 1 or self._bounds[batch] != self._bounds[batch + 1]:
             return None
@@ -135,16 +119,9 @@ class _Copies:
 class _Tiles:
     """Each batch as one row-major run of spans and padding: one ``np.concatenate`` into the flat output.
 
-    Spans that tile their rows (each row covered from column 0 with no gap, padding after) need no
-    placement: in row order, a batch's spans and padding laid end to end ARE its flattened output. So a
-    batch of many short spans (packed documents, windows spread over many shards) costs one slice per span
-    to list them, then a single C-level copy with the cast on the way.
-
-    Args:
-        spans: the spans, any order; ``rows`` are the rows of the whole plan.
-        rows: rows per batch.
-        width: columns of a row.
-        pads: the padding id of each row of the plan (None: no layout pads, every row is covered).
+    Where spans tile their rows (from column 0 with no gap, padding after), a batch's spans and padding
+    laid end to end are its flattened output: one slice per span, then a single copy. ``pads`` holds the
+    padding id of each row of the plan, or None when no layout pads.
     """
 
     def __init__(self, spans: Spans, rows: int, batches: int, width: int, pads: np.ndarray | None) -> None:
@@ -200,17 +177,15 @@ class _Tiles:
 class BatchedSpans:
     """The spans of several batches of ``rows`` rows each, planned once so that each batch only copies.
 
-    A loader plans a few thousand rows at a time; splitting their windows, sorting their spans and grouping
-    the row takes once per plan, rather than once per batch, leaves only the copy to each batch. A batch
-    with row takes (:class:`_Copies`) copies that way; any other, when its spans tile their rows, in one
-    concatenation (:class:`_Tiles`).
+    A loader plans a few thousand rows at a time: sorting and grouping their spans once per plan leaves
+    only the copy to each batch, by row takes (:class:`_Copies`) or one concatenation (:class:`_Tiles`).
 
     Args:
         spans: the spans of ``batches * rows`` consecutive rows.
         rows: rows per batch.
         batches: the number of batches.
         width: columns of a row.
-        pads: the padding id of each of the ``batches * rows`` rows, when some layout pads; else None.
+        pads: the padding id of each row, when some layout pads; else None.
     """
 
     def __init__(

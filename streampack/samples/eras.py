@@ -1,23 +1,13 @@
 """Plans of whole-document samples made era by era, for a cache whose build is running.
 
-``cache.packed(seq_len)`` and ``cache.documents(seq_len)`` plan every document at once
-(:mod:`streampack.samples.packing`), and a packed plan's bins depend on the documents around each one: the
-plan of a growing cache would change as it grows. A follower (:mod:`streampack.loader.follow`) instead
-cuts the documents into **eras** of consecutive documents, ``[D_e, D_{e+1})`` (sizes doubling from
-``first_era`` to ``largest_era``, as :class:`~streampack.order.follow.Eras` says), and plans each era on
-its own, from its documents alone, once they are all committed. An era's plan is then final: it is the
-same plan whether it was made while the build ran or after it ended, so a sample never changes once
-served.
+A packed plan's bins depend on the documents around each one, so a plan of the whole cache would change
+as the build grows it. A follower (:mod:`streampack.loader.follow`) instead cuts the documents into
+**eras** of consecutive documents, sized as :class:`~streampack.order.follow.Eras` says, and plans each
+era from its documents alone once they are all committed: a sample never changes once served.
 
-**Era boundaries fall between documents**, never inside one: a document belongs to the era of its index,
-and every piece of it (``too_long="split"``) is planned, and so served, with that era. A bin never holds
-documents of two eras. The price is a little more padding than one plan of the whole cache (each era's
-last bins are packed from what is left of it), which larger eras make smaller.
-
-:func:`era_plan` plans one era (best-fit decreasing within chunks of
-:data:`~streampack.samples.packing.CHUNK_DOCS` pieces for ``"packed"``, one piece per sample for
-``"documents"``); :func:`joined` lays the plans of consecutive eras end to end as one
-:class:`~streampack.samples.layout.Bins` table, the layout a follower reads.
+Era boundaries fall between documents, so every piece of a split document is served with its era, and a
+bin never holds documents of two eras. The price is a little more padding than one plan of the whole
+cache, which larger eras make smaller.
 """
 
 from __future__ import annotations
@@ -29,7 +19,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from streampack.samples.layout import Bins
-from streampack.samples.packing import ASSIGNERS, CHUNK_DOCS, NoTarget, Pieces, TooLong, binned
+from streampack.samples.packing import (
+    ASSIGNERS,
+    CHUNK_DOCS,
+    NoTarget,
+    Pieces,
+    TooLong,
+    bin_chunks,
+    document_spans,
+)
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
@@ -39,9 +37,8 @@ __all__ = ["EraPlan", "era_plan", "joined"]
 
 @dataclass(frozen=True)
 class EraPlan:
-    """The samples of one era's documents: ``starts`` (each sample's first piece, then the number of
-    pieces, from 0), and each piece's shard, first token in its shard, and length; what the planner left
-    out (``dropped`` documents, pieces with ``no_target``)."""
+    """The samples of one era: each sample's first piece (then the number of pieces), each piece's shard,
+    first token and length, and what the planner left out (``dropped`` documents, ``no_target`` pieces)."""
 
     starts: np.ndarray
     shards: np.ndarray
@@ -65,45 +62,39 @@ def era_plan(
     too_long: TooLong,
     no_target: NoTarget,
 ) -> EraPlan:
-    """The plan of documents ``[first, stop)`` of ``cache`` (all committed), on their own.
+    """The plan of documents ``[first, stop)`` of ``cache``, all committed, on their own.
 
     Args:
-        cache: the cache (the committed part of a running build will do: it holds those documents).
+        cache: the cache, or the committed part of a running build.
         first: the era's first document (a global index).
         stop: the document after its last.
-        kind: ``"packed"`` (best-fit decreasing) or ``"documents"`` (one piece per sample).
+        kind: ``"packed"`` (best-fit decreasing within chunks of
+            :data:`~streampack.samples.packing.CHUNK_DOCS` pieces) or ``"documents"`` (one piece per sample).
         seq_len: tokens per sample.
         too_long: what to do with a document longer than ``seq_len`` (see ``cache.packed``).
         no_target: ``"keep"`` or ``"drop"`` the pieces without a target token.
     """
     pieces = Pieces(cache, None, seq_len, too_long, no_target == "drop")  # type: ignore[arg-type]
     doc_starts = np.asarray(cache.doc_starts, dtype=np.int64)
-    parts = []
-    for shard in _shards_of(doc_starts, first, stop):
-        ends = np.asarray(cache.shard_offsets(shard), dtype=np.int64)
-        base = int(doc_starts[shard])
-        lo_doc, hi_doc = max(first, base) - base, min(stop, int(doc_starts[shard + 1])) - base
-        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)[lo_doc:hi_doc]
-        lengths = ends[lo_doc:hi_doc] - starts
-        keep = lengths > 0
-        lo, length = pieces._cut(starts[keep], lengths[keep])
-        lo, length = pieces._targeted(shard, lo, length)
-        parts.append((np.full(len(lo), shard, dtype=np.int64), lo, length))
     empty = np.zeros(0, dtype=np.int64)
-    shards = np.concatenate([p[0] for p in parts]) if parts else empty
-    lo = np.concatenate([p[1] for p in parts]) if parts else empty
-    lengths = np.concatenate([p[2] for p in parts]) if parts else empty
-    assign = ASSIGNERS[kind]
-    tables = []
-    for begin in range(0, len(lengths), CHUNK_DOCS):
-        chunk = slice(begin, begin + CHUNK_DOCS)
-        bins = assign(lengths[chunk], seq_len)
-        tables.append(binned(shards[chunk], lo[chunk], lengths[chunk], bins, begin))
+    parts = [(empty, empty, empty)]
+    for shard in _shards_of(doc_starts, first, stop):
+        starts, lengths = document_spans(cache, shard)
+        base = int(doc_starts[shard])
+        mine = slice(max(first, base) - base, min(stop, int(doc_starts[shard + 1])) - base)
+        keep = lengths[mine] > 0
+        parts.append(pieces.of_documents(shard, starts[mine][keep], lengths[mine][keep]))
+    shards, lo, lengths = (np.concatenate(column) for column in zip(*parts, strict=True))
+    chunks = (slice(begin, begin + CHUNK_DOCS) for begin in range(0, len(lengths), CHUNK_DOCS))
+    tables = list(bin_chunks(((shards[c], lo[c], lengths[c]) for c in chunks), ASSIGNERS[kind], seq_len))
+    binned = {
+        key: np.concatenate([empty, *(t[key] for t in tables[:-1])]) for key in ("shards", "lo", "lengths")
+    }
     return EraPlan(
-        np.concatenate([*(t["starts"] for t in tables), [len(lengths)]]).astype(np.int64),
-        np.concatenate([empty, *(t["shards"] for t in tables)]),
-        np.concatenate([empty, *(t["lo"] for t in tables)]),
-        np.concatenate([empty, *(t["lengths"] for t in tables)]),
+        np.concatenate([t["starts"] for t in tables]).astype(np.int64),
+        binned["shards"],
+        binned["lo"],
+        binned["lengths"],
         dropped=pieces.dropped,
         no_target=pieces.no_target,
     )
@@ -119,8 +110,8 @@ def _shards_of(doc_starts: np.ndarray, first: int, stop: int) -> range:
 
 
 def joined(plans: Sequence[EraPlan], *, seq_len: int, pad_id: int, settings: dict[str, int | str]) -> Bins:
-    """The plans of consecutive eras laid end to end: one :class:`~streampack.samples.layout.Bins`
-    (held in memory), whose samples are era 0's, then era 1's, and so on."""
+    """The plans of consecutive eras laid end to end, as one :class:`~streampack.samples.layout.Bins` held in
+    memory."""
     empty = np.zeros(0, dtype=np.int64)
     pieces = np.cumsum([0, *(len(p.lengths) for p in plans)])
     starts = [plan.starts[:-1] + before for plan, before in zip(plans, pieces[:-1].tolist(), strict=True)]

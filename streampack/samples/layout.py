@@ -1,30 +1,21 @@
 """Which tokens make each sample: a :class:`Layout` maps sample numbers to :class:`Spans` of a token stream.
 
 A cache is one token stream: shards laid end to end, each with its table of document ends. A layout says
-which spans of that stream form sample ``i`` and where in the sample's row each one lands; everything
-else is written once over :class:`~streampack.samples.spans.Spans` and shared by every layout:
-
-* :func:`~streampack.samples.copies.read_spans` copies the spans of a batch into the rows of an array
-  (:mod:`streampack.samples.copies`);
-* :func:`~streampack.samples.boundaries.boundaries` finds the document starts inside them (position ids,
-  document ids, ``cu_seqlens``; :mod:`streampack.samples.boundaries`).
-
-This module holds the layouts, pure tables; those names are importable from here too.
-
-Two layouts:
+which spans of that stream form sample ``i`` and where each lands in the sample's row; reading them
+(:func:`read_spans`) and finding their documents (:func:`boundaries`) is shared by every layout, and
+importable from here too. The layouts are pure tables:
 
 * :class:`FixedWindows`, the ``group_texts`` convention: sample ``i`` is tokens
-  ``[i*seq_len, i*seq_len + seq_len + overlap)`` of a stream (:class:`Runs`: a whole cache, or the
-  documents of a split), cut where it crosses a run boundary;
-* :class:`Bins`: whole documents laid left to right in each sample, then padding; the plans of
-  :mod:`streampack.samples.packing` (best-fit packing, one document per sample) are tables of these.
+  ``[i*seq_len, i*seq_len + seq_len + overlap)`` of a stream of :class:`Runs`;
+* :class:`Bins`: whole documents laid left to right in each sample, then padding, as
+  :mod:`streampack.samples.packing` plans them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -50,7 +41,7 @@ __all__ = [
 class Layout(Protocol):
     """Which spans of a token stream form each sample: a pure function of the sample number.
 
-    A layout holds only small tables (no memory maps), so it pickles with the samples that use it.
+    It holds only small tables, no memory maps, so it pickles with the samples that use it.
     """
 
     def __len__(self) -> int:
@@ -69,7 +60,7 @@ class Layout(Protocol):
 
     @property
     def overlap(self) -> int:
-        """Tokens at the end of each row that are also the start of the next sample (0 for most layouts)."""
+        """Tokens at the end of each row that also start the next sample (0 for most layouts)."""
         ...
 
     @property
@@ -88,16 +79,15 @@ class Layout(Protocol):
 
 @dataclass(frozen=True)
 class Runs:
-    """A token stream made of runs of shards' tokens laid end to end: all of a cache, or chosen documents.
+    """A token stream of runs of shards' tokens laid end to end: a whole cache, or chosen documents.
 
-    Run ``k`` is tokens ``[offsets[k], offsets[k] + starts[k+1] - starts[k])`` of shard ``shards[k]``, and
-    it starts at token ``starts[k]`` of the stream. A whole cache is one run per shard; a subset of its
-    documents (a validation split) is one run per stretch of consecutive chosen documents.
+    Run ``k`` is ``starts[k+1] - starts[k]`` tokens of shard ``shards[k]`` from ``offsets[k]``. A whole
+    cache is one run per shard; a split, one run per stretch of consecutive chosen documents.
 
     Attributes:
-        starts: ``int64``, ``runs + 1``: where each run starts in the stream, then the stream's length.
-        shards: ``int64``, ``runs``: the shard each run lies in.
-        offsets: ``int64``, ``runs``: the run's first token, local to its shard.
+        starts: where each run starts in the stream, then the stream's length (``int64``).
+        shards: the shard each run lies in.
+        offsets: each run's first token, local to its shard.
     """
 
     starts: np.ndarray
@@ -106,7 +96,7 @@ class Runs:
 
     @classmethod
     def whole(cls, token_starts: np.ndarray) -> Runs:
-        """Every shard in full, in order: ``token_starts`` holds each shard's first token, then the total."""
+        """Every shard in full: ``token_starts`` holds each shard's first token, then the total."""
         count = len(token_starts) - 1
         return cls(token_starts, np.arange(count, dtype=np.int64), np.zeros(count, dtype=np.int64))
 
@@ -126,7 +116,7 @@ class FixedWindows:
     Windows cross document and shard boundaries; only the final partial window is dropped.
 
     Args:
-        runs: the stream (a whole cache, or chosen documents of it).
+        runs: the stream.
         seq_len: tokens per sample, at least 1.
         overlap: extra tokens at the end of each window, shared with the start of the next one.
         selection: what chose the documents, for the fingerprint (``{}``: every document).
@@ -156,56 +146,48 @@ class FixedWindows:
         return {"seq_len": self.seq_len, "overlap": self.overlap, **self.selection}
 
 
+@dataclass(eq=False, repr=False)
 class Bins:
     """Whole documents (or pieces of long ones) laid left to right in each sample, then padding.
 
-    Sample ``i`` holds pieces ``starts[i]`` to ``starts[i+1]`` of the piece table, in order from column 0;
-    the columns after them are padding (``pad_id`` when read). Made by the planners of
-    :mod:`streampack.samples.packing`: best-fit packing, or one document per sample.
+    Sample ``i`` holds pieces ``starts[i]`` to ``starts[i+1]`` of the piece table, from column 0; the
+    columns after them are padding.
 
     Args:
         starts: ``int64``, ``samples + 1``: each sample's first piece, then the number of pieces.
         shards: the shard of each piece.
         lo: each piece's first token, local to its shard.
-        lengths: each piece's length in tokens (at most ``seq_len``, together at most ``seq_len`` per sample).
+        lengths: each piece's length in tokens; a sample's add up to at most ``seq_len``.
         seq_len: tokens per sample.
         pad_id: the id that fills the padding.
         settings: what made the plan, for the fingerprint.
-        directory: where the plan's arrays are mapped from (a copy in another process maps them again
-            rather than pickling them); None when they are held in memory.
+        directory: where the plan's arrays are mapped from, so that a pickle holds the path rather than
+            the arrays; None when they are held in memory.
         dropped: documents the plan left out (``too_long="drop"``).
-        no_target: pieces (documents, or pieces of split ones) with no target token, whose every label
-            would be ``-100`` (a prompt truncated before its response): left out with
+        no_target: pieces with no target token, whose every label would be ``-100``: left out with
             ``no_target="drop"``, else served.
-        checked: the stored plan's ``plan.json`` checksum and the identities of the files checked, so that
-            a copy in another process maps that plan, and the same files without reading them again.
+        checked: the stored plan's checksum and the identities of the files checked, so that a copy in
+            another process maps the same plan without reading its files again.
     """
 
-    overlap = 0
+    overlap: ClassVar[int] = 0
+    starts: np.ndarray
+    shards: np.ndarray
+    lo: np.ndarray
+    lengths: np.ndarray
+    _: KW_ONLY
+    seq_len: int
+    pad_id: int
+    settings: dict[str, int | str]
+    directory: Path | None = None
+    dropped: int = 0
+    no_target: int = 0
+    checked: tuple[str, tuple[tuple[int, ...], ...]] = ("", ())
 
-    def __init__(
-        self,
-        starts: np.ndarray,
-        shards: np.ndarray,
-        lo: np.ndarray,
-        lengths: np.ndarray,
-        *,
-        seq_len: int,
-        pad_id: int,
-        settings: dict[str, int | str],
-        directory: Path | None = None,
-        dropped: int = 0,
-        no_target: int = 0,
-        checked: tuple[str, tuple[tuple[int, ...], ...]] = ("", ()),
-    ) -> None:
-        self.starts, self.shards, self.lo, self.lengths = starts, shards, lo, lengths
-        self.seq_len = self.width = seq_len
-        self.pad_id = pad_id
-        self.settings = settings
-        self.directory = directory
-        self.dropped = dropped
-        self.no_target = no_target
-        self.checked = checked
+    @property
+    def width(self) -> int:
+        """Tokens per sample row: ``seq_len``."""
+        return self.seq_len
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the plan's directory rather than its mapped arrays, when it has one."""
@@ -214,8 +196,8 @@ class Bins:
         return {**self.__dict__, "starts": None, "shards": None, "lo": None, "lengths": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore the settings; map the arrays again from the plan's directory (checked to be the same
-        plan; its files are read again only where they are not the files checked before pickling)."""
+        """Restore the settings, and map the arrays again from the plan's directory (checked to be the same
+        plan)."""
         self.__dict__.update(state)
         if self.directory is None:
             return
@@ -255,18 +237,13 @@ class Bins:
         return Spans(rows, shards, lo, lo + lengths, before - np.repeat(before[heads], counts))
 
     def fingerprint(self) -> dict[str, int | str]:
-        """The planner's settings (strategy, ``seq_len``, policies, selection) and the padding id."""
+        """The planner's settings, ``seq_len`` and the padding id."""
         return {**self.settings, "seq_len": self.seq_len, "pad_id": self.pad_id}
 
 
 def split_windows(runs: Runs, starts: np.ndarray, width: int) -> Spans:
-    """Split the windows ``[start, start + width)`` of a stream at its run boundaries (shards, gaps).
-
-    Args:
-        runs: the stream.
-        starts: index in the stream of each window's first token.
-        width: tokens per window.
-    """
+    """The spans of the windows ``[start, start + width)`` of a stream, each ``start`` of ``starts``, cut
+    at the stream's run boundaries."""
     table = runs.starts
     if len(table) == 2:  # one run: nothing to split
         zeros = np.zeros(len(starts), dtype=np.int64)

@@ -1,8 +1,7 @@
-"""The same stream's windows at another length: what a sequence-length schedule serves a unit as.
+"""The same stream's windows at another length, which a sequence-length schedule serves a unit as.
 
-Window ``u`` of ``cache.sequences(U)`` is tokens ``[u*U, u*U + U + overlap)``; window ``u*k + j`` of the
-same stream at ``l = U / k`` is tokens ``[u*U + j*l, u*U + (j+1)*l + overlap)``, inside it. So a unit's
-sub-windows are samples of :func:`at_seq_len`, read and given their document boundaries as any windows are.
+Window ``u*k + j`` of a stream at ``l = U / k`` lies inside window ``u`` of the stream at ``U``: a unit's
+sub-windows are windows of :func:`at_seq_len`.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ __all__ = ["at_seq_len", "windows_of"]
 
 
 def windows_of(samples: object, what: str) -> PackedSequences:
-    """``samples`` when they are fixed windows of a cache (``cache.sequences``).
+    """``samples``, when they are fixed windows of a cache (``cache.sequences``).
 
     Raises:
         OptionsError: they are not (packed or whole documents, an array); the message names ``what``.

@@ -1,32 +1,27 @@
 """Plans of whole-document samples: best-fit packing, or one document per sample.
 
 A plan is a :class:`~streampack.samples.layout.Bins` table: for each sample, the pieces of documents it
-holds, in
-order, then padding. It is computed from the shards' offset tables alone (no token is read), a chunk of
-documents at a time, so planning needs memory for one chunk whatever the size of the cache; the table is
-written beside the cache (``CACHE/layouts/KEY/``) and memory-mapped, so that every rank and worker shares
-one copy in the page cache and a second run starts at once; it is checked before use and planned again if
-damaged (:mod:`streampack.store.plans`). Where the cache is read-only (or the plan cannot be written: a full
-disk, with a warning) the plan is kept in memory instead.
+holds, then padding. It is computed from the shards' offset tables alone, a chunk of documents at a time,
+so planning needs memory for one chunk whatever the size of the cache. The table is stored beside the
+cache (``CACHE/layouts/KEY/``, :mod:`streampack.store.plans`) and memory-mapped, so every rank and worker
+shares one copy and a second run starts at once; where it cannot be written, it is kept in memory.
 
-* :func:`plan_packed`: best-fit decreasing, within chunks of :data:`CHUNK_DOCS` documents: pieces in
-  decreasing length, each into the open bin with the least room that fits it, else a new bin.
-* :func:`plan_documents`: one document per sample (SFT), padded to ``seq_len``.
+* ``"packed"``: best-fit decreasing within chunks of :data:`CHUNK_DOCS` documents: pieces by decreasing
+  length, each into the open bin with the least room that fits it, else a new bin.
+* ``"documents"``: one document per sample (SFT), padded to ``seq_len``.
 
-A document longer than ``seq_len`` follows the ``too_long`` policy: ``"split"`` into pieces of ``seq_len``
-tokens and a remainder (each its own piece), ``"truncate"`` to its first ``seq_len`` tokens, or ``"drop"``.
-A piece with **no target token** (every label ``-100`` in ``output="dict"``: a prompt truncated before
-its response, a conversation without an assistant turn and without an EOS, a one-token remainder) follows
-the ``no_target`` policy: ``"keep"`` it (and count it) or ``"drop"`` it (and count it). Telling them needs
-the loss mask of an SFT cache, which planning then reads once (one byte per token).
-Planning is deterministic: the same cache, documents and settings always give the same table.
+A document longer than ``seq_len`` is split into pieces of ``seq_len`` tokens and a remainder,
+truncated, or dropped (``too_long``). A piece with no target token (every label ``-100``: a prompt cut
+before its response, a one-token remainder) is kept or dropped and counted either way (``no_target``);
+telling them needs an SFT cache's loss mask, which planning then reads once. Planning is
+deterministic: the same cache, documents and settings always give the same table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import numpy as np
 
@@ -39,7 +34,7 @@ if TYPE_CHECKING:
     from streampack.reader import Cache
     from streampack.samples.chosen import Chosen
 
-__all__ = ["CHUNK_DOCS", "NO_TARGET", "TOO_LONG", "NoTarget", "TooLong", "plan_documents", "plan_packed"]
+__all__ = ["CHUNK_DOCS", "NO_TARGET", "TOO_LONG", "NoTarget", "TooLong", "plan"]
 
 TooLong = Literal["split", "truncate", "drop"]
 NoTarget = Literal["keep", "drop"]
@@ -52,71 +47,35 @@ NO_TARGET: tuple[NoTarget, ...] = get_args(NoTarget)
 CHUNK_DOCS = 1 << 16
 
 
-def plan_packed(
+def plan(
     cache: Cache,
     chosen: Chosen,
     seq_len: int,
     *,
+    kind: str,
     too_long: TooLong,
     pad_id: int,
     content: str,
     no_target: NoTarget = "keep",
 ) -> Bins:
-    """Best-fit decreasing packing of the chosen documents into samples of ``seq_len`` tokens."""
-    settings = _settings({"layout": "packed", "strategy": "bfd", "too_long": too_long}, no_target)
-    return _plan(cache, chosen, seq_len, settings, pad_id, content, _best_fit_decreasing)
+    """The chosen documents in samples of ``seq_len`` tokens: the plan stored beside the cache.
 
-
-def plan_documents(
-    cache: Cache,
-    chosen: Chosen,
-    seq_len: int,
-    *,
-    too_long: TooLong,
-    pad_id: int,
-    content: str,
-    no_target: NoTarget = "keep",
-) -> Bins:
-    """One document per sample (each piece of a split one), padded to ``seq_len`` tokens."""
-    settings = _settings({"layout": "documents", "too_long": too_long}, no_target)
-    return _plan(cache, chosen, seq_len, settings, pad_id, content, _one_per_sample)
-
-
-def _settings(settings: dict[str, int | str], no_target: NoTarget) -> dict[str, int | str]:
-    """The planner's settings; ``no_target`` only when it drops, so that the plans (and the checkpoints)
-    that keep every piece are those of streampack before the option existed."""
+    ``kind`` is ``"packed"`` (best-fit decreasing) or ``"documents"`` (one document, or piece of a split
+    one, per sample, padded).
+    """
     check_choice("no_target", no_target, NO_TARGET)
-    return {**settings, "no_target": "drop"} if no_target == "drop" else settings
-
-
-def _one_per_sample(lengths: np.ndarray, seq_len: int) -> np.ndarray:
-    """One document (or piece of one) per sample."""
-    return np.arange(len(lengths))
-
-
-def _plan(
-    cache: Cache,
-    chosen: Chosen,
-    seq_len: int,
-    settings: dict[str, int | str],
-    pad_id: int,
-    content: str,
-    assign: Callable[[np.ndarray, int], np.ndarray],
-) -> Bins:
-    check_choice("too_long", settings["too_long"], TOO_LONG)
-    too_long = cast(TooLong, settings["too_long"])
-    settings = {**settings, **chosen.fingerprint()}
+    check_choice("too_long", too_long, TOO_LONG)
+    settings: dict[str, int | str] = (
+        {"layout": kind, "strategy": "bfd"} if kind == "packed" else {"layout": kind}
+    )
+    settings["too_long"] = too_long
+    if no_target == "drop":  # only then: plans that keep every piece keep the key they had before the option
+        settings["no_target"] = "drop"
+    settings |= chosen.fingerprint()
     identity = PlanIdentity(content, seq_len, settings)
-    pieces = Pieces(cache, chosen, seq_len, too_long, settings.get("no_target") == "drop")
-
-    def tables() -> Iterator[dict[str, np.ndarray]]:
-        before = 0  # pieces in the chunks before this one
-        for shards, lo, lengths in pieces:
-            yield binned(shards, lo, lengths, assign(lengths, seq_len), before)
-            before += len(lengths)
-        yield {"starts": np.array([before], dtype=np.int64)}
-
+    pieces = Pieces(cache, chosen, seq_len, too_long, no_target == "drop")
     directory = Path(cache.root) / LAYOUT_DIR / identity.key
+    tables = lambda: bin_chunks(pieces, ASSIGNERS[kind], seq_len)  # noqa: E731
     plan = stored(directory, identity, tables, pieces.counts, cache.table.num_tokens)
     return Bins(
         plan.arrays["starts"],
@@ -133,12 +92,25 @@ def _plan(
     )
 
 
-def binned(
+def bin_chunks(
+    chunks: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    assign: Callable[[np.ndarray, int], np.ndarray],
+    seq_len: int,
+) -> Iterator[dict[str, np.ndarray]]:
+    """The plan's tables: each chunk's ``(shards, lo, lengths)`` pieces placed in bins by ``assign``, then
+    a last table of only the number of pieces."""
+    before = 0  # pieces in the chunks before this one
+    for shards, lo, lengths in chunks:
+        yield _binned(shards, lo, lengths, assign(lengths, seq_len), before)
+        before += len(lengths)
+    yield {"starts": np.array([before], dtype=np.int64)}
+
+
+def _binned(
     shards: np.ndarray, lo: np.ndarray, lengths: np.ndarray, bin_of: np.ndarray, before: int
 ) -> dict[str, np.ndarray]:
-    """The table of one chunk's pieces placed in bins ``bin_of``: each bin's first piece (counted from
-    ``before``, the pieces of the chunks before it), and the pieces in bin order, each bin's in the order
-    they went in."""
+    """The table of one chunk's pieces in bins ``bin_of``: each bin's first piece (counting the ``before``
+    pieces of earlier chunks), and the pieces by bin, each bin's in the order they went in."""
     placed = np.empty(len(lengths), dtype=np.int64)  # the order pieces went into their bins
     placed[np.argsort(-lengths, kind="stable")] = np.arange(len(lengths))
     order = np.lexsort((placed, bin_of))
@@ -152,11 +124,11 @@ def binned(
 
 
 class Pieces:
-    """The pieces of the chosen documents, about :data:`CHUNK_DOCS` documents at a time, in stream order.
+    """The pieces of the chosen documents, in stream order: ``(shards, lo, lengths)`` per chunk of about
+    :data:`CHUNK_DOCS` documents.
 
-    Iterating yields ``(shards, lo, lengths)`` per chunk; documents longer than ``seq_len`` are cut,
-    truncated or left out by ``too_long``, and ``dropped`` counts those left out. ``no_target`` counts
-    the pieces without a target token (left out when ``drop_no_target``).
+    ``dropped`` counts the documents ``too_long`` left out, ``no_target`` the pieces without a target
+    token (left out when ``drop_no_target``).
     """
 
     def __init__(
@@ -177,22 +149,25 @@ class Pieces:
         parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         held = 0
         for shard in range(self.cache.num_shards):
-            ends = np.asarray(self.cache.shard_offsets(shard), dtype=np.int64)
-            starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
-            keep = self.chosen.in_shard(shard) & (ends > starts)
-            starts, lengths = starts[keep], (ends - starts)[keep]
+            starts, lengths = document_spans(self.cache, shard)
+            keep = self.chosen.in_shard(shard) & (lengths > 0)
+            starts, lengths = starts[keep], lengths[keep]
             for begin in range(0, len(starts), CHUNK_DOCS):
-                lo, length = self._cut(
-                    starts[begin : begin + CHUNK_DOCS], lengths[begin : begin + CHUNK_DOCS]
-                )
-                lo, length = self._targeted(shard, lo, length)
-                parts.append((np.full(len(lo), shard, dtype=np.int64), lo, length))
-                held += len(lo)
+                chunk = slice(begin, begin + CHUNK_DOCS)
+                parts.append(self.of_documents(shard, starts[chunk], lengths[chunk]))
+                held += len(parts[-1][1])
                 if held >= CHUNK_DOCS:
                     yield _joined(parts)
                     parts, held = [], 0
         if parts:
             yield _joined(parts)
+
+    def of_documents(
+        self, shard: int, starts: np.ndarray, lengths: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(shards, lo, lengths)``: the pieces of documents ``[starts, starts + lengths)`` of ``shard``."""
+        lo, length = self._targeted(shard, *self._cut(starts, lengths))
+        return np.full(len(lo), shard, dtype=np.int64), lo, length
 
     def _targeted(self, shard: int, lo: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The pieces ``[lo, lo + lengths)`` of shard ``shard``, counting (and with ``drop_no_target``
@@ -221,12 +196,10 @@ class Pieces:
 
 
 def has_target(mask: np.ndarray | None, lo: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Whether each piece ``[lo, lo + lengths)`` holds a target token: one that ``output="dict"`` labels
-    (not ``-100``), i.e. after the piece's first token (where its segment starts) and marked by ``mask``
-    (the shard's loss mask; every token is a target without one).
+    """Whether each piece ``[lo, lo + lengths)`` holds a target token: one after its first token and marked
+    by ``mask``, the shard's loss mask (without one, every token is a target).
 
-    The pieces are in increasing order of ``lo`` and do not overlap, so the ranges after their first
-    tokens are one increasing list of boundaries: one ``np.maximum.reduceat`` over the mask.
+    The pieces are sorted and disjoint, so one ``np.maximum.reduceat`` over the mask covers them all.
     """
     long_enough = lengths >= 2
     if mask is None or not long_enough.any():
@@ -242,21 +215,25 @@ def has_target(mask: np.ndarray | None, lo: np.ndarray, lengths: np.ndarray) -> 
     return targeted
 
 
+def document_spans(cache: Cache, shard: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each document of ``shard`` starts in it, and its length (``int64``)."""
+    ends = np.asarray(cache.shard_offsets(shard), dtype=np.int64)
+    starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    return starts, ends - starts
+
+
 def _joined(
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return (
-        np.concatenate([p[0] for p in parts]),
-        np.concatenate([p[1] for p in parts]),
-        np.concatenate([p[2] for p in parts]),
-    )
+    shards, lo, lengths = (np.concatenate(column) for column in zip(*parts, strict=True))
+    return shards, lo, lengths
 
 
 def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
     """The bin of each item, packed best-fit decreasing into bins of ``capacity``; bins in opening order.
 
-    Open bins are kept by their room left (one stack per room value), so the best fit for an item of
-    size ``s`` is the first non-empty stack at or above ``s``: one short numpy scan, not a search of bins.
+    Open bins are kept in one stack per room left, so the best fit for an item of size ``s`` is the first
+    non-empty stack at or above ``s``: one short numpy scan, not a search of bins.
     """
     by_room: list[list[int]] = [[] for _ in range(capacity + 1)]
     nonempty = np.zeros(capacity + 1, dtype=bool)
@@ -277,6 +254,10 @@ def _best_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
             nonempty[left] = True
         bin_of[item] = chosen
     return bin_of
+
+
+def _one_per_sample(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    return np.arange(len(lengths))
 
 
 ASSIGNERS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {

@@ -1,19 +1,11 @@
 """The samples of a cache, in any layout, with their document boundaries.
 
-A cache is one long stream of tokens: every document followed by its EOS, documents in input order, shards
-end to end. :class:`PackedSequences` serves the samples a :mod:`~streampack.samples.layout` makes of it:
-
-* ``cache.sequences(seq_len)``: windows of ``seq_len`` tokens (the ``group_texts`` convention): sample
-  ``i`` is tokens ``[i*seq_len, i*seq_len + seq_len + overlap)``. Windows cross document and shard
-  boundaries; only the final partial window is dropped, so at most ``seq_len + overlap - 1`` tokens of a
-  cache are never served.
-* ``cache.packed(seq_len)`` and ``cache.documents(seq_len)``: whole documents, best-fit packed or one per
-  sample, then padding (planned by :mod:`streampack.samples.packing`).
-
-Reading (:mod:`~streampack.samples.copies`) and document boundaries (:mod:`~streampack.samples.boundaries`)
-are written once over a layout's spans. Reading a batch is one call: each span, a slice of a memory-mapped
-shard, is copied straight into the output array (no per-token Python work); boundaries come from the
-shards' offset tables with ``searchsorted``, so a batch costs the same whatever the size of the cache.
+A cache is one stream of tokens: every document followed by its EOS, shards end to end.
+:class:`PackedSequences` serves the samples a :mod:`~streampack.samples.layout` makes of it: windows of
+the stream (``cache.sequences``), or whole documents packed or one per sample (``cache.packed``,
+``cache.documents``). A batch is read span by span straight from the memory-mapped shards into the
+output, and its document boundaries come from the offset tables, so a batch costs the same whatever the
+size of the cache.
 """
 
 from __future__ import annotations
@@ -27,48 +19,38 @@ import numpy.typing as npt
 
 from streampack._checks import check_choice, check_int
 from streampack.order import groups
-from streampack.samples.batches import Index, check_out, holds_every_id, sample_indices, target_rows
+from streampack.samples.batches import Index, check_out, sample_indices, target_rows
 from streampack.samples.boundaries import Boundaries, boundaries
 from streampack.samples.chosen import Chosen
 from streampack.samples.copies import read_spans, row_view
 from streampack.samples.layout import Bins, FixedWindows, Layout, Runs, split_windows
-from streampack.samples.packing import (
-    NO_TARGET,
-    TOO_LONG,
-    NoTarget,
-    TooLong,
-    plan_documents,
-    plan_packed,
-)
-from streampack.samples.refs import cache_ref, content_digest, reopen_unchanged
+from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong, plan
+from streampack.samples.refs import cache_ref, reopen_unchanged
 from streampack.samples.spans import Spans
 from streampack.store import CacheRef
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = [
-    "Boundaries",
-    "Index",
-    "JoinedSequences",
-    "PackedSequences",
-    "cache_ref",
-    "content_digest",
-    "holds_every_id",
-    "reopen_unchanged",
-    "whole_documents",
-    "with_current_digests",
-]
+__all__ = ["JoinedSequences", "PackedSequences", "whole_documents", "with_current_digests"]
+
+# What a pickle of PackedSequences holds: its key -> the attribute.
+_PICKLED = {
+    "cache": "_ref",
+    "num_tokens": "_num_tokens",
+    "layout": "_layout",
+    "doc_starts": "_doc_starts",
+    "masked": "_masked",
+}
 
 
 class PackedSequences:
     """The samples of a cache in one layout. Create with ``cache.sequences``, ``.packed`` or ``.documents``.
 
-    Constructed directly, it is the windows of ``cache.sequences``; :meth:`of` takes any layout.
-
-    A data source in the small protocol loaders compose over: ``len()``, ``__getitem__`` with an int, a
-    slice or an array of indices, deterministic, picklable. Pickling keeps only the cache path and the
-    settings, never the memory maps: a copy sent to a DataLoader worker reopens the cache on first use.
+    A data source as loaders take them: ``len()``, and ``[index]`` with an int, a slice or an array of
+    indices. A pickle holds the cache's reference and the settings, not the memory maps: a copy sent to a
+    DataLoader worker reopens the cache on first use. Constructed directly, it is the windows of
+    ``cache.sequences``; :meth:`of` takes any layout.
 
     Example::
 
@@ -80,7 +62,7 @@ class PackedSequences:
         cache: an open cache.
         seq_len: tokens per sample, at least 1.
         overlap: extra tokens at the end of each window, shared with the start of the next one; ``1`` gives
-            nanoGPT-style inputs ``window[:-1]`` and next-token targets ``window[1:]``.
+            inputs ``window[:-1]`` and next-token targets ``window[1:]``.
         chosen: the documents to lay end to end (one side of ``cache.split``); every document by default.
 
     Raises:
@@ -109,35 +91,22 @@ class PackedSequences:
         self._masked = cache.has_loss_mask
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle the cache's reference (URI and content digest), the settings and shard tables only; the
-        memory maps are reopened where unpickled."""
-        return {
-            "cache": self._ref,
-            "num_tokens": self._num_tokens,
-            "layout": self._layout,
-            "doc_starts": self._doc_starts,
-            "masked": self._masked,
-        }
+        """The cache's reference, the settings and the shard tables: no memory map."""
+        return {key: getattr(self, attribute) for key, attribute in _PICKLED.items()}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore the settings; the cache is reopened lazily, on first use."""
-        self._ref = state["cache"]
-        self._num_tokens = state["num_tokens"]
-        self._layout = state["layout"]
-        self._doc_starts = state["doc_starts"]
-        self._masked = state["masked"]
+        """Restore the settings; the cache is reopened on first use."""
+        for key, attribute in _PICKLED.items():
+            setattr(self, attribute, state[key])
         self._cache = None
 
     @property
     def cache(self) -> Cache:
         """The cache the samples are read from (reopened from its URI after unpickling)."""
-        return self._cache if self._cache is not None else self._reopen()
-
-    def _reopen(self) -> Cache:
-        cache = reopen_unchanged(self._ref, "these samples")
-        # The shard tables kept from before describe this cache: the digest covers them.
-        self._cache = cache
-        return cache
+        if self._cache is None:
+            # The shard tables kept from before describe this cache: the digest covers them.
+            self._cache = reopen_unchanged(self._ref, "these samples")
+        return self._cache
 
     @property
     def layout(self) -> Layout:
@@ -171,7 +140,7 @@ class PackedSequences:
 
     @property
     def dtype(self) -> np.dtype:
-        """Token dtype of the cache, which ``__getitem__`` returns (cast on the caller's side)."""
+        """Token dtype of the cache, which ``__getitem__`` returns."""
         return self.cache.dtype
 
     @property
@@ -193,10 +162,10 @@ class PackedSequences:
         )
 
     def fingerprint(self) -> dict[str, int | str]:
-        """What identifies these samples, for checking a loader checkpoint against them (JSON-able).
+        """What identifies these samples, JSON-able: a loader checkpoint is checked against it.
 
-        ``shards`` digests the manifest's shard table (names, sizes, checksums): a cache rebuilt from
-        other data is told apart even at the same size, while a copy of the cache elsewhere is not.
+        ``shards`` digests the shard table: a cache rebuilt from other data differs even at the same size,
+        while a copy of the cache elsewhere does not.
         """
         return {
             "num_samples": len(self),
@@ -231,11 +200,11 @@ class PackedSequences:
 
         Args:
             indices: 1-D integer array of sample numbers.
-            out: destination of shape ``(len(indices), seq_len + overlap)`` and an integer dtype that
-                holds every id of the cache dtype (``np.can_cast(seqs.dtype, out.dtype, "safe")``: int32
-                or int64 for a uint16 cache, not int16); a new array of the cache dtype when omitted.
-            rows: write window ``k`` into row ``rows[k]`` of ``out`` (which may then have more rows),
-                e.g. this source's rows of a batch mixed from several; rows ``0, 1, ...`` when omitted.
+            out: destination of shape ``(len(indices), seq_len + overlap)``, of an integer dtype that holds
+                every id of the cache dtype (int32 or int64 for a uint16 cache, not int16); a new array of
+                the cache dtype when omitted.
+            rows: write window ``k`` into row ``rows[k]`` of ``out``, which may have more rows (e.g. a
+                batch mixed from several sources); rows ``0, 1, ...`` when omitted.
 
         Returns:
             ``out``.
@@ -244,7 +213,7 @@ class PackedSequences:
             IndexError: an index is out of range.
             TypeError: ``out`` is not a numpy array.
             ValueError: ``indices`` is not 1-D, or ``out`` has the wrong shape or a dtype that cannot hold
-                every token id (a narrower or non-integer one, which would wrap or round ids silently).
+                every token id.
         """
         flat, shape = sample_indices(indices, len(self))
         if len(shape) != 1:
@@ -260,8 +229,7 @@ class PackedSequences:
     def boundaries(self, index: Index) -> Boundaries:
         """Document boundaries of the samples at ``index``: position ids, document ids, ``cu_seqlens``.
 
-        Computed from the offset tables of the shards the windows touch (two ``searchsorted`` calls per
-        shard in the batch); no token is read.
+        Computed from the shards' offset tables; no token is read.
 
         Args:
             index: as for ``__getitem__``.
@@ -274,9 +242,9 @@ class PackedSequences:
             self._layout.spans(indices),
             indices.size,
             self.seq_len,
-            self._offsets,
+            self.cache.shard_offsets,
             self._doc_starts,
-            self._loss_mask if self._masked else None,
+            self.cache.shard_loss_mask if self._masked else None,
         )
         return found.reshaped((*shape, self.seq_len))
 
@@ -287,16 +255,7 @@ class PackedSequences:
                 out[...] = pad
             else:
                 out[rows] = pad
-        read_spans(self._layout.spans(indices), out, self._tokens, rows)
-
-    def _tokens(self, shard: int) -> np.ndarray:
-        return self.cache.shard_tokens(shard)
-
-    def _offsets(self, shard: int) -> np.ndarray:
-        return self.cache.shard_offsets(shard)
-
-    def _loss_mask(self, shard: int) -> np.ndarray:
-        return self.cache.shard_loss_mask(shard)
+        read_spans(self._layout.spans(indices), out, self.cache.shard_tokens, rows)
 
 
 # Shard maps a JoinedSequences keeps at hand (each holds a file descriptor while kept).
@@ -304,16 +263,14 @@ _RECENT_MAPS = 16
 
 
 class JoinedSequences:
-    """Several :class:`PackedSequences` of one width read as one token space: one split, one copy loop.
+    """Several :class:`PackedSequences` of one width read as one token space.
 
-    A mixture's batch holds rows of several caches; reading each cache's rows with its own call would pay
-    every call's fixed cost once per source. Here the shard tables are laid end to end, so a batch is split
-    into pieces and copied in one pass whatever the number of sources. Windows never cross from one cache
-    into the next: a cache's last window ends inside its own tokens.
+    A mixture's batch holds rows of several caches. With their shard tables laid end to end, a batch is
+    split and copied in one pass, rather than paying each call's fixed cost once per source. A window
+    never crosses from one cache into the next.
 
     Args:
-        parts: the sources, in source-id order; all of one ``width`` (each with its own layout and
-            ``seq_len``: ``seq_len + overlap`` may be the same width cut at another stride).
+        parts: the sources, in source-id order, all of one ``width`` (each with its own layout).
     """
 
     def __init__(self, parts: Sequence[PackedSequences]) -> None:
@@ -384,19 +341,14 @@ class JoinedSequences:
         """The padding id of each row's source, when some source pads; else None."""
         return None if self._pads is None else self._pads[sources]
 
-    def pad(self, sources: np.ndarray, out: np.ndarray) -> None:
-        """Fill the rows of sources whose samples have padding with their padding id (before reading)."""
-        if self._pads is not None:
-            out[...] = self._pads[sources][:, None]
-
     def read(self, sources: np.ndarray, samples: np.ndarray, out: np.ndarray) -> None:
         """Write sample ``samples[k]`` of source ``sources[k]`` into ``out[k]`` (indices already checked)."""
-        self.pad(sources, out)
+        if self._pads is not None:
+            out[...] = self._pads[sources][:, None]
         read_spans(self.spans(sources, samples), out, self.tokens)
 
     def rows(self, shard: int) -> np.ndarray:
-        """The :func:`~streampack.samples.layout.row_view` of shard ``shard``, for windows of ``width``
-        tokens."""
+        """The :func:`~streampack.samples.copies.row_view` of shard ``shard``, for windows of ``width``."""
         view = self._views.get(shard)
         if view is None:
             view = row_view(self.tokens(shard), self.width)
@@ -409,14 +361,14 @@ class JoinedSequences:
         """The tokens of shard ``shard`` of the joined stream.
 
         The last few maps are kept here: a mixed batch touches a shard of every source, and each cache's
-        own lookup has LRU bookkeeping to pay. A few more open maps keep descriptors bounded.
+        own lookup pays for its LRU bookkeeping.
         """
         if self._runs is None:
             self._join()
         tokens = self._recent.get(shard)
         if tokens is None:
             part, local = self._owners[shard]
-            tokens = self.parts[part]._tokens(local)
+            tokens = self.parts[part].cache.shard_tokens(local)
             if len(self._recent) >= _RECENT_MAPS:
                 self._recent.pop(next(iter(self._recent)))
             self._recent[shard] = tokens
@@ -447,25 +399,24 @@ def whole_documents(
     pad_id = check_int(
         "pad_id", pad_id, min=0, below=below, hint=f"an id of the cache's {cache.dtype} tokens"
     )
-    plan = plan_packed if kind == "packed" else plan_documents
     layout = plan(
         cache,
         chosen,
         seq_len,
+        kind=kind,
         too_long=too_long,
         pad_id=pad_id,
-        content=content_digest(cache),
+        content=cache.content_digest,
         no_target=no_target,
     )
     return PackedSequences.of(cache, layout)
 
 
 def with_current_digests(order: Mapping[str, Any], datasets: Sequence[object]) -> Mapping[str, Any]:
-    """A checkpoint's order with each data fingerprint saved by streampack before format version 2 (whose
-    ``shards`` digest was :attr:`~streampack.reader.Cache.version_1_digest`) given the current digest.
+    """A checkpoint's order with each data fingerprint of format version 1 given the current digest.
 
-    Only a fingerprint equal to one of ``datasets``' in everything but ``shards`` is looked at, so the old
-    digest is computed only when such a checkpoint is loaded.
+    Caches of version 1 had another ``shards`` digest (:attr:`~streampack.reader.Cache.version_1_digest`);
+    it is computed only for a fingerprint equal to one of ``datasets``' in everything else.
     """
     samples = [data for data in datasets if isinstance(data, PackedSequences)]
 

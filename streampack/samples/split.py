@@ -1,11 +1,10 @@
 """Which documents samples are made of: all of a cache, or one side of a deterministic held-out split.
 
-``train, validation = cache.split(0.01)`` holds out about 1 % of the documents. Document ``i`` is held out
-when a 64-bit hash of ``(i, seed)`` falls below a threshold: by a fraction, the threshold is
-``fraction * 2**64``, so a document's side depends on its index alone and stays the same when the cache
-grows; by a count, it is the ``count``-th smallest hash of the cache, so exactly ``count`` documents are held
-out (and a grown cache may move a few). Each side is a :class:`DocumentSet` that makes samples like the cache
-does: ``train.sequences(2048)``, ``validation.packed(2048)``, ``validation.documents(2048)``.
+``train, validation = cache.split(0.01)`` holds out about 1 % of the documents, each side a
+:class:`DocumentSet` that makes samples as the cache does (``train.sequences(2048)``). Document ``i`` is
+held out when a 64-bit hash of ``(i, seed)`` falls below a threshold: ``fraction * 2**64`` for a
+fraction, so a document's side never changes as the cache grows; the ``count``-th smallest hash for a
+count, so exactly ``count`` documents are held out.
 """
 
 from __future__ import annotations
@@ -17,14 +16,14 @@ import numpy as np
 
 from streampack._checks import check_int
 from streampack.errors import OptionsError
-from streampack.samples.chosen import Chosen, Side, doc_hashes
+from streampack.samples.chosen import Chosen, doc_hashes
 from streampack.samples.sequences import PackedSequences, whole_documents
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
     from streampack.samples.packing import NoTarget, TooLong
 
-__all__ = ["Chosen", "DocumentSet", "Side", "all_documents", "doc_hashes", "split"]
+__all__ = ["Chosen", "DocumentSet", "all_documents", "split"]
 
 
 class DocumentSet:
@@ -43,20 +42,20 @@ class DocumentSet:
 
     @property
     def num_docs(self) -> int:
-        """Documents in the set (counted over every shard's offset table)."""
+        """Documents in the set."""
         return sum(int(self.chosen.in_shard(shard).sum()) for shard in range(self.cache.num_shards))
 
     def sequences(self, seq_len: int, *, overlap: int = 0) -> PackedSequences:
         """Fixed windows of these documents laid end to end: sample ``i`` is tokens
-        ``[i*seq_len, i*seq_len + seq_len + overlap)`` of their stream (``cache.sequences``: of the cache's).
+        ``[i*seq_len, i*seq_len + seq_len + overlap)`` of their stream.
 
         Windows cross document and shard boundaries (the ``group_texts`` convention); only the final partial
-        window is dropped. See :class:`~streampack.samples.sequences.PackedSequences`.
+        window is dropped.
 
         Args:
             seq_len: tokens per sample, at least 1.
             overlap: extra tokens at the end of each window, shared with the start of the next one; ``1``
-                gives nanoGPT-style inputs ``window[:-1]`` and next-token targets ``window[1:]``.
+                gives inputs ``window[:-1]`` and next-token targets ``window[1:]``.
 
         Raises:
             OptionsError: ``seq_len`` or ``overlap`` is not an integer in its allowed range.
@@ -73,20 +72,17 @@ class DocumentSet:
     ) -> PackedSequences:
         """Whole documents packed into samples of ``seq_len`` tokens by best-fit decreasing, then padding.
 
-        Every document is in exactly one sample, unless it is longer than ``seq_len``: ``too_long="split"``
-        cuts it into pieces of ``seq_len`` tokens and a remainder, each packed on its own; ``"truncate"``
-        keeps its first ``seq_len`` tokens; ``"drop"`` leaves it out (``samples.layout.dropped`` counts
-        them). The plan is computed from the offset tables in chunks of
-        :data:`~streampack.samples.packing.CHUNK_DOCS` documents and stored in ``CACHE/layouts/`` (see
-        :mod:`streampack.samples.packing`). ``samples.layout.padding`` is the fraction of padding, and
-        ``samples.layout.no_target`` counts the pieces with no target token.
+        The plan is stored in ``CACHE/layouts/`` (see :mod:`streampack.samples.packing`);
+        ``samples.layout`` counts its ``padding`` (a fraction), ``dropped`` documents and ``no_target``
+        pieces.
 
         Args:
             seq_len: tokens per sample.
-            too_long: what to do with a document longer than ``seq_len``.
-            no_target: what to do with a piece (a document, or a piece of a split one) with no target
-                token, whose every ``output="dict"`` label would be ``-100`` (in an SFT cache, a prompt
-                truncated before its response): ``"keep"`` it (the default) or ``"drop"`` it.
+            too_long: a document longer than ``seq_len`` is cut into pieces of ``seq_len`` tokens, each
+                packed on its own (``"split"``), cut to its first ``seq_len`` tokens (``"truncate"``), or
+                left out (``"drop"``).
+            no_target: ``"keep"`` or ``"drop"`` a piece with no target token, whose every
+                ``output="dict"`` label would be ``-100`` (in an SFT cache, a prompt cut before its response).
             pad_id: the id that fills padding (masked out of the loss in ``output="dict"``); the cache's
                 EOS id by default, else 0.
 
@@ -106,16 +102,12 @@ class DocumentSet:
     ) -> PackedSequences:
         """One document per sample, padded to ``seq_len`` tokens: for fine-tuning (SFT) on a masked cache.
 
-        ``no_target="drop"`` leaves out the samples with no target token (a prompt truncated before its
-        response would make a sample whose every label is ``-100``, and a batch of such samples a NaN mean
-        loss); ``samples.layout.no_target`` counts them either way.
-
         Args:
             seq_len: tokens per sample.
             too_long: a document longer than ``seq_len`` is cut to its first ``seq_len`` tokens
-                (``"truncate"``, the default), left out (``"drop"``), or served as several samples of
-                consecutive pieces (``"split"``).
-            no_target: ``"keep"`` (the default) or ``"drop"`` the samples with no target token.
+                (``"truncate"``), left out (``"drop"``), or served as several samples (``"split"``).
+            no_target: ``"keep"`` or ``"drop"`` the samples with no target token: a batch of only those
+                would have a NaN mean loss. ``samples.layout.no_target`` counts them.
             pad_id: as for :meth:`packed`.
 
         Raises:
@@ -125,22 +117,16 @@ class DocumentSet:
 
 
 def all_documents(cache: Cache) -> DocumentSet:
-    """Every document of ``cache``, as a :class:`DocumentSet` (``cache.all_documents()``): what
-    ``cache.sequences``, ``cache.packed`` and ``cache.documents`` make their samples of."""
+    """Every document of ``cache``: what ``cache.sequences``, ``.packed`` and ``.documents`` are made of."""
     return DocumentSet(cache, Chosen(cache))
 
 
 def split(cache: Cache, holdout: float, *, seed: int = 0) -> tuple[DocumentSet, DocumentSet]:
-    """The training and validation sides of ``cache``, holding out ``holdout`` of its documents
-    (``cache.split``).
-
-    ``train, validation = cache.split(0.01)``; then ``train.sequences(2048)`` and
-    ``validation.sequences(2048)`` (or ``.packed``, ``.documents``) never share a document.
+    """The training and validation sides of ``cache`` (``cache.split``): they never share a document.
 
     Args:
         cache: the cache.
-        holdout: a fraction in ``(0, 1)`` (stable as the cache grows), or a count of documents (an ``int``,
-            at least 1 and at most the cache's documents; exact).
+        holdout: a fraction in ``(0, 1)``, stable as the cache grows, or an exact count of documents.
         seed: picks which documents; the same seed always holds out the same ones.
 
     Raises:
