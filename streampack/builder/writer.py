@@ -1,31 +1,19 @@
-"""Appending documents to a shard, and committing them durably.
-
-A shard is two files: the token ids, flat, and the uint64 cumulative end offset of every document; an SFT
-build's shards have a third, the loss mask, one byte per token. :class:`ShardWriter` opens them at the
-committed lengths of the ledger (truncating any uncommitted tail a crash left behind), appends documents,
-and on :meth:`ShardWriter.commit` fsyncs every file *before* the ledger entry that covers them is replaced.
-"""
+"""Appending documents to a shard (tokens, document ends, an SFT loss mask), and committing them durably."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import TracebackType
 
 import numpy as np
 
 from streampack.format.ledger import Counts, LedgerEntry
 from streampack.format.names import OFFSET_DTYPE, SHARD_DIR, checksum_text, mask_key, offsets_key, tokens_key
-from streampack.store import AppendFile, LocalStore, disk_error
+from streampack.store import AppendFile, LocalStore
 from streampack.store.files import commit_entry
-
-__all__ = ["ShardWriter", "disk_error"]
 
 
 class ShardWriter:
-    """Append-only writer of one shard, resuming from a unit's committed ledger entry.
-
-    Use as a context manager; nothing is committed implicitly on exit. The shard's files are appended to
-    in place in the local store (:class:`~streampack.store.AppendFile`).
+    """Append-only writer of one shard, opened at its committed lengths (dropping an uncommitted tail).
 
     Args:
         root: the cache directory.
@@ -72,12 +60,9 @@ class ShardWriter:
         self.num_docs += len(ends)
 
     def commit(self, counts: Counts, *, done: bool = False) -> LedgerEntry:
-        """Make everything appended durable, then record it in the ledger.
+        """Fsync everything appended, then record it in the ledger (with ``done``, with its checksums).
 
-        The ledger records the tokens up to the end of the last complete document: the tokens of a document
-        still being appended (a long one, split into pieces) are cut off on resume and written again, with
-        the records they belong to (``counts`` covers complete documents only). With ``done``, also record
-        the final checksums.
+        The ledger records tokens up to the last complete document: a resume writes a partial one again.
         """
         for file in self._files():
             file.sync()
@@ -111,14 +96,6 @@ class ShardWriter:
 
     def _files(self) -> list[AppendFile]:
         return [self._tokens, self._offsets] + ([] if self._mask is None else [self._mask])
-
-    def __enter__(self) -> ShardWriter:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 def _buffer(array: np.ndarray, dtype: np.dtype) -> memoryview:
