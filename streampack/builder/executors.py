@@ -59,17 +59,6 @@ def run_local(
             initializer(*initargs)
         yield from units_fn(tasks, on_progress)
         return
-    yield from _run_pool(units_fn, tasks, workers, on_progress, initializer, initargs)
-
-
-def _run_pool(
-    units_fn: UnitsFn,
-    tasks: Sequence[Any],
-    workers: int,
-    on_progress: ProgressFn,
-    initializer: Callable[..., None] | None,
-    initargs: tuple[Any, ...],
-) -> Iterator[Any]:
     context = _SpawnContext()
     events = context.Queue()
     stop = threading.Event()
