@@ -171,6 +171,8 @@ def _compressed_as(file: InputFile) -> tuple[str, str] | None:
     try:
         with open_input(file) as f:
             head = f.read(10)
-    except (InputError, *STREAM_ERRORS):
+    except InputError:
+        return None
+    except STREAM_ERRORS:
         return None
     return next(((kind, ext) for magic, kind, ext in _MAGIC if magic.match(head)), None)

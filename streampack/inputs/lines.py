@@ -257,6 +257,8 @@ def _json_document_hint(file: InputFile) -> str:
         with open_input(file) as f:
             if looks_like_json_lines(f):
                 return ""
-    except (InputError, *STREAM_ERRORS):
+    except InputError:
+        return ""
+    except STREAM_ERRORS:
         return ""
     return "; this looks like a single JSON document, not JSON Lines (one object per line)"
