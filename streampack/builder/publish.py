@@ -44,13 +44,8 @@ def default_staging_dir(url: str) -> Path:
 
 
 class Publisher:
-    """Publishes a build made in the staging directory ``staging`` to ``remote``.
-
-    Args:
-        remote: the cache's store in object storage.
-        staging: the local staging directory's store (the build holds its lock).
-        units: the description of every work unit, by shard name, in order.
-    """
+    """Publishes a build made in the staging directory ``staging`` (whose lock the build holds) to ``remote``;
+    ``units``: every work unit's description, by shard name."""
 
     def __init__(self, remote: RemoteStore, staging: LocalStore, units: dict[str, str]) -> None:
         self.remote = remote

@@ -13,15 +13,8 @@ from streampack.store.files import commit_entry
 
 
 class ShardWriter:
-    """Append-only writer of one shard, opened at its committed lengths (dropping an uncommitted tail).
-
-    Args:
-        root: the cache directory.
-        name: the shard's name.
-        dtype: the token dtype.
-        progress: what the unit has committed so far.
-        masked: also write the loss mask (one byte per token), for SFT builds.
-    """
+    """Append-only writer of one shard, opened at the lengths ``progress`` committed (dropping an uncommitted
+    tail); ``masked``: also write an SFT build's loss mask."""
 
     def __init__(
         self, root: Path, name: str, dtype: np.dtype, progress: LedgerEntry, *, masked: bool = False
@@ -41,14 +34,8 @@ class ShardWriter:
         self._doc_aligned_tokens = progress.tokens
 
     def append(self, tokens: np.ndarray, ends: np.ndarray, mask: np.ndarray | None = None) -> None:
-        """Append tokens, and document ends given relative to the start of ``tokens``.
-
-        Args:
-            tokens: token ids, already of the shard's dtype.
-            ends: cumulative end offsets of the documents completed within ``tokens`` (may be empty when a
-                long document continues past this call).
-            mask: the tokens' loss mask (uint8, one per token): required when the writer is masked.
-        """
+        """Append tokens (of the shard's dtype), the ends of the documents they complete (relative to
+        ``tokens``; none while a long document goes on), and with a masked writer their loss mask."""
         if self._mask is not None:
             assert mask is not None and len(mask) == len(tokens), "a masked shard takes a byte per token"
             self._mask.write(_buffer(mask, np.dtype(np.uint8)))
