@@ -89,7 +89,7 @@ class _OneWrongId(FastokensEngine):
 
 @pytest.fixture
 def wrong_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("streampack.tokenizer.engines.FastokensEngine", _OneWrongId)
+    monkeypatch.setattr("streampack.tokenizer.base.FastokensEngine", _OneWrongId)  # where it is made
 
 
 def test_the_verification_sample_stops_an_engine_that_gets_one_id_wrong(

@@ -102,10 +102,9 @@ class TokenizersEngine:
     """Hugging Face ``tokenizers``' ``encode_batch_fast``: the reference engine of a ``tokenizer.json``."""
 
     name = "tokenizers"
-    cores_per_worker = (
-        8  # slow enough that one process on every core runs best (0.94x raw, 2 processes 0.78x)
-    )
-    fast_piece_chars: int | None = 10_000
+    # one process on all cores runs best (0.94x its raw speed; two processes 0.78x)
+    cores_per_worker = 8
+    fast_piece_chars: int | None = 10_000  # 1.17x whole documents' speed (benchmarks/bench_pieces.py)
 
     def __init__(self, tok: Any, *, threads: int | None) -> None:
         """Encode with ``tok``, a ``tokenizers.Tokenizer`` already set to the special-token rule."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.errors import TokenizerError
 from streampack.tokenizer import preload
 from streampack.tokenizer.base import LibraryTokenizer, RecurringTexts
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
@@ -59,10 +59,6 @@ class HFTokenizer(LibraryTokenizer):
             self._tok = _Tokenizer.from_str(text)
         except Exception as e:  # tokenizers raises a bare Exception for unparsable files
             raise TokenizerError(f"{path}: not a valid Hugging Face tokenizer.json ({e})") from None
-        if not hasattr(self._tok, "encode_special_tokens"):
-            raise MissingDependencyError(
-                "streampack needs tokenizers >= 0.15 (encode_special_tokens): pip install -U tokenizers"
-            )
         text_is_whole(self._tok)
         self._tok.encode_special_tokens = special_tokens == "text"
         self._parsing: Any = None if special_tokens == "text" else self._tok  # see _parse_specials
