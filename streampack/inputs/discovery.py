@@ -33,13 +33,8 @@ class Discovery:
 
 
 def discover_inputs(inputs: Sequence[str | os.PathLike[str]]) -> Discovery:
-    """Resolve paths, directories, globs and URLs to the ordered input files (see the module's rules).
-
-    Args:
-        inputs: local paths, directories, globs (``**`` for any depth) and fsspec URLs.
-
-    Returns:
-        The :class:`Discovery`: files in reading order, each real file once, and the skipped entries.
+    """Resolve local paths, directories, globs (``**`` for any depth) and fsspec URLs to the input files in
+    reading order, and the entries skipped (see the module's rules).
 
     Raises:
         InputError: an input does not exist, is not a file or directory, matches nothing, or has an

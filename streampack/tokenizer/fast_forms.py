@@ -54,15 +54,8 @@ def load_fast_tiktoken(
     pattern: str,
     special_tokens: Mapping[str, int],
 ) -> Any:
-    """The ``fastokens.Tokenizer`` of a tiktoken encoding in its fastest form (see the module docstring).
-
-    Args:
-        fastokens: the ``fastokens`` module.
-        ranks_file: the ``.tiktoken`` file, which ``from_tiktoken`` reads itself.
-        ranks: its ranks, already read (needed for GPT-2's pattern only, written as a ``tokenizer.json``).
-        pattern: the encoding's split pattern.
-        special_tokens: its special tokens and their ids.
-    """
+    """The ``fastokens.Tokenizer`` of a tiktoken encoding in its fastest form (see the module docstring);
+    ``ranks``, already read, are needed for GPT-2's pattern only."""
     if pattern in GPT2_SPLIT_PATTERNS:
         assert ranks is not None, "GPT-2's pattern needs the ranks"
         # imported here: the preload imports this module before the command's imports, orjson among them
