@@ -1,6 +1,6 @@
 """Benchmark the record work of a build: ways to turn a JSONL file into the texts an engine encodes.
 
-The build's reader (:func:`streampack.inputs.lines.read_lines`, the baseline: ratio 1.00) against the
+The build's reader (:func:`streampack.inputs.units.read_unit`, the baseline: ratio 1.00) against the
 candidates for taking that work off the build's main thread or making it cheaper: plain line iteration with
 ``orjson`` (what the reader does, without its bookkeeping), ``mmap`` with ``orjson`` on memoryview slices,
 ``msgspec`` with a one-field schema (where installed), pyarrow's multi-threaded JSON reader with the column
@@ -44,10 +44,10 @@ BATCH = 1 << 20
 # Each reader imports what it needs first, then returns the iterator that is timed.
 def streampack_reader():
     from streampack.inputs.inputfile import InputFile
-    from streampack.inputs.lines import read_lines
     from streampack.inputs.records import ReadOptions, WorkUnit
+    from streampack.inputs.units import read_unit
     file = InputFile(path, "jsonl", None, os.path.getsize(path), None)
-    return read_lines(WorkUnit(0, file), ReadOptions(), 0, None)
+    return read_unit(WorkUnit(0, file), ReadOptions())
 
 def lines_orjson():
     import orjson

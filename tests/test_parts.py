@@ -43,10 +43,7 @@ def _expected(data: bytes, path: Path) -> list[Any]:
         lines.pop()
     file = expand_inputs([str(path)])[0]
     reader = lines_module._LineReader(file, 0, True, *_text_reader())
-    return [
-        _comparable(lines_module._parse_json_line(line, "text", reader.extract, file, 0, n))
-        for n, line in enumerate(lines, 1)
-    ]
+    return [_comparable(reader._json_line(line, n)) for n, line in enumerate(lines, 1)]
 
 
 def _text_reader() -> tuple[Any, str]:

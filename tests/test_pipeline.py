@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import streampack
-from streampack.builder.pipeline import TokenizerRef, UnitResult, UnitSpec, UnitTask, run_units
+from streampack.builder.pipeline import run_units
+from streampack.builder.tasks import TokenizerRef, UnitResult, UnitSpec, UnitTask
 from streampack.builder.writer import ShardWriter
 from streampack.errors import BadRecordError
 from streampack.format.ledger import Counts, LedgerEntry

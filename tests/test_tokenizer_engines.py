@@ -89,7 +89,7 @@ class _OneWrongId(FastokensEngine):
 
 @pytest.fixture
 def wrong_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("streampack.tokenizer.engines.FastokensEngine", _OneWrongId)
+    monkeypatch.setattr("streampack.tokenizer.base.FastokensEngine", _OneWrongId)  # where it is made
 
 
 def test_the_verification_sample_stops_an_engine_that_gets_one_id_wrong(
@@ -103,7 +103,7 @@ def test_the_verification_sample_stops_an_engine_that_gets_one_id_wrong(
         streampack.build(data, tmp_path / "sampled", tokenizer=str(gpt2_tokenizer), workers=1)
     texts[4], texts[1200] = texts[0], "a zebra past the first twenty, not in the 0.1 % sample"
     write_jsonl(data, [{"text": t} for t in texts])
-    from streampack.builder.pipeline import verified
+    from streampack.builder.blocks import verified
 
     assert not verified(0, 1200, "sample")
     streampack.build(data, tmp_path / "unchecked", tokenizer=str(gpt2_tokenizer), workers=1)  # not seen
@@ -431,7 +431,7 @@ def test_an_id_at_or_above_the_vocab_size_stops_the_build_before_it_is_written(
 ) -> None:
     """Were the proof ever wrong again (here: the old one, which let fastokens run this tokenizer in parse
     mode), the id outside the vocabulary is stopped on the write path, past the verification sample."""
-    from streampack.builder.pipeline import verified
+    from streampack.builder.blocks import verified
     from streampack.store.files import read_entry
 
     folder = _gpt2_with(gpt2_tokenizer, tmp_path / "tok", [_added(50257, "Hello")])

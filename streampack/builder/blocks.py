@@ -1,17 +1,9 @@
-"""A block: the work of one encoder thread's call, from records as read to the cache's tokens.
+"""A block: one encoder thread's work, from about ``batch_chars`` of records as read to the cache's tokens.
 
-The reading thread only reads: it hands each run of about ``batch_chars`` of a unit's records, as read
-(:mod:`~streampack.inputs.parts`), to an encoder thread as a :class:`Block`. The encoder thread parses the
-records, cuts their documents into pieces (:meth:`PieceRule.split`), encodes the pieces in batches of about
-``batch_chars`` characters (one, unless a record is larger), checks and frames their ids
-(:mod:`~streampack.builder.framing`), and hands back an :class:`EncodedBlock`: the block's tokens and what
-its records counted. Parsing holds the GIL and encoding lets go of it, so the encoder threads take turns
-at the one while the other runs the engine: parsing runs on as many cores as encoding does.
-
-A document too large to hold as a string (a streamed text file) is cut into pieces on the reading thread,
-where its chunks are read, and reaches the encoder threads as blocks of pieces (:meth:`Block.of_pieces`);
-so does a record longer than a block (a JSON line of 100 MB), parsed and cut there, so that both encoder
-threads share its pieces.
+An encoder thread parses a block's records, cuts them into pieces, encodes, checks and frames them; parsing
+holds the GIL and encoding lets go of it, so parsing runs on as many cores as encoding does. A streamed
+document, or one record longer than a block, is cut on the reading thread into blocks of pieces, so that
+both encoder threads share it.
 """
 
 from __future__ import annotations
@@ -32,13 +24,9 @@ from streampack.inputs.records import Item, TextStream, makes_document
 from streampack.inputs.sft import Sft
 from streampack.tokenizer.pieces import CutCount
 
-# verify_tokens="sample": the records re-encoded with the reference engine are the build's first
-# VERIFY_FIRST (those of unit 0) and a VERIFY_RATE share of every unit's, chosen by a hash of the record's
-# place (unit index, record index): the same records on every run and with any number of workers.
-# The reference engine is 20-40x slower than fastokens: re-encoding the first 1,000 records and 0.5 % of the
-# rest (the first rule) took longer than the whole build with fastokens (345 MB: 11.9 s against 4.2 s); the
-# first 100 records alone were 1.6 MB there. The first 20 and 0.1 % (~1 record in 1,000 at any scale) are
-# ~0.7 MB of the 345 MB.
+# verify_tokens="sample" re-encodes unit 0's first VERIFY_FIRST records and a VERIFY_RATE share of every
+# unit's, chosen by a hash of (unit, record): the same records for any number of workers. The reference
+# engine is 20-40x slower than fastokens: 20 records and 0.1 % are ~0.7 MB of a 345 MB build.
 VERIFY_FIRST = 20
 VERIFY_RATE = 0.001
 _VERIFY_BELOW = round(VERIFY_RATE * (1 << 32))
@@ -108,10 +96,8 @@ def stream_blocks(unit: OpenUnit, record: int, stream: TextStream) -> Iterator[B
 
 
 def long_record_blocks(unit: OpenUnit, record: int, part: Part) -> Iterator[Block]:
-    """The blocks of a part holding one long record (record ``record``): parsed here, and a document's
-    pieces cut here into blocks of about ``batch_chars``, so that both encoder threads share them (on one,
-    the other would wait); any other item (an SFT document, a bad record, an empty text) a block of its own.
-    """
+    """The blocks of a part holding one long record: a document's pieces cut here into blocks of about
+    ``batch_chars``, so that both encoder threads share them; any other item a block of its own."""
     (item,) = part.items()
     if isinstance(item, str) and makes_document(item):
         cuts = CutCount()
@@ -121,8 +107,7 @@ def long_record_blocks(unit: OpenUnit, record: int, part: Part) -> Iterator[Bloc
 
 
 def _document_blocks(unit: OpenUnit, record: int, pieces: Iterable[str], cuts: CutCount) -> Iterator[Block]:
-    """One document's pieces (record ``record``) in blocks of about ``batch_chars``; ``cuts`` counts the
-    memory cuts as they are made."""
+    """One document's pieces in blocks of about ``batch_chars``; ``cuts`` counts the memory cuts made."""
     spec = unit.spec
     checked = spec.verify != "none" and verified(unit.task.unit.index, record, spec.verify)
     batch = Batch()
@@ -136,8 +121,7 @@ def _document_blocks(unit: OpenUnit, record: int, pieces: Iterable[str], cuts: C
 
 
 class _Cutter:
-    """A block's records, parsed and cut into pieces, in batches of about ``batch_chars`` characters; and
-    what the records counted. Stops at a bad record when the build stops on one."""
+    """A block's records cut into batches of pieces of about ``batch_chars``, and what they counted."""
 
     def __init__(self, unit: OpenUnit, first_record: int) -> None:
         self.unit, self.spec = unit, unit.spec

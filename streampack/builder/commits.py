@@ -1,15 +1,9 @@
-"""A unit being built: its open shard, where its reading is, when it last committed, and its counts.
-
-The pipeline (:mod:`streampack.builder.pipeline`) keeps one :class:`OpenUnit` per unit whose shard is open,
-with the :class:`Tally` of the records whose tokens it has handed to the writer; a commit records the tally
-as the ledger entry's counts.
-"""
+"""A unit being built: its open shard, where its reading is, when it last committed, and its counts."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import astuple
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +21,10 @@ class OpenUnit:
 
     def __init__(self, task: UnitTask, progress: LedgerEntry, tokenizer: Tokenizer) -> None:
         self.task, self.spec, self.tokenizer = task, task.spec, tokenizer
-        name = shard_name(task.unit.index)
         dtype = np.dtype(task.spec.dtype)
-        self.writer = ShardWriter(Path(task.spec.root), name, dtype, progress, masked=task.spec.read.sft)
+        self.writer = ShardWriter(
+            Path(task.spec.root), shard_name(task.unit.index), dtype, progress, masked=task.spec.read.sft
+        )
         self.dtype = dtype
         self.eos = task.spec.eos.id if task.spec.eos.append else None
         self.id_limit = task.spec.vocab_size or int(np.iinfo(dtype).max) + 1
@@ -37,31 +32,15 @@ class OpenUnit:
         self.position = Position()
         self.reported_bytes = 0
         self.tokens = self.writer.num_tokens  # framed so far (the writer thread appends them after)
-        self.tally = Tally(*dataclasses.astuple(progress.counts))  # the records of those tokens
+        self.counts = progress.counts  # the records of those tokens
         self.last_commit = (time.monotonic(), self.tokens)
 
+    def add(self, counts: Counts) -> None:
+        """Add a block's own counts to the unit's."""
+        self.counts = Counts(*(a + b for a, b in zip(astuple(self.counts), astuple(counts))))
+
     def bytes_read_delta(self) -> int:
+        """Input bytes read since the last call."""
         now = max(self.position.bytes_read() - self.task.unit.start, 0)
         delta, self.reported_bytes = now - self.reported_bytes, now
         return max(delta, 0)
-
-
-@dataclass
-class Tally:
-    """A unit's counts so far, added up block by block (a :class:`Counts` is made per block)."""
-
-    records: int
-    skipped: int
-    empty_docs: int
-    inexact_cuts: int
-
-    def add(self, counts: Counts) -> None:
-        """Add a block's own counts."""
-        self.records += counts.records
-        self.skipped += counts.skipped
-        self.empty_docs += counts.empty_docs
-        self.inexact_cuts += counts.inexact_cuts
-
-    def counts(self) -> Counts:
-        """The counts so far."""
-        return Counts(self.records, self.skipped, self.empty_docs, self.inexact_cuts)

@@ -1,11 +1,6 @@
-"""Building a token cache: plan the work units, run them on an engine, and finalize the manifest.
+"""Building a token cache: plan the work units, run the unfinished ones, then write the complete manifest.
 
-The coordinator (:func:`build`) checks the output directory (lock, settings of an existing cache, inputs
-unchanged: :mod:`~streampack.builder.directory`), plans the units (:mod:`~streampack.builder.planning`),
-writes an incomplete manifest, runs every unfinished unit (:mod:`~streampack.builder.running`), and writes
-the complete manifest last. The units run through :func:`streampack.builder.pipeline.run_units`, which
-streams their records through the tokenizer and appends them to their shards. See docs/FORMAT.md for the
-commit protocol.
+See docs/FORMAT.md for the commit protocol.
 """
 
 from __future__ import annotations
@@ -18,47 +13,22 @@ from typing import Any
 
 from streampack.builder.blocks import VERIFY_FIRST, VERIFY_RATE
 from streampack.builder.directory import check_same_build, prepare_directory
-from streampack.builder.executors import run_local as run_local
-from streampack.builder.executors import run_ray as run_ray
 from streampack.builder.memory import steady_allocator
 from streampack.builder.options import CacheSpec, RunOptions, VerifyTokens, split_options
-from streampack.builder.pipeline import run_units as run_units
 from streampack.builder.planning import as_documents, plan_inputs
 from streampack.builder.progress import BuildProgress
 from streampack.builder.publish import Publisher, default_staging_dir
-from streampack.builder.running import default_workers as default_workers
 from streampack.builder.running import execute, worker_count
-from streampack.builder.running import worker_threads as worker_threads
 from streampack.builder.tasks import TokenizerRef, UnitSpec, UnitTask
-from streampack.builder.tasks import UnitResult as UnitResult
-from streampack.builder.tasks import init_worker as init_worker
 from streampack.builder.timings import add_up, mark_process_start
-from streampack.errors import CacheError as CacheError
-from streampack.errors import ConfigMismatchError as ConfigMismatchError
 from streampack.errors import OptionsError, StreampackError
-from streampack.format.identity import build_identity as build_identity
 from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import Manifest, ShardInfo, ShardTable
-from streampack.format.names import LAYOUT_DIR as LAYOUT_DIR
-from streampack.format.names import LEDGER_DIR as LEDGER_DIR
 from streampack.format.names import LOCK, MANIFEST, dtype_name, shard_name, token_dtype
-from streampack.format.names import SHARD_DIR as SHARD_DIR
-from streampack.format.sections import (
-    BuildSettings,
-    Cuts,
-    EngineRecord,
-    TokenizerInfo,
-    Verification,
-)
+from streampack.format.sections import BuildSettings, Cuts, EngineRecord, TokenizerInfo, Verification
 from streampack.inputs.discovery import check_output_outside_inputs
-from streampack.inputs.discovery import discover_inputs as discover_inputs
-from streampack.inputs.inputfile import Ignored as Ignored
-from streampack.inputs.records import Documents as Documents
 from streampack.inputs.records import ReadOptions, WorkUnit
-from streampack.inputs.records import refuse_text_for_sft as refuse_text_for_sft
 from streampack.inputs.sft import load_chat_template
-from streampack.inputs.units import plan_python_units as plan_python_units
-from streampack.inputs.units import plan_units as plan_units
 from streampack.store import LocalStore, is_remote
 from streampack.store.files import load_manifest, read_entry, write_manifest
 from streampack.store.remote import RemoteStore
@@ -90,11 +60,6 @@ class BuildSummary:
     # [wall, CPU] seconds per part of the build (read, encode, write, ...): streampack.builder.timings
     timings: dict[str, list[float]] = field(default_factory=dict)
 
-    @property
-    def tokens_per_second(self) -> float:
-        """Tokens of the cache divided by the wall time of this run."""
-        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
-
 
 def build(
     inputs: Any,
@@ -104,8 +69,7 @@ def build(
     run: RunOptions | None = None,
     **options: Any,
 ) -> BuildSummary:
-    """:func:`streampack.build` (see there), once the package's face has started fastokens' load of the
-    tokenizer beside its imports; the command line calls it as it is."""
+    """Build a cache: :func:`streampack.build` without its early start of the tokenizer's load."""
     spec, run = split_options(spec, run, options)
     remote = RemoteStore(out, run.storage_options) if isinstance(out, str) and is_remote(out) else None
     root = Path(out) if remote is None else Path(run.staging_dir or default_staging_dir(remote.url))
@@ -215,8 +179,7 @@ def _verify_mode(tokenizer: Tokenizer, run: RunOptions) -> VerifyTokens:
 
 
 def engine_summary(entry: EngineRecord) -> str:
-    """One line for a manifest's engine entry: which engine computed the ids, why, and how they were checked
-    against the reference engine."""
+    """One line for a manifest's engine entry: which engine computed the ids, why, and how it was checked."""
     name = f"{entry.name} {entry.version}"
     why = f"{entry.why}; " if entry.why else ""
     if name == entry.reference:
@@ -249,8 +212,7 @@ def _build_remote(
     tokenizer: Tokenizer,
     started: tuple[float, float],
 ) -> BuildSummary:
-    """Build in the staging directory ``staging`` and publish to ``remote`` (see
-    :mod:`streampack.builder.publish`)."""
+    """Build in the staging directory ``staging`` and publish to ``remote``."""
     publisher = Publisher(remote, staging, {shard_name(t.unit.index): t.unit.describe() for t in tasks})
     complete = publisher.begin(manifest, overwrite=run.overwrite, same_build=check_same_build)
     if complete is not None:
@@ -278,7 +240,9 @@ def _build_locked(
             if publisher is not None:
                 publisher.finish()
             return _summarize(summary, existing)
-        manifest = replace(manifest, engines=_engines(existing.engines, manifest.engines))
+        # the engines of the earlier runs, then this run's unless it is one of them
+        engines = existing.engines + [e for e in manifest.engines if e not in existing.engines]
+        manifest = replace(manifest, engines=engines)
     write_manifest(store, manifest)
     units = [t.unit for t in tasks]
     entries = [read_entry(store, shard_name(u.index), u.describe()) for u in units]
@@ -307,11 +271,6 @@ def _build_locked(
     if publisher is not None:
         publisher.finish()
     return _summarize(summary, final)
-
-
-def _engines(before: list[EngineRecord], now: list[EngineRecord]) -> list[EngineRecord]:
-    """The engines of the earlier runs of a resumed build, then this run's unless it is one of them."""
-    return before + [e for e in now if e not in before]
 
 
 def _summarize(summary: BuildSummary, manifest: Manifest) -> BuildSummary:

@@ -1,6 +1,4 @@
-"""The output directory of a local build: its folders prepared, the cache there deleted for an overwrite,
-or the cache there checked to be the same build (settings, tokenizer, inputs unchanged) before it resumes.
-"""
+"""The output directory of a local build: prepared, overwritten, or checked to hold the same build."""
 
 from __future__ import annotations
 

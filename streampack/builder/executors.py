@@ -1,14 +1,8 @@
-"""Engines schedule work units; every engine runs the same units function.
+"""Executors run the same units function: here, in a pool of spawned worker processes, or as Ray tasks.
 
-- ``local``: the coordinating process itself (one worker), or a pool of spawned worker processes.
-- ``ray``: one Ray task per unit, on the cluster ``ray.init`` connects to (a local one if none is running).
-  The output directory must be on storage that every node sees. Which node ran each unit is logged at
-  DEBUG level on this module's logger (``streampack.builder.executors``).
-
-The units function takes a sequence of tasks and yields one result per task, so that a process given
-several units can run them back to back. Units are independent and each commits its own ledger entry, so
-an engine needs no coordination beyond handing out units, collecting results and forwarding progress.
-Killing workers is always safe.
+Units are independent and each commits its own ledger entry, so an executor only hands out units, collects
+results and forwards progress; killing workers is always safe. With Ray the output directory must be on
+storage every node sees.
 """
 
 from __future__ import annotations
@@ -57,27 +51,14 @@ def run_local(
 ) -> Iterator[Any]:
     """Run every task through ``units_fn(tasks, report)`` and yield the results as units finish.
 
-    With ``workers == 1`` all the units run in this process, in order, in one call; otherwise one unit per
-    call in ``workers`` spawned processes (spawn, not fork: tokenizer thread pools and fork do not mix).
-    The first error stops all workers and is raised here; whatever the workers committed before stays
-    committed.
+    With ``workers == 1`` all run in this process, in one call; otherwise one unit per call in ``workers``
+    spawned processes. The first error stops all workers and is raised here.
     """
     if workers <= 1:
         if initializer is not None:
             initializer(*initargs)
         yield from units_fn(tasks, on_progress)
         return
-    yield from _run_pool(units_fn, tasks, workers, on_progress, initializer, initargs)
-
-
-def _run_pool(
-    units_fn: UnitsFn,
-    tasks: Sequence[Any],
-    workers: int,
-    on_progress: ProgressFn,
-    initializer: Callable[..., None] | None,
-    initargs: tuple[Any, ...],
-) -> Iterator[Any]:
     context = _SpawnContext()
     events = context.Queue()
     stop = threading.Event()
@@ -107,15 +88,11 @@ def _run_pool(
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
-    """A spawned pool worker that does not run the user's main module.
+    """A spawned pool worker that does not re-run the user's main script.
 
-    A spawned child is a fresh interpreter that first re-runs the parent's main script (or imports its
-    main module) as ``__mp_main__``, so that objects pickled by reference to ``__main__`` resolve there.
-    The pool's workers receive only streampack's own functions and data and never need it; and a script
-    whose build is not under ``if __name__ == "__main__":`` would run again in every worker: its side
-    effects, then the build itself, which dies on the build lock. multiprocessing decides what a child
-    re-runs from ``sys.modules["__main__"]`` while the process starts
-    (``multiprocessing.spawn.get_preparation_data``), so the start is shown a bare module instead.
+    The workers need only streampack's functions, and a script without an ``if __name__ == "__main__":``
+    guard would otherwise run its build again in every worker. multiprocessing decides what a child re-runs
+    from ``sys.modules["__main__"]`` while it starts, so the start is shown a bare module.
     """
 
     def start(self) -> None:
@@ -172,11 +149,8 @@ def _init_worker(
 
 
 def _die_with_parent(coordinator: int) -> None:
-    """Ask Linux to SIGKILL this worker when the coordinator dies, even by SIGKILL.
-
-    Otherwise a worker orphaned by a killed build could go on appending to its shard while the rerun
-    that resumes the build truncates that same shard.
-    """
+    """Ask Linux to SIGKILL this worker when the coordinator dies, so that an orphan never appends to a
+    shard that the rerun resumes."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -204,15 +178,10 @@ def run_ray(
 ) -> Iterator[Any]:
     """Run ``units_fn`` on every task, one Ray task per unit, and yield the results as units finish.
 
-    Connects to the Ray cluster at ``address`` (``auto`` for a running one; a new local instance when None
-    and none is running). The tasks send their progress events through a Ray queue, which this process
-    forwards to ``on_progress``. The first error cancels the other tasks and is raised here: a
-    :class:`StreampackError` raised by a task as itself, any failure of Ray (a worker or the queue's actor
-    died, ran out of memory, or lost its node) as :class:`WorkerDiedError`. A task that fails is not
-    retried (its node may still be writing its shard); the rerun resumes the build from the ledger.
-
-    Each finished task is logged at DEBUG level with the id of the node that ran it:
-    ``logging.basicConfig(level=logging.DEBUG)`` shows how a build spread over the cluster.
+    Connects to the cluster at ``address`` (``auto``: a running one; None: a new local one if none runs).
+    The first error cancels the other tasks and is raised here. A failed task is not retried (its node may
+    still be writing its shard): the rerun resumes from the ledger. Each finished task's node is logged at
+    DEBUG level.
 
     Raises:
         OptionsError: nothing answers at ``address``, or no running cluster was found for ``auto``.
@@ -330,13 +299,8 @@ def _run_ray_task(
 
 
 class _TaskEvents:
-    """A Ray task's progress events, sent to the coordinator's queue a batch at a time.
-
-    Every send is a blocking round trip to the queue's actor; one per encoded batch (``Queue.put``) was
-    most of a Ray build's time (``bench_scaling.py``: 0.24 of the same core without Ray, on a loaded
-    machine). The coordinator forwards events every ``_RAY_POLL_SECONDS``: sending more often shows
-    nothing sooner.
-    """
+    """A Ray task's progress events, sent every ``_RAY_POLL_SECONDS``: each send is a blocking round trip
+    to the queue's actor, and one per batch was most of a Ray build's time."""
 
     def __init__(self, queue: Any) -> None:
         self.queue = queue

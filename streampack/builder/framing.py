@@ -1,7 +1,5 @@
-"""A batch of pieces encoded in one call on an encoder thread: its sampled pieces checked against the
-reference engine, every id checked against the cache's vocab size, then framed into the cache's tokens
-(BOS and EOS around its documents, their end offsets, an SFT loss mask).
-"""
+"""A batch of pieces encoded in one call, checked (sampled pieces against the reference engine, every id
+against the vocab size) and framed into the cache's tokens: BOS/EOS, document ends, an SFT loss mask."""
 
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ class Batch:
     chars: int = 0
 
     def add(self, piece: str, record: int, checked: bool) -> None:
-        """Add a piece of record ``record``, not (yet) its document's last; ``checked``: the reference
-        engine re-encodes it."""
+        """Add a piece of record ``record`` (``checked``: the reference engine re-encodes it)."""
         if checked:
             self.checks.append((len(self.texts), record))
         self.texts.append(piece)
@@ -74,12 +71,11 @@ def frame(
     eos: int | None,
     dtype: np.dtype,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A batch's tokens in ``dtype`` (the caller has checked that its ids fit) with BOS before each document
-    begun and EOS after each document completed; the completed documents' end offsets; and every piece's
-    end offset (BOS and EOS included).
+    """A batch's tokens in ``dtype`` with BOS and EOS around its documents; the completed documents' ends;
+    and every piece's end (BOS and EOS included).
 
-    A document cut into pieces gets one BOS, before its first piece: a piece begins a document when it is
-    the batch's first and ``opens_doc``, or when the piece before it ends one.
+    A piece begins a document when it is the batch's first and ``opens_doc``, or when the one before it
+    ends one.
     """
     flat, offsets = ids
     ends = np.asarray(ends_doc, dtype=bool)
@@ -139,8 +135,8 @@ def loss_mask(batch: Batch, piece_ends: np.ndarray, bos: bool, eos: bool) -> np.
 
 
 def encode_with_templates(tokenizer: Tokenizer, texts: list[str], templated: list[bool]) -> FlatIds:
-    """Encode a batch whose chat-template pieces parse special-token strings and whose others do not: the
-    two kinds' ids, each end to end, interleaved back into the pieces' order (no array per piece)."""
+    """Encode a batch whose chat-template pieces parse special-token strings and whose others do not,
+    interleaving the two kinds' ids back into the pieces' order."""
     is_template = np.array(templated, dtype=bool)
     plain, plain_offsets = tokenizer.encode_flat([t for t, special in zip(texts, templated) if not special])
     special, special_offsets = _recurring_ids(tokenizer, [t for t, s in zip(texts, templated) if s])
@@ -157,8 +153,7 @@ def encode_with_templates(tokenizer: Tokenizer, texts: list[str], templated: lis
 
 
 def _recurring_ids(tokenizer: Tokenizer, texts: list[str]) -> FlatIds:
-    """The ids of a chat template's pieces, end to end: its few distinct texts encoded (or remembered) once
-    each, and gathered into the pieces' order."""
+    """The ids of a chat template's pieces: its few distinct texts encoded once each, then gathered."""
     distinct = list(dict.fromkeys(texts))
     ids, offsets = joined(tokenizer.encode_specials(distinct))
     codes = np.fromiter(map({t: i for i, t in enumerate(distinct)}.__getitem__, texts), np.intp, len(texts))
@@ -186,8 +181,7 @@ class OutOfVocabulary(Exception):
 
 @dataclass(frozen=True)
 class Encoded:
-    """A batch's tokens as the cache stores them, and the seconds its encoder thread spent encoding,
-    verifying and framing them."""
+    """A batch's tokens as the cache stores them, and its encoder thread's seconds per step."""
 
     tokens: np.ndarray  # in the cache's dtype, BOS and EOS included
     doc_ends: np.ndarray  # the completed documents' ends, relative to the first token
@@ -198,8 +192,7 @@ class Encoded:
 
 
 def encode_and_frame(unit: OpenUnit, batch: Batch) -> Encoded:
-    """A batch's tokens: its pieces' ids, framed, once its sampled pieces have the reference engine's ids
-    (else :class:`Mismatch`) and every id is below the cache's vocab size (else :class:`OutOfVocabulary`)."""
+    """A batch's framed tokens; :class:`Mismatch` or :class:`OutOfVocabulary` when a check fails."""
     started = time.perf_counter()
     tokenizer, texts = unit.tokenizer, batch.texts
     if any(batch.templated):

@@ -1,11 +1,6 @@
-"""The settings of a build: what identifies a cache (:class:`CacheSpec`) apart from how a run goes
-(:class:`RunOptions`).
-
-Every field of :class:`CacheSpec` can change the cache's bytes: the whole spec is recorded in the manifest
-and a resumed build must match it. :class:`RunOptions` never change the bytes (a cache is byte-identical
-for any number of workers, threads or executor) and are never recorded. The CLI takes its defaults from
-these classes, so each default is written once.
-"""
+"""The settings of a build: what identifies a cache (:class:`CacheSpec`, recorded and compared on resume)
+apart from how a run goes (:class:`RunOptions`, which never change the bytes). The CLI takes its defaults
+from here."""
 
 from __future__ import annotations
 
@@ -24,13 +19,11 @@ from streampack.tokenizer.choices import ENGINE_CHOICES, SPECIAL_TOKENS, Special
 OnBadRecord = Literal["error", "skip"]
 Executor = Literal["local", "ray"]
 VerifyTokens = Literal["sample", "all", "none"]
-TOKENIZER_ENGINES = ENGINE_CHOICES  # its name here before the tokenizer package held it
 _Options = TypeVar("_Options", bound=type)
 
 
 def _named_fields(cls: _Options) -> _Options:
-    """Make ``cls(**kwargs)`` refuse a misspelt field name with the nearest one (an :class:`OptionsError`),
-    as :func:`split_options` does, rather than the dataclass's bare ``TypeError``."""
+    """Make ``cls(**kwargs)`` refuse a misspelt field with an :class:`OptionsError` naming the nearest."""
     init: Callable[..., None] = cls.__init__  # type: ignore[misc]
     names = {f.name for f in fields(cls)}
 
@@ -143,10 +136,9 @@ class RunOptions:
         workers: worker processes (default: see :func:`streampack.builder.running.default_workers`).
         threads: tokenizer threads per worker (default: the cores divided among the workers).
         executor: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
-        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine proven to give exactly
-            the tokenizer's own ids in the build's special-token mode: ``fastokens`` where installed, for
-            the byte-level BPE tokenizers it reproduces), ``tokenizers``, ``tiktoken`` or ``fastokens``.
-            Every engine gives the same bytes; ``BuildSummary.tokenizer_engine`` says which ran and why.
+        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine proven to give the
+            tokenizer's own ids: ``fastokens`` where installed and proven), ``tokenizers``, ``tiktoken`` or
+            ``fastokens``. ``BuildSummary.tokenizer_engine`` says which ran and why.
         verify_tokens: with an engine other than the tokenizer's reference engine, re-encode with the
             reference and stop at the first difference: ``sample`` (the build's first 20 records and a
             hash-chosen 0.1 % of the rest), ``all``, or ``none``.
@@ -159,14 +151,11 @@ class RunOptions:
         commit_seconds: ...or after this many seconds, whichever comes first.
         staging_dir: a build to object storage: the local directory where shards are built before they
             are uploaded (default: one per URL under the system temp directory).
-        storage_options: a build to object storage: options of its fsspec filesystem (credentials
-            and endpoints otherwise come from the environment, as for any client of the store).
-        profile: measure the CPU time of each part of the pipeline too (``BuildSummary.timings``), at a
-            small cost per record.
+        storage_options: a build to object storage: options of its fsspec filesystem (default: from the
+            environment).
+        profile: measure the CPU time of each part of the pipeline too (``BuildSummary.timings``).
         allow_new_ids: allow an ``eos_id`` or ``bos_id`` outside the tokenizer's vocabulary; the cache's
-            ``vocab_size`` (recorded, and compared on resume) then grows past it. Without it such an id is
-            refused. It only permits: a cache built with it has the bytes it would have with any other
-            permission, so it is a run option, not part of the cache's identity.
+            ``vocab_size`` then grows past it. It only permits, so it is not part of the cache's identity.
     """
 
     workers: int | None = None

@@ -1,18 +1,9 @@
 """Work units' pipeline: records -> blocks -> tokens -> shards, with commits.
 
-Every engine runs :func:`run_units` on a sequence of :class:`UnitTask`. The units stream their records in
-order through one pipeline: this thread reads them (I/O and decompression only) and hands them, in blocks of
-about ``batch_chars``, to helper threads that parse them, cut long documents (and each segment of an SFT
-document) into pieces, encode the pieces and frame their ids (:mod:`~streampack.builder.blocks`); the
-blocks' tokens (and an SFT build's loss mask) are appended to their unit's shard in input order, committing
-every ``commit_bytes`` or ``commit_seconds``. The next unit starts reading while the last blocks of the one
-before it still encode, so the cores never wait at a unit's end.
-
-What a unit's worker is given and gives back is in :mod:`~streampack.builder.tasks`; a unit's open shard and
-the counts its commits record in :mod:`~streampack.builder.commits`; a block's work in
-:mod:`~streampack.builder.blocks`, and encoding a batch of pieces and framing its ids into the cache's
-tokens in :mod:`~streampack.builder.framing`; the thread that writes them in
-:mod:`~streampack.builder.writerthread`. Their names still import from here.
+This thread reads each unit's records; helper threads parse, cut, encode and frame them in blocks
+(:mod:`~streampack.builder.blocks`); a writer thread appends the blocks' tokens to their shard in input order
+(:mod:`~streampack.builder.writerthread`), committing every ``commit_bytes`` or ``commit_seconds``. The next
+unit starts reading while the last blocks of the one before it still encode, so the cores never wait.
 """
 
 from __future__ import annotations
@@ -27,64 +18,43 @@ from types import TracebackType
 
 import numpy as np
 
-from streampack.builder.blocks import VERIFY_FIRST as VERIFY_FIRST
-from streampack.builder.blocks import VERIFY_RATE as VERIFY_RATE
 from streampack.builder.blocks import Block, EncodedBlock, encode_block, long_record_blocks, stream_blocks
-from streampack.builder.blocks import verified as verified
 from streampack.builder.commits import OpenUnit
 from streampack.builder.framing import Mismatch, OutOfVocabulary
 from streampack.builder.memory import steady_allocator
-from streampack.builder.options import OnBadRecord as OnBadRecord
-from streampack.builder.tasks import NO_BOS as NO_BOS
-from streampack.builder.tasks import TokenizerRef as TokenizerRef
 from streampack.builder.tasks import UnitResult, UnitTask, worker_tokenizer
-from streampack.builder.tasks import UnitSpec as UnitSpec
-from streampack.builder.tasks import init_worker as init_worker
 from streampack.builder.timings import Stopwatch, add_up
-from streampack.builder.writer import ShardWriter as ShardWriter
 from streampack.builder.writerthread import Framed, WriterThread
 from streampack.errors import StreampackError, TokenizerError, WriteError
 from streampack.format.ledger import Counts, LedgerEntry
 from streampack.format.names import shard_name
 from streampack.inputs.parts import Part, StreamPart
-from streampack.inputs.records import Position as Position
 from streampack.inputs.units import read_unit_parts, record_location
 from streampack.store.files import read_entry
 from streampack.tokenizer.base import Tokenizer
-from streampack.tokenizer.choices import SpecialTokens as SpecialTokens
-from streampack.tokenizer.choices import TokenizerEngine as TokenizerEngine
 from streampack.tokenizer.engines import FASTOKENS_CALLS
-from streampack.tokenizer.load import load_tokenizer as load_tokenizer
-from streampack.tokenizer.pieces import PieceRule as PieceRule
-from streampack.tokenizer.specials import BosPolicy as BosPolicy
-from streampack.tokenizer.specials import EosPolicy as EosPolicy
 
 ProgressFn = Callable[[dict[str, int]], None]
 
 _NOTHING = EncodedBlock(np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint64), None, Counts())
 
-# Blocks encoded at once, each on a helper thread of its own: while one thread parses its block (which holds
-# the GIL), the other runs the engine (which lets go of it); while one block ends on a long document that
-# holds a single tokenizer thread, the other keeps the remaining cores busy. The fast engine divides its
-# threads among these calls (streampack.tokenizer.engines.fastokens_call_threads).
+# Blocks encoded at once: while one thread parses its block (holding the GIL), the other runs the engine
+# (which lets go of it). The fast engine divides its threads among these calls.
 ENCODING_THREADS = FASTOKENS_CALLS
-# Blocks handed over and not yet written: the encoder threads' next work, ready while the reader waits for
-# the disk, and blocks that wait for one before them that still encodes (a long document). A block holds
-# ~1 MiB of input until it is encoded, then only its token arrays, a few bytes per token.
+# Blocks handed over and not yet written: ~1 MiB of input each until encoded, then only its tokens.
 MAX_QUEUED_BLOCKS = 32
-# Blocks handed over and not yet encoded: the reading thread waits for the GIL after each read, so the
-# encoder threads keep a few blocks in hand rather than wait for the next one.
+# Blocks handed over and not yet encoded: the reader waits for the GIL after each read, so the encoder
+# threads keep a few blocks in hand.
 READ_AHEAD = 4 * ENCODING_THREADS
 
 
 def run_units(
     tasks: Iterable[UnitTask], report: ProgressFn, tokenizer: Tokenizer | None = None
 ) -> Iterator[UnitResult]:
-    """Build (or finish building) the shards of ``tasks``, in order; the function every engine runs.
+    """Build (or finish building) the shards of ``tasks`` in order, yielding each unit's result when done.
 
-    Yields each unit's result once its shard is complete. Units finished by an earlier run are yielded
-    as they are, without reading their input again. ``tokenizer`` is the build's own (units run in the
-    coordinating process); worker processes load theirs with :func:`worker_tokenizer`.
+    Units an earlier run finished are yielded without reading their input. ``tokenizer`` is the build's
+    own (units run in the coordinating process); worker processes load theirs.
     """
     steady_allocator()
     with _Pipeline(report) as pipeline:
@@ -105,9 +75,6 @@ def run_units(
         yield from pipeline.take_finished()
 
 
-# ---------------------------------------------------------------------------------------------- pipeline
-
-
 @dataclass
 class _Queued:
     """A block handed to an encoder thread, in input order."""
@@ -118,16 +85,10 @@ class _Queued:
 
 
 class _Pipeline:
-    """Records -> blocks -> tokens -> shards, committing at document boundaries.
+    """Records -> blocks -> tokens -> shards, committing at document boundaries without draining.
 
-    This thread reads each unit's records in parts of about ``batch_chars`` (:mod:`~streampack.inputs.parts`)
-    and hands them, as blocks, to ``ENCODING_THREADS`` helper threads, which parse, cut, encode and frame
-    them (:mod:`~streampack.builder.blocks`); it hands the blocks' tokens in input order to a writer thread
-    (:mod:`~streampack.builder.writerthread`), which appends and commits them. Blocks that finish while an
-    earlier one still encodes wait in the queue; the reader waits only when ``MAX_QUEUED_BLOCKS`` are
-    queued, when more than ``READ_AHEAD`` are not yet encoded, or when the writer is that far behind.
-    A commit records the records and tokens of the blocks written so far: the pipeline never drains to
-    commit, nor to start the next unit.
+    The reader waits only when ``MAX_QUEUED_BLOCKS`` are queued, when more than ``READ_AHEAD`` are not yet
+    encoded, or when the writer is that far behind.
     """
 
     def __init__(self, report: ProgressFn) -> None:
@@ -154,7 +115,7 @@ class _Pipeline:
         """Read all of a unit's records into blocks; its last blocks may still encode on return."""
         unit = OpenUnit(task, progress, tokenizer)
         self.open_units.append(unit)
-        size, record = task.spec.batch_chars, unit.tally.records
+        size, record = task.spec.batch_chars, unit.counts.records
         parts = read_unit_parts(task.unit, task.spec.read, skip=record, position=unit.position, size=size)
         held = _Held(unit)
         outside = self.watch.switch("blocks")  # the loop's own work; reading and handing over switch away
@@ -179,7 +140,7 @@ class _Pipeline:
         except StreampackError:  # an input that cannot be read: keep everything read before it
             if not self.failed:
                 self.drain()
-                unit.writer.commit(unit.tally.counts())
+                unit.writer.commit(unit.counts)
             raise
         self.watch.switch(outside)
 
@@ -213,13 +174,12 @@ class _Pipeline:
             encoded.set_result(_NOTHING)
         self.queue.append(_Queued(block.unit, encoded, block.last))
         self._write_encoded()
-        while len(self.queue) >= MAX_QUEUED_BLOCKS or self._encoding() > READ_AHEAD:
+        while (
+            len(self.queue) >= MAX_QUEUED_BLOCKS or sum(not q.encoded.done() for q in self.queue) > READ_AHEAD
+        ):
             with self.watch.timing("wait"):
                 wait([q.encoded for q in self.queue if not q.encoded.done()], return_when=FIRST_COMPLETED)
             self._write_encoded()
-
-    def _encoding(self) -> int:
-        return sum(not q.encoded.done() for q in self.queue)
 
     def _write_encoded(self) -> None:
         """Write the blocks at the head of the queue that are encoded."""
@@ -246,10 +206,9 @@ class _Pipeline:
             event = {"unit": unit.task.unit.index, "docs": len(encoded.doc_ends), "tokens": len(tokens)}
             self.report({**event, "bytes": unit.bytes_read_delta()})
         unit.tokens += len(tokens)
-        unit.tally.add(encoded.counts)
+        unit.add(encoded.counts)
         commit = self._commits(unit) or encoded.error is not None
-        counts = unit.tally.counts()
-        framed = Framed(unit, tokens, encoded.doc_ends, encoded.mask, counts, commit, queued.last)
+        framed = Framed(unit, tokens, encoded.doc_ends, encoded.mask, unit.counts, commit, queued.last)
         with watch.timing("wait"):
             self.writer.put(framed)
         if encoded.error is not None:  # a bad record stops the build: keep every record before it
@@ -261,7 +220,7 @@ class _Pipeline:
         self.failed = True
         self.writer.drain()
         if commit:
-            unit.writer.commit(unit.tally.counts())
+            unit.writer.commit(unit.counts)
 
     def _commits(self, unit: OpenUnit) -> bool:
         """Whether the unit commits after its tokens so far: ``commit_bytes`` or ``commit_seconds`` on."""
@@ -280,7 +239,7 @@ class _Held:
         self.unit = unit
         self.parts: list[Part] = []
         self.size = 0
-        self.next_record = unit.tally.records
+        self.next_record = unit.counts.records
 
     def add(self, part: Part) -> int:
         """Hold ``part``; the size held."""

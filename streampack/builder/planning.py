@@ -1,9 +1,4 @@
-"""The plan of a build: its work units, the manifest's record of its inputs, and what discovery skipped.
-
-Paths, directories, globs and URLs are discovered (:mod:`streampack.inputs.discovery`) and cut into units
-by the inputs alone; Python documents (a dataset, a generator, :class:`~streampack.Documents`) are planned
-as units read in this process, identified across runs by a fingerprint where they have one.
-"""
+"""The plan of a build: its work units, the manifest's record of its inputs, and what discovery skipped."""
 
 from __future__ import annotations
 
@@ -56,11 +51,8 @@ _IGNORED_LISTED = 20
 
 
 def _python_fingerprint(documents: Any) -> str | None:
-    """What identifies Python documents across runs: the user's fingerprint, or a Hugging Face dataset's.
-
-    ``datasets`` keeps a dataset's content hash in the private ``_fingerprint`` attribute; it changes
-    whenever the dataset's data or transforms do. Other Python objects cannot be identified.
-    """
+    """What identifies Python documents across runs: the user's fingerprint, or a Hugging Face dataset's
+    (its private ``_fingerprint``, which changes with its data and transforms)."""
     if isinstance(documents, Documents):
         if documents.fingerprint is not None:
             return documents.fingerprint

@@ -44,7 +44,7 @@ class BuildProgress:
             self.bar.set_postfix_str(f"{self.docs:,} docs, {rate / 1e6:.2f}M tok/s", refresh=False)
 
     def unit_done(self, result: UnitResult) -> None:
-        """Complete the bar's share of a finished unit (Parquet and Python inputs report only at the end)."""
+        """Complete the bar's share of a finished unit."""
         unit = result.unit_index
         if self.bar is not None:
             self.bar.update(self.sizes[unit] - self.read.get(unit, 0))

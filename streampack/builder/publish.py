@@ -1,25 +1,10 @@
 """Publishing a build to object storage: shards built in a local staging directory, uploaded unit by unit.
 
-A build to ``s3://bucket/prefix`` runs exactly as a local one, in a local *staging* directory (the local
-commit protocol: shards appended in place, fsynced, ledger entries published after them). Object storage
-then receives, in this order:
-
-1. the incomplete manifest (no shard table: it names no shard), so that a resumed build can check that it
-   builds the same cache;
-2. for each unit, once its shard is finished and its files' checksums match its ledger entry, the shard's
-   files, then its ledger entry (so an entry that is up always names shard files that are up and final);
-3. the complete manifest, once every unit is up.
-
-A reader of the remote cache therefore never sees a manifest naming a shard that is not entirely there.
-A killed build resumes against the *remote* ledger: every unit whose entry is up is adopted as done (its
-entry copied into the staging directory, its shard not rebuilt), so the staging directory may be gone;
-units that the staging directory holds finished but that are not up yet are uploaded first; the rest are
-built (resumed from the staging directory's own ledger where it has one). Units are deterministic, so the
-result is byte-identical to a local build. The remote store is the authority: a staging directory that
-belongs to another build, or whose remote cache is gone, is emptied.
-
-Object stores cannot lock: the build holds the lock of its staging directory, which keeps apart the
-builds of one machine, not those of several machines writing to the same URL.
+Object storage receives the incomplete manifest (naming no shard), then each finished unit's checked shard
+files followed by its ledger entry, then the complete manifest: a reader never sees a manifest naming a
+shard that is not all there. A killed build resumes against the remote ledger, which is the authority:
+units up there are adopted as done, so the staging directory may be gone. Object stores cannot lock: the
+staging directory's lock keeps apart the builds of one machine only.
 """
 
 from __future__ import annotations
@@ -59,14 +44,8 @@ def default_staging_dir(url: str) -> Path:
 
 
 class Publisher:
-    """Publishes a build made in the staging directory ``staging`` to ``remote`` (see the module docstring
-    for the order).
-
-    Args:
-        remote: the cache's store in object storage.
-        staging: the local staging directory's store (the build holds its lock).
-        units: the description of every work unit, by shard name, in order.
-    """
+    """Publishes a build made in the staging directory ``staging`` (whose lock the build holds) to ``remote``;
+    ``units``: every work unit's description, by shard name."""
 
     def __init__(self, remote: RemoteStore, staging: LocalStore, units: dict[str, str]) -> None:
         self.remote = remote
@@ -109,8 +88,7 @@ class Publisher:
         return None
 
     def unit_done(self, name: str) -> None:
-        """Upload a unit that just finished: its shard's files, checked against its ledger entry, then
-        the entry."""
+        """Upload a unit that just finished: its checked shard files, then its ledger entry."""
         self._upload(name, self._staging_entry(name))
 
     def finish(self) -> None:
@@ -126,8 +104,6 @@ class Publisher:
             )
         self.remote.put_atomic(MANIFEST, self.staging.read(MANIFEST))
 
-    # ---------------------------------------------------------------------------------------- internals
-
     def _staging_matches(self, manifest: Manifest, same_build: SameBuild) -> bool:
         if not self.staging.exists(MANIFEST):
             return False
@@ -138,8 +114,7 @@ class Publisher:
         return True
 
     def _adopt_remote_ledger(self) -> None:
-        """Mark up every unit whose ledger entry is up (it is published only once the unit is done), and
-        copy the entry into the staging directory so that the build does not run the unit again."""
+        """Adopt every unit whose ledger entry is up as done, copying the entry into the staging directory."""
         entries = set(self.remote.list(LEDGER_DIR))
         for name, unit in self.units.items():
             if f"{name}.json" not in entries:
@@ -150,8 +125,7 @@ class Publisher:
                 self.up.add(name)
 
     def _upload_from_staging(self, name: str) -> None:
-        """Upload a unit the staging directory holds finished (a killed build's); a damaged or half-deleted
-        staging directory's unit is forgotten instead, to be built again."""
+        """Upload a unit the staging directory holds finished; a damaged one is deleted, to be built again."""
         progress = self._staging_entry(name)
         if not progress.done:
             return
@@ -182,8 +156,7 @@ class Publisher:
         self.up.add(name)
 
     def _delete_remote(self) -> None:
-        """Delete the remote cache, refusing a prefix that holds anything else; the manifest goes first,
-        so that no reader sees a manifest naming deleted shards."""
+        """Delete the remote cache, manifest first, refusing a prefix that holds anything else."""
         strangers = [name for name in self.remote.list("") if name not in _CACHE_ENTRIES]
         if strangers:
             raise CacheError(

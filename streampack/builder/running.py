@@ -1,6 +1,4 @@
-"""Which processes run a build's units: this one, a pool of worker processes, or Ray; how many, and with
-how many tokenizer threads each. The units themselves run :func:`streampack.builder.pipeline.run_units`.
-"""
+"""Which processes run a build's units (this one, a pool, or Ray), how many, and with how many threads."""
 
 from __future__ import annotations
 
@@ -52,21 +50,10 @@ def execute(
 
 
 def worker_threads(run: RunOptions, workers: int, cores: int | None = None) -> int:
-    """Tokenizer threads of each of ``workers`` worker processes: ``run.threads``, else a share of the cores.
-
-    A worker whose threads outnumber its share of the cores fights the other workers' threads for them.
-    """
+    """Tokenizer threads of each worker process: ``run.threads``, else its share of the cores."""
     return run.threads or max(1, (cores or os.cpu_count() or 1) // workers)
 
 
 def default_workers(tokenizer: Tokenizer, cores: int) -> int:
-    """Worker processes when ``workers`` is not given: one per :attr:`Tokenizer.cores_per_worker` cores,
-    chosen by measurement per engine (GPT-2 vocabulary, real English text, 2 cores).
-
-    Hugging Face ``tokenizers`` runs best as one process using every core (100 MB: 0.94x its raw
-    ``encode_batch_fast`` speed, against 0.78x for two processes whose thread pools fight over the cores):
-    8 cores each. tiktoken is fast enough that reading and framing the documents matter: one process per
-    core (345 MB: 25-27 s against 36 s for one process). fastokens encodes so fast that one reader feeds
-    ~3 cores of it. ``bytes`` holds the GIL: one per core.
-    """
+    """Worker processes when ``workers`` is not given: one per ``cores_per_worker`` cores of the engine."""
     return max(1, cores // tokenizer.cores_per_worker)

@@ -1,8 +1,4 @@
-"""What a worker is given to build a unit and what it gives back; how a worker process loads its tokenizer.
-
-Everything here is picklable: a :class:`UnitTask` travels to a worker process or a Ray task, and a
-:class:`UnitResult` back. :func:`init_worker` and :func:`worker_tokenizer` run only in worker processes.
-"""
+"""What a worker is given to build a unit (picklable) and gives back; how a worker loads its tokenizer."""
 
 from __future__ import annotations
 
@@ -25,11 +21,7 @@ NO_BOS = BosPolicy(False, None)
 
 @dataclass(frozen=True)
 class TokenizerRef:
-    """The tokenizer of a build as a worker loads it: its SPEC, special-token mode and definition hash.
-
-    The hash lets a worker refuse a tokenizer file that changed after the build started, and keys the
-    worker's tokenizer cache, so an edited file is never served from an old load.
-    """
+    """The tokenizer of a build as a worker loads it; its hash refuses a file changed since the start."""
 
     spec: str
     special_tokens: SpecialTokens
@@ -69,35 +61,27 @@ class UnitTask:
 
 @dataclass(frozen=True)
 class UnitResult:
-    """A finished unit's final ledger entry, and its process's timings since its last result (summed over
-    results, a process's whole time: see :mod:`streampack.builder.timings`)."""
+    """A finished unit's final ledger entry, and its process's timings since its last result."""
 
     unit_index: int
     entry: LedgerEntry
     timings: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
 
-# ----------------------------------------------------------------------------- worker processes only
-
-# Set and read only in spawned worker processes and Ray tasks, never in the process that calls build():
-# a worker serves the units of builds whose tokenizer it loads once (a tokenizer.json takes ~0.5 s).
+# Set and read only in worker processes and Ray tasks, which load each tokenizer once for all their units.
 _worker_threads = 0
 _worker_tokenizers: dict[tuple[TokenizerRef, int], Tokenizer] = {}
 
 
 def init_worker(threads: int) -> None:
-    """Worker-process initializer: encode with ``threads`` threads.
-
-    Hugging Face ``tokenizers`` sizes its thread pool from ``RAYON_NUM_THREADS`` when the pool first
-    starts, so in a worker of its own the variable is the way to set it.
-    """
+    """Encode with ``threads`` threads (``tokenizers`` reads RAYON_NUM_THREADS)."""
     global _worker_threads
     _worker_threads = threads
     os.environ["RAYON_NUM_THREADS"] = str(threads)
 
 
 def worker_tokenizer(ref: TokenizerRef) -> Tokenizer:
-    """This worker's tokenizer for ``ref``, loaded once, and checked to be the one the build started with.
+    """This worker's tokenizer for ``ref``, loaded once and checked to be the one the build started with.
 
     Raises:
         TokenizerError: the tokenizer's files changed since the build started.

@@ -1,10 +1,7 @@
-"""Where a build's time goes: its timings, seconds per part of the pipeline, for ``build --profile``.
+"""Where a build's time goes: seconds per part of the pipeline, summed over worker processes (``--profile``).
 
-A :class:`Stopwatch` charges the time of one thread to the timing it is in: switching timing reads the wall
-clock (and, when profiling, the thread's CPU clock), so the reader thread can switch per record; the writer
-thread has a stopwatch of its own. Calls on the encoder threads (parsing, encoding, verifying, framing) are
-timed there and added with :meth:`Stopwatch.add`. The table sums the times of every worker process; the main
-thread's timings add up to its wall time, and so do the writer's, while the engine encodes beside them.
+The reader and writer threads each charge their time to the timing they are in (:class:`Stopwatch`); calls
+on the encoder threads are timed there and added.
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ TIMINGS = (
 _THREADED = ("parse", "encode", "verify", "frame")  # wall seconds of calls on the encoder threads
 _WRITER = ("write wait", "write")  # timed on the writer thread, with its CPU when profiling
 
-# The process's CPU seconds already reported (a worker runs a pipeline, hence a stopwatch, per unit): 0 until
-# the first unit of a worker process, whose start-up is then reported as the timing "start".
+# The process's CPU seconds already reported: 0 until a worker's first unit reports its start-up as "start".
 _process_cpu_taken = 0.0
 
 
@@ -46,12 +42,7 @@ def mark_process_start() -> None:
 
 
 class Stopwatch:
-    """Wall seconds per timing of one thread, and with ``cpu`` its CPU seconds too; plus timings other
-    threads report (:meth:`add`).
-
-    A thread's CPU clock costs a system call (~0.8 us, 10x the wall clock's), so it is read only when
-    profiling. Wall time alone overstates a timing whose thread waits for a core.
-    """
+    """Wall seconds per timing of one thread, and with ``cpu`` (a system call per switch) its CPU seconds."""
 
     def __init__(self, timing: str = "other", *, cpu: bool = False) -> None:
         self.seconds: dict[str, list[float]] = {}  # timing -> [wall, cpu]
@@ -67,7 +58,7 @@ class Stopwatch:
             self._since = self._now()
 
     def charge_start(self) -> None:
-        """Charge what starting this worker process cost to the timing "start", once, when measuring CPU."""
+        """Charge this worker process's start-up CPU to "start", once, when measuring CPU."""
         global _process_cpu_taken
         if self.cpu and _process_cpu_taken == 0.0:
             _process_cpu_taken = time.process_time()
@@ -115,8 +106,7 @@ class Stopwatch:
         self._charge(timing, wall, 0.0)
 
     def take(self, *, process: bool = True) -> dict[str, list[float]]:
-        """The times charged since the last take (the current timing's running time included), and with
-        ``cpu`` and ``process`` the process's CPU seconds since then as the timing ``"process"``."""
+        """The times charged since the last take; with ``cpu`` and ``process``, the process's CPU too."""
         self.switch(self._timing)
         taken, self.seconds = self.seconds, {}
         if self.cpu and process:
@@ -141,9 +131,8 @@ def add_up(parts: Iterable[Mapping[str, Sequence[float]]]) -> dict[str, list[flo
 def render(times: Mapping[str, Sequence[float]], wall: float, workers: int) -> str:
     """A markdown table of ``times`` (``timing -> [wall, cpu]``) summed over ``workers`` processes.
 
-    The main thread's and the writer thread's timings have wall and CPU seconds; encode, verify and frame
-    have the wall seconds of the calls on the encoder threads, which overlap the others'; "engine threads"
-    is the CPU the worker processes spent outside those two threads (the engines' own, mostly).
+    Encoder-thread calls have wall seconds only (they overlap the others'); "engine threads" is the CPU
+    spent outside the reader and writer threads.
     """
     main = [s for s in TIMINGS if s in times and s not in _THREADED + _WRITER]
     main += [s for s in times if s not in TIMINGS and s != "process"]

@@ -1,39 +1,20 @@
-"""Appending documents to a shard, and committing them durably.
-
-A shard is two files: the token ids, flat, and the uint64 cumulative end offset of every document; an SFT
-build's shards have a third, the loss mask, one byte per token. :class:`ShardWriter` opens them at the
-committed lengths of the ledger (truncating any uncommitted tail a crash left behind), appends documents,
-and on :meth:`ShardWriter.commit` fsyncs every file *before* the ledger entry that covers them is replaced.
-"""
+"""Appending documents to a shard (tokens, document ends, an SFT loss mask), and committing them durably."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import TracebackType
 
 import numpy as np
 
 from streampack.format.ledger import Counts, LedgerEntry
 from streampack.format.names import OFFSET_DTYPE, SHARD_DIR, checksum_text, mask_key, offsets_key, tokens_key
-from streampack.store import AppendFile, LocalStore, disk_error
+from streampack.store import AppendFile, LocalStore
 from streampack.store.files import commit_entry
-
-__all__ = ["ShardWriter", "disk_error"]
 
 
 class ShardWriter:
-    """Append-only writer of one shard, resuming from a unit's committed ledger entry.
-
-    Use as a context manager; nothing is committed implicitly on exit. The shard's files are appended to
-    in place in the local store (:class:`~streampack.store.AppendFile`).
-
-    Args:
-        root: the cache directory.
-        name: the shard's name.
-        dtype: the token dtype.
-        progress: what the unit has committed so far.
-        masked: also write the loss mask (one byte per token), for SFT builds.
-    """
+    """Append-only writer of one shard, opened at the lengths ``progress`` committed (dropping an uncommitted
+    tail); ``masked``: also write an SFT build's loss mask."""
 
     def __init__(
         self, root: Path, name: str, dtype: np.dtype, progress: LedgerEntry, *, masked: bool = False
@@ -53,14 +34,8 @@ class ShardWriter:
         self._doc_aligned_tokens = progress.tokens
 
     def append(self, tokens: np.ndarray, ends: np.ndarray, mask: np.ndarray | None = None) -> None:
-        """Append tokens, and document ends given relative to the start of ``tokens``.
-
-        Args:
-            tokens: token ids, already of the shard's dtype.
-            ends: cumulative end offsets of the documents completed within ``tokens`` (may be empty when a
-                long document continues past this call).
-            mask: the tokens' loss mask (uint8, one per token): required when the writer is masked.
-        """
+        """Append tokens (of the shard's dtype), the ends of the documents they complete (relative to
+        ``tokens``; none while a long document goes on), and with a masked writer their loss mask."""
         if self._mask is not None:
             assert mask is not None and len(mask) == len(tokens), "a masked shard takes a byte per token"
             self._mask.write(_buffer(mask, np.dtype(np.uint8)))
@@ -72,12 +47,9 @@ class ShardWriter:
         self.num_docs += len(ends)
 
     def commit(self, counts: Counts, *, done: bool = False) -> LedgerEntry:
-        """Make everything appended durable, then record it in the ledger.
+        """Fsync everything appended, then record it in the ledger (with ``done``, with its checksums).
 
-        The ledger records the tokens up to the end of the last complete document: the tokens of a document
-        still being appended (a long one, split into pieces) are cut off on resume and written again, with
-        the records they belong to (``counts`` covers complete documents only). With ``done``, also record
-        the final checksums.
+        The ledger records tokens up to the last complete document: a resume writes a partial one again.
         """
         for file in self._files():
             file.sync()
@@ -111,14 +83,6 @@ class ShardWriter:
 
     def _files(self) -> list[AppendFile]:
         return [self._tokens, self._offsets] + ([] if self._mask is None else [self._mask])
-
-    def __enter__(self) -> ShardWriter:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 def _buffer(array: np.ndarray, dtype: np.dtype) -> memoryview:

@@ -1,13 +1,8 @@
 """The segments of every conversation of one shape, made from renders of the shape alone.
 
-Where a chat template is proven to only print the contents (:mod:`streampack.inputs.chat_proof`), the render
-of a conversation is the render of its shape (each content replaced by a marker) with each marker replaced
-by its content, as given or stripped. So are the renders of its prefixes that find the assistant turns. A
-:class:`Plan` holds that once per shape: the template's text cut where a turn begins or ends, the contents'
-places between, and which of them are targets; :meth:`Plan.segments` fills in one conversation's contents,
-with no render. The plan gives the segments that rendering the conversation gives
-(``tests/test_chat_plan.py`` compares both on generated conversations); where a shape's renders do not
-line up so for every content (:func:`plan`'s None), the conversation is rendered.
+Where a template is proven to only print the contents, the render of a conversation (and of the prefixes
+that find the assistant turns) is its shape's render with each marker replaced by its content, as given or
+stripped. A :class:`Plan` holds that once per shape, and fills in a conversation's contents with no render.
 """
 
 from __future__ import annotations
@@ -76,17 +71,15 @@ class Plan:
             if index >= 0
         ]
         self._kinds = [(target, template) for *_, target, template in items]
-        # Where no two neighbours are alike and no literal is empty, the items are the segments whenever
-        # every content is non-empty: the common case, made without joining runs, the literals' segments
-        # made once.
+        # No two neighbours alike and no empty literal: the items are the segments when every content is
+        # non-empty, the common case, made without joining runs.
         self._alternating = all(a != b for a, b in itertools.pairwise(self._kinds)) and all(
             literal for literal, index, *_ in items if index < 0
         )
         self._literals = [Segment(text, *kind) for text, kind in zip(self._texts, self._kinds)]
 
     def segments(self, messages: list[dict[str, Any]]) -> Sft:
-        """The segments of a conversation of this plan's shape: its runs of texts alike (a target or not,
-        the template's or not), as :func:`streampack.inputs.sft._runs` cuts the render."""
+        """The segments of a conversation of this plan's shape, as rendering it would give them."""
         if self._alternating:
             segments = self._literals.copy()
             for k, index, stripped, target, template in self._holes:
@@ -124,9 +117,8 @@ def _runs(texts: list[str], kinds: list[tuple[bool, bool]]) -> Sft:
 
 
 def plan(shape: list[dict[str, Any]], render: Render) -> Plan | None:
-    """The plan of the conversations of ``shape`` (their messages with any content), of a template proven
-    to only print contents; None where its renders do not line up for every content (the turns are then
-    found by rendering each conversation)."""
+    """The plan of the conversations of ``shape``, for a template proven to only print contents; None where
+    its renders do not line up for every content (each conversation is then rendered)."""
     full = _render(shape, False, render)
     if full is None:
         return None

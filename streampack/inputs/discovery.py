@@ -1,23 +1,11 @@
 """Input discovery: paths, directories, globs and URLs to the ordered list of input files.
 
-The rules, in the order they apply:
-
-- Inputs are taken in the order given. A file named explicitly is read whatever its name (a hidden one
-  too); a directory or glob contributes its input files sorted by path, so the order (and so the cache)
-  is stable.
-- Below the root of a directory or glob, entries whose name starts with ``.`` are skipped
-  (``.git``, ``.ipynb_checkpoints``, ``.cache``), as Hugging Face ``datasets`` does; so are files of an
-  unsupported type, a streampack cache's own files, and ``.json`` files that hold one JSON document
-  (a ``tokenizer.json``, a ``config.json``) rather than JSON Lines.
-- Symlinked folders are followed in both forms; a folder reached again through a link to itself or one
-  of its parents (a loop) is skipped.
-- Each real file (:func:`os.path.realpath`) is read once: a file given twice, or reached through two
-  paths, keeps its first place and the later ones are skipped.
-
-:func:`discover_inputs` returns the files and the skipped entries with the reason for each;
-:func:`expand_inputs` returns the files only. Local paths and globs are walked in
-:mod:`~streampack.inputs.local`, URLs listed in :mod:`~streampack.inputs.urls`; what an input file is,
-and the reasons an entry is skipped, are in :mod:`~streampack.inputs.inputfile` (re-exported here).
+- Inputs are read in the order given; a directory or glob gives its input files sorted by path. A file
+  named explicitly is read whatever its name.
+- Below a directory or glob root, hidden entries (``.git``), files of other types, a streampack cache's
+  files and ``.json`` files holding one JSON document (a ``config.json``) are skipped.
+- Symlinked folders are followed, except into a loop.
+- Each real file is read once, at its first place.
 """
 
 from __future__ import annotations
@@ -28,22 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streampack.errors import InputError as InputError
-from streampack.inputs.inputfile import CACHE as CACHE
-from streampack.inputs.inputfile import COMPRESSION_SUFFIXES as COMPRESSION_SUFFIXES
+from streampack.errors import InputError
 from streampack.inputs.inputfile import DUPLICATE, Ignored, InputFile, nothing_found
-from streampack.inputs.inputfile import HIDDEN as HIDDEN
-from streampack.inputs.inputfile import JSONL_SUFFIXES as JSONL_SUFFIXES
-from streampack.inputs.inputfile import NOT_A_REGULAR_FILE as NOT_A_REGULAR_FILE
-from streampack.inputs.inputfile import NOT_AN_INPUT_TYPE as NOT_AN_INPUT_TYPE
-from streampack.inputs.inputfile import NOT_JSON_LINES as NOT_JSON_LINES
-from streampack.inputs.inputfile import PARQUET_SUFFIXES as PARQUET_SUFFIXES
-from streampack.inputs.inputfile import SYMLINK_LOOP as SYMLINK_LOOP
-from streampack.inputs.inputfile import TEXT_SUFFIXES as TEXT_SUFFIXES
-from streampack.inputs.inputfile import UNREADABLE as UNREADABLE
-from streampack.inputs.inputfile import Format as Format
-from streampack.inputs.inputfile import describe_error as describe_error
-from streampack.inputs.inputfile import looks_like_json_lines as looks_like_json_lines
 from streampack.inputs.local import MAGIC, cache_holding, found_files, glob_parts, glob_root, local_file
 from streampack.inputs.urls import expand_url
 
@@ -59,13 +33,8 @@ class Discovery:
 
 
 def discover_inputs(inputs: Sequence[str | os.PathLike[str]]) -> Discovery:
-    """Resolve paths, directories, globs and URLs to the ordered input files (see the module docstring).
-
-    Args:
-        inputs: local paths, directories, globs (``**`` for any depth) and fsspec URLs.
-
-    Returns:
-        The :class:`Discovery`: files in reading order, each real file once, and the skipped entries.
+    """Resolve local paths, directories, globs (``**`` for any depth) and fsspec URLs to the input files in
+    reading order, and the entries skipped (see the module's rules).
 
     Raises:
         InputError: an input does not exist, is not a file or directory, matches nothing, or has an
@@ -101,11 +70,8 @@ def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[InputFile]:
 def check_output_outside_inputs(
     out: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]]
 ) -> None:
-    """Refuse an output directory that is an input directory (or glob root), or that holds an input.
-
-    Such a cache shares a directory with its inputs: its files would be read as input (or, once it is a
-    cache, hide the inputs), and ``--overwrite`` could not tell the two apart. An output directory
-    *inside* an input directory is fine: a cache found below an input root is never read.
+    """Refuse an output directory that is an input directory (or glob root), or that holds an input: the
+    two would mix. An output directory inside an input directory is fine (a cache there is never read).
 
     Raises:
         InputError: naming the output and the input.
@@ -131,9 +97,6 @@ def check_output_outside_inputs(
                 f"out={os.fspath(out)} holds the input {spec}: the cache and its inputs would share a "
                 "directory; choose an output directory outside the inputs"
             )
-
-
-# ---------------------------------------------------------------------------------------------- one input
 
 
 def _expand_one(spec: str, ignored: list[Ignored]) -> list[tuple[InputFile, str]]:
@@ -182,8 +145,7 @@ def _file_kind(mode: int) -> str:
 
 
 def _skipped(ignored: list[Ignored], read: dict[str, str]) -> list[Ignored]:
-    """The entries skipped, once each (a folder can be listed by more than one ``**``), with absolute
-    paths; without those read after all (a hidden file also named explicitly)."""
+    """The entries skipped, once each and with absolute paths, without those read after all."""
     skipped = []
     for entry in dict.fromkeys(ignored):
         if "://" in entry.path:

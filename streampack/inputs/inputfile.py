@@ -1,10 +1,4 @@
-"""An input file, and why an entry found is not one: what discovery gives back.
-
-:class:`InputFile` is a file to read, with its format and compression told by its name (:func:`detect`)
-and the stats that identify its content; :class:`Ignored` an entry skipped, with one of the reasons
-below. A ``.json`` file is read as JSON Lines unless its first line shows one JSON document
-(:func:`looks_like_json_lines`).
-"""
+"""An input file (its format told by its name), and why an entry found is not one: what discovery gives."""
 
 from __future__ import annotations
 
@@ -53,9 +47,7 @@ class InputFile:
         return "://" not in self.path
 
     def stat_json(self) -> dict[str, Any]:
-        """The manifest's record of this input (what tells a changed input on resume), as the JSON that
-        :class:`~streampack.format.sections.InputRecord` writes: made straight from the stats, since a build
-        may read 10^5 files."""
+        """The manifest's record of this input, as ``InputRecord``'s JSON (made directly: 10^5 files)."""
         return {"path": self.path, "size": self.size, "mtime_ns": self.mtime_ns}
 
 
@@ -74,13 +66,9 @@ class Ignored:
 
 
 def looks_like_json_lines(f: BinaryIO) -> bool:
-    """False when the first non-blank line of ``f`` shows a single JSON document rather than JSON Lines.
-
-    A document shows as ``{`` or ``[`` alone (pretty-printed), an array, or a JSON value that is not an
-    object. Anything else counts as JSON Lines: an object, an empty file, a first line too long to tell
-    (over 1 MiB), and a broken first record too, whose error is then reported when it is read rather
-    than the whole file skipped.
-    """
+    """False when the first non-blank line of ``f`` shows a single JSON document rather than JSON Lines:
+    ``{`` or ``[`` alone, an array, or a value that is not an object. A broken first record counts as
+    JSON Lines, so that its error is reported."""
     budget = _SNIFF_BYTES
     while budget > 0:
         line = f.readline(budget)
@@ -111,8 +99,7 @@ def _is_json(line: bytes) -> bool:
 
 
 def describe_error(error: BaseException) -> str:
-    """``Class: message`` of an error and of its causes: fsspec wraps the reason (a DNS failure, a 404)
-    in a FileNotFoundError that names only the URL."""
+    """``Class: message`` of an error and its causes (fsspec wraps the reason in an error naming the URL)."""
     parts, seen = [], set()
     cause: BaseException | None = error
     while cause is not None and id(cause) not in seen:

@@ -1,9 +1,7 @@
 """Inputs read a line at a time: JSON Lines, and text files read one document per line (``split_lines``).
 
-Both share one reader of a unit's lines (:func:`read_line_parts`): a unit may be a byte range of a large
-file, which starts at the first line beginning in it. Its lines are read in parts of whole lines
-(:class:`LinesPart`), counted as they are read and parsed later, by whichever thread asks; a bad record
-names its absolute line number, counted from the start of the file only when a message needs it.
+A unit may be a byte range of a large file, starting at the first line that begins in it; a bad record
+names its line number from the file's start, counted only when a message needs it.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import orjson
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import READ_CHUNK, STREAM_ERRORS, open_input, refuse_compressed
 from streampack.inputs.inputfile import COMPRESSION_SUFFIXES, InputFile, looks_like_json_lines
-from streampack.inputs.parts import parsed, skipped
+from streampack.inputs.parts import skipped
 from streampack.inputs.records import (
     Item,
     Position,
@@ -37,20 +35,10 @@ from streampack.inputs.text import BOM
 _NEWLINE = ord("\n")
 
 
-def read_lines(unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None) -> Iterator[Item]:
-    """One item per line of the unit (its byte range, or the whole file) after the first ``skip``.
-
-    Raises:
-        InputError: the input cannot be opened, or its stream is truncated or corrupt.
-    """
-    return parsed(read_line_parts(unit, options, skip, position))
-
-
 def read_line_parts(
     unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None, size: int = READ_CHUNK
 ) -> Iterator[LinesPart]:
-    """The unit's lines after the first ``skip``, in parts of about ``size`` bytes of whole lines, each
-    parsed only when asked (:meth:`LinesPart.items`).
+    """The unit's lines after the first ``skip``, in parts of about ``size`` bytes of whole lines.
 
     Raises:
         InputError: the input cannot be opened, or its stream is truncated or corrupt.
@@ -64,7 +52,7 @@ def read_line_parts(
 
 @dataclass(frozen=True)
 class _LineReader:
-    """How the lines of one unit become items: its file, where the unit starts, and its record reader."""
+    """How the lines of one unit become items."""
 
     file: InputFile
     start: int  # the unit's first byte in the file: line numbers in messages count from the file's start
@@ -73,31 +61,70 @@ class _LineReader:
     field: Wanted
 
     def items(self, lines: list[bytes], first: int) -> list[Item]:
-        """The items of ``lines`` (without their newlines), the first of which is line ``first`` of the
-        unit."""
-        file, start = self.file, self.start
+        """The items of ``lines`` (without newlines), the first of which is line ``first`` of the unit."""
         if not self.is_json:
-            return [_decode_text_line(line, file, start, n) for n, line in enumerate(lines, first)]
-        extract, field = self.extract, self.field
-        if not isinstance(field, str):  # an SFT build's fields or chat
-            numbered = enumerate(lines, first)
-            return [_parse_json_line(line, field, extract, file, start, n) for n, line in numbered]
-        return self._texts(lines, first, field)
-
-    def _texts(self, lines: list[bytes], first: int, field: str) -> list[Item]:
-        """The text field of each JSON line: in one lookup where the line is an object whose field is a
-        string, else as :func:`_parse_json_line` says (a blank line, a bad record)."""
+            return [self._text_line(line, n) for n, line in enumerate(lines, first)]
+        if not isinstance(self.field, str):  # an SFT build's fields or chat
+            return [self._json_line(line, n) for n, line in enumerate(lines, first)]
         items: list[Item] = []
-        loads = orjson.loads
-        for n, line in enumerate(lines, first):
+        loads, field = orjson.loads, self.field
+        for n, line in enumerate(lines, first):  # one lookup where the text field is a string
             try:
                 text = loads(line)[field]
             except (orjson.JSONDecodeError, TypeError, KeyError, IndexError):
                 text = None
             if type(text) is not str:
-                text = _parse_json_line(line, field, self.extract, self.file, self.start, n)
+                text = self._json_line(line, n)
             items.append(text)
         return items
+
+    def location(self, line_no: int) -> str:
+        """``path:line`` with the absolute line number (counted from the file start only when needed)."""
+        if self.start:
+            line_no += count_lines_before(self.file, self.start)
+        return f"{self.file.path}:{line_no}"
+
+    def _text_line(self, line: bytes, line_no: int) -> Item:
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            refuse_compressed(self.file)
+            return BadRecordError(self.location(line_no), f"invalid UTF-8 at byte {e.start} of the line")
+        text = text.rstrip("\r\n")
+        return text if text.strip() else None
+
+    def _json_line(self, line: bytes, line_no: int) -> Item:
+        if not line.strip():
+            return None
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            return self._json_line_slowly(line, line_no, e)
+        if not isinstance(record, dict):
+            return self._not_an_object(record, line_no)
+        return self.extract(record, self.field, lambda: self.location(line_no))
+
+    def _json_line_slowly(self, line: bytes, line_no: int, error: orjson.JSONDecodeError) -> Item:
+        """A line orjson refused: Python's parser also accepts ``NaN``, ``Infinity`` and lone surrogates (a
+        lone surrogate is still refused in the text, which no tokenizer can encode)."""
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except ValueError:  # invalid UTF-8 or malformed JSON
+            refuse_compressed(self.file)
+            problem = _json_problem(line, error) + _json_document_hint(self.file)
+            return BadRecordError(self.location(line_no), problem)
+        except RecursionError:  # deeper than orjson's 1024 levels and than Python's recursion limit
+            return BadRecordError(self.location(line_no), "malformed JSON (nested too deeply)")
+        if not isinstance(record, dict):
+            return self._not_an_object(record, line_no)
+        item = self.extract(record, self.field, lambda: self.location(line_no))
+        return encodable(item, self.location(line_no))
+
+    def _not_an_object(self, record: Any, line_no: int) -> BadRecordError:
+        problem = (
+            f"the line is a JSON {type(record).__name__}, expected an object with {describe(self.field)}"
+        )
+        return BadRecordError(self.location(line_no), problem + _json_document_hint(self.file))
 
 
 @dataclass(frozen=True)
@@ -126,8 +153,7 @@ class LinesPart:
 def _line_parts(
     unit: WorkUnit, reader: _LineReader, position: Position | None, size: int
 ) -> Iterator[LinesPart]:
-    """Every line that begins in the unit, in parts of about ``size`` bytes (a longer line: a part of its
-    own)."""
+    """Every line that begins in the unit, in parts of about ``size`` bytes (a longer line: its own)."""
     file = reader.file
     lines = 0
     with open_input(file, position) as f:
@@ -147,7 +173,7 @@ def _line_parts(
                         yield LinesPart(data, count, lines + 1, reader)
                         lines += count
         except STREAM_ERRORS as e:
-            where = _location(file, unit.start, lines) if lines else f"{file.path}: before the first line"
+            where = reader.location(lines) if lines else f"{file.path}: before the first line"
             raise InputError(
                 f"{where}: the {file.compression or 'file'} stream is truncated or corrupt after this point "
                 f"({e}); replace the file, then rerun the same command to resume"
@@ -155,9 +181,8 @@ def _line_parts(
 
 
 def _whole_lines(f: BinaryIO, want: int, size: int) -> list[bytes]:
-    """The next ``want`` bytes of ``f`` and the rest of the line they end in (none at the end of ``f``): one
-    chunk of whole lines, or two where the last line is longer than ``size``, a part of its own, which a
-    build parses and cuts where it reads it so that both encoder threads share its pieces."""
+    """The next ``want`` bytes of ``f`` and the rest of the line they end in: one chunk of whole lines, or
+    two where the last line is longer than ``size`` (a build cuts it on the reading thread)."""
     data = f.read(want)
     if not data or data.endswith(b"\n"):
         return [data] if data else []
@@ -176,8 +201,7 @@ def _count_lines(data: bytes) -> int:
 
 
 def _split_lines(data: bytes) -> list[bytes]:
-    """The lines of ``data``, without their newlines; found by memchr (``find``), 3x faster than
-    ``bytes.split`` (366 MB: 0.04 s against 0.12 s), which compares byte by byte."""
+    """The lines of ``data``, without their newlines (``find`` uses memchr: 3x ``bytes.split``)."""
     lines = []
     find, start = data.find, 0
     while (end := find(b"\n", start)) != -1:
@@ -194,13 +218,6 @@ def _seek_line_start(f: BinaryIO, start: int) -> int:
         return 0
     f.seek(start - 1)
     return start - 1 + len(f.readline())
-
-
-def _location(file: InputFile, start: int, line_no: int) -> str:
-    """``path:line`` with the absolute line number (counted from the file start only when needed)."""
-    if start:
-        line_no += count_lines_before(file, start)
-    return f"{file.path}:{line_no}"
 
 
 @functools.lru_cache(maxsize=64)
@@ -220,63 +237,6 @@ def count_lines_before(file: InputFile, start: int) -> int:
         except STREAM_ERRORS as e:
             raise InputError(f"{file.path}: cannot read ({e})") from None
     return count
-
-
-def _decode_text_line(line: bytes, file: InputFile, start: int, line_no: int) -> Item:
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        refuse_compressed(file)
-        return BadRecordError(_location(file, start, line_no), f"invalid UTF-8 at byte {e.start} of the line")
-    text = text.rstrip("\r\n")
-    return text if text.strip() else None
-
-
-def _parse_json_line(
-    line: bytes, field: Wanted, extract: RecordReader, file: InputFile, start: int, line_no: int
-) -> Item:
-    if not line.strip():
-        return None
-    try:
-        record = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        return _parse_json_line_slowly(line, field, extract, file, start, line_no, e)
-    if not isinstance(record, dict):
-        return _not_an_object(record, field, file, start, line_no)
-    return extract(record, field, lambda: _location(file, start, line_no))
-
-
-def _parse_json_line_slowly(
-    line: bytes,
-    field: Wanted,
-    extract: RecordReader,
-    file: InputFile,
-    start: int,
-    line_no: int,
-    error: orjson.JSONDecodeError,
-) -> Item:
-    """A line orjson refused: Python's parser also accepts ``NaN``, ``Infinity`` and lone surrogates.
-
-    Asked only after orjson failed, so the common path pays nothing. A lone surrogate is still refused
-    in the text (no tokenizer can encode it), as for Python inputs; in other fields it does no harm.
-    """
-    try:
-        record = json.loads(line.decode("utf-8"))
-    except ValueError:  # invalid UTF-8 or malformed JSON
-        refuse_compressed(file)
-        problem = _json_problem(line, error) + _json_document_hint(file)
-        return BadRecordError(_location(file, start, line_no), problem)
-    except RecursionError:  # deeper than orjson's 1024 levels and than Python's recursion limit
-        return BadRecordError(_location(file, start, line_no), "malformed JSON (nested too deeply)")
-    if not isinstance(record, dict):
-        return _not_an_object(record, field, file, start, line_no)
-    item = extract(record, field, lambda: _location(file, start, line_no))
-    return encodable(item, _location(file, start, line_no))
-
-
-def _not_an_object(record: Any, wanted: Wanted, file: InputFile, start: int, line_no: int) -> BadRecordError:
-    problem = f"the line is a JSON {type(record).__name__}, expected an object with {describe(wanted)}"
-    return BadRecordError(_location(file, start, line_no), problem + _json_document_hint(file))
 
 
 def _json_problem(line: bytes, error: orjson.JSONDecodeError) -> str:

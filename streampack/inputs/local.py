@@ -1,6 +1,4 @@
-"""Local inputs: the files of a directory or glob, walked as the rules of :mod:`~streampack.inputs.discovery`
-say (hidden entries, caches, symlink loops and other types skipped), and one local file's stats.
-"""
+"""Local inputs: the files of a directory or glob walked by discovery's rules, and one local file's stats."""
 
 from __future__ import annotations
 
@@ -50,8 +48,7 @@ def found_files(root: str, parts: list[str], ignored: list[Ignored]) -> list[tup
 
 
 def _not_an_input(path: str, mode: int, detected: tuple[Format, str | None] | None) -> str | None:
-    """Why a file found under a directory or glob is not read (``detected``: its format, from its name), or
-    None when it is an input file."""
+    """Why a file found under a directory or glob is not read, or None when it is an input file."""
     if not stat.S_ISREG(mode):
         return NOT_A_REGULAR_FILE
     if detected is None:
@@ -91,8 +88,7 @@ def _is_cache(directory: str) -> bool:
 def local_file(
     path: str, st: os.stat_result | None = None, detected: tuple[Format, str | None] | None = None
 ) -> InputFile:
-    """The input file at local ``path`` (absolute in the result), its stats ``st`` and format ``detected``
-    (from its name) where already known."""
+    """The input file at local ``path`` (made absolute), with its stats and format where already known."""
     abspath = path if _absolute_and_normal(path) else os.path.abspath(path)
     if ".." in path.split(os.sep) and os.path.realpath(abspath) != os.path.realpath(path):
         abspath = os.path.join(os.getcwd(), path)  # "link/.." is not where abspath's folding says
@@ -105,14 +101,9 @@ def local_file(
 
 
 def _absolute_and_normal(path: str) -> bool:
-    """Whether ``os.path.abspath`` would give ``path`` back (most paths found under an absolute folder):
-    absolute, and no ``//``, ``/.``, ``/..`` or trailing ``/`` for it to fold (a hidden name too is left to
-    it)."""
+    """Whether ``os.path.abspath`` would give ``path`` back (most paths found under an absolute folder)."""
     sep = os.sep
     return path.startswith(sep) and not path.endswith(sep) and sep * 2 not in path and sep + "." not in path
-
-
-# ---------------------------------------------------------------------------------------------- globbing
 
 
 def glob_root(spec: str) -> str:
@@ -133,11 +124,8 @@ def _match(
 ) -> Iterator[tuple[str, str]]:
     """Files (with their real paths) under ``directory`` matching the glob components ``parts``.
 
-    Glob semantics as Python's ``glob`` (``**`` is any number of folders; wildcards match no name that
-    starts with ``.`` unless the pattern does), except that the hidden entries skipped are recorded, a
-    folder that is a streampack cache is skipped whole, and symlinked folders are followed unless they
-    lead back to a folder being walked (``ancestors``, real paths). ``real`` is the real path of
-    ``directory``; those of its entries are derived from it, calling ``realpath`` only for symlinks.
+    As Python's ``glob``, except that hidden entries skipped are recorded, a cache folder is skipped whole,
+    and symlinked folders are followed unless they lead back to one of ``ancestors`` (real paths).
     """
     if _is_cache(directory or os.curdir):
         ignored.append(Ignored(directory, CACHE))

@@ -1,6 +1,4 @@
-"""Parquet inputs: units of whole row groups planned from the file's metadata, and their rows read in
-batches (the text column, or for an SFT build the columns its fields need). pyarrow is imported only here,
-and only when a Parquet file is read."""
+"""Parquet inputs: units of whole row groups, their rows read in record batches (pyarrow imported here)."""
 
 from __future__ import annotations
 
@@ -13,7 +11,7 @@ from typing import Any
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import open_remote
 from streampack.inputs.inputfile import InputFile
-from streampack.inputs.parts import Part, parsed
+from streampack.inputs.parts import Part
 from streampack.inputs.records import Item, ReadOptions, RecordReader, Wanted, WorkUnit, record_reader
 
 
@@ -48,31 +46,17 @@ def row_group_ranges(file: InputFile, unit_bytes: int) -> list[tuple[int, int | 
     return ranges
 
 
-def read_parquet(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[Item]:
-    """One item per row of the unit's row groups after the first ``skip``: the text column's value (a
-    null or invalid UTF-8 is a bad record), or for an SFT build the record its columns make.
-
-    Raises:
-        InputError: no such column, not a string column, or the data cannot be read.
-    """
-    return parsed(read_parquet_parts(unit, options, skip))
-
-
 def read_parquet_parts(
     unit: WorkUnit, options: ReadOptions, skip: int, size: int = 1 << 20
 ) -> Iterator[Part]:
-    """The unit's rows after the first ``skip``, in record batches of about ``size`` bytes of text, each
-    turned into Python strings (or records) only when asked (:meth:`TextValues.items`).
+    """The unit's rows after the first ``skip``, in record batches of about ``size`` bytes of text.
 
     Raises:
         InputError: no such column, not a string column, or the data cannot be read.
     """
     file = unit.file
     assert file is not None
-    parquet = parquet_file(file)
-    if options.sft:
-        return _record_parts(unit, parquet, options, skip, size)
-    return _text_parts(unit, parquet, options.text_field, skip, size)
+    return _parts(unit, file, parquet_file(file), options, skip, size)
 
 
 @dataclass(frozen=True)
@@ -140,44 +124,40 @@ class Rows:
         return Rows(self.batch.slice(skip), self.row + skip, self.file, self.extract, self.wanted)
 
 
-def _text_parts(unit: WorkUnit, parquet: Any, field: str, skip: int, size: int) -> Iterator[Part]:
-    file = unit.file
-    assert file is not None
-    column, path = _text_column(file, parquet.schema_arrow, field)
-    groups, row, skip = _row_groups_after(unit, parquet, skip)
-    if not groups:
-        return
-    batches = parquet.iter_batches(
-        batch_size=_rows_of(parquet, groups, size), row_groups=groups, columns=[field]
-    )
-    parts = (TextValues(_string_values(batch.column(column), path), 0, file, field) for batch in batches)
-    yield from _numbered(parts, file, row, skip)
-
-
-def _record_parts(unit: WorkUnit, parquet: Any, options: ReadOptions, skip: int, size: int) -> Iterator[Part]:
-    """An SFT build's Parquet rows, each as a dict of the columns it needs."""
-    file = unit.file
-    assert file is not None
-    extract, wanted = record_reader(options)
-    fields = wanted if isinstance(wanted, tuple) else (wanted if isinstance(wanted, str) else wanted.field,)
-    columns = list(dict.fromkeys(f if f in parquet.schema_arrow.names else f.split(".")[0] for f in fields))
-    missing = [c for c in columns if c not in parquet.schema_arrow.names]
-    if missing:
-        raise InputError(
-            f"{file.path}: no column {missing[0]!r} (columns: {', '.join(parquet.schema_arrow.names)})"
+def _parts(
+    unit: WorkUnit, file: InputFile, parquet: Any, options: ReadOptions, skip: int, size: int
+) -> Iterator[Part]:
+    """The text column's values, or for an SFT build the rows of the columns its fields need."""
+    names = parquet.schema_arrow.names
+    if options.sft:
+        extract, wanted = record_reader(options)
+        fields = (
+            wanted if isinstance(wanted, tuple) else (wanted if isinstance(wanted, str) else wanted.field,)
         )
+        columns = list(dict.fromkeys(f if f in names else f.split(".")[0] for f in fields))
+        missing = [c for c in columns if c not in names]
+        if missing:
+            raise InputError(f"{file.path}: no column {missing[0]!r} (columns: {', '.join(names)})")
+    else:
+        column, path = _text_column(file, parquet.schema_arrow, options.text_field)
+        columns = [options.text_field]
     groups, row, skip = _row_groups_after(unit, parquet, skip)
     if not groups:
         return
     batches = parquet.iter_batches(
         batch_size=_rows_of(parquet, groups, size), row_groups=groups, columns=columns
     )
-    yield from _numbered((Rows(batch, 0, file, extract, wanted) for batch in batches), file, row, skip)
+    parts: Iterator[TextValues | Rows]
+    if options.sft:
+        parts = (Rows(batch, 0, file, extract, wanted) for batch in batches)
+    else:
+        field = options.text_field
+        parts = (TextValues(_string_values(batch.column(column), path), 0, file, field) for batch in batches)
+    yield from _numbered(parts, file, row, skip)
 
 
 def _numbered(parts: Iterator[TextValues | Rows], file: InputFile, row: int, skip: int) -> Iterator[Part]:
-    """The parts numbered from file row ``row`` on, without their first ``skip`` rows; a failure to read
-    is an input error naming the first row not read."""
+    """The parts numbered from file row ``row`` on, without their first ``skip`` rows."""
     import pyarrow as pa
 
     try:
@@ -204,8 +184,8 @@ def _rows_of(parquet: Any, groups: list[int], size: int) -> int:
 
 
 def _row_groups_after(unit: WorkUnit, parquet: Any, skip: int) -> tuple[list[int], int, int]:
-    """The unit's row groups left after skipping ``skip`` rows by whole groups; the rows before the first
-    of them (in the file); and the rows still to skip inside it."""
+    """The row groups left after skipping whole groups of ``skip`` rows, the file's rows before them, and
+    the rows still to skip."""
     stop = parquet.metadata.num_row_groups if unit.stop is None else unit.stop
     groups = list(range(unit.start, stop))
     row = sum(parquet.metadata.row_group(g).num_rows for g in range(unit.start))
@@ -231,8 +211,7 @@ def _batch_rows(batch: Any, file: InputFile, row: int) -> list[dict[str, Any] | 
 
 
 def _text_column(file: InputFile, schema: Any, field: str) -> tuple[str, list[str]]:
-    """Where the text is: the top-level column, and the path of struct fields inside it (for a dotted
-    field with no column of that name).
+    """Where the text is: the top-level column, and the path of struct fields inside it (a dotted field).
 
     Raises:
         InputError: no such column, a part of the path is missing or not a struct, or no string type.
@@ -271,8 +250,7 @@ def _is_string_view(kind: Any) -> bool:
 
 
 def _string_values(values: Any, path: list[str]) -> Any:
-    """The text values of a batch's column as a string or large_string array: the struct field at
-    ``path``, dictionary-decoded, a string_view cast (none of which checks UTF-8: to_pylist() does)."""
+    """The text values of a batch's column as a string or large_string array (UTF-8 is checked later)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 

@@ -1,14 +1,6 @@
-"""A unit's records as read, in parts: the work of reading is split from the work of parsing.
-
-Every format's reader yields a unit's records as :class:`Part` s, in order: a run of consecutive records as
-read (the bytes of whole JSON lines, a Parquet record batch, Python records already made), whose
-:meth:`Part.items` parses them into items (:data:`~streampack.inputs.records.Item`). Reading is I/O and
-decompression, which release the GIL; parsing turns bytes into Python strings, which holds it. A build
-reads the parts on one thread and parses each on the thread that then encodes it, so that parsing runs on
-as many cores as encoding does; :func:`~streampack.inputs.units.read_unit` parses them where they are read.
-
-A part knows how many records it holds without parsing them, so that a reader can count and skip records
-(a resumed unit) and number them (error messages, sampled checks) before any is parsed.
+"""A unit's records as read, in parts, parsed only when asked: reading (I/O, decompression) releases the
+GIL and parsing holds it, so a build parses each part on the thread that encodes it. A part counts its
+records without parsing them, so that a resumed unit skips them unparsed.
 """
 
 from __future__ import annotations
@@ -64,8 +56,7 @@ class ItemsPart:
 
 @dataclass(frozen=True)
 class StreamPart:
-    """One document too large to hold as a string (a big text file): its text arrives in chunks, so it is
-    cut into pieces as it is read, never parsed whole on another thread."""
+    """One document too large to hold as a string, cut into pieces as its chunks are read."""
 
     stream: TextStream
 
@@ -80,9 +71,7 @@ class StreamPart:
 
 
 def grouped_items(items: Iterator[Item | Part], size: int) -> Iterator[Part]:
-    """``items``, parsed where they are read, in parts of about ``size`` characters each; a
-    :class:`~streampack.inputs.records.TextStream` in a :class:`StreamPart` of its own, and the parts
-    among them (a run of files of several formats) as they are."""
+    """``items`` in parts of about ``size`` characters; a stream, or a part among them, a part of its own."""
     held: list[Item] = []
     chars = 0
     for item in items:

@@ -12,9 +12,7 @@ from streampack.inputs.records import Item, ReadOptions, WorkUnit, describe, enc
 
 
 def read_python(unit: WorkUnit, options: ReadOptions, skip: int) -> Iterator[Item]:
-    """One item per record of the unit's slice of a sequence (or of the whole iterable) after the first
-    ``skip``: a ``str``, or a dict through the record reader, each refused if its text holds a lone
-    surrogate; anything else a bad record."""
+    """One item per record of the unit's slice (or of the whole iterable) after the first ``skip``."""
     extract, wanted = record_reader(options)
     items = unit.items
     if unit.stop is None:

@@ -1,14 +1,5 @@
-"""What reading an input is about: the work unit, the read options, and the items a unit's records become.
-
-A *work unit* (:class:`WorkUnit`) is a piece of input decided by the inputs alone (a whole file; a run of
-consecutive small files; a line-aligned byte range of a large uncompressed JSONL file; a range of Parquet
-row groups; an index range of a Python sequence), never by the number of workers. Each unit becomes one
-shard, so the cache is the same whatever runs it.
-
-Also here: how one record (a JSON object, a Parquet row, a Python dict) becomes an :data:`Item` — its
-text, its SFT fields or its chat — or a :class:`~streampack.errors.BadRecordError` saying what is wrong
-with it, shared by every format. Nothing here opens a file.
-"""
+"""The work unit, the read options, and how one record (a JSON object, a Parquet row, a dict) becomes an
+:data:`Item`, shared by every format."""
 
 from __future__ import annotations
 
@@ -25,11 +16,10 @@ from streampack.inputs.sft import ChatError, ChatTemplate, Sft, check_messages, 
 
 @dataclass(frozen=True)
 class WorkUnit:
-    """A piece of input that becomes one shard.
+    """A piece of input that becomes one shard, decided by the inputs alone (never by the workers).
 
     ``start``/``stop`` are byte offsets for a split JSONL file, row-group indices for Parquet, row indices
-    for a Python sequence; ``stop=None`` means to the end. ``rest`` holds the whole files read after
-    ``file`` when the unit is a run of small files.
+    for a Python sequence; ``stop=None`` means to the end. ``rest``: the files after ``file`` in a run.
     """
 
     index: int
@@ -102,16 +92,13 @@ class TextStream:
         return self._chunks
 
 
+# A record as read: a text, a streamed text, an SFT document, a bad record, or None (a blank line).
 Item: TypeAlias = "str | TextStream | Sft | BadRecordError | None"
 
 
 def makes_document(item: Item) -> bool:
-    """Whether the build makes a document of a record's item: a text that is neither empty nor only
-    whitespace, a streamed text, or an SFT document with such a segment; never a bad record or a blank line.
-
-    The build (:mod:`streampack.builder.blocks`) and the replay of a cache's inputs that finds a document's
-    record (:mod:`streampack.loader.origins`) both ask this, so that they count the same records.
-    """
+    """Whether the build makes a document of a record's item: a text, or an SFT document with a segment,
+    not empty nor only whitespace; or a streamed text. The build and the loader's replay both ask this."""
     if isinstance(item, str):
         return bool(item) and not item.isspace()
     if isinstance(item, tuple):
@@ -127,16 +114,14 @@ RecordReader: TypeAlias = Callable[[dict[str, Any], Any, Callable[[], str]], Ite
 
 
 class Documents:
-    """Marks a Python object as the documents themselves (not paths): a sequence or iterable of ``str``
-    or of dicts holding the text field. Hugging Face datasets and generators are recognised without it;
-    a plain list of strings needs it, since it would otherwise be read as a list of paths.
+    """Marks a Python object as the documents themselves (not paths): ``str`` or dicts holding the text
+    field. A plain list of strings needs it; datasets and generators are recognised without it.
 
     Args:
         items: the documents.
-        fingerprint: a string that identifies these documents and changes whenever they do (a dataset
-            version, a content hash). With it, an interrupted build resumes and a finished cache is reused;
-            without it, a build into a directory that holds a cache is refused (streampack cannot tell
-            whether a list or generator still holds the same documents), unless it overwrites.
+        fingerprint: a string that changes whenever the documents do (a dataset version, a content hash).
+            With it, an interrupted build resumes and a finished cache is reused; without it, a build into
+            a directory that holds a cache is refused unless it overwrites.
     """
 
     def __init__(self, items: Iterable[Any], *, fingerprint: str | None = None) -> None:
@@ -173,8 +158,7 @@ class Position:
 
 
 def record_reader(options: ReadOptions) -> tuple[RecordReader, Wanted]:
-    """How a record (a JSON object, a Parquet row, a dict) becomes an item, and what it must hold: chosen
-    once per unit, so that reading a record costs one call, as it did before SFT builds existed."""
+    """How a record becomes an item, and what it must hold: chosen once per unit (one call per record)."""
     if options.fields is not None:
         return _fields_of, options.fields
     if options.chat is not None:

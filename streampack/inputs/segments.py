@@ -6,8 +6,7 @@ from typing import NamedTuple
 
 
 class Segment(NamedTuple):
-    """A span of a document's text, tokenized on its own (a named tuple: an SFT build makes several per
-    record).
+    """A span of an SFT document's text, tokenized on its own.
 
     Attributes:
         text: the text.

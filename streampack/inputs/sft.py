@@ -1,31 +1,13 @@
-"""Supervised fine-tuning documents: segments of text, each a training target or not.
+"""Supervised fine-tuning documents: segments of text, each tokenized on its own, each a target or not.
 
-An SFT build reads records with several fields (``fields=["prompt", "response"]``) or a chat (``chat=
-"messages"``: a list of ``{role, content}`` rendered with the tokenizer's chat template) instead of one text
-field. Each record becomes a tuple of :class:`Segment`: the segments are tokenized on their own and their
-ids concatenated in order, and the tokens of the *target* segments carry the loss (the cache's loss mask is
-1 there, 0 elsewhere).
-
-Fields: every field but the last is the prompt, the last is the target.
-
-Chat: the conversation is rendered as ``transformers`` renders it (a sandboxed Jinja environment with
-``raise_exception``, ``tojson``, the ``{% generation %}`` tag, and the config's special-token strings such
-as ``bos_token``; no ``strftime_now``, so that a render never depends on the day, and a cache never on when
-it was built). The target segments are the assistant turns, found by rendering prefixes: the render of
-``messages[:i]`` with ``add_generation_prompt=True`` must be a prefix of the whole render, and the render of
-``messages[:i + 1]`` ends after turn ``i``; what lies between (the turn's content and what the template
-writes after it, e.g. ``<|im_end|>``) is the target. Special-token strings the *template* writes become
-their ids; the messages' *content* stays text (text is text), unless the build parses special tokens. To
-tell the two apart, the conversation is rendered once more with each content replaced by a marker (once for
-all the conversations of one shape: the same roles and other fields), and the real render is traced through
-it (as given, or stripped where the template trims it); a template that changes content otherwise is
-refused for that record.
-
-A template whose contents are proven only printed (:mod:`streampack.inputs.chat_proof`: never compared,
-filtered or passed on; tested at most for their truth, when none is blank) renders every conversation of
-one shape alike but for its contents: such a
-conversation is not rendered at all, its segments are filled in from a plan made once per shape
-(:mod:`streampack.inputs.chat_plan`): 3.5 µs a ChatML conversation where its renders took 23.
+Fields (``fields=["prompt", "response"]``): the last field is the target. Chat (``chat="messages"``): the
+conversation is rendered as ``transformers`` renders it (without ``strftime_now``, so that a cache never
+depends on the day), and the assistant turns are the targets, found by rendering prefixes: the render of
+``messages[:i]`` with the generation prompt must be a prefix of the whole, and that of ``messages[:i + 1]``
+ends after turn ``i``. Special-token strings the template writes become their ids; the contents stay text,
+told apart by rendering the conversation's shape with each content replaced by a marker. Where the template
+is proven to only print the contents (:mod:`~streampack.inputs.chat_proof`), conversations are not rendered
+at all but filled into a plan made once per shape (:mod:`~streampack.inputs.chat_plan`).
 """
 
 from __future__ import annotations
@@ -47,17 +29,8 @@ if TYPE_CHECKING:
 
     from streampack.tokenizer.base import Tokenizer
 
-# The special-token strings of a tokenizer_config.json that a template sees as variables, as transformers
-# passes them.
-TEMPLATE_TOKENS = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
-)
+# The special-token strings of a tokenizer_config.json that transformers passes to a template.
+TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ChatError(ValueError):
@@ -95,7 +68,7 @@ def _kind(value: Any) -> str:
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """A chat template and the variables it is rendered with (picklable: workers compile it themselves).
+    """A chat template and the variables it is rendered with (picklable: workers compile it).
 
     Attributes:
         field: the record field that holds the messages.
@@ -152,8 +125,7 @@ class ChatTemplate:
         return _runs(full, self._assistant_spans(messages, full), self._content_spans(messages, full))
 
     def _assistant_spans(self, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int]]:
-        """Where each assistant turn lies in ``full``: from the end of the generation prompt before it to
-        the end of the render that stops after it."""
+        """Where each assistant turn lies in ``full``: from the generation prompt before it to its end."""
         spans: list[tuple[int, int]] = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -175,9 +147,8 @@ class ChatTemplate:
         return spans
 
     def _skeleton(self, messages: list[dict[str, Any]]) -> tuple[str, ...]:
-        """The render of ``messages`` with each content replaced by a marker, split at the markers (text,
-        index, text, ...): rendered once for all the conversations of one shape (their messages' roles and
-        other fields), as a render depends on its arguments alone."""
+        """The render of ``messages`` with each content a marker, split at the markers (text, index, ...),
+        made once per shape (the messages' roles and other fields)."""
         key = _skeleton_key(messages)
         return self._render_skeleton(messages) if key is None else _skeleton_of(self, key)
 
@@ -185,11 +156,8 @@ class ChatTemplate:
         return tuple(MARKER.split(self.render(marked(messages))))
 
     def _content_spans(self, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int]]:
-        """Where the messages' contents lie in ``full`` (the rest is the template's own text).
-
-        The skeleton is the render with each content replaced by a marker; ``full`` must be the skeleton
-        with each marker replaced by its content, as given or stripped (``| trim``).
-        """
+        """Where the messages' contents lie in ``full``: the skeleton with each marker replaced by its
+        content, as given or stripped (``| trim``)."""
         parts = self._skeleton(messages)
         spans: list[tuple[int, int]] = []
         at = 0
@@ -223,9 +191,8 @@ class ChatTemplate:
 
 
 def _runs(full: str, targets: list[tuple[int, int]], contents: list[tuple[int, int]]) -> Sft:
-    """``full`` cut where a target span or a content span begins or ends, each run of pieces alike (a
-    target or not, the template's text or not) one segment. Both lists of spans are in order and do not
-    overlap, so one pass over the cuts finds the span of each kind that each piece may lie in."""
+    """``full`` cut where a target or content span begins or ends, each run of pieces alike one segment
+    (both lists are in order and do not overlap: one pass finds each piece's spans)."""
     cuts = sorted({0, len(full), *(p for span in targets for p in span), *(p for s in contents for p in s)})
     segments: list[Segment] = []
     t = c = 0
@@ -249,9 +216,8 @@ def _runs(full: str, targets: list[tuple[int, int]], contents: list[tuple[int, i
 
 
 def _skeleton_key(messages: list[dict[str, Any]]) -> tuple[tuple[tuple[str, str | None], ...], ...] | None:
-    """What the render of ``messages`` with each content replaced by a marker depends on: each message's
-    keys in order and its values but the content; None when a key or value is not a string (``1`` and
-    ``True`` are equal keys but render differently)."""
+    """The shape of ``messages``: each message's keys and values but the content; None when one is not a
+    string (``1`` and ``True`` are equal keys but render differently)."""
     key = []
     for message in messages:
         shape = []
@@ -275,16 +241,14 @@ def _skeleton_of(
 
 @functools.lru_cache(maxsize=1024)
 def _plan_of(template: ChatTemplate, key: tuple[tuple[tuple[str, str | None], ...], ...]) -> Plan | None:
-    """The :class:`~streampack.inputs.chat_plan.Plan` of the conversations whose :func:`_skeleton_key` is
-    ``key``, of a template that only prints contents."""
+    """The plan of the conversations of shape ``key``, for a template that only prints contents."""
     shape = [{k: v or "" for k, v in message} for message in key]
     return plan(shape, lambda messages, prompt: template.render(messages, add_generation_prompt=prompt))
 
 
 @functools.lru_cache(maxsize=8)
 def _proof(source: str) -> Proof:
-    """Whether the template ``source`` is proven to only print the messages' contents
-    (:mod:`streampack.inputs.chat_proof`): its conversations are then made from one render per shape."""
+    """Whether the template ``source`` is proven to only print the messages' contents."""
     return content_only_printed(source, _compiled(source).environment)
 
 
@@ -293,9 +257,8 @@ def _any_blank(messages: list[dict[str, Any]]) -> bool:
 
 
 def load_chat_template(tokenizer: Tokenizer, field: str) -> ChatTemplate:
-    """The chat template of a Hugging Face tokenizer: ``chat_template.jinja`` beside its ``tokenizer.json``
-    (as transformers saves it), else the ``chat_template`` of its ``tokenizer_config.json`` (a string, or a
-    list of ``{name, template}`` of which the one named ``default``).
+    """The chat template of a Hugging Face tokenizer: ``chat_template.jinja`` beside its ``tokenizer.json``,
+    else the ``chat_template`` of its ``tokenizer_config.json`` (a string, or the one named ``default``).
 
     Raises:
         TokenizerError: there is no such template, or it does not parse.
@@ -369,8 +332,7 @@ def _compiled(source: str) -> Template:
         ) from None
 
     class Generation(jinja2.ext.Extension):
-        """``{% generation %}...{% endgeneration %}``, which marks assistant text for transformers' own
-        mask: here a plain block (the turns are found by rendering prefixes)."""
+        """``{% generation %}``, which marks assistant text for transformers' own mask: a plain block here."""
 
         tags = {"generation"}  # noqa: RUF012 - jinja2 declares it so
 
@@ -398,7 +360,6 @@ def _compiled(source: str) -> Template:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     template = env.from_string(source)
-    # Its globals are a ChainMap over the environment's, which each render copies into a new context key
-    # by key: more than half of a short conversation's render. The environment's are final here.
+    # a ChainMap over the environment's, which each render copies key by key: half of a short render
     template.globals = dict(template.globals)
     return template

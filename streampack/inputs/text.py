@@ -1,5 +1,4 @@
-"""A plain text file read as one document: whole when small, else as a :class:`TextStream` of decoded
-chunks (a ``.txt`` file read one document per line is read by :mod:`streampack.inputs.lines`)."""
+"""A plain text file read as one document: whole when small, else as a :class:`TextStream` of chunks."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ BOM = b"\xef\xbb\xbf"
 
 
 def read_text_document(file: InputFile, skip: int, position: Position | None) -> Iterator[Item]:
-    """The one record of a text file: its text, a :class:`TextStream` when it is large or compressed, or
-    a bad record when it is not UTF-8 (found before any of it is yielded); nothing when ``skip``."""
+    """The one record of a text file (a stream when large or compressed; a bad record when not UTF-8)."""
     if skip:
         return
     if file.size <= _STREAM_TEXT_BYTES and file.compression is None:
@@ -41,8 +39,7 @@ def read_text_document(file: InputFile, skip: int, position: Position | None) ->
 
 
 def _whole(file: InputFile) -> bytes:
-    """A small uncompressed file's bytes; a local one without a read buffer (thousands of small files are
-    read one after the other)."""
+    """A small uncompressed file's bytes (a local one unbuffered: thousands of small files are read)."""
     try:
         if file.is_local:
             with open(file.path, "rb", buffering=0) as raw:

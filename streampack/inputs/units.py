@@ -1,19 +1,7 @@
-"""The plan of work units, and reading one: the dispatch above the formats.
+"""The plan of work units (decided by the inputs and options alone), and reading one with its format's reader.
 
-:func:`plan_units` (files) and :func:`plan_python_units` (a Python object) cut the inputs into work units
-(:class:`~streampack.inputs.records.WorkUnit`), decided by the inputs and options alone.
-:func:`read_unit` reads one with the reader of its format (:mod:`~streampack.inputs.lines`,
-:mod:`~streampack.inputs.text`, :mod:`~streampack.inputs.parquet`, :mod:`~streampack.inputs.python`), and
-yields one item per input record consumed, in order:
-
-- ``str``: a document's text;
-- :class:`~streampack.inputs.records.TextStream`: a document too large to hold as one string (a big
-  ``.txt`` file), read in chunks;
-- a tuple of :class:`~streampack.inputs.sft.Segment`: an SFT document (fields or a chat), in an SFT build;
-- ``None``: a record that holds no document (a blank line);
-- :class:`~streampack.errors.BadRecordError`: an unusable record, which the builder raises or skips.
-
-Counting records this way is what lets a resumed unit skip exactly what it committed.
+A unit yields one item per input record, in order (see :data:`~streampack.inputs.records.Item`): counting
+records so lets a resumed unit skip exactly what it committed.
 """
 
 from __future__ import annotations
@@ -35,12 +23,8 @@ SEQUENCE_UNIT_ROWS = 100_000
 
 
 def plan_units(files: Sequence[InputFile], options: ReadOptions) -> list[WorkUnit]:
-    """Split input files into work units, in input order. Depends on the inputs and options only.
-
-    A large file is split into ranges (see :func:`_ranges`); consecutive small JSONL and text files are
-    grouped into runs of at most ``unit_bytes``, so that a directory of a million small files makes a few
-    shards, not a million.
-    """
+    """Split input files into work units, in input order: a large file into ranges, consecutive small files
+    into runs of at most ``unit_bytes`` (a million small files make a few shards)."""
     units: list[WorkUnit] = []
     run: list[InputFile] = []
     run_bytes = 0
@@ -100,7 +84,7 @@ def _ranges(file: InputFile, options: ReadOptions) -> list[tuple[int, int | None
 def read_unit(
     unit: WorkUnit, options: ReadOptions, *, skip: int = 0, position: Position | None = None
 ) -> Iterator[Item]:
-    """Yield one item per record of ``unit`` after the first ``skip`` records (see the module docstring).
+    """Yield one item per record of ``unit`` after the first ``skip`` records.
 
     Raises:
         InputError: the input cannot be opened or its stream is truncated or corrupt.
@@ -116,8 +100,7 @@ def read_unit_parts(
     position: Position | None = None,
     size: int = READ_CHUNK,
 ) -> Iterator[Part]:
-    """The records of ``unit`` after the first ``skip``, as read: in parts of about ``size`` bytes or
-    characters, each parsed into its items only when asked (:mod:`~streampack.inputs.parts`).
+    """The records of ``unit`` after the first ``skip``, in parts of about ``size``, parsed when asked.
 
     Raises:
         InputError: the input cannot be opened or its stream is truncated or corrupt.
@@ -136,11 +119,7 @@ def read_unit_parts(
 
 
 def records_before(unit: WorkUnit) -> int:
-    """Records of the unit's input before its first one: where :func:`read_unit`'s records start.
-
-    The lines of its file before a byte range of a JSONL file (counted: it reads the file up to the
-    range), the rows before a range of Parquet row groups (from the file's metadata), the index of a
-    range of a Python sequence; 0 for a whole file or a run of files.
+    """Records of the unit's input before its first one (lines of a JSONL file are counted by reading).
 
     Raises:
         InputError: the input cannot be opened or read up to the unit.
@@ -157,8 +136,7 @@ def records_before(unit: WorkUnit) -> int:
 def _run_parts(
     unit: WorkUnit, options: ReadOptions, skip: int, position: Position | None, size: int
 ) -> Iterator[Part]:
-    """The records of a run of whole files, one file after the other; consecutive whole-file documents
-    (small ``.txt`` files) in parts of about ``size`` characters, as other records are."""
+    """The records of a run of whole files, one file after the other."""
 
     def files() -> Iterator[Part | Item]:
         nonlocal skip
@@ -183,10 +161,7 @@ def _run_parts(
 
 
 def record_location(unit: WorkUnit, read: ReadOptions, record: int) -> str:
-    """Where record ``record`` of ``unit`` is: ``path:line``, ``path row N``, or a whole file's path.
-
-    Reads the unit's inputs up to the record for a run of small files; meant for error messages.
-    """
+    """Where record ``record`` of ``unit`` is, for messages: ``path:line``, ``path row N`` or a path."""
     file = unit.file
     if file is None:
         return f"python:{type(unit.items).__name__} row {records_before(unit) + record}"

@@ -45,7 +45,7 @@ def expand_url(spec: str, ignored: list[Ignored]) -> list[tuple[InputFile, str]]
     files = []
     for path, info in found:
         url = fs.unstrip_protocol(path)
-        # Remote stores have no portable mtime: a resumed build checks the size of remote inputs only.
+        # no portable mtime: a resumed build checks the size of remote inputs only
         files.append((InputFile(url, *detect_strict(url), int(info.get("size") or 0), None), url))
     return files
 

@@ -1,13 +1,7 @@
 """Tokenizers: text becomes ids, exactly as the tokenizer's own library gives them.
 
-``base`` holds the tokenizer protocol and ``load`` loads one from its SPEC (a table of kinds: the
-built-in ``bytes``, a Hugging Face ``tokenizer.json`` in ``hf``, tiktoken ranks in ``tiktoken``, which
-``tiktoken_json`` also describes as a ``tokenizer.json``); ``choices`` names the special-token modes and
-the engine choices; ``specials`` decides the EOS and BOS a build adds; ``engines`` holds the engines that
-compute the ids (the reference libraries, and the fast engine, used only where ``proofs`` proves it
-exact); ``pieces`` cuts long texts where the cut cannot change the ids; ``preload`` starts the fast engine's
-load before a command's imports.
-
+``load`` loads one from its SPEC; ``engines`` computes the ids (the reference libraries, and the fast
+engine where ``proofs`` proves it exact); ``pieces`` cuts long texts where the cut cannot change the ids.
 The names here are loaded on first use, so that ``preload`` imports nothing but the standard library.
 """
 

@@ -1,20 +1,12 @@
-"""What a tokenizer is to streampack: the :class:`Tokenizer` protocol, the engine it runs
-(:func:`describe_engine`), and :class:`LibraryTokenizer`, what the tokenizers a library defines share.
+"""What a tokenizer is to streampack: the :class:`Tokenizer` protocol, and what library tokenizers share.
 
-**Text is text.** A document's tokens are the tokenizer's encoding of its text with special-token strings
-(``<|endoftext|>``, ``</s>``, ...) encoded as the plain text they are, and no post-processor template
-(no BOS/CLS): tiktoken's ``encode_ordinary``, and for Hugging Face ``encode(text,
-add_special_tokens=False)`` with ``encode_special_tokens = True``; for one vocabulary both give the same
-ids. Control ids come only from streampack (the EOS it appends). ``special_tokens="parse"`` opts into
-matching special-token strings as their ids instead (recorded in the manifest).
+**Text is text.** Special-token strings in a document are encoded as the plain text they are, and no
+post-processor adds ids (tiktoken's ``encode_ordinary``; Hugging Face with ``add_special_tokens=False``
+and ``encode_special_tokens``): control ids come only from streampack. ``special_tokens="parse"`` opts into
+matching them as their ids instead.
 
-Each tokenizer also says which cuts of a long text keep its tokens (``cut_safety``, proven from its
-structure by :mod:`streampack.tokenizer.pieces`).
-
-**Tokenizer and engine.** A tokenizer decides which ids a text gets: its definition, fingerprint, EOS and
-BOS, and the special-token rule above. An :class:`~streampack.tokenizer.engines.Engine` computes them:
-``tokenizers`` (``encode_batch_fast``), ``tiktoken``, or ``bytes``. Each tokenizer has a reference engine,
-the library it is defined by, whose ids are the ids of the cache whatever engine computes them.
+A tokenizer decides which ids a text gets; an engine computes them. Its reference engine, the library that
+defines it, gives the cache's ids whatever engine computes them.
 """
 
 from __future__ import annotations
@@ -24,15 +16,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from streampack.errors import TokenizerError
 from streampack.tokenizer.choices import TokenizerEngine
 from streampack.tokenizer.engines import (
     Engine,
+    FastokensEngine,
     FastokensLoad,
     FlatIds,
-    fastokens_or_reference,
     import_fastokens,
     reference_reason,
-    wrong_engine,
 )
 from streampack.tokenizer.pieces import CutSafety
 
@@ -42,25 +34,19 @@ class Tokenizer(Protocol):
 
     spec: str
     vocab_size: int
-    # What computes its ids (see the module docstring), and why that engine: "proven exact for this
-    # tokenizer in parse mode", "fastokens refused: ...", "fastokens is not installed (...)", ...
     engine: Engine
-    engine_reason: str
+    engine_reason: str  # why that engine: "proven exact for this tokenizer in parse mode", ...
 
     @property
     def fast_piece_chars(self) -> int | None:
-        """Where cuts keep its tokens, documents are cut into pieces of about this many characters, because
-        its engine encodes them faster than whole documents (None: no such cuts); see
-        :func:`streampack.tokenizer.pieces.piece_rule`."""
+        """The piece size its engine encodes fastest, where cuts keep its tokens (None: no such cuts)."""
         ...
 
-    # Which cuts keep its tokens, proven from its structure.
-    cut_safety: CutSafety
+    cut_safety: CutSafety  # which cuts keep its tokens, proven from its structure
 
     @property
     def cores_per_worker(self) -> int:
-        """How many cores one build process of it keeps busy: its engine's threads plus the Python thread
-        that reads and frames the documents; see :func:`streampack.builder.running.default_workers`."""
+        """How many cores one build process of it keeps busy (engine threads and the reader)."""
         ...
 
     @property
@@ -99,14 +85,9 @@ class Tokenizer(Protocol):
 
 
 class RecurringTexts:
-    """The ids of texts that recur, each encoded once: a chat template writes the same few strings
-    (``<|im_end|>\\n<|im_start|>assistant\\n``) into every conversation, and encoding them one record at a
-    time cost a chat build as much as its contents.
-
-    A text's ids are the same whatever batch it is encoded in, so a remembered text's are the ids it would
-    get again. Only short texts are kept, and at most :attr:`MAX_TEXTS`: what a template writes around a
-    message's fields (a tool call's JSON) may differ in every record.
-    """
+    """The ids of texts that recur, each encoded once: a chat template writes the same few strings into
+    every conversation. Only short texts are kept, at most :attr:`MAX_TEXTS` (a tool call's JSON may differ
+    in every record)."""
 
     MAX_CHARS = 256
     MAX_TEXTS = 4096
@@ -128,8 +109,7 @@ class RecurringTexts:
 
 
 def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
-    """The engine that computes a tokenizer's ids, why, and its reference, with versions (for the
-    manifest)."""
+    """The engine that computes a tokenizer's ids, why, and its reference, with versions."""
     engine, reference = tokenizer.engine, tokenizer.reference_engine()
     return {
         "name": engine.name,
@@ -140,13 +120,11 @@ def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
 
 
 class LibraryTokenizer:
-    """What the tokenizers a library defines (``tokenizers``, ``tiktoken``) share: that library is their
-    reference engine; their engine is it or ``fastokens``, chosen alike (:meth:`_choose_engine`); and they
-    encode with their engine.
+    """What the tokenizers a library defines share: that library is their reference engine, and their
+    engine is it or ``fastokens``, chosen alike (:meth:`_choose_engine`).
 
-    A subclass sets ``_kind`` (what it is, for messages) and ``_wrong_library`` (the other library's
-    engine, which cannot compute its ids), makes its reference engine ``_reference`` and then its engine
-    with :meth:`_choose_engine`.
+    A subclass sets ``_kind`` (for messages) and ``_wrong_library`` (the other library's engine), starts
+    the fastokens load, makes its reference engine ``_reference``, then chooses its engine.
     """
 
     _kind: str
@@ -156,56 +134,54 @@ class LibraryTokenizer:
     engine: Engine
     engine_reason: str
 
+    @staticmethod
+    def _start_fastokens(
+        choice: TokenizerEngine, threads: int | None, load: Callable[[Any], Any]
+    ) -> FastokensLoad | None:
+        """Start loading the fastokens tokenizer (``load(fastokens)``) now, beside the reference engine's
+        load; None where fastokens cannot be chosen (another engine asked for, or it is not installed)."""
+        if choice not in ("auto", "fastokens"):
+            return None
+        fastokens = import_fastokens(needed=choice == "fastokens")
+        return None if fastokens is None else FastokensLoad(lambda: load(fastokens), threads)
+
     def _choose_engine(
         self,
         choice: TokenizerEngine,
-        threads: int | None,
+        started: FastokensLoad | None,
         *,
         problem: Callable[[], str],
-        load: Callable[[Any], Any],
         split_special: bool,
         refusal: str,
-        started: FastokensLoad | None = None,
     ) -> tuple[Engine, str]:
         """The reference engine, or ``fastokens`` where it is installed and proven to give the same ids in
         this special-token mode; and why.
 
         Args:
             choice: the engine asked for.
-            threads: the engine's threads.
-            problem: why fastokens may not give the ids (``""``: proven to), asked only where it is installed.
-            load: makes the ``fastokens.Tokenizer`` from the ``fastokens`` module.
+            started: the load :meth:`_start_fastokens` started.
+            problem: why fastokens may not give the ids (``""``: proven to).
             split_special: special-token strings are text.
             refusal: the start of the error when fastokens is asked for and not proven.
-            started: the load :meth:`_start_fastokens` started, if it did.
         """
         library = self._reference.name
         if choice == self._wrong_library:
-            raise wrong_engine(self.spec, choice, self._kind, f"{library} and fastokens")
-        fastokens = import_fastokens(needed=choice == "fastokens") if choice != library else None
-        if fastokens is None:
-            return self._reference, reference_reason(choice, fastokens)
-        return fastokens_or_reference(
-            self._reference,
-            choice,
-            problem(),
-            lambda: started or FastokensLoad(lambda: load(fastokens), threads),
-            split_special=split_special,
-            refusal=refusal,
-        )
-
-    @staticmethod
-    def _start_fastokens(
-        choice: TokenizerEngine, threads: int | None, load: Callable[[Any], Any]
-    ) -> FastokensLoad | None:
-        """Start loading the fastokens tokenizer now, before the reference engine loads and the structure
-        that decides whether fastokens may run is read (:meth:`_choose_engine` then takes the load, or it is
-        dropped): the load lets go of the GIL, and a build's encoders wait for it. None where fastokens
-        will not be chosen whatever the structure (another engine asked for, or it is not installed)."""
-        if choice not in ("auto", "fastokens"):
-            return None
-        fastokens = import_fastokens(needed=False)
-        return None if fastokens is None else FastokensLoad(lambda: load(fastokens), threads)
+            raise TokenizerError(
+                f"tokenizer {self.spec!r} is {self._kind}: its engines are {library} and fastokens (got "
+                f"tokenizer_engine={choice!r})"
+            )
+        if started is None:
+            return self._reference, reference_reason(choice)
+        mode = "text" if split_special else "parse"
+        why = problem()
+        if not why:
+            engine = FastokensEngine(started, split_special=split_special, fallback=library)
+            return engine, f"proven exact for this tokenizer in {mode} mode"
+        if choice == "fastokens":
+            raise TokenizerError(
+                f"{refusal} in {mode} mode ({why}); use tokenizer_engine='auto' or '{library}'"
+            )
+        return self._reference, f"fastokens refused: {why} in {mode} mode"
 
     @property
     def cores_per_worker(self) -> int:

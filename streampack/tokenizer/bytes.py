@@ -18,7 +18,7 @@ class BytesTokenizer:
     vocab_size = 257
     eos_id: int | None = 256
     bos_id: int | None = None
-    fast_piece_chars: int | None = None  # encoding bytes costs the same per character at any length
+    fast_piece_chars: int | None = None
     cut_safety = CutSafety(True, "every cut keeps UTF-8 bytes", anywhere=True)
     engine: Engine = BytesEngine()  # stateless: one for all
     engine_reason = "the bytes tokenizer's only engine"

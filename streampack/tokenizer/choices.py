@@ -1,9 +1,4 @@
-"""The fixed choices of a tokenizer, written once: how special-token strings are read, and which engine
-computes the ids.
-
-:mod:`streampack.builder.options` types its fields with them and the CLI offers them; the tokenizer
-package checks them.
-"""
+"""The fixed choices of a tokenizer, written once: how special-token strings are read, which engine runs."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Engines: what computes a tokenizer's ids, and how a tokenizer chooses one.
-
-A tokenizer decides which ids a text gets; an :class:`Engine` computes them: ``bytes`` (built in),
-``tokenizers`` (``encode_batch_fast``), ``tiktoken``, or ``fastokens``, the fast engine, chosen only where
-:mod:`streampack.tokenizer.proofs` proves it gives the reference engine's ids for the tokenizer.
-"""
+"""Engines: what computes a tokenizer's ids: ``bytes``, ``tokenizers``, ``tiktoken``, or ``fastokens``, the
+fast engine, chosen only where :mod:`streampack.tokenizer.proofs` proves it gives the reference's ids."""
 
 from __future__ import annotations
 
@@ -22,16 +18,11 @@ from streampack.tokenizer.choices import TokenizerEngine
 
 
 class Engine(Protocol):
-    """What computes a tokenizer's ids; the tokenizer decides which ids they are (its special-token rule
-    is set up in the engine when the tokenizer makes it)."""
+    """What computes a tokenizer's ids (the tokenizer set up its special-token rule in it)."""
 
     name: str  # the --tokenizer-engine choice: tokenizers, tiktoken, fastokens (bytes: built in)
-    # The cores one build process of it keeps busy (see Tokenizer.cores_per_worker).
-    cores_per_worker: int
-    # Where cuts keep the tokens, documents are cut into pieces of about this many characters, because this
-    # engine encodes them faster than whole documents (None: only the pieces' size bound cuts them); see
-    # streampack.tokenizer.pieces.piece_rule.
-    fast_piece_chars: int | None
+    cores_per_worker: int  # see Tokenizer.cores_per_worker
+    fast_piece_chars: int | None  # see Tokenizer.fast_piece_chars
 
     @property
     def version(self) -> str:
@@ -47,8 +38,7 @@ class Engine(Protocol):
         ...
 
 
-# A batch's ids end to end (uint32, or uint8 for bytes) and the len(texts) + 1 offsets of the texts' ids:
-# text i's are ids[offsets[i]:offsets[i + 1]]. A build frames a batch from it without a per-text array.
+# A batch's ids end to end and the texts' len(texts) + 1 offsets: text i's are ids[offsets[i]:offsets[i + 1]].
 FlatIds = tuple[np.ndarray, np.ndarray]
 
 
@@ -83,8 +73,7 @@ def _environment(name: str, value: str) -> Iterator[None]:
 
 
 def text_is_whole(tok: Any) -> None:
-    """Turn off the truncation and padding a tokenizer.json may set: a document's tokens are its whole
-    text's, and a batch's texts are not padded to one length (``tokenizers`` and ``fastokens`` alike)."""
+    """Turn off the truncation and padding a tokenizer.json may set: a document is encoded whole."""
     tok.no_truncation()
     tok.no_padding()
 
@@ -113,17 +102,15 @@ class TokenizersEngine:
     """Hugging Face ``tokenizers``' ``encode_batch_fast``: the reference engine of a ``tokenizer.json``."""
 
     name = "tokenizers"
-    cores_per_worker = 8  # its batch call is slow enough that one reader keeps 8 cores of it busy
-    # Its batch call encodes 100 MB of the real corpus 1.17x as fast in 10,000-character pieces as in whole
-    # documents (5,000: 1.16x; 20,000: 1.14x; GPT-2, 2 cores; benchmarks/bench_pieces.py).
-    fast_piece_chars: int | None = 10_000
+    # one process on all cores runs best (0.94x its raw speed; two processes 0.78x)
+    cores_per_worker = 8
+    fast_piece_chars: int | None = 10_000  # 1.17x whole documents' speed (benchmarks/bench_pieces.py)
 
     def __init__(self, tok: Any, *, threads: int | None) -> None:
         """Encode with ``tok``, a ``tokenizers.Tokenizer`` already set to the special-token rule."""
         self._tok = tok
         self._encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        # Set by an owner that changes ``tok``'s special-token setting for calls of its own: held by each
-        # call here, and by the owner's calls.
+        # set by an owner that changes ``tok``'s special-token setting for calls of its own
         self.exclusive: threading.Lock | None = None
         if threads is not None and threads != os.cpu_count():
             self._start_thread_pool(threads)
@@ -134,12 +121,8 @@ class TokenizersEngine:
         return _package_version("tokenizers")
 
     def _start_thread_pool(self, threads: int) -> None:
-        """Start ``tokenizers``' thread pool with ``threads`` threads, if this process has none yet.
-
-        The pool reads ``RAYON_NUM_THREADS`` once, when the first batch call starts it; the variable is set
-        only for that call, so nothing is left in the caller's environment. A pool already running in this
-        process keeps its size.
-        """
+        """Start ``tokenizers``' pool with ``threads`` threads (it reads RAYON_NUM_THREADS at its first call,
+        set for that call only), if this process has none yet."""
         with _environment("RAYON_NUM_THREADS", str(threads)):
             self._encode(["a b", "c d"], add_special_tokens=False)
 
@@ -159,12 +142,11 @@ class TokenizersEngine:
 
 
 class TiktokenEngine:
-    """tiktoken, one text per call on a thread pool, ids returned in a buffer: the reference engine of a
-    ``tiktoken:`` encoding."""
+    """tiktoken, one text per call on a thread pool, ids returned in a buffer."""
 
     name = "tiktoken"
-    cores_per_worker = 1  # 3-4 M tokens/s: reading and framing in one process would hold it back
-    fast_piece_chars: int | None = None  # measured: pieces encode no faster (benchmarks/bench_pieces.py)
+    cores_per_worker = 1  # reading and framing would hold it back (345 MB: 25-27 s, one process 36 s)
+    fast_piece_chars: int | None = None  # pieces encode no faster (benchmarks/bench_pieces.py)
 
     def __init__(self, enc: Any, *, allowed: set[str], threads: int | None) -> None:
         """Encode with ``enc``, a ``tiktoken.Encoding``, matching only the special tokens ``allowed``."""
@@ -200,15 +182,12 @@ class TiktokenEngine:
 
 
 class FastokensLoad:
-    """A ``fastokens.Tokenizer`` that ``load()`` makes on a thread of its own (0.3-1 s), its pool started
-    with the threads a build's call gets (:func:`fastokens_call_threads`). fastokens lets go of the GIL
-    while it loads, so the load runs beside the reference engine's, the build's listing and its first
-    reads."""
+    """A ``fastokens.Tokenizer`` that ``load()`` makes on a thread of its own (it lets go of the GIL), its
+    pool started with the threads a build's call gets."""
 
     def __init__(self, load: Callable[[], Any], threads: int | None) -> None:
         self.tokenizer: Future[Any] = Future()
-        # Not a daemon: a process that exits (a finished build resumed) waits for the load to end rather than
-        # killing the thread inside fastokens' native code, which aborts ("exception not rethrown").
+        # not a daemon: killing the thread inside fastokens' native code at exit aborts the process
         loading = threading.Thread(target=self._load, args=(load, threads), name="streampack-fastokens-load")
         loading.start()
 
@@ -226,24 +205,13 @@ class FastokensLoad:
 
 
 class FastokensEngine:
-    """``fastokens`` (Rust, PCRE2 JIT): encodes a byte-level BPE ``tokenizer.json`` or tiktoken ranks ~10-40x
-    faster than their reference engines, into a flat buffer of ids with no per-token Python objects.
-
-    Used only for tokenizers whose structure it is known to reproduce (:func:`fastokens_mismatch`), and
-    checked against the reference engine while a build runs (:mod:`streampack.builder.framing`).
-    """
+    """``fastokens`` (Rust): encodes byte-level BPE or tiktoken ranks ~10-40x faster than their reference
+    engines, into a flat buffer of ids. Used only where proven exact, and sampled against the reference."""
 
     name = "fastokens"
-    # Its threads encode a GPT-2 batch at ~0.65-1.1 CPU-s per 100 MB; a process parses, cuts and frames under
-    # its one GIL at ~0.25 CPU-s per 100 MB (on its encoder threads, since 2026-12-05; reading, parsing and
-    # cutting took its reader ~0.55 before): one process keeps ~3 cores busy. On 2 cores one process of 2
-    # threads built 345 MB in 4.2 s against 4.7 s for two processes of one thread (each loads the
-    # tokenizer, ~0.8 CPU-s).
+    # A process frames ~0.25 CPU-s per 100 MB that its threads encode in ~0.65-1.1: one keeps ~3 cores busy.
     cores_per_worker = 3
-    # Whole documents, up to the pieces' bound of 100,000 characters: its batch call is fastest so
-    # (345 MB, GPT-2, 2 cores: 1.16x whole documents, 10,000-character pieces 1.07x;
-    # benchmarks/results/pieces-fastokens.md), and the build without the 10,000-character cuts took 0.87x
-    # the wall time (fewer pieces to slice, list and frame).
+    # whole documents up to the pieces' bound: fastest so (benchmarks/results/pieces-fastokens.md)
     fast_piece_chars: int | None = None
 
     def __init__(self, loading: FastokensLoad, *, split_special: bool, fallback: str) -> None:
@@ -290,9 +258,8 @@ FASTOKENS_CALLS = 2
 
 
 def fastokens_call_threads(threads: int | None) -> int:
-    """The threads each of :data:`FASTOKENS_CALLS` concurrent fastokens calls gets of ``threads`` (default:
-    the cores): a call of one thread runs on its caller's. 345 MB x 4 of GPT-2 on 2 cores built in 7.4-7.5 s
-    with one thread a call, against 8.0-8.3 s with two each (four busy threads on two cores)."""
+    """The threads each of :data:`FASTOKENS_CALLS` concurrent calls gets of ``threads`` (default: the cores);
+    sharing them beats oversubscribing (345 MB x 4 on 2 cores: 7.4 s against 8.0 s)."""
     cores = threads or os.cpu_count() or 1
     return max(1, -(-cores // FASTOKENS_CALLS))
 
@@ -316,8 +283,7 @@ def import_fastokens(needed: bool) -> Any:
 
 
 def fastokens_unsupported_platform() -> str:
-    """The interpreter and platform, when fastokens has no wheels for them (pyproject.toml's environment
-    markers install it where it has); ``""`` where it has."""
+    """The interpreter and platform, when fastokens has no wheels for them; ``""`` where it has."""
     import platform
     import sys
     import sysconfig
@@ -332,7 +298,7 @@ def fastokens_unsupported_platform() -> str:
     return ""
 
 
-def reference_reason(choice: TokenizerEngine, fastokens: Any) -> str:
+def reference_reason(choice: TokenizerEngine) -> str:
     """Why a tokenizer runs its reference engine when fastokens was not even considered."""
     if choice != "auto":
         return f"asked for: tokenizer_engine={choice!r}"
@@ -342,40 +308,9 @@ def reference_reason(choice: TokenizerEngine, fastokens: Any) -> str:
     return "fastokens is not installed: pip install fastokens (streampack depends on it on this platform)"
 
 
-def fastokens_or_reference(
-    reference: Engine,
-    choice: TokenizerEngine,
-    problem: str,
-    loading: Callable[[], FastokensLoad],
-    *,
-    split_special: bool,
-    refusal: str,
-) -> tuple[Engine, str]:
-    """The fastokens engine where the tokenizer's structure is proven (``problem`` empty), loading in the
-    background (``loading()`` starts the load, or gives the one started); else the reference engine, or a
-    :class:`TokenizerError` when fastokens was asked for. With the reason for the choice (see
-    :attr:`Tokenizer.engine_reason`)."""
-    mode = "text" if split_special else "parse"
-    if not problem:
-        engine = FastokensEngine(loading(), split_special=split_special, fallback=reference.name)
-        return engine, f"proven exact for this tokenizer in {mode} mode"
-    if choice == "fastokens":
-        raise TokenizerError(
-            f"{refusal} in {mode} mode ({problem}); use tokenizer_engine='auto' or '{reference.name}'"
-        )
-    return reference, f"fastokens refused: {problem} in {mode} mode"
-
-
-def wrong_engine(spec: str, choice: str, kind: str, allowed: str) -> TokenizerError:
-    return TokenizerError(
-        f"tokenizer {spec!r} is {kind}: its engines are {allowed} (got tokenizer_engine={choice!r})"
-    )
-
-
 class RoutedEngine:
-    """``fast`` for every text but those holding one of ``characters``, which ``exact`` encodes: for a fast
-    form that may differ from the tokenizer only in texts holding them (see
-    :func:`streampack.tokenizer.tiktoken_json.fast_split`). Named and versioned as ``fast``."""
+    """``fast`` for every text but those holding one of ``characters``, which ``exact`` encodes (a fast form
+    that may differ only there). Named and versioned as ``fast``."""
 
     def __init__(self, fast: Engine, exact: Engine, characters: str) -> None:
         self.fast, self.exact, self.characters = fast, exact, characters

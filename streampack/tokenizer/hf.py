@@ -1,6 +1,4 @@
-"""A Hugging Face ``tokenizer.json``, its EOS and BOS (from a ``tokenizer_config.json`` beside it), and its
-engine: ``tokenizers``, or ``fastokens`` where proven exact.
-"""
+"""A Hugging Face ``tokenizer.json``, its EOS and BOS (from a ``tokenizer_config.json`` beside it)."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.errors import TokenizerError
 from streampack.tokenizer import preload
 from streampack.tokenizer.base import LibraryTokenizer, RecurringTexts
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
@@ -27,11 +25,7 @@ from streampack.tokenizer.specials import BOS_NAMES, EOS_NAMES
 
 
 class HFTokenizer(LibraryTokenizer):
-    """A Hugging Face ``tokenizers`` tokenizer loaded from a local ``tokenizer.json``.
-
-    Its reference engine is ``tokenizers`` itself, with ``add_special_tokens=False`` and
-    ``encode_special_tokens`` set by the special-token rule.
-    """
+    """A Hugging Face tokenizer loaded from a local ``tokenizer.json``; ``tokenizers`` is its reference."""
 
     _kind = "a tokenizer.json"
     _wrong_library = "tiktoken"
@@ -65,10 +59,6 @@ class HFTokenizer(LibraryTokenizer):
             self._tok = _Tokenizer.from_str(text)
         except Exception as e:  # tokenizers raises a bare Exception for unparsable files
             raise TokenizerError(f"{path}: not a valid Hugging Face tokenizer.json ({e})") from None
-        if not hasattr(self._tok, "encode_special_tokens"):
-            raise MissingDependencyError(
-                "streampack needs tokenizers >= 0.15 (encode_special_tokens): pip install -U tokenizers"
-            )
         text_is_whole(self._tok)
         self._tok.encode_special_tokens = special_tokens == "text"
         self._parsing: Any = None if special_tokens == "text" else self._tok  # see _parse_specials
@@ -83,23 +73,17 @@ class HFTokenizer(LibraryTokenizer):
         self._reference = TokenizersEngine(self._tok, threads=threads)
         self.engine, self.engine_reason = self._choose_engine(
             engine,
-            threads,
+            started,
             problem=lambda: fastokens_mismatch_hf(structure, parse_special=special_tokens == "parse"),
-            load=load,
             split_special=special_tokens == "text",
             refusal=f"{self._path}: fastokens is not known to give this tokenizer's ids",
-            started=started,
         )
         if self._parsing is None and self.engine is not self._reference:
             self._reference.exclusive = self._parsing_lock  # see _parse_specials
 
     def _structure(self, text: str) -> dict[str, Any]:
-        """The parts of the definition (``text``, the file's) that decide which cuts keep the tokens (see
-        streampack.tokenizer.pieces).
-
-        Read from the loaded tokenizer's parts rather than by parsing the whole file again, whose
-        vocabulary and merges make that cost ~0.1 s per process.
-        """
+        """The parts of the definition that decide which cuts keep the tokens and whether fastokens is exact,
+        read from the loaded tokenizer (parsing the whole file again costs ~0.1 s per process)."""
 
         def state(part: Any) -> Any:
             return None if part is None else json.loads(part.__getstate__())
@@ -177,8 +161,8 @@ class HFTokenizer(LibraryTokenizer):
         return token if isinstance(token, str) else None
 
     def _find_special(self, key: str, names: tuple[str, ...], *, added_only: bool) -> tuple[int | None, str]:
-        """The id of the config's ``key`` token, else of the first of ``names`` in the vocabulary (among the
-        added tokens only with ``added_only``); and a problem to raise when the config's token is unknown."""
+        """The id of the config's ``key`` token, else of the first of ``names`` in the vocabulary (the added
+        tokens only with ``added_only``); and the problem to raise when the config's token is unknown."""
         token = self.config_token(key)
         if token is not None:
             token_id = self._tok.token_to_id(token)
@@ -208,10 +192,9 @@ class HFTokenizer(LibraryTokenizer):
     def _parse_specials(self, texts: list[str]) -> list[np.ndarray]:
         """The ids of ``texts`` with special-token strings as their ids (chat builds' template pieces).
 
-        ``encode_special_tokens`` is a setting of the tokenizer object, shared by the threads encoding with
-        it. Where another engine computes the ids, the reference only checks samples: its calls and these
-        share the object one at a time, the setting changed only for these. Where the reference computes
-        them, special tokens are parsed by a second instance, loaded on first use (0.1 s for GPT-2's).
+        ``encode_special_tokens`` is a setting of the shared tokenizer object: where another engine computes
+        the ids, the reference's sample checks and these calls take turns with it; else a second instance,
+        loaded on first use, parses them.
         """
         if self._reference.exclusive is not None:
             with self._reference.exclusive:
@@ -241,19 +224,15 @@ class HFTokenizer(LibraryTokenizer):
 
 
 def _load_fastokens(definition: bytes, fastokens: Any) -> Any:
-    """The ``fastokens.Tokenizer`` of a ``tokenizer.json``'s bytes: the one the command began to load before
-    its imports (:mod:`streampack.tokenizer.preload`) if it loaded these bytes, else a new one."""
+    """The ``fastokens.Tokenizer`` of a ``tokenizer.json``'s bytes (the command's preload if of them)."""
     return preload.taken_or_loaded(
         definition, lambda: fastokens.Tokenizer.from_json_str(definition.decode("utf-8"))
     )
 
 
 def _json_member(text: str, key: str) -> Any:
-    """The member ``key`` of the JSON object ``text`` (None when absent), parsing only the members before it.
-
-    A ``tokenizer.json`` has ``added_tokens`` before its large ``model``: this reads a few kB of a file whose
-    full parse costs ~0.05 s per 3.5 MB.
-    """
+    """The member ``key`` of the JSON object ``text`` (None when absent), parsing only the members before it:
+    a ``tokenizer.json``'s ``added_tokens`` come before its large ``model``."""
     decoder = json.JSONDecoder()
 
     def skip(at: int) -> int:  # past JSON whitespace

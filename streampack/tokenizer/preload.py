@@ -1,15 +1,8 @@
 """Start the fast engine's load of a tokenizer before a command has imported what it runs.
 
-A build cannot encode before fastokens has made its tokenizer (~0.25 CPU-s for GPT-2's ``tokenizer.json``,
-0.42 s for cl100k_base's ranks, 1.14 s for o200k_base's), and the command's own imports take ~0.25 s more
-on the main thread (a tiktoken encoding's, reading its ranks in Python, 0.15 s more for o200k). fastokens
-lets go of the GIL while it loads, so the ``streampack`` command starts that load first (:func:`start`), on
-an idle core, and the tokenizer takes it (:func:`take`) when its files hold the very bytes that were loaded;
-otherwise it loads its own.
-
-Only the standard library is imported here (and, for a tiktoken encoding,
-:mod:`~streampack.tokenizer.fast_forms`, which imports nothing else at load): this runs before anything
-else of the command.
+fastokens lets go of the GIL while it loads, so the load runs beside the command's imports, and the
+tokenizer takes it (:func:`take`) when its files hold the very bytes that were loaded. Only the standard
+library is imported here: this runs before anything else of the command.
 """
 
 from __future__ import annotations
@@ -41,9 +34,8 @@ def start_for_command(args: list[str]) -> bool:
 
 
 def named_by_command(args: list[str]) -> tuple[str, str] | None:
-    """The ``--tokenizer`` and ``--tokenizer-engine`` of a ``build`` command line; None for any other
-    command line. A guess from the words alone, before the options are parsed: a wrong one costs a load
-    that is never taken."""
+    """The ``--tokenizer`` and ``--tokenizer-engine`` of a ``build`` command line, else None: a guess before
+    the options are parsed (a wrong one costs a load never taken)."""
     if not args or args[0] != "build" or {"-h", "--help"} & set(args):
         return None
     options = dict(option_values(args[1:]))
@@ -64,12 +56,9 @@ def option_values(args: list[str]) -> list[tuple[str, str]]:
 
 
 def start(spec: object, engine: object = "auto") -> bool:
-    """Start loading the tokenizer that ``spec`` names with fastokens, on a thread of its own, where the
-    ``engine`` chosen may be fastokens: a ``tokenizer.json`` (the file, or a folder holding one), or a
-    ``tiktoken:`` ranks file whose split fastokens runs by hand-written code (cl100k's, o200k's: it reads
-    the ranks itself). False where there is nothing to start (another engine, not a path, no such file, an
-    unreadable one, GPT-2's ranks, which are written as a ``tokenizer.json`` first, or fastokens not
-    installed). The options are not checked here: the build checks them."""
+    """Start loading with fastokens, on a thread of its own, the tokenizer ``spec`` names where ``engine``
+    may be fastokens: a ``tokenizer.json``, or ``tiktoken:`` ranks whose split fastokens runs by hand
+    (cl100k's, o200k's). False where there is nothing to start; the build checks the options."""
     if engine not in FAST_ENGINES or not isinstance(spec, (str, os.PathLike)) or spec == "bytes":
         return False
     if importlib.util.find_spec("fastokens") is None:
@@ -89,9 +78,9 @@ def start(spec: object, engine: object = "auto") -> bool:
 
 
 def _start_tiktoken(ranks: Path) -> bool:
-    """:func:`start` for a tiktoken ranks file, keyed as the tokenizer keys it: its bytes, its sidecar's."""
+    """:func:`start` for a tiktoken ranks file, keyed by its bytes and its sidecar's."""
     # imported here: its dataclasses (8 ms) would delay the load of a tokenizer.json, the usual case
-    from streampack.tokenizer.fast_forms import fast_split, load_split_tiktoken
+    from streampack.tokenizer.fast_forms import fast_split, load_fast_tiktoken
 
     try:
         ranks_bytes, sidecar_bytes = ranks.read_bytes(), ranks.with_suffix(".json").read_bytes()
@@ -100,11 +89,12 @@ def _start_tiktoken(ranks: Path) -> bool:
         return False
     if not isinstance(meta, dict) or not isinstance(pattern := meta.get("pat_str"), str):
         return False
-    split, specials = fast_split(pattern), meta.get("special_tokens", {})
-    if split is None or not isinstance(specials, dict):
+    specials = meta.get("special_tokens", {})
+    if fast_split(pattern) is None or not isinstance(specials, dict):
         return False
     return _begin(
-        ranks_bytes + sidecar_bytes, lambda fastokens: load_split_tiktoken(fastokens, ranks, split, specials)
+        ranks_bytes + sidecar_bytes,
+        lambda fastokens: load_fast_tiktoken(fastokens, ranks, None, pattern, specials),
     )
 
 
@@ -122,16 +112,13 @@ def _begin(definition: bytes, load: Callable[[Any], Any]) -> bool:
 
 
 def take(definition: bytes) -> Future[Any] | None:
-    """The load :func:`start` began of exactly these bytes (a ``tokenizer.json``'s, or a ranks file's and its
-    sidecar's; its ``fastokens.Tokenizer``, or the error fastokens raised), handed over once; None if none
-    was begun."""
+    """The load :func:`start` began of exactly these bytes, handed over once; None if none was begun."""
     with _lock:
         return _started.pop(definition, None)
 
 
 def taken_or_loaded(definition: bytes, load: Callable[[], Any]) -> Any:
-    """The ``fastokens.Tokenizer`` :func:`start` began to load from exactly these bytes (or the error it
-    raised), else ``load()``'s: where a tokenizer's fastokens load takes the command's early one."""
+    """The ``fastokens.Tokenizer`` :func:`start` began to load from exactly these bytes, else ``load()``'s."""
     early = take(definition)
     return load() if early is None else early.result()
 

@@ -1,9 +1,4 @@
-"""The EOS and BOS policies: whether a build appends an EOS id after every document and puts a BOS id before
-it, and which ids, from the options and the tokenizer's own tokens.
-
-The policies are the manifest's records (:class:`~streampack.format.sections.EosPolicy`,
-:class:`~streampack.format.sections.BosPolicy`), importable from here too.
-"""
+"""The EOS and BOS a build adds around every document, from the options and the tokenizer's own tokens."""
 
 from __future__ import annotations
 
@@ -13,17 +8,12 @@ from streampack.format.sections import BosPolicy, EosPolicy  # the manifest's se
 from streampack.tokenizer.base import Tokenizer
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "[SEP]")
-
-
 BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 
 
 def resolve_bos(tokenizer: Tokenizer, *, bos: bool, bos_id: int | None) -> BosPolicy:
-    """Decide the BOS policy: ``bos_id`` when given, else with ``bos`` the tokenizer's own BOS token.
-
-    A Hugging Face tokenizer's BOS is the ``bos_token`` of a ``tokenizer_config.json`` beside its
-    ``tokenizer.json``, else an added token named like one of ``BOS_NAMES``; tiktoken and ``bytes``
-    tokenizers have none (give ``bos_id``).
+    """Decide the BOS policy: ``bos_id`` when given, else with ``bos`` the tokenizer's own BOS token (tiktoken
+    and ``bytes`` tokenizers have none).
 
     Raises:
         TokenizerError: BOS is wanted but neither given nor known to the tokenizer.
@@ -45,7 +35,7 @@ def resolve_eos(tokenizer: Tokenizer, *, eos: bool, eos_id: int | None) -> EosPo
     """Decide the EOS policy from the options and the tokenizer's own EOS token.
 
     Raises:
-        StreampackError: EOS is wanted but neither given nor known to the tokenizer.
+        TokenizerError: EOS is wanted but neither given nor known to the tokenizer.
     """
     if not eos:
         return EosPolicy(False, None)

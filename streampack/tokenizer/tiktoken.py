@@ -1,7 +1,4 @@
-"""A tiktoken encoding from a local ranks file (``NAME.tiktoken``) and its JSON sidecar (``NAME.json``: split
-pattern, special tokens), and its engine: ``tiktoken``, or ``fastokens`` where proven exact. Nothing is
-ever downloaded.
-"""
+"""A tiktoken encoding from a local ranks file (``NAME.tiktoken``) and its JSON sidecar (``NAME.json``)."""
 
 from __future__ import annotations
 
@@ -27,11 +24,7 @@ from streampack.tokenizer.specials import EOS_NAMES
 
 
 class TiktokenTokenizer(LibraryTokenizer):
-    """A tiktoken encoding built from a local ranks file and its JSON sidecar (pattern, special tokens).
-
-    Its reference engine is tiktoken itself: ``encode_ordinary``, or with every special token allowed when
-    they are parsed.
-    """
+    """A tiktoken encoding built from a local ranks file and its sidecar (pattern, special tokens)."""
 
     _kind = "a tiktoken encoding"
     _wrong_library = "tokenizers"
@@ -101,12 +94,10 @@ class TiktokenTokenizer(LibraryTokenizer):
         self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
         chosen, self.engine_reason = self._choose_engine(
             engine,
-            threads,
+            started,
             problem=lambda: fastokens_mismatch_tiktoken(pattern, specials, parse_special=bool(self._allowed)),
-            load=load,
             split_special=not self._allowed,
             refusal=f"{ranks}: fastokens is not known to give this encoding's ids",
-            started=started,
         )
         split = fast_split(pattern)
         if split is not None and split.exact_for and chosen is not self._reference:
@@ -170,11 +161,8 @@ def _read_sidecar(path: Path, ranks: dict[bytes, int]) -> tuple[str, dict[str, i
 
 
 def _read_ranks(path: Path) -> dict[bytes, int]:
-    """Parse a ``.tiktoken`` ranks file (``base64-token rank`` per line).
-
-    Read here rather than with ``tiktoken.load.load_tiktoken_bpe``, which serves a copy cached under the
-    temp directory by path: an edited ranks file would then not be the one the manifest fingerprints.
-    """
+    """Parse a ``.tiktoken`` ranks file (``base64-token rank`` per line); not ``load_tiktoken_bpe``, whose
+    cache by path would serve an edited file's old ranks."""
     ranks = {}
     for number, line in enumerate(path.read_bytes().splitlines(), 1):
         if line.strip():
