@@ -35,6 +35,10 @@ def test_a_misspelt_option_is_refused_with_the_nearest_name(tmp_path: Path) -> N
         ({"special_tokens": "maybe"}, "special_tokens must be one of 'text', 'parse'"),
         ({"workers": 0}, r"workers must be an integer >= 1, or None \(got workers=0\)"),
         ({"executor": "spark"}, "executor must be one of 'local', 'ray'"),
+        # A truthy string would be recorded in the manifest as given, and the cache not read back.
+        ({"eos": "append"}, r"eos must be True or False \(got eos='append'\)"),
+        ({"split_lines": 1}, r"split_lines must be True or False \(got split_lines=1\)"),
+        ({"overwrite": "yes"}, r"overwrite must be True or False"),
     ],
 )
 def test_bad_values_are_option_errors(options: dict[str, object], message: str) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal, TypeVar, get_args
 
-from streampack._checks import check_choice, check_int, check_int_or_none
+from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
 from streampack.inputs import DEFAULT_UNIT_BYTES
 from streampack.tokenizer.choices import ENGINE_CHOICES, SPECIAL_TOKENS, SpecialTokens, TokenizerEngine
@@ -85,6 +85,8 @@ class CacheSpec:
 
     def __post_init__(self) -> None:
         check_choice("special_tokens", self.special_tokens, SPECIAL_TOKENS)
+        for name in ("eos", "bos", "split_lines"):
+            check_bool(name, getattr(self, name))  # eos="append" would be truthy, and written as such
         if not isinstance(self.tokenizer, str) or not self.tokenizer:
             raise OptionsError(f"tokenizer must be a non-empty SPEC string (got {self.tokenizer!r})")
         if not isinstance(self.text_field, str) or not self.text_field:
@@ -180,6 +182,8 @@ class RunOptions:
         check_choice("tokenizer_engine", self.tokenizer_engine, ENGINE_CHOICES)
         check_choice("verify_tokens", self.verify_tokens, get_args(VerifyTokens))
         check_choice("on_bad_record", self.on_bad_record, get_args(OnBadRecord))
+        for name in ("overwrite", "progress", "profile", "allow_new_ids"):
+            check_bool(name, getattr(self, name))
         for name in ("workers", "threads"):
             object.__setattr__(self, name, check_int_or_none(name, getattr(self, name), min=1))
         for name in ("batch_chars", "commit_bytes"):
