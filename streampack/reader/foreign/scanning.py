@@ -1,10 +1,10 @@
 """Finding the documents of a token stream without an index (nanoGPT, OLMo, llm.c) by scanning it for the
 id that ends or starts each one, in bounded memory.
 
-Such a format plans its shards first (:class:`ScanPlan`: each shard's span of a file, found without
-reading the files through), then builds its :class:`~streampack.interop.reading.Foreign` from what a scan
-of each span finds. :func:`open_plan` scans the spans on a few threads (the compares and reads release the
-GIL); ``streampack convert`` scans them on one thread while the kernel copies them
+Such a format plans its shards first (:class:`ScanPlan`: each shard's span of a file, found without reading
+the files through), then builds its :class:`~streampack.reader.foreign.opening.Foreign` from what a scan of
+each span finds. :func:`open_plan` scans the spans on a few threads (the compares and reads release the GIL);
+``streampack convert`` scans them on one thread while the kernel copies them
 (:func:`streampack.interop.native.write_scanned`), one read for the documents and the CRC-32.
 """
 
@@ -26,10 +26,9 @@ import numpy as np
 
 from streampack.errors import CacheError
 from streampack.format.names import MANIFEST, crc32
-from streampack.interop.filechecks import check_doc_count
-from streampack.interop.files import map_tokens
-from streampack.interop.identity import ends_digest
-from streampack.interop.reading import READERS, Foreign, ForeignOptions, ForeignShard, recognise
+from streampack.reader.foreign.files import check_doc_count, map_tokens
+from streampack.reader.foreign.identity import ends_digest
+from streampack.reader.foreign.opening import READERS, Foreign, ForeignOptions, ForeignShard, recognise
 from streampack.store import is_remote, open_store
 
 #: Tokens a scan compares at a time. 1 Mi tokens stay in the CPU's cache; 4 Mi scanned 25% slower.
@@ -162,7 +161,7 @@ class Boundary:
 @dataclass(frozen=True)
 class Found:
     """What the scan of one span found: its document count, its ends (kept, or scanned again when asked
-    for) and the :func:`~streampack.interop.identity.ends_digest` of them."""
+    for) and the :func:`~streampack.reader.foreign.identity.ends_digest` of them."""
 
     num_docs: int
     ends: Callable[[], np.ndarray]
