@@ -27,8 +27,6 @@ from streampack.errors import CacheError, OptionsError
 from streampack.reader.foreign.files import LOCAL, ForeignFiles, check_ends, check_size
 from streampack.reader.foreign.opening import Foreign, ForeignOptions, ForeignShard
 
-#: Read from object storage too (through a local copy: :mod:`streampack.reader.foreign.files`).
-REMOTE = True
 LOOKS_FOR = "datatrove: a folder of NAME.ds + NAME.ds.index (or one .ds file)"
 #: What reading the files checks of them, as ``verify`` reports it.
 OPENED_CHECKS = (

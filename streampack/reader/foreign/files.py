@@ -2,10 +2,10 @@
 
 :data:`LOCAL` reads the local file system. :class:`CopiedFiles` reads the objects under a URL through the
 bounded local copy a native cache in object storage is read through: its paths are keys under the copy's
-directory (:meth:`~CopiedFiles.name` gives the URL back for messages), and a file is fetched whole when
-first mapped, its version (an ETag where the store gives one) in the copy's name, so that an object
-replaced under the same URL is fetched again. The readers whose module says ``REMOTE`` (Megatron,
-datatrove) take either.
+directory (:meth:`~CopiedFiles.name` gives the URL back for messages), and a file is fetched whole when first
+mapped, its version (an ETag where the store gives one) in the copy's name, so that an object replaced under
+the same URL is fetched again. The readers of :data:`~streampack.reader.foreign.opening.REMOTE_READERS` take
+either.
 
 The ``check_*`` functions refuse what a reader must not trust, naming the file and the field.
 """

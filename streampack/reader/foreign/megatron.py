@@ -23,8 +23,6 @@ from streampack.errors import CacheError, OptionsError
 from streampack.reader.foreign.files import LOCAL, ForeignFiles, check_size
 from streampack.reader.foreign.opening import Foreign, ForeignOptions, ForeignShard
 
-#: Read from object storage too (through a local copy: :mod:`streampack.reader.foreign.files`).
-REMOTE = True
 SUFFIXES = (".bin", ".idx")
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

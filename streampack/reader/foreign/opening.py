@@ -61,6 +61,8 @@ READERS: dict[str, str] = {
     "llmc": "streampack.reader.foreign.llmc",
     "nanogpt": "streampack.reader.foreign.nanogpt",
 }
+#: The formats read from object storage too: their ``read`` takes where the files are (a ``ForeignFiles``).
+REMOTE_READERS = ("megatron", "datatrove")
 
 #: Bytes of token copies (MDS samples, not stored end to end) that :class:`ForeignShards` keeps for reuse;
 #: the last one is kept whatever its size. A kept map costs a file descriptor, a kept copy memory.
@@ -331,10 +333,10 @@ def open_foreign(
     options = ForeignOptions(**declared)
     chosen = options.format or recognise(path, files)
     module = importlib.import_module(READERS[chosen])
-    if not files.local and not getattr(module, "REMOTE", False):
+    if not files.local and chosen not in REMOTE_READERS:
         raise OptionsError(
             f"{files.name(Path(path))}: {chosen} files are read from a local path; from object storage "
-            f"streampack opens {' and '.join(remote_formats())} files: copy these to a local or shared "
+            f"streampack opens {' and '.join(REMOTE_READERS)} files: copy these to a local or shared "
             f"filesystem and open that path, or convert them (`streampack convert`) to a cache there"
         )
     try:
@@ -415,11 +417,6 @@ def foreign_identity(foreign: Foreign, files: ForeignFiles = LOCAL) -> str:
     return files_identity(ends, list(dict.fromkeys(sampled)), files)
 
 
-def remote_formats() -> list[str]:
-    """The formats whose files :func:`open_foreign` reads from object storage."""
-    return [n for n, m in READERS.items() if getattr(importlib.import_module(m), "REMOTE", False)]
-
-
 def recognise(path: str | os.PathLike[str], files: ForeignFiles = LOCAL) -> str:
     """The format whose files are at ``path`` (of those read from object storage, for remote ``files``).
 
@@ -431,7 +428,7 @@ def recognise(path: str | os.PathLike[str], files: ForeignFiles = LOCAL) -> str:
     if not any(files.is_file(p) or files.is_dir(p) for p in near):
         missing = "no such cache directory" if files.local else "no object or folder there"
         raise CacheError(f"{files.name(where)}: {missing}")
-    names = READERS if files.local else remote_formats()
+    names = READERS if files.local else REMOTE_READERS
     for name in names:
         module = importlib.import_module(READERS[name])
         if module.recognise(where) if files.local else module.recognise(where, files):

@@ -10,9 +10,7 @@ each span finds. :func:`open_plan` scans the spans on a few threads (the compare
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import mmap
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
@@ -96,33 +94,12 @@ class TokenSpan:
 
 
 def scanned(tokens: np.ndarray | TokenSpan, step: int = SCAN_TOKENS) -> Iterator[tuple[int, np.ndarray]]:
-    """``(start, chunk)`` of a span or a memory map, ``step`` tokens at a time.
-
-    A map's pages are let go of after each chunk: a mapped page that was read counts towards the process's
-    memory until it is unmapped, so a scan of a large file would otherwise grow it by the file's size.
-    """
+    """``(start, chunk)`` of a span (read from its file) or an array, ``step`` tokens at a time."""
     if isinstance(tokens, TokenSpan):
         yield from tokens.chunks(step)
         return
     for start in range(0, len(tokens), step):
-        chunk = tokens[start : start + step]
-        yield start, chunk
-        _forget_pages(chunk)
-
-
-def _forget_pages(chunk: np.ndarray) -> None:
-    """``MADV_DONTNEED`` on a memory-mapped chunk's pages (a later read maps them again from the page
-    cache); nothing for an array in memory."""
-    mapped = chunk.base
-    while mapped is not None and not isinstance(mapped, mmap.mmap):
-        mapped = getattr(mapped, "base", None)
-    if mapped is None or not hasattr(mapped, "madvise") or not chunk.nbytes:
-        return
-    origin = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
-    first = (chunk.ctypes.data - origin) // mmap.PAGESIZE * mmap.PAGESIZE
-    stop = min(chunk.ctypes.data - origin + chunk.nbytes, len(mapped))
-    with contextlib.suppress(OSError, ValueError):
-        mapped.madvise(mmap.MADV_DONTNEED, first, stop - first)
+        yield start, tokens[start : start + step]
 
 
 @dataclass(frozen=True)
