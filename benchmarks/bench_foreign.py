@@ -166,7 +166,7 @@ def python(code: str, *args: str) -> dict:
 
 def measure_all(corpus: Path, tmp: Path, args: argparse.Namespace) -> str:
     import streampack
-    from streampack.interop.reading import READERS
+    from streampack.reader.foreign.opening import READERS
 
     repeats = 1 if args.quick else args.repeats
     batches = 200 if args.quick else args.batches

@@ -9,8 +9,9 @@ import pytest
 
 import streampack
 from streampack.errors import CacheError, OptionsError
-from streampack.interop import convert, nanogpt
-from streampack.interop.scanning import scan_plan
+from streampack.interop import convert
+from streampack.reader.foreign import nanogpt
+from streampack.reader.foreign.scanning import scan_plan
 from streampack.testing.caches import write_cache
 from tests.conftest import run_cli
 

@@ -1,5 +1,5 @@
-"""What identifies another format's files (`streampack.interop.identity`): what they hold, so that files
-rewritten in place with the same counts get a fresh plan, a loader state saved over other files with the
+"""What identifies another format's files (`streampack.reader.foreign.identity`): what they hold, so that
+files rewritten in place with the same counts get a fresh plan, a loader state saved over other files with the
 same counts is refused, and a DataLoader worker that finds the files changed refuses to read them; while the
 same files copied elsewhere (another path, other modification times) keep their identity.
 
@@ -174,7 +174,7 @@ def test_a_dataloader_worker_refuses_files_changed_since_its_parent_opened_them(
 
 def test_a_file_removed_after_the_open_read_it_is_named(tmp_path: Path) -> None:
     """The identity reads each file's first and last bytes: a file gone by then is a CacheError naming it."""
-    from streampack.interop.identity import files_identity
+    from streampack.reader.foreign.identity import files_identity
 
     with pytest.raises(CacheError, match=rf"{tmp_path / 'gone.bin'}: cannot be read .*open them again"):
         files_identity([], [tmp_path / "gone.bin"])
@@ -185,7 +185,7 @@ def test_the_identity_of_a_scanned_file_is_the_same_past_the_ends_an_open_keeps(
 ) -> None:
     """Each shard's ends digest is taken from its scan at open: the same whether the ends are kept or would
     be scanned again when read (past ``KEPT_ENDS_BYTES``), so a large file is scanned once for it."""
-    from streampack.interop import scanning
+    from streampack.reader.foreign import scanning
 
     folder = exported(caches[0], "nanogpt", tmp_path / "ng")
     kept = streampack.open(folder, eos_id=EOT).content_digest

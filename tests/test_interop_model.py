@@ -92,7 +92,8 @@ import streampack
 from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError, StreampackError
 from streampack.format.names import checksum_text, ledger_key, mask_path, shard_name, with_checksum
 from streampack.format.sections import BosPolicy, BuildSettings, EosPolicy
-from streampack.interop import convert, hf, nanogpt, native, scanning, writing
+from streampack.interop import convert, hf, native, writing
+from streampack.reader.foreign import nanogpt, scanning
 from streampack.store import encode_json
 from streampack.store.files import load_manifest, write_manifest
 from streampack.testing import write_cache

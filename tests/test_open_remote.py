@@ -1,5 +1,5 @@
-"""Other formats' token files in object storage (streampack/interop/remote.py, files.py): opened through
-the bounded local copy a native remote cache is read through, against a real S3 server (moto's, on
+"""Other formats' token files in object storage (streampack/reader/foreign/opening.py, files.py): opened
+through the bounded local copy a native remote cache is read through, against a real S3 server (moto's, on
 127.0.0.1, through s3fs) and a real HTTP server; no mocks."""
 
 from __future__ import annotations

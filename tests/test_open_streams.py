@@ -1,5 +1,5 @@
-"""`streampack.open` over llm.c shards, nanoGPT bins and OLMo memmaps (`streampack.interop.llmc`,
-`nanogpt`, `olmo`: their reading halves).
+"""`streampack.open` over llm.c shards, nanoGPT bins and OLMo memmaps (`streampack.reader.foreign.llmc`,
+`nanogpt`, `olmo`).
 
 Each format both ways: a cache exported and opened again has the original documents (llm.c: by the
 relation its delimiter makes), the same windows over the same stream, and a Loader runs over it; files
@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError
-from streampack.interop import convert, nanogpt, scanning
+from streampack.interop import convert
+from streampack.reader.foreign import nanogpt, scanning
 from tests.conftest import SAMPLE_CORPUS, run_cli
 
 EOT = 50256  # GPT-2's <|endoftext|>

@@ -1,4 +1,4 @@
-"""``streampack.open`` over datatrove folders and MDS shards (streampack/interop/datatrove.py, mds.py).
+"""``streampack.open`` over datatrove folders and MDS shards (streampack/reader/foreign/datatrove.py, mds.py).
 
 Each format both ways: a cache exported and opened again equals the original document by document, its
 windows and a Loader over them equal the native cache's; files written by the format's own writer
@@ -21,7 +21,7 @@ import zstandard
 
 import streampack
 from streampack.errors import CacheError, OptionsError
-from streampack.interop import reading
+from streampack.reader.foreign import opening as reading
 from streampack.testing.caches import write_cache
 from tests.conftest import SAMPLE_CORPUS
 

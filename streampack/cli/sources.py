@@ -1,5 +1,5 @@
 """Options several commands share: what ``streampack.open`` may be told that another format's token files
-do not say (:class:`streampack.interop.reading.ForeignOptions`), under its keywords' names; and the old
+do not say (:class:`streampack.reader.foreign.opening.ForeignOptions`), under its keywords' names; and the old
 names of renamed flags, kept working."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from streampack.interop.reading import READERS
+from streampack.reader.foreign.opening import READERS
 
 F = TypeVar("F", bound=Callable[..., Any])
 #: The formats streampack reads.

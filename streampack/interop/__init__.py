@@ -17,14 +17,14 @@ streampack  a native cache (``streampack convert``)                       stream
 =========== ============================================================ ==================================
 
 ``streampack.open`` reads all but hf back as a :class:`~streampack.reader.Cache`
-(:mod:`streampack.interop.reading`), and ``streampack convert SOURCE --out DEST`` makes a native cache of
-it.
+(:mod:`streampack.reader.foreign`, where each format's layout is), and ``streampack convert SOURCE --out
+DEST`` makes a native cache of it.
 
-One module per format holds its layout, its writer and, where it can be read, its reader. The writers
-share :mod:`~streampack.interop.destination` (files staged, then committed atomically),
-:mod:`~streampack.interop.copying` (bytes moved by the kernel) and :mod:`~streampack.interop.writing`. A
-format refuses what it cannot hold (a loss mask, ids too large for its dtype) with an
-:class:`~streampack.errors.OptionsError` that names what would be lost and a format that keeps it.
+One module per format holds its writer. The writers share :mod:`~streampack.interop.destination` (files
+staged, then committed atomically), :mod:`~streampack.interop.copying` (bytes moved by the kernel) and
+:mod:`~streampack.interop.writing`. A format refuses what it cannot hold (a loss mask, ids too large for its
+dtype) with an :class:`~streampack.errors.OptionsError` that names what would be lost and a format that keeps
+it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from streampack.errors import OptionsError
 from streampack.interop.destination import DISK_FULL, Destination, disk_full
-from streampack.interop.scanning import scan_plan
+from streampack.reader.foreign.scanning import scan_plan
 
 if TYPE_CHECKING:
     from streampack.reader import Cache

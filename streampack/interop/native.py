@@ -40,8 +40,6 @@ from streampack.format.names import (
 )
 from streampack.interop.copying import copy_range, write_pieces
 from streampack.interop.destination import Destination
-from streampack.interop.reading import Foreign, ForeignShards, foreign_cache
-from streampack.interop.scanning import ScanPlan, TokenSpan, open_plan
 from streampack.interop.writing import (
     ShardDocs,
     check_int_option,
@@ -51,6 +49,8 @@ from streampack.interop.writing import (
     shard_docs,
     write_spans,
 )
+from streampack.reader.foreign.opening import Foreign, ForeignShards, foreign_cache
+from streampack.reader.foreign.scanning import ScanPlan, TokenSpan, open_plan
 from streampack.store import encode_json
 
 if TYPE_CHECKING:

@@ -1,29 +1,9 @@
-"""OLMo-core's numpy token files (dolma's layout): headerless memmaps, label masks, and their sidecars.
-
-What allenai/OLMo-core ``data/numpy_dataset.py`` (``NumpyDatasetConfig``: ``paths``, ``dtype``,
-``label_mask_paths``) reads, as allenai/dolma ``tokenizer/memmap_writer.py`` writes it, one file per
-non-empty shard:
-
-* ``token_ids_part_NNNNNN.npy``: the tokens, a headerless little-endian uint16 or uint32 array (no
-  ``.npy`` header despite the name), each document followed by the EOS id;
-* ``labels_mask_part_NNNNNN.npy``: (an SFT cache) one bool byte a token, True at a training target;
-* ``token_ids_part_NNNNNN.csv.gz``: one ``start,end,id`` line a document, which OLMo-core reads for a
-  remote array only (a local one's documents end at the EOS ids);
-* ``olmo.json``: what a ``NumpyDatasetConfig`` needs (``paths``, ``label_mask_paths``, ``dtype``,
-  ``eos_token_id``, ``bos_token_id``, ``vocab_size``) and the cache's ``num_docs`` and ``num_tokens``,
-  which a reader checks the files against; written last.
+"""OLMo-core's numpy token files (dolma's layout) written from a cache, one token file (and label mask,
+and ``.csv.gz`` sidecar) per non-empty shard, then ``olmo.json`` (the layout:
+:mod:`streampack.reader.foreign.olmo`).
 
 OLMo-core ends a document at each EOS id, so a cache without an EOS is refused, and so is one whose BOS is
 its EOS or whose documents hold the EOS id inside them.
-
-**Reading** (``streampack.open(PATH)``): PATH is a folder with ``olmo.json`` (its paths relative to the
-folder; its ``num_tokens`` must be the files', its ``num_docs`` at most the documents they hold), or a
-folder of ``*.npy`` token files (in name order; ``labels_mask_X.npy`` is the mask of ``token_ids_X.npy``),
-or one such file. Without ``olmo.json``, ``dtype=`` gives the dtype (uint16 by default) and ``eos_id=``
-the EOS, which is required; beside ``olmo.json`` they must agree with it. Each file is one shard, mapped
-where it lies, whose documents end at each EOS; a tail after the last one is a last document. The EOS ids
-are counted by a scan at the open rather than read from the ``.csv.gz`` sidecars: gunzipping and parsing
-a line a document costs more than comparing the tokens, and a folder not written by dolma has none.
 """
 
 from __future__ import annotations
@@ -33,16 +13,12 @@ import json
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from streampack.errors import CacheError, OptionsError
+from streampack.errors import OptionsError
 from streampack.interop.destination import Destination
-from streampack.interop.filechecks import check_id_fits
-from streampack.interop.reading import Foreign, ForeignOptions
-from streampack.interop.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan, span_shards
 from streampack.interop.writing import (
     inner_token,
     may_hold_specials,
@@ -51,12 +27,12 @@ from streampack.interop.writing import (
     shard_mask,
     write_tokens,
 )
+from streampack.reader.foreign.olmo import CONFIG
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
 LAYOUT = "directory"
-CONFIG = "olmo.json"
 
 
 @dataclass(frozen=True)
@@ -176,198 +152,3 @@ def csv_rows(columns: Sequence[np.ndarray]) -> bytes:
         at += 1
     table[:, -1] = ord("\n")
     return table[table != 0].tobytes()
-
-
-# Reading ---------------------------------------------------------------------------------------------
-
-LOOKS_FOR = "olmo: a folder with olmo.json or headerless *.npy token files, or one .npy file (with eos_id=)"
-#: What reading the files checks of them, as ``verify`` reports it.
-OPENED_CHECKS = (
-    "olmo.json was checked where there is one (its fields, and its token and document counts against the "
-    "files), and each file's size (whole tokens; a label mask one byte a token): OLMo's token files have "
-    "no header, their documents end at the EOS id"
-)
-TOKEN_PREFIX = "token_ids"
-MASK_PREFIX = "labels_mask"
-#: The start of a NumPy ``.npy`` header: OLMo's token files are raw arrays despite their name.
-NPY_MAGIC = b"\x93NUMPY"
-
-
-def companion(path: Path) -> str | None:
-    """What the file ``path`` beside the token files is, for ``verify``'s notes; None for an unknown one."""
-    if path.name.startswith(TOKEN_PREFIX) and path.name.endswith(".csv.gz"):
-        return (
-            f"dolma's document index of {path.name.removesuffix('.csv.gz')}.npy, not read (documents are "
-            "found at the EOS ids), so not checked"
-        )
-    return None
-
-
-def recognise(path: Path) -> bool:
-    """Whether ``path`` is a folder with ``olmo.json`` or ``*.npy`` files, or a ``.npy`` file."""
-    if path.is_dir():
-        return (path / CONFIG).is_file() or any(path.glob("*.npy"))
-    return path.suffix == ".npy" and path.is_file()
-
-
-def read(path: Path, options: ForeignOptions) -> Foreign:
-    """The token files at ``path``: :func:`plan`, its spans scanned."""
-    return open_plan(plan(path, options))
-
-
-def plan(path: Path, options: ForeignOptions) -> ScanPlan:
-    """The token files at ``path``, one shard each, whose documents end at the EOS.
-
-    Raises:
-        CacheError: ``olmo.json`` is not what the export writes, or its counts are not the files'; a token
-            file is missing or not a whole number of tokens; a label mask is not one byte a token.
-        OptionsError: no EOS id is known, ``dtype=`` or ``eos_id=`` disagree with ``olmo.json``, or an id
-            does not fit the dtype.
-    """
-    config = _config(path / CONFIG) if path.is_dir() and (path / CONFIG).is_file() else {}
-    if config:
-        tokens = [path / p for p in config["paths"]]
-        masks = [path / p for p in config["label_mask_paths"]] if config.get("label_mask_paths") else None
-    else:
-        tokens, masks = _discover(path)
-    where = path / CONFIG if config else path
-    dtype = np.dtype(_declared(where, "dtype", config.get("dtype"), options.dtype) or "uint16")
-    dtype = dtype.newbyteorder("<")
-    eos = _declared(where, "eos_token_id", config.get("eos_token_id"), options.eos_id)
-    bos = _declared(where, "bos_token_id", config.get("bos_token_id"), options.bos_id)
-    if eos is None:
-        raise OptionsError(
-            f"{path}: OLMo's token files end each document with the EOS id, and none is known: pass eos_id= "
-            "(the tokenizer's EOS, the eos_token_id of the run's config)"
-        )
-    for name, value in (("eos_id", eos), ("bos_id", bos)):
-        if value is not None:
-            check_id_fits(path, name, value, dtype)
-    spans = [TokenSpan(file, dtype, 0, _token_count(file, dtype)) for file in tokens]
-    if masks is not None:
-        for mask, span in zip(masks, spans, strict=True):
-            _check_mask(mask, span.path, span.count)
-    recorded, num_docs = config.get("num_tokens"), config.get("num_docs")
-    held = sum(span.count for span in spans)
-    if recorded is not None and recorded != held:
-        raise CacheError(
-            f"{where}: num_tokens is {recorded:,} (and num_docs {num_docs}), but its token "
-            f"files hold {held:,} tokens: a file was cut, emptied or replaced since olmo.json was written. "
-            "Export the files again, or remove olmo.json's counts to read them as they are"
-        )
-    files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]
-
-    def make(found: list[Found]) -> Foreign:
-        # More documents than olmo.json counts is no damage: a document that holds the EOS id (a chat
-        # template's) is two to OLMo-core too.
-        ended = sum(seen.num_docs for seen in found)
-        if num_docs is not None and ended < num_docs:
-            raise CacheError(
-                f"{path / CONFIG}: num_docs is {num_docs:,}, but its token files hold {ended:,} documents "
-                f"(ended by the EOS id {eos}): the files were changed since olmo.json was written. Export "
-                "them again, or remove olmo.json's counts to read them as they are"
-            )
-        shards = span_shards(spans, found, masks)
-        return Foreign("olmo", path, dtype, shards, eos, bos, config.get("vocab_size"), files=files)
-
-    return ScanPlan(spans, Boundary(eos), make)
-
-
-def _config(file: Path) -> dict[str, Any]:
-    """``olmo.json``, its fields checked."""
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CacheError(
-            f"{file}: not readable JSON ({e}); the export writes it last, so rerun the export"
-        ) from None
-    if not isinstance(config, dict):
-        raise CacheError(f"{file}: a JSON {type(config).__name__}, expected an object with paths, dtype...")
-    paths = config.get("paths")
-    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-        raise CacheError(f"{file}: paths is {paths!r}, expected a list of token file names")
-    masks = config.get("label_mask_paths")
-    if masks is not None and (
-        not isinstance(masks, list) or len(masks) != len(paths) or not all(isinstance(m, str) for m in masks)
-    ):
-        raise CacheError(
-            f"{file}: label_mask_paths is {masks!r}, expected null or a list of {len(paths)} file names (one "
-            "a token file)"
-        )
-    remote = [p for p in [*paths, *(masks or [])] if "://" in p]
-    if remote:
-        raise CacheError(
-            f"{file}: {remote[0]} is a URL; streampack opens OLMo token files on a local disk: copy them "
-            "beside olmo.json"
-        )
-    for name in ("eos_token_id", "bos_token_id", "vocab_size", "num_docs", "num_tokens"):
-        value = config.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise CacheError(f"{file}: {name} is {value!r}, expected null or a non-negative integer")
-    if config.get("dtype") not in (None, "uint16", "uint32"):
-        raise CacheError(
-            f"{file}: dtype is {config['dtype']!r}, expected uint16 or uint32 (the token dtypes streampack "
-            "reads)"
-        )
-    return config
-
-
-def _discover(path: Path) -> tuple[list[Path], list[Path] | None]:
-    """The token files of a folder without ``olmo.json`` (or the one file), and their masks if any."""
-    if not path.is_dir():
-        return [path], None
-    files = sorted(p for p in path.glob("*.npy") if p.is_file())
-    tokens = [p for p in files if not p.name.startswith(MASK_PREFIX)]
-    if not tokens:
-        raise CacheError(f"{path}: no token files; the *.npy files are all label masks ({MASK_PREFIX}_*)")
-    masks = [p.with_name(p.name.replace(TOKEN_PREFIX, MASK_PREFIX, 1)) for p in tokens]
-    found = [m.is_file() and m.name.startswith(MASK_PREFIX) for m in masks]
-    if not any(found):
-        return tokens, None
-    if not all(found):
-        lacking = tokens[found.index(False)]
-        raise CacheError(
-            f"{lacking}: no label mask beside it ({masks[found.index(False)].name}), where other token files "
-            "have one: a loss mask covers every token or none"
-        )
-    return tokens, masks
-
-
-def _declared(where: Path, name: str, recorded: Any, given: Any) -> Any:
-    """The value ``olmo.json`` records for ``name``, or the one given; they must agree where both are."""
-    if recorded is not None and given is not None and recorded != given:
-        raise OptionsError(f"{where}: {name} is {recorded!r} there, but {given!r} was given: drop the option")
-    return given if recorded is None else recorded
-
-
-def _token_count(file: Path, dtype: np.dtype) -> int:
-    """The tokens of ``file``, refusing a missing one, a NumPy header, or a partial token."""
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            head = f.read(len(NPY_MAGIC))
-    except FileNotFoundError:
-        raise CacheError(f"{file}: missing; it is one of the token files the cache lists") from None
-    if head == NPY_MAGIC:
-        raise CacheError(
-            f"{file}: starts with a NumPy .npy header; OLMo's token files are headerless arrays "
-            "(np.memmap). Write its tokens with array.tofile(), or open it with np.load"
-        )
-    if size % dtype.itemsize:
-        raise CacheError(
-            f"{file}: {size:,} bytes, not a whole number of {dtype.itemsize}-byte {dtype.name} tokens: the "
-            f"file is truncated, or its tokens are not {dtype.name}"
-        )
-    return size // dtype.itemsize
-
-
-def _check_mask(mask: Path, file: Path, count: int) -> None:
-    try:
-        size = mask.stat().st_size
-    except FileNotFoundError:
-        raise CacheError(f"{mask}: missing; it should hold the label mask of {file.name}") from None
-    if size != count:
-        raise CacheError(
-            f"{mask}: {size:,} bytes, but the label mask of {file.name} holds one bool byte a token: "
-            f"{count:,} expected. The file is truncated, or belongs to another token file"
-        )

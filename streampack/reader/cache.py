@@ -112,7 +112,7 @@ class Cache:
     def content_digest(self) -> str:
         """A short digest of what samples are made of, wherever the cache lives: the shard table, whose
         CRC-32s cover a native cache's files, and for another format's files what they held when opened
-        (:mod:`streampack.interop.identity`)."""
+        (:mod:`streampack.reader.foreign.identity`)."""
         table, held = self.table.digest(), self.files.identity()
         return table if not held else hashlib.sha256(f"{table}:{held}".encode()).hexdigest()[:16]
 

@@ -39,7 +39,7 @@ def open(
 
     The manifest is read; no shard file is touched until it is first mapped, when it is checked against
     the manifest. A local path without a streampack cache is opened as another format's token files if
-    one recognises them (:mod:`streampack.interop.reading`): a Megatron prefix, a folder of llm.c shards,
+    one recognises them (:mod:`streampack.reader.foreign`): a Megatron prefix, a folder of llm.c shards,
     datatrove ``.ds`` files, OLMo ``.npy`` memmaps or MDS shards, a nanoGPT ``train.bin``. They are mapped
     where they lie, and the cache serves everything a native one does.
 
@@ -71,7 +71,7 @@ def open(
             manifest and files disagree.
         OptionsError: an object-storage option for a local cache, or a bound smaller than a shard.
     """
-    declared = {"format": format, "eos_id": eos_id, "bos_id": bos_id, "dtype": dtype}
+    declared: dict[str, Any] = {"format": format, "eos_id": eos_id, "bos_id": bos_id, "dtype": dtype}
     declared.update(tokenizer=tokenizer, vocab_size=vocab_size)
     copy: dict[str, Any] = {"local_dir": local_dir, "max_local_bytes": max_local_bytes}
     copy.update(prefetch_steps=prefetch_steps, storage_options=storage_options)
@@ -89,9 +89,9 @@ def open(
             )
         store = open_store(path)
     if format is not None or not store.exists(MANIFEST):
-        return (
-            _open_foreign_remote(str(path), declared, copy) if remote else _open_foreign(store.root, declared)
-        )
+        from streampack.reader.foreign.opening import open_foreign, open_remote  # other formats only
+
+        return open_remote(str(path), declared, **copy) if remote else open_foreign(store.root, **declared)
     named = [name for name, value in declared.items() if value is not None]
     if named:
         raise OptionsError(
@@ -113,20 +113,6 @@ def open(
     if store.fetches_copies:
         cache._opened_store = store  # type: ignore[assignment]  # a CachedStore
     return cache
-
-
-def _open_foreign(path: str | os.PathLike[str], declared: dict[str, Any]) -> Cache:
-    """:func:`streampack.interop.reading.open_foreign`."""
-    from streampack.interop.reading import open_foreign
-
-    return open_foreign(path, **declared)
-
-
-def _open_foreign_remote(url: str, declared: dict[str, Any], copy: dict[str, Any]) -> Cache:
-    """:func:`streampack.interop.remote.open_remote`."""
-    from streampack.interop.remote import open_remote
-
-    return open_remote(url, declared, **copy)
 
 
 def open_committed(store: LocalStore, manifest: Manifest, progress: list[LedgerEntry]) -> Cache:

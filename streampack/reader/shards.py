@@ -3,7 +3,7 @@ build's) loss mask, as arrays.
 
 :class:`Shards` is the protocol a cache reads through. :class:`ShardFiles` serves it from a native cache's
 shard files, each checked against the manifest before anything is read from it; another format's files
-serve the same protocol (:class:`~streampack.interop.reading.ForeignShards`).
+serve the same protocol (:class:`~streampack.reader.foreign.opening.ForeignShards`).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class Shards(Protocol):
 
     def identity(self) -> str:
         """What identifies another format's files, which record no checksum
-        (:mod:`streampack.interop.identity`); "" for a native cache, whose shard table has them."""
+        (:mod:`streampack.reader.foreign.identity`); "" for a native cache, whose shard table has them."""
         ...
 
     def drop(self) -> None:

@@ -161,9 +161,9 @@ def _note_unread(
 
 
 def _reader(format: str) -> ModuleType:
-    """The module that reads ``format``'s files (:data:`streampack.interop.reading.READERS`): its
+    """The module that reads ``format``'s files (:data:`streampack.reader.foreign.opening.READERS`): its
     ``OPENED_CHECKS`` say what reading them checked, its ``companion`` what the files beside them are."""
-    from streampack.interop.reading import READERS
+    from streampack.reader.foreign.opening import READERS
 
     return importlib.import_module(READERS[format])
 

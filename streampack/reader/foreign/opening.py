@@ -1,12 +1,13 @@
-"""Another ecosystem's token files opened as a :class:`~streampack.reader.Cache`.
+"""Another ecosystem's token files opened as a :class:`~streampack.reader.Cache`: :func:`open_foreign`,
+and :func:`open_remote` for files in object storage.
 
-A format module that can be read has ``recognise(path) -> bool`` and ``read(path, options) -> Foreign``.
-It checks the files' headers and indexes (a :class:`~streampack.errors.CacheError` names the file, the
-field and what was expected) and describes each shard as a :class:`ForeignShard`: its counts, known at
-the open, and how to map its tokens, document ends and loss mask on first use. :class:`ForeignShards`
-serves them through the :class:`~streampack.reader.shards.Shards` protocol. The manifest
-:func:`open_foreign` makes says what the files and the user declared; the formats record no checksums, so
-what the files held when opened identifies them instead (:mod:`streampack.interop.identity`).
+A format's module (:data:`READERS`) has ``recognise(path) -> bool`` and ``read(path, options) ->
+Foreign``. It checks the files' headers and indexes (a :class:`~streampack.errors.CacheError` names the
+file, the field and what was expected) and describes each shard as a :class:`ForeignShard`: its counts,
+known at the open, and how to map its tokens, document ends and loss mask on first use.
+:class:`ForeignShards` serves them through the :class:`~streampack.reader.shards.Shards` protocol. The
+manifest says what the files and the user declared; the formats record no checksums, so what the files
+held when opened identifies them instead (:mod:`streampack.reader.foreign.identity`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -32,14 +33,13 @@ from streampack.format.sections import (
     InputRecord,
     TokenizerInfo,
 )
-from streampack.interop.files import LOCAL, ForeignFiles
-from streampack.interop.identity import ends_digest, files_identity
+from streampack.reader.cache import Cache
+from streampack.reader.foreign.files import LOCAL, CopiedFiles, ForeignFiles
+from streampack.reader.foreign.identity import ends_digest, files_identity
 from streampack.reader.shards import MAX_OPEN_MAPS
 from streampack.store import LocalStore
+from streampack.store.localcopy import cached_store, default_local_dir
 from streampack.store.pressure import forget_release, on_release
-
-if TYPE_CHECKING:
-    from streampack.reader import Cache
 
 __all__ = [
     "READERS",
@@ -49,17 +49,20 @@ __all__ = [
     "ForeignShards",
     "foreign_identity",
     "open_foreign",
+    "open_remote",
 ]
 
 #: Format name -> the module that reads it, in the order a path is tried.
 READERS: dict[str, str] = {
-    "megatron": "streampack.interop.megatron",
-    "mds": "streampack.interop.mds",
-    "datatrove": "streampack.interop.datatrove",
-    "olmo": "streampack.interop.olmo",
-    "llmc": "streampack.interop.llmc",
-    "nanogpt": "streampack.interop.nanogpt",
+    "megatron": "streampack.reader.foreign.megatron",
+    "mds": "streampack.reader.foreign.mds",
+    "datatrove": "streampack.reader.foreign.datatrove",
+    "olmo": "streampack.reader.foreign.olmo",
+    "llmc": "streampack.reader.foreign.llmc",
+    "nanogpt": "streampack.reader.foreign.nanogpt",
 }
+#: The formats read from object storage too: their ``read`` takes where the files are (a ``ForeignFiles``).
+REMOTE_READERS = ("megatron", "datatrove")
 
 #: Bytes of token copies (MDS samples, not stored end to end) that :class:`ForeignShards` keeps for reuse;
 #: the last one is kept whatever its size. A kept map costs a file descriptor, a kept copy memory.
@@ -114,7 +117,7 @@ class ForeignShard:
         mask_file: the file of its loss mask, or None.
         hashes: the digests its format records of :attr:`path`, by algorithm.
         pieces: each document's bytes as views of its map, where its tokens are not end to end (MDS).
-        ends_digest: the :func:`~streampack.interop.identity.ends_digest` of :attr:`ends` that a scan
+        ends_digest: the :func:`~streampack.reader.foreign.identity.ends_digest` of :attr:`ends` that a scan
             found at the open; None: made from :attr:`ends`.
     """
 
@@ -261,7 +264,7 @@ class ForeignShards:
         return dict(self._shard(shard).hashes)
 
     def identity(self) -> str:
-        """What the files held when they were opened (:mod:`streampack.interop.identity`)."""
+        """What the files held when they were opened (:mod:`streampack.reader.foreign.identity`)."""
         return self._identity
 
     def drop(self) -> None:
@@ -319,7 +322,7 @@ def open_foreign(
 
     Args:
         path: a Megatron prefix, a folder of llm.c, datatrove, OLMo or MDS shards, a nanoGPT ``train.bin``.
-        files: where they are read from (object storage: :func:`streampack.interop.remote.open_remote`).
+        files: where they are read from (object storage: :func:`open_remote`).
         store: the cache's store; a store of their folder by default.
         **declared: the fields of :class:`ForeignOptions`.
 
@@ -330,10 +333,10 @@ def open_foreign(
     options = ForeignOptions(**declared)
     chosen = options.format or recognise(path, files)
     module = importlib.import_module(READERS[chosen])
-    if not files.local and not getattr(module, "REMOTE", False):
+    if not files.local and chosen not in REMOTE_READERS:
         raise OptionsError(
             f"{files.name(Path(path))}: {chosen} files are read from a local path; from object storage "
-            f"streampack opens {' and '.join(remote_formats())} files: copy these to a local or shared "
+            f"streampack opens {' and '.join(REMOTE_READERS)} files: copy these to a local or shared "
             f"filesystem and open that path, or convert them (`streampack convert`) to a cache there"
         )
     try:
@@ -345,6 +348,48 @@ def open_foreign(
     return foreign_cache(foreign, declared, files=files, store=store)
 
 
+def open_remote(
+    url: str,
+    declared: Mapping[str, Any],
+    *,
+    local_dir: str | os.PathLike[str] | None = None,
+    max_local_bytes: int | None = None,
+    prefetch_steps: int | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Cache:
+    """The token files at ``url`` (any fsspec URL) as a cache read through a local copy; ``declared`` and
+    the keywords are what :func:`streampack.open` was given.
+
+    The copy's store is their folder (``s3://b/data`` for the Megatron prefix ``s3://b/data/corpus``). The
+    small files that say where documents are (an ``.idx``, each ``.ds.index``) are fetched at the open,
+    a token file whole when a shard of it is first read.
+
+    Raises:
+        CacheError: no format read from object storage recognises ``url``, or its files are damaged
+            (named by their URLs).
+        OptionsError: a format that is read from a local path only, or an option of the local copy.
+    """
+    url = url.rstrip("/")
+    folder, _, name = url.rpartition("/")
+    if folder.endswith(":/") or not folder:  # the URL is a bucket: its files are in it
+        folder, name = url, ""
+    store = cached_store(
+        folder,
+        local_dir=local_dir if local_dir is not None else default_local_dir(url),
+        max_local_bytes=max_local_bytes,
+        prefetch_steps=prefetch_steps,
+        storage_options=storage_options,
+    )
+    store.opened = url
+    try:
+        cache = open_foreign(store.root / name, files=CopiedFiles(store), store=store, **declared)
+    except BaseException:
+        store.close()
+        raise
+    cache._opened_store = store
+    return cache
+
+
 def foreign_cache(
     foreign: Foreign,
     declared: Mapping[str, Any],
@@ -353,8 +398,6 @@ def foreign_cache(
     store: LocalStore | None = None,
 ) -> Cache:
     """The cache of what a format module read (``declared``: the fields of :class:`ForeignOptions`)."""
-    from streampack.reader import Cache
-
     options = ForeignOptions(**declared)
     try:
         manifest = foreign_manifest(foreign, options, files)
@@ -368,15 +411,10 @@ def foreign_cache(
 
 
 def foreign_identity(foreign: Foreign, files: ForeignFiles = LOCAL) -> str:
-    """The :func:`~streampack.interop.identity.files_identity` of ``foreign``'s files."""
+    """The :func:`~streampack.reader.foreign.identity.files_identity` of ``foreign``'s files."""
     ends = (shard.ends_digest or ends_digest(shard.ends()) for shard in foreign.shards)
     sampled = [path for s in foreign.shards for path in (s.path, s.mask_file) if path is not None]
     return files_identity(ends, list(dict.fromkeys(sampled)), files)
-
-
-def remote_formats() -> list[str]:
-    """The formats whose files :func:`open_foreign` reads from object storage."""
-    return [n for n, m in READERS.items() if getattr(importlib.import_module(m), "REMOTE", False)]
 
 
 def recognise(path: str | os.PathLike[str], files: ForeignFiles = LOCAL) -> str:
@@ -390,7 +428,7 @@ def recognise(path: str | os.PathLike[str], files: ForeignFiles = LOCAL) -> str:
     if not any(files.is_file(p) or files.is_dir(p) for p in near):
         missing = "no such cache directory" if files.local else "no object or folder there"
         raise CacheError(f"{files.name(where)}: {missing}")
-    names = READERS if files.local else remote_formats()
+    names = READERS if files.local else REMOTE_READERS
     for name in names:
         module = importlib.import_module(READERS[name])
         if module.recognise(where) if files.local else module.recognise(where, files):

@@ -1,12 +1,13 @@
-"""Where a foreign cache's files are read from: a local path (:data:`LOCAL`), or object storage through
-the bounded local copy a native cache in object storage is read through (:class:`CopiedFiles`).
+"""A foreign cache's files: where they are read from, and what a reader checks of them.
 
-A format reader that can read from object storage (its module's ``REMOTE`` is true: Megatron, datatrove)
-asks a :data:`ForeignFiles` what it would ask the file system. Its paths are local paths, or in object
-storage the object's key under the local copy's directory, which :meth:`~CopiedFiles.name` turns back into
-the object's URL for messages. A remote file is fetched whole into the local copy when first mapped, with
-its version (an ETag where the store gives one) in the copy's name, so that an object replaced under the
-same URL is fetched again; it counts against ``max_local_bytes`` and is evicted as a native shard is.
+:data:`LOCAL` reads the local file system. :class:`CopiedFiles` reads the objects under a URL through the
+bounded local copy a native cache in object storage is read through: its paths are keys under the copy's
+directory (:meth:`~CopiedFiles.name` gives the URL back for messages), and a file is fetched whole when first
+mapped, its version (an ETag where the store gives one) in the copy's name, so that an object replaced under
+the same URL is fetched again. The readers of :data:`~streampack.reader.foreign.opening.REMOTE_READERS` take
+either.
+
+The ``check_*`` functions refuse what a reader must not trust, naming the file and the field.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from typing import Any
 
 import numpy as np
 
+from streampack.errors import CacheError, OptionsError
 from streampack.store.copies import Expected
 from streampack.store.localcopy import CachedStore
-
-__all__ = ["LOCAL", "CopiedFiles", "ForeignFiles", "LocalFiles", "map_tokens"]
 
 
 def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
@@ -210,3 +210,54 @@ def _version(info: dict[str, Any]) -> str:
 
 #: Where a foreign cache's files are read from.
 ForeignFiles = LocalFiles | CopiedFiles
+
+
+def check_size(path: Path, expected: int, what: str, files: ForeignFiles = LOCAL) -> None:
+    """Refuse a file that is missing or not ``expected`` bytes long, naming what it should hold."""
+    try:
+        size = files.size(path)
+    except FileNotFoundError:
+        raise CacheError(f"{path}: missing; it should hold {what}") from None
+    if size != expected:
+        raise CacheError(
+            f"{path}: {size:,} bytes, but {what} take {expected:,}: the file is truncated or does not "
+            "belong to this index"
+        )
+
+
+def check_ends(path: Path, ends: np.ndarray, num_tokens: int) -> np.ndarray:
+    """Refuse document ends that go back or past ``num_tokens`` (naming the first bad entry)."""
+    if len(ends):
+        back = np.flatnonzero(np.diff(ends.astype(np.int64), prepend=0) < 0)
+        if len(back):
+            i = int(back[0])
+            before = int(ends[i - 1]) if i else 0
+            raise CacheError(
+                f"{path}: document end {i} is {int(ends[i]):,}, before the previous one ({before:,}): the "
+                "index must not decrease"
+            )
+        if int(ends[-1]) > num_tokens:
+            raise CacheError(
+                f"{path}: the last document ends at token {int(ends[-1]):,}, past the {num_tokens:,} tokens "
+                "of its token file"
+            )
+    return ends
+
+
+def check_doc_count(path: Path, ends: np.ndarray, num_docs: int) -> np.ndarray:
+    """Refuse ends that do not count the ``num_docs`` documents found when the file was opened."""
+    if len(ends) != num_docs:
+        raise CacheError(
+            f"{path}: {len(ends):,} documents now, {num_docs:,} when it was opened: the file changed since; "
+            "open it again"
+        )
+    return ends
+
+
+def check_id_fits(path: Path, name: str, token_id: int, dtype: np.dtype) -> None:
+    """Refuse a declared id that tokens of ``dtype`` cannot hold (it would never be found)."""
+    if token_id >= 1 << (8 * dtype.itemsize):
+        raise OptionsError(
+            f"{path}: {name}={token_id:,} does not fit its {dtype.name} tokens (at most "
+            f"{(1 << (8 * dtype.itemsize)) - 1:,}): the id is wrong, or the files are uint32 (pass dtype=)"
+        )

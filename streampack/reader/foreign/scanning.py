@@ -1,18 +1,16 @@
 """Finding the documents of a token stream without an index (nanoGPT, OLMo, llm.c) by scanning it for the
 id that ends or starts each one, in bounded memory.
 
-Such a format plans its shards first (:class:`ScanPlan`: each shard's span of a file, found without
-reading the files through), then builds its :class:`~streampack.interop.reading.Foreign` from what a scan
-of each span finds. :func:`open_plan` scans the spans on a few threads (the compares and reads release the
-GIL); ``streampack convert`` scans them on one thread while the kernel copies them
+Such a format plans its shards first (:class:`ScanPlan`: each shard's span of a file, found without reading
+the files through), then builds its :class:`~streampack.reader.foreign.opening.Foreign` from what a scan of
+each span finds. :func:`open_plan` scans the spans on a few threads (the compares and reads release the GIL);
+``streampack convert`` scans them on one thread while the kernel copies them
 (:func:`streampack.interop.native.write_scanned`), one read for the documents and the CRC-32.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import mmap
 import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
@@ -26,10 +24,9 @@ import numpy as np
 
 from streampack.errors import CacheError
 from streampack.format.names import MANIFEST, crc32
-from streampack.interop.filechecks import check_doc_count
-from streampack.interop.files import map_tokens
-from streampack.interop.identity import ends_digest
-from streampack.interop.reading import READERS, Foreign, ForeignOptions, ForeignShard, recognise
+from streampack.reader.foreign.files import check_doc_count, map_tokens
+from streampack.reader.foreign.identity import ends_digest
+from streampack.reader.foreign.opening import READERS, Foreign, ForeignOptions, ForeignShard, recognise
 from streampack.store import is_remote, open_store
 
 #: Tokens a scan compares at a time. 1 Mi tokens stay in the CPU's cache; 4 Mi scanned 25% slower.
@@ -97,33 +94,12 @@ class TokenSpan:
 
 
 def scanned(tokens: np.ndarray | TokenSpan, step: int = SCAN_TOKENS) -> Iterator[tuple[int, np.ndarray]]:
-    """``(start, chunk)`` of a span or a memory map, ``step`` tokens at a time.
-
-    A map's pages are let go of after each chunk: a mapped page that was read counts towards the process's
-    memory until it is unmapped, so a scan of a large file would otherwise grow it by the file's size.
-    """
+    """``(start, chunk)`` of a span (read from its file) or an array, ``step`` tokens at a time."""
     if isinstance(tokens, TokenSpan):
         yield from tokens.chunks(step)
         return
     for start in range(0, len(tokens), step):
-        chunk = tokens[start : start + step]
-        yield start, chunk
-        _forget_pages(chunk)
-
-
-def _forget_pages(chunk: np.ndarray) -> None:
-    """``MADV_DONTNEED`` on a memory-mapped chunk's pages (a later read maps them again from the page
-    cache); nothing for an array in memory."""
-    mapped = chunk.base
-    while mapped is not None and not isinstance(mapped, mmap.mmap):
-        mapped = getattr(mapped, "base", None)
-    if mapped is None or not hasattr(mapped, "madvise") or not chunk.nbytes:
-        return
-    origin = np.frombuffer(mapped, dtype=np.uint8).ctypes.data
-    first = (chunk.ctypes.data - origin) // mmap.PAGESIZE * mmap.PAGESIZE
-    stop = min(chunk.ctypes.data - origin + chunk.nbytes, len(mapped))
-    with contextlib.suppress(OSError, ValueError):
-        mapped.madvise(mmap.MADV_DONTNEED, first, stop - first)
+        yield start, tokens[start : start + step]
 
 
 @dataclass(frozen=True)
@@ -162,7 +138,7 @@ class Boundary:
 @dataclass(frozen=True)
 class Found:
     """What the scan of one span found: its document count, its ends (kept, or scanned again when asked
-    for) and the :func:`~streampack.interop.identity.ends_digest` of them."""
+    for) and the :func:`~streampack.reader.foreign.identity.ends_digest` of them."""
 
     num_docs: int
     ends: Callable[[], np.ndarray]

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from streampack.errors import CacheError
-from streampack.interop.files import LOCAL, ForeignFiles
+from streampack.reader.foreign.files import LOCAL, ForeignFiles
 
 __all__ = ["BLOCK", "ends_digest", "files_identity"]
 
