@@ -13,7 +13,7 @@ checkpoint and a data state of different steps.
 a cache directory, a mixture config, or the sources themselves; the entry's seed, shuffle, batch size,
 layout and mixture schedule, resumed from the previous leg as the run resumed), checks its order against
 the digest recorded, and asks it, through the function its batches are served with
-(:meth:`Steps.served <streampack.loader.steps.Steps.served>`), for the samples of every position the leg
+(:meth:`Loader.served <streampack.loader.Loader.served>`), for the samples of every position the leg
 trained, in chunks of positions with numpy. Each source serves its samples at a *cursor* (samples of it
 served so far: sample ``c mod N`` of epoch ``c // N``), and the positions of a leg serve a contiguous run
 of each source's cursors (:meth:`Order.consumed <streampack.order.Order.consumed>`), so the verdict is
@@ -40,7 +40,7 @@ from streampack.loader.auditexclusions import excluded_served, in_force, placed
 from streampack.loader.coverage import Finding, Leg
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.history import leg_steps, order_digest, stride
-from streampack.loader.inforce import listed
+from streampack.loader.run import listed
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state
 
 __all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit", "leg_loaders"]

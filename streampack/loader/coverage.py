@@ -128,7 +128,7 @@ def excluded(loader: Loader, start: int, stop: int, served: np.ndarray) -> np.nd
     and ``stop``: those its order under none of them picks there, less those ``served``."""
     if not isinstance(loader.order, Skipping):
         return np.zeros(len(served), dtype=np.int64)
-    base = loader._base
+    base = loader.run.base
     lo, hi = reached(loader.order, start), reached(loader.order, stop)
     counts = np.zeros(len(served), dtype=np.int64)
     for first in range(lo, hi, CHUNK):

@@ -196,7 +196,7 @@ def excluded_steps(
     position = _position(view, step, state)
     stop = position + view.options.batch_size
     notes = []
-    for index, (entry, at, batch) in enumerate(view._in_force):
+    for index, (entry, at, batch) in enumerate(view.run.in_force):
         for start, end in entry.ranges(batch):
             lo, hi = max(start, position, at), min(end, stop)
             if lo >= hi:
@@ -218,8 +218,8 @@ def _marks(view: Loader, position: int, batch: list[tuple[int, int]]) -> dict[tu
     """``(source, doc) -> mark`` of the documents of ``batch`` the view's exclusions name (see
     :class:`Provenance`): the first exclusion that names one marks it."""
     marks: dict[tuple[int, int], str] = {}
-    for entry, at, _ in view._in_force:
-        found = view._excluded_docs.get(entry.digest, {})
+    for entry, at, _ in view.run.in_force:
+        found = view.run.found.get(entry.digest, {})
         label = entry.mode if at <= position else f"{entry.mode} from position {at}"
         for source, doc in batch:
             excluded = found.get(source)

@@ -18,7 +18,7 @@ A source may **grow** while it is read: a cache whose build runs, followed
 (:class:`~streampack.loader.follow.Follow`, or its :class:`~streampack.loader.follow.GrowingCache`). Its
 samples are served in the follow order (eras, then epochs of the finished cache; its own seed), at its
 cursor as for any source, and a :class:`~streampack.Loader` over the mixture waits, before a batch, until
-that source knows the samples its cursor reaches (:mod:`streampack.loader.growmix`). The mixture's weights
+that source knows the samples its cursor reaches (:mod:`streampack.loader.growing`). The mixture's weights
 are kept exactly: a batch waits for the build rather than serve another source in its place. Its number
 of samples is the number known so far; ``stop="first_exhausted"`` is refused (the end would depend on when
 the build ends).
