@@ -23,11 +23,8 @@ __all__ = ["Batches", "check_last_batch"]
 
 @dataclass(frozen=True)
 class Batches:
-    """The global batches of a run through ``order`` with ``options``, by position; a pure value.
-
-    Over a source that grows, its :class:`~streampack.loader.Loader` waits until the order knows a
-    batch's samples before it asks here.
-    """
+    """The global batches of a run through ``order`` with ``options``, by position; a pure value (over a
+    source that grows, the loader waits until the order knows a batch's samples before it asks here)."""
 
     options: LoaderOptions
     order: Order
@@ -102,11 +99,7 @@ class Batches:
         return self.served(*self.span(position))
 
     def check_last_batch(self, position: int) -> None:
-        """Refuse ``drop_last=False`` when the run's last batch, read from ``position``, leaves a rank none.
-
-        Raises:
-            OptionsError: see :func:`check_last_batch`.
-        """
+        """:func:`check_last_batch` of the run read from ``position``."""
         check_last_batch(self.options, self.order.end, position)
 
     def missing(self, position: int) -> IndexError:
@@ -121,9 +114,8 @@ def check_last_batch(opts: LoaderOptions, end: int | None, position: int) -> Non
     """Refuse ``drop_last=False`` when the last partial global batch of a run that ends at ``end`` (read
     from ``position`` on) cannot give every rank a row.
 
-    A rank with a 0-row batch computes a NaN mean loss, and DDP's all-reduce spreads the NaN gradients to
-    every rank. The remainder is known up front, so it is refused here rather than padded with repeated
-    samples: every served row stays a distinct sample, in the same order.
+    A rank's 0-row batch has a NaN mean loss, which DDP's all-reduce spreads to every rank. It is refused
+    rather than padded with repeated samples, so every served row stays a distinct sample.
 
     Raises:
         OptionsError: the remainder is positive and smaller than the world size; the message names the

@@ -353,13 +353,9 @@ class Follow(Loader):
 
     Args:
         path: the cache directory or URL (its build may not have written its manifest yet).
-        options: the loader's settings (:class:`~streampack.loader.options.LoaderOptions`: ``batch_size``,
-            ``seed``, ``rank``, ``world_size``, ``drop_last`` (with ``then="end"``), ``output``, ``dtype``;
-            not ``shuffle`` or ``epochs``: the order is the eras').
-        follow: what it serves and how it waits (:class:`FollowOptions`: ``seq_len``, ``overlap``,
-            ``layout`` with ``too_long``, ``no_target`` and ``pad_id``, ``then``, ``first_era``,
-            ``largest_era``, ``timeout``, ``poll``, and the object-storage
-            ``local_dir``, ``max_local_bytes``, ``storage_options``, ``prefetch_steps``).
+        options: the loader's settings (:class:`~streampack.loader.options.LoaderOptions`), but
+            ``shuffle`` and ``epochs``: the order is the eras'.
+        follow: what it serves and how it waits (:class:`FollowOptions`).
         collate: applied to every batch before it is yielded.
         **keywords: fields of either, which replace those of the objects given: ``Follow(path,
             seq_len=2048, batch_size=32)`` needs no object.

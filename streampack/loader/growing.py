@@ -110,12 +110,7 @@ def growing_mixture(source: Any) -> Any:
 
 
 class GrowingMixture:
-    """A :class:`~streampack.order.mixture.Mixture` with sources that grow, as a source that grows (see
-    the module docstring).
-
-    Args:
-        mixture: the mixture; its growing sources grow as this source grows.
-    """
+    """A :class:`~streampack.order.mixture.Mixture` with sources that grow, as a source that grows."""
 
     def __init__(self, mixture: Mixture) -> None:
         self.order = mixture
