@@ -115,7 +115,9 @@ class Loader:
     ) -> None:
         source = growing_mixture(source)  # a Mixture with a source that grows, grows with it
         self._run = started(type(self).__name__, source, order, options, keywords, exclude)
-        self._source, self.collate, self._position = source, collate, 0
+        self._source = source
+        self.collate = collate
+        self._position = 0
         self._own_order = order is None and not isinstance(source, (Ordered, Growing))
         # How far a growing source is known and opened (streampack.loader.growing); None: it is whole.
         self._reach = Reach(source) if isinstance(source, Growing) else None
@@ -137,7 +139,7 @@ class Loader:
         return self._run.options
 
     @options.setter
-    def options(self, options: LoaderOptions) -> None:
+    def options(self, options: LoaderOptions) -> None:  # e.g. a copy that reads every rank's rows
         self._run = dataclasses.replace(self._run, options=options)
 
     @property
