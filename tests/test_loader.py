@@ -462,6 +462,21 @@ def test_state_of_other_data_is_refused(cache: streampack.Cache) -> None:
         Loader(cache.sequences(16), batch_size=4).load_state_dict([1, 2])  # type: ignore[arg-type]
 
 
+def test_a_refused_resume_leaves_the_loader_as_it_was(cache: streampack.Cache) -> None:
+    """A resume builds the loader's next Run and swaps it in whole: one refused late (here after it took over
+    the checkpoint's units of another length) leaves the run, its position and its batches as they were."""
+    from streampack.loader import Exclusions
+
+    saved = Loader(cache.sequences(32), batch_size=4, exclude=Exclusions(positions=[(100, 104)])).state_dict()
+    loader = Loader(cache.sequences(16), batch_size=8)
+    loader.advance(2)
+    run, position, batch = loader.run, loader.position, loader.batch(loader.position)
+    with pytest.raises(LoaderStateError, match="exclusion"):
+        loader.load_state_dict(saved)
+    assert loader.run is run and loader.position == position and loader.width == 16
+    assert np.array_equal(loader.batch(position), batch)
+
+
 # --- options and outputs -------------------------------------------------------------------------------
 
 

@@ -394,7 +394,7 @@ def test_caches_of_several_shards_read_as_one_token_space(tmp_path) -> None:  # 
     }
     mix = Mixture(seqs, weights={"a": 4, "b": 2, "c": 1}, block_size=7, seed=5)
     loader = Loader(mix, batch_size=14, dtype=None)
-    assert loader._rows.joined is not None  # the one-pass read is the one under test
+    assert loader.run.rows.joined is not None  # the one-pass read is the one under test
     for position in range(0, 14 * 30, 14):
         batch = loader.batch(position)
         sources, samples = loader.picks(position)
@@ -414,7 +414,7 @@ def test_caches_cut_at_other_seq_lens_of_one_width_read_their_own_windows(tmp_pa
     }
     mix = Mixture(seqs, weights={"a": 1, "b": 1}, block_size=16)
     loader = Loader(mix, batch_size=8)
-    assert loader._rows.joined is not None
+    assert loader.run.rows.joined is not None
     for position in (0, 8, 800, 16, 4000):
         sources, samples = loader.picks(position)
         expected = [seqs[mix.names[j]][i] for j, i in zip(sources.tolist(), samples.tolist(), strict=True)]

@@ -1,60 +1,51 @@
 """The training loader: global batches of a run's samples, split over ranks, resumable in O(1).
 
-A :class:`Loader` composes a source and an order, and keeps four small jobs:
+A :class:`Loader` composes a source and an order:
 
 * **Order**: a pure map from *global positions* (samples consumed since the run started, over all ranks)
-  to samples, any :class:`~streampack.order.Order` (``order=``). By default one dataset is read by
-  :class:`~streampack.order.Shuffled` (epoch ``e`` is ``Permutation(N, seed=seed, epoch=e)``), or by a
-  :class:`~streampack.order.blockshuffle.BlockShuffled`; a :class:`~streampack.order.mixture.Mixture`
-  brings several sources with their order; a source that grows while it is read (a cache whose build
-  runs: :mod:`streampack.loader.follow`) brings its own (:mod:`streampack.loader.growing`). The loader
-  asks the order through its protocol only, so no kind of order is a special case here.
-* **Batching and ranks**: the global batch at position ``p`` is positions ``[p, p + B)``, ``B`` the
-  *global* batch size; rank ``r`` of ``W`` takes the contiguous ``r``-th slice of ``B / W`` of them. A
-  run that ends (``epochs``, or a mixture that stops) ends with one partial global batch, dropped
-  (``drop_last``) or split as evenly as possible over the ranks; one with fewer rows than ranks, which
-  would leave some rank an empty batch, is refused up front.
-* **State**: the position and the order's fingerprint, a small JSON dict. Resuming computes the next
-  batch from it directly; nothing is replayed. Ranks only slice global batches and workers only take
-  every n-th of them, so a run may resume with another world size, other DataLoader workers, and
-  another global batch size (the next batch starts at the saved position).
+  to samples, any :class:`~streampack.order.Order`: by default a shuffle of one dataset made of the
+  options; a :class:`~streampack.order.mixture.Mixture`, or a source that grows while it is read
+  (:mod:`streampack.loader.growing`), brings its own. The loader asks the order through its protocol only.
+* **Batches and ranks** (:mod:`streampack.loader.batches`): the global batch at position ``p`` is positions
+  ``[p, p + B)``, ``B`` the *global* batch size; rank ``r`` of ``W`` takes the ``r``-th slice of it.
+* **State** (:mod:`streampack.loader.run`): the position and the order's fingerprint, a small JSON dict.
+  Resuming computes the next batch from it directly; nothing is replayed, and the world size, the
+  DataLoader workers and the global batch size may change.
 * **Reading and output**: each source's rows are read straight into the batch array
-  (:mod:`streampack.loader.reading`), which the format chosen by ``output=``
-  (:mod:`streampack.loader.collate`) turns into what a step yields.
+  (:mod:`streampack.loader.reading`), which the ``output=`` format (:mod:`streampack.loader.collate`)
+  turns into what a step yields.
 
-The settings are one :class:`~streampack.loader.options.LoaderOptions` (``options=``, or keywords).
-
-Trade-off: the shuffle is global (any sample can follow any other), so reads are random; a memory-mapped
-cache on a local disk or in the page cache serves them at memory speed, a network filesystem does not.
-``shuffle=BlockShuffle(block=..., window=...)`` bounds them to a window of blocks of consecutive samples
-(:mod:`streampack.order.blockshuffle`), for caches read from object storage.
+Trade-off: the shuffle is global, so reads are random; a memory-mapped cache on a local disk or in the page
+cache serves them at memory speed, a network filesystem does not. ``shuffle=BlockShuffle(block=...,
+window=...)`` bounds them to a window of blocks (:mod:`streampack.order.blockshuffle`), for caches read
+from object storage.
 """
 
 from __future__ import annotations
 
 import copy
-import functools
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from streampack.loader import inforce
-from streampack.loader.checkpoint import Checkpointed
-from streampack.loader.collate import Format, format_for
+from streampack._checks import check_int
+from streampack.errors import OptionsError
+from streampack.loader.collate import format_for
 from streampack.loader.exclusions import Exclusions
-from streampack.loader.given import given
-from streampack.loader.growing import Growing, Reach
-from streampack.loader.growmix import growing_mixture
+from streampack.loader.growing import Growing, Reach, growing_mixture
 from streampack.loader.lookahead import files_ahead, prefetch_steps
 from streampack.loader.options import LoaderOptions, Output, SourceShare
 from streampack.loader.reading import DataSource, Rows, Source
+from streampack.loader.run import Run, placed, reaching, resumed, started
 from streampack.loader.seqlen import SeqLenSchedule
-from streampack.loader.served import formatted, served_for
-from streampack.loader.state import LOADER_VERSION
-from streampack.order import Order, Ordered
+from streampack.loader.served import formatted
+from streampack.loader.state import LOADER_VERSION, saved
+from streampack.order import MAX_POSITION, Order, Ordered
 
 if TYPE_CHECKING:
+    from streampack.loader.collate import Format
     from streampack.loader.prefetch import Prefetcher
     from streampack.store.localcopy import CachedStore
 
@@ -75,13 +66,11 @@ STATE_VERSION = LOADER_VERSION
 _Loader = TypeVar("_Loader", bound="Loader")
 
 
-class Loader(Checkpointed):
+class Loader:
     """Iterate over global batches of samples, this rank's share of each, resumable exactly in O(1).
 
-    Iterating yields one batch per step, starting at the current position, until the run ends (forever
-    when it is endless). Each yielded batch advances the position, so :meth:`state_dict` taken after a
-    batch resumes at the next one. Where the batches are, ``len()``, epochs and what each source has
-    served: :class:`~streampack.loader.steps.Steps`.
+    Iterating yields one batch per step until the run ends (forever when it is endless); each batch
+    advances the position, so a :meth:`state_dict` taken after a batch resumes at the next one.
 
     Example::
 
@@ -102,17 +91,14 @@ class Loader(Checkpointed):
             keywords given too replace its fields (``batch_size``, the GLOBAL batch size, is required).
         collate: applied to every batch before it is yielded (e.g. ``torch.from_numpy``).
         exclude: :class:`~streampack.loader.exclusions.Exclusions` (or a list of them, in the order they
-            were given during the run) taking documents and steps out of the run from a position on
-            (:mod:`streampack.loader.exclusions`).
+            were given during the run) taking documents and steps out of the run from a position on.
 
     Raises:
         TypeError: ``source`` cannot be read a batch of indices at a time, or a keyword names no option.
-        OptionsError: (a ``ValueError``) an option is not allowed alone or with the source and order
-            (:func:`~streampack.loader.given.given` lists each case), ``output="dict"`` does not fit the
-            samples. Each message names the fix. Before its first batch (or at a resume): ``drop_last=False``
-            would give some rank an empty last batch from its position
-            (:func:`~streampack.loader.options.check_last_batch`), or an exclusion's range lies wholly
-            before where it takes effect.
+        OptionsError: (a ``ValueError``) an option does not fit, alone or with the source and order
+            (:func:`~streampack.loader.run.started` lists each case); before the first batch or at a
+            resume, ``drop_last=False`` would give a rank an empty last batch, or an exclusion's range
+            lies wholly before where it takes effect.
     """
 
     _prefetcher: Prefetcher | None = None  # started by the first batch read from object storage
@@ -128,111 +114,194 @@ class Loader(Checkpointed):
         **keywords: Any,
     ) -> None:
         source = growing_mixture(source)  # a Mixture with a source that grows, grows with it
-        self.options, sources, self.order = given(type(self).__name__, source, order, options, keywords)
-        self.dataset: Any = source
-        self.collate, self._rows = collate, Rows(sources)
-        # Every checkpoint resumes against the order given here, never one an earlier load produced.
-        self._configured: Order = self.order
+        self._run = started(type(self).__name__, source, order, options, keywords, exclude)
+        self._source = source
+        self.collate = collate
         self._position = 0
+        self._own_order = order is None and not isinstance(source, (Ordered, Growing))
         # How far a growing source is known and opened (streampack.loader.growing); None: it is whole.
         self._reach = Reach(source) if isinstance(source, Growing) else None
-        self.formatter: Format = format_for(self.options.output, [source.data for source in sources])
-        # The units served at other lengths (a seq_len schedule, streampack.loader.served); None: as they are.
-        self._served = served_for(self.options, sources, self._reach is not None)
-        self._own_order = order is None and not isinstance(source, (Ordered, Growing))
-        # Exclusions (streampack.loader.inforce): those given, those in force, the order they filter, and
-        # per process the documents each names, by digest.
-        self._exclude_given, self._base = inforce.listed(exclude), self.order
-        self._excluded_docs: inforce.Found = {}
-        if self._exclude_given:  # their ranges are checked once the run's history is known (a resume)
-            self._enforce([inforce.placed(e, e.at or 0, self._counting()) for e in self._exclude_given])
-        # The run's last batch is checked before the first batch (a resume first moves the position).
-        self._ahead_checked = False
-        if self._reach is not None:  # what it knows now, which the view opened above holds
-            # An end known already is checked before the first batch, from the position a resume gives.
+        self._ahead_checked = False  # see _check_ahead
+        if self._reach is not None:  # what it knows now, which the view opened holds
             self._reach.grow(0, lambda: None)
             self._reach.readable = self._reach.known
-        self._history = (self._entry(0, None),)
+
+    # --- what it reads ----------------------------------------------------------------------------------
+
+    @property
+    def run(self) -> Run:
+        """What it reads and in which order, from its start or last resume on (:class:`~.run.Run`)."""
+        return self._run
+
+    @property
+    def options(self) -> LoaderOptions:
+        """Its settings (:class:`~streampack.loader.options.LoaderOptions`)."""
+        return self._run.options
+
+    @options.setter
+    def options(self, options: LoaderOptions) -> None:  # e.g. a copy that reads every rank's rows
+        self._run = dataclasses.replace(self._run, options=options)
+
+    @property
+    def order(self) -> Order:
+        """The order served: the one given or made of the options, as resumed, under the skip exclusions."""
+        return self._run.order
+
+    @property
+    def dataset(self) -> Any:
+        """The source given; for a Mixture given, the mixture as the last resume continued it."""
+        return self._run.base if self._source is self._run.configured else self._source
+
+    @property
+    def sources(self) -> list[Source]:
+        """The sources read, in source-id order."""
+        return self._run.rows.sources
+
+    @property
+    def formatter(self) -> Format:
+        """The format of ``output=`` (:mod:`streampack.loader.collate`)."""
+        return self._run.formatter
 
     @property
     def source_dtype(self) -> np.dtype:
         """The dtype that holds the tokens of every source: the cache dtype, for one cache."""
-        return self._rows.dtype
-
-    @functools.cached_property
-    def _out_dtype(self) -> np.dtype:
-        return np.dtype(self.options.dtype or self.source_dtype)
+        return self._run.rows.dtype
 
     @property
     def width(self) -> int:
         """Tokens per sample: ``seq_len + overlap`` (at the loader's own ``seq_len``, with a schedule)."""
-        return self._rows.width if self._served is None else self._served.width
+        run = self._run
+        return run.rows.width if run.served is None else run.served.width
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle options, sources, order and position, not the plan or the prefetch thread (made again
-        where unpickled); a copy over a growing source grows on its own (see ``Reach.copied``)."""
-        state = self.__dict__ | {"_rows": copy.copy(self._rows)}  # without the plan: the copy's options
-        state.pop("_prefetcher", None)
-        return state if self._reach is None else state | self._reach.copied(self.dataset)
+    @property
+    def serves_sub_windows(self) -> bool:
+        """Whether batches may be served at lengths other than the units' (a ``seq_len_schedule``, or a
+        resume at another ``seq_len``): their shape then follows the length (:meth:`batch_shape`)."""
+        return self._run.served is not None
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Unpickle."""
-        self.__dict__.update(state)
-        if "_base" not in self.__dict__:  # pickled before exclusions: its order is unfiltered
-            self.__dict__.update(_base=self.__dict__.get("order"), _excluded_docs={})
+    @property
+    def prefetch_steps(self) -> int:
+        """Steps ahead whose shards are fetched in the background (0 unless reading object storage)."""
+        return prefetch_steps(self._run.rows.joined)
 
-    def __repr__(self) -> str:
-        o = self.options
-        return (
-            f"{type(self).__name__}({self.dataset!r}, batch_size={o.batch_size}, rank={o.rank}, "
-            f"world_size={o.world_size}, order={self.order!r}, position={self._position})"
-        )
+    # --- where the batches are --------------------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Any]:
-        """Yield batches from the current position on, advancing it as each batch is handed out.
+    @property
+    def position(self) -> int:
+        """Global position of the next batch: samples consumed since the run started, over all ranks."""
+        return self._position
 
-        The position is read afresh before every batch, so :meth:`load_state_dict` takes effect at the
-        next batch even in the middle of a loop.
+    @property
+    def num_samples(self) -> int:
+        """Samples per epoch of the dataset (of all sources of a mixture; those known, of a growing one)."""
+        return sum(self.order.sizes())
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the dataset the next batch starts in (under skip exclusions, of the order they filter).
+
+        Raises:
+            TypeError: the order reads a mixture, whose sources each have their own (see :meth:`realised`).
         """
-        while not self.finished:
-            position = self._position
-            batch = self.batch(position)
-            self._position = position + self._global_rows(position)
-            yield batch
+        return self._run.batches.epoch(self._position)
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Global batches in one epoch: ``N // B``, or ``ceil(N / B)`` with ``drop_last=False`` (batches run
+        on across epochs, so ``len()`` may be up to ``E - 1`` more than ``E * steps_per_epoch``).
+
+        Raises:
+            TypeError: the order reads a mixture, which has no single epoch.
+        """
+        return self._run.batches.steps_per_epoch()
+
+    def __len__(self) -> int:
+        """Global batches of the whole run from position 0 at this batch size, the same on every rank:
+        ``end // B``, or ``ceil(end / B)`` with ``drop_last=False``.
+
+        Raises:
+            TypeError: the run is endless (``epochs=None``, or a mixture that never stops).
+        """
+        return self._run.batches.count()
+
+    @property
+    def finished(self) -> bool:
+        """True once the run has ended: no batch is left at the current position."""
+        return self._rows_at(self._position) == 0
+
+    def schedule(self, start: int | None = None) -> Iterator[int]:
+        """The position of every batch still to come from ``start`` (default: the current position), without
+        changing the state; DataLoader workers take every n-th (:mod:`streampack.torch`)."""
+        position = self._position if start is None else start
+        while rows := self._rows_at(position):
+            yield position
+            position += rows
+
+    def advance(self, batches: int = 1) -> None:
+        """Move the position forward by ``batches`` steps, as if that many batches had been consumed."""
+        check_int("batches", batches, min=0, max=2**62)
+        if self._reach is not None:  # a run that ends must know where, to stop there
+            stop = min(self._position + batches * self.options.batch_size, MAX_POSITION)
+            self._reach.grow(stop, self._check_last_batch)
+        self._position = self._run.batches.advanced(self._position, batches)
+
+    def realised(self, steps: int = 0) -> list[SourceShare]:
+        """Per source: samples served, realised share and epoch, ``steps`` batches after the position
+        (from the order alone: a plan far ahead is as cheap as now)."""
+        check_int("steps", steps, min=0, max=2**62)
+        return self._run.batches.realised(min(self._position + steps * self.options.batch_size, MAX_POSITION))
+
+    def served(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source ids and sample ids served at the global positions ``[start, stop)`` over all ranks, asked
+        as a batch asks them (``int64``): an audit recomputes a run through it (:mod:`.audit`)."""
+        return self._run.batches.served(start, stop)
+
+    def _rows_at(self, position: int) -> int:
+        """Rows of the global batch at ``position``, once a growing source knows its samples (it may wait)."""
+        reach, batch = self._reach, self._run.options.batch_size
+        if reach is not None and position + batch > reach.known:
+            reach.grow(min(position + batch, MAX_POSITION), self._check_last_batch)
+        return self._run.batches.rows(position)
+
+    def _check_last_batch(self) -> None:
+        self._run.batches.check_last_batch(self._position)
 
     # --- one batch --------------------------------------------------------------------------------------
 
+    def __iter__(self) -> Iterator[Any]:
+        """Yield batches from the current position on, advancing it as each is handed out (read afresh
+        before every batch, so :meth:`load_state_dict` takes effect at the next one, even inside a loop)."""
+        while not self.finished:
+            position = self._position
+            batch = self.batch(position)
+            self._position = position + self._rows_at(position)
+            yield batch
+
     def batch(self, position: int, *, out: np.ndarray | None = None) -> Any:
-        """This rank's batch at ``position``, formatted; a pure function of the position.
-
-        Args:
-            position: the global position of the batch's first sample (see :meth:`schedule`).
-            out: an array of shape ``(rows, width)`` and the output dtype to read the tokens into
-                (e.g. a view of shared memory); a new one when omitted.
-
-        Returns:
-            An array, or a dict of arrays, passed through ``collate`` when one was given.
-        """
+        """This rank's batch at ``position`` (see :meth:`schedule`), formatted and collated; a pure function
+        of the position. ``out``: an array of :meth:`batch_shape` and the output dtype to read the tokens
+        into (e.g. a view of shared memory); a new one when omitted."""
         if not self._ahead_checked:
             self._check_ahead()
-        sources, samples = self.picks(position)
-        span = self._span(position)
-        if self._served is not None and self._served.splits(position):  # a unit's sub-windows
-            units = self._rows.read(position, sources, samples, None, self._out_dtype)
-            result = self._served.batch(position, (sources, samples), units, span, out, self._masking)
+        picks = self.picks(position)
+        run = self._run  # read after picks(): a growing source may have been reopened
+        span = run.batches.span(position)
+        if run.served is not None and run.served.splits(position):  # a unit's sub-windows
+            units = run.rows.read(position, *picks, None, run.out_dtype)
+            result = run.served.batch(position, picks, units, span, out, run.masking)
         else:
-            tokens = self._rows.read(position, sources, samples, out, self._out_dtype)
-            result = formatted(self.formatter, tokens, (sources, samples), span, self._masking)
-        if self._rows.prefetches:  # a cache in object storage: fetch the next steps' shards
+            tokens = run.rows.read(position, *picks, out, run.out_dtype)
+            result = formatted(run.formatter, tokens, picks, span, run.masking)
+        if run.rows.prefetches:  # a cache in object storage: fetch the next steps' shards
             self._prefetch(position)
         return self.collate(result) if self.collate is not None else result
 
     def batch_shape(self, position: int) -> tuple[int, int]:
-        """Shape ``(rows, width)`` of this rank's token array at ``position``: ``batch_size //
-        world_size`` rows, except in the last, partial batch (``drop_last=False``); with a
-        ``seq_len_schedule``, each unit's sub-windows at the length in force."""
-        lo, hi = self._span(position)
-        return (hi - lo, self.width) if self._served is None else self._served.shape(position, hi - lo)
+        """Shape ``(rows, width)`` of this rank's token array at ``position`` (fewer rows in a partial last
+        batch; with a ``seq_len_schedule``, each unit's sub-windows at the length in force)."""
+        run = self._run
+        lo, hi = run.batches.span(position)
+        return (hi - lo, self.width) if run.served is None else run.served.shape(position, hi - lo)
 
     def picks(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """Source ids and sample ids of this rank's rows of the batch at ``position`` (``int64``).
@@ -240,13 +309,15 @@ class Loader(Checkpointed):
         Raises:
             IndexError: no batch starts at ``position`` (negative, or past the run's end).
         """
-        if self._reach is not None and self._view_behind(position):
-            self._reopen()
-        if position < 0 or self._global_rows(position) == 0:
-            raise self._missing(position)
-        if self._global_rows(position) < self.options.batch_size:  # the last partial batch, on its own
-            return self._unplanned_picks(position)
-        return self._rows.picks(position, self.order, self.options, self._planned_end)
+        reach = self._reach
+        if reach is not None and position + self.options.batch_size > reach.readable:
+            self._rows_at(position)  # waits until the source holds the batch's samples
+            if reach.readable < reach.known:
+                self._reopen()
+        run = self._run
+        if position < 0 or self._rows_at(position) == 0:
+            raise run.batches.missing(position)
+        return run.rows.picks(position, run.batches, self._planned_end)
 
     def indices(self, position: int) -> np.ndarray:
         """Sample indices of this rank's rows of the batch at ``position`` (one dataset; ``int64``).
@@ -261,40 +332,174 @@ class Loader(Checkpointed):
             )
         return self.picks(position)[1]
 
+    def _planned_end(self) -> int | None:
+        """Where planning ahead stops: the run's end, or what a growing source knows so far."""
+        end = self.order.end
+        return end if self._reach is None else self._reach.end(end)
+
     def _reopen(self) -> None:
-        """Read from the growing source as it stands now: it holds every sample of the positions known."""
+        """Read the growing source as it stands now: it holds every sample of the positions known."""
         reach = self._reach
         assert reach is not None
         known, view = reach.known, reach.source.view()
         parts = list(view.values()) if isinstance(view, Mapping) else [view]
-        self._rows = Rows([Source(part) for part in parts])
-        self.formatter = format_for(self.options.output, parts)
+        formatter = format_for(self.options.output, parts)
+        self._run = dataclasses.replace(
+            self._run, rows=Rows([Source(part) for part in parts]), formatter=formatter
+        )
         reach.readable = known
 
-    # --- fetching ahead (object storage) ----------------------------------------------------------------
+    def _check_ahead(self) -> None:
+        """Before the first batch (a resume first moves the position) and after an exclusion: refuse a last
+        batch that leaves a rank none, and an exclusion from here on whose ranges all lie before that."""
+        self._check_last_batch()
+        reaching([entry for entry in self._run.in_force if entry[1] >= self._position])
+        self._ahead_checked = True
+
+    # --- state --------------------------------------------------------------------------------------------
 
     @property
-    def prefetch_steps(self) -> int:
-        """Steps ahead whose shards are fetched in the background: 0 unless the samples are read from
-        object storage (see :func:`streampack.open`'s ``prefetch_steps``)."""
-        return prefetch_steps(self._rows.joined)
+    def history(self) -> list[dict[str, Any]]:
+        """The run's history: one entry for its start and one per resume, each saying how the run was read
+        from there on. :meth:`state_dict` carries it, so the last checkpoint is enough to audit the run."""
+        return [dict(entry) for entry in self._run.history]
+
+    @property
+    def batches_per_step(self) -> int:
+        """Global batches the trainer takes per step (its gradient accumulation; default 1), which the
+        framework adapters set: the history records it, so that an audit counts the trainer's steps, and
+        the steps of the exclusions put in force since the last resume count by it.
+
+        Raises:
+            OptionsError: (when set) not an integer >= 1; or it moves the steps of an exclusion in force
+                before the position (set it before the first batch), or wholly before where it took effect.
+        """
+        return self._run.batches_per_step
+
+    @batches_per_step.setter
+    def batches_per_step(self, value: int) -> None:
+        value = check_int("batches_per_step", value, min=1, hint="the trainer's gradient accumulation steps")
+        run = dataclasses.replace(self._run, batches_per_step=value)
+        # The exclusions put in force in the current leg count its steps again.
+        legs, counting = len(run.history) or 1, run.counting()
+        entries = list(run.in_force)
+        current = [i for i, (e, _, steps) in enumerate(entries) if steps.through == legs and e.step_ranges()]
+        for i in current:
+            entries[i] = (entries[i][0], entries[i][1], counting)
+        moved = [
+            i for i in current if entries[i][0].ranges(counting) != entries[i][0].ranges(run.in_force[i][2])
+        ]
+        for i in moved:
+            entry, at, _ = entries[i]
+            if at < self._position:
+                raise OptionsError(
+                    f"batches_per_step={value} moves the trainer's steps of exclusion {i} "
+                    f"(steps {entry.step_ranges()}), in force from position {at:,}, and the loader has "
+                    f"served batches up to position {self._position:,} with them where they were: set "
+                    "batches_per_step before the first batch (the framework adapters do)"
+                )
+        # An entry that takes effect past the position of a loader not yet resumed (the checkpoint's own,
+        # given again with at=) is counted again by the resume, and checked there.
+        reaching([entries[i] for i in current if entries[i][1] <= self._position])
+        if moved:
+            run = run.enforced(entries, grows=self._reach is not None)
+            self._ahead_checked = False
+        self._run = run
+
+    def exclusions_state(self) -> list[dict[str, Any]]:
+        """The exclusions in force as the state records them (small and JSON-able): per exclusion its digest,
+        mode, the position it took effect at, the history its steps were counted through, what it names."""
+        return self._run.exclusions_state()
+
+    def exclude(self, entry: Exclusions) -> None:
+        """Take what ``entry`` names out of the run from its ``at`` (default: the current position) on.
+
+        Raises:
+            OptionsError: ``at`` is before the current position (batches already served would change),
+                a range of its steps or positions lies wholly before it, or ``entry`` does not fit the
+                sources or the output (see :class:`Loader`).
+        """
+        run = self._run
+        added = placed(entry, self._position, run.counting())
+        reaching([added])
+        run = run.enforced([*run.in_force, added], grows=self._reach is not None)
+        self._run = dataclasses.replace(run, exclusions=(*run.exclusions, entry))
+        self._ahead_checked = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, the order's fingerprint, the :attr:`history` and the :meth:`exclusions_state` as a
+        small JSON-serializable dict, which another batch size or world size may load."""
+        run = self._run
+        history = list(run.history)
+        if history:  # how this stretch is trained is known by now (an adapter set it)
+            history[-1] = history[-1] | {"batches_per_step": run.batches_per_step}
+        state = saved(self._position, run.base, run.options, history)
+        if run.in_force:
+            state["exclusions"] = run.exclusions_state()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any], *, step: int | None = None) -> None:
+        """Resume from a :meth:`state_dict` in O(1): the next batch starts where the saved run stopped.
+
+        The world size, the DataLoader workers and the global batch size may differ from the saved run's,
+        and a mixture may come with new stages or sources. The :attr:`history` gets an entry for this
+        resume, with ``step``: the trainer's own step (the adapters pass it), so that an audit can tell a
+        data state and a model checkpoint apart.
+
+        Raises:
+            LoaderStateError: (a ``ValueError``) not a state this loader continues: of no supported
+                version, a key too many or missing, a value of the wrong type, or another seed, shuffle
+                or data (both sides named; see :func:`streampack.loader.state.resume`).
+            OptionsError: ``drop_last=False`` would give some rank an empty last batch from there.
+        """
+        if step is not None:
+            step = check_int("step", step, min=0, max=2**62, hint="the trainer's step at this resume")
+        position, run = resumed(self._run, state, step, own=self._own_order, grows=self._reach is not None)
+        if self._reach is not None:  # a growing source grows with the order resumed
+            self._reach.resumed(run.base)
+        self._run, self._position = run, position
+
+    # --- copies, fetching ahead, closing ------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (and copy) without the plan or the prefetch thread; a copy over a growing source grows on
+        its own copy of the source and its order."""
+        run = dataclasses.replace(self._run, rows=copy.copy(self._run.rows))
+        state = self.__dict__ | {"_run": run}
+        state.pop("_prefetcher", None)
+        if self._reach is None:
+            return state
+        reach = copy.copy(self._reach)
+        order = reach.source.order
+        return state | {
+            "_reach": reach,
+            "_source": reach.source,
+            "_run": dataclasses.replace(run, configured=order, order=order),
+        }
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (
+            f"{type(self).__name__}({self.dataset!r}, batch_size={o.batch_size}, rank={o.rank}, "
+            f"world_size={o.world_size}, order={self.order!r}, position={self._position})"
+        )
 
     def lookahead(
         self, position: int, steps: int, *, stride: int | None = None
     ) -> list[tuple[CachedStore, str]]:
-        """The ``(store, key)`` of each shard file in object storage that this process's ``steps``
-        batches after ``position`` read and that can be made now, nearest first, each once
-        (:func:`~streampack.loader.lookahead.files_ahead`).
+        """The ``(store, key)`` of each shard file in object storage that this process's ``steps`` batches
+        after ``position``, ``stride`` positions apart (default: the global batch size), read and that can
+        be made now, nearest first, each once."""
+        reach, batches = self._reach, self._run.batches
+        stride = stride or batches.options.batch_size
 
-        Args:
-            position: the position of the batch just read.
-            steps: batches ahead.
-            stride: positions from one of this process's batches to its next (every n-th batch in a
-                DataLoader worker); the global batch size by default.
-        """
-        stride = stride or self.options.batch_size
-        ahead = (self._picks_ahead(position + step * stride) for step in range(1, steps + 1))
-        return files_ahead(lambda: self._rows.joined, ahead, boundaries=self.options.output != "numpy")
+        def picks(at: int) -> tuple[np.ndarray, np.ndarray] | None:  # None: not known yet, or past the end
+            if reach is not None and not reach.ready(at + batches.options.batch_size):
+                return None
+            return batches.picks(at) if batches.rows(at) else None
+
+        ahead = (picks(position + step * stride) for step in range(1, steps + 1))
+        return files_ahead(lambda: self._run.rows.joined, ahead, boundaries=self.options.output != "numpy")
 
     def _prefetch(self, position: int) -> None:
         if self._prefetcher is None or not self._prefetcher.running:  # first use, after close(), in a fork
@@ -305,9 +510,9 @@ class Loader(Checkpointed):
         self._prefetcher.announce(position)
 
     def close(self) -> None:
-        """Stop this loader's background work, its prefetch thread (joined within 10 s); idempotent. The
-        loader stays usable: a later batch starts prefetching again, so ``with loader:`` may be entered
-        again (e.g. once an epoch). A loader that reads no object storage has nothing to stop."""
+        """Stop this loader's prefetch thread (joined within 10 s); idempotent. The loader stays usable: a
+        later batch starts prefetching again, so ``with loader:`` may be entered again. A loader that reads
+        no object storage has nothing to stop."""
         prefetcher, self._prefetcher = self._prefetcher, None
         if prefetcher is not None:
             prefetcher.close()

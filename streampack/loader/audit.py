@@ -32,7 +32,7 @@ from streampack.loader.auditexclusions import excluded_served, in_force, placed
 from streampack.loader.coverage import Finding, Leg
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.history import leg_steps, order_digest, stride
-from streampack.loader.inforce import listed
+from streampack.loader.run import listed
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state
 
 __all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit", "leg_loaders"]

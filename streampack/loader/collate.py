@@ -1,17 +1,9 @@
-"""How the loader formats a batch: from the rows of tokens it read to what a training step takes.
+"""How the loader formats a batch: from the ``(rows, width)`` token array it read to what a step takes.
 
-A :class:`~streampack.loader.Loader` reads the tokens of a batch into one ``(rows, width)`` array, then
-hands it to the format chosen once from its ``output=`` option:
-
-* ``"numpy"``: :class:`Tokens`, the array itself;
-* ``"dict"``: :class:`CausalLMDict`, the ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face
-  causal language models take, with no loss across documents;
-* ``"varlen"``: the same plus ``cu_seqlens`` and ``max_seqlen``, for variable-length attention kernels
-  (``flash_attn_varlen_func``) in a model of one's own;
-* ``"hf-flash"``: the same segments under the names a Hugging Face model passes to its flash-attention
-  path (``cu_seq_lens_q``, ``cu_seq_lens_k``, ``max_length_q``, ``max_length_k``).
-
-A user's ``collate=`` function, when given, is applied after the format.
+The format is chosen once from the ``output=`` option: ``"numpy"`` (:class:`Tokens`, the array itself);
+``"dict"``, ``"varlen"`` or ``"hf-flash"`` (:class:`CausalLMDict`: the arrays Hugging Face causal LMs take,
+with no loss across documents, and for the last two the segments variable-length attention reads). A
+user's ``collate=`` function, when given, is applied after the format.
 """
 
 from __future__ import annotations
@@ -52,27 +44,23 @@ class CausalLMDict:
     Fields, each ``(rows, seq_len)``:
 
     * ``input_ids``: the tokens, in the loader's dtype.
-    * ``labels``: ``int64``; the tokens, except ``-100`` (ignored by the loss) at every document start
-      and every row start, at padding, and on the tokens an SFT cache marks as no target (prompts). The
-      models shift labels themselves: the label at a document's first token would be predicted from the
-      end of the previous document, which is not its context.
-    * ``position_ids``: ``int64``; 0 at every document start and every row start, counting up inside a
-      document (the padding at a row's end counts as one more segment). Hugging Face models with flash
-      attention read packed documents from them (the same three fields as its
-      ``DataCollatorWithFlattening``).
+    * ``labels``: ``int64``; the tokens, except ``-100`` (ignored by the loss) at every document and row
+      start, at padding, and on the tokens an SFT cache marks as no target (prompts). The models shift
+      labels themselves: a document's first token would be predicted from the previous document.
+    * ``position_ids``: ``int64``; 0 at every document and row start, counting up inside a document (a
+      row's padding is one more segment). Hugging Face models with flash attention read packed documents
+      from them (the three fields of its ``DataCollatorWithFlattening``).
 
     With ``segments="varlen"`` (``output="varlen"``), also:
 
     * ``cu_seqlens``: ``int32``, ``(segments + 1,)``: where each segment (a document, or its part in a
-      row) starts in the flattened batch, then ``rows * seq_len``. Its length varies from batch to batch.
+      row) starts in the flattened batch, then ``rows * seq_len``; its length varies by batch.
     * ``max_seqlen``: ``int``, the longest segment.
 
     With ``segments="hf-flash"`` (``output="hf-flash"``), the same two under the names of Hugging Face's
-    ``FlashAttentionKwargs`` (those its ``DataCollatorWithFlattening`` returns): ``cu_seq_lens_q`` and
-    ``cu_seq_lens_k`` (both ``cu_seqlens``; a causal LM attends within its own tokens) and
-    ``max_length_q`` and ``max_length_k`` (both ``max_seqlen``). A model given them with a flash-attention
-    implementation attends within each segment; the rows stay ``(rows, seq_len)`` (its varlen path flattens
-    the batch itself, which is where ``cu_seqlens`` counts), so the trainer's batch size means what it did.
+    ``FlashAttentionKwargs``: ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (both ``cu_seqlens``) and
+    ``max_length_q`` and ``max_length_k`` (both ``max_seqlen``). The rows stay ``(rows, seq_len)`` (its
+    varlen path flattens the batch itself), so the trainer's batch size means what it did.
 
     Args:
         sources: the loader's data sources, in source-id order.

@@ -130,7 +130,7 @@ def _excluded(loader: Loader, start: int, stop: int, served: np.ndarray) -> np.n
     its order without them picks there, less those ``served``."""
     if not isinstance(loader.order, Skipping):
         return np.zeros(len(served), dtype=np.int64)
-    base = loader._base
+    base = loader.run.base
     lo, hi = reached(loader.order, start), reached(loader.order, stop)
     counts = np.zeros(len(served), dtype=np.int64)
     for first in range(lo, hi, CHUNK):

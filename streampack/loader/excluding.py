@@ -1,21 +1,13 @@
 """Exclusions applied: the samples they take out, the order that skips them, the labels they mask.
 
-What a loader's :class:`~streampack.loader.exclusions.Exclusions` name becomes, once per process:
-
-* **Samples**: a document is a token range of its cache; the samples of a source that touch it are found
-  through the source's layout (``sequences`` windows, ``packed`` / ``documents`` plans alike: each sample's
-  spans, a chunk of samples at a time, tested against the sorted ranges of the excluded documents). O(samples)
-  once, O(excluded samples) kept.
+* **Samples**: the samples of a source that touch an excluded document (a token range of its cache) are
+  found through the source's layout, a chunk of samples' spans at a time: O(samples) once per process.
 * **Skip mode**: :class:`Skipping` is an :class:`~streampack.order.Order` over the loader's order: the same
-  below the exclusion's position ``at``; from there on, position ``q`` is the ``(q - at)``-th position of the
-  order at or after ``at`` that is not excluded. It is computed lazily in chunks of positions (the order
-  asked for a chunk, its excluded positions found by a sorted lookup), keeping one count per chunk and the
-  excluded positions of a few chunks; a chunk with nothing excluded is kept as its count alone. So finding
-  position ``q`` costs a binary search once the chunks up to it are counted, and counting costs one more
-  evaluation of the order per position, once per process. Why a scan, not the order's inverse: it is exact
-  for every kind of order (a mixture's schedule, block shuffles) with nothing added to the protocol.
-  The loader's batches, ranks and workers ask this order only, so every rank filters the same global batch
-  and then takes its slice: ranks stay disjoint and in lockstep.
+  below the exclusion's position ``at``; from there on, position ``q`` is the ``(q - at)``-th position at or
+  after ``at`` that is not excluded. It is counted lazily in chunks of positions, keeping one count per
+  chunk and the excluded positions of a few, so finding ``q`` is a binary search once the chunks up to it
+  are counted. Why a scan, not the order's inverse: it is exact for every kind of order with nothing added
+  to the protocol. Every rank filters the same global batch, then takes its slice: ranks stay disjoint.
 * **Mask mode**: :class:`Masking` gives, for a batch's document segments, those to label ``-100``.
 """
 
@@ -155,11 +147,7 @@ def _doc_ranges(cache: Cache, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 
 def excluded_samples(data: object, docs: np.ndarray) -> np.ndarray:
-    """The samples of ``data`` (a cache's samples) that hold a token of one of ``docs``, sorted.
-
-    Each sample's spans (its layout's) are tested against the documents' token ranges, a chunk of samples
-    at a time: O(samples) once, whatever the layout.
-    """
+    """The samples of ``data`` (a cache's samples) that hold a token of one of ``docs``, sorted."""
     cache: Any = getattr(data, "cache")  # noqa: B009 - checked by _cache_of
     layout: Any = getattr(data, "layout")  # noqa: B009
     docs = docs[docs < cache.num_docs]  # the others, a running build has not committed: in no sample yet
@@ -191,11 +179,8 @@ def sample_keys(by_source: Mapping[int, np.ndarray]) -> np.ndarray:
 
 
 class Skipping:
-    """``base`` with, from position ``at`` on, the positions of excluded samples or ranges taken out.
-
-    Position ``q < at`` is ``base``'s; ``q >= at`` is the ``(q - at)``-th position ``p >= at`` of ``base``
-    whose sample's key is not in ``keys`` and that lies in none of the ranges (see the module docstring).
-    Its fingerprint is ``base``'s: a checkpoint records the exclusions beside it.
+    """``base`` with, from position ``at`` on, the positions of excluded samples or ranges taken out (see
+    the module docstring). Its fingerprint is ``base``'s: a checkpoint records the exclusions beside it.
 
     Args:
         base: the order filtered (the loader's, or one filtered already by an earlier exclusion).

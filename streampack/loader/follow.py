@@ -1,48 +1,29 @@
 """Training while the build runs: a :class:`~streampack.Loader` over a cache whose build is still going.
 
-A :class:`Follow` serves the samples of the *finished* cache, ``open(path).sequences(seq_len,
-overlap=overlap)``, numbered in stream order (units in order, each unit's tokens in order), as soon as the
-build has committed them. It serves them in **eras** of consecutive windows: era ``e`` is windows ``[W_e,
-W_{e+1})``, whose sizes double from ``first_era`` up to ``largest_era`` and then stay there, and position
+A :class:`Follow` serves the windows of the *finished* cache, ``open(path).sequences(seq_len,
+overlap=overlap)``, as soon as the build has committed them, in **eras** of consecutive windows: era ``e``
+is windows ``[W_e, W_{e+1})``, whose sizes double from ``first_era`` up to ``largest_era``, and position
 ``p`` of era ``e`` is window ``W_e + Permutation(size_e, seed, epoch=e)(p - W_e)``. An era is served once
-the ledger shows its windows committed: every unit before the one it ends in done, and that one far enough
-along. The last era ends where the finished cache's windows end, known once every unit is done.
+the ledger shows its windows committed; the last ends where the finished cache's windows end.
 
-So the order is a function of the build and the settings alone, never of when the ledger was read:
+So the order is a function of the build and the settings alone, never of when the ledger was read: every
+process computes the same eras (ranks need no broadcast, DataLoader workers no coordination), a resumed
+run serves exactly the batches of the saved one, and no window is served twice or before it is committed.
+The cost is latency: an era waits for the units before it (the doubling keeps the wait proportional to
+what was served). A batch that waits ``timeout`` seconds while the ledger shows nothing new raises
+:class:`~streampack.errors.BuildStalledError`.
 
-* every process computes the same eras on its own, so ranks need no broadcast and DataLoader workers
-  (:mod:`streampack.torch`) no coordination;
-* a resumed run serves exactly the batches of the saved one, whenever it resumes: the state is the
-  position and the order's fingerprint, as for any :class:`~streampack.Loader`;
-* no window is served twice, and none before it is committed.
+After the last era come permutations of the finished cache (``then="epochs"``: position ``N + q`` is
+position ``q`` of ``Loader(open(path).sequences(seq_len, overlap=overlap), seed=seed)``), or the end
+(``then="end"``). A cache in object storage is read through a local copy and prefetched, as by a Loader.
 
-The cost is latency: an era waits for the units before it, in order, and a larger era for more of them
-(the doubling keeps the wait proportional to what was served). When the ledger shows no new committed
-tokens for ``timeout`` seconds while a batch waits, :class:`~streampack.errors.BuildStalledError` is raised.
+**Whole documents** (``layout="packed"`` or ``"documents"``): eras count documents. Era ``e`` is documents
+``[D_e, D_{e+1})``, planned on their own once all are committed (:mod:`streampack.samples.eras`) and served
+in a permutation of their own; a plan is final once made, and a document lies in exactly one era. The price
+is a little more padding at each era's end than ``open(path).packed(seq_len)`` has.
 
-After the last era, it goes on with full permutations of the finished cache (``then="epochs"``, the
-default): position ``N + q``, ``N`` its number of windows, is position ``q`` of
-``Loader(open(path).sequences(seq_len, overlap=overlap), seed=seed)``; or iteration **ends**
-(``then="end"``: every window of the finished cache was served once, like one epoch).
-
-A cache in object storage is read through a local copy (see :func:`streampack.open`), and the shards of
-the next steps whose eras are known are prefetched, as for a Loader.
-
-How it is made: a :class:`GrowingCache` is the committed part of the cache as a source that grows
-(:mod:`streampack.loader.growing`), reopened when the eras known outgrow it, with its
-:class:`~streampack.order.follow.FollowOrder` (:mod:`streampack.order.follow`); ``Follow(path, ...)`` is
-``Loader(GrowingCache(path, ...))``, so every other part of it is the Loader's.
-
-**Whole documents** (``layout="packed"`` or ``"documents"``, with ``too_long``, ``no_target`` and
-``pad_id`` as ``cache.packed`` and ``cache.documents`` take them): eras count documents, not windows. Era
-``e`` is documents ``[D_e, D_{e+1})``, planned on their own once the ledger shows them all committed (best-fit
-packing, or one document per sample: :mod:`streampack.samples.eras`), and its samples are served in a
-permutation of their own, as a window era's are. A plan is made from its era's documents alone, so it is
-final once made, and a sample never changes once served; an era boundary falls between two documents, so a
-document, and every piece of a split one, lies in exactly one era. After the last era (the documents left
-when the build completes) come epochs of the eras' samples together, or the end. The samples are those of
-the eras' plans, not ``open(path).packed(seq_len)``'s, which packs the whole cache at once: the price is a
-little more padding at each era's end.
+``Follow(path, ...)`` is ``Loader(GrowingCache(path, ...))``: the committed part of the cache as a source
+that grows (:mod:`streampack.loader.growing`), with its :class:`~streampack.order.follow.FollowOrder`.
 """
 
 from __future__ import annotations
@@ -84,8 +65,8 @@ _WATCH_SECONDS = 5.0
 
 class _Ledger:
     """What a build has committed, read from its ledger: the contiguous prefix of the stream, and whether
-    the build is complete. Finished units' entries are final and kept, so each read starts at the first
-    unfinished unit and looks a few units further (to see that the build is working)."""
+    the build is complete. Finished units' entries are final and kept: a read starts at the first
+    unfinished unit."""
 
     def __init__(self, store: LocalStore, units: list[str]) -> None:
         self.store, self.units = store, units
@@ -133,11 +114,9 @@ class _Ledger:
 
 
 class GrowingCache:
-    """The committed part of a cache whose build is running, as a source that grows
-    (:class:`~streampack.loader.growing.Growing`): its windows ``sequences(seq_len, overlap=overlap)``
-    (or its eras' plans of whole documents), in the order of a
-    :class:`~streampack.order.follow.FollowOrder`, known era by era as the ledger shows them committed.
-    See the module docstring; a :class:`Follow` is a Loader over one.
+    """The committed part of a cache whose build runs, as a source that grows
+    (:class:`~streampack.loader.growing.Growing`): its windows (or its eras' plans of whole documents) in
+    the order of a :class:`~streampack.order.follow.FollowOrder`, known era by era (see the module).
 
     Args:
         path: the cache directory or URL (its build may not have written its manifest yet).
@@ -191,8 +170,7 @@ class GrowingCache:
         return f"GrowingCache({path!r}, seq_len={o.seq_len}, overlap={o.overlap}, known={self.known})"
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle (and copy) with an order, ledger and era plans of its own: a copy reads the ledger on its
-        own."""
+        """Pickle (and copy) with an order, ledger and era plans of its own, to read the ledger itself."""
         state = self.__dict__ | {"order": copy.copy(self.order), "_ledger": copy.copy(self._ledger)}
         return state | {"_plans": list(self.__dict__.get("_plans", ())), "_committed": None}
 
@@ -201,18 +179,16 @@ class GrowingCache:
         self.__dict__.update({"_plans": [], "_committed": None} | state)
 
     def fingerprint(self) -> dict[str, Any]:
-        """What identifies the samples it serves, in their order (a mixture's checkpoint records it): the
-        follow order's fingerprint."""
+        """The follow order's fingerprint: what identifies the samples it serves, in their order."""
         return self.order.fingerprint()
 
     def resume(self, order: FollowOrder) -> None:
-        """A loader goes on from a checkpoint with ``order``: this order, checked (see
-        :meth:`FollowOrder.resumed`)."""
+        """Grow with ``order`` (this order, as a checkpoint resumed it) from now on."""
         self.order = order
 
     def view(self) -> PackedSequences:
-        """The samples of the cache as the ledger was last read: they hold every sample of the positions
-        known (windows, or the plans of the eras known laid end to end)."""
+        """The samples of the cache as the ledger was last read (windows, or the plans of the eras known laid
+        end to end): they hold every sample of the positions known."""
         committed = self._committed_cache()
         o = self.options
         if not o.whole_documents:
@@ -285,9 +261,8 @@ class GrowingCache:
     # --- growing ----------------------------------------------------------------------------------------
 
     def grow(self, stop: int, check: Callable[[], None]) -> None:
-        """Wait until the samples of positions ``[0, stop)`` are known and committed, or the build is done
-        (see :class:`~streampack.loader.growing.Growing`; the first call takes what the ledger showed when
-        the cache was opened).
+        """Wait until the samples of positions ``[0, stop)`` are known, or the build is done (the first call
+        takes what the ledger showed when the cache was opened).
 
         Raises:
             BuildStalledError: the ledger showed nothing new for ``timeout`` seconds.
@@ -304,12 +279,11 @@ class GrowingCache:
             self._await(stop, check)
 
     def _finish(self, windows: int, check: Callable[[], None]) -> None:
-        """The build is complete and holds ``windows`` samples (windows, or the eras' samples of whole
-        documents): every position is known from now on.
+        """The build is complete and holds ``windows`` samples: every position is known from now on.
 
         Raises:
-            OptionsError: the finished cache cannot serve these options (``then="epochs"`` over less than
-                a batch, or what ``check`` refuses); asked again at every batch.
+            OptionsError: ``then="epochs"`` over less than a batch, or what ``check`` refuses; asked again
+                at every batch.
         """
         self._check_finished(windows)
         order = self.order
@@ -332,11 +306,7 @@ class GrowingCache:
             )
 
     def _await(self, stop: int, check: Callable[[], None]) -> None:
-        """Wait until the samples of positions ``[0, stop)`` are known and committed, or the build is done.
-
-        Raises:
-            BuildStalledError: the ledger showed nothing new for ``timeout`` seconds.
-        """
+        """Read the ledger until the samples of positions ``[0, stop)`` are known, or the build is done."""
         order, timeout = self.order, self.options.timeout
         waited_since = watched_at = time.monotonic()
         seen: tuple[int, ...] | None = None
@@ -377,22 +347,15 @@ class Follow(Loader):
             ...
         data = streampack.torch.DataLoader(follow, num_workers=4)  # workers, ranks, resume: as a Loader
 
-    It is a Loader in every other way (ranks, ``output=``, ``collate``, ``state_dict``, the adapters of
-    :mod:`streampack.torch`, Lightning and Hugging Face), with one dataset and its own order: see the
-    module docstring. ``len()`` is known once the build is complete (with ``then="end"``).
-
-    It adds nothing to the Loader but its constructor: ``Follow(path, ...)`` is ``Loader(GrowingCache(path,
-    ...), options=...)``, a loader over a source that grows with its order (:class:`GrowingCache`).
+    It is a Loader in every other way (ranks, ``output=``, ``collate``, ``state_dict``, the adapters), with
+    its own order (see the module); ``len()`` is known once the build is complete (with ``then="end"``).
+    It adds only its constructor: ``Follow(path, ...)`` is ``Loader(GrowingCache(path, ...), options=...)``.
 
     Args:
         path: the cache directory or URL (its build may not have written its manifest yet).
-        options: the loader's settings (:class:`~streampack.loader.options.LoaderOptions`: ``batch_size``,
-            ``seed``, ``rank``, ``world_size``, ``drop_last`` (with ``then="end"``), ``output``, ``dtype``;
-            not ``shuffle`` or ``epochs``: the order is the eras').
-        follow: what it serves and how it waits (:class:`FollowOptions`: ``seq_len``, ``overlap``,
-            ``layout`` with ``too_long``, ``no_target`` and ``pad_id``, ``then``, ``first_era``,
-            ``largest_era``, ``timeout``, ``poll``, and the object-storage
-            ``local_dir``, ``max_local_bytes``, ``storage_options``, ``prefetch_steps``).
+        options: the loader's settings (:class:`~streampack.loader.options.LoaderOptions`), but
+            ``shuffle`` and ``epochs``: the order is the eras'.
+        follow: what it serves and how it waits (:class:`FollowOptions`).
         collate: applied to every batch before it is yielded.
         **keywords: fields of either, which replace those of the objects given: ``Follow(path,
             seq_len=2048, batch_size=32)`` needs no object.

@@ -1,20 +1,18 @@
 """Sources that grow while a loader reads them: the protocol a :class:`~streampack.loader.Loader` asks.
 
-Most sources are whole when a loader opens them. One that grows (the committed part of a cache whose
-build is running, :class:`~streampack.loader.follow.GrowingCache`) comes with the order of its samples,
-which learns its positions as the source grows, and answers three questions:
+A source that grows (the committed part of a cache whose build runs,
+:class:`~streampack.loader.follow.GrowingCache`) comes with the order of its samples, which learns its
+positions as the source grows. It answers how many positions are **known**; it can **grow** until a
+batch's positions are known or it is complete (when the order learns where the stream ends, which the
+loader checks before it is accepted); and it gives a **view**, the source as committed now, which the loader
+reopens when it knows more positions than its view can read.
 
-* **known**: how many positions have samples that are known and committed. The loader serves those at
-  once, and asks for more only when a batch reaches past them (one comparison per batch).
-* **grow**: wait until the positions of a batch are known, or the source is complete, when the order
-  learns where the stream ends. The loader then checks that end (its last batch must give every rank a
-  row) before it is accepted.
-* **view**: the source as committed now, which the loader reads from. The loader reopens it when it
-  knows more positions than the view it holds can read.
+So growing is a property of the source and its order: ``Loader(growing)`` is an ordinary loader, whose
+ranks, workers, state and adapters work as for any other, with a :class:`Reach` (how far it has read).
 
-So growing is a property of the source and its order, not of the loader: ``Loader(growing)`` is an
-ordinary loader, whose ranks, workers, state and adapters work as for any other. It keeps its
-:class:`Reach` (how far it has read) beside the source.
+A :class:`~streampack.order.mixture.Mixture` with a growing source keeps its order (a source's cursor at a
+position is a pure function of the schedule); :class:`GrowingMixture` is that mixture as a source that
+grows, known up to the first position one of its growing sources does not know the cursor of.
 """
 
 from __future__ import annotations
@@ -23,9 +21,10 @@ import copy
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from streampack.order import Order
+from streampack.order import MAX_POSITION, Order
+from streampack.order.mixture import Mixture, growing_sources, with_sources
 
-__all__ = ["Growing", "Reach"]
+__all__ = ["Growing", "GrowingMixture", "Reach", "growing_mixture"]
 
 
 @runtime_checkable
@@ -34,26 +33,20 @@ class Growing(Protocol):
 
     @property
     def order(self) -> Order:
-        """The order of its samples; it knows its :attr:`~streampack.order.Order.end` once the source
-        is complete."""
+        """The order of its samples; it knows its ``end`` once the source is complete."""
         ...
 
     @property
     def known(self) -> int:
-        """Positions whose samples are known and committed: every position
-        (:data:`~streampack.order.MAX_POSITION`) once the source is complete."""
+        """Positions whose samples are known and committed (``MAX_POSITION`` once it is complete)."""
         ...
 
     def grow(self, stop: int, check: Callable[[], None]) -> None:
-        """Wait until the samples of positions ``[0, stop)`` are known, or the source is complete.
+        """Wait until the samples of positions ``[0, stop)`` are known, or the source is complete
+        (``stop=0``: take what is known now).
 
-        ``stop=0`` takes what is known now without waiting.
-
-        Args:
-            stop: the first position not needed.
-            check: called once the source is complete and the order knows its end, before that is
-                accepted; what it raises is raised, and the end is taken back (to be checked again at the
-                next call).
+        ``check`` is called once the order knows its end, before that is accepted; what it raises is
+        raised, and the end is taken back, to be checked again at the next call.
         """
         ...
 
@@ -63,18 +56,13 @@ class Growing(Protocol):
         ...
 
     def resume(self, order: Any) -> None:
-        """The loader goes on from a checkpoint in ``order`` (what its order's ``resumed`` gave): the
-        source grows with that order from now on."""
+        """Grow with ``order`` (what a checkpoint resumed) from now on."""
         ...
 
 
 class Reach:
-    """How far a loader reads a growing source: the positions whose samples it knows, and those the view
-    it opened last can read (it reopens the source when it knows more).
-
-    Args:
-        source: the growing source.
-    """
+    """How far a loader reads a growing ``source``: the positions whose samples it knows, and those the
+    view it opened last can read (it reopens the source when it knows more)."""
 
     def __init__(self, source: Growing) -> None:
         self.source = source
@@ -85,15 +73,6 @@ class Reach:
         """A copy grows on its own: its own copy of the source (and so of its order), which it reopens
         (grown since) before its first read."""
         return self.__dict__ | {"source": copy.copy(self.source), "readable": -1}
-
-    def copied(self, dataset: object) -> dict[str, Any]:
-        """What a copy of a loader over this source holds in place of the original's: its own copy of
-        this reach, and so of the source and its order (which it resumes against), and its dataset (the
-        source's copy, when the loader was given the source itself)."""
-        reach = copy.copy(self)
-        order = reach.source.order
-        mine = reach.source if dataset is self.source else dataset
-        return {"_reach": reach, "order": order, "_configured": order, "dataset": mine}
 
     def grow(self, stop: int, check: Callable[[], None]) -> None:
         """Wait until the source knows the samples of positions ``[0, stop)``, or is complete (see
@@ -121,3 +100,83 @@ class Reach:
     def end(self, end: int | None) -> int | None:
         """Where planning ahead stops: the run's ``end``, or what is known so far."""
         return self.known if end is None else min(end, self.known)
+
+
+def growing_mixture(source: Any) -> Any:
+    """``source``, or a :class:`GrowingMixture` of it when it is a Mixture with a source that grows."""
+    if isinstance(source, Mixture) and growing_sources(source):
+        return GrowingMixture(source)
+    return source
+
+
+class GrowingMixture:
+    """A :class:`~streampack.order.mixture.Mixture` with sources that grow, as a source that grows."""
+
+    def __init__(self, mixture: Mixture) -> None:
+        self.order = mixture
+        self.known = 0  # positions whose samples are known and committed
+
+    def __repr__(self) -> str:
+        return f"GrowingMixture({self.order!r}, known={self.known})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy grows on its own: its own copies of the growing sources, in a mixture that reads them."""
+        growing = {name: copy.copy(data) for name, data in growing_sources(self.order).items()}
+        return self.__dict__ | {"order": with_sources(self.order, growing)}
+
+    @property
+    def sources(self) -> dict[str, Any]:
+        """The mixture's sources by name."""
+        return self.order.sources
+
+    def sources_and_order(self) -> tuple[dict[str, Any], Mixture]:
+        """Its sources and its order, as a Mixture gives them."""
+        return self.order.sources, self.order
+
+    def grow(self, stop: int, check: Callable[[], None]) -> None:
+        """Wait until the growing sources know the samples of positions ``[0, stop)`` (see
+        :meth:`~streampack.loader.growing.Growing.grow`); ``stop=0`` takes what they know now."""
+        needed = self.order.consumed(stop) if stop else [0] * len(self.order.names)
+        for j, (name, data) in enumerate(self.order.sources.items()):
+            if name in self._growing_names():
+                data.grow(needed[j], check)
+        self.known = self._known()
+
+    def resume(self, order: Any) -> None:
+        """Grow with ``order`` (the mixture a checkpoint resumed) from now on."""
+        self.order = order
+        self.known = self._known()
+
+    def view(self) -> dict[str, Any]:
+        """Every source as committed now, by name: the growing ones' views, the others themselves."""
+        growing = self._growing_names()
+        return {name: data.view() if name in growing else data for name, data in self.order.sources.items()}
+
+    def _growing_names(self) -> set[str]:
+        return set(growing_sources(self.order))
+
+    def _known(self) -> int:
+        """The largest position ``P`` whose cursors ``consumed(P)`` each growing source knows."""
+        order = self.order
+        sources = enumerate(order.sources.values())
+        limits = [(j, data.known) for j, data in sources if isinstance(data, Growing)]
+        if all(known >= MAX_POSITION for _, known in limits):
+            return MAX_POSITION
+
+        def fits(position: int) -> bool:
+            served = order.consumed(position)
+            return all(served[j] <= known for j, known in limits)
+
+        if fits(MAX_POSITION):
+            return MAX_POSITION
+        # Whole blocks first (a block's first position needs no block table), then within the block.
+        size = order.block_size
+        lo, hi = 0, MAX_POSITION // size  # fits(lo * size); the answer is below hi * size
+        while hi - lo > 1:
+            middle = (lo + hi) // 2
+            lo, hi = (middle, hi) if fits(middle * size) else (lo, middle)
+        lo, hi = lo * size, lo * size + size
+        while hi - lo > 1:
+            middle = (lo + hi) // 2
+            lo, hi = (middle, hi) if fits(middle) else (lo, middle)
+        return lo

@@ -1,14 +1,8 @@
-"""Which store keys the next steps of a loader read: what a prefetcher fetches ahead.
+"""Which store keys the next steps of a loader read: what :mod:`streampack.loader.prefetch` fetches ahead.
 
 A loader's order is known in advance, so the shard files of its next batches are too:
 :meth:`Loader.lookahead <streampack.loader.Loader.lookahead>` lists them (:func:`files_ahead`), nearest
-step first, and :mod:`streampack.loader.prefetch` fetches them. The prefetcher knows nothing else of the
-loader: it asks the :class:`Lookahead` protocol, and this module maps samples to the files of the caches
-they sit in.
-
-Only a loader over caches in object storage has anything to fetch, and it has read their samples
-(:mod:`streampack.samples`) and opened their local copies (:mod:`streampack.store.localcopy`) already: so
-those modules are imported here when asked, not with the loader.
+step first. The prefetcher asks the :class:`Lookahead` protocol and knows nothing else of the loader.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ if TYPE_CHECKING:
     from streampack.samples.sequences import JoinedSequences
     from streampack.store.localcopy import CachedStore
 
-__all__ = ["Lookahead", "files_ahead", "prefetch_steps", "shard_files"]
+__all__ = ["Lookahead", "files_ahead", "prefetch_steps"]
 
 
 class Lookahead(Protocol):
@@ -49,45 +43,13 @@ def prefetch_steps(joined: JoinedSequences | None) -> int:
     return max((s.prefetch_steps for s in stores if s.fetches_copies), default=0)
 
 
-def shard_files(
-    joined: JoinedSequences,
-    sources: np.ndarray,
-    samples: np.ndarray,
-    *,
-    boundaries: bool,
-    seen: set[tuple[int, int]],
-) -> list[tuple[CachedStore, str]]:
-    """The files of the shards that sample ``samples[k]`` of source ``sources[k]`` spans, in the order of
-    the samples, leaving out the shards in ``seen`` (``(source, shard)``, updated here) and those of local
-    caches.
-
-    Args:
-        boundaries: also the files a batch's document boundaries are read from (``output="dict"``).
-
-    Raises:
-        IndexError: a sample is past the end of its source.
-    """
-    files: list[tuple[CachedStore, str]] = []
-    for shard in dict.fromkeys(joined.spans(sources, samples).shards.tolist()):
-        part, local = joined.owner(shard)
-        if (part, local) in seen:
-            continue
-        seen.add((part, local))
-        cache = joined.parts[part].cache
-        store = cache.store
-        if store.fetches_copies:
-            fetching = cast("CachedStore", store)
-            files += [(fetching, key) for key in cache.shard_keys(local, boundaries=boundaries)]
-    return files
-
-
 def files_ahead(
     current: Callable[[], JoinedSequences | None],
     steps: Iterable[tuple[np.ndarray, np.ndarray] | None],
     *,
     boundaries: bool,
 ) -> list[tuple[CachedStore, str]]:
-    """The files of the shards that the picks of ``steps`` read, nearest step first, each once.
+    """The files in object storage of the shards the picks of ``steps`` read, nearest step first, each once.
 
     Args:
         current: the sources the loader reads now, joined (None: not every one is a cache, so nothing
@@ -95,13 +57,13 @@ def files_ahead(
             reopened meanwhile causes (the list then stops there, to start over after the next batch).
         steps: the source ids and sample ids of this process's rows of each batch ahead; None where a
             batch cannot be made now (past the run, or not known yet), which ends the list.
-        boundaries: also the files of the batches' document boundaries (see :func:`shard_files`).
+        boundaries: also the files of the batches' document boundaries (``output="dict"``).
 
     Raises:
         IndexError: a sample is past the end of its source, which was not reopened.
     """
     files: list[tuple[CachedStore, str]] = []
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int]] = set()  # (source, shard)
     joined = current()  # read once: a growing source replaces it as it grows
     if joined is None:
         return files
@@ -109,9 +71,16 @@ def files_ahead(
         if picks is None:
             break
         try:
-            files += shard_files(joined, *picks, boundaries=boundaries, seen=seen)
+            shards = joined.spans(*picks).shards.tolist()
         except IndexError:
             if current() is joined:
                 raise
             break
+        for shard in dict.fromkeys(shards):
+            part, local = joined.owner(shard)
+            cache = joined.parts[part].cache
+            if (part, local) not in seen and cache.store.fetches_copies:
+                store = cast("CachedStore", cache.store)
+                files += [(store, key) for key in cache.shard_keys(local, boundaries=boundaries)]
+            seen.add((part, local))
     return files

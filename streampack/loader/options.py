@@ -1,9 +1,6 @@
-"""The settings of a :class:`~streampack.loader.Loader`: one frozen object, validated on creation.
-
-:class:`LoaderOptions` holds them; ``Loader(source, batch_size=32, seed=1)`` and
-``Loader(source, options=LoaderOptions(batch_size=32, seed=1))`` are the same loader, and keywords given
-with an options object replace its fields (:func:`with_keywords`). :class:`SourceShare` is what
-:meth:`Loader.realised <streampack.loader.Loader.realised>` reports per source.
+"""The settings of a :class:`~streampack.loader.Loader`: one frozen :class:`LoaderOptions`, validated on
+creation. ``Loader(source, batch_size=32)`` and ``Loader(source, options=LoaderOptions(batch_size=32))``
+are the same loader; keywords given with an options object replace its fields (:func:`with_keywords`).
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from streampack.errors import OptionsError
 from streampack.loader.seqlen import SeqLenSchedule
 
 if TYPE_CHECKING:
-    from streampack.order import Order
     from streampack.order.blockshuffle import BlockShuffle
 
 __all__ = [
@@ -29,9 +25,7 @@ __all__ = [
     "Output",
     "SourceShare",
     "check_dtype",
-    "check_last_batch",
     "check_size",
-    "shares",
     "unknown_keyword",
     "with_keywords",
 ]
@@ -56,26 +50,22 @@ class LoaderOptions:
         rank: this process's rank, in ``[0, world_size)``.
         world_size: number of ranks; it must divide ``batch_size``.
         drop_last: drop the last global batch of a run that ends (``epochs``, or a mixture that stops)
-            when it is partial; else serve it, split as evenly as possible over the ranks: each rank gets
-            ``rows // W`` of its rows or one more. The Loader refuses ``drop_last=False`` when
-            that batch has fewer rows than ranks: some rank would get a 0-row batch, whose mean loss is
-            NaN. Endless runs have no last batch.
+            when it is partial; else serve it, split as evenly as possible over the ranks. The Loader
+            refuses ``drop_last=False`` when that batch has fewer rows than ranks (a rank's 0-row batch
+            has a NaN mean loss).
         epochs: end the run after this many epochs of the dataset; ``None`` runs forever.
         output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; ``"dict"``, the
-            ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take, with
-            ``-100`` labels at document starts (they shift ``labels`` themselves, so the samples must have
-            no overlap); ``"varlen"``, the same plus ``cu_seqlens`` and ``max_seqlen``; or ``"hf-flash"``,
-            the same under the names Hugging Face's flash-attention path reads (``cu_seq_lens_q/k``,
-            ``max_length_q/k``, as its ``DataCollatorWithFlattening`` gives them). Field by field:
+            ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take (samples
+            without overlap); ``"varlen"``, the same plus ``cu_seqlens`` and ``max_seqlen``; or
+            ``"hf-flash"``, those under the names of Hugging Face's flash-attention path. Field by field:
             :class:`streampack.loader.collate.CausalLMDict`.
         dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype (the smallest to move
             between processes; cast on arrival).
         seq_len_schedule: the sequence length from each token of the run on, a
             :class:`~streampack.loader.seqlen.SeqLenSchedule` or its ``(first token, seq_len)`` pairs:
-            the samples (``cache.sequences(U)``, ``U`` the largest length) are *units*, each served at a
-            shorter length ``l`` as its ``U / l`` sub-windows in the same batch, so a batch holds
-            ``batch_size * U / l`` rows of ``l`` (the same tokens at every length) and no token of an
-            epoch is served twice or skipped across a change. ``None``: every batch at ``U``.
+            the samples (``cache.sequences(U)``, ``U`` the largest length) are *units*, each served at
+            length ``l`` as its ``U / l`` sub-windows in the same batch (the same tokens at every length).
+            ``None``: every batch at ``U``.
 
     Raises:
         OptionsError: (a ``ValueError``) an option is out of range or of the wrong type, or
@@ -156,19 +146,8 @@ class SourceShare:
     epoch: float
 
 
-def shares(order: Order, position: int) -> list[SourceShare]:
-    """Where each source of ``order`` stands at ``position`` (see :class:`SourceShare`)."""
-    served, weights = order.consumed(position), order.weights(position)
-    sizes = [max(size, 1) for size in order.sizes()]  # a growing source may know none yet
-    return [
-        SourceShare(name, weight, count, count / position if position else 0.0, size, count / size)
-        for name, weight, count, size in zip(order.names, weights, served, sizes, strict=True)
-    ]
-
-
 def with_keywords(cls: type[_Options], options: _Options | None, keywords: Mapping[str, Any]) -> _Options:
-    """``options`` with the fields named in ``keywords`` replaced (validated again); made of ``keywords``
-    alone when ``options`` is None.
+    """``options`` with the fields named in ``keywords`` replaced (validated again), or made of them.
 
     Raises:
         TypeError: a required field is missing.
@@ -180,8 +159,7 @@ def with_keywords(cls: type[_Options], options: _Options | None, keywords: Mappi
 
 
 def unknown_keyword(what: str, name: str, names: Collection[str]) -> TypeError:
-    """The error for a keyword ``what`` does not take: the name, the nearest of ``names`` and where they
-    are described."""
+    """The error for a keyword ``what`` does not take, naming the nearest of ``names``."""
     import difflib  # only to word an error
 
     close = difflib.get_close_matches(name, sorted(names), n=1)
@@ -206,24 +184,20 @@ def check_size(options: LoaderOptions, n: int) -> None:
 
 
 def check_dtype(
-    options: LoaderOptions, dtypes: Sequence[np.dtype], vocab_sizes: Sequence[int | None] | None = None
+    options: LoaderOptions, dtypes: Sequence[np.dtype], vocab_sizes: Sequence[int | None]
 ) -> None:
     """Refuse an output ``dtype`` that cannot hold every id of sources of these ``dtypes``.
 
-    A narrower ``dtype`` than a source's (int32 or uint16 for a uint32 cache) is allowed where the
-    source's vocabulary fits it (``vocab_sizes``: every id is below it; None where a source has none, such
-    as an array): int32 for cl100k's 100,277 ids. The loader then checks every batch's ids as it casts
-    them (:meth:`~streampack.loader.reading.Rows.read`): another format's files are only declared to keep
-    to their vocabulary.
+    A narrower ``dtype`` than a source's is allowed where the source's vocabulary fits it (``vocab_sizes``,
+    None where unknown): int32 for cl100k's 100,277 ids. The loader then checks every batch's ids as it
+    casts them: another format's files are only declared to keep to their vocabulary.
 
     Raises:
-        OptionsError: ``options.dtype`` is narrower than a source's, and its vocabulary does not fit it
-            (or is unknown).
+        OptionsError: ``options.dtype`` is narrower than a source's, and its vocabulary does not fit it.
     """
     if options.dtype is None:
         return
-    sizes = list(vocab_sizes) if vocab_sizes is not None else [None] * len(dtypes)
-    for dtype, vocab in zip(dtypes, sizes, strict=True):
+    for dtype, vocab in zip(dtypes, vocab_sizes, strict=True):
         if np.can_cast(dtype, options.dtype):
             continue
         top = int(np.iinfo(options.dtype).max)
@@ -238,47 +212,3 @@ def check_dtype(
             f"dtype={options.dtype} cannot hold every id of the cache's {dtype} tokens{why}; use "
             "int64 (the default), a wider integer type, or None to keep the cache dtype"
         )
-
-
-def check_last_batch(opts: LoaderOptions, end: int | None, position: int) -> None:
-    """Refuse ``drop_last=False`` when the last partial global batch of a run that ends at ``end`` (read
-    from ``position`` on) cannot give every rank a row.
-
-    A rank with a 0-row batch computes a NaN mean loss, and DDP's all-reduce spreads the NaN
-    gradients to every rank. The remainder is known up front, so this is refused here rather than
-    padded with repeated samples: every served row stays a distinct sample, in the same order.
-
-    Raises:
-        OptionsError: the remainder is positive and smaller than the world size; the message names the
-            numbers and the fixes.
-    """
-    if opts.drop_last or end is None or end <= position:
-        return
-    left = end - position
-    remainder = left % opts.batch_size
-    if not 0 < remainder < opts.world_size:
-        return
-    plural = "s" if remainder > 1 else ""
-    fixes = []
-    if left >= opts.batch_size:
-        fixes.append(f"drop_last=True (the run then skips its last {remainder} sample{plural})")
-    other = _batch_size_for_ranks(left, opts.batch_size, opts.world_size)
-    if other is not None:
-        fixes.append(f"batch_size={other} (it leaves 0 or at least {opts.world_size} samples over)")
-    fixes.append("fewer ranks, or more samples (a larger cache or a smaller seq_len)")
-    raise OptionsError(
-        f"drop_last=False would give {opts.world_size - remainder} of the {opts.world_size} ranks an "
-        f"empty last batch: the {left} samples left in global batches of batch_size={opts.batch_size} "
-        f"leave {left} mod {opts.batch_size} = {remainder} sample{plural} for the last one, fewer than "
-        f"world_size={opts.world_size}. A mean loss over 0 rows is NaN, and DDP spreads it to every "
-        f"rank. Use {', or '.join(fixes)}."
-    )
-
-
-def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | None:
-    """The multiple of ``world_size`` nearest ``batch_size`` whose last global batch has a row per rank."""
-    for k in range(1, 1000):
-        for candidate in (batch_size - k * world_size, batch_size + k * world_size):
-            if 0 < candidate <= n and (n % candidate == 0 or n % candidate >= world_size):
-                return candidate
-    return None

@@ -1,27 +1,18 @@
 """Fetching ahead the shards a loader over a cache in object storage will read in its next steps.
 
-The order of samples is known in advance: the loader's :class:`~streampack.order.Order` maps positions to
-samples, the layouts map samples to spans of shards. After each batch, the loader tells its
-:class:`Prefetcher` where it stands (:meth:`Prefetcher.announce`); the prefetcher's thread asks the
-loader's :class:`~streampack.loader.lookahead.Lookahead` for the shard files of the next
-``prefetch_steps`` batches of this process (every n-th batch in a DataLoader worker: the stride seen
-between batches) and fetches those missing from the local copy (:mod:`streampack.store.localcopy`),
-nearest step first.
+The order of samples is known in advance, so after each batch the loader tells its :class:`Prefetcher`
+where it stands (:meth:`Prefetcher.announce`), and the prefetcher's thread asks the loader's
+:class:`~streampack.loader.lookahead.Lookahead` for the shard files of this process's next
+``prefetch_steps`` batches (at the stride seen between batches) and fetches those missing from the local
+copy, nearest step first. It stays out of the way of the reads: it fetches within half of
+``max_local_bytes``, never evicts what it fetched for nearer steps, never waits for room, and leaves errors
+to the read that needs the file. Nothing of this runs for a local cache.
 
-It stays out of the way of the reads: it fetches within half of ``max_local_bytes``, never evicts what it
-fetched for nearer steps, never waits for room (it stops and starts again after the next batch), and
-leaves errors to the read that needs the file. Nothing of this runs for a local cache.
-
-**Lifecycle.** A prefetcher belongs to the loader that started it (on the loader's first batch from
-object storage, in every process that reads: each DataLoader worker starts its own); nothing else holds
-it. Its daemon thread, named ``streampack-prefetch-<n>``, ends
-
-* when the loader is closed (:meth:`Loader.close <streampack.loader.Loader.close>`, or the end of
-  ``with loader:``), which calls :meth:`Prefetcher.close`: the thread is told to stop and joined, within
-  a bounded wait (a file being downloaded is finished first);
-* when the loader is garbage-collected without being closed: a :func:`weakref.finalize` on the loader
-  tells the thread to stop (the thread holds the loader weakly, so it never keeps it alive);
-* with the process, being a daemon.
+**Lifecycle.** A prefetcher belongs to the loader that started it (on its first batch from object storage,
+in every process that reads). Its daemon thread, ``streampack-prefetch-<n>``, ends when the loader is
+closed (:meth:`Loader.close <streampack.loader.Loader.close>`, or the end of ``with loader:``: told to stop
+and joined, within a bounded wait), when the loader is garbage-collected unclosed (a
+:func:`weakref.finalize`; the thread holds the loader weakly), or with the process.
 """
 
 from __future__ import annotations
@@ -48,15 +39,10 @@ _numbers = itertools.count(1)
 
 
 class Prefetcher:
-    """The background thread that fetches the shards of a loader's next steps (see the module docstring).
+    """The background thread that fetches the shards of a loader's next ``steps`` batches (see the module).
 
-    It starts at creation and runs until :meth:`close` or :meth:`stop`, or until the loader is
-    garbage-collected.
-
-    Args:
-        loader: what it fetches for, asked through :class:`~streampack.loader.lookahead.Lookahead` alone
-            (held weakly).
-        steps: batches ahead to fetch for.
+    It runs from its creation until :meth:`close` or :meth:`stop`, or until ``loader`` (held weakly, asked
+    through :class:`~streampack.loader.lookahead.Lookahead` alone) is garbage-collected.
     """
 
     def __init__(self, loader: Lookahead, steps: int) -> None:
@@ -99,12 +85,8 @@ class Prefetcher:
             self._cond.notify()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread and wait until it has ended, at most ``timeout`` seconds; calling it again does
-        nothing more.
-
-        A download longer than ``timeout`` is not cut: the thread ends once it is done (a daemon, it
-        never holds the process).
-        """
+        """Stop the thread and wait at most ``timeout`` seconds for it to end; idempotent. A longer download
+        is not cut: the thread, a daemon, ends once it is done."""
         self._finalizer.detach()
         self.stop()
         if self._thread is not threading.current_thread():

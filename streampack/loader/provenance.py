@@ -176,7 +176,7 @@ def excluded_steps(
     view, position = _view_at(loader, step, state)
     stop = position + view.options.batch_size
     notes = []
-    for index, (entry, at, batch) in enumerate(view._in_force):
+    for index, (entry, at, batch) in enumerate(view.run.in_force):
         for start, end in entry.ranges(batch):
             lo, hi = max(start, position, at), min(end, stop)
             if lo >= hi:
@@ -197,8 +197,8 @@ def excluded_steps(
 def _marks(view: Loader, position: int, batch: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
     """``(source, doc) -> mark`` of the first exclusion that names each document of ``batch``."""
     marks: dict[tuple[int, int], str] = {}
-    for entry, at, _ in view._in_force:
-        found = view._excluded_docs.get(entry.digest, {})
+    for entry, at, _ in view.run.in_force:
+        found = view.run.found.get(entry.digest, {})
         label = entry.mode if at <= position else f"{entry.mode} from position {at}"
         for source, doc in batch:
             excluded = found.get(source)

@@ -1,17 +1,13 @@
-"""What a loader reads, and how: its sources, and the plan of the rows of its next few batches.
+"""What a loader reads: its sources, and the plan of the rows of its next few batches.
 
-* :class:`DataSource` is what a :class:`~streampack.loader.Loader` is given: ``len()`` samples, read a
-  batch of indices at a time; the loader sees each through one contract (``Source``), probed once.
-* :class:`Rows` holds a loader's sources, joined into one token space when every one is a cache
-  (:class:`~streampack.samples.sequences.JoinedSequences`: a batch of several caches is one split and one
-  copy loop), and the **plan**: the order is asked for the rows of this process's next few batches at
-  once (a call costs ~100 numpy dispatches whatever its size, which would otherwise dominate a small
-  batch), and their windows are split at shard boundaries and sorted by shard once, so a batch is a copy
-  of planned spans. The plan is a cache: what is read never depends on it.
+:class:`Rows` holds a loader's sources, joined into one token space when every one is a cache (a batch of
+several caches is one split and one copy loop), and the **plan**: the order is asked for the rows of this
+process's next few batches at once (a call costs ~100 numpy dispatches whatever its size, which would
+dominate a small batch), and their windows are split at shard boundaries and sorted by shard once, so a
+batch is a copy of planned spans. The plan is a cache: what is read never depends on it.
 
-The :mod:`streampack.samples` modules that tell a cache's samples apart are imported when a loader is
-made (a cache's samples have loaded them already), not with this module: ``from streampack import
-Loader`` stays cheap.
+The :mod:`streampack.samples` modules are imported when a loader is made of a cache's samples, not with
+this module, so ``from streampack import Loader`` stays cheap.
 """
 
 from __future__ import annotations
@@ -24,28 +20,25 @@ import numpy as np
 
 from streampack.errors import CacheError
 from streampack.loader.lookahead import prefetch_steps
-from streampack.order import MAX_POSITION, Order, data_fingerprint, groups
+from streampack.order import MAX_POSITION, data_fingerprint, groups
 
 if TYPE_CHECKING:
-    from streampack.loader.options import LoaderOptions
+    from streampack.loader.batches import Batches
     from streampack.reader import Cache
     from streampack.samples.copies import BatchedSpans
 
-__all__ = ["DataSource", "Rows", "token_place", "vocab_size_of"]
+__all__ = ["DataSource", "Rows", "Source", "token_place", "vocab_size_of"]
 
 # The order is computed for this many upcoming rows at once.
 _PLAN_ROWS = 4096
 
 
 class DataSource(Protocol):
-    """What a :class:`~streampack.loader.Loader` reads: ``len()`` samples, fetched a batch of indices at a
-    time.
+    """What a :class:`~streampack.loader.Loader` reads: ``len()`` samples, fetched an index array at a time.
 
     :class:`streampack.samples.sequences.PackedSequences` is the usual one; a 2-D numpy array is one too
-    (sample ``i`` is row ``i``), a list of arrays is not (it cannot be indexed by an array). A source may
-    also offer
-    ``read(indices, out=...)`` (fill the given array: used instead of ``[indices]`` when a batch is read
-    from this source alone), ``boundaries(indices)`` (needed for ``output="dict"``), ``fingerprint()``
+    (sample ``i`` is row ``i``), a list of arrays is not. A source may also offer ``read(indices, out=...)``
+    (fill the given array), ``boundaries(indices)`` (needed for ``output="dict"``), ``fingerprint()``
     (checked against checkpoints), ``dtype`` and ``width`` (tokens per sample).
     """
 
@@ -55,13 +48,12 @@ class DataSource(Protocol):
 
 
 class Rows:
-    """A loader's sources and the plan of its next rows (see the module docstring).
-
-    Args:
-        sources: the sources, in source-id order.
-    """
+    """A loader's sources, in source-id order, and the plan of its next rows (see the module docstring)."""
 
     _widens: np.dtype | None = None  # the last dtype read into that holds every id (no check needed)
+    _batches: Batches | None = None  # what the plan is of (its order and options)
+    _plan: _Plan | None = None
+    _last_request: int | None = None
 
     def __init__(self, sources: list[Source]) -> None:
         from streampack.samples.sequences import JoinedSequences, PackedSequences
@@ -71,16 +63,10 @@ class Rows:
         joinable = all(isinstance(part, PackedSequences) for part in parts)
         self.joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
         self.prefetches = prefetch_steps(self.joined) > 0  # decided once: not a check per batch
-        self.forget()
-
-    def forget(self) -> None:
-        """Drop the plan (the order changed, or the options a copy reads with)."""
-        self._plan: _Plan | None = None
-        self._last_request: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """The sources; the plan is made again where unpickled."""
-        return self.__dict__ | {"_plan": None, "_last_request": None}
+        return self.__dict__ | {"_batches": None, "_plan": None, "_last_request": None}
 
     @property
     def width(self) -> int:
@@ -95,38 +81,42 @@ class Rows:
         return dtype if dtype.kind in "iu" else np.dtype(np.int64)
 
     def picks(
-        self, position: int, order: Order, options: LoaderOptions, end: Callable[[], int | None]
+        self, position: int, batches: Batches, end: Callable[[], int | None]
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Picks of the full batch at ``position``, computed together with those of the next few this
-        process will read.
+        """Picks of this rank's rows of the batch at ``position``; a full batch's are planned together with
+        those of the next few this process will read.
 
         The next few are at the stride seen between requests: every batch in a plain loop, every n-th in
-        a DataLoader worker. Results never depend on it; only how much planned work is used does.
+        a DataLoader worker. Results never depend on it; only how much planned work is used does. A plan
+        is of one ``batches``; another drops it.
 
         Args:
             position: the batch's global position.
-            order: the loader's order.
-            options: the loader's options (batch size, this rank's rows).
+            batches: the loader's batches (its order and options).
             end: where planning stops (the run's end, or what a growing source knows), asked only when
                 a plan is made.
         """
+        if batches is not self._batches:  # the order or the options changed
+            self._batches, self._plan, self._last_request = batches, None, None
+        if batches.rows(position) < batches.options.batch_size:  # the last, partial batch, on its own
+            return batches.picks(position)
         plan, last = self._plan, self._last_request
         self._last_request = position
         step = plan.step(position) if plan is not None else None
         if plan is None or step is None:
-            plan, step = self._make_plan(position, last, order, options, end()), 0
+            plan, step = self._make_plan(position, last, batches, end()), 0
         return plan.sources[step], plan.samples[step]
 
-    def _make_plan(
-        self, position: int, last: int | None, order: Order, opts: LoaderOptions, end: int | None
-    ) -> _Plan:
+    def _make_plan(self, position: int, last: int | None, batches: Batches, end: int | None) -> _Plan:
+        opts = batches.options
         stride = position - last if last is not None and position > last else opts.batch_size
         count = max(1, _PLAN_ROWS // opts.rows)
         if end is not None:
             count = max(1, min(count, (end - position - opts.batch_size) // stride + 1))
         count = min(count, (MAX_POSITION - position - opts.batch_size) // stride + 1)
         firsts = position + stride * np.arange(count, dtype=np.int64) + opts.rank * opts.rows
-        sources, samples = order((firsts[:, None] + np.arange(opts.rows, dtype=np.int64)).reshape(-1))
+        rows = (firsts[:, None] + np.arange(opts.rows, dtype=np.int64)).reshape(-1)
+        sources, samples = batches.order(rows)
         # The windows of the whole plan are split at shard boundaries and sorted by shard once, here.
         joined = self.joined
         spans = None
@@ -148,20 +138,17 @@ class Rows:
         out: np.ndarray | None,
         dtype: np.dtype,
     ) -> np.ndarray:
-        """The tokens of the batch at ``position`` (its ``sources`` and ``samples``): copied from its
-        planned spans, else split now; into ``out``, or a new array of ``dtype``.
+        """The tokens of the batch at ``position`` (its ``sources`` and ``samples``), copied from its
+        planned spans if any, into ``out`` or a new array of ``dtype``.
 
-        A ``dtype`` (or ``out``) narrower than the sources' (int32 or uint16 for a uint32 cache: allowed
-        where the vocabulary fits it, :func:`~streampack.loader.options.check_dtype`) has every id checked
-        on the way: the ids are read in the sources' dtype and their maximum checked before the cast, or,
-        for a cast between equal widths (uint32 to int32), read straight into the narrower dtype, where an
-        id that did not fit is negative. A widening cast (int64, the default) checks nothing.
+        A ``dtype`` narrower than the sources' (allowed where the vocabulary fits it:
+        :func:`~streampack.loader.options.check_dtype`) has every id checked on the way; a widening cast
+        (int64, the default) checks nothing.
 
         Raises:
-            ValueError: ``out`` is not an array of the batch's shape and a dtype that holds every id (or
-                the loader's own ``dtype``).
-            CacheError: an id of the batch does not fit a narrower dtype (the files hold an id their
-                vocabulary does not); the message names the id, the sample and where it lies.
+            ValueError: ``out`` is not an array of the batch's shape and a dtype that holds every id.
+            CacheError: an id does not fit a narrower dtype (the files hold an id their vocabulary does
+                not); the message names the id, the sample and where it lies.
         """
         if out is not None and (
             not isinstance(out, np.ndarray)
@@ -189,7 +176,8 @@ class Rows:
         out: np.ndarray | None,
         dtype: np.dtype,
     ) -> np.ndarray:
-        """:meth:`read` into a narrower ``dtype``, every id checked (see there)."""
+        """:meth:`read` into a narrower ``dtype``: the ids read wide and checked before the cast, or between
+        equal widths (uint32 to int32) read straight in, where an id that did not fit is negative."""
         if dtype.itemsize == self.dtype.itemsize and self.dtype.kind == "u" and dtype.kind == "i":
             tokens = self._copy(position, sources, samples, out, dtype)
             if tokens.size and tokens.min() < 0:  # exactly the ids at or above 2**(bits - 1)
@@ -333,13 +321,13 @@ class Source:
     """A :class:`DataSource` seen through the one contract the loader needs, probed once at creation.
 
     Raises:
-        TypeError: ``data`` cannot be read a batch of indices at a time (see :func:`check_source`).
+        TypeError: ``data`` cannot be read a batch of indices at a time.
     """
 
     def __init__(self, data: DataSource) -> None:
         from streampack.samples.sequences import PackedSequences
 
-        check_source(data)
+        _check_source(data)
         self.data = data
         self.size = len(data)
         self.fingerprint = data_fingerprint(data)
@@ -377,7 +365,7 @@ class Source:
             out[rows] = tokens
 
 
-def check_source(dataset: object) -> None:
+def _check_source(dataset: object) -> None:
     """Refuse at creation what cannot serve ``dataset[index_array]``, rather than at the first batch.
 
     Raises:

@@ -1,13 +1,10 @@
 """A run's sequence length over its tokens: :class:`SeqLenSchedule`, e.g. 512 for a warmup, then 2048.
 
-A loader's positions count *units*: the samples its order permutes, windows of the largest length
-(``cache.sequences(2048)``). A schedule says at which length the units are served from a token of the run
-on; a unit of ``U`` tokens served at ``l`` (``l`` divides ``U``) is its ``U / l`` consecutive sub-windows,
-each ``l + overlap`` tokens of the unit's own stream, in one batch on one rank. Every batch takes the same
-units whatever the length (a fixed token budget: ``batch_size`` rows of ``U`` tokens, or ``batch_size * U
-/ l`` rows of ``l``), so no token of an epoch is served twice or skipped across a change, and positions,
-ranks, workers, exclusions, mixtures and resumes are those of the run without a schedule
-(:mod:`streampack.loader.served` reads the sub-windows).
+A loader's positions count *units*, windows of the largest length (``cache.sequences(2048)``); a unit of
+``U`` tokens served at ``l`` is its ``U / l`` consecutive sub-windows, in one batch on one rank
+(:mod:`streampack.loader.served`). Every batch takes the same units whatever the length, so no token of an
+epoch is served twice or skipped across a change, and positions, ranks, workers, exclusions, mixtures and
+resumes are those of the run without a schedule.
 """
 
 from __future__ import annotations
@@ -23,10 +20,7 @@ __all__ = ["SeqLenSchedule"]
 
 class SeqLenSchedule:
     """The sequence length of a run from each token on: ``[(0, 512), (T, 2048)]`` serves 512 until token
-    ``T`` of the run (counted over all ranks), then 2048.
-
-    A change takes effect at the first global batch that starts at or after its token: a batch holds
-    ``batch_size * unit`` tokens at every length, so token ``T`` is step ``T // (batch_size * unit)``.
+    ``T`` of the run (over all ranks), then 2048, from the first global batch at or after token ``T``.
 
     Args:
         changes: ``(first token, seq_len)`` pairs, the first at token 0, tokens increasing.

@@ -1,16 +1,14 @@
 """Units served at other lengths: the sub-windows a :class:`~streampack.loader.seqlen.SeqLenSchedule` asks
 for, and a checkpoint's units taken over by a loader of another ``seq_len``.
 
-The order, the positions and the batches stay those of the units (:mod:`streampack.loader.seqlen`): a
-batch at length ``l`` is this rank's units, read as any batch is (planned), each cut into its ``k = U / l``
-sub-windows, unit after unit (rows ``k*i .. k*i + k - 1`` are unit ``i`` of the rank's slice, in the order
-of its text): a view of the rows without overlap, block copies with it. Those are windows
-``u*k .. u*k + k - 1`` of the same stream at ``l`` (:mod:`streampack.samples.lengths`), whose document
-boundaries (``output="dict"``) are asked of those windows.
+The order, the positions and the batches stay those of the units: a batch at length ``l`` is this rank's
+units, read as any batch is, each cut into its ``k = U / l`` sub-windows in the order of its text (a view
+without overlap, block copies with it). Those are windows ``u*k .. u*k + k - 1`` of the same stream at
+``l`` (:mod:`streampack.samples.lengths`), whose document boundaries are asked of those windows.
 
-Why in one batch and on one rank: a unit's sub-windows are one read of contiguous tokens, and a trainer's
-step sees the same tokens at every length (its token budget); the rows of a step are as random as the
-units (``benchmarks/bench_shuffle_quality.py`` measures what neighbouring rows share).
+Why in one batch: a unit's sub-windows are one read of contiguous tokens, and a step sees the same tokens
+at every length (its token budget); the rows of a step are as random as the units
+(``benchmarks/bench_shuffle_quality.py`` measures what neighbouring rows share).
 """
 
 from __future__ import annotations
@@ -259,20 +257,12 @@ def regrained(
     The loader then reads the checkpoint's units (windows of the saved length of the same stream) in the
     checkpoint's order, each served as sub-windows of its own lengths, and its ``batch_size`` (rows of its
     own ``seq_len``) becomes the units of a global batch: the same tokens a step.
-
-    Args:
-        state: the loader state to resume.
-        sources: the loader's sources.
-        options: its options.
-        served: its :class:`Served`, or None.
-        own: whether the loader made its order itself from its options (a given order, a mixture, is
-            resumed only at its own length).
+    Only a loader that made its order itself (``own``) does: a given order, a mixture, resumes only at its
+    own length.
 
     Raises:
-        LoaderStateError: the lengths do not divide the saved one, or a batch is not whole units; the
-            message names both lengths. Also a length that joins units with an overlap, or in
-            ``output="numpy"`` (no labels mask the joins): the last token of each unit but the row's last
-            would be trained on the next unit's first token.
+        LoaderStateError: the lengths do not divide the saved one, or a batch is not whole units; a length
+            joins units with an overlap, or in ``output="numpy"`` (no labels mask the joins).
     """
     saved = read_loader_state(state).get("order")
     if len(sources) != 1 or not own or not isinstance(saved, Mapping) or saved.get("kind") not in _ONE_SOURCE:

@@ -15,7 +15,7 @@ the new ones, and every cursor continues, so no sample is served twice or skippe
 
 A source may **grow** while it is read: a :class:`~streampack.loader.follow.Follow` of a running build.
 It is served in its follow order at its cursor like any source, and a loader waits before a batch until
-that source knows the samples its cursor reaches (:mod:`streampack.loader.growmix`): the weights are kept
+that source knows the samples its cursor reaches (:mod:`streampack.loader.growing`): the weights are kept
 exactly. ``stop="first_exhausted"`` is refused, as the end would depend on when the build ends.
 """
 

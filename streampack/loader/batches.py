@@ -1,0 +1,153 @@
+"""Where a run's batches are: the arithmetic of global positions, batches, ranks and the run's end.
+
+The global batch at position ``p`` is positions ``[p, p + B)``, ``B`` the *global* batch size. A run that
+ends (``epochs``, or a mixture that stops) ends with one partial global batch, dropped (``drop_last``) or
+split as evenly as possible over the ranks. Rank ``r`` of ``W`` takes the contiguous ``r``-th slice of
+each global batch. Ranks only slice global batches and DataLoader workers only take every n-th of them,
+so nothing here depends on the world size, the workers or the batch size a run started with: a run may
+resume with others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from streampack.errors import OptionsError
+from streampack.loader.options import LoaderOptions, SourceShare
+from streampack.order import MAX_POSITION, Order
+
+__all__ = ["Batches", "check_last_batch"]
+
+
+@dataclass(frozen=True)
+class Batches:
+    """The global batches of a run through ``order`` with ``options``, by position; a pure value (over a
+    source that grows, the loader waits until the order knows a batch's samples before it asks here)."""
+
+    options: LoaderOptions
+    order: Order
+
+    def rows(self, position: int) -> int:
+        """Rows of the global batch at ``position``: ``B``, fewer for the last of a run, 0 past it."""
+        batch, end = self.options.batch_size, self.order.end
+        end = MAX_POSITION if end is None else end
+        if end - position >= batch:
+            return batch
+        if self.options.drop_last or position >= end:
+            return 0
+        return end - position
+
+    def span(self, position: int) -> tuple[int, int]:
+        """This rank's slice ``[lo, hi)`` of the positions of the global batch at ``position``."""
+        o, size = self.options, self.rows(position)
+        return position + o.rank * size // o.world_size, position + (o.rank + 1) * size // o.world_size
+
+    def advanced(self, position: int, batches: int) -> int:
+        """The position ``batches`` batches after ``position`` (the partial last one counted, if served)."""
+        batch, end = self.options.batch_size, self.order.end
+        full = batches if end is None else min(batches, max(0, end - position) // batch)
+        position = min(position + full * batch, MAX_POSITION)
+        return position + self.rows(position) if batches > full else position
+
+    def count(self) -> int:
+        """Global batches of the whole run from position 0 (``len()`` of a loader).
+
+        Raises:
+            TypeError: the run is endless.
+        """
+        return self.order.batches(self.options.batch_size, self.options.drop_last)
+
+    def steps_per_epoch(self) -> int:
+        """Global batches in one epoch: ``N // B``, or ``ceil(N / B)`` with ``drop_last=False``.
+
+        Raises:
+            TypeError: the order reads a mixture, which has no single epoch.
+        """
+        n, batch = self.order.epoch_size("steps_per_epoch"), self.options.batch_size
+        return n // batch if self.options.drop_last else -(-n // batch)
+
+    def epoch(self, position: int) -> int:
+        """The epoch ``position`` is in; under skip exclusions, the epoch of the order they filter.
+
+        Raises:
+            TypeError: the order reads a mixture, whose sources each run through their own epochs.
+        """
+        size = self.order.epoch_size("epoch")
+        from streampack.loader.excluding import unfiltered
+
+        return unfiltered(self.order, position) // size
+
+    def realised(self, position: int) -> list[SourceShare]:
+        """Per source: samples served, realised share and epoch at ``position`` (capped at the end)."""
+        order = self.order
+        position = position if order.end is None else min(position, order.end)
+        served, weights = order.consumed(position), order.weights(position)
+        sizes = [max(size, 1) for size in order.sizes()]  # a growing source may know none yet
+        return [
+            SourceShare(name, weight, count, count / position if position else 0.0, size, count / size)
+            for name, weight, count, size in zip(order.names, weights, served, sizes, strict=True)
+        ]
+
+    def served(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Source ids and sample ids (``int64``) the order serves at positions ``[start, stop)``."""
+        return self.order(np.arange(start, stop, dtype=np.int64))
+
+    def picks(self, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's picks of the batch at ``position``, asked of the order on their own (unplanned)."""
+        return self.served(*self.span(position))
+
+    def check_last_batch(self, position: int) -> None:
+        """:func:`check_last_batch` of the run read from ``position``."""
+        check_last_batch(self.options, self.order.end, position)
+
+    def missing(self, position: int) -> IndexError:
+        """The error for a batch asked at ``position``, where none starts."""
+        return IndexError(
+            f"no batch at position {position}: positions start at 0 and the run ends at {self.order.end}"
+            + (" (drop_last drops a partial last batch)" if self.options.drop_last else "")
+        )
+
+
+def check_last_batch(opts: LoaderOptions, end: int | None, position: int) -> None:
+    """Refuse ``drop_last=False`` when the last partial global batch of a run that ends at ``end`` (read
+    from ``position`` on) cannot give every rank a row.
+
+    A rank's 0-row batch has a NaN mean loss, which DDP's all-reduce spreads to every rank. It is refused
+    rather than padded with repeated samples, so every served row stays a distinct sample.
+
+    Raises:
+        OptionsError: the remainder is positive and smaller than the world size; the message names the
+            numbers and the fixes.
+    """
+    if opts.drop_last or end is None or end <= position:
+        return
+    left = end - position
+    remainder = left % opts.batch_size
+    if not 0 < remainder < opts.world_size:
+        return
+    plural = "s" if remainder > 1 else ""
+    fixes = []
+    if left >= opts.batch_size:
+        fixes.append(f"drop_last=True (the run then skips its last {remainder} sample{plural})")
+    other = _batch_size_for_ranks(left, opts.batch_size, opts.world_size)
+    if other is not None:
+        fixes.append(f"batch_size={other} (it leaves 0 or at least {opts.world_size} samples over)")
+    fixes.append("fewer ranks, or more samples (a larger cache or a smaller seq_len)")
+    raise OptionsError(
+        f"drop_last=False would give {opts.world_size - remainder} of the {opts.world_size} ranks an "
+        f"empty last batch: the {left} samples left in global batches of batch_size={opts.batch_size} "
+        f"leave {left} mod {opts.batch_size} = {remainder} sample{plural} for the last one, fewer than "
+        f"world_size={opts.world_size}. A mean loss over 0 rows is NaN, and DDP spreads it to every "
+        f"rank. Use {', or '.join(fixes)}."
+    )
+
+
+def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | None:
+    """The multiple of ``world_size`` nearest ``batch_size`` whose last global batch has a row per rank."""
+    for k in range(1, 1000):
+        for candidate in (batch_size - k * world_size, batch_size + k * world_size):
+            if 0 < candidate <= n and (n % candidate == 0 or n % candidate >= world_size):
+                return candidate
+    return None
