@@ -120,6 +120,7 @@ LEG = st.tuples(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 @given(
     mixed=st.booleans(),

@@ -36,6 +36,7 @@ def _served(ranks: list[Loader], steps: int, seen: Counter[tuple[str, int]]) -> 
             loader.advance(1)
 
 
+@pytest.mark.slow
 def test_a_run_with_skip_exclusions_audits_clean_with_what_it_served(
     caches: tuple[streampack.Cache, streampack.Cache], tmp_path: Path
 ) -> None:

@@ -188,6 +188,7 @@ def test_verify_finds_a_missing_or_stray_bos(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_cli_bos_info_and_verify(tmp_path: Path, gpt2_tokenizer: Path) -> None:
     folder, bos = gpt2_with_added_bos(gpt2_tokenizer, tmp_path / "tok")
     src = write_jsonl(tmp_path / "in.jsonl", [{"text": t} for t in TEXTS])
@@ -206,6 +207,7 @@ def test_cli_bos_info_and_verify(tmp_path: Path, gpt2_tokenizer: Path) -> None:
     assert refused.returncode == 1 and "bos_policy: the cache has" in refused.stderr
 
 
+@pytest.mark.slow
 def test_cli_refuses_an_eos_or_bos_id_outside_the_vocabulary_unless_allowed(
     tmp_path: Path, gpt2_tokenizer: Path
 ) -> None:

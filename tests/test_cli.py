@@ -16,6 +16,7 @@ import zstandard
 from tests.conftest import run_cli, write_bytes, write_jsonl
 
 
+@pytest.mark.slow
 def test_build_info_verify_decode(tmp_path: Path, bpe_tokenizer: Path) -> None:
     docs = [{"text": "Hello there, general reader."}, {"text": "Ünïcödé 🙂"}, {"text": ""}]
     src = write_jsonl(tmp_path / "in.jsonl.gz", docs)

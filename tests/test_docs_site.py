@@ -18,6 +18,7 @@ pytest.importorskip("mkdocstrings_handlers.python")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_docs_site_builds_strictly(tmp_path: Path) -> None:
     site = tmp_path / "site"
     config = str(ROOT / "mkdocs.yml")

@@ -96,6 +96,7 @@ def test_bad_record_names_are_refused_naming_them(tmp_path: Path) -> None:
         Exclusions(records=[f"{src}:0"])
 
 
+@pytest.mark.slow
 def test_cli_which_marks_excluded_documents_and_steps(tmp_path: Path) -> None:
     src = write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(200))
     cache = _build(src, tmp_path / "c")
@@ -122,6 +123,7 @@ def test_cli_which_marks_excluded_documents_and_steps(tmp_path: Path) -> None:
     assert "excluded (" not in run_cli("which", *settings[:7], "--step", "5").stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fields", "chat"])
 def test_records_of_an_sft_cache_name_the_documents_they_made(
     tmp_path: Path, gpt2_tokenizer: Path, kind: str

@@ -84,6 +84,7 @@ def expected_rows(follow: Follow, samples: Any, steps: int) -> np.ndarray:
     return samples[follow.follow_order.samples(np.arange(rows, dtype=np.int64))]
 
 
+@pytest.mark.slow
 def test_loaders_follow_a_running_build_in_an_order_fixed_by_the_build(
     tmp_path: Path, bpe_tokenizer: Path
 ) -> None:
@@ -162,6 +163,7 @@ def test_a_stalled_build_serves_only_committed_eras_then_raises(tmp_path: Path, 
         make_follow(tmp_path / "nothing-yet", timeout=0.2)
 
 
+@pytest.mark.slow
 def test_a_loader_follows_a_build_into_object_storage(
     tmp_path: Path, bpe_tokenizer: Path, bucket: tuple[Any, str], s3_endpoint: str
 ) -> None:
@@ -277,6 +279,7 @@ def test_a_follow_made_to_resume_a_finished_build_is_judged_from_the_checkpoints
     assert len(list(resumed)) == (n - n % world) // world
 
 
+@pytest.mark.slow
 def test_exclusions_of_a_followed_build_mask_documents_not_committed_yet_and_skip_is_refused(
     finished: Path, tmp_path: Path
 ) -> None:
@@ -369,6 +372,7 @@ def test_the_follow_order_is_an_exact_epoch_and_eras_do_not_change_once_complete
     assert np.array_equal(running.samples(positions[:full]), windows[:full])
 
 
+@pytest.mark.slow
 def test_a_trainer_trains_while_the_build_runs_and_resumes_to_the_same_batches(
     tmp_path: Path, bpe_tokenizer: Path
 ) -> None:

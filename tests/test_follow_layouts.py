@@ -87,6 +87,7 @@ def check_exact(follow: Follow, served: np.ndarray) -> None:
     assert np.array_equal(served, expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["packed", "documents"])
 def test_whole_documents_follow_a_running_build_exactly_and_resume_mid_build_and_after(
     layout: str, tmp_path: Path, bpe_tokenizer: Path

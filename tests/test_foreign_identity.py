@@ -77,6 +77,7 @@ def rows(samples: streampack.PackedSequences) -> np.ndarray:
     return np.asarray(samples[np.arange(len(samples))])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("format", FORMATS)
 def test_a_plan_of_files_rewritten_in_place_with_the_same_counts_is_made_again(
     format: str, caches: tuple[streampack.Cache, ...], tmp_path: Path
@@ -157,6 +158,7 @@ def test_a_state_saved_over_one_folder_is_refused_over_another_with_the_same_cou
     np.testing.assert_array_equal(next(iter(resumed)), next(batches))
 
 
+@pytest.mark.slow
 def test_a_dataloader_worker_refuses_files_changed_since_its_parent_opened_them(
     caches: tuple[streampack.Cache, ...], tmp_path: Path
 ) -> None:

@@ -82,6 +82,7 @@ def _real_texts(limit: int) -> list[str]:
     return [*texts, "", " ", "héllo 🙂 wörld", "<|endoftext|> as text"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["tokenizers", "fastokens"])
 def test_every_engines_flat_ids_are_its_per_text_ids_end_to_end(
     engine: str, gpt2_tokenizer: Path, tiktoken_gpt2: Path

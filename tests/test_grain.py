@@ -66,6 +66,7 @@ def test_a_document_source_refuses_a_cache_that_changed_since(
         pickle.loads(source)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("grain") is None, reason="needs pip install 'streampack[grain]'")
 def test_grain_packs_the_documents_and_resumes_from_its_own_state(cache: streampack.Cache) -> None:
     import grain
@@ -130,6 +131,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("jax") is None, reason="needs pip install 'streampack[jax]'")
 def test_jax_global_batches_are_the_loaders_and_resume_exactly(
     cache: streampack.Cache, tmp_path: Path

@@ -72,6 +72,7 @@ def train(
     return trainer.seen
 
 
+@pytest.mark.slow
 def test_trainer_resumes_at_the_next_batch_with_nothing_replayed(
     seqs: PackedSequences, tmp_path: Path
 ) -> None:
@@ -85,6 +86,7 @@ def test_trainer_resumes_at_the_next_batch_with_nothing_replayed(
     assert first + rest == uninterrupted
 
 
+@pytest.mark.slow
 def test_trainer_resumed_with_an_exclusion_of_its_steps_skips_those_steps_under_accumulation(
     seqs: PackedSequences, tmp_path: Path
 ) -> None:
@@ -233,6 +235,7 @@ def trl_train(
     return trainer.seen, trainer
 
 
+@pytest.mark.slow
 def test_trl_sft_trainer_with_the_mixin_trains_checkpoints_and_resumes_exactly(
     seqs: PackedSequences, tmp_path: Path, bpe_tokenizer: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

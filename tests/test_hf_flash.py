@@ -119,6 +119,7 @@ def test_a_real_model_forward_reads_them_and_attends_within_each_document(sample
             torch.testing.assert_close(packed[a:z], alone, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_the_hf_trainer_trains_on_it(samples: PackedSequences, tmp_path: Path) -> None:
     calls: list[list[str]] = []
     transformers.AttentionInterface.register("streampack-test-varlen", _segment_attention(calls))

@@ -165,6 +165,7 @@ def test_nanogpt_train_and_val_bins(natural: streampack.Cache, tmp_path: Path) -
 # ----------------------------------------------------------------------------- datatrove
 
 
+@pytest.mark.slow
 def test_datatrove_folder_dataset_reads_tokens_and_positions(
     natural: streampack.Cache, tmp_path: Path
 ) -> None:
@@ -272,6 +273,7 @@ def test_hf_documents_in_arrow_and_parquet(natural: streampack.Cache, tmp_path: 
     assert len(list((tmp_path / "hf").glob("data-*-of-*.arrow"))) > 1
 
 
+@pytest.mark.slow
 def test_the_hf_tests_write_nothing_into_the_users_hugging_face_cache(tmp_path: Path) -> None:
     """``load_dataset("parquet", ...)`` caches its Arrow files under ``HF_HOME``: the suite points every
     Hugging Face cache at a folder of its own (tests/conftest.py), so a run leaves the user's alone. Run in
@@ -653,6 +655,7 @@ def test_a_durable_export_writes_the_same_files(natural: streampack.Cache, tmp_p
 # ----------------------------------------------------------------------------- the CLI, and object storage
 
 
+@pytest.mark.slow
 def test_cli_exports_megatron_and_hf(natural: streampack.Cache, tmp_path: Path) -> None:
     done = run_cli("export", natural.root, "--to", "megatron", "--out", tmp_path / "m", "--no-progress")
     assert (
@@ -685,6 +688,7 @@ def test_megatron_export_to_object_storage(
         np.testing.assert_array_equal(dataset[i], natural.doc(i))
 
 
+@pytest.mark.slow
 def test_the_export_benchmark_runs_quick(tmp_path: Path) -> None:
     """benchmarks/bench_export.py --quick, the smoke run of the benchmark: every row reports."""
     if not SAMPLE_CORPUS.exists():

@@ -627,6 +627,7 @@ def buffers(sizes: dict[tuple[Any, str], int] | None) -> Iterator[None]:
         yield
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", list(MODELS))
 @PROPERTY
 @given(data=st.data(), source=sources(), shard_tokens=SHARD_TOKENS, small=SMALL)
@@ -681,6 +682,7 @@ def chains(draw: st.DrawFn) -> tuple[tuple[str, dict[str, Any]], tuple[str, dict
     return (fmt, options), (later, later_options), source
 
 
+@pytest.mark.slow
 @CHAINS
 @given(chain=chains(), declare_vocab=st.booleans(), shard_tokens=SHARD_TOKENS, small=SMALL)
 def test_an_export_of_an_export_opens_with_the_models_documents(
@@ -779,6 +781,7 @@ HF_OPTIONS = st.fixed_dictionaries(
 ).filter(lambda o: "seq_len" in o or "packed" not in o)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(source=sources(), options=HF_OPTIONS, small=SMALL)
 def test_hf_rows_are_the_documents_or_samples(
@@ -819,6 +822,7 @@ def cl100k_sft(tmp_path_factory: pytest.TempPathFactory, tiktoken_gpt2: Path) ->
     return cache
 
 
+@pytest.mark.slow
 def test_cli_export_convert_verify_of_a_real_uint32_sft_cache(
     cl100k_sft: streampack.Cache, tmp_path: Path
 ) -> None:

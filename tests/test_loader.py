@@ -674,6 +674,7 @@ print(json.dumps({"batches": batches, "peak": max(peak, rss_anon_mb())}))
 """
 
 
+@pytest.mark.slow
 def test_anonymous_memory_does_not_grow_with_the_cache(tmp_path: Path) -> None:
     if "RssAnon" not in Path("/proc/self/status").read_text():
         pytest.skip("needs /proc/self/status with RssAnon (Linux)")
@@ -688,6 +689,7 @@ def test_anonymous_memory_does_not_grow_with_the_cache(tmp_path: Path) -> None:
     assert results[200]["peak"] - results[20]["peak"] < 16, results
 
 
+@pytest.mark.slow
 def test_cli_bench_prints_rates_and_memory(cache: streampack.Cache) -> None:
     out = run_cli("bench", cache.root, "--seq-len", "16", "--batch-size", "4", "--steps", "20").stdout
     packed = run_cli("bench", cache.root, "--seq-len", "64", "--batch-size", "4", "--layout", "packed").stdout

@@ -42,6 +42,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_killed_worker_is_an_error_and_state_resumes(tmp_path: Path) -> None:
     tokens = np.arange(4000) % 997
     cache = write_cache(tmp_path / "c", [(tokens, np.arange(50, 4001, 50))], vocab_size=1000, eos_id=999)

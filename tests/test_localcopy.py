@@ -66,6 +66,7 @@ def open_bounded(remote: tuple[str, int, int], local_dir: Path, endpoint: str) -
     )
 
 
+@pytest.mark.slow
 def test_close_ends_the_watcher_thread_refuses_reads_and_a_second_close_does_nothing(
     tmp_path: Path, remote: tuple[str, int, int], s3_endpoint: str
 ) -> None:

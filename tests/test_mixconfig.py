@@ -128,6 +128,7 @@ def test_config_errors_name_the_file_and_the_key(project: Path, edit, message: s
         streampack.load_mixture(project / "mix.toml")
 
 
+@pytest.mark.slow
 def test_cli_mix_prints_the_plan_and_where_a_checkpoint_stands(project: Path) -> None:
     out = run_cli("mix", "--config", project / "mix.yaml", "--steps", "25", "--batch-size", "8").stdout
     assert "position    200 samples (12,800 tokens)" in out
@@ -207,6 +208,7 @@ def remote_project(tmp_path: Path, bucket: tuple[Any, str], s3_endpoint: str) ->
     return tmp_path / "mix.yaml", tmp_path / "local.json"
 
 
+@pytest.mark.slow
 def test_a_config_reads_caches_in_object_storage_with_their_reading_options(
     remote_project: tuple[Path, Path],
 ) -> None:

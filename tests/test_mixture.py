@@ -148,6 +148,7 @@ def test_unshuffled_blocks_are_in_source_order() -> None:
 # --- in the loader: ranks, batch sizes, resume -------------------------------------------------------------
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     mix=mixtures(),

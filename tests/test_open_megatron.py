@@ -53,6 +53,7 @@ def test_an_exported_pair_opens_as_the_same_documents_and_samples(
         assert streampack.open(name).num_docs == natural.num_docs
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # megatron-core's, torch's
 def test_a_pair_written_by_megatron_core_opens_with_megatrons_documents(
     tmp_path: Path, gpt2_tokenizer: Path
@@ -231,6 +232,7 @@ def test_samples_of_an_opened_pair_reach_dataloader_workers_with_what_was_declar
         np.testing.assert_array_equal(theirs.numpy(), mine)
 
 
+@pytest.mark.slow
 def test_verify_checks_every_token_of_a_pair_against_what_was_declared(small: Path) -> None:
     """``streampack verify`` of a pair: ok with the EOS it has; a wrong ``--eos-id`` or a ``--vocab-size``
     below its ids are errors naming the ``.bin``; ``info`` describes it."""

@@ -202,6 +202,7 @@ def test_an_object_replaced_under_its_url_is_fetched_again_and_verified_as_it_is
     assert missing.problems == [f"s3://{name}/nothing: no object or folder there"]
 
 
+@pytest.mark.slow
 def test_a_datatrove_folder_over_http_opens_where_the_server_lists_it(
     natural: streampack.Cache, http_root: tuple[Path, str], tmp_path: Path
 ) -> None:

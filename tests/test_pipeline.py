@@ -144,6 +144,7 @@ def test_out_of_order_batches_are_written_in_order_and_commits_are_exact(
     _check_unit(tmp_path / "out", "000000", texts, result.entry, recording["000000"])
 
 
+@pytest.mark.slow
 def test_next_unit_encodes_while_the_last_batch_of_the_one_before_still_does(
     tmp_path: Path, recording: dict[str, list[LedgerEntry]]
 ) -> None:

@@ -178,6 +178,7 @@ def test_the_tiktoken_tokenizer_takes_the_early_load_and_encodes_as_without() ->
     assert [a.tolist() for a in early.encode_batch(text)] == [a.tolist() for a in fresh]
 
 
+@pytest.mark.slow
 def test_the_command_builds_a_tiktoken_cache_as_the_library_does(tmp_path: Path) -> None:
     pytest.importorskip("tiktoken")
     _command_builds_what_the_library_builds(f"tiktoken:{_cl100k()}", tmp_path)

@@ -124,6 +124,7 @@ def jsonl_with_gaps(count: int) -> bytes:
     return b"\n".join(lines) + b"\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["in.jsonl", "in.jsonl.gz"])
 def test_jsonl_lines_past_blank_lines_empty_documents_and_skipped_records(
     tmp_path: Path, bpe_tokenizer: Path, name: str
@@ -148,6 +149,7 @@ def test_a_big_jsonl_file_split_into_byte_ranges(tmp_path: Path, bpe_tokenizer: 
     assert len({doc.unit for doc in found}) >= 3 and max(doc.unit for doc in found) > 0
 
 
+@pytest.mark.slow
 def test_a_run_of_small_files_jsonl_gz_and_whole_text_files(tmp_path: Path, bpe_tokenizer: Path) -> None:
     data = tmp_path / "data"
     write_bytes(data / "01.jsonl", jsonl_with_gaps(12))
@@ -171,6 +173,7 @@ def test_text_files_one_document_per_line(tmp_path: Path, bpe_tokenizer: Path) -
     assert {doc.line for doc in found} >= {3, 79}  # blank lines between the documents count
 
 
+@pytest.mark.slow
 def test_parquet_rows_across_row_group_units(tmp_path: Path, bpe_tokenizer: Path) -> None:
     texts = [None if i % 17 == 3 else "" if i % 13 == 5 else doc_text(i) for i in range(2000)]
     src = tmp_path / "t.parquet"
@@ -182,6 +185,7 @@ def test_parquet_rows_across_row_group_units(tmp_path: Path, bpe_tokenizer: Path
     assert max(doc.unit for doc in found) > 0 and max(doc.row or 0 for doc in found) > 400
 
 
+@pytest.mark.slow
 def test_python_documents(tmp_path: Path, bpe_tokenizer: Path) -> None:
     clean = [doc_text(i) for i in range(50)]
     cache = build(streampack.Documents(clean), tmp_path / "clean", bpe_tokenizer)
@@ -197,6 +201,7 @@ def test_python_documents(tmp_path: Path, bpe_tokenizer: Path) -> None:
         streampack.which(make(), 0, documents=gappy * 2)
 
 
+@pytest.mark.slow
 def test_mixture_rows_name_their_source(tmp_path: Path, bpe_tokenizer: Path) -> None:
     web = build(write_bytes(tmp_path / "web.jsonl.gz", jsonl_with_gaps(40)), tmp_path / "web", bpe_tokenizer)
     src = tmp_path / "code.parquet"
@@ -317,6 +322,7 @@ def test_what_has_no_documents_or_no_batch_is_refused(tmp_path: Path, bpe_tokeni
         streampack.which(loader, -1)
 
 
+@pytest.mark.slow
 def test_cli_which_prints_the_table_and_json(tmp_path: Path, bpe_tokenizer: Path) -> None:
     src = write_bytes(tmp_path / "in.jsonl", jsonl_with_gaps(60))
     cache = build(src, tmp_path / "c", bpe_tokenizer)
@@ -341,6 +347,7 @@ def test_cli_which_prints_the_table_and_json(tmp_path: Path, bpe_tokenizer: Path
     assert missing.returncode == 2 and "give --step N" in missing.stderr
 
 
+@pytest.mark.slow
 def test_cli_which_reads_a_mixture_config(tmp_path: Path, bpe_tokenizer: Path) -> None:
     for name in ("web", "books"):
         build(write_bytes(tmp_path / f"{name}.jsonl", jsonl_with_gaps(30)), tmp_path / name, bpe_tokenizer)
@@ -464,6 +471,7 @@ def test_sft_fields_records_are_traced_as_the_build_read_them(tmp_path: Path) ->
     ]
 
 
+@pytest.mark.slow
 def test_chat_records_are_traced_as_the_build_rendered_them(tmp_path: Path, gpt2_tokenizer: Path) -> None:
     """A chat build's records are read again with its chat template (found beside its tokenizer), and
     refused once that template changed, which may render them otherwise."""

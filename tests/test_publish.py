@@ -50,6 +50,7 @@ def remote_bytes(fs: Any, prefix: str) -> dict[str, bytes]:
 BUILD = {"unit_bytes": 1 << 16, "workers": 2, "commit_seconds": 0}
 
 
+@pytest.mark.slow
 def test_a_build_to_s3_is_byte_identical_to_a_local_build_and_reads_back(
     tmp_path: Path, bpe_tokenizer: Path, bucket: tuple[Any, str], s3_endpoint: str
 ) -> None:
@@ -92,6 +93,7 @@ def start_cli_build(args: list[str], endpoint: str) -> subprocess.Popen[bytes]:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage_kept", [True, False], ids=["stage-kept", "stage-gone"])
 def test_a_build_killed_mid_upload_resumes_against_the_remote_ledger(
     tmp_path: Path, bpe_tokenizer: Path, bucket: tuple[Any, str], s3_endpoint: str, stage_kept: bool
@@ -166,6 +168,7 @@ def test_an_unreachable_store_is_a_clear_error_after_retries(
         )
 
 
+@pytest.mark.slow
 def test_a_build_through_a_link_that_resets_connections_completes_byte_identical(
     tmp_path: Path, bpe_tokenizer: Path, bucket: tuple[Any, str], s3_endpoint: str
 ) -> None:

@@ -472,6 +472,7 @@ def _loader(
     return loader
 
 
+@pytest.mark.slow
 def test_random_runs_serve_what_the_model_says(caches: dict) -> None:
     corpora = {name: corpus for name, (_, corpus) in caches.items()}
 
@@ -490,6 +491,7 @@ def test_random_runs_serve_what_the_model_says(caches: dict) -> None:
     check()
 
 
+@pytest.mark.slow
 def test_random_mixture_runs_serve_what_the_model_says(caches: dict) -> None:
     corpora = {name: corpus for name, (_, corpus) in caches.items()}
     by_corpus = {id(corpus): cache for cache, corpus in caches.values()}
@@ -807,6 +809,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Co
     return out
 
 
+@pytest.mark.slow
 def test_random_follow_runs_serve_what_the_model_says(
     builds: dict, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -943,6 +946,7 @@ def check_follow_mixture_run(
     assert sum(source.samples for source in report.sources) == model.position, report.text()
 
 
+@pytest.mark.slow
 def test_random_follow_mixture_runs_serve_what_the_model_says(
     builds: dict, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
@@ -968,6 +972,7 @@ def test_random_follow_mixture_runs_serve_what_the_model_says(
     check()
 
 
+@pytest.mark.slow
 def test_a_follow_of_a_real_running_build_serves_what_the_model_says(
     tmp_path: Path, bpe_tokenizer: Path
 ) -> None:

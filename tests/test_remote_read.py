@@ -120,6 +120,7 @@ def epoch(seqs: Any, workers: int | None = None) -> list[np.ndarray]:
     return [batch.numpy() for batch in DataLoader(loader, num_workers=workers)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [None, 2], ids=["in-process", "2-dataloader-workers"])
 def test_an_epoch_through_a_local_copy_at_a_quarter_of_the_cache_stays_in_the_bound_and_equals_local(
     tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str, workers: int | None
@@ -179,6 +180,7 @@ def read_all_in_processes(count: int, url: str, local_dir: Path, endpoint: str) 
     return results
 
 
+@pytest.mark.slow
 def test_processes_sharing_a_local_copy_download_each_file_once(
     tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
 ) -> None:
@@ -254,6 +256,7 @@ def prefetching_copy(url: str, tmp_path: Path, total: int, endpoint: str) -> str
     )
 
 
+@pytest.mark.slow
 def test_prefetch_fetches_the_next_steps_shards_in_the_background(
     tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
 ) -> None:
@@ -293,6 +296,7 @@ def no_prefetch_threads_left() -> None:
     assert prefetch_threads() == []
 
 
+@pytest.mark.slow
 def test_close_stops_the_prefetch_thread_and_a_later_batch_starts_a_new_one(
     tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
 ) -> None:
@@ -331,6 +335,7 @@ def test_a_loader_dropped_without_close_stops_its_prefetch_thread(
     assert not thread.is_alive()
 
 
+@pytest.mark.slow
 def test_verify_of_a_url_reads_the_objects_not_a_local_copy(
     tmp_path: Path,
     built: tuple[str, Path, int, int],
@@ -362,6 +367,7 @@ def test_verify_of_a_url_reads_the_objects_not_a_local_copy(
     assert report.path == url and len(report.problems) == 1 and report.problems[0].startswith(url)
 
 
+@pytest.mark.slow
 def test_info_of_a_url_shows_the_url_as_the_path_and_the_local_copy_apart(
     tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

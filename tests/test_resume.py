@@ -95,6 +95,7 @@ def test_killed_builds_resume_to_identical_bytes(kills: int, extra: list[str]) -
     assert landed >= kills and identical == landed, result.stdout
 
 
+@pytest.mark.slow
 def test_a_killed_sft_build_resumes_to_identical_tokens_and_masks(
     tmp_path: Path, bpe_tokenizer: Path
 ) -> None:
@@ -128,6 +129,7 @@ def test_a_killed_sft_build_resumes_to_identical_tokens_and_masks(
     assert streampack.verify(tmp_path / "c").ok
 
 
+@pytest.mark.slow
 def test_readers_during_a_build_see_only_committed_documents(tmp_path: Path, bpe_tokenizer: Path) -> None:
     inputs = make_corpus(tmp_path / "in")
     out = tmp_path / "c"
@@ -211,6 +213,7 @@ def live_processes(group: int) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["coordinator", "process group"])
 def test_sigterm_stops_a_build_like_ctrl_c(tmp_path: Path, target: str) -> None:
     """C5: SIGTERM (Slurm, Kubernetes) says how to resume, exits 143, leaks nothing; the resume is exact."""

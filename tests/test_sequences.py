@@ -334,6 +334,7 @@ def test_uint32_caches_read_as_uint32(tmp_path: Path) -> None:
     assert batch.dtype == np.dtype("<u4") and batch.tolist() == [[70_000, 1], [2, 99_999], [5, 6]]
 
 
+@pytest.mark.slow
 def test_cli_decodes_a_packed_sample(cache: streampack.Cache, stream: np.ndarray) -> None:
     ids = run_cli("decode", cache.root, "--sample", "3", "--seq-len", "10", "--ids").stdout.split()
     assert [int(i) for i in ids] == stream[30:40].tolist()

@@ -90,6 +90,7 @@ def docs_and_masks(out: Path) -> list[tuple[list[int], list[int]]]:
 field_texts = st.text(st.characters(exclude_categories=["Cs"]), max_size=200)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(records=st.lists(st.tuples(field_texts, field_texts, field_texts), min_size=1, max_size=12))
 def test_the_mask_is_0_on_the_prompt_and_1_on_the_response_and_eos(
@@ -240,6 +241,7 @@ def test_chat_loss_is_on_the_assistant_turns_and_content_stays_text(
     assert streampack.verify(tmp_path / "c").ok
 
 
+@pytest.mark.slow
 def test_conversations_of_one_shape_keep_their_own_contents_and_fields(
     tmp_path: Path, gpt2_tokenizer: Path
 ) -> None:
@@ -287,6 +289,7 @@ def test_a_templates_texts_are_encoded_once_each(gpt2_tokenizer: Path) -> None:
     assert asked == ["a<|endoftext|>", "b", long, long, "c"]
 
 
+@pytest.mark.slow
 def test_the_render_is_what_transformers_renders(tmp_path: Path, gpt2_tokenizer: Path) -> None:
     transformers = pytest.importorskip("transformers")
     for name, template, added in (("chatml", CHATML, CHATML_TOKENS), ("llama3", LLAMA3, LLAMA3_TOKENS)):
@@ -392,6 +395,7 @@ def test_a_conversation_too_deep_for_the_template_is_a_bad_record(
     assert (summary.num_docs, summary.skipped_records) == (2, 1)
 
 
+@pytest.mark.slow
 def test_no_chat_template_is_a_clear_error(tmp_path: Path, gpt2_tokenizer: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [{"messages": []}])
     with pytest.raises(
@@ -508,6 +512,7 @@ def test_resuming_with_other_fields_is_refused(tmp_path: Path) -> None:
         streampack.build(src, tmp_path / "c", text_field="p")
 
 
+@pytest.mark.slow
 def test_cli_sft_build_info_verify(tmp_path: Path, gpt2_tokenizer: Path) -> None:
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "Hi", "response": " there"}])
     result = run_cli(
@@ -547,6 +552,7 @@ def all_labels(samples: PackedSequences) -> np.ndarray:
     return np.concatenate([batch["labels"] for batch in loader])
 
 
+@pytest.mark.slow
 def test_samples_without_a_target_are_counted_and_can_be_dropped(
     tmp_path: Path, gpt2_tokenizer: Path
 ) -> None:

@@ -76,6 +76,7 @@ def _random_texts(count: int, seed: int) -> list[str]:
     return ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(count)]
 
 
+@pytest.mark.slow
 def test_the_auto_engine_is_fastokens_and_gives_tiktokens_ids(
     encoding: tuple[Path, Any], texts: list[str]
 ) -> None:
@@ -88,6 +89,7 @@ def test_the_auto_engine_is_fastokens_and_gives_tiktokens_ids(
         assert ids.tolist() == reference.encode_ordinary(text), text[:80]
 
 
+@pytest.mark.slow
 def test_the_caseless_spelling_routes_long_s_texts_to_tiktoken(
     tmp_path: Path, encoding: tuple[Path, Any]
 ) -> None:

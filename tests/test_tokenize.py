@@ -54,6 +54,7 @@ def test_tiktoken_spec_errors(tmp_path: Path) -> None:
         load_tokenizer(f"tiktoken:{tmp_path / 'x.tiktoken'}")
 
 
+@pytest.mark.slow
 def test_large_vocab_uses_uint32(tmp_path: Path, tiktoken_gpt2: Path) -> None:
     o200k = tiktoken_gpt2.with_name("o200k_base.tiktoken")
     if not o200k.exists():
@@ -73,6 +74,7 @@ def test_large_vocab_uses_uint32(tmp_path: Path, tiktoken_gpt2: Path) -> None:
 SPECIAL_TEXTS = ["Hello<|endoftext|>World", "<|endoftext|>", "x <|endoftext|> y", "a</s>b <|fim_prefix|>"]
 
 
+@pytest.mark.slow
 def test_special_token_text_is_text_and_both_backends_agree(
     gpt2_tokenizer: Path, tiktoken_gpt2: Path
 ) -> None:
@@ -93,6 +95,7 @@ def test_special_token_text_is_text_and_both_backends_agree(
         assert tt.encode_batch([text])[0].tolist() == expected
 
 
+@pytest.mark.slow
 def test_a_cache_holds_no_control_id_inside_a_document(
     tmp_path: Path, gpt2_tokenizer: Path, tiktoken_gpt2: Path
 ) -> None:
@@ -108,6 +111,7 @@ def test_a_cache_holds_no_control_id_inside_a_document(
     assert hf.manifest.settings.special_tokens == "text"
 
 
+@pytest.mark.slow
 def test_parsing_special_tokens_is_an_explicit_recorded_choice(
     tmp_path: Path, gpt2_tokenizer: Path, tiktoken_gpt2: Path
 ) -> None:

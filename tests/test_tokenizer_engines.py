@@ -43,6 +43,7 @@ def _build(sample: Path, out: Path, tokenizer: str, engine: str, **options: Any)
     return {k: v for k, v in shard_bytes(out).items() if k != "manifest.json"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("special_tokens", ["text", "parse"])
 def test_gpt2_caches_are_byte_identical_across_engines(
     tmp_path: Path, sample: Path, gpt2_tokenizer: Path, tiktoken_gpt2: Path, special_tokens: str
@@ -68,6 +69,7 @@ def test_gpt2_caches_are_byte_identical_across_engines(
     assert load_manifest(tmp_path / "0").engines[0].name == "tokenizers"
 
 
+@pytest.mark.slow
 def test_the_engine_is_not_a_setting_a_rerun_must_match(
     tmp_path: Path, sample: Path, gpt2_tokenizer: Path
 ) -> None:
@@ -92,6 +94,7 @@ def wrong_engine(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("streampack.tokenizer.base.FastokensEngine", _OneWrongId)  # where it is made
 
 
+@pytest.mark.slow
 def test_the_verification_sample_stops_an_engine_that_gets_one_id_wrong(
     tmp_path: Path, gpt2_tokenizer: Path, wrong_engine: None
 ) -> None:
@@ -113,6 +116,7 @@ def test_the_verification_sample_stops_an_engine_that_gets_one_id_wrong(
         )
 
 
+@pytest.mark.slow
 def test_gpt2_ranks_become_the_tokenizer_json_that_gives_tiktokens_ids(tiktoken_gpt2: Path) -> None:
     """The GPT-2-pattern ranks fastokens loads as a tokenizer.json (its fast path) give tiktoken's ids."""
     import fastokens
@@ -136,6 +140,7 @@ def test_gpt2_ranks_become_the_tokenizer_json_that_gives_tiktokens_ids(tiktoken_
         assert got == enc.encode_ordinary(text), text
 
 
+@pytest.mark.slow
 def test_build_profile_reports_every_timing(tmp_path: Path, sample: Path, gpt2_tokenizer: Path) -> None:
     """`--profile` prints where the time went; the summary holds the same [wall, CPU] seconds per timing."""
     from tests.conftest import run_cli
@@ -277,6 +282,7 @@ ADDED_TOKEN_CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(ADDED_TOKEN_CASES))
 def test_fastokens_runs_only_where_it_is_proven_in_each_special_token_mode(
     tmp_path: Path, gpt2_tokenizer: Path, case: str
@@ -323,6 +329,7 @@ def test_tokens_fastokens_cannot_hold_are_refused_in_both_modes(
     assert _fastokens_differs(plain, ["Hello there"], parse=special_tokens == "parse")
 
 
+@pytest.mark.slow
 def test_wherever_auto_picks_fastokens_its_ids_are_the_references(
     tmp_path: Path, gpt2_tokenizer: Path
 ) -> None:
@@ -368,6 +375,7 @@ def test_parse_mode_build_with_an_added_token_that_is_a_vocabulary_entry(
     assert streampack.verify(tmp_path / "auto").ok
 
 
+@pytest.mark.slow
 def test_a_tiktoken_encodings_overlapping_special_tokens_are_refused_when_parsed(
     tmp_path: Path, tiktoken_gpt2: Path
 ) -> None:
@@ -465,6 +473,7 @@ def test_an_id_at_or_above_the_vocab_size_stops_the_build_before_it_is_written(
 # -------------------------------------------------------------- build and info say which engine, and why
 
 
+@pytest.mark.slow
 def test_build_and_info_say_which_engine_ran_and_why(tmp_path: Path, gpt2_tokenizer: Path) -> None:
     import os
     import subprocess
@@ -569,10 +578,11 @@ def test_fastokens_loads_beside_the_reference_engine_only_where_it_may_run(
 
     loading_while_parsed: list[bool] = []
     parse = tokenizers.Tokenizer.from_str
+    before = set(threading.enumerate())  # an earlier test's load may still be finishing on a loaded machine
 
     def observed(text: str) -> tokenizers.Tokenizer:
-        names = {t.name for t in threading.enumerate()}
-        loading_while_parsed.append("streampack-fastokens-load" in names)
+        started = {t.name for t in threading.enumerate() if t not in before}
+        loading_while_parsed.append("streampack-fastokens-load" in started)
         return parse(text)
 
     monkeypatch.setattr(tokenizers.Tokenizer, "from_str", staticmethod(observed))

@@ -78,6 +78,7 @@ def test_real_workers_split_a_block_shuffled_epoch(numbered: streampack.Cache) -
     assert sorted(everything) == list(range(NUM_SAMPLES))
 
 
+@pytest.mark.slow
 def test_drop_last_false_never_hands_a_rank_an_empty_batch(tmp_path: Path) -> None:
     # The reported numbers: 1,257 samples, global batch 8 over 8 ranks leaves 1 row for 8 ranks.
     n = 1257
