@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from streampack import Loader, Mixture
-from streampack.loader.audit import audit
+from streampack.runs.audit import audit
 
 
 def _run(data: object, steps: int, batch: int, mixed: bool) -> dict:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import streampack
 from benchmarks._backends import SHARED_DATA, TOKENIZERS_GPT2
 from benchmarks._report import environment, goal, parser, publish
-from streampack.order.follow import Eras, FollowOrder
+from streampack.follow.order import Eras, FollowOrder
 
 SEQ_LEN, BATCH = 1024, 16
 SMALL_ERA = 4096

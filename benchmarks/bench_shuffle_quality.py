@@ -28,7 +28,7 @@ global shuffle and to no shuffle at all, over one epoch of ``n = 10**6`` samples
 * **local blocks**: the most distinct blocks among any 2 * window * block consecutive positions
   (aligned to that length): what a reader must hold to never miss.
 
-Its last rows are the order of :class:`~streampack.loader.follow.Follow` (training while the build runs): eras
+Its last rows are the order of :class:`~streampack.follow.Follow` (training while the build runs): eras
 of consecutive samples whose sizes double from 1,024 to the largest, each shuffled within itself (for
 them, window x block is the largest era).
 
@@ -66,7 +66,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # benchmark the working tree, whether or not the package is installed
 
-from streampack.loader.follow import Eras, FollowOrder  # noqa: E402
+from streampack.follow import Eras, FollowOrder  # noqa: E402
 from streampack.order.blockshuffle import BlockShuffled  # noqa: E402
 from streampack.order.permutation import Permutation  # noqa: E402
 

@@ -22,30 +22,30 @@ if TYPE_CHECKING:
     from streampack.builder.coordinator import BuildSummary
     from streampack.builder.options import CacheSpec, RunOptions
     from streampack.errors import StreampackError
+    from streampack.follow import Follow
     from streampack.inputs.records import Documents
     from streampack.loader import Loader
-    from streampack.loader.follow import Follow
-    from streampack.loader.mixconfig import load_mixture
-    from streampack.loader.provenance import which
     from streampack.order.blockshuffle import BlockShuffle
     from streampack.order.mixture import Mixture
     from streampack.reader import Cache, open
     from streampack.reader.verify import verify
+    from streampack.runs.mixconfig import load_mixture
+    from streampack.runs.provenance import which
 
 #: The public names, and the module each is loaded from.
 _PUBLIC = {
     "open": "streampack.reader",
     "verify": "streampack.reader.verify",
-    "which": "streampack.loader.provenance",
+    "which": "streampack.runs.provenance",
     "Cache": "streampack.reader",
     "CacheSpec": "streampack.builder.options",
     "RunOptions": "streampack.builder.options",
     "Documents": "streampack.inputs.records",
     "Loader": "streampack.loader",
-    "Follow": "streampack.loader.follow",
+    "Follow": "streampack.follow",
     "Mixture": "streampack.order.mixture",
     "BlockShuffle": "streampack.order.blockshuffle",
-    "load_mixture": "streampack.loader.mixconfig",
+    "load_mixture": "streampack.runs.mixconfig",
     "StreampackError": "streampack.errors",
 }
 

@@ -75,7 +75,7 @@ class CacheError(StreampackError):
 
 
 class BuildStalledError(CacheError):
-    """A cache followed while its build runs (:class:`streampack.loader.follow.Follow`) got no new data in
+    """A cache followed while its build runs (:class:`streampack.follow.Follow`) got no new data in
     time."""
 
 

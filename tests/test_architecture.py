@@ -38,6 +38,8 @@ LAYERS = [
     {"reader"},
     {"samples", "order"},
     {"loader"},
+    {"follow"},
+    {"runs"},
     {"torch", "hf", "lightning", "torchdata", "grain", "jax", "interop"},
     {"cli", "testing", "__init__", "__main__"},
 ]
@@ -47,6 +49,8 @@ LOAD_SIDE = {
     "samples",
     "order",
     "loader",
+    "follow",
+    "runs",
     "torch",
     "hf",
     "lightning",

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack import Loader, Mixture
-from streampack.loader.audit import audit
+from streampack.runs.audit import audit
 from tests.conftest import run_cli, write_jsonl
 
 SIZES = {"web": 53, "code": 31}

@@ -14,8 +14,8 @@ import pytest
 import streampack
 from streampack.errors import LoaderStateError
 from streampack.loader import Exclusions, Loader
-from streampack.loader.audit import audit
 from streampack.order.mixture import Mixture
+from streampack.runs.audit import audit
 from tests.conftest import run_cli
 from tests.test_exclusions import SEQ_LEN, _numbered
 

@@ -69,7 +69,7 @@ def test_a_loader_excludes_by_record_as_by_index_and_through_a_mixture_config(tm
         f"seq_len: 64\nseed: 3\nblock_size: 16\nsources:\n  web: {{path: {tmp_path / 'c'}, exclude: "
         f"{{records: ['{names[0]}', '{names[1]}']}}}}\nweights: {{web: 1}}\n"
     )
-    from streampack.loader.mixconfig import load_mixture, mixture_exclusions
+    from streampack.runs.mixconfig import load_mixture, mixture_exclusions
 
     run = Loader(load_mixture(config), batch_size=8, exclude=mixture_exclusions(config))
     served = {doc.doc for step in range(40) for doc in streampack.which(run, step)}

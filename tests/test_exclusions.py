@@ -297,7 +297,7 @@ def test_bad_exclusions_are_refused_with_what_was_given(numbered: streampack.Cac
 def test_a_mixture_config_names_exclusions_globally_and_per_source(
     numbered: streampack.Cache, other: streampack.Cache, tmp_path: Path
 ) -> None:
-    from streampack.loader.mixconfig import load_mixture, mixture_exclusions
+    from streampack.runs.mixconfig import load_mixture, mixture_exclusions
 
     config = tmp_path / "mix.yaml"
     config.write_text(
@@ -356,7 +356,7 @@ def _indices(loader: Loader, start: int, stop: int) -> list[int]:
 def test_steps_are_the_trainers_under_gradient_accumulation(numbered: streampack.Cache) -> None:
     """The review's case (1): a trainer accumulating 3 batches a step, checkpointed at step 10; its loss
     spike at steps 12-13 is the 24 positions 144-168, not 12 * 4 to 14 * 4 (before the resume, so nothing)."""
-    from streampack.loader.audit import audit
+    from streampack.runs.audit import audit
 
     seqs = numbered.sequences(SEQ_LEN)
     run = Loader(seqs, batch_size=4, seed=1)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
-from streampack.loader.follow import Eras, Follow, FollowOrder
+from streampack.follow import Eras, Follow, FollowOrder
 from tests.conftest import s3_options, write_jsonl
 from tests.test_resume import build_args, start_build
 
@@ -287,7 +287,7 @@ def test_exclusions_of_a_followed_build_mask_documents_not_committed_yet_and_ski
     as over the finished build, and the run audits clean; skip mode, whose walk ahead would read samples
     not committed yet, is refused."""
     from streampack.loader import Exclusions
-    from streampack.loader.audit import audit
+    from streampack.runs.audit import audit
     from tests.test_reference_model import StagedBuild
 
     build = StagedBuild(finished, tmp_path / "c")
@@ -419,8 +419,8 @@ def test_a_trainer_trains_while_the_build_runs_and_resumes_to_the_same_batches(
 def test_a_follow_takes_its_options_as_objects_or_keywords(finished: Path) -> None:
     """``Follow(path, options=LoaderOptions(...), follow=FollowOptions(...))`` is the Follow the keywords
     make; a Follow is a Loader made of a growing source and its order, no subclass of its own logic."""
+    from streampack.follow import FollowOptions, GrowingCache
     from streampack.loader import LoaderOptions
-    from streampack.loader.follow import FollowOptions, GrowingCache
 
     keywords = make_follow(finished)
     objects = Follow(

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import LoaderStateError, OptionsError
+from streampack.follow import Eras, Follow, FollowOrder
+from streampack.follow.eras import era_plan
 from streampack.format.ledger import LedgerEntry
 from streampack.format.names import shard_name
-from streampack.loader.follow import Eras, Follow, FollowOrder
-from streampack.samples.eras import era_plan
 from streampack.store import open_store
 from streampack.store.files import read_entry
 from streampack.testing.caches import write_cache
@@ -283,8 +283,8 @@ def test_a_mixture_with_a_following_source_keeps_its_weights_and_resumes_mid_bui
     runs and in one made after it ended (with the mixture from a config that says ``follow: true``), to
     the same batches; each source serves each of its samples once, the following one in its follow order.
     """
-    from streampack.loader.mixconfig import load_mixture
     from streampack.order.mixture import Mixture
+    from streampack.runs.mixconfig import load_mixture
 
     web_path = streampack.build(corpus(tmp_path / "w", 600), tmp_path / "web", tokenizer=str(bpe_tokenizer),
                                 unit_bytes=1 << 16).out  # fmt: skip

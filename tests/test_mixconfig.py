@@ -1,4 +1,4 @@
-"""Tests for mixture configs (`streampack.loader.mixconfig`) and the `streampack mix` command."""
+"""Tests for mixture configs (`streampack.runs.mixconfig`) and the `streampack mix` command."""
 
 from __future__ import annotations
 
@@ -257,7 +257,7 @@ def test_reading_options_are_checked_naming_the_key(tmp_path: Path, sources: str
 
 
 def test_cli_mix_help_names_every_key_of_a_config() -> None:
-    from streampack.loader.mixconfig import _Config
+    from streampack.runs.mixconfig import _Config
 
     shown = run_cli("mix", "--help").stdout
     assert all(key in shown for key in _Config.__struct_fields__) and "path" in shown and "s3://" in shown

@@ -24,7 +24,7 @@ import streampack
 from streampack import Loader, Mixture
 from streampack.errors import InputError, OptionsError
 from streampack.loader import Exclusions
-from streampack.loader.provenance import Provenance, position_of
+from streampack.runs.provenance import Provenance, position_of
 from streampack.tokenizer import load_tokenizer
 from tests.conftest import run_cli, write_bytes, write_jsonl
 

@@ -27,14 +27,14 @@ from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import BuildStalledError, LoaderStateError, OptionsError
+from streampack.follow import Follow
 from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import ShardTable
 from streampack.format.names import mask_path, offsets_path, shard_name, tokens_path, with_checksum
 from streampack.loader import Exclusions, Loader
-from streampack.loader.audit import audit
-from streampack.loader.follow import Follow
-from streampack.loader.provenance import which
 from streampack.order.mixture import Mixture
+from streampack.runs.audit import audit
+from streampack.runs.provenance import which
 from streampack.store import encode_json
 from streampack.store.files import load_manifest
 

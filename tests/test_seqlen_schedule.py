@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 import streampack
 from streampack import Loader, Mixture
 from streampack.errors import LoaderStateError, OptionsError
-from streampack.loader.audit import audit
 from streampack.loader.seqlen import SeqLenSchedule
+from streampack.runs.audit import audit
 from streampack.testing.caches import write_cache
 
 TOKENS = 20_000

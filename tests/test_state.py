@@ -284,7 +284,7 @@ def test_a_history_edited_or_out_of_place_is_refused_naming_the_entry(caches: tu
     is not clean): each used to load and audit clean. An entry past the state's position, or before the
     entry ahead of it, is refused by name; a deletion or a changed step by the history's digest. A state
     saved before the digest (none) still loads; the audit reads states the same way."""
-    from streampack.loader.audit import audit
+    from streampack.runs.audit import audit
 
     web = streampack.open(caches[0]).sequences(16)
     run = Loader(web, batch_size=4, seed=3)

@@ -48,9 +48,9 @@ def audit(
     A run with exclusions is audited with them re-applied where its history says they were in force (the
     state records their digests only): they come from the mixture config's exclude:, or --exclude FILE.
     """
-    from streampack.loader.audit import audit as run_audit
-    from streampack.loader.audit import leg_loaders, run_exclusions
-    from streampack.loader.mixconfig import mixture_exclusions
+    from streampack.runs.audit import audit as run_audit
+    from streampack.runs.audit import leg_loaders, run_exclusions
+    from streampack.runs.mixconfig import mixture_exclusions
 
     try:
         with open(state_path) as file:

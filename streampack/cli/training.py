@@ -200,7 +200,7 @@ def mix(
           - {at: {tokens: 2.0e+10}, weights: {web: 0.7, code: 0.3}}
     """
     from streampack.loader import Loader
-    from streampack.loader.mixconfig import load_mixture
+    from streampack.runs.mixconfig import load_mixture
 
     if steps and batch_size is None:
         raise click.UsageError("--steps needs --batch-size: the batches' size decides how far they reach")
@@ -310,8 +310,8 @@ def which(
     marked "excluded (mask)" (served with no loss) or "excluded (skip from position P)" (served before it
     took effect), and a step whose positions one skips or masks says so.
     """
-    from streampack.loader.provenance import excluded_steps, position_of
-    from streampack.loader.provenance import which as find
+    from streampack.runs.provenance import excluded_steps, position_of
+    from streampack.runs.provenance import which as find
 
     if step is None and state_path is None:
         raise click.UsageError("give --step N (from the start of the run), --state FILE, or both")
@@ -348,7 +348,7 @@ def which(
 
 
 def _read_state(path: str) -> dict[str, Any]:
-    from streampack.loader.audit import read_state_file
+    from streampack.runs.audit import read_state_file
 
     return dict(read_state_file(path))
 
@@ -372,7 +372,7 @@ def _run_loader(
     """The Loader of a run over a cache or a mixture config, as ``which`` was told it, with the config's
     exclusions, then ``exclude_path``'s."""
     from streampack.loader import Loader
-    from streampack.loader.mixconfig import load_mixture, mixture_exclusions
+    from streampack.runs.mixconfig import load_mixture, mixture_exclusions
 
     if _is_config(data):
         dataset: Any = load_mixture(data)

@@ -253,7 +253,8 @@ class Loader:
 
     def served(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """Source ids and sample ids served at the global positions ``[start, stop)`` over all ranks, asked
-        as a batch asks them (``int64``): an audit recomputes a run through it (:mod:`.audit`)."""
+        as a batch asks them (``int64``): an audit recomputes a run through it
+        (:mod:`streampack.runs.audit`)."""
         return self._run.batches.served(start, stop)
 
     def _rows_at(self, position: int) -> int:

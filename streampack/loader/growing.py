@@ -1,7 +1,7 @@
 """Sources that grow while a loader reads them: the protocol a :class:`~streampack.loader.Loader` asks.
 
 A source that grows (the committed part of a cache whose build runs,
-:class:`~streampack.loader.follow.GrowingCache`) comes with the order of its samples, which learns its
+:class:`~streampack.follow.GrowingCache`) comes with the order of its samples, which learns its
 positions as the source grows. It answers how many positions are **known**; it can **grow** until a
 batch's positions are known or it is complete (when the order learns where the stream ends, which the
 loader checks before it is accepted); and it gives a **view**, the source as committed now, which the loader

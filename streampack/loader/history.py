@@ -1,7 +1,7 @@
 """The run's history a loader state carries: one small entry for the start and one per resume.
 
 Each entry says how the run was read from its position on (:func:`history_entry`, read back by
-:class:`streampack.loader.state.HistoryEntry`); :mod:`streampack.loader.audit` recomputes a run from them.
+:class:`streampack.loader.state.HistoryEntry`); :mod:`streampack.runs.audit` recomputes a run from them.
 Each entry also begins a *leg* of the trainer's steps (:func:`leg_steps`), which :class:`StepCount` maps
 to positions for ``Exclusions(steps=...)`` and the audit alike. A state carries the history's digest
 (:func:`history_digest`), and :func:`check_history` refuses a history that is not a run's.
@@ -66,7 +66,7 @@ def history_entry(
 ) -> dict[str, Any]:
     """One entry of a state's history: what recomputes the samples a run served from ``position`` on.
 
-    The audit builds the loader an entry describes (:mod:`streampack.loader.audit`), so it holds:
+    The audit builds the loader an entry describes (:mod:`streampack.runs.audit`), so it holds:
 
     * the order's kind, seed and shuffle, and the digest of the order in force, to check the recomputed one;
     * for a mixture, its block size, the schedule it was *configured* with (earlier entries hold the part

@@ -39,7 +39,7 @@ __all__ = ["Origin", "documents_named", "locate", "read_options"]
 
 @dataclass(frozen=True)
 class Origin:
-    """Where a document came from (see :class:`~streampack.loader.provenance.Provenance`)."""
+    """Where a document came from (see :class:`~streampack.runs.provenance.Provenance`)."""
 
     unit: int
     length: int

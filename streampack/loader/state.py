@@ -217,7 +217,7 @@ class MixtureOrder(_Strict):
 
 
 class FollowOrder(_Strict):
-    """A :class:`~streampack.loader.follow.Follow` of a growing cache: its eras ``[first, largest]``."""
+    """A :class:`~streampack.follow.Follow` of a growing cache: its eras ``[first, largest]``."""
 
     kind: Literal["follow"]
     seed: Seed
@@ -293,7 +293,7 @@ def saved(
 
     ``position`` counts the samples consumed since the run started, over all ranks; the order's
     fingerprint says what positions mean. The batch and world size are for information only: a state may
-    be loaded with others. ``history`` is what :mod:`streampack.loader.audit` recomputes the run from.
+    be loaded with others. ``history`` is what :mod:`streampack.runs.audit` recomputes the run from.
     """
     entries = [dict(entry) for entry in history]
     return {

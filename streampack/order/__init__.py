@@ -8,7 +8,7 @@ decide which positions a process reads.
 The orders: :class:`Shuffled` (one source, epoch after epoch),
 :class:`~streampack.order.blockshuffle.BlockShuffled` (the same, locality-aware for remote caches),
 :class:`~streampack.order.mixture.Mixture` (several sources by weight) and
-:class:`~streampack.order.follow.FollowOrder` (a cache whose build is running). A
+:class:`~streampack.follow.order.FollowOrder` (a cache whose build is running). A
 :class:`~streampack.loader.Loader` takes any of them (``Loader(source, order=...)``); a Mixture also
 holds its sources (:class:`Ordered`), so ``Loader(mixture)`` reads them in its order.
 """

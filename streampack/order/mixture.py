@@ -13,7 +13,7 @@ counts), so the map is pure and O(1) in the position. A checkpoint records the s
 can resume with new weights or new sources: blocks already begun keep their counts, later blocks take
 the new ones, and every cursor continues, so no sample is served twice or skipped within an epoch.
 
-A source may **grow** while it is read: a :class:`~streampack.loader.follow.Follow` of a running build.
+A source may **grow** while it is read: a :class:`~streampack.follow.Follow` of a running build.
 It is served in its follow order at its cursor like any source, and a loader waits before a batch until
 that source knows the samples its cursor reaches (:mod:`streampack.loader.growing`): the weights are kept
 exactly. ``stop="first_exhausted"`` is refused, as the end would depend on when the build ends.

@@ -1,4 +1,4 @@
-"""What a :class:`~streampack.loader.follow.Follow` serves of a running build and how it waits:
+"""What a :class:`~streampack.follow.Follow` serves of a running build and how it waits:
 :class:`FollowOptions`, and how a Follow's keywords split between it and the Loader's options."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from streampack._checks import check_choice, check_int
 from streampack.errors import OptionsError
+from streampack.follow.order import Eras
 from streampack.loader.options import LoaderOptions, unknown_keyword
-from streampack.order.follow import Eras
 from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong
 
 __all__ = ["FollowLayout", "FollowOptions"]

@@ -46,7 +46,7 @@ Unknown keys are refused, so a misspelt ``weigths`` never passes silently as "no
 written as floats or strings (``2.0e+10``, ``"1e9"``). The reading options (``local_dir``,
 ``max_local_bytes``, ``storage_options``, as :func:`streampack.open` takes them) apply to caches in object
 storage only. A source with ``follow: true`` is the committed part of a cache whose build runs, read as
-:class:`~streampack.loader.follow.Follow` reads it, its eras shuffled with the config's ``seed``.
+:class:`~streampack.follow.Follow` reads it, its eras shuffled with the config's ``seed``.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ import yaml
 from msgspec import Meta, Struct
 
 from streampack.errors import OptionsError, read_json
+from streampack.follow import FollowOptions, GrowingCache
 from streampack.loader.exclusions import Exclusions
-from streampack.loader.follow import FollowOptions, GrowingCache
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
 from streampack.reader import open as open_cache
@@ -278,7 +278,7 @@ def _location(name: str, source: _Source, shared: dict[str, Any], base: Path) ->
 
 
 def _following(source: _Source, path: str, reading: dict[str, Any], config: _Config, where: str) -> Any:
-    """The :class:`~streampack.loader.follow.GrowingCache` a ``follow: true`` source names, read with the
+    """The :class:`~streampack.follow.GrowingCache` a ``follow: true`` source names, read with the
     config's seq_len, overlap, layout and seed."""
     settings = {key: getattr(source, key) for key in _FOLLOWING if getattr(source, key) is not None}
     layout: Any = "sequences" if config.layout == "windows" else config.layout

@@ -1,4 +1,4 @@
-"""The interval arithmetic of an audit (:mod:`streampack.loader.audit`): which samples each leg served.
+"""The interval arithmetic of an audit (:mod:`streampack.runs.audit`): which samples each leg served.
 
 A leg's positions serve a contiguous run of each source's *cursors* (samples of it served so far), read
 from :meth:`Order.consumed <streampack.order.Order.consumed>` at its two ends. A cursor served by two legs

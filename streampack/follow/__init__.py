@@ -18,12 +18,12 @@ position ``q`` of ``Loader(open(path).sequences(seq_len, overlap=overlap), seed=
 (``then="end"``). A cache in object storage is read through a local copy and prefetched, as by a Loader.
 
 **Whole documents** (``layout="packed"`` or ``"documents"``): eras count documents. Era ``e`` is documents
-``[D_e, D_{e+1})``, planned on their own once all are committed (:mod:`streampack.samples.eras`) and served
+``[D_e, D_{e+1})``, planned on their own once all are committed (:mod:`streampack.follow.eras`) and served
 in a permutation of their own; a plan is final once made, and a document lies in exactly one era. The price
 is a little more padding at each era's end than ``open(path).packed(seq_len)`` has.
 
 ``Follow(path, ...)`` is ``Loader(GrowingCache(path, ...))``: the committed part of the cache as a source
-that grows (:mod:`streampack.loader.growing`), with its :class:`~streampack.order.follow.FollowOrder`.
+that grows (:mod:`streampack.loader.growing`), with its :class:`~streampack.follow.order.FollowOrder`.
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ import numpy as np
 from streampack import reader
 from streampack._checks import check_int
 from streampack.errors import BuildStalledError, OptionsError
+from streampack.follow.eras import EraPlan, era_plan, joined
+from streampack.follow.options import FollowLayout, FollowOptions, split_keywords
+from streampack.follow.order import Eras, FollowOrder
 from streampack.format import ledger
 from streampack.format.identity import build_digest
 from streampack.format.manifest import Manifest
 from streampack.format.names import MANIFEST, shard_name
 from streampack.loader import Loader
-from streampack.loader.followoptions import FollowLayout, FollowOptions, split_keywords
 from streampack.loader.options import LoaderOptions, with_keywords
 from streampack.order import MAX_POSITION
-from streampack.order.follow import Eras, FollowOrder
-from streampack.samples.eras import EraPlan, era_plan, joined
 from streampack.samples.sequences import PackedSequences
 from streampack.store import LocalStore, is_remote, open_store
 from streampack.store.files import load_manifest, read_entry
@@ -116,7 +116,7 @@ class _Ledger:
 class GrowingCache:
     """The committed part of a cache whose build runs, as a source that grows
     (:class:`~streampack.loader.growing.Growing`): its windows (or its eras' plans of whole documents) in
-    the order of a :class:`~streampack.order.follow.FollowOrder`, known era by era (see the module).
+    the order of a :class:`~streampack.follow.order.FollowOrder`, known era by era (see the module).
 
     Args:
         path: the cache directory or URL (its build may not have written its manifest yet).

@@ -1,8 +1,8 @@
 """Plans of whole-document samples made era by era, for a cache whose build is running.
 
 A packed plan's bins depend on the documents around each one, so a plan of the whole cache would change
-as the build grows it. A follower (:mod:`streampack.loader.follow`) instead cuts the documents into
-**eras** of consecutive documents, sized as :class:`~streampack.order.follow.Eras` says, and plans each
+as the build grows it. A follower (:mod:`streampack.follow`) instead cuts the documents into
+**eras** of consecutive documents, sized as :class:`~streampack.follow.order.Eras` says, and plans each
 era from its documents alone once they are all committed: a sample never changes once served.
 
 Era boundaries fall between documents, so every piece of a split document is served with its era, and a

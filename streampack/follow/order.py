@@ -6,11 +6,11 @@ sizes double from ``first`` up to ``largest`` (:class:`Eras`). Position ``p`` of
 once the build is complete; then come epochs of the finished cache (``then="epochs"``) or the end.
 
 Whole-document layouts count eras in **documents** instead, each era planned on its own once committed
-(:mod:`streampack.samples.eras`). The source tells the order how many samples each era's plan holds
+(:mod:`streampack.follow.eras`). The source tells the order how many samples each era's plan holds
 (:meth:`FollowOrder.learn`), and those positions are permuted as a window era's are.
 
 The order reads nothing: the source that grows with the build
-(:class:`streampack.loader.follow.GrowingCache`) tells it how much is committed (:attr:`FollowOrder.known`)
+(:class:`streampack.follow.GrowingCache`) tells it how much is committed (:attr:`FollowOrder.known`)
 and, at the end, how many windows there are (:meth:`FollowOrder.finish`).
 """
 
@@ -78,7 +78,7 @@ class Eras:
 
 
 class FollowOrder(OneSource):
-    """The order of a :class:`~streampack.loader.follow.Follow` (see the module docstring).
+    """The order of a :class:`~streampack.follow.Follow` (see the module docstring).
 
     Pure given the build: the positions of a committed era map to the same windows before the build
     finishes as after. The loader asks for no position before it knows its era.

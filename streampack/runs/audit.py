@@ -11,7 +11,7 @@ a model checkpoint and a data state of different steps.
 its order against the digest recorded, and recomputes the samples of every position the leg trained.
 Each source serves its samples at a *cursor* (sample ``c mod N`` of epoch ``c // N``) and a leg serves a
 contiguous run of cursors (:meth:`Order.consumed <streampack.order.Order.consumed>`), so the verdict is
-interval arithmetic per source (:mod:`streampack.loader.coverage`). No token is read, only manifests.
+interval arithmetic per source (:mod:`streampack.runs.coverage`). No token is read, only manifests.
 
 Ranges in reports are half-open: ``positions 9600-10000`` are positions 9600 to 9999.
 """
@@ -27,13 +27,13 @@ from typing import Any
 
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Loader
-from streampack.loader import coverage as cov
-from streampack.loader.auditexclusions import excluded_served, in_force, placed
-from streampack.loader.coverage import Finding, Leg
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.history import leg_steps, order_digest, stride
 from streampack.loader.run import listed
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state
+from streampack.runs import coverage as cov
+from streampack.runs.auditexclusions import excluded_served, in_force, placed
+from streampack.runs.coverage import Finding, Leg
 
 __all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit", "leg_loaders"]
 
@@ -135,7 +135,7 @@ def audit(
 
     Example::
 
-        report = streampack.loader.audit.audit("ckpt/streampack_loader.json", "mix.yaml")
+        report = streampack.runs.audit.audit("ckpt/streampack_loader.json", "mix.yaml")
         assert report.clean, report.text()
 
     Args:
@@ -291,7 +291,7 @@ def run_exclusions(data: Any, exclude: Exclusions | Sequence[Exclusions] | None)
     if exclude is not None:
         return listed(exclude)
     if isinstance(data, (str, Path)) and _is_config(data):
-        from streampack.loader.mixconfig import mixture_exclusions
+        from streampack.runs.mixconfig import mixture_exclusions
 
         return mixture_exclusions(data)
     return []
@@ -367,7 +367,7 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
     shuffle = entry["shuffle"]
     shuffle = BlockShuffle(**shuffle) if isinstance(shuffle, Mapping) else shuffle
     if isinstance(data, (str, Path)) and _is_config(data):
-        from streampack.loader.mixconfig import load_mixture
+        from streampack.runs.mixconfig import load_mixture
 
         data = load_mixture(data)
     if entry["kind"] == "mixture":
@@ -405,7 +405,7 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
 
 
 def _followed(data: Any, order: Mapping[str, Any] | None) -> Any:
-    """A fresh :class:`~streampack.loader.follow.GrowingCache` of the build a Follow run read: of the cache
+    """A fresh :class:`~streampack.follow.GrowingCache` of the build a Follow run read: of the cache
     at the path given, with the settings the run's ``order`` names, or of the one a given Follow reads.
 
     It goes on with epochs after the eras: the history does not record ``then=``, and no leg served a
@@ -414,7 +414,7 @@ def _followed(data: Any, order: Mapping[str, Any] | None) -> Any:
     Raises:
         OptionsError: ``data`` is neither a path (with ``order``) nor a Follow.
     """
-    from streampack.loader.follow import FollowOptions, GrowingCache
+    from streampack.follow import FollowOptions, GrowingCache
 
     growing = getattr(data, "dataset", data)
     if isinstance(growing, GrowingCache):
@@ -459,7 +459,7 @@ def _samples(path: str, described: Mapping[str, Any]) -> Any:
     if seq_len is None or layout not in ("windows", "packed", "documents"):
         raise OptionsError(
             f"the run read samples of layout {layout!r} (not a cache's): give those samples to "
-            "streampack.loader.audit.audit(state, samples), not a path"
+            "streampack.runs.audit.audit(state, samples), not a path"
         )
     cache = open_cache(path)
     if layout == "windows":

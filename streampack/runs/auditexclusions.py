@@ -1,4 +1,4 @@
-"""The exclusions of a run as an audit re-applies them (:mod:`streampack.loader.audit`): which were in force
+"""The exclusions of a run as an audit re-applies them (:mod:`streampack.runs.audit`): which were in force
 in each stretch of the run, the samples they took out there, and any excluded sample the model trained on.
 
 A state records, per exclusion in force, only a digest of what it names (the lists may hold 10^6
@@ -20,9 +20,9 @@ import numpy as np
 
 from streampack.errors import LoaderStateError
 from streampack.loader import Loader
-from streampack.loader.coverage import CHUNK, Finding, Leg, listed
 from streampack.loader.excluding import excluded_documents, excluded_samples, sample_keys
 from streampack.loader.exclusions import Exclusions
+from streampack.runs.coverage import CHUNK, Finding, Leg, listed
 
 __all__ = ["excluded_served", "in_force", "placed"]
 
