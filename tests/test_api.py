@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,6 +12,9 @@ import pytest
 
 import streampack
 import streampack.testing
+from streampack.builder.options import BuildKeywords, CacheSpec, RunOptions
+from streampack.loader.followoptions import FollowKeywords, FollowOptions
+from streampack.loader.options import LoaderKeywords, LoaderOptions
 
 PUBLIC = [
     "BlockShuffle",
@@ -46,6 +50,21 @@ def test_every_public_name_resolves_and_is_documented(name: str) -> None:
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'Loadr'"):
         streampack.Loadr  # noqa: B018
+
+
+def _fields(*classes: type) -> set[str]:
+    return {f.name for cls in classes for f in dataclasses.fields(cls)}
+
+
+def test_the_typed_keywords_are_the_options_fields() -> None:
+    """``**keywords: Unpack[...]`` lists each option for type checkers: the same names as the dataclasses."""
+    assert set(LoaderKeywords.__annotations__) == _fields(LoaderOptions)  # with the base's keys
+    assert set(FollowKeywords.__annotations__) == _fields(FollowOptions, LoaderOptions) - {
+        "shuffle",
+        "epochs",
+    }
+    assert set(BuildKeywords.__annotations__) == _fields(CacheSpec, RunOptions)
+    assert not _fields(CacheSpec) & _fields(RunOptions)  # one keyword, one field
 
 
 def _modules_after(statement: str) -> list[str]:
