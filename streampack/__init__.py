@@ -19,8 +19,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from streampack.builder.coordinator import BuildSummary
-    from streampack.builder.options import CacheSpec, RunOptions
+    from streampack.builder.options import BuildKeywords, CacheSpec, RunOptions
     from streampack.errors import StreampackError
     from streampack.follow import Follow
     from streampack.inputs.records import Documents
@@ -73,7 +75,7 @@ def build(
     *,
     spec: CacheSpec | None = None,
     run: RunOptions | None = None,
-    **options: Any,
+    **options: Unpack[BuildKeywords],
 ) -> BuildSummary:
     """Build (or resume building) a token cache from ``inputs`` into the directory ``out``.
 

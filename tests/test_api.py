@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,6 +12,9 @@ import pytest
 
 import streampack
 import streampack.testing
+from streampack.builder.options import BuildKeywords, CacheSpec, RunOptions
+from streampack.follow.options import FollowKeywords, FollowOptions
+from streampack.loader.options import LoaderKeywords, LoaderOptions
 
 PUBLIC = [
     "BlockShuffle",
@@ -48,6 +52,21 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
         streampack.Loadr  # noqa: B018
 
 
+def _fields(*classes: type) -> set[str]:
+    return {f.name for cls in classes for f in dataclasses.fields(cls)}
+
+
+def test_the_typed_keywords_are_the_options_fields() -> None:
+    """``**keywords: Unpack[...]`` lists each option for type checkers: the same names as the dataclasses."""
+    assert set(LoaderKeywords.__annotations__) == _fields(LoaderOptions)  # with the base's keys
+    assert set(FollowKeywords.__annotations__) == _fields(FollowOptions, LoaderOptions) - {
+        "shuffle",
+        "epochs",
+    }
+    assert set(BuildKeywords.__annotations__) == _fields(CacheSpec, RunOptions)
+    assert not _fields(CacheSpec) & _fields(RunOptions)  # one keyword, one field
+
+
 def _modules_after(statement: str) -> list[str]:
     code = f"import sys, json\n{statement}\nprint(json.dumps(sorted(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -65,6 +84,7 @@ def test_a_trainer_that_reads_a_cache_loads_no_build_side_and_no_heavy_module(st
     ours = [m for m in loaded if m.startswith("streampack.")]
     assert not [m for m in ours if m.split(".")[1] in {"builder", "inputs", "tokenizer", "cli"}], ours
     heavy = {"multiprocessing", "concurrent.futures", "socket", "pyarrow", "tokenizers", "yaml", "click"}
+    heavy |= {"shutil", "streampack.order.mixture"}  # to delete a folder; to read a Mixture
     assert not heavy & set(loaded), heavy & set(loaded)
 
 

@@ -9,12 +9,12 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streampack.builder.blocks import VERIFY_FIRST, VERIFY_RATE
 from streampack.builder.directory import check_same_build, prepare_directory
 from streampack.builder.memory import steady_allocator
-from streampack.builder.options import CacheSpec, RunOptions, VerifyTokens, split_options
+from streampack.builder.options import BuildKeywords, CacheSpec, RunOptions, VerifyTokens, split_options
 from streampack.builder.planning import as_documents, plan_inputs
 from streampack.builder.progress import BuildProgress
 from streampack.builder.publish import Publisher, default_staging_dir
@@ -37,6 +37,9 @@ from streampack.tokenizer.choices import ENGINE_CHOICES
 from streampack.tokenizer.load import load_tokenizer
 from streampack.tokenizer.pieces import piece_rule
 from streampack.tokenizer.specials import BosPolicy, EosPolicy, resolve_bos, resolve_eos
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 @dataclass
@@ -67,7 +70,7 @@ def build(
     *,
     spec: CacheSpec | None = None,
     run: RunOptions | None = None,
-    **options: Any,
+    **options: Unpack[BuildKeywords],
 ) -> BuildSummary:
     """Build a cache: :func:`streampack.build` without its early start of the tokenizer's load."""
     spec, run = split_options(spec, run, options)

@@ -9,7 +9,7 @@ import difflib
 import functools
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypedDict, TypeVar, get_args
 
 from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
@@ -192,8 +192,42 @@ class RunOptions:
             raise OptionsError(f"commit_seconds must be >= 0 (got {self.commit_seconds})")
 
 
+class BuildKeywords(TypedDict, total=False):
+    """The fields of :class:`CacheSpec` and of :class:`RunOptions`, as keywords of ``build()``."""
+
+    tokenizer: str
+    special_tokens: SpecialTokens
+    eos: bool
+    eos_id: int | None
+    bos: bool
+    bos_id: int | None
+    text_field: str
+    split_lines: bool
+    unit_bytes: int
+    max_piece_chars: int | None
+    fields: tuple[str, ...] | list[str] | None
+    chat: str | None
+    # RunOptions
+    workers: int | None
+    threads: int | None
+    executor: Executor
+    tokenizer_engine: TokenizerEngine
+    verify_tokens: VerifyTokens
+    ray_address: str | None
+    on_bad_record: OnBadRecord
+    overwrite: bool
+    progress: bool
+    batch_chars: int
+    commit_bytes: int
+    commit_seconds: float
+    staging_dir: str | None
+    storage_options: Mapping[str, Any] | None
+    profile: bool
+    allow_new_ids: bool
+
+
 def split_options(
-    spec: CacheSpec | None, run: RunOptions | None, options: dict[str, Any]
+    spec: CacheSpec | None, run: RunOptions | None, options: Mapping[str, Any]
 ) -> tuple[CacheSpec, RunOptions]:
     """``spec`` and ``run`` (defaults when None) with the named fields of either replaced by ``options``.
 

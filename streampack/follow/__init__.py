@@ -32,7 +32,7 @@ import copy
 import os
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from streampack import reader
 from streampack._checks import check_int
 from streampack.errors import BuildStalledError, OptionsError
 from streampack.follow.eras import EraPlan, era_plan, joined
-from streampack.follow.options import FollowLayout, FollowOptions, split_keywords
+from streampack.follow.options import FollowKeywords, FollowLayout, FollowOptions, split_keywords
 from streampack.follow.order import Eras, FollowOrder
 from streampack.format import ledger
 from streampack.format.identity import build_digest
@@ -53,6 +53,9 @@ from streampack.samples.sequences import PackedSequences
 from streampack.store import LocalStore, is_remote, open_store
 from streampack.store.files import load_manifest, read_entry
 from streampack.store.localcopy import cached_store
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Eras", "Follow", "FollowLayout", "FollowOptions", "FollowOrder", "GrowingCache"]
 
@@ -373,7 +376,7 @@ class Follow(Loader):
         options: LoaderOptions | None = None,
         follow: FollowOptions | None = None,
         collate: Callable[[Any], Any] | None = None,
-        **keywords: Any,
+        **keywords: Unpack[FollowKeywords],
     ) -> None:
         loading, following = split_keywords(keywords)
         # Options are checked before waiting for the build, not after.

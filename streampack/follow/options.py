@@ -12,10 +12,10 @@ from typing import Any, Literal
 from streampack._checks import check_choice, check_int
 from streampack.errors import OptionsError
 from streampack.follow.order import Eras
-from streampack.loader.options import LoaderOptions, unknown_keyword
+from streampack.loader.options import BatchKeywords, LoaderOptions, unknown_keyword
 from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong
 
-__all__ = ["FollowLayout", "FollowOptions"]
+__all__ = ["FollowKeywords", "FollowLayout", "FollowOptions"]
 
 FollowLayout = Literal["sequences", "packed", "documents"]
 # What each layout cuts a document longer than seq_len to by default: what cache.packed/documents do.
@@ -127,6 +127,27 @@ class FollowOptions:
         """The options of a cache in object storage (see :func:`streampack.open`)."""
         names = ("local_dir", "max_local_bytes", "storage_options", "prefetch_steps")
         return {name: getattr(self, name) for name in names}
+
+
+class FollowKeywords(BatchKeywords, total=False):
+    """The keywords of a :class:`Follow`: the fields of :class:`FollowOptions` and of its
+    :class:`LoaderOptions` but ``shuffle`` and ``epochs``."""
+
+    seq_len: int
+    overlap: int
+    then: Literal["end", "epochs"]
+    first_era: int
+    largest_era: int
+    timeout: float
+    poll: float
+    local_dir: str | os.PathLike[str] | None
+    max_local_bytes: int | None
+    storage_options: Mapping[str, Any] | None
+    prefetch_steps: int | None
+    layout: FollowLayout
+    too_long: TooLong | None
+    no_target: NoTarget
+    pad_id: int | None
 
 
 _LOADER_KEYWORDS = {f.name for f in dataclasses.fields(LoaderOptions)} - {"shuffle", "epochs"}

@@ -36,7 +36,7 @@ from streampack.loader.collate import format_for
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.growing import Growing, Reach, growing_mixture
 from streampack.loader.lookahead import files_ahead, prefetch_steps
-from streampack.loader.options import LoaderOptions, Output, SourceShare
+from streampack.loader.options import LoaderKeywords, LoaderOptions, Output, SourceShare
 from streampack.loader.reading import DataSource, Rows, Source
 from streampack.loader.run import Run, placed, reaching, resumed, started
 from streampack.loader.seqlen import SeqLenSchedule
@@ -45,6 +45,8 @@ from streampack.loader.state import LOADER_VERSION, saved
 from streampack.order import MAX_POSITION, Order, Ordered
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from streampack.loader.collate import Format
     from streampack.loader.prefetch import Prefetcher
     from streampack.store.localcopy import CachedStore
@@ -111,7 +113,7 @@ class Loader:
         options: LoaderOptions | None = None,
         collate: Callable[[Any], Any] | None = None,
         exclude: Exclusions | Sequence[Exclusions] | None = None,
-        **keywords: Any,
+        **keywords: Unpack[LoaderKeywords],
     ) -> None:
         source = growing_mixture(source)  # a Mixture with a source that grows, grows with it
         self._run = started(type(self).__name__, source, order, options, keywords, exclude)

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from streampack.order import MAX_POSITION, Order
-from streampack.order.mixture import Mixture, growing_sources, with_sources
+from streampack.order import MAX_POSITION, Order, Ordered
+
+if TYPE_CHECKING:
+    from streampack.order.mixture import Mixture
 
 __all__ = ["Growing", "GrowingMixture", "Reach", "growing_mixture"]
 
@@ -104,6 +106,10 @@ class Reach:
 
 def growing_mixture(source: Any) -> Any:
     """``source``, or a :class:`GrowingMixture` of it when it is a Mixture with a source that grows."""
+    if not isinstance(source, Ordered):  # a Mixture is Ordered; a trainer without one never imports it
+        return source
+    from streampack.order.mixture import Mixture, growing_sources
+
     if isinstance(source, Mixture) and growing_sources(source):
         return GrowingMixture(source)
     return source
@@ -121,6 +127,8 @@ class GrowingMixture:
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy grows on its own: its own copies of the growing sources, in a mixture that reads them."""
+        from streampack.order.mixture import growing_sources, with_sources
+
         growing = {name: copy.copy(data) for name, data in growing_sources(self.order).items()}
         return self.__dict__ | {"order": with_sources(self.order, growing)}
 
@@ -153,6 +161,8 @@ class GrowingMixture:
         return {name: data.view() if name in growing else data for name, data in self.order.sources.items()}
 
     def _growing_names(self) -> set[str]:
+        from streampack.order.mixture import growing_sources
+
         return set(growing_sources(self.order))
 
     def _known(self) -> int:

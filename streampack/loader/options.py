@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, get_args
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from streampack.order.blockshuffle import BlockShuffle
 
 __all__ = [
+    "BatchKeywords",
+    "LoaderKeywords",
     "LoaderOptions",
     "Output",
     "SourceShare",
@@ -123,6 +125,29 @@ class LoaderOptions:
     def rows(self) -> int:
         """Rows of a full batch on one rank: ``batch_size // world_size``."""
         return self.batch_size // self.world_size
+
+
+class BatchKeywords(TypedDict, total=False):
+    """The fields of :class:`LoaderOptions` but the order's (``shuffle``, ``epochs``), as keywords.
+
+    A :class:`~streampack.follow.Follow` takes these: the build's eras are its order.
+    """
+
+    batch_size: int
+    seed: int
+    rank: int
+    world_size: int
+    drop_last: bool
+    output: Output
+    dtype: npt.DTypeLike
+    seq_len_schedule: SeqLenSchedule | Sequence[Sequence[int]] | None
+
+
+class LoaderKeywords(BatchKeywords, total=False):
+    """The fields of :class:`LoaderOptions` as keywords: ``Loader(source, batch_size=32)`` type-checked."""
+
+    shuffle: bool | BlockShuffle
+    epochs: int | None
 
 
 @dataclass(frozen=True)

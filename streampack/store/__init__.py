@@ -22,7 +22,6 @@ import contextlib
 import errno
 import fcntl
 import os
-import shutil
 import stat
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
@@ -246,6 +245,8 @@ class LocalStore:
         """Delete the file or folder ``key`` if it exists."""
         path = self.path(key)
         if path.is_dir() and not path.is_symlink():
+            import shutil  # and with it bz2 and lzma: not loaded by a reader of a cache
+
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
