@@ -15,13 +15,13 @@ from typing import Protocol
 import numpy as np
 
 from streampack.errors import CacheError
-from streampack.format.manifest import Manifest
+from streampack.format.manifest import Manifest, ShardInfo
 from streampack.format.names import OFFSET_DTYPE, checksum_text, crc32, mask_key, offsets_key, tokens_key
 from streampack.reader.cache import Cache
 from streampack.reader.report import VerifyReport
 from streampack.store.remote import RemoteStore
 
-__all__ = ["Mapped", "Streamed", "check_delimiter", "check_shard"]
+__all__ = ["Mapped", "Streamed", "check_shards"]
 
 _CHUNK_ITEMS = 8 << 20
 _SHOWN = 3  # control ids inside documents listed in the report, of a shard
@@ -32,11 +32,14 @@ class _Source(Protocol):
 
     def describe(self, key: str) -> str: ...
 
-    def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray: ...
-
     def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]: ...
 
     def first(self, key: str, dtype: np.dtype, count: int) -> int: ...
+
+
+def _whole(source: _Source, key: str, dtype: np.dtype, count: int) -> np.ndarray:
+    parts = list(source.chunks(key, dtype, count))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
 
 class Mapped:
@@ -46,29 +49,28 @@ class Mapped:
         self.cache = cache
 
     def describe(self, key: str) -> str:
-        shard = int(key.split("/")[-1].split(".")[0])
-        kind = {"tokens": "tokens", "offsets": "offsets"}.get(key.rsplit(".", 1)[-1], "mask")
+        shard, kind = _shard_kind(key)
         return self.cache.files.describe(shard, kind)
 
-    def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
-        return self._array(key, dtype, count)
-
     def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
-        array = self._array(key, dtype, count)
+        array = self._array(key)
         for start in range(0, len(array), _CHUNK_ITEMS):
             yield array[start : start + _CHUNK_ITEMS]
 
     def first(self, key: str, dtype: np.dtype, count: int) -> int:
-        return int(self._array(key, dtype, count)[0])
+        return int(self._array(key)[0])
 
-    def _array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
-        shard = int(key.split("/")[-1].split(".")[0])
-        kind = key.rsplit(".", 1)[-1]
+    def _array(self, key: str) -> np.ndarray:
+        shard, kind = _shard_kind(key)
         if kind == "tokens":
             return self.cache.shard_tokens(shard)
-        if kind == "offsets":
-            return self.cache.raw_offsets(shard)
-        return self.cache.shard_loss_mask(shard)
+        return self.cache.raw_offsets(shard) if kind == "offsets" else self.cache.shard_loss_mask(shard)
+
+
+def _shard_kind(key: str) -> tuple[int, str]:
+    """The shard index and the kind (tokens, offsets or mask) of a shard file's key."""
+    kind = key.rsplit(".", 1)[-1]
+    return int(key.split("/")[-1].split(".")[0]), kind if kind in ("tokens", "offsets") else "mask"
 
 
 class Streamed:
@@ -79,10 +81,6 @@ class Streamed:
 
     def describe(self, key: str) -> str:
         return self.remote.describe(key)
-
-    def whole(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
-        parts = list(self.chunks(key, dtype, count))
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
 
     def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
         size = self.sizes.get(key.split("/")[-1])
@@ -122,23 +120,28 @@ class _Scan:
         return checksum_text(self.crc)
 
 
-def check_shard(
-    manifest: Manifest,
-    shard: int,
-    doc_start: int,
-    source: _Source,
-    report: VerifyReport,
-    *,
-    checksums: bool = True,
+def check_shards(
+    manifest: Manifest, source: _Source, report: VerifyReport, *, checksums: bool = True
 ) -> list[str]:
-    """The problems of shard ``shard``, whose first document is ``doc_start``. Without ``checksums``
+    """The problems of every shard of ``manifest``'s cache, read from ``source``. Without ``checksums``
     (another format's files record none) the CRC-32s are not compared."""
+    problems, doc_start = [], 0
+    for shard in range(len(manifest.table)):
+        problems += _check_shard(manifest, shard, doc_start, source, report, checksums=checksums)
+        doc_start += int(manifest.table.num_docs[shard])
+    return problems + _check_delimiter(manifest, source)
+
+
+def _check_shard(
+    manifest: Manifest, shard: int, doc_start: int, source: _Source, report: VerifyReport, *, checksums: bool
+) -> list[str]:
+    """The problems of shard ``shard``, whose first document is ``doc_start``."""
     info = manifest.table.row(shard, manifest.units[shard], manifest.loss_mask)
     dtype = np.dtype(manifest.dtype).newbyteorder("<")
     keys = tokens_key(info.name), offsets_key(info.name)
     tokens_file, offsets_file = map(source.describe, keys)
     try:
-        offsets = source.whole(keys[1], OFFSET_DTYPE, info.num_docs)
+        offsets = _whole(source, keys[1], OFFSET_DTYPE, info.num_docs)
     except (CacheError, ValueError, OSError) as e:
         return [f"{offsets_file}: cannot read ({e})"]
     report.bytes_checked += offsets.nbytes
@@ -194,25 +197,16 @@ def check_shard(
     )
     if manifest.loss_mask:
         problems.extend(
-            _check_mask(
-                manifest,
-                shard,
-                doc_start,
-                source,
-                ends,
-                report,
-                check_places=not problems,
-                checksums=checksums,
-            )
+            _check_mask(manifest, info, doc_start, source, ends, report, not problems, checksums=checksums)
         )
     return problems
 
 
-def check_delimiter(manifest: Manifest, source: _Source) -> list[str]:
+def _check_delimiter(manifest: Manifest, source: _Source) -> list[str]:
     """The problem of a cache whose shards may begin inside a document (llm.c's) when its BOS, the
     delimiter, occurs in none of its files.
 
-    :func:`check_shard` lets a shard's first document lack the delimiter (the rest of the previous shard's
+    :func:`_check_shard` lets a shard's first document lack the delimiter (the rest of the previous shard's
     last), so a wrong delimiter would pass it, each shard one document. Reads at most one token a shard.
     """
     bos = manifest.bos.prepended
@@ -223,13 +217,13 @@ def check_delimiter(manifest: Manifest, source: _Source) -> list[str]:
     for shard in range(len(table)):
         docs, tokens = int(table.num_docs[shard]), int(table.num_tokens[shard])
         if docs > 1:
-            return []  # its later documents begin with the delimiter (check_shard says where one does not)
+            return []  # its later documents begin with the delimiter (_check_shard says where one does not)
         key = tokens_key(table.row(shard, manifest.units[shard], manifest.loss_mask).name)
         try:
             if tokens and source.first(key, dtype, tokens) == bos:
                 return []
         except (CacheError, ValueError, OSError):
-            return []  # a damaged shard: check_shard names it
+            return []  # a damaged shard: _check_shard names it
     first = source.describe(tokens_key(table.row(0, manifest.units[0], manifest.loss_mask).name))
     others = f" or the {len(table) - 1} other shards" if len(table) > 1 else ""
     return [
@@ -247,18 +241,17 @@ def _continues_documents(manifest: Manifest) -> bool:
 
 def _check_mask(
     manifest: Manifest,
-    shard: int,
+    info: ShardInfo,
     doc_start: int,
     source: _Source,
     ends: np.ndarray,
     report: VerifyReport,
-    *,
     check_places: bool,
-    checksums: bool = True,
+    *,
+    checksums: bool,
 ) -> list[str]:
     """The loss mask's checksum and values; with ``check_places``, that each EOS is a target and each BOS
     is not."""
-    info = manifest.table.row(shard, manifest.units[shard], manifest.loss_mask)
     key = mask_key(info.name)
     path = source.describe(key)
     places = {}

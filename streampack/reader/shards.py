@@ -1,9 +1,7 @@
-"""The shards a :class:`~streampack.reader.Cache` reads: each one's tokens, document ends and (an SFT
-build's) loss mask, as arrays.
+"""The shards a :class:`~streampack.reader.Cache` reads: each one's tokens, document ends and loss mask.
 
-:class:`Shards` is the protocol a cache reads through. :class:`ShardFiles` serves it from a native cache's
-shard files, each checked against the manifest before anything is read from it; another format's files
-serve the same protocol (:class:`~streampack.reader.foreign.opening.ForeignShards`).
+:class:`Shards` is the protocol a cache reads through; :class:`ShardFiles` serves it from a native
+cache's files, :class:`~streampack.reader.foreign.opening.ForeignShards` from another format's.
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from streampack.format.names import (
 )
 from streampack.store import LocalStore
 
-__all__ = ["MAX_OPEN_MAPS", "ShardFiles", "Shards"]
+__all__ = ["MAX_OPEN_MAPS", "ShardFiles", "Shards", "keep"]
 
 # Offsets files this process checked against their checksums, by (path, device, inode, size, mtime, CRC).
 _checked_offsets: set[tuple[object, ...]] = set()
@@ -41,6 +39,22 @@ _checked_lock = threading.Lock()
 # Shard files kept mapped per kind (tokens, offsets, masks): every map holds a file descriptor, and the
 # common limit is 1024 per process (three kinds x 128 = 384 of them); remapping a shard costs ~20 us.
 MAX_OPEN_MAPS = 128
+
+
+def keep(
+    kept: OrderedDict[int, np.ndarray], index: int, array: np.ndarray, max_bytes: int | None = None
+) -> np.ndarray:
+    """Keep ``array`` as shard ``index``'s, dropping the least recently used beyond :data:`MAX_OPEN_MAPS`
+    (and beyond ``max_bytes`` in all, but the last); return it. Safe from several threads."""
+    kept[index] = array
+    while len(kept) > MAX_OPEN_MAPS or (
+        max_bytes is not None and len(kept) > 1 and sum(a.nbytes for a in list(kept.values())) > max_bytes
+    ):
+        try:
+            kept.popitem(last=False)  # a map is closed once no caller holds a view of it
+        except KeyError:  # emptied by another thread
+            break
+    return array
 
 
 class Shards(Protocol):
@@ -56,8 +70,7 @@ class Shards(Protocol):
         ...
 
     def offsets(self, shard: int) -> np.ndarray:
-        """The end of each document of shard ``shard`` (uint64, cumulative), checked as the format
-        allows."""
+        """The end of each document of shard ``shard`` (uint64, cumulative), checked."""
         ...
 
     def raw_offsets(self, shard: int) -> np.ndarray:
@@ -73,8 +86,7 @@ class Shards(Protocol):
         ...
 
     def token_file(self, shard: int) -> tuple[Path, int] | None:
-        """(path, byte offset) where shard ``shard``'s tokens lie end to end in a local file, for exports
-        that copy them; None where they do not."""
+        """(path, byte offset) where shard ``shard``'s tokens lie end to end in a local file, or None."""
         ...
 
     def describe(self, shard: int, kind: str) -> str:
@@ -82,13 +94,12 @@ class Shards(Protocol):
         ...
 
     def paths(self, shard: int) -> tuple[Path, ...]:
-        """The local files of shard ``shard``'s tokens, then of its document ends, each once (the loss
-        mask's: :meth:`mask_path`)."""
+        """The local files of shard ``shard``'s tokens, then of its document ends, each once."""
         ...
 
     def keys(self, shard: int, *, boundaries: bool = True) -> list[str]:
         """The store keys of shard ``shard``'s tokens, then (with ``boundaries``) of its document ends and
-        loss mask, each once: what a prefetcher fetches."""
+        loss mask: what a prefetcher fetches."""
         ...
 
     def mask_path(self, shard: int) -> Path | None:
@@ -96,18 +107,16 @@ class Shards(Protocol):
         ...
 
     def hashes(self, shard: int) -> dict[str, str]:
-        """The digests another format records of shard ``shard``'s token file, by algorithm
-        (:mod:`streampack.reader.filehashes`); empty where it records none."""
+        """The digests another format records of shard ``shard``'s token file, by algorithm; maybe empty."""
         ...
 
     def origin(self, shard: int) -> tuple[str, int] | None:
         """Another format's file that holds shard ``shard``'s documents and the index there of its first;
-        None for a native cache, whose inputs say where each document came from."""
+        None for a native cache."""
         ...
 
     def identity(self) -> str:
-        """What identifies another format's files, which record no checksum
-        (:mod:`streampack.reader.foreign.identity`); "" for a native cache, whose shard table has them."""
+        """What identifies another format's files, which record no checksum; "" for a native cache."""
         ...
 
     def drop(self) -> None:
@@ -120,8 +129,7 @@ class Shards(Protocol):
 
 
 class ShardFiles:
-    """The shard files of a native cache, memory-mapped on first use and checked against its manifest; the
-    last :data:`MAX_OPEN_MAPS` maps of each kind are kept.
+    """The shard files of a native cache, memory-mapped on first use and checked against its manifest.
 
     Args:
         store: where the cache's files are.
@@ -272,11 +280,8 @@ class ShardFiles:
         dtype: np.dtype,
         counts: np.ndarray,
     ) -> np.ndarray:
-        """The map of one of shard ``shard``'s files from a small LRU, the file checked when (re)mapped.
-
-        Safe from several threads (grain reads from a pool): each OrderedDict call is atomic, and a map
-        another thread evicts stays valid for whoever holds it.
-        """
+        """The map of one of shard ``shard``'s files, kept or checked and mapped. Thread-safe (grain
+        reads from a pool): each OrderedDict call is atomic, and an evicted map stays valid for its holder."""
         mapped = maps.get(shard)
         if mapped is not None:
             with contextlib.suppress(KeyError):  # evicted by another thread since the get
@@ -290,13 +295,7 @@ class ShardFiles:
         mapped = self.store.map_array(key, dtype, count)
         if maps is self._offsets:
             self._check_offsets(key, index, mapped)
-        maps[index] = mapped
-        while len(maps) > MAX_OPEN_MAPS:
-            try:
-                maps.popitem(last=False)  # closed once no caller holds a view of it
-            except KeyError:  # emptied by another thread
-                break
-        return mapped
+        return keep(maps, index, mapped)
 
     def _check_size(self, key: str, count: int, itemsize: int) -> None:
         """Refuse a shard file that is missing, of another size than the manifest says (only shorter, while

@@ -15,12 +15,9 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any
-
-import numpy as np
 
 from streampack.errors import CacheError, StreampackError
 from streampack.format.manifest import Manifest
@@ -29,7 +26,7 @@ from streampack.reader.cache import Cache
 from streampack.reader.filehashes import check_file
 from streampack.reader.opening import open as open_cache
 from streampack.reader.report import VerifyReport
-from streampack.reader.shardchecks import Mapped, Streamed, check_delimiter, check_shard
+from streampack.reader.shardchecks import Mapped, Streamed, check_shards
 from streampack.store import is_remote
 from streampack.store.files import load_manifest, read_entry
 from streampack.store.plans import PLAN_ARRAYS, PLAN_JSON, inspect_plan
@@ -89,13 +86,8 @@ def _verify_local(root: Path, report: VerifyReport, declared: Mapping[str, Any])
         _verify_foreign(cache, source, report)
         return
     expected = _shard_files(cache.manifest)
-    listed = _entries(root / SHARD_DIR)
-    for shard in range(cache.num_shards):
-        report.problems.extend(
-            check_shard(cache.manifest, shard, int(cache.doc_starts[shard]), source, report)
-        )
-    report.problems.extend(check_delimiter(cache.manifest, source))
-    _note_unknown(report, root / SHARD_DIR, listed, expected)
+    report.problems.extend(check_shards(cache.manifest, source, report))
+    _note_unknown(report, root / SHARD_DIR, _entries(root / SHARD_DIR), expected)
     _check_ledger(cache.manifest, cache.store, _entries(root / LEDGER_DIR), report)
     layouts = root / LAYOUT_DIR
     if layouts.is_dir() and not layouts.is_symlink():
@@ -108,10 +100,9 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
     """Every token of another format's files, and the digests it records of them; entries of its folder
     it does not read are listed."""
     format = (cache.declared or {})["format"]  # a foreign cache is opened with its format
+    report.problems.extend(check_shards(cache.manifest, source, report, checksums=False))
     hashed = 0
     for shard in range(cache.num_shards):
-        doc_start = int(cache.doc_starts[shard])
-        report.problems.extend(check_shard(cache.manifest, shard, doc_start, source, report, checksums=False))
         recorded = cache.files.hashes(shard)
         if recorded:
             path = cache.files.paths(shard)[0]
@@ -120,8 +111,9 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
             report.notes.extend(notes)
             report.bytes_checked += read
             hashed += 1
-    report.problems.extend(check_delimiter(cache.manifest, source))
-    reader = _reader(format)
+    from streampack.reader.foreign.opening import READERS
+
+    reader = importlib.import_module(READERS[format])  # its OPENED_CHECKS say what reading it checked
     checked = reader.OPENED_CHECKS
     if hashed:
         algos = sorted({a for s in range(cache.num_shards) for a in cache.files.hashes(s)})
@@ -137,20 +129,14 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
             else f"{format} files: {checked}; they record no checksums (convert them with `streampack "
             "convert` for a cache that has)"
         )
-    _note_unread(cache, format, getattr(reader, "companion", None), report)
-
-
-def _note_unread(
-    cache: Cache, format: str, companion: Callable[[Path], str | None] | None, report: VerifyReport
-) -> None:
-    """Note the entries of a foreign cache's folder it was not read from: what the format writes there,
-    or unknown."""
+    # Note the entries of its folder it is not read from: what the format writes there, or unknown.
+    companion = getattr(reader, "companion", None)
     root = Path(cache.root)
     if not root.is_dir():
         return  # a Megatron prefix: the folder holds other files than the pair by design
     inputs = [Path(entry.path).resolve() for entry in cache.manifest.inputs]
-    read = {path.name for path in inputs if path.parent == root.resolve()}
-    for name in sorted(_entries(root) - read - {LAYOUT_DIR}):
+    names_read = {path.name for path in inputs if path.parent == root.resolve()}
+    for name in sorted(_entries(root) - names_read - {LAYOUT_DIR}):
         known = None if companion is None else companion(root / name)
         report.notes.append(
             f"{root / name}: {known}"
@@ -158,14 +144,6 @@ def _note_unread(
             else f"{root / name}: not one of the {format} files this cache is read from, so not part of it "
             "and not checked; move it out of the folder if it does not belong there"
         )
-
-
-def _reader(format: str) -> ModuleType:
-    """The module that reads ``format``'s files (:data:`streampack.reader.foreign.opening.READERS`): its
-    ``OPENED_CHECKS`` say what reading them checked, its ``companion`` what the files beside them are."""
-    from streampack.reader.foreign.opening import READERS
-
-    return importlib.import_module(READERS[format])
 
 
 def _verify_remote_foreign(
@@ -187,10 +165,7 @@ def _verify_remote(remote: RemoteStore, report: VerifyReport) -> None:
             "complete it"
         )
     source = Streamed(remote, remote.list_sizes(SHARD_DIR))
-    doc_starts = np.concatenate([[0], np.cumsum(manifest.table.num_docs)])
-    for shard in range(len(manifest.table)):
-        report.problems.extend(check_shard(manifest, shard, int(doc_starts[shard]), source, report))
-    report.problems.extend(check_delimiter(manifest, source))
+    report.problems.extend(check_shards(manifest, source, report))
     _note_unknown(report, remote.describe(SHARD_DIR), set(source.sizes), _shard_files(manifest))
     _check_ledger(manifest, remote, set(remote.list(LEDGER_DIR)), report)
     known = {MANIFEST, SHARD_DIR, LEDGER_DIR}

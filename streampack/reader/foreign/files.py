@@ -1,13 +1,9 @@
 """A foreign cache's files: where they are read from, and what a reader checks of them.
 
-:data:`LOCAL` reads the local file system. :class:`CopiedFiles` reads the objects under a URL through the
-bounded local copy a native cache in object storage is read through: its paths are keys under the copy's
-directory (:meth:`~CopiedFiles.name` gives the URL back for messages), and a file is fetched whole when first
-mapped, its version (an ETag where the store gives one) in the copy's name, so that an object replaced under
-the same URL is fetched again. The readers of :data:`~streampack.reader.foreign.opening.REMOTE_READERS` take
-either.
-
-The ``check_*`` functions refuse what a reader must not trust, naming the file and the field.
+:data:`LOCAL` reads the local file system; :class:`CopiedFiles` reads the objects under a URL through a
+bounded local copy, each fetched whole when first mapped, under its version (an ETag where the store gives
+one), so that an object replaced under the same URL is fetched again. The ``check_*`` functions refuse what
+a reader must not trust, naming the file and the field.
 """
 
 from __future__ import annotations

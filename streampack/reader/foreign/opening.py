@@ -2,12 +2,9 @@
 and :func:`open_remote` for files in object storage.
 
 A format's module (:data:`READERS`) has ``recognise(path) -> bool`` and ``read(path, options) ->
-Foreign``. It checks the files' headers and indexes (a :class:`~streampack.errors.CacheError` names the
-file, the field and what was expected) and describes each shard as a :class:`ForeignShard`: its counts,
-known at the open, and how to map its tokens, document ends and loss mask on first use.
-:class:`ForeignShards` serves them through the :class:`~streampack.reader.shards.Shards` protocol. The
-manifest says what the files and the user declared; the formats record no checksums, so what the files
-held when opened identifies them instead (:mod:`streampack.reader.foreign.identity`).
+Foreign``: it checks the files' headers and indexes and describes each shard as a :class:`ForeignShard`,
+which :class:`ForeignShards` serves as :class:`~streampack.reader.shards.Shards`. The formats record no
+checksums, so what the files held when opened identifies them (:mod:`streampack.reader.foreign.identity`).
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ from streampack.format.sections import (
 from streampack.reader.cache import Cache
 from streampack.reader.foreign.files import LOCAL, CopiedFiles, ForeignFiles
 from streampack.reader.foreign.identity import ends_digest, files_identity
-from streampack.reader.shards import MAX_OPEN_MAPS
+from streampack.reader.shards import keep
 from streampack.store import LocalStore
 from streampack.store.localcopy import cached_store, default_local_dir
 from streampack.store.pressure import forget_release, on_release
@@ -172,9 +169,8 @@ class Foreign:
 
 
 class ForeignShards:
-    """The :class:`~streampack.reader.shards.Shards` of a foreign cache: each shard's arrays made by its
-    format's reader on first use, the last :data:`~streampack.reader.shards.MAX_OPEN_MAPS` of each kind
-    kept (and of token copies, those within :data:`MAX_COPY_BYTES`).
+    """The :class:`~streampack.reader.shards.Shards` of a foreign cache, each array made by its
+    :class:`ForeignShard` on first use and kept as :func:`~streampack.reader.shards.keep` allows.
 
     Args:
         foreign: what the format's reader read.
@@ -282,8 +278,7 @@ class ForeignShards:
         return self.foreign.shards[range(len(self.foreign.shards))[shard]]
 
     def _get(self, kind: str, shard: int, attribute: str) -> np.ndarray:
-        """Shard ``shard``'s array of ``kind``: kept (a lookup, on every batch's path), or made by its
-        :class:`ForeignShard`'s ``attribute``."""
+        """Shard ``shard``'s array of ``kind``: kept (on every batch's path), or made by ``attribute``."""
         kept = self._kept[kind]
         array = kept.get(shard)  # kept under its non-negative index: a negative one misses, then is found
         if array is not None:
@@ -300,15 +295,7 @@ class ForeignShards:
             array = getattr(self.foreign.shards[index], attribute)()
         except StreampackError as e:
             raise type(e)(self.where.shown(str(e))) from None
-        kept[index] = array
-        while len(kept) > MAX_OPEN_MAPS or (
-            kind == "c" and len(kept) > 1 and sum(a.nbytes for a in list(kept.values())) > MAX_COPY_BYTES
-        ):
-            try:
-                kept.popitem(last=False)
-            except KeyError:
-                break
-        return array
+        return keep(kept, index, array, MAX_COPY_BYTES if kind == "c" else None)
 
 
 def open_foreign(
@@ -357,12 +344,10 @@ def open_remote(
     prefetch_steps: int | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> Cache:
-    """The token files at ``url`` (any fsspec URL) as a cache read through a local copy; ``declared`` and
-    the keywords are what :func:`streampack.open` was given.
+    """The token files at ``url`` (any fsspec URL) as a cache read through a local copy of their folder;
+    ``declared`` and the keywords are what :func:`streampack.open` was given.
 
-    The copy's store is their folder (``s3://b/data`` for the Megatron prefix ``s3://b/data/corpus``). The
-    small files that say where documents are (an ``.idx``, each ``.ds.index``) are fetched at the open,
-    a token file whole when a shard of it is first read.
+    The small index files are fetched at the open, a token file whole when a shard of it is first read.
 
     Raises:
         CacheError: no format read from object storage recognises ``url``, or its files are damaged

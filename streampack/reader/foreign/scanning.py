@@ -1,11 +1,9 @@
 """Finding the documents of a token stream without an index (nanoGPT, OLMo, llm.c) by scanning it for the
 id that ends or starts each one, in bounded memory.
 
-Such a format plans its shards first (:class:`ScanPlan`: each shard's span of a file, found without reading
-the files through), then builds its :class:`~streampack.reader.foreign.opening.Foreign` from what a scan of
-each span finds. :func:`open_plan` scans the spans on a few threads (the compares and reads release the GIL);
-``streampack convert`` scans them on one thread while the kernel copies them
-(:func:`streampack.interop.native.write_scanned`), one read for the documents and the CRC-32.
+Such a format plans its shards (:class:`ScanPlan`: each one's span of a file), then builds its
+:class:`~streampack.reader.foreign.opening.Foreign` from what a scan of each span finds: on a few threads
+at an open (:func:`open_plan`; the compares and reads release the GIL), while copying at a convert.
 """
 
 from __future__ import annotations
@@ -156,12 +154,8 @@ class ScanPlan:
 
 
 def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | None = None) -> Foreign:
-    """The foreign cache of ``plan``, its spans scanned on ``threads`` threads.
-
-    Only a few spans are scanned ahead of the one in hand, so memory stays bounded. Each span's CRC-32 is
-    appended to ``crcs`` where given. Each shard gets the digest of the ends its scan found, so the cache's
-    identity never scans a span again.
-    """
+    """The foreign cache of ``plan``, its spans scanned on ``threads`` threads, a few ahead of the one in
+    hand; each span's CRC-32 is appended to ``crcs`` where given."""
     left = KEPT_ENDS_BYTES
     found: list[Found] = []
     scan = partial(plan.boundary.ends, checksum=crcs is not None)
@@ -185,6 +179,7 @@ def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | 
     shards = foreign.shards
     if len(shards) != len(found) or any(s.num_docs != f.num_docs for s, f in zip(shards, found)):
         return foreign  # not one shard a span: the digests are made from the shards' ends
+    # Each shard keeps the digest of the ends its scan found, so the identity never scans a span again.
     return replace(foreign, shards=[replace(s, ends_digest=f.digest) for s, f in zip(shards, found)])
 
 
