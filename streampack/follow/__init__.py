@@ -204,20 +204,16 @@ class GrowingCache:
         return PackedSequences.of(committed, layout)
 
     def _committed_cache(self) -> reader.Cache:
-        """The committed part of the cache as the ledger was last read."""
         if self._committed is None:
             self._committed = reader.open_committed(self._store, self._manifest, self._ledger.progress())
         return self._committed
 
     def _read(self) -> tuple[int, int, bool]:
-        """The ledger read again: ``(tokens, documents, complete)`` of the committed prefix."""
-        read = self._ledger.read()
-        self._committed = None  # opened again when asked: the ledger moved on
-        return read
+        self._committed = None  # opened again when asked: the ledger moves on
+        return self._ledger.read()
 
     def _pad_id(self) -> int:
-        """The whole-document samples' padding id: the one given, checked against the token dtype, or the
-        cache's EOS id, else 0."""
+        """The padding id given, checked against the token dtype; else the cache's EOS id, else 0."""
         manifest, given = self._manifest, self.options.pad_id
         if given is None:
             return manifest.eos.appended if manifest.eos.appended is not None else 0
@@ -249,7 +245,6 @@ class GrowingCache:
         return order.bounds[-1]
 
     def _manifest_when_written(self) -> Manifest:
-        """The build's manifest, once it has written it."""
         store, timeout = self._store, self.options.timeout
         started = time.monotonic()
         while not store.exists(MANIFEST):
@@ -288,7 +283,13 @@ class GrowingCache:
             OptionsError: ``then="epochs"`` over less than a batch, or what ``check`` refuses; asked again
                 at every batch.
         """
-        self._check_finished(windows)
+        o, batch = self.options, self._batch_size
+        if o.then == "epochs" and (windows == 0 or (self._drop_last and windows < batch)):
+            raise OptionsError(
+                f"{self.path}: the finished cache holds {windows} samples of seq_len={o.seq_len}, fewer "
+                f"than one global batch of {batch}: then='epochs' has nothing to repeat. Use a "
+                "smaller batch_size or seq_len, or then='end'"
+            )
         order = self.order
         order.finish(windows)
         try:
@@ -297,16 +298,6 @@ class GrowingCache:
             order.finish(None)
             raise
         self.known = MAX_POSITION
-
-    def _check_finished(self, windows: int) -> None:
-        """Refuse to go on with epochs of a finished cache that holds no global batch."""
-        o, batch = self.options, self._batch_size
-        if o.then == "epochs" and (windows == 0 or (self._drop_last and windows < batch)):
-            raise OptionsError(
-                f"{self.path}: the finished cache holds {windows} samples of seq_len={o.seq_len}, fewer "
-                f"than one global batch of {batch}: then='epochs' has nothing to repeat. Use a "
-                "smaller batch_size or seq_len, or then='end'"
-            )
 
     def _await(self, stop: int, check: Callable[[], None]) -> None:
         """Read the ledger until the samples of positions ``[0, stop)`` are known, or the build is done."""

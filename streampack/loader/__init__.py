@@ -120,7 +120,6 @@ class Loader:
         self._source = source
         self.collate = collate
         self._position = 0
-        self._own_order = order is None and not isinstance(source, (Ordered, Growing))
         # How far a growing source is known and opened (streampack.loader.growing); None: it is whole.
         self._reach = Reach(source) if isinstance(source, Growing) else None
         self._ahead_checked = False  # see _check_ahead
@@ -405,7 +404,7 @@ class Loader:
         # given again with at=) is counted again by the resume, and checked there.
         reaching([entries[i] for i in current if entries[i][1] <= self._position])
         if moved:
-            run = run.enforced(entries, grows=self._reach is not None)
+            run = run.enforced(entries)
             self._ahead_checked = False
         self._run = run
 
@@ -425,7 +424,7 @@ class Loader:
         run = self._run
         added = placed(entry, self._position, run.counting())
         reaching([added])
-        run = run.enforced([*run.in_force, added], grows=self._reach is not None)
+        run = run.enforced([*run.in_force, added])
         self._run = dataclasses.replace(run, exclusions=(*run.exclusions, entry))
         self._ahead_checked = False
 
@@ -457,7 +456,7 @@ class Loader:
         """
         if step is not None:
             step = check_int("step", step, min=0, max=2**62, hint="the trainer's step at this resume")
-        position, run = resumed(self._run, state, step, own=self._own_order, grows=self._reach is not None)
+        position, run = resumed(self._run, state, step)
         if self._reach is not None:  # a growing source grows with the order resumed
             self._reach.resumed(run.base)
         self._run, self._position = run, position

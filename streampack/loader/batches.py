@@ -18,7 +18,7 @@ from streampack.errors import OptionsError
 from streampack.loader.options import LoaderOptions, SourceShare
 from streampack.order import MAX_POSITION, Order
 
-__all__ = ["Batches", "check_last_batch"]
+__all__ = ["Batches"]
 
 
 @dataclass(frozen=True)
@@ -99,8 +99,38 @@ class Batches:
         return self.served(*self.span(position))
 
     def check_last_batch(self, position: int) -> None:
-        """:func:`check_last_batch` of the run read from ``position``."""
-        check_last_batch(self.options, self.order.end, position)
+        """Refuse ``drop_last=False`` when the run's last partial global batch from ``position`` on cannot
+        give every rank a row.
+
+        A rank's 0-row batch has a NaN mean loss, which DDP's all-reduce spreads to every rank. It is refused
+        rather than padded with repeated samples, so every served row stays a distinct sample.
+
+        Raises:
+            OptionsError: the remainder is positive and smaller than the world size; the message names the
+                numbers and the fixes.
+        """
+        opts, end = self.options, self.order.end
+        if opts.drop_last or end is None or end <= position:
+            return
+        left = end - position
+        remainder = left % opts.batch_size
+        if not 0 < remainder < opts.world_size:
+            return
+        plural = "s" if remainder > 1 else ""
+        fixes = []
+        if left >= opts.batch_size:
+            fixes.append(f"drop_last=True (the run then skips its last {remainder} sample{plural})")
+        other = _batch_size_for_ranks(left, opts.batch_size, opts.world_size)
+        if other is not None:
+            fixes.append(f"batch_size={other} (it leaves 0 or at least {opts.world_size} samples over)")
+        fixes.append("fewer ranks, or more samples (a larger cache or a smaller seq_len)")
+        raise OptionsError(
+            f"drop_last=False would give {opts.world_size - remainder} of the {opts.world_size} ranks an "
+            f"empty last batch: the {left} samples left in global batches of batch_size={opts.batch_size} "
+            f"leave {left} mod {opts.batch_size} = {remainder} sample{plural} for the last one, fewer than "
+            f"world_size={opts.world_size}. A mean loss over 0 rows is NaN, and DDP spreads it to every "
+            f"rank. Use {', or '.join(fixes)}."
+        )
 
     def missing(self, position: int) -> IndexError:
         """The error for a batch asked at ``position``, where none starts."""
@@ -108,40 +138,6 @@ class Batches:
             f"no batch at position {position}: positions start at 0 and the run ends at {self.order.end}"
             + (" (drop_last drops a partial last batch)" if self.options.drop_last else "")
         )
-
-
-def check_last_batch(opts: LoaderOptions, end: int | None, position: int) -> None:
-    """Refuse ``drop_last=False`` when the last partial global batch of a run that ends at ``end`` (read
-    from ``position`` on) cannot give every rank a row.
-
-    A rank's 0-row batch has a NaN mean loss, which DDP's all-reduce spreads to every rank. It is refused
-    rather than padded with repeated samples, so every served row stays a distinct sample.
-
-    Raises:
-        OptionsError: the remainder is positive and smaller than the world size; the message names the
-            numbers and the fixes.
-    """
-    if opts.drop_last or end is None or end <= position:
-        return
-    left = end - position
-    remainder = left % opts.batch_size
-    if not 0 < remainder < opts.world_size:
-        return
-    plural = "s" if remainder > 1 else ""
-    fixes = []
-    if left >= opts.batch_size:
-        fixes.append(f"drop_last=True (the run then skips its last {remainder} sample{plural})")
-    other = _batch_size_for_ranks(left, opts.batch_size, opts.world_size)
-    if other is not None:
-        fixes.append(f"batch_size={other} (it leaves 0 or at least {opts.world_size} samples over)")
-    fixes.append("fewer ranks, or more samples (a larger cache or a smaller seq_len)")
-    raise OptionsError(
-        f"drop_last=False would give {opts.world_size - remainder} of the {opts.world_size} ranks an "
-        f"empty last batch: the {left} samples left in global batches of batch_size={opts.batch_size} "
-        f"leave {left} mod {opts.batch_size} = {remainder} sample{plural} for the last one, fewer than "
-        f"world_size={opts.world_size}. A mean loss over 0 rows is NaN, and DDP spreads it to every "
-        f"rank. Use {', or '.join(fixes)}."
-    )
 
 
 def _batch_size_for_ranks(n: int, batch_size: int, world_size: int) -> int | None:

@@ -63,7 +63,7 @@ def merged(ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
 # --- documents -> samples ------------------------------------------------------------------------------
 
 
-def _source_names(entry: Exclusions, names: Sequence[str], what: dict[str, Any]) -> dict[str, Any]:
+def _source_names(names: Sequence[str], what: dict[str, Any]) -> dict[str, Any]:
     """``what`` (by source name, ``""`` for the only source) by the loader's source names, checked."""
     out = {}
     for name, items in what.items():
@@ -105,7 +105,7 @@ def excluded_documents(
         InputError: an input file a record name reads again is missing or changed since the build.
     """
     found: dict[int, list[np.ndarray]] = {}
-    for name, ids in _source_names(entry, names, entry.document_ids()).items():
+    for name, ids in _source_names(names, entry.document_ids()).items():
         source = names.index(name)
         cache = _cache_of(datasets[source], name)
         docs = np.asarray(ids, dtype=np.int64)
@@ -115,13 +115,13 @@ def excluded_documents(
                 f"{cache.num_docs} documents (indices 0 to {cache.num_docs - 1})"
             )
         found.setdefault(source, []).append(docs)
-    for name, records in _source_names(entry, names, entry.document_records()).items():
+    for name, records in _source_names(names, entry.document_records()).items():
         from streampack.loader.origins import documents_named
 
         source = names.index(name)
         named = documents_named(_cache_of(datasets[source], name), records)
         found.setdefault(source, []).append(np.asarray(sorted(named.values()), dtype=np.int64))
-    for name, hashes in _source_names(entry, names, entry.document_hashes()).items():
+    for name, hashes in _source_names(names, entry.document_hashes()).items():
         source = names.index(name)
         cache = _cache_of(datasets[source], name)
         wanted = set(hashes)

@@ -65,6 +65,8 @@ class Run:
     history: tuple[dict[str, Any], ...] = ()
     batches_per_step: int = 1  # the trainer's gradient accumulation, which the adapters set
     found: Found = field(default_factory=dict)  # a cache, shared by the runs that follow
+    grows: bool = False  # the source grows while it is read (streampack.loader.growing)
+    own: bool = False  # the order is the loader's own, made of the options
 
     @property
     def base(self) -> Order:
@@ -91,7 +93,7 @@ class Run:
         leg = {**current, "batch_size": self.options.batch_size, "batches_per_step": self.batches_per_step}
         return StepCount.of_history([*earlier, leg])
 
-    def enforced(self, entries: Sequence[Entry], *, grows: bool) -> Run:
+    def enforced(self, entries: Sequence[Entry]) -> Run:
         """This run with ``entries`` in force over its base order.
 
         Raises:
@@ -99,7 +101,7 @@ class Run:
                 is given over a source that grows (what it takes out lies ahead, not committed yet).
         """
         skips = any(entry.mode == "skip" for entry, _, _ in entries)
-        if grows and skips:
+        if self.grows and skips:
             raise OptionsError(
                 "Exclusions(mode='skip') are not supported over a source that grows (a Follow, or a mixture "
                 "with one): the samples they pass over lie ahead, where the build has not committed them "
@@ -169,6 +171,7 @@ def started(
             "given one; give a dict of name -> source, one per name of the order"
         )
     sources = [Source(part) for part in parts]
+    own = order is None
     if order is None:  # the order of one dataset, from the options
         from streampack.order.blockshuffle import single_order
 
@@ -180,21 +183,20 @@ def started(
     check_dtype(opts, [s.dtype for s in sources], [vocab_size_of(s.data) for s in sources])
     grows = isinstance(source, Growing)
     formatter = format_for(opts.output, [s.data for s in sources])
-    run = Run(opts, Rows(sources), formatter, served_for(opts, sources, grows), order, order)
+    served = served_for(opts, sources, grows)
+    run = Run(opts, Rows(sources), formatter, served, order, order, grows=grows, own=own)
     exclusions = listed(exclude)
     if exclusions:  # their ranges are checked once the position is known: at the first batch, or a resume
         placed_ = [placed(e, e.at or 0, run.counting()) for e in exclusions]
-        run = dataclasses.replace(run.enforced(placed_, grows=grows), exclusions=tuple(exclusions))
+        run = dataclasses.replace(run.enforced(placed_), exclusions=tuple(exclusions))
     return dataclasses.replace(run, history=(run.entry(0, None),))
 
 
-def resumed(
-    run: Run, state: Mapping[str, Any], step: int | None, *, own: bool, grows: bool
-) -> tuple[int, Run]:
+def resumed(run: Run, state: Mapping[str, Any], step: int | None) -> tuple[int, Run]:
     """Where ``state`` resumes ``run``, and the run from there (its history one entry longer).
 
     A checkpoint whose units are windows of another length becomes the run's sources, served at its
-    lengths (:func:`~streampack.loader.served.regrained`; only for an order the loader made, ``own``).
+    lengths (:func:`~streampack.loader.served.regrained`; only for an order the loader made, :attr:`Run.own`).
     The exclusions the state had in force must be the first ones the run was given; the others are put in
     force at the resume's position. A skip exclusion in force before it skipped positions of the saved
     run's order: the order resumes where that run's stood.
@@ -205,7 +207,7 @@ def resumed(
         OptionsError: an exclusion does not fit, or ``drop_last=False`` would give some rank an empty last
             batch from there.
     """
-    parts = regrained(state, run.rows.sources, run.options, run.served, own)
+    parts = regrained(state, run.rows.sources, run.options, run.served, run.own)
     if parts is not None:
         formatter = format_for(parts.options.output, [s.data for s in parts.sources])
         run = dataclasses.replace(
@@ -225,7 +227,7 @@ def resumed(
     counting = run.counting([*earlier, {"position": position, "step": step}])  # this leg begins here
     added = [placed(entry, position, counting) for entry in run.exclusions[len(kept) :]]
     reaching(added)
-    run = dataclasses.replace(run, order=order).enforced([*kept, *added], grows=grows)
+    run = dataclasses.replace(run, order=order).enforced([*kept, *added])
     run.batches.check_last_batch(position)
     return position, dataclasses.replace(run, history=(*earlier, run.entry(position, step)))
 

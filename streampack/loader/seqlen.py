@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from streampack._checks import check_int
 from streampack.errors import OptionsError
@@ -18,6 +19,7 @@ from streampack.errors import OptionsError
 __all__ = ["SeqLenSchedule"]
 
 
+@dataclass(frozen=True, repr=False)
 class SeqLenSchedule:
     """The sequence length of a run from each token on: ``[(0, 512), (T, 2048)]`` serves 512 until token
     ``T`` of the run (over all ranks), then 2048, from the first global batch at or after token ``T``.
@@ -29,14 +31,11 @@ class SeqLenSchedule:
         OptionsError: not such pairs; the message names the pair.
     """
 
+    changes: tuple[tuple[int, int], ...]
+
     def __init__(self, changes: Iterable[Sequence[int]]) -> None:
-        pairs = [tuple(change) for change in changes]
-        if not pairs:
-            raise OptionsError(
-                "seq_len_schedule needs at least one (first token, seq_len) pair, e.g. [(0, 512)]"
-            )
         checked: list[tuple[int, int]] = []
-        for index, pair in enumerate(pairs):
+        for index, pair in enumerate(tuple(change) for change in changes):
             if len(pair) != 2:
                 raise OptionsError(
                     f"seq_len_schedule[{index}] must be a (first token, seq_len) pair (got {pair!r})"
@@ -49,13 +48,16 @@ class SeqLenSchedule:
                     f"pair {index - 1} at {checked[-1][0]}"
                 )
             checked.append((tokens, length))
+        if not checked:
+            raise OptionsError(
+                "seq_len_schedule needs at least one (first token, seq_len) pair, e.g. [(0, 512)]"
+            )
         if checked[0][0] != 0:
             raise OptionsError(
                 f"seq_len_schedule must say the length from token 0 on (its first pair starts at token "
                 f"{checked[0][0]}); begin it with (0, seq_len)"
             )
-        self.changes: tuple[tuple[int, int], ...] = tuple(checked)
-        self._firsts = [tokens for tokens, _ in checked]
+        object.__setattr__(self, "changes", tuple(checked))
 
     @classmethod
     def of(cls, value: SeqLenSchedule | Iterable[Sequence[int]] | None) -> SeqLenSchedule | None:
@@ -70,13 +72,7 @@ class SeqLenSchedule:
         return cls(value)
 
     def __repr__(self) -> str:
-        return f"SeqLenSchedule({[list(change) for change in self.changes]!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SeqLenSchedule) and other.changes == self.changes
-
-    def __hash__(self) -> int:
-        return hash(self.changes)
+        return f"SeqLenSchedule({self.to_json()!r})"
 
     @property
     def lengths(self) -> list[int]:
@@ -85,7 +81,7 @@ class SeqLenSchedule:
 
     def at(self, tokens: int) -> int:
         """The length in force at token ``tokens`` of the run."""
-        return self.changes[bisect.bisect_right(self._firsts, tokens) - 1][1]
+        return self.changes[bisect.bisect_right(self.changes, tokens, key=lambda change: change[0]) - 1][1]
 
     def to_json(self) -> list[list[int]]:
         """The pairs as lists, as a history entry records them."""
