@@ -136,7 +136,7 @@ def _lists(values: np.ndarray, offsets: np.ndarray) -> pa.ListArray:
 def _document_batches(cache: Cache) -> Iterator[tuple[pa.RecordBatch, int]]:
     for docs in shard_docs(cache):
         mask = shard_mask(cache, docs.shard) if cache.has_loss_mask else None
-        for first, stop in doc_chunks(cache, docs, BATCH_TOKENS):
+        for first, stop in doc_chunks(docs, BATCH_TOKENS):
             yield _document_batch(cache, docs, first, stop, mask)
 
 
