@@ -1,18 +1,14 @@
 """The files of a stored plan (``CACHE/layouts/KEY/``): writing them, and checking them before use.
 
 A plan (:mod:`streampack.samples.packing`) decides which tokens every sample holds, for every rank and
-later run, so its files are covered as the shards are. ``plan.json`` records what the plan is of (the
-cache's content digest, ``seq_len``, the planner's settings: hence its ``KEY``), each array file's size
-and CRC-32, and a checksum of its own content. A process checks a plan when it first maps it: the JSON,
-each file's size and CRC-32, and its structure against the cache (samples in order, each of one piece or
-more and at most ``seq_len`` tokens, every piece inside its shard). What was checked is remembered per
-process by the files' identities (device, inode, size, mtime), so DataLoader workers map a checked plan
-without reading it again.
+later run. ``plan.json`` records what it is of (the cache's content digest, ``seq_len``, the planner's
+settings: hence ``KEY``), each array file's size and CRC-32, and its own checksum. A process checks a plan
+when it first maps it (the JSON, each file, its structure against the cache) and remembers the files'
+identities (device, inode, size, mtime), so DataLoader workers map a checked plan without reading it.
 
-A plan is derived data: one that fails a check is planned again where the cache is writable, and
-refused (:class:`~streampack.errors.CacheError` naming the file and the fix) where it is not. One that
-cannot be written is kept in memory: silently in a read-only cache, with a ``RuntimeWarning`` otherwise
-(a full disk).
+A plan is derived data: one that fails a check is planned again where the cache is writable, and refused
+where it is not. One that cannot be written is kept in memory: silently in a read-only cache, with a
+``RuntimeWarning`` otherwise (a full disk).
 """
 
 from __future__ import annotations
@@ -110,15 +106,14 @@ def stored(
     left_out: Callable[[], dict[str, int]],
     shard_tokens: np.ndarray,
 ) -> StoredPlan:
-    """The plan in ``directory``, checked; planned (``tables``) and written there first when absent or
-    damaged (into a temporary folder renamed into place: two processes planning at once read one).
+    """The plan in ``directory``, checked; planned and written there first when absent or damaged (into a
+    temporary folder renamed into place: two processes planning at once read one).
 
     Args:
         directory: ``CACHE/layouts/KEY``.
         identity: what the plan is of.
         tables: yields the arrays' parts in order (a chunk of documents at a time).
-        left_out: ``dropped`` (documents left out) and ``no_target`` (pieces without a target token), once
-            ``tables`` is exhausted.
+        left_out: the ``dropped`` and ``no_target`` counts, once ``tables`` is exhausted.
         shard_tokens: tokens per shard, for the structure check.
 
     Raises:
@@ -165,10 +160,8 @@ def _unstored(
     tables: Callable[[], Iterator[dict[str, np.ndarray]]],
     left_out: Callable[[], dict[str, int]],
 ) -> StoredPlan:
-    """The plan held in memory, where it cannot be stored in ``directory``: silently in a read-only
-    cache, with a warning where the write failed otherwise (every process and run then plans again).
-    A damaged plan lying there (``damage``) is refused (:class:`CacheError`): the next run would read it.
-    """
+    """The plan held in memory where it cannot be stored (a warning unless the cache is read-only); a
+    damaged plan lying there is refused instead: the next run would read it."""
     reason, read_only, full = error.strerror or str(error), error.errno in _READ_ONLY, error.errno in _FULL
     if damage is not None:
         why = "The cache is not writable here" if read_only else f"Writing {directory.parent} failed"
@@ -195,8 +188,8 @@ def _unstored(
 
 
 def load_plan(directory: Path, checksum: str, identities: tuple[tuple[int, ...], ...]) -> StoredPlan:
-    """The plan in ``directory`` for a copy of its samples in another process: the one ``checksum`` names
-    (else a :class:`CacheError`), checked again unless ``identities`` shows the files checked already."""
+    """The plan ``checksum`` names in ``directory``, for a copy of its samples in another process; checked
+    again unless ``identities`` shows the files checked already."""
     with _checked_lock:
         _checked.setdefault(str(directory), (checksum, identities))
     plan = _open(directory, None, None)
@@ -305,8 +298,8 @@ def _facts(directory: Path, identity: PlanIdentity | None) -> _Facts:
 def _check_files(
     directory: Path, facts: _Facts, shard_tokens: np.ndarray | None, *, recheck: bool
 ) -> StoredPlan:
-    """Map each array file of the plan, checking its size, then (unless this process checked these very
-    files) its CRC-32 and the plan's structure."""
+    """Map each array file, checking its size, then (unless this process checked these very files) its
+    CRC-32 and the plan's structure."""
     checksum = facts.checksum
     arrays, identities = {}, []
     for name, dtype in PLAN_ARRAYS.items():
@@ -345,7 +338,7 @@ def _map(path: Path, dtype: np.dtype, entry: _File) -> tuple[np.ndarray, tuple[i
                 f"{path}: {st.st_size} bytes, but the plan records {entry.size!r} ({count} items of "
                 f"{dtype.itemsize} bytes)"
             )
-        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        identity = _identity(st)
         if not expected:
             return np.zeros(0, dtype=dtype), identity
         # A plain ndarray over the map (which it keeps alive): slicing an np.memmap costs more.
@@ -365,8 +358,7 @@ def _crc(array: np.ndarray) -> str:
 def _check_structure(
     directory: Path, arrays: dict[str, np.ndarray], seq_len: int, shard_tokens: np.ndarray | None
 ) -> None:
-    """Samples in order, each of one piece or more and at most ``seq_len`` tokens; every piece inside its
-    shard (when ``shard_tokens`` is given). Vectorised, a chunk at a time."""
+    """Samples in order, each of 1+ pieces and at most ``seq_len`` tokens; every piece inside its shard."""
     starts, shards, lo, lengths = (arrays[name] for name in PLAN_ARRAYS)
     pieces = len(lo)
     if not (len(shards) == len(lengths) == pieces) or not len(starts):
@@ -453,12 +445,13 @@ def _write(
 
 def _remember(directory: Path, checksum: str) -> None:
     """Record the files this process just wrote as checked."""
-    identities = []
-    for name in PLAN_ARRAYS:
-        st = os.stat(directory / f"{name}.bin")
-        identities.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    identities = tuple(_identity(os.stat(directory / f"{name}.bin")) for name in PLAN_ARRAYS)
     with _checked_lock:
-        _checked[str(directory)] = (checksum, tuple(identities))
+        _checked[str(directory)] = (checksum, identities)
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _move_away(directory: Path) -> None:
