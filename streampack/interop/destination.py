@@ -90,12 +90,8 @@ class Destination:
                 f"{dest}: the destination exists ({', '.join(found)}); pass overwrite=True "
                 "to replace it once the new export is complete, or choose another destination"
             )
-        # What a killed export left in the staging area goes.
-        if self.remote:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.staging, recursive=True)
-        else:
-            shutil.rmtree(self.staging, ignore_errors=True)
+        self.abort()  # what a killed export left in the staging area goes
+        if not self.remote:
             os.makedirs(self.staging)
 
     def final(self, name: str) -> str:
@@ -156,8 +152,7 @@ class Destination:
                 self.fs.rm(target, recursive=self.layout == "directory")
             for name in order:
                 self.fs.mv(self._staged(name), self.final(name))
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.staging, recursive=True)
+            self.abort()
         elif self.layout == "directory":
             if self.durable:
                 for folder, _, _ in os.walk(self.staging):
@@ -181,11 +176,11 @@ class Destination:
                 os.replace(self._staged(name), self.final(name))
             if self.durable:
                 fsync_dir(Path(os.path.dirname(self.root)))
-            shutil.rmtree(self.staging, ignore_errors=True)
+            self.abort()
         return [self.final(n) for n in order]
 
     def abort(self) -> None:
-        """Remove the staging area (after an error; a killed process leaves it for the next run)."""
+        """Remove the staging area (after an error, or once committed)."""
         if self.remote:
             with contextlib.suppress(Exception):
                 self.fs.rm(self.staging, recursive=True)
