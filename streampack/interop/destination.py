@@ -1,20 +1,14 @@
-"""Where an export writes: its files staged, then moved into place at once.
+"""Where an export writes: its files staged, then moved into place at once, the format's index last.
 
-**Atomic, not resumable.** An export writes every file under a staging name and moves them into place
-once all are written, the format's index (the file its reader opens first) last. A killed export leaves
-the staging area and nothing at the destination; the next run removes it and starts again.
+**Atomic, not resumable.** A killed export leaves the staging area and nothing at the destination; the
+next run removes it and starts again.
 
-* A local destination is staged in a hidden sibling directory (``.NAME.streampack-export``) on the same
-  file system, and moved into place by one ``rename`` (a prefix format such as Megatron's file by file,
-  the index last).
-* **Killed, or crashed.** A killed process never leaves a destination a reader takes as whole: what it
-  wrote is in the page cache, and the rename happened or did not. Nothing is fsynced by default, as
-  ``cp`` and the formats' own writers do, so a crash of the machine soon after may leave files cut short
-  or zero-filled. ``durable=True`` (``--durable``) fsyncs every file and directory before the move and
-  the parent after it, at the cost of waiting for the disk (``benchmarks/bench_export.py --durable``).
+* A local destination is staged in a hidden sibling directory (``.NAME.streampack-export``) and moved into
+  place by one ``rename`` (a prefix format such as Megatron's file by file, the index last). Nothing is
+  fsynced by default, as ``cp`` and the formats' own writers do, so a machine crash soon after may leave
+  files cut short; ``durable=True`` (``--durable``) fsyncs every file and directory before the move.
 * An object-storage destination (any fsspec URL) is staged under ``DEST.streampack-export/`` and moved
-  into place object by object, the index last. Object stores have no atomic rename of many objects: a
-  kill during that move can leave files without their index visible to a reader that lists files.
+  object by object, the index last: a kill during that move can leave files without their index.
 """
 
 from __future__ import annotations
@@ -96,12 +90,8 @@ class Destination:
                 f"{dest}: the destination exists ({', '.join(found)}); pass overwrite=True "
                 "to replace it once the new export is complete, or choose another destination"
             )
-        # What a killed export left in the staging area goes.
-        if self.remote:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.staging, recursive=True)
-        else:
-            shutil.rmtree(self.staging, ignore_errors=True)
+        self.abort()  # what a killed export left in the staging area goes
+        if not self.remote:
             os.makedirs(self.staging)
 
     def final(self, name: str) -> str:
@@ -141,7 +131,7 @@ class Destination:
         self.written.append(name)
 
     def rename(self, name: str, new: str) -> None:
-        """Rename a written file in the staging area (a name that counts the files, known at the end)."""
+        """Rename a written file in the staging area."""
         if self.remote:
             self.fs.mv(self._staged(name), self._staged(new))
         else:
@@ -154,16 +144,15 @@ class Destination:
         return f"{self.staging}/{name}"
 
     def commit(self, last: Sequence[str] = ()) -> list[str]:
-        """Move every written file into place, those named in ``last`` last (in that order); replace what
-        was there (with ``overwrite``). Returns the final paths or keys."""
+        """Move every written file into place, those in ``last`` last, replacing what was there; return the
+        final paths or keys."""
         order = [n for n in self.written if n not in last] + [n for n in last if n in self.written]
         if self.remote:
             for target in self.existing():
                 self.fs.rm(target, recursive=self.layout == "directory")
             for name in order:
                 self.fs.mv(self._staged(name), self.final(name))
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.staging, recursive=True)
+            self.abort()
         elif self.layout == "directory":
             if self.durable:
                 for folder, _, _ in os.walk(self.staging):
@@ -187,11 +176,11 @@ class Destination:
                 os.replace(self._staged(name), self.final(name))
             if self.durable:
                 fsync_dir(Path(os.path.dirname(self.root)))
-            shutil.rmtree(self.staging, ignore_errors=True)
+            self.abort()
         return [self.final(n) for n in order]
 
     def abort(self) -> None:
-        """Remove the staging area (after an error; a killed process leaves it for the next run)."""
+        """Remove the staging area (after an error, or once committed)."""
         if self.remote:
             with contextlib.suppress(Exception):
                 self.fs.rm(self.staging, recursive=True)

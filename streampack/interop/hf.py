@@ -128,15 +128,14 @@ def _lists(values: np.ndarray, offsets: np.ndarray) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
 
 
-# A record batch of about BATCH_TOKENS tokens is written and let go before the next one is built (hence one
-# function a batch: a generator's loop variables would keep the previous one alive). A sample batch holds
-# about 20 bytes a token, so the peak memory is a few tens of MB whatever the cache's size.
+# One function a batch: a generator's loop variables would keep the previous batch alive (a sample batch
+# holds about 20 bytes a token, so the peak is a few tens of MB whatever the cache's size).
 
 
 def _document_batches(cache: Cache) -> Iterator[tuple[pa.RecordBatch, int]]:
     for docs in shard_docs(cache):
         mask = shard_mask(cache, docs.shard) if cache.has_loss_mask else None
-        for first, stop in doc_chunks(cache, docs, BATCH_TOKENS):
+        for first, stop in doc_chunks(docs, BATCH_TOKENS):
             yield _document_batch(cache, docs, first, stop, mask)
 
 
@@ -173,8 +172,8 @@ def _sample_batches(cache: Cache, seq_len: int, packed: bool) -> Iterator[tuple[
 def _sample_batch(
     cache: Cache, samples: PackedSequences, as_dict: CausalLMDict, first: int, stop: int
 ) -> tuple[pa.RecordBatch, int]:
-    """Samples ``[first, stop)`` as the Loader's ``output="dict"`` gives them, read straight into int32
-    (a uint32 cache's into uint32, whose bytes the int32 column holds)."""
+    """Samples ``[first, stop)`` as the Loader's ``output="dict"`` gives them (a uint32 cache's read into
+    uint32, whose bytes the int32 column holds)."""
     indices = np.arange(first, stop, dtype=np.int64)
     seq_len = samples.seq_len
     dtype = np.int32 if np.can_cast(cache.dtype, np.int32) else cache.dtype

@@ -129,7 +129,7 @@ def document_samples(cache: Cache) -> Iterator[tuple[Encoded, int]]:
     little = cache.dtype.newbyteorder("<")
     for docs in shard_docs(cache):
         mapped = cache.shard_tokens(docs.shard)
-        for first, stop in doc_chunks(cache, docs):
+        for first, stop in doc_chunks(docs):
             lo, hi = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1])
             bounds = np.concatenate([[lo], docs.ends[first:stop]]) - lo
             bounds = bounds[np.concatenate([[True], np.diff(bounds) > 0])]  # no empty documents

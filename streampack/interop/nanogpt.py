@@ -1,13 +1,10 @@
 """nanoGPT's flat token files: ``DEST/train.bin`` (and ``val.bin``), headerless uint16, plus ``meta.pkl``.
 
-The layout of karpathy/nanoGPT ``data/openwebtext/prepare.py``: every document's tokens followed by the
-EOT id, end to end, as one uint16 ``np.memmap``; ``train.py``'s ``get_batch`` draws random windows from
-``train.bin`` and ``val.bin``, and reads ``meta.pkl``'s ``{"vocab_size": ...}`` to size the model. The
-export copies the shards of a cache that appends an EOS; ``val=FRACTION`` holds out that fraction of the
-documents (:meth:`streampack.Cache.split`, seeded by ``split_seed``) into ``val.bin``, in the same pass.
-Boundaries survive only as the EOS ids, so a cache without an EOS is refused, and so is one whose BOS is
-its EOS. ``train.py`` reads uint16, so a larger vocabulary is refused unless ``dtype="cache"``. Reading
-them: :mod:`streampack.reader.foreign.nanogpt`.
+The layout of karpathy/nanoGPT ``data/openwebtext/prepare.py``: every document's tokens and the EOT id,
+end to end, as one uint16 ``np.memmap``; ``train.py`` reads ``meta.pkl``'s ``{"vocab_size": ...}``.
+``val=FRACTION`` holds out that fraction of the documents (:meth:`streampack.Cache.split`) into
+``val.bin``, in the same pass. Boundaries survive only as the EOS ids, so a cache without an EOS, or whose
+BOS is its EOS, is refused. Reading them: :mod:`streampack.reader.foreign.nanogpt`.
 """
 
 from __future__ import annotations
@@ -108,8 +105,7 @@ def write(
 def _write_split(
     cache: Cache, held: Chosen, outs: tuple[IO[bytes], IO[bytes]], dtype: np.dtype, bar: Progress
 ) -> None:
-    """Both sides in one pass over the shards (``outs``: train, validation): each stretch of consecutive
-    documents on one side is one span of its shard, written to that side's file."""
+    """Train and validation (``outs``) in one pass: each run of documents on one side is one span."""
     for docs in shard_docs(cache):
         if not len(docs.ends):
             continue

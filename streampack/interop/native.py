@@ -89,7 +89,7 @@ def write(
     with progress_bar(progress, cache.num_tokens, "streampack") as bar:
         for docs in shard_docs(cache):
             unit = cache.manifest.units[docs.shard]
-            for first, stop in doc_chunks(cache, docs, options.shard_tokens):
+            for first, stop in doc_chunks(docs, options.shard_tokens):
                 with dest.open(tokens_key(shard_name(len(written.units)))) as out:
                     tokens_crc = _copy_with_crc(cache, docs, first, stop, out)
                 whole = first == 0 and stop == len(docs.ends)

@@ -1,11 +1,9 @@
 """What every exporter shares besides its destination: reading a cache in bounded memory, the progress
 bar, and the refusals.
 
-Where a format's token file holds a shard's bytes as they are (same width), :func:`write_tokens` has the
-kernel copy them (:mod:`~streampack.interop.copying`), so they never pass through this process. Elsewhere
-token files are read with plain reads of :data:`CHUNK_TOKENS` tokens, not through memory maps, whose pages
-would count towards the process's memory until unmapped. Offset tables and loss masks are read a shard at
-a time.
+Token files are copied by the kernel where the widths match (:mod:`~streampack.interop.copying`), else read
+in plain reads of :data:`CHUNK_TOKENS` tokens: a memory map's pages would count towards the process's
+memory until unmapped. Offset tables and loss masks are read a shard at a time.
 """
 
 from __future__ import annotations
@@ -52,8 +50,7 @@ def shard_docs(cache: Cache) -> Iterator[ShardDocs]:
 
 
 def token_chunks(cache: Cache, shard: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
-    """Tokens ``[start, stop)`` of shard ``shard`` (all by default), in new arrays of at most
-    :data:`CHUNK_TOKENS` tokens."""
+    """Tokens ``[start, stop)`` of a shard (all by default), in new arrays of at most :data:`CHUNK_TOKENS`."""
     count = int(cache.table.num_tokens[shard])
     stop = count if stop is None else stop
     if stop <= start:
@@ -80,8 +77,7 @@ def token_chunks(cache: Cache, shard: int, start: int = 0, stop: int | None = No
 def write_tokens(
     out: IO[bytes], cache: Cache, shard: int, dtype: np.dtype, start: int = 0, stop: int | None = None
 ) -> int:
-    """Write tokens ``[start, stop)`` of shard ``shard`` (all by default) to ``out`` as ``dtype``; returns
-    how many. See :func:`write_spans`."""
+    """Write tokens ``[start, stop)`` of a shard (all by default) to ``out`` as ``dtype``; return how many."""
     stop = int(cache.table.num_tokens[shard]) if stop is None else stop
     write_spans(cache, shard, dtype, [(out, start, stop)])
     return max(0, stop - start)
@@ -90,14 +86,12 @@ def write_tokens(
 def write_spans(
     cache: Cache, shard: int, dtype: np.dtype, spans: Iterable[tuple[IO[bytes], int, int]]
 ) -> None:
-    """Write each span ``(out, start, stop)`` of shard ``shard``'s tokens to its ``out``, in order, as
-    little-endian ``dtype``.
+    """Write each span ``(out, start, stop)`` of a shard's tokens to its ``out``, in order, as little-endian
+    ``dtype``.
 
-    Where ``dtype`` has the cache's width and ``out`` is a local file, the kernel copies the bytes. Between
-    equal widths the bytes are kept as they are: a uint32 id of 2**31 or more, which no vocabulary has,
-    becomes a negative int32 and reads back as the same uint32. A narrower ``dtype`` has each chunk's ids
-    checked (:func:`check_fits`): the exporters refuse a vocabulary that does not fit it, but another
-    format's files are only declared to keep to theirs.
+    Equal widths keep the bytes as they are (the kernel copies them into a local file): a uint32 id of
+    2**31 or more reads back from int32 as itself. A narrower ``dtype`` has each chunk checked
+    (:func:`check_fits`): another format's files are only declared to keep to their vocabulary.
 
     Raises:
         CacheError: a token file was cut short, or holds an id that ``dtype`` cannot (naming it).
@@ -157,8 +151,7 @@ def write_stream(cache: Cache, start: int, stop: int, out: IO[bytes]) -> None:
 
 
 def check_fits(cache: Cache, shard: int, chunk: np.ndarray, start: int, dtype: np.dtype) -> None:
-    """Refuse tokens ``chunk`` of shard ``shard`` (from its token ``start``) with an id that ``dtype``
-    cannot hold: the cast would wrap it to another id.
+    """Refuse a chunk of a shard's tokens (from its token ``start``) holding an id ``dtype`` would wrap.
 
     Raises:
         CacheError: naming the id, its document and file, and what to do.
@@ -194,9 +187,8 @@ def release_maps(cache: Cache) -> None:
         cache.drop_maps()
 
 
-def doc_chunks(cache: Cache, docs: ShardDocs, max_tokens: int = CHUNK_TOKENS) -> Iterator[tuple[int, int]]:
-    """Runs ``[first, stop)`` of a shard's documents of about ``max_tokens`` tokens each (a longer document
-    alone)."""
+def doc_chunks(docs: ShardDocs, max_tokens: int = CHUNK_TOKENS) -> Iterator[tuple[int, int]]:
+    """Runs ``[first, stop)`` of a shard's documents of at most ``max_tokens`` tokens (a longer one alone)."""
     ends = docs.ends
     first = 0
     while first < len(ends):
@@ -222,8 +214,8 @@ def progress_bar(enabled: bool, total: int, what: str) -> Progress:
 
 
 def may_hold_specials(cache: Cache) -> bool:
-    """Whether the cache's documents may hold special ids: a build that parsed special tokens or rendered
-    conversations, or files a build did not write. The default text mode encodes them as text."""
+    """Whether the documents may hold special ids (parsed special tokens or rendered conversations); the
+    default text mode encodes them as text."""
     settings = cache.manifest.settings
     return settings.special_tokens != "text" or settings.chat is not None
 
@@ -245,11 +237,7 @@ def inner_token(cache: Cache, token: int) -> tuple[int, int] | None:
 
 
 def refuse_loss_mask(cache: Cache, format: str, drop: bool) -> None:
-    """Refuse an SFT cache's loss mask into a format that cannot hold one, unless ``drop`` is set.
-
-    Raises:
-        OptionsError: naming the mask, the formats that keep it and how to drop it deliberately.
-    """
+    """Refuse (:class:`OptionsError`) to lose an SFT cache's loss mask, unless ``drop`` is set."""
     if cache.has_loss_mask and not drop:
         raise OptionsError(
             f"{cache.root}: this SFT cache has a loss mask (which tokens are training targets), and the "
@@ -260,11 +248,8 @@ def refuse_loss_mask(cache: Cache, format: str, drop: bool) -> None:
 
 
 def check_ids_fit(cache: Cache, dtype: np.dtype, format: str, keeps: str) -> None:
-    """Refuse a vocabulary whose ids a format's token dtype cannot hold.
-
-    Raises:
-        OptionsError: naming the vocabulary, the dtype and a format (or option) that holds the ids.
-    """
+    """Refuse (:class:`OptionsError`) a vocabulary whose ids ``dtype`` cannot hold; ``keeps`` says what
+    does."""
     top = np.iinfo(dtype).max
     if cache.vocab_size - 1 > top:
         raise OptionsError(
@@ -274,11 +259,7 @@ def check_ids_fit(cache: Cache, dtype: np.dtype, format: str, keeps: str) -> Non
 
 
 def check_int_option(name: str, value: object, *, low: int, high: int | None = None) -> int:
-    """An integer option in ``[low, high]``.
-
-    Raises:
-        OptionsError: it is not an integer in range.
-    """
+    """An integer option in ``[low, high]``, else an :class:`OptionsError`."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise OptionsError(f"{name} must be an integer (got {value!r})")
     if value < low or (high is not None and value > high):

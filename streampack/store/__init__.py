@@ -213,10 +213,9 @@ class LocalStore:
         return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
     def list_sizes(self, prefix: str) -> dict[str, int]:
-        """The size of every file in the folder ``prefix``, by name (none when it does not exist).
+        """The size of every file in the folder ``prefix``, by name (one ``scandir``, one ``lstat`` a file).
 
-        One ``scandir`` and one ``lstat`` per file: 100,000 shards list in a fraction of a second. A
-        symlink is followed only once it is known to stay inside the cache (else a :class:`CacheError`).
+        A symlink is followed only once it is known to stay inside the cache (else a :class:`CacheError`).
         """
         sizes = {}
         try:
@@ -266,8 +265,7 @@ class LocalStore:
     def refuse_outside(self, key: str, *, links_only: bool = False) -> None:
         """Refuse ``key`` (:class:`CacheError`) if it resolves outside the cache directory.
 
-        With ``links_only``, only a symlink is resolved: a plain file in a folder already checked cannot
-        lead out, and one ``lstat`` (not a ``realpath`` walk) per file opens 10,000 shards fast.
+        With ``links_only``, only a symlink is resolved (one ``lstat``, not a ``realpath`` walk, a file).
         """
         path = self.path(key)
         if links_only and not os.path.islink(path):
@@ -342,16 +340,25 @@ class AppendFile:
     def __init__(self, path: Path, length: int) -> None:
         self.path = path
         self.created = not path.exists()
-        self._file = _open_at(path, length)
+        try:
+            self._file: BinaryIO = open(path, "w+b" if self.created else "r+b")  # noqa: SIM115 - kept open
+            size = self._file.seek(0, os.SEEK_END)
+            if size < length:
+                self._file.close()
+                raise CacheError(
+                    f"{path} holds {size} bytes but the ledger committed {length}: the shard was damaged "
+                    "after it was written; rebuild with overwrite=True"
+                )
+            self._file.truncate(length)
+            self._file.seek(length)
+        except OSError as e:
+            raise disk_error(e, path) from None
         # The CRC-32 so far, for a file started afresh; None for a resumed one (read back when asked).
         self._crc: int | None = 0 if length == 0 else None
 
     def lock(self) -> None:
-        """Hold an exclusive ``flock`` on the file while writing it (:class:`WriteError` if another holds it).
-
-        The build lock keeps builds apart; this also keeps out a worker that outlived a killed build (a Ray
-        task, a pool worker still starting) while the rerun resumes its unit.
-        """
+        """Hold an exclusive ``flock`` on the file while writing it (:class:`WriteError` if another holds it):
+        it keeps out a worker that outlived a killed build (a Ray task) while the rerun resumes its unit."""
         try:
             fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -391,24 +398,6 @@ class AppendFile:
     def close(self) -> None:
         """Close the file (what was not synced may be lost in a crash; no ledger entry names it)."""
         self._file.close()
-
-
-def _open_at(path: Path, length: int) -> BinaryIO:
-    """Open ``path`` for appending after truncating it to its committed ``length``."""
-    try:
-        f = open(path, "r+b" if path.exists() else "w+b")  # noqa: SIM115 - kept open by the writer
-        size = f.seek(0, os.SEEK_END)
-        if size < length:
-            f.close()
-            raise CacheError(
-                f"{path} holds {size} bytes but the ledger committed {length}: the shard was damaged after "
-                "it was written; rebuild with overwrite=True"
-            )
-        f.truncate(length)
-        f.seek(length)
-        return f
-    except OSError as e:
-        raise disk_error(e, path) from None
 
 
 def fsync_dir(path: Path) -> None:

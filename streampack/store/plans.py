@@ -1,18 +1,14 @@
 """The files of a stored plan (``CACHE/layouts/KEY/``): writing them, and checking them before use.
 
 A plan (:mod:`streampack.samples.packing`) decides which tokens every sample holds, for every rank and
-later run, so its files are covered as the shards are. ``plan.json`` records what the plan is of (the
-cache's content digest, ``seq_len``, the planner's settings: hence its ``KEY``), each array file's size
-and CRC-32, and a checksum of its own content. A process checks a plan when it first maps it: the JSON,
-each file's size and CRC-32, and its structure against the cache (samples in order, each of one piece or
-more and at most ``seq_len`` tokens, every piece inside its shard). What was checked is remembered per
-process by the files' identities (device, inode, size, mtime), so DataLoader workers map a checked plan
-without reading it again.
+later run. ``plan.json`` records what it is of (the cache's content digest, ``seq_len``, the planner's
+settings: hence ``KEY``), each array file's size and CRC-32, and its own checksum. A process checks a plan
+when it first maps it (the JSON, each file, its structure against the cache) and remembers the files'
+identities (device, inode, size, mtime), so DataLoader workers map a checked plan without reading it.
 
-A plan is derived data: one that fails a check is planned again where the cache is writable, and
-refused (:class:`~streampack.errors.CacheError` naming the file and the fix) where it is not. One that
-cannot be written is kept in memory: silently in a read-only cache, with a ``RuntimeWarning`` otherwise
-(a full disk).
+A plan is derived data: one that fails a check is planned again where the cache is writable, and refused
+where it is not. One that cannot be written is kept in memory: silently in a read-only cache, with a
+``RuntimeWarning`` otherwise (a full disk).
 """
 
 from __future__ import annotations
@@ -31,12 +27,12 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
-from streampack._checks import is_int
-from streampack.errors import CacheError
+from streampack.errors import CacheError, read_json
 from streampack.format.names import checksum_text, content_checksum, with_checksum
 from streampack.store import LocalStore
 
@@ -51,6 +47,7 @@ _CHUNK_ITEMS = 4 << 20
 # prefix, a file named layouts): expected, so kept in memory without a warning.
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR, errno.EEXIST})
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+_Count = Annotated[int, msgspec.Meta(ge=0)]
 
 # Plans this process has checked: directory -> (plan.json's checksum, the identities of its files).
 _checked: dict[str, tuple[str, tuple[tuple[int, ...], ...]]] = {}
@@ -109,15 +106,14 @@ def stored(
     left_out: Callable[[], dict[str, int]],
     shard_tokens: np.ndarray,
 ) -> StoredPlan:
-    """The plan in ``directory``, checked; planned (``tables``) and written there first when absent or
-    damaged (into a temporary folder renamed into place: two processes planning at once read one).
+    """The plan in ``directory``, checked; planned and written there first when absent or damaged (into a
+    temporary folder renamed into place: two processes planning at once read one).
 
     Args:
         directory: ``CACHE/layouts/KEY``.
         identity: what the plan is of.
         tables: yields the arrays' parts in order (a chunk of documents at a time).
-        left_out: ``dropped`` (documents left out) and ``no_target`` (pieces without a target token), once
-            ``tables`` is exhausted.
+        left_out: the ``dropped`` and ``no_target`` counts, once ``tables`` is exhausted.
         shard_tokens: tokens per shard, for the structure check.
 
     Raises:
@@ -164,10 +160,8 @@ def _unstored(
     tables: Callable[[], Iterator[dict[str, np.ndarray]]],
     left_out: Callable[[], dict[str, int]],
 ) -> StoredPlan:
-    """The plan held in memory, where it cannot be stored in ``directory``: silently in a read-only
-    cache, with a warning where the write failed otherwise (every process and run then plans again).
-    A damaged plan lying there (``damage``) is refused (:class:`CacheError`): the next run would read it.
-    """
+    """The plan held in memory where it cannot be stored (a warning unless the cache is read-only); a
+    damaged plan lying there is refused instead: the next run would read it."""
     reason, read_only, full = error.strerror or str(error), error.errno in _READ_ONLY, error.errno in _FULL
     if damage is not None:
         why = "The cache is not writable here" if read_only else f"Writing {directory.parent} failed"
@@ -194,8 +188,8 @@ def _unstored(
 
 
 def load_plan(directory: Path, checksum: str, identities: tuple[tuple[int, ...], ...]) -> StoredPlan:
-    """The plan in ``directory`` for a copy of its samples in another process: the one ``checksum`` names
-    (else a :class:`CacheError`), checked again unless ``identities`` shows the files checked already."""
+    """The plan ``checksum`` names in ``directory``, for a copy of its samples in another process; checked
+    again unless ``identities`` shows the files checked already."""
     with _checked_lock:
         _checked.setdefault(str(directory), (checksum, identities))
     plan = _open(directory, None, None)
@@ -224,7 +218,7 @@ def inspect_plan(
         facts = _facts(directory, None)
     except PlanDamage as e:
         return [str(e)], 0, ""
-    stale = facts["content"] != content
+    stale = facts.content != content
     note = (
         f"{directory}: a plan of other shards (the cache changed since), never used; safe to delete"
         if stale
@@ -242,7 +236,34 @@ def _open(directory: Path, identity: PlanIdentity | None, shard_tokens: np.ndarr
     return _check_files(directory, _facts(directory, identity), shard_tokens, recheck=False)
 
 
-def _facts(directory: Path, identity: PlanIdentity | None) -> dict[str, Any]:
+class _File(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    count: _Count
+    size: _Count
+    crc32: str
+
+
+class _Files(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    starts: _File = msgspec.field(name="starts.bin")
+    shards: _File = msgspec.field(name="shards.bin")
+    lo: _File = msgspec.field(name="lo.bin")
+    lengths: _File = msgspec.field(name="lengths.bin")
+
+
+class _Facts(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What ``plan.json`` holds."""
+
+    format: str
+    version: int
+    content: str
+    seq_len: _Count
+    settings: dict[str, int | str]
+    dropped: _Count
+    no_target: _Count
+    files: _Files
+    checksum: str
+
+
+def _facts(directory: Path, identity: PlanIdentity | None) -> _Facts:
     """``plan.json``, checked: its checksum, its format, and (with ``identity``) that it is that plan."""
     path = directory / PLAN_JSON
     try:
@@ -256,70 +277,55 @@ def _facts(directory: Path, identity: PlanIdentity | None) -> dict[str, Any]:
             f"{path}: the plan's content does not match its checksum (recorded {raw.get('checksum')!r:.40}, "
             f"content {content_checksum(raw)})"
         )
-    try:
-        if raw["format"] != PLAN_FORMAT or raw["version"] != PLAN_VERSION:
-            raise PlanDamage(
-                f"{path}: not a version {PLAN_VERSION} {PLAN_FORMAT} ({raw['format']!r}, {raw['version']!r})"
-            )
-        key = plan_key(raw["content"], raw["seq_len"], raw["settings"])
-        for name in PLAN_ARRAYS:
-            entry = raw["files"][f"{name}.bin"]
-            if not (
-                _is_count(entry["count"]) and _is_count(entry["size"]) and isinstance(entry["crc32"], str)
-            ):
-                raise PlanDamage(f"{path}: malformed entry of {name}.bin ({entry!r:.80})")
-        if not all(_is_count(raw[name]) for name in ("seq_len", "dropped", "no_target")):
-            raise PlanDamage(f"{path}: malformed seq_len, dropped or no_target")
-    except (KeyError, TypeError) as e:
-        raise PlanDamage(f"{path}: malformed plan ({type(e).__name__}: {e})") from None
+    if (raw.get("format"), raw.get("version")) != (PLAN_FORMAT, PLAN_VERSION):
+        raise PlanDamage(
+            f"{path}: not a version {PLAN_VERSION} {PLAN_FORMAT} "
+            f"({raw.get('format')!r}, {raw.get('version')!r})"
+        )
+    facts = read_json(raw, _Facts, PlanDamage, f"{path}: malformed plan", "it is planned again")
+    key = plan_key(facts.content, facts.seq_len, facts.settings)
     if key != directory.name:
         raise PlanDamage(f"{path}: the plan of {key}, not of {directory.name}")
-    if identity is not None and (raw["content"], raw["seq_len"], raw["settings"]) != (
+    if identity is not None and (facts.content, facts.seq_len, facts.settings) != (
         identity.content,
         identity.seq_len,
         identity.settings,
     ):
         raise PlanDamage(f"{path}: the plan of other settings than {directory.name} names")
-    return raw
+    return facts
 
 
 def _check_files(
-    directory: Path, facts: dict[str, Any], shard_tokens: np.ndarray | None, *, recheck: bool
+    directory: Path, facts: _Facts, shard_tokens: np.ndarray | None, *, recheck: bool
 ) -> StoredPlan:
-    """Map each array file of the plan, checking its size, then (unless this process checked these very
-    files) its CRC-32 and the plan's structure."""
-    checksum = facts["checksum"]
+    """Map each array file, checking its size, then (unless this process checked these very files) its
+    CRC-32 and the plan's structure."""
+    checksum = facts.checksum
     arrays, identities = {}, []
     for name, dtype in PLAN_ARRAYS.items():
-        entry = facts["files"][f"{name}.bin"]
+        entry = getattr(facts.files, name)
         arrays[name], identity = _map(directory / f"{name}.bin", np.dtype(dtype).newbyteorder("<"), entry)
         identities.append(identity)
     with _checked_lock:
         known = _checked.get(str(directory))
     if recheck or known != (checksum, tuple(identities)):
         for name in PLAN_ARRAYS:
-            entry = facts["files"][f"{name}.bin"]
+            expected = getattr(facts.files, name).crc32
             actual = _crc(arrays[name])
-            if actual != entry["crc32"]:
+            if actual != expected:
                 raise PlanDamage(
                     f"{directory / f'{name}.bin'}: checksum {actual} does not match the plan's "
-                    f"{entry['crc32']!r:.40}"
+                    f"{expected!r:.40}"
                 )
-        _check_structure(directory, arrays, int(facts["seq_len"]), shard_tokens)
+        _check_structure(directory, arrays, facts.seq_len, shard_tokens)
         with _checked_lock:
             _checked[str(directory)] = (checksum, tuple(identities))
-    return StoredPlan(
-        arrays, directory, int(facts["dropped"]), int(facts["no_target"]), checksum, tuple(identities)
-    )
+    return StoredPlan(arrays, directory, facts.dropped, facts.no_target, checksum, tuple(identities))
 
 
-def _is_count(value: Any) -> bool:
-    return is_int(value) and value >= 0
-
-
-def _map(path: Path, dtype: np.dtype, entry: Any) -> tuple[np.ndarray, tuple[int, ...]]:
+def _map(path: Path, dtype: np.dtype, entry: _File) -> tuple[np.ndarray, tuple[int, ...]]:
     """A read-only array over ``path``, whose size must be what ``entry`` records; and its identity."""
-    count = entry["count"]
+    count = entry.count
     expected = count * dtype.itemsize
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -327,12 +333,12 @@ def _map(path: Path, dtype: np.dtype, entry: Any) -> tuple[np.ndarray, tuple[int
         raise PlanDamage(f"{path}: cannot open the plan's file ({e.strerror or e})") from None
     try:
         st = os.fstat(fd)
-        if st.st_size != expected or entry.get("size") != expected:
+        if st.st_size != expected or entry.size != expected:
             raise PlanDamage(
-                f"{path}: {st.st_size} bytes, but the plan records {entry.get('size')!r} ({count} items of "
+                f"{path}: {st.st_size} bytes, but the plan records {entry.size!r} ({count} items of "
                 f"{dtype.itemsize} bytes)"
             )
-        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        identity = _identity(st)
         if not expected:
             return np.zeros(0, dtype=dtype), identity
         # A plain ndarray over the map (which it keeps alive): slicing an np.memmap costs more.
@@ -352,8 +358,7 @@ def _crc(array: np.ndarray) -> str:
 def _check_structure(
     directory: Path, arrays: dict[str, np.ndarray], seq_len: int, shard_tokens: np.ndarray | None
 ) -> None:
-    """Samples in order, each of one piece or more and at most ``seq_len`` tokens; every piece inside its
-    shard (when ``shard_tokens`` is given). Vectorised, a chunk at a time."""
+    """Samples in order, each of 1+ pieces and at most ``seq_len`` tokens; every piece inside its shard."""
     starts, shards, lo, lengths = (arrays[name] for name in PLAN_ARRAYS)
     pieces = len(lo)
     if not (len(shards) == len(lengths) == pieces) or not len(starts):
@@ -440,12 +445,13 @@ def _write(
 
 def _remember(directory: Path, checksum: str) -> None:
     """Record the files this process just wrote as checked."""
-    identities = []
-    for name in PLAN_ARRAYS:
-        st = os.stat(directory / f"{name}.bin")
-        identities.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
+    identities = tuple(_identity(os.stat(directory / f"{name}.bin")) for name in PLAN_ARRAYS)
     with _checked_lock:
-        _checked[str(directory)] = (checksum, tuple(identities))
+        _checked[str(directory)] = (checksum, identities)
+
+
+def _identity(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _move_away(directory: Path) -> None:
