@@ -105,6 +105,17 @@ def caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Cor
     return out
 
 
+def generated(count: int) -> Any:
+    """Hypothesis settings for ``count`` generated runs: the same runs each time, however long each takes."""
+    return settings(
+        max_examples=count,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+
 def test_the_fixture_caches_have_several_shards_and_what_the_model_needs(caches: dict) -> None:
     for name, (cache, corpus) in caches.items():
         assert cache.num_shards == 3, name
@@ -476,13 +487,7 @@ def _loader(
 def test_random_runs_serve_what_the_model_says(caches: dict) -> None:
     corpora = {name: corpus for name, (_, corpus) in caches.items()}
 
-    @settings(
-        max_examples=300,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @generated(300)
     @given(runs(corpora))
     def check(run: Run) -> None:
         name = next(n for n, c in corpora.items() if c is run.corpus)
@@ -496,13 +501,7 @@ def test_random_mixture_runs_serve_what_the_model_says(caches: dict) -> None:
     corpora = {name: corpus for name, (_, corpus) in caches.items()}
     by_corpus = {id(corpus): cache for cache, corpus in caches.values()}
 
-    @settings(
-        max_examples=150,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @generated(150)
     @given(mixture_runs(corpora))
     def check(run: Run) -> None:
         spec = run.mix
@@ -817,13 +816,7 @@ def test_random_follow_runs_serve_what_the_model_says(
     root = tmp_path_factory.mktemp("follow")
     runs_made = iter(range(10**6))
 
-    @settings(
-        max_examples=150,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @generated(150)
     @given(follow_runs(corpora), st.data())
     def check(run: FollowRun, data: st.DataObject) -> None:
         name = next(n for n, (c, _) in corpora.items() if c is run.corpus)
@@ -953,13 +946,7 @@ def test_random_follow_mixture_runs_serve_what_the_model_says(
     root = tmp_path_factory.mktemp("follow-mixture")
     runs_made = iter(range(10**6))
 
-    @settings(
-        max_examples=50,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @generated(50)
     @given(follow_mixture_runs(builds), st.data())
     def check(made: Any, data: st.DataObject) -> None:
         run, web, fresh = made
