@@ -443,3 +443,16 @@ def test_a_follow_takes_its_options_as_objects_or_keywords(finished: Path) -> No
         make_follow(finished, shuffle=False)
     with pytest.raises(OptionsError, match="shuffle and epochs do not apply"):
         Follow(finished, options=LoaderOptions(batch_size=BATCH, epochs=2), seq_len=SEQ_LEN)
+
+
+def test_a_mixture_refuses_a_followed_source_that_would_end(finished: Path) -> None:
+    """In a Mixture a followed source serves epochs after its last era, so then="end" (which it could not
+    keep) is refused, naming the source; the default then="epochs" is taken."""
+    from streampack.order.mixture import Mixture
+
+    web = streampack.open(finished).sequences(SEQ_LEN, overlap=OVERLAP)
+    mix = {"weights": {"web": 0.5, "fresh": 0.5}, "block_size": 4, "seed": 2}
+    with pytest.raises(OptionsError, match="source 'fresh' follows a build with then='end'"):
+        Mixture({"web": web, "fresh": make_follow(finished)}, **mix)  # type: ignore[arg-type]
+    endless = Mixture({"web": web, "fresh": make_follow(finished, then="epochs")}, **mix)  # type: ignore[arg-type]
+    assert len(next(iter(streampack.Loader(endless, batch_size=BATCH)))) == BATCH

@@ -343,6 +343,12 @@ def test_cli_which_prints_the_table_and_json(tmp_path: Path, bpe_tokenizer: Path
     state.write_text(json.dumps(run.state_dict()))  # batch size 8 and world size 2 come from it
     by_state = run_cli("which", cache, "--seq-len", "16", "--seed", "4", "--state", state, "--step", "1")
     assert by_state.stdout == table
+    accumulating = make(world_size=2)
+    accumulating.batches_per_step = 2  # as the trainer adapters set it
+    next(iter(accumulating))
+    state.write_text(json.dumps(accumulating.state_dict()))
+    noted = run_cli("which", cache, "--seq-len", "16", "--seed", "4", "--state", state, "--step", "5").stdout
+    assert "note: the trainer took 2 batches a step: --step counts batches, so this is batch 2 of 2 of " in noted
     missing = run_cli("which", cache, "--seq-len", "16", "--batch-size", "8", check=False)
     assert missing.returncode == 2 and "give --step N" in missing.stderr
 

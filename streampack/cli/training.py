@@ -266,7 +266,10 @@ def mix(
     help="Ranks of the run, to say which rank read each row [default: the state's, else 1].",
 )
 @click.option(
-    "--step", type=click.IntRange(min=0), help="The step, from the start of the run (or of --state)."
+    "--step",
+    type=click.IntRange(min=0),
+    help="The global batch, counted from the start of the run (or of --state); with gradient accumulation "
+    "of k batches, trainer step S read batches S*k to S*k+k-1.",
 )
 @click.option(
     "--state",
@@ -337,6 +340,13 @@ def which(
     )
     for note in notes:
         click.echo(f"excluded: {note}")
+    accumulated = int(((state or {}).get("history") or [{}])[-1].get("batches_per_step", 1))
+    if accumulated > 1 and step is not None:
+        click.echo(
+            f"note: the trainer took {accumulated} batches a step: --step counts batches, so this is "
+            f"batch {step % accumulated + 1} of {accumulated} of trainer step {step // accumulated:,} "
+            "after the state's"
+        )
     mixed = _is_config(data)
     heading = f"{'source':<12} " if mixed else ""
     click.echo(f"{heading}{'doc':>10} {'tokens':>7}  {'rank:row[columns]':<24} location")

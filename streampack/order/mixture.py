@@ -298,6 +298,12 @@ def _checked_sources(sources: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(name, str) or not name:
             raise OptionsError(f"source names must be non-empty strings (got {name!r})")
         if grows(getattr(data, "dataset", None)):  # a Follow: the source that grows it reads
+            if data.then == "end":  # its cursor runs on past its last era here: its end is not the run's
+                raise OptionsError(
+                    f"source {name!r} follows a build with then='end', which a Mixture cannot keep: there it "
+                    "serves epochs of the finished cache after its last era. Use then='epochs' (the "
+                    "default), or the Mixture's stop= to end the run"
+                )
             data = data.dataset
         checked[name] = data
         if grows(data):  # what it holds now says its width and tokenizer
