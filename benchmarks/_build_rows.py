@@ -24,7 +24,10 @@ BACKENDS = ("tokenizers", "tiktoken")  # a group per tokenizer kind, named after
 KIND = {"tokenizers": "tokenizer.json", "tiktoken": "tiktoken ranks"}
 FAST_WORKER = {"tokenizers": "fastokens-json", "tiktoken": "fastokens-tiktoken"}  # _raw_limit.py --backend
 RAW = "raw limit (baseline)"
+GIGA_WORKER = {"tokenizers": "gigatoken-json", "tiktoken": "gigatoken-tiktoken"}
 FAST_RAW = "raw limit of the fast engine"
+GIGA_RAW = "raw limit of gigatoken"  # its encode_batch over the same texts, special tokens as text
+FASTOKENS_BUILD = "streampack build, fastokens"  # --tokenizer-engine fastokens: auto before gigatoken
 FAST_AS_BUILT = "the fast engine as a build calls it"  # two calls at once, a thread each, 1 MiB batches
 PIECES = "reference: raw call over the build's pieces"
 NO_ENGINE = "the build without its engine"  # _build_without_engine.py: the engine's calls stubbed, no check
@@ -118,6 +121,7 @@ def raw_limit(
     fast: bool = False,
     pieces: bool = False,
     as_built: bool = False,
+    giga: bool = False,
 ) -> Row:
     """Raw limit: encode-only seconds of a batch call, texts loaded first.
 
@@ -125,10 +129,12 @@ def raw_limit(
     the group's own library's (the baseline). With ``pieces``, a reference row rather than the baseline:
     the texts cut as the build cuts them. With ``as_built`` (and ``fast``), a reference row too: the fast
     engine called as a build calls it (two calls at once of one thread each, batches of 1 MiB of text).
+    ``giga``: gigatoken's batch call on the same file, as a build loads it.
     """
-    worker = FAST_WORKER[backend] if fast else backend
+    worker = GIGA_WORKER[backend] if giga else FAST_WORKER[backend] if fast else backend
     method = (FAST_AS_BUILT if as_built else FAST_RAW) if fast else PIECES if pieces else RAW
-    row = Row(method, backend, "fastokens" if fast else backend, corpus.text_mb)
+    method = GIGA_RAW if giga else method
+    row = Row(method, backend, "gigatoken" if giga else "fastokens" if fast else backend, corpus.text_mb)
     cmd = [sys.executable, str(HERE / "_raw_limit.py"), "--backend", worker, "--corpus", corpus.path]
     built = ["--calls", "2", "--batch-chars", str(1 << 20), "--threads", "1"] if as_built else []
     m = run([*cmd, "--tokenizer", tokenizer, *(["--build-pieces"] if pieces else []), *built])
@@ -164,15 +170,17 @@ def streampack_build(
     *,
     auto: bool,
     extra: Sequence[str] = (),
+    engine: str | None = None,
 ) -> Row:
     """One ``streampack build`` of ``corpus``; its tokens and engine are read back with ``info --json``.
 
     ``auto``: the default engine (no ``--tokenizer-engine``), with ``--profile`` where the CLI has it;
-    else ``--tokenizer-engine <backend>``, the tokenizer's own library.
+    else ``--tokenizer-engine <engine>`` (default: ``backend``, the tokenizer's own library).
     """
-    engine = [] if auto else ["--tokenizer-engine", backend]
-    extra = [*engine, *(["--profile"] if auto and cli.profile else []), *extra]
-    row = Row(AUTO if auto else BUILD, backend, "auto" if auto else backend, corpus.text_mb, scale=scale)
+    chosen = [] if auto else ["--tokenizer-engine", engine or backend]
+    extra = [*chosen, *(["--profile"] if auto and cli.profile else []), *extra]
+    method = AUTO if auto else BUILD if engine is None else f"streampack build, {engine}"
+    row = Row(method, backend, "auto" if auto else engine or backend, corpus.text_mb, scale=scale)
     if cli.why_not:
         row.note = cli.why_not
         return row

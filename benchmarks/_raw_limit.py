@@ -20,8 +20,11 @@ With ``--calls 2 --batch-chars 1048576 --threads 1`` the fast engine is called a
 calls at once, one thread each, on batches of ~1 MiB of text (on 2 cores its fastest way: 1.3-1.5x the
 speed of one call of two threads on 1000 documents).
 
-Usage: ``python benchmarks/_raw_limit.py --backend tokenizers|tiktoken|fastokens-json|fastokens-tiktoken
---corpus FILE``
+``gigatoken-json`` / ``gigatoken-tiktoken``: gigatoken's ``encode_batch`` on the same file, as a text-mode
+build loads it, on all cores.
+
+Usage: ``python benchmarks/_raw_limit.py --backend tokenizers|tiktoken|fastokens-json|fastokens-tiktoken|
+gigatoken-json|gigatoken-tiktoken --corpus FILE``
 """
 
 from __future__ import annotations
@@ -34,7 +37,14 @@ from pathlib import Path
 
 from _backends import TIKTOKEN_GPT2, TOKENIZERS_GPT2, iter_texts, load_tiktoken
 
-BACKENDS = ("tokenizers", "tiktoken", "fastokens-json", "fastokens-tiktoken")
+BACKENDS = (
+    "tokenizers",
+    "tiktoken",
+    "fastokens-json",
+    "fastokens-tiktoken",
+    "gigatoken-json",
+    "gigatoken-tiktoken",
+)
 
 
 def time_tokenizers(texts: list[str], path: str, batch: int) -> tuple[float, int]:
@@ -117,6 +127,32 @@ def time_fastokens(
     return seconds, tokens
 
 
+def time_gigatoken(texts: list[str], path: str, batch: int, ranks: bool) -> tuple[float, int]:
+    """Return (seconds spent in gigatoken's ``encode_batch``, tokens produced), on all cores, loaded as a
+    build loads it in text mode: a ``tokenizer.json`` without its added tokens, or ranks split by
+    gigatoken's scheme for their pattern, with no special tokens."""
+    import gigatoken
+
+    from streampack.tokenizer.hf import gigatoken_form
+    from streampack.tokenizer.proofs import GIGATOKEN_SCHEMES
+
+    if ranks:
+        pattern = json.loads(Path(path).with_suffix(".json").read_text())["pat_str"]
+        tok = gigatoken.Tokenizer.from_tiktoken(
+            path, pretokenizer=GIGATOKEN_SCHEMES[pattern], special_tokens={}
+        )
+    else:
+        tok = gigatoken.Tokenizer.from_json(gigatoken_form(Path(path).read_text(), parse_special=False))
+    seconds, tokens = 0.0, 0
+    for i in range(0, len(texts), batch):
+        start = time.perf_counter()
+        ids = tok.encode_batch(texts[i : i + batch], parallel=True)
+        seconds += time.perf_counter() - start
+        tokens += len(ids.layout.content)
+        del ids
+    return seconds, tokens
+
+
 def _by_chars(texts: list[str], size: int) -> list[list[str]]:
     """``texts`` in batches of about ``size`` characters (as a build's blocks)."""
     batches: list[list[str]] = [[]]
@@ -146,7 +182,7 @@ def main() -> None:
     if args.build_pieces and args.backend.startswith("fastokens"):
         parser.error("--build-pieces takes --backend tokenizers or tiktoken")
 
-    tokenizers = args.backend in ("tokenizers", "fastokens-json")
+    tokenizers = args.backend in ("tokenizers", "fastokens-json", "gigatoken-json")
     path = args.tokenizer or (TOKENIZERS_GPT2 if tokenizers else TIKTOKEN_GPT2)
     texts = list(iter_texts(args.corpus))
     if args.build_pieces:
@@ -163,6 +199,8 @@ def main() -> None:
         seconds, tokens = time_fastokens(
             texts, path, args.batch, ranks=not tokenizers, calls=args.calls, batch_chars=args.batch_chars
         )
+    elif args.backend.startswith("gigatoken"):
+        seconds, tokens = time_gigatoken(texts, path, args.batch, ranks=not tokenizers)
     elif tokenizers:
         seconds, tokens = time_tokenizers(texts, path, args.batch)
     else:

@@ -51,6 +51,8 @@ from _build_rows import (
     BUILD,
     FAST_AS_BUILT,
     FAST_RAW,
+    FASTOKENS_BUILD,
+    GIGA_RAW,
     HERE,
     KIND,
     NO_ENGINE,
@@ -460,10 +462,12 @@ def measure_group(
         if scale not in scaled:
             scaled[scale] = scale_corpus(corpus, scale, tmp)
 
-    def build_once(auto: bool, scale: int = first) -> Row:
+    def build_once(auto: bool, scale: int = first, engine: str | None = None) -> Row:
         out = tmp / "streampack-out"
         extra = args.build_args.split()
-        return streampack_build(cli, backend, spec, scaled[scale], scale, out, auto=auto, extra=extra)
+        return streampack_build(
+            cli, backend, spec, scaled[scale], scale, out, auto=auto, extra=extra, engine=engine
+        )
 
     log(f"{KIND[backend]}: raw limits and streampack builds at {first}x, {args.repeats} repeat(s)")
     rows = rotated(
@@ -471,7 +475,9 @@ def measure_group(
         {
             RAW: lambda: raw_limit(backend, corpus, source),
             FAST_RAW: lambda: raw_limit(backend, corpus, source, fast=True),
+            GIGA_RAW: lambda: raw_limit(backend, corpus, source, giga=True),
             BUILD: lambda: build_once(auto=False),
+            FASTOKENS_BUILD: lambda: build_once(auto=False, engine="fastokens"),  # auto before gigatoken
             AUTO: lambda: build_once(auto=True),
         },
     )

@@ -139,8 +139,9 @@ class RunOptions:
         threads: tokenizer threads per worker (default: the cores divided among the workers).
         executor: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
         tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine proven to give the
-            tokenizer's own ids: ``fastokens`` where installed and proven), ``tokenizers``, ``tiktoken`` or
-            ``fastokens``. ``BuildSummary.tokenizer_engine`` says which ran and why.
+            tokenizer's own ids: ``gigatoken``, else ``fastokens``, where installed and proven),
+            ``tokenizers``, ``tiktoken``, ``fastokens`` or ``gigatoken``. ``BuildSummary.tokenizer_engine``
+            says which ran and why.
         verify_tokens: with an engine other than the tokenizer's reference engine, re-encode with the
             reference and stop at the first difference: ``sample`` (the build's first 20 records and a
             hash-chosen 0.1 % of the rest), ``all``, or ``none``.

@@ -24,6 +24,7 @@ from streampack.tokenizer.engines import (
     FastokensLoad,
     FlatIds,
     import_fastokens,
+    import_gigatoken,
     reference_reason,
 )
 from streampack.tokenizer.pieces import CutSafety
@@ -121,7 +122,7 @@ def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
 
 class LibraryTokenizer:
     """What the tokenizers a library defines share: that library is their reference engine, and their
-    engine is it or ``fastokens``, chosen alike (:meth:`_choose_engine`).
+    engine is it, ``gigatoken`` or ``fastokens``, chosen alike (:meth:`_choose_engine`).
 
     A subclass sets ``_kind`` (for messages) and ``_wrong_library`` (the other library's engine), starts
     the fastokens load, makes its reference engine ``_reference``, then chooses its engine.
@@ -145,43 +146,69 @@ class LibraryTokenizer:
         fastokens = import_fastokens(needed=choice == "fastokens")
         return None if fastokens is None else FastokensLoad(lambda: load(fastokens), threads)
 
+    @staticmethod
+    def _gigatoken_first(choice: TokenizerEngine) -> bool:
+        """Whether gigatoken is tried before fastokens, whose load then starts only if it is refused."""
+        return choice == "gigatoken" or (choice == "auto" and import_gigatoken(needed=False))
+
     def _choose_engine(
         self,
         choice: TokenizerEngine,
-        started: FastokensLoad | None,
+        started: Callable[[], FastokensLoad | None],
         *,
+        gigatoken: Callable[[], Engine],
+        gigatoken_problem: Callable[[], str],
         problem: Callable[[], str],
         split_special: bool,
         refusal: str,
     ) -> tuple[Engine, str]:
-        """The reference engine, or ``fastokens`` where it is installed and proven to give the same ids in
-        this special-token mode; and why.
+        """The first of ``gigatoken``, ``fastokens`` and the reference engine that is installed and proven to
+        give the reference's ids in this special-token mode (or the one asked for); and why.
 
         Args:
             choice: the engine asked for.
-            started: the load :meth:`_start_fastokens` started.
+            started: the load :meth:`_start_fastokens` started (it starts it where it has not).
+            gigatoken: makes the gigatoken engine (raises :class:`TokenizerError` where it cannot load).
+            gigatoken_problem: why gigatoken may not give the ids (``""``: proven to).
             problem: why fastokens may not give the ids (``""``: proven to).
             split_special: special-token strings are text.
-            refusal: the start of the error when fastokens is asked for and not proven.
+            refusal: the start of the error when an engine is asked for and not proven, ``{engine}`` in it.
         """
         library = self._reference.name
         if choice == self._wrong_library:
             raise TokenizerError(
-                f"tokenizer {self.spec!r} is {self._kind}: its engines are {library} and fastokens (got "
-                f"tokenizer_engine={choice!r})"
+                f"tokenizer {self.spec!r} is {self._kind}: its engines are {library}, fastokens and "
+                f"gigatoken (got tokenizer_engine={choice!r})"
             )
-        if started is None:
-            return self._reference, reference_reason(choice)
         mode = "text" if split_special else "parse"
+        proven = f"proven exact for this tokenizer in {mode} mode"
+        refused = []
+        if self._gigatoken_first(choice) and import_gigatoken(needed=choice == "gigatoken"):
+            why = gigatoken_problem()
+            if not why:
+                try:
+                    return gigatoken(), proven
+                except TokenizerError as e:
+                    why = str(e)
+            if choice == "gigatoken":
+                raise TokenizerError(
+                    f"{refusal.format(engine='gigatoken')} in {mode} mode ({why}); use "
+                    f"tokenizer_engine='auto' or '{library}'"
+                )
+            refused.append(f"gigatoken refused: {why} in {mode} mode")
+        loading = started()
+        if loading is None:
+            return self._reference, "; ".join([*refused, reference_reason(choice)])
         why = problem()
         if not why:
-            engine = FastokensEngine(started, split_special=split_special, fallback=library)
-            return engine, f"proven exact for this tokenizer in {mode} mode"
+            engine = FastokensEngine(loading, split_special=split_special, fallback=library)
+            return engine, "; ".join([proven, *refused])
         if choice == "fastokens":
             raise TokenizerError(
-                f"{refusal} in {mode} mode ({why}); use tokenizer_engine='auto' or '{library}'"
+                f"{refusal.format(engine='fastokens')} in {mode} mode ({why}); use "
+                f"tokenizer_engine='auto' or '{library}'"
             )
-        return self._reference, f"fastokens refused: {why} in {mode} mode"
+        return self._reference, "; ".join([*refused, f"fastokens refused: {why} in {mode} mode"])
 
     @property
     def cores_per_worker(self) -> int:

@@ -1,5 +1,6 @@
-"""Engines: what computes a tokenizer's ids: ``bytes``, ``tokenizers``, ``tiktoken``, or ``fastokens``, the
-fast engine, chosen only where :mod:`streampack.tokenizer.proofs` proves it gives the reference's ids."""
+"""Engines: what computes a tokenizer's ids: ``bytes``, ``tokenizers``, ``tiktoken``, or the fast engines
+``gigatoken`` and ``fastokens``, each chosen only where :mod:`streampack.tokenizer.proofs` proves it gives the
+reference's ids."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from streampack.tokenizer.choices import TokenizerEngine
 class Engine(Protocol):
     """What computes a tokenizer's ids (the tokenizer set up its special-token rule in it)."""
 
-    name: str  # the --tokenizer-engine choice: tokenizers, tiktoken, fastokens (bytes: built in)
+    name: str  # the --tokenizer-engine choice: tokenizers, tiktoken, fastokens, gigatoken (bytes: built in)
     cores_per_worker: int  # see Tokenizer.cores_per_worker
     fast_piece_chars: int | None  # see Tokenizer.fast_piece_chars
 
@@ -251,6 +252,129 @@ class FastokensEngine:
             texts, add_special_tokens=False, split_special_tokens=self._split_special
         )
         return np.frombuffer(ids, dtype=np.uint32), np.frombuffer(offsets, dtype=np.uint64).astype(np.intp)
+
+
+# What the caches of gigatoken's tokenizer may hold in one build process: a quarter of the 1 GB a build
+# process keeps under (benchmarks/bench_build.py's RSS goal).
+GIGATOKEN_CACHE_BYTES = 256 << 20
+
+
+class GigatokenEngine:
+    """``gigatoken`` (Rust): encodes byte-level BPE or tiktoken ranks ~1.5-2x faster than fastokens once its
+    caches of the pieces it has seen are warm, into a flat buffer of ids. Used only where proven exact, and
+    sampled against the reference.
+
+    Its caches grow with every new piece it meets (gigatoken 0.10.0 never empties them). Where it has
+    ``set_max_cache_bytes``, they are bounded by it; else, on Linux, this engine swaps in a fresh tokenizer
+    (caches empty) once the process's anonymous memory has grown by ``cache_bytes`` since the last load.
+    Caches never change the ids, only how fast they come.
+    """
+
+    name = "gigatoken"
+    cores_per_worker = 3  # as fastokens: a process's reading and framing keep ~3 cores busy
+    fast_piece_chars: int | None = None  # whole documents (up to the pieces' bound): its caches are per piece
+
+    def __init__(self, load: Callable[[], Any], *, threads: int | None, cache_bytes: int) -> None:
+        """Encode with the ``gigatoken.Tokenizer`` that ``load()`` makes (loaded here, its pool started with
+        ``threads`` threads, default the cores), its caches bounded by ``cache_bytes``.
+
+        Raises:
+            TokenizerError: its caches cannot be bounded on this platform, or gigatoken cannot load it.
+        """
+        try:
+            import gigatoken
+        except ImportError as e:  # found, yet broken
+            raise TokenizerError(f"gigatoken cannot be imported ({e})") from None
+        self._threads = threads or os.cpu_count() or 1
+        self._pid = os.getpid()  # a pool started before a fork has no threads in the child
+        bound = getattr(gigatoken, "set_max_cache_bytes", None)
+        self._cache_bytes: int | None = None
+        if bound is not None:  # per encode thread, for the tokenizers made from now on
+            bound(max(1, cache_bytes // self._threads))
+        elif anonymous_memory() is None:
+            raise TokenizerError(
+                f"gigatoken {self.version} cannot bound its caches on this platform (no "
+                "gigatoken.set_max_cache_bytes, no /proc/self/statm)"
+            )
+        else:
+            self._cache_bytes = cache_bytes
+        self._load = load
+        self._swap = threading.Lock()
+        self.reloads = 0  # how many times its caches were dropped
+        with _environment("RAYON_NUM_THREADS", str(self._threads)):  # its pool reads it at its first call
+            self._tok = self._loaded()
+            self._tok.encode_batch(["a b", "c d"], parallel=self._threads > 1)
+        self._ceiling = self._memory_ceiling()
+
+    def _loaded(self) -> Any:
+        try:
+            return self._load()
+        except Exception as e:  # gigatoken raises ValueError, or a bare Exception, for files it refuses
+            raise TokenizerError(f"gigatoken cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+
+    def _memory_ceiling(self) -> int:
+        """The anonymous memory past which the caches are dropped: ``cache_bytes`` more than now."""
+        memory = anonymous_memory()
+        return 1 << 62 if memory is None or self._cache_bytes is None else memory + self._cache_bytes
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        return _package_version("gigatoken")
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`."""
+        flat, offsets = self.encode_flat(texts)
+        return np.split(flat, offsets[1:-1]) if len(texts) else []
+
+    def encode_flat(self, texts: list[str]) -> FlatIds:
+        """See :class:`Engine`: its batch call's own flat buffers (an awkward array's content and offsets)."""
+        layout = self._tok.encode_batch(texts, parallel=self._threads > 1 and os.getpid() == self._pid).layout
+        offsets = np.asarray(layout.offsets.data, dtype=np.intp)
+        ids = np.asarray(layout.content.data, dtype=np.uint32)[offsets[0] : offsets[-1]]
+        if self._cache_bytes is not None:
+            self._bound_caches()
+        return ids, offsets - offsets[0]
+
+    def _bound_caches(self) -> None:
+        """Drop the caches (a fresh tokenizer) once the process's anonymous memory is past the ceiling."""
+        memory = anonymous_memory()
+        if memory is None or memory <= self._ceiling:
+            return
+        with self._swap:
+            if (anonymous_memory() or 0) > self._ceiling:  # not already dropped by the other encoder thread
+                # the old tokenizer goes when the last call that holds it returns
+                self._tok = self._loaded()
+                self._ceiling = self._memory_ceiling()
+                self.reloads += 1
+
+
+def anonymous_memory() -> int | None:
+    """This process's resident memory that no file backs, in bytes (Linux); None where it cannot be read."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            resident, shared = statm.read().split()[1:3]
+    except (OSError, ValueError):
+        return None
+    return (int(resident) - int(shared)) * os.sysconf("SC_PAGE_SIZE")
+
+
+def import_gigatoken(needed: bool) -> bool:
+    """Whether ``gigatoken`` is installed (not imported: it pulls in awkward).
+
+    Raises:
+        MissingDependencyError: it is ``needed`` and not installed.
+    """
+    from streampack.tokenizer import preload
+
+    if preload.gigatoken_installed():
+        return True
+    if needed:
+        raise MissingDependencyError(
+            "tokenizer_engine='gigatoken' needs the gigatoken package, a dependency of streampack where it "
+            "has wheels: pip install gigatoken"
+        )
+    return False
 
 
 # A build encodes this many batches at once, one fastokens call each (its ENCODING_THREADS).

@@ -13,14 +13,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from streampack.errors import TokenizerError
 from streampack.tokenizer import preload
 from streampack.tokenizer.base import LibraryTokenizer, RecurringTexts
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
-from streampack.tokenizer.engines import TokenizersEngine, text_is_whole
+from streampack.tokenizer.engines import (
+    GIGATOKEN_CACHE_BYTES,
+    GigatokenEngine,
+    TokenizersEngine,
+    text_is_whole,
+)
 from streampack.tokenizer.pieces import hf_cut_safety
-from streampack.tokenizer.proofs import ADDED_FLAGS, fastokens_mismatch_hf
+from streampack.tokenizer.proofs import ADDED_FLAGS, fastokens_mismatch_hf, gigatoken_mismatch_hf
 from streampack.tokenizer.specials import BOS_NAMES, EOS_NAMES
 
 
@@ -53,7 +59,7 @@ class HFTokenizer(LibraryTokenizer):
         self._path = path
         self._definition = path.read_bytes()
         load = partial(_load_fastokens, self._definition)
-        started = self._start_fastokens(engine, threads, load)
+        started = None if self._gigatoken_first(engine) else self._start_fastokens(engine, threads, load)
         try:
             text = self._definition.decode("utf-8")  # once: ~7 ms for GPT-2's 3.5 MB
             self._tok = _Tokenizer.from_str(text)
@@ -71,12 +77,19 @@ class HFTokenizer(LibraryTokenizer):
         self._eos_id, self._eos_problem = self._find_special("eos_token", EOS_NAMES, added_only=False)
         self._bos_id, self._bos_problem = self._find_special("bos_token", BOS_NAMES, added_only=True)
         self._reference = TokenizersEngine(self._tok, threads=threads)
+        parse = special_tokens == "parse"
         self.engine, self.engine_reason = self._choose_engine(
             engine,
-            started,
-            problem=lambda: fastokens_mismatch_hf(structure, parse_special=special_tokens == "parse"),
-            split_special=special_tokens == "text",
-            refusal=f"{self._path}: fastokens is not known to give this tokenizer's ids",
+            lambda: started or self._start_fastokens(engine, threads, load),
+            gigatoken=lambda: GigatokenEngine(
+                partial(_load_gigatoken, gigatoken_form(text, parse_special=parse)),
+                threads=threads,
+                cache_bytes=GIGATOKEN_CACHE_BYTES,
+            ),
+            gigatoken_problem=lambda: gigatoken_mismatch_hf(structure, parse_special=parse),
+            problem=lambda: fastokens_mismatch_hf(structure, parse_special=parse),
+            split_special=not parse,
+            refusal=f"{self._path}: {{engine}} is not known to give this tokenizer's ids",
         )
         if self._parsing is None and self.engine is not self._reference:
             self._reference.exclusive = self._parsing_lock  # see _parse_specials
@@ -228,6 +241,25 @@ def _load_fastokens(definition: bytes, fastokens: Any) -> Any:
     return preload.taken_or_loaded(
         definition, lambda: fastokens.Tokenizer.from_json_str(definition.decode("utf-8"))
     )
+
+
+def _load_gigatoken(form: str) -> Any:
+    """The ``gigatoken.Tokenizer`` of a ``tokenizer.json``'s text."""
+    import gigatoken
+
+    return gigatoken.Tokenizer.from_json(form)
+
+
+def gigatoken_form(text: str, *, parse_special: bool) -> str:
+    """The ``tokenizer.json`` that gigatoken loads: the file itself where special tokens are parsed, else the
+    file without its added tokens, which gigatoken matches in the text whatever their flags. (Their ids stay
+    in the model's vocabulary where they are entries of it, which no merge of the text's bytes reaches in a
+    byte-level BPE whose added tokens are all special: :func:`gigatoken_mismatch_hf`.)"""
+    if parse_special:
+        return text
+    definition = orjson.loads(text)
+    definition["added_tokens"] = []
+    return orjson.dumps(definition).decode("utf-8")
 
 
 def _json_member(text: str, key: str) -> Any:

@@ -28,7 +28,7 @@ def load_tokenizer(
         threads: threads used to encode a batch (tiktoken; Hugging Face uses its own pool).
         special_tokens: ``text`` encodes special-token strings as plain text; ``parse`` as their ids.
         engine: what computes the ids: ``auto`` (the fastest engine known to give exactly the reference
-            engine's ids for this tokenizer), ``tokenizers``, ``tiktoken`` or ``fastokens``.
+            engine's ids for this tokenizer), ``tokenizers``, ``tiktoken``, ``fastokens`` or ``gigatoken``.
 
     Raises:
         TokenizerError: the spec names no usable tokenizer.

@@ -63,6 +63,8 @@ def start(spec: object, engine: object = "auto") -> bool:
         return False
     if importlib.util.find_spec("fastokens") is None:
         return False
+    if engine == "auto" and gigatoken_installed():
+        return False  # gigatoken is tried first, and fastokens loaded only where it is refused
     if isinstance(spec, str) and spec.startswith(TIKTOKEN_PREFIX):
         return _start_tiktoken(Path(spec.removeprefix(TIKTOKEN_PREFIX)))
     path = Path(spec)
@@ -75,6 +77,11 @@ def start(spec: object, engine: object = "auto") -> bool:
     except (OSError, ValueError):  # the command's own load says what is wrong with the file, in its words
         return False
     return _begin(definition, lambda fastokens: fastokens.Tokenizer.from_json_str(definition.decode("utf-8")))
+
+
+def gigatoken_installed() -> bool:
+    """Whether ``gigatoken`` can be imported (found, not imported: it pulls in awkward)."""
+    return importlib.util.find_spec("gigatoken") is not None
 
 
 def _start_tiktoken(ranks: Path) -> bool:

@@ -1,13 +1,21 @@
-"""Where the fast engine (``fastokens``) is proven to give a tokenizer's ids: for each special-token mode, the
-structure of a ``tokenizer.json`` or of a tiktoken encoding that it is known to reproduce exactly, and why
-not where it is not (measured in tests/test_tokenizer_engines.py).
+"""Where the fast engines (``gigatoken``, ``fastokens``) are proven to give a tokenizer's ids: for each
+special-token mode, the structure of a ``tokenizer.json`` or of a tiktoken encoding that each is known to
+reproduce exactly, and why not where it is not (measured in tests/test_tokenizer_engines.py and
+tests/test_gigatoken.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from streampack.tokenizer.pieces import PROVEN_SPLIT_PATTERNS
+from streampack.tokenizer.pieces import (
+    CL100K_CASELESS,
+    CL100K_LISTED,
+    GPT2_SPLIT_PATTERNS,
+    O200K_CASELESS,
+    O200K_LISTED,
+    PROVEN_SPLIT_PATTERNS,
+)
 
 
 def fastokens_mismatch_hf(structure: dict[str, Any], *, parse_special: bool) -> str:
@@ -42,6 +50,51 @@ def fastokens_mismatch_hf(structure: dict[str, Any], *, parse_special: bool) -> 
     if not parse_special:
         return ""  # special-token strings are text: no added token is matched
     return _matched_added_problem(added)
+
+
+def gigatoken_mismatch_hf(structure: dict[str, Any], *, parse_special: bool) -> str:
+    """Why ``gigatoken`` may not give a ``tokenizer.json``'s ids in a special-token mode; ``""`` when it is
+    proven to.
+
+    gigatoken always matches the added tokens in the text, so text mode runs a form of the file without
+    them (:func:`streampack.tokenizer.hf.gigatoken_form`); that form is exact under the conditions that make
+    fastokens exact in text mode (the same byte-level BPE). In parse mode it matches them as ``tokenizers``
+    does under fastokens' conditions (lstrip and rstrip included), except a ``single_word`` token, which it
+    matches inside words too (measured in tests/test_gigatoken.py).
+    """
+    problem = fastokens_mismatch_hf(structure, parse_special=parse_special)
+    if problem or not parse_special:
+        return problem
+    word = next((t["content"] for t in structure["added_tokens"] if t["single_word"]), None)
+    return (
+        ""
+        if word is None
+        else f"the added token {word!r} is single_word, which gigatoken matches inside words"
+    )
+
+
+# tiktoken's split patterns that gigatoken splits by a scheme of its own, by the name it gives the scheme.
+GIGATOKEN_SCHEMES = {
+    **dict.fromkeys(GPT2_SPLIT_PATTERNS, "gpt2"),
+    CL100K_LISTED: "gpt4",
+    CL100K_CASELESS: "gpt4",
+    O200K_LISTED: "o200k",
+    O200K_CASELESS: "o200k",
+}
+
+
+def gigatoken_mismatch_tiktoken(pattern: str, specials: dict[str, int], *, parse_special: bool) -> str:
+    """Why ``gigatoken`` may not give a tiktoken encoding's ids in a special-token mode; ``""`` when its split
+    pattern is one gigatoken splits by a scheme of its own (:data:`GIGATOKEN_SCHEMES`: GPT-2's, cl100k's,
+    o200k's) and, where special tokens are parsed, no two of them overlap. Text mode loads no special
+    tokens into it, so none can match."""
+    if pattern not in GIGATOKEN_SCHEMES:
+        return "its pat_str is not GPT-2's, cl100k's or o200k's"
+    if parse_special:
+        overlap = _overlapping(list(specials))
+        if overlap:
+            return f"the special tokens {overlap[0]!r} and {overlap[1]!r} overlap"
+    return ""
 
 
 def fastokens_mismatch_tiktoken(pattern: str, specials: dict[str, int], *, parse_special: bool) -> str:

@@ -7,6 +7,7 @@ import binascii
 import hashlib
 import json
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,14 @@ from streampack.errors import MissingDependencyError, TokenizerError
 from streampack.tokenizer import preload
 from streampack.tokenizer.base import LibraryTokenizer
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
-from streampack.tokenizer.engines import RoutedEngine, TiktokenEngine
+from streampack.tokenizer.engines import GIGATOKEN_CACHE_BYTES, GigatokenEngine, RoutedEngine, TiktokenEngine
 from streampack.tokenizer.fast_forms import fast_split, load_fast_tiktoken
 from streampack.tokenizer.pieces import tiktoken_cut_safety
-from streampack.tokenizer.proofs import fastokens_mismatch_tiktoken
+from streampack.tokenizer.proofs import (
+    GIGATOKEN_SCHEMES,
+    fastokens_mismatch_tiktoken,
+    gigatoken_mismatch_tiktoken,
+)
 from streampack.tokenizer.specials import EOS_NAMES
 
 
@@ -74,7 +79,7 @@ class TiktokenTokenizer(LibraryTokenizer):
                 lambda: load_fast_tiktoken(fastokens, ranks, mergeable_ranks, pattern, specials),
             )
 
-        started = self._start_fastokens(engine, threads, load)
+        started = None if self._gigatoken_first(engine) else self._start_fastokens(engine, threads, load)
         try:
             self._enc = tiktoken.Encoding(
                 ranks.stem,
@@ -92,15 +97,22 @@ class TiktokenTokenizer(LibraryTokenizer):
         self._allowed = set(specials) if special_tokens == "parse" else set()
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
+        parse = special_tokens == "parse"
         chosen, self.engine_reason = self._choose_engine(
             engine,
-            started,
-            problem=lambda: fastokens_mismatch_tiktoken(pattern, specials, parse_special=bool(self._allowed)),
-            split_special=not self._allowed,
-            refusal=f"{ranks}: fastokens is not known to give this encoding's ids",
+            lambda: started or self._start_fastokens(engine, threads, load),
+            gigatoken=lambda: GigatokenEngine(
+                partial(_load_gigatoken, ranks, GIGATOKEN_SCHEMES[pattern], specials if parse else {}),
+                threads=threads,
+                cache_bytes=GIGATOKEN_CACHE_BYTES,
+            ),
+            gigatoken_problem=lambda: gigatoken_mismatch_tiktoken(pattern, specials, parse_special=parse),
+            problem=lambda: fastokens_mismatch_tiktoken(pattern, specials, parse_special=parse),
+            split_special=not parse,
+            refusal=f"{ranks}: {{engine}} is not known to give this encoding's ids",
         )
         split = fast_split(pattern)
-        if split is not None and split.exact_for and chosen is not self._reference:
+        if split is not None and split.exact_for and chosen.name == "fastokens":
             chosen = RoutedEngine(chosen, self._reference, split.exact_for)
             self.engine_reason += (
                 "; texts holding U+017F (long s, where its fast form splits otherwise) by tiktoken"
@@ -123,6 +135,13 @@ class TiktokenTokenizer(LibraryTokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`."""
         return self._enc.decode(list(ids))
+
+
+def _load_gigatoken(ranks: Path, scheme: str, specials: dict[str, int]) -> Any:
+    """The ``gigatoken.Tokenizer`` of a ranks file, split by gigatoken's ``scheme``, matching ``specials``."""
+    import gigatoken
+
+    return gigatoken.Tokenizer.from_tiktoken(str(ranks), pretokenizer=scheme, special_tokens=dict(specials))
 
 
 def _read_sidecar(path: Path, ranks: dict[bytes, int]) -> tuple[str, dict[str, int], int | None]:
