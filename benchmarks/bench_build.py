@@ -51,8 +51,8 @@ from _build_rows import (
     BUILD,
     FAST_AS_BUILT,
     FAST_RAW,
-    FASTOKENS_BUILD,
     GIGA_RAW,
+    GIGATOKEN_BUILD,
     HERE,
     KIND,
     NO_ENGINE,
@@ -477,7 +477,7 @@ def measure_group(
             FAST_RAW: lambda: raw_limit(backend, corpus, source, fast=True),
             GIGA_RAW: lambda: raw_limit(backend, corpus, source, giga=True),
             BUILD: lambda: build_once(auto=False),
-            FASTOKENS_BUILD: lambda: build_once(auto=False, engine="fastokens"),  # auto before gigatoken
+            GIGATOKEN_BUILD: lambda: build_once(auto=False, engine="gigatoken"),
             AUTO: lambda: build_once(auto=True),
         },
     )

@@ -299,9 +299,3 @@ def megatron_export(natural: streampack.Cache, tmp_path_factory: pytest.TempPath
     prefix = tmp_path_factory.mktemp("megatron") / "corpus"
     natural.export("megatron", prefix)
     return prefix
-
-
-@pytest.fixture
-def no_gigatoken(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process as where gigatoken has no wheels: ``auto`` tries fastokens first (its tests' setting)."""
-    monkeypatch.setattr("streampack.tokenizer.preload.gigatoken_installed", lambda: False)

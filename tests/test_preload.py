@@ -16,8 +16,6 @@ from streampack.tokenizer.preload import named_by_command
 from tests.conftest import TIKTOKEN_GPT2, run_cli, shard_bytes, write_jsonl
 
 pytest.importorskip("fastokens")
-# fastokens as ``auto`` meets it where gigatoken has no wheels (gigatoken first: tests/test_gigatoken.py)
-pytestmark = pytest.mark.usefixtures("no_gigatoken")
 
 
 @pytest.mark.parametrize(

@@ -348,7 +348,7 @@ def test_cli_which_prints_the_table_and_json(tmp_path: Path, bpe_tokenizer: Path
     next(iter(accumulating))
     state.write_text(json.dumps(accumulating.state_dict()))
     noted = run_cli("which", cache, "--seq-len", "16", "--seed", "4", "--state", state, "--step", "5").stdout
-    assert "note: the trainer took 2 batches a step: --step counts batches, so this is batch 2 of 2 of " in noted
+    assert "note: the trainer took 2 batches a step: --step counts batches, so this is batch 2 of 2 " in noted
     missing = run_cli("which", cache, "--seq-len", "16", "--batch-size", "8", check=False)
     assert missing.returncode == 2 and "give --step N" in missing.stderr
 

@@ -28,8 +28,6 @@ from tests.conftest import SAMPLE_CORPUS, TIKTOKEN_GPT2
 tiktoken = pytest.importorskip("tiktoken")
 tiktoken_load = pytest.importorskip("tiktoken.load")
 fastokens = pytest.importorskip("fastokens")
-# fastokens as ``auto`` meets it where gigatoken has no wheels (gigatoken first: tests/test_gigatoken.py)
-pytestmark = pytest.mark.usefixtures("no_gigatoken")
 
 ENCODINGS = ("cl100k_base", "o200k_base")
 

@@ -138,10 +138,10 @@ class RunOptions:
         workers: worker processes (default: see :func:`streampack.builder.running.default_workers`).
         threads: tokenizer threads per worker (default: the cores divided among the workers).
         executor: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
-        tokenizer_engine: what computes the token ids: ``auto`` (the fastest engine proven to give the
-            tokenizer's own ids: ``gigatoken``, else ``fastokens``, where installed and proven),
-            ``tokenizers``, ``tiktoken``, ``fastokens`` or ``gigatoken``. ``BuildSummary.tokenizer_engine``
-            says which ran and why.
+        tokenizer_engine: what computes the token ids: ``auto`` (``fastokens`` where installed and proven
+            to give the tokenizer's own ids, else the tokenizer's library), ``tokenizers``, ``tiktoken``,
+            ``fastokens`` or ``gigatoken`` (only when named). ``BuildSummary.tokenizer_engine`` says which
+            ran and why.
         verify_tokens: with an engine other than the tokenizer's reference engine, re-encode with the
             reference and stop at the first difference: ``sample`` (the build's first 20 records and a
             hash-chosen 0.1 % of the rest), ``all``, or ``none``.

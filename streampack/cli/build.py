@@ -172,10 +172,10 @@ FLAGS = [
     Flag("ray_address", "Ray cluster address [default: a running one, else a new local one]."),
     Flag(
         "tokenizer_engine",
-        "What computes the token ids (the same ids whichever): auto picks gigatoken, else fastokens, where "
-        "installed (dependencies where they have wheels) and proven to reproduce the tokenizer exactly in "
-        "this special-token mode, else the tokenizer's own library (tokenizers for a tokenizer.json, "
-        "tiktoken for tiktoken:); build and info say which ran and why.",
+        "What computes the token ids (the same ids whichever): auto picks fastokens where installed (a "
+        "dependency where it has wheels) and proven to reproduce the tokenizer exactly in this special-token "
+        "mode, else the tokenizer's own library (tokenizers for a tokenizer.json, tiktoken for tiktoken:); "
+        "gigatoken (the fast extra) runs only when named. build and info say which ran and why.",
     ),
     Flag(
         "verify_tokens",

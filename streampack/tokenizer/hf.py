@@ -59,7 +59,7 @@ class HFTokenizer(LibraryTokenizer):
         self._path = path
         self._definition = path.read_bytes()
         load = partial(_load_fastokens, self._definition)
-        started = None if self._gigatoken_first(engine) else self._start_fastokens(engine, threads, load)
+        started = self._start_fastokens(engine, threads, load)
         try:
             text = self._definition.decode("utf-8")  # once: ~7 ms for GPT-2's 3.5 MB
             self._tok = _Tokenizer.from_str(text)

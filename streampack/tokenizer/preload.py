@@ -63,8 +63,6 @@ def start(spec: object, engine: object = "auto") -> bool:
         return False
     if importlib.util.find_spec("fastokens") is None:
         return False
-    if engine == "auto" and gigatoken_installed():
-        return False  # gigatoken is tried first, and fastokens loaded only where it is refused
     if isinstance(spec, str) and spec.startswith(TIKTOKEN_PREFIX):
         return _start_tiktoken(Path(spec.removeprefix(TIKTOKEN_PREFIX)))
     path = Path(spec)

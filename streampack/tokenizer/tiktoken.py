@@ -79,7 +79,7 @@ class TiktokenTokenizer(LibraryTokenizer):
                 lambda: load_fast_tiktoken(fastokens, ranks, mergeable_ranks, pattern, specials),
             )
 
-        started = None if self._gigatoken_first(engine) else self._start_fastokens(engine, threads, load)
+        started = self._start_fastokens(engine, threads, load)
         try:
             self._enc = tiktoken.Encoding(
                 ranks.stem,
