@@ -85,10 +85,11 @@ def check_context_parallel(cp_size: int, sources: list[Any]) -> None:
             )
 
 
-def cp_columns(starts: np.ndarray, lengths: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:
-    """The flat positions CP rank ``cp_rank`` takes of a batch whose segments start at ``starts`` (flat,
-    ascending) with ``lengths``: per segment, chunks ``cp_rank`` and ``2*cp_size-1-cp_rank`` of its
-    ``2 * cp_size``.
+def cp_columns(starts: np.ndarray, lengths: np.ndarray, size: int, cp_size: int, cp_rank: int) -> np.ndarray:
+    """Which of the ``size`` flat positions of a batch CP rank ``cp_rank`` takes (a ``bool`` mask), the
+    batch's segments starting at ``starts`` (flat, ascending) with ``lengths``: per segment, chunks
+    ``cp_rank`` and ``2*cp_size-1-cp_rank`` of its ``2 * cp_size``. Both lie in order in their segment, so
+    the rank's tokens are the masked ones in flat order.
 
     Raises:
         ValueError: a segment's length is not a multiple of ``2 * cp_size``.
@@ -101,12 +102,13 @@ def cp_columns(starts: np.ndarray, lengths: np.ndarray, cp_size: int, cp_rank: i
             f"into {parts} equal chunks for cp_size={cp_size}"
         )
     chunk = lengths // parts
-    heads = starts + cp_rank * chunk
-    tails = starts + (parts - 1 - cp_rank) * chunk
-    firsts = np.stack([heads, tails], axis=1).reshape(-1)
-    counts = np.repeat(chunk, 2)
-    offsets = np.cumsum(counts) - counts
-    return np.repeat(firsts - offsets, counts) + np.arange(int(counts.sum()), dtype=np.int64)
+    # Per segment, five runs: chunks before the head, the head, between, the tail, after it.
+    runs = np.stack([cp_rank * chunk, chunk, (parts - 2 - 2 * cp_rank) * chunk, chunk, cp_rank * chunk], 1)
+    taken = np.tile(np.array([False, True, False, True, False]), len(lengths))
+    mask = np.repeat(taken, runs.reshape(-1))
+    if len(mask) != size or (len(starts) and starts[0] != 0):
+        raise ValueError(f"the segments cover {len(mask)} positions of a batch of {size}")
+    return mask
 
 
 def split_for_cp(
@@ -120,13 +122,14 @@ def split_for_cp(
     names)."""
     labels = batch["labels"]
     rows, columns = labels.shape
-    shift = np.full_like(labels, -100)
+    shift = np.empty_like(labels)
     shift[:, :-1] = labels[:, 1:]
-    take = cp_columns(starts, lengths, cp_size, cp_rank)
+    shift[:, -1] = -100
+    take = cp_columns(starts, lengths, rows * columns, cp_size, cp_rank).reshape(rows, columns)
     out = dict(batch)
     for key, value in (*batch.items(), ("shift_labels", shift)):
         if isinstance(value, np.ndarray) and value.shape == (rows, columns):
-            out[key] = value.reshape(-1)[take].reshape(rows, columns // cp_size)
+            out[key] = value[take].reshape(rows, columns // cp_size)
     local = lengths // cp_size
     cu = np.concatenate([[0], np.cumsum(local)]).astype(np.int32)
     longest = int(local.max()) if local.size else 0
