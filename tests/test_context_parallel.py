@@ -144,6 +144,8 @@ def check_parallel_run(cache: Any, run: Run, workers: int | None = None) -> None
         report = audit(state, _real(cache, run.legs[0].samples))  # type: ignore[arg-type]
         assert report.clean, report.text()
         assert sum(source.samples for source in report.sources) == model.position
+        balanced = any(getattr(leg, "balance", "rows") == "attention" for leg in run.legs)
+        assert ("rows balanced by attention cost" in report.text()) == balanced, report.text()
 
 
 @pytest.mark.slow
