@@ -18,7 +18,10 @@ The rules, in the words of the documentation they come from:
     (ties in document order), each into the open bin with the least room that fits it (ties: the bin
     that reached that room last), else a new bin; bins in the order they were opened, each holding its
     pieces in the order they went in, then padding with ``pad_id`` (the EOS id by default, else 0);
-  - documents: one piece per sample, padded the same way.
+  - documents: one piece per sample, padded the same way;
+  - with ``pad_multiple=N``, every piece takes its length rounded up to a multiple of ``N`` (best-fit
+    counts that size, and orders pieces by it): its *fill* of ``pad_id`` belongs to its segment (position
+    ids count on through it) and is no target.
 * **Order**: position ``p`` of a run over ``N`` samples is sample ``Permutation(N, seed, epoch)(p mod N)``
   of epoch ``p // N`` (``p mod N`` without shuffle); ``epochs=E`` ends the run at ``E * N``.
 * **Batches**: the global batch at ``p`` is positions ``[p, p + B)``; at a run's end a partial one,
@@ -38,6 +41,11 @@ The rules, in the words of the documentation they come from:
   consecutive units of the rank's slice, each unit a segment of its own; joining units whose windows
   overlap, or in ``output="numpy"`` (no labels mask a join), is refused. A schedule's length for the
   batch at ``p`` is the one in force at token ``p * U``.
+* **Parallel** (``cp_size``, ``balance``; the section at the end). ``balance="attention"``: a global
+  batch's rows go to the ranks longest-processing-time first by cost (the squared lengths of a row's
+  document segments, fills included), each rank keeping its even count of rows. ``cp_size=C``: CP rank
+  ``c`` is served, of every row, chunks ``c`` and ``2C-1-c`` of each segment cut in ``2C``, with their
+  labels, position ids and ``shift_labels`` (the next column's label), and its own ``cu_seqlens``.
 * **Follow** (training while the build runs; the section at the end). A build's units lie in the stream
   in unit order; its *committed prefix* is every document of the units before the first unfinished one,
   then the documents that one has committed. A Follow serves the samples of the *finished* cache (the
@@ -148,16 +156,19 @@ Piece = tuple[int, int, int]  # (document, first token, tokens)
 
 @dataclass(frozen=True)
 class Sample:
-    """Some documents' tokens, piece after piece, then ``pad`` tokens of ``pad_id``."""
+    """Some documents' tokens, piece after piece (each followed by its fill of ``pad_id`` up to a multiple
+    of ``multiple``), then ``pad`` tokens of ``pad_id``."""
 
     pieces: tuple[Piece, ...]
     pad: int = 0
     pad_id: int = 0
+    multiple: int = 1
 
     def tokens(self, corpus: Corpus) -> list[int]:
         out = []
         for doc, first, count in self.pieces:
             out += corpus.docs[doc][first : first + count]
+            out += [self.pad_id] * (padded(count, self.multiple) - count)
         return out + [self.pad_id] * self.pad
 
     def documents(self) -> set[int]:
@@ -204,6 +215,7 @@ class Whole:
     too_long: str
     no_target: str = "keep"
     pad_id: int | None = None
+    pad_multiple: int = 1
 
     overlap = 0
 
@@ -233,9 +245,11 @@ class Whole:
     def samples(self, corpus: Corpus) -> list[Sample]:
         pieces = self.pieces(corpus)
         pad_id = self.pad_id if self.pad_id is not None else (corpus.eos if corpus.eos is not None else 0)
-        bins = _best_fit_decreasing(pieces, self.seq_len) if self.packed else [[p] for p in pieces]
+        m = self.pad_multiple
+        bins = _best_fit_decreasing(pieces, self.seq_len, m) if self.packed else [[p] for p in pieces]
         return [
-            Sample(tuple(content), self.seq_len - sum(c for _, _, c in content), pad_id) for content in bins
+            Sample(tuple(content), self.seq_len - sum(padded(c, m) for _, _, c in content), pad_id, m)
+            for content in bins
         ]
 
 
@@ -245,12 +259,13 @@ def _has_target(corpus: Corpus, piece: Piece) -> bool:
     return any(corpus.mark(doc, t) for t in range(first + 1, first + count))
 
 
-def _best_fit_decreasing(pieces: list[Piece], capacity: int) -> list[list[Piece]]:
+def _best_fit_decreasing(pieces: list[Piece], capacity: int, multiple: int = 1) -> list[list[Piece]]:
+    """Best-fit decreasing of the pieces at their sizes: lengths rounded up to a multiple of ``multiple``."""
     assert len(pieces) < 1 << 16, "the model packs one chunk of pieces"
     bins: list[dict[str, Any]] = []
     clock = 0
-    for index in sorted(range(len(pieces)), key=lambda i: -pieces[i][2]):
-        size = pieces[index][2]
+    for index in sorted(range(len(pieces)), key=lambda i: -padded(pieces[i][2], multiple)):
+        size = padded(pieces[index][2], multiple)
         fits = [b for b in bins if b["room"] > 0 and size <= b["room"]]
         if fits:
             least = min(b["room"] for b in fits)
@@ -513,9 +528,10 @@ def row_of(corpus: Corpus, sample: Sample, width: int, position: int, source: in
     marks: list[bool] = []
     column = 0
     for doc, first, count in sample.pieces:
-        segments.append((doc, column, count, first, position, source))
-        marks += [corpus.mark(doc, t) for t in range(first, first + count)]
-        column += count
+        size = padded(count, sample.multiple)  # its fill belongs to its segment, and is no target
+        segments.append((doc, column, size, first, position, source))
+        marks += [corpus.mark(doc, t) for t in range(first, first + count)] + [False] * (size - count)
+        column += size
     if sample.pad:
         segments.append((-1, column, sample.pad, 0, position, source))
         marks += [False] * sample.pad
@@ -1192,3 +1208,104 @@ class FollowMixModel:
         if self.run.output == "numpy":
             return np.asarray([row.tokens for row in served], dtype=np.int64).reshape(len(served), width)
         return as_dict(served, self.masks, self.run.output, self.run.web[1].seq_len)
+
+
+# --- parallel: padding to a multiple, context parallelism, balance by attention cost --------------------
+
+
+def padded(count: int, multiple: int) -> int:
+    """``count`` rounded up to a multiple of ``multiple``."""
+    return -(-count // multiple) * multiple
+
+
+def attention_cost(row: Row) -> int:
+    """The sum of the squared lengths of a row's document segments (fills included, padding not)."""
+    return sum(count * count for doc, _, count, *_ in row.segments if doc >= 0)
+
+
+def balanced(costs: Sequence[int], world_size: int) -> list[int]:
+    """The rank of each row (``costs`` in position order): rows by decreasing cost, ties by position, each
+    to the rank with the least cost so far among those with rows left (ties: the lowest rank); rank ``r``
+    takes ``(r+1)*n//W - r*n//W`` rows."""
+    n = len(costs)
+    room = [(r + 1) * n // world_size - r * n // world_size for r in range(world_size)]
+    load = [0] * world_size
+    ranks = [-1] * n
+    for row in sorted(range(n), key=lambda i: (-costs[i], i)):
+        rank = min((r for r in range(world_size) if room[r]), key=lambda r: (load[r], r))
+        ranks[row], room[rank], load[rank] = rank, room[rank] - 1, load[rank] + costs[row]
+    return ranks
+
+
+def cp_part(batch: dict[str, Any], rows: Sequence[Row], cp_size: int, cp_rank: int) -> dict[str, Any]:
+    """CP rank ``cp_rank``'s part of a dict batch of whole ``rows``: of every segment cut in ``2*cp_size``
+    chunks, chunks ``cp_rank`` and ``2*cp_size-1-cp_rank``."""
+    parts = 2 * cp_size
+    out = dict(batch)
+    shift = [[*label[1:], IGNORE] for label in batch["labels"]]
+    taken: list[list[int]] = []
+    lengths: list[int] = []
+    for row in rows:
+        columns: list[int] = []
+        for _, start, count, *_ in row.segments:
+            assert count % parts == 0, "every segment is a multiple of 2 * cp_size"
+            chunk = count // parts
+            for k in (cp_rank, parts - 1 - cp_rank):
+                columns += range(start + k * chunk, start + (k + 1) * chunk)
+            lengths.append(count // cp_size)
+        taken.append(columns)
+    for key, value in (*batch.items(), ("shift_labels", shift)):
+        if key in ("input_ids", "labels", "position_ids", "shift_labels"):
+            out[key] = [[row[c] for c in columns] for row, columns in zip(value, taken)]
+    if "cu_seqlens" in out:
+        out["cu_seqlens"] = [0, *itertools.accumulate(lengths)]
+        out["max_seqlen"] = max(lengths, default=0)
+    return out
+
+
+@dataclass
+class ParallelLeg(Leg):
+    """A leg whose Loader is given ``cp_size`` and ``balance`` (``world_size`` counts data-parallel ranks)."""
+
+    cp_size: int = 1
+    balance: str = "rows"
+
+
+class ParallelModel(Model):
+    """:class:`Model` with the data-parallel ranks' rows chosen by ``balance``, and each split for CP."""
+
+    def rank_positions(self, leg: Leg, position: int, rows: int, rank: int) -> list[int]:
+        """The positions of rank ``rank``'s rows of the global batch at ``position``, ascending."""
+        if getattr(leg, "balance", "rows") == "rows":
+            return list(rank_slice(position, rows, rank, leg.world_size))
+        served, _ = self.rows(leg, position, range(position, position + rows))
+        ranks = balanced([attention_cost(row) for row in served], leg.world_size)
+        return [position + k for k in range(rows) if ranks[k] == rank]
+
+    def batches(self, leg: Leg, rank: int, cp_rank: int = 0) -> list[Any]:  # type: ignore[override]
+        """The batches DP rank ``rank``, CP rank ``cp_rank`` is served in ``leg`` from the position."""
+        out = []
+        for position, rows in self.positions(leg):
+            mine = self.rank_positions(leg, position, rows, rank)
+            batch = self.batch(leg, position, mine)  # type: ignore[arg-type]
+            cp_size = getattr(leg, "cp_size", 1)
+            if cp_size > 1:
+                batch = cp_part(batch, self.rows(leg, position, mine)[0], cp_size, cp_rank)  # type: ignore[arg-type]
+            out.append(batch)
+        return out
+
+    def placements(self, leg: Leg, position: int, rows: int) -> dict[tuple[int, int], list[tuple]]:
+        """As :meth:`Model.placements`, at the rows each rank is served under ``balance``, each document's
+        columns without its fill (the rows before the CP split)."""
+        found: dict[tuple[int, int], list[tuple]] = {}
+        for rank in range(leg.world_size):
+            mine = self.rank_positions(leg, position, rows, rank)
+            for index, p in enumerate(mine):
+                source, sample = self.stream(p)
+                column = 0
+                chosen = self.unit_samples[sample]
+                for doc, first, count in chosen.pieces:
+                    where = (rank, index, (column, column + count), (first, first + count))
+                    found.setdefault((source, doc), []).append((p, column, where))
+                    column += padded(count, chosen.multiple)
+        return {key: [where for *_, where in sorted(runs)] for key, runs in found.items()}  # batch order

@@ -287,10 +287,12 @@ class Loader:
             self._check_ahead()
         picks = self.picks(position)
         run = self._run  # read after picks(): a growing source may have been reopened
-        span = run.batches.span(position)
+        span: tuple[int, int] | np.ndarray = run.batches.span(position)
+        if run.batches.costs is not None and run.masking is not None:  # balanced rows lie anywhere
+            span = run.batches.positions(position)
         if run.served is not None and run.served.splits(position):  # a unit's sub-windows
             units = run.rows.read(position, *picks, None, run.out_dtype)
-            result = run.served.batch(position, picks, units, span, out, run.masking)
+            result = run.served.batch(position, picks, units, span, out, run.masking)  # type: ignore[arg-type]
         else:
             tokens = run.rows.read(position, *picks, out, run.out_dtype)
             result = formatted(run.formatter, tokens, picks, span, run.masking)
@@ -345,7 +347,8 @@ class Loader:
         assert reach is not None
         known, view = reach.known, reach.source.view()
         parts = list(view.values()) if isinstance(view, Mapping) else [view]
-        formatter = format_for(self.options.output, parts)
+        o = self.options
+        formatter = format_for(o.output, parts, (o.cp_size, o.cp_rank))
         self._run = dataclasses.replace(
             self._run, rows=Rows([Source(part) for part in parts]), formatter=formatter
         )

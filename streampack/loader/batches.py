@@ -3,13 +3,15 @@
 The global batch at position ``p`` is positions ``[p, p + B)``, ``B`` the *global* batch size. A run that
 ends (``epochs``, or a mixture that stops) ends with one partial global batch, dropped (``drop_last``) or
 split as evenly as possible over the ranks. Rank ``r`` of ``W`` takes the contiguous ``r``-th slice of
-each global batch. Ranks only slice global batches and DataLoader workers only take every n-th of them,
-so nothing here depends on the world size, the workers or the batch size a run started with: a run may
-resume with others.
+each global batch, or with ``balance="attention"`` as many rows assigned by their attention cost
+(:mod:`streampack.loader.parallel`), which depends on the batch alone. Ranks only split global batches
+and DataLoader workers only take every n-th of them, so nothing here depends on the world size, the
+workers or the batch size a run started with: a run may resume with others.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,10 +26,15 @@ __all__ = ["Batches"]
 @dataclass(frozen=True)
 class Batches:
     """The global batches of a run through ``order`` with ``options``, by position; a pure value (over a
-    source that grows, the loader waits until the order knows a batch's samples before it asks here)."""
+    source that grows, the loader waits until the order knows a batch's samples before it asks here).
+
+    ``costs``, given the sources and samples of a global batch's rows, says each row's attention cost:
+    the rows are then spread over the ranks by it (``balance="attention"``); None: contiguous slices.
+    """
 
     options: LoaderOptions
     order: Order
+    costs: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None
 
     def rows(self, position: int) -> int:
         """Rows of the global batch at ``position``: ``B``, fewer for the last of a run, 0 past it."""
@@ -40,9 +47,26 @@ class Batches:
         return end - position
 
     def span(self, position: int) -> tuple[int, int]:
-        """This rank's slice ``[lo, hi)`` of the positions of the global batch at ``position``."""
+        """This rank's slice ``[lo, hi)`` of the positions of the global batch at ``position`` (balanced, as
+        many positions as the rank serves, though not those)."""
         o, size = self.options, self.rows(position)
         return position + o.rank * size // o.world_size, position + (o.rank + 1) * size // o.world_size
+
+    def ranks(self, sources: np.ndarray, samples: np.ndarray) -> np.ndarray:
+        """The rank that serves each row of a global batch of these picks (in position order)."""
+        n, world = len(samples), self.options.world_size
+        if self.costs is None:
+            return np.searchsorted(np.arange(world + 1) * n // world, np.arange(n), side="right") - 1
+        from streampack.loader.parallel import balanced_ranks
+
+        return balanced_ranks(self.costs(sources, samples), world)
+
+    def positions(self, position: int) -> np.ndarray:
+        """The positions of this rank's rows of the global batch at ``position``, ascending."""
+        if self.costs is None:
+            return np.arange(*self.span(position), dtype=np.int64)
+        ranks = self.ranks(*self.served(position, position + self.rows(position)))
+        return position + np.flatnonzero(ranks == self.options.rank)
 
     def advanced(self, position: int, batches: int) -> int:
         """The position ``batches`` batches after ``position`` (the partial last one counted, if served)."""
@@ -96,7 +120,11 @@ class Batches:
 
     def picks(self, position: int) -> tuple[np.ndarray, np.ndarray]:
         """This rank's picks of the batch at ``position``, asked of the order on their own (unplanned)."""
-        return self.served(*self.span(position))
+        if self.costs is None:
+            return self.served(*self.span(position))
+        sources, samples = self.served(position, position + self.rows(position))
+        mine = self.ranks(sources, samples) == self.options.rank
+        return sources[mine], samples[mine]
 
     def check_last_batch(self, position: int) -> None:
         """Refuse ``drop_last=False`` when the run's last partial global batch from ``position`` on cannot

@@ -62,16 +62,37 @@ class CausalLMDict:
     ``max_length_q`` and ``max_length_k`` (both ``max_seqlen``). The rows stay ``(rows, seq_len)`` (its
     varlen path flattens the batch itself), so the trainer's batch size means what it did.
 
+    With ``context_parallel=(cp_size, cp_rank)`` and ``cp_size > 1``, every field is this CP rank's part of
+    each row, ``(rows, seq_len / cp_size)`` (:func:`streampack.loader.parallel.split_for_cp`), plus
+
+    * ``shift_labels``: ``int64``, the label of the next token of the full row at each token (``-100``
+      after the row's last): a model that shifts ``labels`` itself would pair tokens across the seams of
+      the rank's chunks (Hugging Face's loss takes ``shift_labels`` as they are);
+
+    and ``cu_seqlens`` are the rank's own segments (each ``1 / cp_size`` of the row's). With samples padded
+    to a multiple (``pad_multiple``), a segment is a document piece with its fill: its position ids count on
+    through the fill (TransformerEngine's convention), whose labels are ``-100``; ``cu_seqlens`` include
+    the fills (TransformerEngine's ``cu_seqlens_padded``).
+
     Args:
         sources: the loader's data sources, in source-id order.
         segments: ``None``, or the names to add the segments under: ``"varlen"`` or ``"hf-flash"``.
+        context_parallel: ``(cp_size, cp_rank)``; ``(1, 0)`` serves whole rows.
 
     Raises:
-        OptionsError: a source has no ``boundaries()`` method, or its samples overlap.
+        OptionsError: a source has no ``boundaries()`` method, or its samples overlap; with ``cp_size >
+            1``, a source is not whole documents padded to a multiple of ``2 * cp_size``.
     """
 
-    def __init__(self, sources: Sequence[object], *, segments: str | None = None) -> None:
+    def __init__(
+        self,
+        sources: Sequence[object],
+        *,
+        segments: str | None = None,
+        context_parallel: tuple[int, int] = (1, 0),
+    ) -> None:
         self.segments = segments
+        self.context_parallel = context_parallel
         self._boundaries_of: list[Callable[[np.ndarray], Boundaries]] = []
         output = f"output={segments or 'dict'!r}"  # the option the user gave, in messages
         for data in sources:
@@ -88,6 +109,10 @@ class CausalLMDict:
                     "overlap=0, or output='numpy' for x/y windows"
                 )
             self._boundaries_of.append(data.boundaries)
+        if context_parallel[0] > 1:
+            from streampack.loader.parallel import check_context_parallel
+
+            check_context_parallel(context_parallel[0], list(sources))
 
     def __call__(
         self,
@@ -121,6 +146,11 @@ class CausalLMDict:
         elif self.segments == "hf-flash":
             batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = found.cu_seqlens
             batch["max_length_q"] = batch["max_length_k"] = found.max_seqlen
+        cp_size, cp_rank = self.context_parallel
+        if cp_size > 1:
+            from streampack.loader.parallel import split_for_cp
+
+            return split_for_cp(batch, found.starts, found.lengths, cp_size, cp_rank)
         return batch
 
     def _boundaries(self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]) -> Boundaries:
@@ -149,12 +179,14 @@ class CausalLMDict:
         return Boundaries(shape, np.concatenate(starts)[order], np.concatenate(docs)[order], mask)
 
 
-def format_for(output: str, sources: Sequence[object]) -> Format:
-    """The format of ``output`` (``"numpy"``, ``"dict"``, ``"varlen"`` or ``"hf-flash"``, already validated).
+def format_for(output: str, sources: Sequence[object], context_parallel: tuple[int, int] = (1, 0)) -> Format:
+    """The format of ``output`` (``"numpy"``, ``"dict"``, ``"varlen"`` or ``"hf-flash"``, already validated),
+    for CP rank ``context_parallel[1]`` of ``context_parallel[0]``.
 
     Raises:
         OptionsError: a dict is asked of sources it does not fit (see :class:`CausalLMDict`).
     """
     if output == "numpy":
         return Tokens()
-    return CausalLMDict(sources, segments=None if output == "dict" else output)
+    segments = None if output == "dict" else output
+    return CausalLMDict(sources, segments=segments, context_parallel=context_parallel)

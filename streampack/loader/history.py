@@ -76,7 +76,8 @@ def history_entry(
     * ``step``, the trainer's step there when an adapter or the caller gave it (else null), and
       ``batches_per_step``, the trainer's gradient accumulation;
     * ``served`` for a loader that serves its units at other lengths (:mod:`streampack.loader.seqlen`):
-      its own ``seq_len`` and ``[first token, seq_len]`` pairs; ``drop_last`` when False.
+      its own ``seq_len`` and ``[first token, seq_len]`` pairs; ``drop_last`` when False; ``balance``
+      when not ``"rows"`` and ``cp_size`` when above 1 (:mod:`streampack.loader.parallel`).
 
     Every field is bounded: a history grows by one small entry per resume.
     """
@@ -109,6 +110,10 @@ def history_entry(
         entry["epochs"] = int(configured.epochs)  # type: ignore[attr-defined]
     if not options.drop_last:  # a run that ends serves its partial last batch
         entry["drop_last"] = False
+    if options.balance != "rows":  # which rank served which row (streampack.loader.parallel)
+        entry["balance"] = options.balance
+    if options.cp_size > 1:
+        entry["cp_size"] = options.cp_size
     return entry if served is None else entry | {"served": dict(served)}
 
 

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from streampack.order.blockshuffle import BlockShuffle
 
 __all__ = [
+    "Balance",
     "BatchKeywords",
     "LoaderKeywords",
     "LoaderOptions",
@@ -33,6 +34,7 @@ __all__ = [
 ]
 
 Output = Literal["numpy", "dict", "varlen", "hf-flash"]
+Balance = Literal["rows", "attention"]
 
 _Options = TypeVar("_Options")
 
@@ -68,6 +70,15 @@ class LoaderOptions:
             the samples (``cache.sequences(U)``, ``U`` the largest length) are *units*, each served at
             length ``l`` as its ``U / l`` sub-windows in the same batch (the same tokens at every length).
             ``None``: every batch at ``U``.
+        cp_size: context-parallel ranks that share each row (``rank`` and ``world_size`` then count the
+            data-parallel ranks): each gets ``seq_len / cp_size`` tokens of every row, two chunks of each
+            segment (:mod:`streampack.loader.parallel`). Needs a dict ``output`` and samples of
+            ``cache.packed(seq_len, pad_multiple=2 * cp_size)`` (or ``cache.documents``).
+        cp_rank: this process's context-parallel rank, in ``[0, cp_size)``.
+        balance: how a global batch's rows are spread over the data-parallel ranks: ``"rows"``, rank ``r``
+            takes the ``r``-th contiguous slice; ``"attention"``, as many rows each, assigned so that the
+            ranks' attention costs (sum of squared document lengths) are even (needs samples with
+            document boundaries, such as a cache's).
 
     Raises:
         OptionsError: (a ``ValueError``) an option is out of range or of the wrong type, or
@@ -84,6 +95,9 @@ class LoaderOptions:
     output: Output = "numpy"
     dtype: npt.DTypeLike = np.int64
     seq_len_schedule: SeqLenSchedule | Sequence[Sequence[int]] | None = None
+    cp_size: int = 1
+    cp_rank: int = 0
+    balance: Balance = "rows"
 
     def __post_init__(self) -> None:
         # Stored as Python ints: numpy integers (seeds from np.random, sizes from arrays) would make
@@ -95,6 +109,8 @@ class LoaderOptions:
             "rank": check_int("rank", self.rank, min=0, below=int(self.world_size)),
             "seed": check_int("seed", self.seed, min=0, below=2**64),
             "epochs": check_int_or_none("epochs", self.epochs, min=1, max=2**63, hint="None loops forever"),
+            "cp_size": check_int("cp_size", self.cp_size, min=1, max=2**20, hint="context-parallel ranks"),
+            "cp_rank": check_int("cp_rank", self.cp_rank, min=0, below=int(self.cp_size)),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
@@ -113,6 +129,12 @@ class LoaderOptions:
                 f"{self.world_size}, e.g. {suggestion}."
             )
         check_choice("output", self.output, get_args(Output))
+        check_choice("balance", self.balance, get_args(Balance))
+        if self.cp_size > 1 and self.output == "numpy":
+            raise OptionsError(
+                f"cp_size={self.cp_size} splits rows by their segments and serves each token's position id "
+                "and label with it: use output='dict', 'varlen' or 'hf-flash' (got output='numpy')"
+            )
         if self.dtype is not None:
             dtype = np.dtype(self.dtype)
             if dtype.kind not in "iu":
@@ -141,6 +163,9 @@ class BatchKeywords(TypedDict, total=False):
     output: Output
     dtype: npt.DTypeLike
     seq_len_schedule: SeqLenSchedule | Sequence[Sequence[int]] | None
+    cp_size: int
+    cp_rank: int
+    balance: Balance
 
 
 class LoaderKeywords(BatchKeywords, total=False):

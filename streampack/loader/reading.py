@@ -73,6 +73,18 @@ class Rows:
         """Tokens per sample."""
         return self.sources[0].width
 
+    def costs(self, sources: np.ndarray, samples: np.ndarray) -> np.ndarray:
+        """The attention cost of each row of these picks: its document segments' squared lengths, summed
+        (:func:`streampack.loader.parallel.attention_costs`)."""
+        from streampack.loader.parallel import attention_costs
+
+        out = np.zeros(len(samples), dtype=np.int64)
+        for source, rows in groups(sources):
+            found = self.sources[source].data.boundaries(samples[rows])  # type: ignore[attr-defined]
+            columns = found.shape[-1]
+            out[rows] = attention_costs(found.starts, found.lengths, found.docs, len(rows), columns)
+        return out
+
     @property
     def dtype(self) -> np.dtype:
         """The dtype that holds the tokens of every source: the cache dtype, for one cache."""
@@ -98,7 +110,8 @@ class Rows:
         """
         if batches is not self._batches:  # the order or the options changed
             self._batches, self._plan, self._last_request = batches, None, None
-        if batches.rows(position) < batches.options.batch_size:  # the last, partial batch, on its own
+        if batches.costs is not None or batches.rows(position) < batches.options.batch_size:
+            # balanced rows (each batch's own assignment) and the last, partial batch: on their own
             return batches.picks(position)
         plan, last = self._plan, self._last_request
         self._last_request = position

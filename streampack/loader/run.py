@@ -79,7 +79,8 @@ class Run:
     @functools.cached_property
     def batches(self) -> Batches:
         """Where the batches of the order served are."""
-        return Batches(self.options, self.order)
+        costs = self.rows.costs if self.options.balance == "attention" else None
+        return Batches(self.options, self.order, costs)
 
     @functools.cached_property
     def out_dtype(self) -> np.dtype:
@@ -182,8 +183,9 @@ def started(
         check_size(opts, len(first))
     check_dtype(opts, [s.dtype for s in sources], [vocab_size_of(s.data) for s in sources])
     grows = isinstance(source, Growing)
-    formatter = format_for(opts.output, [s.data for s in sources])
+    formatter = format_for(opts.output, [s.data for s in sources], (opts.cp_size, opts.cp_rank))
     served = served_for(opts, sources, grows)
+    _check_balance(opts, sources, served)
     run = Run(opts, Rows(sources), formatter, served, order, order, grows=grows, own=own)
     exclusions = listed(exclude)
     if exclusions:  # their ranges are checked once the position is known: at the first batch, or a resume
@@ -209,11 +211,13 @@ def resumed(run: Run, state: Mapping[str, Any], step: int | None) -> tuple[int, 
     """
     parts = regrained(state, run.rows.sources, run.options, run.served, run.own)
     if parts is not None:
-        formatter = format_for(parts.options.output, [s.data for s in parts.sources])
+        o = parts.options
+        formatter = format_for(o.output, [s.data for s in parts.sources], (o.cp_size, o.cp_rank))
         run = dataclasses.replace(
             run, options=parts.options, rows=Rows(parts.sources), formatter=formatter, served=parts.served,
             configured=parts.order, order=parts.order,
         )  # fmt: skip
+        _check_balance(parts.options, parts.sources, parts.served)
     datasets = [s.data for s in run.rows.sources]
     position, order = resume(state, run.configured, datasets)  # the state read strictly
     recorded: list[Mapping[str, Any]] = list(state.get("exclusions", ()))
@@ -341,6 +345,28 @@ def _sources_and_order(
             )
         return list(source.values()), order
     return [source], order
+
+
+def _check_balance(options: LoaderOptions, sources: list[Source], served: Served | None) -> None:
+    """Refuse ``balance="attention"`` over sources without document boundaries, or with a seq_len schedule.
+
+    Raises:
+        OptionsError: either case; the message names the source.
+    """
+    if options.balance != "attention":
+        return
+    for source in sources:
+        if not hasattr(source.data, "boundaries"):
+            raise OptionsError(
+                f"balance='attention' weighs each row by its documents' lengths, which "
+                f"{type(source.data).__name__} does not provide (no boundaries() method); read samples of a "
+                "cache (cache.packed(...)), or use balance='rows'"
+            )
+    if served is not None:
+        raise OptionsError(
+            "balance='attention' is not supported with a seq_len_schedule (it serves sub-windows of fixed "
+            "windows, whose rows cost the same); use balance='rows'"
+        )
 
 
 def _refuse_order_options(order: Order, given: Mapping[str, object]) -> None:

@@ -209,16 +209,18 @@ def formatted(
     formatter: Format,
     tokens: np.ndarray,
     picks: tuple[np.ndarray, np.ndarray],
-    span: tuple[int, int],
+    span: tuple[int, int] | np.ndarray,
     masking: Masked | None,
     rows_a_position: int = 1,
 ) -> Any:
-    """``tokens`` (the rows of ``picks``, ``rows_a_position`` of them for each position of ``span``)
-    formatted, with the labels ``masking`` names masked (exclusions in mask mode)."""
+    """``tokens`` (the rows of ``picks``, ``rows_a_position`` of them for each position of ``span``, a range
+    ``[lo, hi)`` or the positions themselves) formatted, with the labels ``masking`` names masked
+    (exclusions in mask mode)."""
     sources, samples = picks
     if masking is None or not isinstance(formatter, CausalLMDict):
         return formatter(tokens, sources, samples)
-    at = np.repeat(np.arange(*span, dtype=np.int64), rows_a_position)
+    positions = np.arange(*span, dtype=np.int64) if isinstance(span, tuple) else span
+    at = np.repeat(positions, rows_a_position)
     return formatter(tokens, sources, samples, masked=lambda r, d: masking(at, sources, r, d))
 
 

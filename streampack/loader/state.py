@@ -123,6 +123,8 @@ class HistoryEntry(_Strict):
     drop_last: Literal[False] | UnsetType = UNSET
     stop: Literal["first_exhausted"] | UnsetType = UNSET
     sources: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | UnsetType = UNSET
+    balance: Literal["attention"] | UnsetType = UNSET
+    cp_size: Annotated[int, Meta(ge=2)] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -144,11 +144,14 @@ class Cache:
         too_long: TooLong = "split",
         no_target: NoTarget = "keep",
         pad_id: int | None = None,
+        pad_multiple: int = 1,
     ) -> PackedSequences:
         """Whole documents packed into samples. See :meth:`streampack.samples.split.DocumentSet.packed`."""
         from streampack.samples.split import all_documents
 
-        return all_documents(self).packed(seq_len, too_long=too_long, no_target=no_target, pad_id=pad_id)
+        return all_documents(self).packed(
+            seq_len, too_long=too_long, no_target=no_target, pad_id=pad_id, pad_multiple=pad_multiple
+        )
 
     def documents(
         self,
@@ -157,11 +160,14 @@ class Cache:
         too_long: TooLong = "truncate",
         no_target: NoTarget = "keep",
         pad_id: int | None = None,
+        pad_multiple: int = 1,
     ) -> PackedSequences:
         """One document per sample, padded. See :meth:`streampack.samples.split.DocumentSet.documents`."""
         from streampack.samples.split import all_documents
 
-        return all_documents(self).documents(seq_len, too_long=too_long, no_target=no_target, pad_id=pad_id)
+        return all_documents(self).documents(
+            seq_len, too_long=too_long, no_target=no_target, pad_id=pad_id, pad_multiple=pad_multiple
+        )
 
     def split(self, holdout: float, *, seed: int = 0) -> tuple[DocumentSet, DocumentSet]:
         """The training and validation documents. See :func:`streampack.samples.split.split`."""

@@ -103,7 +103,7 @@ class AuditReport:
             lines.append(
                 f"leg {leg.index:<7} positions {leg.positions[0]:,}-{leg.positions[1]:,}, steps "
                 f"{leg.steps[0]:,}{given}-{leg.steps[1]:,}, batch {leg.batch_size} over {leg.world_size} "
-                f"rank{'s' if leg.world_size > 1 else ''}"
+                f"rank{'s' if leg.world_size > 1 else ''}{leg.parallel}"
             )
         lines.append(
             f"{'source':<16} {'samples':>14} {'tokens':>16} {'epochs':>9} {'twice':>10} {'skipped':>10} "
@@ -230,9 +230,21 @@ def _legs(entries: Sequence[Mapping[str, Any]], loaders: list[Loader], final: in
                 world_size=int(entry["world_size"]),
                 step_given=entry["step"] is not None,
                 weights=dict(zip(loader.order.names, loader.order.weights(start), strict=True)),
+                parallel=_parallel(entry),
             )
         )
     return legs
+
+
+def _parallel(entry: Mapping[str, Any]) -> str:
+    """How an entry's ranks shared each global batch, for the report: rows balanced by attention cost, each
+    split over context-parallel ranks; empty for contiguous slices of whole rows."""
+    words = []
+    if entry.get("balance", "rows") != "rows":
+        words.append(f"rows balanced by {entry['balance']} cost")
+    if entry.get("cp_size", 1) > 1:
+        words.append(f"each row split over {entry['cp_size']} context-parallel ranks")
+    return f" ({', '.join(words)})" if words else ""
 
 
 def _unverified(legs: list[Leg]) -> list[Finding]:

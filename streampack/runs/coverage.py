@@ -47,6 +47,8 @@ class Leg:
         world_size: its ranks.
         step_given: whether its first step was the trainer's own (recorded by an adapter), not inferred.
         weights: each source's share of the stream at its start.
+        parallel: how its ranks shared each global batch, in words, when not in contiguous slices of whole
+            rows (``balance``, ``cp_size``); else empty.
     """
 
     index: int
@@ -57,6 +59,7 @@ class Leg:
     world_size: int
     step_given: bool
     weights: dict[str, float]
+    parallel: str = ""
 
     @property
     def stride(self) -> int:

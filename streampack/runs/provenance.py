@@ -32,9 +32,12 @@ class Placement:
     ``seq_len_schedule``, in the rows of the length served at that step).
 
     Attributes:
-        rank: the rank whose batch holds the row.
+        rank: the (data-parallel) rank whose batch holds the row (under ``balance="attention"``, the rank
+            its attention cost assigned it to).
         row: the row in that rank's batch.
-        columns: ``(start, stop)``: the columns of the row, among its ``seq_len`` input columns.
+        columns: ``(start, stop)``: the columns of the row, among its ``seq_len`` input columns (under
+            ``cp_size > 1``, of the whole row, before the context-parallel ranks' split; a piece's fill of
+            ``pad_multiple`` is no document's).
         tokens: ``(start, stop)``: which of the document's own tokens they are (its EOS is its last).
     """
 
@@ -144,7 +147,7 @@ def which(
             f"{' after the state' if state is not None else ''}): it ends at position {view.order.end}"
         ) from None
     datasets, names = _datasets(view), view.order.names
-    placed = _placed(datasets, sources, samples, loader.options.world_size)
+    placed = _placed(datasets, sources, samples, loader.run.batches.ranks(sources, samples))
     rows, _ = view.batch_shape(position)
     if rows != len(samples):  # served at another length than its samples (units): in the rows served
         placed = _as_served(placed, datasets[0].seq_len, rows, len(samples))
@@ -240,25 +243,28 @@ def _datasets(view: Loader) -> list[PackedSequences]:
 
 
 def _placed(
-    datasets: list[PackedSequences], sources: np.ndarray, samples: np.ndarray, world: int
+    datasets: list[PackedSequences], sources: np.ndarray, samples: np.ndarray, ranks: np.ndarray
 ) -> dict[tuple[int, int], list[tuple[int, int, Placement]]]:
-    """``(source, doc)`` -> the runs of its tokens in the global batch: ``(row, column, Placement)``."""
+    """``(source, doc)`` -> the runs of its tokens in the global batch: ``(row, column, Placement)``;
+    ``ranks`` says which rank serves each row of the global batch (its rows there in position order)."""
+    within = np.zeros(len(ranks), dtype=np.int64)
+    for rank in np.unique(ranks).tolist():
+        mine = np.flatnonzero(ranks == rank)
+        within[mine] = np.arange(len(mine))
     placed: dict[tuple[int, int], list[tuple[int, int, Placement]]] = {}
     for source, rows in groups(sources):
-        for doc, row, column, placement in _placements(
-            datasets[source], samples[rows], rows, len(samples), world
-        ):
+        for doc, row, column, placement in _placements(datasets[source], samples[rows], rows, ranks, within):
             placed.setdefault((source, doc), []).append((row, column, placement))
     return placed
 
 
 def _placements(
-    seqs: PackedSequences, samples: np.ndarray, rows: np.ndarray, batch: int, world: int
+    seqs: PackedSequences, samples: np.ndarray, rows: np.ndarray, ranks: np.ndarray, within: np.ndarray
 ) -> Iterator[tuple[int, int, int, Placement]]:
     """Per run of one document in a row: ``(doc, global row, column, Placement)``.
 
-    ``rows`` are the samples' rows in the global batch of ``batch`` rows: rank ``r`` of ``world`` holds
-    ``[r * batch // world, (r + 1) * batch // world)``, as the loader splits it.
+    ``rows`` are the samples' rows in the global batch, whose row ``g`` is row ``within[g]`` of rank
+    ``ranks[g]``, as the loader splits it.
     """
     ids = seqs.boundaries(samples).doc_ids
     count, width = ids.shape
@@ -271,15 +277,13 @@ def _placements(
     keep = docs >= 0
     r, c, stops, docs = r[keep], c[keep], stops[keep], docs[keep]
     offsets = _token_offsets(seqs, samples, r, c, docs)
-    bounds = np.arange(world + 1) * batch // world
     global_rows = rows[r]
-    ranks = np.searchsorted(bounds, global_rows, side="right") - 1
     for k in range(len(docs)):
         start = int(offsets[k])
-        rank, g = int(ranks[k]), int(global_rows[k])
+        g = int(global_rows[k])
         columns = (int(c[k]), int(stops[k]))
         tokens = (start, start + columns[1] - columns[0])
-        yield int(docs[k]), g, columns[0], Placement(rank, g - int(bounds[rank]), columns, tokens)
+        yield int(docs[k]), g, columns[0], Placement(int(ranks[g]), int(within[g]), columns, tokens)
 
 
 def _as_served(

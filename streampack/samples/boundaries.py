@@ -22,6 +22,11 @@ class Boundaries:
     placed apart, and the padding at the end of a row. The arrays cover the ``seq_len`` input positions of
     each sample, not its ``overlap`` tail; each is computed from the segments on first use.
 
+    A layout that pads each piece to a multiple (``pad_multiple``) leaves *fills*: padding at the end of a
+    piece's last segment, which belongs to that segment (its position ids count on through it, as
+    TransformerEngine's padded sequences do, and ``cu_seqlens`` include it) but is no document's
+    (``doc_ids`` -1, no target).
+
     Attributes:
         position_ids: ``int64``, of shape ``index_shape + (seq_len,)``: each token's position in its
             segment.
@@ -39,19 +44,26 @@ class Boundaries:
         starts: where each segment starts in the flattened batch, ascending from 0.
         docs: each segment's document (``-1``: padding).
         marks: the build's loss mask of every token, of ``shape``, for caches that have one.
+        fills: ``(start, stop)`` ranges of the flattened batch, ``int64`` of shape ``(k, 2)``: the padding
+            at the end of pieces, inside their segments; None without any.
     """
 
     def __init__(
-        self, shape: tuple[int, ...], starts: np.ndarray, docs: np.ndarray, marks: np.ndarray | None = None
+        self,
+        shape: tuple[int, ...],
+        starts: np.ndarray,
+        docs: np.ndarray,
+        marks: np.ndarray | None = None,
+        fills: np.ndarray | None = None,
     ) -> None:
-        self.shape, self.starts, self.docs, self.marks = shape, starts, docs, marks
+        self.shape, self.starts, self.docs, self.marks, self.fills = shape, starts, docs, marks, fills
         self.size = int(np.prod(shape))
         self.lengths = np.diff(starts, append=self.size)
 
     def reshaped(self, shape: tuple[int, ...]) -> Boundaries:
         """The same boundaries, whose arrays have ``shape`` (as many elements)."""
         marks = None if self.marks is None else self.marks.reshape(shape)
-        return Boundaries(shape, self.starts, self.docs, marks)
+        return Boundaries(shape, self.starts, self.docs, marks, self.fills)
 
     @functools.cached_property
     def position_ids(self) -> np.ndarray:
@@ -69,7 +81,10 @@ class Boundaries:
     @functools.cached_property
     def doc_ids(self) -> np.ndarray:
         """See the class docstring."""
-        return np.repeat(self.docs, self.lengths).reshape(self.shape)
+        ids = np.repeat(self.docs, self.lengths)
+        for start, stop in self._fills():
+            ids[start:stop] = -1
+        return ids.reshape(self.shape)
 
     @functools.cached_property
     def cu_seqlens(self) -> np.ndarray:
@@ -90,9 +105,13 @@ class Boundaries:
         return mask.reshape(self.shape)
 
     def padding(self) -> list[tuple[int, int]]:
-        """The padding of the batch: ``[start, stop)`` ranges of the flattened batch."""
+        """The padding of the batch, fills included: ``[start, stop)`` ranges of the flattened batch."""
         pads = np.flatnonzero(self.docs < 0)
-        return list(zip(self.starts[pads].tolist(), (self.starts[pads] + self.lengths[pads]).tolist()))
+        rows = list(zip(self.starts[pads].tolist(), (self.starts[pads] + self.lengths[pads]).tolist()))
+        return rows + self._fills()
+
+    def _fills(self) -> list[tuple[int, int]]:
+        return [] if self.fills is None else [(int(a), int(b)) for a, b in self.fills]
 
 
 def boundaries(
@@ -102,11 +121,13 @@ def boundaries(
     offsets_of: Callable[[int], np.ndarray],
     doc_starts: np.ndarray,
     mask_of: Callable[[int], np.ndarray] | None = None,
+    multiple: int = 1,
 ) -> Boundaries:
     """Document boundaries in the first ``columns`` columns of a batch of ``rows`` rows.
 
     Two ``searchsorted`` calls per shard the spans touch; no token is read. Columns no span covers are
-    padding: one segment per row, of document ``-1``.
+    padding: one segment per row, of document ``-1``, but for the fills of each span's length rounded up
+    to ``multiple`` (a layout's ``pad_multiple``), which end the span's last segment.
 
     Args:
         spans: the batch's spans.
@@ -120,7 +141,14 @@ def boundaries(
         empty = np.zeros(0, dtype=np.int64)
         return Boundaries((0, columns), empty, empty)
     spans = spans.head(columns)
-    padding = _padding_starts(spans, rows, columns)
+    sizes = spans.hi - spans.lo
+    fills = None
+    if multiple > 1:
+        sizes = -(-sizes // multiple) * multiple
+        ends = spans.rows * columns + spans.col + (spans.hi - spans.lo)
+        filled = np.flatnonzero(sizes > spans.hi - spans.lo)
+        fills = np.stack([ends[filled], (spans.rows * columns + spans.col + sizes)[filled]], axis=1)
+    padding = _padding_starts(spans, sizes, rows, columns)
     positions, docs = [padding], [np.full(len(padding), -1, dtype=np.int64)]
     for shard in np.unique(spans.shards).tolist():
         mine = spans.shards == shard
@@ -143,13 +171,14 @@ def boundaries(
         marks = np.zeros((rows, columns), dtype=np.uint8)  # padding stays 0
         read_spans(spans, marks, mask_of)
         marks = marks.view(bool)
-    return Boundaries((rows, columns), starts[last], start_docs[last], marks)
+    return Boundaries((rows, columns), starts[last], start_docs[last], marks, fills)
 
 
-def _padding_starts(spans: Spans, rows: int, columns: int) -> np.ndarray:
-    """Flat position of each row's padding, for the rows whose spans end before ``columns``."""
+def _padding_starts(spans: Spans, sizes: np.ndarray, rows: int, columns: int) -> np.ndarray:
+    """Flat position of each row's padding, for the rows whose spans (each taking ``sizes`` columns) end
+    before ``columns``."""
     used = np.zeros(rows, dtype=np.int64)
-    np.maximum.at(used, spans.rows, spans.col + (spans.hi - spans.lo))
+    np.maximum.at(used, spans.rows, spans.col + sizes)
     short = np.flatnonzero(used < columns)
     return short * columns + used[short]
 

@@ -160,6 +160,8 @@ class Bins:
         lengths: each piece's length in tokens; a sample's add up to at most ``seq_len``.
         seq_len: tokens per sample.
         pad_id: the id that fills the padding.
+        pad_multiple: each piece occupies its length rounded up to a multiple of this; the columns after
+            it are padding (context parallelism splits every segment into ``2 * cp_size`` chunks).
         settings: what made the plan, for the fingerprint.
         directory: where the plan's arrays are mapped from, so that a pickle holds the path rather than
             the arrays; None when they are held in memory.
@@ -179,6 +181,7 @@ class Bins:
     seq_len: int
     pad_id: int
     settings: dict[str, int | str]
+    pad_multiple: int = 1
     directory: Path | None = None
     dropped: int = 0
     no_target: int = 0
@@ -230,7 +233,8 @@ class Bins:
         pieces = ragged_arange(first, counts)
         rows = np.repeat(np.arange(len(indices), dtype=np.int64), counts)
         lengths = np.asarray(self.lengths[pieces], dtype=np.int64)
-        before = np.cumsum(lengths) - lengths  # tokens of the batch before each piece
+        sizes = lengths if self.pad_multiple == 1 else -(-lengths // self.pad_multiple) * self.pad_multiple
+        before = np.cumsum(sizes) - sizes  # columns of the batch before each piece
         heads = np.cumsum(counts) - counts  # each row's first piece (every sample has one)
         lo = np.asarray(self.lo[pieces], dtype=np.int64)
         shards = np.asarray(self.shards[pieces], dtype=np.int64)

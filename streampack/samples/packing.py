@@ -15,6 +15,11 @@ truncated, or dropped (``too_long``). A piece with no target token (every label 
 before its response, a one-token remainder) is kept or dropped and counted either way (``no_target``);
 telling them needs an SFT cache's loss mask, which planning then reads once. Planning is
 deterministic: the same cache, documents and settings always give the same table.
+
+With ``pad_multiple=N`` (context parallelism: ``N = 2 * cp_size``), each piece occupies its length rounded
+up to a multiple of ``N`` in its sample, and best-fit counts that padded size; the few columns after a
+piece are padding of its segment (:mod:`streampack.samples.boundaries`), so every segment of a row,
+the row's own padding included, is a multiple of ``N`` long.
 """
 
 from __future__ import annotations
@@ -57,11 +62,12 @@ def plan(
     pad_id: int,
     content: str,
     no_target: NoTarget = "keep",
+    pad_multiple: int = 1,
 ) -> Bins:
     """The chosen documents in samples of ``seq_len`` tokens: the plan stored beside the cache.
 
     ``kind`` is ``"packed"`` (best-fit decreasing) or ``"documents"`` (one document, or piece of a split
-    one, per sample, padded).
+    one, per sample, padded); ``pad_multiple`` (a divisor of ``seq_len``) rounds each piece's place up.
     """
     check_choice("no_target", no_target, NO_TARGET)
     check_choice("too_long", too_long, TOO_LONG)
@@ -71,11 +77,13 @@ def plan(
     settings["too_long"] = too_long
     if no_target == "drop":  # only then: plans that keep every piece keep the key they had before the option
         settings["no_target"] = "drop"
+    if pad_multiple > 1:  # likewise
+        settings["pad_multiple"] = pad_multiple
     settings |= chosen.fingerprint()
     identity = PlanIdentity(content, seq_len, settings)
     pieces = Pieces(cache, chosen, seq_len, too_long, no_target == "drop")
     directory = Path(cache.root) / LAYOUT_DIR / identity.key
-    tables = lambda: bin_chunks(pieces, ASSIGNERS[kind], seq_len)  # noqa: E731
+    tables = lambda: bin_chunks(pieces, ASSIGNERS[kind], seq_len, pad_multiple)  # noqa: E731
     plan = stored(directory, identity, tables, pieces.counts, cache.table.num_tokens)
     return Bins(
         plan.arrays["starts"],
@@ -84,6 +92,7 @@ def plan(
         plan.arrays["lengths"],
         seq_len=seq_len,
         pad_id=pad_id,
+        pad_multiple=pad_multiple,
         settings=settings,
         directory=plan.directory,
         dropped=plan.dropped,
@@ -96,23 +105,32 @@ def bin_chunks(
     chunks: Iterable[tuple[np.ndarray, np.ndarray, np.ndarray]],
     assign: Callable[[np.ndarray, int], np.ndarray],
     seq_len: int,
+    pad_multiple: int = 1,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """The plan's tables: each chunk's ``(shards, lo, lengths)`` pieces placed in bins by ``assign``, then
-    a last table of only the number of pieces."""
+    """The plan's tables: each chunk's ``(shards, lo, lengths)`` pieces placed in bins by ``assign`` (at
+    their lengths rounded up to a multiple of ``pad_multiple``), then a last table of only the number of
+    pieces."""
     before = 0  # pieces in the chunks before this one
     for shards, lo, lengths in chunks:
-        yield _binned(shards, lo, lengths, assign(lengths, seq_len), before)
+        sizes = -(-lengths // pad_multiple) * pad_multiple
+        yield _binned(shards, lo, lengths, sizes, assign(sizes, seq_len), before)
         before += len(lengths)
     yield {"starts": np.array([before], dtype=np.int64)}
 
 
 def _binned(
-    shards: np.ndarray, lo: np.ndarray, lengths: np.ndarray, bin_of: np.ndarray, before: int
+    shards: np.ndarray,
+    lo: np.ndarray,
+    lengths: np.ndarray,
+    sizes: np.ndarray,
+    bin_of: np.ndarray,
+    before: int,
 ) -> dict[str, np.ndarray]:
     """The table of one chunk's pieces in bins ``bin_of``: each bin's first piece (counting the ``before``
-    pieces of earlier chunks), and the pieces by bin, each bin's in the order they went in."""
+    pieces of earlier chunks), and the pieces by bin, each bin's in the order they went in (by decreasing
+    ``sizes``, the lengths the bins counted)."""
     placed = np.empty(len(lengths), dtype=np.int64)  # the order pieces went into their bins
-    placed[np.argsort(-lengths, kind="stable")] = np.arange(len(lengths))
+    placed[np.argsort(-sizes, kind="stable")] = np.arange(len(lengths))
     order = np.lexsort((placed, bin_of))
     counts = np.bincount(bin_of)
     return {

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from streampack._checks import check_choice, check_int
+from streampack.errors import OptionsError
 from streampack.order import groups
 from streampack.samples.batches import Index, check_out, sample_indices, target_rows
 from streampack.samples.boundaries import Boundaries, boundaries
@@ -245,6 +246,7 @@ class PackedSequences:
             self.cache.shard_offsets,
             self._doc_starts,
             self.cache.shard_loss_mask if self._masked else None,
+            self._layout.pad_multiple if isinstance(self._layout, Bins) else 1,
         )
         return found.reshaped((*shape, self.seq_len))
 
@@ -383,14 +385,21 @@ def whole_documents(
     too_long: TooLong,
     pad_id: int | None,
     no_target: NoTarget = "keep",
+    pad_multiple: int = 1,
 ) -> PackedSequences:
     """Samples of whole documents: ``kind`` ``"packed"`` (best-fit) or ``"documents"`` (one per sample).
 
     Raises:
         OptionsError: ``seq_len`` is not a positive integer, ``too_long`` or ``no_target`` is not a policy,
-            or ``pad_id`` does not fit the cache's token dtype.
+            ``pad_id`` does not fit the cache's token dtype, or ``pad_multiple`` does not divide ``seq_len``.
     """
     seq_len = check_int("seq_len", seq_len, min=1, hint="tokens per sample, e.g. 2048")
+    pad_multiple = check_int("pad_multiple", pad_multiple, min=1, hint="e.g. 2 * cp_size, or 1")
+    if seq_len % pad_multiple:
+        raise OptionsError(
+            f"pad_multiple={pad_multiple} must divide seq_len={seq_len}: every piece is padded to a multiple "
+            f"of it inside rows of seq_len tokens; use a seq_len that is a multiple of {pad_multiple}"
+        )
     check_choice("too_long", too_long, TOO_LONG)
     check_choice("no_target", no_target, NO_TARGET)
     if pad_id is None:
@@ -408,6 +417,7 @@ def whole_documents(
         pad_id=pad_id,
         content=cache.content_digest,
         no_target=no_target,
+        pad_multiple=pad_multiple,
     )
     return PackedSequences.of(cache, layout)
 

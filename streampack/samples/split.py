@@ -69,6 +69,7 @@ class DocumentSet:
         too_long: TooLong = "split",
         no_target: NoTarget = "keep",
         pad_id: int | None = None,
+        pad_multiple: int = 1,
     ) -> PackedSequences:
         """Whole documents packed into samples of ``seq_len`` tokens by best-fit decreasing, then padding.
 
@@ -85,12 +86,19 @@ class DocumentSet:
                 ``output="dict"`` label would be ``-100`` (in an SFT cache, a prompt cut before its response).
             pad_id: the id that fills padding (masked out of the loss in ``output="dict"``); the cache's
                 EOS id by default, else 0.
+            pad_multiple: each piece takes its length rounded up to a multiple of this in its sample (and
+                best-fit counts it so), the rest of it padding with labels ``-100`` and position ids
+                counting on: ``2 * cp_size`` for the loader's ``cp_size`` (context parallelism). It must
+                divide ``seq_len``.
 
         Raises:
             OptionsError: ``seq_len`` is not a positive integer, ``too_long`` or ``no_target`` is not a
-                policy, or ``pad_id`` does not fit the cache's token dtype.
+                policy, ``pad_id`` does not fit the cache's token dtype, or ``pad_multiple`` does not
+                divide ``seq_len``.
         """
-        return whole_documents(self.cache, self.chosen, "packed", seq_len, too_long, pad_id, no_target)
+        return whole_documents(
+            self.cache, self.chosen, "packed", seq_len, too_long, pad_id, no_target, pad_multiple
+        )
 
     def documents(
         self,
@@ -99,6 +107,7 @@ class DocumentSet:
         too_long: TooLong = "truncate",
         no_target: NoTarget = "keep",
         pad_id: int | None = None,
+        pad_multiple: int = 1,
     ) -> PackedSequences:
         """One document per sample, padded to ``seq_len`` tokens: for fine-tuning (SFT) on a masked cache.
 
@@ -109,11 +118,14 @@ class DocumentSet:
             no_target: ``"keep"`` or ``"drop"`` the samples with no target token: a batch of only those
                 would have a NaN mean loss. ``samples.layout.no_target`` counts them.
             pad_id: as for :meth:`packed`.
+            pad_multiple: as for :meth:`packed`.
 
         Raises:
             OptionsError: as for :meth:`packed`.
         """
-        return whole_documents(self.cache, self.chosen, "documents", seq_len, too_long, pad_id, no_target)
+        return whole_documents(
+            self.cache, self.chosen, "documents", seq_len, too_long, pad_id, no_target, pad_multiple
+        )
 
 
 def all_documents(cache: Cache) -> DocumentSet:
