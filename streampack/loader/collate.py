@@ -17,6 +17,7 @@ from streampack.errors import OptionsError
 from streampack.order import groups
 
 if TYPE_CHECKING:
+    from streampack.loader.domains import Domains
     from streampack.samples.boundaries import Boundaries
 
 __all__ = ["CausalLMDict", "Format", "Tokens", "format_for"]
@@ -62,16 +63,23 @@ class CausalLMDict:
     ``max_length_q`` and ``max_length_k`` (both ``max_seqlen``). The rows stay ``(rows, seq_len)`` (its
     varlen path flattens the batch itself), so the trainer's batch size means what it did.
 
+    Of a mixture, also ``source_ids`` and, with the ``loss_weights`` option, ``loss_weights``
+    (:mod:`streampack.loader.domains`).
+
     Args:
         sources: the loader's data sources, in source-id order.
         segments: ``None``, or the names to add the segments under: ``"varlen"`` or ``"hf-flash"``.
+        domains: the per-source keys to add (a mixture's); None: none.
 
     Raises:
         OptionsError: a source has no ``boundaries()`` method, or its samples overlap.
     """
 
-    def __init__(self, sources: Sequence[object], *, segments: str | None = None) -> None:
+    def __init__(
+        self, sources: Sequence[object], *, segments: str | None = None, domains: Domains | None = None
+    ) -> None:
         self.segments = segments
+        self.domains = domains
         self._boundaries_of: list[Callable[[np.ndarray], Boundaries]] = []
         output = f"output={segments or 'dict'!r}"  # the option the user gave, in messages
         for data in sources:
@@ -121,6 +129,8 @@ class CausalLMDict:
         elif self.segments == "hf-flash":
             batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = found.cu_seqlens
             batch["max_length_q"] = batch["max_length_k"] = found.max_seqlen
+        if self.domains is not None:
+            self.domains.add(batch, sources, labels)
         return batch
 
     def _boundaries(self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]) -> Boundaries:
@@ -149,12 +159,13 @@ class CausalLMDict:
         return Boundaries(shape, np.concatenate(starts)[order], np.concatenate(docs)[order], mask)
 
 
-def format_for(output: str, sources: Sequence[object]) -> Format:
-    """The format of ``output`` (``"numpy"``, ``"dict"``, ``"varlen"`` or ``"hf-flash"``, already validated).
+def format_for(output: str, sources: Sequence[object], *, domains: Domains | None = None) -> Format:
+    """The format of ``output`` (``"numpy"``, ``"dict"``, ``"varlen"`` or ``"hf-flash"``, already validated),
+    with the per-source keys ``domains`` in a dict.
 
     Raises:
         OptionsError: a dict is asked of sources it does not fit (see :class:`CausalLMDict`).
     """
     if output == "numpy":
         return Tokens()
-    return CausalLMDict(sources, segments=None if output == "dict" else output)
+    return CausalLMDict(sources, segments=None if output == "dict" else output, domains=domains)
