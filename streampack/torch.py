@@ -29,10 +29,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -44,6 +45,7 @@ with extra_needed("streampack.torch", "PyTorch", "torch"):
 
 from streampack.loader import Loader
 from streampack.loader.collate import Tokens
+from streampack.loader.metrics import Made
 from streampack.samples.sequences import PackedSequences
 
 __all__ = ["DataLoader", "Dataset", "IterableDataset", "rank_and_world_size"]
@@ -117,6 +119,7 @@ class IterableDataset(torch_data.IterableDataset):
         # The start position and the digest of its order, in shared memory: it survives fork and spawn.
         self._start = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._ring: _SlotRing | None = None  # set by DataLoader, which alone knows how to read slots
+        self._measured = False  # send what making each batch took with it (DataLoader reads it)
         self.publish()
 
     def __repr__(self) -> str:
@@ -144,6 +147,8 @@ class IterableDataset(torch_data.IterableDataset):
         for position in islice(self.loader.schedule(start=start), worker, None, workers):
             if ring is not None:
                 yield ring.put(self.loader, worker, position)
+            elif self._measured:
+                yield _Measured(self._make(position, in_worker=info is not None), self.loader.made)
             else:
                 yield self._make(position, in_worker=info is not None)
 
@@ -199,6 +204,7 @@ class DataLoader(torch_data.DataLoader):
                 "in_order=False is not supported"
             )
         dataset = IterableDataset(loader)
+        dataset._measured = True
         super().__init__(dataset, batch_size=None, **kwargs)
         self._pin = False
         self._running = 0  # iterators started and not yet exhausted or closed
@@ -214,17 +220,30 @@ class DataLoader(torch_data.DataLoader):
         return self.dataset.loader  # type: ignore[attr-defined, unused-ignore]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override, unused-ignore]
-        """Yield batches from the loader's position, advancing it by one per batch handed out."""
+        """Yield batches from the loader's position, advancing it by one per batch handed out; each is
+        counted in the loader's :meth:`~streampack.loader.Loader.metrics`, with the time this process was
+        blocked waiting for it (the workers' time making it is not a wait)."""
         dataset: IterableDataset = self.dataset  # type: ignore[assignment, unused-ignore]
         dataset.publish()
         ring, wanted = dataset._ring, self.loader.options.dtype
         dtype = None if wanted is None else np.dtype(wanted)
+        loader = dataset.loader
         self._running += 1
         try:
-            for batch in super().__iter__():
-                if isinstance(batch, _Slot):
-                    batch = ring.take(batch, dtype, pin=self._pin)  # type: ignore[union-attr]
-                dataset.loader.advance(1)
+            batches = super().__iter__()
+            while True:
+                asked = (
+                    time.perf_counter()
+                )  # the clock stops across the yield: the trainer's time is not a wait
+                item = next(batches, None)
+                if item is None:
+                    return
+                if isinstance(item, _Slot):
+                    made, batch = item.made, ring.take(item, dtype, pin=self._pin)  # type: ignore[union-attr]
+                else:
+                    made, batch = item.made, item.batch
+                loader.advance(1)
+                loader.meter.add(time.perf_counter() - asked, made)
                 yield batch
         finally:
             self._running -= 1
@@ -273,11 +292,20 @@ class DataLoader(torch_data.DataLoader):
 
 @dataclass(frozen=True)
 class _Slot:
-    """What a worker sends for a batch it wrote into the ring: the slot, and the stamp it left there."""
+    """What a worker sends for a batch it wrote into the ring: the slot, the stamp it left there, and what
+    making the batch took."""
 
     index: int
     rows: int
     stamp: tuple[int, int]
+    made: Made | None = None
+
+
+class _Measured(NamedTuple):
+    """A batch and what making it took, as a worker sends them (a named tuple: pinning reaches inside)."""
+
+    batch: Any
+    made: Made | None
 
 
 class _SlotRing:
@@ -314,7 +342,7 @@ class _SlotRing:
         loader.batch(position, out=self.tokens.numpy()[index, :rows])
         stamp = (os.getpid(), self._counter)
         stamps[index] = stamp
-        return _Slot(index, rows, stamp)
+        return _Slot(index, rows, stamp, loader.made)
 
     def take(self, slot: _Slot, dtype: np.dtype | None, *, pin: bool) -> torch.Tensor:
         """Copy a slot out into a new tensor of ``dtype`` (the cache dtype when None)."""
