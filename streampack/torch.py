@@ -48,7 +48,7 @@ from streampack.loader.collate import Tokens
 from streampack.loader.metrics import Made
 from streampack.samples.sequences import PackedSequences
 
-__all__ = ["DataLoader", "Dataset", "IterableDataset", "rank_and_world_size"]
+__all__ = ["DataLoader", "Dataset", "IterableDataset", "SourceLosses", "rank_and_world_size", "token_losses"]
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -288,6 +288,67 @@ class DataLoader(torch_data.DataLoader):
             if shutdown is not None:
                 shutdown()
             self._iterator = None
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of every token's label, ``float32``, shaped and placed as ``labels``: column ``t``
+    is predicted from the logits of column ``t - 1`` (Hugging Face causal LMs shift labels so), and the
+    first column and every label of -100 lose 0. ``(losses * batch["loss_weights"]).sum()`` weighs them.
+
+    Args:
+        logits: ``(rows, seq_len, vocab)``, the model's.
+        labels: ``(rows, seq_len)``, the batch's.
+    """
+    losses = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
+    losses[:, 1:] = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100, reduction="none"
+    ).view(labels.shape[0], -1)
+    return losses
+
+
+class SourceLosses:
+    """The mean loss of each source of a mixture over the batches since the last :meth:`report`, per token.
+
+    The framework adapters keep one: :mod:`streampack.hf` logs it with the Trainer's loss, and
+    :func:`streampack.lightning.mixture_loss` each step.
+
+    Args:
+        names: the sources' names, by source id (``loader.order.names``).
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self._sums: torch.Tensor | None = None  # (sources,) float64: summed token losses, and their count
+        self._counts: torch.Tensor | None = None
+
+    def add(self, losses: torch.Tensor, labels: torch.Tensor, source_ids: torch.Tensor) -> None:
+        """Count a batch's :func:`token_losses` (not weighted), each row's to its source."""
+        with torch.no_grad():
+            rows = losses.detach().double().sum(1)
+            counted = (labels[:, 1:] != -100).sum(1).double()
+            if self._sums is None or self._counts is None:
+                self._sums = torch.zeros(len(self.names), dtype=torch.float64, device=losses.device)
+                self._counts = torch.zeros_like(self._sums)
+            self._sums.index_add_(0, source_ids.to(self._sums.device), rows)
+            self._counts.index_add_(0, source_ids.to(self._sums.device), counted)
+
+    def report(self) -> dict[str, float]:
+        """``loss/<name>`` of each source with tokens since the last report, summed over the ranks of
+        ``torch.distributed`` when it runs (every rank must call it then), and start over."""
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        if self._sums is None or self._counts is None:  # nothing added: zeros where the collective runs
+            cuda = distributed and dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            self._sums = torch.zeros(len(self.names), dtype=torch.float64, device=device)
+            self._counts = torch.zeros_like(self._sums)
+        both = torch.stack([self._sums, self._counts])
+        if distributed:
+            dist.all_reduce(both)
+        self._sums = self._counts = None
+        sums, counts = both.tolist()
+        return {f"loss/{name}": s / c for name, s, c in zip(self.names, sums, counts, strict=True) if c}
 
 
 @dataclass(frozen=True)

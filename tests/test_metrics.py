@@ -132,7 +132,7 @@ def test_per_step_divides_what_the_steps_since_the_last_log_added() -> None:
     now = loader.metrics()
     logged = per_step(now, before, 2)  # 4 batches in 2 trainer steps (gradient accumulation 2)
     assert logged["data/bytes_read"] == 2 * ROWS * WIDTH * 2
-    assert logged["data/data_wait_s"] == pytest.approx(
+    assert logged["data/wait_s"] == pytest.approx(
         (now["total_data_wait_s"] - before["total_data_wait_s"]) / 2
     )
     assert per_step(now, None, 6)["data/bytes_read"] == ROWS * WIDTH * 2

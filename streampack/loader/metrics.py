@@ -67,10 +67,14 @@ class Meter:
 
 def per_step(now: Mapping[str, float], before: Mapping[str, float] | None, steps: int) -> dict[str, float]:
     """Each metric per trainer step between two :meth:`Meter.as_dict` (``before`` None: since the start),
-    over ``steps`` steps, named ``data/<metric>``: what the framework adapters log."""
+    over ``steps`` steps, named ``data/<metric>`` (``data/wait_s``, ``data/make_s``, ...): what the framework
+    adapters log."""
     if steps <= 0:
         return {}
     return {
-        f"data/{name}": (now[f"total_{name}"] - (before[f"total_{name}"] if before else 0)) / steps
+        f"data/{name.removeprefix('data_')}": (
+            now[f"total_{name}"] - (before[f"total_{name}"] if before else 0)
+        )
+        / steps
         for name in METRICS
     }
