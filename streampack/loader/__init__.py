@@ -13,7 +13,9 @@ A :class:`Loader` composes a source and an order:
   DataLoader workers and the global batch size may change.
 * **Reading and output**: each source's rows are read straight into the batch array
   (:mod:`streampack.loader.reading`), which the ``output=`` format (:mod:`streampack.loader.collate`)
-  turns into what a step yields.
+  turns into what a step yields; a mixture's dict batches also say each row's source
+  (:mod:`streampack.loader.domains`).
+* **Metrics** (:mod:`streampack.loader.metrics`): what each batch cost the consumer, :meth:`Loader.metrics`.
 
 Trade-off: the shuffle is global, so reads are random; a memory-mapped cache on a local disk or in the page
 cache serves them at memory speed, a network filesystem does not. ``shuffle=BlockShuffle(block=...,

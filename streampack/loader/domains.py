@@ -37,8 +37,9 @@ class Domains:
         """Add the keys to ``batch``, whose row ``k`` is of source ``sources[k]`` and has ``labels[k]``."""
         batch["source_ids"] = np.array(sources, dtype=np.int64)
         if self.weights is not None:
-            per_row = np.asarray(self.weights, dtype=np.float32)[sources]
-            batch["loss_weights"] = np.where(labels != -100, per_row[:, None], np.float32(0))
+            weights = (labels != -100).astype(np.float32)
+            weights *= np.asarray(self.weights, dtype=np.float32)[sources][:, None]
+            batch["loss_weights"] = weights
 
 
 def domains_for(
