@@ -142,7 +142,8 @@ class LoaderTrainerMixin(_TrainerBase):
     ) -> Any:
         """The Trainer's loss of a batch; of a mixture's (``source_ids``), counted per source for the logs,
         and weighted by its ``loss_weights`` when it has them (see the module docs)."""
-        if not isinstance(inputs, Mapping) or "source_ids" not in inputs:
+        loader = self.train_dataset
+        if not isinstance(loader, Loader) or not isinstance(inputs, Mapping) or "source_ids" not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
         sources, weights = inputs.pop("source_ids"), inputs.pop("loss_weights", None)
@@ -160,7 +161,7 @@ class LoaderTrainerMixin(_TrainerBase):
                 # As the Trainer does: the count is over every device, whose gradients DDP averages.
                 loss = loss * self.accelerator.num_processes
         if self._source_losses is None:
-            self._source_losses = SourceLosses(tuple(self.train_dataset.order.names))
+            self._source_losses = SourceLosses(tuple(loader.order.names))
         self._source_losses.add(losses, labels, sources)
         return (loss, outputs) if return_outputs else loss
 

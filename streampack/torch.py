@@ -290,6 +290,9 @@ class DataLoader(torch_data.DataLoader):
             self._iterator = None
 
 
+_LOSS_CHUNK = 1 << 28  # logits a chunk of token_losses upcasts at once (1 GiB in float32)
+
+
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The cross-entropy of every token's label, ``float32``, shaped and placed as ``labels``: column ``t``
     is predicted from the logits of column ``t - 1`` (Hugging Face causal LMs shift labels so), and the
@@ -299,11 +302,20 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits: ``(rows, seq_len, vocab)``, the model's.
         labels: ``(rows, seq_len)``, the batch's.
     """
-    losses = torch.zeros(labels.shape, dtype=torch.float32, device=logits.device)
-    losses[:, 1:] = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100, reduction="none"
-    ).view(labels.shape[0], -1)
-    return losses
+    rows, columns = labels.shape
+    inputs, targets = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    # In float32 a chunk of tokens at a time: a whole batch's logits in float32 can take gigabytes.
+    chunk = max(1, _LOSS_CHUNK // max(1, logits.shape[-1]))
+    pieces = [
+        torch.nn.functional.cross_entropy(
+            inputs[k : k + chunk].float(), targets[k : k + chunk], ignore_index=-100, reduction="none"
+        )
+        for k in range(0, len(targets), chunk)
+    ]
+    first = torch.zeros((rows, 1), dtype=torch.float32, device=logits.device)
+    if not pieces:
+        return first.expand(rows, columns).clone()
+    return torch.cat([first, torch.cat(pieces).view(rows, columns - 1)], dim=1)
 
 
 class SourceLosses:

@@ -331,3 +331,19 @@ def test_source_losses_are_summed_over_the_ranks_of_a_real_process_group(tmp_pat
     reports = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     # web: rank 0's 2 tokens (loss 1 + 3) and rank 1's (2 + 6); code: rank 1's (2 + 6).
     assert reports[0] == reports[1] == {"loss/web": 12 / 4, "loss/code": 8 / 2}
+
+
+def test_token_losses_are_each_labels_cross_entropy_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import streampack.torch as adapter
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 10, 13), torch.randint(0, 13, (3, 10))
+    labels[0, 4] = labels[2, 9] = -100
+    whole = adapter.token_losses(logits, labels)
+    monkeypatch.setattr(adapter, "_LOSS_CHUNK", 7 * 13)  # chunks of 7 tokens, across rows
+    chunked = adapter.token_losses(logits, labels)
+    plain = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 13), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
+    ).view(3, 9)
+    assert torch.equal(whole, chunked) and whole.shape == labels.shape
+    assert torch.allclose(whole[:, 1:], plain) and not whole[:, 0].any() and whole[0, 4] == whole[2, 9] == 0
