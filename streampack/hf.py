@@ -18,6 +18,13 @@ What it changes, and why:
   batches of its steps.
 * **Resume**: ``train(resume_from_checkpoint=...)`` loads that state first, with ``ignore_data_skip=True``,
   so nothing is replayed.
+* **Logs**: every training log adds the loader's data metrics per step since the last log
+  (``data/wait_s``, ``data/make_s``, ``data/bytes_read``, ``data/prefetch_hits``, ``data/prefetch_misses``:
+  :mod:`streampack.loader.metrics`), and, of a mixture, each source's mean loss per token (``loss/<name>``).
+* **Loss**: a mixture's batches carry ``source_ids`` and, with the ``loss_weights`` option,
+  ``loss_weights``; ``compute_loss`` takes them out before the model sees them, and with weights computes
+  the loss itself from the logits: ``sum(loss_weights * token_loss) / tokens`` (tokens: the labels that
+  count, over the accumulated batches as the Trainer counts them), the Trainer's loss when every weight is 1.
 
 **TRL**: ``class MyTrainer(LoaderTrainerMixin, trl.SFTTrainer)``. TRL's trainers take only a ``datasets``
 dataset, so the mixin hands them a ``datasets.IterableDataset`` view of the loader's rows while they are
@@ -30,6 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from streampack._checks import is_int
@@ -40,7 +48,8 @@ with extra_needed("streampack.hf", "transformers and accelerate", "hf,torch"):
     import transformers
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from streampack.torch import DataLoader
+from streampack.loader.metrics import per_step
+from streampack.torch import DataLoader, SourceLosses, token_losses
 
 __all__ = ["LOADER_STATE_NAME", "LoaderTrainerMixin", "Trainer"]
 
@@ -72,6 +81,8 @@ class LoaderTrainerMixin(_TrainerBase):
         if isinstance(loader, Loader):
             self.train_dataset = loader  # what the Trainer trains on, whatever its __init__ was handed
         self.add_callback(_SaveLoaderState(self))
+        self._source_losses: SourceLosses | None = None
+        self._data_logged: tuple[int, dict[str, float]] | None = None  # (step, metrics) at the last log
         if isinstance(self.train_dataset, Loader):
             # The loader resumes itself; a Trainer skipping batches would replay them and drop as many.
             self.args.ignore_data_skip = True
@@ -117,7 +128,54 @@ class LoaderTrainerMixin(_TrainerBase):
             step = _checkpoint_step(str(folder))
             self.train_dataset.load_state_dict(_read_state(str(folder)), step=step)
             resume_from_checkpoint = folder
+        if isinstance(self.train_dataset, Loader):
+            start = _checkpoint_step(str(resume_from_checkpoint)) if resume_from_checkpoint else 0
+            self._data_logged = (start or 0, self.train_dataset.metrics())
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def compute_loss(
+        self,
+        model: Any,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """The Trainer's loss of a batch; of a mixture's (``source_ids``), counted per source for the logs,
+        and weighted by its ``loss_weights`` when it has them (see the module docs)."""
+        loader = self.train_dataset
+        if not isinstance(loader, Loader) or not isinstance(inputs, Mapping) or "source_ids" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        inputs = dict(inputs)
+        sources, weights = inputs.pop("source_ids"), inputs.pop("loss_weights", None)
+        labels = inputs["labels"]
+        if weights is None:
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+            losses = token_losses(outputs["logits"].detach(), labels)
+        else:
+            del inputs["labels"]  # the model need not compute the unweighted loss
+            outputs = model(**inputs)
+            losses = token_losses(outputs["logits"], labels)
+            tokens = num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum()
+            loss = (losses * weights).sum() / _at_least_one(tokens)
+            if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+                # As the Trainer does: the count is over every device, whose gradients DDP averages.
+                loss = loss * self.accelerator.num_processes
+        if self._source_losses is None:
+            self._source_losses = SourceLosses(tuple(loader.order.names))
+        self._source_losses.add(losses, labels, sources)
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Log ``logs``; to a training log of a ``Loader``, add its data metrics and the per-source losses."""
+        loader = self.train_dataset
+        if isinstance(loader, Loader) and "loss" in logs:  # a training log: every rank makes it at once
+            if self._source_losses is not None:
+                logs = {**logs, **self._source_losses.report()}
+            step, before = self._data_logged or (0, None)
+            now = loader.metrics()
+            logs = {**logs, **per_step(now, before, self.state.global_step - step)}
+            self._data_logged = (self.state.global_step, now)
+        super().log(logs, *args, **kwargs)
 
 
 class Trainer(LoaderTrainerMixin, transformers.Trainer):
@@ -125,6 +183,11 @@ class Trainer(LoaderTrainerMixin, transformers.Trainer):
 
     See :class:`LoaderTrainerMixin` and the module docs.
     """
+
+
+def _at_least_one(tokens: Any) -> Any:
+    """``tokens`` (a count, a tensor or an int) but at least 1: a batch whose labels are all -100 loses 0."""
+    return tokens.clamp(min=1) if hasattr(tokens, "clamp") else max(1, int(tokens))
 
 
 def _checks_its_dataset(cls: type) -> bool:

@@ -12,6 +12,16 @@ out is one ahead of the model when a checkpoint is saved, and the resumed run wo
 DataModule counts the batches the *model* received instead (a callback on ``on_train_batch_start``), so
 a resumed run continues with exactly the batch an uninterrupted one would have had. A ``training_step``
 that pulls batches itself from ``dataloader_iter`` is not supported.
+
+**Logs.** After each optimizer step the DataModule logs (``self.log``, so through the Trainer's logger)
+the loader's data metrics per step (``data/wait_s``, ``data/make_s``, ``data/bytes_read``,
+``data/prefetch_hits``, ``data/prefetch_misses``: :mod:`streampack.loader.metrics`), counted as the
+DataLoader hands batches out (Lightning fetches one ahead). For a mixture, :func:`mixture_loss` computes a
+dict batch's loss from the model's logits, weighted by its ``loss_weights`` if any, and logs each source's::
+
+    def training_step(self, batch, batch_idx):
+        inputs = {k: batch[k] for k in ("input_ids", "position_ids")}
+        return streampack.lightning.mixture_loss(self, self.model(**inputs).logits, batch)
 """
 
 from __future__ import annotations
@@ -20,10 +30,13 @@ from collections import deque
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any, cast
 
+import torch
+
 from streampack._checks import is_int
 from streampack.errors import extra_needed
 from streampack.loader import Loader
-from streampack.torch import DataLoader
+from streampack.loader.metrics import per_step
+from streampack.torch import DataLoader, SourceLosses, token_losses
 
 with extra_needed("streampack.lightning", "Lightning", "lightning"):
     try:
@@ -31,7 +44,7 @@ with extra_needed("streampack.lightning", "Lightning", "lightning"):
     except ImportError:  # pragma: no cover - depends on the environment
         import pytorch_lightning as pl
 
-__all__ = ["DataModule", "ModelPacedDataLoader"]
+__all__ = ["DataModule", "ModelPacedDataLoader", "mixture_loss"]
 
 
 class ModelPacedDataLoader(DataLoader):
@@ -138,12 +151,74 @@ class DataModule(pl.LightningDataModule):
         return step if is_int(step) and step >= 0 else None
 
 
+def mixture_loss(
+    module: pl.LightningModule,
+    logits: torch.Tensor,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    names: tuple[str, ...] | None = None,
+) -> torch.Tensor:
+    """The loss of a mixture's dict batch from the model's logits, each source's loss logged.
+
+    Token ``t``'s label is predicted from the logits of token ``t - 1`` (as Hugging Face causal LMs shift
+    them). The loss is ``sum(loss_weights * token_loss) / tokens``, ``tokens`` the labels that are not
+    -100 (the mean loss when the batch has no ``loss_weights``); ``loss/<name>``, each source's mean
+    (unweighted) loss over its tokens in the batch, summed over the ranks, is logged with ``module.log``.
+    Call it from ``training_step`` on every rank.
+
+    Args:
+        module: the LightningModule, whose ``log`` logs the sources' losses.
+        logits: ``(rows, seq_len, vocab)``, the model's.
+        batch: the batch, with ``labels`` and ``source_ids`` (and ``loss_weights``, if given).
+        names: the sources' names by source id; by default the :class:`DataModule` loader's.
+
+    Raises:
+        KeyError: the batch has no ``source_ids``: it is not a mixture's dict batch.
+    """
+    labels, sources = batch["labels"], batch["source_ids"]
+    losses = token_losses(logits, labels)
+    weights = batch.get("loss_weights")
+    weighed = losses if weights is None else losses * weights
+    loss = weighed.sum() / (labels[:, 1:] != -100).sum().clamp(min=1)
+    if names is None:
+        datamodule = getattr(module.trainer, "datamodule", None)
+        loader = datamodule.loader if isinstance(datamodule, DataModule) else None
+        names = (
+            tuple(loader.order.names)
+            if loader is not None
+            else tuple(map(str, range(int(sources.max()) + 1)))
+        )
+    counted = SourceLosses(names)
+    counted.add(losses, labels, sources)
+    for key, value in counted.report().items():  # the same keys on every rank: reduced already
+        module.log(key, value, on_step=True, on_epoch=False, batch_size=len(labels))
+    return loss
+
+
 class _CountModelBatches(pl.Callback):
-    """Confirms each training batch to the DataModule's DataLoader as the model receives it."""
+    """Confirms each training batch to the DataModule's DataLoader as the model receives it, and logs the
+    loader's data metrics after each optimizer step."""
 
     def __init__(self, datamodule: DataModule) -> None:
         self.datamodule = datamodule
+        self._logged: tuple[int, dict[str, float]] | None = None  # (step, metrics) at the last log
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.datamodule._train is not None:
             self.datamodule._train.consumed()
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._logged = (trainer.global_step, self.datamodule.loader.metrics())
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step, before = self._logged or (0, None)
+        if trainer.global_step > step:  # an optimizer step ended
+            now = self.datamodule.loader.metrics()
+            for key, value in per_step(now, before, trainer.global_step - step).items():
+                pl_module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+            self._logged = (trainer.global_step, now)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._logged = None

@@ -29,10 +29,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -44,9 +45,10 @@ with extra_needed("streampack.torch", "PyTorch", "torch"):
 
 from streampack.loader import Loader
 from streampack.loader.collate import Tokens
+from streampack.loader.metrics import Made
 from streampack.samples.sequences import PackedSequences
 
-__all__ = ["DataLoader", "Dataset", "IterableDataset", "rank_and_world_size"]
+__all__ = ["DataLoader", "Dataset", "IterableDataset", "SourceLosses", "rank_and_world_size", "token_losses"]
 
 
 def rank_and_world_size() -> tuple[int, int]:
@@ -117,6 +119,7 @@ class IterableDataset(torch_data.IterableDataset):
         # The start position and the digest of its order, in shared memory: it survives fork and spawn.
         self._start = torch.zeros(2, dtype=torch.int64).share_memory_()
         self._ring: _SlotRing | None = None  # set by DataLoader, which alone knows how to read slots
+        self._measured = False  # send what making each batch took with it (DataLoader reads it)
         self.publish()
 
     def __repr__(self) -> str:
@@ -144,6 +147,8 @@ class IterableDataset(torch_data.IterableDataset):
         for position in islice(self.loader.schedule(start=start), worker, None, workers):
             if ring is not None:
                 yield ring.put(self.loader, worker, position)
+            elif self._measured:
+                yield _Measured(self._make(position, in_worker=info is not None), self.loader.made)
             else:
                 yield self._make(position, in_worker=info is not None)
 
@@ -199,6 +204,7 @@ class DataLoader(torch_data.DataLoader):
                 "in_order=False is not supported"
             )
         dataset = IterableDataset(loader)
+        dataset._measured = True
         super().__init__(dataset, batch_size=None, **kwargs)
         self._pin = False
         self._running = 0  # iterators started and not yet exhausted or closed
@@ -214,17 +220,30 @@ class DataLoader(torch_data.DataLoader):
         return self.dataset.loader  # type: ignore[attr-defined, unused-ignore]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override, unused-ignore]
-        """Yield batches from the loader's position, advancing it by one per batch handed out."""
+        """Yield batches from the loader's position, advancing it by one per batch handed out; each is
+        counted in the loader's :meth:`~streampack.loader.Loader.metrics`, with the time this process was
+        blocked waiting for it (the workers' time making it is not a wait)."""
         dataset: IterableDataset = self.dataset  # type: ignore[assignment, unused-ignore]
         dataset.publish()
         ring, wanted = dataset._ring, self.loader.options.dtype
         dtype = None if wanted is None else np.dtype(wanted)
+        loader = dataset.loader
         self._running += 1
         try:
-            for batch in super().__iter__():
-                if isinstance(batch, _Slot):
-                    batch = ring.take(batch, dtype, pin=self._pin)  # type: ignore[union-attr]
-                dataset.loader.advance(1)
+            batches = super().__iter__()
+            while True:
+                asked = (
+                    time.perf_counter()
+                )  # the clock stops across the yield: the trainer's time is not a wait
+                item = next(batches, None)
+                if item is None:
+                    return
+                if isinstance(item, _Slot):
+                    made, batch = item.made, ring.take(item, dtype, pin=self._pin)  # type: ignore[union-attr]
+                else:
+                    made, batch = item.made, item.batch
+                loader.advance(1)
+                loader.meter.add(time.perf_counter() - asked, made)
                 yield batch
         finally:
             self._running -= 1
@@ -271,13 +290,95 @@ class DataLoader(torch_data.DataLoader):
             self._iterator = None
 
 
+_LOSS_CHUNK = 1 << 28  # logits a chunk of token_losses upcasts at once (1 GiB in float32)
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of every token's label, ``float32``, shaped and placed as ``labels``: column ``t``
+    is predicted from the logits of column ``t - 1`` (Hugging Face causal LMs shift labels so), and the
+    first column and every label of -100 lose 0. ``(losses * batch["loss_weights"]).sum()`` weighs them.
+
+    Args:
+        logits: ``(rows, seq_len, vocab)``, the model's.
+        labels: ``(rows, seq_len)``, the batch's.
+    """
+    rows, columns = labels.shape
+    inputs, targets = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    # In float32 a chunk of tokens at a time: a whole batch's logits in float32 can take gigabytes.
+    chunk = max(1, _LOSS_CHUNK // max(1, logits.shape[-1]))
+    pieces = [
+        torch.nn.functional.cross_entropy(
+            inputs[k : k + chunk].float(), targets[k : k + chunk], ignore_index=-100, reduction="none"
+        )
+        for k in range(0, len(targets), chunk)
+    ]
+    first = torch.zeros((rows, 1), dtype=torch.float32, device=logits.device)
+    if not pieces:
+        return first.expand(rows, columns).clone()
+    return torch.cat([first, torch.cat(pieces).view(rows, columns - 1)], dim=1)
+
+
+class SourceLosses:
+    """The mean loss of each source of a mixture over the batches since the last :meth:`report`, per token.
+
+    The framework adapters keep one: :mod:`streampack.hf` logs it with the Trainer's loss, and
+    :func:`streampack.lightning.mixture_loss` each step.
+
+    Args:
+        names: the sources' names, by source id (``loader.order.names``).
+    """
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self._sums: torch.Tensor | None = None  # (sources,) float64: summed token losses, and their count
+        self._counts: torch.Tensor | None = None
+
+    def add(self, losses: torch.Tensor, labels: torch.Tensor, source_ids: torch.Tensor) -> None:
+        """Count a batch's :func:`token_losses` (not weighted), each row's to its source."""
+        with torch.no_grad():
+            rows = losses.detach().double().sum(1)
+            counted = (labels[:, 1:] != -100).sum(1).double()
+            if self._sums is None or self._counts is None:
+                self._sums = torch.zeros(len(self.names), dtype=torch.float64, device=losses.device)
+                self._counts = torch.zeros_like(self._sums)
+            self._sums.index_add_(0, source_ids.to(self._sums.device), rows)
+            self._counts.index_add_(0, source_ids.to(self._sums.device), counted)
+
+    def report(self) -> dict[str, float]:
+        """``loss/<name>`` of each source with tokens since the last report, summed over the ranks of
+        ``torch.distributed`` when it runs (every rank must call it then), and start over."""
+        import torch.distributed as dist
+
+        distributed = dist.is_available() and dist.is_initialized()
+        if self._sums is None or self._counts is None:  # nothing added: zeros where the collective runs
+            cuda = distributed and dist.get_backend() == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            self._sums = torch.zeros(len(self.names), dtype=torch.float64, device=device)
+            self._counts = torch.zeros_like(self._sums)
+        both = torch.stack([self._sums, self._counts])
+        if distributed:
+            dist.all_reduce(both)
+        self._sums = self._counts = None
+        sums, counts = both.tolist()
+        return {f"loss/{name}": s / c for name, s, c in zip(self.names, sums, counts, strict=True) if c}
+
+
 @dataclass(frozen=True)
 class _Slot:
-    """What a worker sends for a batch it wrote into the ring: the slot, and the stamp it left there."""
+    """What a worker sends for a batch it wrote into the ring: the slot, the stamp it left there, and what
+    making the batch took."""
 
     index: int
     rows: int
     stamp: tuple[int, int]
+    made: Made | None = None
+
+
+class _Measured(NamedTuple):
+    """A batch and what making it took, as a worker sends them (a named tuple: pinning reaches inside)."""
+
+    batch: Any
+    made: Made | None
 
 
 class _SlotRing:
@@ -314,7 +415,7 @@ class _SlotRing:
         loader.batch(position, out=self.tokens.numpy()[index, :rows])
         stamp = (os.getpid(), self._counter)
         stamps[index] = stamp
-        return _Slot(index, rows, stamp)
+        return _Slot(index, rows, stamp, loader.made)
 
     def take(self, slot: _Slot, dtype: np.dtype | None, *, pin: bool) -> torch.Tensor:
         """Copy a slot out into a new tensor of ``dtype`` (the cache dtype when None)."""

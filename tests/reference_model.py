@@ -46,6 +46,9 @@ The rules, in the words of the documentation they come from:
   document segments, fills included), each rank keeping its even count of rows. ``cp_size=C``: CP rank
   ``c`` is served, of every row, chunks ``c`` and ``2C-1-c`` of each segment cut in ``2C``, with their
   labels, position ids and ``shift_labels`` (the next column's label), and its own ``cu_seqlens``.
+* **Sources of a mixture's dict batches** (the section at the end): ``source_ids`` is each row's source;
+  with loss weights, ``loss_weights`` is the row's source's weight (1.0 for a source not named) on each
+  token whose label is not -100, else 0.
 * **Follow** (training while the build runs; the section at the end). A build's units lie in the stream
   in unit order; its *committed prefix* is every document of the units before the first unfinished one,
   then the documents that one has committed. A Follow serves the samples of the *finished* cache (the
@@ -603,6 +606,7 @@ class Leg:
     exclusions: list[Exclusion] = field(default_factory=list)
     mixture: MixLeg | None = None
     ga: int = 1  # global batches a trainer step takes (gradient accumulation: batches_per_step)
+    loss_weights: dict[str, float] | None = None  # a mixture leg's loss weights by source name
 
 
 @dataclass(frozen=True)
@@ -690,8 +694,20 @@ class Model:
             seeds = [derived_seed(spec.seed, f"source:{n}") for n in leg.names]
         self.names, self.seeds = leg.names, seeds
         self.parts = [(self.run.sources[n][0], _samples(*self.run.sources[n])) for n in leg.names]
+        sizes = [len(samples) for _, samples in self.parts]
+        if spec.stop == "first_exhausted":  # the Mixture given is made on its own stages first: refused if
+            fresh = stage_schedule(leg.stages, leg.names, spec.block_size)  # they stop before a block
+            Mixed(
+                sizes,
+                seeds,
+                seed=spec.seed,
+                shuffle=False,
+                block_size=spec.block_size,
+                schedule=fresh,
+                stop=spec.stop,
+            )
         base = Mixed(
-            [len(samples) for _, samples in self.parts],
+            sizes,
             seeds,
             seed=spec.seed,
             shuffle=spec.shuffle,
@@ -821,7 +837,8 @@ class Model:
         rows, columns = self.rows(leg, position, positions)
         if self.run.output == "numpy":
             return np.asarray([row.tokens for row in rows], dtype=np.int64).reshape(len(rows), -1)
-        return as_dict(rows, self.masks, self.run.output, columns)
+        batch = as_dict(rows, self.masks, self.run.output, columns)
+        return batch if self.run.mix is None else sourced(batch, rows, self.names, leg.loss_weights)
 
     def rows(self, leg: Leg, position: int, positions: range) -> tuple[list[Row], int]:
         """The rows of ``positions`` as served, and their input columns (a window's overlap is not)."""
@@ -1207,7 +1224,9 @@ class FollowMixModel:
             served.append(row_of(corpus, samples[sample], width, p, source))
         if self.run.output == "numpy":
             return np.asarray([row.tokens for row in served], dtype=np.int64).reshape(len(served), width)
-        return as_dict(served, self.masks, self.run.output, self.run.web[1].seq_len)
+        return sourced(
+            as_dict(served, self.masks, self.run.output, self.run.web[1].seq_len), served, self.NAMES
+        )
 
 
 # --- parallel: padding to a multiple, context parallelism, balance by attention cost --------------------
@@ -1309,3 +1328,28 @@ class ParallelModel(Model):
                     found.setdefault((source, doc), []).append((p, column, where))
                     column += padded(count, chosen.multiple)
         return {key: [where for *_, where in sorted(runs)] for key, runs in found.items()}  # batch order
+
+
+# --- sources of a mixture's dict batches (per-domain loss) -----------------------------------------------
+
+
+def sourced(
+    batch: dict[str, Any],
+    rows: Sequence[Row],
+    names: Sequence[str],
+    loss_weights: dict[str, float] | None = None,
+) -> dict[str, Any]:
+    """A mixture's dict ``batch`` of ``rows`` with ``source_ids`` (each row's source: every segment of a row
+    records the source of the row's sample) and, given ``loss_weights`` by name, ``loss_weights``: the
+    row's source's weight (1.0 for one not named, as a float32) where the label is not -100, else 0."""
+    sources = [row.segments[0][5] for row in rows]
+    out = {**batch, "source_ids": sources}
+    if loss_weights is not None:
+        out["loss_weights"] = [
+            [
+                float(np.float32(loss_weights.get(names[source], 1.0))) if label != IGNORE else 0.0
+                for label in labels
+            ]
+            for source, labels in zip(sources, batch["labels"], strict=True)
+        ]
+    return out

@@ -297,7 +297,7 @@ def test_a_mixture_through_workers_serves_the_loaders_batches(
         if output == "numpy":  # through the shared-slot ring
             assert batch.dtype == torch.int64 and np.array_equal(batch.numpy(), reference)
         else:
-            assert set(batch) == set(reference) == {"input_ids", "labels", "position_ids"}
+            assert set(batch) == set(reference) == {"input_ids", "labels", "position_ids", "source_ids"}
             for key, value in batch.items():
                 assert value.dtype == torch.int64 and np.array_equal(value.numpy(), reference[key]), key
     tokens = [batch if output == "numpy" else batch["input_ids"] for batch in got]

@@ -107,3 +107,88 @@ def test_datamodule_state_after_fit_excludes_the_batch_fetched_ahead(
     fresh = streampack.Loader(seqs, batch_size=4, seed=5)
     fresh.load_state_dict(data.state_dict())
     assert sample_ids(fresh.batch(fresh.position)) == sample_ids(loader.batch(8))
+
+
+# --- a mixture: each source's loss, and the data metrics, through Lightning's logger ----------------------
+
+
+class MixtureLM(TinyLM):
+    """TinyLM on a mixture's dict batches, its loss from streampack.lightning.mixture_loss."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        logits = self.head(self.embed(batch["input_ids"]))
+        return streampack.lightning.mixture_loss(self, logits, batch)
+
+
+class Remembered(pl.loggers.logger.Logger):
+    """A logger that keeps what it is given: (step, metrics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "remembered"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((int(step or 0), dict(metrics)))
+
+
+def test_lightning_logs_each_sources_loss_and_the_data_metrics_per_step(
+    seqs: PackedSequences, tmp_path: Path
+) -> None:
+    from streampack.order.mixture import Mixture
+
+    mix = Mixture({"web": seqs, "code": seqs}, weights={"web": 0.5, "code": 0.5}, block_size=8, seed=1)
+    loader = streampack.Loader(mix, batch_size=4, output="dict", loss_weights={"code": 0.5})
+    logger = Remembered()
+    trainer = pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        logger=logger,
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(MixtureLM(), datamodule=streampack.lightning.DataModule(loader, num_workers=1))
+    logged = [metrics for _, metrics in logger.logged if "data/bytes_read" in metrics]
+    assert len(logged) == 6
+    batch_bytes = 4 * 8 * seqs.dtype.itemsize
+    # Counted as the DataLoader hands batches out (one ahead of the model): one batch a step.
+    assert all(metrics["data/bytes_read"] == batch_bytes and metrics["data/wait_s"] > 0 for metrics in logged)
+    assert loader.metrics()["batches"] in (6, 7)
+    losses = [metrics for _, metrics in logger.logged if {"loss/web", "loss/code"} & set(metrics)]
+    assert len(losses) == 6 and all(
+        value > 0 for m in losses for k, value in m.items() if k.startswith("loss/")
+    )
+
+
+def test_mixture_loss_weighs_each_token_by_its_sources_weight(seqs: PackedSequences) -> None:
+    from streampack.order.mixture import Mixture
+
+    mix = Mixture({"web": seqs, "code": seqs}, weights={"web": 0.5, "code": 0.5}, block_size=8, seed=2)
+    loader = streampack.Loader(mix, batch_size=8, output="dict", loss_weights={"code": 0.5})
+    batch = {key: torch.as_tensor(value) for key, value in loader.batch(0).items()}
+    torch.manual_seed(0)
+    logits = torch.randn(8, 8, VOCAB)
+    loss = streampack.lightning.mixture_loss(MixtureLM(), logits, batch, names=("web", "code"))
+
+    def summed(rows: Any) -> Any:  # the cross-entropy summed over the labels of ``rows``, shifted
+        labels = torch.where(rows[:, None], batch["labels"], -100)[:, 1:]
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+
+    web = batch["source_ids"] == 0
+    assert web.any() and not web.all()
+    tokens = (batch["labels"][:, 1:] != -100).sum()
+    assert float(loss) == pytest.approx(float((summed(web) + 0.5 * summed(~web)) / tokens), rel=1e-6)

@@ -256,6 +256,7 @@ def mixture_runs(draw: st.DrawFn, corpora: dict[str, Corpus]) -> Run:
             ranges = [(start, start + draw(st.integers(1, 2 * batch)))] if draw(st.booleans()) else []
             exclusions.append(Exclusion(0, mode, {source: set(docs)} if docs else {}, ranges))
         leg = Leg(sources[names[0]][1], batch, world, draw(st.integers(0, 5)), None, exclusions, mixture)
+        leg.loss_weights = draw(loss_weights(names)) if output != "numpy" else None
         run.legs.append(leg)
         position_hint += leg.batches * batch
     return run
@@ -456,6 +457,7 @@ def _loader(
         names = leg.mixture.names
         loader = Loader(
             mixture,
+            loss_weights=leg.loss_weights,
             batch_size=leg.batch_size,
             drop_last=run.drop_last,
             output=run.output,
@@ -1063,3 +1065,29 @@ def test_dataloader_workers_follow_a_build_as_the_model_says(builds: dict, tmp_p
                 _same(batch, model.batch(leg, rows, rank), f"leg {index} batch {number} rank {rank}")
             model.position += rows
     assert model.next_rows(legs[-1], units) == 0 and state is not None and state["position"] == model.position
+
+
+# --- sources of a mixture's dict batches (per-domain loss) ------------------------------------------------
+
+
+def loss_weights(names: Sequence[str]) -> Any:
+    """No loss weights, or weights (exact in float32) for some of ``names``: each leg of a mixture run draws
+    its own, so resumes change them (they are not in the state)."""
+    weight = st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.25])
+    return st.none() | st.dictionaries(st.sampled_from(list(names)), weight, max_size=len(names))
+
+
+def test_dataloader_workers_serve_a_mixtures_sources_as_the_model_says(caches: dict) -> None:
+    """A mixture's ``source_ids`` and ``loss_weights`` through real DataLoader workers (2, then 1 at a resume
+    that adds a source and changes the weights) are the model's, in order."""
+    pytest.importorskip("torch")
+    plain, sft = caches["plain"][1], caches["sft"][1]
+    sources = {"web": (plain, Windows(16)), "chat": (sft, Windows(16)), "more": (plain, Windows(16))}
+    run = Run(plain, 0, True, None, True, "dict", [], sources, MixSpec(5, True, 16, "never"))
+    first = MixLeg(("web", "chat"), ((0, {"web": 1.0, "chat": 1.0}),))
+    second = MixLeg(("web", "chat", "more"), ((0, {"web": 1.0, "chat": 2.0, "more": 1.0}),))
+    run.legs = [
+        Leg(Windows(16), 4, 2, 3, mixture=first, loss_weights={"chat": 2.0}),
+        Leg(Windows(16), 6, 1, 4, mixture=second, loss_weights={"web": 0.5, "more": 0.0}),
+    ]
+    check_run({id(c): caches[n][0] for n, (_, c) in caches.items()}, run, workers=[2, 1])

@@ -299,3 +299,51 @@ def test_cli_bench_with_workers_reports_each_worker(numbered: streampack.Cache) 
     out = run_cli("bench", numbered.root, *args).stdout
     memory = next(line for line in out.splitlines() if line.startswith("memory"))
     assert memory.count(" MB") == 3, out  # the main process and two workers
+
+
+def _source_losses_on_rank(rank: int, world: int, address: str, out: str) -> None:
+    """One rank of a gloo group: rank 0 adds a row of source 0, rank 1 rows of sources 0 and 1."""
+    import torch.distributed as dist
+
+    from streampack.torch import SourceLosses
+
+    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
+    try:
+        counted = SourceLosses(("web", "code"))
+        labels = torch.tensor([[-100, 5, 5, -100]] * (rank + 1))
+        losses = torch.tensor([[0.0, 1.0, 3.0, 0.0]] * (rank + 1)) * (rank + 1)
+        counted.add(losses, labels, torch.tensor([0, 1][: rank + 1]))
+        Path(out, f"{rank}.json").write_text(json.dumps(counted.report()))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_source_losses_are_summed_over_the_ranks_of_a_real_process_group(tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_source_losses_on_rank, args=(2, f"tcp://127.0.0.1:{port}", str(tmp_path)), nprocs=2)
+    reports = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+    # web: rank 0's 2 tokens (loss 1 + 3) and rank 1's (2 + 6); code: rank 1's (2 + 6).
+    assert reports[0] == reports[1] == {"loss/web": 12 / 4, "loss/code": 8 / 2}
+
+
+def test_token_losses_are_each_labels_cross_entropy_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    import streampack.torch as adapter
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(3, 10, 13), torch.randint(0, 13, (3, 10))
+    labels[0, 4] = labels[2, 9] = -100
+    whole = adapter.token_losses(logits, labels)
+    monkeypatch.setattr(adapter, "_LOSS_CHUNK", 7 * 13)  # chunks of 7 tokens, across rows
+    chunked = adapter.token_losses(logits, labels)
+    plain = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, 13), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
+    ).view(3, 9)
+    assert torch.equal(whole, chunked) and whole.shape == labels.shape
+    assert torch.allclose(whole[:, 1:], plain) and not whole[:, 0].any() and whole[0, 4] == whole[2, 9] == 0

@@ -13,7 +13,9 @@ A :class:`Loader` composes a source and an order:
   DataLoader workers and the global batch size may change.
 * **Reading and output**: each source's rows are read straight into the batch array
   (:mod:`streampack.loader.reading`), which the ``output=`` format (:mod:`streampack.loader.collate`)
-  turns into what a step yields.
+  turns into what a step yields; a mixture's dict batches also say each row's source
+  (:mod:`streampack.loader.domains`).
+* **Metrics** (:mod:`streampack.loader.metrics`): what each batch cost the consumer, :meth:`Loader.metrics`.
 
 Trade-off: the shuffle is global, so reads are random; a memory-mapped cache on a local disk or in the page
 cache serves them at memory speed, a network filesystem does not. ``shuffle=BlockShuffle(block=...,
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -36,6 +39,7 @@ from streampack.loader.collate import format_for
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.growing import Growing, Reach, growing_mixture
 from streampack.loader.lookahead import files_ahead, prefetch_steps
+from streampack.loader.metrics import Made, Meter
 from streampack.loader.options import LoaderKeywords, LoaderOptions, Output, SourceShare
 from streampack.loader.reading import DataSource, Rows, Source
 from streampack.loader.run import Run, placed, reaching, resumed, started
@@ -116,6 +120,8 @@ class Loader:
         **keywords: Unpack[LoaderKeywords],
     ) -> None:
         source = growing_mixture(source)  # a Mixture with a source that grows, grows with it
+        self.meter = Meter()  # the batches iterating it took (streampack.loader.metrics)
+        self.made: Made | None = None  # what making the last batch in this process took
         self._run = started(type(self).__name__, source, order, options, keywords, exclude)
         self._source = source
         self.collate = collate
@@ -272,17 +278,33 @@ class Loader:
 
     def __iter__(self) -> Iterator[Any]:
         """Yield batches from the current position on, advancing it as each is handed out (read afresh
-        before every batch, so :meth:`load_state_dict` takes effect at the next one, even inside a loop)."""
-        while not self.finished:
+        before every batch, so :meth:`load_state_dict` takes effect at the next one, even inside a loop).
+        Each is counted in :meth:`metrics`, with the time the loop waited for it."""
+        while True:
+            asked = time.perf_counter()  # the consumer waits from here (a growing source may block here)
+            if self.finished:
+                return
             position = self._position
             batch = self.batch(position)
             self._position = position + self._rows_at(position)
+            self.meter.add(time.perf_counter() - asked, self.made)
             yield batch
+
+    def metrics(self) -> dict[str, float]:
+        """What feeding the consumer cost: ``batches`` taken, and of the last one and in total
+        (``total_<name>``): ``data_wait_s`` (seconds the consumer was blocked waiting for it), ``make_s``
+        (seconds making it took, where it was made), ``bytes_read`` (of tokens), ``prefetch_hits`` and
+        ``prefetch_misses`` (shard files in object storage found local, or waited for).
+
+        Counted by iterating the loader, or a :class:`streampack.torch.DataLoader` over it (in the main
+        process, with the workers' reads); see :mod:`streampack.loader.metrics`. Not in the state."""
+        return self.meter.as_dict()
 
     def batch(self, position: int, *, out: np.ndarray | None = None) -> Any:
         """This rank's batch at ``position`` (see :meth:`schedule`), formatted and collated; a pure function
         of the position. ``out``: an array of :meth:`batch_shape` and the output dtype to read the tokens
         into (e.g. a view of shared memory); a new one when omitted."""
+        started = time.perf_counter()
         if not self._ahead_checked:
             self._check_ahead()
         picks = self.picks(position)
@@ -290,6 +312,8 @@ class Loader:
         span: tuple[int, int] | np.ndarray = run.batches.span(position)
         if run.batches.costs is not None and run.masking is not None:  # balanced rows lie anywhere
             span = run.batches.positions(position)
+        stores = run.rows.fetching
+        before = [(store.prefetch_hits, store.prefetch_misses) for store in stores]
         if run.served is not None and run.served.splits(position):  # a unit's sub-windows
             units = run.rows.read(position, *picks, None, run.out_dtype)
             result = run.served.batch(position, picks, units, span, out, run.masking)  # type: ignore[arg-type]
@@ -298,7 +322,13 @@ class Loader:
             result = formatted(run.formatter, tokens, picks, span, run.masking)
         if run.rows.prefetches:  # a cache in object storage: fetch the next steps' shards
             self._prefetch(position)
-        return self.collate(result) if self.collate is not None else result
+        if self.collate is not None:
+            result = self.collate(result)
+        hits = sum(store.prefetch_hits - hit for store, (hit, _) in zip(stores, before, strict=True))
+        misses = sum(store.prefetch_misses - miss for store, (_, miss) in zip(stores, before, strict=True))
+        read = run.rows.bytes_read(position, *picks)
+        self.made = Made(time.perf_counter() - started, read, hits, misses)
+        return result
 
     def batch_shape(self, position: int) -> tuple[int, int]:
         """Shape ``(rows, width)`` of this rank's token array at ``position`` (fewer rows in a partial last
@@ -348,7 +378,7 @@ class Loader:
         known, view = reach.known, reach.source.view()
         parts = list(view.values()) if isinstance(view, Mapping) else [view]
         o = self.options
-        formatter = format_for(o.output, parts, (o.cp_size, o.cp_rank))
+        formatter = format_for(o.output, parts, (o.cp_size, o.cp_rank), domains=self._run.domains)
         self._run = dataclasses.replace(
             self._run, rows=Rows([Source(part) for part in parts]), formatter=formatter
         )

@@ -17,6 +17,7 @@ from streampack.errors import OptionsError
 from streampack.order import groups
 
 if TYPE_CHECKING:
+    from streampack.loader.domains import Domains
     from streampack.samples.boundaries import Boundaries
 
 __all__ = ["CausalLMDict", "Format", "Tokens", "format_for"]
@@ -74,10 +75,14 @@ class CausalLMDict:
     through the fill (TransformerEngine's convention), whose labels are ``-100``; ``cu_seqlens`` include
     the fills (TransformerEngine's ``cu_seqlens_padded``).
 
+    Of a mixture, also ``source_ids`` and, with the ``loss_weights`` option, ``loss_weights``
+    (:mod:`streampack.loader.domains`).
+
     Args:
         sources: the loader's data sources, in source-id order.
         segments: ``None``, or the names to add the segments under: ``"varlen"`` or ``"hf-flash"``.
         context_parallel: ``(cp_size, cp_rank)``; ``(1, 0)`` serves whole rows.
+        domains: the per-source keys to add (a mixture's); None: none.
 
     Raises:
         OptionsError: a source has no ``boundaries()`` method, or its samples overlap; with ``cp_size >
@@ -90,9 +95,11 @@ class CausalLMDict:
         *,
         segments: str | None = None,
         context_parallel: tuple[int, int] = (1, 0),
+        domains: Domains | None = None,
     ) -> None:
         self.segments = segments
         self.context_parallel = context_parallel
+        self.domains = domains
         self._boundaries_of: list[Callable[[np.ndarray], Boundaries]] = []
         output = f"output={segments or 'dict'!r}"  # the option the user gave, in messages
         for data in sources:
@@ -146,6 +153,8 @@ class CausalLMDict:
         elif self.segments == "hf-flash":
             batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = found.cu_seqlens
             batch["max_length_q"] = batch["max_length_k"] = found.max_seqlen
+        if self.domains is not None:
+            self.domains.add(batch, sources, labels)
         cp_size, cp_rank = self.context_parallel
         if cp_size > 1:
             from streampack.loader.parallel import split_for_cp
@@ -179,9 +188,16 @@ class CausalLMDict:
         return Boundaries(shape, np.concatenate(starts)[order], np.concatenate(docs)[order], mask)
 
 
-def format_for(output: str, sources: Sequence[object], context_parallel: tuple[int, int] = (1, 0)) -> Format:
+def format_for(
+    output: str,
+    sources: Sequence[object],
+    context_parallel: tuple[int, int] = (1, 0),
+    *,
+    domains: Domains | None = None,
+) -> Format:
     """The format of ``output`` (``"numpy"``, ``"dict"``, ``"varlen"`` or ``"hf-flash"``, already validated),
-    for CP rank ``context_parallel[1]`` of ``context_parallel[0]``.
+    for CP rank ``context_parallel[1]`` of ``context_parallel[0]``, with the per-source keys ``domains`` in
+    a dict.
 
     Raises:
         OptionsError: a dict is asked of sources it does not fit (see :class:`CausalLMDict`).
@@ -189,4 +205,4 @@ def format_for(output: str, sources: Sequence[object], context_parallel: tuple[i
     if output == "numpy":
         return Tokens()
     segments = None if output == "dict" else output
-    return CausalLMDict(sources, segments=segments, context_parallel=context_parallel)
+    return CausalLMDict(sources, segments=segments, context_parallel=context_parallel, domains=domains)

@@ -6,6 +6,8 @@ are the same loader; keywords given with an options object replace its fields (:
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, get_args
@@ -79,6 +81,11 @@ class LoaderOptions:
             takes the ``r``-th contiguous slice; ``"attention"``, as many rows each, assigned so that the
             ranks' attention costs (sum of squared document lengths) are even (needs samples with
             document boundaries, such as a cache's).
+        loss_weights: source name -> weight (a finite number >= 0) of the loss of that source's tokens, for
+            a loader of several named sources (a :class:`~streampack.order.mixture.Mixture`) with a dict
+            ``output``: batches then carry ``loss_weights``, ``float32`` per token (the row's source's
+            weight, 1.0 for a source not named, 0 where ``labels`` is -100). It changes no token or label
+            served, so it is not in the state: a resume may change it (:mod:`streampack.loader.domains`).
 
     Raises:
         OptionsError: (a ``ValueError``) an option is out of range or of the wrong type, or
@@ -98,6 +105,7 @@ class LoaderOptions:
     cp_size: int = 1
     cp_rank: int = 0
     balance: Balance = "rows"
+    loss_weights: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         # Stored as Python ints: numpy integers (seeds from np.random, sizes from arrays) would make
@@ -142,6 +150,8 @@ class LoaderOptions:
                     f"dtype must be an integer dtype such as int64, or None (got dtype={dtype})"
                 )
             object.__setattr__(self, "dtype", dtype)
+        if self.loss_weights is not None:
+            object.__setattr__(self, "loss_weights", _checked_loss_weights(self.loss_weights))
 
     @property
     def rows(self) -> int:
@@ -166,6 +176,7 @@ class BatchKeywords(TypedDict, total=False):
     cp_size: int
     cp_rank: int
     balance: Balance
+    loss_weights: Mapping[str, float] | None
 
 
 class LoaderKeywords(BatchKeywords, total=False):
@@ -194,6 +205,32 @@ class SourceShare:
     share: float
     size: int
     epoch: float
+
+
+def _checked_loss_weights(weights: object) -> dict[str, float]:
+    """``loss_weights`` as a dict of name -> float, each finite and >= 0.
+
+    Raises:
+        OptionsError: not a mapping of source names to such numbers.
+    """
+    if not isinstance(weights, Mapping):
+        raise OptionsError(
+            f"loss_weights takes a dict of source name -> weight, e.g. {{'code': 2.0}} (got "
+            f"{type(weights).__name__})"
+        )
+    checked = {}
+    for name, weight in weights.items():
+        if not isinstance(name, str) or isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise OptionsError(
+                f"loss_weights maps source names to numbers (got {name!r}: {weight!r}); e.g. {{'code': 2.0}}"
+            )
+        if not math.isfinite(weight) or weight < 0:
+            raise OptionsError(
+                f"loss_weights[{name!r}] must be a finite number >= 0 (got {weight!r}); 0 trains nothing on "
+                "that source's tokens, 1 is the usual loss"
+            )
+        checked[name] = float(weight)
+    return checked
 
 
 def with_keywords(cls: type[_Options], options: _Options | None, keywords: Mapping[str, Any]) -> _Options:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
     from streampack.loader.batches import Batches
     from streampack.reader import Cache
     from streampack.samples.copies import BatchedSpans
+    from streampack.samples.sequences import JoinedSequences
+    from streampack.samples.spans import Spans
+    from streampack.store.localcopy import CachedStore
 
 __all__ = ["DataSource", "Rows", "Source", "token_place", "vocab_size_of"]
 
@@ -63,6 +66,10 @@ class Rows:
         joinable = all(isinstance(part, PackedSequences) for part in parts)
         self.joined = JoinedSequences(parts) if joinable else None  # type: ignore[arg-type]
         self.prefetches = prefetch_steps(self.joined) > 0  # decided once: not a check per batch
+        # The stores in object storage read through a local copy, whose prefetch hits a batch counts.
+        stores = [part.cache.store for part in self.joined.parts] if self.joined is not None else []
+        fetching = {id(store): store for store in stores if store.fetches_copies}
+        self.fetching = cast("list[CachedStore]", list(fetching.values()))
 
     def __getstate__(self) -> dict[str, Any]:
         """The sources; the plan is made again where unpickled."""
@@ -132,16 +139,32 @@ class Rows:
         sources, samples = batches.order(rows)
         # The windows of the whole plan are split at shard boundaries and sorted by shard once, here.
         joined = self.joined
-        spans = None
+        spans = read_bytes = None
         if joined is not None:
             from streampack.samples.copies import BatchedSpans
 
             pads = joined.pads_of(sources)
-            spans = BatchedSpans(joined.spans(sources, samples), opts.rows, count, self.width, pads)
+            found = joined.spans(sources, samples)
+            spans = BatchedSpans(found, opts.rows, count, self.width, pads)
+            read_bytes = _span_bytes(joined, found, opts.rows, count)
         self._plan = _Plan(
-            position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1), spans
+            position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1), spans, read_bytes
         )
         return self._plan
+
+    def bytes_read(self, position: int, sources: np.ndarray, samples: np.ndarray) -> int:
+        """Bytes of tokens the batch at ``position`` (its ``sources`` and ``samples``) reads from the sources:
+        of a cache, the spans its samples cover (not their padding); else every token of every row."""
+        plan, joined = self._plan, self.joined
+        if joined is None:
+            return sum(
+                len(rows) * self.width * self.sources[source].dtype.itemsize
+                for source, rows in groups(sources)
+            )
+        step = None if plan is None or plan.spans is None else plan.step(position)
+        if step is not None and plan is not None and plan.read_bytes is not None:
+            return int(plan.read_bytes[step])
+        return int(_span_bytes(joined, joined.spans(sources, samples), max(1, len(samples)), 1)[0])
 
     def read(
         self,
@@ -269,6 +292,17 @@ class Rows:
         )
 
 
+def _span_bytes(joined: JoinedSequences, spans: Spans, rows: int, count: int) -> np.ndarray:
+    """Bytes of tokens the ``spans`` of ``count`` batches of ``rows`` rows each cover, per batch."""
+    itemsizes = np.array([part.dtype.itemsize for part in joined.parts], dtype=np.int64)
+    if len(set(itemsizes.tolist())) == 1:
+        per_span = (spans.hi - spans.lo) * itemsizes[0]
+    else:
+        parts = np.array([joined.owner(int(shard))[0] for shard in spans.shards.tolist()], dtype=np.int64)
+        per_span = (spans.hi - spans.lo) * itemsizes[parts]
+    return np.bincount(spans.rows // rows, weights=per_span, minlength=count).astype(np.int64)
+
+
 def vocab_size_of(data: object) -> int | None:
     """The vocabulary size of a source read from a cache (every id is below it), else None."""
     cache = getattr(data, "cache", None)
@@ -323,6 +357,7 @@ class _Plan:
     sources: np.ndarray  # (count, rows)
     samples: np.ndarray  # (count, rows)
     spans: BatchedSpans | None  # where their tokens are, when every source is a cache
+    read_bytes: np.ndarray | None = None  # (count,): bytes of tokens each batch reads, with spans
 
     def step(self, position: int) -> int | None:
         """Which planned batch starts at ``position``, if any."""

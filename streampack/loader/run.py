@@ -22,6 +22,7 @@ import numpy as np
 from streampack.errors import OptionsError
 from streampack.loader.batches import Batches
 from streampack.loader.collate import CausalLMDict, Format, format_for
+from streampack.loader.domains import Domains, domains_for
 from streampack.loader.excluding import (
     Masking,
     Skipping,
@@ -66,6 +67,7 @@ class Run:
     batches_per_step: int = 1  # the trainer's gradient accumulation, which the adapters set
     found: Found = field(default_factory=dict)  # a cache, shared by the runs that follow
     grows: bool = False  # the source grows while it is read (streampack.loader.growing)
+    domains: Domains | None = None  # the per-source keys of its dicts (a mixture's)
     own: bool = False  # the order is the loader's own, made of the options
 
     @property
@@ -162,7 +164,7 @@ def started(
         raise unknown_keyword(what, unknown[0], sorted(_OPTION_NAMES))
     # seed=None and shuffle=None say "not given": the defaults, or an order's own.
     keywords = {k: v for k, v in keywords.items() if v is not None or k not in ("seed", "shuffle")}
-    parts, order = _sources_and_order(source, order)
+    parts, order, named = _sources_and_order(source, order)
     if order is not None:
         _refuse_order_options(order, {k: keywords.get(k) for k in ("seed", "shuffle", "epochs")})
     opts = with_keywords(LoaderOptions, options, keywords)
@@ -183,10 +185,13 @@ def started(
         check_size(opts, len(first))
     check_dtype(opts, [s.dtype for s in sources], [vocab_size_of(s.data) for s in sources])
     grows = isinstance(source, Growing)
-    formatter = format_for(opts.output, [s.data for s in sources], (opts.cp_size, opts.cp_rank))
-    served = served_for(opts, sources, grows)
+    domains = domains_for(opts.loss_weights, order.names, named=named, output=opts.output)
+    formatter = format_for(
+        opts.output, [s.data for s in sources], (opts.cp_size, opts.cp_rank), domains=domains
+    )
+    served = served_for(opts, sources, grows, domains)
     _check_balance(opts, sources, served)
-    run = Run(opts, Rows(sources), formatter, served, order, order, grows=grows, own=own)
+    run = Run(opts, Rows(sources), formatter, served, order, order, grows=grows, own=own, domains=domains)
     exclusions = listed(exclude)
     if exclusions:  # their ranges are checked once the position is known: at the first batch, or a resume
         placed_ = [placed(e, e.at or 0, run.counting()) for e in exclusions]
@@ -315,15 +320,17 @@ def layered(
 
 def _sources_and_order(
     source: DataSource | Mapping[str, DataSource] | Ordered | Growing, order: Order | None
-) -> tuple[list[DataSource], Order | None]:
-    """The sources a Loader reads and the order given with them (None: the Loader makes one)."""
+) -> tuple[list[DataSource], Order | None, bool]:
+    """The sources a Loader reads, the order given with them (None: the Loader makes one), and whether
+    they are named sources (a mixture, or a dict of sources) rather than one dataset."""
     if isinstance(source, Growing):  # what it holds now, in the order that grows with it
         if order is not None:
             raise OptionsError(
                 f"a {type(source).__name__} grows with its own order; give it without order=..."
             )
         view = source.view()  # one source, or several by name (a mixture with a source that grows)
-        return (list(view.values()) if isinstance(view, Mapping) else [view]), source.order
+        named = isinstance(view, Mapping)
+        return (list(view.values()) if named else [view]), source.order, named
     if isinstance(source, Ordered):  # a Mixture: its sources, and itself their order
         if order is not None:
             raise OptionsError(
@@ -331,7 +338,7 @@ def _sources_and_order(
                 "order=..., not both"
             )
         sources, order = source.sources_and_order()
-        return list(sources.values()), order
+        return list(sources.values()), order, True
     if isinstance(source, Mapping):
         if order is None:
             raise OptionsError(
@@ -343,8 +350,8 @@ def _sources_and_order(
                 f"the sources must be named as the order names them, in its order: {list(order.names)} "
                 f"(got {list(source)})"
             )
-        return list(source.values()), order
-    return [source], order
+        return list(source.values()), order, True
+    return [source], order, False
 
 
 def _check_balance(options: LoaderOptions, sources: list[Source], served: Served | None) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 from streampack._checks import is_int
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader.collate import CausalLMDict, Format, format_for
+from streampack.loader.domains import Domains
 from streampack.loader.options import LoaderOptions, check_size
 from streampack.loader.reading import Source
 from streampack.loader.seqlen import SeqLenSchedule
@@ -55,6 +56,7 @@ class Served:
         schedule: SeqLenSchedule | None,
         output: str,
         joins: bool = False,
+        domains: Domains | None = None,
     ) -> None:
         from streampack.samples.lengths import windows_of
 
@@ -67,7 +69,7 @@ class Served:
             )
         self.unit, self.overlap = units[0], self._parts[0].overlap
         self.default = self.unit if default is None else default
-        self.schedule, self.output = schedule, output
+        self.schedule, self.output, self.domains = schedule, output, domains
         for length in [self.default, *(schedule.lengths if schedule is not None else [])]:
             if self.unit % length and not (joins and length % self.unit == 0):
                 raise OptionsError(
@@ -156,7 +158,8 @@ class Served:
         if found is None:
             from streampack.samples.lengths import at_seq_len
 
-            found = format_for(self.output, [at_seq_len(part, length) for part in self._parts])
+            parts = [at_seq_len(part, length) for part in self._parts]
+            found = format_for(self.output, parts, domains=self.domains)
             self._formats = self._formats | {length: found}  # a new dict: a prefetch thread may read it
         return found
 
@@ -224,8 +227,10 @@ def formatted(
     return formatter(tokens, sources, samples, masked=lambda r, d: masking(at, sources, r, d))
 
 
-def served_for(options: LoaderOptions, sources: list[Source], grows: bool) -> Served | None:
-    """The loader's :class:`Served` for its ``seq_len_schedule``; None without one.
+def served_for(
+    options: LoaderOptions, sources: list[Source], grows: bool, domains: Domains | None = None
+) -> Served | None:
+    """The loader's :class:`Served` for its ``seq_len_schedule`` (dicts with ``domains``); None without one.
 
     Raises:
         OptionsError: the schedule does not fit the sources (see :class:`Served`), or they grow.
@@ -237,7 +242,7 @@ def served_for(options: LoaderOptions, sources: list[Source], grows: bool) -> Se
         raise OptionsError(
             "seq_len_schedule is not supported over a source that grows (Follow); read the finished cache"
         )
-    return Served(sources, default=None, schedule=schedule, output=options.output)
+    return Served(sources, default=None, schedule=schedule, output=options.output, domains=domains)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,10 @@ class CachedStore(LocalStore):
         self.prefetch_steps = prefetch_steps
         self.storage_options = dict(storage_options or {})
         self.downloads = 0  # files this process downloaded (a measure for tests and benchmarks)
+        # Shard files this process mapped that were local already (fetched ahead, or read before), and those
+        # it waited to download: what a loader reports as its prefetch hits and misses.
+        self.prefetch_hits = 0
+        self.prefetch_misses = 0
         self._expected: dict[str, Expected] = {}
         try:
             (self.root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
@@ -238,6 +242,10 @@ class CachedStore(LocalStore):
         nbytes = count * dtype.itemsize
         if self.max_local_bytes is not None and self._watching != os.getpid():
             self._watch_pressure()
+        if self.path(key).exists():
+            self.prefetch_hits += 1
+        else:
+            self.prefetch_misses += 1
         for _ in range(8):  # evicted between its download and its map: fetched again
             path = self.fetch(key)
             assert path is not None  # a fetch that may wait returns a path or raises

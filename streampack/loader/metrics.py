@@ -1,0 +1,80 @@
+"""What feeding the trainer cost, batch by batch: how long it waited for data, and what was read.
+
+Two measures, taken in two places:
+
+* :class:`Made`, where a batch is made (the loader's process, or a DataLoader worker): the seconds making
+  it took (``make_s``: reading, formatting, ``collate``), the bytes of tokens it read from its sources, and,
+  over object storage, the shard files it mapped that were already local (``prefetch_hits``: fetched
+  ahead, or by an earlier batch) or that it waited to download (``prefetch_misses``).
+* The **wait**, where the trainer takes the batch: the seconds the consumer was blocked in ``next()``
+  (``data_wait_s``), the clock stopped across each ``yield``, so that what the trainer does with a batch
+  is never counted as waiting for the next (ServiceNow/Fast-LLM#567 read its wait ~200x too low until
+  it split the two). With DataLoader workers the batch is made in another process while the trainer
+  computes: only the time the main process blocked is a wait, which is why it is measured there.
+
+A :class:`Meter` adds them up per consumer; :meth:`Loader.metrics <streampack.loader.Loader.metrics>`
+returns its dict. Metrics are not data: nothing of them is in the state, and a resume starts no count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["METRICS", "Made", "Meter", "per_step"]
+
+METRICS = ("data_wait_s", "make_s", "bytes_read", "prefetch_hits", "prefetch_misses")
+"""The metrics of a batch, each also counted since the loader was made as ``total_<name>``."""
+
+
+@dataclass(frozen=True)
+class Made:
+    """What making one batch took, measured where it was made (see the module).
+
+    Attributes:
+        make_s: seconds spent making it (reading, formatting, the loader's ``collate``).
+        bytes_read: bytes of tokens read from the sources (padding is not read).
+        prefetch_hits: shard files in object storage it mapped that were already local.
+        prefetch_misses: shard files in object storage it waited to download.
+    """
+
+    make_s: float = 0.0
+    bytes_read: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+
+
+class Meter:
+    """The metrics of the batches a consumer took: the last one's, and their totals."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.last = dict.fromkeys(METRICS, 0.0)
+        self.total = dict.fromkeys(METRICS, 0.0)
+
+    def add(self, wait_s: float, made: Made | None) -> None:
+        """Count a batch the consumer waited ``wait_s`` seconds for, made as ``made`` says (None: unknown)."""
+        values = {"data_wait_s": wait_s, **dataclasses.asdict(made or Made())}
+        self.batches += 1
+        self.last = values
+        self.total = {name: self.total[name] + values[name] for name in METRICS}
+
+    def as_dict(self) -> dict[str, float]:
+        """``batches``, each metric of the last batch, and each metric's total as ``total_<name>``."""
+        return {"batches": self.batches, **self.last, **{f"total_{k}": v for k, v in self.total.items()}}
+
+
+def per_step(now: Mapping[str, float], before: Mapping[str, float] | None, steps: int) -> dict[str, float]:
+    """Each metric per trainer step between two :meth:`Meter.as_dict` (``before`` None: since the start),
+    over ``steps`` steps, named ``data/<metric>`` (``data/wait_s``, ``data/make_s``, ...): what the framework
+    adapters log."""
+    if steps <= 0:
+        return {}
+    return {
+        f"data/{name.removeprefix('data_')}": (
+            now[f"total_{name}"] - (before[f"total_{name}"] if before else 0)
+        )
+        / steps
+        for name in METRICS
+    }
