@@ -10,6 +10,7 @@ size of the cache.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from streampack.samples.batches import Index, check_out, sample_indices, target_
 from streampack.samples.boundaries import Boundaries, boundaries
 from streampack.samples.chosen import Chosen
 from streampack.samples.copies import read_spans, row_view
+from streampack.samples.fim import Fim, fim_spans, make_fim
 from streampack.samples.layout import Bins, FixedWindows, Layout, Runs, split_windows
 from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong, plan
 from streampack.samples.refs import cache_ref, reopen_unchanged
@@ -41,6 +43,7 @@ _PICKLED = {
     "layout": "_layout",
     "doc_starts": "_doc_starts",
     "masked": "_masked",
+    "fim": "_fim",
 }
 
 
@@ -89,6 +92,7 @@ class PackedSequences:
         self._layout = layout
         self._doc_starts = np.asarray(cache.doc_starts, dtype=np.int64)
         self._masked = cache.has_loss_mask
+        self._fim: Fim | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """The cache's reference, the settings and the shard tables: no memory map."""
@@ -156,6 +160,8 @@ class PackedSequences:
         counts = ""
         if isinstance(self._layout, Bins):  # whole documents: what the plan left out or serves untrained
             counts = f", dropped={self._layout.dropped}, no_target={self._layout.no_target}"
+        if self._fim is not None:
+            counts += f", fim={self._fim.fingerprint()!r}"
         return (
             f"PackedSequences({self.path!r}, seq_len={self.seq_len}, overlap={self.overlap}, "
             f"samples={len(self)}, tokens={self._num_tokens}{counts})"
@@ -167,12 +173,89 @@ class PackedSequences:
         ``shards`` digests the shard table: a cache rebuilt from other data differs even at the same size,
         while a copy of the cache elsewhere does not.
         """
+        fim = {} if self._fim is None else {"fim": self._fim.fingerprint()}
         return {
             "num_samples": len(self),
             "num_tokens": self._num_tokens,
             "shards": self._ref.content,
             **self._layout.fingerprint(),
+            **fim,
         }
+
+    def fim(
+        self,
+        *,
+        rate: float = 0.5,
+        spm_rate: float = 0.5,
+        seed: int = 0,
+        min_length: int = 16,
+        sentinels: Sequence[int] | Sequence[str] | None = None,
+        tokenizer: str | None = None,
+    ) -> PackedSequences:
+        """These samples with fill-in-the-middle for code (see :mod:`streampack.samples.fim`).
+
+        Each piece of a document in a row, of at least ``min_length`` tokens, is with probability ``rate``
+        cut at two points and served as ``<prefix> prefix <suffix> suffix <middle> middle`` (PSM) or, with
+        probability ``spm_rate``, ``<prefix> <suffix> suffix <middle> prefix middle`` (SPM), in its own
+        columns: the sentinels replace its last three tokens (a document's EOS stays last). Decided by
+        ``seed`` and the sample's index alone, so a resume is exact.
+
+        Example::
+
+            code = cache.sequences(2048).fim(rate=0.5, spm_rate=0.5)
+            loader = Loader(code, batch_size=32, seed=1, output="dict")
+
+        Args:
+            rate: probability that a piece is FIM'd.
+            spm_rate: probability that a FIM'd piece is in SPM order.
+            seed: the seed of the FIM decisions (the loader's own seed does not change them).
+            min_length: shorter pieces (their EOS not counted) are served as they are; at least 4.
+            sentinels: the (prefix, middle, suffix) sentinels: 3 ids, or 3 spellings to look up in the
+                tokenizer; by default the tokenizer's ``<fim_prefix>``..., ``<|fim_prefix|>``... or
+                DeepSeek-Coder's.
+            tokenizer: the SPEC of the tokenizer to look them up in; by default the one that built the cache
+                (refused if its file changed since).
+
+        Returns:
+            New samples, whose fingerprint holds the FIM settings: a checkpoint of other settings is
+            refused on resume.
+
+        Raises:
+            OptionsError: an option out of its range, or an id outside the cache's vocabulary.
+            TokenizerError: the tokenizer cannot be read, or has no such sentinels (named).
+        """
+        fim = make_fim(
+            self.cache,
+            rate=rate,
+            spm_rate=spm_rate,
+            seed=seed,
+            min_length=min_length,
+            sentinels=sentinels,
+            tokenizer=tokenizer,
+        )
+        samples = copy.copy(self)
+        samples._fim = fim
+        return samples
+
+    @property
+    def fim_settings(self) -> Fim | None:
+        """The FIM settings of these samples (:meth:`fim`), or None."""
+        return self._fim
+
+    def spans(self, indices: np.ndarray) -> Spans:
+        """The spans the samples ``indices`` (checked) are read from: the layout's, FIM'd where set; the
+        sentinels lie in shard ``cache.num_shards`` (:meth:`shard_tokens`)."""
+        spans = self._layout.spans(indices)
+        if self._fim is None:
+            return spans
+        return fim_spans(spans, indices, self._fim, self.cache.shard_offsets, self.cache.num_shards)
+
+    def shard_tokens(self, shard: int) -> np.ndarray:
+        """The tokens of shard ``shard`` of the cache; the FIM sentinels for ``cache.num_shards``."""
+        cache = self.cache
+        if self._fim is not None and shard == cache.num_shards:
+            return self._fim.tokens(cache.dtype)
+        return cache.shard_tokens(shard)
 
     def __getitem__(self, index: Index) -> np.ndarray:
         """Return the window(s) at ``index``, as a new array of the cache dtype.
@@ -238,14 +321,25 @@ class PackedSequences:
             A :class:`Boundaries` whose arrays have shape ``index_shape + (seq_len,)``.
         """
         indices, shape = sample_indices(index, len(self))
+        cache = self.cache
+        fim = self._fim is not None and self._masked  # the marks move with the tokens
         found = boundaries(
             self._layout.spans(indices),
             indices.size,
             self.seq_len,
-            self.cache.shard_offsets,
+            cache.shard_offsets,
             self._doc_starts,
-            self.cache.shard_loss_mask if self._masked else None,
+            cache.shard_loss_mask if self._masked and not fim else None,
         )
+        if fim:
+            marks = np.zeros((indices.size, self.seq_len), dtype=np.uint8)
+            sentinels = np.ones(3, dtype=np.uint8)  # targets
+
+            def mask_of(shard: int) -> np.ndarray:
+                return sentinels if shard == cache.num_shards else cache.shard_loss_mask(shard)
+
+            read_spans(self.spans(indices).head(self.seq_len), marks, mask_of)
+            found = Boundaries(found.shape, found.starts, found.docs, marks.view(bool))
         return found.reshaped((*shape, self.seq_len))
 
     def _read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
@@ -255,7 +349,7 @@ class PackedSequences:
                 out[...] = pad
             else:
                 out[rows] = pad
-        read_spans(self._layout.spans(indices), out, self.cache.shard_tokens, rows)
+        read_spans(self.spans(indices), out, self.shard_tokens, rows)
 
 
 # Shard maps a JoinedSequences keeps at hand (each holds a file descriptor while kept).
@@ -277,7 +371,9 @@ class JoinedSequences:
         self.parts = list(parts)
         self.width = parts[0].width
         self._seq_lens = np.array([part.seq_len for part in self.parts], dtype=np.int64)
-        self._windows = all(isinstance(part.layout, FixedWindows) for part in self.parts)
+        self._windows = all(
+            isinstance(part.layout, FixedWindows) and part.fim_settings is None for part in self.parts
+        )
         pads = [part.pad_id for part in self.parts]
         self._pads = None if all(pad is None for pad in pads) else np.array([pad or 0 for pad in pads])
         self._runs: Runs | None = None
@@ -294,7 +390,8 @@ class JoinedSequences:
         self._shard_bases = np.zeros(len(self.parts), dtype=np.int64)
         self._token_bases = np.zeros(len(self.parts), dtype=np.int64)
         for j, part in enumerate(self.parts):
-            shards = part.cache.num_shards
+            # A FIM'd part's sentinels are one more shard of it (see PackedSequences.spans).
+            shards = part.cache.num_shards + (part.fim_settings is not None)
             self._shard_bases[j], self._token_bases[j] = len(owners), tokens
             if isinstance(part.layout, FixedWindows):
                 runs.append(part.layout.runs.shifted(tokens, len(owners)))
@@ -329,7 +426,7 @@ class JoinedSequences:
             return split_windows(runs, starts, self.width)
         found = []
         for source, rows in groups(sources):
-            spans = self.parts[source].layout.spans(samples[rows])
+            spans = self.parts[source].spans(samples[rows])
             found.append(
                 replace(spans, rows=rows[spans.rows], shards=spans.shards + self._shard_bases[source])
             )
@@ -368,7 +465,7 @@ class JoinedSequences:
         tokens = self._recent.get(shard)
         if tokens is None:
             part, local = self._owners[shard]
-            tokens = self.parts[part].cache.shard_tokens(local)
+            tokens = self.parts[part].shard_tokens(local)
             if len(self._recent) >= _RECENT_MAPS:
                 self._recent.pop(next(iter(self._recent)))
             self._recent[shard] = tokens
