@@ -1,0 +1,116 @@
+"""Fill-in-the-middle with real tokenizers: the sentinels found by name in the tokenizer that built the
+cache, and refused, naming them, where it has none. The FIM rule itself is checked against the reference
+model (``tests/test_reference_model.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import streampack
+from streampack.errors import OptionsError, TokenizerError
+from streampack.loader import Loader
+from tests.conftest import GPT2_JSON
+
+SENTINELS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>")
+CODE = [
+    "def add(a, b):\n    return a + b\n" * 3,
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n" * 2,
+    "for i in range(10):\n    print(i * i)\n" * 4,
+]
+
+
+def _gpt2() -> Path:
+    if not GPT2_JSON.is_file():
+        pytest.skip("the GPT-2 tokenizer.json of shared/data/tokenizers is not here")
+    return GPT2_JSON
+
+
+def _with_sentinels(tmp: Path) -> Path:
+    """GPT-2's tokenizer.json with the StarCoder sentinels added as special tokens (ids 50257-50259)."""
+    definition = json.loads(_gpt2().read_text(encoding="utf-8"))
+    first = 1 + max(t["id"] for t in definition["added_tokens"])
+    for offset, content in enumerate(SENTINELS):
+        definition["added_tokens"].append(
+            {
+                "id": first + offset,
+                "content": content,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
+    path = tmp / "fim-tokenizer" / "tokenizer.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(definition), encoding="utf-8")
+    return path
+
+
+def _build(tmp: Path, name: str, tokenizer: str) -> Any:
+    inputs = tmp / f"{name}.jsonl"
+    with open(inputs, "w", encoding="utf-8") as file:
+        for text in CODE * 4:
+            file.write(json.dumps({"text": text}) + "\n")
+    streampack.build([str(inputs)], tmp / name, tokenizer=tokenizer, progress=False)
+    return streampack.open(tmp / name)
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("fim")
+    return {
+        "fim": _build(tmp, "fim", str(_with_sentinels(tmp))),
+        "gpt2": _build(tmp, "gpt2", str(_gpt2())),
+        "bytes": _build(tmp, "bytes", "bytes"),
+        "tokenizer": _with_sentinels(tmp_path_factory.mktemp("again")),
+    }
+
+
+def test_the_sentinels_come_from_the_tokenizer_that_built_the_cache(caches: dict[str, Any]) -> None:
+    cache = caches["fim"]
+    fim = cache.sequences(32).fim(rate=1.0, min_length=8)
+    assert fim.fim_settings.ids == (50257, 50258, 50259)
+    spelled = cache.sequences(32).fim(rate=1.0, min_length=8, sentinels=SENTINELS)
+    assert spelled.fim_settings == fim.fim_settings
+    rows = fim[np.arange(len(fim))]
+    plain = cache.sequences(32)[np.arange(len(fim))]
+    assert rows.shape == plain.shape
+    assert (rows == 50257).any() and (rows == 50258).any() and (rows == 50259).any()
+    assert not np.isin(plain, [50257, 50258, 50259]).any()
+    batch = next(iter(Loader(fim, batch_size=4, seed=1, output="dict")))
+    assert np.isin(batch["input_ids"], [50257, 50258, 50259]).any()
+
+
+def test_a_tokenizer_without_sentinels_is_refused_naming_them(caches: dict[str, Any]) -> None:
+    for name in ("gpt2", "bytes"):
+        with pytest.raises(TokenizerError, match=r"<fim_prefix>.*<fim_middle>.*<fim_suffix>") as raised:
+            caches[name].sequences(32).fim()
+        assert "sentinels=(prefix_id, middle_id, suffix_id)" in str(raised.value)
+    with pytest.raises(TokenizerError, match="'<PRE>', '<MID>'"):
+        caches["fim"].sequences(32).fim(sentinels=("<PRE>", "<MID>", "<SUF>"))
+
+
+def test_sentinels_outside_the_cache_vocabulary_are_refused(caches: dict[str, Any]) -> None:
+    # The sentinels of another tokenizer, whose ids the cache's vocabulary does not hold.
+    with pytest.raises(OptionsError, match="prefix id"):
+        caches["gpt2"].sequences(32).fim(tokenizer=str(caches["tokenizer"]))
+    with pytest.raises(OptionsError, match="rate"):
+        caches["gpt2"].sequences(32).fim(rate=1.5, sentinels=(1, 2, 3))
+    with pytest.raises(OptionsError, match="min_length"):
+        caches["gpt2"].sequences(32).fim(min_length=3, sentinels=(1, 2, 3))
+
+
+def test_fim_rows_pickle_and_keep_their_settings(caches: dict[str, Any]) -> None:
+    import pickle
+
+    fim = caches["fim"].packed(64).fim(rate=0.5, spm_rate=1.0, seed=3, min_length=8)
+    again = pickle.loads(pickle.dumps(fim))
+    indices = np.arange(len(fim))
+    assert np.array_equal(again[indices], fim[indices])
+    assert again.fingerprint() == fim.fingerprint() and "fim" in fim.fingerprint()
