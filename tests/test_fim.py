@@ -114,3 +114,30 @@ def test_fim_rows_pickle_and_keep_their_settings(caches: dict[str, Any]) -> None
     indices = np.arange(len(fim))
     assert np.array_equal(again[indices], fim[indices])
     assert again.fingerprint() == fim.fingerprint() and "fim" in fim.fingerprint()
+
+
+def test_fim_rows_read_every_way_agree(caches: dict[str, Any]) -> None:
+    """The loader's planned batches, a mixture of FIM'd and plain samples, ``read`` into chosen rows of a
+    wider, non-contiguous array and ``[index]`` all serve the same FIM'd rows (the rule itself is the
+    reference model's)."""
+    from streampack.order.mixture import Mixture
+
+    cache = caches["fim"]
+    plain = cache.sequences(24)
+    fim = plain.fim(rate=1.0, spm_rate=0.5, seed=2, min_length=6)
+    indices = np.arange(len(fim))
+    rows = fim[indices]
+    assert not np.array_equal(rows, plain[indices])
+    wide = np.zeros((2 * len(fim) + 1, fim.width), dtype=np.int32, order="F")
+    fim.read(indices[::-1], out=wide, rows=2 * indices + 1)
+    assert np.array_equal(wide[2 * indices + 1], rows[::-1]) and not wide[0::2].any()
+    loader = Loader(
+        Mixture({"fim": fim, "plain": plain}, weights={"fim": 1, "plain": 1}, seed=3), batch_size=4
+    )
+    served = 0
+    for position, batch in zip(range(0, 40, 4), loader, strict=False):
+        sources, samples = loader.picks(position)
+        expected = np.stack([(fim, plain)[s][i] for s, i in zip(sources.tolist(), samples.tolist())])
+        assert np.array_equal(batch, expected)
+        served += int((sources == 0).sum())
+    assert served

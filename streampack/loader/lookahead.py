@@ -79,8 +79,6 @@ def files_ahead(
         for shard in dict.fromkeys(shards):
             part, local = joined.owner(shard)
             cache = joined.parts[part].cache
-            if local >= cache.num_shards:  # FIM sentinels, held in memory
-                continue
             if (part, local) not in seen and cache.store.fetches_copies:
                 store = cast("CachedStore", cache.store)
                 files += [(store, key) for key in cache.shard_keys(local, boundaries=boundaries)]

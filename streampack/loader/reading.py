@@ -124,7 +124,8 @@ class Rows:
             from streampack.samples.copies import BatchedSpans
 
             pads = joined.pads_of(sources)
-            spans = BatchedSpans(joined.spans(sources, samples), opts.rows, count, self.width, pads)
+            moves = joined.moves(sources, samples)
+            spans = BatchedSpans(joined.spans(sources, samples), opts.rows, count, self.width, pads, moves)
         self._plan = _Plan(
             position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1), spans
         )

@@ -22,14 +22,16 @@ in a cache with a loss mask (SFT) each token keeps its mark where it moves, and 
 FIM seed, the sample's index and the piece's place in its row (a counter-based hash, no generator state):
 a resume, any rank, worker or batch size reads the same rows.
 
-The rearrangement is one of spans: a FIM'd piece is up to six spans of the cache's tokens and of a
-three-token *sentinel shard*, so a batch is still a copy of planned spans (:mod:`.copies`).
+**Reading.** A batch's rows are read as plain rows (the same copy as without FIM), then rearranged in
+place (:class:`Moves`): one gather of the FIM'd pieces' tokens and one scatter of their sentinels for the
+whole batch, its index arrays built with numpy from the decisions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,13 +39,13 @@ import numpy as np
 
 from streampack._checks import check_int, is_int
 from streampack.errors import OptionsError, TokenizerError
-from streampack.order import derive
+from streampack.order import derive, groups
 from streampack.samples.spans import Spans, ragged_arange
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["SPELLINGS", "Fim", "fim_spans", "sentinel_ids"]
+__all__ = ["SLOTS", "SPELLINGS", "Fim", "Moves", "fim_moves", "sentinel_ids"]
 
 #: The sentinels' spellings looked for in a tokenizer, (prefix, middle, suffix), in this order.
 SPELLINGS = (
@@ -52,9 +54,6 @@ SPELLINGS = (
     ("<｜fim▁begin｜>", "<｜fim▁end｜>", "<｜fim▁hole｜>"),  # DeepSeek-Coder
 )
 _NAMES = ("prefix", "middle", "suffix")
-# The sentinel shard's tokens: the prefix, middle and suffix sentinels at 0, 1, 2.
-_PREFIX, _MIDDLE, _SUFFIX = 0, 1, 2
-_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -84,10 +83,6 @@ class Fim:
             f"rate={self.rate!r} spm_rate={self.spm_rate!r} seed={self.seed} min_length={self.min_length} "
             f"ids={ids}"
         )
-
-    def tokens(self, dtype: np.dtype) -> np.ndarray:
-        """The sentinel shard: the prefix, middle and suffix ids, in ``dtype``."""
-        return np.array(self.ids, dtype=dtype)
 
 
 def check_rate(name: str, value: object) -> float:
@@ -228,7 +223,7 @@ def _unit(draw: np.ndarray) -> np.ndarray:
     return (draw >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-# --- the spans ------------------------------------------------------------------------------------------
+# --- the pieces ------------------------------------------------------------------------------------------
 
 
 def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[Spans, np.ndarray]:
@@ -238,120 +233,189 @@ def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[
         spans: a batch's spans.
         offsets_of: a shard's offset table (each document's end, local to the shard).
     """
-    parts: list[tuple[np.ndarray, ...]] = []
-    for shard in np.unique(spans.shards).tolist():
-        mine = np.flatnonzero(spans.shards == shard)
-        lo, hi = spans.lo[mine], spans.hi[mine]
+    key = spans.rows * (int(spans.col.max(initial=0)) + 1) + spans.col
+    if not (np.diff(key) > 0).all():  # the layouts give them in order; sorting pieces would cost more
+        order = np.argsort(key, kind="stable")
+        spans = Spans(*(getattr(spans, name)[order] for name in Spans.__dataclass_fields__))
+    lo, hi = spans.lo, spans.hi
+    # Document j of a shard is [offsets[j-1], offsets[j]): the first holds lo, the last holds hi - 1.
+    first, last = np.empty_like(lo), np.empty_like(lo)
+    by_shard = list(groups(spans.shards))
+    for shard, mine in by_shard:
         offsets = offsets_of(shard)
-        # Document j is [offsets[j-1], offsets[j]): the first holds lo, the last holds hi - 1.
-        first = np.searchsorted(offsets, lo.astype(np.uint64), side="right").astype(np.int64)
-        last = np.searchsorted(offsets, (hi - 1).astype(np.uint64), side="right").astype(np.int64)
-        counts = last - first + 1
-        docs = ragged_arange(first, counts)
-        span = np.repeat(np.arange(len(mine)), counts)
-        ends = offsets[docs].astype(np.int64)
-        starts = np.where(docs > 0, offsets[np.maximum(docs - 1, 0)].astype(np.int64), 0)
-        piece_lo = np.maximum(lo[span], starts)
-        piece_hi = np.minimum(hi[span], ends)
-        keep = piece_hi > piece_lo  # empty documents
-        span, piece_lo, piece_hi = span[keep], piece_lo[keep], piece_hi[keep]
-        parts.append(
-            (
-                spans.rows[mine][span],
-                np.full(len(span), shard, dtype=np.int64),
-                piece_lo,
-                piece_hi,
-                spans.col[mine][span] + piece_lo - lo[span],
-                piece_hi == ends[keep],
-            )
-        )
-    if not parts:
-        empty = np.zeros(0, dtype=np.int64)
-        return Spans(empty, empty, empty, empty, empty), np.zeros(0, dtype=bool)
-    rows, shards, lo, hi, col, ended = (np.concatenate(p) for p in zip(*parts))
-    order = np.lexsort((col, rows))
-    return Spans(rows[order], shards[order], lo[order], hi[order], col[order]), ended[order]
+        first[mine] = np.searchsorted(offsets, lo[mine].astype(np.uint64), side="right")
+        last[mine] = np.searchsorted(offsets, (hi[mine] - 1).astype(np.uint64), side="right")
+    counts = last - first + 1
+    docs = ragged_arange(first, counts)
+    at = np.cumsum(counts) - counts
+    starts, ends = np.empty_like(docs), np.empty_like(docs)
+    for shard, mine in by_shard:
+        offsets = offsets_of(shard)
+        held = ragged_arange(at[mine], counts[mine])  # the pieces of the shard's spans
+        doc = docs[held]
+        ends[held] = offsets[doc]
+        starts[held] = np.where(doc > 0, offsets[np.maximum(doc - 1, 0)], 0)
+    span = np.repeat(np.arange(len(lo)), counts)
+    piece_lo, piece_hi = np.maximum(lo[span], starts), np.minimum(hi[span], ends)
+    keep = piece_hi > piece_lo  # empty documents
+    span, piece_lo, piece_hi = span[keep], piece_lo[keep], piece_hi[keep]
+    pieces = Spans(
+        spans.rows[span], spans.shards[span], piece_lo, piece_hi, spans.col[span] + piece_lo - lo[span]
+    )
+    return pieces, piece_hi == ends[keep]
 
 
-def fim_spans(
-    spans: Spans,
-    samples: np.ndarray,
-    fim: Fim,
-    offsets_of: Callable[[int], np.ndarray],
-    sentinel_shard: int,
-) -> Spans:
-    """The spans of a batch's rows with their pieces FIM'd as ``fim`` decides (see the module docstring).
+# --- the moves ------------------------------------------------------------------------------------------
+
+
+_FIELDS = ("first", "length", "source", "size", "spots", "ids", "spm")
+# The slots of the prefix, middle and suffix in served order, PSM then SPM (see _moves).
+SLOTS = {"PSM": {"prefix": 1, "suffix": 3, "middle": 5}, "SPM": {"suffix": 2, "prefix": 4, "middle": 5}}
+
+
+@dataclass(frozen=True)
+class Moves:
+    """How FIM rearranges some rows of ``width`` columns in place, once read as plain rows. Positions are
+    flat, of a C-ordered array of the rows (row ``r``, column ``c`` at ``r * width + c``).
+
+    FIM'd piece ``k`` rewrites the ``length[k]`` tokens from ``first[k]`` on (ascending, disjoint) with six
+    slots laid end to end: slot ``j`` is the ``size[k, j]`` tokens from ``first[k] + source[k, j]`` on, and
+    the sentinel ``ids[k, i]`` sits at ``first[k] + spots[k, i]`` (a sentinel's slot, one token, is read
+    from its own place and then overwritten); ``spm[k]``: it is in SPM order (:data:`SLOTS` names the
+    slots). A piece keeps its columns, so no move crosses a row.
+    """
+
+    width: int
+    first: np.ndarray
+    length: np.ndarray
+    source: np.ndarray
+    size: np.ndarray
+    spots: np.ndarray
+    ids: np.ndarray
+    spm: np.ndarray
+
+    @classmethod
+    def joined(cls, width: int, parts: Sequence[Moves]) -> Moves:
+        """The moves of ``parts``, of disjoint rows, as one."""
+        fields = [np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS]
+        order = np.argsort(fields[0], kind="stable")
+        return cls(width, *(field[order] for field in fields))
+
+    def renumbered(self, rows: np.ndarray) -> Moves:
+        """These moves with row ``r`` moved to row ``rows[r]``."""
+        first = rows[self.first // self.width] * self.width + self.first % self.width
+        return Moves.joined(self.width, [replace(self, first=first)])
+
+    @cached_property
+    def _laid(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where each piece and sentinel lies in the moved pieces laid end to end, and each slot's source
+        less its place there (laid once: each batch of a plan reads its part)."""
+        at = np.cumsum(self.length) - self.length
+        sizes = self.size.reshape(-1)
+        shifts = (self.first[:, None] + self.source).reshape(-1) - (np.cumsum(sizes) - sizes)
+        return at, shifts, (at[:, None] + self.spots).reshape(-1)
+
+    def apply(self, out: np.ndarray, row: int = 0, sentinel: int | None = None) -> None:
+        """Rearrange the rows of ``out``, rows ``row, row + 1, ...`` of these moves: the FIM'd pieces'
+        tokens gathered in their new order, the sentinels set, then written back through a mask of the
+        pieces' columns (a scatter by index costs several times a gather).
+
+        Args:
+            out: the plain rows, 2-D, ``width`` columns.
+            row: the row of these moves that is ``out``'s first.
+            sentinel: the value written at each sentinel's place instead of its id (e.g. a loss mark).
+        """
+        base = row * self.width
+        lo, hi = np.searchsorted(self.first, [base, base + len(out) * self.width]).tolist()
+        if lo == hi:
+            return
+        if not out.flags.c_contiguous:
+            whole = np.ascontiguousarray(out)
+            self.apply(whole, row, sentinel)
+            out[...] = whole
+            return
+        at, shifts, spots = self._laid
+        start, sizes = int(at[lo]), self.size.reshape(-1)[6 * lo : 6 * hi]
+        flat = out.reshape(-1)
+        sources = np.repeat(shifts[6 * lo : 6 * hi] + (start - base), sizes)
+        sources += np.arange(len(sources))
+        moved = flat.take(sources)
+        ids = self.ids.reshape(-1)[3 * lo : 3 * hi] if sentinel is None else sentinel
+        moved[spots[3 * lo : 3 * hi] - start] = ids
+        starts, lengths = self.first[lo:hi] - base, self.length[lo:hi]
+        runs = np.empty(2 * len(starts), dtype=np.int64)  # untouched columns, then a piece's, in turn
+        runs[0::2] = starts - np.concatenate(([0], (starts + lengths)[:-1]))
+        runs[1::2] = lengths
+        inside = np.zeros(len(runs), dtype=bool)
+        inside[1::2] = True
+        inside = np.repeat(inside, runs)
+        flat[: len(inside)][inside] = moved
+
+
+def fim_moves(
+    spans: Spans, samples: np.ndarray, fim: Fim, offsets_of: Callable[[int], np.ndarray], width: int
+) -> Moves:
+    """How ``fim`` rearranges the rows of a batch (see the module docstring).
 
     Args:
         spans: the layout's spans of the batch; row ``k`` is sample ``samples[k]``.
         samples: each row's sample index.
         fim: the settings.
         offsets_of: a shard's offset table.
-        sentinel_shard: the shard number the sentinels are read from (:meth:`Fim.tokens`).
+        width: columns of a row.
     """
     pieces, ended = by_document(spans, offsets_of)
     rows = pieces.rows
     # Each piece's place in its row: 0 for a row's first (the pieces are in row order).
     heads = np.flatnonzero(np.diff(rows, prepend=-1))
     places = np.arange(len(rows)) - np.repeat(heads, np.diff(heads, append=len(rows)))
-    length = pieces.hi - pieces.lo
-    last = (ended & fim.keeps_last).astype(np.int64)
-    body = length - last
-    long_enough = np.flatnonzero(body >= fim.min_length)
-    fimmed = np.zeros(len(rows), dtype=bool)
-    if len(long_enough) and fim.rate > 0:
-        chosen_draw, spm_draw, first_draw, second_draw = draws(
-            fim.seed, samples[rows[long_enough]], places[long_enough]
-        )
-        fimmed[long_enough[_unit(chosen_draw) < fim.rate]] = True
-        chosen = _unit(chosen_draw) < fim.rate
-        spm = (_unit(spm_draw) < fim.spm_rate)[chosen]
-        content = (body[long_enough] - 3)[chosen]  # the body without the 3 tokens the sentinels replace
-        points = (content + 1).astype(np.uint64)
-        a = (first_draw[chosen] % points).astype(np.int64)
-        b = (second_draw[chosen] % points).astype(np.int64)
-        a, b = np.minimum(a, b), np.maximum(a, b)
-        which = long_enough[chosen]
-        moved = _rearranged(pieces, which, spm, a, b, content, body[which], sentinel_shard)
-    else:
-        moved = Spans(*(np.zeros(0, dtype=np.int64) for _ in range(5)))
-    kept = ~fimmed
-    return Spans(
-        *(
-            np.concatenate([getattr(pieces, name)[kept], getattr(moved, name)])
-            for name in ("rows", "shards", "lo", "hi", "col")
-        )
-    )
+    body = pieces.hi - pieces.lo - (ended & fim.keeps_last)
+    which = np.flatnonzero(body >= fim.min_length)
+    chosen_draw, spm_draw, first_draw, second_draw = draws(fim.seed, samples[rows[which]], places[which])
+    chosen = _unit(chosen_draw) < fim.rate
+    which = which[chosen]
+    spm = (_unit(spm_draw) < fim.spm_rate)[chosen]
+    m = body[which] - 3  # the body without the 3 tokens the sentinels replace
+    points = (m + 1).astype(np.uint64)
+    a = (first_draw[chosen] % points).astype(np.int64)
+    b = (second_draw[chosen] % points).astype(np.int64)
+    a, b = np.minimum(a, b), np.maximum(a, b)
+    return _moves(rows[which] * width + pieces.col[which], spm, a, b, m, fim.ids, width)
 
 
-def _rearranged(
-    pieces: Spans,
-    which: np.ndarray,
+def _moves(
+    first: np.ndarray,
     spm: np.ndarray,
     a: np.ndarray,
     b: np.ndarray,
-    content: np.ndarray,
-    body: np.ndarray,
-    sentinel_shard: int,
-) -> Spans:
-    """The spans of the FIM'd pieces ``which``: each as seven slots (sentinels, parts, its kept last token)
-    in PSM or SPM order, laid from its first column on; empty slots dropped."""
-    lo, shard = pieces.lo[which], pieces.shards[which]
-    sentinel = np.full(len(which), sentinel_shard, dtype=np.int64)
+    m: np.ndarray,
+    ids: tuple[int, int, int],
+    width: int,
+) -> Moves:
+    """The moves of FIM'd pieces from flat position ``first`` on, cut at ``a <= b <= m``:
 
-    def token(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return sentinel, np.full(len(which), k, dtype=np.int64), np.full(len(which), k + 1, dtype=np.int64)
+        PSM: P prefix S suffix M middle        SPM: P S suffix M prefix middle
 
-    prefix, middle = (shard, lo, lo + a), (shard, lo + a, lo + b)
-    suffix, tail = (shard, lo + b, lo + content), (shard, lo + body, pieces.hi[which])
-    psm = [token(_PREFIX), prefix, token(_SUFFIX), suffix, token(_MIDDLE), middle, tail]
-    spm_order = [token(_PREFIX), token(_SUFFIX), suffix, token(_MIDDLE), prefix, middle, tail]
-    slots = [tuple(np.where(spm, s, p) for s, p in zip(x, y, strict=True)) for x, y in zip(spm_order, psm)]
-    shards = np.stack([s[0] for s in slots])
-    starts = np.stack([s[1] for s in slots])
-    stops = np.stack([s[2] for s in slots])
-    sizes = stops - starts
-    cols = pieces.col[which] + np.cumsum(sizes, axis=0) - sizes
-    rows = np.broadcast_to(pieces.rows[which], shards.shape)
-    keep = sizes.reshape(-1) > 0
-    return Spans(*(x.reshape(-1)[keep] for x in (rows, shards, starts, stops, cols)))
+    (prefix ``[0, a)``, middle ``[a, b)``, suffix ``[b, m)`` of the piece; its tokens from ``m + 3`` on stay).
+    """
+    zero, one = np.zeros_like(a), np.ones_like(a)
+    suffix = m - b
+    # The sentinels' places: P at 0, then S and M.
+    s_at = np.where(spm, 1, a + 1)
+    m_at = np.where(spm, suffix + 2, a + suffix + 2)
+    # The six slots in served order; a sentinel's slot reads its own place, overwritten after.
+    psm = [(zero, one), (zero, a), (s_at, one), (b, suffix), (m_at, one), (a, b - a)]
+    spm_slots = [(zero, one), (s_at, one), (b, suffix), (m_at, one), (zero, a), (a, b - a)]
+    source = np.stack([np.where(spm, x[0], y[0]) for x, y in zip(spm_slots, psm, strict=True)], axis=1)
+    size = np.stack([np.where(spm, x[1], y[1]) for x, y in zip(spm_slots, psm, strict=True)], axis=1)
+    prefix_id, middle_id, suffix_id = ids
+    return Moves(
+        width,
+        first,
+        m + 3,
+        source,
+        size,
+        np.stack([zero, s_at, m_at], axis=1),
+        np.tile(np.array([prefix_id, suffix_id, middle_id], dtype=np.int64), (len(first), 1)),
+        spm,
+    )

@@ -24,7 +24,7 @@ from streampack.samples.batches import Index, check_out, sample_indices, target_
 from streampack.samples.boundaries import Boundaries, boundaries
 from streampack.samples.chosen import Chosen
 from streampack.samples.copies import read_spans, row_view
-from streampack.samples.fim import Fim, fim_spans, make_fim
+from streampack.samples.fim import Fim, Moves, fim_moves, make_fim
 from streampack.samples.layout import Bins, FixedWindows, Layout, Runs, split_windows
 from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong, plan
 from streampack.samples.refs import cache_ref, reopen_unchanged
@@ -242,20 +242,13 @@ class PackedSequences:
         """The FIM settings of these samples (:meth:`fim`), or None."""
         return self._fim
 
-    def spans(self, indices: np.ndarray) -> Spans:
-        """The spans the samples ``indices`` (checked) are read from: the layout's, FIM'd where set; the
-        sentinels lie in shard ``cache.num_shards`` (:meth:`shard_tokens`)."""
-        spans = self._layout.spans(indices)
+    def fim_moves(self, indices: np.ndarray, spans: Spans | None = None) -> Moves | None:
+        """How FIM rearranges the plain rows of the samples ``indices`` (checked; ``spans``: their layout's
+        spans, if at hand), or None without FIM."""
         if self._fim is None:
-            return spans
-        return fim_spans(spans, indices, self._fim, self.cache.shard_offsets, self.cache.num_shards)
-
-    def shard_tokens(self, shard: int) -> np.ndarray:
-        """The tokens of shard ``shard`` of the cache; the FIM sentinels for ``cache.num_shards``."""
-        cache = self.cache
-        if self._fim is not None and shard == cache.num_shards:
-            return self._fim.tokens(cache.dtype)
-        return cache.shard_tokens(shard)
+            return None
+        spans = self._layout.spans(indices) if spans is None else spans
+        return fim_moves(spans, indices, self._fim, self.cache.shard_offsets, self.width)
 
     def __getitem__(self, index: Index) -> np.ndarray:
         """Return the window(s) at ``index``, as a new array of the cache dtype.
@@ -321,25 +314,22 @@ class PackedSequences:
             A :class:`Boundaries` whose arrays have shape ``index_shape + (seq_len,)``.
         """
         indices, shape = sample_indices(index, len(self))
-        cache = self.cache
-        fim = self._fim is not None and self._masked  # the marks move with the tokens
+        cache, spans = self.cache, self._layout.spans(indices)
+        moves = self.fim_moves(indices, spans) if self._masked else None
         found = boundaries(
-            self._layout.spans(indices),
+            spans,
             indices.size,
             self.seq_len,
             cache.shard_offsets,
             self._doc_starts,
-            cache.shard_loss_mask if self._masked and not fim else None,
+            cache.shard_loss_mask if self._masked and moves is None else None,
         )
-        if fim:
-            marks = np.zeros((indices.size, self.seq_len), dtype=np.uint8)
-            sentinels = np.ones(3, dtype=np.uint8)  # targets
-
-            def mask_of(shard: int) -> np.ndarray:
-                return sentinels if shard == cache.num_shards else cache.shard_loss_mask(shard)
-
-            read_spans(self.spans(indices).head(self.seq_len), marks, mask_of)
-            found = Boundaries(found.shape, found.starts, found.docs, marks.view(bool))
+        if moves is not None:  # the marks move with their tokens; the sentinels are targets
+            marks = np.zeros((indices.size, self.width), dtype=np.uint8)
+            read_spans(spans, marks, cache.shard_loss_mask)
+            moves.apply(marks, sentinel=1)
+            marks = np.ascontiguousarray(marks[:, : self.seq_len]).view(bool)
+            found = Boundaries(found.shape, found.starts, found.docs, marks)
         return found.reshaped((*shape, self.seq_len))
 
     def _read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
@@ -349,7 +339,11 @@ class PackedSequences:
                 out[...] = pad
             else:
                 out[rows] = pad
-        read_spans(self.spans(indices), out, self.shard_tokens, rows)
+        spans = self._layout.spans(indices)
+        read_spans(spans, out, self.cache.shard_tokens, rows)
+        moves = self.fim_moves(indices, spans)
+        if moves is not None:
+            (moves if rows is None else moves.renumbered(rows)).apply(out)
 
 
 # Shard maps a JoinedSequences keeps at hand (each holds a file descriptor while kept).
@@ -371,9 +365,7 @@ class JoinedSequences:
         self.parts = list(parts)
         self.width = parts[0].width
         self._seq_lens = np.array([part.seq_len for part in self.parts], dtype=np.int64)
-        self._windows = all(
-            isinstance(part.layout, FixedWindows) and part.fim_settings is None for part in self.parts
-        )
+        self._windows = all(isinstance(part.layout, FixedWindows) for part in self.parts)
         pads = [part.pad_id for part in self.parts]
         self._pads = None if all(pad is None for pad in pads) else np.array([pad or 0 for pad in pads])
         self._runs: Runs | None = None
@@ -390,8 +382,7 @@ class JoinedSequences:
         self._shard_bases = np.zeros(len(self.parts), dtype=np.int64)
         self._token_bases = np.zeros(len(self.parts), dtype=np.int64)
         for j, part in enumerate(self.parts):
-            # A FIM'd part's sentinels are one more shard of it (see PackedSequences.spans).
-            shards = part.cache.num_shards + (part.fim_settings is not None)
+            shards = part.cache.num_shards
             self._shard_bases[j], self._token_bases[j] = len(owners), tokens
             if isinstance(part.layout, FixedWindows):
                 runs.append(part.layout.runs.shifted(tokens, len(owners)))
@@ -426,13 +417,24 @@ class JoinedSequences:
             return split_windows(runs, starts, self.width)
         found = []
         for source, rows in groups(sources):
-            spans = self.parts[source].spans(samples[rows])
+            spans = self.parts[source].layout.spans(samples[rows])
             found.append(
                 replace(spans, rows=rows[spans.rows], shards=spans.shards + self._shard_bases[source])
             )
         return Spans(
             *(np.concatenate([getattr(s, name) for s in found]) for name in Spans.__dataclass_fields__)
         )
+
+    def moves(self, sources: np.ndarray, samples: np.ndarray) -> Moves | None:
+        """How FIM rearranges the plain rows of :meth:`spans`, or None where no source is FIM'd."""
+        if all(part.fim_settings is None for part in self.parts):
+            return None
+        found = []
+        for source, rows in groups(sources):
+            moves = self.parts[source].fim_moves(samples[rows])
+            if moves is not None:
+                found.append(moves.renumbered(rows))
+        return Moves.joined(self.width, found) if found else None
 
     def pads_of(self, sources: np.ndarray) -> np.ndarray | None:
         """The padding id of each row's source, when some source pads; else None."""
@@ -443,6 +445,9 @@ class JoinedSequences:
         if self._pads is not None:
             out[...] = self._pads[sources][:, None]
         read_spans(self.spans(sources, samples), out, self.tokens)
+        moves = self.moves(sources, samples)
+        if moves is not None:
+            moves.apply(out)
 
     def rows(self, shard: int) -> np.ndarray:
         """The :func:`~streampack.samples.copies.row_view` of shard ``shard``, for windows of ``width``."""
@@ -465,7 +470,7 @@ class JoinedSequences:
         tokens = self._recent.get(shard)
         if tokens is None:
             part, local = self._owners[shard]
-            tokens = self.parts[part].shard_tokens(local)
+            tokens = self.parts[part].cache.shard_tokens(local)
             if len(self._recent) >= _RECENT_MAPS:
                 self._recent.pop(next(iter(self._recent)))
             self._recent[shard] = tokens
