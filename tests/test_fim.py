@@ -141,3 +141,32 @@ def test_fim_rows_read_every_way_agree(caches: dict[str, Any]) -> None:
         assert np.array_equal(batch, expected)
         served += int((sources == 0).sum())
     assert served
+
+
+def test_which_says_where_a_fim_pieces_parts_sit(caches: dict[str, Any]) -> None:
+    """``which`` marks each FIM'd piece PSM or SPM and places its prefix, middle and suffix: each part's
+    columns of the served batch hold those tokens of the document, and the prefix sentinel starts it."""
+    cache = caches["fim"]
+    fim = cache.sequences(40).fim(rate=0.7, spm_rate=0.5, seed=1, min_length=8)
+    loader = Loader(fim, batch_size=4, seed=2)
+    orders = []
+    for step in range(len(fim) // 4):
+        batch = loader.batch(step * 4)
+        for doc in streampack.which(loader, step):
+            tokens = cache.doc(doc.doc)
+            for placed in doc.placements:
+                row = batch[placed.row]
+                if placed.fim_order is None:
+                    served = row[placed.columns[0] : placed.columns[1]]
+                    assert served.tolist() == tokens[placed.tokens[0] : placed.tokens[1]].tolist()
+                    continue
+                orders.append(placed.fim_order)
+                assert row[placed.columns[0]] == 50257  # <fim_prefix>
+                assert [name for name, _, _ in placed.fim] == (
+                    ["prefix", "suffix", "middle"]
+                    if placed.fim_order == "PSM"
+                    else ["suffix", "prefix", "middle"]
+                )
+                for _, (lo, hi), (first, stop) in placed.fim:
+                    assert row[lo:hi].tolist() == tokens[first:stop].tolist()
+    assert "PSM" in orders and "SPM" in orders

@@ -205,17 +205,25 @@ _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 def _mix(x: np.ndarray) -> np.ndarray:
     """SplitMix64's step: a bijection of 64-bit words whose outputs look independent (wraps, by design)."""
     z = x + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _MIX1
-    z = (z ^ (z >> np.uint64(27))) * _MIX2
-    return z ^ (z >> np.uint64(31))
+    z ^= z >> np.uint64(30)
+    z *= _MIX1
+    z ^= z >> np.uint64(27)
+    z *= _MIX2
+    z ^= z >> np.uint64(31)
+    return z
 
 
-def draws(seed: int, samples: np.ndarray, places: np.ndarray) -> list[np.ndarray]:
-    """Four 64-bit draws for each piece: ``mix(mix(mix(key + sample) + place) + k)`` for ``k`` 0 to 3, with
-    ``key = derive(seed, "fim")``: whether it is FIM'd, SPM, and its two split points."""
+def piece_words(seed: int, samples: np.ndarray, places: np.ndarray) -> np.ndarray:
+    """Each piece's word ``mix(mix(key + sample) + place)``, with ``key = derive(seed, "fim")``: its draws
+    are :func:`draw` of it."""
     key = np.uint64(derive(seed, "fim"))
-    base = _mix(_mix(samples.astype(np.uint64) + key) + places.astype(np.uint64))
-    return [_mix(base + np.uint64(k)) for k in range(4)]
+    return _mix(_mix(samples.astype(np.uint64) + key) + places.astype(np.uint64))
+
+
+def draw(words: np.ndarray, k: int) -> np.ndarray:
+    """Draw ``k`` of pieces of ``words``, ``mix(word + k)``: 0 whether it is FIM'd, 1 whether SPM, 2 and 3
+    its split points."""
+    return _mix(words + np.uint64(k))
 
 
 def _unit(draw: np.ndarray) -> np.ndarray:
@@ -338,8 +346,8 @@ class Moves:
         start, sizes = int(at[lo]), self.size.reshape(-1)[6 * lo : 6 * hi]
         flat = out.reshape(-1)
         sources = np.repeat(shifts[6 * lo : 6 * hi] + (start - base), sizes)
-        sources += np.arange(len(sources))
-        moved = flat.take(sources)
+        sources += _counting(len(sources))
+        moved = flat.take(sources, mode="clip")  # in range by construction: no check
         ids = self.ids.reshape(-1)[3 * lo : 3 * hi] if sentinel is None else sentinel
         moved[spots[3 * lo : 3 * hi] - start] = ids
         starts, lengths = self.first[lo:hi] - base, self.length[lo:hi]
@@ -350,6 +358,19 @@ class Moves:
         inside[1::2] = True
         inside = np.repeat(inside, runs)
         flat[: len(inside)][inside] = moved
+
+
+_COUNTING = np.arange(0)
+
+
+def _counting(n: int) -> np.ndarray:
+    """``0, 1, ..., n - 1``, a view of an array kept (a batch's gather adds it to its sources)."""
+    global _COUNTING
+    if len(_COUNTING) < n:
+        counting = np.arange(max(n, 2 * len(_COUNTING)))
+        counting.flags.writeable = False
+        _COUNTING = counting
+    return _COUNTING[:n]
 
 
 def fim_moves(
@@ -371,14 +392,14 @@ def fim_moves(
     places = np.arange(len(rows)) - np.repeat(heads, np.diff(heads, append=len(rows)))
     body = pieces.hi - pieces.lo - (ended & fim.keeps_last)
     which = np.flatnonzero(body >= fim.min_length)
-    chosen_draw, spm_draw, first_draw, second_draw = draws(fim.seed, samples[rows[which]], places[which])
-    chosen = _unit(chosen_draw) < fim.rate
-    which = which[chosen]
-    spm = (_unit(spm_draw) < fim.spm_rate)[chosen]
+    words = piece_words(fim.seed, samples[rows[which]], places[which])
+    chosen = _unit(draw(words, 0)) < fim.rate
+    which, words = which[chosen], words[chosen]  # the other draws only of the pieces FIM'd
+    spm = _unit(draw(words, 1)) < fim.spm_rate
     m = body[which] - 3  # the body without the 3 tokens the sentinels replace
     points = (m + 1).astype(np.uint64)
-    a = (first_draw[chosen] % points).astype(np.int64)
-    b = (second_draw[chosen] % points).astype(np.int64)
+    a = (draw(words, 2) % points).astype(np.int64)
+    b = (draw(words, 3) % points).astype(np.int64)
     a, b = np.minimum(a, b), np.maximum(a, b)
     return _moves(rows[which] * width + pieces.col[which], spm, a, b, m, fim.ids, width)
 
