@@ -306,6 +306,8 @@ class Moves:
     def joined(cls, width: int, parts: Sequence[Moves]) -> Moves:
         """The moves of ``parts``, of disjoint rows, as one."""
         fields = [np.concatenate([getattr(p, f) for p in parts]) for f in _FIELDS]
+        if (np.diff(fields[0]) > 0).all():  # in order already (one source's rows, in their order)
+            return cls(width, *fields)
         order = np.argsort(fields[0], kind="stable")
         return cls(width, *(field[order] for field in fields))
 
