@@ -642,6 +642,7 @@ class Run:
     legs: list[Leg]
     sources: dict[str, tuple[Corpus, Windows | Whole]] = field(default_factory=dict)
     mix: MixSpec | None = None
+    fim: FimSpec | None = None  # fill-in-the-middle of every row (see the section at the end)
 
 
 class Model:
@@ -851,7 +852,8 @@ class Model:
                 part_corpus, part_samples = self.parts[source]
                 rows.append(row_of(part_corpus, part_samples[sample], unit.width, p, source))
             elif length == unit.seq_len or not isinstance(unit, Windows):
-                rows.append(row_of(corpus, self.unit_samples[sample], unit.width, p, source))
+                row = row_of(corpus, self.unit_samples[sample], unit.width, p, source)
+                rows.append(row if self.run.fim is None else fim_row(row, sample, self.run.fim, corpus))
             elif length < unit.seq_len:
                 k = unit.seq_len // length
                 finer = _samples(corpus, Windows(length, unit.overlap))
@@ -1353,3 +1355,80 @@ def sourced(
             for source, labels in zip(sources, batch["labels"], strict=True)
         ]
     return out
+
+
+# --- fill-in-the-middle for code ------------------------------------------------------------------------
+#
+# ``samples.fim(rate, spm_rate, seed, min_length, sentinels=(P, M, S))``: in every row, each segment of a
+# document (``Row.segments``) is taken in turn, numbered 0, 1, ... from the row's first. Its *body* is its
+# tokens, less its last one when the segment holds its document's end and the cache appends an EOS (that
+# EOS stays last). A body of at least ``min_length`` tokens draws four 64-bit words ``h0..h3`` from the
+# seed, the sample's index and the segment's number (SplitMix64, below); it is FIM'd when
+# ``u(h0) < rate`` (``u``: the top 53 bits as a fraction), SPM when ``u(h1) < spm_rate``, else PSM. Of its
+# ``n`` body tokens the first ``m = n - 3`` are cut at ``a <= b``, ``h2 % (m + 1)`` and ``h3 % (m + 1)``
+# sorted, into prefix, middle and suffix; the last 3 are not served (the sentinels take their columns):
+#
+#     PSM: P prefix S suffix M middle (EOS)        SPM: P S suffix M prefix middle (EOS)
+#
+# Every token keeps its loss mark where it moves; the sentinels are targets. Segments, position ids and
+# padding are those of the row before.
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class FimSpec:
+    """The FIM settings of a run's samples: ``ids`` are the prefix, middle and suffix sentinels."""
+
+    rate: float
+    spm_rate: float
+    seed: int
+    min_length: int
+    ids: tuple[int, int, int]
+
+
+def splitmix(x: int) -> int:
+    """SplitMix64's step on a 64-bit word."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def fim_draws(seed: int, sample: int, segment: int) -> list[int]:
+    """``h0..h3`` of segment ``segment`` of sample ``sample``."""
+    key = derived_seed(seed, "fim")
+    base = splitmix((splitmix((key + sample) & _MASK64) + segment) & _MASK64)
+    return [splitmix((base + k) & _MASK64) for k in range(4)]
+
+
+def fim_row(row: Row, sample: int, spec: FimSpec, corpus: Corpus) -> Row:
+    """``row`` (of sample ``sample``) with its segments FIM'd as the rule above says."""
+    tokens, marks = list(row.tokens), list(row.marks)
+    prefix_id, middle_id, suffix_id = spec.ids
+    number = 0
+    for doc, start, count, first, _, _ in row.segments:
+        if doc < 0:
+            continue
+        number += 1
+        holds_end = first + count == len(corpus.docs[doc]) and corpus.eos is not None
+        n = count - (1 if holds_end else 0)
+        if n < spec.min_length:
+            continue
+        h = fim_draws(spec.seed, sample, number - 1)
+        if (h[0] >> 11) * 2.0**-53 >= spec.rate:
+            continue
+        m = n - 3
+        a, b = sorted((h[2] % (m + 1), h[3] % (m + 1)))
+        body = list(zip(tokens[start : start + n], marks[start : start + n]))
+        end = list(zip(tokens[start + n : start + count], marks[start + n : start + count]))
+        prefix, middle, suffix = body[:a], body[a:b], body[b:m]
+        p, mid, suf = [(prefix_id, True)], [(middle_id, True)], [(suffix_id, True)]
+        if (h[1] >> 11) * 2.0**-53 < spec.spm_rate:
+            new = p + suf + suffix + mid + prefix + middle + end
+        else:
+            new = p + prefix + suf + suffix + mid + middle + end
+        assert len(new) == count
+        tokens[start : start + count] = [t for t, _ in new]
+        marks[start : start + count] = [k for _, k in new]
+    return Row(tokens, row.segments, marks)

@@ -41,6 +41,7 @@ from streampack.store.files import load_manifest
 from .reference_model import (
     Corpus,
     Exclusion,
+    FimSpec,
     FollowLeg,
     FollowMixModel,
     FollowMixRun,
@@ -262,13 +263,15 @@ def mixture_runs(draw: st.DrawFn, corpora: dict[str, Corpus]) -> Run:
     return run
 
 
-def _real_samples(cache: Any, samples: Windows | Whole) -> Any:
+def _real_samples(cache: Any, samples: Windows | Whole, fim: FimSpec | None = None) -> Any:
     if isinstance(samples, Windows):
-        return cache.sequences(samples.seq_len, overlap=samples.overlap)
-    make = cache.packed if samples.packed else cache.documents
-    return make(
-        samples.seq_len, too_long=samples.too_long, no_target=samples.no_target, pad_id=samples.pad_id
-    )
+        real = cache.sequences(samples.seq_len, overlap=samples.overlap)
+    else:
+        make = cache.packed if samples.packed else cache.documents
+        real = make(
+            samples.seq_len, too_long=samples.too_long, no_target=samples.no_target, pad_id=samples.pad_id
+        )
+    return real if fim is None else _real_fim(real, fim)
 
 
 def _real_exclusion(entry: Exclusion, names: tuple[str, ...] = ()) -> Exclusions:
@@ -424,7 +427,7 @@ def _audit_data(cache: Any, run: Run) -> Any:
     source the run read)."""
     leg = run.legs[0]
     if leg.mixture is None:
-        return _real_samples(cache, leg.samples)
+        return _real_samples(cache, leg.samples, run.fim)
     names = max((leg.mixture.names for leg in run.legs if leg.mixture is not None), key=len)
     return Mixture(
         {n: _real_samples(cache[id(run.sources[n][0])], run.sources[n][1]) for n in names},
@@ -467,7 +470,7 @@ def _loader(
         )
     else:
         loader = Loader(
-            _real_samples(cache, leg.samples),
+            _real_samples(cache, leg.samples, run.fim),
             batch_size=leg.batch_size,
             seed=run.seed,
             shuffle=run.shuffle,
@@ -1091,3 +1094,106 @@ def test_dataloader_workers_serve_a_mixtures_sources_as_the_model_says(caches: d
         Leg(Windows(16), 6, 1, 4, mixture=second, loss_weights={"web": 0.5, "more": 0.0}),
     ]
     check_run({id(c): caches[n][0] for n, (_, c) in caches.items()}, run, workers=[2, 1])
+
+
+# --- fill-in-the-middle for code ------------------------------------------------------------------------
+
+
+def _real_fim(samples: Any, fim: FimSpec) -> Any:
+    return samples.fim(
+        rate=fim.rate, spm_rate=fim.spm_rate, seed=fim.seed, min_length=fim.min_length, sentinels=fim.ids
+    )
+
+
+@st.composite
+def fim_runs(draw: st.DrawFn, corpora: dict[str, Corpus]) -> Run:
+    """The runs of :func:`runs` at one length (FIM decides per sample: no schedule, no other seq_len),
+    their samples FIM'd."""
+    run = draw(runs(corpora))
+    first = run.legs[0].samples
+    for leg in run.legs:
+        leg.samples, leg.schedule = first, None
+    run.fim = FimSpec(
+        rate=draw(st.sampled_from([0.0, 0.5, 1.0])),
+        spm_rate=draw(st.sampled_from([0.0, 0.5, 1.0])),
+        seed=draw(st.integers(0, 2**64 - 1)),
+        min_length=draw(st.sampled_from([4, 5, 8, 16])),
+        ids=(1, 2, 3),  # bytes the texts do not hold
+    )
+    return run
+
+
+@pytest.mark.slow
+def test_random_fim_runs_serve_what_the_model_says(caches: dict) -> None:
+    """Windows and packed or whole documents, plain and SFT, numpy and dict outputs, resumes at other
+    batch and world sizes with exclusions: every FIM'd token, label and position is the model's."""
+    corpora = {name: corpus for name, (_, corpus) in caches.items()}
+
+    @generated(60)
+    @given(fim_runs(corpora))
+    def check(run: Run) -> None:
+        name = next(n for n, c in corpora.items() if c is run.corpus)
+        check_run(caches[name][0], run, plant=run.seed % 4 == 0)
+
+    check()
+
+
+def test_fim_runs_through_dataloader_workers_serve_what_the_model_says(caches: dict) -> None:
+    pytest.importorskip("torch")
+    cache, corpus = caches["sft"]
+    fim = FimSpec(rate=0.7, spm_rate=0.5, seed=5, min_length=6, ids=(1, 2, 3))
+    run = Run(corpus, seed=3, shuffle=True, epochs=None, drop_last=True, output="dict", legs=[], fim=fim)
+    samples = Whole(32, packed=True, too_long="split")
+    run.legs = [Leg(samples, 4, 2, 3, None), Leg(samples, 6, 1, 3, None)]
+    check_run(cache, run, workers=[2, 0])
+
+
+def test_the_fim_model_moves_tokens_of_long_segments_only(caches: dict) -> None:
+    """The model's rule does what it says on a row it can be read from: a FIM'd segment holds the three
+    sentinels once each, its document's tokens less three, and its EOS last."""
+    _, corpus = caches["plain"]
+    spec = FimSpec(rate=1.0, spm_rate=0.5, seed=1, min_length=4, ids=(1, 2, 3))
+    model = Model(Run(corpus, 0, False, None, True, "numpy", [Leg(Windows(64), 1, 1, 1)], fim=spec))
+    rows, _ = model.rows(model.run.legs[0], 0, range(0, 20))
+    moved = 0
+    for row in rows:
+        for doc, start, count, first, _, _ in row.segments:
+            got = row.tokens[start : start + count]
+            plain = list(corpus.docs[doc][first : first + count])
+            ends = first + count == len(corpus.docs[doc])
+            if count - ends < spec.min_length:
+                assert got == plain
+                continue
+            moved += 1
+            assert sorted(t for t in got if t in spec.ids) == [1, 2, 3]
+            assert sorted(t for t in got if t not in spec.ids) == sorted(
+                plain[: count - ends - 3] + plain[count - ends :]
+            )
+            assert got[0] == 1 and (not ends or got[-1] == corpus.eos)
+    assert moved > 10
+
+
+def test_a_resume_with_other_fim_settings_is_refused(caches: dict) -> None:
+    cache, _ = caches["plain"]
+    fim = cache.sequences(16).fim(rate=0.5, sentinels=(1, 2, 3))
+    loader = Loader(fim, batch_size=4, seed=1)
+    next(iter(loader))
+    state = loader.state_dict()
+    for other in (
+        cache.sequences(16),
+        cache.sequences(16).fim(rate=0.25, sentinels=(1, 2, 3)),
+        cache.sequences(16).fim(rate=0.5, sentinels=(1, 2, 3), seed=1),
+        cache.sequences(16).fim(rate=0.5, sentinels=(1, 2, 4)),
+    ):
+        with pytest.raises(LoaderStateError, match=r"fim|data"):
+            Loader(other, batch_size=4, seed=1).load_state_dict(state)
+    again = Loader(cache.sequences(16).fim(rate=0.5, sentinels=(1, 2, 3)), batch_size=4, seed=1)
+    again.load_state_dict(state)
+    assert np.array_equal(next(iter(again)), next(islice(iter(loader), 0, 1)))
+
+
+def test_fim_samples_at_another_length_are_refused(caches: dict) -> None:
+    cache, _ = caches["plain"]
+    fim = cache.sequences(16).fim(sentinels=(1, 2, 3))
+    with pytest.raises(OptionsError, match="FIM"):
+        Loader(fim, batch_size=4, seq_len_schedule=[(0, 8), (64, 16)])

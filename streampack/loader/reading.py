@@ -145,7 +145,8 @@ class Rows:
 
             pads = joined.pads_of(sources)
             found = joined.spans(sources, samples)
-            spans = BatchedSpans(found, opts.rows, count, self.width, pads)
+            moves = joined.moves(sources, samples)
+            spans = BatchedSpans(found, opts.rows, count, self.width, pads, moves)
             read_bytes = _span_bytes(joined, found, opts.rows, count)
         self._plan = _Plan(
             position, stride, count, sources.reshape(count, -1), samples.reshape(count, -1), spans, read_bytes

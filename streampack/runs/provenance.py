@@ -21,6 +21,7 @@ from streampack.loader import Loader
 from streampack.loader.origins import locate
 from streampack.order import groups
 from streampack.reader import Cache
+from streampack.samples.fim import SLOTS, Moves
 from streampack.samples.sequences import PackedSequences
 
 __all__ = ["Placement", "Provenance", "excluded_steps", "position_of", "which"]
@@ -38,13 +39,26 @@ class Placement:
         columns: ``(start, stop)``: the columns of the row, among its ``seq_len`` input columns (under
             ``cp_size > 1``, of the whole row, before the context-parallel ranks' split; a piece's fill of
             ``pad_multiple`` is no document's).
-        tokens: ``(start, stop)``: which of the document's own tokens they are (its EOS is its last).
+        tokens: ``(start, stop)``: which of the document's own tokens they are (its EOS is its last); for a
+            piece FIM'd, the tokens it was cut from (the sentinels take the columns of the last 3 before
+            any EOS, which are not served).
+        fim: empty for tokens served as they are; for a piece FIM'd (``samples.fim``), its prefix, middle
+            and suffix in served order, each ``(name, columns, tokens)``: where it sits among the input
+            columns and which of the document's tokens it is (:attr:`fim_order`).
     """
 
     rank: int
     row: int
     columns: tuple[int, int]
     tokens: tuple[int, int]
+    fim: tuple[tuple[str, tuple[int, int], tuple[int, int]], ...] = ()
+
+    @property
+    def fim_order(self) -> str | None:
+        """``"PSM"`` or ``"SPM"`` for a piece FIM'd, else None."""
+        if not self.fim:
+            return None
+        return "PSM" if self.fim[0][0] == "prefix" else "SPM"
 
 
 @dataclass(frozen=True)
@@ -277,13 +291,35 @@ def _placements(
     keep = docs >= 0
     r, c, stops, docs = r[keep], c[keep], stops[keep], docs[keep]
     offsets = _token_offsets(seqs, samples, r, c, docs)
+    moves = seqs.fim_moves(samples)
+    fimmed = {} if moves is None else {int(at): k for k, at in enumerate(moves.first)}
     global_rows = rows[r]
     for k in range(len(docs)):
         start = int(offsets[k])
         g = int(global_rows[k])
         columns = (int(c[k]), int(stops[k]))
         tokens = (start, start + columns[1] - columns[0])
-        yield int(docs[k]), g, columns[0], Placement(int(ranks[g]), int(within[g]), columns, tokens)
+        piece = fimmed.get(int(r[k]) * seqs.width + columns[0])
+        parts = () if piece is None or moves is None else _fim_parts(moves, piece, columns, start)
+        yield int(docs[k]), g, columns[0], Placement(int(ranks[g]), int(within[g]), columns, tokens, parts)
+
+
+def _fim_parts(
+    moves: Moves, piece: int, columns: tuple[int, int], start: int
+) -> tuple[tuple[str, tuple[int, int], tuple[int, int]], ...]:
+    """The prefix, middle and suffix of FIM'd piece ``piece`` of ``moves``, which starts at column
+    ``columns[0]`` with the document's token ``start``: ``(name, columns, tokens)`` in served order, cut
+    to the run's ``columns``."""
+    sizes = moves.size[piece]
+    at = columns[0] + np.cumsum(sizes) - sizes
+    slots = SLOTS["SPM" if moves.spm[piece] else "PSM"]
+    parts = []
+    for name, slot in sorted(slots.items(), key=lambda item: item[1]):
+        hi = min(int(at[slot] + sizes[slot]), columns[1])
+        lo = min(int(at[slot]), hi)
+        first = start + int(moves.source[piece, slot])
+        parts.append((name, (lo, hi), (first, first + hi - lo)))
+    return tuple(parts)
 
 
 def _as_served(

@@ -9,10 +9,14 @@ way, with no temporary.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from streampack.samples.spans import Spans
+
+if TYPE_CHECKING:
+    from streampack.samples.fim import Moves
 
 __all__ = ["BatchedSpans", "read_spans", "row_view"]
 
@@ -83,14 +87,14 @@ class _Copies:
             for _, first, stop in self._groups[self._group_bounds[batch] : self._group_bounds[batch + 1]]
         )
 
-    def whole(self, batch: int, rows_of: Callable[[int], np.ndarray], dtype: np.dtype) -> np.ndarray | None:
-        """Batch ``batch`` as a new array of ``dtype``, when it is one row take of one shard; else None."""
+    def whole(self, batch: int, rows_of: Callable[[int], np.ndarray]) -> np.ndarray | None:
+        """Batch ``batch`` as a new array of the shard's dtype, when it is one row take of one shard; else
+        None."""
         first, stop = self._group_bounds[batch], self._group_bounds[batch + 1]
         if stop - first != 1 or self._bounds[batch] != self._bounds[batch + 1]:
             return None
         shard, lo, hi = self._groups[first]
-        taken = rows_of(shard)[self._take_lo[lo:hi]]
-        return taken if taken.dtype == dtype else taken.astype(dtype)
+        return rows_of(shard)[self._take_lo[lo:hi]]
 
     def apply(
         self,
@@ -186,10 +190,17 @@ class BatchedSpans:
         batches: the number of batches.
         width: columns of a row.
         pads: the padding id of each row, when some layout pads; else None.
+        moves: how FIM rearranges the rows once read, if some source is FIM'd.
     """
 
     def __init__(
-        self, spans: Spans, rows: int, batches: int, width: int, pads: np.ndarray | None = None
+        self,
+        spans: Spans,
+        rows: int,
+        batches: int,
+        width: int,
+        pads: np.ndarray | None = None,
+        moves: Moves | None = None,
     ) -> None:
         batch = spans.rows // rows
         order = np.lexsort((spans.shards, batch))
@@ -204,6 +215,7 @@ class BatchedSpans:
         self._tiles = _Tiles(spans, rows, batches, width, pads)
         self._pads = pads
         self._rows = rows
+        self._moves = moves
 
     def read(
         self,
@@ -212,16 +224,25 @@ class BatchedSpans:
         tokens_of: Callable[[int], np.ndarray],
         rows_of: Callable[[int], np.ndarray],
     ) -> None:
-        """Copy the spans of batch ``batch`` into ``out`` (its ``rows`` rows), padding included."""
+        """Copy the spans of batch ``batch`` into ``out`` (its ``rows`` rows), padding included, and
+        rearrange them as FIM moves them."""
         copies = self._copies
         # Row takes win where they copy most rows; otherwise one concatenation of every span does.
         mostly_taken = copies.taken_rows(batch) * 4 >= 3 * self._rows
-        if not mostly_taken and self._tiles.tiles and self._tiles.apply(batch, out, tokens_of):
-            return
-        if self._pads is not None:
-            out[...] = self._pads[batch * self._rows : (batch + 1) * self._rows, None]
-        copies.apply(batch, out, tokens_of, rows_of)
+        if mostly_taken or not self._tiles.tiles or not self._tiles.apply(batch, out, tokens_of):
+            if self._pads is not None:
+                out[...] = self._pads[batch * self._rows : (batch + 1) * self._rows, None]
+            copies.apply(batch, out, tokens_of, rows_of)
+        self._move(batch, out)
 
     def whole(self, batch: int, rows_of: Callable[[int], np.ndarray], dtype: np.dtype) -> np.ndarray | None:
         """Batch ``batch`` as a new array, when all its rows are one row take of one shard; else None."""
-        return self._copies.whole(batch, rows_of, dtype)
+        taken = self._copies.whole(batch, rows_of)
+        if taken is None:
+            return None
+        self._move(batch, taken)  # in the shard's dtype, before the cast: fewer bytes to move
+        return taken if taken.dtype == dtype else taken.astype(dtype)
+
+    def _move(self, batch: int, out: np.ndarray) -> None:
+        if self._moves is not None:
+            self._moves.apply(out, batch * self._rows)

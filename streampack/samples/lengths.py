@@ -20,6 +20,12 @@ def windows_of(samples: object, what: str) -> PackedSequences:
         OptionsError: they are not (packed or whole documents, an array); the message names ``what``.
     """
     if isinstance(samples, PackedSequences) and isinstance(samples.layout, FixedWindows):
+        if samples.fim_settings is not None:
+            raise OptionsError(
+                f"{what} serves sub-windows of windows as windows of another length, whose FIM decisions "
+                "are not those of the windows served (FIM decides per sample): read FIM'd samples at one "
+                "seq_len"
+            )
         return samples
     kind = type(samples).__name__
     if isinstance(samples, PackedSequences):

@@ -10,6 +10,7 @@ size of the cache.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from streampack.samples.batches import Index, check_out, sample_indices, target_
 from streampack.samples.boundaries import Boundaries, boundaries
 from streampack.samples.chosen import Chosen
 from streampack.samples.copies import read_spans, row_view
+from streampack.samples.fim import Fim, Moves, fim_moves, make_fim
 from streampack.samples.layout import Bins, FixedWindows, Layout, Runs, split_windows
 from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong, plan
 from streampack.samples.refs import cache_ref, reopen_unchanged
@@ -42,6 +44,7 @@ _PICKLED = {
     "layout": "_layout",
     "doc_starts": "_doc_starts",
     "masked": "_masked",
+    "fim": "_fim",
 }
 
 
@@ -90,6 +93,7 @@ class PackedSequences:
         self._layout = layout
         self._doc_starts = np.asarray(cache.doc_starts, dtype=np.int64)
         self._masked = cache.has_loss_mask
+        self._fim: Fim | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """The cache's reference, the settings and the shard tables: no memory map."""
@@ -157,6 +161,8 @@ class PackedSequences:
         counts = ""
         if isinstance(self._layout, Bins):  # whole documents: what the plan left out or serves untrained
             counts = f", dropped={self._layout.dropped}, no_target={self._layout.no_target}"
+        if self._fim is not None:
+            counts += f", fim={self._fim.fingerprint()!r}"
         return (
             f"PackedSequences({self.path!r}, seq_len={self.seq_len}, overlap={self.overlap}, "
             f"samples={len(self)}, tokens={self._num_tokens}{counts})"
@@ -168,12 +174,82 @@ class PackedSequences:
         ``shards`` digests the shard table: a cache rebuilt from other data differs even at the same size,
         while a copy of the cache elsewhere does not.
         """
+        fim = {} if self._fim is None else {"fim": self._fim.fingerprint()}
         return {
             "num_samples": len(self),
             "num_tokens": self._num_tokens,
             "shards": self._ref.content,
             **self._layout.fingerprint(),
+            **fim,
         }
+
+    def fim(
+        self,
+        *,
+        rate: float = 0.5,
+        spm_rate: float = 0.5,
+        seed: int = 0,
+        min_length: int = 16,
+        sentinels: Sequence[int] | Sequence[str] | None = None,
+        tokenizer: str | None = None,
+    ) -> PackedSequences:
+        """These samples with fill-in-the-middle for code (see :mod:`streampack.samples.fim`).
+
+        Each piece of a document in a row, of at least ``min_length`` tokens, is with probability ``rate``
+        cut at two points and served as ``<prefix> prefix <suffix> suffix <middle> middle`` (PSM) or, with
+        probability ``spm_rate``, ``<prefix> <suffix> suffix <middle> prefix middle`` (SPM), in its own
+        columns: the sentinels replace its last three tokens (a document's EOS stays last). Decided by
+        ``seed`` and the sample's index alone, so a resume is exact.
+
+        Example::
+
+            code = cache.sequences(2048).fim(rate=0.5, spm_rate=0.5)
+            loader = Loader(code, batch_size=32, seed=1, output="dict")
+
+        Args:
+            rate: probability that a piece is FIM'd.
+            spm_rate: probability that a FIM'd piece is in SPM order.
+            seed: the seed of the FIM decisions (the loader's own seed does not change them).
+            min_length: shorter pieces (their EOS not counted) are served as they are; at least 4.
+            sentinels: the (prefix, middle, suffix) sentinels: 3 ids, or 3 spellings to look up in the
+                tokenizer; by default the tokenizer's ``<fim_prefix>``..., ``<|fim_prefix|>``... or
+                DeepSeek-Coder's.
+            tokenizer: the SPEC of the tokenizer to look them up in; by default the one that built the cache
+                (refused if its file changed since).
+
+        Returns:
+            New samples, whose fingerprint holds the FIM settings: a checkpoint of other settings is
+            refused on resume.
+
+        Raises:
+            OptionsError: an option out of its range, or an id outside the cache's vocabulary.
+            TokenizerError: the tokenizer cannot be read, or has no such sentinels (named).
+        """
+        fim = make_fim(
+            self.cache,
+            rate=rate,
+            spm_rate=spm_rate,
+            seed=seed,
+            min_length=min_length,
+            sentinels=sentinels,
+            tokenizer=tokenizer,
+        )
+        samples = copy.copy(self)
+        samples._fim = fim
+        return samples
+
+    @property
+    def fim_settings(self) -> Fim | None:
+        """The FIM settings of these samples (:meth:`fim`), or None."""
+        return self._fim
+
+    def fim_moves(self, indices: np.ndarray, spans: Spans | None = None) -> Moves | None:
+        """How FIM rearranges the plain rows of the samples ``indices`` (checked; ``spans``: their layout's
+        spans, if at hand), or None without FIM."""
+        if self._fim is None:
+            return None
+        spans = self._layout.spans(indices) if spans is None else spans
+        return fim_moves(spans, indices, self._fim, self.cache.shard_offsets, self.width)
 
     def __getitem__(self, index: Index) -> np.ndarray:
         """Return the window(s) at ``index``, as a new array of the cache dtype.
@@ -239,15 +315,23 @@ class PackedSequences:
             A :class:`Boundaries` whose arrays have shape ``index_shape + (seq_len,)``.
         """
         indices, shape = sample_indices(index, len(self))
+        cache, spans = self.cache, self._layout.spans(indices)
+        moves = self.fim_moves(indices, spans) if self._masked else None
         found = boundaries(
-            self._layout.spans(indices),
+            spans,
             indices.size,
             self.seq_len,
-            self.cache.shard_offsets,
+            cache.shard_offsets,
             self._doc_starts,
-            self.cache.shard_loss_mask if self._masked else None,
+            cache.shard_loss_mask if self._masked and moves is None else None,
             self._layout.pad_multiple if isinstance(self._layout, Bins) else 1,
         )
+        if moves is not None:  # the marks move with their tokens; the sentinels are targets
+            marks = np.zeros((indices.size, self.width), dtype=np.uint8)
+            read_spans(spans, marks, cache.shard_loss_mask)
+            moves.apply(marks, sentinel=1)
+            marks = np.ascontiguousarray(marks[:, : self.seq_len]).view(bool)
+            found = Boundaries(found.shape, found.starts, found.docs, marks, found.fills)
         return found.reshaped((*shape, self.seq_len))
 
     def _read(self, indices: np.ndarray, out: np.ndarray, rows: np.ndarray | None = None) -> None:
@@ -257,7 +341,11 @@ class PackedSequences:
                 out[...] = pad
             else:
                 out[rows] = pad
-        read_spans(self._layout.spans(indices), out, self.cache.shard_tokens, rows)
+        spans = self._layout.spans(indices)
+        read_spans(spans, out, self.cache.shard_tokens, rows)
+        moves = self.fim_moves(indices, spans)
+        if moves is not None:
+            (moves if rows is None else moves.renumbered(rows)).apply(out)
 
 
 # Shard maps a JoinedSequences keeps at hand (each holds a file descriptor while kept).
@@ -339,6 +427,17 @@ class JoinedSequences:
             *(np.concatenate([getattr(s, name) for s in found]) for name in Spans.__dataclass_fields__)
         )
 
+    def moves(self, sources: np.ndarray, samples: np.ndarray) -> Moves | None:
+        """How FIM rearranges the plain rows of :meth:`spans`, or None where no source is FIM'd."""
+        if all(part.fim_settings is None for part in self.parts):
+            return None
+        found = []
+        for source, rows in groups(sources):
+            moves = self.parts[source].fim_moves(samples[rows])
+            if moves is not None:
+                found.append(moves.renumbered(rows))
+        return Moves.joined(self.width, found) if found else None
+
     def pads_of(self, sources: np.ndarray) -> np.ndarray | None:
         """The padding id of each row's source, when some source pads; else None."""
         return None if self._pads is None else self._pads[sources]
@@ -348,6 +447,9 @@ class JoinedSequences:
         if self._pads is not None:
             out[...] = self._pads[sources][:, None]
         read_spans(self.spans(sources, samples), out, self.tokens)
+        moves = self.moves(sources, samples)
+        if moves is not None:
+            moves.apply(out)
 
     def rows(self, shard: int) -> np.ndarray:
         """The :func:`~streampack.samples.copies.row_view` of shard ``shard``, for windows of ``width``."""
