@@ -5,7 +5,7 @@ global batch's rows spread over data-parallel ranks by attention cost, each agai
 from __future__ import annotations
 
 import json
-from itertools import islice
+from itertools import islice, pairwise
 from typing import Any
 
 import numpy as np
@@ -222,3 +222,38 @@ def test_balance_is_longest_processing_time_first_with_even_counts() -> None:
         costs = rng.integers(0, 1000, size=int(rng.integers(1, 40)))
         world = int(rng.integers(1, 9))
         assert balanced_ranks(costs, world).tolist() == balanced(costs.tolist(), world)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_a_mixtures_loss_weights_are_split_with_the_tokens(caches: dict, cp: int) -> None:
+    """Every key of a mixture's CP rank, ``loss_weights`` and ``source_ids`` too, is its chunks of the whole
+    rows a loader without CP serves of the same samples (chunks from the whole batch's ``cu_seqlens``)."""
+    from streampack.order.mixture import Mixture
+
+    cache = caches["sft"][0]
+
+    def loader(cp_size: int, cp_rank: int) -> Loader:
+        mix = Mixture(
+            {"a": cache.packed(32, pad_multiple=2 * cp), "b": cache.documents(32, pad_multiple=2 * cp)},
+            {"a": 0.5, "b": 0.5},
+            seed=4,
+        )
+        weights = {"a": 0.25, "b": 3.0}
+        return Loader(
+            mix, batch_size=4, output="varlen", cp_size=cp_size, cp_rank=cp_rank, loss_weights=weights
+        )
+
+    whole = list(islice(iter(loader(1, 0)), 3))
+    for cp_rank in range(cp):
+        for full, part in zip(whole, islice(iter(loader(cp, cp_rank)), 3), strict=True):
+            columns: list[int] = []
+            bounds = full["cu_seqlens"].tolist()
+            for start, stop in pairwise(bounds):
+                chunk = (stop - start) // (2 * cp)
+                for k in (cp_rank, 2 * cp - 1 - cp_rank):
+                    columns += range(start + k * chunk, start + (k + 1) * chunk)
+            for key in ("input_ids", "labels", "position_ids", "loss_weights"):
+                want = np.asarray(full[key]).reshape(-1)[columns].reshape(len(full[key]), -1)
+                assert part[key].dtype == full[key].dtype and np.array_equal(part[key], want), key
+            assert np.array_equal(part["source_ids"], full["source_ids"])
+            assert set(part["loss_weights"].ravel().tolist()) <= {0.0, 0.25, 3.0}

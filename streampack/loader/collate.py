@@ -18,6 +18,7 @@ from streampack.order import groups
 
 if TYPE_CHECKING:
     from streampack.loader.domains import Domains
+    from streampack.loader.parallel import RankColumns
     from streampack.samples.boundaries import Boundaries
 
 __all__ = ["CausalLMDict", "Format", "Tokens", "format_for"]
@@ -64,7 +65,7 @@ class CausalLMDict:
     varlen path flattens the batch itself), so the trainer's batch size means what it did.
 
     With ``context_parallel=(cp_size, cp_rank)`` and ``cp_size > 1``, every field is this CP rank's part of
-    each row, ``(rows, seq_len / cp_size)`` (:func:`streampack.loader.parallel.split_for_cp`), plus
+    each row, ``(rows, seq_len / cp_size)`` (:class:`streampack.loader.parallel.RankColumns`), plus
 
     * ``shift_labels``: ``int64``, the label of the next token of the full row at each token (``-100``
       after the row's last): a model that shifts ``labels`` itself would pair tokens across the seams of
@@ -146,20 +147,28 @@ class CausalLMDict:
             hit = np.flatnonzero(masked(found.starts // tokens.shape[1], found.docs))
             for start, length in zip(found.starts[hit].tolist(), found.lengths[hit].tolist(), strict=True):
                 flat[start : start + length] = -100
-        batch: dict[str, Any] = {"input_ids": tokens, "labels": labels, "position_ids": found.position_ids}
-        if self.segments == "varlen":
-            batch["cu_seqlens"] = found.cu_seqlens
-            batch["max_seqlen"] = found.max_seqlen
-        elif self.segments == "hf-flash":
-            batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = found.cu_seqlens
-            batch["max_length_q"] = batch["max_length_k"] = found.max_seqlen
-        if self.domains is not None:
-            self.domains.add(batch, sources, labels)
         cp_size, cp_rank = self.context_parallel
-        if cp_size > 1:
-            from streampack.loader.parallel import split_for_cp
+        part: RankColumns | None = None
+        if cp_size > 1:  # this CP rank's columns of every row, made at its size
+            from streampack.loader.parallel import RankColumns
 
-            return split_for_cp(batch, found.starts, found.lengths, cp_size, cp_rank)
+            part = RankColumns(found.starts, found.lengths, labels.shape, cp_size, cp_rank)
+        segments = found if part is None else part
+        batch: dict[str, Any] = {
+            "input_ids": tokens if part is None else part.take(tokens),
+            "labels": labels if part is None else part.take(labels),
+            "position_ids": segments.position_ids,
+        }
+        if self.segments == "varlen":
+            batch["cu_seqlens"] = segments.cu_seqlens
+            batch["max_seqlen"] = segments.max_seqlen
+        elif self.segments == "hf-flash":
+            batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = segments.cu_seqlens
+            batch["max_length_q"] = batch["max_length_k"] = segments.max_seqlen
+        if self.domains is not None:
+            self.domains.add(batch, sources, batch["labels"])  # per token, from its label: split or not
+        if part is not None:
+            batch["shift_labels"] = part.shifted(labels, batch["labels"])
         return batch
 
     def _boundaries(self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]) -> Boundaries:

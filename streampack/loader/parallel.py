@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 
 from streampack.errors import OptionsError
+from streampack.samples.spans import ragged_arange
 
-__all__ = ["attention_costs", "balanced_ranks", "check_context_parallel", "split_for_cp"]
+__all__ = ["RankColumns", "attention_costs", "balanced_ranks", "check_context_parallel"]
 
 
 def balanced_ranks(costs: np.ndarray, world_size: int) -> np.ndarray:
@@ -85,59 +86,62 @@ def check_context_parallel(cp_size: int, sources: list[Any]) -> None:
             )
 
 
-def cp_columns(starts: np.ndarray, lengths: np.ndarray, size: int, cp_size: int, cp_rank: int) -> np.ndarray:
-    """Which of the ``size`` flat positions of a batch CP rank ``cp_rank`` takes (a ``bool`` mask), the
-    batch's segments starting at ``starts`` (flat, ascending) with ``lengths``: per segment, chunks
-    ``cp_rank`` and ``2*cp_size-1-cp_rank`` of its ``2 * cp_size``. Both lie in order in their segment, so
-    the rank's tokens are the masked ones in flat order.
+class RankColumns:
+    """The columns of a batch that CP rank ``cp_rank`` of ``cp_size`` takes, in the forms a dict batch holds.
+
+    Per segment of the batch (flat ``starts``, ascending from 0, with ``lengths``), chunks ``cp_rank`` and
+    ``2*cp_size-1-cp_rank`` of its ``2 * cp_size``: both lie in order in their segment, so the rank's
+    tokens are these flat positions in flat order, ``seq_len / cp_size`` of every row. Found from the
+    segments alone, at the rank's size: the whole batch's position ids are never made.
+
+    Attributes:
+        flat: ``int64``, the flat positions taken, ascending.
+        position_ids: ``int64``, ``(rows, seq_len / cp_size)``: each taken token's position in its segment
+            (chunk ``k`` of a segment of ``2*cp_size`` chunks of ``c`` holds positions ``[k*c, (k+1)*c)``).
+        cu_seqlens: ``int32``, the rank's own segments (each ``length / cp_size``), cumulated from 0.
+        max_seqlen: the longest of them.
 
     Raises:
-        ValueError: a segment's length is not a multiple of ``2 * cp_size``.
+        ValueError: a segment's length is not a multiple of ``2 * cp_size``, or the segments do not cover
+            the batch from its start.
     """
-    parts = 2 * cp_size
-    if np.any(lengths % parts):
-        bad = int(np.flatnonzero(lengths % parts)[0])
-        raise ValueError(
-            f"a segment of {int(lengths[bad])} tokens at flat position {int(starts[bad])} does not split "
-            f"into {parts} equal chunks for cp_size={cp_size}"
-        )
-    chunk = lengths // parts
-    # Per segment, five runs: chunks before the head, the head, between, the tail, after it.
-    runs = np.stack([cp_rank * chunk, chunk, (parts - 2 - 2 * cp_rank) * chunk, chunk, cp_rank * chunk], 1)
-    taken = np.tile(np.array([False, True, False, True, False]), len(lengths))
-    mask = np.repeat(taken, runs.reshape(-1))
-    if len(mask) != size or (len(starts) and starts[0] != 0):
-        raise ValueError(f"the segments cover {len(mask)} positions of a batch of {size}")
-    return mask
 
+    def __init__(
+        self, starts: np.ndarray, lengths: np.ndarray, shape: tuple[int, int], cp_size: int, cp_rank: int
+    ) -> None:
+        parts = 2 * cp_size
+        if (lengths % parts).any():
+            bad = int(np.flatnonzero(lengths % parts)[0])
+            raise ValueError(
+                f"a segment of {int(lengths[bad])} tokens at flat position {int(starts[bad])} does not "
+                f"split into {parts} equal chunks for cp_size={cp_size}"
+            )
+        if len(starts) and starts[0] != 0:
+            raise ValueError(f"the segments start at flat position {int(starts[0])}, not 0")
+        self.shape = (shape[0], shape[1] // cp_size)
+        chunk = lengths // parts
+        counts = np.repeat(chunk, 2)  # two runs a segment: its head chunk, then its tail chunk
+        heads = counts * np.resize(np.array([cp_rank, parts - 1 - cp_rank]), len(counts))
+        self._ends = np.cumsum(counts) - 1  # each run's last token, in the rank's order
+        self.position_ids = ragged_arange(heads, counts).reshape(self.shape)
+        self.flat = ragged_arange(np.repeat(starts, 2) + heads, counts)
+        local = lengths // cp_size
+        self.cu_seqlens = np.concatenate([[0], np.cumsum(local)]).astype(np.int32)
+        self.max_seqlen = int(local.max()) if local.size else 0
 
-def split_for_cp(
-    batch: dict[str, Any], starts: np.ndarray, lengths: np.ndarray, cp_size: int, cp_rank: int
-) -> dict[str, Any]:
-    """CP rank ``cp_rank``'s part of a dict batch of ``(rows, seq_len)`` arrays whose segments start at
-    ``starts`` (flat) with ``lengths``: every array's columns of :func:`cp_columns`, ``(rows, seq_len /
-    cp_size)``; ``shift_labels``, the next token's label at each of them (taken before the split, so that a
-    model need not shift labels across chunk seams); ``cu_seqlens`` of the rank's own segments (each
-    ``length / cp_size``) and their ``max_seqlen`` where the batch has them (also under Hugging Face's
-    names)."""
-    labels = batch["labels"]
-    rows, columns = labels.shape
-    shift = np.empty_like(labels)
-    shift[:, :-1] = labels[:, 1:]
-    shift[:, -1] = -100
-    take = cp_columns(starts, lengths, rows * columns, cp_size, cp_rank).reshape(rows, columns)
-    out = dict(batch)
-    for key, value in (*batch.items(), ("shift_labels", shift)):
-        if isinstance(value, np.ndarray) and value.shape == (rows, columns):
-            out[key] = value[take].reshape(rows, columns // cp_size)
-    local = lengths // cp_size
-    cu = np.concatenate([[0], np.cumsum(local)]).astype(np.int32)
-    longest = int(local.max()) if local.size else 0
-    for cu_key, max_key in (
-        ("cu_seqlens", "max_seqlen"),
-        ("cu_seq_lens_q", "max_length_q"),
-        ("cu_seq_lens_k", "max_length_k"),
-    ):
-        if cu_key in out:
-            out[cu_key], out[max_key] = cu, longest
-    return out
+    def take(self, array: np.ndarray) -> np.ndarray:
+        """The rank's part of a ``(rows, seq_len)`` array: ``(rows, seq_len / cp_size)``, in its dtype."""
+        return np.take(array.reshape(-1), self.flat).reshape(self.shape)
+
+    def shifted(self, labels: np.ndarray, mine: np.ndarray) -> np.ndarray:
+        """``shift_labels`` of a batch's whole-row ``labels``, of which ``mine`` is :meth:`take`'s part: at
+        each taken token, the label of the next token of its row, ``-100`` after the row's last (taken
+        before the split, so that a model need not shift labels across the seams of the rank's chunks)."""
+        shift = np.empty_like(mine)
+        flat, out = mine.reshape(-1), shift.reshape(-1)
+        out[:-1] = flat[1:]  # inside a run, the next token is the rank's next
+        if out.size:  # at a run's end, the row's next token, if any
+            after = self.flat[self._ends] + 1
+            row_end = after % labels.shape[1] == 0
+            out[self._ends] = np.where(row_end, -100, labels.reshape(-1)[np.where(row_end, 0, after)])
+        return shift
