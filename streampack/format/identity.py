@@ -26,7 +26,14 @@ def build_identity(manifest: Manifest) -> dict[str, Any]:
 
 
 # Settings added after caches were first written, with the value that those caches were built with.
-_LATER_SETTINGS: dict[str, Any] = {"bos": False, "bos_id": None, "fields": None, "chat": None}
+_LATER_SETTINGS: dict[str, Any] = {
+    "bos": False,
+    "bos_id": None,
+    "fields": None,
+    "chat": None,
+    "chat_turns": "all",
+    "chat_reasoning": "train",
+}
 
 
 def build_digest(manifest: Manifest) -> str:

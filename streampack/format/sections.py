@@ -158,6 +158,8 @@ class BuildSettings(Section):
     max_piece_chars: int | None = key(or_null(COUNT), None)
     fields: tuple[str, ...] | None = key(or_null(STRINGS), None)
     chat: str | None = key(or_null(STR), None)
+    chat_turns: str = key(STR, "all")
+    chat_reasoning: str = key(STR, "train")
 
     section_name: ClassVar[str] = "settings"
 

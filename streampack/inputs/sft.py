@@ -12,15 +12,18 @@ at all but filled into a plan made once per shape (:mod:`~streampack.inputs.chat
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from streampack.errors import MissingDependencyError, TokenizerError
-from streampack.inputs.chat_plan import MARKER, Plan, marked, plan
+from streampack.inputs.chat_plan import MARKER, Plan, marker, plan
 from streampack.inputs.chat_proof import Proof, content_only_printed
 from streampack.inputs.segments import Segment, Sft
 
@@ -31,6 +34,23 @@ if TYPE_CHECKING:
 
 # The special-token strings of a tokenizer_config.json that transformers passes to a template.
 TEMPLATE_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+ChatTurns = Literal["all", "last"]
+ChatReasoning = Literal["train", "mask"]
+CHAT_TURNS: tuple[ChatTurns, ...] = ("all", "last")
+CHAT_REASONING: tuple[ChatReasoning, ...] = ("train", "mask")
+
+# A message's texts that are kept as text (never parsed for special tokens), besides the tool calls'
+# arguments: its content and its reasoning, under the names templates read it by (Qwen3's, gpt-oss's).
+REASONING_KEYS = ("reasoning_content", "thinking")
+_TEXT_KEYS = ("content", *REASONING_KEYS)
+# The day ``strftime_now`` prints (gpt-oss's template asks it): fixed, so that a cache never depends on the
+# day it was built.
+CHAT_DATE = datetime.datetime(2025, 1, 1, tzinfo=datetime.timezone.utc)
+# The key under which each message carries its turn's marker to an instrumented template (see _turn_marks).
+_TURN_KEY = "\ue002turn"
+_TURN = re.compile("\ue002([0-9]+)\ue003")
 
 
 class ChatError(ValueError):
@@ -44,7 +64,8 @@ def field_segments(values: list[str]) -> Sft:
 
 
 def check_messages(messages: Any, field: str) -> list[dict[str, Any]]:
-    """``messages`` if it is a list of ``{role, content}`` objects with string values.
+    """``messages`` if it is a list of ``{role, content}`` objects with string values, whose reasoning
+    (``reasoning_content``, ``thinking``) is a string and ``tool_calls`` a list of objects where present.
 
     Raises:
         ChatError: saying what is wrong with it.
@@ -59,7 +80,24 @@ def check_messages(messages: Any, field: str) -> list[dict[str, Any]]:
             if not isinstance(message.get(key), str):
                 found = "missing" if key not in message else _kind(message[key])
                 raise ChatError(f"{field}[{i}].{key} is {found}, expected a string")
+        for key in REASONING_KEYS:
+            if key in message and not isinstance(message[key], str):
+                raise ChatError(f"{field}[{i}].{key} is {_kind(message[key])}, expected a string")
+        calls = message.get("tool_calls", [])
+        if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise ChatError(f"{field}[{i}].tool_calls is {_kind(calls)}, expected a list of objects")
     return messages
+
+
+def check_tools(tools: Any) -> list[Any] | None:
+    """A record's ``tools``: a list (of the tools' JSON schemas), or None where the record has none.
+
+    Raises:
+        ChatError: it is neither.
+    """
+    if tools is None or isinstance(tools, list):
+        return tools
+    raise ChatError(f"the 'tools' field is {_kind(tools)}, expected a list of tool schemas")
 
 
 def _kind(value: Any) -> str:
@@ -68,19 +106,25 @@ def _kind(value: Any) -> str:
 
 @dataclass(frozen=True)
 class ChatTemplate:
-    """A chat template and the variables it is rendered with (picklable: workers compile it).
+    """A chat template, the variables it is rendered with and what it trains on (picklable: workers
+    compile it).
 
     Attributes:
         field: the record field that holds the messages.
         source: the Jinja source of the template.
         origin: the file it was read from.
         variables: the config's special-token strings (``bos_token``, ...), as (name, value) pairs.
+        turns: ``all``: every assistant turn is a target; ``last``: the last one only.
+        reasoning: ``train``: an assistant turn's reasoning, as the template prints it, is a target;
+            ``mask``: the turn's target starts after its reasoning.
     """
 
     field: str
     source: str
     origin: str
     variables: tuple[tuple[str, str], ...] = ()
+    turns: ChatTurns = "all"
+    reasoning: ChatReasoning = "train"
 
     @property
     def sha256(self) -> str:
@@ -88,17 +132,30 @@ class ChatTemplate:
         text = json.dumps([self.source, list(self.variables)], ensure_ascii=False)
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The template's text for ``messages``.
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[Any] | None = None,
+        *,
+        instrumented: bool = False,
+    ) -> str:
+        """The template's text for ``messages`` (and a record's ``tools``); ``instrumented``: with each
+        message's turn marker where the template's loop over the messages starts it (see
+        :func:`_instrumented`).
 
         Raises:
             ChatError: the template refused them (``raise_exception``) or failed on them.
         """
         import jinja2
 
+        template = _instrumented(self.source) if instrumented else _compiled(self.source)
         try:
-            return _compiled(self.source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **dict(self.variables)
+            return template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **dict(self.variables),
             )
         except jinja2.TemplateError as e:
             raise ChatError(f"the chat template of {self.origin} refused the conversation: {e}") from None
@@ -108,79 +165,155 @@ class ChatTemplate:
                 f"the chat template of {self.origin} failed on the conversation ({type(e).__name__}: {e})"
             ) from None
 
-    def segments(self, messages: list[dict[str, Any]]) -> Sft:
-        """The conversation as segments: template text and contents, the assistant turns as targets.
+    def segments(self, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> Sft:
+        """The conversation as segments: template text and texts, the assistant turns (as :attr:`turns`
+        and :attr:`reasoning` say) as targets.
 
         Raises:
-            ChatError: the template cannot render the conversation, does not render it incrementally, or
-                changes the messages' content in a way that cannot be traced.
+            ChatError: the template cannot render the conversation, its turns cannot be found, or it changes
+                a text in a way that cannot be traced.
         """
-        proof = _proof(self.source)
-        proven = proof.unproven is None and not (proof.needs_non_blank and _any_blank(messages))
-        key = _skeleton_key(messages) if proven else None
-        shape_plan = None if key is None else _plan_of(self, key)
-        if shape_plan is not None:
-            return shape_plan.segments(messages)
-        full = self.render(messages)
-        return _runs(full, self._assistant_spans(messages, full), self._content_spans(messages, full))
+        if tools is None and not any(_AGENT_KEYS & m.keys() for m in messages):
+            proof = _proof(self.source)
+            proven = proof.unproven is None and not (proof.needs_non_blank and _any_blank(messages))
+            key = _skeleton_key(messages, None) if proven else None
+            shape_plan = None if key is None else _plan_of(self, key)
+            if shape_plan is not None:
+                return shape_plan.segments(messages)
+        full = self.render(messages, tools=tools)
+        holes = _holes(messages)
+        contents = self._text_spans(messages, tools, full, holes)
+        turns = self._prefix_turns(messages, tools, full)
+        if turns is None:
+            turns = self._loop_turns(messages, tools, full, [(a, b, holes[k][0]) for a, b, k in contents])
+        if self.turns == "last":
+            turns = turns[-1:]
+        targets = []
+        for i, start, end in turns:
+            if self.reasoning == "mask":  # the target starts after the turn's reasoning, where it is printed
+                ends = (b for a, b, k in contents if holes[k][:2] in ((i, key) for key in REASONING_KEYS))
+                start = max([start, *(b for b in ends if start <= b <= end)])
+            if start < end:
+                targets.append((start, end))
+        return _runs(full, targets, [(a, b) for a, b, _ in contents])
 
-    def _assistant_spans(self, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int]]:
-        """Where each assistant turn lies in ``full``: from the generation prompt before it to its end."""
-        spans: list[tuple[int, int]] = []
+    def _prefix_turns(
+        self, messages: list[dict[str, Any]], tools: list[Any] | None, full: str
+    ) -> list[tuple[int, int, int]] | None:
+        """Each assistant turn (message, start, end) where the template renders the conversation
+        incrementally: from the generation prompt after its first ``i`` messages to the end of the render of
+        its first ``i + 1``; None where those renders are not prefixes of the whole."""
+        spans: list[tuple[int, int, int]] = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True)
+            before = self.render(messages[:i], add_generation_prompt=True, tools=tools)
             # A render depends on its arguments alone: the render through the last turn is the whole one.
-            through = full if i == len(messages) - 1 else self.render(messages[: i + 1])
-            start = spans[-1][1] if spans else 0
+            through = full if i == len(messages) - 1 else self.render(messages[: i + 1], tools=tools)
+            start = spans[-1][2] if spans else 0
             if not (
                 full.startswith(before) and full.startswith(through) and start <= len(before) <= len(through)
             ):
-                raise ChatError(
-                    f"the chat template of {self.origin} does not render the conversation incrementally: the "
-                    f"render of its first {i} messages (with the generation prompt) or first {i + 1} is not "
-                    f"a prefix of the whole, so assistant turn {i} cannot be found; such templates (e.g. "
-                    "ones that drop earlier turns' reasoning) are not supported"
-                )
-            spans.append((len(before), len(through)))
+                return None
+            spans.append((i, len(before), len(through)))
         return spans
 
-    def _skeleton(self, messages: list[dict[str, Any]]) -> tuple[str, ...]:
-        """The render of ``messages`` with each content a marker, split at the markers (text, index, ...),
-        made once per shape (the messages' roles and other fields)."""
-        key = _skeleton_key(messages)
-        return self._render_skeleton(messages) if key is None else _skeleton_of(self, key)
+    def _loop_turns(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        full: str,
+        contents: list[tuple[int, int, int]],
+    ) -> list[tuple[int, int, int]]:
+        """Each assistant turn (message, start, end) of a template that does not render the conversation
+        incrementally (one that drops earlier turns' reasoning): what its loop over the messages renders
+        for the turn, after the generation prompt that the template writes for it.
 
-    def _render_skeleton(self, messages: list[dict[str, Any]]) -> tuple[str, ...]:
-        return tuple(MARKER.split(self.render(marked(messages))))
+        Raises:
+            ChatError: the turns cannot be found so (see the messages).
+        """
+        why = f"the chat template of {self.origin} renders the conversation otherwise than by its prefixes"
+        marked = self.render(_turn_marks(messages), tools=tools, instrumented=True)
+        pieces = _TURN.split(marked)
+        if "".join(pieces[::2]) != full:
+            raise ChatError(f"{why}, and renders it otherwise when told where each message starts")
+        starts: dict[int, int] = {}
+        bounds: list[int] = []
+        at = 0
+        for k in range(1, len(pieces), 2):
+            at += len(pieces[k - 1])
+            index = int(pieces[k])
+            if index in starts:
+                raise ChatError(f"{why}, and its loops over the messages render message {index} twice")
+            starts[index] = at
+            bounds.append(at)
+        spans: list[tuple[int, int, int]] = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            if i not in starts:
+                raise ChatError(f"{why}, and renders assistant turn {i} outside its loop over the messages")
+            start = starts[i]
+            end = next((b for b in bounds if b > start), len(full))
+            prompt = self._generation_prompt(messages[:i], tools)
+            if prompt is None or not full.startswith(prompt, start):
+                raise ChatError(
+                    f"{why}, and assistant turn {i} does not start with the generation prompt it writes "
+                    f"after the {i} messages before it"
+                )
+            if any(not start <= a <= b <= end for a, b, message in contents if message == i):
+                raise ChatError(f"{why}, and prints a text of assistant turn {i} outside the turn")
+            spans.append((i, start + len(prompt), end))
+        return spans
 
-    def _content_spans(self, messages: list[dict[str, Any]], full: str) -> list[tuple[int, int]]:
-        """Where the messages' contents lie in ``full``: the skeleton with each marker replaced by its
-        content, as given or stripped (``| trim``)."""
-        parts = self._skeleton(messages)
-        spans: list[tuple[int, int]] = []
+    def _generation_prompt(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> str | None:
+        """What the generation prompt adds to the render of ``messages``; None where it changes the render."""
+        bare = self.render(messages, tools=tools)
+        prompted = self.render(messages, add_generation_prompt=True, tools=tools)
+        return prompted[len(bare) :] if prompted.startswith(bare) else None
+
+    def _skeleton(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> tuple[str, ...]:
+        """The render of ``messages`` with each text a marker, split at the markers (text, hole, ...), made
+        once per shape (the messages' roles, other fields and which texts are empty)."""
+        key = _skeleton_key(messages, tools)
+        return self._render_skeleton(messages, tools) if key is None else _skeleton_of(self, key)
+
+    def _render_skeleton(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> tuple[str, ...]:
+        return tuple(MARKER.split(self.render(_marked(messages), tools=tools)))
+
+    def _text_spans(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Any] | None,
+        full: str,
+        holes: list[tuple[int, str, str]],
+    ) -> list[tuple[int, int, int]]:
+        """Where the messages' texts lie in ``full`` (start, end, hole): the skeleton with each marker
+        replaced by its text, as given or as a template prints it (stripped, or as a JSON string)."""
+        parts = self._skeleton(messages, tools)
+        spans: list[tuple[int, int, int]] = []
         at = 0
         for k in range(0, len(parts) - 1, 2):
             text, index, after = parts[k], int(parts[k + 1]), parts[k + 2]
-            if not full.startswith(text, at) or index >= len(messages):
-                break  # (an index past the messages: a marker in another field of a message)
+            if not full.startswith(text, at) or index >= len(holes):
+                break  # (an index past the holes: a marker in another field of a message)
             at += len(text)
-            content = messages[index]["content"]
             found = next(
                 (
                     v
-                    for v in (content, content.strip())
+                    for v in _printed_forms(holes[index][2])
                     if full.startswith(v, at) and full.startswith(after, at + len(v))
                 ),
                 None,
             )
             if found is None:
+                message, key, _ = holes[index]
                 raise ChatError(
-                    f"the chat template of {self.origin} changes the content of message {index} (other than "
-                    "by stripping it), so its special-token strings cannot be kept as text"
+                    f"the chat template of {self.origin} changes the {key} of message {message} (other "
+                    "than by stripping it or writing it as JSON), so its special-token strings cannot be "
+                    "kept as text"
                 )
-            spans.append((at, at + len(found)))
+            spans.append((at, at + len(found), index))
             at += len(found)
         if at + len(parts[-1]) != len(full) or not full.endswith(parts[-1]):
             raise ChatError(
@@ -188,6 +321,75 @@ class ChatTemplate:
                 "change, so its own text cannot be told from the contents"
             )
         return spans
+
+
+# Message keys that only the rendering path knows: a conversation with one is never filled into a plan.
+_AGENT_KEYS = {*REASONING_KEYS, "tool_calls"}
+
+
+def _printed_forms(text: str) -> dict[str, None]:
+    """The ways a template prints a text: as given, stripped (``| trim``, ``.strip('\\n')``, ...) or as a
+    JSON string (``| tojson``, between the quotes its marker gets), in that order."""
+    forms = (
+        text,
+        text.strip(),
+        text.strip("\n"),
+        text.lstrip("\n"),
+        json.dumps(text, ensure_ascii=False)[1:-1],
+    )
+    return dict.fromkeys(forms)
+
+
+def _holes(messages: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
+    """The messages' texts that are kept as text, in the order :func:`_marked` marks them: (message, key,
+    text) of each non-empty content, reasoning and tool call's ``arguments`` string."""
+    holes: list[tuple[int, str, str]] = []
+    for i, message in enumerate(messages):
+        for key in _TEXT_KEYS:
+            if isinstance(message.get(key), str) and message[key]:
+                holes.append((i, key, message[key]))
+        for call in message.get("tool_calls", ()):
+            arguments = _call_function(call).get("arguments")
+            if isinstance(arguments, str) and arguments:
+                holes.append((i, "arguments", arguments))
+    return holes
+
+
+def _marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with each text of :func:`_holes` replaced by its marker (empty ones stay empty: a
+    template may test whether one is)."""
+    count = iter(range(1 << 62))
+    result = []
+    for message in messages:
+        copy = {**message}
+        for key in _TEXT_KEYS:
+            if isinstance(copy.get(key), str) and copy[key]:
+                copy[key] = marker(next(count))
+        if "tool_calls" in copy:
+            copy["tool_calls"] = [_marked_call(call, count) for call in copy["tool_calls"]]
+        result.append(copy)
+    return result
+
+
+def _call_function(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call's function: ``call["function"]`` (OpenAI's form), or the call itself."""
+    function = call.get("function")
+    return function if isinstance(function, dict) else call
+
+
+def _marked_call(call: dict[str, Any], count: Iterator[int]) -> dict[str, Any]:
+    function = _call_function(call)
+    arguments = function.get("arguments")
+    if not (isinstance(arguments, str) and arguments):
+        return call
+    marked = {**function, "arguments": marker(next(count))}
+    return marked if function is call else {**call, "function": marked}
+
+
+def _turn_marks(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` each with its turn's marker, which an instrumented template prints where its loop over
+    the messages starts the message."""
+    return [{**m, _TURN_KEY: f"\ue002{i}\ue003"} for i, m in enumerate(messages)]
 
 
 def _runs(full: str, targets: list[tuple[int, int]], contents: list[tuple[int, int]]) -> Sft:
@@ -215,35 +417,44 @@ def _runs(full: str, targets: list[tuple[int, int]], contents: list[tuple[int, i
     return tuple(segments)
 
 
-def _skeleton_key(messages: list[dict[str, Any]]) -> tuple[tuple[tuple[str, str | None], ...], ...] | None:
-    """The shape of ``messages``: each message's keys and values but the content; None when one is not a
-    string (``1`` and ``True`` are equal keys but render differently)."""
+_Key = tuple[tuple[tuple[str, str | None], ...], ...]
+
+
+def _skeleton_key(messages: list[dict[str, Any]], tools: list[Any] | None) -> _Key | None:
+    """The shape of ``messages``: each message's keys and values, None for a non-empty text; None when a
+    value is not a string (``1`` and ``True`` are equal keys but render differently) or there are tools."""
+    if tools is not None:
+        return None
     key = []
     for message in messages:
         shape = []
         for k, v in message.items():
-            if k == "content":
-                v = None
-            elif not (isinstance(k, str) and isinstance(v, str)):
+            if not (isinstance(k, str) and isinstance(v, str)):
                 return None
-            shape.append((k, v))
+            shape.append((k, None if k in _TEXT_KEYS and v else v))
         key.append(tuple(shape))
     return tuple(key)
 
 
+def _shape(key: _Key) -> list[dict[str, Any]]:
+    """Messages of the shape ``key`` (each non-empty text a placeholder)."""
+    return [{k: "-" if v is None else v for k, v in message} for message in key]
+
+
 @functools.lru_cache(maxsize=1024)
-def _skeleton_of(
-    template: ChatTemplate, key: tuple[tuple[tuple[str, str | None], ...], ...]
-) -> tuple[str, ...]:
+def _skeleton_of(template: ChatTemplate, key: _Key) -> tuple[str, ...]:
     """:meth:`ChatTemplate._skeleton` of the conversations whose :func:`_skeleton_key` is ``key``."""
-    return template._render_skeleton([{k: v or "" for k, v in message} for message in key])
+    return template._render_skeleton(_shape(key), None)
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_of(template: ChatTemplate, key: tuple[tuple[tuple[str, str | None], ...], ...]) -> Plan | None:
+def _plan_of(template: ChatTemplate, key: _Key) -> Plan | None:
     """The plan of the conversations of shape ``key``, for a template that only prints contents."""
-    shape = [{k: v or "" for k, v in message} for message in key]
-    return plan(shape, lambda messages, prompt: template.render(messages, add_generation_prompt=prompt))
+    return plan(
+        _shape(key),
+        lambda messages, prompt: template.render(messages, add_generation_prompt=prompt),
+        last_only=template.turns == "last",
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -256,7 +467,9 @@ def _any_blank(messages: list[dict[str, Any]]) -> bool:
     return any(not content or content.isspace() for content in (m["content"] for m in messages))
 
 
-def load_chat_template(tokenizer: Tokenizer, field: str) -> ChatTemplate:
+def load_chat_template(
+    tokenizer: Tokenizer, field: str, *, turns: ChatTurns = "all", reasoning: ChatReasoning = "train"
+) -> ChatTemplate:
     """The chat template of a Hugging Face tokenizer: ``chat_template.jinja`` beside its ``tokenizer.json``,
     else the ``chat_template`` of its ``tokenizer_config.json`` (a string, or the one named ``default``).
 
@@ -287,7 +500,7 @@ def load_chat_template(tokenizer: Tokenizer, field: str) -> ChatTemplate:
     variables = tuple(
         (name, token) for name in TEMPLATE_TOKENS if (token := _token(config, name)) is not None
     )
-    template = ChatTemplate(field, source, origin, variables)
+    template = ChatTemplate(field, source, origin, variables, turns, reasoning)
     _compile_checked(template)
     return template
 
@@ -357,9 +570,37 @@ def _compiled(source: str) -> Template:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
     )
+
+    def strftime_now(format: str) -> str:
+        return CHAT_DATE.strftime(format)
+
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
     template = env.from_string(source)
     # a ChainMap over the environment's, which each render copies key by key: half of a short render
+    template.globals = dict(template.globals)
+    return template
+
+
+@functools.lru_cache(maxsize=8)
+def _instrumented(source: str) -> Template:
+    """The template, compiled with each loop that prints its items' fields first printing the item's turn
+    marker (``item[_TURN_KEY]``: a message's, which :func:`_turn_marks` gives it; nothing for other
+    items): a render then says where each message's turn starts."""
+    from jinja2 import nodes
+
+    environment = _compiled(source).environment
+    tree = environment.parse(source)
+    for loop in tree.find_all(nodes.For):
+        prints = any(
+            not isinstance(node, nodes.TemplateData)
+            for out in loop.find_all(nodes.Output)
+            for node in out.nodes
+        )
+        if prints and isinstance(loop.target, nodes.Name):
+            item = nodes.Name(loop.target.name, "load")
+            loop.body.insert(0, nodes.Output([nodes.Getitem(item, nodes.Const(_TURN_KEY), "load")]))
+    template = environment.from_string(tree)
     template.globals = dict(template.globals)
     return template
