@@ -114,8 +114,7 @@ def test_templates_in_which_a_content_could_decide_are_not(source: str) -> None:
 def rendered(chat: ChatTemplate, messages: list[dict[str, Any]]) -> Any:
     """The segments as a render of the conversation itself finds them (the path of unproven templates)."""
     try:
-        full = chat.render(messages)
-        return sft._runs(full, chat._assistant_spans(messages, full), chat._content_spans(messages, full))
+        return chat._rendered(messages, None)
     except ChatError as e:
         return str(e)
 
@@ -225,7 +224,7 @@ def test_an_sft_document_joins_its_batch_at_once_as_piece_by_piece(
 def test_a_conversation_of_a_proven_template_is_planned(name: str) -> None:
     chat = template(PROVEN[name])
     conversation = [{"role": "user", "content": " hi "}, {"role": "assistant", "content": "yo"}]
-    assert sft._plan_of(chat, sft._skeleton_key(conversation)) is not None
+    assert sft._plan_of(chat, sft._skeleton_key(conversation, None, planned=True)) is not None
 
 
 def test_template_pieces_share_the_reference_instance_one_call_at_a_time(

@@ -332,7 +332,7 @@ def test_the_render_is_what_transformers_renders(tmp_path: Path, gpt2_tokenizer:
         ),
         (
             "{% if messages | length > 2 %}{{ messages | length }}{% endif %}"
-            + CHATML.replace("assistant\\n", "bot\\n"),
+            + CHATML.replace("message['role']", "(message['role'] if messages | length < 3 else 'bot')"),
             [
                 {"role": "user", "content": "a"},
                 {"role": "assistant", "content": "b"},

@@ -176,10 +176,14 @@ class ChatTemplate:
         if tools is None and not any(_AGENT_KEYS & m.keys() for m in messages):
             proof = _proof(self.source)
             proven = proof.unproven is None and not (proof.needs_non_blank and _any_blank(messages))
-            key = _skeleton_key(messages, None) if proven else None
+            key = _skeleton_key(messages, None, planned=True) if proven else None
             shape_plan = None if key is None else _plan_of(self, key)
             if shape_plan is not None:
                 return shape_plan.segments(messages)
+        return self._rendered(messages, tools)
+
+    def _rendered(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> Sft:
+        """:meth:`segments` found in the render of the conversation itself."""
         full = self.render(messages, tools=tools)
         holes = _holes(messages)
         contents = self._text_spans(messages, tools, full, holes)
@@ -420,9 +424,12 @@ def _runs(full: str, targets: list[tuple[int, int]], contents: list[tuple[int, i
 _Key = tuple[tuple[tuple[str, str | None], ...], ...]
 
 
-def _skeleton_key(messages: list[dict[str, Any]], tools: list[Any] | None) -> _Key | None:
-    """The shape of ``messages``: each message's keys and values, None for a non-empty text; None when a
-    value is not a string (``1`` and ``True`` are equal keys but render differently) or there are tools."""
+def _skeleton_key(
+    messages: list[dict[str, Any]], tools: list[Any] | None, *, planned: bool = False
+) -> _Key | None:
+    """The shape of ``messages``: each message's keys and values, None for a non-empty text (``planned``:
+    for every text, since a plan fills in empty ones too); None when a value is not a string (``1`` and
+    ``True`` are equal keys but render differently) or there are tools."""
     if tools is not None:
         return None
     key = []
@@ -431,7 +438,7 @@ def _skeleton_key(messages: list[dict[str, Any]], tools: list[Any] | None) -> _K
         for k, v in message.items():
             if not (isinstance(k, str) and isinstance(v, str)):
                 return None
-            shape.append((k, None if k in _TEXT_KEYS and v else v))
+            shape.append((k, None if k in _TEXT_KEYS and (v or planned) else v))
         key.append(tuple(shape))
     return tuple(key)
 
