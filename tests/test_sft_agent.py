@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import streampack
-from streampack.errors import OptionsError
+from streampack.errors import BadRecordError, OptionsError
 from streampack.inputs.sft import ChatError, ChatTemplate
 from tests.conftest import write_jsonl
 from tests.test_sft import chat_tokenizer, encoder
@@ -256,3 +256,106 @@ def test_policies_without_a_chat_are_refused(tmp_path: Path) -> None:
         streampack.build(streampack.Documents(["a"]), tmp_path / "c", chat_turns="last")
     with pytest.raises(OptionsError, match="chat_reasoning must be one of"):
         streampack.build(streampack.Documents(["a"]), tmp_path / "c", chat="m", chat_reasoning="drop")
+
+
+# ------------------------------------------------------------------------------------- no text is lost
+
+USER = {"role": "user", "content": "Weather?"}
+TOOL = {"role": "tool", "content": "sunny"}
+
+
+def answer(content: str, **reasoning: str) -> Message:
+    return {"role": "assistant", "content": content, **reasoning}
+
+
+@pytest.mark.parametrize(
+    ("family", "messages", "problem"),
+    [
+        (
+            "gpt-oss",
+            [USER, answer("Sunny.", reasoning_content="Look it up.")],
+            r"the 'reasoning_content' of message 1 .* prints 'thinking', not 'reasoning_content': rename",
+        ),
+        (
+            "qwen3",
+            [USER, answer("Sunny.", thinking="Look it up.")],
+            r"the 'thinking' of message 1 .* prints 'reasoning_content', not 'thinking': rename the field",
+        ),
+        (
+            "llama3.3",
+            [USER, answer("Sunny.", reasoning_content="Look it up.")],
+            r"the 'reasoning_content' of message 1 .* this template prints no reasoning: drop the field",
+        ),
+        (
+            "llama3.3",
+            [USER, {**answer("Let me look."), "tool_calls": [call("{}")]}, TOOL],
+            r"the 'content' of message 1 \(role 'assistant'\) .* does not print this message's content",
+        ),
+        (
+            "gpt-oss",
+            [USER, {**answer(""), "tool_calls": [call('{"city": "A"}'), call('{"city": "B"}')]}, TOOL],
+            r"the arguments of a tool call of message 1 .* give each call its own assistant message",
+        ),
+    ],
+)
+def test_a_text_the_template_never_prints_is_a_bad_record(
+    tmp_path: Path, gpt2_tokenizer: Path, family: str, messages: list[Message], problem: str
+) -> None:
+    """A content, reasoning or tool call that the template does not print, even where the conversation
+    ends with its message, is refused: the record, the message, the field and what to do."""
+    folder = tmp_path / "tok"
+    chat_tokenizer(gpt2_tokenizer, folder, "", SPECIALS[family])
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>"}))
+    (folder / "chat_template.jinja").write_text((TEMPLATES / f"{family}.jinja").read_text())
+    fine = [USER, answer("Sunny.")]
+    src = write_jsonl(tmp_path / "in.jsonl", [{"messages": m, "tools": TOOLS} for m in (fine, messages)])
+    with pytest.raises(BadRecordError, match=r"in\.jsonl:2: " + problem):
+        streampack.build(src, tmp_path / "c", tokenizer=str(folder), chat="messages")
+    summary = streampack.build(
+        src, tmp_path / "c", tokenizer=str(folder), chat="messages", on_bad_record="skip", overwrite=True
+    )
+    assert (summary.num_docs, summary.skipped_records) == (1, 1)
+
+
+@pytest.mark.parametrize(("family", "key"), [("qwen3", "reasoning_content"), ("gpt-oss", "thinking")])
+def test_reasoning_the_template_drops_from_earlier_turns_is_not_trained(family: str, key: str) -> None:
+    """Qwen3 and gpt-oss drop earlier turns' reasoning by design: the conversation builds, and only the
+    reasoning the template prints (the last turn's) is in the document."""
+    messages = [USER, answer("Sunny.", **{key: "OLD"}), USER, answer("Still sunny.", **{key: "NEW"})]
+    text, targets = segment_targets(chat_template(family), messages, TOOLS)
+    assert "OLD" not in text and targets[text.index("NEW")]
+    assert (text, targets) == brute_force_targets(family, messages, TOOLS, "all", "train")
+
+
+def test_a_content_only_template_that_skips_a_message_is_refused() -> None:
+    """A template proven to only print contents, which skips the system message's, is refused all the
+    same (its plan is not used)."""
+    source = (
+        "{% for m in messages %}{% if m.role != 'system' %}<{{ m.role }}>{{ m.content }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    template = ChatTemplate("messages", source, "skip.jinja")
+    conversation = [{"role": "system", "content": "Be brief."}, USER, answer("Sunny.")]
+    with pytest.raises(ChatError, match=r"the 'content' of message 0 \(role 'system'\) .* skip\.jinja"):
+        template.segments(conversation)
+    assert template.segments([{"role": "system", "content": ""}, USER, answer("Sunny.")])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama3.3", "gpt-oss"])
+def test_a_null_content_beside_tool_calls_is_empty(tmp_path: Path, gpt2_tokenizer: Path, family: str) -> None:
+    """OpenAI writes ``"content": null`` in an assistant message with tool calls: it builds as ``""``."""
+    folder = tmp_path / "tok"
+    chat_tokenizer(gpt2_tokenizer, folder, "", SPECIALS[family])
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>"}))
+    (folder / "chat_template.jinja").write_text((TEMPLATES / f"{family}.jinja").read_text())
+    calling = {"role": "assistant", "tool_calls": [call('{"city": "Paris"}')]}
+    records = [
+        {"messages": [USER, {**calling, "content": content}, TOOL, answer("Sunny.")], "tools": TOOLS}
+        for content in ("", None)
+    ]
+    streampack.build(
+        write_jsonl(tmp_path / "in.jsonl", records), tmp_path / "c", tokenizer=str(folder), chat="messages"
+    )
+    cache = streampack.open(tmp_path / "c")
+    assert cache.doc(0).tolist() == cache.doc(1).tolist()
+    assert cache.doc_loss_mask(0).tolist() == cache.doc_loss_mask(1).tolist()

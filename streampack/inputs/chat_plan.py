@@ -123,10 +123,10 @@ def _runs(texts: list[str], kinds: list[tuple[bool, bool]]) -> Sft:
 
 def plan(shape: list[dict[str, Any]], render: Render, *, last_only: bool = False) -> Plan | None:
     """The plan of the conversations of ``shape``, for a template proven to only print contents; None where
-    its renders do not line up for every content (each conversation is then rendered). ``last_only``: the
-    last assistant turn is the only target."""
+    its renders do not line up for every content, or it does not print one (each conversation is then
+    rendered). ``last_only``: the last assistant turn is the only target."""
     full = _render(shape, False, render)
-    if full is None:
+    if full is None or {index for index, _ in full.holes} != set(range(len(shape))):
         return None
     spans: list[tuple[tuple[int, int], tuple[int, int]]] = []
     for i, message in enumerate(shape):

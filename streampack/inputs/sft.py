@@ -4,10 +4,14 @@ Fields (``fields=["prompt", "response"]``): the last field is the target. Chat (
 conversation is rendered as ``transformers`` renders it (without ``strftime_now``, so that a cache never
 depends on the day), and the assistant turns are the targets, found by rendering prefixes: the render of
 ``messages[:i]`` with the generation prompt must be a prefix of the whole, and that of ``messages[:i + 1]``
-ends after turn ``i``. Special-token strings the template writes become their ids; the contents stay text,
-told apart by rendering the conversation's shape with each content replaced by a marker. Where the template
-is proven to only print the contents (:mod:`~streampack.inputs.chat_proof`), conversations are not rendered
-at all but filled into a plan made once per shape (:mod:`~streampack.inputs.chat_plan`).
+ends after turn ``i`` (or, for a template that drops earlier turns' reasoning, by where its loop over the
+messages starts each one). Special-token strings the template writes become their ids; the texts stay text,
+told apart by rendering the conversation's shape: its messages and tools with each text replaced by a
+marker. All but the conversation's own render is done once per shape (a :class:`_Trace`), and checked
+against that render. A text the template does not print is refused, unless the template drops it by design
+(an earlier turn's reasoning). Where the template is proven to only print the contents
+(:mod:`~streampack.inputs.chat_proof`), conversations are not rendered at all but filled into a plan made
+once per shape (:mod:`~streampack.inputs.chat_plan`).
 """
 
 from __future__ import annotations
@@ -346,7 +350,7 @@ def _missing_texts(
 
 
 def _field(i: int, key: str, message: dict[str, Any]) -> str:
-    what = "a tool call's arguments" if key == "arguments" else f"the {key!r}"
+    what = "the arguments of a tool call" if key == "arguments" else f"the {key!r}"
     return f"{what} of message {i} (role {message['role']!r})"
 
 
@@ -756,8 +760,9 @@ def _compiled(source: str) -> Template:
             return super().getattr(obj, attribute)
 
         def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
-            if type(obj) in (str, dict, list, jinja2.utils.Namespace):
-                return _safe_attribute(self, type(obj), attr)
+            kind: type = type(obj)
+            if kind in (str, dict, list, jinja2.utils.Namespace):
+                return _safe_attribute(self, kind, attr)
             return super().is_safe_attribute(obj, attr, value)
 
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
