@@ -359,3 +359,37 @@ def test_a_null_content_beside_tool_calls_is_empty(tmp_path: Path, gpt2_tokenize
     cache = streampack.open(tmp_path / "c")
     assert cache.doc(0).tolist() == cache.doc(1).tolist()
     assert cache.doc_loss_mask(0).tolist() == cache.doc_loss_mask(1).tolist()
+
+
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "{{ messages.append(1) }}",
+        "{{ messages[0].clear() }}",
+        "{{ messages[0].update }}",
+        "{{ messages[0].items() | list }}",
+        "{{ messages[0].role.__class__ }}",
+        "{{ ''.__class__.__mro__ }}",
+        "{{ messages[0].content.upper() }}",
+        "{% for m in messages %}{{ loop.__class__ }}{{ loop.index0 }}{% endfor %}",
+        "{% set ns = namespace(a=1) %}{{ ns.__init__ }}{{ ns.a }}{{ ns.b }}",
+        "{{ messages[0].missing is defined }}{{ messages[0].get('role') }}",
+    ],
+)
+def test_the_sandbox_allows_what_jinja2s_allows(snippet: str) -> None:
+    """The sandbox's checks made once per type and attribute give jinja2's own answers: the same render,
+    or the same refusal."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    messages = [{"role": "user", "content": "hi"}]
+    try:
+        expected: str | type[Exception] = env.from_string(snippet).render(messages=messages)
+    except jinja2.exceptions.SecurityError:
+        expected = ChatError
+    template = ChatTemplate("messages", snippet, "probe.jinja")
+    if expected is ChatError:
+        with pytest.raises(ChatError, match=r"probe\.jinja"):
+            template.render(messages)
+    else:
+        assert template.render(messages) == expected
