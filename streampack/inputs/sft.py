@@ -214,11 +214,14 @@ class ChatTemplate:
         turns = [(i, starts[a] + x, starts[b] + y) for i, (a, x), (b, y) in trace.turns]
         if self.turns == "last":
             turns = turns[-1:]
+        reasoning: dict[int, list[int]] = {}  # where each message's reasoning ends, where it is printed
+        for _, b, k in contents if self.reasoning == "mask" else ():
+            if holes[k][1] in REASONING_KEYS:
+                reasoning.setdefault(holes[k][0], []).append(b)
         targets = []
         for i, start, end in turns:
-            if self.reasoning == "mask":  # the target starts after the turn's reasoning, where it is printed
-                ends = (b for a, b, k in contents if holes[k][:2] in ((i, key) for key in REASONING_KEYS))
-                start = max([start, *(b for b in ends if start <= b <= end)])
+            # chat_reasoning="mask": the target starts after the turn's reasoning
+            start = max([start, *(b for b in reasoning.get(i, ()) if start <= b <= end)])
             if start < end:
                 targets.append((start, end))
         return _runs(full, targets, [(a, b) for a, b, _ in contents])
@@ -516,17 +519,14 @@ def _render_marks(
 _AGENT_KEYS = {*REASONING_KEYS, "tool_calls"}
 
 
-def _printed_forms(text: str) -> dict[str, None]:
+def _printed_forms(text: str) -> Iterator[str]:
     """The ways a template prints a text: as given, stripped (``| trim``, ``.strip('\\n')``, ...) or as a
-    JSON string (``| tojson``, between the quotes its marker gets), in that order."""
-    forms = (
-        text,
-        text.strip(),
-        text.strip("\n"),
-        text.lstrip("\n"),
-        json.dumps(text, ensure_ascii=False)[1:-1],
-    )
-    return dict.fromkeys(forms)
+    JSON string (``| tojson``, between the quotes its marker gets), in that order (each made when asked)."""
+    yield text
+    yield text.strip()
+    yield text.strip("\n")
+    yield text.lstrip("\n")
+    yield json.dumps(text, ensure_ascii=False)[1:-1]
 
 
 def _holes(messages: list[dict[str, Any]]) -> list[tuple[int, str, str]]:
