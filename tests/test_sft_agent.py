@@ -294,7 +294,7 @@ def answer(content: str, **reasoning: str) -> Message:
         (
             "gpt-oss",
             [USER, {**answer(""), "tool_calls": [call('{"city": "A"}'), call('{"city": "B"}')]}, TOOL],
-            r"the arguments of a tool call of message 1 .* give each call its own assistant message",
+            r"the .arguments. of a tool call of message 1 .* give each call its own assistant message",
         ),
     ],
 )
@@ -393,3 +393,14 @@ def test_the_sandbox_allows_what_jinja2s_allows(snippet: str) -> None:
             template.render(messages)
     else:
         assert template.render(messages) == expected
+
+
+def test_a_template_that_prints_no_tool_calls_refuses_them() -> None:
+    """The docs' ChatML template prints contents only: a tool call would be lost, so it is refused."""
+    source = (
+        Path(__file__).resolve().parent.parent / "docs" / "examples" / "chat_template.jinja"
+    ).read_text()
+    template = ChatTemplate("messages", source, "chatml.jinja")
+    conversation = [USER, {**answer(""), "tool_calls": [call('{"city": "Paris"}')]}, TOOL, answer("Sunny.")]
+    with pytest.raises(ChatError, match=r"'arguments' of a tool call of message 1 .* prints no tool calls"):
+        template.segments(conversation)

@@ -345,7 +345,7 @@ def _missing_texts(
         )
         if droppable and marker(index) in _render_or_empty(template, marked[: i + 1], tools):
             continue
-        fix = _fix(template, marked, tools, i, key)
+        fix = _fix(template, marked, tools, i, key, printed)
         return (
             f"{_field(i, key, message)} is not in the render of the chat template of {template.origin}: {fix}"
         )
@@ -353,14 +353,20 @@ def _missing_texts(
 
 
 def _field(i: int, key: str, message: dict[str, Any]) -> str:
-    what = "the arguments of a tool call" if key == "arguments" else f"the {key!r}"
+    what = "the 'arguments' of a tool call" if key == "arguments" else f"the {key!r}"
     return f"{what} of message {i} (role {message['role']!r})"
 
 
 def _fix(
-    template: ChatTemplate, marked: list[dict[str, Any]], tools: list[Any] | None, i: int, key: str
+    template: ChatTemplate,
+    marked: list[dict[str, Any]],
+    tools: list[Any] | None,
+    i: int,
+    key: str,
+    printed: set[int],
 ) -> str:
-    """What to do about a text of message ``i`` that the template never prints."""
+    """What to do about a text of message ``i`` that the template never prints (``printed``: the holes
+    it prints)."""
     if key in REASONING_KEYS:
         other = next(k for k in REASONING_KEYS if k != key)
         renamed = [*marked[:i], {**{k: v for k, v in marked[i].items() if k != key}, other: marked[i][key]}]
@@ -368,7 +374,10 @@ def _fix(
             return f"this template prints {other!r}, not {key!r}: rename the field"
         return "this template prints no reasoning: drop the field, or use a template that prints it"
     if key == "arguments":
-        return "it prints only some of the message's tool calls: give each call its own assistant message"
+        calls = [k for k, (j, other, _) in enumerate(_holes(marked)) if j == i and other == key]
+        if printed.intersection(calls):
+            return "it prints only some of a message's tool calls: give each call its own assistant message"
+        return "this template prints no tool calls: use one that does"
     return "it does not print this message's content: drop it, or use a template that prints it"
 
 
