@@ -507,7 +507,7 @@ def _shape_render(
     return _shape_render_of(template, key, prompt, instrumented)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1024)
 def _shape_render_of(template: ChatTemplate, key: str, prompt: bool, instrumented: bool) -> str:
     marked, tools = json.loads(key)
     return _render_marks(template, marked, tools, prompt, instrumented)
