@@ -374,6 +374,9 @@ def test_a_null_content_beside_tool_calls_is_empty(tmp_path: Path, gpt2_tokenize
         "{% for m in messages %}{{ loop.__class__ }}{{ loop.index0 }}{% endfor %}",
         "{% set ns = namespace(a=1) %}{{ ns.__init__ }}{{ ns.a }}{{ ns.b }}",
         "{{ messages[0].missing is defined }}{{ messages[0].get('role') }}",
+        "{{ '{}!'.format(messages[0].role) }}{{ messages[0].role.format is defined }}",
+        "{{ '{0.__class__}'.format(messages) }}",
+        "{% for m in messages %}{{ m.content.upper() }}{{ m.content.upper() }}{% endfor %}",
     ],
 )
 def test_the_sandbox_allows_what_jinja2s_allows(snippet: str) -> None:
