@@ -3,7 +3,8 @@ on small real caches.
 
 The examples of one file run in order in one interpreter (a later example may use an earlier one's
 names, as a reader would), in a folder holding what they name: ``cache/``, ``sft-cache/``, ``tok/``,
-``chat-tok/`` (GPT-2 and the ChatML template of ``docs/examples/``), ``tokenizer.json``, ``a.jsonl.gz``,
+``chat-tok/`` (GPT-2 and the ChatML template of ``docs/examples/``), ``qwen-tok/`` (GPT-2 and Qwen3's
+template of ``tests/fixtures/chat_templates/``), ``tokenizer.json``, ``a.jsonl.gz``,
 ``b.parquet``, ``caches/{web,code,math}/``. Only the step counts of the
 training examples are cut (``STEPS``): the rest runs verbatim. An example that cannot run here is marked
 in its file by ``<!-- example: skip (why) -->`` on the line before it.
@@ -66,6 +67,10 @@ def workspace(tmp_path_factory: pytest.TempPathFactory, gpt2_tokenizer: Path) ->
     (here / "chat-tok").mkdir()
     shutil.copy(gpt2_tokenizer, here / "chat-tok" / "tokenizer.json")
     shutil.copy(ROOT / "docs" / "examples" / "chat_template.jinja", here / "chat-tok")
+    (here / "qwen-tok").mkdir()
+    shutil.copy(gpt2_tokenizer, here / "qwen-tok" / "tokenizer.json")
+    qwen3 = ROOT / "tests" / "fixtures" / "chat_templates" / "qwen3.jinja"
+    shutil.copy(qwen3, here / "qwen-tok" / "chat_template.jinja")
     (here / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     with gzip.open(here / "a.jsonl.gz", "wt") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts[:20])

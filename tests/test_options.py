@@ -51,7 +51,8 @@ def test_the_spec_is_recorded_whole_and_run_options_never(tmp_path: Path) -> Non
         streampack.Documents(["a b"]), tmp_path / "c", workers=1, text_field="body", progress=False
     )
     settings = streampack.open(tmp_path / "c").manifest.settings
-    assert set(settings.to_json()) == {f.name for f in dataclasses.fields(CacheSpec)}
+    at_default = {"chat_turns", "chat_reasoning"}  # written only where they are not the default
+    assert set(settings.to_json()) | at_default == {f.name for f in dataclasses.fields(CacheSpec)}
     assert settings.text_field == "body" and settings.max_piece_chars == 100_000
     assert not set(settings.to_json()) & {f.name for f in dataclasses.fields(RunOptions)}
 
@@ -68,7 +69,11 @@ CHANGES = {
     "bos_id": 7,
     "fields": ["text", "body"],
     "chat": "messages",
+    "chat_turns": "last",
+    "chat_reasoning": "mask",
 }
+# What a change of a field needs beside it: the chat policies choose a chat build's targets.
+BESIDE = {"chat_turns": {"chat": "messages"}, "chat_reasoning": {"chat": "messages"}}
 
 
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(CacheSpec) if f.name != "tokenizer"])
@@ -85,10 +90,12 @@ def test_resuming_with_any_other_spec_field_is_refused_by_name(
         "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}",
     }
     (tokenizer / "tokenizer_config.json").write_text(json.dumps(config))
-    path = write_jsonl(tmp_path / "a.jsonl", [{"text": "one", "body": "uno"}])
-    streampack.build(path, tmp_path / "c", tokenizer=str(tokenizer))
+    record = {"text": "one", "body": "uno", "messages": [{"role": "assistant", "content": "a"}]}
+    path = write_jsonl(tmp_path / "a.jsonl", [record])
+    beside = BESIDE.get(field, {})
+    streampack.build(path, tmp_path / "c", tokenizer=str(tokenizer), **beside)
     with pytest.raises(ConfigMismatchError, match=rf"{field}: the cache has .*, this build has"):
-        streampack.build(path, tmp_path / "c", tokenizer=str(tokenizer), **{field: CHANGES[field]})
+        streampack.build(path, tmp_path / "c", tokenizer=str(tokenizer), **{**beside, field: CHANGES[field]})
 
 
 def test_run_options_do_not_stop_a_resume(tmp_path: Path) -> None:

@@ -96,7 +96,7 @@ def build(
     fingerprint = tokenizer.fingerprint()
     chat_sha256 = None
     if spec.chat is not None:
-        chat = load_chat_template(tokenizer, spec.chat)
+        chat = load_chat_template(tokenizer, spec.chat, turns=spec.chat_turns, reasoning=spec.chat_reasoning)
         read = replace(read, chat=chat)
         chat_sha256 = chat.sha256  # compared on resume, as the tokenizer's own hash
     described = TokenizerInfo(

@@ -14,6 +14,7 @@ from typing import Any, Literal, TypedDict, TypeVar, get_args
 from streampack._checks import check_bool, check_choice, check_int, check_int_or_none
 from streampack.errors import OptionsError
 from streampack.inputs import DEFAULT_UNIT_BYTES
+from streampack.inputs.sft import CHAT_REASONING, CHAT_TURNS, ChatReasoning, ChatTurns
 from streampack.tokenizer.choices import ENGINE_CHOICES, SPECIAL_TOKENS, SpecialTokens, TokenizerEngine
 
 OnBadRecord = Literal["error", "skip"]
@@ -68,6 +69,9 @@ class CacheSpec:
             last are the prompt, the last (and the EOS) the target (see :mod:`streampack.inputs.sft`).
         chat: an SFT build: the record field holding a list of ``{role, content}`` messages, rendered with
             the chat template beside the tokenizer; the assistant turns (and the EOS) are the target.
+        chat_turns: a chat build's targets: ``all`` assistant turns, or the ``last`` one only.
+        chat_reasoning: ``train``: an assistant turn's reasoning (``reasoning_content``, ``thinking``), as
+            the template prints it, is a target; ``mask``: the turn's target starts after it.
     """
 
     tokenizer: str = "bytes"
@@ -82,6 +86,8 @@ class CacheSpec:
     max_piece_chars: int | None = None
     fields: tuple[str, ...] | None = None
     chat: str | None = None
+    chat_turns: ChatTurns = "all"
+    chat_reasoning: ChatReasoning = "train"
 
     def __post_init__(self) -> None:
         check_choice("special_tokens", self.special_tokens, SPECIAL_TOKENS)
@@ -116,6 +122,13 @@ class CacheSpec:
             raise OptionsError(f"chat must be the name of the field holding the messages (got {self.chat!r})")
         if self.fields is not None and self.chat is not None:
             raise OptionsError(f"fields={list(self.fields)} and chat={self.chat!r}: give one or the other")
+        check_choice("chat_turns", self.chat_turns, CHAT_TURNS)
+        check_choice("chat_reasoning", self.chat_reasoning, CHAT_REASONING)
+        if self.chat is None and (self.chat_turns, self.chat_reasoning) != ("all", "train"):
+            raise OptionsError(
+                f"chat_turns={self.chat_turns!r} and chat_reasoning={self.chat_reasoning!r} choose a chat "
+                "build's targets: give chat=FIELD too, or leave them out"
+            )
 
     @property
     def sft(self) -> bool:
@@ -208,6 +221,8 @@ class BuildKeywords(TypedDict, total=False):
     max_piece_chars: int | None
     fields: tuple[str, ...] | list[str] | None
     chat: str | None
+    chat_turns: ChatTurns
+    chat_reasoning: ChatReasoning
     # RunOptions
     workers: int | None
     threads: int | None

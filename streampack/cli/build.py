@@ -126,6 +126,12 @@ FLAGS = [
         "'streampack[chat]').",
         metavar="FIELD",
     ),
+    Flag("chat_turns", "Chat builds: all: every assistant turn is a target; last: the last one only."),
+    Flag(
+        "chat_reasoning",
+        "Chat builds: train: the assistant turns' reasoning, as the template prints it, is a target; mask: "
+        "each turn's target starts after it.",
+    ),
     Flag("eos_id", "EOS id to append [default: the tokenizer's].", type=click.IntRange(min=0)),
     Flag(
         "eos",

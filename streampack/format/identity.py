@@ -19,6 +19,9 @@ def build_identity(manifest: Manifest) -> dict[str, Any]:
     settings = {k: v for k, v in manifest.settings.to_json().items() if k != "tokenizer"}
     for key, value in _LATER_SETTINGS.items():
         settings.setdefault(key, value)
+    for key, value in _LEFT_OUT_AT_DEFAULT.items():
+        if settings.get(key, value) == value:
+            settings.pop(key, None)
     # The policies as resolved (the tokenizer's own EOS or BOS may come from a tokenizer_config.json, which
     # the tokenizer's hash does not cover), keyed apart from the settings of the same name.
     policies = {"eos_policy": manifest.eos.to_json(), "bos_policy": manifest.bos.to_json()}
@@ -27,6 +30,9 @@ def build_identity(manifest: Manifest) -> dict[str, Any]:
 
 # Settings added after caches were first written, with the value that those caches were built with.
 _LATER_SETTINGS: dict[str, Any] = {"bos": False, "bos_id": None, "fields": None, "chat": None}
+# Settings added later still, left out of the identity while they hold these defaults: the identity and
+# digest of every cache built without them stay what they were.
+_LEFT_OUT_AT_DEFAULT: dict[str, Any] = {"chat_turns": "all", "chat_reasoning": "train"}
 
 
 def build_digest(manifest: Manifest) -> str:

@@ -158,6 +158,9 @@ class BuildSettings(Section):
     max_piece_chars: int | None = key(or_null(COUNT), None)
     fields: tuple[str, ...] | None = key(or_null(STRINGS), None)
     chat: str | None = key(or_null(STR), None)
+    # (left out at their defaults, as from the identity: see streampack.format.identity)
+    chat_turns: str = key(STR, "all", omit=True)
+    chat_reasoning: str = key(STR, "train", omit=True)
 
     section_name: ClassVar[str] = "settings"
 

@@ -28,9 +28,14 @@ MARKER = re.compile(f"{_MARK}([0-9]+){_END}")
 _PAD = " "
 
 
+def marker(index: int) -> str:
+    """The marker of hole ``index``: what :data:`MARKER` finds."""
+    return f"{_MARK}{index}{_END}"
+
+
 def marked(messages: list[dict[str, Any]], pad: str = "") -> list[dict[str, Any]]:
     """``messages`` with each content replaced by its marker (the message's index), padded with ``pad``."""
-    return [{**m, "content": f"{pad}{_MARK}{i}{_END}{pad}"} for i, m in enumerate(messages)]
+    return [{**m, "content": f"{pad}{marker(i)}{pad}"} for i, m in enumerate(messages)]
 
 
 @dataclass(frozen=True)
@@ -116,11 +121,12 @@ def _runs(texts: list[str], kinds: list[tuple[bool, bool]]) -> Sft:
     return tuple(segments)
 
 
-def plan(shape: list[dict[str, Any]], render: Render) -> Plan | None:
+def plan(shape: list[dict[str, Any]], render: Render, *, last_only: bool = False) -> Plan | None:
     """The plan of the conversations of ``shape``, for a template proven to only print contents; None where
-    its renders do not line up for every content (each conversation is then rendered)."""
+    its renders do not line up for every content, or it does not print one (each conversation is then
+    rendered). ``last_only``: the last assistant turn is the only target."""
     full = _render(shape, False, render)
-    if full is None:
+    if full is None or {index for index, _ in full.holes} != set(range(len(shape))):
         return None
     spans: list[tuple[tuple[int, int], tuple[int, int]]] = []
     for i, message in enumerate(shape):
@@ -134,7 +140,7 @@ def plan(shape: list[dict[str, Any]], render: Render) -> Plan | None:
         if not start <= before.end <= through.end:
             return None
         spans.append((before.end, through.end))
-    return Plan(_items(full, spans))
+    return Plan(_items(full, spans[-1:] if last_only else spans))
 
 
 def _render(shape: list[dict[str, Any]], prompt: bool, render: Render) -> _Render | None:

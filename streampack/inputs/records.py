@@ -11,7 +11,7 @@ from streampack._checks import check_int
 from streampack.errors import BadRecordError, InputError, OptionsError
 from streampack.inputs import DEFAULT_UNIT_BYTES
 from streampack.inputs.inputfile import InputFile
-from streampack.inputs.sft import ChatError, ChatTemplate, Sft, check_messages, field_segments
+from streampack.inputs.sft import ChatError, ChatTemplate, Sft, check_messages, check_tools, field_segments
 
 
 @dataclass(frozen=True)
@@ -218,13 +218,13 @@ def _fields_of(record: dict[str, Any], fields: tuple[str, ...], location: Callab
 
 
 def _chat_of(record: dict[str, Any], chat: ChatTemplate, location: Callable[[], str]) -> Item:
-    """An SFT document of a record's conversation, rendered with ``chat``'s template."""
+    """An SFT document of a record's conversation (and its ``tools``), rendered with ``chat``'s template."""
     field = chat.field
     messages = record[field] if field in record else _nested_value(record, field, "chat=...")
     if isinstance(messages, _Missing):
         return BadRecordError(location(), messages.problem)
     try:
-        return chat.segments(check_messages(messages, field))
+        return chat.segments(check_messages(messages, field), check_tools(record.get("tools")))
     except ChatError as e:
         return BadRecordError(location(), str(e))
 

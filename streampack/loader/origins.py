@@ -83,7 +83,9 @@ def read_options(cache: Cache) -> ReadOptions:
     read = ReadOptions(settings.text_field, settings.split_lines, settings.unit_bytes, fields=settings.fields)
     if settings.chat is None:
         return read
-    return dataclasses.replace(read, chat=_chat_template(cache, settings.chat))
+    chat = _chat_template(cache, settings.chat)
+    policy: dict[str, Any] = {"turns": settings.chat_turns, "reasoning": settings.chat_reasoning}
+    return dataclasses.replace(read, chat=dataclasses.replace(chat, **policy))
 
 
 def _chat_template(cache: Cache, field: str) -> ChatTemplate:
