@@ -49,7 +49,7 @@ with extra_needed("streampack.hf", "transformers and accelerate", "hf,torch"):
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from streampack.loader.metrics import per_step
-from streampack.torch import DataLoader, SourceLosses, token_losses
+from streampack.torch import DataLoader, SourceLosses, targets_counted, token_losses
 
 __all__ = ["LOADER_STATE_NAME", "LoaderTrainerMixin", "Trainer"]
 
@@ -147,22 +147,25 @@ class LoaderTrainerMixin(_TrainerBase):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         inputs = dict(inputs)
         sources, weights = inputs.pop("source_ids"), inputs.pop("loss_weights", None)
-        labels = inputs["labels"]
+        labels, shifted = inputs["labels"], inputs.get("shift_labels")  # shift_labels: context parallelism
         if weights is None:
             loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
-            losses = token_losses(outputs["logits"].detach(), labels)
+            losses = token_losses(outputs["logits"].detach(), labels, shifted)
         else:
             del inputs["labels"]  # the model need not compute the unweighted loss
+            inputs.pop("shift_labels", None)
             outputs = model(**inputs)
-            losses = token_losses(outputs["logits"], labels)
-            tokens = num_items_in_batch if num_items_in_batch is not None else (labels[:, 1:] != -100).sum()
+            losses = token_losses(outputs["logits"], labels, shifted)
+            tokens = num_items_in_batch
+            if tokens is None:
+                tokens = targets_counted(labels, shifted).sum()
             loss = (losses * weights).sum() / _at_least_one(tokens)
             if num_items_in_batch is not None and self.args.average_tokens_across_devices:
                 # As the Trainer does: the count is over every device, whose gradients DDP averages.
                 loss = loss * self.accelerator.num_processes
         if self._source_losses is None:
             self._source_losses = SourceLosses(tuple(loader.order.names))
-        self._source_losses.add(losses, labels, sources)
+        self._source_losses.add(losses, labels, sources, shifted)
         return (loss, outputs) if return_outputs else loss
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:

@@ -36,7 +36,7 @@ from streampack._checks import is_int
 from streampack.errors import extra_needed
 from streampack.loader import Loader
 from streampack.loader.metrics import per_step
-from streampack.torch import DataLoader, SourceLosses, token_losses
+from streampack.torch import DataLoader, SourceLosses, targets_counted, token_losses
 
 with extra_needed("streampack.lightning", "Lightning", "lightning"):
     try:
@@ -161,9 +161,10 @@ def mixture_loss(
     """The loss of a mixture's dict batch from the model's logits, each source's loss logged.
 
     Token ``t``'s label is predicted from the logits of token ``t - 1`` (as Hugging Face causal LMs shift
-    them). The loss is ``sum(loss_weights * token_loss) / tokens``, ``tokens`` the labels that are not
-    -100 (the mean loss when the batch has no ``loss_weights``); ``loss/<name>``, each source's mean
-    (unweighted) loss over its tokens in the batch, summed over the ranks, is logged with ``module.log``.
+    them; under context parallelism, ``shift_labels[t]`` from those of token ``t``). The loss is
+    ``sum(loss_weights * token_loss) / tokens``, ``tokens`` the labels that are not -100 (the mean loss when
+    the batch has no ``loss_weights``); ``loss/<name>``, each source's mean (unweighted) loss over its
+    tokens in the batch, summed over the ranks, is logged with ``module.log``.
     Call it from ``training_step`` on every rank.
 
     Args:
@@ -175,11 +176,11 @@ def mixture_loss(
     Raises:
         KeyError: the batch has no ``source_ids``: it is not a mixture's dict batch.
     """
-    labels, sources = batch["labels"], batch["source_ids"]
-    losses = token_losses(logits, labels)
+    labels, sources, shifted = batch["labels"], batch["source_ids"], batch.get("shift_labels")
+    losses = token_losses(logits, labels, shifted)
     weights = batch.get("loss_weights")
     weighed = losses if weights is None else losses * weights
-    loss = weighed.sum() / (labels[:, 1:] != -100).sum().clamp(min=1)
+    loss = weighed.sum() / targets_counted(labels, shifted).sum().clamp(min=1)
     if names is None:
         datamodule = getattr(module.trainer, "datamodule", None)
         loader = datamodule.loader if isinstance(datamodule, DataModule) else None
@@ -189,7 +190,7 @@ def mixture_loss(
             else tuple(map(str, range(int(sources.max()) + 1)))
         )
     counted = SourceLosses(names)
-    counted.add(losses, labels, sources)
+    counted.add(losses, labels, sources, shifted)
     for key, value in counted.report().items():  # the same keys on every rank: reduced already
         module.log(key, value, on_step=True, on_epoch=False, batch_size=len(labels))
     return loss

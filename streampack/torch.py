@@ -293,29 +293,51 @@ class DataLoader(torch_data.DataLoader):
 _LOSS_CHUNK = 1 << 28  # logits a chunk of token_losses upcasts at once (1 GiB in float32)
 
 
-def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_losses(
+    logits: torch.Tensor, labels: torch.Tensor, shift_labels: torch.Tensor | None = None
+) -> torch.Tensor:
     """The cross-entropy of every token's label, ``float32``, shaped and placed as ``labels``: column ``t``
     is predicted from the logits of column ``t - 1`` (Hugging Face causal LMs shift labels so), and the
     first column and every label of -100 lose 0. ``(losses * batch["loss_weights"]).sum()`` weighs them.
 
+    Under context parallelism a rank's batch has ``shift_labels`` (a rank's columns are chunks of the row:
+    the next column is not always the next token): given them, column ``t`` is the loss of
+    ``shift_labels[:, t]`` predicted from the logits of column ``t``, and the batch's ``loss_weights`` are
+    placed so too.
+
     Args:
         logits: ``(rows, seq_len, vocab)``, the model's.
         labels: ``(rows, seq_len)``, the batch's.
+        shift_labels: the batch's ``shift_labels``, where it has them.
     """
     rows, columns = labels.shape
-    inputs, targets = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+    if shift_labels is not None:
+        return _cross_entropy(logits.flatten(0, 1), shift_labels.flatten()).view(rows, columns)
+    first = torch.zeros((rows, 1), dtype=torch.float32, device=logits.device)
+    if columns < 2:
+        return first.expand(rows, columns).clone()
+    losses = _cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+    return torch.cat([first, losses.view(rows, columns - 1)], dim=1)
+
+
+def targets_counted(labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row, how many of :func:`token_losses`' columns have a target (a label that is not -100)."""
+    if shift_labels is not None:
+        return (shift_labels != -100).sum(1)
+    return (labels[:, 1:] != -100).sum(1)
+
+
+def _cross_entropy(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Each target's cross-entropy (``float32``; 0 for -100) from its row of ``inputs``."""
     # In float32 a chunk of tokens at a time: a whole batch's logits in float32 can take gigabytes.
-    chunk = max(1, _LOSS_CHUNK // max(1, logits.shape[-1]))
+    chunk = max(1, _LOSS_CHUNK // max(1, inputs.shape[-1]))
     pieces = [
         torch.nn.functional.cross_entropy(
             inputs[k : k + chunk].float(), targets[k : k + chunk], ignore_index=-100, reduction="none"
         )
         for k in range(0, len(targets), chunk)
     ]
-    first = torch.zeros((rows, 1), dtype=torch.float32, device=logits.device)
-    if not pieces:
-        return first.expand(rows, columns).clone()
-    return torch.cat([first, torch.cat(pieces).view(rows, columns - 1)], dim=1)
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float32, device=inputs.device)
 
 
 class SourceLosses:
@@ -333,11 +355,18 @@ class SourceLosses:
         self._sums: torch.Tensor | None = None  # (sources,) float64: summed token losses, and their count
         self._counts: torch.Tensor | None = None
 
-    def add(self, losses: torch.Tensor, labels: torch.Tensor, source_ids: torch.Tensor) -> None:
-        """Count a batch's :func:`token_losses` (not weighted), each row's to its source."""
+    def add(
+        self,
+        losses: torch.Tensor,
+        labels: torch.Tensor,
+        source_ids: torch.Tensor,
+        shift_labels: torch.Tensor | None = None,
+    ) -> None:
+        """Count a batch's :func:`token_losses` (not weighted, of its ``labels`` and ``shift_labels`` if
+        any), each row's to its source."""
         with torch.no_grad():
             rows = losses.detach().double().sum(1)
-            counted = (labels[:, 1:] != -100).sum(1).double()
+            counted = targets_counted(labels, shift_labels).double()
             if self._sums is None or self._counts is None:
                 self._sums = torch.zeros(len(self.names), dtype=torch.float64, device=losses.device)
                 self._counts = torch.zeros_like(self._sums)

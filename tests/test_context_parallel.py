@@ -226,9 +226,13 @@ def test_balance_is_longest_processing_time_first_with_even_counts() -> None:
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_a_mixtures_loss_weights_are_split_with_the_tokens(caches: dict, cp: int) -> None:
-    """Every key of a mixture's CP rank, ``loss_weights`` and ``source_ids`` too, is its chunks of the whole
-    rows a loader without CP serves of the same samples (chunks from the whole batch's ``cu_seqlens``)."""
+    """Every key of a mixture's CP rank is its chunks of the whole rows a loader without CP serves of the
+    same samples (chunks from the whole batch's ``cu_seqlens``); ``loss_weights`` sit where the rank computes
+    each loss, at the token that predicts it (``shift_labels``), so the weighted loss and the token counts
+    summed over the CP ranks are those of the whole rows (:func:`streampack.torch.token_losses`)."""
+    torch = pytest.importorskip("torch")
     from streampack.order.mixture import Mixture
+    from streampack.torch import SourceLosses, targets_counted, token_losses
 
     cache = caches["sft"][0]
 
@@ -243,17 +247,41 @@ def test_a_mixtures_loss_weights_are_split_with_the_tokens(caches: dict, cp: int
             mix, batch_size=4, output="varlen", cp_size=cp_size, cp_rank=cp_rank, loss_weights=weights
         )
 
+    def tensors(batch: dict) -> dict:
+        return {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items() if isinstance(v, np.ndarray)}
+
     whole = list(islice(iter(loader(1, 0)), 3))
+    vocab = cache.vocab_size
+    logits = [torch.randn(*full["labels"].shape, vocab) for full in whole]  # a model's, over the whole rows
+    weighted, counted = np.zeros(len(whole)), np.zeros(len(whole))
+    per_source = SourceLosses(("a", "b"))
     for cp_rank in range(cp):
-        for full, part in zip(whole, islice(iter(loader(cp, cp_rank)), 3), strict=True):
+        for step, (full, part) in enumerate(zip(whole, islice(iter(loader(cp, cp_rank)), 3), strict=True)):
             columns: list[int] = []
             bounds = full["cu_seqlens"].tolist()
             for start, stop in pairwise(bounds):
                 chunk = (stop - start) // (2 * cp)
                 for k in (cp_rank, 2 * cp - 1 - cp_rank):
                     columns += range(start + k * chunk, start + (k + 1) * chunk)
-            for key in ("input_ids", "labels", "position_ids", "loss_weights"):
+            for key in ("input_ids", "labels", "position_ids"):
                 want = np.asarray(full[key]).reshape(-1)[columns].reshape(len(full[key]), -1)
                 assert part[key].dtype == full[key].dtype and np.array_equal(part[key], want), key
             assert np.array_equal(part["source_ids"], full["source_ids"])
-            assert set(part["loss_weights"].ravel().tolist()) <= {0.0, 0.25, 3.0}
+            weight_of_row = np.array([0.25, 3.0], dtype=np.float32)[part["source_ids"]][:, None]
+            assert np.array_equal(part["loss_weights"], weight_of_row * (part["shift_labels"] != -100))
+            mine = tensors(part)
+            rank_logits = logits[step].flatten(0, 1)[columns].view(*part["labels"].shape, vocab)
+            losses = token_losses(rank_logits, mine["labels"], mine["shift_labels"])
+            weighted[step] += float((losses * mine["loss_weights"]).sum())
+            counted[step] += int(targets_counted(mine["labels"], mine["shift_labels"]).sum())
+            per_source.add(losses, mine["labels"], mine["source_ids"], mine["shift_labels"])
+    whole_sources = SourceLosses(("a", "b"))
+    for step, full in enumerate(whole):
+        rows = tensors(full)
+        losses = token_losses(logits[step], rows["labels"])
+        assert weighted[step] == pytest.approx(float((losses * rows["loss_weights"]).sum()), rel=1e-5)
+        assert counted[step] == int(targets_counted(rows["labels"]).sum())
+        whole_sources.add(losses, rows["labels"], rows["source_ids"])
+    cp_report, whole_report = per_source.report(), whole_sources.report()
+    assert cp_report.keys() == whole_report.keys()
+    assert all(cp_report[k] == pytest.approx(whole_report[k], rel=1e-5) for k in whole_report)

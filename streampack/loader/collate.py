@@ -165,10 +165,10 @@ class CausalLMDict:
         elif self.segments == "hf-flash":
             batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = segments.cu_seqlens
             batch["max_length_q"] = batch["max_length_k"] = segments.max_seqlen
-        if self.domains is not None:
-            self.domains.add(batch, sources, batch["labels"])  # per token, from its label: split or not
         if part is not None:
             batch["shift_labels"] = part.shifted(labels, batch["labels"])
+        if self.domains is not None:  # each weight where its loss is: at the label, or under CP the next one
+            self.domains.add(batch, sources, batch["labels"] if part is None else batch["shift_labels"])
         return batch
 
     def _boundaries(self, sources: np.ndarray, samples: np.ndarray, shape: tuple[int, ...]) -> Boundaries:

@@ -7,7 +7,9 @@ with an order) adds to every dict batch (``output="dict"``, ``"varlen"``, ``"hf-
   (``loader.order.names``), so that a trainer can report the loss per source (per domain);
 * with the ``loss_weights`` option, ``loss_weights``: ``float32``, ``(rows, seq_len)``: the row's source's
   weight on each token whose label is not -100, else 0, for a loss ``sum(loss_weights * token_loss) /
-  tokens`` (the framework adapters compute it: :mod:`streampack.hf`, :mod:`streampack.lightning`).
+  tokens`` (the framework adapters compute it: :mod:`streampack.hf`, :mod:`streampack.lightning`); under
+  context parallelism, on each token whose ``shift_labels`` is not -100 (where its loss is computed there:
+  :func:`streampack.torch.token_losses`).
 
 Both are pure functions of the rows' sources and labels, so a resume serves them exactly. The weights
 change no token or label served, so they are not in the state, and a resume may change them.

@@ -6,7 +6,7 @@ tests/test_gigatoken.py).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from streampack.tokenizer.pieces import (
     CL100K_CASELESS,
@@ -83,25 +83,16 @@ GIGATOKEN_SCHEMES = {
 }
 
 
-def gigatoken_mismatch_tiktoken(pattern: str, specials: dict[str, int], *, parse_special: bool) -> str:
-    """Why ``gigatoken`` may not give a tiktoken encoding's ids in a special-token mode; ``""`` when its split
-    pattern is one gigatoken splits by a scheme of its own (:data:`GIGATOKEN_SCHEMES`: GPT-2's, cl100k's,
-    o200k's) and, where special tokens are parsed, no two of them overlap. Text mode loads no special
-    tokens into it, so none can match."""
-    if pattern not in GIGATOKEN_SCHEMES:
-        return "its pat_str is not GPT-2's, cl100k's or o200k's"
-    if parse_special:
-        overlap = _overlapping(list(specials))
-        if overlap:
-            return f"the special tokens {overlap[0]!r} and {overlap[1]!r} overlap"
-    return ""
-
-
-def fastokens_mismatch_tiktoken(pattern: str, specials: dict[str, int], *, parse_special: bool) -> str:
-    """Why ``fastokens`` may not give a tiktoken encoding's ids in a special-token mode; ``""`` when its split
-    pattern is proven and, where special tokens are parsed, no two of them could compete for the same
-    characters (tiktoken tries them in an order of its own; fastokens takes the longest)."""
-    if pattern not in PROVEN_SPLIT_PATTERNS:
+def tiktoken_mismatch(
+    pattern: str, specials: dict[str, int], *, parse_special: bool, engine: Literal["fastokens", "gigatoken"]
+) -> str:
+    """Why ``engine`` may not give a tiktoken encoding's ids in a special-token mode; ``""`` when its split
+    pattern is one the engine is proven on (GPT-2's, cl100k's, o200k's: gigatoken splits them by schemes of
+    its own, :data:`GIGATOKEN_SCHEMES`) and, where special tokens are parsed, no two of them could compete
+    for the same characters (tiktoken tries them in an order of its own; the engines take the longest).
+    In text mode no special token is loaded into the engine, so none can match."""
+    proven = GIGATOKEN_SCHEMES if engine == "gigatoken" else PROVEN_SPLIT_PATTERNS
+    if pattern not in proven:
         return "its pat_str is not GPT-2's, cl100k's or o200k's"
     if parse_special:
         overlap = _overlapping(list(specials))

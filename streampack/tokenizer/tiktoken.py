@@ -22,8 +22,7 @@ from streampack.tokenizer.fast_forms import fast_split, load_fast_tiktoken
 from streampack.tokenizer.pieces import tiktoken_cut_safety
 from streampack.tokenizer.proofs import (
     GIGATOKEN_SCHEMES,
-    fastokens_mismatch_tiktoken,
-    gigatoken_mismatch_tiktoken,
+    tiktoken_mismatch,
 )
 from streampack.tokenizer.specials import EOS_NAMES
 
@@ -98,6 +97,7 @@ class TiktokenTokenizer(LibraryTokenizer):
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
         parse = special_tokens == "parse"
+        mismatch = partial(tiktoken_mismatch, pattern, specials, parse_special=parse)
         chosen, self.engine_reason = self._choose_engine(
             engine,
             lambda: started or self._start_fastokens(engine, threads, load),
@@ -106,8 +106,8 @@ class TiktokenTokenizer(LibraryTokenizer):
                 threads=threads,
                 cache_bytes=GIGATOKEN_CACHE_BYTES,
             ),
-            gigatoken_problem=lambda: gigatoken_mismatch_tiktoken(pattern, specials, parse_special=parse),
-            problem=lambda: fastokens_mismatch_tiktoken(pattern, specials, parse_special=parse),
+            gigatoken_problem=partial(mismatch, engine="gigatoken"),
+            problem=partial(mismatch, engine="fastokens"),
             split_special=not parse,
             refusal=f"{ranks}: {{engine}} is not known to give this encoding's ids",
         )
