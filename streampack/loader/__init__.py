@@ -324,8 +324,10 @@ class Loader:
             self._prefetch(position)
         if self.collate is not None:
             result = self.collate(result)
-        hits = sum(store.prefetch_hits - hit for store, (hit, _) in zip(stores, before, strict=True))
-        misses = sum(store.prefetch_misses - miss for store, (_, miss) in zip(stores, before, strict=True))
+        hits = misses = 0
+        for store, (hit, miss) in zip(stores, before, strict=True):  # none for a local cache
+            hits += store.prefetch_hits - hit
+            misses += store.prefetch_misses - miss
         read = run.rows.bytes_read(position, *picks)
         self.made = Made(time.perf_counter() - started, read, hits, misses)
         return result

@@ -18,7 +18,6 @@ returns its dict. Metrics are not data: nothing of them is in the state, and a r
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -45,6 +44,9 @@ class Made:
     prefetch_misses: int = 0
 
 
+_UNKNOWN = Made()
+
+
 class Meter:
     """The metrics of the batches a consumer took: the last one's, and their totals."""
 
@@ -55,10 +57,20 @@ class Meter:
 
     def add(self, wait_s: float, made: Made | None) -> None:
         """Count a batch the consumer waited ``wait_s`` seconds for, made as ``made`` says (None: unknown)."""
-        values = {"data_wait_s": wait_s, **dataclasses.asdict(made or Made())}
+        made = made or _UNKNOWN
+        # Field by field: dataclasses.asdict deep-copies, 20 us a batch (a third of a batch's time).
+        values = {
+            "data_wait_s": wait_s,
+            "make_s": made.make_s,
+            "bytes_read": made.bytes_read,
+            "prefetch_hits": made.prefetch_hits,
+            "prefetch_misses": made.prefetch_misses,
+        }
         self.batches += 1
         self.last = values
-        self.total = {name: self.total[name] + values[name] for name in METRICS}
+        total = self.total
+        for name, value in values.items():
+            total[name] += value
 
     def as_dict(self) -> dict[str, float]:
         """``batches``, each metric of the last batch, and each metric's total as ``total_<name>``."""
