@@ -163,3 +163,32 @@ def test_mds_samples_convert_where_they_lie(natural: streampack.Cache, tmp_path:
     with pytest.raises(CacheError, match=r"shard\.00000\.mds: sample 0's ndim and shape dtype is"):
         convert(tmp_path / "mds", tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+def test_ids_past_the_declared_vocabulary_are_refused_and_nothing_is_kept(tmp_path: Path) -> None:
+    """A converted cache records the vocabulary declared for the files: an id at or past it is refused, in
+    the scanned formats (nanoGPT) and in the opened ones (Megatron), naming the file and token; the same
+    files with the vocabulary that covers them convert."""
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset")
+    import torch
+
+    tokens = np.array([1, 2, 3, 50256, 5, 60000, 7, 50256], dtype=np.uint16)
+    tokens.tofile(tmp_path / "train.bin")
+    builder = indexed.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.int32)
+    for doc in (tokens[:4], tokens[4:]):
+        builder.add_document(torch.tensor(doc.astype(np.int32)), [len(doc)])
+    builder.finalize(str(tmp_path / "m.idx"))
+    nano = {"format": "nanogpt", "eos_id": 50256, "dtype": "uint16"}
+    for source, declared, where in (
+        (tmp_path / "train.bin", nano, r"train.bin: token 5: the id 60,000"),
+        (tmp_path / "m", {"eos_id": 50256}, r"m.bin, document 1, token 1: the id 60,000"),
+    ):
+        out = tmp_path / f"{source.name}-out"
+        with pytest.raises(CacheError, match=f"{where} is not below the vocabulary of 50,257 ids"):
+            convert(source, out, vocab_size=50257, **declared)
+        assert not out.exists()
+        convert(source, out, vocab_size=60001, **declared)
+        assert streampack.open(out).doc(1).tolist() == [5, 60000, 7, 50256]
+    refused = run_cli("convert", tmp_path / "train.bin", "--out", tmp_path / "cli", "--format", "nanogpt",
+                      "--eos-id", "50256", "--dtype", "uint16", "--vocab-size", "50257", check=False)  # fmt: skip
+    assert refused.returncode != 0 and "Nothing was kept" in refused.stderr

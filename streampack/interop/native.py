@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -25,6 +25,7 @@ from typing import IO, TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from streampack.errors import CacheError
 from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import ShardTable
 from streampack.format.names import (
@@ -50,7 +51,7 @@ from streampack.interop.writing import (
     write_spans,
 )
 from streampack.reader.foreign.opening import Foreign, ForeignShards, foreign_cache
-from streampack.reader.foreign.scanning import ScanPlan, TokenSpan, open_plan
+from streampack.reader.foreign.scanning import ScanPlan, TokenSpan, open_plan, scanned
 from streampack.store import encode_json
 
 if TYPE_CHECKING:
@@ -89,6 +90,8 @@ def write(
     with progress_bar(progress, cache.num_tokens, "streampack") as bar:
         for docs in shard_docs(cache):
             unit = cache.manifest.units[docs.shard]
+            tokens = scanned(cache.shard_tokens(docs.shard))
+            _check_vocabulary(cache, tokens, partial(_place, cache, docs.shard))
             for first, stop in doc_chunks(docs, options.shard_tokens):
                 with dest.open(tokens_key(shard_name(len(written.units)))) as out:
                     tokens_crc = _copy_with_crc(cache, docs, first, stop, out)
@@ -130,11 +133,49 @@ def write_scanned(
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
     cache = foreign_cache(outcome[0], declared)
+    for span in spans:
+        _check_vocabulary(cache, span.chunks(), partial(_in_file, span.path))
     written = _Written()
     for docs, tokens_crc in zip(shard_docs(cache), crcs, strict=True):
         if len(docs.ends):
             written.add(cache, docs, 0, len(docs.ends), cache.manifest.units[docs.shard], tokens_crc, dest)
     return written.commit(cache, dest)
+
+
+def _check_vocabulary(
+    cache: Cache, chunks: Iterable[tuple[int, np.ndarray]], place: Callable[[int], str]
+) -> None:
+    """Refuse tokens (``chunks`` as :func:`~streampack.reader.foreign.scanning.scanned` gives them) holding
+    an id the cache's declared vocabulary does not have: the native cache would declare ids that cannot
+    occur. Nothing to read where the token dtype cannot hold such an id.
+
+    Raises:
+        CacheError: naming the id and its place (``place(token index)``), and what to do.
+    """
+    vocab = cache.vocab_size
+    if vocab > np.iinfo(cache.dtype).max:
+        return
+    for start, chunk in chunks:
+        if len(chunk) and int(chunk.max()) >= vocab:
+            at = int(np.flatnonzero(chunk >= vocab)[0])
+            raise CacheError(
+                f"{place(start + at)}: the id {int(chunk[at]):,} is not below the vocabulary of {vocab:,} "
+                "ids declared for these files, which the converted cache would record. Nothing was kept: "
+                "give the vocab_size of the tokenizer that made them (--vocab-size), or fix the files "
+                "(`streampack verify` of them lists every such id)"
+            )
+
+
+def _in_file(path: Path, pos: int) -> str:
+    """Token ``pos`` of a file, as messages name it."""
+    return f"{path}: token {pos:,}"
+
+
+def _place(cache: Cache, shard: int, pos: int) -> str:
+    """Where token ``pos`` of a shard lies, as messages name it."""
+    from streampack.loader.reading import token_place
+
+    return token_place(cache, shard, pos)
 
 
 class _Written:
