@@ -141,8 +141,7 @@ class CausalLMDict:
         flat[found.starts] = -100
         if found.marks is not None:
             labels[~found.marks] = -100
-        for start, stop in found.padding():
-            flat[start:stop] = -100
+        flat[found.padding()] = -100
         if masked is not None:
             hit = np.flatnonzero(masked(found.starts // tokens.shape[1], found.docs))
             for start, length in zip(found.starts[hit].tolist(), found.lengths[hit].tolist(), strict=True):

@@ -82,8 +82,8 @@ class Boundaries:
     def doc_ids(self) -> np.ndarray:
         """See the class docstring."""
         ids = np.repeat(self.docs, self.lengths)
-        for start, stop in self._fills():
-            ids[start:stop] = -1
+        if self.fills is not None:
+            ids[ragged_arange(self.fills[:, 0], self.fills[:, 1] - self.fills[:, 0])] = -1
         return ids.reshape(self.shape)
 
     @functools.cached_property
@@ -100,18 +100,17 @@ class Boundaries:
     def loss_mask(self) -> np.ndarray:
         """See the class docstring."""
         mask = np.ones(self.size, dtype=bool) if self.marks is None else self.marks.reshape(-1).copy()
-        for start, stop in self.padding():
-            mask[start:stop] = False
+        mask[self.padding()] = False
         return mask.reshape(self.shape)
 
-    def padding(self) -> list[tuple[int, int]]:
-        """The padding of the batch, fills included: ``[start, stop)`` ranges of the flattened batch."""
+    def padding(self) -> np.ndarray:
+        """The flat positions of the batch's padding, fills included (``int64``)."""
         pads = np.flatnonzero(self.docs < 0)
-        rows = list(zip(self.starts[pads].tolist(), (self.starts[pads] + self.lengths[pads]).tolist()))
-        return rows + self._fills()
-
-    def _fills(self) -> list[tuple[int, int]]:
-        return [] if self.fills is None else [(int(a), int(b)) for a, b in self.fills]
+        starts, counts = self.starts[pads], self.lengths[pads]
+        if self.fills is not None:
+            starts = np.concatenate([starts, self.fills[:, 0]])
+            counts = np.concatenate([counts, self.fills[:, 1] - self.fills[:, 0]])
+        return ragged_arange(starts, counts)
 
 
 def boundaries(
