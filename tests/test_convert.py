@@ -189,6 +189,6 @@ def test_ids_past_the_declared_vocabulary_are_refused_and_nothing_is_kept(tmp_pa
         assert not out.exists()
         convert(source, out, vocab_size=60001, **declared)
         assert streampack.open(out).doc(1).tolist() == [5, 60000, 7, 50256]
-    refused = run_cli("convert", tmp_path / "train.bin", "--out", tmp_path / "cli", "--format", "nanogpt",
-                      "--eos-id", "50256", "--dtype", "uint16", "--vocab-size", "50257", check=False)  # fmt: skip
+    flags = ["--format", "nanogpt", "--eos-id", "50256", "--dtype", "uint16", "--vocab-size", "50257"]
+    refused = run_cli("convert", tmp_path / "train.bin", "--out", tmp_path / "cli", *flags, check=False)
     assert refused.returncode != 0 and "Nothing was kept" in refused.stderr
