@@ -170,3 +170,14 @@ def test_which_says_where_a_fim_pieces_parts_sit(caches: dict[str, Any]) -> None
                 for _, (lo, hi), (first, stop) in placed.fim:
                     assert row[lo:hi].tolist() == tokens[first:stop].tolist()
     assert "PSM" in orders and "SPM" in orders
+
+
+def test_a_cache_with_a_bos_is_refused(tmp_path: Path) -> None:
+    """Every document of a cache built with a BOS starts with it: FIM would serve it inside the document
+    (after the suffix, in SPM), so fim() refuses such a cache and says how to build one it takes."""
+    inputs = tmp_path / "code.jsonl"
+    inputs.write_text("".join(json.dumps({"text": text}) + "\n" for text in CODE))
+    tokenizer = str(_with_sentinels(tmp_path))
+    streampack.build([str(inputs)], tmp_path / "bos", tokenizer=tokenizer, bos_id=1, progress=False)
+    with pytest.raises(OptionsError, match=r"a BOS \(1\) before every document is not supported"):
+        streampack.open(tmp_path / "bos").sequences(64).fim(rate=0.5)

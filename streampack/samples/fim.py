@@ -109,9 +109,17 @@ def make_fim(
     """The checked settings of ``samples.fim(...)`` for the samples of ``cache``.
 
     Raises:
-        OptionsError: an option is out of its range, or a sentinel id does not fit the cache.
+        OptionsError: an option is out of its range, a sentinel id does not fit the cache, or the cache puts
+            a BOS before every document.
         TokenizerError: the sentinels are to come from a tokenizer that cannot be read or has none.
     """
+    if cache.bos_id is not None:
+        # A document's BOS would move inside it (into the prefix served after the suffix, in SPM).
+        raise OptionsError(
+            f"{cache.root}: fim() of a cache that puts a BOS ({cache.bos_id}) before every document is not "
+            "supported: the FIM order would serve the BOS inside the document. Build the code cache "
+            "without --bos (an EOS alone ends each document) to train fill-in-the-middle on it"
+        )
     rate, spm_rate = check_rate("rate", rate), check_rate("spm_rate", spm_rate)
     seed = check_int("seed", seed, min=0, below=2**64, hint="the FIM decisions' seed")
     min_length = check_int(
