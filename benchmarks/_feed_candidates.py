@@ -32,13 +32,14 @@ os.environ.setdefault("FASTOKENS_BPE_THREADS", "1")  # read when its pool starts
 import msgspec
 import numpy as np
 import orjson
+from _backends import TOKENIZERS_GPT2
 
 from streampack.inputs.discovery import expand_inputs
 from streampack.inputs.lines import LinesPart, _split_lines
 from streampack.inputs.records import ReadOptions
 from streampack.inputs.units import plan_units, read_unit_parts
 
-GPT2 = "/work/shared/data/tokenizers/gpt2/tokenizer.json"
+GPT2 = TOKENIZERS_GPT2  # ../shared/data, or $STREAMPACK_SHARED_DATA
 
 
 class _Text(msgspec.Struct):
