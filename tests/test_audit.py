@@ -160,6 +160,17 @@ LEG = st.tuples(
     ],
     picks=[(0.78, 0.02, False), (0.77, 0.58, True), (0.44, 0.78, False), (0.06, 0.0, False)],
 )
+@example(  # a replay and a skip at positions read once each: the data state's cursors came from other weights
+    mixed=True,
+    legs=[
+        (1, (8, 4), (1, 3)),
+        (1, (2, 1), (1, 1)),
+        (2, (2, 1), (3, 1)),
+        (4, (6, 3), (3, 2)),
+        (6, (2, 1), (1, 1)),
+    ],
+    picks=[(0.17, 0.27, False), (0.87, 0.12, False), (0.0, 0.7, False), (0.0, 0.0, False)],
+)
 def test_the_verdict_equals_a_brute_force_replay_of_random_histories(
     mixed: bool, legs: list[Any], picks: list[tuple[float, float, bool]]
 ) -> None:
@@ -178,12 +189,14 @@ def test_the_verdict_equals_a_brute_force_replay_of_random_histories(
     report = audit(state, data_given)
 
     served = run.served()
-    twice, skipped = run.coverage()  # the brute force: the positions each trained step read
-    assert report.clean == (twice == skipped == 0), (report.text(), run.spans)
-    if report.clean:  # what the model saw is each source's own stream: each sample once per epoch
-        assert all(samples == reference(name, mixed, len(samples)) for name, samples in served.items())
-    else:  # and otherwise it is not
-        assert any(samples != reference(name, mixed, len(samples)) for name, samples in served.items())
+    # The brute force: clean when what the model saw of each source is that source's own stream, each
+    # sample once per epoch. Positions alone do not decide it: in a mixture the same positions reached
+    # under other weights hold other samples.
+    faithful = all(samples == reference(name, mixed, len(samples)) for name, samples in served.items())
+    assert report.clean == faithful, (report.text(), run.trained)
+    twice, skipped = run.coverage()  # the positions each trained step read
+    if twice or skipped:
+        assert not report.clean
     assert {s.name: s.samples for s in report.sources} == {name: len(v) for name, v in served.items()}
     assert report.step == len(run.trained)
     # Each finding names a step where the model resumed with a data state of another step.
