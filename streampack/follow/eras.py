@@ -53,14 +53,7 @@ class EraPlan:
 
 
 def era_plan(
-    cache: Cache,
-    first: int,
-    stop: int,
-    *,
-    kind: str,
-    seq_len: int,
-    too_long: TooLong,
-    no_target: NoTarget,
+    cache: Cache, first: int, stop: int, *, kind: str, seq_len: int, too_long: TooLong, no_target: NoTarget
 ) -> EraPlan:
     """The plan of documents ``[first, stop)`` of ``cache``, all committed, on their own.
 

@@ -168,12 +168,7 @@ class Rows:
         return int(_span_bytes(joined, joined.spans(sources, samples), max(1, len(samples)), 1)[0])
 
     def read(
-        self,
-        position: int,
-        sources: np.ndarray,
-        samples: np.ndarray,
-        out: np.ndarray | None,
-        dtype: np.dtype,
+        self, position: int, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None, dtype: np.dtype
     ) -> np.ndarray:
         """The tokens of the batch at ``position`` (its ``sources`` and ``samples``), copied from its
         planned spans if any, into ``out`` or a new array of ``dtype``.
@@ -206,12 +201,7 @@ class Rows:
         return self._copy(position, sources, samples, out, target)
 
     def _narrowed(
-        self,
-        position: int,
-        sources: np.ndarray,
-        samples: np.ndarray,
-        out: np.ndarray | None,
-        dtype: np.dtype,
+        self, position: int, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None, dtype: np.dtype
     ) -> np.ndarray:
         """:meth:`read` into a narrower ``dtype``: the ids read wide and checked before the cast, or between
         equal widths (uint32 to int32) read straight in, where an id that did not fit is negative."""
@@ -233,12 +223,7 @@ class Rows:
         return out
 
     def _copy(
-        self,
-        position: int,
-        sources: np.ndarray,
-        samples: np.ndarray,
-        out: np.ndarray | None,
-        dtype: np.dtype,
+        self, position: int, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None, dtype: np.dtype
     ) -> np.ndarray:
         """:meth:`read`'s copy, casting on the way (``out`` already checked)."""
         plan, joined = self._plan, self.joined

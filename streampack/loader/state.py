@@ -322,12 +322,7 @@ def version_1(state: Mapping[str, Any], size: int) -> tuple[int, dict[str, Any]]
             f"version 1 loader state has epoch={epoch!r}, samples_in_epoch={samples!r}: not a place in "
             f"an epoch of {size} samples within 2**62 samples; the state is damaged"
         )
-    order = {
-        "kind": "shuffled",
-        "seed": state["seed"],
-        "shuffle": state["shuffle"],
-        "data": state["dataset"],
-    }
+    order = {"kind": "shuffled", "seed": state["seed"], "shuffle": state["shuffle"], "data": state["dataset"]}
     return epoch * size + samples, order
 
 
