@@ -1,26 +1,14 @@
 """The training loader: global batches of a run's samples, split over ranks, resumable in O(1).
 
-A :class:`Loader` composes a source and an order:
+A :class:`Loader` composes a source and an :class:`~streampack.order.Order`, a pure map from *global
+positions* (samples consumed since the run started, over all ranks) to samples. The global batch at
+position ``p`` is positions ``[p, p + B)`` (:mod:`.batches`); rank ``r`` takes the ``r``-th slice. The
+state is the position and the order's fingerprint (:mod:`.run`, :mod:`.state`), so a resume computes the
+next batch directly, at any world size, worker count or batch size. Rows are read straight into the batch
+array (:mod:`.reading`) and formatted as ``output=`` says (:mod:`.collate`).
 
-* **Order**: a pure map from *global positions* (samples consumed since the run started, over all ranks)
-  to samples, any :class:`~streampack.order.Order`: by default a shuffle of one dataset made of the
-  options; a :class:`~streampack.order.mixture.Mixture`, or a source that grows while it is read
-  (:mod:`streampack.loader.growing`), brings its own. The loader asks the order through its protocol only.
-* **Batches and ranks** (:mod:`streampack.loader.batches`): the global batch at position ``p`` is positions
-  ``[p, p + B)``, ``B`` the *global* batch size; rank ``r`` of ``W`` takes the ``r``-th slice of it.
-* **State** (:mod:`streampack.loader.run`): the position and the order's fingerprint, a small JSON dict.
-  Resuming computes the next batch from it directly; nothing is replayed, and the world size, the
-  DataLoader workers and the global batch size may change.
-* **Reading and output**: each source's rows are read straight into the batch array
-  (:mod:`streampack.loader.reading`), which the ``output=`` format (:mod:`streampack.loader.collate`)
-  turns into what a step yields; a mixture's dict batches also say each row's source
-  (:mod:`streampack.loader.domains`).
-* **Metrics** (:mod:`streampack.loader.metrics`): what each batch cost the consumer, :meth:`Loader.metrics`.
-
-Trade-off: the shuffle is global, so reads are random; a memory-mapped cache on a local disk or in the page
-cache serves them at memory speed, a network filesystem does not. ``shuffle=BlockShuffle(block=...,
-window=...)`` bounds them to a window of blocks (:mod:`streampack.order.blockshuffle`), for caches read
-from object storage.
+Trade-off: the shuffle is global, so reads are random: fast from a local disk or the page cache, slow from
+a network filesystem. ``shuffle=BlockShuffle(...)`` bounds them to a window of blocks, for object storage.
 """
 
 from __future__ import annotations
@@ -29,7 +17,7 @@ import copy
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -49,7 +37,7 @@ from streampack.loader.state import LOADER_VERSION, saved
 from streampack.order import MAX_POSITION, Order, Ordered
 
 if TYPE_CHECKING:
-    from typing_extensions import Unpack
+    from typing_extensions import Self, Unpack
 
     from streampack.loader.collate import Format
     from streampack.loader.prefetch import Prefetcher
@@ -69,8 +57,6 @@ __all__ = [
 STATE_VERSION = LOADER_VERSION
 """Version of the dict :meth:`Loader.state_dict` returns; :meth:`Loader.load_state_dict` also reads 1."""
 
-_Loader = TypeVar("_Loader", bound="Loader")
-
 
 class Loader:
     """Iterate over global batches of samples, this rank's share of each, resumable exactly in O(1).
@@ -88,23 +74,19 @@ class Loader:
     :meth:`close` it, or use ``with Loader(...) as loader:``.
 
     Args:
-        source: the samples: a :class:`DataSource` such as ``cache.sequences(seq_len)`` or a 2-D numpy
-            array (not a list of arrays: ``np.stack`` it); a :class:`~streampack.order.mixture.Mixture`,
-            which comes with its order; or a dict of name -> source, read in the ``order`` given.
+        source: a :class:`DataSource` such as ``cache.sequences(seq_len)`` or a 2-D numpy array; a
+            :class:`~streampack.order.mixture.Mixture`, which brings its order; or a dict of name -> source.
         order: the :class:`~streampack.order.Order` to read them in, one name per source; by default one
-            made of the options ``seed``, ``shuffle`` and ``epochs`` (refused with an order or Mixture).
-        options: a :class:`~streampack.loader.options.LoaderOptions`, which documents each setting;
-            keywords given too replace its fields (``batch_size``, the GLOBAL batch size, is required).
+            made of the options ``seed``, ``shuffle`` and ``epochs``.
+        options: a :class:`~streampack.loader.options.LoaderOptions`; keywords replace its fields
+            (``batch_size``, the GLOBAL batch size, is required).
         collate: applied to every batch before it is yielded (e.g. ``torch.from_numpy``).
-        exclude: :class:`~streampack.loader.exclusions.Exclusions` (or a list of them, in the order they
-            were given during the run) taking documents and steps out of the run from a position on.
+        exclude: :class:`~streampack.loader.exclusions.Exclusions`, or a list of them in the run's order.
 
     Raises:
         TypeError: ``source`` cannot be read a batch of indices at a time, or a keyword names no option.
         OptionsError: (a ``ValueError``) an option does not fit, alone or with the source and order
-            (:func:`~streampack.loader.run.started` lists each case); before the first batch or at a
-            resume, ``drop_last=False`` would give a rank an empty last batch, or an exclusion's range
-            lies wholly before where it takes effect.
+            (:func:`~streampack.loader.run.started` lists each case).
     """
 
     _prefetcher: Prefetcher | None = None  # started by the first batch read from object storage
@@ -119,15 +101,14 @@ class Loader:
         exclude: Exclusions | Sequence[Exclusions] | None = None,
         **keywords: Unpack[LoaderKeywords],
     ) -> None:
-        source = growing_mixture(source)  # a Mixture with a source that grows, grows with it
-        self.meter = Meter()  # the batches iterating it took (streampack.loader.metrics)
+        source = growing_mixture(source)
+        self.meter = Meter()
         self.made: Made | None = None  # what making the last batch in this process took
         self._run = started(type(self).__name__, source, order, options, keywords, exclude)
         self._source = source
         self.collate = collate
         self._position = 0
-        # How far a growing source is known and opened (streampack.loader.growing); None: it is whole.
-        self._reach = Reach(source) if isinstance(source, Growing) else None
+        self._reach = Reach(source) if isinstance(source, Growing) else None  # None: the source is whole
         self._ahead_checked = False  # see _check_ahead
         if self._reach is not None:  # what it knows now, which the view opened holds
             self._reach.grow(0, lambda: None)
@@ -182,8 +163,7 @@ class Loader:
 
     @property
     def serves_sub_windows(self) -> bool:
-        """Whether batches may be served at lengths other than the units' (a ``seq_len_schedule``, or a
-        resume at another ``seq_len``): their shape then follows the length (:meth:`batch_shape`)."""
+        """Whether batches may be served at other lengths than the units' (their shape then varies)."""
         return self._run.served is not None
 
     @property
@@ -205,7 +185,7 @@ class Loader:
 
     @property
     def epoch(self) -> int:
-        """Epoch of the dataset the next batch starts in (under skip exclusions, of the order they filter).
+        """Epoch of the dataset the next batch starts in.
 
         Raises:
             TypeError: the order reads a mixture, whose sources each have their own (see :meth:`realised`).
@@ -214,8 +194,7 @@ class Loader:
 
     @property
     def steps_per_epoch(self) -> int:
-        """Global batches in one epoch: ``N // B``, or ``ceil(N / B)`` with ``drop_last=False`` (batches run
-        on across epochs, so ``len()`` may be up to ``E - 1`` more than ``E * steps_per_epoch``).
+        """Global batches in one epoch: ``N // B``, or ``ceil(N / B)`` with ``drop_last=False``.
 
         Raises:
             TypeError: the order reads a mixture, which has no single epoch.
@@ -223,8 +202,7 @@ class Loader:
         return self._run.batches.steps_per_epoch()
 
     def __len__(self) -> int:
-        """Global batches of the whole run from position 0 at this batch size, the same on every rank:
-        ``end // B``, or ``ceil(end / B)`` with ``drop_last=False``.
+        """Global batches of the whole run from position 0 at this batch size, the same on every rank.
 
         Raises:
             TypeError: the run is endless (``epochs=None``, or a mixture that never stops).
@@ -237,8 +215,7 @@ class Loader:
         return self._rows_at(self._position) == 0
 
     def schedule(self, start: int | None = None) -> Iterator[int]:
-        """The position of every batch still to come from ``start`` (default: the current position), without
-        changing the state; DataLoader workers take every n-th (:mod:`streampack.torch`)."""
+        """The position of every batch still to come from ``start`` (default: the current position)."""
         position = self._position if start is None else start
         while rows := self._rows_at(position):
             yield position
@@ -253,19 +230,16 @@ class Loader:
         self._position = self._run.batches.advanced(self._position, batches)
 
     def realised(self, steps: int = 0) -> list[SourceShare]:
-        """Per source: samples served, realised share and epoch, ``steps`` batches after the position
-        (from the order alone: a plan far ahead is as cheap as now)."""
+        """Per source: samples served, realised share and epoch, ``steps`` batches after the position."""
         check_int("steps", steps, min=0, max=2**62)
         return self._run.batches.realised(min(self._position + steps * self.options.batch_size, MAX_POSITION))
 
     def served(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Source ids and sample ids served at the global positions ``[start, stop)`` over all ranks, asked
-        as a batch asks them (``int64``): an audit recomputes a run through it
-        (:mod:`streampack.runs.audit`)."""
+        """Source ids and sample ids (``int64``) served at the global positions ``[start, stop)``."""
         return self._run.batches.served(start, stop)
 
     def _rows_at(self, position: int) -> int:
-        """Rows of the global batch at ``position``, once a growing source knows its samples (it may wait)."""
+        """Rows of the global batch at ``position`` (a growing source may wait to know them)."""
         reach, batch = self._reach, self._run.options.batch_size
         if reach is not None and position + batch > reach.known:
             reach.grow(min(position + batch, MAX_POSITION), self._check_last_batch)
@@ -277,11 +251,12 @@ class Loader:
     # --- one batch --------------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Any]:
-        """Yield batches from the current position on, advancing it as each is handed out (read afresh
-        before every batch, so :meth:`load_state_dict` takes effect at the next one, even inside a loop).
-        Each is counted in :meth:`metrics`, with the time the loop waited for it."""
+        """Yield batches from the current position on, advancing it as each is handed out.
+
+        The position is read afresh before every batch, so :meth:`load_state_dict` takes effect at the
+        next one, even inside a loop."""
         while True:
-            asked = time.perf_counter()  # the consumer waits from here (a growing source may block here)
+            asked = time.perf_counter()  # the consumer waits from here
             if self.finished:
                 return
             position = self._position
@@ -292,18 +267,14 @@ class Loader:
 
     def metrics(self) -> dict[str, float]:
         """What feeding the consumer cost: ``batches`` taken, and of the last one and in total
-        (``total_<name>``): ``data_wait_s`` (seconds the consumer was blocked waiting for it), ``make_s``
-        (seconds making it took, where it was made), ``bytes_read`` (of tokens), ``prefetch_hits`` and
-        ``prefetch_misses`` (shard files in object storage found local, or waited for).
-
-        Counted by iterating the loader, or a :class:`streampack.torch.DataLoader` over it (in the main
-        process, with the workers' reads); see :mod:`streampack.loader.metrics`. Not in the state."""
+        (``total_<name>``), each of :data:`~streampack.loader.metrics.METRICS` (see that module)."""
         return self.meter.as_dict()
 
     def batch(self, position: int, *, out: np.ndarray | None = None) -> Any:
-        """This rank's batch at ``position`` (see :meth:`schedule`), formatted and collated; a pure function
-        of the position. ``out``: an array of :meth:`batch_shape` and the output dtype to read the tokens
-        into (e.g. a view of shared memory); a new one when omitted."""
+        """This rank's batch at ``position``, formatted and collated; a pure function of the position.
+
+        ``out``: an array of :meth:`batch_shape` and the output dtype to read the tokens into (e.g. a view
+        of shared memory); a new one when omitted."""
         started = time.perf_counter()
         if not self._ahead_checked:
             self._check_ahead()
@@ -333,8 +304,7 @@ class Loader:
         return result
 
     def batch_shape(self, position: int) -> tuple[int, int]:
-        """Shape ``(rows, width)`` of this rank's token array at ``position`` (fewer rows in a partial last
-        batch; with a ``seq_len_schedule``, each unit's sub-windows at the length in force)."""
+        """Shape ``(rows, width)`` of this rank's token array at ``position``."""
         run = self._run
         lo, hi = run.batches.span(position)
         return (hi - lo, self.width) if run.served is None else run.served.shape(position, hi - lo)
@@ -369,12 +339,11 @@ class Loader:
         return self.picks(position)[1]
 
     def _planned_end(self) -> int | None:
-        """Where planning ahead stops: the run's end, or what a growing source knows so far."""
         end = self.order.end
         return end if self._reach is None else self._reach.end(end)
 
     def _reopen(self) -> None:
-        """Read the growing source as it stands now: it holds every sample of the positions known."""
+        """Read the growing source as it stands now."""
         reach = self._reach
         assert reach is not None
         known, view = reach.known, reach.source.view()
@@ -387,8 +356,8 @@ class Loader:
         reach.readable = known
 
     def _check_ahead(self) -> None:
-        """Before the first batch (a resume first moves the position) and after an exclusion: refuse a last
-        batch that leaves a rank none, and an exclusion from here on whose ranges all lie before that."""
+        """Before the first batch and after an exclusion: refuse a last batch that leaves a rank none, and
+        an exclusion whose ranges all lie before the position."""
         self._check_last_batch()
         reaching([entry for entry in self._run.in_force if entry[1] >= self._position])
         self._ahead_checked = True
@@ -397,15 +366,15 @@ class Loader:
 
     @property
     def history(self) -> list[dict[str, Any]]:
-        """The run's history: one entry for its start and one per resume, each saying how the run was read
-        from there on. :meth:`state_dict` carries it, so the last checkpoint is enough to audit the run."""
+        """The run's history: one entry for its start and one per resume (:mod:`.history`)."""
         return [dict(entry) for entry in self._run.history]
 
     @property
     def batches_per_step(self) -> int:
-        """Global batches the trainer takes per step (its gradient accumulation; default 1), which the
-        framework adapters set: the history records it, so that an audit counts the trainer's steps, and
-        the steps of the exclusions put in force since the last resume count by it.
+        """Global batches the trainer takes per step (its gradient accumulation; default 1).
+
+        The framework adapters set it; the history records it, and the steps of the exclusions put in force
+        since the last resume count by it.
 
         Raises:
             OptionsError: (when set) not an integer >= 1; or it moves the steps of an exclusion in force
@@ -444,8 +413,7 @@ class Loader:
         self._run = run
 
     def exclusions_state(self) -> list[dict[str, Any]]:
-        """The exclusions in force as the state records them (small and JSON-able): per exclusion its digest,
-        mode, the position it took effect at, the history its steps were counted through, what it names."""
+        """The exclusions in force as the state records them (small and JSON-able)."""
         return self._run.exclusions_state()
 
     def exclude(self, entry: Exclusions) -> None:
@@ -464,8 +432,7 @@ class Loader:
         self._ahead_checked = False
 
     def state_dict(self) -> dict[str, Any]:
-        """The position, the order's fingerprint, the :attr:`history` and the :meth:`exclusions_state` as a
-        small JSON-serializable dict, which another batch size or world size may load."""
+        """The position, order fingerprint, :attr:`history` and exclusions, as a small JSON-able dict."""
         run = self._run
         history = list(run.history)
         if history:  # how this stretch is trained is known by now (an adapter set it)
@@ -479,14 +446,12 @@ class Loader:
         """Resume from a :meth:`state_dict` in O(1): the next batch starts where the saved run stopped.
 
         The world size, the DataLoader workers and the global batch size may differ from the saved run's,
-        and a mixture may come with new stages or sources. The :attr:`history` gets an entry for this
-        resume, with ``step``: the trainer's own step (the adapters pass it), so that an audit can tell a
-        data state and a model checkpoint apart.
+        and a mixture may come with new stages or sources. ``step``, the trainer's own step (the adapters
+        pass it), is recorded in the :attr:`history` entry of this resume.
 
         Raises:
-            LoaderStateError: (a ``ValueError``) not a state this loader continues: of no supported
-                version, a key too many or missing, a value of the wrong type, or another seed, shuffle
-                or data (both sides named; see :func:`streampack.loader.state.resume`).
+            LoaderStateError: (a ``ValueError``) not a state this loader continues (of no supported
+                version, malformed, or of another seed, shuffle or data; both sides named).
             OptionsError: ``drop_last=False`` would give some rank an empty last batch from there.
         """
         if step is not None:
@@ -499,8 +464,7 @@ class Loader:
     # --- copies, fetching ahead, closing ------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        """Pickle (and copy) without the plan or the prefetch thread; a copy over a growing source grows on
-        its own copy of the source and its order."""
+        """Pickle (and copy) without the plan or the prefetch thread; a growing source is copied."""
         run = dataclasses.replace(self._run, rows=copy.copy(self._run.rows))
         state = self.__dict__ | {"_run": run}
         state.pop("_prefetcher", None)
@@ -524,9 +488,8 @@ class Loader:
     def lookahead(
         self, position: int, steps: int, *, stride: int | None = None
     ) -> list[tuple[CachedStore, str]]:
-        """The ``(store, key)`` of each shard file in object storage that this process's ``steps`` batches
-        after ``position``, ``stride`` positions apart (default: the global batch size), read and that can
-        be made now, nearest first, each once."""
+        """The ``(store, key)`` of each shard file in object storage that this process's next ``steps``
+        batches after ``position``, ``stride`` positions apart, read; nearest first, each once."""
         reach, batches = self._reach, self._run.batches
         stride = stride or batches.options.batch_size
 
@@ -547,14 +510,12 @@ class Loader:
         self._prefetcher.announce(position)
 
     def close(self) -> None:
-        """Stop this loader's prefetch thread (joined within 10 s); idempotent. The loader stays usable: a
-        later batch starts prefetching again, so ``with loader:`` may be entered again. A loader that reads
-        no object storage has nothing to stop."""
+        """Stop this loader's prefetch thread (joined within 10 s); idempotent: a later batch restarts it."""
         prefetcher, self._prefetcher = self._prefetcher, None
         if prefetcher is not None:
             prefetcher.close()
 
-    def __enter__(self: _Loader) -> _Loader:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

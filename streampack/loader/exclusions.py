@@ -1,39 +1,26 @@
 """Taking documents and steps out of a run: what :class:`Exclusions` names, and how a checkpoint records it.
 
-An :class:`Exclusions` names documents (by index in a source's cache, by the input record they were built
-from as ``streampack which`` reports it, or by :func:`token_hash`) and ranges of global steps or positions.
-From the position it takes effect at (its ``at``, else where the loader is when it is given), ``mode``
-says what happens to them:
+An :class:`Exclusions` names documents (by index in a source's cache, by input record as ``streampack
+which`` reports it, or by :func:`token_hash`) and ranges of global steps or positions. From the position
+it takes effect at, ``mode`` says what happens to them:
 
 * ``"skip"``: samples that touch an excluded document, and excluded positions, are not served; the rest of
   the run is served once, in the same order (:mod:`streampack.loader.excluding`), and the run gets shorter.
 * ``"mask"``: positions are unchanged; in dict outputs the excluded tokens get ``labels = -100``, as do
-  all tokens of a row at an excluded position. A plain array has no labels, so mask mode is refused there.
-
-A range wholly before that position could take nothing out, so it is refused when the exclusion is put in
-force (by :meth:`~streampack.loader.Loader.exclude`, at a resume, or when ``batches_per_step`` is set).
+  all tokens of a row at an excluded position.
 
 Steps are the trainer's steps as its logs number them, mapped to positions through the run's history
-(:class:`~streampack.loader.history.StepCount`): each leg of the run (its start, and each resume) begins at
-the step recorded there, else at the one counted from the previous leg, and takes ``batch_size *
-batches_per_step`` positions a step. Steps past the current leg are counted at the loader's own stride
-when the exclusion is put in force, and stay there if the batch size changes later.
+(:class:`~streampack.loader.history.StepCount`). A loader state records, per exclusion in force, a digest
+of what it names (:func:`entry_state`); a resume must be given the checkpoint's exclusions first
+(:func:`check_prefix`), then any new ones.
 
-A loader state records, per exclusion in force, a digest of what it names, where it took effect, its mode
-and the legs its steps were counted through (:func:`entry_state`). A run resumed with the same list is
-exact, one with a longer list keeps every batch before the new entries took effect, and one whose list
-lacks an entry of the checkpoint is refused (:func:`check_prefix`).
-
-Trade-off: a :func:`token_hash` needs only the cache, but finding the documents of a list of hashes hashes
-every document once per process, O(tokens); indices cost nothing; a record name reads the input again up
-to it, once per process (:func:`streampack.loader.origins.documents_named`), which must be where and as it
-was at build time.
+Trade-off: indices cost nothing; finding a list of hashes hashes every document once per process,
+O(tokens); a record name reads the input again up to it, which must be as it was at build time.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +31,7 @@ from msgspec import Struct
 
 from streampack._checks import is_int
 from streampack.errors import LoaderStateError, OptionsError, read_json
-from streampack.loader.history import StepCount
+from streampack.loader.history import StepCount, digest
 from streampack.order import MAX_POSITION
 
 __all__ = [
@@ -65,11 +52,9 @@ ONLY = ""
 
 
 def token_hash(tokens: np.ndarray) -> str:
-    """The hash that names a document in :class:`Exclusions`: BLAKE2b (16 bytes, hex) of its tokens.
-
-    The tokens are taken as :meth:`Cache.doc <streampack.reader.Cache.doc>` returns them (BOS and EOS
-    included) and as little-endian ``int64``, so the hash does not depend on the cache's token dtype.
-    """
+    """The hash that names a document in :class:`Exclusions`: BLAKE2b (16 bytes, hex) of its tokens, as
+    :meth:`Cache.doc <streampack.reader.Cache.doc>` returns them, taken as little-endian ``int64`` (so
+    the hash does not depend on the cache's token dtype)."""
     data = np.ascontiguousarray(np.asarray(tokens), dtype="<i8").tobytes()
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
@@ -271,12 +256,10 @@ class Exclusions:
             "positions": self._positions,
             "mode": self.mode,
         }
-        text = json.dumps(spec, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:32]
+        return digest(spec, 32)
 
     def counts(self) -> dict[str, int]:
-        """How much it names: documents by index and by hash, step and position ranges, and ``records``
-        when it names some (a state saved before records has no such key)."""
+        """How much it names, by kind (``records`` only when it names some, as states saved before had)."""
         return {
             "documents": sum(map(len, self._documents.values())),
             **({"records": sum(map(len, self._records.values()))} if self._records else {}),
@@ -287,18 +270,14 @@ class Exclusions:
 
 
 def entry_state(entry: Exclusions, at: int, steps: StepCount) -> dict[str, Any]:
-    """What a loader state records of an exclusion in force: a digest and counts, small whatever it names.
-
-    Its steps are recorded as the number of history entries they were counted through (``legs``), or, for
-    a state saved before that, as the batch size they were counted at (``batch_size``).
-    """
+    """What a loader state records of an exclusion in force: a digest and counts, small whatever it names,
+    and the history entries (``legs``) or the batch size (older states) its steps were counted through."""
     counting = {"batch_size": steps.legs[0][2]} if steps.through is None else {"legs": steps.through}
     return {"digest": entry.digest, "mode": entry.mode, "at": at, **counting, **entry.counts()}
 
 
 def counted(record: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> StepCount:
-    """How the steps of an exclusion a state records were counted: through its first ``legs`` history
-    entries, or at its ``batch_size`` from position 0 (a state saved before legs).
+    """How the steps of an exclusion a state records were counted (see :func:`entry_state`).
 
     Raises:
         LoaderStateError: the state's history has fewer entries than the record counts through.

@@ -1,10 +1,8 @@
 """The run's history a loader state carries: one small entry for the start and one per resume.
 
-Each entry says how the run was read from its position on (:func:`history_entry`, read back by
-:class:`streampack.loader.state.HistoryEntry`); :mod:`streampack.runs.audit` recomputes a run from them.
-Each entry also begins a *leg* of the trainer's steps (:func:`leg_steps`), which :class:`StepCount` maps
-to positions for ``Exclusions(steps=...)`` and the audit alike. A state carries the history's digest
-(:func:`history_digest`), and :func:`check_history` refuses a history that is not a run's.
+Each entry says how the run was read from its position on (:func:`history_entry`), which is what
+:mod:`streampack.runs.audit` recomputes a run from, and begins a *leg* of the trainer's steps, which
+:class:`StepCount` maps to positions. :func:`check_history` refuses a history that is not a run's.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ __all__ = [
     "StepCount",
     "check_history",
     "data_description",
+    "digest",
     "history_digest",
     "history_entry",
     "leg_steps",
@@ -35,10 +34,15 @@ __all__ = [
 ]
 
 
+def digest(value: Any, digits: int) -> str:
+    """The first ``digits`` hexadecimal digits of the SHA-256 of ``value``'s canonical JSON."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:digits]
+
+
 def order_digest(fingerprint: Mapping[str, Any]) -> str:
-    """16 hexadecimal digits that identify an order's fingerprint (its canonical JSON's SHA-256)."""
-    text = json.dumps(fingerprint, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """16 hexadecimal digits that identify an order's fingerprint."""
+    return digest(fingerprint, 16)
 
 
 def data_description(fingerprint: Mapping[str, Any]) -> dict[str, Any]:
@@ -64,22 +68,13 @@ def history_entry(
     exclusions: Any = None,
     served: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """One entry of a state's history: what recomputes the samples a run served from ``position`` on.
+    """One entry of a state's history: what the audit needs to rebuild the loader that served the run
+    from ``position`` on (the fields are listed in docs/FORMAT.md, "Loader checkpoints").
 
-    The audit builds the loader an entry describes (:mod:`streampack.runs.audit`), so it holds:
-
-    * the order's kind, seed and shuffle, and the digest of the order in force, to check the recomputed one;
-    * for a mixture, its block size, the schedule it was *configured* with (earlier entries hold the part
-      before ``position``), the names of the sources it read, and ``stop`` unless ``"never"``; for one
-      dataset read for a number of epochs, ``epochs``;
-    * the data's layout, ``seq_len`` and ``overlap``; the batch and world size; the exclusions in force;
-    * ``step``, the trainer's step there when an adapter or the caller gave it (else null), and
-      ``batches_per_step``, the trainer's gradient accumulation;
-    * ``served`` for a loader that serves its units at other lengths (:mod:`streampack.loader.seqlen`):
-      its own ``seq_len`` and ``[first token, seq_len]`` pairs; ``drop_last`` when False; ``balance``
-      when not ``"rows"`` and ``cp_size`` when above 1 (:mod:`streampack.loader.parallel`).
-
-    Every field is bounded: a history grows by one small entry per resume.
+    It records the order's kind, seed, shuffle and digest; a mixture's block size, configured schedule,
+    sources and ``stop``; the data's layout; batch and world size; the exclusions in force; the trainer's
+    ``step`` and ``batches_per_step``; and, when not the default, ``epochs``, ``served``, ``drop_last``,
+    ``balance`` and ``cp_size``. Every field is bounded: a history grows by one small entry per resume.
     """
     mine = order.fingerprint()
     own = configured.fingerprint()
@@ -125,30 +120,23 @@ def stride(entry: Mapping[str, Any]) -> int:
     return int(entry["batch_size"]) * int(entry["batches_per_step"])
 
 
-def _steps_in(positions: int, step: int) -> int:
-    """Steps of ``step`` positions that ``positions`` take, the last one partial."""
-    return -(-positions // step)
-
-
 def leg_steps(entries: Sequence[Mapping[str, Any]]) -> list[int]:
     """The trainer's step at the start of each entry's leg.
 
-    An entry's own ``step`` (the model checkpoint's, which the framework adapters and
-    ``load_state_dict(step=...)`` record) is taken as it is: it resets the count there, also when it
-    disagrees with the data (a model checkpoint and a data state of different steps, which the audit
-    reports). Without one, the step is counted: the previous entry's step plus the steps its leg took to
-    this entry's position (a partial step counted whole); the first entry's from step 0 at position 0.
+    An entry's own ``step`` (the model checkpoint's) is taken as it is, even when it disagrees with the
+    data (the audit reports that). Without one, the step is counted on from the previous entry's, a
+    partial step counted whole; the first entry's from step 0 at position 0.
     """
     steps: list[int] = []
     for i, entry in enumerate(entries):
         if entry["step"] is not None:
             steps.append(int(entry["step"]))
         elif i == 0:
-            steps.append(_steps_in(int(entry["position"]), stride(entry)))
+            steps.append(-(-int(entry["position"]) // stride(entry)))
         else:
             previous = entries[i - 1]
             moved = int(entry["position"]) - int(previous["position"])
-            steps.append(steps[-1] + max(0, _steps_in(moved, stride(previous))))
+            steps.append(steps[-1] + max(0, -(-moved // stride(previous))))
     return steps
 
 
@@ -157,15 +145,12 @@ class StepCount:
     """Where a run's trainer steps are: the global positions of each step, leg by leg.
 
     Leg ``i`` starts at step ``s_i`` and position ``p_i`` and takes ``k_i`` positions a step: step ``s``
-    of it is positions ``[p_i + (s - s_i) * k_i, p_i + (s - s_i + 1) * k_i)``. A leg holds the steps from
-    its own first one to the first step of any later leg (a resume from a model checkpoint of an earlier
-    step trains those steps again, from its own data); the last leg runs on, so steps past the history
-    are counted at its stride. Steps before the first leg's are counted back from it (down to position 0).
+    of it is positions ``[p_i + (s - s_i) * k_i, p_i + (s - s_i + 1) * k_i)``, up to the first step of any
+    later leg (a resume from an earlier model checkpoint trains those steps again). The last leg runs on.
 
     Attributes:
         legs: per leg, ``(first step, first position, positions a step)``, in the run's order.
-        through: the history entries the legs are (what a loader state records of an exclusion, so that
-            a resume counts its steps again the same way); None for steps counted at one batch size from
+        through: the history entries the legs are; None for steps counted at one batch size from
             position 0 (states saved before steps were counted through the history).
     """
 
@@ -179,8 +164,7 @@ class StepCount:
 
     @classmethod
     def of_history(cls, entries: Sequence[Mapping[str, Any]]) -> StepCount:
-        """Steps counted through history entries (each with ``position``, ``step``, ``batch_size`` and
-        ``batches_per_step``), the last of them the leg that runs on."""
+        """Steps counted through history entries, the last of them the leg that runs on."""
         steps = leg_steps(entries)
         legs = tuple(
             (step, int(entry["position"]), stride(entry)) for step, entry in zip(steps, entries, strict=True)
@@ -188,8 +172,7 @@ class StepCount:
         return cls(legs, len(entries))
 
     def positions(self, first: int, stop: int) -> list[tuple[int, int]]:
-        """The position ranges ``[start, stop)`` of steps ``first`` to ``stop - 1``, one per leg they
-        lie in, in the legs' order."""
+        """The position ranges ``[start, stop)`` of steps ``first`` to ``stop - 1``, one per leg."""
         out = []
         for i, (start, position, step) in enumerate(self.legs):
             later = [other for other, _, _ in self.legs[i + 1 :]]
@@ -214,20 +197,16 @@ class StepCount:
 
 
 def history_digest(entries: Sequence[Mapping[str, Any]]) -> str:
-    """32 hexadecimal digits that identify a history (its canonical JSON's SHA-256): a state carries them,
-    so that a history edited or damaged by accident is refused at load (:func:`check_history`)."""
-    text = json.dumps(list(entries), sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    """32 hexadecimal digits that identify a history: a state carries them to refuse an edited one."""
+    return digest(list(entries), 32)
 
 
-def check_history(entries: Sequence[Mapping[str, Any]], position: int, digest: str | None) -> None:
-    """Refuse a history that cannot be the run's that a state at ``position`` saved.
+def check_history(entries: Sequence[Mapping[str, Any]], position: int, saved_digest: str | None) -> None:
+    """Refuse a history that cannot be the run's that a state at ``position`` saved: positions that go
+    back or lie past the state's, or a history that does not match ``saved_digest`` (None: not checked).
 
-    Each entry begins where the previous leg stopped, so positions never go back, and none is past the
-    state's own position; ``digest`` (the state's ``history_digest``, None in a state saved before it)
-    must be the history's. Steps are not checked against positions: a model checkpoint and a data state
-    of different steps are a real resume, which the audit reports. The first entry may be past position
-    0: a state saved before histories, resumed, begins its history there.
+    Steps are not checked against positions: a model checkpoint and a data state of different steps are
+    a real resume, which the audit reports.
 
     Raises:
         LoaderStateError: an entry is out of place (named), or the history is not the one its digest was
@@ -246,10 +225,10 @@ def check_history(entries: Sequence[Mapping[str, Any]], position: int, digest: s
                 f"({int(entries[i - 1]['position']):,}): a run's resumes never go back in its own history; "
                 "the history was edited or damaged; load the state as state_dict() returned it"
             )
-    if digest is not None and digest != (found := history_digest(entries)):
+    if saved_digest is not None and saved_digest != (found := history_digest(entries)):
         raise LoaderStateError(
-            f"the loader state's history does not match its history_digest ({digest}; the history holds "
-            f"{found}): an entry was edited, added or removed. Load the state as state_dict() returned it "
-            "(to resume an edited history on purpose, remove 'history_digest': an audit then takes the "
+            f"the loader state's history does not match its history_digest ({saved_digest}; the history "
+            f"holds {found}): an entry was edited, added or removed. Load the state as state_dict() returned "
+            "it (to resume an edited history on purpose, remove 'history_digest': an audit then takes the "
             "history as it is)"
         )

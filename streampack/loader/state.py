@@ -1,11 +1,8 @@
 """The loader state's format (docs/FORMAT.md, "Loader checkpoints"), read strictly.
 
-A state resumes a run only when it means one place of it, so every reader of a state reads it here: each
-version of a state and each kind of order in it is a msgspec struct that refuses an unknown key, a
-missing one and a value of the wrong type or range, naming its JSON path. A key of the other version (a
-version 2 state carrying version 1's ``epoch``, as a script that edits a checkpoint writes it, would
-otherwise resume at its own ``position``) also says how this version says it. A version 1 state, read as
-such, is converted by :func:`version_1`.
+Each version of a state and each kind of order in it is a msgspec struct that refuses an unknown key, a
+missing one and a value of the wrong type or range, naming its JSON path; a key of the other version
+also says how this version says it. A version 1 state is converted by :func:`version_1`.
 """
 
 from __future__ import annotations
@@ -71,8 +68,7 @@ class BlockShuffleState(_Strict):
 
 
 class ExclusionRecord(_Strict):
-    """An exclusion in force, as :func:`~streampack.loader.exclusions.entry_state` records it: its steps
-    counted through ``legs`` history entries, or at ``batch_size`` (a state saved before legs)."""
+    """An exclusion in force, as :func:`~streampack.loader.exclusions.entry_state` records it."""
 
     digest: str
     mode: Literal["skip", "mask"]
@@ -102,8 +98,7 @@ Schedule = Annotated[list[tuple[int, dict[str, int]]], Meta(min_length=1)]
 
 
 class HistoryEntry(_Strict):
-    """One entry of a state's ``history``: how the run was read from ``position`` on, from its start or a
-    resume (see :func:`~streampack.loader.history.history_entry`)."""
+    """One entry of a state's ``history`` (see :func:`~streampack.loader.history.history_entry`)."""
 
     position: Position
     step: Position | None
@@ -237,8 +232,7 @@ ORDERS: dict[str, type[Struct]] = {
 
 
 def read_loader_state(state: object) -> dict[str, Any]:
-    """A loader state, read strictly as the version it says it is (its order is read by
-    :func:`read_order`).
+    """A loader state, read strictly as the version it says it is (its order: :func:`read_order`).
 
     Raises:
         LoaderStateError: not a loader state, a version this streampack does not read, or not what its
@@ -291,12 +285,7 @@ def saved(
     position: int, order: Order, options: LoaderOptions, history: Sequence[Mapping[str, Any]] = ()
 ) -> dict[str, Any]:
     """The version 2 state of a loader at ``position`` of ``order``, as :meth:`Loader.state_dict
-    <streampack.loader.Loader.state_dict>` returns it.
-
-    ``position`` counts the samples consumed since the run started, over all ranks; the order's
-    fingerprint says what positions mean. The batch and world size are for information only: a state may
-    be loaded with others. ``history`` is what :mod:`streampack.runs.audit` recomputes the run from.
-    """
+    <streampack.loader.Loader.state_dict>` returns it (its batch and world size are for information)."""
     entries = [dict(entry) for entry in history]
     return {
         "format": LOADER_FORMAT,
@@ -329,9 +318,8 @@ def version_1(state: Mapping[str, Any], size: int) -> tuple[int, dict[str, Any]]
 def resume(state: object, order: Order, datasets: Sequence[object]) -> tuple[int, Order]:
     """Where a loader state resumes a run over ``order`` (the loader's own), and that order continued there.
 
-    The saved order is read strictly when it is one of streampack's kinds that ``order`` resumes (an order
-    of a kind of its own reads its fingerprint itself); data fingerprints from before format version 2
-    get the current digests of ``datasets``; ``order.resumed`` checks the rest.
+    The saved order is read strictly when it is of one of streampack's kinds; ``order.resumed`` checks
+    the rest.
 
     Raises:
         LoaderStateError: the state is not one of a supported version, or not one ``order`` continues.
