@@ -1,29 +1,19 @@
 """Training while the build runs: a :class:`~streampack.Loader` over a cache whose build is still going.
 
 A :class:`Follow` serves the windows of the *finished* cache, ``open(path).sequences(seq_len,
-overlap=overlap)``, as soon as the build has committed them, in **eras** of consecutive windows: era ``e``
-is windows ``[W_e, W_{e+1})``, whose sizes double from ``first_era`` up to ``largest_era``, and position
-``p`` of era ``e`` is window ``W_e + Permutation(size_e, seed, epoch=e)(p - W_e)``. An era is served once
-the ledger shows its windows committed; the last ends where the finished cache's windows end.
+overlap=overlap)``, as soon as the build has committed them, in **eras** of consecutive windows whose
+sizes double from ``first_era`` up to ``largest_era``, each shuffled on its own
+(:mod:`streampack.follow.order`). The order depends on the build and the settings alone, never on when the
+ledger was read: every process computes the same eras, a resume is exact, and no window is served twice or
+before it is committed. The cost is latency: an era waits for the units before it. A batch that waits
+``timeout`` seconds while the ledger shows nothing new raises :class:`~streampack.errors.BuildStalledError`.
+After the last era come epochs of the finished cache (``then="epochs"``) or the end (``then="end"``).
 
-So the order is a function of the build and the settings alone, never of when the ledger was read: every
-process computes the same eras (ranks need no broadcast, DataLoader workers no coordination), a resumed
-run serves exactly the batches of the saved one, and no window is served twice or before it is committed.
-The cost is latency: an era waits for the units before it (the doubling keeps the wait proportional to
-what was served). A batch that waits ``timeout`` seconds while the ledger shows nothing new raises
-:class:`~streampack.errors.BuildStalledError`.
-
-After the last era come permutations of the finished cache (``then="epochs"``: position ``N + q`` is
-position ``q`` of ``Loader(open(path).sequences(seq_len, overlap=overlap), seed=seed)``), or the end
-(``then="end"``). A cache in object storage is read through a local copy and prefetched, as by a Loader.
-
-**Whole documents** (``layout="packed"`` or ``"documents"``): eras count documents. Era ``e`` is documents
-``[D_e, D_{e+1})``, planned on their own once all are committed (:mod:`streampack.follow.eras`) and served
-in a permutation of their own; a plan is final once made, and a document lies in exactly one era. The price
-is a little more padding at each era's end than ``open(path).packed(seq_len)`` has.
+With ``layout="packed"`` or ``"documents"`` eras count documents, each planned on its own once committed
+(:mod:`streampack.follow.eras`).
 
 ``Follow(path, ...)`` is ``Loader(GrowingCache(path, ...))``: the committed part of the cache as a source
-that grows (:mod:`streampack.loader.growing`), with its :class:`~streampack.follow.order.FollowOrder`.
+that grows (:mod:`streampack.loader.growing`).
 """
 
 from __future__ import annotations
@@ -59,17 +49,15 @@ if TYPE_CHECKING:
 
 __all__ = ["Eras", "Follow", "FollowLayout", "FollowOptions", "FollowOrder", "GrowingCache"]
 
-# Units past the first unfinished one whose ledger entries are read while waiting, to tell a build that
-# works on later units from a stalled one (a build runs its units roughly in order); read at most every
-# _WATCH_SECONDS (and at least 8 times per timeout), the first unfinished unit's at every poll.
+# Units past the first unfinished one whose ledger entries are read while waiting (at most every
+# _WATCH_SECONDS), to tell a build that works on later units from a stalled one.
 _WATCHED_UNITS = 32
 _WATCH_SECONDS = 5.0
 
 
 class _Ledger:
     """What a build has committed, read from its ledger: the contiguous prefix of the stream, and whether
-    the build is complete. Finished units' entries are final and kept: a read starts at the first
-    unfinished unit."""
+    the build is complete. A read starts at the first unfinished unit."""
 
     def __init__(self, store: LocalStore, units: list[str]) -> None:
         self.store, self.units = store, units
@@ -105,8 +93,7 @@ class _Ledger:
         return self.__dict__ | {"done": list(self.done)}  # a copy's reads must not grow this one's list
 
     def progress(self) -> list[ledger.LedgerEntry]:
-        """Every unit's entry as last read: the finished ones, the first unfinished one, none after it (the
-        follower reads nothing past the prefix)."""
+        """Every unit's entry as last read, up to the first unfinished one; empty entries after it."""
         first = [*self.done, *([self.running] if self.running is not None else [])]
         return first + [ledger.LedgerEntry(unit=unit) for unit in self.units[len(first) :]]
 
@@ -118,8 +105,8 @@ class _Ledger:
 
 class GrowingCache:
     """The committed part of a cache whose build runs, as a source that grows
-    (:class:`~streampack.loader.growing.Growing`): its windows (or its eras' plans of whole documents) in
-    the order of a :class:`~streampack.follow.order.FollowOrder`, known era by era (see the module).
+    (:class:`~streampack.loader.growing.Growing`), in the order of a
+    :class:`~streampack.follow.order.FollowOrder`, known era by era.
 
     Args:
         path: the cache directory or URL (its build may not have written its manifest yet).
@@ -190,8 +177,7 @@ class GrowingCache:
         self.order = order
 
     def view(self) -> PackedSequences:
-        """The samples of the cache as the ledger was last read (windows, or the plans of the eras known laid
-        end to end): they hold every sample of the positions known."""
+        """The samples of the cache as the ledger was last read: every sample of the positions known."""
         committed = self._committed_cache()
         o = self.options
         if not o.whole_documents:
@@ -222,8 +208,8 @@ class GrowingCache:
         return check_int("pad_id", given, min=0, below=below, hint=hint)
 
     def _samples(self, tokens: int, docs: int, complete: bool) -> int:
-        """Samples of the eras whose samples are committed (all of them once ``complete``): windows, or
-        the samples of the eras of whole documents planned (planning those newly committed)."""
+        """Samples of the eras committed (all once ``complete``), planning whole-document eras newly
+        committed."""
         if not self.options.whole_documents:
             windows = max(0, (tokens - self.options.overlap) // self.options.seq_len)
             return windows if complete else self.order.eras.covered(windows)
@@ -259,8 +245,7 @@ class GrowingCache:
     # --- growing ----------------------------------------------------------------------------------------
 
     def grow(self, stop: int, check: Callable[[], None]) -> None:
-        """Wait until the samples of positions ``[0, stop)`` are known, or the build is done (the first call
-        takes what the ledger showed when the cache was opened).
+        """Wait until the samples of positions ``[0, stop)`` are known, or the build is done.
 
         Raises:
             BuildStalledError: the ledger showed nothing new for ``timeout`` seconds.
@@ -280,8 +265,7 @@ class GrowingCache:
         """The build is complete and holds ``windows`` samples: every position is known from now on.
 
         Raises:
-            OptionsError: ``then="epochs"`` over less than a batch, or what ``check`` refuses; asked again
-                at every batch.
+            OptionsError: ``then="epochs"`` over less than a batch, or what ``check`` refuses.
         """
         o, batch = self.options, self._batch_size
         if o.then == "epochs" and (windows == 0 or (self._drop_last and windows < batch)):
@@ -342,8 +326,7 @@ class Follow(Loader):
         data = streampack.torch.DataLoader(follow, num_workers=4)  # workers, ranks, resume: as a Loader
 
     It is a Loader in every other way (ranks, ``output=``, ``collate``, ``state_dict``, the adapters), with
-    its own order (see the module); ``len()`` is known once the build is complete (with ``then="end"``).
-    It adds only its constructor: ``Follow(path, ...)`` is ``Loader(GrowingCache(path, ...), options=...)``.
+    its own order; ``len()`` is known once the build is complete (with ``then="end"``).
 
     Args:
         path: the cache directory or URL (its build may not have written its manifest yet).

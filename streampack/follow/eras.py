@@ -1,13 +1,8 @@
 """Plans of whole-document samples made era by era, for a cache whose build is running.
 
-A packed plan's bins depend on the documents around each one, so a plan of the whole cache would change
-as the build grows it. A follower (:mod:`streampack.follow`) instead cuts the documents into
-**eras** of consecutive documents, sized as :class:`~streampack.follow.order.Eras` says, and plans each
-era from its documents alone once they are all committed: a sample never changes once served.
-
-Era boundaries fall between documents, so every piece of a split document is served with its era, and a
-bin never holds documents of two eras. The price is a little more padding than one plan of the whole
-cache, which larger eras make smaller.
+A packed plan of the whole cache would change as the build grows it, so a follower plans each era of
+consecutive documents from its documents alone, once they are all committed: a sample never changes once
+served. The price is a little more padding than one plan of the whole cache.
 """
 
 from __future__ import annotations
@@ -55,18 +50,9 @@ class EraPlan:
 def era_plan(
     cache: Cache, first: int, stop: int, *, kind: str, seq_len: int, too_long: TooLong, no_target: NoTarget
 ) -> EraPlan:
-    """The plan of documents ``[first, stop)`` of ``cache``, all committed, on their own.
-
-    Args:
-        cache: the cache, or the committed part of a running build.
-        first: the era's first document (a global index).
-        stop: the document after its last.
-        kind: ``"packed"`` (best-fit decreasing within chunks of
-            :data:`~streampack.samples.packing.CHUNK_DOCS` pieces) or ``"documents"`` (one piece per sample).
-        seq_len: tokens per sample.
-        too_long: what to do with a document longer than ``seq_len`` (see ``cache.packed``).
-        no_target: ``"keep"`` or ``"drop"`` the pieces without a target token.
-    """
+    """The plan of documents ``[first, stop)`` of ``cache``, all committed, on their own, as
+    ``cache.packed`` (``kind="packed"``) or ``cache.documents`` (``"documents"``) plans them with these
+    settings."""
     pieces = Pieces(cache, None, seq_len, too_long, no_target == "drop")  # type: ignore[arg-type]
     doc_starts = np.asarray(cache.doc_starts, dtype=np.int64)
     empty = np.zeros(0, dtype=np.int64)
@@ -103,8 +89,7 @@ def _shards_of(doc_starts: np.ndarray, first: int, stop: int) -> range:
 
 
 def joined(plans: Sequence[EraPlan], *, seq_len: int, pad_id: int, settings: dict[str, int | str]) -> Bins:
-    """The plans of consecutive eras laid end to end, as one :class:`~streampack.samples.layout.Bins` held in
-    memory."""
+    """The plans of consecutive eras laid end to end, as one :class:`~streampack.samples.layout.Bins`."""
     empty = np.zeros(0, dtype=np.int64)
     pieces = np.cumsum([0, *(len(p.lengths) for p in plans)])
     starts = [plan.starts[:-1] + before for plan, before in zip(plans, pieces[:-1].tolist(), strict=True)]

@@ -1,17 +1,12 @@
 """The order of a cache whose build is running: its windows in eras, each shuffled once committed.
 
-The finished cache's windows are cut into **eras** of consecutive windows, ``[W_e, W_{e+1})``, whose
-sizes double from ``first`` up to ``largest`` (:class:`Eras`). Position ``p`` of era ``e`` is window
-``W_e + Permutation(size_e, seed, epoch=e)(p - W_e)``. The last era ends with the finished cache, known
-once the build is complete; then come epochs of the finished cache (``then="epochs"``) or the end.
+The finished cache's windows are cut into **eras** ``[W_e, W_{e+1})`` whose sizes double from ``first``
+up to ``largest`` (:class:`Eras`). Position ``p`` of era ``e`` is window ``W_e + Permutation(size_e, seed,
+epoch=e)(p - W_e)``. Then come epochs of the finished cache (``then="epochs"``) or the end. Whole-document
+layouts count eras in documents, and learn each era's samples from its plan (:meth:`FollowOrder.learn`).
 
-Whole-document layouts count eras in **documents** instead, each era planned on its own once committed
-(:mod:`streampack.follow.eras`). The source tells the order how many samples each era's plan holds
-(:meth:`FollowOrder.learn`), and those positions are permuted as a window era's are.
-
-The order reads nothing: the source that grows with the build
-(:class:`streampack.follow.GrowingCache`) tells it how much is committed (:attr:`FollowOrder.known`)
-and, at the end, how many windows there are (:meth:`FollowOrder.finish`).
+The order reads nothing: :class:`streampack.follow.GrowingCache` tells it how much is committed
+(:attr:`FollowOrder.known`) and, at the end, how many windows there are (:meth:`FollowOrder.finish`).
 """
 
 from __future__ import annotations
@@ -78,10 +73,7 @@ class Eras:
 
 
 class FollowOrder(OneSource):
-    """The order of a :class:`~streampack.follow.Follow` (see the module docstring).
-
-    Pure given the build: the positions of a committed era map to the same windows before the build
-    finishes as after. The loader asks for no position before it knows its era.
+    """The order of a :class:`~streampack.follow.Follow` (see the module docstring): pure given the build.
 
     Args:
         seed: shuffle seed.
@@ -93,8 +85,7 @@ class FollowOrder(OneSource):
     """
 
     resumes: tuple[str, ...] = ("follow",)
-    #: Whole-document layouts: the first sample of each era whose plan is known, then the end of the last
-    #: one (``[0]`` before any); ``None`` for windows, whose eras are :class:`Eras` arithmetic.
+    #: Whole-document layouts: the first sample of each era planned, then the end of the last; None: windows.
     bounds: list[int] | None = None
 
     def __init__(

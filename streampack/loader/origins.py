@@ -225,24 +225,17 @@ def _at(units: list[str], index: int) -> str:
 def _records(unit: WorkUnit, read: ReadOptions) -> Generator[tuple[_Where, Item], None, None]:
     """Every record of ``unit`` as the build reads it, with its ``(path, line, row)``."""
     file = unit.file
-    if file is None:
-        path, first = f"python:{type(unit.items).__name__}", records_before(unit)
-        for i, item in enumerate(read_unit(unit, read)):
-            yield (path, None, first + i), item
-    elif unit.rest:  # a run of whole files, one after the other
+    if file is not None and unit.rest:  # a run of whole files, one after the other
         for one in unit.files:
             yield from _records(WorkUnit(unit.index, one), read)
-    elif file.format == "text" and not read.split_lines:  # the whole file is one record
+    elif file is not None and file.format == "text" and not read.split_lines:  # the file is one record
         for item in read_unit(unit, read):
             yield (file.path, None, None), item
-    elif file.format == "parquet":
-        first = records_before(unit)
-        for i, item in enumerate(read_unit(unit, read)):
-            yield (file.path, None, first + i), item
-    else:  # one record per line
-        first = records_before(unit)
-        for i, item in enumerate(read_unit(unit, read)):
-            yield (file.path, first + i + 1, None), item
+    else:  # rows of Python objects or of a Parquet file, or one record per line
+        path = f"python:{type(unit.items).__name__}" if file is None else file.path
+        rows = file is None or file.format == "parquet"
+        for i, item in enumerate(read_unit(unit, read), start=records_before(unit)):
+            yield ((path, None, i) if rows else (path, i + 1, None)), item
 
 
 # --------------------------------------------------------------------------------------- named records
@@ -305,7 +298,7 @@ def _same(a: str, b: str) -> bool:
 
 
 class _Named:
-    """The documents that named records of a native cache made: each unit's input replayed once."""
+    """The documents that named records of a native cache made, each unit's input replayed once."""
 
     def __init__(self, cache: Cache) -> None:
         self.cache, self.inputs = cache, _Inputs(cache, None)

@@ -1,13 +1,10 @@
 """What a loader reads: its sources, and the plan of the rows of its next few batches.
 
-:class:`Rows` holds a loader's sources, joined into one token space when every one is a cache (a batch of
-several caches is one split and one copy loop), and the **plan**: the order is asked for the rows of this
-process's next few batches at once (a call costs ~100 numpy dispatches whatever its size, which would
-dominate a small batch), and their windows are split at shard boundaries and sorted by shard once, so a
-batch is a copy of planned spans. The plan is a cache: what is read never depends on it.
-
-The :mod:`streampack.samples` modules are imported when a loader is made of a cache's samples, not with
-this module, so ``from streampack import Loader`` stays cheap.
+:class:`Rows` holds a loader's sources, joined into one token space when every one is a cache, and the
+**plan**: the order is asked for the rows of this process's next few batches at once (a call costs ~100
+numpy dispatches whatever its size, which would dominate a small batch), and their windows are split at
+shard boundaries and sorted by shard once, so a batch is a copy of planned spans. The plan is a cache:
+what is read never depends on it.
 """
 
 from __future__ import annotations
@@ -39,10 +36,9 @@ _PLAN_ROWS = 4096
 class DataSource(Protocol):
     """What a :class:`~streampack.loader.Loader` reads: ``len()`` samples, fetched an index array at a time.
 
-    :class:`streampack.samples.sequences.PackedSequences` is the usual one; a 2-D numpy array is one too
-    (sample ``i`` is row ``i``), a list of arrays is not. A source may also offer ``read(indices, out=...)``
-    (fill the given array), ``boundaries(indices)`` (needed for ``output="dict"``), ``fingerprint()``
-    (checked against checkpoints), ``dtype`` and ``width`` (tokens per sample).
+    :class:`streampack.samples.sequences.PackedSequences` is the usual one; a 2-D numpy array is one too.
+    A source may also offer ``read(indices, out=...)``, ``boundaries(indices)`` (needed for
+    ``output="dict"``), ``fingerprint()`` (checked against checkpoints), ``dtype`` and ``width``.
     """
 
     def __len__(self) -> int: ...
@@ -81,8 +77,7 @@ class Rows:
         return self.sources[0].width
 
     def costs(self, sources: np.ndarray, samples: np.ndarray) -> np.ndarray:
-        """The attention cost of each row of these picks: its document segments' squared lengths, summed
-        (:func:`streampack.loader.parallel.attention_costs`)."""
+        """The attention cost of each row of these picks (:func:`.parallel.attention_costs`)."""
         from streampack.loader.parallel import attention_costs
 
         out = np.zeros(len(samples), dtype=np.int64)
@@ -103,17 +98,8 @@ class Rows:
         self, position: int, batches: Batches, end: Callable[[], int | None]
     ) -> tuple[np.ndarray, np.ndarray]:
         """Picks of this rank's rows of the batch at ``position``; a full batch's are planned together with
-        those of the next few this process will read.
-
-        The next few are at the stride seen between requests: every batch in a plain loop, every n-th in
-        a DataLoader worker. Results never depend on it; only how much planned work is used does. A plan
-        is of one ``batches``; another drops it.
-
-        Args:
-            position: the batch's global position.
-            batches: the loader's batches (its order and options).
-            end: where planning stops (the run's end, or what a growing source knows), asked only when
-                a plan is made.
+        those of the next few this process will read, at the stride seen between requests (every n-th
+        batch in a DataLoader worker). ``end`` says where planning stops, asked only when a plan is made.
         """
         if batches is not self._batches:  # the order or the options changed
             self._batches, self._plan, self._last_request = batches, None, None
@@ -154,8 +140,7 @@ class Rows:
         return self._plan
 
     def bytes_read(self, position: int, sources: np.ndarray, samples: np.ndarray) -> int:
-        """Bytes of tokens the batch at ``position`` (its ``sources`` and ``samples``) reads from the sources:
-        of a cache, the spans its samples cover (not their padding); else every token of every row."""
+        """Bytes of tokens the batch at ``position`` reads from the sources (not a cache's padding)."""
         plan, joined = self._plan, self.joined
         if joined is None:
             return sum(
@@ -170,12 +155,8 @@ class Rows:
     def read(
         self, position: int, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None, dtype: np.dtype
     ) -> np.ndarray:
-        """The tokens of the batch at ``position`` (its ``sources`` and ``samples``), copied from its
-        planned spans if any, into ``out`` or a new array of ``dtype``.
-
-        A ``dtype`` narrower than the sources' (allowed where the vocabulary fits it:
-        :func:`~streampack.loader.options.check_dtype`) has every id checked on the way; a widening cast
-        (int64, the default) checks nothing.
+        """The tokens of the batch at ``position``, copied from its planned spans if any, into ``out`` or a
+        new array of ``dtype``. A ``dtype`` narrower than the sources' has every id checked on the way.
 
         Raises:
             ValueError: ``out`` is not an array of the batch's shape and a dtype that holds every id.
@@ -203,20 +184,17 @@ class Rows:
     def _narrowed(
         self, position: int, sources: np.ndarray, samples: np.ndarray, out: np.ndarray | None, dtype: np.dtype
     ) -> np.ndarray:
-        """:meth:`read` into a narrower ``dtype``: the ids read wide and checked before the cast, or between
-        equal widths (uint32 to int32) read straight in, where an id that did not fit is negative."""
+        """:meth:`read` into a narrower ``dtype``: read wide and checked before the cast, or, between equal
+        widths (uint32 to int32), read straight in, where an id that did not fit is negative."""
         if dtype.itemsize == self.dtype.itemsize and self.dtype.kind == "u" and dtype.kind == "i":
             tokens = self._copy(position, sources, samples, out, dtype)
             if tokens.size and tokens.min() < 0:  # exactly the ids at or above 2**(bits - 1)
-                row, column = (int(i) for i in np.argwhere(tokens < 0)[0])
-                value = int(np.asarray(tokens[row, column]).astype(self.dtype))
-                raise self._unfit(value, dtype, row, column, sources, samples, position)
+                raise self._unfit(position, sources, samples, tokens.view(self.dtype), dtype)
             return tokens
         wide = self._copy(position, sources, samples, None, self.dtype)
         info = np.iinfo(dtype)
         if wide.size and (wide.max() > info.max or (self.dtype.kind == "i" and wide.min() < info.min)):
-            row, column = (int(i) for i in np.argwhere((wide > info.max) | (wide < info.min))[0])
-            raise self._unfit(int(wide[row, column]), dtype, row, column, sources, samples, position)
+            raise self._unfit(position, sources, samples, wide, dtype)
         if out is None:
             return wide.astype(dtype)
         np.copyto(out, wide, casting="unsafe")
@@ -248,16 +226,12 @@ class Rows:
         return out
 
     def _unfit(
-        self,
-        value: int,
-        dtype: np.dtype,
-        row: int,
-        column: int,
-        sources: np.ndarray,
-        samples: np.ndarray,
-        position: int,
+        self, position: int, sources: np.ndarray, samples: np.ndarray, ids: np.ndarray, dtype: np.dtype
     ) -> CacheError:
-        """The error for the id ``value`` at ``column`` of ``row`` of a batch, which ``dtype`` cannot hold."""
+        """The error for the first of the batch's ``ids`` (sources' dtype) that ``dtype`` cannot hold."""
+        info = np.iinfo(dtype)
+        row, column = (int(i) for i in np.argwhere((ids > info.max) | (ids < info.min))[0])
+        value = int(ids[row, column])
         source, sample = int(sources[row]), int(samples[row])
         data = self.sources[source].data
         named = f"source {source} ({_named(data)})" if len(self.sources) > 1 else _named(data)
@@ -302,8 +276,7 @@ def _named(data: object) -> str:
 
 
 def _place_in_sample(data: object, sample: int, column: int) -> str:
-    """Where column ``column`` of sample ``sample`` of a cache's samples lies in its files (``""`` for
-    another source)."""
+    """Where column ``column`` of sample ``sample`` of a cache's samples lies in its files, for messages."""
     from streampack.samples.sequences import PackedSequences
 
     if not isinstance(data, PackedSequences):
@@ -317,10 +290,8 @@ def _place_in_sample(data: object, sample: int, column: int) -> str:
 
 
 def token_place(cache: Cache, shard: int, pos: int) -> str:
-    """Where token ``pos`` of shard ``shard`` of ``cache`` lies, as messages name it: the file that holds it,
-    its document there (as another format's own reader numbers them; for a native cache, the cache's
-    document index) and its place in that document. Only for messages: it reads the shard's document
-    ends."""
+    """Where token ``pos`` of shard ``shard`` of ``cache`` lies, for messages: its file, its document there
+    (for a native cache, the cache's document index) and its place in that document."""
     ends = np.asarray(cache.shard_offsets(shard))
     local = int(np.searchsorted(ends, pos, side="right"))
     start = int(ends[local - 1]) if local else 0
@@ -352,7 +323,7 @@ class _Plan:
 
 
 class Source:
-    """A :class:`DataSource` seen through the one contract the loader needs, probed once at creation.
+    """A :class:`DataSource` seen through the one contract the loader needs, probed once.
 
     Raises:
         TypeError: ``data`` cannot be read a batch of indices at a time.
@@ -400,11 +371,7 @@ class Source:
 
 
 def _check_source(dataset: object) -> None:
-    """Refuse at creation what cannot serve ``dataset[index_array]``, rather than at the first batch.
-
-    Raises:
-        TypeError: a list or tuple, or an object without ``__len__`` or ``__getitem__``.
-    """
+    """Refuse at creation what cannot serve ``dataset[index_array]``, rather than at the first batch."""
     missing = [name for name in ("__len__", "__getitem__") if not hasattr(dataset, name)]
     if isinstance(dataset, (list, tuple)):
         got = f"a {type(dataset).__name__} of {len(dataset)} items, which cannot be indexed by an array"

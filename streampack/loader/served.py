@@ -2,13 +2,9 @@
 for, and a checkpoint's units taken over by a loader of another ``seq_len``.
 
 The order, the positions and the batches stay those of the units: a batch at length ``l`` is this rank's
-units, read as any batch is, each cut into its ``k = U / l`` sub-windows in the order of its text (a view
-without overlap, block copies with it). Those are windows ``u*k .. u*k + k - 1`` of the same stream at
-``l`` (:mod:`streampack.samples.lengths`), whose document boundaries are asked of those windows.
-
-Why in one batch: a unit's sub-windows are one read of contiguous tokens, and a step sees the same tokens
-at every length (its token budget); the rows of a step are as random as the units
-(``benchmarks/bench_shuffle_quality.py`` measures what neighbouring rows share).
+units, each cut into its ``k = U / l`` sub-windows, windows ``u*k .. u*k + k - 1`` of the same stream at
+``l`` (:mod:`streampack.samples.lengths`). In one batch, because a unit's sub-windows are one contiguous
+read, and a step then sees the same tokens at every length.
 """
 
 from __future__ import annotations
@@ -40,9 +36,8 @@ Masked = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 class Served:
     """A loader's units (windows of ``unit`` tokens) served at ``default`` tokens, or at the lengths of
-    ``schedule`` from its tokens on: a length that divides ``unit`` as each unit's sub-windows, and, with
-    ``joins`` (a loader resumed at a longer ``seq_len`` than its checkpoint's units), a multiple of it as
-    rows of that many consecutive units of the order.
+    ``schedule``: a length that divides ``unit`` as each unit's sub-windows, and, with ``joins`` (a resume
+    at a longer ``seq_len``), a multiple of it as rows of that many consecutive units.
 
     Raises:
         OptionsError: the sources are not fixed windows of one length, or a length does not fit it.
@@ -118,11 +113,7 @@ class Served:
         masking: Masked | None,
     ) -> Any:
         """The formatted batch of the units ``picks`` (their tokens ``units``, at the positions ``span``),
-        each as its sub-windows, or joined ``length / unit`` at a time.
-
-        The tokens are cut from the units as read (planned, as any batch is read): a sub-window is a
-        slice of its unit's row, so only the document boundaries are asked of the windows at ``length``.
-        """
+        each as its sub-windows, or joined ``length / unit`` at a time."""
         length = self.length(position)
         if length > self.unit:
             return self._joined(picks, units, span, out, masking, length // self.unit)
@@ -141,9 +132,8 @@ class Served:
         masking: Masked | None,
         m: int,
     ) -> Any:
-        """Rows of ``m`` consecutive units (without overlap: :func:`regrained` refuses joins of others),
-        end to end. Each unit's start stays a segment start (``position_ids`` 0, label -100): it is not the
-        previous unit's continuation."""
+        """Rows of ``m`` consecutive units (without overlap), end to end; each unit's start stays a segment
+        start (``position_ids`` 0, label -100)."""
         count = len(units) // m
         tokens = _into(units.reshape(count, m * self.unit), out)
         result = formatted(self._formatter(self.unit), units, picks, span, masking)
@@ -176,14 +166,8 @@ def _cut(units: np.ndarray, k: int, length: int, overlap: int, out: np.ndarray |
             units, (count, k, width), (units.strides[0], length * step, step), writeable=False
         )
         return _into(cut.reshape(count * k, width), out)
-    if out is None:
-        out = np.empty((count * k, width), dtype=units.dtype)
-    elif (
-        not isinstance(out, np.ndarray)
-        or out.shape != (count * k, width)
-        or not np.can_cast(units.dtype, out.dtype)
-    ):
-        return _into(np.empty((count * k, width), dtype=units.dtype), out)  # the message of a wrong out
+    shape = (count * k, width)
+    out = np.empty(shape, dtype=units.dtype) if out is None else _checked(out, shape, units.dtype)
     rows = out.reshape(count, k, width)
     rows[:, :, :length] = units[:, : k * length].reshape(count, k, length)
     for t in range(overlap):  # token (j + 1) * length + t of the unit ends sub-window j
@@ -195,16 +179,21 @@ def _into(tokens: np.ndarray, out: np.ndarray | None) -> np.ndarray:
     """``tokens`` copied into ``out`` when given (checked), else as a new contiguous array."""
     if out is None:
         return np.ascontiguousarray(tokens)
-    if (
-        not isinstance(out, np.ndarray)
-        or out.shape != tokens.shape
-        or not np.can_cast(tokens.dtype, out.dtype)
-    ):
+    np.copyto(_checked(out, tokens.shape, tokens.dtype), tokens)
+    return out
+
+
+def _checked(out: object, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """``out``, an array of ``shape`` and a dtype that holds ``dtype``.
+
+    Raises:
+        ValueError: it is not.
+    """
+    if not isinstance(out, np.ndarray) or out.shape != shape or not np.can_cast(dtype, out.dtype):
         raise ValueError(
-            f"out must be a numpy array of shape {tokens.shape} and a dtype that holds {tokens.dtype} "
+            f"out must be a numpy array of shape {shape} and a dtype that holds {dtype} "
             f"(got {type(out).__name__} {getattr(out, 'shape', '')} {getattr(out, 'dtype', '')})"
         )
-    np.copyto(out, tokens)
     return out
 
 
@@ -217,8 +206,7 @@ def formatted(
     rows_a_position: int = 1,
 ) -> Any:
     """``tokens`` (the rows of ``picks``, ``rows_a_position`` of them for each position of ``span``, a range
-    ``[lo, hi)`` or the positions themselves) formatted, with the labels ``masking`` names masked
-    (exclusions in mask mode)."""
+    ``[lo, hi)`` or the positions themselves) formatted, with the labels ``masking`` names masked."""
     sources, samples = picks
     if masking is None or not isinstance(formatter, CausalLMDict):
         return formatter(tokens, sources, samples)
@@ -258,14 +246,12 @@ class Regrained:
 def regrained(
     state: Mapping[str, Any], sources: list[Source], options: LoaderOptions, served: Served | None, own: bool
 ) -> Regrained | None:
-    """What a loader of one cache becomes to resume ``state``, whose units are windows of another length
-    that its lengths divide; None when the state's units are the loader's (or not windows at all).
+    """What a loader of one cache becomes to resume ``state``, whose units are windows of another length;
+    None when the state's units are the loader's (or not windows at all).
 
-    The loader then reads the checkpoint's units (windows of the saved length of the same stream) in the
-    checkpoint's order, each served as sub-windows of its own lengths, and its ``batch_size`` (rows of its
-    own ``seq_len``) becomes the units of a global batch: the same tokens a step.
-    Only a loader that made its order itself (``own``) does: a given order, a mixture, resumes only at its
-    own length.
+    The loader then reads the checkpoint's units in the checkpoint's order, each served as sub-windows (or
+    joins) of its own lengths, and its ``batch_size`` becomes the units of a global batch: the same tokens
+    a step. Only a loader that made its order itself (``own``) does.
 
     Raises:
         LoaderStateError: the lengths do not divide the saved one, or a batch is not whole units; a length
@@ -293,29 +279,25 @@ def regrained(
             f"only to a length that divides the checkpoint's ({unit}) or is a multiple of it; resume with "
             f"cache.sequences({unit}) and a seq_len_schedule, or with such a seq_len"
         )
-    if max(lengths) > unit and part.overlap:
-        longest = max(lengths)
+    longest = max(lengths)
+    joins = f"resuming windows of {unit} tokens at seq_len {longest} joins {longest // unit} of them a row"
+    if longest > unit and part.overlap:
         raise LoaderStateError(
-            f"resuming windows of {unit} tokens at seq_len {longest} joins {longest // unit} of them a row, "
-            f"and with overlap={part.overlap} the last input token of each joined window would get the next "
-            "window's first token as its target (text from elsewhere in the corpus), not its own next token. "
-            f"Resume at seq_len {unit} or a length that divides it (joins need a run without overlap, read "
-            "with output='dict', whose labels mask each join)"
+            f"{joins}, and with overlap={part.overlap} the last input token of each joined window would get "
+            "the next window's first token as its target (text from elsewhere in the corpus), not its own "
+            f"next token. Resume at seq_len {unit} or a length that divides it (joins need a run without "
+            "overlap, read with output='dict', whose labels mask each join)"
         )
-    if max(lengths) > unit and options.output == "numpy":
-        longest = max(lengths)
+    if longest > unit and options.output == "numpy":
         raise LoaderStateError(
-            f"resuming windows of {unit} tokens at seq_len {longest} joins {longest // unit} of them a row, "
-            "and output='numpy' has no labels to mask the joins: x, y = row[:-1], row[1:] would train the "
-            "last token of each joined window on the next window's first token (text from elsewhere in the "
-            f"corpus). Use output='dict' (each join a segment start, label -100), or resume at seq_len "
-            f"{unit} or a length that divides it"
+            f"{joins}, and output='numpy' has no labels to mask the joins: x, y = row[:-1], row[1:] would "
+            "train the last token of each joined window on the next window's first token (text from "
+            "elsewhere in the corpus). Use output='dict' (each join a segment start, label -100), or resume "
+            f"at seq_len {unit} or a length that divides it"
         )
-    if max(lengths) > unit and not options.drop_last:
+    if longest > unit and not options.drop_last:
         raise LoaderStateError(
-            f"resuming windows of {unit} tokens at seq_len {max(lengths)} joins {max(lengths) // unit} of "
-            "them a row, which the partial last batch of drop_last=False cannot always do; use "
-            "drop_last=True"
+            f"{joins}, which the partial last batch of drop_last=False cannot always do; use drop_last=True"
         )
     tokens = options.batch_size * default
     if tokens % unit or (tokens // unit) % options.world_size:
