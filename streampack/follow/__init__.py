@@ -161,8 +161,12 @@ class GrowingCache:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle (and copy) with an order, ledger and era plans of its own, to read the ledger itself."""
-        state = self.__dict__ | {"order": copy.copy(self.order), "_ledger": copy.copy(self._ledger)}
-        return state | {"_plans": list(self.__dict__.get("_plans", ())), "_committed": None}
+        copied = {
+            "order": copy.copy(self.order),
+            "_ledger": copy.copy(self._ledger),
+            "_plans": list(self._plans),
+        }
+        return self.__dict__ | copied | {"_committed": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickle; also what version 0.2.0 pickled (windows only: no era plans)."""
@@ -219,11 +223,10 @@ class GrowingCache:
             first, stop = eras.start(era), eras.start(era + 1)
             if not (stop <= docs or (complete and first < docs)):
                 break
-            kind, too_long = o.layout, o.too_long
-            assert too_long is not None
+            assert o.too_long is not None  # FollowOptions sets it for whole documents
             plan = era_plan(
-                self._committed_cache(), first, min(stop, docs), kind=kind, seq_len=o.seq_len,
-                too_long=too_long, no_target=o.no_target,
+                self._committed_cache(), first, min(stop, docs), kind=o.layout, seq_len=o.seq_len,
+                too_long=o.too_long, no_target=o.no_target,
             )  # fmt: skip
             self._plans = [*self._plans, plan]
             order.learn(len(plan))

@@ -1,5 +1,4 @@
-"""What a :class:`~streampack.follow.Follow` serves of a running build and how it waits:
-:class:`FollowOptions`, and how a Follow's keywords split between it and the Loader's options."""
+"""What a :class:`~streampack.follow.Follow` serves of a running build and how it waits."""
 
 from __future__ import annotations
 
@@ -29,22 +28,19 @@ class FollowOptions:
     Attributes:
         seq_len: tokens per sample.
         overlap: extra tokens at the end of each sample (1 for next-token targets; windows only).
-        then: after the last era: ``"epochs"`` of the finished cache, endlessly (as a Loader runs), or
-            ``"end"`` (one pass over every window).
+        then: after the last era: ``"epochs"`` of the finished cache, endlessly, or ``"end"``.
         first_era: windows in era 0 (the first batch waits for them).
         largest_era: the size eras grow to by doubling: the shuffle's reach once they are that large.
         timeout: seconds a batch waits without the build committing anything before
-            :class:`~streampack.errors.BuildStalledError`. A build in object storage shows a unit only
-            once it is done: give more than one unit's build time.
+            :class:`~streampack.errors.BuildStalledError` (in object storage, more than a unit's build time).
         poll: seconds between two reads of the ledger while waiting.
         local_dir: (object storage) the local copy's directory.
         max_local_bytes: (object storage) the bound on the local copy.
         storage_options: (object storage) passed to the fsspec filesystem.
-        prefetch_steps: (object storage) steps ahead whose shards are fetched in the background, within the
-            eras known (8 by default; 0: none).
-        layout: ``"sequences"`` (windows, the default; ``"windows"`` is taken as a synonym), ``"packed"``
-            (whole documents, best-fit packed) or ``"documents"`` (one document per sample); for the last
-            two, ``first_era`` and ``largest_era`` count documents (see the module docstring).
+        prefetch_steps: (object storage) steps ahead whose shards are fetched in the background (8 by
+            default; 0: none).
+        layout: ``"sequences"`` (windows, the default; or ``"windows"``), ``"packed"`` (whole documents,
+            best-fit packed) or ``"documents"`` (one document per sample), whose eras count documents.
         too_long: (whole documents) what to do with a document longer than ``seq_len``: ``"split"``
             (packed's default), ``"truncate"`` (documents' default) or ``"drop"``.
         no_target: (whole documents) ``"keep"`` or ``"drop"`` the pieces with no target token.
@@ -84,8 +80,7 @@ class FollowOptions:
         object.__setattr__(self, "largest_era", eras.largest)
 
     def _check_layout(self) -> None:
-        """The layout and its settings: whole-document settings for whole documents only, and the
-        overlap for windows only; ``too_long`` set to the layout's default."""
+        """Whole-document settings for whole documents only, overlap for windows only; default too_long."""
         layout = "sequences" if self.layout == "windows" else self.layout
         check_choice("layout", layout, ("sequences", "packed", "documents"))
         object.__setattr__(self, "layout", layout)
@@ -113,8 +108,7 @@ class FollowOptions:
 
     @property
     def whole_documents(self) -> bool:
-        """Whether the samples are whole documents (``packed`` or ``documents``), whose eras count
-        documents."""
+        """Whether the samples are whole documents (``packed`` or ``documents``)."""
         return self.layout != "sequences"
 
     @property
@@ -130,8 +124,7 @@ class FollowOptions:
 
 
 class FollowKeywords(BatchKeywords, total=False):
-    """The keywords of a :class:`Follow`: the fields of :class:`FollowOptions` and of its
-    :class:`LoaderOptions` but ``shuffle`` and ``epochs``."""
+    """The keywords of a :class:`Follow`: the fields of :class:`FollowOptions` and its loader's."""
 
     seq_len: int
     overlap: int
@@ -155,11 +148,7 @@ _FOLLOW_KEYWORDS = {f.name for f in dataclasses.fields(FollowOptions)}
 
 
 def split_keywords(keywords: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A Follow's keywords: those of its :class:`LoaderOptions`, and those of its :class:`FollowOptions`.
-
-    Raises:
-        TypeError: a keyword names neither.
-    """
+    """A Follow's keywords: those of its :class:`LoaderOptions`, and those of its :class:`FollowOptions`."""
     unknown = sorted(set(keywords) - _LOADER_KEYWORDS - _FOLLOW_KEYWORDS)
     if unknown:
         raise unknown_keyword("Follow", unknown[0], sorted(_LOADER_KEYWORDS | _FOLLOW_KEYWORDS))

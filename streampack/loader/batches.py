@@ -1,12 +1,10 @@
 """Where a run's batches are: the arithmetic of global positions, batches, ranks and the run's end.
 
-The global batch at position ``p`` is positions ``[p, p + B)``, ``B`` the *global* batch size. A run that
-ends (``epochs``, or a mixture that stops) ends with one partial global batch, dropped (``drop_last``) or
-split as evenly as possible over the ranks. Rank ``r`` of ``W`` takes the contiguous ``r``-th slice of
-each global batch, or with ``balance="attention"`` as many rows assigned by their attention cost
-(:mod:`streampack.loader.parallel`), which depends on the batch alone. Ranks only split global batches
-and DataLoader workers only take every n-th of them, so nothing here depends on the world size, the
-workers or the batch size a run started with: a run may resume with others.
+The global batch at position ``p`` is positions ``[p, p + B)``, ``B`` the *global* batch size; a run that
+ends has one partial last batch, dropped (``drop_last``) or split over the ranks. Rank ``r`` takes the
+``r``-th slice of each global batch, or with ``balance="attention"`` rows assigned by attention cost
+(:mod:`streampack.loader.parallel`). Nothing depends on the world size, the workers or the batch size a
+run started with, so a run may resume with others.
 """
 
 from __future__ import annotations
@@ -25,11 +23,10 @@ __all__ = ["Batches"]
 
 @dataclass(frozen=True)
 class Batches:
-    """The global batches of a run through ``order`` with ``options``, by position; a pure value (over a
-    source that grows, the loader waits until the order knows a batch's samples before it asks here).
+    """The global batches of a run through ``order`` with ``options``, by position; a pure value.
 
-    ``costs``, given the sources and samples of a global batch's rows, says each row's attention cost:
-    the rows are then spread over the ranks by it (``balance="attention"``); None: contiguous slices.
+    ``costs``, given a global batch's picks, says each row's attention cost, by which the rows are spread
+    over the ranks (``balance="attention"``); None: contiguous slices.
     """
 
     options: LoaderOptions
@@ -47,8 +44,7 @@ class Batches:
         return end - position
 
     def span(self, position: int) -> tuple[int, int]:
-        """This rank's slice ``[lo, hi)`` of the positions of the global batch at ``position`` (balanced, as
-        many positions as the rank serves, though not those)."""
+        """This rank's slice ``[lo, hi)`` of the global batch at ``position`` (balanced: as many rows)."""
         o, size = self.options, self.rows(position)
         return position + o.rank * size // o.world_size, position + (o.rank + 1) * size // o.world_size
 
@@ -127,15 +123,10 @@ class Batches:
         return sources[mine], samples[mine]
 
     def check_last_batch(self, position: int) -> None:
-        """Refuse ``drop_last=False`` when the run's last partial global batch from ``position`` on cannot
-        give every rank a row.
+        """Refuse ``drop_last=False`` when the run's last partial global batch cannot give every rank a row.
 
         A rank's 0-row batch has a NaN mean loss, which DDP's all-reduce spreads to every rank. It is refused
         rather than padded with repeated samples, so every served row stays a distinct sample.
-
-        Raises:
-            OptionsError: the remainder is positive and smaller than the world size; the message names the
-                numbers and the fixes.
         """
         opts, end = self.options, self.order.end
         if opts.drop_last or end is None or end <= position:

@@ -1,9 +1,6 @@
-"""How the loader formats a batch: from the ``(rows, width)`` token array it read to what a step takes.
-
-The format is chosen once from the ``output=`` option: ``"numpy"`` (:class:`Tokens`, the array itself);
-``"dict"``, ``"varlen"`` or ``"hf-flash"`` (:class:`CausalLMDict`: the arrays Hugging Face causal LMs take,
-with no loss across documents, and for the last two the segments variable-length attention reads). A
-user's ``collate=`` function, when given, is applied after the format.
+"""How the loader formats a batch: from the ``(rows, width)`` token array it read to what a step takes:
+:class:`Tokens` for ``output="numpy"``, :class:`CausalLMDict` for ``"dict"``, ``"varlen"`` and
+``"hf-flash"``. A user's ``collate=`` function, when given, is applied after the format.
 """
 
 from __future__ import annotations
@@ -130,11 +127,8 @@ class CausalLMDict:
         *,
         masked: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
     ) -> dict[str, Any]:
-        """The dict of ``tokens``: ``input_ids`` (the array itself), ``labels``, ``position_ids``, ...
-
-        ``masked``, given each document segment's row and document, says which get ``labels = -100``
-        (the loader's exclusions in mask mode, :mod:`streampack.loader.excluding`).
-        """
+        """The dict of ``tokens``; ``masked``, given each document segment's row and document, says which
+        get ``labels = -100`` (exclusions in mask mode)."""
         found = self._boundaries(sources, samples, tokens.shape)
         labels = tokens.astype(np.int64)
         flat = labels.reshape(-1)
@@ -183,7 +177,6 @@ class CausalLMDict:
             starts.append(rows[row_of] * columns + column)
             docs.append(found.docs)
             marks.append((rows, found.marks))
-        # Imported here, not with the loader: the sources that give boundaries have loaded it already.
         from streampack.samples.boundaries import Boundaries
 
         order = np.argsort(np.concatenate(starts), kind="stable")
@@ -203,9 +196,8 @@ def format_for(
     *,
     domains: Domains | None = None,
 ) -> Format:
-    """The format of ``output`` (``"numpy"``, ``"dict"``, ``"varlen"`` or ``"hf-flash"``, already validated),
-    for CP rank ``context_parallel[1]`` of ``context_parallel[0]``, with the per-source keys ``domains`` in
-    a dict.
+    """The format of ``output`` (already validated), for CP rank ``context_parallel[1]`` of
+    ``context_parallel[0]``, with the per-source keys ``domains`` in a dict.
 
     Raises:
         OptionsError: a dict is asked of sources it does not fit (see :class:`CausalLMDict`).

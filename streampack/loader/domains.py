@@ -1,18 +1,13 @@
 """Which source each row of a mixture's dict batch comes from, and the weight of its tokens' loss.
 
-A loader of several named sources (a :class:`~streampack.order.mixture.Mixture`, or a dict of sources
-with an order) adds to every dict batch (``output="dict"``, ``"varlen"``, ``"hf-flash"``):
+A loader of several named sources adds to every dict batch:
 
-* ``source_ids``: ``int64``, ``(rows,)``: the index of each row's source in the order's names
-  (``loader.order.names``), so that a trainer can report the loss per source (per domain);
+* ``source_ids``: ``int64``, ``(rows,)``: the index of each row's source in ``loader.order.names``;
 * with the ``loss_weights`` option, ``loss_weights``: ``float32``, ``(rows, seq_len)``: the row's source's
-  weight on each token whose label is not -100, else 0, for a loss ``sum(loss_weights * token_loss) /
-  tokens`` (the framework adapters compute it: :mod:`streampack.hf`, :mod:`streampack.lightning`); under
-  context parallelism, on each token whose ``shift_labels`` is not -100 (where its loss is computed there:
-  :func:`streampack.torch.token_losses`).
+  weight on each token whose label (``shift_labels`` under context parallelism) is not -100, else 0, for a
+  loss ``sum(loss_weights * token_loss) / tokens``.
 
-Both are pure functions of the rows' sources and labels, so a resume serves them exactly. The weights
-change no token or label served, so they are not in the state, and a resume may change them.
+The weights change no token or label served, so they are not in the state: a resume may change them.
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ def domains_for(
     dataset (``named`` false) or serves token arrays.
 
     Raises:
-        OptionsError: ``loss_weights`` is given for one dataset, without a dict output, or names a source
-            the order does not read.
+        OptionsError: ``loss_weights`` does not fit the sources or the output.
     """
     if loss_weights is not None and not named:
         raise OptionsError(

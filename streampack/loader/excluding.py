@@ -1,13 +1,11 @@
 """Exclusions applied: the samples they take out, the order that skips them, the labels they mask.
 
-* **Samples**: the samples of a source that touch an excluded document (a token range of its cache) are
-  found through the source's layout, a chunk of samples' spans at a time: O(samples) once per process.
+* **Samples** that touch an excluded document are found through the source's layout, O(samples) once per
+  process.
 * **Skip mode**: :class:`Skipping` is an :class:`~streampack.order.Order` over the loader's order: the same
   below the exclusion's position ``at``; from there on, position ``q`` is the ``(q - at)``-th position at or
-  after ``at`` that is not excluded. It is counted lazily in chunks of positions, keeping one count per
-  chunk and the excluded positions of a few, so finding ``q`` is a binary search once the chunks up to it
-  are counted. Why a scan, not the order's inverse: it is exact for every kind of order with nothing added
-  to the protocol. Every rank filters the same global batch, then takes its slice: ranks stay disjoint.
+  after ``at`` that is not excluded, counted lazily in chunks. A scan, not the order's inverse, is exact for
+  every kind of order with nothing added to the protocol.
 * **Mask mode**: :class:`Masking` gives, for a batch's document segments, those to label ``-100``.
 """
 
@@ -100,8 +98,7 @@ def excluded_documents(
     """The documents ``entry`` names, by source id: sorted global document indices of that source's cache.
 
     Raises:
-        OptionsError: a source it names is not read, or has no cache; an index past the cache's documents;
-            a record name that is no input record of the cache (:mod:`streampack.loader.origins`).
+        OptionsError: a source it names is not read, or has no cache, or has no such document or record.
         InputError: an input file a record name reads again is missing or changed since the build.
     """
     found: dict[int, list[np.ndarray]] = {}
@@ -179,8 +176,7 @@ def sample_keys(by_source: Mapping[int, np.ndarray]) -> np.ndarray:
 
 
 class Skipping:
-    """``base`` with, from position ``at`` on, the positions of excluded samples or ranges taken out (see
-    the module docstring). Its fingerprint is ``base``'s: a checkpoint records the exclusions beside it.
+    """``base`` with, from position ``at`` on, the positions of excluded samples or ranges taken out.
 
     Args:
         base: the order filtered (the loader's, or one filtered already by an earlier exclusion).
@@ -320,8 +316,7 @@ class Skipping:
 
 
 def reached(order: Order, position: int) -> int:
-    """The position of the order under every skip exclusion of ``order`` that ``position`` of ``order``
-    stands at: where that order is once ``position`` samples are served, those taken out included."""
+    """Where the order under every skip exclusion of ``order`` is once ``position`` samples are served."""
     while isinstance(order, Skipping):
         position, order = order._cursor(position), order.base
     return position
@@ -329,7 +324,7 @@ def reached(order: Order, position: int) -> int:
 
 def unfiltered(order: Order, position: int) -> int:
     """The position, in the order under every skip exclusion of ``order``, of the sample ``order`` serves
-    at ``position`` (at its end: the end of the order under them): samples taken out count there."""
+    at ``position``."""
     while isinstance(order, Skipping):
         end = order.end
         if end is None or position < end:
@@ -345,7 +340,7 @@ def unfiltered(order: Order, position: int) -> int:
 
 class Masking:
     """Which document segments of a batch get ``labels = -100``: those of an excluded document, and every
-    segment of a row at an excluded position, once the exclusion is in force at the row's position.
+    segment of a row at an excluded position, from where the exclusion is in force.
 
     Args:
         entries: per mask exclusion, ``(at, documents by source id, (starts, stops) of excluded positions)``.

@@ -64,8 +64,8 @@ _ROW = re.compile(r"^(?P<path>.+)\[(?P<row>[0-9]+)\]$")
 
 
 def parse_record(name: str) -> tuple[str, int | None, int | None] | None:
-    """``(path, line, row)`` of a record named ``path:line`` (lines from 1) or ``path[row]`` (rows from 0),
-    as ``streampack which`` reports it; None for a name of neither form."""
+    """``(path, line, row)`` of a record named ``path:line`` (lines from 1) or ``path[row]`` (rows from 0);
+    None for a name of neither form."""
     if (match := _LINE.match(name)) is not None and int(match["line"]) >= 1:
         return match["path"], int(match["line"]), None
     if (match := _ROW.match(name)) is not None:
@@ -130,7 +130,7 @@ def _ranges(name: str, value: object, *, inclusive: bool) -> tuple[tuple[int, in
 
 
 class _ExclusionConfig(Struct, forbid_unknown_fields=True):
-    """A config's ``exclude:`` mapping: the arguments of :class:`Exclusions`, which checks their values."""
+    """A config's ``exclude:`` mapping: the arguments of :class:`Exclusions`."""
 
     documents: list[int] | dict[str, list[int]] = []
     records: list[str] | dict[str, list[str]] = []
@@ -170,8 +170,8 @@ class Exclusions:
         at: the global position it takes effect at; ``None``: where the loader is when it is given.
 
     Raises:
-        OptionsError: a value not of the form above (the message names it and what is allowed); when
-            put in force, a range of steps or positions wholly before the position it takes effect at.
+        OptionsError: a value not of the form above; when put in force, a range of steps or positions
+            wholly before the position it takes effect at.
     """
 
     documents: Sequence[int] | Mapping[str, Sequence[int]] = ()
@@ -230,8 +230,8 @@ class Exclusions:
         return self._hashes
 
     def ranges(self, steps: StepCount | int) -> list[tuple[int, int]]:
-        """The position ranges ``[start, stop)`` it takes out: its positions, and its steps where ``steps``
-        puts them (an ``int``: steps of that many positions from position 0)."""
+        """The position ranges ``[start, stop)`` it takes out, its steps counted as ``steps`` says (an
+        ``int``: steps of that many positions from position 0)."""
         count = StepCount.at_batch_size(steps) if isinstance(steps, int) else steps
         return sorted(
             [r for first, stop in self._steps for r in count.positions(first, stop)] + list(self._positions)
@@ -295,12 +295,7 @@ def counted(record: Mapping[str, Any], history: Sequence[Mapping[str, Any]]) -> 
 
 
 def check_prefix(saved: Sequence[Mapping[str, Any]], given: Sequence[Exclusions]) -> None:
-    """Refuse a resume whose exclusions do not start with the checkpoint's (entries removed or changed).
-
-    Raises:
-        LoaderStateError: an exclusion of the checkpoint is missing from ``given`` or differs there, or
-            one given with ``at=`` says another position than the checkpoint's; both sides are named.
-    """
+    """Refuse a resume whose exclusions do not start with the checkpoint's (both sides named)."""
     for index, entry in enumerate(saved):
         if index >= len(given):
             raise LoaderStateError(

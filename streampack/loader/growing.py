@@ -1,18 +1,10 @@
 """Sources that grow while a loader reads them: the protocol a :class:`~streampack.loader.Loader` asks.
 
-A source that grows (the committed part of a cache whose build runs,
-:class:`~streampack.follow.GrowingCache`) comes with the order of its samples, which learns its
-positions as the source grows. It answers how many positions are **known**; it can **grow** until a
-batch's positions are known or it is complete (when the order learns where the stream ends, which the
-loader checks before it is accepted); and it gives a **view**, the source as committed now, which the loader
-reopens when it knows more positions than its view can read.
-
-So growing is a property of the source and its order: ``Loader(growing)`` is an ordinary loader, whose
-ranks, workers, state and adapters work as for any other, with a :class:`Reach` (how far it has read).
-
-A :class:`~streampack.order.mixture.Mixture` with a growing source keeps its order (a source's cursor at a
-position is a pure function of the schedule); :class:`GrowingMixture` is that mixture as a source that
-grows, known up to the first position one of its growing sources does not know the cursor of.
+A source that grows (:class:`~streampack.follow.GrowingCache`) comes with the order of its samples. It
+answers how many positions are **known**, can **grow** until a batch's positions are known, and gives a
+**view**, the source as committed now, which the loader reopens when it knows more. ``Loader(growing)`` is
+an ordinary loader with a :class:`Reach` (how far it has read). :class:`GrowingMixture` is a Mixture with
+a growing source, known up to the first position one of those sources does not know the cursor of.
 """
 
 from __future__ import annotations
@@ -45,16 +37,12 @@ class Growing(Protocol):
 
     def grow(self, stop: int, check: Callable[[], None]) -> None:
         """Wait until the samples of positions ``[0, stop)`` are known, or the source is complete
-        (``stop=0``: take what is known now).
-
-        ``check`` is called once the order knows its end, before that is accepted; what it raises is
-        raised, and the end is taken back, to be checked again at the next call.
-        """
+        (``stop=0``: take what is known now). ``check`` is called once the order knows its end; what it
+        raises is raised, and the end is taken back."""
         ...
 
     def view(self) -> Any:
-        """The source as committed now (a :class:`~streampack.loader.DataSource`, or a dict of name ->
-        source for an order of several): it holds the samples of every position known."""
+        """The source as committed now: a :class:`~streampack.loader.DataSource`, or a dict of them."""
         ...
 
     def resume(self, order: Any) -> None:
@@ -63,8 +51,7 @@ class Growing(Protocol):
 
 
 class Reach:
-    """How far a loader reads a growing ``source``: the positions whose samples it knows, and those the
-    view it opened last can read (it reopens the source when it knows more)."""
+    """How far a loader reads a growing ``source``: the positions it knows, and those its view can read."""
 
     def __init__(self, source: Growing) -> None:
         self.source = source
@@ -72,13 +59,11 @@ class Reach:
         self.readable = 0  # positions the view opened last holds
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy grows on its own: its own copy of the source (and so of its order), which it reopens
-        (grown since) before its first read."""
+        """A copy grows on its own copy of the source, which it reopens before its first read."""
         return self.__dict__ | {"source": copy.copy(self.source), "readable": -1}
 
     def grow(self, stop: int, check: Callable[[], None]) -> None:
-        """Wait until the source knows the samples of positions ``[0, stop)``, or is complete (see
-        :meth:`Growing.grow`); ``stop=0`` takes what it knows now."""
+        """Wait until the source knows the samples of positions ``[0, stop)`` (see :meth:`Growing.grow`)."""
         if stop and stop <= self.known:
             return
         try:
@@ -87,9 +72,8 @@ class Reach:
             self.known = self.source.known
 
     def resumed(self, order: Order) -> None:
-        """The loader goes on from a checkpoint in ``order``: the source grows with it. A new order (a
-        mixture's, with the schedule of the checkpoint) maps positions to other samples: what is known is
-        asked again, and the next batch reads a view opened anew."""
+        """The loader goes on from a checkpoint in ``order``: the source grows with it, and a new order
+        has what is known asked again and the view opened anew."""
         before = self.source.order
         self.source.resume(order)
         if self.source.order is not before:
@@ -142,8 +126,7 @@ class GrowingMixture:
         return self.order.sources, self.order
 
     def grow(self, stop: int, check: Callable[[], None]) -> None:
-        """Wait until the growing sources know the samples of positions ``[0, stop)`` (see
-        :meth:`~streampack.loader.growing.Growing.grow`); ``stop=0`` takes what they know now."""
+        """Wait until the growing sources know the samples of positions ``[0, stop)``."""
         needed = self.order.consumed(stop) if stop else [0] * len(self.order.names)
         for j, (name, data) in enumerate(self.order.sources.items()):
             if name in self._growing_names():

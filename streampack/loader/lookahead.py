@@ -1,9 +1,5 @@
-"""Which store keys the next steps of a loader read: what :mod:`streampack.loader.prefetch` fetches ahead.
-
-A loader's order is known in advance, so the shard files of its next batches are too:
-:meth:`Loader.lookahead <streampack.loader.Loader.lookahead>` lists them (:func:`files_ahead`), nearest
-step first. The prefetcher asks the :class:`Lookahead` protocol and knows nothing else of the loader.
-"""
+"""Which store keys the next steps of a loader read: what :mod:`streampack.loader.prefetch` fetches ahead,
+asking the :class:`Lookahead` protocol and nothing else of the loader."""
 
 from __future__ import annotations
 
@@ -30,8 +26,7 @@ class Lookahead(Protocol):
     def lookahead(
         self, position: int, steps: int, *, stride: int | None = None
     ) -> list[tuple[CachedStore, str]]:
-        """The ``(store, key)`` of each shard file the ``steps`` batches after ``position`` read, nearest
-        first, each once (files of caches in object storage only)."""
+        """The ``(store, key)`` of each shard file in object storage the next ``steps`` batches read."""
         ...
 
 
@@ -52,11 +47,9 @@ def files_ahead(
     """The files in object storage of the shards the picks of ``steps`` read, nearest step first, each once.
 
     Args:
-        current: the sources the loader reads now, joined (None: not every one is a cache, so nothing
-            is listed); asked again when a pick is past the end of its source, which a growing source
-            reopened meanwhile causes (the list then stops there, to start over after the next batch).
-        steps: the source ids and sample ids of this process's rows of each batch ahead; None where a
-            batch cannot be made now (past the run, or not known yet), which ends the list.
+        current: the sources the loader reads now, joined (None: nothing is listed); asked again when a
+            pick is past the end of its source, which a growing source reopened meanwhile causes.
+        steps: the picks of each batch ahead; None where a batch cannot be made now, which ends the list.
         boundaries: also the files of the batches' document boundaries (``output="dict"``).
 
     Raises:

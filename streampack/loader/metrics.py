@@ -1,19 +1,10 @@
 """What feeding the trainer cost, batch by batch: how long it waited for data, and what was read.
 
-Two measures, taken in two places:
-
-* :class:`Made`, where a batch is made (the loader's process, or a DataLoader worker): the seconds making
-  it took (``make_s``: reading, formatting, ``collate``), the bytes of tokens it read from its sources, and,
-  over object storage, the shard files it mapped that were already local (``prefetch_hits``: fetched
-  ahead, or by an earlier batch) or that it waited to download (``prefetch_misses``).
-* The **wait**, where the trainer takes the batch: the seconds the consumer was blocked in ``next()``
-  (``data_wait_s``), the clock stopped across each ``yield``, so that what the trainer does with a batch
-  is never counted as waiting for the next (ServiceNow/Fast-LLM#567 read its wait ~200x too low until
-  it split the two). With DataLoader workers the batch is made in another process while the trainer
-  computes: only the time the main process blocked is a wait, which is why it is measured there.
-
-A :class:`Meter` adds them up per consumer; :meth:`Loader.metrics <streampack.loader.Loader.metrics>`
-returns its dict. Metrics are not data: nothing of them is in the state, and a resume starts no count.
+:class:`Made` is measured where a batch is made (the loader's process, or a DataLoader worker). The
+**wait** (``data_wait_s``) is measured where the trainer takes the batch, with the clock stopped across
+each ``yield``, so that what the trainer does with a batch is never counted as waiting for the next
+(ServiceNow/Fast-LLM#567 read its wait ~200x too low until it split the two). A :class:`Meter` adds them
+up per consumer. Metrics are not data: they are not in the state.
 """
 
 from __future__ import annotations
@@ -79,8 +70,7 @@ class Meter:
 
 def per_step(now: Mapping[str, float], before: Mapping[str, float] | None, steps: int) -> dict[str, float]:
     """Each metric per trainer step between two :meth:`Meter.as_dict` (``before`` None: since the start),
-    over ``steps`` steps, named ``data/<metric>`` (``data/wait_s``, ``data/make_s``, ...): what the framework
-    adapters log."""
+    named ``data/<metric>`` (``data/wait_s``, ...), as the framework adapters log them."""
     if steps <= 0:
         return {}
     return {

@@ -1,6 +1,5 @@
 """The settings of a :class:`~streampack.loader.Loader`: one frozen :class:`LoaderOptions`, validated on
-creation. ``Loader(source, batch_size=32)`` and ``Loader(source, options=LoaderOptions(batch_size=32))``
-are the same loader; keywords given with an options object replace its fields (:func:`with_keywords`).
+creation. ``Loader(source, batch_size=32)`` is ``Loader(source, options=LoaderOptions(batch_size=32))``.
 """
 
 from __future__ import annotations
@@ -160,10 +159,7 @@ class LoaderOptions:
 
 
 class BatchKeywords(TypedDict, total=False):
-    """The fields of :class:`LoaderOptions` but the order's (``shuffle``, ``epochs``), as keywords.
-
-    A :class:`~streampack.follow.Follow` takes these: the build's eras are its order.
-    """
+    """The fields of :class:`LoaderOptions` but the order's (``shuffle``, ``epochs``): a Follow's."""
 
     batch_size: int
     seed: int
@@ -208,11 +204,7 @@ class SourceShare:
 
 
 def _checked_loss_weights(weights: object) -> dict[str, float]:
-    """``loss_weights`` as a dict of name -> float, each finite and >= 0.
-
-    Raises:
-        OptionsError: not a mapping of source names to such numbers.
-    """
+    """``loss_weights`` as a dict of name -> float, each finite and >= 0."""
     if not isinstance(weights, Mapping):
         raise OptionsError(
             f"loss_weights takes a dict of source name -> weight, e.g. {{'code': 2.0}} (got "
@@ -234,12 +226,7 @@ def _checked_loss_weights(weights: object) -> dict[str, float]:
 
 
 def with_keywords(cls: type[_Options], options: _Options | None, keywords: Mapping[str, Any]) -> _Options:
-    """``options`` with the fields named in ``keywords`` replaced (validated again), or made of them.
-
-    Raises:
-        TypeError: a required field is missing.
-        OptionsError: a value is not allowed.
-    """
+    """``options`` with the fields named in ``keywords`` replaced (validated again), or made of them."""
     if options is None:
         return cls(**keywords)
     return dataclasses.replace(options, **keywords) if keywords else options  # type: ignore[type-var]
@@ -257,11 +244,7 @@ def unknown_keyword(what: str, name: str, names: Collection[str]) -> TypeError:
 
 
 def check_size(options: LoaderOptions, n: int) -> None:
-    """Refuse a dataset of ``n`` samples that holds no batch to iterate.
-
-    Raises:
-        OptionsError: ``n`` is 0, or less than one global batch with ``drop_last``.
-    """
+    """Refuse a dataset of ``n`` samples that holds no batch to iterate."""
     if n == 0 or (options.drop_last and n < options.batch_size):
         raise OptionsError(
             f"the dataset has {n} samples, fewer than one global batch of {options.batch_size}: nothing "
@@ -275,12 +258,9 @@ def check_dtype(
 ) -> None:
     """Refuse an output ``dtype`` that cannot hold every id of sources of these ``dtypes``.
 
-    A narrower ``dtype`` than a source's is allowed where the source's vocabulary fits it (``vocab_sizes``,
-    None where unknown): int32 for cl100k's 100,277 ids. The loader then checks every batch's ids as it
-    casts them: another format's files are only declared to keep to their vocabulary.
-
-    Raises:
-        OptionsError: ``options.dtype`` is narrower than a source's, and its vocabulary does not fit it.
+    A narrower ``dtype`` is allowed where the source's vocabulary fits it (int32 for cl100k's 100,277
+    ids); the loader then checks every batch's ids as it casts them, since another format's files are only
+    declared to keep to their vocabulary.
     """
     if options.dtype is None:
         return

@@ -33,9 +33,8 @@ __all__ = ["RankColumns", "attention_costs", "balanced_ranks", "check_context_pa
 
 
 def balanced_ranks(costs: np.ndarray, world_size: int) -> np.ndarray:
-    """The rank of each row of a global batch of rows of ``costs`` (in position order): rank ``r`` gets as
-    many rows as an even split gives it (``(r+1)*n//W - r*n//W``), by longest-processing-time first (see
-    the module docstring)."""
+    """The rank of each row of a global batch of rows of ``costs``: each rank as many rows as an even split
+    gives it, by longest-processing-time first (see the module docstring)."""
     n = len(costs)
     room = [(r + 1) * n // world_size - r * n // world_size for r in range(world_size)]
     ranks = np.empty(n, dtype=np.int64)
@@ -54,8 +53,7 @@ def attention_costs(
     starts: np.ndarray, lengths: np.ndarray, docs: np.ndarray, rows: int, columns: int
 ) -> np.ndarray:
     """Per row of a batch of ``rows`` rows of ``columns``: the sum of its document segments' squared lengths
-    (segments by flat ``starts``, ``lengths`` and ``docs``, ``-1`` for padding, as
-    :class:`~streampack.samples.boundaries.Boundaries` holds them)."""
+    (segments as :class:`~streampack.samples.boundaries.Boundaries` holds them)."""
     mine = docs >= 0
     return np.bincount(
         starts[mine] // columns, weights=lengths[mine].astype(np.float64) ** 2, minlength=rows
@@ -63,12 +61,7 @@ def attention_costs(
 
 
 def check_context_parallel(cp_size: int, sources: list[Any]) -> None:
-    """Refuse context parallelism over sources whose segments are not all multiples of ``2 * cp_size``.
-
-    Raises:
-        OptionsError: a source is not whole documents planned with ``pad_multiple`` a multiple of
-            ``2 * cp_size``; the message says how to make one.
-    """
+    """Refuse context parallelism over sources whose segments are not all multiples of ``2 * cp_size``."""
     need = 2 * cp_size
     for data in sources:
         multiple = getattr(getattr(data, "layout", None), "pad_multiple", None)
@@ -135,8 +128,7 @@ class RankColumns:
 
     def shifted(self, labels: np.ndarray, mine: np.ndarray) -> np.ndarray:
         """``shift_labels`` of a batch's whole-row ``labels``, of which ``mine`` is :meth:`take`'s part: at
-        each taken token, the label of the next token of its row, ``-100`` after the row's last (taken
-        before the split, so that a model need not shift labels across the seams of the rank's chunks)."""
+        each taken token, the label of the next token of its row, ``-100`` after the row's last."""
         shift = np.empty_like(mine)
         flat, out = mine.reshape(-1), shift.reshape(-1)
         out[:-1] = flat[1:]  # inside a run, the next token is the rank's next

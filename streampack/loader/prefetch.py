@@ -1,16 +1,12 @@
 """Fetching ahead the shards a loader over a cache in object storage will read in its next steps.
 
-The order of samples is known in advance, so after each batch the loader tells its :class:`Prefetcher`
-where it stands (:meth:`Prefetcher.announce`), and the prefetcher's thread asks the loader's
-:class:`~streampack.loader.lookahead.Lookahead` for the shard files of this process's next
-``prefetch_steps`` batches (at the stride seen between batches) and fetches those missing from the local
-copy, nearest step first. It stays out of the way of the reads: it fetches within half of
-``max_local_bytes``, never evicts what it fetched for nearer steps, never waits for room, and leaves errors
-to the read that needs the file. Nothing of this runs for a local cache.
+After each batch the loader tells its :class:`Prefetcher` where it stands, and the prefetcher's thread
+asks the loader's :class:`~streampack.loader.lookahead.Lookahead` for the shard files of the next
+``prefetch_steps`` batches and fetches those missing, nearest first. It stays out of the reads' way: it
+fetches within half of ``max_local_bytes``, never waits for room, and leaves errors to the read that needs
+the file.
 
-**Lifecycle.** A prefetcher belongs to the loader that started it (on its first batch from object storage,
-in every process that reads). Its daemon thread, ``streampack-prefetch-<n>``, ends when the loader is
-closed (:meth:`Loader.close <streampack.loader.Loader.close>`, or the end of ``with loader:``: told to stop
+**Lifecycle.** The daemon thread, ``streampack-prefetch-<n>``, ends when the loader is closed (told to stop
 and joined, within a bounded wait), when the loader is garbage-collected unclosed (a
 :func:`weakref.finalize`; the thread holds the loader weakly), or with the process.
 """
@@ -39,11 +35,7 @@ _numbers = itertools.count(1)
 
 
 class Prefetcher:
-    """The background thread that fetches the shards of a loader's next ``steps`` batches (see the module).
-
-    It runs from its creation until :meth:`close` or :meth:`stop`, or until ``loader`` (held weakly, asked
-    through :class:`~streampack.loader.lookahead.Lookahead` alone) is garbage-collected.
-    """
+    """The background thread that fetches the shards of a loader's next ``steps`` batches (see the module)."""
 
     def __init__(self, loader: Lookahead, steps: int) -> None:
         self._loader = weakref.ref(loader)
@@ -61,8 +53,7 @@ class Prefetcher:
 
     @property
     def running(self) -> bool:
-        """Whether its thread runs and was not told to stop (False in a process forked from the one that
-        started it: a fork copies no thread but the forking one)."""
+        """Whether its thread runs and was not told to stop (False in a forked process)."""
         return not self._stopping and self._thread.is_alive()
 
     @property
@@ -79,14 +70,13 @@ class Prefetcher:
             self._cond.notify()
 
     def stop(self) -> None:
-        """Tell the thread to end, without waiting for it: it ends after the file it is fetching, if any."""
+        """Tell the thread to end after the file it is fetching, without waiting for it."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the thread and wait at most ``timeout`` seconds for it to end; idempotent. A longer download
-        is not cut: the thread, a daemon, ends once it is done."""
+        """Stop the thread and wait at most ``timeout`` seconds for it to end; idempotent."""
         self._finalizer.detach()
         self.stop()
         if self._thread is not threading.current_thread():
@@ -109,8 +99,7 @@ class Prefetcher:
             del loader
 
     def _fetch(self, files: list[tuple[CachedStore, str]]) -> None:
-        """Fetch ``files`` in order, within half of each store's bound; stop at a newer announcement, when
-        told to stop, or when there is no room."""
+        """Fetch ``files`` in order, within half of each store's bound, until a newer announcement."""
         kept: list[Path] = []
         used = 0
         for store, key in files:

@@ -1,12 +1,8 @@
 """A loader's run from its start or last resume: what it reads, in which order, under which exclusions.
 
-A :class:`Run` is one immutable value. :func:`started` makes it of what a :class:`~streampack.loader.Loader`
-is given, :func:`resumed` of a checkpoint; an exclusion or a new ``batches_per_step`` makes another. The
-loader swaps its run whole, so a change that is refused leaves the loader as it was.
-
-An exclusion in force is an :data:`Entry` ``(exclusions, at, steps)``: the exclusions, the position they
-take effect at, and where the trainer's steps are (:class:`~streampack.loader.history.StepCount`, counted
-through the run's history when the entry was put in force).
+A :class:`Run` is one immutable value, made by :func:`started` or :func:`resumed`. The loader swaps its run
+whole, so a change that is refused leaves the loader as it was. An exclusion in force is an :data:`Entry`
+``(exclusions, at, steps)``: the position it takes effect at, and where the trainer's steps are.
 """
 
 from __future__ import annotations
@@ -90,8 +86,8 @@ class Run:
         return np.dtype(self.options.dtype or self.rows.dtype)
 
     def counting(self, history: Sequence[Mapping[str, Any]] | None = None) -> StepCount:
-        """Where the trainer's steps are for an exclusion put in force now: through ``history`` (default:
-        the run's), its last entry the current leg, at ``batch_size * batches_per_step``."""
+        """Where the trainer's steps are for an exclusion put in force now, through ``history`` (default:
+        the run's)."""
         *earlier, current = (self.history if history is None else history) or [{"position": 0, "step": None}]
         leg = {**current, "batch_size": self.options.batch_size, "batches_per_step": self.batches_per_step}
         return StepCount.of_history([*earlier, leg])
@@ -151,13 +147,12 @@ def started(
     """The run of a loader made of these, at position 0 (see :class:`~streampack.loader.Loader`'s arguments).
 
     Raises:
-        TypeError: ``source`` is a list or tuple, or has no ``__len__`` or ``__getitem__``; a keyword names no
-            option; ``exclude`` holds something else than :class:`~streampack.loader.exclusions.Exclusions`.
-        OptionsError: an option is out of range; ``batch_size`` does not divide by ``world_size``; the dataset
-            holds less than one global batch (with ``drop_last``); ``dtype`` cannot hold the cache's ids; an
-            order or a mixture is given with ``seed``, ``shuffle`` or ``epochs``; an order does not name one
-            source per source given; a dict of sources comes without an order; the seq_len schedule or the
-            exclusions do not fit the sources (see :meth:`Run.enforced`).
+        TypeError: ``source`` cannot be indexed by an array; a keyword names no option; ``exclude`` holds
+            something else than :class:`~streampack.loader.exclusions.Exclusions`.
+        OptionsError: an option is out of range; the dataset holds less than one global batch; ``dtype``
+            cannot hold the cache's ids; an order or a mixture is given with ``seed``, ``shuffle`` or
+            ``epochs``; the order does not name the sources given; the seq_len schedule or the exclusions
+            do not fit the sources.
     """
     unknown = sorted(set(keywords) - _OPTION_NAMES)
     if unknown:
@@ -202,15 +197,13 @@ def started(
 def resumed(run: Run, state: Mapping[str, Any], step: int | None) -> tuple[int, Run]:
     """Where ``state`` resumes ``run``, and the run from there (its history one entry longer).
 
-    A checkpoint whose units are windows of another length becomes the run's sources, served at its
-    lengths (:func:`~streampack.loader.served.regrained`; only for an order the loader made, :attr:`Run.own`).
-    The exclusions the state had in force must be the first ones the run was given; the others are put in
-    force at the resume's position. A skip exclusion in force before it skipped positions of the saved
-    run's order: the order resumes where that run's stood.
+    A checkpoint whose units are windows of another length becomes the run's sources
+    (:func:`~streampack.loader.served.regrained`). The exclusions the state had in force must be the first
+    ones the run was given; the others are put in force at the resume's position.
 
     Raises:
-        LoaderStateError: (a ``ValueError``) not a state this run continues (see
-            :func:`streampack.loader.state.resume`), or its exclusions are not a prefix of the run's.
+        LoaderStateError: (a ``ValueError``) not a state this run continues, or its exclusions are not a
+            prefix of the run's.
         OptionsError: an exclusion does not fit, or ``drop_last=False`` would give some rank an empty last
             batch from there.
     """
@@ -268,12 +261,8 @@ def placed(entry: Exclusions, position: int, steps: StepCount) -> Entry:
 
 
 def reaching(entries: Sequence[Entry]) -> None:
-    """Refuse an entry with a range of steps or positions wholly before the position it takes effect at:
-    it could never take anything out.
-
-    Raises:
-        OptionsError: such a range; the message names it, its positions and where the entry takes effect.
-    """
+    """Refuse an entry with a range of steps or positions wholly before where it takes effect: it could
+    never take anything out."""
     for entry, at, steps in entries:
         for first, last in entry.step_ranges():
             ranges = steps.positions(first, last + 1)
@@ -322,7 +311,7 @@ def _sources_and_order(
     source: DataSource | Mapping[str, DataSource] | Ordered | Growing, order: Order | None
 ) -> tuple[list[DataSource], Order | None, bool]:
     """The sources a Loader reads, the order given with them (None: the Loader makes one), and whether
-    they are named sources (a mixture, or a dict of sources) rather than one dataset."""
+    they are named (a mixture, or a dict of sources)."""
     if isinstance(source, Growing):  # what it holds now, in the order that grows with it
         if order is not None:
             raise OptionsError(
@@ -355,11 +344,7 @@ def _sources_and_order(
 
 
 def _check_balance(options: LoaderOptions, sources: list[Source], served: Served | None) -> None:
-    """Refuse ``balance="attention"`` over sources without document boundaries, or with a seq_len schedule.
-
-    Raises:
-        OptionsError: either case; the message names the source.
-    """
+    """Refuse ``balance="attention"`` over sources without document boundaries, or with a seq_len schedule."""
     if options.balance != "attention":
         return
     for source in sources:

@@ -1,10 +1,8 @@
 """A run's sequence length over its tokens: :class:`SeqLenSchedule`, e.g. 512 for a warmup, then 2048.
 
-A loader's positions count *units*, windows of the largest length (``cache.sequences(2048)``); a unit of
-``U`` tokens served at ``l`` is its ``U / l`` consecutive sub-windows, in one batch on one rank
-(:mod:`streampack.loader.served`). Every batch takes the same units whatever the length, so no token of an
-epoch is served twice or skipped across a change, and positions, ranks, workers, exclusions, mixtures and
-resumes are those of the run without a schedule.
+A loader's positions count *units*, windows of the largest length; a unit of ``U`` tokens served at ``l``
+is its ``U / l`` sub-windows, in one batch (:mod:`streampack.loader.served`). So no token is served twice
+or skipped across a change, and positions, ranks, exclusions and resumes are those of a run without one.
 """
 
 from __future__ import annotations
