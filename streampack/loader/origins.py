@@ -217,102 +217,16 @@ class _Inputs:
         gapless = progress.records == progress.docs
         return {local: (path, None, first + local if gapless else None) for local in wanted}
 
-
-def _at(units: list[str], index: int) -> str:
-    return repr(units[index]) if index < len(units) else "none"
-
-
-def _records(unit: WorkUnit, read: ReadOptions) -> Generator[tuple[_Where, Item], None, None]:
-    """Every record of ``unit`` as the build reads it, with its ``(path, line, row)``."""
-    file = unit.file
-    if file is not None and unit.rest:  # a run of whole files, one after the other
-        for one in unit.files:
-            yield from _records(WorkUnit(unit.index, one), read)
-    elif file is not None and file.format == "text" and not read.split_lines:  # the file is one record
-        for item in read_unit(unit, read):
-            yield (file.path, None, None), item
-    else:  # rows of Python objects or of a Parquet file, or one record per line
-        path = f"python:{type(unit.items).__name__}" if file is None else file.path
-        rows = file is None or file.format == "parquet"
-        for i, item in enumerate(read_unit(unit, read), start=records_before(unit)):
-            yield ((path, None, i) if rows else (path, i + 1, None)), item
-
-
-# --------------------------------------------------------------------------------------- named records
-
-_Wanted = dict[str, tuple[str, int | None, int | None]]  # name -> (path, line, row)
-
-
-def documents_named(cache: Cache, names: Sequence[str]) -> dict[str, int]:
-    """The document of ``cache`` that each record name (``path:line`` or ``path[row]``, as ``which`` reports
-    them) made. Each unit that holds a name is read once.
-
-    Raises:
-        OptionsError: a name of neither form, a path that is not one of the cache's inputs, a line or row
-            past its file, or a record that made no document (blank, empty, or skipped as bad); each named.
-        InputError: an input file is missing or changed since the build.
-    """
-    wanted: _Wanted = {}
-    for name in names:
-        parsed = parse_record(name)
-        if parsed is None:
-            raise OptionsError(
-                f"Exclusions(records=...) holds {name!r}: a record is named 'path:line' (lines from 1) or "
-                "'path[row]' (rows from 0), as streampack which reports it"
-            )
-        wanted[name] = parsed
-    if not wanted:
-        return {}
-    native = [shard for shard in range(cache.num_shards) if cache.files.origin(shard) is None]
-    if len(native) < cache.num_shards:
-        return _named_in_token_files(cache, wanted)
-    return _Named(cache).find(wanted)
-
-
-def _named_in_token_files(cache: Cache, wanted: _Wanted) -> dict[str, int]:
-    """Names ``path[row]`` of a cache of another format's files: the row-th document of that file."""
-    found: dict[str, int] = {}
-    paths = set()
-    for shard in range(cache.num_shards):
-        origin = cache.files.origin(shard)
-        if origin is None:
-            continue
-        paths.add(origin[0])
-        count = len(cache.shard_offsets(shard))
-        for name, (path, _, row) in wanted.items():
-            if row is not None and _same(path, origin[0]) and origin[1] <= row < origin[1] + count:
-                found[name] = int(cache.doc_starts[shard]) + row - origin[1]
-    for name, (path, _, _) in wanted.items():
-        if name not in found:
-            where = "its files" if not any(_same(path, p) for p in paths) else "that file's documents"
-            raise OptionsError(
-                f"Exclusions(records=...) names {name!r}, which is not in {where} of the cache {cache.root} "
-                f"(a document of another format's files is named 'file[row]', as streampack which reports it)"
-            )
-    return found
-
-
-def _same(a: str, b: str) -> bool:
-    """Whether two paths name one input (as given, or once resolved)."""
-    return a == b or (not a.startswith("python:") and Path(a).resolve() == Path(b).resolve())
-
-
-class _Named:
-    """The documents that named records of a native cache made, each unit's input replayed once."""
-
-    def __init__(self, cache: Cache) -> None:
-        self.cache, self.inputs = cache, _Inputs(cache, None)
-        self.shard_of = {int(cache.shard_info(s).name): s for s in range(cache.num_shards)}
-
-    def find(self, wanted: _Wanted) -> dict[str, int]:
-        if self.inputs.python:
+    def named(self, wanted: _Wanted) -> dict[str, int]:
+        """The documents that named records of a native cache made, each unit's input replayed once."""
+        if self.python:
             raise OptionsError(
                 f"Exclusions(records=...) names {sorted(wanted)[0]!r}, but the cache {self.cache.root} was "
                 "built from Python objects, which have no file to read again: name its documents by index "
                 "(documents=) or by token hash (hashes=)"
             )
-        units = self.inputs._plan()
-        by_unit: dict[int, dict[tuple[str, int | None, int | None], str]] = {}
+        units = self._plan()
+        by_unit: dict[int, dict[_Where, str]] = {}
         for name, (path, line, row) in wanted.items():
             unit = self._unit_of(units, name, path, line, row)
             spelt = next(f.path for f in unit.files if _same(path, f.path))  # as the unit's records name it
@@ -344,13 +258,16 @@ class _Named:
             if unit.rest or records_before(unit) > record:
                 break
             chosen = unit
-        self.inputs._check_unchanged(chosen)
+        self._check_unchanged(chosen)
         return chosen
 
-    def _replay(self, unit: WorkUnit, names: dict[tuple[str, int | None, int | None], str]) -> dict[str, int]:
+    def _replay(self, unit: WorkUnit, names: dict[_Where, str]) -> dict[str, int]:
         left, found, docs = dict(names), {}, 0
-        shard = self.shard_of.get(unit.index)
-        with closing(_records(unit, self.inputs.read)) as replay:
+        cache = self.cache
+        shard = next(
+            (s for s in range(cache.num_shards) if int(cache.shard_info(s).name) == unit.index), None
+        )
+        with closing(_records(unit, self.read)) as replay:
             for where, item in replay:
                 name = left.pop(where, None)
                 if name is not None:
@@ -360,7 +277,7 @@ class _Named:
                             "empty, or skipped as bad at build time): there is nothing to exclude"
                         )
                     assert shard is not None  # a unit that made a document has a shard
-                    found[name] = int(self.cache.doc_starts[shard]) + docs
+                    found[name] = int(cache.doc_starts[shard]) + docs
                 if makes_document(item):
                     docs += 1
                 if not left:
@@ -370,3 +287,81 @@ class _Named:
             f"Exclusions(records=...) names {name!r}, past the records of its file ({unit.describe()} ends "
             f"before it): name a record that streampack which reports"
         )
+
+
+def _at(units: list[str], index: int) -> str:
+    return repr(units[index]) if index < len(units) else "none"
+
+
+def _records(unit: WorkUnit, read: ReadOptions) -> Generator[tuple[_Where, Item], None, None]:
+    """Every record of ``unit`` as the build reads it, with its ``(path, line, row)``."""
+    file = unit.file
+    if file is not None and unit.rest:  # a run of whole files, one after the other
+        for one in unit.files:
+            yield from _records(WorkUnit(unit.index, one), read)
+    elif file is not None and file.format == "text" and not read.split_lines:  # the file is one record
+        for item in read_unit(unit, read):
+            yield (file.path, None, None), item
+    else:  # rows of Python objects or of a Parquet file, or one record per line
+        path = f"python:{type(unit.items).__name__}" if file is None else file.path
+        rows = file is None or file.format == "parquet"
+        for i, item in enumerate(read_unit(unit, read), start=records_before(unit)):
+            yield ((path, None, i) if rows else (path, i + 1, None)), item
+
+
+# --------------------------------------------------------------------------------------- named records
+
+_Wanted = dict[str, _Where]  # name -> (path, line, row)
+
+
+def documents_named(cache: Cache, names: Sequence[str]) -> dict[str, int]:
+    """The document of ``cache`` that each record name (``path:line`` or ``path[row]``, as ``which`` reports
+    them) made. Each unit that holds a name is read once.
+
+    Raises:
+        OptionsError: a name of neither form, a path that is not one of the cache's inputs, a line or row
+            past its file, or a record that made no document (blank, empty, or skipped as bad); each named.
+        InputError: an input file is missing or changed since the build.
+    """
+    wanted: _Wanted = {}
+    for name in names:
+        parsed = parse_record(name)
+        if parsed is None:
+            raise OptionsError(
+                f"Exclusions(records=...) holds {name!r}: a record is named 'path:line' (lines from 1) or "
+                "'path[row]' (rows from 0), as streampack which reports it"
+            )
+        wanted[name] = parsed
+    if not wanted:
+        return {}
+    if any(cache.files.origin(shard) is not None for shard in range(cache.num_shards)):
+        return _named_in_token_files(cache, wanted)
+    return _Inputs(cache, None).named(wanted)
+
+
+def _named_in_token_files(cache: Cache, wanted: _Wanted) -> dict[str, int]:
+    """Names ``path[row]`` of a cache of another format's files: the row-th document of that file."""
+    found: dict[str, int] = {}
+    paths = set()
+    for shard in range(cache.num_shards):
+        origin = cache.files.origin(shard)
+        if origin is None:
+            continue
+        paths.add(origin[0])
+        count = len(cache.shard_offsets(shard))
+        for name, (path, _, row) in wanted.items():
+            if row is not None and _same(path, origin[0]) and origin[1] <= row < origin[1] + count:
+                found[name] = int(cache.doc_starts[shard]) + row - origin[1]
+    for name, (path, _, _) in wanted.items():
+        if name not in found:
+            where = "its files" if not any(_same(path, p) for p in paths) else "that file's documents"
+            raise OptionsError(
+                f"Exclusions(records=...) names {name!r}, which is not in {where} of the cache {cache.root} "
+                f"(a document of another format's files is named 'file[row]', as streampack which reports it)"
+            )
+    return found
+
+
+def _same(a: str, b: str) -> bool:
+    """Whether two paths name one input (as given, or once resolved)."""
+    return a == b or (not a.startswith("python:") and Path(a).resolve() == Path(b).resolve())
