@@ -333,17 +333,16 @@ class Follow(Loader):
 
     Args:
         path: the cache directory or URL (its build may not have written its manifest yet).
-        options: the loader's settings (:class:`~streampack.loader.options.LoaderOptions`), but
+        options: the loader's settings (:class:`~streampack.loader.options.LoaderOptions`) but
             ``shuffle`` and ``epochs``: the order is the eras'.
         follow: what it serves and how it waits (:class:`FollowOptions`).
         collate: applied to every batch before it is yielded.
-        **keywords: fields of either, which replace those of the objects given: ``Follow(path,
-            seq_len=2048, batch_size=32)`` needs no object.
+        **keywords: fields of either, which replace those of the objects given.
 
     Raises:
         OptionsError: an option is out of range.
-        BuildStalledError: the build wrote no manifest within ``timeout`` (and later: committed nothing
-            new while a batch waited ``timeout`` seconds).
+        BuildStalledError: the build wrote no manifest within ``timeout``, or later committed nothing new
+            while a batch waited ``timeout`` seconds.
     """
 
     def __init__(

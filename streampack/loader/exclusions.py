@@ -201,11 +201,8 @@ class Exclusions:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, source: str | None = None) -> Exclusions:
-        """An exclusion from a mixture config's ``exclude:`` mapping (keys: the arguments above).
-
-        Args:
-            config: the mapping.
-            source: the source it is given under (its documents and hashes are that source's).
+        """An exclusion from a mixture config's ``exclude:`` mapping (keys: the arguments above), given
+        under ``source`` (its documents are that source's) or at the top.
 
         Raises:
             OptionsError: a key that is not an argument, or a value not of its form.

@@ -1,22 +1,17 @@
 """Long context over several GPUs: a row split over context-parallel ranks, and a global batch's rows spread
 over data-parallel ranks by attention cost.
 
-**Context parallelism** (``cp_size`` ranks share each row). Every segment of a row (a document piece with
-its fill, or the row's padding) is a multiple of ``2 * cp_size`` long, which ``cache.packed(...,
-pad_multiple=2 * cp_size)`` plans. Each segment is cut into ``2 * cp_size`` equal chunks and CP rank ``r``
-takes chunks ``r`` and ``2 * cp_size - 1 - r`` (head-tail load balancing, as TransformerEngine's THD
-format and Megatron's context parallelism split sequences): under causal attention a chunk near the end
-of a document attends to more tokens than one near its start, so pairing them gives every rank the same
-work. A rank's row is the concatenation, segment by segment, of its two chunks: ``seq_len / cp_size``
-tokens, each with its original position id and label.
+**Context parallelism** (``cp_size`` ranks share each row). Every segment of a row is a multiple of
+``2 * cp_size`` long (``cache.packed(..., pad_multiple=2 * cp_size)``), cut into ``2 * cp_size`` equal
+chunks, of which CP rank ``r`` takes chunks ``r`` and ``2 * cp_size - 1 - r`` (head-tail load balancing,
+as TransformerEngine's THD format does): under causal attention a late chunk costs more than an early one,
+so pairing them evens the work. Each token keeps its original position id and label.
 
-**Balance** (``balance="attention"``). The rows of a global batch are assigned to the data-parallel ranks
-so that the ranks' attention costs are even, each rank keeping its count of rows. A row's cost is the sum
-over its documents' segments of their squared lengths (fills included: the kernel computes them; the
-row's padding excluded). The assignment is longest-processing-time first: rows by decreasing cost (ties
-by position), each to the rank with the least cost so far among those with rows left to fill (ties: the
-lowest rank); each rank's rows then in position order. It depends on the global batch's content and the
-world size alone, so a resume, also at another world size, serves what an uninterrupted run would.
+**Balance** (``balance="attention"``). A global batch's rows are assigned to the data-parallel ranks so
+that their attention costs (a row's: its segments' squared lengths, fills included, padding not) are even,
+each rank keeping its count of rows: longest-processing-time first, rows by decreasing cost (ties by
+position), each to the least loaded rank with room (ties: the lowest); each rank's rows then in position
+order. It depends on the global batch and the world size alone, so a resume serves what a run would.
 """
 
 from __future__ import annotations
@@ -83,14 +78,11 @@ class RankColumns:
     """The columns of a batch that CP rank ``cp_rank`` of ``cp_size`` takes, in the forms a dict batch holds.
 
     Per segment of the batch (flat ``starts``, ascending from 0, with ``lengths``), chunks ``cp_rank`` and
-    ``2*cp_size-1-cp_rank`` of its ``2 * cp_size``: both lie in order in their segment, so the rank's
-    tokens are these flat positions in flat order, ``seq_len / cp_size`` of every row. Found from the
-    segments alone, at the rank's size: the whole batch's position ids are never made.
+    ``2*cp_size-1-cp_rank`` of its ``2 * cp_size``, found from the segments alone, at the rank's size.
 
     Attributes:
         flat: ``int64``, the flat positions taken, ascending.
-        position_ids: ``int64``, ``(rows, seq_len / cp_size)``: each taken token's position in its segment
-            (chunk ``k`` of a segment of ``2*cp_size`` chunks of ``c`` holds positions ``[k*c, (k+1)*c)``).
+        position_ids: ``int64``, ``(rows, seq_len / cp_size)``: each taken token's position in its segment.
         cu_seqlens: ``int32``, the rank's own segments (each ``length / cp_size``), cumulated from 0.
         max_seqlen: the longest of them.
 
