@@ -31,9 +31,10 @@ from streampack.loader.excluding import (
 from streampack.loader.exclusions import Exclusions, check_prefix, counted, entry_state
 from streampack.loader.growing import Growing
 from streampack.loader.history import StepCount, history_entry
-from streampack.loader.options import LoaderOptions, check_dtype, check_size, unknown_keyword, with_keywords
+from streampack.loader.options import LoaderOptions, check_dtype, unknown_keyword, with_keywords
 from streampack.loader.reading import DataSource, Rows, Source, vocab_size_of
-from streampack.loader.served import Served, regrained, served_for
+from streampack.loader.seqlen import SeqLenSchedule
+from streampack.loader.served import Served, own_order, regrained
 from streampack.loader.state import read_loader_state, resume
 from streampack.order import MAX_POSITION, Order, Ordered
 
@@ -170,21 +171,20 @@ def started(
         )
     sources = [Source(part) for part in parts]
     own = order is None
-    if order is None:  # the order of one dataset, from the options
-        from streampack.order.blockshuffle import single_order
-
-        first = sources[0]
-        order = single_order(
-            len(first), seed=opts.seed, shuffle=opts.shuffle, epochs=opts.epochs, data=first.fingerprint
-        )
-        check_size(opts, len(first))
+    order = own_order(opts, sources[0]) if order is None else order
     check_dtype(opts, [s.dtype for s in sources], [vocab_size_of(s.data) for s in sources])
     grows = isinstance(source, Growing)
     domains = domains_for(opts.loss_weights, order.names, named=named, output=opts.output)
     formatter = format_for(
         opts.output, [s.data for s in sources], (opts.cp_size, opts.cp_rank), domains=domains
     )
-    served = served_for(opts, sources, grows, domains)
+    schedule, served = SeqLenSchedule.of(opts.seq_len_schedule), None
+    if schedule is not None and grows:
+        raise OptionsError(
+            "seq_len_schedule is not supported over a source that grows (Follow); read the finished cache"
+        )
+    if schedule is not None:
+        served = Served(sources, default=None, schedule=schedule, output=opts.output, domains=domains)
     _check_balance(opts, sources, served)
     run = Run(opts, Rows(sources), formatter, served, order, order, grows=grows, own=own, domains=domains)
     exclusions = listed(exclude)

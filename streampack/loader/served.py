@@ -26,7 +26,7 @@ from streampack.loader.seqlen import SeqLenSchedule
 from streampack.loader.state import read_loader_state
 from streampack.order import Order
 
-__all__ = ["Regrained", "Served", "formatted", "regrained", "served_for"]
+__all__ = ["Regrained", "Served", "formatted", "own_order", "regrained"]
 
 # The kinds of saved order of one source whose data a loader of another seq_len may take over.
 _ONE_SOURCE = ("shuffled", "blocks")
@@ -215,22 +215,17 @@ def formatted(
     return formatter(tokens, sources, samples, masked=lambda r, d: masking(at, sources, r, d))
 
 
-def served_for(
-    options: LoaderOptions, sources: list[Source], grows: bool, domains: Domains | None = None
-) -> Served | None:
-    """The loader's :class:`Served` for its ``seq_len_schedule`` (dicts with ``domains``); None without one.
+def own_order(options: LoaderOptions, source: Source) -> Order:
+    """The order a loader makes of one source from its options ``seed``, ``shuffle`` and ``epochs``.
 
     Raises:
-        OptionsError: the schedule does not fit the sources (see :class:`Served`), or they grow.
+        OptionsError: the source holds no batch to iterate.
     """
-    schedule = SeqLenSchedule.of(options.seq_len_schedule)
-    if schedule is None:
-        return None
-    if grows:
-        raise OptionsError(
-            "seq_len_schedule is not supported over a source that grows (Follow); read the finished cache"
-        )
-    return Served(sources, default=None, schedule=schedule, output=options.output, domains=domains)
+    from streampack.order.blockshuffle import single_order
+
+    check_size(options, len(source))
+    o = options
+    return single_order(len(source), seed=o.seed, shuffle=o.shuffle, epochs=o.epochs, data=source.fingerprint)
 
 
 @dataclass(frozen=True)
@@ -316,11 +311,6 @@ def regrained(
             )
     units = Source(at_seq_len(part, unit))
     options = dataclasses.replace(options, batch_size=tokens // unit)
-    check_size(options, len(units))
-    from streampack.order.blockshuffle import single_order
-
-    order = single_order(
-        len(units), seed=options.seed, shuffle=options.shuffle, epochs=options.epochs, data=units.fingerprint
-    )
+    order = own_order(options, units)
     served = Served([units], default=default, schedule=schedule, output=options.output, joins=True)
     return Regrained(options, [units], order, served)
