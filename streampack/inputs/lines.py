@@ -109,10 +109,13 @@ class _LineReader:
         lone surrogate is still refused in the text, which no tokenizer can encode)."""
         try:
             record = json.loads(line.decode("utf-8"))
-        except ValueError:  # invalid UTF-8 or malformed JSON
+        except ValueError as e:  # invalid UTF-8 or malformed JSON
             refuse_compressed(self.file)
-            problem = _json_problem(line, error) + _json_document_hint(self.file)
-            return BadRecordError(self.location(line_no), problem)
+            if isinstance(e, UnicodeDecodeError):
+                problem = f"invalid UTF-8 at byte {e.start} of the line"
+            else:
+                problem = f"malformed JSON ({error})"
+            return BadRecordError(self.location(line_no), problem + _json_document_hint(self.file))
         except RecursionError:  # deeper than orjson's 1024 levels and than Python's recursion limit
             return BadRecordError(self.location(line_no), "malformed JSON (nested too deeply)")
         if not isinstance(record, dict):
@@ -237,14 +240,6 @@ def count_lines_before(file: InputFile, start: int) -> int:
         except STREAM_ERRORS as e:
             raise InputError(f"{file.path}: cannot read ({e})") from None
     return count
-
-
-def _json_problem(line: bytes, error: orjson.JSONDecodeError) -> str:
-    try:
-        line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return f"invalid UTF-8 at byte {e.start} of the line"
-    return f"malformed JSON ({error})"
 
 
 @functools.lru_cache(maxsize=64)

@@ -503,25 +503,15 @@ def _shape_render(
     shapes of a corpus share their first messages, whose renders the traces ask for again and again."""
     key = _trace_key(marked, tools)
     if key is None:
-        return _render_marks(template, marked, tools, prompt, instrumented)
+        messages = _turn_marks(marked) if instrumented else marked
+        return template.render(messages, prompt, tools, instrumented=instrumented)
     return _shape_render_of(template, key, prompt, instrumented)
 
 
 @functools.lru_cache(maxsize=1024)
 def _shape_render_of(template: ChatTemplate, key: str, prompt: bool, instrumented: bool) -> str:
     marked, tools = json.loads(key)
-    return _render_marks(template, marked, tools, prompt, instrumented)
-
-
-def _render_marks(
-    template: ChatTemplate,
-    marked: list[dict[str, Any]],
-    tools: list[Any] | None,
-    prompt: bool,
-    instrumented: bool,
-) -> str:
-    messages = _turn_marks(marked) if instrumented else marked
-    return template.render(messages, prompt, tools, instrumented=instrumented)
+    return _shape_render(template, marked, tools, prompt=prompt, instrumented=instrumented)
 
 
 # Message keys that only the rendering path knows: a conversation with one is never filled into a plan.
@@ -696,6 +686,17 @@ def load_chat_template(
     return template
 
 
+def _compile_checked(template: ChatTemplate) -> None:
+    import jinja2
+
+    try:
+        _compiled(template.source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(
+            f"{template.origin}: the chat template does not parse (line {e.lineno}: {e.message})"
+        ) from None
+
+
 def _config_template(value: Any) -> str | None:
     if isinstance(value, str):
         return value
@@ -710,17 +711,6 @@ def _token(config: dict[str, Any], name: str) -> str | None:
     token = config.get(name)
     token = token.get("content") if isinstance(token, dict) else token
     return token if isinstance(token, str) else None
-
-
-def _compile_checked(template: ChatTemplate) -> None:
-    import jinja2
-
-    try:
-        _compiled(template.source)
-    except jinja2.TemplateSyntaxError as e:
-        raise TokenizerError(
-            f"{template.origin}: the chat template does not parse (line {e.lineno}: {e.message})"
-        ) from None
 
 
 @functools.lru_cache(maxsize=8)
