@@ -17,7 +17,7 @@ import orjson
 
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import READ_CHUNK, STREAM_ERRORS, open_input, refuse_compressed
-from streampack.inputs.inputfile import COMPRESSION_SUFFIXES, InputFile, looks_like_json_lines
+from streampack.inputs.inputfile import BOM, COMPRESSION_SUFFIXES, InputFile, looks_like_json_lines
 from streampack.inputs.parts import skipped
 from streampack.inputs.records import (
     Item,
@@ -30,7 +30,6 @@ from streampack.inputs.records import (
     encodable,
     record_reader,
 )
-from streampack.inputs.text import BOM
 
 _NEWLINE = ord("\n")
 
@@ -168,8 +167,8 @@ def _line_parts(
                 if not chunks:
                     return
                 at_file_start, pos = pos == 0, pos + sum(map(len, chunks))
-                if at_file_start and chunks[0].startswith(BOM):
-                    chunks[0] = chunks[0][len(BOM) :]
+                if at_file_start:
+                    chunks[0] = chunks[0].removeprefix(BOM)
                 for data in chunks:
                     if data:  # (not a file of nothing but a byte-order mark: it holds no line)
                         count = _count_lines(data)

@@ -1,8 +1,8 @@
 """Supervised fine-tuning documents: segments of text, each tokenized on its own, each a target or not.
 
 Fields (``fields=["prompt", "response"]``): the last field is the target. Chat (``chat="messages"``): the
-conversation is rendered as ``transformers`` renders it (without ``strftime_now``, so that a cache never
-depends on the day), and the assistant turns are the targets, found by rendering prefixes: the render of
+conversation is rendered as ``transformers`` renders it (``strftime_now`` prints a fixed day, so that a
+cache never depends on the day), and the assistant turns are the targets, found by rendering prefixes: the render of
 ``messages[:i]`` with the generation prompt must be a prefix of the whole, and that of ``messages[:i + 1]``
 ends after turn ``i`` (or, for a template that drops earlier turns' reasoning, by where its loop over the
 messages starts each one). Special-token strings the template writes become their ids; the texts stay text,
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.errors import TokenizerError, extra_needed
 from streampack.inputs.chat_plan import MARKER, Plan, marker, plan
 from streampack.inputs.chat_proof import Proof, content_only_printed
 from streampack.inputs.segments import Segment, Sft
@@ -511,7 +511,8 @@ def _shape_render(
 @functools.lru_cache(maxsize=1024)
 def _shape_render_of(template: ChatTemplate, key: str, prompt: bool, instrumented: bool) -> str:
     marked, tools = json.loads(key)
-    return _shape_render(template, marked, tools, prompt=prompt, instrumented=instrumented)
+    messages = _turn_marks(marked) if instrumented else marked
+    return template.render(messages, prompt, tools, instrumented=instrumented)
 
 
 # Message keys that only the rendering path knows: a conversation with one is never filled into a plan.
@@ -678,9 +679,8 @@ def load_chat_template(
             f"{jinja_file.name} beside it); add one, or render the conversations yourself and build with "
             "fields=[...]"
         )
-    variables = tuple(
-        (name, token) for name in TEMPLATE_TOKENS if (token := _token(config, name)) is not None
-    )
+    config_token = getattr(tokenizer, "config_token")  # noqa: B009 (a Hugging Face tokenizer's, as config_path)
+    variables = tuple((name, token) for name in TEMPLATE_TOKENS if (token := config_token(name)) is not None)
     template = ChatTemplate(field, source, origin, variables, turns, reasoning)
     _compile_checked(template)
     return template
@@ -707,25 +707,15 @@ def _config_template(value: Any) -> str | None:
     return None
 
 
-def _token(config: dict[str, Any], name: str) -> str | None:
-    token = config.get(name)
-    token = token.get("content") if isinstance(token, dict) else token
-    return token if isinstance(token, str) else None
-
-
 @functools.lru_cache(maxsize=8)
 def _compiled(source: str) -> Template:
     """The template compiled in a sandbox as transformers compiles it (once per process and template)."""
-    try:
+    with extra_needed("a chat build", "jinja2 to render its chat template", "chat"):
         import jinja2
         import jinja2.ext
         import jinja2.runtime
         import jinja2.utils
         from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise MissingDependencyError(
-            "chat builds render chat templates with jinja2: pip install 'streampack[chat]'"
-        ) from None
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}``, which marks assistant text for transformers' own mask: a plain block here."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import importlib.util
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -335,9 +336,7 @@ def import_gigatoken(needed: bool) -> bool:
     Raises:
         MissingDependencyError: it is ``needed`` and not installed.
     """
-    from streampack.tokenizer import preload
-
-    if preload.gigatoken_installed():
+    if importlib.util.find_spec("gigatoken") is not None:
         return True
     if needed:
         raise MissingDependencyError(

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.errors import TokenizerError, extra_needed
 from streampack.tokenizer import preload
 from streampack.tokenizer.base import TokenizerBase
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
@@ -38,12 +38,8 @@ class TiktokenTokenizer(TokenizerBase):
         special_tokens: SpecialTokens = "text",
         engine: TokenizerEngine = "auto",
     ) -> None:
-        try:
+        with extra_needed("the tiktoken backend", "the tiktoken package", "tiktoken"):
             import tiktoken
-        except ImportError:
-            raise MissingDependencyError(
-                "the tiktoken backend needs the tiktoken package: pip install 'streampack[tiktoken]'"
-            ) from None
         ranks = Path(spec.removeprefix(preload.TIKTOKEN_PREFIX))
         if not ranks.name:
             raise TokenizerError(
