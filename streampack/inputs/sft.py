@@ -1,17 +1,17 @@
 """Supervised fine-tuning documents: segments of text, each tokenized on its own, each a target or not.
 
 Fields (``fields=["prompt", "response"]``): the last field is the target. Chat (``chat="messages"``): the
-conversation is rendered as ``transformers`` renders it (``strftime_now`` prints a fixed day, so that a
-cache never depends on the day), and the assistant turns are the targets, found by rendering prefixes: the render of
+conversation is rendered as ``transformers`` renders it (``strftime_now`` prints a fixed day, so that a cache
+never depends on the day), and the assistant turns are the targets, found by rendering prefixes: the render of
 ``messages[:i]`` with the generation prompt must be a prefix of the whole, and that of ``messages[:i + 1]``
 ends after turn ``i`` (or, for a template that drops earlier turns' reasoning, by where its loop over the
 messages starts each one). Special-token strings the template writes become their ids; the texts stay text,
-told apart by rendering the conversation's shape: its messages and tools with each text replaced by a
-marker. All but the conversation's own render is done once per shape (a :class:`_Trace`), and checked
-against that render. A text the template does not print is refused, unless the template drops it by design
-(an earlier turn's reasoning). Where the template is proven to only print the contents
-(:mod:`~streampack.inputs.chat_proof`), conversations are not rendered at all but filled into a plan made
-once per shape (:mod:`~streampack.inputs.chat_plan`).
+told apart by rendering the conversation's shape: its messages and tools with each text replaced by a marker.
+All but the conversation's own render is done once per shape (a :class:`_Trace`), and checked against that
+render. A text the template does not print is refused, unless the template drops it by design (an earlier
+turn's reasoning). Where the template is proven to only print the contents
+(:mod:`~streampack.inputs.chat_proof`), conversations are not rendered at all but filled into a plan made once
+per shape (:mod:`~streampack.inputs.chat_plan`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import bisect
 import datetime
 import functools
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from streampack.errors import TokenizerError, extra_needed
-from streampack.inputs.chat_plan import MARKER, Plan, marker, plan
+from streampack.inputs.chat_plan import MARKER, Plan, marker, plan, runs
 from streampack.inputs.chat_proof import Proof, content_only_printed
 from streampack.inputs.segments import Segment, Sft
 
@@ -585,25 +586,16 @@ def _runs(full: str, targets: list[tuple[int, int]], contents: list[tuple[int, i
     """``full`` cut where a target or content span begins or ends, each run of pieces alike one segment
     (both lists are in order and do not overlap: one pass finds each piece's spans)."""
     cuts = sorted({0, len(full), *(p for span in targets for p in span), *(p for s in contents for p in s)})
-    segments: list[Segment] = []
+    kinds = []
     t = c = 0
-    run_start, run_kind = 0, (False, False)
     for start in cuts[:-1]:
         while t < len(targets) and targets[t][1] <= start:
             t += 1
         while c < len(contents) and contents[c][1] <= start:
             c += 1
-        kind = (
-            t < len(targets) and targets[t][0] <= start,
-            not (c < len(contents) and contents[c][0] <= start),
-        )
-        if kind != run_kind and start:
-            segments.append(Segment(full[run_start:start], *run_kind))
-            run_start = start
-        run_kind = kind
-    if full:
-        segments.append(Segment(full[run_start:], *run_kind))
-    return tuple(segments)
+        in_target = t < len(targets) and targets[t][0] <= start
+        kinds.append((in_target, not (c < len(contents) and contents[c][0] <= start)))
+    return runs([full[a:b] for a, b in itertools.pairwise(cuts)], kinds)
 
 
 _Key = tuple[tuple[tuple[str, str | None], ...], ...]
