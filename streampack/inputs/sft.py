@@ -616,16 +616,11 @@ def _plan_key(messages: list[dict[str, Any]]) -> _Key | None:
     return tuple(key)
 
 
-def _shape(key: _Key) -> list[dict[str, Any]]:
-    """Messages of the shape ``key`` (each content a placeholder)."""
-    return [{k: "-" if v is None else v for k, v in message} for message in key]
-
-
 @functools.lru_cache(maxsize=1024)
 def _plan_of(template: ChatTemplate, key: _Key) -> Plan | None:
     """The plan of the conversations of shape ``key``, for a template that only prints contents."""
     return plan(
-        _shape(key),
+        [{k: "-" if v is None else v for k, v in message} for message in key],  # each content a placeholder
         lambda messages, prompt: template.render(messages, add_generation_prompt=prompt),
         last_only=template.turns == "last",
     )

@@ -1,4 +1,4 @@
-"""What a tokenizer is to streampack: the :class:`Tokenizer` protocol, and what library tokenizers share.
+"""What a tokenizer is to streampack: the :class:`Tokenizer` protocol, and what the tokenizers share.
 
 **Text is text.** Special-token strings in a document are encoded as the plain text they are, and no
 post-processor adds ids (tiktoken's ``encode_ordinary``; Hugging Face with ``add_special_tokens=False``
