@@ -100,10 +100,10 @@ class Plan:
         for k, index, stripped, *_ in self._holes:
             content = messages[index]["content"]
             texts[k] = content.strip() if stripped else content
-        return _runs(texts, self._kinds)
+        return runs(texts, self._kinds)
 
 
-def _runs(texts: list[str], kinds: list[tuple[bool, bool]]) -> Sft:
+def runs(texts: list[str], kinds: list[tuple[bool, bool]]) -> Sft:
     """The non-empty ``texts`` joined into runs of the same kind (target, template)."""
     segments: list[Segment] = []
     run: list[str] = []

@@ -190,7 +190,9 @@ class _Analysis:
             raise Unproven(f"{_what(kind)} in {where}")
 
     def kind(self, node: Any) -> str:
-        """The kind of the value of expression ``node``; Unproven where a use is not allowed."""
+        """The kind of the value of expression ``node``; Unproven where a use is not allowed.
+
+        An expression without a method here (a constant, a slice, a list) is clean where its parts are."""
         method = getattr(self, "_" + type(node).__name__, None)
         if method is None:
             for child in node.iter_child_nodes():
@@ -198,12 +200,6 @@ class _Analysis:
             return CLEAN
         kind: str = method(node)
         return kind
-
-    def _Const(self, node: Any) -> str:
-        return CLEAN
-
-    def _TemplateData(self, node: Any) -> str:
-        return CLEAN
 
     def _Name(self, node: Any) -> str:
         kinds = self.names.get(node.name, {CLEAN})
@@ -238,12 +234,6 @@ class _Analysis:
         if owner == MESSAGE and not (attribute and key in _DICT_METHODS):
             return CONTENT if key == _CONTENT_KEY else CLEAN
         raise Unproven(f"{_what(owner)} read as {how}")
-
-    def _Slice(self, node: Any) -> str:
-        for part in (node.start, node.stop, node.step):
-            if part is not None:
-                self.clean(part, "a slice")
-        return CLEAN
 
     def _Add(self, node: Any) -> str:
         return self.joined([node.left, node.right])

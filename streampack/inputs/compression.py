@@ -21,26 +21,16 @@ from streampack.inputs.records import Position
 READ_CHUNK = 1 << 20
 
 
-def _gzip_file() -> Any:
-    """ISA-L's ``GzipFile`` where ``isal`` is installed (3x zlib's speed), else the standard library's."""
-    try:
-        from isal import igzip
-    except ImportError:
-        return gzip.GzipFile
-    return igzip.GzipFile
+# ISA-L's GzipFile where isal is installed (3x zlib's speed), else the standard library's.
+GzipFile: Any = gzip.GzipFile
+STREAM_ERRORS: tuple[type[Exception], ...] = (EOFError, OSError, zlib.error, lzma.LZMAError)
+try:
+    from isal import igzip, isal_zlib
 
-
-def _gzip_errors() -> tuple[type[Exception], ...]:
-    try:
-        from isal import isal_zlib
-    except ImportError:
-        return ()
-    error: type[Exception] = getattr(isal_zlib, "error")  # noqa: B009 (its stub calls it an instance)
-    return (error,)
-
-
-GzipFile = _gzip_file()
-STREAM_ERRORS: tuple[type[Exception], ...] = (EOFError, OSError, zlib.error, lzma.LZMAError, *_gzip_errors())
+    GzipFile = igzip.GzipFile
+    STREAM_ERRORS += (getattr(isal_zlib, "error"),)  # noqa: B009 (its stub calls it an instance)
+except ImportError:
+    pass
 
 
 @contextmanager

@@ -127,21 +127,19 @@ def _expand_one(spec: str, ignored: list[Ignored]) -> list[tuple[InputFile, str]
             raise InputError(nothing_found(f"{spec}: the directory holds no input files", ignored))
         return found
     if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
-        raise InputError(f"{spec}: {_file_kind(mode)}, not a regular file or directory; pass a file")
+        kind = next((name for is_kind, name in _SPECIAL_FILES if is_kind(mode)), "a special file")
+        raise InputError(f"{spec}: {kind}, not a regular file or directory; pass a file")
     cache = cache_holding(spec)
     if cache is not None:
         raise InputError(f"{spec}: a file of the streampack cache {cache}, not an input")
     return [(local_file(spec), os.path.realpath(spec))]
 
 
-def _file_kind(mode: int) -> str:
-    if stat.S_ISCHR(mode):
-        return "a character device"
-    if stat.S_ISBLK(mode):
-        return "a block device"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    return "a special file"
+_SPECIAL_FILES = (
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def _skipped(ignored: list[Ignored], read: dict[str, str]) -> list[Ignored]:

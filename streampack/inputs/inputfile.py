@@ -28,7 +28,7 @@ NOT_A_REGULAR_FILE = "not a regular file"
 UNREADABLE = "cannot be listed"
 
 _SNIFF_BYTES = 1 << 20  # a first line longer than this is taken to be JSON Lines
-_BOM = b"\xef\xbb\xbf"
+BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def looks_like_json_lines(f: BinaryIO) -> bool:
         if not line:
             return True
         budget -= len(line)
-        line = line.removeprefix(_BOM).strip()
+        line = line.removeprefix(BOM).strip()
         if not line:
             continue
         if line.startswith(b"{"):

@@ -17,7 +17,7 @@ import orjson
 
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import READ_CHUNK, STREAM_ERRORS, open_input, refuse_compressed
-from streampack.inputs.inputfile import COMPRESSION_SUFFIXES, InputFile, looks_like_json_lines
+from streampack.inputs.inputfile import BOM, COMPRESSION_SUFFIXES, InputFile, looks_like_json_lines
 from streampack.inputs.parts import skipped
 from streampack.inputs.records import (
     Item,
@@ -30,7 +30,6 @@ from streampack.inputs.records import (
     encodable,
     record_reader,
 )
-from streampack.inputs.text import BOM
 
 _NEWLINE = ord("\n")
 
@@ -109,10 +108,13 @@ class _LineReader:
         lone surrogate is still refused in the text, which no tokenizer can encode)."""
         try:
             record = json.loads(line.decode("utf-8"))
-        except ValueError:  # invalid UTF-8 or malformed JSON
+        except ValueError as e:  # invalid UTF-8 or malformed JSON
             refuse_compressed(self.file)
-            problem = _json_problem(line, error) + _json_document_hint(self.file)
-            return BadRecordError(self.location(line_no), problem)
+            if isinstance(e, UnicodeDecodeError):
+                problem = f"invalid UTF-8 at byte {e.start} of the line"
+            else:
+                problem = f"malformed JSON ({error})"
+            return BadRecordError(self.location(line_no), problem + _json_document_hint(self.file))
         except RecursionError:  # deeper than orjson's 1024 levels and than Python's recursion limit
             return BadRecordError(self.location(line_no), "malformed JSON (nested too deeply)")
         if not isinstance(record, dict):
@@ -165,8 +167,8 @@ def _line_parts(
                 if not chunks:
                     return
                 at_file_start, pos = pos == 0, pos + sum(map(len, chunks))
-                if at_file_start and chunks[0].startswith(BOM):
-                    chunks[0] = chunks[0][len(BOM) :]
+                if at_file_start:
+                    chunks[0] = chunks[0].removeprefix(BOM)
                 for data in chunks:
                     if data:  # (not a file of nothing but a byte-order mark: it holds no line)
                         count = _count_lines(data)
@@ -237,14 +239,6 @@ def count_lines_before(file: InputFile, start: int) -> int:
         except STREAM_ERRORS as e:
             raise InputError(f"{file.path}: cannot read ({e})") from None
     return count
-
-
-def _json_problem(line: bytes, error: orjson.JSONDecodeError) -> str:
-    try:
-        line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        return f"invalid UTF-8 at byte {e.start} of the line"
-    return f"malformed JSON ({error})"
 
 
 @functools.lru_cache(maxsize=64)

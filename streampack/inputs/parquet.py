@@ -11,7 +11,7 @@ from typing import Any
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import open_remote
 from streampack.inputs.inputfile import InputFile
-from streampack.inputs.parts import Part
+from streampack.inputs.parts import Part, skipped
 from streampack.inputs.records import Item, ReadOptions, RecordReader, Wanted, WorkUnit, record_reader
 
 
@@ -54,83 +54,14 @@ def read_parquet_parts(
     Raises:
         InputError: no such column, not a string column, or the data cannot be read.
     """
+    import pyarrow as pa
+
     file = unit.file
     assert file is not None
-    return _parts(unit, file, parquet_file(file), options, skip, size)
-
-
-@dataclass(frozen=True)
-class TextValues:
-    """The text column's values of consecutive rows, as Arrow holds them."""
-
-    values: Any  # a string or large_string array (struct fields taken, dictionaries decoded)
-    row: int  # the rows of the file before the first
-    file: InputFile
-    field: str
-
-    @property
-    def records(self) -> int:
-        return len(self.values)
-
-    @property
-    def size(self) -> int:
-        return int(self.values.nbytes)
-
-    def items(self) -> list[Item]:
-        try:
-            texts: list[Any] = self.values.to_pylist()
-        except UnicodeDecodeError:
-            texts = _decoded_rows(self.values, self.file, self.row)
-        return [
-            BadRecordError(f"{self.file.path}: row {row}", f"the {self.field!r} value is null")
-            if text is None
-            else text
-            for row, text in enumerate(texts, self.row + 1)
-        ]
-
-    def after(self, skip: int) -> TextValues:
-        return TextValues(self.values.slice(skip), self.row + skip, self.file, self.field)
-
-
-@dataclass(frozen=True)
-class Rows:
-    """The columns an SFT build needs, of consecutive rows, as Arrow holds them."""
-
-    batch: Any  # a record batch
-    row: int  # the rows of the file before the first
-    file: InputFile
-    extract: RecordReader
-    wanted: Wanted
-
-    @property
-    def records(self) -> int:
-        return int(self.batch.num_rows)
-
-    @property
-    def size(self) -> int:
-        return int(self.batch.nbytes)
-
-    def items(self) -> list[Item]:
-        items: list[Item] = []
-        for row, record in enumerate(_batch_rows(self.batch, self.file, self.row), self.row + 1):
-            if isinstance(record, BadRecordError):
-                items.append(record)
-            else:
-                where = functools.partial(str, f"{self.file.path}: row {row}")
-                items.append(self.extract(record, self.wanted, where))
-        return items
-
-    def after(self, skip: int) -> Rows:
-        return Rows(self.batch.slice(skip), self.row + skip, self.file, self.extract, self.wanted)
-
-
-def _parts(
-    unit: WorkUnit, file: InputFile, parquet: Any, options: ReadOptions, skip: int, size: int
-) -> Iterator[Part]:
-    """The text column's values, or for an SFT build the rows of the columns its fields need."""
+    parquet = parquet_file(file)
     names = parquet.schema_arrow.names
-    if options.sft:
-        extract, wanted = record_reader(options)
+    extract, wanted = record_reader(options)
+    if options.sft:  # the columns the SFT fields need
         fields = (
             wanted if isinstance(wanted, tuple) else (wanted if isinstance(wanted, str) else wanted.field,)
         )
@@ -147,32 +78,63 @@ def _parts(
     batches = parquet.iter_batches(
         batch_size=_rows_of(parquet, groups, size), row_groups=groups, columns=columns
     )
-    parts: Iterator[TextValues | Rows]
-    if options.sft:
-        parts = (Rows(batch, 0, file, extract, wanted) for batch in batches)
-    else:
-        field = options.text_field
-        parts = (TextValues(_string_values(batch.column(column), path), 0, file, field) for batch in batches)
-    yield from _numbered(parts, file, row, skip)
 
-
-def _numbered(parts: Iterator[TextValues | Rows], file: InputFile, row: int, skip: int) -> Iterator[Part]:
-    """The parts numbered from file row ``row`` on, without their first ``skip`` rows."""
-    import pyarrow as pa
+    def numbered() -> Iterator[Rows]:
+        nonlocal row
+        for batch in batches:
+            data = batch if options.sft else _string_values(batch.column(column), path)
+            part = Rows(data, row, file, options.text_field, (extract, wanted) if options.sft else None)
+            row += part.records
+            yield part
 
     try:
-        for part in parts:
-            part = dataclasses.replace(part, row=row)
-            row += part.records
-            if skip >= part.records:
-                skip -= part.records
-                continue
-            yield part.after(skip) if skip else part
-            skip = 0
+        yield from skipped(numbered(), skip)
     except (OSError, ValueError, TypeError, KeyError, IndexError, pa.ArrowException) as e:
         raise InputError(  # pyarrow fails a whole batch: the row is the first one not read
             f"{file.path}: row {row + 1} or after: cannot read the Parquet data ({type(e).__name__}: {e})"
         ) from None
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Consecutive rows of a Parquet unit as Arrow holds them: the text column's values, or for an SFT build
+    (``sft``: how a record becomes an item, and what it must hold) a record batch of the columns it needs."""
+
+    data: Any  # a string or large_string array (struct fields taken, dictionaries decoded), or a batch
+    row: int  # the rows of the file before the first
+    file: InputFile
+    field: str
+    sft: tuple[RecordReader, Wanted] | None = None
+
+    @property
+    def records(self) -> int:
+        return len(self.data)
+
+    @property
+    def size(self) -> int:
+        return int(self.data.nbytes)
+
+    def items(self) -> list[Item]:
+        path = self.file.path
+        if self.sft is None:
+            try:
+                texts: list[Any] = self.data.to_pylist()
+            except UnicodeDecodeError:
+                texts = _decoded_rows(self.data, self.file, self.row)
+            problem = f"the {self.field!r} value is null"
+            rows = enumerate(texts, self.row + 1)
+            return [BadRecordError(f"{path}: row {row}", problem) if t is None else t for row, t in rows]
+        extract, wanted = self.sft
+        items: list[Item] = []
+        for row, record in enumerate(_batch_rows(self.data, self.file, self.row), self.row + 1):
+            if isinstance(record, BadRecordError):
+                items.append(record)
+            else:
+                items.append(extract(record, wanted, functools.partial(str, f"{path}: row {row}")))
+        return items
+
+    def after(self, skip: int) -> Rows:
+        return dataclasses.replace(self, data=self.data.slice(skip), row=self.row + skip)
 
 
 def _rows_of(parquet: Any, groups: list[int], size: int) -> int:

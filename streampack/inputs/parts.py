@@ -75,14 +75,14 @@ def grouped_items(items: Iterator[Item | Part], size: int) -> Iterator[Part]:
     held: list[Item] = []
     chars = 0
     for item in items:
-        if not _is_item(item) or isinstance(item, TextStream):
+        if item is not None and not isinstance(item, (str, tuple, BadRecordError)):  # a stream, or a part
             if held:
                 yield ItemsPart(tuple(held), chars)
                 held, chars = [], 0
-            yield StreamPart(item) if isinstance(item, TextStream) else item  # type: ignore[misc]
+            yield StreamPart(item) if isinstance(item, TextStream) else item
             continue
-        held.append(item)  # type: ignore[arg-type]
-        chars += _chars(item)  # type: ignore[arg-type]
+        held.append(item)
+        chars += _chars(item)
         if chars >= size:
             yield ItemsPart(tuple(held), chars)
             held, chars = [], 0
@@ -104,10 +104,6 @@ def parsed(parts: Iterator[Part]) -> Iterator[Item]:
     """Every record's item, parsed where the parts are read."""
     for part in parts:
         yield from part.items()
-
-
-def _is_item(item: object) -> bool:
-    return item is None or isinstance(item, (str, tuple, TextStream, BadRecordError))
 
 
 def _chars(item: Item) -> int:

@@ -187,20 +187,46 @@ def refuse_text_for_sft(files: Iterable[InputFile], option: str) -> None:
         )
 
 
-class _Missing:
-    """The text field is absent from a record; ``problem`` says which part of its path is missing."""
+class _Missing(Exception):
+    """A field is absent from a record (the message says which part of its path)."""
 
-    def __init__(self, problem: str) -> None:
-        self.problem = problem
+
+def _value(record: dict[str, Any], field: str, option: str) -> Any:
+    """``record[field]``, or for a dotted field ``a.b`` absent as such, ``record["a"]["b"]``.
+
+    Raises:
+        _Missing: saying which part is absent, and ``option`` to choose another field.
+    """
+    if field in record:
+        return record[field]
+    parts = field.split(".")
+    advice = f"; pass {option} to choose another"
+    if len(parts) == 1 or parts[0] not in record:
+        fields = ", ".join(map(repr, list(record)[:10])) or "none"
+        raise _Missing(f"no {field!r} field (fields: {fields}){advice}")
+    value: Any = record
+    for i, part in enumerate(parts):
+        outer = ".".join(parts[:i])
+        if not isinstance(value, dict):
+            raise _Missing(f"no {field!r} field: {outer!r} is {_kind(value)}, not an object{advice}")
+        if part not in value:
+            fields = ", ".join(map(repr, list(value)[:10])) or "none"
+            raise _Missing(f"no {field!r} field: {outer!r} has no {part!r} (its fields: {fields}){advice}")
+        value = value[part]
+    return value
 
 
 def _text_of(record: dict[str, Any], field: str, location: Callable[[], str]) -> Item:
-    """The text of a record: ``record[field]``, or for a dotted field absent as such, the nested value."""
-    text = record[field] if field in record else _nested_value(record, field)
+    """The text of a record's ``field`` (looked up here first: one call per record)."""
+    if field in record:
+        text = record[field]
+    else:
+        try:
+            text = _value(record, field, "text_field=...")
+        except _Missing as e:
+            return BadRecordError(location(), str(e))
     if isinstance(text, str):
         return text
-    if isinstance(text, _Missing):
-        return BadRecordError(location(), text.problem)
     return BadRecordError(location(), f"the {field!r} field is {_kind(text)}, expected a string")
 
 
@@ -208,9 +234,10 @@ def _fields_of(record: dict[str, Any], fields: tuple[str, ...], location: Callab
     """An SFT document of a record's ``fields``: each a string (the last one the target)."""
     values = []
     for field in fields:
-        value = record[field] if field in record else _nested_value(record, field, "fields=[...]")
-        if isinstance(value, _Missing):
-            return BadRecordError(location(), value.problem)
+        try:
+            value = _value(record, field, "fields=[...]")
+        except _Missing as e:
+            return BadRecordError(location(), str(e))
         if not isinstance(value, str):
             return BadRecordError(location(), f"the {field!r} field is {_kind(value)}, expected a string")
         values.append(value)
@@ -219,33 +246,11 @@ def _fields_of(record: dict[str, Any], fields: tuple[str, ...], location: Callab
 
 def _chat_of(record: dict[str, Any], chat: ChatTemplate, location: Callable[[], str]) -> Item:
     """An SFT document of a record's conversation (and its ``tools``), rendered with ``chat``'s template."""
-    field = chat.field
-    messages = record[field] if field in record else _nested_value(record, field, "chat=...")
-    if isinstance(messages, _Missing):
-        return BadRecordError(location(), messages.problem)
     try:
-        return chat.segments(check_messages(messages, field), check_tools(record.get("tools")))
-    except ChatError as e:
+        messages = _value(record, chat.field, "chat=...")
+        return chat.segments(check_messages(messages, chat.field), check_tools(record.get("tools")))
+    except (_Missing, ChatError) as e:
         return BadRecordError(location(), str(e))
-
-
-def _nested_value(record: dict[str, Any], field: str, option: str = "text_field=...") -> Any:
-    """``record["a"]["b"]`` for the field ``a.b``, or a :class:`_Missing` saying which part is absent."""
-    parts = field.split(".")
-    advice = f"; pass {option} to choose another"
-    if len(parts) == 1 or parts[0] not in record:
-        fields = ", ".join(map(repr, list(record)[:10])) or "none"
-        return _Missing(f"no {field!r} field (fields: {fields}){advice}")
-    value: Any = record
-    for i, part in enumerate(parts):
-        outer = ".".join(parts[:i])
-        if not isinstance(value, dict):
-            return _Missing(f"no {field!r} field: {outer!r} is {_kind(value)}, not an object{advice}")
-        if part not in value:
-            fields = ", ".join(map(repr, list(value)[:10])) or "none"
-            return _Missing(f"no {field!r} field: {outer!r} has no {part!r} (its fields: {fields}){advice}")
-        value = value[part]
-    return value
 
 
 def _kind(value: Any) -> str:

@@ -1,17 +1,17 @@
 """Supervised fine-tuning documents: segments of text, each tokenized on its own, each a target or not.
 
 Fields (``fields=["prompt", "response"]``): the last field is the target. Chat (``chat="messages"``): the
-conversation is rendered as ``transformers`` renders it (without ``strftime_now``, so that a cache never
-depends on the day), and the assistant turns are the targets, found by rendering prefixes: the render of
+conversation is rendered as ``transformers`` renders it (``strftime_now`` prints a fixed day, so that a cache
+never depends on the day), and the assistant turns are the targets, found by rendering prefixes: the render of
 ``messages[:i]`` with the generation prompt must be a prefix of the whole, and that of ``messages[:i + 1]``
 ends after turn ``i`` (or, for a template that drops earlier turns' reasoning, by where its loop over the
 messages starts each one). Special-token strings the template writes become their ids; the texts stay text,
-told apart by rendering the conversation's shape: its messages and tools with each text replaced by a
-marker. All but the conversation's own render is done once per shape (a :class:`_Trace`), and checked
-against that render. A text the template does not print is refused, unless the template drops it by design
-(an earlier turn's reasoning). Where the template is proven to only print the contents
-(:mod:`~streampack.inputs.chat_proof`), conversations are not rendered at all but filled into a plan made
-once per shape (:mod:`~streampack.inputs.chat_plan`).
+told apart by rendering the conversation's shape: its messages and tools with each text replaced by a marker.
+All but the conversation's own render is done once per shape (a :class:`_Trace`), and checked against that
+render. A text the template does not print is refused, unless the template drops it by design (an earlier
+turn's reasoning). Where the template is proven to only print the contents
+(:mod:`~streampack.inputs.chat_proof`), conversations are not rendered at all but filled into a plan made once
+per shape (:mod:`~streampack.inputs.chat_plan`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import bisect
 import datetime
 import functools
 import hashlib
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator
@@ -27,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from streampack.errors import MissingDependencyError, TokenizerError
-from streampack.inputs.chat_plan import MARKER, Plan, marker, plan
+from streampack.errors import TokenizerError, extra_needed
+from streampack.inputs.chat_plan import MARKER, Plan, marker, plan, runs
 from streampack.inputs.chat_proof import Proof, content_only_printed
 from streampack.inputs.segments import Segment, Sft
 
@@ -503,23 +504,14 @@ def _shape_render(
     shapes of a corpus share their first messages, whose renders the traces ask for again and again."""
     key = _trace_key(marked, tools)
     if key is None:
-        return _render_marks(template, marked, tools, prompt, instrumented)
+        messages = _turn_marks(marked) if instrumented else marked
+        return template.render(messages, prompt, tools, instrumented=instrumented)
     return _shape_render_of(template, key, prompt, instrumented)
 
 
 @functools.lru_cache(maxsize=1024)
 def _shape_render_of(template: ChatTemplate, key: str, prompt: bool, instrumented: bool) -> str:
     marked, tools = json.loads(key)
-    return _render_marks(template, marked, tools, prompt, instrumented)
-
-
-def _render_marks(
-    template: ChatTemplate,
-    marked: list[dict[str, Any]],
-    tools: list[Any] | None,
-    prompt: bool,
-    instrumented: bool,
-) -> str:
     messages = _turn_marks(marked) if instrumented else marked
     return template.render(messages, prompt, tools, instrumented=instrumented)
 
@@ -594,25 +586,16 @@ def _runs(full: str, targets: list[tuple[int, int]], contents: list[tuple[int, i
     """``full`` cut where a target or content span begins or ends, each run of pieces alike one segment
     (both lists are in order and do not overlap: one pass finds each piece's spans)."""
     cuts = sorted({0, len(full), *(p for span in targets for p in span), *(p for s in contents for p in s)})
-    segments: list[Segment] = []
+    kinds = []
     t = c = 0
-    run_start, run_kind = 0, (False, False)
     for start in cuts[:-1]:
         while t < len(targets) and targets[t][1] <= start:
             t += 1
         while c < len(contents) and contents[c][1] <= start:
             c += 1
-        kind = (
-            t < len(targets) and targets[t][0] <= start,
-            not (c < len(contents) and contents[c][0] <= start),
-        )
-        if kind != run_kind and start:
-            segments.append(Segment(full[run_start:start], *run_kind))
-            run_start = start
-        run_kind = kind
-    if full:
-        segments.append(Segment(full[run_start:], *run_kind))
-    return tuple(segments)
+        in_target = t < len(targets) and targets[t][0] <= start
+        kinds.append((in_target, not (c < len(contents) and contents[c][0] <= start)))
+    return runs([full[a:b] for a, b in itertools.pairwise(cuts)], kinds)
 
 
 _Key = tuple[tuple[tuple[str, str | None], ...], ...]
@@ -633,16 +616,11 @@ def _plan_key(messages: list[dict[str, Any]]) -> _Key | None:
     return tuple(key)
 
 
-def _shape(key: _Key) -> list[dict[str, Any]]:
-    """Messages of the shape ``key`` (each content a placeholder)."""
-    return [{k: "-" if v is None else v for k, v in message} for message in key]
-
-
 @functools.lru_cache(maxsize=1024)
 def _plan_of(template: ChatTemplate, key: _Key) -> Plan | None:
     """The plan of the conversations of shape ``key``, for a template that only prints contents."""
     return plan(
-        _shape(key),
+        [{k: "-" if v is None else v for k, v in message} for message in key],  # each content a placeholder
         lambda messages, prompt: template.render(messages, add_generation_prompt=prompt),
         last_only=template.turns == "last",
     )
@@ -688,28 +666,11 @@ def load_chat_template(
             f"{jinja_file.name} beside it); add one, or render the conversations yourself and build with "
             "fields=[...]"
         )
-    variables = tuple(
-        (name, token) for name in TEMPLATE_TOKENS if (token := _token(config, name)) is not None
-    )
+    config_token = getattr(tokenizer, "config_token")  # noqa: B009 (a Hugging Face tokenizer's, as config_path)
+    variables = tuple((name, token) for name in TEMPLATE_TOKENS if (token := config_token(name)) is not None)
     template = ChatTemplate(field, source, origin, variables, turns, reasoning)
     _compile_checked(template)
     return template
-
-
-def _config_template(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        default = named.get("default")
-        return default if isinstance(default, str) else None
-    return None
-
-
-def _token(config: dict[str, Any], name: str) -> str | None:
-    token = config.get(name)
-    token = token.get("content") if isinstance(token, dict) else token
-    return token if isinstance(token, str) else None
 
 
 def _compile_checked(template: ChatTemplate) -> None:
@@ -723,19 +684,25 @@ def _compile_checked(template: ChatTemplate) -> None:
         ) from None
 
 
+def _config_template(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        default = named.get("default")
+        return default if isinstance(default, str) else None
+    return None
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled(source: str) -> Template:
     """The template compiled in a sandbox as transformers compiles it (once per process and template)."""
-    try:
+    with extra_needed("a chat build", "jinja2 to render its chat template", "chat"):
         import jinja2
         import jinja2.ext
         import jinja2.runtime
         import jinja2.utils
         from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise MissingDependencyError(
-            "chat builds render chat templates with jinja2: pip install 'streampack[chat]'"
-        ) from None
 
     class Generation(jinja2.ext.Extension):
         """``{% generation %}``, which marks assistant text for transformers' own mask: a plain block here."""

@@ -7,11 +7,10 @@ from collections.abc import Iterator
 
 from streampack.errors import BadRecordError, InputError
 from streampack.inputs.compression import READ_CHUNK, STREAM_ERRORS, open_input, refuse_compressed
-from streampack.inputs.inputfile import InputFile
+from streampack.inputs.inputfile import BOM, InputFile
 from streampack.inputs.records import Item, Position, TextStream
 
 _STREAM_TEXT_BYTES = 8 << 20  # larger .txt documents are streamed in chunks rather than read whole
-BOM = b"\xef\xbb\xbf"
 
 
 def read_text_document(file: InputFile, skip: int, position: Position | None) -> Iterator[Item]:
@@ -19,9 +18,7 @@ def read_text_document(file: InputFile, skip: int, position: Position | None) ->
     if skip:
         return
     if file.size <= _STREAM_TEXT_BYTES and file.compression is None:
-        data = _whole(file)
-        if data.startswith(BOM):
-            data = data[len(BOM) :]
+        data = _whole(file).removeprefix(BOM)
         try:
             yield data.decode("utf-8")
         except UnicodeDecodeError as e:

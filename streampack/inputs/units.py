@@ -55,7 +55,7 @@ def plan_python_units(items: Any) -> list[WorkUnit]:
     if (
         isinstance(items, (str, bytes, Mapping, Set))
         or not isinstance(items, Iterable)
-        or _is_dataframe(items)
+        or type(items).__name__ == "DataFrame"  # pandas or polars: iterating one yields column names
     ):
         raise InputError(
             f"cannot read documents from a {type(items).__name__}: pass a list or iterable of str or of "
@@ -66,10 +66,6 @@ def plan_python_units(items: Any) -> list[WorkUnit]:
         bounds = range(0, max(n, 1), SEQUENCE_UNIT_ROWS)
         return [WorkUnit(i, None, a, min(a + SEQUENCE_UNIT_ROWS, n), items) for i, a in enumerate(bounds)]
     return [WorkUnit(0, None, 0, None, items)]
-
-
-def _is_dataframe(items: Any) -> bool:
-    return type(items).__name__ == "DataFrame"  # pandas or polars: iterating one yields column names
 
 
 def _ranges(file: InputFile, options: ReadOptions) -> list[tuple[int, int | None]]:

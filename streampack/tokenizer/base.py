@@ -1,4 +1,4 @@
-"""What a tokenizer is to streampack: the :class:`Tokenizer` protocol, and what library tokenizers share.
+"""What a tokenizer is to streampack: the :class:`Tokenizer` protocol, and what the tokenizers share.
 
 **Text is text.** Special-token strings in a document are encoded as the plain text they are, and no
 post-processor adds ids (tiktoken's ``encode_ordinary``; Hugging Face with ``add_special_tokens=False``
@@ -12,17 +12,20 @@ defines it, gives the cache's ids whatever engine computes them.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from concurrent.futures import Future
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from streampack.errors import TokenizerError
 from streampack.tokenizer.choices import TokenizerEngine
 from streampack.tokenizer.engines import (
+    GIGATOKEN_CACHE_BYTES,
     Engine,
     FastokensEngine,
-    FastokensLoad,
     FlatIds,
+    GigatokenEngine,
+    fastokens_loading,
     import_fastokens,
     import_gigatoken,
     reference_reason,
@@ -120,84 +123,78 @@ def describe_engine(tokenizer: Tokenizer) -> dict[str, str]:
     }
 
 
-class LibraryTokenizer:
-    """What the tokenizers a library defines share: that library is their reference engine, and their
-    engine is it, ``gigatoken`` or ``fastokens``, chosen alike (:meth:`_choose_engine`).
+class TokenizerBase:
+    """What the tokenizers share: a reference engine ``_reference`` that defines their ids, and the engine
+    that computes them.
 
-    A subclass sets ``_kind`` (for messages) and ``_wrong_library`` (the other library's engine), starts
-    the fastokens load, makes its reference engine ``_reference``, then chooses its engine.
+    A library's tokenizer (a subclass with ``_kind``, ``_wrong_library``, ``_refusal`` and the three
+    ``_fastokens``/``_gigatoken``/``_mismatch`` hooks) starts the fastokens load, makes its reference
+    engine, then chooses its engine by :meth:`_choose_engine`: it, ``gigatoken`` or ``fastokens``.
     """
 
-    _kind: str
-    _wrong_library: str
+    _kind: str  # what it is, for messages: "a tokenizer.json"
+    _wrong_library: str  # the other library's engine
+    _refusal: str  # the start of the error when an engine is asked for and not proven, ``{engine}`` in it
     spec: str
     _reference: Engine
     engine: Engine
     engine_reason: str
 
-    @staticmethod
-    def _start_fastokens(
-        choice: TokenizerEngine, threads: int | None, load: Callable[[Any], Any]
-    ) -> FastokensLoad | None:
-        """Start loading the fastokens tokenizer (``load(fastokens)``) now, beside the reference engine's
-        load; None where fastokens cannot be chosen (another engine asked for, or it is not installed)."""
+    def _fastokens(self, fastokens: Any) -> Any:
+        """The ``fastokens.Tokenizer`` of this tokenizer (run on a thread of its own)."""
+        raise NotImplementedError
+
+    def _gigatoken(self, parse: bool) -> Callable[[], Any]:
+        """What makes the ``gigatoken.Tokenizer`` of this tokenizer (again on each reload)."""
+        raise NotImplementedError
+
+    def _mismatch(self, engine: Literal["fastokens", "gigatoken"], parse: bool) -> str:
+        """Why ``engine`` may not give the reference's ids in this special-token mode (``""``: proven to)."""
+        raise NotImplementedError
+
+    def _start_fastokens(self, choice: TokenizerEngine, threads: int | None) -> Future[Any] | None:
+        """Start loading the fastokens tokenizer now, beside the reference engine's load; None where
+        fastokens cannot be chosen (another engine asked for, or it is not installed)."""
         if choice not in ("auto", "fastokens"):
             return None
         fastokens = import_fastokens(needed=choice == "fastokens")
-        return None if fastokens is None else FastokensLoad(lambda: load(fastokens), threads)
+        return None if fastokens is None else fastokens_loading(lambda: self._fastokens(fastokens), threads)
 
     def _choose_engine(
-        self,
-        choice: TokenizerEngine,
-        started: Callable[[], FastokensLoad | None],
-        *,
-        gigatoken: Callable[[], Engine],
-        gigatoken_problem: Callable[[], str],
-        problem: Callable[[], str],
-        split_special: bool,
-        refusal: str,
+        self, choice: TokenizerEngine, started: Future[Any] | None, *, threads: int | None, parse: bool
     ) -> tuple[Engine, str]:
         """The engine asked for, where installed and proven to give the reference's ids in this special-token
-        mode, else refused; for ``auto``, fastokens where so, else the reference engine; and why.
-
-        Args:
-            choice: the engine asked for.
-            started: the load :meth:`_start_fastokens` started (it starts it where it has not).
-            gigatoken: makes the gigatoken engine (raises :class:`TokenizerError` where it cannot load).
-            gigatoken_problem: why gigatoken may not give the ids (``""``: proven to).
-            problem: why fastokens may not give the ids (``""``: proven to).
-            split_special: special-token strings are text.
-            refusal: the start of the error when an engine is asked for and not proven, ``{engine}`` in it.
-        """
+        mode, else refused; for ``auto``, fastokens where so (``started``: its load), else the reference
+        engine; and why."""
         library = self._reference.name
         if choice == self._wrong_library:
             raise TokenizerError(
                 f"tokenizer {self.spec!r} is {self._kind}: its engines are {library}, fastokens and "
                 f"gigatoken (got tokenizer_engine={choice!r})"
             )
-        mode = "text" if split_special else "parse"
+        mode = "parse" if parse else "text"
         proven = f"proven exact for this tokenizer in {mode} mode"
         # gigatoken only when asked for: in a build here it took as much CPU as fastokens (bench_build)
         if choice == "gigatoken" and import_gigatoken(needed=True):
-            why = gigatoken_problem()
+            why = self._mismatch("gigatoken", parse)
             if not why:
                 try:
-                    return gigatoken(), proven
+                    load = self._gigatoken(parse)
+                    return GigatokenEngine(load, threads=threads, cache_bytes=GIGATOKEN_CACHE_BYTES), proven
                 except TokenizerError as e:
                     why = str(e)
             raise TokenizerError(
-                f"{refusal.format(engine='gigatoken')} in {mode} mode ({why}); use "
+                f"{self._refusal.format(engine='gigatoken')} in {mode} mode ({why}); use "
                 f"tokenizer_engine='auto' or '{library}'"
             )
-        loading = started()
-        if loading is None:
+        if started is None:
             return self._reference, reference_reason(choice)
-        why = problem()
+        why = self._mismatch("fastokens", parse)
         if not why:
-            return FastokensEngine(loading, split_special=split_special, fallback=library), proven
+            return FastokensEngine(started, split_special=not parse, fallback=library), proven
         if choice == "fastokens":
             raise TokenizerError(
-                f"{refusal.format(engine='fastokens')} in {mode} mode ({why}); use "
+                f"{self._refusal.format(engine='fastokens')} in {mode} mode ({why}); use "
                 f"tokenizer_engine='auto' or '{library}'"
             )
         return self._reference, f"fastokens refused: {why} in {mode} mode"
@@ -213,7 +210,7 @@ class LibraryTokenizer:
         return self.engine.fast_piece_chars
 
     def reference_engine(self) -> Engine:
-        """The engine that defines this tokenizer's ids: its library's."""
+        """The engine that defines this tokenizer's ids."""
         return self._reference
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:

@@ -7,42 +7,26 @@ from typing import Any
 
 import numpy as np
 
-from streampack.tokenizer.engines import BytesEngine, Engine, FlatIds
+from streampack.tokenizer.base import TokenizerBase
+from streampack.tokenizer.engines import BytesEngine, Engine
 from streampack.tokenizer.pieces import CutSafety
 
 
-class BytesTokenizer:
+class BytesTokenizer(TokenizerBase):
     """UTF-8 bytes as token ids 0-255, with EOS = 256. Needs no files; the built-in default."""
 
     spec = "bytes"
     vocab_size = 257
     eos_id: int | None = 256
     bos_id: int | None = None
-    fast_piece_chars: int | None = None
     cut_safety = CutSafety(True, "every cut keeps UTF-8 bytes", anywhere=True)
-    engine: Engine = BytesEngine()  # stateless: one for all
+    engine: Engine = BytesEngine()  # stateless: one for all, and its own reference
+    _reference = engine
     engine_reason = "the bytes tokenizer's only engine"
-
-    @property
-    def cores_per_worker(self) -> int:
-        """See :class:`Tokenizer`."""
-        return self.engine.cores_per_worker
-
-    def reference_engine(self) -> Engine:
-        """The engine that defines this tokenizer's ids: its only one."""
-        return self.engine
 
     def fingerprint(self) -> dict[str, Any]:
         """See :class:`Tokenizer`."""
         return {"kind": "bytes", "name": "bytes", "vocab_size": self.vocab_size, "sha256": "bytes-v1"}
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """See :class:`Tokenizer`."""
-        return self.engine.encode_batch(texts)
-
-    def encode_flat(self, texts: list[str]) -> FlatIds:
-        """See :class:`Tokenizer`."""
-        return self.engine.encode_flat(texts)
 
     def encode_specials(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Tokenizer`; bytes have no special tokens."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import importlib.util
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -50,15 +51,6 @@ def joined(arrays: list[np.ndarray]) -> FlatIds:
     return (np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.uint32)), offsets
 
 
-def _package_version(name: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "unknown"
-
-
 @contextlib.contextmanager
 def _environment(name: str, value: str) -> Iterator[None]:
     """Set the environment variable ``name`` for the duration of the block only."""
@@ -99,7 +91,33 @@ class BytesEngine:
         return np.frombuffer(b"".join(encoded), np.uint8), offsets
 
 
-class TokenizersEngine:
+class _PackageEngine:
+    """An engine that its package of the same name computes: each subclass gives one of the two encode
+    calls, and the other is made from it."""
+
+    name: str
+
+    @property
+    def version(self) -> str:
+        """See :class:`Engine`."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version(self.name)
+        except PackageNotFoundError:
+            return "unknown"
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """See :class:`Engine`."""
+        flat, offsets = self.encode_flat(texts)
+        return np.split(flat, offsets[1:-1]) if len(texts) else []
+
+    def encode_flat(self, texts: list[str]) -> FlatIds:
+        """See :class:`Engine`."""
+        return joined(self.encode_batch(texts))
+
+
+class TokenizersEngine(_PackageEngine):
     """Hugging Face ``tokenizers``' ``encode_batch_fast``: the reference engine of a ``tokenizer.json``."""
 
     name = "tokenizers"
@@ -114,18 +132,9 @@ class TokenizersEngine:
         # set by an owner that changes ``tok``'s special-token setting for calls of its own
         self.exclusive: threading.Lock | None = None
         if threads is not None and threads != os.cpu_count():
-            self._start_thread_pool(threads)
-
-    @property
-    def version(self) -> str:
-        """See :class:`Engine`."""
-        return _package_version("tokenizers")
-
-    def _start_thread_pool(self, threads: int) -> None:
-        """Start ``tokenizers``' pool with ``threads`` threads (it reads RAYON_NUM_THREADS at its first call,
-        set for that call only), if this process has none yet."""
-        with _environment("RAYON_NUM_THREADS", str(threads)):
-            self._encode(["a b", "c d"], add_special_tokens=False)
+            # its pool, if this process has none yet, reads RAYON_NUM_THREADS at its first call
+            with _environment("RAYON_NUM_THREADS", str(threads)):
+                self._encode(["a b", "c d"], add_special_tokens=False)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Engine`."""
@@ -137,12 +146,8 @@ class TokenizersEngine:
         # array('I') copies the Python int list in C at ~60% of np.array's cost; this runs under the GIL.
         return [np.frombuffer(array.array("I", e.ids), dtype=np.uint32) for e in encodings]
 
-    def encode_flat(self, texts: list[str]) -> FlatIds:
-        """See :class:`Engine`."""
-        return joined(self.encode_batch(texts))
 
-
-class TiktokenEngine:
+class TiktokenEngine(_PackageEngine):
     """tiktoken, one text per call on a thread pool, ids returned in a buffer."""
 
     name = "tiktoken"
@@ -158,11 +163,6 @@ class TiktokenEngine:
         core = getattr(enc, "_core_bpe", None)
         self._to_buffer = getattr(core, "encode_to_tiktoken_buffer", None)
 
-    @property
-    def version(self) -> str:
-        """See :class:`Engine`."""
-        return _package_version("tiktoken")
-
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """See :class:`Engine`. Encodes as ``encode_ordinary`` unless special tokens are allowed."""
         if self._to_buffer is None:  # older tiktoken: the public batch call, then a list-to-array copy
@@ -172,27 +172,18 @@ class TiktokenEngine:
             return [self._encode_one(t) for t in texts]
         return list(self._pool.map(self._encode_one, texts))
 
-    def encode_flat(self, texts: list[str]) -> FlatIds:
-        """See :class:`Engine`."""
-        return joined(self.encode_batch(texts))
-
     def _encode_one(self, text: str) -> np.ndarray:
         # No allowed specials makes this encode_ordinary, returning ids in a buffer: no Python int list.
         assert self._to_buffer is not None, "encode_batch checks for it"
         return np.frombuffer(self._to_buffer(text, self._allowed), dtype=np.uint32)
 
 
-class FastokensLoad:
-    """A ``fastokens.Tokenizer`` that ``load()`` makes on a thread of its own (it lets go of the GIL), its
+def fastokens_loading(load: Callable[[], Any], threads: int | None) -> Future[Any]:
+    """The ``fastokens.Tokenizer`` that ``load()`` makes on a thread of its own (it lets go of the GIL), its
     pool started with the threads a build's call gets."""
+    loading: Future[Any] = Future()
 
-    def __init__(self, load: Callable[[], Any], threads: int | None) -> None:
-        self.tokenizer: Future[Any] = Future()
-        # not a daemon: killing the thread inside fastokens' native code at exit aborts the process
-        loading = threading.Thread(target=self._load, args=(load, threads), name="streampack-fastokens-load")
-        loading.start()
-
-    def _load(self, load: Callable[[], Any], threads: int | None) -> None:
+    def run() -> None:
         try:
             tok = load()
             text_is_whole(tok)
@@ -200,12 +191,16 @@ class FastokensLoad:
             with _environment("FASTOKENS_BPE_THREADS", str(fastokens_call_threads(threads))):
                 tok.encode_batch_flat(["a b", "c d"], add_special_tokens=False)
         except Exception as e:  # fastokens raises ValueError, or a bare Exception, for files it refuses
-            self.tokenizer.set_exception(e)
+            loading.set_exception(e)
         else:
-            self.tokenizer.set_result(tok)
+            loading.set_result(tok)
+
+    # not a daemon: killing the thread inside fastokens' native code at exit aborts the process
+    threading.Thread(target=run, name="streampack-fastokens-load").start()
+    return loading
 
 
-class FastokensEngine:
+class FastokensEngine(_PackageEngine):
     """``fastokens`` (Rust): encodes byte-level BPE or tiktoken ranks ~10-40x faster than their reference
     engines, into a flat buffer of ids. Used only where proven exact, and sampled against the reference."""
 
@@ -215,26 +210,12 @@ class FastokensEngine:
     # whole documents up to the pieces' bound: fastest so (benchmarks/results/pieces-fastokens.md)
     fast_piece_chars: int | None = None
 
-    def __init__(self, loading: FastokensLoad, *, split_special: bool, fallback: str) -> None:
-        """Encode with the ``fastokens.Tokenizer`` that ``loading`` makes; ``split_special``: special tokens
-        are text; ``fallback``: the engine a load failure's message suggests."""
+    def __init__(self, loading: Future[Any], *, split_special: bool, fallback: str) -> None:
+        """Encode with the ``fastokens.Tokenizer`` being loaded; ``split_special``: special tokens are text;
+        ``fallback``: the engine a load failure's message suggests."""
         self._split_special = split_special
         self._fallback = fallback
-        self._tok = loading.tokenizer
-
-    @property
-    def version(self) -> str:
-        """See :class:`Engine`."""
-        return _package_version("fastokens")
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """See :class:`Engine`.
-
-        Raises:
-            TokenizerError: fastokens could not load the tokenizer.
-        """
-        flat, offsets = self.encode_flat(texts)
-        return np.split(flat, offsets[1:-1]) if len(texts) else []
+        self._tok = loading
 
     def encode_flat(self, texts: list[str]) -> FlatIds:
         """See :class:`Engine`: its batch call's own flat buffers.
@@ -259,7 +240,7 @@ class FastokensEngine:
 GIGATOKEN_CACHE_BYTES = 256 << 20
 
 
-class GigatokenEngine:
+class GigatokenEngine(_PackageEngine):
     """``gigatoken`` (Rust): encodes byte-level BPE or tiktoken ranks ~1.5-2x faster than fastokens once its
     caches of the pieces it has seen are warm, into a flat buffer of ids. Used only where proven exact, and
     sampled against the reference.
@@ -317,16 +298,6 @@ class GigatokenEngine:
         memory = anonymous_memory()
         return 1 << 62 if memory is None or self._cache_bytes is None else memory + self._cache_bytes
 
-    @property
-    def version(self) -> str:
-        """See :class:`Engine`."""
-        return _package_version("gigatoken")
-
-    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
-        """See :class:`Engine`."""
-        flat, offsets = self.encode_flat(texts)
-        return np.split(flat, offsets[1:-1]) if len(texts) else []
-
     def encode_flat(self, texts: list[str]) -> FlatIds:
         """See :class:`Engine`: its batch call's own flat buffers (an awkward array's content and offsets)."""
         layout = self._tok.encode_batch(texts, parallel=self._threads > 1 and os.getpid() == self._pid).layout
@@ -365,9 +336,7 @@ def import_gigatoken(needed: bool) -> bool:
     Raises:
         MissingDependencyError: it is ``needed`` and not installed.
     """
-    from streampack.tokenizer import preload
-
-    if preload.gigatoken_installed():
+    if importlib.util.find_spec("gigatoken") is not None:
         return True
     if needed:
         raise MissingDependencyError(

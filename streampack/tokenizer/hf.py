@@ -7,30 +7,25 @@ import hashlib
 import json
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import orjson
 
 from streampack.errors import TokenizerError
 from streampack.tokenizer import preload
-from streampack.tokenizer.base import LibraryTokenizer, RecurringTexts
+from streampack.tokenizer.base import RecurringTexts, TokenizerBase
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
-from streampack.tokenizer.engines import (
-    GIGATOKEN_CACHE_BYTES,
-    GigatokenEngine,
-    TokenizersEngine,
-    text_is_whole,
-)
+from streampack.tokenizer.engines import TokenizersEngine, text_is_whole
 from streampack.tokenizer.pieces import hf_cut_safety
 from streampack.tokenizer.proofs import ADDED_FLAGS, fastokens_mismatch_hf, gigatoken_mismatch_hf
 from streampack.tokenizer.specials import BOS_NAMES, EOS_NAMES
 
 
-class HFTokenizer(LibraryTokenizer):
+class HFTokenizer(TokenizerBase):
     """A Hugging Face tokenizer loaded from a local ``tokenizer.json``; ``tokenizers`` is its reference."""
 
     _kind = "a tokenizer.json"
@@ -57,9 +52,9 @@ class HFTokenizer(LibraryTokenizer):
             )
         self.spec = spec
         self._path = path
+        self._refusal = f"{path}: {{engine}} is not known to give this tokenizer's ids"
         self._definition = path.read_bytes()
-        load = partial(_load_fastokens, self._definition)
-        started = self._start_fastokens(engine, threads, load)
+        started = self._start_fastokens(engine, threads)
         try:
             text = self._definition.decode("utf-8")  # once: ~7 ms for GPT-2's 3.5 MB
             self._tok = _Tokenizer.from_str(text)
@@ -70,31 +65,34 @@ class HFTokenizer(LibraryTokenizer):
         self._parsing: Any = None if special_tokens == "text" else self._tok  # see _parse_specials
         self._parsing_lock = threading.Lock()
         self._template_ids = RecurringTexts(self._parse_specials)
-        structure = self._structure(text)
-        self.cut_safety = hf_cut_safety(structure, parse_special=special_tokens == "parse")
+        self._structure = self._structure_of(text)
+        self.cut_safety = hf_cut_safety(self._structure, parse_special=special_tokens == "parse")
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         self._config = self._read_config()
         self._eos_id, self._eos_problem = self._find_special("eos_token", EOS_NAMES, added_only=False)
         self._bos_id, self._bos_problem = self._find_special("bos_token", BOS_NAMES, added_only=True)
         self._reference = TokenizersEngine(self._tok, threads=threads)
         parse = special_tokens == "parse"
-        self.engine, self.engine_reason = self._choose_engine(
-            engine,
-            lambda: started or self._start_fastokens(engine, threads, load),
-            gigatoken=lambda: GigatokenEngine(
-                partial(_load_gigatoken, gigatoken_form(text, parse_special=parse)),
-                threads=threads,
-                cache_bytes=GIGATOKEN_CACHE_BYTES,
-            ),
-            gigatoken_problem=lambda: gigatoken_mismatch_hf(structure, parse_special=parse),
-            problem=lambda: fastokens_mismatch_hf(structure, parse_special=parse),
-            split_special=not parse,
-            refusal=f"{self._path}: {{engine}} is not known to give this tokenizer's ids",
-        )
+        self.engine, self.engine_reason = self._choose_engine(engine, started, threads=threads, parse=parse)
         if self._parsing is None and self.engine is not self._reference:
             self._reference.exclusive = self._parsing_lock  # see _parse_specials
 
-    def _structure(self, text: str) -> dict[str, Any]:
+    def _fastokens(self, fastokens: Any) -> Any:
+        # the load the command began before its imports (streampack.tokenizer.preload), if of these bytes
+        definition = self._definition
+        return preload.taken_or_loaded(
+            definition, lambda: fastokens.Tokenizer.from_json_str(definition.decode("utf-8"))
+        )
+
+    def _gigatoken(self, parse: bool) -> Callable[[], Any]:
+        form = gigatoken_form(self._definition.decode("utf-8"), parse_special=parse)
+        return partial(_load_gigatoken, form)
+
+    def _mismatch(self, engine: Literal["fastokens", "gigatoken"], parse: bool) -> str:
+        mismatch = gigatoken_mismatch_hf if engine == "gigatoken" else fastokens_mismatch_hf
+        return mismatch(self._structure, parse_special=parse)
+
+    def _structure_of(self, text: str) -> dict[str, Any]:
         """The parts of the definition that decide which cuts keep the tokens and whether fastokens is exact,
         read from the loaded tokenizer (parsing the whole file again costs ~0.1 s per process)."""
 
@@ -234,13 +232,6 @@ class HFTokenizer(LibraryTokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         """See :class:`Tokenizer`."""
         return self._tok.decode(list(ids), skip_special_tokens=False)
-
-
-def _load_fastokens(definition: bytes, fastokens: Any) -> Any:
-    """The ``fastokens.Tokenizer`` of a ``tokenizer.json``'s bytes (the command's preload if of them)."""
-    return preload.taken_or_loaded(
-        definition, lambda: fastokens.Tokenizer.from_json_str(definition.decode("utf-8"))
-    )
 
 
 def _load_gigatoken(form: str) -> Any:

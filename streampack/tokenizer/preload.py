@@ -77,11 +77,6 @@ def start(spec: object, engine: object = "auto") -> bool:
     return _begin(definition, lambda fastokens: fastokens.Tokenizer.from_json_str(definition.decode("utf-8")))
 
 
-def gigatoken_installed() -> bool:
-    """Whether ``gigatoken`` can be imported (found, not imported: it pulls in awkward)."""
-    return importlib.util.find_spec("gigatoken") is not None
-
-
 def _start_tiktoken(ranks: Path) -> bool:
     """:func:`start` for a tiktoken ranks file, keyed by its bytes and its sidecar's."""
     # imported here: its dataclasses (8 ms) would delay the load of a tokenizer.json, the usual case

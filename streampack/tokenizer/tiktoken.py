@@ -6,28 +6,25 @@ import base64
 import binascii
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from streampack.errors import MissingDependencyError, TokenizerError
+from streampack.errors import TokenizerError, extra_needed
 from streampack.tokenizer import preload
-from streampack.tokenizer.base import LibraryTokenizer
+from streampack.tokenizer.base import TokenizerBase
 from streampack.tokenizer.choices import SpecialTokens, TokenizerEngine
-from streampack.tokenizer.engines import GIGATOKEN_CACHE_BYTES, GigatokenEngine, RoutedEngine, TiktokenEngine
+from streampack.tokenizer.engines import RoutedEngine, TiktokenEngine
 from streampack.tokenizer.fast_forms import fast_split, load_fast_tiktoken
 from streampack.tokenizer.pieces import tiktoken_cut_safety
-from streampack.tokenizer.proofs import (
-    GIGATOKEN_SCHEMES,
-    tiktoken_mismatch,
-)
+from streampack.tokenizer.proofs import GIGATOKEN_SCHEMES, tiktoken_mismatch
 from streampack.tokenizer.specials import EOS_NAMES
 
 
-class TiktokenTokenizer(LibraryTokenizer):
+class TiktokenTokenizer(TokenizerBase):
     """A tiktoken encoding built from a local ranks file and its sidecar (pattern, special tokens)."""
 
     _kind = "a tiktoken encoding"
@@ -41,12 +38,8 @@ class TiktokenTokenizer(LibraryTokenizer):
         special_tokens: SpecialTokens = "text",
         engine: TokenizerEngine = "auto",
     ) -> None:
-        try:
+        with extra_needed("the tiktoken backend", "the tiktoken package", "tiktoken"):
             import tiktoken
-        except ImportError:
-            raise MissingDependencyError(
-                "the tiktoken backend needs the tiktoken package: pip install 'streampack[tiktoken]'"
-            ) from None
         ranks = Path(spec.removeprefix(preload.TIKTOKEN_PREFIX))
         if not ranks.name:
             raise TokenizerError(
@@ -64,21 +57,16 @@ class TiktokenTokenizer(LibraryTokenizer):
                 "'special_tokens' (JSON)"
             )
         self.spec = spec
+        self._refusal = f"{ranks}: {{engine}} is not known to give this encoding's ids"
         self._definition = ranks.read_bytes() + sidecar.read_bytes()
         try:
             mergeable_ranks = _read_ranks(ranks)
         except ValueError as e:
             raise TokenizerError(str(e)) from None
         pattern, specials, n_vocab = _read_sidecar(sidecar, mergeable_ranks)
-
-        def load(fastokens: Any) -> Any:
-            # the load the command began before its imports (streampack.tokenizer.preload), if of these bytes
-            return preload.taken_or_loaded(
-                self._definition,
-                lambda: load_fast_tiktoken(fastokens, ranks, mergeable_ranks, pattern, specials),
-            )
-
-        started = self._start_fastokens(engine, threads, load)
+        self._ranks_file, self._ranks = ranks, mergeable_ranks
+        self._pattern, self._specials = pattern, specials
+        started = self._start_fastokens(engine, threads)
         try:
             self._enc = tiktoken.Encoding(
                 ranks.stem,
@@ -97,20 +85,7 @@ class TiktokenTokenizer(LibraryTokenizer):
         self.cut_safety = tiktoken_cut_safety(pattern, specials, parse_special=special_tokens == "parse")
         self._reference = TiktokenEngine(self._enc, allowed=self._allowed, threads=threads)
         parse = special_tokens == "parse"
-        mismatch = partial(tiktoken_mismatch, pattern, specials, parse_special=parse)
-        chosen, self.engine_reason = self._choose_engine(
-            engine,
-            lambda: started or self._start_fastokens(engine, threads, load),
-            gigatoken=lambda: GigatokenEngine(
-                partial(_load_gigatoken, ranks, GIGATOKEN_SCHEMES[pattern], specials if parse else {}),
-                threads=threads,
-                cache_bytes=GIGATOKEN_CACHE_BYTES,
-            ),
-            gigatoken_problem=partial(mismatch, engine="gigatoken"),
-            problem=partial(mismatch, engine="fastokens"),
-            split_special=not parse,
-            refusal=f"{ranks}: {{engine}} is not known to give this encoding's ids",
-        )
+        chosen, self.engine_reason = self._choose_engine(engine, started, threads=threads, parse=parse)
         split = fast_split(pattern)
         if split is not None and split.exact_for and chosen.name == "fastokens":
             chosen = RoutedEngine(chosen, self._reference, split.exact_for)
@@ -118,6 +93,20 @@ class TiktokenTokenizer(LibraryTokenizer):
                 "; texts holding U+017F (long s, where its fast form splits otherwise) by tiktoken"
             )
         self.engine = chosen
+
+    def _fastokens(self, fastokens: Any) -> Any:
+        def load() -> Any:
+            return load_fast_tiktoken(fastokens, self._ranks_file, self._ranks, self._pattern, self._specials)
+
+        # the load the command began before its imports (streampack.tokenizer.preload), if of these bytes
+        return preload.taken_or_loaded(self._definition, load)
+
+    def _gigatoken(self, parse: bool) -> Callable[[], Any]:
+        scheme = GIGATOKEN_SCHEMES[self._pattern]
+        return partial(_load_gigatoken, self._ranks_file, scheme, self._specials if parse else {})
+
+    def _mismatch(self, engine: Literal["fastokens", "gigatoken"], parse: bool) -> str:
+        return tiktoken_mismatch(self._pattern, self._specials, parse_special=parse, engine=engine)
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("TiktokenTokenizer is not picklable: load it in each process from its spec")
