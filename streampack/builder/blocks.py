@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from streampack.builder.commits import OpenUnit
 from streampack.builder.framing import Batch, Encoded, encode_and_frame
 from streampack.builder.options import VerifyTokens
+from streampack.builder.writer import OpenUnit
 from streampack.errors import BadRecordError
 from streampack.format.ledger import Counts
 from streampack.inputs.parts import ItemsPart, Part

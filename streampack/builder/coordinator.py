@@ -13,13 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from streampack.builder.blocks import VERIFY_FIRST, VERIFY_RATE
 from streampack.builder.directory import check_same_build, prepare_directory
-from streampack.builder.memory import steady_allocator
+from streampack.builder.executors import execute, worker_count
 from streampack.builder.options import BuildKeywords, CacheSpec, RunOptions, VerifyTokens, split_options
 from streampack.builder.planning import as_documents, plan_inputs
 from streampack.builder.progress import BuildProgress
 from streampack.builder.publish import Publisher, default_staging_dir
-from streampack.builder.running import execute, worker_count
-from streampack.builder.tasks import TokenizerRef, UnitSpec, UnitTask
+from streampack.builder.tasks import TokenizerRef, UnitSpec, UnitTask, steady_allocator
 from streampack.builder.timings import add_up, mark_process_start
 from streampack.errors import OptionsError, StreampackError
 from streampack.format.ledger import LedgerEntry

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from streampack.builder.commits import OpenUnit
+from streampack.builder.writer import OpenUnit
 from streampack.tokenizer.base import Tokenizer
 from streampack.tokenizer.engines import FlatIds, joined
 
