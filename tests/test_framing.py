@@ -16,8 +16,8 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streampack.builder import framing
-from streampack.builder.framing import frame
+from streampack.builder import blocks as framing
+from streampack.builder.blocks import frame
 from streampack.builder.pipeline import ENCODING_THREADS
 from streampack.builder.writer import Framed, WriterThread
 from streampack.errors import WriteError

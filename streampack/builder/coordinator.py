@@ -314,8 +314,8 @@ def _plan(
         if fingerprint is None:  # a Hugging Face dataset's changes with its data and transforms
             fingerprint = getattr(items, "_fingerprint", None)
         try:
-            count = len(items)
-        except TypeError:
+            count: int | None = len(items)  # type: ignore[arg-type]
+        except TypeError:  # not Sized, or endless
             count = None
         fingerprint = fingerprint if isinstance(fingerprint, str) else None
         record = InputRecord(f"python:{type(items).__name__}", count, None, fingerprint)

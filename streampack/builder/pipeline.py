@@ -15,15 +15,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-import numpy as np
-
-from streampack.builder.blocks import Block, EncodedBlock, encode_block, long_record_blocks, stream_blocks
-from streampack.builder.framing import Mismatch, OutOfVocabulary
+from streampack.builder.blocks import (
+    NO_ENDS,
+    NO_TOKENS,
+    Block,
+    EncodedBlock,
+    Mismatch,
+    OutOfVocabulary,
+    encode_block,
+    long_record_blocks,
+    stream_blocks,
+)
 from streampack.builder.tasks import UnitResult, UnitTask, steady_allocator, worker_tokenizer
 from streampack.builder.timings import Stopwatch, add_up
 from streampack.builder.writer import Framed, OpenUnit, WriterThread
 from streampack.errors import StreampackError, TokenizerError, WriteError
-from streampack.format.ledger import Counts, LedgerEntry
+from streampack.format.ledger import LedgerEntry
 from streampack.format.names import shard_name
 from streampack.inputs.parts import Part, StreamPart
 from streampack.inputs.units import read_unit_parts, record_location
@@ -33,7 +40,7 @@ from streampack.tokenizer.engines import FASTOKENS_CALLS
 
 ProgressFn = Callable[[dict[str, int]], None]
 
-_NOTHING = EncodedBlock(np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint64), None, Counts())
+_NOTHING = EncodedBlock(NO_TOKENS, NO_ENDS, None)
 
 # Blocks encoded at once: while one thread parses its block (holding the GIL), the other runs the engine
 # (which lets go of it). The fast engine divides its threads among these calls.
