@@ -115,7 +115,7 @@ def main() -> None:
             "encode: fastokens encode_flat, 1 thread (ceiling)",
             lambda: [tokenizer.encode_flat(p) for p in pieces],
         )
-        from streampack.builder.framing import frame
+        from streampack.builder.blocks import frame
 
         flats = [tokenizer.encode_flat(p) for p in pieces]
         ends = [[True] * len(p) for p in pieces]

@@ -190,7 +190,7 @@ def test_a_build_renders_once_per_shape_and_gives_the_same_cache(
 def test_a_batchs_two_kinds_of_ids_are_interleaved_in_order(
     tmp_path: Path, gpt2_tokenizer: Path, kinds: str
 ) -> None:
-    from streampack.builder.framing import encode_with_templates
+    from streampack.builder.blocks import encode_with_templates
     from streampack.tokenizer import load_tokenizer
 
     folder = chat_tokenizer(gpt2_tokenizer, tmp_path / "tok", CHATML, CHATML_TOKENS).parent

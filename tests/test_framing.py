@@ -16,10 +16,10 @@ import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streampack.builder import framing
-from streampack.builder.framing import frame
+from streampack.builder import blocks as framing
+from streampack.builder.blocks import frame
 from streampack.builder.pipeline import ENCODING_THREADS
-from streampack.builder.writerthread import Framed, WriterThread
+from streampack.builder.writer import Framed, WriterThread
 from streampack.errors import WriteError
 from streampack.format.ledger import Counts
 from streampack.tokenizer.engines import FASTOKENS_CALLS, fastokens_call_threads, joined

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import streampack
+from streampack.builder.executors import worker_threads
 from streampack.builder.options import CacheSpec, RunOptions, split_options
-from streampack.builder.running import worker_threads
 from streampack.errors import ConfigMismatchError, OptionsError
 from tests.conftest import write_jsonl
 

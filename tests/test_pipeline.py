@@ -78,7 +78,7 @@ class RecordingWriter(ShardWriter):
 def recording(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[LedgerEntry]]:
     commits: ClassVar[dict[str, list[LedgerEntry]]] = {}
     monkeypatch.setattr(RecordingWriter, "commits", commits)
-    monkeypatch.setattr("streampack.builder.commits.ShardWriter", RecordingWriter)  # an open unit's writer
+    monkeypatch.setattr("streampack.builder.writer.ShardWriter", RecordingWriter)  # an open unit's writer
     return commits
 
 
@@ -216,11 +216,11 @@ def test_default_piece_size_is_recorded(tmp_path: Path) -> None:
 
 
 def test_the_build_fixes_the_c_allocators_thresholds_where_it_is_glibc() -> None:
-    """A fixed mmap threshold keeps a long build's RSS flat (``streampack.builder.memory``); only glibc's
+    """A fixed mmap threshold keeps a long build's RSS flat (``streampack.builder.tasks``); only glibc's
     malloc is set, and only once."""
     import platform
 
-    from streampack.builder.memory import steady_allocator
+    from streampack.builder.tasks import steady_allocator
 
     glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
     assert steady_allocator() is glibc

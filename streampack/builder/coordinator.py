@@ -7,28 +7,37 @@ from __future__ import annotations
 
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streampack.builder.blocks import VERIFY_FIRST, VERIFY_RATE
-from streampack.builder.directory import check_same_build, prepare_directory
-from streampack.builder.memory import steady_allocator
+from streampack.builder.executors import execute, worker_count
 from streampack.builder.options import BuildKeywords, CacheSpec, RunOptions, VerifyTokens, split_options
-from streampack.builder.planning import as_documents, plan_inputs
 from streampack.builder.progress import BuildProgress
-from streampack.builder.publish import Publisher, default_staging_dir
-from streampack.builder.running import execute, worker_count
-from streampack.builder.tasks import TokenizerRef, UnitSpec, UnitTask
+from streampack.builder.publish import Publisher, check_same_build, default_staging_dir, prepare_directory
+from streampack.builder.tasks import TokenizerRef, UnitSpec, UnitTask, steady_allocator
 from streampack.builder.timings import add_up, mark_process_start
 from streampack.errors import OptionsError, StreampackError
 from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import Manifest, ShardInfo, ShardTable
 from streampack.format.names import LOCK, MANIFEST, dtype_name, shard_name, token_dtype
-from streampack.format.sections import BuildSettings, Cuts, EngineRecord, TokenizerInfo, Verification
-from streampack.inputs.discovery import check_output_outside_inputs
-from streampack.inputs.records import ReadOptions, WorkUnit
+from streampack.format.sections import (
+    BuildSettings,
+    Cuts,
+    EngineRecord,
+    IgnoredEntry,
+    IgnoredInputs,
+    InputRecord,
+    InputRecords,
+    TokenizerInfo,
+    Verification,
+)
+from streampack.inputs.discovery import check_output_outside_inputs, discover_inputs
+from streampack.inputs.records import Documents, ReadOptions, WorkUnit, refuse_text_for_sft
 from streampack.inputs.sft import load_chat_template
+from streampack.inputs.units import plan_python_units, plan_units
 from streampack.store import LocalStore, is_remote
 from streampack.store.files import load_manifest, read_entry, write_manifest
 from streampack.store.remote import RemoteStore
@@ -79,14 +88,16 @@ def build(
     mark_process_start()
     steady_allocator()  # before the tokenizer's tables are allocated
     started = time.perf_counter(), time.process_time()
-    if as_documents(inputs) is None:  # paths: refuse an output that would mix with them before listing them
-        check_output_outside_inputs(root, [inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)
+    paths = _paths(inputs)
+    if paths is not None:  # refuse an output that would mix with the inputs before listing them
+        check_output_outside_inputs(root, paths)
     read = ReadOptions(spec.text_field, spec.split_lines, spec.unit_bytes, fields=spec.fields)
-    plan = plan_inputs(inputs, read, spec)
-    cores = os.cpu_count() or 1
-    threads = run.threads or cores
+    units, records, ignored = _plan(inputs, paths, read, spec)
     tokenizer = load_tokenizer(
-        spec.tokenizer, threads=threads, special_tokens=spec.special_tokens, engine=run.tokenizer_engine
+        spec.tokenizer,
+        threads=run.threads or os.cpu_count() or 1,
+        special_tokens=spec.special_tokens,
+        engine=run.tokenizer_engine,
     )
     pieces = piece_rule(tokenizer.cut_safety, tokenizer.fast_piece_chars, spec.max_piece_chars)
     spec = replace(spec, max_piece_chars=pieces.max_chars)
@@ -99,34 +110,32 @@ def build(
         chat = load_chat_template(tokenizer, spec.chat, turns=spec.chat_turns, reasoning=spec.chat_reasoning)
         read = replace(read, chat=chat)
         chat_sha256 = chat.sha256  # compared on resume, as the tokenizer's own hash
-    described = TokenizerInfo(
-        **{**fingerprint, "vocab_size": vocab_size},
-        spec=spec.tokenizer,
-        cuts=Cuts(tokenizer.cut_safety.exact, tokenizer.cut_safety.reason),
-        chat_template_sha256=chat_sha256,
-    )
     manifest = Manifest(
-        tokenizer=described,
+        tokenizer=TokenizerInfo(
+            **{**fingerprint, "vocab_size": vocab_size},
+            spec=spec.tokenizer,
+            cuts=Cuts(tokenizer.cut_safety.exact, tokenizer.cut_safety.reason),
+            chat_template_sha256=chat_sha256,
+        ),
         dtype=dtype_name(token_dtype(vocab_size)),
         eos=eos,
         bos=bos,
         loss_mask=spec.sft,
         settings=BuildSettings(**spec.to_json()),
-        inputs=plan.inputs,
-        units=[u.describe() for u in plan.units],
-        ignored_inputs=plan.ignored,
+        inputs=records,
+        units=[u.describe() for u in units],
+        ignored_inputs=ignored,
         engines=[_engine_entry(tokenizer, run)],
     )
     engine = tokenizer.engine.name
-    ref = TokenizerRef(
-        spec.tokenizer,
-        spec.special_tokens,
-        fingerprint["sha256"],
-        engine=engine if engine in ENGINE_CHOICES else "auto",
-    )
     shared = UnitSpec(
         root=str(root),
-        tokenizer=ref,
+        tokenizer=TokenizerRef(
+            spec.tokenizer,
+            spec.special_tokens,
+            fingerprint["sha256"],
+            engine=engine if engine in ENGINE_CHOICES else "auto",
+        ),
         read=read,
         eos=eos,
         bos=bos,
@@ -148,12 +157,18 @@ def build(
             f"cannot create {root}: {e.strerror}; choose a writable output directory"
         ) from None
     with store.lock(LOCK):
-        tasks = [UnitTask(shared, u) for u in plan.units]
+        publisher, complete = None, None
         if remote is None:
             prepare_directory(store, run.overwrite)
-            summary = _build_locked(store, manifest, tasks, run, tokenizer, started)
+        else:  # built in the staging directory, published unit by unit
+            publisher = Publisher(remote, store, {shard_name(u.index): u.describe() for u in units})
+            complete = publisher.begin(manifest, overwrite=run.overwrite, same_build=check_same_build)
+        if complete is not None:
+            summary = _summarize(BuildSummary(out=root), complete)
         else:
-            summary = _build_remote(remote, store, manifest, tasks, run, tokenizer, started)
+            tasks = [UnitTask(shared, u) for u in units]
+            summary = _build_locked(store, manifest, tasks, run, tokenizer, started, publisher)
+    summary.out = root if remote is None else remote.url
     summary.seconds = time.perf_counter() - started[0]
     return summary
 
@@ -204,25 +219,6 @@ def _engine_entry(tokenizer: Tokenizer, run: RunOptions) -> EngineRecord:
         verify = Verification(mode, VERIFY_FIRST, VERIFY_RATE) if mode == "sample" else Verification(mode)
     engine = describe_engine(tokenizer)
     return EngineRecord(engine["name"], engine["version"], engine["reference"], engine["why"], verify=verify)
-
-
-def _build_remote(
-    remote: RemoteStore,
-    staging: LocalStore,
-    manifest: Manifest,
-    tasks: list[UnitTask],
-    run: RunOptions,
-    tokenizer: Tokenizer,
-    started: tuple[float, float],
-) -> BuildSummary:
-    """Build in the staging directory ``staging`` and publish to ``remote``."""
-    publisher = Publisher(remote, staging, {shard_name(t.unit.index): t.unit.describe() for t in tasks})
-    complete = publisher.begin(manifest, overwrite=run.overwrite, same_build=check_same_build)
-    if complete is not None:
-        return _summarize(BuildSummary(out=remote.url), complete)
-    summary = _build_locked(staging, manifest, tasks, run, tokenizer, started, publisher)
-    summary.out = remote.url
-    return summary
 
 
 def _build_locked(
@@ -297,3 +293,41 @@ def _shard_table(units: list[WorkUnit], entries: list[LedgerEntry], masked: bool
         for u, p in zip(units, entries)
     ]
     return ShardTable.from_rows(rows)
+
+
+def _paths(inputs: Any) -> list[str | os.PathLike[str]] | None:
+    """``inputs`` as a list of paths when they are a path or a list of them; None for Python documents."""
+    if isinstance(inputs, (str, os.PathLike)):
+        return [inputs]
+    if isinstance(inputs, (list, tuple)) and all(isinstance(i, (str, os.PathLike)) for i in inputs):
+        return list(inputs)
+    return None
+
+
+def _plan(
+    inputs: Any, paths: list[str | os.PathLike[str]] | None, read: ReadOptions, spec: CacheSpec
+) -> tuple[list[WorkUnit], InputRecords, IgnoredInputs]:
+    """The work units of ``inputs``, the manifest's record of each input read, and what discovery skipped."""
+    if paths is None:  # Python documents
+        items = inputs.items if isinstance(inputs, Documents) else inputs
+        fingerprint = inputs.fingerprint if isinstance(inputs, Documents) else None
+        if fingerprint is None:  # a Hugging Face dataset's changes with its data and transforms
+            fingerprint = getattr(items, "_fingerprint", None)
+        try:
+            count: int | None = len(items)  # type: ignore[arg-type]
+        except TypeError:  # not Sized, or endless
+            count = None
+        fingerprint = fingerprint if isinstance(fingerprint, str) else None
+        record = InputRecord(f"python:{type(items).__name__}", count, None, fingerprint)
+        return plan_python_units(items), InputRecords([record.to_json()]), IgnoredInputs()
+    found = discover_inputs(paths)
+    if spec.sft:
+        refuse_text_for_sft(found.files, "fields=[...]" if spec.fields is not None else "chat=...")
+    # As JSON, made once: the manifest is written twice and its identity taken from it (10^4 .txt inputs)
+    records = InputRecords([f.stat_json() for f in found.files])
+    if not found.ignored:
+        return plan_units(found.files, read), records, IgnoredInputs()
+    reasons = Counter(e.reason.split(" of ")[0] for e in found.ignored)  # "duplicate of X": "duplicate"
+    first = tuple(IgnoredEntry(e.path, e.reason) for e in found.ignored[:20])
+    ignored = IgnoredInputs(len(found.ignored), dict(sorted(reasons.items())), first)
+    return plan_units(found.files, read), records, ignored

@@ -1,4 +1,5 @@
-"""Executors run the same units function: here, in a pool of spawned worker processes, or as Ray tasks.
+"""Where a build's units run: in this process, in a pool of spawned worker processes, or as Ray tasks; how
+many processes, and with how many tokenizer threads each.
 
 Units are independent and each commits its own ledger entry, so an executor only hands out units, collects
 results and forwards progress; killing workers is always safe. With Ray the output directory must be on
@@ -19,12 +20,16 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from streampack.builder.options import RunOptions
+from streampack.builder.pipeline import run_units
+from streampack.builder.tasks import UnitResult, UnitTask, init_worker
 from streampack.errors import MissingDependencyError, OptionsError, StreampackError, WorkerDiedError
+from streampack.tokenizer.base import Tokenizer
 
 ProgressFn = Callable[[dict[str, int]], None]
 UnitsFn = Callable[[Sequence[Any], ProgressFn], Iterator[Any]]
@@ -40,25 +45,47 @@ _worker_fn: UnitsFn | None = None
 _worker_queue: Any = None
 
 
-def run_local(
-    units_fn: UnitsFn,
-    tasks: Sequence[Any],
-    *,
-    workers: int,
-    on_progress: ProgressFn,
-    initializer: Callable[..., None] | None = None,
-    initargs: tuple[Any, ...] = (),
-) -> Iterator[Any]:
-    """Run every task through ``units_fn(tasks, report)`` and yield the results as units finish.
+def worker_count(todo: list[UnitTask], run: RunOptions, tokenizer: Tokenizer) -> int:
+    """Worker processes of the local executor: as asked or chosen, at most one per unit to build."""
+    wanted = run.workers or default_workers(tokenizer, os.cpu_count() or 1)
+    return min(wanted, max(sum(not t.unit.in_process for t in todo), 1))
 
-    With ``workers == 1`` all run in this process, in one call; otherwise one unit per call in ``workers``
-    spawned processes. The first error stops all workers and is raised here.
-    """
-    if workers <= 1:
-        if initializer is not None:
-            initializer(*initargs)
-        yield from units_fn(tasks, on_progress)
-        return
+
+def execute(
+    todo: list[UnitTask], run: RunOptions, tokenizer: Tokenizer, workers: int, report: ProgressFn
+) -> Iterable[UnitResult]:
+    """Run ``todo``: units read in this process here, the others on the executor ``run`` names."""
+    elsewhere = run.executor == "ray" or workers > 1
+    here = [t for t in todo if t.unit.in_process or not elsewhere]
+    yield from run_units(here, report, tokenizer)  # this process: with the tokenizer build() loaded
+    pooled = [t for t in todo if not t.unit.in_process] if elsewhere else []
+    if run.executor == "ray":
+        # Ray runs one task per CPU of each node (num_cpus=1): one thread each unless asked for more, so
+        # that a node's tasks together use its cores without oversubscribing them.
+        threads = run.threads or 1
+        yield from run_ray(run_units, pooled, address=run.ray_address, on_progress=report, threads=threads)
+    elif pooled:
+        yield from run_local(
+            run_units, pooled, workers=workers, on_progress=report, threads=worker_threads(run, workers)
+        )
+
+
+def worker_threads(run: RunOptions, workers: int, cores: int | None = None) -> int:
+    """Tokenizer threads of each worker process: ``run.threads``, else its share of the cores."""
+    return run.threads or max(1, (cores or os.cpu_count() or 1) // workers)
+
+
+def default_workers(tokenizer: Tokenizer, cores: int) -> int:
+    """Worker processes when ``workers`` is not given: one per ``cores_per_worker`` cores of the engine."""
+    return max(1, cores // tokenizer.cores_per_worker)
+
+
+def run_local(
+    units_fn: UnitsFn, tasks: Sequence[Any], *, workers: int, on_progress: ProgressFn, threads: int
+) -> Iterator[Any]:
+    """Run every task through ``units_fn(tasks, report)``, one unit per call in ``workers`` spawned
+    processes of ``threads`` tokenizer threads each, and yield the results as units finish. The first error
+    stops all workers and is raised here."""
     context = _SpawnContext()
     events = context.Queue()
     stop = threading.Event()
@@ -68,7 +95,7 @@ def run_local(
         workers,
         mp_context=context,
         initializer=_init_worker,
-        initargs=(units_fn, events, os.getpid(), initializer, initargs),
+        initargs=(units_fn, events, os.getpid(), threads),
     )
     try:
         pending: set[Future[Any]] = {executor.submit(_run_in_worker, task) for task in tasks}
@@ -133,19 +160,12 @@ def _forward(events: Any, on_progress: ProgressFn, stop: threading.Event) -> Non
             return
 
 
-def _init_worker(
-    units_fn: UnitsFn,
-    events: Any,
-    coordinator: int,
-    initializer: Callable[..., None] | None,
-    initargs: tuple[Any, ...],
-) -> None:
+def _init_worker(units_fn: UnitsFn, events: Any, coordinator: int, threads: int) -> None:
     global _worker_fn, _worker_queue
     _die_with_parent(coordinator)
     _worker_fn, _worker_queue = units_fn, events
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    if initializer is not None:
-        initializer(*initargs)
+    init_worker(threads)
 
 
 def _die_with_parent(coordinator: int) -> None:
@@ -173,10 +193,10 @@ def run_ray(
     *,
     address: str | None,
     on_progress: ProgressFn,
-    initializer: Callable[..., None] | None = None,
-    initargs: tuple[Any, ...] = (),
+    threads: int | None = None,
 ) -> Iterator[Any]:
-    """Run ``units_fn`` on every task, one Ray task per unit, and yield the results as units finish.
+    """Run ``units_fn`` on every task, one Ray task per unit (of ``threads`` tokenizer threads), and yield
+    the results as units finish.
 
     Connects to the cluster at ``address`` (``auto``: a running one; None: a new local one if none runs).
     The first error cancels the other tasks and is raised here. A failed task is not retried (its node may
@@ -201,7 +221,7 @@ def run_ray(
     try:
         events = Queue(actor_options={"num_cpus": 0})  # holds no core the units could use
         remote = ray.remote(num_cpus=1, max_retries=0)(_run_ray_task)
-        pending = [remote.remote(units_fn, task, initializer, initargs, events) for task in tasks]
+        pending = [remote.remote(units_fn, task, threads, events) for task in tasks]
         numbers = {ref: number for number, ref in enumerate(pending, 1)}
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=_RAY_POLL_SECONDS)
@@ -281,17 +301,11 @@ def _ray_result(ray: Any, ref: Any) -> Any:
         raise
 
 
-def _run_ray_task(
-    units_fn: UnitsFn,
-    task: Any,
-    initializer: Callable[..., None] | None,
-    initargs: tuple[Any, ...],
-    events: Any,
-) -> Any:
+def _run_ray_task(units_fn: UnitsFn, task: Any, threads: int | None, events: Any) -> Any:
     import ray
 
-    if initializer is not None:
-        initializer(*initargs)
+    if threads is not None:
+        init_worker(threads)
     report = _TaskEvents(events)
     (result,) = units_fn([task], report)
     report.flush()  # before returning: the coordinator forwards a finished task's events in full

@@ -148,7 +148,7 @@ class RunOptions:
     """How a build runs; never changes the cache's bytes, never recorded.
 
     Attributes:
-        workers: worker processes (default: see :func:`streampack.builder.running.default_workers`).
+        workers: worker processes (default: see :func:`streampack.builder.executors.default_workers`).
         threads: tokenizer threads per worker (default: the cores divided among the workers).
         executor: ``local`` (a process pool on this machine) or ``ray`` (Ray tasks on a cluster).
         tokenizer_engine: what computes the token ids: ``auto`` (``fastokens`` where installed and proven

@@ -8,7 +8,6 @@ unit starts reading while the last blocks of the one before it still encode, so 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -16,17 +15,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-import numpy as np
-
-from streampack.builder.blocks import Block, EncodedBlock, encode_block, long_record_blocks, stream_blocks
-from streampack.builder.commits import OpenUnit
-from streampack.builder.framing import Mismatch, OutOfVocabulary
-from streampack.builder.memory import steady_allocator
-from streampack.builder.tasks import UnitResult, UnitTask, worker_tokenizer
+from streampack.builder.blocks import (
+    NO_ENDS,
+    NO_TOKENS,
+    Block,
+    EncodedBlock,
+    Mismatch,
+    OutOfVocabulary,
+    encode_block,
+    long_record_blocks,
+    stream_blocks,
+)
+from streampack.builder.tasks import UnitResult, UnitTask, steady_allocator, worker_tokenizer
 from streampack.builder.timings import Stopwatch, add_up
-from streampack.builder.writerthread import Framed, WriterThread
+from streampack.builder.writer import Framed, OpenUnit, WriterThread
 from streampack.errors import StreampackError, TokenizerError, WriteError
-from streampack.format.ledger import Counts, LedgerEntry
+from streampack.format.ledger import LedgerEntry
 from streampack.format.names import shard_name
 from streampack.inputs.parts import Part, StreamPart
 from streampack.inputs.units import read_unit_parts, record_location
@@ -36,7 +40,7 @@ from streampack.tokenizer.engines import FASTOKENS_CALLS
 
 ProgressFn = Callable[[dict[str, int]], None]
 
-_NOTHING = EncodedBlock(np.zeros(0, dtype=np.uint32), np.zeros(0, dtype=np.uint64), None, Counts())
+_NOTHING = EncodedBlock(NO_TOKENS, NO_ENDS, None)
 
 # Blocks encoded at once: while one thread parses its block (holding the GIL), the other runs the engine
 # (which lets go of it). The fast engine divides its threads among these calls.
@@ -207,7 +211,7 @@ class _Pipeline:
             self.report({**event, "bytes": unit.bytes_read_delta()})
         unit.tokens += len(tokens)
         unit.add(encoded.counts)
-        commit = self._commits(unit) or encoded.error is not None
+        commit = unit.commit_due() or encoded.error is not None
         framed = Framed(unit, tokens, encoded.doc_ends, encoded.mask, unit.counts, commit, queued.last)
         with watch.timing("wait"):
             self.writer.put(framed)
@@ -221,15 +225,6 @@ class _Pipeline:
         self.writer.drain()
         if commit:
             unit.writer.commit(unit.counts)
-
-    def _commits(self, unit: OpenUnit) -> bool:
-        """Whether the unit commits after its tokens so far: ``commit_bytes`` or ``commit_seconds`` on."""
-        started, tokens = unit.last_commit
-        new_bytes = (unit.tokens - tokens) * unit.writer.dtype.itemsize
-        if new_bytes < unit.spec.commit_bytes and time.monotonic() - started < unit.spec.commit_seconds:
-            return False
-        unit.last_commit = (time.monotonic(), unit.tokens)
-        return True
 
 
 class _Held:

@@ -1,4 +1,5 @@
-"""Publishing a build to object storage: shards built in a local staging directory, uploaded unit by unit.
+"""Where a build goes: a local directory, prepared, overwritten, or checked to hold the same build; or
+object storage, published from a local staging directory unit by unit.
 
 Object storage receives the incomplete manifest (naming no shard), then each finished unit's checked shard
 files followed by its ledger entry, then the complete manifest: a reader never sees a manifest naming a
@@ -11,15 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
-from streampack.errors import CacheError, StreampackError
+from streampack.errors import CacheError, ConfigMismatchError, StreampackError
+from streampack.format.identity import build_identity
 from streampack.format.ledger import LedgerEntry
 from streampack.format.manifest import Manifest
 from streampack.format.names import (
     LAYOUT_DIR,
     LEDGER_DIR,
+    LOCK,
     MANIFEST,
     SHARD_DIR,
     checksum_text,
@@ -28,13 +31,51 @@ from streampack.format.names import (
     offsets_key,
     tokens_key,
 )
+from streampack.format.sections import InputRecord
 from streampack.store import LocalStore
 from streampack.store.files import commit_entry, load_manifest, read_entry, write_manifest
 from streampack.store.remote import RemoteStore
 
 SameBuild = Callable[[str, Manifest, Manifest], None]  # raises ConfigMismatchError when they differ
 
-_CACHE_ENTRIES = {MANIFEST, LEDGER_DIR, SHARD_DIR, LAYOUT_DIR}
+_CACHE_KEYS = (MANIFEST, LEDGER_DIR, SHARD_DIR, LAYOUT_DIR)
+
+
+def prepare_directory(store: LocalStore, overwrite: bool) -> None:
+    """Create the cache's folders; with ``overwrite``, first delete the cache that is there."""
+    try:
+        if overwrite:  # the manifest last
+            _delete_cache(store, (*_CACHE_KEYS[1:], MANIFEST), also={f"{MANIFEST}.tmp", LOCK})
+        else:
+            _refuse_interrupted_overwrite(store)
+        store.makedirs(LEDGER_DIR)
+        store.makedirs(SHARD_DIR)
+    except PermissionError as e:
+        raise StreampackError(
+            f"cannot write to {store.root}: {e.strerror}; choose a writable output directory"
+        ) from None
+
+
+def _delete_cache(store: LocalStore | RemoteStore, keys: Sequence[str], also: Collection[str] = ()) -> None:
+    """Delete ``keys``, in order, refusing a place that holds anything but them and ``also``."""
+    strangers = [name for name in store.list("") if name not in {*keys, *also}]
+    if strangers:
+        raise CacheError(
+            f"refusing to overwrite {store.describe('')}: it holds files that are not part of a streampack "
+            f"cache ({', '.join(strangers[:3])}); choose an empty or new output directory or prefix"
+        )
+    if store.exists(MANIFEST):
+        load_manifest(store)  # raises unless it is a streampack manifest
+    for key in keys:
+        store.delete(key)
+
+
+def _refuse_interrupted_overwrite(store: LocalStore | RemoteStore) -> None:
+    if not store.exists(MANIFEST) and any(name.endswith(".json") for name in store.list(LEDGER_DIR)):
+        raise CacheError(
+            f"{store.describe(LEDGER_DIR)} holds build progress but there is no manifest (an overwrite was "
+            "interrupted?); rerun with overwrite=True"
+        )
 
 
 def default_staging_dir(url: str) -> Path:
@@ -65,15 +106,10 @@ class Publisher:
                 that ``overwrite`` would delete.
         """
         if overwrite:
-            self._delete_remote()
+            _delete_cache(self.remote, _CACHE_KEYS)  # the manifest first
+        _refuse_interrupted_overwrite(self.remote)
         existing = load_manifest(self.remote) if self.remote.exists(MANIFEST) else None
-        if existing is None:
-            if any(name.endswith(".json") for name in self.remote.list(LEDGER_DIR)):
-                raise CacheError(
-                    f"{self.remote.describe(LEDGER_DIR)} holds build progress but there is no manifest (an "
-                    "overwrite was interrupted?); rerun with overwrite=True"
-                )
-        else:
+        if existing is not None:
             same_build(self.remote.url, existing, manifest)
             if existing.complete:
                 return existing
@@ -155,19 +191,6 @@ class Publisher:
         self.remote.put_atomic(ledger_key(name), self.staging.read(ledger_key(name)))
         self.up.add(name)
 
-    def _delete_remote(self) -> None:
-        """Delete the remote cache, manifest first, refusing a prefix that holds anything else."""
-        strangers = [name for name in self.remote.list("") if name not in _CACHE_ENTRIES]
-        if strangers:
-            raise CacheError(
-                f"refusing to overwrite {self.remote.url}: it holds objects that are not part of a "
-                f"streampack cache ({', '.join(strangers[:3])}); choose an empty or new prefix"
-            )
-        if self.remote.exists(MANIFEST):
-            load_manifest(self.remote)  # raises unless it is a streampack manifest
-        for key in (MANIFEST, LEDGER_DIR, SHARD_DIR, LAYOUT_DIR):
-            self.remote.delete(key)
-
 
 class _StagingDamage(CacheError):
     """A shard file in the staging directory differs from its ledger entry's checksum."""
@@ -175,5 +198,57 @@ class _StagingDamage(CacheError):
 
 def _empty(staging: LocalStore) -> None:
     """Delete what a staging directory holds of a cache (its lock stays: the build holds it)."""
-    for key in (MANIFEST, LEDGER_DIR, SHARD_DIR, LAYOUT_DIR):
+    for key in _CACHE_KEYS:
         staging.delete(key)
+
+
+def check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> None:
+    """Refuse to resume or reuse ``existing`` for a build of other settings or inputs (``new``).
+
+    Raises:
+        ConfigMismatchError: naming what differs, and what to do.
+    """
+    old_config, new_config = build_identity(existing), build_identity(new)
+    differences = [
+        f"{key}: the cache has {old_config.get(key)}, this build has {new_config.get(key)}"
+        for key in sorted(old_config.keys() | new_config.keys())
+        if old_config.get(key) != new_config.get(key)
+    ]
+    if differences:
+        raise ConfigMismatchError(
+            f"{root} holds a cache built with other settings ({'; '.join(differences)}); use another output "
+            "directory, or overwrite=True to start over"
+        )
+    python = [i for i in new.inputs if i.python]
+    unidentified = [i.path for i in python if not i.fingerprint]
+    if unidentified:
+        raise ConfigMismatchError(
+            f"{root} holds a cache built from Python objects ({unidentified[0]}), and streampack cannot tell "
+            "whether they still hold the same documents: pass overwrite=True to rebuild it from the current "
+            "ones, or give the documents an identity that changes with them, "
+            "Documents(items, fingerprint='...'), to resume or reuse the cache"
+        )
+    changed = _changed_inputs(existing.inputs, new.inputs)
+    if changed:
+        raise ConfigMismatchError(
+            f"{root}: the inputs changed since the ledger was written ({changed}); rerun with overwrite=True "
+            "to rebuild from the current inputs"
+        )
+
+
+def _changed_inputs(old: Sequence[InputRecord], new: Sequence[InputRecord]) -> str:
+    old_paths, new_paths = [i.path for i in old], [i.path for i in new]
+    if old_paths != new_paths:
+        return (
+            f"the cache was built from {len(old_paths)} inputs starting {old_paths[:2]}, not {new_paths[:2]}"
+        )
+    for old_input, new_input in zip(old, new):
+        before, now = old_input.to_json(), new_input.to_json()
+        changed = [
+            f"{key} {before.get(key)} -> {now.get(key)}"
+            for key in sorted(before | now)
+            if before.get(key) != now.get(key)
+        ]
+        if changed:
+            return f"{new_input.path}: {', '.join(changed)}"
+    return ""

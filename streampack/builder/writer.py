@@ -1,15 +1,38 @@
-"""Appending documents to a shard (tokens, document ends, an SFT loss mask), and committing them durably."""
+"""Writing a unit's shard: the open unit, its append-only writer with durable commits, and the writer
+thread that appends encoded blocks in input order off the reading thread.
+
+Writes, fsyncs and checksums wait for the disk and release the GIL, so the reader need not stop for them
+(345 MB x 4 on 2 cores: 1.4 s were on the reader before). The writer thread runs no per-document Python.
+A failed write is raised in the reading thread at its next hand-over; after it nothing more is written.
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import astuple, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from streampack.builder.tasks import UnitResult, UnitTask
+from streampack.builder.timings import Stopwatch
 from streampack.format.ledger import Counts, LedgerEntry
-from streampack.format.names import OFFSET_DTYPE, SHARD_DIR, checksum_text, mask_key, offsets_key, tokens_key
+from streampack.format.names import (
+    OFFSET_DTYPE,
+    SHARD_DIR,
+    checksum_text,
+    mask_key,
+    offsets_key,
+    shard_name,
+    tokens_key,
+)
+from streampack.inputs.records import Position
 from streampack.store import AppendFile, LocalStore
 from streampack.store.files import commit_entry
+from streampack.tokenizer.base import Tokenizer
 
 
 class ShardWriter:
@@ -88,3 +111,119 @@ class ShardWriter:
 def _buffer(array: np.ndarray, dtype: np.dtype) -> memoryview:
     """``array``'s bytes as ``dtype``, without a copy where it already is one, contiguous."""
     return np.ascontiguousarray(array, dtype=dtype).view(np.uint8).data
+
+
+class OpenUnit:
+    """A unit whose shard is open: its writer, where its reading is, when it last committed, its counts."""
+
+    def __init__(self, task: UnitTask, progress: LedgerEntry, tokenizer: Tokenizer) -> None:
+        self.task, self.spec, self.tokenizer = task, task.spec, tokenizer
+        self.dtype = np.dtype(task.spec.dtype)
+        root, name = Path(task.spec.root), shard_name(task.unit.index)
+        self.writer = ShardWriter(root, name, self.dtype, progress, masked=task.spec.read.sft)
+        self.eos = task.spec.eos.id if task.spec.eos.append else None
+        self.id_limit = task.spec.vocab_size or int(np.iinfo(self.dtype).max) + 1
+        self.bos = task.spec.bos.id if task.spec.bos.prepend else None
+        self.position = Position()
+        self.reported_bytes = 0
+        self.tokens = self.writer.num_tokens  # framed so far (the writer thread appends them after)
+        self.counts = progress.counts  # the records of those tokens
+        self.last_commit = (time.monotonic(), self.tokens)
+
+    def add(self, counts: Counts) -> None:
+        """Add a block's own counts to the unit's."""
+        self.counts = Counts(*(a + b for a, b in zip(astuple(self.counts), astuple(counts))))
+
+    def bytes_read_delta(self) -> int:
+        """Input bytes read since the last call."""
+        now = max(self.position.bytes_read() - self.task.unit.start, 0)
+        delta, self.reported_bytes = now - self.reported_bytes, now
+        return max(delta, 0)
+
+    def commit_due(self) -> bool:
+        """Whether the unit commits after its tokens so far: ``commit_bytes`` or ``commit_seconds`` on."""
+        started, tokens = self.last_commit
+        new_bytes = (self.tokens - tokens) * self.dtype.itemsize
+        if new_bytes < self.spec.commit_bytes and time.monotonic() - started < self.spec.commit_seconds:
+            return False
+        self.last_commit = (time.monotonic(), self.tokens)
+        return True
+
+
+@dataclass
+class Framed:
+    """A batch's tokens, ready to append, and whether the unit commits after them."""
+
+    unit: OpenUnit
+    tokens: np.ndarray  # in the cache's dtype
+    doc_ends: np.ndarray  # the completed documents' ends, relative to the first token
+    mask: np.ndarray | None  # SFT builds: the loss mask
+    counts: Counts  # what a commit after this batch records
+    commit: bool = False  # commit after appending
+    last: bool = False  # the unit's last batch: commit it as done, then close the shard
+
+
+class WriterThread:
+    """Appends and commits handed batches in order on a thread of its own; at most ``capacity`` wait."""
+
+    def __init__(self, capacity: int) -> None:
+        self._queue: queue.Queue[Framed | None] = queue.Queue(capacity)
+        self._error: BaseException | None = None
+        self._finished: deque[UnitResult] = deque()
+        self._thread = threading.Thread(target=self._run, name="streampack-write", daemon=True)
+        self._thread.start()
+
+    def put(self, framed: Framed) -> None:
+        """Hand over ``framed`` (waits while ``capacity`` wait); raises the writer's error, if any."""
+        self.raise_error()
+        self._queue.put(framed)
+
+    def drain(self) -> None:
+        """Wait until every batch handed over is written; raises the writer's error, if any."""
+        self._queue.join()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raise the error that stopped the writer, if one did."""
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """End the thread; what it was handed and has not written is dropped."""
+        if self._error is None:
+            self._error = _Stopped()
+        self._queue.put(None)
+        self._thread.join()
+
+    def take_finished(self) -> list[UnitResult]:
+        """The results of the units completed since the last call (their timings: the writer's own)."""
+        return [self._finished.popleft() for _ in range(len(self._finished))]
+
+    def _run(self) -> None:
+        watch = Stopwatch("write wait")
+        while (framed := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    watch.measure_cpu(framed.unit.spec.profile)
+                    with watch.timing("write"):
+                        self._write(framed, watch)
+            except BaseException as e:  # raised in the reading thread; nothing more is written
+                self._error = e
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write(self, framed: Framed, watch: Stopwatch) -> None:
+        writer = framed.unit.writer
+        if len(framed.tokens):
+            writer.append(framed.tokens, framed.doc_ends, framed.mask)
+        if framed.last:
+            final = writer.commit(framed.counts, done=True)
+            writer.close()
+            self._finished.append(UnitResult(framed.unit.task.unit.index, final, watch.take(process=False)))
+        elif framed.commit:
+            writer.commit(framed.counts)
+
+
+class _Stopped(Exception):
+    """The writer was stopped (the reading thread is leaving on an error of its own)."""

@@ -84,7 +84,22 @@ def _run_cli() -> tuple[int, str]:
     """Run the command; return the exit status and the line to print on stderr (if any)."""
     with warnings.catch_warnings():  # (restores showwarning after the command)
         warnings.showwarning = functools.partial(_show_warning, warnings.showwarning)
-        return _run_command()
+        try:
+            cli.main(standalone_mode=False)
+        except (click.exceptions.Abort, KeyboardInterrupt):
+            return 130, INTERRUPTED
+        except click.ClickException as e:
+            e.show()
+            return e.exit_code, ""
+        except StreampackError as e:
+            return 1, f"error: {in_cli_terms(str(e))}"
+        except OSError as e:  # not turned into a StreampackError: still one line, with the file
+            if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                message = str(disk_error(e, Path(e.filename or "?")))
+            else:
+                message = f"{e.filename or 'I/O'}: {e.strerror or e}"
+            return 1, f"error: {message}"
+        return 0, ""
 
 
 def _show_warning(
@@ -101,23 +116,3 @@ def _show_warning(
         click.echo(f"warning: {in_cli_terms(str(message))}", err=True)
     else:
         python(message, category, filename, lineno, file, line)
-
-
-def _run_command() -> tuple[int, str]:
-    """:func:`_run_cli`'s command, its errors turned into an exit status and a line."""
-    try:
-        cli.main(standalone_mode=False)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        return 130, INTERRUPTED
-    except click.ClickException as e:
-        e.show()
-        return e.exit_code, ""
-    except StreampackError as e:
-        return 1, f"error: {in_cli_terms(str(e))}"
-    except OSError as e:  # not turned into a StreampackError: still one line, with the file
-        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            message = str(disk_error(e, Path(e.filename or "?")))
-        else:
-            message = f"{e.filename or 'I/O'}: {e.strerror or e}"
-        return 1, f"error: {message}"
-    return 0, ""

@@ -16,6 +16,7 @@ import click
 from streampack.builder.coordinator import build as build_cache
 from streampack.builder.options import CacheSpec, RunOptions, default
 from streampack.builder.timings import render as render_timings
+from streampack.cli.sources import stacked
 from streampack.errors import OptionsError
 
 
@@ -224,13 +225,6 @@ NO_FLAG = {
 }
 
 
-def _flags(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``command`` with the options of :data:`FLAGS`, in their order."""
-    for flag in reversed(FLAGS):  # click lists the decorator applied last first
-        command = flag.option()(command)
-    return command
-
-
 def options_from_flags(given: Mapping[str, Any]) -> tuple[CacheSpec, RunOptions]:
     """The :class:`CacheSpec` and :class:`RunOptions` the options of ``build`` (by field name) give;
     :class:`OptionsError` for a value the dataclasses refuse."""
@@ -249,7 +243,7 @@ def options_from_flags(given: Mapping[str, Any]) -> tuple[CacheSpec, RunOptions]
     type=click.Path(file_okay=False),
     help="Cache directory, or an fsspec URL (s3://bucket/prefix) to build in --staging-dir and upload there.",
 )
-@_flags
+@stacked([flag.option() for flag in FLAGS])
 def build(inputs: tuple[str, ...], out: str, **given: Any) -> None:
     """Tokenize INPUTS (files, directories, globs, URLs) into a token cache in --out.
 

@@ -92,7 +92,7 @@ def export(
         "drop_loss_mask": drop_loss_mask or None,
     }
     options = {key: value for key, value in given.items() if value is not None}
-    with open_cache(cache_dir, **declared(**source)) as opened:
+    with open_cache(cache_dir, **declared(source)) as opened:
         done = export_cache(
             opened,
             to,
@@ -141,6 +141,6 @@ def convert(
         progress=False if no_progress else None,
         durable=durable,
         shard_tokens=shard_tokens,
-        **declared(**given),
+        **declared(given),
     )
     click.echo(f"converted {done.rows:,} documents, {done.num_tokens:,} tokens from {source} into {out}")

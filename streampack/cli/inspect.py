@@ -36,7 +36,7 @@ from streampack.tokenizer.preload import TIKTOKEN_PREFIX
 def info(cache_dir: str, as_json: bool, **source: Any) -> None:
     """Describe the cache in CACHE_DIR: documents, tokens, shards, tokenizer, document lengths. CACHE_DIR
     may hold another format's token files (a Megatron prefix, llm.c, datatrove, OLMo or MDS shards...)."""
-    stats = cache_stats(open_cache(cache_dir, **declared(**source)))
+    stats = cache_stats(open_cache(cache_dir, **declared(source)))
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -152,7 +152,7 @@ def verify(cache_dir: str, **source: Any) -> None:
     unknown. Exit 1 if any damage is found. Another format's token files get the checks they allow: what
     their format records (headers, indexes, counts; a note says which), and every token against
     --vocab-size, --eos-id and --bos-id where given."""
-    report = verify_cache(cache_dir, **declared(**source))
+    report = verify_cache(cache_dir, **declared(source))
     for note in report.notes:
         click.echo(f"note: {note}")
     if not report.ok:

@@ -4,7 +4,7 @@ names of renamed flags, kept working."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import click
@@ -51,31 +51,25 @@ def source_options(*, loose: bool = False) -> Callable[[F], F]:
         click.option("--vocab-size", type=int, help="Source: every id is below it."),
     ]  # fmt: skip
 
+    return stacked(options)
+
+
+def stacked(options: Sequence[Callable[[F], F]]) -> Callable[[F], F]:
+    """One decorator of click ``options``, which ``--help`` lists in their order."""
+
     def decorate(command: F) -> F:
-        for option in reversed(options):
+        for option in reversed(options):  # click lists the decorator applied last first
             command = option(command)
         return command
 
     return decorate
 
 
-def declared(
-    source_format: str | None,
-    old_from: str | None,
-    eos_id: int | None,
-    bos_id: int | None,
-    source_dtype: str | None,
-    old_token_dtype: str | None,
-    tokenizer: str | None,
-    vocab_size: int | None,
-) -> dict[str, Any]:
-    """The keywords of ``streampack.open`` the source options gave."""
-    given = {
-        "format": source_format or old_from,
-        "eos_id": eos_id,
-        "bos_id": bos_id,
-        "dtype": source_dtype or old_token_dtype,
-        "tokenizer": tokenizer,
-        "vocab_size": vocab_size,
+def declared(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The keywords of ``streampack.open`` that the source options (by parameter name) gave."""
+    named = {
+        "format": given["source_format"] or given["old_from"],
+        "dtype": given["source_dtype"] or given["old_token_dtype"],
+        **{key: given[key] for key in ("eos_id", "bos_id", "tokenizer", "vocab_size")},
     }
-    return {key: value for key, value in given.items() if value is not None}
+    return {key: value for key, value in named.items() if value is not None}

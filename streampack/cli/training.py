@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import multiprocessing
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,41 +97,25 @@ def bench(
         except ImportError as e:
             raise StreampackError(str(e)) from None
         batches = DataLoader(loader, num_workers=workers, persistent_workers=True)
-    result = _time_batches(iter(batches), steps)
-    rate = result["rows"] / result["seconds"]
+    batches = iter(batches)
+    start = time.perf_counter()
+    next(batches)
+    first, start = time.perf_counter() - start, time.perf_counter()
+    rows = sum(len(next(batches)) for _ in range(steps))
+    rate = rows / (time.perf_counter() - start)
     click.echo(f"cache       {cache.root} ({cache.num_tokens:,} tokens, {cache.dtype.name})")
     shape = f"seq_len {seq_len}+1" if layout == "windows" else f"{layout}, seq_len {seq_len}"
     if samples.pad_id is not None:
         shape += f", {samples.layout.padding:.1%} padding"  # type: ignore[union-attr]
     how = "shuffled" if shuffle is True else f"block-shuffled ({shuffle.block} x {shuffle.window})"
     click.echo(f"loader      {shape}, global batch {batch_size}, {how}, {workers} workers")
-    click.echo(f"first batch {result['first']:.3f} s")
+    click.echo(f"first batch {first:.3f} s")
     click.echo(f"throughput  {rate:,.0f} samples/s, {rate * seq_len / 1e6:,.2f} M tokens/s ({steps} batches)")
-    click.echo(f"memory      RssAnon main {result['main_mb']}; workers {result['workers_mb'] or 'none'}")
+    children = " / ".join(_rss_anon(child.pid) for child in multiprocessing.active_children())
+    click.echo(f"memory      RssAnon main {_rss_anon('self')}; workers {children or 'none'}")
 
 
-def _time_batches(batches: Any, steps: int) -> dict[str, Any]:
-    """Time one batch (startup), then ``steps`` more; read the memory of every process."""
-    import time
-
-    start = time.perf_counter()
-    next(batches)
-    first = time.perf_counter() - start
-    rows, start = 0, time.perf_counter()
-    for _ in range(steps):
-        rows += len(next(batches))
-    seconds = time.perf_counter() - start
-    workers = [_rss_anon(pid) for pid in _children()]
-    return {
-        "first": first,
-        "seconds": seconds,
-        "rows": rows,
-        "main_mb": _rss_anon("self"),
-        "workers_mb": " / ".join(workers),
-    }
-
-
-def _rss_anon(pid: int | str) -> str:
+def _rss_anon(pid: int | str | None) -> str:
     """Anonymous resident memory of a process (``RssAnon``: not the page cache of mapped files)."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -139,19 +124,6 @@ def _rss_anon(pid: int | str) -> str:
     except OSError:
         pass
     return "n/a"
-
-
-def _children() -> list[int]:
-    """Process ids of this process's children (Linux /proc), e.g. DataLoader workers."""
-    me, found = str(os.getpid()), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[1] == me:
-            found.append(int(stat.parent.name))
-    return sorted(found)
 
 
 @click.command()
@@ -313,6 +285,8 @@ def which(
     marked "excluded (mask)" (served with no loss) or "excluded (skip from position P)" (served before it
     took effect), and a step whose positions one skips or masks says so.
     """
+    from streampack.loader import Loader
+    from streampack.runs.mixconfig import load_mixture, mixture_exclusions
     from streampack.runs.provenance import excluded_steps, position_of
     from streampack.runs.provenance import which as find
 
@@ -324,8 +298,24 @@ def which(
         raise click.UsageError("give --batch-size B: the global batch size of the run")
     world_size = world_size or (state or {}).get("world_size") or 1
     shuffle = (no_shuffle, shuffle_block, shuffle_window)
-    settings = (seq_len, overlap, batch_size, seed, shuffle, world_size)
-    loader = _run_loader(data, *settings, declared(**source), exclude_path)
+    mixed = _is_config(data)
+    if mixed:
+        dataset: Any = load_mixture(data)
+        _check_agrees_with_config(data, dataset, seq_len, overlap, seed, shuffle)
+        options: dict[str, Any] = {"exclude": mixture_exclusions(data)}
+    else:
+        if seq_len is None:
+            raise click.UsageError("give --seq-len L: the tokens per sample of the run")
+        dataset = open_cache(data, **declared(source)).sequences(seq_len, overlap=overlap or 0)
+        options = {"exclude": [], "seed": seed or 0, "shuffle": _shuffle(*shuffle)}
+    if exclude_path is not None:
+        options["exclude"] += mixture_exclusions(exclude_path)
+    if any(entry.mode == "mask" for entry in options["exclude"]):
+        options["output"] = "dict"  # mask mode has labels to mask
+    try:
+        loader = Loader(dataset, batch_size=batch_size, world_size=world_size, **options)
+    except ValueError as e:
+        raise StreampackError(str(e)) from None
     position = position_of(loader, step, state=state)
     docs = find(loader, step, state=state)
     notes = excluded_steps(loader, step, state=state)
@@ -347,7 +337,6 @@ def which(
             f"batch {step % accumulated + 1} of {accumulated} of trainer step {step // accumulated:,} "
             "after the state's"
         )
-    mixed = _is_config(data)
     heading = f"{'source':<12} " if mixed else ""
     click.echo(f"{heading}{'doc':>10} {'tokens':>7}  {'rank:row[columns]':<24} location")
     for doc in docs:
@@ -366,42 +355,6 @@ def _read_state(path: str) -> dict[str, Any]:
 def _is_config(data: str) -> bool:
     """Whether ``data`` names a mixture config (a YAML or JSON file), not a cache or token files."""
     return Path(data).suffix in {".yaml", ".yml", ".json"} and Path(data).is_file()
-
-
-def _run_loader(
-    data: str,
-    seq_len: int | None,
-    overlap: int | None,
-    batch_size: int,
-    seed: int | None,
-    shuffle: tuple[bool, int | None, int | None],
-    world_size: int,
-    source: dict[str, Any],
-    exclude_path: str | None = None,
-) -> Any:
-    """The Loader of a run over a cache or a mixture config, as ``which`` was told it, with the config's
-    exclusions, then ``exclude_path``'s."""
-    from streampack.loader import Loader
-    from streampack.runs.mixconfig import load_mixture, mixture_exclusions
-
-    if _is_config(data):
-        dataset: Any = load_mixture(data)
-        _check_agrees_with_config(data, dataset, seq_len, overlap, seed, shuffle)
-        options: dict[str, Any] = {"exclude": mixture_exclusions(data)}
-    else:
-        options = {"exclude": []}
-        if seq_len is None:
-            raise click.UsageError("give --seq-len L: the tokens per sample of the run")
-        dataset = open_cache(data, **source).sequences(seq_len, overlap=overlap or 0)
-        options |= {"seed": seed or 0, "shuffle": _shuffle(*shuffle)}
-    if exclude_path is not None:
-        options["exclude"] += mixture_exclusions(exclude_path)
-    if any(entry.mode == "mask" for entry in options["exclude"]):
-        options["output"] = "dict"  # mask mode has labels to mask
-    try:
-        return Loader(dataset, batch_size=batch_size, world_size=world_size, **options)
-    except ValueError as e:
-        raise StreampackError(str(e)) from None
 
 
 def _check_agrees_with_config(
