@@ -236,6 +236,22 @@ def inner_token(cache: Cache, token: int) -> tuple[int, int] | None:
     return None
 
 
+def require_eos(cache: Cache, reader: str, keeps: str) -> int:
+    """The EOS id of a cache whose documents it delimits, else an :class:`OptionsError` (no EOS, or a BOS
+    that is the EOS); ``reader`` says how the format finds documents, ``keeps`` which formats to use."""
+    if cache.eos_id is None:
+        raise OptionsError(
+            f"{cache.root}: the cache appends no EOS, and {reader}: the document boundaries would be lost. "
+            f"Rebuild with an EOS, or export to {keeps}"
+        )
+    if cache.bos_id == cache.eos_id:
+        raise OptionsError(
+            f"{cache.root}: the cache's BOS is its EOS ({cache.eos_id}), and {reader}: each BOS would end a "
+            f"document too, every document read as two. Rebuild without bos_id, or export to {keeps}"
+        )
+    return cache.eos_id
+
+
 def refuse_loss_mask(cache: Cache, format: str, drop: bool) -> None:
     """Refuse (:class:`OptionsError`) to lose an SFT cache's loss mask, unless ``drop`` is set."""
     if cache.has_loss_mask and not drop:

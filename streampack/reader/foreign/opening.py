@@ -44,7 +44,6 @@ __all__ = [
     "ForeignOptions",
     "ForeignShard",
     "ForeignShards",
-    "foreign_identity",
     "open_foreign",
     "open_remote",
 ]
@@ -99,23 +98,18 @@ class ForeignOptions:
 
 @dataclass(frozen=True)
 class ForeignShard:
-    """One shard of a foreign cache.
+    """One shard of a foreign cache: its file and counts, and the functions that read its arrays.
 
     Attributes:
-        path: the file that holds its tokens.
-        num_docs: its documents.
-        num_tokens: its tokens.
-        tokens: maps its tokens (read-only, the cache's dtype).
-        ends: the end of each of its documents (uint64, cumulative).
-        mask: maps its loss mask (uint8, one a token), or None.
-        token_file: (path, byte offset) where its tokens lie end to end, or None if they do not.
-        first_doc: the index in :attr:`path` of its first document (a file read as several shards).
-        index_files: the files other than :attr:`path` its document ends are read from (an ``.idx``).
-        mask_file: the file of its loss mask, or None.
-        hashes: the digests its format records of :attr:`path`, by algorithm.
-        pieces: each document's bytes as views of its map, where its tokens are not end to end (MDS).
-        ends_digest: the :func:`~streampack.reader.foreign.identity.ends_digest` of :attr:`ends` that a scan
-            found at the open; None: made from :attr:`ends`.
+        tokens: maps its tokens (read-only, the cache's dtype); ``ends``: its document ends (uint64,
+            cumulative); ``mask``: its loss mask (uint8, one a token), or None.
+        token_file: (path, byte offset) where its tokens lie end to end, or None (MDS samples: ``pieces``,
+            each document's bytes as views of its map).
+        first_doc: the index in ``path`` of its first document (a file read as several shards).
+        index_files: the files other than ``path`` its document ends are read from (an ``.idx``).
+        hashes: the digests its format records of ``path``, by algorithm.
+        ends_digest: the :func:`~streampack.reader.foreign.identity.ends_digest` of ``ends`` a scan found
+            at the open; None: made from ``ends``.
     """
 
     path: Path
@@ -138,14 +132,9 @@ class Foreign:
     """A foreign cache as its format module read it.
 
     Attributes:
-        format: the format's name.
         root: the directory (or prefix) it was opened from.
         dtype: the token dtype, uint16 or uint32 (int32 files are read as uint32).
-        shards: its shards, in stream order.
-        eos_id: the id that ends every document, if any.
-        bos_id: the id that starts every document, if any.
         vocab_size: every id is below it, where the files record it.
-        tokenizer_name: the tokenizer the files name, if any.
         files: every file it reads (the manifest's inputs).
         continued_documents: a shard's first document may continue the previous shard's last (llm.c cuts
             shards at a token count), so ``verify`` does not ask it to start with the BOS.
@@ -173,7 +162,6 @@ class ForeignShards:
     :class:`ForeignShard` on first use and kept as :func:`~streampack.reader.shards.keep` allows.
 
     Args:
-        foreign: what the format's reader read.
         files: where the files are read from.
         identity: what they held when opened (:func:`foreign_identity`).
     """
@@ -206,11 +194,7 @@ class ForeignShards:
         return self._shard(shard).ends()
 
     def mask(self, shard: int) -> np.ndarray:
-        """The loss mask of shard ``shard``.
-
-        Raises:
-            CacheError: the files have no loss mask.
-        """
+        """The loss mask of shard ``shard``; a CacheError where the files have none."""
         if not self._masked:
             raise CacheError(
                 f"{self.foreign.root}: this {self.foreign.format} cache has no loss mask; every token is a "
