@@ -1,15 +1,10 @@
 """streampack's own cache as an export format: what ``streampack convert`` writes from another format.
 
-``export(cache, "streampack", DEST)`` writes a native cache (``docs/FORMAT.md``) whose manifest, written
-last, holds every file's CRC-32 and keeps what the source's said (tokenizer, EOS, BOS, inputs and
-``settings.foreign``). A source shard becomes shards of at most ``shard_tokens`` tokens, cut between
-documents.
-
-The kernel copies the tokens where the source holds them end to end in a file (every format but MDS)
-while another thread computes their CRC-32 from the source's pages, so a convert runs at about the speed
-of a plain copy. A format whose documents are found by a scan (nanoGPT, OLMo, llm.c) is not opened first,
-which would read the files through before the copy began: :func:`write_scanned` copies each planned span
-while another thread scans it for its documents and CRC-32, one read for both.
+A native cache (``docs/FORMAT.md``) whose manifest, written last, holds every file's CRC-32 and keeps what
+the source's said (tokenizer, EOS, BOS, inputs and ``settings.foreign``); a source shard becomes shards of
+at most ``shard_tokens`` tokens, cut between documents. The kernel copies the tokens while another thread
+computes their CRC-32, so a convert runs at about the speed of a plain copy; :func:`write_scanned` does the
+same for files whose documents are found by a scan, scanning each span as it is copied (one read for both).
 """
 
 from __future__ import annotations
@@ -50,6 +45,7 @@ from streampack.interop.writing import (
     shard_docs,
     write_spans,
 )
+from streampack.loader.reading import token_place
 from streampack.reader.foreign.opening import Foreign, ForeignShards, foreign_cache
 from streampack.reader.foreign.scanning import ScanPlan, TokenSpan, open_plan, scanned
 from streampack.store import encode_json
@@ -91,7 +87,7 @@ def write(
         for docs in shard_docs(cache):
             unit = cache.manifest.units[docs.shard]
             tokens = scanned(cache.shard_tokens(docs.shard))
-            _check_vocabulary(cache, tokens, partial(_place, cache, docs.shard))
+            _check_vocabulary(cache, tokens, partial(token_place, cache, docs.shard))
             for first, stop in doc_chunks(docs, options.shard_tokens):
                 with dest.open(tokens_key(shard_name(len(written.units)))) as out:
                     tokens_crc = _copy_with_crc(cache, docs, first, stop, out)
@@ -106,12 +102,8 @@ def write(
 def write_scanned(
     plan: ScanPlan, declared: Mapping[str, Any], dest: Destination, progress: bool
 ) -> tuple[int, int, Sequence[str]]:
-    """Write the native cache of a foreign one read by a scan, one shard a span of ``plan``: the kernel
-    copies the spans while another thread scans them. The same files as :func:`write` of the opened cache.
-
-    Args:
-        declared: what :func:`streampack.open` was told of the files.
-    """
+    """Write the native cache of a foreign one read by a scan (``declared``: what :func:`streampack.open`
+    was told of it), one shard a span of ``plan``: the same files as :func:`write` of the opened cache."""
     crcs: list[int] = []
     outcome: list[Foreign | BaseException] = []
 
@@ -145,13 +137,8 @@ def write_scanned(
 def _check_vocabulary(
     cache: Cache, chunks: Iterable[tuple[int, np.ndarray]], place: Callable[[int], str]
 ) -> None:
-    """Refuse tokens (``chunks`` as :func:`~streampack.reader.foreign.scanning.scanned` gives them) holding
-    an id the cache's declared vocabulary does not have: the native cache would declare ids that cannot
-    occur. Nothing to read where the token dtype cannot hold such an id.
-
-    Raises:
-        CacheError: naming the id and its place (``place(token index)``), and what to do.
-    """
+    """Refuse ``(start, chunk)`` tokens holding an id outside the cache's declared vocabulary, which the
+    native cache would record, naming it at ``place(token index)``."""
     vocab = cache.vocab_size
     if vocab > np.iinfo(cache.dtype).max:
         return
@@ -167,15 +154,7 @@ def _check_vocabulary(
 
 
 def _in_file(path: Path, pos: int) -> str:
-    """Token ``pos`` of a file, as messages name it."""
     return f"{path}: token {pos:,}"
-
-
-def _place(cache: Cache, shard: int, pos: int) -> str:
-    """Where token ``pos`` of a shard lies, as messages name it."""
-    from streampack.loader.reading import token_place
-
-    return token_place(cache, shard, pos)
 
 
 class _Written:

@@ -148,16 +148,12 @@ def shard_spans(
     return spans
 
 
-def _window(tokens: np.ndarray | TokenSpan, start: int, stop: int) -> np.ndarray:
-    return tokens.read(start, stop) if isinstance(tokens, TokenSpan) else tokens[start:stop]
-
-
 def _last_end(tokens: np.ndarray | TokenSpan, eos: int, start: int, limit: int, window: int) -> int | None:
     """The end of the last document that ends within ``(start, limit]``, or None."""
     hi = limit
     while hi > start:
         lo = max(start, hi - window)
-        found = np.flatnonzero(_window(tokens, lo, hi) == eos)
+        found = np.flatnonzero(tokens[lo:hi] == eos)
         if len(found):
             return lo + int(found[-1]) + 1
         hi = lo
@@ -167,7 +163,7 @@ def _last_end(tokens: np.ndarray | TokenSpan, eos: int, start: int, limit: int, 
 def _first_end(tokens: np.ndarray | TokenSpan, eos: int, start: int, window: int) -> int | None:
     """The end of the first document that ends after ``start``, or None."""
     for lo in range(start, len(tokens), window):
-        found = np.flatnonzero(_window(tokens, lo, lo + window) == eos)
+        found = np.flatnonzero(tokens[lo : lo + window] == eos)
         if len(found):
             return lo + int(found[0]) + 1
     return None

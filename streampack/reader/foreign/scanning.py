@@ -16,13 +16,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
 from streampack.errors import CacheError
 from streampack.format.names import MANIFEST, crc32
-from streampack.reader.foreign.files import check_doc_count, map_tokens
+from streampack.reader.foreign.files import map_tokens
 from streampack.reader.foreign.identity import ends_digest
 from streampack.reader.foreign.opening import READERS, Foreign, ForeignOptions, ForeignShard, recognise
 from streampack.store import is_remote, open_store
@@ -42,8 +42,8 @@ SCAN_THREADS = min(4, os.cpu_count() or 1)
 class TokenSpan:
     """``count`` tokens of ``dtype`` at byte ``offset`` of the file ``path``.
 
-    A scan reads it with plain reads into one buffer: that leaves no mapped pages to fault in and let go
-    of, and was a third faster than scanning a memory map.
+    A scan reads it with plain reads into one buffer: no mapped pages to fault in and let go of (a third
+    faster than scanning a memory map).
     """
 
     path: Path
@@ -54,14 +54,16 @@ class TokenSpan:
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, index: int) -> int:
-        """Token ``index``."""
-        at = range(self.count)[index]
-        return int(self.read(at, at + 1)[0])
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)``, clipped to the span, in a new array."""
-        start, stop = max(start, 0), min(stop, self.count)
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> np.ndarray: ...
+    def __getitem__(self, index: int | slice) -> int | np.ndarray:
+        """Token ``index``, or the tokens of a slice (of step 1) in a new array."""
+        if isinstance(index, int):
+            at = range(self.count)[index]
+            return int(self[at : at + 1][0])
+        start, stop, _ = index.indices(self.count)
         if stop <= start:
             return np.zeros(0, dtype=self.dtype)
         return next(self.chunks(stop - start, first=start))[1]
@@ -185,7 +187,13 @@ def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | 
 
 def _rescan(span: TokenSpan, boundary: Boundary, docs: int) -> np.ndarray:
     """The ends of ``span`` scanned again: the same ``docs`` documents as at the open."""
-    return check_doc_count(span.path, boundary.ends(span)[0], docs)
+    ends = boundary.ends(span)[0]
+    if len(ends) != docs:
+        raise CacheError(
+            f"{span.path}: {len(ends):,} documents now, {docs:,} when it was opened: the file changed since; "
+            "open it again"
+        )
+    return ends
 
 
 def span_shards(
