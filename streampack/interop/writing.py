@@ -1,9 +1,9 @@
 """What every exporter shares besides its destination: reading a cache in bounded memory, the progress
 bar, and the refusals.
 
-Token files are copied by the kernel where the widths match (:mod:`~streampack.interop.copying`), else read
-in plain reads of :data:`CHUNK_TOKENS` tokens: a memory map's pages would count towards the process's
-memory until unmapped. Offset tables and loss masks are read a shard at a time.
+Token files are copied by the kernel where the widths match, else read in plain reads of
+:data:`CHUNK_TOKENS` tokens (a memory map's pages would count towards the process's memory until
+unmapped); offset tables and loss masks a shard at a time.
 """
 
 from __future__ import annotations
@@ -89,8 +89,8 @@ def write_spans(
     """Write each span ``(out, start, stop)`` of a shard's tokens to its ``out``, in order, as little-endian
     ``dtype``.
 
-    Equal widths keep the bytes as they are (the kernel copies them into a local file): a uint32 id of
-    2**31 or more reads back from int32 as itself. A narrower ``dtype`` has each chunk checked
+    Equal widths keep the bytes as they are (a uint32 id of 2**31 or more reads back from int32 as itself),
+    copied by the kernel into a local file. A narrower ``dtype`` has each chunk checked
     (:func:`check_fits`): another format's files are only declared to keep to their vocabulary.
 
     Raises:
@@ -151,11 +151,8 @@ def write_stream(cache: Cache, start: int, stop: int, out: IO[bytes]) -> None:
 
 
 def check_fits(cache: Cache, shard: int, chunk: np.ndarray, start: int, dtype: np.dtype) -> None:
-    """Refuse a chunk of a shard's tokens (from its token ``start``) holding an id ``dtype`` would wrap.
-
-    Raises:
-        CacheError: naming the id, its document and file, and what to do.
-    """
+    """Refuse (:class:`CacheError`) a chunk of a shard's tokens, from its token ``start``, holding an id
+    ``dtype`` would wrap."""
     if not len(chunk):
         return
     info = np.iinfo(dtype)

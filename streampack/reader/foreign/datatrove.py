@@ -61,8 +61,7 @@ def read(path: Path, options: ForeignOptions, where: ForeignFiles = LOCAL) -> Fo
     """The ``.ds`` files at ``path``, one shard each, whose documents end at the ``.ds.index`` ends.
 
     Raises:
-        CacheError: no ``.ds`` file, or a file or sidecar that is malformed, of the wrong size, or
-            disagrees with the others (naming it).
+        CacheError: no ``.ds`` file, or a file or sidecar that is malformed or disagrees (naming it).
         OptionsError: ``dtype=`` other than the ``.ds.metadata`` files' width.
     """
     files = ds_files(path, where)
@@ -176,8 +175,7 @@ def _shard(
 
 def _check_index(index: Path, ends: np.ndarray, count: int) -> None:
     """The document ends never decrease and the last is the token count (no token outside a document)."""
-    check_ends(index, ends, count)
-    last = int(ends[-1]) if len(ends) else 0
+    last = int(check_ends(index, ends, count)[-1]) if len(ends) else 0
     if last != count:
         raise CacheError(
             f"{index}: the last document ends at token {last:,}, but the .ds file holds {count:,} tokens: "
