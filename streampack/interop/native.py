@@ -9,9 +9,9 @@ same for files whose documents are found by a scan, scanning each span as it is 
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -242,36 +242,20 @@ def _copy_with_crc(cache: Cache, docs: ShardDocs, first: int, stop: int, out: IO
 
 def _beside(checksum: Callable[[], int], write: Callable[[], object]) -> int:
     """``write()`` on this thread while another computes ``checksum()``; the checksum."""
-    result = [0]
-    summer = threading.Thread(
-        target=lambda: result.__setitem__(0, checksum()), name="streampack-convert-crc", daemon=True
-    )
-    summer.start()
-    try:
+    with ThreadPoolExecutor(1, "streampack-convert-crc") as pool:
+        summed = pool.submit(checksum)
         write()
-    finally:
-        summer.join()
-    return result[0]
+        return summed.result()
 
 
 def _crc_of_file(where: tuple[Path, int], itemsize: int, start: int, end: int) -> int:
     """The CRC-32 of tokens ``[start, end)`` of a token file, by plain reads (a map's pages would count
     towards the process's memory until unmapped)."""
-    path, base = where
-    buffer = bytearray(_CRC_BYTES)
-    view, crc = memoryview(buffer), 0
-    with open(path, "rb", buffering=0) as f:
-        at, stop = base + start * itemsize, base + end * itemsize
-        while at < stop:
-            n = os.preadv(f.fileno(), [view[: min(_CRC_BYTES, stop - at)]], at)
-            if n == 0:
-                break  # cut short meanwhile: the copy says so
-            crc = crc32(view[:n], crc)
-            at += n
-    return crc
+    span = TokenSpan(where[0], np.dtype(np.uint8), where[1] + start * itemsize, (end - start) * itemsize)
+    return _crc_of_pieces(chunk.data for _, chunk in span.chunks(_CRC_BYTES))
 
 
-def _crc_of_pieces(pieces: Sequence[memoryview]) -> int:
+def _crc_of_pieces(pieces: Iterable[memoryview]) -> int:
     """The CRC-32 of ``pieces`` end to end."""
     crc = 0
     for piece in pieces:
