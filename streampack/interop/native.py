@@ -46,7 +46,7 @@ from streampack.interop.writing import (
     write_spans,
 )
 from streampack.loader.reading import token_place
-from streampack.reader.foreign.opening import Foreign, ForeignShards, foreign_cache
+from streampack.reader.foreign.opening import Foreign, ForeignOptions, ForeignShards, foreign_cache
 from streampack.reader.foreign.scanning import ScanPlan, TokenSpan, open_plan, scanned
 from streampack.store import encode_json
 
@@ -124,7 +124,7 @@ def write_scanned(
     scanner.join()
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
-    cache = foreign_cache(outcome[0], declared)
+    cache = foreign_cache(outcome[0], ForeignOptions(**declared))
     for span in spans:
         _check_vocabulary(cache, span.chunks(), partial(_in_file, span.path))
     written = _Written()

@@ -14,7 +14,7 @@ import importlib
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -314,9 +314,9 @@ def open_foreign(
         foreign: Foreign = (
             module.read(Path(path), options, files) if not files.local else module.read(Path(path), options)
         )
+        return foreign_cache(foreign, options, files=files, store=store)
     except StreampackError as e:
         raise type(e)(files.shown(str(e))) from None
-    return foreign_cache(foreign, declared, files=files, store=store)
 
 
 def open_remote(
@@ -360,22 +360,13 @@ def open_remote(
 
 
 def foreign_cache(
-    foreign: Foreign,
-    declared: Mapping[str, Any],
-    *,
-    files: ForeignFiles = LOCAL,
-    store: LocalStore | None = None,
+    foreign: Foreign, options: ForeignOptions, *, files: ForeignFiles = LOCAL, store: LocalStore | None = None
 ) -> Cache:
-    """The cache of what a format module read (``declared``: the fields of :class:`ForeignOptions`)."""
-    options = ForeignOptions(**declared)
-    try:
-        manifest = foreign_manifest(foreign, options, files)
-        identity = foreign_identity(foreign, files)
-    except StreampackError as e:
-        raise type(e)(files.shown(str(e))) from None
-    shards = ForeignShards(foreign, files, identity)
+    """The cache of what a format module read, with what ``options`` declared of it."""
+    manifest = foreign_manifest(foreign, options, files)
+    shards = ForeignShards(foreign, files, foreign_identity(foreign, files))
     cache = Cache(store or LocalStore(foreign.root), manifest, manifest.table, files=shards)
-    cache.declared = {**{k: v for k, v in declared.items() if v is not None}, "format": foreign.format}
+    cache.declared = {k: v for k, v in asdict(options).items() if v is not None} | {"format": foreign.format}
     return cache
 
 

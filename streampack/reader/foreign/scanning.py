@@ -229,7 +229,7 @@ def scan_plan(source: str | os.PathLike[str], declared: Mapping[str, Any]) -> Sc
     Args:
         declared: what :func:`streampack.open` was told of the files.
     """
-    options = ForeignOptions(**{k: v for k, v in declared.items() if v is not None})
+    options = ForeignOptions(**declared)
     try:
         store = None if is_remote(source) else open_store(source)
         if store is None or (options.format is None and store.exists(MANIFEST)):
