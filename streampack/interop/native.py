@@ -82,7 +82,7 @@ def write(
     cache: Cache, dest: Destination, options: Options, progress: bool
 ) -> tuple[int, int, Sequence[str]]:
     """Write the shards, then the manifest (committed last)."""
-    written = _Written()
+    written = _Written(cache, dest)
     with progress_bar(progress, cache.num_tokens, "streampack") as bar:
         for docs in shard_docs(cache):
             unit = cache.manifest.units[docs.shard]
@@ -93,10 +93,10 @@ def write(
                     tokens_crc = _copy_with_crc(cache, docs, first, stop, out)
                 whole = first == 0 and stop == len(docs.ends)
                 named = unit if whole else f"{unit}[documents {first}:{stop}]"
-                written.add(cache, docs, first, stop, named, tokens_crc, dest)
+                written.add(docs, first, stop, named, tokens_crc)
                 bar.update(written.tokens[-1])
             release_maps(cache)  # one source shard's arrays at a time (an MDS shard's is a copy)
-    return written.commit(cache, dest)
+    return written.commit()
 
 
 def write_scanned(
@@ -127,11 +127,11 @@ def write_scanned(
     cache = foreign_cache(outcome[0], ForeignOptions(**declared))
     for span in spans:
         _check_vocabulary(cache, span.chunks(), partial(_in_file, span.path))
-    written = _Written()
+    written = _Written(cache, dest)
     for docs, tokens_crc in zip(shard_docs(cache), crcs, strict=True):
         if len(docs.ends):
-            written.add(cache, docs, 0, len(docs.ends), cache.manifest.units[docs.shard], tokens_crc, dest)
-    return written.commit(cache, dest)
+            written.add(docs, 0, len(docs.ends), cache.manifest.units[docs.shard], tokens_crc)
+    return written.commit()
 
 
 def _check_vocabulary(
@@ -158,27 +158,20 @@ def _in_file(path: Path, pos: int) -> str:
 
 
 class _Written:
-    """The shards written so far: each one's documents, tokens, CRC-32s (tokens, offsets, mask) and unit."""
+    """The shards written so far to ``dest`` from ``cache``: each one's documents, tokens, CRC-32s (tokens,
+    offsets, mask) and unit."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: Cache, dest: Destination) -> None:
+        self.cache, self.dest = cache, dest
         self.docs: list[int] = []
         self.tokens: list[int] = []
         self.crcs: list[list[int]] = []
         self.units: list[str] = []
 
-    def add(
-        self,
-        cache: Cache,
-        docs: ShardDocs,
-        first: int,
-        stop: int,
-        unit: str,
-        tokens_crc: int,
-        dest: Destination,
-    ) -> None:
+    def add(self, docs: ShardDocs, first: int, stop: int, unit: str, tokens_crc: int) -> None:
         """Write the document ends (and mask) and ledger entry of documents ``[first, stop)`` of ``docs``,
         whose tokens are written."""
-        name = shard_name(len(self.units))
+        cache, dest, name = self.cache, self.dest, shard_name(len(self.units))
         start, end = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1]) if stop else 0
         offsets = (docs.ends[first:stop] - start).astype("<u8")
         with dest.open(offsets_key(name)) as out:
@@ -193,10 +186,15 @@ class _Written:
         self.tokens.append(end - start)
         self.crcs.append(sums)
         self.units.append(unit)
-        _write_entry(dest, name, unit, self.docs[-1], self.tokens[-1], sums, cache)
+        entry = LedgerEntry(unit, records=stop - first, docs=stop - first, tokens=end - start, done=True,
+                            tokens_checksum=checksum_text(sums[0]), offsets_checksum=checksum_text(sums[1]),
+                            mask_checksum=checksum_text(sums[2]) if cache.has_loss_mask else "")  # fmt: skip
+        with dest.open(ledger_key(name)) as out:  # as a build leaves a finished unit's
+            out.write(encode_json(with_checksum(msgspec.structs.asdict(entry))))
 
-    def commit(self, cache: Cache, dest: Destination) -> tuple[int, int, Sequence[str]]:
+    def commit(self) -> tuple[int, int, Sequence[str]]:
         """Write the manifest (the last file, committed last)."""
+        cache = self.cache
         columns = np.array(self.crcs, dtype=np.uint32).reshape(-1, 3)
         table = ShardTable(
             np.array(self.docs, dtype=np.int64),
@@ -206,21 +204,9 @@ class _Written:
             mask_crc32=columns[:, 2] if cache.has_loss_mask else None,
         )
         manifest = replace(cache.manifest, units=self.units, table=table, complete=True)
-        with dest.open(MANIFEST) as out:
+        with self.dest.open(MANIFEST) as out:
             out.write(encode_json(with_checksum(manifest.to_json())))
         return cache.num_docs, cache.num_tokens, [MANIFEST]
-
-
-def _write_entry(
-    dest: Destination, name: str, unit: str, docs: int, tokens: int, crcs: list[int], cache: Cache
-) -> None:
-    """The ledger entry of a finished unit, as a build leaves it."""
-    mask = checksum_text(crcs[2]) if cache.has_loss_mask else ""
-    entry = LedgerEntry(unit, records=docs, docs=docs, tokens=tokens, done=True,
-                        tokens_checksum=checksum_text(crcs[0]), offsets_checksum=checksum_text(crcs[1]),
-                        mask_checksum=mask)  # fmt: skip
-    with dest.open(ledger_key(name)) as out:
-        out.write(encode_json(with_checksum(msgspec.structs.asdict(entry))))
 
 
 def _copy_with_crc(cache: Cache, docs: ShardDocs, first: int, stop: int, out: IO[bytes]) -> int:

@@ -37,11 +37,6 @@ class ShardDocs:
     ends: np.ndarray
     first_doc: int
 
-    @property
-    def lengths(self) -> np.ndarray:
-        """Tokens of each document (int64)."""
-        return np.diff(self.ends, prepend=0)
-
 
 def shard_docs(cache: Cache) -> Iterator[ShardDocs]:
     """Every shard's document table, in stream order (one table in memory at a time)."""

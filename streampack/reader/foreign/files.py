@@ -184,15 +184,12 @@ class CopiedFiles:
         key = self.key(path)
         if key not in self._expected:
             info = self._existing(path)
-            self._expected[key] = Expected(int(info["size"]), "", _version(info))
+            # The object's version: a short tag of its ETag (else its modification time), or "" if none.
+            given = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
+            version = hashlib.sha256(str(given).encode()).hexdigest()[:12] if given else ""
+            self._expected[key] = Expected(int(info["size"]), "", version)
             self.store.expect(self._expected)
         return key
-
-
-def _version(info: dict[str, Any]) -> str:
-    """A short tag of the object's version (its ETag, else its modification time), or "" if none is given."""
-    given = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
-    return hashlib.sha256(str(given).encode()).hexdigest()[:12] if given else ""
 
 
 #: Where a foreign cache's files are read from.

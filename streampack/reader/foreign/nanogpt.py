@@ -77,8 +77,7 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     after an EOS.
 
     Raises:
-        CacheError: the file is missing, not a whole number of tokens of its dtype, or ``meta.pkl`` is
-            not a dict of plain values.
+        CacheError: the file is missing or not whole tokens, or ``meta.pkl`` is not plain data.
         OptionsError: ``bos_id=``, or an ``eos_id`` the dtype cannot hold.
     """
     if options.bos_id is not None:
@@ -128,10 +127,7 @@ def shard_spans(
 ) -> list[tuple[int, int]]:
     """``(start, stop)`` of each shard of a flat stream, cut after the last EOS within ``shard_tokens``
     tokens of its start (or the first EOS past them, for a longer document); one shard without ``eos_id``.
-
-    Each cut is found by reading back from the limit ``window`` tokens at a time, so planning reads a few
-    MiB of the file, not all of it.
-    """
+    Each cut is found by reading back from the limit ``window`` tokens at a time (a few MiB of the file)."""
     total = len(tokens)
     if eos_id is None or not total:
         return [(0, total)]

@@ -13,14 +13,13 @@ What allenai/OLMo-core ``data/numpy_dataset.py`` (``NumpyDatasetConfig``: ``path
   ``label_mask_paths``, ``dtype``, ``eos_token_id``, ``bos_token_id``, ``vocab_size``) and the cache's
   ``num_docs`` and ``num_tokens``, which a reader checks the files against.
 
-``streampack.open(PATH)``: PATH is a folder with ``olmo.json`` (its paths relative to the folder; its
-``num_tokens`` must be the files', its ``num_docs`` at most the documents they hold), or a folder of
-``*.npy`` token files (in name order; ``labels_mask_X.npy`` is the mask of ``token_ids_X.npy``), or one
-such file. Without ``olmo.json``, ``dtype=`` gives the dtype (uint16 by default) and ``eos_id=`` the EOS,
-which is required; beside ``olmo.json`` they must agree with it. Each file is one shard, mapped where it
-lies, whose documents end at each EOS; a tail after the last one is a last document. The EOS ids are
-counted by a scan at the open rather than read from the ``.csv.gz`` sidecars: gunzipping and parsing a
-line a document costs more than comparing the tokens, and a folder not written by dolma has none.
+``streampack.open(PATH)``: PATH is a folder with ``olmo.json`` (its paths relative to the folder), or a
+folder of ``*.npy`` token files (in name order; ``labels_mask_X.npy`` is the mask of ``token_ids_X.npy``),
+or one such file, whose ``dtype=`` (uint16 by default) and ``eos_id=`` (required) are declared. Each file
+is one shard, mapped where it lies, whose documents end at each EOS (a tail after the last one is a last
+document). The EOS ids are counted by a scan rather than read from the ``.csv.gz`` sidecars: gunzipping
+and parsing a line a document costs more than comparing the tokens, and a folder not written by dolma has
+none.
 """
 
 from __future__ import annotations
@@ -76,10 +75,9 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     """The token files at ``path``, one shard each, whose documents end at the EOS.
 
     Raises:
-        CacheError: ``olmo.json`` is not what the export writes, or its counts are not the files'; a token
-            file is missing or not a whole number of tokens; a label mask is not one byte a token.
-        OptionsError: no EOS id is known, ``dtype=`` or ``eos_id=`` disagree with ``olmo.json``, or an id
-            does not fit the dtype.
+        CacheError: ``olmo.json`` is not what the export writes or disagrees with the files, or a token or
+            mask file is missing or of the wrong size.
+        OptionsError: no EOS id is known, an option disagrees with ``olmo.json``, or an id is too large.
     """
     config = _config(path / CONFIG) if path.is_dir() and (path / CONFIG).is_file() else {}
     if config:
