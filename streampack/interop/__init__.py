@@ -48,14 +48,8 @@ __all__ = ["FORMATS", "Exported", "convert", "export"]
 
 #: Format name -> the module that writes it.
 FORMATS: dict[str, str] = {
-    "megatron": "streampack.interop.megatron",
-    "llmc": "streampack.interop.llmc",
-    "nanogpt": "streampack.interop.nanogpt",
-    "datatrove": "streampack.interop.datatrove",
-    "olmo": "streampack.interop.olmo",
-    "hf": "streampack.interop.hf",
-    "mds": "streampack.interop.mds",
-    "streampack": "streampack.interop.native",
+    name: f"streampack.interop.{'native' if name == 'streampack' else name}"
+    for name in ("megatron", "llmc", "nanogpt", "datatrove", "olmo", "hf", "mds", "streampack")
 }
 
 

@@ -50,12 +50,8 @@ __all__ = [
 
 #: Format name -> the module that reads it, in the order a path is tried.
 READERS: dict[str, str] = {
-    "megatron": "streampack.reader.foreign.megatron",
-    "mds": "streampack.reader.foreign.mds",
-    "datatrove": "streampack.reader.foreign.datatrove",
-    "olmo": "streampack.reader.foreign.olmo",
-    "llmc": "streampack.reader.foreign.llmc",
-    "nanogpt": "streampack.reader.foreign.nanogpt",
+    name: f"streampack.reader.foreign.{name}"
+    for name in ("megatron", "mds", "datatrove", "olmo", "llmc", "nanogpt")
 }
 #: The formats read from object storage too: their ``read`` takes where the files are (a ``ForeignFiles``).
 REMOTE_READERS = ("megatron", "datatrove")
