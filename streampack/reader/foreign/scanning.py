@@ -13,7 +13,7 @@ import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, overload
@@ -142,7 +142,7 @@ class Found:
 
     num_docs: int
     ends: Callable[[], np.ndarray]
-    digest: bytes = b""
+    digest: bytes
 
 
 @dataclass(frozen=True)
@@ -177,12 +177,7 @@ def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | 
             found.append(Found(len(ends), again, ends_digest(ends)))
             if crcs is not None:
                 crcs.append(crc)
-    foreign = plan.make(found)
-    shards = foreign.shards
-    if len(shards) != len(found) or any(s.num_docs != f.num_docs for s, f in zip(shards, found)):
-        return foreign  # not one shard a span: the digests are made from the shards' ends
-    # Each shard keeps the digest of the ends its scan found, so the identity never scans a span again.
-    return replace(foreign, shards=[replace(s, ends_digest=f.digest) for s, f in zip(shards, found)])
+    return plan.make(found)
 
 
 def _rescan(span: TokenSpan, boundary: Boundary, docs: int) -> np.ndarray:
@@ -199,8 +194,8 @@ def _rescan(span: TokenSpan, boundary: Boundary, docs: int) -> np.ndarray:
 def span_shards(
     spans: list[TokenSpan], found: list[Found], mask_files: list[Path] | None = None
 ) -> list[ForeignShard]:
-    """One shard a span, mapped where its tokens lie, with the ends its scan found (and its loss mask
-    file, one byte a token, from ``mask_files``)."""
+    """One shard a span, mapped where its tokens lie, with the ends its scan found and their digest (and its
+    loss mask file, one byte a token, from ``mask_files``)."""
     shards, before = [], Counter[Path]()
     for index, (span, seen) in enumerate(zip(spans, found, strict=True)):
         mask_file = None if mask_files is None else mask_files[index]
@@ -216,6 +211,7 @@ def span_shards(
                 token_file=(span.path, span.offset),
                 first_doc=before[span.path],
                 mask_file=mask_file,
+                ends_digest=seen.digest,  # so that the identity never scans a span again
             )
         )
         before[span.path] += seen.num_docs
