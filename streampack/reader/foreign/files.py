@@ -228,9 +228,9 @@ def check_ends(path: Path, ends: np.ndarray, num_tokens: int) -> np.ndarray:
     return ends
 
 
-def check_id_fits(path: Path, name: str, token_id: int, dtype: np.dtype) -> None:
-    """Refuse a declared id that tokens of ``dtype`` cannot hold (it would never be found)."""
-    if token_id >= 1 << (8 * dtype.itemsize):
+def check_id_fits(path: Path, name: str, token_id: int | None, dtype: np.dtype) -> None:
+    """Refuse a declared id that tokens of ``dtype`` cannot hold (it would never be found); None passes."""
+    if token_id is not None and token_id >= 1 << (8 * dtype.itemsize):
         raise OptionsError(
             f"{path}: {name}={token_id:,} does not fit its {dtype.name} tokens (at most "
             f"{(1 << (8 * dtype.itemsize)) - 1:,}): the id is wrong, or the files are uint32 (pass dtype=)"

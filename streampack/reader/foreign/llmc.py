@@ -111,8 +111,7 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
                 "shards of one cache must have one dtype (magic and version)"
             )
     dtype = np.dtype(f"<u{itemsize}")
-    if options.bos_id is not None:
-        check_id_fits(path, "bos_id", options.bos_id, dtype)
+    check_id_fits(path, "bos_id", options.bos_id, dtype)
     delimiter = _delimiter(files, [h.delimiter for h in headers], options.bos_id, itemsize)
     spans = [TokenSpan(f, dtype, HEADER_BYTES, h.count) for f, h in zip(files, headers)]
 

@@ -96,9 +96,8 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
             f"file is truncated, or its tokens are not {dtype.name} (pass dtype=)"
         )
     eos = options.eos_id
-    if eos is not None:
-        check_id_fits(file, "eos_id", eos, dtype)
-    else:  # documented (one stream for get_batch-style windows), so a warning, not a refusal
+    check_id_fits(file, "eos_id", eos, dtype)
+    if eos is None:  # documented (one stream for get_batch-style windows), so a warning, not a refusal
         warnings.warn(
             f"{file}: no eos_id declared: the file is read as one document stream (sequences() windows it as "
             "nanoGPT's get_batch does; documents() and packed() see one document). Pass eos_id=N, the id "

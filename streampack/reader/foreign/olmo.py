@@ -95,9 +95,8 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
             f"{path}: OLMo's token files end each document with the EOS id, and none is known: pass eos_id= "
             "(the tokenizer's EOS, the eos_token_id of the run's config)"
         )
-    for name, value in (("eos_id", eos), ("bos_id", bos)):
-        if value is not None:
-            check_id_fits(path, name, value, dtype)
+    check_id_fits(path, "eos_id", eos, dtype)
+    check_id_fits(path, "bos_id", bos, dtype)
     spans = [TokenSpan(file, dtype, 0, _token_count(file, dtype)) for file in tokens]
     if masks is not None:
         for mask, span in zip(masks, spans, strict=True):

@@ -409,17 +409,15 @@ def foreign_manifest(foreign: Foreign, options: ForeignOptions, files: ForeignFi
         np.array([s.num_tokens for s in foreign.shards], dtype=np.int64),
     )
     inputs = [InputRecord(files.name(p), files.size(p), files.mtime_ns(p)) for p in foreign.files]
+    settings: dict[str, Any] = {"foreign": foreign.format}
+    if foreign.continued_documents:
+        settings["continued_documents"] = True
     return Manifest(
         tokenizer=_tokenizer(foreign, options),
         dtype=foreign.dtype.name,
         eos=EosPolicy(foreign.eos_id is not None, foreign.eos_id),
         bos=BosPolicy(foreign.bos_id is not None, foreign.bos_id),
-        settings=BuildSettings.from_json(
-            {
-                "foreign": foreign.format,
-                **({"continued_documents": True} if foreign.continued_documents else {}),
-            }
-        ),
+        settings=BuildSettings.from_json(settings),
         inputs=inputs,
         units=_units(foreign),
         complete=True,
@@ -440,7 +438,6 @@ def _units(foreign: Foreign) -> list[str]:
 
 def _tokenizer(foreign: Foreign, options: ForeignOptions) -> TokenizerInfo:
     """The declared tokenizer's fingerprint, as a build records it; else the format's name for it."""
-    capacity = 1 << (8 * foreign.dtype.itemsize)
     if options.tokenizer is not None:
         from streampack.tokenizer import load_tokenizer
 
@@ -448,5 +445,5 @@ def _tokenizer(foreign: Foreign, options: ForeignOptions) -> TokenizerInfo:
         ids = [i for i in (foreign.eos_id, foreign.bos_id) if i is not None] or [0]
         vocab = options.vocab_size or max(fingerprint["vocab_size"], *(i + 1 for i in ids))
         return TokenizerInfo(**{**fingerprint, "vocab_size": vocab}, spec=options.tokenizer)
-    vocab = options.vocab_size or foreign.vocab_size or capacity
+    vocab = options.vocab_size or foreign.vocab_size or 1 << (8 * foreign.dtype.itemsize)
     return TokenizerInfo(UNDECLARED, foreign.tokenizer_name or foreign.format, vocab)
