@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ import numpy as np
 from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError
 from streampack.reader.foreign.files import check_id_fits
 from streampack.reader.foreign.opening import Foreign, ForeignOptions
-from streampack.reader.foreign.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan, span_shards
+from streampack.reader.foreign.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
 
 HEADER_INTS = 256
 #: (magic, version) by token width in bytes.
@@ -115,12 +116,9 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     delimiter = _delimiter(files, [h.delimiter for h in headers], options.bos_id, itemsize)
     spans = [TokenSpan(f, dtype, HEADER_BYTES, h.count) for f, h in zip(files, headers)]
 
-    def make(found: list[Found]) -> Foreign:
-        _warn_undelimited(path, delimiter, spans, found)
-        shards = span_shards(spans, found)
-        return Foreign("llmc", path, dtype, shards, bos_id=delimiter, files=files, continued_documents=True)
-
-    return ScanPlan(spans, Boundary(delimiter, starts=True), make)
+    foreign = Foreign("llmc", path, dtype, [], bos_id=delimiter, files=files, continued_documents=True)
+    warn = partial(_warn_undelimited, path, delimiter, spans)
+    return ScanPlan(foreign, spans, Boundary(delimiter, starts=True), check=warn)
 
 
 def _delimiter(files: list[Path], recorded: list[int | None], given: int | None, itemsize: int) -> int:

@@ -27,11 +27,9 @@ from streampack.reader.foreign.opening import Foreign, ForeignOptions
 from streampack.reader.foreign.scanning import (
     SCAN_TOKENS,
     Boundary,
-    Found,
     ScanPlan,
     TokenSpan,
     open_plan,
-    span_shards,
 )
 
 LOOKS_FOR = "nanogpt: a folder with train.bin, or one headerless .bin file (with eos_id= and dtype=)"
@@ -114,11 +112,8 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     ]
     files = [file, meta] if vocab is not None else [file]
 
-    def make(found: list[Found]) -> Foreign:
-        shards = span_shards(spans, found)
-        return Foreign("nanogpt", path, dtype, shards, eos_id=eos, vocab_size=vocab, files=files)
-
-    return ScanPlan(spans, Boundary(eos), make)
+    foreign = Foreign("nanogpt", path, dtype, [], eos_id=eos, vocab_size=vocab, files=files)
+    return ScanPlan(foreign, spans, Boundary(eos))
 
 
 def shard_spans(

@@ -33,7 +33,7 @@ import numpy as np
 from streampack.errors import CacheError, OptionsError
 from streampack.reader.foreign.files import check_id_fits
 from streampack.reader.foreign.opening import Foreign, ForeignOptions
-from streampack.reader.foreign.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan, span_shards
+from streampack.reader.foreign.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
 
 CONFIG = "olmo.json"
 LOOKS_FOR = "olmo: a folder with olmo.json or headerless *.npy token files, or one .npy file (with eos_id=)"
@@ -111,7 +111,7 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
         )
     files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]
 
-    def make(found: list[Found]) -> Foreign:
+    def check(found: list[Found]) -> None:
         # More documents than olmo.json counts is no damage: a document that holds the EOS id (a chat
         # template's) is two to OLMo-core too.
         ended = sum(seen.num_docs for seen in found)
@@ -121,10 +121,9 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
                 f"(ended by the EOS id {eos}): the files were changed since olmo.json was written. Export "
                 "them again, or remove olmo.json's counts to read them as they are"
             )
-        shards = span_shards(spans, found, masks)
-        return Foreign("olmo", path, dtype, shards, eos, bos, config.get("vocab_size"), files=files)
 
-    return ScanPlan(spans, Boundary(eos), make)
+    foreign = Foreign("olmo", path, dtype, [], eos, bos, config.get("vocab_size"), files=files)
+    return ScanPlan(foreign, spans, Boundary(eos), masks, check)
 
 
 def _config(file: Path) -> dict[str, Any]:

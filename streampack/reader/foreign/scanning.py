@@ -13,7 +13,7 @@ import os
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, overload
@@ -147,12 +147,15 @@ class Found:
 
 @dataclass(frozen=True)
 class ScanPlan:
-    """A foreign cache whose documents are found by a scan: each shard's span, how documents are marked,
-    and ``make``, which builds the cache from one :class:`Found` a span."""
+    """A foreign cache whose documents are found by a scan: ``foreign`` but its shards, which are one a
+    span of ``spans`` (its loss mask file from ``masks``), documents marked as ``boundary`` says; ``check``
+    sees what the scans found (one :class:`Found` a span) first."""
 
+    foreign: Foreign
     spans: list[TokenSpan]
     boundary: Boundary
-    make: Callable[[list[Found]], Foreign]
+    masks: list[Path] | None = None
+    check: Callable[[list[Found]], None] | None = None
 
 
 def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | None = None) -> Foreign:
@@ -177,7 +180,9 @@ def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | 
             found.append(Found(len(ends), again, ends_digest(ends)))
             if crcs is not None:
                 crcs.append(crc)
-    return plan.make(found)
+    if plan.check is not None:
+        plan.check(found)
+    return replace(plan.foreign, shards=_shards(plan.spans, found, plan.masks))
 
 
 def _rescan(span: TokenSpan, boundary: Boundary, docs: int) -> np.ndarray:
@@ -191,9 +196,7 @@ def _rescan(span: TokenSpan, boundary: Boundary, docs: int) -> np.ndarray:
     return ends
 
 
-def span_shards(
-    spans: list[TokenSpan], found: list[Found], mask_files: list[Path] | None = None
-) -> list[ForeignShard]:
+def _shards(spans: list[TokenSpan], found: list[Found], mask_files: list[Path] | None) -> list[ForeignShard]:
     """One shard a span, mapped where its tokens lie, with the ends its scan found and their digest (and its
     loss mask file, one byte a token, from ``mask_files``)."""
     shards, before = [], Counter[Path]()
