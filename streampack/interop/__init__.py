@@ -48,14 +48,8 @@ __all__ = ["FORMATS", "Exported", "convert", "export"]
 
 #: Format name -> the module that writes it.
 FORMATS: dict[str, str] = {
-    "megatron": "streampack.interop.megatron",
-    "llmc": "streampack.interop.llmc",
-    "nanogpt": "streampack.interop.nanogpt",
-    "datatrove": "streampack.interop.datatrove",
-    "olmo": "streampack.interop.olmo",
-    "hf": "streampack.interop.hf",
-    "mds": "streampack.interop.mds",
-    "streampack": "streampack.interop.native",
+    name: f"streampack.interop.{'native' if name == 'streampack' else name}"
+    for name in ("megatron", "llmc", "nanogpt", "datatrove", "olmo", "hf", "mds", "streampack")
 }
 
 
@@ -129,51 +123,40 @@ def export(
         )
     chosen = module.Options(**options)
     module.check(opened, chosen)
-    return _written(
-        format,
-        dest,
-        partial(module.write, opened, options=chosen),
-        overwrite=overwrite,
-        progress=progress,
-        storage_options=storage_options,
-        durable=durable,
-    )
+    writing: dict[str, Any] = dict(overwrite=overwrite, storage_options=storage_options, durable=durable)
+    return _written(format, dest, partial(module.write, opened, options=chosen), progress, **writing)
 
 
 def _written(
     format: str,
     dest: str | os.PathLike[str],
     write: Callable[..., tuple[int, int, Sequence[str]]],
-    *,
-    overwrite: bool,
     progress: bool | None,
     storage_options: Mapping[str, Any] | None,
-    durable: bool,
+    **destination: bool,
 ) -> Exported:
-    """Stage what ``write(dest=, progress=)`` writes at ``dest``, then commit it (or clear it on an
-    error)."""
+    """Stage what ``write(dest=, progress=)`` writes at ``dest``, then commit it (or clear it on an error)."""
     module = importlib.import_module(FORMATS[format])
-    shown = sys.stderr.isatty() if progress is None else progress
     try:
-        destination = Destination(
+        staged = Destination(
             dest,
             layout=module.LAYOUT,
             suffixes=getattr(module, "SUFFIXES", ()),
-            overwrite=overwrite,
             storage_options=dict(storage_options) if storage_options else None,
-            durable=durable,
+            **destination,
         )
         try:
-            rows, tokens, last = write(dest=destination, progress=shown)
+            rows, tokens, last = write(
+                dest=staged, progress=sys.stderr.isatty() if progress is None else progress
+            )
         except BaseException:
-            destination.abort()  # an error or Ctrl-C; a killed process leaves it for the next run to clear
+            staged.abort()  # an error or Ctrl-C; a killed process leaves it for the next run to clear
             raise
     except OSError as error:
         if error.errno in DISK_FULL:  # outside a file's write, which names its file: the staging folder
             raise disk_full(error, str(dest)) from error
         raise
-    files = destination.commit(last)
-    return Exported(format, str(dest), files, rows, tokens)
+    return Exported(format, str(dest), staged.commit(last), rows, tokens)
 
 
 def convert(
@@ -189,11 +172,10 @@ def convert(
 ) -> Exported:
     """Make a native cache at ``out`` of another format's token files at ``source`` (or of a cache).
 
-    It is :func:`streampack.open` then :func:`export` to ``"streampack"``: the kernel copies the tokens
-    while another thread checksums them. Files without an index (nanoGPT, OLMo, llm.c) are not opened
-    first: their spans are copied while another thread scans them for documents and checksums, one read of
-    the files for both (:func:`~streampack.interop.native.write_scanned`). ``overwrite``, ``progress``,
-    ``storage_options`` and ``durable`` are as for :func:`export`.
+    It is :func:`streampack.open` then :func:`export` to ``"streampack"``, except that files without an
+    index (nanoGPT, OLMo, llm.c) are not opened first: their spans are copied while another thread scans
+    them for documents and checksums, one read of the files for both
+    (:func:`~streampack.interop.native.write_scanned`). The keywords are as for :func:`export`.
 
     Args:
         source: what :func:`streampack.open` takes: a Megatron prefix, a folder of llm.c, datatrove, OLMo
@@ -211,12 +193,9 @@ def convert(
     from streampack.reader import open as open_cache
 
     options: dict[str, Any] = {} if shard_tokens is None else {"shard_tokens": shard_tokens}
-    limit = native.Options(**options).shard_tokens
     plan = scan_plan(source, declared)
-    writing: dict[str, Any] = dict(
-        overwrite=overwrite, progress=progress, storage_options=storage_options, durable=durable
-    )
-    if plan is not None and all(span.count <= limit for span in plan.spans):
-        return _written("streampack", out, partial(native.write_scanned, plan, declared), **writing)
+    writing: dict[str, Any] = dict(overwrite=overwrite, storage_options=storage_options, durable=durable)
+    if plan is not None and all(span.count <= native.Options(**options).shard_tokens for span in plan.spans):
+        return _written("streampack", out, partial(native.write_scanned, plan, declared), progress, **writing)
     with open_cache(source, **declared) as opened:
-        return export(opened, "streampack", out, **writing, **options)
+        return export(opened, "streampack", out, progress=progress, **writing, **options)

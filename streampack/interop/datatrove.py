@@ -27,19 +27,8 @@ class Options:
     """The datatrove export has no options: the layout follows the cache."""
 
 
-def file_name(index: int) -> str:
-    """The ``.ds`` file of the ``index``-th non-empty shard."""
-    return f"{index:05d}.ds"
-
-
 def check(cache: Cache, options: Options) -> None:
     """Nothing to refuse: tokens, boundaries and a loss mask all have a file."""
-
-
-def tokenizer_name(cache: Cache) -> str:
-    """What ``.ds.metadata`` names the tokenizer by."""
-    tokenizer = cache.manifest.tokenizer
-    return str(tokenizer.name or tokenizer.spec or "Unknown Tokenizer").replace("|", "/")
 
 
 def short_count(count: int) -> str:
@@ -56,12 +45,14 @@ def write(
 ) -> tuple[int, int, Sequence[str]]:
     """Write one ``.ds`` (and sidecars) per non-empty shard."""
     little = cache.dtype.newbyteorder("<")
+    tokenizer = cache.manifest.tokenizer
+    named = str(tokenizer.name or tokenizer.spec or "Unknown Tokenizer").replace("|", "/")
     index = 0
     with progress_bar(progress, cache.num_tokens, "datatrove") as bar:
         for docs in shard_docs(cache):
             if not len(docs.ends) or not docs.ends[-1]:
                 continue
-            name = file_name(index)
+            name = f"{index:05d}.ds"
             with dest.open(name) as out:
                 bar.update(write_tokens(out, cache, docs.shard, little))
             with dest.open(f"{name}.index") as out:
@@ -71,7 +62,7 @@ def write(
                     out.write((shard_mask(cache, docs.shard) != 0).astype(np.uint8).tobytes())
             count = int(docs.ends[-1])
             with dest.open(f"{name}.metadata") as out:
-                text = f"{tokenizer_name(cache)}|{cache.dtype.itemsize}\n{count}\n{short_count(count)}"
+                text = f"{named}|{cache.dtype.itemsize}\n{count}\n{short_count(count)}"
                 out.write(text.encode())
             index += 1
     return cache.num_docs, cache.num_tokens, []

@@ -62,9 +62,8 @@ class Destination:
         storage_options: dict[str, Any] | None = None,
         durable: bool = False,
     ) -> None:
-        self.dest, self.layout, self.suffixes, self.overwrite = str(dest), layout, tuple(suffixes), overwrite
-        self.durable = durable
-        self.remote = is_remote(self.dest)
+        self.layout, self.suffixes, self.durable = layout, tuple(suffixes), durable
+        self.remote = is_remote(str(dest))
         if storage_options and not self.remote:
             raise OptionsError(
                 f"{dest}: storage_options apply to object storage (s3://...), not a local path"
@@ -72,12 +71,12 @@ class Destination:
         if self.remote:
             import fsspec
 
-            self.fs, root = fsspec.core.url_to_fs(self.dest, **(storage_options or {}))
+            self.fs, root = fsspec.core.url_to_fs(str(dest), **(storage_options or {}))
             self.root = root.rstrip("/")
             self.staging = self.root + STAGING_SUFFIX
         else:
-            path = Path(self.dest).expanduser().absolute()
-            if self.dest.endswith(("/", os.sep)) and layout == "prefix":
+            path = Path(dest).expanduser().absolute()
+            if str(dest).endswith(("/", os.sep)) and layout == "prefix":
                 raise OptionsError(
                     f"{dest}: a {layout} format needs a path prefix such as out/corpus, not a folder"
                 )

@@ -101,10 +101,19 @@ def schema(columns: Sequence[str]) -> pa.Schema:
 
 def batches(cache: Cache, options: Options) -> Iterator[tuple[pa.RecordBatch, int]]:
     """The rows, a record batch of about :data:`BATCH_TOKENS` tokens at a time, with its token count."""
+    # One function call a batch, never a loop variable here, which would keep the previous batch alive (a
+    # sample batch holds about 20 bytes a token: the peak stays a few tens of MB whatever the cache's size).
     if options.seq_len is None:
-        yield from _document_batches(cache)
-    else:
-        yield from _sample_batches(cache, options.seq_len, options.packed)
+        for docs in shard_docs(cache):
+            mask = shard_mask(cache, docs.shard) if cache.has_loss_mask else None
+            for first, stop in doc_chunks(docs, BATCH_TOKENS):
+                yield _document_batch(cache, docs, first, stop, mask)
+        return
+    samples = cache.packed(options.seq_len) if options.packed else cache.sequences(options.seq_len)
+    as_dict = CausalLMDict([samples])
+    rows = max(1, BATCH_TOKENS // options.seq_len)
+    for first in range(0, len(samples), rows):
+        yield _sample_batch(cache, samples, as_dict, first, min(first + rows, len(samples)))
 
 
 def columns_of(cache: Cache, options: Options) -> list[str]:
@@ -128,17 +137,6 @@ def _lists(values: np.ndarray, offsets: np.ndarray) -> pa.ListArray:
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values))
 
 
-# One function a batch: a generator's loop variables would keep the previous batch alive (a sample batch
-# holds about 20 bytes a token, so the peak is a few tens of MB whatever the cache's size).
-
-
-def _document_batches(cache: Cache) -> Iterator[tuple[pa.RecordBatch, int]]:
-    for docs in shard_docs(cache):
-        mask = shard_mask(cache, docs.shard) if cache.has_loss_mask else None
-        for first, stop in doc_chunks(docs, BATCH_TOKENS):
-            yield _document_batch(cache, docs, first, stop, mask)
-
-
 def _document_batch(
     cache: Cache, docs: ShardDocs, first: int, stop: int, mask: np.ndarray | None
 ) -> tuple[pa.RecordBatch, int]:
@@ -159,14 +157,6 @@ def _document_batch(
         arrays.append(_lists(labels, offsets))
         names.append("labels")
     return pa.RecordBatch.from_arrays(arrays, names=names), hi - lo
-
-
-def _sample_batches(cache: Cache, seq_len: int, packed: bool) -> Iterator[tuple[pa.RecordBatch, int]]:
-    samples = cache.packed(seq_len) if packed else cache.sequences(seq_len)
-    as_dict = CausalLMDict([samples])
-    rows = max(1, BATCH_TOKENS // seq_len)
-    for first in range(0, len(samples), rows):
-        yield _sample_batch(cache, samples, as_dict, first, min(first + rows, len(samples)))
 
 
 def _sample_batch(
@@ -196,7 +186,6 @@ class _Files:
     def __init__(self, dest: Destination, kind: str, schema: pa.Schema, file_tokens: int) -> None:
         self.dest, self.kind, self.schema, self.file_tokens = dest, kind, schema, file_tokens
         self.names: list[str] = []
-        self.rows: list[int] = []
         self._opened: Any = None
         self._writer: Any = None
         self._tokens = 0
@@ -211,7 +200,6 @@ class _Files:
         if self._writer is None:
             self._open()
         self._writer.write_batch(batch)
-        self.rows[-1] += batch.num_rows
         self._tokens += tokens
         if self._tokens >= self.file_tokens:
             self.close()
@@ -228,7 +216,6 @@ class _Files:
             # file 3 % larger (snappy-compressed either way, the Hub's default).
             self._writer = pq.ParquetWriter(out, self.schema, use_dictionary=False)
         self.names.append(name)
-        self.rows.append(0)
         self._tokens = 0
 
     def close(self) -> None:

@@ -53,11 +53,6 @@ class Options:
         check_int_option("shard_tokens", self.shard_tokens, low=1, high=MAX_SHARD_TOKENS)
 
 
-def shard_file(index: int) -> str:
-    """The name of shard ``index``."""
-    return f"train_{index:06d}.bin"
-
-
 def header(num_tokens: int, itemsize: int, delimiter: int) -> bytes:
     """The 256 x int32 header of a shard of ``num_tokens`` tokens, each document behind ``delimiter``
     (recorded in the reserved ints :data:`DELIMITER_SLOT` and after: llm.c's readers read none of them)."""
@@ -110,7 +105,7 @@ def write(
             # (``tokens, EOS`` become ``EOS, tokens``): each shard is a span of them, copied as it lies.
             shift = int(bos is None)
             for index, count in enumerate(counts):
-                with dest.open(shard_file(index)) as out:
+                with dest.open(f"train_{index:06d}.bin") as out:
                     out.write(header(count, itemsize, delimiter))
                     first = index * size
                     if shift and first == 0:
@@ -122,7 +117,7 @@ def write(
         chunks = _without_eos(cache)
         pending = np.zeros(0, dtype=cache.dtype)
         for index, count in enumerate(counts):
-            with dest.open(shard_file(index)) as out:
+            with dest.open(f"train_{index:06d}.bin") as out:
                 out.write(header(count, itemsize, delimiter))
                 left = count
                 while left:

@@ -68,17 +68,13 @@ class Options:
             )
 
 
-def encoding(cache: Cache, options: Options) -> str:
-    """The ``input_ids`` column's encoding."""
-    name = cache.dtype.name
-    return f"ndarray:{name}" if options.seq_len is None else f"ndarray:{name}:{options.seq_len}"
-
-
 def config(cache: Cache, options: Options) -> dict[str, Any]:
     """A shard's config, as ``MDSWriter.get_config`` gives it."""
-    size = None if options.seq_len is None else options.seq_len * cache.dtype.itemsize
+    encoding, size = f"ndarray:{cache.dtype.name}", None
+    if options.seq_len is not None:
+        encoding, size = f"{encoding}:{options.seq_len}", options.seq_len * cache.dtype.itemsize
     return {
-        "column_encodings": [encoding(cache, options)],
+        "column_encodings": [encoding],
         "column_names": ["input_ids"],
         "column_sizes": [size],
         "compression": None,

@@ -96,7 +96,7 @@ def write_index(out: IO[bytes], cache: Cache, dtype: np.dtype) -> None:
     write(MAGIC + struct.pack("<Q", VERSION) + struct.pack("<B", DTYPE_CODES[dtype.name]))
     write(struct.pack("<Q", count) + struct.pack("<Q", count + 1))
     for docs in shard_docs(cache):
-        lengths = docs.lengths
+        lengths = np.diff(docs.ends, prepend=0)
         if len(lengths) and int(lengths.max()) > np.iinfo(np.int32).max:
             raise OptionsError(
                 f"{cache.root}: a document of {int(lengths.max()):,} tokens is longer than Megatron's int32 "

@@ -23,6 +23,7 @@ from streampack.interop.writing import (
     check_ids_fit,
     progress_bar,
     refuse_loss_mask,
+    require_eos,
     shard_docs,
     write_spans,
     write_tokens,
@@ -61,18 +62,8 @@ def check(cache: Cache, options: Options) -> None:
     """Refuse a loss mask, a vocabulary that uint16 cannot hold (unless ``dtype="cache"``), and a cache
     whose documents the EOS ids do not delimit (no EOS, or a BOS that is the EOS)."""
     refuse_loss_mask(cache, "nanogpt", options.drop_loss_mask)
-    if cache.eos_id is None:
-        raise OptionsError(
-            f"{cache.root}: the cache appends no EOS, and nanoGPT's files keep document boundaries as the "
-            "EOS ids alone: they would be lost. Rebuild with an EOS, or export to llmc (a delimiter "
-            "before each document), megatron or datatrove"
-        )
-    if cache.bos_id == cache.eos_id:
-        raise OptionsError(
-            f"{cache.root}: the cache's BOS is its EOS ({cache.eos_id}), and nanoGPT's files keep document "
-            "boundaries as the EOS ids alone: each BOS would end a document too when they are read. "
-            "Rebuild without bos_id, or export to llmc, megatron or datatrove"
-        )
+    reader = "nanoGPT's files keep document boundaries as the EOS ids alone"
+    require_eos(cache, reader, "llmc (a delimiter before each document), megatron or datatrove")
     if options.dtype == "uint16":
         check_ids_fit(
             cache,

@@ -1,22 +1,17 @@
 """streampack's own cache as an export format: what ``streampack convert`` writes from another format.
 
-``export(cache, "streampack", DEST)`` writes a native cache (``docs/FORMAT.md``) whose manifest, written
-last, holds every file's CRC-32 and keeps what the source's said (tokenizer, EOS, BOS, inputs and
-``settings.foreign``). A source shard becomes shards of at most ``shard_tokens`` tokens, cut between
-documents.
-
-The kernel copies the tokens where the source holds them end to end in a file (every format but MDS)
-while another thread computes their CRC-32 from the source's pages, so a convert runs at about the speed
-of a plain copy. A format whose documents are found by a scan (nanoGPT, OLMo, llm.c) is not opened first,
-which would read the files through before the copy began: :func:`write_scanned` copies each planned span
-while another thread scans it for its documents and CRC-32, one read for both.
+A native cache (``docs/FORMAT.md``) whose manifest, written last, holds every file's CRC-32 and keeps what
+the source's said (tokenizer, EOS, BOS, inputs and ``settings.foreign``); a source shard becomes shards of
+at most ``shard_tokens`` tokens, cut between documents. The kernel copies the tokens while another thread
+computes their CRC-32, so a convert runs at about the speed of a plain copy; :func:`write_scanned` does the
+same for files whose documents are found by a scan, scanning each span as it is copied (one read for both).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -50,7 +45,8 @@ from streampack.interop.writing import (
     shard_docs,
     write_spans,
 )
-from streampack.reader.foreign.opening import Foreign, ForeignShards, foreign_cache
+from streampack.loader.reading import token_place
+from streampack.reader.foreign.opening import Foreign, ForeignOptions, ForeignShards, foreign_cache
 from streampack.reader.foreign.scanning import ScanPlan, TokenSpan, open_plan, scanned
 from streampack.store import encode_json
 
@@ -86,32 +82,28 @@ def write(
     cache: Cache, dest: Destination, options: Options, progress: bool
 ) -> tuple[int, int, Sequence[str]]:
     """Write the shards, then the manifest (committed last)."""
-    written = _Written()
+    written = _Written(cache, dest)
     with progress_bar(progress, cache.num_tokens, "streampack") as bar:
         for docs in shard_docs(cache):
             unit = cache.manifest.units[docs.shard]
             tokens = scanned(cache.shard_tokens(docs.shard))
-            _check_vocabulary(cache, tokens, partial(_place, cache, docs.shard))
+            _check_vocabulary(cache, tokens, partial(token_place, cache, docs.shard))
             for first, stop in doc_chunks(docs, options.shard_tokens):
                 with dest.open(tokens_key(shard_name(len(written.units)))) as out:
                     tokens_crc = _copy_with_crc(cache, docs, first, stop, out)
                 whole = first == 0 and stop == len(docs.ends)
                 named = unit if whole else f"{unit}[documents {first}:{stop}]"
-                written.add(cache, docs, first, stop, named, tokens_crc, dest)
+                written.add(docs, first, stop, named, tokens_crc)
                 bar.update(written.tokens[-1])
             release_maps(cache)  # one source shard's arrays at a time (an MDS shard's is a copy)
-    return written.commit(cache, dest)
+    return written.commit()
 
 
 def write_scanned(
     plan: ScanPlan, declared: Mapping[str, Any], dest: Destination, progress: bool
 ) -> tuple[int, int, Sequence[str]]:
-    """Write the native cache of a foreign one read by a scan, one shard a span of ``plan``: the kernel
-    copies the spans while another thread scans them. The same files as :func:`write` of the opened cache.
-
-    Args:
-        declared: what :func:`streampack.open` was told of the files.
-    """
+    """Write the native cache of a foreign one read by a scan (``declared``: what :func:`streampack.open`
+    was told of it), one shard a span of ``plan``: the same files as :func:`write` of the opened cache."""
     crcs: list[int] = []
     outcome: list[Foreign | BaseException] = []
 
@@ -132,26 +124,21 @@ def write_scanned(
     scanner.join()
     if isinstance(outcome[0], BaseException):
         raise outcome[0]
-    cache = foreign_cache(outcome[0], declared)
+    cache = foreign_cache(outcome[0], ForeignOptions(**declared))
     for span in spans:
         _check_vocabulary(cache, span.chunks(), partial(_in_file, span.path))
-    written = _Written()
+    written = _Written(cache, dest)
     for docs, tokens_crc in zip(shard_docs(cache), crcs, strict=True):
         if len(docs.ends):
-            written.add(cache, docs, 0, len(docs.ends), cache.manifest.units[docs.shard], tokens_crc, dest)
-    return written.commit(cache, dest)
+            written.add(docs, 0, len(docs.ends), cache.manifest.units[docs.shard], tokens_crc)
+    return written.commit()
 
 
 def _check_vocabulary(
     cache: Cache, chunks: Iterable[tuple[int, np.ndarray]], place: Callable[[int], str]
 ) -> None:
-    """Refuse tokens (``chunks`` as :func:`~streampack.reader.foreign.scanning.scanned` gives them) holding
-    an id the cache's declared vocabulary does not have: the native cache would declare ids that cannot
-    occur. Nothing to read where the token dtype cannot hold such an id.
-
-    Raises:
-        CacheError: naming the id and its place (``place(token index)``), and what to do.
-    """
+    """Refuse ``(start, chunk)`` tokens holding an id outside the cache's declared vocabulary, which the
+    native cache would record, naming it at ``place(token index)``."""
     vocab = cache.vocab_size
     if vocab > np.iinfo(cache.dtype).max:
         return
@@ -167,39 +154,24 @@ def _check_vocabulary(
 
 
 def _in_file(path: Path, pos: int) -> str:
-    """Token ``pos`` of a file, as messages name it."""
     return f"{path}: token {pos:,}"
 
 
-def _place(cache: Cache, shard: int, pos: int) -> str:
-    """Where token ``pos`` of a shard lies, as messages name it."""
-    from streampack.loader.reading import token_place
-
-    return token_place(cache, shard, pos)
-
-
 class _Written:
-    """The shards written so far: each one's documents, tokens, CRC-32s (tokens, offsets, mask) and unit."""
+    """The shards written so far to ``dest`` from ``cache``: each one's documents, tokens, CRC-32s (tokens,
+    offsets, mask) and unit."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache: Cache, dest: Destination) -> None:
+        self.cache, self.dest = cache, dest
         self.docs: list[int] = []
         self.tokens: list[int] = []
         self.crcs: list[list[int]] = []
         self.units: list[str] = []
 
-    def add(
-        self,
-        cache: Cache,
-        docs: ShardDocs,
-        first: int,
-        stop: int,
-        unit: str,
-        tokens_crc: int,
-        dest: Destination,
-    ) -> None:
+    def add(self, docs: ShardDocs, first: int, stop: int, unit: str, tokens_crc: int) -> None:
         """Write the document ends (and mask) and ledger entry of documents ``[first, stop)`` of ``docs``,
         whose tokens are written."""
-        name = shard_name(len(self.units))
+        cache, dest, name = self.cache, self.dest, shard_name(len(self.units))
         start, end = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1]) if stop else 0
         offsets = (docs.ends[first:stop] - start).astype("<u8")
         with dest.open(offsets_key(name)) as out:
@@ -214,10 +186,15 @@ class _Written:
         self.tokens.append(end - start)
         self.crcs.append(sums)
         self.units.append(unit)
-        _write_entry(dest, name, unit, self.docs[-1], self.tokens[-1], sums, cache)
+        entry = LedgerEntry(unit, records=stop - first, docs=stop - first, tokens=end - start, done=True,
+                            tokens_checksum=checksum_text(sums[0]), offsets_checksum=checksum_text(sums[1]),
+                            mask_checksum=checksum_text(sums[2]) if cache.has_loss_mask else "")  # fmt: skip
+        with dest.open(ledger_key(name)) as out:  # as a build leaves a finished unit's
+            out.write(encode_json(with_checksum(msgspec.structs.asdict(entry))))
 
-    def commit(self, cache: Cache, dest: Destination) -> tuple[int, int, Sequence[str]]:
+    def commit(self) -> tuple[int, int, Sequence[str]]:
         """Write the manifest (the last file, committed last)."""
+        cache = self.cache
         columns = np.array(self.crcs, dtype=np.uint32).reshape(-1, 3)
         table = ShardTable(
             np.array(self.docs, dtype=np.int64),
@@ -227,21 +204,9 @@ class _Written:
             mask_crc32=columns[:, 2] if cache.has_loss_mask else None,
         )
         manifest = replace(cache.manifest, units=self.units, table=table, complete=True)
-        with dest.open(MANIFEST) as out:
+        with self.dest.open(MANIFEST) as out:
             out.write(encode_json(with_checksum(manifest.to_json())))
         return cache.num_docs, cache.num_tokens, [MANIFEST]
-
-
-def _write_entry(
-    dest: Destination, name: str, unit: str, docs: int, tokens: int, crcs: list[int], cache: Cache
-) -> None:
-    """The ledger entry of a finished unit, as a build leaves it."""
-    mask = checksum_text(crcs[2]) if cache.has_loss_mask else ""
-    entry = LedgerEntry(unit, records=docs, docs=docs, tokens=tokens, done=True,
-                        tokens_checksum=checksum_text(crcs[0]), offsets_checksum=checksum_text(crcs[1]),
-                        mask_checksum=mask)  # fmt: skip
-    with dest.open(ledger_key(name)) as out:
-        out.write(encode_json(with_checksum(msgspec.structs.asdict(entry))))
 
 
 def _copy_with_crc(cache: Cache, docs: ShardDocs, first: int, stop: int, out: IO[bytes]) -> int:
@@ -263,36 +228,20 @@ def _copy_with_crc(cache: Cache, docs: ShardDocs, first: int, stop: int, out: IO
 
 def _beside(checksum: Callable[[], int], write: Callable[[], object]) -> int:
     """``write()`` on this thread while another computes ``checksum()``; the checksum."""
-    result = [0]
-    summer = threading.Thread(
-        target=lambda: result.__setitem__(0, checksum()), name="streampack-convert-crc", daemon=True
-    )
-    summer.start()
-    try:
+    with ThreadPoolExecutor(1, "streampack-convert-crc") as pool:
+        summed = pool.submit(checksum)
         write()
-    finally:
-        summer.join()
-    return result[0]
+        return summed.result()
 
 
 def _crc_of_file(where: tuple[Path, int], itemsize: int, start: int, end: int) -> int:
     """The CRC-32 of tokens ``[start, end)`` of a token file, by plain reads (a map's pages would count
     towards the process's memory until unmapped)."""
-    path, base = where
-    buffer = bytearray(_CRC_BYTES)
-    view, crc = memoryview(buffer), 0
-    with open(path, "rb", buffering=0) as f:
-        at, stop = base + start * itemsize, base + end * itemsize
-        while at < stop:
-            n = os.preadv(f.fileno(), [view[: min(_CRC_BYTES, stop - at)]], at)
-            if n == 0:
-                break  # cut short meanwhile: the copy says so
-            crc = crc32(view[:n], crc)
-            at += n
-    return crc
+    span = TokenSpan(where[0], np.dtype(np.uint8), where[1] + start * itemsize, (end - start) * itemsize)
+    return _crc_of_pieces(chunk.data for _, chunk in span.chunks(_CRC_BYTES))
 
 
-def _crc_of_pieces(pieces: Sequence[memoryview]) -> int:
+def _crc_of_pieces(pieces: Iterable[memoryview]) -> int:
     """The CRC-32 of ``pieces`` end to end."""
     crc = 0
     for piece in pieces:

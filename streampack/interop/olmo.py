@@ -23,6 +23,7 @@ from streampack.interop.writing import (
     inner_token,
     may_hold_specials,
     progress_bar,
+    require_eos,
     shard_docs,
     shard_mask,
     write_tokens,
@@ -40,36 +41,16 @@ class Options:
     """The OLMo export has no options: the layout follows the cache."""
 
 
-def token_file(index: int) -> str:
-    """The token file of the ``index``-th non-empty shard."""
-    return f"token_ids_part_{index:06d}.npy"
-
-
-def mask_file(index: int) -> str:
-    """The label mask file of the ``index``-th non-empty shard."""
-    return f"labels_mask_part_{index:06d}.npy"
-
-
 def check(cache: Cache, options: Options) -> None:
-    """Refuse a cache without an EOS, or whose BOS is its EOS: OLMo-core finds documents at the EOS ids."""
-    if cache.eos_id is None:
-        raise OptionsError(
-            f"{cache.root}: the cache appends no EOS, and OLMo-core finds documents at the EOS ids: the "
-            "document boundaries would be lost. Rebuild with an EOS, or export to megatron, datatrove or hf"
-        )
-    if cache.bos_id == cache.eos_id:
-        raise OptionsError(
-            f"{cache.root}: the cache's BOS is its EOS ({cache.eos_id}), and OLMo-core ends a document at "
-            "each EOS id: each BOS would end one too, every document read as two. Rebuild without bos_id, "
-            "or export to megatron, datatrove or hf, which keep boundaries in an index"
-        )
-    if may_hold_specials(cache) and (found := inner_token(cache, cache.eos_id)) is not None:
+    """Refuse a cache whose documents are not delimited by its EOS ids alone: OLMo-core finds them there."""
+    keeps = "megatron, datatrove or hf, which keep boundaries in an index"
+    eos = require_eos(cache, "OLMo-core ends a document at each EOS id", keeps)
+    if may_hold_specials(cache) and (found := inner_token(cache, eos)) is not None:
         doc, position = found
         raise OptionsError(
-            f"{cache.root}: document {doc} holds the EOS id {cache.eos_id} at its token {position}, not only "
-            "at its end (a chat template's end of turn, or special tokens parsed in the text), and OLMo-core "
-            "ends a document at each EOS id: it would be read cut there. Export to megatron, datatrove or "
-            "hf, which keep boundaries in an index"
+            f"{cache.root}: document {doc} holds the EOS id {eos} at its token {position}, not only at its "
+            "end (a chat template's end of turn, or special tokens parsed in the text), and OLMo-core ends a "
+            f"document at each EOS id: it would be read cut there. Export to {keeps}"
         )
 
 
@@ -86,14 +67,13 @@ def write(
         for docs in shard_docs(cache):
             if not len(docs.ends) or not docs.ends[-1]:
                 continue
-            index = len(paths)
-            name = token_file(index)
+            name = f"token_ids_part_{len(paths):06d}.npy"
             with dest.open(name) as out:
                 bar.update(write_tokens(out, cache, docs.shard, little))
             if cache.has_loss_mask:
-                with dest.open(mask_file(index)) as out:
+                masks.append(f"labels_mask_part_{len(paths):06d}.npy")
+                with dest.open(masks[-1]) as out:
                     out.write((shard_mask(cache, docs.shard) != 0).astype(np.uint8).tobytes())
-                masks.append(mask_file(index))
             sidecar = name.removesuffix(".npy") + ".csv.gz"
             written.append(sidecars.submit(_write_sidecar, dest, sidecar, docs.ends, docs.first_doc))
             paths.append(name)

@@ -1,15 +1,16 @@
 """What every exporter shares besides its destination: reading a cache in bounded memory, the progress
 bar, and the refusals.
 
-Token files are copied by the kernel where the widths match (:mod:`~streampack.interop.copying`), else read
-in plain reads of :data:`CHUNK_TOKENS` tokens: a memory map's pages would count towards the process's
-memory until unmapped. Offset tables and loss masks are read a shard at a time.
+Token files are copied by the kernel where the widths match, else read in plain reads of
+:data:`CHUNK_TOKENS` tokens (a memory map's pages would count towards the process's memory until
+unmapped); offset tables and loss masks a shard at a time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,11 +37,6 @@ class ShardDocs:
     ends: np.ndarray
     first_doc: int
 
-    @property
-    def lengths(self) -> np.ndarray:
-        """Tokens of each document (int64)."""
-        return np.diff(self.ends, prepend=0)
-
 
 def shard_docs(cache: Cache) -> Iterator[ShardDocs]:
     """Every shard's document table, in stream order (one table in memory at a time)."""
@@ -51,36 +47,47 @@ def shard_docs(cache: Cache) -> Iterator[ShardDocs]:
 
 def token_chunks(cache: Cache, shard: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:
     """Tokens ``[start, stop)`` of a shard (all by default), in new arrays of at most :data:`CHUNK_TOKENS`."""
-    count = int(cache.table.num_tokens[shard])
-    stop = count if stop is None else stop
+    stop = int(cache.table.num_tokens[shard]) if stop is None else stop
     if stop <= start:
         return
     tokens = cache.shard_tokens(shard)  # checks the file's size (and fetches a remote cache's copy)
     where = cache.files.token_file(shard)
     if where is None:  # not one span of a file (MDS samples): from the array its reader made
-        for pos in range(start, stop, CHUNK_TOKENS):
-            yield np.array(tokens[pos : min(pos + CHUNK_TOKENS, stop)])
+        yield from (np.array(chunk) for _, chunk in _array_chunks(tokens, start, stop))
         return
     del tokens
-    path, base = where
-    itemsize = cache.dtype.itemsize
-    with open(path, "rb") as f:
-        pos = start
-        while pos < stop:
-            n = min(CHUNK_TOKENS, stop - pos)
-            f.seek(base + pos * itemsize)
-            yield np.fromfile(f, dtype=cache.dtype, count=n)
-            pos += n
+    with open(where[0], "rb") as f:
+        yield from (chunk for _, chunk in _file_chunks(f, where, cache.dtype, start, stop))
     release_maps(cache)
 
 
-def write_tokens(
-    out: IO[bytes], cache: Cache, shard: int, dtype: np.dtype, start: int = 0, stop: int | None = None
-) -> int:
-    """Write tokens ``[start, stop)`` of a shard (all by default) to ``out`` as ``dtype``; return how many."""
-    stop = int(cache.table.num_tokens[shard]) if stop is None else stop
-    write_spans(cache, shard, dtype, [(out, start, stop)])
-    return max(0, stop - start)
+def _array_chunks(tokens: np.ndarray, start: int, stop: int) -> Iterator[tuple[int, np.ndarray]]:
+    for pos in range(start, stop, CHUNK_TOKENS):
+        yield pos, tokens[pos : min(pos + CHUNK_TOKENS, stop)]
+
+
+def _file_chunks(
+    f: IO[bytes], where: tuple[Path, int], dtype: np.dtype, start: int, stop: int
+) -> Iterator[tuple[int, np.ndarray]]:
+    """``(pos, tokens)`` of ``[start, stop)`` of the token file ``f`` (its path and byte offset ``where``)."""
+    path, base = where
+    for pos in range(start, stop, CHUNK_TOKENS):
+        n = min(CHUNK_TOKENS, stop - pos)
+        f.seek(base + pos * dtype.itemsize)
+        chunk = np.fromfile(f, dtype=dtype, count=n)
+        if len(chunk) < n:
+            raise CacheError(
+                f"{path}: ended at token {pos + len(chunk):,}, not {stop:,}: the token file was cut short "
+                "while it was read; run `streampack verify`"
+            )
+        yield pos, chunk
+
+
+def write_tokens(out: IO[bytes], cache: Cache, shard: int, dtype: np.dtype) -> int:
+    """Write a shard's tokens to ``out`` as ``dtype``; return how many."""
+    count = int(cache.table.num_tokens[shard])
+    write_spans(cache, shard, dtype, [(out, 0, count)])
+    return count
 
 
 def write_spans(
@@ -89,8 +96,8 @@ def write_spans(
     """Write each span ``(out, start, stop)`` of a shard's tokens to its ``out``, in order, as little-endian
     ``dtype``.
 
-    Equal widths keep the bytes as they are (the kernel copies them into a local file): a uint32 id of
-    2**31 or more reads back from int32 as itself. A narrower ``dtype`` has each chunk checked
+    Equal widths keep the bytes as they are (a uint32 id of 2**31 or more reads back from int32 as itself),
+    copied by the kernel into a local file. A narrower ``dtype`` has each chunk checked
     (:func:`check_fits`): another format's files are only declared to keep to their vocabulary.
 
     Raises:
@@ -99,41 +106,26 @@ def write_spans(
     itemsize = cache.dtype.itemsize
     same = dtype.itemsize == itemsize and cache.dtype == cache.dtype.newbyteorder("<")
     narrowing = dtype.itemsize < itemsize
-    opened: IO[bytes] | None = None
     where = cache.files.token_file(shard)
-    if where is None:  # not one span of a file (MDS samples): from the array its reader made
-        tokens = cache.shard_tokens(shard)
-        for out, start, stop in spans:
-            for pos in range(start, stop, CHUNK_TOKENS):
-                chunk = tokens[pos : min(pos + CHUNK_TOKENS, stop)]
-                if narrowing:
-                    check_fits(cache, shard, chunk, pos, dtype)
-                out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
-        return
-    path, base = where
+    opened: IO[bytes] | None = None
     try:
         for out, start, stop in spans:
             if stop <= start:
                 continue
-            if opened is None:
-                cache.shard_tokens(shard)  # checks the file's size (and fetches a remote cache's copy)
-                opened = open(path, "rb")  # noqa: SIM115 (closed below)
-            if same:
-                copied = copy_range(opened, base + start * itemsize, (stop - start) * itemsize, out)
-                start += copied // itemsize
-            while start < stop:
-                n = min(CHUNK_TOKENS, stop - start)
-                opened.seek(base + start * itemsize)
-                chunk = np.fromfile(opened, dtype=cache.dtype, count=n)
-                if len(chunk) < n:
-                    raise CacheError(
-                        f"{path}: ended at token {start + len(chunk):,}, not {stop:,}: the token file was "
-                        "cut short while it was read; run `streampack verify`"
-                    )
+            if where is None:  # MDS samples: from the array its reader made
+                chunks = _array_chunks(cache.shard_tokens(shard), start, stop)
+            else:
+                if opened is None:
+                    cache.shard_tokens(shard)  # checks the file's size (and fetches a remote cache's copy)
+                    opened = open(where[0], "rb")  # noqa: SIM115 (closed below)
+                if same:
+                    copied = copy_range(opened, where[1] + start * itemsize, (stop - start) * itemsize, out)
+                    start += copied // itemsize
+                chunks = _file_chunks(opened, where, cache.dtype, start, stop)
+            for pos, chunk in chunks:
                 if narrowing:
-                    check_fits(cache, shard, chunk, start, dtype)
+                    check_fits(cache, shard, chunk, pos, dtype)
                 out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
-                start += n
     finally:
         if opened is not None:
             opened.close()
@@ -151,11 +143,8 @@ def write_stream(cache: Cache, start: int, stop: int, out: IO[bytes]) -> None:
 
 
 def check_fits(cache: Cache, shard: int, chunk: np.ndarray, start: int, dtype: np.dtype) -> None:
-    """Refuse a chunk of a shard's tokens (from its token ``start``) holding an id ``dtype`` would wrap.
-
-    Raises:
-        CacheError: naming the id, its document and file, and what to do.
-    """
+    """Refuse (:class:`CacheError`) a chunk of a shard's tokens, from its token ``start``, holding an id
+    ``dtype`` would wrap."""
     if not len(chunk):
         return
     info = np.iinfo(dtype)
@@ -234,6 +223,22 @@ def inner_token(cache: Cache, token: int) -> tuple[int, int] | None:
                 return docs.first_doc + doc, int(inner[0]) - start
             pos += len(chunk)
     return None
+
+
+def require_eos(cache: Cache, reader: str, keeps: str) -> int:
+    """The EOS id of a cache whose documents it delimits, else an :class:`OptionsError` (no EOS, or a BOS
+    that is the EOS); ``reader`` says how the format finds documents, ``keeps`` which formats to use."""
+    if cache.eos_id is None:
+        raise OptionsError(
+            f"{cache.root}: the cache appends no EOS, and {reader}: the document boundaries would be lost. "
+            f"Rebuild with an EOS, or export to {keeps}"
+        )
+    if cache.bos_id == cache.eos_id:
+        raise OptionsError(
+            f"{cache.root}: the cache's BOS is its EOS ({cache.eos_id}), and {reader}: each BOS would end a "
+            f"document too, every document read as two. Rebuild without bos_id, or export to {keeps}"
+        )
+    return cache.eos_id
 
 
 def refuse_loss_mask(cache: Cache, format: str, drop: bool) -> None:

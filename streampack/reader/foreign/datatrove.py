@@ -61,8 +61,7 @@ def read(path: Path, options: ForeignOptions, where: ForeignFiles = LOCAL) -> Fo
     """The ``.ds`` files at ``path``, one shard each, whose documents end at the ``.ds.index`` ends.
 
     Raises:
-        CacheError: no ``.ds`` file, or a file or sidecar that is malformed, of the wrong size, or
-            disagrees with the others (naming it).
+        CacheError: no ``.ds`` file, or a file or sidecar that is malformed or disagrees (naming it).
         OptionsError: ``dtype=`` other than the ``.ds.metadata`` files' width.
     """
     files = ds_files(path, where)
@@ -85,7 +84,6 @@ def read(path: Path, options: ForeignOptions, where: ForeignFiles = LOCAL) -> Fo
             )
         size = declared
     dtype = TOKEN_DTYPES[size or DEFAULT_TOKEN_SIZE]
-    names = sorted({name for name, _ in named if name is not None})
     shards = [_shard(f, dtype, m, where) for f, m in zip(files, metadata)]
     masked = [s.mask is not None for s in shards]
     if any(masked) and not all(masked):
@@ -95,16 +93,10 @@ def read(path: Path, options: ForeignOptions, where: ForeignFiles = LOCAL) -> Fo
             "cache with a loss mask needs one (one byte a token); remove the others to read it without"
         )
     sidecars = [Path(f"{f}{s}") for f in files for s in (".index", ".loss", ".metadata")]
-    return Foreign(
-        "datatrove",
-        path,
-        dtype,
-        shards,
-        options.eos_id,
-        options.bos_id,
-        tokenizer_name=", ".join(names) or None,
-        files=files + [p for p in sidecars if where.is_file(p)],
-    )
+    inputs = files + [p for p in sidecars if where.is_file(p)]
+    tokenizer = ", ".join(sorted({name for name, _ in named if name is not None})) or None
+    eos, bos = options.eos_id, options.bos_id
+    return Foreign("datatrove", path, dtype, shards, eos, bos, tokenizer_name=tokenizer, files=inputs)
 
 
 def _metadata(path: Path, files: ForeignFiles) -> tuple[str | None, int, int | None] | None:
@@ -176,8 +168,7 @@ def _shard(
 
 def _check_index(index: Path, ends: np.ndarray, count: int) -> None:
     """The document ends never decrease and the last is the token count (no token outside a document)."""
-    check_ends(index, ends, count)
-    last = int(ends[-1]) if len(ends) else 0
+    last = int(check_ends(index, ends, count)[-1]) if len(ends) else 0
     if last != count:
         raise CacheError(
             f"{index}: the last document ends at token {last:,}, but the .ds file holds {count:,} tokens: "

@@ -1,10 +1,5 @@
-"""A foreign cache's files: where they are read from, and what a reader checks of them.
-
-:data:`LOCAL` reads the local file system; :class:`CopiedFiles` reads the objects under a URL through a
-bounded local copy, each fetched whole when first mapped, under its version (an ETag where the store gives
-one), so that an object replaced under the same URL is fetched again. The ``check_*`` functions refuse what
-a reader must not trust, naming the file and the field.
-"""
+"""A foreign cache's files: where they are read from (:data:`LOCAL`, or :class:`CopiedFiles` for objects
+under a URL), and the ``check_*`` refusals of what a reader must not trust, naming the file and field."""
 
 from __future__ import annotations
 
@@ -29,11 +24,7 @@ def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarr
 
 
 class LocalFiles:
-    """Files of the local file system, read where they lie.
-
-    Attributes:
-        local: whether the paths are the files themselves (else keys of objects, fetched when mapped).
-    """
+    """Files of the local file system, read where they lie (``local``: the paths are the files)."""
 
     local = True
 
@@ -50,11 +41,11 @@ class LocalFiles:
         return list(folder.iterdir())
 
     def size(self, path: Path) -> int:
-        """The size of the file ``path``; FileNotFoundError when there is none."""
+        """The size of the file ``path`` (FileNotFoundError when there is none, as for :meth:`read`)."""
         return path.stat().st_size
 
     def read(self, path: Path, start: int = 0, stop: int | None = None) -> bytes:
-        """Bytes ``[start, stop)`` of ``path``; FileNotFoundError when there is none."""
+        """Bytes ``[start, stop)`` of ``path``."""
         with open(path, "rb") as f:
             f.seek(start)
             return f.read() if stop is None else f.read(max(0, stop - start))
@@ -89,11 +80,11 @@ LOCAL = LocalFiles()
 
 
 class CopiedFiles:
-    """Objects under the URL of ``store``'s remote, read through its bounded local copy; what each method
-    does is :class:`LocalFiles`'s, for objects.
+    """Objects under the URL of ``store``'s remote (the folder of the files), read through its bounded
+    local copy; each method does :class:`LocalFiles`'s, for objects.
 
-    Args:
-        store: the local copy of the folder that holds the files (for a Megatron prefix, its folder).
+    An object is fetched whole when first mapped, under its version (its ETag where the store gives one),
+    so that an object replaced under the same URL is fetched again.
     """
 
     local = False
@@ -193,15 +184,12 @@ class CopiedFiles:
         key = self.key(path)
         if key not in self._expected:
             info = self._existing(path)
-            self._expected[key] = Expected(int(info["size"]), "", _version(info))
+            # The object's version: a short tag of its ETag (else its modification time), or "" if none.
+            given = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
+            version = hashlib.sha256(str(given).encode()).hexdigest()[:12] if given else ""
+            self._expected[key] = Expected(int(info["size"]), "", version)
             self.store.expect(self._expected)
         return key
-
-
-def _version(info: dict[str, Any]) -> str:
-    """A short tag of the object's version (its ETag, else its modification time), or "" if none is given."""
-    given = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
-    return hashlib.sha256(str(given).encode()).hexdigest()[:12] if given else ""
 
 
 #: Where a foreign cache's files are read from.
@@ -240,19 +228,9 @@ def check_ends(path: Path, ends: np.ndarray, num_tokens: int) -> np.ndarray:
     return ends
 
 
-def check_doc_count(path: Path, ends: np.ndarray, num_docs: int) -> np.ndarray:
-    """Refuse ends that do not count the ``num_docs`` documents found when the file was opened."""
-    if len(ends) != num_docs:
-        raise CacheError(
-            f"{path}: {len(ends):,} documents now, {num_docs:,} when it was opened: the file changed since; "
-            "open it again"
-        )
-    return ends
-
-
-def check_id_fits(path: Path, name: str, token_id: int, dtype: np.dtype) -> None:
-    """Refuse a declared id that tokens of ``dtype`` cannot hold (it would never be found)."""
-    if token_id >= 1 << (8 * dtype.itemsize):
+def check_id_fits(path: Path, name: str, token_id: int | None, dtype: np.dtype) -> None:
+    """Refuse a declared id that tokens of ``dtype`` cannot hold (it would never be found); None passes."""
+    if token_id is not None and token_id >= 1 << (8 * dtype.itemsize):
         raise OptionsError(
             f"{path}: {name}={token_id:,} does not fit its {dtype.name} tokens (at most "
             f"{(1 << (8 * dtype.itemsize)) - 1:,}): the id is wrong, or the files are uint32 (pass dtype=)"

@@ -1,22 +1,13 @@
-"""What identifies another format's files: :func:`files_identity`, which with their shard table makes the
-cache's :attr:`~streampack.reader.Cache.content_digest`: the key of stored plans, the ``shards`` of a
-loader state's fingerprint, and what a DataLoader worker checks when it opens them again.
+"""What identifies another format's files (:func:`files_identity`), which record no checksum: with their
+shard table it makes the cache's :attr:`~streampack.reader.Cache.content_digest`, the key of stored plans
+and loader states.
 
-A native cache's manifest holds every file's CRC-32. Other formats' files record none, and their counts do
-not tell them apart (a ``train.bin`` rewritten with its documents reordered has the same counts), while
-reading every token at each open would cost what opening them in place saves. So the identity is:
-
-* **What the files hold, not where or when they were written**: per shard a digest of its document ends
-  (every open reads them anyway), and per token or loss-mask file its size and first and last
-  :data:`BLOCK` bytes. Paths, times and inodes are left out, so a copy of the files elsewhere keeps its
-  plans and the loader states saved over it. Files rewritten with other documents, or the same in another
-  order, get a fresh plan, and states and workers over the old files refuse them.
-* **Blind to** a rewrite that keeps every document's end and each file's first and last :data:`BLOCK`
-  bytes. A plan stays right then (it is made of the ends); ``streampack convert`` makes a native cache,
-  whose CRC-32s cover every byte.
-
-On a 300 MB nanoGPT ``train.bin`` (286,077 documents), hashing the ends added 1.3 ms to a 50 ms open and
-the blocks 0.03 ms; a CRC-32 of every token in the same scan would have added 28 ms.
+The identity is what the files hold, not where or when they were written: per shard a digest of its
+document ends (every open reads them anyway), and per token or loss-mask file its size and first and last
+:data:`BLOCK` bytes, so a copy of the files elsewhere keeps its plans and states, while files rewritten with
+other documents, or reordered, do not. It is blind to a rewrite that keeps every document end and both
+blocks of each file (a plan made of the ends stays right then); a CRC-32 of every token at each open would
+have cost half again an open's time (``streampack convert`` makes a cache whose CRC-32s cover every byte).
 """
 
 from __future__ import annotations

@@ -9,21 +9,19 @@ reads only uint16). streampack's export also records its delimiter in two ints t
 ``header[254] = 20261207`` (:data:`DELIMITER_TAG`) and ``header[255]`` the delimiter.
 
 ``streampack.open(PATH)``: PATH is a folder of ``*.bin`` shards (all of them, in name order: llm.c writes
-``fineweb_val_000000.bin`` beside the train shards, so open a folder of one split), or one shard. Each
-header is checked (:data:`HEADERS`, a token count of at least 0, a file of exactly the header and that
-many tokens); all shards share one dtype. Each shard is one streampack shard, mapped where it lies. A
-document starts at each delimiter, which becomes the cache's ``bos_id``: the one the headers record, else
-``bos_id=``, else :data:`DELIMITERS` by width. A ``bos_id=`` other than the recorded one is refused, and
-so are shards that record different ones. Tokens before a shard's first delimiter are a document too, so a
-document llm.c continued into the next shard is read as two (``verify`` knows this, and fails when the
-delimiter occurs in no shard). The delimiters are counted by a scan at the open; a shard without one is
-read as one document, with a :class:`~streampack.errors.DocumentBoundaryWarning`.
+``fineweb_val_000000.bin`` beside the train shards, so open a folder of one split), or one shard; each is
+one streampack shard, mapped where it lies, its header checked. A document starts at each delimiter, the
+cache's ``bos_id``: the one the headers record, else ``bos_id=``, else :data:`DELIMITERS` by width. Tokens
+before a shard's first delimiter are a document too, so a document llm.c continued into the next shard is
+read as two; a shard without a delimiter is one document, with a
+:class:`~streampack.errors.DocumentBoundaryWarning`.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +29,7 @@ import numpy as np
 from streampack.errors import CacheError, DocumentBoundaryWarning, OptionsError
 from streampack.reader.foreign.files import check_id_fits
 from streampack.reader.foreign.opening import Foreign, ForeignOptions
-from streampack.reader.foreign.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan, span_shards
+from streampack.reader.foreign.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
 
 HEADER_INTS = 256
 #: (magic, version) by token width in bytes.
@@ -86,12 +84,9 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     """The shards at ``path``, each header checked; a document starts at each delimiter.
 
     Raises:
-        CacheError: a shard is shorter than its header, its magic or version is not llm.c's, its token
-            count is below 0 or disagrees with its size, the shards do not all have one dtype, or they
-            record different delimiters (or some one and others none).
-        OptionsError: ``eos_id=`` or ``dtype=`` (an llm.c shard has a delimiter before each document, and
-            its header says its dtype), a ``bos_id`` other than the one the headers record, or a
-            ``bos_id`` the dtype cannot hold.
+        CacheError: a header is not llm.c's or disagrees with its file's size, or the shards differ in
+            dtype or in the delimiter they record.
+        OptionsError: ``eos_id=`` or ``dtype=``, or a ``bos_id`` other than the recorded one or too large.
     """
     if options.dtype is not None:
         raise OptionsError(
@@ -117,27 +112,18 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
                 "shards of one cache must have one dtype (magic and version)"
             )
     dtype = np.dtype(f"<u{itemsize}")
-    if options.bos_id is not None:
-        check_id_fits(path, "bos_id", options.bos_id, dtype)
+    check_id_fits(path, "bos_id", options.bos_id, dtype)
     delimiter = _delimiter(files, [h.delimiter for h in headers], options.bos_id, itemsize)
     spans = [TokenSpan(f, dtype, HEADER_BYTES, h.count) for f, h in zip(files, headers)]
 
-    def make(found: list[Found]) -> Foreign:
-        _warn_undelimited(path, delimiter, spans, found)
-        shards = span_shards(spans, found)
-        return Foreign("llmc", path, dtype, shards, bos_id=delimiter, files=files, continued_documents=True)
-
-    return ScanPlan(spans, Boundary(delimiter, starts=True), make)
+    foreign = Foreign("llmc", path, dtype, [], bos_id=delimiter, files=files, continued_documents=True)
+    warn = partial(_warn_undelimited, path, delimiter, spans)
+    return ScanPlan(foreign, spans, Boundary(delimiter, starts=True), check=warn)
 
 
 def _delimiter(files: list[Path], recorded: list[int | None], given: int | None, itemsize: int) -> int:
     """The delimiter of the shards ``files``: the one their headers record (``recorded``, one a file), else
-    ``given``, else llm.c's for the width.
-
-    Raises:
-        CacheError: the files record different delimiters, or some one and others none.
-        OptionsError: ``given`` is not the one they record.
-    """
+    ``given``, else llm.c's for the width."""
     marked = [(f, d) for f, d in zip(files, recorded) if d is not None]
     if not marked:
         return DELIMITERS[itemsize] if given is None else given
@@ -164,11 +150,8 @@ def _delimiter(files: list[Path], recorded: list[int | None], given: int | None,
 
 
 def _warn_undelimited(path: Path, delimiter: int, spans: list[TokenSpan], found: list[Found]) -> None:
-    """Warn about the shards without a delimiter, each read as one document.
-
-    Not refused: a document longer than a shard leaves one in llm.c's layout, and ``sequences`` windows a
-    stream without any right; ``verify`` fails when no shard holds one.
-    """
+    """Warn about the shards without a delimiter, each read as one document: not refused, as a document
+    longer than a shard leaves one in llm.c's layout (``verify`` fails when no shard holds one)."""
     # A shard holds a delimiter when it has two documents or more, or one that starts with it.
     lacking = [
         s.path.name for s, seen in zip(spans, found) if s.count and seen.num_docs < 2 and s[0] != delimiter

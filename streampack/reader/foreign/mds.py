@@ -13,14 +13,11 @@ and ``StreamingDataset`` reads it:
   ``raw_data``, written last.
 
 ``streampack.open(FOLDER)`` with an ``index.json``: each shard of the index is a shard of the cache, of one
-``input_ids`` column of one of those encodings (a window read as a document); anything else is refused,
-naming it. The open reads ``index.json`` and each shard's offsets table; a sample's token count follows
-from its size, and every sample's header is checked as one table, without a Python loop over samples.
-Fixed windows lie end to end and are mapped as they are. Variable samples do not, so a shard's tokens are
-joined into one copy on first use (a convert writes each sample's values from the map instead), and
-:class:`~streampack.reader.foreign.opening.ForeignShards` keeps at most
-:data:`~streampack.reader.foreign.opening.MAX_COPY_BYTES` of copies. A compressed shard is read from the
-raw file ``StreamingDataset`` leaves, else refused. MDS records no EOS id (``eos_id=`` declares it).
+``input_ids`` column of one of those encodings (a window read as a document). A sample's token count
+follows from its size, and every sample's header is checked as one table. Fixed windows lie end to end and
+are mapped; variable samples do not, so a shard's tokens are joined into one copy on first use (a convert
+writes each sample's values from the map instead). A compressed shard is read from the raw file
+``StreamingDataset`` leaves. MDS records no EOS id (``eos_id=`` declares it).
 """
 
 from __future__ import annotations
@@ -67,9 +64,8 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
     """The shards ``index.json`` lists, one document a sample.
 
     Raises:
-        CacheError: ``index.json`` or a shard's entry is not what MDS version 2 writes for one column of
-            tokens, a compressed shard has no raw file, the shards' dtypes differ, or a shard's file
-            disagrees with its entry (naming the file, the sample and the field).
+        CacheError: ``index.json``, a shard's entry or its file is not what MDS version 2 writes for one
+            column of tokens (naming the file, the sample and the field).
         OptionsError: ``dtype=`` (the encodings record it).
     """
     if options.dtype is not None:

@@ -56,8 +56,7 @@ def read(path: Path, options: ForeignOptions, files: ForeignFiles = LOCAL) -> Fo
     """The pair ``PREFIX.bin`` + ``PREFIX.idx`` as one shard whose documents are Megatron's documents.
 
     Raises:
-        CacheError: the index's magic, version, dtype or counts are wrong, its sequences are not end to
-            end in ``.bin``, or ``.bin`` is not as long as the index says.
+        CacheError: the index is not MMIDIDX version 1 of uint16 or int32 tokens end to end in ``.bin``.
         OptionsError: ``dtype=`` (the index records it).
     """
     if options.dtype is not None:

@@ -27,11 +27,9 @@ from streampack.reader.foreign.opening import Foreign, ForeignOptions
 from streampack.reader.foreign.scanning import (
     SCAN_TOKENS,
     Boundary,
-    Found,
     ScanPlan,
     TokenSpan,
     open_plan,
-    span_shards,
 )
 
 LOOKS_FOR = "nanogpt: a folder with train.bin, or one headerless .bin file (with eos_id= and dtype=)"
@@ -77,8 +75,7 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     after an EOS.
 
     Raises:
-        CacheError: the file is missing, not a whole number of tokens of its dtype, or ``meta.pkl`` is
-            not a dict of plain values.
+        CacheError: the file is missing or not whole tokens, or ``meta.pkl`` is not plain data.
         OptionsError: ``bos_id=``, or an ``eos_id`` the dtype cannot hold.
     """
     if options.bos_id is not None:
@@ -97,9 +94,8 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
             f"file is truncated, or its tokens are not {dtype.name} (pass dtype=)"
         )
     eos = options.eos_id
-    if eos is not None:
-        check_id_fits(file, "eos_id", eos, dtype)
-    else:  # documented (one stream for get_batch-style windows), so a warning, not a refusal
+    check_id_fits(file, "eos_id", eos, dtype)
+    if eos is None:  # documented (one stream for get_batch-style windows), so a warning, not a refusal
         warnings.warn(
             f"{file}: no eos_id declared: the file is read as one document stream (sequences() windows it as "
             "nanoGPT's get_batch does; documents() and packed() see one document). Pass eos_id=N, the id "
@@ -116,11 +112,8 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     ]
     files = [file, meta] if vocab is not None else [file]
 
-    def make(found: list[Found]) -> Foreign:
-        shards = span_shards(spans, found)
-        return Foreign("nanogpt", path, dtype, shards, eos_id=eos, vocab_size=vocab, files=files)
-
-    return ScanPlan(spans, Boundary(eos), make)
+    foreign = Foreign("nanogpt", path, dtype, [], eos_id=eos, vocab_size=vocab, files=files)
+    return ScanPlan(foreign, spans, Boundary(eos))
 
 
 def shard_spans(
@@ -128,10 +121,7 @@ def shard_spans(
 ) -> list[tuple[int, int]]:
     """``(start, stop)`` of each shard of a flat stream, cut after the last EOS within ``shard_tokens``
     tokens of its start (or the first EOS past them, for a longer document); one shard without ``eos_id``.
-
-    Each cut is found by reading back from the limit ``window`` tokens at a time, so planning reads a few
-    MiB of the file, not all of it.
-    """
+    Each cut is found by reading back from the limit ``window`` tokens at a time (a few MiB of the file)."""
     total = len(tokens)
     if eos_id is None or not total:
         return [(0, total)]
@@ -148,16 +138,12 @@ def shard_spans(
     return spans
 
 
-def _window(tokens: np.ndarray | TokenSpan, start: int, stop: int) -> np.ndarray:
-    return tokens.read(start, stop) if isinstance(tokens, TokenSpan) else tokens[start:stop]
-
-
 def _last_end(tokens: np.ndarray | TokenSpan, eos: int, start: int, limit: int, window: int) -> int | None:
     """The end of the last document that ends within ``(start, limit]``, or None."""
     hi = limit
     while hi > start:
         lo = max(start, hi - window)
-        found = np.flatnonzero(_window(tokens, lo, hi) == eos)
+        found = np.flatnonzero(tokens[lo:hi] == eos)
         if len(found):
             return lo + int(found[-1]) + 1
         hi = lo
@@ -167,7 +153,7 @@ def _last_end(tokens: np.ndarray | TokenSpan, eos: int, start: int, limit: int, 
 def _first_end(tokens: np.ndarray | TokenSpan, eos: int, start: int, window: int) -> int | None:
     """The end of the first document that ends after ``start``, or None."""
     for lo in range(start, len(tokens), window):
-        found = np.flatnonzero(_window(tokens, lo, lo + window) == eos)
+        found = np.flatnonzero(tokens[lo : lo + window] == eos)
         if len(found):
             return lo + int(found[0]) + 1
     return None

@@ -13,14 +13,13 @@ What allenai/OLMo-core ``data/numpy_dataset.py`` (``NumpyDatasetConfig``: ``path
   ``label_mask_paths``, ``dtype``, ``eos_token_id``, ``bos_token_id``, ``vocab_size``) and the cache's
   ``num_docs`` and ``num_tokens``, which a reader checks the files against.
 
-``streampack.open(PATH)``: PATH is a folder with ``olmo.json`` (its paths relative to the folder; its
-``num_tokens`` must be the files', its ``num_docs`` at most the documents they hold), or a folder of
-``*.npy`` token files (in name order; ``labels_mask_X.npy`` is the mask of ``token_ids_X.npy``), or one
-such file. Without ``olmo.json``, ``dtype=`` gives the dtype (uint16 by default) and ``eos_id=`` the EOS,
-which is required; beside ``olmo.json`` they must agree with it. Each file is one shard, mapped where it
-lies, whose documents end at each EOS; a tail after the last one is a last document. The EOS ids are
-counted by a scan at the open rather than read from the ``.csv.gz`` sidecars: gunzipping and parsing a
-line a document costs more than comparing the tokens, and a folder not written by dolma has none.
+``streampack.open(PATH)``: PATH is a folder with ``olmo.json`` (its paths relative to the folder), or a
+folder of ``*.npy`` token files (in name order; ``labels_mask_X.npy`` is the mask of ``token_ids_X.npy``),
+or one such file, whose ``dtype=`` (uint16 by default) and ``eos_id=`` (required) are declared. Each file
+is one shard, mapped where it lies, whose documents end at each EOS (a tail after the last one is a last
+document). The EOS ids are counted by a scan rather than read from the ``.csv.gz`` sidecars: gunzipping
+and parsing a line a document costs more than comparing the tokens, and a folder not written by dolma has
+none.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import numpy as np
 from streampack.errors import CacheError, OptionsError
 from streampack.reader.foreign.files import check_id_fits
 from streampack.reader.foreign.opening import Foreign, ForeignOptions
-from streampack.reader.foreign.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan, span_shards
+from streampack.reader.foreign.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
 
 CONFIG = "olmo.json"
 LOOKS_FOR = "olmo: a folder with olmo.json or headerless *.npy token files, or one .npy file (with eos_id=)"
@@ -76,10 +75,9 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     """The token files at ``path``, one shard each, whose documents end at the EOS.
 
     Raises:
-        CacheError: ``olmo.json`` is not what the export writes, or its counts are not the files'; a token
-            file is missing or not a whole number of tokens; a label mask is not one byte a token.
-        OptionsError: no EOS id is known, ``dtype=`` or ``eos_id=`` disagree with ``olmo.json``, or an id
-            does not fit the dtype.
+        CacheError: ``olmo.json`` is not what the export writes or disagrees with the files, or a token or
+            mask file is missing or of the wrong size.
+        OptionsError: no EOS id is known, an option disagrees with ``olmo.json``, or an id is too large.
     """
     config = _config(path / CONFIG) if path.is_dir() and (path / CONFIG).is_file() else {}
     if config:
@@ -97,9 +95,8 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
             f"{path}: OLMo's token files end each document with the EOS id, and none is known: pass eos_id= "
             "(the tokenizer's EOS, the eos_token_id of the run's config)"
         )
-    for name, value in (("eos_id", eos), ("bos_id", bos)):
-        if value is not None:
-            check_id_fits(path, name, value, dtype)
+    check_id_fits(path, "eos_id", eos, dtype)
+    check_id_fits(path, "bos_id", bos, dtype)
     spans = [TokenSpan(file, dtype, 0, _token_count(file, dtype)) for file in tokens]
     if masks is not None:
         for mask, span in zip(masks, spans, strict=True):
@@ -114,7 +111,7 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
         )
     files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]
 
-    def make(found: list[Found]) -> Foreign:
+    def check(found: list[Found]) -> None:
         # More documents than olmo.json counts is no damage: a document that holds the EOS id (a chat
         # template's) is two to OLMo-core too.
         ended = sum(seen.num_docs for seen in found)
@@ -124,10 +121,9 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
                 f"(ended by the EOS id {eos}): the files were changed since olmo.json was written. Export "
                 "them again, or remove olmo.json's counts to read them as they are"
             )
-        shards = span_shards(spans, found, masks)
-        return Foreign("olmo", path, dtype, shards, eos, bos, config.get("vocab_size"), files=files)
 
-    return ScanPlan(spans, Boundary(eos), make)
+    foreign = Foreign("olmo", path, dtype, [], eos, bos, config.get("vocab_size"), files=files)
+    return ScanPlan(foreign, spans, Boundary(eos), masks, check)
 
 
 def _config(file: Path) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import importlib
 import os
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,19 +44,14 @@ __all__ = [
     "ForeignOptions",
     "ForeignShard",
     "ForeignShards",
-    "foreign_identity",
     "open_foreign",
     "open_remote",
 ]
 
 #: Format name -> the module that reads it, in the order a path is tried.
 READERS: dict[str, str] = {
-    "megatron": "streampack.reader.foreign.megatron",
-    "mds": "streampack.reader.foreign.mds",
-    "datatrove": "streampack.reader.foreign.datatrove",
-    "olmo": "streampack.reader.foreign.olmo",
-    "llmc": "streampack.reader.foreign.llmc",
-    "nanogpt": "streampack.reader.foreign.nanogpt",
+    name: f"streampack.reader.foreign.{name}"
+    for name in ("megatron", "mds", "datatrove", "olmo", "llmc", "nanogpt")
 }
 #: The formats read from object storage too: their ``read`` takes where the files are (a ``ForeignFiles``).
 REMOTE_READERS = ("megatron", "datatrove")
@@ -99,23 +94,18 @@ class ForeignOptions:
 
 @dataclass(frozen=True)
 class ForeignShard:
-    """One shard of a foreign cache.
+    """One shard of a foreign cache: its file and counts, and the functions that read its arrays.
 
     Attributes:
-        path: the file that holds its tokens.
-        num_docs: its documents.
-        num_tokens: its tokens.
-        tokens: maps its tokens (read-only, the cache's dtype).
-        ends: the end of each of its documents (uint64, cumulative).
-        mask: maps its loss mask (uint8, one a token), or None.
-        token_file: (path, byte offset) where its tokens lie end to end, or None if they do not.
-        first_doc: the index in :attr:`path` of its first document (a file read as several shards).
-        index_files: the files other than :attr:`path` its document ends are read from (an ``.idx``).
-        mask_file: the file of its loss mask, or None.
-        hashes: the digests its format records of :attr:`path`, by algorithm.
-        pieces: each document's bytes as views of its map, where its tokens are not end to end (MDS).
-        ends_digest: the :func:`~streampack.reader.foreign.identity.ends_digest` of :attr:`ends` that a scan
-            found at the open; None: made from :attr:`ends`.
+        tokens: maps its tokens (read-only, the cache's dtype); ``ends``: its document ends (uint64,
+            cumulative); ``mask``: its loss mask (uint8, one a token), or None.
+        token_file: (path, byte offset) where its tokens lie end to end, or None (MDS samples: ``pieces``,
+            each document's bytes as views of its map).
+        first_doc: the index in ``path`` of its first document (a file read as several shards).
+        index_files: the files other than ``path`` its document ends are read from (an ``.idx``).
+        hashes: the digests its format records of ``path``, by algorithm.
+        ends_digest: the :func:`~streampack.reader.foreign.identity.ends_digest` of ``ends`` a scan found
+            at the open; None: made from ``ends``.
     """
 
     path: Path
@@ -138,14 +128,9 @@ class Foreign:
     """A foreign cache as its format module read it.
 
     Attributes:
-        format: the format's name.
         root: the directory (or prefix) it was opened from.
         dtype: the token dtype, uint16 or uint32 (int32 files are read as uint32).
-        shards: its shards, in stream order.
-        eos_id: the id that ends every document, if any.
-        bos_id: the id that starts every document, if any.
         vocab_size: every id is below it, where the files record it.
-        tokenizer_name: the tokenizer the files name, if any.
         files: every file it reads (the manifest's inputs).
         continued_documents: a shard's first document may continue the previous shard's last (llm.c cuts
             shards at a token count), so ``verify`` does not ask it to start with the BOS.
@@ -173,7 +158,6 @@ class ForeignShards:
     :class:`ForeignShard` on first use and kept as :func:`~streampack.reader.shards.keep` allows.
 
     Args:
-        foreign: what the format's reader read.
         files: where the files are read from.
         identity: what they held when opened (:func:`foreign_identity`).
     """
@@ -206,11 +190,7 @@ class ForeignShards:
         return self._shard(shard).ends()
 
     def mask(self, shard: int) -> np.ndarray:
-        """The loss mask of shard ``shard``.
-
-        Raises:
-            CacheError: the files have no loss mask.
-        """
+        """The loss mask of shard ``shard``; a CacheError where the files have none."""
         if not self._masked:
             raise CacheError(
                 f"{self.foreign.root}: this {self.foreign.format} cache has no loss mask; every token is a "
@@ -330,9 +310,9 @@ def open_foreign(
         foreign: Foreign = (
             module.read(Path(path), options, files) if not files.local else module.read(Path(path), options)
         )
+        return foreign_cache(foreign, options, files=files, store=store)
     except StreampackError as e:
         raise type(e)(files.shown(str(e))) from None
-    return foreign_cache(foreign, declared, files=files, store=store)
 
 
 def open_remote(
@@ -376,22 +356,13 @@ def open_remote(
 
 
 def foreign_cache(
-    foreign: Foreign,
-    declared: Mapping[str, Any],
-    *,
-    files: ForeignFiles = LOCAL,
-    store: LocalStore | None = None,
+    foreign: Foreign, options: ForeignOptions, *, files: ForeignFiles = LOCAL, store: LocalStore | None = None
 ) -> Cache:
-    """The cache of what a format module read (``declared``: the fields of :class:`ForeignOptions`)."""
-    options = ForeignOptions(**declared)
-    try:
-        manifest = foreign_manifest(foreign, options, files)
-        identity = foreign_identity(foreign, files)
-    except StreampackError as e:
-        raise type(e)(files.shown(str(e))) from None
-    shards = ForeignShards(foreign, files, identity)
+    """The cache of what a format module read, with what ``options`` declared of it."""
+    manifest = foreign_manifest(foreign, options, files)
+    shards = ForeignShards(foreign, files, foreign_identity(foreign, files))
     cache = Cache(store or LocalStore(foreign.root), manifest, manifest.table, files=shards)
-    cache.declared = {**{k: v for k, v in declared.items() if v is not None}, "format": foreign.format}
+    cache.declared = {k: v for k, v in asdict(options).items() if v is not None} | {"format": foreign.format}
     return cache
 
 
@@ -438,17 +409,15 @@ def foreign_manifest(foreign: Foreign, options: ForeignOptions, files: ForeignFi
         np.array([s.num_tokens for s in foreign.shards], dtype=np.int64),
     )
     inputs = [InputRecord(files.name(p), files.size(p), files.mtime_ns(p)) for p in foreign.files]
+    settings: dict[str, Any] = {"foreign": foreign.format}
+    if foreign.continued_documents:
+        settings["continued_documents"] = True
     return Manifest(
         tokenizer=_tokenizer(foreign, options),
         dtype=foreign.dtype.name,
         eos=EosPolicy(foreign.eos_id is not None, foreign.eos_id),
         bos=BosPolicy(foreign.bos_id is not None, foreign.bos_id),
-        settings=BuildSettings.from_json(
-            {
-                "foreign": foreign.format,
-                **({"continued_documents": True} if foreign.continued_documents else {}),
-            }
-        ),
+        settings=BuildSettings.from_json(settings),
         inputs=inputs,
         units=_units(foreign),
         complete=True,
@@ -469,7 +438,6 @@ def _units(foreign: Foreign) -> list[str]:
 
 def _tokenizer(foreign: Foreign, options: ForeignOptions) -> TokenizerInfo:
     """The declared tokenizer's fingerprint, as a build records it; else the format's name for it."""
-    capacity = 1 << (8 * foreign.dtype.itemsize)
     if options.tokenizer is not None:
         from streampack.tokenizer import load_tokenizer
 
@@ -477,5 +445,5 @@ def _tokenizer(foreign: Foreign, options: ForeignOptions) -> TokenizerInfo:
         ids = [i for i in (foreign.eos_id, foreign.bos_id) if i is not None] or [0]
         vocab = options.vocab_size or max(fingerprint["vocab_size"], *(i + 1 for i in ids))
         return TokenizerInfo(**{**fingerprint, "vocab_size": vocab}, spec=options.tokenizer)
-    vocab = options.vocab_size or foreign.vocab_size or capacity
+    vocab = options.vocab_size or foreign.vocab_size or 1 << (8 * foreign.dtype.itemsize)
     return TokenizerInfo(UNDECLARED, foreign.tokenizer_name or foreign.format, vocab)

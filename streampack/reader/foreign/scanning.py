@@ -16,13 +16,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
 from streampack.errors import CacheError
 from streampack.format.names import MANIFEST, crc32
-from streampack.reader.foreign.files import check_doc_count, map_tokens
+from streampack.reader.foreign.files import map_tokens
 from streampack.reader.foreign.identity import ends_digest
 from streampack.reader.foreign.opening import READERS, Foreign, ForeignOptions, ForeignShard, recognise
 from streampack.store import is_remote, open_store
@@ -42,8 +42,8 @@ SCAN_THREADS = min(4, os.cpu_count() or 1)
 class TokenSpan:
     """``count`` tokens of ``dtype`` at byte ``offset`` of the file ``path``.
 
-    A scan reads it with plain reads into one buffer: that leaves no mapped pages to fault in and let go
-    of, and was a third faster than scanning a memory map.
+    A scan reads it with plain reads into one buffer: no mapped pages to fault in and let go of (a third
+    faster than scanning a memory map).
     """
 
     path: Path
@@ -54,14 +54,16 @@ class TokenSpan:
     def __len__(self) -> int:
         return self.count
 
-    def __getitem__(self, index: int) -> int:
-        """Token ``index``."""
-        at = range(self.count)[index]
-        return int(self.read(at, at + 1)[0])
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)``, clipped to the span, in a new array."""
-        start, stop = max(start, 0), min(stop, self.count)
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> np.ndarray: ...
+    def __getitem__(self, index: int | slice) -> int | np.ndarray:
+        """Token ``index``, or the tokens of a slice (of step 1) in a new array."""
+        if isinstance(index, int):
+            at = range(self.count)[index]
+            return int(self[at : at + 1][0])
+        start, stop, _ = index.indices(self.count)
         if stop <= start:
             return np.zeros(0, dtype=self.dtype)
         return next(self.chunks(stop - start, first=start))[1]
@@ -140,17 +142,20 @@ class Found:
 
     num_docs: int
     ends: Callable[[], np.ndarray]
-    digest: bytes = b""
+    digest: bytes
 
 
 @dataclass(frozen=True)
 class ScanPlan:
-    """A foreign cache whose documents are found by a scan: each shard's span, how documents are marked,
-    and ``make``, which builds the cache from one :class:`Found` a span."""
+    """A foreign cache whose documents are found by a scan: ``foreign`` but its shards, which are one a
+    span of ``spans`` (its loss mask file from ``masks``), documents marked as ``boundary`` says; ``check``
+    sees what the scans found (one :class:`Found` a span) first."""
 
+    foreign: Foreign
     spans: list[TokenSpan]
     boundary: Boundary
-    make: Callable[[list[Found]], Foreign]
+    masks: list[Path] | None = None
+    check: Callable[[list[Found]], None] | None = None
 
 
 def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | None = None) -> Foreign:
@@ -175,24 +180,25 @@ def open_plan(plan: ScanPlan, *, threads: int = SCAN_THREADS, crcs: list[int] | 
             found.append(Found(len(ends), again, ends_digest(ends)))
             if crcs is not None:
                 crcs.append(crc)
-    foreign = plan.make(found)
-    shards = foreign.shards
-    if len(shards) != len(found) or any(s.num_docs != f.num_docs for s, f in zip(shards, found)):
-        return foreign  # not one shard a span: the digests are made from the shards' ends
-    # Each shard keeps the digest of the ends its scan found, so the identity never scans a span again.
-    return replace(foreign, shards=[replace(s, ends_digest=f.digest) for s, f in zip(shards, found)])
+    if plan.check is not None:
+        plan.check(found)
+    return replace(plan.foreign, shards=_shards(plan.spans, found, plan.masks))
 
 
 def _rescan(span: TokenSpan, boundary: Boundary, docs: int) -> np.ndarray:
     """The ends of ``span`` scanned again: the same ``docs`` documents as at the open."""
-    return check_doc_count(span.path, boundary.ends(span)[0], docs)
+    ends = boundary.ends(span)[0]
+    if len(ends) != docs:
+        raise CacheError(
+            f"{span.path}: {len(ends):,} documents now, {docs:,} when it was opened: the file changed since; "
+            "open it again"
+        )
+    return ends
 
 
-def span_shards(
-    spans: list[TokenSpan], found: list[Found], mask_files: list[Path] | None = None
-) -> list[ForeignShard]:
-    """One shard a span, mapped where its tokens lie, with the ends its scan found (and its loss mask
-    file, one byte a token, from ``mask_files``)."""
+def _shards(spans: list[TokenSpan], found: list[Found], mask_files: list[Path] | None) -> list[ForeignShard]:
+    """One shard a span, mapped where its tokens lie, with the ends its scan found and their digest (and its
+    loss mask file, one byte a token, from ``mask_files``)."""
     shards, before = [], Counter[Path]()
     for index, (span, seen) in enumerate(zip(spans, found, strict=True)):
         mask_file = None if mask_files is None else mask_files[index]
@@ -208,6 +214,7 @@ def span_shards(
                 token_file=(span.path, span.offset),
                 first_doc=before[span.path],
                 mask_file=mask_file,
+                ends_digest=seen.digest,  # so that the identity never scans a span again
             )
         )
         before[span.path] += seen.num_docs
@@ -221,7 +228,7 @@ def scan_plan(source: str | os.PathLike[str], declared: Mapping[str, Any]) -> Sc
     Args:
         declared: what :func:`streampack.open` was told of the files.
     """
-    options = ForeignOptions(**{k: v for k, v in declared.items() if v is not None})
+    options = ForeignOptions(**declared)
     try:
         store = None if is_remote(source) else open_store(source)
         if store is None or (options.format is None and store.exists(MANIFEST)):
