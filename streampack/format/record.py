@@ -10,6 +10,7 @@ included, so what is computed from it (the build identity) keeps its value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -63,19 +64,16 @@ STRINGS = Kind(
 
 def or_null(kind: Kind) -> Kind:
     """``kind``, or JSON null (None)."""
-    if kind.parse is None and kind.dump is None:
-        exact = kind.exact | {type(None)}
-        accepts = kind.accepts
-        what = f"{kind.what} or null"
-        return Kind(what, lambda v: v is None or accepts(v), exact=exact, at_least=kind.at_least)
     parse, dump = kind.parse, kind.dump
-    assert parse is not None and dump is not None
     return Kind(
         f"{kind.what} or null",
         lambda v: v is None or kind.accepts(v),
-        parse=lambda value, where, name: None if value is None else parse(value, where, name),
-        dump=lambda value: None if value is None else dump(value),
+        parse=None
+        if parse is None
+        else lambda value, where, name: None if value is None else parse(value, where, name),
+        dump=None if dump is None else lambda value: None if value is None else dump(value),
         exact=kind.exact | {type(None)},
+        at_least=kind.at_least,
     )
 
 
@@ -135,12 +133,10 @@ class Section:
     section_name: ClassVar[str] = "section"
 
     @classmethod
+    @functools.cache
     def _keys(cls) -> dict[str, _Key]:
-        """The section's keys, by name, in the order the builder writes them (computed once per class)."""
-        keys = _KEYS.get(cls)
-        if keys is None:
-            keys = _KEYS[cls] = {f.name: _Key.of(f) for f in dataclasses.fields(cls) if "kind" in f.metadata}
-        return keys
+        """The section's keys, by name, in the order the builder writes them."""
+        return {f.name: _Key.of(f) for f in dataclasses.fields(cls) if "kind" in f.metadata}
 
     @classmethod
     def from_json(cls: type[S], raw: Any, *, where: str = "manifest.json", name: str | None = None) -> S:
@@ -258,7 +254,6 @@ class _Key:
 
 
 _NO_DEFAULT = object()
-_KEYS: dict[type[Section], dict[str, _Key]] = {}
 
 
 def malformed(where: str, problem: str) -> str:
