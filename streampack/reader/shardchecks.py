@@ -204,11 +204,8 @@ def _check_shard(
 
 def _check_delimiter(manifest: Manifest, source: _Source) -> list[str]:
     """The problem of a cache whose shards may begin inside a document (llm.c's) when its BOS, the
-    delimiter, occurs in none of its files.
-
-    :func:`_check_shard` lets a shard's first document lack the delimiter (the rest of the previous shard's
-    last), so a wrong delimiter would pass it, each shard one document. Reads at most one token a shard.
-    """
+    delimiter, occurs in none of its files: :func:`_check_shard` lets a shard's first document lack it, so
+    a wrong delimiter would pass there, each shard one document. Reads at most one token a shard."""
     bos = manifest.bos.prepended
     table = manifest.table
     if bos is None or not _continues_documents(manifest) or not int(np.sum(table.num_tokens)):

@@ -88,6 +88,17 @@ def encode_json(obj: Any) -> bytes:
     return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
 
 
+def parse_json(data: bytes, described: str, what: str) -> Any:
+    """Parse the bytes of a small JSON file; a :class:`CacheError` naming ``described`` when oversized or
+    malformed."""
+    if len(data) > MAX_JSON_BYTES:
+        raise CacheError(f"{described}: {what} is over the {MAX_JSON_BYTES} byte limit")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise CacheError(f"{described}: {what} is not valid JSON ({e})") from None
+
+
 def is_remote(where: object) -> bool:
     """Whether ``where`` names object storage (an fsspec URL other than ``file://``)."""
     if not isinstance(where, str) or "://" not in where:
@@ -174,19 +185,14 @@ class LocalStore:
         path = self.path(key)
         try:
             with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                     raise CacheError(f"{path}: {what} is not a regular file")
                 data = f.read(MAX_JSON_BYTES + 1)  # never trust st_size alone (/proc files say 0)
-            if len(data) > MAX_JSON_BYTES:
-                raise CacheError(f"{path}: {what} is over the {MAX_JSON_BYTES} byte limit")
-            return orjson.loads(data)
         except FileNotFoundError:
             raise CacheError(f"{path}: {what} not found") from None
-        except orjson.JSONDecodeError as e:
-            raise CacheError(f"{path}: {what} is not valid JSON ({e})") from None
         except OSError as e:
             raise CacheError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+        return parse_json(data, str(path), what)
 
     def map_array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         """A read-only memory map of the first ``count`` items of ``key``, as a plain ndarray view."""
