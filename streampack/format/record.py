@@ -104,7 +104,8 @@ def key(kind: Kind, default: Any = dataclasses.MISSING, *, required: bool = Fals
         omit: a section made in code leaves the key out while it holds ``default`` (the builder writes it
             only when it has a value).
     """
-    metadata = {"kind": kind, "required": required, "omit": omit}
+    spec = _Key(kind, required, omit, _NO_DEFAULT if default is dataclasses.MISSING else default)
+    metadata = {"kind": kind, "key": spec}
     if default is dataclasses.MISSING:
         return field(metadata=metadata)
     if isinstance(default, (dict, list)):
@@ -131,7 +132,7 @@ class Section:
     @functools.cache
     def _keys(cls) -> dict[str, _Key]:
         """The section's keys, by name, in the order the builder writes them."""
-        return {f.name: _Key.of(f) for f in dataclasses.fields(cls) if "kind" in f.metadata}
+        return {f.name: f.metadata["key"] for f in dataclasses.fields(cls) if "key" in f.metadata}
 
     @classmethod
     def from_json(cls: type[S], raw: Any, *, where: str = "manifest.json", name: str | None = None) -> S:
@@ -214,15 +215,6 @@ class _Key:
     required: bool
     omit: bool
     default: Any
-
-    @classmethod
-    def of(cls, f: dataclasses.Field[Any]) -> _Key:
-        default: Any = _NO_DEFAULT
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        return cls(f.metadata["kind"], f.metadata["required"], f.metadata["omit"], default)
 
 
 _NO_DEFAULT = object()
