@@ -189,14 +189,8 @@ class RemoteStore:
         self._call("publish", key, self.fs.mv, tmp, path)
 
     def _call(self, what: str, key: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)``, retried on transient errors with exponential backoff.
-
-        Raises:
-            WriteError: the call kept failing (an upload, publish or delete).
-            CacheError: a read, listing or check kept failing.
-            FileNotFoundError: the object does not exist (never retried, nor are refusals and bad
-                arguments).
-        """
+        """``fn(*args, **kwargs)``, retried on transient errors with exponential backoff. What keeps failing
+        is a WriteError (an upload, publish or delete) or a CacheError; FileNotFoundError passes through."""
         delay = self.backoff
         for attempt in range(1, self.attempts + 1):
             try:
