@@ -18,8 +18,7 @@ import pytest
 
 import streampack
 from streampack.errors import CacheError
-from streampack.store.copies import BLOCK
-from streampack.store.localcopy import CachedStore
+from streampack.store.localcopy import BLOCK, CachedStore
 from streampack.store.pressure import THREAD_NAME, WATCHER
 from streampack.testing.caches import write_random_cache
 from tests.conftest import CREDENTIALS, s3_options
@@ -138,8 +137,8 @@ READ_ALL = """
 import json, sys
 import streampack
 from streampack.errors import CacheError
-import streampack.store.copies
-streampack.store.copies.WAIT_SECONDS = 20.0  # fail sooner than 60 s if no one releases
+import streampack.store.localcopy
+streampack.store.localcopy.WAIT_SECONDS = 20.0  # fail sooner than 60 s if no one releases
 cache = streampack.open(sys.argv[1], local_dir=sys.argv[2], max_local_bytes=int(sys.argv[3]),
                         storage_options=json.loads(sys.argv[4]))
 total = sum(int(cache.doc(i).sum()) for i in range(cache.num_docs))

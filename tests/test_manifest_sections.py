@@ -358,7 +358,7 @@ input_objects = st.dictionaries(
 @settings(max_examples=300, deadline=None)
 @given(raws=st.lists(input_objects | json_object(InputRecord, {"path": texts}, {"size": counts}), max_size=6))
 def test_the_inputs_checked_as_a_whole_are_those_each_record_accepts(raws: list[dict[str, Any]]) -> None:
-    """A manifest's inputs are checked a key at a time over all of them (10^5 inputs open fast): that check
+    """A manifest's inputs are checked as a whole (10^5 inputs open fast): that check
     accepts exactly the lists whose every object reads as an InputRecord, and refuses with its message."""
     try:
         expected = [InputRecord.from_json(raw, name=f"inputs[{i}]") for i, raw in enumerate(raws)]
@@ -366,7 +366,6 @@ def test_the_inputs_checked_as_a_whole_are_those_each_record_accepts(raws: list[
         with pytest.raises(CacheError) as also:
             InputRecords.from_json(raws)
         assert str(also.value) == str(refused)
-        assert not InputRecord.all_valid(raws)
     else:
         inputs = InputRecords.from_json(raws)
         assert list(inputs) == expected and inputs.to_json() == raws and len(inputs) == len(raws)

@@ -22,8 +22,7 @@ import pytest
 import streampack
 from streampack.errors import CacheError, OptionsError
 from streampack.loader import prefetch
-from streampack.store.copies import BLOCK
-from streampack.store.localcopy import CachedStore, default_local_dir
+from streampack.store.localcopy import BLOCK, CachedStore, default_local_dir
 from tests.conftest import CREDENTIALS, run_cli, s3_options, write_jsonl
 
 pytest.importorskip("s3fs", reason="reading from S3 needs s3fs (the dev extra has it)")

@@ -1,15 +1,11 @@
 """The build's ledger, one small JSON file per work unit: :class:`LedgerEntry` and parsing an entry.
 
-The ledger is the commit record of a build: a unit's entry says how many input records it has consumed
-and how many documents and tokens of its shard are durable. The writer fsyncs shard data *before* the
-entry that covers it is atomically replaced, so after a crash the entry never claims more than the disk
-holds; the resumed unit truncates its shard to the entry's lengths and skips the records it names.
-
-One file per unit (rather than one shared file) lets worker processes commit without talking to each
-other or to the coordinator.
-
-Pure: reading and writing the entries through a store is :mod:`streampack.store.files`'s
-(:func:`~streampack.store.files.read_entry`, :func:`~streampack.store.files.commit_entry`).
+A unit's entry says how many input records it has consumed and how many documents and tokens of its
+shard are durable. The writer fsyncs shard data *before* the entry that covers it is atomically replaced,
+so after a crash the entry never claims more than the disk holds; the resumed unit truncates its shard to
+the entry's lengths and skips the records it names. One file per unit lets worker processes commit
+without talking to each other. Reading and writing entries through a store is
+:mod:`streampack.store.files`'s.
 """
 
 from __future__ import annotations
@@ -28,14 +24,7 @@ _REBUILD = "rerun the build with overwrite=True"
 
 @dataclass(frozen=True)
 class Counts:
-    """What a unit's input records held, counted up to a commit.
-
-    Attributes:
-        records: input records consumed (documents written plus records skipped, empty or blank).
-        skipped: bad records skipped (with ``on_bad_record="skip"``).
-        empty_docs: documents left out because their text is empty or only whitespace.
-        inexact_cuts: memory cuts in long documents, which may change the tokens next to them.
-    """
+    """What a unit's input records held, counted up to a commit (see :class:`LedgerEntry`)."""
 
     records: int = 0
     skipped: int = 0
@@ -79,9 +68,8 @@ class LedgerEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def parse_entry(raw: Any, path: str) -> LedgerEntry:
-    """The ledger entry in ``raw``, the parsed JSON of the file that ``path`` names, checked.
-
-    An entry written before the checksum existed has none; its other keys are read as strictly.
+    """The ledger entry in ``raw``, the parsed JSON of the file ``path``, checked (an entry written before
+    the checksum existed has none).
 
     Raises:
         CacheError: the entry does not match its checksum, holds an unknown key, lacks ``unit``, or holds

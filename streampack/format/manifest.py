@@ -63,6 +63,7 @@ class ShardInfo:
 
 
 _CRC_COLUMNS = ("tokens_crc32", "offsets_crc32", "mask_crc32")
+_COLUMNS = ("num_docs", "num_tokens", *_CRC_COLUMNS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -88,7 +89,7 @@ class ShardTable:
     mask_crc32: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_docs", "num_tokens", *_CRC_COLUMNS):
+        for name in _COLUMNS:
             column = getattr(self, name)
             if column is not None:
                 column.setflags(write=False)  # shared by every view of the cache
@@ -104,11 +105,8 @@ class ShardTable:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ShardTable):
             return NotImplemented
-        return all(
-            (a is None and b is None) or (a is not None and b is not None and np.array_equal(a, b))
-            for name in ("num_docs", "num_tokens", *_CRC_COLUMNS)
-            for a, b in [(getattr(self, name), getattr(other, name))]
-        )
+        pairs = [(getattr(self, name), getattr(other, name)) for name in _COLUMNS]
+        return all(a is b or (a is not None and b is not None and np.array_equal(a, b)) for a, b in pairs)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -162,7 +160,7 @@ class ShardTable:
     def digest(self) -> str:
         """A short digest of the table (SHA-256 of its columns' bytes), the same in every process."""
         h = hashlib.sha256(b"streampack shard table 2")
-        for name in ("num_docs", "num_tokens", *_CRC_COLUMNS):
+        for name in _COLUMNS:
             column = getattr(self, name)
             little = None if column is None else column.astype(column.dtype.newbyteorder("<"))
             h.update(b"-" if little is None else name.encode() + little.tobytes())

@@ -10,11 +10,9 @@ included, so what is computed from it (the build identity) keeps its value.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import partial
-from itertools import repeat
-from operator import is_not
 from typing import Any, ClassVar, TypeVar
 
 from streampack.errors import CacheError
@@ -33,9 +31,8 @@ class Kind:
     accepts: Callable[[Any], bool]
     parse: Callable[[Any, str, str], Any] | None = None
     dump: Callable[[Any], Any] | None = None
-    # Types whose every value is accepted, checked before ``accepts``: a call spared per key of 10^5 inputs.
+    # Types whose every value is accepted, checked before ``accepts``: a call spared per key.
     exact: frozenset[type] = frozenset()
-    at_least: int | None = None  # integers (not bools) from this one up are accepted too
 
 
 def is_int(value: Any) -> bool:
@@ -45,7 +42,7 @@ def is_int(value: Any) -> bool:
 STR = Kind("a string", lambda v: isinstance(v, str), exact=frozenset({str}))
 BOOL = Kind("true or false", lambda v: isinstance(v, bool), exact=frozenset({bool}))
 INT = Kind("an integer", is_int, exact=frozenset({int}))
-COUNT = Kind("a non-negative integer", lambda v: is_int(v) and v >= 0, at_least=0)
+COUNT = Kind("a non-negative integer", lambda v: is_int(v) and v >= 0)
 NUMBER = Kind("a number", lambda v: is_int(v) or isinstance(v, float))
 COUNTS = Kind(
     "an object of non-negative integers",
@@ -63,18 +60,14 @@ STRINGS = Kind(
 
 def or_null(kind: Kind) -> Kind:
     """``kind``, or JSON null (None)."""
-    if kind.parse is None and kind.dump is None:
-        exact = kind.exact | {type(None)}
-        accepts = kind.accepts
-        what = f"{kind.what} or null"
-        return Kind(what, lambda v: v is None or accepts(v), exact=exact, at_least=kind.at_least)
     parse, dump = kind.parse, kind.dump
-    assert parse is not None and dump is not None
     return Kind(
         f"{kind.what} or null",
         lambda v: v is None or kind.accepts(v),
-        parse=lambda value, where, name: None if value is None else parse(value, where, name),
-        dump=lambda value: None if value is None else dump(value),
+        parse=None
+        if parse is None
+        else lambda value, where, name: None if value is None else parse(value, where, name),
+        dump=None if dump is None else lambda value: None if value is None else dump(value),
         exact=kind.exact | {type(None)},
     )
 
@@ -111,7 +104,8 @@ def key(kind: Kind, default: Any = dataclasses.MISSING, *, required: bool = Fals
         omit: a section made in code leaves the key out while it holds ``default`` (the builder writes it
             only when it has a value).
     """
-    metadata = {"kind": kind, "required": required, "omit": omit}
+    spec = _Key(kind, required, omit, _NO_DEFAULT if default is dataclasses.MISSING else default)
+    metadata = {"kind": kind, "key": spec}
     if default is dataclasses.MISSING:
         return field(metadata=metadata)
     if isinstance(default, (dict, list)):
@@ -135,12 +129,10 @@ class Section:
     section_name: ClassVar[str] = "section"
 
     @classmethod
+    @functools.cache
     def _keys(cls) -> dict[str, _Key]:
-        """The section's keys, by name, in the order the builder writes them (computed once per class)."""
-        keys = _KEYS.get(cls)
-        if keys is None:
-            keys = _KEYS[cls] = {f.name: _Key.of(f) for f in dataclasses.fields(cls) if "kind" in f.metadata}
-        return keys
+        """The section's keys, by name, in the order the builder writes them."""
+        return {f.name: f.metadata["key"] for f in dataclasses.fields(cls) if "key" in f.metadata}
 
     @classmethod
     def from_json(cls: type[S], raw: Any, *, where: str = "manifest.json", name: str | None = None) -> S:
@@ -188,29 +180,6 @@ class Section:
     def __post_init__(self) -> None:
         """Nothing to do here; a section whose fields need it normalises them."""
 
-    @classmethod
-    def all_valid(cls, raws: list[Any]) -> bool:
-        """Whether every JSON object of ``raws`` reads as this section, checked a key at a time over all of
-        them (a few passes in C, not a loop in Python per object); False also where it cannot tell (a
-        nested section, a check between fields): :meth:`from_json` on each then says."""
-        if set(map(type, raws)) - {dict} or cls._check is not Section._check:
-            return False
-        for key_name, key in cls._keys().items():
-            kind = key.kind
-            if kind.parse is not None:
-                return False
-            # In C: dict.get over the objects (_NO_DEFAULT, an object(), where the key is absent).
-            column = list(map(dict.get, raws, repeat(key_name), repeat(_NO_DEFAULT)))
-            types = set(map(type, column))
-            found = types - kind.exact - (set() if key.required else {object})
-            if found == {int} and kind.at_least is not None:
-                ints = column if len(types) == 1 else filter(partial(is_not, None), column)
-                if min(filter(partial(is_not, _NO_DEFAULT), ints), default=kind.at_least) < kind.at_least:
-                    return False
-            elif found:
-                return False
-        return True
-
     def _check(self, where: str, name: str) -> None:
         """What the types alone do not say (one field's value requiring another's); raises CacheError."""
 
@@ -247,18 +216,8 @@ class _Key:
     omit: bool
     default: Any
 
-    @classmethod
-    def of(cls, f: dataclasses.Field[Any]) -> _Key:
-        default: Any = _NO_DEFAULT
-        if f.default is not dataclasses.MISSING:
-            default = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
-        return cls(f.metadata["kind"], f.metadata["required"], f.metadata["omit"], default)
-
 
 _NO_DEFAULT = object()
-_KEYS: dict[type[Section], dict[str, _Key]] = {}
 
 
 def malformed(where: str, problem: str) -> str:

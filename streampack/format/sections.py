@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, overload
+from typing import Annotated, Any, ClassVar, overload
+
+import msgspec
 
 from streampack.errors import CacheError
 from streampack.format.record import (
@@ -206,6 +208,15 @@ class InputRecord(Section):
         return written
 
 
+class _InputCheck(msgspec.Struct):
+    """What :class:`InputRecord` accepts, for checking a whole list at once (unknown keys are ignored)."""
+
+    path: str
+    size: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    mtime_ns: int | None = None
+    fingerprint: str | None = None
+
+
 @dataclass(frozen=True)
 class Verification(Section):
     """How the ids of an engine other than the reference were checked (an engine record's ``verify``)."""
@@ -282,7 +293,9 @@ class InputRecords(Sequence[InputRecord]):
         """Check the JSON list of inputs; raises CacheError as :meth:`InputRecord.from_json` does."""
         if not isinstance(raw, list):
             raise CacheError(malformed(where, f"{name} must be a list of objects (got {shown(raw)})"))
-        if not InputRecord.all_valid(raw):
+        try:
+            msgspec.convert(raw, list[_InputCheck])  # 10^5 inputs checked in C, making no InputRecord
+        except msgspec.ValidationError:
             for i, item in enumerate(raw):  # the first bad one says what is wrong
                 InputRecord.from_json(item, where=where, name=f"{name}[{i}]")
         return cls(raw)

@@ -48,9 +48,9 @@ def check_file(path: Path, recorded: Mapping[str, str], described: str) -> tuple
     hashers: dict[str, Any] = {}
     notes = []
     for algo in recorded:
-        hasher = _hasher(algo)
+        hasher, why = _hasher(algo)
         if hasher is None:
-            notes.append(f"{described}: its {algo} digest is recorded but not checked ({_why(algo)})")
+            notes.append(f"{described}: its {algo} digest is recorded but not checked ({why})")
         else:
             hashers[algo] = hasher
     if not hashers:
@@ -73,24 +73,15 @@ def check_file(path: Path, recorded: Mapping[str, str], described: str) -> tuple
     return problems, notes, read
 
 
-def _hasher(algo: str) -> Any:
-    """A new hasher of ``algo`` (hashlib's, else xxhash's), or None where there is none here."""
+def _hasher(algo: str) -> tuple[Any, str]:
+    """A new hasher of ``algo`` (hashlib's, else xxhash's), or None and why there is none here."""
     if algo in hashlib.algorithms_available and not algo.startswith("shake_"):
-        return hashlib.new(algo)
+        return hashlib.new(algo), ""
     if algo.startswith("xxh"):
         try:
             import xxhash
         except ImportError:
-            return None
-        make = getattr(xxhash, algo, None) if algo in xxhash.algorithms_available else None
-        return make() if make is not None else None
-    return None
-
-
-def _why(algo: str) -> str:
-    if algo.startswith("xxh"):
-        try:
-            import xxhash  # noqa: F401
-        except ImportError:
-            return "install xxhash to check it: pip install xxhash"
-    return "an algorithm neither hashlib nor xxhash offers"
+            return None, "install xxhash to check it: pip install xxhash"
+        if algo in xxhash.algorithms_available:
+            return getattr(xxhash, algo)(), ""
+    return None, "an algorithm neither hashlib nor xxhash offers"

@@ -140,10 +140,10 @@ def _expected_files(
         info = table.row(i, "", manifest.loss_mask)
         sums = (info.tokens_checksum, info.offsets_checksum, info.mask_checksum or "")
         if progress is not None:
-            done = progress[i]
+            entry = progress[i]
             sums = (
-                (done.tokens_checksum, done.offsets_checksum, done.mask_checksum or "")
-                if done.done
+                (entry.tokens_checksum, entry.offsets_checksum, entry.mask_checksum)
+                if entry.done
                 else ("",) * 3
             )
         files[tokens_key(info.name)] = Expected(info.num_tokens * itemsize, sums[0])

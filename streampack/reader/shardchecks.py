@@ -18,7 +18,6 @@ from streampack.errors import CacheError
 from streampack.format.manifest import Manifest, ShardInfo
 from streampack.format.names import OFFSET_DTYPE, checksum_text, crc32, mask_key, offsets_key, tokens_key
 from streampack.reader.cache import Cache
-from streampack.reader.report import VerifyReport
 from streampack.store.remote import RemoteStore
 
 __all__ = ["Mapped", "Streamed", "check_shards"]
@@ -28,7 +27,9 @@ _SHOWN = 3  # control ids inside documents listed in the report, of a shard
 
 
 class _Source(Protocol):
-    """Where verify reads a shard's files, by key."""
+    """Where verify reads a shard's files, by key (``read``: the bytes its chunks held so far)."""
+
+    read: int
 
     def describe(self, key: str) -> str: ...
 
@@ -46,7 +47,7 @@ class Mapped:
     """A local cache's files, mapped by the reader (which checks their sizes and where they lead)."""
 
     def __init__(self, cache: Cache) -> None:
-        self.cache = cache
+        self.cache, self.read = cache, 0
 
     def describe(self, key: str) -> str:
         shard, kind = _shard_kind(key)
@@ -55,6 +56,7 @@ class Mapped:
     def chunks(self, key: str, dtype: np.dtype, count: int) -> Iterator[np.ndarray]:
         array = self._array(key)
         for start in range(0, len(array), _CHUNK_ITEMS):
+            self.read += array[start : start + _CHUNK_ITEMS].nbytes
             yield array[start : start + _CHUNK_ITEMS]
 
     def first(self, key: str, dtype: np.dtype, count: int) -> int:
@@ -77,7 +79,7 @@ class Streamed:
     """A remote cache's objects, read in ranged chunks (nothing kept but the chunk in hand)."""
 
     def __init__(self, remote: RemoteStore, sizes: dict[str, int]) -> None:
-        self.remote, self.sizes = remote, sizes
+        self.remote, self.sizes, self.read = remote, sizes, 0
 
     def describe(self, key: str) -> str:
         return self.remote.describe(key)
@@ -97,6 +99,7 @@ class Streamed:
             data = self.remote.read(key, start, min(expected, start + step))
             if len(data) != min(step, expected - start):
                 raise CacheError(f"{self.describe(key)}: the object changed while it was read; verify again")
+            self.read += len(data)
             yield np.frombuffer(data, dtype=dtype)
 
     def first(self, key: str, dtype: np.dtype, count: int) -> int:
@@ -120,20 +123,18 @@ class _Scan:
         return checksum_text(self.crc)
 
 
-def check_shards(
-    manifest: Manifest, source: _Source, report: VerifyReport, *, checksums: bool = True
-) -> list[str]:
+def check_shards(manifest: Manifest, source: _Source, *, checksums: bool = True) -> list[str]:
     """The problems of every shard of ``manifest``'s cache, read from ``source``. Without ``checksums``
     (another format's files record none) the CRC-32s are not compared."""
     problems, doc_start = [], 0
     for shard in range(len(manifest.table)):
-        problems += _check_shard(manifest, shard, doc_start, source, report, checksums=checksums)
+        problems += _check_shard(manifest, shard, doc_start, source, checksums=checksums)
         doc_start += int(manifest.table.num_docs[shard])
     return problems + _check_delimiter(manifest, source)
 
 
 def _check_shard(
-    manifest: Manifest, shard: int, doc_start: int, source: _Source, report: VerifyReport, *, checksums: bool
+    manifest: Manifest, shard: int, doc_start: int, source: _Source, *, checksums: bool
 ) -> list[str]:
     """The problems of shard ``shard``, whose first document is ``doc_start``."""
     info = manifest.table.row(shard, manifest.units[shard], manifest.loss_mask)
@@ -144,13 +145,8 @@ def _check_shard(
         offsets = _whole(source, keys[1], OFFSET_DTYPE, info.num_docs)
     except (CacheError, ValueError, OSError) as e:
         return [f"{offsets_file}: cannot read ({e})"]
-    report.bytes_checked += offsets.nbytes
-    problems = []
     offsets_crc = checksum_text(crc32(offsets.data))
-    if checksums and offsets_crc != info.offsets_checksum:
-        problems.append(
-            f"{offsets_file}: checksum {offsets_crc} does not match the manifest's {info.offsets_checksum}"
-        )
+    problems = _differs(offsets_file, offsets_crc, info.offsets_checksum, checksums)
     offset_problems = _check_offsets(offsets_file, offsets, info.num_tokens)
     problems += offset_problems
     sound = not offset_problems
@@ -173,11 +169,7 @@ def _check_shard(
         )
     except (CacheError, ValueError, OSError) as e:
         return [*problems, f"{tokens_file}: cannot read ({e})"]
-    report.bytes_checked += info.num_tokens * dtype.itemsize
-    if checksums and scan.checksum != info.tokens_checksum:
-        problems.insert(
-            0, f"{tokens_file}: checksum {scan.checksum} does not match the manifest's {info.tokens_checksum}"
-        )
+    problems[:0] = _differs(tokens_file, scan.checksum, info.tokens_checksum, checksums)
     if scan.first_over is not None:
         position, value = scan.first_over
         problems.append(
@@ -197,18 +189,22 @@ def _check_shard(
     )
     if manifest.loss_mask:
         problems.extend(
-            _check_mask(manifest, info, doc_start, source, ends, report, not problems, checksums=checksums)
+            _check_mask(manifest, info, doc_start, source, ends, not problems, checksums=checksums)
         )
     return problems
 
 
+def _differs(path: str, actual: str, recorded: str | None, checksums: bool) -> list[str]:
+    """The problem of a file whose checksum is not the one recorded (none without ``checksums``)."""
+    if checksums and actual != recorded:
+        return [f"{path}: checksum {actual} does not match the manifest's {recorded}"]
+    return []
+
+
 def _check_delimiter(manifest: Manifest, source: _Source) -> list[str]:
     """The problem of a cache whose shards may begin inside a document (llm.c's) when its BOS, the
-    delimiter, occurs in none of its files.
-
-    :func:`_check_shard` lets a shard's first document lack the delimiter (the rest of the previous shard's
-    last), so a wrong delimiter would pass it, each shard one document. Reads at most one token a shard.
-    """
+    delimiter, occurs in none of its files: :func:`_check_shard` lets a shard's first document lack it, so
+    a wrong delimiter would pass there, each shard one document. Reads at most one token a shard."""
     bos = manifest.bos.prepended
     table = manifest.table
     if bos is None or not _continues_documents(manifest) or not int(np.sum(table.num_tokens)):
@@ -245,7 +241,6 @@ def _check_mask(
     doc_start: int,
     source: _Source,
     ends: np.ndarray,
-    report: VerifyReport,
     check_places: bool,
     *,
     checksums: bool,
@@ -266,13 +261,7 @@ def _check_mask(
         scan = _scan(source.chunks(key, np.dtype(np.uint8), info.num_tokens), 2, [], ends, places)
     except (CacheError, ValueError, OSError) as e:
         return [f"{path}: cannot read ({e})"]
-    report.bytes_checked += info.num_tokens
-    expected = info.mask_checksum
-    problems = (
-        []
-        if scan.checksum == expected or not checksums
-        else [f"{path}: checksum {scan.checksum} does not match the manifest's {expected}"]
-    )
+    problems = _differs(path, scan.checksum, info.mask_checksum, checksums)
     if scan.first_over is not None:
         problems.append(f"{path}: byte {scan.first_over[0]} is {scan.first_over[1]}, not 0 or 1")
     if problems:

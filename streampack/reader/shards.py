@@ -166,11 +166,11 @@ class ShardFiles:
         self.drop()
 
     def tokens(self, shard: int) -> np.ndarray:
-        """The token array of shard ``shard`` (memory-mapped on first use).
+        """The token array of shard ``shard``, memory-mapped on first use.
 
         Raises:
             CacheError: the file is missing, of another size than the manifest says, or leads out of the
-                cache (checked when it is mapped, before anything is read from it).
+                cache (checked before anything is read from it).
         """
         return self._map(self._tokens, shard, tokens_key, self.dtype, self.table.num_tokens)
 
@@ -194,8 +194,7 @@ class ShardFiles:
         return self.store.map_array(key, OFFSET_DTYPE, count)
 
     def mask(self, shard: int) -> np.ndarray:
-        """The loss mask of shard ``shard``: uint8, one a token, 1 at a training target (mapped on first
-        use).
+        """The loss mask of shard ``shard``, mapped on first use (see :meth:`Shards.mask`).
 
         Raises:
             CacheError: the cache has no loss mask (it was not built with ``fields`` or ``chat``).
@@ -229,7 +228,7 @@ class ShardFiles:
         return self.store.path(mask_key(shard_name(self._index(shard)))) if masked else None
 
     def hashes(self, shard: int) -> dict[str, str]:
-        """None: a native cache's checksums are its manifest's (``verify`` checks them)."""
+        """None: a native cache's checksums are its manifest's."""
         return {}
 
     def origin(self, shard: int) -> None:
@@ -246,7 +245,7 @@ class ShardFiles:
         return str(self.store.path(key_of(shard_name(self._index(shard)))))
 
     def _index(self, shard: int) -> int:
-        """``shard`` as a non-negative index (IndexError when out of range, as a list would raise)."""
+        """``shard`` as a non-negative index (IndexError when out of range)."""
         return range(len(self.table))[shard]
 
     def _check_offsets(self, key: str, index: int, mapped: np.ndarray) -> None:
@@ -280,8 +279,10 @@ class ShardFiles:
         dtype: np.dtype,
         counts: np.ndarray,
     ) -> np.ndarray:
-        """The map of one of shard ``shard``'s files, kept or checked and mapped. Thread-safe (grain
-        reads from a pool): each OrderedDict call is atomic, and an evicted map stays valid for its holder."""
+        """The map of one of shard ``shard``'s files, kept or checked and mapped.
+
+        Thread-safe (grain reads from a pool): each OrderedDict call is atomic, and an evicted map stays
+        valid for its holder."""
         mapped = maps.get(shard)
         if mapped is not None:
             with contextlib.suppress(KeyError):  # evicted by another thread since the get

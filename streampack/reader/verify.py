@@ -16,6 +16,7 @@ import re
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,6 @@ from streampack.format.names import LAYOUT_DIR, LEDGER_DIR, LOCK, MANIFEST, SHAR
 from streampack.reader.cache import Cache
 from streampack.reader.filehashes import check_file
 from streampack.reader.opening import open as open_cache
-from streampack.reader.report import VerifyReport
 from streampack.reader.shardchecks import Mapped, Streamed, check_shards
 from streampack.store import is_remote
 from streampack.store.files import load_manifest, read_entry
@@ -33,6 +33,32 @@ from streampack.store.plans import PLAN_ARRAYS, PLAN_JSON, inspect_plan
 from streampack.store.remote import RemoteStore
 
 __all__ = ["VerifyReport", "verify"]
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify`: ``problems`` is empty for a sound cache.
+
+    Attributes:
+        path: the cache directory, or the URL of a cache in object storage.
+        problems: each damage found, naming its file (or object).
+        notes: what is there but not checked (unknown entries, leftovers of an interrupted write); none
+            is a problem.
+        bytes_checked: bytes read and checked.
+        seconds: how long it took.
+    """
+
+    path: Path | str
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    bytes_checked: int = 0
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when no problem was found."""
+        return not self.problems
+
 
 _PLAN_NAME = re.compile(r"^(packed|documents)-[0-9]+-[0-9a-f]{16}$")
 _PLAN_FILES = frozenset({PLAN_JSON, *(f"{name}.bin" for name in PLAN_ARRAYS)})
@@ -86,7 +112,8 @@ def _verify_local(root: Path, report: VerifyReport, declared: Mapping[str, Any])
         _verify_foreign(cache, source, report)
         return
     expected = _shard_files(cache.manifest)
-    report.problems.extend(check_shards(cache.manifest, source, report))
+    report.problems.extend(check_shards(cache.manifest, source))
+    report.bytes_checked += source.read
     _note_unknown(report, root / SHARD_DIR, _entries(root / SHARD_DIR), expected)
     _check_ledger(cache.manifest, cache.store, _entries(root / LEDGER_DIR), report)
     layouts = root / LAYOUT_DIR
@@ -100,7 +127,8 @@ def _verify_foreign(cache: Cache, source: Mapped, report: VerifyReport) -> None:
     """Every token of another format's files, and the digests it records of them; entries of its folder
     it does not read are listed."""
     format = (cache.declared or {})["format"]  # a foreign cache is opened with its format
-    report.problems.extend(check_shards(cache.manifest, source, report, checksums=False))
+    report.problems.extend(check_shards(cache.manifest, source, checksums=False))
+    report.bytes_checked += source.read
     hashed = 0
     for shard in range(cache.num_shards):
         recorded = cache.files.hashes(shard)
@@ -165,7 +193,8 @@ def _verify_remote(remote: RemoteStore, report: VerifyReport) -> None:
             "complete it"
         )
     source = Streamed(remote, remote.list_sizes(SHARD_DIR))
-    report.problems.extend(check_shards(manifest, source, report))
+    report.problems.extend(check_shards(manifest, source))
+    report.bytes_checked += source.read
     _note_unknown(report, remote.describe(SHARD_DIR), set(source.sizes), _shard_files(manifest))
     _check_ledger(manifest, remote, set(remote.list(LEDGER_DIR)), report)
     known = {MANIFEST, SHARD_DIR, LEDGER_DIR}

@@ -23,7 +23,7 @@ import errno
 import fcntl
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +33,8 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 import orjson
 
-from streampack.errors import CacheError, WriteError
+from streampack.errors import BuildLockedError, CacheError, WriteError
 from streampack.format.names import crc32
-from streampack.store.locks import FileLock
 
 MAX_JSON_BYTES = 64 << 20  # a manifest of 100k shards is ~20 MB; refuse anything absurd before parsing
 _CHECKSUM_CHUNK = 16 << 20
@@ -87,6 +86,17 @@ class Store(Protocol):
 def encode_json(obj: Any) -> bytes:
     """The bytes a cache's JSON files hold: indented, keys sorted, one final newline."""
     return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
+
+
+def parse_json(data: bytes, described: str, what: str) -> Any:
+    """Parse the bytes of a small JSON file; a :class:`CacheError` naming ``described`` when oversized or
+    malformed."""
+    if len(data) > MAX_JSON_BYTES:
+        raise CacheError(f"{described}: {what} is over the {MAX_JSON_BYTES} byte limit")
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise CacheError(f"{described}: {what} is not valid JSON ({e})") from None
 
 
 def is_remote(where: object) -> bool:
@@ -175,19 +185,14 @@ class LocalStore:
         path = self.path(key)
         try:
             with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
                     raise CacheError(f"{path}: {what} is not a regular file")
                 data = f.read(MAX_JSON_BYTES + 1)  # never trust st_size alone (/proc files say 0)
-            if len(data) > MAX_JSON_BYTES:
-                raise CacheError(f"{path}: {what} is over the {MAX_JSON_BYTES} byte limit")
-            return orjson.loads(data)
         except FileNotFoundError:
             raise CacheError(f"{path}: {what} not found") from None
-        except orjson.JSONDecodeError as e:
-            raise CacheError(f"{path}: {what} is not valid JSON ({e})") from None
         except OSError as e:
             raise CacheError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+        return parse_json(data, str(path), what)
 
     def map_array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         """A read-only memory map of the first ``count`` items of ``key``, as a plain ndarray view."""
@@ -232,9 +237,40 @@ class LocalStore:
                     sizes[entry.name] = os.lstat(entry.path).st_size
         return sizes
 
-    def lock(self, key: str) -> FileLock:
-        """The ``flock`` of the file ``key`` (see :class:`FileLock`)."""
-        return FileLock(self.path(key))
+    @contextlib.contextmanager
+    def lock(self, key: str) -> Iterator[None]:
+        """Hold the exclusive ``flock`` of the file ``key`` (the build lock) for a ``with`` block.
+
+        The file holds the holder's pid and host. It is emptied, never deleted, when released: deleting it
+        while locked would let a build that opened it just before lock the deleted file while a third locks
+        a new one. The kernel releases an ``flock`` when its process dies, so a killed build's lock is free.
+
+        Raises:
+            BuildLockedError: another live process holds the lock, or the file cannot be created.
+        """
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise BuildLockedError(
+                f"cannot write to {path.parent}: {e.strerror}; choose a writable output directory"
+            ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise BuildLockedError(
+                f"{path.parent} is locked by another build ({holder}); wait for it to finish or stop it, "
+                "then rerun (a killed build's lock is released automatically)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {os.uname().nodename}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            os.close(fd)
 
     def makedirs(self, key: str = "") -> None:
         """Create the folder ``key`` (the cache directory itself by default) and its parents."""

@@ -131,25 +131,21 @@ def stored(
     except OSError as e:
         return _unstored(directory, e, damage, tables, left_out)
     try:
-        checksum = _write(scratch, identity, tables, left_out)
-    except OSError as e:  # a full disk, a quota: nothing of the plan is left behind
-        shutil.rmtree(scratch, ignore_errors=True)
-        return _unstored(directory, e, damage, tables, left_out)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
-    try:
+        try:
+            checksum = _write(scratch, identity, tables, left_out)
+        except OSError as e:  # a full disk, a quota: nothing of the plan is left behind
+            shutil.rmtree(scratch, ignore_errors=True)
+            return _unstored(directory, e, damage, tables, left_out)
         if damage is not None:
             _move_away(directory)
         try:
             os.rename(scratch, directory)
-        except OSError:  # another process placed the same plan first
-            shutil.rmtree(scratch, ignore_errors=True)
+        except OSError:
+            pass  # another process placed the same plan first
         else:
             _remember(directory, checksum)  # written by this process: no need to read it back
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)  # nothing left once renamed into place
     return _open(directory, identity, shard_tokens)
 
 
@@ -219,11 +215,8 @@ def inspect_plan(
     except PlanDamage as e:
         return [str(e)], 0, ""
     stale = facts.content != content
-    note = (
-        f"{directory}: a plan of other shards (the cache changed since), never used; safe to delete"
-        if stale
-        else ""
-    )
+    note = f"{directory}: a plan of other shards (the cache changed since), never used; safe to delete"
+    note = note if stale else ""
     try:
         plan = _check_files(directory, facts, None if stale else shard_tokens, recheck=True)
     except PlanDamage as e:
@@ -286,11 +279,7 @@ def _facts(directory: Path, identity: PlanIdentity | None) -> _Facts:
     key = plan_key(facts.content, facts.seq_len, facts.settings)
     if key != directory.name:
         raise PlanDamage(f"{path}: the plan of {key}, not of {directory.name}")
-    if identity is not None and (facts.content, facts.seq_len, facts.settings) != (
-        identity.content,
-        identity.seq_len,
-        identity.settings,
-    ):
+    if identity is not None and key != identity.key:
         raise PlanDamage(f"{path}: the plan of other settings than {directory.name} names")
     return facts
 

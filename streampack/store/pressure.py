@@ -16,17 +16,10 @@ import weakref
 from collections.abc import Callable
 from pathlib import Path
 
-POLL_SECONDS = 0.02
-"""How often the watcher checks the ``pressure`` files."""
-
-JOIN_SECONDS = 1.0
-"""How long :meth:`PressureWatcher.unwatch` waits for the stopped thread to end."""
-
+POLL_SECONDS = 0.02  # how often the watcher checks the pressure files
+JOIN_SECONDS = 1.0  # how long PressureWatcher.unwatch waits for the stopped thread to end
 THREAD_NAME = "streampack-pressure"
-"""The watcher thread's name."""
-
-PRESSURE = "pressure"
-"""The file of a local copy that a process waiting for room touches."""
+PRESSURE = "pressure"  # the file of a local copy that a process waiting for room touches
 
 # Bound methods that drop the maps this process keeps for reuse, held weakly.
 releasers: list[weakref.WeakMethod[Callable[[], None]]] = []
@@ -66,7 +59,11 @@ def mtime(path: Path) -> int:
 
 class PressureWatcher:
     """The thread that drops this process's kept maps when another process waits for room in a copy it
-    reads; :data:`WATCHER` is the process's one instance."""
+    reads; :data:`WATCHER` is the process's one instance.
+
+    Attributes:
+        thread: the running thread, or None when no copy is watched.
+    """
 
     def __init__(self) -> None:
         self._reset()
@@ -77,13 +74,8 @@ class PressureWatcher:
         self._lock = threading.RLock()
         self._watched: dict[int, Path] = {}  # the copy's directory, by the key of who watches it
         self._seen: dict[Path, int] = {}  # the last modification time seen, by pressure file
-        self._thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None
         self._stop = threading.Event()
-
-    @property
-    def thread(self) -> threading.Thread | None:
-        """The running thread, or None when no copy is watched."""
-        return self._thread
 
     def watch(self, key: int, root: Path) -> None:
         """Watch the copy in ``root`` for ``key`` (a store's ``id``), starting the thread if none runs."""
@@ -92,12 +84,12 @@ class PressureWatcher:
             pressure = root / PRESSURE
             if pressure not in self._seen:
                 self._seen[pressure] = mtime(pressure)  # a touch from now on is seen
-            if self._thread is None:
+            if self.thread is None:
                 self._stop = threading.Event()
-                self._thread = threading.Thread(
+                self.thread = threading.Thread(
                     target=self._run, args=(self._stop,), name=THREAD_NAME, daemon=True
                 )
-                self._thread.start()
+                self.thread.start()
 
     def unwatch(self, key: int) -> None:
         """Take back the registration of ``key``; once no copy is watched, stop the thread and wait up to
@@ -106,9 +98,9 @@ class PressureWatcher:
             root = self._watched.pop(key, None)
             if root is not None and root not in self._watched.values():
                 self._seen.pop(root / PRESSURE, None)
-            if self._watched or self._thread is None:
+            if self._watched or self.thread is None:
                 return
-            thread, self._thread = self._thread, None
+            thread, self.thread = self.thread, None
             self._stop.set()
         if thread is not threading.current_thread():  # a finalizer may run in the thread itself
             thread.join(JOIN_SECONDS)
@@ -129,5 +121,4 @@ class PressureWatcher:
                 release_maps()
 
 
-WATCHER = PressureWatcher()
-"""The process's watcher."""
+WATCHER = PressureWatcher()  # the process's watcher

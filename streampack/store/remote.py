@@ -20,10 +20,9 @@ from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import numpy as np
-import orjson
 
 from streampack.errors import CacheError, MissingDependencyError, WriteError
-from streampack.store import MAX_JSON_BYTES
+from streampack.store import MAX_JSON_BYTES, parse_json
 
 T = TypeVar("T")
 
@@ -135,12 +134,7 @@ class RemoteStore:
             data = self.read(key, 0, MAX_JSON_BYTES + 1)
         except FileNotFoundError:
             raise CacheError(f"{self.describe(key)}: {what} not found") from None
-        if len(data) > MAX_JSON_BYTES:
-            raise CacheError(f"{self.describe(key)}: {what} is over the {MAX_JSON_BYTES} byte limit")
-        try:
-            return orjson.loads(data)
-        except orjson.JSONDecodeError as e:
-            raise CacheError(f"{self.describe(key)}: {what} is not valid JSON ({e})") from None
+        return parse_json(data, self.describe(key), what)
 
     def map_array(self, key: str, dtype: np.dtype, count: int) -> np.ndarray:
         """Refused (:class:`CacheError`): a remote cache is read from a local copy."""
@@ -195,14 +189,8 @@ class RemoteStore:
         self._call("publish", key, self.fs.mv, tmp, path)
 
     def _call(self, what: str, key: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)``, retried on transient errors with exponential backoff.
-
-        Raises:
-            WriteError: the call kept failing (an upload, publish or delete).
-            CacheError: a read, listing or check kept failing.
-            FileNotFoundError: the object does not exist (never retried, nor are refusals and bad
-                arguments).
-        """
+        """``fn(*args, **kwargs)``, retried on transient errors with exponential backoff. What keeps failing
+        is a WriteError (an upload, publish or delete) or a CacheError; FileNotFoundError passes through."""
         delay = self.backoff
         for attempt in range(1, self.attempts + 1):
             try:

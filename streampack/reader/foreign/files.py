@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from streampack.errors import CacheError, OptionsError
-from streampack.store.copies import Expected
+from streampack.store import Expected
 from streampack.store.localcopy import CachedStore
 
 
