@@ -322,6 +322,17 @@ def derive(seed: int, tag: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{tag}".encode(), digest_size=8).digest(), "little")
 
 
+def splitmix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's step on ``uint64`` words: a bijection whose outputs look independent (it wraps)."""
+    z = x + np.uint64(0x9E3779B97F4A7C15)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
+
+
 def check_same(saved: Mapping[str, Any], mine: Mapping[str, Any], keys: tuple[str, ...]) -> None:
     """Refuse a checkpoint whose fingerprint differs from ``mine`` at one of ``keys``.
 

@@ -1,17 +1,14 @@
 """A proof of what a run saw, from its last checkpoint alone: every sample each step consumed, recomputed.
 
 A loader state carries the run's history (:attr:`Loader.history <streampack.loader.Loader.history>`):
-one entry for the start and one per resume. Each entry starts a *leg* at position ``p_i`` and trainer step
-``s_i``; the leg trains one global batch of ``B_i`` positions per step until the next resume, whose step
-says how far the model got: positions ``[p_i, p_i + (s_{i+1} - s_i) * B_i)`` (to the state's position
-for the last leg). A resume whose data state is elsewhere replays or skips positions: the usual cause is
-a model checkpoint and a data state of different steps.
+one entry for the start and one per resume. Entry ``i`` starts a *leg* at position ``p_i`` and step
+``s_i`` that trains ``B_i`` positions per step up to ``p_i + (s_{i+1} - s_i) * B_i`` (the last leg: to
+the state's position). A resume whose data state is elsewhere replays or skips positions, usually because
+the model checkpoint and the data state are of different steps.
 
-:func:`audit` rebuilds the :class:`~streampack.loader.Loader` of each entry from the data given, checks
-its order against the digest recorded, and recomputes the samples of every position the leg trained.
-Each source serves its samples at a *cursor* (sample ``c mod N`` of epoch ``c // N``) and a leg serves a
-contiguous run of cursors (:meth:`Order.consumed <streampack.order.Order.consumed>`), so the verdict is
-interval arithmetic per source (:mod:`streampack.runs.coverage`). No token is read, only manifests.
+:func:`audit` rebuilds each entry's :class:`~streampack.loader.Loader` from the data given, checks its
+order against the recorded digest, and, as a leg serves a contiguous run of each source's cursors, gives
+the verdict by interval arithmetic (:mod:`streampack.runs.coverage`). No token is read, only manifests.
 
 Ranges in reports are half-open: ``positions 9600-10000`` are positions 9600 to 9999.
 """
@@ -204,8 +201,8 @@ def audit(
 
 
 def _legs(entries: Sequence[Mapping[str, Any]], loaders: list[Loader], final: int) -> list[Leg]:
-    """The run's legs. The model trained each up to where the next resume's step says (its data state may
-    say otherwise), within the stream's end; the last one up to the state's position, ``final``."""
+    """The run's legs: each up to where the next resume's step says the model got, the last one up to
+    ``final``, the state's position."""
     steps = leg_steps(entries)  # as Exclusions(steps=...) counts them
     legs = []
     for i, (entry, loader) in enumerate(zip(entries, loaders, strict=True)):
@@ -237,8 +234,7 @@ def _legs(entries: Sequence[Mapping[str, Any]], loaders: list[Loader], final: in
 
 
 def _parallel(entry: Mapping[str, Any]) -> str:
-    """How an entry's ranks shared each global batch, for the report: rows balanced by attention cost, each
-    split over context-parallel ranks; empty for contiguous slices of whole rows."""
+    """How an entry's ranks shared each global batch, in words; empty for contiguous slices of rows."""
     words = []
     if entry.get("balance", "rows") != "rows":
         words.append(f"rows balanced by {entry['balance']} cost")
@@ -324,9 +320,8 @@ def leg_loaders(
     *,
     order: Mapping[str, Any] | None = None,
 ) -> list[Loader]:
-    """The loader of each history entry, resumed as the run resumed, with the exclusions in force in its leg.
-
-    ``final`` are the state's exclusions, and ``order`` its order, which names what a Follow run read.
+    """The loader of each history entry, resumed as the run resumed, with the exclusions in force in its leg
+    (``final``: the state's exclusions; ``order``: its order, which names what a Follow run read).
 
     Raises:
         LoaderStateError: a loader's order is not the one its entry records (``data`` is not the run's),
@@ -417,11 +412,9 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
 
 
 def _followed(data: Any, order: Mapping[str, Any] | None) -> Any:
-    """A fresh :class:`~streampack.follow.GrowingCache` of the build a Follow run read: of the cache
-    at the path given, with the settings the run's ``order`` names, or of the one a given Follow reads.
-
-    It goes on with epochs after the eras: the history does not record ``then=``, and no leg served a
-    position past them.
+    """A fresh :class:`~streampack.follow.GrowingCache` of the build a Follow run read: the cache at the path
+    given with the settings the run's ``order`` names, or the one a given Follow reads. It goes on with
+    epochs after the eras (the history does not record ``then=``, and no leg served a position past them).
 
     Raises:
         OptionsError: ``data`` is neither a path (with ``order``) nor a Follow.

@@ -9,6 +9,7 @@ way, with no temporary.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,10 +37,12 @@ def read_spans(
     """
     order = np.argsort(spans.shards, kind="stable")
     targets = spans.rows if rows is None else rows[spans.rows]
-    sorted_spans = Spans(
-        targets[order], spans.shards[order], spans.lo[order], spans.hi[order], spans.col[order]
+    copies = _Copies(
+        replace(spans.taken(order), rows=targets[order]),
+        np.zeros(len(order), dtype=np.int64),
+        1,
+        out.shape[1],
     )
-    copies = _Copies(sorted_spans, np.zeros(len(order), dtype=np.int64), 1, out.shape[1])
     copies.apply(0, out, tokens_of, lambda shard: row_view(tokens_of(shard), out.shape[1]))
 
 
@@ -204,13 +207,7 @@ class BatchedSpans:
     ) -> None:
         batch = spans.rows // rows
         order = np.lexsort((spans.shards, batch))
-        ordered = Spans(
-            (spans.rows % rows)[order],
-            spans.shards[order],
-            spans.lo[order],
-            spans.hi[order],
-            spans.col[order],
-        )
+        ordered = replace(spans.taken(order), rows=(spans.rows % rows)[order])
         self._copies = _Copies(ordered, batch[order], batches, width)
         self._tiles = _Tiles(spans, rows, batches, width, pads)
         self._pads = pads

@@ -39,7 +39,7 @@ import numpy as np
 
 from streampack._checks import check_int, is_int
 from streampack.errors import OptionsError, TokenizerError
-from streampack.order import derive, groups
+from streampack.order import derive, groups, splitmix
 from streampack.samples.spans import Spans, ragged_arange
 
 if TYPE_CHECKING:
@@ -204,42 +204,22 @@ def _built_with(cache: Cache) -> str:
     return spec
 
 
-# --- the decisions --------------------------------------------------------------------------------------
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's step: a bijection of 64-bit words whose outputs look independent (wraps, by design)."""
-    z = x + _GOLDEN
-    z ^= z >> np.uint64(30)
-    z *= _MIX1
-    z ^= z >> np.uint64(27)
-    z *= _MIX2
-    z ^= z >> np.uint64(31)
-    return z
-
-
 def piece_words(seed: int, samples: np.ndarray, places: np.ndarray) -> np.ndarray:
     """Each piece's word ``mix(mix(key + sample) + place)``, with ``key = derive(seed, "fim")``: its draws
     are :func:`draw` of it."""
     key = np.uint64(derive(seed, "fim"))
-    return _mix(_mix(samples.astype(np.uint64) + key) + places.astype(np.uint64))
+    return splitmix(splitmix(samples.astype(np.uint64) + key) + places.astype(np.uint64))
 
 
 def draw(words: np.ndarray, k: int) -> np.ndarray:
     """Draw ``k`` of pieces of ``words``, ``mix(word + k)``: 0 whether it is FIM'd, 1 whether SPM, 2 and 3
     its split points."""
-    return _mix(words + np.uint64(k))
+    return splitmix(words + np.uint64(k))
 
 
 def _unit(draw: np.ndarray) -> np.ndarray:
     """A draw as a float in ``[0, 1)``: its top 53 bits."""
     return (draw >> np.uint64(11)).astype(np.float64) * 2.0**-53
-
-
-# --- the pieces ------------------------------------------------------------------------------------------
 
 
 def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[Spans, np.ndarray]:
@@ -252,7 +232,7 @@ def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[
     key = spans.rows * (int(spans.col.max(initial=0)) + 1) + spans.col
     if not (np.diff(key) > 0).all():  # the layouts give them in order; sorting pieces would cost more
         order = np.argsort(key, kind="stable")
-        spans = Spans(*(getattr(spans, name)[order] for name in Spans.__dataclass_fields__))
+        spans = spans.taken(order)
     lo, hi = spans.lo, spans.hi
     # Document j of a shard is [offsets[j-1], offsets[j]): the first holds lo, the last holds hi - 1.
     first, last = np.empty_like(lo), np.empty_like(lo)
@@ -279,9 +259,6 @@ def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[
         spans.rows[span], spans.shards[span], piece_lo, piece_hi, spans.col[span] + piece_lo - lo[span]
     )
     return pieces, piece_hi == ends[keep]
-
-
-# --- the moves ------------------------------------------------------------------------------------------
 
 
 _FIELDS = ("first", "length", "source", "size", "spots", "ids", "spm")
