@@ -23,14 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from streampack.errors import LoaderStateError, OptionsError
+from streampack.follow import FollowOptions, GrowingCache
 from streampack.loader import Loader
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.history import leg_steps, order_digest, stride
 from streampack.loader.run import listed
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state
+from streampack.order import Ordered
+from streampack.order.blockshuffle import BlockShuffle
+from streampack.order.mixture import Mixture
+from streampack.reader import open as open_cache
 from streampack.runs import coverage as cov
 from streampack.runs.auditexclusions import excluded_served, in_force, placed
 from streampack.runs.coverage import Finding, Leg
+from streampack.runs.mixconfig import load_mixture, mixture_exclusions
 
 __all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit", "leg_loaders"]
 
@@ -299,8 +305,6 @@ def run_exclusions(data: Any, exclude: Exclusions | Sequence[Exclusions] | None)
     if exclude is not None:
         return listed(exclude)
     if isinstance(data, (str, Path)) and _is_config(data):
-        from streampack.runs.mixconfig import mixture_exclusions
-
         return mixture_exclusions(data)
     return []
 
@@ -361,10 +365,6 @@ def leg_loaders(
 
 def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> Loader:
     """The loader a history entry describes, over ``data``."""
-    from streampack.order import Ordered
-    from streampack.order.blockshuffle import BlockShuffle
-    from streampack.order.mixture import Mixture
-
     # Mask mode needs labels to mask.
     output = "dict" if any(exclusion.mode == "mask" for exclusion in exclude) else "numpy"
     common: dict[str, Any] = {"batch_size": int(entry["batch_size"]), "exclude": exclude, "output": output}
@@ -374,8 +374,6 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
     shuffle = entry["shuffle"]
     shuffle = BlockShuffle(**shuffle) if isinstance(shuffle, Mapping) else shuffle
     if isinstance(data, (str, Path)) and _is_config(data):
-        from streampack.runs.mixconfig import load_mixture
-
         data = load_mixture(data)
     if entry["kind"] == "mixture":
         if not isinstance(data, Ordered):
@@ -419,8 +417,6 @@ def _followed(data: Any, order: Mapping[str, Any] | None) -> Any:
     Raises:
         OptionsError: ``data`` is neither a path (with ``order``) nor a Follow.
     """
-    from streampack.follow import FollowOptions, GrowingCache
-
     growing = getattr(data, "dataset", data)
     if isinstance(growing, GrowingCache):
         path, options = growing.path, replace(growing.options, then="epochs")
@@ -458,8 +454,6 @@ def _is_config(data: str | Path) -> bool:
 
 def _samples(path: str, described: Mapping[str, Any]) -> Any:
     """The samples of the cache at ``path`` that the history describes (layout, seq_len, overlap)."""
-    from streampack.reader import open as open_cache
-
     layout, seq_len = described.get("layout"), described.get("seq_len")
     if seq_len is None or layout not in ("windows", "packed", "documents"):
         raise OptionsError(

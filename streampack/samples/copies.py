@@ -25,9 +25,8 @@ __all__ = ["BatchedSpans", "read_spans", "row_view"]
 def read_spans(
     spans: Spans, out: np.ndarray, tokens_of: Callable[[int], np.ndarray], rows: np.ndarray | None = None
 ) -> None:
-    """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard.
-
-    Shard by shard, each shard's map is looked up once per call, and one map is held at a time.
+    """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard: each shard's map
+    is looked up once per call, and one map is held at a time.
 
     Args:
         spans: what to copy.
@@ -59,11 +58,8 @@ _TAKE_ROWS = 8
 
 
 class _Copies:
-    """How to copy the ``spans`` of some batches (sorted by ``batch`` then shard): row takes, then slices.
-
-    Where a batch holds at least :data:`_TAKE_ROWS` whole-row spans of one shard, they are copied by one
-    fancy-index take of its :func:`row_view`; the rest slice by slice, cheaper for a few rows.
-    """
+    """How to copy the ``spans`` of some batches (sorted by ``batch`` then shard): a batch's whole-row spans
+    of one shard, if :data:`_TAKE_ROWS` or more, by one take of its :func:`row_view`; the rest by slices."""
 
     def __init__(self, spans: Spans, batch: np.ndarray, batches: int, width: int) -> None:
         full = (spans.col == 0) & (spans.hi - spans.lo == width)
@@ -91,8 +87,7 @@ class _Copies:
         )
 
     def whole(self, batch: int, rows_of: Callable[[int], np.ndarray]) -> np.ndarray | None:
-        """Batch ``batch`` as a new array of the shard's dtype, when it is one row take of one shard; else
-        None."""
+        """Batch ``batch`` as a new array of the shard's dtype, when it is one row take of one shard."""
         first, stop = self._group_bounds[batch], self._group_bounds[batch + 1]
         if stop - first != 1 or self._bounds[batch] != self._bounds[batch + 1]:
             return None
@@ -124,12 +119,8 @@ class _Copies:
 
 
 class _Tiles:
-    """Each batch as one row-major run of spans and padding: one ``np.concatenate`` into the flat output.
-
-    Where spans tile their rows (from column 0 with no gap, padding after), a batch's spans and padding
-    laid end to end are its flattened output: one slice per span, then a single copy. ``pads`` holds the
-    padding id of each row of the plan, or None when no layout pads.
-    """
+    """Each batch as one ``np.concatenate`` of its spans and padding into the flat output, where the spans
+    tile their rows (from column 0 with no gap, padding after). ``pads``: each row's padding id, if any."""
 
     def __init__(self, spans: Spans, rows: int, batches: int, width: int, pads: np.ndarray | None) -> None:
         used = np.zeros(rows * batches, dtype=np.int64)
@@ -182,10 +173,8 @@ class _Tiles:
 
 
 class BatchedSpans:
-    """The spans of several batches of ``rows`` rows each, planned once so that each batch only copies.
-
-    A loader plans a few thousand rows at a time: sorting and grouping their spans once per plan leaves
-    only the copy to each batch, by row takes (:class:`_Copies`) or one concatenation (:class:`_Tiles`).
+    """The spans of several batches of ``rows`` rows each, sorted and grouped once per plan so that each
+    batch only copies, by row takes (:class:`_Copies`) or one concatenation (:class:`_Tiles`).
 
     Args:
         spans: the spans of ``batches * rows`` consecutive rows.
@@ -233,7 +222,7 @@ class BatchedSpans:
         self._move(batch, out)
 
     def whole(self, batch: int, rows_of: Callable[[int], np.ndarray], dtype: np.dtype) -> np.ndarray | None:
-        """Batch ``batch`` as a new array, when all its rows are one row take of one shard; else None."""
+        """Batch ``batch`` as a new array, when all its rows are one row take of one shard."""
         taken = self._copies.whole(batch, rows_of)
         if taken is None:
             return None

@@ -506,7 +506,6 @@ def whole_documents(
         kind=kind,
         too_long=too_long,
         pad_id=pad_id,
-        content=cache.content_digest,
         no_target=no_target,
         pad_multiple=pad_multiple,
     )
