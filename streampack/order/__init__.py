@@ -345,10 +345,7 @@ def mismatch(key: str, saved: object, mine: object) -> str:
                 "resumes at a seq_len that divides the checkpoint's or is a multiple of it "
                 "(streampack.loader.served); this order resumes only with the seq_len it was saved with."
             )
-        elif saved.get("shards") != mine.get("shards") and {**saved, "shards": None} == {
-            **mine,
-            "shards": None,
-        }:
+        elif saved.get("shards") != mine.get("shards") and {**saved, "shards": 0} == {**mine, "shards": 0}:
             hint = (
                 f" Only the data's content digest differs (shards {saved.get('shards')} -> "
                 f"{mine.get('shards')}): the cache holds as many samples and tokens, but not those the state "

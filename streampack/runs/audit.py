@@ -285,15 +285,16 @@ def read_state_file(state: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
 
 
 def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed: int | None) -> None:
-    """Refuse a ``seq_len`` or ``seed`` that is not the run's."""
+    """Refuse a ``seq_len`` (of the units, or one a seq_len schedule served them at) or ``seed`` that is not
+    the run's."""
+    served = [entry.get("served") or {} for entry in entries]
+    lengths = {e["data"].get("seq_len") for e in entries} | {s.get("seq_len") for s in served}
+    lengths |= {length for s in served for _, length in s.get("schedule") or []}
+    known = sorted(length for length in lengths if length is not None)
+    recorded_by = {"seq_len": known, "seed": sorted({entry["seed"] for entry in entries})}
     for key, given in (("seq_len", seq_len), ("seed", seed)):
-        if given is None:
-            continue
-        if key == "seed":
-            recorded = sorted({e["seed"] for e in entries})
-        else:  # the units' length, and those a seq_len schedule served them at
-            recorded = sorted({length for e in entries for length in _lengths(e)} - {None})
-        if recorded and given not in recorded:
+        recorded = recorded_by[key]
+        if given is not None and recorded and given not in recorded:
             raise OptionsError(
                 f"{key}={given} was given, but the run's history records {key} {recorded}; leave it out "
                 "(the history holds it) or give the run's"
@@ -307,13 +308,6 @@ def run_exclusions(data: Any, exclude: Exclusions | Sequence[Exclusions] | None)
     if isinstance(data, (str, Path)) and _is_config(data):
         return mixture_exclusions(data)
     return []
-
-
-def _lengths(entry: Mapping[str, Any]) -> list[int | None]:
-    """The sequence lengths a history entry's leg read: its units', and those it served them at."""
-    served = entry.get("served") or {}
-    schedule = served.get("schedule") or []
-    return [entry["data"].get("seq_len"), served.get("seq_len"), *(length for _, length in schedule)]
 
 
 def leg_loaders(

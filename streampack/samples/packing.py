@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import numpy as np
 
+from streampack._checks import check_choice, check_int
+from streampack.errors import OptionsError
 from streampack.format.names import LAYOUT_DIR
 from streampack.samples.layout import Bins
 from streampack.store.plans import PlanIdentity, stored
@@ -53,16 +55,33 @@ CHUNK_DOCS = 1 << 16
 def plan(
     cache: Cache,
     chosen: Chosen,
-    seq_len: int,
-    *,
     kind: str,
+    seq_len: int,
     too_long: TooLong,
-    pad_id: int,
-    no_target: NoTarget = "keep",
-    pad_multiple: int = 1,
+    pad_id: int | None,
+    no_target: NoTarget,
+    pad_multiple: int,
 ) -> Bins:
-    """The chosen documents in samples of ``seq_len`` tokens, ``kind`` ``"packed"`` or ``"documents"``:
-    the plan stored beside the cache."""
+    """The chosen documents in samples of ``seq_len`` tokens, ``kind`` ``"packed"`` (best-fit) or
+    ``"documents"`` (one per sample): the plan stored beside the cache.
+
+    Raises:
+        OptionsError: ``seq_len`` is not a positive integer, ``too_long`` or ``no_target`` is not a policy,
+            ``pad_id`` does not fit the cache's token dtype, or ``pad_multiple`` does not divide ``seq_len``.
+    """
+    seq_len = check_int("seq_len", seq_len, min=1, hint="tokens per sample, e.g. 2048")
+    pad_multiple = check_int("pad_multiple", pad_multiple, min=1, hint="e.g. 2 * cp_size, or 1")
+    if seq_len % pad_multiple:
+        raise OptionsError(
+            f"pad_multiple={pad_multiple} must divide seq_len={seq_len}: every piece is padded to a multiple "
+            f"of it inside rows of seq_len tokens; use a seq_len that is a multiple of {pad_multiple}"
+        )
+    check_choice("too_long", too_long, TOO_LONG)
+    check_choice("no_target", no_target, NO_TARGET)
+    if pad_id is None:
+        pad_id = cache.eos_id if cache.eos_id is not None else 0
+    hint = f"an id of the cache's {cache.dtype} tokens"
+    pad_id = check_int("pad_id", pad_id, min=0, below=int(np.iinfo(cache.dtype).max) + 1, hint=hint)
     settings: dict[str, int | str] = (
         {"layout": kind, "strategy": "bfd"} if kind == "packed" else {"layout": kind}
     )

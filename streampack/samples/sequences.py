@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from streampack._checks import check_choice, check_int
-from streampack.errors import OptionsError
+from streampack._checks import check_int
 from streampack.order import groups
 from streampack.samples.batches import Index, check_out, sample_indices, target_rows
 from streampack.samples.boundaries import Boundaries, boundaries
@@ -23,7 +22,6 @@ from streampack.samples.chosen import Chosen
 from streampack.samples.copies import read_spans, row_view
 from streampack.samples.fim import Fim, Moves, fim_moves, make_fim
 from streampack.samples.layout import Bins, FixedWindows, Layout, Runs, split_windows
-from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong, plan
 from streampack.samples.refs import cache_ref, reopen_unchanged
 from streampack.samples.spans import Spans
 from streampack.store import CacheRef
@@ -31,7 +29,7 @@ from streampack.store import CacheRef
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["JoinedSequences", "PackedSequences", "whole_documents", "with_current_digests"]
+__all__ = ["JoinedSequences", "PackedSequences", "with_current_digests"]
 
 # What a pickle of PackedSequences holds: its key -> the attribute.
 _PICKLED = {
@@ -466,50 +464,6 @@ class JoinedSequences:
                 self._recent.pop(next(iter(self._recent)))
             self._recent[shard] = tokens
         return tokens
-
-
-def whole_documents(
-    cache: Cache,
-    chosen: Chosen,
-    kind: str,
-    seq_len: int,
-    too_long: TooLong,
-    pad_id: int | None,
-    no_target: NoTarget = "keep",
-    pad_multiple: int = 1,
-) -> PackedSequences:
-    """Samples of whole documents: ``kind`` ``"packed"`` (best-fit) or ``"documents"`` (one per sample).
-
-    Raises:
-        OptionsError: ``seq_len`` is not a positive integer, ``too_long`` or ``no_target`` is not a policy,
-            ``pad_id`` does not fit the cache's token dtype, or ``pad_multiple`` does not divide ``seq_len``.
-    """
-    seq_len = check_int("seq_len", seq_len, min=1, hint="tokens per sample, e.g. 2048")
-    pad_multiple = check_int("pad_multiple", pad_multiple, min=1, hint="e.g. 2 * cp_size, or 1")
-    if seq_len % pad_multiple:
-        raise OptionsError(
-            f"pad_multiple={pad_multiple} must divide seq_len={seq_len}: every piece is padded to a multiple "
-            f"of it inside rows of seq_len tokens; use a seq_len that is a multiple of {pad_multiple}"
-        )
-    check_choice("too_long", too_long, TOO_LONG)
-    check_choice("no_target", no_target, NO_TARGET)
-    if pad_id is None:
-        pad_id = cache.eos_id if cache.eos_id is not None else 0
-    below = int(np.iinfo(cache.dtype).max) + 1
-    pad_id = check_int(
-        "pad_id", pad_id, min=0, below=below, hint=f"an id of the cache's {cache.dtype} tokens"
-    )
-    layout = plan(
-        cache,
-        chosen,
-        seq_len,
-        kind=kind,
-        too_long=too_long,
-        pad_id=pad_id,
-        no_target=no_target,
-        pad_multiple=pad_multiple,
-    )
-    return PackedSequences.of(cache, layout)
 
 
 def with_current_digests(order: Mapping[str, Any], datasets: Sequence[object]) -> Mapping[str, Any]:
