@@ -128,7 +128,7 @@ class Mixture:
     def _set_schedule(self, segments: Sequence[tuple[int, Counts]]) -> None:
         """Keep the segments ``(first block, counts)`` and the tables the map reads."""
         self._schedule = schedule.merged(segments, self.block_size)
-        self._firsts, self._matrix, self._cumulative, self._bases = schedule.tables(self._schedule)
+        self._firsts, self._matrix, self._bases = schedule.tables(self._schedule)
         self._orders = self._make_orders()
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._end = None
@@ -179,7 +179,7 @@ class Mixture:
         segment = int(np.searchsorted(self._firsts, block, side="right")) - 1
         counts = self._matrix[segment]
         labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-        firsts = np.repeat(self._cumulative[segment, :-1], counts)
+        firsts = np.repeat(np.cumsum(counts) - counts, counts)
         ranks = np.arange(self.block_size, dtype=np.int64) - firsts
         if self.shuffle is not False and np.count_nonzero(counts) > 1:
             slots = Permutation(self.block_size, seed=self._blocks_seed, epoch=block)(ranks + firsts)

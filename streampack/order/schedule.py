@@ -94,19 +94,18 @@ def merged(segments: Sequence[tuple[int, Counts]], block_size: int) -> tuple[tup
     return tuple(merged)
 
 
-def tables(schedule: Sequence[tuple[int, Counts]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The arrays a mixture maps positions with, one row per segment: its first block, its counts, their
-    running sums (from a 0 column), and each source's cursor at its first block."""
+def tables(schedule: Sequence[tuple[int, Counts]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The arrays a mixture maps positions with, one row per segment: its first block, its counts, and each
+    source's cursor at its first block."""
     firsts = np.array([first for first, _ in schedule], dtype=np.int64)
     matrix = np.array([counts for _, counts in schedule], dtype=np.int64)
-    cumulative = np.concatenate([np.zeros((len(schedule), 1), np.int64), matrix.cumsum(1)], 1)
     lengths = np.diff(firsts)
     # Cursor of each source at the first block of each segment, summed in Python ints: a damaged
     # schedule fails to fit int64 here, loudly, rather than wrapping.
     bases = [[0] * matrix.shape[1]]
     for length, counts in zip(lengths.tolist(), matrix[:-1].tolist(), strict=True):
         bases.append([b + length * c for b, c in zip(bases[-1], counts, strict=True)])
-    return firsts, matrix, cumulative, np.array(bases, dtype=np.int64)
+    return firsts, matrix, np.array(bases, dtype=np.int64)
 
 
 def exhausted(

@@ -26,14 +26,7 @@ def read_spans(
     spans: Spans, out: np.ndarray, tokens_of: Callable[[int], np.ndarray], rows: np.ndarray | None = None
 ) -> None:
     """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard: each shard's map
-    is looked up once per call, and one map is held at a time.
-
-    Args:
-        spans: what to copy.
-        out: destination, wide enough for every span.
-        tokens_of: the tokens of a shard.
-        rows: the row of ``out`` for each row of the spans; the same row when omitted.
-    """
+    (``tokens_of(shard)``) is looked up once per call, and one map is held at a time."""
     order = np.argsort(spans.shards, kind="stable")
     targets = spans.rows if rows is None else rows[spans.rows]
     copies = _Copies(
@@ -176,13 +169,8 @@ class BatchedSpans:
     """The spans of several batches of ``rows`` rows each, sorted and grouped once per plan so that each
     batch only copies, by row takes (:class:`_Copies`) or one concatenation (:class:`_Tiles`).
 
-    Args:
-        spans: the spans of ``batches * rows`` consecutive rows.
-        rows: rows per batch.
-        batches: the number of batches.
-        width: columns of a row.
-        pads: the padding id of each row, when some layout pads; else None.
-        moves: how FIM rearranges the rows once read, if some source is FIM'd.
+    ``spans`` are of ``batches * rows`` consecutive rows of ``width`` columns; ``pads``, the padding id of
+    each row when some layout pads; ``moves``, how FIM rearranges the rows once read.
     """
 
     def __init__(

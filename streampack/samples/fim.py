@@ -213,12 +213,8 @@ def _unit(draw: np.ndarray) -> np.ndarray:
 
 
 def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[Spans, np.ndarray]:
-    """``spans`` cut at document ends, in (row, column) order, and whether each piece ends its document.
-
-    Args:
-        spans: a batch's spans.
-        offsets_of: a shard's offset table (each document's end, local to the shard).
-    """
+    """``spans`` cut at document ends (``offsets_of(shard)``), in (row, column) order, and whether each piece
+    ends its document."""
     key = spans.rows * (int(spans.col.max(initial=0)) + 1) + spans.col
     if not (np.diff(key) > 0).all():  # the layouts give them in order; sorting pieces would cost more
         spans = spans.taken(np.argsort(key, kind="stable"))
@@ -352,15 +348,8 @@ def _counting(n: int) -> np.ndarray:
 def fim_moves(
     spans: Spans, samples: np.ndarray, fim: Fim, offsets_of: Callable[[int], np.ndarray], width: int
 ) -> Moves:
-    """How ``fim`` rearranges the rows of a batch (see the module docstring).
-
-    Args:
-        spans: the layout's spans of the batch; row ``k`` is sample ``samples[k]``.
-        samples: each row's sample index.
-        fim: the settings.
-        offsets_of: a shard's offset table.
-        width: columns of a row.
-    """
+    """How ``fim`` rearranges a batch's rows of ``width`` columns, row ``k`` sample ``samples[k]`` made of the
+    layout's ``spans`` (see the module docstring)."""
     pieces, ended = by_document(spans, offsets_of)
     rows = pieces.rows
     # Each piece's place in its row: 0 for a row's first (the pieces are in row order).

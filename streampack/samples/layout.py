@@ -196,9 +196,7 @@ class Bins:
         from streampack.store.plans import load_plan
 
         checksum, identities = self.checked
-        arrays = load_plan(self.directory, checksum, identities).arrays
-        self.starts, self.shards = arrays["starts"], arrays["shards"]
-        self.lo, self.lengths = arrays["lo"], arrays["lengths"]
+        self.__dict__.update(load_plan(self.directory, checksum, identities).arrays)
 
     @property
     def tokens(self) -> int:

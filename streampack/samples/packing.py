@@ -97,10 +97,7 @@ def plan(
     tables = lambda: bin_chunks(pieces, ASSIGNERS[kind], seq_len, pad_multiple)  # noqa: E731
     plan = stored(directory, identity, tables, pieces.counts, cache.table.num_tokens)
     return Bins(
-        plan.arrays["starts"],
-        plan.arrays["shards"],
-        plan.arrays["lo"],
-        plan.arrays["lengths"],
+        **plan.arrays,  # starts, shards, lo, lengths
         seq_len=seq_len,
         pad_id=pad_id,
         pad_multiple=pad_multiple,
