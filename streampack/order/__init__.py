@@ -1,16 +1,12 @@
 """Orders: which sample each global position of a run reads, as a pure function shared by every process.
 
-A run reads one stream of samples; its *global position* counts the samples consumed since the start,
-summed over all ranks. An :class:`Order` maps positions to ``(source, sample)`` pairs and holds no state,
-so a checkpoint is one integer plus the order's fingerprint, and ranks, workers and batch sizes only
-decide which positions a process reads.
-
-The orders: :class:`Shuffled` (one source, epoch after epoch),
-:class:`~streampack.order.blockshuffle.BlockShuffled` (the same, locality-aware for remote caches),
+A *global position* counts the samples consumed since the run started, summed over all ranks. An
+:class:`Order` maps positions to ``(source, sample)`` pairs and holds no state, so a checkpoint is one
+integer plus the order's fingerprint. The orders: :class:`Shuffled`,
+:class:`~streampack.order.blockshuffle.BlockShuffled` (locality-aware for remote caches),
 :class:`~streampack.order.mixture.Mixture` (several sources by weight) and
-:class:`~streampack.follow.order.FollowOrder` (a cache whose build is running). A
-:class:`~streampack.loader.Loader` takes any of them (``Loader(source, order=...)``); a Mixture also
-holds its sources (:class:`Ordered`), so ``Loader(mixture)`` reads them in its order.
+:class:`~streampack.follow.order.FollowOrder` (a cache whose build is running). A Mixture also holds its
+sources (:class:`Ordered`), so ``Loader(mixture)`` reads them in its order.
 """
 
 from __future__ import annotations
@@ -106,8 +102,8 @@ class Order(Protocol):
     def resumed(self, saved: Mapping[str, Any], position: int) -> Order:
         """This order, continued from a checkpoint's ``saved`` fingerprint at ``position``.
 
-        A ``saved`` of one of streampack's kinds was already checked strictly
-        (:func:`streampack.loader.state.read_order`); an order of its own kind checks its fingerprint here.
+        A ``saved`` of one of streampack's kinds was already read strictly
+        (:func:`streampack.loader.state.read_order`); an order of another kind checks its own here.
 
         Raises:
             LoaderStateError: the checkpoint's positions mean other samples here (other data or seed), or
@@ -238,10 +234,7 @@ class Shuffled(OneSource):
 
     def permutation(self, epoch: int) -> Callable[[np.ndarray], np.ndarray]:
         """The order of ``epoch``; the last two are kept, as batches straddle at most one epoch boundary.
-
-        A small dataset's order is kept as a table (at most 64 kB): a mixture asks its small sources for
-        a few rows at a time, and a lookup costs less than the Feistel passes.
-        """
+        A small dataset's is a table (at most 64 kB): a lookup costs less than the Feistel passes."""
         permutation = self._permutations.get(epoch)
         if permutation is None:
             feistel = Permutation(self.size, seed=self.seed, epoch=epoch)
@@ -285,11 +278,8 @@ def kept(recent: dict[int, Any], key: int, value: Any) -> dict[int, Any]:
 
 
 def groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
-    """Each distinct key with the indices holding it, in O(n log n) whatever the number of keys.
-
-    Keys already in order (consecutive positions) need no sort, and a few small keys (a mixture's
-    sources) one scan each: the cases the loader asks most.
-    """
+    """Each distinct key with the indices holding it, in O(n log n); keys in order need no sort, and a few
+    small keys (a mixture's sources) one scan each: the cases the loader asks most."""
     if len(keys) == 0:
         return
     steps = np.diff(keys)
@@ -322,6 +312,17 @@ def derive(seed: int, tag: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{tag}".encode(), digest_size=8).digest(), "little")
 
 
+def splitmix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's step on ``uint64`` words: a bijection whose outputs look independent (it wraps)."""
+    z = x + np.uint64(0x9E3779B97F4A7C15)
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
+
+
 def check_same(saved: Mapping[str, Any], mine: Mapping[str, Any], keys: tuple[str, ...]) -> None:
     """Refuse a checkpoint whose fingerprint differs from ``mine`` at one of ``keys``.
 
@@ -344,10 +345,7 @@ def mismatch(key: str, saved: object, mine: object) -> str:
                 "resumes at a seq_len that divides the checkpoint's or is a multiple of it "
                 "(streampack.loader.served); this order resumes only with the seq_len it was saved with."
             )
-        elif saved.get("shards") != mine.get("shards") and {**saved, "shards": None} == {
-            **mine,
-            "shards": None,
-        }:
+        elif saved.get("shards") != mine.get("shards") and {**saved, "shards": 0} == {**mine, "shards": 0}:
             hint = (
                 f" Only the data's content digest differs (shards {saved.get('shards')} -> "
                 f"{mine.get('shards')}): the cache holds as many samples and tokens, but not those the state "

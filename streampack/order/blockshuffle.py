@@ -12,12 +12,9 @@ whole cache local, or one request per sample. :class:`BlockShuffled` bounds what
 
 So ``window * block`` consecutive positions of an epoch hold the samples of at most ``2 * window``
 blocks (``3 * window`` when ``block`` does not divide ``n``): a reader that keeps the current and the
-next window local rarely misses. The map stays pure and O(1) in memory, like
-:class:`~streampack.order.Shuffled`'s.
-
-Blocks hold a fixed number of samples, not one shard each, because finding a position's window needs
-equal blocks. The default 4096 samples is 16 MB at seq_len 2048 with uint16 tokens, a good size for one
-object-storage range request.
+next window local rarely misses. Blocks hold a fixed number of samples, not one shard each, because
+finding a position's window needs equal blocks; the default 4096 samples is 16 MB at seq_len 2048 with
+uint16 tokens, a good size for one object-storage range request.
 
 Trade-off: a sample only follows samples of its own window, so a batch mixes ``window`` stretches of the
 corpus. For a corpus stored by domain (or source, or date), a batch's mix of domains drifts from the

@@ -1,26 +1,21 @@
 """Several datasets read as one stream by weight: exact per block, each source through its own epochs.
 
-Global positions are cut into blocks of ``block_size``. A block holds ``c_j`` positions of source ``j``:
-the weights in force times the block size, rounded by largest remainder, so every block (and every
-prefix, to within one block) follows the weights. A seeded
-:class:`~streampack.order.permutation.Permutation` shuffles the positions inside a block. Source ``j``
-serves its samples in its own order (:class:`~streampack.order.Shuffled`, or
-:class:`~streampack.order.blockshuffle.BlockShuffled`), through its own epochs, at a *cursor*: the samples
-it served in earlier blocks plus its rank in this one.
+A block of ``block_size`` positions holds ``c_j`` positions of source ``j`` (the weights times the block
+size, rounded by largest remainder), shuffled by a seeded :class:`~streampack.order.permutation.Permutation`.
+Source ``j`` serves its samples in its own order, through its own epochs, at a *cursor*: the samples it
+served in earlier blocks plus its rank in this one. The cursors before block ``k`` are a sum over the
+schedule's segments, so the map is pure and O(1) in the position. A checkpoint records the schedule so far:
+a run resumes with new weights or sources, blocks already begun keep their counts, and every cursor
+continues, so no sample is served twice or skipped within an epoch.
 
-The cursors before block ``k`` are a sum over the schedule's segments (runs of blocks with the same
-counts), so the map is pure and O(1) in the position. A checkpoint records the schedule so far, so a run
-can resume with new weights or new sources: blocks already begun keep their counts, later blocks take
-the new ones, and every cursor continues, so no sample is served twice or skipped within an epoch.
-
-A source may **grow** while it is read: a :class:`~streampack.follow.Follow` of a running build.
-It is served in its follow order at its cursor like any source, and a loader waits before a batch until
-that source knows the samples its cursor reaches (:mod:`streampack.loader.growing`): the weights are kept
-exactly. ``stop="first_exhausted"`` is refused, as the end would depend on when the build ends.
+A source may **grow** while it is read (a :class:`~streampack.follow.Follow` of a running build): a loader
+waits before a batch until it knows the samples its cursor reaches (:mod:`streampack.loader.growing`), so
+the weights are kept exactly; ``stop="first_exhausted"`` is refused, as the end would depend on the build.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
 
@@ -131,9 +126,9 @@ class Mixture:
     # --- the schedule -----------------------------------------------------------------------------------
 
     def _set_schedule(self, segments: Sequence[tuple[int, Counts]]) -> None:
-        """Keep the segments ``(first block, counts)`` and the tables the map from positions reads."""
+        """Keep the segments ``(first block, counts)`` and the tables the map reads."""
         self._schedule = schedule.merged(segments, self.block_size)
-        self._firsts, self._matrix, self._cumulative, self._bases = schedule.tables(self._schedule)
+        self._firsts, self._matrix, self._bases = schedule.tables(self._schedule)
         self._orders = self._make_orders()
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._end = None
@@ -176,18 +171,15 @@ class Mixture:
         return sources, samples
 
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
-        """Each offset's source in ``block``, and its rank among that source's offsets there.
-
-        Ranks rise with the offset, so within a block too a source serves its samples in its own order
-        and never starts its next epoch early.
-        """
+        """Each offset's source in ``block``, and its rank among that source's offsets there (rising with the
+        offset, so within a block too a source serves its own order and never starts its next epoch early)."""
         cached = self._blocks.get(block)
         if cached is not None:
             return cached
         segment = int(np.searchsorted(self._firsts, block, side="right")) - 1
         counts = self._matrix[segment]
         labels = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-        firsts = np.repeat(self._cumulative[segment, :-1], counts)
+        firsts = np.repeat(np.cumsum(counts) - counts, counts)
         ranks = np.arange(self.block_size, dtype=np.int64) - firsts
         if self.shuffle is not False and np.count_nonzero(counts) > 1:
             slots = Permutation(self.block_size, seed=self._blocks_seed, epoch=block)(ranks + firsts)
@@ -259,9 +251,8 @@ class Mixture:
     def resumed(self, saved: Mapping[str, Any], position: int) -> Mixture:
         """This mixture continued from a checkpoint: its schedule before ``position``, this one's after.
 
-        Blocks begun before ``position`` keep their counts, and sources keep the seeds they were read
-        with, so each cursor continues its epoch. A single dataset's checkpoint continues as the source
-        with its data.
+        Sources keep the seeds they were read with, so each cursor continues its epoch. A single dataset's
+        checkpoint continues as the source with its data.
 
         Raises:
             LoaderStateError: seed, shuffle or block size differ; a source of the checkpoint is missing
@@ -276,8 +267,7 @@ class Mixture:
             block_size=self.block_size,
         )
         started = -(-position // self.block_size)  # blocks that had begun
-        resumed = object.__new__(Mixture)
-        resumed.__dict__.update(self.__dict__)
+        resumed = copy.copy(self)
         resumed._seeds = [
             seeds[name][0] if name in seeds else seed
             for name, seed in zip(self.names, self._seeds, strict=True)
@@ -347,9 +337,7 @@ def growing_sources(mixture: Mixture) -> dict[str, Any]:
 def with_sources(mixture: Mixture, replaced: Mapping[str, Any]) -> Mixture:
     """``mixture`` reading ``replaced`` in place of the sources of those names (a loader's copy reads its
     own copies of the sources that grow)."""
-    copied = object.__new__(Mixture)
-    copied.__dict__.update(mixture.__dict__)
+    copied = copy.copy(mixture)
     copied.sources = {**mixture.sources, **replaced}
     copied._orders = copied._make_orders()
-    copied._blocks = {}
     return copied

@@ -27,7 +27,6 @@ __all__ = [
     "saved_history",
     "segments",
     "spliced",
-    "stages",
     "summary",
     "tables",
 ]
@@ -95,19 +94,18 @@ def merged(segments: Sequence[tuple[int, Counts]], block_size: int) -> tuple[tup
     return tuple(merged)
 
 
-def tables(schedule: Sequence[tuple[int, Counts]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The arrays a mixture maps positions with, one row per segment: its first block, its counts, their
-    running sums (from a 0 column), and each source's cursor at its first block."""
+def tables(schedule: Sequence[tuple[int, Counts]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The arrays a mixture maps positions with, one row per segment: its first block, its counts, and each
+    source's cursor at its first block."""
     firsts = np.array([first for first, _ in schedule], dtype=np.int64)
     matrix = np.array([counts for _, counts in schedule], dtype=np.int64)
-    cumulative = np.concatenate([np.zeros((len(schedule), 1), np.int64), matrix.cumsum(1)], 1)
     lengths = np.diff(firsts)
     # Cursor of each source at the first block of each segment, summed in Python ints: a damaged
     # schedule fails to fit int64 here, loudly, rather than wrapping.
     bases = [[0] * matrix.shape[1]]
     for length, counts in zip(lengths.tolist(), matrix[:-1].tolist(), strict=True):
         bases.append([b + length * c for b, c in zip(bases[-1], counts, strict=True)])
-    return firsts, matrix, cumulative, np.array(bases, dtype=np.int64)
+    return firsts, matrix, np.array(bases, dtype=np.int64)
 
 
 def exhausted(
@@ -128,22 +126,23 @@ def exhausted(
     return None  # pragma: no cover - the last segment always ends
 
 
-def stages(
-    weights: Mapping[str, float] | None, stages: Sequence[tuple[int, Mapping[str, float]]] | None
-) -> list[tuple[int, Mapping[str, float]]]:
-    """The ``(position, weights)`` stages of a mixture given ``weights`` (one stage at 0) or ``stages``.
+def segments(
+    weights: Mapping[str, float] | None,
+    stages: Sequence[tuple[int, Mapping[str, float]]] | None,
+    names: Sequence[str],
+    block_size: int,
+) -> list[tuple[int, Counts]]:
+    """The segments of a mixture given ``weights`` (one stage at 0) or ``stages``: each stage's counts from
+    the first block starting at or after its position.
 
     Raises:
-        OptionsError: both or neither given, or stages that are not pairs from position 0 in increasing
-            order.
+        OptionsError: both or neither given, stages that are not pairs from position 0 in increasing order,
+            or a weight that is not allowed.
     """
     if (weights is None) == (stages is None):
         raise OptionsError("give a Mixture either weights={...} or stages=[(0, {...}), ...], one of the two")
-    if weights is not None:
-        return [(0, weights)]
-    assert stages is not None
-    checked: list[tuple[int, Mapping[str, float]]] = []
-    for k, stage in enumerate(stages):
+    checked: list[tuple[int, Mapping[str, float]]] = [(0, weights)] if weights is not None else []
+    for k, stage in enumerate(stages or ()):
         if not (isinstance(stage, (tuple, list)) and len(stage) == 2 and isinstance(stage[1], Mapping)):
             raise OptionsError(
                 f"each stage is a (position, weights) pair, e.g. (0, {{'web': 1.0}}) (got {stage!r})"
@@ -156,22 +155,7 @@ def stages(
         checked.append((position, stage[1]))
     if not checked or checked[0][0] != 0:
         raise OptionsError("the first stage must start at position 0, e.g. stages=[(0, {'web': 1.0}), ...]")
-    return checked
-
-
-def segments(
-    weights: Mapping[str, float] | None,
-    stages_: Sequence[tuple[int, Mapping[str, float]]] | None,
-    names: Sequence[str],
-    block_size: int,
-) -> list[tuple[int, Counts]]:
-    """The segments of a mixture given ``weights`` or ``stages_``: each stage's counts from the first block
-    starting at or after its position.
-
-    Raises:
-        OptionsError: the stages or a weight are not allowed.
-    """
-    return [(-(-start // block_size), counts(w, names, block_size)) for start, w in stages(weights, stages_)]
+    return [(-(-start // block_size), counts(w, names, block_size)) for start, w in checked]
 
 
 def spliced(
@@ -195,9 +179,10 @@ def saved_history(
 ) -> tuple[list[tuple[int, Counts]], dict[str, tuple[int, Any]]]:
     """A checkpoint's schedule, as counts over the mixture's ``names``, and each saved source's seed and data.
 
-    ``saved`` is a mixture's order, or a single dataset's, which continues as the source with its data;
-    ``data`` are the fingerprints of the sources ``names``; ``seed``, ``shuffle`` and ``block_size`` the
-    mixture's (``shuffle`` as a checkpoint records it).
+    ``saved`` is a mixture's order, or a single dataset's, which continues as the source with its data; it
+    was read strictly as its kind (:func:`streampack.loader.state.read_order`), so only what ties its
+    values together is checked here. ``data`` are the fingerprints of the sources ``names``; ``seed``,
+    ``shuffle`` and ``block_size`` the mixture's (``shuffle`` as a checkpoint records it).
 
     Raises:
         LoaderStateError: the checkpoint does not continue this mixture (another seed, shuffle or block
@@ -220,21 +205,14 @@ def saved_history(
         if saved_shuffle != shuffle:
             raise LoaderStateError(mismatch("shuffle", saved_shuffle, shuffle))
         whole = tuple(block_size if name == found[0] else 0 for name in names)
-        try:
-            first_seed = _saved_seed(saved.get("seed"))
-        except ValueError as error:
-            raise LoaderStateError(f"the checkpoint's order is damaged ({error})") from error
-        return [(0, whole)], {found[0]: (first_seed, one)}
+        return [(0, whole)], {found[0]: (int(saved["seed"]), one)}
     if kind != "mixture":
         raise LoaderStateError(f"the checkpoint's order is not a loader order (kind={kind!r}); it is damaged")
     for key, mine in (("seed", seed), ("shuffle", shuffle), ("block_size", block_size)):
         if saved.get(key) != mine:
             raise LoaderStateError(mismatch(key, saved.get(key), mine))
-    try:
-        seeds = {name: (_saved_seed(info["seed"]), info["data"]) for name, info in saved["sources"].items()}
-        history = _saved_schedule(saved["schedule"], set(seeds), names, block_size)
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise LoaderStateError(f"the checkpoint's mixture schedule is damaged ({error})") from error
+    seeds = {name: (int(info["seed"]), info["data"]) for name, info in saved["sources"].items()}
+    history = _saved_schedule(saved["schedule"], set(seeds), names, block_size)
     for name, (_, saved_data) in seeds.items():
         if name not in names:
             raise LoaderStateError(
@@ -248,43 +226,28 @@ def saved_history(
 
 
 def _saved_schedule(
-    schedule: object, known: set[str], names: Sequence[str], block_size: int
+    schedule: list[tuple[int, Mapping[str, int]]], known: set[str], names: Sequence[str], block_size: int
 ) -> list[tuple[int, Counts]]:
-    """A checkpoint's schedule as counts over the mixture's ``names``.
-
-    Raises:
-        ValueError: not a list of ``[first block, {source: count}]`` from block 0 in increasing order, whose
-            counts of the ``known`` sources are non-negative integers filling a block.
-    """
-    if not isinstance(schedule, list) or not schedule:
-        raise ValueError(
-            f"the schedule is a non-empty list of [first block, counts] (got {summary(schedule)})"
-        )
+    """A checkpoint's schedule as counts over the mixture's ``names``, refused as damaged unless its segments
+    start at block 0, in increasing order, each of counts of the ``known`` sources filling a block."""
     history: list[tuple[int, Counts]] = []
     for first, counts in schedule:
         previous = history[-1][0] if history else -1
-        if not _is_whole(first) or first <= previous:
-            raise ValueError(f"a segment at block {first!r} follows one at block {previous}")
-        if not isinstance(counts, Mapping) or not set(counts) <= known:
-            raise ValueError(f"counts {summary(counts)} name sources other than {sorted(known)}")
-        whole = all(_is_whole(c) and c >= 0 for c in counts.values())
-        if not whole or sum(counts.values()) != block_size:
-            raise ValueError(f"counts {summary(counts)} do not fill a block of {block_size}")
-        history.append((int(first), tuple(int(counts.get(name, 0)) for name in names)))
+        if first <= previous:
+            problem = f"a segment at block {first!r} follows one at block {previous}"
+        elif not set(counts) <= known:
+            problem = f"counts {summary(counts)} name sources other than {sorted(known)}"
+        elif min(counts.values(), default=0) < 0 or sum(counts.values()) != block_size:
+            problem = f"counts {summary(counts)} do not fill a block of {block_size}"
+        else:
+            history.append((first, tuple(counts.get(name, 0) for name in names)))
+            continue
+        raise LoaderStateError(f"the checkpoint's mixture schedule is damaged ({problem})")
     if history[0][0] != 0:
-        raise ValueError(f"the schedule starts at block {history[0][0]}, not 0")
+        raise LoaderStateError(
+            f"the checkpoint's mixture schedule is damaged (it starts at block {history[0][0]}, not 0)"
+        )
     return history
-
-
-def _is_whole(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _saved_seed(value: object) -> int:
-    """A checkpoint's source seed: an integer in ``[0, 2**64)``, as a Mixture derives them."""
-    if not _is_whole(value) or not 0 <= int(value) < 2**64:  # type: ignore[call-overload]
-        raise ValueError(f"a source's seed must be an integer in [0, 2**64) (got {summary(value)})")
-    return int(value)  # type: ignore[call-overload]
 
 
 def summary(value: object, limit: int = 120) -> str:

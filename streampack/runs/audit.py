@@ -1,17 +1,14 @@
 """A proof of what a run saw, from its last checkpoint alone: every sample each step consumed, recomputed.
 
 A loader state carries the run's history (:attr:`Loader.history <streampack.loader.Loader.history>`):
-one entry for the start and one per resume. Each entry starts a *leg* at position ``p_i`` and trainer step
-``s_i``; the leg trains one global batch of ``B_i`` positions per step until the next resume, whose step
-says how far the model got: positions ``[p_i, p_i + (s_{i+1} - s_i) * B_i)`` (to the state's position
-for the last leg). A resume whose data state is elsewhere replays or skips positions: the usual cause is
-a model checkpoint and a data state of different steps.
+one entry for the start and one per resume. Entry ``i`` starts a *leg* at position ``p_i`` and step
+``s_i`` that trains ``B_i`` positions per step up to ``p_i + (s_{i+1} - s_i) * B_i`` (the last leg: to
+the state's position). A resume whose data state is elsewhere replays or skips positions, usually because
+the model checkpoint and the data state are of different steps.
 
-:func:`audit` rebuilds the :class:`~streampack.loader.Loader` of each entry from the data given, checks
-its order against the digest recorded, and recomputes the samples of every position the leg trained.
-Each source serves its samples at a *cursor* (sample ``c mod N`` of epoch ``c // N``) and a leg serves a
-contiguous run of cursors (:meth:`Order.consumed <streampack.order.Order.consumed>`), so the verdict is
-interval arithmetic per source (:mod:`streampack.runs.coverage`). No token is read, only manifests.
+:func:`audit` rebuilds each entry's :class:`~streampack.loader.Loader` from the data given, checks its
+order against the recorded digest, and, as a leg serves a contiguous run of each source's cursors, gives
+the verdict by interval arithmetic (:mod:`streampack.runs.coverage`). No token is read, only manifests.
 
 Ranges in reports are half-open: ``positions 9600-10000`` are positions 9600 to 9999.
 """
@@ -26,14 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from streampack.errors import LoaderStateError, OptionsError
+from streampack.follow import FollowOptions, GrowingCache
 from streampack.loader import Loader
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.history import leg_steps, order_digest, stride
 from streampack.loader.run import listed
 from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state
+from streampack.order import Ordered
+from streampack.order.blockshuffle import BlockShuffle
+from streampack.order.mixture import Mixture
+from streampack.reader import open as open_cache
 from streampack.runs import coverage as cov
 from streampack.runs.auditexclusions import excluded_served, in_force, placed
 from streampack.runs.coverage import Finding, Leg
+from streampack.runs.mixconfig import load_mixture, mixture_exclusions
 
 __all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit", "leg_loaders"]
 
@@ -204,8 +207,8 @@ def audit(
 
 
 def _legs(entries: Sequence[Mapping[str, Any]], loaders: list[Loader], final: int) -> list[Leg]:
-    """The run's legs. The model trained each up to where the next resume's step says (its data state may
-    say otherwise), within the stream's end; the last one up to the state's position, ``final``."""
+    """The run's legs: each up to where the next resume's step says the model got, the last one up to
+    ``final``, the state's position."""
     steps = leg_steps(entries)  # as Exclusions(steps=...) counts them
     legs = []
     for i, (entry, loader) in enumerate(zip(entries, loaders, strict=True)):
@@ -237,8 +240,7 @@ def _legs(entries: Sequence[Mapping[str, Any]], loaders: list[Loader], final: in
 
 
 def _parallel(entry: Mapping[str, Any]) -> str:
-    """How an entry's ranks shared each global batch, for the report: rows balanced by attention cost, each
-    split over context-parallel ranks; empty for contiguous slices of whole rows."""
+    """How an entry's ranks shared each global batch, in words; empty for contiguous slices of rows."""
     words = []
     if entry.get("balance", "rows") != "rows":
         words.append(f"rows balanced by {entry['balance']} cost")
@@ -283,15 +285,16 @@ def read_state_file(state: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
 
 
 def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed: int | None) -> None:
-    """Refuse a ``seq_len`` or ``seed`` that is not the run's."""
+    """Refuse a ``seq_len`` (of the units, or one a seq_len schedule served them at) or ``seed`` that is not
+    the run's."""
+    served = [entry.get("served") or {} for entry in entries]
+    lengths = {e["data"].get("seq_len") for e in entries} | {s.get("seq_len") for s in served}
+    lengths |= {length for s in served for _, length in s.get("schedule") or []}
+    known = sorted(length for length in lengths if length is not None)
+    recorded_by = {"seq_len": known, "seed": sorted({entry["seed"] for entry in entries})}
     for key, given in (("seq_len", seq_len), ("seed", seed)):
-        if given is None:
-            continue
-        if key == "seed":
-            recorded = sorted({e["seed"] for e in entries})
-        else:  # the units' length, and those a seq_len schedule served them at
-            recorded = sorted({length for e in entries for length in _lengths(e)} - {None})
-        if recorded and given not in recorded:
+        recorded = recorded_by[key]
+        if given is not None and recorded and given not in recorded:
             raise OptionsError(
                 f"{key}={given} was given, but the run's history records {key} {recorded}; leave it out "
                 "(the history holds it) or give the run's"
@@ -303,17 +306,8 @@ def run_exclusions(data: Any, exclude: Exclusions | Sequence[Exclusions] | None)
     if exclude is not None:
         return listed(exclude)
     if isinstance(data, (str, Path)) and _is_config(data):
-        from streampack.runs.mixconfig import mixture_exclusions
-
         return mixture_exclusions(data)
     return []
-
-
-def _lengths(entry: Mapping[str, Any]) -> list[int | None]:
-    """The sequence lengths a history entry's leg read: its units', and those it served them at."""
-    served = entry.get("served") or {}
-    schedule = served.get("schedule") or []
-    return [entry["data"].get("seq_len"), served.get("seq_len"), *(length for _, length in schedule)]
 
 
 def leg_loaders(
@@ -324,9 +318,8 @@ def leg_loaders(
     *,
     order: Mapping[str, Any] | None = None,
 ) -> list[Loader]:
-    """The loader of each history entry, resumed as the run resumed, with the exclusions in force in its leg.
-
-    ``final`` are the state's exclusions, and ``order`` its order, which names what a Follow run read.
+    """The loader of each history entry, resumed as the run resumed, with the exclusions in force in its leg
+    (``final``: the state's exclusions; ``order``: its order, which names what a Follow run read).
 
     Raises:
         LoaderStateError: a loader's order is not the one its entry records (``data`` is not the run's),
@@ -366,10 +359,6 @@ def leg_loaders(
 
 def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> Loader:
     """The loader a history entry describes, over ``data``."""
-    from streampack.order import Ordered
-    from streampack.order.blockshuffle import BlockShuffle
-    from streampack.order.mixture import Mixture
-
     # Mask mode needs labels to mask.
     output = "dict" if any(exclusion.mode == "mask" for exclusion in exclude) else "numpy"
     common: dict[str, Any] = {"batch_size": int(entry["batch_size"]), "exclude": exclude, "output": output}
@@ -379,8 +368,6 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
     shuffle = entry["shuffle"]
     shuffle = BlockShuffle(**shuffle) if isinstance(shuffle, Mapping) else shuffle
     if isinstance(data, (str, Path)) and _is_config(data):
-        from streampack.runs.mixconfig import load_mixture
-
         data = load_mixture(data)
     if entry["kind"] == "mixture":
         if not isinstance(data, Ordered):
@@ -417,17 +404,13 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
 
 
 def _followed(data: Any, order: Mapping[str, Any] | None) -> Any:
-    """A fresh :class:`~streampack.follow.GrowingCache` of the build a Follow run read: of the cache
-    at the path given, with the settings the run's ``order`` names, or of the one a given Follow reads.
-
-    It goes on with epochs after the eras: the history does not record ``then=``, and no leg served a
-    position past them.
+    """A fresh :class:`~streampack.follow.GrowingCache` of the build a Follow run read: the cache at the path
+    given with the settings the run's ``order`` names, or the one a given Follow reads. It goes on with
+    epochs after the eras (the history does not record ``then=``, and no leg served a position past them).
 
     Raises:
         OptionsError: ``data`` is neither a path (with ``order``) nor a Follow.
     """
-    from streampack.follow import FollowOptions, GrowingCache
-
     growing = getattr(data, "dataset", data)
     if isinstance(growing, GrowingCache):
         path, options = growing.path, replace(growing.options, then="epochs")
@@ -465,8 +448,6 @@ def _is_config(data: str | Path) -> bool:
 
 def _samples(path: str, described: Mapping[str, Any]) -> Any:
     """The samples of the cache at ``path`` that the history describes (layout, seq_len, overlap)."""
-    from streampack.reader import open as open_cache
-
     layout, seq_len = described.get("layout"), described.get("seq_len")
     if seq_len is None or layout not in ("windows", "packed", "documents"):
         raise OptionsError(

@@ -1,13 +1,10 @@
-"""The exclusions of a run as an audit re-applies them (:mod:`streampack.runs.audit`): which were in force
-in each stretch of the run, the samples they took out there, and any excluded sample the model trained on.
+"""The exclusions of a run as an audit re-applies them (:mod:`streampack.runs.audit`), leg by leg.
 
-A state records, per exclusion in force, only a digest of what it names (the lists may hold 10^6
-documents): the audit is given the lists themselves (the run's ``exclude=``, a mixture config's
-``exclude:``, ``streampack audit --exclude FILE``), checks each against its digest, and builds each leg's
-loader with those in force there, at the positions they took effect. So a leg's positions serve, in the
-audit, what they served in the run. An exclusion added at a resume whose data state was older than the
-model (the model trained past the position it takes effect at before the resume) may have let the model
-train on what it names: that is a finding of its own, ``"excluded"``.
+A state records only a digest of each exclusion in force (the lists may hold 10^6 documents): the audit
+is given the lists (``exclude=``, a mixture config's ``exclude:``, ``streampack audit --exclude FILE``),
+checks each against its digest, and builds each leg's loader with those in force there. An exclusion
+added at a resume whose data state was older than the model may have let the model train on what it
+names: a finding of its own, ``"excluded"``.
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ Record = Mapping[str, Any]  # what a state records of an exclusion (exclusions.e
 
 
 def in_force(entries: Sequence[Mapping[str, Any]], final: Sequence[Record]) -> list[list[Record]]:
-    """Per history entry, the exclusions in force while its leg was read: those its entry records, and
-    those put in force during the leg (:meth:`Loader.exclude`), which the next entry (or, for the last leg,
-    the state, ``final``) records as taking effect before the next resume."""
+    """Per history entry, the exclusions in force in its leg: those it records, and those put in force
+    during the leg, which the next entry (the last leg: the state's ``final``) records."""
     legs = []
     for i, entry in enumerate(entries):
         later: Sequence[Record] = final if i + 1 == len(entries) else entries[i + 1].get("exclusions") or []
@@ -74,8 +70,8 @@ def placed(records: Sequence[Record], given: Sequence[Exclusions], leg: int) -> 
 def excluded_served(
     legs: list[Leg], loaders: list[Loader], recorded: list[list[Record]], given: Sequence[Exclusions]
 ) -> list[Finding]:
-    """Each leg that trained, at or after where an exclusion took effect, samples it names while it was not
-    in force in that leg (put in force at a later resume whose data state was older than the model)."""
+    """A finding per leg that trained samples an exclusion names after it took effect, while it was not in
+    force in that leg."""
     found = []
     names = list(loaders[-1].order.names)
     datasets = [source.data for source in loaders[-1].sources]

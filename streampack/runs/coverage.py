@@ -1,9 +1,8 @@
 """The interval arithmetic of an audit (:mod:`streampack.runs.audit`): which samples each leg served.
 
-A leg's positions serve a contiguous run of each source's *cursors* (samples of it served so far), read
-from :meth:`Order.consumed <streampack.order.Order.consumed>` at its two ends. A cursor served by two legs
-is a sample served twice within its epoch; one below the furthest served that no leg served is a sample
-skipped. The samples themselves are recomputed only to check the counts (:func:`served`).
+A leg serves a contiguous run of each source's *cursors*, read from :meth:`Order.consumed
+<streampack.order.Order.consumed>` at its two ends. A cursor served by two legs is a sample served twice
+within its epoch; one below the furthest served that no leg served was skipped.
 """
 
 from __future__ import annotations
@@ -101,11 +100,8 @@ def batches(positions: int, batch: int) -> int:
 
 
 def served(legs: list[Leg], loaders: list[Loader], names: list[str]) -> tuple[dict[str, int], dict[str, int]]:
-    """Per source, the samples the legs trained on and those skip exclusions passed over.
-
-    The samples are recomputed position by position, as the loader serves them, and checked against the
-    cursors.
-    """
+    """Per source, the samples the legs trained on and those skip exclusions passed over, recomputed
+    position by position and checked against the cursors."""
     counts = dict.fromkeys(names, 0)
     taken = dict.fromkeys(names, 0)
     for leg, loader in zip(legs, loaders, strict=True):
@@ -144,15 +140,11 @@ def _excluded(loader: Loader, start: int, stop: int, served: np.ndarray) -> np.n
 
 def cursor_runs(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, int, int]]:
     """``(first, stop, leg)``: the cursors of source ``name`` each leg served."""
-    runs = []
-    for leg, loader in zip(legs, loaders, strict=True):
-        if name not in loader.order.names:
-            continue
-        j = loader.order.names.index(name)
-        start, stop = leg.positions
-        a, b = loader.order.consumed(start)[j], loader.order.consumed(stop)[j]
-        runs.append((a, b, leg.index))
-    return runs
+    return [
+        (_cursor(loader, name, leg.positions[0]), _cursor(loader, name, leg.positions[1]), leg.index)
+        for leg, loader in zip(legs, loaders, strict=True)
+        if name in loader.order.names
+    ]
 
 
 def union(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -189,23 +181,20 @@ def _stands(legs: list[Leg]) -> list[int]:
     return found
 
 
-def _cursor(loader: Loader, name: str, position: int) -> int | None:
-    if name not in loader.order.names:
-        return None
+def _cursor(loader: Loader, name: str, position: int) -> int:
     return int(loader.order.consumed(position)[loader.order.names.index(name)])
 
 
 def _jumps(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple[int, int, int]]:
-    """``(leg, model, data)`` per resume the model kept: source ``name``'s cursor where the model stood,
-    and the one its data state resumed at (equal for a faithful resume)."""
+    """``(leg, model, data)`` per resume the model kept: source ``name``'s cursor where the model stood, and
+    where its data state resumed (equal for a faithful resume)."""
     found = []
     for k, m in enumerate(_stands(legs)):
         if k == 0 or (k + 1 < len(legs) and legs[k].positions[1] <= legs[k].positions[0]):
             continue  # a resume into a leg that trained nothing was undone by the next one
-        model = _cursor(loaders[m], name, legs[m].positions[1])
-        data = _cursor(loaders[k], name, legs[k].positions[0])
-        if model is not None and data is not None:
-            found.append((k, model, data))
+        if name in loaders[m].order.names and name in loaders[k].order.names:
+            model = _cursor(loaders[m], name, legs[m].positions[1])
+            found.append((k, model, _cursor(loaders[k], name, legs[k].positions[0])))
     return found
 
 
@@ -283,11 +272,8 @@ def findings(
     twice: dict[str, list[tuple[int, int, int, int]]],
     skipped: dict[str, list[tuple[int, int, int]]],
 ) -> list[Finding]:
-    """One finding per resume that replayed or skipped, with the positions and steps concerned.
-
-    A replay lasts until the source catches up with what it had served, possibly over later resumes: it
-    is reported at the resume that began it, over every leg it spans.
-    """
+    """One finding per resume that replayed or skipped, with the positions and steps concerned; a replay
+    is reported at the resume that began it, over every leg it spans."""
     replays: dict[int, tuple[dict[str, int], list[tuple[int, int, int, int]]]] = {}
     for k, leg in enumerate(legs):
         loader, (start, stop) = loaders[k], leg.positions

@@ -30,7 +30,7 @@ __all__ = ["Placement", "Provenance", "excluded_steps", "position_of", "which"]
 @dataclass(frozen=True)
 class Placement:
     """Where some of a document's tokens sit in a step's batch, as the rank is served it (under a
-    ``seq_len_schedule``, in the rows of the length served at that step).
+    ``seq_len_schedule``, in rows of the length served at that step).
 
     Attributes:
         rank: the (data-parallel) rank whose batch holds the row (under ``balance="attention"``, the rank
@@ -164,7 +164,11 @@ def which(
     placed = _placed(datasets, sources, samples, loader.run.batches.ranks(sources, samples))
     rows, _ = view.batch_shape(position)
     if rows != len(samples):  # served at another length than its samples (units): in the rows served
-        placed = _as_served(placed, datasets[0].seq_len, rows, len(samples))
+        unit, units = datasets[0].seq_len, len(samples)
+        placed = {
+            key: [(row, column, p) for row, column, run in runs for p in _served(run, unit, rows, units)]
+            for key, runs in placed.items()
+        }
     marks = _marks(view, position, list(placed))
     result = []
     for source in sorted({source for source, _ in placed}):
@@ -226,15 +230,10 @@ def _marks(view: Loader, position: int, batch: list[tuple[int, int]]) -> dict[tu
     return marks
 
 
-# --------------------------------------------------------------------------------------- the batch
-
-
 def _view_at(loader: Loader, step: int | None, state: Mapping[str, Any] | None) -> tuple[Loader, int]:
     """A copy of ``loader`` that reads every rank's rows, resumed from ``state`` when given, and the
-    position of ``step``: counted from the state's position, else from 0; without a step, the copy's own.
-
-    ``copy.copy`` goes through ``Loader.__getstate__``, which leaves the original's planned rows behind.
-    """
+    position of ``step``, counted from the state's position, else from 0 (no step: the copy's own).
+    ``copy.copy`` goes through ``Loader.__getstate__``, which leaves the original's planned rows behind."""
     view = copy.copy(loader)
     view.options = dataclasses.replace(loader.options, rank=0, world_size=1)
     if state is not None:
@@ -259,8 +258,8 @@ def _datasets(view: Loader) -> list[PackedSequences]:
 def _placed(
     datasets: list[PackedSequences], sources: np.ndarray, samples: np.ndarray, ranks: np.ndarray
 ) -> dict[tuple[int, int], list[tuple[int, int, Placement]]]:
-    """``(source, doc)`` -> the runs of its tokens in the global batch: ``(row, column, Placement)``;
-    ``ranks`` says which rank serves each row of the global batch (its rows there in position order)."""
+    """``(source, doc)`` -> the runs of its tokens in the global batch, ``(row, column, Placement)``;
+    ``ranks[g]``: the rank that serves row ``g`` (its rows there in position order)."""
     within = np.zeros(len(ranks), dtype=np.int64)
     for rank in np.unique(ranks).tolist():
         mine = np.flatnonzero(ranks == rank)
@@ -275,11 +274,8 @@ def _placed(
 def _placements(
     seqs: PackedSequences, samples: np.ndarray, rows: np.ndarray, ranks: np.ndarray, within: np.ndarray
 ) -> Iterator[tuple[int, int, int, Placement]]:
-    """Per run of one document in a row: ``(doc, global row, column, Placement)``.
-
-    ``rows`` are the samples' rows in the global batch, whose row ``g`` is row ``within[g]`` of rank
-    ``ranks[g]``, as the loader splits it.
-    """
+    """Per run of one document in a row: ``(doc, global row, column, Placement)``; ``rows`` are the samples'
+    rows in the global batch, whose row ``g`` is row ``within[g]`` of rank ``ranks[g]``."""
     ids = seqs.boundaries(samples).doc_ids
     count, width = ids.shape
     first = np.ones((count, width), dtype=bool)
@@ -307,9 +303,8 @@ def _placements(
 def _fim_parts(
     moves: Moves, piece: int, columns: tuple[int, int], start: int
 ) -> tuple[tuple[str, tuple[int, int], tuple[int, int]], ...]:
-    """The prefix, middle and suffix of FIM'd piece ``piece`` of ``moves``, which starts at column
-    ``columns[0]`` with the document's token ``start``: ``(name, columns, tokens)`` in served order, cut
-    to the run's ``columns``."""
+    """The prefix, middle and suffix of FIM'd piece ``piece``, which starts at ``columns[0]`` with the
+    document's token ``start``: ``(name, columns, tokens)`` in served order, cut to the run's ``columns``."""
     sizes = moves.size[piece]
     at = columns[0] + np.cumsum(sizes) - sizes
     slots = SLOTS["SPM" if moves.spm[piece] else "PSM"]
@@ -322,23 +317,10 @@ def _fim_parts(
     return tuple(parts)
 
 
-def _as_served(
-    placed: dict[tuple[int, int], list[tuple[int, int, Placement]]], unit: int, rows: int, units: int
-) -> dict[tuple[int, int], list[tuple[int, int, Placement]]]:
-    """The runs of ``placed``, in ``units`` samples of ``unit`` tokens, as a batch of ``rows`` rows serves
-    them (:mod:`streampack.loader.served`): each unit cut into ``rows / units`` sub-windows, or
-    ``units / rows`` units joined into one row. Each run keeps its unit's ``(row, column)`` to sort by.
-    """
-    served: dict[tuple[int, int], list[tuple[int, int, Placement]]] = {}
-    for key, runs in placed.items():
-        served[key] = [
-            (row, column, moved) for row, column, p in runs for moved in _served_runs(p, unit, rows, units)
-        ]
-    return served
-
-
-def _served_runs(p: Placement, unit: int, rows: int, units: int) -> Iterator[Placement]:
-    """One run of a unit as the rows of a batch served at another length hold it (see :func:`_as_served`)."""
+def _served(p: Placement, unit: int, rows: int, units: int) -> Iterator[Placement]:
+    """A run in one of ``units`` samples of ``unit`` tokens, as a batch of ``rows`` rows serves it
+    (:mod:`streampack.loader.served`): each unit cut into ``rows / units`` sub-windows, or ``units / rows``
+    units joined into one row."""
     if rows < units:  # joined: the unit is the (row % m)-th of its row (a rank's units are whole rows)
         m = units // rows
         shift = p.row % m * unit
@@ -356,8 +338,7 @@ def _served_runs(p: Placement, unit: int, rows: int, units: int) -> Iterator[Pla
 def _token_offsets(
     seqs: PackedSequences, samples: np.ndarray, r: np.ndarray, c: np.ndarray, docs: np.ndarray
 ) -> np.ndarray:
-    """Which token of document ``docs[k]`` is at column ``c[k]`` of sample ``samples[r[k]]``, from the
-    layout's spans and the offset tables."""
+    """Which token of document ``docs[k]`` is at column ``c[k]`` of sample ``samples[r[k]]``."""
     cache = seqs.cache
     spans = seqs.layout.spans(samples)
     order = np.lexsort((spans.col, spans.rows))

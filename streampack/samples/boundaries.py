@@ -124,9 +124,9 @@ def boundaries(
 ) -> Boundaries:
     """Document boundaries in the first ``columns`` columns of a batch of ``rows`` rows.
 
-    Two ``searchsorted`` calls per shard the spans touch; no token is read. Columns no span covers are
-    padding: one segment per row, of document ``-1``, but for the fills of each span's length rounded up
-    to ``multiple`` (a layout's ``pad_multiple``), which end the span's last segment.
+    Two ``searchsorted`` calls per shard the spans touch; no token is read. Columns no span covers are one
+    padding segment per row (document ``-1``), but for each span's fill up to a ``multiple`` (a layout's
+    ``pad_multiple``), which ends the span's last segment.
 
     Args:
         spans: the batch's spans.
@@ -174,8 +174,7 @@ def boundaries(
 
 
 def _padding_starts(spans: Spans, sizes: np.ndarray, rows: int, columns: int) -> np.ndarray:
-    """Flat position of each row's padding, for the rows whose spans (each taking ``sizes`` columns) end
-    before ``columns``."""
+    """Flat position of the padding of each row whose spans (of ``sizes`` columns) end before ``columns``."""
     used = np.zeros(rows, dtype=np.int64)
     np.maximum.at(used, spans.rows, spans.col + sizes)
     short = np.flatnonzero(used < columns)
@@ -185,11 +184,9 @@ def _padding_starts(spans: Spans, sizes: np.ndarray, rows: int, columns: int) ->
 def _segments_in_shard(
     offsets: np.ndarray, base: int, lo: np.ndarray, hi: np.ndarray, flat: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Segment starts of the spans ``[lo, hi)`` of one shard that begin at ``flat`` in the batch: the flat
-    position and global document id of each span start, then of each document start inside a span.
-
-    ``offsets`` is the shard's offset table and ``base`` the global index of its first document.
-    """
+    """Segment starts of the spans ``[lo, hi)`` of one shard (whose first document is ``base``) that begin at
+    ``flat`` in the batch: the flat position and document of each span start, then of each document start
+    inside a span."""
     # offsets hold each document's END: document j spans [offsets[j-1], offsets[j]). uint64 queries
     # keep searchsorted from promoting the whole table to float64.
     first = np.searchsorted(offsets, lo.astype(np.uint64), side="right").astype(np.int64)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from streampack.order import splitmix
 from streampack.samples.layout import Runs
 
 if TYPE_CHECKING:
@@ -77,9 +78,6 @@ class Chosen:
 
 
 def doc_hashes(indices: np.ndarray, seed: int) -> np.ndarray:
-    """A 64-bit hash of each document index and the seed (splitmix64's finaliser), ``uint64``."""
+    """A 64-bit hash of each document index and the seed, ``uint64``."""
     with np.errstate(over="ignore"):
-        x = indices.astype(np.uint64) + (np.uint64(seed % 2**64) + np.uint64(1)) * _GOLDEN
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+        return splitmix(indices.astype(np.uint64) + np.uint64(seed % 2**64) * _GOLDEN)

@@ -9,6 +9,7 @@ way, with no temporary.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,22 +25,16 @@ __all__ = ["BatchedSpans", "read_spans", "row_view"]
 def read_spans(
     spans: Spans, out: np.ndarray, tokens_of: Callable[[int], np.ndarray], rows: np.ndarray | None = None
 ) -> None:
-    """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard.
-
-    Shard by shard, each shard's map is looked up once per call, and one map is held at a time.
-
-    Args:
-        spans: what to copy.
-        out: destination, wide enough for every span.
-        tokens_of: the tokens of a shard.
-        rows: the row of ``out`` for each row of the spans; the same row when omitted.
-    """
+    """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard: each shard's map
+    (``tokens_of(shard)``) is looked up once per call, and one map is held at a time."""
     order = np.argsort(spans.shards, kind="stable")
     targets = spans.rows if rows is None else rows[spans.rows]
-    sorted_spans = Spans(
-        targets[order], spans.shards[order], spans.lo[order], spans.hi[order], spans.col[order]
+    copies = _Copies(
+        replace(spans.taken(order), rows=targets[order]),
+        np.zeros(len(order), dtype=np.int64),
+        1,
+        out.shape[1],
     )
-    copies = _Copies(sorted_spans, np.zeros(len(order), dtype=np.int64), 1, out.shape[1])
     copies.apply(0, out, tokens_of, lambda shard: row_view(tokens_of(shard), out.shape[1]))
 
 
@@ -56,11 +51,8 @@ _TAKE_ROWS = 8
 
 
 class _Copies:
-    """How to copy the ``spans`` of some batches (sorted by ``batch`` then shard): row takes, then slices.
-
-    Where a batch holds at least :data:`_TAKE_ROWS` whole-row spans of one shard, they are copied by one
-    fancy-index take of its :func:`row_view`; the rest slice by slice, cheaper for a few rows.
-    """
+    """How to copy the ``spans`` of some batches (sorted by ``batch`` then shard): a batch's whole-row spans
+    of one shard, if :data:`_TAKE_ROWS` or more, by one take of its :func:`row_view`; the rest by slices."""
 
     def __init__(self, spans: Spans, batch: np.ndarray, batches: int, width: int) -> None:
         full = (spans.col == 0) & (spans.hi - spans.lo == width)
@@ -88,8 +80,7 @@ class _Copies:
         )
 
     def whole(self, batch: int, rows_of: Callable[[int], np.ndarray]) -> np.ndarray | None:
-        """Batch ``batch`` as a new array of the shard's dtype, when it is one row take of one shard; else
-        None."""
+        """Batch ``batch`` as a new array of the shard's dtype, when it is one row take of one shard."""
         first, stop = self._group_bounds[batch], self._group_bounds[batch + 1]
         if stop - first != 1 or self._bounds[batch] != self._bounds[batch + 1]:
             return None
@@ -121,12 +112,8 @@ class _Copies:
 
 
 class _Tiles:
-    """Each batch as one row-major run of spans and padding: one ``np.concatenate`` into the flat output.
-
-    Where spans tile their rows (from column 0 with no gap, padding after), a batch's spans and padding
-    laid end to end are its flattened output: one slice per span, then a single copy. ``pads`` holds the
-    padding id of each row of the plan, or None when no layout pads.
-    """
+    """Each batch as one ``np.concatenate`` of its spans and padding into the flat output, where the spans
+    tile their rows (from column 0 with no gap, padding after). ``pads``: each row's padding id, if any."""
 
     def __init__(self, spans: Spans, rows: int, batches: int, width: int, pads: np.ndarray | None) -> None:
         used = np.zeros(rows * batches, dtype=np.int64)
@@ -179,18 +166,11 @@ class _Tiles:
 
 
 class BatchedSpans:
-    """The spans of several batches of ``rows`` rows each, planned once so that each batch only copies.
+    """The spans of several batches of ``rows`` rows each, sorted and grouped once per plan so that each
+    batch only copies, by row takes (:class:`_Copies`) or one concatenation (:class:`_Tiles`).
 
-    A loader plans a few thousand rows at a time: sorting and grouping their spans once per plan leaves
-    only the copy to each batch, by row takes (:class:`_Copies`) or one concatenation (:class:`_Tiles`).
-
-    Args:
-        spans: the spans of ``batches * rows`` consecutive rows.
-        rows: rows per batch.
-        batches: the number of batches.
-        width: columns of a row.
-        pads: the padding id of each row, when some layout pads; else None.
-        moves: how FIM rearranges the rows once read, if some source is FIM'd.
+    ``spans`` are of ``batches * rows`` consecutive rows of ``width`` columns; ``pads``, the padding id of
+    each row when some layout pads; ``moves``, how FIM rearranges the rows once read.
     """
 
     def __init__(
@@ -204,13 +184,7 @@ class BatchedSpans:
     ) -> None:
         batch = spans.rows // rows
         order = np.lexsort((spans.shards, batch))
-        ordered = Spans(
-            (spans.rows % rows)[order],
-            spans.shards[order],
-            spans.lo[order],
-            spans.hi[order],
-            spans.col[order],
-        )
+        ordered = replace(spans.taken(order), rows=(spans.rows % rows)[order])
         self._copies = _Copies(ordered, batch[order], batches, width)
         self._tiles = _Tiles(spans, rows, batches, width, pads)
         self._pads = pads
@@ -236,7 +210,7 @@ class BatchedSpans:
         self._move(batch, out)
 
     def whole(self, batch: int, rows_of: Callable[[int], np.ndarray], dtype: np.dtype) -> np.ndarray | None:
-        """Batch ``batch`` as a new array, when all its rows are one row take of one shard; else None."""
+        """Batch ``batch`` as a new array, when all its rows are one row take of one shard."""
         taken = self._copies.whole(batch, rows_of)
         if taken is None:
             return None

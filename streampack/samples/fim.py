@@ -10,21 +10,18 @@ suffix and served in FIM order, with the tokenizer's three sentinels:
   the FIM paper that StarCoder and Megatron-LM use).
 
 **Length.** A FIM'd piece keeps its columns: the three sentinels take the place of its last three tokens,
-which are not served (Megatron-LM cuts them off the suffix the same way). A piece that holds its
-document's end keeps that last token, the EOS, last; the cut and the split points are of the tokens
-before it. No token of another piece moves, so a row's document boundaries, position ids and padding are
-those of the plain samples.
+which are not served (as Megatron-LM cuts them off the suffix). A piece that holds its document's end
+keeps its EOS last, and is cut before it. No token of another piece moves, so a row's document
+boundaries, position ids and padding are those of the plain samples.
 
-**Targets.** Every token of a FIM'd piece, sentinels included, is a target as the plain one's tokens are;
-in a cache with a loss mask (SFT) each token keeps its mark where it moves, and the sentinels are targets.
+**Targets.** Every token of a FIM'd piece, sentinels included, is a target; in a cache with a loss mask
+(SFT) each token keeps its mark where it moves, and the sentinels are targets.
 
-**Determinism.** Whether a piece is FIM'd, PSM or SPM, and its two split points are a pure function of the
-FIM seed, the sample's index and the piece's place in its row (a counter-based hash, no generator state):
-a resume, any rank, worker or batch size reads the same rows.
+**Determinism.** Each decision is a counter-based hash of the FIM seed, the sample's index and the
+piece's place in its row: a resume, any rank, worker or batch size reads the same rows.
 
-**Reading.** A batch's rows are read as plain rows (the same copy as without FIM), then rearranged in
-place (:class:`Moves`): one gather of the FIM'd pieces' tokens and one scatter of their sentinels for the
-whole batch, its index arrays built with numpy from the decisions.
+**Reading.** A batch is read as plain rows, then rearranged in place (:class:`Moves`): one gather of the
+FIM'd pieces' tokens and one scatter of their sentinels for the whole batch.
 """
 
 from __future__ import annotations
@@ -39,7 +36,7 @@ import numpy as np
 
 from streampack._checks import check_int, is_int
 from streampack.errors import OptionsError, TokenizerError
-from streampack.order import derive, groups
+from streampack.order import derive, groups, splitmix
 from streampack.samples.spans import Spans, ragged_arange
 
 if TYPE_CHECKING:
@@ -86,11 +83,7 @@ class Fim:
 
 
 def check_rate(name: str, value: object) -> float:
-    """``value`` as a probability.
-
-    Raises:
-        OptionsError: it is not a number in ``[0, 1]``.
-    """
+    """``value`` as a probability; an ``OptionsError`` unless it is a number in ``[0, 1]``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise OptionsError(f"{name} must be a probability, a number from 0 to 1 (got {value!r}), e.g. 0.5")
     return float(value)
@@ -140,9 +133,9 @@ def make_fim(
 def sentinel_ids(
     cache: Cache, spellings: Sequence[str] | None, tokenizer: str | None
 ) -> tuple[int, int, int]:
-    """The ids of the FIM sentinels in the tokenizer ``tokenizer`` (a SPEC), else the one that built
-    ``cache`` (refused if its file changed since: its ids could differ): the ``spellings`` given
-    (prefix, middle, suffix), else the first of :data:`SPELLINGS` whose three tokens it has.
+    """The ids of the FIM sentinels ``spellings`` (prefix, middle, suffix; by default the first of
+    :data:`SPELLINGS` it has) in the tokenizer SPEC ``tokenizer``, else in the one that built ``cache``
+    (refused if its file changed since: its ids could differ).
 
     Raises:
         OptionsError: ``spellings`` is not three strings.
@@ -182,11 +175,8 @@ def sentinel_ids(
 
 
 def _built_with(cache: Cache) -> str:
-    """The SPEC of the tokenizer that built ``cache``, where it can be read here.
-
-    Raises:
-        TokenizerError: the cache records none, or its file is not here.
-    """
+    """The SPEC of the tokenizer that built ``cache``; a ``TokenizerError`` if it records none, or its file
+    is not here."""
     built_with = cache.manifest.tokenizer
     spec = built_with.spec or ("bytes" if built_with.kind == "bytes" else None)
     if spec is None:
@@ -204,34 +194,17 @@ def _built_with(cache: Cache) -> str:
     return spec
 
 
-# --- the decisions --------------------------------------------------------------------------------------
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's step: a bijection of 64-bit words whose outputs look independent (wraps, by design)."""
-    z = x + _GOLDEN
-    z ^= z >> np.uint64(30)
-    z *= _MIX1
-    z ^= z >> np.uint64(27)
-    z *= _MIX2
-    z ^= z >> np.uint64(31)
-    return z
-
-
 def piece_words(seed: int, samples: np.ndarray, places: np.ndarray) -> np.ndarray:
     """Each piece's word ``mix(mix(key + sample) + place)``, with ``key = derive(seed, "fim")``: its draws
     are :func:`draw` of it."""
     key = np.uint64(derive(seed, "fim"))
-    return _mix(_mix(samples.astype(np.uint64) + key) + places.astype(np.uint64))
+    return splitmix(splitmix(samples.astype(np.uint64) + key) + places.astype(np.uint64))
 
 
 def draw(words: np.ndarray, k: int) -> np.ndarray:
     """Draw ``k`` of pieces of ``words``, ``mix(word + k)``: 0 whether it is FIM'd, 1 whether SPM, 2 and 3
     its split points."""
-    return _mix(words + np.uint64(k))
+    return splitmix(words + np.uint64(k))
 
 
 def _unit(draw: np.ndarray) -> np.ndarray:
@@ -239,20 +212,12 @@ def _unit(draw: np.ndarray) -> np.ndarray:
     return (draw >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
-# --- the pieces ------------------------------------------------------------------------------------------
-
-
 def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[Spans, np.ndarray]:
-    """``spans`` cut at document ends, in (row, column) order, and whether each piece ends its document.
-
-    Args:
-        spans: a batch's spans.
-        offsets_of: a shard's offset table (each document's end, local to the shard).
-    """
+    """``spans`` cut at document ends (``offsets_of(shard)``), in (row, column) order, and whether each piece
+    ends its document."""
     key = spans.rows * (int(spans.col.max(initial=0)) + 1) + spans.col
     if not (np.diff(key) > 0).all():  # the layouts give them in order; sorting pieces would cost more
-        order = np.argsort(key, kind="stable")
-        spans = Spans(*(getattr(spans, name)[order] for name in Spans.__dataclass_fields__))
+        spans = spans.taken(np.argsort(key, kind="stable"))
     lo, hi = spans.lo, spans.hi
     # Document j of a shard is [offsets[j-1], offsets[j]): the first holds lo, the last holds hi - 1.
     first, last = np.empty_like(lo), np.empty_like(lo)
@@ -279,9 +244,6 @@ def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[
         spans.rows[span], spans.shards[span], piece_lo, piece_hi, spans.col[span] + piece_lo - lo[span]
     )
     return pieces, piece_hi == ends[keep]
-
-
-# --- the moves ------------------------------------------------------------------------------------------
 
 
 _FIELDS = ("first", "length", "source", "size", "spots", "ids", "spm")
@@ -386,15 +348,8 @@ def _counting(n: int) -> np.ndarray:
 def fim_moves(
     spans: Spans, samples: np.ndarray, fim: Fim, offsets_of: Callable[[int], np.ndarray], width: int
 ) -> Moves:
-    """How ``fim`` rearranges the rows of a batch (see the module docstring).
-
-    Args:
-        spans: the layout's spans of the batch; row ``k`` is sample ``samples[k]``.
-        samples: each row's sample index.
-        fim: the settings.
-        offsets_of: a shard's offset table.
-        width: columns of a row.
-    """
+    """How ``fim`` rearranges a batch's rows of ``width`` columns, row ``k`` sample ``samples[k]`` made of the
+    layout's ``spans`` (see the module docstring)."""
     pieces, ended = by_document(spans, offsets_of)
     rows = pieces.rows
     # Each piece's place in its row: 0 for a row's first (the pieces are in row order).

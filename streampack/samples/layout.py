@@ -1,14 +1,9 @@
 """Which tokens make each sample: a :class:`Layout` maps sample numbers to :class:`Spans` of a token stream.
 
-A cache is one token stream: shards laid end to end, each with its table of document ends. A layout says
-which spans of that stream form sample ``i`` and where each lands in the sample's row; reading them
-(:func:`read_spans`) and finding their documents (:func:`boundaries`) is shared by every layout, and
-importable from here too. The layouts are pure tables:
-
-* :class:`FixedWindows`, the ``group_texts`` convention: sample ``i`` is tokens
-  ``[i*seq_len, i*seq_len + seq_len + overlap)`` of a stream of :class:`Runs`;
-* :class:`Bins`: whole documents laid left to right in each sample, then padding, as
-  :mod:`streampack.samples.packing` plans them.
+Reading spans (:func:`read_spans`) and finding their documents (:func:`boundaries`) is shared by every
+layout, and importable from here too. The layouts are pure tables: :class:`FixedWindows` (the
+``group_texts`` convention) and :class:`Bins` (whole documents then padding, planned by
+:mod:`streampack.samples.packing`).
 """
 
 from __future__ import annotations
@@ -111,9 +106,8 @@ class Runs:
 
 
 class FixedWindows:
-    """Fixed-length windows of a stream: sample ``i`` is tokens ``[i*seq_len, i*seq_len + width)``.
-
-    Windows cross document and shard boundaries; only the final partial window is dropped.
+    """Fixed-length windows of a stream: sample ``i`` is tokens ``[i*seq_len, i*seq_len + width)``; they
+    cross document and shard boundaries, and only the final partial window is dropped.
 
     Args:
         runs: the stream.
@@ -150,9 +144,6 @@ class FixedWindows:
 class Bins:
     """Whole documents (or pieces of long ones) laid left to right in each sample, then padding.
 
-    Sample ``i`` holds pieces ``starts[i]`` to ``starts[i+1]`` of the piece table, from column 0; the
-    columns after them are padding.
-
     Args:
         starts: ``int64``, ``samples + 1``: each sample's first piece, then the number of pieces.
         shards: the shard of each piece.
@@ -160,14 +151,13 @@ class Bins:
         lengths: each piece's length in tokens; a sample's add up to at most ``seq_len``.
         seq_len: tokens per sample.
         pad_id: the id that fills the padding.
-        pad_multiple: each piece occupies its length rounded up to a multiple of this; the columns after
-            it are padding (context parallelism splits every segment into ``2 * cp_size`` chunks).
+        pad_multiple: each piece occupies its length rounded up to a multiple of this, the rest padding
+            (context parallelism splits every segment into ``2 * cp_size`` chunks).
         settings: what made the plan, for the fingerprint.
-        directory: where the plan's arrays are mapped from, so that a pickle holds the path rather than
-            the arrays; None when they are held in memory.
+        directory: where the plan's arrays are mapped from, which a pickle holds instead of the arrays;
+            None when they are held in memory.
         dropped: documents the plan left out (``too_long="drop"``).
-        no_target: pieces with no target token, whose every label would be ``-100``: left out with
-            ``no_target="drop"``, else served.
+        no_target: pieces with no target token (every label ``-100``), left out with ``no_target="drop"``.
         checked: the stored plan's checksum and the identities of the files checked, so that a copy in
             another process maps the same plan without reading its files again.
     """
@@ -199,17 +189,14 @@ class Bins:
         return {**self.__dict__, "starts": None, "shards": None, "lo": None, "lengths": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """Restore the settings, and map the arrays again from the plan's directory (checked to be the same
-        plan)."""
+        """Restore the settings, and map the arrays again from the plan's directory (checked)."""
         self.__dict__.update(state)
         if self.directory is None:
             return
         from streampack.store.plans import load_plan
 
         checksum, identities = self.checked
-        arrays = load_plan(self.directory, checksum, identities).arrays
-        self.starts, self.shards = arrays["starts"], arrays["shards"]
-        self.lo, self.lengths = arrays["lo"], arrays["lengths"]
+        self.__dict__.update(load_plan(self.directory, checksum, identities).arrays)
 
     @property
     def tokens(self) -> int:
@@ -246,8 +233,7 @@ class Bins:
 
 
 def split_windows(runs: Runs, starts: np.ndarray, width: int) -> Spans:
-    """The spans of the windows ``[start, start + width)`` of a stream, each ``start`` of ``starts``, cut
-    at the stream's run boundaries."""
+    """The spans of the windows ``[start, start + width)`` of a stream, cut at its run boundaries."""
     table = runs.starts
     if len(table) == 2:  # one run: nothing to split
         zeros = np.zeros(len(starts), dtype=np.int64)

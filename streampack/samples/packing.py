@@ -1,10 +1,9 @@
 """Plans of whole-document samples: best-fit packing, or one document per sample.
 
-A plan is a :class:`~streampack.samples.layout.Bins` table: for each sample, the pieces of documents it
-holds, then padding. It is computed from the shards' offset tables alone, a chunk of documents at a time,
-so planning needs memory for one chunk whatever the size of the cache. The table is stored beside the
-cache (``CACHE/layouts/KEY/``, :mod:`streampack.store.plans`) and memory-mapped, so every rank and worker
-shares one copy and a second run starts at once; where it cannot be written, it is kept in memory.
+A plan is a :class:`~streampack.samples.layout.Bins` table, computed from the shards' offset tables a
+chunk of documents at a time (memory for one chunk whatever the size of the cache). It is stored beside
+the cache (``CACHE/layouts/KEY/``, :mod:`streampack.store.plans`) and memory-mapped, so every rank and
+worker shares one copy and a second run starts at once; where it cannot be written, it is kept in memory.
 
 * ``"packed"``: best-fit decreasing within chunks of :data:`CHUNK_DOCS` documents: pieces by decreasing
   length, each into the open bin with the least room that fits it, else a new bin.
@@ -30,7 +29,8 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import numpy as np
 
-from streampack._checks import check_choice
+from streampack._checks import check_choice, check_int
+from streampack.errors import OptionsError
 from streampack.format.names import LAYOUT_DIR
 from streampack.samples.layout import Bins
 from streampack.store.plans import PlanIdentity, stored
@@ -55,22 +55,33 @@ CHUNK_DOCS = 1 << 16
 def plan(
     cache: Cache,
     chosen: Chosen,
-    seq_len: int,
-    *,
     kind: str,
+    seq_len: int,
     too_long: TooLong,
-    pad_id: int,
-    content: str,
-    no_target: NoTarget = "keep",
-    pad_multiple: int = 1,
+    pad_id: int | None,
+    no_target: NoTarget,
+    pad_multiple: int,
 ) -> Bins:
-    """The chosen documents in samples of ``seq_len`` tokens: the plan stored beside the cache.
+    """The chosen documents in samples of ``seq_len`` tokens, ``kind`` ``"packed"`` (best-fit) or
+    ``"documents"`` (one per sample): the plan stored beside the cache.
 
-    ``kind`` is ``"packed"`` (best-fit decreasing) or ``"documents"`` (one document, or piece of a split
-    one, per sample, padded); ``pad_multiple`` (a divisor of ``seq_len``) rounds each piece's place up.
+    Raises:
+        OptionsError: ``seq_len`` is not a positive integer, ``too_long`` or ``no_target`` is not a policy,
+            ``pad_id`` does not fit the cache's token dtype, or ``pad_multiple`` does not divide ``seq_len``.
     """
-    check_choice("no_target", no_target, NO_TARGET)
+    seq_len = check_int("seq_len", seq_len, min=1, hint="tokens per sample, e.g. 2048")
+    pad_multiple = check_int("pad_multiple", pad_multiple, min=1, hint="e.g. 2 * cp_size, or 1")
+    if seq_len % pad_multiple:
+        raise OptionsError(
+            f"pad_multiple={pad_multiple} must divide seq_len={seq_len}: every piece is padded to a multiple "
+            f"of it inside rows of seq_len tokens; use a seq_len that is a multiple of {pad_multiple}"
+        )
     check_choice("too_long", too_long, TOO_LONG)
+    check_choice("no_target", no_target, NO_TARGET)
+    if pad_id is None:
+        pad_id = cache.eos_id if cache.eos_id is not None else 0
+    hint = f"an id of the cache's {cache.dtype} tokens"
+    pad_id = check_int("pad_id", pad_id, min=0, below=int(np.iinfo(cache.dtype).max) + 1, hint=hint)
     settings: dict[str, int | str] = (
         {"layout": kind, "strategy": "bfd"} if kind == "packed" else {"layout": kind}
     )
@@ -80,16 +91,13 @@ def plan(
     if pad_multiple > 1:  # likewise
         settings["pad_multiple"] = pad_multiple
     settings |= chosen.fingerprint()
-    identity = PlanIdentity(content, seq_len, settings)
+    identity = PlanIdentity(cache.content_digest, seq_len, settings)
     pieces = Pieces(cache, chosen, seq_len, too_long, no_target == "drop")
     directory = Path(cache.root) / LAYOUT_DIR / identity.key
     tables = lambda: bin_chunks(pieces, ASSIGNERS[kind], seq_len, pad_multiple)  # noqa: E731
     plan = stored(directory, identity, tables, pieces.counts, cache.table.num_tokens)
     return Bins(
-        plan.arrays["starts"],
-        plan.arrays["shards"],
-        plan.arrays["lo"],
-        plan.arrays["lengths"],
+        **plan.arrays,  # starts, shards, lo, lengths
         seq_len=seq_len,
         pad_id=pad_id,
         pad_multiple=pad_multiple,
@@ -107,9 +115,8 @@ def bin_chunks(
     seq_len: int,
     pad_multiple: int = 1,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """The plan's tables: each chunk's ``(shards, lo, lengths)`` pieces placed in bins by ``assign`` (at
-    their lengths rounded up to a multiple of ``pad_multiple``), then a last table of only the number of
-    pieces."""
+    """The plan's tables: each chunk's ``(shards, lo, lengths)`` pieces placed in bins by ``assign`` (at their
+    lengths rounded up to ``pad_multiple``), then a last table of only the number of pieces."""
     before = 0  # pieces in the chunks before this one
     for shards, lo, lengths in chunks:
         sizes = -(-lengths // pad_multiple) * pad_multiple
@@ -126,9 +133,8 @@ def _binned(
     bin_of: np.ndarray,
     before: int,
 ) -> dict[str, np.ndarray]:
-    """The table of one chunk's pieces in bins ``bin_of``: each bin's first piece (counting the ``before``
-    pieces of earlier chunks), and the pieces by bin, each bin's in the order they went in (by decreasing
-    ``sizes``, the lengths the bins counted)."""
+    """One chunk's table: each bin's first piece (after the ``before`` of earlier chunks), and the pieces by
+    bin, each bin's in the order they went in (by decreasing ``sizes``)."""
     placed = np.empty(len(lengths), dtype=np.int64)  # the order pieces went into their bins
     placed[np.argsort(-sizes, kind="stable")] = np.arange(len(lengths))
     order = np.lexsort((placed, bin_of))
@@ -143,11 +149,7 @@ def _binned(
 
 class Pieces:
     """The pieces of the chosen documents, in stream order: ``(shards, lo, lengths)`` per chunk of about
-    :data:`CHUNK_DOCS` documents.
-
-    ``dropped`` counts the documents ``too_long`` left out, ``no_target`` the pieces without a target
-    token (left out when ``drop_no_target``).
-    """
+    :data:`CHUNK_DOCS` documents; ``dropped`` and ``no_target`` count what was left out or has no target."""
 
     def __init__(
         self, cache: Cache, chosen: Chosen, seq_len: int, too_long: TooLong, drop_no_target: bool = False
@@ -188,8 +190,7 @@ class Pieces:
         return np.full(len(lo), shard, dtype=np.int64), lo, length
 
     def _targeted(self, shard: int, lo: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The pieces ``[lo, lo + lengths)`` of shard ``shard``, counting (and with ``drop_no_target``
-        leaving out) those without a target token."""
+        """The pieces of ``shard``, counting (and maybe leaving out) those with no target token."""
         mask = self.cache.shard_loss_mask(shard) if self.cache.has_loss_mask else None
         targeted = has_target(mask, lo, lengths)
         missing = int(len(lo) - np.count_nonzero(targeted))
@@ -214,11 +215,8 @@ class Pieces:
 
 
 def has_target(mask: np.ndarray | None, lo: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Whether each piece ``[lo, lo + lengths)`` holds a target token: one after its first token and marked
-    by ``mask``, the shard's loss mask (without one, every token is a target).
-
-    The pieces are sorted and disjoint, so one ``np.maximum.reduceat`` over the mask covers them all.
-    """
+    """Whether each piece ``[lo, lo + lengths)`` holds a target token: one after its first, marked by the
+    shard's loss ``mask`` if any. The pieces are sorted and disjoint: one ``np.maximum.reduceat`` does."""
     long_enough = lengths >= 2
     if mask is None or not long_enough.any():
         return long_enough

@@ -14,11 +14,8 @@ __all__ = ["cache_ref", "reopen_unchanged"]
 
 
 def reopen_unchanged(ref: CacheRef, what: str) -> Cache:
-    """Reopen the cache ``ref`` names (in another process), refusing it if its shards changed since.
-
-    Args:
-        ref: the cache's URI and content digest when ``what`` were made.
-        what: what was made from the cache, for the message (``"these samples"``).
+    """Reopen the cache ``ref`` names (in another process), refusing it if its shards changed since ``what``
+    (``"these samples"``) were made from it.
 
     Raises:
         CacheError: the cache cannot be opened, or its :attr:`~streampack.reader.Cache.content_digest`

@@ -1,11 +1,7 @@
-"""The samples of a cache, in any layout, with their document boundaries.
+"""The samples of a cache in any layout (:class:`PackedSequences`), with their document boundaries.
 
-A cache is one stream of tokens: every document followed by its EOS, shards end to end.
-:class:`PackedSequences` serves the samples a :mod:`~streampack.samples.layout` makes of it: windows of
-the stream (``cache.sequences``), or whole documents packed or one per sample (``cache.packed``,
-``cache.documents``). A batch is read span by span straight from the memory-mapped shards into the
-output, and its document boundaries come from the offset tables, so a batch costs the same whatever the
-size of the cache.
+A batch is read span by span from the memory-mapped shards straight into the output, and its boundaries
+come from the offset tables, so a batch costs the same whatever the size of the cache.
 """
 
 from __future__ import annotations
@@ -18,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from streampack._checks import check_choice, check_int
-from streampack.errors import OptionsError
+from streampack._checks import check_int
 from streampack.order import groups
 from streampack.samples.batches import Index, check_out, sample_indices, target_rows
 from streampack.samples.boundaries import Boundaries, boundaries
@@ -27,7 +22,6 @@ from streampack.samples.chosen import Chosen
 from streampack.samples.copies import read_spans, row_view
 from streampack.samples.fim import Fim, Moves, fim_moves, make_fim
 from streampack.samples.layout import Bins, FixedWindows, Layout, Runs, split_windows
-from streampack.samples.packing import NO_TARGET, TOO_LONG, NoTarget, TooLong, plan
 from streampack.samples.refs import cache_ref, reopen_unchanged
 from streampack.samples.spans import Spans
 from streampack.store import CacheRef
@@ -35,7 +29,7 @@ from streampack.store import CacheRef
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["JoinedSequences", "PackedSequences", "whole_documents", "with_current_digests"]
+__all__ = ["JoinedSequences", "PackedSequences", "with_current_digests"]
 
 # What a pickle of PackedSequences holds: its key -> the attribute.
 _PICKLED = {
@@ -51,10 +45,10 @@ _PICKLED = {
 class PackedSequences:
     """The samples of a cache in one layout. Create with ``cache.sequences``, ``.packed`` or ``.documents``.
 
-    A data source as loaders take them: ``len()``, and ``[index]`` with an int, a slice or an array of
-    indices. A pickle holds the cache's reference and the settings, not the memory maps: a copy sent to a
-    DataLoader worker reopens the cache on first use. Constructed directly, it is the windows of
-    ``cache.sequences``; :meth:`of` takes any layout.
+    A data source: ``len()``, and ``[index]`` with an int, a slice or an array of indices. A pickle holds
+    the cache's reference and the settings, not the memory maps: a copy sent to a DataLoader worker
+    reopens the cache on first use. Constructed directly, it is the windows of ``cache.sequences``;
+    :meth:`of` takes any layout.
 
     Example::
 
@@ -193,13 +187,10 @@ class PackedSequences:
         sentinels: Sequence[int] | Sequence[str] | None = None,
         tokenizer: str | None = None,
     ) -> PackedSequences:
-        """These samples with fill-in-the-middle for code (see :mod:`streampack.samples.fim`).
+        """These samples with fill-in-the-middle for code (PSM and SPM; see :mod:`streampack.samples.fim`).
 
-        Each piece of a document in a row, of at least ``min_length`` tokens, is with probability ``rate``
-        cut at two points and served as ``<prefix> prefix <suffix> suffix <middle> middle`` (PSM) or, with
-        probability ``spm_rate``, ``<prefix> <suffix> suffix <middle> prefix middle`` (SPM), in its own
-        columns: the sentinels replace its last three tokens (a document's EOS stays last). Decided by
-        ``seed`` and the sample's index alone, so a resume is exact.
+        Each piece of a document in a row is served in its own columns, the sentinels replacing its last
+        three tokens; decided by ``seed`` and the sample's index alone, so a resume is exact.
 
         Example::
 
@@ -244,8 +235,7 @@ class PackedSequences:
         return self._fim
 
     def fim_moves(self, indices: np.ndarray, spans: Spans | None = None) -> Moves | None:
-        """How FIM rearranges the plain rows of the samples ``indices`` (checked; ``spans``: their layout's
-        spans, if at hand), or None without FIM."""
+        """How FIM rearranges the plain rows of the samples ``indices`` (checked), or None without FIM."""
         if self._fim is None:
             return None
         spans = self._layout.spans(indices) if spans is None else spans
@@ -355,9 +345,8 @@ _RECENT_MAPS = 16
 class JoinedSequences:
     """Several :class:`PackedSequences` of one width read as one token space.
 
-    A mixture's batch holds rows of several caches. With their shard tables laid end to end, a batch is
-    split and copied in one pass, rather than paying each call's fixed cost once per source. A window
-    never crosses from one cache into the next.
+    With the caches' shard tables laid end to end, a mixture's batch is split and copied in one pass,
+    rather than paying each call's fixed cost once per source. A window never crosses into the next cache.
 
     Args:
         parts: the sources, in source-id order, all of one ``width`` (each with its own layout).
@@ -423,9 +412,7 @@ class JoinedSequences:
             found.append(
                 replace(spans, rows=rows[spans.rows], shards=spans.shards + self._shard_bases[source])
             )
-        return Spans(
-            *(np.concatenate([getattr(s, name) for s in found]) for name in Spans.__dataclass_fields__)
-        )
+        return Spans.joined(found)
 
     def moves(self, sources: np.ndarray, samples: np.ndarray) -> Moves | None:
         """How FIM rearranges the plain rows of :meth:`spans`, or None where no source is FIM'd."""
@@ -464,8 +451,8 @@ class JoinedSequences:
     def tokens(self, shard: int) -> np.ndarray:
         """The tokens of shard ``shard`` of the joined stream.
 
-        The last few maps are kept here: a mixed batch touches a shard of every source, and each cache's
-        own lookup pays for its LRU bookkeeping.
+        The last few maps are kept here: a mixed batch touches a shard of every source, and a cache's own
+        lookup pays for its LRU bookkeeping.
         """
         if self._runs is None:
             self._join()
@@ -477,51 +464,6 @@ class JoinedSequences:
                 self._recent.pop(next(iter(self._recent)))
             self._recent[shard] = tokens
         return tokens
-
-
-def whole_documents(
-    cache: Cache,
-    chosen: Chosen,
-    kind: str,
-    seq_len: int,
-    too_long: TooLong,
-    pad_id: int | None,
-    no_target: NoTarget = "keep",
-    pad_multiple: int = 1,
-) -> PackedSequences:
-    """Samples of whole documents: ``kind`` ``"packed"`` (best-fit) or ``"documents"`` (one per sample).
-
-    Raises:
-        OptionsError: ``seq_len`` is not a positive integer, ``too_long`` or ``no_target`` is not a policy,
-            ``pad_id`` does not fit the cache's token dtype, or ``pad_multiple`` does not divide ``seq_len``.
-    """
-    seq_len = check_int("seq_len", seq_len, min=1, hint="tokens per sample, e.g. 2048")
-    pad_multiple = check_int("pad_multiple", pad_multiple, min=1, hint="e.g. 2 * cp_size, or 1")
-    if seq_len % pad_multiple:
-        raise OptionsError(
-            f"pad_multiple={pad_multiple} must divide seq_len={seq_len}: every piece is padded to a multiple "
-            f"of it inside rows of seq_len tokens; use a seq_len that is a multiple of {pad_multiple}"
-        )
-    check_choice("too_long", too_long, TOO_LONG)
-    check_choice("no_target", no_target, NO_TARGET)
-    if pad_id is None:
-        pad_id = cache.eos_id if cache.eos_id is not None else 0
-    below = int(np.iinfo(cache.dtype).max) + 1
-    pad_id = check_int(
-        "pad_id", pad_id, min=0, below=below, hint=f"an id of the cache's {cache.dtype} tokens"
-    )
-    layout = plan(
-        cache,
-        chosen,
-        seq_len,
-        kind=kind,
-        too_long=too_long,
-        pad_id=pad_id,
-        content=cache.content_digest,
-        no_target=no_target,
-        pad_multiple=pad_multiple,
-    )
-    return PackedSequences.of(cache, layout)
 
 
 def with_current_digests(order: Mapping[str, Any], datasets: Sequence[object]) -> Mapping[str, Any]:

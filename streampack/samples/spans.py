@@ -24,6 +24,15 @@ class Spans:
     hi: np.ndarray
     col: np.ndarray
 
+    def taken(self, index: np.ndarray) -> Spans:
+        """The spans at ``index`` (an integer or boolean array), in its order."""
+        return Spans(self.rows[index], self.shards[index], self.lo[index], self.hi[index], self.col[index])
+
+    @classmethod
+    def joined(cls, parts: list[Spans]) -> Spans:
+        """The spans of ``parts`` laid end to end."""
+        return cls(*(np.concatenate([getattr(s, name) for s in parts]) for name in cls.__dataclass_fields__))
+
     def head(self, columns: int) -> Spans:
         """The spans cut to the first ``columns`` columns of each row."""
         keep = self.col < columns

@@ -1,10 +1,9 @@
 """Which documents samples are made of: all of a cache, or one side of a deterministic held-out split.
 
 ``train, validation = cache.split(0.01)`` holds out about 1 % of the documents, each side a
-:class:`DocumentSet` that makes samples as the cache does (``train.sequences(2048)``). Document ``i`` is
-held out when a 64-bit hash of ``(i, seed)`` falls below a threshold: ``fraction * 2**64`` for a
-fraction, so a document's side never changes as the cache grows; the ``count``-th smallest hash for a
-count, so exactly ``count`` documents are held out.
+:class:`DocumentSet` (``train.sequences(2048)``). Document ``i`` is held out when a 64-bit hash of
+``(i, seed)`` falls below ``fraction * 2**64`` (so its side never changes as the cache grows), or below
+the ``count``-th smallest hash (so exactly ``count`` documents are held out).
 """
 
 from __future__ import annotations
@@ -17,11 +16,11 @@ import numpy as np
 from streampack._checks import check_int
 from streampack.errors import OptionsError
 from streampack.samples.chosen import Chosen, doc_hashes
-from streampack.samples.sequences import PackedSequences, whole_documents
+from streampack.samples.packing import NoTarget, TooLong, plan
+from streampack.samples.sequences import PackedSequences
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
-    from streampack.samples.packing import NoTarget, TooLong
 
 __all__ = ["Chosen", "DocumentSet", "all_documents", "split"]
 
@@ -46,11 +45,8 @@ class DocumentSet:
         return sum(int(self.chosen.in_shard(shard).sum()) for shard in range(self.cache.num_shards))
 
     def sequences(self, seq_len: int, *, overlap: int = 0) -> PackedSequences:
-        """Fixed windows of these documents laid end to end: sample ``i`` is tokens
-        ``[i*seq_len, i*seq_len + seq_len + overlap)`` of their stream.
-
-        Windows cross document and shard boundaries (the ``group_texts`` convention); only the final partial
-        window is dropped.
+        """Fixed windows of these documents laid end to end (the ``group_texts`` convention): sample ``i``
+        is tokens ``[i*seq_len, i*seq_len + seq_len + overlap)``; only the final partial window is dropped.
 
         Args:
             seq_len: tokens per sample, at least 1.
@@ -73,9 +69,8 @@ class DocumentSet:
     ) -> PackedSequences:
         """Whole documents packed into samples of ``seq_len`` tokens by best-fit decreasing, then padding.
 
-        The plan is stored in ``CACHE/layouts/`` (see :mod:`streampack.samples.packing`);
-        ``samples.layout`` counts its ``padding`` (a fraction), ``dropped`` documents and ``no_target``
-        pieces.
+        The plan is stored in ``CACHE/layouts/`` (:mod:`streampack.samples.packing`); ``samples.layout``
+        counts its ``padding`` (a fraction), ``dropped`` documents and ``no_target`` pieces.
 
         Args:
             seq_len: tokens per sample.
@@ -86,19 +81,17 @@ class DocumentSet:
                 ``output="dict"`` label would be ``-100`` (in an SFT cache, a prompt cut before its response).
             pad_id: the id that fills padding (masked out of the loss in ``output="dict"``); the cache's
                 EOS id by default, else 0.
-            pad_multiple: each piece takes its length rounded up to a multiple of this in its sample (and
-                best-fit counts it so), the rest of it padding with labels ``-100`` and position ids
-                counting on: ``2 * cp_size`` for the loader's ``cp_size`` (context parallelism). It must
-                divide ``seq_len``.
+            pad_multiple: each piece takes its length rounded up to a multiple of this (a divisor of
+                ``seq_len``), the rest padding with labels ``-100`` and position ids counting on: ``2 *
+                cp_size`` for the loader's ``cp_size`` (context parallelism).
 
         Raises:
             OptionsError: ``seq_len`` is not a positive integer, ``too_long`` or ``no_target`` is not a
                 policy, ``pad_id`` does not fit the cache's token dtype, or ``pad_multiple`` does not
                 divide ``seq_len``.
         """
-        return whole_documents(
-            self.cache, self.chosen, "packed", seq_len, too_long, pad_id, no_target, pad_multiple
-        )
+        bins = plan(self.cache, self.chosen, "packed", seq_len, too_long, pad_id, no_target, pad_multiple)
+        return PackedSequences.of(self.cache, bins)
 
     def documents(
         self,
@@ -123,9 +116,8 @@ class DocumentSet:
         Raises:
             OptionsError: as for :meth:`packed`.
         """
-        return whole_documents(
-            self.cache, self.chosen, "documents", seq_len, too_long, pad_id, no_target, pad_multiple
-        )
+        bins = plan(self.cache, self.chosen, "documents", seq_len, too_long, pad_id, no_target, pad_multiple)
+        return PackedSequences.of(self.cache, bins)
 
 
 def all_documents(cache: Cache) -> DocumentSet:
