@@ -265,11 +265,8 @@ class GrowingCache:
             self._await(stop, check)
 
     def _finish(self, windows: int, check: Callable[[], None]) -> None:
-        """The build is complete and holds ``windows`` samples: every position is known from now on.
-
-        Raises:
-            OptionsError: ``then="epochs"`` over less than a batch, or what ``check`` refuses.
-        """
+        """The build is complete and holds ``windows`` samples: every position is known from now on
+        (refused when ``then="epochs"`` has less than a batch, or ``check`` refuses it)."""
         o, batch = self.options, self._batch_size
         if o.then == "epochs" and (windows == 0 or (self._drop_last and windows < batch)):
             raise OptionsError(

@@ -47,8 +47,7 @@ class CausalLMDict:
       start, at padding, and on the tokens an SFT cache marks as no target (prompts). The models shift
       labels themselves: a document's first token would be predicted from the previous document.
     * ``position_ids``: ``int64``; 0 at every document and row start, counting up inside a document (a
-      row's padding is one more segment). Hugging Face models with flash attention read packed documents
-      from them (the three fields of its ``DataCollatorWithFlattening``).
+      row's padding is one more segment), as Hugging Face's ``DataCollatorWithFlattening`` makes them.
 
     With ``segments="varlen"`` (``output="varlen"``), also:
 
@@ -57,21 +56,17 @@ class CausalLMDict:
     * ``max_seqlen``: ``int``, the longest segment.
 
     With ``segments="hf-flash"`` (``output="hf-flash"``), the same two under the names of Hugging Face's
-    ``FlashAttentionKwargs``: ``cu_seq_lens_q`` and ``cu_seq_lens_k`` (both ``cu_seqlens``) and
-    ``max_length_q`` and ``max_length_k`` (both ``max_seqlen``). The rows stay ``(rows, seq_len)`` (its
-    varlen path flattens the batch itself), so the trainer's batch size means what it did.
+    ``FlashAttentionKwargs``: ``cu_seq_lens_q`` and ``cu_seq_lens_k``, ``max_length_q`` and
+    ``max_length_k``; the rows stay ``(rows, seq_len)``.
 
     With ``context_parallel=(cp_size, cp_rank)`` and ``cp_size > 1``, every field is this CP rank's part of
-    each row, ``(rows, seq_len / cp_size)`` (:class:`streampack.loader.parallel.RankColumns`), plus
+    each row, ``(rows, seq_len / cp_size)`` (:class:`streampack.loader.parallel.RankColumns`), and
+    ``cu_seqlens`` its own segments. A piece's fill (``pad_multiple``) counts on in its position ids, with
+    labels -100, and is in its segment (TransformerEngine's ``cu_seqlens_padded``). Also:
 
     * ``shift_labels``: ``int64``, the label of the next token of the full row at each token (``-100``
       after the row's last): a model that shifts ``labels`` itself would pair tokens across the seams of
-      the rank's chunks (Hugging Face's loss takes ``shift_labels`` as they are);
-
-    and ``cu_seqlens`` are the rank's own segments (each ``1 / cp_size`` of the row's). With samples padded
-    to a multiple (``pad_multiple``), a segment is a document piece with its fill: its position ids count on
-    through the fill (TransformerEngine's convention), whose labels are ``-100``; ``cu_seqlens`` include
-    the fills (TransformerEngine's ``cu_seqlens_padded``).
+      the rank's chunks.
 
     Of a mixture, also ``source_ids`` and, with the ``loss_weights`` option, ``loss_weights``
     (:mod:`streampack.loader.domains`).

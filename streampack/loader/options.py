@@ -47,33 +47,29 @@ class LoaderOptions:
     Attributes:
         batch_size: the GLOBAL batch size ``B``: rows of one step summed over all ranks.
         seed: shuffle seed, an integer in ``[0, 2**64)``. Like ``shuffle`` and ``epochs``, it sets the order
-            the Loader makes for one dataset; an order given (``order=``, a
-            :class:`~streampack.order.mixture.Mixture`) has its own.
+            the Loader makes for one dataset; an order given (``order=``, a Mixture) has its own.
         shuffle: ``True``: visit samples in a seeded random order that changes every epoch; ``False``: in
             stream order; a :class:`~streampack.order.blockshuffle.BlockShuffle`: shuffled blocks of
             consecutive samples, mixed within windows of blocks (for caches read from object storage).
         rank: this process's rank, in ``[0, world_size)``.
         world_size: number of ranks; it must divide ``batch_size``.
-        drop_last: drop the last global batch of a run that ends (``epochs``, or a mixture that stops)
-            when it is partial; else serve it, split as evenly as possible over the ranks. The Loader
-            refuses ``drop_last=False`` when that batch has fewer rows than ranks (a rank's 0-row batch
-            has a NaN mean loss).
+        drop_last: drop the partial last global batch of a run that ends; else serve it, split as evenly
+            as possible over the ranks (refused when it has fewer rows than ranks).
         epochs: end the run after this many epochs of the dataset; ``None`` runs forever.
         output: ``"numpy"``, one ``(rows, seq_len + overlap)`` array per step; ``"dict"``, the
             ``input_ids`` / ``labels`` / ``position_ids`` arrays Hugging Face causal LMs take (samples
             without overlap); ``"varlen"``, the same plus ``cu_seqlens`` and ``max_seqlen``; or
             ``"hf-flash"``, those under the names of Hugging Face's flash-attention path. Field by field:
             :class:`streampack.loader.collate.CausalLMDict`.
-        dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype (the smallest to move
-            between processes; cast on arrival).
+        dtype: integer dtype of the token arrays; ``None`` keeps the cache dtype.
         seq_len_schedule: the sequence length from each token of the run on, a
             :class:`~streampack.loader.seqlen.SeqLenSchedule` or its ``(first token, seq_len)`` pairs:
             the samples (``cache.sequences(U)``, ``U`` the largest length) are *units*, each served at
             length ``l`` as its ``U / l`` sub-windows in the same batch (the same tokens at every length).
             ``None``: every batch at ``U``.
         cp_size: context-parallel ranks that share each row (``rank`` and ``world_size`` then count the
-            data-parallel ranks): each gets ``seq_len / cp_size`` tokens of every row, two chunks of each
-            segment (:mod:`streampack.loader.parallel`). Needs a dict ``output`` and samples of
+            data-parallel ranks), each taking ``seq_len / cp_size`` tokens of every row
+            (:mod:`streampack.loader.parallel`). Needs a dict ``output`` and samples of
             ``cache.packed(seq_len, pad_multiple=2 * cp_size)`` (or ``cache.documents``).
         cp_rank: this process's context-parallel rank, in ``[0, cp_size)``.
         balance: how a global batch's rows are spread over the data-parallel ranks: ``"rows"``, rank ``r``
@@ -81,14 +77,12 @@ class LoaderOptions:
             ranks' attention costs (sum of squared document lengths) are even (needs samples with
             document boundaries, such as a cache's).
         loss_weights: source name -> weight (a finite number >= 0) of the loss of that source's tokens, for
-            a loader of several named sources (a :class:`~streampack.order.mixture.Mixture`) with a dict
-            ``output``: batches then carry ``loss_weights``, ``float32`` per token (the row's source's
-            weight, 1.0 for a source not named, 0 where ``labels`` is -100). It changes no token or label
-            served, so it is not in the state: a resume may change it (:mod:`streampack.loader.domains`).
+            a loader of several named sources with a dict ``output``: batches then carry ``loss_weights``
+            (:mod:`streampack.loader.domains`; 1.0 for a source not named). A resume may change it.
 
     Raises:
         OptionsError: (a ``ValueError``) an option is out of range or of the wrong type, or
-            ``batch_size`` does not divide by ``world_size``. Integer options are stored as Python ints.
+            ``batch_size`` does not divide by ``world_size``.
     """
 
     batch_size: int

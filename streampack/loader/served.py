@@ -184,11 +184,7 @@ def _into(tokens: np.ndarray, out: np.ndarray | None) -> np.ndarray:
 
 
 def _checked(out: object, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """``out``, an array of ``shape`` and a dtype that holds ``dtype``.
-
-    Raises:
-        ValueError: it is not.
-    """
+    """``out``, checked to be an array of ``shape`` and a dtype that holds ``dtype``."""
     if not isinstance(out, np.ndarray) or out.shape != shape or not np.can_cast(dtype, out.dtype):
         raise ValueError(
             f"out must be a numpy array of shape {shape} and a dtype that holds {dtype} "
