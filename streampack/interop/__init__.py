@@ -193,9 +193,10 @@ def convert(
     from streampack.reader import open as open_cache
 
     options: dict[str, Any] = {} if shard_tokens is None else {"shard_tokens": shard_tokens}
+    limit = native.Options(**options).shard_tokens
     plan = scan_plan(source, declared)
     writing: dict[str, Any] = dict(overwrite=overwrite, storage_options=storage_options, durable=durable)
-    if plan is not None and all(span.count <= native.Options(**options).shard_tokens for span in plan.spans):
+    if plan is not None and all(span.count <= limit for span in plan.spans):
         return _written("streampack", out, partial(native.write_scanned, plan, declared), progress, **writing)
     with open_cache(source, **declared) as opened:
         return export(opened, "streampack", out, progress=progress, **writing, **options)

@@ -47,11 +47,8 @@ def write(
     little = cache.dtype.newbyteorder("<")
     tokenizer = cache.manifest.tokenizer
     named = str(tokenizer.name or tokenizer.spec or "Unknown Tokenizer").replace("|", "/")
-    index = 0
     with progress_bar(progress, cache.num_tokens, "datatrove") as bar:
-        for docs in shard_docs(cache):
-            if not len(docs.ends) or not docs.ends[-1]:
-                continue
+        for index, docs in enumerate(shard_docs(cache, nonempty=True)):
             name = f"{index:05d}.ds"
             with dest.open(name) as out:
                 bar.update(write_tokens(out, cache, docs.shard, little))
@@ -64,5 +61,4 @@ def write(
             with dest.open(f"{name}.metadata") as out:
                 text = f"{named}|{cache.dtype.itemsize}\n{count}\n{short_count(count)}"
                 out.write(text.encode())
-            index += 1
     return cache.num_docs, cache.num_tokens, []

@@ -48,6 +48,8 @@ LAYOUT = "directory"
 Files = Literal["arrow", "parquet", "both"]
 #: Tokens a file holds, about (a new file starts at the next row past it).
 FILE_TOKENS = 1 << 28
+#: Each column's value type.
+TYPES = {"input_ids": "int32", "labels": "int64", "position_ids": "int64"}
 #: Tokens a record batch holds, about (a Parquet row group; a longer document is a batch of its own).
 BATCH_TOKENS = 1 << 20
 
@@ -88,15 +90,14 @@ def check(cache: Cache, options: Options) -> None:
 
 def features(columns: Sequence[str]) -> dict[str, Any]:
     """The ``datasets`` features of the columns (``Sequence``, which every ``datasets`` version reads)."""
-    types = {"input_ids": "int32", "labels": "int64", "position_ids": "int64"}
-    return {c: {"feature": {"dtype": types[c], "_type": "Value"}, "_type": "Sequence"} for c in columns}
+    return {c: {"feature": {"dtype": TYPES[c], "_type": "Value"}, "_type": "Sequence"} for c in columns}
 
 
 def schema(columns: Sequence[str]) -> pa.Schema:
     """The Arrow schema of the rows, with the features in its ``huggingface`` metadata."""
-    types = {"input_ids": pa.int32(), "labels": pa.int64(), "position_ids": pa.int64()}
     meta = json.dumps({"info": {"features": features(columns)}})
-    return pa.schema([(c, pa.list_(types[c])) for c in columns], metadata={"huggingface": meta})
+    fields = [(c, pa.list_(pa.from_numpy_dtype(np.dtype(TYPES[c])))) for c in columns]
+    return pa.schema(fields, metadata={"huggingface": meta})
 
 
 def batches(cache: Cache, options: Options) -> Iterator[tuple[pa.RecordBatch, int]]:

@@ -64,9 +64,7 @@ def write(
     # The sidecars (text, gzipped) are written on a thread while the kernel copies the next shard's tokens.
     with progress_bar(progress, cache.num_tokens, "olmo") as bar, ThreadPoolExecutor(1) as sidecars:
         written: list[Future[None]] = []
-        for docs in shard_docs(cache):
-            if not len(docs.ends) or not docs.ends[-1]:
-                continue
+        for docs in shard_docs(cache, nonempty=True):
             name = f"token_ids_part_{len(paths):06d}.npy"
             with dest.open(name) as out:
                 bar.update(write_tokens(out, cache, docs.shard, little))

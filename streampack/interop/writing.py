@@ -38,11 +38,13 @@ class ShardDocs:
     first_doc: int
 
 
-def shard_docs(cache: Cache) -> Iterator[ShardDocs]:
-    """Every shard's document table, in stream order (one table in memory at a time)."""
+def shard_docs(cache: Cache, *, nonempty: bool = False) -> Iterator[ShardDocs]:
+    """Every shard's document table (with ``nonempty``, of those that hold tokens), in stream order, one
+    table in memory at a time."""
     for shard in range(cache.num_shards):
         ends = np.array(cache.shard_offsets(shard), dtype=np.int64)
-        yield ShardDocs(shard, ends, int(cache.doc_starts[shard]))
+        if not nonempty or (len(ends) and ends[-1]):
+            yield ShardDocs(shard, ends, int(cache.doc_starts[shard]))
 
 
 def token_chunks(cache: Cache, shard: int, start: int = 0, stop: int | None = None) -> Iterator[np.ndarray]:

@@ -60,7 +60,7 @@ class TokenSpan:
     def __getitem__(self, index: slice) -> np.ndarray: ...
     def __getitem__(self, index: int | slice) -> int | np.ndarray:
         """Token ``index``, or the tokens of a slice (of step 1) in a new array."""
-        if isinstance(index, int):
+        if not isinstance(index, slice):
             at = range(self.count)[index]
             return int(self[at : at + 1][0])
         start, stop, _ = index.indices(self.count)
