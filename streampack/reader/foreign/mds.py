@@ -22,6 +22,7 @@ writes each sample's values from the map instead). A compressed shard is read fr
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Literal
@@ -130,15 +131,15 @@ def _column(index_path: Path, i: int, entry: _Shard) -> Column:
             f"{index_path}: shards[{i}] has columns {names!r} ({encodings!r}); streampack reads MDS of one "
             f"column {COLUMN!r} of tokens (ndarray:uint16 or ndarray:uint32, :L for fixed windows)"
         )
-    parts = encodings[0].split(":")
-    dtype = READ_DTYPES.get(parts[1]) if len(parts) in (2, 3) and parts[0] == "ndarray" else None
-    seq_len = int(parts[2]) if len(parts) == 3 and parts[2].isdigit() and int(parts[2]) > 0 else None
-    if dtype is None or (len(parts) == 3 and seq_len is None):
+    encoding = re.fullmatch(r"ndarray:(uint16|uint32)(?::(0*[1-9][0-9]*))?", encodings[0])
+    if encoding is None:
         raise CacheError(
             f"{index_path}: shards[{i}].column_encodings is {encodings!r}; streampack reads input_ids of "
             "ndarray:uint16 or ndarray:uint32 (one document a sample), or of ndarray:uint16:L / "
             "ndarray:uint32:L (fixed windows of L tokens)"
         )
+    dtype = READ_DTYPES[encoding[1]]
+    seq_len = int(encoding[2]) if encoding[2] else None
     expected = None if seq_len is None else seq_len * dtype.itemsize
     if sizes[0] != expected:
         raise CacheError(
