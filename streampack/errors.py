@@ -150,10 +150,10 @@ def read_json(
     at: str = "$",
     strict: bool = True,
 ) -> T:
-    """``value`` (parsed JSON or YAML) as ``struct``, a msgspec struct that refuses unknown keys.
+    """``value`` (parsed JSON or YAML, or the bytes of a JSON file) as ``struct``, a msgspec type.
 
     Every refusal reads the same, naming the JSON path: ``{where}: Expected `int` >= 0, got `-1` - at
-    `$.order.seed`; {fix}``.
+    `$.order.seed`; {fix}``, or ``{where}: not JSON (...); {fix}``.
 
     Args:
         value: what was read.
@@ -168,6 +168,11 @@ def read_json(
     Raises:
         StreampackError: (``error``) ``value`` is not what ``struct`` holds.
     """
+    if isinstance(value, bytes):
+        try:
+            value = msgspec.json.decode(value)
+        except msgspec.DecodeError as bad:
+            raise error(f"{where}: not JSON ({bad}); {fix}") from None
     try:
         return msgspec.convert(value, struct, strict=strict)
     except msgspec.ValidationError as refused:

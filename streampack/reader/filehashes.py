@@ -1,5 +1,5 @@
-"""Digests another format records of its files (MDS's ``raw_data.hashes``), and checking a file against
-them for :func:`streampack.reader.verify.verify`.
+"""Checking a file against the digests another format records of it (MDS's ``raw_data.hashes``), for
+:func:`streampack.reader.verify.verify`.
 
 An algorithm is named as mosaicml-streaming names it, one of :mod:`hashlib`'s or of the ``xxhash``
 package's; the digest is the hex digest of the whole file, read once for every algorithm.
@@ -12,27 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from streampack.errors import CacheError
-
-__all__ = ["CHUNK_BYTES", "check_file", "recorded_hashes"]
+__all__ = ["CHUNK_BYTES", "check_file"]
 
 CHUNK_BYTES = 8 << 20
-
-
-def recorded_hashes(where: str, value: object) -> dict[str, str]:
-    """The digests ``value`` records (an object of algorithm -> hex digest; none when absent).
-
-    Args:
-        where: the file and field, for the message (``index.json: shards[3].raw_data.hashes``).
-
-    Raises:
-        CacheError: ``value`` is not such an object.
-    """
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise CacheError(f"{where} is {value!r}, expected an object of algorithm names to hex digests")
-    return {str(algo): digest.lower() for algo, digest in value.items()}
 
 
 def check_file(path: Path, recorded: Mapping[str, str], described: str) -> tuple[list[str], list[str], int]:

@@ -22,15 +22,15 @@ writes each sample's values from the map instead). A compressed shard is read fr
 
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Literal
 
+import msgspec
 import numpy as np
 
-from streampack.errors import CacheError, OptionsError
-from streampack.reader.filehashes import recorded_hashes
+from streampack.errors import CacheError, OptionsError, read_json
 from streampack.reader.foreign.files import check_size, map_tokens
 from streampack.reader.foreign.opening import Foreign, ForeignOptions, ForeignShard
 
@@ -45,6 +45,37 @@ OPENED_CHECKS = (
 )
 COLUMN = "input_ids"
 READ_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_INDEX_FIX = (
+    "streampack reads the index.json of MDS version 2, as MDSWriter writes it after the shards: write the "
+    "shards again"
+)
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _File(msgspec.Struct):
+    """A shard's file in ``index.json`` (``raw_data``, ``zip_data``)."""
+
+    basename: str
+    bytes: _Count
+    hashes: dict[str, str] | None = None
+
+
+class _Shard(msgspec.Struct):
+    """A shard's entry in ``index.json``, as ``MDSWriter`` writes it."""
+
+    format: Literal["mds"]
+    column_names: list[str]
+    column_encodings: list[str]
+    column_sizes: list[int | None]
+    samples: _Count
+    raw_data: _File
+    compression: str | None = None
+    zip_data: _File | None = None
+
+
+class _Index(msgspec.Struct):
+    version: Literal[2]
+    shards: list[_Shard]
 
 
 @dataclass(frozen=True)
@@ -72,9 +103,13 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
         raise OptionsError(f"{path}: MDS encodings record their dtype; dtype= applies to headerless files")
     root = path.parent if path.name == INDEX and path.is_file() else path
     index_path = root / INDEX
-    entries = _index(index_path)
+    try:
+        raw = index_path.read_bytes()
+    except FileNotFoundError:
+        raise CacheError(f"{index_path}: missing") from None
+    index = read_json(raw, _Index, CacheError, str(index_path), _INDEX_FIX)
     shards, files, dtypes = [], [index_path], set()
-    for i, entry in enumerate(entries):
+    for i, entry in enumerate(index.shards):
         shard, column = _shard(root, index_path, i, entry)
         dtypes.add(column.dtype)
         shards.append(shard)
@@ -88,54 +123,23 @@ def read(path: Path, options: ForeignOptions) -> Foreign:
     return Foreign("mds", root, dtype, shards, options.eos_id, options.bos_id, files=files)
 
 
-def _index(index_path: Path) -> list[Any]:
-    """The ``shards`` of an ``index.json`` of version 2."""
-    try:
-        index = json.loads(index_path.read_bytes())
-    except FileNotFoundError:
-        raise CacheError(f"{index_path}: missing") from None
-    except (ValueError, UnicodeDecodeError) as error:
-        raise CacheError(f"{index_path}: not JSON ({error}); an MDS index.json is written last") from None
-    if not isinstance(index, dict) or index.get("version") != 2:
-        got = index.get("version") if isinstance(index, dict) else type(index).__name__
-        raise CacheError(f'{index_path}: version {got!r}, expected an object with "version": 2 (MDS)')
-    shards = index.get("shards")
-    if not isinstance(shards, list):
-        raise CacheError(f'{index_path}: "shards" is {type(shards).__name__}, expected a list of shards')
-    return shards
-
-
-KINDS = {int: "an integer", str: "a string", dict: "an object", list: "a list"}
-
-
-def _field(index_path: Path, where: str, entry: Any, name: str, kind: type) -> Any:
-    """``entry[name]`` (``where`` in the index), of type ``kind``."""
-    value = entry.get(name) if isinstance(entry, dict) else None
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise CacheError(f"{index_path}: {where}.{name} is {value!r}, expected {KINDS[kind]}")
-    return value
-
-
-def _column(index_path: Path, i: int, entry: Any) -> Column:
+def _column(index_path: Path, i: int, entry: _Shard) -> Column:
     """The shard's ``input_ids`` column, refusing any other layout."""
-    where = f"shards[{i}]"
-    names = _field(index_path, where, entry, "column_names", list)
-    encodings = _field(index_path, where, entry, "column_encodings", list)
-    sizes = _field(index_path, where, entry, "column_sizes", list)
+    names, encodings, sizes = entry.column_names, entry.column_encodings, entry.column_sizes
     if names != [COLUMN] or len(encodings) != 1 or len(sizes) != 1:
         raise CacheError(
             f"{index_path}: shards[{i}] has columns {names!r} ({encodings!r}); streampack reads MDS of one "
             f"column {COLUMN!r} of tokens (ndarray:uint16 or ndarray:uint32, :L for fixed windows)"
         )
-    parts = str(encodings[0]).split(":")
-    dtype = READ_DTYPES.get(parts[1]) if len(parts) in (2, 3) and parts[0] == "ndarray" else None
-    seq_len = int(parts[2]) if len(parts) == 3 and parts[2].isdigit() and int(parts[2]) > 0 else None
-    if dtype is None or (len(parts) == 3 and seq_len is None):
+    encoding = re.fullmatch(r"ndarray:(uint16|uint32)(?::(0*[1-9][0-9]*))?", encodings[0])
+    if encoding is None:
         raise CacheError(
             f"{index_path}: shards[{i}].column_encodings is {encodings!r}; streampack reads input_ids of "
             "ndarray:uint16 or ndarray:uint32 (one document a sample), or of ndarray:uint16:L / "
             "ndarray:uint32:L (fixed windows of L tokens)"
         )
+    dtype = READ_DTYPES[encoding[1]]
+    seq_len = int(encoding[2]) if encoding[2] else None
     expected = None if seq_len is None else seq_len * dtype.itemsize
     if sizes[0] != expected:
         raise CacheError(
@@ -144,28 +148,21 @@ def _column(index_path: Path, i: int, entry: Any) -> Column:
     return Column(dtype, seq_len)
 
 
-def _shard(root: Path, index_path: Path, i: int, entry: Any) -> tuple[ForeignShard, Column]:
+def _shard(root: Path, index_path: Path, i: int, entry: _Shard) -> tuple[ForeignShard, Column]:
     """Shard ``i`` of the index: its entry, its file's size and its offsets table checked."""
-    where = f"shards[{i}]"
-    if _field(index_path, where, entry, "format", str) != "mds":
-        raise CacheError(f"{index_path}: {where}.format is {entry['format']!r}, expected 'mds'")
     column = _column(index_path, i, entry)
-    samples = _field(index_path, where, entry, "samples", int)
-    raw = _field(index_path, where, entry, "raw_data", dict)
-    basename = _field(index_path, f"{where}.raw_data", raw, "basename", str)
-    nbytes = _field(index_path, f"{where}.raw_data", raw, "bytes", int)
-    hashes = recorded_hashes(f"{index_path}: {where}.raw_data.hashes", raw.get("hashes"))
+    samples, basename, nbytes = entry.samples, entry.raw_data.basename, entry.raw_data.bytes
+    hashes = {algo: digest.lower() for algo, digest in (entry.raw_data.hashes or {}).items()}
     shard_path = root / basename
     if Path(basename).is_absolute() or ".." in Path(basename).parts:
         raise CacheError(
             f"{index_path}: shards[{i}].raw_data.basename is {basename!r}, expected a file under {root}"
         )
-    compression = entry.get("compression")
-    if compression and not shard_path.is_file():
-        zipped = entry.get("zip_data") or {}
+    if entry.compression and not shard_path.is_file():
+        zipped = entry.zip_data.basename if entry.zip_data else "its zip_data file"
         raise CacheError(
-            f"{index_path}: shards[{i}] is compressed ({compression}) and its raw file {basename} is not "
-            f"there: decompress {zipped.get('basename', 'its zip_data file')} to {basename} "
+            f"{index_path}: shards[{i}] is compressed ({entry.compression}) and its raw file {basename} is "
+            f"not there: decompress {zipped} to {basename} "
             "(StreamingDataset does so when it reads it), or export the shards uncompressed"
         )
     check_size(shard_path, nbytes, f"the {samples:,} samples of shards[{i}] (raw_data.bytes in {INDEX})")

@@ -24,13 +24,13 @@ none.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 import numpy as np
 
-from streampack.errors import CacheError, OptionsError
+from streampack.errors import CacheError, OptionsError, read_json
 from streampack.reader.foreign.files import check_id_fits
 from streampack.reader.foreign.opening import Foreign, ForeignOptions
 from streampack.reader.foreign.scanning import Boundary, Found, ScanPlan, TokenSpan, open_plan
@@ -47,6 +47,24 @@ TOKEN_PREFIX = "token_ids"
 MASK_PREFIX = "labels_mask"
 #: The start of a NumPy ``.npy`` header: OLMo's token files are raw arrays despite their name.
 NPY_MAGIC = b"\x93NUMPY"
+_CONFIG_FIX = (
+    "olmo.json holds paths, label_mask_paths, dtype (uint16 or uint32) and non-negative ids and counts, "
+    "written last by streampack's export: rerun the export"
+)
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Config(msgspec.Struct):
+    """``olmo.json``, as the export writes it."""
+
+    paths: list[str]
+    label_mask_paths: list[str] | None = None
+    dtype: Literal["uint16", "uint32"] | None = None
+    eos_token_id: _Count | None = None
+    bos_token_id: _Count | None = None
+    vocab_size: _Count | None = None
+    num_docs: _Count | None = None
+    num_tokens: _Count | None = None
 
 
 def companion(path: Path) -> str | None:
@@ -79,17 +97,18 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
             mask file is missing or of the wrong size.
         OptionsError: no EOS id is known, an option disagrees with ``olmo.json``, or an id is too large.
     """
-    config = _config(path / CONFIG) if path.is_dir() and (path / CONFIG).is_file() else {}
-    if config:
-        tokens = [path / p for p in config["paths"]]
-        masks = [path / p for p in config["label_mask_paths"]] if config.get("label_mask_paths") else None
+    has_config = path.is_dir() and (path / CONFIG).is_file()
+    config = _config(path / CONFIG) if has_config else _Config(paths=[])
+    if has_config:
+        tokens = [path / p for p in config.paths]
+        masks = [path / p for p in config.label_mask_paths] if config.label_mask_paths else None
     else:
         tokens, masks = _discover(path)
-    where = path / CONFIG if config else path
-    dtype = np.dtype(_declared(where, "dtype", config.get("dtype"), options.dtype) or "uint16")
+    where = path / CONFIG if has_config else path
+    dtype = np.dtype(_declared(where, "dtype", config.dtype, options.dtype) or "uint16")
     dtype = dtype.newbyteorder("<")
-    eos = _declared(where, "eos_token_id", config.get("eos_token_id"), options.eos_id)
-    bos = _declared(where, "bos_token_id", config.get("bos_token_id"), options.bos_id)
+    eos = _declared(where, "eos_token_id", config.eos_token_id, options.eos_id)
+    bos = _declared(where, "bos_token_id", config.bos_token_id, options.bos_id)
     if eos is None:
         raise OptionsError(
             f"{path}: OLMo's token files end each document with the EOS id, and none is known: pass eos_id= "
@@ -101,7 +120,7 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
     if masks is not None:
         for mask, span in zip(masks, spans, strict=True):
             _check_mask(mask, span.path, span.count)
-    recorded, num_docs = config.get("num_tokens"), config.get("num_docs")
+    recorded, num_docs = config.num_tokens, config.num_docs
     held = sum(span.count for span in spans)
     if recorded is not None and recorded != held:
         raise CacheError(
@@ -109,7 +128,7 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
             f"files hold {held:,} tokens: a file was cut, emptied or replaced since olmo.json was written. "
             "Export the files again, or remove olmo.json's counts to read them as they are"
         )
-    files = [*tokens, *(masks or []), *([path / CONFIG] if config else [])]
+    files = [*tokens, *(masks or []), *([path / CONFIG] if has_config else [])]
 
     def check(found: list[Found]) -> None:
         # More documents than olmo.json counts is no damage: a document that holds the EOS id (a chat
@@ -122,45 +141,28 @@ def plan(path: Path, options: ForeignOptions) -> ScanPlan:
                 "them again, or remove olmo.json's counts to read them as they are"
             )
 
-    foreign = Foreign("olmo", path, dtype, [], eos, bos, config.get("vocab_size"), files=files)
+    foreign = Foreign("olmo", path, dtype, [], eos, bos, config.vocab_size, files=files)
     return ScanPlan(foreign, spans, Boundary(eos), masks, check)
 
 
-def _config(file: Path) -> dict[str, Any]:
+def _config(file: Path) -> _Config:
     """``olmo.json``, its fields checked."""
     try:
-        config = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raw = file.read_bytes()
+    except OSError as e:
+        raise CacheError(f"{file}: not readable ({e}); {_CONFIG_FIX}") from None
+    config = read_json(raw, _Config, CacheError, str(file), _CONFIG_FIX)
+    masks = config.label_mask_paths
+    if masks is not None and len(masks) != len(config.paths):
         raise CacheError(
-            f"{file}: not readable JSON ({e}); the export writes it last, so rerun the export"
-        ) from None
-    if not isinstance(config, dict):
-        raise CacheError(f"{file}: a JSON {type(config).__name__}, expected an object with paths, dtype...")
-    paths = config.get("paths")
-    if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-        raise CacheError(f"{file}: paths is {paths!r}, expected a list of token file names")
-    masks = config.get("label_mask_paths")
-    if masks is not None and (
-        not isinstance(masks, list) or len(masks) != len(paths) or not all(isinstance(m, str) for m in masks)
-    ):
-        raise CacheError(
-            f"{file}: label_mask_paths is {masks!r}, expected null or a list of {len(paths)} file names (one "
-            "a token file)"
+            f"{file}: label_mask_paths is {masks!r}, expected null or a list of {len(config.paths)} file "
+            "names (one a token file)"
         )
-    remote = [p for p in [*paths, *(masks or [])] if "://" in p]
+    remote = [p for p in [*config.paths, *(masks or [])] if "://" in p]
     if remote:
         raise CacheError(
             f"{file}: {remote[0]} is a URL; streampack opens OLMo token files on a local disk: copy them "
             "beside olmo.json"
-        )
-    for name in ("eos_token_id", "bos_token_id", "vocab_size", "num_docs", "num_tokens"):
-        value = config.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise CacheError(f"{file}: {name} is {value!r}, expected null or a non-negative integer")
-    if config.get("dtype") not in (None, "uint16", "uint32"):
-        raise CacheError(
-            f"{file}: dtype is {config['dtype']!r}, expected uint16 or uint32 (the token dtypes streampack "
-            "reads)"
         )
     return config
 
