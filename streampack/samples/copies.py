@@ -27,14 +27,10 @@ def read_spans(
 ) -> None:
     """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard: each shard's map
     (``tokens_of(shard)``) is looked up once per call, and one map is held at a time."""
-    order = np.argsort(spans.shards, kind="stable")
-    targets = spans.rows if rows is None else rows[spans.rows]
-    copies = _Copies(
-        replace(spans.taken(order), rows=targets[order]),
-        np.zeros(len(order), dtype=np.int64),
-        1,
-        out.shape[1],
-    )
+    ordered = spans.taken(np.argsort(spans.shards, kind="stable"))
+    if rows is not None:
+        ordered = replace(ordered, rows=rows[ordered.rows])
+    copies = _Copies(ordered, np.zeros(len(ordered.rows), dtype=np.int64), 1, out.shape[1])
     copies.apply(0, out, tokens_of, lambda shard: row_view(tokens_of(shard), out.shape[1]))
 
 
