@@ -114,7 +114,8 @@ class Publisher:
             if existing.complete:
                 return existing
         if overwrite or existing is None or not self._staging_matches(manifest, same_build):
-            _empty(self.staging)
+            for key in _CACHE_KEYS:  # its lock stays: the build holds it
+                self.staging.delete(key)
         self.staging.makedirs(LEDGER_DIR)
         self.staging.makedirs(SHARD_DIR)
         write_manifest(self.remote, manifest)
@@ -194,12 +195,6 @@ class Publisher:
 
 class _StagingDamage(CacheError):
     """A shard file in the staging directory differs from its ledger entry's checksum."""
-
-
-def _empty(staging: LocalStore) -> None:
-    """Delete what a staging directory holds of a cache (its lock stays: the build holds it)."""
-    for key in _CACHE_KEYS:
-        staging.delete(key)
 
 
 def check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> None:
