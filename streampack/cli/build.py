@@ -37,14 +37,12 @@ class Flag:
 
     Attributes:
         field: the field's name, which names the click parameter (and the flag, unless ``decls`` does).
-        help: the text ``--help`` shows.
         decls: the option's flags, where they are not ``--field-name`` (``"--tokenizer", "-t"``).
         type: the click type (default: a ``Literal`` field's choices, else what the default is).
-        is_flag: a flag without a value (``--bos``).
-        metavar: what ``--help`` shows for the value.
-        hidden: left out of ``--help`` (tuning knobs).
         shown: the field's default as the option's (``--unit-mb`` counts MB).
         value: the option's value as the field's (``--no-eos`` gives ``eos=False``).
+
+    ``help``, ``is_flag``, ``metavar`` and ``hidden`` are click's.
     """
 
     field: str
