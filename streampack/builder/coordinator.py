@@ -327,23 +327,20 @@ class BuildProgress:
     """A tqdm bar over input bytes, with documents and tokens/s; silent when disabled."""
 
     def __init__(self, enabled: bool, units: Sequence[WorkUnit], progress: Sequence[LedgerEntry]) -> None:
-        from tqdm import tqdm
-
         self.sizes = {u.index: _unit_size(u) for u in units}
         self.read: dict[int, int] = {}
         self.docs = sum(p.docs for p in progress)
         self.tokens = 0
         self.started = time.perf_counter()
-        done = sum(self.sizes[u.index] for u, p in zip(units, progress) if p.done)
-        self.bar = tqdm(
-            total=sum(self.sizes.values()),
-            initial=done,
-            unit="B",
-            unit_scale=True,
-            desc="build",
-            dynamic_ncols=True,
-            disable=not enabled,
-        )
+        self.bar: Any = None
+        if enabled:  # (importing tqdm takes ~0.1 s)
+            from tqdm import tqdm
+
+            done = sum(self.sizes[u.index] for u, p in zip(units, progress) if p.done)
+            total = sum(self.sizes.values())
+            self.bar = tqdm(
+                total=total, initial=done, unit="B", unit_scale=True, desc="build", dynamic_ncols=True
+            )
 
     def update(self, event: dict[str, int]) -> None:
         """Count one batch's documents, tokens and input bytes."""
@@ -352,7 +349,7 @@ class BuildProgress:
         unit = event["unit"]
         step = min(event["bytes"], self.sizes[unit] - self.read.get(unit, 0))
         self.read[unit] = self.read.get(unit, 0) + step
-        if not self.bar.disable:
+        if self.bar is not None:
             self.bar.update(step)
             rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
             self.bar.set_postfix_str(f"{self.docs:,} docs, {rate / 1e6:.2f}M tok/s", refresh=False)
@@ -360,14 +357,16 @@ class BuildProgress:
     def unit_done(self, result: UnitResult) -> None:
         """Complete the bar's share of a finished unit."""
         unit = result.unit_index
-        self.bar.update(self.sizes[unit] - self.read.get(unit, 0))
+        if self.bar is not None:
+            self.bar.update(self.sizes[unit] - self.read.get(unit, 0))
         self.read[unit] = self.sizes[unit]
 
     def __enter__(self) -> BuildProgress:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _unit_size(unit: WorkUnit) -> int:
