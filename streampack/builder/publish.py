@@ -126,7 +126,7 @@ class Publisher:
 
     def unit_done(self, name: str) -> None:
         """Upload a unit that just finished: its checked shard files, then its ledger entry."""
-        self._upload(name, self._staging_entry(name))
+        self._upload(name, read_entry(self.staging, name, self.units[name]))
 
     def finish(self) -> None:
         """Publish the staging directory's complete manifest, once every unit is up.
@@ -163,7 +163,7 @@ class Publisher:
 
     def _upload_from_staging(self, name: str) -> None:
         """Upload a unit the staging directory holds finished; a damaged one is deleted, to be built again."""
-        progress = self._staging_entry(name)
+        progress = read_entry(self.staging, name, self.units[name])
         if not progress.done:
             return
         try:
@@ -171,9 +171,6 @@ class Publisher:
         except (FileNotFoundError, _StagingDamage):
             for key in (ledger_key(name), tokens_key(name), offsets_key(name), mask_key(name)):
                 self.staging.delete(key)
-
-    def _staging_entry(self, name: str) -> LedgerEntry:
-        return read_entry(self.staging, name, self.units[name])
 
     def _upload(self, name: str, progress: LedgerEntry) -> None:
         files = [(tokens_key(name), progress.tokens_checksum), (offsets_key(name), progress.offsets_checksum)]

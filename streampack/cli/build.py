@@ -14,7 +14,7 @@ from typing import Any, get_args, get_type_hints
 import click
 
 from streampack.builder.coordinator import build as build_cache
-from streampack.builder.options import CacheSpec, RunOptions, default
+from streampack.builder.options import CacheSpec, RunOptions
 from streampack.builder.timings import render as render_timings
 from streampack.cli.sources import stacked
 from streampack.errors import OptionsError
@@ -62,7 +62,7 @@ class Flag:
 
     def option(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """The ``click.option`` decorator of this flag."""
-        initial = self.shown(default(self.owner, self.field))
+        initial = self.shown(self.owner.__dataclass_fields__[self.field].default)
         kind = self.type
         if kind is None:
             allowed = get_args(get_type_hints(self.owner)[self.field])
