@@ -118,13 +118,8 @@ class MissingDependencyError(StreampackError, ModuleNotFoundError):
 
 @contextlib.contextmanager
 def extra_needed(user: str, needs: str, extra: str) -> Iterator[None]:
-    """Turn an ``ImportError`` in the block into a :class:`MissingDependencyError` naming the extra.
-
-    Args:
-        user: what needs the dependency (``streampack.torch``).
-        needs: the dependency, as people name it (``PyTorch``).
-        extra: what to install (``torch``, for ``pip install 'streampack[torch]'``).
-    """
+    """Turn an ``ImportError`` in the block into a :class:`MissingDependencyError` naming the extra:
+    ``{user} needs {needs}: pip install 'streampack[{extra}]'`` (``streampack.torch needs PyTorch: ...``)."""
     try:
         yield
     except ImportError as error:

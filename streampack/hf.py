@@ -159,7 +159,9 @@ class LoaderTrainerMixin(_TrainerBase):
             tokens = num_items_in_batch
             if tokens is None:
                 tokens = targets_counted(labels, shifted).sum()
-            loss = (losses * weights).sum() / _at_least_one(tokens)
+            # a batch whose labels are all -100 loses 0
+            least = tokens.clamp(min=1) if hasattr(tokens, "clamp") else max(1, int(tokens))
+            loss = (losses * weights).sum() / least
             if num_items_in_batch is not None and self.args.average_tokens_across_devices:
                 # As the Trainer does: the count is over every device, whose gradients DDP averages.
                 loss = loss * self.accelerator.num_processes
@@ -186,11 +188,6 @@ class Trainer(LoaderTrainerMixin, transformers.Trainer):
 
     See :class:`LoaderTrainerMixin` and the module docs.
     """
-
-
-def _at_least_one(tokens: Any) -> Any:
-    """``tokens`` (a count, a tensor or an int) but at least 1: a batch whose labels are all -100 loses 0."""
-    return tokens.clamp(min=1) if hasattr(tokens, "clamp") else max(1, int(tokens))
 
 
 def _checks_its_dataset(cls: type) -> bool:

@@ -232,9 +232,7 @@ class DataLoader(torch_data.DataLoader):
         try:
             batches = super().__iter__()
             while True:
-                asked = (
-                    time.perf_counter()
-                )  # the clock stops across the yield: the trainer's time is not a wait
+                asked = time.perf_counter()  # stopped across the yield: the trainer's time is not a wait
                 item = next(batches, None)
                 if item is None:
                     return
@@ -277,13 +275,9 @@ class DataLoader(torch_data.DataLoader):
             )
         before = self.loader.order.fingerprint()
         self.dataset.load_state_dict(state, step=step)  # type: ignore[attr-defined, unused-ignore]
-        if self.loader.order.fingerprint() != before:
-            self._restart_workers()
-
-    def _restart_workers(self) -> None:
-        """Let persistent workers go: they hold the order from before a resume changed it."""
         iterator = getattr(self, "_iterator", None)
-        if iterator is not None:
+        if self.loader.order.fingerprint() != before and iterator is not None:
+            # Let persistent workers go: they hold the order from before the resume changed it.
             shutdown = getattr(iterator, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()

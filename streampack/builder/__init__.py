@@ -2,5 +2,5 @@
 
 ``coordinator`` holds :func:`build`; ``options`` the cache's identity and the run's settings; ``pipeline``
 the work units' read -> encode -> write loop; ``executors`` the process pool and Ray; ``publish`` the
-upload to object storage.
+output directory and the upload to object storage.
 """

@@ -114,7 +114,7 @@ def long_record_blocks(unit: OpenUnit, record: int, part: Part) -> Iterator[Bloc
 def _document_blocks(unit: OpenUnit, record: int, pieces: Iterable[str], cuts: CutCount) -> Iterator[Block]:
     """One document's pieces in blocks of about ``batch_chars``; ``cuts`` counts the memory cuts made."""
     spec = unit.spec
-    checked = spec.verify != "none" and verified(unit.task.unit.index, record, spec.verify)
+    checked = verified(unit.task.unit.index, record, spec.verify)
     batch = Batch()
     for piece in pieces:
         if batch.chars >= spec.batch_chars:
@@ -167,7 +167,7 @@ class _Cutter:
             yield from self._add_segments(item)
             return
         assert isinstance(item, str), "a streamed document is cut on the reading thread"
-        checked = self._checked()
+        checked = verified(self.unit.task.unit.index, self.record, self.spec.verify)
         for i, piece in enumerate(self.spec.pieces.split(item, self.cuts)):
             if self.batch.chars >= self.spec.batch_chars:
                 yield self.batch  # mid-document: its counts start with the next batch
@@ -177,7 +177,7 @@ class _Cutter:
 
     def _add_segments(self, segments: Sft) -> Iterator[Batch]:
         """An SFT document: each segment cut into pieces of its own, each piece a target or not."""
-        checked, first = self._checked(), True
+        checked, first = verified(self.unit.task.unit.index, self.record, self.spec.verify), True
         split, batch_chars = self.spec.pieces.split, self.spec.batch_chars
         texts, targets, templates = zip(*segments)
         lengths = list(map(len, texts))
@@ -195,10 +195,6 @@ class _Cutter:
                 self.batch.add_sft(piece, self.record, checked and not template, target, template)
                 first = False
         self.batch.ends_doc[-1] = True
-
-    def _checked(self) -> bool:
-        verify = self.spec.verify
-        return verify != "none" and verified(self.unit.task.unit.index, self.record, verify)
 
 
 def _joined(

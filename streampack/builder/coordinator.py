@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 from streampack.builder.blocks import VERIFY_FIRST, VERIFY_RATE
 from streampack.builder.executors import execute, worker_count
 from streampack.builder.options import BuildKeywords, CacheSpec, RunOptions, VerifyTokens, split_options
-from streampack.builder.progress import BuildProgress
 from streampack.builder.publish import Publisher, check_same_build, default_staging_dir, prepare_directory
-from streampack.builder.tasks import TokenizerRef, UnitSpec, UnitTask, steady_allocator
+from streampack.builder.tasks import TokenizerRef, UnitResult, UnitSpec, UnitTask, steady_allocator
 from streampack.builder.timings import add_up, mark_process_start
 from streampack.errors import OptionsError, StreampackError
 from streampack.format.ledger import LedgerEntry
@@ -258,10 +258,16 @@ def _build_locked(
             if publisher is not None and result.entry.done:
                 publisher.unit_done(shard_name(result.unit_index))
             bar.unit_done(result)
+    rows = [
+        ShardInfo(shard_name(u.index), u.describe(), p.docs, p.tokens, p.tokens_checksum, p.offsets_checksum)
+        for u, p in zip(units, entries)
+    ]
+    if manifest.loss_mask:
+        rows = [replace(row, mask_checksum=p.mask_checksum) for row, p in zip(rows, entries)]
     final = replace(
         manifest,
         complete=True,
-        table=_shard_table(units, entries, manifest.loss_mask),
+        table=ShardTable.from_rows(rows),
         skipped_records=sum(p.skipped for p in entries),
         empty_docs=sum(p.empty_docs for p in entries),
         inexact_cuts=sum(p.inexact_cuts for p in entries),
@@ -277,22 +283,6 @@ def _summarize(summary: BuildSummary, manifest: Manifest) -> BuildSummary:
     summary.num_shards, summary.skipped_records = len(manifest.table), manifest.skipped_records
     summary.empty_docs, summary.inexact_cuts = manifest.empty_docs, manifest.inexact_cuts
     return summary
-
-
-def _shard_table(units: list[WorkUnit], entries: list[LedgerEntry], masked: bool) -> ShardTable:
-    rows = [
-        ShardInfo(
-            shard_name(u.index),
-            u.describe(),
-            p.docs,
-            p.tokens,
-            p.tokens_checksum,
-            p.offsets_checksum,
-            p.mask_checksum if masked else None,
-        )
-        for u, p in zip(units, entries)
-    ]
-    return ShardTable.from_rows(rows)
 
 
 def _paths(inputs: Any) -> list[str | os.PathLike[str]] | None:
@@ -331,3 +321,57 @@ def _plan(
     first = tuple(IgnoredEntry(e.path, e.reason) for e in found.ignored[:20])
     ignored = IgnoredInputs(len(found.ignored), dict(sorted(reasons.items())), first)
     return plan_units(found.files, read), records, ignored
+
+
+class BuildProgress:
+    """A tqdm bar over input bytes, with documents and tokens/s; silent when disabled."""
+
+    def __init__(self, enabled: bool, units: Sequence[WorkUnit], progress: Sequence[LedgerEntry]) -> None:
+        self.sizes = {u.index: _unit_size(u) for u in units}
+        self.read: dict[int, int] = {}
+        self.docs = sum(p.docs for p in progress)
+        self.tokens = 0
+        self.started = time.perf_counter()
+        self.bar: Any = None
+        if enabled:  # (importing tqdm takes ~0.1 s)
+            from tqdm import tqdm
+
+            done = sum(self.sizes[u.index] for u, p in zip(units, progress) if p.done)
+            total = sum(self.sizes.values())
+            self.bar = tqdm(
+                total=total, initial=done, unit="B", unit_scale=True, desc="build", dynamic_ncols=True
+            )
+
+    def update(self, event: dict[str, int]) -> None:
+        """Count one batch's documents, tokens and input bytes."""
+        self.docs += event["docs"]
+        self.tokens += event["tokens"]
+        unit = event["unit"]
+        step = min(event["bytes"], self.sizes[unit] - self.read.get(unit, 0))
+        self.read[unit] = self.read.get(unit, 0) + step
+        if self.bar is not None:
+            self.bar.update(step)
+            rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+            self.bar.set_postfix_str(f"{self.docs:,} docs, {rate / 1e6:.2f}M tok/s", refresh=False)
+
+    def unit_done(self, result: UnitResult) -> None:
+        """Complete the bar's share of a finished unit."""
+        unit = result.unit_index
+        if self.bar is not None:
+            self.bar.update(self.sizes[unit] - self.read.get(unit, 0))
+        self.read[unit] = self.sizes[unit]
+
+    def __enter__(self) -> BuildProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _unit_size(unit: WorkUnit) -> int:
+    if unit.file is None:
+        return 0
+    if unit.stop is not None and unit.file.format == "jsonl":
+        return unit.stop - unit.start
+    return sum(f.size for f in unit.files)

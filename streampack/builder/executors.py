@@ -108,7 +108,15 @@ def run_local(
             "a build worker process died (killed, or out of memory); rerun the same command to resume"
         ) from None
     finally:
-        _terminate(executor)
+        # ProcessPoolExecutor has no public way to stop running tasks before Python 3.14; units are
+        # crash-safe by design, so terminating their processes loses nothing committed.
+        processes = list(getattr(executor, "_processes", {}).values())
+        executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join()
         stop.set()
         forwarder.join()
         events.close()
@@ -138,18 +146,6 @@ class _SpawnContext(multiprocessing.context.SpawnContext):
     Process = _WorkerProcess
 
 
-def _terminate(executor: ProcessPoolExecutor) -> None:
-    # ProcessPoolExecutor has no public way to stop running tasks before Python 3.14; units are
-    # crash-safe by design, so terminating their processes loses nothing committed.
-    processes = list(getattr(executor, "_processes", {}).values())
-    executor.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    for process in processes:
-        process.join()
-
-
 def _forward(events: Any, on_progress: ProgressFn, stop: threading.Event) -> None:
     while not stop.is_set() or not events.empty():
         try:
@@ -162,23 +158,17 @@ def _forward(events: Any, on_progress: ProgressFn, stop: threading.Event) -> Non
 
 def _init_worker(units_fn: UnitsFn, events: Any, coordinator: int, threads: int) -> None:
     global _worker_fn, _worker_queue
-    _die_with_parent(coordinator)
+    if sys.platform.startswith("linux"):
+        # SIGKILL this worker when the coordinator dies, so that an orphan never appends to a shard that
+        # the rerun resumes.
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != coordinator:  # the coordinator died before prctl took effect
+            os._exit(1)
     _worker_fn, _worker_queue = units_fn, events
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     init_worker(threads)
-
-
-def _die_with_parent(coordinator: int) -> None:
-    """Ask Linux to SIGKILL this worker when the coordinator dies, so that an orphan never appends to a
-    shard that the rerun resumes."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != coordinator:  # the coordinator died before prctl took effect
-        os._exit(1)
 
 
 def _run_in_worker(task: Any) -> Any:
@@ -225,21 +215,32 @@ def run_ray(
         numbers = {ref: number for number, ref in enumerate(pending, 1)}
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=_RAY_POLL_SECONDS)
-            _forward_queued(events, on_progress)  # a task's events are all queued before it returns
+            waiting = events.qsize()  # a task's events are all queued before it returns
+            for event in events.get_nowait_batch(waiting) if waiting else ():
+                on_progress(event)
             for ref in done:
-                node, result = _ray_result(ray, ref)
+                node, result = ray.get(ref)
                 _log.debug("unit task %d of %d ran on Ray node %s", numbers[ref], len(numbers), node)
                 yield result
     except ray.exceptions.RayError as e:
         cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) else e
+        if isinstance(cause, StreampackError):
+            raise cause from None
         if not isinstance(cause, ray.exceptions.RayError):
             raise  # a bug in the units' code, not a failure of Ray: keep its traceback
         raise WorkerDiedError(
             f"a Ray worker of the build failed ({type(cause).__name__}: killed, out of memory, or its node "
             "was lost); rerun the same command to resume"
         ) from None
-    finally:
-        _stop_ray(ray, pending, events, started_here)
+    finally:  # cancel the tasks still running and stop the queue; those that died need no stopping
+        for ref in pending:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.cancel(ref, force=True)
+        if events is not None:
+            with contextlib.suppress(ray.exceptions.RayError):
+                events.shutdown()
+        if started_here:
+            ray.shutdown()
 
 
 def _connect(ray: Any, address: str | None) -> None:
@@ -270,35 +271,6 @@ def _probe(address: str) -> None:
             "allowed): start it (`ray start --head --port PORT` on the head node) or pass the address that "
             "`ray status` shows there"
         ) from None
-
-
-def _stop_ray(ray: Any, pending: list[Any], events: Any, started_here: bool) -> None:
-    """Cancel the tasks still running and stop the queue; those that already died need no stopping."""
-    for ref in pending:
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.cancel(ref, force=True)
-    if events is not None:
-        with contextlib.suppress(ray.exceptions.RayError):
-            events.shutdown()
-    if started_here:
-        ray.shutdown()
-
-
-def _forward_queued(events: Any, on_progress: ProgressFn) -> None:
-    waiting = events.qsize()
-    if waiting:
-        for event in events.get_nowait_batch(waiting):
-            on_progress(event)
-
-
-def _ray_result(ray: Any, ref: Any) -> Any:
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as e:
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, StreampackError):
-            raise cause from None
-        raise
 
 
 def _run_ray_task(units_fn: UnitsFn, task: Any, threads: int | None, events: Any) -> Any:

@@ -1,6 +1,6 @@
 """The settings of a build: what identifies a cache (:class:`CacheSpec`, recorded and compared on resume)
 apart from how a run goes (:class:`RunOptions`, which never change the bytes). The CLI takes its defaults
-from here."""
+and choices from here."""
 
 from __future__ import annotations
 
@@ -258,8 +258,3 @@ def split_options(
     spec = dataclasses.replace(spec or CacheSpec(), **{k: v for k, v in options.items() if k in spec_names})
     run = dataclasses.replace(run or RunOptions(), **{k: v for k, v in options.items() if k in run_names})
     return spec, run
-
-
-def default(cls: type[CacheSpec] | type[RunOptions], name: str) -> Any:
-    """The default of field ``name`` of ``cls`` (for the CLI, so that each default is written once)."""
-    return next(f.default for f in fields(cls) if f.name == name)

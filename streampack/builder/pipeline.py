@@ -2,7 +2,7 @@
 
 This thread reads each unit's records; helper threads parse, cut, encode and frame them in blocks
 (:mod:`~streampack.builder.blocks`); a writer thread appends the blocks' tokens to their shard in input order
-(:mod:`~streampack.builder.writerthread`), committing every ``commit_bytes`` or ``commit_seconds``. The next
+(:mod:`~streampack.builder.writer`), committing every ``commit_bytes`` or ``commit_seconds``. The next
 unit starts reading while the last blocks of the one before it still encode, so the cores never wait.
 """
 
@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 from streampack.builder.blocks import (
     NO_ENDS,
@@ -61,7 +60,8 @@ def run_units(
     own (units run in the coordinating process); worker processes load theirs.
     """
     steady_allocator()
-    with _Pipeline(report) as pipeline:
+    pipeline = _Pipeline(report)
+    try:
         for task in tasks:
             name = shard_name(task.unit.index)
             progress = read_entry(Path(task.spec.root), name, task.unit.describe())
@@ -77,6 +77,8 @@ def run_units(
             yield from pipeline.take_finished()
         pipeline.drain()
         yield from pipeline.take_finished()
+    finally:
+        pipeline.close()
 
 
 @dataclass
@@ -104,15 +106,11 @@ class _Pipeline:
         self.watch = Stopwatch()
         self.failed = False  # a block's error was raised, after what came before it was committed
 
-    def __enter__(self) -> _Pipeline:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def close(self) -> None:
+        """Stop the threads; units cut short by an error keep only what they committed."""
         self.encoder.shutdown(wait=True, cancel_futures=True)
         self.writer.stop()
-        for unit in self.open_units:  # units cut short by an error keep only what they committed
+        for unit in self.open_units:
             unit.writer.close()
 
     def read(self, task: UnitTask, progress: LedgerEntry, tokenizer: Tokenizer) -> None:

@@ -114,7 +114,8 @@ class Publisher:
             if existing.complete:
                 return existing
         if overwrite or existing is None or not self._staging_matches(manifest, same_build):
-            _empty(self.staging)
+            for key in _CACHE_KEYS:  # its lock stays: the build holds it
+                self.staging.delete(key)
         self.staging.makedirs(LEDGER_DIR)
         self.staging.makedirs(SHARD_DIR)
         write_manifest(self.remote, manifest)
@@ -125,7 +126,7 @@ class Publisher:
 
     def unit_done(self, name: str) -> None:
         """Upload a unit that just finished: its checked shard files, then its ledger entry."""
-        self._upload(name, self._staging_entry(name))
+        self._upload(name, read_entry(self.staging, name, self.units[name]))
 
     def finish(self) -> None:
         """Publish the staging directory's complete manifest, once every unit is up.
@@ -162,7 +163,7 @@ class Publisher:
 
     def _upload_from_staging(self, name: str) -> None:
         """Upload a unit the staging directory holds finished; a damaged one is deleted, to be built again."""
-        progress = self._staging_entry(name)
+        progress = read_entry(self.staging, name, self.units[name])
         if not progress.done:
             return
         try:
@@ -170,9 +171,6 @@ class Publisher:
         except (FileNotFoundError, _StagingDamage):
             for key in (ledger_key(name), tokens_key(name), offsets_key(name), mask_key(name)):
                 self.staging.delete(key)
-
-    def _staging_entry(self, name: str) -> LedgerEntry:
-        return read_entry(self.staging, name, self.units[name])
 
     def _upload(self, name: str, progress: LedgerEntry) -> None:
         files = [(tokens_key(name), progress.tokens_checksum), (offsets_key(name), progress.offsets_checksum)]
@@ -194,12 +192,6 @@ class Publisher:
 
 class _StagingDamage(CacheError):
     """A shard file in the staging directory differs from its ledger entry's checksum."""
-
-
-def _empty(staging: LocalStore) -> None:
-    """Delete what a staging directory holds of a cache (its lock stays: the build holds it)."""
-    for key in _CACHE_KEYS:
-        staging.delete(key)
 
 
 def check_same_build(root: Path | str, existing: Manifest, new: Manifest) -> None:

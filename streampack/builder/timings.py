@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
+_END = object()
 
 # The order of the table's rows; timings not listed follow in the order met.
 TIMINGS = (
@@ -93,13 +94,11 @@ class Stopwatch:
         iterator = iter(items)
         while True:
             previous = self.switch(timing)
-            try:
-                item = next(iterator)
-            except StopIteration:
-                self.switch(previous)
-                return
+            item = next(iterator, _END)
             self.switch(previous)
-            yield item
+            if item is _END:
+                return
+            yield item  # type: ignore[misc]
 
     def add(self, timing: str, wall: float) -> None:
         """Add wall seconds measured on another thread to ``timing`` (its CPU is in the process's)."""

@@ -42,7 +42,6 @@ class ShardWriter:
     def __init__(
         self, root: Path, name: str, dtype: np.dtype, progress: LedgerEntry, *, masked: bool = False
     ) -> None:
-        self.root = root
         self.name = name
         self.dtype = np.dtype(dtype)
         self.progress = progress

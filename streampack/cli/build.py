@@ -14,7 +14,7 @@ from typing import Any, get_args, get_type_hints
 import click
 
 from streampack.builder.coordinator import build as build_cache
-from streampack.builder.options import CacheSpec, RunOptions, default
+from streampack.builder.options import CacheSpec, RunOptions
 from streampack.builder.timings import render as render_timings
 from streampack.cli.sources import stacked
 from streampack.errors import OptionsError
@@ -37,14 +37,12 @@ class Flag:
 
     Attributes:
         field: the field's name, which names the click parameter (and the flag, unless ``decls`` does).
-        help: the text ``--help`` shows.
         decls: the option's flags, where they are not ``--field-name`` (``"--tokenizer", "-t"``).
         type: the click type (default: a ``Literal`` field's choices, else what the default is).
-        is_flag: a flag without a value (``--bos``).
-        metavar: what ``--help`` shows for the value.
-        hidden: left out of ``--help`` (tuning knobs).
         shown: the field's default as the option's (``--unit-mb`` counts MB).
         value: the option's value as the field's (``--no-eos`` gives ``eos=False``).
+
+    ``help``, ``is_flag``, ``metavar`` and ``hidden`` are click's.
     """
 
     field: str
@@ -64,7 +62,7 @@ class Flag:
 
     def option(self) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """The ``click.option`` decorator of this flag."""
-        initial = self.shown(default(self.owner, self.field))
+        initial = self.shown(self.owner.__dataclass_fields__[self.field].default)
         kind = self.type
         if kind is None:
             allowed = get_args(get_type_hints(self.owner)[self.field])
@@ -254,12 +252,9 @@ def build(inputs: tuple[str, ...], out: str, **given: Any) -> None:
     except OptionsError as e:
         raise click.UsageError(in_cli_terms(str(e))) from None
     summary = build_cache(list(inputs), out, spec=spec, run=run)
-    resumed = ""
-    if summary.units_already_done or summary.units_resumed:
-        resumed = (
-            f" (resumed: {summary.units_already_done} units already done, {summary.units_resumed} partial)"
-        )
-    shards = f"{summary.num_shards} shard{'s' if summary.num_shards != 1 else ''}"
+    done, partial = summary.units_already_done, summary.units_resumed
+    resumed = f" (resumed: {done} units already done, {partial} partial)" if done or partial else ""
+    shards = f"{summary.num_shards} shard{'' if summary.num_shards == 1 else 's'}"
     click.echo(
         f"built {summary.out}: {summary.num_docs:,} documents, {summary.num_tokens:,} tokens in {shards}, "
         f"{summary.seconds:.1f} s{resumed}"
@@ -267,11 +262,9 @@ def build(inputs: tuple[str, ...], out: str, **given: Any) -> None:
     if summary.tokenizer_engine:
         click.echo(f"tokenizer engine: {summary.tokenizer_engine}")
     if summary.skipped_records:
-        noun = "record" if summary.skipped_records == 1 else "records"
-        click.echo(f"skipped {summary.skipped_records:,} bad {noun} (--on-bad-record skip)")
+        click.echo(f"skipped {_counted(summary.skipped_records, 'bad record')} (--on-bad-record skip)")
     if summary.empty_docs:
-        noun = "document" if summary.empty_docs == 1 else "documents"
-        click.echo(f"left out {summary.empty_docs:,} empty or whitespace-only {noun}")
+        click.echo(f"left out {_counted(summary.empty_docs, 'empty or whitespace-only document')}")
     if summary.inexact_cuts:
         click.echo(
             f"note: {summary.inexact_cuts:,} cuts of very long documents may have changed the tokens next to "
@@ -279,6 +272,10 @@ def build(inputs: tuple[str, ...], out: str, **given: Any) -> None:
         )
     if run.profile:
         click.echo(render_timings(summary.timings, summary.seconds, summary.workers))
+
+
+def _counted(count: int, noun: str) -> str:
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
 _CLI_TERMS = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,9 +66,4 @@ def _demo_batches(cache: object) -> list[np.ndarray]:
     from streampack.loader import Loader
 
     loader = Loader(cache.sequences(DEMO_SEQ_LEN), batch_size=DEMO_BATCH, seed=0)  # type: ignore[attr-defined]
-    batches = []
-    for batch in loader:
-        batches.append(batch)
-        if len(batches) == 3:
-            break
-    return batches
+    return list(itertools.islice(loader, 3))

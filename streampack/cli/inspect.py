@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +14,8 @@ import numpy as np
 from streampack.builder.coordinator import engine_summary
 from streampack.cli.sources import declared, source_options
 from streampack.errors import StreampackError, TokenizerError
-from streampack.format.manifest import FORMAT_VERSION, Manifest
+from streampack.format.manifest import FORMAT_VERSION
 from streampack.format.names import OFFSET_DTYPE
-from streampack.format.sections import EngineRecord, IgnoredInputs, InputRecord
 from streampack.reader import Cache
 from streampack.reader import open as open_cache
 from streampack.reader.verify import verify as verify_cache
@@ -54,11 +52,30 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
     size = cache.num_tokens * cache.dtype.itemsize + cache.num_docs * OFFSET_DTYPE.itemsize
     if cache.has_loss_mask:
         size += cache.num_tokens  # one byte per token
-    tokenizer = cache.manifest.tokenizer
+    manifest = cache.manifest
+    tokenizer, settings, ignored = manifest.tokenizer, manifest.settings, manifest.ignored_inputs
     remote = isinstance(cache.store, CachedStore)
     where: dict[str, Any] = {"path": cache.store.uri if remote else str(cache.root)}
     if remote:
         where["local_copy"] = str(cache.root)
+    if settings.fields:
+        sft = f"fields {', '.join(settings.fields)} (loss on {settings.fields[-1]} and EOS; loss mask: yes)"
+    elif settings.chat:
+        sft = f"chat messages in {settings.chat!r} (loss on assistant turns and EOS; loss mask: yes)"
+    else:
+        sft = "no (plain text; no loss mask)"
+    paths = [i.path for i in manifest.inputs]
+    inputs = (
+        ", ".join(paths) or "none" if len(paths) <= 2 else f"{len(paths):,} files: {paths[0]} .. {paths[-1]}"
+    )
+    skipped = "none"
+    if ignored.count:  # entries of the input directories and globs that were not read, by reason
+        reasons = ", ".join(f"{n:,} {reason}" for reason, n in ignored.by_reason.items())
+        skipped = f"{ignored.count:,} ({reasons}), e.g. {ignored.first[0].path} ({ignored.first[0].reason})"
+    inexact = f"{manifest.inexact_cuts:,}"
+    if tokenizer.cuts:  # why cuts at spaces are exact or not
+        exact = "exact" if tokenizer.cuts.exact else "not proven exact"
+        inexact += f"; cuts at spaces: {exact} ({tokenizer.cuts.reason})"
     return {
         **where,
         "num_docs": cache.num_docs,
@@ -70,16 +87,16 @@ def cache_stats(cache: Cache) -> dict[str, Any]:
         "dtype": cache.dtype.name,
         "eos_id": cache.eos_id,
         "bos_id": cache.bos_id,
-        "special_tokens": cache.manifest.settings.special_tokens or "not recorded",
-        "tokenizer_engine": _engines_summary(cache.manifest.engines),
-        "sft": _sft_summary(cache.manifest),
+        "special_tokens": settings.special_tokens or "not recorded",
+        "tokenizer_engine": "; then ".join(map(engine_summary, manifest.engines)) or "not recorded",
+        "sft": sft,
         "loss_mask": cache.has_loss_mask,
         "no_target_docs": _no_target_docs(cache),
-        "inputs": _inputs_read(cache.manifest.inputs),
-        "ignored_inputs": _ignored_summary(cache.manifest.ignored_inputs),
-        "skipped_records": cache.manifest.skipped_records,
-        "empty_docs": cache.manifest.empty_docs,
-        "inexact_cuts": _cuts_summary(cache.manifest),
+        "inputs": inputs or "none",
+        "ignored_inputs": skipped,
+        "skipped_records": manifest.skipped_records,
+        "empty_docs": manifest.empty_docs,
+        "inexact_cuts": inexact,
         "doc_tokens_mean": round(float(lengths.mean()), 1) if len(lengths) else 0.0,
         "doc_tokens_p50": int(quantiles[0]),
         "doc_tokens_p99": int(quantiles[1]),
@@ -99,48 +116,6 @@ def _no_target_docs(cache: Cache) -> int:
         mask = cache.shard_loss_mask(shard) if cache.has_loss_mask else None
         count += int(np.count_nonzero(~has_target(mask, starts[keep], (ends - starts)[keep])))
     return count
-
-
-def _engines_summary(engines: list[EngineRecord]) -> str:
-    """Which engines computed the ids, why, and how they were verified."""
-    if not engines:
-        return "not recorded"
-    return "; then ".join(engine_summary(e) for e in engines)
-
-
-def _sft_summary(manifest: Manifest) -> str:
-    """What an SFT build made its documents of."""
-    fields, chat = manifest.settings.fields, manifest.settings.chat
-    if fields:
-        return f"fields {', '.join(fields)} (loss on {fields[-1]} and EOS; loss mask: yes)"
-    if chat:
-        return f"chat messages in {chat!r} (loss on assistant turns and EOS; loss mask: yes)"
-    return "no (plain text; no loss mask)"
-
-
-def _inputs_read(inputs: Sequence[InputRecord]) -> str:
-    paths = [i.path for i in inputs]
-    if len(paths) <= 2:
-        return ", ".join(paths) or "none"
-    return f"{len(paths):,} files: {paths[0]} .. {paths[-1]}"
-
-
-def _ignored_summary(ignored: IgnoredInputs) -> str:
-    """Entries of the input directories and globs that were not read, by reason."""
-    if not ignored.count:
-        return "none"
-    reasons = ", ".join(f"{n:,} {reason}" for reason, n in ignored.by_reason.items())
-    first = ignored.first[0]
-    return f"{ignored.count:,} ({reasons}), e.g. {first.path} ({first.reason})"
-
-
-def _cuts_summary(manifest: Manifest) -> str:
-    """How many cuts of long documents may have changed tokens, and why cuts at spaces are exact or not."""
-    cuts = manifest.tokenizer.cuts
-    if not cuts:
-        return f"{manifest.inexact_cuts:,}"
-    exact = "exact" if cuts.exact else "not proven exact"
-    return f"{manifest.inexact_cuts:,}; cuts at spaces: {exact} ({cuts.reason})"
 
 
 @click.command()
