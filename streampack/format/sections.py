@@ -61,9 +61,6 @@ class Cuts(Section):
     section_name: ClassVar[str] = "tokenizer.cuts"
 
 
-_CUTS = section_kind(Cuts)
-
-
 #: The tokenizer kind of another format's token files whose tokenizer nobody declared: a mixture checks
 #: it against no other source's.
 UNDECLARED = "undeclared"
@@ -89,7 +86,7 @@ class TokenizerInfo(Section):
     vocab_size: int = key(INT, required=True)
     sha256: str | None = key(STR, None, omit=True)
     spec: str | None = key(STR, None, omit=True)
-    cuts: Cuts | None = key(_CUTS, None, omit=True)  # noqa: RUF009 (key makes a dataclasses.field)
+    cuts: Cuts | None = key(section_kind(Cuts), None, omit=True)  # noqa: RUF009 (a field)
     chat_template_sha256: str | None = key(STR, None, omit=True)
 
     section_name: ClassVar[str] = "tokenizer"
@@ -228,9 +225,6 @@ class Verification(Section):
     section_name: ClassVar[str] = "engines[].verify"
 
 
-_VERIFICATION = section_kind(Verification)
-
-
 @dataclass(frozen=True)
 class EngineRecord(Section):
     """One engine that computed ids over the runs of a build (the manifest's ``engines[i]``).
@@ -242,7 +236,7 @@ class EngineRecord(Section):
     version: str = key(STR, required=True)
     reference: str | None = key(STR, None, omit=True)
     why: str | None = key(STR, None, omit=True)
-    verify: Verification | None = key(_VERIFICATION, None, omit=True)  # noqa: RUF009 (a field too)
+    verify: Verification | None = key(section_kind(Verification), None, omit=True)  # noqa: RUF009
 
     section_name: ClassVar[str] = "engines[]"
 
@@ -257,9 +251,6 @@ class IgnoredEntry(Section):
     section_name: ClassVar[str] = "ignored_inputs.first[]"
 
 
-_IGNORED_ENTRIES = sections_kind(IgnoredEntry)
-
-
 @dataclass(frozen=True)
 class IgnoredInputs(Section):
     """What discovery skipped (the manifest's ``ignored_inputs``; ``{}``, all defaults, when nothing).
@@ -272,7 +263,7 @@ class IgnoredInputs(Section):
 
     count: int = key(COUNT, 0, omit=True)
     by_reason: Mapping[str, int] = key(COUNTS, {}, omit=True)
-    first: tuple[IgnoredEntry, ...] = key(_IGNORED_ENTRIES, (), omit=True)
+    first: tuple[IgnoredEntry, ...] = key(sections_kind(IgnoredEntry), (), omit=True)
 
     section_name: ClassVar[str] = "ignored_inputs"
 
