@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +22,7 @@ from streampack.format.names import (
     OFFSET_DTYPE,
     SHARD_DIR,
     checksum_text,
+    crc32,
     mask_key,
     offsets_key,
     shard_name,
@@ -262,7 +262,7 @@ class ShardFiles:
         with _checked_lock:
             known = identity in _checked_offsets
         if not known:
-            actual = checksum_text(zlib.crc32(mapped.data) if len(mapped) else 0)
+            actual = checksum_text(crc32(mapped))
             if actual != expected:
                 raise CacheError(
                     f"{path}: checksum {actual} does not match the manifest's {expected}: the table of where "

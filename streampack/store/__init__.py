@@ -162,10 +162,6 @@ class LocalStore:
         """The path of ``key``, as messages show it."""
         return str(self.path(key))
 
-    def is_dir(self) -> bool:
-        """Whether the cache directory exists."""
-        return self.root.is_dir()
-
     def exists(self, key: str) -> bool:
         """Whether ``key`` exists (a file or a folder)."""
         return self.path(key).exists()

@@ -41,7 +41,7 @@ def load_manifest(root: Path | Store) -> Manifest:
     """
     store = _store(root)
     path = store.describe(MANIFEST)
-    if isinstance(store, LocalStore) and not store.is_dir():
+    if isinstance(store, LocalStore) and not store.root.is_dir():
         raise CacheError(f"{store.root}: no such cache directory")
     raw = store.read_json(MANIFEST, what="manifest")
     return parse_manifest(raw, path)
@@ -59,7 +59,7 @@ def upgrade_manifest(root: str | os.PathLike[str]) -> int:
         BuildLockedError: a build holds the cache's lock.
     """
     store = LocalStore(root)
-    if not store.is_dir() or not store.exists(MANIFEST):
+    if not store.root.is_dir() or not store.exists(MANIFEST):
         raise CacheError(f"{store.root}: not a streampack cache (no {MANIFEST})")
     with store.lock(LOCK):
         raw = store.read_json(MANIFEST, what="manifest")

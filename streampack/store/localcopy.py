@@ -42,7 +42,7 @@ import tempfile
 import threading
 import time
 import weakref
-import zlib
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,7 @@ import numpy as np
 
 from streampack._checks import check_int_or_none
 from streampack.errors import CacheError, OptionsError
-from streampack.format.names import SHARD_DIR
+from streampack.format.names import SHARD_DIR, crc32
 from streampack.store import Expected, LocalStore
 from streampack.store.pressure import PRESSURE, WATCHER, forget_release, on_release, release_maps
 from streampack.store.remote import RemoteStore
@@ -214,10 +214,9 @@ class CachedStore(LocalStore):
         self._expected = dict(files)
         if self.max_local_bytes is None:
             return
-        shards: dict[str, int] = {}
+        shards: Counter[str] = Counter()
         for key, expected in files.items():
-            stem = key.rsplit(".", 1)[0]
-            shards[stem] = shards.get(stem, 0) + blocks(expected.size)
+            shards[key.rsplit(".", 1)[0]] += blocks(expected.size)
         largest = max(shards.values(), default=0)
         if self.max_local_bytes < largest:
             raise OptionsError(
@@ -465,7 +464,7 @@ def download(remote: RemoteStore, key: str, expected: Expected, fd: int) -> None
                 "manifest says; the cache in object storage is damaged: rebuild it"
             )
         os.pwrite(fd, chunk, done)
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         done += len(chunk)
     if done != expected.size:
         raise CacheError(

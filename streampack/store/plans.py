@@ -23,7 +23,6 @@ import shutil
 import tempfile
 import threading
 import warnings
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +32,7 @@ import msgspec
 import numpy as np
 
 from streampack.errors import CacheError, read_json
-from streampack.format.names import checksum_text, content_checksum, with_checksum
+from streampack.format.names import checksum_text, content_checksum, crc32, with_checksum
 from streampack.store import LocalStore
 
 __all__ = ["PLAN_ARRAYS", "PlanIdentity", "StoredPlan", "inspect_plan", "load_plan", "plan_key", "stored"]
@@ -300,7 +299,7 @@ def _check_files(
     if recheck or known != (checksum, tuple(identities)):
         for name in PLAN_ARRAYS:
             expected = getattr(facts.files, name).crc32
-            actual = _crc(arrays[name])
+            actual = checksum_text(crc32(arrays[name]))
             if actual != expected:
                 raise PlanDamage(
                     f"{directory / f'{name}.bin'}: checksum {actual} does not match the plan's "
@@ -334,14 +333,6 @@ def _map(path: Path, dtype: np.dtype, entry: _File) -> tuple[np.ndarray, tuple[i
         return np.frombuffer(mmap.mmap(fd, expected, access=mmap.ACCESS_READ), dtype=dtype), identity
     finally:
         os.close(fd)
-
-
-def _crc(array: np.ndarray) -> str:
-    crc = 0
-    data = array.data.cast("B")
-    for start in range(0, len(data), _CHUNK_ITEMS * 8):
-        crc = zlib.crc32(data[start : start + _CHUNK_ITEMS * 8], crc)
-    return checksum_text(crc)
 
 
 def _check_structure(
@@ -405,7 +396,7 @@ def _write(
             for name, values in table.items():
                 data = values.astype(np.dtype(PLAN_ARRAYS[name]).newbyteorder("<")).tobytes()
                 files[name].write(data)
-                crcs[name] = zlib.crc32(data, crcs[name])
+                crcs[name] = crc32(data, crcs[name])
                 counts[name] += len(values)
     finally:
         for file in files.values():
