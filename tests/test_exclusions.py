@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +15,10 @@ from hypothesis import strategies as st
 import streampack
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader import Exclusions, Loader
-from streampack.loader.excluding import excluded_samples
+from streampack.loader.excluding import Skipping, excluded_samples
 from streampack.loader.exclusions import token_hash
 from streampack.loader.history import StepCount
+from streampack.order import Shuffled
 from streampack.order.mixture import Mixture
 from streampack.testing.caches import write_cache
 
@@ -479,3 +482,39 @@ def test_a_state_saved_before_steps_were_counted_through_the_history_resumes_as_
     assert old.exclusions_state()[0]["batch_size"] == 2
     same = Loader(seqs, batch_size=4, seed=1, exclude=Exclusions(positions=[(24, 28)]))
     assert _indices(old, 20, 60) == _indices(same, 20, 60)
+
+
+def test_skipped_positions_are_the_same_when_a_prefetch_thread_maps_positions_at_once() -> None:
+    """A remote cache's prefetch thread maps the positions of batches ahead while the trainer's thread
+    reads: both extend the skip exclusion's chunk counts, which must not count a chunk twice (every
+    position after it would serve another sample) nor lose a kept chunk under the other (an IndexError)."""
+    size = 1 << 22
+    base = Shuffled(size, seed=3, shuffle=True, epochs=None, data=None, name="data")
+    keys = np.unique(np.random.default_rng(0).integers(0, size, 200_000)).astype(np.int64)
+    no_ranges = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    stop = 1_500_000
+    expected = Skipping(base, 10, keys, no_ranges)(np.arange(stop, dtype=np.int64))[1]
+    problems: list[str] = []
+
+    def read(order: Skipping, stride: int) -> None:
+        try:
+            for lo in range(0, stop, stride):
+                got = order(np.arange(lo, min(lo + stride, stop), dtype=np.int64))[1]
+                if not np.array_equal(got, expected[lo : lo + len(got)]):
+                    problems.append(f"positions {lo}-{lo + len(got)} differ")
+        except Exception as error:  # a thread's failure is reported by the test
+            problems.append(repr(error))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, as a busy trainer does
+    try:
+        for _ in range(3):
+            order = Skipping(base, 10, keys, no_ranges)
+            threads = [threading.Thread(target=read, args=(order, 4096 * k)) for k in (1, 2, 3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert problems == []

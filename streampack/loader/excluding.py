@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -195,17 +196,32 @@ class Skipping:
         self._kept: dict[int, np.ndarray | None] = {}
         self._end: int | None = None
         self._ended = False  # every chunk up to base's end is counted
+        # A prefetch thread maps positions ahead while the trainer's thread reads: the counts and kept
+        # chunks are extended under this lock, or two threads count one chunk twice and shift every
+        # position after it.
+        self._lock = threading.RLock()
 
     def __repr__(self) -> str:
         return f"Skipping({self.base!r}, at={self.at}, samples={len(self.keys)}, ranges={len(self.starts)})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__ | {"_kept": {}}
+        return self.__dict__ | {"_kept": {}, "_lock": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.RLock())
 
     def _good(self, chunk: int) -> np.ndarray | None:
         """The good positions of ``chunk`` (None: all of them)."""
-        if chunk in self._kept:
-            return self._kept[chunk]
+        with self._lock:
+            if chunk in self._kept:
+                return self._kept[chunk]
+            good = self._find_good(chunk)
+            if len(self._kept) >= _KEPT:
+                self._kept.pop(next(iter(self._kept)))
+            self._kept[chunk] = good
+            return good
+
+    def _find_good(self, chunk: int) -> np.ndarray | None:
         lo = self.at + chunk * _CHUNK
         end = self.base.end
         hi = lo + _CHUNK if end is None else min(lo + _CHUNK, end)
@@ -216,14 +232,14 @@ class Skipping:
             bad |= _isin_sorted((sources.astype(np.int64) << _SOURCE_SHIFT) | samples, self.keys)
         if len(self.starts) and self.starts[0] < hi and self.stops[-1] > lo:
             bad |= _in_ranges(positions, self.starts, self.stops)
-        good = None if not bad.any() else positions[~bad]
-        if len(self._kept) >= _KEPT:
-            self._kept.pop(next(iter(self._kept)))
-        self._kept[chunk] = good
-        return good
+        return None if not bad.any() else positions[~bad]
 
     def _count_until(self, served: int) -> None:
         """Count chunks until more than ``served`` good positions are known, or base's end."""
+        with self._lock:
+            self._count_chunks(served)
+
+    def _count_chunks(self, served: int) -> None:
         end = self.base.end
         while self._counts[-1] <= served and not self._ended:
             chunk = len(self._counts) - 1
