@@ -4,8 +4,11 @@ resume."""
 from __future__ import annotations
 
 import json
+import sys
+import threading
 from collections import Counter
 from itertools import islice
+from typing import Any
 
 import numpy as np
 import pytest
@@ -469,3 +472,41 @@ def test_sources_of_mixed_signedness_give_integer_batches() -> None:
     )
     batch = Loader(mix, batch_size=4, dtype=None).batch(0)
     assert batch.dtype == np.int64 and sorted(j for j, _ in decode(batch)) == [0, 0, 1, 1]
+
+
+def test_a_mixture_order_read_by_two_threads_at_once_serves_what_one_thread_serves() -> None:
+    """A remote cache's prefetch thread maps the positions of the batches ahead while the trainer's thread
+    reads: the mixture's cache of recent blocks is shared by both (evicted in place, two threads popped
+    one block: a KeyError)."""
+    data = {"a": np.zeros((100_000, 2), np.int32), "b": np.ones((70_000, 2), np.int32)}
+
+    def order() -> Any:
+        return Loader(Mixture(data, {"a": 2, "b": 1}, block_size=8, seed=5), batch_size=8).order
+
+    stop = 40_000
+    sources, samples = order()(np.arange(stop, dtype=np.int64))
+    problems: list[str] = []
+
+    def read(mixed: Any, stride: int) -> None:
+        try:
+            for lo in range(0, stop, stride):
+                got = mixed(np.arange(lo, min(lo + stride, stop), dtype=np.int64))
+                want = (sources[lo : lo + stride], samples[lo : lo + stride])
+                if not (np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])):
+                    problems.append(f"positions from {lo} differ")
+        except Exception as error:  # a thread's failure is reported by the test
+            problems.append(repr(error))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, as a busy trainer does
+    try:
+        for _ in range(3):
+            mixed = order()
+            threads = [threading.Thread(target=read, args=(mixed, k)) for k in (64, 96, 128)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert problems == []

@@ -272,9 +272,13 @@ def _look_up(table: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return table[offsets].astype(np.int64)
 
 
-def kept(recent: dict[int, Any], key: int, value: Any) -> dict[int, Any]:
-    """``recent``'s last entry and ``key: value``, in a new dict: a prefetch thread may be reading the old."""
-    return {**dict(list(recent.items())[-1:]), key: value}
+def kept(recent: dict[int, Any], key: int, value: Any, keep: int = 1) -> dict[int, Any]:
+    """``recent``'s last ``keep`` entries and ``key: value``, in a new dict.
+
+    A cache replaced whole, never changed in place: a prefetch thread may be reading the old one (evicting
+    in place, two threads pop one key: a KeyError).
+    """
+    return {**dict(list(recent.items())[-keep:]), key: value}
 
 
 def groups(keys: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:

@@ -24,7 +24,7 @@ import numpy as np
 from streampack._checks import check_choice, check_int
 from streampack.errors import OptionsError
 from streampack.format.sections import UNDECLARED
-from streampack.order import count_batches, data_fingerprint, derive, groups, schedule
+from streampack.order import count_batches, data_fingerprint, derive, groups, kept, schedule
 from streampack.order.blockshuffle import BlockShuffle, check_shuffle, shuffle_fingerprint, single_order
 from streampack.order.permutation import Permutation
 from streampack.order.schedule import Counts, summary
@@ -187,9 +187,7 @@ class Mixture:
             by_source = np.argsort(labels, kind="stable")
             ranks = np.empty_like(ranks)
             ranks[by_source] = np.arange(self.block_size, dtype=np.int64) - firsts
-        if len(self._blocks) >= _CACHED_BLOCKS:
-            self._blocks.pop(next(iter(self._blocks)))
-        self._blocks[block] = (labels, ranks)
+        self._blocks = kept(self._blocks, block, (labels, ranks), keep=_CACHED_BLOCKS - 1)
         return labels, ranks
 
     def consumed(self, position: int) -> list[int]:

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from streampack._checks import check_int
-from streampack.order import groups
+from streampack.order import groups, kept
 from streampack.samples.batches import Index, check_out, sample_indices, target_rows
 from streampack.samples.boundaries import Boundaries, boundaries
 from streampack.samples.chosen import Chosen
@@ -443,9 +443,7 @@ class JoinedSequences:
         view = self._views.get(shard)
         if view is None:
             view = row_view(self.tokens(shard), self.width)
-            if len(self._views) >= _RECENT_MAPS:
-                self._views.pop(next(iter(self._views)))
-            self._views[shard] = view
+            self._views = kept(self._views, shard, view, keep=_RECENT_MAPS - 1)
         return view
 
     def tokens(self, shard: int) -> np.ndarray:
@@ -460,9 +458,7 @@ class JoinedSequences:
         if tokens is None:
             part, local = self._owners[shard]
             tokens = self.parts[part].cache.shard_tokens(local)
-            if len(self._recent) >= _RECENT_MAPS:
-                self._recent.pop(next(iter(self._recent)))
-            self._recent[shard] = tokens
+            self._recent = kept(self._recent, shard, tokens, keep=_RECENT_MAPS - 1)
         return tokens
 
 
