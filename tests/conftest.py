@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -299,3 +299,18 @@ def megatron_export(natural: streampack.Cache, tmp_path_factory: pytest.TempPath
     prefix = tmp_path_factory.mktemp("megatron") / "corpus"
     natural.export("megatron", prefix)
     return prefix
+
+
+def in_threads(read: Callable[..., None], arguments: Sequence[tuple[Any, ...]]) -> None:
+    """Run ``read`` once per tuple of ``arguments``, each in its own thread, switching threads often (as a
+    busy trainer beside a prefetch thread does), until all have ended."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=read, args=args) for args in arguments]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)

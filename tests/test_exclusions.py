@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +19,7 @@ from streampack.loader.history import StepCount
 from streampack.order import Shuffled
 from streampack.order.mixture import Mixture
 from streampack.testing.caches import write_cache
+from tests.conftest import in_threads
 
 SEQ_LEN = 8
 NUM_SAMPLES = 240
@@ -505,16 +504,7 @@ def test_skipped_positions_are_the_same_when_a_prefetch_thread_maps_positions_at
         except Exception as error:  # a thread's failure is reported by the test
             problems.append(repr(error))
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads often, as a busy trainer does
-    try:
-        for _ in range(3):
-            order = Skipping(base, 10, keys, no_ranges)
-            threads = [threading.Thread(target=read, args=(order, 4096 * k)) for k in (1, 2, 3)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    for _ in range(3):
+        order = Skipping(base, 10, keys, no_ranges)
+        in_threads(read, [(order, 4096 * k) for k in (1, 2, 3)])
     assert problems == []

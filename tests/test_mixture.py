@@ -4,8 +4,6 @@ resume."""
 from __future__ import annotations
 
 import json
-import sys
-import threading
 from collections import Counter
 from itertools import islice
 from typing import Any
@@ -21,6 +19,7 @@ from streampack.loader import Loader
 from streampack.order import schedule
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
+from tests.conftest import in_threads
 
 OFFSETS = (0, 10**6, 2 * 10**6, 3 * 10**6, 4 * 10**6)  # sample i of source j is the row [OFFSETS[j] + i]
 
@@ -497,16 +496,7 @@ def test_a_mixture_order_read_by_two_threads_at_once_serves_what_one_thread_serv
         except Exception as error:  # a thread's failure is reported by the test
             problems.append(repr(error))
 
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads often, as a busy trainer does
-    try:
-        for _ in range(3):
-            mixed = order()
-            threads = [threading.Thread(target=read, args=(mixed, k)) for k in (64, 96, 128)]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-    finally:
-        sys.setswitchinterval(interval)
+    for _ in range(3):
+        mixed = order()
+        in_threads(read, [(mixed, k) for k in (64, 96, 128)])
     assert problems == []
