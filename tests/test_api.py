@@ -104,6 +104,7 @@ def test_a_trainer_of_a_local_cache_loads_nothing_remote(tmp_path: Path, output:
     )
     assert not [m for m in loaded if m.split(".")[0] in {"fsspec", "s3fs", "aiobotocore"}]
     assert not REMOTE & set(loaded), REMOTE & set(loaded)
+    assert "numba" not in loaded  # compiled loops only for FIM and context parallelism, on first use
 
 
 def test_the_torch_adapter_loads_no_build_side() -> None:
