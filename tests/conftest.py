@@ -266,10 +266,21 @@ def sft(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer: Path) -> stream
 
 
 @pytest.fixture
-def streaming(monkeypatch: pytest.MonkeyPatch) -> Any:
-    """mosaicml-streaming, importable with the torchvision stub (tests/stubs) on sys.path."""
+def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """mosaicml-streaming, importable with the torchvision stub (tests/stubs) on sys.path.
+
+    The stub leaves ``sys.modules`` after the test, and transformers (which streaming imports) forgets that
+    it saw a torchvision: else a later test of the same process that loads a model imports the stub's
+    missing ``InterpolationMode``.
+    """
     monkeypatch.syspath_prepend(str(STUBS))
-    return pytest.importorskip("streaming")
+    yield pytest.importorskip("streaming")
+    if str(STUBS) in str(getattr(sys.modules.get("torchvision"), "__file__", "")):
+        for name in [name for name in sys.modules if name.partition(".")[0] == "torchvision"]:
+            del sys.modules[name]
+    import_utils = sys.modules.get("transformers.utils.import_utils")
+    if import_utils is not None:
+        import_utils.is_torchvision_available.cache_clear()
 
 
 @pytest.fixture
