@@ -764,3 +764,35 @@ def test_megatron_int32_of_a_native_cache_whose_vocabulary_fits_keeps_every_id(t
     bin = np.fromfile(tmp_path / "m.bin", dtype="<i4")
     np.testing.assert_array_equal(bin, tokens.astype(np.int64))
 
+
+# ----------------------------------------------------------------------------- a cache without documents
+
+
+def _empty_caches(tmp_path: Path) -> list[streampack.Cache]:
+    """A cache with no shard, and one whose only shard holds nothing."""
+    none = write_cache(tmp_path / "none", [], vocab_size=50257, eos_id=50256)
+    hollow = write_cache(
+        tmp_path / "hollow", [(np.zeros(0, np.uint16), np.zeros(0, np.int64))], vocab_size=50257, eos_id=50256
+    )
+    return [streampack.open(none), streampack.open(hollow)]
+
+
+def test_llmc_export_of_an_empty_cache_is_refused_naming_why(tmp_path: Path) -> None:
+    """llm.c's dataloader.h refuses a folder without shards ("no files found matching the pattern") and a
+    shard without tokens (``assert(ntok > 0)``): no llm.c files say "no documents"."""
+    for cache in _empty_caches(tmp_path):
+        with pytest.raises(OptionsError, match=r"holds no tokens.*llm.c's format cannot hold an empty data"):
+            cache.export("llmc", tmp_path / "llmc")
+        assert not (tmp_path / "llmc").exists()
+
+
+def test_datatrove_export_of_an_empty_cache_is_an_empty_dataset(tmp_path: Path) -> None:
+    dataset_module = pytest.importorskip("datatrove.utils.dataset")
+    for k, cache in enumerate(_empty_caches(tmp_path)):
+        dest = tmp_path / f"dt{k}"
+        assert cache.export("datatrove", dest).rows == 0
+        dataset = dataset_module.DatatroveFolderDataset(str(dest), 4, filename_pattern="*.ds", token_size=2)
+        assert len(dataset) == 0
+        assert (dest / "00000.ds.metadata").read_text().splitlines()[1] == "0"
+        opened = streampack.open(dest, eos_id=50256)
+        assert (opened.num_docs, opened.num_tokens) == (0, 0)
