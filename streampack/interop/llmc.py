@@ -78,8 +78,8 @@ def check(cache: Cache, options: Options) -> None:
         raise OptionsError(
             f"{cache.root}: the cache holds no tokens ({cache.num_docs:,} documents), and llm.c's format "
             "cannot hold an empty dataset (its reader refuses a folder without shards and a shard without "
-            "tokens). Build or choose a cache with documents, or export to datatrove, megatron, hf, mds, "
-            "olmo or streampack, which can hold none"
+            "tokens). Build or choose a cache with documents, or export to datatrove (one empty .ds, which "
+            "its reader takes as no samples) or streampack"
         )
 
 
