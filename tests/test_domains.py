@@ -88,3 +88,31 @@ def test_a_resume_may_change_the_loss_weights_and_serves_the_same_tokens(cache: 
     a, b = next(iter(first)), next(iter(resumed))
     assert np.array_equal(a["input_ids"], b["input_ids"]) and np.array_equal(a["source_ids"], b["source_ids"])
     assert np.array_equal(b["loss_weights"] == 0, (b["source_ids"][:, None] == 0) | (b["labels"] == -100))
+
+
+def test_a_resume_that_changes_the_loss_weights_is_in_the_history_and_the_audit(
+    cache: streampack.Cache,
+) -> None:
+    """The weights change no sample served, so only the history can say a resume changed them; a history
+    saved before they were recorded (no ``loss_weights``) reads as none given."""
+    from streampack.runs.audit import audit
+
+    legs = [None, {"code": 2.0}, {"web": 0.0}, {"web": 0.0, "code": 1.0}]
+    state = None
+    for weights in legs:
+        loader = Loader(_mixture(cache), batch_size=8, output="dict", loss_weights=weights)
+        if state is not None:
+            loader.load_state_dict(state)
+        loader.advance(3)
+        state = loader.state_dict()
+    assert state is not None
+    recorded = [entry.get("loss_weights") for entry in state["history"]]
+    assert recorded == [None, {"web": 1.0, "code": 2.0}, {"web": 0.0, "code": 1.0}, {"web": 0.0, "code": 1.0}]
+    report = audit(state, _mixture(cache))
+    assert report.clean, report.text()
+    assert [leg.loss_weights for leg in report.legs] == recorded
+    changes = [line.strip() for line in report.text().splitlines() if "loss weights" in line]
+    assert changes == [
+        "loss weights changed at position 24 (step 3): none (every source 1) -> web 1, code 2",
+        "loss weights changed at position 48 (step 6): web 1, code 2 -> web 0, code 1",
+    ]

@@ -708,3 +708,91 @@ def test_the_export_benchmark_runs_quick(tmp_path: Path) -> None:
         "| convert from megatron |",
     ):
         assert row in report
+
+
+# ----------------------------------------------------------------------------- ids past a signed dtype
+
+
+def _cache_with_ids_past_int32(tmp_path: Path, vocab_size: int = 1 << 32) -> streampack.Cache:
+    """A native uint32 cache of ``vocab_size`` ids whose second document holds the id 3e9 (past int32)."""
+    tokens = np.array([5, 70000, 7, 3, 3_000_000_000, 7], dtype=np.uint32)
+    root = write_cache(tmp_path / "wide", [(tokens, np.array([3, 6]))], vocab_size=vocab_size, eos_id=7)
+    return streampack.open(root)
+
+
+def test_hf_documents_refuse_an_id_past_int32_not_write_it_negative(tmp_path: Path) -> None:
+    cache = _cache_with_ids_past_int32(tmp_path)
+    where = re.escape("document 1, token 1: the id 3,000,000,000 does not fit the export's int32 tokens")
+    with pytest.raises(CacheError, match=where + r".*read as -1,294,967,296") as e:
+        cache.export("hf", tmp_path / "hf")
+    assert "4,294,967,296 ids" in str(e.value) and "datatrove" in str(e.value)
+    assert not list(tmp_path.glob("hf*"))
+
+
+def test_hf_samples_refuse_an_id_past_int32_not_write_it_negative(tmp_path: Path) -> None:
+    cache = _cache_with_ids_past_int32(tmp_path)
+    where = re.escape("sample 1 (column 1: ") + ".*" + re.escape("document 1, token 1): the id 3,000,000,000")
+    with pytest.raises(CacheError, match=where):
+        cache.export("hf", tmp_path / "hf", seq_len=3)
+    assert not list(tmp_path.glob("hf*"))
+
+
+def test_a_uint32_cache_whose_ids_fit_int32_exports_to_hf_whatever_its_vocabulary(tmp_path: Path) -> None:
+    tokens = np.array([5, 70000, 7, 3, 2**31 - 1, 7], dtype=np.uint32)
+    root = write_cache(tmp_path / "wide", [(tokens, np.array([3, 6]))], vocab_size=1 << 32, eos_id=7)
+    streampack.open(root).export("hf", tmp_path / "hf")
+    import pyarrow.parquet as pq
+
+    (path,) = (tmp_path / "hf" / "data").glob("*.parquet")
+    assert pq.read_table(path)["input_ids"].to_pylist() == [[5, 70000, 7], [3, 2**31 - 1, 7]]
+
+
+def test_megatron_int32_refuses_an_id_past_int32_its_declared_vocabulary_leaves_out(tmp_path: Path) -> None:
+    """The ids are copied as they lie between equal widths; a uint32 id of 2**31 or more would be a
+    negative int32 in Megatron's reader: checked as written where the vocabulary does not prove it fits."""
+    cache = _foreign_with_ids_above_its_vocabulary(tmp_path)
+    where = re.escape(f"{tmp_path / 'train.bin'}, document 2, token 1: the id 3,000,000,000 does not fit")
+    with pytest.raises(CacheError, match=where + r" the export's int32 tokens .* read as -1,294,967,296"):
+        cache.export("megatron", tmp_path / "m", dtype="int32")
+    assert not list(tmp_path.glob("m*"))
+
+
+def test_megatron_int32_of_a_native_cache_whose_vocabulary_fits_keeps_every_id(tmp_path: Path) -> None:
+    tokens = np.array([5, 70000, 7, 3, 2**31 - 1, 7], dtype=np.uint32)
+    root = write_cache(tmp_path / "wide", [(tokens, np.array([3, 6]))], vocab_size=1 << 31, eos_id=7)
+    streampack.open(root).export("megatron", tmp_path / "m")
+    bin = np.fromfile(tmp_path / "m.bin", dtype="<i4")
+    np.testing.assert_array_equal(bin, tokens.astype(np.int64))
+
+
+# ----------------------------------------------------------------------------- a cache without documents
+
+
+def _empty_caches(tmp_path: Path) -> list[streampack.Cache]:
+    """A cache with no shard, and one whose only shard holds nothing."""
+    none = write_cache(tmp_path / "none", [], vocab_size=50257, eos_id=50256)
+    hollow = write_cache(
+        tmp_path / "hollow", [(np.zeros(0, np.uint16), np.zeros(0, np.int64))], vocab_size=50257, eos_id=50256
+    )
+    return [streampack.open(none), streampack.open(hollow)]
+
+
+def test_llmc_export_of_an_empty_cache_is_refused_naming_why(tmp_path: Path) -> None:
+    """llm.c's dataloader.h refuses a folder without shards ("no files found matching the pattern") and a
+    shard without tokens (``assert(ntok > 0)``): no llm.c files say "no documents"."""
+    for cache in _empty_caches(tmp_path):
+        with pytest.raises(OptionsError, match=r"holds no tokens.*llm.c's format cannot hold an empty data"):
+            cache.export("llmc", tmp_path / "llmc")
+        assert not (tmp_path / "llmc").exists()
+
+
+def test_datatrove_export_of_an_empty_cache_is_an_empty_dataset(tmp_path: Path) -> None:
+    dataset_module = pytest.importorskip("datatrove.utils.dataset")
+    for k, cache in enumerate(_empty_caches(tmp_path)):
+        dest = tmp_path / f"dt{k}"
+        assert cache.export("datatrove", dest).rows == 0
+        dataset = dataset_module.DatatroveFolderDataset(str(dest), 4, filename_pattern="*.ds", token_size=2)
+        assert len(dataset) == 0
+        assert (dest / "00000.ds.metadata").read_text().splitlines()[1] == "0"
+        opened = streampack.open(dest, eos_id=50256)
+        assert (opened.num_docs, opened.num_tokens) == (0, 0)

@@ -41,16 +41,16 @@ llmc        each document written as ``[delimiter] + body``: the delimiter is th
             starts a document at each delimiter and at each shard's start, so a document cut by a
             shard's end is read as two (and a shard without a delimiter is said to be one, with a
             ``DocumentBoundaryWarning``). Opened as they are (the headers record the delimiter).
-            Refused: a loss mask; a cache with neither EOS nor BOS; opening an empty cache's export (no
-            shard is written: a ``CacheError``).
+            Refused: a loss mask; a cache with neither EOS nor BOS; a cache without tokens (llm.c's
+            reader takes neither a folder without shards nor a shard without tokens).
 nanogpt     ``S`` in ``train.bin`` (with ``val``: the documents not held out, in order, and the held-out
             ones, as ``Cache.split`` chooses them, in ``val.bin``), opened with ``eos_id`` (and
             ``dtype="uint32"`` after ``dtype="cache"`` of a uint32 cache). Refused: a loss mask; a
             cache without an EOS, and one whose BOS is its EOS (the files keep boundaries as EOS ids
             alone: they would be lost, or each BOS would end a document); more than 65,536 ids with
             ``dtype="uint16"``; a ``val`` count above the documents.
-datatrove   ``D`` and the mask (opened with ``eos_id``/``bos_id``). Refused: opening an empty cache's
-            export (no ``.ds`` file is written).
+datatrove   ``D`` and the mask (opened with ``eos_id``/``bos_id``); an empty cache is one empty ``.ds``
+            file, which reads back empty. Nothing refused.
 olmo        ``D`` and the mask (``olmo.json`` records the EOS, BOS, dtype and vocabulary). Refused: a cache
             without an EOS, and one whose BOS is its EOS (OLMo-core ends a document at each EOS id). An
             empty cache reads back without a loss mask (no file says there is one). A parse-mode cache
@@ -312,9 +312,6 @@ def stream_of(docs: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate([np.zeros(0, dtype=np.int64), *docs]).astype(np.int64)
 
 
-NOT_READ = ("not a streampack cache",)  # an empty folder: no format recognises it
-
-
 def model_megatron(source: Source, options: dict[str, Any]) -> Refused | Reads:
     refused = mask_refusal(source, options)
     if refused:
@@ -337,6 +334,8 @@ def model_llmc(source: Source, options: dict[str, Any]) -> Refused | Reads:
     eos, bos = source.eos_id, source.bos_id
     if eos is None and bos is None:
         return Refused(OptionsError, ("no EOS or BOS", "boundaries"))
+    if not len(source.stream):
+        return Refused(OptionsError, ("holds no tokens", "empty dataset"))
     if bos is not None:
         delimiter = bos
         written = [doc[:-1] if eos is not None else doc for doc in source.docs]
@@ -345,8 +344,6 @@ def model_llmc(source: Source, options: dict[str, Any]) -> Refused | Reads:
         delimiter = eos
         written = [np.concatenate([[eos], doc[:-1]]) for doc in source.docs]
     stream = stream_of(written)
-    if not len(stream):
-        return Refused(CacheError, NOT_READ, stage="open")  # no shard is written
     size = options.get("shard_tokens", 10**8)
     shards = [split_before(stream[start : start + size], delimiter) for start in range(0, len(stream), size)]
     docs = [doc for shard in shards for doc in shard]
@@ -398,8 +395,6 @@ def held_out(source: Source, val: float | int, seed: int) -> list[bool]:
 
 
 def model_datatrove(source: Source, options: dict[str, Any]) -> Refused | Reads:
-    if not len(source.stream):
-        return Refused(CacheError, NOT_READ, stage="open")  # no .ds file is written
     return reads(source, source.docs, source.doc_masks, declared=source.declared(), **as_declared(source))
 
 

@@ -256,8 +256,18 @@ def test_reading_options_are_checked_naming_the_key(tmp_path: Path, sources: str
         streampack.load_mixture(tmp_path / "mix.yaml")
 
 
-def test_cli_mix_help_names_every_key_of_a_config() -> None:
-    from streampack.runs.mixconfig import _Config
+def test_cli_mix_help_names_every_key_of_a_config(project: Path) -> None:
+    from streampack.runs.mixconfig import CONFIG_KEYS
 
     shown = run_cli("mix", "--help").stdout
-    assert all(key in shown for key in _Config.__struct_fields__) and "path" in shown and "s3://" in shown
+    assert all(key in shown for key in CONFIG_KEYS) and "path" in shown and "s3://" in shown
+    # They are the keys load_mixture takes: none is refused as unknown (a value of the wrong type is
+    # refused as that), and a key not among them is.
+    base = {"seq_len": 64, "sources": {"web": str(project / "caches" / "web")}}
+    for key in CONFIG_KEYS:
+        try:
+            streampack.load_mixture({**base, key: [None]})
+        except OptionsError as error:
+            assert "unknown field" not in str(error), key
+    with pytest.raises(OptionsError, match="unknown field `weigths`"):
+        streampack.load_mixture({**base, "weigths": {"web": 1}})

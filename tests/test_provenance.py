@@ -388,6 +388,21 @@ def test_cli_which_reads_a_mixture_config(tmp_path: Path, bpe_tokenizer: Path) -
     expected = streampack.which(Loader(mix, batch_size=4), 2)
     assert [line.split()[-1] for line in shown.stdout.splitlines()[2:]] == [d.location for d in expected]
     assert os.path.isdir(expected[0].cache)
+    # A resume that changed the loss weights: a step from its state is of that leg, and says its weights.
+    first = Loader(mix, batch_size=4, output="dict")
+    first.advance(2)
+    weighted = Loader(streampack.load_mixture(config), batch_size=4, output="dict", loss_weights={"books": 2})
+    weighted.load_state_dict(first.state_dict())
+    weighted.advance(1)
+    states = {}
+    for name, loader in (("plain", first), ("weighted", weighted)):
+        states[name] = tmp_path / f"{name}.json"
+        states[name].write_text(json.dumps(loader.state_dict()))
+    at_step = ("--state", states["weighted"], "--step", "0")
+    assert "loss weights: web 1, books 2 (the state's" in run_cli("which", config, *at_step).stdout
+    as_json = json.loads(run_cli("which", config, *at_step, "--json").stdout)
+    assert as_json["loss_weights"] == {"web": 1.0, "books": 2.0}
+    assert "loss weights" not in run_cli("which", config, "--state", states["plain"], "--step", "0").stdout
 
 
 # ------------------------------------------------------------------------------------------- SFT caches

@@ -21,7 +21,8 @@ import pytest
 
 import streampack
 from streampack.errors import CacheError, OptionsError
-from streampack.loader import prefetch
+from streampack.loader import Exclusions, prefetch
+from streampack.loader.exclusions import token_hash
 from streampack.store.localcopy import BLOCK, CachedStore, default_local_dir
 from tests.conftest import CREDENTIALS, run_cli, s3_options, write_jsonl
 
@@ -280,6 +281,42 @@ def test_prefetch_fetches_the_next_steps_shards_in_the_background(
     assert all(isinstance(store, CachedStore) and store.exists(key) for store, key in files)
     local_loader = streampack.Loader(streampack.open(local).sequences(LONG), batch_size=2, seed=3)
     assert local_loader.prefetch_steps == 0 and local_loader.lookahead(0, 4) == []
+
+
+@pytest.mark.slow
+def test_skip_exclusions_over_a_remote_cache_with_prefetch_serve_the_local_batches_through_a_resume(
+    tmp_path: Path, built: tuple[str, Path, int, int], s3_endpoint: str
+) -> None:
+    """Documents, positions and hashes taken out (mode skip) of a cache in object storage, read for an
+    epoch while the prefetch thread fetches the next steps' shards into a copy of half the cache's size (so
+    shards are evicted and fetched again), resumed from a state in the middle in a new local copy: every
+    batch is the one the same cache gives locally."""
+    url, local, total, _ = built
+    here = streampack.open(local)
+    documents = list(range(5, here.num_docs, here.num_docs // 7))  # a few, in every part of the cache
+    hashes = [token_hash(here.doc(i)) for i in (here.num_docs // 3, here.num_docs - 2)]  # found by reading
+    exclude = [Exclusions(documents=documents), Exclusions(positions=[(20, 26)]), Exclusions(hashes=hashes)]
+
+    def loader(cache: streampack.Cache) -> streampack.Loader:
+        return streampack.Loader(cache.sequences(LONG), batch_size=2, seed=3, epochs=1, exclude=exclude)
+
+    expected = [np.asarray(batch) for batch in loader(here)]
+    half = len(expected) // 2
+    with loader(prefetching_copy(url, tmp_path / "first", total, s3_endpoint)) as first:
+        batches = iter(first)
+        head = [np.asarray(next(batches)) for _ in range(half)]
+        assert first._prefetcher is not None and first._prefetcher.fetched > 0  # the thread ran meanwhile
+        state = json.loads(json.dumps(first.state_dict()))
+    assert state["exclusions"] and state["position"] == 2 * half
+    with loader(prefetching_copy(url, tmp_path / "second", total, s3_endpoint)) as resumed:
+        resumed.load_state_dict(state)
+        tail = [np.asarray(batch) for batch in resumed]
+    # The exclusions took something out: the epoch without them is longer.
+    plain = streampack.Loader(here.sequences(LONG), batch_size=2, seed=3, epochs=1)
+    assert len(expected) > 20 and len(plain) > len(expected)
+    assert len(head) + len(tail) == len(expected)
+    for step, (got, want) in enumerate(zip(head + tail, expected, strict=True)):
+        np.testing.assert_array_equal(got, want, err_msg=f"step {step}")
 
 
 def prefetch_threads() -> list[threading.Thread]:

@@ -126,7 +126,8 @@ def _kind_of(kind: str, path: Path_, key: str) -> type:
         return {"position": int, "step": int, "order": str, "kind": str, "seed": int, "shuffle": bool,
                 "batch_size": int, "world_size": int, "batches_per_step": int, "data": dict,
                 "block_size": int, "schedule": list, "served": dict, "epochs": int, "stop": str,
-                "drop_last": bool, "sources": list, "balance": str, "cp_size": int}[key]  # fmt: skip
+                "drop_last": bool, "sources": list, "balance": str, "cp_size": int,
+                "loss_weights": dict}[key]  # fmt: skip
     return {"seed": int, "position": int, "batch_size": int, "world_size": int, "epoch": int,
             "samples_in_epoch": int, "block": int, "window": int, "block_size": int, "shuffle": bool,
             "drop_last": bool, "data": dict, "dataset": dict, "order": dict, "sources": dict,

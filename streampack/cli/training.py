@@ -319,9 +319,12 @@ def which(
     position = position_of(loader, step, state=state)
     docs = find(loader, step, state=state)
     notes = excluded_steps(loader, step, state=state)
+    # A step from the state's position on is of its last leg: the loss weights its last resume recorded.
+    loss_weights = ((state or {}).get("history") or [{}])[-1].get("loss_weights")
     if as_json:
         rows = [{**dataclasses.asdict(doc), "location": doc.location, "tokens": doc.tokens} for doc in docs]
-        click.echo(json.dumps({"position": position, "documents": rows, "excluded": notes}, indent=2))
+        shown = {"position": position, "documents": rows, "excluded": notes, "loss_weights": loss_weights}
+        click.echo(json.dumps(shown, indent=2))
         return
     rows_count = sum(len(doc.placements) for doc in docs)
     click.echo(
@@ -330,6 +333,12 @@ def which(
     )
     for note in notes:
         click.echo(f"excluded: {note}")
+    if loss_weights is not None:
+        from streampack.runs.audit import describe_loss_weights
+
+        click.echo(
+            f"loss weights: {describe_loss_weights(loss_weights)} (the state's, as its last resume gave them)"
+        )
     accumulated = int(((state or {}).get("history") or [{}])[-1].get("batches_per_step", 1))
     if accumulated > 1 and step is not None:
         click.echo(

@@ -2,7 +2,9 @@
 and its sidecars (the layout: :mod:`streampack.reader.foreign.datatrove`).
 
 That is a streampack shard renamed: one ``.ds`` per non-empty shard, its offsets table as the
-``.ds.index`` and its loss mask as the ``.ds.loss``.
+``.ds.index`` and its loss mask as the ``.ds.loss``. A cache without tokens is one empty ``00000.ds``
+(and sidecars): ``DatatroveFolderDataset`` reads a folder without a ``.ds`` as an error, an empty file as
+no samples.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def write(
     little = cache.dtype.newbyteorder("<")
     tokenizer = cache.manifest.tokenizer
     named = str(tokenizer.name or tokenizer.spec or "Unknown Tokenizer").replace("|", "/")
+    written = 0
     with progress_bar(progress, cache.num_tokens, "datatrove") as bar:
         for index, docs in enumerate(shard_docs(cache, nonempty=True)):
             name = f"{index:05d}.ds"
@@ -57,8 +60,17 @@ def write(
             if cache.has_loss_mask:
                 with dest.open(f"{name}.loss") as out:
                     out.write((shard_mask(cache, docs.shard) != 0).astype(np.uint8).tobytes())
-            count = int(docs.ends[-1])
-            with dest.open(f"{name}.metadata") as out:
-                text = f"{named}|{cache.dtype.itemsize}\n{count}\n{short_count(count)}"
-                out.write(text.encode())
+            _write_metadata(dest, name, named, cache.dtype.itemsize, int(docs.ends[-1]))
+            written += 1
+    if not written:  # no tokens: one empty file, which datatrove's readers take as no samples
+        for suffix in ("", ".index") + ((".loss",) if cache.has_loss_mask else ()):
+            with dest.open(f"00000.ds{suffix}"):
+                pass
+        _write_metadata(dest, "00000.ds", named, cache.dtype.itemsize, 0)
     return cache.num_docs, cache.num_tokens, []
+
+
+def _write_metadata(dest: Destination, name: str, tokenizer: str, itemsize: int, count: int) -> None:
+    """``NAME.ds.metadata``: the tokenizer and token width, the token count, and the count in short form."""
+    with dest.open(f"{name}.metadata") as out:
+        out.write(f"{tokenizer}|{itemsize}\n{count}\n{short_count(count)}".encode())

@@ -31,12 +31,16 @@ from streampack.errors import OptionsError
 from streampack.interop.destination import Destination
 from streampack.interop.writing import (
     ShardDocs,
+    check_fits,
     check_int_option,
     doc_chunks,
+    first_unfit,
+    must_check,
     progress_bar,
     shard_docs,
     shard_mask,
     token_chunks,
+    unfit_error,
 )
 from streampack.loader.collate import CausalLMDict
 
@@ -117,6 +121,19 @@ def batches(cache: Cache, options: Options) -> Iterator[tuple[pa.RecordBatch, in
         yield _sample_batch(cache, samples, as_dict, first, min(first + rows, len(samples)))
 
 
+def _check_sample_ids(cache: Cache, samples: PackedSequences, tokens: np.ndarray, first: int) -> None:
+    """Refuse (:class:`CacheError`) samples ``tokens`` (from sample ``first``) holding an id past int32."""
+    at = first_unfit(tokens, np.dtype(np.int32))
+    if at is None:
+        return
+    from streampack.loader.reading import place_in_sample
+
+    row, column = divmod(at, tokens.shape[1])
+    where = place_in_sample(samples, first + row, column)
+    place = f"{cache.root}: sample {first + row:,} (column {column:,}{where})"
+    raise unfit_error(cache, place, int(tokens.flat[at]), np.dtype(np.int32))
+
+
 def columns_of(cache: Cache, options: Options) -> list[str]:
     """The columns the rows have."""
     if options.seq_len is not None:
@@ -144,8 +161,11 @@ def _document_batch(
     """Documents ``[first, stop)`` of a shard: their tokens read into one int32 array, cut at their ends."""
     lo, hi = (int(docs.ends[first - 1]) if first else 0), int(docs.ends[stop - 1])
     tokens = np.empty(hi - lo, dtype=np.int32)
+    checked = must_check(cache, tokens.dtype)
     at = 0
     for chunk in token_chunks(cache, docs.shard, lo, hi):
+        if checked:
+            check_fits(cache, docs.shard, chunk, lo + at, tokens.dtype)
         tokens[at : at + len(chunk)] = chunk
         at += len(chunk)
     offsets = np.concatenate([[0], docs.ends[first:stop] - lo])
@@ -164,11 +184,17 @@ def _sample_batch(
     cache: Cache, samples: PackedSequences, as_dict: CausalLMDict, first: int, stop: int
 ) -> tuple[pa.RecordBatch, int]:
     """Samples ``[first, stop)`` as the Loader's ``output="dict"`` gives them (a uint32 cache's read into
-    uint32, whose bytes the int32 column holds)."""
+    uint32, whose bytes the int32 column holds where each id fits it: checked, unless the vocabulary says so).
+
+    Raises:
+        CacheError: an id does not fit int32, naming its sample and where it lies.
+    """
     indices = np.arange(first, stop, dtype=np.int64)
     seq_len = samples.seq_len
     dtype = np.int32 if np.can_cast(cache.dtype, np.int32) else cache.dtype
     tokens = samples.read(indices, out=np.empty((len(indices), seq_len), dtype=dtype))
+    if must_check(cache, np.dtype(np.int32)):
+        _check_sample_ids(cache, samples, tokens, first)
     batch = as_dict(tokens, np.zeros(len(indices), dtype=np.int64), indices)
     offsets = np.arange(0, (len(indices) + 1) * seq_len, seq_len, dtype=np.int64)
     arrays = [

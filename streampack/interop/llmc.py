@@ -64,13 +64,22 @@ def header(num_tokens: int, itemsize: int, delimiter: int) -> bytes:
 
 
 def check(cache: Cache, options: Options) -> None:
-    """Refuse a loss mask, and a cache with no delimiter to put before its documents."""
+    """Refuse a loss mask, a cache with no delimiter to put before its documents, and one without tokens:
+    llm.c's reader takes neither a folder without shards nor a shard without tokens (``dataloader.h``:
+    "no files found matching the pattern", ``assert(ntok > 0)``), so no files say "no documents"."""
     refuse_loss_mask(cache, "llmc", options.drop_loss_mask)
     if cache.bos_id is None and cache.eos_id is None:
         raise OptionsError(
             f"{cache.root}: the cache has no EOS or BOS id, and llm.c's readers find documents at the "
             "delimiter before each one: the document boundaries would be lost. Rebuild with an EOS, or "
             "export to megatron, datatrove or hf, which keep boundaries without a delimiter"
+        )
+    if not cache.num_tokens:
+        raise OptionsError(
+            f"{cache.root}: the cache holds no tokens ({cache.num_docs:,} documents), and llm.c's format "
+            "cannot hold an empty dataset (its reader refuses a folder without shards and a shard without "
+            "tokens). Build or choose a cache with documents, or export to datatrove (one empty .ds, which "
+            "its reader takes as no samples) or streampack"
         )
 
 

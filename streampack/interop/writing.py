@@ -98,16 +98,16 @@ def write_spans(
     """Write each span ``(out, start, stop)`` of a shard's tokens to its ``out``, in order, as little-endian
     ``dtype``.
 
-    Equal widths keep the bytes as they are (a uint32 id of 2**31 or more reads back from int32 as itself),
-    copied by the kernel into a local file. A narrower ``dtype`` has each chunk checked
-    (:func:`check_fits`): another format's files are only declared to keep to their vocabulary.
+    Equal widths keep the bytes as they are, copied by the kernel into a local file, where every id is
+    known to fit ``dtype``; a ``dtype`` that may not hold one (:func:`must_check`) has each chunk checked
+    as it is written (:func:`check_fits`).
 
     Raises:
         CacheError: a token file was cut short, or holds an id that ``dtype`` cannot (naming it).
     """
     itemsize = cache.dtype.itemsize
-    same = dtype.itemsize == itemsize and cache.dtype == cache.dtype.newbyteorder("<")
-    narrowing = dtype.itemsize < itemsize
+    checked = must_check(cache, dtype)
+    same = dtype.itemsize == itemsize and cache.dtype == cache.dtype.newbyteorder("<") and not checked
     where = cache.files.token_file(shard)
     opened: IO[bytes] | None = None
     try:
@@ -125,7 +125,7 @@ def write_spans(
                     start += copied // itemsize
                 chunks = _file_chunks(opened, where, cache.dtype, start, stop)
             for pos, chunk in chunks:
-                if narrowing:
+                if checked:
                     check_fits(cache, shard, chunk, pos, dtype)
                 out.write(np.ascontiguousarray(chunk, dtype=dtype).data)
     finally:
@@ -144,25 +144,71 @@ def write_stream(cache: Cache, start: int, stop: int, out: IO[bytes]) -> None:
         start, shard = end, shard + 1
 
 
+def must_check(cache: Cache, dtype: np.dtype) -> bool:
+    """Whether the cache's ids, written as ``dtype``, must each be checked to fit (:func:`check_fits`).
+
+    A narrower ``dtype`` (uint32 to uint16) always is: the chunks are cast anyway, and another format's
+    files are only declared to keep to their vocabulary. The same width of another sign (uint32 to int32,
+    where an id of 2**31 or more would read back negative) is not where the vocabulary proves every id
+    fits: a native cache's ids came from its tokenizer (`streampack verify` checks each against it), and
+    the check would cost the kernel's copy of the bytes.
+    """
+    if np.can_cast(cache.dtype, dtype, "safe"):
+        return False
+    if dtype.itemsize < cache.dtype.itemsize:
+        return True
+    return cache.declared is not None or cache.vocab_size - 1 > np.iinfo(dtype).max
+
+
+def first_unfit(ids: np.ndarray, dtype: np.dtype) -> int | None:
+    """The flat index of the first of ``ids`` that ``dtype`` cannot hold, or None (a maximum, and a minimum
+    for signed ids, over the array: about the speed of memory)."""
+    if not ids.size:
+        return None
+    info = np.iinfo(dtype)
+    if ids.max() <= info.max and (ids.dtype.kind == "u" or ids.min() >= info.min):
+        return None
+    return int(np.flatnonzero((ids > info.max) | (ids < info.min))[0])
+
+
+def unfit_error(cache: Cache, place: str, value: int, dtype: np.dtype) -> CacheError:
+    """The error for the id ``value`` at ``place`` (a file, document and token), which the export's
+    ``dtype`` cannot hold: what it would read as, whether the cache's vocabulary covers it, and what to do."""
+    top = np.iinfo(dtype).max
+    wrapped = int(np.array(value).astype(dtype))
+    if value >= cache.vocab_size or value < 0:
+        why = (
+            f"The cache declares a vocabulary of {cache.vocab_size:,} ids, which its files do not keep to "
+            "(`streampack verify` lists every such id). The export stopped and kept nothing: fix the files, "
+            "or "
+        )
+    else:
+        why = (
+            f"The cache's vocabulary has {cache.vocab_size:,} ids, more than {dtype.name} holds. The export "
+            "stopped and kept nothing: "
+        )
+    if dtype.kind == "i" and dtype.itemsize == cache.dtype.itemsize:  # no wider dtype in this format
+        what = (
+            f"export to a format that keeps {cache.dtype.name} ids (datatrove, olmo, mds, llmc, native, or "
+            'nanogpt with dtype="cache")'
+        )
+    else:
+        what = 'export with a dtype that holds the id (dtype="cache", --out-dtype cache: the cache\'s own)'
+    return CacheError(
+        f"{place}: the id {value:,} does not fit the export's {dtype.name} tokens (at most {top:,}): "
+        f"written, it would read as {wrapped:,}. {why}{what}"
+    )
+
+
 def check_fits(cache: Cache, shard: int, chunk: np.ndarray, start: int, dtype: np.dtype) -> None:
     """Refuse (:class:`CacheError`) a chunk of a shard's tokens, from its token ``start``, holding an id
-    ``dtype`` would wrap."""
-    if not len(chunk):
-        return
-    info = np.iinfo(dtype)
-    if chunk.max() <= info.max and (chunk.dtype.kind == "u" or chunk.min() >= info.min):
+    ``dtype`` would wrap, naming where it lies."""
+    at = first_unfit(chunk, dtype)
+    if at is None:
         return
     from streampack.loader.reading import token_place
 
-    at = int(np.flatnonzero((chunk > info.max) | (chunk < info.min))[0])
-    value = int(chunk[at])
-    raise CacheError(
-        f"{token_place(cache, shard, start + at)}: the id {value:,} does not fit the export's {dtype.name} "
-        f"tokens (at most {info.max:,}): written, it would read as {int(np.array(value).astype(dtype)):,}. "
-        f"The cache declares a vocabulary of {cache.vocab_size:,} ids, which its files do not keep to "
-        "(`streampack verify` lists every such id). The export stopped and kept nothing: fix the files, or "
-        'export with a dtype that holds the id (dtype="cache", --out-dtype cache: the cache\'s own)'
-    )
+    raise unfit_error(cache, token_place(cache, shard, start + at), int(chunk[at]), dtype)
 
 
 def shard_mask(cache: Cache, shard: int) -> np.ndarray:

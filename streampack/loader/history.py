@@ -74,7 +74,9 @@ def history_entry(
     It records the order's kind, seed, shuffle and digest; a mixture's block size, configured schedule,
     sources and ``stop``; the data's layout; batch and world size; the exclusions in force; the trainer's
     ``step`` and ``batches_per_step``; and, when not the default, ``epochs``, ``served``, ``drop_last``,
-    ``balance`` and ``cp_size``. Every field is bounded: a history grows by one small entry per resume.
+    ``balance``, ``cp_size`` and ``loss_weights`` (one per source the order reads, 1.0 where not given:
+    they change no sample served, so only the history says a resume changed them). Every field is
+    bounded: a history grows by one small entry per resume.
     """
     mine = order.fingerprint()
     own = configured.fingerprint()
@@ -109,6 +111,9 @@ def history_entry(
         entry["balance"] = options.balance
     if options.cp_size > 1:
         entry["cp_size"] = options.cp_size
+    if options.loss_weights is not None:
+        given = options.loss_weights
+        entry["loss_weights"] = {name: float(given.get(name, 1.0)) for name in configured.names}
     return entry if served is None else entry | {"served": dict(served)}
 
 

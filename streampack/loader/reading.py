@@ -235,7 +235,7 @@ class Rows:
         source, sample = int(sources[row]), int(samples[row])
         data = self.sources[source].data
         named = f"source {source} ({_named(data)})" if len(self.sources) > 1 else _named(data)
-        where = _place_in_sample(data, sample, column)
+        where = place_in_sample(data, sample, column)
         vocab = vocab_size_of(data)
         declared = (
             f"; its vocabulary has {vocab:,} ids, which its files do not keep to (`streampack verify` lists "
@@ -275,7 +275,7 @@ def _named(data: object) -> str:
     return str(path) if isinstance(path, str) else type(data).__name__
 
 
-def _place_in_sample(data: object, sample: int, column: int) -> str:
+def place_in_sample(data: object, sample: int, column: int) -> str:
     """Where column ``column`` of sample ``sample`` of a cache's samples lies in its files, for messages."""
     from streampack.samples.sequences import PackedSequences
 

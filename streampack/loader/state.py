@@ -120,6 +120,8 @@ class HistoryEntry(_Strict):
     sources: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1)] | UnsetType = UNSET
     balance: Literal["attention"] | UnsetType = UNSET
     cp_size: Annotated[int, Meta(ge=2)] | UnsetType = UNSET
+    # An entry saved before loss weights were recorded has none: read as none given.
+    loss_weights: dict[Annotated[str, Meta(min_length=1)], Annotated[float, Meta(ge=0)]] | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -101,13 +101,17 @@ class AuditReport:
             f"run         {len(self.legs)} legs ({len(self.legs) - 1} resumes), to position "
             f"{self.position:,}, step {self.step:,}"
         ]
-        for leg in self.legs:
+        for before, leg in zip([None, *self.legs], self.legs):
             given = "" if leg.step_given else " (inferred)"
             lines.append(
                 f"leg {leg.index:<7} positions {leg.positions[0]:,}-{leg.positions[1]:,}, steps "
                 f"{leg.steps[0]:,}{given}-{leg.steps[1]:,}, batch {leg.batch_size} over {leg.world_size} "
                 f"rank{'s' if leg.world_size > 1 else ''}{leg.parallel}"
             )
+            if before is None and leg.loss_weights is not None:
+                lines.append(f"{'':12}loss weights {describe_loss_weights(leg.loss_weights)}")
+            elif before is not None and (change := loss_weights_change(before, leg)) is not None:
+                lines.append(f"{'':12}{change}")
         lines.append(
             f"{'source':<16} {'samples':>14} {'tokens':>16} {'epochs':>9} {'twice':>10} {'skipped':>10} "
             f"{'excluded':>10}"
@@ -123,6 +127,29 @@ class AuditReport:
             lines.append(f"verdict     NOT clean: {len(self.findings)} findings")
             lines.extend(f"  - {finding.message}" for finding in self.findings)
         return "\n".join(lines)
+
+
+def describe_loss_weights(weights: Mapping[str, float] | None) -> str:
+    """Loss weights in words: ``web 1, code 2``, or ``none (every source 1)``."""
+    if weights is None:
+        return "none (every source 1)"
+    return ", ".join(f"{name} {weight:g}" for name, weight in weights.items())
+
+
+def loss_weights_change(before: Leg, after: Leg) -> str | None:
+    """What the resume that began ``after`` changed of the loss weights, in words; None if nothing.
+
+    The weights change no sample served (the verdict does not count them), but they change what a
+    source's tokens weigh in the loss: a run's record should say where they changed.
+    """
+    old, new = before.loss_weights, after.loss_weights
+    names = {*(old or {}), *(new or {})}  # a source without a weight (or a leg without any) weighs 1
+    if all((old or {}).get(name, 1.0) == (new or {}).get(name, 1.0) for name in names):
+        return None
+    return (
+        f"loss weights changed at position {after.positions[0]:,} (step {after.steps[0]:,}): "
+        f"{describe_loss_weights(old)} -> {describe_loss_weights(new)}"
+    )
 
 
 def audit(
@@ -234,6 +261,7 @@ def _legs(entries: Sequence[Mapping[str, Any]], loaders: list[Loader], final: in
                 step_given=entry["step"] is not None,
                 weights=dict(zip(loader.order.names, loader.order.weights(start), strict=True)),
                 parallel=_parallel(entry),
+                loss_weights=entry.get("loss_weights"),
             )
         )
     return legs

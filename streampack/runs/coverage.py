@@ -48,6 +48,8 @@ class Leg:
         weights: each source's share of the stream at its start.
         parallel: how its ranks shared each global batch, in words, when not in contiguous slices of whole
             rows (``balance``, ``cp_size``); else empty.
+        loss_weights: each source's loss weight in it (the loader's ``loss_weights``), or None: none given
+            (also for a history saved before they were recorded).
     """
 
     index: int
@@ -59,6 +61,7 @@ class Leg:
     step_given: bool
     weights: dict[str, float]
     parallel: str = ""
+    loss_weights: dict[str, float] | None = None
 
     @property
     def stride(self) -> int:

@@ -67,7 +67,7 @@ from streampack.order.mixture import Mixture
 from streampack.reader import open as open_cache
 from streampack.store import is_remote
 
-__all__ = ["load_mixture", "mixture_exclusions"]
+__all__ = ["CONFIG_KEYS", "load_mixture", "mixture_exclusions"]
 
 Count = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(ge=1)]
@@ -144,6 +144,10 @@ class _Config(_Reading):
     weights: dict[str, float] | None = None
     stages: list[_Stage] | None = None
     exclude: Any = None  # read by mixture_exclusions
+
+
+#: The keys a mixture config may hold (``streampack mix --help`` describes each); any other is refused.
+CONFIG_KEYS: tuple[str, ...] = _Config.__struct_fields__
 
 
 def load_mixture(config: str | Path | Mapping[str, Any]) -> Mixture:
