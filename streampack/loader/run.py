@@ -241,13 +241,14 @@ def regrained(run: Run, state: Mapping[str, Any]) -> Run | None:
     """
     sources, served, options = run.rows.sources, run.served, run.options
     saved = read_loader_state(state).get("order")
-    kind = saved.get("kind") if isinstance(saved, Mapping) else None
-    if len(sources) != 1 or not run.own or kind not in ("shuffled", "blocks"):  # windows of one source
+    if len(sources) != 1 or not run.own or not isinstance(saved, Mapping):
         return None
-    data = saved.get("data")
+    data = saved.get("data") or {}
     unit = data.get("seq_len") if isinstance(data, Mapping) else None
+    if saved.get("kind") not in ("shuffled", "blocks") or not is_int(unit) or "layout" in data:
+        return None  # not windows of one source
     current = served.unit if served is not None else getattr(sources[0].data, "seq_len", None)
-    if not is_int(unit) or "layout" in data or current is None or unit == current:  # type: ignore[operator]
+    if current is None or unit == current:
         return None
     from streampack.samples.lengths import at_seq_len, windows_of
 
@@ -369,7 +370,7 @@ def layered(
         docs = found.get(entry.digest)
         if docs is None:
             docs = found[entry.digest] = excluded_documents(entry, names, datasets)
-        ranges = merged(entry.ranges(steps))
+        ranges = tuple(np.array(merged(entry.ranges(steps)), dtype=np.int64).reshape(-1, 2).T.copy())
         if entry.mode == "mask":
             masks.append((at, docs, ranges))
             continue

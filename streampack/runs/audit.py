@@ -25,6 +25,7 @@ from typing import Any
 from streampack.errors import LoaderStateError, OptionsError
 from streampack.follow import FollowOptions, GrowingCache
 from streampack.loader import Loader
+from streampack.loader.excluding import merged
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.history import leg_steps, order_digest, stride
 from streampack.loader.run import listed
@@ -178,11 +179,11 @@ def audit(
     twice, skipped = cov.intervals(legs, loaders, names)
     findings = _unverified(legs) + cov.findings(legs, loaders, names, twice, skipped)
     findings += excluded_served(legs, loaders, in_force(entries, exclusions), given)
-    width = _width(entries[-1], loaders[-1])
+    width = entries[-1]["data"].get("seq_len") or loaders[-1].width  # samples not a cache's: their width
     sizes = dict(zip(names, loaders[-1].order.sizes(), strict=True))
     sources = []
     for name in names:
-        union = cov.union([(a, b) for a, b, _ in cov.cursor_runs(legs, loaders, name)])
+        union = merged([(a, b) for a, b, _ in cov.cursor_runs(legs, loaders, name)])
         twice_of, skipped_of = twice.get(name, []), skipped.get(name, [])
         sources.append(
             SourceAudit(
@@ -458,9 +459,3 @@ def _samples(path: str, described: Mapping[str, Any]) -> Any:
     if layout == "windows":
         return cache.sequences(int(seq_len), overlap=int(described.get("overlap", 0)))
     return getattr(cache, layout)(int(seq_len))
-
-
-def _width(entry: Mapping[str, Any], loader: Loader) -> int:
-    """Tokens one sample gives the model: its ``seq_len``, else (not a cache's samples) its width."""
-    seq_len = entry["data"].get("seq_len")
-    return int(seq_len) if seq_len is not None else loader.width
