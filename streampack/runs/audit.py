@@ -29,7 +29,7 @@ from streampack.loader.excluding import merged
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.history import leg_steps, order_digest, stride
 from streampack.loader.run import listed
-from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state
+from streampack.loader.state import read_loader_state, saved
 from streampack.order import Ordered
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
@@ -337,13 +337,9 @@ def leg_loaders(
         if loaders or position or forced[i]:
             # From the previous leg's order (the first leg: its own), with the exclusions in force in this
             # leg, and the history up to here, which counts their steps as the run did.
-            state = {
-                "format": LOADER_FORMAT,
-                "version": LOADER_VERSION,
-                "position": position,
-                "order": (loaders[-1] if loaders else loader).order.fingerprint(),
-                "history": [dict(earlier) for earlier in entries[: i + 1]],
-            }
+            state = saved(
+                position, (loaders[-1] if loaders else loader).order, loader.options, entries[: i + 1]
+            )
             if forced[i]:
                 state["exclusions"] = [dict(record) for record in forced[i]]
             loader.load_state_dict(state)

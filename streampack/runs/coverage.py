@@ -7,6 +7,7 @@ within its epoch; one below the furthest served that no leg served was skipped.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -243,14 +244,9 @@ def _merge_twice(
 
 def _position_of(loader: Loader, j: int, cursor: int, lo: int, hi: int) -> int:
     """The first position in ``[lo, hi]`` where source ``j`` has served ``cursor`` samples, else ``hi``."""
-    consumed = loader.order.consumed
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if consumed(mid)[j] >= cursor:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return lo + bisect.bisect_left(
+        range(lo, hi), cursor, key=lambda position: loader.order.consumed(position)[j]
+    )
 
 
 def findings(

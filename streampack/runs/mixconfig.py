@@ -17,6 +17,7 @@ from msgspec import Meta, Struct
 from streampack.errors import OptionsError, read_json
 from streampack.follow import FollowOptions, GrowingCache
 from streampack.loader.exclusions import Exclusions
+from streampack.loader.state import Count, Positive
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
 from streampack.reader import open as open_cache
@@ -24,8 +25,6 @@ from streampack.store import is_remote
 
 __all__ = ["load_mixture", "mixture_exclusions"]
 
-Count = Annotated[int, Meta(ge=0)]
-Positive = Annotated[int, Meta(ge=1)]
 _FIX = "see streampack mix --help for what a mixture config holds"
 _READING = ("local_dir", "max_local_bytes", "storage_options")
 _FOLLOWING = ("first_era", "largest_era", "timeout", "poll")
