@@ -30,6 +30,7 @@ __all__ = [
     "doc_ranges",
     "excluded_documents",
     "excluded_samples",
+    "in_keys",
     "merged",
     "reached",
     "unfiltered",
@@ -47,6 +48,11 @@ def _isin_sorted(values: np.ndarray, table: np.ndarray) -> np.ndarray:
         return np.zeros(len(values), dtype=bool)
     at = np.minimum(np.searchsorted(table, values), len(table) - 1)
     return table[at] == values
+
+
+def in_keys(keys: np.ndarray, sources: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """Whether each pick ``(sources[k], samples[k])`` is one of the sorted sample ``keys``."""
+    return _isin_sorted((sources.astype(np.int64) << _SOURCE_SHIFT) | samples, keys)
 
 
 def _in_ranges(positions: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
@@ -228,8 +234,7 @@ class Skipping:
             positions = np.arange(lo, hi, dtype=np.int64)
             bad = np.zeros(len(positions), dtype=bool)
             if len(self.keys):
-                sources, samples = self.base(positions)
-                bad |= _isin_sorted((sources.astype(np.int64) << _SOURCE_SHIFT) | samples, self.keys)
+                bad |= in_keys(self.keys, *self.base(positions))
             if len(self.starts) and self.starts[0] < hi and self.stops[-1] > lo:
                 bad |= _in_ranges(positions, self.starts, self.stops)
             good = None if not bad.any() else positions[~bad]
