@@ -16,13 +16,12 @@ Ranges in reports are half-open: ``positions 9600-10000`` are positions 9600 to 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from streampack.errors import LoaderStateError, OptionsError
+from streampack.errors import LoaderStateError, OptionsError, read_json
 from streampack.follow import FollowOptions, GrowingCache
 from streampack.loader import Loader
 from streampack.loader.excluding import merged
@@ -277,12 +276,11 @@ def read_state_file(state: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
     if isinstance(state, Mapping):
         return state
     try:
-        loaded = json.loads(Path(state).read_text())
-    except (OSError, ValueError) as error:
+        text = Path(state).read_bytes()
+    except OSError as error:
         raise LoaderStateError(f"cannot read the loader state {state}: {error}") from None
-    if not isinstance(loaded, Mapping):
-        raise LoaderStateError(f"{state}: a loader state is a JSON object (Loader.state_dict())")
-    return loaded
+    fix = "a loader state is the JSON object of a Loader.state_dict()"
+    return read_json(text, dict[str, Any], LoaderStateError, str(state), fix)
 
 
 def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed: int | None) -> None:
