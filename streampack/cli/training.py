@@ -153,13 +153,10 @@ def mix(
     far ahead. With --state, from where a saved loader state (Loader.state_dict() as JSON) stands, with the
     config's weights after it: the plan of a run resumed with this config.
 
-    The config's keys (unknown ones are refused): seq_len and sources (required); weights, or stages
-    (a list of {at: SAMPLES or {tokens: N}, weights: {...}}); layout (windows, packed, documents),
-    overlap, seed, shuffle (true, false or {block: B, window: W}), block_size, stop (never,
-    first_exhausted); for sources in object storage, local_dir, max_local_bytes and storage_options;
-    exclude (a list of {documents, hashes, steps, positions, mode, at}: what the run takes out).
-    A source is a cache directory (relative to the config file), a URL (s3://bucket/prefix), or
-    {path: ..., local_dir: ..., max_local_bytes: ..., storage_options: ..., exclude: ...}. For example:
+    The config's keys (unknown ones are refused; docs/guide/mixtures.md describes each): seq_len,
+    sources, weights or stages, layout, overlap, seed, shuffle, block_size, stop, exclude, and for caches
+    in object storage local_dir, max_local_bytes, storage_options. A source is a cache directory, a URL
+    (s3://bucket/prefix) or {path: ..., follow: true, exclude: ..., ...}. For example:
 
     \b
         seq_len: 2048

@@ -388,10 +388,12 @@ class Loader:
         run = dataclasses.replace(self._run, batches_per_step=value)
         # The exclusions put in force in the current leg count its steps again.
         legs, counting = len(run.history) or 1, run.counting()
-        entries = list(run.in_force)
-        current = [i for i, (e, _, steps) in enumerate(entries) if steps.through == legs and e.step_ranges()]
-        for i in current:
-            entries[i] = (entries[i][0], entries[i][1], counting)
+        current = [
+            i for i, (e, _, steps) in enumerate(run.in_force) if steps.through == legs and e.step_ranges()
+        ]
+        entries = [
+            (e, at, counting if i in current else steps) for i, (e, at, steps) in enumerate(run.in_force)
+        ]
         moved = [
             i for i in current if entries[i][0].ranges(counting) != entries[i][0].ranges(run.in_force[i][2])
         ]

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +24,17 @@ from streampack.order import Order
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["Masking", "Skipping", "excluded_documents", "excluded_samples", "reached", "unfiltered"]
+__all__ = [
+    "Masking",
+    "Skipping",
+    "doc_ranges",
+    "excluded_documents",
+    "excluded_samples",
+    "in_keys",
+    "merged",
+    "reached",
+    "unfiltered",
+]
 
 _SOURCE_SHIFT = 40  # key of a sample: source << 40 | sample
 _CHUNK = 1 << 16  # positions counted at once
@@ -40,23 +50,26 @@ def _isin_sorted(values: np.ndarray, table: np.ndarray) -> np.ndarray:
     return table[at] == values
 
 
+def in_keys(keys: np.ndarray, sources: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """Whether each pick ``(sources[k], samples[k])`` is one of the sorted sample ``keys``."""
+    return _isin_sorted((sources.astype(np.int64) << _SOURCE_SHIFT) | samples, keys)
+
+
 def _in_ranges(positions: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
     """Whether each position lies in one of the sorted, disjoint ranges ``[starts, stops)``."""
     at = np.searchsorted(starts, positions, side="right") - 1
     return (at >= 0) & (positions < stops[np.maximum(at, 0)])
 
 
-def merged(ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted ranges ``[start, stop)`` merged where they overlap, as arrays of starts and stops."""
-    starts: list[int] = []
-    stops: list[int] = []
-    for start, stop in sorted(ranges):
-        if stops and start <= stops[-1]:
-            stops[-1] = max(stops[-1], stop)
+def merged(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Half-open ranges merged where they overlap or touch: sorted, disjoint, none empty."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(r for r in ranges if r[1] > r[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
         else:
-            starts.append(start)
-            stops.append(stop)
-    return np.asarray(starts, dtype=np.int64), np.asarray(stops, dtype=np.int64)
+            out.append((start, stop))
+    return out
 
 
 # --- documents -> samples ------------------------------------------------------------------------------
@@ -128,8 +141,8 @@ def excluded_documents(
     return {source: np.unique(np.concatenate(parts)) for source, parts in found.items()}
 
 
-def _doc_ranges(cache: Cache, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Global token ranges ``[start, stop)`` of the documents ``docs`` (sorted) of ``cache``."""
+def doc_ranges(cache: Cache, docs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Global token ranges ``[start, stop)`` of the documents ``docs`` of ``cache``."""
     doc_starts = np.asarray(cache.doc_starts, dtype=np.int64)
     token_starts = np.asarray(cache.token_starts, dtype=np.int64)
     shards = np.searchsorted(doc_starts, docs, side="right") - 1
@@ -151,7 +164,7 @@ def excluded_samples(data: object, docs: np.ndarray) -> np.ndarray:
     docs = docs[docs < cache.num_docs]  # the others, a running build has not committed: in no sample yet
     if len(docs) == 0:
         return np.zeros(0, dtype=np.int64)
-    starts, stops = _doc_ranges(cache, docs)
+    starts, stops = doc_ranges(cache, docs)
     token_starts = np.asarray(cache.token_starts, dtype=np.int64)
     hits = []
     size = len(layout)
@@ -215,45 +228,38 @@ class Skipping:
         with self._lock:
             if chunk in self._kept:
                 return self._kept[chunk]
-            good = self._find_good(chunk)
+            lo = self.at + chunk * _CHUNK
+            end = self.base.end
+            hi = lo + _CHUNK if end is None else min(lo + _CHUNK, end)
+            positions = np.arange(lo, hi, dtype=np.int64)
+            bad = np.zeros(len(positions), dtype=bool)
+            if len(self.keys):
+                bad |= in_keys(self.keys, *self.base(positions))
+            if len(self.starts) and self.starts[0] < hi and self.stops[-1] > lo:
+                bad |= _in_ranges(positions, self.starts, self.stops)
+            good = None if not bad.any() else positions[~bad]
             if len(self._kept) >= _KEPT:
                 self._kept.pop(next(iter(self._kept)))
             self._kept[chunk] = good
             return good
 
-    def _find_good(self, chunk: int) -> np.ndarray | None:
-        lo = self.at + chunk * _CHUNK
-        end = self.base.end
-        hi = lo + _CHUNK if end is None else min(lo + _CHUNK, end)
-        positions = np.arange(lo, hi, dtype=np.int64)
-        bad = np.zeros(len(positions), dtype=bool)
-        if len(self.keys):
-            sources, samples = self.base(positions)
-            bad |= _isin_sorted((sources.astype(np.int64) << _SOURCE_SHIFT) | samples, self.keys)
-        if len(self.starts) and self.starts[0] < hi and self.stops[-1] > lo:
-            bad |= _in_ranges(positions, self.starts, self.stops)
-        return None if not bad.any() else positions[~bad]
-
     def _count_until(self, served: int) -> None:
         """Count chunks until more than ``served`` good positions are known, or base's end."""
-        with self._lock:
-            self._count_chunks(served)
-
-    def _count_chunks(self, served: int) -> None:
         end = self.base.end
-        while self._counts[-1] <= served and not self._ended:
-            chunk = len(self._counts) - 1
-            lo = self.at + chunk * _CHUNK
-            if end is not None and lo >= end:
-                self._ended = True
-                break
-            good = self._good(chunk)
-            size = (_CHUNK if end is None else min(_CHUNK, end - lo)) if good is None else len(good)
-            self._counts.append(self._counts[-1] + size)
-            if end is not None and lo + _CHUNK >= end:
-                self._ended = True
-        if len(self._prefix) != len(self._counts):
-            self._prefix = np.asarray(self._counts, dtype=np.int64)
+        with self._lock:
+            while self._counts[-1] <= served and not self._ended:
+                chunk = len(self._counts) - 1
+                lo = self.at + chunk * _CHUNK
+                if end is not None and lo >= end:
+                    self._ended = True
+                    break
+                good = self._good(chunk)
+                size = (_CHUNK if end is None else min(_CHUNK, end - lo)) if good is None else len(good)
+                self._counts.append(self._counts[-1] + size)
+                if end is not None and lo + _CHUNK >= end:
+                    self._ended = True
+            if len(self._prefix) != len(self._counts):
+                self._prefix = np.asarray(self._counts, dtype=np.int64)
 
     def underlying(self, positions: np.ndarray) -> np.ndarray:
         """The positions of ``base`` that ``positions`` (below :attr:`end`) serve."""

@@ -9,6 +9,7 @@ a growing source, known up to the first position one of those sources does not k
 
 from __future__ import annotations
 
+import bisect
 import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -162,14 +163,10 @@ class GrowingMixture:
 
         if fits(MAX_POSITION):
             return MAX_POSITION
-        # Whole blocks first (a block's first position needs no block table), then within the block.
+        # The last position that fits: whole blocks first (a block's first position needs no block
+        # table), then within the block.
         size = order.block_size
-        lo, hi = 0, MAX_POSITION // size  # fits(lo * size); the answer is below hi * size
-        while hi - lo > 1:
-            middle = (lo + hi) // 2
-            lo, hi = (middle, hi) if fits(middle * size) else (lo, middle)
-        lo, hi = lo * size, lo * size + size
-        while hi - lo > 1:
-            middle = (lo + hi) // 2
-            lo, hi = (middle, hi) if fits(middle) else (lo, middle)
-        return lo
+        block = bisect.bisect_left(range(1, MAX_POSITION // size), True, key=lambda b: not fits(b * size))
+        return block * size + bisect.bisect_left(
+            range(1, size), True, key=lambda k: not fits(block * size + k)
+        )

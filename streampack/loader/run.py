@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from streampack.errors import OptionsError
+from streampack._checks import is_int
+from streampack.errors import LoaderStateError, OptionsError
 from streampack.loader.batches import Batches
 from streampack.loader.collate import CausalLMDict, Format, format_for
 from streampack.loader.domains import Domains, domains_for
@@ -34,11 +35,11 @@ from streampack.loader.history import StepCount, history_entry
 from streampack.loader.options import LoaderOptions, check_dtype, unknown_keyword, with_keywords
 from streampack.loader.reading import DataSource, Rows, Source, vocab_size_of
 from streampack.loader.seqlen import SeqLenSchedule
-from streampack.loader.served import Served, own_order, regrained
+from streampack.loader.served import Served, own_order
 from streampack.loader.state import read_loader_state, resume
 from streampack.order import MAX_POSITION, Order, Ordered
 
-__all__ = ["Entry", "Found", "Run", "listed", "resumed", "started"]
+__all__ = ["Entry", "Found", "Run", "listed", "regrained", "resumed", "started"]
 
 Entry = tuple[Exclusions, int, StepCount]
 #: Per process, the documents each exclusion names (by its digest), by source id: found once.
@@ -197,9 +198,9 @@ def started(
 def resumed(run: Run, state: Mapping[str, Any], step: int | None) -> tuple[int, Run]:
     """Where ``state`` resumes ``run``, and the run from there (its history one entry longer).
 
-    A checkpoint whose units are windows of another length becomes the run's sources
-    (:func:`~streampack.loader.served.regrained`). The exclusions the state had in force must be the first
-    ones the run was given; the others are put in force at the resume's position.
+    A checkpoint whose units are windows of another length becomes the run's sources (:func:`regrained`).
+    The exclusions the state had in force must be the first ones the run was given; the others are put in
+    force at the resume's position.
 
     Raises:
         LoaderStateError: (a ``ValueError``) not a state this run continues, or its exclusions are not a
@@ -207,15 +208,7 @@ def resumed(run: Run, state: Mapping[str, Any], step: int | None) -> tuple[int, 
         OptionsError: an exclusion does not fit, or ``drop_last=False`` would give some rank an empty last
             batch from there.
     """
-    parts = regrained(state, run.rows.sources, run.options, run.served, run.own)
-    if parts is not None:
-        o = parts.options
-        formatter = format_for(o.output, [s.data for s in parts.sources], (o.cp_size, o.cp_rank))
-        run = dataclasses.replace(
-            run, options=parts.options, rows=Rows(parts.sources), formatter=formatter, served=parts.served,
-            configured=parts.order, order=parts.order,
-        )  # fmt: skip
-        _check_balance(parts.options, parts.sources, parts.served)
+    run = regrained(run, state) or run
     datasets = [s.data for s in run.rows.sources]
     position, order = resume(state, run.configured, datasets)  # the state read strictly
     recorded: list[Mapping[str, Any]] = list(state.get("exclusions", ()))
@@ -232,6 +225,90 @@ def resumed(run: Run, state: Mapping[str, Any], step: int | None) -> tuple[int, 
     run = dataclasses.replace(run, order=order).enforced([*kept, *added])
     run.batches.check_last_batch(position)
     return position, dataclasses.replace(run, history=(*earlier, run.entry(position, step)))
+
+
+def regrained(run: Run, state: Mapping[str, Any]) -> Run | None:
+    """What ``run`` of one cache becomes to resume ``state``, whose units are windows of another length;
+    None when the state's units are the run's (or not windows at all).
+
+    The run then reads the checkpoint's units in the checkpoint's order, each served as sub-windows (or
+    joins) of its own lengths, and its ``batch_size`` becomes the units of a global batch: the same tokens
+    a step. Only a run whose order the loader made itself (``own``) does.
+
+    Raises:
+        LoaderStateError: the lengths do not divide the saved one, or a batch is not whole units; a length
+            joins units with an overlap, or in ``output="numpy"`` (no labels mask the joins).
+    """
+    sources, served, options = run.rows.sources, run.served, run.options
+    saved = read_loader_state(state).get("order")
+    if len(sources) != 1 or not run.own or not isinstance(saved, Mapping):
+        return None
+    data = saved.get("data") or {}
+    unit = data.get("seq_len") if isinstance(data, Mapping) else None
+    if saved.get("kind") not in ("shuffled", "blocks") or not is_int(unit) or "layout" in data:
+        return None  # not windows of one source
+    current = served.unit if served is not None else getattr(sources[0].data, "seq_len", None)
+    if current is None or unit == current:
+        return None
+    from streampack.samples.lengths import at_seq_len, windows_of
+
+    part = windows_of(sources[0].data, "resuming at another seq_len")
+    default = served.default if served is not None else part.seq_len
+    schedule = served.schedule if served is not None else None
+    lengths = [default, *(schedule.lengths if schedule is not None else [])]
+    fits = [unit % length == 0 or length % unit == 0 for length in lengths]
+    if not all(fits):
+        raise LoaderStateError(
+            f"the checkpoint's samples are windows of {unit} tokens, this loader serves seq_len "
+            f"{', '.join(map(str, dict.fromkeys(lengths)))}: a run changes its length at a resume exactly "
+            f"only to a length that divides the checkpoint's ({unit}) or is a multiple of it; resume with "
+            f"cache.sequences({unit}) and a seq_len_schedule, or with such a seq_len"
+        )
+    longest = max(lengths)
+    joins = f"resuming windows of {unit} tokens at seq_len {longest} joins {longest // unit} of them a row"
+    if longest > unit and part.overlap:
+        raise LoaderStateError(
+            f"{joins}, and with overlap={part.overlap} the last input token of each joined window would get "
+            "the next window's first token as its target (text from elsewhere in the corpus), not its own "
+            f"next token. Resume at seq_len {unit} or a length that divides it (joins need a run without "
+            "overlap, read with output='dict', whose labels mask each join)"
+        )
+    if longest > unit and options.output == "numpy":
+        raise LoaderStateError(
+            f"{joins}, and output='numpy' has no labels to mask the joins: x, y = row[:-1], row[1:] would "
+            "train the last token of each joined window on the next window's first token (text from "
+            "elsewhere in the corpus). Use output='dict' (each join a segment start, label -100), or resume "
+            f"at seq_len {unit} or a length that divides it"
+        )
+    if longest > unit and not options.drop_last:
+        raise LoaderStateError(
+            f"{joins}, which the partial last batch of drop_last=False cannot always do; use drop_last=True"
+        )
+    tokens = options.batch_size * default
+    if tokens % unit or (tokens // unit) % options.world_size:
+        raise LoaderStateError(
+            f"batch_size={options.batch_size} rows of seq_len {default} are {tokens} tokens, not whole "
+            f"windows of the checkpoint's {unit} tokens for each of the {options.world_size} ranks; use a "
+            f"batch_size that is a multiple of {max(1, unit // default) * options.world_size}"
+        )
+    per_rank = tokens // unit // options.world_size
+    for length in lengths:
+        if length > unit and per_rank % (length // unit):
+            raise LoaderStateError(
+                f"batch_size={options.batch_size} rows of seq_len {default} give each rank {per_rank} "
+                f"windows of the checkpoint's {unit} tokens, which seq_len {length} cannot join "
+                f"{length // unit} at a time; use a batch_size that makes them a multiple"
+            )
+    units = Source(at_seq_len(part, unit))
+    options = dataclasses.replace(options, batch_size=tokens // unit)
+    order = own_order(options, units)
+    served = Served([units], default=default, schedule=schedule, output=options.output, joins=True)
+    formatter = format_for(options.output, [units.data], (options.cp_size, options.cp_rank))
+    _check_balance(options, [units], served)
+    return dataclasses.replace(
+        run, options=options, rows=Rows([units]), formatter=formatter, served=served, configured=order,
+        order=order,
+    )  # fmt: skip
 
 
 def listed(exclude: Exclusions | Sequence[Exclusions] | None) -> list[Exclusions]:
@@ -293,7 +370,7 @@ def layered(
         docs = found.get(entry.digest)
         if docs is None:
             docs = found[entry.digest] = excluded_documents(entry, names, datasets)
-        ranges = merged(entry.ranges(steps))
+        ranges = tuple(np.array(merged(entry.ranges(steps)), dtype=np.int64).reshape(-1, 2).T.copy())
         if entry.mode == "mask":
             masks.append((at, docs, ranges))
             continue

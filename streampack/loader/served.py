@@ -9,27 +9,20 @@ read, and a step then sees the same tokens at every length.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from streampack._checks import is_int
-from streampack.errors import LoaderStateError, OptionsError
+from streampack.errors import OptionsError
 from streampack.loader.collate import CausalLMDict, Format, format_for
 from streampack.loader.domains import Domains
 from streampack.loader.options import LoaderOptions, check_size
 from streampack.loader.reading import Source
 from streampack.loader.seqlen import SeqLenSchedule
-from streampack.loader.state import read_loader_state
 from streampack.order import Order
 
-__all__ = ["Regrained", "Served", "formatted", "own_order", "regrained"]
-
-# The kinds of saved order of one source whose data a loader of another seq_len may take over.
-_ONE_SOURCE = ("shuffled", "blocks")
+__all__ = ["Served", "formatted", "own_order"]
 
 Masked = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
@@ -222,91 +215,3 @@ def own_order(options: LoaderOptions, source: Source) -> Order:
     check_size(options, len(source))
     o = options
     return single_order(len(source), seed=o.seed, shuffle=o.shuffle, epochs=o.epochs, data=source.fingerprint)
-
-
-@dataclass(frozen=True)
-class Regrained:
-    """A loader's parts after it took over a checkpoint's units (see :func:`regrained`)."""
-
-    options: LoaderOptions
-    sources: list[Source]
-    order: Order
-    served: Served
-
-
-def regrained(
-    state: Mapping[str, Any], sources: list[Source], options: LoaderOptions, served: Served | None, own: bool
-) -> Regrained | None:
-    """What a loader of one cache becomes to resume ``state``, whose units are windows of another length;
-    None when the state's units are the loader's (or not windows at all).
-
-    The loader then reads the checkpoint's units in the checkpoint's order, each served as sub-windows (or
-    joins) of its own lengths, and its ``batch_size`` becomes the units of a global batch: the same tokens
-    a step. Only a loader that made its order itself (``own``) does.
-
-    Raises:
-        LoaderStateError: the lengths do not divide the saved one, or a batch is not whole units; a length
-            joins units with an overlap, or in ``output="numpy"`` (no labels mask the joins).
-    """
-    saved = read_loader_state(state).get("order")
-    if len(sources) != 1 or not own or not isinstance(saved, Mapping) or saved.get("kind") not in _ONE_SOURCE:
-        return None
-    data = saved.get("data")
-    unit = data.get("seq_len") if isinstance(data, Mapping) else None
-    current = served.unit if served is not None else getattr(sources[0].data, "seq_len", None)
-    if not is_int(unit) or "layout" in data or current is None or unit == current:  # type: ignore[operator]
-        return None
-    from streampack.samples.lengths import at_seq_len, windows_of
-
-    part = windows_of(sources[0].data, "resuming at another seq_len")
-    default = served.default if served is not None else part.seq_len
-    schedule = served.schedule if served is not None else None
-    lengths = [default, *(schedule.lengths if schedule is not None else [])]
-    fits = [unit % length == 0 or length % unit == 0 for length in lengths]
-    if not all(fits):
-        raise LoaderStateError(
-            f"the checkpoint's samples are windows of {unit} tokens, this loader serves seq_len "
-            f"{', '.join(map(str, dict.fromkeys(lengths)))}: a run changes its length at a resume exactly "
-            f"only to a length that divides the checkpoint's ({unit}) or is a multiple of it; resume with "
-            f"cache.sequences({unit}) and a seq_len_schedule, or with such a seq_len"
-        )
-    longest = max(lengths)
-    joins = f"resuming windows of {unit} tokens at seq_len {longest} joins {longest // unit} of them a row"
-    if longest > unit and part.overlap:
-        raise LoaderStateError(
-            f"{joins}, and with overlap={part.overlap} the last input token of each joined window would get "
-            "the next window's first token as its target (text from elsewhere in the corpus), not its own "
-            f"next token. Resume at seq_len {unit} or a length that divides it (joins need a run without "
-            "overlap, read with output='dict', whose labels mask each join)"
-        )
-    if longest > unit and options.output == "numpy":
-        raise LoaderStateError(
-            f"{joins}, and output='numpy' has no labels to mask the joins: x, y = row[:-1], row[1:] would "
-            "train the last token of each joined window on the next window's first token (text from "
-            "elsewhere in the corpus). Use output='dict' (each join a segment start, label -100), or resume "
-            f"at seq_len {unit} or a length that divides it"
-        )
-    if longest > unit and not options.drop_last:
-        raise LoaderStateError(
-            f"{joins}, which the partial last batch of drop_last=False cannot always do; use drop_last=True"
-        )
-    tokens = options.batch_size * default
-    if tokens % unit or (tokens // unit) % options.world_size:
-        raise LoaderStateError(
-            f"batch_size={options.batch_size} rows of seq_len {default} are {tokens} tokens, not whole "
-            f"windows of the checkpoint's {unit} tokens for each of the {options.world_size} ranks; use a "
-            f"batch_size that is a multiple of {max(1, unit // default) * options.world_size}"
-        )
-    per_rank = tokens // unit // options.world_size
-    for length in lengths:
-        if length > unit and per_rank % (length // unit):
-            raise LoaderStateError(
-                f"batch_size={options.batch_size} rows of seq_len {default} give each rank {per_rank} "
-                f"windows of the checkpoint's {unit} tokens, which seq_len {length} cannot join "
-                f"{length // unit} at a time; use a batch_size that makes them a multiple"
-            )
-    units = Source(at_seq_len(part, unit))
-    options = dataclasses.replace(options, batch_size=tokens // unit)
-    order = own_order(options, units)
-    served = Served([units], default=default, schedule=schedule, output=options.output, joins=True)
-    return Regrained(options, [units], order, served)

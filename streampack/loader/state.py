@@ -162,11 +162,6 @@ class LoaderStateV2(_Strict):
 LOADER_VERSIONS: dict[int, type[Struct]] = {1: LoaderStateV1, 2: LoaderStateV2}
 """Every version of a loader state this streampack reads."""
 
-_POSITION_HINT = (
-    "a version 2 state says where the run stands by 'position' alone: the samples consumed since the run "
-    "started over all ranks (sample s of epoch e of a dataset of N samples is position e * N + s). Set "
-    "'position' and leave out 'epoch' and 'samples_in_epoch', which are version 1's keys."
-)
 _OTHER_VERSION_HINTS = {
     1: (
         {"position", "order"},
@@ -174,7 +169,12 @@ _OTHER_VERSION_HINTS = {
         "'order' are version 2's keys: to give a position, write a version 2 state (as Loader.state_dict() "
         "writes it).",
     ),
-    2: ({"epoch", "samples_in_epoch"}, _POSITION_HINT),
+    2: (
+        {"epoch", "samples_in_epoch"},
+        "a version 2 state says where the run stands by 'position' alone: the samples consumed since the "
+        "run started over all ranks (sample s of epoch e of a dataset of N samples is position e * N + s). "
+        "Set 'position' and leave out 'epoch' and 'samples_in_epoch', which are version 1's keys.",
+    ),
 }
 
 

@@ -16,19 +16,19 @@ Ranges in reports are half-open: ``positions 9600-10000`` are positions 9600 to 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from streampack.errors import LoaderStateError, OptionsError
+from streampack.errors import LoaderStateError, OptionsError, read_json
 from streampack.follow import FollowOptions, GrowingCache
 from streampack.loader import Loader
+from streampack.loader.excluding import merged
 from streampack.loader.exclusions import Exclusions
 from streampack.loader.history import leg_steps, order_digest, stride
 from streampack.loader.run import listed
-from streampack.loader.state import LOADER_FORMAT, LOADER_VERSION, read_loader_state
+from streampack.loader.state import read_loader_state, saved
 from streampack.order import Ordered
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
@@ -205,11 +205,11 @@ def audit(
     twice, skipped = cov.intervals(legs, loaders, names)
     findings = _unverified(legs) + cov.findings(legs, loaders, names, twice, skipped)
     findings += excluded_served(legs, loaders, in_force(entries, exclusions), given)
-    width = _width(entries[-1], loaders[-1])
+    width = entries[-1]["data"].get("seq_len") or loaders[-1].width  # samples not a cache's: their width
     sizes = dict(zip(names, loaders[-1].order.sizes(), strict=True))
     sources = []
     for name in names:
-        union = cov.union([(a, b) for a, b, _ in cov.cursor_runs(legs, loaders, name)])
+        union = merged([(a, b) for a, b, _ in cov.cursor_runs(legs, loaders, name)])
         twice_of, skipped_of = twice.get(name, []), skipped.get(name, [])
         sources.append(
             SourceAudit(
@@ -304,12 +304,11 @@ def read_state_file(state: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
     if isinstance(state, Mapping):
         return state
     try:
-        loaded = json.loads(Path(state).read_text())
-    except (OSError, ValueError) as error:
+        text = Path(state).read_bytes()
+    except OSError as error:
         raise LoaderStateError(f"cannot read the loader state {state}: {error}") from None
-    if not isinstance(loaded, Mapping):
-        raise LoaderStateError(f"{state}: a loader state is a JSON object (Loader.state_dict())")
-    return loaded
+    fix = "a loader state is the JSON object of a Loader.state_dict()"
+    return read_json(text, dict[str, Any], LoaderStateError, str(state), fix)
 
 
 def _check_given(entries: Sequence[Mapping[str, Any]], seq_len: int | None, seed: int | None) -> None:
@@ -364,13 +363,9 @@ def leg_loaders(
         if loaders or position or forced[i]:
             # From the previous leg's order (the first leg: its own), with the exclusions in force in this
             # leg, and the history up to here, which counts their steps as the run did.
-            state = {
-                "format": LOADER_FORMAT,
-                "version": LOADER_VERSION,
-                "position": position,
-                "order": (loaders[-1] if loaders else loader).order.fingerprint(),
-                "history": [dict(earlier) for earlier in entries[: i + 1]],
-            }
+            state = saved(
+                position, (loaders[-1] if loaders else loader).order, loader.options, entries[: i + 1]
+            )
             if forced[i]:
                 state["exclusions"] = [dict(record) for record in forced[i]]
             loader.load_state_dict(state)
@@ -486,9 +481,3 @@ def _samples(path: str, described: Mapping[str, Any]) -> Any:
     if layout == "windows":
         return cache.sequences(int(seq_len), overlap=int(described.get("overlap", 0)))
     return getattr(cache, layout)(int(seq_len))
-
-
-def _width(entry: Mapping[str, Any], loader: Loader) -> int:
-    """Tokens one sample gives the model: its ``seq_len``, else (not a cache's samples) its width."""
-    seq_len = entry["data"].get("seq_len")
-    return int(seq_len) if seq_len is not None else loader.width

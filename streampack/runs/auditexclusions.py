@@ -17,7 +17,7 @@ import numpy as np
 
 from streampack.errors import LoaderStateError
 from streampack.loader import Loader
-from streampack.loader.excluding import excluded_documents, excluded_samples, sample_keys
+from streampack.loader.excluding import excluded_documents, excluded_samples, in_keys, sample_keys
 from streampack.loader.exclusions import Exclusions
 from streampack.runs.coverage import CHUNK, Finding, Leg, listed
 
@@ -100,9 +100,7 @@ def _served_of(
     first, last = stop, start
     for lo in range(start, stop, CHUNK):
         sources, samples = loader.served(lo, min(stop, lo + CHUNK))
-        key = (sources.astype(np.int64) << 40) | samples
-        at = np.minimum(np.searchsorted(keys, key), len(keys) - 1)
-        hit = np.flatnonzero(keys[at] == key)
+        hit = np.flatnonzero(in_keys(keys, sources, samples))
         for source, count in zip(*np.unique(sources[hit], return_counts=True), strict=True):
             name = loader.order.names[int(source)]
             counts[name] = counts.get(name, 0) + int(count)

@@ -7,6 +7,7 @@ within its epoch; one below the furthest served that no leg served was skipped.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ import numpy as np
 
 from streampack.errors import LoaderStateError
 from streampack.loader import Loader
-from streampack.loader.excluding import Skipping, reached
+from streampack.loader.excluding import Skipping, merged, reached
 
 __all__ = [
     "CHUNK",
@@ -27,7 +28,6 @@ __all__ = [
     "intervals",
     "listed",
     "served",
-    "union",
 ]
 
 CHUNK = 1 << 20  # positions recomputed at once: 16 MB of picks
@@ -150,17 +150,6 @@ def cursor_runs(legs: list[Leg], loaders: list[Loader], name: str) -> list[tuple
     ]
 
 
-def union(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The half-open runs merged: sorted, disjoint, none empty."""
-    merged: list[list[int]] = []
-    for a, b in sorted(run for run in runs if run[1] > run[0]):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
 def _minus(run: tuple[int, int], union: list[tuple[int, int]]) -> list[tuple[int, int]]:
     pieces, (a, b) = [], run
     for lo, hi in union:
@@ -224,7 +213,7 @@ def intervals(
                 if first < stop:
                     twice.setdefault(name, []).append((leg, first, stop, earlier))
             owners.append((a, b, leg))
-            covered = union([*covered, (a, b)])
+            covered = merged([*covered, (a, b)])
         moves = _jumps(legs, loaders, name)
         _merge_twice(twice, name, [(k, data, model) for k, model, data in moves if data < model])
         top = max((hi for _, hi in covered), default=0)
@@ -232,7 +221,7 @@ def intervals(
         for leg, model, data in moves:
             if min(data, top) <= model:
                 continue
-            for first, stop in _minus((model, min(data, top)), union(done)):
+            for first, stop in _minus((model, min(data, top)), merged(done)):
                 skipped.setdefault(name, []).append((leg, first, stop))
                 done.append((first, stop))
     return twice, skipped
@@ -246,26 +235,21 @@ def _merge_twice(
     runs = twice.get(name)
     if not runs:
         return
-    merged: list[tuple[int, int, int, int]] = []
+    out: list[tuple[int, int, int, int]] = []
     for leg in sorted({run[0] for run in runs}):
-        left = union([(a, b) for at, a, b, _ in runs if at == leg])
+        left = merged([(a, b) for at, a, b, _ in runs if at == leg])
         for resume, lo, hi in sorted((r for r in back if r[0] <= leg), reverse=True):
-            merged += [(leg, max(a, lo), min(b, hi), resume) for a, b in left if max(a, lo) < min(b, hi)]
+            out += [(leg, max(a, lo), min(b, hi), resume) for a, b in left if max(a, lo) < min(b, hi)]
             left = [piece for run in left for piece in _minus(run, [(lo, hi)])]
-        merged += [(leg, a, b, leg) for a, b in left]  # none: a replay needs a resume that went back
-    twice[name] = sorted(merged)
+        out += [(leg, a, b, leg) for a, b in left]  # none: a replay needs a resume that went back
+    twice[name] = sorted(out)
 
 
 def _position_of(loader: Loader, j: int, cursor: int, lo: int, hi: int) -> int:
     """The first position in ``[lo, hi]`` where source ``j`` has served ``cursor`` samples, else ``hi``."""
-    consumed = loader.order.consumed
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if consumed(mid)[j] >= cursor:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+    return lo + bisect.bisect_left(
+        range(lo, hi), cursor, key=lambda position: loader.order.consumed(position)[j]
+    )
 
 
 def findings(

@@ -1,52 +1,7 @@
 """Mixture configs: a YAML or JSON file (or a dict) that names caches, weights and stages.
 
-Example ``mix.yaml``::
-
-    seq_len: 2048
-    layout: windows       # optional: windows (default) | packed | documents (whole documents, padded)
-    overlap: 1            # optional, default 0 (windows only)
-    seed: 0               # optional
-    shuffle: true         # optional: true | false | {block: 4096, window: 32} (a block shuffle)
-    block_size: 4096      # optional
-    stop: never           # optional: never | first_exhausted
-    sources:              # name: cache directory (relative to this file) or URL (s3://bucket/prefix)
-      web: caches/web
-      code: s3://bucket/code
-      math:                 # or a mapping: the cache, and how to read it if it is in object storage
-        path: s3://other-bucket/math
-        local_dir: /nvme/math-copy   # optional (relative to this file); the local copy of its shards
-        max_local_bytes: 2.0e+10     # optional: the bound on that copy
-        storage_options: {client_kwargs: {endpoint_url: "http://127.0.0.1:9000"}}  # optional (fsspec)
-      fresh:                # a cache whose build is running, followed (streampack.Follow) as it grows
-        path: caches/fresh
-        follow: true
-        first_era: 1024              # optional: era sizes (in samples; in documents for packed/documents)
-        largest_era: 65536           # optional
-        timeout: 600                 # optional: seconds a batch waits for the build to commit more
-    # For every source in object storage that does not set its own (all optional):
-    local_dir: /scratch/mix  # one subdirectory per source: /scratch/mix/code, ...
-    max_local_bytes: 1.0e+11 # the bound of each source's local copy
-    storage_options: {anon: false}
-    stages:               # or, for one stage, weights: {web: 0.7, code: 0.3}
-      - at: 0
-        weights: {web: 0.9, code: 0.1}
-      - at: {tokens: 2.0e+10}   # or a position in samples: at: 10000000
-        weights: {web: 0.7, code: 0.3}
-    exclude:              # optional: what to take out of the run (streampack.loader.Exclusions), a list
-      - steps: [[1200, 1250]]   # global steps (both included), or positions: [[start, stop]]
-        mode: skip              # skip (default) | mask
-      - documents: {web: [17, 4242]}
-
-A finished source given as a mapping may also hold ``exclude:`` (a mapping or a list of them) naming its
-own documents (``documents: [17]``, ``hashes: [...]``). :func:`mixture_exclusions` reads them all, the
-config's list first, then each source's; pass them as ``Loader(load_mixture(path),
-exclude=mixture_exclusions(path), ...)``, in that order at every resume.
-
-Unknown keys are refused, so a misspelt ``weigths`` never passes silently as "no weights"; numbers may be
-written as floats or strings (``2.0e+10``, ``"1e9"``). The reading options (``local_dir``,
-``max_local_bytes``, ``storage_options``, as :func:`streampack.open` takes them) apply to caches in object
-storage only. A source with ``follow: true`` is the committed part of a cache whose build runs, read as
-:class:`~streampack.follow.Follow` reads it, its eras shuffled with the config's ``seed``.
+:func:`load_mixture` makes the :class:`~streampack.order.mixture.Mixture`, :func:`mixture_exclusions` the
+exclusions it lists. Every key is described in docs/guide/mixtures.md ("Config files").
 """
 
 from __future__ import annotations
@@ -62,6 +17,7 @@ from msgspec import Meta, Struct
 from streampack.errors import OptionsError, read_json
 from streampack.follow import FollowOptions, GrowingCache
 from streampack.loader.exclusions import Exclusions
+from streampack.loader.state import Count, Positive
 from streampack.order.blockshuffle import BlockShuffle
 from streampack.order.mixture import Mixture
 from streampack.reader import open as open_cache
@@ -69,8 +25,6 @@ from streampack.store import is_remote
 
 __all__ = ["CONFIG_KEYS", "load_mixture", "mixture_exclusions"]
 
-Count = Annotated[int, Meta(ge=0)]
-Positive = Annotated[int, Meta(ge=1)]
 _FIX = "see streampack mix --help for what a mixture config holds"
 _READING = ("local_dir", "max_local_bytes", "storage_options")
 _FOLLOWING = ("first_era", "largest_era", "timeout", "poll")

@@ -18,9 +18,9 @@ import numpy as np
 
 from streampack._checks import check_int
 from streampack.loader import Loader
+from streampack.loader.excluding import doc_ranges
 from streampack.loader.origins import locate
 from streampack.order import groups
-from streampack.reader import Cache
 from streampack.samples.fim import SLOTS, Moves
 from streampack.samples.sequences import PackedSequences
 
@@ -346,15 +346,4 @@ def _token_offsets(
     k = order[np.searchsorted(keys, r * seqs.width + c, side="right") - 1]
     token_starts = np.asarray(cache.token_starts)
     at = token_starts[spans.shards[k]] + spans.lo[k] + (c - spans.col[k])
-    return at - _doc_token_starts(cache, docs)
-
-
-def _doc_token_starts(cache: Cache, docs: np.ndarray) -> np.ndarray:
-    """The position in the cache's token stream of the first token of each of ``docs``."""
-    shards = np.searchsorted(cache.doc_starts, docs, side="right") - 1
-    starts = np.empty(len(docs), dtype=np.int64)
-    for k, (doc, shard) in enumerate(zip(docs.tolist(), shards.tolist())):
-        local = doc - int(cache.doc_starts[shard])
-        before = int(cache.shard_offsets(shard)[local - 1]) if local else 0
-        starts[k] = int(cache.token_starts[shard]) + before
-    return starts
+    return at - doc_ranges(cache, docs)[0]
