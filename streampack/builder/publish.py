@@ -16,9 +16,8 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from streampack.errors import CacheError, ConfigMismatchError, StreampackError
-from streampack.format.identity import build_identity
 from streampack.format.ledger import LedgerEntry
-from streampack.format.manifest import Manifest
+from streampack.format.manifest import Manifest, build_identity
 from streampack.format.names import (
     LAYOUT_DIR,
     LEDGER_DIR,

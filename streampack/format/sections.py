@@ -355,7 +355,7 @@ class BuildSettings(Section):
     max_piece_chars: int | None = key(or_null(COUNT), None)
     fields: tuple[str, ...] | None = key(or_null(STRINGS), None)
     chat: str | None = key(or_null(STR), None)
-    # (left out at their defaults, as from the identity: see streampack.format.identity)
+    # (left out at their defaults, as from the identity: see streampack.format.manifest.build_identity)
     chat_turns: str = key(STR, "all", omit=True)
     chat_reasoning: str = key(STR, "train", omit=True)
 
