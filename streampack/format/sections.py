@@ -2,8 +2,8 @@
 :class:`BosPolicy`, :class:`BuildSettings`, :class:`InputRecord`, :class:`EngineRecord` and
 :class:`IgnoredInputs` (docs/FORMAT.md describes each), and :class:`Section`, their base.
 
-A section is a frozen dataclass with one field per key, declared with :func:`key` (its :class:`Kind`,
-whether it is required, whether a section made in code leaves it out at its default).
+A section is a frozen dataclass with one field per key, declared with :func:`key`: its :class:`Kind`, its
+default (a key without one is required), and whether a section made in code leaves it out at its default.
 :meth:`Section.from_json` checks a JSON object once, naming the file and the key of what is wrong;
 :meth:`Section.to_json` gives back the object it was read from, absent, unknown and ordered keys included,
 so a manifest read and written again keeps its bytes and its build identity.
@@ -114,17 +114,17 @@ def sections_kind(cls: type[Section]) -> Kind:
     )
 
 
-def key(kind: Kind, default: Any = dataclasses.MISSING, *, required: bool = False, omit: bool = False) -> Any:
+def key(kind: Kind, default: Any = dataclasses.MISSING, *, omit: bool = False) -> Any:
     """A dataclass field that is a key of the section's JSON object.
 
     Args:
         kind: what its value must be.
-        default: its value when the key is absent from the JSON.
-        required: a JSON object without the key is refused.
+        default: its value when the key is absent from the JSON; without one, a JSON object without the key
+            is refused.
         omit: a section made in code leaves the key out while it holds ``default`` (the builder writes it
             only when it has a value).
     """
-    spec = _Key(kind, required, omit, _NO_DEFAULT if default is dataclasses.MISSING else default)
+    spec = _Key(kind, default is dataclasses.MISSING, omit, default)
     metadata = {"kind": kind, "key": spec}
     if default is dataclasses.MISSING:
         return field(metadata=metadata)
@@ -229,15 +229,12 @@ class Section:
 
 @dataclass(frozen=True)
 class _Key:
-    """A key of a section, as :func:`key` declared it (``default``: a value no record holds if none)."""
+    """A key of a section, as :func:`key` declared it (``default``: ``dataclasses.MISSING`` if required)."""
 
     kind: Kind
     required: bool
     omit: bool
     default: Any
-
-
-_NO_DEFAULT = object()
 
 
 def malformed(where: str, problem: str) -> str:
@@ -253,8 +250,8 @@ def shown(value: Any) -> str:
 class Cuts(Section):
     """Whether cutting a long document at spaces is proven to give the tokenizer's own ids, and why."""
 
-    exact: bool = key(BOOL, required=True)
-    reason: str = key(STR, required=True)
+    exact: bool = key(BOOL)
+    reason: str = key(STR)
 
     section_name: ClassVar[str] = "tokenizer.cuts"
 
@@ -279,9 +276,9 @@ class TokenizerInfo(Section):
         chat_template_sha256: a chat build: the hash of its chat template (compared on resume).
     """
 
-    kind: str = key(STR, required=True)
-    name: str = key(STR, required=True)
-    vocab_size: int = key(INT, required=True)
+    kind: str = key(STR)
+    name: str = key(STR)
+    vocab_size: int = key(INT)
     sha256: str | None = key(STR, None, omit=True)
     spec: str | None = key(STR, None, omit=True)
     cuts: Cuts | None = key(section_kind(Cuts), None, omit=True)  # noqa: RUF009 (a field)
@@ -299,7 +296,7 @@ class TokenizerInfo(Section):
 class EosPolicy(Section):
     """Whether an EOS id is appended after every document, and which (the manifest's ``eos``)."""
 
-    append: bool = key(BOOL, required=True)
+    append: bool = key(BOOL)
     id: int | None = key(or_null(COUNT), None)
 
     section_name: ClassVar[str] = "eos"
@@ -319,7 +316,7 @@ class EosPolicy(Section):
 class BosPolicy(Section):
     """Whether a BOS id is put before every document, and which (the manifest's ``bos``)."""
 
-    prepend: bool = key(BOOL, required=True)
+    prepend: bool = key(BOOL)
     id: int | None = key(or_null(COUNT), None)
 
     section_name: ClassVar[str] = "bos"
@@ -383,7 +380,7 @@ class InputRecord(Section):
         fingerprint: Python documents only: what identifies them across runs, or None.
     """
 
-    path: str = key(STR, required=True)
+    path: str = key(STR)
     size: int | None = key(or_null(COUNT), None)
     mtime_ns: int | None = key(or_null(INT), None)
     fingerprint: str | None = key(or_null(STR), None)
@@ -416,7 +413,7 @@ class _InputCheck(msgspec.Struct):
 class Verification(Section):
     """How the ids of an engine other than the reference were checked (an engine record's ``verify``)."""
 
-    mode: str = key(STR, required=True)
+    mode: str = key(STR)
     first: int | None = key(COUNT, None, omit=True)
     rate: float | None = key(NUMBER, None, omit=True)
 
@@ -430,8 +427,8 @@ class EngineRecord(Section):
     Informational: not compared on resume (every engine gives the same ids).
     """
 
-    name: str = key(STR, required=True)
-    version: str = key(STR, required=True)
+    name: str = key(STR)
+    version: str = key(STR)
     reference: str | None = key(STR, None, omit=True)
     why: str | None = key(STR, None, omit=True)
     verify: Verification | None = key(section_kind(Verification), None, omit=True)  # noqa: RUF009
@@ -443,8 +440,8 @@ class EngineRecord(Section):
 class IgnoredEntry(Section):
     """An entry under an input directory or glob that the build did not read, and why."""
 
-    path: str = key(STR, required=True)
-    reason: str = key(STR, required=True)
+    path: str = key(STR)
+    reason: str = key(STR)
 
     section_name: ClassVar[str] = "ignored_inputs.first[]"
 
