@@ -158,7 +158,7 @@ def build(
             prepare_directory(store, run.overwrite)
         else:  # built in the staging directory, published unit by unit
             publisher = Publisher(remote, store, {shard_name(u.index): u.describe() for u in units})
-            complete = publisher.begin(manifest, overwrite=run.overwrite, same_build=check_same_build)
+            complete = publisher.begin(manifest, overwrite=run.overwrite)
         if complete is not None:
             summary = _summarize(BuildSummary(out=root), complete)
         else:
