@@ -88,8 +88,7 @@ def test_a_trainer_that_reads_a_cache_loads_no_build_side_and_no_heavy_module(st
     assert not heavy & set(loaded), heavy & set(loaded)
 
 
-REMOTE = {"streampack.store.remote", "streampack.store.localcopy",
-          "streampack.store.pressure"}  # fmt: skip
+REMOTE = {"streampack.store.remote", "streampack.store.localcopy"}
 
 
 @pytest.mark.parametrize("output", ["numpy", "dict"])

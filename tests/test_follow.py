@@ -318,7 +318,7 @@ def test_the_build_digest_ignores_what_a_resumed_build_may_change(finished: Path
     saved while following it must still resume."""
     import dataclasses
 
-    from streampack.format.identity import build_digest
+    from streampack.format.manifest import build_digest
 
     manifest = streampack.open(finished).manifest
     moved = dataclasses.replace(

@@ -1,4 +1,4 @@
-"""The lifecycle of a cache read through a local copy (streampack.store.localcopy, .pressure): no thread
+"""The lifecycle of a cache read through a local copy (streampack.store.localcopy): no thread
 outlives what owns it, and the watcher still does what it is for. A real S3 server (moto's, on 127.0.0.1)
 through s3fs, and a real second process; no mocks."""
 
@@ -18,8 +18,7 @@ import pytest
 
 import streampack
 from streampack.errors import CacheError
-from streampack.store.localcopy import BLOCK, CachedStore
-from streampack.store.pressure import THREAD_NAME, WATCHER
+from streampack.store.localcopy import BLOCK, THREAD_NAME, WATCHER, CachedStore
 from streampack.testing.caches import write_random_cache
 from tests.conftest import CREDENTIALS, s3_options
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import streampack
+from streampack.builder.options import RunOptions
 from streampack.builder.pipeline import run_units
 from streampack.builder.tasks import TokenizerRef, UnitResult, UnitSpec, UnitTask
 from streampack.builder.writer import ShardWriter
@@ -93,7 +94,8 @@ def _texts(seed: int, prefix: str) -> list[str | None]:
 
 def _spec(root: Path, **options: object) -> UnitSpec:
     ref = TokenizerRef(SPEC, "text", "no-file")
-    return UnitSpec(str(root), ref, ReadOptions(), EosPolicy(True, 256), "uint16", PieceRule(700), **options)  # type: ignore[arg-type]
+    run = RunOptions(**{"verify_tokens": "none", **options})  # type: ignore[arg-type]
+    return UnitSpec(str(root), ref, ReadOptions(), EosPolicy(True, 256), "uint16", PieceRule(700), run=run)
 
 
 def _tasks(tmp_path: Path, files: Sequence[Sequence[str | None]]) -> list[UnitTask]:

@@ -113,11 +113,11 @@ def long_record_blocks(unit: OpenUnit, record: int, part: Part) -> Iterator[Bloc
 
 def _document_blocks(unit: OpenUnit, record: int, pieces: Iterable[str], cuts: CutCount) -> Iterator[Block]:
     """One document's pieces in blocks of about ``batch_chars``; ``cuts`` counts the memory cuts made."""
-    spec = unit.spec
-    checked = verified(unit.task.unit.index, record, spec.verify)
+    run = unit.spec.run
+    checked = verified(unit.task.unit.index, record, run.verify_tokens)
     batch = Batch()
     for piece in pieces:
-        if batch.chars >= spec.batch_chars:
+        if batch.chars >= run.batch_chars:
             yield Block.of_pieces(unit, record, batch, ends=False, inexact_cuts=0)
             batch = Batch(opens_doc=False)
         batch.add(piece, record, checked)
@@ -129,7 +129,7 @@ class _Cutter:
     """A block's records cut into batches of pieces of about ``batch_chars``, and what they counted."""
 
     def __init__(self, unit: OpenUnit, first_record: int) -> None:
-        self.unit, self.spec = unit, unit.spec
+        self.unit, self.spec, self.run = unit, unit.spec, unit.spec.run
         self.record = first_record  # the record being cut
         self.first_record = first_record
         self.skipped = self.empty_docs = 0
@@ -147,7 +147,7 @@ class _Cutter:
         for part in parts:
             for item in part.items():
                 if isinstance(item, BadRecordError):
-                    if self.spec.on_bad_record == "error":
+                    if self.run.on_bad_record == "error":
                         self.error = item
                         break
                     self.skipped += 1
@@ -167,9 +167,9 @@ class _Cutter:
             yield from self._add_segments(item)
             return
         assert isinstance(item, str), "a streamed document is cut on the reading thread"
-        checked = verified(self.unit.task.unit.index, self.record, self.spec.verify)
+        checked = verified(self.unit.task.unit.index, self.record, self.run.verify_tokens)
         for i, piece in enumerate(self.spec.pieces.split(item, self.cuts)):
-            if self.batch.chars >= self.spec.batch_chars:
+            if self.batch.chars >= self.run.batch_chars:
                 yield self.batch  # mid-document: its counts start with the next batch
                 self.batch = Batch(opens_doc=i == 0)
             self.batch.add(piece, self.record, checked)
@@ -177,8 +177,8 @@ class _Cutter:
 
     def _add_segments(self, segments: Sft) -> Iterator[Batch]:
         """An SFT document: each segment cut into pieces of its own, each piece a target or not."""
-        checked, first = verified(self.unit.task.unit.index, self.record, self.spec.verify), True
-        split, batch_chars = self.spec.pieces.split, self.spec.batch_chars
+        checked, first = verified(self.unit.task.unit.index, self.record, self.run.verify_tokens), True
+        split, batch_chars = self.spec.pieces.split, self.run.batch_chars
         texts, targets, templates = zip(*segments)
         lengths = list(map(len, texts))
         whole = all(lengths) and max(lengths) <= self.spec.pieces.whole_chars

@@ -140,14 +140,10 @@ def build(
         eos=eos,
         bos=bos,
         vocab_size=vocab_size,
-        verify=_verify_mode(tokenizer, run),
         dtype=manifest.dtype,
         pieces=pieces,
-        on_bad_record=run.on_bad_record,
-        batch_chars=run.batch_chars,
-        commit_bytes=run.commit_bytes,
-        commit_seconds=run.commit_seconds,
-        profile=run.profile,
+        # without storage_options: the credentials of object storage stay out of the tasks' pickles
+        run=replace(run, verify_tokens=_verify_mode(tokenizer, run), storage_options=None),
     )
     store = LocalStore(root)
     try:
@@ -162,7 +158,7 @@ def build(
             prepare_directory(store, run.overwrite)
         else:  # built in the staging directory, published unit by unit
             publisher = Publisher(remote, store, {shard_name(u.index): u.describe() for u in units})
-            complete = publisher.begin(manifest, overwrite=run.overwrite, same_build=check_same_build)
+            complete = publisher.begin(manifest, overwrite=run.overwrite)
         if complete is not None:
             summary = _summarize(BuildSummary(out=root), complete)
         else:

@@ -68,7 +68,7 @@ def run_units(
             if progress.done:
                 yield UnitResult(task.unit.index, progress)
                 continue
-            pipeline.watch.measure_cpu(task.spec.profile)
+            pipeline.watch.measure_cpu(task.spec.run.profile)
             pipeline.watch.charge_start()
             if tokenizer is None:
                 with pipeline.watch.timing("load tokenizer"):
@@ -117,7 +117,7 @@ class _Pipeline:
         """Read all of a unit's records into blocks; its last blocks may still encode on return."""
         unit = OpenUnit(task, progress, tokenizer)
         self.open_units.append(unit)
-        size, record = task.spec.batch_chars, unit.counts.records
+        size, record = task.spec.run.batch_chars, unit.counts.records
         parts = read_unit_parts(task.unit, task.spec.read, skip=record, position=unit.position, size=size)
         held = _Held(unit)
         outside = self.watch.switch("blocks")  # the loop's own work; reading and handing over switch away

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from streampack.errors import CacheError, ConfigMismatchError, StreampackError
-from streampack.format.identity import build_identity
 from streampack.format.ledger import LedgerEntry
-from streampack.format.manifest import Manifest
+from streampack.format.manifest import Manifest, build_identity
 from streampack.format.names import (
     LAYOUT_DIR,
     LEDGER_DIR,
@@ -35,8 +34,6 @@ from streampack.format.sections import InputRecord
 from streampack.store import LocalStore
 from streampack.store.files import commit_entry, load_manifest, read_entry, write_manifest
 from streampack.store.remote import RemoteStore
-
-SameBuild = Callable[[str, Manifest, Manifest], None]  # raises ConfigMismatchError when they differ
 
 _CACHE_KEYS = (MANIFEST, LEDGER_DIR, SHARD_DIR, LAYOUT_DIR)
 
@@ -94,7 +91,7 @@ class Publisher:
         self.units = units
         self.up: set[str] = set()  # the units whose shard and ledger entry are up
 
-    def begin(self, manifest: Manifest, *, overwrite: bool, same_build: SameBuild) -> Manifest | None:
+    def begin(self, manifest: Manifest, *, overwrite: bool) -> Manifest | None:
         """Reconcile the staging directory with the remote cache before the build runs.
 
         Returns:
@@ -110,10 +107,10 @@ class Publisher:
         _refuse_interrupted_overwrite(self.remote)
         existing = load_manifest(self.remote) if self.remote.exists(MANIFEST) else None
         if existing is not None:
-            same_build(self.remote.url, existing, manifest)
+            check_same_build(self.remote.url, existing, manifest)
             if existing.complete:
                 return existing
-        if overwrite or existing is None or not self._staging_matches(manifest, same_build):
+        if overwrite or existing is None or not self._staging_matches(manifest):
             for key in _CACHE_KEYS:  # its lock stays: the build holds it
                 self.staging.delete(key)
         self.staging.makedirs(LEDGER_DIR)
@@ -141,11 +138,11 @@ class Publisher:
             )
         self.remote.put_atomic(MANIFEST, self.staging.read(MANIFEST))
 
-    def _staging_matches(self, manifest: Manifest, same_build: SameBuild) -> bool:
+    def _staging_matches(self, manifest: Manifest) -> bool:
         if not self.staging.exists(MANIFEST):
             return False
         try:
-            same_build(str(self.staging.root), load_manifest(self.staging), manifest)
+            check_same_build(str(self.staging.root), load_manifest(self.staging), manifest)
         except StreampackError:
             return False
         return True

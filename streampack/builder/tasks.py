@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from streampack.builder.options import OnBadRecord, VerifyTokens
+from streampack.builder.options import RunOptions
 from streampack.errors import TokenizerError
 from streampack.format.ledger import LedgerEntry
 from streampack.inputs.records import ReadOptions, WorkUnit
@@ -48,16 +48,11 @@ class UnitSpec:
     eos: EosPolicy
     dtype: str
     pieces: PieceRule  # resolved for the tokenizer (see :func:`streampack.tokenizer.pieces.piece_rule`)
+    run: RunOptions  # its verify_tokens "none" where the engine is the reference (see blocks.VERIFY_FIRST)
     bos: BosPolicy = NO_BOS
     # The manifest's vocab_size: every id written is below it, checked per batch before it is written
     # (None: below the dtype's limit only).
     vocab_size: int | None = None
-    verify: VerifyTokens = "none"  # re-encode records with the reference engine (see pipeline.VERIFY_FIRST)
-    on_bad_record: OnBadRecord = "error"
-    batch_chars: int = 1 << 20
-    commit_bytes: int = 64 << 20
-    commit_seconds: float = 10.0
-    profile: bool = False  # measure the CPU time of each timing too (see streampack.builder.timings)
 
 
 @dataclass(frozen=True)

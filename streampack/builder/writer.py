@@ -143,7 +143,8 @@ class OpenUnit:
         """Whether the unit commits after its tokens so far: ``commit_bytes`` or ``commit_seconds`` on."""
         started, tokens = self.last_commit
         new_bytes = (self.tokens - tokens) * self.dtype.itemsize
-        if new_bytes < self.spec.commit_bytes and time.monotonic() - started < self.spec.commit_seconds:
+        run = self.spec.run
+        if new_bytes < run.commit_bytes and time.monotonic() - started < run.commit_seconds:
             return False
         self.last_commit = (time.monotonic(), self.tokens)
         return True
@@ -203,7 +204,7 @@ class WriterThread:
         while (framed := self._queue.get()) is not None:
             try:
                 if self._error is None:
-                    watch.measure_cpu(framed.unit.spec.profile)
+                    watch.measure_cpu(framed.unit.spec.run.profile)
                     with watch.timing("write"):
                         self._write(framed, watch)
             except BaseException as e:  # raised in the reading thread; nothing more is written

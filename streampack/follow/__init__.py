@@ -33,8 +33,7 @@ from streampack.follow.eras import EraPlan, era_plan, joined
 from streampack.follow.options import FollowKeywords, FollowLayout, FollowOptions, split_keywords
 from streampack.follow.order import Eras, FollowOrder
 from streampack.format import ledger
-from streampack.format.identity import build_digest
-from streampack.format.manifest import Manifest
+from streampack.format.manifest import Manifest, build_digest
 from streampack.format.names import MANIFEST, shard_name
 from streampack.loader import Loader
 from streampack.loader.options import LoaderOptions, with_keywords

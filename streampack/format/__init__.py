@@ -16,7 +16,6 @@ through a store is :mod:`streampack.store.files`'s.
 
 from __future__ import annotations
 
-from streampack.format.identity import build_digest, build_identity
 from streampack.format.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -25,6 +24,8 @@ from streampack.format.manifest import (
     Manifest,
     ShardInfo,
     ShardTable,
+    build_digest,
+    build_identity,
     parse_manifest,
 )
 from streampack.format.names import (

@@ -2,9 +2,10 @@
 :class:`BosPolicy`, :class:`BuildSettings`, :class:`InputRecord`, :class:`EngineRecord` and
 :class:`IgnoredInputs` (docs/FORMAT.md describes each), and :class:`Section`, their base.
 
-A section is a frozen dataclass with one field per key, declared with :func:`key` (its :class:`Kind`,
-whether it is required, whether a section made in code leaves it out at its default).
-:meth:`Section.from_json` checks a JSON object once, naming the file and the key of what is wrong;
+A section is a frozen dataclass with one field per key: its type, its default (a key without one is
+required), and (:data:`OMIT`) whether a section made in code leaves it out at its default.
+:meth:`Section.from_json` checks a JSON object with msgspec, naming the file and the JSON path of what is
+wrong;
 :meth:`Section.to_json` gives back the object it was read from, absent, unknown and ordered keys included,
 so a manifest read and written again keeps its bytes and its build identity.
 """
@@ -13,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field
 from typing import Annotated, Any, ClassVar, TypeVar, overload
 
 import msgspec
 
-from streampack.errors import CacheError
+from streampack.errors import CacheError, read_json
 
 __all__ = [
     "BosPolicy",
@@ -31,106 +32,19 @@ __all__ = [
     "IgnoredInputs",
     "InputRecord",
     "InputRecords",
-    "Kind",
     "Section",
     "TokenizerInfo",
     "Verification",
-    "key",
 ]
 
 
 S = TypeVar("S", bound="Section")
+Count = Annotated[int, msgspec.Meta(ge=0)]  # a non-negative integer
 
 
-@dataclass(frozen=True)
-class Kind:
-    """What a key's value must be: ``what`` for messages, ``parse`` from JSON, ``dump`` back to JSON (None:
-    the JSON value itself, kept as it is)."""
-
-    what: str
-    accepts: Callable[[Any], bool]
-    parse: Callable[[Any, str, str], Any] | None = None
-    dump: Callable[[Any], Any] | None = None
-    # Types whose every value is accepted, checked before ``accepts``: a call spared per key.
-    exact: frozenset[type] = frozenset()
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-STR = Kind("a string", lambda v: isinstance(v, str), exact=frozenset({str}))
-BOOL = Kind("true or false", lambda v: isinstance(v, bool), exact=frozenset({bool}))
-INT = Kind("an integer", is_int, exact=frozenset({int}))
-COUNT = Kind("a non-negative integer", lambda v: is_int(v) and v >= 0)
-NUMBER = Kind("a number", lambda v: is_int(v) or isinstance(v, float))
-COUNTS = Kind(
-    "an object of non-negative integers",
-    lambda v: isinstance(v, dict) and all(is_int(n) and n >= 0 for n in v.values()),
-    parse=lambda value, where, name: dict(value),
-    dump=dict,
-)
-STRINGS = Kind(
-    "a list of strings",
-    lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v),
-    parse=lambda value, where, name: tuple(value),  # a tuple: the record stays hashable
-    dump=list,
-)
-
-
-def or_null(kind: Kind) -> Kind:
-    """``kind``, or JSON null (None)."""
-    parse, dump = kind.parse, kind.dump
-    return Kind(
-        f"{kind.what} or null",
-        lambda v: v is None or kind.accepts(v),
-        parse=None
-        if parse is None
-        else lambda value, where, name: None if value is None else parse(value, where, name),
-        dump=None if dump is None else lambda value: None if value is None else dump(value),
-        exact=kind.exact | {type(None)},
-    )
-
-
-def section_kind(cls: type[Section]) -> Kind:
-    """A nested section (an object read by ``cls.from_json``)."""
-    return Kind(
-        "an object",
-        lambda v: isinstance(v, dict),
-        parse=lambda value, where, name: cls.from_json(value, where=where, name=name),
-        dump=lambda value: value.to_json(),
-    )
-
-
-def sections_kind(cls: type[Section]) -> Kind:
-    """A list of nested sections."""
-    return Kind(
-        "a list of objects",
-        lambda v: isinstance(v, list) and all(isinstance(item, dict) for item in v),
-        parse=lambda value, where, name: tuple(
-            cls.from_json(item, where=where, name=f"{name}[{i}]") for i, item in enumerate(value)
-        ),
-        dump=lambda value: [item.to_json() for item in value],
-    )
-
-
-def key(kind: Kind, default: Any = dataclasses.MISSING, *, required: bool = False, omit: bool = False) -> Any:
-    """A dataclass field that is a key of the section's JSON object.
-
-    Args:
-        kind: what its value must be.
-        default: its value when the key is absent from the JSON.
-        required: a JSON object without the key is refused.
-        omit: a section made in code leaves the key out while it holds ``default`` (the builder writes it
-            only when it has a value).
-    """
-    spec = _Key(kind, required, omit, _NO_DEFAULT if default is dataclasses.MISSING else default)
-    metadata = {"kind": kind, "key": spec}
-    if default is dataclasses.MISSING:
-        return field(metadata=metadata)
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata, hash=False)
-    return field(default=default, metadata=metadata)
+#: The metadata of a key that a section made in code leaves out while it holds its default (the builder
+#: writes it only with a value).
+OMIT = {"omit": True}
 
 
 @dataclass(frozen=True)
@@ -150,9 +64,16 @@ class Section:
 
     @classmethod
     @functools.cache
-    def _keys(cls) -> dict[str, _Key]:
-        """The section's keys, by name, in the order the builder writes them."""
-        return {f.name: f.metadata["key"] for f in dataclasses.fields(cls) if "key" in f.metadata}
+    def _keys(cls) -> dict[str, tuple[Any, bool]]:
+        """The section's keys, by name, in the order the builder writes them: (default, omitted at it)."""
+        return {
+            f.name: (
+                f.default_factory() if f.default_factory is not MISSING else f.default,
+                "omit" in f.metadata,
+            )
+            for f in dataclasses.fields(cls)
+            if f.name not in ("extra", "json_keys")
+        }
 
     @classmethod
     def from_json(cls: type[S], raw: Any, *, where: str = "manifest.json", name: str | None = None) -> S:
@@ -165,96 +86,79 @@ class Section:
 
         Raises:
             CacheError: ``raw`` is not an object, lacks a required key, or holds a value of the wrong type;
-                the message names the file and the key.
+                the message names the file and the JSON path.
         """
         name = name or cls.section_name
-        if not isinstance(raw, dict):
-            raise CacheError(malformed(where, f"{name} must be an object (got {shown(raw)})"))
-        keys = cls._keys()
-        values: dict[str, Any] = {}
-        absent = 0
-        for key_name, key in keys.items():
-            if key_name not in raw:
-                absent += 1
-                if key.required:
-                    raise CacheError(malformed(where, f"{name} has no {key_name!r} ({key.kind.what})"))
-                values[key_name] = dict(key.default) if type(key.default) is dict else key.default
-                continue
-            value = raw[key_name]
-            kind = key.kind
-            if type(value) not in kind.exact and not kind.accepts(value):
-                problem = f"{name}.{key_name} must be {kind.what} (got {shown(value)})"
-                raise CacheError(malformed(where, problem))
-            values[key_name] = value if kind.parse is None else kind.parse(value, where, f"{name}.{key_name}")
-        unknown = len(raw) > len(keys) - absent
-        values["extra"] = {k: v for k, v in raw.items() if k not in keys} if unknown else {}
-        values["json_keys"] = tuple(raw)
-        # The values are checked: set them as the dataclass's __init__ would, without its object.__setattr__
-        # per field (a third of the time of reading an input record).
-        section = object.__new__(cls)
-        section.__dict__.update(values)
-        section.__post_init__()
+        try:
+            section = msgspec.convert(raw, cls)
+        except msgspec.ValidationError:  # read again, for the message naming the file and the JSON path
+            problem = f"{where}: malformed manifest"
+            section = read_json(raw, cls, CacheError, problem, _REBUILD, at=f"$.{name}")
+        section._remember(raw)
         section._check(where, name)
         return section
 
-    def __post_init__(self) -> None:
-        """Nothing to do here; a section whose fields need it normalises them."""
+    def _remember(self, raw: dict[str, Any]) -> None:
+        """Keep the order and the unknown keys of ``raw``, the JSON object read (and in nested sections)."""
+        keys = self._keys()
+        self.__dict__["json_keys"] = tuple(raw)  # (frozen: __dict__ costs less than object.__setattr__)
+        extra = {} if raw.keys() <= keys.keys() else {k: v for k, v in raw.items() if k not in keys}
+        self.__dict__["extra"] = extra
+        for name, value in raw.items():  # nested sections, alone or in a list, remember theirs
+            if type(value) in (dict, list) and name in keys:
+                nested = getattr(self, name)
+                pairs = [(nested, value)] if isinstance(nested, Section) else zip(nested, value)
+                for item, item_raw in pairs:
+                    if isinstance(item, Section):
+                        item._remember(item_raw)
 
     def _check(self, where: str, name: str) -> None:
         """What the types alone do not say (one field's value requiring another's); raises CacheError."""
 
     def to_json(self) -> dict[str, Any]:
         """The section's JSON object: the one it was read from, or the one the builder writes."""
-        keys, values, extra = self._keys(), self.__dict__, self.extra
+        keys, extra = self._keys(), self.extra
         written: dict[str, Any] = {}
         if self.json_keys is not None:
             for name in self.json_keys:  # as it was read
-                key = keys.get(name)
-                if key is not None:
-                    written[name] = values[name] if key.kind.dump is None else key.kind.dump(values[name])
+                if name in keys:
+                    written[name] = _dumped(getattr(self, name))
                 elif name in extra:
                     written[name] = extra[name]
             if len(written) == len(keys) + len(extra):
                 return written
             # Changed since it was read (dataclasses.replace): a value given to a key that was absent.
-            chosen = [n for n, key in keys.items() if n not in written and values[n] != key.default]
+            chosen = [n for n, (unset, _) in keys.items() if n not in written and getattr(self, n) != unset]
         else:  # made in code: every key, but those that hold their default and are written only with a value
-            chosen = [n for n, key in keys.items() if not (key.omit and values[n] == key.default)]
+            chosen = [n for n, (default, omit) in keys.items() if not (omit and getattr(self, n) == default)]
         for name in chosen:
-            dump = keys[name].kind.dump
-            written[name] = values[name] if dump is None else dump(values[name])
+            written[name] = _dumped(getattr(self, name))
         written.update((name, value) for name, value in extra.items() if name not in written)
         return written
 
 
-@dataclass(frozen=True)
-class _Key:
-    """A key of a section, as :func:`key` declared it (``default``: a value no record holds if none)."""
+def _dumped(value: Any) -> Any:
+    """A key's value as JSON: nested sections as objects, tuples as lists."""
+    if isinstance(value, Section):
+        return value.to_json()
+    if isinstance(value, tuple):
+        return [_dumped(item) for item in value]
+    return dict(value) if isinstance(value, Mapping) else value
 
-    kind: Kind
-    required: bool
-    omit: bool
-    default: Any
 
-
-_NO_DEFAULT = object()
+_REBUILD = "rebuild the cache (overwrite=True)"
 
 
 def malformed(where: str, problem: str) -> str:
-    return f"{where}: malformed manifest: {problem}; rebuild the cache (overwrite=True)"
-
-
-def shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return f"{where}: malformed manifest: {problem}; {_REBUILD}"
 
 
 @dataclass(frozen=True)
 class Cuts(Section):
     """Whether cutting a long document at spaces is proven to give the tokenizer's own ids, and why."""
 
-    exact: bool = key(BOOL, required=True)
-    reason: str = key(STR, required=True)
+    exact: bool
+    reason: str
 
     section_name: ClassVar[str] = "tokenizer.cuts"
 
@@ -279,13 +183,13 @@ class TokenizerInfo(Section):
         chat_template_sha256: a chat build: the hash of its chat template (compared on resume).
     """
 
-    kind: str = key(STR, required=True)
-    name: str = key(STR, required=True)
-    vocab_size: int = key(INT, required=True)
-    sha256: str | None = key(STR, None, omit=True)
-    spec: str | None = key(STR, None, omit=True)
-    cuts: Cuts | None = key(section_kind(Cuts), None, omit=True)  # noqa: RUF009 (a field)
-    chat_template_sha256: str | None = key(STR, None, omit=True)
+    kind: str
+    name: str
+    vocab_size: int
+    sha256: str | None = field(default=None, metadata=OMIT)
+    spec: str | None = field(default=None, metadata=OMIT)
+    cuts: Cuts | None = field(default=None, metadata=OMIT)
+    chat_template_sha256: str | None = field(default=None, metadata=OMIT)
 
     section_name: ClassVar[str] = "tokenizer"
 
@@ -299,8 +203,8 @@ class TokenizerInfo(Section):
 class EosPolicy(Section):
     """Whether an EOS id is appended after every document, and which (the manifest's ``eos``)."""
 
-    append: bool = key(BOOL, required=True)
-    id: int | None = key(or_null(COUNT), None)
+    append: bool
+    id: Count | None = None
 
     section_name: ClassVar[str] = "eos"
 
@@ -319,8 +223,8 @@ class EosPolicy(Section):
 class BosPolicy(Section):
     """Whether a BOS id is put before every document, and which (the manifest's ``bos``)."""
 
-    prepend: bool = key(BOOL, required=True)
-    id: int | None = key(or_null(COUNT), None)
+    prepend: bool
+    id: Count | None = None
 
     section_name: ClassVar[str] = "bos"
 
@@ -343,21 +247,21 @@ class BuildSettings(Section):
     absent when the section is written again.
     """
 
-    tokenizer: str | None = key(STR, None, omit=True)  # None: not recorded
-    special_tokens: str | None = key(STR, None, omit=True)
-    eos: bool = key(BOOL, True)
-    eos_id: int | None = key(or_null(COUNT), None)
-    bos: bool = key(BOOL, False)
-    bos_id: int | None = key(or_null(COUNT), None)
-    text_field: str = key(STR, "text")
-    split_lines: bool = key(BOOL, False)
-    unit_bytes: int = key(COUNT, 64 << 20)
-    max_piece_chars: int | None = key(or_null(COUNT), None)
-    fields: tuple[str, ...] | None = key(or_null(STRINGS), None)
-    chat: str | None = key(or_null(STR), None)
-    # (left out at their defaults, as from the identity: see streampack.format.identity)
-    chat_turns: str = key(STR, "all", omit=True)
-    chat_reasoning: str = key(STR, "train", omit=True)
+    tokenizer: str | None = field(default=None, metadata=OMIT)  # None: not recorded
+    special_tokens: str | None = field(default=None, metadata=OMIT)
+    eos: bool = True
+    eos_id: Count | None = None
+    bos: bool = False
+    bos_id: Count | None = None
+    text_field: str = "text"
+    split_lines: bool = False
+    unit_bytes: Count = 64 << 20
+    max_piece_chars: Count | None = None
+    fields: tuple[str, ...] | None = None
+    chat: str | None = None
+    # (left out at their defaults, as from the identity: see streampack.format.manifest.build_identity)
+    chat_turns: str = field(default="all", metadata=OMIT)
+    chat_reasoning: str = field(default="train", metadata=OMIT)
 
     section_name: ClassVar[str] = "settings"
 
@@ -383,10 +287,10 @@ class InputRecord(Section):
         fingerprint: Python documents only: what identifies them across runs, or None.
     """
 
-    path: str = key(STR, required=True)
-    size: int | None = key(or_null(COUNT), None)
-    mtime_ns: int | None = key(or_null(INT), None)
-    fingerprint: str | None = key(or_null(STR), None)
+    path: str
+    size: Count | None = None
+    mtime_ns: int | None = None
+    fingerprint: str | None = None
 
     section_name: ClassVar[str] = "inputs[]"
 
@@ -407,7 +311,7 @@ class _InputCheck(msgspec.Struct):
     """What :class:`InputRecord` accepts, for checking a whole list at once (unknown keys are ignored)."""
 
     path: str
-    size: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    size: Count | None = None
     mtime_ns: int | None = None
     fingerprint: str | None = None
 
@@ -416,9 +320,9 @@ class _InputCheck(msgspec.Struct):
 class Verification(Section):
     """How the ids of an engine other than the reference were checked (an engine record's ``verify``)."""
 
-    mode: str = key(STR, required=True)
-    first: int | None = key(COUNT, None, omit=True)
-    rate: float | None = key(NUMBER, None, omit=True)
+    mode: str
+    first: Count | None = field(default=None, metadata=OMIT)
+    rate: int | float | None = field(default=None, metadata=OMIT)
 
     section_name: ClassVar[str] = "engines[].verify"
 
@@ -430,11 +334,11 @@ class EngineRecord(Section):
     Informational: not compared on resume (every engine gives the same ids).
     """
 
-    name: str = key(STR, required=True)
-    version: str = key(STR, required=True)
-    reference: str | None = key(STR, None, omit=True)
-    why: str | None = key(STR, None, omit=True)
-    verify: Verification | None = key(section_kind(Verification), None, omit=True)  # noqa: RUF009
+    name: str
+    version: str
+    reference: str | None = field(default=None, metadata=OMIT)
+    why: str | None = field(default=None, metadata=OMIT)
+    verify: Verification | None = field(default=None, metadata=OMIT)
 
     section_name: ClassVar[str] = "engines[]"
 
@@ -443,8 +347,8 @@ class EngineRecord(Section):
 class IgnoredEntry(Section):
     """An entry under an input directory or glob that the build did not read, and why."""
 
-    path: str = key(STR, required=True)
-    reason: str = key(STR, required=True)
+    path: str
+    reason: str
 
     section_name: ClassVar[str] = "ignored_inputs.first[]"
 
@@ -459,9 +363,9 @@ class IgnoredInputs(Section):
         first: the first few entries.
     """
 
-    count: int = key(COUNT, 0, omit=True)
-    by_reason: Mapping[str, int] = key(COUNTS, {}, omit=True)
-    first: tuple[IgnoredEntry, ...] = key(sections_kind(IgnoredEntry), (), omit=True)
+    count: Count = field(default=0, metadata=OMIT)
+    by_reason: Mapping[str, Count] = field(default_factory=dict, metadata=OMIT, hash=False)
+    first: tuple[IgnoredEntry, ...] = field(default=(), metadata=OMIT)
 
     section_name: ClassVar[str] = "ignored_inputs"
 
@@ -480,13 +384,10 @@ class InputRecords(Sequence[InputRecord]):
     @classmethod
     def from_json(cls, raw: Any, *, where: str = "manifest.json", name: str = "inputs") -> InputRecords:
         """Check the JSON list of inputs; raises CacheError as :meth:`InputRecord.from_json` does."""
-        if not isinstance(raw, list):
-            raise CacheError(malformed(where, f"{name} must be a list of objects (got {shown(raw)})"))
-        try:
-            msgspec.convert(raw, list[_InputCheck])  # 10^5 inputs checked in C, making no InputRecord
-        except msgspec.ValidationError:
-            for i, item in enumerate(raw):  # the first bad one says what is wrong
-                InputRecord.from_json(item, where=where, name=f"{name}[{i}]")
+        # 10^5 inputs checked in C, making no InputRecord
+        read_json(
+            raw, list[_InputCheck], CacheError, f"{where}: malformed manifest", _REBUILD, at=f"$.{name}"
+        )
         return cls(raw)
 
     def to_json(self) -> list[dict[str, Any]]:
@@ -525,6 +426,5 @@ class InputRecords(Sequence[InputRecord]):
 
 def sections_of(raw: Any, cls: type[S], *, where: str, name: str) -> tuple[S, ...]:
     """A JSON list of ``cls`` sections (``engines``); a :class:`CacheError` if it is not one."""
-    if not isinstance(raw, list):
-        raise CacheError(malformed(where, f"{name} must be a list of objects (got {shown(raw)})"))
+    read_json(raw, list[dict[str, Any]], CacheError, f"{where}: malformed manifest", _REBUILD, at=f"$.{name}")
     return tuple(cls.from_json(item, where=where, name=f"{name}[{i}]") for i, item in enumerate(raw))

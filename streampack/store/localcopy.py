@@ -20,9 +20,11 @@ The rules that keep several processes (DataLoader workers, ranks) of one node co
   than the bound: room is made under ``space.lock`` by evicting the least recently mapped copies.
 * **Mapped files are never evicted**: a map holds a shared ``flock`` on its copy, and eviction takes only
   files it can lock exclusively. Without room, a process drops its own kept maps, then touches
-  ``pressure`` so that the others drop theirs (:mod:`streampack.store.pressure`), and gives up after
-  :data:`WAIT_SECONDS` saying the bound is too small. The bound must hold the shards one batch of every
-  process of the node reads at once.
+  ``pressure`` so that the others drop theirs, and gives up after :data:`WAIT_SECONDS` saying the bound
+  is too small. The bound must hold the shards one batch of every process of the node reads at once.
+  Every other process reading the copy with a bound runs one watcher thread (:data:`WATCHER`, one per
+  process, not per copy: a poll is one ``stat`` a copy either way) that drops its kept maps when the
+  ``pressure`` file of a copy it reads changes. A forked child starts with no registration and no thread.
 * **A copy is what was verified**: each map checks its size again (a map past a truncated file's end
   would crash the process); one of another size is deleted and fetched again.
 
@@ -54,7 +56,6 @@ from streampack._checks import check_int_or_none
 from streampack.errors import CacheError, OptionsError
 from streampack.format.names import SHARD_DIR, crc32
 from streampack.store import Expected, LocalStore
-from streampack.store.pressure import PRESSURE, WATCHER, forget_release, on_release, release_maps
 from streampack.store.remote import RemoteStore
 
 DEFAULT_PREFETCH_STEPS = 8
@@ -65,11 +66,116 @@ WAIT_SECONDS = 60.0  # how long a download waits for other processes to release 
 # the maps of one read and their release; one batch is read in far less.
 OWN_WAIT_SECONDS = 1.0
 COPY_CHUNK = 8 << 20  # bytes per ranged GET of a download
+POLL_SECONDS = 0.02  # how often the watcher checks the pressure files
+JOIN_SECONDS = 1.0  # how long PressureWatcher.unwatch waits for the stopped thread to end
+THREAD_NAME = "streampack-pressure"
+PRESSURE = "pressure"  # the file of a local copy that a process waiting for room touches
 
 # The copies this process maps, with the number of its live maps of each (each dropped by a weakref
 # finalizer of its map): what only it can release.
 pinned: dict[Path, int] = {}
 pinned_lock = threading.Lock()
+# Bound methods that drop the maps this process keeps for reuse, held weakly.
+releasers: list[weakref.WeakMethod[Callable[[], None]]] = []
+releasers_lock = threading.Lock()
+
+
+def on_release(method: Callable[[], None]) -> None:
+    """Register a bound method that drops the shard maps its object keeps, for when a download needs their
+    room (held weakly: registering never keeps the object alive)."""
+    with releasers_lock:
+        releasers[:] = [ref for ref in releasers if ref() is not None]
+        releasers.append(weakref.WeakMethod(method))
+
+
+def forget_release(method: Callable[[], None]) -> None:
+    """Take back a method :func:`on_release` registered (nothing when it is not registered)."""
+    with releasers_lock:
+        releasers[:] = [ref for ref in releasers if ref() is not None and ref() != method]
+
+
+def release_maps() -> None:
+    """Drop every shard map this process keeps for reuse (maps still in use stay valid)."""
+    with releasers_lock:
+        methods = [ref() for ref in releasers]
+    for method in methods:
+        if method is not None:
+            method()
+
+
+def mtime(path: Path) -> int:
+    """The modification time of ``path`` in ns; 0 when it does not exist."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return 0
+
+
+class PressureWatcher:
+    """The thread that drops this process's kept maps when another process waits for room in a copy it
+    reads; :data:`WATCHER` is the process's one instance.
+
+    Attributes:
+        thread: the running thread, or None when no copy is watched.
+    """
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        # An RLock: a store's finalizer (unwatch) may run in a garbage collection started under the lock.
+        self._lock = threading.RLock()
+        self._watched: dict[int, Path] = {}  # the copy's directory, by the key of who watches it
+        self._seen: dict[Path, int] = {}  # the last modification time seen, by pressure file
+        self.thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def watch(self, key: int, root: Path) -> None:
+        """Watch the copy in ``root`` for ``key`` (a store's ``id``), starting the thread if none runs."""
+        with self._lock:
+            self._watched[key] = root
+            pressure = root / PRESSURE
+            if pressure not in self._seen:
+                self._seen[pressure] = mtime(pressure)  # a touch from now on is seen
+            if self.thread is None:
+                self._stop = threading.Event()
+                self.thread = threading.Thread(
+                    target=self._run, args=(self._stop,), name=THREAD_NAME, daemon=True
+                )
+                self.thread.start()
+
+    def unwatch(self, key: int) -> None:
+        """Take back the registration of ``key``; once no copy is watched, stop the thread and wait up to
+        :data:`JOIN_SECONDS` for it to end."""
+        with self._lock:
+            root = self._watched.pop(key, None)
+            if root is not None and root not in self._watched.values():
+                self._seen.pop(root / PRESSURE, None)
+            if self._watched or self.thread is None:
+                return
+            thread, self.thread = self.thread, None
+            self._stop.set()
+        if thread is not threading.current_thread():  # a finalizer may run in the thread itself
+            thread.join(JOIN_SECONDS)
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(POLL_SECONDS):
+            with self._lock:
+                seen = dict(self._seen)
+            changed = False
+            for pressure, before in seen.items():
+                now = mtime(pressure)
+                if now != before:
+                    changed = True
+                    with self._lock:
+                        if pressure in self._seen:
+                            self._seen[pressure] = now
+            if changed:
+                release_maps()
+
+
+WATCHER = PressureWatcher()  # the process's watcher
 
 
 def default_local_dir(url: str) -> Path:
@@ -355,7 +461,7 @@ class CachedStore(LocalStore):
                     )
             else:
                 own_since = None
-            (self.root / PRESSURE).touch()  # other processes drop their kept maps (streampack.store.pressure)
+            (self.root / PRESSURE).touch()  # other processes drop their kept maps (PressureWatcher)
             if time.monotonic() > deadline:
                 raise CacheError(
                     f"{self.root}: no room for {size} more bytes within max_local_bytes="

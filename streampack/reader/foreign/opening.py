@@ -35,8 +35,7 @@ from streampack.reader.foreign.files import LOCAL, CopiedFiles, ForeignFiles
 from streampack.reader.foreign.identity import ends_digest, files_identity
 from streampack.reader.shards import keep
 from streampack.store import LocalStore
-from streampack.store.localcopy import cached_store, default_local_dir
-from streampack.store.pressure import forget_release, on_release
+from streampack.store.localcopy import cached_store, default_local_dir, forget_release, on_release
 
 __all__ = [
     "READERS",
