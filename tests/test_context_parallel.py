@@ -223,10 +223,9 @@ def rank_inputs(draw: st.DrawFn) -> tuple[np.ndarray, Any, np.ndarray | None, in
     columns = parts * draw(st.integers(1, 6))
     starts, docs, fills = [], [], []
     for row in range(rows):
-        cuts = sorted(
-            draw(st.sets(st.integers(1, max(columns // parts - 1, 1)), max_size=4)) - {columns // parts}
-        )
-        bounds = [row * columns + parts * c for c in [0, *cuts]] + [(row + 1) * columns]
+        chunks = columns // parts
+        cuts = sorted(draw(st.sets(st.integers(1, chunks), max_size=4)) - {chunks})
+        bounds = [row * columns + parts * cut for cut in [0, *cuts]] + [(row + 1) * columns]
         for start, stop in pairwise(bounds):
             starts.append(start)
             docs.append(draw(st.integers(-1, 3)))
