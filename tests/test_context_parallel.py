@@ -212,6 +212,63 @@ def test_what_does_not_fit_is_refused_with_the_fix(caches: dict, make: Any, mess
         make(caches["plain"][0])
 
 
+@st.composite
+def rank_inputs(draw: st.DrawFn) -> tuple[np.ndarray, Any, np.ndarray | None, int, int]:
+    """A batch as :class:`RankColumns` takes it: rows cut into segments of multiples of ``2 * cp_size``,
+    some padding, some ending in a fill, with or without marks and segments taken off."""
+    from streampack.samples.boundaries import Boundaries
+
+    cp = draw(st.sampled_from([2, 3, 4]))
+    parts, rows = 2 * cp, draw(st.integers(0, 4))
+    columns = parts * draw(st.integers(1, 6))
+    starts, docs, fills = [], [], []
+    for row in range(rows):
+        chunks = columns // parts
+        cuts = sorted(draw(st.sets(st.integers(1, chunks), max_size=4)) - {chunks})
+        bounds = [row * columns + parts * cut for cut in [0, *cuts]] + [(row + 1) * columns]
+        for start, stop in pairwise(bounds):
+            starts.append(start)
+            docs.append(draw(st.integers(-1, 3)))
+            fill = draw(st.integers(0, stop - start - 1))
+            if fill and docs[-1] >= 0:
+                fills.append((stop - fill, stop))
+    shape = (rows, columns)
+    marks = np.array(draw(st.lists(st.booleans(), min_size=rows * columns, max_size=rows * columns)), bool)
+    found = Boundaries(
+        shape,
+        np.array(starts, dtype=np.int64),
+        np.array(docs, dtype=np.int64),
+        marks.reshape(shape) if draw(st.booleans()) else None,
+        np.array(fills, dtype=np.int64).reshape(-1, 2) if fills else None,
+    )
+    off = np.array(draw(st.lists(st.booleans(), min_size=len(starts), max_size=len(starts))), dtype=bool)
+    dtype = draw(st.sampled_from([np.uint16, np.int32, np.int64]))
+    tokens = np.arange(rows * columns, dtype=dtype).reshape(shape) + 1
+    return tokens, found, off if draw(st.booleans()) else None, cp, draw(st.integers(0, cp - 1))
+
+
+def test_the_compiled_rank_loop_fills_what_the_numpy_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streampack.loader import parallel
+
+    if parallel._rank_loop() is None:
+        pytest.skip("no compiled loops here (numba missing, or STREAMPACK_COMPILED=0)")
+
+    @generated(150)
+    @given(rank_inputs())
+    def check(inputs: tuple[np.ndarray, Any, np.ndarray | None, int, int]) -> None:
+        compiled = parallel.RankColumns(*inputs)
+        with monkeypatch.context() as patch:
+            patch.setattr(parallel, "_rank_loop", lambda: None)
+            reference = parallel.RankColumns(*inputs)
+        for name in ("input_ids", "labels", "shift_labels", "position_ids", "cu_seqlens"):
+            mine, theirs = getattr(compiled, name), getattr(reference, name)
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape, name
+            assert np.array_equal(mine, theirs), name
+        assert compiled.max_seqlen == reference.max_seqlen
+
+    check()
+
+
 def test_balance_is_longest_processing_time_first_with_even_counts() -> None:
     assert balanced([9, 1, 1, 9], 2) == [0, 0, 1, 1]
     assert balanced([5, 4, 3, 3, 2, 1], 3) == [0, 1, 2, 2, 1, 0]

@@ -125,28 +125,18 @@ class CausalLMDict:
         """The dict of ``tokens``; ``masked``, given each document segment's row and document, says which
         get ``labels = -100`` (exclusions in mask mode)."""
         found = self._boundaries(sources, samples, tokens.shape)
-        labels = tokens.astype(np.int64)
-        flat = labels.reshape(-1)
-        flat[found.starts] = -100
-        if found.marks is not None:
-            labels[~found.marks] = -100
-        flat[found.padding()] = -100
-        if masked is not None:
-            hit = np.flatnonzero(masked(found.starts // tokens.shape[1], found.docs))
-            for start, length in zip(found.starts[hit].tolist(), found.lengths[hit].tolist(), strict=True):
-                flat[start : start + length] = -100
+        off = None if masked is None else masked(found.starts // tokens.shape[1], found.docs)
         cp_size, cp_rank = self.context_parallel
         part: RankColumns | None = None
+        segments: Boundaries | RankColumns = found
         if cp_size > 1:  # this CP rank's columns of every row, made at its size
             from streampack.loader.parallel import RankColumns
 
-            part = RankColumns(found.starts, found.lengths, labels.shape, cp_size, cp_rank)
-        segments = found if part is None else part
-        batch: dict[str, Any] = {
-            "input_ids": tokens if part is None else part.take(tokens),
-            "labels": labels if part is None else part.take(labels),
-            "position_ids": segments.position_ids,
-        }
+            segments = part = RankColumns(tokens, found, off, cp_size, cp_rank)
+            batch: dict[str, Any] = {"input_ids": part.input_ids, "labels": part.labels}
+        else:
+            batch = {"input_ids": tokens, "labels": found.labels(tokens, off)}
+        batch["position_ids"] = segments.position_ids
         if self.segments == "varlen":
             batch["cu_seqlens"] = segments.cu_seqlens
             batch["max_seqlen"] = segments.max_seqlen
@@ -154,7 +144,7 @@ class CausalLMDict:
             batch["cu_seq_lens_q"] = batch["cu_seq_lens_k"] = segments.cu_seqlens
             batch["max_length_q"] = batch["max_length_k"] = segments.max_seqlen
         if part is not None:
-            batch["shift_labels"] = part.shifted(labels, batch["labels"])
+            batch["shift_labels"] = part.shift_labels
         if self.domains is not None:  # each weight where its loss is: at the label, or under CP the next one
             self.domains.add(batch, sources, batch["labels"] if part is None else batch["shift_labels"])
         return batch

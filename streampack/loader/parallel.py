@@ -17,12 +17,16 @@ order. It depends on the global batch and the world size alone, so a resume serv
 from __future__ import annotations
 
 import heapq
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from streampack.errors import OptionsError
+from streampack.samples.compiled import compiled
 from streampack.samples.spans import ragged_arange
+
+if TYPE_CHECKING:
+    from streampack.samples.boundaries import Boundaries
 
 __all__ = ["RankColumns", "attention_costs", "balanced_ranks", "check_context_parallel"]
 
@@ -75,16 +79,26 @@ def check_context_parallel(cp_size: int, sources: list[Any]) -> None:
 
 
 class RankColumns:
-    """The columns of a batch that CP rank ``cp_rank`` of ``cp_size`` takes, in the forms a dict batch holds.
+    """The fields of a dict batch that CP rank ``cp_rank`` of ``cp_size`` serves, at its size.
 
-    Per segment of the batch (flat ``starts``, ascending from 0, with ``lengths``), chunks ``cp_rank`` and
-    ``2*cp_size-1-cp_rank`` of its ``2 * cp_size``, found from the segments alone, at the rank's size.
+    Per segment of the batch (its :class:`~streampack.samples.boundaries.Boundaries`), chunks ``cp_rank``
+    and ``2*cp_size-1-cp_rank`` of its ``2 * cp_size``; each token keeps its label and position id.
 
     Attributes:
-        flat: ``int64``, the flat positions taken, ascending.
-        position_ids: ``int64``, ``(rows, seq_len / cp_size)``: each taken token's position in its segment.
+        input_ids: the tokens taken, ``(rows, seq_len / cp_size)``, in the tokens' dtype.
+        labels: ``int64``, of the same shape: the whole rows' labels (``Boundaries.labels``) taken.
+        shift_labels: ``int64``: at each token taken, the whole row's label of the next token, ``-100``
+            after the row's last.
+        position_ids: ``int64``: each token's position in its segment.
         cu_seqlens: ``int32``, the rank's own segments (each ``length / cp_size``), cumulated from 0.
         max_seqlen: the longest of them.
+
+    Args:
+        tokens: the batch's ``(rows, seq_len)`` tokens.
+        found: their boundaries.
+        off: per segment of ``found``, whether it has no target (``Boundaries.labels``); None: none.
+        cp_size: context-parallel ranks.
+        cp_rank: this one.
 
     Raises:
         ValueError: a segment's length is not a multiple of ``2 * cp_size``, or the segments do not cover
@@ -92,9 +106,9 @@ class RankColumns:
     """
 
     def __init__(
-        self, starts: np.ndarray, lengths: np.ndarray, shape: tuple[int, int], cp_size: int, cp_rank: int
+        self, tokens: np.ndarray, found: Boundaries, off: np.ndarray | None, cp_size: int, cp_rank: int
     ) -> None:
-        parts = 2 * cp_size
+        starts, lengths, parts = found.starts, found.lengths, 2 * cp_size
         if (lengths % parts).any():
             bad = int(np.flatnonzero(lengths % parts)[0])
             raise ValueError(
@@ -103,29 +117,105 @@ class RankColumns:
             )
         if len(starts) and starts[0] != 0:
             raise ValueError(f"the segments start at flat position {int(starts[0])}, not 0")
-        self.shape = (shape[0], shape[1] // cp_size)
-        chunk = lengths // parts
-        counts = np.repeat(chunk, 2)  # two runs a segment: its head chunk, then its tail chunk
-        heads = counts * np.resize(np.array([cp_rank, parts - 1 - cp_rank]), len(counts))
-        self._ends = np.cumsum(counts) - 1  # each run's last token, in the rank's order
-        self.position_ids = ragged_arange(heads, counts).reshape(self.shape)
-        self.flat = ragged_arange(np.repeat(starts, 2) + heads, counts)
+        shape = (tokens.shape[0], tokens.shape[1] // cp_size)
+        loop = _rank_loop()
+        fields = (
+            _numpy_fields(tokens, found, off, cp_size, cp_rank)
+            if loop is None
+            else _compiled_fields(loop, tokens, found, off, cp_size, cp_rank)
+        )
+        self.input_ids, self.labels, self.shift_labels, self.position_ids = (a.reshape(shape) for a in fields)
         local = lengths // cp_size
         self.cu_seqlens = np.concatenate([[0], np.cumsum(local)]).astype(np.int32)
         self.max_seqlen = int(local.max()) if local.size else 0
 
-    def take(self, array: np.ndarray) -> np.ndarray:
-        """The rank's part of a ``(rows, seq_len)`` array: ``(rows, seq_len / cp_size)``, in its dtype."""
-        return np.take(array.reshape(-1), self.flat).reshape(self.shape)
 
-    def shifted(self, labels: np.ndarray, mine: np.ndarray) -> np.ndarray:
-        """``shift_labels`` of a batch's whole-row ``labels``, of which ``mine`` is :meth:`take`'s part: at
-        each taken token, the label of the next token of its row, ``-100`` after the row's last."""
-        shift = np.empty_like(mine)
-        flat, out = mine.reshape(-1), shift.reshape(-1)
-        out[:-1] = flat[1:]  # inside a run, the next token is the rank's next
-        if out.size:  # at a run's end, the row's next token, if any
-            after = self.flat[self._ends] + 1
-            row_end = after % labels.shape[1] == 0
-            out[self._ends] = np.where(row_end, -100, labels.reshape(-1)[np.where(row_end, 0, after)])
-        return shift
+def _numpy_fields(
+    tokens: np.ndarray, found: Boundaries, off: np.ndarray | None, cp_size: int, cp_rank: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:class:`RankColumns`' fields, flat, from the whole rows' labels: the reference of the compiled loop."""
+    parts = 2 * cp_size
+    chunk = found.lengths // parts
+    # The rank's flat positions ascend: each segment is five runs, skip r chunks, take one, skip
+    # 2*cp-2-2r, take one, skip r.
+    runs = chunk[:, None] * np.array([cp_rank, 1, parts - 2 - 2 * cp_rank, 1, cp_rank])
+    mine = np.repeat(np.resize([False, True, False, True, False], runs.size), runs.reshape(-1))
+    labels = found.labels(tokens, off).reshape(-1)
+    # The next token's label: past a row's end, the next row's start, whose label is -100; past the batch's,
+    # -100.
+    shift = np.append(labels, -100)[1:][mine]
+    counts = np.repeat(chunk, 2)  # two runs a segment: its head chunk, then its tail chunk
+    heads = counts * np.resize(np.array([cp_rank, parts - 1 - cp_rank]), len(counts))
+    return tokens.reshape(-1)[mine], labels[mine], shift, ragged_arange(heads, counts)
+
+
+def _compiled_fields(
+    loop: Any, tokens: np.ndarray, found: Boundaries, off: np.ndarray | None, cp_size: int, cp_rank: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:class:`RankColumns`' fields, flat, filled by ``loop`` from each segment's targets, in one pass."""
+    starts, lengths = found.starts, found.lengths
+    targets = np.where(found.docs < 0, 0, lengths)  # per segment, its positions before this may be targets
+    if off is not None:
+        targets[off] = 0
+    if found.fills is not None:  # a fill ends its segment
+        at = np.searchsorted(starts, found.fills[:, 0], side="right") - 1
+        targets[at] = np.minimum(targets[at], found.fills[:, 0] - starts[at])
+    marks = np.ones(0, dtype=bool) if found.marks is None else found.marks.reshape(-1)
+    size = tokens.size // cp_size
+    ids, (labels, shift, positions) = np.empty(size, tokens.dtype), np.empty((3, size), np.int64)
+    fields = (ids, labels, shift, positions)
+    loop(tokens.reshape(-1), starts, lengths, targets, marks, 2 * cp_size, cp_rank, *fields)
+    return fields
+
+
+@compiled
+def _rank_loop(
+    tokens: np.ndarray,
+    starts: np.ndarray,
+    lengths: np.ndarray,
+    targets: np.ndarray,
+    marks: np.ndarray,
+    parts: int,
+    rank: int,
+    input_ids: np.ndarray,
+    labels: np.ndarray,
+    shift: np.ndarray,
+    positions: np.ndarray,
+) -> None:
+    """Fill the rank's ``input_ids``, ``labels``, ``shift`` (labels) and ``positions``, flat, from the
+    whole rows' flat ``tokens`` and, per segment, its ``starts``, ``lengths`` and ``targets`` (its positions
+    below that may be targets), with ``marks`` (empty: all) the tokens that may be."""
+    out = 0
+    for segment in range(starts.size):
+        start, chunk, until = starts[segment], lengths[segment] // parts, targets[segment]
+        for head in (rank * chunk, (parts - 1 - rank) * chunk):
+            at, stop = start + head, out + chunk
+            # Loops over views indexed from 0 vectorize (an index known >= 0 needs no wraparound check):
+            # 34 us for cp 2 of a 32 x 2048 batch, against 210 us indexing the whole arrays.
+            here, after = tokens[at : at + chunk], tokens[at + 1 : at + 1 + chunk]
+            ids, label, shifted = input_ids[out:stop], labels[out:stop], shift[out:stop]
+            place = positions[out:stop]
+            for j in range(chunk):
+                ids[j] = here[j]
+                place[j] = head + j
+            n = max(min(until - head, chunk), 0)  # this chunk's targets, then none
+            for j in range(n):
+                label[j] = here[j]
+            for j in range(n, chunk):
+                label[j] = -100
+            if head == 0 and chunk:
+                label[0] = -100  # a segment's start
+            n = max(min(until - head - 1, chunk), 0)  # the next token's, inside the segment
+            for j in range(n):
+                shifted[j] = after[j]
+            for j in range(n, chunk):
+                shifted[j] = -100
+            if marks.size:
+                mark = marks[at : at + 1 + chunk]
+                for j in range(chunk):
+                    if not mark[j]:
+                        label[j] = -100
+                for j in range(n):
+                    if not mark[j + 1]:
+                        shifted[j] = -100
+            out = stop

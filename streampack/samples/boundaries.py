@@ -103,6 +103,20 @@ class Boundaries:
         mask[self.padding()] = False
         return mask.reshape(self.shape)
 
+    def labels(self, tokens: np.ndarray, off: np.ndarray | None = None) -> np.ndarray:
+        """Hugging Face ``labels`` of ``tokens`` (of :attr:`shape`): ``int64``, the tokens, but ``-100`` (no
+        target) at every segment start, where :attr:`loss_mask` is False, and on the segments ``off`` marks
+        (a boolean per segment; None: none)."""
+        labels = tokens.astype(np.int64)
+        flat = labels.reshape(-1)
+        flat[self.starts] = -100
+        if self.marks is not None:
+            labels[~self.marks] = -100
+        flat[self.padding()] = -100
+        if off is not None:
+            flat[ragged_arange(self.starts[off], self.lengths[off])] = -100
+        return labels
+
     def padding(self) -> np.ndarray:
         """The flat positions of the batch's padding, fills included (``int64``)."""
         pads = np.flatnonzero(self.docs < 0)
