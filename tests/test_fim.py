@@ -264,7 +264,7 @@ def test_the_compiled_fim_loops_do_what_numpy_does(
         return fim_moves(spans, batch["samples"], batch["fim"], offsets_of, width)
 
     compiled, reference = _both(moves)
-    for field in ("first", "length", "source", "size", "spots", "ids", "spm"):
+    for field in ("first", "cuts", "spm", "ids", "source", "size", "spots"):
         np.testing.assert_array_equal(getattr(compiled, field), getattr(reference, field), err_msg=field)
 
     def read() -> np.ndarray:

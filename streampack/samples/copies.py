@@ -3,7 +3,8 @@
 
 Spans that fill whole rows of one shard are copied by one fancy-index take of its :func:`row_view`; a
 batch whose spans tile their rows by one concatenation; the rest slice by slice. Every copy casts on the
-way, with no temporary.
+way, with no temporary. FIM'd rows are copied in FIM order by the compiled loop where numba is installed,
+else read plain and then rearranged (:mod:`streampack.samples.fim`).
 """
 
 from __future__ import annotations

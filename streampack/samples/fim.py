@@ -20,8 +20,12 @@ boundaries, position ids and padding are those of the plain samples.
 **Determinism.** Each decision is a counter-based hash of the FIM seed, the sample's index and the
 piece's place in its row: a resume, any rank, worker or batch size reads the same rows.
 
-**Reading.** A batch is read as plain rows, then rearranged in place (:class:`Moves`): one gather of the
-FIM'd pieces' tokens and one scatter of their sentinels for the whole batch.
+**Reading.** Where numba is installed (:mod:`streampack.samples.compiled`), the decisions of a plan are
+made by a compiled pass over its spans, and each batch is copied from the shard maps in FIM order by a
+compiled loop (:func:`moved_copy`): each token is copied once, so a FIM'd batch costs what a plain one does.
+Without it, numpy's path is the reference the loops are tested against: a batch is read as plain rows,
+then rearranged in place (:meth:`Moves.apply`), one gather of the FIM'd pieces' tokens and one scatter of
+their sentinels for the whole batch.
 """
 
 from __future__ import annotations
@@ -245,31 +249,32 @@ def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[
     return pieces, piece_hi == ends[keep]
 
 
-_FIELDS = ("first", "length", "source", "size", "spots", "ids", "spm")
-# The slots of the prefix, middle and suffix in served order, PSM then SPM (see _moves).
+_FIELDS = ("first", "cuts", "spm", "ids")
+# The slots of the prefix, middle and suffix in served order, PSM then SPM (see Moves.source).
 SLOTS = {"PSM": {"prefix": 1, "suffix": 3, "middle": 5}, "SPM": {"suffix": 2, "prefix": 4, "middle": 5}}
 
 
 @dataclass(frozen=True)
 class Moves:
-    """How FIM rearranges some rows of ``width`` columns in place, once read as plain rows. Positions are
-    flat, of a C-ordered array of the rows (row ``r``, column ``c`` at ``r * width + c``).
+    """How FIM rearranges some rows of ``width`` columns, FIM'd piece ``k`` from flat position ``first[k]``
+    on (ascending; row ``r``, column ``c`` at ``r * width + c``), cut at ``cuts[k] = a, b, m``:
 
-    FIM'd piece ``k`` rewrites the ``length[k]`` tokens from ``first[k]`` on (ascending, disjoint) with six
-    slots laid end to end: slot ``j`` is the ``size[k, j]`` tokens from ``first[k] + source[k, j]`` on, and
-    the sentinel ``ids[k, i]`` sits at ``first[k] + spots[k, i]`` (a sentinel's slot, one token, is read
-    from its own place and then overwritten); ``spm[k]``: it is in SPM order (:data:`SLOTS` names the
-    slots). A piece keeps its columns, so no move crosses a row.
+        PSM: P prefix S suffix M middle        SPM: P S suffix M prefix middle
+
+    (prefix ``[0, a)``, middle ``[a, b)``, suffix ``[b, m)`` of the piece; its tokens from ``m + 3`` on
+    stay), in SPM order where ``spm[k]``, with the sentinels ``ids[k]`` (P, S, M). A piece keeps its
+    columns, so no move crosses a row.
+
+    Laid as six slots end to end (:data:`SLOTS` names them): slot ``j`` is the ``size[k, j]`` tokens from
+    ``first[k] + source[k, j]`` on, and sentinel ``i`` sits at ``first[k] + spots[k, i]`` (a sentinel's
+    slot, one token, is read from its own place and then overwritten).
     """
 
     width: int
     first: np.ndarray
-    length: np.ndarray
-    source: np.ndarray
-    size: np.ndarray
-    spots: np.ndarray
-    ids: np.ndarray
+    cuts: np.ndarray
     spm: np.ndarray
+    ids: np.ndarray
 
     @classmethod
     def joined(cls, width: int, parts: Sequence[Moves]) -> Moves:
@@ -285,6 +290,42 @@ class Moves:
         first = rows[self.first // self.width] * self.width + self.first % self.width
         return Moves.joined(self.width, [replace(self, first=first)])
 
+    @property
+    def length(self) -> np.ndarray:
+        """The tokens each piece rewrites."""
+        return self.cuts[:, 2] + 3
+
+    @property
+    def source(self) -> np.ndarray:
+        """``(pieces, 6)``: where each slot's tokens start in its piece."""
+        return self._slots[0]
+
+    @property
+    def size(self) -> np.ndarray:
+        """``(pieces, 6)``: each slot's tokens."""
+        return self._slots[1]
+
+    @property
+    def spots(self) -> np.ndarray:
+        """``(pieces, 3)``: where the P, S and M sentinels sit in their piece."""
+        return self._slots[2]
+
+    @cached_property
+    def _slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        a, b, m = self.cuts.T
+        zero, one, spm = np.zeros_like(a), np.ones_like(a), self.spm
+        suffix = m - b
+        # The sentinels' places: P at 0, then S and M.
+        s_at = np.where(spm, 1, a + 1)
+        m_at = np.where(spm, suffix + 2, a + suffix + 2)
+        # The six slots in served order; a sentinel's slot reads its own place, overwritten after.
+        psm = [(zero, one), (zero, a), (s_at, one), (b, suffix), (m_at, one), (a, b - a)]
+        spm_slots = [(zero, one), (s_at, one), (b, suffix), (m_at, one), (zero, a), (a, b - a)]
+        both = list(zip(spm_slots, psm, strict=True))
+        source = np.stack([np.where(spm, x[0], y[0]) for x, y in both], axis=1)
+        size = np.stack([np.where(spm, x[1], y[1]) for x, y in both], axis=1)
+        return source, size, np.stack([zero, s_at, m_at], axis=1)
+
     @cached_property
     def _laid(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where each piece and sentinel lies in the moved pieces laid end to end, and each slot's source
@@ -296,10 +337,11 @@ class Moves:
 
     @cached_property
     def table(self) -> np.ndarray:
-        """The moves as one ``(pieces, 20)`` int64 array, what :func:`moved_copy`'s loop reads: per piece
-        ``first, length``, the six slots' ``source`` then ``size``, the sentinels' ``spots`` then ``ids``."""
-        columns = [self.first[:, None], self.length[:, None], self.source, self.size, self.spots, self.ids]
-        return np.concatenate([c.astype(np.int64) for c in columns], axis=1)
+        """The moves as one ``(pieces, 8)`` int64 array, what :func:`moved_copy` reads: per piece ``first``,
+        ``cuts``, ``spm`` and ``ids``."""
+        return np.concatenate(
+            [self.first[:, None], self.cuts, self.spm[:, None], self.ids], axis=1, dtype=np.int64
+        )
 
     def apply(self, out: np.ndarray, row: int = 0, sentinel: int | None = None) -> None:
         """Rearrange the rows of ``out``, rows ``row, row + 1, ...`` of these moves: the FIM'd pieces'
@@ -376,16 +418,18 @@ def moved_copy(
                 into[t] = source[t]
             if stop == end:
                 break
-            into, column = line[stop : stop + moves[j, 1]], 0
-            for slot in range(6):
-                size, first = moves[j, 8 + slot], stop + moves[j, 2 + slot]
-                slot_into, source = into[column : column + size], piece[first : first + size]
+            a, b, m = moves[j, 1], moves[j, 2], moves[j, 3]
+            cut = 0 if moves[j, 4] else a  # SPM serves the prefix last, before the middle: one part
+            # P, prefix, S, suffix, M, middle (PSM) or P, -, S, suffix, M, prefix and middle (SPM).
+            into, column = line[stop : stop + m + 3], 0
+            for k in range(3):
+                into[column] = moves[j, 5 + k] if sentinel < 0 else sentinel
+                first, size = (0, cut) if k == 0 else (b, m - b) if k == 1 else (cut, b - cut)
+                part, source = into[column + 1 : column + 1 + size], piece[stop + first : stop + first + size]
                 for t in range(size):
-                    slot_into[t] = source[t]
-                column += size
-            for k in range(3):  # over the slots that read a sentinel's own place
-                into[moves[j, 14 + k]] = moves[j, 17 + k] if sentinel < 0 else sentinel
-            at = stop + moves[j, 1]
+                    part[t] = source[t]
+                column += 1 + size
+            at = stop + m + 3
             j += 1
 
 
@@ -571,30 +615,7 @@ def _moves(
     ids: tuple[int, int, int],
     width: int,
 ) -> Moves:
-    """The moves of FIM'd pieces from flat position ``first`` on, cut at ``a <= b <= m``:
-
-        PSM: P prefix S suffix M middle        SPM: P S suffix M prefix middle
-
-    (prefix ``[0, a)``, middle ``[a, b)``, suffix ``[b, m)`` of the piece; its tokens from ``m + 3`` on stay).
-    """
-    zero, one = np.zeros_like(a), np.ones_like(a)
-    suffix = m - b
-    # The sentinels' places: P at 0, then S and M.
-    s_at = np.where(spm, 1, a + 1)
-    m_at = np.where(spm, suffix + 2, a + suffix + 2)
-    # The six slots in served order; a sentinel's slot reads its own place, overwritten after.
-    psm = [(zero, one), (zero, a), (s_at, one), (b, suffix), (m_at, one), (a, b - a)]
-    spm_slots = [(zero, one), (s_at, one), (b, suffix), (m_at, one), (zero, a), (a, b - a)]
-    source = np.stack([np.where(spm, x[0], y[0]) for x, y in zip(spm_slots, psm, strict=True)], axis=1)
-    size = np.stack([np.where(spm, x[1], y[1]) for x, y in zip(spm_slots, psm, strict=True)], axis=1)
+    """The moves of FIM'd pieces from flat position ``first`` on, cut at ``a <= b <= m``."""
     prefix_id, middle_id, suffix_id = ids
-    return Moves(
-        width,
-        first,
-        m + 3,
-        source,
-        size,
-        np.stack([zero, s_at, m_at], axis=1),
-        np.tile(np.array([prefix_id, suffix_id, middle_id], dtype=np.int64), (len(first), 1)),
-        spm,
-    )
+    sentinels = np.tile(np.array([prefix_id, suffix_id, middle_id], dtype=np.int64), (len(first), 1))
+    return Moves(width, first, np.stack([a, b, m], axis=1), spm, sentinels)
