@@ -10,10 +10,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import streampack
 from streampack.errors import OptionsError, TokenizerError
 from streampack.loader import Loader
+from streampack.samples.fim import Fim
+from streampack.samples.spans import Spans
 from tests.conftest import GPT2_JSON
 
 SENTINELS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>")
@@ -181,3 +185,106 @@ def test_a_cache_with_a_bos_is_refused(tmp_path: Path) -> None:
     streampack.build([str(inputs)], tmp_path / "bos", tokenizer=tokenizer, bos_id=1, progress=False)
     with pytest.raises(OptionsError, match=r"a BOS \(1\) before every document is not supported"):
         streampack.open(tmp_path / "bos").sequences(64).fim(rate=0.5)
+
+
+@st.composite
+def _fim_batches(draw: st.DrawFn) -> dict[str, Any]:
+    """Shards of random documents (empty ones too), rows of ``width`` columns tiled by spans of them (a row
+    may cross documents and shards, and end in padding), and FIM settings."""
+    dtype = np.dtype(draw(st.sampled_from(["uint8", "uint16", "uint32", "int64"])))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    shards = []
+    for _ in range(draw(st.integers(1, 3))):
+        lengths = rng.choice([0, 1, 3, 5, 9, 17, 30, 60], size=int(rng.integers(1, 12)))
+        offsets = np.cumsum(lengths).astype(np.uint64)
+        shards.append(
+            (rng.integers(0, min(np.iinfo(dtype).max, 1000), int(offsets[-1]) + 1).astype(dtype), offsets)
+        )
+    width, rows = draw(st.integers(4, 48)), draw(st.integers(1, 12))
+    spans: list[tuple[int, int, int, int, int]] = []
+    for row in range(rows):
+        col = 0
+        while col < width and rng.random() < 0.9:
+            shard = int(rng.integers(len(shards)))
+            size = int(shards[shard][1][-1])
+            if size == 0:
+                break
+            length = int(rng.integers(1, min(width - col, size) + 1))
+            lo = int(rng.integers(0, size - length + 1))
+            spans.append((row, shard, lo, lo + length, col))
+            col += length
+    if draw(st.booleans()):
+        rng.shuffle(spans)
+    fim = Fim(
+        rate=draw(st.sampled_from([0.0, 0.5, 1.0])),
+        spm_rate=draw(st.sampled_from([0.0, 0.5, 1.0])),
+        seed=draw(st.integers(0, 2**64 - 1)),
+        min_length=draw(st.integers(4, 12)),
+        ids=(1, 2, 3),
+        keeps_last=draw(st.booleans()),
+    )
+    found = Spans(*(np.array([s[k] for s in spans], dtype=np.int64).reshape(-1) for k in range(5)))
+    samples = rng.integers(0, 2**40, rows)
+    return {"shards": shards, "width": width, "rows": rows, "spans": found, "samples": samples, "fim": fim}
+
+
+def _both(run: Any) -> tuple[Any, Any]:
+    """``run()`` by the compiled loops, then by numpy's path."""
+    from streampack.samples import copies, fim
+
+    if fim.moved_copy() is None or fim._counted() is None:
+        pytest.skip("numba is not installed, or STREAMPACK_COMPILED=0: no compiled loop to check")
+    compiled = run()
+    with pytest.MonkeyPatch.context() as patched:
+        for module, name in ((fim, "_counted"), (fim, "_decided"), (copies, "moved_copy")):
+            patched.setattr(module, name, lambda: None)
+        return compiled, run()
+
+
+@given(_fim_batches(), st.sampled_from([None, 1]), st.sampled_from(["int64", "int32", "same"]))
+@settings(max_examples=120, derandomize=True, deadline=None)
+def test_the_compiled_fim_loops_do_what_numpy_does(
+    batch: dict[str, Any], sentinel: int | None, out_dtype: str
+) -> None:
+    """FIM's compiled decisions and its one-pass read give exactly numpy's moves and rows: random documents,
+    spans across shards and padding, settings, dtypes, a loss-mark sentinel, rows read into a wider array."""
+    from streampack.samples.copies import BatchedSpans, read_spans, row_view
+    from streampack.samples.fim import fim_moves
+
+    shards, width, rows, spans = batch["shards"], batch["width"], batch["rows"], batch["spans"]
+    dtype = shards[0][0].dtype if out_dtype == "same" else np.dtype(out_dtype)
+
+    def tokens_of(shard: int) -> np.ndarray:
+        return shards[shard][0].astype(shards[0][0].dtype)
+
+    def offsets_of(shard: int) -> np.ndarray:
+        return shards[shard][1]
+
+    def moves() -> Any:
+        return fim_moves(spans, batch["samples"], batch["fim"], offsets_of, width)
+
+    compiled, reference = _both(moves)
+    for field in ("first", "cuts", "spm", "ids", "source", "size", "spots"):
+        np.testing.assert_array_equal(getattr(compiled, field), getattr(reference, field), err_msg=field)
+
+    def read() -> np.ndarray:
+        wide = np.full((rows + 2, width + 3), 7, dtype=dtype)  # rows 1, 2, ... of a wider array
+        read_spans(spans, wide[1:-1, :width], tokens_of, moves=reference, sentinel=sentinel)
+        return wide
+
+    np.testing.assert_array_equal(*_both(read))
+    if len(spans.rows) == 0:
+        return
+    half = (rows + 1) // 2  # two batches of `half` rows, padded where no span is
+
+    def read_batches() -> list[np.ndarray]:
+        even = Spans(*(getattr(spans, f)[spans.rows < 2 * half] for f in Spans.__dataclass_fields__))
+        pads = np.arange(2 * half) + 40
+        planned = BatchedSpans(even, half, 2, width, pads, reference)
+        outs = [np.empty((half, width), dtype=dtype) for _ in range(2)]
+        for step, out in enumerate(outs):
+            planned.read(step, out, tokens_of, lambda shard: row_view(tokens_of(shard), width))
+        return outs
+
+    for a, b in zip(*_both(read_batches), strict=True):
+        np.testing.assert_array_equal(a, b)

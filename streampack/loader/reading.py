@@ -131,7 +131,7 @@ class Rows:
 
             pads = joined.pads_of(sources)
             found = joined.spans(sources, samples)
-            moves = joined.moves(sources, samples)
+            moves = joined.moves(sources, samples, found)
             spans = BatchedSpans(found, opts.rows, count, self.width, pads, moves)
             read_bytes = _span_bytes(joined, found, opts.rows, count)
         self._plan = _Plan(

@@ -3,35 +3,45 @@
 
 Spans that fill whole rows of one shard are copied by one fancy-index take of its :func:`row_view`; a
 batch whose spans tile their rows by one concatenation; the rest slice by slice. Every copy casts on the
-way, with no temporary.
+way, with no temporary. FIM'd rows are copied in FIM order by the compiled loop where numba is installed,
+else read plain and then rearranged (:mod:`streampack.samples.fim`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from streampack.samples.fim import Moves, moved_copy
 from streampack.samples.spans import Spans
-
-if TYPE_CHECKING:
-    from streampack.samples.fim import Moves
 
 __all__ = ["BatchedSpans", "read_spans", "row_view"]
 
 
 def read_spans(
-    spans: Spans, out: np.ndarray, tokens_of: Callable[[int], np.ndarray], rows: np.ndarray | None = None
+    spans: Spans,
+    out: np.ndarray,
+    tokens_of: Callable[[int], np.ndarray],
+    rows: np.ndarray | None = None,
+    moves: Moves | None = None,
+    sentinel: int | None = None,
 ) -> None:
     """Copy each span into its row of ``out`` (``rows[row]`` when given), shard by shard: each shard's map
-    (``tokens_of(shard)``) is looked up once per call, and one map is held at a time."""
+    (``tokens_of(shard)``) is looked up once per call, and one map is held at a time. ``moves``: how FIM
+    rearranges the rows of ``out`` (``sentinel``, see :meth:`Moves.apply`)."""
     ordered = spans.taken(np.argsort(spans.shards, kind="stable"))
     if rows is not None:
         ordered = replace(ordered, rows=rows[ordered.rows])
-    copies = _Copies(ordered, np.zeros(len(ordered.rows), dtype=np.int64), 1, out.shape[1])
+    batch = np.zeros(len(ordered.rows), dtype=np.int64)
+    if moves is not None and moved_copy() is not None:
+        _Moved(ordered, batch, 1, len(out), moves).apply(0, out, tokens_of, sentinel)
+        return
+    copies = _Copies(ordered, batch, 1, out.shape[1])
     copies.apply(0, out, tokens_of, lambda shard: row_view(tokens_of(shard), out.shape[1]))
+    if moves is not None:
+        moves.apply(out, sentinel=sentinel)
 
 
 def row_view(tokens: np.ndarray, width: int) -> np.ndarray:
@@ -105,6 +115,32 @@ class _Copies:
             if shard != current:
                 current, tokens = shard, tokens_of(shard)
             out[row, column : column + stop - start] = tokens[start:stop]  # type: ignore[index]
+
+
+class _Moved:
+    """Each batch's spans (sorted by ``batch`` then shard) copied shard by shard in FIM order by the compiled
+    loop (:func:`~streampack.samples.fim.moved_copy`): each token once, where a plain copy and then
+    :meth:`Moves.apply` move the FIM'd ones twice."""
+
+    def __init__(self, spans: Spans, batch: np.ndarray, batches: int, rows: int, moves: Moves) -> None:
+        self._spans = np.stack([spans.rows, spans.lo, spans.hi, spans.col], axis=1).astype(np.int64)
+        firsts = np.flatnonzero(np.diff(batch, prepend=-1) | np.diff(spans.shards, prepend=-1))
+        bounds = [*firsts.tolist(), len(batch)]
+        self._groups = list(zip(spans.shards[firsts].tolist(), bounds[:-1], bounds[1:]))
+        self._group_bounds = np.searchsorted(batch[firsts], np.arange(batches + 1)).tolist()
+        self._bases = (np.arange(batches + 1) * rows * moves.width).tolist()  # each batch's first position
+        self._move_bounds = np.searchsorted(moves.first, self._bases).tolist()
+        self._moves = moves.table
+
+    def apply(
+        self, batch: int, out: np.ndarray, tokens_of: Callable[[int], np.ndarray], sentinel: int | None = None
+    ) -> None:
+        """Copy the spans of batch ``batch`` into ``out``, its rows, FIM'd."""
+        copy, base = moved_copy(), self._bases[batch]
+        moves = self._moves[self._move_bounds[batch] : self._move_bounds[batch + 1]]
+        mark = -1 if sentinel is None else sentinel
+        for shard, first, stop in self._groups[self._group_bounds[batch] : self._group_bounds[batch + 1]]:
+            copy(out, tokens_of(shard), self._spans[first:stop], moves, base, mark)  # type: ignore[misc]
 
 
 class _Tiles:
@@ -181,11 +217,15 @@ class BatchedSpans:
         batch = spans.rows // rows
         order = np.lexsort((spans.shards, batch))
         ordered = replace(spans.taken(order), rows=(spans.rows % rows)[order])
-        self._copies = _Copies(ordered, batch[order], batches, width)
-        self._tiles = _Tiles(spans, rows, batches, width, pads)
         self._pads = pads
         self._rows = rows
         self._moves = moves
+        self._moved = None
+        if moves is not None and moved_copy() is not None:
+            self._moved = _Moved(ordered, batch[order], batches, rows, moves)
+            return
+        self._copies = _Copies(ordered, batch[order], batches, width)
+        self._tiles = _Tiles(spans, rows, batches, width, pads)
 
     def read(
         self,
@@ -196,6 +236,11 @@ class BatchedSpans:
     ) -> None:
         """Copy the spans of batch ``batch`` into ``out`` (its ``rows`` rows), padding included, and
         rearrange them as FIM moves them."""
+        if self._moved is not None:
+            if self._pads is not None:
+                out[...] = self._pads[batch * self._rows : (batch + 1) * self._rows, None]
+            self._moved.apply(batch, out, tokens_of)
+            return
         copies = self._copies
         # Row takes win where they copy most rows; otherwise one concatenation of every span does.
         mostly_taken = copies.taken_rows(batch) * 4 >= 3 * self._rows
@@ -207,6 +252,8 @@ class BatchedSpans:
 
     def whole(self, batch: int, rows_of: Callable[[int], np.ndarray], dtype: np.dtype) -> np.ndarray | None:
         """Batch ``batch`` as a new array, when all its rows are one row take of one shard."""
+        if self._moved is not None:
+            return None
         taken = self._copies.whole(batch, rows_of)
         if taken is None:
             return None

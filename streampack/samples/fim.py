@@ -20,8 +20,12 @@ boundaries, position ids and padding are those of the plain samples.
 **Determinism.** Each decision is a counter-based hash of the FIM seed, the sample's index and the
 piece's place in its row: a resume, any rank, worker or batch size reads the same rows.
 
-**Reading.** A batch is read as plain rows, then rearranged in place (:class:`Moves`): one gather of the
-FIM'd pieces' tokens and one scatter of their sentinels for the whole batch.
+**Reading.** Where numba is installed (:mod:`streampack.samples.compiled`), the decisions of a plan are
+made by a compiled pass over its spans, and each batch is copied from the shard maps in FIM order by a
+compiled loop (:func:`moved_copy`): each token is copied once, so a FIM'd batch costs what a plain one does.
+Without it, numpy's path is the reference the loops are tested against: a batch is read as plain rows,
+then rearranged in place (:meth:`Moves.apply`), one gather of the FIM'd pieces' tokens and one scatter of
+their sentinels for the whole batch.
 """
 
 from __future__ import annotations
@@ -37,12 +41,13 @@ import numpy as np
 from streampack._checks import check_int, is_int
 from streampack.errors import OptionsError, TokenizerError
 from streampack.order import derive, groups, splitmix
+from streampack.samples.compiled import compiled
 from streampack.samples.spans import Spans, ragged_arange
 
 if TYPE_CHECKING:
     from streampack.reader import Cache
 
-__all__ = ["SLOTS", "SPELLINGS", "Fim", "Moves", "fim_moves", "sentinel_ids"]
+__all__ = ["SLOTS", "SPELLINGS", "Fim", "Moves", "fim_moves", "moved_copy", "sentinel_ids"]
 
 #: The sentinels' spellings looked for in a tokenizer, (prefix, middle, suffix), in this order.
 SPELLINGS = (
@@ -215,9 +220,7 @@ def _unit(draw: np.ndarray) -> np.ndarray:
 def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[Spans, np.ndarray]:
     """``spans`` cut at document ends (``offsets_of(shard)``), in (row, column) order, and whether each piece
     ends its document."""
-    key = spans.rows * (int(spans.col.max(initial=0)) + 1) + spans.col
-    if not (np.diff(key) > 0).all():  # the layouts give them in order; sorting pieces would cost more
-        spans = spans.taken(np.argsort(key, kind="stable"))
+    spans = _in_order(spans)
     lo, hi = spans.lo, spans.hi
     # Document j of a shard is [offsets[j-1], offsets[j]): the first holds lo, the last holds hi - 1.
     first, last = np.empty_like(lo), np.empty_like(lo)
@@ -246,31 +249,32 @@ def by_document(spans: Spans, offsets_of: Callable[[int], np.ndarray]) -> tuple[
     return pieces, piece_hi == ends[keep]
 
 
-_FIELDS = ("first", "length", "source", "size", "spots", "ids", "spm")
-# The slots of the prefix, middle and suffix in served order, PSM then SPM (see _moves).
+_FIELDS = ("first", "cuts", "spm", "ids")
+# The slots of the prefix, middle and suffix in served order, PSM then SPM (see Moves.source).
 SLOTS = {"PSM": {"prefix": 1, "suffix": 3, "middle": 5}, "SPM": {"suffix": 2, "prefix": 4, "middle": 5}}
 
 
 @dataclass(frozen=True)
 class Moves:
-    """How FIM rearranges some rows of ``width`` columns in place, once read as plain rows. Positions are
-    flat, of a C-ordered array of the rows (row ``r``, column ``c`` at ``r * width + c``).
+    """How FIM rearranges some rows of ``width`` columns, FIM'd piece ``k`` from flat position ``first[k]``
+    on (ascending; row ``r``, column ``c`` at ``r * width + c``), cut at ``cuts[k] = a, b, m``:
 
-    FIM'd piece ``k`` rewrites the ``length[k]`` tokens from ``first[k]`` on (ascending, disjoint) with six
-    slots laid end to end: slot ``j`` is the ``size[k, j]`` tokens from ``first[k] + source[k, j]`` on, and
-    the sentinel ``ids[k, i]`` sits at ``first[k] + spots[k, i]`` (a sentinel's slot, one token, is read
-    from its own place and then overwritten); ``spm[k]``: it is in SPM order (:data:`SLOTS` names the
-    slots). A piece keeps its columns, so no move crosses a row.
+        PSM: P prefix S suffix M middle        SPM: P S suffix M prefix middle
+
+    (prefix ``[0, a)``, middle ``[a, b)``, suffix ``[b, m)`` of the piece; its tokens from ``m + 3`` on
+    stay), in SPM order where ``spm[k]``, with the sentinels ``ids[k]`` (P, S, M). A piece keeps its
+    columns, so no move crosses a row.
+
+    Laid as six slots end to end (:data:`SLOTS` names them): slot ``j`` is the ``size[k, j]`` tokens from
+    ``first[k] + source[k, j]`` on, and sentinel ``i`` sits at ``first[k] + spots[k, i]`` (a sentinel's
+    slot, one token, is read from its own place and then overwritten).
     """
 
     width: int
     first: np.ndarray
-    length: np.ndarray
-    source: np.ndarray
-    size: np.ndarray
-    spots: np.ndarray
-    ids: np.ndarray
+    cuts: np.ndarray
     spm: np.ndarray
+    ids: np.ndarray
 
     @classmethod
     def joined(cls, width: int, parts: Sequence[Moves]) -> Moves:
@@ -286,6 +290,42 @@ class Moves:
         first = rows[self.first // self.width] * self.width + self.first % self.width
         return Moves.joined(self.width, [replace(self, first=first)])
 
+    @property
+    def length(self) -> np.ndarray:
+        """The tokens each piece rewrites."""
+        return self.cuts[:, 2] + 3
+
+    @property
+    def source(self) -> np.ndarray:
+        """``(pieces, 6)``: where each slot's tokens start in its piece."""
+        return self._slots[0]
+
+    @property
+    def size(self) -> np.ndarray:
+        """``(pieces, 6)``: each slot's tokens."""
+        return self._slots[1]
+
+    @property
+    def spots(self) -> np.ndarray:
+        """``(pieces, 3)``: where the P, S and M sentinels sit in their piece."""
+        return self._slots[2]
+
+    @cached_property
+    def _slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        a, b, m = self.cuts.T
+        zero, one, spm = np.zeros_like(a), np.ones_like(a), self.spm
+        suffix = m - b
+        # The sentinels' places: P at 0, then S and M.
+        s_at = np.where(spm, 1, a + 1)
+        m_at = np.where(spm, suffix + 2, a + suffix + 2)
+        # The six slots in served order; a sentinel's slot reads its own place, overwritten after.
+        psm = [(zero, one), (zero, a), (s_at, one), (b, suffix), (m_at, one), (a, b - a)]
+        spm_slots = [(zero, one), (s_at, one), (b, suffix), (m_at, one), (zero, a), (a, b - a)]
+        both = list(zip(spm_slots, psm, strict=True))
+        source = np.stack([np.where(spm, x[0], y[0]) for x, y in both], axis=1)
+        size = np.stack([np.where(spm, x[1], y[1]) for x, y in both], axis=1)
+        return source, size, np.stack([zero, s_at, m_at], axis=1)
+
     @cached_property
     def _laid(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where each piece and sentinel lies in the moved pieces laid end to end, and each slot's source
@@ -294,6 +334,14 @@ class Moves:
         sizes = self.size.reshape(-1)
         shifts = (self.first[:, None] + self.source).reshape(-1) - (np.cumsum(sizes) - sizes)
         return at, shifts, (at[:, None] + self.spots).reshape(-1)
+
+    @cached_property
+    def table(self) -> np.ndarray:
+        """The moves as one ``(pieces, 8)`` int64 array, what :func:`moved_copy` reads: per piece ``first``,
+        ``cuts``, ``spm`` and ``ids``."""
+        return np.concatenate(
+            [self.first[:, None], self.cuts, self.spm[:, None], self.ids], axis=1, dtype=np.int64
+        )
 
     def apply(self, out: np.ndarray, row: int = 0, sentinel: int | None = None) -> None:
         """Rearrange the rows of ``out``, rows ``row, row + 1, ...`` of these moves: the FIM'd pieces'
@@ -332,6 +380,59 @@ class Moves:
         flat[: len(inside)][inside] = moved
 
 
+@compiled
+def moved_copy(
+    out: np.ndarray, tokens: np.ndarray, spans: np.ndarray, moves: np.ndarray, base: int, sentinel: int
+) -> None:
+    """Copy spans of ``tokens`` into the rows of ``out`` in FIM order, each token once, straight from the
+    map: what a plain copy then :meth:`Moves.apply` give, without the second pass over the moved tokens.
+
+    Args:
+        out: the rows, 2-D.
+        tokens: one shard's tokens.
+        spans: ``(n, 4)`` int64, per span ``row, lo, hi, col``: tokens ``[lo, hi)`` to row ``row`` of ``out``
+            from column ``col`` on.
+        moves: the rows of :attr:`Moves.table` of the pieces in ``out``'s rows, by flat position.
+        base: the flat position of ``out``'s first token in the moves.
+        sentinel: the value written at each sentinel's place, or -1 for its id.
+    """
+    width, count = out.shape[1], moves.shape[0]
+    for i in range(spans.shape[0]):
+        row, lo, hi, col = spans[i, 0], spans[i, 1], spans[i, 2], spans[i, 3]
+        start = base + row * width + col
+        j, above = 0, count  # the first piece at or after the span's start
+        while j < above:
+            middle = (j + above) // 2
+            if moves[middle, 0] < start:
+                j = middle + 1
+            else:
+                above = middle
+        line, piece = out[row, col : col + hi - lo], tokens[lo:hi]
+        at, end = 0, hi - lo  # the next token of the span to copy, and the span's end, in the span
+        while at < end:
+            stop = end if j == count or moves[j, 0] >= start + end else moves[j, 0] - start
+            # Each copy loops over slices from 0: indices known >= 0 let it vectorise (10x faster than
+            # line[at + t] = piece[at + t], measured).
+            into, source = line[at:stop], piece[at:stop]
+            for t in range(stop - at):
+                into[t] = source[t]
+            if stop == end:
+                break
+            a, b, m = moves[j, 1], moves[j, 2], moves[j, 3]
+            cut = 0 if moves[j, 4] else a  # SPM serves the prefix last, before the middle: one part
+            # P, prefix, S, suffix, M, middle (PSM) or P, -, S, suffix, M, prefix and middle (SPM).
+            into, column = line[stop : stop + m + 3], 0
+            for k in range(3):
+                into[column] = moves[j, 5 + k] if sentinel < 0 else sentinel
+                first, size = (0, cut) if k == 0 else (b, m - b) if k == 1 else (cut, b - cut)
+                part, source = into[column + 1 : column + 1 + size], piece[stop + first : stop + first + size]
+                for t in range(size):
+                    part[t] = source[t]
+                column += 1 + size
+            at = stop + m + 3
+            j += 1
+
+
 _COUNTING = np.arange(0)
 
 
@@ -349,7 +450,143 @@ def fim_moves(
     spans: Spans, samples: np.ndarray, fim: Fim, offsets_of: Callable[[int], np.ndarray], width: int
 ) -> Moves:
     """How ``fim`` rearranges a batch's rows of ``width`` columns, row ``k`` sample ``samples[k]`` made of the
-    layout's ``spans`` (see the module docstring)."""
+    layout's ``spans`` (see the module docstring): decided by the compiled loops where numba is installed,
+    else by numpy (the reference)."""
+    count, decide = _counted(), _decided()
+    if count is None or decide is None:
+        return _numpy_moves(spans, samples, fim, offsets_of, width)
+    spans = _in_order(spans)
+    lo, hi = spans.lo.astype(np.int64), spans.hi.astype(np.int64)
+    docs, pieces = np.empty_like(lo), np.empty_like(lo)
+    by_shard = [(offsets_of(shard), mine) for shard, mine in groups(spans.shards)]
+    for offsets, mine in by_shard:
+        count(offsets, lo, hi, mine, docs, pieces)
+    # Piece k of span i is the (slots[i] + k)-th of the spans' pieces, the (places[i] + k)-th of its row's.
+    slots = np.cumsum(pieces) - pieces
+    heads = np.flatnonzero(np.diff(spans.rows, prepend=-1))
+    places = slots - np.repeat(slots[heads], np.diff(heads, append=len(slots)))
+    total = int(pieces.sum())
+    first, cuts, spm = (
+        np.full(total, -1, dtype=np.int64),
+        np.empty((total, 3), dtype=np.int64),
+        np.empty(total, dtype=bool),
+    )
+    row_words = splitmix(samples.astype(np.uint64) + np.uint64(derive(fim.seed, "fim")))
+    rows_at = (spans.rows * width + spans.col - lo).astype(np.int64)  # a token's column, less its place
+    for offsets, mine in by_shard:
+        decide(
+            offsets,
+            lo,
+            hi,
+            mine,
+            docs,
+            slots,
+            places,
+            rows_at,
+            row_words[spans.rows],
+            fim.rate,
+            fim.spm_rate,
+            fim.min_length,
+            fim.keeps_last,
+            first,
+            cuts,
+            spm,
+        )
+    which = np.flatnonzero(first >= 0)
+    a, b, m = cuts[which].T
+    return _moves(first[which], spm[which], a, b, m, fim.ids, width)
+
+
+@compiled
+def _counted(
+    offsets: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    mine: np.ndarray,
+    docs: np.ndarray,
+    pieces: np.ndarray,
+) -> None:
+    """For each span ``i`` of ``mine`` (of the shard of document ends ``offsets``): ``docs[i]``, the document
+    that holds its first token, and ``pieces[i]``, how many documents hold some of its tokens."""
+    for i in mine:
+        low, high = 0, len(offsets)  # the first document ending after lo[i]
+        while low < high:
+            middle = (low + high) // 2
+            if np.int64(offsets[middle]) <= lo[i]:
+                low = middle + 1
+            else:
+                high = middle
+        docs[i], count, at = low, 0, lo[i]
+        while at < hi[i]:
+            end = min(np.int64(offsets[low]), hi[i])
+            count += end > at  # an empty document holds none
+            at, low = max(at, end), low + 1
+        pieces[i] = count
+
+
+@compiled
+def _decided(
+    offsets: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    mine: np.ndarray,
+    docs: np.ndarray,
+    slots: np.ndarray,
+    places: np.ndarray,
+    rows_at: np.ndarray,
+    words: np.ndarray,
+    rate: float,
+    spm_rate: float,
+    min_length: int,
+    keeps_last: bool,
+    first: np.ndarray,
+    cuts: np.ndarray,
+    spm: np.ndarray,
+) -> None:
+    """:func:`fim_moves`'s decisions for the spans ``mine`` of one shard (see :func:`_counted`), as numpy's
+    path makes them: FIM'd piece ``k`` (the ``slots[i]``-th of span ``i``) gets its flat position
+    ``first[k]``, its ``cuts[k] = a, b, m`` and ``spm[k]``; ``first`` stays -1 at the pieces left as they
+    are. ``words``: the first SplitMix64 step of each span's sample (see :func:`piece_words`)."""
+
+    def mix(x: np.uint64) -> np.uint64:  # order.splitmix, of one word
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+    def unit(x: np.uint64) -> float:  # _unit
+        return np.float64(x >> np.uint64(11)) * 2.0**-53
+
+    for i in mine:
+        doc, at, slot, place = docs[i], lo[i], slots[i], places[i]
+        while at < hi[i]:
+            end = np.int64(offsets[doc])
+            stop = min(end, hi[i])
+            if stop > at:
+                body = stop - at - (1 if keeps_last and end <= hi[i] else 0)
+                if body >= min_length:
+                    word = mix(words[i] + np.uint64(place))
+                    if unit(mix(word)) < rate:
+                        m = body - 3
+                        points = np.uint64(m + 1)
+                        a = np.int64(mix(word + np.uint64(2)) % points)
+                        b = np.int64(mix(word + np.uint64(3)) % points)
+                        first[slot], spm[slot] = rows_at[i] + at, unit(mix(word + np.uint64(1))) < spm_rate
+                        cuts[slot, 0], cuts[slot, 1], cuts[slot, 2] = min(a, b), max(a, b), m
+                slot, place = slot + 1, place + 1
+            at, doc = max(at, stop), doc + 1
+
+
+def _in_order(spans: Spans) -> Spans:
+    """``spans`` in (row, column) order (the layouts give them so; sorting pieces would cost more)."""
+    key = spans.rows * (int(spans.col.max(initial=0)) + 1) + spans.col
+    return spans if (np.diff(key) > 0).all() else spans.taken(np.argsort(key, kind="stable"))
+
+
+def _numpy_moves(
+    spans: Spans, samples: np.ndarray, fim: Fim, offsets_of: Callable[[int], np.ndarray], width: int
+) -> Moves:
+    """:func:`fim_moves` by numpy."""
     pieces, ended = by_document(spans, offsets_of)
     rows = pieces.rows
     # Each piece's place in its row: 0 for a row's first (the pieces are in row order).
@@ -378,30 +615,7 @@ def _moves(
     ids: tuple[int, int, int],
     width: int,
 ) -> Moves:
-    """The moves of FIM'd pieces from flat position ``first`` on, cut at ``a <= b <= m``:
-
-        PSM: P prefix S suffix M middle        SPM: P S suffix M prefix middle
-
-    (prefix ``[0, a)``, middle ``[a, b)``, suffix ``[b, m)`` of the piece; its tokens from ``m + 3`` on stay).
-    """
-    zero, one = np.zeros_like(a), np.ones_like(a)
-    suffix = m - b
-    # The sentinels' places: P at 0, then S and M.
-    s_at = np.where(spm, 1, a + 1)
-    m_at = np.where(spm, suffix + 2, a + suffix + 2)
-    # The six slots in served order; a sentinel's slot reads its own place, overwritten after.
-    psm = [(zero, one), (zero, a), (s_at, one), (b, suffix), (m_at, one), (a, b - a)]
-    spm_slots = [(zero, one), (s_at, one), (b, suffix), (m_at, one), (zero, a), (a, b - a)]
-    source = np.stack([np.where(spm, x[0], y[0]) for x, y in zip(spm_slots, psm, strict=True)], axis=1)
-    size = np.stack([np.where(spm, x[1], y[1]) for x, y in zip(spm_slots, psm, strict=True)], axis=1)
+    """The moves of FIM'd pieces from flat position ``first`` on, cut at ``a <= b <= m``."""
     prefix_id, middle_id, suffix_id = ids
-    return Moves(
-        width,
-        first,
-        m + 3,
-        source,
-        size,
-        np.stack([zero, s_at, m_at], axis=1),
-        np.tile(np.array([prefix_id, suffix_id, middle_id], dtype=np.int64), (len(first), 1)),
-        spm,
-    )
+    sentinels = np.tile(np.array([prefix_id, suffix_id, middle_id], dtype=np.int64), (len(first), 1))
+    return Moves(width, first, np.stack([a, b, m], axis=1), spm, sentinels)

@@ -318,8 +318,7 @@ class PackedSequences:
         )
         if moves is not None:  # the marks move with their tokens; the sentinels are targets
             marks = np.zeros((indices.size, self.width), dtype=np.uint8)
-            read_spans(spans, marks, cache.shard_loss_mask)
-            moves.apply(marks, sentinel=1)
+            read_spans(spans, marks, cache.shard_loss_mask, moves=moves, sentinel=1)
             marks = np.ascontiguousarray(marks[:, : self.seq_len]).view(bool)
             found = Boundaries(found.shape, found.starts, found.docs, marks, found.fills)
         return found.reshaped((*shape, self.seq_len))
@@ -332,10 +331,10 @@ class PackedSequences:
             else:
                 out[rows] = pad
         spans = self._layout.spans(indices)
-        read_spans(spans, out, self.cache.shard_tokens, rows)
         moves = self.fim_moves(indices, spans)
-        if moves is not None:
-            (moves if rows is None else moves.renumbered(rows)).apply(out)
+        if moves is not None and rows is not None:
+            moves = moves.renumbered(rows)
+        read_spans(spans, out, self.cache.shard_tokens, rows, moves)
 
 
 # Shard maps a JoinedSequences keeps at hand (each holds a file descriptor while kept).
@@ -414,15 +413,27 @@ class JoinedSequences:
             )
         return Spans.joined(found)
 
-    def moves(self, sources: np.ndarray, samples: np.ndarray) -> Moves | None:
-        """How FIM rearranges the plain rows of :meth:`spans`, or None where no source is FIM'd."""
+    def moves(self, sources: np.ndarray, samples: np.ndarray, spans: Spans) -> Moves | None:
+        """How FIM rearranges the plain rows of ``spans`` (of :meth:`spans`), or None where no source is
+        FIM'd."""
         if all(part.fim_settings is None for part in self.parts):
             return None
         found = []
         for source, rows in groups(sources):
-            moves = self.parts[source].fim_moves(samples[rows])
-            if moves is not None:
-                found.append(moves.renumbered(rows))
+            if self.parts[source].fim_settings is None:
+                continue
+            at = np.flatnonzero(
+                sources[spans.rows] == source
+            )  # the source's spans, in its own rows and shards
+            mine = Spans(
+                np.searchsorted(rows, spans.rows[at]),
+                spans.shards[at] - self._shard_bases[source],
+                spans.lo[at],
+                spans.hi[at],
+                spans.col[at],
+            )
+            moves = self.parts[source].fim_moves(samples[rows], mine)
+            found.append(moves.renumbered(rows))  # type: ignore[union-attr]
         return Moves.joined(self.width, found) if found else None
 
     def pads_of(self, sources: np.ndarray) -> np.ndarray | None:
@@ -433,10 +444,8 @@ class JoinedSequences:
         """Write sample ``samples[k]`` of source ``sources[k]`` into ``out[k]`` (indices already checked)."""
         if self._pads is not None:
             out[...] = self._pads[sources][:, None]
-        read_spans(self.spans(sources, samples), out, self.tokens)
-        moves = self.moves(sources, samples)
-        if moves is not None:
-            moves.apply(out)
+        spans = self.spans(sources, samples)
+        read_spans(spans, out, self.tokens, moves=self.moves(sources, samples, spans))
 
     def rows(self, shard: int) -> np.ndarray:
         """The :func:`~streampack.samples.copies.row_view` of shard ``shard``, for windows of ``width``."""
