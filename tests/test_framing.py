@@ -129,8 +129,11 @@ class _Unit:
     def __init__(self) -> None:
         self.writer = _FailingWriter()
 
-        class _Spec:
+        class _Run:
             profile = False
+
+        class _Spec:
+            run = _Run()
 
         self.spec = _Spec()
 
