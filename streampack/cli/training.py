@@ -283,7 +283,7 @@ def which(
     took effect), and a step whose positions one skips or masks says so.
     """
     from streampack.loader import Loader
-    from streampack.runs.mixconfig import load_mixture, mixture_exclusions
+    from streampack.runs.mixconfig import is_config, load_mixture, mixture_exclusions
     from streampack.runs.provenance import excluded_steps, position_of
     from streampack.runs.provenance import which as find
 
@@ -295,7 +295,7 @@ def which(
         raise click.UsageError("give --batch-size B: the global batch size of the run")
     world_size = world_size or (state or {}).get("world_size") or 1
     shuffle = (no_shuffle, shuffle_block, shuffle_window)
-    mixed = _is_config(data)
+    mixed = is_config(data)
     if mixed:
         dataset: Any = load_mixture(data)
         _check_agrees_with_config(data, dataset, seq_len, overlap, seed, shuffle)
@@ -356,11 +356,6 @@ def _read_state(path: str) -> dict[str, Any]:
     from streampack.runs.audit import read_state_file
 
     return dict(read_state_file(path))
-
-
-def _is_config(data: str) -> bool:
-    """Whether ``data`` names a mixture config (a YAML or JSON file), not a cache or token files."""
-    return Path(data).suffix in {".yaml", ".yml", ".json"} and Path(data).is_file()
 
 
 def _check_agrees_with_config(

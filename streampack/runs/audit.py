@@ -36,7 +36,7 @@ from streampack.reader import open as open_cache
 from streampack.runs import coverage as cov
 from streampack.runs.auditexclusions import excluded_served, in_force, placed
 from streampack.runs.coverage import Finding, Leg
-from streampack.runs.mixconfig import load_mixture, mixture_exclusions
+from streampack.runs.mixconfig import is_config, load_mixture, mixture_exclusions
 
 __all__ = ["AuditReport", "Finding", "Leg", "SourceAudit", "audit", "leg_loaders"]
 
@@ -332,7 +332,7 @@ def run_exclusions(data: Any, exclude: Exclusions | Sequence[Exclusions] | None)
     """The run's exclusions: those given, else a mixture config's ``exclude:``, else none."""
     if exclude is not None:
         return listed(exclude)
-    if isinstance(data, (str, Path)) and _is_config(data):
+    if isinstance(data, (str, Path)) and is_config(data):
         return mixture_exclusions(data)
     return []
 
@@ -390,7 +390,7 @@ def _loader(entry: Mapping[str, Any], data: Any, exclude: list[Exclusions]) -> L
     common["seq_len_schedule"] = _schedule(entry)
     shuffle = entry["shuffle"]
     shuffle = BlockShuffle(**shuffle) if isinstance(shuffle, Mapping) else shuffle
-    if isinstance(data, (str, Path)) and _is_config(data):
+    if isinstance(data, (str, Path)) and is_config(data):
         data = load_mixture(data)
     if entry["kind"] == "mixture":
         if not isinstance(data, Ordered):
@@ -463,10 +463,6 @@ def _schedule(entry: Mapping[str, Any]) -> list[list[int]] | None:
     # that ran it checked its lengths, and a loader made afresh takes only lengths that divide them.
     divides = isinstance(unit, int) and all(unit % length == 0 for _, length in schedule)
     return schedule if divides else None
-
-
-def _is_config(data: str | Path) -> bool:
-    return Path(data).suffix in {".yaml", ".yml", ".json"} and Path(data).is_file()
 
 
 def _samples(path: str, described: Mapping[str, Any]) -> Any:

@@ -23,7 +23,7 @@ from streampack.order.mixture import Mixture
 from streampack.reader import open as open_cache
 from streampack.store import is_remote
 
-__all__ = ["CONFIG_KEYS", "load_mixture", "mixture_exclusions"]
+__all__ = ["CONFIG_KEYS", "is_config", "load_mixture", "mixture_exclusions"]
 
 _FIX = "see streampack mix --help for what a mixture config holds"
 _READING = ("local_dir", "max_local_bytes", "storage_options")
@@ -121,6 +121,11 @@ def load_mixture(config: str | Path | Mapping[str, Any]) -> Mixture:
         return _mixture(config, Path.cwd(), "the mixture config")
     path = Path(config)
     return _mixture(_read(path), path.parent, str(path))
+
+
+def is_config(data: str | Path) -> bool:
+    """Whether ``data`` names a mixture config file (YAML or JSON), not a cache or token files."""
+    return Path(data).suffix in {".yaml", ".yml", ".json"} and Path(data).is_file()
 
 
 def mixture_exclusions(config: str | Path | Mapping[str, Any]) -> list[Exclusions]:
