@@ -400,13 +400,7 @@ def moved_copy(
     for i in range(spans.shape[0]):
         row, lo, hi, col = spans[i, 0], spans[i, 1], spans[i, 2], spans[i, 3]
         start = base + row * width + col
-        j, above = 0, count  # the first piece at or after the span's start
-        while j < above:
-            middle = (j + above) // 2
-            if moves[middle, 0] < start:
-                j = middle + 1
-            else:
-                above = middle
+        j = np.searchsorted(moves[:, 0], start)  # the first piece at or after the span's start
         line, piece = out[row, col : col + hi - lo], tokens[lo:hi]
         at, end = 0, hi - lo  # the next token of the span to copy, and the span's end, in the span
         while at < end:
@@ -509,13 +503,7 @@ def _counted(
     """For each span ``i`` of ``mine`` (of the shard of document ends ``offsets``): ``docs[i]``, the document
     that holds its first token, and ``pieces[i]``, how many documents hold some of its tokens."""
     for i in mine:
-        low, high = 0, len(offsets)  # the first document ending after lo[i]
-        while low < high:
-            middle = (low + high) // 2
-            if np.int64(offsets[middle]) <= lo[i]:
-                low = middle + 1
-            else:
-                high = middle
+        low = np.searchsorted(offsets, np.uint64(lo[i]), side="right")  # the first document ending after it
         docs[i], count, at = low, 0, lo[i]
         while at < hi[i]:
             end = min(np.int64(offsets[low]), hi[i])
